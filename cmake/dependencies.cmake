@@ -1,0 +1,19 @@
+# Third-party libraries, all from Debian/Ubuntu packages (installed by scripts/setup.sh).
+find_package(Threads REQUIRED)
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(fmt REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
+
+# CLI11 ships only headers (and, in some versions, no CMake package): find the header.
+find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
+add_library(lathe_cli11 INTERFACE)
+target_include_directories(lathe_cli11 SYSTEM INTERFACE ${CLI11_INCLUDE_DIR})
+
+if(LATHE_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+if(LATHE_BUILD_BENCH)
+  find_package(benchmark QUIET)
+endif()

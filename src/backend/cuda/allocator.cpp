@@ -1,0 +1,147 @@
+#include "backend/cuda/allocator.h"
+
+#include <cuda_runtime.h>
+
+#include "backend/cuda/check.h"
+#include "core/error.h"
+
+namespace lathe::cuda {
+
+namespace {
+constexpr size_t kSmallLimit = 1u << 20;
+constexpr size_t kSmallRound = 512;
+constexpr size_t kLargeRound = 2u << 20;
+
+// Sets the current device for the lifetime of the guard.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    LATHE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) LATHE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+}  // namespace
+
+size_t CachingAllocator::round_size(size_t nbytes) {
+  if (nbytes == 0) nbytes = 1;
+  const size_t r = nbytes < kSmallLimit ? kSmallRound : kLargeRound;
+  return (nbytes + r - 1) / r * r;
+}
+
+CachingAllocator::~CachingAllocator() {
+  // Live blocks at exit belong to tensors that outlive the backend; the driver reclaims them.
+  for (auto& [size, ptr] : free_) cudaFree(ptr);
+}
+
+void* CachingAllocator::system_alloc(size_t bytes) {
+  DeviceGuard guard(device_);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // clear the sticky-free error state of the failed call
+    for (auto& [size, ptr] : free_) {
+      LATHE_CUDA_CHECK(cudaFree(ptr));
+      stats_.reserved -= int64_t(size);
+    }
+    free_.clear();
+    err = cudaMalloc(&p, bytes);
+  }
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    LATHE_FAIL("cuda: out of memory allocating {} MiB on cuda:{} (lathe holds {} MiB live, {} MiB reserved; "
+               "device has {} MiB free of {} MiB)",
+               bytes >> 20, device_, stats_.allocated >> 20, stats_.reserved >> 20, free_bytes >> 20,
+               total_bytes >> 20);
+  }
+  LATHE_CUDA_CHECK(err);
+  stats_.reserved += int64_t(bytes);
+  stats_.num_system_allocs++;
+  return p;
+}
+
+void* CachingAllocator::allocate(size_t nbytes) {
+  const size_t size = round_size(nbytes);
+  std::lock_guard lock(mutex_);
+  void* p = nullptr;
+  auto it = free_.lower_bound(size);
+  if (it != free_.end() && it->first <= 2 * size) {
+    p = it->second;
+    live_[p] = it->first;
+    stats_.allocated += int64_t(it->first);
+    free_.erase(it);
+  } else {
+    p = system_alloc(size);
+    live_[p] = size;
+    stats_.allocated += int64_t(size);
+  }
+  stats_.num_allocs++;
+  stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+  return p;
+}
+
+void CachingAllocator::deallocate(void* ptr, size_t) {
+  std::lock_guard lock(mutex_);
+  auto it = live_.find(ptr);
+  LATHE_ASSERT(it != live_.end());
+  stats_.allocated -= int64_t(it->second);
+  free_.emplace(it->second, ptr);
+  live_.erase(it);
+}
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void CachingAllocator::reset_peak() {
+  std::lock_guard lock(mutex_);
+  stats_.peak_allocated = stats_.allocated;
+}
+
+void CachingAllocator::release_cached() {
+  std::lock_guard lock(mutex_);
+  DeviceGuard guard(device_);
+  LATHE_CUDA_CHECK(cudaDeviceSynchronize());  // a cached block may still be read by queued work
+  for (auto& [size, ptr] : free_) {
+    LATHE_CUDA_CHECK(cudaFree(ptr));
+    stats_.reserved -= int64_t(size);
+  }
+  free_.clear();
+}
+
+void* PinnedHostAllocator::allocate(size_t nbytes) {
+  void* p = nullptr;
+  if (nbytes) LATHE_CUDA_CHECK(cudaHostAlloc(&p, nbytes, cudaHostAllocDefault));
+  std::lock_guard lock(mutex_);
+  stats_.allocated += int64_t(nbytes);
+  stats_.reserved += int64_t(nbytes);
+  stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+  stats_.num_allocs++;
+  stats_.num_system_allocs++;
+  return p;
+}
+
+void PinnedHostAllocator::deallocate(void* ptr, size_t nbytes) {
+  if (ptr) cudaFreeHost(ptr);
+  std::lock_guard lock(mutex_);
+  stats_.allocated -= int64_t(nbytes);
+  stats_.reserved -= int64_t(nbytes);
+}
+
+AllocatorStats PinnedHostAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void PinnedHostAllocator::reset_peak() {
+  std::lock_guard lock(mutex_);
+  stats_.peak_allocated = stats_.allocated;
+}
+
+}  // namespace lathe::cuda

@@ -1,0 +1,177 @@
+#include "backend/cuda/cuda_backend.h"
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/gemm.h"
+#include "backend/registry.h"
+#include "core/error.h"
+
+namespace lathe {
+
+std::unique_ptr<DeviceBackend> create_cuda_backend() { return std::make_unique<cuda::CudaBackend>(); }
+
+namespace cuda {
+
+void throw_cuda_error(const char* what, cudaError_t err, const char* file, int line) {
+  int device = -1;
+  cudaGetDevice(&device);
+  throw_error(file, line, fmt::format("cuda: {} failed on cuda:{}: {} ({})", what, device, cudaGetErrorString(err),
+                                      cudaGetErrorName(err)));
+}
+
+void throw_cublas_error(const char* what, int status, const char* file, int line) {
+  int device = -1;
+  cudaGetDevice(&device);
+  throw_error(file, line, fmt::format("cublas: {} failed on cuda:{}: status {} ({})", what, device, status,
+                                      cublasLtGetStatusString(cublasStatus_t(status))));
+}
+
+namespace {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    LATHE_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) LATHE_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+class CudaEvent final : public Event {
+ public:
+  explicit CudaEvent(int device) : device_(device) {
+    DeviceGuard g(device_);
+    LATHE_CUDA_CHECK(cudaEventCreate(&event_));
+  }
+  ~CudaEvent() override { cudaEventDestroy(event_); }
+  void record(Stream& stream) override { LATHE_CUDA_CHECK(cudaEventRecord(event_, as_cuda(stream).handle())); }
+  void wait(Stream& stream) override { LATHE_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(stream).handle(), event_, 0)); }
+  void synchronize() override { LATHE_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  double elapsed_ms_since(const Event& start) override {
+    float ms = 0;
+    LATHE_CUDA_CHECK(cudaEventElapsedTime(&ms, dynamic_cast<const CudaEvent&>(start).event_, event_));
+    return ms;
+  }
+
+ private:
+  int device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace
+
+CudaStream::CudaStream(int device, bool) : device_(device), gemm_cache_(std::make_unique<GemmPlanCache>()) {
+  DeviceGuard g(device_);
+  LATHE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+}
+
+CudaStream::~CudaStream() {
+  gemm_cache_.reset();
+  if (lt_) cublasLtDestroy(lt_);
+  if (workspace_) cudaFree(workspace_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaStream::synchronize() { LATHE_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+cublasLtHandle_t CudaStream::cublaslt() {
+  if (!lt_) {
+    DeviceGuard g(device_);
+    LATHE_CUBLAS_CHECK(cublasLtCreate(&lt_));
+  }
+  return lt_;
+}
+
+void* CudaStream::gemm_workspace() {
+  if (!workspace_) {
+    DeviceGuard g(device_);
+    LATHE_CUDA_CHECK(cudaMalloc(&workspace_, kGemmWorkspaceBytes));
+  }
+  return workspace_;
+}
+
+GemmPlanCache& CudaStream::gemm_cache() { return *gemm_cache_; }
+
+CudaStream& as_cuda(Stream& stream) {
+  auto* s = dynamic_cast<CudaStream*>(&stream);
+  LATHE_CHECK(s != nullptr, "cuda: a CUDA kernel was given a {} stream", stream.device().str());
+  return *s;
+}
+
+CudaBackend::CudaBackend() {
+  const cudaError_t err = cudaGetDeviceCount(&device_count_);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    device_count_ = 0;
+    unavailable_reason_ = fmt::format("CUDA runtime reports {} ({})", cudaGetErrorString(err), cudaGetErrorName(err));
+  } else if (device_count_ == 0) {
+    unavailable_reason_ = "no CUDA device found";
+  }
+  for (int i = 0; i < device_count_; ++i) allocators_.push_back(std::make_unique<CachingAllocator>(i));
+  default_streams_.resize(device_count_);
+}
+
+CudaBackend::~CudaBackend() = default;
+
+void CudaBackend::check_index(int index) const {
+  LATHE_CHECK(index >= 0 && index < device_count_, "cuda: device cuda:{} does not exist ({} devices{}{})", index,
+              device_count_, unavailable_reason_.empty() ? "" : ": ", unavailable_reason_);
+}
+
+DeviceInfo CudaBackend::info(int index) const {
+  check_index(index);
+  cudaDeviceProp p{};
+  LATHE_CUDA_CHECK(cudaGetDeviceProperties(&p, index));
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  return {p.name, int64_t(p.totalGlobalMem),
+          fmt::format("sm_{}{}, {} SMs, driver API {}.{}, runtime {}.{}, cuBLASLt {}", p.major, p.minor,
+                      p.multiProcessorCount, driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10,
+                      cublasLtGetVersion())};
+}
+
+Allocator& CudaBackend::allocator(int index) {
+  check_index(index);
+  return *allocators_[index];
+}
+
+Stream& CudaBackend::default_stream(int index) {
+  check_index(index);
+  if (!default_streams_[index]) default_streams_[index] = std::make_unique<CudaStream>(index, true);
+  return *default_streams_[index];
+}
+
+std::unique_ptr<Stream> CudaBackend::create_stream(int index) {
+  check_index(index);
+  return std::make_unique<CudaStream>(index, false);
+}
+
+std::unique_ptr<Event> CudaBackend::create_event(int index) {
+  check_index(index);
+  return std::make_unique<CudaEvent>(index);
+}
+
+void CudaBackend::copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes,
+                       Stream& stream) {
+  if (nbytes == 0) return;
+  const cudaMemcpyKind kind = dst_device.is_cpu() ? (src_device.is_cpu() ? cudaMemcpyHostToHost : cudaMemcpyDeviceToHost)
+                                                  : (src_device.is_cpu() ? cudaMemcpyHostToDevice
+                                                                         : cudaMemcpyDeviceToDevice);
+  LATHE_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, kind, as_cuda(stream).handle()));
+}
+
+void CudaBackend::fill_bytes(void* dst, uint8_t value, size_t nbytes, Stream& stream) {
+  if (nbytes) LATHE_CUDA_CHECK(cudaMemsetAsync(dst, value, nbytes, as_cuda(stream).handle()));
+}
+
+void CudaBackend::register_kernels(KernelRegistry& registry) {
+  register_cuda_gemm_kernels(registry);
+  register_cuda_elementwise_kernels(registry);
+  register_cuda_reduce_kernels(registry);
+}
+
+}  // namespace cuda
+}  // namespace lathe

@@ -1,0 +1,85 @@
+// The CUDA backend: devices, streams (each with its cuBLASLt handle, workspace and GEMM plan cache),
+// events, copies, and the registration of every CUDA kernel family.
+// Covered by tests/unit/test_cuda_runtime.cpp and tests/ops (skipped with a reason where no GPU exists).
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/allocator.h"
+
+namespace lathe {
+
+class KernelRegistry;
+
+namespace cuda {
+
+struct GemmPlanCache;  // gemm.cpp
+
+class CudaStream final : public Stream {
+ public:
+  CudaStream(int device, bool is_default);
+  ~CudaStream() override;
+
+  Device device() const override { return Device::cuda(device_); }
+  void synchronize() override;
+  cudaStream_t handle() const { return stream_; }
+  int index() const { return device_; }
+
+  cublasLtHandle_t cublaslt();
+  void* gemm_workspace();  // allocated on first use
+  size_t gemm_workspace_bytes() const { return kGemmWorkspaceBytes; }
+  GemmPlanCache& gemm_cache();
+
+  static constexpr size_t kGemmWorkspaceBytes = 32u << 20;
+
+ private:
+  int device_;
+  cudaStream_t stream_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  void* workspace_ = nullptr;
+  std::unique_ptr<GemmPlanCache> gemm_cache_;
+};
+
+CudaStream& as_cuda(Stream& stream);  // checked downcast
+
+class CudaBackend final : public DeviceBackend {
+ public:
+  CudaBackend();
+  ~CudaBackend() override;
+
+  DeviceType type() const override { return DeviceType::CUDA; }
+  int device_count() const override { return device_count_; }
+  std::string unavailable_reason() const override { return unavailable_reason_; }
+  DeviceInfo info(int index) const override;
+  Allocator& allocator(int index) override;
+  Allocator* pinned_host_allocator() override { return &pinned_; }
+  Stream& default_stream(int index) override;
+  std::unique_ptr<Stream> create_stream(int index) override;
+  std::unique_ptr<Event> create_event(int index) override;
+  void copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes,
+            Stream& stream) override;
+  void fill_bytes(void* dst, uint8_t value, size_t nbytes, Stream& stream) override;
+  void register_kernels(KernelRegistry& registry) override;
+
+ private:
+  void check_index(int index) const;
+
+  int device_count_ = 0;
+  std::string unavailable_reason_;
+  std::vector<std::unique_ptr<CachingAllocator>> allocators_;
+  std::vector<std::unique_ptr<CudaStream>> default_streams_;  // created on first use
+  PinnedHostAllocator pinned_;
+};
+
+// One registration function per kernel family (backend/cuda/<family>).
+void register_cuda_gemm_kernels(KernelRegistry& registry);
+void register_cuda_elementwise_kernels(KernelRegistry& registry);
+void register_cuda_reduce_kernels(KernelRegistry& registry);
+
+}  // namespace cuda
+}  // namespace lathe

@@ -1,0 +1,63 @@
+// Device-side helpers shared by the CUDA kernels: element loads/stores in the compute type (float, or
+// double for f64), strided offsets, and warp/block reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "backend/cuda/launchers.h"
+
+namespace lathe::cuda {
+
+template <typename T> struct Compute { using type = float; };
+template <> struct Compute<double> { using type = double; };
+template <> struct Compute<int32_t> { using type = int64_t; };
+template <> struct Compute<int64_t> { using type = int64_t; };
+
+template <typename T> __device__ __forceinline__ typename Compute<T>::type load(const T* p, int64_t i) {
+  return typename Compute<T>::type(p[i]);
+}
+template <> __device__ __forceinline__ float load(const __nv_bfloat16* p, int64_t i) { return __bfloat162float(p[i]); }
+template <> __device__ __forceinline__ float load(const __half* p, int64_t i) { return __half2float(p[i]); }
+
+template <typename T, typename V> __device__ __forceinline__ void store(T* p, int64_t i, V v) { p[i] = T(v); }
+template <> __device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16(v); }
+template <> __device__ __forceinline__ void store(__half* p, int64_t i, float v) { p[i] = __float2half(v); }
+
+__device__ __forceinline__ int64_t strided_offset(int64_t linear, const StridedLayout& l) {
+  int64_t off = 0;
+  for (int d = l.ndim - 1; d >= 0; --d) {
+    const int64_t i = linear % l.shape[d];
+    linear /= l.shape[d];
+    off += i * l.stride[d];
+  }
+  return off;
+}
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+template <typename A> __device__ __forceinline__ A warp_max(A v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Block-wide reduction; every thread gets the result. `scratch` holds 32 values.
+template <typename A, bool kMax> __device__ A block_reduce(A v, A* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+  v = kMax ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // scratch may still be read from a previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  A r = lane < warps ? scratch[lane] : (kMax ? A(-INFINITY) : A(0));
+  r = kMax ? warp_max(r) : warp_sum(r);
+  return r;
+}
+
+inline int grid_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return int(blocks < 65536 * 8 ? (blocks > 0 ? blocks : 1) : 65536 * 8);
+}
+
+}  // namespace lathe::cuda

@@ -1,0 +1,141 @@
+// Row-major C (M x N) = op(A) op(B) is computed as the column-major product C^T = op(B)^T op(A)^T, so the
+// cuBLASLt "A" operand is our B and vice versa, and no data is ever transposed.
+#include "backend/cuda/gemm.h"
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/registry.h"
+#include "core/error.h"
+
+namespace lathe::cuda {
+
+GemmPlan::~GemmPlan() {
+  if (a) cublasLtMatrixLayoutDestroy(a);
+  if (b) cublasLtMatrixLayoutDestroy(b);
+  if (c) cublasLtMatrixLayoutDestroy(c);
+  if (op) cublasLtMatmulDescDestroy(op);
+}
+
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: LATHE_FAIL("cuda: gemm does not support dtype {}", dtype_name(t));
+  }
+}
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                                   int64_t stride) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  LATHE_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, uint64_t(rows), uint64_t(cols), ld));
+  if (batch > 1) {
+    int32_t count = int32_t(batch);
+    LATHE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                                        sizeof(count)));
+    LATHE_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                                        &stride, sizeof(stride)));
+  }
+  return layout;
+}
+
+std::unique_ptr<GemmPlan> make_plan(CudaStream& stream, const GemmProblem& p) {
+  auto plan = std::make_unique<GemmPlan>();
+  const cudaDataType_t type = cuda_type(p.dtype);
+  LATHE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // Column-major view: first operand is our B (N x K after op), second is our A (K x M after op).
+  const cublasOperation_t op_first = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+  LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  // Stored column-major shapes: B is (N x K, ld N) or, transposed, (K x N, ld K); A is (K x M, ld K) or (M x K, ld M).
+  plan->a = p.trans_b ? make_layout(type, p.k, p.n, p.k, p.batch, p.stride_b)
+                      : make_layout(type, p.n, p.k, p.n, p.batch, p.stride_b);
+  plan->b = p.trans_a ? make_layout(type, p.m, p.k, p.m, p.batch, p.stride_a)
+                      : make_layout(type, p.k, p.m, p.k, p.batch, p.stride_a);
+  plan->c = make_layout(type, p.n, p.m, p.n, p.batch, p.stride_c);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  LATHE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = stream.gemm_workspace_bytes();
+  const uint32_t align_first = uint32_t(p.align_b), align_second = uint32_t(p.align_a), align_c = uint32_t(p.align_c);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_first, 4);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_second, 4);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, 4);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, 4);
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(stream.cublaslt(), plan->op, plan->a, plan->b, plan->c,
+                                                           plan->c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  LATHE_CUBLAS_CHECK(st);
+  LATHE_CHECK(found > 0, "cublas: no cuBLASLt algorithm for {} gemm m={} n={} k={} batch={}", dtype_name(p.dtype),
+              p.m, p.n, p.k, p.batch);
+  plan->algo = result.algo;
+  return plan;
+}
+
+int pointer_alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  int align = 256;
+  while (align > 2 && v % uintptr_t(align) != 0) align /= 2;
+  return align;
+}
+
+Support gemm_supports(const OpCall& call) {
+  for (const Tensor& t : call.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  if (!call.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
+  return Support::yes();
+}
+
+void run_matmul(const OpCall& call, ExecContext& ctx) {
+  const Tensor& a = call.inputs[0];
+  const Tensor& b = call.inputs[1];
+  const Tensor& c = call.outputs[0];
+  const auto& at = call.attr<MatmulAttrs>();
+  GemmProblem p{};
+  p.dtype = a.dtype();
+  p.trans_a = at.trans_a;
+  p.trans_b = at.trans_b;
+  p.k = at.trans_b ? b.size(-1) : b.size(-2);
+  p.n = at.trans_b ? b.size(-2) : b.size(-1);
+  if (b.dim() == 2) {
+    p.batch = 1;
+    p.m = a.numel() / p.k;
+  } else {
+    p.m = at.trans_a ? a.size(-1) : a.size(-2);
+    p.batch = a.numel() / (p.m * p.k);
+  }
+  p.stride_a = p.m * p.k;
+  p.stride_b = p.k * p.n;
+  p.stride_c = p.m * p.n;
+  p.accumulate = at.beta != 0.0f;
+  p.align_a = pointer_alignment(a.data_ptr());
+  p.align_b = pointer_alignment(b.data_ptr());
+  p.align_c = pointer_alignment(c.data_ptr());
+  if (c.numel() == 0) return;
+  gemm(as_cuda(ctx.stream), p, at.alpha, a.data_ptr(), b.data_ptr(), at.beta, c.data_ptr());
+}
+
+}  // namespace
+
+void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, const void* b, float beta, void* c) {
+  auto& cache = stream.gemm_cache().plans;
+  auto it = cache.find(p.key());
+  if (it == cache.end()) it = cache.emplace(p.key(), make_plan(stream, p)).first;
+  const GemmPlan& plan = *it->second;
+  LATHE_CUBLAS_CHECK(cublasLtMatmul(stream.cublaslt(), plan.op, &alpha, b, plan.a, a, plan.b, &beta, c, plan.c, c,
+                                    plan.c, &plan.algo, stream.gemm_workspace(), stream.gemm_workspace_bytes(),
+                                    stream.handle()));
+}
+
+void register_cuda_gemm_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/cublaslt_gemm", gemm_supports, run_matmul});
+}
+
+}  // namespace lathe::cuda

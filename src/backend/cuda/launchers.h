@@ -1,0 +1,42 @@
+// Raw-pointer launchers of the CUDA elementwise and reduction kernels (elementwise.cu, reduce.cu).
+// They take sizes, strides and a stream, launch, and check the launch; tensor-level checks and the
+// registration live in elementwise_ops.cpp and reduce_ops.cpp. Kept free of fmt so nvcc sees little.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lathe::cuda {
+
+constexpr int kMaxDims = 8;
+
+// An input seen through the output's shape: element (i0..in) of the output reads offset sum(i_d * stride[d]).
+struct StridedLayout {
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t stride[kMaxDims] = {};
+};
+
+enum class BinaryOp { add, mul, silu_backward };  // silu_backward: a = x, b = dy
+enum class UnaryOp { scale, silu };
+
+// `contiguous` = every input is laid out exactly like the contiguous output (no index arithmetic needed).
+void launch_binary(BinaryOp op, DType dtype, int64_t n, const void* a, const StridedLayout& la, const void* b,
+                   const StridedLayout& lb, bool contiguous, void* out, cudaStream_t stream);
+void launch_unary(UnaryOp op, DType dtype, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
+                  double alpha, void* out, cudaStream_t stream);
+void launch_cast(DType from, DType to, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
+                 void* out, cudaStream_t stream);
+bool cast_supported(DType t);
+
+// Sum over the `red` sub-space for each of the n_out positions of the `kept` sub-space.
+void launch_sum(DType dtype, int64_t n_out, const void* x, const StridedLayout& kept, const StridedLayout& red,
+                int64_t n_red, void* out, cudaStream_t stream);
+void launch_softmax(DType dtype, int64_t rows, int64_t cols, const void* x, void* y, cudaStream_t stream);
+void launch_softmax_backward(DType dtype, int64_t rows, int64_t cols, const void* y, const void* dy, void* dx,
+                             cudaStream_t stream);
+
+}  // namespace lathe::cuda

@@ -1,0 +1,67 @@
+// Registration of the CUDA reductions: sum over dims, row softmax and its backward.
+#include <algorithm>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/launchers.h"
+#include "backend/registry.h"
+#include "ops/ops.h"
+
+namespace lathe::cuda {
+
+namespace {
+
+Support sum_supports(const OpCall& c) {
+  if (!c.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
+  if (c.inputs[0].dim() > kMaxDims) return Support::no("more than 8 dims");
+  return Support::yes();
+}
+
+Support rows_supports(const OpCall& c) {
+  for (const Tensor& t : c.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  if (!c.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
+  return Support::yes();
+}
+
+void run_sum(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  const std::vector<int> dims = normalize_reduce_dims(c.attr<ReduceAttrs>().dims, x.dim());
+  StridedLayout kept, red;
+  for (int d = 0; d < x.dim(); ++d) {
+    StridedLayout& l = std::find(dims.begin(), dims.end(), d) != dims.end() ? red : kept;
+    l.shape[l.ndim] = x.size(d);
+    l.stride[l.ndim] = x.strides()[d];
+    l.ndim++;
+  }
+  int64_t n_red = 1;
+  for (int d = 0; d < red.ndim; ++d) n_red *= red.shape[d];
+  launch_sum(x.dtype(), c.outputs[0].numel(), x.data_ptr(), kept, red, n_red, c.outputs[0].data_ptr(),
+             as_cuda(ctx.stream).handle());
+}
+
+void run_softmax(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  const int64_t cols = x.size(-1);
+  launch_softmax(x.dtype(), cols ? x.numel() / cols : 0, cols, x.data_ptr(), c.outputs[0].data_ptr(),
+                 as_cuda(ctx.stream).handle());
+}
+
+void run_softmax_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& y = c.inputs[0];
+  const int64_t cols = y.size(-1);
+  launch_softmax_backward(y.dtype(), cols ? y.numel() / cols : 0, cols, y.data_ptr(), c.inputs[1].data_ptr(),
+                          c.outputs[0].data_ptr(), as_cuda(ctx.stream).handle());
+}
+
+}  // namespace
+
+void register_cuda_reduce_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::sum, DeviceType::CUDA, dt, "cuda/strided_block_sum", sum_supports, run_sum});
+    r.add(KernelDef{OpId::softmax, DeviceType::CUDA, dt, "cuda/softmax_rows", rows_supports, run_softmax});
+    r.add(KernelDef{OpId::softmax_backward, DeviceType::CUDA, dt, "cuda/softmax_backward_rows", rows_supports,
+                    run_softmax_backward});
+  }
+}
+
+}  // namespace lathe::cuda

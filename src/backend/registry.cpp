@@ -1,0 +1,76 @@
+#include "backend/registry.h"
+
+namespace lathe {
+
+void KernelRegistry::add(KernelDef kernel) {
+  LATHE_ASSERT(kernel.supports && kernel.run && !kernel.name.empty());
+  kernels_.push_back(std::move(kernel));
+}
+
+void KernelRegistry::add(CompositeDef composite) {
+  LATHE_ASSERT(composite.supports && composite.run && !composite.name.empty());
+  composites_.push_back(std::move(composite));
+}
+
+bool KernelRegistry::has_exact(const OpCall& call) const {
+  const DeviceType dev = call.device().type;
+  for (const KernelDef& k : kernels_)
+    if (k.op == call.op && k.device == dev && k.dtype == call.key_dtype() && k.supports(call).ok) return true;
+  return false;
+}
+
+bool KernelRegistry::has_kernel(OpId op, DeviceType device, DType dtype) const {
+  for (const KernelDef& k : kernels_)
+    if (k.op == op && k.device == device && k.dtype == dtype) return true;
+  return false;
+}
+
+bool KernelRegistry::try_resolve(const OpCall& call, Resolution* out, std::string* why) const {
+  const DeviceType dev = call.device().type;
+  std::vector<std::string> rejected;
+  for (const KernelDef& k : kernels_) {
+    if (k.op != call.op || k.device != dev || k.dtype != call.key_dtype()) continue;
+    Support s = k.supports(call);
+    if (s.ok) {
+      *out = Resolution{k.name, false, {}, &k.run};
+      return true;
+    }
+    rejected.push_back(fmt::format("{}: {}", k.name, s.reason));
+  }
+  const std::string no_exact = rejected.empty()
+      ? fmt::format("no {} kernel for {}", device_type_name(dev), dtype_name(call.key_dtype()))
+      : fmt::format("{}", fmt::join(rejected, "; "));
+  for (const CompositeDef& c : composites_) {
+    if (c.op != call.op) continue;
+    Support s = c.supports(call, *this);
+    if (s.ok) {
+      *out = Resolution{c.name, true, no_exact, &c.run};
+      return true;
+    }
+    rejected.push_back(fmt::format("{}: {}", c.name, s.reason));
+  }
+  if (rejected.empty()) rejected.push_back(no_exact);
+  *why = fmt::format("{}", fmt::join(rejected, "; "));
+  return false;
+}
+
+Resolution KernelRegistry::resolve(const OpCall& call) const {
+  Resolution r;
+  std::string why;
+  LATHE_CHECK(try_resolve(call, &r, &why), "kernels: no kernel for op '{}' on {} with dtype {}: {}",
+              op_name(call.op), call.device().str(), dtype_name(call.key_dtype()), why);
+  return r;
+}
+
+void run_op(ExecContext& ctx, const OpCall& call) {
+  for (const Tensor& t : call.inputs)
+    LATHE_CHECK(t.device() == ctx.device, "ops: {} input {} is not on {}", op_name(call.op), t.describe(),
+                ctx.device.str());
+  for (const Tensor& t : call.outputs)
+    LATHE_CHECK(t.device() == ctx.device, "ops: {} output {} is not on {}", op_name(call.op), t.describe(),
+                ctx.device.str());
+  const Resolution r = ctx.registry.resolve(call);
+  (*r.run)(call, ctx);
+}
+
+}  // namespace lathe

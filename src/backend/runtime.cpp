@@ -1,0 +1,80 @@
+#include "backend/runtime.h"
+
+#include "backend/cpu/cpu_backend.h"
+#include "ops/composite.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+#ifdef LATHE_WITH_CUDA
+std::unique_ptr<DeviceBackend> create_cuda_backend();  // backend/cuda/cuda_backend.cpp
+#endif
+
+Runtime::Runtime() : cpu_(std::make_unique<CpuBackend>()) {
+#ifdef LATHE_WITH_CUDA
+  cuda_ = create_cuda_backend();
+#endif
+  cpu_->register_kernels(registry_);
+  if (cuda_) cuda_->register_kernels(registry_);
+  register_composites(registry_);
+}
+
+Runtime::~Runtime() = default;
+
+DeviceBackend& Runtime::backend(DeviceType type) {
+  if (type == DeviceType::CPU) return *cpu_;
+  LATHE_CHECK(cuda_ != nullptr, "device: this build of lathe has no CUDA backend (built with LATHE_CUDA=OFF or "
+                                "without a CUDA toolkit)");
+  return *cuda_;
+}
+
+bool Runtime::has_device(Device device, std::string* why) const {
+  if (device.is_cpu()) return device.index == 0;
+  if (!cuda_) {
+    if (why) *why = "this build has no CUDA backend";
+    return false;
+  }
+  if (device.index >= 0 && device.index < cuda_->device_count()) return true;
+  if (why) {
+    *why = cuda_->device_count() == 0
+               ? cuda_->unavailable_reason()
+               : fmt::format("{} is out of range ({} CUDA devices)", device.str(), cuda_->device_count());
+  }
+  return false;
+}
+
+void Runtime::check_device(Device device) const {
+  std::string why;
+  LATHE_CHECK(has_device(device, &why), "device: {} is not available: {}", device.str(), why);
+}
+
+ExecContext Runtime::context(Device device) {
+  check_device(device);
+  DeviceBackend& b = backend(device.type);
+  return ExecContext{registry_, b, device, b.allocator(device.index), b.default_stream(device.index)};
+}
+
+void Runtime::synchronize(Device device) { backend(device.type).default_stream(device.index).synchronize(); }
+
+Tensor Runtime::copy_to(const Tensor& t, Device device) {
+  ExecContext src_ctx = context(t.device());
+  const Tensor src = contiguous(src_ctx, t);
+  ExecContext dst_ctx = context(device);
+  Tensor out = Tensor::empty(t.shape(), t.dtype(), dst_ctx.allocator);
+  DeviceBackend& mover = device.is_cpu() ? src_ctx.backend : dst_ctx.backend;
+  Stream& stream = device.is_cpu() ? src_ctx.stream : dst_ctx.stream;
+  src_ctx.stream.synchronize();
+  mover.copy(out.data_ptr(), device, src.data_ptr(), t.device(), out.nbytes(), stream);
+  stream.synchronize();
+  return out;
+}
+
+Tensor Runtime::from_host(const void* data, const Shape& shape, DType dtype, Device device) {
+  ExecContext ctx = context(device);
+  Tensor out = Tensor::empty(shape, dtype, ctx.allocator);
+  ctx.backend.copy(out.data_ptr(), device, data, Device::cpu(), out.nbytes(), ctx.stream);
+  ctx.stream.synchronize();
+  return out;
+}
+
+}  // namespace lathe

@@ -1,0 +1,44 @@
+// Runtime: the backends present in this build and machine, and the one kernel registry filled from them.
+// Made once by the program (the CLI, a test) and passed explicitly; there is no global runtime.
+// Covered by tests/unit/test_core.cpp and tests/unit/test_cuda_runtime.cpp.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "backend/registry.h"
+
+namespace lathe {
+
+class Runtime {
+ public:
+  Runtime();
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  const KernelRegistry& registry() const { return registry_; }
+  // The backend for a device type; throws with the reason when the type is absent from this build.
+  DeviceBackend& backend(DeviceType type);
+  bool cuda_built() const { return cuda_ != nullptr; }
+  // Whether `device` exists here; fills `why` when it does not.
+  bool has_device(Device device, std::string* why = nullptr) const;
+  void check_device(Device device) const;  // throws with the reason when absent
+
+  ExecContext context(Device device);  // the device's default stream and allocator
+  Allocator& host_allocator() { return cpu_->allocator(0); }
+  void synchronize(Device device);
+
+  // A new contiguous copy of `t` on `device` (synchronous).
+  Tensor copy_to(const Tensor& t, Device device);
+  // A new tensor on `device` holding `nbytes(shape, dtype)` bytes from host memory.
+  Tensor from_host(const void* data, const Shape& shape, DType dtype, Device device);
+
+ private:
+  std::unique_ptr<DeviceBackend> cpu_;
+  std::unique_ptr<DeviceBackend> cuda_;  // null when built without CUDA
+  KernelRegistry registry_;
+};
+
+}  // namespace lathe

@@ -1,0 +1,56 @@
+// Composite fallbacks: ops expressed through other ops, valid on every device.
+// - mean: sum, then scale by 1/count.
+// - upcast_f32: a bf16/f16 op with no exact kernel on its device runs as cast -> f32 kernel -> cast. The
+//   result is rounded once, at the output, which is what a native low-precision kernel with fp32 compute
+//   does too; `lathe kernels` shows where it is taken.
+// Covered by tests/ops (the CPU rows for bf16/f16 all go through upcast_f32).
+#include "ops/composite.h"
+
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+constexpr OpId kUpcastOps[] = {OpId::matmul, OpId::add,     OpId::mul,  OpId::scale,        OpId::sum,
+                               OpId::softmax, OpId::softmax_backward, OpId::silu, OpId::silu_backward};
+
+void run_upcast(const OpCall& call, ExecContext& ctx) {
+  OpCall wide{call.op, {}, {}, call.attrs};
+  for (const Tensor& t : call.inputs) wide.inputs.push_back(cast(ctx, t, DType::F32));
+  const bool reads_output = call.op == OpId::matmul && call.attr<MatmulAttrs>().beta != 0.0f;
+  for (const Tensor& t : call.outputs)
+    wide.outputs.push_back(reads_output ? cast(ctx, t, DType::F32) : Tensor::empty(t.shape(), DType::F32, ctx.allocator));
+  run_op(ctx, wide);
+  for (size_t i = 0; i < call.outputs.size(); ++i)
+    run_op(ctx, OpCall{OpId::cast, {wide.outputs[i]}, {call.outputs[i]}, CastAttrs{call.outputs[i].dtype()}});
+}
+
+}  // namespace
+
+void register_composites(KernelRegistry& r) {
+  r.add(CompositeDef{OpId::mean, "composite/sum_then_scale",
+                     [](const OpCall& c, const KernelRegistry&) {
+                       return is_floating(c.key_dtype()) ? Support::yes() : Support::no("needs a floating dtype");
+                     },
+                     [](const OpCall& c, ExecContext& ctx) {
+                       const Tensor& x = c.inputs[0];
+                       int64_t count = 1;
+                       for (int d : normalize_reduce_dims(c.attr<ReduceAttrs>().dims, x.dim())) count *= x.size(d);
+                       const Tensor s = sum(ctx, x, c.attr<ReduceAttrs>().dims, c.attr<ReduceAttrs>().keepdim);
+                       run_op(ctx, OpCall{OpId::scale, {s}, {c.outputs[0]}, ScaleAttrs{1.0 / double(count)}});
+                     }});
+  for (OpId op : kUpcastOps) {
+    r.add(CompositeDef{op, "composite/upcast_f32",
+                       [op](const OpCall& c, const KernelRegistry& reg) {
+                         const DType dt = c.key_dtype();
+                         if (dt != DType::BF16 && dt != DType::F16) return Support::no("only for bf16/f16 inputs");
+                         if (!reg.has_kernel(op, c.device().type, DType::F32))
+                           return Support::no(fmt::format("no f32 {} kernel on {}", op_name(op), c.device().str()));
+                         return Support::yes();
+                       },
+                       run_upcast});
+  }
+}
+
+}  // namespace lathe

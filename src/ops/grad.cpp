@@ -1,0 +1,85 @@
+// Backward formulas for ops whose backward is a composition of other ops.
+// matmul: for C = alpha op(A) op(B), dA and dB are matmuls of dC with the other operand, with transposes
+// chosen so that no transposed copy is ever made.
+#include "ops/ops.h"
+
+namespace lathe {
+
+Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape) {
+  if (grad.shape() == shape) return grad;
+  const int lead = grad.dim() - int(shape.size());
+  LATHE_ASSERT(lead >= 0);
+  std::vector<int> dims;
+  for (int i = 0; i < grad.dim(); ++i)
+    if (i < lead || (shape[i - lead] == 1 && grad.size(i) != 1)) dims.push_back(i);
+  Tensor reduced = dims.empty() ? grad : sum(ctx, grad, dims, /*keepdim=*/true);
+  return contiguous(ctx, reduced).view(shape);
+}
+
+namespace {
+
+std::vector<Tensor> matmul_backward(ExecContext& ctx, const Tensor& a, const Tensor& b, const MatmulAttrs& at,
+                                    const Tensor& dc) {
+  // Batched A with 2-D B: fold the batch into M so that dB sums over it.
+  if (b.dim() == 2 && a.dim() > 2) {
+    const Tensor a2 = contiguous(ctx, a).view({-1, a.size(-1)});
+    const Tensor dc2 = contiguous(ctx, dc).view({-1, dc.size(-1)});
+    std::vector<Tensor> g = matmul_backward(ctx, a2, b, at, dc2);
+    return {g[0].view(a.shape()), g[1]};
+  }
+  Tensor da, db;
+  if (!at.trans_a) da = matmul(ctx, dc, b, {false, !at.trans_b, at.alpha});
+  else da = matmul(ctx, b, dc, {at.trans_b, true, at.alpha});
+  if (!at.trans_b) db = matmul(ctx, a, dc, {!at.trans_a, false, at.alpha});
+  else db = matmul(ctx, dc, a, {true, at.trans_a, at.alpha});
+  return {da, db};
+}
+
+int64_t reduced_count(const Tensor& x, const ReduceAttrs& r) {
+  int64_t n = 1;
+  for (int d : normalize_reduce_dims(r.dims, x.dim())) n *= x.size(d);
+  return n;
+}
+
+// Broadcasts the gradient of a reduction back to the input's shape.
+Tensor expand_reduced(ExecContext& ctx, const Tensor& dy, const Tensor& x, const ReduceAttrs& r) {
+  Shape kept = x.shape();
+  for (int d : normalize_reduce_dims(r.dims, x.dim())) kept[d] = 1;
+  return contiguous(ctx, contiguous(ctx, dy).view(kept).expand(x.shape()));
+}
+
+}  // namespace
+
+std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs,
+                                const Tensor& out, const Tensor& dy) {
+  switch (op) {
+    case OpId::matmul:
+      return matmul_backward(ctx, in[0], in[1], std::get<MatmulAttrs>(attrs), dy);
+    case OpId::add:
+      return {reduce_to_shape(ctx, dy, in[0].shape()), reduce_to_shape(ctx, dy, in[1].shape())};
+    case OpId::mul:
+      return {reduce_to_shape(ctx, mul(ctx, dy, in[1]), in[0].shape()),
+              reduce_to_shape(ctx, mul(ctx, dy, in[0]), in[1].shape())};
+    case OpId::scale:
+      return {scale(ctx, dy, std::get<ScaleAttrs>(attrs).alpha)};
+    case OpId::cast:
+      return {is_floating(in[0].dtype()) ? cast(ctx, dy, in[0].dtype()) : Tensor()};
+    case OpId::sum:
+      return {expand_reduced(ctx, dy, in[0], std::get<ReduceAttrs>(attrs))};
+    case OpId::mean: {
+      const auto& r = std::get<ReduceAttrs>(attrs);
+      return {scale(ctx, expand_reduced(ctx, dy, in[0], r), 1.0 / double(reduced_count(in[0], r)))};
+    }
+    case OpId::softmax:
+      return {softmax_backward(ctx, out, dy)};
+    case OpId::silu:
+      return {silu_backward(ctx, in[0], dy)};
+    case OpId::softmax_backward:
+    case OpId::silu_backward:
+    case OpId::kCount:
+      break;
+  }
+  LATHE_FAIL("ops: {} has no backward", op_name(op));
+}
+
+}  // namespace lathe

@@ -1,0 +1,51 @@
+// The ops as functions: each validates its inputs (shape inference), allocates its output on the context's
+// device and runs whatever the registry resolves. `*_into` variants write into a caller-provided output.
+// Covered by tests/ops (every op x device x dtype, backward by finite differences).
+#pragma once
+
+#include <vector>
+
+#include "backend/registry.h"
+
+namespace lathe {
+
+struct TensorSpec {
+  Shape shape;
+  DType dtype;
+};
+
+// Output shapes and dtypes of `op` for these inputs; throws with the op's name on invalid inputs.
+std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
+
+// Shape that `a` and `b` broadcast to (numpy rules); throws if they do not.
+Shape broadcast_shapes(const Shape& a, const Shape& b);
+
+// Builds the call for `op` with freshly allocated outputs and runs it.
+std::vector<Tensor> call_op(ExecContext& ctx, OpId op, std::vector<Tensor> inputs, OpAttrs attrs = {});
+
+Tensor matmul(ExecContext& ctx, const Tensor& a, const Tensor& b, MatmulAttrs attrs = {});
+void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out, MatmulAttrs attrs);
+Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b);
+Tensor mul(ExecContext& ctx, const Tensor& a, const Tensor& b);
+Tensor scale(ExecContext& ctx, const Tensor& x, double alpha);
+Tensor cast(ExecContext& ctx, const Tensor& x, DType to);
+Tensor contiguous(ExecContext& ctx, const Tensor& x);  // x itself when already contiguous
+Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
+Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
+Tensor softmax(ExecContext& ctx, const Tensor& x);  // over the last dimension
+Tensor softmax_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
+Tensor silu(ExecContext& ctx, const Tensor& x);
+Tensor silu_backward(ExecContext& ctx, const Tensor& x, const Tensor& dy);
+
+// Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
+Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);
+
+// Gradients of every input of `op` (undefined tensors for inputs without one), given its inputs, its
+// output and the gradient of the output. Built from ops, so it runs on any device.
+std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
+                                const OpAttrs& attrs, const Tensor& output, const Tensor& grad_output);
+
+// The positive dims that a reduction over `dims` (empty = all) of a `rank`-d tensor covers, sorted.
+std::vector<int> normalize_reduce_dims(const std::vector<int>& dims, int rank);
+
+}  // namespace lathe

@@ -1,0 +1,119 @@
+// Shape inference and validation for every op in the op table.
+#include <algorithm>
+
+#include "ops/ops.h"
+
+namespace lathe {
+
+Shape broadcast_shapes(const Shape& a, const Shape& b) {
+  const size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    LATHE_CHECK(da == db || da == 1 || db == 1, "ops: shapes {} and {} do not broadcast", shape_str(a),
+                shape_str(b));
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+std::vector<int> normalize_reduce_dims(const std::vector<int>& dims, int rank) {
+  std::vector<int> out;
+  if (dims.empty()) {
+    for (int i = 0; i < rank; ++i) out.push_back(i);
+    return out;
+  }
+  for (int d : dims) {
+    const int w = d < 0 ? d + rank : d;
+    LATHE_CHECK(w >= 0 && w < rank, "ops: reduction dim {} out of range for a {}-d tensor", d, rank);
+    LATHE_CHECK(std::find(out.begin(), out.end(), w) == out.end(), "ops: reduction dim {} repeated", d);
+    out.push_back(w);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+namespace {
+
+void check_same_dtype(OpId op, const Tensor& a, const Tensor& b) {
+  LATHE_CHECK(a.dtype() == b.dtype(), "ops: {} needs inputs of one dtype, got {} and {}", op_name(op),
+              a.describe(), b.describe());
+}
+
+void check_floating(OpId op, const Tensor& a) {
+  LATHE_CHECK(is_floating(a.dtype()), "ops: {} needs a floating-point input, got {}", op_name(op), a.describe());
+}
+
+TensorSpec matmul_output(const Tensor& a, const Tensor& b, const MatmulAttrs& attrs) {
+  LATHE_CHECK(a.dim() >= 2 && b.dim() >= 2, "ops: matmul needs inputs of at least 2 dims, got {} and {}",
+              a.describe(), b.describe());
+  const int64_t m = attrs.trans_a ? a.size(-1) : a.size(-2);
+  const int64_t ka = attrs.trans_a ? a.size(-2) : a.size(-1);
+  const int64_t kb = attrs.trans_b ? b.size(-1) : b.size(-2);
+  const int64_t n = attrs.trans_b ? b.size(-2) : b.size(-1);
+  LATHE_CHECK(ka == kb, "ops: matmul inner dimensions differ: {}{} x {}{}", a.describe(),
+              attrs.trans_a ? "^T" : "", b.describe(), attrs.trans_b ? "^T" : "");
+  if (b.dim() == 2 && a.dim() > 2) {
+    LATHE_CHECK(!attrs.trans_a, "ops: matmul with batched A and 2-D B needs trans_a=false");
+  } else {
+    LATHE_CHECK(a.dim() == b.dim(), "ops: matmul batch ranks differ: {} x {}", a.describe(), b.describe());
+    for (int i = 0; i < a.dim() - 2; ++i)
+      LATHE_CHECK(a.size(i) == b.size(i), "ops: matmul batch dims differ: {} x {}", a.describe(), b.describe());
+  }
+  Shape out(a.shape().begin(), a.shape().end() - 2);
+  out.push_back(m);
+  out.push_back(n);
+  return {out, a.dtype()};
+}
+
+}  // namespace
+
+std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
+  LATHE_CHECK(int(in.size()) == op_num_inputs(op), "ops: {} takes {} inputs, got {}", op_name(op),
+              op_num_inputs(op), in.size());
+  for (const Tensor& t : in) LATHE_CHECK(t.defined(), "ops: {} got an undefined input", op_name(op));
+  switch (op) {
+    case OpId::matmul:
+      check_same_dtype(op, in[0], in[1]);
+      check_floating(op, in[0]);
+      return {matmul_output(in[0], in[1], std::get<MatmulAttrs>(attrs))};
+    case OpId::add:
+    case OpId::mul:
+      check_same_dtype(op, in[0], in[1]);
+      check_floating(op, in[0]);
+      return {{broadcast_shapes(in[0].shape(), in[1].shape()), in[0].dtype()}};
+    case OpId::scale:
+    case OpId::softmax:
+    case OpId::silu:
+      check_floating(op, in[0]);
+      if (op == OpId::softmax) LATHE_CHECK(in[0].dim() >= 1, "ops: softmax of a 0-d tensor");
+      return {{in[0].shape(), in[0].dtype()}};
+    case OpId::softmax_backward:
+    case OpId::silu_backward:
+      check_same_dtype(op, in[0], in[1]);
+      check_floating(op, in[0]);
+      LATHE_CHECK(in[0].shape() == in[1].shape(), "ops: {} shapes differ: {} and {}", op_name(op),
+                  in[0].describe(), in[1].describe());
+      return {{in[0].shape(), in[0].dtype()}};
+    case OpId::cast:
+      return {{in[0].shape(), std::get<CastAttrs>(attrs).to}};
+    case OpId::sum:
+    case OpId::mean: {
+      check_floating(op, in[0]);
+      const auto& r = std::get<ReduceAttrs>(attrs);
+      const std::vector<int> dims = normalize_reduce_dims(r.dims, in[0].dim());
+      Shape out;
+      for (int i = 0; i < in[0].dim(); ++i) {
+        const bool reduced = std::find(dims.begin(), dims.end(), i) != dims.end();
+        if (!reduced) out.push_back(in[0].size(i));
+        else if (r.keepdim) out.push_back(1);
+      }
+      return {{out, in[0].dtype()}};
+    }
+    case OpId::kCount: break;
+  }
+  LATHE_FAIL("ops: invalid op id {}", int(op));
+}
+
+}  // namespace lathe

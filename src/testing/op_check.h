@@ -1,0 +1,54 @@
+// The op check harness (after ggml's test-backend-ops): every op case x device x dtype is run through the
+// kernel registry and compared with the CPU f64 reference kernels; backward passes are compared the same
+// way and, on the CPU in f64, against central finite differences. Outputs are surrounded by guard bytes
+// and poisoned with NaN before each run, so out-of-bounds and missing writes fail. Inputs are seeded random
+// values (never zeros). Used by tests/ops and by `lathe op-check` on an installed build.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "backend/runtime.h"
+
+namespace lathe {
+
+struct OpCase {
+  OpId op;
+  std::string params;             // human-readable, used by filters, e.g. "m=33,n=17,k=65,ta=1"
+  std::vector<Shape> inputs;      // shapes of the (contiguous) inputs
+  OpAttrs attrs;
+  std::vector<DType> dtypes;      // dtypes to test (the key dtype of the call)
+  bool transpose_first = false;   // pass input 0 as a transposed (non-contiguous) view of its last two dims
+  bool differentiable = true;
+};
+
+std::vector<OpCase> all_op_cases();
+
+struct OpCheckOptions {
+  std::string op;                   // exact op name, empty = all
+  std::string params;               // substring of the case params, empty = all
+  std::vector<Device> devices;      // empty = cpu and every CUDA device present
+  std::vector<DType> dtypes;        // empty = each case's own list
+  bool backward = true;
+  bool finite_differences = true;
+  uint64_t seed = 20261125;
+};
+
+struct OpCheckResult {
+  enum class Status { Pass, Fail, Skip };
+  Status status;
+  std::string op, params, device, dtype, kernel;
+  std::string detail;  // errors, or the measured figures
+};
+
+// Maximum normalised mean squared error accepted for outputs of dtype `t`.
+double nmse_threshold(DType t);
+
+// Runs the selected checks; calls `report` after each one. A final set of "coverage" results fails for every
+// registered kernel on a checked device type that no case exercised.
+std::vector<OpCheckResult> run_op_check(Runtime& rt, const OpCheckOptions& options,
+                                        const std::function<void(const OpCheckResult&)>& report = {});
+
+}  // namespace lathe

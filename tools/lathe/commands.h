@@ -1,0 +1,12 @@
+// The lathe CLI's subcommands: each file cmd_<name>.cpp adds one subcommand to the CLI11 app.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace lathe::cli {
+
+// Each add_* registers its subcommand; the callback runs it and sets the exit code.
+void add_kernels_command(CLI::App& app, int& exit_code);
+void add_op_check_command(CLI::App& app, int& exit_code);
+
+}  // namespace lathe::cli
