@@ -10,10 +10,13 @@ namespace lathe {
 std::unique_ptr<DeviceBackend> create_cuda_backend();  // backend/cuda/cuda_backend.cpp
 #endif
 
-Runtime::Runtime() : cpu_(std::make_unique<CpuBackend>()) {
+Runtime::Runtime() : Runtime(std::function<void(KernelRegistry&)>{}) {}
+
+Runtime::Runtime(const std::function<void(KernelRegistry&)>& first) : cpu_(std::make_unique<CpuBackend>()) {
 #ifdef LATHE_WITH_CUDA
   cuda_ = create_cuda_backend();
 #endif
+  if (first) first(registry_);
   cpu_->register_kernels(registry_);
   if (cuda_) cuda_->register_kernels(registry_);
   register_composites(registry_);

@@ -3,6 +3,7 @@
 // Covered by tests/unit/test_core.cpp and tests/unit/test_cuda_runtime.cpp.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -14,6 +15,9 @@ namespace lathe {
 class Runtime {
  public:
   Runtime();
+  // Registers `first` before the built-in kernels, so its kernels win resolution (used by tests that plant
+  // deliberately broken kernels to prove the op checks catch them).
+  explicit Runtime(const std::function<void(KernelRegistry&)>& first);
   ~Runtime();
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;

@@ -1,0 +1,110 @@
+// CUDA runtime pieces: the caching allocator (reuse, statistics, release of cached blocks), host/device
+// copies through pageable and pinned memory, streams and events. Skipped with the reason without a GPU.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "backend/runtime.h"
+#include "ops/ops.h"
+
+using namespace lathe;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+#define REQUIRE_CUDA()                                                              \
+  do {                                                                              \
+    std::string why_;                                                               \
+    if (!runtime().has_device(Device::cuda(0), &why_)) GTEST_SKIP() << "no CUDA device: " << why_; \
+  } while (0)
+
+}  // namespace
+
+TEST(CudaRuntime, ReportsWhyNoDevice) {
+  std::string why;
+  if (runtime().has_device(Device::cuda(0), &why)) {
+    EXPECT_TRUE(why.empty());
+    EXPECT_FALSE(runtime().backend(DeviceType::CUDA).info(0).name.empty());
+  } else {
+    EXPECT_FALSE(why.empty());
+    try {
+      runtime().context(Device::cuda(0));
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("cuda:0 is not available"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(CudaRuntime, CachingAllocatorReusesAndReleases) {
+  REQUIRE_CUDA();
+  Allocator& alloc = runtime().backend(DeviceType::CUDA).allocator(0);
+  alloc.release_cached();
+  const AllocatorStats s0 = alloc.stats();
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({1 << 20}, DType::F32, alloc);  // 4 MiB
+    first = a.data_ptr();
+    EXPECT_EQ(alloc.stats().allocated - s0.allocated, 4 << 20);
+  }
+  EXPECT_EQ(alloc.stats().allocated, s0.allocated);
+  EXPECT_EQ(alloc.stats().reserved - s0.reserved, 4 << 20);  // cached, not returned
+  const int64_t system_before = alloc.stats().num_system_allocs;
+  {
+    Tensor b = Tensor::empty({(1 << 20) - 100}, DType::F32, alloc);  // same rounded size: reused
+    EXPECT_EQ(b.data_ptr(), first);
+    EXPECT_EQ(alloc.stats().num_system_allocs, system_before);
+  }
+  EXPECT_GE(alloc.stats().peak_allocated - s0.allocated, 4 << 20);
+  alloc.release_cached();
+  EXPECT_EQ(alloc.stats().reserved, alloc.stats().allocated);  // only live blocks remain reserved
+}
+
+TEST(CudaRuntime, OutOfMemoryIsAClearError) {
+  REQUIRE_CUDA();
+  Allocator& alloc = runtime().backend(DeviceType::CUDA).allocator(0);
+  try {
+    Tensor huge = Tensor::empty({int64_t(1) << 50}, DType::F32, alloc);
+    FAIL() << "expected out of memory";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+  }
+  Tensor ok = Tensor::empty({1024}, DType::F32, alloc);  // the allocator still works afterwards
+  EXPECT_NE(ok.data_ptr(), nullptr);
+}
+
+TEST(CudaRuntime, CopiesRoundTripPageableAndPinned) {
+  REQUIRE_CUDA();
+  Runtime& rt = runtime();
+  std::vector<float> src(10007);
+  std::iota(src.begin(), src.end(), 1.0f);
+  const Tensor dev = rt.from_host(src.data(), {int64_t(src.size())}, DType::F32, Device::cuda(0));
+  const Tensor back = rt.copy_to(dev, Device::cpu());
+  EXPECT_EQ(std::vector<float>(back.data<float>(), back.data<float>() + src.size()), src);
+
+  DeviceBackend& cuda = rt.backend(DeviceType::CUDA);
+  Allocator* pinned = cuda.pinned_host_allocator();
+  ASSERT_NE(pinned, nullptr);
+  Tensor host = Tensor::empty({int64_t(src.size())}, DType::F32, *pinned);
+  auto stream = cuda.create_stream(0);
+  auto start = cuda.create_event(0), stop = cuda.create_event(0);
+  start->record(*stream);
+  cuda.copy(host.data_ptr(), Device::cpu(), dev.data_ptr(), Device::cuda(0), host.nbytes(), *stream);
+  stop->record(*stream);
+  stop->synchronize();
+  EXPECT_GE(stop->elapsed_ms_since(*start), 0.0);
+  EXPECT_EQ(std::vector<float>(host.data<float>(), host.data<float>() + src.size()), src);
+}
+
+TEST(CudaRuntime, StridedViewCopiesToHost) {
+  REQUIRE_CUDA();
+  Runtime& rt = runtime();
+  std::vector<float> src = {1, 2, 3, 4, 5, 6};
+  const Tensor dev = rt.from_host(src.data(), {2, 3}, DType::F32, Device::cuda(0)).transpose(0, 1);
+  const Tensor back = rt.copy_to(dev, Device::cpu());
+  EXPECT_EQ(std::vector<float>(back.data<float>(), back.data<float>() + 6), (std::vector<float>{1, 4, 2, 5, 3, 6}));
+}
