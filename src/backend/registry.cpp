@@ -37,9 +37,10 @@ bool KernelRegistry::try_resolve(const OpCall& call, Resolution* out, std::strin
     }
     rejected.push_back(fmt::format("{}: {}", k.name, s.reason));
   }
-  const std::string no_exact = rejected.empty()
-      ? fmt::format("no {} kernel for {}", device_type_name(dev), dtype_name(call.key_dtype()))
-      : fmt::format("{}", fmt::join(rejected, "; "));
+  // Exact kernels that exist but declined come first; with none at all, say so.
+  if (rejected.empty())
+    rejected.push_back(fmt::format("no {} kernel for {}", device_type_name(dev), dtype_name(call.key_dtype())));
+  const std::string no_exact = fmt::format("{}", fmt::join(rejected, "; "));
   for (const CompositeDef& c : composites_) {
     if (c.op != call.op) continue;
     Support s = c.supports(call, *this);
@@ -49,7 +50,6 @@ bool KernelRegistry::try_resolve(const OpCall& call, Resolution* out, std::strin
     }
     rejected.push_back(fmt::format("{}: {}", c.name, s.reason));
   }
-  if (rejected.empty()) rejected.push_back(no_exact);
   *why = fmt::format("{}", fmt::join(rejected, "; "));
   return false;
 }

@@ -12,8 +12,9 @@ namespace lathe {
 
 namespace {
 
-constexpr OpId kUpcastOps[] = {OpId::matmul, OpId::add,     OpId::mul,  OpId::scale,        OpId::sum,
-                               OpId::softmax, OpId::softmax_backward, OpId::silu, OpId::silu_backward};
+constexpr OpId kUpcastOps[] = {OpId::matmul,  OpId::add,  OpId::mul,           OpId::scale,
+                               OpId::sum,     OpId::mean, OpId::softmax,       OpId::softmax_backward,
+                               OpId::silu,    OpId::silu_backward};
 
 void run_upcast(const OpCall& call, ExecContext& ctx) {
   OpCall wide{call.op, {}, {}, call.attrs};
@@ -30,8 +31,12 @@ void run_upcast(const OpCall& call, ExecContext& ctx) {
 
 void register_composites(KernelRegistry& r) {
   r.add(CompositeDef{OpId::mean, "composite/sum_then_scale",
-                     [](const OpCall& c, const KernelRegistry&) {
-                       return is_floating(c.key_dtype()) ? Support::yes() : Support::no("needs a floating dtype");
+                     [](const OpCall& c, const KernelRegistry& reg) {
+                       const DeviceType dev = c.device().type;
+                       if (reg.has_kernel(OpId::sum, dev, c.key_dtype()) && reg.has_kernel(OpId::scale, dev, c.key_dtype()))
+                         return Support::yes();
+                       return Support::no(fmt::format("needs sum and scale kernels for {} on {}",
+                                                      dtype_name(c.key_dtype()), device_type_name(dev)));
                      },
                      [](const OpCall& c, ExecContext& ctx) {
                        const Tensor& x = c.inputs[0];
