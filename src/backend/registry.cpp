@@ -70,6 +70,7 @@ void run_op(ExecContext& ctx, const OpCall& call) {
     LATHE_CHECK(t.device() == ctx.device, "ops: {} output {} is not on {}", op_name(call.op), t.describe(),
                 ctx.device.str());
   const Resolution r = ctx.registry.resolve(call);
+  if (ctx.observer) (*ctx.observer)(call, r);
   (*r.run)(call, ctx);
 }
 

@@ -30,6 +30,11 @@ struct OpCall {
   template <typename A> const A& attr() const { return std::get<A>(attrs); }
 };
 
+struct Resolution;
+
+// Receives every resolution run_op makes (nested ones included), e.g. for kernel coverage or profiling.
+using ResolutionObserver = std::function<void(const OpCall&, const Resolution&)>;
+
 // Where an op runs: the device, its allocator and stream, and the registry for nested ops (composites).
 struct ExecContext {
   const KernelRegistry& registry;
@@ -37,6 +42,7 @@ struct ExecContext {
   Device device;
   Allocator& allocator;
   Stream& stream;
+  const ResolutionObserver* observer = nullptr;  // optional
 };
 
 struct Support {

@@ -12,16 +12,22 @@ namespace lathe {
 
 namespace {
 
-constexpr OpId kUpcastOps[] = {OpId::matmul,  OpId::add,  OpId::mul,           OpId::scale,
-                               OpId::sum,     OpId::mean, OpId::softmax,       OpId::softmax_backward,
-                               OpId::silu,    OpId::silu_backward};
+constexpr OpId kUpcastOps[] = {
+    OpId::matmul,  OpId::add,    OpId::mul,     OpId::scale,   OpId::sum,     OpId::mean,
+    OpId::softmax, OpId::softmax_backward,  OpId::silu,  OpId::silu_backward, OpId::swiglu,
+    OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
+    OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy};
 
+// Tensors of the call's low-precision dtype are widened; index and f32 statistics tensors pass through.
 void run_upcast(const OpCall& call, ExecContext& ctx) {
+  const DType narrow = call.key_dtype();
   OpCall wide{call.op, {}, {}, call.attrs};
-  for (const Tensor& t : call.inputs) wide.inputs.push_back(cast(ctx, t, DType::F32));
+  for (const Tensor& t : call.inputs) wide.inputs.push_back(t.dtype() == narrow ? cast(ctx, t, DType::F32) : t);
   const bool reads_output = call.op == OpId::matmul && call.attr<MatmulAttrs>().beta != 0.0f;
-  for (const Tensor& t : call.outputs)
-    wide.outputs.push_back(reads_output ? cast(ctx, t, DType::F32) : Tensor::empty(t.shape(), DType::F32, ctx.allocator));
+  for (const Tensor& t : call.outputs) {
+    const DType dt = t.dtype() == narrow ? DType::F32 : t.dtype();
+    wide.outputs.push_back(reads_output ? cast(ctx, t, dt) : Tensor::empty(t.shape(), dt, ctx.allocator));
+  }
   run_op(ctx, wide);
   for (size_t i = 0; i < call.outputs.size(); ++i)
     run_op(ctx, OpCall{OpId::cast, {wide.outputs[i]}, {call.outputs[i]}, CastAttrs{call.outputs[i].dtype()}});
@@ -33,8 +39,13 @@ void register_composites(KernelRegistry& r) {
   r.add(CompositeDef{OpId::mean, "composite/sum_then_scale",
                      [](const OpCall& c, const KernelRegistry& reg) {
                        const DeviceType dev = c.device().type;
-                       if (reg.has_kernel(OpId::sum, dev, c.key_dtype()) && reg.has_kernel(OpId::scale, dev, c.key_dtype()))
-                         return Support::yes();
+                       const DType dt = c.key_dtype();
+                       // An op runs if it has a kernel, or (bf16/f16) an f32 kernel that upcast_f32 can use.
+                       const auto runs = [&](OpId op) {
+                         return reg.has_kernel(op, dev, dt) ||
+                                ((dt == DType::BF16 || dt == DType::F16) && reg.has_kernel(op, dev, DType::F32));
+                       };
+                       if (runs(OpId::sum) && runs(OpId::scale)) return Support::yes();
                        return Support::no(fmt::format("needs sum and scale kernels for {} on {}",
                                                       dtype_name(c.key_dtype()), device_type_name(dev)));
                      },

@@ -51,7 +51,8 @@ Tensor expand_reduced(ExecContext& ctx, const Tensor& dy, const Tensor& x, const
 }  // namespace
 
 std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs,
-                                const Tensor& out, const Tensor& dy) {
+                                const std::vector<Tensor>& outputs, const Tensor& dy) {
+  const Tensor& out = outputs.at(0);
   switch (op) {
     case OpId::matmul:
       return matmul_backward(ctx, in[0], in[1], std::get<MatmulAttrs>(attrs), dy);
@@ -74,8 +75,31 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return {softmax_backward(ctx, out, dy)};
     case OpId::silu:
       return {silu_backward(ctx, in[0], dy)};
+    case OpId::swiglu:
+      return swiglu_backward(ctx, in[0], in[1], dy);
+    case OpId::embedding:
+      return {embedding_backward(ctx, dy, in[1], in[0].size(0)), Tensor()};
+    case OpId::rmsnorm:
+      return rmsnorm_backward(ctx, in[0], in[1], dy, std::get<NormAttrs>(attrs));
+    case OpId::rope: {
+      RopeAttrs inv = std::get<RopeAttrs>(attrs);
+      inv.inverse = !inv.inverse;
+      return {rope(ctx, dy, in[1], inv), Tensor()};
+    }
+    case OpId::attention: {
+      // Only o is differentiated; lse (outputs[1]) is saved statistics.
+      std::vector<Tensor> g = attention_backward(ctx, in[0], in[1], in[2], out, outputs.at(1), dy, in[3],
+                                                 std::get<AttentionAttrs>(attrs));
+      g.push_back(Tensor());
+      return g;
+    }
     case OpId::softmax_backward:
     case OpId::silu_backward:
+    case OpId::swiglu_backward:
+    case OpId::embedding_backward:
+    case OpId::rmsnorm_backward:
+    case OpId::attention_backward:
+    case OpId::cross_entropy:
     case OpId::kCount:
       break;
   }

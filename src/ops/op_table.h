@@ -24,7 +24,17 @@ namespace lathe {
   X(softmax, 1)          \
   X(softmax_backward, 2) \
   X(silu, 1)             \
-  X(silu_backward, 2)
+  X(silu_backward, 2)    \
+  X(swiglu, 2)           \
+  X(swiglu_backward, 3)  \
+  X(embedding, 2)        \
+  X(embedding_backward, 2) \
+  X(rmsnorm, 2)          \
+  X(rmsnorm_backward, 3) \
+  X(rope, 2)             \
+  X(attention, 4)        \
+  X(attention_backward, 7) \
+  X(cross_entropy, 2)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -63,6 +73,43 @@ struct ReduceAttrs {
   bool keepdim = false;
 };
 
-using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs>;
+// embedding(weight (V, H), ids (T) i32) -> (T, H). embedding_backward(dy (T, H), ids) -> dweight (V, H):
+// rows of dy summed per id; `vocab` gives V.
+struct EmbeddingAttrs {
+  int64_t vocab = 0;
+};
+
+// y = x / rms(x) * (offset + w) over the last dim, rms = sqrt(mean(x^2) + eps). offset is 0 for Qwen3,
+// 1 for the zero-centred norms of Qwen3.5. rmsnorm_backward(x, w, dy) -> (dx, dw).
+struct NormAttrs {
+  double eps = 1e-6;
+  double offset = 0.0;
+};
+
+// Rotary embedding of x (T, heads, D) at positions (T) i32, rotate-half layout (pairs i and i + R/2) on the
+// first R = rotary_dim dims (0 = all of D); inverse rotates by -angle (the backward).
+struct RopeAttrs {
+  double theta = 10000.0;
+  int64_t rotary_dim = 0;
+  bool inverse = false;
+};
+
+// Causal attention over packed documents: q (T, Hq, D), k and v (T, Hkv, D) with Hq % Hkv == 0, cu_seqlens
+// (B + 1) i32 with document b at rows [cu[b], cu[b+1]). Outputs o (T, Hq, D) and lse (T, Hq) f32 (f64 for f64), the
+// log-sum-exp of the scaled scores of each row. attention_backward(q, k, v, o, lse, do, cu) -> dq, dk, dv.
+struct AttentionAttrs {
+  double scale = 0.0;  // 0 = 1/sqrt(D)
+};
+
+// cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
+// `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).
+struct CrossEntropyAttrs {
+  int64_t ignore_index = -100;
+  bool with_grad = false;
+  double grad_scale = 1.0;
+};
+
+using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
+                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs>;
 
 }  // namespace lathe

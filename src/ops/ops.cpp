@@ -19,6 +19,14 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::cast: return expect(CastAttrs{});
     case OpId::sum:
     case OpId::mean: return expect(ReduceAttrs{});
+    case OpId::embedding:
+    case OpId::embedding_backward: return expect(EmbeddingAttrs{});
+    case OpId::rmsnorm:
+    case OpId::rmsnorm_backward: return expect(NormAttrs{});
+    case OpId::rope: return expect(RopeAttrs{});
+    case OpId::attention:
+    case OpId::attention_backward: return expect(AttentionAttrs{});
+    case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -82,6 +90,55 @@ Tensor silu(ExecContext& ctx, const Tensor& x) { return call_op(ctx, OpId::silu,
 
 Tensor silu_backward(ExecContext& ctx, const Tensor& x, const Tensor& dy) {
   return call_op(ctx, OpId::silu_backward, {x, dy})[0];
+}
+
+Tensor swiglu(ExecContext& ctx, const Tensor& gate, const Tensor& up) {
+  return call_op(ctx, OpId::swiglu, {contiguous(ctx, gate), contiguous(ctx, up)})[0];
+}
+
+std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& dy) {
+  return call_op(ctx, OpId::swiglu_backward, {contiguous(ctx, gate), contiguous(ctx, up), contiguous(ctx, dy)});
+}
+
+Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids) {
+  return call_op(ctx, OpId::embedding, {contiguous(ctx, weight), contiguous(ctx, ids)})[0];
+}
+
+Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab) {
+  return call_op(ctx, OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, EmbeddingAttrs{vocab})[0];
+}
+
+Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs) {
+  return call_op(ctx, OpId::rmsnorm, {contiguous(ctx, x), contiguous(ctx, w)}, attrs)[0];
+}
+
+std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                                     NormAttrs attrs) {
+  return call_op(ctx, OpId::rmsnorm_backward, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, dy)}, attrs);
+}
+
+Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs) {
+  return call_op(ctx, OpId::rope, {contiguous(ctx, x), contiguous(ctx, positions)}, attrs)[0];
+}
+
+std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& cu_seqlens, AttentionAttrs attrs) {
+  return call_op(ctx, OpId::attention,
+                 {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, cu_seqlens)}, attrs);
+}
+
+std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& o, const Tensor& lse, const Tensor& d_o,
+                                       const Tensor& cu_seqlens, AttentionAttrs attrs) {
+  return call_op(ctx, OpId::attention_backward,
+                 {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, o), contiguous(ctx, lse),
+                  contiguous(ctx, d_o), contiguous(ctx, cu_seqlens)},
+                 attrs);
+}
+
+std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
+                                  CrossEntropyAttrs attrs) {
+  return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
 }
 
 }  // namespace lathe

@@ -36,14 +36,29 @@ Tensor softmax(ExecContext& ctx, const Tensor& x);  // over the last dimension
 Tensor softmax_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
 Tensor silu(ExecContext& ctx, const Tensor& x);
 Tensor silu_backward(ExecContext& ctx, const Tensor& x, const Tensor& dy);
+Tensor swiglu(ExecContext& ctx, const Tensor& gate, const Tensor& up);  // silu(gate) * up
+std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& dy);
+Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids);
+Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab);
+Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);
+std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                                     NormAttrs attrs);  // {dx, dw}
+Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs);
+std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& cu_seqlens, AttentionAttrs attrs);  // {o, lse}
+std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& o, const Tensor& lse, const Tensor& d_o,
+                                       const Tensor& cu_seqlens, AttentionAttrs attrs);  // {dq, dk, dv}
+std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
+                                  CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);
 
 // Gradients of every input of `op` (undefined tensors for inputs without one), given its inputs, its
-// output and the gradient of the output. Built from ops, so it runs on any device.
+// outputs and the gradient of its first output. Built from ops, so it runs on any device.
 std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
-                                const OpAttrs& attrs, const Tensor& output, const Tensor& grad_output);
+                                const OpAttrs& attrs, const std::vector<Tensor>& outputs, const Tensor& grad_output);
 
 // The positive dims that a reduction over `dims` (empty = all) of a `rank`-d tensor covers, sorted.
 std::vector<int> normalize_reduce_dims(const std::vector<int>& dims, int rank);

@@ -41,6 +41,13 @@ void check_same_dtype(OpId op, const Tensor& a, const Tensor& b) {
               a.describe(), b.describe());
 }
 
+// Softmax statistics and losses are f32, except in the f64 reference.
+DType stats_dtype(DType t) { return t == DType::F64 ? DType::F64 : DType::F32; }
+
+void check_index(OpId op, const Tensor& t, const char* what) {
+  LATHE_CHECK(t.dtype() == DType::I32, "ops: {} {} must be i32, got {}", op_name(op), what, t.describe());
+}
+
 void check_floating(OpId op, const Tensor& a) {
   LATHE_CHECK(is_floating(a.dtype()), "ops: {} needs a floating-point input, got {}", op_name(op), a.describe());
 }
@@ -110,6 +117,89 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
         else if (r.keepdim) out.push_back(1);
       }
       return {{out, in[0].dtype()}};
+    }
+    case OpId::swiglu:
+    case OpId::swiglu_backward: {
+      for (size_t i = 1; i < in.size(); ++i) {
+        check_same_dtype(op, in[0], in[i]);
+        LATHE_CHECK(in[0].shape() == in[i].shape(), "ops: {} shapes differ: {} and {}", op_name(op),
+                    in[0].describe(), in[i].describe());
+      }
+      check_floating(op, in[0]);
+      const TensorSpec s{in[0].shape(), in[0].dtype()};
+      return op == OpId::swiglu ? std::vector<TensorSpec>{s} : std::vector<TensorSpec>{s, s};
+    }
+    case OpId::embedding: {
+      check_floating(op, in[0]);
+      LATHE_CHECK(in[0].dim() == 2, "ops: embedding weight must be (vocab, hidden), got {}", in[0].describe());
+      check_index(op, in[1], "ids");
+      Shape out = in[1].shape();
+      out.push_back(in[0].size(1));
+      return {{out, in[0].dtype()}};
+    }
+    case OpId::embedding_backward: {
+      check_floating(op, in[0]);
+      check_index(op, in[1], "ids");
+      const int64_t vocab = std::get<EmbeddingAttrs>(attrs).vocab;
+      LATHE_CHECK(vocab > 0, "ops: embedding_backward needs the vocabulary size");
+      LATHE_CHECK(in[0].dim() == in[1].dim() + 1 && in[0].numel() == in[1].numel() * in[0].size(-1),
+                  "ops: embedding_backward dy {} does not match ids {}", in[0].describe(), in[1].describe());
+      return {{{vocab, in[0].size(-1)}, in[0].dtype()}};
+    }
+    case OpId::rmsnorm:
+    case OpId::rmsnorm_backward: {
+      check_floating(op, in[0]);
+      check_same_dtype(op, in[0], in[1]);
+      LATHE_CHECK(in[1].dim() == 1 && in[0].dim() >= 1 && in[1].size(0) == in[0].size(-1),
+                  "ops: {} weight {} does not match input {}", op_name(op), in[1].describe(), in[0].describe());
+      if (op == OpId::rmsnorm) return {{in[0].shape(), in[0].dtype()}};
+      check_same_dtype(op, in[0], in[2]);
+      LATHE_CHECK(in[2].shape() == in[0].shape(), "ops: rmsnorm_backward dy {} does not match x {}",
+                  in[2].describe(), in[0].describe());
+      return {{in[0].shape(), in[0].dtype()}, {in[1].shape(), in[1].dtype()}};
+    }
+    case OpId::rope: {
+      check_floating(op, in[0]);
+      check_index(op, in[1], "positions");
+      LATHE_CHECK(in[0].dim() == 3 && in[1].dim() == 1 && in[1].size(0) == in[0].size(0),
+                  "ops: rope needs x (T, heads, D) and positions (T), got {} and {}", in[0].describe(),
+                  in[1].describe());
+      const int64_t r = std::get<RopeAttrs>(attrs).rotary_dim;
+      LATHE_CHECK(r >= 0 && r <= in[0].size(2) && r % 2 == 0, "ops: rope rotary_dim {} invalid for head dim {}", r,
+                  in[0].size(2));
+      return {{in[0].shape(), in[0].dtype()}};
+    }
+    case OpId::attention:
+    case OpId::attention_backward: {
+      const Tensor& q = in[0];
+      const Tensor& k = in[1];
+      const Tensor& v = in[2];
+      const Tensor& cu = in[op == OpId::attention ? 3 : 6];
+      check_floating(op, q);
+      check_same_dtype(op, q, k);
+      check_same_dtype(op, q, v);
+      LATHE_CHECK(q.dim() == 3 && k.dim() == 3 && v.shape() == k.shape() && q.size(0) == k.size(0) &&
+                      q.size(2) == k.size(2) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+                  "ops: {} needs q (T, Hq, D), k and v (T, Hkv, D) with Hq a multiple of Hkv; got {}, {}, {}",
+                  op_name(op), q.describe(), k.describe(), v.describe());
+      check_index(op, cu, "cu_seqlens");
+      LATHE_CHECK(cu.dim() == 1 && cu.size(0) >= 2, "ops: {} cu_seqlens must be (B + 1), got {}", op_name(op),
+                  cu.describe());
+      if (op == OpId::attention) return {{q.shape(), q.dtype()}, {{q.size(0), q.size(1)}, stats_dtype(q.dtype())}};
+      LATHE_CHECK(in[3].shape() == q.shape() && in[5].shape() == q.shape() && in[4].dtype() == stats_dtype(q.dtype()) &&
+                      in[4].shape() == (Shape{q.size(0), q.size(1)}),
+                  "ops: attention_backward o, lse or do do not match q {}", q.describe());
+      return {{q.shape(), q.dtype()}, {k.shape(), k.dtype()}, {v.shape(), v.dtype()}};
+    }
+    case OpId::cross_entropy: {
+      check_floating(op, in[0]);
+      check_index(op, in[1], "labels");
+      LATHE_CHECK(in[0].dim() == 2 && in[1].dim() == 1 && in[1].size(0) == in[0].size(0),
+                  "ops: cross_entropy needs logits (N, V) and labels (N), got {} and {}", in[0].describe(),
+                  in[1].describe());
+      std::vector<TensorSpec> out = {{{in[0].size(0)}, stats_dtype(in[0].dtype())}};
+      if (std::get<CrossEntropyAttrs>(attrs).with_grad) out.push_back({in[0].shape(), in[0].dtype()});
+      return out;
     }
     case OpId::kCount: break;
   }

@@ -23,6 +23,54 @@ void add_matmul(std::vector<OpCase>& out, int64_t b, int64_t m, int64_t n, int64
   }
   out.push_back({OpId::matmul, mm_params(b, m, n, k, a) + (b_shared ? ",shared_b" : ""), {sa, sb}, a, kFloat});
 }
+std::vector<double> iota_mod(int64_t n, int64_t mod, int64_t mul) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = double((i * mul + 3) % mod);
+  return v;
+}
+
+// Positions restarting at every document boundary of `cu`.
+std::vector<double> positions(const std::vector<double>& cu) {
+  std::vector<double> p;
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    for (double i = 0; i < cu[b + 1] - cu[b]; ++i) p.push_back(i);
+  return p;
+}
+
+void add_model_op_cases(std::vector<OpCase>& c) {
+  // embedding: repeated ids exercise the scatter-add of the backward.
+  c.push_back({OpId::embedding, "v=11,h=6,t=9", {{11, 6}, {9}}, {}, kFloat, false, true, {{}, iota_mod(9, 11, 4)}});
+  c.push_back({OpId::embedding, "v=1000,h=64,t=300", {{1000, 64}, {300}}, {}, kFloat, false, true,
+               {{}, iota_mod(300, 1000, 37)}});
+  c.push_back({OpId::rmsnorm, "h=32,eps=1e-6", {{5, 32}, {32}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}}, NormAttrs{1e-5, 1.0}, kFloat});
+  c.push_back({OpId::rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  const std::vector<double> cu7 = {0, 3, 7};
+  c.push_back({OpId::rope, "t=7,h=3,d=8,theta=1e4", {{7, 3, 8}, {7}}, RopeAttrs{10000.0, 0, false}, kFloat, false, true,
+               {{}, positions(cu7)}});
+  c.push_back({OpId::rope, "t=7,h=2,d=12,partial=4,theta=1e6", {{7, 2, 12}, {7}}, RopeAttrs{1e6, 4, false}, kFloat, false,
+               true, {{}, positions(cu7)}});
+  c.push_back({OpId::rope, "t=5,h=2,d=64,far", {{5, 2, 64}, {5}}, RopeAttrs{1e6, 0, false}, kFloat, false, true,
+               {{}, {0, 100, 1000, 4095, 32000}}});
+  c.push_back({OpId::swiglu, "[6,10]", {{6, 10}, {6, 10}}, {}, kFloat});
+  c.push_back({OpId::swiglu_backward, "[4,9]", {{4, 9}, {4, 9}, {4, 9}}, {}, kFloat, false, false});
+  const std::vector<double> cu12 = {0, 5, 12}, cu40 = {0, 1, 17, 40}, cu1 = {0, 9};
+  c.push_back({OpId::attention, "t=12,hq=4,hkv=2,d=8,docs=5+7", {{12, 4, 8}, {12, 2, 8}, {12, 2, 8}, {3}},
+               AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu12}});
+  c.push_back({OpId::attention, "t=9,hq=3,hkv=1,d=16,mqa,one_doc", {{9, 3, 16}, {9, 1, 16}, {9, 1, 16}, {2}},
+               AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu1}});
+  c.push_back({OpId::attention, "t=40,hq=2,hkv=2,d=64,docs=1+16+23", {{40, 2, 64}, {40, 2, 64}, {40, 2, 64}, {4}},
+               AttentionAttrs{0.1}, kFloat, false, true, {{}, {}, {}, cu40}});
+  std::vector<double> labels = iota_mod(6, 13, 5);
+  labels[2] = -100;
+  c.push_back({OpId::cross_entropy, "n=6,v=13,ignore", {{6, 13}, {6}}, CrossEntropyAttrs{-100, true, 0.25}, kFloat,
+               false, false, {{}, labels}});
+  c.push_back({OpId::cross_entropy, "n=4,v=3001,loss_only", {{4, 3001}, {4}}, CrossEntropyAttrs{-100, false, 1.0},
+               kFloat, false, false, {{}, iota_mod(4, 3001, 977)}});
+  c.push_back({OpId::cross_entropy, "n=3,v=3001,grad", {{3, 3001}, {3}}, CrossEntropyAttrs{-100, true, 1.0},
+               kFloat, false, false, {{}, iota_mod(3, 3001, 1234)}});
+}
+
 }  // namespace
 
 std::vector<OpCase> all_op_cases() {
@@ -65,6 +113,7 @@ std::vector<OpCase> all_op_cases() {
     c.push_back({OpId::silu_backward, "shape=" + shape_str(s), {s, s}, {}, kFloat, false, false});
   }
   c.push_back({OpId::silu, "strided=[5,3]^T", {{5, 3}}, {}, kFloat, true});
+  add_model_op_cases(c);
   return c;
 }
 

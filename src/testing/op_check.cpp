@@ -108,11 +108,14 @@ Compare compare(const Values& got, const Values& ref) {
   return c;
 }
 
-// Reference values of the inputs in f64 on the CPU.
+// Reference values of the inputs on the CPU: f64, or i32 for index inputs.
 std::vector<Tensor> reference_inputs(Runtime& rt, const std::vector<Values>& logical, const OpCase& oc) {
   std::vector<Tensor> out;
-  for (size_t i = 0; i < logical.size(); ++i)
-    out.push_back(rt.from_host(logical[i].data(), oc.inputs[i], DType::F64, Device::cpu()));
+  for (size_t i = 0; i < logical.size(); ++i) {
+    const bool is_index = i < oc.index_values.size() && !oc.index_values[i].empty();
+    const DType dt = is_index ? DType::I32 : DType::F64;
+    out.push_back(rt.from_host(encode(logical[i], dt).data(), oc.inputs[i], dt, Device::cpu()));
+  }
   return out;
 }
 
@@ -178,6 +181,118 @@ double nmse_threshold(DType t) {
   }
 }
 
+namespace {
+
+// Checks one case on one device and dtype; fills `res` and records the exact kernels that ran.
+void check_row(Runtime& rt, const OpCase& oc, size_t case_index, Device device, DType dtype,
+               const OpCheckOptions& options, const ResolutionObserver* observer, OpCheckResult& res) {
+  std::mt19937_64 rng(options.seed ^ (case_index * 0x9E3779B97F4A7C15ull) ^ (uint64_t(dtype) << 56));
+  ExecContext ctx = rt.context(device);
+  ctx.observer = observer;
+  ExecContext cpu = rt.context(Device::cpu());
+
+  // Inputs: the stored values (what the device gets) and the logical values (what the reference sees).
+  std::vector<Values> logical;
+  std::vector<Tensor> dev_in, ref_in;
+  for (size_t i = 0; i < oc.inputs.size(); ++i) {
+    const bool is_index = i < oc.index_values.size() && !oc.index_values[i].empty();
+    if (is_index) {
+      logical.push_back(oc.index_values[i]);
+      dev_in.push_back(rt.from_host(encode(logical.back(), DType::I32).data(), oc.inputs[i], DType::I32, device));
+      ref_in.push_back(rt.from_host(encode(logical.back(), DType::I32).data(), oc.inputs[i], DType::I32, Device::cpu()));
+      continue;
+    }
+    // Casting a negative float to u8 is undefined: draw non-negative values for that case.
+    const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
+    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), dtype, to_unsigned);
+    const bool tr = oc.transpose_first && i == 0;
+    logical.push_back(logical_values(stored, oc.inputs[i], tr));
+    dev_in.push_back(make_input(rt, stored, oc.inputs[i], dtype, device, tr));
+    ref_in.push_back(rt.from_host(logical.back().data(), oc.inputs[i], DType::F64, Device::cpu()));
+  }
+
+  const std::vector<TensorSpec> specs = infer_outputs(oc.op, dev_in, oc.attrs);
+  OpCall call{oc.op, dev_in, {}, oc.attrs};
+  for (const TensorSpec& spec : specs) call.outputs.push_back(guarded_output(ctx, spec));
+  const bool accumulate = oc.op == OpId::matmul && std::get<MatmulAttrs>(oc.attrs).beta != 0.0f;
+  Values initial;
+  if (accumulate) {  // beta != 0 reads the output: start it from random values instead of poison
+    initial = random_values(rng, shape_numel(specs[0].shape), specs[0].dtype);
+    const std::vector<uint8_t> bytes = encode(initial, specs[0].dtype);
+    ctx.backend.copy(call.outputs[0].data_ptr(), device, bytes.data(), Device::cpu(), bytes.size(), ctx.stream);
+  }
+  Resolution resolution;
+  std::string why;
+  if (!ctx.registry.try_resolve(call, &resolution, &why)) {
+    res.status = OpCheckResult::Status::Skip;
+    res.detail = why;
+    return;
+  }
+  res.kernel = resolution.name;
+  if (observer) (*observer)(call, resolution);
+  (*resolution.run)(call, ctx);
+  ctx.stream.synchronize();
+
+  // Reference outputs: the CPU f64 kernels (cast: the host conversion, rounded to the target dtype).
+  std::vector<Tensor> ref_out;
+  if (oc.op == OpId::cast) {
+    const DType to = std::get<CastAttrs>(oc.attrs).to;
+    Values ref = logical[0];
+    std::vector<uint8_t> tmp(dtype_size(to));
+    for (double& x : ref) {
+      store_from_double(tmp.data(), to, 0, x);
+      x = load_as_double(tmp.data(), to, 0);
+    }
+    ref_out.push_back(rt.from_host(ref.data(), specs[0].shape, DType::F64, Device::cpu()));
+  } else if (accumulate) {
+    ref_out.push_back(rt.from_host(initial.data(), specs[0].shape, DType::F64, Device::cpu()));
+    matmul_into(cpu, ref_in[0], ref_in[1], ref_out[0], std::get<MatmulAttrs>(oc.attrs));
+  } else {
+    ref_out = call_op(cpu, oc.op, ref_in, oc.attrs);
+  }
+
+  const double thr = nmse_threshold(dtype);
+  std::vector<std::string> problems;
+  std::vector<std::string> figures;
+  for (size_t o = 0; o < specs.size(); ++o) {
+    if (std::string g = check_guards(rt, call.outputs[o]); !g.empty()) problems.push_back(fmt::format("output {}: {}", o, g));
+    const Compare c = compare(to_values(rt, call.outputs[o]), to_values(rt, ref_out[o]));
+    const double t = std::max(thr, nmse_threshold(specs[o].dtype));
+    if (c.non_finite) problems.push_back(fmt::format("output {}: {} non-finite values (unwritten?)", o, c.non_finite));
+    if (!(c.nmse <= t)) problems.push_back(fmt::format("output {}: nmse {:.3g} > {:.1g}", o, c.nmse, t));
+    figures.push_back(fmt::format("nmse {:.2g}", c.nmse));
+  }
+  res.detail = fmt::format("{}", fmt::join(figures, ", "));
+
+  if (oc.differentiable && options.backward && is_floating(dtype)) {
+    const Values r = random_values(rng, shape_numel(specs[0].shape), dtype);
+    const Tensor dy_dev = rt.from_host(encode(r, dtype).data(), specs[0].shape, dtype, device);
+    const Tensor dy_ref = rt.from_host(r.data(), specs[0].shape, DType::F64, Device::cpu());
+    const std::vector<Tensor> g_dev = op_backward(ctx, oc.op, dev_in, oc.attrs, call.outputs, dy_dev);
+    const std::vector<Tensor> g_ref = op_backward(cpu, oc.op, ref_in, oc.attrs, ref_out, dy_ref);
+    double worst = 0;
+    for (size_t i = 0; i < g_ref.size(); ++i) {
+      if (!g_ref[i].defined()) continue;
+      LATHE_CHECK(g_dev[i].defined() && g_dev[i].shape() == oc.inputs[i], "op-check: bad gradient {}", i);
+      const Compare b = compare(to_values(rt, g_dev[i]), to_values(rt, g_ref[i]));
+      worst = std::max(worst, b.nmse);
+      if (b.non_finite || !(b.nmse <= thr)) problems.push_back(fmt::format("grad {} nmse {:.3g} > {:.1g}", i, b.nmse, thr));
+    }
+    res.detail += fmt::format(", grad nmse {:.2g}", worst);
+    if (options.finite_differences && device.is_cpu() && dtype == DType::F64) {
+      double fd_err = 0;
+      if (std::string fd = finite_difference_check(rt, oc, logical, r, g_ref, &fd_err); !fd.empty()) problems.push_back(fd);
+      res.detail += fmt::format(", fd err {:.2g}", fd_err);
+    }
+  }
+  if (!problems.empty()) {
+    res.status = OpCheckResult::Status::Fail;
+    res.detail = fmt::format("{}", fmt::join(problems, "; "));
+  }
+}
+
+}  // namespace
+
 std::vector<OpCheckResult> run_op_check(Runtime& rt, const OpCheckOptions& options,
                                         const std::function<void(const OpCheckResult&)>& report) {
   std::vector<Device> devices = options.devices;
@@ -188,6 +303,9 @@ std::vector<OpCheckResult> run_op_check(Runtime& rt, const OpCheckOptions& optio
   }
   std::vector<OpCheckResult> results;
   std::set<KernelKey> exercised;
+  const ResolutionObserver observer = [&](const OpCall& call, const Resolution& r) {
+    if (!r.is_composite) exercised.insert({r.name, call.op, call.device().type, call.key_dtype()});
+  };
   auto emit = [&](OpCheckResult r) {
     if (report) report(r);
     results.push_back(std::move(r));
@@ -202,97 +320,7 @@ std::vector<OpCheckResult> run_op_check(Runtime& rt, const OpCheckOptions& optio
         OpCheckResult res{OpCheckResult::Status::Pass, std::string(op_name(oc.op)), oc.params, device.str(),
                           std::string(dtype_name(dtype)), "", ""};
         try {
-          std::mt19937_64 rng(options.seed ^ (ci * 0x9E3779B97F4A7C15ull) ^ (uint64_t(dtype) << 56));
-          ExecContext ctx = rt.context(device);
-          // Inputs (stored values), as the device gets them and as the reference sees them.
-          std::vector<Values> stored, logical;
-          std::vector<Tensor> dev_in;
-          for (size_t i = 0; i < oc.inputs.size(); ++i) {
-            // Casting a negative float to u8 is undefined: draw non-negative values for that case.
-            const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
-            stored.push_back(random_values(rng, shape_numel(oc.inputs[i]), dtype, to_unsigned));
-            const bool tr = oc.transpose_first && i == 0;
-            logical.push_back(logical_values(stored.back(), oc.inputs[i], tr));
-            dev_in.push_back(make_input(rt, stored.back(), oc.inputs[i], dtype, device, tr));
-          }
-          const std::vector<Tensor> ref_in = reference_inputs(rt, logical, oc);
-          const TensorSpec spec = infer_outputs(oc.op, dev_in, oc.attrs)[0];
-          OpCall call{oc.op, dev_in, {guarded_output(ctx, spec)}, oc.attrs};
-          const bool accumulate = oc.op == OpId::matmul && std::get<MatmulAttrs>(oc.attrs).beta != 0.0f;
-          Values initial;
-          if (accumulate) {  // beta != 0 reads the output: start it from random values instead of poison
-            initial = random_values(rng, shape_numel(spec.shape), spec.dtype);
-            const std::vector<uint8_t> bytes = encode(initial, spec.dtype);
-            ctx.backend.copy(call.outputs[0].data_ptr(), device, bytes.data(), Device::cpu(), bytes.size(), ctx.stream);
-          }
-          Resolution resolution;
-          std::string why;
-          if (!ctx.registry.try_resolve(call, &resolution, &why)) {
-            res.status = OpCheckResult::Status::Skip;
-            res.detail = why;
-            emit(res);
-            continue;
-          }
-          res.kernel = resolution.name;
-          if (!resolution.is_composite)
-            exercised.insert({resolution.name, oc.op, device.type, dtype});
-          (*resolution.run)(call, ctx);
-          ctx.stream.synchronize();
-
-          // Reference: the CPU f64 kernels (cast: the host conversion, rounded to the target dtype).
-          Values ref;
-          ExecContext cpu = rt.context(Device::cpu());
-          if (oc.op == OpId::cast) {
-            const DType to = std::get<CastAttrs>(oc.attrs).to;
-            ref = logical[0];
-            std::vector<uint8_t> tmp(dtype_size(to));
-            for (double& x : ref) {
-              store_from_double(tmp.data(), to, 0, x);
-              x = load_as_double(tmp.data(), to, 0);
-            }
-          } else if (accumulate) {
-            Tensor out = rt.from_host(initial.data(), spec.shape, DType::F64, Device::cpu());
-            matmul_into(cpu, ref_in[0], ref_in[1], out, std::get<MatmulAttrs>(oc.attrs));
-            ref = to_values(rt, out);
-          } else {
-            ref = to_values(rt, call_op(cpu, oc.op, ref_in, oc.attrs)[0]);
-          }
-          std::vector<std::string> problems;
-          if (std::string g = check_guards(rt, call.outputs[0]); !g.empty()) problems.push_back(g);
-          const Compare fwd = compare(to_values(rt, call.outputs[0]), ref);
-          const double thr = nmse_threshold(spec.dtype);
-          if (fwd.non_finite) problems.push_back(fmt::format("{} non-finite outputs (unwritten?)", fwd.non_finite));
-          if (!(fwd.nmse <= thr)) problems.push_back(fmt::format("forward nmse {:.3g} > {:.1g}", fwd.nmse, thr));
-          res.detail = fmt::format("nmse {:.2g}", fwd.nmse);
-
-          if (oc.differentiable && options.backward && is_floating(dtype)) {
-            const Values r = random_values(rng, shape_numel(spec.shape), dtype);
-            const Tensor dy_dev = rt.from_host(encode(r, dtype).data(), spec.shape, dtype, device);
-            const Tensor dy_ref = rt.from_host(r.data(), spec.shape, DType::F64, Device::cpu());
-            const Tensor ref_out = rt.from_host(ref.data(), spec.shape, DType::F64, Device::cpu());
-            const std::vector<Tensor> g_dev = op_backward(ctx, oc.op, dev_in, oc.attrs, call.outputs[0], dy_dev);
-            const std::vector<Tensor> g_ref = op_backward(cpu, oc.op, ref_in, oc.attrs, ref_out, dy_ref);
-            double worst = 0;
-            for (size_t i = 0; i < g_ref.size(); ++i) {
-              if (!g_ref[i].defined()) continue;
-              LATHE_CHECK(g_dev[i].defined() && g_dev[i].shape() == oc.inputs[i], "op-check: bad gradient {}", i);
-              const Compare b = compare(to_values(rt, g_dev[i]), to_values(rt, g_ref[i]));
-              worst = std::max(worst, b.nmse);
-              if (b.non_finite || !(b.nmse <= thr))
-                problems.push_back(fmt::format("grad {} nmse {:.3g} > {:.1g}", i, b.nmse, thr));
-            }
-            res.detail += fmt::format(", grad nmse {:.2g}", worst);
-            if (options.finite_differences && device.is_cpu() && dtype == DType::F64) {
-              double fd_err = 0;
-              if (std::string fd = finite_difference_check(rt, oc, logical, r, g_ref, &fd_err); !fd.empty())
-                problems.push_back(fd);
-              res.detail += fmt::format(", fd err {:.2g}", fd_err);
-            }
-          }
-          if (!problems.empty()) {
-            res.status = OpCheckResult::Status::Fail;
-            res.detail = fmt::format("{}", fmt::join(problems, "; "));
-          }
+          check_row(rt, oc, ci, device, dtype, options, &observer, res);
         } catch (const std::exception& e) {
           res.status = OpCheckResult::Status::Fail;
           res.detail = e.what();
@@ -301,8 +329,9 @@ std::vector<OpCheckResult> run_op_check(Runtime& rt, const OpCheckOptions& optio
       }
     }
   }
-  // Coverage: every registered kernel of a checked device type must have run at least once.
-  if (options.op.empty() && options.params.empty() && options.dtypes.empty()) {
+  // Coverage: every registered kernel of a checked device type must have run at least once (directly or
+  // inside a composite or a backward).
+  if (options.op.empty() && options.params.empty() && options.dtypes.empty() && options.backward) {
     std::set<DeviceType> types;
     for (const Device& d : devices) types.insert(d.type);
     for (const KernelDef& k : rt.registry().kernels()) {

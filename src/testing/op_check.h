@@ -22,6 +22,8 @@ struct OpCase {
   std::vector<DType> dtypes;      // dtypes to test (the key dtype of the call)
   bool transpose_first = false;   // pass input 0 as a transposed (non-contiguous) view of its last two dims
   bool differentiable = true;
+  // Where non-empty, input i is an i32 index tensor (ids, positions, labels, cu_seqlens) with these values.
+  std::vector<std::vector<double>> index_values = {};
 };
 
 std::vector<OpCase> all_op_cases();

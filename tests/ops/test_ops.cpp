@@ -60,7 +60,6 @@ INSTANTIATE_TEST_SUITE_P(AllOps, OpCheck, ::testing::ValuesIn([] {
 TEST(OpCheckCoverage, EveryRegisteredKernelIsExercised) {
   OpCheckOptions o;
   o.finite_differences = false;
-  o.backward = false;
   for (const OpCheckResult& r : run_op_check(runtime(), o))
     if (r.params == "coverage") ADD_FAILURE() << r.device << " " << r.dtype << " " << r.op << " " << r.kernel << ": " << r.detail;
 }

@@ -63,6 +63,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_matmul_kernels(registry);
   register_cpu_elementwise_kernels(registry);
   register_cpu_reduce_kernels(registry);
+  register_cpu_model_kernels(registry);
 }
 
 }  // namespace lathe

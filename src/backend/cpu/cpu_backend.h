@@ -28,5 +28,6 @@ class CpuBackend final : public DeviceBackend {
 void register_cpu_matmul_kernels(KernelRegistry& registry);
 void register_cpu_elementwise_kernels(KernelRegistry& registry);
 void register_cpu_reduce_kernels(KernelRegistry& registry);
+void register_cpu_model_kernels(KernelRegistry& registry);
 
 }  // namespace lathe

@@ -80,6 +80,7 @@ class CudaBackend final : public DeviceBackend {
 void register_cuda_gemm_kernels(KernelRegistry& registry);
 void register_cuda_elementwise_kernels(KernelRegistry& registry);
 void register_cuda_reduce_kernels(KernelRegistry& registry);
+void register_cuda_model_kernels(KernelRegistry& registry);  // model_ops_register.cpp
 
 }  // namespace cuda
 }  // namespace lathe

@@ -1,0 +1,310 @@
+// CPU reference kernels of the transformer layer ops: embedding (+ backward), RMSNorm (+ backward),
+// rotary embedding, SwiGLU (+ backward), causal packed attention (+ backward) and cross-entropy.
+// Plain loops with double accumulation; templates over float and double. Index inputs are validated
+// (an out-of-range token id or label is a data error, reported with its position).
+// Covered by tests/ops (forward, backward, finite differences) and tests/models (HF parity).
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/rope_angles.h"
+#include "backend/registry.h"
+
+namespace lathe {
+
+namespace {
+
+Support all_contiguous(const OpCall& call) {
+  for (const Tensor& t : call.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  for (const Tensor& t : call.outputs)
+    if (!t.is_contiguous()) return Support::no("outputs must be contiguous");
+  return Support::yes();
+}
+
+template <typename T>
+void embedding_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& w = c.inputs[0];
+  const int64_t vocab = w.size(0), hidden = w.size(1), n = c.inputs[1].numel();
+  const int32_t* ids = c.inputs[1].data<int32_t>();
+  for (int64_t t = 0; t < n; ++t)
+    LATHE_CHECK(ids[t] >= 0 && ids[t] < vocab, "embedding: token id {} at position {} is outside the vocabulary (size {})",
+                ids[t], t, vocab);
+  const T* pw = w.data<T>();
+  T* out = c.outputs[0].data<T>();
+#pragma omp parallel for if (n * hidden > 65536)
+  for (int64_t t = 0; t < n; ++t) std::copy(pw + ids[t] * hidden, pw + (ids[t] + 1) * hidden, out + t * hidden);
+}
+
+template <typename T>
+void embedding_backward_kernel(const OpCall& c, ExecContext&) {
+  const int64_t hidden = c.inputs[0].size(-1), n = c.inputs[1].numel();
+  const int64_t vocab = c.outputs[0].size(0);
+  const T* dy = c.inputs[0].data<T>();
+  const int32_t* ids = c.inputs[1].data<int32_t>();
+  for (int64_t t = 0; t < n; ++t)
+    LATHE_CHECK(ids[t] >= 0 && ids[t] < vocab, "embedding: token id {} at position {} is outside the vocabulary (size {})",
+                ids[t], t, vocab);
+  std::vector<double> acc(size_t(vocab * hidden), 0.0);
+#pragma omp parallel for if (n * hidden > 65536)
+  for (int64_t j = 0; j < hidden; ++j)
+    for (int64_t t = 0; t < n; ++t) acc[size_t(ids[t] * hidden + j)] += double(dy[t * hidden + j]);
+  T* dw = c.outputs[0].data<T>();
+  for (size_t i = 0; i < acc.size(); ++i) dw[i] = T(acc[i]);
+}
+
+template <typename T>
+void rmsnorm_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<NormAttrs>();
+  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
+  const T* x = c.inputs[0].data<T>();
+  const T* w = c.inputs[1].data<T>();
+  T* y = c.outputs[0].data<T>();
+#pragma omp parallel for if (rows * h > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t j = 0; j < h; ++j) ss += double(x[r * h + j]) * double(x[r * h + j]);
+    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
+    for (int64_t j = 0; j < h; ++j) y[r * h + j] = T(double(x[r * h + j]) * inv * (a.offset + double(w[j])));
+  }
+}
+
+// dx_j = inv * g_j - x_j * inv^3 / H * sum_k g_k x_k with g = dy * (offset + w); dw_j = sum_rows dy_j x_j inv.
+template <typename T>
+void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<NormAttrs>();
+  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
+  const T* x = c.inputs[0].data<T>();
+  const T* w = c.inputs[1].data<T>();
+  const T* dy = c.inputs[2].data<T>();
+  T* dx = c.outputs[0].data<T>();
+  std::vector<double> dw(size_t(h), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * h;
+    const T* dyr = dy + r * h;
+    double ss = 0, dot = 0;
+    for (int64_t j = 0; j < h; ++j) {
+      ss += double(xr[j]) * double(xr[j]);
+      dot += double(dyr[j]) * (a.offset + double(w[j])) * double(xr[j]);
+    }
+    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
+    for (int64_t j = 0; j < h; ++j) {
+      const double g = double(dyr[j]) * (a.offset + double(w[j]));
+      dx[r * h + j] = T(inv * g - double(xr[j]) * inv * inv * inv * dot / double(h));
+      dw[size_t(j)] += double(dyr[j]) * double(xr[j]) * inv;
+    }
+  }
+  T* pdw = c.outputs[1].data<T>();
+  for (int64_t j = 0; j < h; ++j) pdw[j] = T(dw[size_t(j)]);
+}
+
+template <typename T>
+void rope_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<RopeAttrs>();
+  const Tensor& x = c.inputs[0];
+  const int64_t t_len = x.size(0), heads = x.size(1), d = x.size(2);
+  const int64_t r = a.rotary_dim ? a.rotary_dim : d, half = r / 2;
+  const int32_t* pos = c.inputs[1].data<int32_t>();
+  const T* px = x.data<T>();
+  T* py = c.outputs[0].data<T>();
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) inv_freq[size_t(i)] = cpu::rope_inv_freq(a.theta, i, r);
+#pragma omp parallel for if (t_len * heads * d > 65536)
+  for (int64_t t = 0; t < t_len; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = float(pos[t]) * inv_freq[size_t(i)];
+      const double cs = std::cos(angle), sn = a.inverse ? -double(std::sin(angle)) : double(std::sin(angle));
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        const int64_t base = (t * heads + hd) * d;
+        const double x1 = double(px[base + i]), x2 = double(px[base + i + half]);
+        py[base + i] = T(x1 * cs - x2 * sn);
+        py[base + i + half] = T(x2 * cs + x1 * sn);
+      }
+    }
+    for (int64_t hd = 0; hd < heads; ++hd)
+      for (int64_t j = r; j < d; ++j) py[(t * heads + hd) * d + j] = px[(t * heads + hd) * d + j];
+  }
+}
+
+template <typename T>
+void swiglu_kernel(const OpCall& c, ExecContext&) {
+  const T* g = c.inputs[0].data<T>();
+  const T* u = c.inputs[1].data<T>();
+  T* y = c.outputs[0].data<T>();
+  const int64_t n = c.outputs[0].numel();
+#pragma omp parallel for if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const double gv = double(g[i]);
+    y[i] = T(gv / (1.0 + std::exp(-gv)) * double(u[i]));
+  }
+}
+
+template <typename T>
+void swiglu_backward_kernel(const OpCall& c, ExecContext&) {
+  const T* g = c.inputs[0].data<T>();
+  const T* u = c.inputs[1].data<T>();
+  const T* dy = c.inputs[2].data<T>();
+  T* dg = c.outputs[0].data<T>();
+  T* du = c.outputs[1].data<T>();
+  const int64_t n = c.outputs[0].numel();
+#pragma omp parallel for if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const double gv = double(g[i]), s = 1.0 / (1.0 + std::exp(-gv));
+    du[i] = T(double(dy[i]) * gv * s);
+    dg[i] = T(double(dy[i]) * double(u[i]) * s * (1.0 + gv * (1.0 - s)));
+  }
+}
+
+// Validated document boundaries: 0 = cu[0] <= cu[1] <= ... <= cu[B] = T.
+std::vector<int64_t> documents(const Tensor& cu, int64_t total) {
+  const int32_t* p = cu.data<int32_t>();
+  std::vector<int64_t> out(size_t(cu.numel()));
+  for (int64_t i = 0; i < cu.numel(); ++i) {
+    out[size_t(i)] = p[i];
+    LATHE_CHECK(i == 0 ? p[i] == 0 : p[i] >= p[i - 1], "attention: cu_seqlens must start at 0 and not decrease (entry {} is {})",
+                i, p[i]);
+  }
+  LATHE_CHECK(out.back() == total, "attention: cu_seqlens ends at {} but there are {} tokens", out.back(), total);
+  return out;
+}
+
+template <typename T>
+void attention_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& q = c.inputs[0];
+  const int64_t t_len = q.size(0), hq = q.size(1), d = q.size(2), hkv = c.inputs[1].size(1), group = hq / hkv;
+  const double scale = c.attr<AttentionAttrs>().scale ? c.attr<AttentionAttrs>().scale : 1.0 / std::sqrt(double(d));
+  const std::vector<int64_t> cu = documents(c.inputs[3], t_len);
+  const T* pq = q.data<T>();
+  const T* pk = c.inputs[1].data<T>();
+  const T* pv = c.inputs[2].data<T>();
+  T* po = c.outputs[0].data<T>();
+  auto* plse = static_cast<typename std::conditional<std::is_same_v<T, double>, double, float>::type*>(c.outputs[1].data_ptr());
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t i = 0; i < t_len; ++i) {
+      const int64_t doc_start = *(std::upper_bound(cu.begin(), cu.end(), i) - 1);
+      const int64_t kh = h / group;
+      std::vector<double> s(size_t(i - doc_start + 1));
+      double mx = -INFINITY;
+      for (int64_t j = doc_start; j <= i; ++j) {
+        double dot = 0;
+        for (int64_t e = 0; e < d; ++e) dot += double(pq[(i * hq + h) * d + e]) * double(pk[(j * hkv + kh) * d + e]);
+        s[size_t(j - doc_start)] = dot * scale;
+        mx = std::max(mx, dot * scale);
+      }
+      double l = 0;
+      for (double v : s) l += std::exp(v - mx);
+      const double lse = mx + std::log(l);
+      for (int64_t e = 0; e < d; ++e) {
+        double acc = 0;
+        for (int64_t j = doc_start; j <= i; ++j) acc += std::exp(s[size_t(j - doc_start)] - lse) * double(pv[(j * hkv + kh) * d + e]);
+        po[(i * hq + h) * d + e] = T(acc);
+      }
+      plse[i * hq + h] = decltype(+plse[0])(lse);
+    }
+  }
+}
+
+template <typename T>
+void attention_backward_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& q = c.inputs[0];
+  const int64_t t_len = q.size(0), hq = q.size(1), d = q.size(2), hkv = c.inputs[1].size(1), group = hq / hkv;
+  const double scale = c.attr<AttentionAttrs>().scale ? c.attr<AttentionAttrs>().scale : 1.0 / std::sqrt(double(d));
+  const std::vector<int64_t> cu = documents(c.inputs[6], t_len);
+  const T* pq = q.data<T>();
+  const T* pk = c.inputs[1].data<T>();
+  const T* pv = c.inputs[2].data<T>();
+  const T* po = c.inputs[3].data<T>();
+  const auto* plse = static_cast<const typename std::conditional<std::is_same_v<T, double>, double, float>::type*>(c.inputs[4].data_ptr());
+  const T* pdo = c.inputs[5].data<T>();
+  std::vector<double> dq(size_t(q.numel()), 0.0), dk(size_t(c.inputs[1].numel()), 0.0), dv(dk.size(), 0.0);
+  // One kv head per thread: it owns dk/dv of that head and dq of the query heads of its group.
+#pragma omp parallel for schedule(dynamic)
+  for (int64_t kh = 0; kh < hkv; ++kh) {
+    for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
+      for (int64_t i = 0; i < t_len; ++i) {
+        const int64_t doc_start = *(std::upper_bound(cu.begin(), cu.end(), i) - 1);
+        double delta = 0;  // D_i = do_i . o_i
+        for (int64_t e = 0; e < d; ++e) delta += double(pdo[(i * hq + h) * d + e]) * double(po[(i * hq + h) * d + e]);
+        for (int64_t j = doc_start; j <= i; ++j) {
+          double s = 0, dp = 0;
+          for (int64_t e = 0; e < d; ++e) {
+            s += double(pq[(i * hq + h) * d + e]) * double(pk[(j * hkv + kh) * d + e]);
+            dp += double(pdo[(i * hq + h) * d + e]) * double(pv[(j * hkv + kh) * d + e]);
+          }
+          const double p = std::exp(s * scale - double(plse[i * hq + h]));
+          const double ds = p * (dp - delta) * scale;
+          for (int64_t e = 0; e < d; ++e) {
+            dq[size_t((i * hq + h) * d + e)] += ds * double(pk[(j * hkv + kh) * d + e]);
+            dk[size_t((j * hkv + kh) * d + e)] += ds * double(pq[(i * hq + h) * d + e]);
+            dv[size_t((j * hkv + kh) * d + e)] += p * double(pdo[(i * hq + h) * d + e]);
+          }
+        }
+      }
+    }
+  }
+  auto write = [](const std::vector<double>& src, const Tensor& dst) {
+    T* p = dst.data<T>();
+    for (size_t i = 0; i < src.size(); ++i) p[i] = T(src[i]);
+  };
+  write(dq, c.outputs[0]);
+  write(dk, c.outputs[1]);
+  write(dv, c.outputs[2]);
+}
+
+template <typename T>
+void cross_entropy_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<CrossEntropyAttrs>();
+  const int64_t n = c.inputs[0].size(0), v = c.inputs[0].size(1);
+  const T* x = c.inputs[0].data<T>();
+  const int32_t* labels = c.inputs[1].data<int32_t>();
+  using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
+  S* loss = static_cast<S*>(c.outputs[0].data_ptr());
+  T* dx = a.with_grad ? c.outputs[1].data<T>() : nullptr;
+  for (int64_t r = 0; r < n; ++r)
+    LATHE_CHECK(labels[r] == a.ignore_index || (labels[r] >= 0 && labels[r] < v),
+                "cross_entropy: label {} at position {} is outside the vocabulary (size {})", labels[r], r, v);
+#pragma omp parallel for if (n * v > 65536)
+  for (int64_t r = 0; r < n; ++r) {
+    const T* xr = x + r * v;
+    const bool ignored = labels[r] == a.ignore_index;
+    double mx = -INFINITY;
+    for (int64_t j = 0; j < v; ++j) mx = std::max(mx, double(xr[j]));
+    double sum = 0;
+    for (int64_t j = 0; j < v; ++j) sum += std::exp(double(xr[j]) - mx);
+    const double lse = mx + std::log(sum);
+    loss[r] = ignored ? S(0) : S(lse - double(xr[labels[r]]));
+    if (dx) {
+      for (int64_t j = 0; j < v; ++j) {
+        const double g = ignored ? 0.0 : std::exp(double(xr[j]) - lse) - (j == labels[r] ? 1.0 : 0.0);
+        dx[r * v + j] = T(a.grad_scale * g);
+      }
+    }
+  }
+}
+
+template <typename T>
+void register_for(KernelRegistry& r) {
+  const DType dt = DTypeOf<T>::value;
+  const auto add = [&](OpId op, const char* name, RunFn run) { r.add(KernelDef{op, DeviceType::CPU, dt, name, all_contiguous, run}); };
+  add(OpId::embedding, "cpu/embedding_gather", embedding_kernel<T>);
+  add(OpId::embedding_backward, "cpu/embedding_scatter_add", embedding_backward_kernel<T>);
+  add(OpId::rmsnorm, "cpu/rmsnorm_rows", rmsnorm_kernel<T>);
+  add(OpId::rmsnorm_backward, "cpu/rmsnorm_backward_rows", rmsnorm_backward_kernel<T>);
+  add(OpId::rope, "cpu/rope_rotate_half", rope_kernel<T>);
+  add(OpId::swiglu, "cpu/swiglu", swiglu_kernel<T>);
+  add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);
+  add(OpId::attention, "cpu/causal_varlen_attention", attention_kernel<T>);
+  add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
+  add(OpId::cross_entropy, "cpu/cross_entropy_rows", cross_entropy_kernel<T>);
+}
+
+}  // namespace
+
+void register_cpu_model_kernels(KernelRegistry& r) {
+  register_for<float>(r);
+  register_for<double>(r);
+}
+
+}  // namespace lathe
