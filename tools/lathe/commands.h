@@ -8,5 +8,6 @@ namespace lathe::cli {
 // Each add_* registers its subcommand; the callback runs it and sets the exit code.
 void add_kernels_command(CLI::App& app, int& exit_code);
 void add_op_check_command(CLI::App& app, int& exit_code);
+void add_logprobs_command(CLI::App& app, int& exit_code);
 
 }  // namespace lathe::cli

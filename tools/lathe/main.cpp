@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   lathe::cli::add_kernels_command(app, exit_code);
   lathe::cli::add_op_check_command(app, exit_code);
+  lathe::cli::add_logprobs_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

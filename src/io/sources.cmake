@@ -1,0 +1,1 @@
+target_sources(lathe PRIVATE io/safetensors.cpp)

@@ -1,0 +1,46 @@
+#include "model/batch.h"
+
+namespace lathe {
+
+std::vector<int32_t> next_token_labels(const std::vector<int32_t>& ids, const std::vector<int32_t>& cu) {
+  std::vector<int32_t> labels(ids.size(), -100);
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    for (int32_t i = cu[b]; i + 1 < cu[b + 1]; ++i) labels[size_t(i)] = ids[size_t(i) + 1];
+  return labels;
+}
+
+PackedBatch make_packed_batch(Runtime& rt, Device device, std::vector<int32_t> ids, std::vector<int32_t> cu,
+                              std::vector<int32_t> labels, int64_t vocab_size) {
+  const int64_t t = int64_t(ids.size());
+  LATHE_CHECK(t > 0, "batch: no tokens");
+  LATHE_CHECK(cu.size() >= 2 && cu.front() == 0 && cu.back() == t,
+              "batch: cu_seqlens must run from 0 to the token count {} (got {} entries ending at {})", t, cu.size(),
+              cu.empty() ? -1 : cu.back());
+  for (size_t i = 1; i < cu.size(); ++i)
+    LATHE_CHECK(cu[i] >= cu[i - 1], "batch: cu_seqlens decreases at entry {}", i);
+  LATHE_CHECK(labels.size() == ids.size(), "batch: {} labels for {} tokens", labels.size(), ids.size());
+  std::vector<int32_t> positions(ids.size());
+  int64_t labelled = 0;
+  for (size_t b = 0; b + 1 < cu.size(); ++b)
+    for (int32_t i = cu[b]; i < cu[b + 1]; ++i) positions[size_t(i)] = i - cu[b];
+  for (int64_t i = 0; i < t; ++i) {
+    LATHE_CHECK(ids[size_t(i)] >= 0 && ids[size_t(i)] < vocab_size,
+                "batch: token id {} at position {} is outside the vocabulary (size {})", ids[size_t(i)], i, vocab_size);
+    const int32_t l = labels[size_t(i)];
+    LATHE_CHECK(l == -100 || (l >= 0 && l < vocab_size), "batch: label {} at position {} is outside the vocabulary (size {})",
+                l, i, vocab_size);
+    labelled += l != -100;
+  }
+  PackedBatch b;
+  b.ids = rt.from_host(ids.data(), {t}, DType::I32, device);
+  b.positions = rt.from_host(positions.data(), {t}, DType::I32, device);
+  b.cu_seqlens = rt.from_host(cu.data(), {int64_t(cu.size())}, DType::I32, device);
+  b.labels = rt.from_host(labels.data(), {t}, DType::I32, device);
+  b.num_labelled = labelled;
+  b.host_ids = std::move(ids);
+  b.host_labels = std::move(labels);
+  b.host_cu = std::move(cu);
+  return b;
+}
+
+}  // namespace lathe

@@ -1,0 +1,108 @@
+#include "model/config.h"
+
+#include <fstream>
+
+#include "core/error.h"
+
+namespace lathe {
+
+namespace {
+
+int64_t get_int(const nlohmann::json& j, const char* key, const std::string& src, int64_t fallback = -1) {
+  if (!j.contains(key) || j[key].is_null()) {
+    LATHE_CHECK(fallback >= 0, "config: {}: missing required field '{}'", src, key);
+    return fallback;
+  }
+  LATHE_CHECK(j[key].is_number_integer() && j[key].get<int64_t>() > 0, "config: {}: field '{}' must be a positive integer, got {}",
+              src, key, j[key].dump());
+  return j[key].get<int64_t>();
+}
+
+double get_number(const nlohmann::json& j, const char* key, const std::string& src, double fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  LATHE_CHECK(j[key].is_number(), "config: {}: field '{}' must be a number, got {}", src, key, j[key].dump());
+  return j[key].get<double>();
+}
+
+bool get_bool(const nlohmann::json& j, const char* key, const std::string& src, bool fallback) {
+  if (!j.contains(key) || j[key].is_null()) return fallback;
+  LATHE_CHECK(j[key].is_boolean(), "config: {}: field '{}' must be true or false, got {}", src, key, j[key].dump());
+  return j[key].get<bool>();
+}
+
+// rope_theta at top level, or in rope_parameters (transformers 5) or rope_scaling; only the default rope type.
+double rope_theta(const nlohmann::json& j, const std::string& src) {
+  double theta = get_number(j, "rope_theta", src, -1.0);
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!j.contains(key) || j[key].is_null()) continue;
+    const nlohmann::json& p = j[key];
+    LATHE_CHECK(p.is_object(), "config: {}: field '{}' must be an object", src, key);
+    const std::string type = p.value("rope_type", p.value("type", std::string("default")));
+    LATHE_CHECK(type == "default", "config: {}: {}.rope_type '{}' is not supported (only 'default' rotary embeddings)", src,
+                key, type);
+    for (const auto& [k, v] : p.items())
+      LATHE_CHECK(k == "rope_type" || k == "type" || k == "rope_theta", "config: {}: {}.{} is not supported", src, key, k);
+    if (p.contains("rope_theta")) {
+      const double t = get_number(p, "rope_theta", src + " " + key, -1.0);
+      LATHE_CHECK(theta < 0 || theta == t, "config: {}: rope_theta {} and {}.rope_theta {} disagree", src, theta, key, t);
+      theta = t;
+    }
+  }
+  return theta > 0 ? theta : 10000.0;
+}
+
+}  // namespace
+
+int64_t ModelConfig::parameter_count() const {
+  const int64_t attn = hidden_size * head_dim * (num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
+                       2 * head_dim;
+  const int64_t mlp = 3 * hidden_size * intermediate_size;
+  const int64_t layer = attn + mlp + 2 * hidden_size;
+  return vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + num_layers * layer + hidden_size;
+}
+
+ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) {
+  LATHE_CHECK(j.is_object(), "config: {}: expected a JSON object", src);
+  ModelConfig c;
+  c.raw = j;
+  LATHE_CHECK(j.contains("model_type") && j["model_type"].is_string(), "config: {}: missing 'model_type'", src);
+  c.model_type = j["model_type"].get<std::string>();
+  LATHE_CHECK(c.model_type == "qwen3", "config: {}: model_type '{}' is not supported (supported: qwen3)", src, c.model_type);
+  c.vocab_size = get_int(j, "vocab_size", src);
+  c.hidden_size = get_int(j, "hidden_size", src);
+  c.intermediate_size = get_int(j, "intermediate_size", src);
+  c.num_layers = get_int(j, "num_hidden_layers", src);
+  c.num_heads = get_int(j, "num_attention_heads", src);
+  c.num_kv_heads = get_int(j, "num_key_value_heads", src, c.num_heads);
+  LATHE_CHECK(c.hidden_size % c.num_heads == 0 || j.contains("head_dim"),
+              "config: {}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given", src,
+              c.hidden_size, c.num_heads);
+  c.head_dim = get_int(j, "head_dim", src, c.hidden_size / c.num_heads);
+  LATHE_CHECK(c.num_heads % c.num_kv_heads == 0, "config: {}: num_attention_heads {} is not a multiple of num_key_value_heads {}",
+              src, c.num_heads, c.num_kv_heads);
+  LATHE_CHECK(c.head_dim % 2 == 0, "config: {}: head_dim {} must be even for rotary embeddings", src, c.head_dim);
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, 32768);
+  c.rms_norm_eps = get_number(j, "rms_norm_eps", src, 1e-6);
+  c.rope_theta = rope_theta(j, src);
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", src, false);
+  LATHE_CHECK(!get_bool(j, "attention_bias", src, false), "config: {}: attention_bias=true is not supported for qwen3", src);
+  LATHE_CHECK(!get_bool(j, "use_sliding_window", src, false), "config: {}: use_sliding_window=true is not supported", src);
+  const std::string act = j.value("hidden_act", std::string("silu"));
+  LATHE_CHECK(act == "silu", "config: {}: hidden_act '{}' is not supported (only silu)", src, act);
+  return c;
+}
+
+ModelConfig load_model_config(const std::string& model_dir) {
+  const std::string path = model_dir + "/config.json";
+  std::ifstream f(path);
+  LATHE_CHECK(f.good(), "config: cannot open {}", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    LATHE_FAIL("config: {} is not valid JSON: {}", path, e.what());
+  }
+  return parse_model_config(j, path);
+}
+
+}  // namespace lathe

@@ -1,0 +1,1 @@
+lathe_add_test(test_io io/test_safetensors.cpp)

@@ -1,0 +1,211 @@
+// Qwen3 dense model: parity with Hugging Face fixtures (logits, loss, every parameter gradient on a packed
+// batch; written by dev/ref/qwen3_fixtures.py), the whole-model gradient against finite differences in
+// f64, packing isolation, recomputation and chunking invariance, save/load round trips, config errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "io/safetensors.h"
+#include "model/qwen3.h"
+#include "ops/ops.h"
+
+using namespace lathe;
+namespace fs = std::filesystem;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+std::vector<float> to_f32(const Tensor& t) {
+  ExecContext ctx = runtime().context(t.device());
+  const Tensor h = runtime().copy_to(cast(ctx, t, DType::F32), Device::cpu());
+  return std::vector<float>(h.data<float>(), h.data<float>() + h.numel());
+}
+
+// ||a - b|| / ||b||
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
+  double e = 0, n = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    n += double(b[i]) * b[i];
+  }
+  return std::sqrt(e / std::max(n, 1e-300));
+}
+
+std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
+  const io::SafetensorsTensor& t = f.get(name);
+  std::vector<int32_t> v(size_t(t.numel));
+  f.read_into(name, DType::I32, v.data(), v.size() * 4);
+  return v;
+}
+
+ModelConfig tiny_config(bool tied, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", 50}, {"hidden_size", 24}, {"intermediate_size", 40},
+                      {"num_hidden_layers", 2}, {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
+                      {"head_dim", head_dim}, {"rms_norm_eps", 1e-6}, {"rope_theta", 10000.0},
+                      {"tie_word_embeddings", tied}};
+  return parse_model_config(j, "test");
+}
+
+PackedBatch random_batch(Device d, int64_t vocab, std::vector<int32_t> cu, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> ids(size_t(cu.back()));
+  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
+  return make_packed_batch(runtime(), d, ids, cu, next_token_labels(ids, cu), vocab);
+}
+
+const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3";
+
+}  // namespace
+
+TEST(Qwen3Parity, MatchesTransformersFixtures) {
+  ASSERT_TRUE(fs::exists(kFixtures)) << "fixtures missing: " << kFixtures << " (made by dev/ref/qwen3_fixtures.py)";
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(kFixtures)) {
+    if (!entry.is_directory()) continue;
+    SCOPED_TRACE(entry.path().filename().string());
+    for (bool recompute : {false, true}) {
+      ModelOptions opt;
+      opt.recompute = recompute;
+      opt.loss_chunk_rows = recompute ? 5 : 1024;  // chunking must not change anything
+      Qwen3Model m = Qwen3Model::load(runtime(), (entry.path() / "model").string(), opt);
+      const io::SafetensorsFile ref = io::SafetensorsFile::open((entry.path() / "reference.safetensors").string());
+      const PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"),
+                                              read_i32(ref, "cu_seqlens"), read_i32(ref, "labels"), m.config().vocab_size);
+      EXPECT_LT(rel_l2(to_f32(m.logits(b)), ref.read_as_f32("logits")), 1e-5);
+      const LossResult r = m.loss(b, /*backward=*/true);
+      const double want = ref.read_as_f32("loss")[0];
+      EXPECT_NEAR(r.loss, want, 1e-5 * std::abs(want));
+      for (const Parameter& p : m.parameters()) {
+        ASSERT_TRUE(p.grad.defined()) << p.name;
+        const double err = rel_l2(to_f32(p.grad), ref.read_as_f32("grad." + p.name));
+        EXPECT_LT(err, 1e-5) << p.name;
+      }
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 3) << "expected several fixture configs";
+}
+
+TEST(Qwen3Gradient, WholeModelMatchesFiniteDifferencesInF64) {
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(false, 4, 2, 8), opt, 7, 0.3);
+  const PackedBatch b = random_batch(Device::cpu(), 50, {0, 6, 7, 15}, 3);
+  m.loss(b, true);
+  std::mt19937 rng(11);
+  int checked = 0;
+  for (Parameter& p : m.parameters()) {
+    double* w = p.value.data<double>();
+    const double* g = p.grad.data<double>();
+    for (int trial = 0; trial < 2; ++trial) {
+      const int64_t i = int64_t(rng() % uint32_t(p.value.numel()));
+      const double h = 1e-5, saved = w[i];
+      w[i] = saved + h;
+      const double lp = m.loss(b, false).loss;
+      w[i] = saved - h;
+      const double lm = m.loss(b, false).loss;
+      w[i] = saved;
+      const double numeric = (lp - lm) / (2 * h);
+      EXPECT_NEAR(g[i], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << p.name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * int(m.parameters().size()));
+}
+
+TEST(Qwen3Packing, DocumentsDoNotSeeEachOther) {
+  Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(true, 2, 1, 12), {}, 5, 0.3);
+  const PackedBatch packed = random_batch(Device::cpu(), 50, {0, 9, 16}, 9);
+  const std::vector<double> lp = m.label_logprobs(packed);
+  for (int doc = 0; doc < 2; ++doc) {
+    const int32_t s = packed.host_cu[size_t(doc)], e = packed.host_cu[size_t(doc) + 1];
+    std::vector<int32_t> ids(packed.host_ids.begin() + s, packed.host_ids.begin() + e);
+    const std::vector<int32_t> cu = {0, e - s};
+    const PackedBatch alone = make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), 50);
+    const std::vector<double> lp_alone = m.label_logprobs(alone);
+    for (int32_t i = 0; i < e - s; ++i) EXPECT_NEAR(lp[size_t(s + i)], lp_alone[size_t(i)], 1e-5) << doc << ":" << i;
+  }
+}
+
+TEST(Qwen3Checkpoint, SaveThenLoadGivesTheSameModel) {
+  Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(false, 4, 2, 6), {}, 21, 0.2);
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_save_{}", getpid());
+  m.save(dir.string());
+  m.save(dir.string());  // saving over an existing folder replaces it
+  EXPECT_TRUE(fs::exists(dir / "config.json"));
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
+  Qwen3Model back = Qwen3Model::load(runtime(), dir.string(), {});
+  const PackedBatch b = random_batch(Device::cpu(), 50, {0, 10}, 4);
+  EXPECT_EQ(to_f32(m.logits(b)), to_f32(back.logits(b)));
+  fs::remove_all(dir);
+}
+
+TEST(Qwen3Checkpoint, MissingOrMisshapedTensorsAreClearErrors) {
+  Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(true, 2, 2, 12), {}, 1, 0.2);
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_bad_{}", getpid());
+  m.save(dir.string());
+  // Claim one more layer than the checkpoint holds.
+  nlohmann::json cfg = m.config().raw;
+  cfg["num_hidden_layers"] = 3;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  try {
+    Qwen3Model::load(runtime(), dir.string(), {});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'model.layers.2.input_layernorm.weight' is missing"), std::string::npos) << e.what();
+  }
+  cfg["num_hidden_layers"] = 2;
+  cfg["intermediate_size"] = 41;
+  std::ofstream(dir / "config.json") << cfg.dump();
+  try {
+    Qwen3Model::load(runtime(), dir.string(), {});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("but the config implies"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+TEST(ModelConfig, AcceptsBothRopeSpellingsAndRefusesWhatItCannotDo) {
+  nlohmann::json base = tiny_config(true, 2, 2, 12).raw;
+  base.erase("rope_theta");
+  nlohmann::json a = base;
+  a["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  EXPECT_EQ(parse_model_config(a, "a").rope_theta, 1e6);
+  nlohmann::json b = base;
+  b["rope_theta"] = 5e5;
+  b["rope_scaling"] = nullptr;
+  EXPECT_EQ(parse_model_config(b, "b").rope_theta, 5e5);
+  EXPECT_EQ(parse_model_config(base, "c").rope_theta, 10000.0);
+
+  auto refused = [&](nlohmann::json j, const std::string& needle) {
+    try {
+      parse_model_config(j, "cfg.json");
+      ADD_FAILURE() << "accepted: " << j.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  nlohmann::json yarn = base;
+  yarn["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  refused(yarn, "rope_scaling.rope_type 'yarn' is not supported");
+  nlohmann::json llama = base;
+  llama["model_type"] = "llama";
+  refused(llama, "model_type 'llama' is not supported");
+  nlohmann::json bias = base;
+  bias["attention_bias"] = true;
+  refused(bias, "attention_bias");
+  nlohmann::json missing = base;
+  missing.erase("hidden_size");
+  refused(missing, "missing required field 'hidden_size'");
+  nlohmann::json gqa = base;
+  gqa["num_key_value_heads"] = 3;
+  refused(gqa, "not a multiple of num_key_value_heads");
+}
