@@ -61,6 +61,16 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu1}});
   c.push_back({OpId::attention, "t=40,hq=2,hkv=2,d=64,docs=1+16+23", {{40, 2, 64}, {40, 2, 64}, {40, 2, 64}, {4}},
                AttentionAttrs{0.1}, kFloat, false, true, {{}, {}, {}, cu40}});
+  const std::vector<double> cu20 = {0, 8, 20};
+  for (int64_t d : {96, 128, 256})
+    c.push_back({OpId::attention, fmt::format("t=20,hq=2,hkv=1,d={},docs=8+12", d), {{20, 2, d}, {20, 1, d}, {20, 1, d}, {3}},
+                 AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu20}});
+  c.push_back({OpId::attention, "t=20,hq=8,hkv=1,d=32,group=8", {{20, 8, 32}, {20, 1, 32}, {20, 1, 32}, {3}},
+               AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu20}});
+  c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
+               false, false, {{}, {17, 32767}}});
   std::vector<double> labels = iota_mod(6, 13, 5);
   labels[2] = -100;
   c.push_back({OpId::cross_entropy, "n=6,v=13,ignore", {{6, 13}, {6}}, CrossEntropyAttrs{-100, true, 0.25}, kFloat,

@@ -79,7 +79,7 @@ TEST(OpCheckHarness, CatchesWrongValues) {
                       for (int64_t i = 0; i < c.outputs[0].numel(); ++i) y[i] = x[i] / (1.0f + std::exp(-1.01f * x[i]));
                     }});
   });
-  EXPECT_TRUE(any_failed(run_op_check(rt, only("silu", DType::F32)), "forward nmse"));
+  EXPECT_TRUE(any_failed(run_op_check(rt, only("silu", DType::F32)), "output 0: nmse"));
 }
 
 TEST(OpCheckHarness, CatchesWritePastTheEnd) {
@@ -108,7 +108,7 @@ TEST(OpCheckHarness, CatchesMissingWrite) {
                         c.outputs[0].data<float>()[i] = a.data<float>()[i] + b.data<float>()[i];
                     }});
   });
-  EXPECT_TRUE(any_failed(run_op_check(rt, only("add", DType::F32)), "non-finite outputs"));
+  EXPECT_TRUE(any_failed(run_op_check(rt, only("add", DType::F32)), "non-finite values"));
 }
 
 TEST(OpCheckHarness, CatchesWrongGradientByFiniteDifferences) {

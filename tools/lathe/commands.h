@@ -9,5 +9,6 @@ namespace lathe::cli {
 void add_kernels_command(CLI::App& app, int& exit_code);
 void add_op_check_command(CLI::App& app, int& exit_code);
 void add_logprobs_command(CLI::App& app, int& exit_code);
+void add_convert_command(CLI::App& app, int& exit_code);
 
 }  // namespace lathe::cli

@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   lathe::cli::add_kernels_command(app, exit_code);
   lathe::cli::add_op_check_command(app, exit_code);
   lathe::cli::add_logprobs_command(app, exit_code);
+  lathe::cli::add_convert_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

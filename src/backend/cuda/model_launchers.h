@@ -1,0 +1,75 @@
+// Raw-pointer launchers of the CUDA transformer-layer kernels (model_ops.cu): embedding, RMSNorm, rotary
+// embedding, SwiGLU, causal packed attention, cross-entropy, and their backwards. Every tensor is contiguous;
+// statistics (attention lse, cross-entropy loss) and scratch buffers are float; the caller allocates scratch.
+// Tensor checks and registration live in model_ops_register.cpp; covered by tests/ops. Free of fmt for nvcc.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lathe::cuda {
+
+// Largest head dim of the attention kernels (one warp holds a row, 8 values a lane).
+constexpr int64_t kMaxAttentionHeadDim = 256;
+// Largest rotary_dim / 2 of the rope kernel (the inverse frequencies travel as a kernel argument).
+constexpr int kMaxRopeHalf = 256;
+
+// Index inputs (token ids, labels, cu_seqlens) are validated on the host by the model before upload; a
+// kernel cannot throw, so out-of-range values are skipped (see each launcher).
+
+// out (n_tokens, hidden) = weight (vocab, hidden) rows at ids; an out-of-range id gives a zero row.
+void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* weight,
+                      const int32_t* ids, void* out, cudaStream_t stream);
+// dweight (vocab, hidden) = rows of dy (n_tokens, hidden) summed per id (out-of-range ids skipped), through
+// `acc` (vocab, hidden) float: zero-filled, fp32 atomicAdd, then converted into dweight. For f32, acc may be
+// dweight itself (then nothing is converted). Not bitwise deterministic for repeated ids (atomic order).
+void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
+                               const int32_t* ids, float* acc, void* dweight, cudaStream_t stream);
+
+// y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
+void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
+                    void* y, cudaStream_t stream);
+// Floats of scratch launch_rmsnorm_backward needs (per-block partial column sums of dw).
+int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h);
+void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                             const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream);
+
+// Rotate-half rotary embedding of x (tokens, heads, d) on the first 2 * half dims (the rest copied), angle =
+// float(pos) * inv_freq[i]; inverse rotates by -angle. inv_freq is computed on the host (cpu::rope_inv_freq).
+struct RopeFrequencies {
+  float inv_freq[kMaxRopeHalf];
+};
+void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t half, bool inverse,
+                 const RopeFrequencies& freqs, const void* x, const int32_t* positions, void* y, cudaStream_t stream);
+
+// y = silu(g) * u; backward: dg, du from g, u, dy. n elements each.
+void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y, cudaStream_t stream);
+void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du,
+                            cudaStream_t stream);
+
+// q (tokens, q_heads, head_dim), k and v (tokens, kv_heads, head_dim), cu_seqlens (n_cu) i32 on the device.
+struct AttentionDims {
+  int64_t tokens = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;  // at most kMaxAttentionHeadDim
+  int64_t n_cu = 0;      // number of cu_seqlens entries (documents + 1)
+  float scale = 0;       // already resolved (never 0 here)
+};
+// o (tokens, q_heads, head_dim), lse (tokens, q_heads) float.
+void launch_attention(DType dtype, const AttentionDims& dims, const void* q, const void* k, const void* v,
+                      const int32_t* cu_seqlens, void* o, float* lse, cudaStream_t stream);
+// dq like q, dk and dv like k; `delta` is scratch of tokens * q_heads floats (D_i = do_i . o_i).
+void launch_attention_backward(DType dtype, const AttentionDims& dims, const void* q, const void* k, const void* v,
+                               const void* o, const float* lse, const void* dout, const int32_t* cu_seqlens,
+                               void* dq, void* dk, void* dv, float* delta, cudaStream_t stream);
+
+// loss (rows) float = logsumexp(x) - x[label] (0 where label == ignore_index; NaN for any other out-of-range
+// label); with dlogits non-null, dlogits (rows, vocab) = grad_scale * (softmax - onehot), zero rows if ignored.
+void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ignore_index, double grad_scale,
+                          const void* logits, const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream);
+
+}  // namespace lathe::cuda

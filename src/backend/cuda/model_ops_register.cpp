@@ -1,0 +1,164 @@
+// Registration of the CUDA transformer-layer kernels (model_ops.cu): tensor checks, scratch buffers from the
+// context's allocator, launch on the context's stream. Convention: scratch tensors are released when the run
+// function returns, before the kernels finish; the caching allocator reuses blocks in the default stream's
+// order, so this is safe on the default stream (the documented limitation of side streams applies).
+// Covered by tests/ops (every model-op case on cuda, f32/bf16/f16).
+#include <cmath>
+
+#include "backend/cpu/rope_angles.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/model_launchers.h"
+#include "backend/registry.h"
+
+namespace lathe::cuda {
+
+namespace {
+
+// The kernels index rows of contiguous buffers directly (no stride arithmetic).
+Support contiguous_supports(const OpCall& c) {
+  for (const Tensor& t : c.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  for (const Tensor& t : c.outputs)
+    if (!t.is_contiguous()) return Support::no("outputs must be contiguous");
+  return Support::yes();
+}
+
+Support rope_supports(const OpCall& c) {
+  const auto& a = c.attr<RopeAttrs>();
+  const int64_t rotary = a.rotary_dim ? a.rotary_dim : c.inputs[0].size(-1);
+  if (rotary / 2 > kMaxRopeHalf) return Support::no("rotary dim above 512 (inverse frequencies are a kernel argument)");
+  return contiguous_supports(c);
+}
+
+Support attention_supports(const OpCall& c) {
+  if (c.inputs[0].size(-1) > kMaxAttentionHeadDim)
+    return Support::no("head dim above 256 (one warp holds a row, 8 values a lane)");
+  return contiguous_supports(c);
+}
+
+cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
+
+int64_t rows_of(const Tensor& t) { return t.size(-1) ? t.numel() / t.size(-1) : 0; }
+
+void run_embedding(const OpCall& c, ExecContext& ctx) {
+  const Tensor& w = c.inputs[0];  // (V, H)
+  const Tensor& ids = c.inputs[1];
+  launch_embedding(w.dtype(), ids.numel(), w.size(1), w.size(0), w.data_ptr(), ids.data<int32_t>(),
+                   c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
+void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& dy = c.inputs[0];  // (..., H)
+  const Tensor& ids = c.inputs[1];
+  const Tensor& dw = c.outputs[0];  // (V, H)
+  Tensor acc;                       // (V, H) f32, unless dw is f32 itself
+  float* pacc = nullptr;
+  if (dw.dtype() == DType::F32) {
+    pacc = dw.data<float>();
+  } else {
+    acc = Tensor::empty(dw.shape(), DType::F32, ctx.allocator);
+    pacc = acc.data<float>();
+  }
+  launch_embedding_backward(dy.dtype(), ids.numel(), dw.size(1), dw.size(0), dy.data_ptr(), ids.data<int32_t>(),
+                            pacc, dw.data_ptr(), stream_of(ctx));
+}
+
+void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<NormAttrs>();
+  const Tensor& x = c.inputs[0];
+  launch_rmsnorm(x.dtype(), rows_of(x), x.size(-1), a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
+                 c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
+void run_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<NormAttrs>();
+  const Tensor& x = c.inputs[0];
+  const int64_t rows = rows_of(x), h = x.size(-1);
+  const int64_t n_scratch = rmsnorm_backward_scratch_floats(rows, h);
+  Tensor partial = n_scratch ? Tensor::empty({n_scratch}, DType::F32, ctx.allocator) : Tensor();  // (blocks, H)
+  launch_rmsnorm_backward(x.dtype(), rows, h, a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
+                          c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
+                          n_scratch ? partial.data<float>() : nullptr, stream_of(ctx));
+}
+
+void run_rope(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<RopeAttrs>();
+  const Tensor& x = c.inputs[0];  // (T, heads, D)
+  const int64_t d = x.size(2), rotary = a.rotary_dim ? a.rotary_dim : d, half = rotary / 2;
+  // Host-computed with the CPU's function, so the angles match the reference (and transformers) bit for bit.
+  RopeFrequencies freqs{};
+  for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = cpu::rope_inv_freq(a.theta, i, rotary);
+  launch_rope(x.dtype(), x.size(0), x.size(1), d, half, a.inverse, freqs, x.data_ptr(), c.inputs[1].data<int32_t>(),
+              c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
+void run_swiglu(const OpCall& c, ExecContext& ctx) {
+  launch_swiglu(c.inputs[0].dtype(), c.outputs[0].numel(), c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
+void run_swiglu_backward(const OpCall& c, ExecContext& ctx) {
+  launch_swiglu_backward(c.inputs[0].dtype(), c.outputs[0].numel(), c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                         c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), stream_of(ctx));
+}
+
+AttentionDims attention_dims(const OpCall& c, const Tensor& cu) {
+  const Tensor& q = c.inputs[0];  // (T, Hq, D)
+  AttentionDims d;
+  d.tokens = q.size(0);
+  d.q_heads = q.size(1);
+  d.kv_heads = c.inputs[1].size(1);
+  d.head_dim = q.size(2);
+  d.n_cu = cu.numel();
+  const double scale = c.attr<AttentionAttrs>().scale;
+  d.scale = float(scale != 0.0 ? scale : 1.0 / std::sqrt(double(d.head_dim)));
+  return d;
+}
+
+void run_attention(const OpCall& c, ExecContext& ctx) {
+  const Tensor& cu = c.inputs[3];
+  launch_attention(c.inputs[0].dtype(), attention_dims(c, cu), c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                   c.inputs[2].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(), c.outputs[1].data<float>(),
+                   stream_of(ctx));
+}
+
+void run_attention_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& cu = c.inputs[6];
+  const AttentionDims d = attention_dims(c, cu);
+  if (d.tokens * d.q_heads == 0) return;
+  Tensor delta = Tensor::empty({d.tokens, d.q_heads}, DType::F32, ctx.allocator);  // (T, Hq)
+  launch_attention_backward(c.inputs[0].dtype(), d, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                            c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.inputs[4].data<float>(),
+                            c.inputs[5].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
+                            c.outputs[2].data_ptr(), delta.data<float>(), stream_of(ctx));
+}
+
+void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<CrossEntropyAttrs>();
+  const Tensor& x = c.inputs[0];  // (N, V)
+  launch_cross_entropy(x.dtype(), x.size(0), x.size(1), a.ignore_index, a.grad_scale, x.data_ptr(),
+                       c.inputs[1].data<int32_t>(), c.outputs[0].data<float>(),
+                       a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
+}
+
+}  // namespace
+
+void register_cuda_model_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    const auto add = [&](OpId op, const char* name, SupportsFn supports, RunFn run) {
+      r.add(KernelDef{op, DeviceType::CUDA, dt, name, std::move(supports), std::move(run)});
+    };
+    add(OpId::embedding, "cuda/embedding_gather", contiguous_supports, run_embedding);
+    add(OpId::embedding_backward, "cuda/embedding_scatter_add", contiguous_supports, run_embedding_backward);
+    add(OpId::rmsnorm, "cuda/rmsnorm_rows", contiguous_supports, run_rmsnorm);
+    add(OpId::rmsnorm_backward, "cuda/rmsnorm_backward_rows", contiguous_supports, run_rmsnorm_backward);
+    add(OpId::rope, "cuda/rope_rotate_half", rope_supports, run_rope);
+    add(OpId::swiglu, "cuda/swiglu", contiguous_supports, run_swiglu);
+    add(OpId::swiglu_backward, "cuda/swiglu_backward", contiguous_supports, run_swiglu_backward);
+    add(OpId::attention, "cuda/causal_varlen_attention", attention_supports, run_attention);
+    add(OpId::attention_backward, "cuda/causal_varlen_attention_backward", attention_supports, run_attention_backward);
+    add(OpId::cross_entropy, "cuda/cross_entropy_rows", contiguous_supports, run_cross_entropy);
+  }
+}
+
+}  // namespace lathe::cuda
