@@ -269,17 +269,23 @@ void cross_entropy_kernel(const OpCall& c, ExecContext&) {
   for (int64_t r = 0; r < n; ++r) {
     const T* xr = x + r * v;
     const bool ignored = labels[r] == a.ignore_index;
-    double mx = -INFINITY;
-    for (int64_t j = 0; j < v; ++j) mx = std::max(mx, double(xr[j]));
+    T mx = xr[0];
+    for (int64_t j = 1; j < v; ++j) mx = std::max(mx, xr[j]);
+    // exp(x - max) in the input's precision (one exp per element, kept in dlogits when it is wanted),
+    // summed in double.
+    T* dr = dx ? dx + r * v : nullptr;
     double sum = 0;
-    for (int64_t j = 0; j < v; ++j) sum += std::exp(double(xr[j]) - mx);
-    const double lse = mx + std::log(sum);
+    for (int64_t j = 0; j < v; ++j) {
+      const T e = std::exp(xr[j] - mx);
+      sum += double(e);
+      if (dr) dr[j] = e;
+    }
+    const double lse = double(mx) + std::log(sum);
     loss[r] = ignored ? S(0) : S(lse - double(xr[labels[r]]));
-    if (dx) {
-      for (int64_t j = 0; j < v; ++j) {
-        const double g = ignored ? 0.0 : std::exp(double(xr[j]) - lse) - (j == labels[r] ? 1.0 : 0.0);
-        dx[r * v + j] = T(a.grad_scale * g);
-      }
+    if (dr) {
+      const T scale = ignored ? T(0) : T(a.grad_scale / sum);
+      for (int64_t j = 0; j < v; ++j) dr[j] *= scale;
+      if (!ignored) dr[labels[r]] -= T(a.grad_scale);
     }
   }
 }
