@@ -3,6 +3,13 @@ find_package(Threads REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(fmt REQUIRED)
 find_package(nlohmann_json REQUIRED)
+find_package(yaml-cpp REQUIRED)
+# yaml-cpp 0.8 (Ubuntu 24.04) exports yaml-cpp::yaml-cpp; 0.7 (Debian 12) exports plain yaml-cpp.
+if(TARGET yaml-cpp::yaml-cpp)
+  set(LATHE_YAML_TARGET yaml-cpp::yaml-cpp)
+else()
+  set(LATHE_YAML_TARGET yaml-cpp)
+endif()
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
 

@@ -250,18 +250,32 @@ LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_sca
   LossResult result;
   result.labelled = b.num_labelled;
   const double grad_scale = b.num_labelled ? loss_scale / double(b.num_labelled) : 0.0;
-  Tensor dxf;
-  if (backward) dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
+  // Only labelled positions need logits: gather their rows (the embedding op is a row gather, its backward a
+  // scatter-add), so prompt tokens of SFT data cost nothing in the LM head.
+  std::vector<int32_t> rows, targets;
+  for (int64_t i = 0; i < b.tokens(); ++i) {
+    if (b.host_labels[size_t(i)] == -100) continue;
+    rows.push_back(int32_t(i));
+    targets.push_back(b.host_labels[size_t(i)]);
+  }
+  const int64_t n_rows = int64_t(rows.size());
+  Tensor xs, dxs, row_index, target_t;
+  if (n_rows > 0) {
+    row_index = rt_->from_host(rows.data(), {n_rows}, DType::I32, options_.device);
+    target_t = rt_->from_host(targets.data(), {n_rows}, DType::I32, options_.device);
+    xs = embedding(cx, xf, row_index);  // (n_rows, H)
+    if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
+  }
   const int head = lm_head_ >= 0 ? lm_head_ : embed_;
-  for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
-    const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
-    const Tensor xc = xf.narrow(0, r0, n);
+  for (int64_t r0 = 0; r0 < n_rows; r0 += options_.loss_chunk_rows) {
+    const int64_t n = std::min(options_.loss_chunk_rows, n_rows - r0);
+    const Tensor xc = xs.narrow(0, r0, n);
     const Tensor logits = linear(cx, xc, lm_head());  // (n, V), freed after this chunk
-    const std::vector<Tensor> ce = cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {-100, backward, grad_scale});
+    const std::vector<Tensor> ce = cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, grad_scale});
     const Tensor loss_rows = rt_->copy_to(ce[0], Device::cpu());
     for (int64_t i = 0; i < n; ++i) result.loss_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
     if (backward) {
-      Tensor dxc = dxf.narrow(0, r0, n);
+      Tensor dxc = dxs.narrow(0, r0, n);
       matmul_into(cx, ce[1], lm_head(), dxc, {});
       add_linear_grad(head, ce[1], xc);
     }
@@ -269,6 +283,14 @@ LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_sca
   result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
   if (!backward) return result;
 
+  // Gradient of the final norm's output: the labelled rows' gradients scattered back (zero elsewhere).
+  Tensor dxf;
+  if (n_rows > 0) {
+    dxf = embedding_backward(cx, dxs, row_index, b.tokens());
+  } else {
+    dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
+    cx.backend.fill_bytes(dxf.data_ptr(), 0, dxf.nbytes(), cx.stream);
+  }
   const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, w(final_norm_), dxf, norm);
   add_grad(final_norm_, dfinal[1]);
   Tensor dx = dfinal[0];

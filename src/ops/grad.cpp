@@ -100,6 +100,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::rmsnorm_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
+    case OpId::adamw:
     case OpId::kCount:
       break;
   }

@@ -34,7 +34,8 @@ namespace lathe {
   X(rope, 2)             \
   X(attention, 4)        \
   X(attention_backward, 7) \
-  X(cross_entropy, 2)
+  X(cross_entropy, 2)    \
+  X(adamw, 4)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -109,7 +110,25 @@ struct CrossEntropyAttrs {
   double grad_scale = 1.0;
 };
 
+// adamw(master, grad, m, v) -> (master', m', v'): one AdamW step (Loshchilov & Hutter's decoupled weight decay,
+// with the conventions of torch.optim.AdamW). With g = grad_scale * grad, b1t = 1 - beta1^step, b2t = 1 - beta2^step:
+//   m' = beta1 m + (1 - beta1) g        v' = beta2 |v| + (1 - beta2) g^2
+//   master' = master - lr weight_decay master - (lr / b1t) m' / (sqrt(v') / sqrt(b2t) + eps)
+// master, m and v share one dtype (the key dtype: f32, f64 in the reference); grad may be any float dtype (bf16
+// gradients update f32 masters). |v| equals v for every state this op produces; it keeps the op total on arbitrary
+// inputs (the op check draws them from [-2, 2]). Elementwise: the outputs may be the input tensors themselves, which
+// is how the optimizer updates in place (adamw_update in ops.h). Not differentiable.
+struct AdamWAttrs {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;         // 1-based number of this update, for bias correction
+  double grad_scale = 1.0;  // multiplies the gradient: 1/accumulation, the clipping factor
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs>;
+                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs>;
 
 }  // namespace lathe

@@ -27,6 +27,7 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
+    case OpId::adamw: return expect(AdamWAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -139,6 +140,14 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs) {
   return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
+}
+
+void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs) {
+  OpCall call{OpId::adamw, {master, contiguous(ctx, grad), m, v}, {master, m, v}, attrs};
+  infer_outputs(OpId::adamw, call.inputs, call.attrs);
+  for (const Tensor* t : {&master, &m, &v})
+    LATHE_CHECK(t->is_contiguous(), "ops: adamw_update needs contiguous state, got {}", t->describe());
+  run_op(ctx, call);
 }
 
 }  // namespace lathe

@@ -51,6 +51,8 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
                                        const Tensor& cu_seqlens, AttentionAttrs attrs);  // {dq, dk, dv}
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
+// One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.
+void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

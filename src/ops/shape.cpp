@@ -1,5 +1,6 @@
 // Shape inference and validation for every op in the op table.
 #include <algorithm>
+#include <cmath>
 
 #include "ops/ops.h"
 
@@ -200,6 +201,26 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       std::vector<TensorSpec> out = {{{in[0].size(0)}, stats_dtype(in[0].dtype())}};
       if (std::get<CrossEntropyAttrs>(attrs).with_grad) out.push_back({in[0].shape(), in[0].dtype()});
       return out;
+    }
+    case OpId::adamw: {
+      // Key dtype = the master's; the gradient may be any float dtype (bf16 gradients, f32 masters).
+      const Tensor& w = in[0];
+      check_floating(op, w);
+      check_floating(op, in[1]);
+      check_same_dtype(op, w, in[2]);
+      check_same_dtype(op, w, in[3]);
+      for (size_t i = 1; i < 4; ++i)
+        LATHE_CHECK(in[i].shape() == w.shape(), "ops: adamw {} {} does not match the master {}",
+                    i == 1 ? "grad" : i == 2 ? "m" : "v", in[i].describe(), w.describe());
+      const auto& a = std::get<AdamWAttrs>(attrs);
+      LATHE_CHECK(a.step >= 1, "ops: adamw step must be >= 1 (bias correction), got {}", a.step);
+      LATHE_CHECK(a.beta1 >= 0 && a.beta1 < 1 && a.beta2 >= 0 && a.beta2 < 1,
+                  "ops: adamw betas must lie in [0, 1), got {} and {}", a.beta1, a.beta2);
+      LATHE_CHECK(a.eps >= 0 && a.lr >= 0 && a.weight_decay >= 0 && std::isfinite(a.lr) && std::isfinite(a.grad_scale),
+                  "ops: adamw needs finite lr >= 0, eps >= 0, weight_decay >= 0 and a finite grad_scale; got lr {}, "
+                  "eps {}, weight_decay {}, grad_scale {}", a.lr, a.eps, a.weight_decay, a.grad_scale);
+      const TensorSpec s{w.shape(), w.dtype()};
+      return {s, s, s};
     }
     case OpId::kCount: break;
   }

@@ -124,6 +124,14 @@ std::vector<OpCase> all_op_cases() {
   }
   c.push_back({OpId::silu, "strided=[5,3]^T", {{5, 3}}, {}, kFloat, true});
   add_model_op_cases(c);
+  // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
+  const std::vector<DType> kMaster = {DType::F64, DType::F32};
+  c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
+               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 1, 1.0}, kMaster, false, false});
+  c.push_back({OpId::adamw, "[1],step=3,eps=0.5", {{1}, {1}, {1}, {1}}, AdamWAttrs{0.05, 0.8, 0.9, 0.5, 0.0, 3, 2.0},
+               kMaster, false, false});
+  c.push_back({OpId::adamw, "[257,1031],step=100,b2=0.95,scale=0.25", {{257, 1031}, {257, 1031}, {257, 1031}, {257, 1031}},
+               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25}, kMaster, false, false});
   return c;
 }
 

@@ -22,9 +22,12 @@ void print_device(Runtime& rt, Device device) {
     for (DType dtype : kAllDTypes) {
       if (std::find(it->dtypes.begin(), it->dtypes.end(), dtype) == it->dtypes.end()) continue;
       OpCall call{it->op, {}, {}, it->attrs};
-      for (const Shape& s : it->inputs) call.inputs.push_back(Tensor::empty(s, dtype, ctx.allocator));
-      call.outputs.push_back(Tensor::empty(infer_outputs(it->op, call.inputs, call.attrs)[0].shape,
-                                           infer_outputs(it->op, call.inputs, call.attrs)[0].dtype, ctx.allocator));
+      for (size_t i = 0; i < it->inputs.size(); ++i) {
+        const bool index = i < it->index_values.size() && !it->index_values[i].empty();
+        call.inputs.push_back(Tensor::empty(it->inputs[i], index ? DType::I32 : dtype, ctx.allocator));
+      }
+      for (const TensorSpec& spec : infer_outputs(it->op, call.inputs, call.attrs))
+        call.outputs.push_back(Tensor::empty(spec.shape, spec.dtype, ctx.allocator));
       Resolution r;
       std::string why;
       if (!rt.registry().try_resolve(call, &r, &why)) {

@@ -5,11 +5,13 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "commands.h"
+#include "data/tokenizer.h"
 #include "model/qwen3.h"
 
 namespace lathe::cli {
@@ -21,7 +23,10 @@ struct Args {
   int64_t batch_tokens = 8192;
 };
 
-std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int64_t vocab) {
+// Lines are {"tokens": [...]} or, when the model folder has a tokenizer.json, {"text": "..."} (encoded without
+// special tokens, as `lathe tokenize` does).
+std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int64_t vocab, const std::string& model_dir) {
+  std::optional<data::Tokenizer> tokenizer;
   std::ifstream in(path);
   LATHE_CHECK(in.good(), "logprobs: cannot open input {}", path);
   std::vector<std::vector<int32_t>> lines;
@@ -35,10 +40,23 @@ std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int6
       LATHE_FAIL("logprobs: {}:{}: invalid JSON: {}", path, n, e.what());
     }
     LATHE_CHECK(j.is_object(), "logprobs: {}:{}: expected an object", path, n);
-    LATHE_CHECK(!j.contains("text"), "logprobs: {}:{}: 'text' input needs a tokenizer, which this build cannot load yet; "
-                                     "pass 'tokens'", path, n);
-    LATHE_CHECK(j.contains("tokens") && j["tokens"].is_array(), "logprobs: {}:{}: expected {{\"tokens\": [int, ...]}}", path, n);
     std::vector<int32_t> ids;
+    if (j.contains("text")) {
+      LATHE_CHECK(j["text"].is_string(), "logprobs: {}:{}: 'text' must be a string", path, n);
+      if (!tokenizer) {
+        LATHE_CHECK(std::filesystem::exists(model_dir + "/tokenizer.json"),
+                    "logprobs: {}:{}: 'text' input needs {}/tokenizer.json; pass 'tokens' instead", path, n, model_dir);
+        tokenizer.emplace(data::Tokenizer::from_dir(model_dir));
+      }
+      ids = tokenizer->encode(j["text"].get<std::string>());
+      LATHE_CHECK(!ids.empty(), "logprobs: {}:{}: empty text", path, n);
+      for (int32_t id : ids)
+        LATHE_CHECK(id < vocab, "logprobs: {}:{}: token {} is outside the model's vocabulary (size {})", path, n, id, vocab);
+      lines.push_back(std::move(ids));
+      continue;
+    }
+    LATHE_CHECK(j.contains("tokens") && j["tokens"].is_array(), "logprobs: {}:{}: expected {{\"tokens\": [int, ...]}} or "
+                "{{\"text\": ...}}", path, n);
     for (const auto& t : j["tokens"]) {
       LATHE_CHECK(t.is_number_integer(), "logprobs: {}:{}: token {} is not an integer", path, n, t.dump());
       const int64_t v = t.get<int64_t>();
@@ -57,7 +75,7 @@ void run(const Args& a) {
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   Qwen3Model model = Qwen3Model::load(rt, a.model, options);
-  const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size);
+  const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, a.model);
 
   const std::string tmp = a.output + fmt::format(".tmp-{}", getpid());
   std::ofstream out(tmp);

@@ -10,5 +10,9 @@ void add_kernels_command(CLI::App& app, int& exit_code);
 void add_op_check_command(CLI::App& app, int& exit_code);
 void add_logprobs_command(CLI::App& app, int& exit_code);
 void add_convert_command(CLI::App& app, int& exit_code);
+void add_train_command(CLI::App& app, int& exit_code);
+void add_generate_command(CLI::App& app, int& exit_code);
+void add_tokenize_command(CLI::App& app, int& exit_code);
+void add_prepare_command(CLI::App& app, int& exit_code);
 
 }  // namespace lathe::cli

@@ -14,6 +14,10 @@ int main(int argc, char** argv) {
   lathe::cli::add_op_check_command(app, exit_code);
   lathe::cli::add_logprobs_command(app, exit_code);
   lathe::cli::add_convert_command(app, exit_code);
+  lathe::cli::add_train_command(app, exit_code);
+  lathe::cli::add_generate_command(app, exit_code);
+  lathe::cli::add_tokenize_command(app, exit_code);
+  lathe::cli::add_prepare_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -64,6 +64,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_elementwise_kernels(registry);
   register_cpu_reduce_kernels(registry);
   register_cpu_model_kernels(registry);
+  register_cpu_optim_kernels(registry);
 }
 
 }  // namespace lathe

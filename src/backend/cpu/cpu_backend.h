@@ -29,5 +29,6 @@ void register_cpu_matmul_kernels(KernelRegistry& registry);
 void register_cpu_elementwise_kernels(KernelRegistry& registry);
 void register_cpu_reduce_kernels(KernelRegistry& registry);
 void register_cpu_model_kernels(KernelRegistry& registry);
+void register_cpu_optim_kernels(KernelRegistry& registry);
 
 }  // namespace lathe

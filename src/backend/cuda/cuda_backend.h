@@ -81,6 +81,7 @@ void register_cuda_gemm_kernels(KernelRegistry& registry);
 void register_cuda_elementwise_kernels(KernelRegistry& registry);
 void register_cuda_reduce_kernels(KernelRegistry& registry);
 void register_cuda_model_kernels(KernelRegistry& registry);  // model_ops_register.cpp
+void register_cuda_optim_kernels(KernelRegistry& registry);  // optim_ops.cpp
 
 }  // namespace cuda
 }  // namespace lathe

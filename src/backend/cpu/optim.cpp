@@ -1,0 +1,72 @@
+// CPU optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h), per master dtype (f32, f64) for
+// gradients of any float dtype. Computes in double whatever the storage dtype, so it is the reference the CUDA
+// kernel is judged against. Each element is read before it is written: outputs may alias the inputs.
+// Covered by the adamw op-check cases (src/testing/op_cases.cpp) and tests/unit/test_optim.cpp.
+#include <cmath>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/registry.h"
+
+namespace lathe {
+
+namespace {
+
+inline double to_double(float x) { return x; }
+inline double to_double(double x) { return x; }
+inline double to_double(BF16 x) { return bf16_to_float(x); }
+inline double to_double(F16 x) { return f16_to_float(x); }
+
+Support adamw_supports(const OpCall& c) {
+  for (const Tensor& t : c.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  for (const Tensor& t : c.outputs)
+    if (!t.is_contiguous()) return Support::no("outputs must be contiguous");
+  return Support::yes();
+}
+
+template <typename T, typename G>
+void adamw_step(const OpCall& c) {
+  const AdamWAttrs& a = c.attr<AdamWAttrs>();
+  const T* w = c.inputs[0].data<T>();
+  const G* g = c.inputs[1].data<G>();
+  const T* m = c.inputs[2].data<T>();
+  const T* v = c.inputs[3].data<T>();
+  T* w_out = c.outputs[0].data<T>();
+  T* m_out = c.outputs[1].data<T>();
+  T* v_out = c.outputs[2].data<T>();
+  const double b1 = a.beta1, b2 = a.beta2;
+  const double step_size = a.lr / (1.0 - std::pow(b1, double(a.step)));
+  const double sqrt_bc2 = std::sqrt(1.0 - std::pow(b2, double(a.step)));
+  const double lr_wd = a.lr * a.weight_decay;
+  const int64_t n = c.inputs[0].numel();
+#pragma omp parallel for if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = a.grad_scale * to_double(g[i]);
+    const double mi = b1 * double(m[i]) + (1.0 - b1) * gi;
+    const double vi = b2 * std::abs(double(v[i])) + (1.0 - b2) * gi * gi;
+    const double wi = double(w[i]) - lr_wd * double(w[i]) - step_size * mi / (std::sqrt(vi) / sqrt_bc2 + a.eps);
+    w_out[i] = T(wi);
+    m_out[i] = T(mi);
+    v_out[i] = T(vi);
+  }
+}
+
+template <typename T>
+void adamw_run(const OpCall& c, ExecContext&) {
+  switch (c.inputs[1].dtype()) {
+    case DType::F32: adamw_step<T, float>(c); return;
+    case DType::F64: adamw_step<T, double>(c); return;
+    case DType::BF16: adamw_step<T, BF16>(c); return;
+    case DType::F16: adamw_step<T, F16>(c); return;
+    default: LATHE_FAIL("cpu: adamw gradient dtype {} is not a float dtype", dtype_name(c.inputs[1].dtype()));
+  }
+}
+
+}  // namespace
+
+void register_cpu_optim_kernels(KernelRegistry& r) {
+  r.add(KernelDef{OpId::adamw, DeviceType::CPU, DType::F32, "cpu/adamw", adamw_supports, adamw_run<float>});
+  r.add(KernelDef{OpId::adamw, DeviceType::CPU, DType::F64, "cpu/adamw", adamw_supports, adamw_run<double>});
+}
+
+}  // namespace lathe

@@ -1,0 +1,29 @@
+// Raw-pointer launcher of the CUDA AdamW kernel (optim.cu). Masters and moments are f32; the gradient is f32,
+// bf16 or f16. The scalars are precomputed on the host in double (bias corrections, decay factor) and rounded
+// once to float. Registration and tensor checks live in optim_ops.cpp; covered by the adamw op-check cases.
+// Free of fmt so nvcc sees little.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lathe::cuda {
+
+struct AdamWScalars {
+  float beta1, beta2;
+  float one_minus_beta1, one_minus_beta2;  // from double: 1 - float(0.999) would be 4.7e-5 off
+  float step_size;  // lr / (1 - beta1^step)
+  float sqrt_bc2;   // sqrt(1 - beta2^step)
+  float eps;
+  float lr_wd;      // lr * weight_decay, applied as w - lr_wd * w: float(1 - lr_wd) would quantise it in 6e-8 steps
+  float grad_scale;
+};
+
+// Elementwise; the outputs may alias the inputs (each element is read before it is written).
+void launch_adamw(DType grad_dtype, int64_t n, const float* w, const void* grad, const float* m, const float* v,
+                  float* w_out, float* m_out, float* v_out, const AdamWScalars& s, cudaStream_t stream);
+
+}  // namespace lathe::cuda

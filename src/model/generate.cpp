@@ -1,0 +1,366 @@
+// Generation: KV-cache decoding, sampling, streaming detokenisation. Shapes: n new tokens, S cached tokens,
+// H hidden, Hq/Hkv heads of D (group = Hq / Hkv query heads share one kv head, as HF's repeat_kv), V vocab.
+// The decoding step's attention is built from ops: q (Hkv, group, D) @ K (Hkv, S, D)^T -> softmax -> @ V, in f32
+// whatever the model dtype (the gathered K and V are copied anyway, so the upcast costs nothing extra).
+// Covered by tests/models/test_generate.cpp.
+#include "model/generate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) {  // x (n, in) @ w (out, in)^T
+  return matmul(ctx, x, w, {false, true});
+}
+
+// dst = src (same shape; dst a contiguous view, e.g. rows of a cache), through the cast op.
+void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {
+  LATHE_ASSERT(src.shape() == dst.shape() && dst.is_contiguous());
+  run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
+}
+
+Tensor to_f32(ExecContext& ctx, const Tensor& x) {
+  return x.dtype() == DType::F32 && x.is_contiguous() ? x : cast(ctx, x, DType::F32);
+}
+
+constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD, what decode() makes of a cut character
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// KvCacheDecoder
+
+KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity) : rt_(&rt), model_(&model) {
+  std::map<std::string, int> index;
+  for (size_t i = 0; i < model.parameters().size(); ++i) index[model.parameters()[i].name] = int(i);
+  auto find = [&](const std::string& name) {
+    auto it = index.find(name);
+    LATHE_CHECK(it != index.end(), "generate: the model has no parameter '{}'", name);
+    return it->second;
+  };
+  const ModelConfig& c = model.config();
+  embed_ = find("model.embed_tokens.weight");
+  final_norm_ = find("model.norm.weight");
+  lm_head_ = c.tie_word_embeddings ? embed_ : find("lm_head.weight");
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    layers_.push_back({find(p + "input_layernorm.weight"), find(p + "self_attn.q_proj.weight"),
+                       find(p + "self_attn.k_proj.weight"), find(p + "self_attn.v_proj.weight"),
+                       find(p + "self_attn.o_proj.weight"), find(p + "self_attn.q_norm.weight"),
+                       find(p + "self_attn.k_norm.weight"), find(p + "post_attention_layernorm.weight"),
+                       find(p + "mlp.gate_proj.weight"), find(p + "mlp.up_proj.weight"),
+                       find(p + "mlp.down_proj.weight")});
+  }
+  k_cache_.resize(layers_.size());
+  v_cache_.resize(layers_.size());
+  reserve(std::max<int64_t>(capacity, 1));
+}
+
+const Tensor& KvCacheDecoder::w(int index) const { return model_->parameters()[size_t(index)].value; }
+
+void KvCacheDecoder::reserve(int64_t tokens) {
+  if (tokens <= capacity_) return;
+  const int64_t cap = std::max(tokens, 2 * capacity_);
+  const ModelConfig& c = model_->config();
+  ExecContext cx = rt_->context(model_->options().device);
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (std::vector<Tensor>* cache : {&k_cache_, &v_cache_}) {
+      Tensor grown = Tensor::empty({cap, c.num_kv_heads, c.head_dim}, model_->options().dtype, cx.allocator);
+      if (length_ > 0) copy_into(cx, (*cache)[l].narrow(0, 0, length_), grown.narrow(0, 0, length_));
+      (*cache)[l] = grown;
+    }
+  }
+  capacity_ = cap;
+}
+
+std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
+  LATHE_CHECK(!ids.empty(), "generate: no tokens to feed");
+  const ModelConfig& c = model_->config();
+  for (int32_t id : ids)
+    LATHE_CHECK(id >= 0 && id < c.vocab_size, "generate: token id {} is outside the vocabulary (size {})", id,
+                c.vocab_size);
+  // After the prefill, tokens go one at a time: the step's attention has no causal mask within new tokens.
+  const size_t chunk = length_ == 0 ? ids.size() : 1;
+  const Device device = model_->options().device;
+  ExecContext cx = rt_->context(device);
+  std::vector<float> out;
+  for (size_t first = 0; first < ids.size(); first += chunk) {
+    const int64_t n = int64_t(chunk), past = length_;
+    reserve(past + n);
+    std::vector<int32_t> pos(chunk);
+    std::iota(pos.begin(), pos.end(), int32_t(past));
+    const Tensor ids_t = rt_->from_host(ids.data() + first, {n}, DType::I32, device);  // (n)
+    const Tensor positions = rt_->from_host(pos.data(), {n}, DType::I32, device);     // (n)
+    Tensor x = embedding(cx, w(embed_), ids_t);                                        // (n, H)
+    for (size_t l = 0; l < layers_.size(); ++l) x = layer_step(l, x, positions, past);
+    length_ = past + n;  // only now: a failed step leaves the cache as it was
+    if (first + chunk < ids.size()) continue;  // logits of the last position only
+    const Tensor xf = rmsnorm(cx, x.narrow(0, n - 1, 1), w(final_norm_), {c.rms_norm_eps, 0.0});  // (1, H)
+    const Tensor logits = rt_->copy_to(to_f32(cx, linear(cx, xf, w(lm_head_))), Device::cpu());  // (1, V)
+    out.assign(logits.data<float>(), logits.data<float>() + logits.numel());
+  }
+  return out;
+}
+
+// Qwen3Model::layer_forward for n new tokens at positions past.., writing their rotated keys and values into the
+// cache. With past == 0 this is the packed causal prefill; otherwise n == 1 and attention reads the cache.
+Tensor KvCacheDecoder::layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past) {
+  ExecContext cx = rt_->context(model_->options().device);
+  const ModelConfig& c = model_->config();
+  const LayerParams& l = layers_[layer];
+  const int64_t n = x.size(0);
+  const NormAttrs norm{c.rms_norm_eps, 0.0};
+  const RopeAttrs rot{c.rope_theta, 0, false};
+  const Tensor xn = rmsnorm(cx, x, w(l.input_norm), norm);                               // (n, H)
+  const Tensor q = linear(cx, xn, w(l.q_proj)).view({n, c.num_heads, c.head_dim});      // (n, Hq, D)
+  const Tensor k = linear(cx, xn, w(l.k_proj)).view({n, c.num_kv_heads, c.head_dim});   // (n, Hkv, D)
+  const Tensor v = linear(cx, xn, w(l.v_proj)).view({n, c.num_kv_heads, c.head_dim});   // (n, Hkv, D)
+  const Tensor qr = rope(cx, rmsnorm(cx, q, w(l.q_norm), norm), positions, rot);        // (n, Hq, D)
+  const Tensor kr = rope(cx, rmsnorm(cx, k, w(l.k_norm), norm), positions, rot);        // (n, Hkv, D)
+  copy_into(cx, kr, k_cache_[layer].narrow(0, past, n));
+  copy_into(cx, v, v_cache_[layer].narrow(0, past, n));
+  Tensor o;  // (n, Hq, D)
+  if (past == 0) {
+    const int32_t cu[2] = {0, int32_t(n)};
+    const Tensor cu_seqlens = rt_->from_host(cu, {2}, DType::I32, model_->options().device);
+    o = attention(cx, qr, kr, v, cu_seqlens, {})[0];
+  } else {
+    LATHE_ASSERT(n == 1);
+    o = cached_attention(layer, qr, past + 1);
+  }
+  const Tensor h = add(cx, x, linear(cx, o.view({n, -1}), w(l.o_proj)));                // (n, H)
+  const Tensor hn = rmsnorm(cx, h, w(l.post_norm), norm);                               // (n, H)
+  const Tensor act = swiglu(cx, linear(cx, hn, w(l.gate_proj)), linear(cx, hn, w(l.up_proj)));  // (n, I)
+  return add(cx, h, linear(cx, act, w(l.down_proj)));                                   // (n, H)
+}
+
+// Attention of one query q (1, Hq, D) over the first `length` cached positions (its own included). No mask: every
+// cached position precedes the query.
+Tensor KvCacheDecoder::cached_attention(size_t layer, const Tensor& q, int64_t length) {
+  ExecContext cx = rt_->context(model_->options().device);
+  const ModelConfig& c = model_->config();
+  const int64_t group = c.num_heads / c.num_kv_heads;
+  const Tensor k = cast(cx, k_cache_[layer].narrow(0, 0, length).permute({1, 0, 2}), DType::F32);  // (Hkv, S, D)
+  const Tensor v = cast(cx, v_cache_[layer].narrow(0, 0, length).permute({1, 0, 2}), DType::F32);  // (Hkv, S, D)
+  const Tensor q3 = to_f32(cx, q.view({c.num_kv_heads, group, c.head_dim}));  // (Hkv, group, D)
+  const float scale = float(1.0 / std::sqrt(double(c.head_dim)));
+  const Tensor p = softmax(cx, matmul(cx, q3, k, {false, true, scale}));        // (Hkv, group, S)
+  const Tensor o = matmul(cx, p, v);                                            // (Hkv, group, D)
+  return cast(cx, o, model_->options().dtype).view({1, c.num_heads, c.head_dim});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Sampling
+
+void check_sampling_options(const SamplingOptions& o) {
+  LATHE_CHECK(std::isfinite(o.temperature) && o.temperature >= 0, "generate: temperature must be >= 0, not {}",
+              o.temperature);
+  LATHE_CHECK(o.top_k >= 0, "generate: top_k must be >= 0 (0 = off), not {}", o.top_k);
+  LATHE_CHECK(o.top_p > 0 && o.top_p <= 1, "generate: top_p must be in (0, 1] (1 = off), not {}", o.top_p);
+}
+
+int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& o,
+                     std::mt19937_64& rng) {
+  check_sampling_options(o);
+  const int64_t n = std::min<int64_t>(allowed_vocab, int64_t(logits.size()));
+  LATHE_CHECK(n > 0, "generate: no token id is allowed (allowed vocab {}, {} logits)", allowed_vocab, logits.size());
+  for (int64_t i = 0; i < n; ++i)  // -inf marks a masked id; NaN or +inf means the model went wrong
+    LATHE_CHECK(!std::isnan(logits[size_t(i)]) && logits[size_t(i)] != std::numeric_limits<float>::infinity(),
+                "generate: the model produced a non-finite logit ({} for id {})", logits[size_t(i)], i);
+  const int32_t best = int32_t(std::max_element(logits.begin(), logits.begin() + n) - logits.begin());
+  LATHE_CHECK(std::isfinite(logits[size_t(best)]), "generate: every token id is masked");
+  if (o.temperature == 0) return best;
+
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), 0);
+  auto more_likely = [&](int32_t a, int32_t b) {
+    return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  };
+  int64_t keep = n;
+  if (o.top_k > 0 && o.top_k < n) {
+    std::partial_sort(ids.begin(), ids.begin() + o.top_k, ids.end(), more_likely);
+    keep = o.top_k;
+  } else if (o.top_p < 1) {
+    std::sort(ids.begin(), ids.end(), more_likely);
+  }
+  double max_logit = -std::numeric_limits<double>::infinity();
+  for (int64_t i = 0; i < keep; ++i) max_logit = std::max(max_logit, double(logits[size_t(ids[size_t(i)])]));
+  std::vector<double> p(static_cast<size_t>(keep));  // unnormalised probabilities of ids[0..keep)
+  double total = 0;
+  for (int64_t i = 0; i < keep; ++i)
+    total += (p[size_t(i)] = std::exp((double(logits[size_t(ids[size_t(i)])]) - max_logit) / o.temperature));
+  if (o.top_p < 1) {  // ids are sorted here: keep each id while the mass before it is below p (HF's rule)
+    double before = 0;
+    int64_t m = 0;
+    while (m < keep && before < o.top_p * total) before += p[size_t(m++)];
+    keep = m;
+    total = before;
+  }
+  const double u = double(rng() >> 11) * 0x1.0p-53 * total;  // uniform in [0, total), same on every platform
+  double acc = 0;
+  for (int64_t i = 0; i < keep; ++i) {
+    acc += p[size_t(i)];
+    if (u < acc) return ids[size_t(i)];
+  }
+  return ids[size_t(keep - 1)];  // u rounded up to the total
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// TextStream
+
+TextStream::TextStream(const data::Tokenizer& tokenizer, std::vector<std::string> stop_strings,
+                       bool skip_special_tokens)
+    : tokenizer_(&tokenizer), stop_(std::move(stop_strings)), skip_special_(skip_special_tokens) {
+  for (const std::string& s : stop_) LATHE_CHECK(!s.empty(), "generate: a stop string is empty");
+}
+
+bool TextStream::push(int32_t id) {
+  LATHE_ASSERT(!stopped_);
+  ids_.push_back(id);
+  const std::string pending = tokenizer_->decode(std::span(ids_).subspan(pending_), skip_special_);
+  const size_t before = text_.size();
+  // A trailing U+FFFD may be a character cut by the token boundary: hold it (and its tokens) until more tokens
+  // decide. Everything before it is final: UTF-8 decoding of earlier bytes does not depend on later ones.
+  if (ends_with(pending, kReplacement)) {
+    text_ = base_ + pending.substr(0, pending.size() - kReplacement.size());
+  } else {
+    base_ += pending;
+    text_ = base_;
+    pending_ = ids_.size();
+  }
+  LATHE_ASSERT(text_.size() >= before);
+  return check_stop(before);
+}
+
+bool TextStream::check_stop(size_t from) {
+  size_t longest = 0;
+  for (const std::string& s : stop_) longest = std::max(longest, s.size());
+  if (longest == 0) return false;
+  const size_t start = from >= longest - 1 ? from - (longest - 1) : 0;
+  size_t cut = std::string::npos;
+  for (const std::string& s : stop_) cut = std::min(cut, text_.find(s, start));
+  if (cut == std::string::npos) return false;
+  LATHE_ASSERT(cut >= taken_);  // held_back() never released text that could start a stop string
+  text_.resize(cut);
+  stopped_ = true;
+  return true;
+}
+
+size_t TextStream::held_back() const {
+  const std::string_view rest = std::string_view(text_).substr(taken_);
+  size_t held = 0;
+  for (const std::string& s : stop_)
+    for (size_t k = std::min(s.size() - 1, rest.size()); k > held; --k)
+      if (ends_with(rest, std::string_view(s).substr(0, k))) {
+        held = k;
+        break;
+      }
+  return held;
+}
+
+std::string TextStream::take_ready() {
+  if (stopped_) return {};
+  const size_t end = text_.size() - held_back();
+  if (end <= taken_) return {};
+  std::string piece = text_.substr(taken_, end - taken_);
+  taken_ = end;
+  return piece;
+}
+
+std::string TextStream::take_rest() {
+  if (!stopped_ && pending_ < ids_.size()) {
+    const size_t before = text_.size();
+    base_ += tokenizer_->decode(std::span(ids_).subspan(pending_), skip_special_);
+    text_ = base_;
+    pending_ = ids_.size();
+    check_stop(before);
+  }
+  std::string piece = text_.substr(taken_);
+  taken_ = text_.size();
+  return piece;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Generator
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kEos: return "eos";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+  }
+  return "?";
+}
+
+Generator::Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer)
+    : model_(&model), tokenizer_(tokenizer), decoder_(rt, model) {
+  if (!tokenizer) return;
+  const int32_t n = int32_t(std::min<int64_t>(model.config().vocab_size, tokenizer->vocab_size()));
+  for (int32_t id = 0; id < n; ++id)
+    if (!tokenizer->id_to_token(id)) unknown_ids_.push_back(id);
+}
+
+GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
+                                   const TextCallback& on_text) {
+  const ModelConfig& c = model_->config();
+  LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty");
+  LATHE_CHECK(options.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, not {}", options.max_new_tokens);
+  LATHE_CHECK(options.stop.empty() || tokenizer_ != nullptr, "generate: stop strings need a tokenizer");
+  check_sampling_options(options.sampling);
+  const int64_t max_len = c.max_position_embeddings > 0 ? c.max_position_embeddings : std::numeric_limits<int64_t>::max();
+  LATHE_CHECK(int64_t(prompt.size()) < max_len, "generate: the prompt has {} tokens; the model takes at most {} "
+              "(max_position_embeddings)", prompt.size(), max_len);
+  const int64_t budget = std::min(options.max_new_tokens, max_len - int64_t(prompt.size()));
+  const int64_t allowed = tokenizer_ ? std::min<int64_t>(c.vocab_size, tokenizer_->vocab_size()) : c.vocab_size;
+
+  GenerateResult result;
+  std::optional<TextStream> stream;
+  if (tokenizer_) stream.emplace(*tokenizer_, options.stop, options.skip_special_tokens);
+  std::mt19937_64 rng(options.seed);
+  decoder_.reset();
+  if (budget > 0) {
+    decoder_.reserve(int64_t(prompt.size()) + budget);
+    std::vector<float> logits = decoder_.feed(prompt);
+    while (true) {
+      for (int32_t id : unknown_ids_) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
+      const int32_t token = sample_token(logits, allowed, options.sampling, rng);
+      result.tokens.push_back(token);
+      if (std::find(options.eos_ids.begin(), options.eos_ids.end(), token) != options.eos_ids.end()) {
+        result.finish_reason = FinishReason::kEos;
+        break;
+      }
+      if (stream && stream->push(token)) {
+        result.finish_reason = FinishReason::kStop;
+        break;
+      }
+      if (stream && on_text) {
+        const std::string piece = stream->take_ready();
+        if (!piece.empty()) on_text(piece);
+      }
+      if (int64_t(result.tokens.size()) >= budget) break;  // kLength
+      logits = decoder_.feed(std::span(&token, 1));
+    }
+  }
+  if (stream) {
+    const std::string rest = stream->take_rest();
+    if (on_text && !rest.empty()) on_text(rest);
+    if (stream->stopped()) result.finish_reason = FinishReason::kStop;
+    result.text = stream->text();
+  }
+  return result;
+}
+
+}  // namespace lathe

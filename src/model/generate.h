@@ -1,0 +1,141 @@
+// Text generation with the Qwen3 model: a per-layer KV cache (the prompt runs as one packed causal forward that
+// fills the cache, then one token per step), sampling (greedy, temperature, top-k, top-p, seeded mt19937_64), stop
+// conditions (EOS ids, stop strings on the decoded text, max_new_tokens) and streaming of complete UTF-8 text.
+// Convention: KvCacheDecoder replicates Qwen3Model's layer maths op for op, reading the parameters by their HF
+// names; a change to the model's maths must be made in both places. tests/models/test_generate.cpp catches any
+// divergence by comparing every decoding step's logits with a full recompute; dev/ref/check_generate.py compares
+// greedy tokens with transformers. One sequence at a time (no batch of prompts).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "model/qwen3.h"
+
+namespace lathe {
+
+// KV-cache decoding of one sequence. The model is not modified; its parameter tensors are looked up at every
+// call, so a model trained in between is used as it is now (the cache is not: reset() after a weight change).
+class KvCacheDecoder {
+ public:
+  // `capacity`: initial cache length in tokens; the cache doubles when a sequence outgrows it.
+  KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity = 256);
+
+  // Appends `ids` to the sequence and returns the logits for the token after the last one: f32 on the host,
+  // (vocab_size). With an empty cache the ids run as one packed causal forward (prefill); after that each id
+  // runs as one decoding step over the cache.
+  std::vector<float> feed(std::span<const int32_t> ids);
+  void reset() { length_ = 0; }               // forget the sequence, keep the memory
+  void reserve(int64_t tokens);               // grow the cache to at least `tokens` now
+  int64_t length() const { return length_; }  // tokens in the cache
+  int64_t capacity() const { return capacity_; }
+
+ private:
+  struct LayerParams {
+    int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj, down_proj;
+  };
+  const Tensor& w(int index) const;
+  Tensor layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past);
+  Tensor cached_attention(size_t layer, const Tensor& q, int64_t length);
+
+  Runtime* rt_;
+  Qwen3Model* model_;
+  std::vector<LayerParams> layers_;
+  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ == embed_ when tied
+  std::vector<Tensor> k_cache_, v_cache_;             // per layer (capacity, Hkv, D), rotated keys and values
+  int64_t capacity_ = 0;
+  int64_t length_ = 0;
+};
+
+struct SamplingOptions {
+  double temperature = 0.0;  // 0 = greedy: the largest logit, the lowest id on ties
+  int64_t top_k = 0;         // keep the k most likely ids; 0 = all
+  double top_p = 1.0;        // then keep the most likely ids until their probability reaches p; 1 = all
+};
+
+// Throws a lathe::Error naming the first option out of range.
+void check_sampling_options(const SamplingOptions& options);
+
+// The next token from `logits`; ids >= `allowed_vocab` and ids whose logit is -inf are never chosen (the
+// embedding may be larger than the tokenizer, which may have holes). Applied in Hugging Face's order:
+// temperature, top-k, top-p on the distribution top-k left, one draw.
+int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& options,
+                     std::mt19937_64& rng);
+
+// Generated tokens to text, as they come. Text is released only when final: whole UTF-8 characters (a token
+// that ends inside a character is held until the character completes) and nothing that could still grow into a
+// stop string. The released pieces concatenate to text().
+class TextStream {
+ public:
+  TextStream(const data::Tokenizer& tokenizer, std::vector<std::string> stop_strings, bool skip_special_tokens);
+
+  // Adds one generated token; true when the text now holds a stop string (text() then ends before it).
+  bool push(int32_t id);
+  // Final text not taken yet (may be empty).
+  std::string take_ready();
+  // Ends the stream: everything not taken yet, an unfinished character as U+FFFD, cut before a stop string.
+  std::string take_rest();
+  const std::string& text() const { return text_; }
+  bool stopped() const { return stopped_; }
+
+ private:
+  bool check_stop(size_t from);
+  size_t held_back() const;  // bytes at the end of text_ that could start a stop string
+
+  const data::Tokenizer* tokenizer_;
+  std::vector<std::string> stop_;
+  bool skip_special_;
+  std::vector<int32_t> ids_;
+  size_t pending_ = 0;     // ids_[pending_..] are not yet fully decoded
+  std::string base_;       // text of ids_[..pending_]
+  std::string text_;       // base_ plus the final part of the pending text
+  size_t taken_ = 0;       // bytes of text_ already released
+  bool stopped_ = false;
+};
+
+enum class FinishReason { kEos, kStop, kLength };
+const char* finish_reason_name(FinishReason reason);  // "eos", "stop", "length"
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 256;
+  SamplingOptions sampling;
+  uint64_t seed = 0;                  // seeds the mt19937_64 of each generate() call
+  std::vector<int32_t> eos_ids;       // any of them ends generation
+  std::vector<std::string> stop;      // stop strings, matched on the decoded text (needs a tokenizer)
+  bool skip_special_tokens = true;    // special tokens are left out of the text (not out of the tokens)
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated ids, including the EOS or the token that completed a stop string
+  std::string text;             // the completion, cut before a stop string; empty without a tokenizer
+  FinishReason finish_reason = FinishReason::kLength;
+};
+
+using TextCallback = std::function<void(std::string_view piece)>;
+
+// Generation for one prompt at a time, reusing one cache. Stops on an EOS id, a stop string, max_new_tokens, or
+// when the sequence reaches the model's max_position_embeddings (reported as "length").
+class Generator {
+ public:
+  // `tokenizer` may be null: tokens only (no text, no stop strings, ids below the model's vocab_size).
+  Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer);
+
+  // `on_text` receives the completion in pieces as soon as they are final (see TextStream).
+  GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options,
+                          const TextCallback& on_text = {});
+  KvCacheDecoder& decoder() { return decoder_; }
+
+ private:
+  Qwen3Model* model_;
+  const data::Tokenizer* tokenizer_;
+  std::vector<int32_t> unknown_ids_;  // ids below the tokenizer's vocab_size that it has no token for (masked)
+  KvCacheDecoder decoder_;
+};
+
+}  // namespace lathe

@@ -1,0 +1,239 @@
+// AdamW: per-parameter state, the update through the adamw op, the cast back into low-precision parameters, and
+// the state file. Loading validates the whole file first and reports every problem at once; nothing is changed
+// unless the file is valid. Covered by tests/unit/test_optim.cpp.
+#include "optim/adamw.h"
+
+#include <fmt/format.h>
+
+#include <charconv>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "io/safetensors.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+constexpr const char* kFormat = "lathe.adamw";
+
+bool contains_any(const std::string& name, const std::vector<std::string>& parts) {
+  for (const std::string& p : parts)
+    if (!p.empty() && name.find(p) != std::string::npos) return true;
+  return false;
+}
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, ctx.allocator);
+  ctx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), ctx.stream);  // all-zero bits are 0.0 in every float dtype
+  return t;
+}
+
+// Copies `t`'s values to a host buffer of its own dtype.
+std::vector<uint8_t> to_host(Runtime& rt, const Tensor& t) {
+  const Tensor h = rt.copy_to(t, Device::cpu());
+  const auto* p = static_cast<const uint8_t*>(h.data_ptr());
+  return std::vector<uint8_t>(p, p + h.nbytes());
+}
+
+// Overwrites the contiguous tensor `t` with `bytes` (of t's dtype) from the host.
+void upload(ExecContext& ctx, const Tensor& t, const std::vector<uint8_t>& bytes) {
+  ctx.stream.synchronize();
+  ctx.backend.copy(t.data_ptr(), ctx.device, bytes.data(), Device::cpu(), bytes.size(), ctx.stream);
+  ctx.stream.synchronize();
+}
+
+int64_t parse_int(const std::map<std::string, std::string>& meta, const std::string& key, const std::string& path) {
+  const auto it = meta.find(key);
+  LATHE_CHECK(it != meta.end(), "optim: {}: metadata has no \"{}\"", path, key);
+  int64_t v = 0;
+  const char* end = it->second.data() + it->second.size();
+  const auto r = std::from_chars(it->second.data(), end, v);
+  LATHE_CHECK(r.ec == std::errc() && r.ptr == end && v >= 0, "optim: {}: metadata \"{}\" = \"{}\" is not a count",
+              path, key, it->second);
+  return v;
+}
+
+}  // namespace
+
+bool weight_decay_applies(const AdamWConfig& c, const std::string& name, const Shape& shape) {
+  if (c.weight_decay == 0.0) return false;
+  if (contains_any(name, c.no_decay)) return false;
+  const bool bias = ends_with(name, "bias");
+  if (bias) return c.decay_biases;
+  if (shape.size() < 2) return c.decay_norms;
+  if (name.find("embed_tokens") != std::string::npos) return c.decay_embeddings;
+  return true;
+}
+
+AdamW::AdamW(Runtime& rt, std::vector<Parameter>& params, AdamWConfig config)
+    : AdamW(rt,
+            [&] {
+              std::vector<Parameter*> p;
+              for (Parameter& x : params) p.push_back(&x);
+              return p;
+            }(),
+            std::move(config)) {}
+
+AdamW::AdamW(Runtime& rt, std::vector<Parameter*> params, AdamWConfig config)
+    : rt_(&rt), config_(std::move(config)) {
+  LATHE_CHECK(config_.beta1 >= 0 && config_.beta1 < 1 && config_.beta2 >= 0 && config_.beta2 < 1,
+              "optim: AdamW betas must lie in [0, 1), got {} and {}", config_.beta1, config_.beta2);
+  LATHE_CHECK(config_.eps >= 0 && config_.weight_decay >= 0, "optim: AdamW needs eps >= 0 and weight_decay >= 0");
+  LATHE_CHECK(!params.empty(), "optim: AdamW got no parameters");
+  device_ = params[0]->value.device();
+  ExecContext ctx = rt.context(device_);
+  std::set<std::string> names;
+  for (Parameter* p : params) {
+    const Tensor& w = p->value;
+    LATHE_CHECK(w.defined() && is_floating(w.dtype()) && w.is_contiguous(),
+                "optim: parameter {} must be a contiguous floating-point tensor, got {}", p->name,
+                w.defined() ? w.describe() : "an undefined tensor");
+    LATHE_CHECK(w.device() == device_, "optim: parameter {} is on {}, the others on {}", p->name, w.device().str(),
+                device_.str());
+    LATHE_CHECK(names.insert(p->name).second, "optim: parameter {} is listed twice", p->name);
+    Slot s{p, {}, {}, {}, 0, weight_decay_applies(config_, p->name, w.shape())};
+    const bool own_master = w.dtype() == DType::F32 || w.dtype() == DType::F64;
+    if (!own_master) s.master = cast(ctx, w, DType::F32);
+    const DType state = own_master ? w.dtype() : DType::F32;
+    s.m = zeros(ctx, w.shape(), state);
+    s.v = zeros(ctx, w.shape(), state);
+    slots_.push_back(std::move(s));
+  }
+}
+
+const Tensor& AdamW::master(size_t i) const {
+  return slots_[i].master.defined() ? slots_[i].master : slots_[i].param->value;
+}
+
+size_t AdamW::state_bytes() const {
+  size_t n = 0;
+  for (const Slot& s : slots_) n += s.m.nbytes() + s.v.nbytes() + (s.master.defined() ? s.master.nbytes() : 0);
+  return n;
+}
+
+void AdamW::step(double lr, double grad_scale) {
+  LATHE_CHECK(std::isfinite(lr) && lr >= 0 && std::isfinite(grad_scale),
+              "optim: AdamW step needs a finite lr >= 0 and a finite grad_scale, got {} and {}", lr, grad_scale);
+  ExecContext ctx = rt_->context(device_);
+  for (Slot& s : slots_) {
+    Parameter& p = *s.param;
+    if (!p.grad.defined()) continue;
+    LATHE_CHECK(p.grad.shape() == p.value.shape(), "optim: gradient {} of {} does not match the parameter {}",
+                p.grad.describe(), p.name, p.value.describe());
+    const AdamWAttrs a{lr, config_.beta1, config_.beta2, config_.eps, s.decay ? config_.weight_decay : 0.0,
+                       s.steps + 1, grad_scale};
+    Tensor& w = s.master.defined() ? s.master : p.value;
+    adamw_update(ctx, w, p.grad, s.m, s.v, a);
+    s.steps = a.step;
+    if (s.master.defined()) {  // round the new master into the parameter
+      OpCall call{OpId::cast, {s.master}, {p.value}, CastAttrs{p.value.dtype()}};
+      run_op(ctx, call);
+    }
+  }
+  ++step_count_;
+}
+
+void AdamW::save(const std::string& path) const {
+  std::vector<std::vector<uint8_t>> buffers;  // keeps the host copies alive until written
+  std::vector<io::TensorRef> refs;
+  auto add = [&](const std::string& name, const Tensor& t) {
+    buffers.push_back(to_host(*rt_, t));
+    refs.push_back({name, t.dtype(), t.shape(), buffers.back().data(), buffers.back().size()});
+  };
+  buffers.reserve(slots_.size() * 3);
+  std::map<std::string, std::string> meta = {{"format", kFormat},
+                                             {"step", std::to_string(step_count_)},
+                                             {"beta1", fmt::format("{}", config_.beta1)},
+                                             {"beta2", fmt::format("{}", config_.beta2)},
+                                             {"eps", fmt::format("{}", config_.eps)},
+                                             {"weight_decay", fmt::format("{}", config_.weight_decay)}};
+  for (const Slot& s : slots_) {
+    const std::string& n = s.param->name;
+    add(n + ".exp_avg", s.m);
+    add(n + ".exp_avg_sq", s.v);
+    if (s.master.defined()) add(n + ".master", s.master);
+    // A parameter that skipped steps (no gradient) has its own count; the common case stores nothing.
+    if (s.steps != step_count_) meta["step." + n] = std::to_string(s.steps);
+  }
+  io::write_safetensors(path, std::move(refs), meta);
+}
+
+void AdamW::load(const std::string& path) {
+  const io::SafetensorsFile file = io::SafetensorsFile::open(path);
+  const auto& meta = file.metadata();
+  const auto fmt_it = meta.find("format");
+  LATHE_CHECK(fmt_it != meta.end() && fmt_it->second == kFormat,
+              "optim: {} is not an AdamW state file (metadata format is \"{}\", expected \"{}\")", path,
+              fmt_it == meta.end() ? "" : fmt_it->second, kFormat);
+  const int64_t step_count = parse_int(meta, "step", path);
+
+  // Validate everything before changing anything.
+  std::vector<std::string> problems;
+  std::set<std::string> known;
+  auto check = [&](const std::string& name, const Shape& shape, bool required) {
+    known.insert(name);
+    const io::SafetensorsTensor* t = file.find(name);
+    if (!t) {
+      if (required) problems.push_back(fmt::format("{} is missing", name));
+      return;
+    }
+    if (!is_floating(t->dtype))
+      problems.push_back(fmt::format("{} is {}, not floating point", name, dtype_name(t->dtype)));
+    if (Shape(t->shape.begin(), t->shape.end()) != shape)
+      problems.push_back(fmt::format("{} has shape {}, the parameter {}", name, shape_str(Shape(t->shape.begin(),
+                                     t->shape.end())), shape_str(shape)));
+  };
+  std::vector<int64_t> steps(slots_.size(), step_count);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const std::string& n = slots_[i].param->name;
+    const Shape& shape = slots_[i].param->value.shape();
+    check(n + ".exp_avg", shape, true);
+    check(n + ".exp_avg_sq", shape, true);
+    check(n + ".master", shape, false);
+    if (meta.count("step." + n)) steps[i] = parse_int(meta, "step." + n, path);
+  }
+  for (const io::SafetensorsTensor& t : file.tensors())
+    if (!known.count(t.name)) problems.push_back(fmt::format("{} belongs to no parameter of this model", t.name));
+  if (!problems.empty()) {
+    const size_t shown = std::min<size_t>(problems.size(), 12);
+    LATHE_FAIL("optim: {} does not match this model's parameters ({} problems): {}{}", path, problems.size(),
+               fmt::join(problems.begin(), problems.begin() + long(shown), "; "),
+               shown < problems.size() ? "; ..." : "");
+  }
+
+  ExecContext ctx = rt_->context(device_);
+  auto read = [&](const std::string& name, const Tensor& into) {
+    std::vector<uint8_t> bytes(into.nbytes());
+    file.read_into(name, into.dtype(), bytes.data(), bytes.size());
+    upload(ctx, into, bytes);
+  };
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& s = slots_[i];
+    const std::string& n = s.param->name;
+    read(n + ".exp_avg", s.m);
+    read(n + ".exp_avg_sq", s.v);
+    const bool saved_master = file.find(n + ".master") != nullptr;
+    if (s.master.defined()) {
+      if (saved_master) {
+        read(n + ".master", s.master);
+        OpCall call{OpId::cast, {s.master}, {s.param->value}, CastAttrs{s.param->value.dtype()}};
+        run_op(ctx, call);  // the parameter is the rounded master, whatever the model file held
+      } else {
+        s.master = cast(ctx, s.param->value, DType::F32);  // state saved from f32 parameters
+      }
+    } else if (saved_master) {
+      read(n + ".master", s.param->value);  // the exact master onto an f32/f64 parameter
+    }
+    s.steps = steps[i];
+  }
+  step_count_ = step_count;
+}
+
+}  // namespace lathe

@@ -1,0 +1,83 @@
+// AdamW over a list of parameters, with fp32 master weights for low-precision parameters: bf16/f16 parameters get
+// an f32 master copy that the update runs on, then a rounded copy is cast back into the parameter; f32 and f64
+// parameters are their own masters. Moments m and v have the master's dtype. The update is the `adamw` op
+// (ops/op_table.h: torch.optim.AdamW semantics), so it runs on whatever device the parameters live on.
+// Like torch, a parameter without a gradient (undefined Parameter::grad) is skipped: no decay, no moment update,
+// and its own step count (bias correction) does not advance.
+// State files: safetensors with <param>.exp_avg, <param>.exp_avg_sq and, for low-precision parameters,
+// <param>.master, plus metadata {"format": "lathe.adamw", "step": N}. Covered by tests/unit/test_optim.cpp.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend/runtime.h"
+#include "model/qwen3.h"
+
+namespace lathe {
+
+// Weight decay goes to every parameter except the excluded kinds below. The defaults follow nanoGPT, Megatron
+// and Hugging Face: no decay for norm gains and biases, decay for matrices including the embedding (which is
+// also the LM head when tied).
+struct AdamWConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decay_norms = false;       // 1-D parameters other than biases: RMSNorm gains (and per-head scales)
+  bool decay_biases = false;      // parameters whose name ends in "bias"
+  bool decay_embeddings = true;   // parameters whose name contains "embed_tokens"
+  std::vector<std::string> no_decay;  // further exclusions: names containing any of these strings
+};
+
+// Whether `config` applies weight decay to a parameter of this name and shape (false when weight_decay is 0).
+bool weight_decay_applies(const AdamWConfig& config, const std::string& name, const Shape& shape);
+
+class AdamW {
+ public:
+  // Every parameter must be contiguous and on one device; the pointers must outlive the optimizer.
+  AdamW(Runtime& rt, std::vector<Parameter*> params, AdamWConfig config);
+  AdamW(Runtime& rt, std::vector<Parameter>& params, AdamWConfig config);
+
+  // One update of every parameter that has a gradient. `grad_scale` multiplies the gradients (e.g.
+  // 1/accumulation times the clipping factor). Bias correction uses each parameter's own step count.
+  void step(double lr, double grad_scale = 1.0);
+
+  int64_t step_count() const { return step_count_; }  // calls of step() (or the loaded value)
+  const AdamWConfig& config() const { return config_; }
+  size_t size() const { return slots_.size(); }
+  const Parameter& parameter(size_t i) const { return *slots_[i].param; }
+  bool decays(size_t i) const { return slots_[i].decay; }
+  bool has_master(size_t i) const { return slots_[i].master.defined(); }
+  // The f32 master a low-precision parameter is updated through (the parameter itself otherwise), m and v.
+  const Tensor& master(size_t i) const;
+  const Tensor& exp_avg(size_t i) const { return slots_[i].m; }
+  const Tensor& exp_avg_sq(size_t i) const { return slots_[i].v; }
+  size_t state_bytes() const;  // masters and moments
+
+  // Writes the state atomically (safetensors). Tensors are stored in their own dtype.
+  void save(const std::string& path) const;
+  // Reads a state written by save(). Every parameter must have its exp_avg and exp_avg_sq, with its shape;
+  // names the optimizer does not know are an error. Masters cross precisions: a <param>.master onto an f32
+  // parameter is copied into the parameter; a bf16 parameter without one (state saved from f32 parameters)
+  // takes its master from the parameter's current value.
+  void load(const std::string& path);
+
+ private:
+  struct Slot {
+    Parameter* param;
+    Tensor master;  // f32; undefined when the parameter is its own master
+    Tensor m, v;
+    int64_t steps = 0;
+    bool decay = false;
+  };
+
+  Runtime* rt_;
+  Device device_;
+  AdamWConfig config_;
+  std::vector<Slot> slots_;
+  int64_t step_count_ = 0;
+};
+
+}  // namespace lathe

@@ -1,0 +1,23 @@
+// Global-norm gradient clipping: the L2 norm of all gradients taken together, and torch's clipping factor. The
+// factor is not applied to the gradients here: the trainer passes it to AdamW::step as part of grad_scale, so
+// clipping costs no extra pass over the gradients. Covered by tests/unit/test_optim.cpp.
+#pragma once
+
+#include <vector>
+
+#include "model/qwen3.h"
+
+namespace lathe {
+
+// sqrt(sum over parameters of sum(g^2)) for every parameter with a gradient (0 when none has one), computed with
+// ops on the gradients' device: bf16/f16 gradients are cast to f32, squares summed per row then per tensor in f32
+// (f64 when every gradient is f64), and the total read back once. NaN or Inf when a gradient holds one or the sum
+// overflows f32: the caller must treat that as a bad step (skip it), never clip with it.
+double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
+double global_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
+
+// The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).
+// 1 when max_norm <= 0 (clipping off). grad_norm must be finite.
+double clip_factor(double grad_norm, double max_norm);
+
+}  // namespace lathe

@@ -1,0 +1,267 @@
+#include "train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <functional>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+
+namespace lathe {
+
+namespace {
+
+enum class Kind { Int, Float, Bool, String, StringList, Mapping };
+
+struct Option {
+  const char* path;
+  Kind kind;
+  const char* fallback;  // YAML text of the default; nullptr = required / no default
+  const char* help;
+  std::function<void(TrainConfig&, const YAML::Node&)> set;
+};
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::Int: return "int";
+    case Kind::Float: return "float";
+    case Kind::Bool: return "bool";
+    case Kind::String: return "string";
+    case Kind::StringList: return "list of strings";
+    case Kind::Mapping: return "mapping";
+  }
+  return "?";
+}
+
+nlohmann::json to_json(const YAML::Node& n) {
+  if (n.IsMap()) {
+    nlohmann::json j = nlohmann::json::object();
+    for (const auto& kv : n) j[kv.first.as<std::string>()] = to_json(kv.second);
+    return j;
+  }
+  if (n.IsSequence()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& v : n) j.push_back(to_json(v));
+    return j;
+  }
+  if (n.IsNull()) return nullptr;
+  const std::string s = n.as<std::string>();
+  if (n.Tag() == "!") return s;  // quoted in the YAML: keep it a string
+  try {
+    size_t used = 0;
+    const long long i = std::stoll(s, &used);
+    if (used == s.size()) return i;
+  } catch (...) {
+  }
+  try {
+    size_t used = 0;
+    const double d = std::stod(s, &used);
+    if (used == s.size()) return d;
+  } catch (...) {
+  }
+  if (s == "true" || s == "false") return s == "true";
+  return s;
+}
+
+#define LATHE_OPT(path, kind, fallback, help, field) \
+  Option { path, kind, fallback, help, [](TrainConfig& c, const YAML::Node& n) { assign(c.field, n); } }
+
+void assign(int64_t& f, const YAML::Node& n) { f = n.as<int64_t>(); }
+void assign(uint64_t& f, const YAML::Node& n) { f = n.as<uint64_t>(); }
+void assign(double& f, const YAML::Node& n) { f = n.as<double>(); }
+void assign(bool& f, const YAML::Node& n) { f = n.as<bool>(); }
+void assign(std::string& f, const YAML::Node& n) { f = n.as<std::string>(); }
+void assign(std::vector<std::string>& f, const YAML::Node& n) {
+  f.clear();
+  if (n.IsSequence()) {
+    for (const auto& v : n) f.push_back(v.as<std::string>());
+  } else {
+    f.push_back(n.as<std::string>());  // a single file may be given as a plain string
+  }
+}
+void assign(nlohmann::json& f, const YAML::Node& n) { f = to_json(n); }
+
+const std::vector<Option>& options() {
+  static const std::vector<Option> table = {
+      LATHE_OPT("model.path", Kind::String, "", "Hugging Face model folder to fine-tune", model_path),
+      LATHE_OPT("model.config", Kind::Mapping, nullptr, "inline HF config.json fields: train a new model from scratch", model_config),
+      LATHE_OPT("model.init_std", Kind::Float, "0.02", "std of the random initialisation (with model.config)", init_std),
+      LATHE_OPT("model.tokenizer", Kind::String, "", "folder with tokenizer.json (default: model.path)", tokenizer),
+      LATHE_OPT("data.train", Kind::StringList, nullptr, "training JSONL file(s)", train_files),
+      LATHE_OPT("data.eval", Kind::StringList, "[]", "evaluation JSONL file(s)", eval_files),
+      LATHE_OPT("data.format", Kind::String, "auto", "auto | text | chat | prompt_completion", data_format),
+      LATHE_OPT("data.max_seq_len", Kind::Int, "2048", "longest sample in tokens", max_seq_len),
+      LATHE_OPT("data.skip_bad_rows", Kind::Bool, "false", "skip (and count) malformed rows instead of stopping", skip_bad_rows),
+      LATHE_OPT("data.overlong", Kind::String, "truncate", "samples over max_seq_len: truncate | drop (counted)", overlong),
+      LATHE_OPT("data.train_on_prompt", Kind::Bool, "false", "also put loss on prompt / user tokens", train_on_prompt),
+      LATHE_OPT("output_dir", Kind::String, nullptr, "folder for checkpoints, metrics and the final model", output_dir),
+      LATHE_OPT("train.max_steps", Kind::Int, nullptr, "optimizer steps to run", max_steps),
+      LATHE_OPT("train.micro_batch_tokens", Kind::Int, "4096", "tokens packed into one forward/backward", micro_batch_tokens),
+      LATHE_OPT("train.grad_accum", Kind::Int, "1", "micro-batches per optimizer step", grad_accum),
+      LATHE_OPT("train.lr", Kind::Float, "0.0001", "peak learning rate", lr),
+      LATHE_OPT("train.schedule", Kind::String, "cosine", "constant | linear | cosine (after warmup)", schedule),
+      LATHE_OPT("train.warmup_steps", Kind::Int, "0", "linear warmup from 0", warmup_steps),
+      LATHE_OPT("train.min_lr_ratio", Kind::Float, "0.1", "final LR as a fraction of train.lr (linear, cosine)", min_lr_ratio),
+      LATHE_OPT("train.weight_decay", Kind::Float, "0.0", "decoupled weight decay (AdamW)", weight_decay),
+      LATHE_OPT("train.beta1", Kind::Float, "0.9", "AdamW beta1", beta1),
+      LATHE_OPT("train.beta2", Kind::Float, "0.999", "AdamW beta2", beta2),
+      LATHE_OPT("train.eps", Kind::Float, "1e-8", "AdamW epsilon", eps),
+      LATHE_OPT("train.max_grad_norm", Kind::Float, "1.0", "global-norm gradient clipping (0 = off)", max_grad_norm),
+      LATHE_OPT("train.seed", Kind::Int, "0", "seed of data order and initialisation", seed),
+      LATHE_OPT("train.save_every", Kind::Int, "0", "checkpoint every N steps (0 = only at the end)", save_every),
+      LATHE_OPT("train.keep_last", Kind::Int, "2", "checkpoints kept", keep_last),
+      LATHE_OPT("train.eval_every", Kind::Int, "0", "evaluate every N steps (0 = never)", eval_every),
+      LATHE_OPT("train.eval_batches", Kind::Int, "4", "micro-batches per evaluation", eval_batches),
+      LATHE_OPT("train.log_every", Kind::Int, "1", "steps between log lines when not on a terminal", log_every),
+      LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
+      LATHE_OPT("train.max_bad_steps", Kind::Int, "5", "stop after this many non-finite steps in a row", max_bad_steps),
+      LATHE_OPT("final_eval.file", Kind::String, "", "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
+      LATHE_OPT("final_eval.max_new_tokens", Kind::Int, "16", "tokens generated per final-eval prompt", final_eval_max_new_tokens),
+      LATHE_OPT("resume", Kind::String, "auto", "auto (newest complete checkpoint in output_dir) | none | checkpoint path", resume),
+      LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
+      LATHE_OPT("dtype", Kind::String, "", "compute dtype (default f32 on cpu, bf16 on cuda)", dtype),
+  };
+  return table;
+}
+
+// Walks `node` and records every leaf path (mappings under model.config are one leaf).
+void collect(const YAML::Node& node, const std::string& prefix, std::map<std::string, YAML::Node>& out) {
+  for (const auto& kv : node) {
+    const std::string key = prefix.empty() ? kv.first.as<std::string>() : prefix + "." + kv.first.as<std::string>();
+    if (kv.second.IsMap() && key != "model.config") collect(kv.second, key, out);
+    else out[key] = kv.second;
+  }
+}
+
+bool kind_matches(Kind k, const YAML::Node& n) {
+  try {
+    switch (k) {
+      case Kind::Int: return n.IsScalar() && (n.as<int64_t>(), true);
+      case Kind::Float: return n.IsScalar() && (n.as<double>(), true);
+      case Kind::Bool: return n.IsScalar() && (n.as<bool>(), true);
+      case Kind::String: return n.IsScalar();
+      case Kind::StringList: return n.IsScalar() || n.IsSequence();
+      case Kind::Mapping: return n.IsMap();
+    }
+  } catch (const YAML::Exception&) {
+  }
+  return false;
+}
+
+// The closest option path, to suggest a fix for a typo.
+std::string closest(const std::string& key) {
+  std::string best;
+  size_t best_d = 4;
+  for (const Option& o : options()) {
+    const std::string p = o.path;
+    std::vector<size_t> prev(p.size() + 1), cur(p.size() + 1);
+    for (size_t j = 0; j <= p.size(); ++j) prev[j] = j;
+    for (size_t i = 1; i <= key.size(); ++i) {
+      cur[0] = i;
+      for (size_t j = 1; j <= p.size(); ++j)
+        cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (key[i - 1] != p[j - 1])});
+      std::swap(prev, cur);
+    }
+    if (prev[p.size()] < best_d) best_d = prev[p.size()], best = p;
+  }
+  return best;
+}
+
+}  // namespace
+
+TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
+  std::vector<std::string> problems;
+  YAML::Node root = YAML::Node(YAML::NodeType::Map);
+  if (!yaml_path.empty()) {
+    try {
+      root = YAML::LoadFile(yaml_path);
+    } catch (const YAML::Exception& e) {
+      LATHE_FAIL("config: {}: {}", yaml_path, e.what());
+    }
+    LATHE_CHECK(root.IsMap() || root.IsNull(), "config: {}: the top level must be a mapping", yaml_path);
+    if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  }
+  std::map<std::string, YAML::Node> given;
+  collect(root, "", given);
+  for (const std::string& o : overrides) {
+    const size_t eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      problems.push_back(fmt::format("--set '{}': expected key.path=value", o));
+      continue;
+    }
+    try {
+      given[o.substr(0, eq)] = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      problems.push_back(fmt::format("--set '{}': {}", o, e.what()));
+    }
+  }
+  TrainConfig c;
+  std::set<std::string> unparsed;  // options already reported: no second complaint about their value
+  std::map<std::string, const Option*> by_path;
+  for (const Option& o : options()) by_path[o.path] = &o;
+  for (const auto& [key, node] : given) {
+    if (!by_path.count(key)) {
+      const std::string hint = closest(key);
+      problems.push_back(fmt::format("unknown option '{}'{}", key, hint.empty() ? "" : fmt::format(" (did you mean '{}'?)", hint)));
+    }
+  }
+  for (const Option& o : options()) {
+    auto it = given.find(o.path);
+    YAML::Node value;
+    if (it != given.end() && !it->second.IsNull()) {
+      value = it->second;
+    } else if (o.fallback) {
+      value = *o.fallback ? YAML::Load(o.fallback) : YAML::Node(std::string());
+    } else {
+      continue;  // optional without default, or required (checked below)
+    }
+    if (!kind_matches(o.kind, value)) {
+      problems.push_back(fmt::format("{}: expected {}, got '{}'", o.path, kind_name(o.kind), YAML::Dump(value)));
+      unparsed.insert(o.path);
+      continue;
+    }
+    o.set(c, value);
+    c.resolved[o.path] = to_json(value);
+  }
+  // Cross-field checks.
+  if (c.model_path.empty() == c.model_config.is_null())
+    problems.push_back("model: give exactly one of model.path (fine-tune) or model.config (train from scratch)");
+  if (c.tokenizer.empty()) c.tokenizer = c.model_path;
+  if (c.tokenizer.empty()) problems.push_back("model.tokenizer: required when training from model.config");
+  if (c.train_files.empty()) problems.push_back("data.train: at least one training file is required");
+  if (c.output_dir.empty()) problems.push_back("output_dir: required");
+  if (c.max_steps <= 0 && !unparsed.count("train.max_steps")) problems.push_back("train.max_steps: must be a positive integer");
+  if (c.micro_batch_tokens <= 0) problems.push_back("train.micro_batch_tokens: must be positive");
+  if (c.grad_accum <= 0) problems.push_back("train.grad_accum: must be positive");
+  if (c.max_seq_len <= 0 || c.max_seq_len > c.micro_batch_tokens)
+    problems.push_back(fmt::format("data.max_seq_len: must be in 1..train.micro_batch_tokens ({})", c.micro_batch_tokens));
+  if (!(c.lr > 0)) problems.push_back("train.lr: must be positive");
+  if (c.schedule != "constant" && c.schedule != "linear" && c.schedule != "cosine")
+    problems.push_back(fmt::format("train.schedule: '{}' is not one of constant, linear, cosine", c.schedule));
+  if (c.overlong != "truncate" && c.overlong != "drop")
+    problems.push_back(fmt::format("data.overlong: '{}' is not one of truncate, drop", c.overlong));
+  if (c.data_format != "auto" && c.data_format != "text" && c.data_format != "chat" && c.data_format != "prompt_completion")
+    problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, chat, prompt_completion", c.data_format));
+  if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) problems.push_back("train.min_lr_ratio: must be in [0, 1]");
+  if (c.beta1 < 0 || c.beta1 >= 1 || c.beta2 < 0 || c.beta2 >= 1) problems.push_back("train.beta1/beta2: must be in [0, 1)");
+  if (c.keep_last < 1) problems.push_back("train.keep_last: must be at least 1");
+  if (c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
+    problems.push_back(fmt::format("device: '{}' is not cpu, cuda or cuda:N", c.device));
+  if (!problems.empty()) {
+    std::string msg = fmt::format("config: {} problem{} in {}:", problems.size(), problems.size() > 1 ? "s" : "",
+                                  yaml_path.empty() ? "the options" : yaml_path);
+    for (const std::string& p : problems) msg += "\n  - " + p;
+    throw Error(msg);
+  }
+  return c;
+}
+
+std::string train_config_help() {
+  std::string out;
+  for (const Option& o : options())
+    out += fmt::format("  {:<30} {:<16} {:<10} {}\n", o.path, kind_name(o.kind), o.fallback ? o.fallback : "(required)", o.help);
+  return out;
+}
+
+}  // namespace lathe

@@ -1,0 +1,64 @@
+// Training configuration: every option is declared once (path, type, default, help) in config.cpp; a YAML
+// file plus `--set a.b=value` overrides are checked against that table, and *every* problem (unknown keys,
+// wrong types, bad values, missing or conflicting settings) is reported in one error.
+// Covered by tests/unit/test_train_config.cpp.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace lathe {
+
+struct TrainConfig {
+  // model: an HF folder, or an inline HF config for training from scratch.
+  std::string model_path;
+  nlohmann::json model_config;  // empty unless model.config is given
+  double init_std = 0.02;
+  std::string tokenizer;  // folder with tokenizer.json (default: model.path)
+  // data
+  std::vector<std::string> train_files, eval_files;
+  std::string data_format = "auto";
+  int64_t max_seq_len = 2048;
+  bool skip_bad_rows = false;
+  std::string overlong = "truncate";
+  bool train_on_prompt = false;
+  // output
+  std::string output_dir;
+  // train
+  int64_t max_steps = 0;
+  int64_t micro_batch_tokens = 4096;
+  int64_t grad_accum = 1;
+  double lr = 1e-4;
+  std::string schedule = "cosine";
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+  double weight_decay = 0.0;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double max_grad_norm = 1.0;
+  uint64_t seed = 0;
+  int64_t save_every = 0;  // 0 = only at the end
+  int64_t keep_last = 2;
+  int64_t eval_every = 0;  // 0 = never
+  int64_t eval_batches = 4;
+  int64_t log_every = 1;
+  bool recompute = false;
+  int64_t max_bad_steps = 5;
+  // final check: generate answers for held-out prompts and print the accuracy
+  std::string final_eval_file;
+  int64_t final_eval_max_new_tokens = 16;
+  // where
+  std::string resume = "auto";  // auto | none | path of a checkpoint
+  std::string device = "cpu";
+  std::string dtype;  // default: f32 on cpu, bf16 on cuda
+
+  nlohmann::json resolved;  // every option with its final value, saved beside the outputs
+};
+
+// Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides.
+TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides);
+
+// One line per option: "train.lr (float, default 0.0001): peak learning rate".
+std::string train_config_help();
+
+}  // namespace lathe

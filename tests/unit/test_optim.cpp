@@ -1,0 +1,402 @@
+// The optimizer: AdamW against an independent double-precision loop written from the paper (Loshchilov & Hutter,
+// "Decoupled Weight Decay Regularization", Algorithm 2), masters of bf16 parameters, skipped parameters,
+// weight-decay exclusions, state save/load (resume is bitwise, bad files give clear errors), the global gradient
+// norm and clipping factor, the learning-rate schedules (hand-computed values), and on a GPU the CUDA kernel with
+// bf16 gradients against the CPU one. The op itself is also checked by the adamw op-check cases.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "backend/runtime.h"
+#include "io/safetensors.h"
+#include "ops/ops.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "optim/schedule.h"
+
+using namespace lathe;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+std::vector<double> random_vector(std::mt19937_64& rng, size_t n, double lo = -1.0, double hi = 1.0) {
+  std::vector<double> v(n);
+  for (double& x : v) x = std::uniform_real_distribution<double>(lo, hi)(rng);
+  return v;
+}
+
+// A tensor of `dtype` holding `values` (rounded to the dtype).
+Tensor make(const std::vector<double>& values, const Shape& shape, DType dtype, Device device = Device::cpu()) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+  for (size_t i = 0; i < values.size(); ++i) store_from_double(bytes.data(), dtype, int64_t(i), values[i]);
+  return runtime().from_host(bytes.data(), shape, dtype, device);
+}
+
+std::vector<double> values(const Tensor& t) {
+  const Tensor h = runtime().copy_to(t, Device::cpu());
+  std::vector<double> v(size_t(h.numel()));
+  for (int64_t i = 0; i < h.numel(); ++i) v[size_t(i)] = load_as_double(h.data_ptr(), h.dtype(), i);
+  return v;
+}
+
+double rounded(double x, DType dtype) {
+  uint8_t b[8];
+  store_from_double(b, dtype, 0, x);
+  return load_as_double(b, dtype, 0);
+}
+
+// Algorithm 2 of the paper with the schedule multiplier eta_t = 1, alpha = lr and lambda = lr * weight_decay
+// (torch.optim.AdamW couples the decay to lr this way): one parameter tensor over `grads.size()` steps.
+struct PaperAdamW {
+  double alpha, beta1, beta2, eps, lambda;
+  std::vector<double> theta, m, v;
+  int t = 0;
+
+  void step(const std::vector<double>& g) {
+    ++t;
+    for (size_t i = 0; i < theta.size(); ++i) {
+      m[i] = beta1 * m[i] + (1 - beta1) * g[i];
+      v[i] = beta2 * v[i] + (1 - beta2) * g[i] * g[i];
+      const double m_hat = m[i] / (1 - std::pow(beta1, t));
+      const double v_hat = v[i] / (1 - std::pow(beta2, t));
+      theta[i] = theta[i] - (alpha * m_hat / (std::sqrt(v_hat) + eps) + lambda * theta[i]);
+    }
+  }
+};
+
+void expect_near_rel(const std::vector<double>& got, const std::vector<double>& want, double tol, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i]))) << what << " element " << i;
+}
+
+}  // namespace
+
+TEST(AdamW, MatchesThePaperInF64AndF32) {
+  for (DType dtype : {DType::F64, DType::F32}) {
+    std::mt19937_64 rng(7);
+    const size_t n = 37;
+    const double lr = 0.02, wd = 0.1;
+    const std::vector<double> w0 = random_vector(rng, n);
+    std::vector<Parameter> params = {{"model.layers.0.mlp.up_proj.weight", make(w0, {37, 1}, dtype), {}},
+                                     {"model.norm.weight", make(w0, {37}, dtype), {}}};
+    AdamWConfig cfg;
+    cfg.beta1 = 0.9;
+    cfg.beta2 = 0.99;
+    cfg.eps = 1e-8;
+    cfg.weight_decay = wd;
+    AdamW opt(runtime(), params, cfg);
+    ASSERT_TRUE(opt.decays(0));
+    ASSERT_FALSE(opt.decays(1));  // a norm gain
+    ASSERT_FALSE(opt.has_master(0));
+
+    PaperAdamW ref_decay{lr, 0.9, 0.99, 1e-8, lr * wd, {}, std::vector<double>(n), std::vector<double>(n)};
+    PaperAdamW ref_plain{lr, 0.9, 0.99, 1e-8, 0.0, {}, std::vector<double>(n), std::vector<double>(n)};
+    ref_decay.theta = ref_plain.theta = values(params[0].value);
+    for (int s = 0; s < 6; ++s) {
+      const std::vector<double> g = random_vector(rng, n, -3.0, 3.0);
+      const double grad_scale = s == 2 ? 0.25 : 1.0;  // a clipped step
+      params[0].grad = make(g, {37, 1}, dtype);
+      params[1].grad = make(g, {37}, dtype);
+      std::vector<double> g_used = values(params[0].grad);
+      for (double& x : g_used) x *= grad_scale;
+      opt.step(lr, grad_scale);
+      ref_decay.step(g_used);
+      ref_plain.step(g_used);
+    }
+    EXPECT_EQ(opt.step_count(), 6);
+    const double tol = dtype == DType::F64 ? 1e-13 : 3e-6;
+    expect_near_rel(values(params[0].value), ref_decay.theta, tol, "decayed weight");
+    expect_near_rel(values(opt.exp_avg(0)), ref_decay.m, tol, "m");
+    expect_near_rel(values(opt.exp_avg_sq(0)), ref_decay.v, tol, "v");
+    expect_near_rel(values(params[1].value), ref_plain.theta, tol, "undecayed weight");
+  }
+}
+
+TEST(AdamW, Bf16ParametersUpdateAnF32Master) {
+  std::mt19937_64 rng(11);
+  const size_t n = 64;
+  const std::vector<double> w0 = random_vector(rng, n);
+  std::vector<Parameter> params = {{"w", make(w0, {8, 8}, DType::BF16), {}}};
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.01;
+  AdamW opt(runtime(), params, cfg);
+  ASSERT_TRUE(opt.has_master(0));
+  EXPECT_EQ(opt.master(0).dtype(), DType::F32);
+  EXPECT_EQ(opt.exp_avg(0).dtype(), DType::F32);
+  PaperAdamW ref{1e-3, 0.9, 0.999, 1e-8, 1e-3 * 0.01, values(params[0].value), std::vector<double>(n),
+                 std::vector<double>(n)};
+  for (int s = 0; s < 4; ++s) {
+    params[0].grad = make(random_vector(rng, n), {8, 8}, DType::BF16);
+    ref.step(values(params[0].grad));
+    opt.step(1e-3);
+  }
+  const std::vector<double> master = values(opt.master(0));
+  expect_near_rel(master, ref.theta, 1e-6, "master");
+  // Updates of ~1e-3 are below bf16's resolution near 1: only the master keeps them; the parameter is its rounding.
+  const std::vector<double> w = values(params[0].value);
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(w[i], rounded(master[i], DType::BF16)) << i;
+}
+
+TEST(AdamW, SkipsParametersWithoutGradient) {
+  std::vector<Parameter> params = {{"a", make({1.0, 2.0}, {2}, DType::F64), {}},
+                                   {"b", make({3.0, 4.0}, {2}, DType::F64), {}}};
+  AdamW opt(runtime(), params, {});
+  params[0].grad = make({0.5, -0.5}, {2}, DType::F64);
+  opt.step(0.1);
+  EXPECT_EQ(values(params[1].value), (std::vector<double>{3.0, 4.0}));
+  EXPECT_EQ(values(opt.exp_avg(1)), (std::vector<double>{0.0, 0.0}));
+  // First step of Adam moves by lr * sign(g) (up to eps).
+  EXPECT_NEAR(values(params[0].value)[0], 0.9, 1e-7);
+  EXPECT_NEAR(values(params[0].value)[1], 2.1, 1e-7);
+}
+
+TEST(AdamW, WeightDecayExclusions) {
+  AdamWConfig c;
+  c.weight_decay = 0.1;
+  EXPECT_TRUE(weight_decay_applies(c, "model.layers.0.self_attn.q_proj.weight", {8, 4}));
+  EXPECT_TRUE(weight_decay_applies(c, "model.embed_tokens.weight", {100, 4}));
+  EXPECT_TRUE(weight_decay_applies(c, "lm_head.weight", {100, 4}));
+  EXPECT_FALSE(weight_decay_applies(c, "model.layers.0.input_layernorm.weight", {4}));
+  EXPECT_FALSE(weight_decay_applies(c, "model.layers.0.self_attn.q_proj.bias", {8}));
+  c.decay_embeddings = false;
+  EXPECT_FALSE(weight_decay_applies(c, "model.embed_tokens.weight", {100, 4}));
+  c.decay_norms = c.decay_biases = true;
+  EXPECT_TRUE(weight_decay_applies(c, "model.norm.weight", {4}));
+  EXPECT_TRUE(weight_decay_applies(c, "model.layers.0.self_attn.q_proj.bias", {8}));
+  c.no_decay = {"q_proj"};
+  EXPECT_FALSE(weight_decay_applies(c, "model.layers.0.self_attn.q_proj.weight", {8, 4}));
+  c.weight_decay = 0;
+  EXPECT_FALSE(weight_decay_applies(c, "lm_head.weight", {100, 4}));
+}
+
+TEST(AdamW, RejectsBadOpInputs) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  Tensor w = make({1, 2}, {2}, DType::F32), m = make({0, 0}, {2}, DType::F64), v = make({0, 0}, {2}, DType::F32);
+  const Tensor g = make({1, 1}, {2}, DType::BF16);
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, {}), Error);  // m's dtype differs from the master's
+  m = make({0, 0}, {2}, DType::F32);
+  AdamWAttrs a;
+  a.step = 0;
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, a), Error);
+  EXPECT_NO_THROW(adamw_update(ctx, w, g, m, v, {}));  // bf16 gradient, f32 master
+  const Tensor g3 = make({1, 1, 1}, {3}, DType::F32);
+  EXPECT_THROW(adamw_update(ctx, w, g3, m, v, {}), Error);
+}
+
+// Save after 2 steps, load into a fresh optimizer over fresh parameters, run 2 more: bitwise equal to 4 steps.
+TEST(AdamW, SaveLoadResumesBitwise) {
+  const std::string dir = ::testing::TempDir() + "/lathe_optim_state";
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/optimizer.safetensors";
+  std::mt19937_64 rng(3);
+  const std::vector<double> w0 = random_vector(rng, 12), u0 = random_vector(rng, 5);
+  std::vector<std::vector<double>> grads;
+  for (int s = 0; s < 4; ++s) grads.push_back(random_vector(rng, 17));
+  auto make_params = [&](const std::vector<double>& w, const std::vector<double>& u) {
+    return std::vector<Parameter>{{"model.embed_tokens.weight", make(w, {3, 4}, DType::BF16), {}},
+                                  {"model.norm.weight", make(u, {5}, DType::F32), {}}};
+  };
+  auto set_grads = [&](std::vector<Parameter>& p, int s) {
+    const std::vector<double>& g = grads[size_t(s)];
+    p[0].grad = make(std::vector<double>(g.begin(), g.begin() + 12), {3, 4}, DType::BF16);
+    // Step 2 leaves the norm without a gradient.
+    p[1].grad = s == 1 ? Tensor() : make(std::vector<double>(g.begin() + 12, g.end()), {5}, DType::F32);
+  };
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.05;
+
+  std::vector<Parameter> full = make_params(w0, u0);
+  AdamW opt_full(runtime(), full, cfg);
+  for (int s = 0; s < 4; ++s) {
+    set_grads(full, s);
+    opt_full.step(0.01, 0.5);
+  }
+
+  std::vector<Parameter> first = make_params(w0, u0);
+  AdamW opt_first(runtime(), first, cfg);
+  for (int s = 0; s < 2; ++s) {
+    set_grads(first, s);
+    opt_first.step(0.01, 0.5);
+  }
+  opt_first.save(path);
+  {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+    EXPECT_EQ(f.metadata().at("step"), "2");
+    EXPECT_EQ(f.metadata().at("step.model.norm.weight"), "1");
+    EXPECT_NE(f.find("model.embed_tokens.weight.master"), nullptr);
+    EXPECT_EQ(f.find("model.norm.weight.master"), nullptr);  // f32: its own master
+    EXPECT_NE(f.find("model.norm.weight.exp_avg_sq"), nullptr);
+  }
+  // The resumed run starts from the saved parameters (as a checkpoint would hold them).
+  std::vector<Parameter> second = make_params(values(first[0].value), values(first[1].value));
+  AdamW opt_second(runtime(), second, cfg);
+  opt_second.load(path);
+  EXPECT_EQ(opt_second.step_count(), 2);
+  for (int s = 2; s < 4; ++s) {
+    set_grads(second, s);
+    opt_second.step(0.01, 0.5);
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(values(second[i].value), values(full[i].value)) << i;
+    EXPECT_EQ(values(opt_second.master(i)), values(opt_full.master(i))) << i;
+    EXPECT_EQ(values(opt_second.exp_avg_sq(i)), values(opt_full.exp_avg_sq(i))) << i;
+  }
+}
+
+TEST(AdamW, LoadReportsMismatches) {
+  const std::string dir = ::testing::TempDir() + "/lathe_optim_bad";
+  std::filesystem::create_directories(dir);
+  std::vector<Parameter> a = {{"x", make({1, 2, 3, 4}, {2, 2}, DType::F32), {}},
+                              {"y", make({1, 2}, {2}, DType::F32), {}}};
+  AdamW(runtime(), a, {}).save(dir + "/a.safetensors");
+
+  std::vector<Parameter> b = {{"x", make({1, 2, 3, 4}, {4}, DType::F32), {}},
+                              {"z", make({1, 2}, {2}, DType::F32), {}}};
+  AdamW opt(runtime(), b, {});
+  try {
+    opt.load(dir + "/a.safetensors");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("x.exp_avg has shape [2, 2], the parameter [4]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("z.exp_avg is missing"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("y.exp_avg_sq belongs to no parameter"), std::string::npos) << msg;
+  }
+  const float zero = 0;
+  io::write_safetensors(dir + "/model.safetensors", {{"x", DType::F32, {1}, &zero, 4}});
+  EXPECT_THROW(opt.load(dir + "/model.safetensors"), Error);  // not an optimizer state
+}
+
+TEST(GradNorm, MatchesDoubleAndFlagsNonFinite) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  std::mt19937_64 rng(5);
+  const std::vector<double> g1 = random_vector(rng, 300), g2 = random_vector(rng, 7);
+  std::vector<Parameter> params = {{"a", make(g1, {10, 30}, DType::BF16), make(g1, {10, 30}, DType::BF16)},
+                                   {"b", make(g2, {7}, DType::F32), make(g2, {7}, DType::F32)},
+                                   {"c", make(g2, {7}, DType::F32), {}}};
+  double want = 0;
+  for (double x : values(params[0].grad)) want += x * x;
+  for (double x : values(params[1].grad)) want += x * x;
+  EXPECT_NEAR(global_grad_norm(ctx, params), std::sqrt(want), 1e-5 * std::sqrt(want));
+
+  std::vector<Parameter> f64 = {{"a", make(g1, {300}, DType::F64), make(g1, {3, 100}, DType::F64)}};
+  double w64 = 0;
+  for (double x : g1) w64 += x * x;
+  EXPECT_NEAR(global_grad_norm(ctx, f64), std::sqrt(w64), 1e-12);
+
+  std::vector<double> bad = g2;
+  bad[3] = std::nan("");
+  params[1].grad = make(bad, {7}, DType::F32);
+  EXPECT_TRUE(std::isnan(global_grad_norm(ctx, params)));
+  bad[3] = INFINITY;
+  params[1].grad = make(bad, {7}, DType::BF16);
+  EXPECT_FALSE(std::isfinite(global_grad_norm(ctx, params)));
+
+  std::vector<Parameter> none = {{"a", make(g2, {7}, DType::F32), {}}};
+  EXPECT_EQ(global_grad_norm(ctx, none), 0.0);
+
+  EXPECT_EQ(clip_factor(0.5, 1.0), 1.0);
+  EXPECT_DOUBLE_EQ(clip_factor(4.0, 1.0), 1.0 / (4.0 + 1e-6));
+  EXPECT_EQ(clip_factor(4.0, 0.0), 1.0);  // clipping off
+  EXPECT_THROW(clip_factor(NAN, 1.0), Error);
+}
+
+TEST(Schedule, HandComputedValues) {
+  ScheduleConfig c;
+  c.lr = 1e-3;
+  c.warmup_steps = 10;
+  c.total_steps = 110;
+  c.kind = ScheduleKind::Constant;
+  EXPECT_EQ(learning_rate(c, 0), 0.0);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 1), 1e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 5), 5e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1e-3);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 1000), 1e-3);
+
+  c.kind = ScheduleKind::Linear;
+  EXPECT_DOUBLE_EQ(learning_rate(c, 3), 3e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1e-3);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 35), 7.5e-4);   // a quarter of the way down
+  EXPECT_DOUBLE_EQ(learning_rate(c, 60), 5e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 110), 0.0);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 500), 0.0);
+  c.min_lr = 1e-4;
+  EXPECT_DOUBLE_EQ(learning_rate(c, 60), 1e-4 + 9e-4 * 0.5);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 110), 1e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 5), 5e-4);  // the warmup rises from 0, not from min_lr
+
+  c.kind = ScheduleKind::Cosine;
+  c.min_lr.reset();
+  c.min_lr_ratio = 0.1;  // floor 1e-4
+  EXPECT_DOUBLE_EQ(learning_rate(c, 10), 1e-3);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 35), 1e-4 + 9e-4 * 0.5 * (1 + std::sqrt(0.5)));  // cos(pi/4)
+  EXPECT_DOUBLE_EQ(learning_rate(c, 60), 1e-4 + 9e-4 * 0.5);                      // cos(pi/2) = 0
+  EXPECT_DOUBLE_EQ(learning_rate(c, 85), 1e-4 + 9e-4 * 0.5 * (1 - std::sqrt(0.5)));
+  EXPECT_DOUBLE_EQ(learning_rate(c, 110), 1e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 111), 1e-4);
+
+  c.warmup_steps = 0;  // no warmup: step 1 is already on the curve
+  c.total_steps = 4;
+  c.min_lr_ratio.reset();
+  EXPECT_DOUBLE_EQ(learning_rate(c, 0), 1e-3);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 2), 5e-4);
+  EXPECT_DOUBLE_EQ(learning_rate(c, 4), 0.0);
+}
+
+TEST(Schedule, ValidationReportsEveryProblem) {
+  ScheduleConfig c;
+  c.kind = ScheduleKind::Cosine;
+  c.lr = -1;
+  c.warmup_steps = -2;
+  c.total_steps = 0;
+  c.min_lr = 0.5;
+  c.min_lr_ratio = 2;
+  const std::vector<std::string> p = validate_schedule(c);
+  EXPECT_EQ(p.size(), 6u);  // lr, warmup, both floors, min_lr > lr, ratio > 1, no total_steps
+  for (const std::string& s : p) EXPECT_EQ(s.rfind("schedule:", 0), 0u) << s;
+  EXPECT_THROW(learning_rate(c, 1), Error);
+  EXPECT_EQ(schedule_kind_from_name("linear"), ScheduleKind::Linear);
+  EXPECT_THROW(schedule_kind_from_name("cosin"), Error);
+  ScheduleConfig w;
+  w.kind = ScheduleKind::Linear;
+  w.warmup_steps = 20;
+  w.total_steps = 10;
+  EXPECT_EQ(validate_schedule(w).size(), 1u);
+  w.kind = ScheduleKind::Constant;  // constant needs no total_steps
+  EXPECT_TRUE(validate_schedule(w).empty());
+}
+
+// The CUDA kernel with bf16 parameters and gradients (the production path, which the op check's single-dtype
+// cases do not reach) against the CPU kernel.
+TEST(AdamW, CudaBf16GradientsMatchCpu) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  std::mt19937_64 rng(9);
+  const size_t n = 4099;
+  const std::vector<double> w0 = random_vector(rng, n);
+  std::vector<std::vector<double>> grads;
+  for (int s = 0; s < 5; ++s) grads.push_back(random_vector(rng, n));
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1;
+  std::vector<std::vector<double>> master, param;
+  for (Device d : {Device::cpu(), Device::cuda(0)}) {
+    std::vector<Parameter> p = {{"w", make(w0, {int64_t(n)}, DType::BF16, d), {}}};
+    cfg.decay_norms = true;  // 1-D here
+    AdamW opt(runtime(), p, cfg);
+    for (int s = 0; s < 5; ++s) {
+      p[0].grad = make(grads[size_t(s)], {int64_t(n)}, DType::BF16, d);
+      opt.step(0.01, 0.7);
+    }
+    master.push_back(values(opt.master(0)));
+    param.push_back(values(p[0].value));
+  }
+  expect_near_rel(master[1], master[0], 2e-6, "cuda master");
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(param[1][i], rounded(master[1][i], DType::BF16)) << i;
+}

@@ -1,0 +1,304 @@
+// `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with a KV cache.
+// --prompt streams the completion to stdout; --input reads {"prompt": "..."} or {"messages": [...]} lines and
+// writes {"completion", "tokens", "finish_reason"} lines in input order (to --output, which appears only when
+// every line is done, or to stdout). Convention: a prompt gets the chat template (one user message, generation
+// prompt added) unless --no-chat-template; messages always do. Every input line is checked before any generation.
+// Hidden options for dev/ref/check_generate.py: --prompt-tokens 1,2,3 (raw ids, no tokenizer needed),
+// --print-tokens (a JSON line instead of streamed text), --ignore-eos. Covered by dev/ref/check_generate.py; the
+// library underneath by tests/models/test_generate.cpp.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <unistd.h>
+
+#include "commands.h"
+#include "data/chat_template.h"
+#include "data/tokenizer.h"
+#include "model/generate.h"
+
+namespace lathe::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Args {
+  std::string model, tokenizer, prompt, input, output, prompt_tokens, device = "cpu", dtype;
+  int64_t max_new_tokens = 256;
+  double temperature = 0.0, top_p = 1.0;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool no_chat_template = false, print_tokens = false, ignore_eos = false;
+  bool has_prompt = false;  // --prompt given (even as an empty string)
+};
+
+// What a run needs besides the model: the tokenizer and chat template, loaded when the inputs need them.
+class Prompts {
+ public:
+  Prompts(const Args& a, int64_t model_vocab, int64_t max_len)
+      : a_(a), dir_(a.tokenizer.empty() ? a.model : a.tokenizer), vocab_(model_vocab), max_len_(max_len) {}
+
+  const data::Tokenizer* tokenizer_if_present() {
+    if (!tokenizer_ && fs::exists(fs::path(dir_) / "tokenizer.json")) tokenizer_.emplace(data::Tokenizer::from_dir(dir_));
+    return tokenizer_ ? &*tokenizer_ : nullptr;
+  }
+  const data::Tokenizer& tokenizer() {
+    LATHE_CHECK(tokenizer_if_present(), "generate: no tokenizer.json in {}; pass --tokenizer DIR{}", dir_,
+                a_.tokenizer.empty() ? " (a folder with tokenizer.json)" : "");
+    return *tokenizer_;
+  }
+  bool used_chat_template() const { return chat_used_; }
+
+  // Token ids of a user prompt (chat template unless --no-chat-template) or of a conversation.
+  std::vector<int32_t> from_text(const std::string& prompt) {
+    if (a_.no_chat_template) return check(tokenizer().encode(prompt));
+    return from_messages(nlohmann::ordered_json::array({{{"role", "user"}, {"content", prompt}}}));
+  }
+  std::vector<int32_t> from_messages(const nlohmann::ordered_json& messages) {
+    LATHE_CHECK(!a_.no_chat_template, "generate: 'messages' need the chat template, but --no-chat-template is set");
+    const data::Tokenizer& tok = tokenizer();
+    if (!chat_) {
+      const fs::path config = fs::path(dir_) / "tokenizer_config.json";
+      LATHE_CHECK(fs::exists(config), "generate: {} not found, so there is no chat template; pass "
+                  "--no-chat-template to use the prompt as raw text", config.string());
+      chat_.emplace(ChatTemplate::from_tokenizer_config(config.string()));
+    }
+    chat_used_ = true;
+    return check(tok.encode(chat_->render(messages, /*add_generation_prompt=*/true)));
+  }
+  std::vector<int32_t> from_ids(const std::string& list) {
+    std::vector<int32_t> ids;
+    std::string item;
+    for (size_t i = 0; i <= list.size(); ++i) {
+      if (i < list.size() && list[i] != ',' && list[i] != ' ') {
+        item += list[i];
+        continue;
+      }
+      if (item.empty()) continue;
+      size_t used = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      LATHE_CHECK(used == item.size(), "generate: --prompt-tokens: '{}' is not an integer", item);
+      LATHE_CHECK(v >= 0 && v < vocab_, "generate: --prompt-tokens: id {} is outside the vocabulary (size {})", v, vocab_);
+      ids.push_back(int32_t(v));
+      item.clear();
+    }
+    return check(std::move(ids));
+  }
+
+ private:
+  std::vector<int32_t> check(std::vector<int32_t> ids) const {
+    LATHE_CHECK(!ids.empty(), "generate: the prompt is empty");
+    for (int32_t id : ids)
+      LATHE_CHECK(id < vocab_, "generate: the prompt has token id {}, outside the model's vocabulary (size {}): do "
+                  "the tokenizer and the model belong together?", id, vocab_);
+    LATHE_CHECK(int64_t(ids.size()) < max_len_, "generate: the prompt has {} tokens; the model takes at most {} "
+                "(max_position_embeddings)", ids.size(), max_len_);
+    return ids;
+  }
+
+  const Args& a_;
+  std::string dir_;
+  int64_t vocab_, max_len_;
+  std::optional<data::Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_;
+  bool chat_used_ = false;
+};
+
+// {"prompt": "..."} or {"messages": [...]} per line; blank lines are skipped. Errors name file:line.
+std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts) {
+  std::ifstream in(path);
+  LATHE_CHECK(in.good(), "generate: cannot open input {}", path);
+  std::vector<std::vector<int32_t>> out;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::ordered_json j;
+    try {
+      j = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      LATHE_FAIL("generate: {}:{}: invalid JSON: {}", path, n, e.what());
+    }
+    LATHE_CHECK(j.is_object(), "generate: {}:{}: expected an object {{\"prompt\": ...}} or {{\"messages\": [...]}}",
+                path, n);
+    for (const auto& [key, value] : j.items())
+      LATHE_CHECK(key == "prompt" || key == "messages", "generate: {}:{}: unknown key '{}' (expected 'prompt' or "
+                  "'messages')", path, n, key);
+    LATHE_CHECK(j.contains("prompt") != j.contains("messages"), "generate: {}:{}: expected exactly one of 'prompt' "
+                "and 'messages'", path, n);
+    try {
+      if (j.contains("prompt")) {
+        LATHE_CHECK(j["prompt"].is_string(), "generate: 'prompt' must be a string, not {}", j["prompt"].type_name());
+        out.push_back(prompts.from_text(j["prompt"].get<std::string>()));
+      } else {
+        LATHE_CHECK(j["messages"].is_array() && !j["messages"].empty(),
+                    "generate: 'messages' must be a non-empty array of {{\"role\", \"content\"}} objects");
+        for (const auto& m : j["messages"])
+          LATHE_CHECK(m.is_object() && m.contains("role") && m["role"].is_string(),
+                      "generate: each message must be an object with a string 'role', not {}", m.dump());
+        out.push_back(prompts.from_messages(j["messages"]));
+      }
+    } catch (const Error& e) {
+      std::string_view what = e.what();
+      if (what.starts_with("generate: ")) what.remove_prefix(10);  // said once, before file:line
+      LATHE_FAIL("generate: {}:{}: {}", path, n, what);
+    }
+  }
+  LATHE_CHECK(!out.empty(), "generate: {} holds no prompts", path);
+  return out;
+}
+
+// tokenizer_config's eos, the model's (generation_config.json if present, else config.json, as transformers),
+// and <|im_end|> when the chat template was applied.
+std::vector<int32_t> eos_ids(const std::string& model_dir, const data::Tokenizer* tok, bool chat) {
+  std::vector<int32_t> ids;
+  auto add = [&](int64_t id) {
+    if (id >= 0 && std::find(ids.begin(), ids.end(), int32_t(id)) == ids.end()) ids.push_back(int32_t(id));
+  };
+  if (tok && tok->eos_id()) add(*tok->eos_id());
+  for (const char* file : {"generation_config.json", "config.json"}) {
+    const fs::path p = fs::path(model_dir) / file;
+    if (!fs::exists(p)) continue;
+    std::ifstream in(p);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    LATHE_CHECK(!j.is_discarded(), "generate: {} is not valid JSON", p.string());
+    if (j.contains("eos_token_id")) {
+      const nlohmann::json& e = j["eos_token_id"];
+      if (e.is_number_integer()) add(e.get<int64_t>());
+      if (e.is_array())
+        for (const auto& x : e)
+          if (x.is_number_integer()) add(x.get<int64_t>());
+    }
+    break;  // transformers reads generation_config.json when it exists, else the model config
+  }
+  if (chat && tok)
+    if (std::optional<int32_t> im_end = tok->token_to_id("<|im_end|>")) add(*im_end);
+  return ids;
+}
+
+nlohmann::json result_json(const GenerateResult& r) {
+  return {{"completion", r.text}, {"tokens", r.tokens}, {"finish_reason", finish_reason_name(r.finish_reason)}};
+}
+
+void run(const Args& a) {
+  const int n_sources = int(a.has_prompt) + int(!a.input.empty()) + int(!a.prompt_tokens.empty());
+  LATHE_CHECK(n_sources == 1, "generate: give exactly one of --prompt TEXT and --input IN.jsonl");
+  LATHE_CHECK(a.output.empty() || !a.input.empty(), "generate: --output goes with --input (--prompt streams to stdout)");
+  GenerateOptions options;
+  options.max_new_tokens = a.max_new_tokens;
+  options.sampling = {a.temperature, a.top_k, a.top_p};
+  options.seed = a.seed;
+  options.stop = a.stop;
+  check_sampling_options(options.sampling);
+  LATHE_CHECK(a.max_new_tokens >= 0, "generate: --max-new-tokens must be >= 0, not {}", a.max_new_tokens);
+  for (const std::string& s : a.stop) LATHE_CHECK(!s.empty(), "generate: --stop needs a non-empty string");
+
+  Runtime rt;
+  ModelOptions mo;
+  mo.device = parse_device(a.device);
+  mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
+  Qwen3Model model = Qwen3Model::load(rt, a.model, mo);
+  const ModelConfig& c = model.config();
+  Prompts prompts(a, c.vocab_size, c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
+
+  std::vector<std::vector<int32_t>> requests;
+  if (!a.input.empty()) requests = read_requests(a.input, prompts);
+  else if (a.has_prompt) requests.push_back(prompts.from_text(a.prompt));
+  else requests.push_back(prompts.from_ids(a.prompt_tokens));
+  const data::Tokenizer* tok = prompts.tokenizer_if_present();
+  LATHE_CHECK(a.stop.empty() || tok, "generate: --stop needs a tokenizer (--tokenizer DIR)");
+  if (!a.ignore_eos) options.eos_ids = eos_ids(a.model, tok, prompts.used_chat_template());
+  Generator gen(rt, model, tok);
+
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t generated = 0;
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  if (a.input.empty()) {  // one prompt: stream the text, or print the result as JSON
+    const bool stream = tok && !a.print_tokens;
+    const GenerateResult r = gen.generate(requests[0], options, [&](std::string_view piece) {
+      if (!stream) return;
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    });
+    if (stream) std::fputs("\n", stdout);
+    else fmt::print("{}\n", result_json(r).dump());
+    fmt::print(stderr, "generate: {} tokens, finish_reason {}, {:.1f} tokens/s on {} ({})\n", r.tokens.size(),
+               finish_reason_name(r.finish_reason), double(r.tokens.size()) / std::max(seconds(), 1e-9),
+               mo.device.str(), dtype_name(mo.dtype));
+    return;
+  }
+
+  const std::string tmp = a.output.empty() ? "" : a.output + fmt::format(".tmp-{}", getpid());
+  std::ofstream file;
+  if (!tmp.empty()) {
+    file.open(tmp);
+    LATHE_CHECK(file.good(), "generate: cannot write {}", tmp);
+  }
+  const bool progress = isatty(STDERR_FILENO);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    options.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines
+    const GenerateResult r = gen.generate(requests[i], options);
+    generated += int64_t(r.tokens.size());
+    const std::string line = result_json(r).dump() + "\n";
+    if (tmp.empty()) {
+      std::fputs(line.c_str(), stdout);
+      std::fflush(stdout);
+    } else {
+      file << line;
+    }
+    if (progress)
+      fmt::print(stderr, "\rgenerate: {}/{} prompts, {} tokens, {:.1f} tokens/s", i + 1, requests.size(), generated,
+                 double(generated) / std::max(seconds(), 1e-9));
+  }
+  if (!tmp.empty()) {
+    file.close();
+    LATHE_CHECK(file.good(), "generate: writing {} failed", tmp);
+    fs::rename(tmp, a.output);
+  }
+  fmt::print(stderr, "{}generate: {} prompts, {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}){}\n",
+             progress ? "\r" : "", requests.size(), generated, seconds(), double(generated) / std::max(seconds(), 1e-9),
+             mo.device.str(), dtype_name(mo.dtype), a.output.empty() ? "" : " -> " + a.output);
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("generate", "Generate text with a KV cache: greedy or sampled, streamed");
+  auto args = std::make_shared<Args>();
+  cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
+  cmd->add_option("--tokenizer", args->tokenizer, "folder with tokenizer.json (default: the model folder)");
+  cmd->add_option("--prompt", args->prompt, "a user prompt; the completion streams to stdout");
+  cmd->add_option("--input", args->input, "JSONL, one {\"prompt\": ...} or {\"messages\": [...]} per line");
+  cmd->add_option("--output", args->output, "JSONL, one {\"completion\", \"tokens\", \"finish_reason\"} per input "
+                  "line (default: stdout)");
+  cmd->add_option("--max-new-tokens", args->max_new_tokens, "most tokens to generate per prompt")->capture_default_str();
+  cmd->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();
+  cmd->add_option("--top-k", args->top_k, "sample from the k most likely tokens (0 = all)")->capture_default_str();
+  cmd->add_option("--top-p", args->top_p, "sample from the smallest set with this probability (1 = all)")
+      ->capture_default_str();
+  cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
+  cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
+  cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
+  cmd->add_option("--device", args->device, "cpu, cuda or cuda:N")->capture_default_str();
+  cmd->add_option("--dtype", args->dtype, "compute dtype (default f32 on cpu, bf16 on cuda)");
+  cmd->add_option("--prompt-tokens", args->prompt_tokens, "prompt as token ids, e.g. 1,2,3")->group("");
+  cmd->add_flag("--print-tokens", args->print_tokens, "print the result as JSON instead of streaming")->group("");
+  cmd->add_flag("--ignore-eos", args->ignore_eos, "do not stop on EOS tokens")->group("");
+  cmd->callback([cmd, args, &exit_code] {
+    args->has_prompt = cmd->count("--prompt") > 0;
+    run(*args);
+    exit_code = 0;
+  });
+}
+
+}  // namespace lathe::cli

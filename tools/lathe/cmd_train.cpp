@@ -1,0 +1,36 @@
+// `lathe train CONFIG.yaml [--set key.path=value ...]`: supervised fine-tuning (src/train/trainer.h).
+// `lathe train --help-config` lists every option with its type, default and meaning.
+#include <fmt/format.h>
+
+#include "commands.h"
+#include "core/error.h"
+#include "train/trainer.h"
+
+namespace lathe::cli {
+
+void add_train_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("train", "Supervised fine-tuning (or training from scratch) from a YAML config");
+  struct Args {
+    std::string config;
+    std::vector<std::string> overrides;
+    bool help_config = false;
+  };
+  auto args = std::make_shared<Args>();
+  cmd->add_option("config", args->config, "YAML config file");
+  cmd->add_option("--set", args->overrides, "override an option: key.path=value (repeatable)");
+  cmd->add_flag("--help-config", args->help_config, "list every config option");
+  cmd->callback([args, &exit_code] {
+    if (args->help_config) {
+      fmt::print("lathe train options (YAML keys; --set key=value overrides):\n{}", train_config_help());
+      exit_code = 0;
+      return;
+    }
+    LATHE_CHECK(!args->config.empty() || !args->overrides.empty(), "train: give a config file (see --help-config)");
+    const TrainSummary s = run_training(load_train_config(args->config, args->overrides));
+    fmt::print("train: {} steps, loss {:.4f} -> {:.4f}{}\n", s.steps_run, s.first_loss, s.last_loss,
+               s.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * s.final_eval_accuracy) : "");
+    exit_code = 0;
+  });
+}
+
+}  // namespace lathe::cli
