@@ -4,13 +4,16 @@
 # fixtures for the tokenizer and chat templates, tokenizer benchmark, a bf16 training run of a
 # Qwen3-0.6B-shaped model with its TensorBoard and export checks, and the GEMM benchmark.
 # Writes summary.txt, logs.tgz and fixtures.tgz to $OUT.
+# Two stages so each fits one call: `dev/gpu_session.sh check` then `dev/gpu_session.sh train`.
 set -uo pipefail
 OUT=${OUT:?set OUT}
+STAGE=${1:-check}
 L=/tmp/logs; mkdir -p $L
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j16 >$L/build.log 2>&1; } ||
   { grep -E "error" $L/build.log $L/cmake.log | head -20; tar -czf $OUT/logs.tgz -C /tmp logs; exit 1; }
+if [ "$STAGE" = check ]; then
 python3 dev/ref/tokenizer_fixtures.py >$L/tok_fixtures.log 2>&1; summary "tokenizer fixtures rc=$?"
 python3 dev/ref/chat_template_fixtures.py >$L/chat_fixtures.log 2>&1; summary "chat fixtures rc=$?"
 tar -czf $OUT/fixtures.tgz tests/data/fixtures/corpus_hf.jsonl tests/data/fixtures/decode_hf.jsonl tests/data/chat_fixtures 2>/dev/null
@@ -19,6 +22,8 @@ grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/
 grep -h "qwen3 cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
 ./build/lathe op-check -v >$L/opcheck.txt 2>&1; summary "$(tail -n 1 $L/opcheck.txt)"; grep FAIL $L/opcheck.txt | head
 python3 bench/tokenizer_bench.py --lathe-bin build/bench/tokenizer_bench >$L/tok_bench.log 2>&1; summary "tokenizer bench: $(tail -n 2 $L/tok_bench.log | tr '\n' ' ')"
+fi
+if [ "$STAGE" = train ]; then
 ./build/lathe train examples/qwen3_0p6b_gpu.yaml >$L/train_0p6b.log 2>&1; summary "0.6B bf16 train rc=$?: $(grep -E '^step' $L/train_0p6b.log | sed -n '1p;$p' | tr '\n' ' ')"
 cp runs/qwen3_0p6b/metrics.jsonl $L/metrics_0p6b.jsonl 2>/dev/null
 python3 dev/ref/check_tensorboard.py runs/qwen3_0p6b/tb >$L/tb.log 2>&1; summary "tensorboard rc=$?: $(tail -n 1 $L/tb.log)"
@@ -28,4 +33,5 @@ python3 dev/ref/compare_logprobs.py runs/qwen3_0p6b/final /tmp/lp_in.jsonl /tmp/
 summary "exported 0.6B in transformers: $(tail -n 1 $L/export.log)"
 [ -f dev/ref/check_generate.py ] && { python3 dev/ref/check_generate.py --lathe build/lathe >$L/generate.log 2>&1; summary "generate vs HF: $(tail -n 1 $L/generate.log)"; }
 bash bench/run_gemm.sh build >$L/gemm.txt 2>&1; summary "$(tail -n 1 $L/gemm.txt)"
+fi
 tar -czf $OUT/logs.tgz -C /tmp logs
