@@ -9,6 +9,6 @@ for pkg in libpcre2-8 icu-uc; do
   case $pkg in libpcre2-8) pat="libpcre2-*";; icu-uc) pat="libicu*";; esac
   for f in .gpu-debs/$pat.deb; do dpkg -x "$f" $D; done
 done
-for pc in $D/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc; do [ -f "$pc" ] && sed -i "s|^prefix=/usr\$|prefix=$D/usr|" "$pc"; done
+for pc in $D/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc; do [ -f "$pc" ] && sed -i -E "s|^prefix *= */usr *\$|prefix=$D/usr|" "$pc"; done
 export PKG_CONFIG_PATH=$D/usr/lib/x86_64-linux-gnu/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}
 export LD_LIBRARY_PATH=$D/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
