@@ -137,6 +137,44 @@ TEST(Train, CrashDuringSaveLeavesThePreviousCheckpointUsable) {
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << "stale temporary checkpoint left behind";
 }
 
+TEST(Train, ExportWritesALoadableFolder) {
+  const fs::path dir = setup("export");
+  ASSERT_EQ(lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=3").exit_code, 0);
+  const LatheRun e = lathe("export --checkpoint " + (dir / "out").string() + " --output " + (dir / "exported").string() +
+                           " --dtype f32");
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json"}) EXPECT_TRUE(fs::exists(dir / "exported" / f)) << f;
+  // The exported weights are the checkpoint's: scoring with both gives the same log-probs.
+  std::ofstream(dir / "in.jsonl") << "{\"tokens\": [5, 9, 12, 40, 7]}\n";
+  ASSERT_EQ(lathe("logprobs --model " + (dir / "exported").string() + " --input " + (dir / "in.jsonl").string() +
+                  " --output " + (dir / "a.jsonl").string()).exit_code, 0);
+  ASSERT_EQ(lathe("logprobs --model " + (dir / "out/checkpoints/step-00000003/model").string() + " --input " +
+                  (dir / "in.jsonl").string() + " --output " + (dir / "b.jsonl").string()).exit_code, 0);
+  std::ifstream a(dir / "a.jsonl"), b(dir / "b.jsonl");
+  std::string la, lb;
+  std::getline(a, la);
+  std::getline(b, lb);
+  EXPECT_EQ(la, lb);
+  EXPECT_EQ(nlohmann::json::parse(la)["logprobs"].size(), 4u);
+}
+
+// The same kill-and-resume on a GPU: bf16 compute, so equal within tolerance rather than bitwise.
+TEST(Train, ResumeOnCudaMatchesWithinTolerance) {
+  if (lathe("kernels").output.find("cuda: unavailable") != std::string::npos) GTEST_SKIP() << "no CUDA device";
+  const fs::path ref = setup("cuda_ref");
+  ASSERT_EQ(lathe("train " + (ref / "config.yaml").string() + " --set device=cuda").exit_code, 0);
+  const fs::path dir = setup("cuda_kill");
+  EXPECT_EQ(lathe("train " + (dir / "config.yaml").string() + " --set device=cuda", "LATHE_FAULT_INJECT=after_step:8").exit_code, 9);
+  const LatheRun resumed = lathe("train " + (dir / "config.yaml").string() + " --set device=cuda");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const std::vector<double> want = losses(ref / "out"), got = losses(dir / "out");
+  ASSERT_EQ(got.size(), want.size());
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
+  std::printf("[cuda resume] worst relative loss difference over %zu steps: %.3g\n", want.size(), worst);
+  EXPECT_LT(worst, 1e-2);
+}
+
 TEST(Cli, KernelsAndHelpRun) {
   const LatheRun k = lathe("kernels");
   EXPECT_EQ(k.exit_code, 0) << k.output;
