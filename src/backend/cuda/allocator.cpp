@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_guard.h"
 #include "core/error.h"
 
 namespace lathe::cuda {
@@ -11,19 +12,6 @@ namespace {
 constexpr size_t kSmallLimit = 1u << 20;
 constexpr size_t kSmallRound = 512;
 constexpr size_t kLargeRound = 2u << 20;
-
-// Sets the current device for the lifetime of the guard.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    LATHE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) LATHE_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
 }  // namespace
 
 size_t CachingAllocator::round_size(size_t nbytes) {

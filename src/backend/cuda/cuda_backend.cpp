@@ -1,6 +1,7 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/device_guard.h"
 #include "backend/cuda/gemm.h"
 #include "backend/registry.h"
 #include "core/error.h"
@@ -26,18 +27,6 @@ void throw_cublas_error(const char* what, int status, const char* file, int line
 }
 
 namespace {
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    LATHE_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) LATHE_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
 
 class CudaEvent final : public Event {
  public:
