@@ -62,6 +62,18 @@ Resolution KernelRegistry::resolve(const OpCall& call) const {
   return r;
 }
 
+Support outputs_contiguous(const OpCall& call) {
+  for (const Tensor& t : call.outputs)
+    if (!t.is_contiguous()) return Support::no("output must be contiguous");
+  return Support::yes();
+}
+
+Support all_contiguous(const OpCall& call) {
+  for (const Tensor& t : call.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  return outputs_contiguous(call);
+}
+
 void run_op(ExecContext& ctx, const OpCall& call) {
   for (const Tensor& t : call.inputs)
     LATHE_CHECK(t.device() == ctx.device, "ops: {} input {} is not on {}", op_name(call.op), t.describe(),

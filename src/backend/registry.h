@@ -101,6 +101,10 @@ class KernelRegistry {
   std::vector<CompositeDef> composites_;
 };
 
+// Predicates shared by kernels that index their tensors densely.
+Support outputs_contiguous(const OpCall& call);  // every output contiguous
+Support all_contiguous(const OpCall& call);      // every input and output contiguous
+
 // Resolves and runs one op call.
 void run_op(ExecContext& ctx, const OpCall& call);
 

@@ -166,7 +166,7 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   return a;
 }
 
-Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b, double) {
+Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = dout.size(0);
@@ -297,7 +297,7 @@ LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_sca
   for (int64_t i = int64_t(layers_.size()) - 1; i >= 0; --i) {
     const LayerActs a = keep ? std::move(acts[size_t(i)]) : layer_forward(layers_[size_t(i)], inputs[size_t(i)], b);
     if (keep) acts.pop_back();
-    dx = layer_backward(layers_[size_t(i)], a, dx, b, grad_scale);
+    dx = layer_backward(layers_[size_t(i)], a, dx, b);
   }
   add_grad(embed_, embedding_backward(cx, dx, b.ids, config_.vocab_size));
   return result;

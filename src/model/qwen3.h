@@ -74,7 +74,7 @@ class Qwen3Model {
 
   Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* layer_inputs);
   LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b);
-  Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b, double scale);
+  Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
   void add_grad(int index, const Tensor& g);
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x
 

@@ -11,10 +11,6 @@ namespace lathe {
 
 namespace {
 
-Support output_contiguous(const OpCall& call) {
-  return call.outputs[0].is_contiguous() ? Support::yes() : Support::no("output must be contiguous");
-}
-
 // out[i] = f(a[i'], b[i'']) over the broadcast shape of out.
 template <typename T, typename F>
 void binary_map(const OpCall& call, F f) {
@@ -56,19 +52,19 @@ T sigmoid(T x) {
 template <typename T>
 void register_float_kernels(KernelRegistry& r) {
   const DType dt = DTypeOf<T>::value;
-  r.add(KernelDef{OpId::add, DeviceType::CPU, dt, "cpu/broadcast_add", output_contiguous,
+  r.add(KernelDef{OpId::add, DeviceType::CPU, dt, "cpu/broadcast_add", outputs_contiguous,
                   [](const OpCall& c, ExecContext&) { binary_map<T>(c, [](T a, T b) { return a + b; }); }});
-  r.add(KernelDef{OpId::mul, DeviceType::CPU, dt, "cpu/broadcast_mul", output_contiguous,
+  r.add(KernelDef{OpId::mul, DeviceType::CPU, dt, "cpu/broadcast_mul", outputs_contiguous,
                   [](const OpCall& c, ExecContext&) { binary_map<T>(c, [](T a, T b) { return a * b; }); }});
-  r.add(KernelDef{OpId::scale, DeviceType::CPU, dt, "cpu/scale", output_contiguous, [](const OpCall& c, ExecContext&) {
+  r.add(KernelDef{OpId::scale, DeviceType::CPU, dt, "cpu/scale", outputs_contiguous, [](const OpCall& c, ExecContext&) {
                     const T alpha = T(c.attr<ScaleAttrs>().alpha);
                     unary_map<T>(c, [alpha](T x) { return alpha * x; });
                   }});
-  r.add(KernelDef{OpId::silu, DeviceType::CPU, dt, "cpu/silu", output_contiguous, [](const OpCall& c, ExecContext&) {
+  r.add(KernelDef{OpId::silu, DeviceType::CPU, dt, "cpu/silu", outputs_contiguous, [](const OpCall& c, ExecContext&) {
                     unary_map<T>(c, [](T x) { return x * sigmoid(x); });
                   }});
   // d/dx [x s(x)] = s(x) (1 + x (1 - s(x)))
-  r.add(KernelDef{OpId::silu_backward, DeviceType::CPU, dt, "cpu/silu_backward", output_contiguous,
+  r.add(KernelDef{OpId::silu_backward, DeviceType::CPU, dt, "cpu/silu_backward", outputs_contiguous,
                   [](const OpCall& c, ExecContext&) {
                     binary_map<T>(c, [](T x, T dy) {
                       const T s = sigmoid(x);
@@ -102,7 +98,7 @@ void register_cpu_elementwise_kernels(KernelRegistry& r) {
   register_float_kernels<float>(r);
   register_float_kernels<double>(r);
   for (DType dt : kAllDTypes)
-    r.add(KernelDef{OpId::cast, DeviceType::CPU, dt, "cpu/cast", output_contiguous, cast_any});
+    r.add(KernelDef{OpId::cast, DeviceType::CPU, dt, "cpu/cast", outputs_contiguous, cast_any});
 }
 
 }  // namespace lathe

@@ -24,13 +24,6 @@ GemmShape gemm_shape(const OpCall& call) {
   return {a.numel() / (m * k), m, n, k};
 }
 
-Support matmul_supports(const OpCall& call) {
-  for (const Tensor& t : call.inputs)
-    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
-  if (!call.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
-  return Support::yes();
-}
-
 void matmul_f32(const OpCall& call, ExecContext&) {
   const auto& at = call.attr<MatmulAttrs>();
   const GemmShape g = gemm_shape(call);
@@ -75,8 +68,8 @@ void matmul_f64_reference(const OpCall& call, ExecContext&) {
 }  // namespace
 
 void register_cpu_matmul_kernels(KernelRegistry& r) {
-  r.add(KernelDef{OpId::matmul, DeviceType::CPU, DType::F32, "cpu/openblas_sgemm", matmul_supports, matmul_f32});
-  r.add(KernelDef{OpId::matmul, DeviceType::CPU, DType::F64, "cpu/reference_loops", matmul_supports,
+  r.add(KernelDef{OpId::matmul, DeviceType::CPU, DType::F32, "cpu/openblas_sgemm", all_contiguous, matmul_f32});
+  r.add(KernelDef{OpId::matmul, DeviceType::CPU, DType::F64, "cpu/reference_loops", all_contiguous,
                   matmul_f64_reference});
 }
 

@@ -15,14 +15,6 @@ namespace lathe {
 
 namespace {
 
-Support all_contiguous(const OpCall& call) {
-  for (const Tensor& t : call.inputs)
-    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
-  for (const Tensor& t : call.outputs)
-    if (!t.is_contiguous()) return Support::no("outputs must be contiguous");
-  return Support::yes();
-}
-
 template <typename T>
 void embedding_kernel(const OpCall& c, ExecContext&) {
   const Tensor& w = c.inputs[0];

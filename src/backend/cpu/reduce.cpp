@@ -12,16 +12,6 @@ namespace lathe {
 
 namespace {
 
-Support output_contiguous(const OpCall& call) {
-  return call.outputs[0].is_contiguous() ? Support::yes() : Support::no("output must be contiguous");
-}
-
-Support rows_contiguous(const OpCall& call) {
-  for (const Tensor& t : call.inputs)
-    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
-  return output_contiguous(call);
-}
-
 template <typename T>
 void sum_kernel(const OpCall& call, ExecContext&) {
   const Tensor& x = call.inputs[0];
@@ -86,9 +76,9 @@ void softmax_backward_kernel(const OpCall& call, ExecContext&) {
 template <typename T>
 void register_for(KernelRegistry& r) {
   const DType dt = DTypeOf<T>::value;
-  r.add(KernelDef{OpId::sum, DeviceType::CPU, dt, "cpu/strided_sum", output_contiguous, sum_kernel<T>});
-  r.add(KernelDef{OpId::softmax, DeviceType::CPU, dt, "cpu/softmax_rows", rows_contiguous, softmax_kernel<T>});
-  r.add(KernelDef{OpId::softmax_backward, DeviceType::CPU, dt, "cpu/softmax_backward_rows", rows_contiguous,
+  r.add(KernelDef{OpId::sum, DeviceType::CPU, dt, "cpu/strided_sum", outputs_contiguous, sum_kernel<T>});
+  r.add(KernelDef{OpId::softmax, DeviceType::CPU, dt, "cpu/softmax_rows", all_contiguous, softmax_kernel<T>});
+  r.add(KernelDef{OpId::softmax_backward, DeviceType::CPU, dt, "cpu/softmax_backward_rows", all_contiguous,
                   softmax_backward_kernel<T>});
 }
 
