@@ -5,6 +5,8 @@
 # Qwen3-0.6B-shaped model with its TensorBoard and export checks, and the GEMM benchmark.
 # Writes summary.txt, logs.tgz and fixtures.tgz to $OUT.
 # Two stages so each fits one call: `dev/gpu_session.sh check` then `dev/gpu_session.sh train`.
+# `dev/gpu_session.sh lora`: LoRA fixtures from transformers + peft, the LoRA/op tests, the PEFT round trip of
+# adapters trained on the GPU (examples/tenants.yaml over the demo model) and the multi-tenant benchmark.
 set -uo pipefail
 OUT=${OUT:?set OUT}
 STAGE=${1:-check}
@@ -33,5 +35,24 @@ python3 dev/ref/compare_logprobs.py runs/qwen3_0p6b/final /tmp/lp_in.jsonl /tmp/
 summary "exported 0.6B in transformers: $(tail -n 1 $L/export.log)"
 [ -f dev/ref/check_generate.py ] && { python3 dev/ref/check_generate.py --lathe build/lathe >$L/generate.log 2>&1; summary "generate vs HF: $(tail -n 1 $L/generate.log)"; }
 bash bench/run_gemm.sh build >$L/gemm.txt 2>&1; summary "$(tail -n 1 $L/gemm.txt)"
+fi
+if [ "$STAGE" = lora ]; then
+python3 dev/ref/lora_fixtures.py tests/models/fixtures/qwen3 tests/models/fixtures/lora >$L/lora_fixtures.log 2>&1
+summary "lora fixtures rc=$?: $(tr '\n' ' ' <$L/lora_fixtures.log | tail -c 600)"
+tar -czf $OUT/lora_fixtures.tgz tests/models/fixtures/lora 2>/dev/null
+(cd build && ctest -j8 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+grep -h "lora cuda bf16\|qwen3 cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
+./build/lathe train examples/demo.yaml --set device=cuda >$L/demo.log 2>&1; summary "demo cuda rc=$?: $(tail -n 1 $L/demo.log)"
+./build/lathe train examples/tenants.yaml --set device=cuda >$L/tenants.log 2>&1; summary "tenants cuda rc=$?: $(tail -n 2 $L/tenants.log | tr '\n' ' ')"
+./build/lathe export --checkpoint runs/tenants/sub --adapter --dtype f32 --output /tmp/peft_sub >>$L/tenants.log 2>&1
+./build/lathe export --checkpoint runs/tenants/sub --merge --dtype f32 --output /tmp/merged_sub >>$L/tenants.log 2>&1
+python3 -c "import json,random;r=random.Random(1);[print(json.dumps({'tokens':[r.randrange(151000) for _ in range(n)]})) for n in (2,9,33,64)]" >/tmp/lp_in.jsonl
+./build/lathe logprobs --model runs/demo/final --adapter /tmp/peft_sub --input /tmp/lp_in.jsonl --output /tmp/lp_adapter.jsonl >>$L/tenants.log 2>&1
+python3 dev/ref/compare_logprobs.py runs/demo/final /tmp/lp_in.jsonl /tmp/lp_adapter.jsonl --adapter /tmp/peft_sub >$L/peft.log 2>&1
+summary "PEFT round trip (lathe logprobs --adapter vs transformers+peft fp64): $(tail -n 1 $L/peft.log)"
+python3 dev/ref/compare_logprobs.py /tmp/merged_sub /tmp/lp_in.jsonl /tmp/lp_adapter.jsonl >$L/merged.log 2>&1
+summary "merged export (transformers, no peft) vs lathe base+adapter: $(tail -n 1 $L/merged.log)"
+bash bench/run_lora_tenants.sh build >$L/lora_bench.txt 2>&1; grep "lora tenants" $L/lora_bench.txt | tee -a $OUT/summary.txt
 fi
 tar -czf $OUT/logs.tgz -C /tmp logs

@@ -1,5 +1,7 @@
 #include "model/batch.h"
 
+#include <algorithm>
+
 namespace lathe {
 
 std::vector<int32_t> next_token_labels(const std::vector<int32_t>& ids, const std::vector<int32_t>& cu) {
@@ -41,6 +43,20 @@ PackedBatch make_packed_batch(Runtime& rt, Device device, std::vector<int32_t> i
   b.host_labels = std::move(labels);
   b.host_cu = std::move(cu);
   return b;
+}
+
+void set_segments(PackedBatch& b, std::vector<BatchSegment> segments) {
+  int64_t start = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const int64_t end = segments[i].rows_end;
+    LATHE_CHECK(end >= start && end <= b.tokens(), "batch: segment {} ends at row {} (previous end {}, {} rows)", i, end, start,
+                b.tokens());
+    LATHE_CHECK(std::binary_search(b.host_cu.begin(), b.host_cu.end(), int32_t(end)),
+                "batch: segment {} ends at row {}, inside a document", i, end);
+    start = end;
+  }
+  LATHE_CHECK(segments.empty() || start == b.tokens(), "batch: the segments cover {} of {} rows", start, b.tokens());
+  b.segments = std::move(segments);
 }
 
 }  // namespace lathe

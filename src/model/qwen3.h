@@ -26,13 +26,22 @@ struct ModelOptions {
   DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
   bool recompute = false;        // recompute layer activations in the backward pass
   int64_t loss_chunk_rows = 1024;  // rows of logits alive at once in the loss head
+  bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
 };
 
 struct LossResult {
   double loss = 0;         // mean over labelled positions
   double loss_sum = 0;     // sum over labelled positions
   int64_t labelled = 0;
+  struct Segment {
+    double loss_sum = 0;
+    int64_t labelled = 0;
+  };
+  std::vector<Segment> segments;  // one per batch segment (PackedBatch::segments)
 };
+
+class LoraBank;
+enum class LoraTarget;
 
 class Qwen3Model {
  public:
@@ -47,13 +56,19 @@ class Qwen3Model {
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
   Parameter& parameter(const std::string& name);
+  Runtime& runtime() const { return *rt_; }
+  // Adapters applied to the rows of a batch according to its segments (nullptr: none). The bank must
+  // outlive its use; its gradients accumulate like the model's.
+  void attach_lora(LoraBank* bank) { lora_ = bank; }
 
   // Full logits (T, V) of a batch: for tests, scoring of short inputs and generation.
   Tensor logits(const PackedBatch& batch);
   // Per-position log p(label) (f32, T entries; 0 where the label is -100), chunked like the loss.
   std::vector<double> label_logprobs(const PackedBatch& batch);
   // Mean cross-entropy over labelled positions; with `backward`, adds every parameter's gradient into
-  // Parameter::grad (so micro-batches accumulate). `loss_scale` multiplies the gradients.
+  // Parameter::grad (so micro-batches accumulate), and the attached adapters' gradients into the bank.
+  // `loss_scale` multiplies the gradients. A batch with segments differentiates the sum over segments of
+  // segment.loss_scale x (the segment's mean loss); LoRA dropout is active only with `backward`.
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0);
   void zero_grads();
 
@@ -62,6 +77,7 @@ class Qwen3Model {
 
  private:
   struct Layer {
+    int64_t index;
     int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj, down_proj;
   };
   struct LayerActs;
@@ -72,9 +88,16 @@ class Qwen3Model {
   const Tensor& w(int index) const { return params_[size_t(index)].value; }
   const Tensor& lm_head() const;
 
-  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* layer_inputs);
-  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b);
+  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* layer_inputs,
+                        bool training);
+  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
+  // y = x W^T plus the adapters' terms for the batch's segments.
+  Tensor project(const Layer& l, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training);
+  // The backward of project(): dx (allocated when undefined, else accumulated) += dy W (+ adapter terms);
+  // the weight's gradient (unless frozen) and the adapters' gradients accumulate.
+  void project_backward(const Layer& l, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
+                        const PackedBatch& b);
   void add_grad(int index, const Tensor& g);
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x
 
@@ -84,6 +107,7 @@ class Qwen3Model {
   std::vector<Parameter> params_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ = -1 when tied
   std::vector<Layer> layers_;
+  LoraBank* lora_ = nullptr;
 };
 
 }  // namespace lathe

@@ -93,6 +93,10 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       g.push_back(Tensor());
       return g;
     }
+    case OpId::segment_mask:  // linear and self-adjoint (a selection times per-segment scalars)
+      return {segment_mask(ctx, dy, std::get<SegmentAttrs>(attrs))};
+    case OpId::dropout:  // the same mask and 1 / (1 - p): linear and self-adjoint for fixed attrs
+      return {dropout(ctx, dy, std::get<SegmentAttrs>(attrs))};
     case OpId::softmax_backward:
     case OpId::silu_backward:
     case OpId::swiglu_backward:

@@ -35,7 +35,9 @@ namespace lathe {
   X(attention, 4)        \
   X(attention_backward, 7) \
   X(cross_entropy, 2)    \
-  X(adamw, 4)
+  X(adamw, 4)            \
+  X(segment_mask, 1)     \
+  X(dropout, 1)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -128,7 +130,24 @@ struct AdamWAttrs {
   double grad_scale = 1.0;  // multiplies the gradient: 1/accumulation, the clipping factor
 };
 
+// Row segments of x (T, C) for multi-tenant LoRA: segment s owns rows [rows[s], rows[s+1]) (contiguous, in order;
+// gaps and a tail beyond rows[S] belong to no segment). Each op reads only its own fields and ignores the others.
+// segment_mask(x) -> y: y[i, j] = scale[s] x[i, j] for i in segment s and col_begin[s] <= j < col_end[s], else 0
+//   (selected, not multiplied: an Inf or NaN outside the kept blocks gives 0). Linear and self-adjoint.
+// dropout(x) -> y: in segment s, keep (i, j) iff u(seed[s], n) >= p[s] with n = (i - rows[s]) C + j, the local index
+//   (backend/dropout_hash.h: an integer hash, bit-identical on every device; a segment gets the same mask wherever
+//   it sits in the batch); kept values are x / (1 - p[s]), dropped ones 0. Rows outside every segment pass through
+//   unchanged. Linear and self-adjoint for fixed attrs (the backward is dropout of dy).
+struct SegmentAttrs {
+  std::vector<int64_t> rows;       // S + 1 row offsets, rows[0] = 0, non-decreasing, rows[S] <= T
+  std::vector<int64_t> col_begin;  // S entries (segment_mask): columns [col_begin[s], col_end[s]) are kept
+  std::vector<int64_t> col_end;
+  std::vector<double> scale;       // S entries (segment_mask): kept values are multiplied by scale[s]
+  std::vector<double> p;           // S entries (dropout): drop probability of segment s, in [0, 1)
+  std::vector<uint64_t> seed;      // S entries (dropout)
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs>;
+                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs>;
 
 }  // namespace lathe

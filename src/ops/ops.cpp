@@ -28,6 +28,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
     case OpId::adamw: return expect(AdamWAttrs{});
+    case OpId::segment_mask:
+    case OpId::dropout: return expect(SegmentAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -148,6 +150,14 @@ void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& 
   for (const Tensor* t : {&master, &m, &v})
     LATHE_CHECK(t->is_contiguous(), "ops: adamw_update needs contiguous state, got {}", t->describe());
   run_op(ctx, call);
+}
+
+Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs) {
+  return call_op(ctx, OpId::segment_mask, {contiguous(ctx, x)}, attrs)[0];
+}
+
+Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs) {
+  return call_op(ctx, OpId::dropout, {contiguous(ctx, x)}, attrs)[0];
 }
 
 }  // namespace lathe

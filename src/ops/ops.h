@@ -53,6 +53,9 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
 // One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.
 void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs);
+// Row-segment ops on x (T, C) for multi-tenant LoRA (formulas at SegmentAttrs in ops/op_table.h).
+Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
+Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

@@ -75,6 +75,38 @@ TensorSpec matmul_output(const Tensor& a, const Tensor& b, const MatmulAttrs& at
   return {out, a.dtype()};
 }
 
+// Segment attrs of segment_mask / dropout on x (T, C): each op checks the fields it reads (op_table.h).
+void check_segments(OpId op, const Tensor& x, const SegmentAttrs& a) {
+  const std::string_view name = op_name(op);
+  LATHE_CHECK(x.dim() == 2, "ops: {} needs x (T, C), got {}", name, x.describe());
+  const int64_t t = x.size(0), c = x.size(1);
+  LATHE_CHECK(!a.rows.empty(), "ops: {} needs S + 1 row offsets (rows is empty)", name);
+  const size_t n_seg = a.rows.size() - 1;
+  LATHE_CHECK(a.rows[0] == 0, "ops: {} rows must start at 0, got {}", name, a.rows[0]);
+  for (size_t s = 0; s < n_seg; ++s)
+    LATHE_CHECK(a.rows[s] <= a.rows[s + 1], "ops: {} row offsets must be non-decreasing: rows[{}] = {} > rows[{}] = {}",
+                name, s, a.rows[s], s + 1, a.rows[s + 1]);
+  LATHE_CHECK(a.rows[n_seg] <= t, "ops: {} rows end at {}, beyond the {} rows of x {}", name, a.rows[n_seg], t,
+              x.describe());
+  const auto check_size = [&](size_t size, const char* field) {
+    LATHE_CHECK(size == n_seg, "ops: {} needs one {} per segment: {} segments, {} {}", name, field, n_seg, size, field);
+  };
+  if (op == OpId::segment_mask) {
+    check_size(a.col_begin.size(), "col_begin");
+    check_size(a.col_end.size(), "col_end");
+    check_size(a.scale.size(), "scale");
+    for (size_t s = 0; s < n_seg; ++s)
+      LATHE_CHECK(0 <= a.col_begin[s] && a.col_begin[s] <= a.col_end[s] && a.col_end[s] <= c,
+                  "ops: segment_mask columns [{}, {}) of segment {} are not a range within [0, {}]", a.col_begin[s],
+                  a.col_end[s], s, c);
+  } else {
+    check_size(a.p.size(), "p");
+    check_size(a.seed.size(), "seed");
+    for (size_t s = 0; s < n_seg; ++s)
+      LATHE_CHECK(a.p[s] >= 0.0 && a.p[s] < 1.0, "ops: dropout p of segment {} must lie in [0, 1), got {}", s, a.p[s]);
+  }
+}
+
 }  // namespace
 
 std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
@@ -222,6 +254,11 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       const TensorSpec s{w.shape(), w.dtype()};
       return {s, s, s};
     }
+    case OpId::segment_mask:
+    case OpId::dropout:
+      check_floating(op, in[0]);
+      check_segments(op, in[0], std::get<SegmentAttrs>(attrs));
+      return {{in[0].shape(), in[0].dtype()}};
     case OpId::kCount: break;
   }
   LATHE_FAIL("ops: invalid op id {}", int(op));

@@ -67,6 +67,24 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                  AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu20}});
   c.push_back({OpId::attention, "t=20,hq=8,hkv=1,d=32,group=8", {{20, 8, 32}, {20, 1, 32}, {20, 1, 32}, {3}},
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu20}});
+  // Sizes for the tiled CUDA kernels (cuda/flash_attention*: bf16/f16, D = 64/128/256; tiles of 32 to 128
+  // tokens): documents longer than several tiles, lengths that are no multiple of a tile, documents of one
+  // token, GQA groups 1, 2 and 8. No f64 row: the f64 finite-difference check is done by the small cases
+  // above and would take minutes here; every row still compares with the f64 reference.
+  const std::vector<DType> kTiled = {DType::F32, DType::BF16, DType::F16};
+  const auto add_tiled = [&](int64_t t, int64_t hq, int64_t hkv, int64_t d, const std::vector<double>& cu,
+                             AttentionAttrs attrs, const char* what) {
+    c.push_back({OpId::attention, fmt::format("t={},hq={},hkv={},d={},{}", t, hq, hkv, d, what),
+                 {{t, hq, d}, {t, hkv, d}, {t, hkv, d}, {int64_t(cu.size())}}, attrs, kTiled, false, true,
+                 {{}, {}, {}, cu}});
+  };
+  add_tiled(300, 4, 2, 64, {0, 1, 131, 300}, {}, "docs=1+130+169");
+  add_tiled(90, 8, 1, 64, {0, 17, 90}, {}, "group=8,docs=17+73");
+  add_tiled(200, 2, 2, 128, {0, 70, 71, 200}, {}, "docs=70+1+129");
+  add_tiled(150, 8, 1, 128, {0, 150}, {}, "group=8,one_doc");
+  add_tiled(260, 4, 2, 128, {0, 1, 2, 259, 260}, AttentionAttrs{0.05}, "scale=0.05,docs=1+1+257+1");
+  add_tiled(100, 4, 2, 256, {0, 33, 34, 100}, {}, "docs=33+1+66");
+  add_tiled(70, 8, 1, 256, {0, 70}, {}, "group=8,one_doc");
   c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
   c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
@@ -79,6 +97,44 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                kFloat, false, false, {{}, iota_mod(4, 3001, 977)}});
   c.push_back({OpId::cross_entropy, "n=3,v=3001,grad", {{3, 3001}, {3}}, CrossEntropyAttrs{-100, true, 1.0},
                kFloat, false, false, {{}, iota_mod(3, 3001, 1234)}});
+}
+
+// Row-segment ops (multi-tenant LoRA): empty segments, rows past the last segment, column ranges that differ
+// (empty and full ones included), scales != 1, p = 0 next to p > 0, single segments; C above 256 takes the
+// CUDA path with one block per row.
+SegmentAttrs mask_attrs(std::vector<int64_t> rows, std::vector<int64_t> col_begin, std::vector<int64_t> col_end,
+                        std::vector<double> scale) {
+  SegmentAttrs a;
+  a.rows = std::move(rows);
+  a.col_begin = std::move(col_begin);
+  a.col_end = std::move(col_end);
+  a.scale = std::move(scale);
+  return a;
+}
+
+SegmentAttrs dropout_attrs(std::vector<int64_t> rows, std::vector<double> p, std::vector<uint64_t> seed) {
+  SegmentAttrs a;
+  a.rows = std::move(rows);
+  a.p = std::move(p);
+  a.seed = std::move(seed);
+  return a;
+}
+
+void add_segment_op_cases(std::vector<OpCase>& c) {
+  // Segment 1 empty, row 12 in no segment; segment 3 keeps no column.
+  c.push_back({OpId::segment_mask, "t=13,c=10,rows=3+0+5+4,tail=1", {{13, 10}},
+               mask_attrs({0, 3, 3, 8, 12}, {0, 2, 3, 5}, {4, 5, 10, 5}, {0.5, 3.0, -1.25, 2.0}), kFloat});
+  c.push_back({OpId::segment_mask, "t=6,c=300,one_segment,scale=1", {{6, 300}}, mask_attrs({0, 6}, {0}, {300}, {1.0}),
+               kFloat});
+  c.push_back({OpId::segment_mask, "t=257,c=1031,rows=100+1+149,tail=7", {{257, 1031}},
+               mask_attrs({0, 100, 101, 250}, {0, 17, 512}, {1031, 300, 1030}, {0.125, -2.0, 1.5}), kFloat});
+  // Segment 1 empty, rows 12-13 pass through.
+  c.push_back({OpId::dropout, "t=14,c=37,rows=4+0+5+3,p=0.3/0.5/0/0.3,tail=2", {{14, 37}},
+               dropout_attrs({0, 4, 4, 9, 12}, {0.3, 0.5, 0.0, 0.3}, {1, 2, 3, 0xDEADBEEFCAFEull}), kFloat});
+  c.push_back({OpId::dropout, "t=8,c=300,one_segment,p=0.3", {{8, 300}}, dropout_attrs({0, 8}, {0.3}, {42}), kFloat});
+  c.push_back({OpId::dropout, "t=8,c=300,one_segment,p=0", {{8, 300}}, dropout_attrs({0, 8}, {0.0}, {42}), kFloat});
+  c.push_back({OpId::dropout, "t=300,c=520,rows=150+149,p=0.3/0.1,tail=1", {{300, 520}},
+               dropout_attrs({0, 150, 299}, {0.3, 0.1}, {7, 7}), kFloat});
 }
 
 }  // namespace
@@ -124,6 +180,7 @@ std::vector<OpCase> all_op_cases() {
   }
   c.push_back({OpId::silu, "strided=[5,3]^T", {{5, 3}}, {}, kFloat, true});
   add_model_op_cases(c);
+  add_segment_op_cases(c);
   // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};
   c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},

@@ -118,6 +118,13 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.max_bad_steps", Kind::Int, "5", "stop after this many non-finite steps in a row", max_bad_steps),
       LATHE_OPT("final_eval.file", Kind::String, "", "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
       LATHE_OPT("final_eval.max_new_tokens", Kind::Int, "16", "tokens generated per final-eval prompt", final_eval_max_new_tokens),
+      LATHE_OPT("lora.rank", Kind::Int, "0", "LoRA rank (0 = full fine-tuning; > 0 freezes the base)", lora_rank),
+      LATHE_OPT("lora.alpha", Kind::Float, "32", "LoRA alpha: scaling = alpha / rank (alpha / sqrt(rank) with rslora)", lora_alpha),
+      LATHE_OPT("lora.dropout", Kind::Float, "0.0", "dropout on the LoRA input during training", lora_dropout),
+      LATHE_OPT("lora.rslora", Kind::Bool, "false", "rank-stabilised scaling alpha / sqrt(rank)", lora_rslora),
+      LATHE_OPT("lora.targets", Kind::StringList, "all-linear",
+                "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj | all-linear | re:<regex>", lora_targets),
+      LATHE_OPT("lora.init", Kind::String, "", "PEFT adapter folder to continue from (default: fresh init)", lora_init),
       LATHE_OPT("resume", Kind::String, "auto", "auto (newest complete checkpoint in output_dir) | none | checkpoint path", resume),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
       LATHE_OPT("dtype", Kind::String, "", "compute dtype (default f32 on cpu, bf16 on cuda)", dtype),
@@ -170,42 +177,33 @@ std::string closest(const std::string& key) {
 
 }  // namespace
 
-TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
-  std::vector<std::string> problems;
-  YAML::Node root = YAML::Node(YAML::NodeType::Map);
-  if (!yaml_path.empty()) {
-    try {
-      root = YAML::LoadFile(yaml_path);
-    } catch (const YAML::Exception& e) {
-      LATHE_FAIL("config: {}: {}", yaml_path, e.what());
-    }
-    LATHE_CHECK(root.IsMap() || root.IsNull(), "config: {}: the top level must be a mapping", yaml_path);
-    if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
-  }
-  std::map<std::string, YAML::Node> given;
-  collect(root, "", given);
-  for (const std::string& o : overrides) {
-    const size_t eq = o.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      problems.push_back(fmt::format("--set '{}': expected key.path=value", o));
-      continue;
-    }
-    try {
-      given[o.substr(0, eq)] = YAML::Load(o.substr(eq + 1));
-    } catch (const YAML::Exception& e) {
-      problems.push_back(fmt::format("--set '{}': {}", o, e.what()));
-    }
-  }
+namespace {
+
+// YAML::Node is a handle: assigning to a map entry would write into the node it refers to (shared with other
+// maps), so entries are replaced, never assigned.
+void replace(std::map<std::string, YAML::Node>& m, const std::string& key, const YAML::Node& value) {
+  m.erase(key);
+  m.emplace(key, value);
+}
+
+// Options a tenant may set for itself; every other option is shared by the whole run.
+bool per_tenant(const std::string& path) {
+  auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
+  return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
+         (starts("train.") && path != "train.recompute" && path != "train.log_every");
+}
+
+std::string unknown_key_problem(const std::string& key) {
+  const std::string hint = closest(key);
+  return fmt::format("unknown option '{}'{}", key, hint.empty() ? "" : fmt::format(" (did you mean '{}'?)", hint));
+}
+
+// Fills a config from `given` (leaf path -> value) and the defaults, appending every problem, each prefixed by `where`.
+TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::string& where, bool has_tenants,
+                    std::vector<std::string>& problems) {
+  const size_t first_problem = problems.size();
   TrainConfig c;
   std::set<std::string> unparsed;  // options already reported: no second complaint about their value
-  std::map<std::string, const Option*> by_path;
-  for (const Option& o : options()) by_path[o.path] = &o;
-  for (const auto& [key, node] : given) {
-    if (!by_path.count(key)) {
-      const std::string hint = closest(key);
-      problems.push_back(fmt::format("unknown option '{}'{}", key, hint.empty() ? "" : fmt::format(" (did you mean '{}'?)", hint)));
-    }
-  }
   for (const Option& o : options()) {
     auto it = given.find(o.path);
     YAML::Node value;
@@ -229,9 +227,10 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
     problems.push_back("model: give exactly one of model.path (fine-tune) or model.config (train from scratch)");
   if (c.tokenizer.empty()) c.tokenizer = c.model_path;
   if (c.tokenizer.empty()) problems.push_back("model.tokenizer: required when training from model.config");
-  if (c.train_files.empty()) problems.push_back("data.train: at least one training file is required");
+  if (c.train_files.empty() && !has_tenants) problems.push_back("data.train: at least one training file is required");
   if (c.output_dir.empty()) problems.push_back("output_dir: required");
-  if (c.max_steps <= 0 && !unparsed.count("train.max_steps")) problems.push_back("train.max_steps: must be a positive integer");
+  if (c.max_steps <= 0 && !unparsed.count("train.max_steps") && !has_tenants)
+    problems.push_back("train.max_steps: must be a positive integer");
   if (c.micro_batch_tokens <= 0) problems.push_back("train.micro_batch_tokens: must be positive");
   if (c.grad_accum <= 0) problems.push_back("train.grad_accum: must be positive");
   if (c.max_seq_len <= 0 || c.max_seq_len > c.micro_batch_tokens)
@@ -248,6 +247,112 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
   if (c.keep_last < 1) problems.push_back("train.keep_last: must be at least 1");
   if (c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     problems.push_back(fmt::format("device: '{}' is not cpu, cuda or cuda:N", c.device));
+  if (c.lora_rank < 0) problems.push_back("lora.rank: must be 0 (full fine-tuning) or positive");
+  if (c.lora_rank > 0) {
+    if (!(c.lora_alpha > 0)) problems.push_back("lora.alpha: must be positive");
+    if (c.lora_dropout < 0 || c.lora_dropout >= 1) problems.push_back("lora.dropout: must be in [0, 1)");
+    std::vector<std::string> targets;  // "q_proj,v_proj" is a list too
+    for (const std::string& t : c.lora_targets) {
+      size_t p = 0;
+      for (size_t q; (q = t.find(',', p)) != std::string::npos && t.rfind("re:", 0) != 0; p = q + 1) targets.push_back(t.substr(p, q - p));
+      targets.push_back(t.substr(p));
+    }
+    std::erase_if(targets, [](const std::string& t) { return t.empty(); });
+    if (targets.empty()) problems.push_back("lora.targets: empty");
+    c.lora_targets = targets;
+  } else if (!c.lora_init.empty()) {
+    problems.push_back("lora.init: needs lora.rank > 0 (and equal to the adapter's r)");
+  }
+  for (size_t i = first_problem; i < problems.size(); ++i) problems[i] = where + problems[i];
+  return c;
+}
+
+}  // namespace
+
+TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
+  std::vector<std::string> problems;
+  YAML::Node root = YAML::Node(YAML::NodeType::Map);
+  if (!yaml_path.empty()) {
+    try {
+      root = YAML::LoadFile(yaml_path);
+    } catch (const YAML::Exception& e) {
+      LATHE_FAIL("config: {}: {}", yaml_path, e.what());
+    }
+    LATHE_CHECK(root.IsMap() || root.IsNull(), "config: {}: the top level must be a mapping", yaml_path);
+    if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  }
+  std::map<std::string, YAML::Node> given;
+  collect(root, "", given);
+  for (const std::string& o : overrides) {
+    const size_t eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      problems.push_back(fmt::format("--set '{}': expected key.path=value", o));
+      continue;
+    }
+    try {
+      replace(given, o.substr(0, eq), YAML::Load(o.substr(eq + 1)));
+    } catch (const YAML::Exception& e) {
+      problems.push_back(fmt::format("--set '{}': {}", o, e.what()));
+    }
+  }
+  YAML::Node tenants;
+  if (given.count("tenants")) {
+    tenants = given["tenants"];
+    given.erase("tenants");
+    if (!tenants.IsSequence() || tenants.size() == 0) {
+      problems.push_back("tenants: expected a non-empty list of mappings");
+      tenants = YAML::Node();
+    }
+  }
+  std::map<std::string, const Option*> by_path;
+  for (const Option& o : options()) by_path[o.path] = &o;
+  for (const auto& [key, node] : given)
+    if (!by_path.count(key)) problems.push_back(unknown_key_problem(key));
+  TrainConfig c = resolve(given, "", tenants.IsDefined() && !tenants.IsNull(), problems);
+
+  std::set<std::string> names, outputs;
+  for (size_t i = 0; tenants.IsDefined() && !tenants.IsNull() && i < tenants.size(); ++i) {
+    const YAML::Node entry = tenants[i];
+    std::string where = fmt::format("tenants[{}]: ", i);
+    if (!entry.IsMap()) {
+      problems.push_back(where + "expected a mapping with a name and the tenant's options");
+      continue;
+    }
+    std::map<std::string, YAML::Node> own;
+    collect(entry, "", own);
+    std::string name = own.count("name") && own["name"].IsScalar() ? own["name"].as<std::string>() : "";
+    own.erase("name");
+    if (name.empty() || name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos ||
+        name[0] == '.') {
+      problems.push_back(where + fmt::format("name: required, letters, digits, '_', '-' and '.' only (got '{}')", name));
+    } else {
+      where = fmt::format("tenants[{}] ({}): ", i, name);
+      if (!names.insert(name).second) problems.push_back(where + "a second tenant has this name");
+    }
+    std::map<std::string, YAML::Node> merged = given;
+    for (const auto& [key, node] : own) {
+      if (!by_path.count(key)) problems.push_back(where + unknown_key_problem(key));
+      else if (!per_tenant(key)) problems.push_back(where + fmt::format("'{}' is shared by every tenant: set it at the top level", key));
+      else replace(merged, key, node);
+    }
+    const bool own_output = own.count("output_dir") > 0;
+    if (!own_output && !c.output_dir.empty()) replace(merged, "output_dir", YAML::Node(c.output_dir + "/" + name));
+    TrainConfig t = resolve(merged, where, false, problems);
+    t.name = name;
+    if (t.lora_rank <= 0) problems.push_back(where + "lora.rank: tenants share one frozen base model, so each needs lora.rank > 0");
+    if (!t.output_dir.empty() && !outputs.insert(t.output_dir).second)
+      problems.push_back(where + fmt::format("output_dir '{}' is used by another tenant", t.output_dir));
+    c.tenants.push_back(std::move(t));
+  }
+  if (!c.tenants.empty()) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const TrainConfig& t : c.tenants) {
+      nlohmann::json r = t.resolved;
+      r["name"] = t.name;
+      list.push_back(r);
+    }
+    c.resolved["tenants"] = list;
+  }
   if (!problems.empty()) {
     std::string msg = fmt::format("config: {} problem{} in {}:", problems.size(), problems.size() > 1 ? "s" : "",
                                   yaml_path.empty() ? "the options" : yaml_path);

@@ -47,6 +47,16 @@ struct TrainConfig {
   // final check: generate answers for held-out prompts and print the accuracy
   std::string final_eval_file;
   int64_t final_eval_max_new_tokens = 16;
+  // LoRA (lora.rank > 0): the base is frozen and one adapter per tenant is trained
+  int64_t lora_rank = 0;
+  double lora_alpha = 32;
+  double lora_dropout = 0.0;
+  bool lora_rslora = false;
+  std::vector<std::string> lora_targets = {"all-linear"};
+  std::string lora_init;  // PEFT adapter folder to start from (default: fresh PEFT initialisation)
+  // multi-tenant runs: one entry per tenant, each a whole config (shared options inherited from the top level)
+  std::string name;  // the tenant's name ("" for a single-job run)
+  std::vector<TrainConfig> tenants;
   // where
   std::string resume = "auto";  // auto | none | path of a checkpoint
   std::string device = "cpu";
@@ -56,6 +66,10 @@ struct TrainConfig {
 };
 
 // Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides.
+// A `tenants:` list makes a multi-tenant LoRA run: each entry is a mapping with a `name` and any of the per-tenant
+// options (data.*, lora.*, train.* except train.recompute and train.log_every, output_dir, final_eval.*); what an
+// entry does not set it inherits from the top level. Model, device, dtype and resume are shared by every tenant.
+// Each tenant's output_dir defaults to <output_dir>/<name>.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides);
 
 // One line per option: "train.lr (float, default 0.0001): peak learning rate".

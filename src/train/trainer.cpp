@@ -8,13 +8,17 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <regex>
+
+#include <fmt/ranges.h>
 
 #include "data/chat_template.h"
 #include "data/dataset.h"
 #include "data/packing.h"
 #include "data/tokenizer.h"
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
@@ -110,9 +114,6 @@ std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& 
   return corpus;
 }
 
-PackedBatch to_device(Runtime& rt, Device d, const data::Batch& b, int64_t vocab) {
-  return make_packed_batch(rt, d, b.ids, b.cu_seqlens, b.labels, vocab);
-}
 
 class Progress {
  public:
@@ -156,18 +157,51 @@ std::string latest_checkpoint(const std::string& output_dir) {
 
 namespace {
 
-void save_checkpoint(const fs::path& out, int64_t step, const Qwen3Model& model, const AdamW& opt,
-                     const nlohmann::json& state, int64_t keep_last) {
-  const fs::path dir = out / "checkpoints";
+// One model being trained: the whole model (full fine-tuning) or one LoRA adapter (a tenant). Everything a job
+// owns — data, optimizer, schedule, metrics, checkpoints — is its own; a failing job is stopped alone.
+struct Job {
+  const TrainConfig* cfg = nullptr;
+  fs::path out;
+  std::string label;  // "" for a single-job run, else the tenant's name
+  int adapter = -1;   // LoRA: index in the bank
+  std::vector<Parameter>* params = nullptr;
+  std::shared_ptr<const data::Corpus> train, eval;
+  data::LoaderOptions loader_options;
+  std::unique_ptr<data::PackedLoader> loader;
+  std::unique_ptr<AdamW> opt;
+  std::unique_ptr<MetricsWriter> metrics;
+  std::unique_ptr<TensorBoardWriter> tb;
+  ScheduleConfig sched;
+  std::string resume_from;
+  int64_t step = 0, tokens_seen = 0, bad_in_row = 0;
+  bool failed = false;
+  std::string error;
+  JobSummary summary;
+  // this step
+  double loss_sum = 0, flops = 0;
+  int64_t labelled = 0, tokens = 0;
+
+  bool active() const { return !failed && step < cfg->max_steps; }
+  std::string prefix() const { return label.empty() ? "" : label + ": "; }
+};
+
+uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
+  z = (z ^ (z >> 31)) * 0xD6E8FEB86927D7A9ull;
+  return z ^ (z >> 29);
+}
+
+void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_weights, const nlohmann::json& state) {
+  const fs::path dir = job.out / "checkpoints";
   fs::create_directories(dir);
-  const fs::path final_dir = dir / step_dir_name(step);
+  const fs::path final_dir = dir / step_dir_name(job.step);
   const fs::path tmp = final_dir.string() + fmt::format(".tmp-{}", getpid());
   fs::remove_all(tmp);
   fs::create_directories(tmp);
-  model.save((tmp / "model").string(), model.options().dtype == DType::F64 ? DType::F32 : model.options().dtype);
-  opt.save((tmp / "optimizer.safetensors").string());
+  write_weights(tmp);
+  job.opt->save((tmp / "optimizer.safetensors").string());
   // Test hook (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would.
-  if (fault_injected("checkpoint_save", step)) _exit(3);
+  if (fault_injected("checkpoint_save", job.step)) _exit(3);
   write_file_atomic(tmp / "trainer_state.json", state.dump(2));
   fs::remove_all(final_dir);  // a checkpoint of the same step from an earlier, replaced run
   fs::rename(tmp, final_dir);
@@ -176,26 +210,47 @@ void save_checkpoint(const fs::path& out, int64_t step, const Qwen3Model& model,
   for (const auto& e : fs::directory_iterator(dir))
     if (std::regex_match(e.path().filename().string(), std::regex("step-[0-9]{8}"))) all.push_back(e.path());
   std::sort(all.begin(), all.end());
-  for (size_t i = 0; i + size_t(keep_last) < all.size(); ++i) fs::remove_all(all[i]);
+  for (size_t i = 0; i + size_t(job.cfg->keep_last) < all.size(); ++i) fs::remove_all(all[i]);
 }
 
-double evaluate(Runtime& rt, Qwen3Model& model, const std::shared_ptr<const data::Corpus>& corpus,
-                const data::LoaderOptions& base, int64_t batches) {
-  data::LoaderOptions o = base;
+// A device batch of one job's host batch, its rows served by `adapter` (-1: no adapter).
+PackedBatch single_job_batch(Runtime& rt, const Qwen3Model& model, const data::Batch& b, int adapter) {
+  PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels, model.config().vocab_size);
+  if (adapter >= 0) set_segments(pb, {{pb.tokens(), adapter, 1.0, 0}});
+  return pb;
+}
+
+double evaluate(Runtime& rt, Qwen3Model& model, const Job& job) {
+  data::LoaderOptions o = job.loader_options;
   o.shuffle = false;
   o.rank = 0;
   o.world = 1;
   o.prefetch = 0;
-  data::PackedLoader loader(corpus, o);
-  const int64_t n = std::min<int64_t>(batches, loader.batches_in_first_epoch());
+  data::PackedLoader loader(job.eval, o);
+  const int64_t n = std::min<int64_t>(job.cfg->eval_batches, loader.batches_in_first_epoch());
   double sum = 0;
   int64_t labelled = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const LossResult r = model.loss(to_device(rt, model.options().device, loader.next(), model.config().vocab_size), false);
+    const LossResult r = model.loss(single_job_batch(rt, model, loader.next(), job.adapter), false);
     sum += r.loss_sum;
     labelled += r.labelled;
   }
   return labelled ? sum / double(labelled) : NAN;
+}
+
+// The sum of squares of the parameters' values is finite (an update that overflowed would poison other tenants).
+bool values_finite(ExecContext& ctx, std::vector<Parameter>& params) {
+  std::vector<Parameter> as_grads;
+  for (const Parameter& p : params) as_grads.push_back({p.name, p.value, p.value});
+  return std::isfinite(global_grad_norm(ctx, as_grads));
+}
+
+void check_batch_fits(const data::Batch& b, int64_t vocab) {
+  for (size_t i = 0; i < b.ids.size(); ++i) {
+    LATHE_CHECK(b.ids[i] >= 0 && b.ids[i] < vocab, "data: token id {} is outside the model's vocabulary ({})", b.ids[i], vocab);
+    LATHE_CHECK(b.labels[i] == -100 || (b.labels[i] >= 0 && b.labels[i] < vocab),
+                "data: label {} is outside the model's vocabulary ({})", b.labels[i], vocab);
+  }
 }
 
 }  // namespace
@@ -205,41 +260,85 @@ TrainSummary run_training(const TrainConfig& c) {
   const Device device = parse_device(c.device);
   rt.check_device(device);
   const DType dtype = !c.dtype.empty() ? dtype_from_name(c.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
-  const fs::path out = c.output_dir;
-  fs::create_directories(out);
-  for (const auto& e : fs::directory_iterator(fs::exists(out / "checkpoints") ? out / "checkpoints" : out))
-    if (e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove_all(e.path());  // interrupted saves
-  write_file_atomic(out / "config.resolved.json", c.resolved.dump(2) + "\n");
+  const DType save_dtype = dtype == DType::F64 ? DType::F32 : dtype;
+  const bool lora = c.tenants.empty() ? c.lora_rank > 0 : true;
+  LATHE_CHECK(c.tenants.empty() || c.resume == "auto" || c.resume == "none",
+              "train: resume: with tenants, only auto or none (each tenant resumes from its own output_dir)");
+  fs::create_directories(c.output_dir);
+  write_file_atomic(fs::path(c.output_dir) / "config.resolved.json", c.resolved.dump(2) + "\n");
   Progress progress(c.log_every);
 
-  // Data.
+  // Jobs: the run itself, or one per tenant.
+  std::vector<Job> jobs(c.tenants.empty() ? 1 : c.tenants.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    Job& j = jobs[i];
+    j.cfg = c.tenants.empty() ? &c : &c.tenants[i];
+    j.label = j.cfg->name;
+    j.out = j.cfg->output_dir;
+    j.adapter = lora ? int(i) : -1;
+    j.summary.name = j.label;
+    fs::create_directories(j.out);
+    for (const auto& e : fs::directory_iterator(fs::exists(j.out / "checkpoints") ? j.out / "checkpoints" : j.out))
+      if (e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove_all(e.path());  // interrupted saves
+    if (!j.label.empty()) write_file_atomic(j.out / "config.resolved.json", j.cfg->resolved.dump(2) + "\n");
+    fs::remove(j.out / "FAILED");
+  }
+  // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
+  auto fail = [&](Job& j, const std::string& why) {
+    if (c.tenants.empty()) throw Error(why);
+    j.failed = true;
+    j.error = why;
+    write_file_atomic(j.out / "FAILED", why + "\n");
+    if (j.metrics) j.metrics->write({{"step", j.step}, {"failed", why}});
+    progress.message(fmt::format("train: tenant {} failed at step {} and is stopped (the others continue): {}", j.label, j.step, why));
+  };
+  auto guarded = [&](Job& j, const std::function<void()>& f) {
+    if (j.failed) return;
+    try {
+      f();
+    } catch (const Error& e) {
+      fail(j, e.what());
+    }
+  };
+
+  // Data (one tokenizer: the shared model's).
   const data::Tokenizer tokenizer = data::Tokenizer::from_dir(c.tokenizer);
   const std::optional<ChatTemplate> chat = data::load_chat_template(c.tokenizer);
-  data::DatasetOptions dopt;
-  dopt.format = data::parse_row_format(c.data_format);
-  dopt.max_seq_len = c.max_seq_len;
-  dopt.overlong = data::parse_overlong_policy(c.overlong);
-  dopt.skip_bad_rows = c.skip_bad_rows;
-  dopt.train_on_prompt = c.train_on_prompt;
-  dopt.chat_template_kwargs = {{"enable_thinking", false}};
-  const data::RowEncoder encoder(tokenizer, chat ? &*chat : nullptr, dopt);
-  data::DatasetStats train_stats, eval_stats;
-  const auto train_corpus = load_corpus(c.train_files, encoder, &train_stats);
-  progress.message(fmt::format("data: {}", train_stats.summary()));
-  std::shared_ptr<const data::Corpus> eval_corpus;
-  if (!c.eval_files.empty()) eval_corpus = load_corpus(c.eval_files, encoder, &eval_stats);
+  for (Job& j : jobs) {
+    guarded(j, [&] {
+      const TrainConfig& jc = *j.cfg;
+      data::DatasetOptions dopt;
+      dopt.format = data::parse_row_format(jc.data_format);
+      dopt.max_seq_len = jc.max_seq_len;
+      dopt.overlong = data::parse_overlong_policy(jc.overlong);
+      dopt.skip_bad_rows = jc.skip_bad_rows;
+      dopt.train_on_prompt = jc.train_on_prompt;
+      dopt.chat_template_kwargs = {{"enable_thinking", false}};
+      const data::RowEncoder encoder(tokenizer, chat ? &*chat : nullptr, dopt);
+      data::DatasetStats train_stats, eval_stats;
+      j.train = load_corpus(jc.train_files, encoder, &train_stats);
+      progress.message(fmt::format("{}data: {}", j.prefix(), train_stats.summary()));
+      if (!jc.eval_files.empty()) j.eval = load_corpus(jc.eval_files, encoder, &eval_stats);
+      j.resume_from = jc.resume == "none" ? "" : jc.resume == "auto" ? latest_checkpoint(j.out.string()) : jc.resume;
+      LATHE_CHECK(j.resume_from.empty() || fs::exists(fs::path(j.resume_from) / "trainer_state.json"),
+                  "train: resume: {} is not a complete checkpoint (no trainer_state.json)", j.resume_from);
+    });
+  }
 
-  // Model: a checkpoint to resume, the HF folder, or a new one.
+  // Model: for full fine-tuning a checkpoint to resume, the HF folder, or a new one; for LoRA the base always.
   ModelOptions mopt;
   mopt.device = device;
   mopt.dtype = dtype;
   mopt.recompute = c.recompute;
-  const std::string resume_from = c.resume == "none" ? "" : c.resume == "auto" ? latest_checkpoint(c.output_dir) : c.resume;
-  LATHE_CHECK(resume_from.empty() || fs::exists(fs::path(resume_from) / "trainer_state.json"),
-              "train: resume: {} is not a complete checkpoint (no trainer_state.json)", resume_from);
+  mopt.train_base = !lora;
+  // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the
+  // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
+  const fs::path scratch_base = fs::path(c.output_dir) / "base";
   std::optional<Qwen3Model> model;
-  if (!resume_from.empty()) {
-    model.emplace(Qwen3Model::load(rt, (fs::path(resume_from) / "model").string(), mopt));
+  if (!lora && !jobs[0].resume_from.empty()) {
+    model.emplace(Qwen3Model::load(rt, (fs::path(jobs[0].resume_from) / "model").string(), mopt));
+  } else if (lora && c.model_path.empty() && fs::exists(scratch_base / "config.json")) {
+    model.emplace(Qwen3Model::load(rt, scratch_base.string(), mopt));
   } else if (!c.model_path.empty()) {
     model.emplace(Qwen3Model::load(rt, c.model_path, mopt));
   } else {
@@ -248,134 +347,314 @@ TrainSummary run_training(const TrainConfig& c) {
     if (!cfg.contains("vocab_size")) cfg["vocab_size"] = tokenizer.vocab_size();
     model.emplace(Qwen3Model::random(rt, parse_model_config(cfg, "model.config"), mopt, c.seed, c.init_std));
   }
-  LATHE_CHECK(model->config().vocab_size >= tokenizer.vocab_size(),
-              "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model->config().vocab_size,
-              tokenizer.vocab_size());
-
-  AdamWConfig acfg;
-  acfg.beta1 = c.beta1;
-  acfg.beta2 = c.beta2;
-  acfg.eps = c.eps;
-  acfg.weight_decay = c.weight_decay;
-  AdamW opt(rt, model->parameters(), acfg);
-  nlohmann::json state = nlohmann::json::object();
-  if (!resume_from.empty()) {
-    opt.load((fs::path(resume_from) / "optimizer.safetensors").string());
-    std::ifstream f(fs::path(resume_from) / "trainer_state.json");
-    state = nlohmann::json::parse(f);
+  const ModelConfig& mc = model->config();
+  LATHE_CHECK(mc.vocab_size >= tokenizer.vocab_size(), "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})",
+              mc.vocab_size, tokenizer.vocab_size());
+  std::string base_model = c.model_path.empty() ? "" : fs::absolute(c.model_path).string();
+  if (lora && c.model_path.empty()) {
+    if (!fs::exists(scratch_base / "config.json")) {
+      model->save(scratch_base.string(), save_dtype);
+      copy_tokenizer_files(c.tokenizer, scratch_base);
+    }
+    base_model = fs::absolute(scratch_base).string();
   }
-  const int64_t start_step = state.value("step", int64_t(0));
-  int64_t tokens_seen = state.value("tokens_seen", int64_t(0));
-  int64_t bad_in_row = state.value("bad_steps_in_a_row", int64_t(0));
 
-  data::LoaderOptions lopt;
-  lopt.capacity = c.micro_batch_tokens;
-  lopt.seed = c.seed;
-  data::PackedLoader loader(train_corpus, lopt, state.contains("loader") ? state["loader"] : nlohmann::json(nullptr));
+  // LoRA: one bank holds every tenant's adapter.
+  std::unique_ptr<LoraBank> bank;
+  if (lora) {
+    std::vector<LoraConfig> configs;
+    for (const Job& j : jobs) {
+      LoraConfig lc;
+      lc.rank = std::max<int64_t>(1, j.cfg->lora_rank);
+      lc.alpha = j.cfg->lora_alpha;
+      lc.dropout = j.cfg->lora_dropout;
+      lc.rslora = j.cfg->lora_rslora;
+      lc.targets = j.cfg->lora_targets;
+      configs.push_back(lc);
+    }
+    for (size_t i = 0; i < jobs.size(); ++i) {  // a tenant whose targets match nothing fails alone
+      guarded(jobs[i], [&] { configs[i].validate(jobs[i].prefix() + "lora", mc); });
+      if (jobs[i].failed) configs[i].targets = {"all-linear"};
+    }
+    bank = std::make_unique<LoraBank>(rt, mc, device, dtype, configs);
+    model->attach_lora(bank.get());
+  }
 
-  ScheduleConfig sched;
-  sched.kind = schedule_kind_from_name(c.schedule);
-  sched.lr = c.lr;
-  sched.warmup_steps = c.warmup_steps;
-  sched.total_steps = c.max_steps;
-  sched.min_lr_ratio = c.min_lr_ratio;
+  for (Job& j : jobs) {
+    guarded(j, [&] {
+      const TrainConfig& jc = *j.cfg;
+      if (lora) {
+        if (!j.resume_from.empty()) bank->load_peft(j.adapter, (fs::path(j.resume_from) / "adapter").string());
+        else if (!jc.lora_init.empty()) bank->load_peft(j.adapter, jc.lora_init);
+        else bank->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
+      }
+      j.params = lora ? &bank->parameters(j.adapter) : &model->parameters();
+      AdamWConfig acfg;
+      acfg.beta1 = jc.beta1;
+      acfg.beta2 = jc.beta2;
+      acfg.eps = jc.eps;
+      acfg.weight_decay = jc.weight_decay;
+      j.opt = std::make_unique<AdamW>(rt, *j.params, acfg);
+      nlohmann::json state = nlohmann::json::object();
+      if (!j.resume_from.empty()) {
+        j.opt->load((fs::path(j.resume_from) / "optimizer.safetensors").string());
+        std::ifstream f(fs::path(j.resume_from) / "trainer_state.json");
+        state = nlohmann::json::parse(f);
+      }
+      j.step = state.value("step", int64_t(0));
+      j.tokens_seen = state.value("tokens_seen", int64_t(0));
+      j.bad_in_row = state.value("bad_steps_in_a_row", int64_t(0));
+      j.loader_options.capacity = jc.micro_batch_tokens;
+      j.loader_options.seed = jc.seed;
+      j.loader = std::make_unique<data::PackedLoader>(j.train, j.loader_options,
+                                                      state.contains("loader") ? state["loader"] : nlohmann::json(nullptr));
+      j.sched.kind = schedule_kind_from_name(jc.schedule);
+      j.sched.lr = jc.lr;
+      j.sched.warmup_steps = jc.warmup_steps;
+      j.sched.total_steps = jc.max_steps;
+      j.sched.min_lr_ratio = jc.min_lr_ratio;
+      j.metrics = std::make_unique<MetricsWriter>((j.out / "metrics.jsonl").string());
+      j.metrics->truncate_after(j.step);  // entries past the checkpoint belong to the interrupted run
+      j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
+      j.summary.final_step = j.step;
+    });
+  }
+  if (lora)
+    for (Job& j : jobs)
+      if (j.failed) bank->clear(j.adapter);
 
-  MetricsWriter metrics((out / "metrics.jsonl").string());
-  metrics.truncate_after(start_step);  // entries past the checkpoint belong to the interrupted run
-  TensorBoardWriter tb((out / "tb").string(), start_step + 1);
   const std::string device_name = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(device_name) : 0.0;
-  progress.message(fmt::format("train: {} parameters, {} on {} ({}), steps {}..{}{}", human(double(model->config().parameter_count())),
-                               dtype_name(dtype), device.str(), device_name, start_step + 1, c.max_steps,
-                               resume_from.empty() ? "" : ", resumed from " + resume_from));
-
-  TrainSummary summary;
-  summary.final_step = start_step;
-  const auto t_start = Clock::now();
-  for (int64_t step = start_step + 1; step <= c.max_steps; ++step) {
-    const auto t0 = Clock::now();
-    model->zero_grads();
-    double loss_sum = 0, flops = 0;
-    int64_t labelled = 0, tokens = 0;
-    for (int64_t micro = 0; micro < c.grad_accum; ++micro) {
-      const data::Batch b = loader.next();
-      const PackedBatch pb = to_device(rt, device, b, model->config().vocab_size);
-      const LossResult r = model->loss(pb, true, 1.0 / double(c.grad_accum));
-      loss_sum += r.loss;
-      labelled += r.labelled;
-      tokens += b.tokens();
-      flops += flops_per_token(model->config(), b) * double(b.tokens());
+  progress.message(fmt::format("train: {} parameters, {} on {} ({}){}", human(double(mc.parameter_count())), dtype_name(dtype),
+                               device.str(), device_name, lora ? fmt::format(", LoRA with {} adapter(s)", jobs.size()) : ""));
+  if (lora) {
+    int64_t trainable = 0;
+    for (const Job& j : jobs) {
+      trainable += bank->parameter_count(j.adapter);
+      if (!j.failed)
+        progress.message(fmt::format("{}lora r={} alpha={} targets={}: {} trainable parameters, steps {}..{}{}", j.prefix(),
+                                     j.cfg->lora_rank, j.cfg->lora_alpha, fmt::join(j.cfg->lora_targets, ","),
+                                     human(double(bank->parameter_count(j.adapter))), j.step + 1, j.cfg->max_steps,
+                                     j.resume_from.empty() ? "" : ", resumed from " + j.resume_from));
     }
-    const double loss = loss_sum / double(c.grad_accum);
-    ExecContext ctx = rt.context(device);
-    const double norm = global_grad_norm(ctx, model->parameters());
-    const double lr = learning_rate(sched, step);
-    nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", tokens}, {"labelled", labelled}};
-    if (!std::isfinite(norm) || !std::isfinite(loss)) {
-      ++bad_in_row;
-      m["skipped"] = true;
-      progress.message(fmt::format("train: step {}: non-finite loss or gradient (loss {}, grad norm {}); step skipped ({} in a row)",
-                                   step, loss, norm, bad_in_row));
-      LATHE_CHECK(bad_in_row < c.max_bad_steps, "train: {} non-finite steps in a row (last at step {}); stopping. "
-                  "Lower train.lr or check the data; the last checkpoint is {}", bad_in_row, step, latest_checkpoint(c.output_dir));
-    } else {
-      bad_in_row = 0;
-      opt.step(lr, clip_factor(norm, c.max_grad_norm));
+    // Frozen base: no gradient buffers and no optimizer state (master, m, v) for its weights.
+    const double base = double(mc.parameter_count());
+    const double grad_bytes = base * double(dtype_size(dtype));
+    const double opt_bytes = base * (8.0 + (dtype == DType::F32 || dtype == DType::F64 ? 0.0 : 4.0));
+    progress.message(fmt::format("lora: {} trainable of {} base parameters ({:.3f}%); the frozen base needs no gradients "
+                                 "({:.2f} GiB) and no optimizer state ({:.2f} GiB)",
+                                 human(double(trainable)), human(base), 100.0 * double(trainable) / base,
+                                 grad_bytes / 1073741824.0, opt_bytes / 1073741824.0));
+  } else {
+    progress.message(fmt::format("train: steps {}..{}{}", jobs[0].step + 1, c.max_steps,
+                                 jobs[0].resume_from.empty() ? "" : ", resumed from " + jobs[0].resume_from));
+  }
+
+  auto write_weights = [&](const Job& j, const fs::path& dir) {
+    if (lora) bank->save_peft(j.adapter, (dir / "adapter").string(), save_dtype, base_model);
+    else model->save((dir / "model").string(), save_dtype);
+  };
+  auto finish = [&](Job& j) {  // final export: an HF folder, or a PEFT adapter folder, with the tokenizer files
+    const fs::path final_dir = j.out / "final";
+    if (lora) bank->save_peft(j.adapter, final_dir.string(), save_dtype, base_model);
+    else model->save(final_dir.string(), save_dtype);
+    copy_tokenizer_files(c.tokenizer, final_dir);
+    progress.message(fmt::format("{}train: done at step {}; {} written to {}", j.prefix(), j.step, lora ? "adapter" : "model",
+                                 final_dir.string()));
+  };
+
+  ExecContext ctx = rt.context(device);
+  const auto t_start = Clock::now();
+  int64_t run_steps = 0;
+  for (;;) {
+    std::vector<Job*> active;
+    for (Job& j : jobs)
+      if (j.active()) active.push_back(&j);
+    if (active.empty()) break;
+    const auto t0 = Clock::now();
+    if (lora) bank->zero_grads();
+    else model->zero_grads();
+    int64_t max_accum = 0;
+    for (Job* j : active) {
+      j->loss_sum = j->flops = 0;
+      j->labelled = j->tokens = 0;
+      max_accum = std::max(max_accum, j->cfg->grad_accum);
+    }
+    // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the
+    // shared base, the rows of each job a segment of its adapter.
+    for (int64_t micro = 0; micro < max_accum; ++micro) {
+      std::vector<int32_t> ids, labels, cu = {0};
+      std::vector<BatchSegment> segments;
+      std::vector<Job*> in_batch;
+      for (Job* j : active) {
+        if (micro >= j->cfg->grad_accum || j->failed) continue;
+        guarded(*j, [&] {
+          const data::Batch b = j->loader->next();
+          check_batch_fits(b, mc.vocab_size);
+          const int32_t base_row = int32_t(ids.size());
+          ids.insert(ids.end(), b.ids.begin(), b.ids.end());
+          labels.insert(labels.end(), b.labels.begin(), b.labels.end());
+          for (size_t k = 1; k < b.cu_seqlens.size(); ++k) cu.push_back(base_row + b.cu_seqlens[k]);
+          segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum),
+                              mix_seed(j->cfg->seed, uint64_t(j->step + 1), uint64_t(micro))});
+          j->tokens += b.tokens();
+          j->flops += flops_per_token(mc, b) * double(b.tokens());
+          in_batch.push_back(j);
+        });
+      }
+      if (in_batch.empty()) continue;
+      PackedBatch pb = make_packed_batch(rt, device, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
+      if (lora) set_segments(pb, segments);
+      const LossResult r = model->loss(pb, true, lora ? 1.0 : 1.0 / double(jobs[0].cfg->grad_accum));
+      for (size_t k = 0; k < in_batch.size(); ++k) {
+        const LossResult::Segment seg = lora ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
+        in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
+        in_batch[k]->labelled += seg.labelled;
+      }
+    }
+    // Each job's optimizer step, on its own gradient norm, schedule and clipping.
+    std::vector<nlohmann::json> entries(jobs.size());
+    for (Job* j : active) {
+      if (j->failed) continue;
+      const TrainConfig& jc = *j->cfg;
+      const int64_t step = j->step + 1;
+      const double loss = j->loss_sum / double(jc.grad_accum);
+      const double norm = global_grad_norm(ctx, *j->params);
+      const double lr = learning_rate(j->sched, step);
+      nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j->tokens}, {"labelled", j->labelled}};
+      if (!std::isfinite(norm) || !std::isfinite(loss)) {
+        ++j->bad_in_row;
+        m["skipped"] = true;
+        progress.message(fmt::format("{}train: step {}: non-finite loss or gradient (loss {}, grad norm {}); step skipped ({} in a row)",
+                                     j->prefix(), step, loss, norm, j->bad_in_row));
+        if (j->bad_in_row >= jc.max_bad_steps) {
+          fail(*j, fmt::format("train: {} non-finite steps in a row (last at step {}); stopping. Lower train.lr or check the data; "
+                               "the last checkpoint is {}", j->bad_in_row, step, latest_checkpoint(j->out.string())));
+          if (lora) bank->clear(j->adapter);
+          continue;
+        }
+      } else {
+        j->bad_in_row = 0;
+        j->opt->step(lr, clip_factor(norm, jc.max_grad_norm));
+        if (lora && !values_finite(ctx, *j->params)) {
+          fail(*j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
+          bank->clear(j->adapter);
+          continue;
+        }
+      }
+      j->step = step;
+      entries[size_t(j - jobs.data())] = std::move(m);
     }
     rt.synchronize(device);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    tokens_seen += tokens;
-    m["tokens_per_s"] = double(tokens) / dt;
-    m["step_time_s"] = dt;
-    if (peak > 0) m["mfu"] = flops / dt / peak;
+    ++run_steps;
+    int64_t run_tokens = 0;
+    double run_flops = 0;
+    for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
     const double mem_mib = device.is_cuda() ? double(rt.backend(device.type).allocator(device.index).stats().peak_allocated) / 1048576.0
                                             : host_peak_mib();
-    m["memory_mib"] = mem_mib;
-    if (eval_corpus && c.eval_every > 0 && (step % c.eval_every == 0 || step == c.max_steps)) {
-      const double eval_loss = evaluate(rt, *model, eval_corpus, lopt, c.eval_batches);
-      m["eval_loss"] = eval_loss;
-      progress.message(fmt::format("eval: step {} loss {:.4f}", step, eval_loss));
+    std::string tenant_losses;
+    for (Job* j : active) {
+      nlohmann::json& m = entries[size_t(j - jobs.data())];
+      if (j->failed || m.is_null()) continue;
+      const TrainConfig& jc = *j->cfg;
+      const int64_t step = j->step;
+      j->tokens_seen += j->tokens;
+      m["tokens_per_s"] = double(j->tokens) / dt;
+      m["step_time_s"] = dt;
+      if (jobs.size() > 1) m["run_tokens_per_s"] = double(run_tokens) / dt;
+      if (peak > 0) m["mfu"] = j->flops / dt / peak;
+      m["memory_mib"] = mem_mib;
+      guarded(*j, [&] {
+        if (j->eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
+          const double eval_loss = evaluate(rt, *model, *j);
+          m["eval_loss"] = eval_loss;
+          progress.message(fmt::format("{}eval: step {} loss {:.4f}", j->prefix(), step, eval_loss));
+        }
+        j->metrics->write(m);
+        if (fault_injected("after_step", step)) _exit(9);
+        std::vector<std::pair<std::string, double>> scalars = {{"train/loss", m["loss"].get<double>()}, {"train/lr", m["lr"].get<double>()},
+                                                               {"train/grad_norm", m["grad_norm"].get<double>()},
+                                                               {"train/tokens_per_s", double(j->tokens) / dt}};
+        if (m.contains("eval_loss")) scalars.push_back({"eval/loss", m["eval_loss"].get<double>()});
+        if (m.contains("mfu")) scalars.push_back({"train/mfu", m["mfu"].get<double>()});
+        j->tb->add_scalars(step, scalars);
+        const double loss = m["loss"].get<double>();
+        if (!m.contains("skipped")) {
+          if (j->summary.steps_run == 0) j->summary.first_loss = loss;
+          j->summary.last_loss = loss;
+        }
+        j->summary.steps_run++;
+        j->summary.final_step = step;
+        tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, loss);
+        if ((jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps) {
+          const nlohmann::json st = {{"step", step}, {"loader", j->loader->state()}, {"tokens_seen", j->tokens_seen},
+                                     {"bad_steps_in_a_row", j->bad_in_row}, {"tokenizer", fs::absolute(c.tokenizer).string()},
+                                     {"base_model", base_model}, {"lora", lora}, {"config", jc.resolved}};
+          save_checkpoint(*j, [&](const fs::path& dir) { write_weights(*j, dir); }, st);
+        }
+        if (step == jc.max_steps) finish(*j);
+      });
     }
-    metrics.write(m);
-    if (fault_injected("after_step", step)) _exit(9);
-    std::vector<std::pair<std::string, double>> scalars = {{"train/loss", loss}, {"train/lr", lr}, {"train/grad_norm", norm},
-                                                           {"train/tokens_per_s", double(tokens) / dt}};
-    if (m.contains("eval_loss")) scalars.push_back({"eval/loss", m["eval_loss"].get<double>()});
-    if (m.contains("mfu")) scalars.push_back({"train/mfu", m["mfu"].get<double>()});
-    tb.add_scalars(step, scalars);
-
     const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-    const double eta = elapsed / double(step - start_step) * double(c.max_steps - step);
-    progress.step(step, c.max_steps,
-                  fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f} | {} tok/s{} | mem {:.0f} MiB | ETA {}", step,
-                              c.max_steps, loss, lr, norm, human(double(tokens) / dt),
-                              peak > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * flops / dt / peak) : "", mem_mib, duration(eta)));
-    if (summary.steps_run == 0) summary.first_loss = loss;
-    summary.last_loss = loss;
-    summary.steps_run++;
-    summary.final_step = step;
-
-    if ((c.save_every > 0 && step % c.save_every == 0) || step == c.max_steps) {
-      const nlohmann::json st = {{"step", step}, {"loader", loader.state()}, {"tokens_seen", tokens_seen},
-                                 {"bad_steps_in_a_row", bad_in_row}, {"tokenizer", fs::absolute(c.tokenizer).string()},
-                                 {"config", c.resolved}};
-      save_checkpoint(out, step, *model, opt, st, c.keep_last);
+    int64_t remaining = 0;
+    for (const Job& j : jobs)
+      if (j.active()) remaining = std::max(remaining, j.cfg->max_steps - j.step);
+    const double eta = elapsed / double(run_steps) * double(remaining);
+    const std::string rate = fmt::format("{} tok/s{}", human(double(run_tokens) / dt),
+                                         peak > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * run_flops / dt / peak) : "");
+    if (jobs.size() == 1 && !jobs[0].failed) {
+      const Job& j = jobs[0];
+      const nlohmann::json& m = entries[0];
+      if (!m.is_null())
+        progress.step(j.step, j.cfg->max_steps,
+                      fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f} | {} | mem {:.0f} MiB | ETA {}", j.step,
+                                  j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(), m["grad_norm"].get<double>(),
+                                  rate, mem_mib, duration(eta)));
+    } else if (jobs.size() > 1) {
+      progress.step(run_steps, run_steps + remaining,
+                    fmt::format("step {} | {} tenants | loss {} | {} | mem {:.0f} MiB | ETA {}", run_steps, active.size(),
+                                tenant_losses, rate, mem_mib, duration(eta)));
     }
   }
   progress.finish();
 
-  // Final export: a Hugging Face folder with the tokenizer files.
-  const fs::path final_dir = out / "final";
-  model->save(final_dir.string(), dtype == DType::F64 ? DType::F32 : dtype);
-  copy_tokenizer_files(c.tokenizer, final_dir);
-  progress.message(fmt::format("train: done at step {}; model written to {}", summary.final_step, final_dir.string()));
-  if (!c.final_eval_file.empty()) {
-    const FinalEvalResult r = run_final_eval(rt, *model, tokenizer, chat ? &*chat : nullptr, c.final_eval_file,
-                                             c.final_eval_max_new_tokens, [&](const std::string& l) { progress.message(l); });
-    summary.final_eval_accuracy = r.accuracy;
-    metrics.write({{"step", summary.final_step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
-                   {"final_eval_total", r.total}});
+  // Final checks: each job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
+  for (Job& j : jobs) {
+    if (j.failed || j.cfg->final_eval_file.empty()) continue;
+    guarded(j, [&] {
+      std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
+      if (lora) {
+        for (const Parameter& a : bank->parameters(j.adapter)) {
+          if (a.name.find(".lora_A.") == std::string::npos) continue;
+          const std::string module = a.name.substr(std::string("base_model.model.").size(), a.name.find(".lora_A.") - 17);
+          Parameter& p = model->parameter(module + ".weight");
+          saved.push_back({&p, rt.copy_to(p.value, device)});
+        }
+        merge_lora(*model, *bank, j.adapter);
+      }
+      const FinalEvalResult r = run_final_eval(rt, *model, tokenizer, chat ? &*chat : nullptr, j.cfg->final_eval_file,
+                                               j.cfg->final_eval_max_new_tokens,
+                                               [&](const std::string& l) { progress.message(j.prefix() + l); });
+      for (auto& [p, v] : saved) p->value = v;
+      j.summary.final_eval_accuracy = r.accuracy;
+      j.metrics->write({{"step", j.summary.final_step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
+                        {"final_eval_total", r.total}});
+    });
   }
+
+  TrainSummary summary;
+  for (Job& j : jobs) {
+    j.summary.failed = j.failed;
+    j.summary.error = j.error;
+    summary.jobs.push_back(j.summary);
+  }
+  const JobSummary& first = summary.jobs[0];
+  summary.steps_run = first.steps_run;
+  summary.final_step = first.final_step;
+  summary.first_loss = first.first_loss;
+  summary.last_loss = first.last_loss;
+  summary.final_eval_accuracy = first.final_eval_accuracy;
   return summary;
 }
 

@@ -1,23 +1,38 @@
-// The supervised fine-tuning loop behind `lathe train`: model (loaded or from scratch), packed data,
+// The supervised fine-tuning loop behind `lathe train` — full fine-tuning, LoRA, or many LoRA tenants over one
+// frozen base (docs/lora.md): model (loaded or from scratch), packed data,
 // AdamW with fp32 masters, LR schedule, clipping, NaN/Inf guard, periodic evaluation, atomic checkpoints
 // with automatic resume, metrics.jsonl + TensorBoard, a progress line, and a final HF export.
-// Checkpoint layout: OUTPUT/checkpoints/step-NNNNNNNN/{model/, optimizer.safetensors, trainer_state.json};
+// Checkpoint layout: OUTPUT/checkpoints/step-NNNNNNNN/{model/ or adapter/, optimizer.safetensors, trainer_state.json},
+// per tenant in the tenant's output_dir; a tenant that fails writes OUTPUT/FAILED and stops alone.
 // a checkpoint is written under a temporary name and renamed when complete, so any step-* folder is whole.
 // Covered by tests/e2e/test_train.cpp (loss falls, kill -9 and resume reproduce the losses bitwise on CPU,
 // crash during save, bad configs).
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "train/config.h"
 
 namespace lathe {
 
-struct TrainSummary {
+struct JobSummary {
+  std::string name;           // the tenant's name ("" for a single-job run)
   int64_t steps_run = 0;      // steps run by this invocation
   int64_t final_step = 0;
   double first_loss = 0, last_loss = 0;
   double final_eval_accuracy = -1;  // -1 when no final_eval.file
+  bool failed = false;
+  std::string error;
+};
+
+struct TrainSummary {
+  // The first (or only) job's figures.
+  int64_t steps_run = 0;
+  int64_t final_step = 0;
+  double first_loss = 0, last_loss = 0;
+  double final_eval_accuracy = -1;
+  std::vector<JobSummary> jobs;  // one per tenant (one for a single-job run)
 };
 
 TrainSummary run_training(const TrainConfig& config);

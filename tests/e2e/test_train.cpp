@@ -14,26 +14,16 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "lathe_run.h"
+
 namespace fs = std::filesystem;
+using lathe_e2e::lathe;
+using lathe_e2e::LatheRun;
+using lathe_e2e::metrics;
 
 namespace {
 
 const fs::path kTests = LATHE_TEST_DATA_DIR;
-
-struct LatheRun {
-  int exit_code;
-  std::string output;
-};
-
-// Runs `lathe ARGS` with an optional environment assignment; captures stdout+stderr.
-LatheRun lathe(const std::string& args, const std::string& env = "") {
-  const fs::path log = fs::temp_directory_path() / fmt::format("lathe_e2e_{}.log", getpid());
-  const std::string cmd = fmt::format("{} {} {} > {} 2>&1", env, LATHE_BINARY, args, log.string());
-  const int status = std::system(cmd.c_str());
-  std::ifstream f(log);
-  std::string out((std::istreambuf_iterator<char>(f)), {});
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
 
 // A work folder with a tokenizer folder, training text and a config.
 fs::path setup(const std::string& name) {
@@ -54,15 +44,6 @@ fs::path setup(const std::string& name) {
          "train:\n  max_steps: 12\n  micro_batch_tokens: 96\n  lr: 0.01\n  warmup_steps: 2\n  save_every: 3\n  keep_last: 3\n"
          "  seed: 5\n";
   return dir;
-}
-
-std::vector<nlohmann::json> metrics(const fs::path& out) {
-  std::vector<nlohmann::json> rows;
-  std::ifstream f(out / "metrics.jsonl");
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) rows.push_back(nlohmann::json::parse(line));
-  return rows;
 }
 
 // Losses by step (the last entry of each step wins; the file must have exactly one entry per step).

@@ -20,6 +20,7 @@
 #include "data/chat_template.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
+#include "model/lora.h"
 
 namespace lathe::cli {
 
@@ -28,7 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct Args {
-  std::string model, tokenizer, prompt, input, output, prompt_tokens, device = "cpu", dtype;
+  std::string model, adapter, tokenizer, prompt, input, output, prompt_tokens, device = "cpu", dtype;
   int64_t max_new_tokens = 256;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
@@ -208,6 +209,11 @@ void run(const Args& a) {
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
   Qwen3Model model = Qwen3Model::load(rt, a.model, mo);
+  if (!a.adapter.empty()) {  // decoding runs on the merged weights (W + scaling B A): the same function, no per-token cost
+    LoraBank bank(rt, model.config(), mo.device, mo.dtype, {read_lora_config(a.adapter)});
+    bank.load_peft(0, a.adapter);
+    merge_lora(model, bank, 0);
+  }
   const ModelConfig& c = model.config();
   Prompts prompts(a, c.vocab_size, c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
 
@@ -276,6 +282,7 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("generate", "Generate text with a KV cache: greedy or sampled, streamed");
   auto args = std::make_shared<Args>();
   cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
+  cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder, merged into the model");
   cmd->add_option("--tokenizer", args->tokenizer, "folder with tokenizer.json (default: the model folder)");
   cmd->add_option("--prompt", args->prompt, "a user prompt; the completion streams to stdout");
   cmd->add_option("--input", args->input, "JSONL, one {\"prompt\": ...} or {\"messages\": [...]} per line");

@@ -1,10 +1,11 @@
-// `lathe logprobs --model DIR --input IN.jsonl --output OUT.jsonl [--device cpu|cuda]`: for each input line
+// `lathe logprobs --model DIR [--adapter PEFT_DIR] --input IN.jsonl --output OUT.jsonl [--device cpu|cuda]`: for each input line
 // {"tokens": [...]}, writes {"logprobs": [...]} with n-1 entries, entry i = log p(tokens[i+1] | tokens[..i]).
 // Lines are packed into batches of documents (no attention across them); output order is input order and
 // the output file appears only when every line succeeded.
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 
 #include "commands.h"
 #include "data/tokenizer.h"
+#include "model/lora.h"
 #include "model/qwen3.h"
 
 namespace lathe::cli {
@@ -19,7 +21,7 @@ namespace lathe::cli {
 namespace {
 
 struct Args {
-  std::string model, input, output, device = "cpu", dtype;
+  std::string model, adapter, input, output, device = "cpu", dtype;
   int64_t batch_tokens = 8192;
 };
 
@@ -74,7 +76,16 @@ void run(const Args& a) {
   ModelOptions options;
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
+  options.train_base = false;
   Qwen3Model model = Qwen3Model::load(rt, a.model, options);
+  // An adapter is applied unmerged, through the same LoRA path as training.
+  std::unique_ptr<LoraBank> bank;
+  if (!a.adapter.empty()) {
+    bank = std::make_unique<LoraBank>(rt, model.config(), options.device, options.dtype,
+                                      std::vector<LoraConfig>{read_lora_config(a.adapter)});
+    bank->load_peft(0, a.adapter);
+    model.attach_lora(bank.get());
+  }
   const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, a.model);
 
   const std::string tmp = a.output + fmt::format(".tmp-{}", getpid());
@@ -90,7 +101,8 @@ void run(const Args& a) {
       ++last;
     }
     std::vector<int32_t> labels = next_token_labels(ids, cu);
-    const PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.config().vocab_size);
+    PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.config().vocab_size);
+    if (bank) set_segments(batch, {{batch.tokens(), 0, 1.0, 0}});
     const std::vector<double> lp = model.label_logprobs(batch);
     for (size_t b = 0; b + 1 < cu.size(); ++b) {
       nlohmann::json row = nlohmann::json::array();
@@ -102,8 +114,8 @@ void run(const Args& a) {
   out.close();
   LATHE_CHECK(out.good(), "logprobs: writing {} failed", tmp);
   std::filesystem::rename(tmp, a.output);
-  fmt::print(stderr, "logprobs: {} lines scored with {} on {} ({})\n", lines.size(), a.model, options.device.str(),
-             dtype_name(options.dtype));
+  fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({})\n", lines.size(), a.model,
+             a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype));
 }
 
 }  // namespace
@@ -112,6 +124,7 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("logprobs", "Score token sequences: log p(token i+1 | tokens up to i)");
   auto args = std::make_shared<Args>();
   cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
+  cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder applied to the model");
   cmd->add_option("--input", args->input, "JSONL, one {\"tokens\": [...]} per line")->required();
   cmd->add_option("--output", args->output, "JSONL, one {\"logprobs\": [...]} per input line")->required();
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N")->capture_default_str();

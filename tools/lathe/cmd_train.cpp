@@ -27,9 +27,17 @@ void add_train_command(CLI::App& app, int& exit_code) {
     }
     LATHE_CHECK(!args->config.empty() || !args->overrides.empty(), "train: give a config file (see --help-config)");
     const TrainSummary s = run_training(load_train_config(args->config, args->overrides));
-    fmt::print("train: {} steps, loss {:.4f} -> {:.4f}{}\n", s.steps_run, s.first_loss, s.last_loss,
-               s.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * s.final_eval_accuracy) : "");
-    exit_code = 0;
+    int failed = 0;
+    for (const JobSummary& j : s.jobs) {
+      failed += j.failed;
+      const std::string who = j.name.empty() ? "train" : "tenant " + j.name;
+      if (j.failed) fmt::print("{}: FAILED at step {}: {}\n", who, j.final_step, j.error);
+      else
+        fmt::print("{}: {} steps, loss {:.4f} -> {:.4f}{}\n", who, j.steps_run, j.first_loss, j.last_loss,
+                   j.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * j.final_eval_accuracy) : "");
+    }
+    // Some tenants failing is a failed run (exit 4) even though the others finished and wrote their outputs.
+    exit_code = failed ? 4 : 0;
   });
 }
 

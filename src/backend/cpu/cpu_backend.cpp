@@ -65,6 +65,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_reduce_kernels(registry);
   register_cpu_model_kernels(registry);
   register_cpu_optim_kernels(registry);
+  register_cpu_segment_kernels(registry);
 }
 
 }  // namespace lathe

@@ -30,5 +30,6 @@ void register_cpu_elementwise_kernels(KernelRegistry& registry);
 void register_cpu_reduce_kernels(KernelRegistry& registry);
 void register_cpu_model_kernels(KernelRegistry& registry);
 void register_cpu_optim_kernels(KernelRegistry& registry);
+void register_cpu_segment_kernels(KernelRegistry& registry);  // segment_ops.cpp
 
 }  // namespace lathe

@@ -1,12 +1,14 @@
-// Registration of the CUDA transformer-layer kernels (model_ops.cu): tensor checks, scratch buffers from the
-// context's allocator, launch on the context's stream. Convention: scratch tensors are released when the run
-// function returns, before the kernels finish; the caching allocator reuses blocks in the default stream's
-// order, so this is safe on the default stream (the documented limitation of side streams applies).
+// Registration of the CUDA transformer-layer kernels (model_ops.cu, flash_attention.cu): tensor checks, scratch
+// buffers from the context's allocator, launch on the context's stream. Convention: scratch tensors are released
+// when the run function returns, before the kernels finish; the caching allocator reuses blocks in the default
+// stream's order, so this is safe on the default stream (the documented limitation of side streams applies).
 // Covered by tests/ops (every model-op case on cuda, f32/bf16/f16).
 #include <cmath>
+#include <cstdint>
 
 #include "backend/cpu/rope_angles.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/flash_attention.h"
 #include "backend/cuda/model_launchers.h"
 #include "backend/registry.h"
 
@@ -33,6 +35,21 @@ Support rope_supports(const OpCall& c) {
 Support attention_supports(const OpCall& c) {
   if (c.inputs[0].size(-1) > kMaxAttentionHeadDim)
     return Support::no("head dim above 256 (one warp holds a row, 8 values a lane)");
+  return contiguous_supports(c);
+}
+
+// The tiled kernels: tensor-core fragments of bf16/f16, one instance per head dim, 16-byte cp.async copies.
+Support flash_attention_supports(const OpCall& c) {
+  const Tensor& q = c.inputs[0];
+  if (q.dtype() != DType::BF16 && q.dtype() != DType::F16)
+    return Support::no("dtype must be bf16 or f16 (tensor-core operands)");
+  if (!flash_attention_head_dim_supported(q.size(-1)))
+    return Support::no("head dim must be 64, 128 or 256 (one compiled tile shape each)");
+  if (!(c.attr<AttentionAttrs>().scale >= 0.0))
+    return Support::no("scale must not be negative (the online softmax takes maxima of the unscaled scores)");
+  for (const Tensor& t : c.inputs)
+    if (t.dtype() != DType::I32 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0)
+      return Support::no("inputs must be 16-byte aligned (cp.async tile copies)");
   return contiguous_supports(c);
 }
 
@@ -133,6 +150,24 @@ void run_attention_backward(const OpCall& c, ExecContext& ctx) {
                             c.outputs[2].data_ptr(), delta.data<float>(), stream_of(ctx));
 }
 
+void run_flash_attention(const OpCall& c, ExecContext& ctx) {
+  const Tensor& cu = c.inputs[3];
+  launch_flash_attention(c.inputs[0].dtype(), attention_dims(c, cu), c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                         c.inputs[2].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(), c.outputs[1].data<float>(),
+                         stream_of(ctx));
+}
+
+void run_flash_attention_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& cu = c.inputs[6];
+  const AttentionDims d = attention_dims(c, cu);
+  if (d.tokens * d.q_heads == 0) return;
+  Tensor scratch = Tensor::empty({flash_attention_backward_scratch_floats(d)}, DType::F32, ctx.allocator);  // 2 x (Hq, T)
+  launch_flash_attention_backward(c.inputs[0].dtype(), d, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
+                                  c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.inputs[4].data<float>(),
+                                  c.inputs[5].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(),
+                                  c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
+}
+
 void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<CrossEntropyAttrs>();
   const Tensor& x = c.inputs[0];  // (N, V)
@@ -155,6 +190,11 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::rope, "cuda/rope_rotate_half", rope_supports, run_rope);
     add(OpId::swiglu, "cuda/swiglu", contiguous_supports, run_swiglu);
     add(OpId::swiglu_backward, "cuda/swiglu_backward", contiguous_supports, run_swiglu_backward);
+    if (dt != DType::F32) {  // registered first: preferred wherever its predicate holds
+      add(OpId::attention, "cuda/flash_attention", flash_attention_supports, run_flash_attention);
+      add(OpId::attention_backward, "cuda/flash_attention_backward", flash_attention_supports,
+          run_flash_attention_backward);
+    }
     add(OpId::attention, "cuda/causal_varlen_attention", attention_supports, run_attention);
     add(OpId::attention_backward, "cuda/causal_varlen_attention_backward", attention_supports, run_attention_backward);
     add(OpId::cross_entropy, "cuda/cross_entropy_rows", contiguous_supports, run_cross_entropy);

@@ -1,0 +1,341 @@
+#include "model/lora.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <set>
+
+#include "io/safetensors.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr LoraTarget kAllTargets[] = {LoraTarget::q_proj,    LoraTarget::k_proj,  LoraTarget::v_proj,   LoraTarget::o_proj,
+                                      LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string peft_key(int64_t layer, LoraTarget t, const char* ab) {
+  return fmt::format("base_model.model.{}.lora_{}.weight", lora_module_name(layer, t), ab);
+}
+
+// Writes `host` (the view's element count) into a contiguous device view, converting to its dtype.
+void write_view(Runtime& rt, Tensor& view, const std::vector<double>& host) {
+  LATHE_ASSERT(view.is_contiguous() && int64_t(host.size()) == view.numel());
+  ExecContext cx = rt.context(view.device());
+  const Tensor src = rt.from_host(host.data(), view.shape(), DType::F64, view.device());
+  OpCall call{OpId::cast, {src}, {view}, CastAttrs{view.dtype()}};
+  run_op(cx, call);
+}
+
+void fill_zero(Runtime& rt, Tensor& t) {
+  ExecContext cx = rt.context(t.device());
+  cx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), cx.stream);
+}
+
+// PEFT fields that change the maths and that Lathe does not implement: each must be absent or hold its default.
+bool is_default(const nlohmann::json& v) {
+  return v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty()) || (v.is_array() && v.empty()) ||
+         (v.is_string() && (v == "none" || v.get<std::string>().empty()));
+}
+
+}  // namespace
+
+const char* lora_target_name(LoraTarget t) {
+  switch (t) {
+    case LoraTarget::q_proj: return "q_proj";
+    case LoraTarget::k_proj: return "k_proj";
+    case LoraTarget::v_proj: return "v_proj";
+    case LoraTarget::o_proj: return "o_proj";
+    case LoraTarget::gate_proj: return "gate_proj";
+    case LoraTarget::up_proj: return "up_proj";
+    case LoraTarget::down_proj: return "down_proj";
+  }
+  return "?";
+}
+
+std::string lora_module_name(int64_t layer, LoraTarget t) {
+  const bool attn = t == LoraTarget::q_proj || t == LoraTarget::k_proj || t == LoraTarget::v_proj || t == LoraTarget::o_proj;
+  return fmt::format("model.layers.{}.{}.{}", layer, attn ? "self_attn" : "mlp", lora_target_name(t));
+}
+
+double LoraConfig::scaling() const { return rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank); }
+
+bool LoraConfig::targets_module(int64_t layer, LoraTarget t) const {
+  const std::string name = lora_module_name(layer, t);
+  for (const std::string& target : targets) {
+    if (target == "all-linear") return true;
+    if (target.rfind("re:", 0) == 0) {
+      if (std::regex_match(name, std::regex(target.substr(3)))) return true;
+    } else if (name == target || ends_with(name, "." + target)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void LoraConfig::validate(const std::string& where, const ModelConfig& model) const {
+  LATHE_CHECK(rank > 0, "{}: lora rank must be positive, got {}", where, rank);
+  LATHE_CHECK(std::isfinite(alpha) && alpha > 0, "{}: lora alpha must be positive, got {}", where, alpha);
+  LATHE_CHECK(dropout >= 0 && dropout < 1, "{}: lora dropout must be in [0, 1), got {}", where, dropout);
+  LATHE_CHECK(!targets.empty(), "{}: lora targets are empty", where);
+  for (const std::string& target : targets) {
+    if (target.rfind("re:", 0) == 0) {
+      try {
+        std::regex re(target.substr(3));
+      } catch (const std::regex_error& e) {
+        LATHE_FAIL("{}: lora target '{}' is not a valid regular expression: {}", where, target, e.what());
+      }
+    }
+    bool matched = false;
+    for (int64_t l = 0; l < model.num_layers && !matched; ++l)
+      for (LoraTarget t : kAllTargets) matched = matched || LoraConfig{rank, alpha, dropout, rslora, {target}}.targets_module(l, t);
+    LATHE_CHECK(matched, "{}: lora target '{}' matches no linear module of the model (valid: q_proj, k_proj, v_proj, o_proj, "
+                "gate_proj, up_proj, down_proj, all-linear, or re:<regex> over names like '{}')", where, target,
+                lora_module_name(0, LoraTarget::q_proj));
+  }
+}
+
+LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& source) {
+  LATHE_CHECK(j.is_object(), "lora: {}: adapter_config.json is not a JSON object", source);
+  LATHE_CHECK(j.value("peft_type", std::string("LORA")) == "LORA", "lora: {}: peft_type '{}' is not LORA", source,
+              j.value("peft_type", std::string()));
+  for (const char* field : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
+                            "layers_pattern", "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
+                            "layer_replication", "use_qalora", "trainable_token_indices", "megatron_config"}) {
+    if (j.contains(field))
+      LATHE_CHECK(is_default(j[field]), "lora: {}: adapter_config.json sets '{}' = {}, which Lathe does not implement", source,
+                  field, j[field].dump());
+  }
+  LATHE_CHECK(j.value("bias", std::string("none")) == "none", "lora: {}: bias '{}' is not supported (only 'none')", source,
+              j.value("bias", std::string()));
+  LoraConfig c;
+  try {
+    c.rank = j.at("r").get<int64_t>();
+    c.alpha = j.value("lora_alpha", 8.0);
+    c.dropout = j.value("lora_dropout", 0.0);
+    c.rslora = j.value("use_rslora", false);
+    const nlohmann::json& t = j.at("target_modules");
+    c.targets.clear();
+    if (t.is_string()) {
+      const std::string s = t.get<std::string>();
+      c.targets.push_back(s == "all-linear" ? s : "re:" + s);  // PEFT: a string is a full-match regex
+    } else {
+      for (const auto& x : t) c.targets.push_back(x.get<std::string>());
+    }
+  } catch (const nlohmann::json::exception& e) {
+    LATHE_FAIL("lora: {}: adapter_config.json: {}", source, e.what());
+  }
+  return c;
+}
+
+nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model) {
+  nlohmann::json targets;
+  if (c.targets.size() == 1 && c.targets[0].rfind("re:", 0) == 0) {
+    targets = c.targets[0].substr(3);
+  } else if (std::find(c.targets.begin(), c.targets.end(), "all-linear") != c.targets.end()) {
+    targets = nlohmann::json::array();
+    for (LoraTarget t : kAllTargets) targets.push_back(lora_target_name(t));
+  } else {
+    targets = c.targets;
+  }
+  return {{"peft_type", "LORA"},        {"task_type", "CAUSAL_LM"},    {"base_model_name_or_path", base_model},
+          {"r", c.rank},                {"lora_alpha", c.alpha},       {"lora_dropout", c.dropout},
+          {"use_rslora", c.rslora},     {"target_modules", targets},   {"bias", "none"},
+          {"fan_in_fan_out", false},    {"modules_to_save", nullptr},  {"init_lora_weights", true},
+          {"layers_to_transform", nullptr}, {"layers_pattern", nullptr}, {"rank_pattern", nlohmann::json::object()},
+          {"alpha_pattern", nlohmann::json::object()}, {"use_dora", false}, {"inference_mode", true}};
+}
+
+LoraConfig read_lora_config(const std::string& dir) {
+  const fs::path path = fs::path(dir) / "adapter_config.json";
+  std::ifstream f(path);
+  LATHE_CHECK(f.good(), "lora: {} does not exist (not a PEFT adapter folder?)", path.string());
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    LATHE_FAIL("lora: {}: {}", path.string(), e.what());
+  }
+  return lora_config_from_peft(j, path.string());
+}
+
+LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters)
+    : rt_(&rt), model_(model), device_(device), dtype_(dtype) {
+  for (size_t i = 0; i < adapters.size(); ++i) adapters[i].validate(fmt::format("lora adapter {}", i), model);
+  const int64_t q_out = model.num_heads * model.head_dim, kv_out = model.num_kv_heads * model.head_dim;
+  auto dims = [&](LoraTarget t) -> std::pair<int64_t, int64_t> {  // (in, out)
+    switch (t) {
+      case LoraTarget::q_proj: return {model.hidden_size, q_out};
+      case LoraTarget::k_proj:
+      case LoraTarget::v_proj: return {model.hidden_size, kv_out};
+      case LoraTarget::o_proj: return {q_out, model.hidden_size};
+      case LoraTarget::gate_proj:
+      case LoraTarget::up_proj: return {model.hidden_size, model.intermediate_size};
+      case LoraTarget::down_proj: return {model.intermediate_size, model.hidden_size};
+    }
+    return {0, 0};
+  };
+  for (LoraConfig& c : adapters) adapters_.push_back({std::move(c), {}});
+  slot_index_.assign(size_t(model.num_layers * kLoraTargetCount), -1);
+  ExecContext cx = rt.context(device);
+  for (int64_t l = 0; l < model.num_layers; ++l) {
+    for (LoraTarget t : kAllTargets) {
+      Slot s;
+      s.layer = l;
+      s.target = t;
+      std::tie(s.in, s.out) = dims(t);
+      for (const Adapter& a : adapters_) {
+        const bool on = a.config.targets_module(l, t);
+        s.col_begin.push_back(s.rank_total);
+        s.rank_total += on ? a.config.rank : 0;
+        s.col_end.push_back(s.rank_total);
+      }
+      if (s.rank_total == 0) continue;
+      s.a = Tensor::empty({s.rank_total, s.in}, dtype, cx.allocator);
+      s.bt = Tensor::empty({s.rank_total, s.out}, dtype, cx.allocator);
+      s.grad_a = Tensor::empty(s.a.shape(), dtype, cx.allocator);
+      s.grad_bt = Tensor::empty(s.bt.shape(), dtype, cx.allocator);
+      for (Tensor* x : {&s.a, &s.bt, &s.grad_a, &s.grad_bt}) fill_zero(rt, *x);
+      slot_index_[size_t(l * kLoraTargetCount + int(t))] = int(slots_.size());
+      slots_.push_back(std::move(s));
+    }
+  }
+  // Parameters are views: built after every slot exists (slots_ no longer moves).
+  for (size_t ai = 0; ai < adapters_.size(); ++ai) {
+    for (Slot& s : slots_) {
+      const int64_t c0 = s.col_begin[ai], r = s.col_end[ai] - c0;
+      if (r == 0) continue;
+      adapters_[ai].params.push_back({peft_key(s.layer, s.target, "A"), s.a.narrow(0, c0, r), s.grad_a.narrow(0, c0, r)});
+      adapters_[ai].params.push_back({peft_key(s.layer, s.target, "B"), s.bt.narrow(0, c0, r), s.grad_bt.narrow(0, c0, r)});
+    }
+  }
+}
+
+int64_t LoraBank::parameter_count(int adapter) const {
+  int64_t n = 0;
+  for (const Parameter& p : adapters_[size_t(adapter)].params) n += p.value.numel();
+  return n;
+}
+
+const LoraBank::Slot* LoraBank::slot(int64_t layer, LoraTarget t) const {
+  const int i = slot_index_[size_t(layer * kLoraTargetCount + int(t))];
+  return i < 0 ? nullptr : &slots_[size_t(i)];
+}
+
+LoraBank::Slot* LoraBank::slot(int64_t layer, LoraTarget t) {
+  return const_cast<Slot*>(static_cast<const LoraBank*>(this)->slot(layer, t));
+}
+
+void LoraBank::zero_grads() {
+  for (Slot& s : slots_) {
+    fill_zero(*rt_, s.grad_a);
+    fill_zero(*rt_, s.grad_bt);
+  }
+}
+
+void LoraBank::init(int adapter, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  for (Parameter& p : parameters(adapter)) {
+    std::vector<double> host(size_t(p.value.numel()), 0.0);
+    if (ends_with(p.name, "lora_A.weight")) {  // kaiming_uniform_(a = sqrt(5)): bound = 1 / sqrt(fan_in)
+      std::uniform_real_distribution<double> u(-1.0, 1.0);
+      const double bound = 1.0 / std::sqrt(double(p.value.size(1)));
+      for (double& x : host) x = bound * u(rng);
+    }
+    write_view(*rt_, p.value, host);
+  }
+}
+
+void LoraBank::clear(int adapter) {
+  for (Parameter& p : parameters(adapter)) write_view(*rt_, p.value, std::vector<double>(size_t(p.value.numel()), 0.0));
+}
+
+void LoraBank::load_peft(int adapter, const std::string& dir) {
+  const LoraConfig file_cfg = read_lora_config(dir);
+  const LoraConfig& mine = config(adapter);
+  LATHE_CHECK(file_cfg.rank == mine.rank && file_cfg.alpha == mine.alpha && file_cfg.rslora == mine.rslora,
+              "lora: {}: adapter has r={} alpha={} rslora={} but the run asks for r={} alpha={} rslora={}", dir, file_cfg.rank,
+              file_cfg.alpha, file_cfg.rslora, mine.rank, mine.alpha, mine.rslora);
+  const fs::path file = fs::path(dir) / "adapter_model.safetensors";
+  LATHE_CHECK(fs::exists(file), "lora: {} does not exist", file.string());
+  const io::SafetensorsFile st = io::SafetensorsFile::open(file.string());
+  std::set<std::string> used;
+  for (Parameter& p : parameters(adapter)) {
+    const bool is_b = ends_with(p.name, "lora_B.weight");
+    const io::SafetensorsTensor* t = st.find(p.name);
+    LATHE_CHECK(t != nullptr, "lora: {}: tensor '{}' is missing (the adapter's target_modules imply it)", file.string(), p.name);
+    const Shape want = is_b ? Shape{p.value.size(1), p.value.size(0)} : p.value.shape();
+    LATHE_CHECK(t->shape == want, "lora: {}: tensor '{}' has shape {}, expected {}", file.string(), p.name,
+                shape_str(t->shape), shape_str(want));
+    std::vector<double> host(size_t(t->numel));
+    st.read_into(p.name, DType::F64, host.data(), host.size() * sizeof(double));
+    if (is_b) {  // (out, r) -> (r, out)
+      std::vector<double> tr(host.size());
+      const int64_t out = want[0], r = want[1];
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t k = 0; k < r; ++k) tr[size_t(k * out + o)] = host[size_t(o * r + k)];
+      host.swap(tr);
+    }
+    write_view(*rt_, p.value, host);
+    used.insert(p.name);
+  }
+  std::vector<std::string> extra;
+  for (const io::SafetensorsTensor& t : st.tensors())
+    if (!used.count(t.name)) extra.push_back(t.name);
+  LATHE_CHECK(extra.empty(), "lora: {}: {} tensors do not belong to the adapter's target modules, e.g. '{}'", file.string(),
+              extra.size(), extra.empty() ? "" : extra.front());
+}
+
+void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model) const {
+  ExecContext cx = rt_->context(device_);
+  std::vector<Tensor> host;
+  std::vector<io::TensorRef> refs;
+  for (const Parameter& p : adapters_[size_t(adapter)].params) {
+    const bool is_b = ends_with(p.name, "lora_B.weight");
+    const Tensor v = is_b ? contiguous(cx, p.value.transpose(0, 1)) : p.value;
+    host.push_back(rt_->copy_to(cast(cx, v, dtype), Device::cpu()));
+    refs.push_back({p.name, dtype, host.back().shape(), host.back().data_ptr(), host.back().nbytes()});
+  }
+  const fs::path target = fs::absolute(dir);
+  const fs::path tmp = target.string() + fmt::format(".tmp-{}", getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  io::write_safetensors((tmp / "adapter_model.safetensors").string(), refs, {{"format", "pt"}});
+  {
+    std::ofstream f(tmp / "adapter_config.json");
+    f << lora_config_to_peft(config(adapter), base_model).dump(2) << "\n";
+    LATHE_CHECK(f.good(), "lora: cannot write {}", (tmp / "adapter_config.json").string());
+  }
+  const fs::path old = target.string() + fmt::format(".old-{}", getpid());
+  if (fs::exists(target)) fs::rename(target, old);
+  fs::rename(tmp, target);
+  fs::remove_all(old);
+}
+
+void merge_lora(Qwen3Model& model, const LoraBank& bank, int adapter) {
+  ExecContext cx = model.runtime().context(model.options().device);
+  const double s = bank.config(adapter).scaling();
+  for (int64_t l = 0; l < model.config().num_layers; ++l) {
+    for (LoraTarget t : kAllTargets) {
+      const LoraBank::Slot* slot = bank.slot(l, t);
+      if (!slot) continue;
+      const int64_t c0 = slot->col_begin[size_t(adapter)], r = slot->col_end[size_t(adapter)] - c0;
+      if (r == 0) continue;
+      Tensor& w = model.parameter(lora_module_name(l, t) + ".weight").value;  // (out, in) += s * BT^T A
+      matmul_into(cx, slot->bt.narrow(0, c0, r), slot->a.narrow(0, c0, r), w, {true, false, float(s), 1.0f});
+    }
+  }
+}
+
+}  // namespace lathe

@@ -1,0 +1,110 @@
+// LoRA adapters over a frozen base model, one or many at once (multi-tenant training, docs/lora.md).
+// An adapter adds  y += scaling * dropout(x) A^T B^T  to chosen linear modules, A (r, in), B (out, r),
+// scaling = alpha / r (alpha / sqrt(r) with rsLoRA). Several adapters may target the same module: a LoraBank
+// keeps, for each (layer, module) that any adapter targets, one "slot" holding every adapter's A stacked along
+// the rank axis (A_cat (R, in), R = sum of their ranks) and every B transposed and stacked likewise
+// (BT_cat (R, out)). A batch whose rows belong to different adapters then needs two GEMMs per module for all of
+// them: U = x A_cat^T (T, R), a segment mask that keeps, for each row, only its own adapter's columns (scaled),
+// and y += U_masked BT_cat. The base weights are read once for every tenant.
+// Each adapter's parameters are views into its slots' rows, so its optimizer updates them in place.
+// Files are PEFT's: adapter_config.json and adapter_model.safetensors with keys
+// "base_model.model.<module>.lora_A.weight" (r, in) and "...lora_B.weight" (out, r).
+// Covered by tests/models/test_lora.cpp (finite differences, HF/peft fixtures, round trips).
+#pragma once
+
+#include <array>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/qwen3.h"
+
+namespace lathe {
+
+// The linear modules of a Qwen3 decoder layer that LoRA can adapt.
+enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj };
+inline constexpr int kLoraTargetCount = 7;
+const char* lora_target_name(LoraTarget t);
+// "model.layers.3.self_attn.q_proj" — the module name PEFT matches target_modules against.
+std::string lora_module_name(int64_t layer, LoraTarget t);
+
+struct LoraConfig {
+  int64_t rank = 16;
+  double alpha = 32;
+  double dropout = 0.0;
+  bool rslora = false;
+  // Which modules: short names ("q_proj", "self_attn.o_proj" — matched as a name suffix, as PEFT does),
+  // "all-linear" (every projection of every layer; never the LM head), or, as a single entry starting with
+  // "re:", a regular expression matched against the whole module name (PEFT's string form).
+  std::vector<std::string> targets = {"all-linear"};
+
+  double scaling() const;
+  bool targets_module(int64_t layer, LoraTarget t) const;
+  // Throws with `where` in the message on a bad rank, alpha, dropout or target list (unknown names are refused:
+  // a target that matches nothing would silently train nothing).
+  void validate(const std::string& where, const ModelConfig& model) const;
+};
+
+// adapter_config.json <-> LoraConfig. Reading refuses every PEFT feature Lathe does not implement (DoRA, biases,
+// modules_to_save, rank/alpha patterns, layers_to_transform, ...) by field name.
+LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& source);
+nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model);
+LoraConfig read_lora_config(const std::string& adapter_dir);  // DIR/adapter_config.json
+
+class LoraBank {
+ public:
+  struct Slot {
+    int64_t layer = 0;
+    LoraTarget target = LoraTarget::q_proj;
+    int64_t in = 0, out = 0, rank_total = 0;
+    Tensor a, bt;            // (R, in), (R, out)
+    Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads()
+    std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([0, 0) when it does not target this)
+  };
+
+  // Allocates (zero-filled) every slot for these adapters on `device` in `dtype`.
+  LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters);
+  LoraBank(const LoraBank&) = delete;
+  LoraBank& operator=(const LoraBank&) = delete;
+
+  int size() const { return int(adapters_.size()); }
+  const LoraConfig& config(int adapter) const { return adapters_[size_t(adapter)].config; }
+  // The adapter's trainable parameters: for each targeted module, lora_A (r, in) and lora_B stored transposed,
+  // (r, out), named by their PEFT keys. Views into the slots; grads are views into the slots' gradients.
+  std::vector<Parameter>& parameters(int adapter) { return adapters_[size_t(adapter)].params; }
+  int64_t parameter_count(int adapter) const;
+
+  // PEFT's default initialisation: A kaiming-uniform (bound 1/sqrt(in)), B zero; seeded.
+  void init(int adapter, uint64_t seed);
+  // Sets the adapter's A and B to zero (it then adds nothing: a failed tenant's weights are taken out).
+  void clear(int adapter);
+  // Reads DIR/adapter_model.safetensors into the adapter; its config must equal the adapter's (checked).
+  void load_peft(int adapter, const std::string& dir);
+  // Writes adapter_config.json and adapter_model.safetensors (B transposed back to (out, r)) atomically.
+  void save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model) const;
+
+  void zero_grads();
+  // The slot of (layer, target), or nullptr when no adapter targets it.
+  const Slot* slot(int64_t layer, LoraTarget t) const;
+  Slot* slot(int64_t layer, LoraTarget t);
+  Device device() const { return device_; }
+
+ private:
+  struct Adapter {
+    LoraConfig config;
+    std::vector<Parameter> params;
+  };
+  Runtime* rt_;
+  ModelConfig model_;
+  Device device_;
+  DType dtype_;
+  std::vector<Adapter> adapters_;
+  std::vector<Slot> slots_;
+  std::vector<int> slot_index_;  // layer * kLoraTargetCount + target -> index into slots_, -1 = none
+};
+
+// Adds scaling * B A of `adapter` into the base weights of `model` (for generation and merged export).
+void merge_lora(Qwen3Model& model, const LoraBank& bank, int adapter);
+
+}  // namespace lathe
