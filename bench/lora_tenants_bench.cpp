@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
       std::vector<std::unique_ptr<AdamW>> opts;
       for (int a = 0; a < k; ++a) {
         bank.init(a, uint64_t(a));
-        opts.push_back(std::make_unique<AdamW>(rt, bank.parameters(a), AdamWConfig{}));
+        opts.push_back(std::make_unique<AdamW>(rt, bank.flat_parameter(a), AdamWConfig{}));
       }
       model.attach_lora(&bank);
       // The same total batch for every K: `sequences` documents of `seq` tokens, sequences / k per tenant.
@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
         const auto t0 = std::chrono::steady_clock::now();
         bank.zero_grads();
         model.loss(b, true);
-        for (int a = 0; a < k; ++a) opts[size_t(a)]->step(1e-4, clip_factor(global_grad_norm(ctx, bank.parameters(a)), 1.0));
+        for (int a = 0; a < k; ++a) opts[size_t(a)]->step(1e-4, clip_factor(global_grad_norm(ctx, bank.flat_parameter(a)), 1.0));
         rt.synchronize(device);
         if (it >= warmup) total_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <regex>
 #include <set>
@@ -186,9 +187,9 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
     }
     return {0, 0};
   };
-  for (LoraConfig& c : adapters) adapters_.push_back({std::move(c), {}});
+  for (LoraConfig& c : adapters) adapters_.push_back({std::move(c), {}, {}});
+  chunk_ = 0;  // gcd of every row length; 1 when nothing is targeted
   slot_index_.assign(size_t(model.num_layers * kLoraTargetCount), -1);
-  ExecContext cx = rt.context(device);
   for (int64_t l = 0; l < model.num_layers; ++l) {
     for (LoraTarget t : kAllTargets) {
       Slot s;
@@ -196,28 +197,75 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
       s.target = t;
       std::tie(s.in, s.out) = dims(t);
       for (const Adapter& a : adapters_) {
-        const bool on = a.config.targets_module(l, t);
         s.col_begin.push_back(s.rank_total);
-        s.rank_total += on ? a.config.rank : 0;
+        s.rank_total += a.config.targets_module(l, t) ? a.config.rank : 0;
         s.col_end.push_back(s.rank_total);
       }
       if (s.rank_total == 0) continue;
-      s.a = Tensor::empty({s.rank_total, s.in}, dtype, cx.allocator);
-      s.bt = Tensor::empty({s.rank_total, s.out}, dtype, cx.allocator);
-      s.grad_a = Tensor::empty(s.a.shape(), dtype, cx.allocator);
-      s.grad_bt = Tensor::empty(s.bt.shape(), dtype, cx.allocator);
-      for (Tensor* x : {&s.a, &s.bt, &s.grad_a, &s.grad_bt}) fill_zero(rt, *x);
+      chunk_ = std::gcd(chunk_, std::gcd(s.in, s.out));
       slot_index_[size_t(l * kLoraTargetCount + int(t))] = int(slots_.size());
       slots_.push_back(std::move(s));
     }
   }
-  // Parameters are views: built after every slot exists (slots_ no longer moves).
+  // Chunk offsets: slot order (each slot's A_cat then BT_cat, adapters in order inside each) and adapter order
+  // (each adapter's matrices slot by slot, A then BT). Both hold the same chunks: to_slot_ maps one onto the other.
+  struct Matrix {
+    size_t adapter, slot;
+    bool is_a;
+    int64_t slot_chunk, chunks;
+  };
+  std::vector<Matrix> matrices;
+  int64_t slot_chunks = 0;
+  for (size_t si = 0; si < slots_.size(); ++si) {
+    const Slot& s = slots_[si];
+    for (bool is_a : {true, false}) {
+      const int64_t width = (is_a ? s.in : s.out) / chunk_;
+      for (size_t ai = 0; ai < adapters_.size(); ++ai) {
+        const int64_t r = s.col_end[ai] - s.col_begin[ai];
+        if (r) matrices.push_back({ai, si, is_a, slot_chunks + s.col_begin[ai] * width, r * width});
+      }
+      slot_chunks += s.rank_total * width;
+    }
+  }
+  if (chunk_ == 0) chunk_ = 1;
+  std::stable_sort(matrices.begin(), matrices.end(), [](const Matrix& x, const Matrix& y) { return x.adapter < y.adapter; });
+  std::vector<int32_t> to_slot(static_cast<size_t>(slot_chunks)), to_adapter(static_cast<size_t>(slot_chunks));
+  LATHE_CHECK(slot_chunks < (int64_t(1) << 31), "lora: {} chunks of {} elements exceed the index range", slot_chunks, chunk_);
+  ExecContext cx = rt.context(device);
+  values_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
+  grads_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
+  slot_values_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
+  slot_grads_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
+  for (Tensor* x : {&values_, &grads_, &slot_values_, &slot_grads_}) fill_zero(rt, *x);
+  int64_t adapter_chunk = 0;
+  std::vector<int64_t> adapter_begin(adapters_.size() + 1, 0);
+  for (const Matrix& m : matrices) {
+    const Slot& s = slots_[m.slot];
+    const int64_t r = s.col_end[m.adapter] - s.col_begin[m.adapter], width = m.is_a ? s.in : s.out;
+    for (int64_t k = 0; k < m.chunks; ++k) {
+      to_slot[size_t(m.slot_chunk + k)] = int32_t(adapter_chunk + k);
+      to_adapter[size_t(adapter_chunk + k)] = int32_t(m.slot_chunk + k);
+    }
+    const Tensor v = values_.narrow(0, adapter_chunk, m.chunks).view({r, width});
+    const Tensor g = grads_.narrow(0, adapter_chunk, m.chunks).view({r, width});
+    adapters_[m.adapter].params.push_back({peft_key(s.layer, s.target, m.is_a ? "A" : "B"), v, g});
+    adapter_chunk += m.chunks;
+    adapter_begin[m.adapter + 1] = adapter_chunk;
+  }
   for (size_t ai = 0; ai < adapters_.size(); ++ai) {
-    for (Slot& s : slots_) {
-      const int64_t c0 = s.col_begin[ai], r = s.col_end[ai] - c0;
-      if (r == 0) continue;
-      adapters_[ai].params.push_back({peft_key(s.layer, s.target, "A"), s.a.narrow(0, c0, r), s.grad_a.narrow(0, c0, r)});
-      adapters_[ai].params.push_back({peft_key(s.layer, s.target, "B"), s.bt.narrow(0, c0, r), s.grad_bt.narrow(0, c0, r)});
+    const int64_t begin = adapter_begin[ai], n = std::max(begin, adapter_begin[ai + 1]) - begin;
+    adapters_[ai].flat.push_back({"lora_adapter", values_.narrow(0, begin, n), grads_.narrow(0, begin, n)});
+  }
+  to_slot_ = rt.from_host(to_slot.data(), {slot_chunks}, DType::I32, device);
+  to_adapter_ = rt.from_host(to_adapter.data(), {slot_chunks}, DType::I32, device);
+  // The slots' matrices: views of the slot-order buffers.
+  int64_t offset = 0;
+  for (Slot& s : slots_) {
+    for (bool is_a : {true, false}) {
+      const int64_t width = is_a ? s.in : s.out, n = s.rank_total * width / chunk_;
+      (is_a ? s.a : s.bt) = slot_values_.narrow(0, offset, n).view({s.rank_total, width});
+      (is_a ? s.grad_a : s.grad_bt) = slot_grads_.narrow(0, offset, n).view({s.rank_total, width});
+      offset += n;
     }
   }
 }
@@ -237,11 +285,23 @@ LoraBank::Slot* LoraBank::slot(int64_t layer, LoraTarget t) {
   return const_cast<Slot*>(static_cast<const LoraBank*>(this)->slot(layer, t));
 }
 
+void LoraBank::refresh() {
+  if (slot_values_.numel() == 0) return;
+  ExecContext cx = rt_->context(device_);
+  OpCall call{OpId::embedding, {values_, to_slot_}, {slot_values_}, {}};  // a row gather
+  run_op(cx, call);
+}
+
+void LoraBank::collect_grads() {
+  if (slot_grads_.numel() == 0) return;
+  ExecContext cx = rt_->context(device_);
+  OpCall call{OpId::embedding, {slot_grads_, to_adapter_}, {grads_}, {}};
+  run_op(cx, call);
+}
+
 void LoraBank::zero_grads() {
-  for (Slot& s : slots_) {
-    fill_zero(*rt_, s.grad_a);
-    fill_zero(*rt_, s.grad_bt);
-  }
+  fill_zero(*rt_, slot_grads_);
+  fill_zero(*rt_, grads_);
 }
 
 void LoraBank::init(int adapter, uint64_t seed) {
@@ -323,18 +383,21 @@ void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const
   fs::remove_all(old);
 }
 
-void merge_lora(Qwen3Model& model, const LoraBank& bank, int adapter) {
+std::string lora_key_module(const std::string& key) {
+  const std::string prefix = "base_model.model.";
+  const size_t end = key.find(".lora_");
+  LATHE_CHECK(key.rfind(prefix, 0) == 0 && end != std::string::npos, "lora: '{}' is not a PEFT LoRA key", key);
+  return key.substr(prefix.size(), end - prefix.size());
+}
+
+void merge_lora(Qwen3Model& model, LoraBank& bank, int adapter) {
   ExecContext cx = model.runtime().context(model.options().device);
   const double s = bank.config(adapter).scaling();
-  for (int64_t l = 0; l < model.config().num_layers; ++l) {
-    for (LoraTarget t : kAllTargets) {
-      const LoraBank::Slot* slot = bank.slot(l, t);
-      if (!slot) continue;
-      const int64_t c0 = slot->col_begin[size_t(adapter)], r = slot->col_end[size_t(adapter)] - c0;
-      if (r == 0) continue;
-      Tensor& w = model.parameter(lora_module_name(l, t) + ".weight").value;  // (out, in) += s * BT^T A
-      matmul_into(cx, slot->bt.narrow(0, c0, r), slot->a.narrow(0, c0, r), w, {true, false, float(s), 1.0f});
-    }
+  const std::vector<Parameter>& params = bank.parameters(adapter);
+  for (size_t i = 0; i + 1 < params.size(); i += 2) {  // lora_A (r, in), then lora_B stored as (r, out)
+    LATHE_ASSERT(ends_with(params[i].name, "lora_A.weight") && ends_with(params[i + 1].name, "lora_B.weight"));
+    Tensor& w = model.parameter(lora_key_module(params[i].name) + ".weight").value;  // (out, in) += s * BT^T A
+    matmul_into(cx, params[i + 1].value, params[i].value, w, {true, false, float(s), 1.0f});
   }
 }
 

@@ -54,25 +54,31 @@ LoraConfig read_lora_config(const std::string& adapter_dir);  // DIR/adapter_con
 
 class LoraBank {
  public:
+  // The matrices of one (layer, module) that at least one adapter targets, as the model uses them. Views into the
+  // bank's slot-layout buffers; refresh() fills a and bt from the adapters, collect_grads() reads grad_a/grad_bt.
   struct Slot {
     int64_t layer = 0;
     LoraTarget target = LoraTarget::q_proj;
     int64_t in = 0, out = 0, rank_total = 0;
     Tensor a, bt;            // (R, in), (R, out)
-    Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads()
-    std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([0, 0) when it does not target this)
+    Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads(), accumulated by the model's backward
+    std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([c, c) when it does not target this)
   };
 
-  // Allocates (zero-filled) every slot for these adapters on `device` in `dtype`.
+  // Allocates (zero-filled) every adapter and slot on `device` in `dtype`.
   LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters);
   LoraBank(const LoraBank&) = delete;
   LoraBank& operator=(const LoraBank&) = delete;
 
   int size() const { return int(adapters_.size()); }
   const LoraConfig& config(int adapter) const { return adapters_[size_t(adapter)].config; }
-  // The adapter's trainable parameters: for each targeted module, lora_A (r, in) and lora_B stored transposed,
-  // (r, out), named by their PEFT keys. Views into the slots; grads are views into the slots' gradients.
+  // The adapter's matrices, one Parameter per matrix: for each targeted module lora_A (r, in) and lora_B stored
+  // transposed, (r, out), named by their PEFT keys. Views into the adapter's flat storage (below); their grads are
+  // views into its flat gradient, valid after collect_grads().
   std::vector<Parameter>& parameters(int adapter) { return adapters_[size_t(adapter)].params; }
+  // All of the adapter's matrices as one (n, chunk) parameter over the same storage: what its optimizer, gradient
+  // norm and clipping work on (two kernel launches per step instead of two per matrix).
+  std::vector<Parameter>& flat_parameter(int adapter) { return adapters_[size_t(adapter)].flat; }
   int64_t parameter_count(int adapter) const;
 
   // PEFT's default initialisation: A kaiming-uniform (bound 1/sqrt(in)), B zero; seeded.
@@ -84,7 +90,14 @@ class LoraBank {
   // Writes adapter_config.json and adapter_model.safetensors (B transposed back to (out, r)) atomically.
   void save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model) const;
 
+  // Copies every adapter's current values into the slots (one gather for the whole bank). The model calls it
+  // before each forward, so optimizer updates and loads are always seen.
+  void refresh();
+  // Zeroes the slots' gradients and the adapters' gradients.
   void zero_grads();
+  // Copies the slots' accumulated gradients into the adapters' gradients (one gather). The model calls it at the
+  // end of each backward.
+  void collect_grads();
   // The slot of (layer, target), or nullptr when no adapter targets it.
   const Slot* slot(int64_t layer, LoraTarget t) const;
   Slot* slot(int64_t layer, LoraTarget t);
@@ -94,6 +107,7 @@ class LoraBank {
   struct Adapter {
     LoraConfig config;
     std::vector<Parameter> params;
+    std::vector<Parameter> flat;  // one entry
   };
   Runtime* rt_;
   ModelConfig model_;
@@ -102,9 +116,16 @@ class LoraBank {
   std::vector<Adapter> adapters_;
   std::vector<Slot> slots_;
   std::vector<int> slot_index_;  // layer * kLoraTargetCount + target -> index into slots_, -1 = none
+  // Storage, in chunks of `chunk_` elements (the gcd of every matrix row length): the adapters' matrices back to
+  // back, adapter by adapter (values_, grads_), and the same chunks in slot order (slot_values_, slot_grads_);
+  // slot chunk i is adapter chunk to_slot_[i], adapter chunk j is slot chunk to_adapter_[j] (i32 index tensors).
+  int64_t chunk_ = 1;
+  Tensor values_, grads_, slot_values_, slot_grads_, to_slot_, to_adapter_;
 };
 
 // Adds scaling * B A of `adapter` into the base weights of `model` (for generation and merged export).
-void merge_lora(Qwen3Model& model, const LoraBank& bank, int adapter);
+void merge_lora(Qwen3Model& model, LoraBank& bank, int adapter);
+// "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" -> "model.layers.0.self_attn.q_proj".
+std::string lora_key_module(const std::string& key);
 
 }  // namespace lathe

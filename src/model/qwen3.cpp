@@ -271,6 +271,7 @@ Tensor Qwen3Model::forward_hidden(const PackedBatch& b, std::vector<LayerActs>* 
   for (int32_t id : b.host_ids)
     LATHE_CHECK(id >= 0 && id < config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
                 config_.vocab_size);
+  if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
   Tensor x = embedding(cx, w(embed_), b.ids);
   for (const Layer& l : layers_) {
     if (inputs) inputs->push_back(x);
@@ -384,6 +385,7 @@ LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_sca
     dx = layer_backward(layers_[size_t(i)], a, dx, b);
   }
   if (options_.train_base) add_grad(embed_, embedding_backward(cx, dx, b.ids, config_.vocab_size));
+  if (lora_ && !b.segments.empty()) lora_->collect_grads();
   return result;
 }
 

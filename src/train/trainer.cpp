@@ -388,7 +388,7 @@ TrainSummary run_training(const TrainConfig& c) {
         else if (!jc.lora_init.empty()) bank->load_peft(j.adapter, jc.lora_init);
         else bank->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
       }
-      j.params = lora ? &bank->parameters(j.adapter) : &model->parameters();
+      j.params = lora ? &bank->flat_parameter(j.adapter) : &model->parameters();
       AdamWConfig acfg;
       acfg.beta1 = jc.beta1;
       acfg.beta2 = jc.beta2;
@@ -627,8 +627,7 @@ TrainSummary run_training(const TrainConfig& c) {
       if (lora) {
         for (const Parameter& a : bank->parameters(j.adapter)) {
           if (a.name.find(".lora_A.") == std::string::npos) continue;
-          const std::string module = a.name.substr(std::string("base_model.model.").size(), a.name.find(".lora_A.") - 17);
-          Parameter& p = model->parameter(module + ".weight");
+          Parameter& p = model->parameter(lora_key_module(a.name) + ".weight");
           saved.push_back({&p, rt.copy_to(p.value, device)});
         }
         merge_lora(*model, *bank, j.adapter);
