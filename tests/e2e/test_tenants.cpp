@@ -251,6 +251,13 @@ TEST(Tenants, AdapterExportsMergeAndScoresAgree) {
   }
   EXPECT_LT(diff, 1e-4) << "merged model and base + adapter disagree";
   EXPECT_GT(moved, 1e-3) << "the adapter changed nothing";
+  // Generation with --adapter (merged into the weights at load) equals generation with the merged export.
+  const std::string gen = " --prompt-tokens 5,9,12 --max-new-tokens 6 --print-tokens --ignore-eos --no-chat-template";
+  const LatheRun g1 = cli("generate --model " + (dir / "base/final").string() + " --adapter " + (dir / "peft").string() + gen);
+  const LatheRun g2 = cli("generate --model " + (dir / "merged").string() + gen);
+  ASSERT_EQ(g1.exit_code, 0) << g1.output;
+  ASSERT_EQ(g2.exit_code, 0) << g2.output;
+  EXPECT_EQ(g1.output.substr(g1.output.find('{')), g2.output.substr(g2.output.find('{')));
   // A missing or mismatched adapter is refused.
   EXPECT_NE(cli("logprobs --model " + (dir / "base/final").string() + " --adapter " + (dir / "nope").string() +
                   " --input " + (dir / "in.jsonl").string() + " --output " + (dir / "z.jsonl").string()).exit_code, 0);
