@@ -251,6 +251,15 @@ TEST(Tenants, AdapterExportsMergeAndScoresAgree) {
   }
   EXPECT_LT(diff, 1e-4) << "merged model and base + adapter disagree";
   EXPECT_GT(moved, 1e-3) << "the adapter changed nothing";
+  // lora.init continues from a PEFT adapter: with a vanishing learning rate the result is that adapter.
+  const LatheRun cont = cli("train " + (dir / "one.yaml").string() + " --set lora.init=" + (dir / "peft").string() +
+                            " --set output_dir=" + (dir / "cont").string() + " --set train.lr=1e-12 --set train.max_steps=2");
+  ASSERT_EQ(cont.exit_code, 0) << cont.output;
+  EXPECT_LT(worst_rel_diff(adapter(dir / "cont/final"), adapter(dir / "peft")), 1e-6);
+  const LatheRun wrong = cli("train " + (dir / "one.yaml").string() + " --set lora.init=" + (dir / "peft").string() +
+                             " --set output_dir=" + (dir / "wrong").string() + " --set lora.rank=8");
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.output.find("r=4"), std::string::npos) << wrong.output;
   // Generation with --adapter (merged into the weights at load) equals generation with the merged export.
   const std::string gen = " --prompt-tokens 5,9,12 --max-new-tokens 6 --print-tokens --ignore-eos --no-chat-template";
   const LatheRun g1 = cli("generate --model " + (dir / "base/final").string() + " --adapter " + (dir / "peft").string() + gen);
