@@ -25,3 +25,6 @@ if(NOT LATHE_CUDA STREQUAL "OFF")
 else()
   message(STATUS "lathe: CUDA backend OFF (LATHE_CUDA=OFF)")
 endif()
+
+# cuDNN (optional; the attention kernels in src/backend/cuda/cudnn_attention.*).
+include(${CMAKE_CURRENT_LIST_DIR}/cudnn.cmake)

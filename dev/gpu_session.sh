@@ -7,6 +7,8 @@
 # Two stages so each fits one call: `dev/gpu_session.sh check` then `dev/gpu_session.sh train`.
 # `dev/gpu_session.sh lora`: LoRA fixtures from transformers + peft, the LoRA/op tests, the PEFT round trip of
 # adapters trained on the GPU (examples/tenants.yaml over the demo model) and the multi-tenant benchmark.
+# `dev/gpu_session.sh speed`: Qwen3.5 fixtures, the whole suite, the op check, a profiled 0.6B step and the
+# side-by-side benchmark against transformers (0.6B and LoRA rows).
 set -uo pipefail
 OUT=${OUT:?set OUT}
 STAGE=${1:-check}
@@ -54,5 +56,17 @@ summary "PEFT round trip (lathe logprobs --adapter vs transformers+peft fp64): $
 python3 dev/ref/compare_logprobs.py /tmp/merged_sub /tmp/lp_in.jsonl /tmp/lp_adapter.jsonl >$L/merged.log 2>&1
 summary "merged export (transformers, no peft) vs lathe base+adapter: $(tail -n 1 $L/merged.log)"
 bash bench/run_lora_tenants.sh build >$L/lora_bench.txt 2>&1; grep "lora tenants" $L/lora_bench.txt | tee -a $OUT/summary.txt
+fi
+if [ "$STAGE" = speed ]; then
+timeout 150 python3 dev/ref/qwen3_5_fixtures.py tests/models/fixtures/qwen3_5 >$L/q35_fixtures.log 2>&1
+summary "qwen3_5 fixtures rc=$?: $(grep -v Loading $L/q35_fixtures.log | tail -n 6 | tr '\n' ' ' | tail -c 900)"
+tar -czf $OUT/q35_fixtures.tgz tests/models/fixtures/qwen3_5 2>/dev/null
+(cd build && timeout 240 ctest -j10 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+grep -h "cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
+timeout 60 ./build/lathe op-check --device cuda >$L/opcheck.txt 2>&1; summary "$(tail -n 1 $L/opcheck.txt)"; grep FAIL $L/opcheck.txt | head -5
+timeout 90 ./build/lathe bench --shape 0.6b --seq 4096 --micro-batch 4 --steps 3 --warmup 1 --profile >$L/profile.txt 2>&1
+head -n 30 $L/profile.txt >>$OUT/summary.txt
+timeout 200 bash bench/run_side_by_side.sh build --shapes 0.6b --lora --steps 4 --warmup 2 >$L/side.txt 2>&1; tail -n 8 $L/side.txt | tee -a $OUT/summary.txt
 fi
 tar -czf $OUT/logs.tgz -C /tmp logs

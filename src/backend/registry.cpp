@@ -1,5 +1,7 @@
 #include "backend/registry.h"
 
+#include "backend/profiler.h"
+
 namespace lathe {
 
 void KernelRegistry::add(KernelDef kernel) {
@@ -83,6 +85,15 @@ void run_op(ExecContext& ctx, const OpCall& call) {
                 ctx.device.str());
   const Resolution r = ctx.registry.resolve(call);
   if (ctx.observer) (*ctx.observer)(call, r);
+  if (!ctx.profiler) {
+    (*r.run)(call, ctx);
+    return;
+  }
+  struct Timed {  // ends the interval even when the kernel throws
+    ExecContext& ctx;
+    int token;
+    ~Timed() { ctx.profiler->end(token, ctx.stream); }
+  } timed{ctx, ctx.profiler->begin(call, r, ctx.stream)};
   (*r.run)(call, ctx);
 }
 

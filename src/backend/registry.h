@@ -16,6 +16,7 @@
 namespace lathe {
 
 class KernelRegistry;
+class OpProfiler;  // backend/profiler.h
 
 // Everything one op invocation needs. Outputs are allocated by the caller (ops/ops.cpp or the op tests).
 struct OpCall {
@@ -43,6 +44,7 @@ struct ExecContext {
   Allocator& allocator;
   Stream& stream;
   const ResolutionObserver* observer = nullptr;  // optional
+  OpProfiler* profiler = nullptr;                 // optional: times every kernel run_op dispatches
 };
 
 struct Support {

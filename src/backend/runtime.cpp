@@ -1,6 +1,7 @@
 #include "backend/runtime.h"
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/profiler.h"
 #include "ops/composite.h"
 #include "ops/ops.h"
 
@@ -54,7 +55,8 @@ void Runtime::check_device(Device device) const {
 ExecContext Runtime::context(Device device) {
   check_device(device);
   DeviceBackend& b = backend(device.type);
-  return ExecContext{registry_, b, device, b.allocator(device.index), b.default_stream(device.index)};
+  return ExecContext{registry_, b, device, b.allocator(device.index), b.default_stream(device.index), nullptr,
+                     profiler_ && profiler_->device() == device ? profiler_ : nullptr};
 }
 
 void Runtime::synchronize(Device device) { backend(device.type).default_stream(device.index).synchronize(); }

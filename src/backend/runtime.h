@@ -31,6 +31,10 @@ class Runtime {
   void check_device(Device device) const;  // throws with the reason when absent
 
   ExecContext context(Device device);  // the device's default stream and allocator
+  // Every context made from now on for the profiler's device times its ops with `profiler` (nullptr: none;
+  // backend/profiler.h). The profiler must outlive the contexts that hold it.
+  void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
+  OpProfiler* profiler() const { return profiler_; }
   Allocator& host_allocator() { return cpu_->allocator(0); }
   void synchronize(Device device);
 
@@ -43,6 +47,7 @@ class Runtime {
   std::unique_ptr<DeviceBackend> cpu_;
   std::unique_ptr<DeviceBackend> cuda_;  // null when built without CUDA
   KernelRegistry registry_;
+  OpProfiler* profiler_ = nullptr;
 };
 
 }  // namespace lathe

@@ -53,7 +53,24 @@ double rope_theta(const nlohmann::json& j, const std::string& src) {
 
 }  // namespace
 
+int64_t ModelConfig::rotary_dim() const {
+  const int64_t r = int64_t(double(head_dim) * partial_rotary_factor);
+  return r - r % 2;
+}
+
 int64_t ModelConfig::parameter_count() const {
+  if (is_qwen3_5()) {
+    const int64_t attn = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
+                         2 * head_dim;
+    const int64_t kd = linear_num_key_heads * linear_key_head_dim, vd = linear_num_value_heads * linear_value_head_dim;
+    const int64_t conv = 2 * kd + vd;
+    const int64_t gdn = hidden_size * (conv + vd + 2 * linear_num_value_heads) + conv * linear_conv_kernel_dim +
+                        2 * linear_num_value_heads + linear_value_head_dim + vd * hidden_size;
+    int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;
+    for (const std::string& t : layer_types)
+      n += (t == "full_attention" ? attn : gdn) + 3 * hidden_size * intermediate_size + 2 * hidden_size;
+    return n;
+  }
   const int64_t attn = hidden_size * head_dim * (num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
                        2 * head_dim;
   const int64_t mlp = 3 * hidden_size * intermediate_size;
@@ -67,7 +84,8 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   c.raw = j;
   LATHE_CHECK(j.contains("model_type") && j["model_type"].is_string(), "config: {}: missing 'model_type'", src);
   c.model_type = j["model_type"].get<std::string>();
-  LATHE_CHECK(c.model_type == "qwen3", "config: {}: model_type '{}' is not supported (supported: qwen3)", src, c.model_type);
+  if (c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text") return parse_qwen3_5_config(j, src);
+  LATHE_CHECK(c.model_type == "qwen3", "config: {}: model_type '{}' is not supported (supported: qwen3, qwen3_5, qwen3_5_text)", src, c.model_type);
   c.vocab_size = get_int(j, "vocab_size", src);
   c.hidden_size = get_int(j, "hidden_size", src);
   c.intermediate_size = get_int(j, "intermediate_size", src);

@@ -97,6 +97,15 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return {segment_mask(ctx, dy, std::get<SegmentAttrs>(attrs))};
     case OpId::dropout:  // the same mask and 1 / (1 - p): linear and self-adjoint for fixed attrs
       return {dropout(ctx, dy, std::get<SegmentAttrs>(attrs))};
+    case OpId::sigmoid:
+    case OpId::causal_conv1d:
+    case OpId::gdn_decay:
+    case OpId::gated_delta_rule:
+      return gated_delta_op_backward(ctx, op, in, attrs, outputs, dy);  // ops/gated_delta.cpp
+    case OpId::sigmoid_backward:
+    case OpId::causal_conv1d_backward:
+    case OpId::gdn_decay_backward:
+    case OpId::gated_delta_rule_backward:
     case OpId::softmax_backward:
     case OpId::silu_backward:
     case OpId::swiglu_backward:

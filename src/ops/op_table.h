@@ -37,7 +37,15 @@ namespace lathe {
   X(cross_entropy, 2)    \
   X(adamw, 4)            \
   X(segment_mask, 1)     \
-  X(dropout, 1)
+  X(dropout, 1)          \
+  X(sigmoid, 1)          \
+  X(sigmoid_backward, 2) \
+  X(causal_conv1d, 3)    \
+  X(causal_conv1d_backward, 4) \
+  X(gdn_decay, 3)        \
+  X(gdn_decay_backward, 4) \
+  X(gated_delta_rule, 6) \
+  X(gated_delta_rule_backward, 7)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -147,7 +155,27 @@ struct SegmentAttrs {
   std::vector<uint64_t> seed;      // S entries (dropout)
 };
 
+// Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention; research note gated-deltanet.md §2, formulas and packing
+// conventions in model/gdn_reference.h). All take packed documents with cu_seqlens (N + 1) i32; nothing crosses a
+// document boundary in either pass.
+// sigmoid(x) -> y; sigmoid_backward(y, dy) -> dy y (1 - y) (takes the output, like softmax_backward).
+// causal_conv1d(x (T, C), w (C, W), cu) -> y (T, C): depthwise causal convolution, y[t, c] = sum_j w[c, j]
+//   x[t - (W - 1) + j, c] over sources inside t's document (zero history at each document start). NO activation:
+//   the layer applies silu (op silu) on the result, so the op stays linear. causal_conv1d_backward(x, w, dy, cu) ->
+//   (dx, dw).
+// gdn_decay(a (T, H), A_log (H), dt_bias (H)) -> g (T, H) = -exp(A_log) softplus(a + dt_bias), the log-decay;
+//   gdn_decay_backward(a, A_log, dt_bias, dg) -> (da, dA_log, ddt_bias).
+// gated_delta_rule(q, k (T, H_k, d_k), v (T, H_v, d_v), g, beta (T, H_v), cu) -> o (T, H_v, d_v): the gated delta
+//   rule per (document, value head) from a zero state, value head h reading key head h / (H_v / H_k); q and k are
+//   used as given (L2-normalise them first), the query scale is applied inside; g must be <= 0.
+//   gated_delta_rule_backward(q, k, v, g, beta, do, cu) -> (dq, dk, dv, dg, dbeta), dq/dk summed over each group.
+struct GatedDeltaAttrs {
+  double scale = 0.0;   // query scale; 0 = d_k^{-1/2}
+  int64_t chunk = 64;   // chunk length of the chunked (WY) algorithm; the result does not depend on it
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs>;
+                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs,
+                             GatedDeltaAttrs>;
 
 }  // namespace lathe

@@ -57,6 +57,28 @@ void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& 
 Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 
+// Gated DeltaNet pieces (formulas at GatedDeltaAttrs in ops/op_table.h; shapes in ops/gated_delta.cpp).
+Tensor sigmoid(ExecContext& ctx, const Tensor& x);
+Tensor sigmoid_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
+Tensor causal_conv1d(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens);
+std::vector<Tensor> causal_conv1d_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
+                                           const Tensor& cu_seqlens);  // {dx, dw}
+Tensor gdn_decay(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias);
+std::vector<Tensor> gdn_decay_backward(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias,
+                                       const Tensor& dg);  // {da, dA_log, ddt_bias}
+Tensor gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                        const Tensor& beta, const Tensor& cu_seqlens, GatedDeltaAttrs attrs = {});
+std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const Tensor& g, const Tensor& beta, const Tensor& d_o,
+                                              const Tensor& cu_seqlens,
+                                              GatedDeltaAttrs attrs = {});  // {dq, dk, dv, dg, dbeta}
+// Shape inference of the ops above (called by infer_outputs).
+std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
+// Their backward compositions (called by op_backward).
+std::vector<Tensor> gated_delta_op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
+                                            const OpAttrs& attrs, const std::vector<Tensor>& outputs,
+                                            const Tensor& grad_output);
+
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);
 

@@ -259,6 +259,15 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       check_floating(op, in[0]);
       check_segments(op, in[0], std::get<SegmentAttrs>(attrs));
       return {{in[0].shape(), in[0].dtype()}};
+    case OpId::sigmoid:
+    case OpId::sigmoid_backward:
+    case OpId::causal_conv1d:
+    case OpId::causal_conv1d_backward:
+    case OpId::gdn_decay:
+    case OpId::gdn_decay_backward:
+    case OpId::gated_delta_rule:
+    case OpId::gated_delta_rule_backward:
+      return infer_gated_delta_outputs(op, in, attrs);  // ops/gated_delta.cpp
     case OpId::kCount: break;
   }
   LATHE_FAIL("ops: invalid op id {}", int(op));

@@ -85,6 +85,14 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   add_tiled(260, 4, 2, 128, {0, 1, 2, 259, 260}, AttentionAttrs{0.05}, "scale=0.05,docs=1+1+257+1");
   add_tiled(100, 4, 2, 256, {0, 33, 34, 100}, {}, "docs=33+1+66");
   add_tiled(70, 8, 1, 256, {0, 70}, {}, "group=8,one_doc");
+  // Equal documents; D = 256 without GQA; an empty document (cuda/cudnn_sdpa* refuse it: the tiled kernels' case).
+  add_tiled(256, 4, 2, 128, {0, 64, 128, 192, 256}, {}, "docs=4x64");
+  add_tiled(384, 8, 2, 64, {0, 128, 256, 384}, AttentionAttrs{0.2}, "scale=0.2,docs=3x128");
+  add_tiled(96, 2, 2, 256, {0, 40, 96}, {}, "mha,docs=40+56");
+  add_tiled(130, 4, 2, 64, {0, 60, 60, 130}, {}, "docs=60+0+70");
+  // A head dim neither cuDNN (multiples of 8) nor the tiled kernels take: the warp-per-row kernels' bf16/f16 case.
+  c.push_back({OpId::attention, "t=13,hq=2,hkv=1,d=20,docs=6+7", {{13, 2, 20}, {13, 1, 20}, {13, 1, 20}, {3}},
+               AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, {0, 6, 13}}});
   c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
   c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
@@ -181,6 +189,7 @@ std::vector<OpCase> all_op_cases() {
   c.push_back({OpId::silu, "strided=[5,3]^T", {{5, 3}}, {}, kFloat, true});
   add_model_op_cases(c);
   add_segment_op_cases(c);
+  add_gated_delta_op_cases(c);
   // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};
   c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},

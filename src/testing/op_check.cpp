@@ -18,12 +18,14 @@ using Values = std::vector<double>;
 
 // Input values already rounded to `dtype`, so the reference sees exactly what the device sees.
 // Integers are drawn from [1, 100], so every cast between integer types (and to u8) is defined.
-Values random_values(std::mt19937_64& rng, int64_t n, DType dtype, bool nonnegative = false) {
+Values random_values(std::mt19937_64& rng, int64_t n, DType dtype, bool nonnegative = false,
+                     std::pair<double, double> range = {-2.0, 2.0}) {
   Values v(static_cast<size_t>(n));
   std::vector<uint8_t> tmp(dtype_size(dtype));
+  if (nonnegative) range.first = std::max(range.first, 0.0);
   for (double& x : v) {
     if (is_floating(dtype)) {
-      do x = std::uniform_real_distribution<double>(nonnegative ? 0.0 : -2.0, 2.0)(rng); while (std::abs(x) < 1e-3);
+      do x = std::uniform_real_distribution<double>(range.first, range.second)(rng); while (std::abs(x) < 1e-3);
     } else if (dtype == DType::Bool) {
       x = double(rng() % 2);
     } else {
@@ -204,7 +206,9 @@ void check_row(Runtime& rt, const OpCase& oc, size_t case_index, Device device, 
     }
     // Casting a negative float to u8 is undefined: draw non-negative values for that case.
     const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
-    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), dtype, to_unsigned);
+    const bool ranged = i < oc.value_ranges.size() && oc.value_ranges[i].first < oc.value_ranges[i].second;
+    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), dtype, to_unsigned,
+                                        ranged ? oc.value_ranges[i] : std::pair<double, double>{-2.0, 2.0});
     const bool tr = oc.transpose_first && i == 0;
     logical.push_back(logical_values(stored, oc.inputs[i], tr));
     dev_in.push_back(make_input(rt, stored, oc.inputs[i], dtype, device, tr));

@@ -24,9 +24,13 @@ struct OpCase {
   bool differentiable = true;
   // Where non-empty, input i is an i32 index tensor (ids, positions, labels, cu_seqlens) with these values.
   std::vector<std::vector<double>> index_values = {};
+  // Where non-empty, floating input i is drawn from [lo, hi] instead of [-2, 2] (a log-decay must be <= 0; the
+  // gated delta rule is stable only for small enough keys).
+  std::vector<std::pair<double, double>> value_ranges = {};
 };
 
 std::vector<OpCase> all_op_cases();
+void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
 
 struct OpCheckOptions {
   std::string op;                   // exact op name, empty = all

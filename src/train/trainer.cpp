@@ -24,6 +24,7 @@
 #include "optim/clip.h"
 #include "optim/schedule.h"
 #include "train/final_eval.h"
+#include "train/flops.h"
 #include "train/metrics.h"
 #include "train/tensorboard.h"
 
@@ -79,22 +80,6 @@ std::string duration(double s) {
   if (!(s >= 0) || s > 1e7) return "?";
   const int64_t t = int64_t(s);
   return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t % 3600 / 60) : fmt::format("{}m{:02d}s", t / 60, t % 60);
-}
-
-// Model FLOPs per token of a batch: 6 x matmul weights (the LM head once) plus causal attention,
-// 6 L Hq D S averaged over the batch's documents (DESIGN.md, "Measuring").
-double flops_per_token(const ModelConfig& c, const data::Batch& b) {
-  const double n_matmul = double(c.parameter_count()) - double(c.vocab_size * c.hidden_size) * (c.tie_word_embeddings ? 0 : 1) -
-                          double(c.num_layers * (2 * c.hidden_size + 2 * c.head_dim) + c.hidden_size);
-  double sq = 0;
-  for (size_t i = 0; i + 1 < b.cu_seqlens.size(); ++i) sq += double(b.cu_seqlens[i + 1] - b.cu_seqlens[i]) * (b.cu_seqlens[i + 1] - b.cu_seqlens[i]);
-  return 6.0 * n_matmul + 6.0 * double(c.num_layers * c.num_heads * c.head_dim) * sq / std::max<double>(1, double(b.tokens()));
-}
-
-double peak_flops(const std::string& device_name) {
-  // bf16 dense peak of the card (H100/H200 SXM: 989 TFLOP/s); 0 = unknown, no MFU printed.
-  if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 989e12;
-  return 0;
 }
 
 std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& files, const data::RowEncoder& enc,
@@ -498,7 +483,7 @@ TrainSummary run_training(const TrainConfig& c) {
           segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum),
                               mix_seed(j->cfg->seed, uint64_t(j->step + 1), uint64_t(micro))});
           j->tokens += b.tokens();
-          j->flops += flops_per_token(mc, b) * double(b.tokens());
+          j->flops += flops_per_token(mc, b.cu_seqlens) * double(b.tokens());
           in_batch.push_back(j);
         });
       }

@@ -24,7 +24,12 @@ void print_device(Runtime& rt, Device device) {
       OpCall call{it->op, {}, {}, it->attrs};
       for (size_t i = 0; i < it->inputs.size(); ++i) {
         const bool index = i < it->index_values.size() && !it->index_values[i].empty();
-        call.inputs.push_back(Tensor::empty(it->inputs[i], index ? DType::I32 : dtype, ctx.allocator));
+        if (index) {  // the case's own values: predicates may read them (cu_seqlens for cuDNN attention)
+          const std::vector<int32_t> v(it->index_values[i].begin(), it->index_values[i].end());
+          call.inputs.push_back(rt.from_host(v.data(), it->inputs[i], DType::I32, device));
+        } else {
+          call.inputs.push_back(Tensor::empty(it->inputs[i], dtype, ctx.allocator));
+        }
       }
       for (const TensorSpec& spec : infer_outputs(it->op, call.inputs, call.attrs))
         call.outputs.push_back(Tensor::empty(spec.shape, spec.dtype, ctx.allocator));

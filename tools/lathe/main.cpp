@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   lathe::cli::add_tokenize_command(app, exit_code);
   lathe::cli::add_prepare_command(app, exit_code);
   lathe::cli::add_export_command(app, exit_code);
+  lathe::cli::add_bench_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -66,6 +66,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_model_kernels(registry);
   register_cpu_optim_kernels(registry);
   register_cpu_segment_kernels(registry);
+  register_cpu_gated_delta_kernels(registry);
 }
 
 }  // namespace lathe

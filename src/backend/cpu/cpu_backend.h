@@ -31,5 +31,6 @@ void register_cpu_reduce_kernels(KernelRegistry& registry);
 void register_cpu_model_kernels(KernelRegistry& registry);
 void register_cpu_optim_kernels(KernelRegistry& registry);
 void register_cpu_segment_kernels(KernelRegistry& registry);  // segment_ops.cpp
+void register_cpu_gated_delta_kernels(KernelRegistry& registry);  // gated_delta.cpp
 
 }  // namespace lathe

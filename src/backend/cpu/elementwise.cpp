@@ -1,5 +1,5 @@
 // CPU elementwise kernels: add and mul with numpy broadcasting, scale, cast between any dtypes (also the
-// strided-to-contiguous copy), SiLU and its backward. Inputs may be strided; outputs are contiguous.
+// strided-to-contiguous copy), SiLU and sigmoid and their backward ops. Inputs may be strided; outputs are contiguous.
 #include <cmath>
 #include <cstring>
 
@@ -70,6 +70,13 @@ void register_float_kernels(KernelRegistry& r) {
                       const T s = sigmoid(x);
                       return dy * s * (T(1) + x * (T(1) - s));
                     });
+                  }});
+  r.add(KernelDef{OpId::sigmoid, DeviceType::CPU, dt, "cpu/sigmoid", outputs_contiguous,
+                  [](const OpCall& c, ExecContext&) { unary_map<T>(c, [](T x) { return sigmoid(x); }); }});
+  // d/dx s(x) = s (1 - s), from the output y = s(x)
+  r.add(KernelDef{OpId::sigmoid_backward, DeviceType::CPU, dt, "cpu/sigmoid_backward", outputs_contiguous,
+                  [](const OpCall& c, ExecContext&) {
+                    binary_map<T>(c, [](T y, T dy) { return dy * y * (T(1) - y); });
                   }});
 }
 

@@ -1,6 +1,9 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include "backend/cuda/check.h"
+#ifdef LATHE_WITH_CUDNN
+#include "backend/cuda/cudnn_attention.h"
+#endif
 #include "backend/cuda/device_guard.h"
 #include "backend/cuda/gemm.h"
 #include "backend/registry.h"
@@ -89,6 +92,21 @@ CudaStream& as_cuda(Stream& stream) {
   return *s;
 }
 
+namespace {
+
+// For `lathe kernels`: the cuDNN in use, or why its kernels are not in this build.
+std::string cudnn_summary() {
+#if defined(LATHE_WITH_CUDNN)
+  return cudnn_runtime_summary();
+#elif defined(LATHE_CUDNN_MISSING)
+  return std::string("cuDNN kernels not built: ") + LATHE_CUDNN_MISSING;  // cmake/cudnn.cmake's reason
+#else
+  return "cuDNN kernels not built";
+#endif
+}
+
+}  // namespace
+
 CudaBackend::CudaBackend() {
   const cudaError_t err = cudaGetDeviceCount(&device_count_);
   if (err != cudaSuccess) {
@@ -117,9 +135,9 @@ DeviceInfo CudaBackend::info(int index) const {
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
   return {p.name, int64_t(p.totalGlobalMem),
-          fmt::format("sm_{}{}, {} SMs, driver API {}.{}, runtime {}.{}, cuBLASLt {}", p.major, p.minor,
+          fmt::format("sm_{}{}, {} SMs, driver API {}.{}, runtime {}.{}, cuBLASLt {}, {}", p.major, p.minor,
                       p.multiProcessorCount, driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10,
-                      cublasLtGetVersion())};
+                      cublasLtGetVersion(), cudnn_summary())};
 }
 
 Allocator& CudaBackend::allocator(int index) {

@@ -104,7 +104,20 @@ __global__ void rmsnorm_backward_kernel(int64_t rows, int64_t h, float eps, floa
   }
 }
 
-// dw_j = sum of the partial rows in block order (deterministic).
+// dw_j = sum of the partial rows in a fixed order (deterministic), in two passes so that many threads share the
+// work: pass 1 sums groups of kNormGroup partial rows (grid.y = group), pass 2 sums the group sums into dw.
+constexpr int64_t kNormGroup = 64;
+
+__global__ void column_group_sum_kernel(int64_t n_partial, int64_t h, const float* partial, float* sums) {
+  const int64_t g = blockIdx.y;
+  const int64_t end = min(n_partial, (g + 1) * kNormGroup);
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < h; j += int64_t(gridDim.x) * blockDim.x) {
+    float acc = 0;
+    for (int64_t b = g * kNormGroup; b < end; ++b) acc += partial[b * h + j];
+    sums[g * h + j] = acc;
+  }
+}
+
 template <typename T> __global__ void column_sum_kernel(int64_t n_partial, int64_t h, const float* partial, T* dw) {
   for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < h; j += int64_t(gridDim.x) * blockDim.x) {
     float acc = 0;
@@ -113,28 +126,37 @@ template <typename T> __global__ void column_sum_kernel(int64_t n_partial, int64
   }
 }
 
-constexpr int64_t kNormPartials = 256;  // blocks of the rmsnorm backward = rows of partial dw
+// Blocks of the rmsnorm backward = rows of partial dw: enough blocks to fill the GPU even with 32-thread blocks
+// (q/k norms over head_dim 128); each walks rows / kNormPartials rows.
+constexpr int64_t kNormPartials = 2048;
 
 int norm_threads(int64_t h) { return h >= 1024 ? 256 : (h >= 256 ? 128 : 32); }
 
 // ---------------------------------------------------------------- rope
 
-// One thread per output element; the pair (i, i + half) is read by both of its threads.
+// One thread per (token, pair i): the angle's cos and sin are computed once (precise cosf/sinf, as the CPU recipe)
+// and applied to the pair (i, i + half) of every head; dims beyond the rotary part are copied by the same threads.
 template <typename T>
-__global__ void rope_kernel(int64_t n, int64_t heads, int64_t d, int64_t half, bool inverse,
+__global__ void rope_kernel(int64_t tokens, int64_t heads, int64_t d, int64_t half, bool inverse,
                             const __grid_constant__ RopeFrequencies freqs, const T* x, const int32_t* pos, T* y) {
+  const int64_t lanes = d - half;  // lanes [0, half) rotate a pair; lanes [half, d - half) copy one pass-through dim
+  const int64_t n = tokens * lanes;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = idx % d, row = idx / d;
-    if (e >= 2 * half) {
-      store(y, idx, load(x, idx));
+    const int64_t t = idx / lanes, i = idx % lanes;
+    const T* xt = x + t * heads * d;
+    T* yt = y + t * heads * d;
+    if (i >= half) {  // pass-through dims 2 half .. d
+      const int64_t e = i + half;
+      for (int64_t h = 0; h < heads; ++h) store(yt, h * d + e, load(xt, h * d + e));
       continue;
     }
-    const int64_t i = e < half ? e : e - half;
-    // As the CPU recipe: float32 angle, precise cosf/sinf (not the __cosf intrinsics).
-    const float angle = float(pos[row / heads]) * freqs.inv_freq[i];
+    const float angle = float(pos[t]) * freqs.inv_freq[i];
     const float cs = cosf(angle), sn = inverse ? -sinf(angle) : sinf(angle);
-    const float x1 = load(x, row * d + i), x2 = load(x, row * d + i + half);
-    store(y, idx, e < half ? x1 * cs - x2 * sn : x2 * cs + x1 * sn);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float x1 = load(xt, h * d + i), x2 = load(xt, h * d + i + half);
+      store(yt, h * d + i, x1 * cs - x2 * sn);
+      store(yt, h * d + i + half, x2 * cs + x1 * sn);
+    }
   }
 }
 
@@ -454,7 +476,8 @@ void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double off
 }
 
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
-  return (rows < kNormPartials ? rows : kNormPartials) * h;
+  const int64_t n_partial = rows < kNormPartials ? rows : kNormPartials;
+  return (n_partial + (n_partial + kNormGroup - 1) / kNormGroup) * h;  // partial rows, then the group sums
 }
 
 void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
@@ -471,7 +494,12 @@ void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, d
         rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
         static_cast<const T*>(dy), static_cast<T*>(dx), scratch);
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
-    column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(n_partial, h, scratch, static_cast<T*>(dw));
+    const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
+    float* sums = scratch + n_partial * h;
+    column_group_sum_kernel<<<dim3(unsigned(grid_for(h, kThreads)), unsigned(groups)), kThreads, 0, stream>>>(
+        n_partial, h, scratch, sums);
+    LATHE_CUDA_LAUNCH_CHECK("column_group_sum_kernel");
+    column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(groups, h, sums, static_cast<T*>(dw));
     LATHE_CUDA_LAUNCH_CHECK("column_sum_kernel");
   });
 }
@@ -483,8 +511,9 @@ void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t 
   if (half > kMaxRopeHalf) throw_cuda_error("rope (rotary dim above 512)", cudaErrorInvalidValue, __FILE__, __LINE__);
   dispatch(dtype, "rope dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    rope_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, heads, d, half, inverse, freqs,
-                                                                   static_cast<const T*>(x), positions, static_cast<T*>(y));
+    const int64_t threads = tokens * (d - half);
+    rope_kernel<T><<<grid_for(threads, kThreads), kThreads, 0, stream>>>(tokens, heads, d, half, inverse, freqs,
+                                                                         static_cast<const T*>(x), positions, static_cast<T*>(y));
   });
   LATHE_CUDA_LAUNCH_CHECK("rope_kernel");
 }

@@ -1,4 +1,5 @@
-// Registration of the CUDA transformer-layer kernels (model_ops.cu, flash_attention.cu): tensor checks, scratch
+// Registration of the CUDA transformer-layer kernels (model_ops.cu, flash_attention.cu; cudnn_attention.cpp registers
+// its own, ahead of the tiled attention kernels, when cuDNN is in the build): tensor checks, scratch
 // buffers from the context's allocator, launch on the context's stream. Convention: scratch tensors are released
 // when the run function returns, before the kernels finish; the caching allocator reuses blocks in the default
 // stream's order, so this is safe on the default stream (the documented limitation of side streams applies).
@@ -8,6 +9,9 @@
 
 #include "backend/cpu/rope_angles.h"
 #include "backend/cuda/cuda_backend.h"
+#ifdef LATHE_WITH_CUDNN
+#include "backend/cuda/cudnn_attention.h"
+#endif
 #include "backend/cuda/flash_attention.h"
 #include "backend/cuda/model_launchers.h"
 #include "backend/registry.h"
@@ -191,6 +195,9 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::swiglu, "cuda/swiglu", contiguous_supports, run_swiglu);
     add(OpId::swiglu_backward, "cuda/swiglu_backward", contiguous_supports, run_swiglu_backward);
     if (dt != DType::F32) {  // registered first: preferred wherever its predicate holds
+#ifdef LATHE_WITH_CUDNN
+      register_cudnn_attention_kernels(r, dt);  // cuDNN's fused attention first; the tiled kernels are its fallback
+#endif
       add(OpId::attention, "cuda/flash_attention", flash_attention_supports, run_flash_attention);
       add(OpId::attention_backward, "cuda/flash_attention_backward", flash_attention_supports,
           run_flash_attention_backward);

@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Training throughput, Hugging Face transformers against `lathe bench`, same shapes, batch and card (issue 7).
+
+For each row, the transformers baseline runs in a subprocess of its own (random init from a Qwen3Config,
+attn_implementation="sdpa", torch.optim.AdamW(fused=True), synthetic random batch, steps timed between
+torch.cuda.synchronize() calls, peak = torch.cuda.max_memory_allocated()), then `lathe bench` with the same shape,
+sequence length and micro-batch, also in a subprocess, so no memory carries over from one measurement to the next.
+Prints a table (tokens/s, MFU, peak memory of each and the ratio) and writes the results as JSON.
+
+Rows (the issue's recipe, seq 4096):
+  0.6b  fp32 parameters (the masters) + bf16 autocast, micro-batch 4
+  1.7b  fp32 parameters + bf16 autocast, micro-batch 2
+  4b    bf16 parameters, no autocast, micro-batch 1
+  lora  (--lora) rank 16, alpha 32, all linear modules (peft), 0.6b shape, bf16 base + bf16 autocast, seq 2048,
+        micro-batch 8
+A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
+Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row.
+MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
+attention 6 L Hq D S; LoRA: 4 N_matmul + 6 N_adapter + attention; against 989 TFLOP/s (H100/H200 bf16 dense).
+
+Usage (GPU machine): python3 bench/hf_side_by_side.py --lathe-bin build/lathe [--shapes 0.6b,1.7b,4b] [--lora]
+                     [--steps 5] [--warmup 2] [--out side_by_side.json]
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = {  # layers, hidden, FFN, query heads (8 KV heads of 128, tied 151936 vocab for all)
+    "0.6b": (28, 1024, 3072, 16),
+    "1.7b": (28, 2048, 6144, 16),
+    "4b": (36, 2560, 9728, 32),
+}
+VOCAB, KV_HEADS, HEAD_DIM = 151936, 8, 128
+ROWS = {
+    "0.6b": dict(shape="0.6b", seq=4096, micro_batch=4, params="fp32", autocast=True, lora_rank=0),
+    "1.7b": dict(shape="1.7b", seq=4096, micro_batch=2, params="fp32", autocast=True, lora_rank=0),
+    "4b": dict(shape="4b", seq=4096, micro_batch=1, params="bf16", autocast=False, lora_rank=0),
+    "lora": dict(shape="0.6b", seq=2048, micro_batch=8, params="bf16", autocast=True, lora_rank=16),
+}
+PEAK = 989e12
+
+
+def matmul_params(shape):
+    layers, h, ffn, heads = SHAPES[shape]
+    per_layer = h * HEAD_DIM * (heads + 2 * KV_HEADS) + heads * HEAD_DIM * h + 3 * h * ffn
+    return layers * per_layer + VOCAB * h  # the tied embedding once, as the LM head
+
+
+def flops_per_token(shape, seq, adapter_params=0, lora=False):
+    layers, _, _, heads = SHAPES[shape]
+    attention = 6.0 * layers * heads * HEAD_DIM * seq  # one document of seq tokens: sum S^2 / S = S
+    n = matmul_params(shape)
+    return (4.0 * n + 6.0 * adapter_params if lora else 6.0 * n) + attention
+
+
+def hf_worker(row, steps, warmup):
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    layers, h, ffn, heads = SHAPES[row["shape"]]
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                      tie_word_embeddings=True, max_position_embeddings=40960, use_cache=False)
+    dtype = torch.float32 if row["params"] == "fp32" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype)
+        except TypeError:  # transformers 4.x spells it torch_dtype
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
+    model = model.to(device="cuda", dtype=dtype)
+    model.train()
+    torch.cuda.reset_peak_memory_stats()  # the peak of training, the model included; not of its construction
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    adapter_params = 0
+    if row["lora_rank"]:
+        import peft
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=row["lora_rank"], lora_alpha=2 * row["lora_rank"], lora_dropout=0.0,
+                                                 target_modules="all-linear", task_type="CAUSAL_LM"))
+        adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        versions["peft"] = peft.__version__
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
+    ids = torch.randint(0, VOCAB, (row["micro_batch"], row["seq"]), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=row["autocast"]):
+            loss = model(input_ids=ids, labels=ids).loss  # labels shifted inside: next-token loss per row
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.item()
+
+    times, losses = [], []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        losses.append(step())
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    step_s = sum(times) / len(times)
+    tokens = row["micro_batch"] * row["seq"]
+    fpt = flops_per_token(row["shape"], row["seq"], adapter_params, bool(row["lora_rank"]))
+    card = torch.cuda.get_device_name()
+    peak = PEAK if ("H100" in card or "H200" in card) else 0
+    attn = getattr(model.config, "_attn_implementation", None) or getattr(model.config, "attn_implementation", None)
+    return {"tokens_per_s": tokens / step_s, "step_ms": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
+            "mfu": fpt * tokens / step_s / peak if peak else None, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+            "flops_per_token": fpt, "card": card, "attn_implementation": attn, "params_dtype": str(dtype),
+            "autocast_bf16": row["autocast"], "adapter_params": adapter_params, "loss_first": losses[0],
+            "loss_last": losses[-1], **versions}
+
+
+def json_line(text):
+    lines = [l for l in text.splitlines() if l.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def run_hf(name, row, args):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps", str(args.steps), "--warmup",
+           str(args.warmup)]
+    return run_json(cmd, args.timeout)
+
+
+def run_lathe(row, args):
+    cmd = [args.lathe_bin, "bench", "--device", "cuda", "--shape", row["shape"], "--seq", str(row["seq"]),
+           "--micro-batch", str(row["micro_batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if row["lora_rank"]:
+        cmd += ["--lora-rank", str(row["lora_rank"])]
+    out = run_json(cmd, args.timeout)
+    if "error" in out and "out of memory" in out["error"].lower():  # fp32 masters + moments: retry recomputing
+        print(f"  lathe: {out['error']}; again with --recompute", flush=True)
+        out = run_json(cmd + ["--recompute"], args.timeout)
+    return out
+
+
+def run_json(cmd, timeout):
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "command": " ".join(cmd)}
+    out = json_line(p.stdout)
+    if p.returncode != 0 or out is None:
+        tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
+        return {"error": f"exit {p.returncode}: " + " | ".join(tail), "command": " ".join(cmd)}
+    for line in p.stdout.splitlines():
+        if line.startswith("bench:"):
+            print("  " + line, flush=True)
+    out["command"] = " ".join(cmd)
+    out["wall_s"] = time.time() - t0
+    return out
+
+
+def fmt(x, spec):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lathe-bin", default="build/lathe")
+    ap.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated rows among 0.6b, 1.7b, 4b")
+    ap.add_argument("--lora", action="store_true", help="add the LoRA row (rank 16, 0.6b shape, seq 2048)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
+    ap.add_argument("--out", default="side_by_side.json")
+    ap.add_argument("--only", choices=["hf", "lathe"], help="run one side only")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup)), flush=True)
+        return 0
+    names = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
+    if args.lora:
+        names.insert(min(2, len(names)), "lora")  # before 4b: the largest row runs last
+    results = []
+    for name in names:
+        row = ROWS[name]
+        print(f"{name}: seq {row['seq']} x micro-batch {row['micro_batch']}", flush=True)
+        hf = run_hf(name, row, args) if args.only != "lathe" else {}
+        if "error" in hf:
+            print(f"  HF: {hf['error']}", flush=True)
+        elif hf:
+            print(f"  HF: {hf['tokens_per_s']:.0f} tokens/s, {hf['step_ms']:.1f} ms/step, peak {hf['peak_mib']:.0f} MiB",
+                  flush=True)
+        lathe = run_lathe(row, args) if args.only != "hf" else {}
+        if "error" in lathe:
+            print(f"  lathe: {lathe['error']}", flush=True)
+        ratio = (lathe["tokens_per_s"] / hf["tokens_per_s"]
+                 if "tokens_per_s" in hf and "tokens_per_s" in lathe else None)
+        results.append({"row": name, **row, "hf": hf, "lathe": lathe, "ratio": ratio})
+    card = next((r[s]["card"] for r in results for s in ("hf", "lathe") if "card" in r[s]), "unknown")
+    print(f"\ncard: {card}; {datetime.date.today()}; steps {args.steps} after {args.warmup} warm-up, mean step time")
+    head = (f"{'row':<6} {'seq x mb':>10} {'HF tok/s':>10} {'lathe tok/s':>12} {'lathe/HF':>9} {'HF MFU':>7} "
+            f"{'lathe MFU':>10} {'HF peak GiB':>12} {'lathe peak GiB':>15}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        hf, la = r["hf"], r["lathe"]
+        pct = lambda x: f"{100 * x:.1f}%" if isinstance(x, float) else "-"
+        gib = lambda d: d.get("peak_mib", 0) / 1024 if "peak_mib" in d else None
+        print(f"{r['row']:<6} {str(r['seq']) + ' x ' + str(r['micro_batch']):>10} {fmt(hf.get('tokens_per_s'), '.0f'):>10} "
+              f"{fmt(la.get('tokens_per_s'), '.0f'):>12} {fmt(r['ratio'], '.3f'):>9} {pct(hf.get('mfu')):>7} "
+              f"{pct(la.get('mfu')):>10} {fmt(gib(hf), '.1f'):>12} {fmt(gib(la), '.1f'):>15}")
+    for r in results:
+        if r["lathe"].get("recompute"):
+            print(f"{r['row']}: lathe ran with --recompute (out of memory without it)")
+    with open(args.out, "w") as f:
+        json.dump({"date": str(datetime.date.today()), "card": card, "commit": os.environ.get("LATHE_COMMIT", ""),
+                   "steps": args.steps, "warmup": args.warmup, "peak_flops": PEAK, "rows": results}, f, indent=2)
+    print(f"results: {args.out}")
+    return 0 if all("error" not in r["hf"] and "error" not in r["lathe"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

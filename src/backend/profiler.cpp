@@ -1,0 +1,105 @@
+#include "backend/profiler.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "backend/registry.h"
+
+namespace lathe {
+
+namespace {
+
+constexpr int kComposite = -2;  // begin's token for a composite (not timed, no depth); -1: nested in a timed kernel
+
+// 2 M N K of a matmul call (its output is (..., M, N); K is A's contracted dimension).
+double matmul_flops(const OpCall& call, std::string* shape) {
+  const Tensor& a = call.inputs.at(0);
+  const Tensor& out = call.outputs.at(0);
+  const MatmulAttrs& at = call.attr<MatmulAttrs>();
+  const int64_t k = at.trans_a ? a.size(-2) : a.size(-1);
+  const int64_t n = out.size(-1);
+  const int64_t m = n > 0 ? out.numel() / n : 0;
+  *shape = fmt::format("{} x {} x {} {}{}", m, n, k, at.trans_a ? 't' : 'n', at.trans_b ? 't' : 'n');
+  return 2.0 * double(m) * double(n) * double(k);
+}
+
+std::vector<OpProfiler::Total> sorted(std::unordered_map<int, OpProfiler::Total>& by_key) {
+  std::vector<OpProfiler::Total> v;
+  for (auto& [key, t] : by_key) v.push_back(std::move(t));
+  std::sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.ms != y.ms ? x.ms > y.ms : x.name < y.name; });
+  return v;
+}
+
+}  // namespace
+
+OpProfiler::OpProfiler(DeviceBackend& backend, Device device) : backend_(backend), device_(device) {
+  LATHE_CHECK(backend.type() == device.type, "profiler: {} is not a device of this backend", device.str());
+}
+
+OpProfiler::~OpProfiler() = default;
+
+Event* OpProfiler::acquire_event() {
+  if (pool_used_ == pool_.size()) pool_.push_back(backend_.create_event(device_.index));
+  return pool_[pool_used_++].get();
+}
+
+int OpProfiler::intern(const std::string& name) {
+  const auto [it, added] = name_index_.try_emplace(name, int(names_.size()));
+  if (added) names_.push_back(name);
+  return it->second;
+}
+
+int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& stream) {
+  if (resolution.is_composite) {
+    ++composite_calls_[resolution.name];
+    return kComposite;
+  }
+  if (depth_++ > 0) return -1;
+  Record r{intern(resolution.name), -1, call.op, 0.0, acquire_event(), acquire_event()};
+  if (call.op == OpId::matmul) {
+    std::string shape;
+    r.flops = matmul_flops(call, &shape);
+    r.shape = intern(shape);
+  }
+  r.start->record(stream);
+  records_.push_back(r);
+  return int(records_.size()) - 1;
+}
+
+void OpProfiler::end(int token, Stream& stream) {
+  if (token == kComposite) return;
+  --depth_;
+  if (token >= 0) records_[size_t(token)].stop->record(stream);
+}
+
+OpProfiler::Profile OpProfiler::collect() {
+  Profile p;
+  std::unordered_map<int, Total> kernels, shapes;
+  for (const Record& r : records_) {
+    r.stop->synchronize();
+    const double ms = r.stop->elapsed_ms_since(*r.start);
+    for (auto [key, map] : {std::pair{r.kernel, &kernels}, std::pair{r.shape, &shapes}}) {
+      if (key < 0) continue;
+      Total& t = (*map)[key];
+      t.name = names_[size_t(key)];
+      t.op = r.op;
+      t.calls += 1;
+      t.ms += ms;
+      t.flops += r.flops;
+    }
+    p.kernels_ms += ms;
+    ++p.calls;
+  }
+  if (!records_.empty()) p.span_ms = records_.back().stop->elapsed_ms_since(*records_.front().start);
+  p.kernels = sorted(kernels);
+  p.matmul_shapes = sorted(shapes);
+  for (const auto& [name, calls] : composite_calls_) p.composites.push_back({name, calls});
+  std::sort(p.composites.begin(), p.composites.end());
+  records_.clear();
+  composite_calls_.clear();
+  pool_used_ = 0;
+  return p;
+}
+
+}  // namespace lathe

@@ -1,0 +1,47 @@
+// Op cases of the Gated DeltaNet ops: documents shorter than the conv width, of one token, longer than a chunk (the
+// chunked rule is run with small chunks so that every document spans several), GQA groups 1 and 2 (H_v > H_k),
+// d_k != d_v. Inputs of the delta rule are drawn where it is stable (|k|^2 beta <= ~1) and g < 0, as in the model.
+#include "testing/op_check.h"
+
+namespace lathe {
+
+namespace {
+const std::vector<DType> kRef = {DType::F64, DType::F32};
+}  // namespace
+
+void add_gated_delta_op_cases(std::vector<OpCase>& c) {
+  for (Shape s : {Shape{1}, Shape{4, 7}, Shape{3, 2, 129}}) {
+    c.push_back({OpId::sigmoid, "shape=" + shape_str(s), {s}, {}, kRef});
+    c.push_back({OpId::sigmoid_backward, "shape=" + shape_str(s), {s, s}, {}, kRef, false, false});
+  }
+  // causal_conv1d: documents of 2 (< W), 7, 1 and 3 tokens; W = 4 and W = 1; one document.
+  const std::vector<double> cu13 = {0, 2, 9, 10, 13}, cu1 = {0, 11};
+  c.push_back({OpId::causal_conv1d, "t=13,c=5,w=4,docs=2+7+1+3", {{13, 5}, {5, 4}, {5}}, {}, kRef, false, true,
+               {{}, {}, cu13}});
+  c.push_back({OpId::causal_conv1d, "t=11,c=3,w=2,one_doc", {{11, 3}, {3, 2}, {2}}, {}, kRef, false, true, {{}, {}, cu1}});
+  c.push_back({OpId::causal_conv1d, "t=13,c=6,w=1", {{13, 6}, {6, 1}, {5}}, {}, kRef, false, true, {{}, {}, cu13}});
+  c.push_back({OpId::causal_conv1d_backward, "t=13,c=5,w=4", {{13, 5}, {5, 4}, {13, 5}, {5}}, {}, kRef, false, false,
+               {{}, {}, {}, cu13}});
+  // gdn_decay: a + dt_bias spans both signs; A_log in [-2, 2].
+  c.push_back({OpId::gdn_decay, "t=9,h=3", {{9, 3}, {3}, {3}}, {}, kRef});
+  c.push_back({OpId::gdn_decay_backward, "t=9,h=3", {{9, 3}, {3}, {3}, {9, 3}}, {}, kRef, false, false});
+  // gated_delta_rule: q, k small (the op does not normalise them), g in [-1.5, 0), beta in (0, 1].
+  const std::vector<std::pair<double, double>> ranges = {{-0.35, 0.35}, {-0.35, 0.35}, {-2.0, 2.0}, {-1.5, -0.001},
+                                                         {0.001, 1.0}};
+  const auto add_gdr = [&](int64_t t, int64_t hk, int64_t hv, int64_t dk, int64_t dv, const std::vector<double>& cu,
+                           GatedDeltaAttrs a, const char* what) {
+    c.push_back({OpId::gated_delta_rule, fmt::format("t={},hk={},hv={},dk={},dv={},chunk={},{}", t, hk, hv, dk, dv, a.chunk, what),
+                 {{t, hk, dk}, {t, hk, dk}, {t, hv, dv}, {t, hv}, {t, hv}, {int64_t(cu.size())}}, a, kRef, false, true,
+                 {{}, {}, {}, {}, {}, cu}, ranges});
+  };
+  add_gdr(13, 1, 2, 8, 6, cu13, GatedDeltaAttrs{0.0, 4}, "docs=2+7+1+3");
+  add_gdr(11, 2, 2, 4, 4, cu1, GatedDeltaAttrs{0.3, 3}, "scale=0.3,one_doc");
+  add_gdr(70, 1, 3, 8, 8, {0, 1, 66, 70}, GatedDeltaAttrs{}, "chunk64,docs=1+65+4");
+  std::vector<std::pair<double, double>> bwd_ranges = ranges;
+  bwd_ranges.push_back({-2.0, 2.0});
+  c.push_back({OpId::gated_delta_rule_backward, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4",
+               {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5}}, GatedDeltaAttrs{0.0, 4}, kRef,
+               false, false, {{}, {}, {}, {}, {}, {}, cu13}, bwd_ranges});
+}
+
+}  // namespace lathe

@@ -1,0 +1,28 @@
+// Model FLOPs per token and the peak the MFU divides by (DESIGN.md, "Measuring"): shared by the trainer's progress
+// line and `lathe bench`, so both report the same MFU for the same run.
+// Convention: 6 x N_matmul per token (every weight used in a matmul; a tied embedding once, through the LM head) plus
+// causal attention, 6 L Hq D S averaged over the batch's documents (12 L Hq D S halved for the causal mask). LoRA over
+// a frozen base: the base costs 4 N (forward and input gradient; no weight gradient), the adapters 6 N_adapter.
+// Covered by tests/unit/test_profiler.cpp (Flops).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace lathe {
+
+// Weights used in matmuls: every parameter but the norm gains and an untied input embedding.
+double matmul_parameter_count(const ModelConfig& c);
+// Causal attention FLOPs per token (forward + backward) of a batch of documents cu_seqlens = [0, l1, l1 + l2, ...].
+double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
+// Full training: 6 N_matmul + attention.
+double flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
+// LoRA over a frozen base with `adapter_parameters` trainable adapter weights: 4 N_matmul + 6 N_adapter + attention.
+double lora_flops_per_token(const ModelConfig& c, double adapter_parameters, const std::vector<int32_t>& cu_seqlens);
+// bf16 dense peak of a card by its name (H100/H200 SXM: 989 TFLOP/s); 0 = unknown (no MFU is printed).
+double peak_flops(const std::string& device_name);
+
+}  // namespace lathe

@@ -1,0 +1,93 @@
+// `lathe bench` end to end on the CPU with a tiny config.json: the JSON line has the throughput fields, --profile
+// prints a per-kernel table whose totals are positive and together within the step's wall time, LoRA counts its
+// FLOPs as 4N + 6N_adapter + attention, and a bad shape fails with a message naming it.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "lathe_run.h"
+
+namespace fs = std::filesystem;
+using lathe_e2e::lathe;
+using lathe_e2e::LatheRun;
+
+namespace {
+
+fs::path tiny_config() {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_e2e_bench_{}", getpid());
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << nlohmann::json{{"model_type", "qwen3"},       {"vocab_size", 512},
+                                                       {"hidden_size", 32},           {"intermediate_size", 64},
+                                                       {"num_hidden_layers", 2},      {"num_attention_heads", 4},
+                                                       {"num_key_value_heads", 2},    {"head_dim", 8},
+                                                       {"rms_norm_eps", 1e-6},        {"rope_theta", 10000.0},
+                                                       {"tie_word_embeddings", true}, {"max_position_embeddings", 256}}
+                                            .dump();
+  return dir / "config.json";
+}
+
+// The JSON line of a bench run (the last line that starts with '{').
+nlohmann::json result_line(const std::string& out) {
+  std::istringstream in(out);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (!line.empty() && line[0] == '{') last = line;
+  EXPECT_FALSE(last.empty()) << out;
+  return last.empty() ? nlohmann::json::object() : nlohmann::json::parse(last);
+}
+
+}  // namespace
+
+TEST(Bench, ProfileOfOneStepIsPositiveAndWithinTheStep) {
+  const fs::path cfg = tiny_config();
+  const LatheRun r = lathe(fmt::format("bench --device cpu --shape {} --seq 32 --micro-batch 2 --steps 2 --warmup 0 --profile",
+                                       cfg.string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("profile of one step"), std::string::npos) << r.output;
+  const nlohmann::json j = result_line(r.output);
+  EXPECT_EQ(j["tokens_per_step"], 64);
+  EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["step_ms"].get<double>(), 0.0);
+  EXPECT_TRUE(j["mfu"].is_null()) << "no peak is known for a CPU";
+  EXPECT_TRUE(std::isfinite(j["loss_first"].get<double>()));
+  ASSERT_TRUE(j.contains("profile")) << r.output;
+  const nlohmann::json& p = j["profile"];
+  const double step_ms = p["step_ms"].get<double>();
+  double sum = 0;
+  bool matmul = false, attention = false, adamw = false;
+  for (const auto& k : p["kernels"]) {
+    EXPECT_GT(k["ms"].get<double>(), 0.0) << k.dump();
+    EXPECT_GT(k["calls"].get<int64_t>(), 0) << k.dump();
+    EXPECT_NE(r.output.find(k["kernel"].get<std::string>()), std::string::npos) << "not in the printed table: " << k.dump();
+    sum += k["ms"].get<double>();
+    matmul |= k["op"] == "matmul";
+    attention |= k["op"] == "attention_backward";
+    adamw |= k["op"] == "adamw";
+  }
+  EXPECT_TRUE(matmul && attention && adamw) << p.dump();
+  EXPECT_NEAR(sum, p["kernels_ms"].get<double>(), 1e-6 * step_ms + 1e-9);
+  EXPECT_GT(sum, 0.0);
+  EXPECT_LE(sum, 1.02 * step_ms + 0.05) << "the kernels of one step take longer than the step";
+}
+
+TEST(Bench, LoraCountsTheFrozenBaseAtFourN) {
+  const LatheRun r = lathe(fmt::format("bench --device cpu --shape {} --seq 16 --micro-batch 2 --steps 1 --warmup 1 --lora-rank 4",
+                                       tiny_config().string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = result_line(r.output);
+  EXPECT_EQ(j["lora_rank"], 4);
+  EXPECT_NE(j["flop_model"].get<std::string>().find("4N"), std::string::npos) << j.dump();
+  EXPECT_NE(r.output.find("LoRA r4"), std::string::npos) << r.output;
+}
+
+TEST(Bench, UnknownShapeFailsWithItsName) {
+  const LatheRun r = lathe("bench --device cpu --shape 9b --steps 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--shape 9b"), std::string::npos) << r.output;
+}

@@ -1,0 +1,116 @@
+// The per-op profiler (backend/profiler.h) on the CPU: kernels are timed and counted by name, matmul FLOPs come from
+// the shapes, composites are counted but timed through their ops, an op nested in an exact kernel counts in that
+// kernel only, a kernel that throws leaves the profiler usable, and contexts without a profiler are not timed.
+// Also the FLOP model of train/flops.h against the Qwen3-0.6B figures of research/perf-anchors.md.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "backend/profiler.h"
+#include "backend/runtime.h"
+#include "ops/ops.h"
+#include "train/flops.h"
+
+using namespace lathe;
+
+namespace {
+
+Tensor filled(ExecContext& ctx, const Shape& shape, float v) {
+  Tensor t = Tensor::empty(shape, DType::F32, ctx.allocator);
+  std::fill(t.data<float>(), t.data<float>() + t.numel(), v);
+  return t;
+}
+
+const OpProfiler::Total* find(const std::vector<OpProfiler::Total>& v, const std::string& name) {
+  for (const auto& t : v)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+// A kernel for `mul` (f32) that runs another op inside it, and one for `scale` that throws.
+void plant(KernelRegistry& r) {
+  r.add(KernelDef{OpId::mul, DeviceType::CPU, DType::F32, "test/nests_add", [](const OpCall&) { return Support::yes(); },
+                  [](const OpCall& call, ExecContext& ctx) { add(ctx, call.inputs[0], call.inputs[1]); }});
+  r.add(KernelDef{OpId::scale, DeviceType::CPU, DType::F32, "test/throws", [](const OpCall&) { return Support::yes(); },
+                  [](const OpCall&, ExecContext&) { LATHE_FAIL("planted failure"); }});
+}
+
+}  // namespace
+
+TEST(Profiler, TimesKernelsByNameWithoutCountingTwice) {
+  Runtime rt(plant);
+  ExecContext before = rt.context(Device::cpu());
+  OpProfiler prof(rt.backend(DeviceType::CPU), Device::cpu());
+  rt.set_profiler(&prof);
+  ExecContext ctx = rt.context(Device::cpu());
+  ASSERT_EQ(ctx.profiler, &prof);
+  EXPECT_EQ(before.profiler, nullptr);
+
+  const Tensor a = filled(ctx, {64, 32}, 0.5f), b = filled(ctx, {48, 32}, 0.25f);
+  matmul(ctx, a, b, MatmulAttrs{false, true});
+  matmul(ctx, a, b, MatmulAttrs{false, true});
+  mul(ctx, a, a);                                      // test/nests_add: the add inside is not timed apart
+  EXPECT_THROW(scale(ctx, a, 2.0), Error);             // the throwing kernel's interval is closed
+  add(ctx, a, a);                                      // timed again: the nesting depth is back to 0
+  silu(ctx, cast(ctx, filled(ctx, {16}, 1.0f), DType::BF16));  // composite/upcast_f32 -> cast, silu, cast
+  matmul(before, a, b, MatmulAttrs{false, true});      // a context without the profiler: not timed
+
+  const OpProfiler::Profile p = prof.collect();
+  const OpProfiler::Total* mm = nullptr;
+  for (const auto& t : p.kernels)
+    if (t.op == OpId::matmul) mm = &t;
+  ASSERT_NE(mm, nullptr);
+  EXPECT_EQ(mm->calls, 2);
+  EXPECT_DOUBLE_EQ(mm->flops, 2 * 2.0 * 64 * 48 * 32);
+  ASSERT_EQ(p.matmul_shapes.size(), 1u);
+  EXPECT_EQ(p.matmul_shapes[0].name, "64 x 48 x 32 nt");
+  ASSERT_NE(find(p.kernels, "test/nests_add"), nullptr);
+  EXPECT_EQ(find(p.kernels, "test/nests_add")->calls, 1);
+  ASSERT_NE(find(p.kernels, "test/throws"), nullptr);
+  const OpProfiler::Total* add_k = nullptr;
+  for (const auto& t : p.kernels)
+    if (t.op == OpId::add) add_k = &t;
+  ASSERT_NE(add_k, nullptr);
+  EXPECT_EQ(add_k->calls, 1) << "the add nested in test/nests_add was counted on its own";
+  EXPECT_TRUE(std::any_of(p.composites.begin(), p.composites.end(),
+                          [](const auto& c) { return c.first == "composite/upcast_f32" && c.second == 1; }));
+  ASSERT_NE(find(p.kernels, "cpu/silu"), nullptr) << "the composite's inner ops are timed";
+  double sum = 0;
+  int64_t calls = 0;
+  for (const auto& t : p.kernels) {
+    EXPECT_GE(t.ms, 0.0) << t.name;
+    sum += t.ms;
+    calls += t.calls;
+  }
+  EXPECT_NEAR(sum, p.kernels_ms, 1e-9);
+  EXPECT_EQ(calls, p.calls);
+  EXPECT_LE(p.kernels_ms, p.span_ms + 1e-6);
+
+  // collect() forgets what it returned.
+  EXPECT_EQ(prof.collect().calls, 0);
+  rt.set_profiler(nullptr);
+  EXPECT_EQ(rt.context(Device::cpu()).profiler, nullptr);
+}
+
+TEST(Flops, Qwen3SmallShapeMatchesThePerfAnchors) {
+  ModelConfig c;
+  c.vocab_size = 151936;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3072;
+  c.num_layers = 28;
+  c.num_heads = 16;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.tie_word_embeddings = true;
+  // Per layer: q 1024x2048, k and v 1024x1024, o 2048x1024, MLP 3 x 1024x3072; plus the tied head.
+  const double n = 28.0 * (2048 * 1024 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072) + 151936.0 * 1024;
+  EXPECT_DOUBLE_EQ(matmul_parameter_count(c), n);
+  const std::vector<int32_t> one_doc = {0, 4096}, two_docs = {0, 2048, 4096};
+  const double attn = 6.0 * 28 * 16 * 128 * 4096;
+  EXPECT_DOUBLE_EQ(flops_per_token(c, one_doc), 6 * n + attn);
+  EXPECT_NEAR(flops_per_token(c, one_doc) / 1e9, 4.99, 0.01);  // research/perf-anchors.md sec. 2
+  EXPECT_DOUBLE_EQ(attention_flops_per_token(c, two_docs), attn / 2);
+  EXPECT_DOUBLE_EQ(lora_flops_per_token(c, 1e6, one_doc), 4 * n + 6e6 + attn);
+  EXPECT_EQ(peak_flops("NVIDIA H100 80GB HBM3"), 989e12);
+  EXPECT_EQ(peak_flops("cpu"), 0.0);
+}

@@ -1,0 +1,389 @@
+// `lathe bench --shape 0.6b|1.7b|4b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
+//  [--device cuda] [--lora-rank 16] [--recompute] [--profile]`: training throughput of a Qwen3 of a given shape
+// with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents of seq random tokens, next-token labels). Each
+// timed step is a whole training step — zero grads, loss forward + backward, global grad norm, AdamW (fp32 masters
+// for bf16 parameters, the trainer's defaults) — between two device synchronisations. Prints one human line and
+// one JSON line (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs
+// with an OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the
+// step that no kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
+// Covered by tests/e2e/test_bench.cpp.
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
+#include <random>
+
+#include "backend/profiler.h"
+#include "commands.h"
+#include "model/lora.h"
+#include "model/qwen3.h"
+#include "optim/adamw.h"
+#include "optim/clip.h"
+#include "train/flops.h"
+
+namespace lathe::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string shape, device = "cuda", dtype;
+  int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0;
+  uint64_t seed = 1;
+  bool recompute = false, profile = false;
+};
+
+// The Qwen3 dense shapes of the baseline (HF config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
+nlohmann::json shape_config(const std::string& shape) {
+  struct Dims {
+    int64_t layers, hidden, ffn, heads;
+  };
+  static const std::map<std::string, Dims> kShapes = {
+      {"0.6b", {28, 1024, 3072, 16}}, {"1.7b", {28, 2048, 6144, 16}}, {"4b", {36, 2560, 9728, 32}}};
+  std::string key = shape;
+  std::transform(key.begin(), key.end(), key.begin(), [](unsigned char c) { return char(std::tolower(c)); });
+  if (const auto it = kShapes.find(key); it != kShapes.end()) {
+    const Dims& d = it->second;
+    return {{"model_type", "qwen3"},          {"vocab_size", 151936},          {"hidden_size", d.hidden},
+            {"intermediate_size", d.ffn},     {"num_hidden_layers", d.layers}, {"num_attention_heads", d.heads},
+            {"num_key_value_heads", 8},       {"head_dim", 128},               {"rms_norm_eps", 1e-6},
+            {"rope_theta", 1000000.0},        {"tie_word_embeddings", true},   {"max_position_embeddings", 40960}};
+  }
+  namespace fs = std::filesystem;
+  const fs::path path = fs::is_directory(shape) ? fs::path(shape) / "config.json" : fs::path(shape);
+  LATHE_CHECK(fs::is_regular_file(path), "bench: --shape {}: not one of 0.6b, 1.7b, 4b and no config.json there", shape);
+  std::ifstream f(path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    LATHE_FAIL("bench: {}: invalid JSON: {}", path.string(), e.what());
+  }
+  if (j.is_object() && !j.contains("model_type")) j["model_type"] = "qwen3";
+  return j;
+}
+
+double host_peak_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;
+}
+
+std::string human(double x) {
+  if (x >= 1e9) return fmt::format("{:.2f}G", x / 1e9);
+  if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);
+  if (x >= 1e3) return fmt::format("{:.1f}k", x / 1e3);
+  return fmt::format("{:.0f}", x);
+}
+
+// Benchmark weights. Qwen3Model::random draws one normal sample per weight on one thread (minutes at 4B), and
+// the values do not change the work, so the bench writes a temporary model folder instead: hashed uniform values of
+// the same std (0.02), unit norm gains, f32 (the loader's copy-only path), written in parallel (to /dev/shm when it
+// has room), then loaded by Qwen3Model::load and removed. Names and shapes are the Hugging Face checkpoint's; the loader refuses any mismatch.
+class BenchWeights {
+ public:
+  BenchWeights(const nlohmann::json& config, const ModelConfig& c, uint64_t seed) {
+    namespace fs = std::filesystem;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> specs = {{"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}}};
+    const int64_t q = c.num_heads * c.head_dim, kv = c.num_kv_heads * c.head_dim;
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const std::string p = fmt::format("model.layers.{}.", i);
+      for (auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+               {"input_layernorm.weight", {c.hidden_size}},          {"self_attn.q_proj.weight", {q, c.hidden_size}},
+               {"self_attn.k_proj.weight", {kv, c.hidden_size}},     {"self_attn.v_proj.weight", {kv, c.hidden_size}},
+               {"self_attn.o_proj.weight", {c.hidden_size, q}},      {"self_attn.q_norm.weight", {c.head_dim}},
+               {"self_attn.k_norm.weight", {c.head_dim}},            {"post_attention_layernorm.weight", {c.hidden_size}},
+               {"mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}},
+               {"mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}},
+               {"mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}}})
+        specs.push_back({p + name, shape});
+    }
+    specs.push_back({"model.norm.weight", {c.hidden_size}});
+    if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
+    uint64_t bytes = 0;
+    for (const auto& [name, shape] : specs) bytes += 4 * uint64_t(std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>()));
+    std::error_code ec;
+    const fs::space_info shm = fs::space("/dev/shm", ec);
+    const fs::path root = !ec && shm.available > bytes + bytes / 4 + (1ull << 30) ? fs::path("/dev/shm") : fs::temp_directory_path();
+    dir_ = root / fmt::format("lathe-bench-{}", getpid());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    std::ofstream(dir_ / "config.json") << config.dump(2);
+    // safetensors: 8-byte header length, JSON header, then the tensors' bytes in header order.
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    uint64_t offset = 0;
+    for (const auto& [name, shape] : specs) {
+      const uint64_t n = 4 * uint64_t(std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>()));
+      header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + n}}};
+      offset += n;
+    }
+    std::string h = header.dump();
+    h.resize((h.size() + 7) / 8 * 8, ' ');
+    std::ofstream f(dir_ / "model.safetensors", std::ios::binary);
+    const uint64_t hlen = h.size();
+    f.write(reinterpret_cast<const char*>(&hlen), 8);
+    f.write(h.data(), std::streamsize(h.size()));
+    const float bound = 0.02f * std::sqrt(3.0f);  // uniform(-b, b) has std 0.02
+    std::vector<float> buf;
+    for (size_t t = 0; t < specs.size(); ++t) {
+      const auto& shape = specs[t].second;
+      buf.resize(size_t(std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>())));
+      const bool gain = shape.size() == 1;
+      const int64_t n = int64_t(buf.size());
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        uint64_t z = seed * 0x9E3779B97F4A7C15ull + (uint64_t(t) << 40) + uint64_t(i);  // splitmix64
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        buf[size_t(i)] = gain ? 1.0f : (float(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * bound;
+      }
+      f.write(reinterpret_cast<const char*>(buf.data()), std::streamsize(buf.size() * 4));
+    }
+    f.close();
+    LATHE_CHECK(f.good(), "bench: cannot write the temporary weights under {} ({} bytes)", dir_.string(), bytes);
+  }
+  ~BenchWeights() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  BenchWeights(const BenchWeights&) = delete;
+  BenchWeights& operator=(const BenchWeights&) = delete;
+  std::string dir() const { return dir_.string(); }
+
+ private:
+  std::filesystem::path dir_;
+};
+
+const char* kind_of(OpId op) {
+  switch (op) {
+    case OpId::matmul: return "GEMM";
+    case OpId::attention:
+    case OpId::attention_backward: return "attention";
+    case OpId::cross_entropy: return "cross-entropy";
+    case OpId::adamw: return "AdamW";
+    default: return "elementwise/norm/other";
+  }
+}
+
+// The per-kernel table of one profiled step; returns its JSON form. `attention_flops` is the forward FLOPs of one
+// attention call (all documents of one layer); its backward is counted at 2.5x (docs/benchmarks.md).
+nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, double tokens, double flops_per_step,
+                             double attention_flops, double peak) {
+  const double gaps = step_ms - p.kernels_ms;
+  fmt::print("\nprofile of one step: wall {:.2f} ms; kernels {:.2f} ms ({:.1f}%) in {} calls, first start to last end "
+             "{:.2f} ms; not in any kernel {:.2f} ms ({:.1f}%: host work, copies, fills, waits)\n",
+             step_ms, p.kernels_ms, 100.0 * p.kernels_ms / step_ms, p.calls, p.span_ms, gaps, 100.0 * gaps / step_ms);
+  fmt::print("  {:<40} {:>7} {:>10} {:>7} {:>9}\n", "kernel", "calls", "total ms", "% step", "TFLOP/s");
+  nlohmann::json kernels = nlohmann::json::array();
+  std::map<std::string, double> by_kind;
+  double gemm_ms = 0, gemm_flops = 0;
+  for (const OpProfiler::Total& t : p.kernels) {
+    double flops = t.flops;
+    if (t.op == OpId::attention) flops = attention_flops * double(t.calls);
+    if (t.op == OpId::attention_backward) flops = 2.5 * attention_flops * double(t.calls);
+    const double tflops = flops > 0 && t.ms > 0 ? flops / (t.ms * 1e-3) / 1e12 : 0.0;
+    fmt::print("  {:<40} {:>7} {:>10.3f} {:>7.2f} {:>9}\n", t.name, t.calls, t.ms, 100.0 * t.ms / step_ms,
+               tflops >= 1 ? fmt::format("{:.1f}", tflops) : tflops > 0 ? fmt::format("{:.2g}", tflops) : "");
+    by_kind[kind_of(t.op)] += t.ms;
+    if (t.op == OpId::matmul) gemm_ms += t.ms, gemm_flops += t.flops;
+    nlohmann::json k = {{"kernel", t.name}, {"op", op_name(t.op)}, {"calls", t.calls}, {"ms", t.ms}};
+    if (tflops > 0) k["tflops"] = tflops;
+    kernels.push_back(k);
+  }
+  std::string kinds;
+  for (const auto& [kind, ms] : by_kind) kinds += fmt::format("{} {:.1f} ms ({:.1f}%), ", kind, ms, 100.0 * ms / step_ms);
+  fmt::print("  by kind: {}not in any kernel {:.1f} ms ({:.1f}%)\n", kinds, gaps, 100.0 * gaps / step_ms);
+  if (gemm_ms > 0) {
+    // Bounds if everything but the GEMMs (and the attention kernels) took no time; the MFU counts the model's FLOPs,
+    // attention included, so only the second bound has one.
+    const double attn_ms = by_kind.count("attention") ? by_kind["attention"] : 0.0;
+    fmt::print("  bounds: the GEMMs alone take {:.1f} ms at their measured {:.3g} TFLOP/s -> {} tokens/s; GEMMs + attention "
+               "kernels {:.1f} ms -> {} tokens/s{}\n",
+               gemm_ms, gemm_flops / (gemm_ms * 1e-3) / 1e12, human(tokens / (gemm_ms * 1e-3)), gemm_ms + attn_ms,
+               human(tokens / ((gemm_ms + attn_ms) * 1e-3)),
+               peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * flops_per_step / ((gemm_ms + attn_ms) * 1e-3) / peak) : "");
+    fmt::print("  matmul shapes (M x N x K, layout of A and B: n/t), largest first:\n");
+    for (size_t i = 0; i < std::min<size_t>(12, p.matmul_shapes.size()); ++i) {
+      const OpProfiler::Total& t = p.matmul_shapes[i];
+      const double tf = t.ms > 0 ? t.flops / (t.ms * 1e-3) / 1e12 : 0.0;
+      fmt::print("    {:<36} {:>7} {:>10.3f} {:>7.2f} {:>9}\n", t.name, t.calls, t.ms, 100.0 * t.ms / step_ms,
+                 tf >= 1 ? fmt::format("{:.1f}", tf) : fmt::format("{:.2g}", tf));
+    }
+  }
+  if (!p.composites.empty()) {
+    std::string c;
+    for (const auto& [name, calls] : p.composites) c += fmt::format("{}{} x{}", c.empty() ? "" : ", ", name, calls);
+    fmt::print("  composites run (their time is in the kernels they call): {}\n", c);
+  }
+  return {{"step_ms", step_ms}, {"kernels_ms", p.kernels_ms}, {"span_ms", p.span_ms}, {"gaps_ms", gaps}, {"calls", p.calls},
+          {"gemm_ms", gemm_ms}, {"by_kind", by_kind}, {"kernels", kernels}};
+}
+
+void run(const Args& a) {
+  LATHE_CHECK(a.seq >= 2 && a.micro_batch >= 1 && a.steps >= 1 && a.warmup >= 0 && a.lora_rank >= 0,
+              "bench: need --seq >= 2, --micro-batch >= 1, --steps >= 1, --warmup >= 0, --lora-rank >= 0");
+  LATHE_CHECK(a.seq * a.micro_batch < (int64_t(1) << 31), "bench: --seq x --micro-batch must stay below 2^31 tokens");
+  Runtime rt;
+  const Device device = parse_device(a.device);
+  rt.check_device(device);
+  const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
+  const ModelConfig mc = parse_model_config(shape_config(a.shape), "bench --shape " + a.shape);
+  const bool lora = a.lora_rank > 0;
+  ModelOptions mo;
+  mo.device = device;
+  mo.dtype = dtype;
+  mo.recompute = a.recompute;
+  mo.train_base = !lora;
+  const auto t_init = Clock::now();
+  std::optional<Qwen3Model> loaded;
+  double write_s = 0;
+  {
+    const BenchWeights weights(mc.raw, mc, a.seed);
+    write_s = std::chrono::duration<double>(Clock::now() - t_init).count();
+    loaded.emplace(Qwen3Model::load(rt, weights.dir(), mo));
+  }
+  Qwen3Model& model = *loaded;
+  const double init_s = std::chrono::duration<double>(Clock::now() - t_init).count();
+  std::unique_ptr<LoraBank> bank;
+  if (lora) {  // one adapter on every linear module, as bench/lora_tenants_bench.cpp
+    LoraConfig lc;
+    lc.rank = a.lora_rank;
+    lc.alpha = 2.0 * double(a.lora_rank);
+    lc.validate("bench", mc);
+    bank = std::make_unique<LoraBank>(rt, mc, device, dtype, std::vector<LoraConfig>{lc});
+    bank->init(0, a.seed);
+    model.attach_lora(bank.get());
+  }
+  std::vector<Parameter>& params = lora ? bank->flat_parameter(0) : model.parameters();
+  AdamW opt(rt, params, AdamWConfig{});
+
+  // micro-batch documents of seq random tokens each, next-token labels (the last position of each has none).
+  std::mt19937_64 rng(a.seed);
+  std::vector<int32_t> ids(size_t(a.micro_batch * a.seq)), cu = {0};
+  for (int32_t& x : ids) x = int32_t(rng() % uint64_t(mc.vocab_size));
+  for (int64_t s = 0; s < a.micro_batch; ++s) cu.push_back(int32_t((s + 1) * a.seq));
+  const double adapter_params = lora ? double(bank->parameter_count(0)) : 0.0;
+  const double fpt = lora ? lora_flops_per_token(mc, adapter_params, cu) : flops_per_token(mc, cu);
+  double attention_fwd = 0;  // forward FLOPs of one layer's attention over the batch: 2 S^2 Hq D per document
+  for (size_t i = 0; i + 1 < cu.size(); ++i) attention_fwd += 2.0 * double(cu[i + 1] - cu[i]) * double(cu[i + 1] - cu[i]);
+  attention_fwd *= double(mc.num_heads * mc.head_dim);
+  PackedBatch batch = make_packed_batch(rt, device, ids, cu, next_token_labels(ids, cu), mc.vocab_size);
+  if (lora) set_segments(batch, {{batch.tokens(), 0, 1.0, a.seed}});
+  const double tokens = double(batch.tokens());
+
+  std::vector<double> losses;
+  auto step = [&] {
+    if (lora) bank->zero_grads();
+    else model.zero_grads();
+    losses.push_back(model.loss(batch, true).loss);
+    ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
+    const double norm = global_grad_norm(ctx, params);
+    opt.step(1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
+  };
+  auto timed_step = [&] {
+    rt.synchronize(device);
+    const auto t0 = Clock::now();
+    step();
+    rt.synchronize(device);
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  for (int64_t i = 0; i < a.warmup; ++i) timed_step();
+  std::vector<double> times;
+  for (int64_t i = 0; i < a.steps; ++i) times.push_back(timed_step());
+  double total = 0;
+  for (double t : times) total += t;
+  const double step_s = total / double(times.size());
+  const double min_s = *std::min_element(times.begin(), times.end());
+  const double peak_mib = device.is_cuda() ? double(rt.backend(device.type).allocator(device.index).stats().peak_allocated) / 1048576.0
+                                           : host_peak_mib();
+  const std::string card = rt.backend(device.type).info(device.index).name;
+  const double peak = device.is_cuda() ? peak_flops(card) : 0.0;
+  const double tps = tokens / step_s;
+  const std::string flop_model = lora ? "4N (frozen base: forward + input gradient) + 6N_adapter + causal attention 6*L*Hq*D*S"
+                                      : "6N + causal attention 6*L*Hq*D*S";
+  const std::string what = lora ? fmt::format("LoRA r{} all-linear ({} trainable)", a.lora_rank, human(adapter_params))
+                                : "full fine-tuning";
+  fmt::print("bench: qwen3 {} ({} matmul weights), seq {} x micro-batch {} = {} tokens/step, {}, {}{} on {} ({}): "
+             "{:.1f} ms/step (min {:.1f}), {} tokens/s, {}peak {:.0f} MiB [{:.4g} GFLOP/token = {}]\n",
+             a.shape, human(matmul_parameter_count(mc)), a.seq, a.micro_batch, int64_t(tokens), what, dtype_name(dtype),
+             dtype == DType::F32 || dtype == DType::F64 ? "" : " with fp32 AdamW masters", device.str(), card,
+             1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
+             peak_mib, fpt / 1e9, flop_model);
+  nlohmann::json j = {{"shape", a.shape},
+                      {"seq", a.seq},
+                      {"micro_batch", a.micro_batch},
+                      {"tokens_per_step", int64_t(tokens)},
+                      {"tokens_per_s", tps},
+                      {"mfu", peak > 0 ? nlohmann::json(fpt * tps / peak) : nlohmann::json(nullptr)},
+                      {"peak_mib", peak_mib},
+                      {"step_ms", 1e3 * step_s},
+                      {"step_ms_min", 1e3 * min_s},
+                      {"steps", a.steps},
+                      {"warmup", a.warmup},
+                      {"card", card},
+                      {"device", device.str()},
+                      {"dtype", dtype_name(dtype)},
+                      {"lora_rank", a.lora_rank},
+                      {"recompute", a.recompute},
+                      {"flops_per_token", fpt},
+                      {"flop_model", flop_model},
+                      {"peak_flops", peak},
+                      {"init_s", init_s},
+                      {"init_write_s", write_s},
+                      {"loss_first", losses.front()},
+                      {"loss_last", losses.back()}};
+  if (a.profile) {
+    OpProfiler profiler(rt.backend(device.type), device);
+    rt.set_profiler(&profiler);
+    double wall_s = 0;
+    try {
+      wall_s = timed_step();
+    } catch (...) {
+      rt.set_profiler(nullptr);
+      throw;
+    }
+    rt.set_profiler(nullptr);
+    j["profile"] = print_profile(profiler.collect(), 1e3 * wall_s, tokens, fpt * tokens, attention_fwd, peak);
+  }
+  fmt::print("{}\n", j.dump());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("bench", "Training throughput of a random-init Qwen3 shape on a synthetic batch (tokens/s, "
+                                          "MFU, peak memory; --profile: time per kernel of one step)");
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes) or a config.json (or a folder holding one)")->required();
+  cmd->add_option("--seq", a->seq, "tokens per document")->capture_default_str();
+  cmd->add_option("--micro-batch", a->micro_batch, "documents per step")->capture_default_str();
+  cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str();
+  cmd->add_option("--warmup", a->warmup, "untimed steps first")->capture_default_str();
+  cmd->add_option("--device", a->device, "cpu or cuda[:N]")->capture_default_str();
+  cmd->add_option("--dtype", a->dtype, "parameter dtype (default bf16 on CUDA, f32 on the CPU)");
+  cmd->add_option("--lora-rank", a->lora_rank, "0: full fine-tuning; r: one rank-r LoRA adapter (alpha 2r) on every linear "
+                                               "module of a frozen base")->capture_default_str();
+  cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
+  cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
+  cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
+  cmd->callback([a, &exit_code] {
+    run(*a);
+    exit_code = 0;
+  });
+}
+
+}  // namespace lathe::cli
