@@ -96,7 +96,11 @@ TEST(Qwen35Parity, MatchesTransformersFixtures) {
       saw_multimodal |= m.config().multimodal_layout;
       const PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"),
                                               read_i32(ref, "cu_seqlens"), read_i32(ref, "labels"), m.config().vocab_size);
-      const double tol = dtype == DType::F64 ? 1e-6 : 1e-5;  // the goldens are f64 values stored as f32
+      // The goldens are f64 values stored as f32. f64 is the exactness check (1e-6). In f32, gradients of the
+      // per-head GDN scalars (A_log, dt_bias) and of norm gains sum thousands of terms: transformers' own float32 run
+      // is 1.2e-5 to 2.2e-5 (rel-L2) from the goldens (dev/ref/qwen3_5_fixtures.py's log), so f32 gradients get 5e-5.
+      const double tol = dtype == DType::F64 ? 1e-6 : 1e-5;
+      const double grad_tol = dtype == DType::F64 ? 1e-6 : 5e-5;
       EXPECT_LT(rel_l2(to_f64(m.logits(b)), ref.read_as_f32("logits")), tol);
       const LossResult r = m.loss(b, /*backward=*/true);
       const double want = ref.read_as_f32("loss")[0];
@@ -105,7 +109,7 @@ TEST(Qwen35Parity, MatchesTransformersFixtures) {
         ASSERT_TRUE(p.grad.defined()) << p.name;
         const std::string key = "grad." + p.name;
         ASSERT_NE(ref.find(key), nullptr) << "fixture has no " << key;
-        EXPECT_LT(rel_l2(to_f64(p.grad), ref.read_as_f32(key)), tol) << p.name;
+        EXPECT_LT(rel_l2(to_f64(p.grad), ref.read_as_f32(key)), grad_tol) << p.name;
       }
     }
     ++checked;
