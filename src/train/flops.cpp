@@ -1,5 +1,7 @@
 #include "train/flops.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 
 namespace lathe {
@@ -27,6 +29,13 @@ double lora_flops_per_token(const ModelConfig& c, double adapter_parameters, con
 double peak_flops(const std::string& device_name) {
   if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 989e12;
   return 0;
+}
+
+double peak_memory_mib(Runtime& rt, Device device) {
+  if (device.is_cuda()) return double(rt.backend(device.type).allocator(device.index).stats().peak_allocated) / 1048576.0;
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return double(u.ru_maxrss) / 1024.0;
 }
 
 }  // namespace lathe

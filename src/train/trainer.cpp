@@ -1,6 +1,5 @@
 #include "train/trainer.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -62,12 +61,6 @@ bool fault_injected(const char* point, int64_t step) {
   return f && std::string(f) == fmt::format("{}:{}", point, step);
 }
 
-// Peak of the process's resident memory (CPU runs) in MiB.
-double host_peak_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_maxrss) / 1024.0;
-}
 
 std::string human(double x) {
   if (x >= 1e9) return fmt::format("{:.1f}G", x / 1e9);
@@ -536,8 +529,7 @@ TrainSummary run_training(const TrainConfig& c) {
     int64_t run_tokens = 0;
     double run_flops = 0;
     for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
-    const double mem_mib = device.is_cuda() ? double(rt.backend(device.type).allocator(device.index).stats().peak_allocated) / 1048576.0
-                                            : host_peak_mib();
+    const double mem_mib = peak_memory_mib(rt, device);
     std::string tenant_losses;
     for (Job* j : active) {
       nlohmann::json& m = entries[size_t(j - jobs.data())];

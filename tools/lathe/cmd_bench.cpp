@@ -8,7 +8,6 @@
 // step that no kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
 // Covered by tests/e2e/test_bench.cpp.
 #include <fmt/format.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,11 +74,6 @@ nlohmann::json shape_config(const std::string& shape) {
   return j;
 }
 
-double host_peak_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return double(u.ru_maxrss) / 1024.0;
-}
 
 std::string human(double x) {
   if (x >= 1e9) return fmt::format("{:.2f}G", x / 1e9);
@@ -307,8 +301,7 @@ void run(const Args& a) {
   for (double t : times) total += t;
   const double step_s = total / double(times.size());
   const double min_s = *std::min_element(times.begin(), times.end());
-  const double peak_mib = device.is_cuda() ? double(rt.backend(device.type).allocator(device.index).stats().peak_allocated) / 1048576.0
-                                           : host_peak_mib();
+  const double peak_mib = peak_memory_mib(rt, device);
   const std::string card = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(card) : 0.0;
   const double tps = tokens / step_s;
