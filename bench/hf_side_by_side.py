@@ -13,10 +13,16 @@ Rows (the issue's recipe, seq 4096):
   4b    bf16 parameters, no autocast, micro-batch 1
   lora  (--lora) rank 16, alpha 32, all linear modules (peft), 0.6b shape, bf16 base + bf16 autocast, seq 2048,
         micro-batch 8
+  q35-0.8b  the Qwen3.5-0.8B shape of issue 8 (24 layers, 3 Gated DeltaNet + 1 gated attention repeated, hidden 1024,
+        8/2 attention heads of 256, 16/16 GDN heads of 128, FFN 3584, tied vocab 248320), bf16 parameters, seq 4096,
+        micro-batch 2. transformers runs its own GDN path: the flash-linear-attention kernels when that package is
+        installed, else its PyTorch fallback (torch_chunk_gated_delta_rule); the row records which ("gdn_path").
 A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
 Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row.
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
-attention 6 L Hq D S; LoRA: 4 N_matmul + 6 N_adapter + attention; against 989 TFLOP/s (H100/H200 bf16 dense).
+attention 6 L Hq D S; LoRA: 4 N_matmul + 6 N_adapter + attention; Qwen3.5: attention over its full-attention layers
+only, plus the chunked GDN core per GDN layer and value head (research/gated-deltanet.md sec. 3.6, chunk 64:
+22 dk dv + 24 C dk + 14 C dv + 4 C^2); against 989 TFLOP/s (H100/H200 bf16 dense).
 
 Usage (GPU machine): python3 bench/hf_side_by_side.py --lathe-bin build/lathe [--shapes 0.6b,1.7b,4b] [--lora]
                      [--steps 5] [--warmup 2] [--out side_by_side.json]
@@ -35,11 +41,15 @@ SHAPES = {  # layers, hidden, FFN, query heads (8 KV heads of 128, tied 151936 v
     "4b": (36, 2560, 9728, 32),
 }
 VOCAB, KV_HEADS, HEAD_DIM = 151936, 8, 128
+# Qwen3.5 shapes: layers, hidden, FFN, attention heads, KV heads, head dim, GDN key heads, value heads, GDN head dim,
+# vocab (tied; one full-attention layer every 4).
+Q35_SHAPES = {"q35-0.8b": (24, 1024, 3584, 8, 2, 256, 16, 16, 128, 248320)}
 ROWS = {
     "0.6b": dict(shape="0.6b", seq=4096, micro_batch=4, params="fp32", autocast=True, lora_rank=0),
     "1.7b": dict(shape="1.7b", seq=4096, micro_batch=2, params="fp32", autocast=True, lora_rank=0),
     "4b": dict(shape="4b", seq=4096, micro_batch=1, params="bf16", autocast=False, lora_rank=0),
     "lora": dict(shape="0.6b", seq=2048, micro_batch=8, params="bf16", autocast=True, lora_rank=16),
+    "q35-0.8b": dict(shape="q35-0.8b", seq=4096, micro_batch=2, params="bf16", autocast=False, lora_rank=0),
 }
 PEAK = 989e12
 
@@ -50,23 +60,69 @@ def matmul_params(shape):
     return layers * per_layer + VOCAB * h  # the tied embedding once, as the LM head
 
 
+def q35_flops_per_token(shape, seq):
+    layers, h, ffn, heads, kv, d, hk, hv, dg, vocab = Q35_SHAPES[shape]
+    full = layers // 4
+    gdn = layers - full
+    attn_w = h * d * (2 * heads + 2 * kv) + heads * d * h  # q_proj holds query and gate
+    gdn_w = h * (2 * hk * dg + 2 * hv * dg + 2 * hv) + hv * dg * h  # in_proj_qkv, _z, _b, _a; out_proj
+    n = full * attn_w + gdn * gdn_w + layers * 3 * h * ffn + vocab * h
+    c = 64
+    core = (6 * dg * dg + 6 * c * dg + 4 * c * dg) + (16 * dg * dg + 18 * c * dg + 10 * c * dg + 4 * c * c)
+    return 6.0 * n + 6.0 * full * heads * d * seq + gdn * hv * core
+
+
+def q35_config(shape):
+    from transformers import Qwen3_5TextConfig
+    layers, h, ffn, heads, kv, d, hk, hv, dg, vocab = Q35_SHAPES[shape]
+    return Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=d, linear_num_key_heads=hk, linear_num_value_heads=hv,
+        linear_key_head_dim=dg, linear_value_head_dim=dg, linear_conv_kernel_dim=4, hidden_act="silu",
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=True, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, use_cache=False)
+
+
 def flops_per_token(shape, seq, adapter_params=0, lora=False):
+    if shape in Q35_SHAPES:
+        return q35_flops_per_token(shape, seq)
     layers, _, _, heads = SHAPES[shape]
     attention = 6.0 * layers * heads * HEAD_DIM * seq  # one document of seq tokens: sum S^2 / S = S
     n = matmul_params(shape)
     return (4.0 * n + 6.0 * adapter_params if lora else 6.0 * n) + attention
 
 
+def qwen3_config(shape):
+    from transformers import Qwen3Config
+    layers, h, ffn, heads = SHAPES[shape]
+    return Qwen3Config(vocab_size=VOCAB, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       tie_word_embeddings=True, max_position_embeddings=40960, use_cache=False)
+
+
+def gdn_path():
+    """Which GDN implementation transformers' qwen3_5 uses here: the fla kernels or its PyTorch fallback."""
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    except ImportError:
+        return None
+    fast = getattr(m, "is_fast_path_available", None)
+    return "flash-linear-attention" if fast else "torch fallback (torch_chunk_gated_delta_rule)"
+
+
 def hf_worker(row, steps, warmup):
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-    layers, h, ffn, heads = SHAPES[row["shape"]]
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                      tie_word_embeddings=True, max_position_embeddings=40960, use_cache=False)
+    if row["shape"] in Q35_SHAPES:
+        cfg = q35_config(row["shape"])
+        vocab = cfg.vocab_size
+    else:
+        cfg = qwen3_config(row["shape"])
+        vocab = VOCAB
     dtype = torch.float32 if row["params"] == "fp32" else torch.bfloat16
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -88,7 +144,7 @@ def hf_worker(row, steps, warmup):
         versions["peft"] = peft.__version__
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
-    ids = torch.randint(0, VOCAB, (row["micro_batch"], row["seq"]), device="cuda")
+    ids = torch.randint(0, vocab, (row["micro_batch"], row["seq"]), device="cuda")
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -117,7 +173,7 @@ def hf_worker(row, steps, warmup):
             "mfu": fpt * tokens / step_s / peak if peak else None, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
             "flops_per_token": fpt, "card": card, "attn_implementation": attn, "params_dtype": str(dtype),
             "autocast_bf16": row["autocast"], "adapter_params": adapter_params, "loss_first": losses[0],
-            "loss_last": losses[-1], **versions}
+            "loss_last": losses[-1], "gdn_path": gdn_path() if row["shape"] in Q35_SHAPES else None, **versions}
 
 
 def json_line(text):
@@ -168,7 +224,7 @@ def fmt(x, spec):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lathe-bin", default="build/lathe")
-    ap.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated rows among 0.6b, 1.7b, 4b")
+    ap.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated rows among 0.6b, 1.7b, 4b, q35-0.8b")
     ap.add_argument("--lora", action="store_true", help="add the LoRA row (rank 16, 0.6b shape, seq 2048)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -3,6 +3,9 @@
 // Convention: 6 x N_matmul per token (every weight used in a matmul; a tied embedding once, through the LM head) plus
 // causal attention, 6 L Hq D S averaged over the batch's documents (12 L Hq D S halved for the causal mask). LoRA over
 // a frozen base: the base costs 4 N (forward and input gradient; no weight gradient), the adapters 6 N_adapter.
+// Qwen3.5: attention counts its full-attention layers only, and each Gated DeltaNet layer adds its chunked core by the
+// dense-GEMM count of research/gated-deltanet.md sec. 3.6 (chunk 64, per token and value head: forward
+// 6 dk dv + 6 C dk + 4 C dv, backward 16 dk dv + 18 C dk + 10 C dv + 4 C^2; about 688K at dk = dv = 128).
 // Covered by tests/unit/test_profiler.cpp (Flops).
 #pragma once
 
@@ -19,7 +22,9 @@ namespace lathe {
 double matmul_parameter_count(const ModelConfig& c);
 // Causal attention FLOPs per token (forward + backward) of a batch of documents cu_seqlens = [0, l1, l1 + l2, ...].
 double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
-// Full training: 6 N_matmul + attention.
+// Gated DeltaNet core FLOPs per token, forward + backward (0 for Qwen3).
+double gdn_core_flops_per_token(const ModelConfig& c);
+// Full training: 6 N_matmul + attention (+ the GDN core).
 double flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
 // LoRA over a frozen base with `adapter_parameters` trainable adapter weights: 4 N_matmul + 6 N_adapter + attention.
 double lora_flops_per_token(const ModelConfig& c, double adapter_parameters, const std::vector<int32_t>& cu_seqlens);

@@ -114,3 +114,33 @@ TEST(Flops, Qwen3SmallShapeMatchesThePerfAnchors) {
   EXPECT_EQ(peak_flops("NVIDIA H100 80GB HBM3"), 989e12);
   EXPECT_EQ(peak_flops("cpu"), 0.0);
 }
+
+TEST(Flops, Qwen35SmallShapeCountsGdnLayersAndFullAttentionOnly) {
+  // The Qwen3.5-0.8B shape of issue 8: 24 layers (3 GDN + 1 full attention, repeated), hidden 1024, 8/2 attention
+  // heads of 256, 16/16 GDN heads of 128, FFN 3584, tied vocab 248320.
+  ModelConfig c;
+  c.model_type = "qwen3_5_text";
+  c.vocab_size = 248320;
+  c.hidden_size = 1024;
+  c.intermediate_size = 3584;
+  c.num_layers = 24;
+  c.num_heads = 8;
+  c.num_kv_heads = 2;
+  c.head_dim = 256;
+  c.tie_word_embeddings = true;
+  c.linear_num_key_heads = c.linear_num_value_heads = 16;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.linear_conv_kernel_dim = 4;
+  for (int i = 0; i < 24; ++i) c.layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+  // GDN: in_proj_qkv 1024 x 6144, in_proj_z 1024 x 2048, in_proj_b/a 1024 x 16, out_proj 2048 x 1024; attention:
+  // q (query + gate) 1024 x 4096, k and v 1024 x 512, o 2048 x 1024; MLP 3 x 1024 x 3584; the tied head once.
+  const double gdn = 1024.0 * 6144 + 1024.0 * 2048 + 2 * 1024.0 * 16 + 2048.0 * 1024;
+  const double attn = 1024.0 * 4096 + 2 * 1024.0 * 512 + 2048.0 * 1024;
+  const double n = 18 * gdn + 6 * attn + 24 * 3 * 1024.0 * 3584 + 248320.0 * 1024;
+  EXPECT_DOUBLE_EQ(matmul_parameter_count(c), n);
+  // research/gated-deltanet.md sec. 3.6: about 688K FLOPs per token and value head at d = 128, fwd + bwd.
+  EXPECT_DOUBLE_EQ(gdn_core_flops_per_token(c), 18.0 * 16 * 688128);
+  const std::vector<int32_t> one_doc = {0, 4096};
+  EXPECT_DOUBLE_EQ(attention_flops_per_token(c, one_doc), 6.0 * 6 * 8 * 256 * 4096);
+  EXPECT_DOUBLE_EQ(flops_per_token(c, one_doc), 6 * n + 6.0 * 6 * 8 * 256 * 4096 + 18.0 * 16 * 688128);
+}
