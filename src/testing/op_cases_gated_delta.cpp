@@ -1,12 +1,16 @@
 // Op cases of the Gated DeltaNet ops: documents shorter than the conv width, of one token, longer than a chunk (the
 // chunked rule is run with small chunks so that every document spans several), GQA groups 1 and 2 (H_v > H_k),
 // d_k != d_v. Inputs of the delta rule are drawn where it is stable (|k|^2 beta <= ~1) and g < 0, as in the model.
+// BF16 and F16 rows run on CUDA only (the CPU has f32/f64 kernels and skips them); the model-sized rows (d_k = d_v =
+// 128, H_k = 2, H_v = 4, documents of 1, 63, 64, 65 and 200 tokens) exercise the chunked tensor-core kernels in bf16
+// and the recurrent kernel in f32/f16.
 #include "testing/op_check.h"
 
 namespace lathe {
 
 namespace {
-const std::vector<DType> kRef = {DType::F64, DType::F32};
+const std::vector<DType> kRef = {DType::F64, DType::F32, DType::BF16, DType::F16};
+const std::vector<DType> kDevice = {DType::F32, DType::BF16, DType::F16};  // too large for the f64 finite differences
 }  // namespace
 
 void add_gated_delta_op_cases(std::vector<OpCase>& c) {
@@ -39,6 +43,24 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
   add_gdr(70, 1, 3, 8, 8, {0, 1, 66, 70}, GatedDeltaAttrs{}, "chunk64,docs=1+65+4");
   std::vector<std::pair<double, double>> bwd_ranges = ranges;
   bwd_ranges.push_back({-2.0, 2.0});
+  // Model-sized: |k|^2 ~ 1 with d_k = 128 (the model L2-normalises q and k).
+  const std::vector<double> cu_docs = {0, 1, 64, 128, 193, 393};
+  std::vector<std::pair<double, double>> big = {{-0.15, 0.15}, {-0.15, 0.15}, {-2.0, 2.0}, {-1.5, -0.001}, {0.001, 1.0}};
+  c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{}, kDevice,
+               false, false, {{}, {}, {}, {}, {}, cu_docs}, big});
+  big.push_back({-2.0, 2.0});
+  c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6}}, GatedDeltaAttrs{},
+               kDevice, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big});
+  // An empty document between two others, and a single document of one chunk plus one token (bf16 chunked).
+  c.push_back({OpId::gated_delta_rule_backward, "t=70,hk=1,hv=2,dk=128,dv=128,docs=5+0+65",
+               {{70, 1, 128}, {70, 1, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4}}, GatedDeltaAttrs{0.0, 3},
+               kDevice, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big});
+  c.push_back({OpId::causal_conv1d, "t=393,c=768,w=4,docs=1+63+64+65+200", {{393, 768}, {768, 4}, {6}}, {}, kDevice,
+               false, false, {{}, {}, cu_docs}});
+  c.push_back({OpId::causal_conv1d_backward, "t=393,c=768,w=4,docs=1+63+64+65+200",
+               {{393, 768}, {768, 4}, {393, 768}, {6}}, {}, kDevice, false, false, {{}, {}, {}, cu_docs}});
   c.push_back({OpId::gated_delta_rule_backward, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4",
                {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5}}, GatedDeltaAttrs{0.0, 4}, kRef,
                false, false, {{}, {}, {}, {}, {}, {}, cu13}, bwd_ranges});

@@ -83,6 +83,7 @@ void register_cuda_reduce_kernels(KernelRegistry& registry);
 void register_cuda_model_kernels(KernelRegistry& registry);  // model_ops_register.cpp
 void register_cuda_optim_kernels(KernelRegistry& registry);  // optim_ops.cpp
 void register_cuda_segment_kernels(KernelRegistry& registry);  // segment_ops_register.cpp
+void register_cuda_gated_delta_kernels(KernelRegistry& registry);  // gated_delta_ops.cpp
 
 }  // namespace cuda
 }  // namespace lathe

@@ -1,0 +1,1301 @@
+// CUDA kernels of the Gated DeltaNet ops: sigmoid, the packed depthwise causal conv1d, the log-decay, and the gated
+// delta rule (research note gated-deltanet.md §2-§4; the CPU specification is model/gdn_reference.cpp), forward and
+// backward, for f32, bf16 and f16 (float math).
+//
+// The gated delta rule has two implementations; neither depends on attrs.chunk (the result does not either):
+//  * chunked, bf16 with d_k = d_v = 128 (the model's): the WY form with chunks of 64 tokens starting at each
+//    document's first token, on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulation).
+//      forward : prep (per chunk and value head, parallel): b = cumsum g, L, R = (I + L)^-1 by blocked forward
+//                substitution in fp32, W = R diag(beta e^b) K, U = R diag(beta) V (bf16 scratch);
+//                scan (per document, value head, half of d_v): the state in fp32 registers; per chunk
+//                Delta = U - W S, O = s [e^b Q S + tril(Q K^T Gamma) Delta], S = e^{b_n} S + (Gamma_n K)^T Delta.
+//      backward: prep again (also saving R), the forward scan saving the chunk-start states H[c] and Delta, a
+//                reverse scan (dS in registers) saving dH[c] and dDelta, then per chunk and value head (parallel)
+//                dq, dk, dv, dbeta, dg through the output, state and WY terms (§3.5 steps 5-7).
+//  * recurrent, every other dtype / dim: one block per (document, value head) walks the tokens with the state
+//    (d_k x d_v fp32) in shared memory; the backward recomputes states from checkpoints every 64 tokens.
+// GQA: value head h reads key head h / (H_v / H_k); dq and dk are first written per value head (fp32 scratch)
+// and then summed over each group in a fixed order, so every output is bitwise reproducible (no atomics).
+// Covered by tests/ops (testing/op_cases_gated_delta.cpp), tests/ops/test_gdn_cuda.cpp (determinism) and
+// tests/models/test_qwen3_5_cuda.cpp.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/gated_delta_launchers.h"
+
+namespace lathe::cuda {
+
+namespace {
+
+using bf16 = __nv_bfloat16;
+constexpr int kThreads = 256;
+
+template <typename F> void dispatch_float(DType dt, F f) {
+  switch (dt) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(__nv_bfloat16{}); return;
+    case DType::F16: f(__half{}); return;
+    default: return;  // the registration offers these three only
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------- documents
+// Document d is tokens [start, end), clamped into [0, tokens] and non-decreasing.
+struct Span {
+  int64_t start, end;
+};
+__device__ __forceinline__ Span doc_span(const int32_t* cu, int64_t d, int64_t tokens) {
+  int64_t s = cu[d], e = cu[d + 1];
+  s = s < 0 ? 0 : (s > tokens ? tokens : s);
+  e = e < s ? s : (e > tokens ? tokens : e);
+  return {s, e};
+}
+
+// Document of token i: the last d with cu[d] <= i (binary search), as a clamped span containing i.
+__device__ Span doc_of_token(const int32_t* cu, int64_t docs, int64_t i, int64_t tokens) {
+  int64_t lo = 0, hi = docs + 1;  // first index with cu[idx] > i
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (cu[mid] <= i) lo = mid + 1;
+    else hi = mid;
+  }
+  int64_t s = lo > 0 ? cu[lo - 1] : 0, e = lo <= docs ? cu[lo] : tokens;
+  s = s < 0 ? 0 : (s > i ? i : s);
+  e = e <= i ? i + 1 : (e > tokens ? tokens : e);
+  return {s, e};
+}
+
+constexpr int kChunk = 64;
+
+// offsets[d] = number of 64-token chunks in documents before d (offsets[docs] = total).
+__global__ void chunk_offsets_kernel(const int32_t* cu, int64_t docs, int64_t tokens, int32_t* offsets) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int32_t acc = 0;
+  for (int64_t d = 0; d < docs; ++d) {
+    offsets[d] = acc;
+    const Span sp = doc_span(cu, d, tokens);
+    acc += int32_t((sp.end - sp.start + kChunk - 1) / kChunk);
+  }
+  offsets[docs] = acc;
+}
+
+struct ChunkLoc {
+  int64_t doc, t0;
+  int n;
+};
+// Chunk `id` of the packed batch (chunks numbered document by document), or false past the last one.
+__device__ bool locate_chunk(const int32_t* offsets, const int32_t* cu, int64_t docs, int64_t tokens, int64_t id,
+                             ChunkLoc& c) {
+  if (id >= offsets[docs]) return false;
+  int64_t lo = 0, hi = docs + 1;  // first index with offsets[idx] > id
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= id) lo = mid + 1;
+    else hi = mid;
+  }
+  c.doc = lo - 1;
+  const Span sp = doc_span(cu, c.doc, tokens);
+  c.t0 = sp.start + (id - offsets[c.doc]) * kChunk;
+  c.n = int(min(int64_t(kChunk), sp.end - c.t0));
+  return true;
+}
+
+int64_t max_chunks(const GdnShape& s) { return s.tokens / kChunk + s.docs; }
+
+// ------------------------------------------------------------------------------------------- sigmoid, decay
+template <typename T> __global__ void sigmoid_kernel(int64_t n, const T* x, T* y) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    store(y, i, 1.0f / (1.0f + __expf(-load(x, i))));
+}
+
+template <typename T> __global__ void sigmoid_backward_kernel(int64_t n, const T* y, const T* dy, T* dx) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float s = load(y, i);
+    store(dx, i, load(dy, i) * s * (1.0f - s));
+  }
+}
+
+__device__ __forceinline__ float softplus(float x) { return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x))); }
+
+template <typename T>
+__global__ void decay_kernel(int64_t tokens, int64_t heads, const T* a, const T* a_log, const T* dt, T* g) {
+  const int64_t n = tokens * heads;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t h = i % heads;
+    store(g, i, -expf(load(a_log, h)) * softplus(load(a, i) + load(dt, h)));
+  }
+}
+
+// One block per head: da elementwise, dA_log and ddt_bias as fixed-order block reductions over the tokens.
+template <typename T>
+__global__ void decay_backward_kernel(int64_t tokens, int64_t heads, const T* a, const T* a_log, const T* dt,
+                                      const T* dg, T* da, T* d_alog, T* d_dt) {
+  __shared__ float scratch[32];
+  const int64_t h = blockIdx.x;
+  const float e = expf(load(a_log, h)), bias = load(dt, h);
+  float s_alog = 0, s_dt = 0;
+  for (int64_t t = threadIdx.x; t < tokens; t += blockDim.x) {
+    const int64_t i = t * heads + h;
+    const float x = load(a, i) + bias, dgv = load(dg, i);
+    const float dav = -dgv * e / (1.0f + __expf(-x));
+    store(da, i, dav);
+    s_dt += dav;
+    s_alog += dgv * (-e * softplus(x));
+  }
+  s_alog = block_reduce<float, false>(s_alog, scratch);
+  s_dt = block_reduce<float, false>(s_dt, scratch);
+  if (threadIdx.x == 0) {
+    store(d_alog, h, s_alog);
+    store(d_dt, h, s_dt);
+  }
+}
+
+// --------------------------------------------------------------------------------------------------- conv1d
+template <typename T>
+__global__ void conv_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* x, const T* w,
+                            const int32_t* cu, T* y) {
+  const int64_t n = tokens * ch;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / ch, c = i % ch;
+    const int64_t start = doc_of_token(cu, docs, t, tokens).start;
+    float acc = 0;
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t s = t - (width - 1) + j;
+      if (s >= start) acc += load(w, c * width + j) * load(x, s * ch + c);
+    }
+    store(y, i, acc);
+  }
+}
+
+// dx[s, c] = sum_j w[c, j] dy[s + W - 1 - j, c] over targets inside s's document.
+template <typename T>
+__global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* w, const T* dy,
+                               const int32_t* cu, T* dx) {
+  const int64_t n = tokens * ch;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = i / ch, c = i % ch;
+    const int64_t end = doc_of_token(cu, docs, s, tokens).end;
+    float acc = 0;
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t t = s + (width - 1) - j;
+      if (t < end) acc += load(w, c * width + j) * load(dy, t * ch + c);
+    }
+    store(dx, i, acc);
+  }
+}
+
+// dw[c, j] = sum_t dy[t, c] x[t - W + 1 + j, c]: block (32 channels x 8 token lanes); each lane sums a fixed
+// token stride, then the 8 lanes are added in order.
+template <typename T>
+__global__ void conv_dw_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* x, const T* dy,
+                               const int32_t* cu, T* dw) {
+  __shared__ float part[8][32][kMaxConvWidth];
+  const int64_t c = blockIdx.x * 32 + threadIdx.x;
+  float acc[kMaxConvWidth];
+#pragma unroll
+  for (int j = 0; j < kMaxConvWidth; ++j) acc[j] = 0;
+  if (c < ch) {
+    for (int64_t t = threadIdx.y; t < tokens; t += 8) {
+      const int64_t start = doc_of_token(cu, docs, t, tokens).start;
+      const float d = load(dy, t * ch + c);
+#pragma unroll
+      for (int j = 0; j < kMaxConvWidth; ++j) {
+        const int64_t s = t - (width - 1) + j;
+        if (j < width && s >= start) acc[j] += d * load(x, s * ch + c);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxConvWidth; ++j) part[threadIdx.y][threadIdx.x][j] = acc[j];
+  __syncthreads();
+  if (threadIdx.y == 0 && c < ch)
+    for (int64_t j = 0; j < width; ++j) {
+      float s = 0;
+      for (int y = 0; y < 8; ++y) s += part[y][threadIdx.x][j];
+      store(dw, c * width + j, s);
+    }
+}
+
+// ------------------------------------------------------------------------------- delta rule: shared pieces
+// Sum over each group of value heads: out (T, H_k, d) = sum_{h in group} src (T, H_v, d), in head order.
+template <typename T>
+__global__ void group_sum_kernel(int64_t tokens, int64_t hk, int64_t group, int64_t dim, const float* src, T* out) {
+  const int64_t n = tokens * hk * dim;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t d = i % dim, th = i / dim, t = th / hk, k = th % hk;
+    float s = 0;
+    for (int64_t j = 0; j < group; ++j) s += src[((t * hk * group) + k * group + j) * dim + d];
+    store(out, i, s);
+  }
+}
+
+struct RecurrentArgs {
+  int64_t tokens, docs, hk, hv, group, dk, dv;
+  float scale;
+  const int32_t* cu;
+};
+
+// ------------------------------------------------------------------- delta rule: recurrent (any dims/dtype)
+// One block per (document, value head); S (d_k, d_v) fp32 in shared memory; token by token:
+// S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = s S^T q.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(RecurrentArgs a, const T* q, const T* k,
+                                                                      const T* v, const T* g, const T* beta, T* o) {
+  extern __shared__ float sm[];
+  const int64_t dk = a.dk, dv = a.dv;
+  float* S = sm;            // (dk, dv)
+  float* sk = S + dk * dv;  // (dk)
+  float* sq = sk + dk;      // (dk)
+  float* su = sq + dk;      // (dv)
+  const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
+  const Span sp = doc_span(a.cu, doc, a.tokens);
+  for (int64_t e = threadIdx.x; e < dk * dv; e += blockDim.x) S[e] = 0;
+  for (int64_t t = sp.start; t < sp.end; ++t) {
+    for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+      sk[i] = load(k, (t * a.hk + kh) * dk + i);
+      sq[i] = load(q, (t * a.hk + kh) * dk + i);
+    }
+    const float alpha = expf(load(g, t * a.hv + h)), b = load(beta, t * a.hv + h);
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+      float pred = 0;
+      for (int64_t i = 0; i < dk; ++i) pred += S[i * dv + j] * sk[i];
+      su[j] = b * (load(v, (t * a.hv + h) * dv + j) - alpha * pred);
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < dk * dv; e += blockDim.x) S[e] = alpha * S[e] + sk[e / dv] * su[e % dv];
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+      float acc = 0;
+      for (int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * sq[i];
+      store(o, (t * a.hv + h) * dv + j, a.scale * acc);
+    }
+    __syncthreads();
+  }
+}
+
+constexpr int64_t kCkpt = 64;  // recurrent backward: tokens between state checkpoints
+
+// Persistent blocks over (document, value head) pairs. `ckpt` holds the state before every kCkpt-th token of each
+// document (indexed by the global chunk id), `tok` this block's states inside one checkpoint interval, `us` the
+// writes u of that interval. dq, dk go to per-value-head fp32 scratch.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) recurrent_backward_kernel(
+    RecurrentArgs a, const T* q, const T* k, const T* v, const T* g, const T* beta, const T* d_o,
+    const int32_t* offsets, float* ckpt, float* tok_all, float* us_all, float* dqh, float* dkh, T* dv_out, T* dg_out,
+    T* dbeta_out) {
+  extern __shared__ float sm[];
+  __shared__ float scratch[32];
+  const int64_t dk = a.dk, dv = a.dv, ss = dk * dv;
+  float* dS = sm;            // (dk, dv)
+  float* sk = dS + ss;       // (dk)
+  float* sq = sk + dk;       // (dk)
+  float* sdo = sq + dk;      // (dv)
+  float* sdu = sdo + dv;     // (dv)
+  float* sdp = sdu + dv;     // (dv) dpred
+  float* tok = tok_all + int64_t(blockIdx.x) * (kCkpt + 1) * ss;
+  float* us = us_all + int64_t(blockIdx.x) * kCkpt * dv;
+  for (int64_t pair = blockIdx.x; pair < a.docs * a.hv; pair += gridDim.x) {
+    const int64_t doc = pair / a.hv, h = pair % a.hv, kh = h / a.group;
+    const Span sp = doc_span(a.cu, doc, a.tokens);
+    const int64_t nck = (sp.end - sp.start + kCkpt - 1) / kCkpt;
+    // Forward: the checkpoints. tok[0] is the running state.
+    for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) tok[e] = 0;
+    for (int64_t c = 0; c < nck; ++c) {
+      float* ck = ckpt + (int64_t(offsets[doc]) + c) * a.hv * ss + h * ss;
+      __syncthreads();
+      for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) ck[e] = tok[e];
+      const int64_t t_end = min(sp.end, sp.start + (c + 1) * kCkpt);
+      for (int64_t t = sp.start + c * kCkpt; t < t_end; ++t) {
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) sk[i] = load(k, (t * a.hk + kh) * dk + i);
+        const float alpha = expf(load(g, t * a.hv + h)), b = load(beta, t * a.hv + h);
+        __syncthreads();
+        for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+          float pred = 0;
+          for (int64_t i = 0; i < dk; ++i) pred += tok[i * dv + j] * sk[i];
+          sdu[j] = b * (load(v, (t * a.hv + h) * dv + j) - alpha * pred);
+        }
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) tok[e] = alpha * tok[e] + sk[e / dv] * sdu[e % dv];
+      }
+    }
+    // Reverse, one checkpoint interval at a time.
+    for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) dS[e] = 0;
+    for (int64_t c = nck - 1; c >= 0; --c) {
+      const int64_t t0 = sp.start + c * kCkpt, n = min(kCkpt, sp.end - t0);
+      const float* ck = ckpt + (int64_t(offsets[doc]) + c) * a.hv * ss + h * ss;
+      __syncthreads();
+      for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) tok[e] = ck[e];
+      for (int64_t r = 0; r < n; ++r) {  // tok[r + 1] = state after token t0 + r; us[r] = its write u
+        const int64_t t = t0 + r;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) sk[i] = load(k, (t * a.hk + kh) * dk + i);
+        const float alpha = expf(load(g, t * a.hv + h)), b = load(beta, t * a.hv + h);
+        __syncthreads();
+        const float* s0 = tok + r * ss;
+        float* s1 = tok + (r + 1) * ss;
+        for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+          float pred = 0;
+          for (int64_t i = 0; i < dk; ++i) pred += s0[i * dv + j] * sk[i];
+          us[r * dv + j] = b * (load(v, (t * a.hv + h) * dv + j) - alpha * pred);
+        }
+        __syncthreads();
+        for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) s1[e] = alpha * s0[e] + sk[e / dv] * us[r * dv + e % dv];
+      }
+      for (int64_t r = n - 1; r >= 0; --r) {
+        const int64_t t = t0 + r;
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+          sk[i] = load(k, (t * a.hk + kh) * dk + i);
+          sq[i] = load(q, (t * a.hk + kh) * dk + i);
+        }
+        for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) sdo[j] = load(d_o, (t * a.hv + h) * dv + j);
+        const float alpha = expf(load(g, t * a.hv + h)), b = load(beta, t * a.hv + h);
+        const float* s_old = tok + r * ss;
+        const float* s_new = tok + (r + 1) * ss;
+        const float* u = us + r * dv;
+        __syncthreads();
+        // o = s S_new^T q: dq = s S_new do; dS += s q do^T.
+        for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+          float acc = 0;
+          for (int64_t j = 0; j < dv; ++j) acc += s_new[i * dv + j] * sdo[j];
+          dqh[(t * a.hv + h) * dk + i] = a.scale * acc;
+        }
+        for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) dS[e] += a.scale * sq[e / dv] * sdo[e % dv];
+        __syncthreads();
+        // S_new = S_bar + k u^T: du = dS^T k, dk = dS u. u = beta (v - S_bar^T k).
+        float db_part = 0;
+        for (int64_t j = threadIdx.x; j < dv; j += blockDim.x) {
+          float du = 0, pred = 0;
+          for (int64_t i = 0; i < dk; ++i) {
+            du += dS[i * dv + j] * sk[i];
+            pred += s_old[i * dv + j] * sk[i];
+          }
+          pred *= alpha;
+          db_part += du * (load(v, (t * a.hv + h) * dv + j) - pred);
+          sdu[j] = du;
+          sdp[j] = -b * du;
+          store(dv_out, (t * a.hv + h) * dv + j, b * du);
+        }
+        const float dbeta = block_reduce<float, false>(db_part, scratch);
+        __syncthreads();
+        for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
+          float acc = 0, acc2 = 0;
+          for (int64_t j = 0; j < dv; ++j) {
+            acc += dS[i * dv + j] * u[j];
+            acc2 += s_old[i * dv + j] * sdp[j];
+          }
+          dkh[(t * a.hv + h) * dk + i] = acc + alpha * acc2;
+        }
+        __syncthreads();
+        // dS is now dS_bar; S_bar = e^g S_old: dg = <S_bar, dS_bar>, dS_old = e^g dS_bar.
+        float dg_part = 0;
+        for (int64_t e = threadIdx.x; e < ss; e += blockDim.x) {
+          const float d = dS[e] + sk[e / dv] * sdp[e % dv];
+          dg_part += alpha * s_old[e] * d;
+          dS[e] = alpha * d;
+        }
+        const float dgv = block_reduce<float, false>(dg_part, scratch);
+        if (threadIdx.x == 0) {
+          store(dg_out, t * a.hv + h, dgv);
+          store(dbeta_out, t * a.hv + h, dbeta);
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// ------------------------------------------------------------------ delta rule: chunked, tensor cores (bf16)
+constexpr int kD = 128;            // d_k = d_v
+constexpr int kLdD = kD + 8;       // bf16 row stride of (rows, 128) tiles: 272 bytes, 16-byte aligned, no conflicts
+constexpr int kLdC = kChunk + 8;   // bf16 row stride of (rows, 64) tiles
+constexpr int kLdF = kChunk + 1;   // fp32 row stride of (64, 64) tiles
+constexpr int kVTile = 64;         // d_v columns per scan block
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// An (M, N) fp32 product tile spread over the 8 warps of a block: warp w owns rows [m0, m0 + 16 MT) and columns
+// [n0, n0 + 8 NT). Accumulator element e of fragment (mi, ni) is (m0 + 16 mi + lane/4 + 8 (e >= 2),
+// n0 + 8 ni + 2 (lane % 4) + e % 2).
+template <int M, int N> struct Tile {
+  static constexpr int WM = (M / 16) >= 8 ? 8 : M / 16;
+  static constexpr int WN = 8 / WM;
+  static constexpr int MT = M / 16 / WM;
+  static constexpr int NT = N / 8 / WN;
+  static_assert(NT % 2 == 0, "two n-fragments per ldmatrix");
+  float acc[MT][NT][4];
+  __device__ static int m0() { return (threadIdx.x / 32 / WN) * MT * 16; }
+  __device__ static int n0() { return (threadIdx.x / 32 % WN) * NT * 8; }
+  __device__ void zero() {
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0;
+  }
+  // f(row, col, value&) on every element this thread holds.
+  template <typename F> __device__ void each(F f) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          f(m0() + mi * 16 + lane / 4 + (e >= 2 ? 8 : 0), n0() + ni * 8 + 2 * (lane % 4) + (e & 1), acc[mi][ni][e]);
+  }
+  // acc += f(row) * other.acc (the same tile mapping).
+  template <typename F> __device__ void add_rows(const Tile& other, F f) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          acc[mi][ni][e] += f(m0() + mi * 16 + lane / 4 + (e >= 2 ? 8 : 0)) * other.acc[mi][ni][e];
+  }
+  // part[wn * M + row] = sum over this warp's columns of f(row, col, value); the caller adds the WN parts in
+  // order (a fixed-order row reduction).
+  template <typename F> __device__ void row_sums(float* part, F f) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0() + mi * 16 + lane / 4 + 8 * half;
+        float s = 0;
+#pragma unroll
+        for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) s += f(row, n0() + ni * 8 + 2 * (lane % 4) + e, acc[mi][ni][2 * half + e]);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (lane % 4 == 0) part[(threadIdx.x / 32 % WN) * M + row] = s;
+      }
+  }
+  // acc += op(A) op(B) over k in [0, K). A is stored (M, K) row-major, or (K, M) when kAKM; B is stored (N, K)
+  // (the product reads B^T), or (K, N) when kBKN. Both bf16 in shared memory with 16-byte aligned rows.
+  template <bool kAKM, bool kBKN> __device__ void mma(const bf16* A, int lda, const bf16* B, int ldb, int K) {
+    const int lane = threadIdx.x % 32, am = m0(), bn = n0();
+    for (int k0 = 0; k0 < K; k0 += 16) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        if constexpr (kAKM)
+          ldsm_x4_t(a[mi], A + (k0 + lane % 8 + (lane / 16) * 8) * lda + am + mi * 16 + ((lane / 8) % 2) * 8);
+        else
+          ldsm_x4(a[mi], A + (am + mi * 16 + lane % 16) * lda + k0 + (lane / 16) * 8);
+      }
+#pragma unroll
+      for (int nj = 0; nj < NT; nj += 2) {
+        uint32_t b[4];
+        if constexpr (kBKN)
+          ldsm_x4_t(b, B + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + bn + nj * 8 + (lane / 16) * 8);
+        else
+          ldsm_x4(b, B + (bn + nj * 8 + lane % 8 + (lane / 16) * 8) * ldb + k0 + ((lane / 8) % 2) * 8);
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          mma_bf16(acc[mi][nj], a[mi], b[0], b[1]);
+          mma_bf16(acc[mi][nj + 1], a[mi], b[2], b[3]);
+        }
+      }
+    }
+  }
+};
+
+// Copies rows [t0, t0 + n) of head `head` of a (T, heads, width) bf16 tensor, columns [col0, col0 + COLS), into a
+// (64, ld) shared tile; rows n..63 are zero. 16-byte vectors.
+template <int COLS>
+__device__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n, int64_t heads, int64_t head,
+                          int64_t width, int col0) {
+  constexpr int kVec = COLS / 8;
+  for (int e = threadIdx.x; e < kChunk * kVec; e += blockDim.x) {
+    const int r = e / kVec, c = (e % kVec) * 8;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (r < n) val = *reinterpret_cast<const uint4*>(src + ((t0 + r) * heads + head) * width + col0 + c);
+    *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
+  }
+}
+
+// (128, 128) bf16 state block from global (row stride 128) into shared (row stride kLdD).
+__device__ void load_state(bf16* dst, const bf16* src) {
+  for (int e = threadIdx.x; e < kD * kD / 8; e += blockDim.x) {
+    const int r = e / (kD / 8), c = (e % (kD / 8)) * 8;
+    *reinterpret_cast<uint4*>(dst + r * kLdD + c) = *reinterpret_cast<const uint4*>(src + r * kD + c);
+  }
+}
+
+struct ChunkArgs {
+  int64_t tokens, docs, hk, hv, group;
+  float scale;
+  const int32_t* cu;
+  const int32_t* offsets;
+  const bf16 *q, *k, *v, *g, *beta, *d_o;
+  float* b;          // (T, H_v) chunk-local cumsum of g
+  bf16 *w, *u;       // (T, H_v, 128)
+  bf16* r;           // (T, H_v, 64): row t of its chunk's R (backward only)
+  bf16 *hs, *dhs;    // (chunks, H_v, 128, 128): chunk-start states, gradients of chunk-end states
+  bf16 *delta, *ddelta;  // (T, H_v, 128)
+  float *dqh, *dkh;  // (T, H_v, 128)
+  bf16 *o, *dv, *dg, *dbeta;
+};
+
+// Loads g, beta of a chunk and forms b = cumsum(g) (rows past n repeat b_{n-1}).
+__device__ void chunk_gates(const ChunkArgs& a, int64_t t0, int n, int64_t h, float* sb, float* sbeta) {
+  if (threadIdx.x < kChunk) {
+    const int r = threadIdx.x;
+    sb[r] = r < n ? __bfloat162float(a.g[(t0 + r) * a.hv + h]) : 0.0f;
+    sbeta[r] = r < n ? __bfloat162float(a.beta[(t0 + r) * a.hv + h]) : 0.0f;
+  }
+  __syncthreads();
+  if (threadIdx.x < 32) {  // inclusive scan of 64 values: two per lane
+    const int lane = threadIdx.x;
+    float x0 = sb[2 * lane], x1 = x0 + sb[2 * lane + 1];
+    float s = x1;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    const float before = s - x1;
+    sb[2 * lane] = before + x0;
+    sb[2 * lane + 1] = s;
+  }
+  __syncthreads();
+}
+
+// R = (I + L)^-1 for strictly lower L (64 x 64 fp32, stride kLdF): the four 16 x 16 diagonal blocks by forward
+// substitution (a warp each, a lane per column), then R_IJ = -R_II sum_{J <= M < I} L_IM R_MJ by increasing I - J.
+__device__ void solve_unit_lower(const float* L, float* R, float* X) {
+  for (int e = threadIdx.x; e < kChunk * kLdF; e += blockDim.x) R[e] = 0;
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 4 && lane < 16) {
+    const int base = 16 * warp;
+    float x[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      float val = m == lane ? 1.0f : 0.0f;
+#pragma unroll
+      for (int j = 0; j < m; ++j) val -= L[(base + m) * kLdF + base + j] * x[j];
+      x[m] = val;
+      R[(base + m) * kLdF + base + lane] = val;
+    }
+  }
+  __syncthreads();
+  for (int d = 1; d < 4; ++d) {
+    const int pairs = 4 - d;
+    for (int e = threadIdx.x; e < pairs * 256; e += blockDim.x) {
+      const int J = e / 256, I = J + d, i = (e % 256) / 16, j = e % 16;
+      float s = 0;
+      for (int m = 16 * J; m < 16 * I; ++m) s += L[(16 * I + i) * kLdF + m] * R[m * kLdF + 16 * J + j];
+      X[e] = s;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < pairs * 256; e += blockDim.x) {
+      const int J = e / 256, I = J + d, i = (e % 256) / 16, j = e % 16;
+      float s = 0;
+      for (int m = 0; m < 16; ++m) s += R[(16 * I + i) * kLdF + 16 * I + m] * X[J * 256 + m * 16 + j];
+      R[(16 * I + i) * kLdF + 16 * J + j] = -s;
+    }
+    __syncthreads();
+  }
+}
+
+// Per chunk and value head: b, R, W = R diag(beta e^b) K, U = R diag(beta) V (and R itself when asked).
+constexpr size_t kPrepSmem = sizeof(bf16) * (2 * kChunk * kLdD + kChunk * kLdC) +
+                             sizeof(float) * (2 * kChunk * kLdF + 3 * 256 + 2 * kChunk);
+__global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_r) {
+  ChunkLoc c;
+  if (!locate_chunk(a.offsets, a.cu, a.docs, a.tokens, blockIdx.x, c)) return;
+  const int64_t h = blockIdx.y, kh = h / a.group;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Kb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Vb = Kb + kChunk * kLdD;             // (64, kLdD)
+  bf16* Rb = Vb + kChunk * kLdD;             // (64, kLdC)
+  float* Lf = reinterpret_cast<float*>(Rb + kChunk * kLdC);
+  float* Rf = Lf + kChunk * kLdF;
+  float* X = Rf + kChunk * kLdF;
+  float* sb = X + 3 * 256;
+  float* sbeta = sb + kChunk;
+  load_tile<kD>(Kb, kLdD, a.k, c.t0, c.n, a.hk, kh, kD, 0);
+  load_tile<kD>(Vb, kLdD, a.v, c.t0, c.n, a.hv, h, kD, 0);
+  chunk_gates(a, c.t0, c.n, h, sb, sbeta);
+  if (threadIdx.x < c.n) a.b[(c.t0 + threadIdx.x) * a.hv + h] = sb[threadIdx.x];
+  {
+    Tile<64, 64> kk;
+    kk.zero();
+    kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
+    const int n = c.n;
+    kk.each([&](int r, int s, float& x) {
+      Lf[r * kLdF + s] = (s < r && r < n) ? sbeta[r] * x * __expf(sb[r] - sb[s]) : 0.0f;
+    });
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kChunk * kD; e += blockDim.x) {  // K <- diag(beta e^b) K, V <- diag(beta) V
+    const int r = e / kD, col = e % kD;
+    Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * sbeta[r] * __expf(sb[r]));
+    Vb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Vb[r * kLdD + col]) * sbeta[r]);
+  }
+  solve_unit_lower(Lf, Rf, X);  // starts and ends with a barrier
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+    const int r = e / kChunk, s = e % kChunk;
+    Rb[r * kLdC + s] = __float2bfloat16(Rf[r * kLdF + s]);
+  }
+  __syncthreads();
+  const int n = c.n;
+  const int64_t t0 = c.t0;
+  if (store_r)
+    for (int e = threadIdx.x; e < n * kChunk; e += blockDim.x) {
+      const int r = e / kChunk, s = e % kChunk;
+      a.r[((t0 + r) * a.hv + h) * kChunk + s] = Rb[r * kLdC + s];
+    }
+  Tile<64, 128> wt;
+  wt.zero();
+  wt.mma<false, true>(Rb, kLdC, Kb, kLdD, kChunk);
+  wt.each([&](int r, int col, float& x) {
+    if (r < n) a.w[((t0 + r) * a.hv + h) * kD + col] = __float2bfloat16(x);
+  });
+  wt.zero();
+  wt.mma<false, true>(Rb, kLdC, Vb, kLdD, kChunk);
+  wt.each([&](int r, int col, float& x) {
+    if (r < n) a.u[((t0 + r) * a.hv + h) * kD + col] = __float2bfloat16(x);
+  });
+}
+
+// The forward state scan over the chunks of one (document, value head, 64 columns of d_v); the state lives in
+// fp32 registers (a (128, 64) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
+constexpr size_t kScanSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * kChunk;
+template <bool kStates>
+__global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
+  const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
+  const int jv0 = blockIdx.z * kVTile;
+  const Span sp = doc_span(a.cu, doc, a.tokens);
+  if (sp.end <= sp.start) return;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
+  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD), scaled to Gamma_n K after P is formed
+  bf16* Ub = Kb + kChunk * kLdD;             // (64, kLdC)
+  bf16* Db = Ub + kChunk * kLdC;             // (64, kLdC) Delta
+  bf16* Pb = Db + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
+  bf16* Sb = Pb + kChunk * kLdC;             // (128, kLdC) the state in bf16
+  float* sb = reinterpret_cast<float*>(Sb + kD * kLdC);
+  Tile<128, 64> S;
+  S.zero();
+  const int64_t first_chunk = a.offsets[doc];
+  for (int64_t t0 = sp.start, ci = 0; t0 < sp.end; t0 += kChunk, ++ci) {
+    const int n = int(min(int64_t(kChunk), sp.end - t0));
+    load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
+    load_tile<kVTile>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
+    load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+    if (!kStates) load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+    if (threadIdx.x < kChunk) {
+      const int r = threadIdx.x;
+      sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
+    }
+    bf16* hs = kStates ? a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD : nullptr;
+    S.each([&](int i, int j, float& x) {
+      const bf16 y = __float2bfloat16(x);
+      Sb[i * kLdC + j] = y;
+      if (kStates) hs[i * kD + jv0 + j] = y;
+    });
+    __syncthreads();
+    {
+      Tile<64, 64> d;
+      d.zero();
+      d.mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
+      d.each([&](int r, int j, float& x) {
+        const float y = __bfloat162float(Ub[r * kLdC + j]) - x;
+        Db[r * kLdC + j] = __float2bfloat16(y);
+        if (kStates && r < n) a.delta[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(y);
+      });
+    }
+    if (!kStates) {
+      Tile<64, 64> p;
+      p.zero();
+      p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
+      p.each([&](int r, int s, float& x) {
+        Pb[r * kLdC + s] = __float2bfloat16((s <= r && r < n) ? x * __expf(sb[r] - sb[s]) : 0.0f);
+      });
+    }
+    __syncthreads();
+    const float b_last = sb[n - 1];
+    for (int e = threadIdx.x; e < n * kD; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
+      const int r = e / kD, col = e % kD;
+      Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * __expf(b_last - sb[r]));
+    }
+    if (!kStates) {
+      Tile<64, 64> o;
+      o.zero();
+      o.mma<false, true>(Qb, kLdD, Sb, kLdC, kD);
+      o.each([&](int r, int, float& x) { x *= __expf(sb[r]); });
+      o.mma<false, true>(Pb, kLdC, Db, kLdC, kChunk);
+      const float s = a.scale;
+      o.each([&](int r, int j, float& x) {
+        if (r < n) a.o[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(s * x);
+      });
+    }
+    __syncthreads();
+    const float e_last = __expf(b_last);
+    S.each([&](int, int, float& x) { x *= e_last; });
+    S.mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
+    __syncthreads();
+  }
+}
+
+// The reverse scan: dS (gradient of the state leaving the chunk) in fp32 registers; per chunk, saves dH[c] = dS and
+// dDelta = s P^T dO + Gamma_n K dS, then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
+constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) +
+                                sizeof(float) * kChunk;
+__global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
+  const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
+  const int jv0 = blockIdx.z * kVTile;
+  const Span sp = doc_span(a.cu, doc, a.tokens);
+  if (sp.end <= sp.start) return;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD), then s e^b Q
+  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD), then Gamma_n K
+  bf16* dOb = Kb + kChunk * kLdD;            // (64, kLdC)
+  bf16* nDb = dOb + kChunk * kLdC;           // (64, kLdC) -dDelta
+  bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) s tril(Q K^T Gamma)
+  bf16* dSb = Pb + kChunk * kLdC;            // (128, kLdC)
+  float* sb = reinterpret_cast<float*>(dSb + kD * kLdC);
+  Tile<128, 64> dS;
+  dS.zero();
+  const int64_t first_chunk = a.offsets[doc];
+  const int64_t chunks = (sp.end - sp.start + kChunk - 1) / kChunk;
+  for (int64_t ci = chunks - 1; ci >= 0; --ci) {
+    const int64_t t0 = sp.start + ci * kChunk;
+    const int n = int(min(int64_t(kChunk), sp.end - t0));
+    load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
+    load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+    load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+    load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
+    if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
+    bf16* dhs = a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD;
+    dS.each([&](int i, int j, float& x) {
+      const bf16 y = __float2bfloat16(x);
+      dSb[i * kLdC + j] = y;
+      dhs[i * kD + jv0 + j] = y;
+    });
+    __syncthreads();
+    {
+      Tile<64, 64> p;
+      p.zero();
+      p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
+      const float s = a.scale;
+      p.each([&](int r, int c2, float& x) {
+        Pb[r * kLdC + c2] = __float2bfloat16((c2 <= r && r < n) ? s * x * __expf(sb[r] - sb[c2]) : 0.0f);
+      });
+    }
+    __syncthreads();
+    const float b_last = sb[n - 1];
+    for (int e = threadIdx.x; e < n * kD; e += blockDim.x) {
+      const int r = e / kD, col = e % kD;
+      Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * __expf(b_last - sb[r]));
+      Qb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Qb[r * kLdD + col]) * a.scale * __expf(sb[r]));
+    }
+    __syncthreads();
+    {
+      Tile<64, 64> dd;
+      dd.zero();
+      dd.mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);
+      dd.mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
+      dd.each([&](int r, int j, float& x) {
+        nDb[r * kLdC + j] = __float2bfloat16(-x);
+        if (r < n) a.ddelta[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(x);
+      });
+    }
+    __syncthreads();
+    const float e_last = __expf(b_last);
+    dS.each([&](int, int, float& x) { x *= e_last; });
+    dS.mma<true, true>(Qb, kLdD, dOb, kLdC, kChunk);
+    dS.mma<true, true>(Wb, kLdD, nDb, kLdC, kChunk);
+    __syncthreads();
+  }
+}
+
+// Per chunk and value head (parallel): §3.5 steps 5-7 with H = H[c], dH = dH[c], Delta, dDelta from the scans.
+constexpr size_t kChunkBwdSmem = sizeof(bf16) * (6 * kChunk * kLdD + 2 * kD * kLdD + 3 * kChunk * kLdC) +
+                                 sizeof(float) * (2 * kChunk + 10 * kChunk + 2 * kChunk + 32);
+__global__ void __launch_bounds__(kThreads, 1) chunk_backward_kernel(ChunkArgs a) {
+  ChunkLoc c;
+  const int64_t id = blockIdx.x;
+  if (!locate_chunk(a.offsets, a.cu, a.docs, a.tokens, id, c)) return;
+  const int64_t h = blockIdx.y, kh = h / a.group, t0 = c.t0;
+  const int n = c.n;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Qb = reinterpret_cast<bf16*>(smem);  // (64, kLdD) each
+  bf16* Kb = Qb + kChunk * kLdD;
+  bf16* Vb = Kb + kChunk * kLdD;
+  bf16* Db = Vb + kChunk * kLdD;    // Delta; later kk (fp32, 64 x kLdF)
+  bf16* dOb = Db + kChunk * kLdD;   // dO; later dL (fp32, 64 x kLdF)
+  bf16* dDb = dOb + kChunk * kLdD;  // dDelta = dU
+  bf16* Hb = dDb + kChunk * kLdD;   // (128, kLdD) H; later Kbe, Vbe (two (64, kLdD))
+  bf16* dHb = Hb + kD * kLdD;       // (128, kLdD) dH; later dW (64, kLdD)
+  bf16* Pt = dHb + kD * kLdD;       // (64, kLdC) P~; later X = R^T dR
+  bf16* Rb = Pt + kChunk * kLdC;    // (64, kLdC) R
+  bf16* dRb = Rb + kChunk * kLdC;   // (64, kLdC) dR; later B + B^T
+  float* sb = reinterpret_cast<float*>(dRb + kChunk * kLdC);
+  float* sbeta = sb + kChunk;
+  float* partA = sbeta + kChunk;     // (2, 64) <dQ, q>
+  float* partB = partA + 2 * kChunk; // (2, 64) gamma <Delta dH^T, k>
+  float* partC = partB + 2 * kChunk; // (2, 64) <dK5, k>
+  float* partD = partC + 2 * kChunk; // (2, 64) <k, dKbe>
+  float* partE = partD + 2 * kChunk; // (2, 64) <v, dVbe>
+  float* db = partE + 2 * kChunk;    // (64)
+  float* dbeta = db + kChunk;        // (64)
+  float* red = dbeta + kChunk;       // (32)
+  float* kkf = reinterpret_cast<float*>(Db);
+  float* dLf = reinterpret_cast<float*>(dOb);
+  bf16* Kbe = Hb;
+  bf16* Vbe = Hb + kChunk * kLdD;
+  bf16* dWb = dHb;
+  bf16* Xb = Pt;
+  bf16* Bs = dRb;
+
+  load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+  load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+  load_tile<kD>(Vb, kLdD, a.v, t0, n, a.hv, h, kD, 0);
+  load_tile<kD>(Db, kLdD, a.delta, t0, n, a.hv, h, kD, 0);
+  load_tile<kD>(dOb, kLdD, a.d_o, t0, n, a.hv, h, kD, 0);
+  load_tile<kD>(dDb, kLdD, a.ddelta, t0, n, a.hv, h, kD, 0);
+  load_tile<kChunk>(Rb, kLdC, a.r, t0, n, a.hv, h, kChunk, 0);
+  load_state(Hb, a.hs + (id * a.hv + h) * kD * kD);
+  load_state(dHb, a.dhs + (id * a.hv + h) * kD * kD);
+  if (threadIdx.x < kChunk) {
+    const int r = threadIdx.x;
+    sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
+    sbeta[r] = r < n ? __bfloat162float(a.beta[(t0 + r) * a.hv + h]) : 0.0f;
+  }
+  __syncthreads();
+  const float b_last = sb[n - 1], s = a.scale;
+  // <H, dH>_F (fixed-order block reduction).
+  float hdh = 0;
+  for (int e = threadIdx.x; e < kD * kD; e += blockDim.x) {
+    const int i = e / kD, j = e % kD;
+    hdh += __bfloat162float(Hb[i * kLdD + j]) * __bfloat162float(dHb[i * kLdD + j]);
+  }
+  hdh = block_reduce<float, false>(hdh, red);
+  {  // P~ = s tril(dO Delta^T Gamma)
+    Tile<64, 64> m;
+    m.zero();
+    m.mma<false, false>(dOb, kLdD, Db, kLdD, kD);
+    m.each([&](int r, int i, float& x) {
+      Pt[r * kLdC + i] = __float2bfloat16((i <= r && r < n) ? s * x * __expf(sb[r] - sb[i]) : 0.0f);
+    });
+  }
+  __syncthreads();
+  {  // dQ = s e^b (dO H^T) + P~ K
+    Tile<64, 128> dq;
+    dq.zero();
+    dq.mma<false, false>(dOb, kLdD, Hb, kLdD, kD);
+    dq.each([&](int r, int, float& x) { x *= s * __expf(sb[r]); });
+    dq.mma<false, true>(Pt, kLdC, Kb, kLdD, kChunk);
+    dq.each([&](int r, int i, float& x) {
+      if (r < n) a.dqh[((t0 + r) * a.hv + h) * kD + i] = x;
+    });
+    dq.row_sums(partA, [&](int r, int i, float x) { return x * __bfloat162float(Qb[r * kLdD + i]); });
+  }
+  Tile<64, 128> dk;  // dK, accumulated through steps 5 and 6
+  dk.zero();
+  dk.mma<false, false>(Db, kLdD, dHb, kLdD, kD);
+  dk.row_sums(partB, [&](int r, int i, float x) {
+    return __expf(b_last - sb[r]) * x * __bfloat162float(Kb[r * kLdD + i]);
+  });
+  dk.each([&](int r, int, float& x) { x *= __expf(b_last - sb[r]); });
+  dk.mma<true, true>(Pt, kLdC, Qb, kLdD, kChunk);
+  dk.row_sums(partC, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
+  Tile<64, 128> dw;  // dW = -dDelta H^T
+  dw.zero();
+  dw.mma<false, false>(dDb, kLdD, Hb, kLdD, kD);
+  __syncthreads();  // H, dH, Delta, dO are dead from here
+  dw.each([&](int r, int i, float& x) { dWb[r * kLdD + i] = __float2bfloat16(-x); });
+  for (int e = threadIdx.x; e < kChunk * kD; e += blockDim.x) {
+    const int r = e / kD, col = e % kD;
+    Kbe[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * sbeta[r] * __expf(sb[r]));
+    Vbe[r * kLdD + col] = __float2bfloat16(__bfloat162float(Vb[r * kLdD + col]) * sbeta[r]);
+  }
+  {
+    Tile<64, 64> kk;
+    kk.zero();
+    kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
+    kk.each([&](int r, int c2, float& x) { kkf[r * kLdF + c2] = x; });
+  }
+  __syncthreads();
+  {  // dR = dW Kbe^T + dU Vbe^T
+    Tile<64, 64> dr;
+    dr.zero();
+    dr.mma<false, false>(dWb, kLdD, Kbe, kLdD, kD);
+    dr.mma<false, false>(dDb, kLdD, Vbe, kLdD, kD);
+    dr.each([&](int r, int c2, float& x) { dRb[r * kLdC + c2] = __float2bfloat16(x); });
+  }
+  {  // dKbe = R^T dW: dK += beta e^b dKbe
+    Tile<64, 128> t;
+    t.zero();
+    t.mma<true, true>(Rb, kLdC, dWb, kLdD, kChunk);
+    t.row_sums(partD, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
+    dk.add_rows(t, [&](int r) { return sbeta[r] * __expf(sb[r]); });
+  }
+  {  // dVbe = R^T dU: dV = beta dVbe
+    Tile<64, 128> t;
+    t.zero();
+    t.mma<true, true>(Rb, kLdC, dDb, kLdD, kChunk);
+    t.row_sums(partE, [&](int r, int i, float x) { return x * __bfloat162float(Vb[r * kLdD + i]); });
+    t.each([&](int r, int i, float& x) {
+      if (r < n) a.dv[((t0 + r) * a.hv + h) * kD + i] = __float2bfloat16(sbeta[r] * x);
+    });
+  }
+  __syncthreads();
+  {  // X = R^T dR
+    Tile<64, 64> x;
+    x.zero();
+    x.mma<true, true>(Rb, kLdC, dRb, kLdC, kChunk);
+    x.each([&](int r, int c2, float& v) { Xb[r * kLdC + c2] = __float2bfloat16(v); });
+  }
+  __syncthreads();
+  {  // dL = -tril_-1(X R^T)
+    Tile<64, 64> y;
+    y.zero();
+    y.mma<false, false>(Xb, kLdC, Rb, kLdC, kChunk);
+    y.each([&](int r, int c2, float& v) { dLf[r * kLdF + c2] = (c2 < r && r < n) ? -v : 0.0f; });
+  }
+  __syncthreads();
+  // B = diag(beta) (dL Gamma); Bs = B + B^T; per-row dbeta and db.
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
+    const int r = e / kChunk, c2 = e % kChunk;
+    float v = 0;
+    if (c2 < r) v = sbeta[r] * dLf[r * kLdF + c2] * __expf(sb[r] - sb[c2]);
+    else if (r < c2) v = sbeta[c2] * dLf[c2 * kLdF + r] * __expf(sb[c2] - sb[r]);
+    Bs[r * kLdC + c2] = __float2bfloat16(v);
+  }
+  if (threadIdx.x < kChunk) {
+    const int r = threadIdx.x;
+    const float er = __expf(sb[r]);
+    const float kdkbe = partD[r] + partD[kChunk + r];
+    float dbe = er * kdkbe + partE[r] + partE[kChunk + r];
+    float dbr = (partA[r] + partA[kChunk + r]) - (partC[r] + partC[kChunk + r]) + sbeta[r] * er * kdkbe;
+    for (int c2 = 0; c2 < r; ++c2) {  // L_rc = beta_r kk_rc Gamma_rc
+      const float gam = __expf(sb[r] - sb[c2]);
+      dbe += dLf[r * kLdF + c2] * gam * kkf[r * kLdF + c2];
+      dbr += dLf[r * kLdF + c2] * sbeta[r] * kkf[r * kLdF + c2] * gam;
+    }
+    for (int c2 = r + 1; c2 < n; ++c2) dbr -= dLf[c2 * kLdF + r] * sbeta[c2] * kkf[c2 * kLdF + r] * __expf(sb[c2] - sb[r]);
+    dbeta[r] = dbe;
+    db[r] = dbr;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // last row: e^{b_n} <H, dH> + sum_i gamma_i <(Delta dH^T)_i, k_i>; then dg = reverse cumsum
+    float last = __expf(b_last) * hdh;
+    for (int r = 0; r < n; ++r) last += partB[r] + partB[kChunk + r];
+    db[n - 1] += last;
+    float acc = 0;
+    for (int r = n - 1; r >= 0; --r) {
+      acc += db[r];
+      a.dg[(t0 + r) * a.hv + h] = __float2bfloat16(acc);
+      a.dbeta[(t0 + r) * a.hv + h] = __float2bfloat16(dbeta[r]);
+    }
+  }
+  dk.mma<false, true>(Bs, kLdC, Kb, kLdD, kChunk);
+  dk.each([&](int r, int i, float& x) {
+    if (r < n) a.dkh[((t0 + r) * a.hv + h) * kD + i] = x;
+  });
+}
+
+template <typename K> void allow_smem(K kernel, size_t bytes) {
+  LATHE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// ------------------------------------------------------------------------------------------------ workspace
+struct Carve {
+  char* p;
+  size_t used = 0;
+  template <typename T> T* take(size_t count) {
+    T* r = reinterpret_cast<T*>(p ? p + used : nullptr);
+    used += (count * sizeof(T) + 255) / 256 * 256;
+    return r;
+  }
+};
+
+struct ChunkScratch {
+  int32_t* offsets;
+  float* b;
+  bf16 *w, *u, *r, *hs, *dhs, *delta, *ddelta;
+  float *dqh, *dkh;
+};
+ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
+  const size_t th = size_t(s.tokens * s.v_heads), mc = size_t(max_chunks(s) * s.v_heads);
+  ChunkScratch x{};
+  x.offsets = c.take<int32_t>(size_t(s.docs + 1));
+  x.b = c.take<float>(th);
+  x.w = c.take<bf16>(th * kD);
+  x.u = c.take<bf16>(th * kD);
+  if (backward) {
+    x.r = c.take<bf16>(th * kChunk);
+    x.hs = c.take<bf16>(mc * kD * kD);
+    x.dhs = c.take<bf16>(mc * kD * kD);
+    x.delta = c.take<bf16>(th * kD);
+    x.ddelta = c.take<bf16>(th * kD);
+    x.dqh = c.take<float>(th * kD);
+    x.dkh = c.take<float>(th * kD);
+  }
+  return x;
+}
+
+struct RecurrentScratch {
+  int32_t* offsets;
+  float *ckpt, *tok, *us, *dqh, *dkh;
+  int blocks;
+};
+RecurrentScratch carve_recurrent(Carve& c, const GdnShape& s) {
+  const int64_t ss = s.k_dim * s.v_dim, pairs = s.docs * s.v_heads;
+  RecurrentScratch x{};
+  x.blocks = int(std::min<int64_t>(pairs, ss >= 64 * 64 ? 128 : 1024));
+  x.offsets = c.take<int32_t>(size_t(s.docs + 1));
+  x.ckpt = c.take<float>(size_t(max_chunks(s) * s.v_heads * ss));
+  x.tok = c.take<float>(size_t(x.blocks) * size_t((kCkpt + 1) * ss));
+  x.us = c.take<float>(size_t(x.blocks) * size_t(kCkpt * s.v_dim));
+  x.dqh = c.take<float>(size_t(s.tokens * s.v_heads * s.k_dim));
+  x.dkh = c.take<float>(size_t(s.tokens * s.v_heads * s.k_dim));
+  return x;
+}
+
+ChunkArgs chunk_args(const GdnShape& s, const void* q, const void* k, const void* v, const void* g, const void* beta,
+                     const int32_t* cu, const ChunkScratch& x) {
+  ChunkArgs a{};
+  a.tokens = s.tokens;
+  a.docs = s.docs;
+  a.hk = s.k_heads;
+  a.hv = s.v_heads;
+  a.group = s.v_heads / s.k_heads;
+  a.scale = s.scale;
+  a.cu = cu;
+  a.offsets = x.offsets;
+  a.q = static_cast<const bf16*>(q);
+  a.k = static_cast<const bf16*>(k);
+  a.v = static_cast<const bf16*>(v);
+  a.g = static_cast<const bf16*>(g);
+  a.beta = static_cast<const bf16*>(beta);
+  a.b = x.b;
+  a.w = x.w;
+  a.u = x.u;
+  a.r = x.r;
+  a.hs = x.hs;
+  a.dhs = x.dhs;
+  a.delta = x.delta;
+  a.ddelta = x.ddelta;
+  a.dqh = x.dqh;
+  a.dkh = x.dkh;
+  return a;
+}
+
+void launch_offsets(const GdnShape& s, const int32_t* cu, int32_t* offsets, cudaStream_t stream) {
+  chunk_offsets_kernel<<<1, 32, 0, stream>>>(cu, s.docs, s.tokens, offsets);
+  LATHE_CUDA_LAUNCH_CHECK("gdn chunk_offsets_kernel");
+}
+
+void launch_prep(const ChunkArgs& a, const GdnShape& s, bool store_r, cudaStream_t stream) {
+  allow_smem(prep_kernel, kPrepSmem);
+  prep_kernel<<<dim3(unsigned(max_chunks(s)), unsigned(s.v_heads)), kThreads, kPrepSmem, stream>>>(a, store_r);
+  LATHE_CUDA_LAUNCH_CHECK("gdn prep_kernel");
+}
+
+RecurrentArgs recurrent_args(const GdnShape& s, const int32_t* cu) {
+  return RecurrentArgs{s.tokens, s.docs, s.k_heads, s.v_heads, s.v_heads / s.k_heads, s.k_dim, s.v_dim, s.scale, cu};
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ launchers
+void launch_sigmoid(DType dtype, int64_t n, const void* x, void* y, cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    sigmoid_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, static_cast<const T*>(x), static_cast<T*>(y));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("sigmoid_kernel");
+}
+
+void launch_sigmoid_backward(DType dtype, int64_t n, const void* y, const void* dy, void* dx, cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    sigmoid_backward_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+        n, static_cast<const T*>(y), static_cast<const T*>(dy), static_cast<T*>(dx));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("sigmoid_backward_kernel");
+}
+
+void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, const void* x,
+                          const void* w, const int32_t* cu, void* y, cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    conv_kernel<T><<<grid_for(tokens * channels, kThreads), kThreads, 0, stream>>>(
+        tokens, channels, width, docs, static_cast<const T*>(x), static_cast<const T*>(w), cu, static_cast<T*>(y));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_kernel");
+}
+
+void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs,
+                                   const void* x, const void* w, const void* dy, const int32_t* cu, void* dx, void* dw,
+                                   cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    conv_dx_kernel<T><<<grid_for(tokens * channels, kThreads), kThreads, 0, stream>>>(
+        tokens, channels, width, docs, static_cast<const T*>(w), static_cast<const T*>(dy), cu, static_cast<T*>(dx));
+    LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
+    conv_dw_kernel<T><<<unsigned((channels + 31) / 32), dim3(32, 8), 0, stream>>>(
+        tokens, channels, width, docs, static_cast<const T*>(x), static_cast<const T*>(dy), cu, static_cast<T*>(dw));
+    LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_kernel");
+  });
+}
+
+void launch_gdn_decay(DType dtype, int64_t tokens, int64_t heads, const void* a, const void* a_log,
+                      const void* dt_bias, void* g, cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    decay_kernel<T><<<grid_for(tokens * heads, kThreads), kThreads, 0, stream>>>(
+        tokens, heads, static_cast<const T*>(a), static_cast<const T*>(a_log), static_cast<const T*>(dt_bias),
+        static_cast<T*>(g));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("gdn_decay_kernel");
+}
+
+void launch_gdn_decay_backward(DType dtype, int64_t tokens, int64_t heads, const void* a, const void* a_log,
+                               const void* dt_bias, const void* dg, void* da, void* d_a_log, void* d_dt_bias,
+                               cudaStream_t stream) {
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    decay_backward_kernel<T><<<unsigned(heads), kThreads, 0, stream>>>(
+        tokens, heads, static_cast<const T*>(a), static_cast<const T*>(a_log), static_cast<const T*>(dt_bias),
+        static_cast<const T*>(dg), static_cast<T*>(da), static_cast<T*>(d_a_log), static_cast<T*>(d_dt_bias));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("gdn_decay_backward_kernel");
+}
+
+bool gdn_chunked_supported(DType dtype, int64_t k_dim, int64_t v_dim) {
+  return dtype == DType::BF16 && k_dim == kD && v_dim == kD;
+}
+
+size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s) {
+  Carve c{nullptr};
+  if (chunked) carve_chunked(c, s, false);
+  return c.used;
+}
+
+size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s) {
+  Carve c{nullptr};
+  if (chunked) carve_chunked(c, s, true);
+  else carve_recurrent(c, s);
+  return c.used;
+}
+
+void launch_gated_delta_rule(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
+                             const void* g, const void* beta, const int32_t* cu, void* o, void* workspace,
+                             cudaStream_t stream) {
+  if (s.tokens == 0) return;
+  if (chunked) {
+    Carve c{static_cast<char*>(workspace)};
+    const ChunkScratch x = carve_chunked(c, s, false);
+    ChunkArgs a = chunk_args(s, q, k, v, g, beta, cu, x);
+    a.o = static_cast<bf16*>(o);
+    launch_offsets(s, cu, x.offsets, stream);
+    launch_prep(a, s, false, stream);
+    allow_smem(scan_forward_kernel<false>, kScanSmem);
+    scan_forward_kernel<false><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile), kThreads, kScanSmem,
+                                 stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
+    return;
+  }
+  const size_t smem = sizeof(float) * size_t(s.k_dim * s.v_dim + 2 * s.k_dim + s.v_dim);
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    allow_smem(recurrent_forward_kernel<T>, smem);
+    recurrent_forward_kernel<T><<<dim3(unsigned(s.docs), unsigned(s.v_heads)), kThreads, smem, stream>>>(
+        recurrent_args(s, cu), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+        static_cast<const T*>(g), static_cast<const T*>(beta), static_cast<T*>(o));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("gdn recurrent_forward_kernel");
+}
+
+void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
+                                      const void* g, const void* beta, const void* d_o, const int32_t* cu, void* dq,
+                                      void* dk, void* dv, void* dg, void* dbeta, void* workspace,
+                                      cudaStream_t stream) {
+  if (s.tokens == 0) return;
+  Carve c{static_cast<char*>(workspace)};
+  const int64_t group = s.v_heads / s.k_heads;
+  const float* dqh = nullptr;
+  const float* dkh = nullptr;
+  if (chunked) {
+    const ChunkScratch x = carve_chunked(c, s, true);
+    ChunkArgs a = chunk_args(s, q, k, v, g, beta, cu, x);
+    a.d_o = static_cast<const bf16*>(d_o);
+    a.dv = static_cast<bf16*>(dv);
+    a.dg = static_cast<bf16*>(dg);
+    a.dbeta = static_cast<bf16*>(dbeta);
+    launch_offsets(s, cu, x.offsets, stream);
+    launch_prep(a, s, true, stream);
+    const dim3 scan_grid(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile);
+    allow_smem(scan_forward_kernel<true>, kScanSmem);
+    scan_forward_kernel<true><<<scan_grid, kThreads, kScanSmem, stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel (states)");
+    allow_smem(scan_backward_kernel, kScanBwdSmem);
+    scan_backward_kernel<<<scan_grid, kThreads, kScanBwdSmem, stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
+    allow_smem(chunk_backward_kernel, kChunkBwdSmem);
+    chunk_backward_kernel<<<dim3(unsigned(max_chunks(s)), unsigned(s.v_heads)), kThreads, kChunkBwdSmem, stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_kernel");
+    dqh = x.dqh;
+    dkh = x.dkh;
+  } else {
+    const RecurrentScratch x = carve_recurrent(c, s);
+    launch_offsets(s, cu, x.offsets, stream);
+    const size_t smem = sizeof(float) * size_t(s.k_dim * s.v_dim + 2 * s.k_dim + 3 * s.v_dim);
+    dispatch_float(dtype, [&](auto tag) {
+      using T = decltype(tag);
+      allow_smem(recurrent_backward_kernel<T>, smem);
+      recurrent_backward_kernel<T><<<unsigned(x.blocks), kThreads, smem, stream>>>(
+          recurrent_args(s, cu), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+          static_cast<const T*>(g), static_cast<const T*>(beta), static_cast<const T*>(d_o), x.offsets, x.ckpt, x.tok,
+          x.us, x.dqh, x.dkh, static_cast<T*>(dv), static_cast<T*>(dg), static_cast<T*>(dbeta));
+    });
+    LATHE_CUDA_LAUNCH_CHECK("gdn recurrent_backward_kernel");
+    dqh = x.dqh;
+    dkh = x.dkh;
+  }
+  dispatch_float(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t n = s.tokens * s.k_heads * s.k_dim;
+    group_sum_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(s.tokens, s.k_heads, group, s.k_dim, dqh,
+                                                                         static_cast<T*>(dq));
+    group_sum_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(s.tokens, s.k_heads, group, s.k_dim, dkh,
+                                                                         static_cast<T*>(dk));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("gdn group_sum_kernel");
+}
+
+}  // namespace lathe::cuda
