@@ -221,13 +221,26 @@ __global__ void conv_dw_kernel(int64_t tokens, int64_t ch, int64_t width, int64_
 
 // ------------------------------------------------------------------------------- delta rule: shared pieces
 // Sum over each group of value heads: out (T, H_k, d) = sum_{h in group} src (T, H_v, d), in head order.
+// Rows of `dim` values: output row (t, k) sums the `group` consecutive source rows (t, k * group + j).
 template <typename T>
 __global__ void group_sum_kernel(int64_t tokens, int64_t hk, int64_t group, int64_t dim, const float* src, T* out) {
   const int64_t n = tokens * hk * dim;
+  if (dim % 4 == 0) {  // float4 reads
+    for (int64_t i = 4 * (blockIdx.x * int64_t(blockDim.x) + threadIdx.x); i < n; i += 4 * int64_t(gridDim.x) * blockDim.x) {
+      const int64_t d = i % dim, row = i / dim;  // row = t * hk + k; its first source row is row * group
+      float4 s = make_float4(0, 0, 0, 0);
+      for (int64_t j = 0; j < group; ++j) {
+        const float4 x = *reinterpret_cast<const float4*>(src + (row * group + j) * dim + d);
+        s.x += x.x, s.y += x.y, s.z += x.z, s.w += x.w;
+      }
+      store(out, i, s.x), store(out, i + 1, s.y), store(out, i + 2, s.z), store(out, i + 3, s.w);
+    }
+    return;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t d = i % dim, th = i / dim, t = th / hk, k = th % hk;
+    const int64_t d = i % dim, row = i / dim;
     float s = 0;
-    for (int64_t j = 0; j < group; ++j) s += src[((t * hk * group) + k * group + j) * dim + d];
+    for (int64_t j = 0; j < group; ++j) s += src[(row * group + j) * dim + d];
     store(out, i, s);
   }
 }
@@ -526,25 +539,47 @@ template <int M, int N> struct Tile {
   }
 };
 
-// Copies rows [t0, t0 + n) of head `head` of a (T, heads, width) bf16 tensor, columns [col0, col0 + COLS), into a
-// (64, ld) shared tile; rows n..63 are zero. 16-byte vectors.
+// 16-byte asynchronous copy global -> shared; with valid == false the 16 bytes are zero-filled (nothing is read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+// Waits for every cp.async this thread issued; a barrier must follow before other threads read the data.
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+// Starts copying rows [t0, t0 + n) of head `head` of a (T, heads, width) bf16 tensor, columns [col0, col0 + COLS),
+// into a (64, ld) shared tile; rows n..63 become zero. Complete with cp_async_wait_all() and a barrier.
 template <int COLS>
 __device__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n, int64_t heads, int64_t head,
                           int64_t width, int col0) {
   constexpr int kVec = COLS / 8;
   for (int e = threadIdx.x; e < kChunk * kVec; e += blockDim.x) {
     const int r = e / kVec, c = (e % kVec) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r < n) val = *reinterpret_cast<const uint4*>(src + ((t0 + r) * heads + head) * width + col0 + c);
-    *reinterpret_cast<uint4*>(dst + r * ld + c) = val;
+    const bf16* p = r < n ? src + ((t0 + r) * heads + head) * width + col0 + c : src;
+    cp_async16(dst + r * ld + c, p, r < n);
   }
 }
 
-// (128, 128) bf16 state block from global (row stride 128) into shared (row stride kLdD).
+// Starts copying a (128, 128) bf16 state block from global (row stride 128) into shared (row stride kLdD).
 __device__ void load_state(bf16* dst, const bf16* src) {
   for (int e = threadIdx.x; e < kD * kD / 8; e += blockDim.x) {
     const int r = e / (kD / 8), c = (e % (kD / 8)) * 8;
-    *reinterpret_cast<uint4*>(dst + r * kLdD + c) = *reinterpret_cast<const uint4*>(src + r * kD + c);
+    cp_async16(dst + r * kLdD + c, src + r * kD + c, true);
+  }
+}
+
+// Copies rows [0, n) x COLS of a shared tile (row stride ld) to rows [t0, t0 + n) of head `head` of a
+// (T, heads, width) bf16 tensor at column col0 (16-byte vectors; the caller synchronises before).
+template <int COLS>
+__device__ void store_tile(bf16* dst, int64_t t0, int n, int64_t heads, int64_t head, int64_t width, int col0,
+                           const bf16* src, int ld) {
+  constexpr int kVec = COLS / 8;
+  for (int e = threadIdx.x; e < n * kVec; e += blockDim.x) {
+    const int r = e / kVec, c = (e % kVec) * 8;
+    *reinterpret_cast<uint4*>(dst + ((t0 + r) * heads + head) * width + col0 + c) =
+        *reinterpret_cast<const uint4*>(src + r * ld + c);
   }
 }
 
@@ -643,7 +678,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   float* sbeta = sb + kChunk;
   load_tile<kD>(Kb, kLdD, a.k, c.t0, c.n, a.hk, kh, kD, 0);
   load_tile<kD>(Vb, kLdD, a.v, c.t0, c.n, a.hv, h, kD, 0);
-  chunk_gates(a, c.t0, c.n, h, sb, sbeta);
+  cp_async_wait_all();
+  chunk_gates(a, c.t0, c.n, h, sb, sbeta);  // starts with a barrier
   if (threadIdx.x < c.n) a.b[(c.t0 + threadIdx.x) * a.hv + h] = sb[threadIdx.x];
   {
     Tile<64, 64> kk;
@@ -673,17 +709,17 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
       const int r = e / kChunk, s = e % kChunk;
       a.r[((t0 + r) * a.hv + h) * kChunk + s] = Rb[r * kLdC + s];
     }
-  Tile<64, 128> wt;
+  Tile<64, 128> wt, ut;
   wt.zero();
   wt.mma<false, true>(Rb, kLdC, Kb, kLdD, kChunk);
-  wt.each([&](int r, int col, float& x) {
-    if (r < n) a.w[((t0 + r) * a.hv + h) * kD + col] = __float2bfloat16(x);
-  });
-  wt.zero();
-  wt.mma<false, true>(Rb, kLdC, Vb, kLdD, kChunk);
-  wt.each([&](int r, int col, float& x) {
-    if (r < n) a.u[((t0 + r) * a.hv + h) * kD + col] = __float2bfloat16(x);
-  });
+  ut.zero();
+  ut.mma<false, true>(Rb, kLdC, Vb, kLdD, kChunk);
+  __syncthreads();  // staged through Kb, Vb for 16-byte stores
+  wt.each([&](int r, int col, float& x) { Kb[r * kLdD + col] = __float2bfloat16(x); });
+  ut.each([&](int r, int col, float& x) { Vb[r * kLdD + col] = __float2bfloat16(x); });
+  __syncthreads();
+  store_tile<kD>(a.w, t0, n, a.hv, h, kD, 0, Kb, kLdD);
+  store_tile<kD>(a.u, t0, n, a.hv, h, kD, 0, Vb, kLdD);
 }
 
 // The forward state scan over the chunks of one (document, value head, 64 columns of d_v); the state lives in
@@ -717,13 +753,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       const int r = threadIdx.x;
       sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
     }
-    bf16* hs = kStates ? a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD : nullptr;
-    S.each([&](int i, int j, float& x) {
-      const bf16 y = __float2bfloat16(x);
-      Sb[i * kLdC + j] = y;
-      if (kStates) hs[i * kD + jv0 + j] = y;
-    });
+    S.each([&](int i, int j, float& x) { Sb[i * kLdC + j] = __float2bfloat16(x); });
+    cp_async_wait_all();
     __syncthreads();
+    if (kStates)  // H[c], 16-byte stores
+      store_tile<kVTile>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
     {
       Tile<64, 64> d;
       d.zero();
@@ -731,7 +765,6 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       d.each([&](int r, int j, float& x) {
         const float y = __bfloat162float(Ub[r * kLdC + j]) - x;
         Db[r * kLdC + j] = __float2bfloat16(y);
-        if (kStates && r < n) a.delta[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(y);
       });
     }
     if (!kStates) {
@@ -743,10 +776,14 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
+    if (kStates) store_tile<kVTile>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);
     const float b_last = sb[n - 1];
-    for (int e = threadIdx.x; e < n * kD; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
-      const int r = e / kD, col = e % kD;
-      Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * __expf(b_last - sb[r]));
+    for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
+      const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
+      const float2 f = __bfloat1622float2(*p);
+      const float m = __expf(b_last - sb[r]);
+      *p = __floats2bfloat162_rn(f.x * m, f.y * m);
     }
     if (!kStates) {
       Tile<64, 64> o;
@@ -797,13 +834,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
     load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
     if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
-    bf16* dhs = a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD;
-    dS.each([&](int i, int j, float& x) {
-      const bf16 y = __float2bfloat16(x);
-      dSb[i * kLdC + j] = y;
-      dhs[i * kD + jv0 + j] = y;
-    });
+    dS.each([&](int i, int j, float& x) { dSb[i * kLdC + j] = __float2bfloat16(x); });
+    cp_async_wait_all();
     __syncthreads();
+    store_tile<kVTile>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
     {
       Tile<64, 64> p;
       p.zero();
@@ -815,10 +849,14 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     }
     __syncthreads();
     const float b_last = sb[n - 1];
-    for (int e = threadIdx.x; e < n * kD; e += blockDim.x) {
-      const int r = e / kD, col = e % kD;
-      Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * __expf(b_last - sb[r]));
-      Qb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Qb[r * kLdD + col]) * a.scale * __expf(sb[r]));
+    for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {
+      const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
+      __nv_bfloat162* pk = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
+      __nv_bfloat162* pq = reinterpret_cast<__nv_bfloat162*>(Qb + r * kLdD + col);
+      const float2 fk = __bfloat1622float2(*pk), fq = __bfloat1622float2(*pq);
+      const float mk = __expf(b_last - sb[r]), mq = a.scale * __expf(sb[r]);
+      *pk = __floats2bfloat162_rn(fk.x * mk, fk.y * mk);
+      *pq = __floats2bfloat162_rn(fq.x * mq, fq.y * mq);
     }
     __syncthreads();
     {
@@ -888,6 +926,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_backward_kernel(ChunkArgs a
   load_tile<kChunk>(Rb, kLdC, a.r, t0, n, a.hv, h, kChunk, 0);
   load_state(Hb, a.hs + (id * a.hv + h) * kD * kD);
   load_state(dHb, a.dhs + (id * a.hv + h) * kD * kD);
+  cp_async_wait_all();
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
     sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
