@@ -10,8 +10,9 @@
 //                scan (per document, value head, half of d_v): the state in fp32 registers; per chunk
 //                Delta = U - W S, O = s [e^b Q S + tril(Q K^T Gamma) Delta], S = e^{b_n} S + (Gamma_n K)^T Delta.
 //      backward: prep again (also saving R), the forward scan saving the chunk-start states H[c] and Delta, a
-//                reverse scan (dS in registers) saving dH[c] and dDelta, then per chunk and value head (parallel)
-//                dq, dk, dv, dbeta, dg through the output, state and WY terms (§3.5 steps 5-7).
+//                reverse scan (dS in registers) saving dH[c] and dDelta, then per chunk and value head (parallel,
+//                two kernels of two blocks per SM each) dq, dk, dv, dbeta, dg through the output and state terms and
+//                through the WY form (§3.5 steps 5-7). Intermediates (W, U, R, H, dH, Delta) are bf16 as in fla.
 //  * recurrent, every other dtype / dim: one block per (document, value head) walks the tokens with the state
 //    (d_k x d_v fp32) in shared memory; the backward recomputes states from checkpoints every 64 tokens.
 // GQA: value head h reads key head h / (H_v / H_k); dq and dk are first written per value head (fp32 scratch)
@@ -562,14 +563,6 @@ __device__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n,
   }
 }
 
-// Starts copying a (128, 128) bf16 state block from global (row stride 128) into shared (row stride kLdD).
-__device__ void load_state(bf16* dst, const bf16* src) {
-  for (int e = threadIdx.x; e < kD * kD / 8; e += blockDim.x) {
-    const int r = e / (kD / 8), c = (e % (kD / 8)) * 8;
-    cp_async16(dst + r * kLdD + c, src + r * kD + c, true);
-  }
-}
-
 // Copies rows [0, n) x COLS of a shared tile (row stride ld) to rows [t0, t0 + n) of head `head` of a
 // (T, heads, width) bf16 tensor at column col0 (16-byte vectors; the caller synchronises before).
 template <int COLS>
@@ -595,6 +588,8 @@ struct ChunkArgs {
   bf16 *hs, *dhs;    // (chunks, H_v, 128, 128): chunk-start states, gradients of chunk-end states
   bf16 *delta, *ddelta;  // (T, H_v, 128)
   float *dqh, *dkh;  // (T, H_v, 128)
+  bf16* dw;          // (T, H_v, 128) dW = -dDelta H^T
+  float* dbp;        // (T, H_v) the step-5 part of db
   bf16 *o, *dv, *dg, *dbeta;
 };
 
@@ -691,10 +686,14 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
     });
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < kChunk * kD; e += blockDim.x) {  // K <- diag(beta e^b) K, V <- diag(beta) V
-    const int r = e / kD, col = e % kD;
-    Kb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * sbeta[r] * __expf(sb[r]));
-    Vb[r * kLdD + col] = __float2bfloat16(__bfloat162float(Vb[r * kLdD + col]) * sbeta[r]);
+  for (int e = threadIdx.x; e < c.n * kD / 2; e += blockDim.x) {  // K <- diag(beta e^b) K, V <- diag(beta) V
+    const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
+    __nv_bfloat162* pk = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
+    __nv_bfloat162* pv = reinterpret_cast<__nv_bfloat162*>(Vb + r * kLdD + col);
+    const float2 fk = __bfloat1622float2(*pk), fv = __bfloat1622float2(*pv);
+    const float mk = sbeta[r] * __expf(sb[r]), mv = sbeta[r];
+    *pk = __floats2bfloat162_rn(fk.x * mk, fk.y * mk);
+    *pv = __floats2bfloat162_rn(fv.x * mv, fv.y * mv);
   }
   solve_unit_lower(Lf, Rf, X);  // starts and ends with a barrier
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
@@ -745,10 +744,14 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
   const int64_t first_chunk = a.offsets[doc];
   for (int64_t t0 = sp.start, ci = 0; t0 < sp.end; t0 += kChunk, ++ci) {
     const int n = int(min(int64_t(kChunk), sp.end - t0));
-    load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
-    load_tile<kVTile>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
+    const int64_t t_next = t0 + kChunk;
+    const int n_next = int(min(int64_t(kChunk), sp.end - t_next));  // <= 0: no next chunk
+    if (ci == 0) {  // later chunks' W, U and Q were prefetched during the previous chunk
+      load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
+      load_tile<kVTile>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
+      if (!kStates) load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+    }
     load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
-    if (!kStates) load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
     if (threadIdx.x < kChunk) {
       const int r = threadIdx.x;
       sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
@@ -776,6 +779,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
+    if (n_next > 0) {  // W and U are consumed: prefetch the next chunk's
+      load_tile<kD>(Wb, kLdD, a.w, t_next, n_next, a.hv, h, kD, 0);
+      load_tile<kVTile>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
+    }
     if (kStates) store_tile<kVTile>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);
     const float b_last = sb[n - 1];
     for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
@@ -797,6 +804,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
+    if (!kStates && n_next > 0) load_tile<kD>(Qb, kLdD, a.q, t_next, n_next, a.hk, kh, kD, 0);  // Q is consumed
     const float e_last = __expf(b_last);
     S.each([&](int, int, float& x) { x *= e_last; });
     S.mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
@@ -831,7 +839,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     const int n = int(min(int64_t(kChunk), sp.end - t0));
     load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
     load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
-    load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+    if (ci == chunks - 1) load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);  // later: prefetched
     load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
     if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
     dS.each([&](int i, int j, float& x) { dSb[i * kLdC + j] = __float2bfloat16(x); });
@@ -870,6 +878,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
       });
     }
     __syncthreads();
+    if (ci > 0) load_tile<kD>(Kb, kLdD, a.k, t0 - kChunk, kChunk, a.hk, kh, kD, 0);  // K is consumed
     const float e_last = __expf(b_last);
     dS.each([&](int, int, float& x) { x *= e_last; });
     dS.mma<true, true>(Qb, kLdD, dOb, kLdC, kChunk);
@@ -878,128 +887,188 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
   }
 }
 
-// Per chunk and value head (parallel): §3.5 steps 5-7 with H = H[c], dH = dH[c], Delta, dDelta from the scans.
-constexpr size_t kChunkBwdSmem = sizeof(bf16) * (6 * kChunk * kLdD + 2 * kD * kLdD + 3 * kChunk * kLdC) +
-                                 sizeof(float) * (2 * kChunk + 10 * kChunk + 2 * kChunk + 32);
-__global__ void __launch_bounds__(kThreads, 1) chunk_backward_kernel(ChunkArgs a) {
+// The chunk-parallel part of the backward (§3.5 steps 5-7), in two kernels so that each fits two blocks per SM:
+// chunk_backward_state_kernel (through the output and state terms; d_v streamed in halves of 64) writes dq, the
+// step-5 part of dk, dW = -dDelta H^T and the step-5 part of db; chunk_backward_wy_kernel (through the WY form)
+// adds the rest of dk and writes dv, dbeta and dg (the reverse cumsum of db inside the chunk).
+// Copies columns [col0, col0 + 64) of a (128, 128) bf16 state block (row stride 128) into shared (128, kLdC).
+__device__ void load_state_half(bf16* dst, const bf16* src, int col0) {
+  for (int e = threadIdx.x; e < kD * kVTile / 8; e += blockDim.x) {
+    const int r = e / (kVTile / 8), c = (e % (kVTile / 8)) * 8;
+    cp_async16(dst + r * kLdC + c, src + r * kD + col0 + c, true);
+  }
+}
+
+constexpr size_t kStateBwdSmem = sizeof(bf16) * (2 * kChunk * kLdD + 2 * kD * kLdC + 4 * kChunk * kLdC) +
+                                 sizeof(float) * (3 * kChunk + 6 * kChunk + 32);
+__global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(ChunkArgs a) {
   ChunkLoc c;
   const int64_t id = blockIdx.x;
   if (!locate_chunk(a.offsets, a.cu, a.docs, a.tokens, id, c)) return;
   const int64_t h = blockIdx.y, kh = h / a.group, t0 = c.t0;
   const int n = c.n;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Qb = reinterpret_cast<bf16*>(smem);  // (64, kLdD) each
-  bf16* Kb = Qb + kChunk * kLdD;
-  bf16* Vb = Kb + kChunk * kLdD;
-  bf16* Db = Vb + kChunk * kLdD;    // Delta; later kk (fp32, 64 x kLdF)
-  bf16* dOb = Db + kChunk * kLdD;   // dO; later dL (fp32, 64 x kLdF)
-  bf16* dDb = dOb + kChunk * kLdD;  // dDelta = dU
-  bf16* Hb = dDb + kChunk * kLdD;   // (128, kLdD) H; later Kbe, Vbe (two (64, kLdD))
-  bf16* dHb = Hb + kD * kLdD;       // (128, kLdD) dH; later dW (64, kLdD)
-  bf16* Pt = dHb + kD * kLdD;       // (64, kLdC) P~; later X = R^T dR
-  bf16* Rb = Pt + kChunk * kLdC;    // (64, kLdC) R
-  bf16* dRb = Rb + kChunk * kLdC;   // (64, kLdC) dR; later B + B^T
-  float* sb = reinterpret_cast<float*>(dRb + kChunk * kLdC);
-  float* sbeta = sb + kChunk;
-  float* partA = sbeta + kChunk;     // (2, 64) <dQ, q>
-  float* partB = partA + 2 * kChunk; // (2, 64) gamma <Delta dH^T, k>
-  float* partC = partB + 2 * kChunk; // (2, 64) <dK5, k>
-  float* partD = partC + 2 * kChunk; // (2, 64) <k, dKbe>
-  float* partE = partD + 2 * kChunk; // (2, 64) <v, dVbe>
-  float* db = partE + 2 * kChunk;    // (64)
-  float* dbeta = db + kChunk;        // (64)
-  float* red = dbeta + kChunk;       // (32)
-  float* kkf = reinterpret_cast<float*>(Db);
-  float* dLf = reinterpret_cast<float*>(dOb);
-  bf16* Kbe = Hb;
-  bf16* Vbe = Hb + kChunk * kLdD;
-  bf16* dWb = dHb;
-  bf16* Xb = Pt;
-  bf16* Bs = dRb;
+  bf16* Qb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD)
+  bf16* Hh = Kb + kChunk * kLdD;             // (128, kLdC) half of H; later dW (64, kLdD) staging
+  bf16* dHh = Hh + kD * kLdC;                // (128, kLdC) half of dH
+  bf16* dOh = dHh + kD * kLdC;               // (64, kLdC) halves of dO, Delta, dDelta
+  bf16* Dh = dOh + kChunk * kLdC;
+  bf16* dDh = Dh + kChunk * kLdC;
+  bf16* Pt = dDh + kChunk * kLdC;            // (64, kLdC) P~ = s tril(dO Delta^T Gamma)
+  float* sb = reinterpret_cast<float*>(Pt + kChunk * kLdC);
+  float* er = sb + kChunk;  // e^{b_r}
+  float* gr = er + kChunk;  // e^{b_n - b_r}
+  float* partA = gr + kChunk;
+  float* partB = partA + 2 * kChunk;
+  float* partC = partB + 2 * kChunk;
+  float* red = partC + 2 * kChunk;
+  const bf16* hs = a.hs + (id * a.hv + h) * kD * kD;
+  const bf16* dhs = a.dhs + (id * a.hv + h) * kD * kD;
+  const float s = a.scale;
 
+  // Pass A over the halves of d_v: M = dO Delta^T and dQ1 = dO H^T.
+  Tile<64, 64> m;
+  Tile<64, 128> dq;
+  m.zero();
+  dq.zero();
   load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
   load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+  if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
+  for (int half = 0; half < 2; ++half) {
+    const int col0 = half * kVTile;
+    load_state_half(Hh, hs, col0);
+    load_tile<kVTile>(dOh, kLdC, a.d_o, t0, n, a.hv, h, kD, col0);
+    load_tile<kVTile>(Dh, kLdC, a.delta, t0, n, a.hv, h, kD, col0);
+    cp_async_wait_all();
+    __syncthreads();
+    m.mma<false, false>(dOh, kLdC, Dh, kLdC, kVTile);
+    dq.mma<false, false>(dOh, kLdC, Hh, kLdC, kVTile);
+    __syncthreads();
+  }
+  // Pass B: start loading while P~ and dQ are formed.
+  load_state_half(Hh, hs, 0);
+  load_state_half(dHh, dhs, 0);
+  load_tile<kVTile>(Dh, kLdC, a.delta, t0, n, a.hv, h, kD, 0);
+  load_tile<kVTile>(dDh, kLdC, a.ddelta, t0, n, a.hv, h, kD, 0);
+  if (threadIdx.x < kChunk) {
+    const int r = threadIdx.x;
+    er[r] = __expf(sb[r]);
+    gr[r] = __expf(sb[n - 1] - sb[r]);
+  }
+  m.each([&](int r, int i, float& x) {
+    Pt[r * kLdC + i] = __float2bfloat16((i <= r && r < n) ? s * x * __expf(sb[r] - sb[i]) : 0.0f);
+  });
+  __syncthreads();
+  dq.each([&](int r, int, float& x) { x *= s * er[r]; });  // dQ = s e^b (dO H^T) + P~ K
+  dq.mma<false, true>(Pt, kLdC, Kb, kLdD, kChunk);
+  dq.row_sums(partA, [&](int r, int i, float x) { return x * __bfloat162float(Qb[r * kLdD + i]); });
+  dq.each([&](int r, int i, float& x) {
+    if (r < n) a.dqh[((t0 + r) * a.hv + h) * kD + i] = x;
+  });
+  Tile<64, 128> dk, dw;
+  dk.zero();
+  dw.zero();
+  float hdh = 0;
+  for (int half = 0; half < 2; ++half) {
+    if (half == 1) {
+      const int col0 = kVTile;
+      load_state_half(Hh, hs, col0);
+      load_state_half(dHh, dhs, col0);
+      load_tile<kVTile>(Dh, kLdC, a.delta, t0, n, a.hv, h, kD, col0);
+      load_tile<kVTile>(dDh, kLdC, a.ddelta, t0, n, a.hv, h, kD, col0);
+    }
+    cp_async_wait_all();
+    __syncthreads();
+    dk.mma<false, false>(Dh, kLdC, dHh, kLdC, kVTile);   // Delta dH^T
+    dw.mma<false, false>(dDh, kLdC, Hh, kLdC, kVTile);   // dDelta H^T
+    for (int e = threadIdx.x; e < kD * kVTile / 2; e += blockDim.x) {
+      const int i = e / (kVTile / 2), j = 2 * (e % (kVTile / 2));
+      const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Hh + i * kLdC + j));
+      const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dHh + i * kLdC + j));
+      hdh += x.x * y.x + x.y * y.y;
+    }
+    __syncthreads();
+  }
+  hdh = block_reduce<float, false>(hdh, red);
+  dk.row_sums(partB, [&](int r, int i, float x) { return gr[r] * x * __bfloat162float(Kb[r * kLdD + i]); });
+  dk.each([&](int r, int, float& x) { x *= gr[r]; });
+  dk.mma<true, true>(Pt, kLdC, Qb, kLdD, kChunk);  // + P~^T Q
+  dk.row_sums(partC, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
+  dk.each([&](int r, int i, float& x) {
+    if (r < n) a.dkh[((t0 + r) * a.hv + h) * kD + i] = x;
+  });
+  bf16* dWs = Hh;  // (64, kLdD) staging, free after the last barrier
+  dw.each([&](int r, int i, float& x) { dWs[r * kLdD + i] = __float2bfloat16(-x); });
+  __syncthreads();
+  store_tile<kD>(a.dw, t0, n, a.hv, h, kD, 0, dWs, kLdD);
+  if (threadIdx.x < kChunk && int(threadIdx.x) < n) {
+    const int r = threadIdx.x;
+    float v = (partA[r] + partA[kChunk + r]) - (partC[r] + partC[kChunk + r]);
+    if (r == n - 1) {  // e^{b_n} <H, dH> + sum_i gamma_i <(Delta dH^T)_i, k_i>
+      float last = __expf(sb[n - 1]) * hdh;
+      for (int i = 0; i < n; ++i) last += partB[i] + partB[kChunk + i];
+      v += last;
+    }
+    a.dbp[(t0 + r) * a.hv + h] = v;
+  }
+}
+
+constexpr size_t kWyBwdSmem = sizeof(bf16) * (4 * kChunk * kLdD + 2 * kChunk * kLdC) + sizeof(float) * (12 * kChunk);
+__global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArgs a) {
+  ChunkLoc c;
+  const int64_t id = blockIdx.x;
+  if (!locate_chunk(a.offsets, a.cu, a.docs, a.tokens, id, c)) return;
+  const int64_t h = blockIdx.y, kh = h / a.group, t0 = c.t0;
+  const int n = c.n;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Kb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Vb = Kb + kChunk * kLdD;             // (64, kLdD); later kk (fp32, 64 x kLdF)
+  bf16* dWb = Vb + kChunk * kLdD;            // (64, kLdD) dW
+  bf16* dDb = dWb + kChunk * kLdD;           // (64, kLdD) dDelta = dU; later dL (fp32, 64 x kLdF)
+  bf16* Rb = dDb + kChunk * kLdD;            // (64, kLdC) R
+  bf16* dRb = Rb + kChunk * kLdC;            // (64, kLdC) dR; later X = R^T dR; later B + B^T
+  float* sb = reinterpret_cast<float*>(dRb + kChunk * kLdC);
+  float* sbeta = sb + kChunk;
+  float* er = sbeta + kChunk;    // e^{b_r}
+  float* be = er + kChunk;       // beta_r e^{b_r}
+  float* partD = be + kChunk;    // (2, 64) <k, dKbe>
+  float* partE = partD + 2 * kChunk;  // (2, 64) <v, dVbe>
+  float* db = partE + 2 * kChunk;
+  float* dbeta = db + kChunk;
+  float* kkf = reinterpret_cast<float*>(Vb);
+  float* dLf = reinterpret_cast<float*>(dDb);
+
+  load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
   load_tile<kD>(Vb, kLdD, a.v, t0, n, a.hv, h, kD, 0);
-  load_tile<kD>(Db, kLdD, a.delta, t0, n, a.hv, h, kD, 0);
-  load_tile<kD>(dOb, kLdD, a.d_o, t0, n, a.hv, h, kD, 0);
+  load_tile<kD>(dWb, kLdD, a.dw, t0, n, a.hv, h, kD, 0);
   load_tile<kD>(dDb, kLdD, a.ddelta, t0, n, a.hv, h, kD, 0);
   load_tile<kChunk>(Rb, kLdC, a.r, t0, n, a.hv, h, kChunk, 0);
-  load_state(Hb, a.hs + (id * a.hv + h) * kD * kD);
-  load_state(dHb, a.dhs + (id * a.hv + h) * kD * kD);
-  cp_async_wait_all();
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
     sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
     sbeta[r] = r < n ? __bfloat162float(a.beta[(t0 + r) * a.hv + h]) : 0.0f;
+    er[r] = __expf(sb[r]);
+    be[r] = sbeta[r] * er[r];
   }
+  Tile<64, 128> dk;  // the step-5 part from chunk_backward_state_kernel
+  dk.each([&](int r, int i, float& x) { x = r < n ? a.dkh[((t0 + r) * a.hv + h) * kD + i] : 0.0f; });
+  cp_async_wait_all();
   __syncthreads();
-  const float b_last = sb[n - 1], s = a.scale;
-  // <H, dH>_F (fixed-order block reduction).
-  float hdh = 0;
-  for (int e = threadIdx.x; e < kD * kD; e += blockDim.x) {
-    const int i = e / kD, j = e % kD;
-    hdh += __bfloat162float(Hb[i * kLdD + j]) * __bfloat162float(dHb[i * kLdD + j]);
-  }
-  hdh = block_reduce<float, false>(hdh, red);
-  {  // P~ = s tril(dO Delta^T Gamma)
-    Tile<64, 64> m;
-    m.zero();
-    m.mma<false, false>(dOb, kLdD, Db, kLdD, kD);
-    m.each([&](int r, int i, float& x) {
-      Pt[r * kLdC + i] = __float2bfloat16((i <= r && r < n) ? s * x * __expf(sb[r] - sb[i]) : 0.0f);
-    });
-  }
-  __syncthreads();
-  {  // dQ = s e^b (dO H^T) + P~ K
-    Tile<64, 128> dq;
-    dq.zero();
-    dq.mma<false, false>(dOb, kLdD, Hb, kLdD, kD);
-    dq.each([&](int r, int, float& x) { x *= s * __expf(sb[r]); });
-    dq.mma<false, true>(Pt, kLdC, Kb, kLdD, kChunk);
-    dq.each([&](int r, int i, float& x) {
-      if (r < n) a.dqh[((t0 + r) * a.hv + h) * kD + i] = x;
-    });
-    dq.row_sums(partA, [&](int r, int i, float x) { return x * __bfloat162float(Qb[r * kLdD + i]); });
-  }
-  Tile<64, 128> dk;  // dK, accumulated through steps 5 and 6
-  dk.zero();
-  dk.mma<false, false>(Db, kLdD, dHb, kLdD, kD);
-  dk.row_sums(partB, [&](int r, int i, float x) {
-    return __expf(b_last - sb[r]) * x * __bfloat162float(Kb[r * kLdD + i]);
-  });
-  dk.each([&](int r, int, float& x) { x *= __expf(b_last - sb[r]); });
-  dk.mma<true, true>(Pt, kLdC, Qb, kLdD, kChunk);
-  dk.row_sums(partC, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
-  Tile<64, 128> dw;  // dW = -dDelta H^T
-  dw.zero();
-  dw.mma<false, false>(dDb, kLdD, Hb, kLdD, kD);
-  __syncthreads();  // H, dH, Delta, dO are dead from here
-  dw.each([&](int r, int i, float& x) { dWb[r * kLdD + i] = __float2bfloat16(-x); });
-  for (int e = threadIdx.x; e < kChunk * kD; e += blockDim.x) {
-    const int r = e / kD, col = e % kD;
-    Kbe[r * kLdD + col] = __float2bfloat16(__bfloat162float(Kb[r * kLdD + col]) * sbeta[r] * __expf(sb[r]));
-    Vbe[r * kLdD + col] = __float2bfloat16(__bfloat162float(Vb[r * kLdD + col]) * sbeta[r]);
-  }
-  {
-    Tile<64, 64> kk;
-    kk.zero();
-    kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
-    kk.each([&](int r, int c2, float& x) { kkf[r * kLdF + c2] = x; });
-  }
-  __syncthreads();
-  {  // dR = dW Kbe^T + dU Vbe^T
+  {  // dR = dW Kbe^T + dU Vbe^T = diag-columns: beta_s [e_s (dW K^T) + dU V^T]
     Tile<64, 64> dr;
     dr.zero();
-    dr.mma<false, false>(dWb, kLdD, Kbe, kLdD, kD);
-    dr.mma<false, false>(dDb, kLdD, Vbe, kLdD, kD);
-    dr.each([&](int r, int c2, float& x) { dRb[r * kLdC + c2] = __float2bfloat16(x); });
+    dr.mma<false, false>(dWb, kLdD, Kb, kLdD, kD);
+    dr.each([&](int, int c2, float& x) { x *= er[c2]; });
+    dr.mma<false, false>(dDb, kLdD, Vb, kLdD, kD);
+    dr.each([&](int r, int c2, float& x) { dRb[r * kLdC + c2] = __float2bfloat16(x * sbeta[c2]); });
   }
   {  // dKbe = R^T dW: dK += beta e^b dKbe
     Tile<64, 128> t;
     t.zero();
     t.mma<true, true>(Rb, kLdC, dWb, kLdD, kChunk);
     t.row_sums(partD, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
-    dk.add_rows(t, [&](int r) { return sbeta[r] * __expf(sb[r]); });
+    dk.add_rows(t, [&](int r) { return be[r]; });
   }
   {  // dVbe = R^T dU: dV = beta dVbe
     Tile<64, 128> t;
@@ -1010,49 +1079,55 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_backward_kernel(ChunkArgs a
       if (r < n) a.dv[((t0 + r) * a.hv + h) * kD + i] = __float2bfloat16(sbeta[r] * x);
     });
   }
+  __syncthreads();  // dR complete; V, dW, dU dead from here
+  Tile<64, 64> x, kk;
+  x.zero();
+  x.mma<true, true>(Rb, kLdC, dRb, kLdC, kChunk);  // X = R^T dR
+  kk.zero();
+  kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
   __syncthreads();
-  {  // X = R^T dR
-    Tile<64, 64> x;
-    x.zero();
-    x.mma<true, true>(Rb, kLdC, dRb, kLdC, kChunk);
-    x.each([&](int r, int c2, float& v) { Xb[r * kLdC + c2] = __float2bfloat16(v); });
-  }
+  x.each([&](int r, int c2, float& v) { dRb[r * kLdC + c2] = __float2bfloat16(v); });
+  kk.each([&](int r, int c2, float& v) { kkf[r * kLdF + c2] = v; });
   __syncthreads();
   {  // dL = -tril_-1(X R^T)
     Tile<64, 64> y;
     y.zero();
-    y.mma<false, false>(Xb, kLdC, Rb, kLdC, kChunk);
+    y.mma<false, false>(dRb, kLdC, Rb, kLdC, kChunk);
     y.each([&](int r, int c2, float& v) { dLf[r * kLdF + c2] = (c2 < r && r < n) ? -v : 0.0f; });
   }
   __syncthreads();
-  // B = diag(beta) (dL Gamma); Bs = B + B^T; per-row dbeta and db.
+  // Bs = B + B^T with B = diag(beta) (dL Gamma), into the X buffer.
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int r = e / kChunk, c2 = e % kChunk;
     float v = 0;
     if (c2 < r) v = sbeta[r] * dLf[r * kLdF + c2] * __expf(sb[r] - sb[c2]);
     else if (r < c2) v = sbeta[c2] * dLf[c2 * kLdF + r] * __expf(sb[c2] - sb[r]);
-    Bs[r * kLdC + c2] = __float2bfloat16(v);
+    dRb[r * kLdC + c2] = __float2bfloat16(v);
   }
-  if (threadIdx.x < kChunk) {
-    const int r = threadIdx.x;
-    const float er = __expf(sb[r]);
-    const float kdkbe = partD[r] + partD[kChunk + r];
-    float dbe = er * kdkbe + partE[r] + partE[kChunk + r];
-    float dbr = (partA[r] + partA[kChunk + r]) - (partC[r] + partC[kChunk + r]) + sbeta[r] * er * kdkbe;
-    for (int c2 = 0; c2 < r; ++c2) {  // L_rc = beta_r kk_rc Gamma_rc
-      const float gam = __expf(sb[r] - sb[c2]);
-      dbe += dLf[r * kLdF + c2] * gam * kkf[r * kLdF + c2];
-      dbr += dLf[r * kLdF + c2] * sbeta[r] * kkf[r * kLdF + c2] * gam;
+  {  // per row (4 threads a row, 16 columns each): dbeta_r and the WY part of db_r
+    const int r = threadIdx.x / 4, p = threadIdx.x % 4;
+    float dbe = 0, dbr = 0;
+    for (int c2 = 16 * p; c2 < 16 * p + 16; ++c2) {
+      if (c2 < r) {  // L_rc = beta_r kk_rc Gamma_rc
+        const float t = dLf[r * kLdF + c2] * kkf[r * kLdF + c2] * __expf(sb[r] - sb[c2]);
+        dbe += t;
+        dbr += sbeta[r] * t;
+      } else if (r < c2) {
+        dbr -= dLf[c2 * kLdF + r] * sbeta[c2] * kkf[c2 * kLdF + r] * __expf(sb[c2] - sb[r]);
+      }
     }
-    for (int c2 = r + 1; c2 < n; ++c2) dbr -= dLf[c2 * kLdF + r] * sbeta[c2] * kkf[c2 * kLdF + r] * __expf(sb[c2] - sb[r]);
-    dbeta[r] = dbe;
-    db[r] = dbr;
+    dbe += __shfl_xor_sync(0xffffffffu, dbe, 1);
+    dbe += __shfl_xor_sync(0xffffffffu, dbe, 2);
+    dbr += __shfl_xor_sync(0xffffffffu, dbr, 1);
+    dbr += __shfl_xor_sync(0xffffffffu, dbr, 2);
+    if (p == 0 && r < n) {
+      const float kdkbe = partD[r] + partD[kChunk + r];
+      dbeta[r] = dbe + er[r] * kdkbe + partE[r] + partE[kChunk + r];
+      db[r] = dbr + be[r] * kdkbe + a.dbp[(t0 + r) * a.hv + h];
+    }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // last row: e^{b_n} <H, dH> + sum_i gamma_i <(Delta dH^T)_i, k_i>; then dg = reverse cumsum
-    float last = __expf(b_last) * hdh;
-    for (int r = 0; r < n; ++r) last += partB[r] + partB[kChunk + r];
-    db[n - 1] += last;
+  if (threadIdx.x == 0) {  // dg = reverse cumsum of db inside the chunk
     float acc = 0;
     for (int r = n - 1; r >= 0; --r) {
       acc += db[r];
@@ -1060,7 +1135,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunk_backward_kernel(ChunkArgs a
       a.dbeta[(t0 + r) * a.hv + h] = __float2bfloat16(dbeta[r]);
     }
   }
-  dk.mma<false, true>(Bs, kLdC, Kb, kLdD, kChunk);
+  dk.mma<false, true>(dRb, kLdC, Kb, kLdD, kChunk);  // + (B + B^T) K
   dk.each([&](int r, int i, float& x) {
     if (r < n) a.dkh[((t0 + r) * a.hv + h) * kD + i] = x;
   });
@@ -1086,6 +1161,8 @@ struct ChunkScratch {
   float* b;
   bf16 *w, *u, *r, *hs, *dhs, *delta, *ddelta;
   float *dqh, *dkh;
+  bf16* dw;
+  float* dbp;
 };
 ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
   const size_t th = size_t(s.tokens * s.v_heads), mc = size_t(max_chunks(s) * s.v_heads);
@@ -1102,6 +1179,8 @@ ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
     x.ddelta = c.take<bf16>(th * kD);
     x.dqh = c.take<float>(th * kD);
     x.dkh = c.take<float>(th * kD);
+    x.dw = c.take<bf16>(th * kD);
+    x.dbp = c.take<float>(th);
   }
   return x;
 }
@@ -1150,6 +1229,8 @@ ChunkArgs chunk_args(const GdnShape& s, const void* q, const void* k, const void
   a.ddelta = x.ddelta;
   a.dqh = x.dqh;
   a.dkh = x.dkh;
+  a.dw = x.dw;
+  a.dbp = x.dbp;
   return a;
 }
 
@@ -1305,9 +1386,13 @@ void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape&
     allow_smem(scan_backward_kernel, kScanBwdSmem);
     scan_backward_kernel<<<scan_grid, kThreads, kScanBwdSmem, stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
-    allow_smem(chunk_backward_kernel, kChunkBwdSmem);
-    chunk_backward_kernel<<<dim3(unsigned(max_chunks(s)), unsigned(s.v_heads)), kThreads, kChunkBwdSmem, stream>>>(a);
-    LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_kernel");
+    const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
+    allow_smem(chunk_backward_state_kernel, kStateBwdSmem);
+    chunk_backward_state_kernel<<<chunk_grid, kThreads, kStateBwdSmem, stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_state_kernel");
+    allow_smem(chunk_backward_wy_kernel, kWyBwdSmem);
+    chunk_backward_wy_kernel<<<chunk_grid, kThreads, kWyBwdSmem, stream>>>(a);
+    LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_wy_kernel");
     dqh = x.dqh;
     dkh = x.dkh;
   } else {
