@@ -480,6 +480,19 @@ template <int M, int N> struct Tile {
         for (int e = 0; e < 4; ++e)
           f(m0() + mi * 16 + lane / 4 + (e >= 2 ? 8 : 0), n0() + ni * 8 + 2 * (lane % 4) + (e & 1), acc[mi][ni][e]);
   }
+  // f(row, col, x[col], x[col + 1]) for each pair of adjacent columns this thread holds (col even): for 8-byte
+  // (float2) or 4-byte (bf16x2) global accesses.
+  template <typename F> __device__ void each_pair(F f) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          f(m0() + mi * 16 + lane / 4 + 8 * half, n0() + ni * 8 + 2 * (lane % 4), acc[mi][ni][2 * half],
+            acc[mi][ni][2 * half + 1]);
+  }
   // acc += f(row) * other.acc (the same tile mapping).
   template <typename F> __device__ void add_rows(const Tile& other, F f) {
     const int lane = threadIdx.x % 32;
@@ -799,8 +812,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       o.each([&](int r, int, float& x) { x *= __expf(sb[r]); });
       o.mma<false, true>(Pb, kLdC, Db, kLdC, kChunk);
       const float s = a.scale;
-      o.each([&](int r, int j, float& x) {
-        if (r < n) a.o[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(s * x);
+      o.each_pair([&](int r, int j, float x0, float x1) {
+        if (r < n)
+          *reinterpret_cast<__nv_bfloat162*>(a.o + ((t0 + r) * a.hv + h) * kD + jv0 + j) =
+              __floats2bfloat162_rn(s * x0, s * x1);
       });
     }
     __syncthreads();
@@ -872,9 +887,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
       dd.zero();
       dd.mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);
       dd.mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
-      dd.each([&](int r, int j, float& x) {
-        nDb[r * kLdC + j] = __float2bfloat16(-x);
-        if (r < n) a.ddelta[((t0 + r) * a.hv + h) * kD + jv0 + j] = __float2bfloat16(x);
+      dd.each_pair([&](int r, int j, float x0, float x1) {
+        *reinterpret_cast<__nv_bfloat162*>(nDb + r * kLdC + j) = __floats2bfloat162_rn(-x0, -x1);
+        if (r < n)
+          *reinterpret_cast<__nv_bfloat162*>(a.ddelta + ((t0 + r) * a.hv + h) * kD + jv0 + j) =
+              __floats2bfloat162_rn(x0, x1);
       });
     }
     __syncthreads();
@@ -963,8 +980,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(Chunk
   dq.each([&](int r, int, float& x) { x *= s * er[r]; });  // dQ = s e^b (dO H^T) + P~ K
   dq.mma<false, true>(Pt, kLdC, Kb, kLdD, kChunk);
   dq.row_sums(partA, [&](int r, int i, float x) { return x * __bfloat162float(Qb[r * kLdD + i]); });
-  dq.each([&](int r, int i, float& x) {
-    if (r < n) a.dqh[((t0 + r) * a.hv + h) * kD + i] = x;
+  dq.each_pair([&](int r, int i, float x0, float x1) {
+    if (r < n) *reinterpret_cast<float2*>(a.dqh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
   Tile<64, 128> dk, dw;
   dk.zero();
@@ -995,8 +1012,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(Chunk
   dk.each([&](int r, int, float& x) { x *= gr[r]; });
   dk.mma<true, true>(Pt, kLdC, Qb, kLdD, kChunk);  // + P~^T Q
   dk.row_sums(partC, [&](int r, int i, float x) { return x * __bfloat162float(Kb[r * kLdD + i]); });
-  dk.each([&](int r, int i, float& x) {
-    if (r < n) a.dkh[((t0 + r) * a.hv + h) * kD + i] = x;
+  dk.each_pair([&](int r, int i, float x0, float x1) {
+    if (r < n) *reinterpret_cast<float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
   bf16* dWs = Hh;  // (64, kLdD) staging, free after the last barrier
   dw.each([&](int r, int i, float& x) { dWs[r * kLdD + i] = __float2bfloat16(-x); });
@@ -1052,7 +1069,19 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
     be[r] = sbeta[r] * er[r];
   }
   Tile<64, 128> dk;  // the step-5 part from chunk_backward_state_kernel
-  dk.each([&](int r, int i, float& x) { x = r < n ? a.dkh[((t0 + r) * a.hv + h) * kD + i] : 0.0f; });
+  {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int ni = 0; ni < decltype(dk)::NT; ++ni)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = dk.m0() + lane / 4 + 8 * half, i = dk.n0() + ni * 8 + 2 * (lane % 4);
+        const float2 v = r < n ? *reinterpret_cast<const float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i)
+                               : make_float2(0.0f, 0.0f);
+        dk.acc[0][ni][2 * half] = v.x;
+        dk.acc[0][ni][2 * half + 1] = v.y;
+      }
+  }
   cp_async_wait_all();
   __syncthreads();
   {  // dR = dW Kbe^T + dU Vbe^T = diag-columns: beta_s [e_s (dW K^T) + dU V^T]
@@ -1075,8 +1104,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
     t.zero();
     t.mma<true, true>(Rb, kLdC, dDb, kLdD, kChunk);
     t.row_sums(partE, [&](int r, int i, float x) { return x * __bfloat162float(Vb[r * kLdD + i]); });
-    t.each([&](int r, int i, float& x) {
-      if (r < n) a.dv[((t0 + r) * a.hv + h) * kD + i] = __float2bfloat16(sbeta[r] * x);
+    t.each_pair([&](int r, int i, float x0, float x1) {
+      if (r < n)
+        *reinterpret_cast<__nv_bfloat162*>(a.dv + ((t0 + r) * a.hv + h) * kD + i) =
+            __floats2bfloat162_rn(sbeta[r] * x0, sbeta[r] * x1);
     });
   }
   __syncthreads();  // dR complete; V, dW, dU dead from here
@@ -1136,8 +1167,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
     }
   }
   dk.mma<false, true>(dRb, kLdC, Kb, kLdD, kChunk);  // + (B + B^T) K
-  dk.each([&](int r, int i, float& x) {
-    if (r < n) a.dkh[((t0 + r) * a.hv + h) * kD + i] = x;
+  dk.each_pair([&](int r, int i, float x0, float x1) {
+    if (r < n) *reinterpret_cast<float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
 }
 
