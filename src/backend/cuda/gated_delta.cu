@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) recurrent_backward_kernel(
 constexpr int kD = 128;            // d_k = d_v
 constexpr int kLdD = kD + 8;       // bf16 row stride of (rows, 128) tiles: 272 bytes, 16-byte aligned, no conflicts
 constexpr int kLdC = kChunk + 8;   // bf16 row stride of (rows, 64) tiles
-constexpr int kLdF = kChunk + 1;   // fp32 row stride of (64, 64) tiles
+constexpr int kLdF = kChunk + 4;   // fp32 row stride of (64, 64) tiles: 16-byte aligned rows (float4 reads)
 constexpr int kVTile = 64;         // d_v columns per scan block
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
@@ -649,20 +649,30 @@ __device__ void solve_unit_lower(const float* L, float* R, float* X) {
     }
   }
   __syncthreads();
+  // Off-diagonal blocks: a thread computes 4 adjacent columns of one row (float4 reads of R and X).
   for (int d = 1; d < 4; ++d) {
     const int pairs = 4 - d;
-    for (int e = threadIdx.x; e < pairs * 256; e += blockDim.x) {
-      const int J = e / 256, I = J + d, i = (e % 256) / 16, j = e % 16;
-      float s = 0;
-      for (int m = 16 * J; m < 16 * I; ++m) s += L[(16 * I + i) * kLdF + m] * R[m * kLdF + 16 * J + j];
-      X[e] = s;
+    for (int e = threadIdx.x; e < pairs * 64; e += blockDim.x) {
+      const int J = e / 64, I = J + d, i = (e % 64) / 4, j = 4 * (e % 4);
+      float4 acc = make_float4(0, 0, 0, 0);
+      for (int m = 16 * J; m < 16 * I; ++m) {
+        const float l = L[(16 * I + i) * kLdF + m];
+        const float4 r = *reinterpret_cast<const float4*>(R + m * kLdF + 16 * J + j);
+        acc.x += l * r.x, acc.y += l * r.y, acc.z += l * r.z, acc.w += l * r.w;
+      }
+      *reinterpret_cast<float4*>(X + J * 256 + i * 16 + j) = acc;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < pairs * 256; e += blockDim.x) {
-      const int J = e / 256, I = J + d, i = (e % 256) / 16, j = e % 16;
-      float s = 0;
-      for (int m = 0; m < 16; ++m) s += R[(16 * I + i) * kLdF + 16 * I + m] * X[J * 256 + m * 16 + j];
-      R[(16 * I + i) * kLdF + 16 * J + j] = -s;
+    for (int e = threadIdx.x; e < pairs * 64; e += blockDim.x) {
+      const int J = e / 64, I = J + d, i = (e % 64) / 4, j = 4 * (e % 4);
+      float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+      for (int m = 0; m < 16; ++m) {
+        const float rr = R[(16 * I + i) * kLdF + 16 * I + m];
+        const float4 x = *reinterpret_cast<const float4*>(X + J * 256 + m * 16 + j);
+        acc.x += rr * x.x, acc.y += rr * x.y, acc.z += rr * x.z, acc.w += rr * x.w;
+      }
+      *reinterpret_cast<float4*>(R + (16 * I + i) * kLdF + 16 * J + j) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
     }
     __syncthreads();
   }
