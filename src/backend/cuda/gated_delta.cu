@@ -553,6 +553,13 @@ template <int M, int N> struct Tile {
   }
 };
 
+__device__ __forceinline__ void st_bf2(bf16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ float2 ld_bf2(const bf16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+
 // 16-byte asynchronous copy global -> shared; with valid == false the 16 bytes are zero-filled (nothing is read).
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
@@ -704,8 +711,10 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
     kk.zero();
     kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
     const int n = c.n;
-    kk.each([&](int r, int s, float& x) {
-      Lf[r * kLdF + s] = (s < r && r < n) ? sbeta[r] * x * __expf(sb[r] - sb[s]) : 0.0f;
+    kk.each_pair([&](int r, int s, float x0, float x1) {
+      const float m0 = (s < r && r < n) ? sbeta[r] * __expf(sb[r] - sb[s]) : 0.0f;
+      const float m1 = (s + 1 < r && r < n) ? sbeta[r] * __expf(sb[r] - sb[s + 1]) : 0.0f;
+      *reinterpret_cast<float2*>(Lf + r * kLdF + s) = make_float2(m0 * x0, m1 * x1);
     });
   }
   __syncthreads();
@@ -737,8 +746,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   ut.zero();
   ut.mma<false, true>(Rb, kLdC, Vb, kLdD, kChunk);
   __syncthreads();  // staged through Kb, Vb for 16-byte stores
-  wt.each([&](int r, int col, float& x) { Kb[r * kLdD + col] = __float2bfloat16(x); });
-  ut.each([&](int r, int col, float& x) { Vb[r * kLdD + col] = __float2bfloat16(x); });
+  wt.each_pair([&](int r, int col, float x0, float x1) { st_bf2(Kb + r * kLdD + col, x0, x1); });
+  ut.each_pair([&](int r, int col, float x0, float x1) { st_bf2(Vb + r * kLdD + col, x0, x1); });
   __syncthreads();
   store_tile<kD>(a.w, t0, n, a.hv, h, kD, 0, Kb, kLdD);
   store_tile<kD>(a.u, t0, n, a.hv, h, kD, 0, Vb, kLdD);
@@ -779,7 +788,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       const int r = threadIdx.x;
       sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
     }
-    S.each([&](int i, int j, float& x) { Sb[i * kLdC + j] = __float2bfloat16(x); });
+    S.each_pair([&](int i, int j, float x0, float x1) { st_bf2(Sb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
     if (kStates)  // H[c], 16-byte stores
@@ -788,17 +797,19 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       Tile<64, 64> d;
       d.zero();
       d.mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
-      d.each([&](int r, int j, float& x) {
-        const float y = __bfloat162float(Ub[r * kLdC + j]) - x;
-        Db[r * kLdC + j] = __float2bfloat16(y);
+      d.each_pair([&](int r, int j, float x0, float x1) {
+        const float2 u = ld_bf2(Ub + r * kLdC + j);
+        st_bf2(Db + r * kLdC + j, u.x - x0, u.y - x1);
       });
     }
     if (!kStates) {
       Tile<64, 64> p;
       p.zero();
       p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
-      p.each([&](int r, int s, float& x) {
-        Pb[r * kLdC + s] = __float2bfloat16((s <= r && r < n) ? x * __expf(sb[r] - sb[s]) : 0.0f);
+      p.each_pair([&](int r, int s, float x0, float x1) {
+        const float m0 = (s <= r && r < n) ? __expf(sb[r] - sb[s]) : 0.0f;
+        const float m1 = (s + 1 <= r && r < n) ? __expf(sb[r] - sb[s + 1]) : 0.0f;
+        st_bf2(Pb + r * kLdC + s, m0 * x0, m1 * x1);
       });
     }
     __syncthreads();
@@ -867,7 +878,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     if (ci == chunks - 1) load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);  // later: prefetched
     load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
     if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
-    dS.each([&](int i, int j, float& x) { dSb[i * kLdC + j] = __float2bfloat16(x); });
+    dS.each_pair([&](int i, int j, float x0, float x1) { st_bf2(dSb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
     store_tile<kVTile>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
@@ -876,8 +887,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
       p.zero();
       p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
       const float s = a.scale;
-      p.each([&](int r, int c2, float& x) {
-        Pb[r * kLdC + c2] = __float2bfloat16((c2 <= r && r < n) ? s * x * __expf(sb[r] - sb[c2]) : 0.0f);
+      p.each_pair([&](int r, int c2, float x0, float x1) {
+        const float m0 = (c2 <= r && r < n) ? s * __expf(sb[r] - sb[c2]) : 0.0f;
+        const float m1 = (c2 + 1 <= r && r < n) ? s * __expf(sb[r] - sb[c2 + 1]) : 0.0f;
+        st_bf2(Pb + r * kLdC + c2, m0 * x0, m1 * x1);
       });
     }
     __syncthreads();
@@ -983,8 +996,10 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(Chunk
     er[r] = __expf(sb[r]);
     gr[r] = __expf(sb[n - 1] - sb[r]);
   }
-  m.each([&](int r, int i, float& x) {
-    Pt[r * kLdC + i] = __float2bfloat16((i <= r && r < n) ? s * x * __expf(sb[r] - sb[i]) : 0.0f);
+  m.each_pair([&](int r, int i, float x0, float x1) {
+    const float m0 = (i <= r && r < n) ? s * __expf(sb[r] - sb[i]) : 0.0f;
+    const float m1 = (i + 1 <= r && r < n) ? s * __expf(sb[r] - sb[i + 1]) : 0.0f;
+    st_bf2(Pt + r * kLdC + i, m0 * x0, m1 * x1);
   });
   __syncthreads();
   dq.each([&](int r, int, float& x) { x *= s * er[r]; });  // dQ = s e^b (dO H^T) + P~ K
@@ -1026,7 +1041,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(Chunk
     if (r < n) *reinterpret_cast<float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
   bf16* dWs = Hh;  // (64, kLdD) staging, free after the last barrier
-  dw.each([&](int r, int i, float& x) { dWs[r * kLdD + i] = __float2bfloat16(-x); });
+  dw.each_pair([&](int r, int i, float x0, float x1) { st_bf2(dWs + r * kLdD + i, -x0, -x1); });
   __syncthreads();
   store_tile<kD>(a.dw, t0, n, a.hv, h, kD, 0, dWs, kLdD);
   if (threadIdx.x < kChunk && int(threadIdx.x) < n) {
@@ -1100,7 +1115,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
     dr.mma<false, false>(dWb, kLdD, Kb, kLdD, kD);
     dr.each([&](int, int c2, float& x) { x *= er[c2]; });
     dr.mma<false, false>(dDb, kLdD, Vb, kLdD, kD);
-    dr.each([&](int r, int c2, float& x) { dRb[r * kLdC + c2] = __float2bfloat16(x * sbeta[c2]); });
+    dr.each_pair([&](int r, int c2, float x0, float x1) {
+      st_bf2(dRb + r * kLdC + c2, x0 * sbeta[c2], x1 * sbeta[c2 + 1]);
+    });
   }
   {  // dKbe = R^T dW: dK += beta e^b dKbe
     Tile<64, 128> t;
@@ -1127,14 +1144,19 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
   kk.zero();
   kk.mma<false, false>(Kb, kLdD, Kb, kLdD, kD);
   __syncthreads();
-  x.each([&](int r, int c2, float& v) { dRb[r * kLdC + c2] = __float2bfloat16(v); });
-  kk.each([&](int r, int c2, float& v) { kkf[r * kLdF + c2] = v; });
+  x.each_pair([&](int r, int c2, float v0, float v1) { st_bf2(dRb + r * kLdC + c2, v0, v1); });
+  kk.each_pair([&](int r, int c2, float v0, float v1) {
+    *reinterpret_cast<float2*>(kkf + r * kLdF + c2) = make_float2(v0, v1);
+  });
   __syncthreads();
   {  // dL = -tril_-1(X R^T)
     Tile<64, 64> y;
     y.zero();
     y.mma<false, false>(dRb, kLdC, Rb, kLdC, kChunk);
-    y.each([&](int r, int c2, float& v) { dLf[r * kLdF + c2] = (c2 < r && r < n) ? -v : 0.0f; });
+    y.each_pair([&](int r, int c2, float v0, float v1) {
+      *reinterpret_cast<float2*>(dLf + r * kLdF + c2) =
+          make_float2((c2 < r && r < n) ? -v0 : 0.0f, (c2 + 1 < r && r < n) ? -v1 : 0.0f);
+    });
   }
   __syncthreads();
   // Bs = B + B^T with B = diag(beta) (dL Gamma), into the X buffer.
