@@ -34,7 +34,8 @@ void launch_gdn_decay_backward(DType dtype, int64_t tokens, int64_t heads, const
                                const void* dt_bias, const void* dg, void* da, void* d_a_log, void* d_dt_bias,
                                cudaStream_t stream);
 
-// The gated delta rule. q, k (T, H_k, d_k); v, o, d_o, dv (T, H_v, d_v); g, beta, dg, dbeta (T, H_v).
+// The gated delta rule. q, k (T, H_k, d_k); v, o, d_o, dv (T, H_v, d_v); g, beta, dg, dbeta (T, H_v). g must be a
+// log-decay (finite, <= 0): the CPU kernel checks it, these kernels cannot (a positive g can overflow the decays).
 struct GdnShape {
   int64_t tokens = 0, docs = 0, k_heads = 0, v_heads = 0, k_dim = 0, v_dim = 0;
   float scale = 0;  // resolved (never 0 here)
