@@ -6,7 +6,7 @@
 //  * chunked, bf16 with d_k = d_v = 128 (the model's): the WY form with chunks of 64 tokens starting at each
 //    document's first token, on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulation).
 //      forward : prep (per chunk and value head, parallel): b = cumsum g, L, R = (I + L)^-1 by blocked forward
-//                substitution in fp32, W = R diag(beta e^b) K, U = R diag(beta) V (bf16 scratch);
+//                substitution in fp32, W = R diag(beta e^b) K, U = R diag(beta) V, P = tril(Q K^T Gamma) (bf16);
 //                scan (per document, value head, half of d_v): the state in fp32 registers; per chunk
 //                Delta = U - W S, O = s [e^b Q S + tril(Q K^T Gamma) Delta], S = e^{b_n} S + (Gamma_n K)^T Delta.
 //      backward: prep again (also saving R), the forward scan saving the chunk-start states H[c] and Delta, a
@@ -604,6 +604,7 @@ struct ChunkArgs {
   const bf16 *q, *k, *v, *g, *beta, *d_o;
   float* b;          // (T, H_v) chunk-local cumsum of g
   bf16 *w, *u;       // (T, H_v, 128)
+  bf16* p;           // (T, H_v, 64): row t of its chunk's tril(Q K^T Gamma) (the intra-chunk output matrix)
   bf16* r;           // (T, H_v, 64): row t of its chunk's R (backward only)
   bf16 *hs, *dhs;    // (chunks, H_v, 128, 128): chunk-start states, gradients of chunk-end states
   bf16 *delta, *ddelta;  // (T, H_v, 128)
@@ -686,7 +687,7 @@ __device__ void solve_unit_lower(const float* L, float* R, float* X) {
 }
 
 // Per chunk and value head: b, R, W = R diag(beta e^b) K, U = R diag(beta) V (and R itself when asked).
-constexpr size_t kPrepSmem = sizeof(bf16) * (2 * kChunk * kLdD + kChunk * kLdC) +
+constexpr size_t kPrepSmem = sizeof(bf16) * (3 * kChunk * kLdD + kChunk * kLdC) +
                              sizeof(float) * (2 * kChunk * kLdF + 3 * 256 + 2 * kChunk);
 __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_r) {
   ChunkLoc c;
@@ -695,7 +696,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Kb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
   bf16* Vb = Kb + kChunk * kLdD;             // (64, kLdD)
-  bf16* Rb = Vb + kChunk * kLdD;             // (64, kLdC)
+  bf16* Qb = Vb + kChunk * kLdD;             // (64, kLdD); later P staging (64, kLdC)
+  bf16* Rb = Qb + kChunk * kLdD;             // (64, kLdC)
   float* Lf = reinterpret_cast<float*>(Rb + kChunk * kLdC);
   float* Rf = Lf + kChunk * kLdF;
   float* X = Rf + kChunk * kLdF;
@@ -703,6 +705,7 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   float* sbeta = sb + kChunk;
   load_tile<kD>(Kb, kLdD, a.k, c.t0, c.n, a.hk, kh, kD, 0);
   load_tile<kD>(Vb, kLdD, a.v, c.t0, c.n, a.hv, h, kD, 0);
+  load_tile<kD>(Qb, kLdD, a.q, c.t0, c.n, a.hk, kh, kD, 0);
   cp_async_wait_all();
   chunk_gates(a, c.t0, c.n, h, sb, sbeta);  // starts with a barrier
   if (threadIdx.x < c.n) a.b[(c.t0 + threadIdx.x) * a.hv + h] = sb[threadIdx.x];
@@ -717,7 +720,18 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
       *reinterpret_cast<float2*>(Lf + r * kLdF + s) = make_float2(m0 * x0, m1 * x1);
     });
   }
+  Tile<64, 64> pq;  // P = tril(Q K^T Gamma)
+  pq.zero();
+  pq.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
   __syncthreads();
+  {
+    const int n = c.n;
+    pq.each_pair([&](int r, int s, float x0, float x1) {  // staged in the Q buffer, stored after the solve
+      const float m0 = (s <= r && r < n) ? __expf(sb[r] - sb[s]) : 0.0f;
+      const float m1 = (s + 1 <= r && r < n) ? __expf(sb[r] - sb[s + 1]) : 0.0f;
+      st_bf2(Qb + r * kLdC + s, m0 * x0, m1 * x1);
+    });
+  }
   for (int e = threadIdx.x; e < c.n * kD / 2; e += blockDim.x) {  // K <- diag(beta e^b) K, V <- diag(beta) V
     const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
     __nv_bfloat162* pk = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
@@ -735,6 +749,7 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   __syncthreads();
   const int n = c.n;
   const int64_t t0 = c.t0;
+  store_tile<kChunk>(a.p, t0, n, a.hv, h, kChunk, 0, Qb, kLdC);
   if (store_r)
     for (int e = threadIdx.x; e < n * kChunk; e += blockDim.x) {
       const int r = e / kChunk, s = e % kChunk;
@@ -781,7 +796,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     if (ci == 0) {  // later chunks' W, U and Q were prefetched during the previous chunk
       load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
       load_tile<kVTile>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
-      if (!kStates) load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+      if (!kStates) {
+        load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
+        load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
+      }
     }
     load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
     if (threadIdx.x < kChunk) {
@@ -800,16 +818,6 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       d.each_pair([&](int r, int j, float x0, float x1) {
         const float2 u = ld_bf2(Ub + r * kLdC + j);
         st_bf2(Db + r * kLdC + j, u.x - x0, u.y - x1);
-      });
-    }
-    if (!kStates) {
-      Tile<64, 64> p;
-      p.zero();
-      p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
-      p.each_pair([&](int r, int s, float x0, float x1) {
-        const float m0 = (s <= r && r < n) ? __expf(sb[r] - sb[s]) : 0.0f;
-        const float m1 = (s + 1 <= r && r < n) ? __expf(sb[r] - sb[s + 1]) : 0.0f;
-        st_bf2(Pb + r * kLdC + s, m0 * x0, m1 * x1);
       });
     }
     __syncthreads();
@@ -840,7 +848,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
-    if (!kStates && n_next > 0) load_tile<kD>(Qb, kLdD, a.q, t_next, n_next, a.hk, kh, kD, 0);  // Q is consumed
+    if (!kStates && n_next > 0) {  // Q and P are consumed
+      load_tile<kD>(Qb, kLdD, a.q, t_next, n_next, a.hk, kh, kD, 0);
+      load_tile<kChunk>(Pb, kLdC, a.p, t_next, n_next, a.hv, h, kChunk, 0);
+    }
     const float e_last = __expf(b_last);
     S.each([&](int, int, float& x) { x *= e_last; });
     S.mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
@@ -849,7 +860,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
 }
 
 // The reverse scan: dS (gradient of the state leaving the chunk) in fp32 registers; per chunk, saves dH[c] = dS and
-// dDelta = s P^T dO + Gamma_n K dS, then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
+// dDelta = s P^T dO + Gamma_n K dS (P from the prep kernel), then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
 constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) +
                                 sizeof(float) * kChunk;
 __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
@@ -863,7 +874,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
   bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD), then Gamma_n K
   bf16* dOb = Kb + kChunk * kLdD;            // (64, kLdC)
   bf16* nDb = dOb + kChunk * kLdC;           // (64, kLdC) -dDelta
-  bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) s tril(Q K^T Gamma)
+  bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) tril(Q K^T Gamma), from the prep kernel
   bf16* dSb = Pb + kChunk * kLdC;            // (128, kLdC)
   float* sb = reinterpret_cast<float*>(dSb + kD * kLdC);
   Tile<128, 64> dS;
@@ -877,23 +888,12 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
     if (ci == chunks - 1) load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);  // later: prefetched
     load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
+    load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
     if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
     dS.each_pair([&](int i, int j, float x0, float x1) { st_bf2(dSb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
     store_tile<kVTile>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
-    {
-      Tile<64, 64> p;
-      p.zero();
-      p.mma<false, false>(Qb, kLdD, Kb, kLdD, kD);
-      const float s = a.scale;
-      p.each_pair([&](int r, int c2, float x0, float x1) {
-        const float m0 = (c2 <= r && r < n) ? s * __expf(sb[r] - sb[c2]) : 0.0f;
-        const float m1 = (c2 + 1 <= r && r < n) ? s * __expf(sb[r] - sb[c2 + 1]) : 0.0f;
-        st_bf2(Pb + r * kLdC + c2, m0 * x0, m1 * x1);
-      });
-    }
-    __syncthreads();
     const float b_last = sb[n - 1];
     for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {
       const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
@@ -908,7 +908,9 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     {
       Tile<64, 64> dd;
       dd.zero();
-      dd.mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);
+      dd.mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);  // s P^T dO + Gamma_n K dS
+      const float s = a.scale;
+      dd.each([&](int, int, float& x) { x *= s; });
       dd.mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
       dd.each_pair([&](int r, int j, float x0, float x1) {
         *reinterpret_cast<__nv_bfloat162*>(nDb + r * kLdC + j) = __floats2bfloat162_rn(-x0, -x1);
@@ -1222,7 +1224,7 @@ struct Carve {
 struct ChunkScratch {
   int32_t* offsets;
   float* b;
-  bf16 *w, *u, *r, *hs, *dhs, *delta, *ddelta;
+  bf16 *w, *u, *p, *r, *hs, *dhs, *delta, *ddelta;
   float *dqh, *dkh;
   bf16* dw;
   float* dbp;
@@ -1234,6 +1236,7 @@ ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
   x.b = c.take<float>(th);
   x.w = c.take<bf16>(th * kD);
   x.u = c.take<bf16>(th * kD);
+  x.p = c.take<bf16>(th * kChunk);
   if (backward) {
     x.r = c.take<bf16>(th * kChunk);
     x.hs = c.take<bf16>(mc * kD * kD);
@@ -1285,6 +1288,7 @@ ChunkArgs chunk_args(const GdnShape& s, const void* q, const void* k, const void
   a.b = x.b;
   a.w = x.w;
   a.u = x.u;
+  a.p = x.p;
   a.r = x.r;
   a.hs = x.hs;
   a.dhs = x.dhs;
