@@ -10,6 +10,8 @@
 #include <regex>
 #include <set>
 
+#include <fmt/ranges.h>
+
 #include "io/safetensors.h"
 #include "ops/ops.h"
 
@@ -19,16 +21,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr LoraTarget kAllTargets[] = {LoraTarget::q_proj,    LoraTarget::k_proj,  LoraTarget::v_proj,   LoraTarget::o_proj,
-                                      LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj};
-
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string peft_key(int64_t layer, LoraTarget t, const char* ab) {
-  return fmt::format("base_model.model.{}.lora_{}.weight", lora_module_name(layer, t), ab);
+std::string peft_key(const ModelConfig& model, int64_t layer, LoraTarget t, const char* ab) {
+  return fmt::format("base_model.model.{}.lora_{}.weight", lora_module_name(model, layer, t), ab);
 }
+
+bool is_gdn(LoraTarget t) { return int(t) >= int(LoraTarget::in_proj_qkv); }
+bool is_attention(LoraTarget t) { return int(t) <= int(LoraTarget::o_proj); }
 
 // Writes `host` (the view's element count) into a contiguous device view, converting to its dtype.
 void write_view(Runtime& rt, Tensor& view, const std::vector<double>& host) {
@@ -61,19 +63,69 @@ const char* lora_target_name(LoraTarget t) {
     case LoraTarget::gate_proj: return "gate_proj";
     case LoraTarget::up_proj: return "up_proj";
     case LoraTarget::down_proj: return "down_proj";
+    case LoraTarget::in_proj_qkv: return "in_proj_qkv";
+    case LoraTarget::in_proj_z: return "in_proj_z";
+    case LoraTarget::in_proj_b: return "in_proj_b";
+    case LoraTarget::in_proj_a: return "in_proj_a";
+    case LoraTarget::out_proj: return "out_proj";
   }
   return "?";
 }
 
-std::string lora_module_name(int64_t layer, LoraTarget t) {
-  const bool attn = t == LoraTarget::q_proj || t == LoraTarget::k_proj || t == LoraTarget::v_proj || t == LoraTarget::o_proj;
-  return fmt::format("model.layers.{}.{}.{}", layer, attn ? "self_attn" : "mlp", lora_target_name(t));
+std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t layer) {
+  const bool gdn = model.is_qwen3_5() && model.layer_types[size_t(layer)] == "linear_attention";
+  std::vector<LoraTarget> out;
+  if (gdn) out = {LoraTarget::in_proj_qkv, LoraTarget::in_proj_z, LoraTarget::in_proj_b, LoraTarget::in_proj_a,
+                  LoraTarget::out_proj};
+  else out = {LoraTarget::q_proj, LoraTarget::k_proj, LoraTarget::v_proj, LoraTarget::o_proj};
+  for (LoraTarget t : {LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj}) out.push_back(t);
+  return out;
+}
+
+std::vector<std::string> lora_target_names(const ModelConfig& model) {
+  std::vector<std::string> names;
+  for (int i = 0; i < kLoraTargetCount; ++i) {
+    bool present = false;
+    for (int64_t l = 0; l < model.num_layers && !present; ++l) {
+      const std::vector<LoraTarget> ts = lora_layer_targets(model, l);
+      present = std::find(ts.begin(), ts.end(), LoraTarget(i)) != ts.end();
+    }
+    if (present) names.push_back(lora_target_name(LoraTarget(i)));
+  }
+  return names;
+}
+
+std::string lora_module_name(const ModelConfig& model, int64_t layer, LoraTarget t) {
+  const char* root = model.multimodal_layout ? "model.language_model" : "model";
+  const char* block = is_gdn(t) ? "linear_attn" : is_attention(t) ? "self_attn" : "mlp";
+  return fmt::format("{}.layers.{}.{}.{}", root, layer, block, lora_target_name(t));
+}
+
+std::pair<int64_t, int64_t> lora_module_dims(const ModelConfig& m, LoraTarget t) {
+  // Qwen3.5's gated attention: q_proj gives [query | gate] per head.
+  const int64_t q_out = (m.attn_output_gate ? 2 : 1) * m.num_heads * m.head_dim, kv_out = m.num_kv_heads * m.head_dim;
+  const int64_t kd = m.linear_num_key_heads * m.linear_key_head_dim, vd = m.linear_num_value_heads * m.linear_value_head_dim;
+  switch (t) {
+    case LoraTarget::q_proj: return {m.hidden_size, q_out};
+    case LoraTarget::k_proj:
+    case LoraTarget::v_proj: return {m.hidden_size, kv_out};
+    case LoraTarget::o_proj: return {m.num_heads * m.head_dim, m.hidden_size};
+    case LoraTarget::gate_proj:
+    case LoraTarget::up_proj: return {m.hidden_size, m.intermediate_size};
+    case LoraTarget::down_proj: return {m.intermediate_size, m.hidden_size};
+    case LoraTarget::in_proj_qkv: return {m.hidden_size, 2 * kd + vd};
+    case LoraTarget::in_proj_z: return {m.hidden_size, vd};
+    case LoraTarget::in_proj_b:
+    case LoraTarget::in_proj_a: return {m.hidden_size, m.linear_num_value_heads};
+    case LoraTarget::out_proj: return {vd, m.hidden_size};
+  }
+  return {0, 0};
 }
 
 double LoraConfig::scaling() const { return rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank); }
 
-bool LoraConfig::targets_module(int64_t layer, LoraTarget t) const {
-  const std::string name = lora_module_name(layer, t);
+bool LoraConfig::targets_module(const ModelConfig& model, int64_t layer, LoraTarget t) const {
+  const std::string name = lora_module_name(model, layer, t);
   for (const std::string& target : targets) {
     if (target == "all-linear") return true;
     if (target.rfind("re:", 0) == 0) {
@@ -99,11 +151,13 @@ void LoraConfig::validate(const std::string& where, const ModelConfig& model) co
       }
     }
     bool matched = false;
+    const LoraConfig one{rank, alpha, dropout, rslora, {target}};
     for (int64_t l = 0; l < model.num_layers && !matched; ++l)
-      for (LoraTarget t : kAllTargets) matched = matched || LoraConfig{rank, alpha, dropout, rslora, {target}}.targets_module(l, t);
-    LATHE_CHECK(matched, "{}: lora target '{}' matches no linear module of the model (valid: q_proj, k_proj, v_proj, o_proj, "
-                "gate_proj, up_proj, down_proj, all-linear, or re:<regex> over names like '{}')", where, target,
-                lora_module_name(0, LoraTarget::q_proj));
+      for (LoraTarget t : lora_layer_targets(model, l)) matched = matched || one.targets_module(model, l, t);
+    const std::vector<std::string> names = lora_target_names(model);
+    LATHE_CHECK(matched, "{}: lora target '{}' matches no linear module of the {} model (valid: {}, all-linear, or "
+                "re:<regex> over names like '{}')", where, target, model.model_type, fmt::join(names, ", "),
+                lora_module_name(model, 0, lora_layer_targets(model, 0).front()));
   }
 }
 
@@ -140,13 +194,12 @@ LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& sou
   return c;
 }
 
-nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model) {
+nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model, const ModelConfig& model) {
   nlohmann::json targets;
   if (c.targets.size() == 1 && c.targets[0].rfind("re:", 0) == 0) {
     targets = c.targets[0].substr(3);
   } else if (std::find(c.targets.begin(), c.targets.end(), "all-linear") != c.targets.end()) {
-    targets = nlohmann::json::array();
-    for (LoraTarget t : kAllTargets) targets.push_back(lora_target_name(t));
+    targets = lora_target_names(model);
   } else {
     targets = c.targets;
   }
@@ -174,31 +227,18 @@ LoraConfig read_lora_config(const std::string& dir) {
 LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters)
     : rt_(&rt), model_(model), device_(device), dtype_(dtype) {
   for (size_t i = 0; i < adapters.size(); ++i) adapters[i].validate(fmt::format("lora adapter {}", i), model);
-  const int64_t q_out = model.num_heads * model.head_dim, kv_out = model.num_kv_heads * model.head_dim;
-  auto dims = [&](LoraTarget t) -> std::pair<int64_t, int64_t> {  // (in, out)
-    switch (t) {
-      case LoraTarget::q_proj: return {model.hidden_size, q_out};
-      case LoraTarget::k_proj:
-      case LoraTarget::v_proj: return {model.hidden_size, kv_out};
-      case LoraTarget::o_proj: return {q_out, model.hidden_size};
-      case LoraTarget::gate_proj:
-      case LoraTarget::up_proj: return {model.hidden_size, model.intermediate_size};
-      case LoraTarget::down_proj: return {model.intermediate_size, model.hidden_size};
-    }
-    return {0, 0};
-  };
   for (LoraConfig& c : adapters) adapters_.push_back({std::move(c), {}, {}});
   chunk_ = 0;  // gcd of every row length; 1 when nothing is targeted
   slot_index_.assign(size_t(model.num_layers * kLoraTargetCount), -1);
   for (int64_t l = 0; l < model.num_layers; ++l) {
-    for (LoraTarget t : kAllTargets) {
+    for (LoraTarget t : lora_layer_targets(model, l)) {
       Slot s;
       s.layer = l;
       s.target = t;
-      std::tie(s.in, s.out) = dims(t);
+      std::tie(s.in, s.out) = lora_module_dims(model, t);
       for (const Adapter& a : adapters_) {
         s.col_begin.push_back(s.rank_total);
-        s.rank_total += a.config.targets_module(l, t) ? a.config.rank : 0;
+        s.rank_total += a.config.targets_module(model, l, t) ? a.config.rank : 0;
         s.col_end.push_back(s.rank_total);
       }
       if (s.rank_total == 0) continue;
@@ -248,7 +288,7 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
     }
     const Tensor v = values_.narrow(0, adapter_chunk, m.chunks).view({r, width});
     const Tensor g = grads_.narrow(0, adapter_chunk, m.chunks).view({r, width});
-    adapters_[m.adapter].params.push_back({peft_key(s.layer, s.target, m.is_a ? "A" : "B"), v, g});
+    adapters_[m.adapter].params.push_back({peft_key(model, s.layer, s.target, m.is_a ? "A" : "B"), v, g});
     adapter_chunk += m.chunks;
     adapter_begin[m.adapter + 1] = adapter_chunk;
   }
@@ -374,7 +414,7 @@ void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const
   io::write_safetensors((tmp / "adapter_model.safetensors").string(), refs, {{"format", "pt"}});
   {
     std::ofstream f(tmp / "adapter_config.json");
-    f << lora_config_to_peft(config(adapter), base_model).dump(2) << "\n";
+    f << lora_config_to_peft(config(adapter), base_model, model_).dump(2) << "\n";
     LATHE_CHECK(f.good(), "lora: cannot write {}", (tmp / "adapter_config.json").string());
   }
   const fs::path old = target.string() + fmt::format(".old-{}", getpid());
@@ -390,7 +430,7 @@ std::string lora_key_module(const std::string& key) {
   return key.substr(prefix.size(), end - prefix.size());
 }
 
-void merge_lora(Qwen3Model& model, LoraBank& bank, int adapter) {
+void merge_lora(CausalLm& model, LoraBank& bank, int adapter) {
   ExecContext cx = model.runtime().context(model.options().device);
   const double s = bank.config(adapter).scaling();
   const std::vector<Parameter>& params = bank.parameters(adapter);

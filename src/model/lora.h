@@ -8,8 +8,12 @@
 // and y += U_masked BT_cat. The base weights are read once for every tenant.
 // Each adapter's parameters are views into its slots' rows, so its optimizer updates them in place.
 // Files are PEFT's: adapter_config.json and adapter_model.safetensors with keys
-// "base_model.model.<module>.lora_A.weight" (r, in) and "...lora_B.weight" (out, r).
-// Covered by tests/models/test_lora.cpp (finite differences, HF/peft fixtures, round trips).
+// "base_model.model.<module>.lora_A.weight" (r, in) and "...lora_B.weight" (out, r), <module> the Hugging Face
+// module name in the layout the model was loaded from (model.layers.N... or model.language_model.layers.N...).
+// The modules of a layer depend on the family (lora_layer_targets): Qwen3 and Qwen3.5 full-attention layers have
+// q/k/v/o_proj (Qwen3.5's q_proj gives query and gate interleaved per head, out = 2 H d), Qwen3.5 Gated DeltaNet
+// layers in_proj_qkv/z/b/a and out_proj; every layer gate/up/down_proj.
+// Covered by tests/models/test_lora.cpp and test_lora_qwen3_5.cpp (finite differences, HF/peft fixtures, round trips).
 #pragma once
 
 #include <array>
@@ -18,16 +22,25 @@
 #include <vector>
 
 #include "model/config.h"
-#include "model/qwen3.h"
+#include "model/causal_lm.h"
 
 namespace lathe {
 
-// The linear modules of a Qwen3 decoder layer that LoRA can adapt.
-enum class LoraTarget { q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj };
-inline constexpr int kLoraTargetCount = 7;
+// The linear modules of a decoder layer that LoRA can adapt (Qwen3 and Qwen3.5: attention, MLP, Gated DeltaNet).
+enum class LoraTarget {
+  q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,    // attention and MLP
+  in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj,           // Gated DeltaNet (Qwen3.5 linear_attention)
+};
+inline constexpr int kLoraTargetCount = 12;
 const char* lora_target_name(LoraTarget t);
+// The modules of layer `layer` of this model, in a fixed order.
+std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t layer);
+// Every short name a module of this model has (what "all-linear" expands to in adapter_config.json).
+std::vector<std::string> lora_target_names(const ModelConfig& model);
 // "model.layers.3.self_attn.q_proj" — the module name PEFT matches target_modules against.
-std::string lora_module_name(int64_t layer, LoraTarget t);
+std::string lora_module_name(const ModelConfig& model, int64_t layer, LoraTarget t);
+// (in, out) of the module's weight (out, in).
+std::pair<int64_t, int64_t> lora_module_dims(const ModelConfig& model, LoraTarget t);
 
 struct LoraConfig {
   int64_t rank = 16;
@@ -40,7 +53,8 @@ struct LoraConfig {
   std::vector<std::string> targets = {"all-linear"};
 
   double scaling() const;
-  bool targets_module(int64_t layer, LoraTarget t) const;
+  // Whether the module (layer, t) of `model` — one of lora_layer_targets(model, layer) — is adapted.
+  bool targets_module(const ModelConfig& model, int64_t layer, LoraTarget t) const;
   // Throws with `where` in the message on a bad rank, alpha, dropout or target list (unknown names are refused:
   // a target that matches nothing would silently train nothing).
   void validate(const std::string& where, const ModelConfig& model) const;
@@ -49,7 +63,7 @@ struct LoraConfig {
 // adapter_config.json <-> LoraConfig. Reading refuses every PEFT feature Lathe does not implement (DoRA, biases,
 // modules_to_save, rank/alpha patterns, layers_to_transform, ...) by field name.
 LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& source);
-nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model);
+nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model, const ModelConfig& model);
 LoraConfig read_lora_config(const std::string& adapter_dir);  // DIR/adapter_config.json
 
 class LoraBank {
@@ -124,7 +138,7 @@ class LoraBank {
 };
 
 // Adds scaling * B A of `adapter` into the base weights of `model` (for generation and merged export).
-void merge_lora(Qwen3Model& model, LoraBank& bank, int adapter);
+void merge_lora(CausalLm& model, LoraBank& bank, int adapter);
 // "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" -> "model.layers.0.self_attn.q_proj".
 std::string lora_key_module(const std::string& key);
 

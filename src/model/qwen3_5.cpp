@@ -2,39 +2,36 @@
 // Hk/Hv heads of dk/dv (Gated DeltaNet), K = Hk dk, V = Hv dv, I intermediate, voc vocabulary.
 // Conventions: every norm is zero-centred ((1 + w), NormAttrs offset 1) except the GDN output norm (plain w); the
 // L2 norm of q and k is x / sqrt(sum x^2 + 1e-6) = rmsnorm(x; 1, eps 1e-6/dk) / sqrt(dk) (exact identity, reuses
-// the rmsnorm op); the q_proj rows of head h are [query | gate], split by gathering rows of q_proj seen as (2H, d D)
-// (the embedding op, whose backward is the scatter-add); in_proj_qkv is used as three row blocks [q | k | v] (each a
-// contiguous view), each with its own conv channels, so nothing is ever concatenated.
-// Duplication: the loss head (label gather, chunked logits, segment weights) repeats Qwen3Model::loss, whose parts
-// are private; factor them out when a third model family arrives.
+// the rmsnorm op). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
+// peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
+// through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
+// output viewed as (T N / width, width) (the embedding op), their backward the scatter-add (embedding_backward).
+// The loss head, save() and the LoRA path are CausalLm's.
 #include "model/qwen3_5.h"
-
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <set>
 
 #include "io/safetensors.h"
+#include "model/lora.h"
 #include "ops/ops.h"
 
 namespace lathe {
-
-namespace fs = std::filesystem;
 
 struct Qwen35Model::LayerActs {
   Tensor x, xn;         // (T, D) layer input and its input norm
   Tensor mix;           // (T, D) mixer output (before the residual)
   // full attention
-  Tensor wquery, wgate;  // (H d, D) rows of q_proj
   Tensor q, gate, k, v;  // (T, H, d), (T, H d), (T, Hkv, d) x2: projections (q, k before their norm)
   Tensor qr, kr;         // normed and rotated
   Tensor o, lse, sg, y;  // (T, H, d), (T, H), sigmoid(gate) (T, H d), o * sg (T, H d)
   // Gated DeltaNet
-  Tensor c[3], p[3];     // per section q, k, v: projection and conv output (T, K | K | V)
-  Tensor qa, ka, va;     // silu(p): (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
+  Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
+  Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4
   Tensor core, gn, sz, gy;          // (T, Hv, dv): rule output, its norm, silu(z), gn * sz
@@ -46,28 +43,17 @@ namespace {
 
 Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) { return matmul(ctx, x, w, {false, true}); }
 
-void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {  // dst: a contiguous view
-  run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
-}
-
 }  // namespace
 
 Qwen35Model::Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options)
-    : rt_(&rt), config_(std::move(config)), options_(options) {
-  rt.check_device(options_.device);
+    : CausalLm(rt, std::move(config), options) {
   LATHE_CHECK(config_.is_qwen3_5(), "model: Qwen35Model needs a qwen3_5 config, got model_type '{}'", config_.model_type);
   build_parameter_list();
   const ModelConfig& c = config_;
   std::vector<double> ones(size_t(c.linear_key_head_dim), 1.0);
   ExecContext cx = ctx();
   ones_dk_ = cast(cx, rt.from_host(ones.data(), {c.linear_key_head_dim}, DType::F64, options_.device), options_.dtype);
-  std::vector<int32_t> even, odd;
-  for (int64_t h = 0; h < c.num_heads; ++h) even.push_back(int32_t(2 * h)), odd.push_back(int32_t(2 * h + 1));
-  even_rows_ = rt.from_host(even.data(), {c.num_heads}, DType::I32, options_.device);
-  odd_rows_ = rt.from_host(odd.data(), {c.num_heads}, DType::I32, options_.device);
 }
-
-ExecContext Qwen35Model::ctx() { return rt_->context(options_.device); }
 
 void Qwen35Model::build_parameter_list() {
   const ModelConfig& c = config_;
@@ -115,14 +101,6 @@ void Qwen35Model::build_parameter_list() {
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
 }
-
-Parameter& Qwen35Model::parameter(const std::string& name) {
-  for (Parameter& p : params_)
-    if (p.name == name) return p;
-  LATHE_FAIL("model: no parameter named '{}'", name);
-}
-
-const Tensor& Qwen35Model::lm_head() const { return w(lm_head_ >= 0 ? lm_head_ : embed_); }
 
 Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
   Qwen35Model m(rt, load_model_config(dir), options);
@@ -189,43 +167,58 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
   return m;
 }
 
-void Qwen35Model::zero_grads() {
-  for (Parameter& p : params_) p.grad = Tensor();
+DType Qwen35Model::save_dtype(const std::string& name, DType requested) const {
+  // A_log is f32 in Qwen3.5 releases: keep it at least f32.
+  return name.find("A_log") != std::string::npos ? DType::F32 : requested;
 }
 
-void Qwen35Model::add_grad(int index, const Tensor& g) {
-  if (!options_.train_base) return;
-  Tensor& grad = params_[size_t(index)].grad;
-  ExecContext cx = ctx();
-  grad = grad.defined() ? add(cx, grad, g.view(grad.shape())) : contiguous(cx, g).view(params_[size_t(index)].value.shape());
+std::vector<io::TensorRef> Qwen35Model::extra_tensors() const {
+  std::vector<io::TensorRef> refs;
+  for (const Passthrough& t : passthrough_) refs.push_back({t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size()});
+  return refs;
 }
 
-Tensor& Qwen35Model::grad_buffer(int index) {
-  Parameter& p = params_[size_t(index)];
-  if (!p.grad.defined()) {
-    ExecContext cx = ctx();
-    p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), cx.allocator);
-    cx.backend.fill_bytes(p.grad.data_ptr(), 0, p.grad.nbytes(), cx.stream);
+const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
+  if (split_.tokens == tokens) return split_;
+  const ModelConfig& c = config_;
+  // Row indices, into (T N / width, width), of the column blocks [off, off + len) of each token's row.
+  auto columns = [&](int64_t n, int64_t width, const std::vector<std::pair<int64_t, int64_t>>& blocks) {
+    std::vector<int32_t> ids;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (auto [off, len] : blocks)
+        for (int64_t j = 0; j < len / width; ++j) ids.push_back(int32_t(t * (n / width) + off / width + j));
+    LATHE_CHECK(tokens * (n / width) < (int64_t(1) << 31), "model: {} tokens exceed the index range of the splits", tokens);
+    return Columns{width, n, rt_->from_host(ids.data(), {int64_t(ids.size())}, DType::I32, options_.device)};
+  };
+  split_ = SplitIndex{};
+  split_.tokens = tokens;
+  if (c.num_heads > 0 && c.head_dim > 0) {
+    const int64_t d = c.head_dim;
+    std::vector<std::pair<int64_t, int64_t>> query, gate;
+    for (int64_t h = 0; h < c.num_heads; ++h) query.push_back({2 * h * d, d}), gate.push_back({(2 * h + 1) * d, d});
+    split_.query = columns(2 * c.num_heads * d, d, query);
+    split_.gate = columns(2 * c.num_heads * d, d, gate);
   }
-  return p.grad;
-}
-
-void Qwen35Model::add_linear_grad(int index, const Tensor& dy, const Tensor& x, int64_t row0) {
-  if (!options_.train_base) return;
-  ExecContext cx = ctx();
-  Tensor& grad = params_[size_t(index)].grad;
-  if (row0 == 0 && dy.size(-1) == params_[size_t(index)].value.size(0) && !grad.defined()) {
-    grad = matmul(cx, dy, x, {true, false});
-    return;
+  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, vd = c.linear_num_value_heads * c.linear_value_head_dim;
+  if (kd > 0 && vd > 0) {
+    const int64_t width = std::gcd(kd, vd), n = 2 * kd + vd;
+    split_.qkv[0] = columns(n, width, {{0, kd}});
+    split_.qkv[1] = columns(n, width, {{kd, kd}});
+    split_.qkv[2] = columns(n, width, {{2 * kd, vd}});
   }
-  Tensor rows = grad_buffer(index).narrow(0, row0, dy.size(-1));
-  matmul_into(cx, dy, x, rows, {true, false, 1.0f, 1.0f});
+  return split_;
 }
 
-void Qwen35Model::linear_backward_input(const Tensor& wt, const Tensor& dy, Tensor& dx) {
+Tensor Qwen35Model::gather_columns(const Tensor& y, const Columns& c) {
   ExecContext cx = ctx();
-  if (dx.defined()) matmul_into(cx, dy, wt, dx, {false, false, 1.0f, 1.0f});
-  else dx = matmul(cx, dy, wt);
+  const int64_t t = y.size(0);
+  return embedding(cx, y.view({-1, c.width}), c.ids).view({t, -1});
+}
+
+Tensor Qwen35Model::scatter_columns(const Tensor& d, const Columns& c) {
+  ExecContext cx = ctx();
+  const int64_t t = d.size(0);
+  return embedding_backward(cx, contiguous(cx, d).view({-1, c.width}), c.ids, t * c.n / c.width).view({t, c.n});
 }
 
 Tensor Qwen35Model::l2norm(const Tensor& x) {
@@ -240,18 +233,17 @@ Tensor Qwen35Model::l2norm_backward(const Tensor& x, const Tensor& dy) {
   return rmsnorm_backward(cx, x, ones_dk_, scale(cx, dy, 1.0 / std::sqrt(dk)), {1e-6 / dk, 0.0})[0];
 }
 
-void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b) {
+void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = a.x.size(0), d = c.head_dim, hd = c.num_heads * d;
   const NormAttrs norm{c.rms_norm_eps, 1.0};
-  const Tensor rows = w(l.q_proj).view({2 * c.num_heads, d * c.hidden_size});
-  a.wquery = embedding(cx, rows, even_rows_).view({hd, c.hidden_size});
-  a.wgate = embedding(cx, rows, odd_rows_).view({hd, c.hidden_size});
-  a.q = linear(cx, a.xn, a.wquery).view({t, c.num_heads, d});
-  a.gate = linear(cx, a.xn, a.wgate);
-  a.k = linear(cx, a.xn, w(l.k_proj)).view({t, c.num_kv_heads, d});
-  a.v = linear(cx, a.xn, w(l.v_proj)).view({t, c.num_kv_heads, d});
+  const SplitIndex& split = split_index(t);
+  const Tensor yq = project(l.index, LoraTarget::q_proj, l.q_proj, a.xn, b, training);  // (T, 2 H d)
+  a.q = gather_columns(yq, split.query).view({t, c.num_heads, d});
+  a.gate = gather_columns(yq, split.gate);
+  a.k = project(l.index, LoraTarget::k_proj, l.k_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
+  a.v = project(l.index, LoraTarget::v_proj, l.v_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
   const RopeAttrs rot{c.rope_theta, c.rotary_dim(), false};
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), b.positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), b.positions, rot);
@@ -260,53 +252,49 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   a.lse = att[1];
   a.sg = sigmoid(cx, a.gate);
   a.y = mul(cx, a.o.view({t, hd}), a.sg);
-  a.mix = linear(cx, a.y, w(l.o_proj));
+  a.mix = project(l.index, LoraTarget::o_proj, l.o_proj, a.y, b, training);
 }
 
-void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b) {
+void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = a.x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
-  const int64_t off[3] = {0, kd, 2 * kd}, len[3] = {kd, kd, vd};
-  const Tensor wconv = w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim});
-  Tensor act[3];
-  for (int s = 0; s < 3; ++s) {
-    a.c[s] = linear(cx, a.xn, w(l.in_qkv).narrow(0, off[s], len[s]));
-    a.p[s] = causal_conv1d(cx, a.c[s], wconv.narrow(0, off[s], len[s]), b.cu_seqlens);
-    act[s] = silu(cx, a.p[s]);
-  }
-  a.qa = act[0].view({t, hk, dk});
-  a.ka = act[1].view({t, hk, dk});
-  a.va = act[2].view({t, hv, dv});
+  const SplitIndex& split = split_index(t);
+  a.qkv = project(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, b, training);  // (T, 2K + V)
+  a.conv = causal_conv1d(cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), b.cu_seqlens);
+  const Tensor act = silu(cx, a.conv);
+  a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
+  a.ka = gather_columns(act, split.qkv[1]).view({t, hk, dk});
+  a.va = gather_columns(act, split.qkv[2]).view({t, hv, dv});
   a.qn = l2norm(a.qa);
   a.kn = l2norm(a.ka);
-  a.z = linear(cx, a.xn, w(l.in_z)).view({t, hv, dv});
-  a.bproj = linear(cx, a.xn, w(l.in_b));
-  a.aproj = linear(cx, a.xn, w(l.in_a));
+  a.z = project(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, b, training).view({t, hv, dv});
+  a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
+  a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
   a.beta = sigmoid(cx, a.bproj);
   a.g = gdn_decay(cx, a.aproj, w(l.a_log), w(l.dt_bias));
   a.core = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens);
   a.gn = rmsnorm(cx, a.core, w(l.gnorm), {c.rms_norm_eps, 0.0});
   a.sz = silu(cx, a.z);
   a.gy = mul(cx, a.gn, a.sz);
-  a.mix = linear(cx, a.gy.view({t, vd}), w(l.out_proj));
+  a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
-Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b) {
+Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   LayerActs a;
   a.x = x;
   a.xn = rmsnorm(cx, x, w(l.input_norm), norm);
-  if (l.linear) gdn_forward(l, a, b);
-  else attention_forward(l, a, b);
+  if (l.linear) gdn_forward(l, a, b, training);
+  else attention_forward(l, a, b, training);
   a.h = add(cx, x, a.mix);
   a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
-  a.gt = linear(cx, a.hn, w(l.gate_proj));
-  a.up = linear(cx, a.hn, w(l.up_proj));
+  a.gt = project(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, b, training);
+  a.up = project(l.index, LoraTarget::up_proj, l.up_proj, a.hn, b, training);
   a.act = swiglu(cx, a.gt, a.up);
-  a.out = add(cx, a.h, linear(cx, a.act, w(l.down_proj)));
+  a.out = add(cx, a.h, project(l.index, LoraTarget::down_proj, l.down_proj, a.act, b, training));
   return a;
 }
 
@@ -316,8 +304,9 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   const int64_t t = dh.size(0), d = c.head_dim, hd = c.num_heads * d;
   const NormAttrs norm{c.rms_norm_eps, 1.0};
   const RopeAttrs inv{c.rope_theta, c.rotary_dim(), true};
-  add_linear_grad(l.o_proj, dh, a.y);
-  const Tensor dy = matmul(cx, dh, w(l.o_proj));  // (T, H d)
+  const SplitIndex& split = split_index(t);
+  Tensor dy;  // (T, H d)
+  project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.y, dh, dy, b);
   const Tensor d_o = mul(cx, dy, a.sg).view({t, c.num_heads, d});
   const Tensor dgate = sigmoid_backward(cx, a.sg, mul(cx, dy, a.o.view({t, hd})));
   const std::vector<Tensor> dqkv =
@@ -326,21 +315,12 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
   add_grad(l.q_norm, dq[1]);
   add_grad(l.k_norm, dk[1]);
-  const Tensor dq2 = dq[0].view({t, hd});
+  // d(q_proj output): the query and gate gradients scattered back to their interleaved columns.
+  const Tensor dyq = add(cx, scatter_columns(dq[0].view({t, hd}), split.query), scatter_columns(dgate, split.gate));
   Tensor dxn;
-  linear_backward_input(a.wquery, dq2, dxn);
-  linear_backward_input(a.wgate, dgate, dxn);
-  linear_backward_input(w(l.k_proj), dk[0].view({t, -1}), dxn);
-  linear_backward_input(w(l.v_proj), dqkv[2].view({t, -1}), dxn);
-  if (options_.train_base) {
-    // dq_proj: the query and gate row blocks scattered back to rows 2h and 2h + 1 of (2H, d D).
-    const int64_t rows = 2 * c.num_heads, row = d * c.hidden_size;
-    const Tensor dwq = matmul(cx, dq2, a.xn, {true, false}).view({c.num_heads, row});
-    const Tensor dwg = matmul(cx, dgate, a.xn, {true, false}).view({c.num_heads, row});
-    add_grad(l.q_proj, add(cx, embedding_backward(cx, dwq, even_rows_, rows), embedding_backward(cx, dwg, odd_rows_, rows)));
-  }
-  add_linear_grad(l.k_proj, dk[0].view({t, -1}), a.xn);
-  add_linear_grad(l.v_proj, dqkv[2].view({t, -1}), a.xn);
+  project_backward(l.index, LoraTarget::q_proj, l.q_proj, a.xn, dyq, dxn, b);
+  project_backward(l.index, LoraTarget::k_proj, l.k_proj, a.xn, dk[0].view({t, -1}), dxn, b);
+  project_backward(l.index, LoraTarget::v_proj, l.v_proj, a.xn, dqkv[2].view({t, -1}), dxn, b);
   return dxn;
 }
 
@@ -349,10 +329,10 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   const ModelConfig& c = config_;
   const int64_t t = dh.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
-  const int64_t off[3] = {0, kd, 2 * kd}, len[3] = {kd, kd, vd};
-  const int64_t width = c.linear_conv_kernel_dim;
-  add_linear_grad(l.out_proj, dh, a.gy.view({t, vd}));
-  const Tensor dgy = matmul(cx, dh, w(l.out_proj)).view({t, hv, dv});
+  const SplitIndex& split = split_index(t);
+  Tensor dgy;
+  project_backward(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), dh, dgy, b);
+  dgy = dgy.view({t, hv, dv});
   // gy = rmsnorm(core; w) * silu(z)
   const Tensor dz = silu_backward(cx, a.z, mul(cx, dgy, a.gn));
   const std::vector<Tensor> dcore = rmsnorm_backward(cx, a.core, w(l.gnorm), mul(cx, dgy, a.sz), {c.rms_norm_eps, 0.0});
@@ -362,27 +342,18 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   add_grad(l.a_log, ddecay[1]);
   add_grad(l.dt_bias, ddecay[2]);
   const Tensor db = sigmoid_backward(cx, a.beta, dr[4]);
-  const Tensor dact[3] = {l2norm_backward(a.qa, dr[0]).view({t, kd}), l2norm_backward(a.ka, dr[1]).view({t, kd}),
-                          dr[2].view({t, vd})};
+  // d(silu(conv)): the q, k, v gradients scattered back to their column blocks.
+  const Tensor dact = add(cx, add(cx, scatter_columns(l2norm_backward(a.qa, dr[0]).view({t, kd}), split.qkv[0]),
+                                  scatter_columns(l2norm_backward(a.ka, dr[1]).view({t, kd}), split.qkv[1])),
+                          scatter_columns(dr[2].view({t, vd}), split.qkv[2]));
+  const std::vector<Tensor> dconv = causal_conv1d_backward(
+      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
+  add_grad(l.conv, dconv[1]);
   Tensor dxn;
-  const Tensor wconv = w(l.conv).view({2 * kd + vd, width});
-  for (int s = 0; s < 3; ++s) {
-    const Tensor wc = wconv.narrow(0, off[s], len[s]);
-    const Tensor dp = silu_backward(cx, a.p[s], dact[s]);
-    const std::vector<Tensor> dconv = causal_conv1d_backward(cx, a.c[s], wc, dp, b.cu_seqlens);
-    if (options_.train_base) {
-      const Tensor slot = grad_buffer(l.conv).view({2 * kd + vd, width}).narrow(0, off[s], len[s]);
-      copy_into(cx, add(cx, slot, dconv[1]), slot);
-    }
-    linear_backward_input(w(l.in_qkv).narrow(0, off[s], len[s]), dconv[0], dxn);
-    add_linear_grad(l.in_qkv, dconv[0], a.xn, off[s]);
-  }
-  linear_backward_input(w(l.in_z), dz.view({t, vd}), dxn);
-  linear_backward_input(w(l.in_b), db, dxn);
-  linear_backward_input(w(l.in_a), ddecay[0], dxn);
-  add_linear_grad(l.in_z, dz.view({t, vd}), a.xn);
-  add_linear_grad(l.in_b, db, a.xn);
-  add_linear_grad(l.in_a, ddecay[0], a.xn);
+  project_backward(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, dconv[0], dxn, b);
+  project_backward(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, dz.view({t, vd}), dxn, b);
+  project_backward(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, db, dxn, b);
+  project_backward(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, ddecay[0], dxn, b);
   return dxn;
 }
 
@@ -390,14 +361,11 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   // MLP: out = h + down(swiglu(gate(hn), up(hn)))
-  add_linear_grad(l.down_proj, dout, a.act);
-  const Tensor dact = matmul(cx, dout, w(l.down_proj));
+  Tensor dact, dhn;
+  project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
   const std::vector<Tensor> dgu = swiglu_backward(cx, a.gt, a.up, dact);
-  Tensor dhn;
-  linear_backward_input(w(l.gate_proj), dgu[0], dhn);
-  linear_backward_input(w(l.up_proj), dgu[1], dhn);
-  add_linear_grad(l.gate_proj, dgu[0], a.hn);
-  add_linear_grad(l.up_proj, dgu[1], a.hn);
+  project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
+  project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
   const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
   add_grad(l.post_norm, dpost[1]);
   const Tensor dh = add(cx, dout, dpost[0]);
@@ -408,17 +376,14 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   return add(cx, dh, din[0]);
 }
 
-Tensor Qwen35Model::forward_hidden(const PackedBatch& b, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs) {
+Tensor Qwen35Model::forward_hidden(const PackedBatch& b, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs,
+                                   bool training) {
   ExecContext cx = ctx();
-  LATHE_CHECK(b.ids.device() == options_.device, "model: batch is on {} but the model is on {}", b.ids.device().str(),
-              options_.device.str());
-  for (int32_t id : b.host_ids)
-    LATHE_CHECK(id >= 0 && id < config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
-                config_.vocab_size);
+  begin_forward(b);
   Tensor x = embedding(cx, w(embed_), b.ids);
   for (const Layer& l : layers_) {
     if (inputs) inputs->push_back(x);
-    LayerActs a = layer_forward(l, x, b);
+    LayerActs a = layer_forward(l, x, b, training);
     x = a.out;
     if (acts) acts->push_back(std::move(a));
   }
@@ -427,21 +392,14 @@ Tensor Qwen35Model::forward_hidden(const PackedBatch& b, std::vector<LayerActs>*
 
 Tensor Qwen35Model::logits(const PackedBatch& b) {
   ExecContext cx = ctx();
-  const Tensor x = forward_hidden(b, nullptr, nullptr);
-  return linear(cx, rmsnorm(cx, x, w(final_norm_), {config_.rms_norm_eps, 1.0}), lm_head());
+  const Tensor x = forward_hidden(b, nullptr, nullptr, false);
+  return linear(cx, rmsnorm(cx, x, w(final_norm_), {config_.rms_norm_eps, 1.0}), w(head()));
 }
 
 std::vector<double> Qwen35Model::label_logprobs(const PackedBatch& b) {
   ExecContext cx = ctx();
-  const Tensor xf = rmsnorm(cx, forward_hidden(b, nullptr, nullptr), w(final_norm_), {config_.rms_norm_eps, 1.0});
-  std::vector<double> out;
-  for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
-    const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
-    const Tensor logits = linear(cx, xf.narrow(0, r0, n), lm_head());
-    const Tensor loss = rt_->copy_to(cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
-    for (int64_t i = 0; i < n; ++i) out.push_back(-load_as_double(loss.data_ptr(), loss.dtype(), i));
-  }
-  return out;
+  const Tensor xf = rmsnorm(cx, forward_hidden(b, nullptr, nullptr, false), w(final_norm_), {config_.rms_norm_eps, 1.0});
+  return head_label_logprobs(xf, head(), b);
 }
 
 LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_scale) {
@@ -449,115 +407,23 @@ LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_sc
   std::vector<LayerActs> acts;
   std::vector<Tensor> inputs;
   const bool keep = backward && !options_.recompute;
-  const Tensor x_last = forward_hidden(b, keep ? &acts : nullptr, backward ? &inputs : nullptr);
+  const Tensor x_last = forward_hidden(b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   const Tensor xf = rmsnorm(cx, x_last, w(final_norm_), norm);
-  LossResult result;
-  result.labelled = b.num_labelled;
-  std::vector<int32_t> rows, targets;
-  for (int64_t i = 0; i < b.tokens(); ++i) {
-    if (b.host_labels[size_t(i)] == -100) continue;
-    rows.push_back(int32_t(i));
-    targets.push_back(b.host_labels[size_t(i)]);
-  }
-  const int64_t n_rows = int64_t(rows.size());
-  struct Piece {
-    int64_t begin, end;
-    double grad_scale;
-  };
-  std::vector<Piece> pieces;
-  if (b.segments.empty()) {
-    pieces.push_back({0, n_rows, n_rows ? loss_scale / double(n_rows) : 0.0});
-  } else {
-    int64_t r = 0;
-    for (const BatchSegment& seg : b.segments) {
-      const int64_t begin = r;
-      while (r < n_rows && rows[size_t(r)] < seg.rows_end) ++r;
-      pieces.push_back({begin, r, r > begin ? loss_scale * seg.loss_scale / double(r - begin) : 0.0});
-      result.segments.push_back({0.0, r - begin});
-    }
-  }
-  Tensor xs, dxs, row_index, target_t;
-  if (n_rows > 0) {
-    row_index = rt_->from_host(rows.data(), {n_rows}, DType::I32, options_.device);
-    target_t = rt_->from_host(targets.data(), {n_rows}, DType::I32, options_.device);
-    xs = embedding(cx, xf, row_index);
-    if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
-  }
-  const int head = lm_head_ >= 0 ? lm_head_ : embed_;
-  for (size_t pi = 0; pi < pieces.size(); ++pi) {
-    const Piece& piece = pieces[pi];
-    for (int64_t r0 = piece.begin; r0 < piece.end; r0 += options_.loss_chunk_rows) {
-      const int64_t n = std::min(options_.loss_chunk_rows, piece.end - r0);
-      const Tensor xc = xs.narrow(0, r0, n);
-      const Tensor logits = linear(cx, xc, lm_head());
-      const std::vector<Tensor> ce =
-          cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
-      const Tensor loss_rows = rt_->copy_to(ce[0], Device::cpu());
-      double chunk_sum = 0;
-      for (int64_t i = 0; i < n; ++i) chunk_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
-      result.loss_sum += chunk_sum;
-      if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
-      if (backward) {
-        Tensor dxc = dxs.narrow(0, r0, n);
-        matmul_into(cx, ce[1], lm_head(), dxc, {});
-        add_linear_grad(head, ce[1], xc);
-      }
-    }
-  }
-  result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
-  if (!backward) return result;
-
   Tensor dxf;
-  if (n_rows > 0) {
-    dxf = embedding_backward(cx, dxs, row_index, b.tokens());
-  } else {
-    dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
-    cx.backend.fill_bytes(dxf.data_ptr(), 0, dxf.nbytes(), cx.stream);
-  }
+  const LossResult result = head_loss(xf, head(), b, backward, loss_scale, &dxf);
+  if (!backward) return result;
   const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, w(final_norm_), dxf, norm);
   add_grad(final_norm_, dfinal[1]);
   Tensor dx = dfinal[0];
   for (int64_t i = int64_t(layers_.size()) - 1; i >= 0; --i) {
-    const LayerActs a = keep ? std::move(acts[size_t(i)]) : layer_forward(layers_[size_t(i)], inputs[size_t(i)], b);
+    const LayerActs a =
+        keep ? std::move(acts[size_t(i)]) : layer_forward(layers_[size_t(i)], inputs[size_t(i)], b, true);
     if (keep) acts.pop_back();
     dx = layer_backward(layers_[size_t(i)], a, dx, b);
   }
-  if (options_.train_base) add_grad(embed_, embedding_backward(cx, dx, b.ids, config_.vocab_size));
+  end_backward(embed_, dx, b);
   return result;
-}
-
-void Qwen35Model::save(const std::string& dir, DType dtype, uint64_t max_shard_bytes) const {
-  LATHE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "model: cannot save weights as {}",
-              dtype_name(dtype));
-  ExecContext cx = rt_->context(options_.device);
-  std::vector<Tensor> host;
-  std::vector<io::TensorRef> refs;
-  for (const Parameter& p : params_) {
-    // A_log and the gated norm weight are f32 in Qwen3.5 releases: keep them at least f32.
-    const bool keep_f32 = p.name.find("A_log") != std::string::npos;
-    const DType dt = keep_f32 ? DType::F32 : dtype;
-    host.push_back(rt_->copy_to(cast(cx, p.value, dt), Device::cpu()));
-    refs.push_back({p.name, dt, p.value.shape(), host.back().data_ptr(), host.back().nbytes()});
-  }
-  for (const Passthrough& t : passthrough_) refs.push_back({t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size()});
-  const fs::path target = fs::absolute(dir);
-  const fs::path tmp = target.string() + fmt::format(".tmp-{}", getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  io::write_sharded_safetensors(tmp.string(), refs, max_shard_bytes, {{"format", "pt"}});
-  nlohmann::json cfg = config_.raw;
-  const char* name = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
-  cfg["torch_dtype"] = cfg["dtype"] = name;
-  {
-    std::ofstream f(tmp / "config.json");
-    f << cfg.dump(2) << "\n";
-    LATHE_CHECK(f.good(), "model: cannot write {}", (tmp / "config.json").string());
-  }
-  const fs::path old = target.string() + fmt::format(".old-{}", getpid());
-  if (fs::exists(target)) fs::rename(target, old);
-  fs::rename(tmp, target);
-  fs::remove_all(old);
 }
 
 }  // namespace lathe

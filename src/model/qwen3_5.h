@@ -8,21 +8,23 @@
 //  - "full_attention": gated attention: q_proj gives, per head, [query (d) | gate (d)]; q/k zero-centred RMSNorm,
 //    partial RoPE on the first rotary_dim channels, causal packed attention, output * sigmoid(gate), o_proj.
 // Packed documents (cu_seqlens): attention, conv history and delta-rule state all restart at every boundary.
+// Every linear projection (GDN in_proj_qkv/z/b/a and out_proj, attention q/k/v/o_proj, MLP) goes through
+// CausalLm::project, so LoRA adapters (one or many tenants) apply to all of them exactly as on Qwen3.
 // Every layer has an explicit backward; gradients accumulate into Parameter::grad. Parameters keep Hugging Face
 // names in the layout they were loaded from (model.* or model.language_model.*); tensors of the checkpoint that the
 // text model does not use (vision tower, MTP head) are kept aside, reported, and written back by save().
 // Covered by tests/models/test_qwen3_5.cpp (HF fixtures from dev/ref/qwen3_5_fixtures.py, finite differences,
-// packing isolation, loader errors).
+// packing isolation, loader errors) and tests/models/test_lora_qwen3_5.cpp (LoRA).
 #pragma once
 
 #include <string>
 #include <vector>
 
-#include "model/qwen3.h"
+#include "model/causal_lm.h"
 
 namespace lathe {
 
-class Qwen35Model {
+class Qwen35Model : public CausalLm {
  public:
   // Loads config.json and the safetensors weights of a Hugging Face folder (text-only or multimodal layout).
   static Qwen35Model load(Runtime& rt, const std::string& dir, const ModelOptions& options);
@@ -31,22 +33,14 @@ class Qwen35Model {
   static Qwen35Model random(Runtime& rt, const ModelConfig& config, const ModelOptions& options, uint64_t seed,
                             double std = 0.02);
 
-  const ModelConfig& config() const { return config_; }
-  const ModelOptions& options() const { return options_; }
-  std::vector<Parameter>& parameters() { return params_; }
-  const std::vector<Parameter>& parameters() const { return params_; }
-  Parameter& parameter(const std::string& name);
-  Runtime& runtime() const { return *rt_; }
+  Tensor logits(const PackedBatch& batch) override;                   // (T, V)
+  std::vector<double> label_logprobs(const PackedBatch& batch) override;
+  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0) override;
 
-  Tensor logits(const PackedBatch& batch);                   // (T, V)
-  std::vector<double> label_logprobs(const PackedBatch& batch);
-  // Mean cross-entropy over labelled positions; with `backward`, adds every parameter's gradient (times
-  // loss_scale) into Parameter::grad. Segments weight their mean losses as in Qwen3Model::loss (no adapters).
-  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0);
-  void zero_grads();
-
-  // Writes config.json (as loaded) and the weights in the layout they were loaded from, plus the kept-aside tensors.
-  void save(const std::string& dir, DType dtype = DType::F32, uint64_t max_shard_bytes = 5ull << 30) const;
+ protected:
+  // save() writes the weights in the layout they were loaded from, plus the kept-aside tensors; A_log stays f32.
+  DType save_dtype(const std::string& name, DType requested) const override;
+  std::vector<io::TensorRef> extra_tensors() const override;
 
  private:
   struct Layer {
@@ -63,38 +57,41 @@ class Qwen35Model {
     Shape shape;
     std::vector<uint8_t> bytes;
   };
+  // Column blocks of a projection's output (T, N), as row indices of it viewed as (T N / width, width): gathered
+  // by the embedding op, scattered back (the backward) by embedding_backward. q_proj's query / gate, in_proj_qkv's
+  // q / k / v.
+  struct Columns {
+    int64_t width = 0, n = 0;  // chunk width, columns of the whole output
+    Tensor ids;                 // (T x the block's columns / width) i32
+  };
+  struct SplitIndex {
+    int64_t tokens = -1;
+    Columns query, gate, qkv[3];
+  };
 
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);
   void build_parameter_list();
-  ExecContext ctx();
-  const Tensor& w(int index) const { return params_[size_t(index)].value; }
-  const Tensor& lm_head() const;
+  int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
+  const SplitIndex& split_index(int64_t tokens);
+  Tensor gather_columns(const Tensor& y, const Columns& c);
+  Tensor scatter_columns(const Tensor& d, const Columns& c);  // (T, N), zero outside the block
 
-  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs);
-  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b);
-  void attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b);
-  void gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b);
+  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs,
+                        bool training);
+  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
+  void attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  void gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
   Tensor attention_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);
   Tensor gdn_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);
   Tensor l2norm(const Tensor& x);
   Tensor l2norm_backward(const Tensor& x, const Tensor& dy);
 
-  void add_grad(int index, const Tensor& g);
-  Tensor& grad_buffer(int index);  // the parameter's gradient, zero-filled when still undefined
-  void add_linear_grad(int index, const Tensor& dy, const Tensor& x, int64_t row0 = 0);  // rows [row0, ...) += dy^T x
-  // dx (allocated when undefined, else accumulated) += dy W
-  void linear_backward_input(const Tensor& w, const Tensor& dy, Tensor& dx);
-
-  Runtime* rt_;
-  ModelConfig config_;
-  ModelOptions options_;
-  std::vector<Parameter> params_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<Layer> layers_;
   std::vector<Passthrough> passthrough_;
-  Tensor ones_dk_;              // (d_k) weight of the RMSNorm that computes the L2 norm
-  Tensor even_rows_, odd_rows_;  // (H) i32: rows 2h (query) and 2h + 1 (gate) of q_proj viewed as (2H, d D)
+  Tensor ones_dk_;  // (d_k) weight of the RMSNorm that computes the L2 norm
+  SplitIndex split_;  // for the last batch size seen
 };
 
 }  // namespace lathe

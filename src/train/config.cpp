@@ -123,7 +123,7 @@ const std::vector<Option>& options() {
       LATHE_OPT("lora.dropout", Kind::Float, "0.0", "dropout on the LoRA input during training", lora_dropout),
       LATHE_OPT("lora.rslora", Kind::Bool, "false", "rank-stabilised scaling alpha / sqrt(rank)", lora_rslora),
       LATHE_OPT("lora.targets", Kind::StringList, "all-linear",
-                "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj | all-linear | re:<regex>", lora_targets),
+                "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Qwen3.5 also in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj) | all-linear | re:<regex>", lora_targets),
       LATHE_OPT("lora.init", Kind::String, "", "PEFT adapter folder to continue from (default: fresh init)", lora_init),
       LATHE_OPT("resume", Kind::String, "auto", "auto (newest complete checkpoint in output_dir) | none | checkpoint path", resume),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),

@@ -18,7 +18,7 @@
 #include "data/packing.h"
 #include "data/tokenizer.h"
 #include "model/lora.h"
-#include "model/qwen3.h"
+#include "model/causal_lm.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
@@ -192,13 +192,13 @@ void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>&
 }
 
 // A device batch of one job's host batch, its rows served by `adapter` (-1: no adapter).
-PackedBatch single_job_batch(Runtime& rt, const Qwen3Model& model, const data::Batch& b, int adapter) {
+PackedBatch single_job_batch(Runtime& rt, const CausalLm& model, const data::Batch& b, int adapter) {
   PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels, model.config().vocab_size);
   if (adapter >= 0) set_segments(pb, {{pb.tokens(), adapter, 1.0, 0}});
   return pb;
 }
 
-double evaluate(Runtime& rt, Qwen3Model& model, const Job& job) {
+double evaluate(Runtime& rt, CausalLm& model, const Job& job) {
   data::LoaderOptions o = job.loader_options;
   o.shuffle = false;
   o.rank = 0;
@@ -312,19 +312,22 @@ TrainSummary run_training(const TrainConfig& c) {
   // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
   const fs::path scratch_base = fs::path(c.output_dir) / "base";
-  std::optional<Qwen3Model> model;
+  std::unique_ptr<CausalLm> model;
   if (!lora && !jobs[0].resume_from.empty()) {
-    model.emplace(Qwen3Model::load(rt, (fs::path(jobs[0].resume_from) / "model").string(), mopt));
+    model = load_causal_lm(rt, (fs::path(jobs[0].resume_from) / "model").string(), mopt);
   } else if (lora && c.model_path.empty() && fs::exists(scratch_base / "config.json")) {
-    model.emplace(Qwen3Model::load(rt, scratch_base.string(), mopt));
+    model = load_causal_lm(rt, scratch_base.string(), mopt);
   } else if (!c.model_path.empty()) {
-    model.emplace(Qwen3Model::load(rt, c.model_path, mopt));
+    model = load_causal_lm(rt, c.model_path, mopt);
   } else {
     nlohmann::json cfg = c.model_config;
     if (!cfg.contains("model_type")) cfg["model_type"] = "qwen3";
     if (!cfg.contains("vocab_size")) cfg["vocab_size"] = tokenizer.vocab_size();
-    model.emplace(Qwen3Model::random(rt, parse_model_config(cfg, "model.config"), mopt, c.seed, c.init_std));
+    model = random_causal_lm(rt, parse_model_config(cfg, "model.config"), mopt, c.seed, c.init_std);
   }
+  // A configured final eval that this family cannot run is refused now, not after the training.
+  for (const Job& j : jobs)
+    if (!j.cfg->final_eval_file.empty()) check_final_eval_supported(*model);
   const ModelConfig& mc = model->config();
   LATHE_CHECK(mc.vocab_size >= tokenizer.vocab_size(), "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})",
               mc.vocab_size, tokenizer.vocab_size());

@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 
 #include "commands.h"
-#include "model/qwen3.h"
+#include "model/causal_lm.h"
 
 namespace lathe::cli {
 
@@ -21,9 +21,9 @@ void add_convert_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--shard-size-mb", args->shard_mb, "largest shard, MiB")->capture_default_str();
   cmd->callback([args, &exit_code] {
     Runtime rt;
-    const Qwen3Model m = Qwen3Model::load(rt, args->model, {});
-    m.save(args->output, dtype_from_name(args->dtype), args->shard_mb << 20);
-    fmt::print("convert: {} ({} parameters) -> {} as {}\n", args->model, m.config().parameter_count(), args->output,
+    const std::unique_ptr<CausalLm> m = load_causal_lm(rt, args->model, {});
+    m->save(args->output, dtype_from_name(args->dtype), args->shard_mb << 20);
+    fmt::print("convert: {} ({} parameters) -> {} as {}\n", args->model, m->config().parameter_count(), args->output,
                args->dtype);
     exit_code = 0;
   });

@@ -15,7 +15,7 @@
 #include "commands.h"
 #include "core/error.h"
 #include "model/lora.h"
-#include "model/qwen3.h"
+#include "model/causal_lm.h"
 #include "train/trainer.h"
 
 namespace lathe::cli {
@@ -75,8 +75,7 @@ void run(const Args& a) {
   Runtime rt;
   std::string tokenizer = state.value("tokenizer", std::string());
   if (peft_dir.empty()) {
-    const Qwen3Model m = Qwen3Model::load(rt, (src / "model").string(), {});
-    m.save(a.output, dtype);
+    load_causal_lm(rt, (src / "model").string(), {})->save(a.output, dtype);
   } else {
     LATHE_CHECK(!base.empty() && fs::exists(fs::path(base) / "config.json"),
                 "export: the adapter's base model folder '{}' is not available: name it with --model", base);
@@ -89,11 +88,11 @@ void run(const Args& a) {
     } else {
       ModelOptions mo;
       mo.train_base = false;
-      Qwen3Model m = Qwen3Model::load(rt, base, mo);
+      const std::unique_ptr<CausalLm> m = load_causal_lm(rt, base, mo);
       LoraBank bank(rt, config, Device::cpu(), DType::F32, {read_lora_config(peft_dir.string())});
       bank.load_peft(0, peft_dir.string());
-      merge_lora(m, bank, 0);
-      m.save(a.output, dtype);
+      merge_lora(*m, bank, 0);
+      m->save(a.output, dtype);
     }
   }
   const int copied = copy_tokenizer_files(tokenizer, a.output);

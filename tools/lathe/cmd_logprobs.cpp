@@ -14,8 +14,7 @@
 #include "commands.h"
 #include "data/tokenizer.h"
 #include "model/lora.h"
-#include "model/qwen3.h"
-#include "model/qwen3_5.h"
+#include "model/causal_lm.h"
 
 namespace lathe::cli {
 
@@ -72,9 +71,8 @@ std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int6
   return lines;
 }
 
-// Scores every line with `model` (Qwen3Model or Qwen35Model) into a.output.
-template <typename Model>
-void score(Runtime& rt, const Args& a, const ModelOptions& options, Model& model, const LoraBank* bank) {
+// Scores every line with `model` into a.output.
+void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank) {
   const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, a.model);
 
   const std::string tmp = a.output + fmt::format(".tmp-{}", getpid());
@@ -113,22 +111,16 @@ void run(const Args& a) {
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
-  if (load_model_config(a.model).is_qwen3_5()) {
-    LATHE_CHECK(a.adapter.empty(), "logprobs: --adapter is not supported for qwen3_5 models yet");
-    Qwen35Model model = Qwen35Model::load(rt, a.model, options);
-    score(rt, a, options, model, nullptr);
-    return;
-  }
-  Qwen3Model model = Qwen3Model::load(rt, a.model, options);
+  const std::unique_ptr<CausalLm> model = load_causal_lm(rt, a.model, options);
   // An adapter is applied unmerged, through the same LoRA path as training.
   std::unique_ptr<LoraBank> bank;
   if (!a.adapter.empty()) {
-    bank = std::make_unique<LoraBank>(rt, model.config(), options.device, options.dtype,
+    bank = std::make_unique<LoraBank>(rt, model->config(), options.device, options.dtype,
                                       std::vector<LoraConfig>{read_lora_config(a.adapter)});
     bank->load_peft(0, a.adapter);
-    model.attach_lora(bank.get());
+    model->attach_lora(bank.get());
   }
-  score(rt, a, options, model, bank.get());
+  score(rt, a, options, *model, bank.get());
 }
 
 }  // namespace

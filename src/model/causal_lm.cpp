@@ -1,0 +1,260 @@
+// What the model families share (see causal_lm.h): gradient accumulation, the LoRA projection, the loss head,
+// save(), and the factories. Shapes: T tokens, H hidden, V vocabulary, R the slot's total LoRA rank.
+#include "model/causal_lm.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+#include "model/lora.h"
+#include "model/qwen3.h"
+#include "model/qwen3_5.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The segment table of one LoRA slot for a batch: each segment keeps its adapter's columns of the slot, scaled;
+// dropout probabilities and seeds (per segment, per slot) only when training.
+SegmentAttrs lora_segments(const LoraBank& bank, const LoraBank::Slot& slot, const PackedBatch& b, bool training) {
+  SegmentAttrs s;
+  s.rows.push_back(0);
+  for (const BatchSegment& seg : b.segments) {
+    s.rows.push_back(seg.rows_end);
+    const bool on = seg.adapter >= 0;
+    s.col_begin.push_back(on ? slot.col_begin[size_t(seg.adapter)] : 0);
+    s.col_end.push_back(on ? slot.col_end[size_t(seg.adapter)] : 0);
+    s.scale.push_back(on ? bank.config(seg.adapter).scaling() : 0.0);
+    s.p.push_back(on && training ? bank.config(seg.adapter).dropout : 0.0);
+    // splitmix-style mixing of the segment's seed with the slot's place in the model
+    uint64_t z = seg.dropout_seed + 0x9E3779B97F4A7C15ull * uint64_t(1 + slot.layer * kLoraTargetCount + int(slot.target));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    s.seed.push_back(z ^ (z >> 31));
+  }
+  return s;
+}
+
+bool any_dropout(const SegmentAttrs& s) {
+  return std::any_of(s.p.begin(), s.p.end(), [](double p) { return p > 0; });
+}
+
+}  // namespace
+
+CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
+    : rt_(&rt), config_(std::move(config)), options_(options) {
+  rt.check_device(options_.device);
+}
+
+ExecContext CausalLm::ctx() { return rt_->context(options_.device); }
+
+Parameter& CausalLm::parameter(const std::string& name) {
+  for (Parameter& p : params_)
+    if (p.name == name) return p;
+  LATHE_FAIL("model: no parameter named '{}'", name);
+}
+
+void CausalLm::zero_grads() {
+  for (Parameter& p : params_) p.grad = Tensor();
+}
+
+void CausalLm::begin_forward(const PackedBatch& b) {
+  LATHE_CHECK(b.ids.device() == options_.device, "model: batch is on {} but the model is on {}", b.ids.device().str(),
+              options_.device.str());
+  for (int32_t id : b.host_ids)
+    LATHE_CHECK(id >= 0 && id < config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
+                config_.vocab_size);
+  if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
+}
+
+void CausalLm::add_grad(int index, const Tensor& g) {
+  if (!options_.train_base) return;
+  Parameter& p = params_[size_t(index)];
+  ExecContext cx = ctx();
+  const Tensor gv = contiguous(cx, g).view(p.value.shape());  // e.g. a conv weight's (C, W) gradient as (C, 1, W)
+  p.grad = p.grad.defined() ? add(cx, p.grad, gv) : gv;
+}
+
+void CausalLm::add_linear_grad(int index, const Tensor& dy, const Tensor& x) {
+  if (!options_.train_base) return;
+  Tensor& grad = params_[size_t(index)].grad;
+  ExecContext cx = ctx();
+  if (grad.defined()) matmul_into(cx, dy, x, grad, {true, false, 1.0f, 1.0f});
+  else grad = matmul(cx, dy, x, {true, false});
+}
+
+Tensor CausalLm::project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training) {
+  ExecContext cx = ctx();
+  Tensor y = matmul(cx, x, w(weight), {false, true});
+  const LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
+  if (!slot) return y;
+  // y += mask(dropout(x) A_cat^T) BT_cat: every adapter in two GEMMs, each row keeping its own adapter's columns.
+  const SegmentAttrs seg = lora_segments(*lora_, *slot, b, training);
+  const Tensor xd = any_dropout(seg) ? dropout(cx, x, seg) : x;
+  const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);
+  matmul_into(cx, u, slot->bt, y, {false, false, 1.0f, 1.0f});
+  return y;
+}
+
+void CausalLm::project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                const PackedBatch& b) {
+  ExecContext cx = ctx();
+  if (dx.defined()) matmul_into(cx, dy, w(weight), dx, {false, false, 1.0f, 1.0f});
+  else dx = matmul(cx, dy, w(weight));
+  add_linear_grad(weight, dy, x);
+  LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
+  if (!slot) return;
+  const SegmentAttrs seg = lora_segments(*lora_, *slot, b, true);
+  const bool drop = any_dropout(seg);
+  const Tensor xd = drop ? dropout(cx, x, seg) : x;  // the same masks as the forward (same seeds)
+  const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);
+  matmul_into(cx, u, dy, slot->grad_bt, {true, false, 1.0f, 1.0f});  // dBT += U^T dy
+  const Tensor du = segment_mask(cx, matmul(cx, dy, slot->bt, {false, true}), seg);
+  matmul_into(cx, du, xd, slot->grad_a, {true, false, 1.0f, 1.0f});  // dA += dU^T x
+  if (drop) dx = add(cx, dx, dropout(cx, matmul(cx, du, slot->a), seg));
+  else matmul_into(cx, du, slot->a, dx, {false, false, 1.0f, 1.0f});
+}
+
+std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
+  ExecContext cx = ctx();
+  std::vector<double> out;
+  for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
+    const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
+    const Tensor logits = matmul(cx, xf.narrow(0, r0, n), w(head), {false, true});
+    const Tensor loss = rt_->copy_to(cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
+    for (int64_t i = 0; i < n; ++i) out.push_back(-load_as_double(loss.data_ptr(), loss.dtype(), i));
+  }
+  return out;
+}
+
+LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
+                               Tensor* dxf) {
+  ExecContext cx = ctx();
+  LossResult result;
+  result.labelled = b.num_labelled;
+  // Only labelled positions need logits: gather their rows (the embedding op is a row gather, its backward a
+  // scatter-add), so prompt tokens of SFT data cost nothing in the LM head.
+  std::vector<int32_t> rows, targets;
+  for (int64_t i = 0; i < b.tokens(); ++i) {
+    if (b.host_labels[size_t(i)] == -100) continue;
+    rows.push_back(int32_t(i));
+    targets.push_back(b.host_labels[size_t(i)]);
+  }
+  const int64_t n_rows = int64_t(rows.size());
+  // The gathered rows of each segment are contiguous; each segment's mean loss has its own gradient scale.
+  struct Piece {
+    int64_t begin, end;
+    double grad_scale;
+  };
+  std::vector<Piece> pieces;
+  if (b.segments.empty()) {
+    pieces.push_back({0, n_rows, n_rows ? loss_scale / double(n_rows) : 0.0});
+  } else {
+    int64_t r = 0;
+    for (const BatchSegment& seg : b.segments) {
+      const int64_t begin = r;
+      while (r < n_rows && rows[size_t(r)] < seg.rows_end) ++r;
+      pieces.push_back({begin, r, r > begin ? loss_scale * seg.loss_scale / double(r - begin) : 0.0});
+      result.segments.push_back({0.0, r - begin});
+    }
+  }
+  Tensor xs, dxs, row_index, target_t;
+  if (n_rows > 0) {
+    row_index = rt_->from_host(rows.data(), {n_rows}, DType::I32, options_.device);
+    target_t = rt_->from_host(targets.data(), {n_rows}, DType::I32, options_.device);
+    xs = embedding(cx, xf, row_index);  // (n_rows, H)
+    if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
+  }
+  const Tensor& wh = w(head);
+  for (size_t pi = 0; pi < pieces.size(); ++pi) {
+    const Piece& piece = pieces[pi];
+    for (int64_t r0 = piece.begin; r0 < piece.end; r0 += options_.loss_chunk_rows) {
+      const int64_t n = std::min(options_.loss_chunk_rows, piece.end - r0);
+      const Tensor xc = xs.narrow(0, r0, n);
+      const Tensor logits = matmul(cx, xc, wh, {false, true});  // (n, V), freed after this chunk
+      const std::vector<Tensor> ce =
+          cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
+      const Tensor loss_rows = rt_->copy_to(ce[0], Device::cpu());
+      double chunk_sum = 0;
+      for (int64_t i = 0; i < n; ++i) chunk_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
+      result.loss_sum += chunk_sum;
+      if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
+      if (backward) {
+        Tensor dxc = dxs.narrow(0, r0, n);
+        matmul_into(cx, ce[1], wh, dxc, {});
+        add_linear_grad(head, ce[1], xc);
+      }
+    }
+  }
+  result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
+  if (!backward) return result;
+  // The labelled rows' gradients scattered back (zero elsewhere).
+  if (n_rows > 0) {
+    *dxf = embedding_backward(cx, dxs, row_index, b.tokens());
+  } else {
+    *dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
+    cx.backend.fill_bytes(dxf->data_ptr(), 0, dxf->nbytes(), cx.stream);
+  }
+  return result;
+}
+
+void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
+  ExecContext cx = ctx();
+  if (options_.train_base) add_grad(embed, embedding_backward(cx, dx, b.ids, config_.vocab_size));
+  if (lora_ && !b.segments.empty()) lora_->collect_grads();
+}
+
+DType CausalLm::save_dtype(const std::string&, DType requested) const { return requested; }
+
+void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_bytes) const {
+  LATHE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "model: cannot save weights as {}",
+              dtype_name(dtype));
+  ExecContext cx = rt_->context(options_.device);
+  std::vector<Tensor> host;
+  std::vector<io::TensorRef> refs;
+  for (const Parameter& p : params_) {
+    const DType dt = save_dtype(p.name, dtype);
+    host.push_back(rt_->copy_to(cast(cx, p.value, dt), Device::cpu()));
+    refs.push_back({p.name, dt, p.value.shape(), host.back().data_ptr(), host.back().nbytes()});
+  }
+  for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
+  // Write into a fresh sibling folder, then swap it in, so a crash never leaves a half-written model at `dir`.
+  const fs::path target = fs::absolute(dir);
+  const fs::path tmp = target.string() + fmt::format(".tmp-{}", getpid());
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  io::write_sharded_safetensors(tmp.string(), refs, max_shard_bytes, {{"format", "pt"}});
+  nlohmann::json cfg = config_.raw;
+  cfg["torch_dtype"] = cfg["dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
+  {
+    std::ofstream f(tmp / "config.json");
+    f << cfg.dump(2) << "\n";
+    LATHE_CHECK(f.good(), "model: cannot write {}", (tmp / "config.json").string());
+  }
+  const fs::path old = target.string() + fmt::format(".old-{}", getpid());
+  if (fs::exists(target)) fs::rename(target, old);
+  fs::rename(tmp, target);
+  fs::remove_all(old);
+}
+
+std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options) {
+  const ModelConfig config = load_model_config(dir);
+  if (config.is_qwen3_5()) return std::make_unique<Qwen35Model>(Qwen35Model::load(rt, dir, options));
+  LATHE_CHECK(config.model_type == "qwen3", "model: {}: model_type '{}' has no model class (supported: qwen3, qwen3_5, "
+              "qwen3_5_text)", dir, config.model_type);
+  return std::make_unique<Qwen3Model>(Qwen3Model::load(rt, dir, options));
+}
+
+std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
+                                           uint64_t seed, double std) {
+  if (config.is_qwen3_5()) return std::make_unique<Qwen35Model>(Qwen35Model::random(rt, config, options, seed, std));
+  LATHE_CHECK(config.model_type == "qwen3", "model: model_type '{}' has no model class (supported: qwen3, qwen3_5, "
+              "qwen3_5_text)", config.model_type);
+  return std::make_unique<Qwen3Model>(Qwen3Model::random(rt, config, options, seed, std));
+}
+
+}  // namespace lathe

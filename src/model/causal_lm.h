@@ -1,0 +1,122 @@
+// The interface every model family implements (Qwen3Model, Qwen35Model), and what they share: the parameter list,
+// gradient accumulation, the linear projection with the LoRA bank (forward and backward), the loss head (labelled-row
+// gather, chunked logits and cross-entropy, per-segment weights) and save(). The trainer, final eval and the CLI
+// (export, logprobs, convert, bench) work on a CausalLm from load_causal_lm / random_causal_lm, which dispatch on
+// config.json's model_type.
+// Convention: a family builds params_ with Hugging Face names and implements logits / label_logprobs / loss through
+// head_loss() and head_label_logprobs(); every linear module that LoRA may adapt goes through project().
+// Covered by tests/models/test_qwen3.cpp, test_qwen3_5.cpp, test_lora.cpp, test_lora_qwen3_5.cpp, tests/e2e.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "model/batch.h"
+#include "model/config.h"
+
+namespace lathe {
+
+struct Parameter {
+  std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  Tensor value;
+  Tensor grad;       // undefined until a backward pass writes it
+};
+
+struct ModelOptions {
+  Device device = Device::cpu();
+  DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
+  bool recompute = false;        // recompute layer activations in the backward pass
+  int64_t loss_chunk_rows = 1024;  // rows of logits alive at once in the loss head
+  bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
+};
+
+struct LossResult {
+  double loss = 0;         // mean over labelled positions
+  double loss_sum = 0;     // sum over labelled positions
+  int64_t labelled = 0;
+  struct Segment {
+    double loss_sum = 0;
+    int64_t labelled = 0;
+  };
+  std::vector<Segment> segments;  // one per batch segment (PackedBatch::segments)
+};
+
+class LoraBank;
+enum class LoraTarget;
+
+class CausalLm {
+ public:
+  virtual ~CausalLm() = default;
+
+  const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  std::vector<Parameter>& parameters() { return params_; }
+  const std::vector<Parameter>& parameters() const { return params_; }
+  Parameter& parameter(const std::string& name);
+  Runtime& runtime() const { return *rt_; }
+  // Adapters applied to the rows of a batch according to its segments (nullptr: none). The bank must be built for
+  // this model's config and outlive its use; its gradients accumulate like the model's.
+  void attach_lora(LoraBank* bank) { lora_ = bank; }
+  LoraBank* lora() const { return lora_; }
+
+  // Full logits (T, V) of a batch: for tests, scoring of short inputs and generation.
+  virtual Tensor logits(const PackedBatch& batch) = 0;
+  // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
+  virtual std::vector<double> label_logprobs(const PackedBatch& batch) = 0;
+  // Mean cross-entropy over labelled positions; with `backward`, adds every parameter's gradient into
+  // Parameter::grad (so micro-batches accumulate), and the attached adapters' gradients into the bank.
+  // `loss_scale` multiplies the gradients. A batch with segments differentiates the sum over segments of
+  // segment.loss_scale x (the segment's mean loss); LoRA dropout is active only with `backward`.
+  virtual LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0) = 0;
+  void zero_grads();
+
+  // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`, atomically.
+  void save(const std::string& dir, DType dtype = DType::F32, uint64_t max_shard_bytes = 5ull << 30) const;
+
+ protected:
+  CausalLm(Runtime& rt, ModelConfig config, ModelOptions options);
+  CausalLm(const CausalLm&) = default;
+  CausalLm(CausalLm&&) = default;
+  CausalLm& operator=(const CausalLm&) = default;
+  CausalLm& operator=(CausalLm&&) = default;
+
+  // Hooks of save(): the dtype a tensor is written in, and checkpoint tensors the model keeps aside.
+  virtual DType save_dtype(const std::string& name, DType requested) const;
+  virtual std::vector<io::TensorRef> extra_tensors() const { return {}; }
+
+  ExecContext ctx();
+  const Tensor& w(int index) const { return params_[size_t(index)].value; }
+  // Checks the batch (device, token ids) and refreshes the attached adapters' slots: the start of every forward.
+  void begin_forward(const PackedBatch& b);
+  void add_grad(int index, const Tensor& g);                                         // unless frozen
+  void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x, unless frozen
+  // y = x W^T plus the adapters' terms of (layer, target) for the batch's segments (the LoRA path, docs/lora.md).
+  Tensor project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training);
+  // The backward of project(): dx (allocated when undefined, else accumulated) += dy W (+ adapter terms); the
+  // weight's gradient (unless frozen) and the adapters' slot gradients accumulate.
+  void project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
+                        const PackedBatch& b);
+  // The loss head over xf (T, H), the final norm's output, with the LM head params_[head]: only labelled rows get
+  // logits, in chunks of options_.loss_chunk_rows; segments weight their mean losses. With `backward`, the head's
+  // gradient accumulates and *dxf receives d(loss)/d(xf) (T, H).
+  LossResult head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale, Tensor* dxf);
+  std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
+  // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
+  void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
+
+  Runtime* rt_;
+  ModelConfig config_;
+  ModelOptions options_;
+  std::vector<Parameter> params_;
+  LoraBank* lora_ = nullptr;
+};
+
+// A model of config.json's model_type: qwen3 -> Qwen3Model, qwen3_5 / qwen3_5_text -> Qwen35Model.
+std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options);
+// A randomly initialised model of config.model_type (each family's initialisation).
+std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
+                                           uint64_t seed, double std = 0.02);
+
+}  // namespace lathe

@@ -1,0 +1,331 @@
+// LoRA on the Qwen3.5 family (every linear projection of Gated DeltaNet, gated attention and the MLP): gradients of
+// several adapters sharing one batch (plus a base-only segment) against central finite differences in f64; a frozen
+// base gets no gradient; adapters sharing a batch do not interact; a fresh adapter changes nothing and merging equals
+// the unmerged adapter in both checkpoint layouts; PEFT file names and target_modules; parity with transformers + peft
+// fixtures (dev/ref/lora_qwen3_5_fixtures.py: logits, loss and every LoRA gradient).
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "io/safetensors.h"
+#include "model/lora.h"
+#include "model/qwen3_5.h"
+#include "ops/ops.h"
+
+using namespace lathe;
+namespace fs = std::filesystem;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+std::vector<double> to_f64(const Tensor& t) {
+  ExecContext ctx = runtime().context(t.device());
+  const Tensor h = runtime().copy_to(cast(ctx, t, DType::F64), Device::cpu());
+  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
+}
+
+double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
+  double e = 0, n = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    e += (a[i] - b[i]) * (a[i] - b[i]);
+    n += b[i] * b[i];
+  }
+  return std::sqrt(e / std::max(n, 1e-300));
+}
+
+std::vector<double> transpose(const std::vector<double>& x, int64_t rows, int64_t cols) {
+  std::vector<double> t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = x[size_t(r * cols + c)];
+  return t;
+}
+
+std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
+  const io::SafetensorsTensor& t = f.get(name);
+  std::vector<int32_t> v(size_t(t.numel));
+  f.read_into(name, DType::I32, v.data(), v.size() * 4);
+  return v;
+}
+
+// 3 layers (GDN, full attention, GDN); H_v = 2 H_k; K = 8 and V = 12 (q/k/v blocks of in_proj_qkv not aligned to
+// one width); head_dim 16, partial rotary 0.25. `multimodal`: the same text model in the qwen3_5 release layout.
+ModelConfig tiny_config(bool multimodal = false) {
+  nlohmann::json j = {{"model_type", "qwen3_5_text"}, {"vocab_size", 40}, {"hidden_size", 16}, {"intermediate_size", 24},
+                      {"num_hidden_layers", 3}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+                      {"head_dim", 16}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false},
+                      {"layer_types", {"linear_attention", "full_attention", "linear_attention"}},
+                      {"linear_num_key_heads", 1}, {"linear_num_value_heads", 2}, {"linear_key_head_dim", 8},
+                      {"linear_value_head_dim", 6}, {"linear_conv_kernel_dim", 4},
+                      {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}}}};
+  if (multimodal)
+    j = {{"model_type", "qwen3_5"}, {"text_config", j}, {"vision_config", {{"depth", 1}}}, {"image_token_id", 3},
+         {"tie_word_embeddings", false}};
+  return parse_model_config(j, "test");
+}
+
+PackedBatch random_batch(int64_t vocab, std::vector<int32_t> cu, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> ids(size_t(cu.back()));
+  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
+  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), vocab);
+}
+
+void randomise(LoraBank& bank, int adapter, uint64_t seed, double std) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> n(0.0, std);
+  for (Parameter& p : bank.parameters(adapter)) {
+    ASSERT_EQ(p.value.dtype(), DType::F64);
+    double* d = p.value.data<double>();
+    for (int64_t i = 0; i < p.value.numel(); ++i) d[i] = n(rng);
+  }
+}
+
+LoraConfig lora(int64_t rank, double alpha, std::vector<std::string> targets, bool rslora = false) {
+  LoraConfig c;
+  c.rank = rank;
+  c.alpha = alpha;
+  c.targets = std::move(targets);
+  c.rslora = rslora;
+  return c;
+}
+
+double objective(CausalLm& m, const PackedBatch& b) {
+  const LossResult r = m.loss(b, false);
+  double f = 0;
+  for (size_t s = 0; s < r.segments.size(); ++s)
+    if (r.segments[s].labelled) f += b.segments[s].loss_scale * r.segments[s].loss_sum / double(r.segments[s].labelled);
+  return f;
+}
+
+std::set<std::string> module_names(LoraBank& bank, int adapter) {
+  std::set<std::string> names;
+  for (const Parameter& p : bank.parameters(adapter)) names.insert(lora_key_module(p.name));
+  return names;
+}
+
+const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures";
+
+}  // namespace
+
+TEST(LoraQwen35, TargetsCoverEveryProjectionOfEachLayerType) {
+  const ModelConfig c = tiny_config();
+  LoraBank bank(runtime(), c, Device::cpu(), DType::F64, {lora(2, 4, {"all-linear"})});
+  const std::set<std::string> names = module_names(bank, 0);
+  EXPECT_EQ(names.size(), size_t(5 + 3 + 4 + 3 + 5 + 3));
+  for (const char* m : {"model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.in_proj_z",
+                        "model.layers.0.linear_attn.in_proj_b", "model.layers.0.linear_attn.in_proj_a",
+                        "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_proj",
+                        "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.v_proj",
+                        "model.layers.1.self_attn.o_proj", "model.layers.2.mlp.down_proj"})
+    EXPECT_TRUE(names.count(m)) << m;
+  // q_proj's LoRA B spans query and gate: out = 2 H d.
+  for (const Parameter& p : bank.parameters(0))
+    if (p.name == "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight") EXPECT_EQ(p.value.size(1), 2 * 2 * 16);
+  // A short name matches in every layer that has it; a regex picks modules by full name.
+  LoraBank some(runtime(), c, Device::cpu(), DType::F64,
+                {lora(2, 4, {"in_proj_qkv", "o_proj"}), lora(2, 4, {"re:.*\\.layers\\.2\\.linear_attn\\.in_proj_[ab]"})});
+  EXPECT_EQ(module_names(some, 0), (std::set<std::string>{"model.layers.0.linear_attn.in_proj_qkv",
+                                                          "model.layers.1.self_attn.o_proj",
+                                                          "model.layers.2.linear_attn.in_proj_qkv"}));
+  EXPECT_EQ(module_names(some, 1), (std::set<std::string>{"model.layers.2.linear_attn.in_proj_a",
+                                                          "model.layers.2.linear_attn.in_proj_b"}));
+  // A target that matches nothing is refused, and the message lists the family's names.
+  try {
+    LoraBank bad(runtime(), c, Device::cpu(), DType::F64, {lora(2, 4, {"in_proj_x"})});
+    ADD_FAILURE() << "accepted in_proj_x";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("in_proj_qkv"), std::string::npos) << e.what();
+  }
+  // The multimodal layout's module names carry its prefix.
+  LoraBank mm(runtime(), tiny_config(true), Device::cpu(), DType::F64, {lora(2, 4, {"out_proj"})});
+  EXPECT_EQ(module_names(mm, 0), (std::set<std::string>{"model.language_model.layers.0.linear_attn.out_proj",
+                                                        "model.language_model.layers.2.linear_attn.out_proj"}));
+}
+
+TEST(LoraQwen35, GradientsOfSeveralAdaptersMatchFiniteDifferences) {
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  opt.train_base = false;
+  Qwen35Model m = Qwen35Model::random(runtime(), tiny_config(), opt, 7, 0.3);
+  LoraBank bank(runtime(), m.config(), Device::cpu(), DType::F64,
+                {lora(3, 6, {"all-linear"}), lora(2, 3, {"in_proj_qkv", "in_proj_a", "q_proj", "down_proj"}, true),
+                 lora(4, 4, {"re:.*layers\\.(1\\.self_attn|2\\.linear_attn)\\..*"})});
+  for (int a = 0; a < 3; ++a) randomise(bank, a, 100 + uint64_t(a), 0.2);
+  m.attach_lora(&bank);
+  // Four segments: adapter 1, adapter 0 (two documents), the bare base, adapter 2.
+  PackedBatch b = random_batch(40, {0, 5, 9, 16, 20, 26}, 3);
+  set_segments(b, {{5, 1, 0.7, 0}, {16, 0, 1.3, 0}, {20, -1, 1.0, 0}, {26, 2, 0.5, 0}});
+  bank.zero_grads();
+  m.loss(b, true);
+  for (const Parameter& p : m.parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
+  const double h = 1e-6;
+  int checked = 0;
+  std::set<std::string> modules;
+  for (int a = 0; a < 3; ++a) {
+    for (Parameter& p : bank.parameters(a)) {
+      modules.insert(lora_key_module(p.name));
+      double* v = p.value.data<double>();
+      const std::vector<double> g = to_f64(p.grad);
+      double norm = 0;
+      for (double x : g) norm += x * x;
+      EXPECT_GT(norm, 0.0) << p.name << " has a zero gradient";
+      for (int64_t i : {int64_t(0), p.value.numel() / 2, p.value.numel() - 1}) {
+        const double x = v[i];
+        v[i] = x + h;
+        const double up = objective(m, b);
+        v[i] = x - h;
+        const double down = objective(m, b);
+        v[i] = x;
+        const double fd = (up - down) / (2 * h);
+        EXPECT_NEAR(g[size_t(i)], fd, 1e-7 + 1e-5 * std::abs(fd)) << p.name << "[" << i << "]";
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(modules.size(), size_t(23));  // every projection of the three layers
+  EXPECT_GT(checked, 150);
+}
+
+TEST(LoraQwen35, AdaptersSharingABatchDoNotInteract) {
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  opt.train_base = false;
+  Qwen35Model m = Qwen35Model::random(runtime(), tiny_config(), opt, 8, 0.3);
+  LoraBank bank(runtime(), m.config(), Device::cpu(), DType::F64,
+                {lora(2, 4, {"all-linear"}), lora(5, 5, {"in_proj_z", "k_proj", "up_proj"})});
+  randomise(bank, 0, 1, 0.2);
+  randomise(bank, 1, 2, 0.2);
+  m.attach_lora(&bank);
+  PackedBatch mixed = random_batch(40, {0, 6, 13, 21}, 4);
+  set_segments(mixed, {{6, 0, 1.0, 0}, {13, 1, 1.0, 0}, {21, 0, 1.0, 0}});
+  bank.zero_grads();
+  const LossResult rm = m.loss(mixed, true);
+  std::vector<std::vector<double>> grads1;
+  for (const Parameter& p : bank.parameters(1)) grads1.push_back(to_f64(p.grad));
+  std::vector<int32_t> ids1(mixed.host_ids.begin() + 6, mixed.host_ids.begin() + 13);
+  PackedBatch alone = make_packed_batch(runtime(), Device::cpu(), ids1, {0, 7}, next_token_labels(ids1, {0, 7}), 40);
+  set_segments(alone, {{7, 1, 1.0, 0}});
+  bank.zero_grads();
+  const LossResult r1 = m.loss(alone, true);
+  EXPECT_NEAR(r1.loss, rm.segments[1].loss_sum / double(rm.segments[1].labelled), 1e-12);
+  for (size_t k = 0; k < grads1.size(); ++k) {
+    const std::vector<double> g = to_f64(bank.parameters(1)[k].grad);
+    EXPECT_LT(rel_l2(g, grads1[k]), 1e-12) << bank.parameters(1)[k].name;
+  }
+}
+
+TEST(LoraQwen35, FreshAdapterChangesNothingAndMergeEqualsTheAdapterInBothLayouts) {
+  for (bool multimodal : {false, true}) {
+    SCOPED_TRACE(multimodal ? "multimodal" : "text");
+    ModelOptions opt;
+    opt.dtype = DType::F64;
+    opt.train_base = false;
+    Qwen35Model m = Qwen35Model::random(runtime(), tiny_config(multimodal), opt, 9, 0.3);
+    LoraBank bank(runtime(), m.config(), Device::cpu(), DType::F64, {lora(4, 8, {"all-linear"})});
+    bank.init(0, 5);
+    m.attach_lora(&bank);
+    PackedBatch b = random_batch(40, {0, 8, 19}, 5);
+    PackedBatch bare = b;
+    set_segments(b, {{19, 0, 1.0, 0}});
+    EXPECT_EQ(to_f64(m.logits(b)), to_f64(m.logits(bare)));
+    randomise(bank, 0, 6, 0.2);
+    const std::vector<double> adapted = to_f64(m.logits(b));
+    EXPECT_GT(rel_l2(adapted, to_f64(m.logits(bare))), 1e-3);
+    merge_lora(m, bank, 0);
+    EXPECT_LT(rel_l2(to_f64(m.logits(bare)), adapted), 1e-12);
+  }
+}
+
+TEST(LoraQwen35, PeftFilesUseTheLayoutsModuleNames) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_lora_q35_{}", getpid());
+  fs::remove_all(dir);
+  for (bool multimodal : {false, true}) {
+    SCOPED_TRACE(multimodal ? "multimodal" : "text");
+    const ModelConfig c = tiny_config(multimodal);
+    LoraBank a(runtime(), c, Device::cpu(), DType::F64, {lora(3, 7, {"all-linear"})});
+    randomise(a, 0, 11, 0.2);
+    a.save_peft(0, (dir / "adapter").string(), DType::F64, "/models/base");
+    const nlohmann::json j = nlohmann::json::parse(std::ifstream(dir / "adapter/adapter_config.json"));
+    EXPECT_EQ(j["target_modules"], nlohmann::json({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                                   "out_proj"}));
+    const io::SafetensorsFile st = io::SafetensorsFile::open((dir / "adapter/adapter_model.safetensors").string());
+    const std::string root = multimodal ? "base_model.model.model.language_model.layers." : "base_model.model.model.layers.";
+    const io::SafetensorsTensor& bt = st.get(root + "0.linear_attn.in_proj_qkv.lora_B.weight");
+    EXPECT_EQ(bt.shape, (std::vector<int64_t>{2 * 8 + 12, 3}));  // PEFT layout (out, r)
+    EXPECT_EQ(st.get(root + "1.self_attn.q_proj.lora_B.weight").shape, (std::vector<int64_t>{64, 3}));
+    LoraBank b(runtime(), c, Device::cpu(), DType::F64, {read_lora_config((dir / "adapter").string())});
+    b.load_peft(0, (dir / "adapter").string());
+    for (size_t i = 0; i < a.parameters(0).size(); ++i)
+      EXPECT_EQ(to_f64(a.parameters(0)[i].value), to_f64(b.parameters(0)[i].value)) << a.parameters(0)[i].name;
+  }
+  // An adapter of the text layout does not load onto the multimodal layout (its keys name other modules).
+  LoraBank text(runtime(), tiny_config(false), Device::cpu(), DType::F64, {lora(3, 7, {"all-linear"})});
+  text.save_peft(0, (dir / "text").string(), DType::F64, "");
+  LoraBank mm(runtime(), tiny_config(true), Device::cpu(), DType::F64, {lora(3, 7, {"all-linear"})});
+  EXPECT_THROW(mm.load_peft(0, (dir / "text").string()), Error);
+  fs::remove_all(dir);
+}
+
+TEST(LoraQwen35Parity, MatchesTransformersAndPeftFixtures) {
+  const fs::path dir = kFixtures / "lora_qwen3_5";
+  ASSERT_TRUE(fs::exists(dir)) << "fixtures missing: " << dir
+                               << " (generate them on the GPU machine: python3 dev/ref/lora_qwen3_5_fixtures.py "
+                                  "tests/models/fixtures/lora_qwen3_5)";
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (!entry.is_directory()) continue;
+    SCOPED_TRACE(entry.path().filename().string());
+    const io::SafetensorsFile ref = io::SafetensorsFile::open((entry.path() / "reference.safetensors").string());
+    const std::string base = ref.metadata().at("base");
+    for (const auto& [dtype, recompute] : {std::pair{DType::F64, false}, std::pair{DType::F64, true}, std::pair{DType::F32, false}}) {
+      SCOPED_TRACE(fmt::format("{} recompute={}", dtype_name(dtype), recompute));
+      ModelOptions opt;
+      opt.dtype = dtype;
+      opt.recompute = recompute;
+      opt.train_base = false;
+      Qwen35Model m = Qwen35Model::load(runtime(), (kFixtures / "qwen3_5" / base / "model").string(), opt);
+      LoraBank bank(runtime(), m.config(), Device::cpu(), dtype, {read_lora_config((entry.path() / "adapter").string())});
+      bank.load_peft(0, (entry.path() / "adapter").string());
+      m.attach_lora(&bank);
+      PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
+                                        read_i32(ref, "labels"), m.config().vocab_size);
+      set_segments(b, {{b.tokens(), 0, 1.0, 0}});
+      // The goldens are transformers + peft in f64 (stored as f32); f32 gets the base model test's tolerances.
+      const double tol = dtype == DType::F64 ? 1e-6 : 1e-5, grad_tol = dtype == DType::F64 ? 1e-6 : 5e-5;
+      std::vector<double> want_logits;
+      for (float x : ref.read_as_f32("logits")) want_logits.push_back(x);
+      EXPECT_LT(rel_l2(to_f64(m.logits(b)), want_logits), tol);
+      bank.zero_grads();
+      const LossResult r = m.loss(b, true);
+      const double want = ref.read_as_f32("loss")[0];
+      EXPECT_NEAR(r.loss, want, tol * std::abs(want));
+      for (const Parameter& p : m.parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
+      int grads = 0;
+      for (const Parameter& p : bank.parameters(0)) {
+        const std::string key = "grad." + p.name;
+        ASSERT_NE(ref.find(key), nullptr) << "fixture has no " << key << " (peft's module names differ from Lathe's)";
+        std::vector<double> want_g;
+        for (float x : ref.read_as_f32(key)) want_g.push_back(x);
+        std::vector<double> got = to_f64(p.grad);
+        if (p.name.find("lora_B") != std::string::npos) got = transpose(got, p.value.size(0), p.value.size(1));
+        EXPECT_LT(rel_l2(got, want_g), grad_tol) << p.name;
+        ++grads;
+      }
+      size_t ref_grads = 0;
+      for (const auto& t : ref.tensors()) ref_grads += t.name.rfind("grad.", 0) == 0;
+      EXPECT_EQ(size_t(grads), ref_grads) << "the adapter's modules differ from peft's";
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 3);
+}
