@@ -2,7 +2,8 @@
 // resolves, printed) on one GPU, timed with CUDA events (3 warm-up rounds, median of the iterations). Usage:
 //   gdn_bench [tokens docs k_heads v_heads dim] [dtype] [iters]
 // Defaults: 16384 tokens in 4 packed documents of 4096, H_k = 16, H_v = 32, d_k = d_v = 128, bf16 (issue 8).
-// Inputs as in the model: q, k L2-normalised per head, g = log-decay in [-1.5, 0), beta in (0, 1).
+// Inputs as in the model: q, k L2-normalised per head, g = log-decay in [-1.5, 0), beta in (0, 1), g and beta in f32
+// beside bf16/f16 q, k, v.
 // FLOP model (research note gated-deltanet.md §3.6, dense-GEMM counting per token and value head, chunk C = 64):
 //   forward  = 6 d_k d_v + 6 C d_k + 4 C d_v + C^2 / 3 (the triangular solve),
 //   backward = 16 d_k d_v + 18 C d_k + 10 C d_v + 4 C^2 (recomputation included).
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <random>
 
 #include "backend/runtime.h"
@@ -67,10 +69,12 @@ int main(int argc, char** argv) {
       if (std::find(kernels.begin(), kernels.end(), r.name) == kernels.end()) kernels.push_back(r.name);
     };
     std::mt19937 rng(1);
-    auto upload = [&](std::vector<float>& v, Shape shape) {
-      return cast(ctx, rt.from_host(v.data(), shape, DType::F32, dev), dtype);
+    auto upload = [&](std::vector<float>& v, Shape shape, DType to) {
+      return cast(ctx, rt.from_host(v.data(), shape, DType::F32, dev), to);
     };
-    auto uniform = [&](Shape shape, float lo, float hi, bool l2 = false) {
+    // g and beta in f32 beside 16-bit q, k, v, as the model feeds them.
+    const DType gate = dtype == DType::BF16 || dtype == DType::F16 ? DType::F32 : dtype;
+    auto uniform = [&](Shape shape, float lo, float hi, bool l2 = false, std::optional<DType> to = {}) {
       std::uniform_real_distribution<float> dist(lo, hi);
       std::vector<float> v(size_t(shape_numel(shape)));
       for (float& x : v) x = dist(rng);
@@ -80,11 +84,11 @@ int main(int argc, char** argv) {
           for (int64_t i = 0; i < d; ++i) n += double(v[r + size_t(i)]) * v[r + size_t(i)];
           for (int64_t i = 0; i < d; ++i) v[r + size_t(i)] = float(v[r + size_t(i)] / std::sqrt(n + 1e-6));
         }
-      return upload(v, shape);
+      return upload(v, shape, to.value_or(dtype));
     };
     const Tensor q = uniform({tokens, hk, d}, -1, 1, true), k = uniform({tokens, hk, d}, -1, 1, true);
-    const Tensor v = uniform({tokens, hv, d}, -1, 1), g = uniform({tokens, hv}, -1.5f, -0.001f);
-    const Tensor beta = uniform({tokens, hv}, 0.001f, 1.0f), dout = uniform({tokens, hv, d}, -1, 1);
+    const Tensor v = uniform({tokens, hv, d}, -1, 1), g = uniform({tokens, hv}, -1.5f, -0.001f, false, gate);
+    const Tensor beta = uniform({tokens, hv}, 0.001f, 1.0f, false, gate), dout = uniform({tokens, hv, d}, -1, 1);
     std::vector<int32_t> cu = {0};
     for (int64_t b = 0; b < docs; ++b) cu.push_back(int32_t(b == docs - 1 ? tokens : cu.back() + tokens / docs));
     const Tensor cu_t = rt.from_host(cu.data(), {int64_t(cu.size())}, DType::I32, dev);

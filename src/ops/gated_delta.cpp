@@ -2,6 +2,7 @@
 // functions, their shape inference and the backward compositions, kept out of the generic op files.
 // Formulas at GatedDeltaAttrs in ops/op_table.h. Convention: every op takes packed documents through cu_seqlens
 // (N + 1) i32; the shapes are checked here, the boundaries (0 = cu[0] <= ... <= cu[N] = T) by the kernels.
+// gated_delta_rule(_backward) accepts f32 g and beta beside bf16/f16 q, k, v (the model's fp32 log-decay).
 // Covered by tests/ops (op cases in testing/op_cases_gated_delta.cpp) and tests/models/test_qwen3_5.cpp.
 #include <cmath>
 
@@ -10,6 +11,8 @@
 namespace lathe {
 
 namespace {
+
+bool is_16bit_float(DType t) { return t == DType::BF16 || t == DType::F16; }
 
 void same_dtype(OpId op, const Tensor& a, const Tensor& b) {
   LATHE_CHECK(a.dtype() == b.dtype(), "ops: {} needs inputs of one dtype, got {} and {}", op_name(op), a.describe(),
@@ -68,7 +71,14 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
       const Tensor& v = in[2];
       const Tensor& g = in[3];
       const Tensor& beta = in[4];
-      for (size_t i = 1; i < 5; ++i) same_dtype(op, q, in[i]);
+      // q, k, v (and do) share one dtype; g and beta share q's or, under bf16/f16 q, f32 (the model keeps the
+      // log-decay in fp32 as transformers does). dg and dbeta come back in the dtype of g and beta.
+      same_dtype(op, q, k);
+      same_dtype(op, q, v);
+      same_dtype(op, g, beta);
+      LATHE_CHECK(g.dtype() == q.dtype() || (g.dtype() == DType::F32 && is_16bit_float(q.dtype())),
+                  "ops: {} takes g and beta in the dtype of q or, for bf16/f16 q, in f32; got q {}, g {}", name,
+                  q.describe(), g.describe());
       LATHE_CHECK(q.dim() == 3 && k.shape() == q.shape() && v.dim() == 3 && v.size(0) == q.size(0) &&
                       q.size(1) > 0 && v.size(1) % q.size(1) == 0,
                   "ops: {} needs q and k (T, H_k, d_k), v (T, H_v, d_v) with H_v a multiple of H_k; got {}, {}, {}",

@@ -3,7 +3,7 @@
 // d_k != d_v. Inputs of the delta rule are drawn where it is stable (|k|^2 beta <= ~1) and g < 0, as in the model.
 // BF16 and F16 rows run on CUDA only (the CPU has f32/f64 kernels and skips them); the model-sized rows (d_k = d_v =
 // 128, H_k = 2, H_v = 4, documents of 1, 63, 64, 65 and 200 tokens) exercise the chunked tensor-core kernels in bf16
-// and the recurrent kernel in f32/f16.
+// and the recurrent kernel in f32/f16. Rows named f32_gates pass g and beta in f32 beside bf16/f16 q, k, v.
 #include "testing/op_check.h"
 
 namespace lathe {
@@ -61,6 +61,18 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                false, false, {{}, {}, cu_docs}});
   c.push_back({OpId::causal_conv1d_backward, "t=393,c=768,w=4,docs=1+63+64+65+200",
                {{393, 768}, {768, 4}, {393, 768}, {6}}, {}, kDevice, false, false, {{}, {}, {}, cu_docs}});
+  // g and beta in f32 beside bf16/f16 q, k, v (the model's fp32 log-decay): the recurrent kernels (small dims,
+  // forward and backward through the op's backward) and the chunked ones (model-sized, bf16).
+  const std::vector<DType> k16 = {DType::BF16, DType::F16};
+  c.push_back({OpId::gated_delta_rule, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4,f32_gates",
+               {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {5}}, GatedDeltaAttrs{0.0, 4}, k16, false, true,
+               {{}, {}, {}, {}, {}, cu13}, ranges, {3, 4}});
+  c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{}, k16, false,
+               false, {{}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
+  c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6}}, GatedDeltaAttrs{},
+               k16, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
   c.push_back({OpId::gated_delta_rule_backward, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4",
                {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5}}, GatedDeltaAttrs{0.0, 4}, kRef,
                false, false, {{}, {}, {}, {}, {}, {}, cu13}, bwd_ranges});

@@ -27,6 +27,9 @@ struct OpCase {
   // Where non-empty, floating input i is drawn from [lo, hi] instead of [-2, 2] (a log-decay must be <= 0; the
   // gated delta rule is stable only for small enough keys).
   std::vector<std::pair<double, double>> value_ranges = {};
+  // Floating inputs stored in f32 in the rows of a 16-bit dtype (bf16/f16): ops that take some inputs wider than
+  // the key dtype, such as the gated delta rule's g and beta. Rows of f32/f64 keep one dtype.
+  std::vector<size_t> f32_inputs = {};
 };
 
 std::vector<OpCase> all_op_cases();

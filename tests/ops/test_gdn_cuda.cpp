@@ -1,6 +1,6 @@
 // Determinism of the CUDA gated_delta_rule backward: the same inputs give bitwise the same dq, dk, dv, dg, dbeta on
 // two runs, for the chunked tensor-core kernels (bf16, d_k = d_v = 128, GQA group 2, packed documents) and the
-// recurrent kernel (f32, small dims). dq and dk sum the value heads of each key head in a fixed order, without
+// recurrent kernel (f32, small dims), with g and beta in the dtype of q or in f32 (the model's). dq and dk sum the value heads of each key head in a fixed order, without
 // atomics. Accuracy is checked by the op cases (tests/ops); skips with the reason when no CUDA device is present.
 #include <gtest/gtest.h>
 
@@ -33,7 +33,7 @@ std::vector<uint8_t> bytes_of(const Tensor& t) {
   return std::vector<uint8_t>(p, p + h.numel() * int64_t(dtype_size(h.dtype())));
 }
 
-void check_deterministic(DType dt, int64_t hk, int64_t hv, int64_t dk, int64_t dv, std::vector<int32_t> cu) {
+void check_deterministic(DType dt, DType gate, int64_t hk, int64_t hv, int64_t dk, int64_t dv, std::vector<int32_t> cu) {
   ExecContext ctx = runtime().context(Device::cuda(0));
   std::mt19937 rng(7);
   const int64_t t = cu.back();
@@ -41,8 +41,8 @@ void check_deterministic(DType dt, int64_t hk, int64_t hv, int64_t dk, int64_t d
   const Tensor q = uniform(ctx, {t, hk, dk}, dt, -kr, kr, rng);
   const Tensor k = uniform(ctx, {t, hk, dk}, dt, -kr, kr, rng);
   const Tensor v = uniform(ctx, {t, hv, dv}, dt, -2, 2, rng);
-  const Tensor g = uniform(ctx, {t, hv}, dt, -1.5, -0.001, rng);
-  const Tensor beta = uniform(ctx, {t, hv}, dt, 0.001, 1, rng);
+  const Tensor g = uniform(ctx, {t, hv}, gate, -1.5, -0.001, rng);
+  const Tensor beta = uniform(ctx, {t, hv}, gate, 0.001, 1, rng);
   const Tensor d_o = uniform(ctx, {t, hv, dv}, dt, -2, 2, rng);
   const Tensor cu_t = runtime().from_host(cu.data(), {int64_t(cu.size())}, DType::I32, Device::cuda(0));
   std::vector<std::vector<uint8_t>> first;
@@ -62,11 +62,13 @@ void check_deterministic(DType dt, int64_t hk, int64_t hv, int64_t dk, int64_t d
 TEST(GdnCuda, ChunkedBackwardIsDeterministic) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
-  check_deterministic(DType::BF16, 2, 4, 128, 128, {0, 1, 64, 128, 193, 393});
+  check_deterministic(DType::BF16, DType::BF16, 2, 4, 128, 128, {0, 1, 64, 128, 193, 393});
+  check_deterministic(DType::BF16, DType::F32, 2, 4, 128, 128, {0, 1, 64, 128, 193, 393});  // the model's f32 gates
 }
 
 TEST(GdnCuda, RecurrentBackwardIsDeterministic) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
-  check_deterministic(DType::F32, 1, 3, 8, 6, {0, 5, 5, 80});
+  check_deterministic(DType::F32, DType::F32, 1, 3, 8, 6, {0, 5, 5, 80});
+  check_deterministic(DType::BF16, DType::F32, 1, 3, 8, 6, {0, 5, 5, 80});
 }

@@ -1,6 +1,7 @@
 // CUDA kernels of the Gated DeltaNet ops: sigmoid, the packed depthwise causal conv1d, the log-decay, and the gated
 // delta rule (research note gated-deltanet.md §2-§4; the CPU specification is model/gdn_reference.cpp), forward and
-// backward, for f32, bf16 and f16 (float math).
+// backward, for f32, bf16 and f16 (float math). The delta rule also takes g and beta (and gives dg, dbeta) in f32
+// beside bf16/f16 q, k, v: the model's log-decay stays fp32 end to end, as in transformers.
 //
 // The gated delta rule has two implementations; neither depends on attrs.chunk (the result does not either):
 //  * chunked, bf16 with d_k = d_v = 128 (the model's): the WY form with chunks of 64 tokens starting at each
@@ -16,7 +17,8 @@
 //  * recurrent, every other dtype / dim: one block per (document, value head) walks the tokens with the state
 //    (d_k x d_v fp32) in shared memory; the backward recomputes states from checkpoints every 64 tokens.
 // GQA: value head h reads key head h / (H_v / H_k); dq and dk are first written per value head (fp32 scratch)
-// and then summed over each group in a fixed order, so every output is bitwise reproducible (no atomics).
+// and then summed over each group in a fixed order, so every output is bitwise reproducible (no atomics). Without
+// GQA (H_v = H_k) the chunked kernels write dq and dk in bf16 directly (same rounding, no group-sum pass).
 // Covered by tests/ops (testing/op_cases_gated_delta.cpp), tests/ops/test_gdn_cuda.cpp (determinism) and
 // tests/models/test_qwen3_5_cuda.cpp.
 #include <cuda_bf16.h>
@@ -41,6 +43,15 @@ template <typename F> void dispatch_float(DType dt, F f) {
     case DType::F16: f(__half{}); return;
     default: return;  // the registration offers these three only
   }
+}
+
+// f(T{}, G{}): T the dtype of q, k, v; G that of g, beta (T itself, or float where `gate` is F32).
+template <typename F> void dispatch_gates(DType dt, DType gate, F f) {
+  dispatch_float(dt, [&](auto tag) {
+    using T = decltype(tag);
+    if (gate == DType::F32) f(T{}, float{});
+    else f(T{}, T{});
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------- documents
@@ -255,9 +266,9 @@ struct RecurrentArgs {
 // ------------------------------------------------------------------- delta rule: recurrent (any dims/dtype)
 // One block per (document, value head); S (d_k, d_v) fp32 in shared memory; token by token:
 // S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = s S^T q.
-template <typename T>
+template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(RecurrentArgs a, const T* q, const T* k,
-                                                                      const T* v, const T* g, const T* beta, T* o) {
+                                                                      const T* v, const G* g, const G* beta, T* o) {
   extern __shared__ float sm[];
   const int64_t dk = a.dk, dv = a.dv;
   float* S = sm;            // (dk, dv)
@@ -296,11 +307,11 @@ constexpr int64_t kCkpt = 64;  // recurrent backward: tokens between state check
 // Persistent blocks over (document, value head) pairs. `ckpt` holds the state before every kCkpt-th token of each
 // document (indexed by the global chunk id), `tok` this block's states inside one checkpoint interval, `us` the
 // writes u of that interval. dq, dk go to per-value-head fp32 scratch.
-template <typename T>
+template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) recurrent_backward_kernel(
-    RecurrentArgs a, const T* q, const T* k, const T* v, const T* g, const T* beta, const T* d_o,
-    const int32_t* offsets, float* ckpt, float* tok_all, float* us_all, float* dqh, float* dkh, T* dv_out, T* dg_out,
-    T* dbeta_out) {
+    RecurrentArgs a, const T* q, const T* k, const T* v, const G* g, const G* beta, const T* d_o,
+    const int32_t* offsets, float* ckpt, float* tok_all, float* us_all, float* dqh, float* dkh, T* dv_out, G* dg_out,
+    G* dbeta_out) {
   extern __shared__ float sm[];
   __shared__ float scratch[32];
   const int64_t dk = a.dk, dv = a.dv, ss = dk * dv;
@@ -601,7 +612,9 @@ struct ChunkArgs {
   float scale;
   const int32_t* cu;
   const int32_t* offsets;
-  const bf16 *q, *k, *v, *g, *beta, *d_o;
+  const bf16 *q, *k, *v, *d_o;
+  const void *g, *beta;  // bf16, or f32 where gates_f32 (dg, dbeta likewise)
+  bool gates_f32;
   float* b;          // (T, H_v) chunk-local cumsum of g
   bf16 *w, *u;       // (T, H_v, 128)
   bf16* p;           // (T, H_v, 64): row t of its chunk's tril(Q K^T Gamma) (the intra-chunk output matrix)
@@ -609,17 +622,28 @@ struct ChunkArgs {
   bf16 *hs, *dhs;    // (chunks, H_v, 128, 128): chunk-start states, gradients of chunk-end states
   bf16 *delta, *ddelta;  // (T, H_v, 128)
   float *dqh, *dkh;  // (T, H_v, 128)
+  bf16 *dq, *dk;     // (T, H_k, 128) outputs written directly when H_v = H_k (no group sum); else null
   bf16* dw;          // (T, H_v, 128) dW = -dDelta H^T
   float* dbp;        // (T, H_v) the step-5 part of db
-  bf16 *o, *dv, *dg, *dbeta;
+  bf16 *o, *dv;
+  void *dg, *dbeta;
 };
+
+// g, beta (and dg, dbeta) of a chunked call: bf16 or f32.
+__device__ __forceinline__ float gate_at(const ChunkArgs& a, const void* p, int64_t i) {
+  return a.gates_f32 ? static_cast<const float*>(p)[i] : __bfloat162float(static_cast<const bf16*>(p)[i]);
+}
+__device__ __forceinline__ void gate_store(const ChunkArgs& a, void* p, int64_t i, float x) {
+  if (a.gates_f32) static_cast<float*>(p)[i] = x;
+  else static_cast<bf16*>(p)[i] = __float2bfloat16(x);
+}
 
 // Loads g, beta of a chunk and forms b = cumsum(g) (rows past n repeat b_{n-1}).
 __device__ void chunk_gates(const ChunkArgs& a, int64_t t0, int n, int64_t h, float* sb, float* sbeta) {
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
-    sb[r] = r < n ? __bfloat162float(a.g[(t0 + r) * a.hv + h]) : 0.0f;
-    sbeta[r] = r < n ? __bfloat162float(a.beta[(t0 + r) * a.hv + h]) : 0.0f;
+    sb[r] = r < n ? gate_at(a, a.g, (t0 + r) * a.hv + h) : 0.0f;
+    sbeta[r] = r < n ? gate_at(a, a.beta, (t0 + r) * a.hv + h) : 0.0f;
   }
   __syncthreads();
   if (threadIdx.x < 32) {  // inclusive scan of 64 values: two per lane
@@ -1008,7 +1032,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_state_kernel(Chunk
   dq.mma<false, true>(Pt, kLdC, Kb, kLdD, kChunk);
   dq.row_sums(partA, [&](int r, int i, float x) { return x * __bfloat162float(Qb[r * kLdD + i]); });
   dq.each_pair([&](int r, int i, float x0, float x1) {
-    if (r < n) *reinterpret_cast<float2*>(a.dqh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
+    if (r >= n) return;
+    if (a.dq) st_bf2(a.dq + ((t0 + r) * a.hv + h) * kD + i, x0, x1);
+    else *reinterpret_cast<float2*>(a.dqh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
   Tile<64, 128> dk, dw;
   dk.zero();
@@ -1091,7 +1117,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
   if (threadIdx.x < kChunk) {
     const int r = threadIdx.x;
     sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
-    sbeta[r] = r < n ? __bfloat162float(a.beta[(t0 + r) * a.hv + h]) : 0.0f;
+    sbeta[r] = r < n ? gate_at(a, a.beta, (t0 + r) * a.hv + h) : 0.0f;
     er[r] = __expf(sb[r]);
     be[r] = sbeta[r] * er[r];
   }
@@ -1196,13 +1222,15 @@ __global__ void __launch_bounds__(kThreads, 2) chunk_backward_wy_kernel(ChunkArg
     float acc = 0;
     for (int r = n - 1; r >= 0; --r) {
       acc += db[r];
-      a.dg[(t0 + r) * a.hv + h] = __float2bfloat16(acc);
-      a.dbeta[(t0 + r) * a.hv + h] = __float2bfloat16(dbeta[r]);
+      gate_store(a, a.dg, (t0 + r) * a.hv + h, acc);
+      gate_store(a, a.dbeta, (t0 + r) * a.hv + h, dbeta[r]);
     }
   }
   dk.mma<false, true>(dRb, kLdC, Kb, kLdD, kChunk);  // + (B + B^T) K
   dk.each_pair([&](int r, int i, float x0, float x1) {
-    if (r < n) *reinterpret_cast<float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
+    if (r >= n) return;
+    if (a.dk) st_bf2(a.dk + ((t0 + r) * a.hv + h) * kD + i, x0, x1);
+    else *reinterpret_cast<float2*>(a.dkh + ((t0 + r) * a.hv + h) * kD + i) = make_float2(x0, x1);
   });
 }
 
@@ -1269,8 +1297,8 @@ RecurrentScratch carve_recurrent(Carve& c, const GdnShape& s) {
   return x;
 }
 
-ChunkArgs chunk_args(const GdnShape& s, const void* q, const void* k, const void* v, const void* g, const void* beta,
-                     const int32_t* cu, const ChunkScratch& x) {
+ChunkArgs chunk_args(const GdnShape& s, DType gate_dtype, const void* q, const void* k, const void* v, const void* g,
+                     const void* beta, const int32_t* cu, const ChunkScratch& x) {
   ChunkArgs a{};
   a.tokens = s.tokens;
   a.docs = s.docs;
@@ -1283,8 +1311,9 @@ ChunkArgs chunk_args(const GdnShape& s, const void* q, const void* k, const void
   a.q = static_cast<const bf16*>(q);
   a.k = static_cast<const bf16*>(k);
   a.v = static_cast<const bf16*>(v);
-  a.g = static_cast<const bf16*>(g);
-  a.beta = static_cast<const bf16*>(beta);
+  a.g = g;
+  a.beta = beta;
+  a.gates_f32 = gate_dtype == DType::F32;
   a.b = x.b;
   a.w = x.w;
   a.u = x.u;
@@ -1400,14 +1429,14 @@ size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s) {
   return c.used;
 }
 
-void launch_gated_delta_rule(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
-                             const void* g, const void* beta, const int32_t* cu, void* o, void* workspace,
-                             cudaStream_t stream) {
+void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
+                             const void* k, const void* v, const void* g, const void* beta, const int32_t* cu, void* o,
+                             void* workspace, cudaStream_t stream) {
   if (s.tokens == 0) return;
   if (chunked) {
     Carve c{static_cast<char*>(workspace)};
     const ChunkScratch x = carve_chunked(c, s, false);
-    ChunkArgs a = chunk_args(s, q, k, v, g, beta, cu, x);
+    ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     a.o = static_cast<bf16*>(o);
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, false, stream);
@@ -1418,20 +1447,21 @@ void launch_gated_delta_rule(DType dtype, bool chunked, const GdnShape& s, const
     return;
   }
   const size_t smem = sizeof(float) * size_t(s.k_dim * s.v_dim + 2 * s.k_dim + s.v_dim);
-  dispatch_float(dtype, [&](auto tag) {
+  dispatch_gates(dtype, gate_dtype, [&](auto tag, auto gate_tag) {
     using T = decltype(tag);
-    allow_smem(recurrent_forward_kernel<T>, smem);
-    recurrent_forward_kernel<T><<<dim3(unsigned(s.docs), unsigned(s.v_heads)), kThreads, smem, stream>>>(
+    using G = decltype(gate_tag);
+    allow_smem(recurrent_forward_kernel<T, G>, smem);
+    recurrent_forward_kernel<T, G><<<dim3(unsigned(s.docs), unsigned(s.v_heads)), kThreads, smem, stream>>>(
         recurrent_args(s, cu), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<const T*>(g), static_cast<const T*>(beta), static_cast<T*>(o));
+        static_cast<const G*>(g), static_cast<const G*>(beta), static_cast<T*>(o));
   });
   LATHE_CUDA_LAUNCH_CHECK("gdn recurrent_forward_kernel");
 }
 
-void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
-                                      const void* g, const void* beta, const void* d_o, const int32_t* cu, void* dq,
-                                      void* dk, void* dv, void* dg, void* dbeta, void* workspace,
-                                      cudaStream_t stream) {
+void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
+                                      const void* k, const void* v, const void* g, const void* beta, const void* d_o,
+                                      const int32_t* cu, void* dq, void* dk, void* dv, void* dg, void* dbeta,
+                                      void* workspace, cudaStream_t stream) {
   if (s.tokens == 0) return;
   Carve c{static_cast<char*>(workspace)};
   const int64_t group = s.v_heads / s.k_heads;
@@ -1439,11 +1469,15 @@ void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape&
   const float* dkh = nullptr;
   if (chunked) {
     const ChunkScratch x = carve_chunked(c, s, true);
-    ChunkArgs a = chunk_args(s, q, k, v, g, beta, cu, x);
+    ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     a.d_o = static_cast<const bf16*>(d_o);
     a.dv = static_cast<bf16*>(dv);
-    a.dg = static_cast<bf16*>(dg);
-    a.dbeta = static_cast<bf16*>(dbeta);
+    a.dg = dg;
+    a.dbeta = dbeta;
+    if (group == 1) {  // H_v = H_k: the per-chunk kernels write dq, dk themselves
+      a.dq = static_cast<bf16*>(dq);
+      a.dk = static_cast<bf16*>(dk);
+    }
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, true, stream);
     const dim3 scan_grid(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile);
@@ -1460,19 +1494,21 @@ void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape&
     allow_smem(chunk_backward_wy_kernel, kWyBwdSmem);
     chunk_backward_wy_kernel<<<chunk_grid, kThreads, kWyBwdSmem, stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_wy_kernel");
+    if (group == 1) return;
     dqh = x.dqh;
     dkh = x.dkh;
   } else {
     const RecurrentScratch x = carve_recurrent(c, s);
     launch_offsets(s, cu, x.offsets, stream);
     const size_t smem = sizeof(float) * size_t(s.k_dim * s.v_dim + 2 * s.k_dim + 3 * s.v_dim);
-    dispatch_float(dtype, [&](auto tag) {
+    dispatch_gates(dtype, gate_dtype, [&](auto tag, auto gate_tag) {
       using T = decltype(tag);
-      allow_smem(recurrent_backward_kernel<T>, smem);
-      recurrent_backward_kernel<T><<<unsigned(x.blocks), kThreads, smem, stream>>>(
+      using G = decltype(gate_tag);
+      allow_smem(recurrent_backward_kernel<T, G>, smem);
+      recurrent_backward_kernel<T, G><<<unsigned(x.blocks), kThreads, smem, stream>>>(
           recurrent_args(s, cu), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-          static_cast<const T*>(g), static_cast<const T*>(beta), static_cast<const T*>(d_o), x.offsets, x.ckpt, x.tok,
-          x.us, x.dqh, x.dkh, static_cast<T*>(dv), static_cast<T*>(dg), static_cast<T*>(dbeta));
+          static_cast<const G*>(g), static_cast<const G*>(beta), static_cast<const T*>(d_o), x.offsets, x.ckpt, x.tok,
+          x.us, x.dqh, x.dkh, static_cast<T*>(dv), static_cast<G*>(dg), static_cast<G*>(dbeta));
     });
     LATHE_CUDA_LAUNCH_CHECK("gdn recurrent_backward_kernel");
     dqh = x.dqh;

@@ -51,13 +51,14 @@ constexpr int64_t kMaxRecurrentState = 128 * 128;
 size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s);
 size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s);
 
-void launch_gated_delta_rule(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
-                             const void* g, const void* beta, const int32_t* cu_seqlens, void* o, void* workspace,
-                             cudaStream_t stream);
+// `dtype` is that of q, k, v, o (d_o, dq, dk, dv); `gate_dtype` that of g, beta (dg, dbeta): `dtype` or F32.
+void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
+                             const void* k, const void* v, const void* g, const void* beta, const int32_t* cu_seqlens,
+                             void* o, void* workspace, cudaStream_t stream);
 // dq, dk come back summed over each group of H_v / H_k value heads, in a fixed order (deterministic).
-void launch_gated_delta_rule_backward(DType dtype, bool chunked, const GdnShape& s, const void* q, const void* k, const void* v,
-                                      const void* g, const void* beta, const void* d_o, const int32_t* cu_seqlens,
-                                      void* dq, void* dk, void* dv, void* dg, void* dbeta, void* workspace,
-                                      cudaStream_t stream);
+void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
+                                      const void* k, const void* v, const void* g, const void* beta, const void* d_o,
+                                      const int32_t* cu_seqlens, void* dq, void* dk, void* dv, void* dg, void* dbeta,
+                                      void* workspace, cudaStream_t stream);
 
 }  // namespace lathe::cuda

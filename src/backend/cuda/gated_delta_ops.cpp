@@ -1,7 +1,8 @@
 // Registration of the CUDA Gated DeltaNet kernels (gated_delta.cu): tensor checks, scratch from the context's
 // allocator (released when the run function returns; safe on the default stream, as in model_ops_register.cpp),
 // launch on the context's stream. The gated delta rule takes the chunked tensor-core path for bf16 with
-// d_k = d_v = 128 and the recurrent path otherwise; both ignore attrs.chunk (the result does not depend on it).
+// d_k = d_v = 128 and the recurrent path otherwise; both ignore attrs.chunk (the result does not depend on it) and
+// both take g and beta in q's dtype or in f32 (the shape inference admits nothing else).
 // Covered by tests/ops (testing/op_cases_gated_delta.cpp) and tests/ops/test_gdn_cuda.cpp.
 #include <cmath>
 #include <cstdint>
@@ -68,22 +69,23 @@ Tensor workspace(ExecContext& ctx, size_t bytes) {
 
 void run_gdr(bool chunked, const OpCall& c, ExecContext& ctx) {
   const GdnShape s = shape_of(c);
-  const DType dt = c.inputs[0].dtype();
+  const std::vector<Tensor>& in = c.inputs;
   Tensor ws = workspace(ctx, gdn_forward_workspace_bytes(chunked, s));
-  launch_gated_delta_rule(dt, chunked, s, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data_ptr(),
-                          c.inputs[3].data_ptr(), c.inputs[4].data_ptr(), c.inputs[5].data<int32_t>(),
+  launch_gated_delta_rule(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
+                          in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data<int32_t>(),
                           c.outputs[0].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
 }
 
 void run_gdr_backward(bool chunked, const OpCall& c, ExecContext& ctx) {
   const GdnShape s = shape_of(c);
-  const DType dt = c.inputs[0].dtype();
+  const std::vector<Tensor>& in = c.inputs;
+  const std::vector<Tensor>& out = c.outputs;
   Tensor ws = workspace(ctx, gdn_backward_workspace_bytes(chunked, s));
-  launch_gated_delta_rule_backward(dt, chunked, s, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data_ptr(),
-                                   c.inputs[3].data_ptr(), c.inputs[4].data_ptr(), c.inputs[5].data_ptr(),
-                                   c.inputs[6].data<int32_t>(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
-                                   c.outputs[2].data_ptr(), c.outputs[3].data_ptr(), c.outputs[4].data_ptr(),
-                                   ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
+  launch_gated_delta_rule_backward(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
+                                   in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data_ptr(),
+                                   in[6].data<int32_t>(), out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+                                   out[3].data_ptr(), out[4].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr,
+                                   stream_of(ctx));
 }
 
 }  // namespace
