@@ -1,6 +1,6 @@
 // Gated DeltaNet core benchmark: lathe's `gated_delta_rule` op forward and forward+backward (whatever the registry
 // resolves, printed) on one GPU, timed with CUDA events (3 warm-up rounds, median of the iterations). Usage:
-//   gdn_bench [tokens docs k_heads v_heads dim] [dtype] [iters]
+//   gdn_bench [tokens docs k_heads v_heads dim] [dtype] [iters] [gate dtype (g, beta): f32 by default]
 // Defaults: 16384 tokens in 4 packed documents of 4096, H_k = 16, H_v = 32, d_k = d_v = 128, bf16 (issue 8).
 // Inputs as in the model: q, k L2-normalised per head, g = log-decay in [-1.5, 0), beta in (0, 1), g and beta in f32
 // beside bf16/f16 q, k, v.
@@ -72,8 +72,10 @@ int main(int argc, char** argv) {
     auto upload = [&](std::vector<float>& v, Shape shape, DType to) {
       return cast(ctx, rt.from_host(v.data(), shape, DType::F32, dev), to);
     };
-    // g and beta in f32 beside 16-bit q, k, v, as the model feeds them.
-    const DType gate = dtype == DType::BF16 || dtype == DType::F16 ? DType::F32 : dtype;
+    // g and beta in f32 beside 16-bit q, k, v, as the model feeds them (or in the dtype given last).
+    const DType gate = argc > 8                                        ? dtype_from_name(argv[8])
+                       : dtype == DType::BF16 || dtype == DType::F16 ? DType::F32
+                                                                     : dtype;
     auto uniform = [&](Shape shape, float lo, float hi, bool l2 = false, std::optional<DType> to = {}) {
       std::uniform_real_distribution<float> dist(lo, hi);
       std::vector<float> v(size_t(shape_numel(shape)));
@@ -118,12 +120,12 @@ int main(int argc, char** argv) {
     const double b_flop = th * bwd_flop(double(d), double(d), c);
     auto tflops = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
     fmt::print(
-        "{{\"impl\": \"lathe\", \"tokens\": {}, \"docs\": {}, \"hk\": {}, \"hv\": {}, \"d\": {}, \"dtype\": \"{}\", "
+        "{{\"impl\": \"lathe\", \"tokens\": {}, \"docs\": {}, \"hk\": {}, \"hv\": {}, \"d\": {}, \"dtype\": \"{}\", \"gate_dtype\": \"{}\", "
         "\"fwd_ms\": {:.4f}, \"fwd_tokens_per_s\": {:.4g}, \"fwd_tflops\": {:.1f}, \"bwd_ms\": {:.4f}, "
         "\"fwdbwd_ms\": {:.4f}, \"fwdbwd_tokens_per_s\": {:.4g}, \"fwdbwd_tflops\": {:.1f}, "
         "\"flop_model\": \"per token x value head, C=64: fwd 6dkdv+6Cdk+4Cdv+C^2/3, bwd 16dkdv+18Cdk+10Cdv+4C^2\", "
         "\"deterministic\": {}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
-        tokens, docs, hk, hv, d, dtype_name(dtype), f_ms, double(tokens) / (f_ms * 1e-3), tflops(f_flop, f_ms), b_ms,
+        tokens, docs, hk, hv, d, dtype_name(dtype), dtype_name(gate), f_ms, double(tokens) / (f_ms * 1e-3), tflops(f_flop, f_ms), b_ms,
         fb_ms, double(tokens) / (fb_ms * 1e-3), tflops(f_flop + b_flop, fb_ms), deterministic ? "true" : "false",
         fmt::join(kernels, ", "), ctx.backend.info(0).name);
     return 0;

@@ -1,7 +1,8 @@
 // Qwen3.5 on CUDA: logits, loss and every parameter gradient of the CUDA model in f32 and bf16 against the
 // Hugging Face fixtures of tests/models/fixtures/qwen3_5 (f64 goldens, which the CPU f64 model matches within 1e-6,
 // see test_qwen3_5.cpp). Exercises the CUDA Gated DeltaNet kernels (conv1d, decay, sigmoid, the gated delta rule)
-// inside the model. Skips with the reason when no CUDA device is present.
+// inside the model. bf16 bounds are relative to transformers' own bf16 error on the same fixtures (kHfBf16).
+// Skips with the reason when no CUDA device is present.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -45,6 +46,21 @@ std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
 }
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
+
+// transformers' own bf16 error on each fixture (stock Qwen3_5ForCausalLM in bfloat16 against the same f64 goldens,
+// same rel-L2; dev/ref/qwen3_5_hf_bf16_error.py, transformers 5.17.0, torch 2.11.0+cu130, torch fallbacks for the
+// GDN core (fp32) and the conv, NVIDIA H100 80GB HBM3). These tiny random models amplify bf16 rounding: HF's own
+// gradients are off by up to 0.74. multimodal_layout holds hv_gt_hk_untied's weights.
+struct HfBf16Error {
+  const char* fixture;
+  double logits, grad_mean, grad_worst;
+};
+constexpr HfBf16Error kHfBf16[] = {
+    {"hv_gt_hk_untied", 0.0412, 0.180, 0.369},
+    {"multimodal_layout", 0.0412, 0.180, 0.369},
+    {"interval_legacy_rope", 0.0959, 0.315, 0.738},
+    {"tied_hd64", 0.0219, 0.0486, 0.0902},
+};
 
 }  // namespace
 
@@ -91,14 +107,20 @@ TEST(Qwen35Cuda, F32AndBf16MatchTransformersFixtures) {
         EXPECT_NEAR(r.loss, want, 1e-4 * std::abs(want));
         EXPECT_LT(worst, 5e-4) << worst_name;
       } else {
-        // bf16 weights and activations (g, beta and the conv output included; HF keeps the decay in fp32) through
-        // 3-4 layers whose GDN recurrences compound rounding. Measured on an H200: logits 2.9e-2 to 7.3e-2, loss within
-        // 0.42%, worst gradient 0.24 to 0.65 (layer-0 in_proj_qkv, A_log). The bounds catch a wrong or missing term
-        // (a missing gradient is 1.0, a sign error 2.0), not bf16 precision, which the op tests bound per kernel.
-        EXPECT_LT(logit_err, 0.12);
+        // bf16 weights and activations, g and beta in fp32 (as HF). Bounds relative to HF's own bf16 error on the
+        // same fixture (kHfBf16): logits 2x, gradient mean 3x, worst gradient 3.5x; loss within 1% (HF: 0.04% to
+        // 0.83%). Measured on an H100 (this commit): logits 0.029 to 0.075 (0.78x to 1.32x HF), loss within 0.63%,
+        // gradient mean 0.092 to 0.27 (0.51x to 2.6x), worst 0.16 to 0.66 (0.44x to 3.0x; tied_hd64 is the
+        // furthest from HF: mean 0.127 vs 0.049, worst 0.274 vs 0.090).
+        const std::string name = entry.path().filename().string();
+        const HfBf16Error* hf = nullptr;
+        for (const HfBf16Error& e : kHfBf16)
+          if (name == e.fixture) hf = &e;
+        ASSERT_NE(hf, nullptr) << "no measured HF bf16 error for fixture " << name;
+        EXPECT_LT(logit_err, 2.0 * hf->logits);
         EXPECT_NEAR(r.loss, want, 1e-2 * std::abs(want));
-        EXPECT_LT(mean, 0.3);
-        EXPECT_LT(worst, 0.9) << worst_name;
+        EXPECT_LT(mean, 3.0 * hf->grad_mean);
+        EXPECT_LT(worst, 3.5 * hf->grad_worst) << worst_name;
       }
     }
     ++checked;
