@@ -6,6 +6,7 @@
 // peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
 // through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
 // output viewed as (T N / width, width) (the embedding op), their backward the scatter-add (embedding_backward).
+// In bf16/f16 models the log-decay g and beta are computed in fp32 and fed to the rule in fp32 (as transformers).
 // The loss head, save() and the LoRA path are CausalLm's.
 #include "model/qwen3_5.h"
 
