@@ -86,6 +86,35 @@ TEST(Bench, LoraCountsTheFrozenBaseAtFourN) {
   EXPECT_NE(r.output.find("LoRA r4"), std::string::npos) << r.output;
 }
 
+TEST(Bench, Qwen35ShapeRunsAndCountsTheGdnCore) {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_e2e_bench_q35_{}", getpid());
+  fs::create_directories(dir);
+  const nlohmann::json cfg = {{"model_type", "qwen3_5_text"}, {"vocab_size", 256},  {"hidden_size", 32},
+                              {"intermediate_size", 48},      {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                              {"num_key_value_heads", 1},     {"head_dim", 16},     {"rms_norm_eps", 1e-6},
+                              {"linear_num_key_heads", 1},    {"linear_num_value_heads", 2},
+                              {"linear_key_head_dim", 8},     {"linear_value_head_dim", 8},
+                              {"linear_conv_kernel_dim", 4},  {"layer_types", {"linear_attention", "full_attention"}},
+                              {"tie_word_embeddings", true},  {"max_position_embeddings", 256},
+                              {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e4},
+                                                   {"partial_rotary_factor", 0.5}}}};
+  std::ofstream(dir / "config.json") << cfg.dump();
+  const LatheRun r = lathe(fmt::format("bench --device cpu --shape {} --seq 16 --micro-batch 2 --steps 1 --warmup 1",
+                                       (dir / "config.json").string()));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = result_line(r.output);
+  EXPECT_TRUE(std::isfinite(j["loss_first"].get<double>())) << j.dump();
+  // Written out from the shapes: matrices (GDN in_proj_qkv 32x32, z 32x16, b and a 32x2, out 16x32; attention q 32x64,
+  // k and v 32x16, o 32x32; MLP 3 x 32x48; tied head 256x32), the one attention layer 6 Hq D S = 6*2*16*16, the one
+  // GDN layer's core 2 value heads x (22*64 + 24*64*8 + 14*64*8 + 4*4096).
+  const double n = (32.0 * 32 + 32 * 16 + 2 * 32 * 2 + 16 * 32) + (32.0 * 64 + 2 * 32 * 16 + 32 * 32) +
+                   2 * 3 * 32.0 * 48 + 256.0 * 32;
+  const double expected = 6 * n + 6.0 * 2 * 16 * 16 + 2.0 * (22 * 64 + 24 * 64 * 8 + 14 * 64 * 8 + 4 * 4096);
+  EXPECT_NEAR(j["flops_per_token"].get<double>(), expected, 1e-9 * expected) << j.dump();
+  EXPECT_NE(j["flop_model"].get<std::string>().find("GDN"), std::string::npos) << j.dump();
+  fs::remove_all(dir);
+}
+
 TEST(Bench, UnknownShapeFailsWithItsName) {
   const LatheRun r = lathe("bench --device cpu --shape 9b --steps 1");
   EXPECT_NE(r.exit_code, 0);

@@ -1,5 +1,6 @@
-// `lathe bench --shape 0.6b|1.7b|4b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
-//  [--device cuda] [--lora-rank 16] [--recompute] [--profile]`: training throughput of a Qwen3 of a given shape
+// `lathe bench --shape 0.6b|1.7b|4b|q35-0.8b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
+//  [--device cuda] [--lora-rank 16] [--recompute] [--profile]`: training throughput of a Qwen3 (or Qwen3.5: q35-0.8b
+//  or a qwen3_5_text config.json, random-initialised by the family) of a given shape
 // with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents of seq random tokens, next-token labels). Each
 // timed step is a whole training step — zero grads, loss forward + backward, global grad norm, AdamW (fp32 masters
 // for bf16 parameters, the trainer's defaults) — between two device synchronisations. Prints one human line and
@@ -60,9 +61,21 @@ nlohmann::json shape_config(const std::string& shape) {
             {"num_key_value_heads", 8},       {"head_dim", 128},               {"rms_norm_eps", 1e-6},
             {"rope_theta", 1000000.0},        {"tie_word_embeddings", true},   {"max_position_embeddings", 40960}};
   }
+  if (key == "q35-0.8b") {  // the Qwen3.5-0.8B shape of issue 8 (research/gated-deltanet.md sec. 1.1)
+    nlohmann::json layer_types = nlohmann::json::array();
+    for (int i = 0; i < 24; ++i) layer_types.push_back((i + 1) % 4 == 0 ? "full_attention" : "linear_attention");
+    return {{"model_type", "qwen3_5_text"},    {"vocab_size", 248320},         {"hidden_size", 1024},
+            {"intermediate_size", 3584},       {"num_hidden_layers", 24},      {"num_attention_heads", 8},
+            {"num_key_value_heads", 2},        {"head_dim", 256},              {"rms_norm_eps", 1e-6},
+            {"linear_num_key_heads", 16},      {"linear_num_value_heads", 16}, {"linear_key_head_dim", 128},
+            {"linear_value_head_dim", 128},    {"linear_conv_kernel_dim", 4},  {"layer_types", layer_types},
+            {"hidden_act", "silu"},            {"tie_word_embeddings", true},  {"max_position_embeddings", 32768},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25}}}};
+  }
   namespace fs = std::filesystem;
   const fs::path path = fs::is_directory(shape) ? fs::path(shape) / "config.json" : fs::path(shape);
-  LATHE_CHECK(fs::is_regular_file(path), "bench: --shape {}: not one of 0.6b, 1.7b, 4b and no config.json there", shape);
+  LATHE_CHECK(fs::is_regular_file(path), "bench: --shape {}: not one of 0.6b, 1.7b, 4b, q35-0.8b and no config.json there",
+              shape);
   std::ifstream f(path);
   nlohmann::json j;
   try {
@@ -235,8 +248,6 @@ void run(const Args& a) {
   rt.check_device(device);
   const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
   const ModelConfig mc = parse_model_config(shape_config(a.shape), "bench --shape " + a.shape);
-  LATHE_CHECK(mc.model_type == "qwen3", "bench: --shape {}: model_type '{}': the benchmark writes Qwen3 weights only "
-              "(a Qwen3.5 benchmark is not written yet)", a.shape, mc.model_type);
   const bool lora = a.lora_rank > 0;
   ModelOptions mo;
   mo.device = device;
@@ -246,7 +257,9 @@ void run(const Args& a) {
   const auto t_init = Clock::now();
   std::unique_ptr<CausalLm> loaded;
   double write_s = 0;
-  {
+  if (mc.is_qwen3_5()) {  // the family's own initialisation (one thread; seconds at 0.8B)
+    loaded = random_causal_lm(rt, mc, mo, a.seed);
+  } else {
     const BenchWeights weights(mc.raw, mc, a.seed);
     write_s = std::chrono::duration<double>(Clock::now() - t_init).count();
     loaded = load_causal_lm(rt, weights.dir(), mo);
@@ -307,13 +320,17 @@ void run(const Args& a) {
   const std::string card = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(card) : 0.0;
   const double tps = tokens / step_s;
-  const std::string flop_model = lora ? "4N (frozen base: forward + input gradient) + 6N_adapter + causal attention 6*L*Hq*D*S"
-                                      : "6N + causal attention 6*L*Hq*D*S";
+  std::string flop_model = lora ? "4N (frozen base: forward + input gradient) + 6N_adapter + causal attention 6*L*Hq*D*S"
+                                : "6N + causal attention 6*L*Hq*D*S";
+  if (mc.is_qwen3_5())
+    flop_model += " over the full-attention layers + chunked GDN core per GDN layer and value head "
+                  "(22 dk dv + 24 C dk + 14 C dv + 4 C^2, C = 64)";
   const std::string what = lora ? fmt::format("LoRA r{} all-linear ({} trainable)", a.lora_rank, human(adapter_params))
                                 : "full fine-tuning";
-  fmt::print("bench: qwen3 {} ({} matmul weights), seq {} x micro-batch {} = {} tokens/step, {}, {}{} on {} ({}): "
+  fmt::print("bench: {} {} ({} matmul weights), seq {} x micro-batch {} = {} tokens/step, {}, {}{} on {} ({}): "
              "{:.1f} ms/step (min {:.1f}), {} tokens/s, {}peak {:.0f} MiB [{:.4g} GFLOP/token = {}]\n",
-             a.shape, human(matmul_parameter_count(mc)), a.seq, a.micro_batch, int64_t(tokens), what, dtype_name(dtype),
+             mc.model_type, a.shape, human(matmul_parameter_count(mc)), a.seq, a.micro_batch, int64_t(tokens), what,
+             dtype_name(dtype),
              dtype == DType::F32 || dtype == DType::F64 ? "" : " with fp32 AdamW masters", device.str(), card,
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
@@ -363,7 +380,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("bench", "Training throughput of a random-init Qwen3 shape on a synthetic batch (tokens/s, "
                                           "MFU, peak memory; --profile: time per kernel of one step)");
   auto a = std::make_shared<Args>();
-  cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes) or a config.json (or a folder holding one)")->required();
+  cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes), q35-0.8b (Qwen3.5) or a config.json (or a folder holding one)")
+      ->required();
   cmd->add_option("--seq", a->seq, "tokens per document")->capture_default_str();
   cmd->add_option("--micro-batch", a->micro_batch, "documents per step")->capture_default_str();
   cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str();
