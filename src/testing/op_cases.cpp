@@ -95,6 +95,9 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, {0, 6, 13}}});
   c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  // More rows than the CUDA kernel's 2,048 partial-sum blocks: each block walks several rows (and the offset form).
+  c.push_back({OpId::rmsnorm_backward, "rows=4500,h=64,offset=1", {{4500, 64}, {64}, {4500, 64}}, NormAttrs{1e-6, 1.0},
+               kFloat, false, false});
   c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
                false, false, {{}, {17, 32767}}});
   std::vector<double> labels = iota_mod(6, 13, 5);
