@@ -58,6 +58,19 @@ Parameter& CausalLm::parameter(const std::string& name) {
   LATHE_FAIL("model: no parameter named '{}'", name);
 }
 
+void CausalLm::attach_lora(LoraBank* bank) {
+  if (bank) {
+    const ModelConfig& m = bank->model();
+    LATHE_CHECK(m.model_type == config_.model_type && m.num_layers == config_.num_layers &&
+                    m.hidden_size == config_.hidden_size && m.layer_types == config_.layer_types &&
+                    m.multimodal_layout == config_.multimodal_layout,
+                "lora: the adapter bank was built for another model ({}, {} layers, hidden {}) than this {} model "
+                "({} layers, hidden {})", m.model_type, m.num_layers, m.hidden_size, config_.model_type,
+                config_.num_layers, config_.hidden_size);
+  }
+  lora_ = bank;
+}
+
 void CausalLm::zero_grads() {
   for (Parameter& p : params_) p.grad = Tensor();
 }

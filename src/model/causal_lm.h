@@ -58,7 +58,7 @@ class CausalLm {
   Runtime& runtime() const { return *rt_; }
   // Adapters applied to the rows of a batch according to its segments (nullptr: none). The bank must be built for
   // this model's config and outlive its use; its gradients accumulate like the model's.
-  void attach_lora(LoraBank* bank) { lora_ = bank; }
+  void attach_lora(LoraBank* bank);
   LoraBank* lora() const { return lora_; }
 
   // Full logits (T, V) of a batch: for tests, scoring of short inputs and generation.

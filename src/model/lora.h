@@ -116,6 +116,7 @@ class LoraBank {
   const Slot* slot(int64_t layer, LoraTarget t) const;
   Slot* slot(int64_t layer, LoraTarget t);
   Device device() const { return device_; }
+  const ModelConfig& model() const { return model_; }  // the config the bank was built for
 
  private:
   struct Adapter {
