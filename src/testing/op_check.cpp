@@ -1,5 +1,6 @@
 #include "testing/op_check.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -207,11 +208,14 @@ void check_row(Runtime& rt, const OpCase& oc, size_t case_index, Device device, 
     // Casting a negative float to u8 is undefined: draw non-negative values for that case.
     const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
     const bool ranged = i < oc.value_ranges.size() && oc.value_ranges[i].first < oc.value_ranges[i].second;
-    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), dtype, to_unsigned,
+    const bool accum = std::find(oc.accumulation_inputs.begin(), oc.accumulation_inputs.end(), i) !=
+                       oc.accumulation_inputs.end();
+    const DType in_dtype = accum ? (dtype == DType::F64 ? DType::F64 : DType::F32) : dtype;
+    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), in_dtype, to_unsigned,
                                         ranged ? oc.value_ranges[i] : std::pair<double, double>{-2.0, 2.0});
     const bool tr = oc.transpose_first && i == 0;
     logical.push_back(logical_values(stored, oc.inputs[i], tr));
-    dev_in.push_back(make_input(rt, stored, oc.inputs[i], dtype, device, tr));
+    dev_in.push_back(make_input(rt, stored, oc.inputs[i], in_dtype, device, tr));
     ref_in.push_back(rt.from_host(logical.back().data(), oc.inputs[i], DType::F64, Device::cpu()));
   }
 

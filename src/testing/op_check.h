@@ -27,10 +27,14 @@ struct OpCase {
   // Where non-empty, floating input i is drawn from [lo, hi] instead of [-2, 2] (a log-decay must be <= 0; the
   // gated delta rule is stable only for small enough keys).
   std::vector<std::pair<double, double>> value_ranges = {};
+  // Floating inputs listed here are in the accumulation dtype (f32; f64 in an f64 row) instead of the row's dtype
+  // (the recurrent state of gated_delta_rule_state).
+  std::vector<size_t> accumulation_inputs = {};
 };
 
 std::vector<OpCase> all_op_cases();
 void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
+void add_gdn_state_op_cases(std::vector<OpCase>& cases);    // testing/op_cases_gdn_state.cpp
 
 struct OpCheckOptions {
   std::string op;                   // exact op name, empty = all

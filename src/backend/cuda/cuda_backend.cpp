@@ -181,6 +181,7 @@ void CudaBackend::register_kernels(KernelRegistry& registry) {
   register_cuda_model_kernels(registry);
   register_cuda_optim_kernels(registry);
   register_cuda_segment_kernels(registry);
+  register_cuda_gdn_state_kernels(registry);
 }
 
 }  // namespace cuda

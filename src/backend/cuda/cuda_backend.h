@@ -83,6 +83,7 @@ void register_cuda_reduce_kernels(KernelRegistry& registry);
 void register_cuda_model_kernels(KernelRegistry& registry);  // model_ops_register.cpp
 void register_cuda_optim_kernels(KernelRegistry& registry);  // optim_ops.cpp
 void register_cuda_segment_kernels(KernelRegistry& registry);  // segment_ops_register.cpp
+void register_cuda_gdn_state_kernels(KernelRegistry& registry);  // gdn_state_register.cpp
 
 }  // namespace cuda
 }  // namespace lathe
