@@ -35,7 +35,7 @@ class Decoder {
   // runs as one decoding step over the cache. A failed call leaves the caches as they were.
   virtual std::vector<float> feed(std::span<const int32_t> ids) = 0;
   virtual void reset() = 0;                 // forget the sequence, keep the memory
-  virtual void reserve(int64_t tokens) = 0; // grow the caches that grow with the sequence to `tokens` now
+  virtual void reserve(int64_t tokens) = 0;  // grow the caches that grow with the sequence to `tokens` now
   virtual int64_t length() const = 0;       // tokens fed since the last reset
 };
 
@@ -43,8 +43,8 @@ class Decoder {
 // decoding step's attention over them. Shared by KvCacheDecoder and Qwen35Decoder.
 class KvCache {
  public:
-  KvCache(size_t layers, int64_t kv_heads, int64_t head_dim, DType dtype) : k_(layers), v_(layers), heads_(kv_heads),
-      dim_(head_dim), dtype_(dtype) {}
+  KvCache(size_t layers, int64_t kv_heads, int64_t head_dim, DType dtype)
+      : k_(layers), v_(layers), heads_(kv_heads), dim_(head_dim), dtype_(dtype) {}
   // Grows every layer to at least `tokens` rows, keeping the first `length` rows.
   void reserve(ExecContext& ctx, int64_t tokens, int64_t length);
   // Rows [pos, pos + n) of layer `layer` = k, v (n, Hkv, D); the capacity must suffice.

@@ -33,6 +33,8 @@ struct OpCase {
 };
 
 std::vector<OpCase> all_op_cases();
+// The dtype of floating input i of case `c` in a row of dtype `row` (see OpCase::accumulation_inputs).
+DType op_case_input_dtype(const OpCase& c, size_t i, DType row);
 void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
 void add_gdn_state_op_cases(std::vector<OpCase>& cases);    // testing/op_cases_gdn_state.cpp
 
