@@ -4,7 +4,8 @@
 // position (prefill of k tokens then single steps, and single steps from the start), on a random tiny model with
 // several GDN and attention layers and on the committed HF fixtures (whose prefill logits are also checked against
 // transformers' goldens); greedy tokens of Generator against the argmax of a full forward recomputed each step; the
-// GDN caches keep their size; reset(). CUDA decoding against the CPU skips, with the reason, without a GPU or while
+// GDN caches keep their size; reset(); `lathe generate` on a fixture folder (greedy tokens against the full forward,
+// --adapter refused). CUDA decoding against the CPU skips, with the reason, without a GPU or while
 // the GDN ops it needs have no CUDA kernels.
 // Convention: random models use weights of std 0.3 so that logits are spread and greedy ties do not occur.
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <random>
 
+#include "../e2e/lathe_run.h"
 #include "io/safetensors.h"
 #include "model/gdn_reference.h"
 #include "model/generate_qwen3_5.h"
@@ -283,6 +285,32 @@ TEST(Qwen35Decode, MatchesOnHfFixtures) {
     ++checked;
   }
   EXPECT_GE(checked, 4);
+}
+
+// `lathe generate` reads a qwen3_5 folder: its greedy tokens equal the argmax of the full forward at each step.
+TEST(Qwen35GenerateCli, GreedyTokensMatchTheFullForward) {
+  const fs::path dir = kFixtures / "hv_gt_hk_untied" / "model";
+  const lathe_e2e::LatheRun run = lathe_e2e::lathe("generate --model " + dir.string() +
+                                                   " --prompt-tokens 3,1,4,1,5 --max-new-tokens 8 --print-tokens "
+                                                   "--ignore-eos --dtype f64");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const size_t at = run.output.find("{\"completion\"");
+  ASSERT_NE(at, std::string::npos) << run.output;
+  const nlohmann::json result = nlohmann::json::parse(run.output.substr(at, run.output.find('\n', at) - at));
+  const std::vector<int32_t> tokens = result["tokens"].get<std::vector<int32_t>>();
+  ASSERT_EQ(tokens.size(), 8u);
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  Qwen35Model m = Qwen35Model::load(runtime(), dir.string(), opt);
+  std::vector<int32_t> seq = {3, 1, 4, 1, 5};
+  for (int32_t t : tokens) {
+    EXPECT_EQ(t, argmax(full_logits(m, seq).back())) << "after " << seq.size() << " tokens";
+    seq.push_back(t);
+  }
+  const lathe_e2e::LatheRun refused = lathe_e2e::lathe("generate --model " + dir.string() +
+                                                       " --prompt-tokens 3 --adapter " + dir.string());
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("--adapter is not supported yet for qwen3_5"), std::string::npos) << refused.output;
 }
 
 // CUDA decoding (f32, bf16) against the CPU f32 full forward of the same weights.
