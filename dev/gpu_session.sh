@@ -9,6 +9,8 @@
 # adapters trained on the GPU (examples/tenants.yaml over the demo model) and the multi-tenant benchmark.
 # `dev/gpu_session.sh speed`: Qwen3.5 fixtures, the whole suite, the op check, a profiled 0.6B step and the
 # side-by-side benchmark against transformers (0.6B and LoRA rows).
+# `dev/gpu_session.sh q35`: Qwen3.5 LoRA fixtures from transformers + peft, the whole suite, greedy generation of
+# qwen3_5 (CPU f64, CUDA f32) and Qwen3 against transformers.
 set -uo pipefail
 OUT=${OUT:?set OUT}
 STAGE=${1:-check}
@@ -68,5 +70,25 @@ timeout 60 ./build/lathe op-check --device cuda >$L/opcheck.txt 2>&1; summary "$
 timeout 90 ./build/lathe bench --shape 0.6b --seq 4096 --micro-batch 4 --steps 3 --warmup 1 --profile >$L/profile.txt 2>&1
 head -n 30 $L/profile.txt >>$OUT/summary.txt
 timeout 200 bash bench/run_side_by_side.sh build --shapes 0.6b --lora --steps 4 --warmup 2 >$L/side.txt 2>&1; tail -n 8 $L/side.txt | tee -a $OUT/summary.txt
+fi
+if [ "$STAGE" = q35 ]; then
+timeout 150 python3 dev/ref/lora_qwen3_5_fixtures.py tests/models/fixtures/qwen3_5 tests/models/fixtures/lora_qwen3_5 >$L/lora_q35_fixtures.log 2>&1
+summary "lora qwen3_5 fixtures rc=$?: $(grep -v Loading $L/lora_q35_fixtures.log | tail -n 4 | tr '\n' ' ' | tail -c 600)"
+tar -czf $OUT/lora_q35_fixtures.tgz tests/models/fixtures/lora_qwen3_5 2>/dev/null
+(cd build && timeout 330 ctest -j12 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+grep -h "cuda bf16\|bf16 vs\|HF bf16" build/Testing/Temporary/LastTest.log | sort -u | head -20 | tee -a $OUT/summary.txt
+timeout 60 python3 dev/ref/check_generate_qwen3_5.py --lathe build/lathe >$L/gen_q35_cpu.log 2>&1; summary "generate qwen3_5 cpu f64 vs HF: $(tail -n 1 $L/gen_q35_cpu.log)"
+timeout 60 python3 dev/ref/check_generate_qwen3_5.py --lathe build/lathe --device cuda --dtype f32 >$L/gen_q35_cuda.log 2>&1; summary "generate qwen3_5 cuda f32 vs HF: $(tail -n 1 $L/gen_q35_cuda.log)"
+timeout 60 python3 dev/ref/check_generate.py --lathe build/lathe >$L/gen_q3.log 2>&1; summary "generate qwen3 vs HF: $(tail -n 1 $L/gen_q3.log)"
+fi
+# `dev/gpu_session.sh q35bench`: the GDN core benchmark, the Qwen3.5-0.8B side by side against transformers (its own
+# GDN path) and a profiled Lathe step of that shape.
+if [ "$STAGE" = q35bench ]; then
+timeout 60 bash bench/run_gdn.sh build >$L/gdn.txt 2>&1; tail -n 6 $L/gdn.txt | tee -a $OUT/summary.txt
+timeout 240 bash bench/run_side_by_side.sh build --shapes q35-0.8b --steps 3 --warmup 1 >$L/side_q35.txt 2>&1; tail -n 8 $L/side_q35.txt | tee -a $OUT/summary.txt
+cp side_by_side.json $OUT/side_by_side_q35.json 2>/dev/null
+timeout 150 ./build/lathe bench --shape q35-0.8b --seq 4096 --micro-batch 2 --steps 2 --warmup 1 --profile >$L/profile_q35.txt 2>&1
+head -n 40 $L/profile_q35.txt >>$OUT/summary.txt
 fi
 tar -czf $OUT/logs.tgz -C /tmp logs

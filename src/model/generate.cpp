@@ -1,7 +1,7 @@
-// Generation: KV-cache decoding, sampling, streaming detokenisation. Shapes: n new tokens, S cached tokens,
+// Generation: the shared KV cache, KV-cache decoding of Qwen3, sampling, streaming detokenisation. Shapes: n new tokens, S cached tokens,
 // H hidden, Hq/Hkv heads of D (group = Hq / Hkv query heads share one kv head, as HF's repeat_kv), V vocab.
 // The decoding step's attention is built from ops: q (Hkv, group, D) @ K (Hkv, S, D)^T -> softmax -> @ V, in f32
-// whatever the model dtype (the gathered K and V are copied anyway, so the upcast costs nothing extra).
+// whatever the model dtype, f64 for f64 (the gathered K and V are copied anyway, so the upcast costs nothing extra).
 // Covered by tests/models/test_generate.cpp.
 #include "model/generate.h"
 
@@ -12,6 +12,7 @@
 #include <numeric>
 #include <optional>
 
+#include "model/generate_qwen3_5.h"
 #include "ops/ops.h"
 
 namespace lathe {
@@ -41,9 +42,53 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
+// KvCache
+
+void KvCache::reserve(ExecContext& cx, int64_t tokens, int64_t length) {
+  if (tokens <= capacity_) return;
+  const int64_t cap = std::max(tokens, 2 * capacity_);
+  for (size_t l = 0; l < k_.size(); ++l) {
+    for (std::vector<Tensor>* cache : {&k_, &v_}) {
+      Tensor grown = Tensor::empty({cap, heads_, dim_}, dtype_, cx.allocator);
+      if (length > 0) copy_into(cx, (*cache)[l].narrow(0, 0, length), grown.narrow(0, 0, length));
+      (*cache)[l] = grown;
+    }
+  }
+  capacity_ = cap;
+}
+
+void KvCache::write(ExecContext& cx, size_t layer, const Tensor& k, const Tensor& v, int64_t pos) {
+  LATHE_ASSERT(pos + k.size(0) <= capacity_);
+  copy_into(cx, k, k_[layer].narrow(0, pos, k.size(0)));
+  copy_into(cx, v, v_[layer].narrow(0, pos, v.size(0)));
+}
+
+Tensor KvCache::attend(ExecContext& cx, size_t layer, const Tensor& q, int64_t length) const {
+  const int64_t q_heads = q.size(1), group = q_heads / heads_;
+  const DType acc = dtype_ == DType::F64 ? DType::F64 : DType::F32;
+  const Tensor k = cast(cx, k_[layer].narrow(0, 0, length).permute({1, 0, 2}), acc);  // (Hkv, S, D)
+  const Tensor v = cast(cx, v_[layer].narrow(0, 0, length).permute({1, 0, 2}), acc);  // (Hkv, S, D)
+  const Tensor q3 = contiguous(cx, cast(cx, q.view({heads_, group, dim_}), acc));    // (Hkv, group, D)
+  // The scale as its own op: matmul's alpha is a float, which an f64 cache must not round to.
+  const Tensor scores = scale(cx, matmul(cx, q3, k, {false, true}), 1.0 / std::sqrt(double(dim_)));  // (Hkv, group, S)
+  const Tensor p = softmax(cx, scores);                                                               // (Hkv, group, S)
+  const Tensor o = matmul(cx, p, v);                                      // (Hkv, group, D)
+  return cast(cx, o, dtype_).view({1, q_heads, dim_});
+}
+
+int64_t KvCache::bytes() const {
+  int64_t total = 0;
+  for (size_t l = 0; l < k_.size(); ++l) total += k_[l].defined() ? k_[l].nbytes() + v_[l].nbytes() : 0;
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // KvCacheDecoder
 
-KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity) : rt_(&rt), model_(&model) {
+KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
+    : rt_(&rt), model_(&model),
+      cache_(size_t(model.config().num_layers), model.config().num_kv_heads, model.config().head_dim,
+             model.options().dtype) {
   std::map<std::string, int> index;
   for (size_t i = 0; i < model.parameters().size(); ++i) index[model.parameters()[i].name] = int(i);
   auto find = [&](const std::string& name) {
@@ -64,26 +109,14 @@ KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
                        find(p + "mlp.gate_proj.weight"), find(p + "mlp.up_proj.weight"),
                        find(p + "mlp.down_proj.weight")});
   }
-  k_cache_.resize(layers_.size());
-  v_cache_.resize(layers_.size());
   reserve(std::max<int64_t>(capacity, 1));
 }
 
 const Tensor& KvCacheDecoder::w(int index) const { return model_->parameters()[size_t(index)].value; }
 
 void KvCacheDecoder::reserve(int64_t tokens) {
-  if (tokens <= capacity_) return;
-  const int64_t cap = std::max(tokens, 2 * capacity_);
-  const ModelConfig& c = model_->config();
   ExecContext cx = rt_->context(model_->options().device);
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    for (std::vector<Tensor>* cache : {&k_cache_, &v_cache_}) {
-      Tensor grown = Tensor::empty({cap, c.num_kv_heads, c.head_dim}, model_->options().dtype, cx.allocator);
-      if (length_ > 0) copy_into(cx, (*cache)[l].narrow(0, 0, length_), grown.narrow(0, 0, length_));
-      (*cache)[l] = grown;
-    }
-  }
-  capacity_ = cap;
+  cache_.reserve(cx, tokens, length_);
 }
 
 std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
@@ -130,8 +163,7 @@ Tensor KvCacheDecoder::layer_step(size_t layer, const Tensor& x, const Tensor& p
   const Tensor v = linear(cx, xn, w(l.v_proj)).view({n, c.num_kv_heads, c.head_dim});   // (n, Hkv, D)
   const Tensor qr = rope(cx, rmsnorm(cx, q, w(l.q_norm), norm), positions, rot);        // (n, Hq, D)
   const Tensor kr = rope(cx, rmsnorm(cx, k, w(l.k_norm), norm), positions, rot);        // (n, Hkv, D)
-  copy_into(cx, kr, k_cache_[layer].narrow(0, past, n));
-  copy_into(cx, v, v_cache_[layer].narrow(0, past, n));
+  cache_.write(cx, layer, kr, v, past);
   Tensor o;  // (n, Hq, D)
   if (past == 0) {
     const int32_t cu[2] = {0, int32_t(n)};
@@ -139,27 +171,12 @@ Tensor KvCacheDecoder::layer_step(size_t layer, const Tensor& x, const Tensor& p
     o = attention(cx, qr, kr, v, cu_seqlens, {})[0];
   } else {
     LATHE_ASSERT(n == 1);
-    o = cached_attention(layer, qr, past + 1);
+    o = cache_.attend(cx, layer, qr, past + 1);
   }
   const Tensor h = add(cx, x, linear(cx, o.view({n, -1}), w(l.o_proj)));                // (n, H)
   const Tensor hn = rmsnorm(cx, h, w(l.post_norm), norm);                               // (n, H)
   const Tensor act = swiglu(cx, linear(cx, hn, w(l.gate_proj)), linear(cx, hn, w(l.up_proj)));  // (n, I)
   return add(cx, h, linear(cx, act, w(l.down_proj)));                                   // (n, H)
-}
-
-// Attention of one query q (1, Hq, D) over the first `length` cached positions (its own included). No mask: every
-// cached position precedes the query.
-Tensor KvCacheDecoder::cached_attention(size_t layer, const Tensor& q, int64_t length) {
-  ExecContext cx = rt_->context(model_->options().device);
-  const ModelConfig& c = model_->config();
-  const int64_t group = c.num_heads / c.num_kv_heads;
-  const Tensor k = cast(cx, k_cache_[layer].narrow(0, 0, length).permute({1, 0, 2}), DType::F32);  // (Hkv, S, D)
-  const Tensor v = cast(cx, v_cache_[layer].narrow(0, 0, length).permute({1, 0, 2}), DType::F32);  // (Hkv, S, D)
-  const Tensor q3 = to_f32(cx, q.view({c.num_kv_heads, group, c.head_dim}));  // (Hkv, group, D)
-  const float scale = float(1.0 / std::sqrt(double(c.head_dim)));
-  const Tensor p = softmax(cx, matmul(cx, q3, k, {false, true, scale}));        // (Hkv, group, S)
-  const Tensor o = matmul(cx, p, v);                                            // (Hkv, group, D)
-  return cast(cx, o, model_->options().dtype).view({1, c.num_heads, c.head_dim});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -306,16 +323,37 @@ const char* finish_reason_name(FinishReason reason) {
 }
 
 Generator::Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer)
-    : model_(&model), tokenizer_(tokenizer), decoder_(rt, model) {
+    : Generator(model.config(), tokenizer, std::make_unique<KvCacheDecoder>(rt, model)) {}
+
+Generator::Generator(Runtime& rt, Qwen35Model& model, const data::Tokenizer* tokenizer)
+    : Generator(model.config(), tokenizer, std::make_unique<Qwen35Decoder>(rt, model)) {}
+
+namespace {
+std::unique_ptr<Decoder> decoder_for(Runtime& rt, CausalLm& model) {
+  if (auto* m = dynamic_cast<Qwen3Model*>(&model)) return std::make_unique<KvCacheDecoder>(rt, *m);
+  if (auto* m = dynamic_cast<Qwen35Model*>(&model)) return std::make_unique<Qwen35Decoder>(rt, *m);
+  LATHE_FAIL("generate: no decoder for {} models", model.config().model_type);
+}
+}  // namespace
+
+Generator::Generator(Runtime& rt, CausalLm& model, const data::Tokenizer* tokenizer)
+    : Generator(model.config(), tokenizer, decoder_for(rt, model)) {}
+
+Generator::~Generator() = default;
+Generator::Generator(Generator&&) noexcept = default;
+Generator& Generator::operator=(Generator&&) noexcept = default;
+
+Generator::Generator(const ModelConfig& config, const data::Tokenizer* tokenizer, std::unique_ptr<Decoder> decoder)
+    : config_(&config), tokenizer_(tokenizer), decoder_(std::move(decoder)) {
   if (!tokenizer) return;
-  const int32_t n = int32_t(std::min<int64_t>(model.config().vocab_size, tokenizer->vocab_size()));
+  const int32_t n = int32_t(std::min<int64_t>(config.vocab_size, tokenizer->vocab_size()));
   for (int32_t id = 0; id < n; ++id)
     if (!tokenizer->id_to_token(id)) unknown_ids_.push_back(id);
 }
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                                    const TextCallback& on_text) {
-  const ModelConfig& c = model_->config();
+  const ModelConfig& c = *config_;
   LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty");
   LATHE_CHECK(options.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, not {}", options.max_new_tokens);
   LATHE_CHECK(options.stop.empty() || tokenizer_ != nullptr, "generate: stop strings need a tokenizer");
@@ -330,10 +368,10 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   std::optional<TextStream> stream;
   if (tokenizer_) stream.emplace(*tokenizer_, options.stop, options.skip_special_tokens);
   std::mt19937_64 rng(options.seed);
-  decoder_.reset();
+  decoder_->reset();
   if (budget > 0) {
-    decoder_.reserve(int64_t(prompt.size()) + budget);
-    std::vector<float> logits = decoder_.feed(prompt);
+    decoder_->reserve(int64_t(prompt.size()) + budget);
+    std::vector<float> logits = decoder_->feed(prompt);
     while (true) {
       for (int32_t id : unknown_ids_) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
       const int32_t token = sample_token(logits, allowed, options.sampling, rng);
@@ -351,7 +389,7 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
         if (!piece.empty()) on_text(piece);
       }
       if (int64_t(result.tokens.size()) >= budget) break;  // kLength
-      logits = decoder_.feed(std::span(&token, 1));
+      logits = decoder_->feed(std::span(&token, 1));
     }
   }
   if (stream) {

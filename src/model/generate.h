@@ -1,6 +1,8 @@
-// Text generation with the Qwen3 model: a per-layer KV cache (the prompt runs as one packed causal forward that
-// fills the cache, then one token per step), sampling (greedy, temperature, top-k, top-p, seeded mt19937_64), stop
-// conditions (EOS ids, stop strings on the decoded text, max_new_tokens) and streaming of complete UTF-8 text.
+// Text generation: the Decoder interface (feed tokens, get the next-token logits) with KvCacheDecoder for the Qwen3
+// model (a per-layer KV cache: the prompt runs as one packed causal forward that fills the cache, then one token per
+// step; Qwen35Decoder in generate_qwen3_5.h is the other implementation), sampling (greedy, temperature, top-k,
+// top-p, seeded mt19937_64), stop conditions (EOS ids, stop strings on the decoded text, max_new_tokens) and
+// streaming of complete UTF-8 text; Generator drives any Decoder.
 // Convention: KvCacheDecoder replicates Qwen3Model's layer maths op for op, reading the parameters by their HF
 // names; a change to the model's maths must be made in both places. tests/models/test_generate.cpp catches any
 // divergence by comparing every decoding step's logits with a full recompute; dev/ref/check_generate.py compares
@@ -9,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
 #include <span>
 #include <string>
@@ -20,21 +23,57 @@
 
 namespace lathe {
 
-// KV-cache decoding of one sequence. The model is not modified; its parameter tensors are looked up at every
-// call, so a model trained in between is used as it is now (the cache is not: reset() after a weight change).
-class KvCacheDecoder {
+class Qwen35Model;  // model/qwen3_5.h
+
+// Decoding of one sequence with caches. The model is not modified; its parameter tensors are looked up at every
+// call, so a model trained in between is used as it is now (the caches are not: reset() after a weight change).
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  // Appends `ids` to the sequence and returns the logits for the token after the last one: f32 on the host,
+  // (vocab_size). With an empty cache the ids run as one packed causal forward (prefill); after that each id
+  // runs as one decoding step over the cache. A failed call leaves the caches as they were.
+  virtual std::vector<float> feed(std::span<const int32_t> ids) = 0;
+  virtual void reset() = 0;                 // forget the sequence, keep the memory
+  virtual void reserve(int64_t tokens) = 0;  // grow the caches that grow with the sequence to `tokens` now
+  virtual int64_t length() const = 0;       // tokens fed since the last reset
+};
+
+// The rotated keys and values of a set of attention layers, (capacity, Hkv, D) each, grown by doubling; and the
+// decoding step's attention over them. Shared by KvCacheDecoder and Qwen35Decoder.
+class KvCache {
+ public:
+  KvCache(size_t layers, int64_t kv_heads, int64_t head_dim, DType dtype)
+      : k_(layers), v_(layers), heads_(kv_heads), dim_(head_dim), dtype_(dtype) {}
+  // Grows every layer to at least `tokens` rows, keeping the first `length` rows.
+  void reserve(ExecContext& ctx, int64_t tokens, int64_t length);
+  // Rows [pos, pos + n) of layer `layer` = k, v (n, Hkv, D); the capacity must suffice.
+  void write(ExecContext& ctx, size_t layer, const Tensor& k, const Tensor& v, int64_t pos);
+  // Attention of one query q (1, Hq, D) over the first `length` rows of `layer` (its own included; no mask:
+  // every cached position precedes the query), in f32 (f64 for an f64 cache), returned as (1, Hq, D) of the
+  // cache's dtype. Query head h reads kv head h / (Hq / Hkv), as HF's repeat_kv.
+  Tensor attend(ExecContext& ctx, size_t layer, const Tensor& q, int64_t length) const;
+  int64_t capacity() const { return capacity_; }
+  int64_t bytes() const;  // all layers
+
+ private:
+  std::vector<Tensor> k_, v_;
+  int64_t heads_, dim_;
+  DType dtype_;
+  int64_t capacity_ = 0;
+};
+
+// KV-cache decoding of one sequence with the Qwen3 model.
+class KvCacheDecoder : public Decoder {
  public:
   // `capacity`: initial cache length in tokens; the cache doubles when a sequence outgrows it.
   KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity = 256);
 
-  // Appends `ids` to the sequence and returns the logits for the token after the last one: f32 on the host,
-  // (vocab_size). With an empty cache the ids run as one packed causal forward (prefill); after that each id
-  // runs as one decoding step over the cache.
-  std::vector<float> feed(std::span<const int32_t> ids);
-  void reset() { length_ = 0; }               // forget the sequence, keep the memory
-  void reserve(int64_t tokens);               // grow the cache to at least `tokens` now
-  int64_t length() const { return length_; }  // tokens in the cache
-  int64_t capacity() const { return capacity_; }
+  std::vector<float> feed(std::span<const int32_t> ids) override;
+  void reset() override { length_ = 0; }
+  void reserve(int64_t tokens) override;
+  int64_t length() const override { return length_; }
+  int64_t capacity() const { return cache_.capacity(); }
 
  private:
   struct LayerParams {
@@ -42,14 +81,12 @@ class KvCacheDecoder {
   };
   const Tensor& w(int index) const;
   Tensor layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past);
-  Tensor cached_attention(size_t layer, const Tensor& q, int64_t length);
 
   Runtime* rt_;
   Qwen3Model* model_;
   std::vector<LayerParams> layers_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ == embed_ when tied
-  std::vector<Tensor> k_cache_, v_cache_;             // per layer (capacity, Hkv, D), rotated keys and values
-  int64_t capacity_ = 0;
+  KvCache cache_;
   int64_t length_ = 0;
 };
 
@@ -124,18 +161,25 @@ using TextCallback = std::function<void(std::string_view piece)>;
 class Generator {
  public:
   // `tokenizer` may be null: tokens only (no text, no stop strings, ids below the model's vocab_size).
-  Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer);
+  Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer);   // KvCacheDecoder
+  Generator(Runtime& rt, Qwen35Model& model, const data::Tokenizer* tokenizer);  // Qwen35Decoder
+  Generator(Runtime& rt, CausalLm& model, const data::Tokenizer* tokenizer);     // either, by the model's class
+  ~Generator();
+  Generator(Generator&&) noexcept;
+  Generator& operator=(Generator&&) noexcept;
 
   // `on_text` receives the completion in pieces as soon as they are final (see TextStream).
   GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                           const TextCallback& on_text = {});
-  KvCacheDecoder& decoder() { return decoder_; }
+  Decoder& decoder() { return *decoder_; }
 
  private:
-  Qwen3Model* model_;
+  Generator(const ModelConfig& config, const data::Tokenizer* tokenizer, std::unique_ptr<Decoder> decoder);
+
+  const ModelConfig* config_;
   const data::Tokenizer* tokenizer_;
   std::vector<int32_t> unknown_ids_;  // ids below the tokenizer's vocab_size that it has no token for (masked)
-  KvCacheDecoder decoder_;
+  std::unique_ptr<Decoder> decoder_;
 };
 
 }  // namespace lathe

@@ -34,7 +34,7 @@ struct Qwen35Model::LayerActs {
   Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
   Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
-  Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gate_dtype)
+  Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
   Tensor core, gn, sz, gy;          // (T, Hv, dv): rule output, its norm, silu(z), gn * sz
   // MLP
   Tensor h, hn, gt, up, act, out;
@@ -46,11 +46,9 @@ Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) { return matmu
 
 Tensor as_dtype(ExecContext& ctx, const Tensor& x, DType t) { return x.dtype() == t ? x : cast(ctx, x, t); }
 
-// The dtype of the log-decay g and of beta: at least f32 (transformers computes g from a.float() and A_log.float()
-// in a bf16 model; a bf16 g is off by ~|g| 2^-9, which compounds over the decays of a document).
-DType gate_dtype(DType model) { return model == DType::BF16 || model == DType::F16 ? DType::F32 : model; }
-
 }  // namespace
+
+DType gdn_gate_dtype(DType model) { return model == DType::BF16 || model == DType::F16 ? DType::F32 : model; }
 
 Qwen35Model::Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options)
     : CausalLm(rt, std::move(config), options) {
@@ -279,7 +277,7 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   a.z = project(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, b, training).view({t, hv, dv});
   a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
   a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
-  const DType gd = gate_dtype(options_.dtype);
+  const DType gd = gdn_gate_dtype(options_.dtype);
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
   a.core = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens);
@@ -346,8 +344,8 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   const std::vector<Tensor> dcore = rmsnorm_backward(cx, a.core, w(l.gnorm), mul(cx, dgy, a.sz), {c.rms_norm_eps, 0.0});
   add_grad(l.gnorm, dcore[1]);
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore[0], b.cu_seqlens);
-  // g and beta are gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
-  const DType gd = gate_dtype(options_.dtype), md = options_.dtype;
+  // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
+  const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
   const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),
                                                         as_dtype(cx, w(l.dt_bias), gd), dr[3]);
   add_grad(l.a_log, as_dtype(cx, ddecay[1], md));

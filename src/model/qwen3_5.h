@@ -24,6 +24,11 @@
 
 namespace lathe {
 
+// The dtype of the GDN log-decay g and of beta in a model of dtype `model`: at least f32 (transformers computes g
+// from a.float() and A_log.float() in a bf16 model; a bf16 g is off by ~|g| 2^-9, which compounds over the decays of
+// a document). The training path and the decoder (generate_qwen3_5.cpp) both use it.
+DType gdn_gate_dtype(DType model);
+
 class Qwen35Model : public CausalLm {
  public:
   // Loads config.json and the safetensors weights of a Hugging Face folder (text-only or multimodal layout).

@@ -1,9 +1,11 @@
-// The Gated DeltaNet ops (sigmoid, causal_conv1d, gdn_decay, gated_delta_rule and their backward ops): the op
-// functions, their shape inference and the backward compositions, kept out of the generic op files.
+// The Gated DeltaNet ops (sigmoid, causal_conv1d, gdn_decay, gated_delta_rule, their backward ops, and the
+// forward-only gated_delta_rule_state of decoding): the op functions, their shape inference and the backward
+// compositions, kept out of the generic op files.
 // Formulas at GatedDeltaAttrs in ops/op_table.h. Convention: every op takes packed documents through cu_seqlens
 // (N + 1) i32; the shapes are checked here, the boundaries (0 = cu[0] <= ... <= cu[N] = T) by the kernels.
 // gated_delta_rule(_backward) accepts f32 g and beta beside bf16/f16 q, k, v (the model's fp32 log-decay).
-// Covered by tests/ops (op cases in testing/op_cases_gated_delta.cpp) and tests/models/test_qwen3_5.cpp.
+// Covered by tests/ops (op cases in testing/op_cases_gated_delta.cpp and op_cases_gdn_state.cpp) and
+// tests/models/test_qwen3_5.cpp, test_generate_qwen3_5.cpp.
 #include <cmath>
 
 #include "ops/ops.h"
@@ -65,7 +67,8 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
       return {{a.shape(), a.dtype()}, {in[1].shape(), a.dtype()}, {in[2].shape(), a.dtype()}};
     }
     case OpId::gated_delta_rule:
-    case OpId::gated_delta_rule_backward: {
+    case OpId::gated_delta_rule_backward:
+    case OpId::gated_delta_rule_state: {
       const Tensor& q = in[0];
       const Tensor& k = in[1];
       const Tensor& v = in[2];
@@ -93,6 +96,17 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
       if (op == OpId::gated_delta_rule) {
         check_cu(op, in[5]);
         return {{v.shape(), v.dtype()}};
+      }
+      if (op == OpId::gated_delta_rule_state) {
+        check_cu(op, in[5]);
+        const Tensor& state = in[6];
+        const Shape want{in[5].size(0) - 1, v.size(1), q.size(2), v.size(2)};
+        LATHE_CHECK(state.shape() == want, "ops: gated_delta_rule_state needs a state (N, H_v, d_k, d_v) = {} for {} "
+                    "documents, got {}", shape_str(want), want[0], state.describe());
+        LATHE_CHECK(state.dtype() == gdn_state_dtype(q.dtype()), "ops: gated_delta_rule_state needs the state in {} "
+                    "for {} inputs (the accumulation dtype), got {}", dtype_name(gdn_state_dtype(q.dtype())),
+                    dtype_name(q.dtype()), state.describe());
+        return {{v.shape(), v.dtype()}, {state.shape(), state.dtype()}};
       }
       same_dtype(op, q, in[5]);
       LATHE_CHECK(in[5].shape() == v.shape(), "ops: gated_delta_rule_backward do {} does not match v {}",
@@ -162,6 +176,15 @@ Tensor gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, cons
                  {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, g), contiguous(ctx, beta),
                   contiguous(ctx, cu_seqlens)},
                  attrs)[0];
+}
+
+std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                           const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                           const Tensor& state, GatedDeltaAttrs attrs) {
+  return call_op(ctx, OpId::gated_delta_rule_state,
+                 {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, g), contiguous(ctx, beta),
+                  contiguous(ctx, cu_seqlens), contiguous(ctx, state)},
+                 attrs);
 }
 
 std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,

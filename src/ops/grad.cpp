@@ -106,6 +106,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::causal_conv1d_backward:
     case OpId::gdn_decay_backward:
     case OpId::gated_delta_rule_backward:
+    case OpId::gated_delta_rule_state:  // forward only (decoding)
     case OpId::softmax_backward:
     case OpId::silu_backward:
     case OpId::swiglu_backward:

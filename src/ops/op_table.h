@@ -45,7 +45,8 @@ namespace lathe {
   X(gdn_decay, 3)        \
   X(gdn_decay_backward, 4) \
   X(gated_delta_rule, 6) \
-  X(gated_delta_rule_backward, 7)
+  X(gated_delta_rule_backward, 7) \
+  X(gated_delta_rule_state, 7)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -169,6 +170,11 @@ struct SegmentAttrs {
 //   rule per (document, value head) from a zero state, value head h reading key head h / (H_v / H_k); q and k are
 //   used as given (L2-normalise them first), the query scale is applied inside; g must be <= 0.
 //   gated_delta_rule_backward(q, k, v, g, beta, do, cu) -> (dq, dk, dv, dg, dbeta), dq/dk summed over each group.
+// gated_delta_rule_state(q, k, v, g, beta, cu, state (N, H_v, d_k, d_v)) -> (o (T, H_v, d_v), final_state (N, H_v,
+//   d_k, d_v)): the same rule, document n starting from state[n] instead of zero; final_state[n] is the state after
+//   its last token (state[n] itself for an empty document). The states are in the accumulation dtype (f32; f64 for
+//   f64 inputs). Prefill and decoding with a recurrent state cache (a decoding step is a document of one token).
+//   Forward only (not differentiable).
 struct GatedDeltaAttrs {
   double scale = 0.0;   // query scale; 0 = d_k^{-1/2}
   int64_t chunk = 64;   // chunk length of the chunked (WY) algorithm; the result does not depend on it

@@ -31,7 +31,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::segment_mask:
     case OpId::dropout: return expect(SegmentAttrs{});
     case OpId::gated_delta_rule:
-    case OpId::gated_delta_rule_backward: return expect(GatedDeltaAttrs{});
+    case OpId::gated_delta_rule_backward:
+    case OpId::gated_delta_rule_state: return expect(GatedDeltaAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;

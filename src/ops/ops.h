@@ -72,6 +72,12 @@ std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
                                               const Tensor& cu_seqlens,
                                               GatedDeltaAttrs attrs = {});  // {dq, dk, dv, dg, dbeta}
+// The rule from given per-document states (prefill / decoding): {o (T, H_v, d_v), final_state (N, H_v, d_k, d_v)}.
+// `state` is f32 (f64 for f64 inputs); the dtype the state must have is gdn_state_dtype(q.dtype()).
+std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                           const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                           const Tensor& state, GatedDeltaAttrs attrs = {});
+inline DType gdn_state_dtype(DType input) { return input == DType::F64 ? DType::F64 : DType::F32; }
 // Shape inference of the ops above (called by infer_outputs).
 std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
 // Their backward compositions (called by op_backward).

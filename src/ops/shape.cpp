@@ -267,6 +267,7 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
     case OpId::gdn_decay_backward:
     case OpId::gated_delta_rule:
     case OpId::gated_delta_rule_backward:
+    case OpId::gated_delta_rule_state:
       return infer_gated_delta_outputs(op, in, attrs);  // ops/gated_delta.cpp
     case OpId::kCount: break;
   }

@@ -174,6 +174,12 @@ struct KernelKey {
 
 }  // namespace
 
+DType op_case_input_dtype(const OpCase& c, size_t i, DType row) {
+  const bool accum = std::find(c.accumulation_inputs.begin(), c.accumulation_inputs.end(), i) !=
+                     c.accumulation_inputs.end();
+  return accum ? (row == DType::F64 ? DType::F64 : DType::F32) : row;
+}
+
 double nmse_threshold(DType t) {
   switch (t) {
     case DType::F64: return 1e-24;
@@ -208,9 +214,7 @@ void check_row(Runtime& rt, const OpCase& oc, size_t case_index, Device device, 
     // Casting a negative float to u8 is undefined: draw non-negative values for that case.
     const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
     const bool ranged = i < oc.value_ranges.size() && oc.value_ranges[i].first < oc.value_ranges[i].second;
-    const bool wide = (dtype == DType::BF16 || dtype == DType::F16) &&
-                      std::find(oc.f32_inputs.begin(), oc.f32_inputs.end(), i) != oc.f32_inputs.end();
-    const DType in_dtype = wide ? DType::F32 : dtype;
+    const DType in_dtype = op_case_input_dtype(oc, i, dtype);
     const Values stored = random_values(rng, shape_numel(oc.inputs[i]), in_dtype, to_unsigned,
                                         ranged ? oc.value_ranges[i] : std::pair<double, double>{-2.0, 2.0});
     const bool tr = oc.transpose_first && i == 0;

@@ -27,13 +27,17 @@ struct OpCase {
   // Where non-empty, floating input i is drawn from [lo, hi] instead of [-2, 2] (a log-decay must be <= 0; the
   // gated delta rule is stable only for small enough keys).
   std::vector<std::pair<double, double>> value_ranges = {};
-  // Floating inputs stored in f32 in the rows of a 16-bit dtype (bf16/f16): ops that take some inputs wider than
-  // the key dtype, such as the gated delta rule's g and beta. Rows of f32/f64 keep one dtype.
-  std::vector<size_t> f32_inputs = {};
+  // Floating inputs listed here are in the accumulation dtype (f32; f64 in an f64 row) instead of the row's dtype:
+  // ops that take some inputs wider than the key dtype (the gated delta rule's g and beta beside bf16/f16 q, k, v;
+  // the recurrent state of gated_delta_rule_state).
+  std::vector<size_t> accumulation_inputs = {};
 };
 
 std::vector<OpCase> all_op_cases();
+// The dtype of floating input i of case `c` in a row of dtype `row` (see OpCase::accumulation_inputs).
+DType op_case_input_dtype(const OpCase& c, size_t i, DType row);
 void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
+void add_gdn_state_op_cases(std::vector<OpCase>& cases);    // testing/op_cases_gdn_state.cpp
 
 struct OpCheckOptions {
   std::string op;                   // exact op name, empty = all

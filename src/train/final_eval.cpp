@@ -15,20 +15,12 @@ std::string trim(const std::string& s) {
 }
 }  // namespace
 
-void check_final_eval_supported(const CausalLm& model) {
-  LATHE_CHECK(dynamic_cast<const Qwen3Model*>(&model) != nullptr,
-              "final_eval: generation-based evaluation is not available for {} models yet (the decoder with conv and "
-              "recurrent state caches for Gated DeltaNet layers is not in this build); remove final_eval.file",
-              model.config().model_type);
-}
-
 FinalEvalResult run_final_eval(Runtime& rt, CausalLm& model, const data::Tokenizer& tokenizer, const ChatTemplate* chat,
                                const std::string& path, int64_t max_new_tokens,
                                const std::function<void(const std::string&)>& log) {
   std::ifstream in(path);
   LATHE_CHECK(in.good(), "final_eval: cannot open {}", path);
-  check_final_eval_supported(model);
-  Generator gen(rt, dynamic_cast<Qwen3Model&>(model), &tokenizer);
+  Generator gen(rt, model, &tokenizer);
   GenerateOptions opt;
   opt.max_new_tokens = max_new_tokens;
   if (tokenizer.eos_id()) opt.eos_ids.push_back(*tokenizer.eos_id());

@@ -1,9 +1,8 @@
 // The end-of-training check: for each held-out row {"messages": [...] | "prompt": "...", "answer": "..."},
 // render the prompt (chat template with the generation prompt, thinking off), generate greedily, and
 // count the completions whose trimmed text equals the answer. Used by the demo to show what was learned.
-// Generation exists for Qwen3 only for now (model/generate.h takes Qwen3Model); for another family the check is
-// refused with a clear error (check_final_eval_supported, called by the trainer before step 1).
-// Covered by tests/e2e/test_train.cpp.
+// Generation runs through model/generate.h's Generator, which picks the family's decoder (Qwen3: KV cache; Qwen3.5:
+// conv, recurrent and KV caches). Covered by tests/e2e/test_train.cpp and tests/e2e/test_train_qwen3_5.cpp.
 #pragma once
 
 #include <functional>
@@ -19,9 +18,6 @@ struct FinalEvalResult {
   int64_t correct = 0, total = 0;
   double accuracy = 0;
 };
-
-// Throws, naming the reason, when the model's family cannot run the generation-based final eval.
-void check_final_eval_supported(const CausalLm& model);
 
 FinalEvalResult run_final_eval(Runtime& rt, CausalLm& model, const data::Tokenizer& tokenizer, const ChatTemplate* chat,
                                const std::string& path, int64_t max_new_tokens,

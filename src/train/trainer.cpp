@@ -325,9 +325,6 @@ TrainSummary run_training(const TrainConfig& c) {
     if (!cfg.contains("vocab_size")) cfg["vocab_size"] = tokenizer.vocab_size();
     model = random_causal_lm(rt, parse_model_config(cfg, "model.config"), mopt, c.seed, c.init_std);
   }
-  // A configured final eval that this family cannot run is refused now, not after the training.
-  for (const Job& j : jobs)
-    if (!j.cfg->final_eval_file.empty()) check_final_eval_supported(*model);
   const ModelConfig& mc = model->config();
   LATHE_CHECK(mc.vocab_size >= tokenizer.vocab_size(), "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})",
               mc.vocab_size, tokenizer.vocab_size());

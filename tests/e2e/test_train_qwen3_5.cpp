@@ -2,7 +2,7 @@
 // one Gated DeltaNet and one gated-attention layer, CPU): full fine-tuning lowers the loss; a run that dies inside a
 // checkpoint save resumes to the uninterrupted run's losses bitwise; LoRA lowers the loss and exports as a PEFT
 // adapter and as a merged model that scores like base + adapter; two tenants trained together give each the adapter
-// it gets alone; a generation-based final eval is refused before step 1; `lathe logprobs` on the qwen3_5 fixture
+// it gets alone; the final eval of a LoRA run generates what the merged export generates; `lathe logprobs` on the qwen3_5 fixture
 // folders matches transformers' logits stored with them (dev/ref/qwen3_5_fixtures.py) within 1e-4.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -153,6 +153,18 @@ TEST(Qwen35Train, LoraTrainsAndExportsAsAdapterAndMergedModel) {
   std::printf("[qwen3_5 lora] merged vs base+adapter log-probs: max abs diff %.3g\n", d);
   EXPECT_LT(d, 1e-4);
   EXPECT_GT(max_abs_diff(read_logprobs(dir / "base.jsonl"), adapted), 1e-3) << "the adapter changed nothing";
+  // `lathe generate --adapter` (merged at load) decodes what the merged export decodes.
+  const std::string gen = " --prompt-tokens 5,9,12 --max-new-tokens 8 --print-tokens --ignore-eos";
+  const LatheRun g1 = cli("generate --model " + (dir / "out/base").string() + " --adapter " + (dir / "peft").string() + gen);
+  const LatheRun g2 = cli("generate --model " + (dir / "merged").string() + gen);
+  ASSERT_EQ(g1.exit_code, 0) << g1.output;
+  ASSERT_EQ(g2.exit_code, 0) << g2.output;
+  const auto tokens = [](const std::string& out) {
+    const size_t at = out.find("{\"completion\"");
+    return at == std::string::npos ? nlohmann::json() : nlohmann::json::parse(out.substr(at, out.find('\n', at) - at))["tokens"];
+  };
+  EXPECT_EQ(tokens(g1.output).size(), 8u) << g1.output;
+  EXPECT_EQ(tokens(g1.output), tokens(g2.output)) << g1.output << g2.output;
 }
 
 TEST(Qwen35Train, TwoTenantsGiveEachTheAdapterItGetsAlone) {
@@ -190,13 +202,39 @@ TEST(Qwen35Train, TwoTenantsGiveEachTheAdapterItGetsAlone) {
   EXPECT_EQ(adapter(dir / "both/b/final").size(), size_t(2 * (2 + 1 + 2)));
 }
 
-TEST(Qwen35Train, GenerationFinalEvalIsRefusedBeforeTraining) {
-  const fs::path dir = setup("final_eval");
-  std::ofstream(dir / "heldout.jsonl") << "{\"prompt\": \"the cat\", \"answer\": \"sat\"}\n";
-  const LatheRun r = cli("train " + (dir / "config.yaml").string() + " --set final_eval.file=" + (dir / "heldout.jsonl").string());
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("generation-based evaluation is not available for qwen3_5_text"), std::string::npos) << r.output;
-  EXPECT_TRUE(losses(dir / "out").empty()) << "it trained before refusing";
+// The trainer's final eval of a LoRA run (adapter merged in memory, Qwen35Decoder with its caches, then restored)
+// generates what `lathe generate` generates from the exported merged model: two paths to the same completions.
+TEST(Qwen35Train, LoraFinalEvalGeneratesWhatTheMergedExportGenerates) {
+  const fs::path dir = setup("final_eval", "lora: {rank: 4, alpha: 8, targets: all-linear}\n");
+  const std::vector<std::string> prompts = {"the cat", "six seven"};
+  {
+    std::ofstream f(dir / "heldout.jsonl");
+    for (const std::string& p : prompts) f << nlohmann::json{{"prompt", p}, {"answer", "#"}}.dump() << "\n";
+    std::ofstream g(dir / "prompts.jsonl");
+    for (const std::string& p : prompts) g << nlohmann::json{{"prompt", p}}.dump() << "\n";
+  }
+  const LatheRun r = cli("train " + (dir / "config.yaml").string() + " --set train.max_steps=20 --set train.lr=0.02" +
+                         " --set final_eval.file=" + (dir / "heldout.jsonl").string() + " --set final_eval.max_new_tokens=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_NE(r.output.find("final eval: 0/2 correct"), std::string::npos) << r.output;
+  ASSERT_EQ(cli("export --checkpoint " + (dir / "out").string() + " --merge --dtype f32 --output " +
+                (dir / "merged").string()).exit_code, 0);
+  const LatheRun g = cli("generate --model " + (dir / "merged").string() + " --tokenizer " + (dir / "tok").string() +
+                         " --input " + (dir / "prompts.jsonl").string() + " --output " + (dir / "gen.jsonl").string() +
+                         " --no-chat-template --max-new-tokens 6");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  std::ifstream in(dir / "gen.jsonl");
+  std::string line;
+  for (const std::string& p : prompts) {
+    ASSERT_TRUE(std::getline(in, line)) << "fewer completions than prompts";
+    std::string text = nlohmann::json::parse(line)["completion"].get<std::string>();
+    const size_t b = text.find_first_not_of(" \t\r\n"), e = text.find_last_not_of(" \t\r\n");
+    text = b == std::string::npos ? "" : text.substr(b, e - b + 1);
+    std::printf("[qwen3_5 final eval] %s -> \"%s\"\n", p.c_str(), text.c_str());
+    EXPECT_FALSE(text.empty()) << "an empty completion would make the comparison weak";
+    const std::string want = fmt::format("  {} -> {:?} (expected #) wrong", p, text);
+    EXPECT_NE(r.output.find(want), std::string::npos) << "final eval did not print " << want << "\n" << r.output;
+  }
 }
 
 // Issue 8's check: Lathe's log-probs on the fixture folders against the transformers logits stored with them.

@@ -1,11 +1,12 @@
-// `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with a KV cache.
+// `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with cached decoding (a KV
+// cache for qwen3; conv and recurrent state caches plus KV caches of the attention layers for qwen3_5).
 // --prompt streams the completion to stdout; --input reads {"prompt": "..."} or {"messages": [...]} lines and
 // writes {"completion", "tokens", "finish_reason"} lines in input order (to --output, which appears only when
 // every line is done, or to stdout). Convention: a prompt gets the chat template (one user message, generation
 // prompt added) unless --no-chat-template; messages always do. Every input line is checked before any generation.
 // Hidden options for dev/ref/check_generate.py: --prompt-tokens 1,2,3 (raw ids, no tokenizer needed),
-// --print-tokens (a JSON line instead of streamed text), --ignore-eos. Covered by dev/ref/check_generate.py; the
-// library underneath by tests/models/test_generate.cpp.
+// --print-tokens (a JSON line instead of streamed text), --ignore-eos. Covered by dev/ref/check_generate.py (qwen3) and
+// dev/ref/check_generate_qwen3_5.py; the library underneath by tests/models/test_generate{,_qwen3_5}.cpp.
 #include <fmt/format.h>
 
 #include <chrono>
@@ -21,6 +22,7 @@
 #include "data/tokenizer.h"
 #include "model/generate.h"
 #include "model/lora.h"
+#include "model/causal_lm.h"
 
 namespace lathe::cli {
 
@@ -208,13 +210,14 @@ void run(const Args& a) {
   ModelOptions mo;
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
-  Qwen3Model model = Qwen3Model::load(rt, a.model, mo);
-  if (!a.adapter.empty()) {  // decoding runs on the merged weights (W + scaling B A): the same function, no per-token cost
-    LoraBank bank(rt, model.config(), mo.device, mo.dtype, {read_lora_config(a.adapter)});
+  // qwen3_5 folders decode with conv and recurrent state caches (Qwen35Decoder), qwen3 ones with a KV cache.
+  const std::unique_ptr<CausalLm> model = load_causal_lm(rt, a.model, mo);
+  if (!a.adapter.empty()) {  // decoding runs on the merged weights (W + scaling B A): same function, no per-token cost
+    LoraBank bank(rt, model->config(), mo.device, mo.dtype, {read_lora_config(a.adapter)});
     bank.load_peft(0, a.adapter);
-    merge_lora(model, bank, 0);
+    merge_lora(*model, bank, 0);
   }
-  const ModelConfig& c = model.config();
+  const ModelConfig& c = model->config();
   Prompts prompts(a, c.vocab_size, c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
 
   std::vector<std::vector<int32_t>> requests;
@@ -224,7 +227,7 @@ void run(const Args& a) {
   const data::Tokenizer* tok = prompts.tokenizer_if_present();
   LATHE_CHECK(a.stop.empty() || tok, "generate: --stop needs a tokenizer (--tokenizer DIR)");
   if (!a.ignore_eos) options.eos_ids = eos_ids(a.model, tok, prompts.used_chat_template());
-  Generator gen(rt, model, tok);
+  Generator gen(rt, *model, tok);
 
   const auto t0 = std::chrono::steady_clock::now();
   int64_t generated = 0;

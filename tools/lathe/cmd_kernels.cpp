@@ -28,7 +28,7 @@ void print_device(Runtime& rt, Device device) {
           const std::vector<int32_t> v(it->index_values[i].begin(), it->index_values[i].end());
           call.inputs.push_back(rt.from_host(v.data(), it->inputs[i], DType::I32, device));
         } else {
-          call.inputs.push_back(Tensor::empty(it->inputs[i], dtype, ctx.allocator));
+          call.inputs.push_back(Tensor::empty(it->inputs[i], op_case_input_dtype(*it, i, dtype), ctx.allocator));
         }
       }
       for (const TensorSpec& spec : infer_outputs(it->op, call.inputs, call.attrs))

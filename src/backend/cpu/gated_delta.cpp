@@ -1,6 +1,7 @@
 // CPU reference kernels of the Gated DeltaNet ops: depthwise causal conv1d over packed documents (+ backward), the
-// log-decay g = -exp(A_log) softplus(a + dt_bias) (+ backward), and the gated delta rule (+ backward), the latter
-// through the chunked WY reference of model/gdn_reference (which checks its own inputs: g <= 0, boundaries).
+// log-decay g = -exp(A_log) softplus(a + dt_bias) (+ backward), and the gated delta rule (+ backward, + the form
+// with initial/final states of decoding), through the chunked WY reference of model/gdn_reference (which checks its
+// own inputs: g <= 0, boundaries).
 // Convention: cu_seqlens is validated here (0 = cu[0] <= ... <= cu[N] = T); a conv tap whose source lies before
 // its document's first token reads zero, in both passes. Plain loops, double accumulation, float and double.
 // Covered by tests/ops (cases in testing/op_cases_gated_delta.cpp) and tests/models/test_qwen3_5.cpp.
@@ -152,6 +153,18 @@ void gdr_kernel(const OpCall& c, ExecContext&) {
   copy_out(gdn_chunked_forward<T>(dims_of<T>(c), in, c.attr<GatedDeltaAttrs>().chunk).o, c.outputs[0]);
 }
 
+// The rule from given states (the state has the key dtype here: f32 or f64, the accumulation dtype of each).
+template <typename T>
+void gdr_state_kernel(const OpCall& c, ExecContext&) {
+  const std::vector<int32_t> cu = documents("gated_delta_rule_state", c.inputs[5], c.inputs[0].size(0));
+  GdnInputs<T> in{span_of<T>(c.inputs[0]), span_of<T>(c.inputs[1]), span_of<T>(c.inputs[2]),
+                  span_of<T>(c.inputs[3]), span_of<T>(c.inputs[4]), std::span<const int32_t>(cu),
+                  span_of<T>(c.inputs[6])};
+  const GdnOutputs<T> out = gdn_chunked_forward<T>(dims_of<T>(c), in, c.attr<GatedDeltaAttrs>().chunk);
+  copy_out(out.o, c.outputs[0]);
+  copy_out(out.final_state, c.outputs[1]);
+}
+
 template <typename T>
 void gdr_backward_kernel(const OpCall& c, ExecContext&) {
   const std::vector<int32_t> cu = documents("gated_delta_rule", c.inputs[6], c.inputs[0].size(0));
@@ -178,6 +191,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::gdn_decay_backward, "cpu/gdn_decay_backward", decay_backward_kernel<T>);
   add(OpId::gated_delta_rule, "cpu/gated_delta_rule_chunked", gdr_kernel<T>);
   add(OpId::gated_delta_rule_backward, "cpu/gated_delta_rule_chunked_backward", gdr_backward_kernel<T>);
+  add(OpId::gated_delta_rule_state, "cpu/gated_delta_rule_chunked_state", gdr_state_kernel<T>);
 }
 
 }  // namespace

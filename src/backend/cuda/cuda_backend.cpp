@@ -182,6 +182,7 @@ void CudaBackend::register_kernels(KernelRegistry& registry) {
   register_cuda_optim_kernels(registry);
   register_cuda_segment_kernels(registry);
   register_cuda_gated_delta_kernels(registry);
+  register_cuda_gdn_state_kernels(registry);
 }
 
 }  // namespace cuda

@@ -84,6 +84,7 @@ void register_cuda_model_kernels(KernelRegistry& registry);  // model_ops_regist
 void register_cuda_optim_kernels(KernelRegistry& registry);  // optim_ops.cpp
 void register_cuda_segment_kernels(KernelRegistry& registry);  // segment_ops_register.cpp
 void register_cuda_gated_delta_kernels(KernelRegistry& registry);  // gated_delta_ops.cpp
+void register_cuda_gdn_state_kernels(KernelRegistry& registry);  // gdn_state_register.cpp
 
 }  // namespace cuda
 }  // namespace lathe
