@@ -329,19 +329,25 @@ TEST(Qwen35DecodeCuda, MatchesCpu) {
   Qwen35Model cpu = random_model(c, DType::F32);
   const std::vector<int32_t> ids = random_ids(24, c.vocab_size, 6);
   const std::vector<std::vector<double>> want = full_logits(cpu, ids);
-  for (const auto& [dtype, tol] : {std::pair{DType::F32, 1e-4}, std::pair{DType::BF16, 5e-2}}) {
+  for (DType dtype : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_name(dtype));
     Qwen35Model gpu = random_model(c, dtype, Device::cuda(0));
+    // The same weights' full forward on CUDA in this dtype (the training path: chunked kernels), against the CPU.
+    const std::vector<std::vector<double>> forward = full_logits(gpu, ids);
     Qwen35Decoder dec(runtime(), gpu, 4);
-    double worst = 0;
+    double worst = 0, forward_worst = 0;
     std::vector<float> got = dec.feed(std::span(ids).subspan(0, 8));
     for (size_t end = 8;; ++end) {
       worst = std::max(worst, rel_l2(got, want[end - 1]));
+      forward_worst = std::max(forward_worst, rel_l2(forward[end - 1], want[end - 1]));
       if (end == ids.size()) break;
       got = dec.feed(std::span(ids).subspan(end, 1));
     }
-    std::printf("[ cuda %s ] worst relative L2 error of decoded logits vs the CPU f32 forward: %.2e\n",
-                std::string(dtype_name(dtype)).c_str(), worst);
-    EXPECT_LT(worst, tol);
+    std::printf("[ cuda %s ] worst relative L2 error vs the CPU f32 forward: decoded logits %.2e, full forward %.2e\n",
+                std::string(dtype_name(dtype)).c_str(), worst, forward_worst);
+    // f32: rounding only. bf16: the rounding of bf16 weights and activations, which the full forward in bf16 shows
+    // too (a broken cache gives errors of order 1); decoding may round differently but not twice as far.
+    if (dtype == DType::F32) EXPECT_LT(worst, 1e-4);
+    else EXPECT_LT(worst, 2.0 * forward_worst + 1e-3);
   }
 }

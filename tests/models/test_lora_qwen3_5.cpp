@@ -300,8 +300,13 @@ TEST(LoraQwen35Parity, MatchesTransformersAndPeftFixtures) {
       PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
                                         read_i32(ref, "labels"), m.config().vocab_size);
       set_segments(b, {{b.tokens(), 0, 1.0, 0}});
-      // The goldens are transformers + peft in f64 (stored as f32); f32 gets the base model test's tolerances.
-      const double tol = dtype == DType::F64 ? 1e-6 : 1e-5, grad_tol = dtype == DType::F64 ? 1e-6 : 5e-5;
+      // The goldens are transformers + peft in f64 (stored as f32); f32 gets the base model test's tolerances. On
+      // hv_gt_hk_all_linear the goldens' own gradient error is ~1e-5 (StiffFixtureGradientsMatchFiniteDifferences,
+      // below, checks Lathe against finite differences there instead), and its curvature amplifies f32 rounding
+      // (measured 3.4e-4): its gradient bounds are 3e-5 (f64) and 1e-3 (f32).
+      const bool stiff = entry.path().filename() == "hv_gt_hk_all_linear";
+      const double tol = dtype == DType::F64 ? 1e-6 : 1e-5;
+      const double grad_tol = dtype == DType::F64 ? (stiff ? 3e-5 : 1e-6) : (stiff ? 1e-3 : 5e-5);
       std::vector<double> want_logits;
       for (float x : ref.read_as_f32("logits")) want_logits.push_back(x);
       EXPECT_LT(rel_l2(to_f64(m.logits(b)), want_logits), tol);
@@ -328,4 +333,52 @@ TEST(LoraQwen35Parity, MatchesTransformersAndPeftFixtures) {
     ++checked;
   }
   EXPECT_GE(checked, 3);
+}
+
+// The fixture whose goldens carry transformers' own error: on hv_gt_hk_all_linear (r 4, scaling 2, adapters of std
+// 0.1, the largest of the four) the loss is strongly curved and transformers' fp64 path (its GDN fallbacks keep some
+// fp32 steps) lands up to ~3e-5 (rel-L2 1e-5) from the true gradient on the modules upstream of layer 2's GDN
+// (measured on the CPU, commit of this test). The truth here is central finite differences in f64 along a random
+// direction, converged at h = 1e-6 (h = 1e-4 and 1e-5 are 1e-4 and 1e-6 off: the curvature); Lathe must match it.
+TEST(LoraQwen35Parity, StiffFixtureGradientsMatchFiniteDifferences) {
+  const fs::path entry = kFixtures / "lora_qwen3_5" / "hv_gt_hk_all_linear";
+  ASSERT_TRUE(fs::exists(entry)) << "fixtures missing: " << entry;
+  const io::SafetensorsFile ref = io::SafetensorsFile::open((entry / "reference.safetensors").string());
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  opt.train_base = false;
+  Qwen35Model m = Qwen35Model::load(runtime(), (kFixtures / "qwen3_5" / ref.metadata().at("base") / "model").string(), opt);
+  LoraBank bank(runtime(), m.config(), Device::cpu(), DType::F64, {read_lora_config((entry / "adapter").string())});
+  bank.load_peft(0, (entry / "adapter").string());
+  m.attach_lora(&bank);
+  PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
+                                    read_i32(ref, "labels"), m.config().vocab_size);
+  set_segments(b, {{b.tokens(), 0, 1.0, 0}});
+  bank.zero_grads();
+  m.loss(b, true);
+  int checked = 0;
+  for (Parameter& p : bank.parameters(0)) {
+    if (p.name.find("layers.2.linear_attn.in_proj_qkv.lora_A") == std::string::npos &&
+        p.name.find("layers.0.mlp.up_proj.lora_A") == std::string::npos &&
+        p.name.find("layers.1.linear_attn.out_proj.lora_B") == std::string::npos)
+      continue;
+    const std::vector<double> g = to_f64(p.grad);
+    std::mt19937_64 rng(7);
+    std::normal_distribution<double> normal;
+    std::vector<double> u(g.size());
+    double along = 0;
+    for (size_t i = 0; i < u.size(); ++i) along += g[i] * (u[i] = normal(rng));
+    double* v = p.value.data<double>();
+    const double h = 1e-6;
+    for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
+    const double up = m.loss(b, false).loss;
+    for (size_t i = 0; i < u.size(); ++i) v[i] -= 2 * h * u[i];
+    const double down = m.loss(b, false).loss;
+    for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
+    const double fd = (up - down) / (2 * h);
+    std::printf("[ %s ] directional derivative: lathe %.12g, finite differences %.12g\n", p.name.c_str(), along, fd);
+    EXPECT_NEAR(along, fd, 1e-6 * std::abs(fd)) << p.name;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 3);
 }
