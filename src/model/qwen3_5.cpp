@@ -5,11 +5,13 @@
 // the rmsnorm op). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
 // peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
 // through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
-// output viewed as (T N / width, width) (the embedding op), their backward the scatter-add (embedding_backward).
+// output viewed as (T N / width, width) (the embedding op); their backward stacks the parts' gradients and gathers
+// the whole back with the inverse index (a split is a partition: no scatter-add).
 // In bf16/f16 models the log-decay g and beta are computed in fp32 and fed to the rule in fp32 (as transformers).
 // The loss head, save() and the LoRA path are CausalLm's.
 #include "model/qwen3_5.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -187,13 +189,28 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
   if (split_.tokens == tokens) return split_;
   const ModelConfig& c = config_;
   // Row indices, into (T N / width, width), of the column blocks [off, off + len) of each token's row.
+  std::vector<std::vector<int32_t>> host;  // the ids of each block, in the order they are made
   auto columns = [&](int64_t n, int64_t width, const std::vector<std::pair<int64_t, int64_t>>& blocks) {
     std::vector<int32_t> ids;
     for (int64_t t = 0; t < tokens; ++t)
       for (auto [off, len] : blocks)
         for (int64_t j = 0; j < len / width; ++j) ids.push_back(int32_t(t * (n / width) + off / width + j));
     LATHE_CHECK(tokens * (n / width) < (int64_t(1) << 31), "model: {} tokens exceed the index range of the splits", tokens);
+    host.push_back(ids);
     return Columns{width, n, rt_->from_host(ids.data(), {int64_t(ids.size())}, DType::I32, options_.device)};
+  };
+  // The inverse of the last `parts` blocks made, which partition the rows of the whole: row r of the whole is row
+  // merge[r] of those blocks' rows stacked in order.
+  auto merge = [&](size_t parts) {
+    std::vector<int32_t> inv;
+    int32_t row = 0;
+    for (size_t b = host.size() - parts; b < host.size(); ++b)
+      for (int32_t id : host[b]) {
+        if (size_t(id) >= inv.size()) inv.resize(size_t(id) + 1, -1);
+        inv[size_t(id)] = row++;
+      }
+    LATHE_ASSERT(size_t(row) == inv.size() && std::find(inv.begin(), inv.end(), -1) == inv.end());
+    return rt_->from_host(inv.data(), {int64_t(inv.size())}, DType::I32, options_.device);
   };
   split_ = SplitIndex{};
   split_.tokens = tokens;
@@ -203,6 +220,7 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
     for (int64_t h = 0; h < c.num_heads; ++h) query.push_back({2 * h * d, d}), gate.push_back({(2 * h + 1) * d, d});
     split_.query = columns(2 * c.num_heads * d, d, query);
     split_.gate = columns(2 * c.num_heads * d, d, gate);
+    split_.merge_query_gate = merge(2);
   }
   const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, vd = c.linear_num_value_heads * c.linear_value_head_dim;
   if (kd > 0 && vd > 0) {
@@ -210,6 +228,7 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
     split_.qkv[0] = columns(n, width, {{0, kd}});
     split_.qkv[1] = columns(n, width, {{kd, kd}});
     split_.qkv[2] = columns(n, width, {{2 * kd, vd}});
+    split_.merge_qkv = merge(3);
   }
   return split_;
 }
@@ -220,10 +239,19 @@ Tensor Qwen35Model::gather_columns(const Tensor& y, const Columns& c) {
   return embedding(cx, y.view({-1, c.width}), c.ids).view({t, -1});
 }
 
-Tensor Qwen35Model::scatter_columns(const Tensor& d, const Columns& c) {
+Tensor Qwen35Model::merge_columns(const std::vector<Tensor>& dparts, const std::vector<const Columns*>& blocks,
+                                  const Tensor& merge) {
   ExecContext cx = ctx();
-  const int64_t t = d.size(0);
-  return embedding_backward(cx, contiguous(cx, d).view({-1, c.width}), c.ids, t * c.n / c.width).view({t, c.n});
+  const int64_t t = dparts[0].size(0), width = blocks[0]->width, n = blocks[0]->n;
+  Tensor stacked = Tensor::empty({t * n / width, width}, dparts[0].dtype(), cx.allocator);
+  int64_t row = 0;
+  for (size_t i = 0; i < dparts.size(); ++i) {
+    const int64_t rows = blocks[i]->ids.size(0);
+    const Tensor dst = stacked.narrow(0, row, rows);  // contiguous: whole rows
+    run_op(cx, OpCall{OpId::cast, {dparts[i].view({rows, width})}, {dst}, CastAttrs{dst.dtype()}});
+    row += rows;
+  }
+  return embedding(cx, stacked, merge).view({t, n});
 }
 
 Tensor Qwen35Model::l2norm(const Tensor& x) {
@@ -322,7 +350,8 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   add_grad(l.q_norm, dq[1]);
   add_grad(l.k_norm, dk[1]);
   // d(q_proj output): the query and gate gradients scattered back to their interleaved columns.
-  const Tensor dyq = add(cx, scatter_columns(dq[0].view({t, hd}), split.query), scatter_columns(dgate, split.gate));
+  const Tensor dyq = merge_columns({contiguous(cx, dq[0]), contiguous(cx, dgate)}, {&split.query, &split.gate},
+                                   split.merge_query_gate);
   Tensor dxn;
   project_backward(l.index, LoraTarget::q_proj, l.q_proj, a.xn, dyq, dxn, b);
   project_backward(l.index, LoraTarget::k_proj, l.k_proj, a.xn, dk[0].view({t, -1}), dxn, b);
@@ -352,9 +381,8 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   add_grad(l.dt_bias, as_dtype(cx, ddecay[2], md));
   const Tensor db = as_dtype(cx, sigmoid_backward(cx, a.beta, dr[4]), md);
   // d(silu(conv)): the q, k, v gradients scattered back to their column blocks.
-  const Tensor dact = add(cx, add(cx, scatter_columns(l2norm_backward(a.qa, dr[0]).view({t, kd}), split.qkv[0]),
-                                  scatter_columns(l2norm_backward(a.ka, dr[1]).view({t, kd}), split.qkv[1])),
-                          scatter_columns(dr[2].view({t, vd}), split.qkv[2]));
+  const Tensor dact = merge_columns({l2norm_backward(a.qa, dr[0]), l2norm_backward(a.ka, dr[1]), contiguous(cx, dr[2])},
+                                    {&split.qkv[0], &split.qkv[1], &split.qkv[2]}, split.merge_qkv);
   const std::vector<Tensor> dconv = causal_conv1d_backward(
       cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
   add_grad(l.conv, dconv[1]);

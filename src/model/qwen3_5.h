@@ -63,8 +63,9 @@ class Qwen35Model : public CausalLm {
     std::vector<uint8_t> bytes;
   };
   // Column blocks of a projection's output (T, N), as row indices of it viewed as (T N / width, width): gathered
-  // by the embedding op, scattered back (the backward) by embedding_backward. q_proj's query / gate, in_proj_qkv's
-  // q / k / v.
+  // by the embedding op. q_proj's query / gate, in_proj_qkv's q / k / v. The blocks of a split partition the
+  // columns, so the backward puts the parts' gradients back with one gather too: `merge` indexes, for each row of
+  // the whole, its row in the parts stacked one after another (no zero fill, no scatter-add).
   struct Columns {
     int64_t width = 0, n = 0;  // chunk width, columns of the whole output
     Tensor ids;                 // (T x the block's columns / width) i32
@@ -72,6 +73,7 @@ class Qwen35Model : public CausalLm {
   struct SplitIndex {
     int64_t tokens = -1;
     Columns query, gate, qkv[3];
+    Tensor merge_query_gate, merge_qkv;  // (T N / width) i32 into [query; gate] and [q; k; v] rows
   };
 
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);
@@ -79,7 +81,9 @@ class Qwen35Model : public CausalLm {
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
   const SplitIndex& split_index(int64_t tokens);
   Tensor gather_columns(const Tensor& y, const Columns& c);
-  Tensor scatter_columns(const Tensor& d, const Columns& c);  // (T, N), zero outside the block
+  // The gradient (T, N) of the whole from those of its parts (dparts[i] is (T, block i's columns)).
+  Tensor merge_columns(const std::vector<Tensor>& dparts, const std::vector<const Columns*>& blocks,
+                       const Tensor& merge);
 
   Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs,
                         bool training);

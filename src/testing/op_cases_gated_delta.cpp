@@ -61,6 +61,13 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                false, false, {{}, {}, cu_docs}});
   c.push_back({OpId::causal_conv1d_backward, "t=393,c=768,w=4,docs=1+63+64+65+200",
                {{393, 768}, {768, 4}, {393, 768}, {6}}, {}, kDevice, false, false, {{}, {}, {}, cu_docs}});
+  // Several token slabs of the CUDA dw reduction (256 tokens each) with documents across their edges, a partial
+  // channel block (130 = 128 + 2) and W = 3.
+  const std::vector<double> cu_long = {0, 300, 301, 820, 1100};
+  c.push_back({OpId::causal_conv1d, "t=1100,c=130,w=3,docs=300+1+519+280", {{1100, 130}, {130, 3}, {5}}, {}, kDevice,
+               false, false, {{}, {}, cu_long}});
+  c.push_back({OpId::causal_conv1d_backward, "t=1100,c=130,w=3,docs=300+1+519+280",
+               {{1100, 130}, {130, 3}, {1100, 130}, {5}}, {}, kDevice, false, false, {{}, {}, {}, cu_long}});
   // g and beta in f32 beside bf16/f16 q, k, v (the model's fp32 log-decay): the recurrent kernels (small dims,
   // forward and backward through the op's backward) and the chunked ones (model-sized, bf16).
   const std::vector<DType> k16 = {DType::BF16, DType::F16};

@@ -166,19 +166,31 @@ __global__ void decay_backward_kernel(int64_t tokens, int64_t heads, const T* a,
 }
 
 // --------------------------------------------------------------------------------------------------- conv1d
+// Layout: a block covers kConvChannels consecutive channels (coalesced) of kConvTokens consecutive tokens; each
+// thread walks its channel down those tokens, so a token's document span is looked up once per token per thread
+// and the inputs of the W taps come from the cache. Grid: (channel blocks, token slabs).
+constexpr int kConvChannels = 128;
+constexpr int kConvTokens = 32;
+
 template <typename T>
 __global__ void conv_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* x, const T* w,
                             const int32_t* cu, T* y) {
-  const int64_t n = tokens * ch;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / ch, c = i % ch;
+  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  if (c >= ch) return;
+  float tap[kMaxConvWidth];
+#pragma unroll
+  for (int j = 0; j < kMaxConvWidth; ++j) tap[j] = j < width ? float(load(w, c * width + j)) : 0.0f;
+  const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
+  const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
+  for (int64_t t = t0; t < t1; ++t) {
     const int64_t start = doc_of_token(cu, docs, t, tokens).start;
     float acc = 0;
-    for (int64_t j = 0; j < width; ++j) {
+#pragma unroll
+    for (int j = 0; j < kMaxConvWidth; ++j) {
       const int64_t s = t - (width - 1) + j;
-      if (s >= start) acc += load(w, c * width + j) * load(x, s * ch + c);
+      if (j < width && s >= start) acc += tap[j] * float(load(x, s * ch + c));
     }
-    store(y, i, acc);
+    store(y, t * ch + c, acc);
   }
 }
 
@@ -186,49 +198,57 @@ __global__ void conv_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t d
 template <typename T>
 __global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* w, const T* dy,
                                const int32_t* cu, T* dx) {
-  const int64_t n = tokens * ch;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t s = i / ch, c = i % ch;
+  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  if (c >= ch) return;
+  float tap[kMaxConvWidth];
+#pragma unroll
+  for (int j = 0; j < kMaxConvWidth; ++j) tap[j] = j < width ? float(load(w, c * width + j)) : 0.0f;
+  const int64_t s0 = blockIdx.y * int64_t(kConvTokens);
+  const int64_t s1 = s0 + kConvTokens < tokens ? s0 + kConvTokens : tokens;
+  for (int64_t s = s0; s < s1; ++s) {
     const int64_t end = doc_of_token(cu, docs, s, tokens).end;
     float acc = 0;
-    for (int64_t j = 0; j < width; ++j) {
+#pragma unroll
+    for (int j = 0; j < kMaxConvWidth; ++j) {
       const int64_t t = s + (width - 1) - j;
-      if (t < end) acc += load(w, c * width + j) * load(dy, t * ch + c);
+      if (j < width && t < end) acc += tap[j] * float(load(dy, t * ch + c));
     }
-    store(dx, i, acc);
+    store(dx, s * ch + c, acc);
   }
 }
 
-// dw[c, j] = sum_t dy[t, c] x[t - W + 1 + j, c]: block (32 channels x 8 token lanes); each lane sums a fixed
-// token stride, then the 8 lanes are added in order.
+// dw[c, j] = sum_t dy[t, c] x[t - W + 1 + j, c], in two fixed-order passes: each (channel block, token slab) sums
+// its slab into partial[slab][c][j] (fp32), then conv_dw_sum_kernel adds the slabs in order.
 template <typename T>
-__global__ void conv_dw_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* x, const T* dy,
-                               const int32_t* cu, T* dw) {
-  __shared__ float part[8][32][kMaxConvWidth];
-  const int64_t c = blockIdx.x * 32 + threadIdx.x;
+__global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, int64_t slab,
+                                       const T* x, const T* dy, const int32_t* cu, float* partial) {
+  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  if (c >= ch) return;
   float acc[kMaxConvWidth];
 #pragma unroll
   for (int j = 0; j < kMaxConvWidth; ++j) acc[j] = 0;
-  if (c < ch) {
-    for (int64_t t = threadIdx.y; t < tokens; t += 8) {
-      const int64_t start = doc_of_token(cu, docs, t, tokens).start;
-      const float d = load(dy, t * ch + c);
+  const int64_t t0 = blockIdx.y * slab;
+  const int64_t t1 = t0 + slab < tokens ? t0 + slab : tokens;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t start = doc_of_token(cu, docs, t, tokens).start;
+    const float d = load(dy, t * ch + c);
 #pragma unroll
-      for (int j = 0; j < kMaxConvWidth; ++j) {
-        const int64_t s = t - (width - 1) + j;
-        if (j < width && s >= start) acc[j] += d * load(x, s * ch + c);
-      }
+    for (int j = 0; j < kMaxConvWidth; ++j) {
+      const int64_t s = t - (width - 1) + j;
+      if (j < width && s >= start) acc[j] += d * float(load(x, s * ch + c));
     }
   }
-#pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) part[threadIdx.y][threadIdx.x][j] = acc[j];
-  __syncthreads();
-  if (threadIdx.y == 0 && c < ch)
-    for (int64_t j = 0; j < width; ++j) {
-      float s = 0;
-      for (int y = 0; y < 8; ++y) s += part[y][threadIdx.x][j];
-      store(dw, c * width + j, s);
-    }
+  float* out = partial + (blockIdx.y * ch + c) * width;
+  for (int64_t j = 0; j < width; ++j) out[j] = acc[j];
+}
+
+template <typename T>
+__global__ void conv_dw_sum_kernel(int64_t n, int64_t slabs, const float* partial, T* dw) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;  // i = c * width + j
+  if (i >= n) return;
+  float s = 0;
+  for (int64_t k = 0; k < slabs; ++k) s += partial[k * n + i];
+  store(dw, i, s);
 }
 
 // ------------------------------------------------------------------------------- delta rule: shared pieces
@@ -1367,25 +1387,43 @@ void launch_sigmoid_backward(DType dtype, int64_t n, const void* y, const void* 
 
 void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, const void* x,
                           const void* w, const int32_t* cu, void* y, cudaStream_t stream) {
+  if (tokens == 0 || channels == 0) return;
+  const dim3 grid(unsigned((channels + kConvChannels - 1) / kConvChannels), unsigned((tokens + kConvTokens - 1) / kConvTokens));
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    conv_kernel<T><<<grid_for(tokens * channels, kThreads), kThreads, 0, stream>>>(
-        tokens, channels, width, docs, static_cast<const T*>(x), static_cast<const T*>(w), cu, static_cast<T*>(y));
+    conv_kernel<T><<<grid, kConvChannels, 0, stream>>>(tokens, channels, width, docs, static_cast<const T*>(x),
+                                                       static_cast<const T*>(w), cu, static_cast<T*>(y));
   });
   LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_kernel");
 }
 
+int64_t conv_dw_slabs(int64_t tokens) { return tokens < 256 ? 1 : (tokens + 255) / 256 < 256 ? (tokens + 255) / 256 : 256; }
+
+size_t conv_backward_workspace_bytes(int64_t tokens, int64_t channels, int64_t width) {
+  return size_t(conv_dw_slabs(tokens) * channels * width) * sizeof(float);
+}
+
 void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs,
                                    const void* x, const void* w, const void* dy, const int32_t* cu, void* dx, void* dw,
-                                   cudaStream_t stream) {
+                                   void* workspace, cudaStream_t stream) {
+  if (channels == 0) return;
+  const int64_t slabs = conv_dw_slabs(tokens), slab = (tokens + slabs - 1) / slabs;
+  const unsigned cblocks = unsigned((channels + kConvChannels - 1) / kConvChannels);
+  float* partial = static_cast<float*>(workspace);
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    conv_dx_kernel<T><<<grid_for(tokens * channels, kThreads), kThreads, 0, stream>>>(
-        tokens, channels, width, docs, static_cast<const T*>(w), static_cast<const T*>(dy), cu, static_cast<T*>(dx));
-    LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
-    conv_dw_kernel<T><<<unsigned((channels + 31) / 32), dim3(32, 8), 0, stream>>>(
-        tokens, channels, width, docs, static_cast<const T*>(x), static_cast<const T*>(dy), cu, static_cast<T*>(dw));
-    LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_kernel");
+    if (tokens > 0) {
+      conv_dx_kernel<T><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)), kConvChannels, 0, stream>>>(
+          tokens, channels, width, docs, static_cast<const T*>(w), static_cast<const T*>(dy), cu, static_cast<T*>(dx));
+      LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
+      conv_dw_partial_kernel<T><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
+          tokens, channels, width, docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu, partial);
+      LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
+    }
+    const int64_t n = channels * width;
+    conv_dw_sum_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, tokens > 0 ? slabs : 0, partial,
+                                                                             static_cast<T*>(dw));
+    LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_sum_kernel");
   });
 }
 
