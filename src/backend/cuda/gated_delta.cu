@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -166,80 +167,123 @@ __global__ void decay_backward_kernel(int64_t tokens, int64_t heads, const T* a,
 }
 
 // --------------------------------------------------------------------------------------------------- conv1d
-// Layout: a block covers kConvChannels consecutive channels (coalesced) of kConvTokens consecutive tokens; each
-// thread walks its channel down those tokens, so a token's document span is looked up once per token per thread
-// and the inputs of the W taps come from the cache. Grid: (channel blocks, token slabs).
+// A block covers kConvChannels consecutive channels (coalesced) of one slab of consecutive tokens; each thread walks
+// its channel along the slab keeping a sliding window of the last W inputs in registers, so every input is loaded
+// once and a document's span is looked up only where a document starts. kW > 0 is the width at compile time (the
+// model's 4, and 2, 3); kW = 0 takes any width up to kMaxConvWidth at run time (taps past it are zero).
+// Window convention: win[k] = the input k tokens back (k = 0 newest); y[t] = sum_k tap[k] win[k], tap[k] = w[c, W-1-k].
 constexpr int kConvChannels = 128;
-constexpr int kConvTokens = 32;
+constexpr int kConvTokens = 64;
 
-template <typename T>
-__global__ void conv_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* x, const T* w,
+template <int kW>
+__device__ __forceinline__ int conv_taps(int width) { return kW > 0 ? kW : width; }
+
+// Shifts the window by one token and puts `v` in front.
+template <int kN>
+__device__ __forceinline__ void conv_push(float (&win)[kN], float v) {
+#pragma unroll
+  for (int k = kN - 1; k > 0; --k) win[k] = win[k - 1];
+  win[0] = v;
+}
+
+template <typename T, int kW>
+__global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
                             const int32_t* cu, T* y) {
+  constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
+  const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float tap[kMaxConvWidth];
+  float tap[kN], win[kN];
 #pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) tap[j] = j < width ? float(load(w, c * width + j)) : 0.0f;
+  for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
   const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
+  Span doc = doc_of_token(cu, docs, t0, tokens);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {  // history before t0: win[k] = x[t0 - 1 - k] inside the document
+    const int64_t s = t0 - 1 - k;
+    win[k] = s >= doc.start ? float(load(x, s * ch + c)) : 0.0f;
+  }
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t start = doc_of_token(cu, docs, t, tokens).start;
+    if (t == doc.end) {  // a new document: no history
+      doc = doc_of_token(cu, docs, t, tokens);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
+    }
+    conv_push(win, float(load(x, t * ch + c)));
     float acc = 0;
 #pragma unroll
-    for (int j = 0; j < kMaxConvWidth; ++j) {
-      const int64_t s = t - (width - 1) + j;
-      if (j < width && s >= start) acc += tap[j] * float(load(x, s * ch + c));
-    }
+    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
     store(y, t * ch + c, acc);
   }
 }
 
-// dx[s, c] = sum_j w[c, j] dy[s + W - 1 - j, c] over targets inside s's document.
-template <typename T>
-__global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, const T* w, const T* dy,
+// dx[s, c] = sum_k tap[k] dy[s + k, c] over targets inside s's document; walks the slab downwards with the window
+// win[k] = dy[s + k].
+template <typename T, int kW>
+__global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* w, const T* dy,
                                const int32_t* cu, T* dx) {
+  constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
+  const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float tap[kMaxConvWidth];
+  float tap[kN], win[kN];
 #pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) tap[j] = j < width ? float(load(w, c * width + j)) : 0.0f;
+  for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
   const int64_t s0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t s1 = s0 + kConvTokens < tokens ? s0 + kConvTokens : tokens;
-  for (int64_t s = s0; s < s1; ++s) {
-    const int64_t end = doc_of_token(cu, docs, s, tokens).end;
+  Span doc = doc_of_token(cu, docs, s1 - 1, tokens);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {  // the future after s1 - 1: win[k] = dy[s1 + k] inside the document
+    const int64_t t = s1 + k;
+    win[k] = t < doc.end ? float(load(dy, t * ch + c)) : 0.0f;
+  }
+  for (int64_t s = s1 - 1; s >= s0; --s) {
+    if (s < doc.start) {  // the previous document: nothing after its end
+      doc = doc_of_token(cu, docs, s, tokens);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
+    }
+    conv_push(win, float(load(dy, s * ch + c)));
     float acc = 0;
 #pragma unroll
-    for (int j = 0; j < kMaxConvWidth; ++j) {
-      const int64_t t = s + (width - 1) - j;
-      if (j < width && t < end) acc += tap[j] * float(load(dy, t * ch + c));
-    }
+    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
     store(dx, s * ch + c, acc);
   }
 }
 
-// dw[c, j] = sum_t dy[t, c] x[t - W + 1 + j, c], in two fixed-order passes: each (channel block, token slab) sums
-// its slab into partial[slab][c][j] (fp32), then conv_dw_sum_kernel adds the slabs in order.
-template <typename T>
-__global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int64_t width, int64_t docs, int64_t slab,
+// dw[c, W-1-k] = sum_t dy[t, c] x[t - k, c], in two fixed-order passes: each (channel block, token slab) sums its
+// slab into partial[slab][c][j] (fp32), then conv_dw_sum_kernel adds the slabs in order.
+template <typename T, int kW>
+__global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, int64_t slab,
                                        const T* x, const T* dy, const int32_t* cu, float* partial) {
+  constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
+  const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float acc[kMaxConvWidth];
-#pragma unroll
-  for (int j = 0; j < kMaxConvWidth; ++j) acc[j] = 0;
+  float acc[kN], win[kN];
   const int64_t t0 = blockIdx.y * slab;
   const int64_t t1 = t0 + slab < tokens ? t0 + slab : tokens;
+  Span doc = doc_of_token(cu, docs, t0, tokens);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const int64_t s = t0 - 1 - k;
+    win[k] = s >= doc.start ? float(load(x, s * ch + c)) : 0.0f;
+    acc[k] = 0.0f;
+  }
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t start = doc_of_token(cu, docs, t, tokens).start;
+    if (t == doc.end) {
+      doc = doc_of_token(cu, docs, t, tokens);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
+    }
+    conv_push(win, float(load(x, t * ch + c)));
     const float d = load(dy, t * ch + c);
 #pragma unroll
-    for (int j = 0; j < kMaxConvWidth; ++j) {
-      const int64_t s = t - (width - 1) + j;
-      if (j < width && s >= start) acc[j] += d * float(load(x, s * ch + c));
-    }
+    for (int k = 0; k < kN; ++k) acc[k] += d * win[k];
   }
   float* out = partial + (blockIdx.y * ch + c) * width;
-  for (int64_t j = 0; j < width; ++j) out[j] = acc[j];
+  for (int k = 0; k < width; ++k) out[width - 1 - k] = acc[k < kN ? k : 0];
 }
 
 template <typename T>
@@ -249,6 +293,17 @@ __global__ void conv_dw_sum_kernel(int64_t n, int64_t slabs, const float* partia
   float s = 0;
   for (int64_t k = 0; k < slabs; ++k) s += partial[k * n + i];
   store(dw, i, s);
+}
+
+// Calls f(std::integral_constant<int, W>) with the compile-time width for 2, 3, 4 and 0 (run time) otherwise.
+template <typename F>
+void dispatch_conv_width(int64_t width, F f) {
+  switch (width) {
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 0>{}); break;
+  }
 }
 
 // ------------------------------------------------------------------------------- delta rule: shared pieces
@@ -1391,8 +1446,10 @@ void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t
   const dim3 grid(unsigned((channels + kConvChannels - 1) / kConvChannels), unsigned((tokens + kConvTokens - 1) / kConvTokens));
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
-    conv_kernel<T><<<grid, kConvChannels, 0, stream>>>(tokens, channels, width, docs, static_cast<const T*>(x),
-                                                       static_cast<const T*>(w), cu, static_cast<T*>(y));
+    dispatch_conv_width(width, [&](auto kw) {
+      conv_kernel<T, decltype(kw)::value><<<grid, kConvChannels, 0, stream>>>(
+          tokens, channels, int(width), docs, static_cast<const T*>(x), static_cast<const T*>(w), cu, static_cast<T*>(y));
+    });
   });
   LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_kernel");
 }
@@ -1413,12 +1470,16 @@ void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (tokens > 0) {
-      conv_dx_kernel<T><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)), kConvChannels, 0, stream>>>(
-          tokens, channels, width, docs, static_cast<const T*>(w), static_cast<const T*>(dy), cu, static_cast<T*>(dx));
-      LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
-      conv_dw_partial_kernel<T><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
-          tokens, channels, width, docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu, partial);
-      LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
+      dispatch_conv_width(width, [&](auto kw) {
+        constexpr int kW = decltype(kw)::value;
+        conv_dx_kernel<T, kW><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)), kConvChannels, 0,
+                                stream>>>(tokens, channels, int(width), docs, static_cast<const T*>(w),
+                                          static_cast<const T*>(dy), cu, static_cast<T*>(dx));
+        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
+        conv_dw_partial_kernel<T, kW><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
+            tokens, channels, int(width), docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu, partial);
+        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
+      });
     }
     const int64_t n = channels * width;
     conv_dw_sum_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, tokens > 0 ? slabs : 0, partial,
