@@ -14,16 +14,13 @@
 #include "io/safetensors.h"
 #include "model/generate.h"
 #include "ops/ops.h"
+#include "support/model_support.h"
 
 using namespace lathe;
+using namespace lathe::test_support;
 namespace fs = std::filesystem;
 
 namespace {
-
-Runtime& runtime() {
-  static Runtime rt;
-  return rt;
-}
 
 const fs::path kTestsDir = fs::path(LATHE_TEST_DATA_DIR);
 const fs::path kFixtures = kTestsDir / "models" / "fixtures" / "qwen3";
@@ -55,15 +52,6 @@ std::vector<float> recompute_logits(Qwen3Model& m, const std::vector<int32_t>& s
   ExecContext cx = runtime().context(m.options().device);
   const Tensor last = runtime().copy_to(cast(cx, m.logits(b).narrow(0, n - 1, 1), DType::F32), Device::cpu());
   return std::vector<float>(last.data<float>(), last.data<float>() + last.numel());
-}
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double e = 0, n = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    n += double(b[i]) * b[i];
-  }
-  return std::sqrt(e / std::max(n, 1e-300));
 }
 
 int32_t argmax(const std::vector<float>& v) { return int32_t(std::max_element(v.begin(), v.end()) - v.begin()); }

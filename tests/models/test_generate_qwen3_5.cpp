@@ -19,35 +19,15 @@
 #include "model/gdn_reference.h"
 #include "model/generate_qwen3_5.h"
 #include "ops/ops.h"
+#include "support/model_support.h"
 
 using namespace lathe;
+using namespace lathe::test_support;
 namespace fs = std::filesystem;
 
 namespace {
 
-Runtime& runtime() {
-  static Runtime rt;
-  return rt;
-}
-
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
-
-std::vector<double> to_f64(const Tensor& t) {
-  ExecContext ctx = runtime().context(t.device());
-  const Tensor h = runtime().copy_to(cast(ctx, t, DType::F64), Device::cpu());
-  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
-}
-
-template <typename A, typename B>
-double rel_l2(const A& got, const B& want) {
-  double e = 0, n = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = double(got[i]) - double(want[i]);
-    e += d * d;
-    n += double(want[i]) * double(want[i]);
-  }
-  return std::sqrt(e / std::max(n, 1e-300));
-}
 
 template <typename V>
 int32_t argmax(const V& v) { return int32_t(std::max_element(v.begin(), v.end()) - v.begin()); }

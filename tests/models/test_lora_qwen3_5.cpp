@@ -17,45 +17,13 @@
 #include "model/lora.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
+#include "support/model_support.h"
 
 using namespace lathe;
+using namespace lathe::test_support;
 namespace fs = std::filesystem;
 
 namespace {
-
-Runtime& runtime() {
-  static Runtime rt;
-  return rt;
-}
-
-std::vector<double> to_f64(const Tensor& t) {
-  ExecContext ctx = runtime().context(t.device());
-  const Tensor h = runtime().copy_to(cast(ctx, t, DType::F64), Device::cpu());
-  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
-}
-
-double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
-  double e = 0, n = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    e += (a[i] - b[i]) * (a[i] - b[i]);
-    n += b[i] * b[i];
-  }
-  return std::sqrt(e / std::max(n, 1e-300));
-}
-
-std::vector<double> transpose(const std::vector<double>& x, int64_t rows, int64_t cols) {
-  std::vector<double> t(x.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) t[size_t(c * rows + r)] = x[size_t(r * cols + c)];
-  return t;
-}
-
-std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
-  const io::SafetensorsTensor& t = f.get(name);
-  std::vector<int32_t> v(size_t(t.numel));
-  f.read_into(name, DType::I32, v.data(), v.size() * 4);
-  return v;
-}
 
 // 3 layers (GDN, full attention, GDN); H_v = 2 H_k; K = 8 and V = 12 (q/k/v blocks of in_proj_qkv not aligned to
 // one width); head_dim 16, partial rotary 0.25. `multimodal`: the same text model in the qwen3_5 release layout.

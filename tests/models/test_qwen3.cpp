@@ -11,16 +11,13 @@
 #include "io/safetensors.h"
 #include "model/qwen3.h"
 #include "ops/ops.h"
+#include "support/model_support.h"
 
 using namespace lathe;
+using namespace lathe::test_support;
 namespace fs = std::filesystem;
 
 namespace {
-
-Runtime& runtime() {
-  static Runtime rt;
-  return rt;
-}
 
 std::vector<float> to_f32(const Tensor& t) {
   ExecContext ctx = runtime().context(t.device());
@@ -29,22 +26,6 @@ std::vector<float> to_f32(const Tensor& t) {
 }
 
 // ||a - b|| / ||b||
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double e = 0, n = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    e += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    n += double(b[i]) * b[i];
-  }
-  return std::sqrt(e / std::max(n, 1e-300));
-}
-
-std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
-  const io::SafetensorsTensor& t = f.get(name);
-  std::vector<int32_t> v(size_t(t.numel));
-  f.read_into(name, DType::I32, v.data(), v.size() * 4);
-  return v;
-}
-
 ModelConfig tiny_config(bool tied, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", 50}, {"hidden_size", 24}, {"intermediate_size", 40},
                       {"num_hidden_layers", 2}, {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},

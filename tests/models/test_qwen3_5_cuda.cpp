@@ -12,38 +12,13 @@
 #include "io/safetensors.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
+#include "support/model_support.h"
 
 using namespace lathe;
+using namespace lathe::test_support;
 namespace fs = std::filesystem;
 
 namespace {
-
-Runtime& runtime() {
-  static Runtime rt;
-  return rt;
-}
-
-std::vector<double> to_f64(const Tensor& t) {
-  ExecContext ctx = runtime().context(t.device());
-  const Tensor h = runtime().copy_to(cast(ctx, t, DType::F64), Device::cpu());
-  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
-}
-
-double rel_l2(const std::vector<double>& a, const std::vector<float>& b) {
-  double e = 0, n = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    e += (a[i] - double(b[i])) * (a[i] - double(b[i]));
-    n += double(b[i]) * b[i];
-  }
-  return std::sqrt(e / std::max(n, 1e-300));
-}
-
-std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* name) {
-  const io::SafetensorsTensor& t = f.get(name);
-  std::vector<int32_t> v(size_t(t.numel));
-  f.read_into(name, DType::I32, v.data(), v.size() * 4);
-  return v;
-}
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
 
