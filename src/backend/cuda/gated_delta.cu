@@ -186,18 +186,19 @@ __device__ __forceinline__ void conv_push(float (&win)[kN], float v) {
   win[0] = v;
 }
 
-template <typename T, int kW>
-__global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
-                            const int32_t* cu, T* y) {
-  constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
-  const int width = conv_taps<kW>(width_arg);
-  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
-  if (c >= ch) return;
-  float tap[kN], win[kN];
+// tap[k] = w[c, W-1-k] (zero past the width).
+template <int kN, typename T>
+__device__ __forceinline__ void conv_load_taps(const T* w, int64_t c, int width, float (&tap)[kN]) {
 #pragma unroll
   for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
-  const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
-  const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
+}
+
+// Walks channel c of x forwards over tokens [t0, t1): for each t, pushes x[t] into the window (which holds the inputs
+// before t inside t's document, zero before its start) and calls step(t, win).
+template <int kN, typename T, typename F>
+__device__ __forceinline__ void conv_walk_forward(const T* x, int64_t ch, int64_t c, int64_t t0, int64_t t1,
+                                                  const int32_t* cu, int64_t docs, int64_t tokens, F&& step) {
+  float win[kN];
   Span doc = doc_of_token(cu, docs, t0, tokens);
 #pragma unroll
   for (int k = 0; k < kN; ++k) {  // history before t0: win[k] = x[t0 - 1 - k] inside the document
@@ -211,11 +212,27 @@ __global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t d
       for (int k = 0; k < kN; ++k) win[k] = 0.0f;
     }
     conv_push(win, float(load(x, t * ch + c)));
+    step(t, win);
+  }
+}
+
+template <typename T, int kW>
+__global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
+                            const int32_t* cu, T* y) {
+  constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
+  const int width = conv_taps<kW>(width_arg);
+  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  if (c >= ch) return;
+  float tap[kN];
+  conv_load_taps(w, c, width, tap);
+  const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
+  const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
+  conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
     float acc = 0;
 #pragma unroll
     for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
     store(y, t * ch + c, acc);
-  }
+  });
 }
 
 // dx[s, c] = sum_k tap[k] dy[s + k, c] over targets inside s's document; walks the slab downwards with the window
@@ -228,8 +245,7 @@ __global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int width_arg, int64_
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
   float tap[kN], win[kN];
-#pragma unroll
-  for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
+  conv_load_taps(w, c, width, tap);
   const int64_t s0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t s1 = s0 + kConvTokens < tokens ? s0 + kConvTokens : tokens;
   Span doc = doc_of_token(cu, docs, s1 - 1, tokens);
@@ -261,27 +277,16 @@ __global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int width_arg
   const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float acc[kN], win[kN];
+  float acc[kN];
+#pragma unroll
+  for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
   const int64_t t0 = blockIdx.y * slab;
   const int64_t t1 = t0 + slab < tokens ? t0 + slab : tokens;
-  Span doc = doc_of_token(cu, docs, t0, tokens);
-#pragma unroll
-  for (int k = 0; k < kN; ++k) {
-    const int64_t s = t0 - 1 - k;
-    win[k] = s >= doc.start ? float(load(x, s * ch + c)) : 0.0f;
-    acc[k] = 0.0f;
-  }
-  for (int64_t t = t0; t < t1; ++t) {
-    if (t == doc.end) {
-      doc = doc_of_token(cu, docs, t, tokens);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
-    }
-    conv_push(win, float(load(x, t * ch + c)));
+  conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
     const float d = load(dy, t * ch + c);
 #pragma unroll
     for (int k = 0; k < kN; ++k) acc[k] += d * win[k];
-  }
+  });
   float* out = partial + (blockIdx.y * ch + c) * width;
   for (int k = 0; k < width; ++k) out[width - 1 - k] = acc[k < kN ? k : 0];
 }
