@@ -19,16 +19,6 @@ namespace lathe {
 
 namespace {
 
-Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) {  // x (n, in) @ w (out, in)^T
-  return matmul(ctx, x, w, {false, true});
-}
-
-// dst = src (same shape; dst a contiguous view, e.g. rows of a cache), through the cast op.
-void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {
-  LATHE_ASSERT(src.shape() == dst.shape() && dst.is_contiguous());
-  run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
-}
-
 Tensor to_f32(ExecContext& ctx, const Tensor& x) {
   return x.dtype() == DType::F32 && x.is_contiguous() ? x : cast(ctx, x, DType::F32);
 }

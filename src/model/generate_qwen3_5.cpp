@@ -17,16 +17,6 @@ namespace lathe {
 
 namespace {
 
-Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) {  // x (n, in) @ w (out, in)^T
-  return matmul(ctx, x, w, {false, true});
-}
-
-// dst = src (same shape; dst a contiguous view), through the cast op.
-void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {
-  LATHE_ASSERT(src.shape() == dst.shape() && dst.is_contiguous());
-  run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
-}
-
 Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
   Tensor t = Tensor::empty(shape, dtype, ctx.allocator);
   if (t.nbytes() > 0) ctx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), ctx.stream);

@@ -30,10 +30,6 @@ struct Qwen3Model::LayerActs {
 
 namespace {
 
-Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) {  // x (T, in) @ w(out, in)^T
-  return matmul(ctx, x, w, {false, true});
-}
-
 }  // namespace
 
 Qwen3Model::Qwen3Model(Runtime& rt, ModelConfig config, ModelOptions options)

@@ -44,8 +44,6 @@ struct Qwen35Model::LayerActs {
 
 namespace {
 
-Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) { return matmul(ctx, x, w, {false, true}); }
-
 Tensor as_dtype(ExecContext& ctx, const Tensor& x, DType t) { return x.dtype() == t ? x : cast(ctx, x, t); }
 
 }  // namespace
@@ -247,8 +245,7 @@ Tensor Qwen35Model::merge_columns(const std::vector<Tensor>& dparts, const std::
   int64_t row = 0;
   for (size_t i = 0; i < dparts.size(); ++i) {
     const int64_t rows = blocks[i]->ids.size(0);
-    const Tensor dst = stacked.narrow(0, row, rows);  // contiguous: whole rows
-    run_op(cx, OpCall{OpId::cast, {dparts[i].view({rows, width})}, {dst}, CastAttrs{dst.dtype()}});
+    copy_into(cx, dparts[i].view({rows, width}), stacked.narrow(0, row, rows));  // whole rows: contiguous
     row += rows;
   }
   return embedding(cx, stacked, merge).view({t, n});

@@ -74,6 +74,14 @@ Tensor scale(ExecContext& ctx, const Tensor& x, double alpha) {
 
 Tensor cast(ExecContext& ctx, const Tensor& x, DType to) { return call_op(ctx, OpId::cast, {x}, CastAttrs{to})[0]; }
 
+void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {
+  LATHE_CHECK(src.shape() == dst.shape() && dst.is_contiguous(), "ops: copy_into needs a contiguous destination of "
+              "the source's shape, got {} into {}", src.describe(), dst.describe());
+  run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
+}
+
+Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w) { return matmul(ctx, x, w, {false, true}); }
+
 Tensor contiguous(ExecContext& ctx, const Tensor& x) {
   return x.is_contiguous() ? x : cast(ctx, x, x.dtype());
 }

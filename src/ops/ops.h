@@ -24,11 +24,16 @@ Shape broadcast_shapes(const Shape& a, const Shape& b);
 std::vector<Tensor> call_op(ExecContext& ctx, OpId op, std::vector<Tensor> inputs, OpAttrs attrs = {});
 
 Tensor matmul(ExecContext& ctx, const Tensor& a, const Tensor& b, MatmulAttrs attrs = {});
+// y = x w^T for x (n, in) and a weight w (out, in) as Hugging Face stores it.
+Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w);
 void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out, MatmulAttrs attrs);
 Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor mul(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor scale(ExecContext& ctx, const Tensor& x, double alpha);
 Tensor cast(ExecContext& ctx, const Tensor& x, DType to);
+// dst = src (same shape) written into an existing contiguous tensor or view (rows of a cache or of a stacked
+// buffer), through the cast op.
+void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst);
 Tensor contiguous(ExecContext& ctx, const Tensor& x);  // x itself when already contiguous
 Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
 Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
