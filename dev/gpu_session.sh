@@ -23,7 +23,7 @@ if [ "$STAGE" = check ]; then
 python3 dev/ref/tokenizer_fixtures.py >$L/tok_fixtures.log 2>&1; summary "tokenizer fixtures rc=$?"
 python3 dev/ref/chat_template_fixtures.py >$L/chat_fixtures.log 2>&1; summary "chat fixtures rc=$?"
 tar -czf $OUT/fixtures.tgz tests/data/fixtures/corpus_hf.jsonl tests/data/fixtures/decode_hf.jsonl tests/data/chat_fixtures 2>/dev/null
-(cd build && ctest -j8 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+(cd build && OMP_NUM_THREADS=1 ctest -j8 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
 grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
 grep -h "qwen3 cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
 ./build/lathe op-check -v >$L/opcheck.txt 2>&1; summary "$(tail -n 1 $L/opcheck.txt)"; grep FAIL $L/opcheck.txt | head
@@ -44,7 +44,7 @@ if [ "$STAGE" = lora ]; then
 python3 dev/ref/lora_fixtures.py tests/models/fixtures/qwen3 tests/models/fixtures/lora >$L/lora_fixtures.log 2>&1
 summary "lora fixtures rc=$?: $(tr '\n' ' ' <$L/lora_fixtures.log | tail -c 600)"
 tar -czf $OUT/lora_fixtures.tgz tests/models/fixtures/lora 2>/dev/null
-(cd build && ctest -j8 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+(cd build && OMP_NUM_THREADS=1 ctest -j8 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
 grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
 grep -h "lora cuda bf16\|qwen3 cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
 ./build/lathe train examples/demo.yaml --set device=cuda >$L/demo.log 2>&1; summary "demo cuda rc=$?: $(tail -n 1 $L/demo.log)"
@@ -63,7 +63,7 @@ if [ "$STAGE" = speed ]; then
 timeout 150 python3 dev/ref/qwen3_5_fixtures.py tests/models/fixtures/qwen3_5 >$L/q35_fixtures.log 2>&1
 summary "qwen3_5 fixtures rc=$?: $(grep -v Loading $L/q35_fixtures.log | tail -n 6 | tr '\n' ' ' | tail -c 900)"
 tar -czf $OUT/q35_fixtures.tgz tests/models/fixtures/qwen3_5 2>/dev/null
-(cd build && timeout 240 ctest -j10 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+(cd build && OMP_NUM_THREADS=1 timeout 240 ctest -j10 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
 grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
 grep -h "cuda bf16" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
 timeout 60 ./build/lathe op-check --device cuda >$L/opcheck.txt 2>&1; summary "$(tail -n 1 $L/opcheck.txt)"; grep FAIL $L/opcheck.txt | head -5
@@ -75,7 +75,7 @@ if [ "$STAGE" = q35 ]; then
 timeout 150 python3 dev/ref/lora_qwen3_5_fixtures.py tests/models/fixtures/qwen3_5 tests/models/fixtures/lora_qwen3_5 >$L/lora_q35_fixtures.log 2>&1
 summary "lora qwen3_5 fixtures rc=$?: $(grep -v Loading $L/lora_q35_fixtures.log | tail -n 4 | tr '\n' ' ' | tail -c 600)"
 tar -czf $OUT/lora_q35_fixtures.tgz tests/models/fixtures/lora_qwen3_5 2>/dev/null
-(cd build && timeout 330 ctest -j12 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+(cd build && OMP_NUM_THREADS=1 timeout 330 ctest -j12 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
 grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
 grep -h "cuda bf16\|bf16 vs\|HF bf16" build/Testing/Temporary/LastTest.log | sort -u | head -20 | tee -a $OUT/summary.txt
 timeout 60 python3 dev/ref/check_generate_qwen3_5.py --lathe build/lathe >$L/gen_q35_cpu.log 2>&1; summary "generate qwen3_5 cpu f64 vs HF: $(tail -n 1 $L/gen_q35_cpu.log)"
