@@ -8,6 +8,7 @@
 #include <set>
 
 #include "io/safetensors.h"
+#include "model/decoder_stack.h"
 #include "model/lora.h"
 #include "ops/ops.h"
 
@@ -170,53 +171,12 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   return add(cx, dh, din[0]);
 }
 
-Tensor Qwen3Model::forward_hidden(const PackedBatch& b, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs,
-                                  bool training) {
-  ExecContext cx = ctx();
-  begin_forward(b);
-  Tensor x = embedding(cx, w(embed_), b.ids);
-  for (const Layer& l : layers_) {
-    if (inputs) inputs->push_back(x);
-    LayerActs a = layer_forward(l, x, b, training);
-    x = a.out;
-    if (acts) acts->push_back(std::move(a));
-  }
-  return x;
-}
+Tensor Qwen3Model::logits(const PackedBatch& b) { return DecoderStack::logits(*this, b); }
 
-Tensor Qwen3Model::logits(const PackedBatch& b) {
-  ExecContext cx = ctx();
-  const Tensor x = forward_hidden(b, nullptr, nullptr, false);
-  return linear(cx, rmsnorm(cx, x, w(final_norm_), {config_.rms_norm_eps, 0.0}), w(head()));
-}
-
-std::vector<double> Qwen3Model::label_logprobs(const PackedBatch& b) {
-  ExecContext cx = ctx();
-  const Tensor xf = rmsnorm(cx, forward_hidden(b, nullptr, nullptr, false), w(final_norm_), {config_.rms_norm_eps, 0.0});
-  return head_label_logprobs(xf, head(), b);
-}
+std::vector<double> Qwen3Model::label_logprobs(const PackedBatch& b) { return DecoderStack::label_logprobs(*this, b); }
 
 LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_scale) {
-  ExecContext cx = ctx();
-  std::vector<LayerActs> acts;
-  std::vector<Tensor> inputs;
-  const bool keep = backward && !options_.recompute;
-  const Tensor x_last = forward_hidden(b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
-  const NormAttrs norm{config_.rms_norm_eps, 0.0};
-  const Tensor xf = rmsnorm(cx, x_last, w(final_norm_), norm);
-  Tensor dxf;
-  const LossResult result = head_loss(xf, head(), b, backward, loss_scale, &dxf);
-  if (!backward) return result;
-  const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, w(final_norm_), dxf, norm);
-  add_grad(final_norm_, dfinal[1]);
-  Tensor dx = dfinal[0];
-  for (int64_t i = int64_t(layers_.size()) - 1; i >= 0; --i) {
-    const LayerActs a = keep ? std::move(acts[size_t(i)]) : layer_forward(layers_[size_t(i)], inputs[size_t(i)], b, true);
-    if (keep) acts.pop_back();
-    dx = layer_backward(layers_[size_t(i)], a, dx, b);
-  }
-  end_backward(embed_, dx, b);
-  return result;
+  return DecoderStack::loss(*this, b, backward, loss_scale);
 }
 
 }  // namespace lathe

@@ -36,8 +36,8 @@ class Qwen3Model : public CausalLm {
   void build_parameter_list();
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
 
-  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* layer_inputs,
-                        bool training);
+  friend struct DecoderStack;  // the shared embedding -> layers -> norm -> head driver (model/decoder_stack.h)
+  static constexpr double kFinalNormOffset = 0.0;  // the final RMSNorm's gain: w
   LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
 

@@ -85,8 +85,8 @@ class Qwen35Model : public CausalLm {
   Tensor merge_columns(const std::vector<Tensor>& dparts, const std::vector<const Columns*>& blocks,
                        const Tensor& merge);
 
-  Tensor forward_hidden(const PackedBatch& batch, std::vector<LayerActs>* acts, std::vector<Tensor>* inputs,
-                        bool training);
+  friend struct DecoderStack;  // the shared embedding -> layers -> norm -> head driver (model/decoder_stack.h)
+  static constexpr double kFinalNormOffset = 1.0;  // the final RMSNorm's gain: 1 + w, zero-centred
   LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
   void attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   void gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);

@@ -1,0 +1,78 @@
+// The decoder-stack driver both families share: embedding, the layers in order, the final RMSNorm and the LM head
+// (logits, label log-probs, the loss head of CausalLm), and the backward through the layers in reverse, recomputing a
+// layer's activations from its input when options.recompute. A family M (Qwen3Model, Qwen35Model) befriends
+// DecoderStack and provides Layer, LayerActs (with .out), layers_, layer_forward(l, x, b, training),
+// layer_backward(l, acts, dout, b), embed_, final_norm_, head() and kFinalNormOffset (0: w, 1: zero-centred 1 + w).
+// Included only by the families' .cpp files, where LayerActs is complete. Covered by tests/models (both families).
+#pragma once
+
+#include <vector>
+
+#include "model/causal_lm.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+struct DecoderStack {
+  template <typename M>
+  static NormAttrs final_norm(const M& m) {
+    return {m.config_.rms_norm_eps, M::kFinalNormOffset};
+  }
+
+  // The last layer's output (T, H). `acts` (if given) receives every layer's activations, `inputs` every layer's input.
+  template <typename M>
+  static Tensor hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts, std::vector<Tensor>* inputs,
+                       bool training) {
+    ExecContext cx = m.ctx();
+    m.begin_forward(b);
+    Tensor x = embedding(cx, m.w(m.embed_), b.ids);
+    for (const auto& l : m.layers_) {
+      if (inputs) inputs->push_back(x);
+      typename M::LayerActs a = m.layer_forward(l, x, b, training);
+      x = a.out;
+      if (acts) acts->push_back(std::move(a));
+    }
+    return x;
+  }
+
+  template <typename M>
+  static Tensor logits(M& m, const PackedBatch& b) {
+    ExecContext cx = m.ctx();
+    const Tensor x = hidden(m, b, nullptr, nullptr, false);
+    return linear(cx, rmsnorm(cx, x, m.w(m.final_norm_), final_norm(m)), m.w(m.head()));
+  }
+
+  template <typename M>
+  static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
+    ExecContext cx = m.ctx();
+    const Tensor xf = rmsnorm(cx, hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m));
+    return m.head_label_logprobs(xf, m.head(), b);
+  }
+
+  template <typename M>
+  static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale) {
+    ExecContext cx = m.ctx();
+    std::vector<typename M::LayerActs> acts;
+    std::vector<Tensor> inputs;
+    const bool keep = backward && !m.options_.recompute;
+    const Tensor x_last = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
+    const NormAttrs norm = final_norm(m);
+    const Tensor xf = rmsnorm(cx, x_last, m.w(m.final_norm_), norm);
+    Tensor dxf;
+    const LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf);
+    if (!backward) return result;
+    const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf, norm);
+    m.add_grad(m.final_norm_, dfinal[1]);
+    Tensor dx = dfinal[0];
+    for (int64_t i = int64_t(m.layers_.size()) - 1; i >= 0; --i) {
+      const auto& l = m.layers_[size_t(i)];
+      const typename M::LayerActs a = keep ? std::move(acts[size_t(i)]) : m.layer_forward(l, inputs[size_t(i)], b, true);
+      if (keep) acts.pop_back();
+      dx = m.layer_backward(l, a, dx, b);
+    }
+    m.end_backward(m.embed_, dx, b);
+    return result;
+  }
+};
+
+}  // namespace lathe
