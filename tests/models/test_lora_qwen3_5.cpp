@@ -17,6 +17,7 @@
 #include "model/lora.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
+#include "support/lora_support.h"
 #include "support/model_support.h"
 
 using namespace lathe;
@@ -39,40 +40,6 @@ ModelConfig tiny_config(bool multimodal = false) {
     j = {{"model_type", "qwen3_5"}, {"text_config", j}, {"vision_config", {{"depth", 1}}}, {"image_token_id", 3},
          {"tie_word_embeddings", false}};
   return parse_model_config(j, "test");
-}
-
-PackedBatch random_batch(int64_t vocab, std::vector<int32_t> cu, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::vector<int32_t> ids(size_t(cu.back()));
-  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
-  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), vocab);
-}
-
-void randomise(LoraBank& bank, int adapter, uint64_t seed, double std) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> n(0.0, std);
-  for (Parameter& p : bank.parameters(adapter)) {
-    ASSERT_EQ(p.value.dtype(), DType::F64);
-    double* d = p.value.data<double>();
-    for (int64_t i = 0; i < p.value.numel(); ++i) d[i] = n(rng);
-  }
-}
-
-LoraConfig lora(int64_t rank, double alpha, std::vector<std::string> targets, bool rslora = false) {
-  LoraConfig c;
-  c.rank = rank;
-  c.alpha = alpha;
-  c.targets = std::move(targets);
-  c.rslora = rslora;
-  return c;
-}
-
-double objective(CausalLm& m, const PackedBatch& b) {
-  const LossResult r = m.loss(b, false);
-  double f = 0;
-  for (size_t s = 0; s < r.segments.size(); ++s)
-    if (r.segments[s].labelled) f += b.segments[s].loss_scale * r.segments[s].loss_sum / double(r.segments[s].labelled);
-  return f;
 }
 
 std::set<std::string> module_names(LoraBank& bank, int adapter) {

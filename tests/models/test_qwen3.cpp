@@ -34,13 +34,6 @@ ModelConfig tiny_config(bool tied, int64_t heads, int64_t kv_heads, int64_t head
   return parse_model_config(j, "test");
 }
 
-PackedBatch random_batch(Device d, int64_t vocab, std::vector<int32_t> cu, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::vector<int32_t> ids(size_t(cu.back()));
-  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
-  return make_packed_batch(runtime(), d, ids, cu, next_token_labels(ids, cu), vocab);
-}
-
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3";
 
 }  // namespace
@@ -120,32 +113,15 @@ TEST(Qwen3Gradient, WholeModelMatchesFiniteDifferencesInF64) {
   ModelOptions opt;
   opt.dtype = DType::F64;
   Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(false, 4, 2, 8), opt, 7, 0.3);
-  const PackedBatch b = random_batch(Device::cpu(), 50, {0, 6, 7, 15}, 3);
+  const PackedBatch b = random_batch(50, {0, 6, 7, 15}, 3);
   m.loss(b, true);
-  std::mt19937 rng(11);
-  int checked = 0;
-  for (Parameter& p : m.parameters()) {
-    double* w = p.value.data<double>();
-    const double* g = p.grad.data<double>();
-    for (int trial = 0; trial < 2; ++trial) {
-      const int64_t i = int64_t(rng() % uint32_t(p.value.numel()));
-      const double h = 1e-5, saved = w[i];
-      w[i] = saved + h;
-      const double lp = m.loss(b, false).loss;
-      w[i] = saved - h;
-      const double lm = m.loss(b, false).loss;
-      w[i] = saved;
-      const double numeric = (lp - lm) / (2 * h);
-      EXPECT_NEAR(g[i], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << p.name << "[" << i << "]";
-      ++checked;
-    }
-  }
+  const int checked = expect_gradients_match_finite_differences(m, b, 2);
   EXPECT_EQ(checked, 2 * int(m.parameters().size()));
 }
 
 TEST(Qwen3Packing, DocumentsDoNotSeeEachOther) {
   Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(true, 2, 1, 12), {}, 5, 0.3);
-  const PackedBatch packed = random_batch(Device::cpu(), 50, {0, 9, 16}, 9);
+  const PackedBatch packed = random_batch(50, {0, 9, 16}, 9);
   const std::vector<double> lp = m.label_logprobs(packed);
   for (int doc = 0; doc < 2; ++doc) {
     const int32_t s = packed.host_cu[size_t(doc)], e = packed.host_cu[size_t(doc) + 1];
@@ -165,7 +141,7 @@ TEST(Qwen3Checkpoint, SaveThenLoadGivesTheSameModel) {
   EXPECT_TRUE(fs::exists(dir / "config.json"));
   EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
   Qwen3Model back = Qwen3Model::load(runtime(), dir.string(), {});
-  const PackedBatch b = random_batch(Device::cpu(), 50, {0, 10}, 4);
+  const PackedBatch b = random_batch(50, {0, 10}, 4);
   EXPECT_EQ(to_f32(m.logits(b)), to_f32(back.logits(b)));
   fs::remove_all(dir);
 }

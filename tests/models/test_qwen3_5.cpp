@@ -31,13 +31,6 @@ nlohmann::json tiny_json(bool tied, std::vector<std::string> types = {"linear_at
           {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}}}};
 }
 
-PackedBatch random_batch(int64_t vocab, std::vector<int32_t> cu, uint64_t seed) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::vector<int32_t> ids(size_t(cu.back()));
-  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
-  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), vocab);
-}
-
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
 
 void expect_refused(const nlohmann::json& j, const std::string& needle) {
@@ -107,22 +100,7 @@ TEST(Qwen35Gradient, WholeModelMatchesFiniteDifferencesInF64) {
           p.value.data<double>()[i] += 0.2 * (double(init() % 1000) / 1000.0 - 0.5);
     const PackedBatch b = random_batch(40, {0, 6, 7, 15}, 3);
     m.loss(b, true);
-    std::mt19937 rng(11);
-    for (Parameter& p : m.parameters()) {
-      double* w = p.value.data<double>();
-      const double* g = p.grad.data<double>();
-      for (int trial = 0; trial < 3; ++trial) {
-        const int64_t i = int64_t(rng() % uint32_t(p.value.numel()));
-        const double h = 1e-5, saved = w[i];
-        w[i] = saved + h;
-        const double lp = m.loss(b, false).loss;
-        w[i] = saved - h;
-        const double lm = m.loss(b, false).loss;
-        w[i] = saved;
-        const double numeric = (lp - lm) / (2 * h);
-        EXPECT_NEAR(g[i], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << p.name << "[" << i << "]";
-      }
-    }
+    expect_gradients_match_finite_differences(m, b, 3);
   }
 }
 

@@ -1,6 +1,7 @@
 // Helpers shared by the model tests (tests/models): one Runtime per test binary, a tensor as host f64 values, the
-// relative L2 error every parity check reports, a row-major transpose (PEFT's lora_B layout) and i32 tensors of a
-// fixture file. Header-only; the tests say `using namespace lathe::test_support;`.
+// relative L2 error every parity check reports, a row-major transpose (PEFT's lora_B layout), i32 tensors of a
+// fixture file, a random packed batch, and the finite-difference check of a model's gradients. Header-only; the tests say
+// `using namespace lathe::test_support;`.
 #pragma once
 
 #include <algorithm>
@@ -8,8 +9,13 @@
 #include <cstdint>
 #include <vector>
 
+#include <gtest/gtest.h>
+
+#include <random>
+
 #include "backend/runtime.h"
 #include "io/safetensors.h"
+#include "model/causal_lm.h"
 #include "ops/ops.h"
 
 namespace lathe::test_support {
@@ -51,6 +57,39 @@ inline std::vector<int32_t> read_i32(const io::SafetensorsFile& f, const char* n
   std::vector<int32_t> v(size_t(t.numel));
   f.read_into(name, DType::I32, v.data(), v.size() * 4);
   return v;
+}
+
+// A batch of documents cu = [0, l1, l1 + l2, ...] of seeded random ids below `vocab`, next-token labels.
+inline PackedBatch random_batch(int64_t vocab, const std::vector<int32_t>& cu, uint64_t seed,
+                                Device device = Device::cpu()) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> ids(size_t(cu.back()));
+  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
+  return make_packed_batch(runtime(), device, ids, cu, next_token_labels(ids, cu), vocab);
+}
+
+// The gradients a backward pass of m.loss(b) left in Parameter::grad (an f64 model) against central finite
+// differences (h = 1e-5) of the loss at `trials` random entries of every parameter. Returns the entries checked.
+inline int expect_gradients_match_finite_differences(CausalLm& m, const PackedBatch& b, int trials) {
+  std::mt19937 rng(11);
+  int checked = 0;
+  for (Parameter& p : m.parameters()) {
+    double* w = p.value.data<double>();
+    const double* g = p.grad.data<double>();
+    for (int trial = 0; trial < trials; ++trial) {
+      const int64_t i = int64_t(rng() % uint32_t(p.value.numel()));
+      const double h = 1e-5, saved = w[i];
+      w[i] = saved + h;
+      const double lp = m.loss(b, false).loss;
+      w[i] = saved - h;
+      const double lm = m.loss(b, false).loss;
+      w[i] = saved;
+      const double numeric = (lp - lm) / (2 * h);
+      EXPECT_NEAR(g[i], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << p.name << "[" << i << "]";
+      ++checked;
+    }
+  }
+  return checked;
 }
 
 }  // namespace lathe::test_support
