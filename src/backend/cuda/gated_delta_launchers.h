@@ -1,5 +1,6 @@
-// Raw-pointer launchers of the CUDA Gated DeltaNet kernels (gated_delta.cu): sigmoid, the packed causal depthwise
-// conv1d, the log-decay g = -exp(A_log) softplus(a + dt_bias), and the gated delta rule, each with its backward.
+// Raw-pointer launchers of the CUDA Gated DeltaNet kernels, each with its backward: sigmoid, the packed causal
+// depthwise conv1d and the log-decay g = -exp(A_log) softplus(a + dt_bias) (gdn_pointwise.cu), and the gated delta
+// rule (gated_delta.cu).
 // Every tensor is contiguous; cu_seqlens (docs + 1) i32 lives on the device and is not copied to the host: the
 // kernels clamp malformed boundaries into [0, tokens] (the model validates them before upload). Tensor checks and
 // registration live in gated_delta_ops.cpp; covered by tests/ops (testing/op_cases_gated_delta.cpp). Free of fmt.
