@@ -1,8 +1,8 @@
 // Registration of the CUDA Gated DeltaNet kernels (gated_delta.cu, gdn_pointwise.cu): tensor checks, scratch from
 // the context's allocator (released when the run function returns; safe on the default stream, as in
-// model_ops_register.cpp), launch on the context's stream. The gated delta rule takes the chunked tensor-core path for bf16 with
-// d_k = d_v = 128 and the recurrent path otherwise; both ignore attrs.chunk (the result does not depend on it) and
-// both take g and beta in q's dtype or in f32 (the shape inference admits nothing else).
+// model_ops_register.cpp), launch on the context's stream. The gated delta rule takes the chunked tensor-core path
+// for bf16 with d_k = d_v = 128 and the recurrent path otherwise; both ignore attrs.chunk (the result does not
+// depend on it) and both take g and beta in q's dtype or in f32 (the shape inference admits nothing else).
 // Covered by tests/ops (testing/op_cases_gated_delta.cpp) and tests/ops/test_gdn_cuda.cpp.
 #include <cmath>
 #include <cstdint>
