@@ -1,12 +1,14 @@
 // Gated DeltaNet core benchmark: lathe's `gated_delta_rule` op forward and forward+backward (whatever the registry
-// resolves, printed) on one GPU, timed with CUDA events (3 warm-up rounds, median of the iterations). Usage:
+// resolves, printed) on one GPU, timed with CUDA events (3 warm-up rounds, median of the iterations), as training
+// runs it: the forward saves the chunk-start states and the backward reads them (no forward scan of its own). Usage:
 //   gdn_bench [tokens docs k_heads v_heads dim] [dtype] [iters] [gate dtype (g, beta): f32 by default]
 // Defaults: 16384 tokens in 4 packed documents of 4096, H_k = 16, H_v = 32, d_k = d_v = 128, bf16 (issue 8).
 // Inputs as in the model: q, k L2-normalised per head, g = log-decay in [-1.5, 0), beta in (0, 1), g and beta in f32
 // beside bf16/f16 q, k, v.
 // FLOP model (research note gated-deltanet.md §3.6, dense-GEMM counting per token and value head, chunk C = 64):
 //   forward  = 6 d_k d_v + 6 C d_k + 4 C d_v + C^2 / 3 (the triangular solve),
-//   backward = 16 d_k d_v + 18 C d_k + 10 C d_v + 4 C^2 (recomputation included).
+//   backward = 16 d_k d_v + 18 C d_k + 10 C d_v + 4 C^2 (recomputation included; the model is kept unchanged
+//   although the saved states now spare the backward part of that recomputation).
 // At d = 128, C = 64 that is ~180 K (fwd) and ~508 K (bwd) FLOP per token and value head, the note's table.
 // Also checks that two backward runs give identical bytes. Prints one JSON line per row.
 #include <fmt/format.h>
@@ -94,11 +96,13 @@ int main(int argc, char** argv) {
     std::vector<int32_t> cu = {0};
     for (int64_t b = 0; b < docs; ++b) cu.push_back(int32_t(b == docs - 1 ? tokens : cu.back() + tokens / docs));
     const Tensor cu_t = rt.from_host(cu.data(), {int64_t(cu.size())}, DType::I32, dev);
-    const GatedDeltaAttrs attrs{};
+    GatedDeltaAttrs attrs{};
+    attrs.save_states = true;  // as in training: the forward saves the chunk-start states, the backward reads them
 
     ctx.observer = &observer;
-    auto fwd = [&] { return gated_delta_rule(ctx, q, k, v, g, beta, cu_t, attrs); };
-    auto bwd = [&] { return gated_delta_rule_backward(ctx, q, k, v, g, beta, dout, cu_t, attrs); };
+    Tensor states;
+    auto fwd = [&] { states = gated_delta_rule(ctx, q, k, v, g, beta, cu_t, attrs)[1]; };
+    auto bwd = [&] { return gated_delta_rule_backward(ctx, q, k, v, g, beta, dout, cu_t, states, attrs); };
     for (int i = 0; i < 3; ++i) {
       fwd();
       bwd();

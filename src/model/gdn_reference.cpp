@@ -412,6 +412,8 @@ GdnOutputs<T> gdn_recurrent_forward(const GdnDims& dims, const GdnInputs<T>& in)
   GdnOutputs<T> out;
   out.o.assign(size_t(p.tokens * p.hv * p.dv), T(0));
   out.final_state.assign(size_t(p.docs * p.hv * p.dk * p.dv), T(0));
+  out.chunk_states.assign(size_t((p.tokens / kGdnChunk + p.docs) * p.hv * p.dk * p.dv), T(0));
+  int64_t chunk_base = 0;  // chunks of the documents before this one
   for (int64_t doc = 0; doc < p.docs; ++doc) {
     const int64_t t0 = in.cu_seqlens[size_t(doc)], n = in.cu_seqlens[size_t(doc) + 1] - t0;
     for (int64_t h = 0; h < p.hv; ++h) {
@@ -419,6 +421,7 @@ GdnOutputs<T> gdn_recurrent_forward(const GdnDims& dims, const GdnInputs<T>& in)
       Mat<T> s = load_state(p, in.initial_state, doc, h);
       Mat<T> o(n, p.dv);
       for (int64_t r = 0; r < n; ++r) {
+        if (r % kGdnChunk == 0) store_state(p, out.chunk_states, chunk_base + r / kGdnChunk, h, s);
         recurrent_step(s, x.k.row(r), x.v.row(r), x.g[size_t(r)], x.beta[size_t(r)]);
         for (int64_t i = 0; i < p.dk; ++i)
           for (int64_t j = 0; j < p.dv; ++j) o(r, j) += scale * x.q(r, i) * s(i, j);
@@ -426,6 +429,7 @@ GdnOutputs<T> gdn_recurrent_forward(const GdnDims& dims, const GdnInputs<T>& in)
       add_head(out.o, p.hv, p.dv, t0, h, o);
       store_state(p, out.final_state, doc, h, s);
     }
+    chunk_base += (n + kGdnChunk - 1) / kGdnChunk;
   }
   return out;
 }

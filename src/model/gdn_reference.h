@@ -48,6 +48,10 @@ template <typename T>
 struct GdnOutputs {
   std::vector<T> o;            // (T, H_v, d_v)
   std::vector<T> final_state;  // (N, H_v, d_k, d_v): the state after each document's last token
+  // (T / kGdnChunk + N, H_v, d_k, d_v): the state before each kGdnChunk-token chunk, chunks starting at each
+  // document's first token and numbered document by document; zero past the last chunk (gdn_recurrent_forward only:
+  // the saved states of the gated_delta_rule op).
+  std::vector<T> chunk_states;
 };
 
 template <typename T>

@@ -39,6 +39,7 @@ struct Qwen35Model::LayerActs {
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
   Tensor core, gn, sz, gy;          // (T, Hv, dv): rule output, its norm, silu(z), gn * sz
+  Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   // MLP
   Tensor h, hn, gt, up, act, out;
 };
@@ -306,7 +307,11 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   const DType gd = gdn_gate_dtype(options_.dtype);
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
-  a.core = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens);
+  GatedDeltaAttrs rule;
+  rule.save_states = training;  // a backward follows: it reads the states instead of recomputing them
+  std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
+  a.core = r[0];
+  a.states = r[1];
   a.gn = rmsnorm(cx, a.core, w(l.gnorm), {c.rms_norm_eps, 0.0});
   a.sz = silu(cx, a.z);
   a.gy = mul(cx, a.gn, a.sz);
@@ -370,7 +375,8 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   const Tensor dz = silu_backward(cx, a.z, mul(cx, dgy, a.gn));
   const std::vector<Tensor> dcore = rmsnorm_backward(cx, a.core, w(l.gnorm), mul(cx, dgy, a.sz), {c.rms_norm_eps, 0.0});
   add_grad(l.gnorm, dcore[1]);
-  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore[0], b.cu_seqlens);
+  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore[0], b.cu_seqlens,
+                                                           a.states);
   // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
   const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
   const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),

@@ -93,9 +93,11 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
       LATHE_CHECK(a.chunk >= 1 && std::isfinite(a.scale) && a.scale >= 0.0,
                   "ops: {} needs chunk >= 1 and a finite scale >= 0 (0 = d_k^-1/2), got chunk {}, scale {}", name,
                   a.chunk, a.scale);
+      const Shape states{a.save_states ? gdn_state_rows(q.size(0), in[5].size(0) - 1) : 0, v.size(1), q.size(2),
+                         v.size(2)};
       if (op == OpId::gated_delta_rule) {
         check_cu(op, in[5]);
-        return {{v.shape(), v.dtype()}};
+        return {{v.shape(), v.dtype()}, {states, v.dtype()}};
       }
       if (op == OpId::gated_delta_rule_state) {
         check_cu(op, in[5]);
@@ -112,6 +114,13 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
       LATHE_CHECK(in[5].shape() == v.shape(), "ops: gated_delta_rule_backward do {} does not match v {}",
                   in[5].describe(), v.describe());
       check_cu(op, in[6]);
+      const Tensor& saved = in[7];
+      Shape full = states;
+      full[0] = gdn_state_rows(q.size(0), in[6].size(0) - 1);
+      LATHE_CHECK(saved.dtype() == v.dtype() && saved.dim() == 4 && (saved.size(0) == 0 || saved.shape() == full) &&
+                      saved.size(1) == full[1] && saved.size(2) == full[2] && saved.size(3) == full[3],
+                  "ops: gated_delta_rule_backward needs the forward's states {} in {} (or 0 rows), got {}",
+                  shape_str(full), dtype_name(v.dtype()), saved.describe());
       return {{q.shape(), q.dtype()}, {k.shape(), k.dtype()}, {v.shape(), v.dtype()}, {g.shape(), g.dtype()},
               {beta.shape(), beta.dtype()}};
     }
@@ -134,8 +143,8 @@ std::vector<Tensor> gated_delta_op_backward(ExecContext& ctx, OpId op, const std
     case OpId::gdn_decay:
       return gdn_decay_backward(ctx, in[0], in[1], in[2], dy);
     case OpId::gated_delta_rule: {
-      std::vector<Tensor> g =
-          gated_delta_rule_backward(ctx, in[0], in[1], in[2], in[3], in[4], dy, in[5], std::get<GatedDeltaAttrs>(attrs));
+      std::vector<Tensor> g = gated_delta_rule_backward(ctx, in[0], in[1], in[2], in[3], in[4], dy, in[5],
+                                                        outputs.at(1), std::get<GatedDeltaAttrs>(attrs));
       g.push_back(Tensor());
       return g;
     }
@@ -170,12 +179,13 @@ std::vector<Tensor> gdn_decay_backward(ExecContext& ctx, const Tensor& a, const 
                  {contiguous(ctx, a), contiguous(ctx, a_log), contiguous(ctx, dt_bias), contiguous(ctx, dg)});
 }
 
-Tensor gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                        const Tensor& beta, const Tensor& cu_seqlens, GatedDeltaAttrs attrs) {
+std::vector<Tensor> gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                     GatedDeltaAttrs attrs) {
   return call_op(ctx, OpId::gated_delta_rule,
                  {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, g), contiguous(ctx, beta),
                   contiguous(ctx, cu_seqlens)},
-                 attrs)[0];
+                 attrs);
 }
 
 std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -189,10 +199,14 @@ std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, co
 
 std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
-                                              const Tensor& cu_seqlens, GatedDeltaAttrs attrs) {
+                                              const Tensor& cu_seqlens, const Tensor& states,
+                                              GatedDeltaAttrs attrs) {
+  // No saved states: a (0, H_v, d_k, d_v) placeholder (nothing allocated) asks the kernels to recompute them.
+  const Tensor saved = states.defined() ? contiguous(ctx, states)
+                                        : Tensor::empty({0, v.size(1), q.size(2), v.size(2)}, v.dtype(), ctx.allocator);
   return call_op(ctx, OpId::gated_delta_rule_backward,
                  {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, g), contiguous(ctx, beta),
-                  contiguous(ctx, d_o), contiguous(ctx, cu_seqlens)},
+                  contiguous(ctx, d_o), contiguous(ctx, cu_seqlens), saved},
                  attrs);
 }
 

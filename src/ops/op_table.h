@@ -45,7 +45,7 @@ namespace lathe {
   X(gdn_decay, 3)        \
   X(gdn_decay_backward, 4) \
   X(gated_delta_rule, 6) \
-  X(gated_delta_rule_backward, 7) \
+  X(gated_delta_rule_backward, 8) \
   X(gated_delta_rule_state, 7)
 
 enum class OpId {
@@ -166,10 +166,16 @@ struct SegmentAttrs {
 //   (dx, dw).
 // gdn_decay(a (T, H), A_log (H), dt_bias (H)) -> g (T, H) = -exp(A_log) softplus(a + dt_bias), the log-decay;
 //   gdn_decay_backward(a, A_log, dt_bias, dg) -> (da, dA_log, ddt_bias).
-// gated_delta_rule(q, k (T, H_k, d_k), v (T, H_v, d_v), g, beta (T, H_v), cu) -> o (T, H_v, d_v): the gated delta
-//   rule per (document, value head) from a zero state, value head h reading key head h / (H_v / H_k); q and k are
-//   used as given (L2-normalise them first), the query scale is applied inside; g must be <= 0.
-//   gated_delta_rule_backward(q, k, v, g, beta, do, cu) -> (dq, dk, dv, dg, dbeta), dq/dk summed over each group.
+// gated_delta_rule(q, k (T, H_k, d_k), v (T, H_v, d_v), g, beta (T, H_v), cu) -> (o (T, H_v, d_v), states): the
+//   gated delta rule per (document, value head) from a zero state, value head h reading key head h / (H_v / H_k); q
+//   and k are used as given (L2-normalise them first), the query scale is applied inside; g must be <= 0.
+//   states: where attrs.save_states, (T / 64 + N, H_v, d_k, d_v) in v's dtype: row c is the state before the c-th
+//   64-token chunk of the batch (chunks start at each document's first token and are numbered document by
+//   document; a document's first chunk starts from zero), the rows past the last chunk are zero; else (0, H_v, d_k,
+//   d_v). A cache for the backward, which then skips its own forward scan.
+//   gated_delta_rule_backward(q, k, v, g, beta, do, cu, states) -> (dq, dk, dv, dg, dbeta), dq/dk summed over each
+//   group; states is the forward's (or has 0 rows: recomputed). The result does not depend on it beyond rounding:
+//   the CPU and recurrent CUDA kernels always recompute; the chunked CUDA kernels read it.
 // gated_delta_rule_state(q, k, v, g, beta, cu, state (N, H_v, d_k, d_v)) -> (o (T, H_v, d_v), final_state (N, H_v,
 //   d_k, d_v)): the same rule, document n starting from state[n] instead of zero; final_state[n] is the state after
 //   its last token (state[n] itself for an empty document). The states are in the accumulation dtype (f32; f64 for
@@ -178,6 +184,7 @@ struct SegmentAttrs {
 struct GatedDeltaAttrs {
   double scale = 0.0;   // query scale; 0 = d_k^{-1/2}
   int64_t chunk = 64;   // chunk length of the chunked (WY) algorithm; the result does not depend on it
+  bool save_states = false;  // gated_delta_rule: also return the chunk-start states (for the backward)
 };
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,

@@ -71,12 +71,17 @@ std::vector<Tensor> causal_conv1d_backward(ExecContext& ctx, const Tensor& x, co
 Tensor gdn_decay(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias);
 std::vector<Tensor> gdn_decay_backward(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias,
                                        const Tensor& dg);  // {da, dA_log, ddt_bias}
-Tensor gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                        const Tensor& beta, const Tensor& cu_seqlens, GatedDeltaAttrs attrs = {});
+// {o, states}: states has 0 rows unless attrs.save_states (then pass it to the backward).
+std::vector<Tensor> gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
+                                     GatedDeltaAttrs attrs = {});
+// {dq, dk, dv, dg, dbeta}; `states` from the forward, or undefined / 0 rows to recompute them.
 std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
-                                              const Tensor& cu_seqlens,
-                                              GatedDeltaAttrs attrs = {});  // {dq, dk, dv, dg, dbeta}
+                                              const Tensor& cu_seqlens, const Tensor& states = {},
+                                              GatedDeltaAttrs attrs = {});
+// Rows of the saved chunk-start states for `tokens` tokens in `docs` documents: a bound on the 64-token chunks.
+inline int64_t gdn_state_rows(int64_t tokens, int64_t docs) { return tokens / 64 + docs; }
 // The rule from given per-document states (prefill / decoding): {o (T, H_v, d_v), final_state (N, H_v, d_k, d_v)}.
 // `state` is f32 (f64 for f64 inputs); the dtype the state must have is gdn_state_dtype(q.dtype()).
 std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,

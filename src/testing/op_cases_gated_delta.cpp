@@ -3,7 +3,9 @@
 // d_k != d_v. Inputs of the delta rule are drawn where it is stable (|k|^2 beta <= ~1) and g < 0, as in the model.
 // BF16 and F16 rows run on CUDA only (the CPU has f32/f64 kernels and skips them); the model-sized rows (d_k = d_v =
 // 128, H_k = 2, H_v = 4, documents of 1, 63, 64, 65 and 200 tokens) exercise the chunked tensor-core kernels in bf16
-// and the recurrent kernel in f32/f16. Rows named f32_gates pass g and beta in f32 beside bf16/f16 q, k, v.
+// and the recurrent kernel in f32/f16. Rows named f32_gates pass g and beta in f32 beside bf16/f16 q, k, v. Rows
+// named save_states also return the chunk-start states and, differentiable, run the backward from them; the
+// backward rows pass none (0 rows: recomputed).
 #include "testing/op_check.h"
 
 namespace lathe {
@@ -41,21 +43,28 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
   add_gdr(13, 1, 2, 8, 6, cu13, GatedDeltaAttrs{0.0, 4}, "docs=2+7+1+3");
   add_gdr(11, 2, 2, 4, 4, cu1, GatedDeltaAttrs{0.3, 3}, "scale=0.3,one_doc");
   add_gdr(70, 1, 3, 8, 8, {0, 1, 66, 70}, GatedDeltaAttrs{}, "chunk64,docs=1+65+4");
+  // Saved chunk-start states (the recurrent kernel on CUDA): 1 + 2 + 1 chunks, and 2 + 1 chunks in 4 rows (a zero
+  // tail).
+  add_gdr(70, 1, 3, 8, 8, {0, 1, 66, 70}, GatedDeltaAttrs{0.0, 64, true}, "docs=1+65+4,save_states");
+  add_gdr(128, 1, 2, 8, 8, {0, 100, 128}, GatedDeltaAttrs{0.0, 16, true}, "docs=100+28,save_states");
   std::vector<std::pair<double, double>> bwd_ranges = ranges;
   bwd_ranges.push_back({-2.0, 2.0});
   // Model-sized: |k|^2 ~ 1 with d_k = 128 (the model L2-normalises q and k).
   const std::vector<double> cu_docs = {0, 1, 64, 128, 193, 393};
   std::vector<std::pair<double, double>> big = {{-0.15, 0.15}, {-0.15, 0.15}, {-2.0, 2.0}, {-1.5, -0.001}, {0.001, 1.0}};
-  c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
-               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{}, kDevice,
-               false, false, {{}, {}, {}, {}, {}, cu_docs}, big});
+  // Saving the states (9 chunks in 11 rows) and differentiable: the backward reads the forward's own states.
+  c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,save_states",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{0.0, 64, true},
+               kDevice, false, true, {{}, {}, {}, {}, {}, cu_docs}, big});
   big.push_back({-2.0, 2.0});
   c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
-               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6}}, GatedDeltaAttrs{},
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6},
+                {0, 4, 128, 128}}, GatedDeltaAttrs{},
                kDevice, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big});
   // An empty document between two others, and a single document of one chunk plus one token (bf16 chunked).
   c.push_back({OpId::gated_delta_rule_backward, "t=70,hk=1,hv=2,dk=128,dv=128,docs=5+0+65",
-               {{70, 1, 128}, {70, 1, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4}}, GatedDeltaAttrs{0.0, 3},
+               {{70, 1, 128}, {70, 1, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4},
+                {0, 2, 128, 128}}, GatedDeltaAttrs{0.0, 3},
                kDevice, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big});
   c.push_back({OpId::causal_conv1d, "t=393,c=768,w=4,docs=1+63+64+65+200", {{393, 768}, {768, 4}, {6}}, {}, kDevice,
                false, false, {{}, {}, cu_docs}});
@@ -77,15 +86,21 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates",
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{}, k16, false,
                false, {{}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
+  c.push_back({OpId::gated_delta_rule, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates,save_states",
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{0.0, 64, true},
+               k16, false, true, {{}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
   c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates",
-               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6}}, GatedDeltaAttrs{},
+               {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6},
+                {0, 4, 128, 128}}, GatedDeltaAttrs{},
                k16, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
   // H_v = H_k: the chunked backward writes dq, dk itself (no group sum).
   c.push_back({OpId::gated_delta_rule_backward, "t=70,hk=2,hv=2,dk=128,dv=128,docs=5+0+65,f32_gates",
-               {{70, 2, 128}, {70, 2, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4}}, GatedDeltaAttrs{},
+               {{70, 2, 128}, {70, 2, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4},
+                {0, 2, 128, 128}}, GatedDeltaAttrs{},
                k16, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big, {3, 4}});
   c.push_back({OpId::gated_delta_rule_backward, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4",
-               {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5}}, GatedDeltaAttrs{0.0, 4}, kRef,
+               {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5},
+                {0, 2, 8, 6}}, GatedDeltaAttrs{0.0, 4}, kRef,
                false, false, {{}, {}, {}, {}, {}, {}, cu13}, bwd_ranges});
 }
 

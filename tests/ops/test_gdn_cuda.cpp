@@ -1,5 +1,6 @@
 // Determinism of the CUDA gated_delta_rule backward: the same inputs give bitwise the same dq, dk, dv, dg, dbeta on
-// two runs, for the chunked tensor-core kernels (bf16, d_k = d_v = 128, GQA group 2, packed documents) and the
+// two runs, and a third run from the forward's saved chunk-start states (which skips the backward's own forward scan)
+// gives those same bytes, for the chunked tensor-core kernels (bf16, d_k = d_v = 128, GQA group 2, packed documents) and the
 // recurrent kernel (f32, small dims), with g and beta in the dtype of q or in f32 (the model's). dq and dk sum the value heads of each key head in a fixed order, without
 // atomics. Accuracy is checked by the op cases (tests/ops); skips with the reason when no CUDA device is present.
 #include <gtest/gtest.h>
@@ -45,14 +46,20 @@ void check_deterministic(DType dt, DType gate, int64_t hk, int64_t hv, int64_t d
   const Tensor beta = uniform(ctx, {t, hv}, gate, 0.001, 1, rng);
   const Tensor d_o = uniform(ctx, {t, hv, dv}, dt, -2, 2, rng);
   const Tensor cu_t = runtime().from_host(cu.data(), {int64_t(cu.size())}, DType::I32, Device::cuda(0));
+  GatedDeltaAttrs save;
+  save.save_states = true;
+  const std::vector<Tensor> fwd = gated_delta_rule(ctx, q, k, v, g, beta, cu_t, save);
+  ASSERT_EQ(fwd[1].size(0), t / 64 + int64_t(cu.size()) - 1);
   std::vector<std::vector<uint8_t>> first;
-  for (int run = 0; run < 2; ++run) {
-    const std::vector<Tensor> grads = gated_delta_rule_backward(ctx, q, k, v, g, beta, d_o, cu_t, GatedDeltaAttrs{});
+  for (int run = 0; run < 3; ++run) {
+    const Tensor states = run == 2 ? fwd[1] : Tensor();
+    const std::vector<Tensor> grads = gated_delta_rule_backward(ctx, q, k, v, g, beta, d_o, cu_t, states);
     ASSERT_EQ(grads.size(), 5u);
     for (size_t i = 0; i < grads.size(); ++i) {
       std::vector<uint8_t> b = bytes_of(grads[i]);
       if (run == 0) first.push_back(std::move(b));
-      else EXPECT_TRUE(b == first[i]) << "gradient " << i << " differs between two runs";
+      else EXPECT_TRUE(b == first[i]) << "gradient " << i << " of run " << run << " differs from run 0"
+                                      << (run == 2 ? " (saved states)" : "");
     }
   }
 }

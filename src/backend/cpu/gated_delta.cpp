@@ -151,6 +151,8 @@ void gdr_kernel(const OpCall& c, ExecContext&) {
   GdnInputs<T> in{span_of<T>(c.inputs[0]), span_of<T>(c.inputs[1]), span_of<T>(c.inputs[2]),
                   span_of<T>(c.inputs[3]), span_of<T>(c.inputs[4]), std::span<const int32_t>(cu), {}};
   copy_out(gdn_chunked_forward<T>(dims_of<T>(c), in, c.attr<GatedDeltaAttrs>().chunk).o, c.outputs[0]);
+  // The saved chunk-start states, from the plain recurrence (independent of the chunked form above).
+  if (c.outputs[1].numel() > 0) copy_out(gdn_recurrent_forward<T>(dims_of<T>(c), in).chunk_states, c.outputs[1]);
 }
 
 // The rule from given states (the state has the key dtype here: f32 or f64, the accumulation dtype of each).
@@ -165,6 +167,7 @@ void gdr_state_kernel(const OpCall& c, ExecContext&) {
   copy_out(out.final_state, c.outputs[1]);
 }
 
+// The forward's saved states (input 7) are not read: this specification recomputes everything from the inputs.
 template <typename T>
 void gdr_backward_kernel(const OpCall& c, ExecContext&) {
   const std::vector<int32_t> cu = documents("gated_delta_rule", c.inputs[6], c.inputs[0].size(0));

@@ -14,8 +14,12 @@
 //                reverse scan (dS in registers) saving dH[c] and dDelta, then per chunk and value head (parallel,
 //                two kernels of two blocks per SM each) dq, dk, dv, dbeta, dg through the output and state terms and
 //                through the WY form (§3.5 steps 5-7). Intermediates (W, U, R, H, dH, Delta) are bf16 as in fla.
+//      saved states: a training forward (attrs.save_states) also writes H[c] from its scan; the backward given them
+//                skips its forward scan and forms Delta = U - W H[c] chunk-parallel (delta_kernel) from the same bf16
+//                operands with the same mma, so its gradients are bitwise those of the recomputing backward.
 //  * recurrent, every other dtype / dim: one block per (document, value head) walks the tokens with the state
-//    (d_k x d_v fp32) in shared memory; the backward recomputes states from checkpoints every 64 tokens.
+//    (d_k x d_v fp32) in shared memory (and writes it before every 64-token chunk where states are saved); the
+//    backward recomputes states from checkpoints every 64 tokens (it does not read saved states).
 // GQA: value head h reads key head h / (H_v / H_k); dq and dk are first written per value head (fp32 scratch)
 // and then summed over each group in a fixed order, so every output is bitwise reproducible (no atomics). Without
 // GQA (H_v = H_k) the chunked kernels write dq and dk in bf16 directly (same rounding, no group-sum pass).
@@ -56,6 +60,15 @@ __global__ void chunk_offsets_kernel(const int32_t* cu, int64_t docs, int64_t to
     acc += int32_t((sp.end - sp.start + kChunk - 1) / kChunk);
   }
   offsets[docs] = acc;
+}
+
+// Zeroes the saved-state rows past the last chunk: bytes [offsets[docs] * row_bytes, rows * row_bytes).
+__global__ void zero_state_tail_kernel(const int32_t* offsets, int64_t docs, int64_t rows, int64_t row_bytes,
+                                       unsigned char* states) {
+  const int64_t end = rows * row_bytes;
+  for (int64_t i = int64_t(offsets[docs]) * row_bytes + blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < end;
+       i += int64_t(gridDim.x) * blockDim.x)
+    states[i] = 0;
 }
 
 struct ChunkLoc {
@@ -116,9 +129,11 @@ struct RecurrentArgs {
 // ------------------------------------------------------------------- delta rule: recurrent (any dims/dtype)
 // One block per (document, value head); S (d_k, d_v) fp32 in shared memory; token by token:
 // S <- e^g S; u = beta (v - S^T k); S <- S + k u^T; o = s S^T q.
+// `states` (optional): the state before every 64-token chunk, row offsets[doc] + chunk (the op's saved states).
 template <typename T, typename G>
 __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(RecurrentArgs a, const T* q, const T* k,
-                                                                      const T* v, const G* g, const G* beta, T* o) {
+                                                                      const T* v, const G* g, const G* beta, T* o,
+                                                                      const int32_t* offsets, T* states) {
   extern __shared__ float sm[];
   const int64_t dk = a.dk, dv = a.dv;
   float* S = sm;            // (dk, dv)
@@ -128,7 +143,12 @@ __global__ void __launch_bounds__(kThreads) recurrent_forward_kernel(RecurrentAr
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const Span sp = doc_span(a.cu, doc, a.tokens);
   for (int64_t e = threadIdx.x; e < dk * dv; e += blockDim.x) S[e] = 0;
+  __syncthreads();
   for (int64_t t = sp.start; t < sp.end; ++t) {
+    if (states && (t - sp.start) % kChunk == 0) {
+      T* row = states + ((offsets[doc] + (t - sp.start) / kChunk) * a.hv + h) * dk * dv;
+      for (int64_t e = threadIdx.x; e < dk * dv; e += blockDim.x) store(row, e, S[e]);
+    }
     for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) {
       sk[i] = load(k, (t * a.hk + kh) * dk + i);
       sq[i] = load(q, (t * a.hk + kh) * dk + i);
@@ -683,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     S.each_pair([&](int i, int j, float x0, float x1) { st_bf2(Sb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
-    if (kStates)  // H[c], 16-byte stores
+    if (kStates || a.hs)  // H[c] (the backward's, or the op's saved states), 16-byte stores
       store_tile<kVTile>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
     {
       Tile<64, 64> d;
@@ -813,6 +833,34 @@ __device__ void load_state_half(bf16* dst, const bf16* src, int col0) {
     const int r = e / (kVTile / 8), c = (e % (kVTile / 8)) * 8;
     cp_async16(dst + r * kLdC + c, src + r * kD + col0 + c, true);
   }
+}
+
+// Delta = U - W H[c] per (chunk, value head, half of d_v) from saved chunk-start states, chunk-parallel: the same
+// bf16 operands and mma as the forward scan (which computes Delta on its way), so the same values.
+constexpr size_t kDeltaSmem = sizeof(bf16) * (kChunk * kLdD + kChunk * kLdC + kD * kLdC);
+__global__ void __launch_bounds__(kThreads) delta_kernel(ChunkArgs a) {
+  ChunkLoc c;
+  if (!locate_chunk(a.offsets, a.cu, a.docs, a.tokens, blockIdx.x, c)) return;
+  const int64_t h = blockIdx.y;
+  const int jv0 = blockIdx.z * kVTile;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
+  bf16* Ub = Wb + kChunk * kLdD;             // (64, kLdC) U, then Delta
+  bf16* Sb = Ub + kChunk * kLdC;             // (128, kLdC) columns [jv0, jv0 + 64) of H[c]
+  load_tile<kD>(Wb, kLdD, a.w, c.t0, c.n, a.hv, h, kD, 0);
+  load_tile<kVTile>(Ub, kLdC, a.u, c.t0, c.n, a.hv, h, kD, jv0);
+  load_state_half(Sb, a.hs + (int64_t(blockIdx.x) * a.hv + h) * kD * kD, jv0);
+  cp_async_wait_all();
+  __syncthreads();
+  Tile<64, 64> d;
+  d.zero();
+  d.mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
+  d.each_pair([&](int r, int j, float x0, float x1) {  // each element read and written by the same thread
+    const float2 u = ld_bf2(Ub + r * kLdC + j);
+    st_bf2(Ub + r * kLdC + j, u.x - x0, u.y - x1);
+  });
+  __syncthreads();
+  store_tile<kVTile>(a.delta, c.t0, c.n, a.hv, h, kD, jv0, Ub, kLdC);
 }
 
 constexpr size_t kStateBwdSmem = sizeof(bf16) * (2 * kChunk * kLdD + 2 * kD * kLdC + 4 * kChunk * kLdC) +
@@ -1107,7 +1155,8 @@ struct ChunkScratch {
   bf16* dw;
   float* dbp;
 };
-ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
+// `own_states`: the backward carves H[c] itself (false when the forward's saved states are given).
+ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward, bool own_states = true) {
   const size_t th = size_t(s.tokens * s.v_heads), mc = size_t(max_chunks(s) * s.v_heads);
   ChunkScratch x{};
   x.offsets = c.take<int32_t>(size_t(s.docs + 1));
@@ -1117,7 +1166,7 @@ ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward) {
   x.p = c.take<bf16>(th * kChunk);
   if (backward) {
     x.r = c.take<bf16>(th * kChunk);
-    x.hs = c.take<bf16>(mc * kD * kD);
+    if (own_states) x.hs = c.take<bf16>(mc * kD * kD);
     x.dhs = c.take<bf16>(mc * kD * kD);
     x.delta = c.take<bf16>(th * kD);
     x.ddelta = c.take<bf16>(th * kD);
@@ -1202,35 +1251,61 @@ bool gdn_chunked_supported(DType dtype, int64_t k_dim, int64_t v_dim) {
   return dtype == DType::BF16 && k_dim == kD && v_dim == kD;
 }
 
-size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s) {
+size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s, bool save_states) {
   Carve c{nullptr};
   if (chunked) carve_chunked(c, s, false);
+  else if (save_states) c.take<int32_t>(size_t(s.docs + 1));  // the chunk offsets
   return c.used;
 }
 
-size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s) {
+size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_states) {
   Carve c{nullptr};
-  if (chunked) carve_chunked(c, s, true);
+  if (chunked) carve_chunked(c, s, true, !saved_states);
   else carve_recurrent(c, s);
   return c.used;
 }
 
+namespace {
+
+// Zero fill of the saved-state rows past the last chunk (their count is only known on the device).
+void launch_zero_state_tail(const GdnShape& s, size_t elem_bytes, const int32_t* offsets, void* states,
+                            cudaStream_t stream) {
+  const int64_t row_bytes = s.v_heads * s.k_dim * s.v_dim * int64_t(elem_bytes);
+  zero_state_tail_kernel<<<grid_for(s.docs * row_bytes, kThreads), kThreads, 0, stream>>>(
+      offsets, s.docs, max_chunks(s), row_bytes, static_cast<unsigned char*>(states));
+  LATHE_CUDA_LAUNCH_CHECK("gdn zero_state_tail_kernel");
+}
+
+}  // namespace
+
 void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                              const void* k, const void* v, const void* g, const void* beta, const int32_t* cu, void* o,
-                             void* workspace, cudaStream_t stream) {
-  if (s.tokens == 0) return;
+                             void* states, void* workspace, cudaStream_t stream) {
+  if (s.tokens == 0) {
+    if (states) LATHE_CUDA_CHECK(cudaMemsetAsync(states, 0, size_t(max_chunks(s) * s.v_heads * s.k_dim * s.v_dim) *
+                                                                dtype_size(dtype), stream));
+    return;
+  }
+  Carve c{static_cast<char*>(workspace)};
   if (chunked) {
-    Carve c{static_cast<char*>(workspace)};
     const ChunkScratch x = carve_chunked(c, s, false);
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     a.o = static_cast<bf16*>(o);
+    a.hs = static_cast<bf16*>(states);  // null: not saved
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, false, stream);
     allow_smem(scan_forward_kernel<false>, kScanSmem);
     scan_forward_kernel<false><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile), kThreads, kScanSmem,
                                  stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
+    if (states) launch_zero_state_tail(s, sizeof(bf16), x.offsets, states, stream);
     return;
+  }
+  int32_t* offsets = nullptr;
+  if (states) {
+    offsets = c.take<int32_t>(size_t(s.docs + 1));
+    launch_offsets(s, cu, offsets, stream);
+    launch_zero_state_tail(s, dtype_size(dtype), offsets, states, stream);
   }
   const size_t smem = sizeof(float) * size_t(s.k_dim * s.v_dim + 2 * s.k_dim + s.v_dim);
   dispatch_gates(dtype, gate_dtype, [&](auto tag, auto gate_tag) {
@@ -1239,23 +1314,24 @@ void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const 
     allow_smem(recurrent_forward_kernel<T, G>, smem);
     recurrent_forward_kernel<T, G><<<dim3(unsigned(s.docs), unsigned(s.v_heads)), kThreads, smem, stream>>>(
         recurrent_args(s, cu), static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-        static_cast<const G*>(g), static_cast<const G*>(beta), static_cast<T*>(o));
+        static_cast<const G*>(g), static_cast<const G*>(beta), static_cast<T*>(o), offsets, static_cast<T*>(states));
   });
   LATHE_CUDA_LAUNCH_CHECK("gdn recurrent_forward_kernel");
 }
 
 void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                                       const void* k, const void* v, const void* g, const void* beta, const void* d_o,
-                                      const int32_t* cu, void* dq, void* dk, void* dv, void* dg, void* dbeta,
-                                      void* workspace, cudaStream_t stream) {
+                                      const int32_t* cu, const void* states, void* dq, void* dk, void* dv, void* dg,
+                                      void* dbeta, void* workspace, cudaStream_t stream) {
   if (s.tokens == 0) return;
   Carve c{static_cast<char*>(workspace)};
   const int64_t group = s.v_heads / s.k_heads;
   const float* dqh = nullptr;
   const float* dkh = nullptr;
   if (chunked) {
-    const ChunkScratch x = carve_chunked(c, s, true);
+    const ChunkScratch x = carve_chunked(c, s, true, states == nullptr);
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
+    if (states) a.hs = static_cast<bf16*>(const_cast<void*>(states));  // read only
     a.d_o = static_cast<const bf16*>(d_o);
     a.dv = static_cast<bf16*>(dv);
     a.dg = dg;
@@ -1267,13 +1343,19 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, true, stream);
     const dim3 scan_grid(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile);
-    allow_smem(scan_forward_kernel<true>, kScanSmem);
-    scan_forward_kernel<true><<<scan_grid, kThreads, kScanSmem, stream>>>(a);
-    LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel (states)");
+    const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
+    if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
+      allow_smem(delta_kernel, kDeltaSmem);
+      delta_kernel<<<dim3(chunk_grid.x, chunk_grid.y, kD / kVTile), kThreads, kDeltaSmem, stream>>>(a);
+      LATHE_CUDA_LAUNCH_CHECK("gdn delta_kernel");
+    } else {
+      allow_smem(scan_forward_kernel<true>, kScanSmem);
+      scan_forward_kernel<true><<<scan_grid, kThreads, kScanSmem, stream>>>(a);
+      LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel (states)");
+    }
     allow_smem(scan_backward_kernel, kScanBwdSmem);
     scan_backward_kernel<<<scan_grid, kThreads, kScanBwdSmem, stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
-    const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
     allow_smem(chunk_backward_state_kernel, kStateBwdSmem);
     chunk_backward_state_kernel<<<chunk_grid, kThreads, kStateBwdSmem, stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_state_kernel");

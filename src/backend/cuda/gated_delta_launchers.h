@@ -51,17 +51,21 @@ constexpr int64_t kMaxRecurrentState = 128 * 128;
 
 // `chunked` picks the implementation (true only where gdn_chunked_supported). Bytes of device scratch the
 // launchers need (the caller allocates them; 256-byte aligned).
-size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s);
-size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s);
+// `save_states`: the forward also writes the op's saved states; `saved_states`: the backward is given them.
+size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s, bool save_states);
+size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_states);
 
-// `dtype` is that of q, k, v, o (d_o, dq, dk, dv); `gate_dtype` that of g, beta (dg, dbeta): `dtype` or F32.
+// `dtype` is that of q, k, v, o (d_o, dq, dk, dv, states); `gate_dtype` that of g, beta (dg, dbeta): `dtype` or F32.
+// `states`: null, or the op's saved chunk-start states (tokens / 64 + docs, H_v, d_k, d_v) to write.
 void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                              const void* k, const void* v, const void* g, const void* beta, const int32_t* cu_seqlens,
-                             void* o, void* workspace, cudaStream_t stream);
-// dq, dk come back summed over each group of H_v / H_k value heads, in a fixed order (deterministic).
+                             void* o, void* states, void* workspace, cudaStream_t stream);
+// dq, dk come back summed over each group of H_v / H_k value heads, in a fixed order (deterministic). `states`:
+// null, or the forward's saved states, which the chunked kernels read instead of running their own forward scan
+// (the recurrent kernel recomputes regardless).
 void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                                       const void* k, const void* v, const void* g, const void* beta, const void* d_o,
-                                      const int32_t* cu_seqlens, void* dq, void* dk, void* dv, void* dg, void* dbeta,
-                                      void* workspace, cudaStream_t stream);
+                                      const int32_t* cu_seqlens, const void* states, void* dq, void* dk, void* dv,
+                                      void* dg, void* dbeta, void* workspace, cudaStream_t stream);
 
 }  // namespace lathe::cuda

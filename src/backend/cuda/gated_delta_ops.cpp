@@ -49,7 +49,7 @@ Support gdr_recurrent_supports(const OpCall& c) {
 GdnShape shape_of(const OpCall& c) {
   const Tensor& q = c.inputs[0];
   const Tensor& v = c.inputs[2];
-  const Tensor& cu = c.inputs.back();
+  const Tensor& cu = c.inputs[c.op == OpId::gated_delta_rule_backward ? 6 : 5];
   GdnShape s;
   s.tokens = q.size(0);
   s.docs = cu.size(0) - 1;
@@ -70,20 +70,22 @@ Tensor workspace(ExecContext& ctx, size_t bytes) {
 void run_gdr(bool chunked, const OpCall& c, ExecContext& ctx) {
   const GdnShape s = shape_of(c);
   const std::vector<Tensor>& in = c.inputs;
-  Tensor ws = workspace(ctx, gdn_forward_workspace_bytes(chunked, s));
+  void* states = c.outputs[1].numel() > 0 ? c.outputs[1].data_ptr() : nullptr;
+  Tensor ws = workspace(ctx, gdn_forward_workspace_bytes(chunked, s, states != nullptr));
   launch_gated_delta_rule(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
                           in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data<int32_t>(),
-                          c.outputs[0].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
+                          c.outputs[0].data_ptr(), states, ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
 }
 
 void run_gdr_backward(bool chunked, const OpCall& c, ExecContext& ctx) {
   const GdnShape s = shape_of(c);
   const std::vector<Tensor>& in = c.inputs;
   const std::vector<Tensor>& out = c.outputs;
-  Tensor ws = workspace(ctx, gdn_backward_workspace_bytes(chunked, s));
+  const void* states = in[7].numel() > 0 ? in[7].data_ptr() : nullptr;
+  Tensor ws = workspace(ctx, gdn_backward_workspace_bytes(chunked, s, states != nullptr));
   launch_gated_delta_rule_backward(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
                                    in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data_ptr(),
-                                   in[6].data<int32_t>(), out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+                                   in[6].data<int32_t>(), states, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
                                    out[3].data_ptr(), out[4].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr,
                                    stream_of(ctx));
 }
