@@ -1,6 +1,7 @@
 // The op cases: shapes chosen to hit edge sizes (1, odd, not multiples of tile sizes), broadcasting,
-// transposes, batching and strided inputs. A new kernel must be reachable from at least one case (the
-// coverage check in op_check.cpp fails otherwise).
+// transposes, batching and strided inputs, and both paths of the CUDA kernels that move 16-byte packs (sizes
+// that are multiples of the pack, with a tail, and rows of single elements). A new kernel must be reachable from
+// at least one case (the coverage check in op_check.cpp fails otherwise). Run by tests/ops on every device.
 #include "testing/op_check.h"
 
 namespace lathe {
@@ -42,6 +43,10 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::embedding, "v=11,h=6,t=9", {{11, 6}, {9}}, {}, kFloat, false, true, {{}, iota_mod(9, 11, 4)}});
   c.push_back({OpId::embedding, "v=1000,h=64,t=300", {{1000, 64}, {300}}, {}, kFloat, false, true,
                {{}, iota_mod(300, 1000, 37)}});
+  // The CUDA gather copies 16-byte packs when hidden is a multiple of 16 bytes (2048, 256), elements otherwise (258).
+  c.push_back({OpId::embedding, "v=20,h=2048,t=12", {{20, 2048}, {12}}, {}, kFloat, false, true, {{}, iota_mod(12, 20, 7)}});
+  c.push_back({OpId::embedding, "v=30,h=256,t=33", {{30, 256}, {33}}, {}, kFloat, false, true, {{}, iota_mod(33, 30, 11)}});
+  c.push_back({OpId::embedding, "v=30,h=258,t=20", {{30, 258}, {20}}, {}, kFloat, false, true, {{}, iota_mod(20, 30, 13)}});
   c.push_back({OpId::rmsnorm, "h=32,eps=1e-6", {{5, 32}, {32}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}}, NormAttrs{1e-5, 1.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
@@ -54,6 +59,11 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                {{}, {0, 100, 1000, 4095, 32000}}});
   c.push_back({OpId::swiglu, "[6,10]", {{6, 10}, {6, 10}}, {}, kFloat});
   c.push_back({OpId::swiglu_backward, "[4,9]", {{4, 9}, {4, 9}, {4, 9}}, {}, kFloat, false, false});
+  // CUDA: 16-byte packs only (1024) and packs plus a tail (2145).
+  for (Shape s : {Shape{16, 64}, Shape{33, 65}}) {
+    c.push_back({OpId::swiglu, shape_str(s), {s, s}, {}, kFloat});
+    c.push_back({OpId::swiglu_backward, shape_str(s), {s, s, s}, {}, kFloat, false, false});
+  }
   const std::vector<double> cu12 = {0, 5, 12}, cu40 = {0, 1, 17, 40}, cu1 = {0, 9};
   c.push_back({OpId::attention, "t=12,hq=4,hkv=2,d=8,docs=5+7", {{12, 4, 8}, {12, 2, 8}, {12, 2, 8}, {3}},
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, cu12}});
@@ -94,9 +104,28 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::attention, "t=13,hq=2,hkv=1,d=20,docs=6+7", {{13, 2, 20}, {13, 1, 20}, {13, 1, 20}, {3}},
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, {0, 6, 13}}});
   c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
+  // CUDA RMSNorm (one warp per row): 16-byte packs when h is a multiple of 8 (bf16/f16) or 4 (f32), elements
+  // otherwise (42, 1030); rows of more packs than a lane keeps in registers are read again (2304, 1030, 1040).
+  c.push_back({OpId::rmsnorm, "rows=100,h=128", {{100, 128}, {128}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::rmsnorm, "rows=40,h=256,offset=1", {{40, 256}, {256}}, NormAttrs{1e-6, 1.0}, kFloat});
+  c.push_back({OpId::rmsnorm, "rows=30,h=42", {{30, 42}, {42}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::rmsnorm, "rows=3,h=2304", {{3, 2304}, {2304}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::rmsnorm, "rows=3,h=1030", {{3, 1030}, {1030}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
   // More rows than the CUDA kernel's 2,048 partial-sum blocks: each block walks several rows (and the offset form).
   c.push_back({OpId::rmsnorm_backward, "rows=4500,h=64,offset=1", {{4500, 64}, {64}, {4500, 64}}, NormAttrs{1e-6, 1.0},
+               kFloat, false, false});
+  // The CUDA backward's warps (at most 2,048, each with its own partial dw row) take several rows each here; packs
+  // (128, 256, 1040), elements (42, 130), and rows wider than the registers (1040, 130: partial dw in memory).
+  c.push_back({OpId::rmsnorm_backward, "rows=3000,h=128", {{3000, 128}, {128}, {3000, 128}}, NormAttrs{1e-6, 0.0},
+               kFloat, false, false});
+  c.push_back({OpId::rmsnorm_backward, "rows=2100,h=256,offset=1", {{2100, 256}, {256}, {2100, 256}},
+               NormAttrs{1e-6, 1.0}, kFloat, false, false});
+  c.push_back({OpId::rmsnorm_backward, "rows=2100,h=42", {{2100, 42}, {42}, {2100, 42}}, NormAttrs{1e-6, 0.0}, kFloat,
+               false, false});
+  c.push_back({OpId::rmsnorm_backward, "rows=1100,h=1040", {{1100, 1040}, {1040}, {1100, 1040}}, NormAttrs{1e-6, 0.0},
+               kFloat, false, false});
+  c.push_back({OpId::rmsnorm_backward, "rows=1100,h=130", {{1100, 130}, {130}, {1100, 130}}, NormAttrs{1e-6, 0.0},
                kFloat, false, false});
   c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
                false, false, {{}, {17, 32767}}});
@@ -168,11 +197,18 @@ std::vector<OpCase> all_op_cases() {
     c.push_back({op, "both=[4,1]+[1,5]", {{4, 1}, {1, 5}}, {}, kFloat});
     c.push_back({op, "strided=[6,9]^T+[9]", {{6, 9}, {9}}, {}, kFloat, true});
     c.push_back({op, "large=[257,1031]", {{257, 1031}, {257, 1031}}, {}, kFloat});
+    c.push_back({op, "packs=[8,16]", {{8, 16}, {8, 16}}, {}, kFloat});  // CUDA: 16-byte packs, no tail
   }
   c.push_back({OpId::scale, "n=1000,alpha=-1.5", {{10, 100}}, ScaleAttrs{-1.5}, kFloat});
+  c.push_back({OpId::scale, "n=1001,alpha=0.75", {{7, 143}}, ScaleAttrs{0.75}, kFloat});  // CUDA: packs and a tail
   c.push_back({OpId::scale, "strided=[8,5]^T,alpha=0.25", {{8, 5}}, ScaleAttrs{0.25}, kFloat, true});
   for (DType to : kAll) {
     c.push_back({OpId::cast, fmt::format("to={},[7,13]", dtype_name(to)), {{7, 13}}, CastAttrs{to}, kAll, false, false});
+  }
+  // CUDA casts move 16 bytes of the narrower side a step: sizes without (128) and with (2145) a tail.
+  for (DType to : {DType::F32, DType::BF16}) {
+    c.push_back({OpId::cast, fmt::format("to={},[8,16]", dtype_name(to)), {{8, 16}}, CastAttrs{to}, kAll, false, false});
+    c.push_back({OpId::cast, fmt::format("to={},[33,65]", dtype_name(to)), {{33, 65}}, CastAttrs{to}, kAll, false, false});
   }
   c.push_back({OpId::cast, "to=f32,strided=[9,4]^T", {{9, 4}}, CastAttrs{DType::F32}, kAll, true, false});
   c.push_back({OpId::cast, "to=bf16,strided=[5,6]^T", {{5, 6}}, CastAttrs{DType::BF16}, kFloat, true, false});

@@ -1,9 +1,13 @@
 // Device-side helpers shared by the CUDA kernels: element loads/stores in the compute type (float, or
-// double for f64), strided offsets, and warp/block reductions.
+// double for f64), packs of consecutive elements moved as 16-byte accesses, strided offsets, grid-stride
+// indices, and warp/block reductions. Covered by tests/ops through the kernels that use them.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
 
 #include "backend/cuda/launchers.h"
 
@@ -23,6 +27,51 @@ template <> __device__ __forceinline__ float load(const __half* p, int64_t i) { 
 template <typename T, typename V> __device__ __forceinline__ void store(T* p, int64_t i, V v) { p[i] = T(v); }
 template <> __device__ __forceinline__ void store(__nv_bfloat16* p, int64_t i, float v) { p[i] = __float2bfloat16(v); }
 template <> __device__ __forceinline__ void store(__half* p, int64_t i, float v) { p[i] = __float2half(v); }
+
+// kN consecutive elements of T held in registers. When kN * sizeof(T) is a multiple of 16 (16 / sizeof(T)
+// elements, or more for the wide side of a cast), load_pack / store_pack move them as 16-byte accesses and the
+// address must be 16-byte aligned (check with aligned16 on the host); otherwise element by element (kN = 1 is
+// the scalar fallback of the packed kernels).
+template <typename T, int kN> struct Pack {
+  T e[kN];
+};
+
+template <typename T, int kN> __device__ __forceinline__ Pack<T, kN> load_pack(const T* p) {
+  Pack<T, kN> v;
+  if constexpr (sizeof(v) % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < int(sizeof(v) / 16); ++c) {
+      const uint4 bits = reinterpret_cast<const uint4*>(p)[c];
+      memcpy(reinterpret_cast<char*>(&v) + 16 * c, &bits, 16);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v.e[k] = p[k];
+  }
+  return v;
+}
+
+template <typename T, int kN> __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& v) {
+  if constexpr (sizeof(v) % 16 == 0) {
+#pragma unroll
+    for (int c = 0; c < int(sizeof(v) / 16); ++c) {
+      uint4 bits;
+      memcpy(&bits, reinterpret_cast<const char*>(&v) + 16 * c, 16);
+      reinterpret_cast<uint4*>(p)[c] = bits;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) p[k] = v.e[k];
+  }
+}
+
+// Elements of T in one 16-byte access.
+template <typename T> constexpr int kPackOf16 = int(16 / sizeof(T));
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+__device__ __forceinline__ int64_t global_thread() { return blockIdx.x * int64_t(blockDim.x) + threadIdx.x; }
+__device__ __forceinline__ int64_t grid_threads() { return int64_t(gridDim.x) * blockDim.x; }
 
 __device__ __forceinline__ int64_t strided_offset(int64_t linear, const StridedLayout& l) {
   int64_t off = 0;

@@ -2,6 +2,7 @@
 // embedding, SwiGLU, causal packed attention, cross-entropy, and their backwards. Every tensor is contiguous;
 // statistics (attention lse, cross-entropy loss) and scratch buffers are float; the caller allocates scratch.
 // Tensor checks and registration live in model_ops_register.cpp; covered by tests/ops. Free of fmt for nvcc.
+// Any pointer may be unaligned (views): the launchers check before taking a 16-byte path.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,7 +33,7 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
                     void* y, cudaStream_t stream);
-// Floats of scratch launch_rmsnorm_backward needs (per-block partial column sums of dw).
+// Floats of scratch launch_rmsnorm_backward needs (per-warp partial column sums of dw, then their group sums).
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h);
 void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                              const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream);

@@ -1,8 +1,10 @@
 // CUDA kernels of the transformer-layer ops (the CPU kernels in backend/cpu/model_ops.cpp are the spec):
-// embedding gather / scatter-add, RMSNorm rows (+ backward), rotate-half rope, SwiGLU (+ backward), causal
-// packed attention (+ backward; one warp per row, online softmax) and cross-entropy rows.
+// embedding gather / scatter-add, RMSNorm rows (+ backward; one warp per row), rotate-half rope, SwiGLU
+// (+ backward), causal packed attention (+ backward; one warp per row, online softmax) and cross-entropy rows.
 // Convention: bf16/f16 are read and written through load/store and every sum is fp32; reductions that must be
-// deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. Covered by tests/ops.
+// deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm and SwiGLU
+// kernels move 16-byte packs when sizes and alignment allow (checked on the host) and single elements otherwise.
+// Covered by tests/ops (cases for both the packed and the single-element paths).
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/model_launchers.h"
@@ -25,15 +27,23 @@ template <typename F> void dispatch(DType dt, const char* what, F f) {
 
 // ---------------------------------------------------------------- embedding
 
-// One block per token row (grid-stride over rows), threads over the hidden dim.
-template <typename T>
+// One thread per pack of kN elements of the output (grid-stride over tokens x packs of a row): 16-byte copies
+// when hidden is a multiple of the pack and both buffers are aligned, single elements (kN = 1) otherwise.
+template <typename T, int kN>
 __global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, const T* w, const int32_t* ids,
                                  T* out) {
-  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
+  const int64_t row_packs = hidden / kN, n = n_tokens * row_packs;
+  for (int64_t p = global_thread(); p < n; p += grid_threads()) {
+    const int64_t t = p / row_packs, c = (p % row_packs) * kN;
     const int64_t id = ids[t];
-    const bool valid = id >= 0 && id < vocab;  // ids are validated on the host before upload; never read outside w
-    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x)
-      store(out, t * hidden + c, valid ? load(w, id * hidden + c) : 0.0f);
+    Pack<T, kN> v;
+    if (id >= 0 && id < vocab) {  // ids are validated on the host before upload; never read outside w
+      v = load_pack<T, kN>(w + id * hidden + c);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) store(v.e, k, 0.0f);
+    }
+    store_pack(out + t * hidden + c, v);
   }
 }
 
@@ -57,50 +67,157 @@ template <typename T> __global__ void float_to_kernel(int64_t n, const float* sr
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 
 // ---------------------------------------------------------------- rmsnorm
+// One warp per row, kNormWarps rows per block. Lane l owns the packs (kN consecutive elements; 16 bytes when h
+// is a multiple of the pack and the buffers are aligned, else kN = 1) l, l + 32, l + 64, ... of a row: the first
+// kC of them stay in registers between the two passes over the row, as do the matching packs of w; the packs of
+// rows wider than 32 * kC packs are read again. Row sums are warp shuffles.
 
-template <typename T>
-__global__ void rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, T* y) {
-  __shared__ float scratch[32];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+constexpr int kNormWarps = 4;
+constexpr int kNormThreads = 32 * kNormWarps;
+
+struct WarpIndex {
+  int64_t first, stride;
+  int lane;
+};
+__device__ WarpIndex warp_index() {
+  const int warps = blockDim.x / 32;
+  return {blockIdx.x * int64_t(warps) + threadIdx.x / 32, int64_t(gridDim.x) * warps, int(threadIdx.x % 32)};
+}
+
+// Packs lane, lane + 32, ... (kC of them) of a row of `packs` packs; those past the row are left unset.
+template <int kC, typename T, int kN>
+__device__ __forceinline__ void load_lane_packs(const T* row, int64_t packs, int lane, Pack<T, kN> (&v)[kC]) {
+#pragma unroll
+  for (int c = 0; c < kC; ++c)
+    if (lane + 32 * c < packs) v[c] = load_pack<T, kN>(row + (lane + 32 * c) * kN);
+}
+
+template <typename T, int kN> __device__ __forceinline__ float sum_squares(const Pack<T, kN>& x) {
+  float s = 0;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float v = load(x.e, k);
+    s += v * v;
+  }
+  return s;
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pack<T, kN>& w, float inv, float offset) {
+  Pack<T, kN> y;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) store(y.e, k, load(x.e, k) * inv * (offset + load(w.e, k)));
+  return y;
+}
+
+template <typename T, int kN, int kC>
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, T* y) {
+  const WarpIndex wi = warp_index();
+  const int64_t packs = h / kN;
+  Pack<T, kN> wv[kC];
+  load_lane_packs(w, packs, wi.lane, wv);
+  for (int64_t r = wi.first; r < rows; r += wi.stride) {
     const T* xr = x + r * h;
+    T* yr = y + r * h;
+    Pack<T, kN> xv[kC];
+    load_lane_packs(xr, packs, wi.lane, xv);
     float ss = 0;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      const float v = load(xr, j);
-      ss += v * v;
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+      if (wi.lane + 32 * c < packs) ss += sum_squares(xv[c]);
+    for (int64_t a = wi.lane + 32 * kC; a < packs; a += 32) ss += sum_squares(load_pack<T, kN>(xr + a * kN));
+    const float inv = rsqrtf(warp_sum(ss) / float(h) + eps);
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int64_t a = wi.lane + 32 * c;
+      if (a < packs) store_pack(yr + a * kN, normalized(xv[c], wv[c], inv, offset));
     }
-    ss = block_reduce<float, false>(ss, scratch);
-    const float inv = rsqrtf(ss / float(h) + eps);
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) store(y, r * h + j, load(xr, j) * inv * (offset + load(w, j)));
+    for (int64_t a = wi.lane + 32 * kC; a < packs; a += 32)
+      store_pack(yr + a * kN, normalized(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(w + a * kN), inv, offset));
   }
 }
 
-// dx_j = inv * g_j - x_j * inv^3 / H * sum_k g_k x_k with g = dy * (offset + w). Each block also accumulates
-// dw_j = sum over its rows of dy_j x_j inv into its own row of `partial` (gridDim.x, h); a thread always owns
-// the same columns, so the read-modify-writes need no atomics and the order is fixed.
-template <typename T>
-__global__ void rmsnorm_backward_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w,
-                                        const T* dy, T* dx, float* partial) {
-  __shared__ float scratch[32];
-  float* pdw = partial + blockIdx.x * h;
-  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) pdw[j] = 0.0f;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+// ss += x^2 and dot += dy (offset + w) x over a pack.
+template <typename T, int kN>
+__device__ __forceinline__ void norm_sums(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& w,
+                                          float offset, float& ss, float& dot) {
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float xv = load(x.e, k);
+    ss += xv * xv;
+    dot += load(dy.e, k) * (offset + load(w.e, k)) * xv;
+  }
+}
+
+// dx of a pack; adds dy x inv to the pack's partial dw.
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& w,
+                                                 float offset, float inv, float coef, float (&dw)[kN]) {
+  Pack<T, kN> dx;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float xv = load(x.e, k), dyv = load(dy.e, k);
+    store(dx.e, k, inv * dyv * (offset + load(w.e, k)) - xv * coef);
+    dw[k] += dyv * xv * inv;
+  }
+  return dx;
+}
+
+// dx_j = inv * g_j - x_j * inv^3 / H * sum_k g_k x_k with g = dy * (offset + w). Warp `warp` (< n_partial) takes
+// the rows warp, warp + n_partial, ... and accumulates dw_j = sum over them of dy_j x_j inv into its own row of
+// `partial` (n_partial, h): in registers for the packs it keeps there, written once at the end; in place for the
+// packs of wider rows. A lane always owns the same columns, so there are no atomics and the order is fixed.
+template <typename T, int kN, int kC>
+__global__ void __launch_bounds__(kNormThreads)
+    rmsnorm_backward_kernel(int64_t rows, int64_t h, int64_t n_partial, float eps, float offset, const T* x,
+                            const T* w, const T* dy, T* dx, float* partial) {
+  const int64_t warp = blockIdx.x * int64_t(kNormWarps) + threadIdx.x / 32;
+  const int lane = int(threadIdx.x % 32);
+  if (warp >= n_partial) return;  // the last block's spare warps (no block-wide synchronisation below)
+  const int64_t packs = h / kN;
+  float* pdw = partial + warp * h;
+  Pack<T, kN> wv[kC];
+  load_lane_packs(w, packs, lane, wv);
+  float dw[kC][kN] = {};
+  for (int64_t a = lane + 32 * kC; a < packs; a += 32)
+    for (int k = 0; k < kN; ++k) pdw[a * kN + k] = 0.0f;
+  for (int64_t r = warp; r < rows; r += n_partial) {
     const T* xr = x + r * h;
     const T* dyr = dy + r * h;
+    T* dxr = dx + r * h;
+    Pack<T, kN> xv[kC], gv[kC];
+    load_lane_packs(xr, packs, lane, xv);
+    load_lane_packs(dyr, packs, lane, gv);
     float ss = 0, dot = 0;
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      const float xv = load(xr, j);
-      ss += xv * xv;
-      dot += load(dyr, j) * (offset + load(w, j)) * xv;
-    }
-    ss = block_reduce<float, false>(ss, scratch);
-    dot = block_reduce<float, false>(dot, scratch);
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+      if (lane + 32 * c < packs) norm_sums(xv[c], gv[c], wv[c], offset, ss, dot);
+    for (int64_t a = lane + 32 * kC; a < packs; a += 32)
+      norm_sums(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(dyr + a * kN), load_pack<T, kN>(w + a * kN), offset,
+                ss, dot);
+    ss = warp_sum(ss);
+    dot = warp_sum(dot);
     const float inv = rsqrtf(ss / float(h) + eps);
     const float coef = inv * inv * inv * dot / float(h);
-    for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
-      const float xv = load(xr, j), dyv = load(dyr, j);
-      store(dx, r * h + j, inv * dyv * (offset + load(w, j)) - xv * coef);
-      pdw[j] += dyv * xv * inv;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int64_t a = lane + 32 * c;
+      if (a < packs) store_pack(dxr + a * kN, norm_grad(xv[c], gv[c], wv[c], offset, inv, coef, dw[c]));
     }
+    for (int64_t a = lane + 32 * kC; a < packs; a += 32) {
+      float acc[kN];
+      for (int k = 0; k < kN; ++k) acc[k] = pdw[a * kN + k];
+      store_pack(dxr + a * kN, norm_grad(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(dyr + a * kN),
+                                         load_pack<T, kN>(w + a * kN), offset, inv, coef, acc));
+      for (int k = 0; k < kN; ++k) pdw[a * kN + k] = acc[k];
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int64_t a = lane + 32 * c;
+    if (a < packs)
+      for (int k = 0; k < kN; ++k) pdw[a * kN + k] = dw[c][k];
   }
 }
 
@@ -126,11 +243,39 @@ template <typename T> __global__ void column_sum_kernel(int64_t n_partial, int64
   }
 }
 
-// Blocks of the rmsnorm backward = rows of partial dw: enough blocks to fill the GPU even with 32-thread blocks
-// (q/k norms over head_dim 128); each walks rows / kNormPartials rows.
-constexpr int64_t kNormPartials = 2048;
+// Rows of partial dw = warps of the rmsnorm backward (each walks rows / n_partial rows): about kNormPartialFloats
+// floats of partial sums, so that writing and summing them stays small next to the rows, within
+// [kMinNormPartials, kMaxNormPartials] warps (enough to keep loads in flight on every SM, few enough to run as a
+// single wave at up to 128 registers a thread on a 132-SM GPU), and never more than rows.
+constexpr int64_t kNormPartialFloats = int64_t(1) << 20;
+constexpr int64_t kMinNormPartials = 1024, kMaxNormPartials = 2048;
 
-int norm_threads(int64_t h) { return h >= 1024 ? 256 : (h >= 256 ? 128 : 32); }
+int64_t norm_partials(int64_t rows, int64_t h) {
+  int64_t p = h > 0 ? kNormPartialFloats / h : kMaxNormPartials;
+  p = p < kMinNormPartials ? kMinNormPartials : (p > kMaxNormPartials ? kMaxNormPartials : p);
+  return rows < p ? rows : p;
+}
+
+template <int kN, int kC> struct NormShape {
+  static constexpr int pack = kN, cached = kC;
+};
+// Calls f(NormShape<kN, kC>{}): kN = 16 / sizeof(T) when `packed` (h a multiple of it, every buffer 16-byte
+// aligned), else 1; kC = the packs a lane keeps in registers, enough for the whole row up to kMaxC (8 for the
+// forward; 4 for the backward, which also keeps x, dy and dw: 8 spills registers with bf16).
+template <typename T, int kMaxC, typename F> void dispatch_norm(int64_t h, bool packed, F f) {
+  static_assert(kMaxC == 4 || kMaxC == 8);
+  constexpr int kV = kPackOf16<T>;
+  const auto by_lane_packs = [&](auto pack) {
+    constexpr int kN = decltype(pack)::value;
+    const int64_t per_lane = (h / kN + 31) / 32;
+    if (per_lane <= 1) f(NormShape<kN, 1>{});
+    else if (per_lane <= 2) f(NormShape<kN, 2>{});
+    else if (per_lane <= 4 || kMaxC == 4) f(NormShape<kN, 4>{});
+    else f(NormShape<kN, kMaxC>{});
+  };
+  if (packed && h % kV == 0) by_lane_packs(std::integral_constant<int, kV>{});
+  else by_lane_packs(std::integral_constant<int, 1>{});
+}
 
 // ---------------------------------------------------------------- rope
 
@@ -162,20 +307,45 @@ __global__ void rope_kernel(int64_t tokens, int64_t heads, int64_t d, int64_t ha
 
 // ---------------------------------------------------------------- swiglu
 
-template <typename T> __global__ void swiglu_kernel(int64_t n, const T* g, const T* u, T* y) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float gv = load(g, i);
-    store(y, i, gv / (1.0f + expf(-gv)) * load(u, i));
+// Packs of kN elements from index i (16 bytes when every buffer is aligned, else kN = 1; 1 for the tail).
+template <typename T, int kN> __device__ __forceinline__ void swiglu_pack(int64_t i, const T* g, const T* u, T* y) {
+  const Pack<T, kN> pg = load_pack<T, kN>(g + i), pu = load_pack<T, kN>(u + i);
+  Pack<T, kN> r;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float gv = load(pg.e, k);
+    store(r.e, k, gv / (1.0f + expf(-gv)) * load(pu.e, k));
   }
+  store_pack(y + i, r);
 }
 
-template <typename T>
-__global__ void swiglu_backward_kernel(int64_t n, const T* g, const T* u, const T* dy, T* dg, T* du) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float gv = load(g, i), dyv = load(dy, i), s = 1.0f / (1.0f + expf(-gv));
-    store(du, i, dyv * gv * s);
-    store(dg, i, dyv * load(u, i) * s * (1.0f + gv * (1.0f - s)));
+template <typename T, int kN>
+__device__ __forceinline__ void swiglu_backward_pack(int64_t i, const T* g, const T* u, const T* dy, T* dg, T* du) {
+  const Pack<T, kN> pg = load_pack<T, kN>(g + i), pu = load_pack<T, kN>(u + i), pdy = load_pack<T, kN>(dy + i);
+  Pack<T, kN> rg, ru;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float gv = load(pg.e, k), dyv = load(pdy.e, k), s = 1.0f / (1.0f + expf(-gv));
+    store(ru.e, k, dyv * gv * s);
+    store(rg.e, k, dyv * load(pu.e, k) * s * (1.0f + gv * (1.0f - s)));
   }
+  store_pack(du + i, ru);
+  store_pack(dg + i, rg);
+}
+
+// Packs over [0, n - n % kN) in a grid-stride loop, then the tail one element a thread.
+template <typename T, int kN> __global__ void swiglu_kernel(int64_t n, const T* g, const T* u, T* y) {
+  const int64_t full = n - n % kN;
+  for (int64_t i = global_thread() * kN; i < full; i += grid_threads() * kN) swiglu_pack<T, kN>(i, g, u, y);
+  for (int64_t i = full + global_thread(); i < n; i += grid_threads()) swiglu_pack<T, 1>(i, g, u, y);
+}
+
+template <typename T, int kN>
+__global__ void swiglu_backward_kernel(int64_t n, const T* g, const T* u, const T* dy, T* dg, T* du) {
+  const int64_t full = n - n % kN;
+  for (int64_t i = global_thread() * kN; i < full; i += grid_threads() * kN)
+    swiglu_backward_pack<T, kN>(i, g, u, dy, dg, du);
+  for (int64_t i = full + global_thread(); i < n; i += grid_threads()) swiglu_backward_pack<T, 1>(i, g, u, dy, dg, du);
 }
 
 // ---------------------------------------------------------------- attention
@@ -224,15 +394,6 @@ __device__ void warp_sum_batch(float (&s)[kBatch]) {
   for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) s[b] += __shfl_xor_sync(kFullMask, s[b], o);
-}
-
-struct WarpIndex {
-  int64_t first, stride;
-  int lane;
-};
-__device__ WarpIndex warp_index() {
-  const int warps = blockDim.x / 32;
-  return {blockIdx.x * int64_t(warps) + threadIdx.x / 32, int64_t(gridDim.x) * warps, int(threadIdx.x % 32)};
 }
 
 template <typename T, int C>
@@ -439,8 +600,15 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
   if (n_tokens == 0 || hidden == 0) return;
   dispatch(dtype, "embedding dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    embedding_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(n_tokens, hidden, vocab, static_cast<const T*>(weight),
-                                                                  ids, static_cast<T*>(out));
+    const auto* pw = static_cast<const T*>(weight);
+    auto* po = static_cast<T*>(out);
+    constexpr int kN = kPackOf16<T>;
+    if (hidden % kN == 0 && aligned16(pw) && aligned16(po))
+      embedding_kernel<T, kN><<<grid_for(n_tokens * (hidden / kN), kThreads), kThreads, 0, stream>>>(
+          n_tokens, hidden, vocab, pw, ids, po);
+    else
+      embedding_kernel<T, 1><<<grid_for(n_tokens * hidden, kThreads), kThreads, 0, stream>>>(n_tokens, hidden, vocab,
+                                                                                          pw, ids, po);
   });
   LATHE_CUDA_LAUNCH_CHECK("embedding_kernel");
 }
@@ -467,16 +635,20 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
                     void* y, cudaStream_t stream) {
   if (rows == 0 || h == 0) return;
+  const bool packed = aligned16(x) && aligned16(w) && aligned16(y);
   dispatch(dtype, "rmsnorm dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    rmsnorm_kernel<T><<<rows_grid(rows), norm_threads(h), 0, stream>>>(
-        rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y));
+    dispatch_norm<T, 8>(h, packed, [&](auto shape) {
+      using S = decltype(shape);
+      rmsnorm_kernel<T, S::pack, S::cached><<<grid_for(rows, kNormWarps), kNormThreads, 0, stream>>>(
+          rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y));
+    });
   });
   LATHE_CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
-  const int64_t n_partial = rows < kNormPartials ? rows : kNormPartials;
+  const int64_t n_partial = norm_partials(rows, h);
   return (n_partial + (n_partial + kNormGroup - 1) / kNormGroup) * h;  // partial rows, then the group sums
 }
 
@@ -487,12 +659,17 @@ void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, d
     LATHE_CUDA_CHECK(cudaMemsetAsync(dw, 0, size_t(h) * dtype_size(dtype), stream));
     return;
   }
-  const int64_t n_partial = rows < kNormPartials ? rows : kNormPartials;
+  const int64_t n_partial = norm_partials(rows, h);
+  const int blocks = int((n_partial + kNormWarps - 1) / kNormWarps);
+  const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
   dispatch(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    rmsnorm_backward_kernel<T><<<int(n_partial), norm_threads(h), 0, stream>>>(
-        rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
-        static_cast<const T*>(dy), static_cast<T*>(dx), scratch);
+    dispatch_norm<T, 4>(h, packed, [&](auto shape) {
+      using S = decltype(shape);
+      rmsnorm_backward_kernel<T, S::pack, S::cached><<<blocks, kNormThreads, 0, stream>>>(
+          rows, h, n_partial, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
+          static_cast<const T*>(dy), static_cast<T*>(dx), scratch);
+    });
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
     const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
     float* sums = scratch + n_partial * h;
@@ -522,8 +699,14 @@ void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y
   if (n == 0) return;
   dispatch(dtype, "swiglu dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    swiglu_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, static_cast<const T*>(g), static_cast<const T*>(u),
-                                                                      static_cast<T*>(y));
+    const auto* pg = static_cast<const T*>(g);
+    const auto* pu = static_cast<const T*>(u);
+    auto* py = static_cast<T*>(y);
+    constexpr int kN = kPackOf16<T>;
+    if (aligned16(pg) && aligned16(pu) && aligned16(py))
+      swiglu_kernel<T, kN><<<grid_for((n + kN - 1) / kN, kThreads), kThreads, 0, stream>>>(n, pg, pu, py);
+    else
+      swiglu_kernel<T, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, pg, pu, py);
   });
   LATHE_CUDA_LAUNCH_CHECK("swiglu_kernel");
 }
@@ -533,9 +716,17 @@ void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u
   if (n == 0) return;
   dispatch(dtype, "swiglu_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    swiglu_backward_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
-        n, static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const T*>(dy), static_cast<T*>(dg),
-        static_cast<T*>(du));
+    const auto* pg = static_cast<const T*>(g);
+    const auto* pu = static_cast<const T*>(u);
+    const auto* pdy = static_cast<const T*>(dy);
+    auto* pdg = static_cast<T*>(dg);
+    auto* pdu = static_cast<T*>(du);
+    constexpr int kN = kPackOf16<T>;
+    if (aligned16(pg) && aligned16(pu) && aligned16(pdy) && aligned16(pdg) && aligned16(pdu))
+      swiglu_backward_kernel<T, kN><<<grid_for((n + kN - 1) / kN, kThreads), kThreads, 0, stream>>>(n, pg, pu, pdy,
+                                                                                                     pdg, pdu);
+    else
+      swiglu_backward_kernel<T, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, pg, pu, pdy, pdg, pdu);
   });
   LATHE_CUDA_LAUNCH_CHECK("swiglu_backward_kernel");
 }
