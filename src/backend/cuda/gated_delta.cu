@@ -28,6 +28,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -310,7 +312,8 @@ constexpr int kD = 128;            // d_k = d_v
 constexpr int kLdD = kD + 8;       // bf16 row stride of (rows, 128) tiles: 272 bytes, 16-byte aligned, no conflicts
 constexpr int kLdC = kChunk + 8;   // bf16 row stride of (rows, 64) tiles
 constexpr int kLdF = kChunk + 4;   // fp32 row stride of (64, 64) tiles: 16-byte aligned rows (float4 reads)
-constexpr int kVTile = 64;         // d_v columns per scan block
+constexpr int kVTile = 64;         // d_v columns per block of the chunk-parallel backward kernels
+
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
   const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -665,10 +668,11 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
 // The forward state scan over the chunks of one (document, value head, 64 columns of d_v); the state lives in
 // fp32 registers (a (128, 64) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
 constexpr size_t kScanSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * kChunk;
-template <bool kStates>
-__global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
+// kScanV: d_v columns per block (state tile (128, kScanV)); kScanBlocks: blocks per SM (launch bounds).
+template <bool kStates, int kScanV, int kScanBlocks>
+__global__ void __launch_bounds__(kThreads, kScanBlocks) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
-  const int jv0 = blockIdx.z * kVTile;
+  const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
   if (sp.end <= sp.start) return;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -680,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
   bf16* Pb = Db + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
   bf16* Sb = Pb + kChunk * kLdC;             // (128, kLdC) the state in bf16
   float* sb = reinterpret_cast<float*>(Sb + kD * kLdC);
-  Tile<128, 64> S;
+  Tile<128, kScanV> S;
   S.zero();
   const int64_t first_chunk = a.offsets[doc];
   for (int64_t t0 = sp.start, ci = 0; t0 < sp.end; t0 += kChunk, ++ci) {
@@ -689,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     const int n_next = int(min(int64_t(kChunk), sp.end - t_next));  // <= 0: no next chunk
     if (ci == 0) {  // later chunks' W, U and Q were prefetched during the previous chunk
       load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
-      load_tile<kVTile>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
+      load_tile<kScanV>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
       if (!kStates) {
         load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
         load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
@@ -704,11 +708,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     cp_async_wait_all();
     __syncthreads();
     if (kStates || a.hs)  // H[c] (the backward's, or the op's saved states), 16-byte stores
-      store_tile<kVTile>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
+      store_tile<kScanV>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
     {
-      Tile<64, 64> d;
+      Tile<64, kScanV> d;
       d.zero();
-      d.mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
+      d.template mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
       d.each_pair([&](int r, int j, float x0, float x1) {
         const float2 u = ld_bf2(Ub + r * kLdC + j);
         st_bf2(Db + r * kLdC + j, u.x - x0, u.y - x1);
@@ -717,9 +721,9 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     __syncthreads();
     if (n_next > 0) {  // W and U are consumed: prefetch the next chunk's
       load_tile<kD>(Wb, kLdD, a.w, t_next, n_next, a.hv, h, kD, 0);
-      load_tile<kVTile>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
+      load_tile<kScanV>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
     }
-    if (kStates) store_tile<kVTile>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);
+    if (kStates) store_tile<kScanV>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);
     const float b_last = sb[n - 1];
     for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
       const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
@@ -729,11 +733,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       *p = __floats2bfloat162_rn(f.x * m, f.y * m);
     }
     if (!kStates) {
-      Tile<64, 64> o;
+      Tile<64, kScanV> o;
       o.zero();
-      o.mma<false, true>(Qb, kLdD, Sb, kLdC, kD);
+      o.template mma<false, true>(Qb, kLdD, Sb, kLdC, kD);
       o.each([&](int r, int, float& x) { x *= __expf(sb[r]); });
-      o.mma<false, true>(Pb, kLdC, Db, kLdC, kChunk);
+      o.template mma<false, true>(Pb, kLdC, Db, kLdC, kChunk);
       const float s = a.scale;
       o.each_pair([&](int r, int j, float x0, float x1) {
         if (r < n)
@@ -748,7 +752,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     }
     const float e_last = __expf(b_last);
     S.each([&](int, int, float& x) { x *= e_last; });
-    S.mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
+    S.template mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
     __syncthreads();
   }
 }
@@ -757,9 +761,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
 // dDelta = s P^T dO + Gamma_n K dS (P from the prep kernel), then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
 constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) +
                                 sizeof(float) * kChunk;
-__global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
+template <int kScanV, int kScanBlocks>
+__global__ void __launch_bounds__(kThreads, kScanBlocks) scan_backward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
-  const int jv0 = blockIdx.z * kVTile;
+  const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
   if (sp.end <= sp.start) return;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -771,7 +776,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
   bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) tril(Q K^T Gamma), from the prep kernel
   bf16* dSb = Pb + kChunk * kLdC;            // (128, kLdC)
   float* sb = reinterpret_cast<float*>(dSb + kD * kLdC);
-  Tile<128, 64> dS;
+  Tile<128, kScanV> dS;
   dS.zero();
   const int64_t first_chunk = a.offsets[doc];
   const int64_t chunks = (sp.end - sp.start + kChunk - 1) / kChunk;
@@ -781,13 +786,13 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
     load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
     if (ci == chunks - 1) load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);  // later: prefetched
-    load_tile<kVTile>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
+    load_tile<kScanV>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
     load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
     if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
     dS.each_pair([&](int i, int j, float x0, float x1) { st_bf2(dSb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
-    store_tile<kVTile>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
+    store_tile<kScanV>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
     const float b_last = sb[n - 1];
     for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {
       const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
@@ -800,12 +805,12 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     }
     __syncthreads();
     {
-      Tile<64, 64> dd;
+      Tile<64, kScanV> dd;
       dd.zero();
-      dd.mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);  // s P^T dO + Gamma_n K dS
+      dd.template mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);  // s P^T dO + Gamma_n K dS
       const float s = a.scale;
       dd.each([&](int, int, float& x) { x *= s; });
-      dd.mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
+      dd.template mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
       dd.each_pair([&](int r, int j, float x0, float x1) {
         *reinterpret_cast<__nv_bfloat162*>(nDb + r * kLdC + j) = __floats2bfloat162_rn(-x0, -x1);
         if (r < n)
@@ -817,8 +822,8 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     if (ci > 0) load_tile<kD>(Kb, kLdD, a.k, t0 - kChunk, kChunk, a.hk, kh, kD, 0);  // K is consumed
     const float e_last = __expf(b_last);
     dS.each([&](int, int, float& x) { x *= e_last; });
-    dS.mma<true, true>(Qb, kLdD, dOb, kLdC, kChunk);
-    dS.mma<true, true>(Wb, kLdD, nDb, kLdC, kChunk);
+    dS.template mma<true, true>(Qb, kLdD, dOb, kLdC, kChunk);
+    dS.template mma<true, true>(Wb, kLdD, nDb, kLdC, kChunk);
     __syncthreads();
   }
 }
@@ -1267,6 +1272,46 @@ size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_
 
 namespace {
 
+// EXPERIMENT: scan variant from LATHE_GDN_SCAN ("64x1", "64x2", "32x1", "32x2": columns x blocks per SM).
+int scan_variant() {
+  static const int v = [] {
+    const char* e = std::getenv("LATHE_GDN_SCAN");
+    const std::string s = e ? e : "64x1";
+    return s == "64x2" ? 1 : s == "32x1" ? 2 : s == "32x2" ? 3 : 0;
+  }();
+  return v;
+}
+
+template <bool kStates, int V, int B> void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s,
+                                                                   cudaStream_t stream) {
+  allow_smem(scan_forward_kernel<kStates, V, B>, kScanSmem);
+  scan_forward_kernel<kStates, V, B><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanSmem,
+                                       stream>>>(a);
+  LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
+}
+template <bool kStates> void launch_scan_forward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  switch (scan_variant()) {
+    case 1: launch_scan_forward_v<kStates, 64, 2>(a, s, stream); return;
+    case 2: launch_scan_forward_v<kStates, 32, 1>(a, s, stream); return;
+    case 3: launch_scan_forward_v<kStates, 32, 2>(a, s, stream); return;
+    default: launch_scan_forward_v<kStates, 64, 1>(a, s, stream); return;
+  }
+}
+template <int V, int B> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  allow_smem(scan_backward_kernel<V, B>, kScanBwdSmem);
+  scan_backward_kernel<V, B><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanBwdSmem,
+                               stream>>>(a);
+  LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
+}
+void launch_scan_backward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  switch (scan_variant()) {
+    case 1: launch_scan_backward_v<64, 2>(a, s, stream); return;
+    case 2: launch_scan_backward_v<32, 1>(a, s, stream); return;
+    case 3: launch_scan_backward_v<32, 2>(a, s, stream); return;
+    default: launch_scan_backward_v<64, 1>(a, s, stream); return;
+  }
+}
+
 // Zero fill of the saved-state rows past the last chunk (their count is only known on the device).
 void launch_zero_state_tail(const GdnShape& s, size_t elem_bytes, const int32_t* offsets, void* states,
                             cudaStream_t stream) {
@@ -1294,10 +1339,7 @@ void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const 
     a.hs = static_cast<bf16*>(states);  // null: not saved
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, false, stream);
-    allow_smem(scan_forward_kernel<false>, kScanSmem);
-    scan_forward_kernel<false><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile), kThreads, kScanSmem,
-                                 stream>>>(a);
-    LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
+    launch_scan_forward<false>(a, s, stream);
     if (states) launch_zero_state_tail(s, sizeof(bf16), x.offsets, states, stream);
     return;
   }
@@ -1342,20 +1384,15 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
     }
     launch_offsets(s, cu, x.offsets, stream);
     launch_prep(a, s, true, stream);
-    const dim3 scan_grid(unsigned(s.docs), unsigned(s.v_heads), kD / kVTile);
     const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
     if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
       allow_smem(delta_kernel, kDeltaSmem);
       delta_kernel<<<dim3(chunk_grid.x, chunk_grid.y, kD / kVTile), kThreads, kDeltaSmem, stream>>>(a);
       LATHE_CUDA_LAUNCH_CHECK("gdn delta_kernel");
     } else {
-      allow_smem(scan_forward_kernel<true>, kScanSmem);
-      scan_forward_kernel<true><<<scan_grid, kThreads, kScanSmem, stream>>>(a);
-      LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel (states)");
+      launch_scan_forward<true>(a, s, stream);
     }
-    allow_smem(scan_backward_kernel, kScanBwdSmem);
-    scan_backward_kernel<<<scan_grid, kThreads, kScanBwdSmem, stream>>>(a);
-    LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
+    launch_scan_backward(a, s, stream);
     allow_smem(chunk_backward_state_kernel, kStateBwdSmem);
     chunk_backward_state_kernel<<<chunk_grid, kThreads, kStateBwdSmem, stream>>>(a);
     LATHE_CUDA_LAUNCH_CHECK("gdn chunk_backward_state_kernel");
