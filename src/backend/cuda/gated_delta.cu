@@ -8,7 +8,7 @@
 //    document's first token, on tensor cores (mma.sync m16n8k16, bf16 operands, fp32 accumulation).
 //      forward : prep (per chunk and value head, parallel): b = cumsum g, L, R = (I + L)^-1 by blocked forward
 //                substitution in fp32, W = R diag(beta e^b) K, U = R diag(beta) V, P = tril(Q K^T Gamma) (bf16);
-//                scan (per document, value head, half of d_v): the state in fp32 registers; per chunk
+//                scan (per document, value head, half or quarter of d_v): the state in fp32 registers; per chunk
 //                Delta = U - W S, O = s [e^b Q S + tril(Q K^T Gamma) Delta], S = e^{b_n} S + (Gamma_n K)^T Delta.
 //      backward: prep again (also saving R), the forward scan saving the chunk-start states H[c] and Delta, a
 //                reverse scan (dS in registers) saving dH[c] and dDelta, then per chunk and value head (parallel,
@@ -28,8 +28,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -665,12 +663,12 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
   store_tile<kD>(a.u, t0, n, a.hv, h, kD, 0, Vb, kLdD);
 }
 
-// The forward state scan over the chunks of one (document, value head, 64 columns of d_v); the state lives in
-// fp32 registers (a (128, 64) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
+// The forward state scan over the chunks of one (document, value head, kScanV columns of d_v); the state lives in
+// fp32 registers (a (128, kScanV) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
 constexpr size_t kScanSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * kChunk;
-// kScanV: d_v columns per block (state tile (128, kScanV)); kScanBlocks: blocks per SM (launch bounds).
-template <bool kStates, int kScanV, int kScanBlocks>
-__global__ void __launch_bounds__(kThreads, kScanBlocks) scan_forward_kernel(ChunkArgs a) {
+// kScanV: d_v columns per block (state tile (128, kScanV)), 64 or 32.
+template <bool kStates, int kScanV>
+__global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
@@ -761,8 +759,8 @@ __global__ void __launch_bounds__(kThreads, kScanBlocks) scan_forward_kernel(Chu
 // dDelta = s P^T dO + Gamma_n K dS (P from the prep kernel), then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
 constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) +
                                 sizeof(float) * kChunk;
-template <int kScanV, int kScanBlocks>
-__global__ void __launch_bounds__(kThreads, kScanBlocks) scan_backward_kernel(ChunkArgs a) {
+template <int kScanV>
+__global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
@@ -1272,44 +1270,39 @@ size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_
 
 namespace {
 
-// EXPERIMENT: scan variant from LATHE_GDN_SCAN ("64x1", "64x2", "32x1", "32x2": columns x blocks per SM).
-int scan_variant() {
-  static const int v = [] {
-    const char* e = std::getenv("LATHE_GDN_SCAN");
-    const std::string s = e ? e : "64x1";
-    return s == "64x2" ? 1 : s == "32x1" ? 2 : s == "32x2" ? 3 : 0;
+// The scans run one block per (document, value head, kScanV columns of d_v): 64 columns, or 32 where 64 would leave
+// SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs).
+// Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
+// H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md). Two blocks per SM gained nothing.
+int scan_columns(const GdnShape& s) {
+  static const int sms = [] {
+    int device = 0, n = 0;
+    LATHE_CUDA_CHECK(cudaGetDevice(&device));
+    LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
   }();
-  return v;
+  return s.docs * s.v_heads * (kD / 64) < sms ? 32 : 64;
 }
 
-template <bool kStates, int V, int B> void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s,
-                                                                   cudaStream_t stream) {
-  allow_smem(scan_forward_kernel<kStates, V, B>, kScanSmem);
-  scan_forward_kernel<kStates, V, B><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanSmem,
+template <bool kStates, int V> void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  allow_smem(scan_forward_kernel<kStates, V>, kScanSmem);
+  scan_forward_kernel<kStates, V><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanSmem,
                                        stream>>>(a);
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
 }
 template <bool kStates> void launch_scan_forward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  switch (scan_variant()) {
-    case 1: launch_scan_forward_v<kStates, 64, 2>(a, s, stream); return;
-    case 2: launch_scan_forward_v<kStates, 32, 1>(a, s, stream); return;
-    case 3: launch_scan_forward_v<kStates, 32, 2>(a, s, stream); return;
-    default: launch_scan_forward_v<kStates, 64, 1>(a, s, stream); return;
-  }
+  if (scan_columns(s) == 32) launch_scan_forward_v<kStates, 32>(a, s, stream);
+  else launch_scan_forward_v<kStates, 64>(a, s, stream);
 }
-template <int V, int B> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  allow_smem(scan_backward_kernel<V, B>, kScanBwdSmem);
-  scan_backward_kernel<V, B><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanBwdSmem,
+template <int V> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  allow_smem(scan_backward_kernel<V>, kScanBwdSmem);
+  scan_backward_kernel<V><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanBwdSmem,
                                stream>>>(a);
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
 }
 void launch_scan_backward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  switch (scan_variant()) {
-    case 1: launch_scan_backward_v<64, 2>(a, s, stream); return;
-    case 2: launch_scan_backward_v<32, 1>(a, s, stream); return;
-    case 3: launch_scan_backward_v<32, 2>(a, s, stream); return;
-    default: launch_scan_backward_v<64, 1>(a, s, stream); return;
-  }
+  if (scan_columns(s) == 32) launch_scan_backward_v<32>(a, s, stream);
+  else launch_scan_backward_v<64>(a, s, stream);
 }
 
 // Zero fill of the saved-state rows past the last chunk (their count is only known on the device).
