@@ -137,6 +137,12 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                kFloat, false, false, {{}, iota_mod(4, 3001, 977)}});
   c.push_back({OpId::cross_entropy, "n=3,v=3001,grad", {{3, 3001}, {3}}, CrossEntropyAttrs{-100, true, 1.0},
                kFloat, false, false, {{}, iota_mod(3, 3001, 1234)}});
+  // Vocabulary a multiple of the 16-byte pack (the CUDA kernel's packed path): an ignored row, a label in the last
+  // pack, loss only.
+  c.push_back({OpId::cross_entropy, "n=3,v=4104,ignore,packed", {{3, 4104}, {3}}, CrossEntropyAttrs{-100, true, 0.5},
+               kFloat, false, false, {{}, {4103, -100, 8}}});
+  c.push_back({OpId::cross_entropy, "n=2,v=4104,loss_only,packed", {{2, 4104}, {2}},
+               CrossEntropyAttrs{-100, false, 1.0}, kFloat, false, false, {{}, {0, 4097}}});
 }
 
 // Row-segment ops (multi-tenant LoRA): empty segments, rows past the last segment, column ranges that differ

@@ -2,8 +2,8 @@
 // embedding gather / scatter-add, RMSNorm rows (+ backward; one warp per row), rotate-half rope, SwiGLU
 // (+ backward), causal packed attention (+ backward; one warp per row, online softmax) and cross-entropy rows.
 // Convention: bf16/f16 are read and written through load/store and every sum is fp32; reductions that must be
-// deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm and SwiGLU
-// kernels move 16-byte packs when sizes and alignment allow (checked on the host) and single elements otherwise.
+// deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm, SwiGLU and
+// cross-entropy kernels move 16-byte packs when sizes and alignment allow (checked on the host) and single elements otherwise.
 // Covered by tests/ops (cases for both the packed and the single-element paths).
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -556,40 +556,61 @@ template <typename F> void dispatch_head_dim(int64_t head_dim, F f) {
 
 // ---------------------------------------------------------------- cross-entropy
 
-// One block per row: a per-thread online (max, sum of exp) over a block-stride pass, combined across the
-// block; a second pass writes the gradient. Ignored rows skip the statistics.
-template <typename T>
+// One block per row: a per-thread online (max, sum of exp) over a block-stride pass of packs (kN logits; 16 bytes
+// when the vocabulary is a multiple of the pack and the buffers are aligned), combined across the block; a second
+// pass writes the gradient. Ignored rows skip the statistics.
+template <typename T, int kN>
 __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore_index, float grad_scale, const T* x,
                                      const int32_t* labels, float* loss, T* dx) {
   __shared__ float scratch[32];
+  const int64_t packs = vocab / kN;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * vocab;
+    T* dxr = dx ? dx + r * vocab : nullptr;
     const int64_t label = labels[r];
     if (label == ignore_index) {
       if (threadIdx.x == 0) loss[r] = 0.0f;
-      if (dx)
-        for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) store(dx, r * vocab + j, 0.0f);
+      if (dxr) {
+        Pack<T, kN> zero;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) store(zero.e, k, 0.0f);
+        for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) store_pack(dxr + p * kN, zero);
+      }
       continue;
     }
-    float m = -INFINITY, s = 0.0f;
-    for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
-      const float xv = load(xr, j);
-      if (xv > m) {
-        s = s * expf(m - xv) + 1.0f;
-        m = xv;
-      } else if (xv != -INFINITY) {  // NaN still reaches the sum, as in the reference
-        s += expf(xv - m);
+    // Online max and sum of exp, a pack at a time: the pack's max first, then one rescale of the running sum. A
+    // -inf logit adds nothing; a NaN one reaches the sum (fmaxf skips it, expf passes it), as in the reference.
+    float m = -INFINITY, s = 0.0f;  // while m is -inf, s is 0 or NaN
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
+      float f[kN], pm = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        f[k] = load(v.e, k);
+        pm = fmaxf(pm, f[k]);
       }
+      const float nm = fmaxf(m, pm);
+      float add = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) add += f[k] == -INFINITY ? 0.0f : expf(f[k] - nm);
+      s = (m == nm ? s : s * expf(m - nm)) + add;
+      m = nm;
     }
     const float mx = block_reduce<float, true>(m, scratch);
-    const float total = block_reduce<float, false>(m == -INFINITY ? 0.0f : s * expf(m - mx), scratch);
+    const float total = block_reduce<float, false>(m == -INFINITY ? s : s * expf(m - mx), scratch);
     const float lse = mx + logf(total);
     // Labels are validated on the host before upload; an out-of-range one gives a NaN loss, not a bad read.
     const bool valid = label >= 0 && label < vocab;
     if (threadIdx.x == 0) loss[r] = valid ? lse - float(load(xr, label)) : NAN;
-    if (dx)
-      for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x)
-        store(dx, r * vocab + j, grad_scale * (expf(float(load(xr, j)) - lse) - (j == label ? 1.0f : 0.0f)));
+    if (dxr)
+      for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+        const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
+        Pack<T, kN> g;
+#pragma unroll
+        for (int k = 0; k < kN; ++k)
+          store(g.e, k, grad_scale * (expf(load(v.e, k) - lse) - (p * kN + k == label ? 1.0f : 0.0f)));
+        store_pack(dxr + p * kN, g);
+      }
   }
 }
 
@@ -773,9 +794,15 @@ void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t igno
   const int threads = vocab >= 8192 ? 512 : 128;
   dispatch(dtype, "cross_entropy dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    cross_entropy_kernel<T><<<rows_grid(rows), threads, 0, stream>>>(rows, vocab, ignore_index, float(grad_scale),
-                                                                     static_cast<const T*>(logits), labels, loss,
-                                                                     static_cast<T*>(dlogits));
+    constexpr int kN = kPackOf16<T>;
+    const auto* x = static_cast<const T*>(logits);
+    auto* dx = static_cast<T*>(dlogits);
+    if (vocab % kN == 0 && aligned16(x) && (!dx || aligned16(dx)))  // rows of whole 16-byte packs
+      cross_entropy_kernel<T, kN><<<rows_grid(rows), threads, 0, stream>>>(rows, vocab, ignore_index,
+                                                                           float(grad_scale), x, labels, loss, dx);
+    else
+      cross_entropy_kernel<T, 1><<<rows_grid(rows), threads, 0, stream>>>(rows, vocab, ignore_index,
+                                                                          float(grad_scale), x, labels, loss, dx);
   });
   LATHE_CUDA_LAUNCH_CHECK("cross_entropy_kernel");
 }
