@@ -72,8 +72,8 @@ Qwen35Decoder::Qwen35Decoder(Runtime& rt, Qwen35Model& model, int64_t capacity)
   }
   kv_ = KvCache(n_attn, c.num_kv_heads, c.head_dim, model.options().dtype);
   ExecContext cx = ctx();
-  std::vector<double> ones(size_t(c.linear_key_head_dim), 1.0);
-  ones_dk_ = cast(cx, rt.from_host(ones.data(), {c.linear_key_head_dim}, DType::F64, model.options().device),
+  std::vector<double> l2(size_t(c.linear_key_head_dim), 1.0 / std::sqrt(double(c.linear_key_head_dim)));
+  l2_weight_ = cast(cx, rt.from_host(l2.data(), {c.linear_key_head_dim}, DType::F64, model.options().device),
                   model.options().dtype);
   conv_.resize(n_gdn);
   state_.resize(n_gdn);
@@ -203,11 +203,11 @@ Tensor Qwen35Decoder::attention_step(const Layer& l, const Tensor& xn, const Ten
   return linear(cx, y, w(l.o_proj));                              // (n, D)
 }
 
-// x / sqrt(sum x^2 + 1e-6) over the last dim = rmsnorm(x; 1, eps 1e-6 / dk) / sqrt(dk), as Qwen35Model::l2norm.
+// x / sqrt(sum x^2 + 1e-6) over the last dim = rmsnorm(x; w = dk^-1/2, eps 1e-6 / dk), as Qwen35Model::l2norm.
 Tensor Qwen35Decoder::l2norm(const Tensor& x) {
   ExecContext cx = ctx();
   const double dk = double(model_->config().linear_key_head_dim);
-  return scale(cx, rmsnorm(cx, x, ones_dk_, {1e-6 / dk, 0.0}), 1.0 / std::sqrt(dk));
+  return rmsnorm(cx, x, l2_weight_, {1e-6 / dk, 0.0});
 }
 
 // Gated DeltaNet (Qwen35Model::gdn_forward) over n new tokens from the cached conv rows and recurrent state; the

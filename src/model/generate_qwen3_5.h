@@ -55,7 +55,7 @@ class Qwen35Decoder : public Decoder {
   Qwen35Model* model_;
   std::vector<Layer> layers_;
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ == embed_ when tied
-  Tensor ones_dk_;                 // (d_k) weight of the rmsnorm that computes the L2 norm
+  Tensor l2_weight_;               // (d_k) d_k^-1/2: the weight of the rmsnorm that computes the L2 norm
   std::vector<Tensor> conv_;       // per GDN layer (W - 1, C) pre-conv rows, oldest first
   std::vector<Tensor> state_;      // per GDN layer (1, H_v, d_k, d_v)
   std::vector<Tensor> new_conv_, new_state_;  // the current call's, committed when every layer succeeded

@@ -1,8 +1,8 @@
 // Qwen3.5 text model forward and backward. Shapes: T tokens, D hidden, H/Hkv heads of d (full attention),
 // Hk/Hv heads of dk/dv (Gated DeltaNet), K = Hk dk, V = Hv dv, I intermediate, voc vocabulary.
 // Conventions: every norm is zero-centred ((1 + w), NormAttrs offset 1) except the GDN output norm (plain w); the
-// L2 norm of q and k is x / sqrt(sum x^2 + 1e-6) = rmsnorm(x; 1, eps 1e-6/dk) / sqrt(dk) (exact identity, reuses
-// the rmsnorm op). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
+// L2 norm of q and k is x / sqrt(sum x^2 + 1e-6) = rmsnorm(x; w = dk^-1/2, eps 1e-6/dk) (an identity, reusing the
+// rmsnorm op; the weight is rounded to the model dtype: 1e-4 relative in bf16, far below the output's rounding). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
 // peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
 // through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
 // output viewed as (T N / width, width) (the embedding op); their backward stacks the parts' gradients and gathers
@@ -57,9 +57,9 @@ Qwen35Model::Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options)
   LATHE_CHECK(config_.is_qwen3_5(), "model: Qwen35Model needs a qwen3_5 config, got model_type '{}'", config_.model_type);
   build_parameter_list();
   const ModelConfig& c = config_;
-  std::vector<double> ones(size_t(c.linear_key_head_dim), 1.0);
+  std::vector<double> l2(size_t(c.linear_key_head_dim), 1.0 / std::sqrt(double(c.linear_key_head_dim)));
   ExecContext cx = ctx();
-  ones_dk_ = cast(cx, rt.from_host(ones.data(), {c.linear_key_head_dim}, DType::F64, options_.device), options_.dtype);
+  l2_weight_ = cast(cx, rt.from_host(l2.data(), {c.linear_key_head_dim}, DType::F64, options_.device), options_.dtype);
 }
 
 void Qwen35Model::build_parameter_list() {
@@ -256,13 +256,13 @@ Tensor Qwen35Model::merge_columns(const std::vector<Tensor>& dparts, const std::
 Tensor Qwen35Model::l2norm(const Tensor& x) {
   ExecContext cx = ctx();
   const double dk = double(config_.linear_key_head_dim);
-  return scale(cx, rmsnorm(cx, x, ones_dk_, {1e-6 / dk, 0.0}), 1.0 / std::sqrt(dk));
+  return rmsnorm(cx, x, l2_weight_, {1e-6 / dk, 0.0});
 }
 
 Tensor Qwen35Model::l2norm_backward(const Tensor& x, const Tensor& dy) {
   ExecContext cx = ctx();
   const double dk = double(config_.linear_key_head_dim);
-  return rmsnorm_backward(cx, x, ones_dk_, scale(cx, dy, 1.0 / std::sqrt(dk)), {1e-6 / dk, 0.0})[0];
+  return rmsnorm_backward(cx, x, l2_weight_, dy, {1e-6 / dk, 0.0})[0];
 }
 
 void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {

@@ -99,7 +99,7 @@ class Qwen35Model : public CausalLm {
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;
   std::vector<Layer> layers_;
   std::vector<Passthrough> passthrough_;
-  Tensor ones_dk_;  // (d_k) weight of the RMSNorm that computes the L2 norm
+  Tensor l2_weight_;  // (d_k) d_k^-1/2: the weight of the RMSNorm that computes the L2 norm
   SplitIndex split_;  // for the last batch size seen
 };
 
