@@ -114,6 +114,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::rmsnorm_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
+    case OpId::sum_squares:  // the global gradient norm: never part of a differentiated graph
     case OpId::adamw:
     case OpId::kCount:
       break;

@@ -4,6 +4,7 @@
 // Covered by tests/ops (every op x device x dtype).
 #pragma once
 
+#include <optional>
 #include <string_view>
 #include <variant>
 #include <vector>
@@ -20,6 +21,7 @@ namespace lathe {
   X(scale, 1)            \
   X(cast, 1)             \
   X(sum, 1)              \
+  X(sum_squares, 1)      \
   X(mean, 1)             \
   X(softmax, 1)          \
   X(softmax_backward, 2) \
@@ -80,6 +82,10 @@ struct CastAttrs {
 };
 
 // Reduction over `dims` (empty = all dims).
+// sum_squares(x) -> 0-d sum of x^2 over every element of x (any shape, any strides; 0 for an empty x), in f32 for
+// f32/bf16/f16 inputs and f64 for f64 ones: the accumulation dtype, so a global gradient norm of bf16 gradients
+// needs no f32 copy of them. No attributes. Deterministic: every kernel sums in an order fixed by the element count
+// alone (CUDA: fixed per-block partials, then one block over the partials; no atomics). Not differentiable.
 struct ReduceAttrs {
   std::vector<int> dims;
   bool keepdim = false;
@@ -121,7 +127,7 @@ struct CrossEntropyAttrs {
   double grad_scale = 1.0;
 };
 
-// adamw(master, grad, m, v) -> (master', m', v'): one AdamW step (Loshchilov & Hutter's decoupled weight decay,
+// adamw(master, grad, m, v) -> (master', m', v'[, param']): one AdamW step (Loshchilov & Hutter's decoupled weight decay,
 // with the conventions of torch.optim.AdamW). With g = grad_scale * grad, b1t = 1 - beta1^step, b2t = 1 - beta2^step:
 //   m' = beta1 m + (1 - beta1) g        v' = beta2 |v| + (1 - beta2) g^2
 //   master' = master - lr weight_decay master - (lr / b1t) m' / (sqrt(v') / sqrt(b2t) + eps)
@@ -129,6 +135,9 @@ struct CrossEntropyAttrs {
 // gradients update f32 masters). |v| equals v for every state this op produces; it keeps the op total on arbitrary
 // inputs (the op check draws them from [-2, 2]). Elementwise: the outputs may be the input tensors themselves, which
 // is how the optimizer updates in place (adamw_update in ops.h). Not differentiable.
+// With `rounded_to` set (bf16 or f16), a fourth output param' = master' converted to that dtype exactly as the cast
+// op converts it (round to nearest even from the stored master'), so a low-precision parameter is refreshed from its
+// f32 master in the same pass: bitwise equal to adamw followed by cast.
 struct AdamWAttrs {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -137,6 +146,7 @@ struct AdamWAttrs {
   double weight_decay = 0.0;
   int64_t step = 1;         // 1-based number of this update, for bias correction
   double grad_scale = 1.0;  // multiplies the gradient: 1/accumulation, the clipping factor
+  std::optional<DType> rounded_to;  // bf16/f16: also write the rounded new master (fourth output)
 };
 
 // Row segments of x (T, C) for multi-tenant LoRA: segment s owns rows [rows[s], rows[s+1]) (contiguous, in order;

@@ -94,6 +94,17 @@ Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims, bool keepd
   return call_op(ctx, OpId::mean, {x}, ReduceAttrs{std::move(dims), keepdim})[0];
 }
 
+Tensor sum_squares(ExecContext& ctx, const Tensor& x) { return call_op(ctx, OpId::sum_squares, {x})[0]; }
+
+void sum_squares_into(ExecContext& ctx, const Tensor& x, const Tensor& out) {
+  OpCall call{OpId::sum_squares, {x}, {out}, {}};
+  const TensorSpec spec = infer_outputs(OpId::sum_squares, call.inputs, call.attrs)[0];
+  LATHE_CHECK(out.defined() && out.dim() == 0 && out.dtype() == spec.dtype && out.device() == x.device(),
+              "ops: sum_squares_into needs a 0-d {} output on {} for input {}, got {}", dtype_name(spec.dtype),
+              x.device().str(), x.describe(), out.defined() ? out.describe() : "an undefined tensor");
+  run_op(ctx, call);
+}
+
 Tensor softmax(ExecContext& ctx, const Tensor& x) { return call_op(ctx, OpId::softmax, {contiguous(ctx, x)})[0]; }
 
 Tensor softmax_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy) {
@@ -155,11 +166,26 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
   return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
 }
 
-void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs) {
+void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,
+                  const Tensor& param) {
   OpCall call{OpId::adamw, {master, contiguous(ctx, grad), m, v}, {master, m, v}, attrs};
-  infer_outputs(OpId::adamw, call.inputs, call.attrs);
+  if (param.defined()) {
+    call.attrs = [&] {
+      AdamWAttrs a = attrs;
+      a.rounded_to = param.dtype();
+      return a;
+    }();
+    call.outputs.push_back(param);
+  }
+  const std::vector<TensorSpec> specs = infer_outputs(OpId::adamw, call.inputs, call.attrs);
+  LATHE_CHECK(specs.size() == call.outputs.size(), "ops: adamw_update got attrs.rounded_to ({}) without a parameter "
+              "to write", dtype_name(*attrs.rounded_to));
   for (const Tensor* t : {&master, &m, &v})
     LATHE_CHECK(t->is_contiguous(), "ops: adamw_update needs contiguous state, got {}", t->describe());
+  if (param.defined())
+    LATHE_CHECK(param.is_contiguous() && param.shape() == master.shape() && param.device() == master.device(),
+                "ops: adamw_update needs a contiguous parameter of the master's shape and device, got {} for the "
+                "master {}", param.describe(), master.describe());
   run_op(ctx, call);
 }
 

@@ -37,6 +37,10 @@ void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst);
 Tensor contiguous(ExecContext& ctx, const Tensor& x);  // x itself when already contiguous
 Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
 Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
+// sum(x^2) over every element as a 0-d tensor: f32 (f64 for an f64 x), whatever x's strides.
+Tensor sum_squares(ExecContext& ctx, const Tensor& x);
+// The same written into `out`, a 0-d tensor of that dtype (an element of a preallocated vector of totals, say).
+void sum_squares_into(ExecContext& ctx, const Tensor& x, const Tensor& out);
 Tensor softmax(ExecContext& ctx, const Tensor& x);  // over the last dimension
 Tensor softmax_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
 Tensor silu(ExecContext& ctx, const Tensor& x);
@@ -57,7 +61,10 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
 // One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.
-void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs);
+// With a defined `param` (contiguous bf16/f16, the master's shape), the same kernel also writes the new master rounded
+// into it (attrs.rounded_to is set from param's dtype), instead of a separate cast afterwards.
+void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,
+                  const Tensor& param = {});
 // Row-segment ops on x (T, C) for multi-tenant LoRA (formulas at SegmentAttrs in ops/op_table.h).
 Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);

@@ -151,6 +151,9 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       }
       return {{out, in[0].dtype()}};
     }
+    case OpId::sum_squares:
+      check_floating(op, in[0]);
+      return {{Shape{}, stats_dtype(in[0].dtype())}};
     case OpId::swiglu:
     case OpId::swiglu_backward: {
       for (size_t i = 1; i < in.size(); ++i) {
@@ -252,7 +255,11 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "ops: adamw needs finite lr >= 0, eps >= 0, weight_decay >= 0 and a finite grad_scale; got lr {}, "
                   "eps {}, weight_decay {}, grad_scale {}", a.lr, a.eps, a.weight_decay, a.grad_scale);
       const TensorSpec s{w.shape(), w.dtype()};
-      return {s, s, s};
+      if (!a.rounded_to) return {s, s, s};
+      LATHE_CHECK(*a.rounded_to == DType::BF16 || *a.rounded_to == DType::F16,
+                  "ops: adamw rounded_to must be bf16 or f16 (the dtype of a parameter with a master), got {}",
+                  dtype_name(*a.rounded_to));
+      return {s, s, s, {w.shape(), *a.rounded_to}};
     }
     case OpId::segment_mask:
     case OpId::dropout:

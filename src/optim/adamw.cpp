@@ -1,6 +1,7 @@
-// AdamW: per-parameter state, the update through the adamw op, the cast back into low-precision parameters, and
-// the state file. Loading validates the whole file first and reports every problem at once; nothing is changed
-// unless the file is valid. Covered by tests/unit/test_optim.cpp.
+// AdamW: per-parameter state, the update through the adamw op (which also rounds the new master into a low-precision
+// parameter, in the same kernel), and the state file. Loading validates the whole file first and reports every
+// problem at once; nothing is changed unless the file is valid (a loaded master is cast into its parameter, as no
+// update runs). Covered by tests/unit/test_optim.cpp.
 #include "optim/adamw.h"
 
 #include <fmt/format.h>
@@ -128,14 +129,12 @@ void AdamW::step(double lr, double grad_scale) {
     LATHE_CHECK(p.grad.shape() == p.value.shape(), "optim: gradient {} of {} does not match the parameter {}",
                 p.grad.describe(), p.name, p.value.describe());
     const AdamWAttrs a{lr, config_.beta1, config_.beta2, config_.eps, s.decay ? config_.weight_decay : 0.0,
-                       s.steps + 1, grad_scale};
-    Tensor& w = s.master.defined() ? s.master : p.value;
-    adamw_update(ctx, w, p.grad, s.m, s.v, a);
+                       s.steps + 1, grad_scale, std::nullopt};
+    if (s.master.defined())  // the op rounds the new master into the parameter as well
+      adamw_update(ctx, s.master, p.grad, s.m, s.v, a, p.value);
+    else
+      adamw_update(ctx, p.value, p.grad, s.m, s.v, a);
     s.steps = a.step;
-    if (s.master.defined()) {  // round the new master into the parameter
-      OpCall call{OpId::cast, {s.master}, {p.value}, CastAttrs{p.value.dtype()}};
-      run_op(ctx, call);
-    }
   }
   ++step_count_;
 }

@@ -1,6 +1,6 @@
 // AdamW over a list of parameters, with fp32 master weights for low-precision parameters: bf16/f16 parameters get
-// an f32 master copy that the update runs on, then a rounded copy is cast back into the parameter; f32 and f64
-// parameters are their own masters. Moments m and v have the master's dtype. The update is the `adamw` op
+// an f32 master copy that the update runs on, and the same adamw kernel writes the new master, rounded, into the
+// parameter (bitwise what a cast would write); f32 and f64 parameters are their own masters. Moments m and v have the master's dtype. The update is the `adamw` op
 // (ops/op_table.h: torch.optim.AdamW semantics), so it runs on whatever device the parameters live on.
 // Like torch, a parameter without a gradient (undefined Parameter::grad) is skipped: no decay, no moment update,
 // and its own step count (bias correction) does not advance.

@@ -1,6 +1,7 @@
-// Global gradient norm from existing ops (cast, mul, sum, add) and one host read; the clipping factor.
-// Per tensor, squares are summed over the last dim first and then over the rows, so a large gradient is reduced by
-// many blocks instead of one on the GPU. Covered by tests/unit/test_optim.cpp.
+// Global gradient norm: one sum_squares op per gradient, each writing its 0-d total into one element of a
+// preallocated device vector, then one read of that vector and its sum on the host in double, in parameter order.
+// No copy of any gradient is made (bf16 gradients are squared where they lie) and the result is deterministic: each
+// op's order is fixed (ops/op_table.h) and so is the host sum. Covered by tests/unit/test_optim.cpp.
 #include "optim/clip.h"
 
 #include <algorithm>
@@ -12,38 +13,38 @@ namespace lathe {
 
 namespace {
 
-// sum(g^2) as a 0-d tensor of dtype `acc`.
-Tensor squared_sum(ExecContext& ctx, const Tensor& grad, DType acc) {
-  Tensor g = grad.dtype() == acc ? contiguous(ctx, grad) : cast(ctx, grad, acc);
-  if (g.dim() >= 2) g = g.view({-1, g.size(-1)});
-  Tensor sq = mul(ctx, g, g);
-  if (sq.dim() == 2) sq = sum(ctx, sq, {1});
-  return sum(ctx, sq);
-}
-
 double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
-  bool all_f64 = true, any = false;
+  std::vector<const Tensor*> grads;
+  bool all_f64 = true;
   for (const Parameter* p : params) {
     if (!p->grad.defined()) continue;
     LATHE_CHECK(is_floating(p->grad.dtype()), "optim: gradient of {} is {}, not floating point", p->name,
                 p->grad.describe());
-    any = true;
+    LATHE_CHECK(p->grad.device() == ctx.device, "optim: gradient of {} is {}, the norm is taken on {}", p->name,
+                p->grad.describe(), ctx.device.str());
+    grads.push_back(&p->grad);
     all_f64 = all_f64 && p->grad.dtype() == DType::F64;
   }
-  if (!any) return 0.0;
-  const DType acc = all_f64 ? DType::F64 : DType::F32;
-  Tensor total;  // 0-d, dtype acc
-  for (const Parameter* p : params) {
-    if (!p->grad.defined()) continue;
-    const Tensor s = squared_sum(ctx, p->grad, acc);
-    total = total.defined() ? add(ctx, total, s) : s;
+  if (grads.empty()) return 0.0;
+  const DType acc = all_f64 ? DType::F64 : DType::F32;  // sum_squares gives f32 for every dtype but f64
+  const int64_t n = int64_t(grads.size());
+  const Tensor totals = Tensor::empty({n}, acc, ctx.allocator);  // (n): sum(g^2) of each gradient
+  for (int64_t i = 0; i < n; ++i) {
+    const Tensor slot = totals.narrow(0, i, 1).view({});
+    if (grads[size_t(i)]->dtype() == DType::F64 && acc != DType::F64)  // an f64 gradient among f32 ones
+      copy_into(ctx, sum_squares(ctx, *grads[size_t(i)]), slot);
+    else
+      sum_squares_into(ctx, *grads[size_t(i)], slot);
   }
-  double d = 0;
-  float f = 0;
-  ctx.backend.copy(all_f64 ? static_cast<void*>(&d) : static_cast<void*>(&f), Device::cpu(), total.data_ptr(),
-                   ctx.device, dtype_size(acc), ctx.stream);
+  std::vector<double> host(static_cast<size_t>(n));
+  std::vector<float> host_f32(all_f64 ? 0 : size_t(n));
+  ctx.backend.copy(all_f64 ? static_cast<void*>(host.data()) : static_cast<void*>(host_f32.data()), Device::cpu(),
+                   totals.data_ptr(), ctx.device, totals.nbytes(), ctx.stream);
   ctx.stream.synchronize();
-  return std::sqrt(all_f64 ? d : double(f));
+  if (!all_f64) std::copy(host_f32.begin(), host_f32.end(), host.begin());
+  double total = 0;
+  for (double t : host) total += t;
+  return std::sqrt(total);
 }
 
 }  // namespace

@@ -9,10 +9,11 @@
 
 namespace lathe {
 
-// sqrt(sum over parameters of sum(g^2)) for every parameter with a gradient (0 when none has one), computed with
-// ops on the gradients' device: bf16/f16 gradients are cast to f32, squares summed per row then per tensor in f32
-// (f64 when every gradient is f64), and the total read back once. NaN or Inf when a gradient holds one or the sum
-// overflows f32: the caller must treat that as a bad step (skip it), never clip with it.
+// sqrt(sum over parameters of sum(g^2)) for every parameter with a gradient (0 when none has one). Each gradient's
+// sum of squares is one sum_squares op on the context's device (where the gradients must be), accumulated in f32 (f64
+// when every gradient is f64) with no copy of the gradient; the per-gradient totals are read back at once and added
+// on the host in double. NaN or Inf when a gradient holds one or its own sum of squares overflows: the caller must
+// treat that as a bad step (skip it), never clip with it.
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
 

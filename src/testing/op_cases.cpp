@@ -225,6 +225,13 @@ std::vector<OpCase> all_op_cases() {
     c.push_back({op, "dims=0,2,[4,3,5]", {{4, 3, 5}}, ReduceAttrs{{0, 2}, false}, kFloat});
     c.push_back({op, "dim=1,strided=[7,6]^T", {{7, 6}}, ReduceAttrs{{1}, false}, kFloat, true});
   }
+  // sum_squares: 0-d and empty inputs, odd sizes, both sides of the CUDA single-block limit (4,096 elements), many
+  // partials (~1M elements: 258 blocks) and strided inputs on both paths. Not differentiable.
+  for (Shape s : {Shape{}, Shape{0}, Shape{1}, Shape{7, 13}, Shape{4096}, Shape{4097}, Shape{3, 5, 331},
+                  Shape{1031, 1027}})
+    c.push_back({OpId::sum_squares, "shape=" + shape_str(s), {s}, {}, kFloat, false, false});
+  c.push_back({OpId::sum_squares, "strided=[9,7]^T", {{9, 7}}, {}, kFloat, true, false});
+  c.push_back({OpId::sum_squares, "strided=[2,517,1025]^T", {{2, 517, 1025}}, {}, kFloat, true, false});
   for (Shape s : {Shape{1, 1}, Shape{4, 7}, Shape{3, 2, 129}, Shape{2, 3000}}) {
     c.push_back({OpId::softmax, "shape=" + shape_str(s), {s}, {}, kFloat});
     c.push_back({OpId::softmax_backward, "shape=" + shape_str(s), {s, s}, {}, kFloat, false, false});
@@ -239,11 +246,16 @@ std::vector<OpCase> all_op_cases() {
   // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};
   c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
-               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 1, 1.0}, kMaster, false, false});
-  c.push_back({OpId::adamw, "[1],step=3,eps=0.5", {{1}, {1}, {1}, {1}}, AdamWAttrs{0.05, 0.8, 0.9, 0.5, 0.0, 3, 2.0},
+               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 1, 1.0, std::nullopt}, kMaster, false, false});
+  c.push_back({OpId::adamw, "[1],step=3,eps=0.5", {{1}, {1}, {1}, {1}}, AdamWAttrs{0.05, 0.8, 0.9, 0.5, 0.0, 3, 2.0, std::nullopt},
                kMaster, false, false});
   c.push_back({OpId::adamw, "[257,1031],step=100,b2=0.95,scale=0.25", {{257, 1031}, {257, 1031}, {257, 1031}, {257, 1031}},
-               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25}, kMaster, false, false});
+               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25, std::nullopt}, kMaster, false, false});
+  // With the rounded parameter as a fourth output (bitwise equality with adamw + cast: tests/unit/test_optim.cpp).
+  c.push_back({OpId::adamw, "[7,13],step=2,wd=0.1,rounded=bf16", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
+               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 2, 1.0, DType::BF16}, kMaster, false, false});
+  c.push_back({OpId::adamw, "[257,1031],step=100,b2=0.95,rounded=f16", {{257, 1031}, {257, 1031}, {257, 1031}, {257, 1031}},
+               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25, DType::F16}, kMaster, false, false});
   return c;
 }
 

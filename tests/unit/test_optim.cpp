@@ -1,11 +1,14 @@
 // The optimizer: AdamW against an independent double-precision loop written from the paper (Loshchilov & Hutter,
 // "Decoupled Weight Decay Regularization", Algorithm 2), masters of bf16 parameters, skipped parameters,
-// weight-decay exclusions, state save/load (resume is bitwise, bad files give clear errors), the global gradient
-// norm and clipping factor, the learning-rate schedules (hand-computed values), and on a GPU the CUDA kernel with
-// bf16 gradients against the CPU one. The op itself is also checked by the adamw op-check cases.
+// weight-decay exclusions, state save/load (resume is bitwise, bad files give clear errors), the adamw op's rounded
+// parameter output (bitwise adamw + cast, hand-checked ties), the global gradient norm (sum_squares over mixed,
+// empty, 0-d and strided gradients, hand-computed) and clipping factor, the learning-rate schedules (hand-computed
+// values), and on a GPU the CUDA kernels (bf16 gradients, rounded parameters, sum_squares) against the CPU ones.
+// The ops themselves are also checked by the adamw and sum_squares op-check cases.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -188,6 +191,66 @@ TEST(AdamW, RejectsBadOpInputs) {
   EXPECT_NO_THROW(adamw_update(ctx, w, g, m, v, {}));  // bf16 gradient, f32 master
   const Tensor g3 = make({1, 1, 1}, {3}, DType::F32);
   EXPECT_THROW(adamw_update(ctx, w, g3, m, v, {}), Error);
+  // The rounded parameter: bf16/f16 only, the master's shape, contiguous; rounded_to without a parameter is refused.
+  EXPECT_NO_THROW(adamw_update(ctx, w, g, m, v, {}, make({0, 0}, {2}, DType::F16)));
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, {}, make({0, 0}, {2}, DType::F32)), Error);
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, {}, make({0, 0, 0}, {3}, DType::BF16)), Error);
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, {}, make({0}, {1}, DType::BF16).expand({2})), Error);  // stride 0
+  AdamWAttrs r;
+  r.rounded_to = DType::BF16;
+  EXPECT_THROW(adamw_update(ctx, w, g, m, v, r), Error);
+}
+
+// adamw with the rounded parameter output against adamw followed by the cast op, bit for bit, on every device.
+TEST(AdamW, RoundedParameterOutputIsAdamWThenCast) {
+  std::vector<Device> devices = {Device::cpu()};
+  if (runtime().has_device(Device::cuda(0))) devices.push_back(Device::cuda(0));
+  for (Device d : devices) {
+    for (DType low : {DType::BF16, DType::F16}) {
+      ExecContext ctx = runtime().context(d);
+      std::mt19937_64 rng(13);
+      const size_t n = 5003;
+      const std::vector<double> w0 = random_vector(rng, n), g = random_vector(rng, n, -3.0, 3.0);
+      const std::vector<double> m0 = random_vector(rng, n, -0.1, 0.1), v0 = random_vector(rng, n, 0.0, 0.01);
+      const AdamWAttrs a{1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 0.5, std::nullopt};
+      Tensor w1 = make(w0, {int64_t(n)}, DType::F32, d), m1 = make(m0, {int64_t(n)}, DType::F32, d),
+             v1 = make(v0, {int64_t(n)}, DType::F32, d);
+      Tensor w2 = make(w0, {int64_t(n)}, DType::F32, d), m2 = make(m0, {int64_t(n)}, DType::F32, d),
+             v2 = make(v0, {int64_t(n)}, DType::F32, d);
+      const Tensor grad = make(g, {int64_t(n)}, DType::BF16, d);
+      adamw_update(ctx, w1, grad, m1, v1, a);
+      const Tensor cast_param = cast(ctx, w1, low);
+      const Tensor fused_param = make(std::vector<double>(n, 7.0), {int64_t(n)}, low, d);
+      adamw_update(ctx, w2, grad, m2, v2, a, fused_param);
+      const Tensor h1 = runtime().copy_to(cast_param, Device::cpu()), h2 = runtime().copy_to(fused_param, Device::cpu());
+      ASSERT_EQ(std::memcmp(h1.data_ptr(), h2.data_ptr(), h1.nbytes()), 0) << d.str() << " " << dtype_name(low);
+      EXPECT_EQ(values(w1), values(w2)) << d.str();
+      EXPECT_EQ(values(v1), values(v2)) << d.str();
+    }
+  }
+}
+
+// lr = 0 leaves the master as it is, so masters placed on rounding ties show the rounding: to nearest, ties to even.
+TEST(AdamW, RoundedParameterRoundsTiesToEven) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  const double b = std::ldexp(1.0, -8), h = std::ldexp(1.0, -11);  // half a bf16 / f16 step at 1
+  struct Case {
+    DType low;
+    std::vector<double> master, want;
+  };
+  const std::vector<Case> cases = {
+      {DType::BF16, {1 + b, 1 + 3 * b, -(1 + b), 1 + 1.5 * b}, {1.0, 1 + 4 * b, -1.0, 1 + 2 * b}},
+      {DType::F16, {1 + h, 1 + 3 * h, -(1 + h), 1 + 0.5 * h}, {1.0, 1 + 4 * h, -1.0, 1.0}}};
+  for (const Case& c : cases) {
+    Tensor w = make(c.master, {4}, DType::F32), m = make({0, 0, 0, 0}, {4}, DType::F32),
+           v = make({0, 0, 0, 0}, {4}, DType::F32);
+    const Tensor p = make({0, 0, 0, 0}, {4}, c.low);
+    AdamWAttrs a;
+    a.lr = 0.0;
+    adamw_update(ctx, w, make({1, -1, 1, -1}, {4}, DType::F32), m, v, a, p);
+    EXPECT_EQ(values(w), c.master);
+    EXPECT_EQ(values(p), c.want) << dtype_name(c.low);
+  }
 }
 
 // Save after 2 steps, load into a fresh optimizer over fresh parameters, run 2 more: bitwise equal to 4 steps.
@@ -308,6 +371,38 @@ TEST(GradNorm, MatchesDoubleAndFlagsNonFinite) {
   EXPECT_THROW(clip_factor(NAN, 1.0), Error);
 }
 
+// Hand-computed sums over exactly representable values: a bf16 gradient next to an f32 one, a transposed (non-contiguous)
+// gradient, an empty one, a 0-d one; sum_squares itself, and its bad inputs.
+TEST(GradNorm, MixedEmptyZeroDimAndStridedGradients) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  // The first 3 columns of a (2, 4), seen as their (3, 2) transpose: a view that skips elements of its storage, so a
+  // kernel that ignored the strides would read 7 instead of 3.
+  const Tensor strided = make({0.5, -1.5, 2, 7, 3, -0.25, 1, 9}, {2, 4}, DType::F32).narrow(1, 0, 3).transpose(0, 1);
+  ASSERT_FALSE(strided.is_contiguous());
+  std::vector<Parameter> params = {
+      {"a", make({1, 2, 3}, {3}, DType::BF16), make({1, -2, 3}, {3}, DType::BF16)},                 // 14
+      {"b", make({0, 0, 0, 0, 0, 0}, {3, 2}, DType::F32), strided},                                 // 16.5625
+      {"c", make({}, {0, 4}, DType::F32), make({}, {0, 4}, DType::BF16)},                          // 0
+      {"d", make({0}, {}, DType::F32), make({-4}, {}, DType::F32)},                                // 16
+      {"e", make({1}, {1}, DType::F32), {}}};                                                      // no gradient
+  EXPECT_EQ(global_grad_norm(ctx, params), std::sqrt(14 + 16.5625 + 16));
+  EXPECT_EQ(values(sum_squares(ctx, strided)), std::vector<double>{16.5625});
+  EXPECT_EQ(sum_squares(ctx, strided).dtype(), DType::F32);
+  EXPECT_EQ(sum_squares(ctx, params[0].grad).dtype(), DType::F32);
+  EXPECT_EQ(values(sum_squares(ctx, params[2].grad)), std::vector<double>{0.0});
+  const Tensor f64 = make({1.5, -2.5}, {2}, DType::F64);
+  EXPECT_EQ(sum_squares(ctx, f64).dtype(), DType::F64);
+  EXPECT_EQ(values(sum_squares(ctx, f64)), std::vector<double>{8.5});
+  // An f64 gradient among f32 ones is summed in f64 and stored in the f32 total.
+  params[4].grad = make({1.5, -2.5}, {1, 2}, DType::F64).view({2}).narrow(0, 0, 1);
+  EXPECT_EQ(global_grad_norm(ctx, params), std::sqrt(14 + 16.5625 + 16 + 2.25));
+
+  EXPECT_THROW(sum_squares(ctx, make({1, 2}, {2}, DType::I32)), Error);
+  const Tensor wrong = make({0}, {}, DType::F64);
+  EXPECT_THROW(sum_squares_into(ctx, params[0].grad, wrong), Error);         // bf16 input: the total is f32
+  EXPECT_THROW(sum_squares_into(ctx, f64, make({0}, {1}, DType::F64)), Error);  // not 0-d
+}
+
 TEST(Schedule, HandComputedValues) {
   ScheduleConfig c;
   c.lr = 1e-3;
@@ -399,4 +494,27 @@ TEST(AdamW, CudaBf16GradientsMatchCpu) {
   }
   expect_near_rel(master[1], master[0], 2e-6, "cuda master");
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(param[1][i], rounded(master[1][i], DType::BF16)) << i;
+}
+
+// The CUDA sum_squares (block partials, then one block) against the f64 sum of the same bf16 values, on sizes with
+// one block and with many, contiguous and strided (all but the last column, transposed); the result is the same bits
+// on every run (no atomics).
+TEST(GradNorm, CudaSumSquaresMatchesAndIsDeterministic) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  ExecContext ctx = runtime().context(Device::cuda(0));
+  std::mt19937_64 rng(17);
+  for (const Shape& s : {Shape{3, 1365}, Shape{2049, 1031}, Shape{3, 1000, 999}}) {
+    const std::vector<double> v = random_vector(rng, size_t(shape_numel(s)));
+    for (bool strided : {false, true}) {
+      double want = 0;  // the order does not matter to the exact sum
+      for (size_t i = 0; i < v.size(); ++i)
+        if (!strided || int64_t(i) % s.back() != s.back() - 1) want += rounded(v[i], DType::BF16) * rounded(v[i], DType::BF16);
+      Tensor g = make(v, s, DType::BF16, Device::cuda(0));
+      if (strided) g = g.narrow(-1, 0, s.back() - 1).transpose(-1, -2);
+      const double first = values(sum_squares(ctx, g))[0];
+      EXPECT_NEAR(first, want, 1e-5 * want) << shape_str(s) << (strided ? " strided" : "");
+      for (int r = 0; r < 3; ++r) ASSERT_EQ(values(sum_squares(ctx, g))[0], first) << shape_str(s);
+    }
+  }
 }

@@ -1,6 +1,8 @@
 // CPU optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h), per master dtype (f32, f64) for
 // gradients of any float dtype. Computes in double whatever the storage dtype, so it is the reference the CUDA
-// kernel is judged against. Each element is read before it is written: outputs may alias the inputs.
+// kernel is judged against. Each element is read before it is written: outputs may alias the inputs. The optional
+// rounded parameter (attrs.rounded_to) is converted from the stored master' as the cast op does (store_from_double of
+// the T value), which is what makes it bitwise equal to adamw followed by cast.
 // Covered by the adamw op-check cases (src/testing/op_cases.cpp) and tests/unit/test_optim.cpp.
 #include <cmath>
 
@@ -34,6 +36,8 @@ void adamw_step(const OpCall& c) {
   T* w_out = c.outputs[0].data<T>();
   T* m_out = c.outputs[1].data<T>();
   T* v_out = c.outputs[2].data<T>();
+  void* rounded = a.rounded_to ? c.outputs[3].data_ptr() : nullptr;  // bf16/f16 (ops/shape.cpp checks)
+  const DType rounded_dtype = a.rounded_to.value_or(DType::F32);
   const double b1 = a.beta1, b2 = a.beta2;
   const double step_size = a.lr / (1.0 - std::pow(b1, double(a.step)));
   const double sqrt_bc2 = std::sqrt(1.0 - std::pow(b2, double(a.step)));
@@ -48,6 +52,7 @@ void adamw_step(const OpCall& c) {
     w_out[i] = T(wi);
     m_out[i] = T(mi);
     v_out[i] = T(vi);
+    if (rounded) store_from_double(rounded, rounded_dtype, i, double(T(wi)));
   }
 }
 

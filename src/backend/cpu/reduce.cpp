@@ -1,7 +1,11 @@
-// CPU reductions: sum over any set of dims (strided input), softmax over the last dim and its backward.
-// Accumulation is in double for every dtype.
+// CPU reductions: sum over any set of dims (strided input), the sum of squares of a whole tensor (strided, any float
+// dtype: the global gradient norm), softmax over the last dim and its backward. Accumulation is in double for every
+// dtype. sum_squares sums fixed chunks of the logical order, then the chunk totals in order, so its result does not
+// depend on the number of threads. Covered by tests/ops (the CPU rows) and tests/unit/test_optim.cpp.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/strided.h"
@@ -34,6 +38,36 @@ void sum_kernel(const OpCall& call, ExecContext&) {
     for (int64_t r = 0; r < n_red; ++r) acc += double(px[base + cpu::strided_offset(r, red_shape, red_strides)]);
     po[o] = T(acc);
   }
+}
+
+inline double to_double(float x) { return x; }
+inline double to_double(double x) { return x; }
+inline double to_double(BF16 x) { return bf16_to_float(x); }
+inline double to_double(F16 x) { return f16_to_float(x); }
+
+// Output: 0-d, double for a double input and float otherwise (ops/shape.cpp).
+template <typename T>
+void sum_squares_kernel(const OpCall& call, ExecContext&) {
+  constexpr int64_t kChunk = 65536;
+  const Tensor& x = call.inputs[0];
+  const int64_t n = x.numel();
+  const bool plain = x.is_contiguous();
+  const T* px = x.data<T>();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> partial(size_t(chunks), 0.0);
+#pragma omp parallel for if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double acc = 0;
+    for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i) {
+      const double v = to_double(px[plain ? i : cpu::strided_offset(i, x.shape(), x.strides())]);
+      acc += v * v;
+    }
+    partial[size_t(c)] = acc;
+  }
+  double total = 0;
+  for (double p : partial) total += p;
+  if constexpr (std::is_same_v<T, double>) *call.outputs[0].data<double>() = total;
+  else *call.outputs[0].data<float>() = float(total);
 }
 
 template <typename T>
@@ -87,6 +121,15 @@ void register_for(KernelRegistry& r) {
 void register_cpu_reduce_kernels(KernelRegistry& r) {
   register_for<float>(r);
   register_for<double>(r);
+  // Every float dtype natively: bf16 gradients are squared where they lie, with no f32 copy (no upcast composite).
+  r.add(KernelDef{OpId::sum_squares, DeviceType::CPU, DType::F64, "cpu/chunked_sum_squares", outputs_contiguous,
+                  sum_squares_kernel<double>});
+  r.add(KernelDef{OpId::sum_squares, DeviceType::CPU, DType::F32, "cpu/chunked_sum_squares", outputs_contiguous,
+                  sum_squares_kernel<float>});
+  r.add(KernelDef{OpId::sum_squares, DeviceType::CPU, DType::BF16, "cpu/chunked_sum_squares", outputs_contiguous,
+                  sum_squares_kernel<BF16>});
+  r.add(KernelDef{OpId::sum_squares, DeviceType::CPU, DType::F16, "cpu/chunked_sum_squares", outputs_contiguous,
+                  sum_squares_kernel<F16>});
 }
 
 }  // namespace lathe

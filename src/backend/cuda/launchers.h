@@ -35,6 +35,11 @@ bool cast_supported(DType t);
 // Sum over the `red` sub-space for each of the n_out positions of the `kept` sub-space.
 void launch_sum(DType dtype, int64_t n_out, const void* x, const StridedLayout& kept, const StridedLayout& red,
                 int64_t n_red, void* out, cudaStream_t stream);
+// sum(x^2) over the n elements of x (float, bf16, f16: f32 result; f64: f64) into the 0-d `out`. `partials` is
+// scratch of sum_squares_partials(n) elements of the result's dtype (none when 0: one block then covers x).
+int64_t sum_squares_partials(int64_t n);
+void launch_sum_squares(DType dtype, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
+                        void* partials, void* out, cudaStream_t stream);
 void launch_softmax(DType dtype, int64_t rows, int64_t cols, const void* x, void* y, cudaStream_t stream);
 void launch_softmax_backward(DType dtype, int64_t rows, int64_t cols, const void* y, const void* dy, void* dx,
                              cudaStream_t stream);

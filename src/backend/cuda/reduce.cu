@@ -1,6 +1,9 @@
-// CUDA reductions: sum over any dims of a strided tensor (one block per output element), and row
-// softmax and its backward (one block per row, fp32 statistics; fp64 for f64).
-// Covered by tests/ops (every row on cuda).
+// CUDA reductions: sum over any dims of a strided tensor (one block per output element), the sum of squares of a
+// whole strided tensor (the global gradient norm), and row softmax and its backward (one block per row, fp32
+// statistics; fp64 for f64). sum_squares is deterministic without atomics: a grid whose size depends on the element
+// count alone writes one partial per block (grid-stride over the elements, fixed block tree), then one block sums
+// the partials in a fixed order; a tensor that one block covers takes that block only, writing the result directly.
+// Covered by tests/ops (every row on cuda) and tests/unit/test_optim.cpp.
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
 
@@ -21,6 +24,31 @@ __global__ void sum_kernel(int64_t n_out, const T* x, StridedLayout kept, Stride
     acc = block_reduce<A, false>(acc, scratch);
     if (threadIdx.x == 0) store(out, o, acc);
   }
+}
+
+// Block b's partial of sum(x^2) over elements b * blockDim.x + threadIdx.x + k * gridDim.x * blockDim.x, into dst[b].
+template <typename T>
+__global__ void sum_squares_kernel(int64_t n, const T* x, StridedLayout lx, bool contiguous,
+                                   typename Compute<T>::type* dst) {
+  using A = typename Compute<T>::type;
+  __shared__ A scratch[32];
+  A acc = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const A v = load(x, contiguous ? i : strided_offset(i, lx));
+    acc += v * v;
+  }
+  acc = block_reduce<A, false>(acc, scratch);
+  if (threadIdx.x == 0) dst[blockIdx.x] = acc;
+}
+
+// One block: out = the sum of the n partials, each thread taking every blockDim.x-th one in order.
+template <typename A>
+__global__ void sum_partials_kernel(int64_t n, const A* partial, A* out) {
+  __shared__ A scratch[32];
+  A acc = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += partial[i];
+  acc = block_reduce<A, false>(acc, scratch);
+  if (threadIdx.x == 0) *out = acc;
 }
 
 template <typename T>
@@ -78,6 +106,31 @@ void launch_sum(DType dtype, int64_t n_out, const void* x, const StridedLayout& 
                                                             static_cast<T*>(out));
   });
   LATHE_CUDA_LAUNCH_CHECK("sum_kernel");
+}
+
+int64_t sum_squares_partials(int64_t n) {
+  constexpr int64_t kPerThread = 16;  // below this many elements per thread, fewer blocks
+  constexpr int64_t kMaxBlocks = 1024;  // one wave of 256-thread blocks on an H100 (132 SMs x 8)
+  const int64_t blocks = (n + kThreads * kPerThread - 1) / (kThreads * kPerThread);
+  return blocks <= 1 ? 0 : (blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+void launch_sum_squares(DType dtype, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
+                        void* partials, void* out, cudaStream_t stream) {
+  const int64_t blocks = sum_squares_partials(n);
+  dispatch_float(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = typename Compute<T>::type;
+    if (blocks == 0) {  // one block writes the result
+      sum_squares_kernel<T><<<1, kThreads, 0, stream>>>(n, static_cast<const T*>(x), lx, contiguous,
+                                                        static_cast<A*>(out));
+      return;
+    }
+    sum_squares_kernel<T><<<int(blocks), kThreads, 0, stream>>>(n, static_cast<const T*>(x), lx, contiguous,
+                                                                 static_cast<A*>(partials));
+    sum_partials_kernel<A><<<1, kThreads, 0, stream>>>(blocks, static_cast<const A*>(partials), static_cast<A*>(out));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("sum_squares_kernel");
 }
 
 void launch_softmax(DType dtype, int64_t rows, int64_t cols, const void* x, void* y, cudaStream_t stream) {

@@ -1,4 +1,6 @@
-// Registration of the CUDA reductions: sum over dims, row softmax and its backward.
+// Registration of the CUDA reductions: sum over dims, sum of squares (every float dtype, f64 included; partials
+// scratch from the context's allocator, released on return as model_ops_register.cpp describes), row softmax and its
+// backward. Covered by tests/ops.
 #include <algorithm>
 
 #include "backend/cuda/cuda_backend.h"
@@ -12,6 +14,11 @@ namespace {
 
 Support sum_supports(const OpCall& c) {
   if (!c.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
+  if (c.inputs[0].dim() > kMaxDims) return Support::no("more than 8 dims");
+  return Support::yes();
+}
+
+Support sum_squares_supports(const OpCall& c) {
   if (c.inputs[0].dim() > kMaxDims) return Support::no("more than 8 dims");
   return Support::yes();
 }
@@ -39,6 +46,21 @@ void run_sum(const OpCall& c, ExecContext& ctx) {
              as_cuda(ctx.stream).handle());
 }
 
+void run_sum_squares(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  const Tensor& out = c.outputs[0];  // 0-d, f32 (f64 for f64)
+  StridedLayout lx;
+  lx.ndim = x.dim();
+  for (int d = 0; d < x.dim(); ++d) {
+    lx.shape[d] = x.size(d);
+    lx.stride[d] = x.strides()[d];
+  }
+  const int64_t n_partials = sum_squares_partials(x.numel());
+  const Tensor partials = n_partials ? Tensor::empty({n_partials}, out.dtype(), ctx.allocator) : Tensor();
+  launch_sum_squares(x.dtype(), x.numel(), x.data_ptr(), lx, x.is_contiguous(),
+                     n_partials ? partials.data_ptr() : nullptr, out.data_ptr(), as_cuda(ctx.stream).handle());
+}
+
 void run_softmax(const OpCall& c, ExecContext& ctx) {
   const Tensor& x = c.inputs[0];
   const int64_t cols = x.size(-1);
@@ -62,6 +84,9 @@ void register_cuda_reduce_kernels(KernelRegistry& r) {
     r.add(KernelDef{OpId::softmax_backward, DeviceType::CUDA, dt, "cuda/softmax_backward_rows", rows_supports,
                     run_softmax_backward});
   }
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64})
+    r.add(KernelDef{OpId::sum_squares, DeviceType::CUDA, dt, "cuda/block_partials_sum_squares", sum_squares_supports,
+                    run_sum_squares});
 }
 
 }  // namespace lathe::cuda
