@@ -3,6 +3,7 @@
 // statistics; fp64 for f64). sum_squares is deterministic without atomics: a grid whose size depends on the element
 // count alone writes one partial per block (grid-stride over the elements, fixed block tree), then one block sums
 // the partials in a fixed order; a tensor that one block covers takes that block only, writing the result directly.
+// A contiguous, aligned tensor is read in 16-byte packs.
 // Covered by tests/ops (every row on cuda) and tests/unit/test_optim.cpp.
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -36,6 +37,30 @@ __global__ void sum_squares_kernel(int64_t n, const T* x, StridedLayout lx, bool
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const A v = load(x, contiguous ? i : strided_offset(i, lx));
     acc += v * v;
+  }
+  acc = block_reduce<A, false>(acc, scratch);
+  if (threadIdx.x == 0) dst[blockIdx.x] = acc;
+}
+
+// The same over a contiguous, 16-byte aligned x read in packs of kN elements (grid-stride over the packs); the n % kN
+// elements past the last whole pack go to the first threads of block 0.
+template <typename T, int kN>
+__global__ void sum_squares_packed_kernel(int64_t n, const T* x, typename Compute<T>::type* dst) {
+  using A = typename Compute<T>::type;
+  __shared__ A scratch[32];
+  A acc = 0;
+  const int64_t packs = n / kN;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < packs; p += int64_t(gridDim.x) * blockDim.x) {
+    const Pack<T, kN> v = load_pack<T, kN>(x + p * kN);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const A e = load(v.e, k);
+      acc += e * e;
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x < n - packs * kN) {
+    const A e = load(x, packs * kN + threadIdx.x);
+    acc += e * e;
   }
   acc = block_reduce<A, false>(acc, scratch);
   if (threadIdx.x == 0) dst[blockIdx.x] = acc;
@@ -121,13 +146,14 @@ void launch_sum_squares(DType dtype, int64_t n, const void* x, const StridedLayo
   dispatch_float(dtype, [&](auto t) {
     using T = decltype(t);
     using A = typename Compute<T>::type;
-    if (blocks == 0) {  // one block writes the result
-      sum_squares_kernel<T><<<1, kThreads, 0, stream>>>(n, static_cast<const T*>(x), lx, contiguous,
-                                                        static_cast<A*>(out));
-      return;
-    }
-    sum_squares_kernel<T><<<int(blocks), kThreads, 0, stream>>>(n, static_cast<const T*>(x), lx, contiguous,
-                                                                 static_cast<A*>(partials));
+    const auto* px = static_cast<const T*>(x);
+    A* dst = static_cast<A*>(blocks == 0 ? out : partials);  // one block writes the result itself
+    const int grid = blocks == 0 ? 1 : int(blocks);
+    if (contiguous && aligned16(px))
+      sum_squares_packed_kernel<T, kPackOf16<T>><<<grid, kThreads, 0, stream>>>(n, px, dst);
+    else
+      sum_squares_kernel<T><<<grid, kThreads, 0, stream>>>(n, px, lx, contiguous, dst);
+    if (blocks == 0) return;
     sum_partials_kernel<A><<<1, kThreads, 0, stream>>>(blocks, static_cast<const A*>(partials), static_cast<A*>(out));
   });
   LATHE_CUDA_LAUNCH_CHECK("sum_squares_kernel");
