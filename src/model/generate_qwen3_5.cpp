@@ -244,8 +244,8 @@ Tensor Qwen35Decoder::gdn_step(const Layer& l, const Tensor& xn) {
                                                           rt_->from_host(cu_rule, {2}, DType::I32, device),
                                                           state_[l.slot]);  // o (n, Hv, dv), state (1, Hv, dk, dv)
   new_state_[l.slot] = rule[1];
-  const Tensor gn = rmsnorm(cx, rule[0], w(l.gnorm), {c.rms_norm_eps, 0.0});  // the gated norm: plain weight
-  const Tensor gy = mul(cx, gn, silu(cx, z));                                 // (n, Hv, dv)
+  // rmsnorm(o; w) * silu(z), the gated norm (plain weight), as the model's.
+  const Tensor gy = gated_rmsnorm(cx, rule[0], w(l.gnorm), z, {c.rms_norm_eps, 0.0});  // (n, Hv, dv)
   return linear(cx, gy.view({n, vd}), w(l.out_proj));                         // (n, D)
 }
 

@@ -2,7 +2,9 @@
 // Hk/Hv heads of dk/dv (Gated DeltaNet), K = Hk dk, V = Hv dv, I intermediate, voc vocabulary.
 // Conventions: every norm is zero-centred ((1 + w), NormAttrs offset 1) except the GDN output norm (plain w); the
 // L2 norm of q and k is x / sqrt(sum x^2 + 1e-6) = rmsnorm(x; w = dk^-1/2, eps 1e-6/dk) (an identity, reusing the
-// rmsnorm op; the weight is rounded to the model dtype: 1e-4 relative in bf16, far below the output's rounding). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
+// rmsnorm op; the weight is rounded to the model dtype: 1e-4 relative in bf16, far below the output's rounding); the
+// GDN output norm rmsnorm(core; w) * silu(z) is one op, gated_rmsnorm (rounded once, like transformers' fp32
+// expression). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
 // peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
 // through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
 // output viewed as (T N / width, width) (the embedding op); their backward stacks the parts' gradients and gathers
@@ -38,7 +40,7 @@ struct Qwen35Model::LayerActs {
   Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
-  Tensor core, gn, sz, gy;          // (T, Hv, dv): rule output, its norm, silu(z), gn * sz
+  Tensor core, gy;                  // (T, Hv, dv): rule output, gated_rmsnorm(core; w, z) (out_proj's input)
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   // MLP
   Tensor h, hn, gt, up, act, out;
@@ -312,9 +314,7 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
   a.core = r[0];
   a.states = r[1];
-  a.gn = rmsnorm(cx, a.core, w(l.gnorm), {c.rms_norm_eps, 0.0});
-  a.sz = silu(cx, a.z);
-  a.gy = mul(cx, a.gn, a.sz);
+  a.gy = gated_rmsnorm(cx, a.core, w(l.gnorm), a.z, {c.rms_norm_eps, 0.0});  // rmsnorm(core; w) * silu(z)
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
@@ -371,11 +371,11 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   Tensor dgy;
   project_backward(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), dh, dgy, b);
   dgy = dgy.view({t, hv, dv});
-  // gy = rmsnorm(core; w) * silu(z)
-  const Tensor dz = silu_backward(cx, a.z, mul(cx, dgy, a.gn));
-  const std::vector<Tensor> dcore = rmsnorm_backward(cx, a.core, w(l.gnorm), mul(cx, dgy, a.sz), {c.rms_norm_eps, 0.0});
-  add_grad(l.gnorm, dcore[1]);
-  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore[0], b.cu_seqlens,
+  // gy = rmsnorm(core; w) * silu(z): {dcore, dw, dz}
+  const std::vector<Tensor> dnorm = gated_rmsnorm_backward(cx, a.core, w(l.gnorm), a.z, dgy, {c.rms_norm_eps, 0.0});
+  add_grad(l.gnorm, dnorm[1]);
+  const Tensor& dz = dnorm[2];
+  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dnorm[0], b.cu_seqlens,
                                                            a.states);
   // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
   const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;

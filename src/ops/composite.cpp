@@ -16,6 +16,7 @@ constexpr OpId kUpcastOps[] = {
     OpId::matmul,  OpId::add,    OpId::mul,     OpId::scale,   OpId::sum,     OpId::mean,
     OpId::softmax, OpId::softmax_backward,  OpId::silu,  OpId::silu_backward, OpId::swiglu,
     OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
+    OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
     OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy};
 
 // Tensors of the call's low-precision dtype are widened; index and f32 statistics tensors pass through.

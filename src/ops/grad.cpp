@@ -81,6 +81,8 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return {embedding_backward(ctx, dy, in[1], in[0].size(0)), Tensor()};
     case OpId::rmsnorm:
       return rmsnorm_backward(ctx, in[0], in[1], dy, std::get<NormAttrs>(attrs));
+    case OpId::gated_rmsnorm:
+      return gated_rmsnorm_backward(ctx, in[0], in[1], in[2], dy, std::get<NormAttrs>(attrs));
     case OpId::rope: {
       RopeAttrs inv = std::get<RopeAttrs>(attrs);
       inv.inverse = !inv.inverse;
@@ -112,6 +114,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::swiglu_backward:
     case OpId::embedding_backward:
     case OpId::rmsnorm_backward:
+    case OpId::gated_rmsnorm_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
     case OpId::sum_squares:  // the global gradient norm: never part of a differentiated graph

@@ -33,6 +33,8 @@ namespace lathe {
   X(embedding_backward, 2) \
   X(rmsnorm, 2)          \
   X(rmsnorm_backward, 3) \
+  X(gated_rmsnorm, 3)    \
+  X(gated_rmsnorm_backward, 4) \
   X(rope, 2)             \
   X(attention, 4)        \
   X(attention_backward, 7) \
@@ -99,6 +101,12 @@ struct EmbeddingAttrs {
 
 // y = x / rms(x) * (offset + w) over the last dim, rms = sqrt(mean(x^2) + eps). offset is 0 for Qwen3,
 // 1 for the zero-centred norms of Qwen3.5. rmsnorm_backward(x, w, dy) -> (dx, dw).
+// gated_rmsnorm(x (..., h), w (h), z (x's shape)) -> y = x / rms(x) * (offset + w) * silu(z), silu(z) = z sigmoid(z):
+// the output norm of Qwen3.5's Gated DeltaNet, computed in fp32 (f64 for f64) and rounded once, at y.
+// gated_rmsnorm_backward(x, w, z, dy) -> (dx, dw, dz): with r = 1 / rms(x), n = x r (offset + w), s = silu(z),
+//   dz = dy n silu'(z), and g = dy s the gradient of the plain norm's output, as rmsnorm_backward:
+//   dx = r ((offset + w) g - x r^2 mean(x (offset + w) g)), dw = sum over rows of g x r.
+// dw is deterministic on every device (fixed-order sums, no atomics).
 struct NormAttrs {
   double eps = 1e-6;
   double offset = 0.0;

@@ -22,7 +22,9 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::embedding:
     case OpId::embedding_backward: return expect(EmbeddingAttrs{});
     case OpId::rmsnorm:
-    case OpId::rmsnorm_backward: return expect(NormAttrs{});
+    case OpId::rmsnorm_backward:
+    case OpId::gated_rmsnorm:
+    case OpId::gated_rmsnorm_backward: return expect(NormAttrs{});
     case OpId::rope: return expect(RopeAttrs{});
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
@@ -140,6 +142,16 @@ Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs att
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs) {
   return call_op(ctx, OpId::rmsnorm_backward, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, dy)}, attrs);
+}
+
+Tensor gated_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z, NormAttrs attrs) {
+  return call_op(ctx, OpId::gated_rmsnorm, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, z)}, attrs)[0];
+}
+
+std::vector<Tensor> gated_rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z,
+                                           const Tensor& dy, NormAttrs attrs) {
+  return call_op(ctx, OpId::gated_rmsnorm_backward,
+                 {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, z), contiguous(ctx, dy)}, attrs);
 }
 
 Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs) {

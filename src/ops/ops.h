@@ -52,6 +52,10 @@ Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids,
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs);  // {dx, dw}
+// rmsnorm(x; w) * silu(z) in one op (formula at NormAttrs in ops/op_table.h).
+Tensor gated_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z, NormAttrs attrs);
+std::vector<Tensor> gated_rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z,
+                                           const Tensor& dy, NormAttrs attrs);  // {dx, dw, dz}
 Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs);
 std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& cu_seqlens, AttentionAttrs attrs);  // {o, lse}

@@ -194,6 +194,21 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   in[2].describe(), in[0].describe());
       return {{in[0].shape(), in[0].dtype()}, {in[1].shape(), in[1].dtype()}};
     }
+    case OpId::gated_rmsnorm:
+    case OpId::gated_rmsnorm_backward: {
+      check_floating(op, in[0]);
+      check_same_dtype(op, in[0], in[1]);
+      LATHE_CHECK(in[1].dim() == 1 && in[0].dim() >= 1 && in[1].size(0) == in[0].size(-1),
+                  "ops: {} weight {} does not match input {}", op_name(op), in[1].describe(), in[0].describe());
+      check_same_dtype(op, in[0], in[2]);
+      LATHE_CHECK(in[2].shape() == in[0].shape(), "ops: {} gate z {} does not match x {}", op_name(op),
+                  in[2].describe(), in[0].describe());
+      if (op == OpId::gated_rmsnorm) return {{in[0].shape(), in[0].dtype()}};
+      check_same_dtype(op, in[0], in[3]);
+      LATHE_CHECK(in[3].shape() == in[0].shape(), "ops: gated_rmsnorm_backward dy {} does not match x {}",
+                  in[3].describe(), in[0].describe());
+      return {{in[0].shape(), in[0].dtype()}, {in[1].shape(), in[1].dtype()}, {in[0].shape(), in[0].dtype()}};
+    }
     case OpId::rope: {
       check_floating(op, in[0]);
       check_index(op, in[1], "positions");

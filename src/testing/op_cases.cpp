@@ -50,6 +50,10 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::rmsnorm, "h=32,eps=1e-6", {{5, 32}, {32}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}}, NormAttrs{1e-5, 1.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm, "h=32", {{5, 32}, {32}, {5, 32}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::gated_rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}, {3, 4, 96}}, NormAttrs{1e-5, 1.0}, kFloat});
+  c.push_back({OpId::gated_rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat,
+               false, false});
   const std::vector<double> cu7 = {0, 3, 7};
   c.push_back({OpId::rope, "t=7,h=3,d=8,theta=1e4", {{7, 3, 8}, {7}}, RopeAttrs{10000.0, 0, false}, kFloat, false, true,
                {{}, positions(cu7)}});
@@ -127,6 +131,30 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                kFloat, false, false});
   c.push_back({OpId::rmsnorm_backward, "rows=1100,h=130", {{1100, 130}, {130}, {1100, 130}}, NormAttrs{1e-6, 0.0},
                kFloat, false, false});
+  // CUDA gated RMSNorm (the rmsnorm kernels with z read beside x): the GDN output norm's shape (T, H_v, d_v = 128;
+  // packs, the whole row in registers), elements (42), rows wider than the registers (1030 elements, 2304 packs);
+  // the differentiable rows also check the backward on each device through op_backward. The (T, H_v, d_v) row is
+  // forward only: finite differences of a 400k-element loss sit at the f64 check's 1e-6 bound (9e-7 measured).
+  c.push_back({OpId::gated_rmsnorm, "t=200,heads=16,h=128", {{200, 16, 128}, {128}, {200, 16, 128}},
+               NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm, "rows=100,h=128", {{100, 128}, {128}, {100, 128}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::gated_rmsnorm, "rows=30,h=42", {{30, 42}, {42}, {30, 42}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::gated_rmsnorm, "rows=40,h=256,offset=1", {{40, 256}, {256}, {40, 256}}, NormAttrs{1e-6, 1.0},
+               kFloat});
+  c.push_back({OpId::gated_rmsnorm, "rows=3,h=1030", {{3, 1030}, {1030}, {3, 1030}}, NormAttrs{1e-6, 0.0}, kFloat});
+  c.push_back({OpId::gated_rmsnorm, "rows=3,h=2304", {{3, 2304}, {2304}, {3, 2304}}, NormAttrs{1e-6, 0.0}, kFloat});
+  // The backward directly, with more rows than its partial dw rows (several rows per warp): packs (128, 1040),
+  // elements (42, 130), rows wider than the registers (1040, 130), the offset form (64).
+  c.push_back({OpId::gated_rmsnorm_backward, "rows=3000,h=128", {{3000, 128}, {128}, {3000, 128}, {3000, 128}},
+               NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm_backward, "rows=4500,h=64,offset=1", {{4500, 64}, {64}, {4500, 64}, {4500, 64}},
+               NormAttrs{1e-6, 1.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm_backward, "rows=2100,h=42", {{2100, 42}, {42}, {2100, 42}, {2100, 42}},
+               NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm_backward, "rows=1100,h=1040", {{1100, 1040}, {1040}, {1100, 1040}, {1100, 1040}},
+               NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  c.push_back({OpId::gated_rmsnorm_backward, "rows=1100,h=130", {{1100, 130}, {130}, {1100, 130}, {1100, 130}},
+               NormAttrs{1e-6, 0.0}, kFloat, false, false});
   c.push_back({OpId::cross_entropy, "n=2,v=32768,grad", {{2, 32768}, {2}}, CrossEntropyAttrs{-100, true, 0.5}, kFloat,
                false, false, {{}, {17, 32767}}});
   std::vector<double> labels = iota_mod(6, 13, 5);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 
 #include "backend/runtime.h"
 #include "core/tensor.h"
@@ -113,4 +114,28 @@ TEST(Errors, MessagesNameTheProblem) {
   EXPECT_THROW(softmax(cpu, i), Error);
   EXPECT_THROW(add(cpu, a, Tensor::empty({2, 3}, DType::F64, cpu.allocator)), Error);
   EXPECT_THROW(rt.context(Device::cuda(7)), Error);
+}
+
+TEST(Errors, GatedRmsnormNamesTheMismatchedInput) {
+  Runtime rt;
+  ExecContext cpu = rt.context(Device::cpu());
+  const auto f32 = [&](Shape s) { return Tensor::empty(std::move(s), DType::F32, cpu.allocator); };
+  const auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const Tensor x = f32({4, 8}), w = f32({8});
+  EXPECT_NE(message([&] { gated_rmsnorm(cpu, x, w, f32({4, 7}), {}); }).find("gated_rmsnorm gate z"), std::string::npos);
+  EXPECT_NE(message([&] { gated_rmsnorm(cpu, x, f32({7}), f32({4, 8}), {}); }).find("gated_rmsnorm weight"),
+            std::string::npos);
+  EXPECT_NE(message([&] { gated_rmsnorm(cpu, x, w, Tensor::empty({4, 8}, DType::F64, cpu.allocator), {}); })
+                .find("gated_rmsnorm needs inputs of one dtype"),
+            std::string::npos);
+  EXPECT_NE(message([&] { gated_rmsnorm_backward(cpu, x, w, f32({4, 8}), f32({8, 4}), {}); })
+                .find("gated_rmsnorm_backward dy"),
+            std::string::npos);
 }

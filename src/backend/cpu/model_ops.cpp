@@ -1,5 +1,6 @@
-// CPU reference kernels of the transformer layer ops: embedding (+ backward), RMSNorm (+ backward),
-// rotary embedding, SwiGLU (+ backward), causal packed attention (+ backward) and cross-entropy.
+// CPU reference kernels of the transformer layer ops: embedding (+ backward), RMSNorm and gated RMSNorm
+// (rmsnorm(x) * silu(z)) (+ backward), rotary embedding, SwiGLU (+ backward), causal packed attention
+// (+ backward) and cross-entropy.
 // Plain loops with double accumulation; templates over float and double. Index inputs are validated
 // (an out-of-range token id or label is a data error, reported with its position).
 // Covered by tests/ops (forward, backward, finite differences) and tests/models (HF parity).
@@ -85,6 +86,68 @@ void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
       const double g = double(dyr[j]) * (a.offset + double(w[j]));
       dx[r * h + j] = T(inv * g - double(xr[j]) * inv * inv * inv * dot / double(h));
       dw[size_t(j)] += double(dyr[j]) * double(xr[j]) * inv;
+    }
+  }
+  T* pdw = c.outputs[1].data<T>();
+  for (int64_t j = 0; j < h; ++j) pdw[j] = T(dw[size_t(j)]);
+}
+
+// y = x inv (offset + w) silu(z), inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.
+template <typename T>
+void gated_rmsnorm_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<NormAttrs>();
+  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
+  const T* x = c.inputs[0].data<T>();
+  const T* w = c.inputs[1].data<T>();
+  const T* z = c.inputs[2].data<T>();
+  T* y = c.outputs[0].data<T>();
+#pragma omp parallel for if (rows * h > 65536)
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t j = 0; j < h; ++j) ss += double(x[r * h + j]) * double(x[r * h + j]);
+    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
+    for (int64_t j = 0; j < h; ++j) {
+      const double zj = double(z[r * h + j]);
+      const double silu = zj / (1.0 + std::exp(-zj));
+      y[r * h + j] = T(double(x[r * h + j]) * inv * (a.offset + double(w[j])) * silu);
+    }
+  }
+}
+
+// With s = silu(z) and g = dy s (the gradient reaching the plain norm's output): dz_j = dy_j n_j sigmoid(z_j)
+// (1 + z_j (1 - sigmoid(z_j))), n_j = x_j inv (offset + w_j); dx and dw are rmsnorm_backward's with dy replaced by g.
+template <typename T>
+void gated_rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<NormAttrs>();
+  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
+  const T* x = c.inputs[0].data<T>();
+  const T* w = c.inputs[1].data<T>();
+  const T* z = c.inputs[2].data<T>();
+  const T* dy = c.inputs[3].data<T>();
+  T* dx = c.outputs[0].data<T>();
+  T* dz = c.outputs[2].data<T>();
+  std::vector<double> dw(size_t(h), 0.0);
+  std::vector<double> g(static_cast<size_t>(h));  // dy silu(z) of the row
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * h;
+    const T* zr = z + r * h;
+    const T* dyr = dy + r * h;
+    double ss = 0, dot = 0;
+    for (int64_t j = 0; j < h; ++j) {
+      const double zj = double(zr[j]);
+      g[size_t(j)] = double(dyr[j]) * zj / (1.0 + std::exp(-zj));
+      ss += double(xr[j]) * double(xr[j]);
+      dot += g[size_t(j)] * (a.offset + double(w[j])) * double(xr[j]);
+    }
+    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
+    for (int64_t j = 0; j < h; ++j) {
+      const double gw = g[size_t(j)] * (a.offset + double(w[j]));
+      dx[r * h + j] = T(inv * gw - double(xr[j]) * inv * inv * inv * dot / double(h));
+      dw[size_t(j)] += g[size_t(j)] * double(xr[j]) * inv;
+      const double zj = double(zr[j]);
+      const double sig = 1.0 / (1.0 + std::exp(-zj));
+      const double n = double(xr[j]) * inv * (a.offset + double(w[j]));
+      dz[r * h + j] = T(double(dyr[j]) * n * sig * (1.0 + zj * (1.0 - sig)));
     }
   }
   T* pdw = c.outputs[1].data<T>();
@@ -290,6 +353,8 @@ void register_for(KernelRegistry& r) {
   add(OpId::embedding_backward, "cpu/embedding_scatter_add", embedding_backward_kernel<T>);
   add(OpId::rmsnorm, "cpu/rmsnorm_rows", rmsnorm_kernel<T>);
   add(OpId::rmsnorm_backward, "cpu/rmsnorm_backward_rows", rmsnorm_backward_kernel<T>);
+  add(OpId::gated_rmsnorm, "cpu/gated_rmsnorm_rows", gated_rmsnorm_kernel<T>);
+  add(OpId::gated_rmsnorm_backward, "cpu/gated_rmsnorm_backward_rows", gated_rmsnorm_backward_kernel<T>);
   add(OpId::rope, "cpu/rope_rotate_half", rope_kernel<T>);
   add(OpId::swiglu, "cpu/swiglu", swiglu_kernel<T>);
   add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);

@@ -1,5 +1,5 @@
-// Raw-pointer launchers of the CUDA transformer-layer kernels (model_ops.cu): embedding, RMSNorm, rotary
-// embedding, SwiGLU, causal packed attention, cross-entropy, and their backwards. Every tensor is contiguous;
+// Raw-pointer launchers of the CUDA transformer-layer kernels (model_ops.cu): embedding, RMSNorm, gated RMSNorm,
+// rotary embedding, SwiGLU, causal packed attention, cross-entropy, and their backwards. Every tensor is contiguous;
 // statistics (attention lse, cross-entropy loss) and scratch buffers are float; the caller allocates scratch.
 // Tensor checks and registration live in model_ops_register.cpp; covered by tests/ops. Free of fmt for nvcc.
 // Any pointer may be unaligned (views): the launchers check before taking a 16-byte path.
@@ -33,10 +33,17 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
                     void* y, cudaStream_t stream);
-// Floats of scratch launch_rmsnorm_backward needs (per-warp partial column sums of dw, then their group sums).
+// Floats of scratch launch_rmsnorm_backward and launch_gated_rmsnorm_backward need (per-warp partial column sums
+// of dw, then their group sums).
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h);
 void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                              const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream);
+// y = x * rsqrt(mean(x^2) + eps) * (offset + w) * silu(z), rounded once; backward: dx, dw, dz from x, w, z, dy.
+void launch_gated_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                          const void* w, const void* z, void* y, cudaStream_t stream);
+void launch_gated_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                                   const void* w, const void* z, const void* dy, void* dx, void* dw, void* dz,
+                                   float* scratch, cudaStream_t stream);
 
 // Rotate-half rotary embedding of x (tokens, heads, d) on the first 2 * half dims (the rest copied), angle =
 // float(pos) * inv_freq[i]; inverse rotates by -angle. inv_freq is computed on the host (cpu::rope_inv_freq).

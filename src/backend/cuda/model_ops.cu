@@ -1,8 +1,8 @@
 // CUDA kernels of the transformer-layer ops (the CPU kernels in backend/cpu/model_ops.cpp are the spec):
-// embedding gather / scatter-add, RMSNorm rows (+ backward; one warp per row), rotate-half rope, SwiGLU
-// (+ backward), causal packed attention (+ backward; one warp per row, online softmax) and cross-entropy rows.
-// Convention: bf16/f16 are read and written through load/store and every sum is fp32; reductions that must be
-// deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm, SwiGLU and
+// embedding gather / scatter-add, RMSNorm and gated RMSNorm (rmsnorm(x) * silu(z)) rows (+ backward; one warp per
+// row), rotate-half rope, SwiGLU (+ backward), causal packed attention (+ backward; one warp per row, online softmax)
+// and cross-entropy rows. Convention: bf16/f16 are read and written through load/store and every sum is fp32;
+// reductions that must be deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm, SwiGLU and
 // cross-entropy kernels move 16-byte packs when sizes and alignment allow (checked on the host) and single elements otherwise.
 // Covered by tests/ops (cases for both the packed and the single-element paths).
 #include "backend/cuda/check.h"
@@ -66,11 +66,14 @@ template <typename T> __global__ void float_to_kernel(int64_t n, const float* sr
 
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 
-// ---------------------------------------------------------------- rmsnorm
+// ---------------------------------------------------------------- rmsnorm, gated rmsnorm
 // One warp per row, kNormWarps rows per block. Lane l owns the packs (kN consecutive elements; 16 bytes when h
 // is a multiple of the pack and the buffers are aligned, else kN = 1) l, l + 32, l + 64, ... of a row: the first
 // kC of them stay in registers between the two passes over the row, as do the matching packs of w; the packs of
 // rows wider than 32 * kC packs are read again. Row sums are warp shuffles.
+// kGated: the same kernels for gated_rmsnorm, y = rmsnorm(x) * silu(z) (one rounding, at y). The forward reads z
+// once, when it writes y; the backward keeps z's packs in registers beside x and dy (its gradient into the norm is
+// g = dy silu(z)) and also writes dz. Non-gated calls pass null z / dz, never touched.
 
 constexpr int kNormWarps = 4;
 constexpr int kNormThreads = 32 * kNormWarps;
@@ -102,17 +105,31 @@ template <typename T, int kN> __device__ __forceinline__ float sum_squares(const
   return s;
 }
 
-template <typename T, int kN>
-__device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pack<T, kN>& w, float inv, float offset) {
+__device__ __forceinline__ float sigmoid_of(float v) { return 1.0f / (1.0f + expf(-v)); }
+
+// The pack of the output at element `at` of the tensor: x inv (offset + w), times silu(z) where kGated (z is read
+// only then); one rounding.
+template <bool kGated, typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pack<T, kN>& w, const T* z, int64_t at,
+                                                  float inv, float offset) {
   Pack<T, kN> y;
+  if constexpr (kGated) {
+    const Pack<T, kN> zv = load_pack<T, kN>(z + at);
 #pragma unroll
-  for (int k = 0; k < kN; ++k) store(y.e, k, load(x.e, k) * inv * (offset + load(w.e, k)));
+    for (int k = 0; k < kN; ++k) {
+      const float zk = load(zv.e, k);
+      store(y.e, k, load(x.e, k) * inv * (offset + load(w.e, k)) * (zk * sigmoid_of(zk)));
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) store(y.e, k, load(x.e, k) * inv * (offset + load(w.e, k)));
+  }
   return y;
 }
 
-template <typename T, int kN, int kC>
+template <bool kGated, typename T, int kN, int kC>
 __global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, T* y) {
+    rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, const T* z, T* y) {
   const WarpIndex wi = warp_index();
   const int64_t packs = h / kN;
   Pack<T, kN> wv[kC];
@@ -131,47 +148,73 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const int64_t a = wi.lane + 32 * c;
-      if (a < packs) store_pack(yr + a * kN, normalized(xv[c], wv[c], inv, offset));
+      if (a < packs) store_pack(yr + a * kN, normalized<kGated>(xv[c], wv[c], z, r * h + a * kN, inv, offset));
     }
     for (int64_t a = wi.lane + 32 * kC; a < packs; a += 32)
-      store_pack(yr + a * kN, normalized(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(w + a * kN), inv, offset));
+      store_pack(yr + a * kN, normalized<kGated>(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(w + a * kN), z,
+                                                 r * h + a * kN, inv, offset));
   }
 }
 
-// ss += x^2 and dot += dy (offset + w) x over a pack.
-template <typename T, int kN>
-__device__ __forceinline__ void norm_sums(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& w,
-                                          float offset, float& ss, float& dot) {
+// The pack of z at element `at` where kGated; an unread placeholder otherwise (z is null).
+template <bool kGated, typename T, int kN> __device__ __forceinline__ Pack<T, kN> gate_pack(const T* z, int64_t at) {
+  Pack<T, kN> v{};
+  if constexpr (kGated) v = load_pack<T, kN>(z + at);
+  return v;
+}
+
+// Element k of the gradient reaching the plain norm's output: dy, times silu(z) where kGated.
+template <bool kGated, typename T, int kN>
+__device__ __forceinline__ float norm_dy(const Pack<T, kN>& dy, const Pack<T, kN>& z, int k) {
+  if constexpr (kGated) {
+    const float zk = load(z.e, k);
+    return load(dy.e, k) * (zk * sigmoid_of(zk));
+  } else {
+    return load(dy.e, k);
+  }
+}
+
+// ss += x^2 and dot += g (offset + w) x over a pack, g = norm_dy.
+template <bool kGated, typename T, int kN>
+__device__ __forceinline__ void norm_sums(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& z,
+                                          const Pack<T, kN>& w, float offset, float& ss, float& dot) {
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
     const float xv = load(x.e, k);
     ss += xv * xv;
-    dot += load(dy.e, k) * (offset + load(w.e, k)) * xv;
+    dot += norm_dy<kGated>(dy, z, k) * (offset + load(w.e, k)) * xv;
   }
 }
 
-// dx of a pack; adds dy x inv to the pack's partial dw.
-template <typename T, int kN>
-__device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& w,
-                                                 float offset, float inv, float coef, float (&dw)[kN]) {
+// dx of a pack (g = norm_dy); adds g x inv to the pack's partial dw. Where kGated, also the pack's
+// dz = dy x inv (offset + w) silu'(z), silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))).
+template <bool kGated, typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& z,
+                                                 const Pack<T, kN>& w, float offset, float inv, float coef,
+                                                 float (&dw)[kN], Pack<T, kN>& dz) {
   Pack<T, kN> dx;
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
-    const float xv = load(x.e, k), dyv = load(dy.e, k);
-    store(dx.e, k, inv * dyv * (offset + load(w.e, k)) - xv * coef);
-    dw[k] += dyv * xv * inv;
+    const float xv = load(x.e, k), wv = offset + load(w.e, k), g = norm_dy<kGated>(dy, z, k);
+    store(dx.e, k, inv * g * wv - xv * coef);
+    dw[k] += g * xv * inv;
+    if constexpr (kGated) {
+      const float zk = load(z.e, k), s = sigmoid_of(zk);
+      store(dz.e, k, load(dy.e, k) * xv * inv * wv * (s * (1.0f + zk * (1.0f - s))));
+    }
   }
   return dx;
 }
 
-// dx_j = inv * g_j - x_j * inv^3 / H * sum_k g_k x_k with g = dy * (offset + w). Warp `warp` (< n_partial) takes
-// the rows warp, warp + n_partial, ... and accumulates dw_j = sum over them of dy_j x_j inv into its own row of
-// `partial` (n_partial, h): in registers for the packs it keeps there, written once at the end; in place for the
-// packs of wider rows. A lane always owns the same columns, so there are no atomics and the order is fixed.
-template <typename T, int kN, int kC>
+// dx_j = inv * g_j (offset + w_j) - x_j * inv^3 / H * sum_k g_k (offset + w_k) x_k with g = dy (times silu(z) where
+// kGated). Warp `warp` (< n_partial) takes the rows warp, warp + n_partial, ... and accumulates dw_j = sum over them
+// of g_j x_j inv into its own row of `partial` (n_partial, h): in registers for the packs it keeps there, written
+// once at the end; in place for the packs of wider rows. A lane always owns the same columns, so there are no
+// atomics and the order is fixed.
+template <bool kGated, typename T, int kN, int kC>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_kernel(int64_t rows, int64_t h, int64_t n_partial, float eps, float offset, const T* x,
-                            const T* w, const T* dy, T* dx, float* partial) {
+                            const T* w, const T* z, const T* dy, T* dx, T* dz, float* partial) {
   const int64_t warp = blockIdx.x * int64_t(kNormWarps) + threadIdx.x / 32;
   const int lane = int(threadIdx.x % 32);
   if (warp >= n_partial) return;  // the last block's spare warps (no block-wide synchronisation below)
@@ -183,19 +226,18 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int64_t a = lane + 32 * kC; a < packs; a += 32)
     for (int k = 0; k < kN; ++k) pdw[a * kN + k] = 0.0f;
   for (int64_t r = warp; r < rows; r += n_partial) {
-    const T* xr = x + r * h;
-    const T* dyr = dy + r * h;
-    T* dxr = dx + r * h;
-    Pack<T, kN> xv[kC], gv[kC];
-    load_lane_packs(xr, packs, lane, xv);
-    load_lane_packs(dyr, packs, lane, gv);
+    const int64_t row = r * h;  // first element of the row in x, z, dy, dx and dz
+    Pack<T, kN> xv[kC], gv[kC], zv[kC];
+    load_lane_packs(x + row, packs, lane, xv);
+    load_lane_packs(dy + row, packs, lane, gv);
+    if constexpr (kGated) load_lane_packs(z + row, packs, lane, zv);
     float ss = 0, dot = 0;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
-      if (lane + 32 * c < packs) norm_sums(xv[c], gv[c], wv[c], offset, ss, dot);
+      if (lane + 32 * c < packs) norm_sums<kGated>(xv[c], gv[c], zv[c], wv[c], offset, ss, dot);
     for (int64_t a = lane + 32 * kC; a < packs; a += 32)
-      norm_sums(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(dyr + a * kN), load_pack<T, kN>(w + a * kN), offset,
-                ss, dot);
+      norm_sums<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
+                        gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), offset, ss, dot);
     ss = warp_sum(ss);
     dot = warp_sum(dot);
     const float inv = rsqrtf(ss / float(h) + eps);
@@ -203,13 +245,20 @@ __global__ void __launch_bounds__(kNormThreads)
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const int64_t a = lane + 32 * c;
-      if (a < packs) store_pack(dxr + a * kN, norm_grad(xv[c], gv[c], wv[c], offset, inv, coef, dw[c]));
+      if (a >= packs) continue;
+      Pack<T, kN> dzv;
+      store_pack(dx + row + a * kN, norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], offset, inv, coef, dw[c], dzv));
+      if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
     }
     for (int64_t a = lane + 32 * kC; a < packs; a += 32) {
       float acc[kN];
       for (int k = 0; k < kN; ++k) acc[k] = pdw[a * kN + k];
-      store_pack(dxr + a * kN, norm_grad(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(dyr + a * kN),
-                                         load_pack<T, kN>(w + a * kN), offset, inv, coef, acc));
+      Pack<T, kN> dzv;
+      store_pack(dx + row + a * kN,
+                 norm_grad<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
+                                   gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), offset,
+                                   inv, coef, acc, dzv));
+      if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
       for (int k = 0; k < kN; ++k) pdw[a * kN + k] = acc[k];
     }
   }
@@ -261,7 +310,8 @@ template <int kN, int kC> struct NormShape {
 };
 // Calls f(NormShape<kN, kC>{}): kN = 16 / sizeof(T) when `packed` (h a multiple of it, every buffer 16-byte
 // aligned), else 1; kC = the packs a lane keeps in registers, enough for the whole row up to kMaxC (8 for the
-// forward; 4 for the backward, which also keeps x, dy and dw: 8 spills registers with bf16).
+// forward; 4 for the backward, which also keeps x, dy and dw: 8 spills registers with bf16). The gated backward
+// keeps z too: with bf16 packs, 120 registers at kC = 1 (h = 128) to 234 at kC = 4, no spills (ptxas, sm_90).
 template <typename T, int kMaxC, typename F> void dispatch_norm(int64_t h, bool packed, F f) {
   static_assert(kMaxC == 4 || kMaxC == 8);
   constexpr int kV = kPackOf16<T>;
@@ -653,28 +703,31 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
   });
 }
 
-void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
-                    void* y, cudaStream_t stream) {
+namespace {
+
+// rmsnorm (kGated false, z null) and gated_rmsnorm.
+template <bool kGated>
+void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
+                 const void* z, void* y, cudaStream_t stream) {
   if (rows == 0 || h == 0) return;
-  const bool packed = aligned16(x) && aligned16(w) && aligned16(y);
+  const bool packed = aligned16(x) && aligned16(w) && (!kGated || aligned16(z)) && aligned16(y);
   dispatch(dtype, "rmsnorm dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 8>(h, packed, [&](auto shape) {
       using S = decltype(shape);
-      rmsnorm_kernel<T, S::pack, S::cached><<<grid_for(rows, kNormWarps), kNormThreads, 0, stream>>>(
-          rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w), static_cast<T*>(y));
+      rmsnorm_kernel<kGated, T, S::pack, S::cached><<<grid_for(rows, kNormWarps), kNormThreads, 0, stream>>>(
+          rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
+          static_cast<const T*>(z), static_cast<T*>(y));
     });
   });
   LATHE_CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
-int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
-  const int64_t n_partial = norm_partials(rows, h);
-  return (n_partial + (n_partial + kNormGroup - 1) / kNormGroup) * h;  // partial rows, then the group sums
-}
-
-void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
-                             const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream) {
+// rmsnorm_backward (kGated false, z and dz null) and gated_rmsnorm_backward.
+template <bool kGated>
+void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                          const void* w, const void* z, const void* dy, void* dx, void* dw, void* dz, float* scratch,
+                          cudaStream_t stream) {
   if (h == 0) return;
   if (rows == 0) {  // no rows: dw is zero (every dtype's zero is all-zero bytes)
     LATHE_CUDA_CHECK(cudaMemsetAsync(dw, 0, size_t(h) * dtype_size(dtype), stream));
@@ -682,14 +735,15 @@ void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, d
   }
   const int64_t n_partial = norm_partials(rows, h);
   const int blocks = int((n_partial + kNormWarps - 1) / kNormWarps);
-  const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+  const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) &&
+                      (!kGated || (aligned16(z) && aligned16(dz)));
   dispatch(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 4>(h, packed, [&](auto shape) {
       using S = decltype(shape);
-      rmsnorm_backward_kernel<T, S::pack, S::cached><<<blocks, kNormThreads, 0, stream>>>(
+      rmsnorm_backward_kernel<kGated, T, S::pack, S::cached><<<blocks, kNormThreads, 0, stream>>>(
           rows, h, n_partial, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
-          static_cast<const T*>(dy), static_cast<T*>(dx), scratch);
+          static_cast<const T*>(z), static_cast<const T*>(dy), static_cast<T*>(dx), static_cast<T*>(dz), scratch);
     });
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
     const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
@@ -700,6 +754,34 @@ void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, d
     column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(groups, h, sums, static_cast<T*>(dw));
     LATHE_CUDA_LAUNCH_CHECK("column_sum_kernel");
   });
+}
+
+}  // namespace
+
+void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
+                    void* y, cudaStream_t stream) {
+  launch_norm<false>(dtype, rows, h, eps, offset, x, w, nullptr, y, stream);
+}
+
+void launch_gated_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                          const void* w, const void* z, void* y, cudaStream_t stream) {
+  launch_norm<true>(dtype, rows, h, eps, offset, x, w, z, y, stream);
+}
+
+int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
+  const int64_t n_partial = norm_partials(rows, h);
+  return (n_partial + (n_partial + kNormGroup - 1) / kNormGroup) * h;  // partial rows, then the group sums
+}
+
+void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                             const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream) {
+  launch_norm_backward<false>(dtype, rows, h, eps, offset, x, w, nullptr, dy, dx, dw, nullptr, scratch, stream);
+}
+
+void launch_gated_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                                   const void* w, const void* z, const void* dy, void* dx, void* dw, void* dz,
+                                   float* scratch, cudaStream_t stream) {
+  launch_norm_backward<true>(dtype, rows, h, eps, offset, x, w, z, dy, dx, dw, dz, scratch, stream);
 }
 
 void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t half, bool inverse,
