@@ -1,10 +1,9 @@
 // Qwen35Decoder: cached decoding of the Qwen3.5 hybrid model. Shapes: n new tokens, D hidden, H/Hkv heads of d
 // (attention), Hk/Hv heads of dk/dv (GDN), K = Hk dk, V = Hv dv, C = 2K + V conv channels, W conv width.
-// The conv cache: the conv (with its fused SiLU) of [cached W - 1 pre-conv rows ; n new rows] as one document,
-// keeping the last n outputs, equals the conv over the whole sequence (zero rows before the start are what the op's
-// zero history gives), and the new cache is the last W - 1 rows of that concatenation: O(W C) per token. The whole
-// q|k|v block of in_proj_qkv is used at once (the model uses three row blocks; the conv is depthwise, so this is the
-// same maths).
+// The conv cache: the conv of [cached W - 1 pre-conv rows ; n new rows] as one document, keeping the last n outputs,
+// equals the conv over the whole sequence (zero rows before the start are what the op's zero history gives), and
+// the new cache is the last W - 1 rows of that concatenation: O(W C) per token. The whole q|k|v block of
+// in_proj_qkv is used at once (the model uses three row blocks; the conv is depthwise, so this is the same maths).
 // The recurrent cache: gated_delta_rule_state from the cached state, one document; its final state is the new cache.
 // Covered by tests/models/test_generate_qwen3_5.cpp.
 #include "model/generate_qwen3_5.h"
@@ -227,9 +226,8 @@ Tensor Qwen35Decoder::gdn_step(const Layer& l, const Tensor& xn) {
   copy_into(cx, rows, seq.narrow(0, hist, n));
   const int32_t cu_conv[2] = {0, int32_t(hist + n)};
   const Tensor conv = causal_conv1d(cx, seq, w(l.conv).view({channels, width}),
-                                    rt_->from_host(cu_conv, {2}, DType::I32, device),
-                                    ConvAttrs{true});                                      // (W - 1 + n, C) silu(conv)
-  const Tensor act = conv.narrow(0, hist, n);                                              // (n, C)
+                                    rt_->from_host(cu_conv, {2}, DType::I32, device));   // (W - 1 + n, C)
+  const Tensor act = silu(cx, conv.narrow(0, hist, n));                                    // (n, C)
   Tensor kept = Tensor::empty({hist, channels}, rows.dtype(), cx.allocator);              // (W - 1, C)
   if (hist > 0) copy_into(cx, seq.narrow(0, n, hist), kept);
   new_conv_[l.slot] = kept;

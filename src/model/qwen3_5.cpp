@@ -6,10 +6,9 @@
 // GDN output norm rmsnorm(core; w) * silu(z) is one op, gated_rmsnorm (rounded once, like transformers' fp32
 // expression). Every projection is a whole HF matrix through CausalLm::project (so LoRA sees the module HF and
 // peft see): q_proj's output (T, 2 H d) is split per head into [query | gate], and in_proj_qkv's (T, 2K + V) runs
-// through the depthwise conv and its SiLU (one op, ConvAttrs::silu) as one tensor and is then split into
-// [q | k | v] — both splits are row gathers of the output viewed as (T N / width, width) (the embedding op); their
-// backward stacks the parts' gradients and gathers the whole back with the inverse index (a split is a partition:
-// no scatter-add).
+// through the depthwise conv as one tensor and is then split into [q | k | v] — both splits are row gathers of the
+// output viewed as (T N / width, width) (the embedding op); their backward stacks the parts' gradients and gathers
+// the whole back with the inverse index (a split is a partition: no scatter-add).
 // In bf16/f16 models the log-decay g and beta are computed in fp32 and fed to the rule in fp32 (as transformers).
 // The loss head, save() and the LoRA path are CausalLm's.
 #include "model/qwen3_5.h"
@@ -37,7 +36,7 @@ struct Qwen35Model::LayerActs {
   Tensor qr, kr;         // normed and rotated
   Tensor o, lse, sg, y;  // (T, H, d), (T, H), sigmoid(gate) (T, H d), o * sg (T, H d)
   // Gated DeltaNet
-  Tensor qkv;            // (T, 2K + V): in_proj_qkv's output (the conv's input; its backward recomputes the conv)
+  Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
   Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
@@ -297,9 +296,8 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
   const SplitIndex& split = split_index(t);
   a.qkv = project(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, b, training);  // (T, 2K + V)
-  // silu(conv(qkv)) in one op (the pre-activation is not kept: the conv's backward recomputes it).
-  const Tensor act = causal_conv1d(cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), b.cu_seqlens,
-                                   ConvAttrs{true});  // (T, 2K + V)
+  a.conv = causal_conv1d(cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), b.cu_seqlens);
+  const Tensor act = silu(cx, a.conv);
   a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
   a.ka = gather_columns(act, split.qkv[1]).view({t, hk, dk});
   a.va = gather_columns(act, split.qkv[2]).view({t, hv, dv});
@@ -390,7 +388,7 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   const Tensor dact = merge_columns({l2norm_backward(a.qa, dr[0]), l2norm_backward(a.ka, dr[1]), contiguous(cx, dr[2])},
                                     {&split.qkv[0], &split.qkv[1], &split.qkv[2]}, split.merge_qkv);
   const std::vector<Tensor> dconv = causal_conv1d_backward(
-      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), dact, b.cu_seqlens, ConvAttrs{true});
+      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
   add_grad(l.conv, dconv[1]);
   Tensor dxn;
   project_backward(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, dconv[0], dxn, b);

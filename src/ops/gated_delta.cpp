@@ -1,8 +1,8 @@
 // The Gated DeltaNet ops (sigmoid, causal_conv1d, gdn_decay, gated_delta_rule, their backward ops, and the
 // forward-only gated_delta_rule_state of decoding): the op functions, their shape inference and the backward
 // compositions, kept out of the generic op files.
-// Formulas at ConvAttrs and GatedDeltaAttrs in ops/op_table.h. Convention: every op takes packed documents through
-// cu_seqlens (N + 1) i32; the shapes are checked here, the boundaries (0 = cu[0] <= ... <= cu[N] = T) by the kernels.
+// Formulas at GatedDeltaAttrs in ops/op_table.h. Convention: every op takes packed documents through cu_seqlens
+// (N + 1) i32; the shapes are checked here, the boundaries (0 = cu[0] <= ... <= cu[N] = T) by the kernels.
 // gated_delta_rule(_backward) accepts f32 g and beta beside bf16/f16 q, k, v (the model's fp32 log-decay).
 // Covered by tests/ops (op cases in testing/op_cases_gated_delta.cpp and op_cases_gdn_state.cpp) and
 // tests/models/test_qwen3_5.cpp, test_generate_qwen3_5.cpp.
@@ -136,7 +136,7 @@ std::vector<Tensor> gated_delta_op_backward(ExecContext& ctx, OpId op, const std
     case OpId::sigmoid:
       return {sigmoid_backward(ctx, outputs.at(0), dy)};
     case OpId::causal_conv1d: {
-      std::vector<Tensor> g = causal_conv1d_backward(ctx, in[0], in[1], dy, in[2], std::get<ConvAttrs>(attrs));
+      std::vector<Tensor> g = causal_conv1d_backward(ctx, in[0], in[1], dy, in[2]);
       g.push_back(Tensor());
       return g;
     }
@@ -159,15 +159,14 @@ Tensor sigmoid_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy) {
   return call_op(ctx, OpId::sigmoid_backward, {contiguous(ctx, y), contiguous(ctx, dy)})[0];
 }
 
-Tensor causal_conv1d(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens, ConvAttrs attrs) {
-  return call_op(ctx, OpId::causal_conv1d, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, cu_seqlens)},
-                 attrs)[0];
+Tensor causal_conv1d(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens) {
+  return call_op(ctx, OpId::causal_conv1d, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, cu_seqlens)})[0];
 }
 
 std::vector<Tensor> causal_conv1d_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                                           const Tensor& cu_seqlens, ConvAttrs attrs) {
+                                           const Tensor& cu_seqlens) {
   return call_op(ctx, OpId::causal_conv1d_backward,
-                 {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, dy), contiguous(ctx, cu_seqlens)}, attrs);
+                 {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, dy), contiguous(ctx, cu_seqlens)});
 }
 
 Tensor gdn_decay(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias) {

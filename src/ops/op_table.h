@@ -178,11 +178,10 @@ struct SegmentAttrs {
 // conventions in model/gdn_reference.h). All take packed documents with cu_seqlens (N + 1) i32; nothing crosses a
 // document boundary in either pass.
 // sigmoid(x) -> y; sigmoid_backward(y, dy) -> dy y (1 - y) (takes the output, like softmax_backward).
-// causal_conv1d(x (T, C), w (C, W), cu) -> y (T, C) (ConvAttrs): depthwise causal convolution, z[t, c] = sum_j
-//   w[c, j] x[t - (W - 1) + j, c] over sources inside t's document (zero history at each document start); y = z, or
-//   y = silu(z) with attrs.silu (the Qwen3.5 layer's activation, fused). causal_conv1d_backward(x, w, dy, cu) ->
-//   (dx, dw), dy the gradient of y: with attrs.silu the kernels recompute z from x and w and use dz = dy silu'(z) =
-//   dy s (1 + z (1 - s)), s = sigmoid(z) (the pre-activation is neither an input nor an output).
+// causal_conv1d(x (T, C), w (C, W), cu) -> y (T, C): depthwise causal convolution, y[t, c] = sum_j w[c, j]
+//   x[t - (W - 1) + j, c] over sources inside t's document (zero history at each document start). NO activation:
+//   the layer applies silu (op silu) on the result, so the op stays linear. causal_conv1d_backward(x, w, dy, cu) ->
+//   (dx, dw).
 // gdn_decay(a (T, H), A_log (H), dt_bias (H)) -> g (T, H) = -exp(A_log) softplus(a + dt_bias), the log-decay;
 //   gdn_decay_backward(a, A_log, dt_bias, dg) -> (da, dA_log, ddt_bias).
 // gated_delta_rule(q, k (T, H_k, d_k), v (T, H_v, d_v), g, beta (T, H_v), cu) -> (o (T, H_v, d_v), states): the
@@ -200,10 +199,6 @@ struct SegmentAttrs {
 //   its last token (state[n] itself for an empty document). The states are in the accumulation dtype (f32; f64 for
 //   f64 inputs). Prefill and decoding with a recurrent state cache (a decoding step is a document of one token).
 //   Forward only (not differentiable).
-struct ConvAttrs {
-  bool silu = false;  // y = silu(conv(x)) instead of conv(x); the backward's dy is then the gradient of silu's output
-};
-
 struct GatedDeltaAttrs {
   double scale = 0.0;   // query scale; 0 = d_k^{-1/2}
   int64_t chunk = 64;   // chunk length of the chunked (WY) algorithm; the result does not depend on it
@@ -212,6 +207,6 @@ struct GatedDeltaAttrs {
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
                              NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs,
-                             ConvAttrs, GatedDeltaAttrs>;
+                             GatedDeltaAttrs>;
 
 }  // namespace lathe

@@ -32,8 +32,6 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::adamw: return expect(AdamWAttrs{});
     case OpId::segment_mask:
     case OpId::dropout: return expect(SegmentAttrs{});
-    case OpId::causal_conv1d:
-    case OpId::causal_conv1d_backward: return expect(ConvAttrs{});
     case OpId::gated_delta_rule:
     case OpId::gated_delta_rule_backward:
     case OpId::gated_delta_rule_state: return expect(GatedDeltaAttrs{});

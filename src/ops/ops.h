@@ -76,11 +76,9 @@ Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 // Gated DeltaNet pieces (formulas at GatedDeltaAttrs in ops/op_table.h; shapes in ops/gated_delta.cpp).
 Tensor sigmoid(ExecContext& ctx, const Tensor& x);
 Tensor sigmoid_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
-Tensor causal_conv1d(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens,
-                     ConvAttrs attrs = {});
-// {dx, dw}; with attrs.silu, dy is the gradient of silu(conv(x)) (the pre-activation is recomputed inside).
+Tensor causal_conv1d(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& cu_seqlens);
 std::vector<Tensor> causal_conv1d_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
-                                           const Tensor& cu_seqlens, ConvAttrs attrs = {});
+                                           const Tensor& cu_seqlens);  // {dx, dw}
 Tensor gdn_decay(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias);
 std::vector<Tensor> gdn_decay_backward(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias,
                                        const Tensor& dg);  // {da, dA_log, ddt_bias}

@@ -21,23 +21,14 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
     c.push_back({OpId::sigmoid, "shape=" + shape_str(s), {s}, {}, kRef, false, true, {}, {{-1.0, 1.0}}});
     c.push_back({OpId::sigmoid_backward, "shape=" + shape_str(s), {s, s}, {}, kRef, false, false});
   }
-  // causal_conv1d: documents of 2 (< W), 7, 1 and 3 tokens; W = 4 and W = 1; one document; W = 5 (the CUDA
-  // kernels' run-time width). Each row once linear and once with the fused silu (then z spans both signs widely).
+  // causal_conv1d: documents of 2 (< W), 7, 1 and 3 tokens; W = 4 and W = 1; one document.
   const std::vector<double> cu13 = {0, 2, 9, 10, 13}, cu1 = {0, 11};
-  for (const bool silu : {false, true}) {
-    const ConvAttrs a{silu};
-    const std::string act = silu ? ",silu" : "";
-    c.push_back({OpId::causal_conv1d, "t=13,c=5,w=4,docs=2+7+1+3" + act, {{13, 5}, {5, 4}, {5}}, a, kRef, false, true,
-                 {{}, {}, cu13}});
-    c.push_back({OpId::causal_conv1d, "t=11,c=3,w=2,one_doc" + act, {{11, 3}, {3, 2}, {2}}, a, kRef, false, true,
-                 {{}, {}, cu1}});
-    c.push_back({OpId::causal_conv1d, "t=13,c=6,w=1" + act, {{13, 6}, {6, 1}, {5}}, a, kRef, false, true,
-                 {{}, {}, cu13}});
-    c.push_back({OpId::causal_conv1d, "t=17,c=4,w=5,docs=2+7+1+7" + act, {{17, 4}, {4, 5}, {5}}, a, kRef, false, true,
-                 {{}, {}, {0, 2, 9, 10, 17}}});
-    c.push_back({OpId::causal_conv1d_backward, "t=13,c=5,w=4" + act, {{13, 5}, {5, 4}, {13, 5}, {5}}, a, kRef, false,
-                 false, {{}, {}, {}, cu13}});
-  }
+  c.push_back({OpId::causal_conv1d, "t=13,c=5,w=4,docs=2+7+1+3", {{13, 5}, {5, 4}, {5}}, {}, kRef, false, true,
+               {{}, {}, cu13}});
+  c.push_back({OpId::causal_conv1d, "t=11,c=3,w=2,one_doc", {{11, 3}, {3, 2}, {2}}, {}, kRef, false, true, {{}, {}, cu1}});
+  c.push_back({OpId::causal_conv1d, "t=13,c=6,w=1", {{13, 6}, {6, 1}, {5}}, {}, kRef, false, true, {{}, {}, cu13}});
+  c.push_back({OpId::causal_conv1d_backward, "t=13,c=5,w=4", {{13, 5}, {5, 4}, {13, 5}, {5}}, {}, kRef, false, false,
+               {{}, {}, {}, cu13}});
   // gdn_decay: a + dt_bias spans both signs; A_log in [-2, 2].
   c.push_back({OpId::gdn_decay, "t=9,h=3", {{9, 3}, {3}, {3}}, {}, kRef});
   c.push_back({OpId::gdn_decay_backward, "t=9,h=3", {{9, 3}, {3}, {3}, {9, 3}}, {}, kRef, false, false});
@@ -76,21 +67,17 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                {{70, 1, 128}, {70, 1, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4},
                 {0, 2, 128, 128}}, GatedDeltaAttrs{0.0, 3},
                kDevice, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big});
+  c.push_back({OpId::causal_conv1d, "t=393,c=768,w=4,docs=1+63+64+65+200", {{393, 768}, {768, 4}, {6}}, {}, kDevice,
+               false, false, {{}, {}, cu_docs}});
+  c.push_back({OpId::causal_conv1d_backward, "t=393,c=768,w=4,docs=1+63+64+65+200",
+               {{393, 768}, {768, 4}, {393, 768}, {6}}, {}, kDevice, false, false, {{}, {}, {}, cu_docs}});
   // Several token slabs of the CUDA dw reduction (256 tokens each) with documents across their edges, a partial
-  // channel block (130 = 128 + 2) and W = 3; linear and with the fused silu.
+  // channel block (130 = 128 + 2) and W = 3.
   const std::vector<double> cu_long = {0, 300, 301, 820, 1100};
-  for (const bool silu : {false, true}) {
-    const ConvAttrs a{silu};
-    const std::string act = silu ? ",silu" : "";
-    c.push_back({OpId::causal_conv1d, "t=393,c=768,w=4,docs=1+63+64+65+200" + act, {{393, 768}, {768, 4}, {6}}, a,
-                 kDevice, false, false, {{}, {}, cu_docs}});
-    c.push_back({OpId::causal_conv1d_backward, "t=393,c=768,w=4,docs=1+63+64+65+200" + act,
-                 {{393, 768}, {768, 4}, {393, 768}, {6}}, a, kDevice, false, false, {{}, {}, {}, cu_docs}});
-    c.push_back({OpId::causal_conv1d, "t=1100,c=130,w=3,docs=300+1+519+280" + act, {{1100, 130}, {130, 3}, {5}}, a,
-                 kDevice, false, false, {{}, {}, cu_long}});
-    c.push_back({OpId::causal_conv1d_backward, "t=1100,c=130,w=3,docs=300+1+519+280" + act,
-                 {{1100, 130}, {130, 3}, {1100, 130}, {5}}, a, kDevice, false, false, {{}, {}, {}, cu_long}});
-  }
+  c.push_back({OpId::causal_conv1d, "t=1100,c=130,w=3,docs=300+1+519+280", {{1100, 130}, {130, 3}, {5}}, {}, kDevice,
+               false, false, {{}, {}, cu_long}});
+  c.push_back({OpId::causal_conv1d_backward, "t=1100,c=130,w=3,docs=300+1+519+280",
+               {{1100, 130}, {130, 3}, {1100, 130}, {5}}, {}, kDevice, false, false, {{}, {}, {}, cu_long}});
   // g and beta in f32 beside bf16/f16 q, k, v (the model's fp32 log-decay): the recurrent kernels (small dims,
   // forward and backward through the op's backward) and the chunked ones (model-sized, bf16).
   const std::vector<DType> k16 = {DType::BF16, DType::F16};

@@ -1,5 +1,4 @@
-// CPU reference kernels of the Gated DeltaNet ops: depthwise causal conv1d over packed documents, optionally followed
-// by silu (ConvAttrs; the backward recomputes the pre-activation from x and w) (+ backward), the
+// CPU reference kernels of the Gated DeltaNet ops: depthwise causal conv1d over packed documents (+ backward), the
 // log-decay g = -exp(A_log) softplus(a + dt_bias) (+ backward), and the gated delta rule (+ backward, + the form
 // with initial/final states of decoding), through the chunked WY reference of model/gdn_reference (which checks its
 // own inputs: g <= 0, boundaries).
@@ -36,24 +35,10 @@ std::vector<int64_t> doc_starts(const std::vector<int32_t>& cu, int64_t total) {
   return s;
 }
 
-// z[t, c] = sum_j w[c, j] x[t - W + 1 + j, c] over sources inside t's document, in double.
-template <typename T>
-double conv_at(const T* px, const T* pw, int64_t ch, int64_t width, int64_t doc_start, int64_t t, int64_t cc) {
-  double acc = 0;
-  for (int64_t j = 0; j < width; ++j) {
-    const int64_t s = t - (width - 1) + j;
-    if (s >= doc_start) acc += double(pw[cc * width + j]) * double(px[s * ch + cc]);
-  }
-  return acc;
-}
-
-double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-
 template <typename T>
 void conv_kernel(const OpCall& c, ExecContext&) {
   const Tensor& x = c.inputs[0];
   const int64_t t_len = x.size(0), ch = x.size(1), width = c.inputs[1].size(1);
-  const bool silu = c.attr<ConvAttrs>().silu;
   const std::vector<int64_t> start = doc_starts(documents("causal_conv1d", c.inputs[2], t_len), t_len);
   const T* px = x.data<T>();
   const T* pw = c.inputs[1].data<T>();
@@ -61,19 +46,20 @@ void conv_kernel(const OpCall& c, ExecContext&) {
 #pragma omp parallel for if (t_len * ch * width > 65536)
   for (int64_t t = 0; t < t_len; ++t)
     for (int64_t cc = 0; cc < ch; ++cc) {
-      const double z = conv_at(px, pw, ch, width, start[size_t(t)], t, cc);
-      py[t * ch + cc] = T(silu ? z * sigmoid(z) : z);
+      double acc = 0;
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t s = t - (width - 1) + j;
+        if (s >= start[size_t(t)]) acc += double(pw[cc * width + j]) * double(px[s * ch + cc]);
+      }
+      py[t * ch + cc] = T(acc);
     }
 }
 
-// With g = dy (or, with silu, dz = dy s (1 + z (1 - s)), s = sigmoid(z), z recomputed from x and w):
-// dx[s, c] = sum_j w[c, j] g[s + W - 1 - j, c] over targets in s's document;
-// dw[c, j] = sum_t g[t, c] x[t - W + 1 + j, c].
+// dx[s, c] = sum_j w[c, j] dy[s + W - 1 - j, c] over targets in s's document; dw[c, j] = sum_t dy[t, c] x[t - W + 1 + j, c].
 template <typename T>
 void conv_backward_kernel(const OpCall& c, ExecContext&) {
   const Tensor& x = c.inputs[0];
   const int64_t t_len = x.size(0), ch = x.size(1), width = c.inputs[1].size(1);
-  const bool silu = c.attr<ConvAttrs>().silu;
   const std::vector<int64_t> start = doc_starts(documents("causal_conv1d", c.inputs[3], t_len), t_len);
   const T* px = x.data<T>();
   const T* pw = c.inputs[1].data<T>();
@@ -82,19 +68,11 @@ void conv_backward_kernel(const OpCall& c, ExecContext&) {
   T* pdw = c.outputs[1].data<T>();
 #pragma omp parallel for if (t_len * ch * width > 65536)
   for (int64_t cc = 0; cc < ch; ++cc) {
-    std::vector<double> g(static_cast<size_t>(t_len));  // the gradient of the conv's own output z, channel cc
-    for (int64_t t = 0; t < t_len; ++t) {
-      g[size_t(t)] = double(pdy[t * ch + cc]);
-      if (silu) {
-        const double z = conv_at(px, pw, ch, width, start[size_t(t)], t, cc), sg = sigmoid(z);
-        g[size_t(t)] *= sg * (1.0 + z * (1.0 - sg));
-      }
-    }
     for (int64_t s = 0; s < t_len; ++s) {
       double acc = 0;
       for (int64_t j = 0; j < width; ++j) {
         const int64_t t = s + (width - 1) - j;
-        if (t < t_len && start[size_t(t)] <= s) acc += double(pw[cc * width + j]) * g[size_t(t)];
+        if (t < t_len && start[size_t(t)] <= s) acc += double(pw[cc * width + j]) * double(pdy[t * ch + cc]);
       }
       pdx[s * ch + cc] = T(acc);
     }
@@ -102,7 +80,7 @@ void conv_backward_kernel(const OpCall& c, ExecContext&) {
       double acc = 0;
       for (int64_t t = 0; t < t_len; ++t) {
         const int64_t s = t - (width - 1) + j;
-        if (s >= start[size_t(t)]) acc += g[size_t(t)] * double(px[s * ch + cc]);
+        if (s >= start[size_t(t)]) acc += double(pdy[t * ch + cc]) * double(px[s * ch + cc]);
       }
       pdw[cc * width + j] = T(acc);
     }
@@ -110,6 +88,7 @@ void conv_backward_kernel(const OpCall& c, ExecContext&) {
 }
 
 double softplus(double x) { return std::max(x, 0.0) + std::log1p(std::exp(-std::abs(x))); }
+double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 template <typename T>
 void decay_kernel(const OpCall& c, ExecContext&) {

@@ -20,17 +20,15 @@ void launch_sigmoid_backward(DType dtype, int64_t n, const void* y, const void* 
 
 // Largest conv width (taps live in registers).
 constexpr int64_t kMaxConvWidth = 16;
-// y (T, C) = z, the depthwise causal conv of x (T, C) with w (C, W), or silu(z) with `silu`; taps before a document's
-// first token read zero.
-void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, bool silu,
-                          const void* x, const void* w, const int32_t* cu_seqlens, void* y, cudaStream_t stream);
-// dx (T, C), dw (C, W) from dy, the gradient of y (with `silu`, z is recomputed from x and w); dw is a fixed-order
-// reduction (deterministic): per-slab fp32 partials in `workspace` (conv_backward_workspace_bytes), then summed in
-// slab order.
+// y (T, C) = depthwise causal conv of x (T, C) with w (C, W); taps before a document's first token read zero.
+void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, const void* x,
+                          const void* w, const int32_t* cu_seqlens, void* y, cudaStream_t stream);
+// dx (T, C), dw (C, W); dw is a fixed-order reduction (deterministic): per-slab fp32 partials in `workspace`
+// (conv_backward_workspace_bytes), then summed in slab order.
 size_t conv_backward_workspace_bytes(int64_t tokens, int64_t channels, int64_t width);
 void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs,
-                                   bool silu, const void* x, const void* w, const void* dy, const int32_t* cu_seqlens,
-                                   void* dx, void* dw, void* workspace, cudaStream_t stream);
+                                   const void* x, const void* w, const void* dy, const int32_t* cu_seqlens, void* dx,
+                                   void* dw, void* workspace, cudaStream_t stream);
 
 // g (T, H) from a (T, H), A_log (H), dt_bias (H); backward gives da (T, H), dA_log (H), ddt_bias (H).
 void launch_gdn_decay(DType dtype, int64_t tokens, int64_t heads, const void* a, const void* a_log,

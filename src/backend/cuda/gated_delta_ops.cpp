@@ -108,18 +108,17 @@ void register_cuda_gated_delta_kernels(KernelRegistry& r) {
     add(OpId::causal_conv1d, "cuda/causal_conv1d_varlen", conv_supports, [](const OpCall& c, ExecContext& ctx) {
       const Tensor& x = c.inputs[0];
       launch_causal_conv1d(x.dtype(), x.size(0), x.size(1), c.inputs[1].size(1), c.inputs[2].size(0) - 1,
-                           c.attr<ConvAttrs>().silu, x.data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data<int32_t>(),
-                           c.outputs[0].data_ptr(), stream_of(ctx));
+                           x.data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data<int32_t>(), c.outputs[0].data_ptr(),
+                           stream_of(ctx));
     });
     add(OpId::causal_conv1d_backward, "cuda/causal_conv1d_varlen_backward", conv_supports,
         [](const OpCall& c, ExecContext& ctx) {
           const Tensor& x = c.inputs[0];
           const Tensor ws = workspace(ctx, conv_backward_workspace_bytes(x.size(0), x.size(1), c.inputs[1].size(1)));
           launch_causal_conv1d_backward(x.dtype(), x.size(0), x.size(1), c.inputs[1].size(1),
-                                        c.inputs[3].size(0) - 1, c.attr<ConvAttrs>().silu, x.data_ptr(),
-                                        c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(),
-                                        c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
-                                        ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
+                                        c.inputs[3].size(0) - 1, x.data_ptr(), c.inputs[1].data_ptr(),
+                                        c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.outputs[0].data_ptr(),
+                                        c.outputs[1].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
         });
     add(OpId::gdn_decay, "cuda/gdn_decay", all_contiguous, [](const OpCall& c, ExecContext& ctx) {
       const Tensor& a = c.inputs[0];

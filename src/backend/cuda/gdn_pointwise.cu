@@ -1,9 +1,8 @@
 // CUDA kernels of the Gated DeltaNet's pointwise and short-range ops: sigmoid, the log-decay
-// g = -exp(A_log) softplus(a + dt_bias) and the packed depthwise causal conv1d (linear, or with the fused silu of
-// ConvAttrs), forward and backward, for f32, bf16 and f16 (float math). Packed documents come through cu_seqlens on
-// the device; the reductions (the decay's dA_log and ddt_bias, the conv's dw) run in a fixed order, so every output
-// is bitwise reproducible. The delta rule itself is in gated_delta.cu; the launchers are declared in
-// gated_delta_launchers.h.
+// g = -exp(A_log) softplus(a + dt_bias) and the packed depthwise causal conv1d, forward and backward, for f32, bf16 and
+// f16 (float math). Packed documents come through cu_seqlens on the device; the reductions (the decay's dA_log and
+// ddt_bias, the conv's dw) run in a fixed order, so every output is bitwise reproducible. The delta rule itself is in
+// gated_delta.cu; the launchers are declared in gated_delta_launchers.h.
 // Covered by tests/ops (testing/op_cases_gated_delta.cpp) and tests/models/test_qwen3_5_cuda.cpp.
 #include <type_traits>
 
@@ -69,14 +68,7 @@ __global__ void decay_backward_kernel(int64_t tokens, int64_t heads, const T* a,
 // its channel along the slab keeping a sliding window of the last W inputs in registers, so every input is loaded
 // once and a document's span is looked up only where a document starts. kW > 0 is the width at compile time (the
 // model's 4, and 2, 3); kW = 0 takes any width up to kMaxConvWidth at run time (taps past it are zero).
-// Window convention: win[k] = the input k tokens back (k = 0 newest); z[t] = sum_k tap[k] win[k], tap[k] = w[c, W-1-k].
-// The fused activation (kSilu, ConvAttrs::silu): the forward stores silu(z) of the fp32 sum. The backward never reads
-// a stored pre-activation: each backward kernel recomputes z in fp32, with the forward's sum order, where it needs
-// dz = dy silu'(z). conv_dw_partial_kernel already walks x forwards with exactly the window z needs (one more dot
-// product per token); conv_dx_kernel walks downwards through dz and keeps a second window xw[k] = x[s - k] beside it
-// (one more load of x per token, plus the W - 1 dz above its slab computed directly). So each kernel stays one pass
-// with no (T, C) scratch; a two-step design (write dz, then the linear kernels) would write and read back the very
-// (T, C) tensor the fusion removes.
+// Window convention: win[k] = the input k tokens back (k = 0 newest); y[t] = sum_k tap[k] win[k], tap[k] = w[c, W-1-k].
 constexpr int kConvChannels = 128;
 constexpr int kConvTokens = 64;
 
@@ -96,30 +88,6 @@ template <int kN, typename T>
 __device__ __forceinline__ void conv_load_taps(const T* w, int64_t c, int width, float (&tap)[kN]) {
 #pragma unroll
   for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
-}
-
-template <int kN>
-__device__ __forceinline__ float conv_dot(const float (&tap)[kN], const float (&win)[kN]) {
-  float acc = 0;
-#pragma unroll
-  for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
-  return acc;
-}
-
-// win[k] = x[t - k, c] for k < width and t - k >= doc_start, else zero: the inputs of z[t].
-template <int kN, typename T>
-__device__ __forceinline__ void conv_load_inputs(const T* x, int64_t ch, int64_t c, int64_t t, int64_t doc_start,
-                                                 int width, float (&win)[kN]) {
-#pragma unroll
-  for (int k = 0; k < kN; ++k) win[k] = k < width && t - k >= doc_start ? float(load(x, (t - k) * ch + c)) : 0.0f;
-}
-
-__device__ __forceinline__ float conv_silu(float z) { return z / (1.0f + expf(-z)); }
-
-// dy silu'(z) = dy s (1 + z (1 - s)), s = sigmoid(z).
-__device__ __forceinline__ float conv_silu_grad(float z, float dy) {
-  const float s = 1.0f / (1.0f + expf(-z));
-  return dy * s * (1.0f + z * (1.0f - s));
 }
 
 // Walks channel c of x forwards over tokens [t0, t1): for each t, pushes x[t] into the window (which holds the inputs
@@ -145,7 +113,7 @@ __device__ __forceinline__ void conv_walk_forward(const T* x, int64_t ch, int64_
   }
 }
 
-template <typename T, int kW, bool kSilu>
+template <typename T, int kW>
 __global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
                             const int32_t* cu, T* y) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
@@ -157,82 +125,62 @@ __global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t d
   const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
   conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
-    const float z = conv_dot(tap, win);
-    store(y, t * ch + c, kSilu ? conv_silu(z) : z);
+    float acc = 0;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
+    store(y, t * ch + c, acc);
   });
 }
 
-// dx[s, c] = sum_k tap[k] g[s + k, c] over targets inside s's document, g = dy (or dz = dy silu'(z) with kSilu);
-// walks the slab downwards with the window win[k] = g[s + k] and, with kSilu, xw[k] = x[s - k] (the inputs of z[s]).
-template <typename T, int kW, bool kSilu>
-__global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
-                               const T* dy, const int32_t* cu, T* dx) {
+// dx[s, c] = sum_k tap[k] dy[s + k, c] over targets inside s's document; walks the slab downwards with the window
+// win[k] = dy[s + k].
+template <typename T, int kW>
+__global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* w, const T* dy,
+                               const int32_t* cu, T* dx) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
   const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float tap[kN], win[kN], xw[kN];
+  float tap[kN], win[kN];
   conv_load_taps(w, c, width, tap);
   const int64_t s0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t s1 = s0 + kConvTokens < tokens ? s0 + kConvTokens : tokens;
   Span doc = doc_of_token(cu, docs, s1 - 1, tokens);
-  // The future after s1 - 1: win[k] = g[s1 + k] inside the document. With kSilu only the W - 1 that dx reads (the
-  // rest meet zero taps or leave the window), each z from its own W inputs.
 #pragma unroll
-  for (int k = 0; k < kN; ++k) {
+  for (int k = 0; k < kN; ++k) {  // the future after s1 - 1: win[k] = dy[s1 + k] inside the document
     const int64_t t = s1 + k;
-    if constexpr (kSilu) {
-      if (t < doc.end && k < width - 1) {
-        float in[kN];
-        conv_load_inputs(x, ch, c, t, doc.start, width, in);
-        win[k] = conv_silu_grad(conv_dot(tap, in), float(load(dy, t * ch + c)));
-      } else {
-        win[k] = 0.0f;
-      }
-    } else {
-      win[k] = t < doc.end ? float(load(dy, t * ch + c)) : 0.0f;
-    }
+    win[k] = t < doc.end ? float(load(dy, t * ch + c)) : 0.0f;
   }
-  if constexpr (kSilu) conv_load_inputs(x, ch, c, s1 - 1, doc.start, width, xw);
   for (int64_t s = s1 - 1; s >= s0; --s) {
     if (s < doc.start) {  // the previous document: nothing after its end
       doc = doc_of_token(cu, docs, s, tokens);
 #pragma unroll
       for (int k = 0; k < kN; ++k) win[k] = 0.0f;
-      if constexpr (kSilu) conv_load_inputs(x, ch, c, s, doc.start, width, xw);
     }
-    float g = float(load(dy, s * ch + c));
-    if constexpr (kSilu) {
-      g = conv_silu_grad(conv_dot(tap, xw), g);
-      // Slide xw to s - 1: drop x[s], take x[s - kN] (read only where a tap meets it: width == kN).
+    conv_push(win, float(load(dy, s * ch + c)));
+    float acc = 0;
 #pragma unroll
-      for (int k = 0; k + 1 < kN; ++k) xw[k] = xw[k + 1];
-      xw[kN - 1] = width == kN && s - kN >= doc.start ? float(load(x, (s - kN) * ch + c)) : 0.0f;
-    }
-    conv_push(win, g);
-    store(dx, s * ch + c, conv_dot(tap, win));
+    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
+    store(dx, s * ch + c, acc);
   }
 }
 
-// dw[c, W-1-k] = sum_t g[t, c] x[t - k, c] (g = dy, or dz = dy silu'(z) with kSilu, z from the same window), in two
-// fixed-order passes: each (channel block, token slab) sums its slab into partial[slab][c][j] (fp32), then
-// conv_dw_sum_kernel adds the slabs in order.
-template <typename T, int kW, bool kSilu>
+// dw[c, W-1-k] = sum_t dy[t, c] x[t - k, c], in two fixed-order passes: each (channel block, token slab) sums its
+// slab into partial[slab][c][j] (fp32), then conv_dw_sum_kernel adds the slabs in order.
+template <typename T, int kW>
 __global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, int64_t slab,
-                                       const T* x, const T* w, const T* dy, const int32_t* cu, float* partial) {
+                                       const T* x, const T* dy, const int32_t* cu, float* partial) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
   const int width = conv_taps<kW>(width_arg);
   const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
   if (c >= ch) return;
-  float tap[kN], acc[kN];
-  conv_load_taps(w, c, width, tap);
+  float acc[kN];
 #pragma unroll
   for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
   const int64_t t0 = blockIdx.y * slab;
   const int64_t t1 = t0 + slab < tokens ? t0 + slab : tokens;
   conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
-    float d = load(dy, t * ch + c);
-    if constexpr (kSilu) d = conv_silu_grad(conv_dot(tap, win), d);
+    const float d = load(dy, t * ch + c);
 #pragma unroll
     for (int k = 0; k < kN; ++k) acc[k] += d * win[k];
   });
@@ -247,13 +195,6 @@ __global__ void conv_dw_sum_kernel(int64_t n, int64_t slabs, const float* partia
   float s = 0;
   for (int64_t k = 0; k < slabs; ++k) s += partial[k * n + i];
   store(dw, i, s);
-}
-
-// Calls f(std::bool_constant<silu>): the linear conv or the one with the fused silu.
-template <typename F>
-void dispatch_conv_silu(bool silu, F f) {
-  if (silu) f(std::true_type{});
-  else f(std::false_type{});
 }
 
 // Calls f(std::integral_constant<int, W>) with the compile-time width for 2, 3, 4 and 0 (run time) otherwise.
@@ -286,18 +227,15 @@ void launch_sigmoid_backward(DType dtype, int64_t n, const void* y, const void* 
   LATHE_CUDA_LAUNCH_CHECK("sigmoid_backward_kernel");
 }
 
-void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, bool silu,
-                          const void* x, const void* w, const int32_t* cu, void* y, cudaStream_t stream) {
+void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, const void* x,
+                          const void* w, const int32_t* cu, void* y, cudaStream_t stream) {
   if (tokens == 0 || channels == 0) return;
   const dim3 grid(unsigned((channels + kConvChannels - 1) / kConvChannels), unsigned((tokens + kConvTokens - 1) / kConvTokens));
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_conv_width(width, [&](auto kw) {
-      dispatch_conv_silu(silu, [&](auto act) {
-        conv_kernel<T, decltype(kw)::value, decltype(act)::value><<<grid, kConvChannels, 0, stream>>>(
-            tokens, channels, int(width), docs, static_cast<const T*>(x), static_cast<const T*>(w), cu,
-            static_cast<T*>(y));
-      });
+      conv_kernel<T, decltype(kw)::value><<<grid, kConvChannels, 0, stream>>>(
+          tokens, channels, int(width), docs, static_cast<const T*>(x), static_cast<const T*>(w), cu, static_cast<T*>(y));
     });
   });
   LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_kernel");
@@ -310,8 +248,8 @@ size_t conv_backward_workspace_bytes(int64_t tokens, int64_t channels, int64_t w
 }
 
 void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs,
-                                   bool silu, const void* x, const void* w, const void* dy, const int32_t* cu, void* dx,
-                                   void* dw, void* workspace, cudaStream_t stream) {
+                                   const void* x, const void* w, const void* dy, const int32_t* cu, void* dx, void* dw,
+                                   void* workspace, cudaStream_t stream) {
   if (channels == 0) return;
   const int64_t slabs = conv_dw_slabs(tokens), slab = (tokens + slabs - 1) / slabs;
   const unsigned cblocks = unsigned((channels + kConvChannels - 1) / kConvChannels);
@@ -320,20 +258,14 @@ void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels
     using T = decltype(tag);
     if (tokens > 0) {
       dispatch_conv_width(width, [&](auto kw) {
-        dispatch_conv_silu(silu, [&](auto act) {
-          constexpr int kW = decltype(kw)::value;
-          constexpr bool kSilu = decltype(act)::value;
-          const T* px = static_cast<const T*>(x);
-          const T* pw = static_cast<const T*>(w);
-          const T* pdy = static_cast<const T*>(dy);
-          conv_dx_kernel<T, kW, kSilu><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)),
-                                         kConvChannels, 0, stream>>>(tokens, channels, int(width), docs, px, pw, pdy,
-                                                                     cu, static_cast<T*>(dx));
-          LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
-          conv_dw_partial_kernel<T, kW, kSilu><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
-              tokens, channels, int(width), docs, slab, px, pw, pdy, cu, partial);
-          LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
-        });
+        constexpr int kW = decltype(kw)::value;
+        conv_dx_kernel<T, kW><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)), kConvChannels, 0,
+                                stream>>>(tokens, channels, int(width), docs, static_cast<const T*>(w),
+                                          static_cast<const T*>(dy), cu, static_cast<T*>(dx));
+        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
+        conv_dw_partial_kernel<T, kW><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
+            tokens, channels, int(width), docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu, partial);
+        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
       });
     }
     const int64_t n = channels * width;
