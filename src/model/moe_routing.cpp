@@ -1,0 +1,175 @@
+// Host reference of mixture-of-experts routing (conventions and formulas in model/moe_routing.h): plain loops in
+// double, fp32 results. Covered by tests/models/test_moe_routing.cpp.
+#include "model/moe_routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace lathe {
+
+namespace {
+
+// dlogit_i = p_i (dp_i - sum_e p_e dp_e) for one row.
+void softmax_backward_row(const float* p, const double* dp, int64_t n, float* dlogit) {
+  double dot = 0;
+  for (int64_t e = 0; e < n; ++e) dot += double(p[e]) * dp[e];
+  for (int64_t e = 0; e < n; ++e) dlogit[e] = float(double(p[e]) * (dp[e] - dot));
+}
+
+}  // namespace
+
+RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool norm_topk_prob) {
+  LATHE_CHECK(tokens >= 0 && experts >= 1 && top_k >= 1 && top_k <= experts,
+              "moe: routing needs tokens >= 0 and 1 <= top_k <= experts, got {} tokens, {} experts, top_k {}", tokens,
+              experts, top_k);
+  LATHE_CHECK(int64_t(logits.size()) == tokens * experts, "moe: router logits hold {} values, {} tokens x {} experts "
+              "need {}", logits.size(), tokens, experts, tokens * experts);
+  RouterChoice r;
+  r.tokens = tokens;
+  r.experts = experts;
+  r.top_k = top_k;
+  r.probs.resize(size_t(tokens * experts));
+  r.expert.resize(size_t(tokens * top_k));
+  r.weight.resize(size_t(tokens * top_k));
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* x = logits.data() + t * experts;
+    float* p = r.probs.data() + t * experts;
+    double mx = -INFINITY;
+    for (int64_t e = 0; e < experts; ++e) {
+      LATHE_CHECK(std::isfinite(x[e]), "moe: router logit of token {}, expert {} is {}", t, e, x[e]);
+      mx = std::max(mx, double(x[e]));
+    }
+    double sum = 0;
+    for (int64_t e = 0; e < experts; ++e) sum += std::exp(double(x[e]) - mx);
+    for (int64_t e = 0; e < experts; ++e) p[e] = float(std::exp(double(x[e]) - mx) / sum);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    double picked = 0;
+    for (int64_t j = 0; j < top_k; ++j) picked += p[order[size_t(j)]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t e = order[size_t(j)];
+      r.expert[size_t(t * top_k + j)] = e;
+      r.weight[size_t(t * top_k + j)] = float(norm_topk_prob ? double(p[e]) / picked : double(p[e]));
+    }
+  }
+  return r;
+}
+
+std::vector<float> route_tokens_backward(const RouterChoice& r, std::span<const float> d_weight, bool norm_topk_prob) {
+  LATHE_CHECK(int64_t(d_weight.size()) == r.tokens * r.top_k, "moe: d_weight holds {} values, the choice has {} x {}",
+              d_weight.size(), r.tokens, r.top_k);
+  std::vector<float> d_logits(size_t(r.tokens * r.experts));
+  std::vector<double> dp(size_t(r.experts));
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    const float* p = r.probs.data() + t * r.experts;
+    const int32_t* ex = r.expert.data() + t * r.top_k;
+    const float* dw = d_weight.data() + t * r.top_k;
+    std::fill(dp.begin(), dp.end(), 0.0);
+    if (norm_topk_prob) {  // w_j = p_j / S, S = sum of the k picked: dp_j = (dw_j - sum_i dw_i w_i) / S
+      double picked = 0, dot = 0;
+      for (int64_t j = 0; j < r.top_k; ++j) picked += p[ex[j]];
+      for (int64_t j = 0; j < r.top_k; ++j) dot += double(dw[j]) * (double(p[ex[j]]) / picked);
+      for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = (double(dw[j]) - dot) / picked;
+    } else {
+      for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = dw[j];
+    }
+    softmax_backward_row(p, dp.data(), r.experts, d_logits.data() + t * r.experts);
+  }
+  return d_logits;
+}
+
+RoutingPlan plan_routing(const RouterChoice& r) {
+  RoutingPlan plan;
+  plan.tokens = r.tokens;
+  plan.experts = r.experts;
+  plan.top_k = r.top_k;
+  const int64_t pairs = r.tokens * r.top_k;
+  plan.counts.assign(size_t(r.experts), 0);
+  for (int32_t e : r.expert) {
+    LATHE_CHECK(e >= 0 && e < r.experts, "moe: routed expert {} outside [0, {})", e, r.experts);
+    ++plan.counts[size_t(e)];
+  }
+  plan.offsets.assign(size_t(r.experts + 1), 0);
+  for (int64_t e = 0; e < r.experts; ++e) plan.offsets[size_t(e + 1)] = plan.offsets[size_t(e)] + plan.counts[size_t(e)];
+  plan.token.resize(size_t(pairs));
+  plan.slot.resize(size_t(pairs));
+  plan.position.resize(size_t(pairs));
+  std::vector<int64_t> next(plan.offsets.begin(), plan.offsets.end() - 1);  // next free place of each expert
+  for (int64_t t = 0; t < r.tokens; ++t)  // token order, then slot order: a stable counting sort
+    for (int64_t j = 0; j < r.top_k; ++j) {
+      const int64_t at = next[size_t(r.expert[size_t(t * r.top_k + j)])]++;
+      plan.token[size_t(at)] = int32_t(t);
+      plan.slot[size_t(at)] = int32_t(j);
+      plan.position[size_t(t * r.top_k + j)] = at;
+    }
+  return plan;
+}
+
+RoutingPlan plan_for_owner(const RoutingPlan& plan, int64_t first, int64_t count) {
+  LATHE_CHECK(first >= 0 && count >= 0 && first + count <= plan.experts,
+              "moe: experts [{}, {}) are not a range of the plan's {} experts", first, first + count, plan.experts);
+  RoutingPlan part;
+  part.tokens = plan.tokens;
+  part.experts = count;
+  part.top_k = plan.top_k;
+  const int64_t begin = plan.offsets[size_t(first)], end = plan.offsets[size_t(first + count)];
+  part.counts.assign(plan.counts.begin() + first, plan.counts.begin() + first + count);
+  for (int64_t e = first; e <= first + count; ++e) part.offsets.push_back(plan.offsets[size_t(e)] - begin);
+  part.token.assign(plan.token.begin() + begin, plan.token.begin() + end);
+  part.slot.assign(plan.slot.begin() + begin, plan.slot.begin() + end);
+  for (int64_t i = begin; i < end; ++i) part.position.push_back(i);
+  return part;
+}
+
+ExpertLoad expert_load(const RoutingPlan& plan) {
+  ExpertLoad load;
+  load.tokens_per_expert = plan.counts;
+  const double mean = plan.experts > 0 ? double(plan.tokens * plan.top_k) / double(plan.experts) : 0.0;
+  const int64_t mx = plan.counts.empty() ? 0 : *std::max_element(plan.counts.begin(), plan.counts.end());
+  load.max_over_mean = mean > 0 ? double(mx) / mean : 0.0;
+  return load;
+}
+
+double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<float>>* d_logits) {
+  LATHE_CHECK(!layers.empty(), "moe: the load-balancing loss needs at least one layer's router choices");
+  const int64_t experts = layers[0]->experts, top_k = layers[0]->top_k;
+  int64_t rows = 0;
+  for (const RouterChoice* r : layers) {
+    LATHE_CHECK(r->experts == experts && r->top_k == top_k, "moe: layers route to {} / top-{} and {} / top-{} "
+                "experts: the load-balancing loss needs one expert count and k", experts, top_k, r->experts, r->top_k);
+    rows += r->tokens;
+  }
+  if (d_logits) d_logits->clear();
+  if (rows == 0) {
+    if (d_logits)
+      for (size_t l = 0; l < layers.size(); ++l) d_logits->emplace_back();
+    return 0.0;
+  }
+  std::vector<double> routed(size_t(experts), 0.0), prob(size_t(experts), 0.0);
+  for (const RouterChoice* r : layers) {
+    for (int32_t e : r->expert) routed[size_t(e)] += 1.0;
+    for (int64_t t = 0; t < r->tokens; ++t)
+      for (int64_t e = 0; e < experts; ++e) prob[size_t(e)] += r->probs[size_t(t * experts + e)];
+  }
+  double loss = 0;
+  for (int64_t e = 0; e < experts; ++e) loss += (routed[size_t(e)] / double(rows)) * (prob[size_t(e)] / double(rows));
+  loss *= double(experts);
+  if (d_logits) {  // d loss / d probs[r, e] = E f_e / N, then through each row's softmax
+    std::vector<double> dp(static_cast<size_t>(experts));
+    for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
+    for (const RouterChoice* r : layers) {
+      std::vector<float> d(size_t(r->tokens * experts));
+      for (int64_t t = 0; t < r->tokens; ++t)
+        softmax_backward_row(r->probs.data() + t * experts, dp.data(), experts, d.data() + t * experts);
+      d_logits->push_back(std::move(d));
+    }
+  }
+  return loss;
+}
+
+}  // namespace lathe
