@@ -47,95 +47,58 @@ void embedding_backward_kernel(const OpCall& c, ExecContext&) {
   for (size_t i = 0; i < acc.size(); ++i) dw[i] = T(acc[i]);
 }
 
-template <typename T>
+// y = x inv (offset + w) [silu(z) when kGated], inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.
+// rmsnorm is the kGated = false case; gated_rmsnorm takes z as a third input.
+template <typename T, bool kGated>
 void rmsnorm_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<NormAttrs>();
   const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
   const T* x = c.inputs[0].data<T>();
   const T* w = c.inputs[1].data<T>();
+  const T* z = kGated ? c.inputs[2].data<T>() : nullptr;
   T* y = c.outputs[0].data<T>();
 #pragma omp parallel for if (rows * h > 65536)
   for (int64_t r = 0; r < rows; ++r) {
     double ss = 0;
     for (int64_t j = 0; j < h; ++j) ss += double(x[r * h + j]) * double(x[r * h + j]);
     const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
-    for (int64_t j = 0; j < h; ++j) y[r * h + j] = T(double(x[r * h + j]) * inv * (a.offset + double(w[j])));
+    for (int64_t j = 0; j < h; ++j) {
+      double v = double(x[r * h + j]) * inv * (a.offset + double(w[j]));
+      if constexpr (kGated) {
+        const double zj = double(z[r * h + j]);
+        v *= zj / (1.0 + std::exp(-zj));
+      }
+      y[r * h + j] = T(v);
+    }
   }
 }
 
-// dx_j = inv * g_j - x_j * inv^3 / H * sum_k g_k x_k with g = dy * (offset + w); dw_j = sum_rows dy_j x_j inv.
-template <typename T>
+// With g = dy (rmsnorm) or g = dy silu(z) (gated; the gradient reaching the plain norm's output):
+// dx_j = inv * g_j (offset + w_j) - x_j * inv^3 / H * sum_k g_k (offset + w_k) x_k; dw_j = sum_rows g_j x_j inv;
+// gated also dz_j = dy_j n_j sigmoid(z_j) (1 + z_j (1 - sigmoid(z_j))), n_j = x_j inv (offset + w_j).
+// Inputs (x, w, dy) or (x, w, z, dy); outputs (dx, dw) or (dx, dw, dz).
+template <typename T, bool kGated>
 void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<NormAttrs>();
   const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
   const T* x = c.inputs[0].data<T>();
   const T* w = c.inputs[1].data<T>();
-  const T* dy = c.inputs[2].data<T>();
+  const T* z = kGated ? c.inputs[2].data<T>() : nullptr;
+  const T* dy = c.inputs[kGated ? 3 : 2].data<T>();
   T* dx = c.outputs[0].data<T>();
+  T* dz = kGated ? c.outputs[2].data<T>() : nullptr;
   std::vector<double> dw(size_t(h), 0.0);
+  std::vector<double> g(static_cast<size_t>(h));  // the row's gradient at the plain norm's output
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * h;
     const T* dyr = dy + r * h;
     double ss = 0, dot = 0;
     for (int64_t j = 0; j < h; ++j) {
-      ss += double(xr[j]) * double(xr[j]);
-      dot += double(dyr[j]) * (a.offset + double(w[j])) * double(xr[j]);
-    }
-    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
-    for (int64_t j = 0; j < h; ++j) {
-      const double g = double(dyr[j]) * (a.offset + double(w[j]));
-      dx[r * h + j] = T(inv * g - double(xr[j]) * inv * inv * inv * dot / double(h));
-      dw[size_t(j)] += double(dyr[j]) * double(xr[j]) * inv;
-    }
-  }
-  T* pdw = c.outputs[1].data<T>();
-  for (int64_t j = 0; j < h; ++j) pdw[j] = T(dw[size_t(j)]);
-}
-
-// y = x inv (offset + w) silu(z), inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.
-template <typename T>
-void gated_rmsnorm_kernel(const OpCall& c, ExecContext&) {
-  const auto& a = c.attr<NormAttrs>();
-  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
-  const T* x = c.inputs[0].data<T>();
-  const T* w = c.inputs[1].data<T>();
-  const T* z = c.inputs[2].data<T>();
-  T* y = c.outputs[0].data<T>();
-#pragma omp parallel for if (rows * h > 65536)
-  for (int64_t r = 0; r < rows; ++r) {
-    double ss = 0;
-    for (int64_t j = 0; j < h; ++j) ss += double(x[r * h + j]) * double(x[r * h + j]);
-    const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
-    for (int64_t j = 0; j < h; ++j) {
-      const double zj = double(z[r * h + j]);
-      const double silu = zj / (1.0 + std::exp(-zj));
-      y[r * h + j] = T(double(x[r * h + j]) * inv * (a.offset + double(w[j])) * silu);
-    }
-  }
-}
-
-// With s = silu(z) and g = dy s (the gradient reaching the plain norm's output): dz_j = dy_j n_j sigmoid(z_j)
-// (1 + z_j (1 - sigmoid(z_j))), n_j = x_j inv (offset + w_j); dx and dw are rmsnorm_backward's with dy replaced by g.
-template <typename T>
-void gated_rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
-  const auto& a = c.attr<NormAttrs>();
-  const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
-  const T* x = c.inputs[0].data<T>();
-  const T* w = c.inputs[1].data<T>();
-  const T* z = c.inputs[2].data<T>();
-  const T* dy = c.inputs[3].data<T>();
-  T* dx = c.outputs[0].data<T>();
-  T* dz = c.outputs[2].data<T>();
-  std::vector<double> dw(size_t(h), 0.0);
-  std::vector<double> g(static_cast<size_t>(h));  // dy silu(z) of the row
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * h;
-    const T* zr = z + r * h;
-    const T* dyr = dy + r * h;
-    double ss = 0, dot = 0;
-    for (int64_t j = 0; j < h; ++j) {
-      const double zj = double(zr[j]);
-      g[size_t(j)] = double(dyr[j]) * zj / (1.0 + std::exp(-zj));
+      g[size_t(j)] = double(dyr[j]);
+      if constexpr (kGated) {
+        const double zj = double(z[r * h + j]);
+        g[size_t(j)] = double(dyr[j]) * zj / (1.0 + std::exp(-zj));
+      }
       ss += double(xr[j]) * double(xr[j]);
       dot += g[size_t(j)] * (a.offset + double(w[j])) * double(xr[j]);
     }
@@ -144,10 +107,12 @@ void gated_rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
       const double gw = g[size_t(j)] * (a.offset + double(w[j]));
       dx[r * h + j] = T(inv * gw - double(xr[j]) * inv * inv * inv * dot / double(h));
       dw[size_t(j)] += g[size_t(j)] * double(xr[j]) * inv;
-      const double zj = double(zr[j]);
-      const double sig = 1.0 / (1.0 + std::exp(-zj));
-      const double n = double(xr[j]) * inv * (a.offset + double(w[j]));
-      dz[r * h + j] = T(double(dyr[j]) * n * sig * (1.0 + zj * (1.0 - sig)));
+      if constexpr (kGated) {
+        const double zj = double(z[r * h + j]);
+        const double sig = 1.0 / (1.0 + std::exp(-zj));
+        const double n = double(xr[j]) * inv * (a.offset + double(w[j]));
+        dz[r * h + j] = T(double(dyr[j]) * n * sig * (1.0 + zj * (1.0 - sig)));
+      }
     }
   }
   T* pdw = c.outputs[1].data<T>();
@@ -351,10 +316,10 @@ void register_for(KernelRegistry& r) {
   const auto add = [&](OpId op, const char* name, RunFn run) { r.add(KernelDef{op, DeviceType::CPU, dt, name, all_contiguous, run}); };
   add(OpId::embedding, "cpu/embedding_gather", embedding_kernel<T>);
   add(OpId::embedding_backward, "cpu/embedding_scatter_add", embedding_backward_kernel<T>);
-  add(OpId::rmsnorm, "cpu/rmsnorm_rows", rmsnorm_kernel<T>);
-  add(OpId::rmsnorm_backward, "cpu/rmsnorm_backward_rows", rmsnorm_backward_kernel<T>);
-  add(OpId::gated_rmsnorm, "cpu/gated_rmsnorm_rows", gated_rmsnorm_kernel<T>);
-  add(OpId::gated_rmsnorm_backward, "cpu/gated_rmsnorm_backward_rows", gated_rmsnorm_backward_kernel<T>);
+  add(OpId::rmsnorm, "cpu/rmsnorm_rows", rmsnorm_kernel<T, false>);
+  add(OpId::rmsnorm_backward, "cpu/rmsnorm_backward_rows", rmsnorm_backward_kernel<T, false>);
+  add(OpId::gated_rmsnorm, "cpu/gated_rmsnorm_rows", rmsnorm_kernel<T, true>);
+  add(OpId::gated_rmsnorm_backward, "cpu/gated_rmsnorm_backward_rows", rmsnorm_backward_kernel<T, true>);
   add(OpId::rope, "cpu/rope_rotate_half", rope_kernel<T>);
   add(OpId::swiglu, "cpu/swiglu", swiglu_kernel<T>);
   add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);
