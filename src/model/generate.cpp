@@ -109,12 +109,16 @@ void KvCacheDecoder::reserve(int64_t tokens) {
   cache_.reserve(cx, tokens, length_);
 }
 
-std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
+void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
   LATHE_CHECK(!ids.empty(), "generate: no tokens to feed");
-  const ModelConfig& c = model_->config();
   for (int32_t id : ids)
-    LATHE_CHECK(id >= 0 && id < c.vocab_size, "generate: token id {} is outside the vocabulary (size {})", id,
-                c.vocab_size);
+    LATHE_CHECK(id >= 0 && id < vocab_size, "generate: token id {} is outside the vocabulary (size {})", id,
+                vocab_size);
+}
+
+std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
+  const ModelConfig& c = model_->config();
+  check_feed(ids, c.vocab_size);
   // After the prefill, tokens go one at a time: the step's attention has no causal mask within new tokens.
   const size_t chunk = length_ == 0 ? ids.size() : 1;
   const Device device = model_->options().device;

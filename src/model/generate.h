@@ -37,6 +37,10 @@ class Decoder {
   virtual void reset() = 0;                 // forget the sequence, keep the memory
   virtual void reserve(int64_t tokens) = 0;  // grow the caches that grow with the sequence to `tokens` now
   virtual int64_t length() const = 0;       // tokens fed since the last reset
+
+ protected:
+  // What feed() checks before touching a cache: at least one id, every id inside the vocabulary.
+  static void check_feed(std::span<const int32_t> ids, int64_t vocab_size);
 };
 
 // The rotated keys and values of a set of attention layers, (capacity, Hkv, D) each, grown by doubling; and the

@@ -130,11 +130,8 @@ std::vector<float> Qwen35Decoder::feed(std::span<const int32_t> ids) {
 }
 
 Tensor Qwen35Decoder::feed_logits(std::span<const int32_t> ids) {
-  LATHE_CHECK(!ids.empty(), "generate: no tokens to feed");
   const ModelConfig& c = model_->config();
-  for (int32_t id : ids)
-    LATHE_CHECK(id >= 0 && id < c.vocab_size, "generate: token id {} is outside the vocabulary (size {})", id,
-                c.vocab_size);
+  check_feed(ids, c.vocab_size);
   // After the prefill, tokens go one at a time: the attention step has no causal mask within new tokens.
   const size_t chunk = length_ == 0 ? ids.size() : 1;
   const Device device = model_->options().device;
