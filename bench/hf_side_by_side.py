@@ -17,6 +17,9 @@ Rows (the issue's recipe, seq 4096):
         8/2 attention heads of 256, 16/16 GDN heads of 128, FFN 3584, tied vocab 248320), bf16 parameters, seq 4096,
         micro-batch 2. transformers runs its own GDN path: the flash-linear-attention kernels when that package is
         installed, else its PyTorch fallback (torch_chunk_gated_delta_rule); the row records which ("gdn_path").
+  30b-a3b  the Qwen3-30B-A3B shape of issue 9 cut to MOE_LAYERS (4) layers (hidden 2048, 128 experts, top 8, expert
+        FFN 768, 32/4 heads of 128, untied vocab 151936), bf16 parameters, seq 4096, micro-batch 1; transformers runs
+        its default experts implementation (recorded as "experts_implementation"); MFU counts the active experts only.
 A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
 Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row.
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
@@ -44,12 +47,18 @@ VOCAB, KV_HEADS, HEAD_DIM = 151936, 8, 128
 # Qwen3.5 shapes: layers, hidden, FFN, attention heads, KV heads, head dim, GDN key heads, value heads, GDN head dim,
 # vocab (tied; one full-attention layer every 4).
 Q35_SHAPES = {"q35-0.8b": (24, 1024, 3584, 8, 2, 256, 16, 16, 128, 248320)}
+# The Qwen3-30B-A3B shape of issue 9 (hidden 2048, 128 experts, top 8, expert FFN 768, 32/4 heads of 128, untied
+# vocab 151936), cut to MOE_LAYERS layers so that full fine-tuning fits one GPU.
+MOE_SHAPES = {"30b-a3b": dict(hidden=2048, experts=128, top_k=8, expert_ffn=768, heads=32, kv=4, vocab=151936)}
+MOE_LAYERS = 4
 ROWS = {
     "0.6b": dict(shape="0.6b", seq=4096, micro_batch=4, params="fp32", autocast=True, lora_rank=0),
     "1.7b": dict(shape="1.7b", seq=4096, micro_batch=2, params="fp32", autocast=True, lora_rank=0),
     "4b": dict(shape="4b", seq=4096, micro_batch=1, params="bf16", autocast=False, lora_rank=0),
     "lora": dict(shape="0.6b", seq=2048, micro_batch=8, params="bf16", autocast=True, lora_rank=16),
     "q35-0.8b": dict(shape="q35-0.8b", seq=4096, micro_batch=2, params="bf16", autocast=False, lora_rank=0),
+    "30b-a3b": dict(shape="30b-a3b", seq=4096, micro_batch=1, params="bf16", autocast=False, lora_rank=0,
+                    layers=MOE_LAYERS),
 }
 PEAK = 989e12
 
@@ -84,9 +93,32 @@ def q35_config(shape):
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}, use_cache=False)
 
 
-def flops_per_token(shape, seq, adapter_params=0, lora=False):
+def moe_flops_per_token(shape, seq, layers):
+    m = MOE_SHAPES[shape]
+    h, d = m["hidden"], HEAD_DIM
+    attn_w = h * d * (m["heads"] + 2 * m["kv"]) + m["heads"] * d * h
+    mlp_w = h * m["experts"] + 3 * h * m["top_k"] * m["expert_ffn"]  # the router and the k active experts
+    n = layers * (attn_w + mlp_w) + m["vocab"] * h
+    return 6.0 * n + 6.0 * layers * m["heads"] * d * seq
+
+
+def moe_config(shape, layers):
+    from transformers import Qwen3MoeConfig
+    m = MOE_SHAPES[shape]
+    return Qwen3MoeConfig(
+        vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=6144, num_hidden_layers=layers,
+        num_attention_heads=m["heads"], num_key_value_heads=m["kv"], head_dim=HEAD_DIM, rms_norm_eps=1e-6,
+        num_experts=m["experts"], num_experts_per_tok=m["top_k"], moe_intermediate_size=m["expert_ffn"],
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        max_position_embeddings=40960, use_cache=False)
+
+
+def flops_per_token(shape, seq, adapter_params=0, lora=False, layers=0):
     if shape in Q35_SHAPES:
         return q35_flops_per_token(shape, seq)
+    if shape in MOE_SHAPES:
+        return moe_flops_per_token(shape, seq, layers)
     layers, _, _, heads = SHAPES[shape]
     attention = 6.0 * layers * heads * HEAD_DIM * seq  # one document of seq tokens: sum S^2 / S = S
     n = matmul_params(shape)
@@ -119,6 +151,9 @@ def hf_worker(row, steps, warmup):
 
     if row["shape"] in Q35_SHAPES:
         cfg = q35_config(row["shape"])
+        vocab = cfg.vocab_size
+    elif row["shape"] in MOE_SHAPES:  # transformers' own MoE path (its default experts implementation)
+        cfg = moe_config(row["shape"], row["layers"])
         vocab = cfg.vocab_size
     else:
         cfg = qwen3_config(row["shape"])
@@ -165,7 +200,7 @@ def hf_worker(row, steps, warmup):
             times.append(time.perf_counter() - t0)
     step_s = sum(times) / len(times)
     tokens = row["micro_batch"] * row["seq"]
-    fpt = flops_per_token(row["shape"], row["seq"], adapter_params, bool(row["lora_rank"]))
+    fpt = flops_per_token(row["shape"], row["seq"], adapter_params, bool(row["lora_rank"]), row.get("layers", 0))
     card = torch.cuda.get_device_name()
     peak = PEAK if ("H100" in card or "H200" in card) else 0
     attn = getattr(model.config, "_attn_implementation", None) or getattr(model.config, "attn_implementation", None)
@@ -173,7 +208,8 @@ def hf_worker(row, steps, warmup):
             "mfu": fpt * tokens / step_s / peak if peak else None, "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
             "flops_per_token": fpt, "card": card, "attn_implementation": attn, "params_dtype": str(dtype),
             "autocast_bf16": row["autocast"], "adapter_params": adapter_params, "loss_first": losses[0],
-            "loss_last": losses[-1], "gdn_path": gdn_path() if row["shape"] in Q35_SHAPES else None, **versions}
+            "loss_last": losses[-1], "gdn_path": gdn_path() if row["shape"] in Q35_SHAPES else None,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None), **versions}
 
 
 def json_line(text):
@@ -192,6 +228,8 @@ def run_lathe(row, args):
            "--micro-batch", str(row["micro_batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if row["lora_rank"]:
         cmd += ["--lora-rank", str(row["lora_rank"])]
+    if row.get("layers"):
+        cmd += ["--layers", str(row["layers"])]
     out = run_json(cmd, args.timeout)
     if "error" in out and "out of memory" in out["error"].lower():  # fp32 masters + moments: retry recomputing
         print(f"  lathe: {out['error']}; again with --recompute", flush=True)
@@ -224,7 +262,7 @@ def fmt(x, spec):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lathe-bin", default="build/lathe")
-    ap.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated rows among 0.6b, 1.7b, 4b, q35-0.8b")
+    ap.add_argument("--shapes", default="0.6b,1.7b,4b", help="comma-separated rows among 0.6b, 1.7b, 4b, q35-0.8b, 30b-a3b")
     ap.add_argument("--lora", action="store_true", help="add the LoRA row (rank 16, 0.6b shape, seq 2048)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)

@@ -48,6 +48,7 @@ bool any_dropout(const SegmentAttrs& s) {
 CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
+  moe_routes_.resize(size_t(config_.num_layers));
 }
 
 ExecContext CausalLm::ctx() { return rt_->context(options_.device); }
@@ -82,6 +83,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
     LATHE_CHECK(id >= 0 && id < config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
                 config_.vocab_size);
   if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
+  for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
 }
 
 void CausalLm::add_grad(int index, const Tensor& g) {
@@ -232,7 +234,7 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
   for (const Parameter& p : params_) {
     const DType dt = save_dtype(p.name, dtype);
     host.push_back(rt_->copy_to(cast(cx, p.value, dt), Device::cpu()));
-    refs.push_back({p.name, dt, p.value.shape(), host.back().data_ptr(), host.back().nbytes()});
+    for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
   }
   for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
   // Write into a fresh sibling folder, then swap it in, so a crash never leaves a half-written model at `dir`.
@@ -256,17 +258,17 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
 
 std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options) {
   const ModelConfig config = load_model_config(dir);
-  if (config.is_qwen3_5()) return std::make_unique<Qwen35Model>(Qwen35Model::load(rt, dir, options));
-  LATHE_CHECK(config.model_type == "qwen3", "model: {}: model_type '{}' has no model class (supported: qwen3, qwen3_5, "
-              "qwen3_5_text)", dir, config.model_type);
+  if (config.is_hybrid()) return std::make_unique<Qwen35Model>(Qwen35Model::load(rt, dir, options));
+  LATHE_CHECK(config.model_type == "qwen3" || config.model_type == "qwen3_moe", "model: {}: model_type '{}' has no "
+              "model class", dir, config.model_type);
   return std::make_unique<Qwen3Model>(Qwen3Model::load(rt, dir, options));
 }
 
 std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
                                            uint64_t seed, double std) {
-  if (config.is_qwen3_5()) return std::make_unique<Qwen35Model>(Qwen35Model::random(rt, config, options, seed, std));
-  LATHE_CHECK(config.model_type == "qwen3", "model: model_type '{}' has no model class (supported: qwen3, qwen3_5, "
-              "qwen3_5_text)", config.model_type);
+  if (config.is_hybrid()) return std::make_unique<Qwen35Model>(Qwen35Model::random(rt, config, options, seed, std));
+  LATHE_CHECK(config.model_type == "qwen3" || config.model_type == "qwen3_moe", "model: model_type '{}' has no model "
+              "class", config.model_type);
   return std::make_unique<Qwen3Model>(Qwen3Model::random(rt, config, options, seed, std));
 }
 

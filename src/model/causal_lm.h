@@ -9,12 +9,15 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "io/safetensors.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "model/moe_layer.h"
 
 namespace lathe {
 
@@ -30,6 +33,9 @@ struct ModelOptions {
   bool recompute = false;        // recompute layer activations in the backward pass
   int64_t loss_chunk_rows = 1024;  // rows of logits alive at once in the loss head
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
+  // MoE models: whether the trained loss includes router_aux_loss_coef x the load-balancing loss. Unset: the
+  // config's output_router_logits decides, as in transformers (off in released Qwen MoE configs).
+  std::optional<bool> router_aux_loss;
 };
 
 struct LossResult {
@@ -41,6 +47,10 @@ struct LossResult {
     int64_t labelled = 0;
   };
   std::vector<Segment> segments;  // one per batch segment (PackedBatch::segments)
+  // MoE models: transformers' load-balancing loss over every sparse layer's routing of the batch (before the
+  // coefficient; `loss` never includes it), and each sparse layer's expert load.
+  double aux_loss = 0;
+  std::vector<ExpertLoadStat> expert_load;
 };
 
 class LoraBank;
@@ -106,11 +116,32 @@ class CausalLm {
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 
+  // The mixture-of-experts MLP of sparse layer `layer` (model/moe_layer.h, docs/moe.md); moe_backward returns dx and
+  // accumulates the parameters' gradients (the router's includes the aux-loss term when it is on).
+  MoeActs moe_forward(int64_t layer, const MoeParams& p, const Tensor& x);
+  Tensor moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout);
+  // After a forward of the loss: the aux loss and expert loads into `r`; with `backward` and the aux loss on, each
+  // sparse layer's aux gradient (times coef x loss_scale) for moe_backward.
+  void moe_after_forward(LossResult& r, bool backward, double loss_scale);
+  bool aux_loss_on() const { return options_.router_aux_loss.value_or(config_.output_router_logits); }
+  // Checkpoint reading shared by the families: every parameter of params_ from `st` (f64 on the host, so f32/f64
+  // checkpoints stay exact), the experts from either layout (fused gate_up_proj / down_proj, or per-expert
+  // experts.N.{gate,up,down}_proj.weight, remembered for save()). Returns the checkpoint names it consumed.
+  std::set<std::string> read_parameters(const io::SafetensorsModel& st);
+  // The checkpoint tensors of parameter `p` whose host copy in `dtype` is `host`: itself, or its per-expert slices
+  // when the checkpoint used that layout.
+  std::vector<io::TensorRef> checkpoint_refs(const Parameter& p, DType dtype, const Tensor& host) const;
+
   Runtime* rt_;
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;
   LoraBank* lora_ = nullptr;
+  std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
+  bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
+
+ private:
+  const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
 };
 
 // A model of config.json's model_type: qwen3 -> Qwen3Model, qwen3_5 / qwen3_5_text -> Qwen35Model.

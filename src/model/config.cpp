@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <fstream>
 
 #include "core/error.h"
@@ -53,13 +54,56 @@ double rope_theta(const nlohmann::json& j, const std::string& src) {
 
 }  // namespace
 
+bool ModelConfig::sparse_layer(int64_t i) const {
+  return num_experts > 0 && std::find(mlp_only_layers.begin(), mlp_only_layers.end(), i) == mlp_only_layers.end() &&
+         (i + 1) % decoder_sparse_step == 0;
+}
+
+void parse_moe_fields(const nlohmann::json& j, const std::string& src, ModelConfig& c, bool default_norm,
+                      bool forced_norm, bool shared) {
+  const char* experts_key = j.contains("num_local_experts") && !j.contains("num_experts") ? "num_local_experts"
+                                                                                          : "num_experts";
+  c.num_experts = get_int(j, experts_key, src);
+  c.num_experts_per_tok = get_int(j, "num_experts_per_tok", src);
+  c.moe_intermediate_size = get_int(j, "moe_intermediate_size", src);
+  LATHE_CHECK(c.num_experts_per_tok <= c.num_experts, "config: {}: num_experts_per_tok {} exceeds num_experts {}", src,
+              c.num_experts_per_tok, c.num_experts);
+  c.decoder_sparse_step = get_int(j, "decoder_sparse_step", src, 1);
+  if (j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+    const nlohmann::json& m = j["mlp_only_layers"];
+    LATHE_CHECK(m.is_array(), "config: {}: mlp_only_layers must be a list of layer indices", src);
+    for (const auto& v : m) {
+      LATHE_CHECK(v.is_number_integer() && v.get<int64_t>() >= 0 && v.get<int64_t>() < c.num_layers,
+                  "config: {}: mlp_only_layers entry {} is not a layer index in [0, {})", src, v.dump(), c.num_layers);
+      c.mlp_only_layers.push_back(v.get<int64_t>());
+    }
+  }
+  c.norm_topk_prob = get_bool(j, "norm_topk_prob", src, default_norm);
+  LATHE_CHECK(!forced_norm || c.norm_topk_prob, "config: {}: norm_topk_prob=false is not what this family computes "
+              "(its router always renormalises the top-k weights)", src);
+  c.router_aux_loss_coef = get_number(j, "router_aux_loss_coef", src, 0.001);
+  c.output_router_logits = get_bool(j, "output_router_logits", src, false);
+  if (shared) {
+    c.shared_expert_intermediate_size = get_int(j, "shared_expert_intermediate_size", src);
+  } else {
+    LATHE_CHECK(!j.contains("shared_expert_intermediate_size") || j["shared_expert_intermediate_size"].is_null() ||
+                    j["shared_expert_intermediate_size"] == 0,
+                "config: {}: shared_expert_intermediate_size is not part of {} models", src, c.model_type);
+  }
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    if (!c.sparse_layer(i)) {
+      LATHE_CHECK(c.intermediate_size > 0, "config: {}: layer {} has a dense MLP (mlp_only_layers / "
+                  "decoder_sparse_step) but intermediate_size is missing", src, i);
+    }
+}
+
 int64_t ModelConfig::rotary_dim() const {
   const int64_t r = int64_t(double(head_dim) * partial_rotary_factor);
   return r - r % 2;
 }
 
 int64_t ModelConfig::parameter_count() const {
-  if (is_qwen3_5()) {
+  if (is_hybrid()) {
     const int64_t attn = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
                          2 * head_dim;
     const int64_t kd = linear_num_key_heads * linear_key_head_dim, vd = linear_num_value_heads * linear_value_head_dim;
@@ -67,15 +111,15 @@ int64_t ModelConfig::parameter_count() const {
     const int64_t gdn = hidden_size * (conv + vd + 2 * linear_num_value_heads) + conv * linear_conv_kernel_dim +
                         2 * linear_num_value_heads + linear_value_head_dim + vd * hidden_size;
     int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;
-    for (const std::string& t : layer_types)
-      n += (t == "full_attention" ? attn : gdn) + 3 * hidden_size * intermediate_size + 2 * hidden_size;
+    for (int64_t i = 0; i < num_layers; ++i)
+      n += (layer_types[size_t(i)] == "full_attention" ? attn : gdn) + mlp(i) + 2 * hidden_size;
     return n;
   }
   const int64_t attn = hidden_size * head_dim * (num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
                        2 * head_dim;
-  const int64_t mlp = 3 * hidden_size * intermediate_size;
-  const int64_t layer = attn + mlp + 2 * hidden_size;
-  return vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + num_layers * layer + hidden_size;
+  int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;
+  for (int64_t i = 0; i < num_layers; ++i) n += attn + mlp(i) + 2 * hidden_size;
+  return n;
 }
 
 ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) {
@@ -84,11 +128,15 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   c.raw = j;
   LATHE_CHECK(j.contains("model_type") && j["model_type"].is_string(), "config: {}: missing 'model_type'", src);
   c.model_type = j["model_type"].get<std::string>();
-  if (c.model_type == "qwen3_5" || c.model_type == "qwen3_5_text") return parse_qwen3_5_config(j, src);
-  LATHE_CHECK(c.model_type == "qwen3", "config: {}: model_type '{}' is not supported (supported: qwen3, qwen3_5, qwen3_5_text)", src, c.model_type);
+  for (const char* hybrid : {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+    if (c.model_type == hybrid) return parse_qwen3_5_config(j, src);
+  LATHE_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe",
+              "config: {}: model_type '{}' is not supported (supported: qwen3, qwen3_moe, qwen3_5, qwen3_5_text, "
+              "qwen3_5_moe, qwen3_5_moe_text, qwen3_next)", src, c.model_type);
+  const bool moe = c.model_type == "qwen3_moe";
   c.vocab_size = get_int(j, "vocab_size", src);
   c.hidden_size = get_int(j, "hidden_size", src);
-  c.intermediate_size = get_int(j, "intermediate_size", src);
+  c.intermediate_size = get_int(j, "intermediate_size", src, moe ? 0 : -1);
   c.num_layers = get_int(j, "num_hidden_layers", src);
   c.num_heads = get_int(j, "num_attention_heads", src);
   c.num_kv_heads = get_int(j, "num_key_value_heads", src, c.num_heads);
@@ -107,6 +155,13 @@ ModelConfig parse_model_config(const nlohmann::json& j, const std::string& src) 
   LATHE_CHECK(!get_bool(j, "use_sliding_window", src, false), "config: {}: use_sliding_window=true is not supported", src);
   const std::string act = j.value("hidden_act", std::string("silu"));
   LATHE_CHECK(act == "silu", "config: {}: hidden_act '{}' is not supported (only silu)", src, act);
+  if (moe) {
+    parse_moe_fields(j, src, c, /*default_norm=*/false, /*forced_norm=*/false, /*shared=*/false);
+  } else {
+    for (const char* key : {"num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size"})
+      LATHE_CHECK(!j.contains(key) || j[key].is_null() || j[key] == 0, "config: {}: {} = {} in a dense qwen3 config "
+                  "(mixture-of-experts checkpoints have model_type qwen3_moe)", src, key, j[key].dump());
+  }
   return c;
 }
 

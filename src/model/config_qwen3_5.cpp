@@ -93,13 +93,15 @@ void parse_rope(const nlohmann::json& j, const std::string& src, ModelConfig& c)
               "config: {}: partial_rotary_factor {} must lie in (0, 1]", src, c.partial_rotary_factor);
 }
 
-ModelConfig parse_text(const nlohmann::json& j, const std::string& src) {
+// `type`: qwen3_5_text, qwen3_5_moe_text or qwen3_next (the text stack's model_type).
+ModelConfig parse_text(const nlohmann::json& j, const std::string& src, const std::string& type) {
   LATHE_CHECK(j.is_object(), "config: {}: expected a JSON object", src);
   ModelConfig c;
-  c.model_type = "qwen3_5_text";
+  c.model_type = type;
+  const bool dense = type == "qwen3_5_text";
   c.vocab_size = int_field(j, "vocab_size", src, -1);
   c.hidden_size = int_field(j, "hidden_size", src, -1);
-  c.intermediate_size = int_field(j, "intermediate_size", src, -1);
+  c.intermediate_size = int_field(j, "intermediate_size", src, dense ? -1 : 0);
   c.num_layers = int_field(j, "num_hidden_layers", src, -1);
   c.num_heads = int_field(j, "num_attention_heads", src, -1);
   c.num_kv_heads = int_field(j, "num_key_value_heads", src, 4);
@@ -162,9 +164,26 @@ ModelConfig parse_text(const nlohmann::json& j, const std::string& src) {
   }
   LATHE_CHECK(!(has(j, "use_sliding_window") && j["use_sliding_window"] != false),
               "config: {}: use_sliding_window is not supported", src);
-  for (const char* moe : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"})
-    LATHE_CHECK(!has(j, moe) || (j[moe].is_number() && j[moe].get<double>() == 0),
-                "config: {}: {} = {}: mixture-of-experts layers (qwen3_5_moe) are not supported", src, moe, j[moe].dump());
+  if (dense) {
+    for (const char* moe : {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"})
+      LATHE_CHECK(!has(j, moe) || (j[moe].is_number() && j[moe].get<double>() == 0),
+                  "config: {}: {} = {} in a dense qwen3_5 config (mixture-of-experts checkpoints have model_type "
+                  "qwen3_5_moe)", src, moe, j[moe].dump());
+  } else if (type == "qwen3_next") {
+    parse_moe_fields(j, src, c, /*default_norm=*/true, /*forced_norm=*/false, /*shared=*/true);
+    c.fused_gdn_projections = true;
+  } else {
+    // Qwen3.5-MoE: every layer is sparse and the router always renormalises (transformers reads neither
+    // decoder_sparse_step nor mlp_only_layers nor norm_topk_prob for this family).
+    nlohmann::json moe = j;
+    for (const char* k : {"decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"})
+      if (has(moe, k)) {
+        c.notes.push_back(fmt::format("{} = {}: not read for qwen3_5_moe (every layer is sparse, the top-k weights are "
+                                      "always renormalised, as in transformers)", k, moe[k].dump()));
+        moe.erase(k);
+      }
+    parse_moe_fields(moe, src, c, /*default_norm=*/true, /*forced_norm=*/true, /*shared=*/true);
+  }
 
   // Reported: read, not used.
   if (has(j, "mtp_num_hidden_layers") && j["mtp_num_hidden_layers"] != 0)
@@ -176,11 +195,12 @@ ModelConfig parse_text(const nlohmann::json& j, const std::string& src) {
   if (has(j, "mamba_ssm_dtype"))
     c.notes.push_back(fmt::format("mamba_ssm_dtype = {}: a generation-cache dtype; training keeps the GDN state in the "
                                   "activation dtype's accumulator (f32/f64)", j["mamba_ssm_dtype"].dump()));
-  if (has(j, "mlp_only_layers") && !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
+  if (dense && has(j, "mlp_only_layers") && !(j["mlp_only_layers"].is_array() && j["mlp_only_layers"].empty()))
     c.notes.push_back("mlp_only_layers: every layer of the dense qwen3_5 model has a dense MLP already");
-  for (const char* k : {"decoder_sparse_step", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits",
-                        "sliding_window", "max_window_layers"})
-    if (has(j, k)) c.notes.push_back(fmt::format("{} = {}: has no effect without MoE / sliding windows", k, j[k].dump()));
+  for (const char* k : {"decoder_sparse_step", "norm_topk_prob", "router_aux_loss_coef", "output_router_logits"})
+    if (dense && has(j, k)) c.notes.push_back(fmt::format("{} = {}: has no effect without MoE", k, j[k].dump()));
+  for (const char* k : {"sliding_window", "max_window_layers"})
+    if (has(j, k)) c.notes.push_back(fmt::format("{} = {}: has no effect without sliding windows", k, j[k].dump()));
   for (const auto& [k, v] : j.items())
     if (!kInert.count(k) && !kRead.count(k) && !v.is_null())
       c.notes.push_back(fmt::format("unknown field '{}' = {} is ignored", k, v.dump().substr(0, 60)));
@@ -192,14 +212,15 @@ ModelConfig parse_text(const nlohmann::json& j, const std::string& src) {
 ModelConfig parse_qwen3_5_config(const nlohmann::json& j, const std::string& src) {
   const std::string type = j.value("model_type", std::string());
   ModelConfig c;
-  if (type == "qwen3_5") {
+  if (type == "qwen3_5" || type == "qwen3_5_moe") {
     LATHE_CHECK(j.contains("text_config") && j["text_config"].is_object(),
-                "config: {}: a qwen3_5 (multimodal) config needs a 'text_config' object", src);
+                "config: {}: a {} (multimodal) config needs a 'text_config' object", src, type);
     const nlohmann::json& t = j["text_config"];
-    const std::string inner = t.value("model_type", std::string("qwen3_5_text"));
-    LATHE_CHECK(inner == "qwen3_5_text", "config: {}: text_config.model_type '{}' is not supported (expected qwen3_5_text)",
-                src, inner);
-    c = parse_text(t, src + " text_config");
+    const std::string want = type + "_text";
+    const std::string inner = t.value("model_type", want);
+    LATHE_CHECK(inner == want, "config: {}: text_config.model_type '{}' is not supported (expected {})", src, inner,
+                want);
+    c = parse_text(t, src + " text_config", want);
     const bool top = has(j, "tie_word_embeddings"), inside = has(t, "tie_word_embeddings");
     LATHE_CHECK(!(top && inside && j["tie_word_embeddings"] != t["tie_word_embeddings"]),
                 "config: {}: tie_word_embeddings {} and text_config.tie_word_embeddings {} disagree", src,
@@ -215,8 +236,9 @@ ModelConfig parse_qwen3_5_config(const nlohmann::json& j, const std::string& src
           !v.is_null())
         c.notes.push_back(fmt::format("unknown top-level field '{}' is ignored", k));
   } else {
-    LATHE_CHECK(type == "qwen3_5_text", "config: {}: model_type '{}' is not a qwen3_5 type", src, type);
-    c = parse_text(j, src);
+    LATHE_CHECK(type == "qwen3_5_text" || type == "qwen3_5_moe_text" || type == "qwen3_next",
+                "config: {}: model_type '{}' is not a qwen3_5 type", src, type);
+    c = parse_text(j, src, type);
     const nlohmann::json tie = j.value("tie_word_embeddings", nlohmann::json(false));
     LATHE_CHECK(tie.is_boolean(), "config: {}: tie_word_embeddings must be true or false, got {}", src, tie.dump());
     c.tie_word_embeddings = tie.get<bool>();

@@ -59,7 +59,8 @@ struct DecoderStack {
     const NormAttrs norm = final_norm(m);
     const Tensor xf = rmsnorm(cx, x_last, m.w(m.final_norm_), norm);
     Tensor dxf;
-    const LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf);
+    LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf);
+    m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) return result;
     const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf, norm);
     m.add_grad(m.final_norm_, dfinal[1]);

@@ -28,6 +28,7 @@ Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
 Qwen35Decoder::Qwen35Decoder(Runtime& rt, Qwen35Model& model, int64_t capacity)
     : rt_(&rt), model_(&model),
       kv_(0, model.config().num_kv_heads, model.config().head_dim, model.options().dtype) {
+  check_decodable(model.config());
   const ModelConfig& c = model.config();
   auto find = [&](const std::string& name) {
     Parameter& p = model.parameter(name);  // throws, naming it, when missing

@@ -68,17 +68,22 @@ const char* lora_target_name(LoraTarget t) {
     case LoraTarget::in_proj_b: return "in_proj_b";
     case LoraTarget::in_proj_a: return "in_proj_a";
     case LoraTarget::out_proj: return "out_proj";
+    case LoraTarget::in_proj_qkvz: return "in_proj_qkvz";
+    case LoraTarget::in_proj_ba: return "in_proj_ba";
   }
   return "?";
 }
 
 std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t layer) {
-  const bool gdn = model.is_qwen3_5() && model.layer_types[size_t(layer)] == "linear_attention";
+  const bool gdn = model.is_hybrid() && model.layer_types[size_t(layer)] == "linear_attention";
   std::vector<LoraTarget> out;
-  if (gdn) out = {LoraTarget::in_proj_qkv, LoraTarget::in_proj_z, LoraTarget::in_proj_b, LoraTarget::in_proj_a,
-                  LoraTarget::out_proj};
+  if (gdn && model.fused_gdn_projections) out = {LoraTarget::in_proj_qkvz, LoraTarget::in_proj_ba, LoraTarget::out_proj};
+  else if (gdn) out = {LoraTarget::in_proj_qkv, LoraTarget::in_proj_z, LoraTarget::in_proj_b, LoraTarget::in_proj_a,
+                       LoraTarget::out_proj};
   else out = {LoraTarget::q_proj, LoraTarget::k_proj, LoraTarget::v_proj, LoraTarget::o_proj};
-  for (LoraTarget t : {LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj}) out.push_back(t);
+  // A sparse (mixture-of-experts) layer has no dense MLP; its experts take no adapter yet (docs/moe.md).
+  if (!model.sparse_layer(layer))
+    for (LoraTarget t : {LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj}) out.push_back(t);
   return out;
 }
 
@@ -118,6 +123,8 @@ std::pair<int64_t, int64_t> lora_module_dims(const ModelConfig& m, LoraTarget t)
     case LoraTarget::in_proj_b:
     case LoraTarget::in_proj_a: return {m.hidden_size, m.linear_num_value_heads};
     case LoraTarget::out_proj: return {vd, m.hidden_size};
+    case LoraTarget::in_proj_qkvz: return {m.hidden_size, 2 * kd + 2 * vd};
+    case LoraTarget::in_proj_ba: return {m.hidden_size, 2 * m.linear_num_value_heads};
   }
   return {0, 0};
 }

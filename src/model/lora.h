@@ -30,8 +30,9 @@ namespace lathe {
 enum class LoraTarget {
   q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,    // attention and MLP
   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj,           // Gated DeltaNet (Qwen3.5 linear_attention)
+  in_proj_qkvz, in_proj_ba,                                         // Qwen3-Next's fused GDN input projections
 };
-inline constexpr int kLoraTargetCount = 12;
+inline constexpr int kLoraTargetCount = 14;
 const char* lora_target_name(LoraTarget t);
 // The modules of layer `layer` of this model, in a fixed order.
 std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t layer);

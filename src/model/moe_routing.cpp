@@ -1,5 +1,5 @@
 // Host reference of mixture-of-experts routing (conventions and formulas in model/moe_routing.h): plain loops in
-// double, fp32 results. Covered by tests/models/test_moe_routing.cpp.
+// double. Covered by tests/models/test_moe_routing.cpp.
 #include "model/moe_routing.h"
 
 #include <algorithm>
@@ -13,15 +13,15 @@ namespace lathe {
 namespace {
 
 // dlogit_i = p_i (dp_i - sum_e p_e dp_e) for one row.
-void softmax_backward_row(const float* p, const double* dp, int64_t n, float* dlogit) {
+void softmax_backward_row(const double* p, const double* dp, int64_t n, double* dlogit) {
   double dot = 0;
   for (int64_t e = 0; e < n; ++e) dot += double(p[e]) * dp[e];
-  for (int64_t e = 0; e < n; ++e) dlogit[e] = float(double(p[e]) * (dp[e] - dot));
+  for (int64_t e = 0; e < n; ++e) dlogit[e] = double(double(p[e]) * (dp[e] - dot));
 }
 
 }  // namespace
 
-RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t experts, int64_t top_k,
+RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_t experts, int64_t top_k,
                           bool norm_topk_prob) {
   LATHE_CHECK(tokens >= 0 && experts >= 1 && top_k >= 1 && top_k <= experts,
               "moe: routing needs tokens >= 0 and 1 <= top_k <= experts, got {} tokens, {} experts, top_k {}", tokens,
@@ -37,8 +37,8 @@ RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t
   r.weight.resize(size_t(tokens * top_k));
   std::vector<int32_t> order(static_cast<size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* x = logits.data() + t * experts;
-    float* p = r.probs.data() + t * experts;
+    const double* x = logits.data() + t * experts;
+    double* p = r.probs.data() + t * experts;
     double mx = -INFINITY;
     for (int64_t e = 0; e < experts; ++e) {
       LATHE_CHECK(std::isfinite(x[e]), "moe: router logit of token {}, expert {} is {}", t, e, x[e]);
@@ -46,7 +46,7 @@ RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t
     }
     double sum = 0;
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(double(x[e]) - mx);
-    for (int64_t e = 0; e < experts; ++e) p[e] = float(std::exp(double(x[e]) - mx) / sum);
+    for (int64_t e = 0; e < experts; ++e) p[e] = double(std::exp(double(x[e]) - mx) / sum);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
     double picked = 0;
@@ -54,21 +54,21 @@ RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = order[size_t(j)];
       r.expert[size_t(t * top_k + j)] = e;
-      r.weight[size_t(t * top_k + j)] = float(norm_topk_prob ? double(p[e]) / picked : double(p[e]));
+      r.weight[size_t(t * top_k + j)] = double(norm_topk_prob ? double(p[e]) / picked : double(p[e]));
     }
   }
   return r;
 }
 
-std::vector<float> route_tokens_backward(const RouterChoice& r, std::span<const float> d_weight, bool norm_topk_prob) {
+std::vector<double> route_tokens_backward(const RouterChoice& r, std::span<const double> d_weight, bool norm_topk_prob) {
   LATHE_CHECK(int64_t(d_weight.size()) == r.tokens * r.top_k, "moe: d_weight holds {} values, the choice has {} x {}",
               d_weight.size(), r.tokens, r.top_k);
-  std::vector<float> d_logits(size_t(r.tokens * r.experts));
+  std::vector<double> d_logits(size_t(r.tokens * r.experts));
   std::vector<double> dp(size_t(r.experts));
   for (int64_t t = 0; t < r.tokens; ++t) {
-    const float* p = r.probs.data() + t * r.experts;
+    const double* p = r.probs.data() + t * r.experts;
     const int32_t* ex = r.expert.data() + t * r.top_k;
-    const float* dw = d_weight.data() + t * r.top_k;
+    const double* dw = d_weight.data() + t * r.top_k;
     std::fill(dp.begin(), dp.end(), 0.0);
     if (norm_topk_prob) {  // w_j = p_j / S, S = sum of the k picked: dp_j = (dw_j - sum_i dw_i w_i) / S
       double picked = 0, dot = 0;
@@ -135,7 +135,7 @@ ExpertLoad expert_load(const RoutingPlan& plan) {
   return load;
 }
 
-double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<float>>* d_logits) {
+double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<double>>* d_logits) {
   LATHE_CHECK(!layers.empty(), "moe: the load-balancing loss needs at least one layer's router choices");
   const int64_t experts = layers[0]->experts, top_k = layers[0]->top_k;
   int64_t rows = 0;
@@ -163,7 +163,7 @@ double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::
     std::vector<double> dp(static_cast<size_t>(experts));
     for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
     for (const RouterChoice* r : layers) {
-      std::vector<float> d(size_t(r->tokens * experts));
+      std::vector<double> d(size_t(r->tokens * experts));
       for (int64_t t = 0; t < r->tokens; ++t)
         softmax_backward_row(r->probs.data() + t * experts, dp.data(), experts, d.data() + t * experts);
       d_logits->push_back(std::move(d));

@@ -1,16 +1,17 @@
 // Token routing of a mixture-of-experts layer (issue 9), the host reference the GPU kernels will be judged against:
-// the router's fp32 softmax over experts, top-k, the optional renormalisation of the k weights (norm_topk_prob),
+// the router's softmax over experts, top-k, the optional renormalisation of the k weights (norm_topk_prob),
 // the routing plan (every (token, slot) pair sorted by expert: counts, offsets, permutation), the split of a plan by
 // expert owner (for expert parallelism), per-expert load statistics, and transformers' auxiliary load-balancing loss
 // (`load_balancing_loss_func` of the Qwen MoE families, without an attention mask: packed batches have no padding).
 // Conventions:
-//  - logits (T, E) row-major; probs = softmax per row, computed in double and stored in fp32 (the router's fp32);
+//  - logits (T, E) row-major; probs = softmax per row, in double (transformers' router works in fp32; the model rounds
+//    the combine weights to its dtype, so double here only removes a rounding the f64 reference would see);
 //  - top-k picks the k largest probabilities, larger first; equal probabilities go to the lower expert index first
 //    (torch.topk leaves ties unspecified; exact ties do not occur with real logits);
 //  - weight[t][j] = probs[t][expert[t][j]], divided by their sum over the k when norm_topk_prob;
 //  - the plan orders the pairs by expert, and within an expert by token then slot, so it is a pure function of the
 //    choices (deterministic), and an expert that receives no token has count 0.
-// Not yet used by a model: the MoE families (issue 9) build on it. Covered by tests/models/test_moe_routing.cpp.
+// Used by the MoE layer (model/moe_layer.cpp). Covered by tests/models/test_moe_routing.cpp.
 #pragma once
 
 #include <cstdint>
@@ -21,19 +22,19 @@ namespace lathe {
 
 struct RouterChoice {
   int64_t tokens = 0, experts = 0, top_k = 0;
-  std::vector<float> probs;     // (T, E) softmax of the logits
+  std::vector<double> probs;     // (T, E) softmax of the logits
   std::vector<int32_t> expert;  // (T, k) chosen experts, larger probability first
-  std::vector<float> weight;    // (T, k) combine weights
+  std::vector<double> weight;    // (T, k) combine weights
 };
 
 // Softmax, top-k and (when norm_topk_prob) renormalisation of a (T, E) block of router logits. Refuses k outside
 // [1, E] and non-finite logits (a NaN has no place in a top-k) with a clear error.
-RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t experts, int64_t top_k,
+RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_t experts, int64_t top_k,
                           bool norm_topk_prob);
 
 // d(logits) (T, E) from d(weight) (T, k), for the fixed choices of `r` (top-k is piecewise constant): through the
 // renormalisation (when norm_topk_prob) and the softmax, in double.
-std::vector<float> route_tokens_backward(const RouterChoice& r, std::span<const float> d_weight, bool norm_topk_prob);
+std::vector<double> route_tokens_backward(const RouterChoice& r, std::span<const double> d_weight, bool norm_topk_prob);
 
 // The (token, slot) pairs of a batch sorted by expert: pairs offsets[e] .. offsets[e + 1] - 1 of `token` / `slot`
 // go to expert e (counts[e] of them). `position[t * k + j]` is where pair (t, j) landed: the combine step reads
@@ -64,6 +65,6 @@ ExpertLoad expert_load(const RoutingPlan& plan);
 // f_e sums to k over the experts (it is not divided by k, as in transformers). `d_logits` (one (T_l, E) block per
 // layer, may be null) receives d(loss)/d(logits): only P depends on the logits (f is piecewise constant).
 double load_balancing_loss(const std::vector<const RouterChoice*>& layers,
-                           std::vector<std::vector<float>>* d_logits = nullptr);
+                           std::vector<std::vector<double>>* d_logits = nullptr);
 
 }  // namespace lathe

@@ -26,6 +26,7 @@ struct Qwen3Model::LayerActs {
   Tensor hn;       // (T, H) post-attention RMSNorm
   Tensor g, u;     // (T, I) gate and up projections
   Tensor act;      // (T, I) silu(g) * u
+  MoeActs moe;     // a sparse layer's MLP instead of g, u, act
   Tensor out;      // (T, H) layer output
 };
 
@@ -35,8 +36,8 @@ namespace {
 
 Qwen3Model::Qwen3Model(Runtime& rt, ModelConfig config, ModelOptions options)
     : CausalLm(rt, std::move(config), options) {
-  LATHE_CHECK(config_.model_type == "qwen3", "model: Qwen3Model needs a qwen3 config, got model_type '{}'",
-              config_.model_type);
+  LATHE_CHECK(config_.model_type == "qwen3" || config_.model_type == "qwen3_moe",
+              "model: Qwen3Model needs a qwen3 or qwen3_moe config, got model_type '{}'", config_.model_type);
   build_parameter_list();
 }
 
@@ -61,9 +62,16 @@ void Qwen3Model::build_parameter_list() {
     l.q_norm = add(p + "self_attn.q_norm.weight", {c.head_dim});
     l.k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
-    l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
-    l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    l.sparse = c.sparse_layer(i);
+    if (l.sparse) {
+      l.moe.router = add(p + "mlp.gate.weight", {c.num_experts, c.hidden_size});
+      l.moe.gate_up = add(p + "mlp.experts.gate_up_proj", {c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size});
+      l.moe.down = add(p + "mlp.experts.down_proj", {c.num_experts, c.hidden_size, c.moe_intermediate_size});
+    } else {
+      l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
+      l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
+      l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    }
     layers_.push_back(l);
   }
   final_norm_ = add("model.norm.weight", {c.hidden_size});
@@ -75,25 +83,13 @@ void Qwen3Model::build_parameter_list() {
 Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
   Qwen3Model m(rt, load_model_config(dir), options);
   const io::SafetensorsModel st = io::SafetensorsModel::open(dir);
-  std::set<std::string> expected;
-  for (Parameter& p : m.params_) {
-    expected.insert(p.name);
-    const io::SafetensorsTensor* t = st.find(p.name);
-    LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", dir, p.name);
-    LATHE_CHECK(t->shape == p.value.shape(), "model: {}: tensor '{}' has shape {} but the config implies {}", dir, p.name,
-                shape_str(t->shape), shape_str(p.value.shape()));
-    std::vector<float> host(size_t(p.value.numel()));
-    st.read_into(p.name, DType::F32, host.data(), host.size() * sizeof(float));
-    ExecContext cx = rt.context(options.device);
-    const Tensor f32 = rt.from_host(host.data(), p.value.shape(), DType::F32, options.device);
-    p.value = cast(cx, f32, options.dtype);
-  }
+  const std::set<std::string> expected = m.read_parameters(st);
   // Anything else in the checkpoint would be silently unused: refuse it, except a stored copy of a tied head.
   std::vector<std::string> unexpected;
   for (const std::string& name : st.names())
     if (!expected.count(name) && !(name == "lm_head.weight" && m.config_.tie_word_embeddings)) unexpected.push_back(name);
-  LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the qwen3 model does not use, e.g. '{}'", dir, unexpected.size(),
-              unexpected.empty() ? "" : unexpected.front());
+  LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the {} model does not use, e.g. '{}'", dir, unexpected.size(),
+              m.config_.model_type, unexpected.empty() ? "" : unexpected.front());
   return m;
 }
 
@@ -131,6 +127,11 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   a.lse = att[1];
   a.h = add(cx, x, project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training));
   a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
+  if (l.sparse) {
+    a.moe = moe_forward(l.index, l.moe, a.hn);
+    a.out = add(cx, a.h, a.moe.out);
+    return a;
+  }
   a.g = project(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, b, training);
   a.u = project(l.index, LoraTarget::up_proj, l.up_proj, a.hn, b, training);
   a.act = swiglu(cx, a.g, a.u);
@@ -144,12 +145,17 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const int64_t t = dout.size(0);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   const RopeAttrs inv{c.rope_theta, 0, true};
-  // MLP: out = h + down(swiglu(gate(hn), up(hn)))
-  Tensor dact, dhn;
-  project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
-  const std::vector<Tensor> dgu = swiglu_backward(cx, a.g, a.u, dact);
-  project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
-  project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
+  // MLP: out = h + down(swiglu(gate(hn), up(hn))), or h + moe(hn)
+  Tensor dhn;
+  if (l.sparse) {
+    dhn = moe_backward(l.index, l.moe, a.moe, dout);
+  } else {
+    Tensor dact;
+    project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
+    const std::vector<Tensor> dgu = swiglu_backward(cx, a.g, a.u, dact);
+    project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
+    project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
+  }
   const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
   add_grad(l.post_norm, dpost[1]);
   const Tensor dh = add(cx, dout, dpost[0]);

@@ -1,9 +1,11 @@
-// The Qwen3 dense model: embedding, N x [RMSNorm, GQA attention with q/k RMSNorm and RoPE over packed
-// documents, residual, RMSNorm, SwiGLU MLP, residual], final RMSNorm, tied or untied LM head.
+// The Qwen3 model (model_type qwen3) and Qwen3-MoE (qwen3_moe): embedding, N x [RMSNorm, GQA attention with q/k
+// RMSNorm and RoPE over packed documents, residual, RMSNorm, SwiGLU MLP or, in a sparse layer, the mixture of experts
+// (model/moe_layer.h), residual], final RMSNorm, tied or untied LM head.
 // Every layer has an explicit backward; layers can recompute their activations in the backward instead of
 // keeping them. The loss head, the LoRA projection and save() are CausalLm's (causal_lm.h).
-// Parameters keep Hugging Face names. Covered by tests/models/test_qwen3.cpp (HF fixtures) and
-// dev/ref/check_logprobs.py.
+// Parameters keep Hugging Face names (experts as the fused gate_up_proj / down_proj; CausalLm::read_parameters also
+// reads the per-expert layout and save() writes back the one read). Covered by tests/models/test_qwen3.cpp (HF
+// fixtures), tests/models/test_moe.cpp and dev/ref/check_logprobs.py.
 #pragma once
 
 #include <string>
@@ -27,8 +29,11 @@ class Qwen3Model : public CausalLm {
 
  private:
   struct Layer {
-    int64_t index;
-    int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj, down_proj;
+    int64_t index = 0;
+    int input_norm = -1, q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1, post_norm = -1;
+    int gate_proj = -1, up_proj = -1, down_proj = -1;  // dense MLP
+    bool sparse = false;                               // qwen3_moe: the MLP is a mixture of experts
+    MoeParams moe;
   };
   struct LayerActs;
 

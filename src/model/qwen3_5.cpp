@@ -44,6 +44,7 @@ struct Qwen35Model::LayerActs {
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   // MLP
   Tensor h, hn, gt, up, act, out;
+  MoeActs moe;  // a sparse layer's MLP instead of gt, up, act
 };
 
 namespace {
@@ -56,7 +57,7 @@ DType gdn_gate_dtype(DType model) { return model == DType::BF16 || model == DTyp
 
 Qwen35Model::Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options)
     : CausalLm(rt, std::move(config), options) {
-  LATHE_CHECK(config_.is_qwen3_5(), "model: Qwen35Model needs a qwen3_5 config, got model_type '{}'", config_.model_type);
+  LATHE_CHECK(config_.is_hybrid(), "model: Qwen35Model needs a qwen3_5 config, got model_type '{}'", config_.model_type);
   build_parameter_list();
   const ModelConfig& c = config_;
   std::vector<double> l2(size_t(c.linear_key_head_dim), 1.0 / std::sqrt(double(c.linear_key_head_dim)));
@@ -82,10 +83,15 @@ void Qwen35Model::build_parameter_list() {
     l.linear = c.layer_types[size_t(i)] == "linear_attention";
     l.input_norm = add(p + "input_layernorm.weight", {c.hidden_size});
     if (l.linear) {
-      l.in_qkv = add(p + "linear_attn.in_proj_qkv.weight", {2 * kd + vd, c.hidden_size});
-      l.in_z = add(p + "linear_attn.in_proj_z.weight", {vd, c.hidden_size});
-      l.in_b = add(p + "linear_attn.in_proj_b.weight", {hv, c.hidden_size});
-      l.in_a = add(p + "linear_attn.in_proj_a.weight", {hv, c.hidden_size});
+      if (c.fused_gdn_projections) {
+        l.in_qkvz = add(p + "linear_attn.in_proj_qkvz.weight", {2 * kd + 2 * vd, c.hidden_size});
+        l.in_ba = add(p + "linear_attn.in_proj_ba.weight", {2 * hv, c.hidden_size});
+      } else {
+        l.in_qkv = add(p + "linear_attn.in_proj_qkv.weight", {2 * kd + vd, c.hidden_size});
+        l.in_z = add(p + "linear_attn.in_proj_z.weight", {vd, c.hidden_size});
+        l.in_b = add(p + "linear_attn.in_proj_b.weight", {hv, c.hidden_size});
+        l.in_a = add(p + "linear_attn.in_proj_a.weight", {hv, c.hidden_size});
+      }
       l.conv = add(p + "linear_attn.conv1d.weight", {2 * kd + vd, 1, c.linear_conv_kernel_dim});
       l.dt_bias = add(p + "linear_attn.dt_bias", {hv});
       l.a_log = add(p + "linear_attn.A_log", {hv});
@@ -100,9 +106,23 @@ void Qwen35Model::build_parameter_list() {
       l.k_norm = add(p + "self_attn.k_norm.weight", {d});
     }
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
-    l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
-    l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    l.sparse = c.sparse_layer(i);
+    if (l.sparse) {
+      const int64_t e = c.num_experts, in = c.moe_intermediate_size, is = c.shared_expert_intermediate_size;
+      l.moe.router = add(p + "mlp.gate.weight", {e, c.hidden_size});
+      l.moe.gate_up = add(p + "mlp.experts.gate_up_proj", {e, 2 * in, c.hidden_size});
+      l.moe.down = add(p + "mlp.experts.down_proj", {e, c.hidden_size, in});
+      if (is > 0) {
+        l.moe.shared_gate = add(p + "mlp.shared_expert.gate_proj.weight", {is, c.hidden_size});
+        l.moe.shared_up = add(p + "mlp.shared_expert.up_proj.weight", {is, c.hidden_size});
+        l.moe.shared_down = add(p + "mlp.shared_expert.down_proj.weight", {c.hidden_size, is});
+        l.moe.shared_gate_w = add(p + "mlp.shared_expert_gate.weight", {1, c.hidden_size});
+      }
+    } else {
+      l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
+      l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
+      l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    }
     layers_.push_back(l);
   }
   final_norm_ = add(root + "norm.weight", {c.hidden_size});
@@ -115,19 +135,7 @@ Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOp
   Qwen35Model m(rt, load_model_config(dir), options);
   for (const std::string& note : m.config_.notes) fmt::print(stderr, "model: {}: note: {}\n", dir, note);
   const io::SafetensorsModel st = io::SafetensorsModel::open(dir);
-  std::set<std::string> expected;
-  ExecContext cx = rt.context(options.device);
-  for (Parameter& p : m.params_) {
-    expected.insert(p.name);
-    const io::SafetensorsTensor* t = st.find(p.name);
-    LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", dir, p.name);
-    LATHE_CHECK(t->shape == p.value.shape(), "model: {}: tensor '{}' has shape {} but the config implies {}", dir, p.name,
-                shape_str(t->shape), shape_str(p.value.shape()));
-    // f64 on the host keeps f32/f64 checkpoints exact (A_log is stored in f32 in Qwen3.5 releases).
-    std::vector<double> host(size_t(p.value.numel()));
-    st.read_into(p.name, DType::F64, host.data(), host.size() * sizeof(double));
-    p.value = cast(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), options.dtype);
-  }
+  const std::set<std::string> expected = m.read_parameters(st);
   // Tensors of the vision tower and the MTP head are kept aside (reported); anything else would be silently
   // unused: refused, except a stored copy of a tied head.
   const std::string visual = "model.visual.";
@@ -147,8 +155,8 @@ Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOp
     m.passthrough_.push_back(std::move(keep));
     ++kept;
   }
-  LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the qwen3_5 text model does not use, e.g. '{}'", dir,
-              unexpected.size(), unexpected.empty() ? "" : unexpected.front());
+  LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the {} model does not use, e.g. '{}'", dir,
+              unexpected.size(), m.config_.model_type, unexpected.empty() ? "" : unexpected.front());
   if (kept)
     fmt::print(stderr, "model: {}: note: {} tensors of the vision tower / MTP head are not used; they are kept and "
                "written back unchanged by save\n", dir, kept);
@@ -232,6 +240,25 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
     split_.qkv[2] = columns(n, width, {{2 * kd, vd}});
     split_.merge_qkv = merge(3);
   }
+  if (c.fused_gdn_projections) {
+    const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, hk = c.linear_num_key_heads;
+    const int64_t r = c.linear_num_value_heads / hk, block = 2 * dk + 2 * r * dv;
+    std::vector<std::pair<int64_t, int64_t>> qkv, z, b, a;
+    for (auto [off, len] : {std::pair{int64_t(0), dk}, std::pair{dk, dk}, std::pair{2 * dk, r * dv}})
+      for (int64_t h = 0; h < hk; ++h) qkv.push_back({h * block + off, len});
+    for (int64_t h = 0; h < hk; ++h) {
+      z.push_back({h * block + 2 * dk + r * dv, r * dv});
+      b.push_back({h * 2 * r, r});
+      a.push_back({h * 2 * r + r, r});
+    }
+    const int64_t width = std::gcd(dk, r * dv);
+    split_.next_qkv = columns(hk * block, width, qkv);
+    split_.next_z = columns(hk * block, width, z);
+    split_.merge_qkvz = merge(2);
+    split_.next_b = columns(hk * 2 * r, r, b);
+    split_.next_a = columns(hk * 2 * r, r, a);
+    split_.merge_ba = merge(2);
+  }
   return split_;
 }
 
@@ -295,7 +322,19 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   const int64_t t = a.x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
   const SplitIndex& split = split_index(t);
-  a.qkv = project(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, b, training);  // (T, 2K + V)
+  if (c.fused_gdn_projections) {  // qwen3_next: the conv input, z, b and a are column gathers of two projections
+    const Tensor qkvz = project(l.index, LoraTarget::in_proj_qkvz, l.in_qkvz, a.xn, b, training);
+    const Tensor ba = project(l.index, LoraTarget::in_proj_ba, l.in_ba, a.xn, b, training);
+    a.qkv = gather_columns(qkvz, split.next_qkv);
+    a.z = gather_columns(qkvz, split.next_z).view({t, hv, dv});
+    a.bproj = gather_columns(ba, split.next_b);
+    a.aproj = gather_columns(ba, split.next_a);
+  } else {
+    a.qkv = project(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, b, training);  // (T, 2K + V)
+    a.z = project(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, b, training).view({t, hv, dv});
+    a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
+    a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
+  }
   a.conv = causal_conv1d(cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), b.cu_seqlens);
   const Tensor act = silu(cx, a.conv);
   a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
@@ -303,9 +342,6 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   a.va = gather_columns(act, split.qkv[2]).view({t, hv, dv});
   a.qn = l2norm(a.qa);
   a.kn = l2norm(a.ka);
-  a.z = project(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, b, training).view({t, hv, dv});
-  a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
-  a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
   const DType gd = gdn_gate_dtype(options_.dtype);
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
@@ -328,6 +364,11 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& 
   else attention_forward(l, a, b, training);
   a.h = add(cx, x, a.mix);
   a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
+  if (l.sparse) {
+    a.moe = moe_forward(l.index, l.moe, a.hn);
+    a.out = add(cx, a.h, a.moe.out);
+    return a;
+  }
   a.gt = project(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, b, training);
   a.up = project(l.index, LoraTarget::up_proj, l.up_proj, a.hn, b, training);
   a.act = swiglu(cx, a.gt, a.up);
@@ -391,22 +432,37 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
       cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
   add_grad(l.conv, dconv[1]);
   Tensor dxn;
+  const Tensor da = as_dtype(cx, ddecay[0], md);
+  if (c.fused_gdn_projections) {
+    const Tensor dqkvz = merge_columns({dconv[0], contiguous(cx, dz).view({t, vd})}, {&split.next_qkv, &split.next_z},
+                                       split.merge_qkvz);
+    const Tensor dba = merge_columns({contiguous(cx, db), contiguous(cx, da)}, {&split.next_b, &split.next_a},
+                                     split.merge_ba);
+    project_backward(l.index, LoraTarget::in_proj_qkvz, l.in_qkvz, a.xn, dqkvz, dxn, b);
+    project_backward(l.index, LoraTarget::in_proj_ba, l.in_ba, a.xn, dba, dxn, b);
+    return dxn;
+  }
   project_backward(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, dconv[0], dxn, b);
   project_backward(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, dz.view({t, vd}), dxn, b);
   project_backward(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, db, dxn, b);
-  project_backward(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, as_dtype(cx, ddecay[0], md), dxn, b);
+  project_backward(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, da, dxn, b);
   return dxn;
 }
 
 Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
-  // MLP: out = h + down(swiglu(gate(hn), up(hn)))
-  Tensor dact, dhn;
-  project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
-  const std::vector<Tensor> dgu = swiglu_backward(cx, a.gt, a.up, dact);
-  project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
-  project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
+  // MLP: out = h + down(swiglu(gate(hn), up(hn))), or h + moe(hn)
+  Tensor dhn;
+  if (l.sparse) {
+    dhn = moe_backward(l.index, l.moe, a.moe, dout);
+  } else {
+    Tensor dact;
+    project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
+    const std::vector<Tensor> dgu = swiglu_backward(cx, a.gt, a.up, dact);
+    project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
+    project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
+  }
   const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
   add_grad(l.post_norm, dpost[1]);
   const Tensor dh = add(cx, dout, dpost[0]);

@@ -1,6 +1,8 @@
-// The Qwen3.5 text model (model_type qwen3_5_text, or the text stack of a qwen3_5 multimodal checkpoint): embedding,
-// N x [zero-centred RMSNorm, mixer, residual, zero-centred RMSNorm, SwiGLU MLP, residual], final zero-centred
-// RMSNorm, tied or untied LM head. The mixer of layer i is config.layer_types[i]:
+// The Qwen3.5 text model (model_type qwen3_5_text, or the text stack of a qwen3_5 multimodal checkpoint), and the
+// same stack with mixture-of-experts MLPs: Qwen3.5-MoE (qwen3_5_moe_text / qwen3_5_moe) and Qwen3-Next (qwen3_next,
+// whose GDN input projections are fused: in_proj_qkvz, in_proj_ba). Embedding, N x [zero-centred RMSNorm, mixer,
+// residual, zero-centred RMSNorm, SwiGLU MLP or mixture of experts with a shared expert (model/moe_layer.h),
+// residual], final zero-centred RMSNorm, tied or untied LM head. The mixer of layer i is config.layer_types[i]:
 //  - "linear_attention": Gated DeltaNet (research note gated-deltanet.md §2): in_proj_qkv -> causal depthwise conv
 //    + SiLU per section [q | k | v] -> L2-normalised q, k; beta = sigmoid(in_proj_b x), g = -exp(A_log)
 //    softplus(in_proj_a x + dt_bias); the gated delta rule (key heads shared by H_v / H_k value heads); gated RMSNorm
@@ -54,6 +56,9 @@ class Qwen35Model : public CausalLm {
     int input_norm = -1, post_norm = -1, gate_proj = -1, up_proj = -1, down_proj = -1;
     int q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1;
     int in_qkv = -1, in_z = -1, in_b = -1, in_a = -1, conv = -1, dt_bias = -1, a_log = -1, gnorm = -1, out_proj = -1;
+    int in_qkvz = -1, in_ba = -1;  // qwen3_next's fused GDN projections (instead of in_qkv, in_z, in_b, in_a)
+    bool sparse = false;           // the MLP is a mixture of experts (qwen3_5_moe_text, qwen3_next)
+    MoeParams moe;
   };
   struct LayerActs;
   struct Passthrough {  // a checkpoint tensor the text model does not use, written back unchanged
@@ -74,6 +79,10 @@ class Qwen35Model : public CausalLm {
     int64_t tokens = -1;
     Columns query, gate, qkv[3];
     Tensor merge_query_gate, merge_qkv;  // (T N / width) i32 into [query; gate] and [q; k; v] rows
+    // qwen3_next: in_proj_qkvz's output is, per key head, [q (d_k) | k (d_k) | v (r d_v) | z (r d_v)] with r = H_v /
+    // H_k, and in_proj_ba's [b (r) | a (r)]: the conv input [q | k | v] (heads in order), z, b and a are gathers.
+    Columns next_qkv, next_z, next_b, next_a;
+    Tensor merge_qkvz, merge_ba;
   };
 
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);

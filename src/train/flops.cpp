@@ -6,19 +6,36 @@
 
 namespace lathe {
 
+namespace {
+
+// The matrix parameters one token goes through in the MLP of layer i: a dense SwiGLU, or the router, k of the experts
+// and the shared expert with its gate.
+double active_mlp_parameters(const ModelConfig& c, int64_t i) {
+  const double h = double(c.hidden_size);
+  if (!c.sparse_layer(i)) return 3 * h * double(c.intermediate_size);
+  return h * double(c.num_experts) + 3 * h * double(c.num_experts_per_tok * c.moe_intermediate_size) +
+         (c.shared_expert_intermediate_size > 0 ? 3 * h * double(c.shared_expert_intermediate_size) + h : 0.0);
+}
+
+}  // namespace
+
 double matmul_parameter_count(const ModelConfig& c) {
-  if (c.is_qwen3_5()) {  // the matrices only: projections, MLPs and the LM head (once, tied or not)
-    const double h = double(c.hidden_size), d = double(c.head_dim);
-    const double kd = double(c.linear_num_key_heads * c.linear_key_head_dim);
-    const double vd = double(c.linear_num_value_heads * c.linear_value_head_dim);
-    const double attn = h * d * double(2 * c.num_heads + 2 * c.num_kv_heads) + double(c.num_heads) * d * h;
-    const double gdn = h * (2 * kd + vd + vd + 2.0 * double(c.linear_num_value_heads)) + vd * h;
-    double n = double(c.vocab_size) * h;
-    for (const std::string& t : c.layer_types) n += (t == "full_attention" ? attn : gdn) + 3 * h * double(c.intermediate_size);
-    return n;
+  // The matrices a token goes through: projections, MLPs (the active experts only) and the LM head (once, tied or not).
+  const double h = double(c.hidden_size), d = double(c.head_dim);
+  double n = double(c.vocab_size) * h;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    n += active_mlp_parameters(c, i);
+    const bool gdn = c.is_hybrid() && c.layer_types[size_t(i)] == "linear_attention";
+    if (gdn) {
+      const double kd = double(c.linear_num_key_heads * c.linear_key_head_dim);
+      const double vd = double(c.linear_num_value_heads * c.linear_value_head_dim);
+      n += h * (2 * kd + vd + vd + 2.0 * double(c.linear_num_value_heads)) + vd * h;
+    } else {
+      const double q_out = double((c.attn_output_gate ? 2 : 1) * c.num_heads) * d;
+      n += h * q_out + h * d * double(2 * c.num_kv_heads) + double(c.num_heads) * d * h;
+    }
   }
-  return double(c.parameter_count()) - double(c.vocab_size * c.hidden_size) * (c.tie_word_embeddings ? 0 : 1) -
-         double(c.num_layers * (2 * c.hidden_size + 2 * c.head_dim) + c.hidden_size);
+  return n;
 }
 
 double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens) {
@@ -26,12 +43,12 @@ double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t
   for (size_t i = 0; i + 1 < cu_seqlens.size(); ++i) sq += double(cu_seqlens[i + 1] - cu_seqlens[i]) * (cu_seqlens[i + 1] - cu_seqlens[i]);
   const double tokens = cu_seqlens.empty() ? 0.0 : double(cu_seqlens.back() - cu_seqlens.front());
   int64_t attention_layers = c.num_layers;
-  if (c.is_qwen3_5()) attention_layers = std::count(c.layer_types.begin(), c.layer_types.end(), "full_attention");
+  if (c.is_hybrid()) attention_layers = std::count(c.layer_types.begin(), c.layer_types.end(), "full_attention");
   return 6.0 * double(attention_layers * c.num_heads * c.head_dim) * sq / std::max<double>(1, tokens);
 }
 
 double gdn_core_flops_per_token(const ModelConfig& c) {
-  if (!c.is_qwen3_5()) return 0.0;
+  if (!c.is_hybrid()) return 0.0;
   const double dk = double(c.linear_key_head_dim), dv = double(c.linear_value_head_dim), ch = 64.0;
   const double fwd = 6 * dk * dv + 6 * ch * dk + 4 * ch * dv;
   const double bwd = 16 * dk * dv + 18 * ch * dk + 10 * ch * dv + 4 * ch * ch;

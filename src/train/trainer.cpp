@@ -2,12 +2,15 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
+#include <numeric>
 #include <optional>
 #include <regex>
 
@@ -158,6 +161,9 @@ struct Job {
   // this step
   double loss_sum = 0, flops = 0;
   int64_t labelled = 0, tokens = 0;
+  // MoE models, this step: the aux loss summed over micro-batches, and each sparse layer's tokens per expert.
+  double aux_sum = 0;
+  std::map<int64_t, std::vector<int64_t>> expert_tokens;
 
   bool active() const { return !failed && step < cfg->max_steps; }
   std::string prefix() const { return label.empty() ? "" : label + ": "; }
@@ -454,8 +460,9 @@ TrainSummary run_training(const TrainConfig& c) {
     else model->zero_grads();
     int64_t max_accum = 0;
     for (Job* j : active) {
-      j->loss_sum = j->flops = 0;
+      j->loss_sum = j->flops = j->aux_sum = 0;
       j->labelled = j->tokens = 0;
+      j->expert_tokens.clear();
       max_accum = std::max(max_accum, j->cfg->grad_accum);
     }
     // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the
@@ -488,6 +495,13 @@ TrainSummary run_training(const TrainConfig& c) {
         const LossResult::Segment seg = lora ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
         in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
         in_batch[k]->labelled += seg.labelled;
+        // The routing is the whole batch's (the tenants of one batch share the base model's experts).
+        in_batch[k]->aux_sum += r.aux_loss;
+        for (const ExpertLoadStat& s : r.expert_load) {
+          std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
+          acc.resize(s.tokens_per_expert.size(), 0);
+          for (size_t e = 0; e < acc.size(); ++e) acc[e] += s.tokens_per_expert[e];
+        }
       }
     }
     // Each job's optimizer step, on its own gradient norm, schedule and clipping.
@@ -500,6 +514,17 @@ TrainSummary run_training(const TrainConfig& c) {
       const double norm = global_grad_norm(ctx, *j->params);
       const double lr = learning_rate(j->sched, step);
       nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j->tokens}, {"labelled", j->labelled}};
+      if (!j->expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
+        m["aux_loss"] = j->aux_sum / double(jc.grad_accum);
+        nlohmann::json load = nlohmann::json::object();
+        for (const auto& [layer, counts] : j->expert_tokens) {
+          const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
+          const int64_t mx = *std::max_element(counts.begin(), counts.end());
+          const double mean = double(total) / double(counts.size());
+          load[std::to_string(layer)] = {{"tokens_per_expert", counts}, {"max_over_mean", mean > 0 ? double(mx) / mean : 0.0}};
+        }
+        m["expert_load"] = std::move(load);
+      }
       if (!std::isfinite(norm) || !std::isfinite(loss)) {
         ++j->bad_in_row;
         m["skipped"] = true;
@@ -555,6 +580,10 @@ TrainSummary run_training(const TrainConfig& c) {
                                                                {"train/tokens_per_s", double(j->tokens) / dt}};
         if (m.contains("eval_loss")) scalars.push_back({"eval/loss", m["eval_loss"].get<double>()});
         if (m.contains("mfu")) scalars.push_back({"train/mfu", m["mfu"].get<double>()});
+        if (m.contains("aux_loss")) scalars.push_back({"train/aux_loss", m["aux_loss"].get<double>()});
+        if (m.contains("expert_load"))
+          for (const auto& [layer, v] : m["expert_load"].items())
+            scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
         j->tb->add_scalars(step, scalars);
         const double loss = m["loss"].get<double>();
         if (!m.contains("skipped")) {

@@ -1,7 +1,7 @@
 // MoE routing reference (src/model/moe_routing.h): softmax / top-k / renormalisation and the routing plan on a case
 // worked out by hand, the split by expert owner, load statistics, transformers' load-balancing loss by its formula
 // (E sum_e f_e P_e, load_balancing_loss_func), both backwards against central finite differences, and bad input.
-// The finite differences run on fp32 outputs (the router's dtype) with h = 1e-3, so they agree to about 1e-4.
+// The finite differences run in double with h = 1e-5: truncation and rounding stay below 1e-9.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,13 +15,13 @@ using namespace lathe;
 namespace {
 
 // Token 0: exp(logits) = 1, 2, 3, 1 (probs 1/7, 2/7, 3/7, 1/7); token 1: all equal (a tie, broken by index).
-const std::vector<float> kLogits = {0.0f, float(std::log(2.0)), float(std::log(3.0)), 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+const std::vector<double> kLogits = {0.0, std::log(2.0), std::log(3.0), 0.0, 0.0, 0.0, 0.0, 0.0};
 
-std::vector<float> random_logits(int64_t n, uint32_t seed) {
+std::vector<double> random_logits(int64_t n, uint32_t seed) {
   std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.5f);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = d(rng);
+  std::normal_distribution<double> d(0.0, 1.5);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) x = d(rng);
   return v;
 }
 
@@ -85,8 +85,8 @@ TEST(MoeRouting, LoadBalancingLossByItsFormula) {
   const double want = 4 * (0.5 * p0 + 1.0 * p1 + 0.5 * p2);
   EXPECT_NEAR(load_balancing_loss({&r}), want, 1e-7);
   // Two layers are one concatenation of rows: the same as one layer holding both blocks.
-  const std::vector<float> a = random_logits(5 * 6, 2), b = random_logits(3 * 6, 3);
-  std::vector<float> ab = a;
+  const std::vector<double> a = random_logits(5 * 6, 2), b = random_logits(3 * 6, 3);
+  std::vector<double> ab = a;
   ab.insert(ab.end(), b.begin(), b.end());
   const RouterChoice ra = route_tokens(a, 5, 6, 2, true), rb = route_tokens(b, 3, 6, 2, true);
   const RouterChoice rab = route_tokens(ab, 8, 6, 2, true);
@@ -95,16 +95,16 @@ TEST(MoeRouting, LoadBalancingLossByItsFormula) {
 
 TEST(MoeRouting, BackwardsMatchFiniteDifferences) {
   const int64_t t = 6, e = 5, k = 2;
-  const std::vector<float> logits = random_logits(t * e, 4), dw = random_logits(t * k, 5);
-  const double h = 1e-3;
+  const std::vector<double> logits = random_logits(t * e, 4), dw = random_logits(t * k, 5);
+  const double h = 1e-5;
   for (bool norm : {false, true}) {
     const RouterChoice r = route_tokens(logits, t, e, k, norm);
-    const std::vector<float> d = route_tokens_backward(r, dw, norm);
+    const std::vector<double> d = route_tokens_backward(r, dw, norm);
     double worst = 0;
     for (int64_t i = 0; i < t * e; ++i) {
-      std::vector<float> plus = logits, minus = logits;
-      plus[size_t(i)] += float(h);
-      minus[size_t(i)] -= float(h);
+      std::vector<double> plus = logits, minus = logits;
+      plus[size_t(i)] += h;
+      minus[size_t(i)] -= h;
       const RouterChoice rp = route_tokens(plus, t, e, k, norm), rm = route_tokens(minus, t, e, k, norm);
       ASSERT_EQ(rp.expert, r.expert) << "the step changed the top-k choice; pick other logits";
       ASSERT_EQ(rm.expert, r.expert);
@@ -114,18 +114,18 @@ TEST(MoeRouting, BackwardsMatchFiniteDifferences) {
       worst = std::max(worst, std::abs((jp - jm) / (2 * h) - double(d[size_t(i)])));
     }
     std::printf("route_tokens_backward (norm %d): worst |fd - analytic| %.2e\n", int(norm), worst);
-    EXPECT_LT(worst, 5e-4);  // fp32 outputs: the differences carry ~1e-4 of rounding; a wrong term is >= 1e-2
+    EXPECT_LT(worst, 1e-8);  // a wrong term is >= 1e-2
   }
-  const std::vector<float> a = random_logits(4 * e, 6), b = random_logits(3 * e, 7);
+  const std::vector<double> a = random_logits(4 * e, 6), b = random_logits(3 * e, 7);
   const RouterChoice ra = route_tokens(a, 4, e, k, true), rb = route_tokens(b, 3, e, k, true);
-  std::vector<std::vector<float>> grads;
+  std::vector<std::vector<double>> grads;
   load_balancing_loss({&ra, &rb}, &grads);
   ASSERT_EQ(grads.size(), 2u);
   double worst = 0;
   for (int64_t i = 0; i < 4 * e; ++i) {  // perturb the first layer's logits
-    std::vector<float> plus = a, minus = a;
-    plus[size_t(i)] += float(h);
-    minus[size_t(i)] -= float(h);
+    std::vector<double> plus = a, minus = a;
+    plus[size_t(i)] += h;
+    minus[size_t(i)] -= h;
     const RouterChoice rp = route_tokens(plus, 4, e, k, true), rm = route_tokens(minus, 4, e, k, true);
     ASSERT_EQ(rp.expert, ra.expert);
     ASSERT_EQ(rm.expert, ra.expert);
@@ -133,18 +133,18 @@ TEST(MoeRouting, BackwardsMatchFiniteDifferences) {
     worst = std::max(worst, std::abs(fd - double(grads[0][size_t(i)])));
   }
   std::printf("load_balancing_loss gradient: worst |fd - analytic| %.2e\n", worst);
-  EXPECT_LT(worst, 5e-4);
+  EXPECT_LT(worst, 1e-8);
 }
 
 TEST(MoeRouting, BadInputIsAClearError) {
   EXPECT_THROW(route_tokens(kLogits, 2, 4, 5, true), Error);                 // k > experts
   EXPECT_THROW(route_tokens(kLogits, 3, 4, 2, true), Error);                 // size mismatch
-  std::vector<float> nan = kLogits;
+  std::vector<double> nan = kLogits;
   nan[3] = std::nanf("");
   EXPECT_THROW(route_tokens(nan, 2, 4, 2, true), Error);
   const RoutingPlan plan = plan_routing(route_tokens(kLogits, 2, 4, 2, true));
   EXPECT_THROW(plan_for_owner(plan, 3, 2), Error);  // experts 3..4 of 4
   const RouterChoice r4 = route_tokens(kLogits, 2, 4, 2, true);
-  const RouterChoice r2 = route_tokens(std::vector<float>{0, 1, 1, 0}, 2, 2, 1, true);
+  const RouterChoice r2 = route_tokens(std::vector<double>{0, 1, 1, 0}, 2, 2, 1, true);
   EXPECT_THROW(load_balancing_loss({&r4, &r2}), Error);  // layers with different expert counts
 }

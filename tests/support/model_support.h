@@ -70,7 +70,13 @@ inline PackedBatch random_batch(int64_t vocab, const std::vector<int32_t>& cu, u
 
 // The gradients a backward pass of m.loss(b) left in Parameter::grad (an f64 model) against central finite
 // differences (h = 1e-5) of the loss at `trials` random entries of every parameter. Returns the entries checked.
-inline int expect_gradients_match_finite_differences(CausalLm& m, const PackedBatch& b, int trials) {
+// `aux_coef`: the trained objective is loss + aux_coef x aux_loss (an MoE model with its aux loss on).
+inline int expect_gradients_match_finite_differences(CausalLm& m, const PackedBatch& b, int trials,
+                                                     double aux_coef = 0.0) {
+  auto objective = [&] {
+    const LossResult r = m.loss(b, false);
+    return r.loss + aux_coef * r.aux_loss;
+  };
   std::mt19937 rng(11);
   int checked = 0;
   for (Parameter& p : m.parameters()) {
@@ -80,9 +86,9 @@ inline int expect_gradients_match_finite_differences(CausalLm& m, const PackedBa
       const int64_t i = int64_t(rng() % uint32_t(p.value.numel()));
       const double h = 1e-5, saved = w[i];
       w[i] = saved + h;
-      const double lp = m.loss(b, false).loss;
+      const double lp = objective();
       w[i] = saved - h;
-      const double lm = m.loss(b, false).loss;
+      const double lm = objective();
       w[i] = saved;
       const double numeric = (lp - lm) / (2 * h);
       EXPECT_NEAR(g[i], numeric, 1e-7 + 1e-5 * std::abs(numeric)) << p.name << "[" << i << "]";

@@ -40,7 +40,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Args {
   std::string shape, device = "cuda", dtype;
-  int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0;
+  int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
   bool recompute = false, profile = false;
 };
@@ -72,10 +72,19 @@ nlohmann::json shape_config(const std::string& shape) {
             {"hidden_act", "silu"},            {"tie_word_embeddings", true},  {"max_position_embeddings", 32768},
             {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e7}, {"partial_rotary_factor", 0.25}}}};
   }
+  if (key == "30b-a3b") {  // Qwen3-30B-A3B (issue 9), cut to --layers layers (bench_config sets them)
+    return {{"model_type", "qwen3_moe"},       {"vocab_size", 151936},        {"hidden_size", 2048},
+            {"intermediate_size", 6144},       {"num_hidden_layers", 48},     {"num_attention_heads", 32},
+            {"num_key_value_heads", 4},        {"head_dim", 128},             {"rms_norm_eps", 1e-6},
+            {"num_experts", 128},              {"num_experts_per_tok", 8},    {"moe_intermediate_size", 768},
+            {"norm_topk_prob", true},          {"decoder_sparse_step", 1},    {"mlp_only_layers", nlohmann::json::array()},
+            {"router_aux_loss_coef", 0.001},   {"output_router_logits", false}, {"rope_theta", 1000000.0},
+            {"tie_word_embeddings", false},    {"max_position_embeddings", 40960}};
+  }
   namespace fs = std::filesystem;
   const fs::path path = fs::is_directory(shape) ? fs::path(shape) / "config.json" : fs::path(shape);
-  LATHE_CHECK(fs::is_regular_file(path), "bench: --shape {}: not one of 0.6b, 1.7b, 4b, q35-0.8b and no config.json there",
-              shape);
+  LATHE_CHECK(fs::is_regular_file(path), "bench: --shape {}: not one of 0.6b, 1.7b, 4b, q35-0.8b, 30b-a3b and no "
+              "config.json there", shape);
   std::ifstream f(path);
   nlohmann::json j;
   try {
@@ -112,10 +121,18 @@ class BenchWeights {
                {"self_attn.k_proj.weight", {kv, c.hidden_size}},     {"self_attn.v_proj.weight", {kv, c.hidden_size}},
                {"self_attn.o_proj.weight", {c.hidden_size, q}},      {"self_attn.q_norm.weight", {c.head_dim}},
                {"self_attn.k_norm.weight", {c.head_dim}},            {"post_attention_layernorm.weight", {c.hidden_size}},
-               {"mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}},
-               {"mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}},
-               {"mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}}})
+           })
         specs.push_back({p + name, shape});
+      const int64_t e = c.num_experts, in = c.moe_intermediate_size;
+      if (c.sparse_layer(i)) {  // the fused expert layout (model/moe_layer.h)
+        specs.push_back({p + "mlp.gate.weight", {e, c.hidden_size}});
+        specs.push_back({p + "mlp.experts.gate_up_proj", {e, 2 * in, c.hidden_size}});
+        specs.push_back({p + "mlp.experts.down_proj", {e, c.hidden_size, in}});
+      } else {
+        specs.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size}});
+        specs.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size}});
+        specs.push_back({p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size}});
+      }
     }
     specs.push_back({"model.norm.weight", {c.hidden_size}});
     if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
@@ -247,7 +264,14 @@ void run(const Args& a) {
   const Device device = parse_device(a.device);
   rt.check_device(device);
   const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
-  const ModelConfig mc = parse_model_config(shape_config(a.shape), "bench --shape " + a.shape);
+  nlohmann::json config_json = shape_config(a.shape);
+  if (a.layers > 0) {  // a cut of the shape: its first --layers layers
+    config_json["num_hidden_layers"] = a.layers;
+    if (config_json.contains("layer_types"))
+      config_json["layer_types"] = std::vector<nlohmann::json>(config_json["layer_types"].begin(),
+                                                               config_json["layer_types"].begin() + a.layers);
+  }
+  const ModelConfig mc = parse_model_config(config_json, "bench --shape " + a.shape);
   const bool lora = a.lora_rank > 0;
   ModelOptions mo;
   mo.device = device;
@@ -257,7 +281,7 @@ void run(const Args& a) {
   const auto t_init = Clock::now();
   std::unique_ptr<CausalLm> loaded;
   double write_s = 0;
-  if (mc.is_qwen3_5()) {  // the family's own initialisation (one thread; seconds at 0.8B)
+  if (mc.is_hybrid()) {  // the family's own initialisation (one thread; seconds at 0.8B)
     loaded = random_causal_lm(rt, mc, mo, a.seed);
   } else {
     const BenchWeights weights(mc.raw, mc, a.seed);
@@ -322,7 +346,7 @@ void run(const Args& a) {
   const double tps = tokens / step_s;
   std::string flop_model = lora ? "4N (frozen base: forward + input gradient) + 6N_adapter + causal attention 6*L*Hq*D*S"
                                 : "6N + causal attention 6*L*Hq*D*S";
-  if (mc.is_qwen3_5())
+  if (mc.is_hybrid())
     flop_model += " over the full-attention layers + chunked GDN core per GDN layer and value head "
                   "(22 dk dv + 24 C dk + 14 C dv + 4 C^2, C = 64)";
   const std::string what = lora ? fmt::format("LoRA r{} all-linear ({} trainable)", a.lora_rank, human(adapter_params))
@@ -335,6 +359,7 @@ void run(const Args& a) {
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
   nlohmann::json j = {{"shape", a.shape},
+                      {"layers", mc.num_layers},
                       {"seq", a.seq},
                       {"micro_batch", a.micro_batch},
                       {"tokens_per_step", int64_t(tokens)},
@@ -380,9 +405,12 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("bench", "Training throughput of a random-init Qwen3 shape on a synthetic batch (tokens/s, "
                                           "MFU, peak memory; --profile: time per kernel of one step)");
   auto a = std::make_shared<Args>();
-  cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes), q35-0.8b (Qwen3.5) or a config.json (or a folder holding one)")
+  cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes), q35-0.8b (Qwen3.5), 30b-a3b (Qwen3-MoE) or a "
+                  "config.json (or a folder holding one)")
       ->required();
   cmd->add_option("--seq", a->seq, "tokens per document")->capture_default_str();
+  cmd->add_option("--layers", a->layers, "keep only the first N layers of the shape (0: all); 30b-a3b needs a cut to fit "
+                  "one GPU");
   cmd->add_option("--micro-batch", a->micro_batch, "documents per step")->capture_default_str();
   cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str();
   cmd->add_option("--warmup", a->warmup, "untimed steps first")->capture_default_str();

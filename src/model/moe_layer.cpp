@@ -1,0 +1,222 @@
+// The mixture-of-experts MLP (model/moe_layer.h, docs/moe.md): routing on the host from the router logits, experts as
+// grouped GEMMs over the rows sorted by expert, a gather-and-sum combine, the shared expert, the aux loss; and the
+// checkpoint reading both families share (fused or per-expert expert tensors). Shapes: T tokens, D hidden, E experts,
+// k experts per token, P = T k routed rows, I the expert FFN size.
+// Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
+// in (at least) fp32 — here in double on the host — and the combine weights rounded to the model dtype.
+#include <string_view>
+
+#include "model/causal_lm.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+bool ends_with(std::string_view s, std::string_view tail) {
+  return s.size() >= tail.size() && s.substr(s.size() - tail.size()) == tail;
+}
+
+// The fused expert tensors and, for the per-expert layout, the parts each one stacks (along dim 1, in order).
+bool is_fused_experts(std::string_view name) {
+  return ends_with(name, ".mlp.experts.gate_up_proj") || ends_with(name, ".mlp.experts.down_proj");
+}
+
+std::vector<std::string> expert_parts(std::string_view fused_name) {
+  if (ends_with(fused_name, "gate_up_proj")) return {"gate_proj", "up_proj"};
+  return {"down_proj"};
+}
+
+// "model.layers.3.mlp.experts.gate_up_proj", expert 5, part "up_proj" -> "model.layers.3.mlp.experts.5.up_proj.weight"
+std::string per_expert_name(std::string_view fused_name, int64_t expert, const std::string& part) {
+  const std::string_view base = fused_name.substr(0, fused_name.rfind('.') + 1);
+  return fmt::format("{}{}.{}.weight", base, expert, part);
+}
+
+Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
+  return rt.from_host(v.data(), {int64_t(v.size())}, DType::I32, d);
+}
+
+}  // namespace
+
+const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Tensor& x) {
+  MoeRoute& r = moe_routes_.at(size_t(layer));
+  if (r.valid) return r;
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = x.size(0), e = c.num_experts, k = c.num_experts_per_tok;
+  // The logits in the model dtype (transformers' F.linear), read exactly (f64) on the host.
+  const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), DType::F64), Device::cpu());
+  r.choice = route_tokens({logits.data<double>(), size_t(t * e)}, t, e, k, c.norm_topk_prob);
+  r.plan = plan_routing(r.choice);
+  std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end()), pair(size_t(t * k));
+  for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
+  r.token_ids = upload_i32(*rt_, r.plan.token, options_.device);
+  r.position_ids = upload_i32(*rt_, position, options_.device);
+  r.pair_ids = upload_i32(*rt_, pair, options_.device);
+  r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
+  r.d_aux.clear();
+  r.valid = true;
+  return r;
+}
+
+MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
+  LATHE_CHECK(t > 0, "model: a mixture-of-experts layer needs at least one token");
+  const MoeRoute& r = moe_route(layer, p, x);
+  const GroupedMatmulAttrs g{r.plan.offsets, true};
+  MoeActs a;
+  a.x = x;
+  a.xs = embedding(cx, x, r.token_ids);
+  const Tensor& gu = w(p.gate_up);
+  a.gate = grouped_matmul(cx, a.xs, gu.narrow(1, 0, in), g);
+  a.up = grouped_matmul(cx, a.xs, gu.narrow(1, in, in), g);
+  a.act = swiglu(cx, a.gate, a.up);
+  const Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
+  a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
+  a.out = sum(cx, mul(cx, a.picked, r.weights.view({t, k, 1})), {1});
+  if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x)
+    a.sh_gate = linear(cx, x, w(p.shared_gate));
+    a.sh_up = linear(cx, x, w(p.shared_up));
+    a.sh_act = swiglu(cx, a.sh_gate, a.sh_up);
+    a.sh_y = linear(cx, a.sh_act, w(p.shared_down));
+    a.sh_sig = sigmoid(cx, linear(cx, x, w(p.shared_gate_w)));
+    a.out = add(cx, a.out, mul(cx, a.sh_y, a.sh_sig));
+  }
+  return a;
+}
+
+Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const MoeRoute& r = moe_routes_.at(size_t(layer));
+  LATHE_ASSERT(r.valid);
+  const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
+  const bool train = options_.train_base;
+  // Combine: out = sum_j weights[t, j] picked[t, j].
+  const Tensor d3 = dout.view({t, 1, d});
+  const Tensor dpicked = mul(cx, d3, r.weights.view({t, k, 1}));           // (T, k, D)
+  const Tensor dweights = sum(cx, mul(cx, a.picked, d3), {2});             // (T, k)
+  const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
+  // Experts: yd = grouped(act, down), act = swiglu(grouped(xs, gate), grouped(xs, up)).
+  const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
+  const Tensor& gu = w(p.gate_up);
+  const Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
+  if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
+  const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
+  if (train) {
+    const Tensor dw = Tensor::empty(gu.shape(), gu.dtype(), cx.allocator);
+    grouped_matmul_weight_grad_into(cx, dgu[0], a.xs, dw.narrow(1, 0, in), g);
+    grouped_matmul_weight_grad_into(cx, dgu[1], a.xs, dw.narrow(1, in, in), g);
+    add_grad(p.gate_up, dw);
+  }
+  const Tensor dxs = add(cx, grouped_matmul(cx, dgu[0], gu.narrow(1, 0, in), gt),
+                         grouped_matmul(cx, dgu[1], gu.narrow(1, in, in), gt));
+  Tensor dx = sum(cx, embedding(cx, dxs, r.position_ids).view({t, k, d}), {1});  // each token's k rows, fixed order
+  // Router: d(logits) on the host through the renormalisation and the softmax, plus the aux-loss term.
+  const Tensor dw_host = rt_->copy_to(cast(cx, dweights, DType::F64), Device::cpu());
+  std::vector<double> dlogits =
+      route_tokens_backward(r.choice, {dw_host.data<double>(), size_t(t * k)}, c.norm_topk_prob);
+  for (size_t i = 0; i < r.d_aux.size(); ++i) dlogits[i] += r.d_aux[i];
+  const Tensor dl =
+      cast(cx, rt_->from_host(dlogits.data(), {t, c.num_experts}, DType::F64, options_.device), options_.dtype);
+  matmul_into(cx, dl, w(p.router), dx, {false, false, 1.0f, 1.0f});
+  add_linear_grad(p.router, dl, a.x);
+  if (p.shared_gate >= 0) {  // out += sh_y * sigmoid(x Wg^T)
+    const Tensor dsh_y = mul(cx, dout, a.sh_sig);
+    const Tensor dgate_logit = sigmoid_backward(cx, a.sh_sig, sum(cx, mul(cx, dout, a.sh_y), {1}, true));  // (T, 1)
+    matmul_into(cx, dgate_logit, w(p.shared_gate_w), dx, {false, false, 1.0f, 1.0f});
+    add_linear_grad(p.shared_gate_w, dgate_logit, a.x);
+    const Tensor dsh_act = matmul(cx, dsh_y, w(p.shared_down));
+    add_linear_grad(p.shared_down, dsh_y, a.sh_act);
+    const std::vector<Tensor> ds = swiglu_backward(cx, a.sh_gate, a.sh_up, dsh_act);
+    matmul_into(cx, ds[0], w(p.shared_gate), dx, {false, false, 1.0f, 1.0f});
+    matmul_into(cx, ds[1], w(p.shared_up), dx, {false, false, 1.0f, 1.0f});
+    add_linear_grad(p.shared_gate, ds[0], a.x);
+    add_linear_grad(p.shared_up, ds[1], a.x);
+  }
+  return dx;
+}
+
+void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {
+  std::vector<const RouterChoice*> choices;
+  std::vector<MoeRoute*> routes;
+  for (size_t l = 0; l < moe_routes_.size(); ++l) {
+    MoeRoute& r = moe_routes_[l];
+    if (!r.valid) continue;
+    choices.push_back(&r.choice);
+    routes.push_back(&r);
+    const ExpertLoad load = expert_load(r.plan);
+    res.expert_load.push_back({int64_t(l), load.tokens_per_expert, load.max_over_mean});
+  }
+  if (choices.empty()) return;
+  const bool grad = backward && aux_loss_on();
+  std::vector<std::vector<double>> d;
+  res.aux_loss = load_balancing_loss(choices, grad ? &d : nullptr);
+  if (!grad) return;
+  const double s = config_.router_aux_loss_coef * loss_scale;
+  for (size_t i = 0; i < routes.size(); ++i) {
+    routes[i]->d_aux = std::move(d[i]);
+    for (double& v : routes[i]->d_aux) v *= s;
+  }
+}
+
+std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) {
+  std::set<std::string> used;
+  ExecContext cx = ctx();
+  int64_t fused = 0, split = 0;
+  for (Parameter& p : params_) {
+    std::vector<double> host(size_t(p.value.numel()));
+    const io::SafetensorsTensor* t = st.find(p.name);
+    if (t != nullptr || !is_fused_experts(p.name)) {
+      LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", st.dir(), p.name);
+      LATHE_CHECK(t->shape == p.value.shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
+                  st.dir(), p.name, shape_str(t->shape), shape_str(p.value.shape()));
+      st.read_into(p.name, DType::F64, host.data(), host.size() * sizeof(double));
+      used.insert(p.name);
+      fused += is_fused_experts(p.name);
+    } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)
+      const std::vector<std::string> parts = expert_parts(p.name);
+      const int64_t rows = p.value.size(1), cols = p.value.size(2), part_rows = rows / int64_t(parts.size());
+      for (int64_t e = 0; e < p.value.size(0); ++e)
+        for (size_t i = 0; i < parts.size(); ++i) {
+          const std::string name = per_expert_name(p.name, e, parts[i]);
+          const io::SafetensorsTensor* pt = st.find(name);
+          LATHE_CHECK(pt != nullptr, "model: {}: the checkpoint has neither '{}' (fused experts) nor '{}' (per-expert "
+                      "layout)", st.dir(), p.name, name);
+          LATHE_CHECK(pt->shape == Shape({part_rows, cols}), "model: {}: tensor '{}' has shape {} but the config "
+                      "implies {}", st.dir(), name, shape_str(pt->shape), shape_str(Shape({part_rows, cols})));
+          const int64_t at = (e * rows + int64_t(i) * part_rows) * cols;
+          st.read_into(name, DType::F64, host.data() + at, size_t(part_rows * cols) * sizeof(double));
+          used.insert(name);
+        }
+      ++split;
+    }
+    p.value = cast(cx, rt_->from_host(host.data(), p.value.shape(), DType::F64, options_.device), options_.dtype);
+  }
+  LATHE_CHECK(fused == 0 || split == 0, "model: {}: the checkpoint mixes fused ({} tensors) and per-expert ({}) expert "
+              "layouts", st.dir(), fused, split);
+  per_expert_layout_ = split > 0;
+  return used;
+}
+
+std::vector<io::TensorRef> CausalLm::checkpoint_refs(const Parameter& p, DType dtype, const Tensor& host) const {
+  if (!per_expert_layout_ || !is_fused_experts(p.name))
+    return {{p.name, dtype, p.value.shape(), host.data_ptr(), host.nbytes()}};
+  std::vector<io::TensorRef> refs;
+  const std::vector<std::string> parts = expert_parts(p.name);
+  const int64_t rows = p.value.size(1), cols = p.value.size(2), part_rows = rows / int64_t(parts.size());
+  const size_t elem = dtype_size(dtype);
+  const auto* base = static_cast<const uint8_t*>(host.data_ptr());
+  for (int64_t e = 0; e < p.value.size(0); ++e)
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t at = (e * rows + int64_t(i) * part_rows) * cols;
+      refs.push_back({per_expert_name(p.name, e, parts[i]), dtype, {part_rows, cols}, base + size_t(at) * elem,
+                      size_t(part_rows * cols) * elem});
+    }
+  return refs;
+}
+
+}  // namespace lathe

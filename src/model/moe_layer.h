@@ -1,0 +1,57 @@
+// The mixture-of-experts MLP of a sparse layer, shared by the families that have one (qwen3_moe in Qwen3Model,
+// qwen3_5_moe_text and qwen3_next in Qwen35Model); CausalLm::moe_forward / moe_backward compute it
+// (model/moe_layer.cpp, docs/moe.md):
+//   logits = x Wr^T (T, E) -> host routing (model/moe_routing.h: softmax, top-k, norm_topk_prob, the plan sorted by
+//   expert) -> xs = x[plan.token] (P = T k rows, sorted by expert) -> gate / up = grouped GEMMs with the two halves
+//   of gate_up_proj (E, 2I, D) -> swiglu -> yd = grouped GEMM with down_proj (E, D, I) -> each token's k rows read
+//   back through plan.position, weighted and summed (a gather: no scatter-add, deterministic)
+//   [+ sigmoid(x Wg^T) * shared_expert(x) when the family has a shared expert].
+// The routing of a layer is computed once per forward (begin_forward invalidates it) and reused by the recomputing
+// backward, so both passes see the same choices.
+#pragma once
+
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/moe_routing.h"
+
+namespace lathe {
+
+// Parameter indices of one sparse layer (-1: absent).
+struct MoeParams {
+  int router = -1;                                       // mlp.gate.weight (E, D)
+  int gate_up = -1, down = -1;                           // mlp.experts.gate_up_proj (E, 2I, D), down_proj (E, D, I)
+  int shared_gate = -1, shared_up = -1, shared_down = -1;  // mlp.shared_expert.{gate,up,down}_proj.weight
+  int shared_gate_w = -1;                                // mlp.shared_expert_gate.weight (1, D)
+};
+
+// One layer's routing for the current batch: the host choices and plan, and their device index tensors.
+struct MoeRoute {
+  bool valid = false;
+  RouterChoice choice;
+  RoutingPlan plan;
+  Tensor token_ids;     // (P) i32: the token of each sorted row (gathers xs from x)
+  Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
+  Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather, for the backward)
+  Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
+  std::vector<double> d_aux;  // (T, E) d(coef x loss_scale x aux loss)/d(logits) of this layer, when the aux loss is on
+};
+
+// What the backward of one sparse layer reads.
+struct MoeActs {
+  Tensor x;                 // (T, D) the MLP input (post-attention norm)
+  Tensor xs;                // (P, D) x gathered in expert order
+  Tensor gate, up, act;     // (P, I)
+  Tensor picked;            // (T, k, D) each token's k expert outputs
+  Tensor sh_gate, sh_up, sh_act, sh_y, sh_sig;  // shared expert: (T, Is) x3, (T, D), sigmoid gate (T, 1)
+  Tensor out;               // (T, D)
+};
+
+// Load statistics of one sparse layer for one batch (metrics): tokens routed to each expert, max / mean.
+struct ExpertLoadStat {
+  int64_t layer = 0;
+  std::vector<int64_t> tokens_per_expert;
+  double max_over_mean = 0.0;
+};
+
+}  // namespace lathe
