@@ -46,7 +46,7 @@ std::vector<uint8_t> bytes_of(const Tensor& t) {
 
 std::vector<double> random_values(int64_t n, std::mt19937& rng) {
   std::uniform_real_distribution<double> d(-1.0, 1.0);
-  std::vector<double> v(size_t(n));
+  std::vector<double> v(static_cast<size_t>(n));
   for (double& x : v) x = d(rng);
   return v;
 }
