@@ -104,6 +104,9 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::gdn_decay:
     case OpId::gated_delta_rule:
       return gated_delta_op_backward(ctx, op, in, attrs, outputs, dy);  // ops/gated_delta.cpp
+    case OpId::grouped_matmul:
+    case OpId::grouped_matmul_weight_grad:  // bilinear: both have compositions
+      return grouped_matmul_op_backward(ctx, op, in, attrs, dy);  // ops/grouped_matmul.cpp
     case OpId::sigmoid_backward:
     case OpId::causal_conv1d_backward:
     case OpId::gdn_decay_backward:

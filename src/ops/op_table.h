@@ -50,7 +50,9 @@ namespace lathe {
   X(gdn_decay_backward, 4) \
   X(gated_delta_rule, 6) \
   X(gated_delta_rule_backward, 8) \
-  X(gated_delta_rule_state, 7)
+  X(gated_delta_rule_state, 7) \
+  X(grouped_matmul, 2)   \
+  X(grouped_matmul_weight_grad, 2)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -205,8 +207,28 @@ struct GatedDeltaAttrs {
   bool save_states = false;  // gated_delta_rule: also return the chunk-start states (for the backward)
 };
 
+// Grouped GEMM over row groups (the experts of a mixture-of-experts layer, rows sorted by expert): group e owns rows
+// [offsets[e], offsets[e+1]) of x; offsets has E + 1 entries, offsets[0] = 0, non-decreasing, offsets[E] = P.
+// grouped_matmul(x (P, K), w) -> y (P, N):  y[rows of e] = x[rows of e] w[e]^T for w (E, N, K) when trans_w (the
+//   default: Hugging Face's (out, in) weights), or x[rows of e] w[e] for w (E, K, N) when !trans_w (the backward's
+//   dx = dy w[e]). An empty group contributes nothing; P may be 0.
+// grouped_matmul_weight_grad(dy (P, N), x (P, K)) -> dw (E, N, K): dw[e] = dy[rows of e]^T x[rows of e], zero for an
+//   empty group. E comes from offsets.
+// w (and a weight-grad output written with the _into form) may be a view whose expert blocks are any stride >= N K
+// apart in dim 0 as long as each expert's (N, K) block is contiguous (row stride K, element stride 1; for !trans_w the
+// (K, N) block, row stride N): the gate and up halves of a fused gate_up_proj (E, 2I, H), narrowed on dim 1.
+// Accumulation in fp32 (f64 for f64). Deterministic.
+// Backward (ops/grouped_matmul.cpp): for y = grouped_matmul(x, w), dx = grouped_matmul(dy, w, !trans_w) and dw =
+// grouped_matmul_weight_grad(dy, x) (trans_w) or (x, dy) (!trans_w: w[e] is (K, N), its gradient x_e^T dy_e). The
+// weight grad is bilinear too: for dw = weight_grad(a, b), da = grouped_matmul(b, ddw) and db = grouped_matmul(a, ddw,
+// trans_w = false).
+struct GroupedMatmulAttrs {
+  std::vector<int64_t> offsets;
+  bool trans_w = true;
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
                              NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs,
-                             GatedDeltaAttrs>;
+                             GatedDeltaAttrs, GroupedMatmulAttrs>;
 
 }  // namespace lathe

@@ -35,6 +35,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::gated_delta_rule:
     case OpId::gated_delta_rule_backward:
     case OpId::gated_delta_rule_state: return expect(GatedDeltaAttrs{});
+    case OpId::grouped_matmul:
+    case OpId::grouped_matmul_weight_grad: return expect(GroupedMatmulAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;

@@ -106,6 +106,28 @@ std::vector<Tensor> gated_delta_op_backward(ExecContext& ctx, OpId op, const std
                                             const OpAttrs& attrs, const std::vector<Tensor>& outputs,
                                             const Tensor& grad_output);
 
+// Grouped GEMM over the row groups of a mixture-of-experts layer (formulas at GroupedMatmulAttrs in ops/op_table.h;
+// shapes, backward and layout rules in ops/grouped_matmul.cpp). x and dy are made contiguous; a w whose expert blocks
+// are not contiguous (expert_blocks_contiguous) is copied first.
+Tensor grouped_matmul(ExecContext& ctx, const Tensor& x, const Tensor& w, const GroupedMatmulAttrs& attrs);
+// dw (E, N, K) with dw[e] = dy[rows of e]^T x[rows of e] (zero for an empty group); attrs.trans_w is not read.
+Tensor grouped_matmul_weight_grad(ExecContext& ctx, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs& attrs);
+// The same written into `out`, (E, N, K) of dy's dtype on the context's device, contiguous or a view with contiguous
+// expert blocks (the gate or up half of a fused (E, 2I, H) gradient, narrowed on dim 1).
+void grouped_matmul_weight_grad_into(ExecContext& ctx, const Tensor& dy, const Tensor& x, const Tensor& out,
+                                     const GroupedMatmulAttrs& attrs);
+// True for a 3-D tensor whose blocks t[e] are each contiguous (row stride = the last dim, element stride 1; size-1
+// dims excepted) and at least a block apart in dim 0, so that no two overlap: the weight layout every grouped_matmul
+// kernel takes. A contiguous tensor qualifies, and so does a narrow on dim 1 of a contiguous (E, 2I, H) one.
+bool expert_blocks_contiguous(const Tensor& t);
+// The layout predicate of every grouped_matmul(_weight_grad) kernel: x and dy contiguous, w and dw with contiguous
+// expert blocks, y contiguous.
+Support grouped_matmul_layout(const OpCall& call);
+// Shape inference of the two ops (called by infer_outputs) and their backward compositions (called by op_backward).
+std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
+std::vector<Tensor> grouped_matmul_op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
+                                               const OpAttrs& attrs, const Tensor& grad_output);
+
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);
 

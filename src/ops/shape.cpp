@@ -291,6 +291,9 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
     case OpId::gated_delta_rule_backward:
     case OpId::gated_delta_rule_state:
       return infer_gated_delta_outputs(op, in, attrs);  // ops/gated_delta.cpp
+    case OpId::grouped_matmul:
+    case OpId::grouped_matmul_weight_grad:
+      return infer_grouped_matmul_outputs(op, in, attrs);  // ops/grouped_matmul.cpp
     case OpId::kCount: break;
   }
   LATHE_FAIL("ops: invalid op id {}", int(op));

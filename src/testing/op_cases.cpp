@@ -271,6 +271,7 @@ std::vector<OpCase> all_op_cases() {
   add_segment_op_cases(c);
   add_gated_delta_op_cases(c);
   add_gdn_state_op_cases(c);
+  add_moe_op_cases(c);
   // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};
   c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},

@@ -38,6 +38,7 @@ std::vector<OpCase> all_op_cases();
 DType op_case_input_dtype(const OpCase& c, size_t i, DType row);
 void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
 void add_gdn_state_op_cases(std::vector<OpCase>& cases);    // testing/op_cases_gdn_state.cpp
+void add_moe_op_cases(std::vector<OpCase>& cases);          // testing/op_cases_moe.cpp
 
 struct OpCheckOptions {
   std::string op;                   // exact op name, empty = all

@@ -67,6 +67,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_optim_kernels(registry);
   register_cpu_segment_kernels(registry);
   register_cpu_gated_delta_kernels(registry);
+  register_cpu_grouped_matmul_kernels(registry);
 }
 
 }  // namespace lathe

@@ -1,5 +1,8 @@
 #include "backend/cuda/cuda_backend.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "backend/cuda/check.h"
 #ifdef LATHE_WITH_CUDNN
 #include "backend/cuda/cudnn_attention.h"
@@ -61,6 +64,12 @@ CudaStream::CudaStream(int device, bool) : device_(device), gemm_cache_(std::mak
 
 CudaStream::~CudaStream() {
   gemm_cache_.reset();
+  if (stream_) cudaStreamSynchronize(stream_);  // pending staged copies read their pinned buffers
+  for (Staging& s : staging_) {
+    if (s.copied) cudaEventDestroy(s.copied);
+    if (s.host) cudaFreeHost(s.host);
+  }
+  if (blas_) cublasDestroy(blas_);
   if (lt_) cublasLtDestroy(lt_);
   if (workspace_) cudaFree(workspace_);
   if (stream_) cudaStreamDestroy(stream_);
@@ -74,6 +83,45 @@ cublasLtHandle_t CudaStream::cublaslt() {
     LATHE_CUBLAS_CHECK(cublasLtCreate(&lt_));
   }
   return lt_;
+}
+
+cublasHandle_t CudaStream::cublas() {
+  if (!blas_) {
+    DeviceGuard g(device_);
+    LATHE_CUBLAS_CHECK(cublasCreate(&blas_));
+    LATHE_CUBLAS_CHECK(cublasSetStream(blas_, stream_));
+    LATHE_CUBLAS_CHECK(cublasSetPointerMode(blas_, CUBLAS_POINTER_MODE_HOST));
+    LATHE_CUBLAS_CHECK(cublasSetMathMode(blas_, CUBLAS_DEFAULT_MATH));  // f32 stays f32: no TF32
+    LATHE_CUBLAS_CHECK(cublasSetWorkspace(blas_, gemm_workspace(), kGemmWorkspaceBytes));
+  }
+  return blas_;
+}
+
+void CudaStream::upload_async(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  DeviceGuard g(device_);
+  Staging* slot = nullptr;
+  for (Staging& s : staging_) {
+    if (s.bytes < bytes) continue;
+    const cudaError_t done = cudaEventQuery(s.copied);  // an event never recorded counts as complete
+    if (done == cudaSuccess) {
+      slot = &s;
+      break;
+    }
+    if (done != cudaErrorNotReady) LATHE_CUDA_CHECK(done);
+    cudaGetLastError();  // not-ready is no error: keep it from surfacing at the next launch check
+  }
+  if (!slot) {
+    Staging s;
+    s.bytes = std::max<size_t>(bytes, size_t(16) << 10);
+    LATHE_CUDA_CHECK(cudaMallocHost(&s.host, s.bytes));
+    LATHE_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+    staging_.push_back(s);
+    slot = &staging_.back();
+  }
+  std::memcpy(slot->host, src, bytes);
+  LATHE_CUDA_CHECK(cudaMemcpyAsync(dst, slot->host, bytes, cudaMemcpyHostToDevice, stream_));
+  LATHE_CUDA_CHECK(cudaEventRecord(slot->copied, stream_));
 }
 
 void* CudaStream::gemm_workspace() {
@@ -183,6 +231,7 @@ void CudaBackend::register_kernels(KernelRegistry& registry) {
   register_cuda_segment_kernels(registry);
   register_cuda_gated_delta_kernels(registry);
   register_cuda_gdn_state_kernels(registry);
+  register_cuda_grouped_gemm_kernels(registry);
 }
 
 }  // namespace cuda

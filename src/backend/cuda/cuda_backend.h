@@ -1,9 +1,10 @@
-// The CUDA backend: devices, streams (each with its cuBLASLt handle, workspace and GEMM plan cache),
-// events, copies, and the registration of every CUDA kernel family.
+// The CUDA backend: devices, streams (each with its cuBLASLt and cuBLAS handles, GEMM workspace and plan cache, and
+// pinned staging for small host tables), events, copies, and the registration of every CUDA kernel family.
 // Covered by tests/unit/test_cuda_runtime.cpp and tests/ops (skipped with a reason where no GPU exists).
 #pragma once
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -31,9 +32,17 @@ class CudaStream final : public Stream {
   int index() const { return device_; }
 
   cublasLtHandle_t cublaslt();
+  // A cuBLAS handle bound to this stream (host pointer mode, default math: no TF32), sharing the GEMM workspace with
+  // cuBLASLt (both run in this stream's order). Created on first use.
+  cublasHandle_t cublas();
   void* gemm_workspace();  // allocated on first use
   size_t gemm_workspace_bytes() const { return kGemmWorkspaceBytes; }
   GemmPlanCache& gemm_cache();
+  // Enqueues a copy of `bytes` host bytes to device memory `dst` on this stream, through pinned staging: the bytes
+  // are copied into a pinned buffer at once (so `src` may die on return) and that buffer is reused only after an
+  // event behind its copy has completed. The copy is asynchronous, unlike one from pageable memory. For small host
+  // tables a kernel or library call reads from device memory (the pointer arrays of grouped GEMMs).
+  void upload_async(void* dst, const void* src, size_t bytes);
 
   static constexpr size_t kGemmWorkspaceBytes = 32u << 20;
 
@@ -41,8 +50,15 @@ class CudaStream final : public Stream {
   int device_;
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
   void* workspace_ = nullptr;
   std::unique_ptr<GemmPlanCache> gemm_cache_;
+  struct Staging {  // a pinned buffer and the event behind its last copy
+    void* host = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr;
+  };
+  std::vector<Staging> staging_;
 };
 
 CudaStream& as_cuda(Stream& stream);  // checked downcast
@@ -85,6 +101,7 @@ void register_cuda_optim_kernels(KernelRegistry& registry);  // optim_ops.cpp
 void register_cuda_segment_kernels(KernelRegistry& registry);  // segment_ops_register.cpp
 void register_cuda_gated_delta_kernels(KernelRegistry& registry);  // gated_delta_ops.cpp
 void register_cuda_gdn_state_kernels(KernelRegistry& registry);  // gdn_state_register.cpp
+void register_cuda_grouped_gemm_kernels(KernelRegistry& registry);  // grouped_gemm.cpp
 
 }  // namespace cuda
 }  // namespace lathe

@@ -1,0 +1,171 @@
+// Grouped GEMM benchmark: lathe's grouped_matmul ops at a Qwen3-MoE layer's shapes on one GPU (whatever the registry
+// resolves, printed), against the baseline of one dense matmul of the same FLOPs, (P, K) x (K, N), and against a loop
+// of one matmul per expert, all timed with CUDA events in the same run (3 warm-up rounds, median of the iterations).
+// Usage: grouped_gemm_bench [dtype] [iters] [tokens top_k experts hidden intermediate]
+// Defaults: bf16, 20 iterations, 4096 tokens x top-8 = P = 32768 rows over E = 128 experts, hidden H = 2048,
+// expert intermediate I = 768 (Qwen3-30B-A3B). Two projections: gate/up-like (K = H, N = I) and down (K = I, N = H).
+// Two spreads of the rows: even (P / E each) and uneven (seeded log-normal sizes, every 8th expert empty).
+// Three GEMMs per row, each 2 P N K FLOPs (active experts only: the dense baseline does the same work):
+//   fwd  y = grouped_matmul(x, w)                      (w (E, N, K), trans_w; dense: x W^T)
+//   dx   dx = grouped_matmul(dy, w, trans_w = false)   (dense: dy W)
+//   dw   dw = grouped_matmul_weight_grad(dy, x)        (dense: dy^T x)
+// Prints the device's description, then one JSON line per (projection, spread, GEMM) with the TFLOP/s of each and the
+// ratios grouped / dense and grouped / loop of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
+// adds the card, driver, CUDA version and commit.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "backend/runtime.h"
+#include "ops/ops.h"
+
+using namespace lathe;
+
+namespace {
+
+template <typename F> double median_ms(ExecContext& ctx, int iters, F f) {
+  for (int i = 0; i < 3; ++i) f();
+  auto start = ctx.backend.create_event(0), stop = ctx.backend.create_event(0);
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    start->record(ctx.stream);
+    f();
+    stop->record(ctx.stream);
+    stop->synchronize();
+    ms.push_back(stop->elapsed_ms_since(*start));
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// Group sizes summing to `rows` over `experts`: even, or log-normal with every 8th expert empty (seeded).
+std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, bool even) {
+  std::vector<int64_t> sizes(size_t(experts), 0);
+  if (even) {
+    for (int64_t e = 0; e < experts; ++e) sizes[size_t(e)] = rows / experts + (e < rows % experts ? 1 : 0);
+    return sizes;
+  }
+  std::mt19937 rng(17);
+  std::lognormal_distribution<double> dist(0.0, 0.8);
+  std::vector<double> weight(size_t(experts), 0.0);
+  double total = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    weight[size_t(e)] = e % 8 == 5 ? 0.0 : dist(rng);
+    total += weight[size_t(e)];
+  }
+  int64_t given = 0, largest = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    sizes[size_t(e)] = int64_t(std::floor(double(rows) * weight[size_t(e)] / total));
+    given += sizes[size_t(e)];
+    if (sizes[size_t(e)] > sizes[size_t(largest)]) largest = e;
+  }
+  sizes[size_t(largest)] += rows - given;  // the rounding remainder
+  return sizes;
+}
+
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> o = {0};
+  for (int64_t s : sizes) o.push_back(o.back() + s);
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const DType dtype = argc > 1 ? dtype_from_name(argv[1]) : DType::BF16;
+    const int iters = argc > 2 ? std::stoi(argv[2]) : 20;
+    const bool shape_given = argc > 7;
+    const int64_t tokens = shape_given ? std::stoll(argv[3]) : 4096;
+    const int64_t top_k = shape_given ? std::stoll(argv[4]) : 8;
+    const int64_t experts = shape_given ? std::stoll(argv[5]) : 128;
+    const int64_t hidden = shape_given ? std::stoll(argv[6]) : 2048;
+    const int64_t inter = shape_given ? std::stoll(argv[7]) : 768;
+    LATHE_CHECK(tokens >= 1 && top_k >= 1 && experts >= 1 && hidden >= 1 && inter >= 1 && iters >= 1,
+                "grouped_gemm_bench: bad configuration");
+    const int64_t p = tokens * top_k;
+
+    Runtime rt;
+    const Device dev = Device::cuda(0);
+    ExecContext ctx = rt.context(dev);
+    const DeviceInfo info = ctx.backend.info(0);
+    fmt::print("device: {} ({})\n", info.name, info.details);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    auto random = [&](Shape shape) {
+      std::vector<float> v(size_t(shape_numel(shape)));
+      for (float& x : v) x = dist(rng);
+      return cast(ctx, rt.from_host(v.data(), shape, DType::F32, dev), dtype);
+    };
+
+    for (const bool down : {false, true}) {
+      const int64_t k = down ? inter : hidden, n = down ? hidden : inter;
+      const Tensor x = random({p, k}), dy = random({p, n}), w = random({experts, n, k});
+      const Tensor w_dense = random({n, k});  // the dense baseline's weight: (N, K), as one expert's
+      Tensor y = Tensor::empty({p, n}, dtype, ctx.allocator), dx = Tensor::empty({p, k}, dtype, ctx.allocator);
+      Tensor dw = Tensor::empty({experts, n, k}, dtype, ctx.allocator), dw_dense = Tensor::empty({n, k}, dtype, ctx.allocator);
+      for (const bool even : {true, false}) {
+        const std::vector<int64_t> sizes = group_sizes(p, experts, even);
+        const GroupedMatmulAttrs attrs{offsets_of(sizes), true};
+        const GroupedMatmulAttrs back{attrs.offsets, false};
+        const int64_t empty = std::count(sizes.begin(), sizes.end(), int64_t(0));
+        const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+
+        std::vector<std::string> kernels;
+        const ResolutionObserver observer = [&](const OpCall&, const Resolution& r) {
+          if (std::find(kernels.begin(), kernels.end(), r.name) == kernels.end()) kernels.push_back(r.name);
+        };
+        // One matmul per non-empty expert on row slices (cuBLASLt each): what a grouped call saves.
+        auto loop = [&](int which) {
+          for (int64_t e = 0; e < experts; ++e) {
+            const int64_t r0 = attrs.offsets[size_t(e)], rows = sizes[size_t(e)];
+            if (rows == 0) continue;
+            const Tensor we = w.narrow(0, e, 1).view({n, k});
+            if (which == 0) {
+              Tensor ye = y.narrow(0, r0, rows);
+              matmul_into(ctx, x.narrow(0, r0, rows), we, ye, {false, true});
+            } else if (which == 1) {
+              Tensor dxe = dx.narrow(0, r0, rows);
+              matmul_into(ctx, dy.narrow(0, r0, rows), we, dxe, {});
+            } else {
+              Tensor dwe = dw.narrow(0, e, 1).view({n, k});
+              matmul_into(ctx, dy.narrow(0, r0, rows), x.narrow(0, r0, rows), dwe, {true, false});
+            }
+          }
+        };
+        const char* names[] = {"fwd", "dx", "dw"};
+        for (int which = 0; which < 3; ++which) {
+          ctx.observer = &observer;
+          const double grouped_ms = median_ms(ctx, iters, [&] {
+            if (which == 0) y = grouped_matmul(ctx, x, w, attrs);
+            if (which == 1) dx = grouped_matmul(ctx, dy, w, back);
+            if (which == 2) grouped_matmul_weight_grad_into(ctx, dy, x, dw, attrs);
+          });
+          ctx.observer = nullptr;
+          const double dense_ms = median_ms(ctx, iters, [&] {
+            if (which == 0) matmul_into(ctx, x, w_dense, y, {false, true});
+            if (which == 1) matmul_into(ctx, dy, w_dense, dx, {});
+            if (which == 2) matmul_into(ctx, dy, x, dw_dense, {true, false});
+          });
+          const double loop_ms = median_ms(ctx, iters, [&] { loop(which); });
+          const double flop = 2.0 * double(p) * double(n) * double(k);
+          auto tflops = [&](double ms) { return flop / (ms * 1e-3) / 1e12; };
+          fmt::print("{{\"impl\": \"lathe\", \"proj\": \"{}\", \"spread\": \"{}\", \"gemm\": \"{}\", \"p\": {}, \"e\": {}, "
+                     "\"k\": {}, \"n\": {}, \"dtype\": \"{}\", \"empty_experts\": {}, \"largest_group\": {}, "
+                     "\"grouped_ms\": {:.4f}, \"grouped_tflops\": {:.1f}, \"dense_ms\": {:.4f}, \"dense_tflops\": {:.1f}, "
+                     "\"loop_ms\": {:.4f}, \"loop_tflops\": {:.1f}, \"tflops_ratio_vs_dense\": {:.3f}, "
+                     "\"tflops_ratio_vs_loop\": {:.3f}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
+                     down ? "down" : "gate_up", even ? "even" : "uneven", names[which], p, experts, k, n,
+                     dtype_name(dtype), empty, most, grouped_ms, tflops(grouped_ms), dense_ms, tflops(dense_ms), loop_ms,
+                     tflops(loop_ms), dense_ms / grouped_ms, loop_ms / grouped_ms, fmt::join(kernels, ", "), info.name);
+        }
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "grouped_gemm_bench: error: {}\n", e.what());
+    return 1;
+  }
+}

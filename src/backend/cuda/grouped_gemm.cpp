@@ -1,0 +1,217 @@
+// CUDA grouped GEMM (formulas at GroupedMatmulAttrs in ops/op_table.h) for bf16, f16 and f32 inputs with fp32
+// compute (CUBLAS_COMPUTE_32F on a handle in default math mode: no TF32, so f32 matches the CPU reference).
+// Row-major to column-major: a row-major (r, c) matrix with row stride ld is the column-major (c x r) matrix of the
+// same ld, its transpose, so each group's product is computed transposed and nothing is ever copied:
+//   forward, trans_w:   y_e^T (N x rows, ld N) = [w_e^T stored K x N, ld K]^T  x_e^T (K x rows, ld K)
+//   forward, !trans_w:  y_e^T (N x rows, ld N) = [w_e^T stored N x K, ld N]    x_e^T (K x rows, ld K)
+//   weight grad:        dw_e^T (K x N, ld K)   = x_e^T (K x rows, ld K) [dy_e^T stored N x rows, ld N]^T
+// Expert e's block of w (or dw) starts at the tensor's data plus e times its dim-0 stride: a narrowed fused
+// gate_up_proj is read or written in place. Empty groups are left out of the GEMMs (cuBLAS wants m, n, k >= 1); in the
+// weight grad their blocks are zeroed with memsets first.
+// Two kernels per dtype, tried in order:
+// - cuda/cublas_grouped_gemm: one cublasGemmGroupedBatchedEx call (cuBLAS >= 12.5), the GEMMs bucketed into cuBLAS
+//   groups of equal sizes. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
+//   staging into scratch from the context's allocator), so cuBLAS cannot check their alignment: 16-bit types need
+//   16-byte aligned pointers and rows for it, and the kernel asks that of every dtype: base pointers aligned to 16
+//   bytes, K, N and the block stride multiples of 16 bytes.
+// - cuda/cublas_gemm_per_group: one cublasGemmEx per non-empty group, for everything else.
+// Both are deterministic (no atomics; fixed GEMM order). Covered by tests/ops (testing/op_cases_moe.cpp: both kernels
+// in every dtype) and tests/ops/test_grouped_matmul.cpp (strided views); timed by bench/grouped_gemm_bench.
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/registry.h"
+#include "ops/ops.h"
+
+#if CUBLAS_VER_MAJOR > 12 || (CUBLAS_VER_MAJOR == 12 && CUBLAS_VER_MINOR >= 5)
+#define LATHE_CUBLAS_GROUPED_GEMM 1
+#endif
+
+namespace lathe::cuda {
+
+namespace {
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::F32: return CUDA_R_32F;
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F16: return CUDA_R_16F;
+    default: LATHE_FAIL("cuda: grouped GEMM does not support dtype {}", dtype_name(t));
+  }
+}
+
+// One GEMM of a non-empty group in cuBLAS's column-major terms: C (m x n) = op(A) (m x k) op(B) (k x n).
+struct Gemm {
+  int m, n, k;
+  const void* a;
+  const void* b;
+  void* c;
+};
+
+// Every GEMM of one call: the operations and leading dimensions are shared, only the group's row count differs.
+struct GroupedPlan {
+  cudaDataType_t type;
+  cublasOperation_t trans_a, trans_b;
+  int lda, ldb, ldc;
+  std::vector<Gemm> gemms;                             // the non-empty groups, in expert order
+  std::vector<std::pair<void*, size_t>> zero_ranges;  // weight grad: bytes to zero (empty groups' blocks)
+};
+
+// The address `elements` elements past t's first one.
+char* element_at(const Tensor& t, int64_t elements) {
+  return static_cast<char*>(t.data_ptr()) + elements * int64_t(t.itemsize());
+}
+
+GroupedPlan plan_of(const OpCall& c) {
+  const auto& attrs = c.attr<GroupedMatmulAttrs>();
+  const std::vector<int64_t>& off = attrs.offsets;
+  const int64_t experts = int64_t(off.size()) - 1;
+  GroupedPlan p;
+  p.type = cuda_type(c.key_dtype());
+  if (c.op == OpId::grouped_matmul) {
+    const Tensor& x = c.inputs[0];   // (P, K)
+    const Tensor& w = c.inputs[1];   // (E, N, K) or (E, K, N), contiguous blocks
+    const Tensor& y = c.outputs[0];  // (P, N)
+    const int64_t k = x.size(1), n = y.size(1);
+    p.trans_a = attrs.trans_w ? CUBLAS_OP_T : CUBLAS_OP_N;
+    p.trans_b = CUBLAS_OP_N;
+    p.lda = int(attrs.trans_w ? k : n);
+    p.ldb = int(k);
+    p.ldc = int(n);
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t row0 = off[size_t(e)], rows = off[size_t(e) + 1] - row0;
+      if (rows == 0) continue;
+      p.gemms.push_back({int(n), int(rows), int(k), element_at(w, e * w.strides()[0]), element_at(x, row0 * k),
+                         element_at(y, row0 * n)});
+    }
+    return p;
+  }
+  const Tensor& dy = c.inputs[0];   // (P, N)
+  const Tensor& x = c.inputs[1];    // (P, K)
+  const Tensor& dw = c.outputs[0];  // (E, N, K), contiguous blocks
+  const int64_t n = dy.size(1), k = x.size(1);
+  p.trans_a = CUBLAS_OP_N;
+  p.trans_b = CUBLAS_OP_T;
+  p.lda = int(k);
+  p.ldb = int(n);
+  p.ldc = int(k);
+  const size_t block_bytes = size_t(n * k) * dw.itemsize();
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t row0 = off[size_t(e)], rows = off[size_t(e) + 1] - row0;
+    char* block = element_at(dw, e * dw.strides()[0]);
+    if (rows > 0) {
+      p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n), block});
+    } else if (!p.zero_ranges.empty() &&
+               static_cast<char*>(p.zero_ranges.back().first) + p.zero_ranges.back().second == block) {
+      p.zero_ranges.back().second += block_bytes;  // adjacent to the previous empty block: one memset for both
+    } else {
+      p.zero_ranges.push_back({block, block_bytes});
+    }
+  }
+  return p;
+}
+
+void zero_empty_blocks(const GroupedPlan& p, CudaStream& s) {
+  for (const auto& [ptr, bytes] : p.zero_ranges) LATHE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, s.handle()));
+}
+
+// The two row-major (P, *) operands besides the weight-shaped one: x and y (forward), dy and x (weight grad).
+const Tensor& first_rows(const OpCall& c) { return c.inputs[0]; }
+const Tensor& second_rows(const OpCall& c) { return c.op == OpId::grouped_matmul ? c.outputs[0] : c.inputs[1]; }
+
+// The layout rule (ops/grouped_matmul.cpp) and int-sized dimensions (cuBLAS's m, n, k and leading dimensions).
+Support per_group_supports(const OpCall& c) {
+  if (Support s = grouped_matmul_layout(c); !s.ok) return s;
+  for (int64_t size : {first_rows(c).size(0), first_rows(c).size(1), second_rows(c).size(1)})
+    if (size > INT_MAX) return Support::no("a dimension above INT_MAX (cuBLAS's int sizes)");
+  return Support::yes();
+}
+
+#ifdef LATHE_CUBLAS_GROUPED_GEMM
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The pointer array is read on the device, where cuBLAS cannot see misaligned rows: ask 16-byte alignment of every
+// base pointer, row length and block stride, so every matrix of every group starts on a 16-byte boundary.
+Support grouped_supports(const OpCall& c) {
+  if (Support s = per_group_supports(c); !s.ok) return s;
+  const Tensor& blocks = c.op == OpId::grouped_matmul ? c.inputs[1] : c.outputs[0];  // w or dw
+  const int64_t item = int64_t(c.inputs[0].itemsize());
+  // K and N: the row lengths of the (P, *) operands, and so of the blocks too.
+  const bool rows = (first_rows(c).size(1) * item) % 16 == 0 && (second_rows(c).size(1) * item) % 16 == 0;
+  const bool stride = blocks.size(0) <= 1 || (blocks.strides()[0] * item) % 16 == 0;
+  bool pointers = true;
+  for (const Tensor* t : {&c.inputs[0], &c.inputs[1], &c.outputs[0]}) pointers &= aligned16(t->data_ptr());
+  if (!rows || !stride || !pointers)
+    return Support::no("needs 16-byte aligned pointers, rows and expert blocks (K and N multiples of 8 in bf16/f16, "
+                       "4 in f32): the device-side pointer array hides misalignment from cuBLAS");
+  return Support::yes();
+}
+
+void run_grouped(const OpCall& c, ExecContext& ctx) {
+  CudaStream& s = as_cuda(ctx.stream);
+  const GroupedPlan p = plan_of(c);
+  zero_empty_blocks(p, s);
+  if (p.gemms.empty()) return;
+  // cuBLAS groups are uniform (one m, n, k each): bucket the GEMMs by size, in a fixed order.
+  std::map<std::tuple<int, int, int>, std::vector<size_t>> buckets;
+  for (size_t i = 0; i < p.gemms.size(); ++i) buckets[{p.gemms[i].m, p.gemms[i].n, p.gemms[i].k}].push_back(i);
+  const size_t count = p.gemms.size();
+  const int groups = int(buckets.size());
+  std::vector<cublasOperation_t> trans_a(size_t(groups), p.trans_a), trans_b(size_t(groups), p.trans_b);
+  std::vector<int> m, n, k, group_size, lda(size_t(groups), p.lda), ldb(size_t(groups), p.ldb),
+      ldc(size_t(groups), p.ldc);
+  std::vector<float> alpha(size_t(groups), 1.0f), beta(size_t(groups), 0.0f);
+  std::vector<const void*> table(3 * count);  // [A pointers | B pointers | C pointers], one per GEMM in group order
+  size_t idx = 0;
+  for (const auto& [dims, members] : buckets) {
+    m.push_back(std::get<0>(dims));
+    n.push_back(std::get<1>(dims));
+    k.push_back(std::get<2>(dims));
+    group_size.push_back(int(members.size()));
+    for (size_t i : members) {
+      table[idx] = p.gemms[i].a;
+      table[count + idx] = p.gemms[i].b;
+      table[2 * count + idx] = p.gemms[i].c;
+      ++idx;
+    }
+  }
+  // Scratch for the pointer array: released on return, reused in the stream's order (model_ops_register.cpp).
+  const Tensor device_table = Tensor::empty({int64_t(table.size())}, DType::I64, ctx.allocator);
+  s.upload_async(device_table.data_ptr(), table.data(), table.size() * sizeof(void*));
+  void** d = static_cast<void**>(device_table.data_ptr());
+  LATHE_CUBLAS_CHECK(cublasGemmGroupedBatchedEx(s.cublas(), trans_a.data(), trans_b.data(), m.data(), n.data(),
+                                                k.data(), alpha.data(), d, p.type, lda.data(), d + count, p.type,
+                                                ldb.data(), beta.data(), d + 2 * count, p.type, ldc.data(), groups,
+                                                group_size.data(), CUBLAS_COMPUTE_32F));
+}
+#endif
+
+void run_per_group(const OpCall& c, ExecContext& ctx) {
+  CudaStream& s = as_cuda(ctx.stream);
+  const GroupedPlan p = plan_of(c);
+  zero_empty_blocks(p, s);
+  const float alpha = 1.0f, beta = 0.0f;
+  for (const Gemm& g : p.gemms)
+    LATHE_CUBLAS_CHECK(cublasGemmEx(s.cublas(), p.trans_a, p.trans_b, g.m, g.n, g.k, &alpha, g.a, p.type, p.lda, g.b,
+                                    p.type, p.ldb, &beta, g.c, p.type, p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+void register_cuda_grouped_gemm_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    for (OpId op : {OpId::grouped_matmul, OpId::grouped_matmul_weight_grad}) {
+#ifdef LATHE_CUBLAS_GROUPED_GEMM
+      r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/cublas_grouped_gemm", grouped_supports, run_grouped});
+#endif
+      r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/cublas_gemm_per_group", per_group_supports, run_per_group});
+    }
+  }
+}
+
+}  // namespace lathe::cuda

@@ -1,0 +1,75 @@
+// Op cases of the mixture-of-experts grouped GEMMs (grouped_matmul, grouped_matmul_weight_grad): an empty group
+// first, in the middle and last, groups of one row, all rows in one group, P = 0, one expert, both trans_w values, and
+// the weight grad directly (it is differentiable: its backward is two grouped_matmuls). Every forward row also checks
+// the backward (dx and dw on each device through op_backward; finite differences in f64 on the CPU).
+// Sizes: K and N multiples of 8 (16-byte rows in bf16/f16, 32 in f32) take the CUDA grouped call
+// (cuda/cublas_grouped_gemm); odd ones (7, 5) leave the 16-byte alignment it needs and take the per-group cuBLAS
+// fallback, so both CUDA kernels run in every dtype. The CPU has f32/f64 kernels; its bf16/f16 rows run as
+// upcast_f32. Strided weight views (a narrowed fused gate_up_proj) cannot be expressed here (inputs are contiguous):
+// tests/ops/test_grouped_matmul.cpp checks them on every device.
+#include "testing/op_check.h"
+
+namespace lathe {
+
+namespace {
+
+// Offsets 0, c0, c0 + c1, ... of the group sizes `counts`.
+std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
+  std::vector<int64_t> o = {0};
+  for (int64_t n : counts) o.push_back(o.back() + n);
+  return o;
+}
+
+std::string groups_str(const std::vector<int64_t>& counts) { return fmt::format("{}", fmt::join(counts, "+")); }
+
+}  // namespace
+
+void add_moe_op_cases(std::vector<OpCase>& c) {
+  const std::vector<DType> kFloat = {DType::F64, DType::F32, DType::BF16, DType::F16};
+  // Without the f64 row, whose finite differences of a ~20k-element loss sit at the check's 1e-6 bound (rounding of
+  // the loss sum); the other rows still compare values and gradients with the f64 reference.
+  const std::vector<DType> kLarge = {DType::F32, DType::BF16, DType::F16};
+  // grouped_matmul(x (P, K), w): w (E, N, K) when trans_w, (E, K, N) otherwise.
+  const auto add_forward = [&](int64_t k, int64_t n, const std::vector<int64_t>& counts, bool trans_w,
+                               const std::vector<DType>& dtypes) {
+    const std::vector<int64_t> off = offsets_of(counts);
+    const int64_t p = off.back(), e = int64_t(counts.size());
+    const Shape w = trans_w ? Shape{e, n, k} : Shape{e, k, n};
+    c.push_back({OpId::grouped_matmul,
+                 fmt::format("p={},e={},k={},n={},groups={},trans_w={}", p, e, k, n, groups_str(counts), int(trans_w)),
+                 {{p, k}, w}, GroupedMatmulAttrs{off, trans_w}, dtypes});
+  };
+  // grouped_matmul_weight_grad(dy (P, N), x (P, K)) -> (E, N, K).
+  const auto add_weight_grad = [&](int64_t n, int64_t k, const std::vector<int64_t>& counts,
+                                   const std::vector<DType>& dtypes) {
+    const std::vector<int64_t> off = offsets_of(counts);
+    const int64_t p = off.back();
+    c.push_back({OpId::grouped_matmul_weight_grad,
+                 fmt::format("p={},e={},n={},k={},groups={}", p, counts.size(), n, k, groups_str(counts)),
+                 {{p, n}, {p, k}}, GroupedMatmulAttrs{off, true}, dtypes});
+  };
+  // Odd sizes (the per-group fallback on CUDA): an empty group in the middle, first, last.
+  add_forward(7, 5, {3, 0, 6, 4}, true, kFloat);
+  add_forward(6, 5, {0, 5, 4}, false, kFloat);
+  add_forward(5, 7, {2, 1, 3, 0}, true, kFloat);
+  // 16-byte rows (the grouped call on CUDA): groups of one row, empty groups at both ends.
+  add_forward(16, 24, {3, 1, 6, 0}, true, kFloat);
+  add_forward(32, 16, {0, 4, 1, 16, 0}, false, kFloat);
+  add_forward(24, 40, {0, 7, 0, 1, 1, 9, 0}, true, kFloat);
+  // Every row in one expert of six; one expert only; no rows at all (P = 0).
+  add_forward(16, 8, {0, 0, 20, 0, 0, 0}, true, kFloat);
+  add_forward(8, 16, {11}, false, kFloat);
+  add_forward(8, 8, {0, 0, 0}, true, kFloat);
+  add_forward(7, 5, {0, 0}, false, kFloat);
+  // Larger and uneven, as a MoE layer's rows spread over experts (one empty).
+  add_forward(64, 48, {37, 0, 101, 5, 60, 1, 64, 32}, true, kLarge);
+  add_forward(48, 64, {37, 0, 101, 5, 60, 1, 64, 32}, false, kLarge);
+
+  add_weight_grad(5, 7, {3, 0, 6, 4}, kFloat);
+  add_weight_grad(3, 4, {0, 2, 1}, kFloat);
+  add_weight_grad(24, 16, {0, 10, 1, 29, 0}, kFloat);
+  add_weight_grad(16, 16, {0, 0, 0, 0}, kFloat);  // P = 0: every block is zero
+  add_weight_grad(48, 64, {37, 0, 101, 5, 60, 1, 64, 32}, kLarge);
+}
+
+}  // namespace lathe

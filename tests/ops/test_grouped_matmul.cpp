@@ -1,0 +1,295 @@
+// The grouped GEMMs of mixture-of-experts layers beyond what the op check sees, on every device present (CPU always,
+// CUDA where a GPU exists): a small case worked by hand (both trans_w values and the weight grad), agreement with one
+// linear / matmul per group, weights that are strided views (the gate and up halves of a fused gate_up_proj, narrowed
+// on dim 1) read in place, weight grads written with the _into form into such views without touching the rest,
+// identical bytes on a second run, and the errors for bad offsets, shapes and outputs. Values and gradients against
+// the f64 reference in every dtype: the op cases in src/testing/op_cases_moe.cpp.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+
+#include "backend/runtime.h"
+#include "ops/ops.h"
+
+using namespace lathe;
+
+namespace {
+
+Runtime& runtime() {
+  static Runtime rt;
+  return rt;
+}
+
+Tensor make(const std::vector<double>& values, const Shape& shape, DType dtype, Device device) {
+  std::vector<uint8_t> bytes(values.size() * dtype_size(dtype));
+  for (size_t i = 0; i < values.size(); ++i) store_from_double(bytes.data(), dtype, int64_t(i), values[i]);
+  return runtime().from_host(bytes.data(), shape, dtype, device);
+}
+
+// Values of t in logical order (any strides).
+std::vector<double> values(const Tensor& t) {
+  ExecContext ctx = runtime().context(t.device());
+  const Tensor h = runtime().copy_to(contiguous(ctx, t), Device::cpu());
+  std::vector<double> v(size_t(h.numel()));
+  for (int64_t i = 0; i < h.numel(); ++i) v[size_t(i)] = load_as_double(h.data_ptr(), h.dtype(), i);
+  return v;
+}
+
+std::vector<uint8_t> bytes_of(const Tensor& t) {
+  const Tensor h = runtime().copy_to(t, Device::cpu());
+  const auto* p = static_cast<const uint8_t*>(h.data_ptr());
+  return std::vector<uint8_t>(p, p + h.nbytes());
+}
+
+std::vector<double> random_values(int64_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<double> d(-1.0, 1.0);
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) x = d(rng);
+  return v;
+}
+
+std::vector<Device> devices() {
+  std::vector<Device> d = {Device::cpu()};
+  if (runtime().has_device(Device::cuda(0))) d.push_back(Device::cuda(0));
+  return d;
+}
+
+// The dtypes with a kernel (or the upcast composite) on `device`: CUDA has no f64 grouped GEMM.
+std::vector<DType> dtypes(Device device) {
+  if (device.is_cpu()) return {DType::F64, DType::F32, DType::BF16};
+  return {DType::F32, DType::BF16, DType::F16};
+}
+
+// Tolerance of a result in `dtype` relative to the largest reference magnitude.
+double tolerance(DType dtype) { return dtype == DType::F64 ? 1e-12 : dtype == DType::F32 ? 1e-5 : 1e-2; }
+
+void expect_near_all(const std::vector<double>& got, const std::vector<double>& want, DType dtype,
+                     const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 1e-30;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (size_t i = 0; i < got.size(); ++i)
+    ASSERT_NEAR(got[i], want[i], tolerance(dtype) * scale) << what << " element " << i;
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+std::string where(Device device, DType dtype) { return device.str() + " " + std::string(dtype_name(dtype)); }
+
+}  // namespace
+
+// x (3, 2) in two groups: row 0 (expert 0, the identity) and rows 1-2 (expert 1).
+TEST(GroupedMatmul, HandWorked) {
+  const std::vector<double> x = {1, 2, 3, 4, 5, 6};
+  const std::vector<double> w = {1, 0, 0, 1,    // w[0] = I
+                                 1, 1, 2, -1};  // w[1] = [[1, 1], [2, -1]]
+  const std::vector<double> dy = {1, 0, 0, 1, 1, 1};
+  const GroupedMatmulAttrs trans{{0, 1, 3}, true}, plain{{0, 1, 3}, false};
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor xt = make(x, {3, 2}, dt, device), wt = make(w, {2, 2, 2}, dt, device);
+      // trans_w: row 0 -> [1, 2]; rows [3, 4], [5, 6] -> [x . (1, 1), x . (2, -1)] = [7, 2], [11, 4].
+      EXPECT_EQ(values(grouped_matmul(ctx, xt, wt, trans)), (std::vector<double>{1, 2, 7, 2, 11, 4})) << where(device, dt);
+      // !trans_w: [3, 4] [[1, 1], [2, -1]] = [11, -1]; [5, 6] -> [17, -1].
+      EXPECT_EQ(values(grouped_matmul(ctx, xt, wt, plain)), (std::vector<double>{1, 2, 11, -1, 17, -1}))
+          << where(device, dt);
+      // dw[0] = [1, 0]^T [1, 2]; dw[1] = [0, 1]^T [3, 4] + [1, 1]^T [5, 6] = [[5, 6], [8, 10]].
+      EXPECT_EQ(values(grouped_matmul_weight_grad(ctx, make(dy, {3, 2}, dt, device), xt, trans)),
+                (std::vector<double>{1, 2, 0, 0, 5, 6, 8, 10}))
+          << where(device, dt);
+    }
+  }
+}
+
+TEST(GroupedMatmul, EmptyGroupsAndNoRows) {
+  for (Device device : devices()) {
+    ExecContext ctx = runtime().context(device);
+    // P = 0: y is (0, N); every block of the weight grad is zero.
+    const Tensor x0 = make({}, {0, 3}, DType::F32, device), dy0 = make({}, {0, 2}, DType::F32, device);
+    const Tensor w = make(std::vector<double>(12, 0.5), {2, 2, 3}, DType::F32, device);
+    const GroupedMatmulAttrs none{{0, 0, 0}, true};
+    EXPECT_EQ(grouped_matmul(ctx, x0, w, none).shape(), (Shape{0, 2}));
+    EXPECT_EQ(values(grouped_matmul_weight_grad(ctx, dy0, x0, none)), std::vector<double>(12, 0.0));
+    // Expert 1 of 3 empty: its block is zero, the others are the outer products of their one row.
+    const Tensor x = make({1, 2, 3, 4, 5, 6}, {2, 3}, DType::F32, device), dy = make({1, -1, 2, 0}, {2, 2}, DType::F32, device);
+    EXPECT_EQ(values(grouped_matmul_weight_grad(ctx, dy, x, {{0, 1, 1, 2}, true})),
+              (std::vector<double>{1, 2, 3, -1, -2, -3, 0, 0, 0, 0, 0, 0, 8, 10, 12, 0, 0, 0}))
+        << device.str();
+  }
+}
+
+// Against one linear (trans_w), matmul (!trans_w) or transposed matmul (weight grad) per group.
+TEST(GroupedMatmul, MatchesOneMatmulPerGroup) {
+  const std::vector<int64_t> offsets = {0, 5, 5, 6, 19, 19, 24};  // groups 5, 0, 1, 13, 0, 5
+  const int64_t p = 24, e = 6, k = 16, n = 24;
+  std::mt19937 rng(11);
+  const std::vector<double> xv = random_values(p * k, rng), wv = random_values(e * n * k, rng), dyv = random_values(p * n, rng);
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor x = make(xv, {p, k}, dt, device), dy = make(dyv, {p, n}, dt, device);
+      for (bool trans_w : {true, false}) {
+        const Tensor w = make(wv, trans_w ? Shape{e, n, k} : Shape{e, k, n}, dt, device);
+        const std::vector<double> got = values(grouped_matmul(ctx, x, w, {offsets, trans_w}));
+        std::vector<double> want;
+        for (int64_t g = 0; g < e; ++g) {
+          const int64_t rows = offsets[size_t(g) + 1] - offsets[size_t(g)];
+          if (rows == 0) continue;
+          const Tensor xe = x.narrow(0, offsets[size_t(g)], rows);
+          const Tensor we = w.narrow(0, g, 1).view(trans_w ? Shape{n, k} : Shape{k, n});
+          const std::vector<double> ye = values(trans_w ? linear(ctx, xe, we) : matmul(ctx, xe, we));
+          want.insert(want.end(), ye.begin(), ye.end());
+        }
+        expect_near_all(got, want, dt, where(device, dt) + (trans_w ? " trans_w" : " !trans_w"));
+      }
+      const std::vector<double> dw = values(grouped_matmul_weight_grad(ctx, dy, x, {offsets, true}));
+      std::vector<double> want;
+      for (int64_t g = 0; g < e; ++g) {
+        const int64_t rows = offsets[size_t(g) + 1] - offsets[size_t(g)];
+        if (rows == 0) {
+          want.insert(want.end(), size_t(n * k), 0.0);
+          continue;
+        }
+        const Tensor dye = dy.narrow(0, offsets[size_t(g)], rows), xe = x.narrow(0, offsets[size_t(g)], rows);
+        const std::vector<double> b = values(matmul(ctx, dye, xe, {true, false}));
+        want.insert(want.end(), b.begin(), b.end());
+      }
+      expect_near_all(dw, want, dt, where(device, dt) + " weight grad");
+    }
+  }
+}
+
+// The gate and up halves of a fused gate_up_proj (E, 2I, H), narrowed on dim 1, read in place; a (E, 2K, N) weight
+// narrowed the same way for !trans_w; a transposed view (no contiguous blocks) is copied first and gives the same.
+TEST(GroupedMatmul, StridedWeightViews) {
+  const std::vector<int64_t> offsets = {0, 3, 3, 12, 13};
+  const int64_t p = 13, e = 4, h = 16, i = 8;
+  std::mt19937 rng(5);
+  const std::vector<double> xv = random_values(p * h, rng), fused_v = random_values(e * 2 * i * h, rng);
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor x = make(xv, {p, h}, dt, device);
+      const Tensor fused = make(fused_v, {e, 2 * i, h}, dt, device);
+      for (int64_t half : {0, 1}) {
+        const Tensor view = fused.narrow(1, half * i, i);  // (E, I, H), blocks 2 I H apart
+        ASSERT_TRUE(expert_blocks_contiguous(view) && !view.is_contiguous());
+        const std::vector<double> want = values(grouped_matmul(ctx, x, contiguous(ctx, view), {offsets, true}));
+        expect_near_all(values(grouped_matmul(ctx, x, view, {offsets, true})), want, dt,
+                        where(device, dt) + " gate/up half " + std::to_string(half));
+      }
+      // !trans_w: w (E, K = H, N = I) as a narrow of (E, 2H, I) on dim 1; x here is (P, H) = (P, K).
+      const Tensor tall = make(fused_v, {e, 2 * h, i}, dt, device);
+      const Tensor lower = tall.narrow(1, h, h);
+      expect_near_all(values(grouped_matmul(ctx, x, lower, {offsets, false})),
+                      values(grouped_matmul(ctx, x, contiguous(ctx, lower), {offsets, false})), dt,
+                      where(device, dt) + " !trans_w view");
+      // A transposed (E, I, H) view of an (E, H, I) tensor: not block-contiguous, copied by the op function.
+      const Tensor wide = make(fused_v, {e, h, i}, dt, device);
+      const Tensor transposed = wide.transpose(1, 2);
+      ASSERT_FALSE(expert_blocks_contiguous(transposed));
+      expect_near_all(values(grouped_matmul(ctx, x, transposed, {offsets, true})),
+                      values(grouped_matmul(ctx, x, wide, {offsets, false})), dt, where(device, dt) + " transposed");
+    }
+  }
+}
+
+// The weight grad written into the middle third of an (E, 3N, K) buffer: every block (an empty group's zeros too)
+// lands in place, and the other two thirds keep their sentinel values.
+TEST(GroupedMatmul, WeightGradIntoStridedView) {
+  const std::vector<int64_t> offsets = {0, 4, 4, 9, 10};
+  const int64_t p = 10, e = 4, n = 8, k = 16;
+  std::mt19937 rng(3);
+  const std::vector<double> dyv = random_values(p * n, rng), xv = random_values(p * k, rng);
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor dy = make(dyv, {p, n}, dt, device), x = make(xv, {p, k}, dt, device);
+      const Tensor buffer = make(std::vector<double>(size_t(e * 3 * n * k), 7.0), {e, 3 * n, k}, dt, device);
+      const Tensor middle = buffer.narrow(1, n, n);
+      grouped_matmul_weight_grad_into(ctx, dy, x, middle, {offsets, true});
+      const std::vector<double> dense = values(grouped_matmul_weight_grad(ctx, dy, x, {offsets, true}));
+      expect_near_all(values(middle), dense, dt, where(device, dt) + " middle third");
+      for (int64_t third : {0, 2})
+        EXPECT_EQ(values(buffer.narrow(1, third * n, n)), std::vector<double>(size_t(e * n * k), 7.0))
+            << where(device, dt) << " third " << third << " was written";
+      // Expert 1 is empty: its block is zero.
+      EXPECT_EQ(values(middle.narrow(0, 1, 1)), std::vector<double>(size_t(n * k), 0.0)) << where(device, dt);
+      // A contiguous output through the same function.
+      const Tensor out = make(std::vector<double>(size_t(e * n * k), 7.0), {e, n, k}, dt, device);
+      grouped_matmul_weight_grad_into(ctx, dy, x, out, {offsets, true});
+      expect_near_all(values(out), dense, dt, where(device, dt) + " contiguous output");
+    }
+  }
+}
+
+TEST(GroupedMatmul, SecondRunGivesIdenticalBytes) {
+  const std::vector<int64_t> offsets = {0, 40, 41, 41, 100};
+  std::mt19937 rng(9);
+  const std::vector<double> xv = random_values(100 * 32, rng), wv = random_values(4 * 24 * 32, rng),
+                            dyv = random_values(100 * 24, rng);
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor x = make(xv, {100, 32}, dt, device), w = make(wv, {4, 24, 32}, dt, device);
+      const Tensor dy = make(dyv, {100, 24}, dt, device);
+      EXPECT_EQ(bytes_of(grouped_matmul(ctx, x, w, {offsets, true})), bytes_of(grouped_matmul(ctx, x, w, {offsets, true})))
+          << where(device, dt);
+      EXPECT_EQ(bytes_of(grouped_matmul_weight_grad(ctx, dy, x, {offsets, true})),
+                bytes_of(grouped_matmul_weight_grad(ctx, dy, x, {offsets, true})))
+          << where(device, dt);
+    }
+  }
+}
+
+TEST(GroupedMatmul, ErrorsNameTheOpAndTheProblem) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  const Device cpu = Device::cpu();
+  const Tensor x = make(std::vector<double>(15, 1.0), {5, 3}, DType::F32, cpu);
+  const Tensor w = make(std::vector<double>(12, 1.0), {2, 2, 3}, DType::F32, cpu);  // (E = 2, N = 2, K = 3)
+  const Tensor dy = make(std::vector<double>(10, 1.0), {5, 2}, DType::F32, cpu);
+  const auto forward = [&](std::vector<int64_t> offsets) {
+    return error_of([&] { grouped_matmul(ctx, x, w, {std::move(offsets), true}); });
+  };
+  EXPECT_NE(forward({}).find("grouped_matmul needs E + 1 group offsets (offsets is empty)"), std::string::npos);
+  EXPECT_NE(forward({1, 3, 5}).find("grouped_matmul group offsets must start at 0, got offsets[0] = 1"), std::string::npos);
+  EXPECT_NE(forward({0, 4, 3}).find("must be non-decreasing: offsets[1] = 4 > offsets[2] = 3"), std::string::npos);
+  EXPECT_NE(forward({0, 2, 4}).find("group offsets end at 4, but f32[5, 3]"), std::string::npos) << forward({0, 2, 4});
+  EXPECT_NE(forward({0, 5}).find("grouped_matmul has 2 group offsets for a weight of 2 experts (needs E + 1 = 3)"),
+            std::string::npos);
+  // Shapes and dtypes.
+  EXPECT_NE(error_of([&] { grouped_matmul(ctx, x, w, {{0, 2, 5}, false}); }).find("grouped_matmul inner dimensions differ"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_matmul(ctx, x, cast(ctx, w, DType::F64), {{0, 2, 5}, true}); })
+                .find("grouped_matmul needs inputs of one dtype"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_matmul(ctx, x, w.narrow(0, 0, 1).view({2, 3}), {{0, 5}, true}); })
+                .find("grouped_matmul needs w (E, N, K) (3-D)"),
+            std::string::npos);
+  // The weight grad: rows, offsets, the _into output.
+  EXPECT_NE(error_of([&] { grouped_matmul_weight_grad(ctx, dy.narrow(0, 0, 4), x, {{0, 5}, true}); })
+                .find("grouped_matmul_weight_grad needs dy (P, N) and x (P, K) with the same rows"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_matmul_weight_grad(ctx, dy, x, {{0, 6}, true}); })
+                .find("grouped_matmul_weight_grad group offsets end at 6"),
+            std::string::npos);
+  const Tensor wrong = make(std::vector<double>(18, 0.0), {3, 2, 3}, DType::F32, cpu);
+  EXPECT_NE(error_of([&] { grouped_matmul_weight_grad_into(ctx, dy, x, wrong, {{0, 2, 5}, true}); })
+                .find("grouped_matmul_weight_grad_into needs a f32[2, 2, 3] output on cpu"),
+            std::string::npos);
+  const Tensor holder = make(std::vector<double>(12, 0.0), {2, 3, 2}, DType::F32, cpu);
+  EXPECT_NE(error_of([&] { grouped_matmul_weight_grad_into(ctx, dy, x, holder.transpose(1, 2), {{0, 2, 5}, true}); })
+                .find("whose expert blocks are contiguous"),
+            std::string::npos);
+}
