@@ -103,6 +103,13 @@ int64_t ModelConfig::rotary_dim() const {
 }
 
 int64_t ModelConfig::parameter_count() const {
+  // The MLP of layer i: a dense SwiGLU, or the router, the experts and the shared expert with its gate.
+  auto mlp = [&](int64_t i) {
+    if (!sparse_layer(i)) return 3 * hidden_size * intermediate_size;
+    int64_t n = num_experts * hidden_size + 3 * num_experts * hidden_size * moe_intermediate_size;
+    if (shared_expert_intermediate_size > 0) n += 3 * hidden_size * shared_expert_intermediate_size + hidden_size;
+    return n;
+  };
   if (is_hybrid()) {
     const int64_t attn = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
                          2 * head_dim;

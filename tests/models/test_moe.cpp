@@ -246,11 +246,11 @@ TEST(MoeLayouts, ReadsBothLayoutsAndWritesBackTheOneRead) {
   }
   EXPECT_EQ(values(*load_causal_lm(runtime(), (dir / "split_saved").string(), opt)), values(*m));
   // A checkpoint with both layouts is refused; so is one missing an expert.
-  refs.push_back({"model.layers.2.mlp.experts.gate_up_proj", DType::F32, fused.get("model.layers.2.mlp.experts.gate_up_proj").shape,
-                  nullptr, 0});
-  const std::vector<float> gu = fused.read_as_f32("model.layers.2.mlp.experts.gate_up_proj");
-  refs.back().data = gu.data();
-  refs.back().byte_size = gu.size() * 4;
+  std::vector<std::vector<float>> fused_layer2;
+  for (const char* name : {"model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"}) {
+    fused_layer2.push_back(fused.read_as_f32(name));
+    refs.push_back({name, DType::F32, fused.get(name).shape, fused_layer2.back().data(), fused_layer2.back().size() * 4});
+  }
   for (auto it = refs.begin(); it != refs.end();)  // layer 2 fused, layer 0 per expert
     it = it->name.starts_with("model.layers.2.mlp.experts.") && it->name.ends_with(".weight") ? refs.erase(it) : it + 1;
   io::write_safetensors((dir / "split" / "model.safetensors").string(), refs, {{"format", "pt"}});
@@ -300,7 +300,7 @@ TEST(MoeExperts, AnExpertWithoutTokensGetsAZeroGradient) {
     }
     for (int64_t i = 0; i < down_block; ++i) EXPECT_EQ(down[size_t(empty * down_block + i)], 0.0);
     EXPECT_GT(used, 0.0);
-    expect_gradients_match_finite_differences(*m, b, 2, m->config().router_aux_loss_coef);
+    expect_gradients_match_finite_differences(*m, b, 1, m->config().router_aux_loss_coef);
     return;
   }
   FAIL() << "no seed left an expert of layer 0 without tokens";
