@@ -31,7 +31,7 @@ double matmul_parameter_count(const ModelConfig& c) {
       const double vd = double(c.linear_num_value_heads * c.linear_value_head_dim);
       n += h * (2 * kd + vd + vd + 2.0 * double(c.linear_num_value_heads)) + vd * h;
     } else {
-      const double q_out = double((c.attn_output_gate ? 2 : 1) * c.num_heads) * d;
+      const double q_out = double((c.is_hybrid() ? 2 : 1) * c.num_heads) * d;  // hybrids gate: query + gate
       n += h * q_out + h * d * double(2 * c.num_kv_heads) + double(c.num_heads) * d * h;
     }
   }

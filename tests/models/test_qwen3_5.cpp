@@ -295,5 +295,6 @@ TEST(Qwen35Config, FieldsDefaultsNotesAndRefusals) {
   expect_refused({{"model_type", "qwen3_5"}}, "needs a 'text_config' object");
   expect_refused({{"model_type", "qwen3_5"}, {"text_config", tiny_json(true)}, {"tie_word_embeddings", false}},
                  "tie_word_embeddings false and text_config.tie_word_embeddings true disagree");
-  expect_refused({{"model_type", "qwen3_5_moe"}}, "model_type 'qwen3_5_moe' is not supported");
+  expect_refused({{"model_type", "qwen3_5_moe"}}, "a qwen3_5_moe (multimodal) config needs a 'text_config' object");
+  expect_refused({{"model_type", "qwen3_vl"}}, "model_type 'qwen3_vl' is not supported");
 }
