@@ -18,25 +18,7 @@ L=/tmp/logs; mkdir -p $L
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j16 >$L/build.log 2>&1; } ||
-  { grep -E "error" $L/build.log $L/cmake.log | head -20; # `dev/gpu_session.sh moe`: the CUDA op check of the grouped GEMM ops, the MoE and grouped-GEMM tests, the grouped-GEMM
-# benchmark and a profiled Lathe step of the Qwen3-30B-A3B shape cut to 4 layers (issue 9).
-# `dev/gpu_session.sh moeside`: that shape side by side against transformers' own MoE implementation.
-if [ "$STAGE" = moe ]; then
-for op in grouped_matmul grouped_matmul_weight_grad; do
-  timeout 100 ./build/lathe op-check --device cuda --op $op >$L/opcheck_$op.txt 2>&1; summary "$op: $(tail -n 1 $L/opcheck_$op.txt)"
-  grep FAIL $L/opcheck_$op.txt | head -5 | tee -a $OUT/summary.txt
-done
-(cd build && OMP_NUM_THREADS=1 timeout 200 ctest -j8 -R "Moe|Grouped" --output-on-failure >$L/ctest_moe.txt 2>&1); summary "moe ctest: $(grep -E 'tests passed' $L/ctest_moe.txt)"
-grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Failure|moe cuda" $L/ctest_moe.txt | head -20 | tee -a $OUT/summary.txt
-timeout 90 bash bench/run_grouped_gemm.sh build >$L/grouped.txt 2>&1; tail -n 12 $L/grouped.txt | tee -a $OUT/summary.txt
-timeout 240 ./build/lathe bench --shape 30b-a3b --layers 4 --seq 4096 --micro-batch 1 --steps 3 --warmup 1 --profile >$L/profile_moe.txt 2>&1
-head -n 45 $L/profile_moe.txt >>$OUT/summary.txt
-fi
-if [ "$STAGE" = moeside ]; then
-timeout 560 bash bench/run_side_by_side.sh build --shapes 30b-a3b --steps 3 --warmup 1 --out $OUT/side_moe.json >$L/side_moe.txt 2>&1
-tail -n 6 $L/side_moe.txt | tee -a $OUT/summary.txt
-fi
-tar -czf $OUT/logs.tgz -C /tmp logs; exit 1; }
+  { grep -E "error" $L/build.log $L/cmake.log | head -20; tar -czf $OUT/logs.tgz -C /tmp logs; exit 1; }
 if [ "$STAGE" = check ]; then
 python3 dev/ref/tokenizer_fixtures.py >$L/tok_fixtures.log 2>&1; summary "tokenizer fixtures rc=$?"
 python3 dev/ref/chat_template_fixtures.py >$L/chat_fixtures.log 2>&1; summary "chat fixtures rc=$?"
@@ -120,5 +102,23 @@ timeout 150 ./build/lathe bench --shape q35-0.8b --seq 4096 --micro-batch 2 --st
 head -n 40 $L/profile_q35.txt >>$OUT/summary.txt
 timeout 280 bash bench/run_side_by_side.sh build --shapes q35-0.8b --steps 3 --warmup 1 --out $OUT/side_q35.json >$L/side_q35.txt 2>&1
 tail -n 5 $L/side_q35.txt | tee -a $OUT/summary.txt
+fi
+# `dev/gpu_session.sh moe`: the CUDA op check of the grouped GEMM ops, the MoE and grouped-GEMM tests, the grouped-GEMM
+# benchmark and a profiled Lathe step of the Qwen3-30B-A3B shape cut to 4 layers (issue 9).
+# `dev/gpu_session.sh moeside`: that shape side by side against transformers' own MoE implementation.
+if [ "$STAGE" = moe ]; then
+for op in grouped_matmul grouped_matmul_weight_grad; do
+  timeout 100 ./build/lathe op-check --device cuda --op $op >$L/opcheck_$op.txt 2>&1; summary "$op: $(tail -n 1 $L/opcheck_$op.txt)"
+  grep FAIL $L/opcheck_$op.txt | head -5 | tee -a $OUT/summary.txt
+done
+(cd build && OMP_NUM_THREADS=1 timeout 200 ctest -j8 -R "Moe|Grouped" --output-on-failure >$L/ctest_moe.txt 2>&1); summary "moe ctest: $(grep -E 'tests passed' $L/ctest_moe.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Failure|moe cuda" $L/ctest_moe.txt | head -20 | tee -a $OUT/summary.txt
+timeout 90 bash bench/run_grouped_gemm.sh build >$L/grouped.txt 2>&1; tail -n 12 $L/grouped.txt | tee -a $OUT/summary.txt
+timeout 240 ./build/lathe bench --shape 30b-a3b --layers 4 --seq 4096 --micro-batch 1 --steps 3 --warmup 1 --profile >$L/profile_moe.txt 2>&1
+head -n 45 $L/profile_moe.txt >>$OUT/summary.txt
+fi
+if [ "$STAGE" = moeside ]; then
+timeout 560 bash bench/run_side_by_side.sh build --shapes 30b-a3b --steps 3 --warmup 1 --out $OUT/side_moe.json >$L/side_moe.txt 2>&1
+tail -n 6 $L/side_moe.txt | tee -a $OUT/summary.txt
 fi
 tar -czf $OUT/logs.tgz -C /tmp logs
