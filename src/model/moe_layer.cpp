@@ -55,6 +55,8 @@ const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Ten
   r.position_ids = upload_i32(*rt_, position, options_.device);
   r.pair_ids = upload_i32(*rt_, pair, options_.device);
   r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
+  const std::vector<double> ones(size_t(t * k), 1.0);
+  r.ones = cast(cx, rt_->from_host(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
   r.d_aux.clear();
   r.valid = true;
   return r;
@@ -76,7 +78,7 @@ MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x
   a.act = swiglu(cx, a.gate, a.up);
   const Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
-  a.out = sum(cx, mul(cx, a.picked, r.weights.view({t, k, 1})), {1});
+  a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x)
     a.sh_gate = linear(cx, x, w(p.shared_gate));
     a.sh_up = linear(cx, x, w(p.shared_up));
@@ -95,10 +97,9 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   LATHE_ASSERT(r.valid);
   const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
   const bool train = options_.train_base;
-  // Combine: out = sum_j weights[t, j] picked[t, j].
-  const Tensor d3 = dout.view({t, 1, d});
-  const Tensor dpicked = mul(cx, d3, r.weights.view({t, k, 1}));           // (T, k, D)
-  const Tensor dweights = sum(cx, mul(cx, a.picked, d3), {2});             // (T, k)
+  // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.
+  const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
+  const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
   const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
   // Experts: yd = grouped(act, down), act = swiglu(grouped(xs, gate), grouped(xs, up)).
   const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
@@ -114,7 +115,8 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   }
   const Tensor dxs = add(cx, grouped_matmul(cx, dgu[0], gu.narrow(1, 0, in), gt),
                          grouped_matmul(cx, dgu[1], gu.narrow(1, in, in), gt));
-  Tensor dx = sum(cx, embedding(cx, dxs, r.position_ids).view({t, k, d}), {1});  // each token's k rows, fixed order
+  // Each token's k rows summed in a fixed order (a batched product with ones).
+  Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   // Router: d(logits) on the host through the renormalisation and the softmax, plus the aux-loss term.
   const Tensor dw_host = rt_->copy_to(cast(cx, dweights, DType::F64), Device::cpu());
   std::vector<double> dlogits =

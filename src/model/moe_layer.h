@@ -4,7 +4,8 @@
 //   logits = x Wr^T (T, E) -> host routing (model/moe_routing.h: softmax, top-k, norm_topk_prob, the plan sorted by
 //   expert) -> xs = x[plan.token] (P = T k rows, sorted by expert) -> gate / up = grouped GEMMs with the two halves
 //   of gate_up_proj (E, 2I, D) -> swiglu -> yd = grouped GEMM with down_proj (E, D, I) -> each token's k rows read
-//   back through plan.position, weighted and summed (a gather: no scatter-add, deterministic)
+//   back through plan.position and combined by a batched (1 x k) (k x D) product with its weights (a gather and a
+//   fixed-order sum: no scatter-add, deterministic)
 //   [+ sigmoid(x Wg^T) * shared_expert(x) when the family has a shared expert].
 // The routing of a layer is computed once per forward (begin_forward invalidates it) and reused by the recomputing
 // backward, so both passes see the same choices.
@@ -34,6 +35,7 @@ struct MoeRoute {
   Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
   Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather, for the backward)
   Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
+  Tensor ones;          // (T, 1, k) ones: sums a token's k rows as a batched product (the backward of the gather)
   std::vector<double> d_aux;  // (T, E) d(coef x loss_scale x aux loss)/d(logits) of this layer, when the aux loss is on
 };
 

@@ -47,8 +47,10 @@ RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_
     double sum = 0;
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(double(x[e]) - mx);
     for (int64_t e = 0; e < experts; ++e) p[e] = double(std::exp(double(x[e]) - mx) / sum);
+    // The k largest, larger first, ties to the lower index: a total order, so partial_sort's result is unique.
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b]; });
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     double picked = 0;
     for (int64_t j = 0; j < top_k; ++j) picked += p[order[size_t(j)]];
     for (int64_t j = 0; j < top_k; ++j) {

@@ -23,7 +23,7 @@ namespace {
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
 
 // transformers' own bf16 error on each fixture (stock Qwen3_5ForCausalLM in bfloat16 against the same f64 goldens,
-// same rel-L2; dev/ref/qwen3_5_hf_bf16_error.py, transformers 5.17.0, torch 2.11.0+cu130, torch fallbacks for the
+// same rel-L2; dev/ref/hf_bf16_error.py, transformers 5.17.0, torch 2.11.0+cu130, torch fallbacks for the
 // GDN core (fp32) and the conv, NVIDIA H100 80GB HBM3). These tiny random models amplify bf16 rounding: HF's own
 // gradients are off by up to 0.74. multimodal_layout holds hv_gt_hk_untied's weights.
 struct HfBf16Error {

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Measures transformers' own error on the Qwen3.5 fixtures of tests/models/fixtures/qwen3_5: stock HF
-Qwen3_5ForCausalLM loaded in bfloat16 (and, as a check of this script, float32) on one device, run on the fixture's
-packed batch exactly as dev/ref/qwen3_5_fixtures.py ran it (one document at a time, positions 0..len-1, summed
-cross-entropy on float logits / labelled count, one backward), compared with the float64 goldens by the relative
-L2 error that tests/models/test_qwen3_5_cuda.cpp uses: logits, loss, every parameter gradient (mean and worst).
-These figures are the honest yardstick for lathe's bf16 bounds.
+"""Measures transformers' own error on the fixtures of tests/models/fixtures/qwen3_5 or .../moe: the stock HF model
+of the fixture's model_type (AutoModelForCausalLM) loaded in bfloat16 (and, as a check of this script, float32) on one
+device, run on the fixture's packed batch exactly as the fixture scripts ran it (one document at a time, positions
+0..len-1, summed cross-entropy on float logits / labelled count, one backward; no aux loss), compared with the float64
+goldens by the relative L2 error that tests/models/test_qwen3_5_cuda.cpp and test_moe_cuda.cpp use: logits, loss,
+every parameter gradient (`grad.*`, mean and worst). These figures are the honest yardstick for lathe's bf16 bounds.
 
 Run on the GPU machine from the repo root (no network needed):
-    python3 dev/ref/qwen3_5_hf_bf16_error.py tests/models/fixtures/qwen3_5 [--device cuda]
+    python3 dev/ref/hf_bf16_error.py tests/models/fixtures/qwen3_5 [--device cuda]
+    python3 dev/ref/hf_bf16_error.py tests/models/fixtures/moe
 
 Prints one JSON line per fixture and dtype, with the GDN code path transformers took (flash-linear-attention or
 the torch fallbacks, which compute the GDN core in float32 even in a bf16 model) and the dtype A_log was loaded in.
@@ -45,9 +46,9 @@ def code_path():
 
 
 def measure(fixture, dtype, device):
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import AutoModelForCausalLM
     ref = load_file(os.path.join(fixture, "reference.safetensors"))
-    model = Qwen3_5ForCausalLM.from_pretrained(os.path.join(fixture, "model"), dtype=dtype,
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(fixture, "model"), dtype=dtype,
                                                attn_implementation="eager").to(device).eval()
     ids = ref["input_ids"].long().to(device)
     cu = ref["cu_seqlens"].long().tolist()
@@ -71,11 +72,12 @@ def measure(fixture, dtype, device):
             raise SystemExit(f"{fixture}: no HF gradient for {name}")
         errs[name] = rel_l2(params[name].grad, ref[key])
     worst = max(errs, key=errs.get)
-    a_log = next(p for n, p in params.items() if n.endswith("A_log"))
+    a_log = next((p for n, p in params.items() if n.endswith("A_log")), None)
     return {"fixture": os.path.basename(fixture), "dtype": str(dtype).replace("torch.", ""), "device": device,
             "logits_rel_l2": rel_l2(logits.detach(), ref["logits"]), "loss": loss.item(), "loss_golden": ref["loss"].item(),
             "grad_rel_l2_mean": sum(errs.values()) / len(errs), "grad_rel_l2_worst": errs[worst], "worst": worst,
-            "A_log_dtype": str(a_log.dtype).replace("torch.", "")}
+            "A_log_dtype": str(a_log.dtype).replace("torch.", "") if a_log is not None else None,
+            "model": type(model).__name__}
 
 
 def main():
