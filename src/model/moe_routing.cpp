@@ -15,8 +15,8 @@ namespace {
 // dlogit_i = p_i (dp_i - sum_e p_e dp_e) for one row.
 void softmax_backward_row(const double* p, const double* dp, int64_t n, double* dlogit) {
   double dot = 0;
-  for (int64_t e = 0; e < n; ++e) dot += double(p[e]) * dp[e];
-  for (int64_t e = 0; e < n; ++e) dlogit[e] = double(double(p[e]) * (dp[e] - dot));
+  for (int64_t e = 0; e < n; ++e) dot += p[e] * dp[e];
+  for (int64_t e = 0; e < n; ++e) dlogit[e] = p[e] * (dp[e] - dot);
 }
 
 }  // namespace
@@ -35,28 +35,38 @@ RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_
   r.probs.resize(size_t(tokens * experts));
   r.expert.resize(size_t(tokens * top_k));
   r.weight.resize(size_t(tokens * top_k));
-  std::vector<int32_t> order(static_cast<size_t>(experts));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const double* x = logits.data() + t * experts;
-    double* p = r.probs.data() + t * experts;
-    double mx = -INFINITY;
-    for (int64_t e = 0; e < experts; ++e) {
-      LATHE_CHECK(std::isfinite(x[e]), "moe: router logit of token {}, expert {} is {}", t, e, x[e]);
-      mx = std::max(mx, double(x[e]));
-    }
-    double sum = 0;
-    for (int64_t e = 0; e < experts; ++e) sum += std::exp(double(x[e]) - mx);
-    for (int64_t e = 0; e < experts; ++e) p[e] = double(std::exp(double(x[e]) - mx) / sum);
-    // The k largest, larger first, ties to the lower index: a total order, so partial_sort's result is unique.
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-    double picked = 0;
-    for (int64_t j = 0; j < top_k; ++j) picked += p[order[size_t(j)]];
-    for (int64_t j = 0; j < top_k; ++j) {
-      const int32_t e = order[size_t(j)];
-      r.expert[size_t(t * top_k + j)] = e;
-      r.weight[size_t(t * top_k + j)] = double(norm_topk_prob ? double(p[e]) / picked : double(p[e]));
+  for (int64_t i = 0; i < tokens * experts; ++i)
+    LATHE_CHECK(std::isfinite(logits[size_t(i)]), "moe: router logit of token {}, expert {} is {}", i / experts,
+                i % experts, logits[size_t(i)]);
+  // Each token alone (threads split the tokens; the result does not depend on how).
+#pragma omp parallel
+  {
+    std::vector<int32_t> order(static_cast<size_t>(top_k));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const double* x = logits.data() + t * experts;
+      double* p = r.probs.data() + t * experts;
+      const double mx = *std::max_element(x, x + experts);
+      double sum = 0;
+      for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(x[e] - mx));
+      for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+      // The k largest, larger first, ties to the lower index (a total order): one pass, inserting into the sorted
+      // top-k list (most experts fail the first comparison).
+      auto better = [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+      int64_t n = 0;
+      for (int32_t e = 0; e < int32_t(experts); ++e) {
+        if (n == top_k && !better(e, order[size_t(n - 1)])) continue;
+        int64_t i = n < top_k ? n++ : n - 1;
+        for (; i > 0 && better(e, order[size_t(i - 1)]); --i) order[size_t(i)] = order[size_t(i - 1)];
+        order[size_t(i)] = e;
+      }
+      double picked = 0;
+      for (int64_t j = 0; j < top_k; ++j) picked += p[order[size_t(j)]];
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int32_t e = order[size_t(j)];
+        r.expert[size_t(t * top_k + j)] = e;
+        r.weight[size_t(t * top_k + j)] = norm_topk_prob ? p[e] / picked : p[e];
+      }
     }
   }
   return r;
@@ -66,21 +76,25 @@ std::vector<double> route_tokens_backward(const RouterChoice& r, std::span<const
   LATHE_CHECK(int64_t(d_weight.size()) == r.tokens * r.top_k, "moe: d_weight holds {} values, the choice has {} x {}",
               d_weight.size(), r.tokens, r.top_k);
   std::vector<double> d_logits(size_t(r.tokens * r.experts));
-  std::vector<double> dp(size_t(r.experts));
-  for (int64_t t = 0; t < r.tokens; ++t) {
-    const double* p = r.probs.data() + t * r.experts;
-    const int32_t* ex = r.expert.data() + t * r.top_k;
-    const double* dw = d_weight.data() + t * r.top_k;
-    std::fill(dp.begin(), dp.end(), 0.0);
-    if (norm_topk_prob) {  // w_j = p_j / S, S = sum of the k picked: dp_j = (dw_j - sum_i dw_i w_i) / S
-      double picked = 0, dot = 0;
-      for (int64_t j = 0; j < r.top_k; ++j) picked += p[ex[j]];
-      for (int64_t j = 0; j < r.top_k; ++j) dot += double(dw[j]) * (double(p[ex[j]]) / picked);
-      for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = (double(dw[j]) - dot) / picked;
-    } else {
-      for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = dw[j];
+#pragma omp parallel
+  {
+    std::vector<double> dp(size_t(r.experts));
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < r.tokens; ++t) {
+      const double* p = r.probs.data() + t * r.experts;
+      const int32_t* ex = r.expert.data() + t * r.top_k;
+      const double* dw = d_weight.data() + t * r.top_k;
+      std::fill(dp.begin(), dp.end(), 0.0);
+      if (norm_topk_prob) {  // w_j = p_j / S, S = sum of the k picked: dp_j = (dw_j - sum_i dw_i w_i) / S
+        double picked = 0, dot = 0;
+        for (int64_t j = 0; j < r.top_k; ++j) picked += p[ex[j]];
+        for (int64_t j = 0; j < r.top_k; ++j) dot += dw[j] * (p[ex[j]] / picked);
+        for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = (dw[j] - dot) / picked;
+      } else {
+        for (int64_t j = 0; j < r.top_k; ++j) dp[size_t(ex[j])] = dw[j];
+      }
+      softmax_backward_row(p, dp.data(), r.experts, d_logits.data() + t * r.experts);
     }
-    softmax_backward_row(p, dp.data(), r.experts, d_logits.data() + t * r.experts);
   }
   return d_logits;
 }
@@ -166,6 +180,7 @@ double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::
     for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
     for (const RouterChoice* r : layers) {
       std::vector<double> d(size_t(r->tokens * experts));
+#pragma omp parallel for schedule(static)
       for (int64_t t = 0; t < r->tokens; ++t)
         softmax_backward_row(r->probs.data() + t * experts, dp.data(), experts, d.data() + t * experts);
       d_logits->push_back(std::move(d));

@@ -22,6 +22,20 @@ namespace {
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "moe";
 
+// transformers' own bf16 error on each fixture (stock model of the fixture's type in bfloat16, its default experts
+// implementation, against the same f64 goldens without the aux term, same rel-L2; dev/ref/hf_bf16_error.py,
+// transformers 5.17.0, torch 2.11.0+cu130, NVIDIA H200).
+struct HfBf16Error {
+  const char* fixture;
+  double logits, grad_mean;
+};
+constexpr HfBf16Error kHfBf16[] = {
+    {"qwen3_moe_per_expert", 0.0152, 0.0268},
+    {"qwen3_moe_fused", 0.0157, 0.0312},
+    {"qwen3_5_moe", 0.0283, 0.0718},
+    {"qwen3_next", 0.0985, 0.274},
+};
+
 }  // namespace
 
 TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
@@ -78,12 +92,20 @@ TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
         EXPECT_LT(worst, 5e-4) << worst_name;
       } else {
         // bf16 weights and activations, the router softmax in f64 on the host from bf16 logits (as HF's fp32 one
-        // from bf16 logits). These tiny random models amplify bf16 rounding (the dense families' HF bf16 runs are
-        // 2-10% off in logits and up to 74% in single gradients, test_qwen3_5_cuda.cpp); a token whose top-k flips
-        // moves its expert gradients entirely. Bounds: logits 10%, loss 2%, gradient mean 50%.
-        EXPECT_LT(logit_err, 0.10);
-        EXPECT_NEAR(r.loss, want, 2e-2 * std::abs(want));
-        EXPECT_LT(mean, 0.5);
+        // from bf16 logits). Relative to HF's own bf16 error on the fixture (kHfBf16; its gradients here are
+        // without the aux term, ours with it: the aux term is a small part of the router's gradient only): logits
+        // 2x, gradient mean 3x, loss within 1%, when every token keeps its golden experts. The fixtures' smallest
+        // top-k gaps are 1.7e-3 to 2.9e-3 in probability (dev/ref/moe_fixtures.py), which bf16 logits can cross: a
+        // flipped token changes its expert outputs entirely, so with a flip the bounds are logits 0.2, gradient
+        // mean 1.0, loss 2% (measured with a flip on an H200: logits 0.113 to 0.142, gradient mean 0.33 to 0.52).
+        const HfBf16Error* hf = nullptr;
+        for (const HfBf16Error& e : kHfBf16)
+          if (name == e.fixture) hf = &e;
+        ASSERT_NE(hf, nullptr) << "no measured HF bf16 error for fixture " << name;
+        const bool flipped = routing_mismatch > 0;
+        EXPECT_LT(logit_err, flipped ? 0.2 : 2.0 * hf->logits);
+        EXPECT_NEAR(r.loss, want, (flipped ? 2e-2 : 1e-2) * std::abs(want));
+        EXPECT_LT(mean, flipped ? 1.0 : 3.0 * hf->grad_mean);
       }
     }
     ++checked;
