@@ -72,9 +72,9 @@ MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x
   MoeActs a;
   a.x = x;
   a.xs = embedding(cx, x, r.token_ids);
-  const Tensor& gu = w(p.gate_up);
-  a.gate = grouped_matmul(cx, a.xs, gu.narrow(1, 0, in), g);
-  a.up = grouped_matmul(cx, a.xs, gu.narrow(1, in, in), g);
+  const Tensor gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
+  a.gate = contiguous(cx, gu.narrow(1, 0, in));
+  a.up = contiguous(cx, gu.narrow(1, in, in));
   a.act = swiglu(cx, a.gate, a.up);
   const Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
@@ -101,20 +101,19 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
   const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
   const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
-  // Experts: yd = grouped(act, down), act = swiglu(grouped(xs, gate), grouped(xs, up)).
+  // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
   const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
-  const Tensor& gu = w(p.gate_up);
   const Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
   if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
   const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
-  if (train) {
-    const Tensor dw = Tensor::empty(gu.shape(), gu.dtype(), cx.allocator);
-    grouped_matmul_weight_grad_into(cx, dgu[0], a.xs, dw.narrow(1, 0, in), g);
-    grouped_matmul_weight_grad_into(cx, dgu[1], a.xs, dw.narrow(1, in, in), g);
-    add_grad(p.gate_up, dw);
-  }
-  const Tensor dxs = add(cx, grouped_matmul(cx, dgu[0], gu.narrow(1, 0, in), gt),
-                         grouped_matmul(cx, dgu[1], gu.narrow(1, in, in), gt));
+  // d[gate | up] (P, 2I): the two (P, I) gradients stacked as (2, P, I), then interleaved per row by a transposing copy.
+  const int64_t rows = dact.size(0);
+  const Tensor stacked = Tensor::empty({2, rows, in}, dact.dtype(), cx.allocator);
+  copy_into(cx, dgu[0].view({1, rows, in}), stacked.narrow(0, 0, 1));
+  copy_into(cx, dgu[1].view({1, rows, in}), stacked.narrow(0, 1, 1));
+  const Tensor dgate_up = contiguous(cx, stacked.transpose(0, 1)).view({rows, 2 * in});
+  if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
+  const Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
   // Each token's k rows summed in a fixed order (a batched product with ones).
   Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   // Router: d(logits) on the host through the renormalisation and the softmax, plus the aux-loss term.

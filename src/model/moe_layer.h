@@ -2,8 +2,8 @@
 // qwen3_5_moe_text and qwen3_next in Qwen35Model); CausalLm::moe_forward / moe_backward compute it
 // (model/moe_layer.cpp, docs/moe.md):
 //   logits = x Wr^T (T, E) -> host routing (model/moe_routing.h: softmax, top-k, norm_topk_prob, the plan sorted by
-//   expert) -> xs = x[plan.token] (P = T k rows, sorted by expert) -> gate / up = grouped GEMMs with the two halves
-//   of gate_up_proj (E, 2I, D) -> swiglu -> yd = grouped GEMM with down_proj (E, D, I) -> each token's k rows read
+//   expert) -> xs = x[plan.token] (P = T k rows, sorted by expert) -> [gate | up] = one grouped GEMM with gate_up_proj
+//   (E, 2I, D) -> swiglu -> yd = grouped GEMM with down_proj (E, D, I) -> each token's k rows read
 //   back through plan.position and combined by a batched (1 x k) (k x D) product with its weights (a gather and a
 //   fixed-order sum: no scatter-add, deterministic)
 //   [+ sigmoid(x Wg^T) * shared_expert(x) when the family has a shared expert].
