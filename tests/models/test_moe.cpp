@@ -16,8 +16,10 @@
 #include "io/safetensors.h"
 #include "model/causal_lm.h"
 #include "model/generate.h"
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "ops/ops.h"
+#include "support/lora_support.h"
 #include "support/model_support.h"
 
 using namespace lathe;
@@ -346,5 +348,55 @@ TEST(MoeGenerate, DecodingIsRefusedByName) {
     ADD_FAILURE() << "an MoE decoder was built";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("mixture-of-experts"), std::string::npos) << e.what();
+  }
+}
+
+TEST(MoeLora, AdaptersOnAttentionGdnAndDenseMlpMatchFiniteDifferencesAndMerge) {
+  for (const char* type : {"qwen3_moe", "qwen3_next"}) {
+    SCOPED_TRACE(type);
+    ModelOptions opt;
+    opt.dtype = DType::F64;
+    opt.train_base = false;
+    opt.router_aux_loss = false;  // objective() is the segments' cross-entropy
+    std::unique_ptr<CausalLm> m =
+        random_causal_lm(runtime(), parse_model_config(tiny_json(type), "tiny"), opt, 17, 0.3);
+    // The targets of each layer: the mixer's projections, and the dense MLP of mlp_only_layers only (experts take none).
+    std::vector<std::string> expected;
+    if (std::string(type) == "qwen3_next") {
+      expected = {"in_proj_qkvz", "in_proj_ba", "out_proj"};
+      EXPECT_EQ(lora_layer_targets(m->config(), 0).size(), 3u);
+    }
+    EXPECT_EQ(lora_layer_targets(m->config(), 1).size(), 7u);  // layer 1: q/k/v/o and its dense MLP (mlp_only_layers)
+    LoraBank bank(runtime(), m->config(), Device::cpu(), DType::F64, {lora(2, 4, {"all-linear"})});
+    randomise(bank, 0, 11, 0.2);
+    m->attach_lora(&bank);
+    PackedBatch b = random_batch(40, {0, 7, 16}, 6);
+    const PackedBatch bare = b;
+    set_segments(b, {{16, 0, 1.0, 0}});
+    bank.zero_grads();
+    m->loss(b, true);
+    for (const Parameter& p : m->parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
+    std::set<std::string> modules;
+    const double h = 1e-6;
+    for (Parameter& p : bank.parameters(0)) {
+      for (const std::string& t : expected)
+        if (p.name.find("." + t + ".") != std::string::npos) modules.insert(t);
+      double* v = p.value.data<double>();
+      const std::vector<double> g = to_f64(p.grad);
+      for (int64_t i : {int64_t(0), p.value.numel() - 1}) {
+        const double x = v[i];
+        v[i] = x + h;
+        const double up = objective(*m, b);
+        v[i] = x - h;
+        const double down = objective(*m, b);
+        v[i] = x;
+        const double fd = (up - down) / (2 * h);
+        EXPECT_NEAR(g[size_t(i)], fd, 1e-7 + 1e-5 * std::abs(fd)) << p.name << "[" << i << "]";
+      }
+    }
+    EXPECT_EQ(modules.size(), expected.size());
+    const std::vector<double> adapted = to_f64(m->logits(b));
+    merge_lora(*m, bank, 0);
+    EXPECT_LT(rel_l2(to_f64(m->logits(bare)), adapted), 1e-12);
   }
 }
