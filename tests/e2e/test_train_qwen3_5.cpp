@@ -20,6 +20,7 @@
 namespace fs = std::filesystem;
 using lathe_e2e::LatheRun;
 using lathe_e2e::metrics;
+using lathe_e2e::read_logprobs;
 LatheRun cli(const std::string& args, const std::string& env = "") { return lathe_e2e::lathe(args, env); }
 
 namespace {
@@ -69,14 +70,6 @@ std::map<std::string, std::vector<float>> adapter(const fs::path& dir) {
   std::map<std::string, std::vector<float>> out;
   for (const auto& t : f.tensors()) out[t.name] = f.read_as_f32(t.name);
   return out;
-}
-
-std::vector<std::vector<double>> read_logprobs(const fs::path& file) {
-  std::vector<std::vector<double>> rows;
-  std::ifstream f(file);
-  std::string line;
-  while (std::getline(f, line)) rows.push_back(nlohmann::json::parse(line)["logprobs"].get<std::vector<double>>());
-  return rows;
 }
 
 double max_abs_diff(const std::vector<std::vector<double>>& a, const std::vector<std::vector<double>>& b) {
@@ -239,49 +232,5 @@ TEST(Qwen35Train, LoraFinalEvalGeneratesWhatTheMergedExportGenerates) {
 
 // Issue 8's check: Lathe's log-probs on the fixture folders against the transformers logits stored with them.
 TEST(Qwen35Logprobs, MatchTransformersLogitsOnTheFixtures) {
-  const fs::path fixtures = kTests / "models/fixtures/qwen3_5";
-  ASSERT_TRUE(fs::exists(fixtures)) << "fixtures missing: " << fixtures;
-  int checked = 0;
-  for (const auto& entry : fs::directory_iterator(fixtures)) {
-    if (!entry.is_directory()) continue;
-    SCOPED_TRACE(entry.path().filename().string());
-    const lathe::io::SafetensorsFile ref = lathe::io::SafetensorsFile::open((entry.path() / "reference.safetensors").string());
-    auto ints = [&](const char* name) {
-      std::vector<int32_t> v(size_t(ref.get(name).numel));
-      ref.read_into(name, lathe::DType::I32, v.data(), v.size() * 4);
-      return v;
-    };
-    const std::vector<int32_t> ids = ints("input_ids"), cu = ints("cu_seqlens");
-    const std::vector<float> logits = ref.read_as_f32("logits");
-    const size_t vocab = logits.size() / ids.size();
-    const fs::path tmp = fs::temp_directory_path() / fmt::format("lathe_q35_lp_{}_{}", getpid(), checked);
-    {
-      std::ofstream in(tmp.string() + ".in.jsonl");
-      for (size_t d = 0; d + 1 < cu.size(); ++d)
-        in << nlohmann::json{{"tokens", std::vector<int32_t>(ids.begin() + cu[d], ids.begin() + cu[d + 1])}}.dump() << "\n";
-    }
-    const LatheRun r = cli("logprobs --model " + (entry.path() / "model").string() + " --input " + tmp.string() +
-                             ".in.jsonl --output " + tmp.string() + ".out.jsonl");
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const auto got = read_logprobs(tmp.string() + ".out.jsonl");
-    ASSERT_EQ(got.size(), cu.size() - 1);
-    double worst = 0;
-    for (size_t d = 0; d + 1 < cu.size(); ++d) {
-      ASSERT_EQ(got[d].size(), size_t(cu[d + 1] - cu[d] - 1));
-      for (int32_t i = cu[d]; i + 1 < cu[d + 1]; ++i) {
-        const float* row = logits.data() + size_t(i) * vocab;
-        double mx = row[0], sum = 0;
-        for (size_t v = 0; v < vocab; ++v) mx = std::max(mx, double(row[v]));
-        for (size_t v = 0; v < vocab; ++v) sum += std::exp(double(row[v]) - mx);
-        const double want = double(row[ids[size_t(i) + 1]]) - mx - std::log(sum);
-        worst = std::max(worst, std::abs(got[d][size_t(i - cu[d])] - want));
-      }
-    }
-    std::printf("[qwen3_5 logprobs] %s: max abs diff to transformers %.3g\n", entry.path().filename().c_str(), worst);
-    EXPECT_LT(worst, 1e-4);
-    fs::remove(tmp.string() + ".in.jsonl");
-    fs::remove(tmp.string() + ".out.jsonl");
-    ++checked;
-  }
-  EXPECT_GE(checked, 4);
+  EXPECT_GE(lathe_e2e::expect_logprobs_match_fixture_logits(kTests / "models/fixtures/qwen3_5", "qwen3_5"), 4);
 }
