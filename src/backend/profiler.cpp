@@ -24,6 +24,16 @@ double matmul_flops(const OpCall& call, std::string* shape) {
   return 2.0 * double(m) * double(n) * double(k);
 }
 
+// 2 P N K of a grouped GEMM call: every routed row of x (P, K) meets one (N, K) expert block (grouped_matmul), or
+// every row of dy (P, N) and x (P, K) adds to one expert's (N, K) gradient (grouped_matmul_weight_grad).
+double grouped_flops(const OpCall& call) {
+  const Tensor& a = call.inputs.at(0);
+  const Tensor& b = call.inputs.at(1);
+  const double rows = double(a.size(0));
+  if (call.op == OpId::grouped_matmul) return 2.0 * rows * double(call.outputs.at(0).size(1)) * double(a.size(1));
+  return 2.0 * rows * double(a.size(1)) * double(b.size(1));
+}
+
 std::vector<OpProfiler::Total> sorted(std::unordered_map<int, OpProfiler::Total>& by_key) {
   std::vector<OpProfiler::Total> v;
   for (auto& [key, t] : by_key) v.push_back(std::move(t));
@@ -61,6 +71,8 @@ int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& 
     std::string shape;
     r.flops = matmul_flops(call, &shape);
     r.shape = intern(shape);
+  } else if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_weight_grad) {
+    r.flops = grouped_flops(call);
   }
   r.start->record(stream);
   records_.push_back(r);

@@ -194,6 +194,8 @@ class BenchWeights {
 const char* kind_of(OpId op) {
   switch (op) {
     case OpId::matmul: return "GEMM";
+    case OpId::grouped_matmul:
+    case OpId::grouped_matmul_weight_grad: return "grouped GEMM";
     case OpId::attention:
     case OpId::attention_backward: return "attention";
     case OpId::cross_entropy: return "cross-entropy";
