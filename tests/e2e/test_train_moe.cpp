@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
+#include "fixture_logprobs.h"
 #include "lathe_run.h"
 
 namespace fs = std::filesystem;

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "io/safetensors.h"
+#include "fixture_logprobs.h"
 #include "lathe_run.h"
 
 namespace fs = std::filesystem;
