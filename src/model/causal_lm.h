@@ -144,7 +144,8 @@ class CausalLm {
   const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
 };
 
-// A model of config.json's model_type: qwen3 -> Qwen3Model, qwen3_5 / qwen3_5_text -> Qwen35Model.
+// A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /
+// qwen3_5_moe_text / qwen3_next -> Qwen35Model.
 std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options);
 // A randomly initialised model of config.model_type (each family's initialisation).
 std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
