@@ -168,14 +168,17 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
   std::set<std::string> used;
   ExecContext cx = ctx();
   int64_t fused = 0, split = 0;
+  // Staged on the host in f32 (exact for f32, bf16 and f16 checkpoints), in f64 for an f64 model.
+  const DType host_dtype = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
+  const size_t elem = dtype_size(host_dtype);
   for (Parameter& p : params_) {
-    std::vector<double> host(size_t(p.value.numel()));
+    std::vector<uint8_t> host(size_t(p.value.numel()) * elem);
     const io::SafetensorsTensor* t = st.find(p.name);
     if (t != nullptr || !is_fused_experts(p.name)) {
       LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", st.dir(), p.name);
       LATHE_CHECK(t->shape == p.value.shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
                   st.dir(), p.name, shape_str(t->shape), shape_str(p.value.shape()));
-      st.read_into(p.name, DType::F64, host.data(), host.size() * sizeof(double));
+      st.read_into(p.name, host_dtype, host.data(), host.size());
       used.insert(p.name);
       fused += is_fused_experts(p.name);
     } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)
@@ -190,12 +193,12 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
           LATHE_CHECK(pt->shape == Shape({part_rows, cols}), "model: {}: tensor '{}' has shape {} but the config "
                       "implies {}", st.dir(), name, shape_str(pt->shape), shape_str(Shape({part_rows, cols})));
           const int64_t at = (e * rows + int64_t(i) * part_rows) * cols;
-          st.read_into(name, DType::F64, host.data() + at, size_t(part_rows * cols) * sizeof(double));
+          st.read_into(name, host_dtype, host.data() + size_t(at) * elem, size_t(part_rows * cols) * elem);
           used.insert(name);
         }
       ++split;
     }
-    p.value = cast(cx, rt_->from_host(host.data(), p.value.shape(), DType::F64, options_.device), options_.dtype);
+    p.value = cast(cx, rt_->from_host(host.data(), p.value.shape(), host_dtype, options_.device), options_.dtype);
   }
   LATHE_CHECK(fused == 0 || split == 0, "model: {}: the checkpoint mixes fused ({} tensors) and per-expert ({}) expert "
               "layouts", st.dir(), fused, split);
