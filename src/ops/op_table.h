@@ -148,6 +148,12 @@ struct CrossEntropyAttrs {
 // With `rounded_to` set (bf16 or f16), a fourth output param' = master' converted to that dtype exactly as the cast
 // op converts it (round to nearest even from the stored master'), so a low-precision parameter is refreshed from its
 // f32 master in the same pass: bitwise equal to adamw followed by cast.
+// Key dtype bf16 (optimizer states in bf16, no master: Hugging Face's "bf16 parameters" recipe): master is the bf16
+// parameter itself, m and v are bf16, grad is bf16 or f32 (any float on the CPU). Inputs are widened exactly, the
+// formula runs in f32 or wider (the CPU reference: double, as for f32 keys; CUDA: float), master' uses the unrounded
+// m' and v', and each output is rounded to f32 and then to nearest even into bf16 on store: the bf16-key result is
+// the f32-key result on the widened inputs, each output cast to bf16. An update smaller than half a bf16 ulp of the
+// weight is lost. rounded_to is refused with a bf16 key (the master already is the parameter).
 struct AdamWAttrs {
   double lr = 1e-3;
   double beta1 = 0.9;
