@@ -193,6 +193,7 @@ void AdamW::load(const std::string& path) {
   // `moment`: the dtype this optimizer keeps the tensor in; a file's f32/f64 moments are read into either of those,
   // but bf16 ones only into bf16 ones (and the reverse): that is the state_dtype setting.
   const auto is_full = [](DType d) { return d == DType::F32 || d == DType::F64; };
+  bool state_dtype_differs = false;
   auto check = [&](const std::string& name, const Shape& shape, bool required, std::optional<DType> moment) {
     known.insert(name);
     const io::SafetensorsTensor* t = file.find(name);
@@ -202,10 +203,11 @@ void AdamW::load(const std::string& path) {
     }
     if (!is_floating(t->dtype))
       problems.push_back(fmt::format("{} is {}, not floating point", name, dtype_name(t->dtype)));
-    else if (moment && t->dtype != *moment && (!is_full(t->dtype) || !is_full(*moment)))
-      problems.push_back(fmt::format("{} is {} in the file, but this optimizer keeps it in {} (optimizer states {}: "
-                                     "resume with the state dtype the file was saved with)",
-                                     name, dtype_name(t->dtype), dtype_name(*moment), dtype_name(config_.state_dtype)));
+    else if (moment && t->dtype != *moment && (!is_full(t->dtype) || !is_full(*moment))) {
+      problems.push_back(fmt::format("{} is {} in the file, but this optimizer keeps it in {}", name,
+                                     dtype_name(t->dtype), dtype_name(*moment)));
+      state_dtype_differs = true;
+    }
     if (Shape(t->shape.begin(), t->shape.end()) != shape)
       problems.push_back(fmt::format("{} has shape {}, the parameter {}", name, shape_str(Shape(t->shape.begin(),
                                      t->shape.end())), shape_str(shape)));
@@ -223,9 +225,12 @@ void AdamW::load(const std::string& path) {
     if (!known.count(t.name)) problems.push_back(fmt::format("{} belongs to no parameter of this model", t.name));
   if (!problems.empty()) {
     const size_t shown = std::min<size_t>(problems.size(), 12);
-    LATHE_FAIL("optim: {} does not match this optimizer's parameters and state dtypes ({} problems): {}{}", path,
-               problems.size(), fmt::join(problems.begin(), problems.begin() + long(shown), "; "),
-               shown < problems.size() ? "; ..." : "");
+    const std::string hint = state_dtype_differs
+        ? fmt::format("; this optimizer keeps {} states (AdamWConfig::state_dtype, train.optimizer_states): resume "
+                      "with the state dtype the file was saved with", dtype_name(config_.state_dtype))
+        : "";
+    LATHE_FAIL("optim: {} does not match this optimizer ({} problems{}): {}{}", path, problems.size(), hint,
+               fmt::join(problems.begin(), problems.begin() + long(shown), "; "), shown < problems.size() ? "; ..." : "");
   }
 
   ExecContext ctx = rt_->context(device_);
