@@ -53,10 +53,10 @@ void adamw_step(const OpCall& c) {
 #pragma omp parallel for if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     const double gi = a.grad_scale * to_double(g[i]);
-    const double wd = to_double(w[i]);
+    const double w_old = to_double(w[i]);
     const double mi = b1 * to_double(m[i]) + (1.0 - b1) * gi;
     const double vi = b2 * std::abs(to_double(v[i])) + (1.0 - b2) * gi * gi;
-    const double wi = wd - lr_wd * wd - step_size * mi / (std::sqrt(vi) / sqrt_bc2 + a.eps);
+    const double wi = w_old - lr_wd * w_old - step_size * mi / (std::sqrt(vi) / sqrt_bc2 + a.eps);
     const T w_stored = store_as<T>(wi);
     w_out[i] = w_stored;
     m_out[i] = store_as<T>(mi);
