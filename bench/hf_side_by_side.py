@@ -21,14 +21,19 @@ Rows (the issue's recipe, seq 4096):
         FFN 768, 32/4 heads of 128, untied vocab 151936), bf16 parameters, seq 4096, micro-batch 1; transformers runs
         its default experts implementation (recorded as "experts_implementation"); MFU counts the active experts only.
 A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
-Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row.
+Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row; with --lathe-bf16-states,
+the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-a3b) run `lathe bench
+--optimizer-states bf16` instead: no masters, bf16 moments, the parameters updated in place, as
+torch.optim.AdamW(fused=True) does on bf16 parameters (docs/optim.md). The LoRA row keeps fp32 states: peft upcasts
+the bf16 adapter weights to fp32 (autocast_adapter_dtype=True), so HF trains fp32 adapters there. Each row records
+"lathe_optimizer_states".
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
 attention 6 L Hq D S; LoRA: 4 N_matmul + 6 N_adapter + attention; Qwen3.5: attention over its full-attention layers
 only, plus the chunked GDN core per GDN layer and value head (research/gated-deltanet.md sec. 3.6, chunk 64:
 22 dk dv + 24 C dk + 14 C dv + 4 C^2); against 989 TFLOP/s (H100/H200 bf16 dense).
 
 Usage (GPU machine): python3 bench/hf_side_by_side.py --lathe-bin build/lathe [--shapes 0.6b,1.7b,4b] [--lora]
-                     [--steps 5] [--warmup 2] [--out side_by_side.json]
+                     [--lathe-bf16-states] [--steps 5] [--warmup 2] [--out side_by_side.json]
 """
 import argparse
 import datetime
@@ -223,15 +228,22 @@ def run_hf(name, row, args):
     return run_json(cmd, args.timeout)
 
 
+def lathe_states(row, args):
+    """Lathe's AdamW state dtype for a row: bf16 with --lathe-bf16-states where HF trains bf16 parameters (full
+    fine-tuning rows with params == "bf16"; peft's LoRA adapters are fp32 even on a bf16 base), else f32."""
+    return "bf16" if args.lathe_bf16_states and row["params"] == "bf16" and not row["lora_rank"] else "f32"
+
+
 def run_lathe(row, args):
     cmd = [args.lathe_bin, "bench", "--device", "cuda", "--shape", row["shape"], "--seq", str(row["seq"]),
-           "--micro-batch", str(row["micro_batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--micro-batch", str(row["micro_batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--optimizer-states", lathe_states(row, args)]
     if row["lora_rank"]:
         cmd += ["--lora-rank", str(row["lora_rank"])]
     if row.get("layers"):
         cmd += ["--layers", str(row["layers"])]
     out = run_json(cmd, args.timeout)
-    if "error" in out and "out of memory" in out["error"].lower():  # fp32 masters + moments: retry recomputing
+    if "error" in out and "out of memory" in out["error"].lower():  # AdamW states and activations: retry recomputing
         print(f"  lathe: {out['error']}; again with --recompute", flush=True)
         out = run_json(cmd + ["--recompute"], args.timeout)
     return out
@@ -269,6 +281,8 @@ def main():
     ap.add_argument("--timeout", type=int, default=600, help="seconds per measurement")
     ap.add_argument("--out", default="side_by_side.json")
     ap.add_argument("--only", choices=["hf", "lathe"], help="run one side only")
+    ap.add_argument("--lathe-bf16-states", action="store_true",
+                    help="lathe keeps bf16 AdamW states (no fp32 masters) in the rows where HF trains bf16 parameters")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -292,18 +306,21 @@ def main():
             print(f"  lathe: {lathe['error']}", flush=True)
         ratio = (lathe["tokens_per_s"] / hf["tokens_per_s"]
                  if "tokens_per_s" in hf and "tokens_per_s" in lathe else None)
-        results.append({"row": name, **row, "hf": hf, "lathe": lathe, "ratio": ratio})
+        results.append({"row": name, **row, "lathe_optimizer_states": lathe_states(row, args), "hf": hf,
+                        "lathe": lathe, "ratio": ratio})
     card = next((r[s]["card"] for r in results for s in ("hf", "lathe") if "card" in r[s]), "unknown")
     print(f"\ncard: {card}; {datetime.date.today()}; steps {args.steps} after {args.warmup} warm-up, mean step time")
-    head = (f"{'row':<6} {'seq x mb':>10} {'HF tok/s':>10} {'lathe tok/s':>12} {'lathe/HF':>9} {'HF MFU':>7} "
-            f"{'lathe MFU':>10} {'HF peak GiB':>12} {'lathe peak GiB':>15}")
+    head = (f"{'row':<6} {'seq x mb':>10} {'HF params':>9} {'lathe states':>12} {'HF tok/s':>10} {'lathe tok/s':>12} "
+            f"{'lathe/HF':>9} {'HF MFU':>7} {'lathe MFU':>10} {'HF peak GiB':>12} {'lathe peak GiB':>15}")
     print(head)
     print("-" * len(head))
     for r in results:
         hf, la = r["hf"], r["lathe"]
         pct = lambda x: f"{100 * x:.1f}%" if isinstance(x, float) else "-"
         gib = lambda d: d.get("peak_mib", 0) / 1024 if "peak_mib" in d else None
-        print(f"{r['row']:<6} {str(r['seq']) + ' x ' + str(r['micro_batch']):>10} {fmt(hf.get('tokens_per_s'), '.0f'):>10} "
+        states = "bf16" if r["lathe_optimizer_states"] == "bf16" else "f32 masters"
+        print(f"{r['row']:<6} {str(r['seq']) + ' x ' + str(r['micro_batch']):>10} {r['params']:>9} {states:>12} "
+              f"{fmt(hf.get('tokens_per_s'), '.0f'):>10} "
               f"{fmt(la.get('tokens_per_s'), '.0f'):>12} {fmt(r['ratio'], '.3f'):>9} {pct(hf.get('mfu')):>7} "
               f"{pct(la.get('mfu')):>10} {fmt(gib(hf), '.1f'):>12} {fmt(gib(la), '.1f'):>15}")
     for r in results:
@@ -311,7 +328,8 @@ def main():
             print(f"{r['row']}: lathe ran with --recompute (out of memory without it)")
     with open(args.out, "w") as f:
         json.dump({"date": str(datetime.date.today()), "card": card, "commit": os.environ.get("LATHE_COMMIT", ""),
-                   "steps": args.steps, "warmup": args.warmup, "peak_flops": PEAK, "rows": results}, f, indent=2)
+                   "steps": args.steps, "warmup": args.warmup, "peak_flops": PEAK,
+                   "lathe_bf16_states": args.lathe_bf16_states, "rows": results}, f, indent=2)
     print(f"results: {args.out}")
     return 0 if all("error" not in r["hf"] and "error" not in r["lathe"] for r in results) else 1
 

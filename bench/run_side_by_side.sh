@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Training throughput against Hugging Face transformers on one GPU (issue 7): prints the card, driver, CUDA and the
 # commit, then runs bench/hf_side_by_side.py (the HF baseline and `lathe bench` on the same shapes, batch and card,
-# one subprocess per measurement). Extra arguments go to the script, e.g. --shapes 0.6b,1.7b --lora --steps 5.
+# one subprocess per measurement). Extra arguments go to the script, e.g. --shapes 0.6b,1.7b --lora --steps 5, or
+# --shapes 4b --lathe-bf16-states (lathe without fp32 AdamW masters where HF trains bf16 parameters).
 # Usage: bench/run_side_by_side.sh BUILD_DIR [args...]   (results: side_by_side.json, or --out PATH)
 set -euo pipefail
 build=${1:?build dir}; shift

@@ -141,13 +141,20 @@ struct CrossEntropyAttrs {
 // with the conventions of torch.optim.AdamW). With g = grad_scale * grad, b1t = 1 - beta1^step, b2t = 1 - beta2^step:
 //   m' = beta1 m + (1 - beta1) g        v' = beta2 |v| + (1 - beta2) g^2
 //   master' = master - lr weight_decay master - (lr / b1t) m' / (sqrt(v') / sqrt(b2t) + eps)
-// master, m and v share one dtype (the key dtype: f32, f64 in the reference); grad may be any float dtype (bf16
-// gradients update f32 masters). |v| equals v for every state this op produces; it keeps the op total on arbitrary
-// inputs (the op check draws them from [-2, 2]). Elementwise: the outputs may be the input tensors themselves, which
-// is how the optimizer updates in place (adamw_update in ops.h). Not differentiable.
+// master, m and v share one dtype (the key dtype: f32, f64 in the reference, or bf16 below); grad may be any float
+// dtype (bf16 gradients update f32 masters; CUDA takes f32, bf16 and f16). |v| equals v for every state this op
+// produces; it keeps the op total on arbitrary inputs (the op check draws them from [-2, 2]). Elementwise: the
+// outputs may be the input tensors themselves, which is how the optimizer updates in place (adamw_update in ops.h).
+// Not differentiable.
 // With `rounded_to` set (bf16 or f16), a fourth output param' = master' converted to that dtype exactly as the cast
 // op converts it (round to nearest even from the stored master'), so a low-precision parameter is refreshed from its
 // f32 master in the same pass: bitwise equal to adamw followed by cast.
+// Key dtype bf16 (optimizer states in bf16, no master: Hugging Face's "bf16 parameters" recipe): master is the bf16
+// parameter itself, m and v are bf16, grad is bf16 or f32 in practice. Inputs are widened exactly, the
+// formula runs in f32 or wider (the CPU reference: double, as for f32 keys; CUDA: float), master' uses the unrounded
+// m' and v', and each output is rounded to f32 and then to nearest even into bf16 on store: the bf16-key result is
+// the f32-key result on the widened inputs, each output cast to bf16. An update smaller than half a bf16 ulp of the
+// weight is lost. rounded_to is refused with a bf16 key (the master already is the parameter).
 struct AdamWAttrs {
   double lr = 1e-3;
   double beta1 = 0.9;

@@ -66,7 +66,8 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
 // One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.
 // With a defined `param` (contiguous bf16/f16, the master's shape), the same kernel also writes the new master rounded
-// into it (attrs.rounded_to is set from param's dtype), instead of a separate cast afterwards.
+// into it (attrs.rounded_to is set from param's dtype), instead of a separate cast afterwards. A bf16 master is the
+// parameter itself (bf16 optimizer states) and takes no `param`.
 void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,
                   const Tensor& param = {});
 // Row-segment ops on x (T, C) for multi-tenant LoRA (formulas at SegmentAttrs in ops/op_table.h).

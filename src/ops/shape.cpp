@@ -253,7 +253,8 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       return out;
     }
     case OpId::adamw: {
-      // Key dtype = the master's; the gradient may be any float dtype (bf16 gradients, f32 masters).
+      // Key dtype = the master's; the gradient may be any float dtype (bf16 gradients, f32 masters). A bf16 key is the
+      // parameter itself with bf16 moments (no master), so it takes no rounded_to.
       const Tensor& w = in[0];
       check_floating(op, w);
       check_floating(op, in[1]);
@@ -271,6 +272,9 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "eps {}, weight_decay {}, grad_scale {}", a.lr, a.eps, a.weight_decay, a.grad_scale);
       const TensorSpec s{w.shape(), w.dtype()};
       if (!a.rounded_to) return {s, s, s};
+      LATHE_CHECK(w.dtype() != DType::BF16,
+                  "ops: adamw with a bf16 master (bf16 optimizer states) updates the parameter itself: rounded_to ({}) "
+                  "is for f32 masters of bf16/f16 parameters", dtype_name(*a.rounded_to));
       LATHE_CHECK(*a.rounded_to == DType::BF16 || *a.rounded_to == DType::F16,
                   "ops: adamw rounded_to must be bf16 or f16 (the dtype of a parameter with a master), got {}",
                   dtype_name(*a.rounded_to));

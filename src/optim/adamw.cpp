@@ -9,6 +9,7 @@
 #include <charconv>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "io/safetensors.h"
@@ -63,6 +64,12 @@ int64_t parse_int(const std::map<std::string, std::string>& meta, const std::str
 
 }  // namespace
 
+size_t adamw_state_bytes_per_element(DType param, DType state_dtype) {
+  if (param == DType::F32 || param == DType::F64) return 2 * dtype_size(param);
+  if (param == DType::BF16 && state_dtype == DType::BF16) return 2 * dtype_size(DType::BF16);
+  return 3 * dtype_size(DType::F32);  // f32 master, m and v
+}
+
 bool weight_decay_applies(const AdamWConfig& c, const std::string& name, const Shape& shape) {
   if (c.weight_decay == 0.0) return false;
   if (contains_any(name, c.no_decay)) return false;
@@ -88,6 +95,9 @@ AdamW::AdamW(Runtime& rt, std::vector<Parameter*> params, AdamWConfig config)
               "optim: AdamW betas must lie in [0, 1), got {} and {}", config_.beta1, config_.beta2);
   LATHE_CHECK(config_.eps >= 0 && config_.weight_decay >= 0, "optim: AdamW needs eps >= 0 and weight_decay >= 0");
   LATHE_CHECK(!params.empty(), "optim: AdamW got no parameters");
+  LATHE_CHECK(config_.state_dtype == DType::F32 || config_.state_dtype == DType::BF16,
+              "optim: AdamW state_dtype must be f32 or bf16, got {}", dtype_name(config_.state_dtype));
+  const bool bf16_states = config_.state_dtype == DType::BF16;
   device_ = params[0]->value.device();
   ExecContext ctx = rt.context(device_);
   std::set<std::string> names;
@@ -99,8 +109,11 @@ AdamW::AdamW(Runtime& rt, std::vector<Parameter*> params, AdamWConfig config)
     LATHE_CHECK(w.device() == device_, "optim: parameter {} is on {}, the others on {}", p->name, w.device().str(),
                 device_.str());
     LATHE_CHECK(names.insert(p->name).second, "optim: parameter {} is listed twice", p->name);
+    LATHE_CHECK(!bf16_states || w.dtype() != DType::F16,
+                "optim: parameter {} is f16; bf16 optimizer states are for bf16 parameters (use f32 states)", p->name);
     Slot s{p, {}, {}, {}, 0, weight_decay_applies(config_, p->name, w.shape())};
-    const bool own_master = w.dtype() == DType::F32 || w.dtype() == DType::F64;
+    const bool own_master =
+        w.dtype() == DType::F32 || w.dtype() == DType::F64 || (bf16_states && w.dtype() == DType::BF16);
     if (!own_master) s.master = cast(ctx, w, DType::F32);
     const DType state = own_master ? w.dtype() : DType::F32;
     s.m = zeros(ctx, w.shape(), state);
@@ -152,7 +165,8 @@ void AdamW::save(const std::string& path) const {
                                              {"beta1", fmt::format("{}", config_.beta1)},
                                              {"beta2", fmt::format("{}", config_.beta2)},
                                              {"eps", fmt::format("{}", config_.eps)},
-                                             {"weight_decay", fmt::format("{}", config_.weight_decay)}};
+                                             {"weight_decay", fmt::format("{}", config_.weight_decay)},
+                                             {"state_dtype", std::string(dtype_name(config_.state_dtype))}};
   for (const Slot& s : slots_) {
     const std::string& n = s.param->name;
     add(n + ".exp_avg", s.m);
@@ -176,7 +190,11 @@ void AdamW::load(const std::string& path) {
   // Validate everything before changing anything.
   std::vector<std::string> problems;
   std::set<std::string> known;
-  auto check = [&](const std::string& name, const Shape& shape, bool required) {
+  // `moment`: the dtype this optimizer keeps the tensor in; a file's f32/f64 moments are read into either of those,
+  // but bf16 ones only into bf16 ones (and the reverse): that is the state_dtype setting.
+  const auto is_full = [](DType d) { return d == DType::F32 || d == DType::F64; };
+  bool state_dtype_differs = false;
+  auto check = [&](const std::string& name, const Shape& shape, bool required, std::optional<DType> moment) {
     known.insert(name);
     const io::SafetensorsTensor* t = file.find(name);
     if (!t) {
@@ -185,6 +203,11 @@ void AdamW::load(const std::string& path) {
     }
     if (!is_floating(t->dtype))
       problems.push_back(fmt::format("{} is {}, not floating point", name, dtype_name(t->dtype)));
+    else if (moment && t->dtype != *moment && (!is_full(t->dtype) || !is_full(*moment))) {
+      problems.push_back(fmt::format("{} is {} in the file, but this optimizer keeps it in {}", name,
+                                     dtype_name(t->dtype), dtype_name(*moment)));
+      state_dtype_differs = true;
+    }
     if (Shape(t->shape.begin(), t->shape.end()) != shape)
       problems.push_back(fmt::format("{} has shape {}, the parameter {}", name, shape_str(Shape(t->shape.begin(),
                                      t->shape.end())), shape_str(shape)));
@@ -193,18 +216,21 @@ void AdamW::load(const std::string& path) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     const std::string& n = slots_[i].param->name;
     const Shape& shape = slots_[i].param->value.shape();
-    check(n + ".exp_avg", shape, true);
-    check(n + ".exp_avg_sq", shape, true);
-    check(n + ".master", shape, false);
+    check(n + ".exp_avg", shape, true, slots_[i].m.dtype());
+    check(n + ".exp_avg_sq", shape, true, slots_[i].v.dtype());
+    check(n + ".master", shape, false, std::nullopt);
     if (meta.count("step." + n)) steps[i] = parse_int(meta, "step." + n, path);
   }
   for (const io::SafetensorsTensor& t : file.tensors())
     if (!known.count(t.name)) problems.push_back(fmt::format("{} belongs to no parameter of this model", t.name));
   if (!problems.empty()) {
     const size_t shown = std::min<size_t>(problems.size(), 12);
-    LATHE_FAIL("optim: {} does not match this model's parameters ({} problems): {}{}", path, problems.size(),
-               fmt::join(problems.begin(), problems.begin() + long(shown), "; "),
-               shown < problems.size() ? "; ..." : "");
+    const std::string hint = state_dtype_differs
+        ? fmt::format("; this optimizer keeps {} states (AdamWConfig::state_dtype, train.optimizer_states): resume "
+                      "with the state dtype the file was saved with", dtype_name(config_.state_dtype))
+        : "";
+    LATHE_FAIL("optim: {} does not match this optimizer ({} problems{}): {}{}", path, problems.size(), hint,
+               fmt::join(problems.begin(), problems.begin() + long(shown), "; "), shown < problems.size() ? "; ..." : "");
   }
 
   ExecContext ctx = rt_->context(device_);

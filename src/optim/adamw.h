@@ -1,10 +1,13 @@
 // AdamW over a list of parameters, with fp32 master weights for low-precision parameters: bf16/f16 parameters get
 // an f32 master copy that the update runs on, and the same adamw kernel writes the new master, rounded, into the
-// parameter (bitwise what a cast would write); f32 and f64 parameters are their own masters. Moments m and v have the master's dtype. The update is the `adamw` op
-// (ops/op_table.h: torch.optim.AdamW semantics), so it runs on whatever device the parameters live on.
+// parameter (bitwise what a cast would write); f32 and f64 parameters are their own masters. Moments m and v have the
+// master's dtype. With AdamWConfig::state_dtype = bf16 (Hugging Face's "bf16 parameters" recipe), bf16 parameters get
+// no master: the parameter is updated in place with bf16 moments (f32 arithmetic, each value rounded to bf16 on store,
+// so updates below half a bf16 ulp of a weight are lost); f32/f64 parameters are unaffected. The update is the
+// `adamw` op (ops/op_table.h: torch.optim.AdamW semantics), so it runs on whatever device the parameters live on.
 // Like torch, a parameter without a gradient (undefined Parameter::grad) is skipped: no decay, no moment update,
 // and its own step count (bias correction) does not advance.
-// State files: safetensors with <param>.exp_avg, <param>.exp_avg_sq and, for low-precision parameters,
+// State files: safetensors with <param>.exp_avg, <param>.exp_avg_sq and, for parameters with a master,
 // <param>.master, plus metadata {"format": "lathe.adamw", "step": N}. Covered by tests/unit/test_optim.cpp.
 #pragma once
 
@@ -29,7 +32,14 @@ struct AdamWConfig {
   bool decay_biases = false;      // parameters whose name ends in "bias"
   bool decay_embeddings = true;   // parameters whose name contains "embed_tokens"
   std::vector<std::string> no_decay;  // further exclusions: names containing any of these strings
+  // f32: bf16/f16 parameters get an f32 master and f32 moments. bf16: bf16 parameters are their own masters with bf16
+  // moments (f16 parameters are refused: use f32). f32 and f64 parameters keep their own dtype either way.
+  DType state_dtype = DType::F32;
 };
+
+// Bytes of optimizer state (master and moments) per element of a parameter of `param` dtype under `state_dtype`:
+// 12 for bf16/f16 with f32 states, 4 for bf16 with bf16 states, 8 for f32, 16 for f64.
+size_t adamw_state_bytes_per_element(DType param, DType state_dtype);
 
 // Whether `config` applies weight decay to a parameter of this name and shape (false when weight_decay is 0).
 bool weight_decay_applies(const AdamWConfig& config, const std::string& name, const Shape& shape);
@@ -50,7 +60,8 @@ class AdamW {
   const Parameter& parameter(size_t i) const { return *slots_[i].param; }
   bool decays(size_t i) const { return slots_[i].decay; }
   bool has_master(size_t i) const { return slots_[i].master.defined(); }
-  // The f32 master a low-precision parameter is updated through (the parameter itself otherwise), m and v.
+  // The f32 master a low-precision parameter is updated through (the parameter itself otherwise: f32/f64 parameters,
+  // and bf16 ones with bf16 states), m and v.
   const Tensor& master(size_t i) const;
   const Tensor& exp_avg(size_t i) const { return slots_[i].m; }
   const Tensor& exp_avg_sq(size_t i) const { return slots_[i].v; }
@@ -61,13 +72,15 @@ class AdamW {
   // Reads a state written by save(). Every parameter must have its exp_avg and exp_avg_sq, with its shape;
   // names the optimizer does not know are an error. Masters cross precisions: a <param>.master onto an f32
   // parameter is copied into the parameter; a bf16 parameter without one (state saved from f32 parameters)
-  // takes its master from the parameter's current value.
+  // takes its master from the parameter's current value. Moments cross f32 and f64 (they follow the parameters'
+  // dtype), but bf16 moments where this optimizer keeps f32/f64 ones, or the reverse, are an error naming the tensor
+  // and both dtypes: the state dtype is a setting (state_dtype), and a silent switch would change the numerics.
   void load(const std::string& path);
 
  private:
   struct Slot {
     Parameter* param;
-    Tensor master;  // f32; undefined when the parameter is its own master
+    Tensor master;  // f32; undefined when the parameter is its own master (f32/f64, or bf16 with bf16 states)
     Tensor m, v;
     int64_t steps = 0;
     bool decay = false;

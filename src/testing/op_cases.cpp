@@ -272,14 +272,22 @@ std::vector<OpCase> all_op_cases() {
   add_gated_delta_op_cases(c);
   add_gdn_state_op_cases(c);
   add_moe_op_cases(c);
-  // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads: tests/unit/test_optim.cpp).
+  // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads with f32 masters:
+  // tests/unit/test_optim.cpp). The bf16 rows are bf16 optimizer states (parameter, m and v bf16, no master).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};
+  const std::vector<DType> kState = {DType::F64, DType::F32, DType::BF16};
   c.push_back({OpId::adamw, "[7,13],step=1,wd=0.1", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
-               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 1, 1.0, std::nullopt}, kMaster, false, false});
+               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 1, 1.0, std::nullopt}, kState, false, false});
   c.push_back({OpId::adamw, "[1],step=3,eps=0.5", {{1}, {1}, {1}, {1}}, AdamWAttrs{0.05, 0.8, 0.9, 0.5, 0.0, 3, 2.0, std::nullopt},
-               kMaster, false, false});
+               kState, false, false});
   c.push_back({OpId::adamw, "[257,1031],step=100,b2=0.95,scale=0.25", {{257, 1031}, {257, 1031}, {257, 1031}, {257, 1031}},
-               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25, std::nullopt}, kMaster, false, false});
+               AdamWAttrs{3e-3, 0.9, 0.95, 1e-8, 0.01, 100, 0.25, std::nullopt}, kState, false, false});
+  // bf16 states with an f32 gradient (input 1 in the accumulation dtype), a pack tail on CUDA (1031 * 7 % 8 = 1), and
+  // an lr large enough that a dropped update would exceed the bf16 threshold.
+  OpCase f32_grad{OpId::adamw, "[1031,7],step=2,lr=0.2,wd=0.1,grad=f32", {{1031, 7}, {1031, 7}, {1031, 7}, {1031, 7}},
+                  AdamWAttrs{0.2, 0.9, 0.999, 1e-8, 0.1, 2, 0.5, std::nullopt}, {DType::BF16}, false, false};
+  f32_grad.accumulation_inputs = {1};
+  c.push_back(f32_grad);
   // With the rounded parameter as a fourth output (bitwise equality with adamw + cast: tests/unit/test_optim.cpp).
   c.push_back({OpId::adamw, "[7,13],step=2,wd=0.1,rounded=bf16", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
                AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 2, 1.0, DType::BF16}, kMaster, false, false});

@@ -107,6 +107,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.beta1", Kind::Float, "0.9", "AdamW beta1", beta1),
       LATHE_OPT("train.beta2", Kind::Float, "0.999", "AdamW beta2", beta2),
       LATHE_OPT("train.eps", Kind::Float, "1e-8", "AdamW epsilon", eps),
+      LATHE_OPT("train.optimizer_states", Kind::String, "f32",
+                "AdamW state dtype: f32 (f32 masters and moments for bf16 parameters) | bf16 (no masters: bf16 "
+                "parameters updated in place, bf16 moments; needs dtype bf16; docs/optim.md)", optimizer_states),
       LATHE_OPT("train.max_grad_norm", Kind::Float, "1.0", "global-norm gradient clipping (0 = off)", max_grad_norm),
       LATHE_OPT("train.seed", Kind::Int, "0", "seed of data order and initialisation", seed),
       LATHE_OPT("train.save_every", Kind::Int, "0", "checkpoint every N steps (0 = only at the end)", save_every),
@@ -244,6 +247,15 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, chat, prompt_completion", c.data_format));
   if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) problems.push_back("train.min_lr_ratio: must be in [0, 1]");
   if (c.beta1 < 0 || c.beta1 >= 1 || c.beta2 < 0 || c.beta2 >= 1) problems.push_back("train.beta1/beta2: must be in [0, 1)");
+  if (c.optimizer_states != "f32" && c.optimizer_states != "bf16") {
+    problems.push_back(fmt::format("train.optimizer_states: '{}' is not one of f32, bf16", c.optimizer_states));
+  } else if (c.optimizer_states == "bf16") {
+    // bf16 states apply to bf16 parameters only; with any other dtype the setting would silently do nothing.
+    const std::string dtype = !c.dtype.empty() ? c.dtype : c.device == "cpu" ? "f32" : "bf16";
+    if (dtype != "bf16")
+      problems.push_back(fmt::format("train.optimizer_states: bf16 keeps bf16 parameters without f32 masters, but the "
+                                     "parameters are {} (set dtype: bf16, the default on cuda)", dtype));
+  }
   if (c.keep_last < 1) problems.push_back("train.keep_last: must be at least 1");
   if (c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     problems.push_back(fmt::format("device: '{}' is not cpu, cuda or cuda:N", c.device));

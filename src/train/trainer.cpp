@@ -378,6 +378,7 @@ TrainSummary run_training(const TrainConfig& c) {
       acfg.beta2 = jc.beta2;
       acfg.eps = jc.eps;
       acfg.weight_decay = jc.weight_decay;
+      acfg.state_dtype = dtype_from_name(jc.optimizer_states);  // f32 | bf16 (config.cpp checks)
       j.opt = std::make_unique<AdamW>(rt, *j.params, acfg);
       nlohmann::json state = nlohmann::json::object();
       if (!j.resume_from.empty()) {
@@ -409,8 +410,14 @@ TrainSummary run_training(const TrainConfig& c) {
 
   const std::string device_name = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(device_name) : 0.0;
-  progress.message(fmt::format("train: {} parameters, {} on {} ({}){}", human(double(mc.parameter_count())), dtype_name(dtype),
-                               device.str(), device_name, lora ? fmt::format(", LoRA with {} adapter(s)", jobs.size()) : ""));
+  const size_t bf16_jobs = size_t(
+      std::count_if(jobs.begin(), jobs.end(), [](const Job& j) { return j.cfg->optimizer_states == "bf16"; }));
+  std::string states;
+  if (bf16_jobs > 0) states = ", AdamW states in bf16 (no f32 masters)";
+  if (bf16_jobs > 0 && bf16_jobs < jobs.size()) states += fmt::format(" for {} of {} tenants", bf16_jobs, jobs.size());
+  progress.message(fmt::format("train: {} parameters, {} on {} ({}){}{}", human(double(mc.parameter_count())),
+                               dtype_name(dtype), device.str(), device_name,
+                               lora ? fmt::format(", LoRA with {} adapter(s)", jobs.size()) : "", states));
   if (lora) {
     int64_t trainable = 0;
     for (const Job& j : jobs) {
@@ -424,7 +431,8 @@ TrainSummary run_training(const TrainConfig& c) {
     // Frozen base: no gradient buffers and no optimizer state (master, m, v) for its weights.
     const double base = double(mc.parameter_count());
     const double grad_bytes = base * double(dtype_size(dtype));
-    const double opt_bytes = base * (8.0 + (dtype == DType::F32 || dtype == DType::F64 ? 0.0 : 4.0));
+    const double opt_bytes =
+        base * double(adamw_state_bytes_per_element(dtype, dtype_from_name(jobs[0].cfg->optimizer_states)));
     progress.message(fmt::format("lora: {} trainable of {} base parameters ({:.3f}%); the frozen base needs no gradients "
                                  "({:.2f} GiB) and no optimizer state ({:.2f} GiB)",
                                  human(double(trainable)), human(base), 100.0 * double(trainable) / base,

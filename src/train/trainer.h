@@ -1,7 +1,7 @@
 // The supervised fine-tuning loop behind `lathe train` — full fine-tuning, LoRA, or many LoRA tenants over one
 // frozen base (docs/lora.md): model (loaded or from scratch), packed data,
-// AdamW with fp32 masters, LR schedule, clipping, NaN/Inf guard, periodic evaluation, atomic checkpoints
-// with automatic resume, metrics.jsonl + TensorBoard, a progress line, and a final HF export.
+// AdamW (fp32 masters, or bf16 states: train.optimizer_states), LR schedule, clipping, NaN/Inf guard, periodic
+// evaluation, atomic checkpoints with automatic resume, metrics.jsonl + TensorBoard, a progress line, and a final HF export.
 // Checkpoint layout: OUTPUT/checkpoints/step-NNNNNNNN/{model/ or adapter/, optimizer.safetensors, trainer_state.json},
 // per tenant in the tenant's output_dir; a tenant that fails writes OUTPUT/FAILED and stops alone.
 // a checkpoint is written under a temporary name and renamed when complete, so any step-* folder is whole.

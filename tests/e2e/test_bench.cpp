@@ -1,6 +1,7 @@
 // `lathe bench` end to end on the CPU with a tiny config.json: the JSON line has the throughput fields, --profile
 // prints a per-kernel table whose totals are positive and together within the step's wall time, LoRA counts its
-// FLOPs as 4N + 6N_adapter + attention, and a bad shape fails with a message naming it.
+// FLOPs as 4N + 6N_adapter + attention, --optimizer-states says and records what AdamW keeps (a third of the state
+// bytes with bf16 states), and a bad shape fails with a message naming it.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -113,6 +114,26 @@ TEST(Bench, Qwen35ShapeRunsAndCountsTheGdnCore) {
   EXPECT_NEAR(j["flops_per_token"].get<double>(), expected, 1e-9 * expected) << j.dump();
   EXPECT_NE(j["flop_model"].get<std::string>().find("GDN"), std::string::npos) << j.dump();
   fs::remove_all(dir);
+}
+
+TEST(Bench, OptimizerStatesAreStatedAndRecorded) {
+  const std::string base = fmt::format("bench --device cpu --shape {} --seq 16 --micro-batch 2 --steps 1 --warmup 0",
+                                       tiny_config().string());
+  const LatheRun masters = lathe(base + " --dtype bf16");
+  ASSERT_EQ(masters.exit_code, 0) << masters.output;
+  EXPECT_NE(masters.output.find("bf16 with fp32 AdamW masters"), std::string::npos) << masters.output;
+  const LatheRun states = lathe(base + " --dtype bf16 --optimizer-states bf16");
+  ASSERT_EQ(states.exit_code, 0) << states.output;
+  EXPECT_NE(states.output.find("bf16 with bf16 AdamW states (no fp32 masters)"), std::string::npos) << states.output;
+  const nlohmann::json a = result_line(masters.output), b = result_line(states.output);
+  EXPECT_EQ(a["optimizer_states"], "f32");
+  EXPECT_EQ(b["optimizer_states"], "bf16");
+  // Every parameter is bf16 here: 12 bytes (f32 master, m, v) against 4 (bf16 m, v).
+  EXPECT_DOUBLE_EQ(3 * b["optimizer_state_mib"].get<double>(), a["optimizer_state_mib"].get<double>());
+  const LatheRun f32 = lathe(base + " --optimizer-states bf16");
+  EXPECT_NE(f32.exit_code, 0);
+  EXPECT_NE(f32.output.find("--optimizer-states bf16 keeps bf16 parameters without masters, but the parameters are f32"),
+            std::string::npos) << f32.output;
 }
 
 TEST(Bench, UnknownShapeFailsWithItsName) {

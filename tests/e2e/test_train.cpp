@@ -1,7 +1,8 @@
 // End-to-end training through the lathe binary on a tiny model and the tiny tokenizer fixture: the loss
 // falls; a run killed with SIGKILL (or dying inside a checkpoint save) and restarted with resume=auto
 // reproduces the uninterrupted run's losses bitwise on the CPU, and metrics.jsonl stays consistent; bad
-// configs and missing files fail with messages that name every problem.
+// configs and missing files fail with messages that name every problem; bf16 optimizer states
+// (train.optimizer_states) train, checkpoint bf16 moments without masters, resume bitwise, and refuse the other setting.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -55,6 +57,20 @@ std::vector<double> losses(const fs::path& out) {
     l.push_back(r["loss"].get<double>());
   }
   return l;
+}
+
+// name -> dtype of every tensor of a safetensors file (its JSON header).
+std::map<std::string, std::string> safetensors_dtypes(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  uint64_t n = 0;
+  f.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, ' ');
+  f.read(header.data(), std::streamsize(n));
+  const nlohmann::json parsed = nlohmann::json::parse(header);
+  std::map<std::string, std::string> out;
+  for (const auto& [name, entry] : parsed.items())
+    if (name != "__metadata__") out[name] = entry["dtype"].get<std::string>();
+  return out;
 }
 
 }  // namespace
@@ -180,4 +196,43 @@ TEST(Train, BadConfigsReportEveryProblem) {
   const LatheRun no_file = lathe("train " + (dir / "absent.yaml").string());
   EXPECT_NE(no_file.exit_code, 0);
   EXPECT_NE(no_file.output.find("absent.yaml"), std::string::npos) << no_file.output;
+}
+
+TEST(Train, Bf16OptimizerStates) {
+  const fs::path dir = setup("bf16_states");
+  const std::string cfg = (dir / "config.yaml").string();
+  // Refused: an unknown value, and bf16 states over f32 parameters (the CPU default), where they would do nothing.
+  const LatheRun bad = lathe("train " + cfg + " --set train.optimizer_states=f16");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("train.optimizer_states: 'f16' is not one of f32, bf16"), std::string::npos) << bad.output;
+  const LatheRun f32 = lathe("train " + cfg + " --set train.optimizer_states=bf16");
+  EXPECT_NE(f32.exit_code, 0);
+  EXPECT_NE(f32.output.find("train.optimizer_states: bf16 keeps bf16 parameters without f32 masters, but the parameters "
+                            "are f32"), std::string::npos) << f32.output;
+
+  // An uninterrupted run, and one that stops after step 4 and resumes from its step-3 checkpoint: the same losses.
+  const std::string bf16 = " --set dtype=bf16 --set train.optimizer_states=bf16";
+  const LatheRun full = lathe("train " + cfg + bf16);
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  EXPECT_NE(full.output.find("AdamW states in bf16 (no f32 masters)"), std::string::npos) << full.output;
+  const std::vector<double> want = losses(dir / "out");
+  ASSERT_EQ(want.size(), 12u);
+  EXPECT_LT(want.back(), want.front());
+  const auto dtypes = safetensors_dtypes(dir / "out/checkpoints/step-00000012/optimizer.safetensors");
+  EXPECT_EQ(dtypes.at("model.embed_tokens.weight.exp_avg"), "BF16");
+  EXPECT_EQ(dtypes.at("model.norm.weight.exp_avg_sq"), "BF16");
+  for (const auto& [name, dtype] : dtypes) EXPECT_EQ(name.find(".master"), std::string::npos) << name;
+
+  const fs::path dir2 = setup("bf16_states_resume");
+  const std::string cfg2 = (dir2 / "config.yaml").string();
+  EXPECT_EQ(lathe("train " + cfg2 + bf16, "LATHE_FAULT_INJECT=after_step:4").exit_code, 9);
+  // Resuming with the other setting is refused, naming a tensor and both dtypes, and changes nothing.
+  const LatheRun other = lathe("train " + cfg2 + " --set dtype=bf16");
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.output.find("model.embed_tokens.weight.exp_avg is bf16 in the file, but this optimizer keeps it in "
+                              "f32"), std::string::npos) << other.output;
+  const LatheRun resumed = lathe("train " + cfg2 + bf16);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  EXPECT_EQ(losses(dir2 / "out"), want);  // bitwise: the same doubles
 }

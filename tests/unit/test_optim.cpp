@@ -1,9 +1,12 @@
 // The optimizer: AdamW against an independent double-precision loop written from the paper (Loshchilov & Hutter,
-// "Decoupled Weight Decay Regularization", Algorithm 2), masters of bf16 parameters, skipped parameters,
+// "Decoupled Weight Decay Regularization", Algorithm 2), masters of bf16 parameters, bf16 optimizer states (no masters:
+// bitwise against a scalar reference with its own round-to-nearest-even, the op's bf16 key as the f32 key then a cast,
+// the lost-update caveat, state bytes, save/load and the state-dtype mismatch error), skipped parameters,
 // weight-decay exclusions, state save/load (resume is bitwise, bad files give clear errors), the adamw op's rounded
 // parameter output (bitwise adamw + cast, hand-checked ties), the global gradient norm (sum_squares over mixed,
 // empty, 0-d and strided gradients, hand-computed) and clipping factor, the learning-rate schedules (hand-computed
-// values), and on a GPU the CUDA kernels (bf16 gradients, rounded parameters, sum_squares) against the CPU ones.
+// values), and on a GPU the CUDA kernels (bf16 gradients, rounded parameters, bf16 states, sum_squares) against the
+// CPU ones.
 // The ops themselves are also checked by the adamw and sum_squares op-check cases.
 #include <gtest/gtest.h>
 
@@ -199,6 +202,17 @@ TEST(AdamW, RejectsBadOpInputs) {
   AdamWAttrs r;
   r.rounded_to = DType::BF16;
   EXPECT_THROW(adamw_update(ctx, w, g, m, v, r), Error);
+  // A bf16 key (bf16 states): bf16 moments, bf16 or f32 gradients, and no rounded parameter (it is its own master).
+  Tensor w16 = make({1, 2}, {2}, DType::BF16), m16 = make({0, 0}, {2}, DType::BF16), v16 = make({0, 0}, {2}, DType::BF16);
+  EXPECT_NO_THROW(adamw_update(ctx, w16, g, m16, v16, {}));
+  EXPECT_NO_THROW(adamw_update(ctx, w16, make({1, 1}, {2}, DType::F32), m16, v16, {}));
+  EXPECT_THROW(adamw_update(ctx, w16, g, m, v16, {}), Error);  // f32 m beside a bf16 master
+  try {
+    adamw_update(ctx, w16, g, m16, v16, {}, make({0, 0}, {2}, DType::BF16));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16 master"), std::string::npos) << e.what();
+  }
 }
 
 // adamw with the rounded parameter output against adamw followed by the cast op, bit for bit, on every device.
@@ -335,6 +349,327 @@ TEST(AdamW, LoadReportsMismatches) {
   const float zero = 0;
   io::write_safetensors(dir + "/model.safetensors", {{"x", DType::F32, {1}, &zero, 4}});
   EXPECT_THROW(opt.load(dir + "/model.safetensors"), Error);  // not an optimizer state
+}
+
+// ---- bf16 optimizer states (AdamWConfig::state_dtype = bf16): no masters, bf16 moments, parameters updated in place.
+
+namespace {
+
+// Round to nearest, ties to even, onto bf16's 8 significant bits, written independently of core/dtype.h: scale the
+// value so that its last kept bit is the units digit, round with nearbyint (the default mode is to nearest even),
+// scale back. Normal, finite values only (all these tests use).
+double bf16_rne(double x) {
+  if (x == 0) return x;
+  int e = 0;
+  std::frexp(x, &e);  // x = f 2^e, 0.5 <= |f| < 1
+  return std::ldexp(std::nearbyint(std::ldexp(x, 8 - e)), e - 8);
+}
+
+// The update of one bf16 tensor with bf16 states, written from the formula at AdamWAttrs (ops/op_table.h) in double,
+// each stored value kept as the op defines it: the f32 result, rounded to bf16. theta, m and v hold bf16 values.
+struct Bf16StateReference {
+  double beta1, beta2, eps, weight_decay;
+  std::vector<double> theta, m, v;
+  int t = 0;
+
+  void step(const std::vector<double>& grad, double lr, double grad_scale) {
+    ++t;
+    const double b1t = 1 - std::pow(beta1, t), b2t = 1 - std::pow(beta2, t);
+    for (size_t i = 0; i < theta.size(); ++i) {
+      const double g = grad_scale * grad[i];
+      const double m1 = beta1 * m[i] + (1 - beta1) * g;
+      const double v1 = beta2 * v[i] + (1 - beta2) * g * g;
+      const double w1 = theta[i] - lr * weight_decay * theta[i] - (lr / b1t) * m1 / (std::sqrt(v1) / std::sqrt(b2t) + eps);
+      theta[i] = bf16_rne(float(w1));
+      m[i] = bf16_rne(float(m1));
+      v[i] = bf16_rne(float(v1));
+    }
+  }
+};
+
+AdamWConfig bf16_states_config() {
+  AdamWConfig c;
+  c.beta1 = 0.9;
+  c.beta2 = 0.95;
+  c.weight_decay = 0.1;
+  c.state_dtype = DType::BF16;
+  return c;
+}
+
+}  // namespace
+
+TEST(AdamWBf16States, RoundingHelperRoundsTiesToEven) {
+  const double u = std::ldexp(1.0, -7);  // a bf16 step at 1
+  EXPECT_EQ(bf16_rne(1 + u / 2), 1.0);            // tie, down to even
+  EXPECT_EQ(bf16_rne(1 + 3 * u / 2), 1 + 2 * u);  // tie, up to even
+  EXPECT_EQ(bf16_rne(1 + u / 2 + 1e-9), 1 + u);
+  EXPECT_EQ(bf16_rne(-(1 + u / 2)), -1.0);
+  EXPECT_EQ(bf16_rne(2 - u / 4), 2.0);            // carries into the next binade
+  std::mt19937_64 rng(1);
+  for (double x : random_vector(rng, 1000, -50.0, 50.0)) ASSERT_EQ(bf16_rne(float(x)), rounded(x, DType::BF16)) << x;
+}
+
+// One step, then five more (a clipped one, an f32 gradient), of bf16 parameters with bf16 states against the scalar
+// reference, bit for bit after every step; an f32 parameter beside them keeps f32 states.
+TEST(AdamWBf16States, StepsMatchTheScalarReferenceBitwise) {
+  std::mt19937_64 rng(21);
+  const size_t n = 16 * 33;
+  const std::vector<double> w0 = random_vector(rng, n), u0 = random_vector(rng, 33, 0.5, 1.5);
+  std::vector<Parameter> params = {{"model.layers.0.mlp.up_proj.weight", make(w0, {16, 33}, DType::BF16), {}},
+                                   {"model.norm.weight", make(u0, {33}, DType::BF16), {}},
+                                   {"model.layers.0.mlp.gate.weight", make(u0, {33}, DType::F32), {}}};
+  const AdamWConfig cfg = bf16_states_config();
+  AdamW opt(runtime(), params, cfg);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_FALSE(opt.has_master(i));
+    EXPECT_EQ(opt.master(i).data_ptr(), params[i].value.data_ptr()) << "the parameter is its own master";
+    EXPECT_EQ(opt.exp_avg(i).dtype(), DType::BF16);
+    EXPECT_EQ(opt.exp_avg_sq(i).dtype(), DType::BF16);
+  }
+  EXPECT_FALSE(opt.has_master(2));
+  EXPECT_EQ(opt.exp_avg(2).dtype(), DType::F32);
+  ASSERT_TRUE(opt.decays(0));
+  ASSERT_FALSE(opt.decays(1));
+
+  Bf16StateReference ref_w{0.9, 0.95, 1e-8, 0.1, values(params[0].value), std::vector<double>(n), std::vector<double>(n)};
+  Bf16StateReference ref_u{0.9, 0.95, 1e-8, 0.0, values(params[1].value), std::vector<double>(33), std::vector<double>(33)};
+  PaperAdamW ref_f32{0.02, 0.9, 0.95, 1e-8, 0.0, values(params[2].value), std::vector<double>(33), std::vector<double>(33)};
+  for (int s = 0; s < 6; ++s) {
+    const double lr = 0.02, grad_scale = s == 2 ? 0.25 : 1.0;
+    const DType gdt = s == 4 ? DType::F32 : DType::BF16;  // bf16 states take f32 gradients too
+    params[0].grad = make(random_vector(rng, n, -3.0, 3.0), {16, 33}, gdt);
+    params[1].grad = make(random_vector(rng, 33, -3.0, 3.0), {33}, gdt);
+    params[2].grad = make(random_vector(rng, 33, -3.0, 3.0), {33}, DType::F32);
+    opt.step(lr, grad_scale);
+    ref_w.step(values(params[0].grad), lr, grad_scale);
+    ref_u.step(values(params[1].grad), lr, grad_scale);
+    std::vector<double> g2 = values(params[2].grad);
+    for (double& x : g2) x *= grad_scale;
+    ref_f32.step(g2);
+    EXPECT_EQ(values(params[0].value), ref_w.theta) << "step " << s + 1;
+    EXPECT_EQ(values(opt.exp_avg(0)), ref_w.m) << "step " << s + 1;
+    EXPECT_EQ(values(opt.exp_avg_sq(0)), ref_w.v) << "step " << s + 1;
+    EXPECT_EQ(values(params[1].value), ref_u.theta) << "step " << s + 1;
+    EXPECT_EQ(values(opt.exp_avg(1)), ref_u.m) << "step " << s + 1;
+    EXPECT_EQ(values(opt.exp_avg_sq(1)), ref_u.v) << "step " << s + 1;
+    if (s == 0) {  // the first step moves every weight by about lr, well above half a bf16 step of these weights
+      const std::vector<double> w = values(params[0].value);
+      for (size_t i = 0; i < n; ++i) ASSERT_NE(w[i], rounded(w0[i], DType::BF16)) << i;
+    }
+  }
+  expect_near_rel(values(params[2].value), ref_f32.theta, 3e-6, "f32 parameter");
+}
+
+// The op with a bf16 key is the f32-key op on the same (widened) values, each output cast to bf16: bit for bit, on
+// every device, with bf16 and f32 gradients.
+TEST(AdamWBf16States, Bf16KeyIsTheF32KeyThenCast) {
+  std::vector<Device> devices = {Device::cpu()};
+  if (runtime().has_device(Device::cuda(0))) devices.push_back(Device::cuda(0));
+  for (Device d : devices) {
+    for (DType gdt : {DType::BF16, DType::F32}) {
+      ExecContext ctx = runtime().context(d);
+      std::mt19937_64 rng(23);
+      const int64_t n = 5003;  // the CUDA kernel's 8-element packs and a tail
+      const std::vector<double> w0 = random_vector(rng, size_t(n)), g = random_vector(rng, size_t(n), -3.0, 3.0);
+      const std::vector<double> m0 = random_vector(rng, size_t(n), -0.1, 0.1), v0 = random_vector(rng, size_t(n), 0.0, 0.01);
+      const AdamWAttrs a{1e-2, 0.9, 0.95, 1e-8, 0.1, 3, 0.5, std::nullopt};
+      const Tensor grad = make(g, {n}, gdt, d);
+      Tensor w16 = make(w0, {n}, DType::BF16, d), m16 = make(m0, {n}, DType::BF16, d), v16 = make(v0, {n}, DType::BF16, d);
+      Tensor w32 = cast(ctx, w16, DType::F32), m32 = cast(ctx, m16, DType::F32), v32 = cast(ctx, v16, DType::F32);
+      adamw_update(ctx, w16, grad, m16, v16, a);
+      adamw_update(ctx, w32, grad, m32, v32, a);
+      const std::pair<const Tensor*, const Tensor*> pairs[] = {{&w16, &w32}, {&m16, &m32}, {&v16, &v32}};
+      for (const auto& [low, full] : pairs) {
+        const Tensor h1 = runtime().copy_to(*low, Device::cpu());
+        const Tensor h2 = runtime().copy_to(cast(ctx, *full, DType::BF16), Device::cpu());
+        ASSERT_EQ(std::memcmp(h1.data_ptr(), h2.data_ptr(), h1.nbytes()), 0) << d.str() << " grad " << dtype_name(gdt);
+      }
+    }
+  }
+}
+
+// The caveat: an update below half a bf16 step of the weight is lost with bf16 states, while an f32 master keeps
+// accumulating it until the rounded parameter moves.
+TEST(AdamWBf16States, UpdatesBelowHalfAnUlpAreLost) {
+  for (DType states : {DType::BF16, DType::F32}) {
+    std::vector<Parameter> p = {{"w", make({1.0, 64.0}, {2}, DType::BF16), {}}};
+    AdamWConfig cfg;
+    cfg.state_dtype = states;
+    AdamW opt(runtime(), p, cfg);
+    for (int s = 0; s < 10; ++s) {
+      p[0].grad = make({1.0, -1.0}, {2}, DType::BF16);
+      opt.step(1e-3);  // Adam moves each weight by about lr = 1e-3 a step
+    }
+    const std::vector<double> w = values(p[0].value);
+    if (states == DType::BF16) {
+      EXPECT_EQ(w[0], 1.0);   // the next bf16 below 1 is 1 - 2^-8: 1 - 1e-3 rounds back to 1, every step
+      EXPECT_EQ(w[1], 64.0);  // the next above 64 is 64.5
+    } else {
+      EXPECT_LT(w[0], 1.0);   // the master went to ~0.99; its rounding moved
+      EXPECT_EQ(w[1], 64.0);
+      EXPECT_NEAR(values(opt.master(0))[0], 0.99, 1e-4);
+    }
+  }
+}
+
+TEST(AdamWBf16States, StateBytes) {
+  std::vector<Parameter> params = {{"a", make(std::vector<double>(12, 0.5), {3, 4}, DType::BF16), {}},
+                                   {"b", make(std::vector<double>(5, 0.5), {5}, DType::F32), {}}};
+  AdamWConfig cfg;
+  EXPECT_EQ(AdamW(runtime(), params, cfg).state_bytes(), 12u * 12 + 8u * 5);  // f32 master, m, v; f32 m, v
+  cfg.state_dtype = DType::BF16;
+  EXPECT_EQ(AdamW(runtime(), params, cfg).state_bytes(), 4u * 12 + 8u * 5);   // bf16 m, v; the f32 one unchanged
+  EXPECT_EQ(adamw_state_bytes_per_element(DType::BF16, DType::BF16), 4u);
+  EXPECT_EQ(adamw_state_bytes_per_element(DType::BF16, DType::F32), 12u);
+  EXPECT_EQ(adamw_state_bytes_per_element(DType::F16, DType::F32), 12u);
+  EXPECT_EQ(adamw_state_bytes_per_element(DType::F32, DType::BF16), 8u);
+  EXPECT_EQ(adamw_state_bytes_per_element(DType::F64, DType::F32), 16u);
+  // f16 parameters have no bf16-state recipe; other state dtypes are not settings.
+  std::vector<Parameter> f16 = {{"h", make({1, 2}, {2}, DType::F16), {}}};
+  EXPECT_THROW(AdamW(runtime(), f16, cfg), Error);
+  cfg.state_dtype = DType::F16;
+  EXPECT_THROW(AdamW(runtime(), params, cfg), Error);
+}
+
+// Save after 2 steps, load into a fresh optimizer over the saved parameters, run 2 more: bitwise the 4-step run. The
+// file holds bf16 moments and no masters.
+TEST(AdamWBf16States, SaveLoadResumesBitwise) {
+  const std::string dir = ::testing::TempDir() + "/lathe_optim_bf16_state";
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/optimizer.safetensors";
+  std::mt19937_64 rng(31);
+  const std::vector<double> w0 = random_vector(rng, 12), u0 = random_vector(rng, 5);
+  std::vector<std::vector<double>> grads;
+  for (int s = 0; s < 4; ++s) grads.push_back(random_vector(rng, 17));
+  auto make_params = [&](const std::vector<double>& w, const std::vector<double>& u) {
+    return std::vector<Parameter>{{"model.embed_tokens.weight", make(w, {3, 4}, DType::BF16), {}},
+                                  {"model.norm.weight", make(u, {5}, DType::F32), {}}};
+  };
+  auto set_grads = [&](std::vector<Parameter>& p, int s) {
+    const std::vector<double>& g = grads[size_t(s)];
+    p[0].grad = make(std::vector<double>(g.begin(), g.begin() + 12), {3, 4}, DType::BF16);
+    p[1].grad = s == 1 ? Tensor() : make(std::vector<double>(g.begin() + 12, g.end()), {5}, DType::F32);
+  };
+  const AdamWConfig cfg = bf16_states_config();
+  std::vector<Parameter> full = make_params(w0, u0);
+  AdamW opt_full(runtime(), full, cfg);
+  for (int s = 0; s < 4; ++s) {
+    set_grads(full, s);
+    opt_full.step(0.05, 0.5);
+  }
+  std::vector<Parameter> first = make_params(w0, u0);
+  AdamW opt_first(runtime(), first, cfg);
+  for (int s = 0; s < 2; ++s) {
+    set_grads(first, s);
+    opt_first.step(0.05, 0.5);
+  }
+  opt_first.save(path);
+  {
+    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
+    EXPECT_EQ(f.metadata().at("state_dtype"), "bf16");
+    EXPECT_EQ(f.find("model.embed_tokens.weight.master"), nullptr);
+    ASSERT_NE(f.find("model.embed_tokens.weight.exp_avg"), nullptr);
+    EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg")->dtype, DType::BF16);
+    EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg_sq")->dtype, DType::BF16);
+    EXPECT_EQ(f.find("model.norm.weight.exp_avg")->dtype, DType::F32);
+  }
+  std::vector<Parameter> second = make_params(values(first[0].value), values(first[1].value));
+  AdamW opt_second(runtime(), second, cfg);
+  opt_second.load(path);
+  EXPECT_EQ(values(opt_second.exp_avg(0)), values(opt_first.exp_avg(0)));
+  for (int s = 2; s < 4; ++s) {
+    set_grads(second, s);
+    opt_second.step(0.05, 0.5);
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(values(second[i].value), values(full[i].value)) << i;
+    EXPECT_EQ(values(opt_second.exp_avg(i)), values(opt_full.exp_avg(i))) << i;
+    EXPECT_EQ(values(opt_second.exp_avg_sq(i)), values(opt_full.exp_avg_sq(i))) << i;
+  }
+}
+
+// A state saved with the other state dtype is refused, naming the tensor and both dtypes (f32 and f64 moments still
+// cross, as they follow the parameters' dtype); nothing is changed.
+TEST(AdamWBf16States, LoadRefusesTheOtherStateDtype) {
+  const std::string dir = ::testing::TempDir() + "/lathe_optim_bf16_mismatch";
+  std::filesystem::create_directories(dir);
+  auto params = [] {
+    return std::vector<Parameter>{{"w", make({1, 2, 3, 4}, {2, 2}, DType::BF16), {}},
+                                  {"b", make({1, 2}, {2}, DType::F32), {}}};
+  };
+  AdamWConfig f32_cfg, bf16_cfg;
+  bf16_cfg.state_dtype = DType::BF16;
+  std::vector<Parameter> a = params(), b = params();
+  AdamW(runtime(), a, f32_cfg).save(dir + "/f32.safetensors");
+  AdamW(runtime(), b, bf16_cfg).save(dir + "/bf16.safetensors");
+
+  std::vector<Parameter> c = params();
+  AdamW want_bf16(runtime(), c, bf16_cfg);
+  try {
+    want_bf16.load(dir + "/f32.safetensors");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("w.exp_avg is f32 in the file, but this optimizer keeps it in bf16"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("w.exp_avg_sq is f32 in the file"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("this optimizer keeps bf16 states"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("b.exp_avg"), std::string::npos) << "the f32 parameter's state matches: " << msg;
+  }
+  std::vector<Parameter> d = params();
+  AdamW want_f32(runtime(), d, f32_cfg);
+  try {
+    want_f32.load(dir + "/bf16.safetensors");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("w.exp_avg is bf16 in the file, but this optimizer keeps it in f32"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(values(want_f32.master(0)), (std::vector<double>{1, 2, 3, 4}));  // unchanged
+  // Each loads into its own kind.
+  EXPECT_NO_THROW(want_bf16.load(dir + "/bf16.safetensors"));
+  EXPECT_NO_THROW(want_f32.load(dir + "/f32.safetensors"));
+  // f64 moments (an f64 run) still load into f32 ones.
+  std::vector<Parameter> f64 = {{"w", make({1, 2, 3, 4}, {2, 2}, DType::F64), {}}, {"b", make({1, 2}, {2}, DType::F64), {}}};
+  AdamW(runtime(), f64, f32_cfg).save(dir + "/f64.safetensors");
+  EXPECT_NO_THROW(want_f32.load(dir + "/f64.safetensors"));
+}
+
+// The CUDA kernel with bf16 states (bf16 and f32 gradients) against the CPU kernel over several steps. CUDA computes
+// in float, the CPU in double, so a value near a bf16 rounding boundary may round the other way: nearly all values are
+// the same bits and the rest are close.
+TEST(AdamWBf16States, CudaMatchesCpu) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  std::mt19937_64 rng(29);
+  const size_t n = 4099;
+  const std::vector<double> w0 = random_vector(rng, n);
+  std::vector<std::vector<double>> grads;
+  for (int s = 0; s < 5; ++s) grads.push_back(random_vector(rng, n));
+  AdamWConfig cfg = bf16_states_config();
+  cfg.decay_norms = true;  // 1-D here
+  std::vector<std::vector<std::vector<double>>> got;  // device -> {w, m, v}
+  for (Device d : {Device::cpu(), Device::cuda(0)}) {
+    std::vector<Parameter> p = {{"w", make(w0, {int64_t(n)}, DType::BF16, d), {}}};
+    AdamW opt(runtime(), p, cfg);
+    for (int s = 0; s < 5; ++s) {
+      p[0].grad = make(grads[size_t(s)], {int64_t(n)}, s == 3 ? DType::F32 : DType::BF16, d);
+      opt.step(0.01, 0.7);
+    }
+    got.push_back({values(p[0].value), values(opt.exp_avg(0)), values(opt.exp_avg_sq(0))});
+  }
+  const char* names[] = {"w", "m", "v"};
+  for (size_t k = 0; k < 3; ++k) {
+    const std::vector<double>&cpu = got[0][k], &gpu = got[1][k];
+    double err = 0, norm = 0;
+    size_t differ = 0;
+    for (size_t i = 0; i < n; ++i) {
+      err += (gpu[i] - cpu[i]) * (gpu[i] - cpu[i]);
+      norm += cpu[i] * cpu[i];
+      differ += gpu[i] != cpu[i];
+    }
+    EXPECT_LE(err / norm, 1e-6) << names[k];
+    EXPECT_LE(differ, n / 100) << names[k] << ": " << differ << " of " << n << " values differ";
+  }
 }
 
 TEST(GradNorm, MatchesDoubleAndFlagsNonFinite) {

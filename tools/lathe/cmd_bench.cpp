@@ -1,9 +1,10 @@
 // `lathe bench --shape 0.6b|1.7b|4b|q35-0.8b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
-//  [--device cuda] [--lora-rank 16] [--recompute] [--profile]`: training throughput of a Qwen3 (or Qwen3.5: q35-0.8b
-//  or a qwen3_5_text config.json, random-initialised by the family) of a given shape
+//  [--device cuda] [--lora-rank 16] [--recompute] [--optimizer-states f32|bf16] [--profile]`: training throughput of
+//  a Qwen3 (or Qwen3.5: q35-0.8b or a qwen3_5_text config.json, random-initialised by the family) of a given shape
 // with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents of seq random tokens, next-token labels). Each
 // timed step is a whole training step — zero grads, loss forward + backward, global grad norm, AdamW (fp32 masters
-// for bf16 parameters, the trainer's defaults) — between two device synchronisations. Prints one human line and
+// for bf16 parameters, the trainer's default; or bf16 states without masters, --optimizer-states bf16) — between two
+// device synchronisations. Prints one human line and
 // one JSON line (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs
 // with an OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the
 // step that no kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
@@ -39,7 +40,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Args {
-  std::string shape, device = "cuda", dtype;
+  std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
   bool recompute = false, profile = false;
@@ -266,6 +267,12 @@ void run(const Args& a) {
   const Device device = parse_device(a.device);
   rt.check_device(device);
   const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
+  LATHE_CHECK(a.optimizer_states == "f32" || a.optimizer_states == "bf16",
+              "bench: --optimizer-states {}: expected f32 or bf16", a.optimizer_states);
+  const DType state_dtype = dtype_from_name(a.optimizer_states);
+  LATHE_CHECK(state_dtype == DType::F32 || dtype == DType::BF16,
+              "bench: --optimizer-states bf16 keeps bf16 parameters without masters, but the parameters are {} "
+              "(--dtype bf16, the default on CUDA)", dtype_name(dtype));
   nlohmann::json config_json = shape_config(a.shape);
   if (a.layers > 0) {  // a cut of the shape: its first --layers layers
     config_json["num_hidden_layers"] = a.layers;
@@ -303,7 +310,9 @@ void run(const Args& a) {
     model.attach_lora(bank.get());
   }
   std::vector<Parameter>& params = lora ? bank->flat_parameter(0) : model.parameters();
-  AdamW opt(rt, params, AdamWConfig{});
+  AdamWConfig acfg;
+  acfg.state_dtype = state_dtype;
+  AdamW opt(rt, params, acfg);
 
   // micro-batch documents of seq random tokens each, next-token labels (the last position of each has none).
   std::mt19937_64 rng(a.seed);
@@ -353,11 +362,14 @@ void run(const Args& a) {
                   "(22 dk dv + 24 C dk + 14 C dv + 4 C^2, C = 64)";
   const std::string what = lora ? fmt::format("LoRA r{} all-linear ({} trainable)", a.lora_rank, human(adapter_params))
                                 : "full fine-tuning";
+  // What the optimizer keeps, in words: f32/f64 parameters are their own masters whatever the setting.
+  std::string states = " with fp32 AdamW masters";
+  if (dtype == DType::F32 || dtype == DType::F64) states = fmt::format(" with {} AdamW states", dtype_name(dtype));
+  else if (state_dtype == DType::BF16) states = " with bf16 AdamW states (no fp32 masters)";
   fmt::print("bench: {} {} ({} matmul weights), seq {} x micro-batch {} = {} tokens/step, {}, {}{} on {} ({}): "
              "{:.1f} ms/step (min {:.1f}), {} tokens/s, {}peak {:.0f} MiB [{:.4g} GFLOP/token = {}]\n",
              mc.model_type, a.shape, human(matmul_parameter_count(mc)), a.seq, a.micro_batch, int64_t(tokens), what,
-             dtype_name(dtype),
-             dtype == DType::F32 || dtype == DType::F64 ? "" : " with fp32 AdamW masters", device.str(), card,
+             dtype_name(dtype), states, device.str(), card,
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
   nlohmann::json j = {{"shape", a.shape},
@@ -377,6 +389,8 @@ void run(const Args& a) {
                       {"dtype", dtype_name(dtype)},
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
+                      {"optimizer_states", a.optimizer_states},
+                      {"optimizer_state_mib", double(opt.state_bytes()) / 1048576.0},
                       {"flops_per_token", fpt},
                       {"flop_model", flop_model},
                       {"peak_flops", peak},
@@ -422,6 +436,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
                                                "module of a frozen base")->capture_default_str();
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
+  cmd->add_option("--optimizer-states", a->optimizer_states, "AdamW state dtype: f32 (fp32 masters and moments for "
+                  "bf16 parameters) or bf16 (no masters: bf16 parameters updated in place, bf16 moments)")
+      ->capture_default_str();
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
   cmd->callback([a, &exit_code] {
     run(*a);

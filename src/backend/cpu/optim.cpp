@@ -1,8 +1,10 @@
-// CPU optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h), per master dtype (f32, f64) for
-// gradients of any float dtype. Computes in double whatever the storage dtype, so it is the reference the CUDA
-// kernel is judged against. Each element is read before it is written: outputs may alias the inputs. The optional
-// rounded parameter (attrs.rounded_to) is converted from the stored master' as the cast op does (store_from_double of
-// the T value), which is what makes it bitwise equal to adamw followed by cast.
+// CPU optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h), per master dtype (f32, f64, and bf16:
+// optimizer states in bf16, the parameter its own master) for gradients of any float dtype. Computes in double
+// whatever the storage dtype, so it is the reference the CUDA kernel is judged against. Each element is read before
+// it is written: outputs may alias the inputs. The optional rounded parameter (attrs.rounded_to) is converted from
+// the stored master' as the cast op does (store_from_double of the T value), which is what makes it bitwise equal to
+// adamw followed by cast. A bf16 key stores each output as f32 first, then rounds that to nearest even into bf16
+// (the cast op's conversion), so it is bitwise the f32 key on the widened inputs followed by a cast.
 // Covered by the adamw op-check cases (src/testing/op_cases.cpp) and tests/unit/test_optim.cpp.
 #include <cmath>
 
@@ -17,6 +19,11 @@ inline double to_double(float x) { return x; }
 inline double to_double(double x) { return x; }
 inline double to_double(BF16 x) { return bf16_to_float(x); }
 inline double to_double(F16 x) { return f16_to_float(x); }
+
+// The stored form of a result computed in double: rounded once for f32 and f64 keys; for bf16, through f32 (as a
+// float kernel or the f32 key followed by a cast would store it).
+template <typename T> T store_as(double x) { return T(x); }
+template <> BF16 store_as<BF16>(double x) { return float_to_bf16(float(x)); }
 
 Support adamw_supports(const OpCall& c) {
   for (const Tensor& t : c.inputs)
@@ -46,13 +53,15 @@ void adamw_step(const OpCall& c) {
 #pragma omp parallel for if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     const double gi = a.grad_scale * to_double(g[i]);
-    const double mi = b1 * double(m[i]) + (1.0 - b1) * gi;
-    const double vi = b2 * std::abs(double(v[i])) + (1.0 - b2) * gi * gi;
-    const double wi = double(w[i]) - lr_wd * double(w[i]) - step_size * mi / (std::sqrt(vi) / sqrt_bc2 + a.eps);
-    w_out[i] = T(wi);
-    m_out[i] = T(mi);
-    v_out[i] = T(vi);
-    if (rounded) store_from_double(rounded, rounded_dtype, i, double(T(wi)));
+    const double w_old = to_double(w[i]);
+    const double mi = b1 * to_double(m[i]) + (1.0 - b1) * gi;
+    const double vi = b2 * std::abs(to_double(v[i])) + (1.0 - b2) * gi * gi;
+    const double wi = w_old - lr_wd * w_old - step_size * mi / (std::sqrt(vi) / sqrt_bc2 + a.eps);
+    const T w_stored = store_as<T>(wi);
+    w_out[i] = w_stored;
+    m_out[i] = store_as<T>(mi);
+    v_out[i] = store_as<T>(vi);
+    if (rounded) store_from_double(rounded, rounded_dtype, i, to_double(w_stored));
   }
 }
 
@@ -72,6 +81,7 @@ void adamw_run(const OpCall& c, ExecContext&) {
 void register_cpu_optim_kernels(KernelRegistry& r) {
   r.add(KernelDef{OpId::adamw, DeviceType::CPU, DType::F32, "cpu/adamw", adamw_supports, adamw_run<float>});
   r.add(KernelDef{OpId::adamw, DeviceType::CPU, DType::F64, "cpu/adamw", adamw_supports, adamw_run<double>});
+  r.add(KernelDef{OpId::adamw, DeviceType::CPU, DType::BF16, "cpu/adamw", adamw_supports, adamw_run<BF16>});
 }
 
 }  // namespace lathe

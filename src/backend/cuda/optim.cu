@@ -1,11 +1,14 @@
-// CUDA optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h) on f32 masters and moments with
-// f32, bf16 or f16 gradients, computed in float with IEEE division and sqrt (no fast-math), in the same order of
-// operations as the CPU reference (backend/cpu/optim.cpp). Pointers are not __restrict__: outputs alias inputs.
+// CUDA optimizer kernels: the AdamW step (op `adamw`, formula in ops/op_table.h) on f32 masters and moments, or on
+// bf16 parameters and moments (bf16 optimizer states: the parameter is its own master), with f32, bf16 or f16
+// gradients, computed in float with IEEE division and sqrt (no fast-math), in the same order of operations as the CPU
+// reference (backend/cpu/optim.cpp). Pointers are not __restrict__: outputs alias inputs.
 // The optional bf16/f16 parameter output is the new f32 master stored through the same conversion as the cast kernel
-// (elementwise.cu: store of a float, round to nearest even), so it is bitwise what adamw followed by cast writes.
+// (elementwise.cu: store of a float, round to nearest even), so it is bitwise what adamw followed by cast writes; bf16
+// states are widened on load and stored through that same conversion.
 // Aligned tensors move in 16-byte accesses (8 elements a thread step), others element by element; the arithmetic is
 // one shared function, so both paths give the same bits.
-// Covered by the adamw op-check cases (f32 gradients) and tests/unit/test_optim.cpp (bf16 gradients, on a GPU).
+// Covered by the adamw op-check cases (f32 and bf16 keys) and tests/unit/test_optim.cpp (bf16 gradients and bf16
+// states against the CPU, on a GPU).
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -27,25 +30,39 @@ __device__ __forceinline__ void adamw_one(float w, float g_raw, float m, float v
   w_out = w - s.lr_wd * w - s.step_size * m_out / (sqrtf(v_out) / s.sqrt_bc2 + s.eps);
 }
 
-// P: the parameter's dtype (__nv_bfloat16, __half), or void for no parameter output. kN elements a thread step: 8
-// (16-byte accesses of the bf16/f16 arrays, two of each f32 array) when every pointer is 16-byte aligned, else 1.
-// A thread loads all of its elements before it stores any, so outputs may alias inputs; the n % kN elements past
-// the last whole pack are done one by one.
-template <typename G, typename P, int kN>
-__global__ void adamw_kernel(int64_t n, const float* w, const G* grad, const float* m, const float* v, float* w_out,
-                             float* m_out, float* v_out, P* param, AdamWScalars s) {
+// S: the state's dtype (float: f32 masters and moments; __nv_bfloat16: bf16 parameter and moments, widened to float
+// for the arithmetic and rounded on store). P: the parameter's dtype (__nv_bfloat16, __half), or void for no
+// parameter output (always void for bf16 states). kN elements a thread step: 8 (16-byte accesses of the 2-byte arrays,
+// two of each f32 array) when every pointer is 16-byte aligned, else 1. A thread loads all of its elements before it
+// stores any, so outputs may alias inputs; the n % kN elements past the last whole pack are done one by one.
+template <typename S, typename G, typename P, int kN>
+__global__ void adamw_kernel(int64_t n, const S* w, const G* grad, const S* m, const S* v, S* w_out, S* m_out,
+                             S* v_out, P* param, AdamWScalars s) {
   const int64_t packs = n / kN;
   for (int64_t p = global_thread(); p < packs; p += grid_threads()) {
     const int64_t i = p * kN;
-    const Pack<float, kN> wv = load_pack<float, kN>(w + i), mv = load_pack<float, kN>(m + i),
-                          vv = load_pack<float, kN>(v + i);
+    const Pack<S, kN> wv = load_pack<S, kN>(w + i), mv = load_pack<S, kN>(m + i), vv = load_pack<S, kN>(v + i);
     const Pack<G, kN> gv = load_pack<G, kN>(grad + i);
     Pack<float, kN> wo, mo, vo;
 #pragma unroll
-    for (int k = 0; k < kN; ++k) adamw_one(wv.e[k], load(gv.e, k), mv.e[k], vv.e[k], s, wo.e[k], mo.e[k], vo.e[k]);
-    store_pack(w_out + i, wo);
-    store_pack(m_out + i, mo);
-    store_pack(v_out + i, vo);
+    for (int k = 0; k < kN; ++k)
+      adamw_one(load(wv.e, k), load(gv.e, k), load(mv.e, k), load(vv.e, k), s, wo.e[k], mo.e[k], vo.e[k]);
+    if constexpr (std::is_same_v<S, float>) {
+      store_pack(w_out + i, wo);
+      store_pack(m_out + i, mo);
+      store_pack(v_out + i, vo);
+    } else {
+      Pack<S, kN> ws, ms, vs;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        store(ws.e, k, wo.e[k]);
+        store(ms.e, k, mo.e[k]);
+        store(vs.e, k, vo.e[k]);
+      }
+      store_pack(w_out + i, ws);
+      store_pack(m_out + i, ms);
+      store_pack(v_out + i, vs);
+    }
     if constexpr (!std::is_void_v<P>) {
       Pack<P, kN> pv;
 #pragma unroll
@@ -55,55 +72,66 @@ __global__ void adamw_kernel(int64_t n, const float* w, const G* grad, const flo
   }
   for (int64_t i = packs * kN + global_thread(); i < n; i += grid_threads()) {
     float wi, mi, vi;
-    adamw_one(w[i], load(grad, i), m[i], v[i], s, wi, mi, vi);
-    w_out[i] = wi;
-    m_out[i] = mi;
-    v_out[i] = vi;
+    adamw_one(load(w, i), load(grad, i), load(m, i), load(v, i), s, wi, mi, vi);
+    store(w_out, i, wi);
+    store(m_out, i, mi);
+    store(v_out, i, vi);
     if constexpr (!std::is_void_v<P>) store(param, i, wi);
   }
 }
 
-template <typename G, typename P>
-void launch(int64_t n, const float* w, const void* grad, const float* m, const float* v, float* w_out, float* m_out,
-            float* v_out, void* param, const AdamWScalars& s, cudaStream_t stream) {
+template <typename S, typename G, typename P>
+void launch(int64_t n, const void* w_, const void* grad, const void* m_, const void* v_, void* w_out_, void* m_out_,
+            void* v_out_, void* param, const AdamWScalars& s, cudaStream_t stream) {
+  const auto *w = static_cast<const S*>(w_), *m = static_cast<const S*>(m_), *v = static_cast<const S*>(v_);
+  auto *w_out = static_cast<S*>(w_out_), *m_out = static_cast<S*>(m_out_), *v_out = static_cast<S*>(v_out_);
   const auto* g = static_cast<const G*>(grad);
   auto* pp = static_cast<P*>(param);
   const bool packed = aligned16(w) && aligned16(grad) && aligned16(m) && aligned16(v) && aligned16(w_out) &&
                       aligned16(m_out) && aligned16(v_out) && (!param || aligned16(param));
   if (packed)
-    adamw_kernel<G, P, 8><<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out, v_out,
-                                                                                  pp, s);
+    adamw_kernel<S, G, P, 8><<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out,
+                                                                                     v_out, pp, s);
   else
-    adamw_kernel<G, P, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out, v_out, pp, s);
+    adamw_kernel<S, G, P, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out, v_out, pp,
+                                                                            s);
 }
 
 template <typename G>
-void launch_for_param(DType param_dtype, int64_t n, const float* w, const void* grad, const float* m, const float* v,
-                      float* w_out, float* m_out, float* v_out, void* param, const AdamWScalars& s,
+void launch_for_param(DType state_dtype, DType param_dtype, int64_t n, const void* w, const void* grad, const void* m,
+                      const void* v, void* w_out, void* m_out, void* v_out, void* param, const AdamWScalars& s,
                       cudaStream_t stream) {
-  if (!param) return launch<G, void>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+  if (state_dtype == DType::BF16) {
+    if (param)
+      throw_cuda_error("adamw (bf16 states take no parameter output)", cudaErrorInvalidValue, __FILE__, __LINE__);
+    return launch<__nv_bfloat16, G, void>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+  }
+  if (state_dtype != DType::F32)
+    throw_cuda_error("adamw (state dtype not f32 or bf16)", cudaErrorInvalidValue, __FILE__, __LINE__);
+  if (!param) return launch<float, G, void>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
   switch (param_dtype) {
-    case DType::BF16: return launch<G, __nv_bfloat16>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
-    case DType::F16: return launch<G, __half>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+    case DType::BF16: return launch<float, G, __nv_bfloat16>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+    case DType::F16: return launch<float, G, __half>(n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
     default: throw_cuda_error("adamw (parameter dtype not bf16 or f16)", cudaErrorInvalidValue, __FILE__, __LINE__);
   }
 }
 
 }  // namespace
 
-void launch_adamw(DType grad_dtype, int64_t n, const float* w, const void* grad, const float* m, const float* v,
-                  float* w_out, float* m_out, float* v_out, DType param_dtype, void* param, const AdamWScalars& s,
-                  cudaStream_t stream) {
+void launch_adamw(DType state_dtype, DType grad_dtype, int64_t n, const void* w, const void* grad, const void* m,
+                  const void* v, void* w_out, void* m_out, void* v_out, DType param_dtype, void* param,
+                  const AdamWScalars& s, cudaStream_t stream) {
   if (n == 0) return;
   switch (grad_dtype) {
     case DType::F32:
-      launch_for_param<float>(param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+      launch_for_param<float>(state_dtype, param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
       break;
     case DType::BF16:
-      launch_for_param<__nv_bfloat16>(param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+      launch_for_param<__nv_bfloat16>(state_dtype, param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s,
+                                      stream);
       break;
     case DType::F16:
-      launch_for_param<__half>(param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
+      launch_for_param<__half>(state_dtype, param_dtype, n, w, grad, m, v, w_out, m_out, v_out, param, s, stream);
       break;
     default: throw_cuda_error("adamw (gradient dtype not f32, bf16 or f16)", cudaErrorInvalidValue, __FILE__, __LINE__);
   }

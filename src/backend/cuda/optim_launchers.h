@@ -1,6 +1,8 @@
-// Raw-pointer launcher of the CUDA AdamW kernel (optim.cu). Masters and moments are f32; the gradient is f32,
-// bf16 or f16; the optional parameter output (the new master rounded) is bf16 or f16. The scalars are precomputed on the host in double (bias corrections, decay factor) and rounded
-// once to float. Registration and tensor checks live in optim_ops.cpp; covered by the adamw op-check cases.
+// Raw-pointer launcher of the CUDA AdamW kernel (optim.cu). Masters and moments are f32, or bf16 (bf16 optimizer
+// states: the master is the bf16 parameter itself); the gradient is f32, bf16 or f16; the optional parameter output
+// (the new f32 master rounded) is bf16 or f16, and only with f32 states. The scalars are precomputed on the host in
+// double (bias corrections, decay factor) and rounded once to float. Registration and tensor checks live in
+// optim_ops.cpp; covered by the adamw op-check cases.
 // Free of fmt so nvcc sees little.
 #pragma once
 
@@ -22,10 +24,11 @@ struct AdamWScalars {
   float grad_scale;
 };
 
-// Elementwise; the outputs may alias the inputs (each element is read before it is written). `param` (of
-// `param_dtype`, ignored when param is null) also receives the new master converted as the cast kernel does.
-void launch_adamw(DType grad_dtype, int64_t n, const float* w, const void* grad, const float* m, const float* v,
-                  float* w_out, float* m_out, float* v_out, DType param_dtype, void* param, const AdamWScalars& s,
-                  cudaStream_t stream);
+// Elementwise; the outputs may alias the inputs (each element is read before it is written). w, m, v and their
+// outputs are of `state_dtype` (f32 or bf16). `param` (of `param_dtype`, ignored when param is null; f32 states only)
+// also receives the new master converted as the cast kernel does.
+void launch_adamw(DType state_dtype, DType grad_dtype, int64_t n, const void* w, const void* grad, const void* m,
+                  const void* v, void* w_out, void* m_out, void* v_out, DType param_dtype, void* param,
+                  const AdamWScalars& s, cudaStream_t stream);
 
 }  // namespace lathe::cuda

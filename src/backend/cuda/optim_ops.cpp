@@ -1,5 +1,7 @@
 // Registration of the CUDA optimizer kernels: the AdamW step for f32 masters (key dtype f32) with f32, bf16 or f16
-// gradients, optionally writing the bf16/f16 parameter too (attrs.rounded_to). The bias corrections are computed here in double and handed to the kernel as floats.
+// gradients, optionally writing the bf16/f16 parameter too (attrs.rounded_to), and for bf16 states (key dtype bf16:
+// the bf16 parameter is its own master, m and v bf16) with the same gradients. The bias corrections are computed here
+// in double and handed to the kernel as floats.
 // Covered by the adamw op-check cases and tests/unit/test_optim.cpp.
 #include <cmath>
 
@@ -35,9 +37,9 @@ void adamw_run(const OpCall& c, ExecContext& ctx) {
   s.lr_wd = float(a.lr * a.weight_decay);
   s.grad_scale = float(a.grad_scale);
   const bool with_param = a.rounded_to.has_value();
-  launch_adamw(c.inputs[1].dtype(), c.inputs[0].numel(), c.inputs[0].data<float>(), c.inputs[1].data_ptr(),
-               c.inputs[2].data<float>(), c.inputs[3].data<float>(), c.outputs[0].data<float>(),
-               c.outputs[1].data<float>(), c.outputs[2].data<float>(), a.rounded_to.value_or(DType::F32),
+  launch_adamw(c.inputs[0].dtype(), c.inputs[1].dtype(), c.inputs[0].numel(), c.inputs[0].data_ptr(),
+               c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.outputs[0].data_ptr(),
+               c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), a.rounded_to.value_or(DType::F32),
                with_param ? c.outputs[3].data_ptr() : nullptr, s, as_cuda(ctx.stream).handle());
 }
 
@@ -45,6 +47,7 @@ void adamw_run(const OpCall& c, ExecContext& ctx) {
 
 void register_cuda_optim_kernels(KernelRegistry& r) {
   r.add(KernelDef{OpId::adamw, DeviceType::CUDA, DType::F32, "cuda/adamw", adamw_supports, adamw_run});
+  r.add(KernelDef{OpId::adamw, DeviceType::CUDA, DType::BF16, "cuda/adamw", adamw_supports, adamw_run});
 }
 
 }  // namespace lathe::cuda
