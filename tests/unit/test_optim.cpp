@@ -479,10 +479,18 @@ TEST(AdamWBf16States, Bf16KeyIsTheF32KeyThenCast) {
       adamw_update(ctx, w16, grad, m16, v16, a);
       adamw_update(ctx, w32, grad, m32, v32, a);
       const std::pair<const Tensor*, const Tensor*> pairs[] = {{&w16, &w32}, {&m16, &m32}, {&v16, &v32}};
-      for (const auto& [low, full] : pairs) {
-        const Tensor h1 = runtime().copy_to(*low, Device::cpu());
-        const Tensor h2 = runtime().copy_to(cast(ctx, *full, DType::BF16), Device::cpu());
-        ASSERT_EQ(std::memcmp(h1.data_ptr(), h2.data_ptr(), h1.nbytes()), 0) << d.str() << " grad " << dtype_name(gdt);
+      const char* names[] = {"w", "m", "v"};
+      for (int k = 0; k < 3; ++k) {
+        const Tensor h1 = runtime().copy_to(*pairs[k].first, Device::cpu());
+        const Tensor h2 = runtime().copy_to(cast(ctx, *pairs[k].second, DType::BF16), Device::cpu());
+        const auto* b1 = static_cast<const uint16_t*>(h1.data_ptr());
+        const auto* b2 = static_cast<const uint16_t*>(h2.data_ptr());
+        int64_t differ = 0, first = -1;
+        for (int64_t i = 0; i < n; ++i)
+          if (b1[i] != b2[i]) first = first < 0 ? i : first, ++differ;
+        EXPECT_EQ(differ, 0) << d.str() << " grad " << dtype_name(gdt) << ": " << names[k] << " differs in " << differ
+                             << " of " << n << " values, first at " << first << " (" << (first >= 0 ? b1[first] : 0)
+                             << " vs " << (first >= 0 ? b2[first] : 0) << ")";
       }
     }
   }

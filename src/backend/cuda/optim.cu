@@ -21,13 +21,16 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// One element's update: (w, g, m, v) -> (w_out, m_out, v_out); g is the raw gradient.
+// One element's update: (w, g, m, v) -> (w_out, m_out, v_out); g is the raw gradient. Every operation is an explicit
+// round-to-nearest intrinsic (no contraction left to the compiler), so each instantiation of the kernel (f32 or bf16
+// states, packed or not) computes bitwise the same floats: bf16 states are exactly f32 states then a cast.
 __device__ __forceinline__ void adamw_one(float w, float g_raw, float m, float v, const AdamWScalars& s, float& w_out,
                                           float& m_out, float& v_out) {
-  const float g = s.grad_scale * g_raw;
-  m_out = s.beta1 * m + s.one_minus_beta1 * g;
-  v_out = s.beta2 * fabsf(v) + s.one_minus_beta2 * g * g;
-  w_out = w - s.lr_wd * w - s.step_size * m_out / (sqrtf(v_out) / s.sqrt_bc2 + s.eps);
+  const float g = __fmul_rn(s.grad_scale, g_raw);
+  m_out = __fmaf_rn(s.beta1, m, __fmul_rn(s.one_minus_beta1, g));
+  v_out = __fmaf_rn(s.beta2, fabsf(v), __fmul_rn(__fmul_rn(s.one_minus_beta2, g), g));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v_out), s.sqrt_bc2), s.eps);
+  w_out = __fsub_rn(__fmaf_rn(-s.lr_wd, w, w), __fdiv_rn(__fmul_rn(s.step_size, m_out), denom));
 }
 
 // S: the state's dtype (float: f32 masters and moments; __nv_bfloat16: bf16 parameter and moments, widened to float
