@@ -124,6 +124,8 @@ class CausalLm {
   // sparse layer's aux gradient (times coef x loss_scale) for moe_backward.
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
   bool aux_loss_on() const { return options_.router_aux_loss.value_or(config_.output_router_logits); }
+  // The dtype of the router's softmax backward on the device: f32 (transformers' router dtype), f64 in an f64 model.
+  DType routing_dtype() const { return options_.dtype == DType::F64 ? DType::F64 : DType::F32; }
   // Checkpoint reading shared by the families: every parameter of params_ from `st` (staged on the host in f32, f64 for
   // an f64 model, so f32/f64 checkpoints stay exact), the experts from either layout (fused gate_up_proj / down_proj, or per-expert
   // experts.N.{gate,up,down}_proj.weight, remembered for save()). Returns the checkpoint names it consumed.

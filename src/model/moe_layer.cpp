@@ -57,7 +57,27 @@ const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Ten
   r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
   const std::vector<double> ones(size_t(t * k), 1.0);
   r.ones = cast(cx, rt_->from_host(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
-  r.d_aux.clear();
+  // What the router's backward needs on the device (uploads only: no synchronisation in the backward).
+  const DType rd = routing_dtype();
+  auto upload = [&](const std::vector<double>& v, Shape shape) {
+    return cast(cx, rt_->from_host(v.data(), shape, DType::F64, options_.device), rd);
+  };
+  r.probs = upload(r.choice.probs, {t, e});
+  std::vector<int32_t> picked(size_t(t * k));
+  std::vector<double> inv_sum(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t ex = r.choice.expert[size_t(i * k + j)];
+      picked[size_t(i * k + j)] = int32_t(i * e) + ex;
+      sum += r.choice.probs[size_t(i * e + ex)];
+    }
+    inv_sum[size_t(i)] = 1.0 / sum;
+  }
+  r.picked_ids = upload_i32(*rt_, picked, options_.device);
+  r.picked_w = upload(r.choice.weight, {t, k});
+  r.inv_sum = upload(inv_sum, {t, 1});
+  r.d_aux = Tensor();
   r.valid = true;
   return r;
 }
@@ -116,13 +136,17 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
   // Each token's k rows summed in a fixed order (a batched product with ones).
   Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
-  // Router: d(logits) on the host through the renormalisation and the softmax, plus the aux-loss term.
-  const Tensor dw_host = rt_->copy_to(cast(cx, dweights, DType::F64), Device::cpu());
-  std::vector<double> dlogits =
-      route_tokens_backward(r.choice, {dw_host.data<double>(), size_t(t * k)}, c.norm_topk_prob);
-  for (size_t i = 0; i < r.d_aux.size(); ++i) dlogits[i] += r.d_aux[i];
-  const Tensor dl =
-      cast(cx, rt_->from_host(dlogits.data(), {t, c.num_experts}, DType::F64, options_.device), options_.dtype);
+  // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,
+  // through the renormalisation when norm_topk_prob (dp_j = (dw_j - sum_i dw_i w_i) / S), scattered into (T, E) (the k
+  // experts of a token are distinct: no two writes meet), plus the aux term, then through the softmax.
+  Tensor dpk = cast(cx, dweights, routing_dtype());  // (T, k)
+  if (c.norm_topk_prob) {
+    const Tensor dot = sum(cx, mul(cx, dpk, r.picked_w), {1}, true);  // (T, 1)
+    dpk = mul(cx, add(cx, dpk, scale(cx, dot, -1.0)), r.inv_sum);
+  }
+  Tensor dp = embedding_backward(cx, dpk.view({t * k, 1}), r.picked_ids, t * c.num_experts).view({t, c.num_experts});
+  if (r.d_aux.defined()) dp = add(cx, dp, r.d_aux);
+  const Tensor dl = cast(cx, softmax_backward(cx, r.probs, dp), options_.dtype);
   matmul_into(cx, dl, w(p.router), dx, {false, false, 1.0f, 1.0f});
   add_linear_grad(p.router, dl, a.x);
   if (p.shared_gate >= 0) {  // out += sh_y * sigmoid(x Wg^T)
@@ -154,14 +178,14 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   }
   if (choices.empty()) return;
   const bool grad = backward && aux_loss_on();
-  std::vector<std::vector<double>> d;
-  res.aux_loss = load_balancing_loss(choices, grad ? &d : nullptr);
+  std::vector<double> dp;
+  res.aux_loss = load_balancing_loss(choices, nullptr, grad ? &dp : nullptr);
   if (!grad) return;
-  const double s = config_.router_aux_loss_coef * loss_scale;
-  for (size_t i = 0; i < routes.size(); ++i) {
-    routes[i]->d_aux = std::move(d[i]);
-    for (double& v : routes[i]->d_aux) v *= s;
-  }
+  for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale;
+  ExecContext cx = ctx();
+  const Tensor d_aux =
+      cast(cx, rt_->from_host(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
+  for (MoeRoute* r : routes) r->d_aux = d_aux;
 }
 
 std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) {

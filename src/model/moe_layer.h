@@ -36,7 +36,12 @@ struct MoeRoute {
   Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather, for the backward)
   Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
   Tensor ones;          // (T, 1, k) ones: sums a token's k rows as a batched product (the backward of the gather)
-  std::vector<double> d_aux;  // (T, E) d(coef x loss_scale x aux loss)/d(logits) of this layer, when the aux loss is on
+  // The router's backward on the device, in the routing dtype (f32; f64 for an f64 model):
+  Tensor probs;         // (T, E) the softmax
+  Tensor picked_ids;    // (T k) i32: t E + expert of pair (t, j), where d(probs) lands
+  Tensor picked_w;      // (T, k) the combine weights before rounding (norm_topk_prob: p_j / S)
+  Tensor inv_sum;       // (T, 1) 1 / S, S = the sum of the k picked probabilities (norm_topk_prob only)
+  Tensor d_aux;         // (1, E) d(coef x loss_scale x aux loss)/d(probs[r, .]), the same for every row, when on
 };
 
 // What the backward of one sparse layer reads.

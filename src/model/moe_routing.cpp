@@ -151,7 +151,8 @@ ExpertLoad expert_load(const RoutingPlan& plan) {
   return load;
 }
 
-double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<double>>* d_logits) {
+double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<double>>* d_logits,
+                           std::vector<double>* d_probs) {
   LATHE_CHECK(!layers.empty(), "moe: the load-balancing loss needs at least one layer's router choices");
   const int64_t experts = layers[0]->experts, top_k = layers[0]->top_k;
   int64_t rows = 0;
@@ -164,6 +165,7 @@ double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::
   if (rows == 0) {
     if (d_logits)
       for (size_t l = 0; l < layers.size(); ++l) d_logits->emplace_back();
+    if (d_probs) d_probs->assign(size_t(experts), 0.0);
     return 0.0;
   }
   std::vector<double> routed(size_t(experts), 0.0), prob(size_t(experts), 0.0);
@@ -175,9 +177,11 @@ double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::
   double loss = 0;
   for (int64_t e = 0; e < experts; ++e) loss += (routed[size_t(e)] / double(rows)) * (prob[size_t(e)] / double(rows));
   loss *= double(experts);
-  if (d_logits) {  // d loss / d probs[r, e] = E f_e / N, then through each row's softmax
-    std::vector<double> dp(static_cast<size_t>(experts));
-    for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
+  // d loss / d probs[r, e] = E f_e / N, then (d_logits) through each row's softmax
+  std::vector<double> dp(static_cast<size_t>(experts));
+  for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
+  if (d_probs) *d_probs = dp;
+  if (d_logits) {
     for (const RouterChoice* r : layers) {
       std::vector<double> d(size_t(r->tokens * experts));
 #pragma omp parallel for schedule(static)

@@ -63,8 +63,9 @@ ExpertLoad expert_load(const RoutingPlan& plan);
 // transformers' load-balancing loss over the router choices of every MoE layer, their rows concatenated (N rows in
 // all): loss = E * sum_e f_e P_e with f_e = (pairs routed to e) / N and P_e = (sum over rows of probs[., e]) / N.
 // f_e sums to k over the experts (it is not divided by k, as in transformers). `d_logits` (one (T_l, E) block per
-// layer, may be null) receives d(loss)/d(logits): only P depends on the logits (f is piecewise constant).
+// layer, may be null) receives d(loss)/d(logits): only P depends on the logits (f is piecewise constant). `d_probs`
+// (may be null) receives d(loss)/d(probs[r, e]) = E f_e / N, the same (E) vector for every row r of every layer.
 double load_balancing_loss(const std::vector<const RouterChoice*>& layers,
-                           std::vector<std::vector<double>>* d_logits = nullptr);
+                           std::vector<std::vector<double>>* d_logits = nullptr, std::vector<double>* d_probs = nullptr);
 
 }  // namespace lathe
