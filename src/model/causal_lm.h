@@ -8,6 +8,7 @@
 // Covered by tests/models/test_qwen3.cpp, test_qwen3_5.cpp, test_lora.cpp, test_lora_qwen3_5.cpp, tests/e2e.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
@@ -116,6 +117,13 @@ class CausalLm {
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 
+  // The MLP of layer `layer` (model/moe_layer.h): declare_mlp adds its parameters through `add` (Hugging Face name,
+  // shape) -> index, under `prefix` ("model.layers.N."); mlp_backward returns d(hn) and accumulates the gradients.
+  static MlpParams declare_mlp(const ModelConfig& c, int64_t layer, const std::string& prefix,
+                               const std::function<int(std::string, Shape)>& add);
+  MlpActs mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b, bool training);
+  Tensor mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
+                      const PackedBatch& b);
   // The mixture-of-experts MLP of sparse layer `layer` (model/moe_layer.h, docs/moe.md); moe_backward returns dx and
   // accumulates the parameters' gradients (the router's includes the aux-loss term when it is on).
   MoeActs moe_forward(int64_t layer, const MoeParams& p, const Tensor& x);

@@ -1,12 +1,13 @@
-// The mixture-of-experts MLP (model/moe_layer.h, docs/moe.md): routing on the host from the router logits, experts as
-// grouped GEMMs over the rows sorted by expert, a gather-and-sum combine, the shared expert, the aux loss; and the
-// checkpoint reading both families share (fused or per-expert expert tensors). Shapes: T tokens, D hidden, E experts,
-// k experts per token, P = T k routed rows, I the expert FFN size.
+// The MLP of a layer, dense or mixture of experts (model/moe_layer.h, docs/moe.md): for experts, routing on the host
+// from the router logits, grouped GEMMs over the rows sorted by expert, a gather and a fixed-order combine, the shared
+// expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
+// Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
 // in (at least) fp32 — here in double on the host — and the combine weights rounded to the model dtype.
 #include <string_view>
 
 #include "model/causal_lm.h"
+#include "model/lora.h"
 #include "ops/ops.h"
 
 namespace lathe {
@@ -38,6 +39,57 @@ Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
 }
 
 }  // namespace
+
+MlpParams CausalLm::declare_mlp(const ModelConfig& c, int64_t layer, const std::string& prefix,
+                                const std::function<int(std::string, Shape)>& add) {
+  MlpParams p;
+  p.sparse = c.sparse_layer(layer);
+  if (!p.sparse) {
+    p.gate = add(prefix + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
+    p.up = add(prefix + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
+    p.down = add(prefix + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
+    return p;
+  }
+  const int64_t e = c.num_experts, in = c.moe_intermediate_size, is = c.shared_expert_intermediate_size;
+  p.moe.router = add(prefix + "mlp.gate.weight", {e, c.hidden_size});
+  p.moe.gate_up = add(prefix + "mlp.experts.gate_up_proj", {e, 2 * in, c.hidden_size});
+  p.moe.down = add(prefix + "mlp.experts.down_proj", {e, c.hidden_size, in});
+  if (is > 0) {
+    p.moe.shared_gate = add(prefix + "mlp.shared_expert.gate_proj.weight", {is, c.hidden_size});
+    p.moe.shared_up = add(prefix + "mlp.shared_expert.up_proj.weight", {is, c.hidden_size});
+    p.moe.shared_down = add(prefix + "mlp.shared_expert.down_proj.weight", {c.hidden_size, is});
+    p.moe.shared_gate_w = add(prefix + "mlp.shared_expert_gate.weight", {1, c.hidden_size});
+  }
+  return p;
+}
+
+MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b,
+                              bool training) {
+  MlpActs a;
+  if (p.sparse) {
+    a.moe = moe_forward(layer, p.moe, hn);
+    a.out = a.moe.out;
+    return a;
+  }
+  ExecContext cx = ctx();
+  a.gate = project(layer, LoraTarget::gate_proj, p.gate, hn, b, training);
+  a.up = project(layer, LoraTarget::up_proj, p.up, hn, b, training);
+  a.act = swiglu(cx, a.gate, a.up);
+  a.out = project(layer, LoraTarget::down_proj, p.down, a.act, b, training);
+  return a;
+}
+
+Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
+                              const PackedBatch& b) {
+  if (p.sparse) return moe_backward(layer, p.moe, a.moe, dout);
+  ExecContext cx = ctx();
+  Tensor dact, dhn;  // out = down(swiglu(gate(hn), up(hn)))
+  project_backward(layer, LoraTarget::down_proj, p.down, a.act, dout, dact, b);
+  const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
+  project_backward(layer, LoraTarget::gate_proj, p.gate, hn, dgu[0], dhn, b);
+  project_backward(layer, LoraTarget::up_proj, p.up, hn, dgu[1], dhn, b);
+  return dhn;
+}
 
 const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));

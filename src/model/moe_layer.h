@@ -54,6 +54,19 @@ struct MoeActs {
   Tensor out;               // (T, D)
 };
 
+// The MLP of one layer, what both families share (CausalLm::declare_mlp / mlp_forward / mlp_backward): a SwiGLU of
+// intermediate_size through CausalLm::project (so LoRA applies), or, in a sparse layer, the mixture of experts.
+struct MlpParams {
+  bool sparse = false;
+  int gate = -1, up = -1, down = -1;  // mlp.{gate,up,down}_proj.weight of a dense MLP
+  MoeParams moe;                      // a sparse layer's
+};
+struct MlpActs {
+  Tensor gate, up, act;  // (T, I) a dense MLP's
+  MoeActs moe;           // a sparse layer's
+  Tensor out;            // (T, D) the MLP's output (before the residual)
+};
+
 // Load statistics of one sparse layer for one batch (metrics): tokens routed to each expert, max / mean.
 struct ExpertLoadStat {
   int64_t layer = 0;

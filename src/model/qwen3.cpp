@@ -24,9 +24,7 @@ struct Qwen3Model::LayerActs {
   Tensor o, lse;   // (T, Hq, D) attention output, (T, Hq) f32 log-sum-exp
   Tensor h;        // (T, H) after the attention residual
   Tensor hn;       // (T, H) post-attention RMSNorm
-  Tensor g, u;     // (T, I) gate and up projections
-  Tensor act;      // (T, I) silu(g) * u
-  MoeActs moe;     // a sparse layer's MLP instead of g, u, act
+  MlpActs mlp;     // the MLP's (dense or experts)
   Tensor out;      // (T, H) layer output
 };
 
@@ -62,16 +60,7 @@ void Qwen3Model::build_parameter_list() {
     l.q_norm = add(p + "self_attn.q_norm.weight", {c.head_dim});
     l.k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.sparse = c.sparse_layer(i);
-    if (l.sparse) {
-      l.moe.router = add(p + "mlp.gate.weight", {c.num_experts, c.hidden_size});
-      l.moe.gate_up = add(p + "mlp.experts.gate_up_proj", {c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size});
-      l.moe.down = add(p + "mlp.experts.down_proj", {c.num_experts, c.hidden_size, c.moe_intermediate_size});
-    } else {
-      l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
-      l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
-      l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
-    }
+    l.mlp = declare_mlp(c, i, p, add);
     layers_.push_back(l);
   }
   final_norm_ = add("model.norm.weight", {c.hidden_size});
@@ -127,15 +116,8 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   a.lse = att[1];
   a.h = add(cx, x, project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training));
   a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
-  if (l.sparse) {
-    a.moe = moe_forward(l.index, l.moe, a.hn);
-    a.out = add(cx, a.h, a.moe.out);
-    return a;
-  }
-  a.g = project(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, b, training);
-  a.u = project(l.index, LoraTarget::up_proj, l.up_proj, a.hn, b, training);
-  a.act = swiglu(cx, a.g, a.u);
-  a.out = add(cx, a.h, project(l.index, LoraTarget::down_proj, l.down_proj, a.act, b, training));
+  a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
+  a.out = add(cx, a.h, a.mlp.out);
   return a;
 }
 
@@ -145,17 +127,8 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const int64_t t = dout.size(0);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   const RopeAttrs inv{c.rope_theta, 0, true};
-  // MLP: out = h + down(swiglu(gate(hn), up(hn))), or h + moe(hn)
-  Tensor dhn;
-  if (l.sparse) {
-    dhn = moe_backward(l.index, l.moe, a.moe, dout);
-  } else {
-    Tensor dact;
-    project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
-    const std::vector<Tensor> dgu = swiglu_backward(cx, a.g, a.u, dact);
-    project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
-    project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
-  }
+  // MLP: out = h + mlp(hn)
+  const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
   const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
   add_grad(l.post_norm, dpost[1]);
   const Tensor dh = add(cx, dout, dpost[0]);

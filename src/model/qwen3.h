@@ -31,9 +31,7 @@ class Qwen3Model : public CausalLm {
   struct Layer {
     int64_t index = 0;
     int input_norm = -1, q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1, post_norm = -1;
-    int gate_proj = -1, up_proj = -1, down_proj = -1;  // dense MLP
-    bool sparse = false;                               // qwen3_moe: the MLP is a mixture of experts
-    MoeParams moe;
+    MlpParams mlp;  // a SwiGLU, or the mixture of experts of a qwen3_moe sparse layer
   };
   struct LayerActs;
 

@@ -43,8 +43,8 @@ struct Qwen35Model::LayerActs {
   Tensor core, gy;                  // (T, Hv, dv): rule output, gated_rmsnorm(core; w, z) (out_proj's input)
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   // MLP
-  Tensor h, hn, gt, up, act, out;
-  MoeActs moe;  // a sparse layer's MLP instead of gt, up, act
+  Tensor h, hn, out;
+  MlpActs mlp;
 };
 
 namespace {
@@ -106,23 +106,7 @@ void Qwen35Model::build_parameter_list() {
       l.k_norm = add(p + "self_attn.k_norm.weight", {d});
     }
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.sparse = c.sparse_layer(i);
-    if (l.sparse) {
-      const int64_t e = c.num_experts, in = c.moe_intermediate_size, is = c.shared_expert_intermediate_size;
-      l.moe.router = add(p + "mlp.gate.weight", {e, c.hidden_size});
-      l.moe.gate_up = add(p + "mlp.experts.gate_up_proj", {e, 2 * in, c.hidden_size});
-      l.moe.down = add(p + "mlp.experts.down_proj", {e, c.hidden_size, in});
-      if (is > 0) {
-        l.moe.shared_gate = add(p + "mlp.shared_expert.gate_proj.weight", {is, c.hidden_size});
-        l.moe.shared_up = add(p + "mlp.shared_expert.up_proj.weight", {is, c.hidden_size});
-        l.moe.shared_down = add(p + "mlp.shared_expert.down_proj.weight", {c.hidden_size, is});
-        l.moe.shared_gate_w = add(p + "mlp.shared_expert_gate.weight", {1, c.hidden_size});
-      }
-    } else {
-      l.gate_proj = add(p + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
-      l.up_proj = add(p + "mlp.up_proj.weight", {c.intermediate_size, c.hidden_size});
-      l.down_proj = add(p + "mlp.down_proj.weight", {c.hidden_size, c.intermediate_size});
-    }
+    l.mlp = declare_mlp(c, i, p, add);
     layers_.push_back(l);
   }
   final_norm_ = add(root + "norm.weight", {c.hidden_size});
@@ -364,15 +348,8 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& 
   else attention_forward(l, a, b, training);
   a.h = add(cx, x, a.mix);
   a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
-  if (l.sparse) {
-    a.moe = moe_forward(l.index, l.moe, a.hn);
-    a.out = add(cx, a.h, a.moe.out);
-    return a;
-  }
-  a.gt = project(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, b, training);
-  a.up = project(l.index, LoraTarget::up_proj, l.up_proj, a.hn, b, training);
-  a.act = swiglu(cx, a.gt, a.up);
-  a.out = add(cx, a.h, project(l.index, LoraTarget::down_proj, l.down_proj, a.act, b, training));
+  a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
+  a.out = add(cx, a.h, a.mlp.out);
   return a;
 }
 
@@ -452,17 +429,8 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
 Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
-  // MLP: out = h + down(swiglu(gate(hn), up(hn))), or h + moe(hn)
-  Tensor dhn;
-  if (l.sparse) {
-    dhn = moe_backward(l.index, l.moe, a.moe, dout);
-  } else {
-    Tensor dact;
-    project_backward(l.index, LoraTarget::down_proj, l.down_proj, a.act, dout, dact, b);
-    const std::vector<Tensor> dgu = swiglu_backward(cx, a.gt, a.up, dact);
-    project_backward(l.index, LoraTarget::gate_proj, l.gate_proj, a.hn, dgu[0], dhn, b);
-    project_backward(l.index, LoraTarget::up_proj, l.up_proj, a.hn, dgu[1], dhn, b);
-  }
+  // MLP: out = h + mlp(hn)
+  const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
   const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
   add_grad(l.post_norm, dpost[1]);
   const Tensor dh = add(cx, dout, dpost[0]);

@@ -53,12 +53,11 @@ class Qwen35Model : public CausalLm {
   struct Layer {
     int64_t index = 0;
     bool linear = false;  // Gated DeltaNet, else gated full attention
-    int input_norm = -1, post_norm = -1, gate_proj = -1, up_proj = -1, down_proj = -1;
+    int input_norm = -1, post_norm = -1;
     int q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1;
     int in_qkv = -1, in_z = -1, in_b = -1, in_a = -1, conv = -1, dt_bias = -1, a_log = -1, gnorm = -1, out_proj = -1;
     int in_qkvz = -1, in_ba = -1;  // qwen3_next's fused GDN projections (instead of in_qkv, in_z, in_b, in_a)
-    bool sparse = false;           // the MLP is a mixture of experts (qwen3_5_moe_text, qwen3_next)
-    MoeParams moe;
+    MlpParams mlp;                 // a SwiGLU, or the mixture of experts of a sparse layer (qwen3_5_moe, qwen3_next)
   };
   struct LayerActs;
   struct Passthrough {  // a checkpoint tensor the text model does not use, written back unchanged
