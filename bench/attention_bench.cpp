@@ -19,24 +19,12 @@
 #ifdef LATHE_WITH_CUDNN
 #include "backend/cuda/cudnn_attention.h"
 #endif
+#include "median_ms.h"
 
 using namespace lathe;
 
 namespace {
 
-template <typename F> double median_ms(ExecContext& ctx, int iters, F f) {
-  auto start = ctx.backend.create_event(0), stop = ctx.backend.create_event(0);
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    start->record(ctx.stream);
-    f();
-    stop->record(ctx.stream);
-    stop->synchronize();
-    ms.push_back(stop->elapsed_ms_since(*start));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 double wall_ms(ExecContext& ctx, const std::function<void()>& f) {
   ctx.stream.synchronize();

@@ -20,25 +20,12 @@
 
 #include "backend/runtime.h"
 #include "ops/ops.h"
+#include "median_ms.h"
 
 using namespace lathe;
 
 namespace {
 
-template <typename F> double median_ms(ExecContext& ctx, int iters, F f) {
-  for (int i = 0; i < 3; ++i) f();
-  auto start = ctx.backend.create_event(0), stop = ctx.backend.create_event(0);
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    start->record(ctx.stream);
-    f();
-    stop->record(ctx.stream);
-    stop->synchronize();
-    ms.push_back(stop->elapsed_ms_since(*start));
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 // Group sizes summing to `rows` over `experts`: even, or log-normal with every 8th expert empty (seeded).
 std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, bool even) {
@@ -142,14 +129,14 @@ int main(int argc, char** argv) {
             if (which == 0) y = grouped_matmul(ctx, x, w, attrs);
             if (which == 1) dx = grouped_matmul(ctx, dy, w, back);
             if (which == 2) grouped_matmul_weight_grad_into(ctx, dy, x, dw, attrs);
-          });
+          }, 3);
           ctx.observer = nullptr;
           const double dense_ms = median_ms(ctx, iters, [&] {
             if (which == 0) matmul_into(ctx, x, w_dense, y, {false, true});
             if (which == 1) matmul_into(ctx, dy, w_dense, dx, {});
             if (which == 2) matmul_into(ctx, dy, x, dw_dense, {true, false});
-          });
-          const double loop_ms = median_ms(ctx, iters, [&] { loop(which); });
+          }, 3);
+          const double loop_ms = median_ms(ctx, iters, [&] { loop(which); }, 3);
           const double flop = 2.0 * double(p) * double(n) * double(k);
           auto tflops = [&](double ms) { return flop / (ms * 1e-3) / 1e12; };
           fmt::print("{{\"impl\": \"lathe\", \"proj\": \"{}\", \"spread\": \"{}\", \"gemm\": \"{}\", \"p\": {}, \"e\": {}, "

@@ -16,16 +16,16 @@ GemmPlan::~GemmPlan() {
   if (op) cublasLtMatmulDescDestroy(op);
 }
 
-namespace {
-
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
     case DType::F32: return CUDA_R_32F;
     case DType::BF16: return CUDA_R_16BF;
     case DType::F16: return CUDA_R_16F;
-    default: LATHE_FAIL("cuda: gemm does not support dtype {}", dtype_name(t));
+    default: LATHE_FAIL("cuda: cuBLAS GEMMs do not support dtype {}", dtype_name(t));
   }
 }
+
+namespace {
 
 cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
                                    int64_t stride) {

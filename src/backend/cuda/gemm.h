@@ -44,6 +44,9 @@ struct GemmPlanCache {
   std::map<decltype(GemmProblem{}.key()), std::unique_ptr<GemmPlan>> plans;
 };
 
+// The cuBLAS data type of an f32 / bf16 / f16 tensor (throws for any other dtype).
+cudaDataType_t cuda_type(DType t);
+
 // Runs one GEMM on `stream`. Pointers are device pointers in row-major layout.
 void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, const void* b, float beta, void* c);
 

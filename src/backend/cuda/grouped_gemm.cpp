@@ -25,6 +25,7 @@
 
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gemm.h"
 #include "backend/registry.h"
 #include "ops/ops.h"
 
@@ -35,15 +36,6 @@
 namespace lathe::cuda {
 
 namespace {
-
-cudaDataType_t cuda_type(DType t) {
-  switch (t) {
-    case DType::F32: return CUDA_R_32F;
-    case DType::BF16: return CUDA_R_16BF;
-    case DType::F16: return CUDA_R_16F;
-    default: LATHE_FAIL("cuda: grouped GEMM does not support dtype {}", dtype_name(t));
-  }
-}
 
 // One GEMM of a non-empty group in cuBLAS's column-major terms: C (m x n) = op(A) (m x k) op(B) (k x n).
 struct Gemm {
