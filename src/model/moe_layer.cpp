@@ -97,6 +97,8 @@ const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Ten
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), e = c.num_experts, k = c.num_experts_per_tok;
+  LATHE_CHECK(t * e < (int64_t(1) << 31), "model: {} tokens x {} experts exceed the i32 index range of the routing",
+              t, e);
   // The logits in the model dtype (transformers' F.linear), read exactly (f64) on the host.
   const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), DType::F64), Device::cpu());
   r.choice = route_tokens({logits.data<double>(), size_t(t * e)}, t, e, k, c.norm_topk_prob);

@@ -11,7 +11,9 @@
 //  - weight[t][j] = probs[t][expert[t][j]], divided by their sum over the k when norm_topk_prob;
 //  - the plan orders the pairs by expert, and within an expert by token then slot, so it is a pure function of the
 //    choices (deterministic), and an expert that receives no token has count 0.
-// Used by the MoE layer (model/moe_layer.cpp). Covered by tests/models/test_moe_routing.cpp.
+// The MoE layer (model/moe_layer.cpp) routes with route_tokens / plan_routing and computes the aux loss and the load
+// statistics here; its router backward runs on the device with route_tokens_backward's formulas (the reference the
+// tests check by finite differences). Covered by tests/models/test_moe_routing.cpp.
 #pragma once
 
 #include <cstdint>
