@@ -38,6 +38,14 @@ inline std::vector<nlohmann::json> metrics(const std::filesystem::path& out) {
   return rows;
 }
 
+// The "loss" of every metrics row of a run, in order.
+inline std::vector<double> losses(const std::filesystem::path& out) {
+  std::vector<double> l;
+  for (const auto& r : metrics(out))
+    if (r.contains("loss")) l.push_back(r["loss"].get<double>());
+  return l;
+}
+
 // One {"logprobs": [...]} line per input of `lathe logprobs`.
 inline std::vector<std::vector<double>> read_logprobs(const std::filesystem::path& file) {
   std::vector<std::vector<double>> rows;

@@ -16,6 +16,7 @@
 
 namespace fs = std::filesystem;
 using lathe_e2e::LatheRun;
+using lathe_e2e::losses;
 using lathe_e2e::metrics;
 LatheRun cli(const std::string& args, const std::string& env = "") { return lathe_e2e::lathe(args, env); }
 
@@ -144,13 +145,6 @@ double worst_rel_diff(const std::map<std::string, std::vector<float>>& a, const 
     worst = std::max(worst, std::sqrt(e / std::max(n, 1e-30)));
   }
   return worst;
-}
-
-std::vector<double> losses(const fs::path& out) {
-  std::vector<double> l;
-  for (const auto& r : metrics(out))
-    if (r.contains("loss")) l.push_back(r["loss"].get<double>());
-  return l;
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 namespace fs = std::filesystem;
 using lathe_e2e::LatheRun;
+using lathe_e2e::losses;
 using lathe_e2e::metrics;
 using lathe_e2e::read_logprobs;
 
@@ -60,13 +61,6 @@ fs::path setup(const std::string& name, const char* model, const std::string& ex
       << "train: {max_steps: 30, micro_batch_tokens: 96, lr: 0.01, warmup_steps: 2, save_every: 0, seed: 5}\n"
       << extra;
   return dir;
-}
-
-std::vector<double> losses(const fs::path& out) {
-  std::vector<double> l;
-  for (const auto& r : metrics(out))
-    if (r.contains("loss")) l.push_back(r["loss"].get<double>());
-  return l;
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 namespace fs = std::filesystem;
 using lathe_e2e::LatheRun;
+using lathe_e2e::losses;
 using lathe_e2e::metrics;
 using lathe_e2e::read_logprobs;
 LatheRun cli(const std::string& args, const std::string& env = "") { return lathe_e2e::lathe(args, env); }
@@ -57,13 +58,6 @@ fs::path setup(const std::string& name, const std::string& extra = "") {
       << "train: {max_steps: 12, micro_batch_tokens: 96, lr: 0.01, warmup_steps: 2, save_every: 3, keep_last: 3, seed: 5}\n"
       << extra;
   return dir;
-}
-
-std::vector<double> losses(const fs::path& out) {
-  std::vector<double> l;
-  for (const auto& r : metrics(out))
-    if (r.contains("loss")) l.push_back(r["loss"].get<double>());
-  return l;
 }
 
 std::map<std::string, std::vector<float>> adapter(const fs::path& dir) {
