@@ -72,6 +72,10 @@ class CausalLm {
   void attach_lora(LoraBank* bank);
   LoraBank* lora() const { return lora_; }
 
+  // The MLP of layer `layer` on the post-attention-norm rows `hn` (n, D), for decoding: plain projections (no adapter,
+  // no dropout) and, in a sparse layer, the experts routed afresh for these rows; no training state is touched.
+  Tensor mlp_eval(int64_t layer, const Tensor& hn);
+
   // Full logits (T, V) of a batch: for tests, scoring of short inputs and generation.
   virtual Tensor logits(const PackedBatch& batch) = 0;
   // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
@@ -118,9 +122,9 @@ class CausalLm {
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 
   // The MLP of layer `layer` (model/moe_layer.h): declare_mlp adds its parameters through `add` (Hugging Face name,
-  // shape) -> index, under `prefix` ("model.layers.N."); mlp_backward returns d(hn) and accumulates the gradients.
-  static MlpParams declare_mlp(const ModelConfig& c, int64_t layer, const std::string& prefix,
-                               const std::function<int(std::string, Shape)>& add);
+  // shape) -> index, under `prefix` ("model.layers.N."), and remembers them for mlp_eval; mlp_backward returns d(hn)
+  // and accumulates the gradients.
+  MlpParams declare_mlp(int64_t layer, const std::string& prefix, const std::function<int(std::string, Shape)>& add);
   MlpActs mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b, bool training);
   Tensor mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                       const PackedBatch& b);
@@ -151,7 +155,11 @@ class CausalLm {
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
 
  private:
+  // The routing of rows x (computed, uploaded); moe_route caches it per layer for the current batch.
+  MoeRoute make_route(const MoeParams& p, const Tensor& x);
   const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
+  MoeActs moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor& x);
+  std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
 };
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /

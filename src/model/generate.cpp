@@ -96,9 +96,7 @@ KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
     layers_.push_back({find(p + "input_layernorm.weight"), find(p + "self_attn.q_proj.weight"),
                        find(p + "self_attn.k_proj.weight"), find(p + "self_attn.v_proj.weight"),
                        find(p + "self_attn.o_proj.weight"), find(p + "self_attn.q_norm.weight"),
-                       find(p + "self_attn.k_norm.weight"), find(p + "post_attention_layernorm.weight"),
-                       find(p + "mlp.gate_proj.weight"), find(p + "mlp.up_proj.weight"),
-                       find(p + "mlp.down_proj.weight")});
+                       find(p + "self_attn.k_norm.weight"), find(p + "post_attention_layernorm.weight")});
   }
   reserve(std::max<int64_t>(capacity, 1));
 }
@@ -111,8 +109,9 @@ void KvCacheDecoder::reserve(int64_t tokens) {
 }
 
 void Decoder::check_decodable(const ModelConfig& config) {
-  LATHE_CHECK(!config.is_moe(), "generate: decoding {} (mixture-of-experts) models is not implemented yet; training "
-              "and lathe logprobs support them (docs/moe.md)", config.model_type);
+  LATHE_CHECK(!config.fused_gdn_projections, "generate: decoding {} models (fused in_proj_qkvz / in_proj_ba GDN "
+              "projections) is not implemented yet; training and lathe logprobs support them (docs/moe.md)",
+              config.model_type);
 }
 
 void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
@@ -175,8 +174,7 @@ Tensor KvCacheDecoder::layer_step(size_t layer, const Tensor& x, const Tensor& p
   }
   const Tensor h = add(cx, x, linear(cx, o.view({n, -1}), w(l.o_proj)));                // (n, H)
   const Tensor hn = rmsnorm(cx, h, w(l.post_norm), norm);                               // (n, H)
-  const Tensor act = swiglu(cx, linear(cx, hn, w(l.gate_proj)), linear(cx, hn, w(l.up_proj)));  // (n, I)
-  return add(cx, h, linear(cx, act, w(l.down_proj)));                                   // (n, H)
+  return add(cx, h, model_->mlp_eval(int64_t(layer), hn));                              // (n, H), dense or experts
 }
 
 // ---------------------------------------------------------------------------------------------------------------

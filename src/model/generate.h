@@ -41,7 +41,7 @@ class Decoder {
  protected:
   // What feed() checks before touching a cache: at least one id, every id inside the vocabulary.
   static void check_feed(std::span<const int32_t> ids, int64_t vocab_size);
-  // Refuses the models no decoder implements yet (mixture of experts), by name.
+  // Refuses the models no decoder implements yet (Qwen3-Next's fused GDN projections), by name.
   static void check_decodable(const ModelConfig& config);
 };
 
@@ -83,7 +83,7 @@ class KvCacheDecoder : public Decoder {
 
  private:
   struct LayerParams {
-    int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm, gate_proj, up_proj, down_proj;
+    int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm;  // the MLP: CausalLm::mlp_eval
   };
   const Tensor& w(int index) const;
   Tensor layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past);

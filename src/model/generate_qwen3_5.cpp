@@ -42,13 +42,11 @@ Qwen35Decoder::Qwen35Decoder(Runtime& rt, Qwen35Model& model, int64_t capacity)
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string p = fmt::format("{}layers.{}.", root, i);
     Layer l;
+    l.index = i;
     l.linear = c.layer_types[size_t(i)] == "linear_attention";
     l.slot = l.linear ? n_gdn++ : n_attn++;
     l.input_norm = find(p + "input_layernorm.weight");
     l.post_norm = find(p + "post_attention_layernorm.weight");
-    l.gate_proj = find(p + "mlp.gate_proj.weight");
-    l.up_proj = find(p + "mlp.up_proj.weight");
-    l.down_proj = find(p + "mlp.down_proj.weight");
     if (l.linear) {
       const std::string a = p + "linear_attn.";
       l.in_qkv = find(a + "in_proj_qkv.weight");
@@ -169,8 +167,7 @@ Tensor Qwen35Decoder::layer_step(const Layer& l, const Tensor& x, const Tensor& 
   const Tensor xn = rmsnorm(cx, x, w(l.input_norm), norm);                                             // (n, D)
   const Tensor h = add(cx, x, l.linear ? gdn_step(l, xn) : attention_step(l, xn, positions, past));    // (n, D)
   const Tensor hn = rmsnorm(cx, h, w(l.post_norm), norm);                                              // (n, D)
-  const Tensor act = swiglu(cx, linear(cx, hn, w(l.gate_proj)), linear(cx, hn, w(l.up_proj)));        // (n, I)
-  return add(cx, h, linear(cx, act, w(l.down_proj)));                                                  // (n, D)
+  return add(cx, h, model_->mlp_eval(l.index, hn));                                    // (n, D), dense or experts
 }
 
 // Gated attention (Qwen35Model::attention_forward): q_proj gives per head [query (d) | gate (d)]; q/k zero-centred

@@ -40,9 +40,12 @@ Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
 
 }  // namespace
 
-MlpParams CausalLm::declare_mlp(const ModelConfig& c, int64_t layer, const std::string& prefix,
+MlpParams CausalLm::declare_mlp(int64_t layer, const std::string& prefix,
                                 const std::function<int(std::string, Shape)>& add) {
-  MlpParams p;
+  const ModelConfig& c = config_;
+  if (mlps_.size() < size_t(c.num_layers)) mlps_.resize(size_t(c.num_layers));
+  MlpParams& p = mlps_.at(size_t(layer));
+  p = MlpParams{};
   p.sparse = c.sparse_layer(layer);
   if (!p.sparse) {
     p.gate = add(prefix + "mlp.gate_proj.weight", {c.intermediate_size, c.hidden_size});
@@ -91,9 +94,21 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   return dhn;
 }
 
+Tensor CausalLm::mlp_eval(int64_t layer, const Tensor& hn) {
+  const MlpParams& p = mlps_.at(size_t(layer));
+  if (p.sparse) return moe_apply(make_route(p.moe, hn), p.moe, hn).out;
+  ExecContext cx = ctx();
+  return linear(cx, swiglu(cx, linear(cx, hn, w(p.gate)), linear(cx, hn, w(p.up))), w(p.down));
+}
+
 const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (r.valid) return r;
+  if (!r.valid) r = make_route(p, x);
+  return r;
+}
+
+MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
+  MoeRoute r;
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), e = c.num_experts, k = c.num_experts_per_tok;
@@ -131,17 +146,19 @@ const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Ten
   r.picked_ids = upload_i32(*rt_, picked, options_.device);
   r.picked_w = upload(r.choice.weight, {t, k});
   r.inv_sum = upload(inv_sum, {t, 1});
-  r.d_aux = Tensor();
   r.valid = true;
   return r;
 }
 
 MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x) {
+  LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
+  return moe_apply(moe_route(layer, p, x), p, x);
+}
+
+MoeActs CausalLm::moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor& x) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
-  LATHE_CHECK(t > 0, "model: a mixture-of-experts layer needs at least one token");
-  const MoeRoute& r = moe_route(layer, p, x);
   const GroupedMatmulAttrs g{r.plan.offsets, true};
   MoeActs a;
   a.x = x;

@@ -60,7 +60,7 @@ void Qwen3Model::build_parameter_list() {
     l.q_norm = add(p + "self_attn.q_norm.weight", {c.head_dim});
     l.k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.mlp = declare_mlp(c, i, p, add);
+    l.mlp = declare_mlp(i, p, add);
     layers_.push_back(l);
   }
   final_norm_ = add("model.norm.weight", {c.hidden_size});

@@ -106,7 +106,7 @@ void Qwen35Model::build_parameter_list() {
       l.k_norm = add(p + "self_attn.k_norm.weight", {d});
     }
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
-    l.mlp = declare_mlp(c, i, p, add);
+    l.mlp = declare_mlp(i, p, add);
     layers_.push_back(l);
   }
   final_norm_ = add(root + "norm.weight", {c.hidden_size});

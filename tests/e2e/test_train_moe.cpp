@@ -1,7 +1,8 @@
 // End-to-end mixture-of-experts runs through the lathe binary (CPU): full fine-tuning of a tiny qwen3_next lowers the
 // loss and logs the aux loss and each sparse layer's expert load; LoRA on a tiny qwen3_moe lowers the loss and exports
-// a PEFT adapter and a merged model that score alike; a per-expert checkpoint converts and keeps its layout; `lathe
-// logprobs` on the MoE fixture folders matches transformers' logits stored with them (dev/ref/moe_fixtures.py).
+// a PEFT adapter and a merged model that score alike and decodes with `lathe generate`; a per-expert checkpoint converts
+// and keeps its layout; `lathe logprobs` on the MoE fixture folders matches transformers' logits stored with them
+// (dev/ref/moe_fixtures.py).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -121,11 +122,13 @@ TEST(MoeTrain, LoraTrainsAndExportsAsAdapterAndMergedModel) {
     for (size_t j = 0; j < adapted[i].size(); ++j) worst = std::max(worst, std::abs(adapted[i][j] - merged[i][j]));
   std::printf("[qwen3_moe lora] merged vs base+adapter log-probs: max abs diff %.3g\n", worst);
   EXPECT_LT(worst, 1e-4);
-  // Decoding an MoE model is refused by name, not crashed.
-  const LatheRun g = lathe_e2e::lathe("generate --model " + (dir / "merged").string() + " --prompt-tokens 5,9 "
-                                      "--max-new-tokens 2 --print-tokens");
-  EXPECT_NE(g.exit_code, 0);
-  EXPECT_NE(g.output.find("mixture-of-experts"), std::string::npos) << g.output;
+  // `lathe generate` decodes the MoE model (greedy, cached) to the requested length.
+  const LatheRun g = lathe_e2e::lathe("generate --model " + (dir / "merged").string() + " --prompt-tokens 5,9,12 "
+                                      "--max-new-tokens 4 --print-tokens --ignore-eos");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  const size_t at = g.output.find("{\"completion\"");
+  ASSERT_NE(at, std::string::npos) << g.output;
+  EXPECT_EQ(nlohmann::json::parse(g.output.substr(at, g.output.find('\n', at) - at))["tokens"].size(), 4u) << g.output;
 }
 
 TEST(MoeConvert, PerExpertCheckpointKeepsItsLayout) {
