@@ -79,7 +79,6 @@ KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
     : rt_(&rt), model_(&model),
       cache_(size_t(model.config().num_layers), model.config().num_kv_heads, model.config().head_dim,
              model.options().dtype) {
-  check_decodable(model.config());
   std::map<std::string, int> index;
   for (size_t i = 0; i < model.parameters().size(); ++i) index[model.parameters()[i].name] = int(i);
   auto find = [&](const std::string& name) {
@@ -106,12 +105,6 @@ const Tensor& KvCacheDecoder::w(int index) const { return model_->parameters()[s
 void KvCacheDecoder::reserve(int64_t tokens) {
   ExecContext cx = rt_->context(model_->options().device);
   cache_.reserve(cx, tokens, length_);
-}
-
-void Decoder::check_decodable(const ModelConfig& config) {
-  LATHE_CHECK(!config.fused_gdn_projections, "generate: decoding {} models (fused in_proj_qkvz / in_proj_ba GDN "
-              "projections) is not implemented yet; training and lathe logprobs support them (docs/moe.md)",
-              config.model_type);
 }
 
 void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {

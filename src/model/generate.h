@@ -41,8 +41,6 @@ class Decoder {
  protected:
   // What feed() checks before touching a cache: at least one id, every id inside the vocabulary.
   static void check_feed(std::span<const int32_t> ids, int64_t vocab_size);
-  // Refuses the models no decoder implements yet (Qwen3-Next's fused GDN projections), by name.
-  static void check_decodable(const ModelConfig& config);
 };
 
 // The rotated keys and values of a set of attention layers, (capacity, Hkv, D) each, grown by doubling; and the

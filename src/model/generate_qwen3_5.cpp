@@ -28,7 +28,6 @@ Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
 Qwen35Decoder::Qwen35Decoder(Runtime& rt, Qwen35Model& model, int64_t capacity)
     : rt_(&rt), model_(&model),
       kv_(0, model.config().num_kv_heads, model.config().head_dim, model.options().dtype) {
-  check_decodable(model.config());
   const ModelConfig& c = model.config();
   auto find = [&](const std::string& name) {
     Parameter& p = model.parameter(name);  // throws, naming it, when missing
@@ -49,10 +48,6 @@ Qwen35Decoder::Qwen35Decoder(Runtime& rt, Qwen35Model& model, int64_t capacity)
     l.post_norm = find(p + "post_attention_layernorm.weight");
     if (l.linear) {
       const std::string a = p + "linear_attn.";
-      l.in_qkv = find(a + "in_proj_qkv.weight");
-      l.in_z = find(a + "in_proj_z.weight");
-      l.in_b = find(a + "in_proj_b.weight");
-      l.in_a = find(a + "in_proj_a.weight");
       l.conv = find(a + "conv1d.weight");
       l.dt_bias = find(a + "dt_bias");
       l.a_log = find(a + "A_log");
@@ -215,7 +210,7 @@ Tensor Qwen35Decoder::gdn_step(const Layer& l, const Tensor& xn) {
   const int64_t channels = 2 * kd + vd, width = c.linear_conv_kernel_dim, hist = width - 1;
   const Device device = model_->options().device;
   // Conv over [cached rows ; new rows] as one document; the last n outputs are the new tokens'.
-  const Tensor rows = linear(cx, xn, w(l.in_qkv));                                          // (n, C) pre-conv
+  const auto [rows, z_rows, b_rows, a_rows] = model_->gdn_projections_eval(l.index, xn);  // rows: (n, C) pre-conv
   Tensor seq = Tensor::empty({hist + n, channels}, rows.dtype(), cx.allocator);           // (W - 1 + n, C)
   if (hist > 0) copy_into(cx, conv_[l.slot], seq.narrow(0, 0, hist));
   copy_into(cx, rows, seq.narrow(0, hist, n));
@@ -229,11 +224,11 @@ Tensor Qwen35Decoder::gdn_step(const Layer& l, const Tensor& xn) {
   const Tensor qa = contiguous(cx, act.narrow(1, 0, kd)).view({n, hk, dk});
   const Tensor ka = contiguous(cx, act.narrow(1, kd, kd)).view({n, hk, dk});
   const Tensor va = contiguous(cx, act.narrow(1, 2 * kd, vd)).view({n, hv, dv});
-  const Tensor z = linear(cx, xn, w(l.in_z)).view({n, hv, dv});
+  const Tensor z = z_rows.view({n, hv, dv});
   const DType gd = gdn_gate_dtype(model_->options().dtype);  // g and beta as in Qwen35Model (f32 in a bf16 model)
   const auto wide = [&](const Tensor& t) { return t.dtype() == gd ? t : cast(cx, t, gd); };
-  const Tensor beta = sigmoid(cx, wide(linear(cx, xn, w(l.in_b))));                                // (n, Hv)
-  const Tensor g = gdn_decay(cx, wide(linear(cx, xn, w(l.in_a))), wide(w(l.a_log)), wide(w(l.dt_bias)));  // (n, Hv)
+  const Tensor beta = sigmoid(cx, wide(b_rows));                                                   // (n, Hv)
+  const Tensor g = gdn_decay(cx, wide(a_rows), wide(w(l.a_log)), wide(w(l.dt_bias)));               // (n, Hv)
   const int32_t cu_rule[2] = {0, int32_t(n)};
   const std::vector<Tensor> rule = gated_delta_rule_state(cx, l2norm(qa), l2norm(ka), va, g, beta,
                                                           rt_->from_host(cu_rule, {2}, DType::I32, device),

@@ -43,7 +43,7 @@ class Qwen35Decoder : public Decoder {
     size_t slot = 0;  // index among the GDN layers (states) or among the attention layers (KV cache)
     int input_norm, post_norm;  // the MLP: CausalLm::mlp_eval
     int q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1;
-    int in_qkv = -1, in_z = -1, in_b = -1, in_a = -1, conv = -1, dt_bias = -1, a_log = -1, gnorm = -1, out_proj = -1;
+    int conv = -1, dt_bias = -1, a_log = -1, gnorm = -1, out_proj = -1;  // projections in: Qwen35Model::gdn_projections_eval
   };
   const Tensor& w(int index) const;
   ExecContext ctx() const;

@@ -338,6 +338,19 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
+std::array<Tensor, 4> Qwen35Model::gdn_projections_eval(int64_t layer, const Tensor& xn) {
+  const Layer& l = layers_.at(size_t(layer));
+  LATHE_CHECK(l.linear, "model: layer {} is not a Gated DeltaNet layer", layer);
+  ExecContext cx = ctx();
+  if (config_.fused_gdn_projections) {
+    const SplitIndex& split = split_index(xn.size(0));
+    const Tensor qkvz = linear(cx, xn, w(l.in_qkvz)), ba = linear(cx, xn, w(l.in_ba));
+    return {gather_columns(qkvz, split.next_qkv), gather_columns(qkvz, split.next_z), gather_columns(ba, split.next_b),
+            gather_columns(ba, split.next_a)};
+  }
+  return {linear(cx, xn, w(l.in_qkv)), linear(cx, xn, w(l.in_z)), linear(cx, xn, w(l.in_b)), linear(cx, xn, w(l.in_a))};
+}
+
 Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
