@@ -147,3 +147,23 @@ TEST(MoeConvert, PerExpertCheckpointKeepsItsLayout) {
 TEST(MoeLogprobs, MatchTransformersLogitsOnTheFixtures) {
   EXPECT_GE(lathe_e2e::expect_logprobs_match_fixture_logits(kTests / "models/fixtures/moe", "moe"), 4);
 }
+
+TEST(MoeTrain, RouterAuxLossSettingChangesTheUpdatesOnly) {
+  const fs::path dir = setup("aux", kNext);
+  const std::string cfg = (dir / "config.yaml").string();
+  const LatheRun bad = lathe_e2e::lathe("train " + cfg + " --set train.router_aux_loss=maybe");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("train.router_aux_loss: 'maybe' is not one of auto, on, off"), std::string::npos)
+      << bad.output;
+  std::vector<std::vector<double>> runs;
+  for (const char* setting : {"on", "off"}) {
+    const LatheRun r = lathe_e2e::lathe("train " + cfg + " --set train.max_steps=3 --set train.router_aux_loss=" +
+                                        setting + " --set output_dir=" + (dir / setting).string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    runs.push_back(losses(dir / setting));
+    ASSERT_EQ(runs.back().size(), 3u);
+  }
+  // The first step's loss is the cross-entropy of the same weights either way; the aux term changes the updates.
+  EXPECT_EQ(runs[0][0], runs[1][0]);
+  EXPECT_NE(runs[0][2], runs[1][2]);
+}
