@@ -114,9 +114,13 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   const int64_t t = x.size(0), e = c.num_experts, k = c.num_experts_per_tok;
   LATHE_CHECK(t * e < (int64_t(1) << 31), "model: {} tokens x {} experts exceed the i32 index range of the routing",
               t, e);
-  // The logits in the model dtype (transformers' F.linear), read exactly (f64) on the host.
-  const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), DType::F64), Device::cpu());
-  r.choice = route_tokens({logits.data<double>(), size_t(t * e)}, t, e, k, c.norm_topk_prob);
+  // The logits in the model dtype (transformers' F.linear), read exactly on the host: f32 holds bf16, f16 and f32
+  // values (half the bytes of f64, which only an f64 model needs).
+  const DType rd = routing_dtype();
+  const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), rd), Device::cpu());
+  std::vector<double> logits64(size_t(t * e));
+  for (size_t i = 0; i < logits64.size(); ++i) logits64[i] = load_as_double(logits.data_ptr(), rd, int64_t(i));
+  r.choice = route_tokens(logits64, t, e, k, c.norm_topk_prob);
   r.plan = plan_routing(r.choice);
   std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end()), pair(size_t(t * k));
   for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
@@ -126,10 +130,12 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
   const std::vector<double> ones(size_t(t * k), 1.0);
   r.ones = cast(cx, rt_->from_host(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
-  // What the router's backward needs on the device (uploads only: no synchronisation in the backward).
-  const DType rd = routing_dtype();
+  // What the router's backward needs on the device (uploads only: no synchronisation in the backward), sent in the
+  // routing dtype.
   auto upload = [&](const std::vector<double>& v, Shape shape) {
-    return cast(cx, rt_->from_host(v.data(), shape, DType::F64, options_.device), rd);
+    if (rd == DType::F64) return rt_->from_host(v.data(), shape, DType::F64, options_.device);
+    const std::vector<float> f(v.begin(), v.end());
+    return rt_->from_host(f.data(), shape, DType::F32, options_.device);
   };
   r.probs = upload(r.choice.probs, {t, e});
   std::vector<int32_t> picked(size_t(t * k));
