@@ -118,9 +118,15 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   // values (half the bytes of f64, which only an f64 model needs).
   const DType rd = routing_dtype();
   const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), rd), Device::cpu());
-  std::vector<double> logits64(size_t(t * e));
-  for (size_t i = 0; i < logits64.size(); ++i) logits64[i] = load_as_double(logits.data_ptr(), rd, int64_t(i));
-  r.choice = route_tokens(logits64, t, e, k, c.norm_topk_prob);
+  std::vector<double> wide;  // the f32 logits widened (exactly) for the reference routing, which works in double
+  if (rd == DType::F32) {
+    const float* f = logits.data<float>();
+    wide.resize(size_t(t * e));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < t * e; ++i) wide[size_t(i)] = f[i];
+  }
+  const double* logits64 = rd == DType::F32 ? wide.data() : logits.data<double>();
+  r.choice = route_tokens({logits64, size_t(t * e)}, t, e, k, c.norm_topk_prob);
   r.plan = plan_routing(r.choice);
   std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end()), pair(size_t(t * k));
   for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
@@ -134,7 +140,9 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   // routing dtype.
   auto upload = [&](const std::vector<double>& v, Shape shape) {
     if (rd == DType::F64) return rt_->from_host(v.data(), shape, DType::F64, options_.device);
-    const std::vector<float> f(v.begin(), v.end());
+    std::vector<float> f(v.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < int64_t(v.size()); ++i) f[size_t(i)] = float(v[size_t(i)]);
     return rt_->from_host(f.data(), shape, DType::F32, options_.device);
   };
   r.probs = upload(r.choice.probs, {t, e});
