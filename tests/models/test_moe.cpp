@@ -63,15 +63,6 @@ std::unique_ptr<CausalLm> tiny_model(const std::string& type, DType dtype, uint6
   return random_causal_lm(runtime(), parse_model_config(tiny_json(type, norm), "tiny"), opt, seed, 0.3);
 }
 
-void expect_refused(const nlohmann::json& j, const std::string& needle) {
-  try {
-    parse_model_config(j, "cfg.json");
-    ADD_FAILURE() << "accepted: " << j.dump();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 // Every parameter's value on the host.
 std::map<std::string, std::vector<double>> values(const CausalLm& m) {
   std::map<std::string, std::vector<double>> v;

@@ -33,15 +33,6 @@ nlohmann::json tiny_json(bool tied, std::vector<std::string> types = {"linear_at
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "qwen3_5";
 
-void expect_refused(const nlohmann::json& j, const std::string& needle) {
-  try {
-    parse_model_config(j, "cfg.json");
-    ADD_FAILURE() << "accepted: " << j.dump();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
-
 }  // namespace
 
 TEST(Qwen35Parity, MatchesTransformersFixtures) {

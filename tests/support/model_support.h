@@ -1,7 +1,7 @@
 // Helpers shared by the model tests (tests/models): one Runtime per test binary, a tensor as host f64 values, the
 // relative L2 error every parity check reports, a row-major transpose (PEFT's lora_B layout), i32 tensors of a
-// fixture file, a random packed batch, and the finite-difference check of a model's gradients. Header-only; the tests say
-// `using namespace lathe::test_support;`.
+// fixture file, a random packed batch, a config-refusal check, and the finite-difference check of a model's
+// gradients. Header-only; the tests say `using namespace lathe::test_support;`.
 #pragma once
 
 #include <algorithm>
@@ -66,6 +66,16 @@ inline PackedBatch random_batch(int64_t vocab, const std::vector<int32_t>& cu, u
   std::vector<int32_t> ids(size_t(cu.back()));
   for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
   return make_packed_batch(runtime(), device, ids, cu, next_token_labels(ids, cu), vocab);
+}
+
+// parse_model_config refuses config `j` with an error containing `needle`.
+inline void expect_refused(const nlohmann::json& j, const std::string& needle) {
+  try {
+    parse_model_config(j, "cfg.json");
+    ADD_FAILURE() << "accepted: " << j.dump();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 // The gradients a backward pass of m.loss(b) left in Parameter::grad (an f64 model) against central finite
