@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include "backend/runtime.h"
@@ -80,6 +81,59 @@ void expect_near_rel(const std::vector<double>& got, const std::vector<double>& 
   ASSERT_EQ(got.size(), want.size());
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i]))) << what << " element " << i;
+}
+
+// The resume scenario both state settings are checked on: a bf16 matrix and an f32 norm (without a gradient at step 2)
+// trained 4 steps straight, and 2 steps, saved to a file, loaded into a fresh optimizer over the saved parameters (as a
+// checkpoint would hold them) and 2 more steps. The two runs' parameters, masters and moments must agree bitwise.
+// `saved` inspects the file; `loaded` sees the optimizer right after load and the one that saved.
+void expect_resume_bitwise(const AdamWConfig& cfg, uint64_t seed, double lr, const std::string& name,
+                           const std::function<void(const io::SafetensorsFile&)>& saved,
+                           const std::function<void(const AdamW& loaded, const AdamW& saver)>& loaded) {
+  const std::string dir = ::testing::TempDir() + "/" + name;
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/optimizer.safetensors";
+  std::mt19937_64 rng(seed);
+  const std::vector<double> w0 = random_vector(rng, 12), u0 = random_vector(rng, 5);
+  std::vector<std::vector<double>> grads;
+  for (int s = 0; s < 4; ++s) grads.push_back(random_vector(rng, 17));
+  auto make_params = [&](const std::vector<double>& w, const std::vector<double>& u) {
+    return std::vector<Parameter>{{"model.embed_tokens.weight", make(w, {3, 4}, DType::BF16), {}},
+                                  {"model.norm.weight", make(u, {5}, DType::F32), {}}};
+  };
+  auto set_grads = [&](std::vector<Parameter>& p, int s) {
+    const std::vector<double>& g = grads[size_t(s)];
+    p[0].grad = make(std::vector<double>(g.begin(), g.begin() + 12), {3, 4}, DType::BF16);
+    p[1].grad = s == 1 ? Tensor() : make(std::vector<double>(g.begin() + 12, g.end()), {5}, DType::F32);
+  };
+  std::vector<Parameter> full = make_params(w0, u0);
+  AdamW opt_full(runtime(), full, cfg);
+  for (int s = 0; s < 4; ++s) {
+    set_grads(full, s);
+    opt_full.step(lr, 0.5);
+  }
+  std::vector<Parameter> first = make_params(w0, u0);
+  AdamW opt_first(runtime(), first, cfg);
+  for (int s = 0; s < 2; ++s) {
+    set_grads(first, s);
+    opt_first.step(lr, 0.5);
+  }
+  opt_first.save(path);
+  saved(io::SafetensorsFile::open(path));
+  std::vector<Parameter> second = make_params(values(first[0].value), values(first[1].value));
+  AdamW opt_second(runtime(), second, cfg);
+  opt_second.load(path);
+  loaded(opt_second, opt_first);
+  for (int s = 2; s < 4; ++s) {
+    set_grads(second, s);
+    opt_second.step(lr, 0.5);
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(values(second[i].value), values(full[i].value)) << i;
+    EXPECT_EQ(values(opt_second.master(i)), values(opt_full.master(i))) << i;
+    EXPECT_EQ(values(opt_second.exp_avg(i)), values(opt_full.exp_avg(i))) << i;
+    EXPECT_EQ(values(opt_second.exp_avg_sq(i)), values(opt_full.exp_avg_sq(i))) << i;
+  }
 }
 
 }  // namespace
@@ -269,62 +323,18 @@ TEST(AdamW, RoundedParameterRoundsTiesToEven) {
 
 // Save after 2 steps, load into a fresh optimizer over fresh parameters, run 2 more: bitwise equal to 4 steps.
 TEST(AdamW, SaveLoadResumesBitwise) {
-  const std::string dir = ::testing::TempDir() + "/lathe_optim_state";
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/optimizer.safetensors";
-  std::mt19937_64 rng(3);
-  const std::vector<double> w0 = random_vector(rng, 12), u0 = random_vector(rng, 5);
-  std::vector<std::vector<double>> grads;
-  for (int s = 0; s < 4; ++s) grads.push_back(random_vector(rng, 17));
-  auto make_params = [&](const std::vector<double>& w, const std::vector<double>& u) {
-    return std::vector<Parameter>{{"model.embed_tokens.weight", make(w, {3, 4}, DType::BF16), {}},
-                                  {"model.norm.weight", make(u, {5}, DType::F32), {}}};
-  };
-  auto set_grads = [&](std::vector<Parameter>& p, int s) {
-    const std::vector<double>& g = grads[size_t(s)];
-    p[0].grad = make(std::vector<double>(g.begin(), g.begin() + 12), {3, 4}, DType::BF16);
-    // Step 2 leaves the norm without a gradient.
-    p[1].grad = s == 1 ? Tensor() : make(std::vector<double>(g.begin() + 12, g.end()), {5}, DType::F32);
-  };
   AdamWConfig cfg;
   cfg.weight_decay = 0.05;
-
-  std::vector<Parameter> full = make_params(w0, u0);
-  AdamW opt_full(runtime(), full, cfg);
-  for (int s = 0; s < 4; ++s) {
-    set_grads(full, s);
-    opt_full.step(0.01, 0.5);
-  }
-
-  std::vector<Parameter> first = make_params(w0, u0);
-  AdamW opt_first(runtime(), first, cfg);
-  for (int s = 0; s < 2; ++s) {
-    set_grads(first, s);
-    opt_first.step(0.01, 0.5);
-  }
-  opt_first.save(path);
-  {
-    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
-    EXPECT_EQ(f.metadata().at("step"), "2");
-    EXPECT_EQ(f.metadata().at("step.model.norm.weight"), "1");
-    EXPECT_NE(f.find("model.embed_tokens.weight.master"), nullptr);
-    EXPECT_EQ(f.find("model.norm.weight.master"), nullptr);  // f32: its own master
-    EXPECT_NE(f.find("model.norm.weight.exp_avg_sq"), nullptr);
-  }
-  // The resumed run starts from the saved parameters (as a checkpoint would hold them).
-  std::vector<Parameter> second = make_params(values(first[0].value), values(first[1].value));
-  AdamW opt_second(runtime(), second, cfg);
-  opt_second.load(path);
-  EXPECT_EQ(opt_second.step_count(), 2);
-  for (int s = 2; s < 4; ++s) {
-    set_grads(second, s);
-    opt_second.step(0.01, 0.5);
-  }
-  for (size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(values(second[i].value), values(full[i].value)) << i;
-    EXPECT_EQ(values(opt_second.master(i)), values(opt_full.master(i))) << i;
-    EXPECT_EQ(values(opt_second.exp_avg_sq(i)), values(opt_full.exp_avg_sq(i))) << i;
-  }
+  expect_resume_bitwise(
+      cfg, 3, 0.01, "lathe_optim_state",
+      [](const io::SafetensorsFile& f) {
+        EXPECT_EQ(f.metadata().at("step"), "2");
+        EXPECT_EQ(f.metadata().at("step.model.norm.weight"), "1");
+        EXPECT_NE(f.find("model.embed_tokens.weight.master"), nullptr);
+        EXPECT_EQ(f.find("model.norm.weight.master"), nullptr);  // f32: its own master
+        EXPECT_NE(f.find("model.norm.weight.exp_avg_sq"), nullptr);
+      },
+      [](const AdamW& loaded, const AdamW&) { EXPECT_EQ(loaded.step_count(), 2); });
 }
 
 TEST(AdamW, LoadReportsMismatches) {
@@ -542,58 +552,19 @@ TEST(AdamWBf16States, StateBytes) {
 // Save after 2 steps, load into a fresh optimizer over the saved parameters, run 2 more: bitwise the 4-step run. The
 // file holds bf16 moments and no masters.
 TEST(AdamWBf16States, SaveLoadResumesBitwise) {
-  const std::string dir = ::testing::TempDir() + "/lathe_optim_bf16_state";
-  std::filesystem::create_directories(dir);
-  const std::string path = dir + "/optimizer.safetensors";
-  std::mt19937_64 rng(31);
-  const std::vector<double> w0 = random_vector(rng, 12), u0 = random_vector(rng, 5);
-  std::vector<std::vector<double>> grads;
-  for (int s = 0; s < 4; ++s) grads.push_back(random_vector(rng, 17));
-  auto make_params = [&](const std::vector<double>& w, const std::vector<double>& u) {
-    return std::vector<Parameter>{{"model.embed_tokens.weight", make(w, {3, 4}, DType::BF16), {}},
-                                  {"model.norm.weight", make(u, {5}, DType::F32), {}}};
-  };
-  auto set_grads = [&](std::vector<Parameter>& p, int s) {
-    const std::vector<double>& g = grads[size_t(s)];
-    p[0].grad = make(std::vector<double>(g.begin(), g.begin() + 12), {3, 4}, DType::BF16);
-    p[1].grad = s == 1 ? Tensor() : make(std::vector<double>(g.begin() + 12, g.end()), {5}, DType::F32);
-  };
-  const AdamWConfig cfg = bf16_states_config();
-  std::vector<Parameter> full = make_params(w0, u0);
-  AdamW opt_full(runtime(), full, cfg);
-  for (int s = 0; s < 4; ++s) {
-    set_grads(full, s);
-    opt_full.step(0.05, 0.5);
-  }
-  std::vector<Parameter> first = make_params(w0, u0);
-  AdamW opt_first(runtime(), first, cfg);
-  for (int s = 0; s < 2; ++s) {
-    set_grads(first, s);
-    opt_first.step(0.05, 0.5);
-  }
-  opt_first.save(path);
-  {
-    const io::SafetensorsFile f = io::SafetensorsFile::open(path);
-    EXPECT_EQ(f.metadata().at("state_dtype"), "bf16");
-    EXPECT_EQ(f.find("model.embed_tokens.weight.master"), nullptr);
-    ASSERT_NE(f.find("model.embed_tokens.weight.exp_avg"), nullptr);
-    EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg")->dtype, DType::BF16);
-    EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg_sq")->dtype, DType::BF16);
-    EXPECT_EQ(f.find("model.norm.weight.exp_avg")->dtype, DType::F32);
-  }
-  std::vector<Parameter> second = make_params(values(first[0].value), values(first[1].value));
-  AdamW opt_second(runtime(), second, cfg);
-  opt_second.load(path);
-  EXPECT_EQ(values(opt_second.exp_avg(0)), values(opt_first.exp_avg(0)));
-  for (int s = 2; s < 4; ++s) {
-    set_grads(second, s);
-    opt_second.step(0.05, 0.5);
-  }
-  for (size_t i = 0; i < 2; ++i) {
-    EXPECT_EQ(values(second[i].value), values(full[i].value)) << i;
-    EXPECT_EQ(values(opt_second.exp_avg(i)), values(opt_full.exp_avg(i))) << i;
-    EXPECT_EQ(values(opt_second.exp_avg_sq(i)), values(opt_full.exp_avg_sq(i))) << i;
-  }
+  expect_resume_bitwise(
+      bf16_states_config(), 31, 0.05, "lathe_optim_bf16_state",
+      [](const io::SafetensorsFile& f) {
+        EXPECT_EQ(f.metadata().at("state_dtype"), "bf16");
+        EXPECT_EQ(f.find("model.embed_tokens.weight.master"), nullptr);
+        ASSERT_NE(f.find("model.embed_tokens.weight.exp_avg"), nullptr);
+        EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg")->dtype, DType::BF16);
+        EXPECT_EQ(f.find("model.embed_tokens.weight.exp_avg_sq")->dtype, DType::BF16);
+        EXPECT_EQ(f.find("model.norm.weight.exp_avg")->dtype, DType::F32);
+      },
+      [](const AdamW& loaded, const AdamW& saver) {
+        EXPECT_EQ(values(loaded.exp_avg(0)), values(saver.exp_avg(0)));
+      });
 }
 
 // A state saved with the other state dtype is refused, naming the tensor and both dtypes (f32 and f64 moments still
