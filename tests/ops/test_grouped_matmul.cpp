@@ -12,8 +12,10 @@
 
 #include "backend/runtime.h"
 #include "ops/ops.h"
+#include "support/error_of.h"
 
 using namespace lathe;
+using lathe::test_support::error_of;
 
 namespace {
 
@@ -72,15 +74,6 @@ void expect_near_all(const std::vector<double>& got, const std::vector<double>& 
   for (double w : want) scale = std::max(scale, std::abs(w));
   for (size_t i = 0; i < got.size(); ++i)
     ASSERT_NEAR(got[i], want[i], tolerance(dtype) * scale) << what << " element " << i;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 std::string where(Device device, DType dtype) { return device.str() + " " + std::string(dtype_name(dtype)); }

@@ -13,8 +13,10 @@
 #include "backend/dropout_hash.h"
 #include "backend/runtime.h"
 #include "ops/ops.h"
+#include "support/error_of.h"
 
 using namespace lathe;
+using lathe::test_support::error_of;
 
 namespace {
 
@@ -48,15 +50,6 @@ SegmentAttrs dropout_attrs(std::vector<int64_t> rows, std::vector<double> p, std
   a.p = std::move(p);
   a.seed = std::move(seed);
   return a;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace
