@@ -67,17 +67,7 @@ TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
         for (int32_t e : read_i32(ref, fmt::format("routing.{}", s.layer).c_str())) ++counts.at(size_t(e));
         routing_mismatch += s.tokens_per_expert != counts;
       }
-      double worst = 0, sum = 0;
-      std::string worst_name;
-      int count = 0;
-      for (const Parameter& p : m->parameters()) {
-        ASSERT_TRUE(p.grad.defined()) << p.name;
-        const double e = rel_l2(to_f64(p.grad), ref.read_as_f32("grad_aux." + p.name));
-        if (e > worst) worst = e, worst_name = p.name;
-        sum += e;
-        ++count;
-      }
-      const double mean = sum / std::max(count, 1);
+      const auto [mean, worst, worst_name] = grad_errors(*m, ref, "grad_aux.");
       std::printf("[moe cuda %s vs HF f64] %s: logits rel-l2 %.3g, loss %.6f vs %.6f, aux %.6f vs %.6f, layers with "
                   "other expert counts %d, grad rel-l2 mean %.3g, worst %.3g (%s)\n",
                   std::string(dtype_name(dtype)).c_str(), name.c_str(), logit_err, r.loss, want, r.aux_loss, want_aux,

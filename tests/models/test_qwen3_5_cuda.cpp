@@ -60,17 +60,7 @@ TEST(Qwen35Cuda, F32AndBf16MatchTransformersFixtures) {
       const double logit_err = rel_l2(to_f64(m.logits(b)), ref.read_as_f32("logits"));
       const LossResult r = m.loss(b, /*backward=*/true);
       const double want = ref.read_as_f32("loss")[0];
-      double worst = 0, sum = 0;
-      std::string worst_name;
-      int count = 0;
-      for (const Parameter& p : m.parameters()) {
-        ASSERT_TRUE(p.grad.defined()) << p.name;
-        const double e = rel_l2(to_f64(p.grad), ref.read_as_f32("grad." + p.name));
-        if (e > worst) worst = e, worst_name = p.name;
-        sum += e;
-        ++count;
-      }
-      const double mean = sum / std::max(count, 1);
+      const auto [mean, worst, worst_name] = grad_errors(m, ref, "grad.");
       std::printf("[qwen3.5 cuda %s vs HF f64] %s: logits rel-l2 %.3g, loss %.6f vs %.6f, grad rel-l2 mean %.3g, worst "
                   "%.3g (%s)\n",
                   std::string(dtype_name(dtype)).c_str(), entry.path().filename().c_str(), logit_err, r.loss, want,

@@ -1,12 +1,13 @@
 // Helpers shared by the model tests (tests/models): one Runtime per test binary, a tensor as host f64 values, the
 // relative L2 error every parity check reports, a row-major transpose (PEFT's lora_B layout), i32 tensors of a
-// fixture file, a random packed batch, a config-refusal check, and the finite-difference check of a model's
-// gradients. Header-only; the tests say `using namespace lathe::test_support;`.
+// fixture file, a random packed batch, the gradient errors against a fixture, a config-refusal check, and the
+// finite-difference check of a model's gradients. Header-only; the tests say `using namespace lathe::test_support;`.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -66,6 +67,30 @@ inline PackedBatch random_batch(int64_t vocab, const std::vector<int32_t>& cu, u
   std::vector<int32_t> ids(size_t(cu.back()));
   for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
   return make_packed_batch(runtime(), device, ids, cu, next_token_labels(ids, cu), vocab);
+}
+
+// The relative L2 error of every parameter's gradient against the fixture tensor `prefix` + its name: the mean over
+// the parameters and the worst, with its name. A parameter without a gradient is a failure (and is skipped).
+struct GradErrors {
+  double mean = 0, worst = 0;
+  std::string worst_name;
+};
+inline GradErrors grad_errors(const CausalLm& m, const io::SafetensorsFile& ref, const std::string& prefix) {
+  GradErrors g;
+  double sum = 0;
+  int count = 0;
+  for (const Parameter& p : m.parameters()) {
+    if (!p.grad.defined()) {
+      ADD_FAILURE() << "no gradient for " << p.name;
+      continue;
+    }
+    const double e = rel_l2(to_f64(p.grad), ref.read_as_f32(prefix + p.name));
+    if (e > g.worst) g.worst = e, g.worst_name = p.name;
+    sum += e;
+    ++count;
+  }
+  g.mean = sum / std::max(count, 1);
+  return g;
 }
 
 // parse_model_config refuses config `j` with an error containing `needle`.
