@@ -159,6 +159,8 @@ class CausalLm {
   MoeRoute make_route(const MoeParams& p, const Tensor& x);
   const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
   MoeActs moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor& x);
+  // The route's tensors only the backward reads (the forward and decoding do without them), uploaded on first use.
+  void prepare_moe_backward(MoeRoute& r);
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
 };
 

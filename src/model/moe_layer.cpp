@@ -128,16 +128,26 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   const double* logits64 = rd == DType::F32 ? wide.data() : logits.data<double>();
   r.choice = route_tokens({logits64, size_t(t * e)}, t, e, k, c.norm_topk_prob);
   r.plan = plan_routing(r.choice);
-  std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end()), pair(size_t(t * k));
-  for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
+  const std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end());
   r.token_ids = upload_i32(*rt_, r.plan.token, options_.device);
   r.position_ids = upload_i32(*rt_, position, options_.device);
-  r.pair_ids = upload_i32(*rt_, pair, options_.device);
   r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
+  r.valid = true;
+  return r;
+}
+
+void CausalLm::prepare_moe_backward(MoeRoute& r) {
+  if (r.probs.defined()) return;  // once per batch and layer (a recomputing backward reuses it)
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = r.choice.tokens, e = c.num_experts, k = c.num_experts_per_tok;
+  std::vector<int32_t> pair(size_t(t * k));
+  for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
+  r.pair_ids = upload_i32(*rt_, pair, options_.device);
   const std::vector<double> ones(size_t(t * k), 1.0);
   r.ones = cast(cx, rt_->from_host(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
-  // What the router's backward needs on the device (uploads only: no synchronisation in the backward), sent in the
-  // routing dtype.
+  // The router's backward, on the device in the routing dtype (uploads only: no synchronisation in the backward).
+  const DType rd = routing_dtype();
   auto upload = [&](const std::vector<double>& v, Shape shape) {
     if (rd == DType::F64) return rt_->from_host(v.data(), shape, DType::F64, options_.device);
     std::vector<float> f(v.size());
@@ -160,8 +170,6 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   r.picked_ids = upload_i32(*rt_, picked, options_.device);
   r.picked_w = upload(r.choice.weight, {t, k});
   r.inv_sum = upload(inv_sum, {t, 1});
-  r.valid = true;
-  return r;
 }
 
 MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x) {
@@ -198,8 +206,9 @@ MoeActs CausalLm::moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor&
 Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const MoeRoute& r = moe_routes_.at(size_t(layer));
+  MoeRoute& r = moe_routes_.at(size_t(layer));
   LATHE_ASSERT(r.valid);
+  prepare_moe_backward(r);
   const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
   const bool train = options_.train_base;
   // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.

@@ -33,10 +33,11 @@ struct MoeRoute {
   RoutingPlan plan;
   Tensor token_ids;     // (P) i32: the token of each sorted row (gathers xs from x)
   Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
-  Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather, for the backward)
   Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
+  // Only the backward's (CausalLm::prepare_moe_backward uploads them on first use):
+  Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather)
   Tensor ones;          // (T, 1, k) ones: sums a token's k rows as a batched product (the backward of the gather)
-  // The router's backward on the device, in the routing dtype (f32; f64 for an f64 model):
+  // the router's backward on the device, in the routing dtype (f32; f64 for an f64 model):
   Tensor probs;         // (T, E) the softmax
   Tensor picked_ids;    // (T k) i32: t E + expert of pair (t, j), where d(probs) lands
   Tensor picked_w;      // (T, k) the combine weights before rounding (norm_topk_prob: p_j / S)
