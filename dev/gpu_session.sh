@@ -121,4 +121,13 @@ if [ "$STAGE" = moeside ]; then
 timeout 560 bash bench/run_side_by_side.sh build --shapes 30b-a3b --steps 3 --warmup 1 --out $OUT/side_moe.json >$L/side_moe.txt 2>&1
 tail -n 6 $L/side_moe.txt | tee -a $OUT/summary.txt
 fi
+# `dev/gpu_session.sh loramoe`: the MoE LoRA fixtures from transformers + peft (expert parameters through peft's
+# target_parameters), then the whole suite.
+if [ "$STAGE" = loramoe ]; then
+timeout 200 python3 dev/ref/lora_moe_fixtures.py tests/models/fixtures/moe tests/models/fixtures/lora_moe >$L/lora_moe_fixtures.log 2>&1
+summary "lora moe fixtures rc=$?: $(grep -v Loading $L/lora_moe_fixtures.log | tail -n 14 | tail -c 2500)"
+tar -czf $OUT/lora_moe_fixtures.tgz tests/models/fixtures/lora_moe 2>/dev/null
+(cd build && OMP_NUM_THREADS=1 timeout 330 ctest -j12 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+fi
 tar -czf $OUT/logs.tgz -C /tmp logs

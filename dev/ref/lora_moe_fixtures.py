@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Writes the golden LoRA fixtures of the mixture-of-experts families for tests/models/test_lora_moe.cpp: PEFT
+adapters (random A and B) on the tiny MoE fixture models of moe_fixtures.py, targeting attention / GDN projections,
+dense and shared-expert MLPs (target_modules) and the routed experts' fused parameters (target_parameters, peft's
+ParamWrapper), and for each the logits, loss and the gradient of every LoRA matrix on the base fixture's packed batch,
+computed with transformers + peft.
+
+Run on the GPU machine from the repo root (CPU only; after dev/ref/moe_fixtures.py wrote the base models):
+    python3 dev/ref/lora_moe_fixtures.py tests/models/fixtures/moe tests/models/fixtures/lora_moe
+
+For each fixture NAME it writes OUT_DIR/NAME/
+    adapter/                  adapter_config.json (peft's own save) and adapter_model.safetensors (float32, the keys
+                              peft saves; the experts' wrappers nest, see README.txt for the keys and shapes)
+    reference.safetensors     input_ids, cu_seqlens, position_ids, labels (int32), logits, loss and
+                              grad.<adapter key> (float32)
+    README.txt                base model, LoRA settings, the expert keys with their shapes, routing margins, versions
+The loss is the cross-entropy only (no load-balancing term). Golden values are computed in float64 (moe_fixtures.py's
+float64 patches), stored as float32. The script checks
+  - peft's delta of every expert wrapper against the layout Lathe reads (docs/lora.md):
+        lora_A (r E, d1) = A[e, j, :] at row e r + j,  lora_B (d2, r E) = B[e][:, j] at column j E + e,
+        delta[e] (d1, d2) = scaling A_e^T B_e^T  for the parameter (E, d1, d2),
+  - that the adapter moves the logits, that every token's k-th and (k+1)-th router probabilities still differ by more
+    than moe_fixtures.TOPK_GAP with the adapter applied (so float32 engines route as the golden run), and
+  - that peft reloads the written adapter onto the float32 base and reproduces the logits.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe_fixtures as mfx  # noqa: E402
+import qwen3_fixtures as q3  # noqa: E402
+
+LORA_STD = 0.1
+FIXTURES = {
+    "qwen3_moe_experts": dict(
+        base="qwen3_moe_fused", seed=601,
+        lora=dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], use_rslora=False),
+        about="qwen3_moe (fused checkpoint, expert 4 of layer 1 gets no token): q, o, the dense layers' gate and down, "
+              "and both expert parameters of every sparse layer (two nested ParamWrappers); r=2, alpha=4"),
+    "qwen3_5_moe_shared": dict(
+        base="qwen3_5_moe", seed=602,
+        lora=dict(r=3, lora_alpha=6, target_modules=["in_proj_qkv", "out_proj", "q_proj", "v_proj", "gate_proj",
+                                                     "up_proj", "down_proj"],
+                  target_parameters=["experts.down_proj"], use_rslora=True),
+        about="qwen3_5_moe_text: GDN in_proj_qkv and out_proj, attention q and v, the shared expert's gate/up/down "
+              "(by suffix), and the experts' down_proj only (one ParamWrapper); r=3, alpha=6, rsLoRA"),
+    "qwen3_next_gate_up": dict(
+        base="qwen3_next", seed=603,
+        lora=dict(r=2, lora_alpha=2, target_modules=["in_proj_qkvz", "in_proj_ba", "k_proj"],
+                  target_parameters=["mlp.experts.gate_up_proj"], use_rslora=False),
+        about="qwen3_next (per-expert checkpoint): the fused GDN in_proj_qkvz / in_proj_ba, attention k, and the "
+              "experts' gate_up_proj only; r=2, alpha=2"),
+}
+
+
+def die(msg):
+    sys.exit(f"lora_moe_fixtures: {msg}")
+
+
+def read_batch(base_fixture_dir):
+    from safetensors.torch import load_file
+    ref = load_file(os.path.join(base_fixture_dir, "reference.safetensors"))
+    ids, cu = ref["input_ids"].long(), ref["cu_seqlens"].long()
+    docs = [ids[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
+    return dict(docs=docs, input_ids=ids, cu_seqlens=cu, position_ids=ref["position_ids"].long(),
+                labels=ref["labels"].long(), logits=ref["logits"])
+
+
+def key_of(name):
+    """peft parameter name -> the key peft saves: drop the adapter name."""
+    return name.replace(".default.", ".")
+
+
+def run_docs(model, batch):
+    return torch.cat([model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
+                      for ids in batch["docs"]])
+
+
+def forward_backward(model, batch, router_cls, top_k):
+    """Logits, cross-entropy loss, LoRA gradients, and the smallest top-k margin of any router call."""
+    margins = []
+
+    def hook(module, args, output):
+        margins.append(float(mfx.topk_gaps(output[0].detach(), top_k).min()))
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, router_cls)]
+    try:
+        model.zero_grad(set_to_none=True)
+        logits = run_docs(model, batch)
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits, labels, ignore_index=q3.IGNORE, reduction="sum") / int((labels != q3.IGNORE).sum())
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    if not margins:
+        die("no router call was observed")
+    grads = {key_of(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    if not grads or any(g is None for g in grads.values()):
+        die("forward_backward: a LoRA parameter got no gradient")
+    return logits.detach(), loss.detach(), grads, min(margins)
+
+
+def check_expert_wrappers(model):
+    """Every ParamWrapper's delta against the layout Lathe reads; returns README lines (key, shapes)."""
+    from peft.tuners.lora.layer import ParamWrapper
+    lines = []
+    for name, m in model.named_modules():
+        if not isinstance(m, ParamWrapper):
+            continue
+        param = m.get_param()
+        e, d1, d2 = param.shape
+        a = m.lora_A["default"].weight.detach()
+        b = m.lora_B["default"].weight.detach()
+        r = m.r["default"]
+        if a.shape != (r * e, d1) or b.shape != (d2, r * e):
+            die(f"{name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} for a parameter {tuple(param.shape)}")
+        want = torch.stack([m.scaling["default"] * a[i * r:(i + 1) * r].T @ b[:, [j * e + i for j in range(r)]].T
+                            for i in range(e)])
+        got = m.get_delta_weight("default").detach()
+        if (got - want).abs().max() > 1e-12 * max(1.0, float(want.abs().max())):
+            die(f"{name} ({m.parameter_name}): peft's delta differs from the layout Lathe reads")
+        lines.append(f"  {key_of(name)}.lora_A.weight {tuple(a.shape)} / lora_B.weight {tuple(b.shape)}: "
+                     f"{m.parameter_name} {tuple(param.shape)}")
+    return lines
+
+
+def write_fixture(base_root, out_dir, name, spec):
+    import peft
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    base_fixture = os.path.join(base_root, spec["base"])
+    base_dir = os.path.join(base_fixture, "model")
+    family = mfx.FIXTURES[spec["base"]]["family"]
+    fam = mfx.FAMILIES[family]
+    router_cls = getattr(mfx.hf_module(fam), fam["router"])
+    fixture_dir = os.path.join(out_dir, name)
+    adapter_dir = os.path.join(fixture_dir, "adapter")
+    os.makedirs(adapter_dir, exist_ok=True)
+    batch = read_batch(base_fixture)
+
+    mfx.PATCH_CALLS.clear()
+    mfx.set_fp64_patches(fam, True)
+    try:
+        base = mfx.load_model(fam, base_dir, double=True)
+        config = LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **spec["lora"])
+        model = get_peft_model(base, config).double()
+        gen = torch.Generator().manual_seed(spec["seed"])
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.copy_(LORA_STD * torch.randn(p.shape, generator=gen, dtype=torch.float64))
+        wrappers = check_expert_wrappers(model)
+        logits, loss, grads, margin = forward_backward(model, batch, router_cls, base.config.num_experts_per_tok)
+    finally:
+        mfx.set_fp64_patches(fam, False)
+    if not mfx.PATCH_CALLS or min(mfx.PATCH_CALLS.values()) == 0:
+        die(f"{name}: a float64 patch was never called ({mfx.PATCH_CALLS})")
+    if not wrappers:
+        die(f"{name}: target_parameters wrapped no expert parameter")
+    if margin <= mfx.TOPK_GAP:
+        die(f"{name}: with the adapter a token's top-k margin is {margin:.3g} <= {mfx.TOPK_GAP}; change the seed")
+    moved = (logits - batch["logits"].double()).abs().max().item()
+    if moved < 1e-3:
+        die(f"{name}: the adapter changed the logits by only {moved:.3g}; is LoRA in the forward path?")
+
+    state = {k: v.float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    if set(state) != set(grads):
+        die(f"{name}: saved keys {sorted(state)[:3]} differ from the gradient keys {sorted(grads)[:3]}")
+    model.peft_config["default"].save_pretrained(adapter_dir)
+    save_file(state, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    reloaded = PeftModel.from_pretrained(mfx.load_model(fam, base_dir), adapter_dir).eval()
+    with torch.no_grad():
+        l32 = run_docs(reloaded, batch)
+    diff = (l32.double() - logits).abs().max().item()
+    if diff > 1e-3:
+        die(f"{name}: peft-reloaded float32 logits differ from the golden float64 ones by {diff:.3g}")
+
+    tensors = {"input_ids": batch["input_ids"].to(torch.int32), "cu_seqlens": batch["cu_seqlens"].to(torch.int32),
+               "position_ids": batch["position_ids"].to(torch.int32), "labels": batch["labels"].to(torch.int32),
+               "logits": logits.float(), "loss": loss.reshape(1).float()}
+    for k, g in grads.items():
+        tensors["grad." + k] = g.float()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture_dir, "reference.safetensors"),
+              metadata={"fixture": name, "base": spec["base"], "transformers": transformers.__version__,
+                        "peft": peft.__version__, "torch": torch.__version__,
+                        "compute": "float64 (moe_fixtures.py patches), stored float32"})
+    with open(os.path.join(fixture_dir, "README.txt"), "w", encoding="utf-8") as f:
+        f.write(f"{name}: {spec['about']}\nbase model: tests/models/fixtures/moe/{spec['base']}/model\n")
+        f.write(f"target_modules {spec['lora']['target_modules']}, target_parameters "
+                f"{spec['lora']['target_parameters']}: {len(state) // 2} A/B pairs\n")
+        f.write("expert wrappers (saved key, shapes, parameter):\n" + "\n".join(wrappers) + "\n")
+        f.write(f"smallest top-k router margin with the adapter: {margin:.3g} (> {mfx.TOPK_GAP})\n")
+        f.write(f"LoRA A and B drawn N(0, {LORA_STD}^2) (seed {spec['seed']}); batch and labels of the base fixture\n")
+        f.write(f"written by dev/ref/lora_moe_fixtures.py with transformers {transformers.__version__}, "
+                f"peft {peft.__version__}, torch {torch.__version__}\n")
+    print(f"{name}: loss {loss.item():.6f}, {len(grads)} LoRA grads, logits moved {moved:.3g}, margin {margin:.3g}, "
+          f"peft float32 reload vs golden logits {diff:.2e}")
+    print("\n".join(wrappers))
+
+
+def main():
+    parser = argparse.ArgumentParser(description="Write golden MoE LoRA fixtures (transformers + peft).")
+    parser.add_argument("base_root", help="folder of the MoE fixtures, e.g. tests/models/fixtures/moe")
+    parser.add_argument("out_dir", help="output folder, e.g. tests/models/fixtures/lora_moe")
+    parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES))
+    args = parser.parse_args()
+    torch.set_grad_enabled(True)
+    for name, spec in FIXTURES.items():
+        if not args.only or name in args.only:
+            write_fixture(args.base_root, args.out_dir, name, spec)
+
+
+if __name__ == "__main__":
+    main()
