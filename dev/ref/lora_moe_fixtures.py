@@ -16,9 +16,11 @@ For each fixture NAME it writes OUT_DIR/NAME/
     README.txt                base model, LoRA settings, the expert keys with their shapes, routing margins, versions
 The loss is the cross-entropy only (no load-balancing term). Golden values are computed in float64 (moe_fixtures.py's
 float64 patches), stored as float32. The script checks
-  - peft's delta of every expert wrapper against the layout Lathe reads (docs/lora.md):
-        lora_A (r E, d1) = A[e, j, :] at row e r + j,  lora_B (d2, r E) = B[e][:, j] at column j E + e,
-        delta[e] (d1, d2) = scaling A_e^T B_e^T  for the parameter (E, d1, d2),
+  - peft's delta of every expert wrapper against the layout Lathe reads (docs/lora.md): for a parameter (E, out, in)
+    used as F.linear(x, W[e]) (transformers 5's experts),
+        lora_A (r E, in): A_e = rows e r .. e r + r - 1 (expert-major),
+        lora_B (out, r E): B_e = columns j E + e, j = 0 .. r - 1 (expert-minor),
+        delta[e] (out, in) = scaling B_e A_e,
   - that the adapter moves the logits, that every token's k-th and (k+1)-th router probabilities still differ by more
     than moe_fixtures.TOPK_GAP with the adapter applied (so float32 engines route as the golden run), and
   - that peft reloads the written adapter onto the float32 base and reproduces the logits.
@@ -38,10 +40,11 @@ LORA_STD = 0.1
 FIXTURES = {
     "qwen3_moe_experts": dict(
         base="qwen3_moe_fused", seed=601,
-        lora=dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"],
-                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], use_rslora=False),
-        about="qwen3_moe (fused checkpoint, expert 4 of layer 1 gets no token): q, o, the dense layers' gate and down, "
-              "and both expert parameters of every sparse layer (two nested ParamWrappers); r=2, alpha=4"),
+        lora=dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                  use_rslora=False),
+        about="qwen3_moe (fused checkpoint, expert 4 of layer 1 gets no token): q, o and gate/up/down_proj, which peft "
+              "0.21 converts for this model type into the experts' gate_up_proj (rank 4, alpha 8) and down_proj "
+              "(two nested ParamWrappers; the dense layers' MLPs are left alone); r=2, alpha=4"),
     "qwen3_5_moe_shared": dict(
         base="qwen3_5_moe", seed=602,
         lora=dict(r=3, lora_alpha=6, target_modules=["in_proj_qkv", "out_proj", "q_proj", "v_proj", "gate_proj",
@@ -113,19 +116,19 @@ def check_expert_wrappers(model):
         if not isinstance(m, ParamWrapper):
             continue
         param = m.get_param()
-        e, d1, d2 = param.shape
+        e, d_out, d_in = param.shape
         a = m.lora_A["default"].weight.detach()
         b = m.lora_B["default"].weight.detach()
         r = m.r["default"]
-        if a.shape != (r * e, d1) or b.shape != (d2, r * e):
+        if a.shape != (r * e, d_in) or b.shape != (d_out, r * e):
             die(f"{name}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} for a parameter {tuple(param.shape)}")
-        want = torch.stack([m.scaling["default"] * a[i * r:(i + 1) * r].T @ b[:, [j * e + i for j in range(r)]].T
+        want = torch.stack([m.scaling["default"] * b[:, [j * e + i for j in range(r)]] @ a[i * r:(i + 1) * r]
                             for i in range(e)])
         got = m.get_delta_weight("default").detach()
         if (got - want).abs().max() > 1e-12 * max(1.0, float(want.abs().max())):
             die(f"{name} ({m.parameter_name}): peft's delta differs from the layout Lathe reads")
         lines.append(f"  {key_of(name)}.lora_A.weight {tuple(a.shape)} / lora_B.weight {tuple(b.shape)}: "
-                     f"{m.parameter_name} {tuple(param.shape)}")
+                     f"{m.parameter_name} {tuple(param.shape)}, r {r}, scaling {m.scaling['default']}")
     return lines
 
 
@@ -194,8 +197,10 @@ def write_fixture(base_root, out_dir, name, spec):
                         "compute": "float64 (moe_fixtures.py patches), stored float32"})
     with open(os.path.join(fixture_dir, "README.txt"), "w", encoding="utf-8") as f:
         f.write(f"{name}: {spec['about']}\nbase model: tests/models/fixtures/moe/{spec['base']}/model\n")
-        f.write(f"target_modules {spec['lora']['target_modules']}, target_parameters "
-                f"{spec['lora']['target_parameters']}: {len(state) // 2} A/B pairs\n")
+        saved = model.peft_config["default"]
+        f.write(f"asked: {spec['lora']}\nas peft applied it: target_modules {sorted(saved.target_modules or [])}, "
+                f"target_parameters {sorted(saved.target_parameters or [])}, rank_pattern {saved.rank_pattern}, "
+                f"alpha_pattern {saved.alpha_pattern}: {len(state) // 2} A/B pairs\n")
         f.write("expert wrappers (saved key, shapes, parameter):\n" + "\n".join(wrappers) + "\n")
         f.write(f"smallest top-k router margin with the adapter: {margin:.3g} (> {mfx.TOPK_GAP})\n")
         f.write(f"LoRA A and B drawn N(0, {LORA_STD}^2) (seed {spec['seed']}); batch and labels of the base fixture\n")

@@ -19,26 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The segment table of one LoRA slot for a batch: each segment keeps its adapter's columns of the slot, scaled;
-// dropout probabilities and seeds (per segment, per slot) only when training.
-SegmentAttrs lora_segments(const LoraBank& bank, const LoraBank::Slot& slot, const PackedBatch& b, bool training) {
-  SegmentAttrs s;
-  s.rows.push_back(0);
-  for (const BatchSegment& seg : b.segments) {
-    s.rows.push_back(seg.rows_end);
-    const bool on = seg.adapter >= 0;
-    s.col_begin.push_back(on ? slot.col_begin[size_t(seg.adapter)] : 0);
-    s.col_end.push_back(on ? slot.col_end[size_t(seg.adapter)] : 0);
-    s.scale.push_back(on ? bank.config(seg.adapter).scaling() : 0.0);
-    s.p.push_back(on && training ? bank.config(seg.adapter).dropout : 0.0);
-    // splitmix-style mixing of the segment's seed with the slot's place in the model
-    uint64_t z = seg.dropout_seed + 0x9E3779B97F4A7C15ull * uint64_t(1 + slot.layer * kLoraTargetCount + int(slot.target));
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    s.seed.push_back(z ^ (z >> 31));
-  }
-  return s;
-}
-
 bool any_dropout(const SegmentAttrs& s) {
   return std::any_of(s.p.begin(), s.p.end(), [](double p) { return p > 0; });
 }

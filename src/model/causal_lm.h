@@ -130,8 +130,9 @@ class CausalLm {
                       const PackedBatch& b);
   // The mixture-of-experts MLP of sparse layer `layer` (model/moe_layer.h, docs/moe.md); moe_backward returns dx and
   // accumulates the parameters' gradients (the router's includes the aux-loss term when it is on).
-  MoeActs moe_forward(int64_t layer, const MoeParams& p, const Tensor& x);
-  Tensor moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout);
+  // The batch's adapters apply to the shared expert (through project) and to the experts (grouped GEMMs).
+  MoeActs moe_forward(int64_t layer, const MoeParams& p, const Tensor& x, const PackedBatch& b, bool training);
+  Tensor moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout, const PackedBatch& b);
   // After a forward of the loss: the aux loss and expert loads into `r`; with `backward` and the aux loss on, each
   // sparse layer's aux gradient (times coef x loss_scale) for moe_backward.
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
@@ -158,7 +159,11 @@ class CausalLm {
   // The routing of rows x (computed, uploaded); moe_route caches it per layer for the current batch.
   MoeRoute make_route(const MoeParams& p, const Tensor& x);
   const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
-  MoeActs moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor& x);
+  // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
+  MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
+                    bool training);
+  // The adapters of expert parameter t of `layer` for batch b (ExpertLora::slot nullptr when none, or no batch).
+  ExpertLora expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r);
   // The route's tensors only the backward reads (the forward and decoding do without them), uploaded on first use.
   void prepare_moe_backward(MoeRoute& r);
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp

@@ -25,12 +25,45 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string peft_key(const ModelConfig& model, int64_t layer, LoraTarget t, const char* ab) {
-  return fmt::format("base_model.model.{}.lora_{}.weight", lora_module_name(model, layer, t), ab);
+// The key PEFT saves for the A or B matrix of (layer, t). An expert parameter's wrapper sits on the experts module;
+// peft wraps the targeted parameters in registration order (gate_up_proj, then down_proj), each new wrapper around
+// the previous one, so gate_up_proj's matrices carry one ".base_layer" when down_proj is adapted too.
+std::string peft_key(const LoraConfig& c, const ModelConfig& model, int64_t layer, LoraTarget t, const char* ab) {
+  std::string module = lora_module_name(model, layer, t);
+  if (lora_target_is_expert(t)) {
+    module = module.substr(0, module.rfind('.'));  // "...mlp.experts"
+    if (t == LoraTarget::experts_gate_up && c.targets_module(model, layer, LoraTarget::experts_down))
+      module += ".base_layer";
+  }
+  return fmt::format("base_model.model.{}.lora_{}.weight", module, ab);
 }
 
-bool is_gdn(LoraTarget t) { return int(t) >= int(LoraTarget::in_proj_qkv); }
+bool is_gdn(LoraTarget t) { return int(t) >= int(LoraTarget::in_proj_qkv) && int(t) <= int(LoraTarget::in_proj_ba); }
 bool is_attention(LoraTarget t) { return int(t) <= int(LoraTarget::o_proj); }
+
+// The model types whose MLP names peft 0.21 re-maps to the fused expert parameters (transformers 5's qwen2_moe
+// weight conversion): see lora_config_for_model.
+bool peft_fuses_mlp_names(const ModelConfig& m) { return m.model_type == "qwen3_moe" || m.model_type == "qwen3_next"; }
+
+// PEFT's matching of a target name against a module name (or an expert parameter's key): equal, or a dotted tail.
+bool name_matches(const std::string& name, const std::string& target) {
+  return name == target || ends_with(name, "." + target);
+}
+
+// The value of the first pattern (in key order) that `name` matches, PEFT's rule: equal to the name, or a regular
+// expression matching the whole name or a dotted tail of it. Two matching patterns with different values are refused.
+template <typename V>
+const V* pattern_value(const std::map<std::string, V>& patterns, const std::string& name) {
+  const V* found = nullptr;
+  for (const auto& [pattern, value] : patterns) {
+    const bool hit = name == pattern || std::regex_match(name, std::regex("(.*\\.)?(" + pattern + ")"));
+    if (!hit) continue;
+    LATHE_CHECK(found == nullptr || *found == value, "lora: module '{}' matches two patterns with different values",
+                name);
+    found = &value;
+  }
+  return found;
+}
 
 // Writes `host` (the view's element count) into a contiguous device view, converting to its dtype.
 void write_view(Runtime& rt, Tensor& view, const std::vector<double>& host) {
@@ -54,6 +87,8 @@ bool is_default(const nlohmann::json& v) {
 
 }  // namespace
 
+bool lora_target_is_expert(LoraTarget t) { return t == LoraTarget::experts_gate_up || t == LoraTarget::experts_down; }
+
 const char* lora_target_name(LoraTarget t) {
   switch (t) {
     case LoraTarget::q_proj: return "q_proj";
@@ -70,6 +105,11 @@ const char* lora_target_name(LoraTarget t) {
     case LoraTarget::out_proj: return "out_proj";
     case LoraTarget::in_proj_qkvz: return "in_proj_qkvz";
     case LoraTarget::in_proj_ba: return "in_proj_ba";
+    case LoraTarget::shared_gate_proj: return "shared_expert.gate_proj";
+    case LoraTarget::shared_up_proj: return "shared_expert.up_proj";
+    case LoraTarget::shared_down_proj: return "shared_expert.down_proj";
+    case LoraTarget::experts_gate_up: return "experts.gate_up_proj";
+    case LoraTarget::experts_down: return "experts.down_proj";
   }
   return "?";
 }
@@ -81,15 +121,26 @@ std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t lay
   else if (gdn) out = {LoraTarget::in_proj_qkv, LoraTarget::in_proj_z, LoraTarget::in_proj_b, LoraTarget::in_proj_a,
                        LoraTarget::out_proj};
   else out = {LoraTarget::q_proj, LoraTarget::k_proj, LoraTarget::v_proj, LoraTarget::o_proj};
-  // A sparse (mixture-of-experts) layer has no dense MLP; its experts take no adapter yet (docs/moe.md).
-  if (!model.sparse_layer(layer))
-    for (LoraTarget t : {LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj}) out.push_back(t);
+  // The MLP names of qwen3_moe and qwen3_next designate their experts (peft_fuses_mlp_names): their dense and shared
+  // MLPs take no adapter.
+  const bool mlp_names_free = !peft_fuses_mlp_names(model);
+  if (!model.sparse_layer(layer)) {
+    if (mlp_names_free)
+      for (LoraTarget t : {LoraTarget::gate_proj, LoraTarget::up_proj, LoraTarget::down_proj}) out.push_back(t);
+    return out;
+  }
+  if (mlp_names_free && model.shared_expert_intermediate_size > 0)
+    for (LoraTarget t : {LoraTarget::shared_gate_proj, LoraTarget::shared_up_proj, LoraTarget::shared_down_proj})
+      out.push_back(t);
+  out.push_back(LoraTarget::experts_gate_up);
+  out.push_back(LoraTarget::experts_down);
   return out;
 }
 
 std::vector<std::string> lora_target_names(const ModelConfig& model) {
   std::vector<std::string> names;
   for (int i = 0; i < kLoraTargetCount; ++i) {
+    if (lora_target_is_expert(LoraTarget(i))) continue;
     bool present = false;
     for (int64_t l = 0; l < model.num_layers && !present; ++l) {
       const std::vector<LoraTarget> ts = lora_layer_targets(model, l);
@@ -125,31 +176,113 @@ std::pair<int64_t, int64_t> lora_module_dims(const ModelConfig& m, LoraTarget t)
     case LoraTarget::out_proj: return {vd, m.hidden_size};
     case LoraTarget::in_proj_qkvz: return {m.hidden_size, 2 * kd + 2 * vd};
     case LoraTarget::in_proj_ba: return {m.hidden_size, 2 * m.linear_num_value_heads};
+    case LoraTarget::shared_gate_proj:
+    case LoraTarget::shared_up_proj: return {m.hidden_size, m.shared_expert_intermediate_size};
+    case LoraTarget::shared_down_proj: return {m.shared_expert_intermediate_size, m.hidden_size};
+    case LoraTarget::experts_gate_up: return {m.hidden_size, 2 * m.moe_intermediate_size};
+    case LoraTarget::experts_down: return {m.moe_intermediate_size, m.hidden_size};
   }
   return {0, 0};
 }
 
 double LoraConfig::scaling() const { return rslora ? alpha / std::sqrt(double(rank)) : alpha / double(rank); }
 
+int64_t LoraConfig::rank_of(const std::string& name) const {
+  const int64_t* r = pattern_value(rank_pattern, name);
+  return r ? *r : rank;
+}
+
+double LoraConfig::alpha_of(const std::string& name) const {
+  const double* a = pattern_value(alpha_pattern, name);
+  return a ? *a : alpha;
+}
+
+double LoraConfig::scaling_of(const std::string& name) const {
+  const double r = double(rank_of(name)), a = alpha_of(name);
+  return rslora ? a / std::sqrt(r) : a / r;
+}
+
 bool LoraConfig::targets_module(const ModelConfig& model, int64_t layer, LoraTarget t) const {
   const std::string name = lora_module_name(model, layer, t);
+  if (lora_target_is_expert(t)) {
+    for (const std::string& target : target_parameters)
+      if (name_matches(name, target)) return true;
+    return false;
+  }
   for (const std::string& target : targets) {
     if (target == "all-linear") return true;
     if (target.rfind("re:", 0) == 0) {
       if (std::regex_match(name, std::regex(target.substr(3)))) return true;
-    } else if (name == target || ends_with(name, "." + target)) {
+    } else if (name_matches(name, target)) {
       return true;
     }
   }
   return false;
 }
 
+LoraConfig lora_config_for_model(const LoraConfig& c, const ModelConfig& model, const std::string& where) {
+  if (!peft_fuses_mlp_names(model)) return c;
+  // peft 0.21's table for these models (transformers' qwen2_moe conversion): old module name -> fused parameter.
+  static const std::vector<std::pair<std::string, std::string>> kMapping = {
+      {"gate", "gate.weight"}, {"gate_proj", "gate_up_proj"}, {"up_proj", "gate_up_proj"}, {"down_proj", "down_proj"}};
+  LoraConfig out = c;
+  out.targets.clear();
+  std::set<std::string> fused_parts;  // which of gate_proj / up_proj were named
+  for (const std::string& target : c.targets) {
+    auto hit = std::find_if(kMapping.begin(), kMapping.end(), [&](const auto& m) { return name_matches(target, m.first); });
+    if (target.rfind("re:", 0) == 0 || hit == kMapping.end()) {
+      out.targets.push_back(target);
+      continue;
+    }
+    if (std::find(out.target_parameters.begin(), out.target_parameters.end(), hit->second) == out.target_parameters.end())
+      out.target_parameters.push_back(hit->second);
+    if (hit->second == "gate_up_proj") fused_parts.insert(hit->first);
+  }
+  LATHE_CHECK(fused_parts.size() != 1, "{}: lora target {} of the {} model needs {} as well: both are fused into the "
+              "experts' gate_up_proj (peft 0.21 refuses one alone too)", where, *fused_parts.begin(), model.model_type,
+              fused_parts.count("gate_proj") ? "up_proj" : "gate_proj");
+  if (fused_parts.size() == 2) {  // peft keeps each part's rank and scaling: the fused matrix has twice both
+    out.rank_pattern.emplace(".*\\.gate_up_proj", 2 * c.rank);
+    out.alpha_pattern.emplace(".*\\.gate_up_proj", 2 * c.alpha);
+  }
+  return out;
+}
+
 void LoraConfig::validate(const std::string& where, const ModelConfig& model) const {
   LATHE_CHECK(rank > 0, "{}: lora rank must be positive, got {}", where, rank);
   LATHE_CHECK(std::isfinite(alpha) && alpha > 0, "{}: lora alpha must be positive, got {}", where, alpha);
   LATHE_CHECK(dropout >= 0 && dropout < 1, "{}: lora dropout must be in [0, 1), got {}", where, dropout);
-  LATHE_CHECK(!targets.empty(), "{}: lora targets are empty", where);
-  for (const std::string& target : targets) {
+  const LoraConfig c = lora_config_for_model(*this, model, where);
+  LATHE_CHECK(!c.targets.empty() || !c.target_parameters.empty(), "{}: lora targets are empty", where);
+  LATHE_CHECK(c.target_parameters.empty() || dropout == 0, "{}: lora dropout {} with target parameters (experts): "
+              "dropout cannot be applied to a parameter's input (peft refuses it too)", where, dropout);
+  auto check_regex = [&](const std::string& p) {
+    try {
+      std::regex re(p);
+    } catch (const std::regex_error& e) {
+      LATHE_FAIL("{}: lora pattern '{}' is not a valid regular expression: {}", where, p, e.what());
+    }
+  };
+  for (const auto& [pattern, r] : c.rank_pattern) {
+    check_regex(pattern);
+    LATHE_CHECK(r > 0, "{}: lora rank_pattern '{}' gives rank {}", where, pattern, r);
+  }
+  for (const auto& [pattern, a] : c.alpha_pattern) {
+    check_regex(pattern);
+    LATHE_CHECK(std::isfinite(a) && a > 0, "{}: lora alpha_pattern '{}' gives alpha {}", where, pattern, a);
+  }
+  for (const std::string& target : c.target_parameters) {
+    LoraConfig one;
+    one.targets.clear();
+    one.target_parameters = {target};
+    bool matched = false;
+    for (int64_t l = 0; l < model.num_layers && !matched; ++l)
+      for (LoraTarget t : lora_layer_targets(model, l)) matched = matched || one.targets_module(model, l, t);
+    LATHE_CHECK(matched, "{}: lora target parameter '{}' matches no expert parameter of the {} model (valid: "
+                "mlp.experts.gate_up_proj, mlp.experts.down_proj; routers take no adapter)", where, target,
+                model.model_type);
+  }
+  for (const std::string& target : c.targets) {
     if (target.rfind("re:", 0) == 0) {
       try {
         std::regex re(target.substr(3));
@@ -158,7 +291,8 @@ void LoraConfig::validate(const std::string& where, const ModelConfig& model) co
       }
     }
     bool matched = false;
-    const LoraConfig one{rank, alpha, dropout, rslora, {target}};
+    LoraConfig one;
+    one.targets = {target};
     for (int64_t l = 0; l < model.num_layers && !matched; ++l)
       for (LoraTarget t : lora_layer_targets(model, l)) matched = matched || one.targets_module(model, l, t);
     const std::vector<std::string> names = lora_target_names(model);
@@ -172,9 +306,8 @@ LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& sou
   LATHE_CHECK(j.is_object(), "lora: {}: adapter_config.json is not a JSON object", source);
   LATHE_CHECK(j.value("peft_type", std::string("LORA")) == "LORA", "lora: {}: peft_type '{}' is not LORA", source,
               j.value("peft_type", std::string()));
-  for (const char* field : {"use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "layers_to_transform",
-                            "layers_pattern", "fan_in_fan_out", "lora_bias", "exclude_modules", "target_parameters",
-                            "layer_replication", "use_qalora", "trainable_token_indices", "megatron_config"}) {
+  for (const char* field : {"use_dora", "modules_to_save", "layers_to_transform",
+                            "layers_pattern", "fan_in_fan_out", "lora_bias", "exclude_modules", "layer_replication", "use_qalora", "trainable_token_indices", "megatron_config"}) {
     if (j.contains(field))
       LATHE_CHECK(is_default(j[field]), "lora: {}: adapter_config.json sets '{}' = {}, which Lathe does not implement", source,
                   field, j[field].dump());
@@ -192,9 +325,15 @@ LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& sou
     if (t.is_string()) {
       const std::string s = t.get<std::string>();
       c.targets.push_back(s == "all-linear" ? s : "re:" + s);  // PEFT: a string is a full-match regex
-    } else {
+    } else if (!t.is_null()) {
       for (const auto& x : t) c.targets.push_back(x.get<std::string>());
     }
+    if (j.contains("target_parameters") && !j["target_parameters"].is_null())
+      for (const auto& x : j["target_parameters"]) c.target_parameters.push_back(x.get<std::string>());
+    if (j.contains("rank_pattern") && !j["rank_pattern"].is_null())
+      for (const auto& [k, v] : j["rank_pattern"].items()) c.rank_pattern[k] = v.get<int64_t>();
+    if (j.contains("alpha_pattern") && !j["alpha_pattern"].is_null())
+      for (const auto& [k, v] : j["alpha_pattern"].items()) c.alpha_pattern[k] = v.get<double>();
   } catch (const nlohmann::json::exception& e) {
     LATHE_FAIL("lora: {}: adapter_config.json: {}", source, e.what());
   }
@@ -210,12 +349,16 @@ nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_
   } else {
     targets = c.targets;
   }
+  nlohmann::json params = nullptr, ranks = nlohmann::json::object(), alphas = nlohmann::json::object();
+  if (!c.target_parameters.empty()) params = c.target_parameters;
+  for (const auto& [k, v] : c.rank_pattern) ranks[k] = v;
+  for (const auto& [k, v] : c.alpha_pattern) alphas[k] = v;
   return {{"peft_type", "LORA"},        {"task_type", "CAUSAL_LM"},    {"base_model_name_or_path", base_model},
           {"r", c.rank},                {"lora_alpha", c.alpha},       {"lora_dropout", c.dropout},
           {"use_rslora", c.rslora},     {"target_modules", targets},   {"bias", "none"},
-          {"fan_in_fan_out", false},    {"modules_to_save", nullptr},  {"init_lora_weights", true},
-          {"layers_to_transform", nullptr}, {"layers_pattern", nullptr}, {"rank_pattern", nlohmann::json::object()},
-          {"alpha_pattern", nlohmann::json::object()}, {"use_dora", false}, {"inference_mode", true}};
+          {"target_parameters", params}, {"fan_in_fan_out", false},    {"modules_to_save", nullptr},
+          {"init_lora_weights", true},  {"layers_to_transform", nullptr}, {"layers_pattern", nullptr},
+          {"rank_pattern", ranks},      {"alpha_pattern", alphas},     {"use_dora", false}, {"inference_mode", true}};
 }
 
 LoraConfig read_lora_config(const std::string& dir) {
@@ -233,8 +376,11 @@ LoraConfig read_lora_config(const std::string& dir) {
 
 LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters)
     : rt_(&rt), model_(model), device_(device), dtype_(dtype) {
-  for (size_t i = 0; i < adapters.size(); ++i) adapters[i].validate(fmt::format("lora adapter {}", i), model);
-  for (LoraConfig& c : adapters) adapters_.push_back({std::move(c), {}, {}});
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    const std::string where = fmt::format("lora adapter {}", i);
+    adapters[i].validate(where, model);
+    adapters_.push_back({lora_config_for_model(adapters[i], model, where), {}, {}});
+  }
   chunk_ = 0;  // gcd of every row length; 1 when nothing is targeted
   slot_index_.assign(size_t(model.num_layers * kLoraTargetCount), -1);
   for (int64_t l = 0; l < model.num_layers; ++l) {
@@ -242,11 +388,15 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
       Slot s;
       s.layer = l;
       s.target = t;
+      s.experts = lora_target_is_expert(t) ? model.num_experts : 0;
       std::tie(s.in, s.out) = lora_module_dims(model, t);
+      const std::string name = lora_module_name(model, l, t);
       for (const Adapter& a : adapters_) {
+        const bool on = a.config.targets_module(model, l, t);
         s.col_begin.push_back(s.rank_total);
-        s.rank_total += a.config.targets_module(model, l, t) ? a.config.rank : 0;
+        s.rank_total += on ? a.config.rank_of(name) : 0;
         s.col_end.push_back(s.rank_total);
+        s.scaling.push_back(on ? a.config.scaling_of(name) : 0.0);
       }
       if (s.rank_total == 0) continue;
       chunk_ = std::gcd(chunk_, std::gcd(s.in, s.out));
@@ -254,64 +404,78 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
       slots_.push_back(std::move(s));
     }
   }
-  // Chunk offsets: slot order (each slot's A_cat then BT_cat, adapters in order inside each) and adapter order
-  // (each adapter's matrices slot by slot, A then BT). Both hold the same chunks: to_slot_ maps one onto the other.
+  if (chunk_ == 0) chunk_ = 1;
+  // Each slot holds A_cat then BT_cat, of max(E, 1) R rows each (in slot order); each adapter holds its matrices slot
+  // by slot, A then BT. Row q of an adapter's matrix of rank r at columns [c, c + r) lands in slot row
+  //   c + q                      (a module: A (r, in), BT (r, out))
+  //   e R + c + j, q = e r + j   (an expert parameter's A (E r, in), expert-major as PEFT's lora_A)
+  //   e R + c + j, q = j E + e   (an expert parameter's BT (r E, out), expert-minor as PEFT's lora_B columns)
+  // Both orders hold the same chunks of chunk_ elements: to_slot_ / to_adapter_ map one onto the other.
   struct Matrix {
     size_t adapter, slot;
     bool is_a;
-    int64_t slot_chunk, chunks;
+    int64_t slot_base;  // the slot matrix's first chunk
   };
   std::vector<Matrix> matrices;
-  int64_t slot_chunks = 0;
+  int64_t total_chunks = 0;
   for (size_t si = 0; si < slots_.size(); ++si) {
     const Slot& s = slots_[si];
     for (bool is_a : {true, false}) {
-      const int64_t width = (is_a ? s.in : s.out) / chunk_;
-      for (size_t ai = 0; ai < adapters_.size(); ++ai) {
-        const int64_t r = s.col_end[ai] - s.col_begin[ai];
-        if (r) matrices.push_back({ai, si, is_a, slot_chunks + s.col_begin[ai] * width, r * width});
-      }
-      slot_chunks += s.rank_total * width;
+      for (size_t ai = 0; ai < adapters_.size(); ++ai)
+        if (s.col_end[ai] > s.col_begin[ai]) matrices.push_back({ai, si, is_a, total_chunks});
+      total_chunks += std::max<int64_t>(s.experts, 1) * s.rank_total * (is_a ? s.in : s.out) / chunk_;
     }
   }
-  if (chunk_ == 0) chunk_ = 1;
   std::stable_sort(matrices.begin(), matrices.end(), [](const Matrix& x, const Matrix& y) { return x.adapter < y.adapter; });
-  std::vector<int32_t> to_slot(static_cast<size_t>(slot_chunks)), to_adapter(static_cast<size_t>(slot_chunks));
-  LATHE_CHECK(slot_chunks < (int64_t(1) << 31), "lora: {} chunks of {} elements exceed the index range", slot_chunks, chunk_);
+  LATHE_CHECK(total_chunks < (int64_t(1) << 31), "lora: {} chunks of {} elements exceed the index range", total_chunks,
+              chunk_);
+  std::vector<int32_t> to_slot(static_cast<size_t>(total_chunks)), to_adapter(static_cast<size_t>(total_chunks));
   ExecContext cx = rt.context(device);
-  values_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
-  grads_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
-  slot_values_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
-  slot_grads_ = Tensor::empty({slot_chunks, chunk_}, dtype, cx.allocator);
+  values_ = Tensor::empty({total_chunks, chunk_}, dtype, cx.allocator);
+  grads_ = Tensor::empty({total_chunks, chunk_}, dtype, cx.allocator);
+  slot_values_ = Tensor::empty({total_chunks, chunk_}, dtype, cx.allocator);
+  slot_grads_ = Tensor::empty({total_chunks, chunk_}, dtype, cx.allocator);
   for (Tensor* x : {&values_, &grads_, &slot_values_, &slot_grads_}) fill_zero(rt, *x);
   int64_t adapter_chunk = 0;
   std::vector<int64_t> adapter_begin(adapters_.size() + 1, 0);
   for (const Matrix& m : matrices) {
     const Slot& s = slots_[m.slot];
-    const int64_t r = s.col_end[m.adapter] - s.col_begin[m.adapter], width = m.is_a ? s.in : s.out;
-    for (int64_t k = 0; k < m.chunks; ++k) {
-      to_slot[size_t(m.slot_chunk + k)] = int32_t(adapter_chunk + k);
-      to_adapter[size_t(adapter_chunk + k)] = int32_t(m.slot_chunk + k);
+    const int64_t c = s.col_begin[m.adapter], r = s.col_end[m.adapter] - c, e_count = std::max<int64_t>(s.experts, 1);
+    const int64_t width = m.is_a ? s.in : s.out, row_chunks = width / chunk_, rows = e_count * r;
+    for (int64_t q = 0; q < rows; ++q) {
+      int64_t slot_row = c + q;
+      if (s.experts > 0) {
+        const int64_t e = m.is_a ? q / r : q % s.experts, j = m.is_a ? q % r : q / s.experts;
+        slot_row = e * s.rank_total + c + j;
+      }
+      for (int64_t k = 0; k < row_chunks; ++k) {
+        const int64_t from = adapter_chunk + q * row_chunks + k, to = m.slot_base + slot_row * row_chunks + k;
+        to_slot[size_t(to)] = int32_t(from);
+        to_adapter[size_t(from)] = int32_t(to);
+      }
     }
-    const Tensor v = values_.narrow(0, adapter_chunk, m.chunks).view({r, width});
-    const Tensor g = grads_.narrow(0, adapter_chunk, m.chunks).view({r, width});
-    adapters_[m.adapter].params.push_back({peft_key(model, s.layer, s.target, m.is_a ? "A" : "B"), v, g});
-    adapter_chunk += m.chunks;
+    const int64_t n = rows * row_chunks;
+    const Tensor v = values_.narrow(0, adapter_chunk, n).view({rows, width});
+    const Tensor g = grads_.narrow(0, adapter_chunk, n).view({rows, width});
+    const LoraConfig& cfg = adapters_[m.adapter].config;
+    adapters_[m.adapter].params.push_back({peft_key(cfg, model, s.layer, s.target, m.is_a ? "A" : "B"), v, g});
+    adapter_chunk += n;
     adapter_begin[m.adapter + 1] = adapter_chunk;
   }
   for (size_t ai = 0; ai < adapters_.size(); ++ai) {
     const int64_t begin = adapter_begin[ai], n = std::max(begin, adapter_begin[ai + 1]) - begin;
     adapters_[ai].flat.push_back({"lora_adapter", values_.narrow(0, begin, n), grads_.narrow(0, begin, n)});
   }
-  to_slot_ = rt.from_host(to_slot.data(), {slot_chunks}, DType::I32, device);
-  to_adapter_ = rt.from_host(to_adapter.data(), {slot_chunks}, DType::I32, device);
+  to_slot_ = rt.from_host(to_slot.data(), {total_chunks}, DType::I32, device);
+  to_adapter_ = rt.from_host(to_adapter.data(), {total_chunks}, DType::I32, device);
   // The slots' matrices: views of the slot-order buffers.
   int64_t offset = 0;
   for (Slot& s : slots_) {
     for (bool is_a : {true, false}) {
-      const int64_t width = is_a ? s.in : s.out, n = s.rank_total * width / chunk_;
-      (is_a ? s.a : s.bt) = slot_values_.narrow(0, offset, n).view({s.rank_total, width});
-      (is_a ? s.grad_a : s.grad_bt) = slot_grads_.narrow(0, offset, n).view({s.rank_total, width});
+      const int64_t width = is_a ? s.in : s.out, rows = std::max<int64_t>(s.experts, 1) * s.rank_total;
+      const int64_t n = rows * width / chunk_;
+      (is_a ? s.a : s.bt) = slot_values_.narrow(0, offset, n).view({rows, width});
+      (is_a ? s.grad_a : s.grad_bt) = slot_grads_.narrow(0, offset, n).view({rows, width});
       offset += n;
     }
   }
@@ -369,11 +533,14 @@ void LoraBank::clear(int adapter) {
 }
 
 void LoraBank::load_peft(int adapter, const std::string& dir) {
-  const LoraConfig file_cfg = read_lora_config(dir);
+  const LoraConfig file_cfg = lora_config_for_model(read_lora_config(dir), model_, dir);
   const LoraConfig& mine = config(adapter);
   LATHE_CHECK(file_cfg.rank == mine.rank && file_cfg.alpha == mine.alpha && file_cfg.rslora == mine.rslora,
               "lora: {}: adapter has r={} alpha={} rslora={} but the run asks for r={} alpha={} rslora={}", dir, file_cfg.rank,
               file_cfg.alpha, file_cfg.rslora, mine.rank, mine.alpha, mine.rslora);
+  LATHE_CHECK(file_cfg.rank_pattern == mine.rank_pattern && file_cfg.alpha_pattern == mine.alpha_pattern,
+              "lora: {}: adapter has rank_pattern {} alpha_pattern {} but the run has {} and {}", dir,
+              file_cfg.rank_pattern, file_cfg.alpha_pattern, mine.rank_pattern, mine.alpha_pattern);
   const fs::path file = fs::path(dir) / "adapter_model.safetensors";
   LATHE_CHECK(fs::exists(file), "lora: {} does not exist", file.string());
   const io::SafetensorsFile st = io::SafetensorsFile::open(file.string());
@@ -437,15 +604,64 @@ std::string lora_key_module(const std::string& key) {
   return key.substr(prefix.size(), end - prefix.size());
 }
 
+SegmentAttrs lora_segments(const LoraBank& bank, const LoraBank::Slot& slot, const PackedBatch& b, bool training) {
+  SegmentAttrs s;
+  s.rows.push_back(0);
+  for (const BatchSegment& seg : b.segments) {
+    s.rows.push_back(seg.rows_end);
+    const bool on = seg.adapter >= 0;
+    s.col_begin.push_back(on ? slot.col_begin[size_t(seg.adapter)] : 0);
+    s.col_end.push_back(on ? slot.col_end[size_t(seg.adapter)] : 0);
+    s.scale.push_back(on ? slot.scaling[size_t(seg.adapter)] : 0.0);
+    s.p.push_back(on && training ? bank.config(seg.adapter).dropout : 0.0);
+    // splitmix-style mixing of the segment's seed with the slot's place in the model
+    uint64_t z = seg.dropout_seed + 0x9E3779B97F4A7C15ull * uint64_t(1 + slot.layer * kLoraTargetCount + int(slot.target));
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    s.seed.push_back(z ^ (z >> 31));
+  }
+  return s;
+}
+
+namespace {
+
+// Calls fn(slot, base parameter name) for every slot where `adapter` has columns.
+template <typename Fn>
+void for_each_adapted(const LoraBank& bank, int adapter, Fn fn) {
+  const ModelConfig& m = bank.model();
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    for (LoraTarget t : lora_layer_targets(m, l)) {
+      const LoraBank::Slot* slot = bank.slot(l, t);
+      if (!slot || slot->col_end[size_t(adapter)] == slot->col_begin[size_t(adapter)]) continue;
+      const std::string name = lora_module_name(m, l, t);
+      fn(*slot, lora_target_is_expert(t) ? name : name + ".weight");
+    }
+}
+
+}  // namespace
+
+std::vector<std::string> lora_merge_targets(const LoraBank& bank, int adapter) {
+  std::vector<std::string> names;
+  for_each_adapted(bank, adapter, [&](const LoraBank::Slot&, const std::string& name) { names.push_back(name); });
+  return names;
+}
+
 void merge_lora(CausalLm& model, LoraBank& bank, int adapter) {
   ExecContext cx = model.runtime().context(model.options().device);
-  const double s = bank.config(adapter).scaling();
-  const std::vector<Parameter>& params = bank.parameters(adapter);
-  for (size_t i = 0; i + 1 < params.size(); i += 2) {  // lora_A (r, in), then lora_B stored as (r, out)
-    LATHE_ASSERT(ends_with(params[i].name, "lora_A.weight") && ends_with(params[i + 1].name, "lora_B.weight"));
-    Tensor& w = model.parameter(lora_key_module(params[i].name) + ".weight").value;  // (out, in) += s * BT^T A
-    matmul_into(cx, params[i + 1].value, params[i].value, w, {true, false, float(s), 1.0f});
-  }
+  bank.refresh();  // the slots hold every adapter's current values
+  for_each_adapted(bank, adapter, [&](const LoraBank::Slot& slot, const std::string& name) {
+    const int64_t c = slot.col_begin[size_t(adapter)], r = slot.col_end[size_t(adapter)] - c;
+    const double s = slot.scaling[size_t(adapter)];  // applied in the model dtype (a GEMM's alpha is only a float)
+    Tensor& w = model.parameter(name).value;
+    if (slot.experts == 0) {  // W (out, in) += s BT^T A
+      matmul_into(cx, scale(cx, slot.bt.narrow(0, c, r), s), slot.a.narrow(0, c, r), w, {true, false, 1.0f, 1.0f});
+      return;
+    }
+    // W[e] (out, in) += s BT_e^T A_e for every expert: one batched product over the slot's (E, R, .) views
+    const int64_t e = slot.experts, rank_total = slot.rank_total;
+    const Tensor a = contiguous(cx, slot.a.view({e, rank_total, slot.in}).narrow(1, c, r));
+    const Tensor bt = scale(cx, contiguous(cx, slot.bt.view({e, rank_total, slot.out}).narrow(1, c, r)), s);
+    matmul_into(cx, bt, a, w, {true, false, 1.0f, 1.0f});
+  });
 }
 
 }  // namespace lathe

@@ -6,41 +6,62 @@
 // (BT_cat (R, out)). A batch whose rows belong to different adapters then needs two GEMMs per module for all of
 // them: U = x A_cat^T (T, R), a segment mask that keeps, for each row, only its own adapter's columns (scaled),
 // and y += U_masked BT_cat. The base weights are read once for every tenant.
+// The routed experts of a mixture-of-experts layer are adapted per expert through their fused parameters
+// (mlp.experts.gate_up_proj (E, out, in) and down_proj, PEFT's target_parameters): expert e adds
+// scaling * x A_e^T B_e^T; its slot stacks the adapters' ranks inside each expert (A_cat (E R, in), BT_cat (E R, out),
+// rows e R + c + j), and the model runs them as grouped GEMMs over the rows sorted by expert (model/moe_layer.cpp).
 // Each adapter's parameters are views into its slots' rows, so its optimizer updates them in place.
 // Files are PEFT's: adapter_config.json and adapter_model.safetensors with keys
 // "base_model.model.<module>.lora_A.weight" (r, in) and "...lora_B.weight" (out, r), <module> the Hugging Face
 // module name in the layout the model was loaded from (model.layers.N... or model.language_model.layers.N...).
+// An expert parameter's keys are those of peft 0.21's ParamWrapper: "<...>.mlp.experts[.base_layer].lora_A.weight"
+// (E r, in), expert-major rows e r + j, and "...lora_B.weight" (out, r E), expert-minor columns j E + e; when both
+// expert parameters are adapted their wrappers nest, gate_up_proj inside (".base_layer."), down_proj outside.
 // The modules of a layer depend on the family (lora_layer_targets): Qwen3 and Qwen3.5 full-attention layers have
 // q/k/v/o_proj (Qwen3.5's q_proj gives query and gate interleaved per head, out = 2 H d), Qwen3.5 Gated DeltaNet
-// layers in_proj_qkv/z/b/a and out_proj; every layer gate/up/down_proj.
-// Covered by tests/models/test_lora.cpp and test_lora_qwen3_5.cpp (finite differences, HF/peft fixtures, round trips).
+// layers in_proj_qkv/z/b/a and out_proj (Qwen3-Next: in_proj_qkvz/ba); dense MLPs gate/up/down_proj; a sparse layer
+// its experts and, in qwen3_5_moe, the shared expert's gate/up/down_proj. For qwen3_moe and qwen3_next, peft 0.21
+// (with transformers 5's weight conversion) reads the names gate_proj, up_proj and down_proj as the experts' fused
+// parameters (gate_up_proj at twice the rank and alpha); Lathe does the same (lora_config_for_model), so adapters
+// mean the same in both, and the dense and shared-expert MLPs of those two families take no adapter (docs/lora.md).
+// Covered by tests/models/test_lora.cpp, test_lora_qwen3_5.cpp and test_lora_moe.cpp (finite differences, HF/peft
+// fixtures, round trips).
 #pragma once
 
 #include <array>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
 #include "model/causal_lm.h"
+#include "ops/op_table.h"
 
 namespace lathe {
 
-// The linear modules of a decoder layer that LoRA can adapt (Qwen3 and Qwen3.5: attention, MLP, Gated DeltaNet).
+// The linear modules of a decoder layer that LoRA can adapt (Qwen3 and Qwen3.5: attention, MLP, Gated DeltaNet; the
+// mixture-of-experts families: the shared expert and the routed experts' fused parameters).
 enum class LoraTarget {
   q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj,    // attention and MLP
   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj,           // Gated DeltaNet (Qwen3.5 linear_attention)
   in_proj_qkvz, in_proj_ba,                                         // Qwen3-Next's fused GDN input projections
+  shared_gate_proj, shared_up_proj, shared_down_proj,               // mlp.shared_expert.{gate,up,down}_proj
+  experts_gate_up, experts_down,                                    // mlp.experts.gate_up_proj / down_proj (E, out, in)
 };
-inline constexpr int kLoraTargetCount = 14;
+inline constexpr int kLoraTargetCount = 19;
+// Whether t is a routed-expert parameter (matched by target_parameters, one (r, in) x (out, r) pair per expert).
+bool lora_target_is_expert(LoraTarget t);
 const char* lora_target_name(LoraTarget t);
 // The modules of layer `layer` of this model, in a fixed order.
 std::vector<LoraTarget> lora_layer_targets(const ModelConfig& model, int64_t layer);
-// Every short name a module of this model has (what "all-linear" expands to in adapter_config.json).
+// Every short name a module of this model has (what "all-linear" expands to in adapter_config.json); never the
+// expert parameters.
 std::vector<std::string> lora_target_names(const ModelConfig& model);
-// "model.layers.3.self_attn.q_proj" — the module name PEFT matches target_modules against.
+// "model.layers.3.self_attn.q_proj" — the module name PEFT matches target_modules against; for an expert parameter
+// "model.layers.3.mlp.experts.gate_up_proj", the key PEFT matches target_parameters against.
 std::string lora_module_name(const ModelConfig& model, int64_t layer, LoraTarget t);
-// (in, out) of the module's weight (out, in).
+// (in, out) of the module's weight (out, in); of each expert's (out, in) block for an expert parameter.
 std::pair<int64_t, int64_t> lora_module_dims(const ModelConfig& model, LoraTarget t);
 
 struct LoraConfig {
@@ -52,33 +73,54 @@ struct LoraConfig {
   // "all-linear" (every projection of every layer; never the LM head), or, as a single entry starting with
   // "re:", a regular expression matched against the whole module name (PEFT's string form).
   std::vector<std::string> targets = {"all-linear"};
+  // PEFT's target_parameters: the routed experts' fused parameters, "mlp.experts.gate_up_proj" / "experts.down_proj"
+  // (matched as a key suffix) or a full key "model.layers.3.mlp.experts.down_proj". No dropout with these (as PEFT).
+  std::vector<std::string> target_parameters;
+  // PEFT's rank_pattern / alpha_pattern: a module (or expert parameter) name that matches a pattern (equal to it, or a
+  // regular expression matching its whole name or a dotted tail of it) takes that rank / alpha instead.
+  std::map<std::string, int64_t> rank_pattern;
+  std::map<std::string, double> alpha_pattern;
 
   double scaling() const;
+  // Rank, alpha and scaling of the module (or expert parameter) `name` (lora_module_name), with the patterns.
+  int64_t rank_of(const std::string& name) const;
+  double alpha_of(const std::string& name) const;
+  double scaling_of(const std::string& name) const;
   // Whether the module (layer, t) of `model` — one of lora_layer_targets(model, layer) — is adapted.
   bool targets_module(const ModelConfig& model, int64_t layer, LoraTarget t) const;
-  // Throws with `where` in the message on a bad rank, alpha, dropout or target list (unknown names are refused:
-  // a target that matches nothing would silently train nothing).
+  // Throws with `where` in the message on a bad rank, alpha, dropout, pattern or target list (unknown names are
+  // refused: a target that matches nothing would silently train nothing).
   void validate(const std::string& where, const ModelConfig& model) const;
 };
 
+// The config as peft 0.21 applies it to `model`: for qwen3_moe and qwen3_next (transformers 5 fuses their experts),
+// the target names gate_proj / up_proj / down_proj become the target parameters gate_up_proj / down_proj, gate_up_proj
+// at twice the rank and alpha (rank_pattern / alpha_pattern) when both gate_proj and up_proj are named; one of the two
+// alone is refused, as peft does. Other models: unchanged. Idempotent (a file peft wrote is already converted).
+LoraConfig lora_config_for_model(const LoraConfig& c, const ModelConfig& model, const std::string& where);
+
 // adapter_config.json <-> LoraConfig. Reading refuses every PEFT feature Lathe does not implement (DoRA, biases,
-// modules_to_save, rank/alpha patterns, layers_to_transform, ...) by field name.
+// modules_to_save, layers_to_transform, ...) by field name.
 LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& source);
 nlohmann::json lora_config_to_peft(const LoraConfig& c, const std::string& base_model, const ModelConfig& model);
 LoraConfig read_lora_config(const std::string& adapter_dir);  // DIR/adapter_config.json
 
+// The matrices of one (layer, module) that at least one adapter targets, as the model uses them. Views into the
+// bank's slot-layout buffers; refresh() fills a and bt from the adapters, collect_grads() reads grad_a/grad_bt.
+struct LoraSlot {
+  int64_t layer = 0;
+  LoraTarget target = LoraTarget::q_proj;
+  int64_t in = 0, out = 0, rank_total = 0;
+  int64_t experts = 0;     // E for a routed-expert parameter (a, bt are then (E R, in), (E R, out)), else 0
+  Tensor a, bt;            // (R, in), (R, out)
+  Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads(), accumulated by the model's backward
+  std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([c, c) when it does not target this)
+  std::vector<double> scaling;              // per adapter: its scaling here (rank_pattern / alpha_pattern apply)
+};
+
 class LoraBank {
  public:
-  // The matrices of one (layer, module) that at least one adapter targets, as the model uses them. Views into the
-  // bank's slot-layout buffers; refresh() fills a and bt from the adapters, collect_grads() reads grad_a/grad_bt.
-  struct Slot {
-    int64_t layer = 0;
-    LoraTarget target = LoraTarget::q_proj;
-    int64_t in = 0, out = 0, rank_total = 0;
-    Tensor a, bt;            // (R, in), (R, out)
-    Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads(), accumulated by the model's backward
-    std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([c, c) when it does not target this)
-  };
+  using Slot = LoraSlot;
 
   // Allocates (zero-filled) every adapter and slot on `device` in `dtype`.
   LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType dtype, std::vector<LoraConfig> adapters);
@@ -139,8 +181,15 @@ class LoraBank {
   Tensor values_, grads_, slot_values_, slot_grads_, to_slot_, to_adapter_;
 };
 
-// Adds scaling * B A of `adapter` into the base weights of `model` (for generation and merged export).
+// The segment table of one slot for batch b: each segment keeps its adapter's columns of the slot, times the adapter's
+// scaling there; dropout probabilities and seeds (per segment, per slot) only when training.
+SegmentAttrs lora_segments(const LoraBank& bank, const LoraBank::Slot& slot, const PackedBatch& b, bool training);
+
+// Adds scaling * B A of `adapter` into the base weights of `model` (for generation and merged export); per expert
+// for an expert parameter.
 void merge_lora(CausalLm& model, LoraBank& bank, int adapter);
+// The names of the base parameters merge_lora(..., adapter) changes.
+std::vector<std::string> lora_merge_targets(const LoraBank& bank, int adapter);
 // "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" -> "model.layers.0.self_attn.q_proj".
 std::string lora_key_module(const std::string& key);
 

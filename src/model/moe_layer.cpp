@@ -40,6 +40,28 @@ Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
 
 }  // namespace
 
+Tensor ExpertLora::a() const { return slot->a.view({slot->experts, slot->rank_total, slot->in}); }
+Tensor ExpertLora::bt() const { return slot->bt.view({slot->experts, slot->rank_total, slot->out}); }
+
+Tensor ExpertLora::forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y) const {
+  const Tensor u = mul(cx, grouped_matmul(cx, x, a(), {offsets, true}), mask);
+  y = add(cx, y, grouped_matmul(cx, u, bt(), {offsets, false}));
+  return u;
+}
+
+void ExpertLora::backward(ExecContext& cx, const Tensor& x, const Tensor& u, const Tensor& dy,
+                          const std::vector<int64_t>& offsets, Tensor& dx) const {
+  auto accumulate = [&](const Tensor& grad, const Tensor& g) {
+    const Tensor view = grad.view(g.shape());
+    copy_into(cx, add(cx, view, g), view);
+  };
+  const GroupedMatmulAttrs g{offsets, true};
+  accumulate(slot->grad_bt, grouped_matmul_weight_grad(cx, u, dy, g));  // dBT_e += u_e^T dy_e
+  const Tensor du = mul(cx, grouped_matmul(cx, dy, bt(), {offsets, true}), mask);
+  accumulate(slot->grad_a, grouped_matmul_weight_grad(cx, du, x, g));  // dA_e += du_e^T x_e
+  dx = add(cx, dx, grouped_matmul(cx, du, a(), {offsets, false}));
+}
+
 MlpParams CausalLm::declare_mlp(int64_t layer, const std::string& prefix,
                                 const std::function<int(std::string, Shape)>& add) {
   const ModelConfig& c = config_;
@@ -70,7 +92,7 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
                               bool training) {
   MlpActs a;
   if (p.sparse) {
-    a.moe = moe_forward(layer, p.moe, hn);
+    a.moe = moe_forward(layer, p.moe, hn, b, training);
     a.out = a.moe.out;
     return a;
   }
@@ -84,7 +106,7 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
 
 Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                               const PackedBatch& b) {
-  if (p.sparse) return moe_backward(layer, p.moe, a.moe, dout);
+  if (p.sparse) return moe_backward(layer, p.moe, a.moe, dout, b);
   ExecContext cx = ctx();
   Tensor dact, dhn;  // out = down(swiglu(gate(hn), up(hn)))
   project_backward(layer, LoraTarget::down_proj, p.down, a.act, dout, dact, b);
@@ -96,7 +118,7 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
 
 Tensor CausalLm::mlp_eval(int64_t layer, const Tensor& hn) {
   const MlpParams& p = mlps_.at(size_t(layer));
-  if (p.sparse) return moe_apply(make_route(p.moe, hn), p.moe, hn).out;
+  if (p.sparse) return moe_apply(layer, make_route(p.moe, hn), p.moe, hn, nullptr, false).out;
   ExecContext cx = ctx();
   return linear(cx, swiglu(cx, linear(cx, hn, w(p.gate)), linear(cx, hn, w(p.up))), w(p.down));
 }
@@ -172,12 +194,28 @@ void CausalLm::prepare_moe_backward(MoeRoute& r) {
   r.inv_sum = upload(inv_sum, {t, 1});
 }
 
-MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x) {
-  LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
-  return moe_apply(moe_route(layer, p, x), p, x);
+ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r) {
+  ExpertLora e;
+  if (!lora_ || !b || b->segments.empty()) return e;
+  e.slot = lora_->slot(layer, t);
+  if (!e.slot) return e;
+  // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
+  ExecContext cx = ctx();
+  const int64_t tokens = b->tokens(), rank = e.slot->rank_total;
+  const std::vector<double> ones(size_t(tokens * rank), 1.0);
+  const Tensor ones_t = cast(cx, rt_->from_host(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
+  e.mask = embedding(cx, segment_mask(cx, ones_t, lora_segments(*lora_, *e.slot, *b, false)), r.token_ids);
+  return e;
 }
 
-MoeActs CausalLm::moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor& x) {
+MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x, const PackedBatch& b,
+                              bool training) {
+  LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
+  return moe_apply(layer, moe_route(layer, p, x), p, x, &b, training);
+}
+
+MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x,
+                            const PackedBatch* b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
@@ -185,25 +223,33 @@ MoeActs CausalLm::moe_apply(const MoeRoute& r, const MoeParams& p, const Tensor&
   MoeActs a;
   a.x = x;
   a.xs = embedding(cx, x, r.token_ids);
-  const Tensor gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
+  const ExpertLora lora_gu = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
+  const ExpertLora lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
+  Tensor gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
+  if (lora_gu.slot) a.lora_u_gate_up = lora_gu.forward(cx, a.xs, r.plan.offsets, gu);
   a.gate = contiguous(cx, gu.narrow(1, 0, in));
   a.up = contiguous(cx, gu.narrow(1, in, in));
   a.act = swiglu(cx, a.gate, a.up);
-  const Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
+  Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
+  if (lora_down.slot) a.lora_u_down = lora_down.forward(cx, a.act, r.plan.offsets, yd);
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
-  if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x)
-    a.sh_gate = linear(cx, x, w(p.shared_gate));
-    a.sh_up = linear(cx, x, w(p.shared_up));
+  if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
+    auto shared = [&](LoraTarget lt, int weight, const Tensor& in_rows) {
+      return b ? project(layer, lt, weight, in_rows, *b, training) : linear(cx, in_rows, w(weight));
+    };
+    a.sh_gate = shared(LoraTarget::shared_gate_proj, p.shared_gate, x);
+    a.sh_up = shared(LoraTarget::shared_up_proj, p.shared_up, x);
     a.sh_act = swiglu(cx, a.sh_gate, a.sh_up);
-    a.sh_y = linear(cx, a.sh_act, w(p.shared_down));
+    a.sh_y = shared(LoraTarget::shared_down_proj, p.shared_down, a.sh_act);
     a.sh_sig = sigmoid(cx, linear(cx, x, w(p.shared_gate_w)));
     a.out = add(cx, a.out, mul(cx, a.sh_y, a.sh_sig));
   }
   return a;
 }
 
-Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout) {
+Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout,
+                              const PackedBatch& b) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   MoeRoute& r = moe_routes_.at(size_t(layer));
@@ -217,8 +263,10 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
   // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
   const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
-  const Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
+  Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
   if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
+  const ExpertLora lora_down = expert_lora(layer, LoraTarget::experts_down, &b, r);
+  if (lora_down.slot) lora_down.backward(cx, a.act, a.lora_u_down, dyd, r.plan.offsets, dact);
   const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
   // d[gate | up] (P, 2I): the two (P, I) gradients stacked as (2, P, I), then interleaved per row by a transposing copy.
   const int64_t rows = dact.size(0);
@@ -227,7 +275,9 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   copy_into(cx, dgu[1].view({1, rows, in}), stacked.narrow(0, 1, 1));
   const Tensor dgate_up = contiguous(cx, stacked.transpose(0, 1)).view({rows, 2 * in});
   if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
-  const Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
+  Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
+  const ExpertLora lora_gu = expert_lora(layer, LoraTarget::experts_gate_up, &b, r);
+  if (lora_gu.slot) lora_gu.backward(cx, a.xs, a.lora_u_gate_up, dgate_up, r.plan.offsets, dxs);
   // Each token's k rows summed in a fixed order (a batched product with ones).
   Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,
@@ -248,13 +298,11 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     const Tensor dgate_logit = sigmoid_backward(cx, a.sh_sig, sum(cx, mul(cx, dout, a.sh_y), {1}, true));  // (T, 1)
     matmul_into(cx, dgate_logit, w(p.shared_gate_w), dx, {false, false, 1.0f, 1.0f});
     add_linear_grad(p.shared_gate_w, dgate_logit, a.x);
-    const Tensor dsh_act = matmul(cx, dsh_y, w(p.shared_down));
-    add_linear_grad(p.shared_down, dsh_y, a.sh_act);
+    Tensor dsh_act;
+    project_backward(layer, LoraTarget::shared_down_proj, p.shared_down, a.sh_act, dsh_y, dsh_act, b);
     const std::vector<Tensor> ds = swiglu_backward(cx, a.sh_gate, a.sh_up, dsh_act);
-    matmul_into(cx, ds[0], w(p.shared_gate), dx, {false, false, 1.0f, 1.0f});
-    matmul_into(cx, ds[1], w(p.shared_up), dx, {false, false, 1.0f, 1.0f});
-    add_linear_grad(p.shared_gate, ds[0], a.x);
-    add_linear_grad(p.shared_up, ds[1], a.x);
+    project_backward(layer, LoraTarget::shared_gate_proj, p.shared_gate, a.x, ds[0], dx, b);
+    project_backward(layer, LoraTarget::shared_up_proj, p.shared_up, a.x, ds[1], dx, b);
   }
   return dx;
 }

@@ -130,7 +130,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("lora.dropout", Kind::Float, "0.0", "dropout on the LoRA input during training", lora_dropout),
       LATHE_OPT("lora.rslora", Kind::Bool, "false", "rank-stabilised scaling alpha / sqrt(rank)", lora_rslora),
       LATHE_OPT("lora.targets", Kind::StringList, "all-linear",
-                "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Qwen3.5 also in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj) | all-linear | re:<regex>", lora_targets),
+                "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Qwen3.5 also in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj; qwen3_moe/qwen3_next: gate/up/down_proj mean the experts, as in peft) | all-linear | re:<regex>", lora_targets),
+      LATHE_OPT("lora.target_parameters", Kind::StringList, "[]",
+                "MoE experts' fused parameters (PEFT target_parameters): mlp.experts.gate_up_proj, mlp.experts.down_proj", lora_target_parameters),
       LATHE_OPT("lora.init", Kind::String, "", "PEFT adapter folder to continue from (default: fresh init)", lora_init),
       LATHE_OPT("resume", Kind::String, "auto", "auto (newest complete checkpoint in output_dir) | none | checkpoint path", resume),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
@@ -269,15 +271,20 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
   if (c.lora_rank > 0) {
     if (!(c.lora_alpha > 0)) problems.push_back("lora.alpha: must be positive");
     if (c.lora_dropout < 0 || c.lora_dropout >= 1) problems.push_back("lora.dropout: must be in [0, 1)");
-    std::vector<std::string> targets;  // "q_proj,v_proj" is a list too
-    for (const std::string& t : c.lora_targets) {
-      size_t p = 0;
-      for (size_t q; (q = t.find(',', p)) != std::string::npos && t.rfind("re:", 0) != 0; p = q + 1) targets.push_back(t.substr(p, q - p));
-      targets.push_back(t.substr(p));
-    }
-    std::erase_if(targets, [](const std::string& t) { return t.empty(); });
-    if (targets.empty()) problems.push_back("lora.targets: empty");
-    c.lora_targets = targets;
+    auto split = [](const std::vector<std::string>& list) {  // "q_proj,v_proj" is a list too
+      std::vector<std::string> out;
+      for (const std::string& t : list) {
+        size_t p = 0;
+        for (size_t q; (q = t.find(',', p)) != std::string::npos && t.rfind("re:", 0) != 0; p = q + 1) out.push_back(t.substr(p, q - p));
+        out.push_back(t.substr(p));
+      }
+      std::erase_if(out, [](const std::string& t) { return t.empty(); });
+      return out;
+    };
+    c.lora_targets = split(c.lora_targets);
+    c.lora_target_parameters = split(c.lora_target_parameters);
+    if (c.lora_targets.empty() && c.lora_target_parameters.empty())
+      problems.push_back("lora.targets and lora.target_parameters: both empty");
   } else if (!c.lora_init.empty()) {
     problems.push_back("lora.init: needs lora.rank > 0 (and equal to the adapter's r)");
   }

@@ -55,6 +55,7 @@ struct TrainConfig {
   double lora_dropout = 0.0;
   bool lora_rslora = false;
   std::vector<std::string> lora_targets = {"all-linear"};
+  std::vector<std::string> lora_target_parameters;
   std::string lora_init;  // PEFT adapter folder to start from (default: fresh PEFT initialisation)
   // multi-tenant runs: one entry per tenant, each a whole config (shared options inherited from the top level)
   std::string name;  // the tenant's name ("" for a single-job run)

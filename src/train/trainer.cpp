@@ -355,11 +355,15 @@ TrainSummary run_training(const TrainConfig& c) {
       lc.dropout = j.cfg->lora_dropout;
       lc.rslora = j.cfg->lora_rslora;
       lc.targets = j.cfg->lora_targets;
+      lc.target_parameters = j.cfg->lora_target_parameters;
       configs.push_back(lc);
     }
     for (size_t i = 0; i < jobs.size(); ++i) {  // a tenant whose targets match nothing fails alone
       guarded(jobs[i], [&] { configs[i].validate(jobs[i].prefix() + "lora", mc); });
-      if (jobs[i].failed) configs[i].targets = {"all-linear"};
+      if (jobs[i].failed) {
+        configs[i].targets = {"all-linear"};
+        configs[i].target_parameters.clear();
+      }
     }
     bank = std::make_unique<LoraBank>(rt, mc, device, dtype, configs);
     model->attach_lora(bank.get());
@@ -640,9 +644,8 @@ TrainSummary run_training(const TrainConfig& c) {
     guarded(j, [&] {
       std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
       if (lora) {
-        for (const Parameter& a : bank->parameters(j.adapter)) {
-          if (a.name.find(".lora_A.") == std::string::npos) continue;
-          Parameter& p = model->parameter(lora_key_module(a.name) + ".weight");
+        for (const std::string& name : lora_merge_targets(*bank, j.adapter)) {
+          Parameter& p = model->parameter(name);
           saved.push_back({&p, rt.copy_to(p.value, device)});
         }
         merge_lora(*model, *bank, j.adapter);

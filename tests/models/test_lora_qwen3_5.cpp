@@ -214,71 +214,26 @@ TEST(LoraQwen35, PeftFilesUseTheLayoutsModuleNames) {
 
 namespace {
 
-// One peft fixture (tests/models/fixtures/lora_qwen3_5/NAME) in one dtype on one device: logits, loss and every LoRA
-// gradient against the transformers + peft goldens.
+// One peft fixture (tests/models/fixtures/lora_qwen3_5/NAME) in one dtype on one device against the transformers +
+// peft goldens (f64, stored as f32); f32 gets the base model test's tolerances. On hv_gt_hk_all_linear the goldens'
+// own gradient error is ~1e-5 (StiffFixtureGradientsMatchFiniteDifferences, below, checks Lathe against finite
+// differences there instead), and its curvature amplifies f32 rounding (measured 3.4e-4): its gradient bounds are
+// 3e-5 (f64) and 1e-3 (f32).
 void check_parity_fixture(const fs::path& entry, DType dtype, bool recompute, Device device) {
   const io::SafetensorsFile ref = io::SafetensorsFile::open((entry / "reference.safetensors").string());
-  const std::string base = ref.metadata().at("base");
   ModelOptions opt;
   opt.dtype = dtype;
   opt.recompute = recompute;
-  opt.train_base = false;
   opt.device = device;
-  Qwen35Model m = Qwen35Model::load(runtime(), (kFixtures / "qwen3_5" / base / "model").string(), opt);
-  LoraBank bank(runtime(), m.config(), device, dtype, {read_lora_config((entry / "adapter").string())});
-  bank.load_peft(0, (entry / "adapter").string());
-  m.attach_lora(&bank);
-  PackedBatch b = make_packed_batch(runtime(), device, read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
-                                    read_i32(ref, "labels"), m.config().vocab_size);
-  set_segments(b, {{b.tokens(), 0, 1.0, 0}});
-  // The goldens are transformers + peft in f64 (stored as f32); f32 gets the base model test's tolerances. On
-  // hv_gt_hk_all_linear the goldens' own gradient error is ~1e-5 (StiffFixtureGradientsMatchFiniteDifferences,
-  // below, checks Lathe against finite differences there instead), and its curvature amplifies f32 rounding
-  // (measured 3.4e-4): its gradient bounds are 3e-5 (f64) and 1e-3 (f32).
   const bool stiff = entry.filename() == "hv_gt_hk_all_linear";
   const double tol = dtype == DType::F64 ? 1e-6 : 1e-5;
   const double grad_tol = dtype == DType::F64 ? (stiff ? 3e-5 : 1e-6) : (stiff ? 1e-3 : 5e-5);
-  std::vector<double> want_logits;
-  for (float x : ref.read_as_f32("logits")) want_logits.push_back(x);
-  EXPECT_LT(rel_l2(to_f64(m.logits(b)), want_logits), tol);
-  bank.zero_grads();
-  const LossResult r = m.loss(b, true);
-  const double want = ref.read_as_f32("loss")[0];
-  EXPECT_NEAR(r.loss, want, tol * std::abs(want));
-  for (const Parameter& p : m.parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
-  int grads = 0;
-  double worst = 0;
-  for (const Parameter& p : bank.parameters(0)) {
-    const std::string key = "grad." + p.name;
-    ASSERT_NE(ref.find(key), nullptr) << "fixture has no " << key << " (peft's module names differ from Lathe's)";
-    std::vector<double> want_g;
-    for (float x : ref.read_as_f32(key)) want_g.push_back(x);
-    std::vector<double> got = to_f64(p.grad);
-    if (p.name.find("lora_B") != std::string::npos) got = transpose(got, p.value.size(0), p.value.size(1));
-    const double e = rel_l2(got, want_g);
-    worst = std::max(worst, e);
-    EXPECT_LT(e, grad_tol) << p.name;
-    ++grads;
-  }
-  std::printf("[ %s %s %s ] worst LoRA gradient rel-L2 vs transformers + peft: %.2e\n", entry.filename().c_str(),
-              device.str().c_str(), std::string(dtype_name(dtype)).c_str(), worst);
-  size_t ref_grads = 0;
-  for (const auto& t : ref.tensors()) ref_grads += t.name.rfind("grad.", 0) == 0;
-  EXPECT_EQ(size_t(grads), ref_grads) << "the adapter's modules differ from peft's";
+  check_lora_parity(entry, (kFixtures / "qwen3_5" / ref.metadata().at("base") / "model").string(), opt, tol, grad_tol);
 }
 
 std::vector<fs::path> parity_fixtures() {
-  const fs::path dir = kFixtures / "lora_qwen3_5";
-  EXPECT_TRUE(fs::exists(dir)) << "fixtures missing: " << dir
-                               << " (generate them on the GPU machine: python3 dev/ref/lora_qwen3_5_fixtures.py "
-                                  "tests/models/fixtures/qwen3_5 tests/models/fixtures/lora_qwen3_5)";
-  std::vector<fs::path> out;
-  if (fs::exists(dir))
-    for (const auto& entry : fs::directory_iterator(dir))
-      if (entry.is_directory()) out.push_back(entry.path());
-  std::sort(out.begin(), out.end());
-  EXPECT_GE(out.size(), 3u);
-  return out;
+  return fixture_dirs(kFixtures / "lora_qwen3_5", 3,
+                      "python3 dev/ref/lora_qwen3_5_fixtures.py tests/models/fixtures/qwen3_5 tests/models/fixtures/lora_qwen3_5");
 }
 
 }  // namespace

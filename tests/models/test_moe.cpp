@@ -2,7 +2,8 @@
 // fixtures (logits, loss, aux loss, every gradient with and without the aux term; dev/ref/moe_fixtures.py), the
 // whole-model gradient against finite differences in f64 with the aux loss on, both expert checkpoint layouts (read,
 // written back in the layout read, a mixed checkpoint refused), an expert that receives no token, run-to-run
-// determinism, packing isolation, cached decoding against the full forward, LoRA, and config errors.
+// determinism, packing isolation, cached decoding against the full forward, and config errors (LoRA:
+// test_lora_moe.cpp).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -17,12 +18,11 @@
 #include "model/causal_lm.h"
 #include "model/generate.h"
 #include "model/generate_qwen3_5.h"
-#include "model/lora.h"
 #include "model/qwen3.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
-#include "support/lora_support.h"
 #include "support/model_support.h"
+#include "support/moe_support.h"
 
 using namespace lathe;
 using namespace lathe::test_support;
@@ -32,35 +32,10 @@ namespace {
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "moe";
 
-// 3 layers; 4 experts, top 2; layer 1 dense (mlp_only_layers) for qwen3_moe and qwen3_next.
-nlohmann::json tiny_json(const std::string& type, bool norm = true) {
-  nlohmann::json j = {{"model_type", type}, {"vocab_size", 40}, {"hidden_size", 16}, {"intermediate_size", 20},
-                      {"num_hidden_layers", 3}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
-                      {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false},
-                      {"num_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 12},
-                      {"router_aux_loss_coef", 0.1}, {"output_router_logits", true}};
-  if (type == "qwen3_moe") {
-    j["norm_topk_prob"] = norm;
-    j["mlp_only_layers"] = {1};
-    return j;
-  }
-  j["head_dim"] = 16;
-  j["layer_types"] = {"linear_attention", "full_attention", "linear_attention"};
-  j["linear_num_key_heads"] = 1;
-  j["linear_num_value_heads"] = 2;
-  j["linear_key_head_dim"] = 8;
-  j["linear_value_head_dim"] = 6;
-  j["linear_conv_kernel_dim"] = 4;
-  j["shared_expert_intermediate_size"] = 10;
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
-  if (type == "qwen3_next") j["mlp_only_layers"] = {1};
-  return j;
-}
-
 std::unique_ptr<CausalLm> tiny_model(const std::string& type, DType dtype, uint64_t seed, bool norm = true) {
   ModelOptions opt;
   opt.dtype = dtype;
-  return random_causal_lm(runtime(), parse_model_config(tiny_json(type, norm), "tiny"), opt, seed, 0.3);
+  return random_causal_lm(runtime(), parse_model_config(tiny_moe_json(type, norm), "tiny"), opt, seed, 0.3);
 }
 
 // Every parameter's value on the host.
@@ -73,20 +48,20 @@ std::map<std::string, std::vector<double>> values(const CausalLm& m) {
 }  // namespace
 
 TEST(MoeConfig, ParsesTheThreeFamilies) {
-  const ModelConfig q = parse_model_config(tiny_json("qwen3_moe", false), "tiny");
+  const ModelConfig q = parse_model_config(tiny_moe_json("qwen3_moe", false), "tiny");
   EXPECT_TRUE(q.is_moe());
   EXPECT_FALSE(q.is_hybrid());
   EXPECT_FALSE(q.norm_topk_prob);
   EXPECT_TRUE(q.sparse_layer(0));
   EXPECT_FALSE(q.sparse_layer(1));  // mlp_only_layers
   EXPECT_EQ(q.shared_expert_intermediate_size, 0);
-  const ModelConfig n = parse_model_config(tiny_json("qwen3_next"), "tiny");
+  const ModelConfig n = parse_model_config(tiny_moe_json("qwen3_next"), "tiny");
   EXPECT_TRUE(n.is_hybrid() && n.fused_gdn_projections && n.norm_topk_prob);
   EXPECT_EQ(n.shared_expert_intermediate_size, 10);
-  const ModelConfig m = parse_model_config(tiny_json("qwen3_5_moe_text"), "tiny");
+  const ModelConfig m = parse_model_config(tiny_moe_json("qwen3_5_moe_text"), "tiny");
   EXPECT_TRUE(m.is_hybrid() && !m.fused_gdn_projections);
   for (int64_t i = 0; i < 3; ++i) EXPECT_TRUE(m.sparse_layer(i));
-  nlohmann::json step = tiny_json("qwen3_moe");
+  nlohmann::json step = tiny_moe_json("qwen3_moe");
   step.erase("mlp_only_layers");
   step["decoder_sparse_step"] = 2;
   const ModelConfig s = parse_model_config(step, "tiny");
@@ -94,30 +69,30 @@ TEST(MoeConfig, ParsesTheThreeFamilies) {
   EXPECT_TRUE(s.sparse_layer(1));
   EXPECT_FALSE(s.sparse_layer(2));
   // The multimodal Qwen3.5-MoE release nests the text stack.
-  nlohmann::json mm = {{"model_type", "qwen3_5_moe"}, {"text_config", tiny_json("qwen3_5_moe_text")}};
+  nlohmann::json mm = {{"model_type", "qwen3_5_moe"}, {"text_config", tiny_moe_json("qwen3_5_moe_text")}};
   EXPECT_TRUE(parse_model_config(mm, "mm").multimodal_layout);
 }
 
 TEST(MoeConfig, RefusesBadFields) {
-  nlohmann::json j = tiny_json("qwen3_moe");
+  nlohmann::json j = tiny_moe_json("qwen3_moe");
   j["num_experts_per_tok"] = 5;
   expect_refused(j, "num_experts_per_tok 5 exceeds num_experts 4");
-  j = tiny_json("qwen3_moe");
+  j = tiny_moe_json("qwen3_moe");
   j["mlp_only_layers"] = {3};
   expect_refused(j, "mlp_only_layers entry 3");
-  j = tiny_json("qwen3_5_moe_text");
+  j = tiny_moe_json("qwen3_5_moe_text");
   j["norm_topk_prob"] = false;  // not read for this family: noted, not refused
   EXPECT_FALSE(parse_model_config(j, "tiny").notes.empty());
-  j = tiny_json("qwen3_next");
+  j = tiny_moe_json("qwen3_next");
   j.erase("shared_expert_intermediate_size");
   expect_refused(j, "shared_expert_intermediate_size");
-  j = tiny_json("qwen3_moe");
+  j = tiny_moe_json("qwen3_moe");
   j["model_type"] = "qwen3";
   expect_refused(j, "model_type qwen3_moe");
-  j = tiny_json("qwen3_moe");
+  j = tiny_moe_json("qwen3_moe");
   j["shared_expert_intermediate_size"] = 8;
   expect_refused(j, "shared_expert_intermediate_size is not part of qwen3_moe");
-  j = tiny_json("qwen3_moe");
+  j = tiny_moe_json("qwen3_moe");
   j["mlp_only_layers"] = {0, 1, 2};
   j.erase("intermediate_size");
   expect_refused(j, "intermediate_size is missing");
@@ -362,52 +337,3 @@ TEST(MoeGenerate, EveryDecodingStepMatchesTheFullForward) {
   }
 }
 
-TEST(MoeLora, AdaptersOnAttentionGdnAndDenseMlpMatchFiniteDifferencesAndMerge) {
-  for (const char* type : {"qwen3_moe", "qwen3_next"}) {
-    SCOPED_TRACE(type);
-    ModelOptions opt;
-    opt.dtype = DType::F64;
-    opt.train_base = false;
-    opt.router_aux_loss = false;  // objective() is the segments' cross-entropy
-    std::unique_ptr<CausalLm> m =
-        random_causal_lm(runtime(), parse_model_config(tiny_json(type), "tiny"), opt, 17, 0.3);
-    // The targets of each layer: the mixer's projections, and the dense MLP of mlp_only_layers only (experts take none).
-    std::vector<std::string> expected;
-    if (std::string(type) == "qwen3_next") {
-      expected = {"in_proj_qkvz", "in_proj_ba", "out_proj"};
-      EXPECT_EQ(lora_layer_targets(m->config(), 0).size(), 3u);
-    }
-    EXPECT_EQ(lora_layer_targets(m->config(), 1).size(), 7u);  // layer 1: q/k/v/o and its dense MLP (mlp_only_layers)
-    LoraBank bank(runtime(), m->config(), Device::cpu(), DType::F64, {lora(2, 4, {"all-linear"})});
-    randomise(bank, 0, 11, 0.2);
-    m->attach_lora(&bank);
-    PackedBatch b = random_batch(40, {0, 7, 16}, 6);
-    const PackedBatch bare = b;
-    set_segments(b, {{16, 0, 1.0, 0}});
-    bank.zero_grads();
-    m->loss(b, true);
-    for (const Parameter& p : m->parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
-    std::set<std::string> modules;
-    const double h = 1e-6;
-    for (Parameter& p : bank.parameters(0)) {
-      for (const std::string& t : expected)
-        if (p.name.find("." + t + ".") != std::string::npos) modules.insert(t);
-      double* v = p.value.data<double>();
-      const std::vector<double> g = to_f64(p.grad);
-      for (int64_t i : {int64_t(0), p.value.numel() - 1}) {
-        const double x = v[i];
-        v[i] = x + h;
-        const double up = objective(*m, b);
-        v[i] = x - h;
-        const double down = objective(*m, b);
-        v[i] = x;
-        const double fd = (up - down) / (2 * h);
-        EXPECT_NEAR(g[size_t(i)], fd, 1e-7 + 1e-5 * std::abs(fd)) << p.name << "[" << i << "]";
-      }
-    }
-    EXPECT_EQ(modules.size(), expected.size());
-    const std::vector<double> adapted = to_f64(m->logits(b));
-    merge_lora(*m, bank, 0);
-    EXPECT_LT(rel_l2(to_f64(m->logits(bare)), adapted), 1e-12);
-  }
-}

@@ -4,10 +4,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "io/safetensors.h"
 #include "model/lora.h"
 #include "support/model_support.h"
 
@@ -40,6 +43,59 @@ inline double objective(CausalLm& m, const PackedBatch& b) {
   for (size_t s = 0; s < r.segments.size(); ++s)
     if (r.segments[s].labelled) f += b.segments[s].loss_scale * r.segments[s].loss_sum / double(r.segments[s].labelled);
   return f;
+}
+
+// One transformers + peft fixture (dev/ref/lora_*fixtures.py: DIR/adapter and DIR/reference.safetensors) on the
+// base model at `model_dir` in opt's dtype and device: logits and loss within `tol` (relative), every LoRA gradient
+// within `grad_tol` (rel-L2), the frozen base without gradients, and as many gradients as the fixture holds.
+inline void check_lora_parity(const std::filesystem::path& entry, const std::string& model_dir, ModelOptions opt,
+                              double tol, double grad_tol) {
+  const io::SafetensorsFile ref = io::SafetensorsFile::open((entry / "reference.safetensors").string());
+  opt.train_base = false;
+  std::unique_ptr<CausalLm> m = load_causal_lm(runtime(), model_dir, opt);
+  LoraBank bank(runtime(), m->config(), opt.device, opt.dtype, {read_lora_config((entry / "adapter").string())});
+  bank.load_peft(0, (entry / "adapter").string());
+  m->attach_lora(&bank);
+  PackedBatch b = make_packed_batch(runtime(), opt.device, read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
+                                    read_i32(ref, "labels"), m->config().vocab_size);
+  set_segments(b, {{b.tokens(), 0, 1.0, 0}});
+  EXPECT_LT(rel_l2(to_f64(m->logits(b)), ref.read_as_f32("logits")), tol);
+  bank.zero_grads();
+  const LossResult r = m->loss(b, true);
+  const double want = ref.read_as_f32("loss")[0];
+  EXPECT_NEAR(r.loss, want, tol * std::abs(want));
+  for (const Parameter& p : m->parameters()) EXPECT_FALSE(p.grad.defined()) << "frozen base got a gradient: " << p.name;
+  int grads = 0;
+  double worst = 0;
+  for (const Parameter& p : bank.parameters(0)) {
+    const std::string key = "grad." + p.name;
+    ASSERT_NE(ref.find(key), nullptr) << "fixture has no " << key << " (peft's module names differ from Lathe's)";
+    std::vector<double> got = to_f64(p.grad);
+    if (p.name.find("lora_B") != std::string::npos) got = transpose(got, p.value.size(0), p.value.size(1));
+    const double e = rel_l2(got, ref.read_as_f32(key));
+    worst = std::max(worst, e);
+    EXPECT_LT(e, grad_tol) << p.name;
+    ++grads;
+  }
+  std::printf("[ %s %s %s ] worst LoRA gradient rel-L2 vs transformers + peft: %.2e\n", entry.filename().c_str(),
+              opt.device.str().c_str(), std::string(dtype_name(opt.dtype)).c_str(), worst);
+  size_t ref_grads = 0;
+  for (const auto& t : ref.tensors()) ref_grads += t.name.rfind("grad.", 0) == 0;
+  EXPECT_EQ(size_t(grads), ref_grads) << "the adapter's modules differ from peft's";
+}
+
+// The fixture folders under `dir` (sorted), expecting at least `min_count`; `how` says how to generate them.
+inline std::vector<std::filesystem::path> fixture_dirs(const std::filesystem::path& dir, size_t min_count,
+                                                       const std::string& how) {
+  EXPECT_TRUE(std::filesystem::exists(dir)) << "fixtures missing: " << dir << " (generate them on the GPU machine: "
+                                            << how << ")";
+  std::vector<std::filesystem::path> out;
+  if (std::filesystem::exists(dir))
+    for (const auto& entry : std::filesystem::directory_iterator(dir))
+      if (entry.is_directory()) out.push_back(entry.path());
+  std::sort(out.begin(), out.end());
+  EXPECT_GE(out.size(), min_count);
+  return out;
 }
 
 }  // namespace lathe::test_support
