@@ -129,5 +129,6 @@ summary "lora moe fixtures rc=$?: $(grep -v Loading $L/lora_moe_fixtures.log | t
 tar -czf $OUT/lora_moe_fixtures.tgz tests/models/fixtures/lora_moe 2>/dev/null
 (cd build && OMP_NUM_THREADS=1 timeout 330 ctest -j12 --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
 grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+grep -h "worst LoRA gradient" build/Testing/Temporary/LastTest.log | grep -v qwen3_5 | sort -u | tee -a $OUT/summary.txt
 fi
 tar -czf $OUT/logs.tgz -C /tmp logs
