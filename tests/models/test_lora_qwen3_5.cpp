@@ -286,20 +286,7 @@ TEST(LoraQwen35Parity, StiffFixtureGradientsMatchFiniteDifferences) {
         p.name.find("layers.0.mlp.up_proj.lora_A") == std::string::npos &&
         p.name.find("layers.1.linear_attn.out_proj.lora_B") == std::string::npos)
       continue;
-    const std::vector<double> g = to_f64(p.grad);
-    std::mt19937_64 rng(7);
-    std::normal_distribution<double> normal;
-    std::vector<double> u(g.size());
-    double along = 0;
-    for (size_t i = 0; i < u.size(); ++i) along += g[i] * (u[i] = normal(rng));
-    double* v = p.value.data<double>();
-    const double h = 1e-6;
-    for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
-    const double up = m.loss(b, false).loss;
-    for (size_t i = 0; i < u.size(); ++i) v[i] -= 2 * h * u[i];
-    const double down = m.loss(b, false).loss;
-    for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
-    const double fd = (up - down) / (2 * h);
+    const auto [along, fd] = directional_derivative(m, b, p, 7, 1e-6);
     std::printf("[ %s ] directional derivative: lathe %.12g, finite differences %.12g\n", p.name.c_str(), along, fd);
     EXPECT_NEAR(along, fd, 1e-6 * std::abs(fd)) << p.name;
     ++checked;

@@ -98,4 +98,23 @@ inline std::vector<std::filesystem::path> fixture_dirs(const std::filesystem::pa
   return out;
 }
 
+// The derivative of m's loss on b along a random direction u (seeded) of the f64 parameter p: the gradient's (p.grad . u,
+// from the last backward) and central finite differences with step h.
+inline std::pair<double, double> directional_derivative(CausalLm& m, const PackedBatch& b, Parameter& p, uint64_t seed,
+                                                        double h) {
+  const std::vector<double> g = to_f64(p.grad);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal;
+  std::vector<double> u(g.size());
+  double along = 0;
+  for (size_t i = 0; i < u.size(); ++i) along += g[i] * (u[i] = normal(rng));
+  double* v = p.value.data<double>();
+  for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
+  const double up = m.loss(b, false).loss;
+  for (size_t i = 0; i < u.size(); ++i) v[i] -= 2 * h * u[i];
+  const double down = m.loss(b, false).loss;
+  for (size_t i = 0; i < u.size(); ++i) v[i] += h * u[i];
+  return {along, (up - down) / (2 * h)};
+}
+
 }  // namespace lathe::test_support
