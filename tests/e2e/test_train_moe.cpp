@@ -96,7 +96,8 @@ TEST(MoeTrain, FullFineTuningLossFallsAndLogsTheExpertLoad) {
 }
 
 TEST(MoeTrain, LoraTrainsAndExportsAsAdapterAndMergedModel) {
-  const fs::path dir = setup("lora", kQwen3Moe, "lora: {rank: 4, alpha: 8, targets: all-linear}\n");
+  // gate/up/down_proj name the experts' fused parameters for qwen3_moe (as in peft 0.21): they train per expert.
+  const fs::path dir = setup("lora", kQwen3Moe, "lora: {rank: 4, alpha: 8, targets: [q_proj, v_proj, gate_proj, up_proj, down_proj]}\n");
   const LatheRun r = lathe_e2e::lathe("train " + (dir / "config.yaml").string() + " --set train.lr=0.02");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::vector<double> l = losses(dir / "out");
@@ -108,6 +109,13 @@ TEST(MoeTrain, LoraTrainsAndExportsAsAdapterAndMergedModel) {
   ASSERT_EQ(e.exit_code, 0) << e.output;
   e = lathe_e2e::lathe("export --checkpoint " + ckpt + " --merge --dtype f32 --output " + (dir / "merged").string());
   ASSERT_EQ(e.exit_code, 0) << e.output;
+  const nlohmann::json peft = nlohmann::json::parse(std::ifstream(dir / "peft/adapter_config.json"));
+  EXPECT_EQ(peft["target_modules"], nlohmann::json({"q_proj", "v_proj"}));
+  EXPECT_EQ(peft["target_parameters"], nlohmann::json({"gate_up_proj", "down_proj"}));
+  EXPECT_EQ(peft["rank_pattern"], nlohmann::json({{".*\\.gate_up_proj", 8}}));
+  const lathe::io::SafetensorsFile adapter =
+      lathe::io::SafetensorsFile::open((dir / "peft/adapter_model.safetensors").string());
+  EXPECT_NE(adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
   std::ofstream(dir / "in.jsonl") << "{\"tokens\": [5, 9, 12, 40, 7, 3, 8]}\n{\"tokens\": [1, 2, 3, 4]}\n";
   const std::string in = " --input " + (dir / "in.jsonl").string();
   LatheRun s = lathe_e2e::lathe("logprobs --model " + (dir / "out/base").string() + " --adapter " +
