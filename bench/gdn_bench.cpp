@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <random>
 
@@ -85,12 +86,18 @@ int main(int argc, char** argv) {
     for (int64_t b = 0; b < docs; ++b) cu.push_back(int32_t(b == docs - 1 ? tokens : cu.back() + tokens / docs));
     const Tensor cu_t = rt.from_host(cu.data(), {int64_t(cu.size())}, DType::I32, dev);
     GatedDeltaAttrs attrs{};
-    attrs.save_states = true;  // as in training: the forward saves the chunk-start states, the backward reads them
+    attrs.save_states = true;  // as in training: the forward saves the chunk-start states and chunk cache, the
+                               // backward reads them (LATHE_GDN_NO_CACHE=1: the backward runs its own prep pass)
+    const bool use_cache = std::getenv("LATHE_GDN_NO_CACHE") == nullptr;
 
     ctx.observer = &observer;
-    Tensor states;
-    auto fwd = [&] { states = gated_delta_rule(ctx, q, k, v, g, beta, cu_t, attrs)[1]; };
-    auto bwd = [&] { return gated_delta_rule_backward(ctx, q, k, v, g, beta, dout, cu_t, states, attrs); };
+    Tensor states, cache;
+    auto fwd = [&] {
+      const std::vector<Tensor> r = gated_delta_rule(ctx, q, k, v, g, beta, cu_t, attrs);
+      states = r[1];
+      if (use_cache) cache = r[2];
+    };
+    auto bwd = [&] { return gated_delta_rule_backward(ctx, q, k, v, g, beta, dout, cu_t, states, attrs, cache); };
     for (int i = 0; i < 3; ++i) {
       fwd();
       bwd();

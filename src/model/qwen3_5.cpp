@@ -42,6 +42,7 @@ struct Qwen35Model::LayerActs {
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
   Tensor core, gy;                  // (T, Hv, dv): rule output, gated_rmsnorm(core; w, z) (out_proj's input)
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
+  Tensor chunk_cache;               // the rule's chunk cache (training, CUDA chunked kernels), read by its backward
   // MLP
   Tensor h, hn, out;
   MlpActs mlp;
@@ -334,6 +335,7 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
   a.core = r[0];
   a.states = r[1];
+  a.chunk_cache = r[2];
   a.gy = gated_rmsnorm(cx, a.core, w(l.gnorm), a.z, {c.rms_norm_eps, 0.0});  // rmsnorm(core; w) * silu(z)
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
@@ -407,7 +409,7 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   add_grad(l.gnorm, dnorm[1]);
   const Tensor& dz = dnorm[2];
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dnorm[0], b.cu_seqlens,
-                                                           a.states);
+                                                           a.states, {}, a.chunk_cache);
   // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
   const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
   const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),

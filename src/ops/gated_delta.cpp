@@ -28,6 +28,18 @@ void check_cu(OpId op, const Tensor& cu) {
 
 }  // namespace
 
+bool gdn_chunk_cache_applies(const std::vector<Tensor>& in, const GatedDeltaAttrs& attrs) {
+  if (!attrs.save_states || in.size() < 6 || !in[0].device().is_cuda()) return false;
+  const Tensor& q = in[0];
+  const Tensor& v = in[2];
+  if (q.dtype() != DType::BF16 || q.dim() != 3 || v.dim() != 3 || q.size(2) != 128 || v.size(2) != 128) return false;
+  for (size_t i = 0; i < 6; ++i)
+    if (!in[i].is_contiguous() || reinterpret_cast<uintptr_t>(in[i].data_ptr()) % 16 != 0) return false;
+  return true;
+}
+
+bool is_opaque_output(OpId op, size_t index) { return op == OpId::gated_delta_rule && index == 2; }
+
 std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
   const std::string_view name = op_name(op);
   LATHE_CHECK(is_floating(in[0].dtype()), "ops: {} needs a floating-point input, got {}", name, in[0].describe());
@@ -95,9 +107,10 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
                   a.chunk, a.scale);
       const Shape states{a.save_states ? gdn_state_rows(q.size(0), in[5].size(0) - 1) : 0, v.size(1), q.size(2),
                          v.size(2)};
+      const Shape cache{gdn_chunk_cache_applies(in, a) ? q.size(0) : 0, v.size(1), kGdnChunkCacheWidth};
       if (op == OpId::gated_delta_rule) {
         check_cu(op, in[5]);
-        return {{v.shape(), v.dtype()}, {states, v.dtype()}};
+        return {{v.shape(), v.dtype()}, {states, v.dtype()}, {cache, v.dtype()}};
       }
       if (op == OpId::gated_delta_rule_state) {
         check_cu(op, in[5]);
@@ -121,6 +134,13 @@ std::vector<TensorSpec> infer_gated_delta_outputs(OpId op, const std::vector<Ten
                       saved.size(1) == full[1] && saved.size(2) == full[2] && saved.size(3) == full[3],
                   "ops: gated_delta_rule_backward needs the forward's states {} in {} (or 0 rows), got {}",
                   shape_str(full), dtype_name(v.dtype()), saved.describe());
+      const Tensor& chunk_cache = in[8];
+      const Shape full_cache{q.size(0), v.size(1), kGdnChunkCacheWidth};
+      LATHE_CHECK(chunk_cache.dtype() == v.dtype() && chunk_cache.dim() == 3 && (chunk_cache.size(0) == 0 ||
+                      chunk_cache.shape() == full_cache) && chunk_cache.size(1) == v.size(1) &&
+                      chunk_cache.size(2) == kGdnChunkCacheWidth,
+                  "ops: gated_delta_rule_backward needs the forward's chunk cache {} in {} (or 0 rows), got {}",
+                  shape_str(full_cache), dtype_name(v.dtype()), chunk_cache.describe());
       return {{q.shape(), q.dtype()}, {k.shape(), k.dtype()}, {v.shape(), v.dtype()}, {g.shape(), g.dtype()},
               {beta.shape(), beta.dtype()}};
     }
@@ -144,7 +164,7 @@ std::vector<Tensor> gated_delta_op_backward(ExecContext& ctx, OpId op, const std
       return gdn_decay_backward(ctx, in[0], in[1], in[2], dy);
     case OpId::gated_delta_rule: {
       std::vector<Tensor> g = gated_delta_rule_backward(ctx, in[0], in[1], in[2], in[3], in[4], dy, in[5],
-                                                        outputs.at(1), std::get<GatedDeltaAttrs>(attrs));
+                                                        outputs.at(1), std::get<GatedDeltaAttrs>(attrs), outputs.at(2));
       g.push_back(Tensor());
       return g;
     }
@@ -200,13 +220,16 @@ std::vector<Tensor> gated_delta_rule_state(ExecContext& ctx, const Tensor& q, co
 std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
                                               const Tensor& cu_seqlens, const Tensor& states,
-                                              GatedDeltaAttrs attrs) {
-  // No saved states: a (0, H_v, d_k, d_v) placeholder (nothing allocated) asks the kernels to recompute them.
+                                              GatedDeltaAttrs attrs, const Tensor& chunk_cache) {
+  // Nothing saved: (0, ...) placeholders (nothing allocated) ask the kernels to recompute.
   const Tensor saved = states.defined() ? contiguous(ctx, states)
                                         : Tensor::empty({0, v.size(1), q.size(2), v.size(2)}, v.dtype(), ctx.allocator);
+  const Tensor cache = chunk_cache.defined()
+                           ? contiguous(ctx, chunk_cache)
+                           : Tensor::empty({0, v.size(1), kGdnChunkCacheWidth}, v.dtype(), ctx.allocator);
   return call_op(ctx, OpId::gated_delta_rule_backward,
                  {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, g), contiguous(ctx, beta),
-                  contiguous(ctx, d_o), contiguous(ctx, cu_seqlens), saved},
+                  contiguous(ctx, d_o), contiguous(ctx, cu_seqlens), saved, cache},
                  attrs);
 }
 

@@ -49,7 +49,7 @@ namespace lathe {
   X(gdn_decay, 3)        \
   X(gdn_decay_backward, 4) \
   X(gated_delta_rule, 6) \
-  X(gated_delta_rule_backward, 8) \
+  X(gated_delta_rule_backward, 9) \
   X(gated_delta_rule_state, 7) \
   X(grouped_matmul, 2)   \
   X(grouped_matmul_weight_grad, 2)
@@ -200,9 +200,13 @@ struct SegmentAttrs {
 //   64-token chunk of the batch (chunks start at each document's first token and are numbered document by
 //   document; a document's first chunk starts from zero), the rows past the last chunk are zero; else (0, H_v, d_k,
 //   d_v). A cache for the backward, which then skips its own forward scan.
-//   gated_delta_rule_backward(q, k, v, g, beta, do, cu, states) -> (dq, dk, dv, dg, dbeta), dq/dk summed over each
-//   group; states is the forward's (or has 0 rows: recomputed). The result does not depend on it beyond rounding:
-//   the CPU and recurrent CUDA kernels always recompute; the chunked CUDA kernels read it.
+//   chunk_cache: (T, H_v, kGdnChunkCacheWidth) in v's dtype where gdn_chunk_cache_applies (save_states and the CUDA
+//   chunked kernels' layout), else 0 rows: the chunked kernels' per-chunk WY factors (b, W, U, P, R), opaque (only
+//   that kernel's backward reads it; op-check does not compare it), so the backward skips its own prep pass.
+//   gated_delta_rule_backward(q, k, v, g, beta, do, cu, states, chunk_cache) -> (dq, dk, dv, dg, dbeta), dq/dk summed
+//   over each group; states and chunk_cache are the forward's (or have 0 rows: recomputed). The result does not
+//   depend on them beyond rounding: the CPU and recurrent CUDA kernels always recompute; the chunked CUDA kernels
+//   read them.
 // gated_delta_rule_state(q, k, v, g, beta, cu, state (N, H_v, d_k, d_v)) -> (o (T, H_v, d_v), final_state (N, H_v,
 //   d_k, d_v)): the same rule, document n starting from state[n] instead of zero; final_state[n] is the state after
 //   its last token (state[n] itself for an empty document). The states are in the accumulation dtype (f32; f64 for

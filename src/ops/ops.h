@@ -83,15 +83,24 @@ std::vector<Tensor> causal_conv1d_backward(ExecContext& ctx, const Tensor& x, co
 Tensor gdn_decay(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias);
 std::vector<Tensor> gdn_decay_backward(ExecContext& ctx, const Tensor& a, const Tensor& a_log, const Tensor& dt_bias,
                                        const Tensor& dg);  // {da, dA_log, ddt_bias}
-// {o, states}: states has 0 rows unless attrs.save_states (then pass it to the backward).
+// {o, states, chunk_cache}: states has 0 rows unless attrs.save_states, chunk_cache unless gdn_chunk_cache_applies
+// (pass both to the backward).
 std::vector<Tensor> gated_delta_rule(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                      const Tensor& g, const Tensor& beta, const Tensor& cu_seqlens,
                                      GatedDeltaAttrs attrs = {});
-// {dq, dk, dv, dg, dbeta}; `states` from the forward, or undefined / 0 rows to recompute them.
+// {dq, dk, dv, dg, dbeta}; `states` and `chunk_cache` from the forward, or undefined / 0 rows to recompute them.
 std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
                                               const Tensor& cu_seqlens, const Tensor& states = {},
-                                              GatedDeltaAttrs attrs = {});
+                                              GatedDeltaAttrs attrs = {}, const Tensor& chunk_cache = {});
+// The chunk cache of the CUDA chunked kernels: per (token, value head), W and U (128 each), P and R (64 each) and b
+// (one f32 in two bf16 slots), stored planar (all W, then all U, ...). It applies where those kernels run a forward
+// that saves its states: attrs.save_states, inputs on a CUDA device, bf16 q/k/v with d_k = d_v = 128, every input
+// contiguous and 16-byte aligned (the kernels' own condition, gdr_chunked_supports).
+inline constexpr int64_t kGdnChunkCacheWidth = 2 * 128 + 2 * 64 + 2;
+bool gdn_chunk_cache_applies(const std::vector<Tensor>& inputs, const GatedDeltaAttrs& attrs);
+// True for the outputs of `op` that are caches only a kernel's own backward reads (not compared by op-check).
+bool is_opaque_output(OpId op, size_t index);
 // Rows of the saved chunk-start states for `tokens` tokens in `docs` documents: a bound on the 64-token chunks.
 inline int64_t gdn_state_rows(int64_t tokens, int64_t docs) { return tokens / 64 + docs; }
 // The rule from given per-document states (prefill / decoding): {o (T, H_v, d_v), final_state (N, H_v, d_k, d_v)}.

@@ -50,16 +50,19 @@ void check_deterministic(DType dt, DType gate, int64_t hk, int64_t hv, int64_t d
   save.save_states = true;
   const std::vector<Tensor> fwd = gated_delta_rule(ctx, q, k, v, g, beta, cu_t, save);
   ASSERT_EQ(fwd[1].size(0), t / 64 + int64_t(cu.size()) - 1);
+  const bool chunked = dt == DType::BF16 && dk == 128 && dv == 128;
+  EXPECT_EQ(fwd[2].size(0), chunked ? t : 0) << "the chunk cache exists exactly where the chunked kernels run";
   std::vector<std::vector<uint8_t>> first;
-  for (int run = 0; run < 3; ++run) {
-    const Tensor states = run == 2 ? fwd[1] : Tensor();
-    const std::vector<Tensor> grads = gated_delta_rule_backward(ctx, q, k, v, g, beta, d_o, cu_t, states);
+  for (int run = 0; run < 4; ++run) {  // recomputed, recomputed again, saved states, saved states and chunk cache
+    const Tensor states = run >= 2 ? fwd[1] : Tensor();
+    const Tensor cache = run == 3 ? fwd[2] : Tensor();
+    const std::vector<Tensor> grads = gated_delta_rule_backward(ctx, q, k, v, g, beta, d_o, cu_t, states, {}, cache);
     ASSERT_EQ(grads.size(), 5u);
     for (size_t i = 0; i < grads.size(); ++i) {
       std::vector<uint8_t> b = bytes_of(grads[i]);
       if (run == 0) first.push_back(std::move(b));
       else EXPECT_TRUE(b == first[i]) << "gradient " << i << " of run " << run << " differs from run 0"
-                                      << (run == 2 ? " (saved states)" : "");
+                                      << (run == 2 ? " (saved states)" : run == 3 ? " (saved states, chunk cache)" : "");
     }
   }
 }

@@ -1162,17 +1162,33 @@ struct ChunkScratch {
   bf16* dw;
   float* dbp;
 };
-// `own_states`: the backward carves H[c] itself (false when the forward's saved states are given).
-ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward, bool own_states = true) {
+// The WY factors in the op's chunk cache (T, H_v, kChunkCacheWidth), planar: W, U (T H_v 128 each), P, R (T H_v 64
+// each), then b (T H_v f32 in the last 2 T H_v bf16 slots); every part 16-byte aligned.
+void point_at_cache(ChunkScratch& x, const GdnShape& s, void* cache) {
+  const size_t th = size_t(s.tokens * s.v_heads);
+  bf16* base = static_cast<bf16*>(cache);
+  x.w = base;
+  x.u = base + th * kD;
+  x.p = base + 2 * th * kD;
+  x.r = base + 2 * th * kD + th * kChunk;
+  x.b = reinterpret_cast<float*>(base + 2 * th * kD + 2 * th * kChunk);
+}
+static_assert(2 * kD + 2 * kChunk + 2 == kChunkCacheWidth, "the chunk cache holds W, U, P, R and b");
+
+// `own_states`: the backward carves H[c] itself (false when the forward's saved states are given). `cache`: the WY
+// factors (b, W, U, P, R) live in the op's chunk cache (point_at_cache) instead of the workspace.
+ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward, bool own_states = true, bool cache = false) {
   const size_t th = size_t(s.tokens * s.v_heads), mc = size_t(max_chunks(s) * s.v_heads);
   ChunkScratch x{};
   x.offsets = c.take<int32_t>(size_t(s.docs + 1));
-  x.b = c.take<float>(th);
-  x.w = c.take<bf16>(th * kD);
-  x.u = c.take<bf16>(th * kD);
-  x.p = c.take<bf16>(th * kChunk);
+  if (!cache) {
+    x.b = c.take<float>(th);
+    x.w = c.take<bf16>(th * kD);
+    x.u = c.take<bf16>(th * kD);
+    x.p = c.take<bf16>(th * kChunk);
+    if (backward) x.r = c.take<bf16>(th * kChunk);
+  }
   if (backward) {
-    x.r = c.take<bf16>(th * kChunk);
     if (own_states) x.hs = c.take<bf16>(mc * kD * kD);
     x.dhs = c.take<bf16>(mc * kD * kD);
     x.delta = c.take<bf16>(th * kD);
@@ -1258,16 +1274,16 @@ bool gdn_chunked_supported(DType dtype, int64_t k_dim, int64_t v_dim) {
   return dtype == DType::BF16 && k_dim == kD && v_dim == kD;
 }
 
-size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s, bool save_states) {
+size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s, bool save_states, bool cache) {
   Carve c{nullptr};
-  if (chunked) carve_chunked(c, s, false);
+  if (chunked) carve_chunked(c, s, false, true, cache);
   else if (save_states) c.take<int32_t>(size_t(s.docs + 1));  // the chunk offsets
   return c.used;
 }
 
-size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_states) {
+size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_states, bool cache) {
   Carve c{nullptr};
-  if (chunked) carve_chunked(c, s, true, !saved_states);
+  if (chunked) carve_chunked(c, s, true, !saved_states, cache);
   else carve_recurrent(c, s);
   return c.used;
 }
@@ -1322,7 +1338,7 @@ void launch_zero_state_tail(const GdnShape& s, size_t elem_bytes, const int32_t*
 
 void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                              const void* k, const void* v, const void* g, const void* beta, const int32_t* cu, void* o,
-                             void* states, void* workspace, cudaStream_t stream) {
+                             void* states, void* cache, void* workspace, cudaStream_t stream) {
   if (s.tokens == 0) {
     if (states) LATHE_CUDA_CHECK(cudaMemsetAsync(states, 0, size_t(max_chunks(s) * s.v_heads * s.k_dim * s.v_dim) *
                                                                 dtype_size(dtype), stream));
@@ -1330,12 +1346,13 @@ void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const 
   }
   Carve c{static_cast<char*>(workspace)};
   if (chunked) {
-    const ChunkScratch x = carve_chunked(c, s, false);
+    ChunkScratch x = carve_chunked(c, s, false, true, cache != nullptr);
+    if (cache) point_at_cache(x, s, cache);
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     a.o = static_cast<bf16*>(o);
     a.hs = static_cast<bf16*>(states);  // null: not saved
     launch_offsets(s, cu, x.offsets, stream);
-    launch_prep(a, s, false, stream);
+    launch_prep(a, s, cache != nullptr, stream);  // R too when the backward will read it from the cache
     launch_scan_forward<false>(a, s, stream);
     if (states) launch_zero_state_tail(s, sizeof(bf16), x.offsets, states, stream);
     return;
@@ -1360,15 +1377,16 @@ void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const 
 
 void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                                       const void* k, const void* v, const void* g, const void* beta, const void* d_o,
-                                      const int32_t* cu, const void* states, void* dq, void* dk, void* dv, void* dg,
-                                      void* dbeta, void* workspace, cudaStream_t stream) {
+                                      const int32_t* cu, const void* states, const void* cache, void* dq, void* dk,
+                                      void* dv, void* dg, void* dbeta, void* workspace, cudaStream_t stream) {
   if (s.tokens == 0) return;
   Carve c{static_cast<char*>(workspace)};
   const int64_t group = s.v_heads / s.k_heads;
   const float* dqh = nullptr;
   const float* dkh = nullptr;
   if (chunked) {
-    const ChunkScratch x = carve_chunked(c, s, true, states == nullptr);
+    ChunkScratch x = carve_chunked(c, s, true, states == nullptr, cache != nullptr);
+    if (cache) point_at_cache(x, s, const_cast<void*>(cache));  // read only
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     if (states) a.hs = static_cast<bf16*>(const_cast<void*>(states));  // read only
     a.d_o = static_cast<const bf16*>(d_o);
@@ -1380,7 +1398,7 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
       a.dk = static_cast<bf16*>(dk);
     }
     launch_offsets(s, cu, x.offsets, stream);
-    launch_prep(a, s, true, stream);
+    if (!cache) launch_prep(a, s, true, stream);  // else the forward's WY factors
     const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
     if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
       allow_smem(delta_kernel, kDeltaSmem);

@@ -10,10 +10,13 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gated_delta_launchers.h"
 #include "backend/registry.h"
+#include "ops/ops.h"
 
 namespace lathe::cuda {
 
 namespace {
+
+static_assert(kChunkCacheWidth == kGdnChunkCacheWidth, "the chunk cache layouts of ops/ops.h and gated_delta.cu agree");
 
 cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
 
@@ -71,10 +74,14 @@ void run_gdr(bool chunked, const OpCall& c, ExecContext& ctx) {
   const GdnShape s = shape_of(c);
   const std::vector<Tensor>& in = c.inputs;
   void* states = c.outputs[1].numel() > 0 ? c.outputs[1].data_ptr() : nullptr;
-  Tensor ws = workspace(ctx, gdn_forward_workspace_bytes(chunked, s, states != nullptr));
+  void* cache = c.outputs[2].numel() > 0 ? c.outputs[2].data_ptr() : nullptr;  // only where the chunked kernels run
+  LATHE_CHECK(cache == nullptr || chunked, "cuda: gated_delta_rule: a chunk cache was allocated but the recurrent "
+              "kernel runs (gdn_chunk_cache_applies and gdr_chunked_supports disagree)");
+  Tensor ws = workspace(ctx, gdn_forward_workspace_bytes(chunked, s, states != nullptr, cache != nullptr));
   launch_gated_delta_rule(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
                           in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data<int32_t>(),
-                          c.outputs[0].data_ptr(), states, ws.defined() ? ws.data_ptr() : nullptr, stream_of(ctx));
+                          c.outputs[0].data_ptr(), states, cache, ws.defined() ? ws.data_ptr() : nullptr,
+                          stream_of(ctx));
 }
 
 void run_gdr_backward(bool chunked, const OpCall& c, ExecContext& ctx) {
@@ -82,10 +89,12 @@ void run_gdr_backward(bool chunked, const OpCall& c, ExecContext& ctx) {
   const std::vector<Tensor>& in = c.inputs;
   const std::vector<Tensor>& out = c.outputs;
   const void* states = in[7].numel() > 0 ? in[7].data_ptr() : nullptr;
-  Tensor ws = workspace(ctx, gdn_backward_workspace_bytes(chunked, s, states != nullptr));
+  const void* cache = chunked && in[8].numel() > 0 ? in[8].data_ptr() : nullptr;
+  Tensor ws = workspace(ctx, gdn_backward_workspace_bytes(chunked, s, states != nullptr, cache != nullptr));
   launch_gated_delta_rule_backward(in[0].dtype(), in[3].dtype(), chunked, s, in[0].data_ptr(), in[1].data_ptr(),
                                    in[2].data_ptr(), in[3].data_ptr(), in[4].data_ptr(), in[5].data_ptr(),
-                                   in[6].data<int32_t>(), states, out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr(),
+                                   in[6].data<int32_t>(), states, cache, out[0].data_ptr(), out[1].data_ptr(),
+                                   out[2].data_ptr(),
                                    out[3].data_ptr(), out[4].data_ptr(), ws.defined() ? ws.data_ptr() : nullptr,
                                    stream_of(ctx));
 }
