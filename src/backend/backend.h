@@ -20,6 +20,9 @@ class Stream {
   virtual ~Stream() = default;
   virtual Device device() const = 0;
   virtual void synchronize() = 0;
+  // Copies `bytes` host bytes to this stream's device memory `dst` in stream order, without waiting for the device:
+  // `src` may be reused as soon as this returns (CUDA: through pinned staging, CudaStream::upload_async).
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
 };
 
 class Event {

@@ -74,6 +74,13 @@ Tensor Runtime::copy_to(const Tensor& t, Device device) {
   return out;
 }
 
+Tensor Runtime::upload(const void* data, const Shape& shape, DType dtype, Device device) {
+  ExecContext ctx = context(device);
+  Tensor out = Tensor::empty(shape, dtype, ctx.allocator);
+  ctx.stream.upload(out.data_ptr(), data, out.nbytes());
+  return out;
+}
+
 Tensor Runtime::from_host(const void* data, const Shape& shape, DType dtype, Device device) {
   ExecContext ctx = context(device);
   Tensor out = Tensor::empty(shape, dtype, ctx.allocator);

@@ -40,8 +40,11 @@ class Runtime {
 
   // A new contiguous copy of `t` on `device` (synchronous).
   Tensor copy_to(const Tensor& t, Device device);
-  // A new tensor on `device` holding `nbytes(shape, dtype)` bytes from host memory.
+  // A new tensor on `device` holding `nbytes(shape, dtype)` bytes from host memory (waits for the copy).
   Tensor from_host(const void* data, const Shape& shape, DType dtype, Device device);
+  // The same without waiting for the device (Stream::upload): `data` may be reused at once, and the device keeps
+  // running the work queued before. What the model uploads mid-pass (routing plans, masks) uses this.
+  Tensor upload(const void* data, const Shape& shape, DType dtype, Device device);
 
  private:
   std::unique_ptr<DeviceBackend> cpu_;

@@ -34,10 +34,10 @@ PackedBatch make_packed_batch(Runtime& rt, Device device, std::vector<int32_t> i
     labelled += l != -100;
   }
   PackedBatch b;
-  b.ids = rt.from_host(ids.data(), {t}, DType::I32, device);
-  b.positions = rt.from_host(positions.data(), {t}, DType::I32, device);
-  b.cu_seqlens = rt.from_host(cu.data(), {int64_t(cu.size())}, DType::I32, device);
-  b.labels = rt.from_host(labels.data(), {t}, DType::I32, device);
+  b.ids = rt.upload(ids.data(), {t}, DType::I32, device);  // no wait: the device may still run the last step
+  b.positions = rt.upload(positions.data(), {t}, DType::I32, device);
+  b.cu_seqlens = rt.upload(cu.data(), {int64_t(cu.size())}, DType::I32, device);
+  b.labels = rt.upload(labels.data(), {t}, DType::I32, device);
   b.num_labelled = labelled;
   b.host_ids = std::move(ids);
   b.host_labels = std::move(labels);

@@ -159,8 +159,8 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   }
   Tensor xs, dxs, row_index, target_t;
   if (n_rows > 0) {
-    row_index = rt_->from_host(rows.data(), {n_rows}, DType::I32, options_.device);
-    target_t = rt_->from_host(targets.data(), {n_rows}, DType::I32, options_.device);
+    row_index = rt_->upload(rows.data(), {n_rows}, DType::I32, options_.device);  // no wait: the queue keeps running
+    target_t = rt_->upload(targets.data(), {n_rows}, DType::I32, options_.device);
     xs = embedding(cx, xf, row_index);  // (n_rows, H)
     if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
   }

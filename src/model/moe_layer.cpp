@@ -3,7 +3,7 @@
 // expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
 // Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
-// in (at least) fp32 — here in double on the host — and the combine weights rounded to the model dtype.
+// in fp32 on the host (double in an f64 model) and the combine weights rounded to the model dtype.
 #include <string_view>
 
 #include "model/causal_lm.h"
@@ -34,8 +34,9 @@ std::string per_expert_name(std::string_view fused_name, int64_t expert, const s
   return fmt::format("{}{}.{}.weight", base, expert, part);
 }
 
+// Uploads without waiting for the device (Runtime::upload): mid-pass, a waiting upload would drain the queue.
 Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
-  return rt.from_host(v.data(), {int64_t(v.size())}, DType::I32, d);
+  return rt.upload(v.data(), {int64_t(v.size())}, DType::I32, d);
 }
 
 }  // namespace
@@ -140,20 +141,16 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   // values (half the bytes of f64, which only an f64 model needs).
   const DType rd = routing_dtype();
   const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), rd), Device::cpu());
-  std::vector<double> wide;  // the f32 logits widened (exactly) for the reference routing, which works in double
-  if (rd == DType::F32) {
-    const float* f = logits.data<float>();
-    wide.resize(size_t(t * e));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < t * e; ++i) wide[size_t(i)] = f[i];
-  }
-  const double* logits64 = rd == DType::F32 ? wide.data() : logits.data<double>();
-  r.choice = route_tokens({logits64, size_t(t * e)}, t, e, k, c.norm_topk_prob);
+  // f32 logits route in float (transformers' fp32 router), an f64 model's in double.
+  r.choice = rd == DType::F32 ? route_tokens(std::span<const float>(logits.data<float>(), size_t(t * e)), t, e, k,
+                                             c.norm_topk_prob)
+                              : route_tokens(std::span<const double>(logits.data<double>(), size_t(t * e)), t, e, k,
+                                             c.norm_topk_prob);
   r.plan = plan_routing(r.choice);
   const std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end());
   r.token_ids = upload_i32(*rt_, r.plan.token, options_.device);
   r.position_ids = upload_i32(*rt_, position, options_.device);
-  r.weights = cast(cx, rt_->from_host(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
+  r.weights = cast(cx, rt_->upload(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
   r.valid = true;
   return r;
 }
@@ -167,15 +164,15 @@ void CausalLm::prepare_moe_backward(MoeRoute& r) {
   for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
   r.pair_ids = upload_i32(*rt_, pair, options_.device);
   const std::vector<double> ones(size_t(t * k), 1.0);
-  r.ones = cast(cx, rt_->from_host(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
+  r.ones = cast(cx, rt_->upload(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
   // The router's backward, on the device in the routing dtype (uploads only: no synchronisation in the backward).
   const DType rd = routing_dtype();
   auto upload = [&](const std::vector<double>& v, Shape shape) {
-    if (rd == DType::F64) return rt_->from_host(v.data(), shape, DType::F64, options_.device);
+    if (rd == DType::F64) return rt_->upload(v.data(), shape, DType::F64, options_.device);
     std::vector<float> f(v.size());
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < int64_t(v.size()); ++i) f[size_t(i)] = float(v[size_t(i)]);
-    return rt_->from_host(f.data(), shape, DType::F32, options_.device);
+    return rt_->upload(f.data(), shape, DType::F32, options_.device);
   };
   r.probs = upload(r.choice.probs, {t, e});
   std::vector<int32_t> picked(size_t(t * k));
@@ -203,7 +200,7 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
   ExecContext cx = ctx();
   const int64_t tokens = b->tokens(), rank = e.slot->rank_total;
   const std::vector<double> ones(size_t(tokens * rank), 1.0);
-  const Tensor ones_t = cast(cx, rt_->from_host(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
+  const Tensor ones_t = cast(cx, rt_->upload(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
   e.mask = embedding(cx, segment_mask(cx, ones_t, lora_segments(*lora_, *e.slot, *b, false)), r.token_ids);
   return e;
 }
@@ -326,7 +323,7 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale;
   ExecContext cx = ctx();
   const Tensor d_aux =
-      cast(cx, rt_->from_host(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
+      cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
   for (MoeRoute* r : routes) r->d_aux = d_aux;
 }
 

@@ -21,8 +21,10 @@ void softmax_backward_row(const double* p, const double* dp, int64_t n, double* 
 
 }  // namespace
 
-RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_t experts, int64_t top_k,
-                          bool norm_topk_prob) {
+namespace {
+
+template <typename T>
+RouterChoice route(std::span<const T> logits, int64_t tokens, int64_t experts, int64_t top_k, bool norm_topk_prob) {
   LATHE_CHECK(tokens >= 0 && experts >= 1 && top_k >= 1 && top_k <= experts,
               "moe: routing needs tokens >= 0 and 1 <= top_k <= experts, got {} tokens, {} experts, top_k {}", tokens,
               experts, top_k);
@@ -35,24 +37,32 @@ RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_
   r.probs.resize(size_t(tokens * experts));
   r.expert.resize(size_t(tokens * top_k));
   r.weight.resize(size_t(tokens * top_k));
-  for (int64_t i = 0; i < tokens * experts; ++i)
-    LATHE_CHECK(std::isfinite(logits[size_t(i)]), "moe: router logit of token {}, expert {} is {}", i / experts,
-                i % experts, logits[size_t(i)]);
-  // Each token alone (threads split the tokens; the result does not depend on how).
+  // Each token alone (threads split the tokens; the result does not depend on how). The softmax, the top-k and the
+  // renormalisation run in T (the logits' type: float for an f32 / bf16 model, as transformers' fp32 router; double
+  // for an f64 model); probs and weights are stored widened to double.
+  int64_t bad = -1;  // the first non-finite logit, refused after the parallel region
 #pragma omp parallel
   {
     std::vector<int32_t> order(static_cast<size_t>(top_k));
+    std::vector<T> p(static_cast<size_t>(experts));
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tokens; ++t) {
-      const double* x = logits.data() + t * experts;
-      double* p = r.probs.data() + t * experts;
-      const double mx = *std::max_element(x, x + experts);
-      double sum = 0;
-      for (int64_t e = 0; e < experts; ++e) sum += (p[e] = std::exp(x[e] - mx));
-      for (int64_t e = 0; e < experts; ++e) p[e] /= sum;
+      const T* x = logits.data() + t * experts;
+      bool finite = true;
+      for (int64_t e = 0; e < experts; ++e) finite = finite && std::isfinite(x[e]);
+      if (!finite) {
+#pragma omp critical
+        bad = bad < 0 ? t : std::min(bad, t);
+        continue;
+      }
+      const T mx = *std::max_element(x, x + experts);
+      T sum = 0;
+      for (int64_t e = 0; e < experts; ++e) sum += (p[size_t(e)] = std::exp(x[e] - mx));
+      double* probs = r.probs.data() + t * experts;
+      for (int64_t e = 0; e < experts; ++e) probs[e] = double(p[size_t(e)] /= sum);
       // The k largest, larger first, ties to the lower index (a total order): one pass, inserting into the sorted
       // top-k list (most experts fail the first comparison).
-      auto better = [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
+      auto better = [&](int32_t a, int32_t b) { return p[size_t(a)] > p[size_t(b)] || (p[size_t(a)] == p[size_t(b)] && a < b); };
       int64_t n = 0;
       for (int32_t e = 0; e < int32_t(experts); ++e) {
         if (n == top_k && !better(e, order[size_t(n - 1)])) continue;
@@ -60,16 +70,33 @@ RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_
         for (; i > 0 && better(e, order[size_t(i - 1)]); --i) order[size_t(i)] = order[size_t(i - 1)];
         order[size_t(i)] = e;
       }
-      double picked = 0;
-      for (int64_t j = 0; j < top_k; ++j) picked += p[order[size_t(j)]];
+      T picked = 0;
+      for (int64_t j = 0; j < top_k; ++j) picked += p[size_t(order[size_t(j)])];
       for (int64_t j = 0; j < top_k; ++j) {
         const int32_t e = order[size_t(j)];
         r.expert[size_t(t * top_k + j)] = e;
-        r.weight[size_t(t * top_k + j)] = norm_topk_prob ? p[e] / picked : p[e];
+        r.weight[size_t(t * top_k + j)] = double(norm_topk_prob ? p[size_t(e)] / picked : p[size_t(e)]);
       }
     }
   }
+  if (bad >= 0) {
+    const T* x = logits.data() + bad * experts;
+    const int64_t e = std::find_if(x, x + experts, [](T v) { return !std::isfinite(v); }) - x;
+    LATHE_FAIL("moe: router logit of token {}, expert {} is {}", bad, e, x[e]);
+  }
   return r;
+}
+
+}  // namespace
+
+RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool norm_topk_prob) {
+  return route(logits, tokens, experts, top_k, norm_topk_prob);
+}
+
+RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool norm_topk_prob) {
+  return route(logits, tokens, experts, top_k, norm_topk_prob);
 }
 
 std::vector<double> route_tokens_backward(const RouterChoice& r, std::span<const double> d_weight, bool norm_topk_prob) {

@@ -4,8 +4,9 @@
 // expert owner (for expert parallelism), per-expert load statistics, and transformers' auxiliary load-balancing loss
 // (`load_balancing_loss_func` of the Qwen MoE families, without an attention mask: packed batches have no padding).
 // Conventions:
-//  - logits (T, E) row-major; probs = softmax per row, in double (transformers' router works in fp32; the model rounds
-//    the combine weights to its dtype, so double here only removes a rounding the f64 reference would see);
+//  - logits (T, E) row-major; probs = softmax per row, in the logits' type: float for f32 logits (transformers' router
+//    works in fp32; the MoE layer passes f32 logits for f32, bf16 and f16 models), double for double logits (an f64
+//    model, matching the f64 reference exactly); the model rounds the combine weights to its dtype;
 //  - top-k picks the k largest probabilities, larger first; equal probabilities go to the lower expert index first
 //    (torch.topk leaves ties unspecified; exact ties do not occur with real logits);
 //  - weight[t][j] = probs[t][expert[t][j]], divided by their sum over the k when norm_topk_prob;
@@ -32,6 +33,10 @@ struct RouterChoice {
 // Softmax, top-k and (when norm_topk_prob) renormalisation of a (T, E) block of router logits. Refuses k outside
 // [1, E] and non-finite logits (a NaN has no place in a top-k) with a clear error.
 RouterChoice route_tokens(std::span<const double> logits, int64_t tokens, int64_t experts, int64_t top_k,
+                          bool norm_topk_prob);
+// The same from f32 logits, computed in float as transformers' fp32 router does (an f32 / bf16 model's routing);
+// probs and weights are the float results widened.
+RouterChoice route_tokens(std::span<const float> logits, int64_t tokens, int64_t experts, int64_t top_k,
                           bool norm_topk_prob);
 
 // d(logits) (T, E) from d(weight) (T, k), for the fixed choices of `r` (top-k is piecewise constant): through the

@@ -16,6 +16,9 @@ class CpuStream final : public Stream {
  public:
   Device device() const override { return Device::cpu(); }
   void synchronize() override {}
+  void upload(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
 };
 
 class CpuEvent final : public Event {

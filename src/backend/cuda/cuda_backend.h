@@ -28,6 +28,7 @@ class CudaStream final : public Stream {
 
   Device device() const override { return Device::cuda(device_); }
   void synchronize() override;
+  void upload(void* dst, const void* src, size_t bytes) override { upload_async(dst, src, bytes); }
   cudaStream_t handle() const { return stream_; }
   int index() const { return device_; }
 
