@@ -50,6 +50,22 @@ def peft_model(base_dir, spec, double):
     return get_peft_model(model, config)
 
 
+def write_reference(fixture_dir, batch, logits, loss, grads, metadata):
+    """fixture_dir/reference.safetensors: the batch (int32), logits, loss and grad.<adapter key> (float32), with the
+    library versions added to `metadata`."""
+    import peft
+    import transformers
+    from safetensors.torch import save_file
+    tensors = {"input_ids": batch["input_ids"].to(torch.int32), "cu_seqlens": batch["cu_seqlens"].to(torch.int32),
+               "position_ids": batch["position_ids"].to(torch.int32), "labels": batch["labels"].to(torch.int32),
+               "logits": logits.float(), "loss": loss.reshape(1).float()}
+    for k, g in grads.items():
+        tensors["grad." + k] = g.float()
+    metadata = dict(metadata, transformers=transformers.__version__, peft=peft.__version__, torch=torch.__version__)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture_dir, "reference.safetensors"),
+              metadata=metadata)
+
+
 def key_of(name):
     """peft parameter name -> the key peft saves: drop the adapter name."""
     return name.replace(".default.", ".")
@@ -109,14 +125,7 @@ def write_fixture(base_root, out_dir, name, spec):
     if diff > 1e-3:
         sys.exit(f"{name}: peft-reloaded float32 logits differ from the golden float64 ones by {diff:.3g}")
 
-    tensors = {"input_ids": batch["input_ids"].to(torch.int32), "cu_seqlens": batch["cu_seqlens"].to(torch.int32),
-               "position_ids": batch["position_ids"].to(torch.int32), "labels": batch["labels"].to(torch.int32),
-               "logits": logits.float(), "loss": loss.reshape(1).float()}
-    for k, g in grads.items():
-        tensors["grad." + k] = g.float()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture_dir, "reference.safetensors"),
-              metadata={"fixture": name, "base": spec["base"], "transformers": transformers.__version__,
-                        "peft": peft.__version__, "torch": torch.__version__})
+    write_reference(fixture_dir, batch, logits, loss, grads, {"fixture": name, "base": spec["base"]})
     with open(os.path.join(fixture_dir, "README.txt"), "w", encoding="utf-8") as f:
         f.write(f"{name}: {spec['about']}\nbase model: tests/models/fixtures/qwen3/{spec['base']}/model\n")
         f.write(f"LoRA A and B drawn N(0, {LORA_STD}^2) (seed {spec['seed']}); batch and labels as the base fixture\n")

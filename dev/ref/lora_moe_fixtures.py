@@ -36,6 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_fixtures as mfx  # noqa: E402
 import qwen3_fixtures as q3  # noqa: E402
+from lora_fixtures import key_of, write_reference  # noqa: E402
+from lora_qwen3_5_fixtures import read_batch  # noqa: E402
 
 LORA_STD = 0.1
 MAX_DRAWS = 8  # adapter draws tried per fixture before giving up on the routing margin
@@ -65,20 +67,6 @@ FIXTURES = {
 
 def die(msg):
     sys.exit(f"lora_moe_fixtures: {msg}")
-
-
-def read_batch(base_fixture_dir):
-    from safetensors.torch import load_file
-    ref = load_file(os.path.join(base_fixture_dir, "reference.safetensors"))
-    ids, cu = ref["input_ids"].long(), ref["cu_seqlens"].long()
-    docs = [ids[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
-    return dict(docs=docs, input_ids=ids, cu_seqlens=cu, position_ids=ref["position_ids"].long(),
-                labels=ref["labels"].long(), logits=ref["logits"])
-
-
-def key_of(name):
-    """peft parameter name -> the key peft saves: drop the adapter name."""
-    return name.replace(".default.", ".")
 
 
 def run_docs(model, batch):
@@ -194,15 +182,8 @@ def write_fixture(base_root, out_dir, name, spec):
     if diff > 1e-3:
         die(f"{name}: peft-reloaded float32 logits differ from the golden float64 ones by {diff:.3g}")
 
-    tensors = {"input_ids": batch["input_ids"].to(torch.int32), "cu_seqlens": batch["cu_seqlens"].to(torch.int32),
-               "position_ids": batch["position_ids"].to(torch.int32), "labels": batch["labels"].to(torch.int32),
-               "logits": logits.float(), "loss": loss.reshape(1).float()}
-    for k, g in grads.items():
-        tensors["grad." + k] = g.float()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture_dir, "reference.safetensors"),
-              metadata={"fixture": name, "base": spec["base"], "transformers": transformers.__version__,
-                        "peft": peft.__version__, "torch": torch.__version__,
-                        "compute": "float64 (moe_fixtures.py patches), stored float32"})
+    write_reference(fixture_dir, batch, logits, loss, grads,
+                    {"fixture": name, "base": spec["base"], "compute": "float64 (moe_fixtures.py patches), stored float32"})
     with open(os.path.join(fixture_dir, "README.txt"), "w", encoding="utf-8") as f:
         f.write(f"{name}: {spec['about']}\nbase model: tests/models/fixtures/moe/{spec['base']}/model\n")
         saved = model.peft_config["default"]

@@ -306,8 +306,9 @@ LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& sou
   LATHE_CHECK(j.is_object(), "lora: {}: adapter_config.json is not a JSON object", source);
   LATHE_CHECK(j.value("peft_type", std::string("LORA")) == "LORA", "lora: {}: peft_type '{}' is not LORA", source,
               j.value("peft_type", std::string()));
-  for (const char* field : {"use_dora", "modules_to_save", "layers_to_transform",
-                            "layers_pattern", "fan_in_fan_out", "lora_bias", "exclude_modules", "layer_replication", "use_qalora", "trainable_token_indices", "megatron_config"}) {
+  for (const char* field : {"use_dora", "modules_to_save", "layers_to_transform", "layers_pattern", "fan_in_fan_out",
+                            "lora_bias", "exclude_modules", "layer_replication", "use_qalora", "trainable_token_indices",
+                            "megatron_config"}) {
     if (j.contains(field))
       LATHE_CHECK(is_default(j[field]), "lora: {}: adapter_config.json sets '{}' = {}, which Lathe does not implement", source,
                   field, j[field].dump());

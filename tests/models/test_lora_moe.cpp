@@ -253,28 +253,8 @@ TEST(LoraMoeParity, StiffFixtureGradientsMatchFiniteDifferences) {
   ASSERT_TRUE(fs::exists(entry)) << "fixtures missing: " << entry;
   const io::SafetensorsFile ref = io::SafetensorsFile::open((entry / "reference.safetensors").string());
   ModelOptions opt;
-  opt.dtype = DType::F64;
-  opt.train_base = false;
   opt.router_aux_loss = false;
-  std::unique_ptr<CausalLm> m = load_causal_lm(runtime(), base_model_dir(ref), opt);
-  LoraBank bank(runtime(), m->config(), Device::cpu(), DType::F64, {read_lora_config((entry / "adapter").string())});
-  bank.load_peft(0, (entry / "adapter").string());
-  m->attach_lora(&bank);
-  PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
-                                    read_i32(ref, "labels"), m->config().vocab_size);
-  set_segments(b, {{b.tokens(), 0, 1.0, 0}});
-  bank.zero_grads();
-  m->loss(b, true);
-  int checked = 0;
-  for (Parameter& p : bank.parameters(0)) {
-    if (p.name.find("layers.0.linear_attn.in_proj_qkvz.lora_A") == std::string::npos &&
-        p.name.find("layers.0.mlp.experts.lora_A") == std::string::npos &&
-        p.name.find("layers.1.linear_attn.in_proj_qkvz.lora_B") == std::string::npos)
-      continue;
-    const auto [along, fd] = directional_derivative(*m, b, p, 7, 1e-6);
-    std::printf("[ %s ] directional derivative: lathe %.12g, finite differences %.12g\n", p.name.c_str(), along, fd);
-    EXPECT_NEAR(along, fd, 1e-6 * std::abs(fd)) << p.name;
-    ++checked;
-  }
-  EXPECT_EQ(checked, 3);
+  expect_gradients_match_finite_differences(entry, base_model_dir(ref), opt,
+                                            {"layers.0.linear_attn.in_proj_qkvz.lora_A", "layers.0.mlp.experts.lora_A",
+                                             "layers.1.linear_attn.in_proj_qkvz.lora_B"});
 }

@@ -268,28 +268,7 @@ TEST(LoraQwen35Parity, StiffFixtureGradientsMatchFiniteDifferences) {
   const fs::path entry = kFixtures / "lora_qwen3_5" / "hv_gt_hk_all_linear";
   ASSERT_TRUE(fs::exists(entry)) << "fixtures missing: " << entry;
   const io::SafetensorsFile ref = io::SafetensorsFile::open((entry / "reference.safetensors").string());
-  ModelOptions opt;
-  opt.dtype = DType::F64;
-  opt.train_base = false;
-  Qwen35Model m = Qwen35Model::load(runtime(), (kFixtures / "qwen3_5" / ref.metadata().at("base") / "model").string(), opt);
-  LoraBank bank(runtime(), m.config(), Device::cpu(), DType::F64, {read_lora_config((entry / "adapter").string())});
-  bank.load_peft(0, (entry / "adapter").string());
-  m.attach_lora(&bank);
-  PackedBatch b = make_packed_batch(runtime(), Device::cpu(), read_i32(ref, "input_ids"), read_i32(ref, "cu_seqlens"),
-                                    read_i32(ref, "labels"), m.config().vocab_size);
-  set_segments(b, {{b.tokens(), 0, 1.0, 0}});
-  bank.zero_grads();
-  m.loss(b, true);
-  int checked = 0;
-  for (Parameter& p : bank.parameters(0)) {
-    if (p.name.find("layers.2.linear_attn.in_proj_qkv.lora_A") == std::string::npos &&
-        p.name.find("layers.0.mlp.up_proj.lora_A") == std::string::npos &&
-        p.name.find("layers.1.linear_attn.out_proj.lora_B") == std::string::npos)
-      continue;
-    const auto [along, fd] = directional_derivative(m, b, p, 7, 1e-6);
-    std::printf("[ %s ] directional derivative: lathe %.12g, finite differences %.12g\n", p.name.c_str(), along, fd);
-    EXPECT_NEAR(along, fd, 1e-6 * std::abs(fd)) << p.name;
-    ++checked;
-  }
-  EXPECT_EQ(checked, 3);
+  expect_gradients_match_finite_differences(entry, (kFixtures / "qwen3_5" / ref.metadata().at("base") / "model").string(),
+                                            {}, {"layers.2.linear_attn.in_proj_qkv.lora_A", "layers.0.mlp.up_proj.lora_A",
+                                                 "layers.1.linear_attn.out_proj.lora_B"});
 }

@@ -100,6 +100,29 @@ TEST(CudaRuntime, CopiesRoundTripPageableAndPinned) {
   EXPECT_EQ(std::vector<float>(host.data<float>(), host.data<float>() + src.size()), src);
 }
 
+// Runtime::upload does not wait for the device: its source may be overwritten at once (the bytes are staged), many
+// uploads in flight land in order behind a long kernel queue, and each tensor holds its own bytes.
+TEST(CudaRuntime, UploadsWithoutWaitingKeepTheirBytes) {
+  REQUIRE_CUDA();
+  Runtime& rt = runtime();
+  ExecContext ctx = rt.context(Device::cuda(0));
+  const Tensor big = rt.from_host(std::vector<float>(1 << 22, 1.0f).data(), {1 << 22}, DType::F32, Device::cuda(0));
+  for (int i = 0; i < 20; ++i) (void)matmul(ctx, big.view({2048, 2048}), big.view({2048, 2048}));  // a queue to wait behind
+  std::vector<Tensor> uploaded;
+  std::vector<int32_t> src(3001);
+  for (int round = 0; round < 40; ++round) {
+    std::iota(src.begin(), src.end(), round * 10000);
+    uploaded.push_back(rt.upload(src.data(), {int64_t(src.size())}, DType::I32, Device::cuda(0)));
+    std::fill(src.begin(), src.end(), -1);  // the upload has its own copy
+  }
+  for (int round = 0; round < 40; ++round) {
+    const Tensor back = rt.copy_to(uploaded[size_t(round)], Device::cpu());
+    std::vector<int32_t> want(src.size());
+    std::iota(want.begin(), want.end(), round * 10000);
+    EXPECT_EQ(std::vector<int32_t>(back.data<int32_t>(), back.data<int32_t>() + want.size()), want) << "round " << round;
+  }
+}
+
 TEST(CudaRuntime, StridedViewCopiesToHost) {
   REQUIRE_CUDA();
   Runtime& rt = runtime();

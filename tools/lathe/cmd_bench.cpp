@@ -382,6 +382,11 @@ void run(const Args& a) {
                       {"peak_mib", peak_mib},
                       {"step_ms", 1e3 * step_s},
                       {"step_ms_min", 1e3 * min_s},
+                      {"step_ms_each", [&] {
+                         std::vector<double> ms;
+                         for (double t : times) ms.push_back(1e3 * t);
+                         return ms;
+                       }()},
                       {"steps", a.steps},
                       {"warmup", a.warmup},
                       {"card", card},

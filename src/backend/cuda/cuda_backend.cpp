@@ -100,20 +100,23 @@ cublasHandle_t CudaStream::cublas() {
 void CudaStream::upload_async(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   DeviceGuard g(device_);
+  // The smallest free buffer that fits (a large one taken by a small upload would make the next large upload allocate:
+  // cudaMallocHost is slow and may synchronise the device); sizes are powers of two so that buffers get reused.
   Staging* slot = nullptr;
   for (Staging& s : staging_) {
-    if (s.bytes < bytes) continue;
+    if (s.bytes < bytes || (slot && slot->bytes <= s.bytes)) continue;
     const cudaError_t done = cudaEventQuery(s.copied);  // an event never recorded counts as complete
     if (done == cudaSuccess) {
       slot = &s;
-      break;
+      continue;
     }
     if (done != cudaErrorNotReady) LATHE_CUDA_CHECK(done);
     cudaGetLastError();  // not-ready is no error: keep it from surfacing at the next launch check
   }
   if (!slot) {
     Staging s;
-    s.bytes = std::max<size_t>(bytes, size_t(16) << 10);
+    s.bytes = size_t(16) << 10;
+    while (s.bytes < bytes) s.bytes *= 2;
     LATHE_CUDA_CHECK(cudaMallocHost(&s.host, s.bytes));
     LATHE_CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
     staging_.push_back(s);
