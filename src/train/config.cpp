@@ -287,6 +287,8 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
       problems.push_back("lora.targets and lora.target_parameters: both empty");
   } else if (!c.lora_init.empty()) {
     problems.push_back("lora.init: needs lora.rank > 0 (and equal to the adapter's r)");
+  } else if (!c.lora_target_parameters.empty()) {
+    problems.push_back("lora.target_parameters: needs lora.rank > 0 (full fine-tuning trains every parameter)");
   }
   for (size_t i = first_problem; i < problems.size(); ++i) problems[i] = where + problems[i];
   return c;

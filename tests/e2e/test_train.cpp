@@ -190,6 +190,9 @@ TEST(Train, BadConfigsReportEveryProblem) {
   for (const char* needle : {"4 problems", "unknown option 'train.lrr' (did you mean 'train.lr'?)", "train.max_steps: expected int",
                              "data.overlong: 'squash'", "device: 'tpu'"})
     EXPECT_NE(r.output.find(needle), std::string::npos) << needle << "\n" << r.output;
+  const LatheRun experts = lathe("train " + (dir / "config.yaml").string() + " --set lora.target_parameters=gate_up_proj");
+  EXPECT_NE(experts.exit_code, 0);
+  EXPECT_NE(experts.output.find("lora.target_parameters: needs lora.rank > 0"), std::string::npos) << experts.output;
   const LatheRun missing = lathe("train " + (dir / "config.yaml").string() + " --set data.train=" + (dir / "nope.jsonl").string());
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("nope.jsonl"), std::string::npos) << missing.output;
