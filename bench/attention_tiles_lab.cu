@@ -2,7 +2,8 @@
 // kernel templates can be instantiated with shapes other than FlashConfig's). Times each kernel of the forward
 // and the backward per tile shape on one problem and checks every variant against the first of its kind (max
 // |difference| over max |value|). Not part of liblathe; links cudart only.
-// Usage: attention_tiles_lab [tokens docs q_heads kv_heads] [iters]   (bf16, head dim 128)
+// Usage: attention_tiles_lab [tokens docs q_heads kv_heads] [iters]   (bf16, head dim LAB_D: 128, or 256 for the
+// attention_tiles_lab_256 build)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,7 +24,10 @@ namespace lab {  // named: an anonymous one here would clash with flash_attentio
 
 using namespace lathe::cuda;
 using T = __nv_bfloat16;
-constexpr int kD = 128;
+#ifndef LAB_D
+#define LAB_D 128
+#endif
+constexpr int kD = LAB_D;
 
 __global__ void fill_random(T* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
@@ -127,12 +131,17 @@ int main(int argc, char** argv) {
       if (ref.empty()) ref = out;
       std::printf("forward %-28s %8.3f ms %7.1f TFLOP/s  diff %.2e\n", name, ms, fwd_flop / ms / 1e9, rel_diff(out, ref));
     };
+#if LAB_D == 128
     fwd("W8 M1 BN64", [&] { launch_forward_tiles<T, kD, 8, 1, 64, 1>(dims, fa, 0); });
     fwd("W4 M2 BN32 (config)", [&] { launch_forward_tiles<T, kD, 4, 2, 32, 1>(dims, fa, 0); });
     fwd("W4 M2 BN64", [&] { launch_forward_tiles<T, kD, 4, 2, 64, 1>(dims, fa, 0); });
     fwd("W8 M1 BN128", [&] { launch_forward_tiles<T, kD, 8, 1, 128, 1>(dims, fa, 0); });
     fwd("W4 M1 BN64 2/SM", [&] { launch_forward_tiles<T, kD, 4, 1, 64, 2>(dims, fa, 0); });
-    launch_forward_tiles<T, kD, 4, 2, 32, 1>(dims, fa, 0);  // o and lse for the backward
+#else
+    fwd("W4 M1 BN32 (config)", [&] { launch_forward_tiles<T, kD, 4, 1, 32, 1>(dims, fa, 0); });
+#endif
+    launch_forward_tiles<T, kD, FlashConfig<kD>::kFwdWarps, FlashConfig<kD>::kFwdRows, FlashConfig<kD>::kFwdKeys, 1>(
+        dims, fa, 0);  // o and lse for the backward
 
     float* lse2 = stats;
     float* delta = stats + tokens * hq;
@@ -148,10 +157,18 @@ int main(int argc, char** argv) {
       std::printf("dK/dV   %-28s %8.3f ms %7.1f TFLOP/s  diff %.2e %.2e\n", name, ms, 2 * fwd_flop / ms / 1e9,
                   rel_diff(gk, ref_k), rel_diff(gv, ref_v));
     };
+#if LAB_D == 128
     dkdv("W8 BM32", [&] { launch_dkdv_tiles<T, kD, 8, 32, 1>(dims, ba, 0); });
     dkdv("W8 BM64", [&] { launch_dkdv_tiles<T, kD, 8, 64, 1>(dims, ba, 0); });
     dkdv("W4 BM32", [&] { launch_dkdv_tiles<T, kD, 4, 32, 1>(dims, ba, 0); });
     dkdv("W4 BM64 (config)", [&] { launch_dkdv_tiles<T, kD, 4, 64, 1>(dims, ba, 0); });
+#else
+    dkdv("W8 BM32 split2 (config)", [&] { launch_dkdv_tiles<T, kD, 8, 32, 2>(dims, ba, 0); });
+    dkdv("W8 BM64 split2", [&] { launch_dkdv_tiles<T, kD, 8, 64, 2>(dims, ba, 0); });
+    dkdv("W4 BM32 split2", [&] { launch_dkdv_tiles<T, kD, 4, 32, 2>(dims, ba, 0); });
+    dkdv("W4 BM64 split2", [&] { launch_dkdv_tiles<T, kD, 4, 64, 2>(dims, ba, 0); });
+    dkdv("W16 BM32 split2", [&] { launch_dkdv_tiles<T, kD, 16, 32, 2>(dims, ba, 0); });
+#endif
     std::vector<float> ref_q;
     auto dqk = [&](const char* name, auto launch) {
       const double ms = median_ms(iters, [&] { launch(); });
@@ -161,10 +178,17 @@ int main(int argc, char** argv) {
       std::printf("dQ      %-28s %8.3f ms %7.1f TFLOP/s  diff %.2e\n", name, ms, 1.5 * fwd_flop / ms / 1e9,
                   rel_diff(gq, ref_q));
     };
+#if LAB_D == 128
     dqk("W8 M1 BN64 (config)", [&] { launch_dq_tiles<T, kD, 8, 1, 64>(dims, ba, 0); });
     dqk("W8 M1 BN32", [&] { launch_dq_tiles<T, kD, 8, 1, 32>(dims, ba, 0); });
     dqk("W4 M2 BN32", [&] { launch_dq_tiles<T, kD, 4, 2, 32>(dims, ba, 0); });
     dqk("W4 M1 BN64", [&] { launch_dq_tiles<T, kD, 4, 1, 64>(dims, ba, 0); });
+#else
+    dqk("W4 M1 BN32 (config)", [&] { launch_dq_tiles<T, kD, 4, 1, 32>(dims, ba, 0); });
+    dqk("W8 M1 BN32", [&] { launch_dq_tiles<T, kD, 8, 1, 32>(dims, ba, 0); });
+    dqk("W4 M1 BN64", [&] { launch_dq_tiles<T, kD, 4, 1, 64>(dims, ba, 0); });
+    dqk("W8 M1 BN16", [&] { launch_dq_tiles<T, kD, 8, 1, 16>(dims, ba, 0); });
+#endif
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attention_tiles_lab: error: %s\n", e.what());
