@@ -21,7 +21,11 @@ p.add_argument("lathe_output")
 p.add_argument("--tol", type=float, default=1e-4)
 p.add_argument("--adapter", help="PEFT adapter folder to load onto the model")
 a = p.parse_args()
-model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float64, attn_implementation="eager").eval()
+try:  # MoE models: eager experts (torch's grouped_mm has no float64)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+except (TypeError, ValueError):
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float64, attn_implementation="eager").eval()
 if a.adapter:
     from peft import PeftModel
     model = PeftModel.from_pretrained(model, a.adapter).double().eval()
