@@ -44,14 +44,13 @@ Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
 Tensor ExpertLora::a() const { return slot->a.view({slot->experts, slot->rank_total, slot->in}); }
 Tensor ExpertLora::bt() const { return slot->bt.view({slot->experts, slot->rank_total, slot->out}); }
 
-Tensor ExpertLora::forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y) const {
-  const Tensor u = mul(cx, grouped_matmul(cx, x, a(), {offsets, true}), mask);
+void ExpertLora::forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y) {
+  u = mul(cx, grouped_matmul(cx, x, a(), {offsets, true}), mask);
   y = add(cx, y, grouped_matmul(cx, u, bt(), {offsets, false}));
-  return u;
 }
 
-void ExpertLora::backward(ExecContext& cx, const Tensor& x, const Tensor& u, const Tensor& dy,
-                          const std::vector<int64_t>& offsets, Tensor& dx) const {
+void ExpertLora::backward(ExecContext& cx, const Tensor& x, const Tensor& dy, const std::vector<int64_t>& offsets,
+                          Tensor& dx) const {
   auto accumulate = [&](const Tensor& grad, const Tensor& g) {
     const Tensor view = grad.view(g.shape());
     copy_into(cx, add(cx, view, g), view);
@@ -220,15 +219,15 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
   MoeActs a;
   a.x = x;
   a.xs = embedding(cx, x, r.token_ids);
-  const ExpertLora lora_gu = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
-  const ExpertLora lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
+  a.lora_gate_up = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
+  a.lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
   Tensor gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-  if (lora_gu.slot) a.lora_u_gate_up = lora_gu.forward(cx, a.xs, r.plan.offsets, gu);
+  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.plan.offsets, gu);
   a.gate = contiguous(cx, gu.narrow(1, 0, in));
   a.up = contiguous(cx, gu.narrow(1, in, in));
   a.act = swiglu(cx, a.gate, a.up);
   Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
-  if (lora_down.slot) a.lora_u_down = lora_down.forward(cx, a.act, r.plan.offsets, yd);
+  if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.plan.offsets, yd);
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
@@ -262,8 +261,7 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
   Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
   if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
-  const ExpertLora lora_down = expert_lora(layer, LoraTarget::experts_down, &b, r);
-  if (lora_down.slot) lora_down.backward(cx, a.act, a.lora_u_down, dyd, r.plan.offsets, dact);
+  if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.plan.offsets, dact);
   const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
   // d[gate | up] (P, 2I): the two (P, I) gradients stacked as (2, P, I), then interleaved per row by a transposing copy.
   const int64_t rows = dact.size(0);
@@ -273,8 +271,7 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const Tensor dgate_up = contiguous(cx, stacked.transpose(0, 1)).view({rows, 2 * in});
   if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
   Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
-  const ExpertLora lora_gu = expert_lora(layer, LoraTarget::experts_gate_up, &b, r);
-  if (lora_gu.slot) lora_gu.backward(cx, a.xs, a.lora_u_gate_up, dgate_up, r.plan.offsets, dxs);
+  if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.plan.offsets, dxs);
   // Each token's k rows summed in a fixed order (a batched product with ones).
   Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,

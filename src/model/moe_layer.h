@@ -48,6 +48,24 @@ struct MoeRoute {
   Tensor d_aux;         // (1, E) d(coef x loss_scale x aux loss)/d(probs[r, .]), the same for every row, when on
 };
 
+// The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,
+// u = (x A_e^T) * mask (P, R) -- the mask keeps each row's own adapter's columns, times its scaling -- and
+// y (P, out) += u BT_e; two grouped GEMMs each way over the slot's (E, R, in) and (E, R, out) views.
+// The forward keeps it (mask and u) in MoeActs for the backward.
+struct ExpertLora {
+  const LoraSlot* slot = nullptr;  // nullptr: no adapter here
+  Tensor mask;                     // (P, R)
+  Tensor u;                        // (P, R), set by forward
+
+  Tensor a() const;
+  Tensor bt() const;
+  // y += the term (and u is kept).
+  void forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y);
+  // The slot's gradients accumulate (dBT_e += u_e^T dy_e, dA_e += du_e^T x_e) and dx += du A_e.
+  void backward(ExecContext& cx, const Tensor& x, const Tensor& dy, const std::vector<int64_t>& offsets,
+                Tensor& dx) const;
+};
+
 // What the backward of one sparse layer reads.
 struct MoeActs {
   Tensor x;                 // (T, D) the MLP input (post-attention norm)
@@ -55,7 +73,7 @@ struct MoeActs {
   Tensor gate, up, act;     // (P, I)
   Tensor picked;            // (T, k, D) each token's k expert outputs
   Tensor sh_gate, sh_up, sh_act, sh_y, sh_sig;  // shared expert: (T, Is) x3, (T, D), sigmoid gate (T, 1)
-  Tensor lora_u_gate_up, lora_u_down;  // the experts' LoRA terms' masked (P, R) inner products, when adapted
+  ExpertLora lora_gate_up, lora_down;  // the experts' LoRA terms (slot nullptr when not adapted)
   Tensor out;               // (T, D)
 };
 
@@ -72,21 +90,6 @@ struct MlpActs {
   Tensor out;            // (T, D) the MLP's output (before the residual)
 };
 
-// The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,
-// u = (x A_e^T) * mask (P, R) -- the mask keeps each row's own adapter's columns, times its scaling -- and
-// y (P, out) += u BT_e; two grouped GEMMs each way over the slot's (E, R, in) and (E, R, out) views.
-struct ExpertLora {
-  const LoraSlot* slot = nullptr;  // nullptr: no adapter here
-  Tensor mask;                     // (P, R)
-
-  Tensor a() const;
-  Tensor bt() const;
-  // y += the term; returns u for the backward.
-  Tensor forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y) const;
-  // The slot's gradients accumulate (dBT_e += u_e^T dy_e, dA_e += du_e^T x_e) and dx += du A_e.
-  void backward(ExecContext& cx, const Tensor& x, const Tensor& u, const Tensor& dy, const std::vector<int64_t>& offsets,
-                Tensor& dx) const;
-};
 
 // Load statistics of one sparse layer for one batch (metrics): tokens routed to each expert, max / mean.
 struct ExpertLoadStat {
