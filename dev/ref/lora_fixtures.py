@@ -66,6 +66,22 @@ def write_reference(fixture_dir, batch, logits, loss, grads, metadata):
               metadata=metadata)
 
 
+def adapter_state(model, grads, name):
+    """The adapter as peft saves it, in float32; exits unless its keys are exactly the gradients' keys."""
+    from peft import get_peft_model_state_dict
+    state = {k: v.float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    if set(state) != set(grads):
+        sys.exit(f"{name}: saved keys {sorted(state)[:3]} differ from the gradient keys {sorted(grads)[:3]}")
+    return state
+
+
+def save_adapter(model, state, adapter_dir):
+    """adapter_dir/adapter_config.json (peft's own save) and adapter_model.safetensors (`state`)."""
+    from safetensors.torch import save_file
+    model.peft_config["default"].save_pretrained(adapter_dir)
+    save_file(state, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
 def key_of(name):
     """peft parameter name -> the key peft saves: drop the adapter name."""
     return name.replace(".default.", ".")
@@ -87,8 +103,7 @@ def forward_backward(model, batch):
 def write_fixture(base_root, out_dir, name, spec):
     import peft
     import transformers
-    from peft import PeftModel, get_peft_model_state_dict
-    from safetensors.torch import save_file
+    from peft import PeftModel
 
     base_dir = os.path.join(base_root, spec["base"], "model")
     fixture_dir = os.path.join(out_dir, name)
@@ -111,11 +126,7 @@ def write_fixture(base_root, out_dir, name, spec):
         q3.set_fp64_patches(False)
 
     # The adapter as peft writes it, in float32.
-    state = {k: v.float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    if set(state) != set(grads):
-        sys.exit(f"{name}: saved keys {sorted(state)[:3]} differ from the gradient keys {sorted(grads)[:3]}")
-    model.peft_config["default"].save_pretrained(adapter_dir)
-    save_file(state, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_adapter(model, adapter_state(model, grads, name), adapter_dir)
 
     # peft reads it back onto the float32 base and gives the same logits.
     reloaded = PeftModel.from_pretrained(q3.load_model(base_dir), adapter_dir).eval()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_fixtures as mfx  # noqa: E402
 import qwen3_fixtures as q3  # noqa: E402
-from lora_fixtures import key_of, write_reference  # noqa: E402
+from lora_fixtures import adapter_state, key_of, save_adapter, write_reference  # noqa: E402
 from lora_qwen3_5_fixtures import read_batch  # noqa: E402
 
 LORA_STD = 0.1
@@ -125,8 +125,7 @@ def check_expert_wrappers(model):
 def write_fixture(base_root, out_dir, name, spec):
     import peft
     import transformers
-    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save_file
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     base_fixture = os.path.join(base_root, spec["base"])
     base_dir = os.path.join(base_fixture, "model")
@@ -169,11 +168,8 @@ def write_fixture(base_root, out_dir, name, spec):
     if moved < 1e-3:
         die(f"{name}: the adapter changed the logits by only {moved:.3g}; is LoRA in the forward path?")
 
-    state = {k: v.float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    if set(state) != set(grads):
-        die(f"{name}: saved keys {sorted(state)[:3]} differ from the gradient keys {sorted(grads)[:3]}")
-    model.peft_config["default"].save_pretrained(adapter_dir)
-    save_file(state, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    state = adapter_state(model, grads, name)
+    save_adapter(model, state, adapter_dir)
 
     reloaded = PeftModel.from_pretrained(mfx.load_model(fam, base_dir), adapter_dir).eval()
     with torch.no_grad():

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qwen3_5_fixtures as q35  # noqa: E402
+from lora_fixtures import adapter_state, key_of, save_adapter, write_reference  # noqa: E402
 
 LORA_STD = 0.1
 ALL12 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -84,11 +85,6 @@ def read_batch(base_fixture_dir):
                 labels=ref["labels"].long(), logits=ref["logits"])
 
 
-def key_of(name):
-    """peft parameter name -> the key peft saves: drop the adapter name."""
-    return name.replace(".default.", ".")
-
-
 def forward_backward(model, batch):
     model.zero_grad(set_to_none=True)
     logits = torch.cat([model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None], use_cache=False).logits[0]
@@ -105,8 +101,7 @@ def forward_backward(model, batch):
 def write_fixture(base_root, out_dir, name, spec):
     import peft
     import transformers
-    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-    from safetensors.torch import save_file
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     base_fixture = os.path.join(base_root, spec["base"])
     base_dir = os.path.join(base_fixture, "model")
@@ -138,15 +133,12 @@ def write_fixture(base_root, out_dir, name, spec):
         die(f"{name}: the adapter changed the logits by only {moved:.3g}; is LoRA in the forward path?")
 
     # The adapter as peft writes it, in float32; its keys name the layout's modules.
-    state = {k: v.float().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    if set(state) != set(grads):
-        die(f"{name}: saved keys {sorted(state)[:3]} differ from the gradient keys {sorted(grads)[:3]}")
+    state = adapter_state(model, grads, name)
     prefix = "base_model.model.model.language_model.layers." if spec["multimodal"] else "base_model.model.model.layers."
     odd = [k for k in state if not k.startswith(prefix)]
     if odd:
         die(f"{name}: peft saved keys outside {prefix}*, e.g. {odd[0]} (Lathe adapts the text decoder layers only)")
-    model.peft_config["default"].save_pretrained(adapter_dir)
-    save_file(state, os.path.join(adapter_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_adapter(model, state, adapter_dir)
 
     # peft reads it back onto the float32 base and gives the same logits.
     reloaded = PeftModel.from_pretrained(load_base(base_dir, spec["multimodal"]), adapter_dir).eval()
@@ -157,15 +149,8 @@ def write_fixture(base_root, out_dir, name, spec):
     if diff > 1e-3:
         die(f"{name}: peft-reloaded float32 logits differ from the golden float64 ones by {diff:.3g}")
 
-    tensors = {"input_ids": batch["input_ids"].to(torch.int32), "cu_seqlens": batch["cu_seqlens"].to(torch.int32),
-               "position_ids": batch["position_ids"].to(torch.int32), "labels": batch["labels"].to(torch.int32),
-               "logits": logits.float(), "loss": loss.reshape(1).float()}
-    for k, g in grads.items():
-        tensors["grad." + k] = g.float()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(fixture_dir, "reference.safetensors"),
-              metadata={"fixture": name, "base": spec["base"], "transformers": transformers.__version__,
-                        "peft": peft.__version__, "torch": torch.__version__,
-                        "compute": "float64 (qwen3_5_fixtures.py patches), stored float32"})
+    write_reference(fixture_dir, batch, logits, loss, grads,
+                    {"fixture": name, "base": spec["base"], "compute": "float64 (qwen3_5_fixtures.py patches), stored float32"})
     modules = sorted({k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state})
     with open(os.path.join(fixture_dir, "README.txt"), "w", encoding="utf-8") as f:
         f.write(f"{name}: {spec['about']}\nbase model: tests/models/fixtures/qwen3_5/{spec['base']}/model\n")
