@@ -163,8 +163,8 @@ int main(int argc, char** argv) {
     dkdv("W4 BM32", [&] { launch_dkdv_tiles<T, kD, 4, 32, 1>(dims, ba, 0); });
     dkdv("W4 BM64 (config)", [&] { launch_dkdv_tiles<T, kD, 4, 64, 1>(dims, ba, 0); });
 #else
-    dkdv("W8 BM32 split2 (config)", [&] { launch_dkdv_tiles<T, kD, 8, 32, 2>(dims, ba, 0); });
-    dkdv("W8 BM64 split2", [&] { launch_dkdv_tiles<T, kD, 8, 64, 2>(dims, ba, 0); });
+    dkdv("W8 BM64 split2 (config)", [&] { launch_dkdv_tiles<T, kD, 8, 64, 2>(dims, ba, 0); });
+    dkdv("W8 BM32 split2", [&] { launch_dkdv_tiles<T, kD, 8, 32, 2>(dims, ba, 0); });
     dkdv("W4 BM32 split2", [&] { launch_dkdv_tiles<T, kD, 4, 32, 2>(dims, ba, 0); });
     dkdv("W4 BM64 split2", [&] { launch_dkdv_tiles<T, kD, 4, 64, 2>(dims, ba, 0); });
     dkdv("W16 BM32 split2", [&] { launch_dkdv_tiles<T, kD, 16, 32, 2>(dims, ba, 0); });
@@ -184,8 +184,8 @@ int main(int argc, char** argv) {
     dqk("W4 M2 BN32", [&] { launch_dq_tiles<T, kD, 4, 2, 32>(dims, ba, 0); });
     dqk("W4 M1 BN64", [&] { launch_dq_tiles<T, kD, 4, 1, 64>(dims, ba, 0); });
 #else
-    dqk("W4 M1 BN32 (config)", [&] { launch_dq_tiles<T, kD, 4, 1, 32>(dims, ba, 0); });
-    dqk("W8 M1 BN32", [&] { launch_dq_tiles<T, kD, 8, 1, 32>(dims, ba, 0); });
+    dqk("W8 M1 BN32 (config)", [&] { launch_dq_tiles<T, kD, 8, 1, 32>(dims, ba, 0); });
+    dqk("W4 M1 BN32", [&] { launch_dq_tiles<T, kD, 4, 1, 32>(dims, ba, 0); });
     dqk("W4 M1 BN64", [&] { launch_dq_tiles<T, kD, 4, 1, 64>(dims, ba, 0); });
     dqk("W8 M1 BN16", [&] { launch_dq_tiles<T, kD, 8, 1, 16>(dims, ba, 0); });
 #endif

@@ -27,8 +27,9 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // Tile shapes per head dim. Forward and dQ: a CTA of kWarps warps, each owning 16 * kRows queries (kRows row
 // tiles share every K/V fragment read from shared memory), streams key tiles of kKeys. dK/dV: 16 * kDkdvWarps /
 // kDkdvSplit keys per CTA, query tiles of kDkdvQueries; with kDkdvSplit = 2 two warps share 16 keys, each
-// accumulating half of the head dim (D = 256 would need 256 accumulator registers a thread otherwise), and both
-// recompute the scores of those keys.
+// accumulating half of the head dim (D = 256 would need 256 accumulator registers a thread otherwise): each computes
+// the scores of those keys for half of the query tile, and the two swap their halves of P and dS through shared
+// memory.
 template <int D> struct FlashConfig;
 template <> struct FlashConfig<64> {
   static constexpr int kFwdWarps = 4, kFwdRows = 2, kFwdKeys = 64, kFwdMinBlocks = 2;
@@ -204,6 +205,44 @@ __device__ __forceinline__ void gemm_pn(float (&acc)[M][N][4], const float (&p)[
       }
     }
   }
+}
+
+// The A fragments (16 x 16 each, K / 2 of them along k) of P (16 x 8*K: C fragments `p`, rounded to T), as gemm_pn
+// builds them.
+template <int K, typename T>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[K / 2][4], const float (&p)[1][K][4]) {
+#pragma unroll
+  for (int kk = 0; kk < K / 2; ++kk) {
+    a[kk][0] = pack2<T>(p[0][2 * kk][0], p[0][2 * kk][1]);
+    a[kk][1] = pack2<T>(p[0][2 * kk][2], p[0][2 * kk][3]);
+    a[kk][2] = pack2<T>(p[0][2 * kk + 1][0], p[0][2 * kk + 1][1]);
+    a[kk][3] = pack2<T>(p[0][2 * kk + 1][2], p[0][2 * kk + 1][3]);
+  }
+}
+
+// acc (16 x 8*N, cols c0..) += A (16 x 16*KK: A fragments in shared memory, word (kk * 4 + reg) * 32 + lane at
+// `frags`) * tile rows 0..16*KK.
+template <int D, int N, int KK, typename T>
+__device__ __forceinline__ void gemm_fn(float (&acc)[1][N][4], const uint32_t* frags, uint32_t b_base, int c0,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < KK; ++kk) {
+    uint32_t a[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = frags[(kk * 4 + r) * 32 + lane];
+#pragma unroll
+    for (int dd = 0; dd < N / 2; ++dd) {
+      uint32_t b[4];
+      load_b_nn<D, T>(b, b_base, kk * 16, c0 + dd * 16, lane);
+      mma16816<T>(acc[0][2 * dd], a, b[0], b[1]);
+      mma16816<T>(acc[0][2 * dd + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Waits for the `threads` threads (a multiple of 32) of the CTA that use barrier `id` (1..15; 0 is __syncthreads').
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <int M, int N> __device__ __forceinline__ void zero(float (&acc)[M][N][4]) {
@@ -465,13 +504,18 @@ __global__ void flash_attention_row_stats_kernel(const T* o, const T* dout, cons
   }
 }
 
-// One CTA per (key tile, kv head). Warp w owns keys 16 * (w % kKeyWarps) .. + 16 of the tile and, with a
-// split head dim, the dK/dV columns of part w / kKeyWarps. Loops over (q head of the group, query tile from
-// the key tile's start to the document end), prefetching the next pair's Q, dO and statistics.
+// One CTA per (key tile, kv head). Warp w owns keys 16 * (w % kKeyWarps) .. + 16 of the tile and, with a split head
+// dim, the dK/dV columns of part w / kKeyWarps; it computes P and dS of its keys for queries [part * BQ, + BQ) of each
+// query tile (BQ = BM / kSplit) and, when split, swaps them with the other part's warp through shared memory (as mma
+// A fragments; a named barrier per pair). Loops over (q head of the group, query tile from the key tile's start to
+// the document end), prefetching the next pair's Q, dO and statistics.
 template <typename T, int D, int W, int BM, int kSplit>
 __global__ void __launch_bounds__(W * 32, 1) flash_attention_dkdv_kernel(BackwardArgs<T> a) {
-  constexpr int kThreads = 32 * W, kKeyWarps = W / kSplit, BN = 16 * kKeyWarps, DW = D / kSplit;
+  constexpr int kThreads = 32 * W, kKeyWarps = W / kSplit, BN = 16 * kKeyWarps, DW = D / kSplit, BQ = BM / kSplit;
   static_assert(2 * BM <= kThreads, "one thread per statistic copy");
+  static_assert(kSplit == 1 || kSplit == 2, "a head dim split in at most two parts");
+  static_assert(BQ % 16 == 0, "each part's queries are whole A fragments");
+  constexpr int kFragWords = (BM / 16) * 4 * 32;  // one 16 x BM matrix as A fragments, per pair
   extern __shared__ __align__(128) unsigned char smem[];
   T* ks = reinterpret_cast<T*>(smem);  // (BN, D)
   T* vs = ks + BN * D;                 // (BN, D)
@@ -479,6 +523,7 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attention_dkdv_kernel(Backwar
   T* dos = qs + 2 * BM * D;            // 2 x (BM, D)
   float* lse_s = reinterpret_cast<float*>(dos + 2 * BM * D);  // 2 x BM
   float* delta_s = lse_s + 2 * BM;                            // 2 x BM
+  uint32_t* frags = reinterpret_cast<uint32_t*>(delta_s + 2 * BM);  // split: kKeyWarps x {P, dS} x kFragWords
 
   const int kvh = int(blockIdx.x % unsigned(a.kv_heads));
   const TileSpan sp = locate_tile(a.cu, a.n_docs, a.tokens, BN, int64_t(blockIdx.x / unsigned(a.kv_heads)), false);
@@ -504,7 +549,10 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attention_dkdv_kernel(Backwar
   cp_async_commit();
 
   const int warp = int(threadIdx.x / 32), lane = int(threadIdx.x % 32), g = lane >> 2, t = lane & 3;
-  const int kr = (warp % kKeyWarps) * 16, c0 = (warp / kKeyWarps) * DW;
+  const int pair = warp % kKeyWarps, part = warp / kKeyWarps;
+  const int kr = pair * 16, c0 = part * DW, q_off = part * BQ;
+  uint32_t* p_frags = frags + pair * 2 * kFragWords;  // this pair's P, then dS
+  uint32_t* ds_frags = p_frags + kFragWords;
   const int64_t j0 = k0 + kr;  // this warp's first key; the thread's keys are j0 + g and + 8
   const float sl2 = a.scale * kLog2e;
   const uint32_t k_base = smem_addr(ks), v_base = smem_addr(vs);
@@ -523,23 +571,23 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attention_dkdv_kernel(Backwar
       cp_async_wait<0>();
     }
     __syncthreads();
-    if (i0 + BM - 1 >= j0) {  // otherwise every query of the tile comes before every key of this warp
+    if (i0 + BM - 1 >= j0) {  // otherwise every query of the tile comes before every key of this pair
       const uint32_t q_base = smem_addr(qs + buf * BM * D), do_base = smem_addr(dos + buf * BM * D);
-      float s[1][BM / 8][4], dp[1][BM / 8][4];  // S^T and dP^T: (16 keys, BM queries)
+      float s[1][BQ / 8][4], dp[1][BQ / 8][4];  // S^T and dP^T: (16 keys, this part's BQ queries)
       zero(s);
       zero(dp);
-      gemm_nt<D, 1, BM / 8, T>(s, k_base, kr, q_base, 0, lane);
-      gemm_nt<D, 1, BM / 8, T>(dp, v_base, kr, do_base, 0, lane);
+      gemm_nt<D, 1, BQ / 8, T>(s, k_base, kr, q_base, q_off, lane);
+      gemm_nt<D, 1, BQ / 8, T>(dp, v_base, kr, do_base, q_off, lane);
       const bool mask = i0 < j0 + 15 || i0 + BM > sp.end;
       const int rel = int(i0 - j0);  // query i0 + c comes before key j0 + g when g > rel + c
       const int in_doc = int(sp.end - i0 < BM ? sp.end - i0 : BM);  // queries of the tile inside the document
       const float* ls = lse_s + buf * BM;
       const float* ds = delta_s + buf * BM;
 #pragma unroll
-      for (int nt = 0; nt < BM / 8; ++nt)
+      for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + 2 * t + e;
+          const int c = q_off + nt * 8 + 2 * t + e;
           const float l2 = ls[c], dl = ds[c];
           float p0 = exp2_approx(fmaf(s[0][nt][e], sl2, -l2)), p1 = exp2_approx(fmaf(s[0][nt][2 + e], sl2, -l2));
           if (mask) {  // keys after the query, or queries past the document end
@@ -551,10 +599,27 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attention_dkdv_kernel(Backwar
           dp[0][nt][e] = p0 * (dp[0][nt][e] - dl);
           dp[0][nt][2 + e] = p1 * (dp[0][nt][2 + e] - dl);
         }
-      gemm_pn<D, 1, DW / 8, BM / 8, T>(dv, s, do_base, c0, lane);  // dV += P^T dO
-      gemm_pn<D, 1, DW / 8, BM / 8, T>(dk, dp, q_base, c0, lane);  // dK += dS^T Q
+      if constexpr (kSplit == 1) {
+        gemm_pn<D, 1, DW / 8, BM / 8, T>(dv, s, do_base, c0, lane);  // dV += P^T dO
+        gemm_pn<D, 1, DW / 8, BM / 8, T>(dk, dp, q_base, c0, lane);  // dK += dS^T Q
+      } else {
+        uint32_t pa[BQ / 16][4], da[BQ / 16][4];
+        pack_a<BQ / 8, T>(pa, s);
+        pack_a<BQ / 8, T>(da, dp);
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int word = ((part * (BQ / 16) + kk) * 4 + r) * 32 + lane;
+            p_frags[word] = pa[kk][r];
+            ds_frags[word] = da[kk][r];
+          }
+        named_barrier(1 + pair, 64);  // the pair's two warps: both halves written
+        gemm_fn<D, DW / 8, BM / 16, T>(dv, p_frags, do_base, c0, lane);  // dV += P^T dO
+        gemm_fn<D, DW / 8, BM / 16, T>(dk, ds_frags, q_base, c0, lane);  // dK += dS^T Q
+      }
     }
-    __syncthreads();  // the next iteration's copy overwrites this buffer
+    __syncthreads();  // the next iteration's copy overwrites this buffer (and, split, the fragments)
   }
 
 #pragma unroll
@@ -726,7 +791,8 @@ void launch_row_stats(const AttentionDims& dims, const T* o, const T* dout, cons
 template <typename T, int D, int W, int BM, int kSplit>
 void launch_dkdv_tiles(const AttentionDims& dims, const BackwardArgs<T>& args, cudaStream_t stream) {
   constexpr int BN = 16 * W / kSplit;
-  const size_t bytes = size_t(2 * BN + 4 * BM) * D * sizeof(T) + 4 * BM * sizeof(float);
+  const size_t frag_bytes = kSplit > 1 ? size_t(W / kSplit) * 2 * (BM / 16) * 4 * 32 * sizeof(uint32_t) : 0;
+  const size_t bytes = size_t(2 * BN + 4 * BM) * D * sizeof(T) + 4 * BM * sizeof(float) + frag_bytes;
   auto kernel = flash_attention_dkdv_kernel<T, D, W, BM, kSplit>;
   set_smem(kernel, bytes);
   kernel<<<grid_for_tiles(dims, BN, dims.kv_heads), W * 32, bytes, stream>>>(args);

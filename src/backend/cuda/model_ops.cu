@@ -67,10 +67,13 @@ template <typename T> __global__ void float_to_kernel(int64_t n, const float* sr
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 
 // ---------------------------------------------------------------- rmsnorm, gated rmsnorm
-// One warp per row, kNormWarps rows per block. Lane l owns the packs (kN consecutive elements; 16 bytes when h
-// is a multiple of the pack and the buffers are aligned, else kN = 1) l, l + 32, l + 64, ... of a row: the first
-// kC of them stay in registers between the two passes over the row, as do the matching packs of w; the packs of
-// rows wider than 32 * kC packs are read again. Row sums are warp shuffles.
+// A group of kLanes lanes (8, 16 or 32: the fewest that give every lane a pack) per row, kNormThreads / kLanes rows
+// per block. Lane l of a group owns the packs (kN consecutive elements; 16 bytes when h is a multiple of the pack and
+// the buffers are aligned, else kN = 1) l, l + kLanes, l + 2 kLanes, ... of a row: the first kC of them stay in
+// registers between the two passes over the row, as do the matching packs of w; the packs of rows wider than
+// kLanes * kC packs are read again. Row sums are shuffles within the group (its own lane mask, so the groups of a
+// warp may run different row counts). Rows of 8 or 16 packs (head dims 64 and 128 in bf16) would leave half a warp
+// idle with one warp per row.
 // kGated: the same kernels for gated_rmsnorm, y = rmsnorm(x) * silu(z) (one rounding, at y). The forward reads z
 // once, when it writes y; the backward keeps z's packs in registers beside x and dy (its gradient into the norm is
 // g = dy silu(z)) and also writes dz. Non-gated calls pass null z / dz, never touched.
@@ -87,12 +90,31 @@ __device__ WarpIndex warp_index() {
   return {blockIdx.x * int64_t(warps) + threadIdx.x / 32, int64_t(gridDim.x) * warps, int(threadIdx.x % 32)};
 }
 
-// Packs lane, lane + 32, ... (kC of them) of a row of `packs` packs; those past the row are left unset.
-template <int kC, typename T, int kN>
+// This thread's lane group: its index over the grid, the number of groups, its lane in the group and the group's
+// lanes in the warp.
+template <int kLanes> struct LaneGroup {
+  int64_t index, count;
+  int lane;
+  unsigned mask;
+};
+template <int kLanes> __device__ __forceinline__ LaneGroup<kLanes> lane_group() {
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32);
+  const int in_warp = int(threadIdx.x % 32);
+  const unsigned mask = kLanes == 32 ? kFullMask : ((1u << kLanes) - 1u) << (in_warp / kLanes * kLanes);
+  return {global_thread() / kLanes, grid_threads() / kLanes, in_warp % kLanes, mask};
+}
+template <int kLanes> __device__ __forceinline__ float group_sum(float v, unsigned mask) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
+  return v;
+}
+
+// Packs lane, lane + kLanes, ... (kC of them) of a row of `packs` packs; those past the row are left unset.
+template <int kLanes, int kC, typename T, int kN>
 __device__ __forceinline__ void load_lane_packs(const T* row, int64_t packs, int lane, Pack<T, kN> (&v)[kC]) {
 #pragma unroll
   for (int c = 0; c < kC; ++c)
-    if (lane + 32 * c < packs) v[c] = load_pack<T, kN>(row + (lane + 32 * c) * kN);
+    if (lane + kLanes * c < packs) v[c] = load_pack<T, kN>(row + (lane + kLanes * c) * kN);
 }
 
 template <typename T, int kN> __device__ __forceinline__ float sum_squares(const Pack<T, kN>& x) {
@@ -127,30 +149,30 @@ __device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pa
   return y;
 }
 
-template <bool kGated, typename T, int kN, int kC>
+template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, const T* z, T* y) {
-  const WarpIndex wi = warp_index();
+  const LaneGroup<kLanes> lg = lane_group<kLanes>();
   const int64_t packs = h / kN;
   Pack<T, kN> wv[kC];
-  load_lane_packs(w, packs, wi.lane, wv);
-  for (int64_t r = wi.first; r < rows; r += wi.stride) {
+  load_lane_packs<kLanes>(w, packs, lg.lane, wv);
+  for (int64_t r = lg.index; r < rows; r += lg.count) {
     const T* xr = x + r * h;
     T* yr = y + r * h;
     Pack<T, kN> xv[kC];
-    load_lane_packs(xr, packs, wi.lane, xv);
+    load_lane_packs<kLanes>(xr, packs, lg.lane, xv);
     float ss = 0;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
-      if (wi.lane + 32 * c < packs) ss += sum_squares(xv[c]);
-    for (int64_t a = wi.lane + 32 * kC; a < packs; a += 32) ss += sum_squares(load_pack<T, kN>(xr + a * kN));
-    const float inv = rsqrtf(warp_sum(ss) / float(h) + eps);
+      if (lg.lane + kLanes * c < packs) ss += sum_squares(xv[c]);
+    for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes) ss += sum_squares(load_pack<T, kN>(xr + a * kN));
+    const float inv = rsqrtf(group_sum<kLanes>(ss, lg.mask) / float(h) + eps);
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int64_t a = wi.lane + 32 * c;
+      const int64_t a = lg.lane + kLanes * c;
       if (a < packs) store_pack(yr + a * kN, normalized<kGated>(xv[c], wv[c], z, r * h + a * kN, inv, offset));
     }
-    for (int64_t a = wi.lane + 32 * kC; a < packs; a += 32)
+    for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes)
       store_pack(yr + a * kN, normalized<kGated>(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(w + a * kN), z,
                                                  r * h + a * kN, inv, offset));
   }
@@ -207,50 +229,50 @@ __device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pac
 }
 
 // dx_j = inv * g_j (offset + w_j) - x_j * inv^3 / H * sum_k g_k (offset + w_k) x_k with g = dy (times silu(z) where
-// kGated). Warp `warp` (< n_partial) takes the rows warp, warp + n_partial, ... and accumulates dw_j = sum over them
-// of g_j x_j inv into its own row of `partial` (n_partial, h): in registers for the packs it keeps there, written
+// kGated). Lane group `group` (< n_partial) takes the rows group, group + n_partial, ... and accumulates dw_j = sum over
+// them of g_j x_j inv into its own row of `partial` (n_partial, h): in registers for the packs it keeps there, written
 // once at the end; in place for the packs of wider rows. A lane always owns the same columns, so there are no
 // atomics and the order is fixed.
-template <bool kGated, typename T, int kN, int kC>
+template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_kernel(int64_t rows, int64_t h, int64_t n_partial, float eps, float offset, const T* x,
                             const T* w, const T* z, const T* dy, T* dx, T* dz, float* partial) {
-  const int64_t warp = blockIdx.x * int64_t(kNormWarps) + threadIdx.x / 32;
-  const int lane = int(threadIdx.x % 32);
-  if (warp >= n_partial) return;  // the last block's spare warps (no block-wide synchronisation below)
+  const LaneGroup<kLanes> lg = lane_group<kLanes>();
+  const int lane = lg.lane;
+  if (lg.index >= n_partial) return;  // spare groups of the last block (only group-wide shuffles below)
   const int64_t packs = h / kN;
-  float* pdw = partial + warp * h;
+  float* pdw = partial + lg.index * h;
   Pack<T, kN> wv[kC];
-  load_lane_packs(w, packs, lane, wv);
+  load_lane_packs<kLanes>(w, packs, lane, wv);
   float dw[kC][kN] = {};
-  for (int64_t a = lane + 32 * kC; a < packs; a += 32)
+  for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes)
     for (int k = 0; k < kN; ++k) pdw[a * kN + k] = 0.0f;
-  for (int64_t r = warp; r < rows; r += n_partial) {
+  for (int64_t r = lg.index; r < rows; r += n_partial) {
     const int64_t row = r * h;  // first element of the row in x, z, dy, dx and dz
     Pack<T, kN> xv[kC], gv[kC], zv[kC];
-    load_lane_packs(x + row, packs, lane, xv);
-    load_lane_packs(dy + row, packs, lane, gv);
-    if constexpr (kGated) load_lane_packs(z + row, packs, lane, zv);
+    load_lane_packs<kLanes>(x + row, packs, lane, xv);
+    load_lane_packs<kLanes>(dy + row, packs, lane, gv);
+    if constexpr (kGated) load_lane_packs<kLanes>(z + row, packs, lane, zv);
     float ss = 0, dot = 0;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
-      if (lane + 32 * c < packs) norm_sums<kGated>(xv[c], gv[c], zv[c], wv[c], offset, ss, dot);
-    for (int64_t a = lane + 32 * kC; a < packs; a += 32)
+      if (lane + kLanes * c < packs) norm_sums<kGated>(xv[c], gv[c], zv[c], wv[c], offset, ss, dot);
+    for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes)
       norm_sums<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
                         gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), offset, ss, dot);
-    ss = warp_sum(ss);
-    dot = warp_sum(dot);
+    ss = group_sum<kLanes>(ss, lg.mask);
+    dot = group_sum<kLanes>(dot, lg.mask);
     const float inv = rsqrtf(ss / float(h) + eps);
     const float coef = inv * inv * inv * dot / float(h);
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int64_t a = lane + 32 * c;
+      const int64_t a = lane + kLanes * c;
       if (a >= packs) continue;
       Pack<T, kN> dzv;
       store_pack(dx + row + a * kN, norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], offset, inv, coef, dw[c], dzv));
       if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
     }
-    for (int64_t a = lane + 32 * kC; a < packs; a += 32) {
+    for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes) {
       float acc[kN];
       for (int k = 0; k < kN; ++k) acc[k] = pdw[a * kN + k];
       Pack<T, kN> dzv;
@@ -264,23 +286,36 @@ __global__ void __launch_bounds__(kNormThreads)
   }
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
-    const int64_t a = lane + 32 * c;
+    const int64_t a = lane + kLanes * c;
     if (a < packs)
       for (int k = 0; k < kN; ++k) pdw[a * kN + k] = dw[c][k];
   }
 }
 
-// dw_j = sum of the partial rows in a fixed order (deterministic), in two passes so that many threads share the
-// work: pass 1 sums groups of kNormGroup partial rows (grid.y = group), pass 2 sums the group sums into dw.
-constexpr int64_t kNormGroup = 64;
+// dw_j = sum of the partial rows in a fixed order (deterministic), in two passes. Pass 1: a block of 32 columns x 8
+// row lanes per (column tile, group of kNormGroup partial rows); row lane i sums rows i, i + 8, ... of the group, then
+// the 8 row-lane sums are added in order. Pass 2 sums the group sums into dw.
+constexpr int64_t kNormGroup = 128;
+constexpr int kColumnTile = 32, kColumnRowLanes = 8;
 
-__global__ void column_group_sum_kernel(int64_t n_partial, int64_t h, const float* partial, float* sums) {
-  const int64_t g = blockIdx.y;
+__global__ void __launch_bounds__(kColumnTile * kColumnRowLanes)
+    column_group_sum_kernel(int64_t n_partial, int64_t h, const float* partial, float* sums) {
+  __shared__ float lane_sums[kColumnRowLanes][kColumnTile + 1];
+  const int tx = int(threadIdx.x % kColumnTile), ty = int(threadIdx.x / kColumnTile);
+  const int64_t j = blockIdx.x * int64_t(kColumnTile) + tx, g = blockIdx.y;
   const int64_t end = min(n_partial, (g + 1) * kNormGroup);
-  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < h; j += int64_t(gridDim.x) * blockDim.x) {
-    float acc = 0;
-    for (int64_t b = g * kNormGroup; b < end; ++b) acc += partial[b * h + j];
-    sums[g * h + j] = acc;
+  float acc = 0;
+  if (j < h) {
+#pragma unroll 8
+    for (int64_t b = g * kNormGroup + ty; b < end; b += kColumnRowLanes) acc += partial[b * h + j];
+  }
+  lane_sums[ty][tx] = acc;
+  __syncthreads();
+  if (ty == 0 && j < h) {
+    float total = 0;
+#pragma unroll
+    for (int i = 0; i < kColumnRowLanes; ++i) total += lane_sums[i][tx];
+    sums[g * h + j] = total;
   }
 }
 
@@ -292,12 +327,12 @@ template <typename T> __global__ void column_sum_kernel(int64_t n_partial, int64
   }
 }
 
-// Rows of partial dw = warps of the rmsnorm backward (each walks rows / n_partial rows): about kNormPartialFloats
+// Partial dw rows = lane groups of the rmsnorm backward (each walks rows / n_partial rows): about kNormPartialFloats
 // floats of partial sums, so that writing and summing them stays small next to the rows, within
-// [kMinNormPartials, kMaxNormPartials] warps (enough to keep loads in flight on every SM, few enough to run as a
-// single wave at up to 128 registers a thread on a 132-SM GPU), and never more than rows.
+// [kMinNormPartials, kMaxNormPartials] groups (enough to keep loads in flight on every SM; 4096 groups of 16 lanes
+// are one wave at up to 128 registers a thread on a 132-SM GPU), and never more than rows.
 constexpr int64_t kNormPartialFloats = int64_t(1) << 20;
-constexpr int64_t kMinNormPartials = 1024, kMaxNormPartials = 2048;
+constexpr int64_t kMinNormPartials = 1024, kMaxNormPartials = 4096;
 
 int64_t norm_partials(int64_t rows, int64_t h) {
   int64_t p = h > 0 ? kNormPartialFloats / h : kMaxNormPartials;
@@ -305,23 +340,27 @@ int64_t norm_partials(int64_t rows, int64_t h) {
   return rows < p ? rows : p;
 }
 
-template <int kN, int kC> struct NormShape {
-  static constexpr int pack = kN, cached = kC;
+template <int kN, int kC, int kLanes> struct NormShape {
+  static constexpr int pack = kN, cached = kC, lanes = kLanes;
+  static constexpr int rows_per_block = kNormThreads / kLanes;
 };
-// Calls f(NormShape<kN, kC>{}): kN = 16 / sizeof(T) when `packed` (h a multiple of it, every buffer 16-byte
-// aligned), else 1; kC = the packs a lane keeps in registers, enough for the whole row up to kMaxC (8 for the
-// forward; 4 for the backward, which also keeps x, dy and dw: 8 spills registers with bf16). The gated backward
-// keeps z too: with bf16 packs, 120 registers at kC = 1 (h = 128) to 234 at kC = 4, no spills (ptxas, sm_90).
+// Calls f(NormShape<kN, kC, kLanes>{}): kN = 16 / sizeof(T) when `packed` (h a multiple of it, every buffer 16-byte
+// aligned), else 1; kLanes = 8 or 16 lanes a row for rows of at most that many packs, else 32; kC = the packs a lane
+// keeps in registers, enough for the whole row up to kMaxC (8 for the forward; 4 for the backward, which also keeps
+// x, dy and dw: 8 spills registers with bf16). The gated backward keeps z too: with bf16 packs, 120 registers at
+// kC = 1 (h = 128) to 234 at kC = 4, no spills (ptxas, sm_90).
 template <typename T, int kMaxC, typename F> void dispatch_norm(int64_t h, bool packed, F f) {
   static_assert(kMaxC == 4 || kMaxC == 8);
   constexpr int kV = kPackOf16<T>;
   const auto by_lane_packs = [&](auto pack) {
     constexpr int kN = decltype(pack)::value;
-    const int64_t per_lane = (h / kN + 31) / 32;
-    if (per_lane <= 1) f(NormShape<kN, 1>{});
-    else if (per_lane <= 2) f(NormShape<kN, 2>{});
-    else if (per_lane <= 4 || kMaxC == 4) f(NormShape<kN, 4>{});
-    else f(NormShape<kN, kMaxC>{});
+    const int64_t packs = h / kN, per_lane = (packs + 31) / 32;
+    if (packs <= 8) f(NormShape<kN, 1, 8>{});
+    else if (packs <= 16) f(NormShape<kN, 1, 16>{});
+    else if (per_lane <= 1) f(NormShape<kN, 1, 32>{});
+    else if (per_lane <= 2) f(NormShape<kN, 2, 32>{});
+    else if (per_lane <= 4 || kMaxC == 4) f(NormShape<kN, 4, 32>{});
+    else f(NormShape<kN, kMaxC, 32>{});
   };
   if (packed && h % kV == 0) by_lane_packs(std::integral_constant<int, kV>{});
   else by_lane_packs(std::integral_constant<int, 1>{});
@@ -715,7 +754,8 @@ void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset
     using T = decltype(t);
     dispatch_norm<T, 8>(h, packed, [&](auto shape) {
       using S = decltype(shape);
-      rmsnorm_kernel<kGated, T, S::pack, S::cached><<<grid_for(rows, kNormWarps), kNormThreads, 0, stream>>>(
+      rmsnorm_kernel<kGated, T, S::pack, S::cached, S::lanes>
+          <<<grid_for(rows, S::rows_per_block), kNormThreads, 0, stream>>>(
           rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
           static_cast<const T*>(z), static_cast<T*>(y));
     });
@@ -734,21 +774,22 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
     return;
   }
   const int64_t n_partial = norm_partials(rows, h);
-  const int blocks = int((n_partial + kNormWarps - 1) / kNormWarps);
   const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) &&
                       (!kGated || (aligned16(z) && aligned16(dz)));
   dispatch(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 4>(h, packed, [&](auto shape) {
       using S = decltype(shape);
-      rmsnorm_backward_kernel<kGated, T, S::pack, S::cached><<<blocks, kNormThreads, 0, stream>>>(
+      const int blocks = int((n_partial + S::rows_per_block - 1) / S::rows_per_block);
+      rmsnorm_backward_kernel<kGated, T, S::pack, S::cached, S::lanes><<<blocks, kNormThreads, 0, stream>>>(
           rows, h, n_partial, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
           static_cast<const T*>(z), static_cast<const T*>(dy), static_cast<T*>(dx), static_cast<T*>(dz), scratch);
     });
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
     const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
     float* sums = scratch + n_partial * h;
-    column_group_sum_kernel<<<dim3(unsigned(grid_for(h, kThreads)), unsigned(groups)), kThreads, 0, stream>>>(
+    const unsigned tiles = unsigned((h + kColumnTile - 1) / kColumnTile);
+    column_group_sum_kernel<<<dim3(tiles, unsigned(groups)), kColumnTile * kColumnRowLanes, 0, stream>>>(
         n_partial, h, scratch, sums);
     LATHE_CUDA_LAUNCH_CHECK("column_group_sum_kernel");
     column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(groups, h, sums, static_cast<T*>(dw));
