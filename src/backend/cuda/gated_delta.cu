@@ -451,6 +451,11 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
   const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
 }
+// 4-byte asynchronous copy global -> shared (always valid).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
 // Waits for every cp.async this thread issued; a barrier must follow before other threads read the data.
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
@@ -467,6 +472,12 @@ __device__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n,
     const bf16* p = r < n ? src + ((t0 + r) * heads + head) * width + col0 + c : src;
     cp_async16(dst + r * ld + c, p, r < n);
   }
+}
+
+// Starts copying the chunk's b (rows [t0, t0 + n) of head `head` of the (T, heads) fp32 cumsum) into sb[0..64); rows
+// past n repeat row n - 1. Complete like load_tile.
+__device__ __forceinline__ void load_b(float* sb, const float* b, int64_t t0, int n, int64_t heads, int64_t head) {
+  if (threadIdx.x < kChunk) cp_async4(sb + threadIdx.x, b + (t0 + min(int(threadIdx.x), n - 1)) * heads + head);
 }
 
 // Copies rows [0, n) x COLS of a shared tile (row stride ld) to rows [t0, t0 + n) of head `head` of a
@@ -669,9 +680,15 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
 
 // The forward state scan over the chunks of one (document, value head, kScanV columns of d_v); the state lives in
 // fp32 registers (a (128, kScanV) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
-constexpr size_t kScanSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * kChunk;
+// W, U, Q and P of the next chunk are fetched while this one computes. kPrefetchK: K and b too (into the other of two
+// buffers), so a chunk waits on no global load; without it they are fetched at the chunk's start, and the block's
+// shared memory stays small enough for two blocks an SM (where the grid has more blocks than SMs).
+constexpr size_t scan_smem(bool prefetch_k) {
+  const int bufs = prefetch_k ? 2 : 1;
+  return sizeof(bf16) * ((2 + bufs) * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * bufs * kChunk;
+}
 // kScanV: d_v columns per block (state tile (128, kScanV)), 64 or 32.
-template <bool kStates, int kScanV>
+template <bool kStates, int kScanV, bool kPrefetchK>
 __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
@@ -680,12 +697,13 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
   bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
-  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD), scaled to Gamma_n K after P is formed
-  bf16* Ub = Kb + kChunk * kLdD;             // (64, kLdC)
+  constexpr int kBufs = kPrefetchK ? 2 : 1;
+  bf16* Kbuf = Qb + kChunk * kLdD;           // kBufs x (64, kLdD), scaled to Gamma_n K after P is formed
+  bf16* Ub = Kbuf + kBufs * kChunk * kLdD;   // (64, kLdC)
   bf16* Db = Ub + kChunk * kLdC;             // (64, kLdC) Delta
   bf16* Pb = Db + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
   bf16* Sb = Pb + kChunk * kLdC;             // (128, kLdC) the state in bf16
-  float* sb = reinterpret_cast<float*>(Sb + kD * kLdC);
+  float* sbuf = reinterpret_cast<float*>(Sb + kD * kLdC);  // kBufs x 64: b
   Tile<128, kScanV> S;
   S.zero();
   const int64_t first_chunk = a.offsets[doc];
@@ -693,7 +711,10 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     const int n = int(min(int64_t(kChunk), sp.end - t0));
     const int64_t t_next = t0 + kChunk;
     const int n_next = int(min(int64_t(kChunk), sp.end - t_next));  // <= 0: no next chunk
-    if (ci == 0) {  // later chunks' W, U and Q were prefetched during the previous chunk
+    const int kbuf = kPrefetchK ? int(ci & 1) : 0;
+    bf16* Kb = Kbuf + kbuf * kChunk * kLdD;
+    float* sb = sbuf + kbuf * kChunk;
+    if (ci == 0) {  // later chunks' W, U, Q and P were prefetched during the previous chunk
       load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
       load_tile<kScanV>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
       if (!kStates) {
@@ -701,14 +722,17 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
         load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
       }
     }
-    load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
-    if (threadIdx.x < kChunk) {
-      const int r = threadIdx.x;
-      sb[r] = a.b[(t0 + min(r, n - 1)) * a.hv + h];
+    if (ci == 0 || !kPrefetchK) {
+      load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
+      load_b(sb, a.b, t0, n, a.hv, h);
     }
     S.each_pair([&](int i, int j, float x0, float x1) { st_bf2(Sb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
+    if (kPrefetchK && n_next > 0) {  // the other K and b buffers were last read by the previous chunk's update
+      load_tile<kD>(Kbuf + ((ci + 1) & 1) * kChunk * kLdD, kLdD, a.k, t_next, n_next, a.hk, kh, kD, 0);
+      load_b(sbuf + ((ci + 1) & 1) * kChunk, a.b, t_next, n_next, a.hv, h);
+    }
     if (kStates || a.hs)  // H[c] (the backward's, or the op's saved states), 16-byte stores
       store_tile<kScanV>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
     {
@@ -1294,25 +1318,40 @@ namespace {
 // SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs).
 // Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
 // H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md). Two blocks per SM gained nothing.
-int scan_columns(const GdnShape& s) {
+int multiprocessors() {
   static const int sms = [] {
     int device = 0, n = 0;
     LATHE_CUDA_CHECK(cudaGetDevice(&device));
     LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
     return n;
   }();
-  return s.docs * s.v_heads * (kD / 64) < sms ? 32 : 64;
+  return sms;
+}
+int scan_columns(const GdnShape& s) { return s.docs * s.v_heads * (kD / 64) < multiprocessors() ? 32 : 64; }
+
+// The forward scan also prefetches K and b where its blocks fit one wave of one block an SM: the larger shared memory
+// then costs no residency. With more blocks, the smaller variant runs two blocks an SM, which hides more (H100: the
+// 0.8B model's 128 blocks, 9.13 -> 8.62 ms of forward GDN a step with the prefetch; bench/run_gdn.sh's 256 blocks,
+// forward 1.24 -> 1.43 ms with it, docs/benchmarks.md).
+bool scan_prefetch_k(const GdnShape& s, int columns) {
+  return s.docs * s.v_heads * (kD / columns) <= multiprocessors();
 }
 
-template <bool kStates, int V> void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  allow_smem(scan_forward_kernel<kStates, V>, kScanSmem);
-  scan_forward_kernel<kStates, V><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanSmem,
-                                       stream>>>(a);
+template <bool kStates, int V, bool kPrefetchK>
+void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  constexpr size_t smem = scan_smem(kPrefetchK);
+  allow_smem(scan_forward_kernel<kStates, V, kPrefetchK>, smem);
+  scan_forward_kernel<kStates, V, kPrefetchK>
+      <<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, smem, stream>>>(a);
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
 }
 template <bool kStates> void launch_scan_forward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  if (scan_columns(s) == 32) launch_scan_forward_v<kStates, 32>(a, s, stream);
-  else launch_scan_forward_v<kStates, 64>(a, s, stream);
+  const int columns = scan_columns(s);
+  const bool prefetch = scan_prefetch_k(s, columns);
+  if (columns == 32 && prefetch) launch_scan_forward_v<kStates, 32, true>(a, s, stream);
+  else if (columns == 32) launch_scan_forward_v<kStates, 32, false>(a, s, stream);
+  else if (prefetch) launch_scan_forward_v<kStates, 64, true>(a, s, stream);
+  else launch_scan_forward_v<kStates, 64, false>(a, s, stream);
 }
 template <int V> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
   allow_smem(scan_backward_kernel<V>, kScanBwdSmem);

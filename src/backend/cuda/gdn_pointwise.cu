@@ -4,6 +4,7 @@
 // ddt_bias, the conv's dw) run in a fixed order, so every output is bitwise reproducible. The delta rule itself is in
 // gated_delta.cu; the launchers are declared in gated_delta_launchers.h.
 // Covered by tests/ops (testing/op_cases_gated_delta.cpp) and tests/models/test_qwen3_5_cuda.cpp.
+#include <initializer_list>
 #include <type_traits>
 
 #include "backend/cuda/check.h"
@@ -64,128 +65,157 @@ __global__ void decay_backward_kernel(int64_t tokens, int64_t heads, const T* a,
 }
 
 // --------------------------------------------------------------------------------------------------- conv1d
-// A block covers kConvChannels consecutive channels (coalesced) of one slab of consecutive tokens; each thread walks
-// its channel along the slab keeping a sliding window of the last W inputs in registers, so every input is loaded
-// once and a document's span is looked up only where a document starts. kW > 0 is the width at compile time (the
+// A block covers kConvThreads x kV consecutive channels of one slab of consecutive tokens; each thread walks its kV
+// channels (a 16-byte pack when the channel count and buffers allow, else one channel) along the slab keeping a
+// sliding window of the last W inputs in registers, so every input is loaded once, a warp moves 16 bytes a lane per
+// token, and a document's span is looked up only where a document starts. kW > 0 is the width at compile time (the
 // model's 4, and 2, 3); kW = 0 takes any width up to kMaxConvWidth at run time (taps past it are zero).
-// Window convention: win[k] = the input k tokens back (k = 0 newest); y[t] = sum_k tap[k] win[k], tap[k] = w[c, W-1-k].
-constexpr int kConvChannels = 128;
+// Window convention: win[v][k] = channel v's input k tokens back (k = 0 newest); y[t] = sum_k tap[v][k] win[v][k],
+// tap[v][k] = w[c + v, W-1-k].
+constexpr int kConvThreads = 128;
 constexpr int kConvTokens = 64;
 
 template <int kW>
 __device__ __forceinline__ int conv_taps(int width) { return kW > 0 ? kW : width; }
 
-// Shifts the window by one token and puts `v` in front.
-template <int kN>
-__device__ __forceinline__ void conv_push(float (&win)[kN], float v) {
+// Shifts each channel's window by one token and puts the pack's value in front.
+template <int kN, int kV, typename T>
+__device__ __forceinline__ void conv_push(float (&win)[kV][kN], const Pack<T, kV>& x) {
 #pragma unroll
-  for (int k = kN - 1; k > 0; --k) win[k] = win[k - 1];
-  win[0] = v;
+  for (int v = 0; v < kV; ++v) {
+#pragma unroll
+    for (int k = kN - 1; k > 0; --k) win[v][k] = win[v][k - 1];
+    win[v][0] = float(load(x.e, v));
+  }
 }
 
-// tap[k] = w[c, W-1-k] (zero past the width).
-template <int kN, typename T>
-__device__ __forceinline__ void conv_load_taps(const T* w, int64_t c, int width, float (&tap)[kN]) {
+template <int kN, int kV> __device__ __forceinline__ void conv_clear(float (&win)[kV][kN]) {
 #pragma unroll
-  for (int k = 0; k < kN; ++k) tap[k] = k < width ? float(load(w, c * width + (width - 1 - k))) : 0.0f;
+  for (int v = 0; v < kV; ++v)
+#pragma unroll
+    for (int k = 0; k < kN; ++k) win[v][k] = 0.0f;
 }
 
-// Walks channel c of x forwards over tokens [t0, t1): for each t, pushes x[t] into the window (which holds the inputs
-// before t inside t's document, zero before its start) and calls step(t, win).
-template <int kN, typename T, typename F>
+// tap[v][k] = w[c + v, W-1-k] (zero past the width).
+template <int kN, int kV, typename T>
+__device__ __forceinline__ void conv_load_taps(const T* w, int64_t c, int width, float (&tap)[kV][kN]) {
+#pragma unroll
+  for (int v = 0; v < kV; ++v)
+#pragma unroll
+    for (int k = 0; k < kN; ++k) tap[v][k] = k < width ? float(load(w, (c + v) * width + (width - 1 - k))) : 0.0f;
+}
+
+// sum_k tap[v][k] win[v][k] for each channel of the pack.
+template <int kN, int kV, typename T>
+__device__ __forceinline__ Pack<T, kV> conv_dot(const float (&tap)[kV][kN], const float (&win)[kV][kN]) {
+  Pack<T, kV> out;
+#pragma unroll
+  for (int v = 0; v < kV; ++v) {
+    float acc = 0;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc += tap[v][k] * win[v][k];
+    store(out.e, v, acc);
+  }
+  return out;
+}
+
+// Walks channels [c, c + kV) of x forwards over tokens [t0, t1): for each t, pushes x[t] into the window (which holds
+// the inputs before t inside t's document, zero before its start) and calls step(t, win).
+template <int kN, int kV, typename T, typename F>
 __device__ __forceinline__ void conv_walk_forward(const T* x, int64_t ch, int64_t c, int64_t t0, int64_t t1,
                                                   const int32_t* cu, int64_t docs, int64_t tokens, F&& step) {
-  float win[kN];
+  float win[kV][kN];
+  conv_clear(win);
   Span doc = doc_of_token(cu, docs, t0, tokens);
-#pragma unroll
-  for (int k = 0; k < kN; ++k) {  // history before t0: win[k] = x[t0 - 1 - k] inside the document
+  for (int k = kN - 1; k >= 0; --k) {  // history before t0, oldest first: x[t0 - 1 - k] inside the document
     const int64_t s = t0 - 1 - k;
-    win[k] = s >= doc.start ? float(load(x, s * ch + c)) : 0.0f;
+    Pack<T, kV> xs{};
+    if (s >= doc.start) xs = load_pack<T, kV>(x + s * ch + c);
+    conv_push(win, xs);
   }
   for (int64_t t = t0; t < t1; ++t) {
     if (t == doc.end) {  // a new document: no history
       doc = doc_of_token(cu, docs, t, tokens);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
+      conv_clear(win);
     }
-    conv_push(win, float(load(x, t * ch + c)));
+    conv_push(win, load_pack<T, kV>(x + t * ch + c));
     step(t, win);
   }
 }
 
-template <typename T, int kW>
+template <typename T, int kW, int kV>
 __global__ void conv_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* x, const T* w,
                             const int32_t* cu, T* y) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
   const int width = conv_taps<kW>(width_arg);
-  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  const int64_t c = (blockIdx.x * int64_t(kConvThreads) + threadIdx.x) * kV;
   if (c >= ch) return;
-  float tap[kN];
+  float tap[kV][kN];
   conv_load_taps(w, c, width, tap);
   const int64_t t0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t t1 = t0 + kConvTokens < tokens ? t0 + kConvTokens : tokens;
-  conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
-    float acc = 0;
-#pragma unroll
-    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
-    store(y, t * ch + c, acc);
+  conv_walk_forward<kN, kV>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kV][kN]) {
+    store_pack(y + t * ch + c, conv_dot<kN, kV, T>(tap, win));
   });
 }
 
 // dx[s, c] = sum_k tap[k] dy[s + k, c] over targets inside s's document; walks the slab downwards with the window
-// win[k] = dy[s + k].
-template <typename T, int kW>
+// win[v][k] = dy[s + k].
+template <typename T, int kW, int kV>
 __global__ void conv_dx_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, const T* w, const T* dy,
                                const int32_t* cu, T* dx) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
   const int width = conv_taps<kW>(width_arg);
-  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  const int64_t c = (blockIdx.x * int64_t(kConvThreads) + threadIdx.x) * kV;
   if (c >= ch) return;
-  float tap[kN], win[kN];
+  float tap[kV][kN], win[kV][kN];
   conv_load_taps(w, c, width, tap);
+  conv_clear(win);
   const int64_t s0 = blockIdx.y * int64_t(kConvTokens);
   const int64_t s1 = s0 + kConvTokens < tokens ? s0 + kConvTokens : tokens;
   Span doc = doc_of_token(cu, docs, s1 - 1, tokens);
-#pragma unroll
-  for (int k = 0; k < kN; ++k) {  // the future after s1 - 1: win[k] = dy[s1 + k] inside the document
+  for (int k = kN - 1; k >= 0; --k) {  // the future after s1 - 1, farthest first: dy[s1 + k] inside the document
     const int64_t t = s1 + k;
-    win[k] = t < doc.end ? float(load(dy, t * ch + c)) : 0.0f;
+    Pack<T, kV> d{};
+    if (t < doc.end) d = load_pack<T, kV>(dy + t * ch + c);
+    conv_push(win, d);
   }
   for (int64_t s = s1 - 1; s >= s0; --s) {
     if (s < doc.start) {  // the previous document: nothing after its end
       doc = doc_of_token(cu, docs, s, tokens);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) win[k] = 0.0f;
+      conv_clear(win);
     }
-    conv_push(win, float(load(dy, s * ch + c)));
-    float acc = 0;
-#pragma unroll
-    for (int k = 0; k < kN; ++k) acc += tap[k] * win[k];
-    store(dx, s * ch + c, acc);
+    conv_push(win, load_pack<T, kV>(dy + s * ch + c));
+    store_pack(dx + s * ch + c, conv_dot<kN, kV, T>(tap, win));
   }
 }
 
 // dw[c, W-1-k] = sum_t dy[t, c] x[t - k, c], in two fixed-order passes: each (channel block, token slab) sums its
 // slab into partial[slab][c][j] (fp32), then conv_dw_sum_kernel adds the slabs in order.
-template <typename T, int kW>
+template <typename T, int kW, int kV>
 __global__ void conv_dw_partial_kernel(int64_t tokens, int64_t ch, int width_arg, int64_t docs, int64_t slab,
                                        const T* x, const T* dy, const int32_t* cu, float* partial) {
   constexpr int kN = kW > 0 ? kW : int(kMaxConvWidth);
   const int width = conv_taps<kW>(width_arg);
-  const int64_t c = blockIdx.x * int64_t(kConvChannels) + threadIdx.x;
+  const int64_t c = (blockIdx.x * int64_t(kConvThreads) + threadIdx.x) * kV;
   if (c >= ch) return;
-  float acc[kN];
-#pragma unroll
-  for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
+  float acc[kV][kN];
+  conv_clear(acc);
   const int64_t t0 = blockIdx.y * slab;
   const int64_t t1 = t0 + slab < tokens ? t0 + slab : tokens;
-  conv_walk_forward<kN>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kN]) {
-    const float d = load(dy, t * ch + c);
+  conv_walk_forward<kN, kV>(x, ch, c, t0, t1, cu, docs, tokens, [&](int64_t t, const float (&win)[kV][kN]) {
+    const Pack<T, kV> d = load_pack<T, kV>(dy + t * ch + c);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) acc[k] += d * win[k];
+    for (int v = 0; v < kV; ++v) {
+      const float dv = float(load(d.e, v));
+#pragma unroll
+      for (int k = 0; k < kN; ++k) acc[v][k] += dv * win[v][k];
+    }
   });
-  float* out = partial + (blockIdx.y * ch + c) * width;
-  for (int k = 0; k < width; ++k) out[width - 1 - k] = acc[k < kN ? k : 0];
+  for (int v = 0; v < kV; ++v) {
+    float* out = partial + (blockIdx.y * ch + c + v) * width;
+    for (int k = 0; k < width; ++k) out[width - 1 - k] = acc[v][k < kN ? k : 0];
+  }
 }
 
 template <typename T>
@@ -195,6 +225,23 @@ __global__ void conv_dw_sum_kernel(int64_t n, int64_t slabs, const float* partia
   float s = 0;
   for (int64_t k = 0; k < slabs; ++k) s += partial[k * n + i];
   store(dw, i, s);
+}
+
+// Calls f(std::integral_constant<int, kV>): the channels a thread takes, a 16-byte pack where the width is known at
+// compile time (kW > 0; a run-time width keeps kMaxConvWidth taps a channel, which would spill), the channel count is a
+// multiple of the pack and every listed buffer is 16-byte aligned, else 1.
+template <typename T, int kW, typename F>
+void dispatch_conv_pack(int64_t channels, std::initializer_list<const void*> bufs, F f) {
+  constexpr int kV = kPackOf16<T>;
+  bool packed = kW > 0 && channels % kV == 0;
+  for (const void* p : bufs) packed = packed && aligned16(p);
+  if constexpr (kW > 0) {
+    if (packed) {
+      f(std::integral_constant<int, kV>{});
+      return;
+    }
+  }
+  f(std::integral_constant<int, 1>{});
 }
 
 // Calls f(std::integral_constant<int, W>) with the compile-time width for 2, 3, 4 and 0 (run time) otherwise.
@@ -230,18 +277,30 @@ void launch_sigmoid_backward(DType dtype, int64_t n, const void* y, const void* 
 void launch_causal_conv1d(DType dtype, int64_t tokens, int64_t channels, int64_t width, int64_t docs, const void* x,
                           const void* w, const int32_t* cu, void* y, cudaStream_t stream) {
   if (tokens == 0 || channels == 0) return;
-  const dim3 grid(unsigned((channels + kConvChannels - 1) / kConvChannels), unsigned((tokens + kConvTokens - 1) / kConvTokens));
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     dispatch_conv_width(width, [&](auto kw) {
-      conv_kernel<T, decltype(kw)::value><<<grid, kConvChannels, 0, stream>>>(
-          tokens, channels, int(width), docs, static_cast<const T*>(x), static_cast<const T*>(w), cu, static_cast<T*>(y));
+      constexpr int kW = decltype(kw)::value;
+      dispatch_conv_pack<T, kW>(channels, {x, y}, [&](auto pack) {
+        constexpr int kV = decltype(pack)::value;
+        const int64_t per_block = int64_t(kConvThreads) * kV;
+        const dim3 grid(unsigned((channels + per_block - 1) / per_block),
+                        unsigned((tokens + kConvTokens - 1) / kConvTokens));
+        conv_kernel<T, kW, kV><<<grid, kConvThreads, 0, stream>>>(tokens, channels, int(width), docs,
+                                                                  static_cast<const T*>(x), static_cast<const T*>(w),
+                                                                  cu, static_cast<T*>(y));
+      });
     });
   });
   LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_kernel");
 }
 
-int64_t conv_dw_slabs(int64_t tokens) { return tokens < 256 ? 1 : (tokens + 255) / 256 < 256 ? (tokens + 255) / 256 : 256; }
+// Token slabs of the dw partial sums: about 128 tokens each (up to 512 slabs), so that the blocks of 128 threads x 16-byte
+// channel packs still fill the GPU (8,192 tokens x 6,144 channels: 6 x 64 blocks).
+int64_t conv_dw_slabs(int64_t tokens) {
+  const int64_t slabs = (tokens + 127) / 128;
+  return slabs < 1 ? 1 : (slabs < 512 ? slabs : 512);
+}
 
 size_t conv_backward_workspace_bytes(int64_t tokens, int64_t channels, int64_t width) {
   return size_t(conv_dw_slabs(tokens) * channels * width) * sizeof(float);
@@ -252,20 +311,26 @@ void launch_causal_conv1d_backward(DType dtype, int64_t tokens, int64_t channels
                                    void* workspace, cudaStream_t stream) {
   if (channels == 0) return;
   const int64_t slabs = conv_dw_slabs(tokens), slab = (tokens + slabs - 1) / slabs;
-  const unsigned cblocks = unsigned((channels + kConvChannels - 1) / kConvChannels);
   float* partial = static_cast<float*>(workspace);
   dispatch_float(dtype, [&](auto tag) {
     using T = decltype(tag);
     if (tokens > 0) {
       dispatch_conv_width(width, [&](auto kw) {
         constexpr int kW = decltype(kw)::value;
-        conv_dx_kernel<T, kW><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)), kConvChannels, 0,
-                                stream>>>(tokens, channels, int(width), docs, static_cast<const T*>(w),
-                                          static_cast<const T*>(dy), cu, static_cast<T*>(dx));
-        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
-        conv_dw_partial_kernel<T, kW><<<dim3(cblocks, unsigned(slabs)), kConvChannels, 0, stream>>>(
-            tokens, channels, int(width), docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu, partial);
-        LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
+        dispatch_conv_pack<T, kW>(channels, {x, dy, dx}, [&](auto pack) {
+          constexpr int kV = decltype(pack)::value;
+          const int64_t per_block = int64_t(kConvThreads) * kV;
+          const unsigned cblocks = unsigned((channels + per_block - 1) / per_block);
+          conv_dx_kernel<T, kW, kV><<<dim3(cblocks, unsigned((tokens + kConvTokens - 1) / kConvTokens)),
+                                      kConvThreads, 0, stream>>>(tokens, channels, int(width), docs,
+                                                                 static_cast<const T*>(w), static_cast<const T*>(dy),
+                                                                 cu, static_cast<T*>(dx));
+          LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dx_kernel");
+          conv_dw_partial_kernel<T, kW, kV><<<dim3(cblocks, unsigned(slabs)), kConvThreads, 0, stream>>>(
+              tokens, channels, int(width), docs, slab, static_cast<const T*>(x), static_cast<const T*>(dy), cu,
+              partial);
+          LATHE_CUDA_LAUNCH_CHECK("causal_conv1d_dw_partial_kernel");
+        });
       });
     }
     const int64_t n = channels * width;
