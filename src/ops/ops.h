@@ -93,11 +93,11 @@ std::vector<Tensor> gated_delta_rule_backward(ExecContext& ctx, const Tensor& q,
                                               const Tensor& g, const Tensor& beta, const Tensor& d_o,
                                               const Tensor& cu_seqlens, const Tensor& states = {},
                                               GatedDeltaAttrs attrs = {}, const Tensor& chunk_cache = {});
-// The chunk cache of the CUDA chunked kernels: per (token, value head), W and U (128 each), P and R (64 each) and b
-// (one f32 in two bf16 slots), stored planar (all W, then all U, ...). It applies where those kernels run a forward
+// The chunk cache of the CUDA chunked kernels: per (token, value head), W, U and Delta = U - W H (128 each), P and R
+// (64 each) and b (one f32 in two bf16 slots), stored planar (all W, then all U, ...). It applies where those kernels run a forward
 // that saves its states: attrs.save_states, inputs on a CUDA device, bf16 q/k/v with d_k = d_v = 128, every input
 // contiguous and 16-byte aligned (the kernels' own condition, gdr_chunked_supports).
-inline constexpr int64_t kGdnChunkCacheWidth = 2 * 128 + 2 * 64 + 2;
+inline constexpr int64_t kGdnChunkCacheWidth = 3 * 128 + 2 * 64 + 2;
 bool gdn_chunk_cache_applies(const std::vector<Tensor>& inputs, const GatedDeltaAttrs& attrs);
 // True for the outputs of `op` that are caches only a kernel's own backward reads (not compared by op-check).
 bool is_opaque_output(OpId op, size_t index);

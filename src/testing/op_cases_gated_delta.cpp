@@ -6,6 +6,7 @@
 // and the recurrent kernel in f32/f16. Rows named f32_gates pass g and beta in f32 beside bf16/f16 q, k, v. Rows
 // named save_states also return the chunk-start states and, differentiable, run the backward from them; the
 // backward rows pass none (0 rows: recomputed).
+#include "ops/ops.h"
 #include "testing/op_check.h"
 
 namespace lathe {
@@ -68,12 +69,12 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
   big.push_back({-2.0, 2.0});
   c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6},
-                {0, 4, 128, 128}, {0, 4, 386}}, GatedDeltaAttrs{},
+                {0, 4, 128, 128}, {0, 4, kGdnChunkCacheWidth}}, GatedDeltaAttrs{},
                kDevice, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big});
   // An empty document between two others, and a single document of one chunk plus one token (bf16 chunked).
   c.push_back({OpId::gated_delta_rule_backward, "t=70,hk=1,hv=2,dk=128,dv=128,docs=5+0+65",
                {{70, 1, 128}, {70, 1, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4},
-                {0, 2, 128, 128}, {0, 2, 386}}, GatedDeltaAttrs{0.0, 3},
+                {0, 2, 128, 128}, {0, 2, kGdnChunkCacheWidth}}, GatedDeltaAttrs{0.0, 3},
                kDevice, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big});
   c.push_back({OpId::causal_conv1d, "t=393,c=768,w=4,docs=1+63+64+65+200", {{393, 768}, {768, 4}, {6}}, {}, kDevice,
                false, false, {{}, {}, cu_docs}});
@@ -100,16 +101,16 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                k16, false, true, {{}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
   c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200,f32_gates",
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6},
-                {0, 4, 128, 128}, {0, 4, 386}}, GatedDeltaAttrs{},
+                {0, 4, 128, 128}, {0, 4, kGdnChunkCacheWidth}}, GatedDeltaAttrs{},
                k16, false, false, {{}, {}, {}, {}, {}, {}, cu_docs}, big, {3, 4}});
   // H_v = H_k: the chunked backward writes dq, dk itself (no group sum).
   c.push_back({OpId::gated_delta_rule_backward, "t=70,hk=2,hv=2,dk=128,dv=128,docs=5+0+65,f32_gates",
                {{70, 2, 128}, {70, 2, 128}, {70, 2, 128}, {70, 2}, {70, 2}, {70, 2, 128}, {4},
-                {0, 2, 128, 128}, {0, 2, 386}}, GatedDeltaAttrs{},
+                {0, 2, 128, 128}, {0, 2, kGdnChunkCacheWidth}}, GatedDeltaAttrs{},
                k16, false, false, {{}, {}, {}, {}, {}, {}, {0, 5, 5, 70}}, big, {3, 4}});
   c.push_back({OpId::gated_delta_rule_backward, "t=13,hk=1,hv=2,dk=8,dv=6,chunk=4",
                {{13, 1, 8}, {13, 1, 8}, {13, 2, 6}, {13, 2}, {13, 2}, {13, 2, 6}, {5},
-                {0, 2, 8, 6}, {0, 2, 386}}, GatedDeltaAttrs{0.0, 4}, kRef,
+                {0, 2, 8, 6}, {0, 2, kGdnChunkCacheWidth}}, GatedDeltaAttrs{0.0, 4}, kRef,
                false, false, {{}, {}, {}, {}, {}, {}, cu13}, bwd_ranges});
 }
 

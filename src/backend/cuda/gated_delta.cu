@@ -17,6 +17,8 @@
 //      saved states: a training forward (attrs.save_states) also writes H[c] from its scan; the backward given them
 //                skips its forward scan and forms Delta = U - W H[c] chunk-parallel (delta_kernel) from the same bf16
 //                operands with the same mma, so its gradients are bitwise those of the recomputing backward.
+//      chunk cache: where it applies (ops.h) the saving forward also keeps b, W, U, P, R and its scan's Delta in the
+//                op's chunk cache; the backward given it and the states runs neither prep nor delta_kernel.
 //  * recurrent, every other dtype / dim: one block per (document, value head) walks the tokens with the state
 //    (d_k x d_v fp32) in shared memory (and writes it before every 64-token chunk where states are saved); the
 //    backward recomputes states from checkpoints every 64 tokens (it does not read saved states).
@@ -749,7 +751,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       load_tile<kD>(Wb, kLdD, a.w, t_next, n_next, a.hv, h, kD, 0);
       load_tile<kScanV>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
     }
-    if (kStates) store_tile<kScanV>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);
+    if (kStates || a.delta) store_tile<kScanV>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);  // the backward's Delta
     const float b_last = sb[n - 1];
     for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
       const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
@@ -1186,18 +1188,20 @@ struct ChunkScratch {
   bf16* dw;
   float* dbp;
 };
-// The WY factors in the op's chunk cache (T, H_v, kChunkCacheWidth), planar: W, U (T H_v 128 each), P, R (T H_v 64
-// each), then b (T H_v f32 in the last 2 T H_v bf16 slots); every part 16-byte aligned.
-void point_at_cache(ChunkScratch& x, const GdnShape& s, void* cache) {
+// The WY factors and Delta in the op's chunk cache (T, H_v, kChunkCacheWidth), planar: W, U, Delta (T H_v 128 each),
+// P, R (T H_v 64 each), then b (T H_v f32 in the last 2 T H_v bf16 slots); every part 16-byte aligned. `delta`: point
+// Delta there too (the forward, which writes it from its scan; the backward where the forward's states are given).
+void point_at_cache(ChunkScratch& x, const GdnShape& s, void* cache, bool delta) {
   const size_t th = size_t(s.tokens * s.v_heads);
   bf16* base = static_cast<bf16*>(cache);
   x.w = base;
   x.u = base + th * kD;
-  x.p = base + 2 * th * kD;
-  x.r = base + 2 * th * kD + th * kChunk;
-  x.b = reinterpret_cast<float*>(base + 2 * th * kD + 2 * th * kChunk);
+  if (delta) x.delta = base + 2 * th * kD;
+  x.p = base + 3 * th * kD;
+  x.r = base + 3 * th * kD + th * kChunk;
+  x.b = reinterpret_cast<float*>(base + 3 * th * kD + 2 * th * kChunk);
 }
-static_assert(2 * kD + 2 * kChunk + 2 == kChunkCacheWidth, "the chunk cache holds W, U, P, R and b");
+static_assert(3 * kD + 2 * kChunk + 2 == kChunkCacheWidth, "the chunk cache holds W, U, Delta, P, R and b");
 
 // `own_states`: the backward carves H[c] itself (false when the forward's saved states are given). `cache`: the WY
 // factors (b, W, U, P, R) live in the op's chunk cache (point_at_cache) instead of the workspace.
@@ -1386,7 +1390,7 @@ void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const 
   Carve c{static_cast<char*>(workspace)};
   if (chunked) {
     ChunkScratch x = carve_chunked(c, s, false, true, cache != nullptr);
-    if (cache) point_at_cache(x, s, cache);
+    if (cache) point_at_cache(x, s, cache, true);  // the scan writes Delta there too
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     a.o = static_cast<bf16*>(o);
     a.hs = static_cast<bf16*>(states);  // null: not saved
@@ -1425,7 +1429,8 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
   const float* dkh = nullptr;
   if (chunked) {
     ChunkScratch x = carve_chunked(c, s, true, states == nullptr, cache != nullptr);
-    if (cache) point_at_cache(x, s, const_cast<void*>(cache));  // read only
+    // Read only; Delta from the cache only with the forward's states (else the backward's own scan writes it).
+    if (cache) point_at_cache(x, s, const_cast<void*>(cache), states != nullptr);
     ChunkArgs a = chunk_args(s, gate_dtype, q, k, v, g, beta, cu, x);
     if (states) a.hs = static_cast<bf16*>(const_cast<void*>(states));  // read only
     a.d_o = static_cast<const bf16*>(d_o);
@@ -1439,7 +1444,9 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
     launch_offsets(s, cu, x.offsets, stream);
     if (!cache) launch_prep(a, s, true, stream);  // else the forward's WY factors
     const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
-    if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
+    if (states && cache) {
+      // H[c] and Delta saved by the forward
+    } else if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
       allow_smem(delta_kernel, kDeltaSmem);
       delta_kernel<<<dim3(chunk_grid.x, chunk_grid.y, kD / kVTile), kThreads, kDeltaSmem, stream>>>(a);
       LATHE_CUDA_LAUNCH_CHECK("gdn delta_kernel");

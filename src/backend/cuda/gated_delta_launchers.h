@@ -52,21 +52,21 @@ constexpr int64_t kMaxRecurrentState = 128 * 128;
 // `chunked` picks the implementation (true only where gdn_chunked_supported). Bytes of device scratch the
 // launchers need (the caller allocates them; 256-byte aligned).
 // `save_states`: the forward also writes the op's saved states; `saved_states`: the backward is given them;
-// `cache`: the chunked forward writes its WY factors into the op's chunk cache / the backward reads them from it.
+// `cache`: the chunked forward writes its WY factors and Delta into the op's chunk cache / the backward reads them.
 size_t gdn_forward_workspace_bytes(bool chunked, const GdnShape& s, bool save_states, bool cache);
 size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_states, bool cache);
 
 // `dtype` is that of q, k, v, o (d_o, dq, dk, dv, states); `gate_dtype` that of g, beta (dg, dbeta): `dtype` or F32.
 // `states`: null, or the op's saved chunk-start states (tokens / 64 + docs, H_v, d_k, d_v) to write; `cache`: null, or
 // the op's chunk cache (T, H_v, kChunkCacheWidth) to write (chunked only).
-constexpr int64_t kChunkCacheWidth = 2 * 128 + 2 * 64 + 2;  // = kGdnChunkCacheWidth of ops/ops.h (checked there)
+constexpr int64_t kChunkCacheWidth = 3 * 128 + 2 * 64 + 2;  // = kGdnChunkCacheWidth of ops/ops.h (checked there)
 void launch_gated_delta_rule(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                              const void* k, const void* v, const void* g, const void* beta, const int32_t* cu_seqlens,
                              void* o, void* states, void* cache, void* workspace, cudaStream_t stream);
 // dq, dk come back summed over each group of H_v / H_k value heads, in a fixed order (deterministic). `states`:
 // null, or the forward's saved states, which the chunked kernels read instead of running their own forward scan
 // (the recurrent kernel recomputes regardless). `cache`: null, or the forward's chunk cache, which the chunked kernels
-// read instead of running their prep pass.
+// read instead of running their prep pass (and, with `states`, their Delta pass).
 void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunked, const GdnShape& s, const void* q,
                                       const void* k, const void* v, const void* g, const void* beta, const void* d_o,
                                       const int32_t* cu_seqlens, const void* states, const void* cache, void* dq,
