@@ -108,20 +108,22 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::attention, "t=13,hq=2,hkv=1,d=20,docs=6+7", {{13, 2, 20}, {13, 1, 20}, {13, 1, 20}, {3}},
                AttentionAttrs{}, kFloat, false, true, {{}, {}, {}, {0, 6, 13}}});
   c.push_back({OpId::rmsnorm, "h=1024", {{3, 1024}, {1024}}, NormAttrs{1e-6, 0.0}, kFloat});
-  // CUDA RMSNorm (one warp per row): 16-byte packs when h is a multiple of 8 (bf16/f16) or 4 (f32), elements
-  // otherwise (42, 1030); rows of more packs than a lane keeps in registers are read again (2304, 1030, 1040).
+  // CUDA RMSNorm (a group of 8 to 128 lanes per row): 16-byte packs when h is a multiple of 8 (bf16/f16) or 4 (f32),
+  // elements otherwise (42, 1030); 16 lanes (128 in bf16), two or four warps (2304, 1030); rows of more packs than
+  // the group keeps in registers are read again (1030).
   c.push_back({OpId::rmsnorm, "rows=100,h=128", {{100, 128}, {128}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "rows=40,h=256,offset=1", {{40, 256}, {256}}, NormAttrs{1e-6, 1.0}, kFloat});
   c.push_back({OpId::rmsnorm, "rows=30,h=42", {{30, 42}, {42}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "rows=3,h=2304", {{3, 2304}, {2304}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "rows=3,h=1030", {{3, 1030}, {1030}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "rows=300,h=40", {{300, 40}, {40}, {300, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
-  // More rows than the CUDA kernel's 2,048 partial-sum blocks: each block walks several rows (and the offset form).
+  // More rows than the CUDA kernel's 4,096 partial-sum lane groups: a group walks several rows (and the offset form).
   c.push_back({OpId::rmsnorm_backward, "rows=4500,h=64,offset=1", {{4500, 64}, {64}, {4500, 64}}, NormAttrs{1e-6, 1.0},
                kFloat, false, false});
-  // The CUDA backward's warps (at most 2,048, each with its own partial dw row) take several rows each here; packs
-  // (128, 256, 1040), elements (42, 130), and rows wider than the registers (1040, 130: partial dw in memory).
-  c.push_back({OpId::rmsnorm_backward, "rows=3000,h=128", {{3000, 128}, {128}, {3000, 128}}, NormAttrs{1e-6, 0.0},
+  // The CUDA backward's lane groups (at most 4,096, each with its own partial dw row; 16 lanes at h = 128 in bf16)
+  // take several rows each at 9000 x 128 and 1100 x 1040; packs (128, 256, 1040), elements (42, 130), and rows wider
+  // than a warp's registers (1040 in bf16 and 130: two warps a row).
+  c.push_back({OpId::rmsnorm_backward, "rows=9000,h=128", {{9000, 128}, {128}, {9000, 128}}, NormAttrs{1e-6, 0.0},
                kFloat, false, false});
   c.push_back({OpId::rmsnorm_backward, "rows=2100,h=256,offset=1", {{2100, 256}, {256}, {2100, 256}},
                NormAttrs{1e-6, 1.0}, kFloat, false, false});
@@ -131,6 +133,12 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                kFloat, false, false});
   c.push_back({OpId::rmsnorm_backward, "rows=1100,h=130", {{1100, 130}, {130}, {1100, 130}}, NormAttrs{1e-6, 0.0},
                kFloat, false, false});
+  // Rows too wide for a warp's registers: two warps a row (2048 in bf16), four (2560 in bf16, both in f32; f32 2560
+  // also reads packs again and keeps part of its partial dw in memory).
+  c.push_back({OpId::rmsnorm_backward, "rows=1500,h=2048", {{1500, 2048}, {2048}, {1500, 2048}}, NormAttrs{1e-6, 0.0},
+               kFloat, false, false});
+  c.push_back({OpId::rmsnorm_backward, "rows=1500,h=2560,offset=1", {{1500, 2560}, {2560}, {1500, 2560}},
+               NormAttrs{1e-6, 1.0}, kFloat, false, false});
   // CUDA gated RMSNorm (the rmsnorm kernels with z read beside x): the GDN output norm's shape (T, H_v, d_v = 128;
   // packs, the whole row in registers), elements (42), rows wider than the registers (1030 elements, 2304 packs);
   // the differentiable rows also check the backward on each device through op_backward. The (T, H_v, d_v) row is

@@ -67,13 +67,12 @@ template <typename T> __global__ void float_to_kernel(int64_t n, const float* sr
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 
 // ---------------------------------------------------------------- rmsnorm, gated rmsnorm
-// A group of kLanes lanes (8, 16 or 32: the fewest that give every lane a pack) per row, kNormThreads / kLanes rows
-// per block. Lane l of a group owns the packs (kN consecutive elements; 16 bytes when h is a multiple of the pack and
-// the buffers are aligned, else kN = 1) l, l + kLanes, l + 2 kLanes, ... of a row: the first kC of them stay in
-// registers between the two passes over the row, as do the matching packs of w; the packs of rows wider than
-// kLanes * kC packs are read again. Row sums are shuffles within the group (its own lane mask, so the groups of a
-// warp may run different row counts). Rows of 8 or 16 packs (head dims 64 and 128 in bf16) would leave half a warp
-// idle with one warp per row.
+// A group of kLanes lanes per row, kNormThreads / kLanes rows per block: 8 or 16 lanes for rows of at most that many
+// packs (head dims 64 and 128 in bf16 would leave half a warp idle with a warp per row), 32, or 64 / 128 for rows too
+// wide for a warp's registers (hidden 2048 and 2560 in bf16). Lane l of a group owns the packs (kN consecutive
+// elements; 16 bytes when h is a multiple of the pack and the buffers are aligned, else kN = 1) l, l + kLanes,
+// l + 2 kLanes, ... of a row: the first kC of them stay in registers between the two passes over the row, as do the
+// matching packs of w; the packs of rows wider than kLanes * kC packs are read again. Row sums: group_sum2.
 // kGated: the same kernels for gated_rmsnorm, y = rmsnorm(x) * silu(z) (one rounding, at y). The forward reads z
 // once, when it writes y; the backward keeps z's packs in registers beside x and dy (its gradient into the norm is
 // g = dy silu(z)) and also writes dz. Non-gated calls pass null z / dz, never touched.
@@ -90,23 +89,46 @@ __device__ WarpIndex warp_index() {
   return {blockIdx.x * int64_t(warps) + threadIdx.x / 32, int64_t(gridDim.x) * warps, int(threadIdx.x % 32)};
 }
 
-// This thread's lane group: its index over the grid, the number of groups, its lane in the group and the group's
-// lanes in the warp.
+// This thread's lane group: its index over the grid, the number of groups, its lane in the group, the group's lanes
+// in the warp (groups of at most 32) and its slot in the block (groups of 64 or 128: two or one a block of
+// kNormThreads).
 template <int kLanes> struct LaneGroup {
   int64_t index, count;
   int lane;
   unsigned mask;
+  int slot;
 };
 template <int kLanes> __device__ __forceinline__ LaneGroup<kLanes> lane_group() {
-  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32);
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32 || kLanes == 64 || kLanes == 128);
   const int in_warp = int(threadIdx.x % 32);
-  const unsigned mask = kLanes == 32 ? kFullMask : ((1u << kLanes) - 1u) << (in_warp / kLanes * kLanes);
-  return {global_thread() / kLanes, grid_threads() / kLanes, in_warp % kLanes, mask};
+  const unsigned mask = kLanes >= 32 ? kFullMask : ((1u << kLanes) - 1u) << (in_warp / kLanes * kLanes);
+  return {global_thread() / kLanes, grid_threads() / kLanes, int(threadIdx.x % kLanes), mask, int(threadIdx.x / kLanes)};
 }
-template <int kLanes> __device__ __forceinline__ float group_sum(float v, unsigned mask) {
+// Per-block scratch of the sums of groups wider than a warp: two values per warp.
+struct GroupScratch {
+  float v[2][kNormWarps];
+};
+// a and b summed over the group (every lane gets the totals, in a fixed order). Groups of up to 32 lanes shuffle
+// within their mask; wider groups add their warps' sums through shared memory between two barriers of their own
+// (named barrier 1 + slot over the group's threads), so groups of one block may run different row counts.
+template <int kLanes>
+__device__ __forceinline__ void group_sum2(float& a, float& b, const LaneGroup<kLanes>& lg, GroupScratch& scratch) {
+  constexpr int kWidth = kLanes < 32 ? kLanes : 32;
 #pragma unroll
-  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
-  return v;
+  for (int o = kWidth / 2; o > 0; o >>= 1) {
+    a += __shfl_xor_sync(lg.mask, a, o);
+    b += __shfl_xor_sync(lg.mask, b, o);
+  }
+  if constexpr (kLanes > 32) {
+    constexpr int kWarps = kLanes / 32;
+    const int warp = int(threadIdx.x / 32), first = lg.slot * kWarps;
+    if (threadIdx.x % 32 == 0) scratch.v[0][warp] = a, scratch.v[1][warp] = b;
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + lg.slot), "n"(kLanes) : "memory");
+    a = b = 0;
+#pragma unroll
+    for (int i = 0; i < kWarps; ++i) a += scratch.v[0][first + i], b += scratch.v[1][first + i];
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + lg.slot), "n"(kLanes) : "memory");  // before the next row's writes
+  }
 }
 
 // Packs lane, lane + kLanes, ... (kC of them) of a row of `packs` packs; those past the row are left unset.
@@ -152,6 +174,7 @@ __device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pa
 template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, const T* z, T* y) {
+  __shared__ GroupScratch scratch;
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   const int64_t packs = h / kN;
   Pack<T, kN> wv[kC];
@@ -166,7 +189,9 @@ __global__ void __launch_bounds__(kNormThreads)
     for (int c = 0; c < kC; ++c)
       if (lg.lane + kLanes * c < packs) ss += sum_squares(xv[c]);
     for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes) ss += sum_squares(load_pack<T, kN>(xr + a * kN));
-    const float inv = rsqrtf(group_sum<kLanes>(ss, lg.mask) / float(h) + eps);
+    float unused = 0;
+    group_sum2(ss, unused, lg, scratch);
+    const float inv = rsqrtf(ss / float(h) + eps);
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const int64_t a = lg.lane + kLanes * c;
@@ -237,6 +262,7 @@ template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_kernel(int64_t rows, int64_t h, int64_t n_partial, float eps, float offset, const T* x,
                             const T* w, const T* z, const T* dy, T* dx, T* dz, float* partial) {
+  __shared__ GroupScratch scratch;
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   const int lane = lg.lane;
   if (lg.index >= n_partial) return;  // spare groups of the last block (only group-wide shuffles below)
@@ -260,8 +286,7 @@ __global__ void __launch_bounds__(kNormThreads)
     for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes)
       norm_sums<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
                         gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), offset, ss, dot);
-    ss = group_sum<kLanes>(ss, lg.mask);
-    dot = group_sum<kLanes>(dot, lg.mask);
+    group_sum2(ss, dot, lg, scratch);
     const float inv = rsqrtf(ss / float(h) + eps);
     const float coef = inv * inv * inv * dot / float(h);
 #pragma unroll
@@ -345,22 +370,27 @@ template <int kN, int kC, int kLanes> struct NormShape {
   static constexpr int rows_per_block = kNormThreads / kLanes;
 };
 // Calls f(NormShape<kN, kC, kLanes>{}): kN = 16 / sizeof(T) when `packed` (h a multiple of it, every buffer 16-byte
-// aligned), else 1; kLanes = 8 or 16 lanes a row for rows of at most that many packs, else 32; kC = the packs a lane
-// keeps in registers, enough for the whole row up to kMaxC (8 for the forward; 4 for the backward, which also keeps
-// x, dy and dw: 8 spills registers with bf16). The gated backward keeps z too: with bf16 packs, 120 registers at
-// kC = 1 (h = 128) to 234 at kC = 4, no spills (ptxas, sm_90).
+// aligned), else 1; kLanes = 8 or 16 lanes a row for rows of at most that many packs, else the fewest of 32, 64 and 128
+// whose lanes keep the whole row in at most kMaxC packs each (128 past that: the rest is read again); kC = the packs a
+// lane keeps, rounded up to 1, 2, 4 or kMaxC. kMaxC is 8 for the forward and 4 for the backward, which also keeps dy
+// and dw: 8 spills registers with bf16. The gated backward keeps z too: with bf16 packs, 120 registers at kC = 1
+// (h = 128) to 232 at kC = 4, no spills (ptxas, sm_90).
 template <typename T, int kMaxC, typename F> void dispatch_norm(int64_t h, bool packed, F f) {
   static_assert(kMaxC == 4 || kMaxC == 8);
   constexpr int kV = kPackOf16<T>;
   const auto by_lane_packs = [&](auto pack) {
     constexpr int kN = decltype(pack)::value;
-    const int64_t packs = h / kN, per_lane = (packs + 31) / 32;
+    const int64_t packs = h / kN;
+    const int64_t per_lane = (packs + 31) / 32;
     if (packs <= 8) f(NormShape<kN, 1, 8>{});
     else if (packs <= 16) f(NormShape<kN, 1, 16>{});
     else if (per_lane <= 1) f(NormShape<kN, 1, 32>{});
     else if (per_lane <= 2) f(NormShape<kN, 2, 32>{});
-    else if (per_lane <= 4 || kMaxC == 4) f(NormShape<kN, 4, 32>{});
-    else f(NormShape<kN, kMaxC, 32>{});
+    else if (per_lane <= 4) f(NormShape<kN, 4, 32>{});
+    else if (per_lane <= kMaxC) f(NormShape<kN, kMaxC, 32>{});
+    // Wider rows: more than kMaxC / 2 packs a lane even at 64 or 128 lanes, so kC = kMaxC.
+    else if (packs <= 64 * kMaxC) f(NormShape<kN, kMaxC, 64>{});
+    else f(NormShape<kN, kMaxC, 128>{});
   };
   if (packed && h % kV == 0) by_lane_packs(std::integral_constant<int, kV>{});
   else by_lane_packs(std::integral_constant<int, 1>{});
