@@ -231,6 +231,14 @@ std::vector<OpCase> all_op_cases() {
   add_matmul(c, 3, 20, 12, 36, {false, false, 1.0f, 0.0f}, false);
   add_matmul(c, 2, 16, 8, 24, {true, true, 2.0f, 0.0f}, false);
   add_matmul(c, 4, 7, 9, 11, {false, true, 1.0f, 0.0f}, true);  // batched A, shared 2-D B
+  // Thin batched products (the CUDA thin_batched_matmul kernels; the MoE combine's shapes): K = 1 outer products, a
+  // (1, 8) x (8, n) weighted sum, batched matrix-vector products (n = 1), with alpha / beta and odd n (one column a
+  // thread) among them.
+  add_matmul(c, 6, 4, 40, 1, {}, false);
+  add_matmul(c, 5, 1, 24, 8, {}, false);
+  add_matmul(c, 3, 2, 13, 5, {false, false, 0.5f, 1.0f}, false);
+  add_matmul(c, 4, 3, 1, 70, {}, false);
+  add_matmul(c, 3, 5, 1, 40, {false, false, 2.0f, 1.0f}, false);
 
   for (OpId op : {OpId::add, OpId::mul}) {
     c.push_back({op, "same=[5,7]", {{5, 7}, {5, 7}}, {}, kFloat});

@@ -3,6 +3,7 @@
 #include "backend/cuda/gemm.h"
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/thin_matmul.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/registry.h"
 #include "core/error.h"
@@ -121,6 +122,38 @@ void run_matmul(const OpCall& call, ExecContext& ctx) {
   gemm(as_cuda(ctx.stream), p, at.alpha, a.data_ptr(), b.data_ptr(), at.beta, c.data_ptr());
 }
 
+// Batched, untransposed products with K <= kMaxThinK or n = 1 (thin_matmul.h): memory-bound shapes cuBLAS runs far
+// below the memory bound. Batched only (a 3-D B), so that 2-D products such as LoRA's rank-r ones stay on cuBLAS.
+ThinMatmul thin_problem(const OpCall& call) {
+  const Tensor& a = call.inputs[0];
+  const Tensor& b = call.inputs[1];
+  const auto& at = call.attr<MatmulAttrs>();
+  ThinMatmul p{};
+  p.k = b.size(-2);
+  p.n = b.size(-1);
+  p.m = a.size(-2);
+  p.batch = p.m * p.k > 0 ? a.numel() / (p.m * p.k) : 0;
+  p.stride_a = p.m * p.k;
+  p.stride_b = p.k * p.n;
+  p.stride_c = p.m * p.n;
+  p.alpha = at.alpha;
+  p.beta = at.beta;
+  return p;
+}
+
+Support thin_supports(const OpCall& call) {
+  const auto& at = call.attr<MatmulAttrs>();
+  if (at.trans_a || at.trans_b) return Support::no("transposed operands (cuBLASLt takes them)");
+  if (call.inputs[1].dim() < 3) return Support::no("an unbatched B (cuBLASLt takes it)");
+  if (!thin_matmul_shape(thin_problem(call))) return Support::no("K above 16 with n above 1 (cuBLASLt takes it)");
+  return gemm_supports(call);
+}
+
+void run_thin(const OpCall& call, ExecContext& ctx) {
+  launch_thin_matmul(call.inputs[0].dtype(), thin_problem(call), call.inputs[0].data_ptr(), call.inputs[1].data_ptr(),
+                     call.outputs[0].data_ptr(), as_cuda(ctx.stream).handle());
+}
+
 }  // namespace
 
 void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, const void* b, float beta, void* c) {
@@ -134,8 +167,10 @@ void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, 
 }
 
 void register_cuda_gemm_kernels(KernelRegistry& r) {
-  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/thin_batched_matmul", thin_supports, run_thin});
     r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/cublaslt_gemm", gemm_supports, run_matmul});
+  }
 }
 
 }  // namespace lathe::cuda
