@@ -1204,7 +1204,8 @@ void point_at_cache(ChunkScratch& x, const GdnShape& s, void* cache, bool delta)
 static_assert(3 * kD + 2 * kChunk + 2 == kChunkCacheWidth, "the chunk cache holds W, U, Delta, P, R and b");
 
 // `own_states`: the backward carves H[c] itself (false when the forward's saved states are given). `cache`: the WY
-// factors (b, W, U, P, R) live in the op's chunk cache (point_at_cache) instead of the workspace.
+// factors (b, W, U, P, R) live in the op's chunk cache (point_at_cache) instead of the workspace, and so does Delta
+// in a backward given the states too.
 ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward, bool own_states = true, bool cache = false) {
   const size_t th = size_t(s.tokens * s.v_heads), mc = size_t(max_chunks(s) * s.v_heads);
   ChunkScratch x{};
@@ -1219,7 +1220,7 @@ ChunkScratch carve_chunked(Carve& c, const GdnShape& s, bool backward, bool own_
   if (backward) {
     if (own_states) x.hs = c.take<bf16>(mc * kD * kD);
     x.dhs = c.take<bf16>(mc * kD * kD);
-    x.delta = c.take<bf16>(th * kD);
+    if (!cache || own_states) x.delta = c.take<bf16>(th * kD);
     x.ddelta = c.take<bf16>(th * kD);
     x.dqh = c.take<float>(th * kD);
     x.dkh = c.take<float>(th * kD);
@@ -1321,7 +1322,7 @@ namespace {
 // The scans run one block per (document, value head, kScanV columns of d_v): 64 columns, or 32 where 64 would leave
 // SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs).
 // Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
-// H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md). Two blocks per SM gained nothing.
+// H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md).
 int multiprocessors() {
   static const int sms = [] {
     int device = 0, n = 0;
@@ -1444,15 +1445,13 @@ void launch_gated_delta_rule_backward(DType dtype, DType gate_dtype, bool chunke
     launch_offsets(s, cu, x.offsets, stream);
     if (!cache) launch_prep(a, s, true, stream);  // else the forward's WY factors
     const dim3 chunk_grid(unsigned(max_chunks(s)), unsigned(s.v_heads));
-    if (states && cache) {
-      // H[c] and Delta saved by the forward
-    } else if (states) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
+    if (!states) {
+      launch_scan_forward<true>(a, s, stream);  // H[c] and Delta
+    } else if (!cache) {  // H[c] saved by the forward: Delta chunk-parallel instead of the sequential scan
       allow_smem(delta_kernel, kDeltaSmem);
       delta_kernel<<<dim3(chunk_grid.x, chunk_grid.y, kD / kVTile), kThreads, kDeltaSmem, stream>>>(a);
       LATHE_CUDA_LAUNCH_CHECK("gdn delta_kernel");
-    } else {
-      launch_scan_forward<true>(a, s, stream);
-    }
+    }  // else both saved by the forward (the states and the chunk cache)
     launch_scan_backward(a, s, stream);
     allow_smem(chunk_backward_state_kernel, kStateBwdSmem);
     chunk_backward_state_kernel<<<chunk_grid, kThreads, kStateBwdSmem, stream>>>(a);
