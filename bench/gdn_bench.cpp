@@ -1,6 +1,7 @@
 // Gated DeltaNet core benchmark: lathe's `gated_delta_rule` op forward and forward+backward (whatever the registry
 // resolves, printed) on one GPU, timed with CUDA events (3 warm-up rounds, median of the iterations), as training
-// runs it: the forward saves the chunk-start states and the backward reads them (no forward scan of its own). Usage:
+// runs it: the forward saves the chunk-start states and the backward reads them (no forward scan of its own); the
+// forward is also timed saving nothing (`fwd_nosave_ms`: an inference forward, as fla's forward kernel runs). Usage:
 //   gdn_bench [tokens docs k_heads v_heads dim] [dtype] [iters] [gate dtype (g, beta): f32 by default]
 // Defaults: 16384 tokens in 4 packed documents of 4096, H_k = 16, H_v = 32, d_k = d_v = 128, bf16 (issue 8).
 // Inputs as in the model: q, k L2-normalised per head, g = log-decay in [-1.5, 0), beta in (0, 1), g and beta in f32
@@ -105,6 +106,7 @@ int main(int argc, char** argv) {
     ctx.stream.synchronize();
     ctx.observer = nullptr;
     const double f_ms = median_ms(ctx, iters, [&] { fwd(); });
+    const double f_nosave_ms = median_ms(ctx, iters, [&] { gated_delta_rule(ctx, q, k, v, g, beta, cu_t, {}); });
     const double b_ms = median_ms(ctx, iters, [&] { bwd(); });
     const double fb_ms = median_ms(ctx, iters, [&] {
       fwd();
@@ -120,12 +122,13 @@ int main(int argc, char** argv) {
     auto tflops = [](double flop, double ms) { return flop / (ms * 1e-3) / 1e12; };
     fmt::print(
         "{{\"impl\": \"lathe\", \"tokens\": {}, \"docs\": {}, \"hk\": {}, \"hv\": {}, \"d\": {}, \"dtype\": \"{}\", \"gate_dtype\": \"{}\", "
-        "\"fwd_ms\": {:.4f}, \"fwd_tokens_per_s\": {:.4g}, \"fwd_tflops\": {:.1f}, \"bwd_ms\": {:.4f}, "
+        "\"fwd_ms\": {:.4f}, \"fwd_tokens_per_s\": {:.4g}, \"fwd_tflops\": {:.1f}, \"fwd_nosave_ms\": {:.4f}, "
+        "\"bwd_ms\": {:.4f}, "
         "\"fwdbwd_ms\": {:.4f}, \"fwdbwd_tokens_per_s\": {:.4g}, \"fwdbwd_tflops\": {:.1f}, "
         "\"flop_model\": \"per token x value head, C=64: fwd 6dkdv+6Cdk+4Cdv+C^2/3, bwd 16dkdv+18Cdk+10Cdv+4C^2\", "
         "\"deterministic\": {}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
-        tokens, docs, hk, hv, d, dtype_name(dtype), dtype_name(gate), f_ms, double(tokens) / (f_ms * 1e-3), tflops(f_flop, f_ms), b_ms,
-        fb_ms, double(tokens) / (fb_ms * 1e-3), tflops(f_flop + b_flop, fb_ms), deterministic ? "true" : "false",
+        tokens, docs, hk, hv, d, dtype_name(dtype), dtype_name(gate), f_ms, double(tokens) / (f_ms * 1e-3),
+        tflops(f_flop, f_ms), f_nosave_ms, b_ms, fb_ms, double(tokens) / (fb_ms * 1e-3), tflops(f_flop + b_flop, fb_ms), deterministic ? "true" : "false",
         fmt::join(kernels, ", "), ctx.backend.info(0).name);
     return 0;
   } catch (const std::exception& e) {
