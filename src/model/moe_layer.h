@@ -90,7 +90,6 @@ struct MlpActs {
   Tensor out;            // (T, D) the MLP's output (before the residual)
 };
 
-
 // Load statistics of one sparse layer for one batch (metrics): tokens routed to each expert, max / mean.
 struct ExpertLoadStat {
   int64_t layer = 0;

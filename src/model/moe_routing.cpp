@@ -1,5 +1,5 @@
-// Host reference of mixture-of-experts routing (conventions and formulas in model/moe_routing.h): plain loops in
-// double. Covered by tests/models/test_moe_routing.cpp.
+// Host reference of mixture-of-experts routing (conventions and formulas in model/moe_routing.h): plain loops, in the
+// logits' type for the softmax and top-k, in double for the rest. Covered by tests/models/test_moe_routing.cpp.
 #include "model/moe_routing.h"
 
 #include <algorithm>
@@ -18,10 +18,6 @@ void softmax_backward_row(const double* p, const double* dp, int64_t n, double* 
   for (int64_t e = 0; e < n; ++e) dot += p[e] * dp[e];
   for (int64_t e = 0; e < n; ++e) dlogit[e] = p[e] * (dp[e] - dot);
 }
-
-}  // namespace
-
-namespace {
 
 template <typename T>
 RouterChoice route(std::span<const T> logits, int64_t tokens, int64_t experts, int64_t top_k, bool norm_topk_prob) {
@@ -62,7 +58,9 @@ RouterChoice route(std::span<const T> logits, int64_t tokens, int64_t experts, i
       for (int64_t e = 0; e < experts; ++e) probs[e] = double(p[size_t(e)] /= sum);
       // The k largest, larger first, ties to the lower index (a total order): one pass, inserting into the sorted
       // top-k list (most experts fail the first comparison).
-      auto better = [&](int32_t a, int32_t b) { return p[size_t(a)] > p[size_t(b)] || (p[size_t(a)] == p[size_t(b)] && a < b); };
+      auto better = [&](int32_t a, int32_t b) {
+        return p[size_t(a)] > p[size_t(b)] || (p[size_t(a)] == p[size_t(b)] && a < b);
+      };
       int64_t n = 0;
       for (int32_t e = 0; e < int32_t(experts); ++e) {
         if (n == top_k && !better(e, order[size_t(n - 1)])) continue;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "backend/cuda/check.h"
 #include "backend/cuda/launchers.h"
 
 namespace lathe::cuda {
@@ -62,6 +63,16 @@ template <typename T, int kN> __device__ __forceinline__ void store_pack(T* p, c
   } else {
 #pragma unroll
     for (int k = 0; k < kN; ++k) p[k] = v.e[k];
+  }
+}
+
+// Calls f(T{}) with T the device type of an f32, bf16 or f16 `dt`; any other dtype throws, naming `what`.
+template <typename F> void dispatch_f32_bf16_f16(DType dt, const char* what, F f) {
+  switch (dt) {
+    case DType::F32: f(float{}); return;
+    case DType::BF16: f(__nv_bfloat16{}); return;
+    case DType::F16: f(__half{}); return;
+    default: throw_cuda_error(what, cudaErrorInvalidValue, __FILE__, __LINE__);
   }
 }
 

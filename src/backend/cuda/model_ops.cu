@@ -16,15 +16,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-template <typename F> void dispatch(DType dt, const char* what, F f) {
-  switch (dt) {
-    case DType::F32: f(float{}); return;
-    case DType::BF16: f(__nv_bfloat16{}); return;
-    case DType::F16: f(__half{}); return;
-    default: throw_cuda_error(what, cudaErrorInvalidValue, __FILE__, __LINE__);
-  }
-}
-
 // ---------------------------------------------------------------- embedding
 
 // One thread per pack of kN elements of the output (grid-stride over tokens x packs of a row): 16-byte copies
@@ -738,7 +729,7 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore
 void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* weight,
                       const int32_t* ids, void* out, cudaStream_t stream) {
   if (n_tokens == 0 || hidden == 0) return;
-  dispatch(dtype, "embedding dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "embedding dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     const auto* pw = static_cast<const T*>(weight);
     auto* po = static_cast<T*>(out);
@@ -758,7 +749,7 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
   const int64_t n = vocab * hidden;
   if (n == 0) return;
   LATHE_CUDA_CHECK(cudaMemsetAsync(acc, 0, size_t(n) * sizeof(float), stream));
-  dispatch(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     if (n_tokens > 0) {
       embedding_scatter_add_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(n_tokens, hidden, vocab,
@@ -780,7 +771,7 @@ void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset
                  const void* z, void* y, cudaStream_t stream) {
   if (rows == 0 || h == 0) return;
   const bool packed = aligned16(x) && aligned16(w) && (!kGated || aligned16(z)) && aligned16(y);
-  dispatch(dtype, "rmsnorm dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "rmsnorm dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 8>(h, packed, [&](auto shape) {
       using S = decltype(shape);
@@ -806,7 +797,7 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
   const int64_t n_partial = norm_partials(rows, h);
   const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) &&
                       (!kGated || (aligned16(z) && aligned16(dz)));
-  dispatch(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 4>(h, packed, [&](auto shape) {
       using S = decltype(shape);
@@ -860,7 +851,7 @@ void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t 
   const int64_t n = tokens * heads * d;
   if (n == 0) return;
   if (half > kMaxRopeHalf) throw_cuda_error("rope (rotary dim above 512)", cudaErrorInvalidValue, __FILE__, __LINE__);
-  dispatch(dtype, "rope dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "rope dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     const int64_t threads = tokens * (d - half);
     rope_kernel<T><<<grid_for(threads, kThreads), kThreads, 0, stream>>>(tokens, heads, d, half, inverse, freqs,
@@ -871,7 +862,7 @@ void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t 
 
 void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y, cudaStream_t stream) {
   if (n == 0) return;
-  dispatch(dtype, "swiglu dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "swiglu dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     const auto* pg = static_cast<const T*>(g);
     const auto* pu = static_cast<const T*>(u);
@@ -888,7 +879,7 @@ void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y
 void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du,
                             cudaStream_t stream) {
   if (n == 0) return;
-  dispatch(dtype, "swiglu_backward dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "swiglu_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     const auto* pg = static_cast<const T*>(g);
     const auto* pu = static_cast<const T*>(u);
@@ -909,7 +900,7 @@ void launch_attention(DType dtype, const AttentionDims& dims, const void* q, con
                       const int32_t* cu_seqlens, void* o, float* lse, cudaStream_t stream) {
   const int64_t rows = dims.tokens * dims.q_heads;
   if (rows == 0 || dims.head_dim == 0) return;
-  dispatch(dtype, "attention dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "attention dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_head_dim(dims.head_dim, [&](auto c) {
       attention_forward_kernel<T, decltype(c)::value><<<grid_for(rows * 32, kAttnThreads), kAttnThreads, 0, stream>>>(
@@ -925,7 +916,7 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
                                void* dq, void* dk, void* dv, float* delta, cudaStream_t stream) {
   const int64_t rows = dims.tokens * dims.q_heads, kv_rows = dims.tokens * dims.kv_heads;
   if (rows == 0 || dims.head_dim == 0) return;
-  dispatch(dtype, "attention_backward dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "attention_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_head_dim(dims.head_dim, [&](auto c) {
       constexpr int kC = decltype(c)::value;
@@ -945,7 +936,7 @@ void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t igno
                           const void* logits, const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream) {
   if (rows == 0) return;
   const int threads = vocab >= 8192 ? 512 : 128;
-  dispatch(dtype, "cross_entropy dispatch (unsupported dtype)", [&](auto t) {
+  dispatch_f32_bf16_f16(dtype, "cross_entropy dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     constexpr int kN = kPackOf16<T>;
     const auto* x = static_cast<const T*>(logits);

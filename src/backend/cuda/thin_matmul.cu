@@ -22,15 +22,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-template <typename F> void dispatch(DType dt, F f) {
-  switch (dt) {
-    case DType::F32: f(float{}); return;
-    case DType::BF16: f(__nv_bfloat16{}); return;
-    case DType::F16: f(__half{}); return;
-    default: throw_cuda_error("thin matmul (dtype must be f32, bf16 or f16)", cudaErrorInvalidValue, __FILE__, __LINE__);
-  }
-}
-
 // One thread per kN columns of one row of C (grid-stride over batch x m x n / kN).
 template <typename T, int kN>
 __global__ void small_k_kernel(ThinMatmul p, const T* a, const T* b, T* c) {
@@ -86,7 +77,7 @@ bool thin_matmul_shape(const ThinMatmul& p) { return p.k <= kMaxThinK || p.n == 
 
 void launch_thin_matmul(DType dtype, const ThinMatmul& p, const void* a, const void* b, void* c, cudaStream_t stream) {
   if (p.batch * p.m * p.n == 0) return;
-  dispatch(dtype, [&](auto tag) {
+  dispatch_f32_bf16_f16(dtype, "thin matmul (dtype must be f32, bf16 or f16)", [&](auto tag) {
     using T = decltype(tag);
     const auto* pa = static_cast<const T*>(a);
     const auto* pb = static_cast<const T*>(b);
