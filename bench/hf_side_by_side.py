@@ -24,7 +24,8 @@ A training step on both sides: zero grads, forward + loss, backward, global grad
 Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row; with --lathe-bf16-states,
 the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-a3b) run `lathe bench
 --optimizer-states bf16` instead: no masters, bf16 moments, the parameters updated in place, as
-torch.optim.AdamW(fused=True) does on bf16 parameters (docs/optim.md). The LoRA row keeps fp32 states: peft upcasts
+torch.optim.AdamW(fused=True) does on bf16 parameters (docs/optim.md). With --lathe-nondeterministic, Lathe's
+attention backward may sum dQ in any order (`lathe bench --nondeterministic`), as torch's SDPA backward does. The LoRA row keeps fp32 states: peft upcasts
 the bf16 adapter weights to fp32 (autocast_adapter_dtype=True), so HF trains fp32 adapters there. Each row records
 "lathe_optimizer_states".
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
@@ -33,7 +34,7 @@ only, plus the chunked GDN core per GDN layer and value head (research/gated-del
 22 dk dv + 24 C dk + 14 C dv + 4 C^2); against 989 TFLOP/s (H100/H200 bf16 dense).
 
 Usage (GPU machine): python3 bench/hf_side_by_side.py --lathe-bin build/lathe [--shapes 0.6b,1.7b,4b] [--lora]
-                     [--lathe-bf16-states] [--steps 5] [--warmup 2] [--out side_by_side.json]
+                     [--lathe-bf16-states] [--lathe-nondeterministic] [--steps 5] [--warmup 2] [--out side_by_side.json]
 """
 import argparse
 import datetime
@@ -242,6 +243,8 @@ def run_lathe(row, args):
         cmd += ["--lora-rank", str(row["lora_rank"])]
     if row.get("layers"):
         cmd += ["--layers", str(row["layers"])]
+    if args.lathe_nondeterministic:
+        cmd += ["--nondeterministic"]
     out = run_json(cmd, args.timeout)
     if "error" in out and "out of memory" in out["error"].lower():  # AdamW states and activations: retry recomputing
         print(f"  lathe: {out['error']}; again with --recompute", flush=True)
@@ -283,6 +286,9 @@ def main():
     ap.add_argument("--only", choices=["hf", "lathe"], help="run one side only")
     ap.add_argument("--lathe-bf16-states", action="store_true",
                     help="lathe keeps bf16 AdamW states (no fp32 masters) in the rows where HF trains bf16 parameters")
+    ap.add_argument("--lathe-nondeterministic", action="store_true",
+                    help="lathe bench --nondeterministic: the attention backward may sum dQ in any order, as torch's "
+                         "SDPA backward does (docs/training.md)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -329,7 +335,8 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"date": str(datetime.date.today()), "card": card, "commit": os.environ.get("LATHE_COMMIT", ""),
                    "steps": args.steps, "warmup": args.warmup, "peak_flops": PEAK,
-                   "lathe_bf16_states": args.lathe_bf16_states, "rows": results}, f, indent=2)
+                   "lathe_bf16_states": args.lathe_bf16_states,
+                   "lathe_nondeterministic": args.lathe_nondeterministic, "rows": results}, f, indent=2)
     print(f"results: {args.out}")
     return 0 if all("error" not in r["hf"] and "error" not in r["lathe"] for r in results) else 1
 

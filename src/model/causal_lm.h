@@ -34,6 +34,9 @@ struct ModelOptions {
   bool recompute = false;        // recompute layer activations in the backward pass
   int64_t loss_chunk_rows = 1024;  // rows of logits alive at once in the loss head
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
+  // false: kernels whose gradients are equal within rounding but not bitwise run to run may be chosen where they are
+  // faster (the attention backward's dQ summed across key tiles in any order: AttentionAttrs::deterministic).
+  bool deterministic = true;
   // MoE models: whether the trained loss includes router_aux_loss_coef x the load-balancing loss. Unset: the
   // config's output_router_logits decides, as in transformers (off in released Qwen MoE configs).
   std::optional<bool> router_aux_loss;

@@ -136,7 +136,8 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   Tensor d_o;
   project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), dh, d_o, b);
   const std::vector<Tensor> dqkv =
-      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o.view({t, c.num_heads, c.head_dim}), b.cu_seqlens, {});
+      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o.view({t, c.num_heads, c.head_dim}), b.cu_seqlens,
+                         {0.0, options_.deterministic});
   const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], b.positions, inv), norm);
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
   add_grad(l.q_norm, dq[1]);

@@ -380,7 +380,8 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   const Tensor d_o = mul(cx, dy, a.sg).view({t, c.num_heads, d});
   const Tensor dgate = sigmoid_backward(cx, a.sg, mul(cx, dy, a.o.view({t, hd})));
   const std::vector<Tensor> dqkv =
-      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o, b.cu_seqlens, {});
+      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o, b.cu_seqlens,
+                         {0.0, options_.deterministic});
   const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], b.positions, inv), norm);
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
   add_grad(l.q_norm, dq[1]);

@@ -125,8 +125,12 @@ struct RopeAttrs {
 // Causal attention over packed documents: q (T, Hq, D), k and v (T, Hkv, D) with Hq % Hkv == 0, cu_seqlens
 // (B + 1) i32 with document b at rows [cu[b], cu[b+1]). Outputs o (T, Hq, D) and lse (T, Hq) f32 (f64 for f64), the
 // log-sum-exp of the scaled scores of each row. attention_backward(q, k, v, o, lse, do, cu) -> dq, dk, dv.
+// `deterministic` (attention_backward only): true asks for bitwise-repeatable gradients; false also admits kernels
+// whose dQ is summed in fp32 across key tiles in whatever order the hardware schedules them (cuDNN's other backward
+// variant, the one torch's SDPA runs): equal within rounding, not bitwise run to run, and faster.
 struct AttentionAttrs {
   double scale = 0.0;  // 0 = 1/sqrt(D)
+  bool deterministic = true;
 };
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with

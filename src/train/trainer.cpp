@@ -314,6 +314,7 @@ TrainSummary run_training(const TrainConfig& c) {
   mopt.device = device;
   mopt.dtype = dtype;
   mopt.recompute = c.recompute;
+  mopt.deterministic = c.deterministic;
   mopt.train_base = !lora;
   if (c.router_aux_loss != "auto") mopt.router_aux_loss = c.router_aux_loss == "on";  // MoE (config.cpp checks)
   // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the

@@ -1,13 +1,13 @@
 // `lathe bench --shape 0.6b|1.7b|4b|q35-0.8b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
-//  [--device cuda] [--lora-rank 16] [--recompute] [--optimizer-states f32|bf16] [--profile]`: training throughput of
-//  a Qwen3 (or Qwen3.5: q35-0.8b or a qwen3_5_text config.json, random-initialised by the family) of a given shape
-// with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents of seq random tokens, next-token labels). Each
-// timed step is a whole training step — zero grads, loss forward + backward, global grad norm, AdamW (fp32 masters
-// for bf16 parameters, the trainer's default; or bf16 states without masters, --optimizer-states bf16) — between two
-// device synchronisations. Prints one human line and
-// one JSON line (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs
-// with an OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the
-// step that no kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
+//  [--device cuda] [--lora-rank 16] [--recompute] [--nondeterministic] [--optimizer-states f32|bf16] [--profile]`:
+// training throughput of a Qwen3 (or Qwen3.5: q35-0.8b or a qwen3_5_text config.json, random-initialised by the
+// family) of a given shape with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents
+// of seq random tokens, next-token labels). Each timed step is a whole training step — zero grads, loss forward +
+// backward, global grad norm, AdamW (fp32 masters for bf16 parameters, the trainer's default; or bf16 states without
+// masters, --optimizer-states bf16) — between two device synchronisations. Prints one human line and one JSON line
+// (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs with an
+// OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the step that no
+// kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
 // Covered by tests/e2e/test_bench.cpp.
 #include <fmt/format.h>
 #include <unistd.h>
@@ -43,7 +43,7 @@ struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
-  bool recompute = false, profile = false;
+  bool recompute = false, profile = false, nondeterministic = false;
 };
 
 // The Qwen3 dense shapes of the baseline (HF config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
@@ -286,6 +286,7 @@ void run(const Args& a) {
   mo.device = device;
   mo.dtype = dtype;
   mo.recompute = a.recompute;
+  mo.deterministic = !a.nondeterministic;
   mo.train_base = !lora;
   const auto t_init = Clock::now();
   std::unique_ptr<CausalLm> loaded;
@@ -394,6 +395,7 @@ void run(const Args& a) {
                       {"dtype", dtype_name(dtype)},
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
+                      {"deterministic", !a.nondeterministic},
                       {"optimizer_states", a.optimizer_states},
                       {"optimizer_state_mib", double(opt.state_bytes()) / 1048576.0},
                       {"flops_per_token", fpt},
@@ -441,6 +443,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
                                                "module of a frozen base")->capture_default_str();
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
+  cmd->add_flag("--nondeterministic", a->nondeterministic,
+                "train.deterministic false: the attention backward may sum dQ in any order (faster, not bitwise "
+                "repeatable)");
   cmd->add_option("--optimizer-states", a->optimizer_states, "AdamW state dtype: f32 (fp32 masters and moments for "
                   "bf16 parameters) or bf16 (no masters: bf16 parameters updated in place, bf16 moments)")
       ->capture_default_str();

@@ -22,8 +22,9 @@
 // D > 128 backward: on cuDNN 9.14 (sm_90) the deterministic backward graph returns dQ right but dK and dV wrong at
 // D = 256, with and without GQA (op-check nmse about 0.5 against the CPU reference, or unwritten values), and the
 // non-deterministic one is off in all three (nmse 0.02-0.03 against the tiled kernel, bench/attention_bench); the
-// D <= 128 graphs, identical but for D, pass. So the registered backward refuses D > 128 and the tiled kernel takes
-// it. The forward is right at D = 256.
+// D <= 128 graphs, identical but for D, pass. So both registered backwards refuse D > 128 and the tiled kernel takes
+// it. The forward is right at D = 256. The non-deterministic backward is registered for calls that allow it
+// (AttentionAttrs::deterministic false), ahead of the deterministic one.
 // Covered by tests/ops (op_cases.cpp attention cases on a CUDA device with cuDNN).
 #include "backend/cuda/cudnn_attention.h"
 
@@ -708,8 +709,8 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
     const int64_t tokens = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
     if (tokens == 0) return Support::no("no tokens");
     if (d % 8 != 0 || d > 256) return Support::no("head dim must be a multiple of 8 up to 256");
-    if (backward && deterministic && d > 128)  // see the file comment (D > 128 backward)
-      return Support::no("cuDNN 9.14's deterministic backward returns wrong dK/dV above head dim 128");
+    if (backward && d > 128)  // see the file comment (D > 128 backward)
+      return Support::no("cuDNN 9.14's backward returns wrong gradients above head dim 128");
     if (tokens * hq * d >= (int64_t(1) << 31)) return Support::no("T * Hq * D must fit the 32-bit ragged offsets");
     const int device = c.device().index;
     DeviceGuard guard(device);
@@ -889,6 +890,15 @@ void register_cudnn_attention_kernels(KernelRegistry& r, DType dtype) {
                     return prepare(c, false, true, &p);
                   },
                   run_forward});
+  // Only for calls that allow it (AttentionAttrs::deterministic false); the deterministic kernel takes the rest.
+  r.add(KernelDef{OpId::attention_backward, DeviceType::CUDA, dtype, "cuda/cudnn_sdpa_backward_nondeterministic",
+                  [](const OpCall& c) {
+                    if (c.attr<AttentionAttrs>().deterministic)
+                      return Support::no("the call asks for deterministic gradients");
+                    Prepared p;
+                    return prepare(c, true, false, &p);
+                  },
+                  [](const OpCall& c, ExecContext& ctx) { run_backward(c, ctx, false); }});
   r.add(KernelDef{OpId::attention_backward, DeviceType::CUDA, dtype, "cuda/cudnn_sdpa_backward",
                   [](const OpCall& c) {
                     Prepared p;
