@@ -25,7 +25,8 @@ Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for e
 the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-a3b) run `lathe bench
 --optimizer-states bf16` instead: no masters, bf16 moments, the parameters updated in place, as
 torch.optim.AdamW(fused=True) does on bf16 parameters (docs/optim.md). With --lathe-nondeterministic, Lathe's
-attention backward may sum dQ in any order (`lathe bench --nondeterministic`), as torch's SDPA backward does. The LoRA row keeps fp32 states: peft upcasts
+attention backward may sum dQ in any order (`lathe bench --nondeterministic`), as torch's SDPA backward does; with
+--lathe-gemm-autotune, Lathe times cuBLASLt's candidate algorithms per GEMM shape (`lathe bench --gemm-autotune`). The LoRA row keeps fp32 states: peft upcasts
 the bf16 adapter weights to fp32 (autocast_adapter_dtype=True), so HF trains fp32 adapters there. Each row records
 "lathe_optimizer_states".
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
@@ -34,7 +35,8 @@ only, plus the chunked GDN core per GDN layer and value head (research/gated-del
 22 dk dv + 24 C dk + 14 C dv + 4 C^2); against 989 TFLOP/s (H100/H200 bf16 dense).
 
 Usage (GPU machine): python3 bench/hf_side_by_side.py --lathe-bin build/lathe [--shapes 0.6b,1.7b,4b] [--lora]
-                     [--lathe-bf16-states] [--lathe-nondeterministic] [--steps 5] [--warmup 2] [--out side_by_side.json]
+                     [--lathe-bf16-states] [--lathe-nondeterministic]
+                     [--lathe-gemm-autotune] [--steps 5] [--warmup 2] [--out side_by_side.json]
 """
 import argparse
 import datetime
@@ -245,6 +247,8 @@ def run_lathe(row, args):
         cmd += ["--layers", str(row["layers"])]
     if args.lathe_nondeterministic:
         cmd += ["--nondeterministic"]
+    if args.lathe_gemm_autotune:
+        cmd += ["--gemm-autotune"]
     out = run_json(cmd, args.timeout)
     if "error" in out and "out of memory" in out["error"].lower():  # AdamW states and activations: retry recomputing
         print(f"  lathe: {out['error']}; again with --recompute", flush=True)
@@ -289,6 +293,8 @@ def main():
     ap.add_argument("--lathe-nondeterministic", action="store_true",
                     help="lathe bench --nondeterministic: the attention backward may sum dQ in any order, as torch's "
                          "SDPA backward does (docs/training.md)")
+    ap.add_argument("--lathe-gemm-autotune", action="store_true",
+                    help="lathe bench --gemm-autotune: the fastest of cuBLASLt's candidate algorithms per GEMM shape")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -336,7 +342,8 @@ def main():
         json.dump({"date": str(datetime.date.today()), "card": card, "commit": os.environ.get("LATHE_COMMIT", ""),
                    "steps": args.steps, "warmup": args.warmup, "peak_flops": PEAK,
                    "lathe_bf16_states": args.lathe_bf16_states,
-                   "lathe_nondeterministic": args.lathe_nondeterministic, "rows": results}, f, indent=2)
+                   "lathe_nondeterministic": args.lathe_nondeterministic,
+                   "lathe_gemm_autotune": args.lathe_gemm_autotune, "rows": results}, f, indent=2)
     print(f"results: {args.out}")
     return 0 if all("error" not in r["hf"] and "error" not in r["lathe"] for r in results) else 1
 

@@ -45,6 +45,9 @@ struct ExecContext {
   Stream& stream;
   const ResolutionObserver* observer = nullptr;  // optional
   OpProfiler* profiler = nullptr;                 // optional: times every kernel run_op dispatches
+  // GEMM kernels may time their candidate algorithms on the first call of a shape and keep the fastest
+  // (Runtime::set_gemm_autotune): faster steps, but the choice may differ from one process to the next.
+  bool gemm_autotune = false;
 };
 
 struct Support {

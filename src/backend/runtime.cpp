@@ -56,7 +56,7 @@ ExecContext Runtime::context(Device device) {
   check_device(device);
   DeviceBackend& b = backend(device.type);
   return ExecContext{registry_, b, device, b.allocator(device.index), b.default_stream(device.index), nullptr,
-                     profiler_ && profiler_->device() == device ? profiler_ : nullptr};
+                     profiler_ && profiler_->device() == device ? profiler_ : nullptr, gemm_autotune_};
 }
 
 void Runtime::synchronize(Device device) { backend(device.type).default_stream(device.index).synchronize(); }

@@ -35,6 +35,11 @@ class Runtime {
   // backend/profiler.h). The profiler must outlive the contexts that hold it.
   void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
   OpProfiler* profiler() const { return profiler_; }
+  // Every context made from now on lets GEMM kernels time their candidate algorithms on a shape's first call and
+  // keep the fastest (ExecContext::gemm_autotune; cuda/cublaslt_gemm). Results stay bitwise repeatable within the
+  // process, but two processes may pick different algorithms, so runs are no longer bitwise reproducible.
+  void set_gemm_autotune(bool on) { gemm_autotune_ = on; }
+  bool gemm_autotune() const { return gemm_autotune_; }
   Allocator& host_allocator() { return cpu_->allocator(0); }
   void synchronize(Device device);
 
@@ -51,6 +56,7 @@ class Runtime {
   std::unique_ptr<DeviceBackend> cuda_;  // null when built without CUDA
   KernelRegistry registry_;
   OpProfiler* profiler_ = nullptr;
+  bool gemm_autotune_ = false;
 };
 
 }  // namespace lathe

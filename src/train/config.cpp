@@ -125,6 +125,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.deterministic", Kind::Bool, "true",
                 "bitwise-repeatable gradients; false lets the attention backward sum dQ in any order (faster, equal "
                 "within rounding; docs/training.md)", deterministic),
+      LATHE_OPT("train.gemm_autotune", Kind::Bool, "false",
+                "time cuBLASLt's candidate algorithms on each GEMM shape's first call and keep the fastest (faster; "
+                "two runs may then differ in the last bits; docs/training.md)", gemm_autotune),
       LATHE_OPT("train.max_bad_steps", Kind::Int, "5", "stop after this many non-finite steps in a row", max_bad_steps),
       LATHE_OPT("final_eval.file", Kind::String, "", "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
       LATHE_OPT("final_eval.max_new_tokens", Kind::Int, "16", "tokens generated per final-eval prompt", final_eval_max_new_tokens),
@@ -202,7 +205,8 @@ void replace(std::map<std::string, YAML::Node>& m, const std::string& key, const
 bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
-         (starts("train.") && path != "train.recompute" && path != "train.deterministic" && path != "train.log_every");
+         (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
+          path != "train.gemm_autotune" && path != "train.log_every");
 }
 
 std::string unknown_key_problem(const std::string& key) {

@@ -241,6 +241,7 @@ void check_batch_fits(const data::Batch& b, int64_t vocab) {
 
 TrainSummary run_training(const TrainConfig& c) {
   Runtime rt;
+  rt.set_gemm_autotune(c.gemm_autotune);
   const Device device = parse_device(c.device);
   rt.check_device(device);
   const DType dtype = !c.dtype.empty() ? dtype_from_name(c.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;

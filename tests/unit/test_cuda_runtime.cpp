@@ -131,3 +131,43 @@ TEST(CudaRuntime, StridedViewCopiesToHost) {
   const Tensor back = rt.copy_to(dev, Device::cpu());
   EXPECT_EQ(std::vector<float>(back.data<float>(), back.data<float>() + 6), (std::vector<float>{1, 4, 2, 5, 3, 6}));
 }
+
+// GEMM autotuning (Runtime::set_gemm_autotune) times cuBLASLt's candidates on a shape's first call into a scratch
+// output: the call's own result must still be C = A B^T + C exactly once (checked in f64 on the host), for a fresh
+// output and for an accumulating one, and a second call of the same shape (the cached choice) must agree bitwise.
+TEST(CudaRuntime, GemmAutotuneKeepsTheCallsResult) {
+  REQUIRE_CUDA();
+  Runtime& rt = runtime();
+  rt.set_gemm_autotune(true);
+  ExecContext ctx = rt.context(Device::cuda(0));
+  const int64_t m = 384, n = 320, k = 192;
+  std::vector<float> a(size_t(m * k)), b(size_t(n * k)), c0(size_t(m * n));
+  for (size_t i = 0; i < a.size(); ++i) a[i] = float(int64_t(i * 37 % 101) - 50) / 64.0f;
+  for (size_t i = 0; i < b.size(); ++i) b[i] = float(int64_t(i * 53 % 97) - 48) / 64.0f;
+  for (size_t i = 0; i < c0.size(); ++i) c0[i] = float(int64_t(i * 29 % 89) - 44) / 8.0f;
+  const Device dev = Device::cuda(0);
+  const Tensor da = cast(ctx, rt.from_host(a.data(), {m, k}, DType::F32, dev), DType::BF16);
+  const Tensor db = cast(ctx, rt.from_host(b.data(), {n, k}, DType::F32, dev), DType::BF16);
+  for (const float beta : {0.0f, 1.0f}) {
+    std::vector<Tensor> outs;
+    for (int call = 0; call < 2; ++call) {
+      Tensor dc = cast(ctx, rt.from_host(c0.data(), {m, n}, DType::F32, dev), DType::BF16);
+      matmul_into(ctx, da, db, dc, {false, true, 1.0f, beta});
+      outs.push_back(cast(ctx, dc, DType::F32));
+    }
+    const Tensor first = rt.copy_to(outs[0], Device::cpu()), second = rt.copy_to(outs[1], Device::cpu());
+    const float* got = first.data<float>();
+    double err = 0, ref2 = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double want = beta * double(c0[size_t(i * n + j)]);  // the inputs are exact in bf16 (multiples of 1/64, 1/8)
+        for (int64_t p = 0; p < k; ++p) want += double(a[size_t(i * k + p)]) * double(b[size_t(j * k + p)]);
+        err += (got[i * n + j] - want) * (got[i * n + j] - want);
+        ref2 += want * want;
+      }
+    EXPECT_LT(err / ref2, 1e-5) << "beta " << beta;  // bf16 output rounding is about 1e-6 in nmse
+    EXPECT_EQ(std::vector<float>(got, got + m * n), std::vector<float>(second.data<float>(), second.data<float>() + m * n))
+        << "beta " << beta;
+  }
+  rt.set_gemm_autotune(false);
+}

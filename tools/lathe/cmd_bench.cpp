@@ -1,5 +1,6 @@
 // `lathe bench --shape 0.6b|1.7b|4b|q35-0.8b|CONFIG.json [--seq 4096] [--micro-batch 4] [--steps 10] [--warmup 3]
-//  [--device cuda] [--lora-rank 16] [--recompute] [--nondeterministic] [--optimizer-states f32|bf16] [--profile]`:
+//  [--device cuda] [--lora-rank 16] [--recompute] [--nondeterministic] [--gemm-autotune]
+//  [--optimizer-states f32|bf16] [--profile]`:
 // training throughput of a Qwen3 (or Qwen3.5: q35-0.8b or a qwen3_5_text config.json, random-initialised by the
 // family) of a given shape with random weights (BenchWeights below) on a synthetic packed batch (micro-batch documents
 // of seq random tokens, next-token labels). Each timed step is a whole training step — zero grads, loss forward +
@@ -43,7 +44,7 @@ struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
-  bool recompute = false, profile = false, nondeterministic = false;
+  bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false;
 };
 
 // The Qwen3 dense shapes of the baseline (HF config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
@@ -264,6 +265,7 @@ void run(const Args& a) {
               "bench: need --seq >= 2, --micro-batch >= 1, --steps >= 1, --warmup >= 0, --lora-rank >= 0");
   LATHE_CHECK(a.seq * a.micro_batch < (int64_t(1) << 31), "bench: --seq x --micro-batch must stay below 2^31 tokens");
   Runtime rt;
+  rt.set_gemm_autotune(a.gemm_autotune);
   const Device device = parse_device(a.device);
   rt.check_device(device);
   const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
@@ -396,6 +398,7 @@ void run(const Args& a) {
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
                       {"deterministic", !a.nondeterministic},
+                      {"gemm_autotune", a.gemm_autotune},
                       {"optimizer_states", a.optimizer_states},
                       {"optimizer_state_mib", double(opt.state_bytes()) / 1048576.0},
                       {"flops_per_token", fpt},
@@ -446,6 +449,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--nondeterministic", a->nondeterministic,
                 "train.deterministic false: the attention backward may sum dQ in any order (faster, not bitwise "
                 "repeatable)");
+  cmd->add_flag("--gemm-autotune", a->gemm_autotune,
+                "train.gemm_autotune: time cuBLASLt's candidate algorithms on each GEMM shape's first call, keep the "
+                "fastest");
   cmd->add_option("--optimizer-states", a->optimizer_states, "AdamW state dtype: f32 (fp32 masters and moments for "
                   "bf16 parameters) or bf16 (no masters: bf16 parameters updated in place, bf16 moments)")
       ->capture_default_str();

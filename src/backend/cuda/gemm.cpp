@@ -2,6 +2,8 @@
 // cuBLASLt "A" operand is our B and vice versa, and no data is ever transposed.
 #include "backend/cuda/gemm.h"
 
+#include <vector>
+
 #include "backend/cuda/check.h"
 #include "backend/cuda/thin_matmul.h"
 #include "backend/cuda/cuda_backend.h"
@@ -42,7 +44,61 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
   return layout;
 }
 
-std::unique_ptr<GemmPlan> make_plan(CudaStream& stream, const GemmProblem& p) {
+// The operands of the call a plan is made for (autotuning times the candidates on them).
+struct GemmOperands {
+  float alpha, beta;
+  const void *a, *b;
+  void* c;
+};
+
+// The fastest of `results` on the call's own operands, each run writing into a scratch copy of C (so the call's
+// output is untouched and beta != 0 reads realistic values): one untimed run, then the best of three timed runs.
+// A candidate that fails to run is skipped; when scratch memory cannot be had, the heuristic's first choice stands.
+cublasLtMatmulAlgo_t fastest_algo(CudaStream& stream, const GemmProblem& p, const GemmPlan& plan,
+                                  const std::vector<cublasLtMatmulHeuristicResult_t>& results, const GemmOperands& o) {
+  const int64_t c_elems = (p.batch > 1 ? p.stride_c * (p.batch - 1) : 0) + p.m * p.n;
+  const size_t c_bytes = size_t(c_elems) * dtype_size(p.dtype);
+  void* scratch = nullptr;
+  if (cudaMalloc(&scratch, c_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    return results[0].algo;
+  }
+  LATHE_CUDA_CHECK(cudaMemcpyAsync(scratch, o.c, c_bytes, cudaMemcpyDeviceToDevice, stream.handle()));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  LATHE_CUDA_CHECK(cudaEventCreate(&start));
+  LATHE_CUDA_CHECK(cudaEventCreate(&stop));
+  float best_ms = -1;
+  cublasLtMatmulAlgo_t best = results[0].algo;
+  for (const cublasLtMatmulHeuristicResult_t& r : results) {
+    auto run = [&] {
+      return cublasLtMatmul(stream.cublaslt(), plan.op, &o.alpha, o.b, plan.a, o.a, plan.b, &o.beta, scratch, plan.c,
+                            scratch, plan.c, &r.algo, stream.gemm_workspace(), stream.gemm_workspace_bytes(),
+                            stream.handle());
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;
+    float ms = -1;
+    for (int i = 0; i < 3; ++i) {
+      LATHE_CUDA_CHECK(cudaEventRecord(start, stream.handle()));
+      const cublasStatus_t st = run();
+      LATHE_CUDA_CHECK(cudaEventRecord(stop, stream.handle()));
+      LATHE_CUDA_CHECK(cudaEventSynchronize(stop));
+      float t = 0;
+      LATHE_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+      if (st == CUBLAS_STATUS_SUCCESS && (ms < 0 || t < ms)) ms = t;
+    }
+    if (ms >= 0 && (best_ms < 0 || ms < best_ms)) {
+      best_ms = ms;
+      best = r.algo;
+    }
+  }
+  LATHE_CUDA_CHECK(cudaEventDestroy(start));
+  LATHE_CUDA_CHECK(cudaEventDestroy(stop));
+  LATHE_CUDA_CHECK(cudaStreamSynchronize(stream.handle()));
+  LATHE_CUDA_CHECK(cudaFree(scratch));
+  return best;
+}
+
+std::unique_ptr<GemmPlan> make_plan(CudaStream& stream, const GemmProblem& p, const GemmOperands& operands) {
   auto plan = std::make_unique<GemmPlan>();
   const cudaDataType_t type = cuda_type(p.dtype);
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -67,15 +123,16 @@ std::unique_ptr<GemmPlan> make_plan(CudaStream& stream, const GemmProblem& p) {
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_second, 4);
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, 4);
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, 4);
-  cublasLtMatmulHeuristicResult_t result{};
+  std::vector<cublasLtMatmulHeuristicResult_t> results(p.autotune ? kAutotuneCandidates : 1);
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(stream.cublaslt(), plan->op, plan->a, plan->b, plan->c,
-                                                           plan->c, pref, 1, &result, &found);
+                                                           plan->c, pref, int(results.size()), results.data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   LATHE_CUBLAS_CHECK(st);
   LATHE_CHECK(found > 0, "cublas: no cuBLASLt algorithm for {} gemm m={} n={} k={} batch={}", dtype_name(p.dtype),
               p.m, p.n, p.k, p.batch);
-  plan->algo = result.algo;
+  results.resize(size_t(found));
+  plan->algo = found > 1 ? fastest_algo(stream, p, *plan, results, operands) : results[0].algo;
   return plan;
 }
 
@@ -118,6 +175,7 @@ void run_matmul(const OpCall& call, ExecContext& ctx) {
   p.align_a = pointer_alignment(a.data_ptr());
   p.align_b = pointer_alignment(b.data_ptr());
   p.align_c = pointer_alignment(c.data_ptr());
+  p.autotune = ctx.gemm_autotune;
   if (c.numel() == 0) return;
   gemm(as_cuda(ctx.stream), p, at.alpha, a.data_ptr(), b.data_ptr(), at.beta, c.data_ptr());
 }
@@ -159,7 +217,7 @@ void run_thin(const OpCall& call, ExecContext& ctx) {
 void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, const void* b, float beta, void* c) {
   auto& cache = stream.gemm_cache().plans;
   auto it = cache.find(p.key());
-  if (it == cache.end()) it = cache.emplace(p.key(), make_plan(stream, p)).first;
+  if (it == cache.end()) it = cache.emplace(p.key(), make_plan(stream, p, {alpha, beta, a, b, c})).first;
   const GemmPlan& plan = *it->second;
   LATHE_CUBLAS_CHECK(cublasLtMatmul(stream.cublaslt(), plan.op, &alpha, b, plan.a, a, plan.b, &beta, c, plan.c, c,
                                     plan.c, &plan.algo, stream.gemm_workspace(), stream.gemm_workspace_bytes(),

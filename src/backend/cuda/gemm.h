@@ -1,6 +1,8 @@
 // cuBLASLt GEMM for row-major tensors: C = alpha op(A) op(B) + beta C, bf16/f16/f32 inputs, fp32 compute
 // (no TF32 for f32, so f32 results match the CPU reference), strided batches. A plan (descriptors and the
-// heuristic's first algorithm) is cached per stream and shape, so steady-state calls skip the heuristic.
+// heuristic's first algorithm) is cached per stream and shape, so steady-state calls skip the heuristic. With
+// autotuning (GemmProblem::autotune, from ExecContext::gemm_autotune) the plan instead holds the fastest of the
+// heuristic's first kAutotuneCandidates algorithms, timed on the first call's own operands into a scratch output.
 // Covered by tests/ops (matmul rows on cuda) and bench/gemm_bench.
 #pragma once
 
@@ -24,9 +26,10 @@ struct GemmProblem {
   int64_t stride_a, stride_b, stride_c;  // elements between batches (0 = shared)
   bool accumulate;                       // beta != 0
   int align_a, align_b, align_c;         // pointer alignment in bytes (min 16, max 256)
+  bool autotune = false;                 // time the heuristic's candidates on the first call, keep the fastest
   auto key() const {
     return std::tuple(int(dtype), trans_a, trans_b, batch, m, n, k, stride_a, stride_b, stride_c, accumulate,
-                      align_a, align_b, align_c);
+                      align_a, align_b, align_c, autotune);
   }
 };
 
@@ -39,6 +42,8 @@ struct GemmPlan {
   GemmPlan& operator=(const GemmPlan&) = delete;
   ~GemmPlan();
 };
+
+constexpr int kAutotuneCandidates = 8;
 
 struct GemmPlanCache {
   std::map<decltype(GemmProblem{}.key()), std::unique_ptr<GemmPlan>> plans;
