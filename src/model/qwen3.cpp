@@ -114,8 +114,11 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
   a.o = att[0];
   a.lse = att[1];
-  a.h = add(cx, x, project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training));
-  a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
+  // h = x + o_proj(o) and hn = post_norm(h) in one pass
+  const Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
+  std::vector<Tensor> post = residual_rmsnorm(cx, x, attn_out, w(l.post_norm), norm);
+  a.hn = post[0];
+  a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
   a.out = add(cx, a.h, a.mlp.out);
   return a;
@@ -129,9 +132,9 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const RopeAttrs inv{c.rope_theta, 0, true};
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
-  const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
+  const std::vector<Tensor> dpost = residual_rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, dout, norm);  // dh
   add_grad(l.post_norm, dpost[1]);
-  const Tensor dh = add(cx, dout, dpost[0]);
+  const Tensor& dh = dpost[0];
   // Attention: h = x + o_proj(attention(rope(qnorm(q)), rope(knorm(k)), v))
   Tensor d_o;
   project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), dh, d_o, b);
@@ -146,9 +149,9 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   project_backward(l.index, LoraTarget::q_proj, l.q_proj, a.xn, dq[0].view({t, -1}), dxn, b);
   project_backward(l.index, LoraTarget::k_proj, l.k_proj, a.xn, dk[0].view({t, -1}), dxn, b);
   project_backward(l.index, LoraTarget::v_proj, l.v_proj, a.xn, dqkv[2].view({t, -1}), dxn, b);
-  const std::vector<Tensor> din = rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, norm);
+  const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
   add_grad(l.input_norm, din[1]);
-  return add(cx, dh, din[0]);
+  return din[0];
 }
 
 Tensor Qwen3Model::logits(const PackedBatch& b) { return DecoderStack::logits(*this, b); }

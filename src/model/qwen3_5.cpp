@@ -361,8 +361,10 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& 
   a.xn = rmsnorm(cx, x, w(l.input_norm), norm);
   if (l.linear) gdn_forward(l, a, b, training);
   else attention_forward(l, a, b, training);
-  a.h = add(cx, x, a.mix);
-  a.hn = rmsnorm(cx, a.h, w(l.post_norm), norm);
+  // h = x + mixer output and hn = post_norm(h) in one pass
+  std::vector<Tensor> post = residual_rmsnorm(cx, x, a.mix, w(l.post_norm), norm);
+  a.hn = post[0];
+  a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
   a.out = add(cx, a.h, a.mlp.out);
   return a;
@@ -447,14 +449,14 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
-  const std::vector<Tensor> dpost = rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, norm);
+  const std::vector<Tensor> dpost = residual_rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, dout, norm);  // dh
   add_grad(l.post_norm, dpost[1]);
-  const Tensor dh = add(cx, dout, dpost[0]);
+  const Tensor& dh = dpost[0];
   // Mixer: h = x + mixer(input_norm(x))
   const Tensor dxn = l.linear ? gdn_backward_part(l, a, dh, b) : attention_backward_part(l, a, dh, b);
-  const std::vector<Tensor> din = rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, norm);
+  const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
   add_grad(l.input_norm, din[1]);
-  return add(cx, dh, din[0]);
+  return din[0];
 }
 
 Tensor Qwen35Model::logits(const PackedBatch& b) { return DecoderStack::logits(*this, b); }

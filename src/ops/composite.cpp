@@ -16,7 +16,7 @@ constexpr OpId kUpcastOps[] = {
     OpId::matmul,  OpId::add,    OpId::mul,     OpId::scale,   OpId::sum,     OpId::mean,
     OpId::softmax, OpId::softmax_backward,  OpId::silu,  OpId::silu_backward, OpId::swiglu,
     OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
-    OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
+    OpId::residual_rmsnorm, OpId::residual_rmsnorm_backward, OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
     OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::grouped_matmul,
     OpId::grouped_matmul_weight_grad};
 
@@ -57,6 +57,24 @@ void register_composites(KernelRegistry& r) {
                        for (int d : normalize_reduce_dims(c.attr<ReduceAttrs>().dims, x.dim())) count *= x.size(d);
                        const Tensor s = sum(ctx, x, c.attr<ReduceAttrs>().dims, c.attr<ReduceAttrs>().keepdim);
                        run_op(ctx, OpCall{OpId::scale, {s}, {c.outputs[0]}, ScaleAttrs{1.0 / double(count)}});
+                     }});
+  // The list ops as one op per tensor (or group of four): what runs where no device fuses them (the CPU reference).
+  r.add(CompositeDef{OpId::sum_squares_list, "composite/per_tensor",
+                     [](const OpCall&, const KernelRegistry&) { return Support::yes(); },
+                     [](const OpCall& c, ExecContext& ctx) {
+                       for (size_t i = 0; i < c.inputs.size(); ++i)
+                         sum_squares_into(ctx, c.inputs[i], c.outputs[0].narrow(0, int64_t(i), 1).view({}));
+                     }});
+  r.add(CompositeDef{OpId::adamw_list, "composite/per_tensor",
+                     [](const OpCall&, const KernelRegistry&) { return Support::yes(); },
+                     [](const OpCall& c, ExecContext& ctx) {
+                       const size_t outs = c.outputs.size() / (c.inputs.size() / 4);  // 3, or 4 with rounded_to
+                       for (size_t g = 0; g < c.inputs.size() / 4; ++g) {
+                         OpCall one{OpId::adamw, {}, {}, c.attrs};
+                         one.inputs.assign(c.inputs.begin() + long(4 * g), c.inputs.begin() + long(4 * g + 4));
+                         one.outputs.assign(c.outputs.begin() + long(outs * g), c.outputs.begin() + long(outs * g + outs));
+                         run_op(ctx, one);
+                       }
                      }});
   for (OpId op : kUpcastOps) {
     r.add(CompositeDef{op, "composite/upcast_f32",

@@ -81,6 +81,10 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return {embedding_backward(ctx, dy, in[1], in[0].size(0)), Tensor()};
     case OpId::rmsnorm:
       return rmsnorm_backward(ctx, in[0], in[1], dy, std::get<NormAttrs>(attrs));
+    case OpId::residual_rmsnorm: {  // through y; h = outputs[1] is what was normalised
+      std::vector<Tensor> g = rmsnorm_backward(ctx, outputs.at(1), in[2], dy, std::get<NormAttrs>(attrs));
+      return {g[0], g[0], g[1]};
+    }
     case OpId::gated_rmsnorm:
       return gated_rmsnorm_backward(ctx, in[0], in[1], in[2], dy, std::get<NormAttrs>(attrs));
     case OpId::rope: {
@@ -117,11 +121,14 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::swiglu_backward:
     case OpId::embedding_backward:
     case OpId::rmsnorm_backward:
+    case OpId::residual_rmsnorm_backward:
     case OpId::gated_rmsnorm_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
     case OpId::sum_squares:  // the global gradient norm: never part of a differentiated graph
+    case OpId::sum_squares_list:
     case OpId::adamw:
+    case OpId::adamw_list:
     case OpId::kCount:
       break;
   }

@@ -13,7 +13,7 @@
 
 namespace lathe {
 
-// X(name, number of inputs)
+// X(name, number of inputs); -1: any number, at least one (the *_list ops over a list of tensors)
 #define LATHE_OP_LIST(X) \
   X(matmul, 2)           \
   X(add, 2)              \
@@ -22,6 +22,7 @@ namespace lathe {
   X(cast, 1)             \
   X(sum, 1)              \
   X(sum_squares, 1)      \
+  X(sum_squares_list, -1) \
   X(mean, 1)             \
   X(softmax, 1)          \
   X(softmax_backward, 2) \
@@ -33,6 +34,8 @@ namespace lathe {
   X(embedding_backward, 2) \
   X(rmsnorm, 2)          \
   X(rmsnorm_backward, 3) \
+  X(residual_rmsnorm, 3) \
+  X(residual_rmsnorm_backward, 4) \
   X(gated_rmsnorm, 3)    \
   X(gated_rmsnorm_backward, 4) \
   X(rope, 2)             \
@@ -40,6 +43,7 @@ namespace lathe {
   X(attention_backward, 7) \
   X(cross_entropy, 2)    \
   X(adamw, 4)            \
+  X(adamw_list, -1)      \
   X(segment_mask, 1)     \
   X(dropout, 1)          \
   X(sigmoid, 1)          \
@@ -90,6 +94,10 @@ struct CastAttrs {
 // f32/bf16/f16 inputs and f64 for f64 ones: the accumulation dtype, so a global gradient norm of bf16 gradients
 // needs no f32 copy of them. No attributes. Deterministic: every kernel sums in an order fixed by the element count
 // alone (CUDA: fixed per-block partials, then one block over the partials; no atomics). Not differentiable.
+// sum_squares_list(x_0, ..., x_{n-1}) -> (n): sum_squares of each input in one op (one launch on CUDA: the global
+// gradient norm over every parameter). Inputs share one floating dtype and are contiguous; the output is f32 (f64 for
+// f64). Deterministic in the same sense (CUDA: fixed chunks of each tensor, then each tensor's chunk sums in order);
+// its sums may differ from sum_squares' in the last bits (another fixed order). Not differentiable.
 struct ReduceAttrs {
   std::vector<int> dims;
   bool keepdim = false;
@@ -109,6 +117,11 @@ struct EmbeddingAttrs {
 //   dz = dy n silu'(z), and g = dy s the gradient of the plain norm's output, as rmsnorm_backward:
 //   dx = r ((offset + w) g - x r^2 mean(x (offset + w) g)), dw = sum over rows of g x r.
 // dw is deterministic on every device (fixed-order sums, no atomics).
+// residual_rmsnorm(x, r, w (h)) -> (y, h): the pre-norm residual stream's add and norm in one pass. h = x + r rounded
+// to the dtype as the add op rounds it, y = rmsnorm(h; w) computed from that rounded h: bitwise the add op then the
+// rmsnorm op on a device whose kernels round the same way. Differentiated through y (the op's first output):
+// dx = dr = rmsnorm_backward(h, w, dy).dx. residual_rmsnorm_backward(h, w, dy, dres) -> (dx, dw): rmsnorm_backward's
+// dx plus dres (the gradient that reaches h along the residual path), rounded once, and its dw.
 struct NormAttrs {
   double eps = 1e-6;
   double offset = 0.0;
@@ -159,6 +172,9 @@ struct CrossEntropyAttrs {
 // m' and v', and each output is rounded to f32 and then to nearest even into bf16 on store: the bf16-key result is
 // the f32-key result on the widened inputs, each output cast to bf16. An update smaller than half a bf16 ulp of the
 // weight is lost. rounded_to is refused with a bf16 key (the master already is the parameter).
+// adamw_list(w_0, g_0, m_0, v_0, w_1, g_1, ...) -> (w_0', m_0', v_0'[, p_0'], w_1', ...): adamw on each group of four
+// with the same attributes, in one op (one launch on CUDA: "multi-tensor AdamW"), bitwise what adamw gives each group.
+// Every group has the first group's dtypes (master, grad); each group's tensors share a shape of their own.
 struct AdamWAttrs {
   double lr = 1e-3;
   double beta1 = 0.9;

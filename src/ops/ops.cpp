@@ -23,13 +23,16 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::embedding_backward: return expect(EmbeddingAttrs{});
     case OpId::rmsnorm:
     case OpId::rmsnorm_backward:
+    case OpId::residual_rmsnorm:
+    case OpId::residual_rmsnorm_backward:
     case OpId::gated_rmsnorm:
     case OpId::gated_rmsnorm_backward: return expect(NormAttrs{});
     case OpId::rope: return expect(RopeAttrs{});
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
-    case OpId::adamw: return expect(AdamWAttrs{});
+    case OpId::adamw:
+    case OpId::adamw_list: return expect(AdamWAttrs{});
     case OpId::segment_mask:
     case OpId::dropout: return expect(SegmentAttrs{});
     case OpId::gated_delta_rule:
@@ -141,6 +144,17 @@ Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs att
   return call_op(ctx, OpId::rmsnorm, {contiguous(ctx, x), contiguous(ctx, w)}, attrs)[0];
 }
 
+std::vector<Tensor> residual_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& r, const Tensor& w,
+                                     NormAttrs attrs) {
+  return call_op(ctx, OpId::residual_rmsnorm, {contiguous(ctx, x), contiguous(ctx, r), contiguous(ctx, w)}, attrs);
+}
+
+std::vector<Tensor> residual_rmsnorm_backward(ExecContext& ctx, const Tensor& h, const Tensor& w, const Tensor& dy,
+                                              const Tensor& dres, NormAttrs attrs) {
+  return call_op(ctx, OpId::residual_rmsnorm_backward,
+                 {contiguous(ctx, h), contiguous(ctx, w), contiguous(ctx, dy), contiguous(ctx, dres)}, attrs);
+}
+
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs) {
   return call_op(ctx, OpId::rmsnorm_backward, {contiguous(ctx, x), contiguous(ctx, w), contiguous(ctx, dy)}, attrs);
@@ -178,6 +192,42 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs) {
   return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
+}
+
+void sum_squares_list_into(ExecContext& ctx, const std::vector<Tensor>& xs, const Tensor& out) {
+  OpCall call{OpId::sum_squares_list, xs, {out}, {}};
+  const TensorSpec spec = infer_outputs(OpId::sum_squares_list, call.inputs, call.attrs)[0];
+  LATHE_CHECK(out.defined() && out.shape() == spec.shape && out.dtype() == spec.dtype && out.is_contiguous() &&
+                  out.device() == xs[0].device(),
+              "ops: sum_squares_list_into needs a contiguous {} {} output on {}, got {}", shape_str(spec.shape),
+              dtype_name(spec.dtype), xs[0].device().str(), out.defined() ? out.describe() : "an undefined tensor");
+  run_op(ctx, call);
+}
+
+void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs) {
+  LATHE_CHECK(!groups.empty(), "ops: adamw_update_list got no groups");
+  const bool with_param = groups[0].param.defined();
+  OpCall call{OpId::adamw_list, {}, {}, attrs};
+  if (with_param) {
+    AdamWAttrs a = attrs;
+    a.rounded_to = groups[0].param.dtype();
+    call.attrs = a;
+  }
+  for (const AdamWGroup& g : groups) {
+    LATHE_CHECK(g.param.defined() == with_param, "ops: adamw_update_list needs a parameter in every group or in none");
+    for (const Tensor* t : {&g.master, &g.grad, &g.m, &g.v})
+      LATHE_CHECK(t->is_contiguous(), "ops: adamw_update_list needs contiguous tensors, got {}", t->describe());
+    if (with_param)
+      LATHE_CHECK(g.param.is_contiguous() && g.param.shape() == g.master.shape() &&
+                      g.param.dtype() == groups[0].param.dtype() && g.param.device() == g.master.device(),
+                  "ops: adamw_update_list needs contiguous parameters of one dtype and of their master's shape, got "
+                  "{} for {}", g.param.describe(), g.master.describe());
+    call.inputs.insert(call.inputs.end(), {g.master, g.grad, g.m, g.v});
+    call.outputs.insert(call.outputs.end(), {g.master, g.m, g.v});
+    if (with_param) call.outputs.push_back(g.param);
+  }
+  (void)infer_outputs(OpId::adamw_list, call.inputs, call.attrs);  // names the first bad group
+  run_op(ctx, call);
 }
 
 void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,

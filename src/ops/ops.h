@@ -41,6 +41,8 @@ Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool 
 Tensor sum_squares(ExecContext& ctx, const Tensor& x);
 // The same written into `out`, a 0-d tensor of that dtype (an element of a preallocated vector of totals, say).
 void sum_squares_into(ExecContext& ctx, const Tensor& x, const Tensor& out);
+// out (n), f32 (f64 for f64 inputs) = the sum of squares of each of the n contiguous tensors xs (one dtype), in one op.
+void sum_squares_list_into(ExecContext& ctx, const std::vector<Tensor>& xs, const Tensor& out);
 Tensor softmax(ExecContext& ctx, const Tensor& x);  // over the last dimension
 Tensor softmax_backward(ExecContext& ctx, const Tensor& y, const Tensor& dy);
 Tensor silu(ExecContext& ctx, const Tensor& x);
@@ -52,6 +54,12 @@ Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids,
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs);  // {dx, dw}
+// {y, h}: h = x + r, y = rmsnorm(h; w) in one pass; the backward's {dx, dw} has dx = rmsnorm_backward's + dres
+// (ops/op_table.h, before NormAttrs).
+std::vector<Tensor> residual_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& r, const Tensor& w,
+                                     NormAttrs attrs);
+std::vector<Tensor> residual_rmsnorm_backward(ExecContext& ctx, const Tensor& h, const Tensor& w, const Tensor& dy,
+                                              const Tensor& dres, NormAttrs attrs);
 // rmsnorm(x; w) * silu(z) in one op (formula at NormAttrs in ops/op_table.h).
 Tensor gated_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z, NormAttrs attrs);
 std::vector<Tensor> gated_rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z,
@@ -70,6 +78,12 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
 // parameter itself (bf16 optimizer states) and takes no `param`.
 void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,
                   const Tensor& param = {});
+// adamw_update of every group in one adamw_list op (one launch on CUDA). Groups share the attributes and the dtypes
+// of (master, grad); `param` is defined in every group or in none.
+struct AdamWGroup {
+  Tensor master, grad, m, v, param;
+};
+void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs);
 // Row-segment ops on x (T, C) for multi-tenant LoRA (formulas at SegmentAttrs in ops/op_table.h).
 Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);

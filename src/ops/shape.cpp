@@ -110,8 +110,11 @@ void check_segments(OpId op, const Tensor& x, const SegmentAttrs& a) {
 }  // namespace
 
 std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
-  LATHE_CHECK(int(in.size()) == op_num_inputs(op), "ops: {} takes {} inputs, got {}", op_name(op),
-              op_num_inputs(op), in.size());
+  if (op_num_inputs(op) < 0)
+    LATHE_CHECK(!in.empty(), "ops: {} takes a list of at least one input, got none", op_name(op));
+  else
+    LATHE_CHECK(int(in.size()) == op_num_inputs(op), "ops: {} takes {} inputs, got {}", op_name(op),
+                op_num_inputs(op), in.size());
   for (const Tensor& t : in) LATHE_CHECK(t.defined(), "ops: {} got an undefined input", op_name(op));
   switch (op) {
     case OpId::matmul:
@@ -154,6 +157,13 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
     case OpId::sum_squares:
       check_floating(op, in[0]);
       return {{Shape{}, stats_dtype(in[0].dtype())}};
+    case OpId::sum_squares_list:
+      check_floating(op, in[0]);
+      for (const Tensor& t : in) {
+        check_same_dtype(op, in[0], t);
+        LATHE_CHECK(t.is_contiguous(), "ops: sum_squares_list needs contiguous inputs, got {}", t.describe());
+      }
+      return {{Shape{int64_t(in.size())}, stats_dtype(in[0].dtype())}};
     case OpId::swiglu:
     case OpId::swiglu_backward: {
       for (size_t i = 1; i < in.size(); ++i) {
@@ -193,6 +203,22 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       LATHE_CHECK(in[2].shape() == in[0].shape(), "ops: rmsnorm_backward dy {} does not match x {}",
                   in[2].describe(), in[0].describe());
       return {{in[0].shape(), in[0].dtype()}, {in[1].shape(), in[1].dtype()}};
+    }
+    case OpId::residual_rmsnorm:
+    case OpId::residual_rmsnorm_backward: {
+      const bool fwd = op == OpId::residual_rmsnorm;
+      const Tensor& w = in[fwd ? 2 : 1];
+      check_floating(op, in[0]);
+      check_same_dtype(op, in[0], w);
+      LATHE_CHECK(w.dim() == 1 && in[0].dim() >= 1 && w.size(0) == in[0].size(-1),
+                  "ops: {} weight {} does not match input {}", op_name(op), w.describe(), in[0].describe());
+      for (size_t i : fwd ? std::vector<size_t>{1} : std::vector<size_t>{2, 3}) {
+        check_same_dtype(op, in[0], in[i]);
+        LATHE_CHECK(in[i].shape() == in[0].shape(), "ops: {} input {} {} does not match x {}", op_name(op), i,
+                    in[i].describe(), in[0].describe());
+      }
+      if (fwd) return {{in[0].shape(), in[0].dtype()}, {in[0].shape(), in[0].dtype()}};
+      return {{in[0].shape(), in[0].dtype()}, {w.shape(), w.dtype()}};
     }
     case OpId::gated_rmsnorm:
     case OpId::gated_rmsnorm_backward: {
@@ -279,6 +305,20 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "ops: adamw rounded_to must be bf16 or f16 (the dtype of a parameter with a master), got {}",
                   dtype_name(*a.rounded_to));
       return {s, s, s, {w.shape(), *a.rounded_to}};
+    }
+    case OpId::adamw_list: {
+      LATHE_CHECK(in.size() % 4 == 0, "ops: adamw_list takes groups of four (master, grad, m, v), got {} inputs",
+                  in.size());
+      std::vector<TensorSpec> out;
+      for (size_t i = 0; i < in.size(); i += 4) {
+        LATHE_CHECK(in[i].dtype() == in[0].dtype() && in[i + 1].dtype() == in[1].dtype(),
+                    "ops: adamw_list group {} has dtypes ({}, {}), the first group ({}, {})", i / 4,
+                    dtype_name(in[i].dtype()), dtype_name(in[i + 1].dtype()), dtype_name(in[0].dtype()),
+                    dtype_name(in[1].dtype()));
+        for (const TensorSpec& s : infer_outputs(OpId::adamw, {in[i], in[i + 1], in[i + 2], in[i + 3]}, attrs))
+          out.push_back(s);
+      }
+      return out;
     }
     case OpId::segment_mask:
     case OpId::dropout:

@@ -1,16 +1,19 @@
-// AdamW: per-parameter state, the update through the adamw op (which also rounds the new master into a low-precision
-// parameter, in the same kernel), and the state file. Loading validates the whole file first and reports every
+// AdamW: per-parameter state, the update through the adamw_list op (which also rounds the new master into a
+// low-precision parameter, in the same kernel; one op, one launch on CUDA, per group of parameters that share their
+// attributes and dtypes: usually one or two a step), and the state file. Loading validates the whole file first and reports every
 // problem at once; nothing is changed unless the file is valid (a loaded master is cast into its parameter, as no
 // update runs). Covered by tests/unit/test_optim.cpp.
 #include "optim/adamw.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <map>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include "io/safetensors.h"
 #include "ops/ops.h"
@@ -136,18 +139,32 @@ void AdamW::step(double lr, double grad_scale) {
   LATHE_CHECK(std::isfinite(lr) && lr >= 0 && std::isfinite(grad_scale),
               "optim: AdamW step needs a finite lr >= 0 and a finite grad_scale, got {} and {}", lr, grad_scale);
   ExecContext ctx = rt_->context(device_);
+  // Parameters whose update shares every attribute (decay, step count) and dtype (master, gradient, parameter) go
+  // through one adamw_list op, in parameter order; the groups in order of their first parameter.
+  struct Batch {
+    std::tuple<bool, int64_t, bool, DType, DType, DType> key;  // decay, step, has master, master, grad, param
+    std::vector<AdamWGroup> groups;
+  };
+  std::vector<Batch> batches;
   for (Slot& s : slots_) {
     Parameter& p = *s.param;
     if (!p.grad.defined()) continue;
     LATHE_CHECK(p.grad.shape() == p.value.shape(), "optim: gradient {} of {} does not match the parameter {}",
                 p.grad.describe(), p.name, p.value.describe());
-    const AdamWAttrs a{lr, config_.beta1, config_.beta2, config_.eps, s.decay ? config_.weight_decay : 0.0,
-                       s.steps + 1, grad_scale, std::nullopt};
-    if (s.master.defined())  // the op rounds the new master into the parameter as well
-      adamw_update(ctx, s.master, p.grad, s.m, s.v, a, p.value);
-    else
-      adamw_update(ctx, p.value, p.grad, s.m, s.v, a);
-    s.steps = a.step;
+    const bool master = s.master.defined();
+    const Tensor grad = p.grad.is_contiguous() ? p.grad : contiguous(ctx, p.grad);
+    const auto key = std::make_tuple(s.decay, s.steps + 1, master, master ? s.master.dtype() : p.value.dtype(),
+                                     grad.dtype(), p.value.dtype());
+    auto it = std::find_if(batches.begin(), batches.end(), [&](const Batch& b) { return b.key == key; });
+    if (it == batches.end()) it = batches.insert(batches.end(), Batch{key, {}});
+    // With a master, the op rounds the new master into the parameter as well.
+    it->groups.push_back(master ? AdamWGroup{s.master, grad, s.m, s.v, p.value} : AdamWGroup{p.value, grad, s.m, s.v, {}});
+    s.steps += 1;
+  }
+  for (const Batch& b : batches) {
+    const AdamWAttrs a{lr, config_.beta1, config_.beta2, config_.eps, std::get<0>(b.key) ? config_.weight_decay : 0.0,
+                       std::get<1>(b.key), grad_scale, std::nullopt};
+    adamw_update_list(ctx, b.groups, a);
   }
   ++step_count_;
 }

@@ -1,7 +1,8 @@
-// Global gradient norm: one sum_squares op per gradient, each writing its 0-d total into one element of a
-// preallocated device vector, then one read of that vector and its sum on the host in double, in parameter order.
-// No copy of any gradient is made (bf16 gradients are squared where they lie) and the result is deterministic: each
-// op's order is fixed (ops/op_table.h) and so is the host sum. Covered by tests/unit/test_optim.cpp.
+// Global gradient norm: one sum_squares_list op per gradient dtype (one launch on CUDA for a model's bf16 gradients),
+// writing each gradient's total into one element of a preallocated device vector, then one read of that vector and
+// its sum on the host in double, in a fixed order (dtype groups in order of first appearance, parameter order within
+// each). No copy of any gradient is made (bf16 gradients are squared where they lie) and the result is deterministic:
+// each op's order is fixed (ops/op_table.h) and so is the host sum. Covered by tests/unit/test_optim.cpp.
 #include "optim/clip.h"
 
 #include <algorithm>
@@ -14,7 +15,7 @@ namespace lathe {
 namespace {
 
 double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
-  std::vector<const Tensor*> grads;
+  std::vector<Tensor> grads;
   bool all_f64 = true;
   for (const Parameter* p : params) {
     if (!p->grad.defined()) continue;
@@ -22,19 +23,30 @@ double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
                 p->grad.describe());
     LATHE_CHECK(p->grad.device() == ctx.device, "optim: gradient of {} is {}, the norm is taken on {}", p->name,
                 p->grad.describe(), ctx.device.str());
-    grads.push_back(&p->grad);
+    grads.push_back(p->grad.is_contiguous() ? p->grad : contiguous(ctx, p->grad));
     all_f64 = all_f64 && p->grad.dtype() == DType::F64;
   }
   if (grads.empty()) return 0.0;
   const DType acc = all_f64 ? DType::F64 : DType::F32;  // sum_squares gives f32 for every dtype but f64
   const int64_t n = int64_t(grads.size());
   const Tensor totals = Tensor::empty({n}, acc, ctx.allocator);  // (n): sum(g^2) of each gradient
-  for (int64_t i = 0; i < n; ++i) {
-    const Tensor slot = totals.narrow(0, i, 1).view({});
-    if (grads[size_t(i)]->dtype() == DType::F64 && acc != DType::F64)  // an f64 gradient among f32 ones
-      copy_into(ctx, sum_squares(ctx, *grads[size_t(i)]), slot);
-    else
-      sum_squares_into(ctx, *grads[size_t(i)], slot);
+  std::vector<DType> order;  // gradient dtypes in order of first appearance
+  for (const Tensor& g : grads)
+    if (std::find(order.begin(), order.end(), g.dtype()) == order.end()) order.push_back(g.dtype());
+  int64_t at = 0;
+  for (DType dt : order) {
+    std::vector<Tensor> group;
+    for (const Tensor& g : grads)
+      if (g.dtype() == dt) group.push_back(g);
+    const Tensor slots = totals.narrow(0, at, int64_t(group.size()));
+    if (dt == DType::F64 && acc != DType::F64) {  // f64 gradients among f32 ones: their f64 totals, narrowed
+      const Tensor wide = Tensor::empty({int64_t(group.size())}, DType::F64, ctx.allocator);
+      sum_squares_list_into(ctx, group, wide);
+      copy_into(ctx, wide, slots);
+    } else {
+      sum_squares_list_into(ctx, group, slots);
+    }
+    at += int64_t(group.size());
   }
   std::vector<double> host(static_cast<size_t>(n));
   std::vector<float> host_f32(all_f64 ? 0 : size_t(n));

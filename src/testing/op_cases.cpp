@@ -4,6 +4,8 @@
 // at least one case (the coverage check in op_check.cpp fails otherwise). Run by tests/ops on every device.
 #include "testing/op_check.h"
 
+#include <tuple>
+
 namespace lathe {
 
 namespace {
@@ -50,6 +52,18 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::rmsnorm, "h=32,eps=1e-6", {{5, 32}, {32}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}}, NormAttrs{1e-5, 1.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
+  // residual_rmsnorm: the CUDA lane groups of 16 lanes (h = 128 in bf16), one warp with a second pass (1030, element
+  // packs) and two warps (2048 in bf16); offset 1 (Qwen3.5's norms). Finite differences (the f64 row) on the
+  // smallest only.
+  const std::vector<DType> kNoF64 = {DType::F32, DType::BF16, DType::F16};
+  for (const auto& [rows, h, offset] : {std::tuple<int64_t, int64_t, double>{5, 32, 0.0}, {300, 128, 0.0},
+                                        {7, 1030, 1.0}, {40, 2048, 0.0}}) {
+    const std::string params = fmt::format("rows={},h={},offset={}", rows, h, offset);
+    c.push_back({OpId::residual_rmsnorm, params, {{rows, h}, {rows, h}, {h}}, NormAttrs{1e-6, offset},
+                 h == 32 ? kFloat : kNoF64});
+    c.push_back({OpId::residual_rmsnorm_backward, params, {{rows, h}, {h}, {rows, h}, {rows, h}},
+                 NormAttrs{1e-6, offset}, kFloat, false, false});
+  }
   c.push_back({OpId::gated_rmsnorm, "h=32", {{5, 32}, {32}, {5, 32}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::gated_rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}, {3, 4, 96}}, NormAttrs{1e-5, 1.0}, kFloat});
   c.push_back({OpId::gated_rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat,
@@ -281,6 +295,11 @@ std::vector<OpCase> all_op_cases() {
     c.push_back({OpId::sum_squares, "shape=" + shape_str(s), {s}, {}, kFloat, false, false});
   c.push_back({OpId::sum_squares, "strided=[9,7]^T", {{9, 7}}, {}, kFloat, true, false});
   c.push_back({OpId::sum_squares, "strided=[2,517,1025]^T", {{2, 517, 1025}}, {}, kFloat, true, false});
+  // sum_squares_list: an empty tensor, one element, chunks of 65,536 elements with tails (70,001: two chunks;
+  // 300 x 1031: five), and a pack tail (7 x 13).
+  const std::vector<Shape> list_shapes = {{7, 13}, {0}, {70001}, {1}, {300, 1031}, {4097}};
+  c.push_back({OpId::sum_squares_list, "6 tensors,chunk tails", list_shapes, {}, kFloat, false, false});
+  c.push_back({OpId::sum_squares_list, "one tensor", {{5, 3}}, {}, kFloat, false, false});
   for (Shape s : {Shape{1, 1}, Shape{4, 7}, Shape{3, 2, 129}, Shape{2, 3000}}) {
     c.push_back({OpId::softmax, "shape=" + shape_str(s), {s}, {}, kFloat});
     c.push_back({OpId::softmax_backward, "shape=" + shape_str(s), {s, s}, {}, kFloat, false, false});
@@ -309,6 +328,15 @@ std::vector<OpCase> all_op_cases() {
                   AdamWAttrs{0.2, 0.9, 0.999, 1e-8, 0.1, 2, 0.5, std::nullopt}, {DType::BF16}, false, false};
   f32_grad.accumulation_inputs = {1};
   c.push_back(f32_grad);
+  // adamw_list: groups of four of different sizes (an empty one, chunk tails of the CUDA kernel: 70,001 elements are two
+  // chunks of 65,536; pack tails), f32 masters with and without the rounded parameter, bf16 states.
+  std::vector<Shape> groups;
+  for (Shape s : {Shape{7, 13}, Shape{0}, Shape{70001}, Shape{1}, Shape{257, 1031}})
+    for (int i = 0; i < 4; ++i) groups.push_back(s);
+  c.push_back({OpId::adamw_list, "5 groups,step=3,wd=0.1", groups,
+               AdamWAttrs{0.05, 0.9, 0.999, 1e-8, 0.1, 3, 0.5, std::nullopt}, kState, false, false});
+  c.push_back({OpId::adamw_list, "5 groups,step=2,rounded=bf16", groups,
+               AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.0, 2, 1.0, DType::BF16}, kMaster, false, false});
   // With the rounded parameter as a fourth output (bitwise equality with adamw + cast: tests/unit/test_optim.cpp).
   c.push_back({OpId::adamw, "[7,13],step=2,wd=0.1,rounded=bf16", {{7, 13}, {7, 13}, {7, 13}, {7, 13}},
                AdamWAttrs{0.1, 0.9, 0.999, 1e-8, 0.1, 2, 1.0, DType::BF16}, kMaster, false, false});

@@ -832,3 +832,63 @@ TEST(GradNorm, CudaSumSquaresMatchesAndIsDeterministic) {
     }
   }
 }
+
+// adamw_list (one op for many tensors; one launch on CUDA, chunks of 65,536 elements) gives each tensor bitwise what
+// adamw gives it alone: f32 masters with the rounded bf16 parameter, and bf16 states; sizes with chunk and pack tails.
+TEST(AdamW, ListIsBitwiseThePerTensorUpdate) {
+  std::vector<Device> devices = {Device::cpu()};
+  if (runtime().has_device(Device::cuda(0))) devices.push_back(Device::cuda(0));
+  for (Device d : devices) {
+    ExecContext ctx = runtime().context(d);
+    for (const bool bf16_states : {false, true}) {
+      std::mt19937_64 rng(29);
+      const DType state = bf16_states ? DType::BF16 : DType::F32;
+      const AdamWAttrs a{1e-2, 0.9, 0.95, 1e-8, 0.1, 4, 0.5, std::nullopt};
+      std::vector<AdamWGroup> list, single;
+      for (int64_t n : {int64_t(131073), int64_t(7), int64_t(1), int64_t(65536)}) {
+        const std::vector<double> w0 = random_vector(rng, size_t(n)), g = random_vector(rng, size_t(n), -3.0, 3.0);
+        const std::vector<double> m0 = random_vector(rng, size_t(n), -0.1, 0.1);
+        const std::vector<double> v0 = random_vector(rng, size_t(n), 0.0, 0.01);
+        for (std::vector<AdamWGroup>* into : {&list, &single})
+          into->push_back({make(w0, {n}, state, d), make(g, {n}, DType::BF16, d), make(m0, {n}, state, d),
+                           make(v0, {n}, state, d), bf16_states ? Tensor() : make(w0, {n}, DType::BF16, d)});
+      }
+      adamw_update_list(ctx, list, a);
+      for (AdamWGroup& s : single) adamw_update(ctx, s.master, s.grad, s.m, s.v, a, s.param);
+      for (size_t i = 0; i < list.size(); ++i) {
+        const std::string where = d.str() + (bf16_states ? " bf16 states" : " f32 masters") + " tensor " +
+                                  std::to_string(i);
+        EXPECT_EQ(values(list[i].master), values(single[i].master)) << where;
+        EXPECT_EQ(values(list[i].m), values(single[i].m)) << where;
+        EXPECT_EQ(values(list[i].v), values(single[i].v)) << where;
+        if (!bf16_states) EXPECT_EQ(values(list[i].param), values(single[i].param)) << where;
+      }
+    }
+  }
+}
+
+// sum_squares_list on CUDA (chunks of 65,536 elements, then each tensor's chunks in order) against the f64 sums of the
+// same bf16 values, and the same bits on every run.
+TEST(GradNorm, CudaSumSquaresListMatchesAndIsDeterministic) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  ExecContext ctx = runtime().context(Device::cuda(0));
+  std::mt19937_64 rng(31);
+  std::vector<Tensor> xs;
+  std::vector<double> want;
+  for (const Shape& s : {Shape{3, 1365}, Shape{0}, Shape{2049, 1031}, Shape{1}, Shape{65536}}) {
+    const std::vector<double> v = random_vector(rng, size_t(shape_numel(s)));
+    double sum = 0;
+    for (double x : v) sum += rounded(x, DType::BF16) * rounded(x, DType::BF16);
+    want.push_back(sum);
+    xs.push_back(make(v, s, DType::BF16, Device::cuda(0)));
+  }
+  const Tensor out = Tensor::empty({int64_t(xs.size())}, DType::F32, ctx.allocator);
+  sum_squares_list_into(ctx, xs, out);
+  const std::vector<double> first = values(out);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(first[i], want[i], 1e-5 * want[i] + 1e-30) << i;
+  for (int r = 0; r < 3; ++r) {
+    sum_squares_list_into(ctx, xs, out);
+    ASSERT_EQ(values(out), first);
+  }
+}

@@ -48,13 +48,20 @@ void embedding_backward_kernel(const OpCall& c, ExecContext&) {
 }
 
 // y = x inv (offset + w) [silu(z) when kGated], inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.
-// rmsnorm is the kGated = false case; gated_rmsnorm takes z as a third input.
-template <typename T, bool kGated>
+// rmsnorm is the kGated = false case; gated_rmsnorm takes z as a third input. kResidual (residual_rmsnorm, inputs
+// x, r, w; outputs y, h): the normalised row is h = x + r, rounded to T and written out first.
+template <typename T, bool kGated, bool kResidual = false>
 void rmsnorm_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<NormAttrs>();
   const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
-  const T* x = c.inputs[0].data<T>();
-  const T* w = c.inputs[1].data<T>();
+  T* hsum = kResidual ? c.outputs[1].data<T>() : nullptr;
+  if constexpr (kResidual) {
+    const T* x0 = c.inputs[0].data<T>();
+    const T* res = c.inputs[1].data<T>();
+    for (int64_t i = 0; i < rows * h; ++i) hsum[i] = T(double(x0[i]) + double(res[i]));
+  }
+  const T* x = kResidual ? hsum : c.inputs[0].data<T>();
+  const T* w = c.inputs[kResidual ? 2 : 1].data<T>();
   const T* z = kGated ? c.inputs[2].data<T>() : nullptr;
   T* y = c.outputs[0].data<T>();
 #pragma omp parallel for if (rows * h > 65536)
@@ -76,8 +83,9 @@ void rmsnorm_kernel(const OpCall& c, ExecContext&) {
 // With g = dy (rmsnorm) or g = dy silu(z) (gated; the gradient reaching the plain norm's output):
 // dx_j = inv * g_j (offset + w_j) - x_j * inv^3 / H * sum_k g_k (offset + w_k) x_k; dw_j = sum_rows g_j x_j inv;
 // gated also dz_j = dy_j n_j sigmoid(z_j) (1 + z_j (1 - sigmoid(z_j))), n_j = x_j inv (offset + w_j).
-// Inputs (x, w, dy) or (x, w, z, dy); outputs (dx, dw) or (dx, dw, dz).
-template <typename T, bool kGated>
+// Inputs (x, w, dy) or (x, w, z, dy); outputs (dx, dw) or (dx, dw, dz). kResidual (residual_rmsnorm_backward):
+// inputs (x, w, dy, dres), and dx gets dres added before its rounding.
+template <typename T, bool kGated, bool kResidual = false>
 void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<NormAttrs>();
   const int64_t h = c.inputs[0].size(-1), rows = h ? c.inputs[0].numel() / h : 0;
@@ -87,6 +95,7 @@ void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
   const T* dy = c.inputs[kGated ? 3 : 2].data<T>();
   T* dx = c.outputs[0].data<T>();
   T* dz = kGated ? c.outputs[2].data<T>() : nullptr;
+  const T* dres = kResidual ? c.inputs[3].data<T>() : nullptr;
   std::vector<double> dw(size_t(h), 0.0);
   std::vector<double> g(static_cast<size_t>(h));  // the row's gradient at the plain norm's output
   for (int64_t r = 0; r < rows; ++r) {
@@ -105,7 +114,8 @@ void rmsnorm_backward_kernel(const OpCall& c, ExecContext&) {
     const double inv = 1.0 / std::sqrt(ss / double(h) + a.eps);
     for (int64_t j = 0; j < h; ++j) {
       const double gw = g[size_t(j)] * (a.offset + double(w[j]));
-      dx[r * h + j] = T(inv * gw - double(xr[j]) * inv * inv * inv * dot / double(h));
+      const double d = inv * gw - double(xr[j]) * inv * inv * inv * dot / double(h);
+      dx[r * h + j] = T(kResidual ? d + double(dres[r * h + j]) : d);
       dw[size_t(j)] += g[size_t(j)] * double(xr[j]) * inv;
       if constexpr (kGated) {
         const double zj = double(z[r * h + j]);
@@ -318,6 +328,8 @@ void register_for(KernelRegistry& r) {
   add(OpId::embedding_backward, "cpu/embedding_scatter_add", embedding_backward_kernel<T>);
   add(OpId::rmsnorm, "cpu/rmsnorm_rows", rmsnorm_kernel<T, false>);
   add(OpId::rmsnorm_backward, "cpu/rmsnorm_backward_rows", rmsnorm_backward_kernel<T, false>);
+  add(OpId::residual_rmsnorm, "cpu/residual_rmsnorm_rows", rmsnorm_kernel<T, false, true>);
+  add(OpId::residual_rmsnorm_backward, "cpu/residual_rmsnorm_backward_rows", rmsnorm_backward_kernel<T, false, true>);
   add(OpId::gated_rmsnorm, "cpu/gated_rmsnorm_rows", rmsnorm_kernel<T, true>);
   add(OpId::gated_rmsnorm_backward, "cpu/gated_rmsnorm_backward_rows", rmsnorm_backward_kernel<T, true>);
   add(OpId::rope, "cpu/rope_rotate_half", rope_kernel<T>);

@@ -38,6 +38,18 @@ void launch_sum(DType dtype, int64_t n_out, const void* x, const StridedLayout& 
 // sum(x^2) over the n elements of x (float, bf16, f16: f32 result; f64: f64) into the 0-d `out`. `partials` is
 // scratch of sum_squares_partials(n) elements of the result's dtype (none when 0: one block then covers x).
 int64_t sum_squares_partials(int64_t n);
+// One tensor of a sum_squares_list launch (device-resident table): n contiguous elements at x, its chunks of
+// kSumSquaresListChunk elements being blocks first_chunk, first_chunk + 1, ...; `packed`: x is 16-byte aligned.
+constexpr int64_t kSumSquaresListChunk = 1 << 16;
+struct SumSquaresListEntry {
+  const void* x;
+  int64_t n, first_chunk;
+  int32_t packed;
+};
+// out[i] = sum of squares of tensor i of `table`: one block per chunk writes partials[chunk] (`chunks` elements of the
+// result's dtype), then one warp per tensor adds its chunks' partials in order. Deterministic, no atomics.
+void launch_sum_squares_list(DType dtype, const SumSquaresListEntry* table, int n_tensors, int64_t chunks,
+                             void* partials, void* out, cudaStream_t stream);
 void launch_sum_squares(DType dtype, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
                         void* partials, void* out, cudaStream_t stream);
 void launch_softmax(DType dtype, int64_t rows, int64_t cols, const void* x, void* y, cudaStream_t stream);

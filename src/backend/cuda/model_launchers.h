@@ -38,6 +38,13 @@ void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double off
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h);
 void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                              const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream);
+// hsum = x + res (rounded as the add op rounds), y = rmsnorm(hsum) as launch_rmsnorm computes it; backward: dx is
+// rmsnorm_backward's plus dres, rounded once (same scratch as launch_rmsnorm_backward).
+void launch_residual_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                             const void* res, const void* w, void* y, void* hsum, cudaStream_t stream);
+void launch_residual_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                                      const void* w, const void* dy, const void* dres, void* dx, void* dw,
+                                      float* scratch, cudaStream_t stream);
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) * silu(z), rounded once; backward: dx, dw, dz from x, w, z, dy.
 void launch_gated_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                           const void* w, const void* z, void* y, cudaStream_t stream);

@@ -67,6 +67,9 @@ int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 // kGated: the same kernels for gated_rmsnorm, y = rmsnorm(x) * silu(z) (one rounding, at y). The forward reads z
 // once, when it writes y; the backward keeps z's packs in registers beside x and dy (its gradient into the norm is
 // g = dy silu(z)) and also writes dz. Non-gated calls pass null z / dz, never touched.
+// Residual (residual_rmsnorm, runtime: a non-null `res`): the forward first forms each pack of h = x + res, rounded
+// as the add op rounds it, writes it out and normalises it (wide rows read their second pass back from h); the
+// backward adds the pack of `dres` to dx before its one rounding. Null pointers leave the plain kernels' arithmetic.
 
 constexpr int kNormWarps = 4;
 constexpr int kNormThreads = 32 * kNormWarps;
@@ -142,6 +145,15 @@ template <typename T, int kN> __device__ __forceinline__ float sum_squares(const
 
 __device__ __forceinline__ float sigmoid_of(float v) { return 1.0f / (1.0f + expf(-v)); }
 
+// a + b per element in float, rounded to T: what the add op stores.
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> pack_sum(const Pack<T, kN>& a, const Pack<T, kN>& b) {
+  Pack<T, kN> s;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) store(s.e, k, load(a.e, k) + load(b.e, k));
+  return s;
+}
+
 // The pack of the output at element `at` of the tensor: x inv (offset + w), times silu(z) where kGated (z is read
 // only then); one rounding.
 template <bool kGated, typename T, int kN>
@@ -164,7 +176,8 @@ __device__ __forceinline__ Pack<T, kN> normalized(const Pack<T, kN>& x, const Pa
 
 template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
-    rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* w, const T* z, T* y) {
+    rmsnorm_kernel(int64_t rows, int64_t h, float eps, float offset, const T* x, const T* res, T* hsum, const T* w,
+                   const T* z, T* y) {
   __shared__ GroupScratch scratch;
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   const int64_t packs = h / kN;
@@ -173,13 +186,34 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int64_t r = lg.index; r < rows; r += lg.count) {
     const T* xr = x + r * h;
     T* yr = y + r * h;
+    T* hr = res ? hsum + r * h : nullptr;  // the row of h = x + res (residual calls)
     Pack<T, kN> xv[kC];
     load_lane_packs<kLanes>(xr, packs, lg.lane, xv);
+    if (res) {
+      Pack<T, kN> rv[kC];
+      load_lane_packs<kLanes>(res + r * h, packs, lg.lane, rv);
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        const int64_t a = lg.lane + kLanes * c;
+        if (a < packs) {
+          xv[c] = pack_sum(xv[c], rv[c]);
+          store_pack(hr + a * kN, xv[c]);
+        }
+      }
+    }
     float ss = 0;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
       if (lg.lane + kLanes * c < packs) ss += sum_squares(xv[c]);
-    for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes) ss += sum_squares(load_pack<T, kN>(xr + a * kN));
+    for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes) {
+      Pack<T, kN> v = load_pack<T, kN>(xr + a * kN);
+      if (res) {
+        v = pack_sum(v, load_pack<T, kN>(res + r * h + a * kN));
+        store_pack(hr + a * kN, v);
+      }
+      ss += sum_squares(v);
+    }
+    const T* src = res ? hr : xr;  // what the second pass over a wide row reads (this thread's own writes of h)
     float unused = 0;
     group_sum2(ss, unused, lg, scratch);
     const float inv = rsqrtf(ss / float(h) + eps);
@@ -189,7 +223,7 @@ __global__ void __launch_bounds__(kNormThreads)
       if (a < packs) store_pack(yr + a * kN, normalized<kGated>(xv[c], wv[c], z, r * h + a * kN, inv, offset));
     }
     for (int64_t a = lg.lane + kLanes * kC; a < packs; a += kLanes)
-      store_pack(yr + a * kN, normalized<kGated>(load_pack<T, kN>(xr + a * kN), load_pack<T, kN>(w + a * kN), z,
+      store_pack(yr + a * kN, normalized<kGated>(load_pack<T, kN>(src + a * kN), load_pack<T, kN>(w + a * kN), z,
                                                  r * h + a * kN, inv, offset));
   }
 }
@@ -224,17 +258,20 @@ __device__ __forceinline__ void norm_sums(const Pack<T, kN>& x, const Pack<T, kN
   }
 }
 
-// dx of a pack (g = norm_dy); adds g x inv to the pack's partial dw. Where kGated, also the pack's
-// dz = dy x inv (offset + w) silu'(z), silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))).
+// dx of a pack (g = norm_dy), plus the pack of dres at element `at` where dres is not null; adds g x inv to the
+// pack's partial dw. Where kGated, also the pack's dz = dy x inv (offset + w) silu'(z),
+// silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))).
 template <bool kGated, typename T, int kN>
 __device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& z,
-                                                 const Pack<T, kN>& w, float offset, float inv, float coef,
-                                                 float (&dw)[kN], Pack<T, kN>& dz) {
-  Pack<T, kN> dx;
+                                                 const Pack<T, kN>& w, const T* dres, int64_t at, float offset,
+                                                 float inv, float coef, float (&dw)[kN], Pack<T, kN>& dz) {
+  Pack<T, kN> dx, rv{};
+  if (dres) rv = load_pack<T, kN>(dres + at);
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
     const float xv = load(x.e, k), wv = offset + load(w.e, k), g = norm_dy<kGated>(dy, z, k);
-    store(dx.e, k, inv * g * wv - xv * coef);
+    const float d = inv * g * wv - xv * coef;
+    store(dx.e, k, dres ? d + load(rv.e, k) : d);
     dw[k] += g * xv * inv;
     if constexpr (kGated) {
       const float zk = load(z.e, k), s = sigmoid_of(zk);
@@ -252,7 +289,7 @@ __device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pac
 template <bool kGated, typename T, int kN, int kC, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     rmsnorm_backward_kernel(int64_t rows, int64_t h, int64_t n_partial, float eps, float offset, const T* x,
-                            const T* w, const T* z, const T* dy, T* dx, T* dz, float* partial) {
+                            const T* w, const T* z, const T* dy, const T* dres, T* dx, T* dz, float* partial) {
   __shared__ GroupScratch scratch;
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   const int lane = lg.lane;
@@ -285,7 +322,8 @@ __global__ void __launch_bounds__(kNormThreads)
       const int64_t a = lane + kLanes * c;
       if (a >= packs) continue;
       Pack<T, kN> dzv;
-      store_pack(dx + row + a * kN, norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], offset, inv, coef, dw[c], dzv));
+      store_pack(dx + row + a * kN,
+                 norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], dres, row + a * kN, offset, inv, coef, dw[c], dzv));
       if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
     }
     for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes) {
@@ -294,8 +332,8 @@ __global__ void __launch_bounds__(kNormThreads)
       Pack<T, kN> dzv;
       store_pack(dx + row + a * kN,
                  norm_grad<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
-                                   gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), offset,
-                                   inv, coef, acc, dzv));
+                                   gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), dres,
+                                   row + a * kN, offset, inv, coef, acc, dzv));
       if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
       for (int k = 0; k < kN; ++k) pdw[a * kN + k] = acc[k];
     }
@@ -765,30 +803,32 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
 
 namespace {
 
-// rmsnorm (kGated false, z null) and gated_rmsnorm.
+// rmsnorm (kGated false, z null), residual_rmsnorm (res and hsum not null) and gated_rmsnorm.
 template <bool kGated>
-void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
-                 const void* z, void* y, cudaStream_t stream) {
+void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* res,
+                 void* hsum, const void* w, const void* z, void* y, cudaStream_t stream) {
   if (rows == 0 || h == 0) return;
-  const bool packed = aligned16(x) && aligned16(w) && (!kGated || aligned16(z)) && aligned16(y);
+  const bool packed = aligned16(x) && aligned16(w) && (!kGated || aligned16(z)) && aligned16(y) &&
+                      (!res || (aligned16(res) && aligned16(hsum)));
   dispatch_f32_bf16_f16(dtype, "rmsnorm dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 8>(h, packed, [&](auto shape) {
       using S = decltype(shape);
       rmsnorm_kernel<kGated, T, S::pack, S::cached, S::lanes>
           <<<grid_for(rows, S::rows_per_block), kNormThreads, 0, stream>>>(
-          rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
-          static_cast<const T*>(z), static_cast<T*>(y));
+          rows, h, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(res),
+          static_cast<T*>(hsum), static_cast<const T*>(w), static_cast<const T*>(z), static_cast<T*>(y));
     });
   });
   LATHE_CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
-// rmsnorm_backward (kGated false, z and dz null) and gated_rmsnorm_backward.
+// rmsnorm_backward (kGated false, z and dz null), residual_rmsnorm_backward (dres not null) and
+// gated_rmsnorm_backward.
 template <bool kGated>
 void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
-                          const void* w, const void* z, const void* dy, void* dx, void* dw, void* dz, float* scratch,
-                          cudaStream_t stream) {
+                          const void* w, const void* z, const void* dy, const void* dres, void* dx, void* dw, void* dz,
+                          float* scratch, cudaStream_t stream) {
   if (h == 0) return;
   if (rows == 0) {  // no rows: dw is zero (every dtype's zero is all-zero bytes)
     LATHE_CUDA_CHECK(cudaMemsetAsync(dw, 0, size_t(h) * dtype_size(dtype), stream));
@@ -796,7 +836,7 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
   }
   const int64_t n_partial = norm_partials(rows, h);
   const bool packed = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) &&
-                      (!kGated || (aligned16(z) && aligned16(dz)));
+                      (!kGated || (aligned16(z) && aligned16(dz))) && (!dres || aligned16(dres));
   dispatch_f32_bf16_f16(dtype, "rmsnorm_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     dispatch_norm<T, 4>(h, packed, [&](auto shape) {
@@ -804,7 +844,8 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
       const int blocks = int((n_partial + S::rows_per_block - 1) / S::rows_per_block);
       rmsnorm_backward_kernel<kGated, T, S::pack, S::cached, S::lanes><<<blocks, kNormThreads, 0, stream>>>(
           rows, h, n_partial, float(eps), float(offset), static_cast<const T*>(x), static_cast<const T*>(w),
-          static_cast<const T*>(z), static_cast<const T*>(dy), static_cast<T*>(dx), static_cast<T*>(dz), scratch);
+          static_cast<const T*>(z), static_cast<const T*>(dy), static_cast<const T*>(dres), static_cast<T*>(dx),
+          static_cast<T*>(dz), scratch);
     });
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
     const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
@@ -822,12 +863,17 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
 
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
                     void* y, cudaStream_t stream) {
-  launch_norm<false>(dtype, rows, h, eps, offset, x, w, nullptr, y, stream);
+  launch_norm<false>(dtype, rows, h, eps, offset, x, nullptr, nullptr, w, nullptr, y, stream);
+}
+
+void launch_residual_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                             const void* res, const void* w, void* y, void* hsum, cudaStream_t stream) {
+  launch_norm<false>(dtype, rows, h, eps, offset, x, res, hsum, w, nullptr, y, stream);
 }
 
 void launch_gated_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                           const void* w, const void* z, void* y, cudaStream_t stream) {
-  launch_norm<true>(dtype, rows, h, eps, offset, x, w, z, y, stream);
+  launch_norm<true>(dtype, rows, h, eps, offset, x, nullptr, nullptr, w, z, y, stream);
 }
 
 int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
@@ -837,13 +883,20 @@ int64_t rmsnorm_backward_scratch_floats(int64_t rows, int64_t h) {
 
 void launch_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                              const void* w, const void* dy, void* dx, void* dw, float* scratch, cudaStream_t stream) {
-  launch_norm_backward<false>(dtype, rows, h, eps, offset, x, w, nullptr, dy, dx, dw, nullptr, scratch, stream);
+  launch_norm_backward<false>(dtype, rows, h, eps, offset, x, w, nullptr, dy, nullptr, dx, dw, nullptr, scratch,
+                              stream);
+}
+
+void launch_residual_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
+                                      const void* w, const void* dy, const void* dres, void* dx, void* dw,
+                                      float* scratch, cudaStream_t stream) {
+  launch_norm_backward<false>(dtype, rows, h, eps, offset, x, w, nullptr, dy, dres, dx, dw, nullptr, scratch, stream);
 }
 
 void launch_gated_rmsnorm_backward(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x,
                                    const void* w, const void* z, const void* dy, void* dx, void* dw, void* dz,
                                    float* scratch, cudaStream_t stream) {
-  launch_norm_backward<true>(dtype, rows, h, eps, offset, x, w, z, dy, dx, dw, dz, scratch, stream);
+  launch_norm_backward<true>(dtype, rows, h, eps, offset, x, w, z, dy, nullptr, dx, dw, dz, scratch, stream);
 }
 
 void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t half, bool inverse,

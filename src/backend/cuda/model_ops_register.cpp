@@ -102,6 +102,25 @@ void run_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
                           n_scratch ? partial.data<float>() : nullptr, stream_of(ctx));
 }
 
+void run_residual_rmsnorm(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<NormAttrs>();
+  const Tensor& x = c.inputs[0];
+  launch_residual_rmsnorm(x.dtype(), rows_of(x), x.size(-1), a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
+                          c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), stream_of(ctx));
+}
+
+void run_residual_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<NormAttrs>();
+  const Tensor& x = c.inputs[0];
+  const int64_t rows = rows_of(x), h = x.size(-1);
+  const int64_t n_scratch = rmsnorm_backward_scratch_floats(rows, h);
+  Tensor partial = n_scratch ? Tensor::empty({n_scratch}, DType::F32, ctx.allocator) : Tensor();
+  launch_residual_rmsnorm_backward(x.dtype(), rows, h, a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
+                                   c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.outputs[0].data_ptr(),
+                                   c.outputs[1].data_ptr(), n_scratch ? partial.data<float>() : nullptr,
+                                   stream_of(ctx));
+}
+
 void run_gated_rmsnorm(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<NormAttrs>();
   const Tensor& x = c.inputs[0];
@@ -210,6 +229,9 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::embedding_backward, "cuda/embedding_scatter_add", contiguous_supports, run_embedding_backward);
     add(OpId::rmsnorm, "cuda/rmsnorm_rows", contiguous_supports, run_rmsnorm);
     add(OpId::rmsnorm_backward, "cuda/rmsnorm_backward_rows", contiguous_supports, run_rmsnorm_backward);
+    add(OpId::residual_rmsnorm, "cuda/residual_rmsnorm_rows", contiguous_supports, run_residual_rmsnorm);
+    add(OpId::residual_rmsnorm_backward, "cuda/residual_rmsnorm_backward_rows", contiguous_supports,
+        run_residual_rmsnorm_backward);
     add(OpId::gated_rmsnorm, "cuda/gated_rmsnorm_rows", contiguous_supports, run_gated_rmsnorm);
     add(OpId::gated_rmsnorm_backward, "cuda/gated_rmsnorm_backward_rows", contiguous_supports,
         run_gated_rmsnorm_backward);

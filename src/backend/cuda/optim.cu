@@ -6,7 +6,9 @@
 // (elementwise.cu: store of a float, round to nearest even), so it is bitwise what adamw followed by cast writes; bf16
 // states are widened on load and stored through that same conversion.
 // Aligned tensors move in 16-byte accesses (8 elements a thread step), others element by element; the arithmetic is
-// one shared function, so both paths give the same bits.
+// one shared function, so both paths give the same bits. adamw_list: one launch over a table of tensors, each cut
+// into chunks of kListChunk elements, one block a chunk (a block finds its tensor by binary search over the table's
+// first-chunk indices); the same per-element function, so each tensor gets bitwise what adamw gives it.
 // Covered by the adamw op-check cases (f32 and bf16 keys) and tests/unit/test_optim.cpp (bf16 gradients and bf16
 // states against the CPU, on a GPU).
 #include <type_traits>
@@ -83,6 +85,63 @@ __global__ void adamw_kernel(int64_t n, const S* w, const G* grad, const S* m, c
   }
 }
 
+// Elements [begin, end) of one tensor of a list, by one block: 16-byte packs where the tensor is `packed` (begin is
+// a multiple of 8), then the elements past the last whole pack one by one.
+template <typename S, typename G, typename P>
+__global__ void adamw_list_kernel(const AdamWListEntry* table, int n_tensors, AdamWScalars s) {
+  int lo = 0, hi = n_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const AdamWListEntry& t = table[lo];
+  const auto *w = static_cast<const S*>(t.w), *m = static_cast<const S*>(t.m), *v = static_cast<const S*>(t.v);
+  const auto* g = static_cast<const G*>(t.grad);
+  auto *w_out = static_cast<S*>(t.w_out), *m_out = static_cast<S*>(t.m_out), *v_out = static_cast<S*>(t.v_out);
+  auto* param = static_cast<P*>(t.param);
+  const int64_t begin = (int64_t(blockIdx.x) - t.first_chunk) * kAdamWListChunk;
+  const int64_t end = min(t.n, begin + kAdamWListChunk);
+  int64_t first_single = begin;
+  if (t.packed) {
+    constexpr int kN = 8;
+    const int64_t packs = (end - begin) / kN;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const int64_t i = begin + p * kN;
+      const Pack<S, kN> wv = load_pack<S, kN>(w + i), mv = load_pack<S, kN>(m + i), vv = load_pack<S, kN>(v + i);
+      const Pack<G, kN> gv = load_pack<G, kN>(g + i);
+      Pack<S, kN> ws, ms, vs;
+      Pack<float, kN> wo;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        float mo, vo;
+        adamw_one(load(wv.e, k), load(gv.e, k), load(mv.e, k), load(vv.e, k), s, wo.e[k], mo, vo);
+        store(ws.e, k, wo.e[k]);
+        store(ms.e, k, mo);
+        store(vs.e, k, vo);
+      }
+      store_pack(w_out + i, ws);
+      store_pack(m_out + i, ms);
+      store_pack(v_out + i, vs);
+      if constexpr (!std::is_void_v<P>) {
+        Pack<P, kN> pv;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) store(pv.e, k, wo.e[k]);
+        store_pack(param + i, pv);
+      }
+    }
+    first_single = begin + packs * kN;
+  }
+  for (int64_t i = first_single + threadIdx.x; i < end; i += blockDim.x) {
+    float wi, mi, vi;
+    adamw_one(load(w, i), load(g, i), load(m, i), load(v, i), s, wi, mi, vi);
+    store(w_out, i, wi);
+    store(m_out, i, mi);
+    store(v_out, i, vi);
+    if constexpr (!std::is_void_v<P>) store(param, i, wi);
+  }
+}
+
 template <typename S, typename G, typename P>
 void launch(int64_t n, const void* w_, const void* grad, const void* m_, const void* v_, void* w_out_, void* m_out_,
             void* v_out_, void* param, const AdamWScalars& s, cudaStream_t stream) {
@@ -119,7 +178,39 @@ void launch_for_param(DType state_dtype, DType param_dtype, int64_t n, const voi
   }
 }
 
+template <typename G>
+void launch_list_for_param(DType state_dtype, DType param_dtype, bool with_param, const AdamWListEntry* table,
+                           int n_tensors, int64_t chunks, const AdamWScalars& s, cudaStream_t stream) {
+  const unsigned grid = unsigned(chunks);
+  if (state_dtype == DType::BF16) {
+    if (with_param)
+      throw_cuda_error("adamw_list (bf16 states take no parameter output)", cudaErrorInvalidValue, __FILE__, __LINE__);
+    adamw_list_kernel<__nv_bfloat16, G, void><<<grid, kThreads, 0, stream>>>(table, n_tensors, s);
+    return;
+  }
+  if (state_dtype != DType::F32)
+    throw_cuda_error("adamw_list (state dtype not f32 or bf16)", cudaErrorInvalidValue, __FILE__, __LINE__);
+  if (!with_param) return adamw_list_kernel<float, G, void><<<grid, kThreads, 0, stream>>>(table, n_tensors, s);
+  switch (param_dtype) {
+    case DType::BF16:
+      return adamw_list_kernel<float, G, __nv_bfloat16><<<grid, kThreads, 0, stream>>>(table, n_tensors, s);
+    case DType::F16: return adamw_list_kernel<float, G, __half><<<grid, kThreads, 0, stream>>>(table, n_tensors, s);
+    default:
+      throw_cuda_error("adamw_list (parameter dtype not bf16 or f16)", cudaErrorInvalidValue, __FILE__, __LINE__);
+  }
+}
+
 }  // namespace
+
+void launch_adamw_list(DType state_dtype, DType grad_dtype, DType param_dtype, bool with_param,
+                       const AdamWListEntry* table, int n_tensors, int64_t chunks, const AdamWScalars& s,
+                       cudaStream_t stream) {
+  if (chunks == 0) return;
+  dispatch_f32_bf16_f16(grad_dtype, "adamw_list (gradient dtype not f32, bf16 or f16)", [&](auto g) {
+    launch_list_for_param<decltype(g)>(state_dtype, param_dtype, with_param, table, n_tensors, chunks, s, stream);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("adamw_list_kernel");
+}
 
 void launch_adamw(DType state_dtype, DType grad_dtype, int64_t n, const void* w, const void* grad, const void* m,
                   const void* v, void* w_out, void* m_out, void* v_out, DType param_dtype, void* param,

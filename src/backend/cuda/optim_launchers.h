@@ -31,4 +31,21 @@ void launch_adamw(DType state_dtype, DType grad_dtype, int64_t n, const void* w,
                   const void* v, void* w_out, void* m_out, void* v_out, DType param_dtype, void* param,
                   const AdamWScalars& s, cudaStream_t stream);
 
+// One tensor of an adamw_list launch (device-resident table; pointers as in launch_adamw). Its chunks of
+// kAdamWListChunk elements are blocks first_chunk, first_chunk + 1, ... of the launch. `packed`: every pointer is
+// 16-byte aligned (then 16-byte accesses). param is null without a parameter output.
+constexpr int64_t kAdamWListChunk = 1 << 16;
+struct AdamWListEntry {
+  const void *w, *grad, *m, *v;
+  void *w_out, *m_out, *v_out, *param;
+  int64_t n, first_chunk;
+  int32_t packed;
+};
+
+// adamw over every tensor of `table` (n_tensors entries, `chunks` chunks in all) in one launch; each tensor gets bitwise
+// what launch_adamw gives it. All share the dtypes and the scalars.
+void launch_adamw_list(DType state_dtype, DType grad_dtype, DType param_dtype, bool with_param,
+                       const AdamWListEntry* table, int n_tensors, int64_t chunks, const AdamWScalars& s,
+                       cudaStream_t stream);
+
 }  // namespace lathe::cuda

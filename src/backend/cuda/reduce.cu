@@ -3,7 +3,8 @@
 // statistics; fp64 for f64). sum_squares is deterministic without atomics: a grid whose size depends on the element
 // count alone writes one partial per block (grid-stride over the elements, fixed block tree), then one block sums
 // the partials in a fixed order; a tensor that one block covers takes that block only, writing the result directly.
-// A contiguous, aligned tensor is read in 16-byte packs.
+// A contiguous, aligned tensor is read in 16-byte packs. sum_squares_list: one launch for many tensors, each cut into
+// chunks (one block a chunk, found by binary search over the table), then one warp per tensor over its chunk partials.
 // Covered by tests/ops (every row on cuda) and tests/unit/test_optim.cpp.
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
@@ -64,6 +65,60 @@ __global__ void sum_squares_packed_kernel(int64_t n, const T* x, typename Comput
   }
   acc = block_reduce<A, false>(acc, scratch);
   if (threadIdx.x == 0) dst[blockIdx.x] = acc;
+}
+
+// Block b: the partial sum of squares of its chunk of the tensor whose chunks include b.
+template <typename T>
+__global__ void sum_squares_list_kernel(const SumSquaresListEntry* table, int n_tensors,
+                                        typename Compute<T>::type* partials) {
+  using A = typename Compute<T>::type;
+  __shared__ A scratch[32];
+  int lo = 0, hi = n_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  const SumSquaresListEntry& t = table[lo];
+  const T* x = static_cast<const T*>(t.x);
+  const int64_t begin = (int64_t(blockIdx.x) - t.first_chunk) * kSumSquaresListChunk;
+  const int64_t end = min(t.n, begin + kSumSquaresListChunk);
+  A acc = 0;
+  int64_t first_single = begin;
+  if (t.packed) {
+    constexpr int kN = kPackOf16<T>;
+    const int64_t packs = (end - begin) / kN;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const Pack<T, kN> v = load_pack<T, kN>(x + begin + p * kN);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const A e = load(v.e, k);
+        acc += e * e;
+      }
+    }
+    first_single = begin + packs * kN;
+  }
+  for (int64_t i = first_single + threadIdx.x; i < end; i += blockDim.x) {
+    const A e = load(x, i);
+    acc += e * e;
+  }
+  acc = block_reduce<A, false>(acc, scratch);
+  if (threadIdx.x == 0) partials[blockIdx.x] = acc;
+}
+
+// Warp w: out[w] = the sum of tensor w's chunk partials (lane l takes chunks l, l + 32, ... in order, then a fixed
+// shuffle tree).
+template <typename A>
+__global__ void sum_list_partials_kernel(const SumSquaresListEntry* table, int n_tensors, int64_t chunks,
+                                         const A* partials, A* out) {
+  const int w = int(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32), lane = int(threadIdx.x % 32);
+  if (w >= n_tensors) return;
+  const int64_t first = table[w].first_chunk;
+  const int64_t last = w + 1 < n_tensors ? table[w + 1].first_chunk : chunks;
+  A acc = 0;
+  for (int64_t c = first + lane; c < last; c += 32) acc += partials[c];
+  acc = warp_sum(acc);
+  if (lane == 0) out[w] = acc;
 }
 
 // One block: out = the sum of the n partials, each thread taking every blockDim.x-th one in order.
@@ -157,6 +212,20 @@ void launch_sum_squares(DType dtype, int64_t n, const void* x, const StridedLayo
     sum_partials_kernel<A><<<1, kThreads, 0, stream>>>(blocks, static_cast<const A*>(partials), static_cast<A*>(out));
   });
   LATHE_CUDA_LAUNCH_CHECK("sum_squares_kernel");
+}
+
+void launch_sum_squares_list(DType dtype, const SumSquaresListEntry* table, int n_tensors, int64_t chunks,
+                             void* partials, void* out, cudaStream_t stream) {
+  if (n_tensors == 0) return;
+  dispatch_float(dtype, [&](auto t) {
+    using T = decltype(t);
+    using A = typename Compute<T>::type;
+    if (chunks > 0)
+      sum_squares_list_kernel<T><<<unsigned(chunks), kThreads, 0, stream>>>(table, n_tensors, static_cast<A*>(partials));
+    sum_list_partials_kernel<A><<<unsigned((n_tensors + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
+        table, n_tensors, chunks, static_cast<const A*>(partials), static_cast<A*>(out));
+  });
+  LATHE_CUDA_LAUNCH_CHECK("sum_squares_list_kernel");
 }
 
 void launch_softmax(DType dtype, int64_t rows, int64_t cols, const void* x, void* y, cudaStream_t stream) {

@@ -2,6 +2,7 @@
 // scratch from the context's allocator, released on return as model_ops_register.cpp describes), row softmax and its
 // backward. Covered by tests/ops.
 #include <algorithm>
+#include <vector>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/launchers.h"
@@ -61,6 +62,34 @@ void run_sum_squares(const OpCall& c, ExecContext& ctx) {
                      n_partials ? partials.data_ptr() : nullptr, out.data_ptr(), as_cuda(ctx.stream).handle());
 }
 
+Support sum_squares_list_supports(const OpCall& c) {
+  for (const Tensor& t : c.inputs)
+    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
+  return Support::yes();
+}
+
+// The table of the tensors goes up through the stream's pinned staging (no wait) into scratch of the allocator,
+// followed by the chunk partials.
+void run_sum_squares_list(const OpCall& c, ExecContext& ctx) {
+  const Tensor& out = c.outputs[0];  // (n), f32 (f64 for f64)
+  std::vector<SumSquaresListEntry> table(c.inputs.size());
+  int64_t chunks = 0;
+  for (size_t i = 0; i < c.inputs.size(); ++i) {
+    const Tensor& x = c.inputs[i];
+    table[i] = {x.data_ptr(), x.numel(), chunks, reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 ? 1 : 0};
+    chunks += (x.numel() + kSumSquaresListChunk - 1) / kSumSquaresListChunk;
+  }
+  const int64_t table_bytes = int64_t(table.size() * sizeof(SumSquaresListEntry));
+  const int64_t offset = (table_bytes + 255) / 256 * 256;
+  const Tensor scratch =
+      Tensor::empty({offset + chunks * int64_t(dtype_size(out.dtype()))}, DType::U8, ctx.allocator);
+  auto* base = static_cast<uint8_t*>(scratch.data_ptr());
+  CudaStream& stream = as_cuda(ctx.stream);
+  stream.upload_async(base, table.data(), size_t(table_bytes));
+  launch_sum_squares_list(c.inputs[0].dtype(), reinterpret_cast<const SumSquaresListEntry*>(base), int(table.size()),
+                          chunks, base + offset, out.data_ptr(), stream.handle());
+}
+
 void run_softmax(const OpCall& c, ExecContext& ctx) {
   const Tensor& x = c.inputs[0];
   const int64_t cols = x.size(-1);
@@ -84,9 +113,12 @@ void register_cuda_reduce_kernels(KernelRegistry& r) {
     r.add(KernelDef{OpId::softmax_backward, DeviceType::CUDA, dt, "cuda/softmax_backward_rows", rows_supports,
                     run_softmax_backward});
   }
-  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64})
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F64}) {
     r.add(KernelDef{OpId::sum_squares, DeviceType::CUDA, dt, "cuda/block_partials_sum_squares", sum_squares_supports,
                     run_sum_squares});
+    r.add(KernelDef{OpId::sum_squares_list, DeviceType::CUDA, dt, "cuda/chunked_sum_squares_list",
+                    sum_squares_list_supports, run_sum_squares_list});
+  }
 }
 
 }  // namespace lathe::cuda
