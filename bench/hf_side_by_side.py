@@ -19,7 +19,8 @@ Rows (the issue's recipe, seq 4096):
         installed, else its PyTorch fallback (torch_chunk_gated_delta_rule); the row records which ("gdn_path").
   30b-a3b  the Qwen3-30B-A3B shape of issue 9 cut to MOE_LAYERS (4) layers (hidden 2048, 128 experts, top 8, expert
         FFN 768, 32/4 heads of 128, untied vocab 151936), bf16 parameters, seq 4096, micro-batch 1; transformers runs
-        its default experts implementation (recorded as "experts_implementation"); MFU counts the active experts only.
+        its default experts implementation (recorded as "experts_implementation"; --hf-experts eager runs its
+        per-expert loop instead); MFU counts the active experts only.
 A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
 Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row; with --lathe-bf16-states,
 the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-a3b) run `lathe bench
@@ -152,7 +153,7 @@ def gdn_path():
     return "flash-linear-attention" if fast else "torch fallback (torch_chunk_gated_delta_rule)"
 
 
-def hf_worker(row, steps, warmup):
+def hf_worker(row, steps, warmup, experts=None):
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -174,6 +175,8 @@ def hf_worker(row, steps, warmup):
         except TypeError:  # transformers 4.x spells it torch_dtype
             model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", torch_dtype=dtype)
     model = model.to(device="cuda", dtype=dtype)
+    if experts and row["shape"] in MOE_SHAPES:  # --hf-experts: another of transformers' experts implementations
+        model.set_experts_implementation(experts)
     model.train()
     torch.cuda.reset_peak_memory_stats()  # the peak of training, the model included; not of its construction
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
@@ -228,6 +231,8 @@ def json_line(text):
 def run_hf(name, row, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--steps", str(args.steps), "--warmup",
            str(args.warmup)]
+    if args.hf_experts:
+        cmd += ["--hf-experts", args.hf_experts]
     return run_json(cmd, args.timeout)
 
 
@@ -295,10 +300,12 @@ def main():
                          "SDPA backward does (docs/training.md)")
     ap.add_argument("--lathe-gemm-autotune", action="store_true",
                     help="lathe bench --gemm-autotune: the fastest of cuBLASLt's candidate algorithms per GEMM shape")
+    ap.add_argument("--hf-experts", help="MoE rows: transformers' experts implementation to run instead of its default "
+                    "(model.set_experts_implementation: eager is the per-expert loop, grouped_mm the default)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup)), flush=True)
+        print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup, args.hf_experts)), flush=True)
         return 0
     names = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     if args.lora:

@@ -59,14 +59,19 @@ void register_composites(KernelRegistry& r) {
                        run_op(ctx, OpCall{OpId::scale, {s}, {c.outputs[0]}, ScaleAttrs{1.0 / double(count)}});
                      }});
   // The list ops as one op per tensor (or group of four): what runs where no device fuses them (the CPU reference).
-  r.add(CompositeDef{OpId::sum_squares_list, "composite/per_tensor",
-                     [](const OpCall&, const KernelRegistry&) { return Support::yes(); },
+  const auto per_tensor_supports = [](OpId single) {
+    return [single](const OpCall& c, const KernelRegistry& reg) {
+      if (reg.has_kernel(single, c.device().type, c.key_dtype())) return Support::yes();
+      return Support::no(fmt::format("no {} kernel for {} on {}", op_name(single), dtype_name(c.key_dtype()),
+                                     device_type_name(c.device().type)));
+    };
+  };
+  r.add(CompositeDef{OpId::sum_squares_list, "composite/per_tensor", per_tensor_supports(OpId::sum_squares),
                      [](const OpCall& c, ExecContext& ctx) {
                        for (size_t i = 0; i < c.inputs.size(); ++i)
                          sum_squares_into(ctx, c.inputs[i], c.outputs[0].narrow(0, int64_t(i), 1).view({}));
                      }});
-  r.add(CompositeDef{OpId::adamw_list, "composite/per_tensor",
-                     [](const OpCall&, const KernelRegistry&) { return Support::yes(); },
+  r.add(CompositeDef{OpId::adamw_list, "composite/per_tensor", per_tensor_supports(OpId::adamw),
                      [](const OpCall& c, ExecContext& ctx) {
                        const size_t outs = c.outputs.size() / (c.inputs.size() / 4);  // 3, or 4 with rounded_to
                        for (size_t g = 0; g < c.inputs.size() / 4; ++g) {
