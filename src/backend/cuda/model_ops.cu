@@ -258,20 +258,20 @@ __device__ __forceinline__ void norm_sums(const Pack<T, kN>& x, const Pack<T, kN
   }
 }
 
-// dx of a pack (g = norm_dy), plus the pack of dres at element `at` where dres is not null; adds g x inv to the
-// pack's partial dw. Where kGated, also the pack's dz = dy x inv (offset + w) silu'(z),
+// dx of a pack (g = norm_dy), plus the residual gradient's pack `res` where `residual`; adds g x inv to the pack's
+// partial dw. Where kGated, also the pack's dz = dy x inv (offset + w) silu'(z),
 // silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))).
 template <bool kGated, typename T, int kN>
 __device__ __forceinline__ Pack<T, kN> norm_grad(const Pack<T, kN>& x, const Pack<T, kN>& dy, const Pack<T, kN>& z,
-                                                 const Pack<T, kN>& w, const T* dres, int64_t at, float offset,
-                                                 float inv, float coef, float (&dw)[kN], Pack<T, kN>& dz) {
-  Pack<T, kN> dx, rv{};
-  if (dres) rv = load_pack<T, kN>(dres + at);
+                                                 const Pack<T, kN>& w, const Pack<T, kN>& res, bool residual,
+                                                 float offset, float inv, float coef, float (&dw)[kN],
+                                                 Pack<T, kN>& dz) {
+  Pack<T, kN> dx;
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
     const float xv = load(x.e, k), wv = offset + load(w.e, k), g = norm_dy<kGated>(dy, z, k);
     const float d = inv * g * wv - xv * coef;
-    store(dx.e, k, dres ? d + load(rv.e, k) : d);
+    store(dx.e, k, residual ? d + load(res.e, k) : d);
     dw[k] += g * xv * inv;
     if constexpr (kGated) {
       const float zk = load(z.e, k), s = sigmoid_of(zk);
@@ -303,10 +303,11 @@ __global__ void __launch_bounds__(kNormThreads)
     for (int k = 0; k < kN; ++k) pdw[a * kN + k] = 0.0f;
   for (int64_t r = lg.index; r < rows; r += n_partial) {
     const int64_t row = r * h;  // first element of the row in x, z, dy, dx and dz
-    Pack<T, kN> xv[kC], gv[kC], zv[kC];
+    Pack<T, kN> xv[kC], gv[kC], zv[kC], rv[kC];
     load_lane_packs<kLanes>(x + row, packs, lane, xv);
     load_lane_packs<kLanes>(dy + row, packs, lane, gv);
     if constexpr (kGated) load_lane_packs<kLanes>(z + row, packs, lane, zv);
+    if (dres) load_lane_packs<kLanes>(dres + row, packs, lane, rv);  // with the row, not after its sums
     float ss = 0, dot = 0;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
@@ -323,7 +324,8 @@ __global__ void __launch_bounds__(kNormThreads)
       if (a >= packs) continue;
       Pack<T, kN> dzv;
       store_pack(dx + row + a * kN,
-                 norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], dres, row + a * kN, offset, inv, coef, dw[c], dzv));
+                 norm_grad<kGated>(xv[c], gv[c], zv[c], wv[c], rv[c], dres != nullptr, offset, inv, coef, dw[c],
+                                   dzv));
       if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
     }
     for (int64_t a = lane + kLanes * kC; a < packs; a += kLanes) {
@@ -332,8 +334,9 @@ __global__ void __launch_bounds__(kNormThreads)
       Pack<T, kN> dzv;
       store_pack(dx + row + a * kN,
                  norm_grad<kGated>(load_pack<T, kN>(x + row + a * kN), load_pack<T, kN>(dy + row + a * kN),
-                                   gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN), dres,
-                                   row + a * kN, offset, inv, coef, acc, dzv));
+                                   gate_pack<kGated, T, kN>(z, row + a * kN), load_pack<T, kN>(w + a * kN),
+                                   dres ? load_pack<T, kN>(dres + row + a * kN) : Pack<T, kN>{}, dres != nullptr,
+                                   offset, inv, coef, acc, dzv));
       if constexpr (kGated) store_pack(dz + row + a * kN, dzv);
       for (int k = 0; k < kN; ++k) pdw[a * kN + k] = acc[k];
     }

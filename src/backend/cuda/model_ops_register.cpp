@@ -91,15 +91,21 @@ void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
                  c.outputs[0].data_ptr(), stream_of(ctx));
 }
 
+// The scratch of the rmsnorm backwards (partial dw rows, then their group sums; rmsnorm_backward_scratch_floats).
+float* norm_scratch(ExecContext& ctx, const Tensor& x, Tensor& holder) {
+  const int64_t n = rmsnorm_backward_scratch_floats(rows_of(x), x.size(-1));
+  if (n == 0) return nullptr;
+  holder = Tensor::empty({n}, DType::F32, ctx.allocator);
+  return holder.data<float>();
+}
+
 void run_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<NormAttrs>();
   const Tensor& x = c.inputs[0];
-  const int64_t rows = rows_of(x), h = x.size(-1);
-  const int64_t n_scratch = rmsnorm_backward_scratch_floats(rows, h);
-  Tensor partial = n_scratch ? Tensor::empty({n_scratch}, DType::F32, ctx.allocator) : Tensor();  // (blocks, H)
-  launch_rmsnorm_backward(x.dtype(), rows, h, a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
+  Tensor scratch;
+  launch_rmsnorm_backward(x.dtype(), rows_of(x), x.size(-1), a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
                           c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
-                          n_scratch ? partial.data<float>() : nullptr, stream_of(ctx));
+                          norm_scratch(ctx, x, scratch), stream_of(ctx));
 }
 
 void run_residual_rmsnorm(const OpCall& c, ExecContext& ctx) {
@@ -112,12 +118,10 @@ void run_residual_rmsnorm(const OpCall& c, ExecContext& ctx) {
 void run_residual_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<NormAttrs>();
   const Tensor& x = c.inputs[0];
-  const int64_t rows = rows_of(x), h = x.size(-1);
-  const int64_t n_scratch = rmsnorm_backward_scratch_floats(rows, h);
-  Tensor partial = n_scratch ? Tensor::empty({n_scratch}, DType::F32, ctx.allocator) : Tensor();
-  launch_residual_rmsnorm_backward(x.dtype(), rows, h, a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
-                                   c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.outputs[0].data_ptr(),
-                                   c.outputs[1].data_ptr(), n_scratch ? partial.data<float>() : nullptr,
+  Tensor scratch;
+  launch_residual_rmsnorm_backward(x.dtype(), rows_of(x), x.size(-1), a.eps, a.offset, x.data_ptr(),
+                                   c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data_ptr(),
+                                   c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), norm_scratch(ctx, x, scratch),
                                    stream_of(ctx));
 }
 
@@ -131,13 +135,11 @@ void run_gated_rmsnorm(const OpCall& c, ExecContext& ctx) {
 void run_gated_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<NormAttrs>();
   const Tensor& x = c.inputs[0];
-  const int64_t rows = rows_of(x), h = x.size(-1);
-  const int64_t n_scratch = rmsnorm_backward_scratch_floats(rows, h);
-  Tensor partial = n_scratch ? Tensor::empty({n_scratch}, DType::F32, ctx.allocator) : Tensor();
-  launch_gated_rmsnorm_backward(x.dtype(), rows, h, a.eps, a.offset, x.data_ptr(), c.inputs[1].data_ptr(),
-                                c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.outputs[0].data_ptr(),
-                                c.outputs[1].data_ptr(), c.outputs[2].data_ptr(),
-                                n_scratch ? partial.data<float>() : nullptr, stream_of(ctx));
+  Tensor scratch;
+  launch_gated_rmsnorm_backward(x.dtype(), rows_of(x), x.size(-1), a.eps, a.offset, x.data_ptr(),
+                                c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data_ptr(),
+                                c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), c.outputs[2].data_ptr(),
+                                norm_scratch(ctx, x, scratch), stream_of(ctx));
 }
 
 void run_rope(const OpCall& c, ExecContext& ctx) {

@@ -7,7 +7,7 @@
 // states are widened on load and stored through that same conversion.
 // Aligned tensors move in 16-byte accesses (8 elements a thread step), others element by element; the arithmetic is
 // one shared function, so both paths give the same bits. adamw_list: one launch over a table of tensors, each cut
-// into chunks of kListChunk elements, one block a chunk (a block finds its tensor by binary search over the table's
+// into chunks of kAdamWListChunk elements, one block a chunk (a block finds its tensor by binary search over the table's
 // first-chunk indices); the same per-element function, so each tensor gets bitwise what adamw gives it.
 // Covered by the adamw op-check cases (f32 and bf16 keys) and tests/unit/test_optim.cpp (bf16 gradients and bf16
 // states against the CPU, on a GPU).
@@ -37,52 +37,50 @@ __device__ __forceinline__ void adamw_one(float w, float g_raw, float m, float v
 
 // S: the state's dtype (float: f32 masters and moments; __nv_bfloat16: bf16 parameter and moments, widened to float
 // for the arithmetic and rounded on store). P: the parameter's dtype (__nv_bfloat16, __half), or void for no
-// parameter output (always void for bf16 states). kN elements a thread step: 8 (16-byte accesses of the 2-byte arrays,
-// two of each f32 array) when every pointer is 16-byte aligned, else 1. A thread loads all of its elements before it
-// stores any, so outputs may alias inputs; the n % kN elements past the last whole pack are done one by one.
+// parameter output (always void for bf16 states).
+template <typename S, typename G, typename P> struct AdamWPointers {
+  const S* w;
+  const G* grad;
+  const S* m;
+  const S* v;
+  S *w_out, *m_out, *v_out;
+  P* param;
+};
+
+// Elements i .. i + kN - 1 (kN = 8: 16-byte accesses of the 2-byte arrays, two of each f32 array; or 1). Every input
+// is loaded before any output is stored, so outputs may alias inputs.
+template <int kN, typename S, typename G, typename P>
+__device__ __forceinline__ void adamw_elements(const AdamWPointers<S, G, P>& t, int64_t i, const AdamWScalars& s) {
+  const Pack<S, kN> wv = load_pack<S, kN>(t.w + i), mv = load_pack<S, kN>(t.m + i), vv = load_pack<S, kN>(t.v + i);
+  const Pack<G, kN> gv = load_pack<G, kN>(t.grad + i);
+  Pack<float, kN> wo;
+  Pack<S, kN> ws, ms, vs;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    float mo, vo;
+    adamw_one(load(wv.e, k), load(gv.e, k), load(mv.e, k), load(vv.e, k), s, wo.e[k], mo, vo);
+    store(ws.e, k, wo.e[k]);
+    store(ms.e, k, mo);
+    store(vs.e, k, vo);
+  }
+  store_pack(t.w_out + i, ws);
+  store_pack(t.m_out + i, ms);
+  store_pack(t.v_out + i, vs);
+  if constexpr (!std::is_void_v<P>) {
+    Pack<P, kN> pv;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) store(pv.e, k, wo.e[k]);
+    store_pack(t.param + i, pv);
+  }
+}
+
+// kN elements a thread step: 8 when every pointer is 16-byte aligned, else 1; the n % kN elements past the last whole
+// pack are done one by one.
 template <typename S, typename G, typename P, int kN>
-__global__ void adamw_kernel(int64_t n, const S* w, const G* grad, const S* m, const S* v, S* w_out, S* m_out,
-                             S* v_out, P* param, AdamWScalars s) {
+__global__ void adamw_kernel(int64_t n, AdamWPointers<S, G, P> t, AdamWScalars s) {
   const int64_t packs = n / kN;
-  for (int64_t p = global_thread(); p < packs; p += grid_threads()) {
-    const int64_t i = p * kN;
-    const Pack<S, kN> wv = load_pack<S, kN>(w + i), mv = load_pack<S, kN>(m + i), vv = load_pack<S, kN>(v + i);
-    const Pack<G, kN> gv = load_pack<G, kN>(grad + i);
-    Pack<float, kN> wo, mo, vo;
-#pragma unroll
-    for (int k = 0; k < kN; ++k)
-      adamw_one(load(wv.e, k), load(gv.e, k), load(mv.e, k), load(vv.e, k), s, wo.e[k], mo.e[k], vo.e[k]);
-    if constexpr (std::is_same_v<S, float>) {
-      store_pack(w_out + i, wo);
-      store_pack(m_out + i, mo);
-      store_pack(v_out + i, vo);
-    } else {
-      Pack<S, kN> ws, ms, vs;
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        store(ws.e, k, wo.e[k]);
-        store(ms.e, k, mo.e[k]);
-        store(vs.e, k, vo.e[k]);
-      }
-      store_pack(w_out + i, ws);
-      store_pack(m_out + i, ms);
-      store_pack(v_out + i, vs);
-    }
-    if constexpr (!std::is_void_v<P>) {
-      Pack<P, kN> pv;
-#pragma unroll
-      for (int k = 0; k < kN; ++k) store(pv.e, k, wo.e[k]);
-      store_pack(param + i, pv);
-    }
-  }
-  for (int64_t i = packs * kN + global_thread(); i < n; i += grid_threads()) {
-    float wi, mi, vi;
-    adamw_one(load(w, i), load(grad, i), load(m, i), load(v, i), s, wi, mi, vi);
-    store(w_out, i, wi);
-    store(m_out, i, mi);
-    store(v_out, i, vi);
-    if constexpr (!std::is_void_v<P>) store(param, i, wi);
-  }
+  for (int64_t p = global_thread(); p < packs; p += grid_threads()) adamw_elements<kN>(t, p * kN, s);
+  for (int64_t i = packs * kN + global_thread(); i < n; i += grid_threads()) adamw_elements<1>(t, i, s);
 }
 
 // Elements [begin, end) of one tensor of a list, by one block: 16-byte packs where the tensor is `packed` (begin is
@@ -95,68 +93,34 @@ __global__ void adamw_list_kernel(const AdamWListEntry* table, int n_tensors, Ad
     if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
     else hi = mid - 1;
   }
-  const AdamWListEntry& t = table[lo];
-  const auto *w = static_cast<const S*>(t.w), *m = static_cast<const S*>(t.m), *v = static_cast<const S*>(t.v);
-  const auto* g = static_cast<const G*>(t.grad);
-  auto *w_out = static_cast<S*>(t.w_out), *m_out = static_cast<S*>(t.m_out), *v_out = static_cast<S*>(t.v_out);
-  auto* param = static_cast<P*>(t.param);
-  const int64_t begin = (int64_t(blockIdx.x) - t.first_chunk) * kAdamWListChunk;
-  const int64_t end = min(t.n, begin + kAdamWListChunk);
+  const AdamWListEntry& e = table[lo];
+  const AdamWPointers<S, G, P> t{static_cast<const S*>(e.w),  static_cast<const G*>(e.grad),
+                                 static_cast<const S*>(e.m),  static_cast<const S*>(e.v),
+                                 static_cast<S*>(e.w_out),    static_cast<S*>(e.m_out),
+                                 static_cast<S*>(e.v_out),    static_cast<P*>(e.param)};
+  const int64_t begin = (int64_t(blockIdx.x) - e.first_chunk) * kAdamWListChunk;
+  const int64_t end = min(e.n, begin + kAdamWListChunk);
   int64_t first_single = begin;
-  if (t.packed) {
-    constexpr int kN = 8;
-    const int64_t packs = (end - begin) / kN;
-    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
-      const int64_t i = begin + p * kN;
-      const Pack<S, kN> wv = load_pack<S, kN>(w + i), mv = load_pack<S, kN>(m + i), vv = load_pack<S, kN>(v + i);
-      const Pack<G, kN> gv = load_pack<G, kN>(g + i);
-      Pack<S, kN> ws, ms, vs;
-      Pack<float, kN> wo;
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        float mo, vo;
-        adamw_one(load(wv.e, k), load(gv.e, k), load(mv.e, k), load(vv.e, k), s, wo.e[k], mo, vo);
-        store(ws.e, k, wo.e[k]);
-        store(ms.e, k, mo);
-        store(vs.e, k, vo);
-      }
-      store_pack(w_out + i, ws);
-      store_pack(m_out + i, ms);
-      store_pack(v_out + i, vs);
-      if constexpr (!std::is_void_v<P>) {
-        Pack<P, kN> pv;
-#pragma unroll
-        for (int k = 0; k < kN; ++k) store(pv.e, k, wo.e[k]);
-        store_pack(param + i, pv);
-      }
-    }
-    first_single = begin + packs * kN;
+  if (e.packed) {
+    const int64_t packs = (end - begin) / 8;
+    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) adamw_elements<8>(t, begin + p * 8, s);
+    first_single = begin + packs * 8;
   }
-  for (int64_t i = first_single + threadIdx.x; i < end; i += blockDim.x) {
-    float wi, mi, vi;
-    adamw_one(load(w, i), load(g, i), load(m, i), load(v, i), s, wi, mi, vi);
-    store(w_out, i, wi);
-    store(m_out, i, mi);
-    store(v_out, i, vi);
-    if constexpr (!std::is_void_v<P>) store(param, i, wi);
-  }
+  for (int64_t i = first_single + threadIdx.x; i < end; i += blockDim.x) adamw_elements<1>(t, i, s);
 }
 
 template <typename S, typename G, typename P>
-void launch(int64_t n, const void* w_, const void* grad, const void* m_, const void* v_, void* w_out_, void* m_out_,
-            void* v_out_, void* param, const AdamWScalars& s, cudaStream_t stream) {
-  const auto *w = static_cast<const S*>(w_), *m = static_cast<const S*>(m_), *v = static_cast<const S*>(v_);
-  auto *w_out = static_cast<S*>(w_out_), *m_out = static_cast<S*>(m_out_), *v_out = static_cast<S*>(v_out_);
-  const auto* g = static_cast<const G*>(grad);
-  auto* pp = static_cast<P*>(param);
+void launch(int64_t n, const void* w, const void* grad, const void* m, const void* v, void* w_out, void* m_out,
+            void* v_out, void* param, const AdamWScalars& s, cudaStream_t stream) {
+  const AdamWPointers<S, G, P> t{static_cast<const S*>(w), static_cast<const G*>(grad), static_cast<const S*>(m),
+                                 static_cast<const S*>(v), static_cast<S*>(w_out),      static_cast<S*>(m_out),
+                                 static_cast<S*>(v_out),   static_cast<P*>(param)};
   const bool packed = aligned16(w) && aligned16(grad) && aligned16(m) && aligned16(v) && aligned16(w_out) &&
                       aligned16(m_out) && aligned16(v_out) && (!param || aligned16(param));
   if (packed)
-    adamw_kernel<S, G, P, 8><<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out,
-                                                                                     v_out, pp, s);
+    adamw_kernel<S, G, P, 8><<<grid_for(n / 8 + 1, kThreads), kThreads, 0, stream>>>(n, t, s);
   else
-    adamw_kernel<S, G, P, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, w, g, m, v, w_out, m_out, v_out, pp,
-                                                                            s);
+    adamw_kernel<S, G, P, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, t, s);
 }
 
 template <typename G>
