@@ -115,6 +115,19 @@ template <typename A, bool kMax> __device__ A block_reduce(A v, A* scratch) {
   return r;
 }
 
+// The list kernels (one launch over a table of tensors, each cut into chunks, one block a chunk): the entry whose chunks
+// include this block, the last one whose first_chunk is <= blockIdx.x (entries without chunks share their successor's
+// first_chunk and are passed over).
+template <typename Entry> __device__ __forceinline__ int chunk_owner(const Entry* table, int n) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 inline int grid_for(int64_t n, int threads) {
   const int64_t blocks = (n + threads - 1) / threads;
   return int(blocks < 65536 * 8 ? (blocks > 0 ? blocks : 1) : 65536 * 8);

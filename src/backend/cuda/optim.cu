@@ -87,13 +87,7 @@ __global__ void adamw_kernel(int64_t n, AdamWPointers<S, G, P> t, AdamWScalars s
 // a multiple of 8), then the elements past the last whole pack one by one.
 template <typename S, typename G, typename P>
 __global__ void adamw_list_kernel(const AdamWListEntry* table, int n_tensors, AdamWScalars s) {
-  int lo = 0, hi = n_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
-    else hi = mid - 1;
-  }
-  const AdamWListEntry& e = table[lo];
+  const AdamWListEntry& e = table[chunk_owner(table, n_tensors)];
   const AdamWPointers<S, G, P> t{static_cast<const S*>(e.w),  static_cast<const G*>(e.grad),
                                  static_cast<const S*>(e.m),  static_cast<const S*>(e.v),
                                  static_cast<S*>(e.w_out),    static_cast<S*>(e.m_out),

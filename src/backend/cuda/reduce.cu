@@ -73,13 +73,7 @@ __global__ void sum_squares_list_kernel(const SumSquaresListEntry* table, int n_
                                         typename Compute<T>::type* partials) {
   using A = typename Compute<T>::type;
   __shared__ A scratch[32];
-  int lo = 0, hi = n_tensors - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table[mid].first_chunk <= int64_t(blockIdx.x)) lo = mid;
-    else hi = mid - 1;
-  }
-  const SumSquaresListEntry& t = table[lo];
+  const SumSquaresListEntry& t = table[chunk_owner(table, n_tensors)];
   const T* x = static_cast<const T*>(t.x);
   const int64_t begin = (int64_t(blockIdx.x) - t.first_chunk) * kSumSquaresListChunk;
   const int64_t end = min(t.n, begin + kSumSquaresListChunk);
