@@ -171,3 +171,37 @@ TEST(CudaRuntime, GemmAutotuneKeepsTheCallsResult) {
   }
   rt.set_gemm_autotune(false);
 }
+
+// The embedding's backward sums each id's rows in token order after a stable sort (no atomics): with many repeated
+// ids, three runs give the same bits, and each row equals the f64 sum of its tokens' rows (rounded to bf16).
+TEST(CudaRuntime, EmbeddingBackwardIsDeterministic) {
+  REQUIRE_CUDA();
+  Runtime& rt = runtime();
+  ExecContext ctx = rt.context(Device::cuda(0));
+  const int64_t vocab = 50, hidden = 96, tokens = 4000;
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  std::vector<float> dy(static_cast<size_t>(tokens * hidden));
+  for (int64_t t = 0; t < tokens; ++t) ids[size_t(t)] = int32_t((t * t + 7 * t) % 37);  // ids 37..49 never occur
+  for (size_t i = 0; i < dy.size(); ++i) dy[i] = float(int64_t(i * 7919 % 2003) - 1001) / 512.0f;
+  const Tensor d_ids = rt.from_host(ids.data(), {tokens}, DType::I32, Device::cuda(0));
+  const Tensor d_dy = cast(ctx, rt.from_host(dy.data(), {tokens, hidden}, DType::F32, Device::cuda(0)), DType::BF16);
+  std::vector<float> first;
+  for (int run = 0; run < 3; ++run) {
+    const Tensor dw = rt.copy_to(cast(ctx, embedding_backward(ctx, d_dy, d_ids, vocab), DType::F32), Device::cpu());
+    const std::vector<float> got(dw.data<float>(), dw.data<float>() + vocab * hidden);
+    if (run == 0) first = got;
+    else ASSERT_EQ(got, first) << "run " << run;
+  }
+  double err = 0, ref = 0;
+  for (int64_t v = 0; v < vocab; ++v)
+    for (int64_t c = 0; c < hidden; ++c) {
+      double want = 0;  // dy values are exact in bf16 (multiples of 1/512 below 2)
+      for (int64_t t = 0; t < tokens; ++t)
+        if (ids[size_t(t)] == v) want += double(dy[size_t(t * hidden + c)]);
+      const double got = first[size_t(v * hidden + c)];
+      if (v >= 37) ASSERT_EQ(got, 0.0) << "row " << v << " has no token";
+      err += (got - want) * (got - want);
+      ref += want * want;
+    }
+  EXPECT_LT(err / ref, 1e-5);
+}

@@ -24,11 +24,12 @@ constexpr int kMaxRopeHalf = 256;
 // out (n_tokens, hidden) = weight (vocab, hidden) rows at ids; an out-of-range id gives a zero row.
 void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* weight,
                       const int32_t* ids, void* out, cudaStream_t stream);
-// dweight (vocab, hidden) = rows of dy (n_tokens, hidden) summed per id (out-of-range ids skipped), through
-// `acc` (vocab, hidden) float: zero-filled, fp32 atomicAdd, then converted into dweight. For f32, acc may be
-// dweight itself (then nothing is converted). Not bitwise deterministic for repeated ids (atomic order).
+// dweight (vocab, hidden) = rows of dy (n_tokens, hidden) summed per id (out-of-range ids skipped): the (id, token)
+// pairs are sorted by id (cub's stable radix sort), then each id's rows are summed in token order in fp32 and written
+// once; other rows are zero. Bitwise deterministic. `scratch` holds embedding_backward_scratch_bytes(n_tokens).
+size_t embedding_backward_scratch_bytes(int64_t n_tokens);
 void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, float* acc, void* dweight, cudaStream_t stream);
+                               const int32_t* ids, void* scratch, void* dweight, cudaStream_t stream);
 
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,

@@ -1,10 +1,13 @@
 // CUDA kernels of the transformer-layer ops (the CPU kernels in backend/cpu/model_ops.cpp are the spec):
-// embedding gather / scatter-add, RMSNorm and gated RMSNorm (rmsnorm(x) * silu(z)) rows (+ backward; one warp per
+// embedding gather / sorted scatter-add, RMSNorm and gated RMSNorm (rmsnorm(x) * silu(z)) rows (+ backward; one warp per
 // row), rotate-half rope, SwiGLU (+ backward), causal packed attention (+ backward; one warp per row, online softmax)
 // and cross-entropy rows. Convention: bf16/f16 are read and written through load/store and every sum is fp32;
-// reductions that must be deterministic (rmsnorm dw, attention dk/dv) use fixed orders, never atomics. The gather, RMSNorm, SwiGLU and
-// cross-entropy kernels move 16-byte packs when sizes and alignment allow (checked on the host) and single elements otherwise.
+// reductions that must be deterministic (rmsnorm dw, attention dk/dv, the embedding's dw) use fixed orders, never
+// atomics. The gather, RMSNorm, SwiGLU and cross-entropy kernels move 16-byte packs when sizes and alignment allow
+// (checked on the host) and single elements otherwise.
 // Covered by tests/ops (cases for both the packed and the single-element paths).
+#include <cub/device/device_radix_sort.cuh>
+
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/model_launchers.h"
@@ -38,21 +41,27 @@ __global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab
   }
 }
 
-// fp32 atomicAdd into acc: the order of the adds for a repeated id varies from run to run, so the result is not
-// bitwise deterministic (the CPU reference sums in order, in double).
+// The embedding's dw from the (id, token) pairs sorted by id (a stable sort, so each id's tokens stay in token order):
+// the block at the first pair of an id sums that id's dy rows in token order, in fp32, and writes its dw row once.
+// Deterministic; rows of ids that no token has are the zeros written before.
 template <typename T>
-__global__ void embedding_scatter_add_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, const T* dy,
-                                             const int32_t* ids, float* acc) {
-  for (int64_t t = blockIdx.x; t < n_tokens; t += gridDim.x) {
-    const int64_t id = ids[t];
-    if (id < 0 || id >= vocab) continue;  // validated on the host before upload; skipped here, cannot throw
-    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) atomicAdd(acc + id * hidden + c, load(dy, t * hidden + c));
+__global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, const T* dy,
+                                            const int32_t* sorted_ids, const int32_t* sorted_tokens, T* dw) {
+  for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
+    const int32_t id = sorted_ids[p];
+    if ((p > 0 && sorted_ids[p - 1] == id) || id < 0 || id >= vocab) continue;  // not an id's first pair; bad ids
+    int64_t end = p + 1;                                                       // (validated on the host) skipped
+    while (end < n_tokens && sorted_ids[end] == id) ++end;
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+      float acc = 0;
+      for (int64_t q = p; q < end; ++q) acc += load(dy, int64_t(sorted_tokens[q]) * hidden + c);
+      store(dw, int64_t(id) * hidden + c, acc);
+    }
   }
 }
 
-template <typename T> __global__ void float_to_kernel(int64_t n, const float* src, T* dst) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    store(dst, i, src[i]);
+__global__ void iota_kernel(int64_t n, int32_t* out) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) out[i] = int32_t(i);
 }
 
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
@@ -785,23 +794,50 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
   LATHE_CUDA_LAUNCH_CHECK("embedding_kernel");
 }
 
+namespace {
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+// cub's temporary storage for sorting n (int32 id, int32 token) pairs.
+size_t sort_temp_bytes(int64_t n_tokens) {
+  size_t bytes = 0;
+  LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                                   static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                                   static_cast<int32_t*>(nullptr), n_tokens));
+  return bytes;
+}
+
+}  // namespace
+
+size_t embedding_backward_scratch_bytes(int64_t n_tokens) {
+  return n_tokens > 0 ? 3 * align256(size_t(n_tokens) * sizeof(int32_t)) + align256(sort_temp_bytes(n_tokens)) : 0;
+}
+
 void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, float* acc, void* dweight, cudaStream_t stream) {
+                               const int32_t* ids, void* scratch, void* dweight, cudaStream_t stream) {
   const int64_t n = vocab * hidden;
   if (n == 0) return;
-  LATHE_CUDA_CHECK(cudaMemsetAsync(acc, 0, size_t(n) * sizeof(float), stream));
+  LATHE_CUDA_CHECK(cudaMemsetAsync(dweight, 0, size_t(n) * dtype_size(dtype), stream));
+  if (n_tokens == 0) return;
+  // scratch: token indices, sorted ids, sorted tokens, then cub's storage
+  const size_t ints = align256(size_t(n_tokens) * sizeof(int32_t));
+  auto* base = static_cast<uint8_t*>(scratch);
+  auto* tokens = reinterpret_cast<int32_t*>(base);
+  auto* sorted_ids = reinterpret_cast<int32_t*>(base + ints);
+  auto* sorted_tokens = reinterpret_cast<int32_t*>(base + 2 * ints);
+  size_t temp = sort_temp_bytes(n_tokens);
+  iota_kernel<<<grid_for(n_tokens, kThreads), kThreads, 0, stream>>>(n_tokens, tokens);
+  LATHE_CUDA_LAUNCH_CHECK("iota_kernel");
+  int end_bit = 1;  // the bits the valid ids use (ids are non-negative below vocab: validated on the host)
+  while (end_bit < 31 && (int64_t(1) << end_bit) < vocab) ++end_bit;
+  LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 3 * ints, temp, ids, sorted_ids, tokens, sorted_tokens,
+                                                   n_tokens, 0, end_bit, stream));
   dispatch_f32_bf16_f16(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    if (n_tokens > 0) {
-      embedding_scatter_add_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(n_tokens, hidden, vocab,
-                                                                                static_cast<const T*>(dy), ids, acc);
-      LATHE_CUDA_LAUNCH_CHECK("embedding_scatter_add_kernel");
-    }
-    if (static_cast<void*>(acc) != dweight) {
-      float_to_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, acc, static_cast<T*>(dweight));
-      LATHE_CUDA_LAUNCH_CHECK("float_to_kernel");
-    }
+    embedding_sorted_sum_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(
+        n_tokens, hidden, vocab, static_cast<const T*>(dy), sorted_ids, sorted_tokens, static_cast<T*>(dweight));
   });
+  LATHE_CUDA_LAUNCH_CHECK("embedding_sorted_sum_kernel");
 }
 
 namespace {

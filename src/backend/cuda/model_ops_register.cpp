@@ -72,16 +72,10 @@ void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
   const Tensor& dy = c.inputs[0];  // (..., H)
   const Tensor& ids = c.inputs[1];
   const Tensor& dw = c.outputs[0];  // (V, H)
-  Tensor acc;                       // (V, H) f32, unless dw is f32 itself
-  float* pacc = nullptr;
-  if (dw.dtype() == DType::F32) {
-    pacc = dw.data<float>();
-  } else {
-    acc = Tensor::empty(dw.shape(), DType::F32, ctx.allocator);
-    pacc = acc.data<float>();
-  }
+  const int64_t bytes = int64_t(embedding_backward_scratch_bytes(ids.numel()));
+  const Tensor scratch = bytes ? Tensor::empty({bytes}, DType::U8, ctx.allocator) : Tensor();  // the sort's buffers
   launch_embedding_backward(dy.dtype(), ids.numel(), dw.size(1), dw.size(0), dy.data_ptr(), ids.data<int32_t>(),
-                            pacc, dw.data_ptr(), stream_of(ctx));
+                            bytes ? scratch.data_ptr() : nullptr, dw.data_ptr(), stream_of(ctx));
 }
 
 void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
@@ -228,7 +222,7 @@ void register_cuda_model_kernels(KernelRegistry& r) {
       r.add(KernelDef{op, DeviceType::CUDA, dt, name, std::move(supports), std::move(run)});
     };
     add(OpId::embedding, "cuda/embedding_gather", contiguous_supports, run_embedding);
-    add(OpId::embedding_backward, "cuda/embedding_scatter_add", contiguous_supports, run_embedding_backward);
+    add(OpId::embedding_backward, "cuda/embedding_sorted_sum", contiguous_supports, run_embedding_backward);
     add(OpId::rmsnorm, "cuda/rmsnorm_rows", contiguous_supports, run_rmsnorm);
     add(OpId::rmsnorm_backward, "cuda/rmsnorm_backward_rows", contiguous_supports, run_rmsnorm_backward);
     add(OpId::residual_rmsnorm, "cuda/residual_rmsnorm_rows", contiguous_supports, run_residual_rmsnorm);
