@@ -27,8 +27,9 @@ the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-
 --optimizer-states bf16` instead: no masters, bf16 moments, the parameters updated in place, as
 torch.optim.AdamW(fused=True) does on bf16 parameters (docs/optim.md). With --lathe-nondeterministic, Lathe's
 attention backward may sum dQ in any order (`lathe bench --nondeterministic`), as torch's SDPA backward does; with
---lathe-gemm-autotune, Lathe times cuBLASLt's candidate algorithms per GEMM shape (`lathe bench --gemm-autotune`). The LoRA row keeps fp32 states: peft upcasts
-the bf16 adapter weights to fp32 (autocast_adapter_dtype=True), so HF trains fp32 adapters there. Each row records
+--lathe-gemm-autotune, Lathe times cuBLASLt's candidate algorithms per GEMM shape (`lathe bench --gemm-autotune`).
+The LoRA row keeps fp32 states: peft upcasts the bf16 adapter weights to fp32 (autocast_adapter_dtype=True), so HF
+trains fp32 adapters there. Each row records
 "lathe_optimizer_states".
 MFU for both sides by one FLOP model (DESIGN.md "Measuring", src/train/flops.h): 6 N_matmul per token plus causal
 attention 6 L Hq D S; LoRA: 4 N_matmul + 6 N_adapter + attention; Qwen3.5: attention over its full-attention layers

@@ -115,9 +115,9 @@ template <typename A, bool kMax> __device__ A block_reduce(A v, A* scratch) {
   return r;
 }
 
-// The list kernels (one launch over a table of tensors, each cut into chunks, one block a chunk): the entry whose chunks
-// include this block, the last one whose first_chunk is <= blockIdx.x (entries without chunks share their successor's
-// first_chunk and are passed over).
+// The list kernels (one launch over a table of tensors, each cut into chunks, one block a chunk): the entry whose
+// chunks include this block, the last one whose first_chunk is <= blockIdx.x (entries without chunks share their
+// successor's first_chunk and are passed over).
 template <typename Entry> __device__ __forceinline__ int chunk_owner(const Entry* table, int n) {
   int lo = 0, hi = n - 1;
   while (lo < hi) {

@@ -7,8 +7,8 @@
 // states are widened on load and stored through that same conversion.
 // Aligned tensors move in 16-byte accesses (8 elements a thread step), others element by element; the arithmetic is
 // one shared function, so both paths give the same bits. adamw_list: one launch over a table of tensors, each cut
-// into chunks of kAdamWListChunk elements, one block a chunk (a block finds its tensor by binary search over the table's
-// first-chunk indices); the same per-element function, so each tensor gets bitwise what adamw gives it.
+// into chunks of kAdamWListChunk elements, one block a chunk (a block finds its tensor by binary search over the
+// table's first-chunk indices); the same per-element function, so each tensor gets bitwise what adamw gives it.
 // Covered by the adamw op-check cases (f32 and bf16 keys) and tests/unit/test_optim.cpp (bf16 gradients and bf16
 // states against the CPU, on a GPU).
 #include <type_traits>
