@@ -128,7 +128,8 @@ int main(int argc, char** argv) {
         "\"flop_model\": \"per token x value head, C=64: fwd 6dkdv+6Cdk+4Cdv+C^2/3, bwd 16dkdv+18Cdk+10Cdv+4C^2\", "
         "\"deterministic\": {}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
         tokens, docs, hk, hv, d, dtype_name(dtype), dtype_name(gate), f_ms, double(tokens) / (f_ms * 1e-3),
-        tflops(f_flop, f_ms), f_nosave_ms, b_ms, fb_ms, double(tokens) / (fb_ms * 1e-3), tflops(f_flop + b_flop, fb_ms), deterministic ? "true" : "false",
+        tflops(f_flop, f_ms), f_nosave_ms, b_ms, fb_ms, double(tokens) / (fb_ms * 1e-3), tflops(f_flop + b_flop, fb_ms),
+        deterministic ? "true" : "false",
         fmt::join(kernels, ", "), ctx.backend.info(0).name);
     return 0;
   } catch (const std::exception& e) {

@@ -77,7 +77,8 @@ void register_composites(KernelRegistry& r) {
                        for (size_t g = 0; g < c.inputs.size() / 4; ++g) {
                          OpCall one{OpId::adamw, {}, {}, c.attrs};
                          one.inputs.assign(c.inputs.begin() + long(4 * g), c.inputs.begin() + long(4 * g + 4));
-                         one.outputs.assign(c.outputs.begin() + long(outs * g), c.outputs.begin() + long(outs * g + outs));
+                         one.outputs.assign(c.outputs.begin() + long(outs * g),
+                                            c.outputs.begin() + long(outs * g + outs));
                          run_op(ctx, one);
                        }
                      }});

@@ -1,8 +1,8 @@
 // AdamW: per-parameter state, the update through the adamw_list op (which also rounds the new master into a
 // low-precision parameter, in the same kernel; one op, one launch on CUDA, per group of parameters that share their
-// attributes and dtypes: usually one or two a step), and the state file. Loading validates the whole file first and reports every
-// problem at once; nothing is changed unless the file is valid (a loaded master is cast into its parameter, as no
-// update runs). Covered by tests/unit/test_optim.cpp.
+// attributes and dtypes: usually one or two a step), and the state file. Loading validates the whole file first and
+// reports every problem at once; nothing is changed unless the file is valid (a loaded master is cast into its
+// parameter, as no update runs). Covered by tests/unit/test_optim.cpp.
 #include "optim/adamw.h"
 
 #include <fmt/format.h>
@@ -158,7 +158,8 @@ void AdamW::step(double lr, double grad_scale) {
     auto it = std::find_if(batches.begin(), batches.end(), [&](const Batch& b) { return b.key == key; });
     if (it == batches.end()) it = batches.insert(batches.end(), Batch{key, {}});
     // With a master, the op rounds the new master into the parameter as well.
-    it->groups.push_back(master ? AdamWGroup{s.master, grad, s.m, s.v, p.value} : AdamWGroup{p.value, grad, s.m, s.v, {}});
+    it->groups.push_back(master ? AdamWGroup{s.master, grad, s.m, s.v, p.value}
+                                : AdamWGroup{p.value, grad, s.m, s.v, {}});
     s.steps += 1;
   }
   for (const Batch& b : batches) {

@@ -12,8 +12,8 @@ namespace lathe {
 // sqrt(sum over parameters of sum(g^2)) for every parameter with a gradient (0 when none has one). The gradients'
 // sums of squares are one sum_squares_list op per gradient dtype on the context's device (where the gradients must
 // be), accumulated in f32 (f64 when every gradient is f64) with no copy of a contiguous gradient; the per-gradient
-// totals are read back at once and added on the host in double. NaN or Inf when a gradient holds one or its own sum of squares overflows: the caller must
-// treat that as a bad step (skip it), never clip with it.
+// totals are read back at once and added on the host in double. NaN or Inf when a gradient holds one or its own sum
+// of squares overflows: the caller must treat that as a bad step (skip it), never clip with it.
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
 

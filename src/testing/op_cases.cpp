@@ -328,8 +328,8 @@ std::vector<OpCase> all_op_cases() {
                   AdamWAttrs{0.2, 0.9, 0.999, 1e-8, 0.1, 2, 0.5, std::nullopt}, {DType::BF16}, false, false};
   f32_grad.accumulation_inputs = {1};
   c.push_back(f32_grad);
-  // adamw_list: groups of four of different sizes (an empty one, chunk tails of the CUDA kernel: 70,001 elements are two
-  // chunks of 65,536; pack tails), f32 masters with and without the rounded parameter, bf16 states.
+  // adamw_list: groups of four of different sizes (an empty one, chunk tails of the CUDA kernel: 70,001 elements are
+  // two chunks of 65,536; pack tails), f32 masters with and without the rounded parameter, bf16 states.
   std::vector<Shape> groups;
   for (Shape s : {Shape{7, 13}, Shape{0}, Shape{70001}, Shape{1}, Shape{257, 1031}})
     for (int i = 0; i < 4; ++i) groups.push_back(s);

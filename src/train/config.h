@@ -73,8 +73,8 @@ struct TrainConfig {
 // Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides.
 // A `tenants:` list makes a multi-tenant LoRA run: each entry is a mapping with a `name` and any of the per-tenant
 // options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune and
-// train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model, device, dtype and resume are shared
-// by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
+// train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
+// device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides);
 
 // One line per option: "train.lr (float, default 0.0001): peak learning rate".

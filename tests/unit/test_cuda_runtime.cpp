@@ -166,7 +166,8 @@ TEST(CudaRuntime, GemmAutotuneKeepsTheCallsResult) {
         ref2 += want * want;
       }
     EXPECT_LT(err / ref2, 1e-5) << "beta " << beta;  // bf16 output rounding is about 1e-6 in nmse
-    EXPECT_EQ(std::vector<float>(got, got + m * n), std::vector<float>(second.data<float>(), second.data<float>() + m * n))
+    EXPECT_EQ(std::vector<float>(got, got + m * n),
+              std::vector<float>(second.data<float>(), second.data<float>() + m * n))
         << "beta " << beta;
   }
   rt.set_gemm_autotune(false);

@@ -1,10 +1,10 @@
 // CUDA kernels of the transformer-layer ops (the CPU kernels in backend/cpu/model_ops.cpp are the spec):
 // embedding gather / sorted scatter-add, RMSNorm and gated RMSNorm (rmsnorm(x) * silu(z)) rows (+ backward; one
-// warp per row), rotate-half rope, SwiGLU (+ backward), causal packed attention (+ backward; one warp per row, online softmax)
-// and cross-entropy rows. Convention: bf16/f16 are read and written through load/store and every sum is fp32;
-// reductions that must be deterministic (rmsnorm dw, attention dk/dv, the embedding's dw) use fixed orders, never
-// atomics. The gather, RMSNorm, SwiGLU and cross-entropy kernels move 16-byte packs when sizes and alignment allow
-// (checked on the host) and single elements otherwise.
+// warp per row), rotate-half rope, SwiGLU (+ backward), causal packed attention (+ backward; one warp per row,
+// online softmax) and cross-entropy rows. Convention: bf16/f16 are read and written through load/store and every
+// sum is fp32; reductions that must be deterministic (rmsnorm dw, attention dk/dv, the embedding's dw) use fixed
+// orders, never atomics. The gather, RMSNorm, SwiGLU and cross-entropy kernels move 16-byte packs when sizes and
+// alignment allow (checked on the host) and single elements otherwise.
 // Covered by tests/ops (cases for both the packed and the single-element paths).
 #include <cub/device/device_radix_sort.cuh>
 

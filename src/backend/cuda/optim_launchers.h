@@ -42,8 +42,8 @@ struct AdamWListEntry {
   int32_t packed;
 };
 
-// adamw over every tensor of `table` (n_tensors entries, `chunks` chunks in all) in one launch; each tensor gets bitwise
-// what launch_adamw gives it. All share the dtypes and the scalars.
+// adamw over every tensor of `table` (n_tensors entries, `chunks` chunks in all) in one launch; each tensor gets
+// bitwise what launch_adamw gives it. All share the dtypes and the scalars.
 void launch_adamw_list(DType state_dtype, DType grad_dtype, DType param_dtype, bool with_param,
                        const AdamWListEntry* table, int n_tensors, int64_t chunks, const AdamWScalars& s,
                        cudaStream_t stream);

@@ -215,7 +215,8 @@ void launch_sum_squares_list(DType dtype, const SumSquaresListEntry* table, int 
     using T = decltype(t);
     using A = typename Compute<T>::type;
     if (chunks > 0)
-      sum_squares_list_kernel<T><<<unsigned(chunks), kThreads, 0, stream>>>(table, n_tensors, static_cast<A*>(partials));
+      sum_squares_list_kernel<T><<<unsigned(chunks), kThreads, 0, stream>>>(table, n_tensors,
+                                                                            static_cast<A*>(partials));
     sum_list_partials_kernel<A><<<unsigned((n_tensors + kThreads / 32 - 1) / (kThreads / 32)), kThreads, 0, stream>>>(
         table, n_tensors, chunks, static_cast<const A*>(partials), static_cast<A*>(out));
   });
