@@ -3,6 +3,8 @@
 // - upcast_f32: a bf16/f16 op with no exact kernel on its device runs as cast -> f32 kernel -> cast. The
 //   result is rounded once, at the output, which is what a native low-precision kernel with fp32 compute
 //   does too; `lathe kernels` shows where it is taken.
+// - norm_then_rope: qk_norm_rope (+ backward) as the rmsnorm and rope ops (+ backwards) on heads copied out of (or
+//   into) the fused qkv rows; the CPU reference, and what runs where no device has the fused kernel.
 // Covered by tests/ops (the CPU rows for bf16/f16 all go through upcast_f32).
 #include "ops/composite.h"
 
@@ -35,6 +37,47 @@ void run_upcast(const OpCall& call, ExecContext& ctx) {
     run_op(ctx, OpCall{OpId::cast, {wide.outputs[i]}, {call.outputs[i]}, CastAttrs{call.outputs[i].dtype()}});
 }
 
+// Whether `op` runs: a kernel of its own, or (bf16/f16) an f32 kernel that upcast_f32 can use.
+bool op_runs(const KernelRegistry& reg, OpId op, DeviceType dev, DType dt) {
+  return reg.has_kernel(op, dev, dt) || ((dt == DType::BF16 || dt == DType::F16) && reg.has_kernel(op, dev, DType::F32));
+}
+
+// (T, n, D) heads [first, first + n) of qkv (T, heads D), as a contiguous copy.
+Tensor qkv_heads(ExecContext& ctx, const Tensor& qkv, int64_t first, int64_t n, int64_t d) {
+  return contiguous(ctx, qkv.narrow(1, first * d, n * d)).view({qkv.size(0), n, d});
+}
+
+void run_qk_norm_rope(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<QkNormRopeAttrs>();
+  const Tensor& qkv = c.inputs[0];
+  const Tensor& pos = c.inputs[3];
+  const int64_t d = c.inputs[1].size(0);
+  copy_into(ctx, rope(ctx, rmsnorm(ctx, qkv_heads(ctx, qkv, 0, a.q_heads, d), c.inputs[1], a.norm), pos, a.rope),
+            c.outputs[0]);
+  copy_into(ctx,
+            rope(ctx, rmsnorm(ctx, qkv_heads(ctx, qkv, a.q_heads, a.kv_heads, d), c.inputs[2], a.norm), pos, a.rope),
+            c.outputs[1]);
+  copy_into(ctx, qkv_heads(ctx, qkv, a.q_heads + a.kv_heads, a.kv_heads, d), c.outputs[2]);
+}
+
+void run_qk_norm_rope_backward(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<QkNormRopeAttrs>();
+  const Tensor& qkv = c.inputs[0];
+  const Tensor& pos = c.inputs[3];
+  const int64_t t = qkv.size(0), d = c.inputs[1].size(0);
+  RopeAttrs inverse = a.rope;
+  inverse.inverse = true;
+  const std::vector<Tensor> gq =
+      rmsnorm_backward(ctx, qkv_heads(ctx, qkv, 0, a.q_heads, d), c.inputs[1], rope(ctx, c.inputs[4], pos, inverse),
+                       a.norm);
+  const std::vector<Tensor> gk = rmsnorm_backward(ctx, qkv_heads(ctx, qkv, a.q_heads, a.kv_heads, d), c.inputs[2],
+                                                  rope(ctx, c.inputs[5], pos, inverse), a.norm);
+  copy_into(ctx, concat_columns(ctx, {gq[0].view({t, -1}), gk[0].view({t, -1}), c.inputs[6].view({t, -1})}),
+            c.outputs[0]);
+  copy_into(ctx, gq[1], c.outputs[1]);
+  copy_into(ctx, gk[1], c.outputs[2]);
+}
+
 }  // namespace
 
 void register_composites(KernelRegistry& r) {
@@ -42,12 +85,8 @@ void register_composites(KernelRegistry& r) {
                      [](const OpCall& c, const KernelRegistry& reg) {
                        const DeviceType dev = c.device().type;
                        const DType dt = c.key_dtype();
-                       // An op runs if it has a kernel, or (bf16/f16) an f32 kernel that upcast_f32 can use.
-                       const auto runs = [&](OpId op) {
-                         return reg.has_kernel(op, dev, dt) ||
-                                ((dt == DType::BF16 || dt == DType::F16) && reg.has_kernel(op, dev, DType::F32));
-                       };
-                       if (runs(OpId::sum) && runs(OpId::scale)) return Support::yes();
+                       if (op_runs(reg, OpId::sum, dev, dt) && op_runs(reg, OpId::scale, dev, dt))
+                         return Support::yes();
                        return Support::no(fmt::format("needs sum and scale kernels for {} on {}",
                                                       dtype_name(c.key_dtype()), device_type_name(dev)));
                      },
@@ -82,6 +121,22 @@ void register_composites(KernelRegistry& r) {
                          run_op(ctx, one);
                        }
                      }});
+  // The fused q/k head ops as their parts: wherever rmsnorm and rope (+ backward) run, directly or upcast.
+  const auto norm_then_rope_supports = [](OpId norm) {
+    return [norm](const OpCall& c, const KernelRegistry& reg) {
+      const DeviceType dev = c.device().type;
+      const DType dt = c.key_dtype();
+      for (OpId op : {norm, OpId::rope})
+        if (!op_runs(reg, op, dev, dt))
+          return Support::no(fmt::format("no {} kernel for {} on {}", op_name(op), dtype_name(dt),
+                                         device_type_name(dev)));
+      return Support::yes();
+    };
+  };
+  r.add(CompositeDef{OpId::qk_norm_rope, "composite/norm_then_rope", norm_then_rope_supports(OpId::rmsnorm),
+                     run_qk_norm_rope});
+  r.add(CompositeDef{OpId::qk_norm_rope_backward, "composite/norm_then_rope",
+                     norm_then_rope_supports(OpId::rmsnorm_backward), run_qk_norm_rope_backward});
   for (OpId op : kUpcastOps) {
     r.add(CompositeDef{op, "composite/upcast_f32",
                        [op](const OpCall& c, const KernelRegistry& reg) {

@@ -92,6 +92,13 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       inv.inverse = !inv.inverse;
       return {rope(ctx, dy, in[1], inv), Tensor()};
     }
+    case OpId::qk_norm_rope: {  // through q; k and v get no gradient (zeros: the finite outputs times 0)
+      const Tensor zk = scale(ctx, outputs.at(1), 0.0), zv = scale(ctx, outputs.at(2), 0.0);
+      std::vector<Tensor> g = qk_norm_rope_backward(ctx, in[0], in[1], in[2], in[3], dy, zk, zv,
+                                                    std::get<QkNormRopeAttrs>(attrs));
+      g.push_back(Tensor());
+      return g;
+    }
     case OpId::attention: {
       // Only o is differentiated; lse (outputs[1]) is saved statistics.
       std::vector<Tensor> g = attention_backward(ctx, in[0], in[1], in[2], out, outputs.at(1), dy, in[3],
@@ -123,6 +130,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::rmsnorm_backward:
     case OpId::residual_rmsnorm_backward:
     case OpId::gated_rmsnorm_backward:
+    case OpId::qk_norm_rope_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
     case OpId::sum_squares:  // the global gradient norm: never part of a differentiated graph

@@ -39,6 +39,8 @@ namespace lathe {
   X(gated_rmsnorm, 3)    \
   X(gated_rmsnorm_backward, 4) \
   X(rope, 2)             \
+  X(qk_norm_rope, 4)     \
+  X(qk_norm_rope_backward, 7) \
   X(attention, 4)        \
   X(attention_backward, 7) \
   X(cross_entropy, 2)    \
@@ -133,6 +135,20 @@ struct RopeAttrs {
   double theta = 10000.0;
   int64_t rotary_dim = 0;
   bool inverse = false;
+};
+
+// qk_norm_rope(qkv (T, (Hq + 2 Hkv) D), wq (D), wk (D), positions (T) i32) -> (q (T, Hq, D), k (T, Hkv, D),
+// v (T, Hkv, D)): the output of a fused q/k/v projection split into heads, q's heads normalised with wq and k's with
+// wk (rmsnorm, `norm`) and rotated (rope, `rope`; inverse must be false), v's heads copied. Bitwise rmsnorm then
+// rope on heads copied out of qkv, on a device whose kernels round the same way: the normalised value is rounded to
+// the dtype before it is rotated. qk_norm_rope_backward(qkv, wq, wk, positions, dq, dk, dv) -> (dqkv (T, (Hq + 2 Hkv)
+// D), dwq, dwk): the inverse rotation of dq and dk rounded to the dtype, then rmsnorm_backward per head; dv copied
+// into v's columns. Differentiated through q (the op's first output); dwq and dwk are deterministic.
+struct QkNormRopeAttrs {
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  NormAttrs norm;
+  RopeAttrs rope;
 };
 
 // Causal attention over packed documents: q (T, Hq, D), k and v (T, Hkv, D) with Hq % Hkv == 0, cu_seqlens
@@ -259,7 +275,7 @@ struct GroupedMatmulAttrs {
 };
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs, SegmentAttrs,
-                             GatedDeltaAttrs, GroupedMatmulAttrs>;
+                             NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs,
+                             SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs>;
 
 }  // namespace lathe

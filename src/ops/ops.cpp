@@ -28,6 +28,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::gated_rmsnorm:
     case OpId::gated_rmsnorm_backward: return expect(NormAttrs{});
     case OpId::rope: return expect(RopeAttrs{});
+    case OpId::qk_norm_rope:
+    case OpId::qk_norm_rope_backward: return expect(QkNormRopeAttrs{});
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
@@ -172,6 +174,40 @@ std::vector<Tensor> gated_rmsnorm_backward(ExecContext& ctx, const Tensor& x, co
 
 Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs) {
   return call_op(ctx, OpId::rope, {contiguous(ctx, x), contiguous(ctx, positions)}, attrs)[0];
+}
+
+std::vector<Tensor> qk_norm_rope(ExecContext& ctx, const Tensor& qkv, const Tensor& wq, const Tensor& wk,
+                                 const Tensor& positions, QkNormRopeAttrs attrs) {
+  return call_op(ctx, OpId::qk_norm_rope,
+                 {contiguous(ctx, qkv), contiguous(ctx, wq), contiguous(ctx, wk), contiguous(ctx, positions)}, attrs);
+}
+
+std::vector<Tensor> qk_norm_rope_backward(ExecContext& ctx, const Tensor& qkv, const Tensor& wq, const Tensor& wk,
+                                          const Tensor& positions, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                          QkNormRopeAttrs attrs) {
+  return call_op(ctx, OpId::qk_norm_rope_backward,
+                 {contiguous(ctx, qkv), contiguous(ctx, wq), contiguous(ctx, wk), contiguous(ctx, positions),
+                  contiguous(ctx, dq), contiguous(ctx, dk), contiguous(ctx, dv)},
+                 attrs);
+}
+
+// Written as the rows of the transpose, where each part is a contiguous block: one strided copy in per part, one out.
+Tensor concat_columns(ExecContext& ctx, const std::vector<Tensor>& parts) {
+  LATHE_CHECK(!parts.empty(), "ops: concat_columns needs at least one part");
+  int64_t cols = 0;
+  for (const Tensor& p : parts) {
+    LATHE_CHECK(p.dim() == 2 && p.size(0) == parts[0].size(0) && p.dtype() == parts[0].dtype(),
+                "ops: concat_columns needs (T, n) parts of one dtype, got {} beside {}", p.describe(),
+                parts[0].describe());
+    cols += p.size(1);
+  }
+  const Tensor rows = Tensor::empty({cols, parts[0].size(0)}, parts[0].dtype(), ctx.allocator);
+  int64_t at = 0;
+  for (const Tensor& p : parts) {
+    copy_into(ctx, p.transpose(0, 1), rows.narrow(0, at, p.size(1)));
+    at += p.size(1);
+  }
+  return contiguous(ctx, rows.transpose(0, 1));
 }
 
 std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -65,6 +65,15 @@ Tensor gated_rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, const T
 std::vector<Tensor> gated_rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& z,
                                            const Tensor& dy, NormAttrs attrs);  // {dx, dw, dz}
 Tensor rope(ExecContext& ctx, const Tensor& x, const Tensor& positions, RopeAttrs attrs);
+// {q, k, v} from a fused projection's output qkv (T, (Hq + 2 Hkv) D): q and k normalised per head and rotated, v
+// copied; the backward's {dqkv, dwq, dwk} (ops/op_table.h, at QkNormRopeAttrs).
+std::vector<Tensor> qk_norm_rope(ExecContext& ctx, const Tensor& qkv, const Tensor& wq, const Tensor& wk,
+                                 const Tensor& positions, QkNormRopeAttrs attrs);
+std::vector<Tensor> qk_norm_rope_backward(ExecContext& ctx, const Tensor& qkv, const Tensor& wq, const Tensor& wk,
+                                          const Tensor& positions, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                          QkNormRopeAttrs attrs);
+// (T, n_0 + n_1 + ...) from parts (T, n_i), side by side.
+Tensor concat_columns(ExecContext& ctx, const std::vector<Tensor>& parts);
 std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& cu_seqlens, AttentionAttrs attrs);  // {o, lse}
 std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -246,6 +246,33 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   in[0].size(2));
       return {{in[0].shape(), in[0].dtype()}};
     }
+    case OpId::qk_norm_rope:
+    case OpId::qk_norm_rope_backward: {
+      const auto& a = std::get<QkNormRopeAttrs>(attrs);
+      const Tensor& qkv = in[0];
+      check_floating(op, qkv);
+      check_same_dtype(op, qkv, in[1]);
+      check_same_dtype(op, qkv, in[2]);
+      check_index(op, in[3], "positions");
+      const int64_t d = in[1].dim() == 1 ? in[1].size(0) : 0;
+      LATHE_CHECK(a.q_heads > 0 && a.kv_heads > 0 && d > 0 && in[2].shape() == in[1].shape(),
+                  "ops: {} needs q_heads and kv_heads above 0 and wq, wk (D); got {} and {} heads, wq {}, wk {}",
+                  op_name(op), a.q_heads, a.kv_heads, in[1].describe(), in[2].describe());
+      const int64_t t = qkv.dim() == 2 ? qkv.size(0) : -1;
+      LATHE_CHECK(t >= 0 && qkv.size(1) == (a.q_heads + 2 * a.kv_heads) * d && in[3].dim() == 1 &&
+                      in[3].size(0) == t,
+                  "ops: {} needs qkv (T, (q_heads + 2 kv_heads) D) = (T, {}) and positions (T); got {} and {}",
+                  op_name(op), (a.q_heads + 2 * a.kv_heads) * d, qkv.describe(), in[3].describe());
+      LATHE_CHECK(!a.rope.inverse && a.rope.rotary_dim >= 0 && a.rope.rotary_dim <= d && a.rope.rotary_dim % 2 == 0,
+                  "ops: {} needs a forward rope with an even rotary_dim of at most {}", op_name(op), d);
+      const Shape qs{t, a.q_heads, d}, ks{t, a.kv_heads, d};
+      if (op == OpId::qk_norm_rope) return {{qs, qkv.dtype()}, {ks, qkv.dtype()}, {ks, qkv.dtype()}};
+      for (size_t i = 4; i < 7; ++i) check_same_dtype(op, qkv, in[i]);
+      LATHE_CHECK(in[4].shape() == qs && in[5].shape() == ks && in[6].shape() == ks,
+                  "ops: qk_norm_rope_backward needs dq {}, dk and dv {}; got {}, {}, {}", shape_str(qs),
+                  shape_str(ks), in[4].describe(), in[5].describe(), in[6].describe());
+      return {{qkv.shape(), qkv.dtype()}, {in[1].shape(), qkv.dtype()}, {in[2].shape(), qkv.dtype()}};
+    }
     case OpId::attention:
     case OpId::attention_backward: {
       const Tensor& q = in[0];

@@ -75,6 +75,21 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                true, {{}, positions(cu7)}});
   c.push_back({OpId::rope, "t=5,h=2,d=64,far", {{5, 2, 64}, {5}}, RopeAttrs{1e6, 0, false}, kFloat, false, true,
                {{}, {0, 100, 1000, 4095, 32000}}});
+  // qk_norm_rope (+ backward): a small case (finite differences in f64; the composite on CUDA: D = 16 is no lane
+  // count of the fused kernel), then the CUDA kernel's lane groups (D / pack = 8, 16 or 32 lanes: D = 64 and 128 in
+  // bf16/f16 and f32, 256 in bf16/f16), far positions, and more tokens than the backward's partial dw rows.
+  for (const auto& [t, hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{7, 4, 2, 16}, {37, 4, 2, 128},
+                                      {300, 8, 2, 64}, {20, 2, 1, 256}, {5000, 2, 1, 64}}) {
+    const std::string params = fmt::format("t={},hq={},hkv={},d={}", t, hq, hkv, d);
+    const QkNormRopeAttrs attrs{hq, hkv, NormAttrs{1e-6, 0.0}, RopeAttrs{1e6, 0, false}};
+    std::vector<double> pos = positions({0, double(t / 3), double(t)});
+    if (t == 20) pos = iota_mod(20, 40000, 2039);  // positions up to 40,000: large angles
+    const Shape qs{t, hq, d}, ks{t, hkv, d};
+    c.push_back({OpId::qk_norm_rope, params, {{t, (hq + 2 * hkv) * d}, {d}, {d}, {t}}, attrs, kFloat, false, t < 1000,
+                 {{}, {}, {}, pos}});
+    c.push_back({OpId::qk_norm_rope_backward, params, {{t, (hq + 2 * hkv) * d}, {d}, {d}, {t}, qs, ks, ks}, attrs,
+                 kFloat, false, false, {{}, {}, {}, pos}});
+  }
   c.push_back({OpId::swiglu, "[6,10]", {{6, 10}, {6, 10}}, {}, kFloat});
   c.push_back({OpId::swiglu_backward, "[4,9]", {{4, 9}, {4, 9}, {4, 9}}, {}, kFloat, false, false});
   // CUDA: 16-byte packs only (1024) and packs plus a tail (2145).

@@ -61,6 +61,20 @@ struct RopeFrequencies {
 void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t half, bool inverse,
                  const RopeFrequencies& freqs, const void* x, const int32_t* positions, void* y, cudaStream_t stream);
 
+// qk_norm_rope (+ backward) of ops/op_table.h, full rotary dim only: head dims of 8, 16 or 32 16-byte packs (64 or
+// 128 in f32; 64, 128 or 256 in bf16/f16; qk_norm_rope_supported), every buffer 16-byte aligned. The backward's
+// scratch holds qk_norm_rope_backward_scratch_floats(tokens, d) floats (partial dw rows of q and k).
+bool qk_norm_rope_supported(DType dtype, int64_t d);
+int64_t qk_norm_rope_backward_scratch_floats(int64_t tokens, int64_t d);
+void launch_qk_norm_rope(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, double eps, double offset,
+                         const RopeFrequencies& freqs, const void* qkv, const void* wq, const void* wk,
+                         const int32_t* positions, void* q, void* k, void* v, cudaStream_t stream);
+void launch_qk_norm_rope_backward(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, double eps,
+                                  double offset, const RopeFrequencies& freqs, const void* qkv, const void* wq,
+                                  const void* wk, const int32_t* positions, const void* dq, const void* dk,
+                                  const void* dv, void* dqkv, void* dwq, void* dwk, float* scratch,
+                                  cudaStream_t stream);
+
 // y = silu(g) * u; backward: dg, du from g, u, dy. n elements each.
 void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y, cudaStream_t stream);
 void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du,

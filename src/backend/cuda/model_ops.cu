@@ -465,6 +465,133 @@ __global__ void rope_kernel(int64_t tokens, int64_t heads, int64_t d, int64_t ha
   }
 }
 
+// ---------------------------------------------------------------- qk_norm_rope
+
+// One group of kLanes = D / kN lanes per token (D = 64 or 128 in f32, 64, 128 or 256 in bf16/f16: 8, 16 or 32 lanes),
+// walking the token's heads: lane l holds the pack of elements [l kN, (l + 1) kN) of a head row, so the rotate-half
+// partner of its elements (full rotary dim) is lane l ^ kLanes / 2, one shuffle away. A row's sums take group_sum2's
+// order, so the norm is bitwise the rmsnorm kernel's at the same lane count (D = 128 in bf16: 16 lanes there too);
+// the normalised pack is rounded to T before it is rotated, as the rmsnorm op's output is; the angles (precise cosf
+// and sinf, as the rope kernel) are computed once per token and lane, for all heads.
+
+// cos and sin of the angles of this lane's kN elements at position p (sin negated for the inverse rotation).
+template <int kN, int kLanes>
+__device__ __forceinline__ void rope_angles(const RopeFrequencies& freqs, int32_t p, int lane, bool inverse,
+                                            float (&cs)[kN], float (&sn)[kN]) {
+  const int first = (lane % (kLanes / 2)) * kN;  // pair index of the lane's first element
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float angle = float(p) * freqs.inv_freq[first + k];
+    cs[k] = cosf(angle);
+    sn[k] = inverse ? -sinf(angle) : sinf(angle);
+  }
+}
+
+// The rotate-half rope of this lane's pack of a head row: first half x1 cs - x2 sn, second half x2 cs + x1 sn (the
+// rope kernel's expressions), the pair's other value from lane ^ kLanes / 2.
+template <int kLanes, typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> rotate_pack(const Pack<T, kN>& x, const float (&cs)[kN], const float (&sn)[kN],
+                                                   const LaneGroup<kLanes>& lg) {
+  const bool first = lg.lane < kLanes / 2;
+  Pack<T, kN> y;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float own = load(x.e, k), other = __shfl_xor_sync(lg.mask, own, kLanes / 2);
+    store(y.e, k, first ? own * cs[k] - other * sn[k] : own * cs[k] + other * sn[k]);
+  }
+  return y;
+}
+
+// rope(rmsnorm(x; w)) of this lane's pack of one head row.
+template <int kLanes, typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> norm_rope_pack(const Pack<T, kN>& x, const Pack<T, kN>& w, float eps,
+                                                      float offset, const float (&cs)[kN], const float (&sn)[kN],
+                                                      const LaneGroup<kLanes>& lg, GroupScratch& scratch) {
+  float ss = sum_squares(x), unused = 0;
+  group_sum2(ss, unused, lg, scratch);
+  const float inv = rsqrtf(ss / float(kLanes * kN) + eps);
+  return rotate_pack(normalized<false>(x, w, static_cast<const T*>(nullptr), 0, inv, offset), cs, sn, lg);
+}
+
+template <typename T, int kN, int kLanes>
+__global__ void __launch_bounds__(kNormThreads)
+    qk_norm_rope_kernel(int64_t tokens, int64_t hq, int64_t hkv, float eps, float offset,
+                        const __grid_constant__ RopeFrequencies freqs, const T* qkv, const T* wq, const T* wk,
+                        const int32_t* pos, T* q, T* k, T* v) {
+  __shared__ GroupScratch scratch;  // group_sum2's, unused by groups of at most a warp
+  const LaneGroup<kLanes> lg = lane_group<kLanes>();
+  constexpr int64_t kD = int64_t(kLanes) * kN;
+  const int64_t cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
+  const Pack<T, kN> wqv = load_pack<T, kN>(wq + at), wkv = load_pack<T, kN>(wk + at);
+  for (int64_t t = lg.index; t < tokens; t += lg.count) {
+    float cs[kN], sn[kN];
+    rope_angles<kN, kLanes>(freqs, pos[t], lg.lane, false, cs, sn);
+    const T* row = qkv + t * cols + at;
+    for (int64_t h = 0; h < hq; ++h)
+      store_pack(q + (t * hq + h) * kD + at,
+                 norm_rope_pack(load_pack<T, kN>(row + h * kD), wqv, eps, offset, cs, sn, lg, scratch));
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(k + (t * hkv + h) * kD + at,
+                 norm_rope_pack(load_pack<T, kN>(row + (hq + h) * kD), wkv, eps, offset, cs, sn, lg, scratch));
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(v + (t * hkv + h) * kD + at, load_pack<T, kN>(row + (hq + hkv + h) * kD));
+  }
+}
+
+// The backward of one head row's pack: g = the inverse rotation of dy, rounded to T (the rope op's output), then
+// rmsnorm_backward's dx (written to dx_row) and its dw terms added to dw.
+template <int kLanes, typename T, int kN>
+__device__ __forceinline__ void norm_rope_backward_pack(const T* x_row, const T* dy_row, T* dx_row,
+                                                        const Pack<T, kN>& w, float eps, float offset,
+                                                        const float (&cs)[kN], const float (&sn)[kN],
+                                                        const LaneGroup<kLanes>& lg, GroupScratch& scratch,
+                                                        float (&dw)[kN]) {
+  const Pack<T, kN> x = load_pack<T, kN>(x_row), g = rotate_pack(load_pack<T, kN>(dy_row), cs, sn, lg);
+  float ss = 0, dot = 0;
+  norm_sums<false>(x, g, g, w, offset, ss, dot);
+  group_sum2(ss, dot, lg, scratch);
+  constexpr float kD = float(kLanes * kN);
+  const float inv = rsqrtf(ss / kD + eps), coef = inv * inv * inv * dot / kD;
+  Pack<T, kN> unused;
+  store_pack(dx_row, norm_grad<false>(x, g, g, w, g, false, offset, inv, coef, dw, unused));
+}
+
+// Lane group `group` (< n_partial) takes the tokens group, group + n_partial, ... and keeps its dwq and dwk terms in
+// registers, written once to its rows of partial_q and partial_k (n_partial, D): fixed order, no atomics.
+template <typename T, int kN, int kLanes>
+__global__ void __launch_bounds__(kNormThreads)
+    qk_norm_rope_backward_kernel(int64_t tokens, int64_t hq, int64_t hkv, int64_t n_partial, float eps, float offset,
+                                 const __grid_constant__ RopeFrequencies freqs, const T* qkv, const T* wq,
+                                 const T* wk, const int32_t* pos, const T* dq, const T* dk, const T* dv, T* dqkv,
+                                 float* partial_q, float* partial_k) {
+  __shared__ GroupScratch scratch;
+  const LaneGroup<kLanes> lg = lane_group<kLanes>();
+  if (lg.index >= n_partial) return;  // spare groups of the last block (only group-wide shuffles below)
+  constexpr int64_t kD = int64_t(kLanes) * kN;
+  const int64_t cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
+  const Pack<T, kN> wqv = load_pack<T, kN>(wq + at), wkv = load_pack<T, kN>(wk + at);
+  float dwq[kN] = {}, dwk[kN] = {};
+  for (int64_t t = lg.index; t < tokens; t += n_partial) {
+    float cs[kN], sn[kN];
+    rope_angles<kN, kLanes>(freqs, pos[t], lg.lane, true, cs, sn);
+    const T* row = qkv + t * cols + at;
+    T* drow = dqkv + t * cols + at;
+    for (int64_t h = 0; h < hq; ++h)
+      norm_rope_backward_pack(row + h * kD, dq + (t * hq + h) * kD + at, drow + h * kD, wqv, eps, offset, cs, sn, lg,
+                              scratch, dwq);
+    for (int64_t h = 0; h < hkv; ++h)
+      norm_rope_backward_pack(row + (hq + h) * kD, dk + (t * hkv + h) * kD + at, drow + (hq + h) * kD, wkv, eps,
+                              offset, cs, sn, lg, scratch, dwk);
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(drow + (hq + hkv + h) * kD, load_pack<T, kN>(dv + (t * hkv + h) * kD + at));
+  }
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    partial_q[lg.index * kD + at + k] = dwq[k];
+    partial_k[lg.index * kD + at + k] = dwk[k];
+  }
+}
+
 // ---------------------------------------------------------------- swiglu
 
 // Packs of kN elements from index i (16 bytes when every buffer is aligned, else kN = 1; 1 for the tail).
@@ -862,6 +989,30 @@ void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset
   LATHE_CUDA_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
+// dw (h) = the sum of the (n_partial, h) partial rows at `scratch`, in the fixed order of column_group_sum_kernel and
+// column_sum_kernel; the group sums go after the partial rows (norm_backward_scratch_floats).
+template <typename T> void sum_partial_rows(int64_t n_partial, int64_t h, float* scratch, void* dw, cudaStream_t stream) {
+  const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
+  float* sums = scratch + n_partial * h;
+  const unsigned tiles = unsigned((h + kColumnTile - 1) / kColumnTile);
+  column_group_sum_kernel<<<dim3(tiles, unsigned(groups)), kColumnTile * kColumnRowLanes, 0, stream>>>(
+      n_partial, h, scratch, sums);
+  LATHE_CUDA_LAUNCH_CHECK("column_group_sum_kernel");
+  column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(groups, h, sums, static_cast<T*>(dw));
+  LATHE_CUDA_LAUNCH_CHECK("column_sum_kernel");
+}
+
+// Calls f(std::integral_constant<int, kLanes>{}) for the qk_norm_rope kernels' lane count at head dim d (d / pack of
+// 8, 16 or 32), or returns false.
+template <typename T, typename F> bool dispatch_qk_lanes(int64_t d, F f) {
+  constexpr int64_t kN = kPackOf16<T>;
+  if (d == 8 * kN) f(std::integral_constant<int, 8>{});
+  else if (d == 16 * kN) f(std::integral_constant<int, 16>{});
+  else if (d == 32 * kN) f(std::integral_constant<int, 32>{});
+  else return false;
+  return true;
+}
+
 // rmsnorm_backward (kGated false, z and dz null), residual_rmsnorm_backward (dres not null) and
 // gated_rmsnorm_backward.
 template <bool kGated>
@@ -887,14 +1038,7 @@ void launch_norm_backward(DType dtype, int64_t rows, int64_t h, double eps, doub
           static_cast<T*>(dz), scratch);
     });
     LATHE_CUDA_LAUNCH_CHECK("rmsnorm_backward_kernel");
-    const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
-    float* sums = scratch + n_partial * h;
-    const unsigned tiles = unsigned((h + kColumnTile - 1) / kColumnTile);
-    column_group_sum_kernel<<<dim3(tiles, unsigned(groups)), kColumnTile * kColumnRowLanes, 0, stream>>>(
-        n_partial, h, scratch, sums);
-    LATHE_CUDA_LAUNCH_CHECK("column_group_sum_kernel");
-    column_sum_kernel<T><<<grid_for(h, kThreads), kThreads, 0, stream>>>(groups, h, sums, static_cast<T*>(dw));
-    LATHE_CUDA_LAUNCH_CHECK("column_sum_kernel");
+    sum_partial_rows<T>(n_partial, h, scratch, dw, stream);
   });
 }
 
@@ -950,6 +1094,67 @@ void launch_rope(DType dtype, int64_t tokens, int64_t heads, int64_t d, int64_t 
                                                                          static_cast<const T*>(x), positions, static_cast<T*>(y));
   });
   LATHE_CUDA_LAUNCH_CHECK("rope_kernel");
+}
+
+bool qk_norm_rope_supported(DType dtype, int64_t d) {
+  bool ok = false;
+  dispatch_f32_bf16_f16(dtype, "qk_norm_rope dispatch (unsupported dtype)", [&](auto t) {
+    ok = dispatch_qk_lanes<decltype(t)>(d, [](auto) {});
+  });
+  return ok;
+}
+
+int64_t qk_norm_rope_backward_scratch_floats(int64_t tokens, int64_t d) {
+  return 2 * rmsnorm_backward_scratch_floats(tokens, d);  // q's partial rows and group sums, then k's
+}
+
+void launch_qk_norm_rope(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, double eps, double offset,
+                         const RopeFrequencies& freqs, const void* qkv, const void* wq, const void* wk,
+                         const int32_t* positions, void* q, void* k, void* v, cudaStream_t stream) {
+  if (tokens == 0) return;
+  dispatch_f32_bf16_f16(dtype, "qk_norm_rope dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    const bool ok = dispatch_qk_lanes<T>(d, [&](auto lanes) {
+      constexpr int kLanes = decltype(lanes)::value;
+      qk_norm_rope_kernel<T, kPackOf16<T>, kLanes><<<grid_for(tokens, kNormThreads / kLanes), kNormThreads, 0, stream>>>(
+          tokens, hq, hkv, float(eps), float(offset), freqs, static_cast<const T*>(qkv), static_cast<const T*>(wq),
+          static_cast<const T*>(wk), positions, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v));
+    });
+    if (!ok) throw_cuda_error("qk_norm_rope (head dim not 8, 16 or 32 packs)", cudaErrorInvalidValue, __FILE__, __LINE__);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("qk_norm_rope_kernel");
+}
+
+void launch_qk_norm_rope_backward(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, int64_t d, double eps,
+                                  double offset, const RopeFrequencies& freqs, const void* qkv, const void* wq,
+                                  const void* wk, const int32_t* positions, const void* dq, const void* dk,
+                                  const void* dv, void* dqkv, void* dwq, void* dwk, float* scratch,
+                                  cudaStream_t stream) {
+  if (tokens == 0) {  // no rows: dwq and dwk are zero
+    LATHE_CUDA_CHECK(cudaMemsetAsync(dwq, 0, size_t(d) * dtype_size(dtype), stream));
+    LATHE_CUDA_CHECK(cudaMemsetAsync(dwk, 0, size_t(d) * dtype_size(dtype), stream));
+    return;
+  }
+  const int64_t n_partial = norm_partials(tokens, d);
+  float* scratch_k = scratch + rmsnorm_backward_scratch_floats(tokens, d);
+  dispatch_f32_bf16_f16(dtype, "qk_norm_rope_backward dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    const bool ok = dispatch_qk_lanes<T>(d, [&](auto lanes) {
+      constexpr int kLanes = decltype(lanes)::value;
+      const int blocks = int((n_partial * kLanes + kNormThreads - 1) / kNormThreads);
+      qk_norm_rope_backward_kernel<T, kPackOf16<T>, kLanes><<<blocks, kNormThreads, 0, stream>>>(
+          tokens, hq, hkv, n_partial, float(eps), float(offset), freqs, static_cast<const T*>(qkv),
+          static_cast<const T*>(wq), static_cast<const T*>(wk), positions, static_cast<const T*>(dq),
+          static_cast<const T*>(dk), static_cast<const T*>(dv), static_cast<T*>(dqkv), scratch, scratch_k);
+    });
+    if (!ok) {
+      throw_cuda_error("qk_norm_rope_backward (head dim not 8, 16 or 32 packs)", cudaErrorInvalidValue, __FILE__,
+                       __LINE__);
+    }
+    LATHE_CUDA_LAUNCH_CHECK("qk_norm_rope_backward_kernel");
+    sum_partial_rows<T>(n_partial, d, scratch, dwq, stream);
+    sum_partial_rows<T>(n_partial, d, scratch_k, dwk, stream);
+  });
 }
 
 void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y, cudaStream_t stream) {

@@ -4,6 +4,7 @@
 // when the run function returns, before the kernels finish; the caching allocator reuses blocks in the default
 // stream's order, so this is safe on the default stream (the documented limitation of side streams applies).
 // Covered by tests/ops (every model-op case on cuda, f32/bf16/f16).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -136,15 +137,55 @@ void run_gated_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
                                 norm_scratch(ctx, x, scratch), stream_of(ctx));
 }
 
+// Host-computed with the CPU's function, so the angles match the reference (and transformers) bit for bit.
+RopeFrequencies rope_frequencies(double theta, int64_t rotary) {
+  RopeFrequencies freqs{};
+  for (int64_t i = 0; i < rotary / 2; ++i) freqs.inv_freq[i] = cpu::rope_inv_freq(theta, i, rotary);
+  return freqs;
+}
+
 void run_rope(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<RopeAttrs>();
   const Tensor& x = c.inputs[0];  // (T, heads, D)
-  const int64_t d = x.size(2), rotary = a.rotary_dim ? a.rotary_dim : d, half = rotary / 2;
-  // Host-computed with the CPU's function, so the angles match the reference (and transformers) bit for bit.
-  RopeFrequencies freqs{};
-  for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = cpu::rope_inv_freq(a.theta, i, rotary);
-  launch_rope(x.dtype(), x.size(0), x.size(1), d, half, a.inverse, freqs, x.data_ptr(), c.inputs[1].data<int32_t>(),
-              c.outputs[0].data_ptr(), stream_of(ctx));
+  const int64_t d = x.size(2), rotary = a.rotary_dim ? a.rotary_dim : d;
+  launch_rope(x.dtype(), x.size(0), x.size(1), d, rotary / 2, a.inverse, rope_frequencies(a.theta, rotary),
+              x.data_ptr(), c.inputs[1].data<int32_t>(), c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
+Support qk_norm_rope_supports(const OpCall& c) {
+  const auto& a = c.attr<QkNormRopeAttrs>();
+  const int64_t d = c.inputs[1].size(0);
+  if (a.rope.rotary_dim != 0 && a.rope.rotary_dim != d) return Support::no("partial rotary dim (the composite takes it)");
+  if (!qk_norm_rope_supported(c.inputs[0].dtype(), d)) return Support::no("head dim not 8, 16 or 32 16-byte packs");
+  for (const auto* list : {&c.inputs, &c.outputs})
+    for (const Tensor& t : *list)
+      if (t.dtype() != DType::I32 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0)
+        return Support::no("buffers must be 16-byte aligned (16-byte packs)");
+  return contiguous_supports(c);
+}
+
+void run_qk_norm_rope(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<QkNormRopeAttrs>();
+  const Tensor& qkv = c.inputs[0];
+  const int64_t d = c.inputs[1].size(0);
+  launch_qk_norm_rope(qkv.dtype(), qkv.size(0), a.q_heads, a.kv_heads, d, a.norm.eps, a.norm.offset,
+                      rope_frequencies(a.rope.theta, d), qkv.data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data_ptr(),
+                      c.inputs[3].data<int32_t>(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(),
+                      c.outputs[2].data_ptr(), stream_of(ctx));
+}
+
+void run_qk_norm_rope_backward(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<QkNormRopeAttrs>();
+  const Tensor& qkv = c.inputs[0];
+  const int64_t d = c.inputs[1].size(0);
+  const Tensor scratch =
+      Tensor::empty({std::max<int64_t>(1, qk_norm_rope_backward_scratch_floats(qkv.size(0), d))}, DType::F32,
+                    ctx.allocator);
+  launch_qk_norm_rope_backward(qkv.dtype(), qkv.size(0), a.q_heads, a.kv_heads, d, a.norm.eps, a.norm.offset,
+                               rope_frequencies(a.rope.theta, d), qkv.data_ptr(), c.inputs[1].data_ptr(),
+                               c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.inputs[4].data_ptr(),
+                               c.inputs[5].data_ptr(), c.inputs[6].data_ptr(), c.outputs[0].data_ptr(),
+                               c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
 }
 
 void run_swiglu(const OpCall& c, ExecContext& ctx) {
@@ -232,6 +273,8 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::gated_rmsnorm_backward, "cuda/gated_rmsnorm_backward_rows", contiguous_supports,
         run_gated_rmsnorm_backward);
     add(OpId::rope, "cuda/rope_rotate_half", rope_supports, run_rope);
+    add(OpId::qk_norm_rope, "cuda/qk_norm_rope_heads", qk_norm_rope_supports, run_qk_norm_rope);
+    add(OpId::qk_norm_rope_backward, "cuda/qk_norm_rope_heads", qk_norm_rope_supports, run_qk_norm_rope_backward);
     add(OpId::swiglu, "cuda/swiglu", contiguous_supports, run_swiglu);
     add(OpId::swiglu_backward, "cuda/swiglu_backward", contiguous_supports, run_swiglu_backward);
     if (dt != DType::F32) {  // registered first: preferred wherever its predicate holds
