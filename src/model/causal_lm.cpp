@@ -114,6 +114,104 @@ void CausalLm::project_backward(int64_t layer, LoraTarget t, int weight, const T
   else matmul_into(cx, du, slot->a, dx, {false, false, 1.0f, 1.0f});
 }
 
+namespace {
+
+// The (rows, cols) view over `parts` when they are contiguous 2-D tensors of one dtype and column count that follow
+// each other in one storage, in order; undefined otherwise.
+Tensor stacked_rows(const std::vector<const Tensor*>& parts) {
+  const Tensor& first = *parts.front();
+  int64_t rows = 0, next = first.defined() ? first.offset() : 0;
+  for (const Tensor* p : parts) {
+    if (!p->defined() || p->storage() != first.storage() || p->dim() != 2 || !p->is_contiguous() ||
+        p->dtype() != first.dtype() || p->size(1) != first.size(1) || p->offset() != next)
+      return {};
+    next += p->numel();
+    rows += p->size(0);
+  }
+  const Shape shape{rows, first.size(1)};
+  return Tensor(first.storage(), shape, contiguous_strides(shape), first.offset(), first.dtype());
+}
+
+}  // namespace
+
+void CausalLm::pack_rows(const std::vector<int>& weights) {
+  ExecContext cx = ctx();
+  const Tensor& first = w(weights.front());
+  int64_t rows = 0;
+  for (int i : weights) {
+    LATHE_CHECK(w(i).dim() == 2 && w(i).size(1) == first.size(1) && w(i).dtype() == first.dtype(),
+                "model: pack_rows needs 2-D weights of one dtype and column count, got {} beside {}",
+                w(i).describe(), first.describe());
+    rows += w(i).size(0);
+  }
+  const Tensor buffer = Tensor::empty({rows, first.size(1)}, first.dtype(), cx.allocator);
+  int64_t at = 0;
+  for (int i : weights) {
+    Parameter& p = params_[size_t(i)];
+    const Tensor block = buffer.narrow(0, at, p.value.size(0));
+    copy_into(cx, p.value, block);
+    p.value = block;
+    at += block.size(0);
+  }
+}
+
+Tensor CausalLm::project_rows(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
+                              const Tensor& x, const PackedBatch& b, bool training) {
+  ExecContext cx = ctx();
+  std::vector<const Tensor*> values;
+  bool adapted = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    values.push_back(&w(weights[i]));
+    adapted = adapted || (lora_ && !b.segments.empty() && lora_->slot(layer, targets[i]));
+  }
+  if (const Tensor stacked = adapted ? Tensor() : stacked_rows(values); stacked.defined())
+    return matmul(cx, x, stacked, {false, true});
+  std::vector<Tensor> parts;
+  for (size_t i = 0; i < weights.size(); ++i) parts.push_back(project(layer, targets[i], weights[i], x, b, training));
+  return concat_columns(cx, parts);
+}
+
+void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget>& targets,
+                                     const std::vector<int>& weights, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                     const PackedBatch& b) {
+  ExecContext cx = ctx();
+  std::vector<const Tensor*> values, grads;
+  bool adapted = false;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    values.push_back(&w(weights[i]));
+    grads.push_back(&params_[size_t(weights[i])].grad);
+    adapted = adapted || (lora_ && !b.segments.empty() && lora_->slot(layer, targets[i]));
+  }
+  const Tensor stacked = adapted ? Tensor() : stacked_rows(values);
+  bool none_yet = true;
+  for (const Tensor* g : grads) none_yet = none_yet && !g->defined();
+  const Tensor stacked_grad = none_yet ? Tensor() : stacked_rows(grads);
+  if (stacked.defined() && (!options_.train_base || none_yet || stacked_grad.defined())) {
+    if (dx.defined()) matmul_into(cx, dy, stacked, dx, {false, false, 1.0f, 1.0f});
+    else dx = matmul(cx, dy, stacked);
+    if (!options_.train_base) return;
+    if (stacked_grad.defined()) {
+      Tensor g = stacked_grad;
+      matmul_into(cx, dy, x, g, {true, false, 1.0f, 1.0f});
+      return;
+    }
+    const Tensor g = matmul(cx, dy, x, {true, false});  // (out_0 + out_1 + ..., in): the gradients' one buffer
+    int64_t at = 0;
+    for (int i : weights) {
+      Parameter& p = params_[size_t(i)];
+      p.grad = g.narrow(0, at, p.value.size(0));
+      at += p.value.size(0);
+    }
+    return;
+  }
+  int64_t at = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t n = w(weights[i]).size(0);
+    project_backward(layer, targets[i], weights[i], x, contiguous(cx, dy.narrow(1, at, n)), dx, b);
+    at += n;
+  }
+}
+
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
   ExecContext cx = ctx();
   std::vector<double> out;

@@ -116,6 +116,19 @@ class CausalLm {
   // weight's gradient (unless frozen) and the adapters' slot gradients accumulate.
   void project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
                         const PackedBatch& b);
+  // project() of several weights over the same x, side by side: y (T, out_0 + out_1 + ...). One GEMM over the
+  // weights' stacked rows when they are consecutive row blocks of one buffer (pack_rows) and no adapter applies to
+  // any of them (the adapters' terms are per weight); else project() per weight, then concat_columns.
+  Tensor project_rows(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
+                      const Tensor& x, const PackedBatch& b, bool training);
+  // The backward of project_rows() for dy (T, out_0 + out_1 + ...): one GEMM for dx and one for the stacked
+  // gradients (kept as row blocks of one buffer, so that later micro-batches accumulate into it), or
+  // project_backward() per weight.
+  void project_rows_backward(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
+                             const Tensor& x, const Tensor& dy, Tensor& dx, const PackedBatch& b);
+  // Makes the values of `weights` (2-D, equal column counts) consecutive row blocks of one new buffer, in order,
+  // keeping their values: what project_rows fuses. Loading writes into these views (read_parameters), so they stay.
+  void pack_rows(const std::vector<int>& weights);
   // The loss head over xf (T, H), the final norm's output, with the LM head params_[head]: only labelled rows get
   // logits, in chunks of options_.loss_chunk_rows; segments weight their mean losses. With `backward`, the head's
   // gradient accumulates and *dxf receives d(loss)/d(xf) (T, H).

@@ -358,7 +358,7 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
         }
       ++split;
     }
-    p.value = cast(cx, rt_->from_host(host.data(), p.value.shape(), host_dtype, options_.device), options_.dtype);
+    copy_into(cx, rt_->from_host(host.data(), p.value.shape(), host_dtype, options_.device), p.value);  // in place
   }
   LATHE_CHECK(fused == 0 || split == 0, "model: {}: the checkpoint mixes fused ({} tensors) and per-expert ({}) expert "
               "layouts", st.dir(), fused, split);

@@ -19,8 +19,9 @@ namespace fs = std::filesystem;
 struct Qwen3Model::LayerActs {
   Tensor x;        // (T, H) layer input
   Tensor xn;       // (T, H) input RMSNorm
-  Tensor q, k, v;  // (T, Hq, D), (T, Hkv, D) projections (q, k before their RMSNorm)
+  Tensor qkv;      // (T, (Hq + 2 Hkv) D) the q, k and v projections side by side (q, k before their RMSNorm)
   Tensor qr, kr;   // (T, Hq, D), (T, Hkv, D) normed and rotated
+  Tensor v;        // (T, Hkv, D) v's heads
   Tensor o, lse;   // (T, Hq, D) attention output, (T, Hq) f32 log-sum-exp
   Tensor h;        // (T, H) after the attention residual
   Tensor hn;       // (T, H) post-attention RMSNorm
@@ -29,6 +30,12 @@ struct Qwen3Model::LayerActs {
 };
 
 namespace {
+
+const std::vector<LoraTarget> kQkv = {LoraTarget::q_proj, LoraTarget::k_proj, LoraTarget::v_proj};
+
+QkNormRopeAttrs qk_attrs(const ModelConfig& c) {
+  return {c.num_heads, c.num_kv_heads, NormAttrs{c.rms_norm_eps, 0.0}, RopeAttrs{c.rope_theta, 0, false}};
+}
 
 }  // namespace
 
@@ -67,6 +74,7 @@ void Qwen3Model::build_parameter_list() {
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
+  for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
 }
 
 Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
@@ -92,7 +100,7 @@ Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const Mode
     const bool norm = p.value.dim() == 1;
     for (float& x : host) x = norm ? 1.0f : normal(rng);
     ExecContext cx = rt.context(options.device);
-    p.value = cast(cx, rt.from_host(host.data(), p.value.shape(), DType::F32, options.device), options.dtype);
+    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F32, options.device), p.value);  // cast in place
   }
   return m;
 }
@@ -102,15 +110,14 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   const ModelConfig& c = config_;
   const int64_t t = x.size(0);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
-  const RopeAttrs rot{c.rope_theta, 0, false};
   LayerActs a;
   a.x = x;
   a.xn = rmsnorm(cx, x, w(l.input_norm), norm);
-  a.q = project(l.index, LoraTarget::q_proj, l.q_proj, a.xn, b, training).view({t, c.num_heads, c.head_dim});
-  a.k = project(l.index, LoraTarget::k_proj, l.k_proj, a.xn, b, training).view({t, c.num_kv_heads, c.head_dim});
-  a.v = project(l.index, LoraTarget::v_proj, l.v_proj, a.xn, b, training).view({t, c.num_kv_heads, c.head_dim});
-  a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), b.positions, rot);
-  a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), b.positions, rot);
+  a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);
+  const std::vector<Tensor> heads = qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, qk_attrs(c));
+  a.qr = heads[0];
+  a.kr = heads[1];
+  a.v = heads[2];
   std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
   a.o = att[0];
   a.lse = att[1];
@@ -129,7 +136,6 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const ModelConfig& c = config_;
   const int64_t t = dout.size(0);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
-  const RopeAttrs inv{c.rope_theta, 0, true};
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
   const std::vector<Tensor> dpost = residual_rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, dout, norm);  // dh
@@ -141,14 +147,12 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const std::vector<Tensor> dqkv =
       attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o.view({t, c.num_heads, c.head_dim}), b.cu_seqlens,
                          {0.0, options_.deterministic});
-  const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], b.positions, inv), norm);
-  const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
-  add_grad(l.q_norm, dq[1]);
-  add_grad(l.k_norm, dk[1]);
+  const std::vector<Tensor> dheads =
+      qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
+  add_grad(l.q_norm, dheads[1]);
+  add_grad(l.k_norm, dheads[2]);
   Tensor dxn;
-  project_backward(l.index, LoraTarget::q_proj, l.q_proj, a.xn, dq[0].view({t, -1}), dxn, b);
-  project_backward(l.index, LoraTarget::k_proj, l.k_proj, a.xn, dk[0].view({t, -1}), dxn, b);
-  project_backward(l.index, LoraTarget::v_proj, l.v_proj, a.xn, dqkv[2].view({t, -1}), dxn, b);
+  project_rows_backward(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, dheads[0], dxn, b);
   const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
   add_grad(l.input_norm, din[1]);
   return din[0];
