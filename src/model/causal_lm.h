@@ -32,7 +32,7 @@ struct ModelOptions {
   Device device = Device::cpu();
   DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
   bool recompute = false;        // recompute layer activations in the backward pass
-  int64_t loss_chunk_rows = 1024;  // rows of logits alive at once in the loss head
+  int64_t loss_chunk_rows = 2048;  // rows of logits alive at once in the loss head
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
   // false: kernels whose gradients are equal within rounding but not bitwise run to run may be chosen where they are
   // faster (the attention backward's dQ summed across key tiles in any order: AttentionAttrs::deterministic).
@@ -141,6 +141,8 @@ class CausalLm {
   // shape) -> index, under `prefix` ("model.layers.N."), and remembers them for mlp_eval; mlp_backward returns d(hn)
   // and accumulates the gradients.
   MlpParams declare_mlp(int64_t layer, const std::string& prefix, const std::function<int(std::string, Shape)>& add);
+  // pack_rows for every MLP's gate and up projections (dense, or a sparse layer's shared expert): one GEMM for both.
+  void pack_mlp_rows();
   MlpActs mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b, bool training);
   Tensor mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                       const PackedBatch& b);

@@ -88,6 +88,13 @@ MlpParams CausalLm::declare_mlp(int64_t layer, const std::string& prefix,
   return p;
 }
 
+void CausalLm::pack_mlp_rows() {
+  for (const MlpParams& p : mlps_) {
+    if (!p.sparse) pack_rows({p.gate, p.up});
+    else if (p.moe.shared_gate >= 0) pack_rows({p.moe.shared_gate, p.moe.shared_up});
+  }
+}
+
 MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b,
                               bool training) {
   MlpActs a;
@@ -97,9 +104,8 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
     return a;
   }
   ExecContext cx = ctx();
-  a.gate = project(layer, LoraTarget::gate_proj, p.gate, hn, b, training);
-  a.up = project(layer, LoraTarget::up_proj, p.up, hn, b, training);
-  a.act = swiglu(cx, a.gate, a.up);
+  a.gu = project_rows(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn, b, training);
+  a.act = swiglu_halves(cx, a.gu);
   a.out = project(layer, LoraTarget::down_proj, p.down, a.act, b, training);
   return a;
 }
@@ -110,9 +116,8 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   ExecContext cx = ctx();
   Tensor dact, dhn;  // out = down(swiglu(gate(hn), up(hn)))
   project_backward(layer, LoraTarget::down_proj, p.down, a.act, dout, dact, b);
-  const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
-  project_backward(layer, LoraTarget::gate_proj, p.gate, hn, dgu[0], dhn, b);
-  project_backward(layer, LoraTarget::up_proj, p.up, hn, dgu[1], dhn, b);
+  project_rows_backward(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn,
+                        swiglu_halves_backward(cx, a.gu, dact), dhn, b);
   return dhn;
 }
 
@@ -214,30 +219,27 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
                             const PackedBatch* b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
+  const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok;
   const GroupedMatmulAttrs g{r.plan.offsets, true};
   MoeActs a;
   a.x = x;
   a.xs = embedding(cx, x, r.token_ids);
   a.lora_gate_up = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
   a.lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
-  Tensor gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.plan.offsets, gu);
-  a.gate = contiguous(cx, gu.narrow(1, 0, in));
-  a.up = contiguous(cx, gu.narrow(1, in, in));
-  a.act = swiglu(cx, a.gate, a.up);
+  a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
+  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.plan.offsets, a.gu);
+  a.act = swiglu_halves(cx, a.gu);
   Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
   if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.plan.offsets, yd);
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
-    auto shared = [&](LoraTarget lt, int weight, const Tensor& in_rows) {
-      return b ? project(layer, lt, weight, in_rows, *b, training) : linear(cx, in_rows, w(weight));
-    };
-    a.sh_gate = shared(LoraTarget::shared_gate_proj, p.shared_gate, x);
-    a.sh_up = shared(LoraTarget::shared_up_proj, p.shared_up, x);
-    a.sh_act = swiglu(cx, a.sh_gate, a.sh_up);
-    a.sh_y = shared(LoraTarget::shared_down_proj, p.shared_down, a.sh_act);
+    const PackedBatch none;  // decoding: no adapters (merged)
+    a.sh_gu = project_rows(layer, {LoraTarget::shared_gate_proj, LoraTarget::shared_up_proj},
+                           {p.shared_gate, p.shared_up}, x, b ? *b : none, training);
+    a.sh_act = swiglu_halves(cx, a.sh_gu);
+    a.sh_y = b ? project(layer, LoraTarget::shared_down_proj, p.shared_down, a.sh_act, *b, training)
+               : linear(cx, a.sh_act, w(p.shared_down));
     a.sh_sig = sigmoid(cx, linear(cx, x, w(p.shared_gate_w)));
     a.out = add(cx, a.out, mul(cx, a.sh_y, a.sh_sig));
   }
@@ -251,7 +253,7 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   MoeRoute& r = moe_routes_.at(size_t(layer));
   LATHE_ASSERT(r.valid);
   prepare_moe_backward(r);
-  const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok, in = c.moe_intermediate_size;
+  const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok;
   const bool train = options_.train_base;
   // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.
   const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
@@ -262,13 +264,7 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
   if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
   if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.plan.offsets, dact);
-  const std::vector<Tensor> dgu = swiglu_backward(cx, a.gate, a.up, dact);
-  // d[gate | up] (P, 2I): the two (P, I) gradients stacked as (2, P, I), then interleaved per row by a transposing copy.
-  const int64_t rows = dact.size(0);
-  const Tensor stacked = Tensor::empty({2, rows, in}, dact.dtype(), cx.allocator);
-  copy_into(cx, dgu[0].view({1, rows, in}), stacked.narrow(0, 0, 1));
-  copy_into(cx, dgu[1].view({1, rows, in}), stacked.narrow(0, 1, 1));
-  const Tensor dgate_up = contiguous(cx, stacked.transpose(0, 1)).view({rows, 2 * in});
+  const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
   if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
   Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
   if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.plan.offsets, dxs);
@@ -294,9 +290,8 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     add_linear_grad(p.shared_gate_w, dgate_logit, a.x);
     Tensor dsh_act;
     project_backward(layer, LoraTarget::shared_down_proj, p.shared_down, a.sh_act, dsh_y, dsh_act, b);
-    const std::vector<Tensor> ds = swiglu_backward(cx, a.sh_gate, a.sh_up, dsh_act);
-    project_backward(layer, LoraTarget::shared_gate_proj, p.shared_gate, a.x, ds[0], dx, b);
-    project_backward(layer, LoraTarget::shared_up_proj, p.shared_up, a.x, ds[1], dx, b);
+    project_rows_backward(layer, {LoraTarget::shared_gate_proj, LoraTarget::shared_up_proj},
+                          {p.shared_gate, p.shared_up}, a.x, swiglu_halves_backward(cx, a.sh_gu, dsh_act), dx, b);
   }
   return dx;
 }

@@ -70,9 +70,9 @@ struct ExpertLora {
 struct MoeActs {
   Tensor x;                 // (T, D) the MLP input (post-attention norm)
   Tensor xs;                // (P, D) x gathered in expert order
-  Tensor gate, up, act;     // (P, I)
+  Tensor gu, act;           // (P, 2I) [gate | up] per row, (P, I)
   Tensor picked;            // (T, k, D) each token's k expert outputs
-  Tensor sh_gate, sh_up, sh_act, sh_y, sh_sig;  // shared expert: (T, Is) x3, (T, D), sigmoid gate (T, 1)
+  Tensor sh_gu, sh_act, sh_y, sh_sig;  // shared expert: (T, 2Is) [gate | up], (T, Is), (T, D), sigmoid gate (T, 1)
   ExpertLora lora_gate_up, lora_down;  // the experts' LoRA terms (slot nullptr when not adapted)
   Tensor out;               // (T, D)
 };
@@ -85,7 +85,7 @@ struct MlpParams {
   MoeParams moe;                      // a sparse layer's
 };
 struct MlpActs {
-  Tensor gate, up, act;  // (T, I) a dense MLP's
+  Tensor gu, act;        // (T, 2I) [gate | up] per row and (T, I), a dense MLP's
   MoeActs moe;           // a sparse layer's
   Tensor out;            // (T, D) the MLP's output (before the residual)
 };

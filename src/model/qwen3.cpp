@@ -75,6 +75,7 @@ void Qwen3Model::build_parameter_list() {
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
+  pack_mlp_rows();
 }
 
 Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {

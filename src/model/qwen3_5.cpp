@@ -114,6 +114,7 @@ void Qwen35Model::build_parameter_list() {
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
+  pack_mlp_rows();
 }
 
 Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
@@ -164,7 +165,7 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
       else x = normal(rng);
     }
     ExecContext cx = rt.context(options.device);
-    p.value = cast(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), options.dtype);
+    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), p.value);  // cast in place
   }
   return m;
 }

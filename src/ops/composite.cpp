@@ -3,6 +3,8 @@
 // - upcast_f32: a bf16/f16 op with no exact kernel on its device runs as cast -> f32 kernel -> cast. The
 //   result is rounded once, at the output, which is what a native low-precision kernel with fp32 compute
 //   does too; `lathe kernels` shows where it is taken.
+// - swiglu_of_halves: swiglu_halves (+ backward) as swiglu (+ backward) on contiguous copies of the halves; the CPU
+//   reference, and what runs where no device has the fused kernel.
 // - norm_then_rope: qk_norm_rope (+ backward) as the rmsnorm and rope ops (+ backwards) on heads copied out of (or
 //   into) the fused qkv rows; the CPU reference, and what runs where no device has the fused kernel.
 // Covered by tests/ops (the CPU rows for bf16/f16 all go through upcast_f32).
@@ -47,6 +49,24 @@ Tensor qkv_heads(ExecContext& ctx, const Tensor& qkv, int64_t first, int64_t n, 
   return contiguous(ctx, qkv.narrow(1, first * d, n * d)).view({qkv.size(0), n, d});
 }
 
+// The gate (0) or up (1) half of gu (..., 2 I) as a contiguous (rows, I) copy.
+Tensor gu_half(ExecContext& ctx, const Tensor& gu, int64_t which) {
+  const int64_t i = gu.size(-1) / 2;
+  return contiguous(ctx, gu.view({-1, 2 * i}).narrow(1, which * i, i));
+}
+
+void run_swiglu_halves(const OpCall& c, ExecContext& ctx) {
+  const Tensor& gu = c.inputs[0];
+  copy_into(ctx, swiglu(ctx, gu_half(ctx, gu, 0), gu_half(ctx, gu, 1)).view(c.outputs[0].shape()), c.outputs[0]);
+}
+
+void run_swiglu_halves_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& gu = c.inputs[0];
+  const Tensor g = gu_half(ctx, gu, 0);
+  const std::vector<Tensor> d = swiglu_backward(ctx, g, gu_half(ctx, gu, 1), c.inputs[1].view(g.shape()));
+  copy_into(ctx, concat_columns(ctx, d).view(gu.shape()), c.outputs[0]);
+}
+
 void run_qk_norm_rope(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<QkNormRopeAttrs>();
   const Tensor& qkv = c.inputs[0];
@@ -81,15 +101,19 @@ void run_qk_norm_rope_backward(const OpCall& c, ExecContext& ctx) {
 }  // namespace
 
 void register_composites(KernelRegistry& r) {
-  r.add(CompositeDef{OpId::mean, "composite/sum_then_scale",
-                     [](const OpCall& c, const KernelRegistry& reg) {
-                       const DeviceType dev = c.device().type;
-                       const DType dt = c.key_dtype();
-                       if (op_runs(reg, OpId::sum, dev, dt) && op_runs(reg, OpId::scale, dev, dt))
-                         return Support::yes();
-                       return Support::no(fmt::format("needs sum and scale kernels for {} on {}",
-                                                      dtype_name(c.key_dtype()), device_type_name(dev)));
-                     },
+  // Composites of other ops run wherever those run, directly or upcast.
+  const auto parts_run = [](std::vector<OpId> parts) {
+    return [parts](const OpCall& c, const KernelRegistry& reg) {
+      const DeviceType dev = c.device().type;
+      const DType dt = c.key_dtype();
+      for (OpId op : parts)
+        if (!op_runs(reg, op, dev, dt))
+          return Support::no(fmt::format("no {} kernel for {} on {}", op_name(op), dtype_name(dt),
+                                         device_type_name(dev)));
+      return Support::yes();
+    };
+  };
+  r.add(CompositeDef{OpId::mean, "composite/sum_then_scale", parts_run({OpId::sum, OpId::scale}),
                      [](const OpCall& c, ExecContext& ctx) {
                        const Tensor& x = c.inputs[0];
                        int64_t count = 1;
@@ -121,22 +145,14 @@ void register_composites(KernelRegistry& r) {
                          run_op(ctx, one);
                        }
                      }});
-  // The fused q/k head ops as their parts: wherever rmsnorm and rope (+ backward) run, directly or upcast.
-  const auto norm_then_rope_supports = [](OpId norm) {
-    return [norm](const OpCall& c, const KernelRegistry& reg) {
-      const DeviceType dev = c.device().type;
-      const DType dt = c.key_dtype();
-      for (OpId op : {norm, OpId::rope})
-        if (!op_runs(reg, op, dev, dt))
-          return Support::no(fmt::format("no {} kernel for {} on {}", op_name(op), dtype_name(dt),
-                                         device_type_name(dev)));
-      return Support::yes();
-    };
-  };
-  r.add(CompositeDef{OpId::qk_norm_rope, "composite/norm_then_rope", norm_then_rope_supports(OpId::rmsnorm),
+  r.add(CompositeDef{OpId::swiglu_halves, "composite/swiglu_of_halves", parts_run({OpId::swiglu}),
+                     run_swiglu_halves});
+  r.add(CompositeDef{OpId::swiglu_halves_backward, "composite/swiglu_of_halves", parts_run({OpId::swiglu_backward}),
+                     run_swiglu_halves_backward});
+  r.add(CompositeDef{OpId::qk_norm_rope, "composite/norm_then_rope", parts_run({OpId::rmsnorm, OpId::rope}),
                      run_qk_norm_rope});
   r.add(CompositeDef{OpId::qk_norm_rope_backward, "composite/norm_then_rope",
-                     norm_then_rope_supports(OpId::rmsnorm_backward), run_qk_norm_rope_backward});
+                     parts_run({OpId::rmsnorm_backward, OpId::rope}), run_qk_norm_rope_backward});
   for (OpId op : kUpcastOps) {
     r.add(CompositeDef{op, "composite/upcast_f32",
                        [op](const OpCall& c, const KernelRegistry& reg) {

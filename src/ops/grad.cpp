@@ -77,6 +77,8 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return {silu_backward(ctx, in[0], dy)};
     case OpId::swiglu:
       return swiglu_backward(ctx, in[0], in[1], dy);
+    case OpId::swiglu_halves:
+      return {swiglu_halves_backward(ctx, in[0], dy)};
     case OpId::embedding:
       return {embedding_backward(ctx, dy, in[1], in[0].size(0)), Tensor()};
     case OpId::rmsnorm:
@@ -126,6 +128,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::softmax_backward:
     case OpId::silu_backward:
     case OpId::swiglu_backward:
+    case OpId::swiglu_halves_backward:
     case OpId::embedding_backward:
     case OpId::rmsnorm_backward:
     case OpId::residual_rmsnorm_backward:

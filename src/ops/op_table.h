@@ -30,6 +30,8 @@ namespace lathe {
   X(silu_backward, 2)    \
   X(swiglu, 2)           \
   X(swiglu_backward, 3)  \
+  X(swiglu_halves, 1)    \
+  X(swiglu_halves_backward, 2) \
   X(embedding, 2)        \
   X(embedding_backward, 2) \
   X(rmsnorm, 2)          \

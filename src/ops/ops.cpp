@@ -130,6 +130,14 @@ Tensor swiglu(ExecContext& ctx, const Tensor& gate, const Tensor& up) {
   return call_op(ctx, OpId::swiglu, {contiguous(ctx, gate), contiguous(ctx, up)})[0];
 }
 
+Tensor swiglu_halves(ExecContext& ctx, const Tensor& gu) {
+  return call_op(ctx, OpId::swiglu_halves, {contiguous(ctx, gu)})[0];
+}
+
+Tensor swiglu_halves_backward(ExecContext& ctx, const Tensor& gu, const Tensor& dy) {
+  return call_op(ctx, OpId::swiglu_halves_backward, {contiguous(ctx, gu), contiguous(ctx, dy)})[0];
+}
+
 std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& dy) {
   return call_op(ctx, OpId::swiglu_backward, {contiguous(ctx, gate), contiguous(ctx, up), contiguous(ctx, dy)});
 }

@@ -49,6 +49,10 @@ Tensor silu(ExecContext& ctx, const Tensor& x);
 Tensor silu_backward(ExecContext& ctx, const Tensor& x, const Tensor& dy);
 Tensor swiglu(ExecContext& ctx, const Tensor& gate, const Tensor& up);  // silu(gate) * up
 std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const Tensor& up, const Tensor& dy);
+// swiglu of the halves of gu (..., 2 I): gate [0, I) and up [I, 2 I) of each row side by side (a fused gate/up
+// projection's output) -> (..., I); the backward's dgu has gu's layout. Bitwise swiglu / swiglu_backward.
+Tensor swiglu_halves(ExecContext& ctx, const Tensor& gu);
+Tensor swiglu_halves_backward(ExecContext& ctx, const Tensor& gu, const Tensor& dy);
 Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids);
 Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab);
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);

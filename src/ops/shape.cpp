@@ -175,6 +175,20 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       const TensorSpec s{in[0].shape(), in[0].dtype()};
       return op == OpId::swiglu ? std::vector<TensorSpec>{s} : std::vector<TensorSpec>{s, s};
     }
+    case OpId::swiglu_halves:
+    case OpId::swiglu_halves_backward: {
+      check_floating(op, in[0]);
+      LATHE_CHECK(in[0].dim() >= 1 && in[0].size(-1) % 2 == 0,
+                  "ops: {} needs gate and up side by side in the last dim (even), got {}", op_name(op),
+                  in[0].describe());
+      Shape half = in[0].shape();
+      half.back() /= 2;
+      if (op == OpId::swiglu_halves) return {{half, in[0].dtype()}};
+      check_same_dtype(op, in[0], in[1]);
+      LATHE_CHECK(in[1].shape() == half, "ops: swiglu_halves_backward dy {} does not match half of {}",
+                  in[1].describe(), in[0].describe());
+      return {{in[0].shape(), in[0].dtype()}};
+    }
     case OpId::embedding: {
       check_floating(op, in[0]);
       LATHE_CHECK(in[0].dim() == 2, "ops: embedding weight must be (vocab, hidden), got {}", in[0].describe());

@@ -92,6 +92,13 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   }
   c.push_back({OpId::swiglu, "[6,10]", {{6, 10}, {6, 10}}, {}, kFloat});
   c.push_back({OpId::swiglu_backward, "[4,9]", {{4, 9}, {4, 9}, {4, 9}}, {}, kFloat, false, false});
+  // swiglu_halves: odd halves (the CUDA element path), halves of whole 16-byte packs, a 3-D input.
+  for (const Shape& gu : {Shape{6, 18}, Shape{33, 2 * 1024}, Shape{2, 5, 2 * 24}}) {
+    Shape y = gu;
+    y.back() /= 2;
+    c.push_back({OpId::swiglu_halves, shape_str(gu), {gu}, {}, kFloat});
+    c.push_back({OpId::swiglu_halves_backward, shape_str(gu), {gu, y}, {}, kFloat, false, false});
+  }
   // CUDA: 16-byte packs only (1024) and packs plus a tail (2145).
   for (Shape s : {Shape{16, 64}, Shape{33, 65}}) {
     c.push_back({OpId::swiglu, shape_str(s), {s, s}, {}, kFloat});

@@ -244,7 +244,7 @@ nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, doubl
                human(tokens / ((gemm_ms + attn_ms) * 1e-3)),
                peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * flops_per_step / ((gemm_ms + attn_ms) * 1e-3) / peak) : "");
     fmt::print("  matmul shapes (M x N x K, layout of A and B: n/t), largest first:\n");
-    for (size_t i = 0; i < std::min<size_t>(12, p.matmul_shapes.size()); ++i) {
+    for (size_t i = 0; i < std::min<size_t>(24, p.matmul_shapes.size()); ++i) {
       const OpProfiler::Total& t = p.matmul_shapes[i];
       const double tf = t.ms > 0 ? t.flops / (t.ms * 1e-3) / 1e12 : 0.0;
       fmt::print("    {:<36} {:>7} {:>10.3f} {:>7.2f} {:>9}\n", t.name, t.calls, t.ms, 100.0 * t.ms / step_ms,

@@ -75,6 +75,12 @@ void launch_qk_norm_rope_backward(DType dtype, int64_t tokens, int64_t hq, int64
                                   const void* dv, void* dqkv, void* dwq, void* dwk, float* scratch,
                                   cudaStream_t stream);
 
+// swiglu_halves (+ backward): gu (rows, 2 cols) holds gate and up side by side in each row; y and dy (rows, cols),
+// dgu like gu.
+void launch_swiglu_halves(DType dtype, int64_t rows, int64_t cols, const void* gu, void* y, cudaStream_t stream);
+void launch_swiglu_halves_backward(DType dtype, int64_t rows, int64_t cols, const void* gu, const void* dy, void* dgu,
+                                   cudaStream_t stream);
+
 // y = silu(g) * u; backward: dg, du from g, u, dy. n elements each.
 void launch_swiglu(DType dtype, int64_t n, const void* g, const void* u, void* y, cudaStream_t stream);
 void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u, const void* dy, void* dg, void* du,

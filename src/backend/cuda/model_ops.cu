@@ -635,6 +635,26 @@ __global__ void swiglu_backward_kernel(int64_t n, const T* g, const T* u, const 
   for (int64_t i = full + global_thread(); i < n; i += grid_threads()) swiglu_backward_pack<T, 1>(i, g, u, dy, dg, du);
 }
 
+// swiglu_halves (+ backward): row r of gu (rows, 2 cols) holds the gate [0, cols) and the up [cols, 2 cols) of y's
+// row r (rows, cols); dgu has gu's layout. Packs of kN within a row (cols a multiple of the pack), grid-stride.
+template <typename T, int kN> __global__ void swiglu_halves_kernel(int64_t rows, int64_t cols, const T* gu, T* y) {
+  const int64_t n = rows * cols;
+  for (int64_t i = global_thread() * kN; i < n; i += grid_threads() * kN) {
+    const int64_t r = i / cols;
+    const T* g = gu + i + r * cols;  // row r of gu starts at 2 r cols: element (r, c) of the gate half is i + r cols
+    swiglu_pack<T, kN>(0, g, g + cols, y + i);
+  }
+}
+
+template <typename T, int kN>
+__global__ void swiglu_halves_backward_kernel(int64_t rows, int64_t cols, const T* gu, const T* dy, T* dgu) {
+  const int64_t n = rows * cols;
+  for (int64_t i = global_thread() * kN; i < n; i += grid_threads() * kN) {
+    const int64_t at = i + i / cols * cols;
+    swiglu_backward_pack<T, kN>(0, gu + at, gu + at + cols, dy + i, dgu + at, dgu + at + cols);
+  }
+}
+
 // ---------------------------------------------------------------- attention
 // One warp per (row, head); lane l holds dims l, l + 32, ... of a row (C = ceil(D / 32) values, C <= 8).
 // Keys (or queries) are streamed kBatch at a time so the warp reductions of a batch overlap.
@@ -1191,6 +1211,40 @@ void launch_swiglu_backward(DType dtype, int64_t n, const void* g, const void* u
       swiglu_backward_kernel<T, 1><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, pg, pu, pdy, pdg, pdu);
   });
   LATHE_CUDA_LAUNCH_CHECK("swiglu_backward_kernel");
+}
+
+void launch_swiglu_halves(DType dtype, int64_t rows, int64_t cols, const void* gu, void* y, cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  dispatch_f32_bf16_f16(dtype, "swiglu_halves dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    constexpr int kN = kPackOf16<T>;
+    const auto* pgu = static_cast<const T*>(gu);
+    auto* py = static_cast<T*>(y);
+    if (cols % kN == 0 && aligned16(pgu) && aligned16(py))
+      swiglu_halves_kernel<T, kN><<<grid_for(rows * cols / kN, kThreads), kThreads, 0, stream>>>(rows, cols, pgu, py);
+    else
+      swiglu_halves_kernel<T, 1><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(rows, cols, pgu, py);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("swiglu_halves_kernel");
+}
+
+void launch_swiglu_halves_backward(DType dtype, int64_t rows, int64_t cols, const void* gu, const void* dy, void* dgu,
+                                   cudaStream_t stream) {
+  if (rows * cols == 0) return;
+  dispatch_f32_bf16_f16(dtype, "swiglu_halves_backward dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    constexpr int kN = kPackOf16<T>;
+    const auto* pgu = static_cast<const T*>(gu);
+    const auto* pdy = static_cast<const T*>(dy);
+    auto* pd = static_cast<T*>(dgu);
+    if (cols % kN == 0 && aligned16(pgu) && aligned16(pdy) && aligned16(pd))
+      swiglu_halves_backward_kernel<T, kN><<<grid_for(rows * cols / kN, kThreads), kThreads, 0, stream>>>(
+          rows, cols, pgu, pdy, pd);
+    else
+      swiglu_halves_backward_kernel<T, 1><<<grid_for(rows * cols, kThreads), kThreads, 0, stream>>>(rows, cols, pgu,
+                                                                                                   pdy, pd);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("swiglu_halves_backward_kernel");
 }
 
 void launch_attention(DType dtype, const AttentionDims& dims, const void* q, const void* k, const void* v,

@@ -198,6 +198,20 @@ void run_swiglu_backward(const OpCall& c, ExecContext& ctx) {
                          c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), stream_of(ctx));
 }
 
+void run_swiglu_halves(const OpCall& c, ExecContext& ctx) {
+  const Tensor& y = c.outputs[0];
+  const int64_t cols = y.size(-1);
+  launch_swiglu_halves(y.dtype(), cols ? y.numel() / cols : 0, cols, c.inputs[0].data_ptr(), y.data_ptr(),
+                       stream_of(ctx));
+}
+
+void run_swiglu_halves_backward(const OpCall& c, ExecContext& ctx) {
+  const Tensor& dy = c.inputs[1];
+  const int64_t cols = dy.size(-1);
+  launch_swiglu_halves_backward(dy.dtype(), cols ? dy.numel() / cols : 0, cols, c.inputs[0].data_ptr(),
+                                dy.data_ptr(), c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
 AttentionDims attention_dims(const OpCall& c, const Tensor& cu) {
   const Tensor& q = c.inputs[0];  // (T, Hq, D)
   AttentionDims d;
@@ -277,6 +291,8 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::qk_norm_rope_backward, "cuda/qk_norm_rope_heads", qk_norm_rope_supports, run_qk_norm_rope_backward);
     add(OpId::swiglu, "cuda/swiglu", contiguous_supports, run_swiglu);
     add(OpId::swiglu_backward, "cuda/swiglu_backward", contiguous_supports, run_swiglu_backward);
+    add(OpId::swiglu_halves, "cuda/swiglu_halves", contiguous_supports, run_swiglu_halves);
+    add(OpId::swiglu_halves_backward, "cuda/swiglu_halves", contiguous_supports, run_swiglu_halves_backward);
     if (dt != DType::F32) {  // registered first: preferred wherever its predicate holds
 #ifdef LATHE_WITH_CUDNN
       register_cudnn_attention_kernels(r, dt);  // cuDNN's fused attention first; the tiled kernels are its fallback
