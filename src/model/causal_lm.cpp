@@ -134,6 +134,13 @@ Tensor stacked_rows(const std::vector<const Tensor*>& parts) {
 
 }  // namespace
 
+std::pair<Tensor, Tensor> CausalLm::norm_stream(const ResidualStream& s, const Tensor& w, NormAttrs attrs) {
+  ExecContext cx = ctx();
+  if (!s.r.defined()) return {rmsnorm(cx, s.h, w, attrs), s.h};
+  const std::vector<Tensor> y = residual_rmsnorm(cx, s.h, s.r, w, attrs);
+  return {y[0], y[1]};
+}
+
 void CausalLm::pack_rows(const std::vector<int>& weights) {
   ExecContext cx = ctx();
   const Tensor& first = w(weights.front());

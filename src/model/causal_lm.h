@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.h"
@@ -26,6 +27,12 @@ struct Parameter {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;
   Tensor grad;       // undefined until a backward pass writes it
+};
+
+// The residual stream between decoder layers as its last two terms, x = h + r (r undefined: x = h), so that the add
+// runs inside the next norm (CausalLm::norm_stream: residual_rmsnorm) instead of as a kernel of its own.
+struct ResidualStream {
+  Tensor h, r;
 };
 
 struct ModelOptions {
@@ -116,6 +123,9 @@ class CausalLm {
   // weight's gradient (unless frozen) and the adapters' slot gradients accumulate.
   void project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
                         const PackedBatch& b);
+  // {rmsnorm(x; w), x} of the stream x = h + r, the add fused into the norm (residual_rmsnorm; rmsnorm when r is
+  // undefined).
+  std::pair<Tensor, Tensor> norm_stream(const ResidualStream& s, const Tensor& w, NormAttrs attrs);
   // project() of several weights over the same x, side by side: y (T, out_0 + out_1 + ...). One GEMM over the
   // weights' stacked rows when they are consecutive row blocks of one buffer (pack_rows) and no adapter applies to
   // any of them (the adapters' terms are per weight); else project() per weight, then concat_columns.

@@ -1,7 +1,7 @@
 // The decoder-stack driver both families share: embedding, the layers in order, the final RMSNorm and the LM head
 // (logits, label log-probs, the loss head of CausalLm), and the backward through the layers in reverse, recomputing a
 // layer's activations from its input when options.recompute. A family M (Qwen3Model, Qwen35Model) befriends
-// DecoderStack and provides Layer, LayerActs (with .out), layers_, layer_forward(l, x, b, training),
+// DecoderStack and provides Layer, LayerActs (with .out, a ResidualStream), layers_, layer_forward(l, x, b, training),
 // layer_backward(l, acts, dout, b), embed_, final_norm_, head() and kFinalNormOffset (0: w, 1: zero-centred 1 + w).
 // Included only by the families' .cpp files, where LayerActs is complete. Covered by tests/models (both families).
 #pragma once
@@ -19,16 +19,17 @@ struct DecoderStack {
     return {m.config_.rms_norm_eps, M::kFinalNormOffset};
   }
 
-  // The last layer's output (T, H). `acts` (if given) receives every layer's activations, `inputs` every layer's input.
+  // The last layer's output (T, H), as the residual stream's last two terms. `acts` (if given) receives every layer's
+  // activations, `inputs` every layer's input (its sum, LayerActs::x: one tensor a layer).
   template <typename M>
-  static Tensor hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts, std::vector<Tensor>* inputs,
-                       bool training) {
+  static ResidualStream hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts,
+                               std::vector<ResidualStream>* inputs, bool training) {
     ExecContext cx = m.ctx();
     m.begin_forward(b);
-    Tensor x = embedding(cx, m.w(m.embed_), b.ids);
+    ResidualStream x{embedding(cx, m.w(m.embed_), b.ids), {}};
     for (const auto& l : m.layers_) {
-      if (inputs) inputs->push_back(x);
       typename M::LayerActs a = m.layer_forward(l, x, b, training);
+      if (inputs) inputs->push_back({a.x, {}});
       x = a.out;
       if (acts) acts->push_back(std::move(a));
     }
@@ -38,14 +39,13 @@ struct DecoderStack {
   template <typename M>
   static Tensor logits(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
-    const Tensor x = hidden(m, b, nullptr, nullptr, false);
-    return linear(cx, rmsnorm(cx, x, m.w(m.final_norm_), final_norm(m)), m.w(m.head()));
+    const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
+    return linear(cx, m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, m.w(m.head()));
   }
 
   template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
-    ExecContext cx = m.ctx();
-    const Tensor xf = rmsnorm(cx, hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m));
+    const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
     return m.head_label_logprobs(xf, m.head(), b);
   }
 
@@ -53,11 +53,11 @@ struct DecoderStack {
   static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale) {
     ExecContext cx = m.ctx();
     std::vector<typename M::LayerActs> acts;
-    std::vector<Tensor> inputs;
+    std::vector<ResidualStream> inputs;
     const bool keep = backward && !m.options_.recompute;
-    const Tensor x_last = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
     const NormAttrs norm = final_norm(m);
-    const Tensor xf = rmsnorm(cx, x_last, m.w(m.final_norm_), norm);
+    const auto [xf, x_last] = m.norm_stream(hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward),
+                                            m.w(m.final_norm_), norm);
     Tensor dxf;
     LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient

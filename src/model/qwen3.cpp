@@ -6,6 +6,7 @@
 #include <fstream>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "io/safetensors.h"
 #include "model/decoder_stack.h"
@@ -17,7 +18,7 @@ namespace lathe {
 namespace fs = std::filesystem;
 
 struct Qwen3Model::LayerActs {
-  Tensor x;        // (T, H) layer input
+  Tensor x;        // (T, H) layer input (the sum of the stream it was given)
   Tensor xn;       // (T, H) input RMSNorm
   Tensor qkv;      // (T, (Hq + 2 Hkv) D) the q, k and v projections side by side (q, k before their RMSNorm)
   Tensor qr, kr;   // (T, Hq, D), (T, Hkv, D) normed and rotated
@@ -26,7 +27,7 @@ struct Qwen3Model::LayerActs {
   Tensor h;        // (T, H) after the attention residual
   Tensor hn;       // (T, H) post-attention RMSNorm
   MlpActs mlp;     // the MLP's (dense or experts)
-  Tensor out;      // (T, H) layer output
+  ResidualStream out;  // the layer output h + mlp.out, added in the next norm
 };
 
 namespace {
@@ -106,14 +107,14 @@ Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const Mode
   return m;
 }
 
-Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training) {
+Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,
+                                                bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = x.size(0);
+  const int64_t t = x.h.size(0);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   LayerActs a;
-  a.x = x;
-  a.xn = rmsnorm(cx, x, w(l.input_norm), norm);
+  std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);
   const std::vector<Tensor> heads = qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, qk_attrs(c));
   a.qr = heads[0];
@@ -124,11 +125,11 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const Tensor& x,
   a.lse = att[1];
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
   const Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
-  std::vector<Tensor> post = residual_rmsnorm(cx, x, attn_out, w(l.post_norm), norm);
+  std::vector<Tensor> post = residual_rmsnorm(cx, a.x, attn_out, w(l.post_norm), norm);
   a.hn = post[0];
   a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
-  a.out = add(cx, a.h, a.mlp.out);
+  a.out = {a.h, a.mlp.out};
   return a;
 }
 

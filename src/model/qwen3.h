@@ -41,7 +41,7 @@ class Qwen3Model : public CausalLm {
 
   friend struct DecoderStack;  // the shared embedding -> layers -> norm -> head driver (model/decoder_stack.h)
   static constexpr double kFinalNormOffset = 0.0;  // the final RMSNorm's gain: w
-  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
+  LayerActs layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b, bool training);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
 
   int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ = -1 when tied

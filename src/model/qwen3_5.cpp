@@ -20,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "io/safetensors.h"
 #include "model/decoder_stack.h"
@@ -44,8 +45,9 @@ struct Qwen35Model::LayerActs {
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   Tensor chunk_cache;               // the rule's chunk cache (training, CUDA chunked kernels), read by its backward
   // MLP
-  Tensor h, hn, out;
+  Tensor h, hn;
   MlpActs mlp;
+  ResidualStream out;  // h + mlp.out, added in the next norm
 };
 
 namespace {
@@ -354,20 +356,20 @@ std::array<Tensor, 4> Qwen35Model::gdn_projections_eval(int64_t layer, const Ten
   return {linear(cx, xn, w(l.in_qkv)), linear(cx, xn, w(l.in_z)), linear(cx, xn, w(l.in_b)), linear(cx, xn, w(l.in_a))};
 }
 
-Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training) {
+Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,
+                                                  bool training) {
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   LayerActs a;
-  a.x = x;
-  a.xn = rmsnorm(cx, x, w(l.input_norm), norm);
+  std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
   if (l.linear) gdn_forward(l, a, b, training);
   else attention_forward(l, a, b, training);
   // h = x + mixer output and hn = post_norm(h) in one pass
-  std::vector<Tensor> post = residual_rmsnorm(cx, x, a.mix, w(l.post_norm), norm);
+  std::vector<Tensor> post = residual_rmsnorm(cx, a.x, a.mix, w(l.post_norm), norm);
   a.hn = post[0];
   a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
-  a.out = add(cx, a.h, a.mlp.out);
+  a.out = {a.h, a.mlp.out};
   return a;
 }
 

@@ -100,7 +100,7 @@ class Qwen35Model : public CausalLm {
 
   friend struct DecoderStack;  // the shared embedding -> layers -> norm -> head driver (model/decoder_stack.h)
   static constexpr double kFinalNormOffset = 1.0;  // the final RMSNorm's gain: 1 + w, zero-centred
-  LayerActs layer_forward(const Layer& l, const Tensor& x, const PackedBatch& b, bool training);
+  LayerActs layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b, bool training);
   void attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   void gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
