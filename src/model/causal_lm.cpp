@@ -232,7 +232,7 @@ std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, co
 }
 
 LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
-                               Tensor* dxf) {
+                               Tensor* dxf, std::vector<std::pair<size_t, Tensor>>& pending) {
   ExecContext cx = ctx();
   LossResult result;
   result.labelled = b.num_labelled;
@@ -270,8 +270,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
   }
   const Tensor& wh = w(head);
-  // Each chunk's per-row losses stay on the device until every chunk is queued: one wait for the whole head.
-  std::vector<std::pair<size_t, Tensor>> chunk_losses;  // (piece, losses of the chunk's rows)
+  pending.clear();
   for (size_t pi = 0; pi < pieces.size(); ++pi) {
     const Piece& piece = pieces[pi];
     for (int64_t r0 = piece.begin; r0 < piece.end; r0 += options_.loss_chunk_rows) {
@@ -280,7 +279,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
       const Tensor logits = matmul(cx, xc, wh, {false, true});  // (n, V), freed after this chunk
       const std::vector<Tensor> ce =
           cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
-      chunk_losses.emplace_back(pi, ce[0]);
+      pending.emplace_back(pi, ce[0]);
       if (backward) {
         Tensor dxc = dxs.narrow(0, r0, n);
         matmul_into(cx, ce[1], wh, dxc, {});
@@ -288,15 +287,6 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
       }
     }
   }
-  for (const auto& [pi, losses] : chunk_losses) {
-    const Tensor loss_rows = rt_->copy_to(losses, Device::cpu());
-    double chunk_sum = 0;
-    for (int64_t i = 0; i < loss_rows.numel(); ++i)
-      chunk_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
-    result.loss_sum += chunk_sum;
-    if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
-  }
-  result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
   if (!backward) return result;
   // The labelled rows' gradients scattered back (zero elsewhere).
   if (n_rows > 0) {
@@ -306,6 +296,19 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     cx.backend.fill_bytes(dxf->data_ptr(), 0, dxf->nbytes(), cx.stream);
   }
   return result;
+}
+
+void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
+                               const std::vector<std::pair<size_t, Tensor>>& pending) {
+  for (const auto& [pi, losses] : pending) {
+    const Tensor loss_rows = rt_->copy_to(losses, Device::cpu());  // the first copy waits for the queued work
+    double chunk_sum = 0;
+    for (int64_t i = 0; i < loss_rows.numel(); ++i)
+      chunk_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
+    result.loss_sum += chunk_sum;
+    if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
+  }
+  result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
 }
 
 void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {

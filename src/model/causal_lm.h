@@ -141,8 +141,12 @@ class CausalLm {
   void pack_rows(const std::vector<int>& weights);
   // The loss head over xf (T, H), the final norm's output, with the LM head params_[head]: only labelled rows get
   // logits, in chunks of options_.loss_chunk_rows; segments weight their mean losses. With `backward`, the head's
-  // gradient accumulates and *dxf receives d(loss)/d(xf) (T, H).
-  LossResult head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale, Tensor* dxf);
+  // gradient accumulates and *dxf receives d(loss)/d(xf) (T, H). The losses stay on the device in `pending` (each
+  // chunk's per-row losses and its segment piece) until add_head_losses reads them into the result, so that a caller
+  // can queue the backward first and wait once, at the end.
+  LossResult head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale, Tensor* dxf,
+                       std::vector<std::pair<size_t, Tensor>>& pending);
+  void add_head_losses(LossResult& result, const PackedBatch& b, const std::vector<std::pair<size_t, Tensor>>& pending);
   std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);

@@ -59,9 +59,13 @@ struct DecoderStack {
     const auto [xf, x_last] = m.norm_stream(hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward),
                                             m.w(m.final_norm_), norm);
     Tensor dxf;
-    LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf);
+    std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
+    LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf, losses);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
-    if (!backward) return result;
+    if (!backward) {
+      m.add_head_losses(result, b, losses);
+      return result;
+    }
     const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf, norm);
     m.add_grad(m.final_norm_, dfinal[1]);
     Tensor dx = dfinal[0];
@@ -72,6 +76,7 @@ struct DecoderStack {
       dx = m.layer_backward(l, a, dx, b);
     }
     m.end_backward(m.embed_, dx, b);
+    m.add_head_losses(result, b, losses);
     return result;
   }
 };
