@@ -513,9 +513,6 @@ __device__ __forceinline__ Pack<T, kN> norm_rope_pack(const Pack<T, kN>& x, cons
   return rotate_pack(normalized<false>(x, w, static_cast<const T*>(nullptr), 0, inv, offset), cs, sn, lg);
 }
 
-// Head rows of a token loaded before the first of them is reduced: loads in flight while the shuffles run.
-constexpr int kHeadBatch = 4;
-
 template <typename T, int kN, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     qk_norm_rope_kernel(int64_t tokens, int64_t hq, int64_t hkv, float eps, float offset,
@@ -524,46 +521,32 @@ __global__ void __launch_bounds__(kNormThreads)
   __shared__ GroupScratch scratch;  // group_sum2's, unused by groups of at most a warp
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   constexpr int64_t kD = int64_t(kLanes) * kN;
-  const int64_t qk_heads = hq + hkv, cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
+  const int64_t cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
   const Pack<T, kN> wqv = load_pack<T, kN>(wq + at), wkv = load_pack<T, kN>(wk + at);
   for (int64_t t = lg.index; t < tokens; t += lg.count) {
     float cs[kN], sn[kN];
     rope_angles<kN, kLanes>(freqs, pos[t], lg.lane, false, cs, sn);
     const T* row = qkv + t * cols + at;
-    for (int64_t h0 = 0; h0 < qk_heads; h0 += kHeadBatch) {  // q's heads, then k's
-      Pack<T, kN> x[kHeadBatch];
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j)
-        if (h0 + j < qk_heads) x[j] = load_pack<T, kN>(row + (h0 + j) * kD);
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j) {
-        const int64_t h = h0 + j;
-        if (h >= qk_heads) break;
-        const Pack<T, kN> y = norm_rope_pack(x[j], h < hq ? wqv : wkv, eps, offset, cs, sn, lg, scratch);
-        store_pack((h < hq ? q + (t * hq + h) * kD : k + (t * hkv + h - hq) * kD) + at, y);
-      }
-    }
-    for (int64_t h0 = 0; h0 < hkv; h0 += kHeadBatch) {  // v's heads, copied
-      Pack<T, kN> x[kHeadBatch];
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j)
-        if (h0 + j < hkv) x[j] = load_pack<T, kN>(row + (qk_heads + h0 + j) * kD);
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j)
-        if (h0 + j < hkv) store_pack(v + (t * hkv + h0 + j) * kD + at, x[j]);
-    }
+    for (int64_t h = 0; h < hq; ++h)
+      store_pack(q + (t * hq + h) * kD + at,
+                 norm_rope_pack(load_pack<T, kN>(row + h * kD), wqv, eps, offset, cs, sn, lg, scratch));
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(k + (t * hkv + h) * kD + at,
+                 norm_rope_pack(load_pack<T, kN>(row + (hq + h) * kD), wkv, eps, offset, cs, sn, lg, scratch));
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(v + (t * hkv + h) * kD + at, load_pack<T, kN>(row + (hq + hkv + h) * kD));
   }
 }
 
-// The backward of one head row's pack x with dy: g = the inverse rotation of dy, rounded to T (the rope op's output),
-// then rmsnorm_backward's dx (written to dx_row) and its dw terms added to dw.
+// The backward of one head row's pack: g = the inverse rotation of dy, rounded to T (the rope op's output), then
+// rmsnorm_backward's dx (written to dx_row) and its dw terms added to dw.
 template <int kLanes, typename T, int kN>
-__device__ __forceinline__ void norm_rope_backward_pack(const Pack<T, kN>& x, const Pack<T, kN>& dy, T* dx_row,
+__device__ __forceinline__ void norm_rope_backward_pack(const T* x_row, const T* dy_row, T* dx_row,
                                                         const Pack<T, kN>& w, float eps, float offset,
                                                         const float (&cs)[kN], const float (&sn)[kN],
                                                         const LaneGroup<kLanes>& lg, GroupScratch& scratch,
                                                         float (&dw)[kN]) {
-  const Pack<T, kN> g = rotate_pack(dy, cs, sn, lg);
+  const Pack<T, kN> x = load_pack<T, kN>(x_row), g = rotate_pack(load_pack<T, kN>(dy_row), cs, sn, lg);
   float ss = 0, dot = 0;
   norm_sums<false>(x, g, g, w, offset, ss, dot);
   group_sum2(ss, dot, lg, scratch);
@@ -585,7 +568,7 @@ __global__ void __launch_bounds__(kNormThreads)
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   if (lg.index >= n_partial) return;  // spare groups of the last block (only group-wide shuffles below)
   constexpr int64_t kD = int64_t(kLanes) * kN;
-  const int64_t qk_heads = hq + hkv, cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
+  const int64_t cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
   const Pack<T, kN> wqv = load_pack<T, kN>(wq + at), wkv = load_pack<T, kN>(wk + at);
   float dwq[kN] = {}, dwk[kN] = {};
   for (int64_t t = lg.index; t < tokens; t += n_partial) {
@@ -593,32 +576,14 @@ __global__ void __launch_bounds__(kNormThreads)
     rope_angles<kN, kLanes>(freqs, pos[t], lg.lane, true, cs, sn);
     const T* row = qkv + t * cols + at;
     T* drow = dqkv + t * cols + at;
-    for (int64_t h0 = 0; h0 < qk_heads; h0 += kHeadBatch) {  // q's heads, then k's
-      Pack<T, kN> x[kHeadBatch], dy[kHeadBatch];
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j) {
-        const int64_t h = h0 + j;
-        if (h >= qk_heads) continue;
-        x[j] = load_pack<T, kN>(row + h * kD);
-        dy[j] = load_pack<T, kN>((h < hq ? dq + (t * hq + h) * kD : dk + (t * hkv + h - hq) * kD) + at);
-      }
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j) {
-        const int64_t h = h0 + j;
-        if (h >= qk_heads) break;
-        if (h < hq) norm_rope_backward_pack(x[j], dy[j], drow + h * kD, wqv, eps, offset, cs, sn, lg, scratch, dwq);
-        else norm_rope_backward_pack(x[j], dy[j], drow + h * kD, wkv, eps, offset, cs, sn, lg, scratch, dwk);
-      }
-    }
-    for (int64_t h0 = 0; h0 < hkv; h0 += kHeadBatch) {  // dv into v's columns
-      Pack<T, kN> x[kHeadBatch];
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j)
-        if (h0 + j < hkv) x[j] = load_pack<T, kN>(dv + (t * hkv + h0 + j) * kD + at);
-#pragma unroll
-      for (int j = 0; j < kHeadBatch; ++j)
-        if (h0 + j < hkv) store_pack(drow + (qk_heads + h0 + j) * kD, x[j]);
-    }
+    for (int64_t h = 0; h < hq; ++h)
+      norm_rope_backward_pack(row + h * kD, dq + (t * hq + h) * kD + at, drow + h * kD, wqv, eps, offset, cs, sn, lg,
+                              scratch, dwq);
+    for (int64_t h = 0; h < hkv; ++h)
+      norm_rope_backward_pack(row + (hq + h) * kD, dk + (t * hkv + h) * kD + at, drow + (hq + h) * kD, wkv, eps,
+                              offset, cs, sn, lg, scratch, dwk);
+    for (int64_t h = 0; h < hkv; ++h)
+      store_pack(drow + (hq + hkv + h) * kD, load_pack<T, kN>(dv + (t * hkv + h) * kD + at));
   }
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
