@@ -1,6 +1,8 @@
 // Op functions: validate, allocate outputs on the context's device, resolve and run.
 #include "ops/ops.h"
 
+#include <algorithm>
+
 namespace lathe {
 
 namespace {
@@ -83,9 +85,28 @@ Tensor scale(ExecContext& ctx, const Tensor& x, double alpha) {
 
 Tensor cast(ExecContext& ctx, const Tensor& x, DType to) { return call_op(ctx, OpId::cast, {x}, CastAttrs{to})[0]; }
 
+namespace {
+
+// Whether no two elements of t share memory: its dims by increasing stride, each stride at least the extent of the
+// dims inside it (a contiguous tensor or a narrow or transpose of one; not a broadcast).
+bool distinct_elements(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of size above 1
+  for (int d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.strides()[size_t(d)], t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent = stride * (size - 1) + extent;
+  }
+  return true;
+}
+
+}  // namespace
+
 void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst) {
-  LATHE_CHECK(src.shape() == dst.shape() && dst.is_contiguous(), "ops: copy_into needs a contiguous destination of "
-              "the source's shape, got {} into {}", src.describe(), dst.describe());
+  LATHE_CHECK(src.shape() == dst.shape() && distinct_elements(dst), "ops: copy_into needs a destination of the "
+              "source's shape whose elements are distinct, got {} into {}", src.describe(), dst.describe());
   run_op(ctx, OpCall{OpId::cast, {src}, {dst}, CastAttrs{dst.dtype()}});
 }
 
@@ -199,7 +220,7 @@ std::vector<Tensor> qk_norm_rope_backward(ExecContext& ctx, const Tensor& qkv, c
                  attrs);
 }
 
-// Written as the rows of the transpose, where each part is a contiguous block: one strided copy in per part, one out.
+// Each part copied into its columns of the output (a strided destination of the cast op).
 Tensor concat_columns(ExecContext& ctx, const std::vector<Tensor>& parts) {
   LATHE_CHECK(!parts.empty(), "ops: concat_columns needs at least one part");
   int64_t cols = 0;
@@ -209,13 +230,13 @@ Tensor concat_columns(ExecContext& ctx, const std::vector<Tensor>& parts) {
                 parts[0].describe());
     cols += p.size(1);
   }
-  const Tensor rows = Tensor::empty({cols, parts[0].size(0)}, parts[0].dtype(), ctx.allocator);
+  const Tensor out = Tensor::empty({parts[0].size(0), cols}, parts[0].dtype(), ctx.allocator);
   int64_t at = 0;
   for (const Tensor& p : parts) {
-    copy_into(ctx, p.transpose(0, 1), rows.narrow(0, at, p.size(1)));
+    copy_into(ctx, p, out.narrow(1, at, p.size(1)));  // a strided destination: each part's rows into its columns
     at += p.size(1);
   }
-  return contiguous(ctx, rows.transpose(0, 1));
+  return out;
 }
 
 std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,

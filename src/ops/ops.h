@@ -31,8 +31,8 @@ Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor mul(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor scale(ExecContext& ctx, const Tensor& x, double alpha);
 Tensor cast(ExecContext& ctx, const Tensor& x, DType to);
-// dst = src (same shape) written into an existing contiguous tensor or view (rows of a cache or of a stacked
-// buffer), through the cast op.
+// dst = src (same shape) written into an existing tensor or view whose elements are distinct (rows of a cache or of a
+// stacked buffer, a column slice), through the cast op.
 void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst);
 Tensor contiguous(ExecContext& ctx, const Tensor& x);  // x itself when already contiguous
 Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);

@@ -1,9 +1,14 @@
-// The fused residual norm against the ops it fuses: residual_rmsnorm(x, r, w) is, bitwise, add(x, r) followed by
-// rmsnorm, on the CPU (f32, f64) and on CUDA (f32, bf16, f16) where a GPU exists. The CPU's bf16/f16 rows go through
-// upcast_f32, which keeps h in f32 between the two steps, so they are the op check's business (tolerance), not this
-// test's. Values against the f64 reference and the backward: the residual_rmsnorm op-check cases.
+// Fused ops against the ops they fuse. residual_rmsnorm(x, r, w) is, bitwise, add(x, r) followed by rmsnorm, on the
+// CPU (f32, f64) and on CUDA (f32, bf16, f16) where a GPU exists; so is swiglu_halves (+ backward) swiglu on the two
+// halves of each row; qk_norm_rope is within one rounding of rmsnorm then rope. The CPU's bf16/f16 rows go through
+// upcast_f32, which keeps intermediates in f32 between the steps, so they are the op check's business (tolerance), not
+// this test's. Values against the f64 reference and the backwards: the op-check cases. Also copy_into's strided
+// destinations (concat_columns).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 
@@ -53,4 +58,93 @@ TEST(ResidualRmsnorm, IsTheAddThenTheNormBitwise) {
       EXPECT_TRUE(same_bits(fused[1], h_sum)) << where << ": h";
       EXPECT_TRUE(same_bits(fused[0], rmsnorm(ctx, h_sum, w, attrs))) << where << ": y";
     }
+}
+
+namespace {
+
+// The devices and dtypes of the bitwise checks: the CPU's f32 and f64 kernels, CUDA's f32, bf16 and f16 where a GPU
+// exists (the CPU's bf16/f16 rows are upcast_f32's, see above).
+std::vector<std::pair<Device, DType>> bitwise_rows() {
+  std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F32}, {Device::cpu(), DType::F64}};
+  if (runtime().has_device(Device::cuda(0)))
+    for (DType dt : {DType::F32, DType::BF16, DType::F16}) rows.push_back({Device::cuda(0), dt});
+  return rows;
+}
+
+// max |a - b| / max |b| over the elements, in f64.
+double max_difference_over_max(const Tensor& a, const Tensor& b) {
+  ExecContext cpu = runtime().context(Device::cpu());
+  const Tensor ha = cast(cpu, runtime().copy_to(a, Device::cpu()), DType::F64);
+  const Tensor hb = cast(cpu, runtime().copy_to(b, Device::cpu()), DType::F64);
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < ha.numel(); ++i) {
+    const double x = ha.data<double>()[i], y = hb.data<double>()[i];
+    diff = std::max(diff, std::abs(x - y));
+    scale = std::max(scale, std::abs(y));
+  }
+  return diff / scale;
+}
+
+}  // namespace
+
+// swiglu_halves is swiglu on the two halves of each row, bitwise, forward and backward; concat_columns (the composite's
+// and the fused projections' fallback) puts each part in its columns.
+TEST(SwigluHalves, IsSwigluOnTheHalvesBitwise) {
+  for (const auto& [device, dtype] : bitwise_rows())
+    for (int64_t i : {int64_t(24), int64_t(1030)}) {  // whole 16-byte packs, and single elements
+      std::mt19937_64 rng{uint64_t(i)};
+      ExecContext ctx = runtime().context(device);
+      const Tensor gu = random_tensor(rng, {19, 2 * i}, dtype, device), dy = random_tensor(rng, {19, i}, dtype, device);
+      const Tensor g = contiguous(ctx, gu.narrow(1, 0, i)), u = contiguous(ctx, gu.narrow(1, i, i));
+      const std::string where = device.str() + " " + std::string(dtype_name(dtype)) + " i=" + std::to_string(i);
+      EXPECT_TRUE(same_bits(swiglu_halves(ctx, gu), swiglu(ctx, g, u))) << where;
+      const std::vector<Tensor> parts = swiglu_backward(ctx, g, u, dy);
+      const Tensor dgu = swiglu_halves_backward(ctx, gu, dy);
+      EXPECT_TRUE(same_bits(contiguous(ctx, dgu.narrow(1, 0, i)), parts[0])) << where << ": dgate";
+      EXPECT_TRUE(same_bits(contiguous(ctx, dgu.narrow(1, i, i)), parts[1])) << where << ": dup";
+      EXPECT_TRUE(same_bits(concat_columns(ctx, parts), dgu)) << where << ": concat_columns";
+    }
+}
+
+TEST(CopyInto, WritesAColumnSliceAndRefusesOverlappingDestinations) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  std::mt19937_64 rng{3};
+  const Tensor src = random_tensor(rng, {5, 3}, DType::F32, Device::cpu());
+  const Tensor dst = random_tensor(rng, {5, 8}, DType::F32, Device::cpu());
+  const Tensor before = contiguous(ctx, dst.narrow(1, 0, 2));
+  copy_into(ctx, src, dst.narrow(1, 2, 3));
+  EXPECT_TRUE(same_bits(contiguous(ctx, dst.narrow(1, 2, 3)), src));
+  EXPECT_TRUE(same_bits(contiguous(ctx, dst.narrow(1, 0, 2)), before));  // the other columns untouched
+  const Tensor row = random_tensor(rng, {1, 3}, DType::F32, Device::cpu());
+  EXPECT_THROW(copy_into(ctx, src, row.expand({5, 3})), Error);  // five rows would write one
+}
+
+// qk_norm_rope against the ops it fuses (heads copied out of qkv, rmsnorm, rope; backward: inverse rope,
+// rmsnorm_backward): within one rounding of the output dtype everywhere; bitwise where the device rounds alike (the
+// count of differing values is printed).
+TEST(QkNormRope, IsTheNormThenTheRotationWithinOneRounding) {
+  for (const auto& [device, dtype] : bitwise_rows()) {
+    const int64_t t = 300, hq = 8, hkv = 2, d = 128;
+    std::mt19937_64 rng{11};
+    ExecContext ctx = runtime().context(device);
+    const Tensor qkv = random_tensor(rng, {t, (hq + 2 * hkv) * d}, dtype, device);
+    const Tensor wq = random_tensor(rng, {d}, dtype, device), wk = random_tensor(rng, {d}, dtype, device);
+    std::vector<int32_t> pos(static_cast<size_t>(t));
+    for (int64_t i = 0; i < t; ++i) pos[size_t(i)] = int32_t(i * 37 % 5000);
+    const Tensor positions = runtime().from_host(pos.data(), {t}, DType::I32, device);
+    const QkNormRopeAttrs attrs{hq, hkv, NormAttrs{1e-6, 0.0}, RopeAttrs{1e6, 0, false}};
+    const std::vector<Tensor> fused = qk_norm_rope(ctx, qkv, wq, wk, positions, attrs);
+    const auto heads = [&](int64_t first, int64_t n) {
+      return contiguous(ctx, qkv.narrow(1, first * d, n * d)).view({t, n, d});
+    };
+    const Tensor q = rope(ctx, rmsnorm(ctx, heads(0, hq), wq, attrs.norm), positions, attrs.rope);
+    const Tensor k = rope(ctx, rmsnorm(ctx, heads(hq, hkv), wk, attrs.norm), positions, attrs.rope);
+    const double ulp = dtype == DType::BF16 ? 1.0 / 128 : dtype == DType::F16 ? 1.0 / 1024 : 1e-6;
+    const std::string where = device.str() + " " + std::string(dtype_name(dtype));
+    EXPECT_LE(max_difference_over_max(fused[0], q), ulp) << where << ": q";
+    EXPECT_LE(max_difference_over_max(fused[1], k), ulp) << where << ": k";
+    EXPECT_TRUE(same_bits(fused[2], heads(hq + hkv, hkv))) << where << ": v";
+    std::printf("qk_norm_rope %s: q %s, k %s\n", where.c_str(), same_bits(fused[0], q) ? "bitwise" : "not bitwise",
+                same_bits(fused[1], k) ? "bitwise" : "not bitwise");
+  }
 }

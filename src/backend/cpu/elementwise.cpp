@@ -80,22 +80,24 @@ void register_float_kernels(KernelRegistry& r) {
                   }});
 }
 
-// Any dtype to any dtype, through double (exact for every supported dtype except i64 beyond 2^53).
+// Any dtype to any dtype, through double (exact for every supported dtype except i64 beyond 2^53). The output may
+// be strided (copy_into a view whose elements are distinct).
 void cast_any(const OpCall& call, ExecContext&) {
   const Tensor& x = call.inputs[0];
   const Tensor& out = call.outputs[0];
   const int64_t n = out.numel();
   const void* px = x.data_ptr();
   void* po = out.data_ptr();
-  const bool plain = x.is_contiguous();
-  if (plain && x.dtype() == out.dtype()) {
+  const bool plain = x.is_contiguous(), out_plain = out.is_contiguous();
+  if (plain && out_plain && x.dtype() == out.dtype()) {
     std::memcpy(po, px, out.nbytes());
     return;
   }
 #pragma omp parallel for if (n > 65536)
   for (int64_t i = 0; i < n; ++i) {
     const int64_t ix = plain ? i : cpu::strided_offset(i, x.shape(), x.strides());
-    store_from_double(po, out.dtype(), i, load_as_double(px, x.dtype(), ix));
+    const int64_t io = out_plain ? i : cpu::strided_offset(i, out.shape(), out.strides());
+    store_from_double(po, out.dtype(), io, load_as_double(px, x.dtype(), ix));
   }
 }
 
@@ -105,7 +107,8 @@ void register_cpu_elementwise_kernels(KernelRegistry& r) {
   register_float_kernels<float>(r);
   register_float_kernels<double>(r);
   for (DType dt : kAllDTypes)
-    r.add(KernelDef{OpId::cast, DeviceType::CPU, dt, "cpu/cast", outputs_contiguous, cast_any});
+    r.add(KernelDef{OpId::cast, DeviceType::CPU, dt, "cpu/cast", [](const OpCall&) { return Support::yes(); },
+                    cast_any});  // strided outputs too
 }
 
 }  // namespace lathe

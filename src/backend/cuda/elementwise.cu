@@ -53,10 +53,12 @@ __global__ void unary_kernel(int64_t n, const T* x, StridedLayout lx, bool conti
     store(out, i, unary_value<kOp>(load(x, contiguous ? i : strided_offset(i, lx)), alpha));
 }
 
+// A strided output too (copies into a column slice: ops/ops.h concat_columns).
 template <typename From, typename To>
-__global__ void cast_kernel(int64_t n, const From* x, StridedLayout lx, bool contiguous, To* out) {
+__global__ void cast_kernel(int64_t n, const From* x, StridedLayout lx, bool contiguous, To* out, StridedLayout lo,
+                            bool out_contiguous) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
-    store(out, i, cast_value<To>(load(x, contiguous ? i : strided_offset(i, lx))));
+    store(out, out_contiguous ? i : strided_offset(i, lo), cast_value<To>(load(x, contiguous ? i : strided_offset(i, lx))));
 }
 
 // ---------------------------------------------------------------- packed path
@@ -191,7 +193,7 @@ void launch_unary(UnaryOp op, DType dtype, int64_t n, const void* x, const Strid
 }
 
 void launch_cast(DType from, DType to, int64_t n, const void* x, const StridedLayout& lx, bool contiguous, void* out,
-                 cudaStream_t stream) {
+                 const StridedLayout& lo, bool out_contiguous, cudaStream_t stream) {
   if (n == 0) return;
   dispatch<true>(from, [&](auto f) {
     dispatch<true>(to, [&](auto t) {
@@ -201,10 +203,11 @@ void launch_cast(DType from, DType to, int64_t n, const void* x, const StridedLa
       auto* po = static_cast<To*>(out);
       // Packs of 16 bytes of the narrower type: both sides start on 16-byte boundaries.
       constexpr int kN = sizeof(From) < sizeof(To) ? kPackOf16<From> : kPackOf16<To>;
-      if (contiguous && aligned16(px) && aligned16(po))
+      if (contiguous && out_contiguous && aligned16(px) && aligned16(po))
         cast_packed_kernel<From, To, kN><<<packed_grid(n, kN), kThreads, 0, stream>>>(n, px, po);
       else
-        cast_kernel<From, To><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, px, lx, contiguous, po);
+        cast_kernel<From, To><<<grid_for(n, kThreads), kThreads, 0, stream>>>(n, px, lx, contiguous, po, lo,
+                                                                              out_contiguous);
     });
   });
   LATHE_CUDA_LAUNCH_CHECK("cast_kernel");

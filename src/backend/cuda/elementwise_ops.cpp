@@ -48,7 +48,7 @@ void run_cast(const OpCall& c, ExecContext& ctx) {
   const Tensor& out = c.outputs[0];
   const Tensor& x = c.inputs[0];
   launch_cast(x.dtype(), out.dtype(), out.numel(), x.data_ptr(), layout_for(x, out.shape()), plain(x, out.shape()),
-              out.data_ptr(), as_cuda(ctx.stream).handle());
+              out.data_ptr(), layout_for(out, out.shape()), out.is_contiguous(), as_cuda(ctx.stream).handle());
 }
 
 }  // namespace
@@ -72,7 +72,8 @@ void register_cuda_elementwise_kernels(KernelRegistry& r) {
                     [](const OpCall& c) {
                       if (!cast_supported(c.outputs[0].dtype()))
                         return Support::no("cuda cast covers f32, f64, bf16, f16, i32, i64");
-                      return elementwise_supports(c);
+                      if (c.outputs[0].dim() > kMaxDims) return Support::no("more than 8 dims");
+                      return Support::yes();  // strided outputs too (copy_into)
                     },
                     run_cast});
   }

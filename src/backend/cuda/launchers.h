@@ -28,8 +28,9 @@ void launch_binary(BinaryOp op, DType dtype, int64_t n, const void* a, const Str
                    const StridedLayout& lb, bool contiguous, void* out, cudaStream_t stream);
 void launch_unary(UnaryOp op, DType dtype, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
                   double alpha, void* out, cudaStream_t stream);
+// The output may be strided too (lo, out_contiguous false): a view whose elements are distinct (copy_into checks).
 void launch_cast(DType from, DType to, int64_t n, const void* x, const StridedLayout& lx, bool contiguous,
-                 void* out, cudaStream_t stream);
+                 void* out, const StridedLayout& lo, bool out_contiguous, cudaStream_t stream);
 bool cast_supported(DType t);
 
 // Sum over the `red` sub-space for each of the n_out positions of the `kept` sub-space.
