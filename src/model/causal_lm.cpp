@@ -141,6 +141,13 @@ std::pair<Tensor, Tensor> CausalLm::norm_stream(const ResidualStream& s, const T
   return {y[0], y[1]};
 }
 
+bool CausalLm::any_adapter(int64_t layer, const std::vector<LoraTarget>& targets, const PackedBatch& b) const {
+  if (!lora_ || b.segments.empty()) return false;
+  for (LoraTarget t : targets)
+    if (static_cast<const LoraBank*>(lora_)->slot(layer, t)) return true;
+  return false;
+}
+
 void CausalLm::pack_rows(const std::vector<int>& weights) {
   ExecContext cx = ctx();
   const Tensor& first = w(weights.front());
@@ -166,12 +173,8 @@ Tensor CausalLm::project_rows(int64_t layer, const std::vector<LoraTarget>& targ
                               const Tensor& x, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   std::vector<const Tensor*> values;
-  bool adapted = false;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    values.push_back(&w(weights[i]));
-    adapted = adapted || (lora_ && !b.segments.empty() && lora_->slot(layer, targets[i]));
-  }
-  if (const Tensor stacked = adapted ? Tensor() : stacked_rows(values); stacked.defined())
+  for (int i : weights) values.push_back(&w(i));
+  if (const Tensor stacked = any_adapter(layer, targets, b) ? Tensor() : stacked_rows(values); stacked.defined())
     return matmul(cx, x, stacked, {false, true});
   std::vector<Tensor> parts;
   for (size_t i = 0; i < weights.size(); ++i) parts.push_back(project(layer, targets[i], weights[i], x, b, training));
@@ -183,13 +186,11 @@ void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget
                                      const PackedBatch& b) {
   ExecContext cx = ctx();
   std::vector<const Tensor*> values, grads;
-  bool adapted = false;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    values.push_back(&w(weights[i]));
-    grads.push_back(&params_[size_t(weights[i])].grad);
-    adapted = adapted || (lora_ && !b.segments.empty() && lora_->slot(layer, targets[i]));
+  for (int i : weights) {
+    values.push_back(&w(i));
+    grads.push_back(&params_[size_t(i)].grad);
   }
-  const Tensor stacked = adapted ? Tensor() : stacked_rows(values);
+  const Tensor stacked = any_adapter(layer, targets, b) ? Tensor() : stacked_rows(values);
   bool none_yet = true;
   for (const Tensor* g : grads) none_yet = none_yet && !g->defined();
   const Tensor stacked_grad = none_yet ? Tensor() : stacked_rows(grads);

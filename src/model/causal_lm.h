@@ -136,6 +136,8 @@ class CausalLm {
   // project_backward() per weight.
   void project_rows_backward(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
                              const Tensor& x, const Tensor& dy, Tensor& dx, const PackedBatch& b);
+  // Whether an adapter of the batch applies to any of `targets` of `layer`.
+  bool any_adapter(int64_t layer, const std::vector<LoraTarget>& targets, const PackedBatch& b) const;
   // Makes the values of `weights` (2-D, equal column counts) consecutive row blocks of one new buffer, in order,
   // keeping their values: what project_rows fuses. Loading writes into these views (read_parameters), so they stay.
   void pack_rows(const std::vector<int>& weights);

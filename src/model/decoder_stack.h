@@ -56,8 +56,8 @@ struct DecoderStack {
     std::vector<ResidualStream> inputs;
     const bool keep = backward && !m.options_.recompute;
     const NormAttrs norm = final_norm(m);
-    const auto [xf, x_last] = m.norm_stream(hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward),
-                                            m.w(m.final_norm_), norm);
+    const ResidualStream out = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
+    const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);
     Tensor dxf;
     std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
     LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf, losses);

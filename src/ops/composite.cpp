@@ -41,7 +41,8 @@ void run_upcast(const OpCall& call, ExecContext& ctx) {
 
 // Whether `op` runs: a kernel of its own, or (bf16/f16) an f32 kernel that upcast_f32 can use.
 bool op_runs(const KernelRegistry& reg, OpId op, DeviceType dev, DType dt) {
-  return reg.has_kernel(op, dev, dt) || ((dt == DType::BF16 || dt == DType::F16) && reg.has_kernel(op, dev, DType::F32));
+  return reg.has_kernel(op, dev, dt) ||
+         ((dt == DType::BF16 || dt == DType::F16) && reg.has_kernel(op, dev, DType::F32));
 }
 
 // (T, n, D) heads [first, first + n) of qkv (T, heads D), as a contiguous copy.

@@ -143,9 +143,10 @@ struct RopeAttrs {
 // v (T, Hkv, D)): the output of a fused q/k/v projection split into heads, q's heads normalised with wq and k's with
 // wk (rmsnorm, `norm`) and rotated (rope, `rope`; inverse must be false), v's heads copied. The arithmetic of rmsnorm
 // then rope on heads copied out of qkv (the normalised value is rounded to the dtype before it is rotated), within one
-// rounding of those ops (tests/ops/test_fused_ops.cpp). qk_norm_rope_backward(qkv, wq, wk, positions, dq, dk, dv) -> (dqkv (T, (Hq + 2 Hkv)
-// D), dwq, dwk): the inverse rotation of dq and dk rounded to the dtype, then rmsnorm_backward per head; dv copied
-// into v's columns. Differentiated through q (the op's first output); dwq and dwk are deterministic.
+// rounding of those ops (tests/ops/test_fused_ops.cpp). qk_norm_rope_backward(qkv, wq, wk, positions, dq, dk, dv) ->
+// (dqkv (T, (Hq + 2 Hkv) D), dwq, dwk): the inverse rotation of dq and dk rounded to the dtype, then rmsnorm_backward
+// per head; dv copied into v's columns. Differentiated through q (the op's first output); dwq and dwk are
+// deterministic.
 struct QkNormRopeAttrs {
   int64_t q_heads = 0;
   int64_t kv_heads = 0;

@@ -58,7 +58,8 @@ template <typename From, typename To>
 __global__ void cast_kernel(int64_t n, const From* x, StridedLayout lx, bool contiguous, To* out, StridedLayout lo,
                             bool out_contiguous) {
   for (int64_t i = global_thread(); i < n; i += grid_threads())
-    store(out, out_contiguous ? i : strided_offset(i, lo), cast_value<To>(load(x, contiguous ? i : strided_offset(i, lx))));
+    store(out, out_contiguous ? i : strided_offset(i, lo),
+          cast_value<To>(load(x, contiguous ? i : strided_offset(i, lx))));
 }
 
 // ---------------------------------------------------------------- packed path

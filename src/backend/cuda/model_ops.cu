@@ -1011,7 +1011,8 @@ void launch_norm(DType dtype, int64_t rows, int64_t h, double eps, double offset
 
 // dw (h) = the sum of the (n_partial, h) partial rows at `scratch`, in the fixed order of column_group_sum_kernel and
 // column_sum_kernel; the group sums go after the partial rows (norm_backward_scratch_floats).
-template <typename T> void sum_partial_rows(int64_t n_partial, int64_t h, float* scratch, void* dw, cudaStream_t stream) {
+template <typename T>
+void sum_partial_rows(int64_t n_partial, int64_t h, float* scratch, void* dw, cudaStream_t stream) {
   const int64_t groups = (n_partial + kNormGroup - 1) / kNormGroup;
   float* sums = scratch + n_partial * h;
   const unsigned tiles = unsigned((h + kColumnTile - 1) / kColumnTile);
@@ -1136,11 +1137,13 @@ void launch_qk_norm_rope(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, i
     using T = decltype(t);
     const bool ok = dispatch_qk_lanes<T>(d, [&](auto lanes) {
       constexpr int kLanes = decltype(lanes)::value;
-      qk_norm_rope_kernel<T, kPackOf16<T>, kLanes><<<grid_for(tokens, kNormThreads / kLanes), kNormThreads, 0, stream>>>(
+      const int blocks = grid_for(tokens, kNormThreads / kLanes);
+      qk_norm_rope_kernel<T, kPackOf16<T>, kLanes><<<blocks, kNormThreads, 0, stream>>>(
           tokens, hq, hkv, float(eps), float(offset), freqs, static_cast<const T*>(qkv), static_cast<const T*>(wq),
           static_cast<const T*>(wk), positions, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v));
     });
-    if (!ok) throw_cuda_error("qk_norm_rope (head dim not 8, 16 or 32 packs)", cudaErrorInvalidValue, __FILE__, __LINE__);
+    if (!ok)
+      throw_cuda_error("qk_norm_rope (head dim not 8, 16 or 32 packs)", cudaErrorInvalidValue, __FILE__, __LINE__);
   });
   LATHE_CUDA_LAUNCH_CHECK("qk_norm_rope_kernel");
 }

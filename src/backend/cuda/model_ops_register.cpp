@@ -155,7 +155,8 @@ void run_rope(const OpCall& c, ExecContext& ctx) {
 Support qk_norm_rope_supports(const OpCall& c) {
   const auto& a = c.attr<QkNormRopeAttrs>();
   const int64_t d = c.inputs[1].size(0);
-  if (a.rope.rotary_dim != 0 && a.rope.rotary_dim != d) return Support::no("partial rotary dim (the composite takes it)");
+  if (a.rope.rotary_dim != 0 && a.rope.rotary_dim != d)
+    return Support::no("partial rotary dim (the composite takes it)");
   if (!qk_norm_rope_supported(c.inputs[0].dtype(), d)) return Support::no("head dim not 8, 16 or 32 16-byte packs");
   for (const auto* list : {&c.inputs, &c.outputs})
     for (const Tensor& t : *list)
