@@ -3,8 +3,8 @@
 // - upcast_f32: a bf16/f16 op with no exact kernel on its device runs as cast -> f32 kernel -> cast. The
 //   result is rounded once, at the output, which is what a native low-precision kernel with fp32 compute
 //   does too; `lathe kernels` shows where it is taken.
-// - swiglu_of_halves: swiglu_halves (+ backward) as swiglu (+ backward) on contiguous copies of the halves; the CPU
-//   reference, and what runs where no device has the fused kernel.
+// - swiglu_of_halves: swiglu_halves (+ backward) as swiglu (+ backward) on contiguous copies of the halves, the
+//   gradients copied into their columns; the CPU reference, and what runs where no device has the fused kernel.
 // - norm_then_rope: qk_norm_rope (+ backward) as the rmsnorm and rope ops (+ backwards) on heads copied out of (or
 //   into) the fused qkv rows; the CPU reference, and what runs where no device has the fused kernel.
 // Covered by tests/ops (the CPU rows for bf16/f16 all go through upcast_f32).
@@ -65,7 +65,9 @@ void run_swiglu_halves_backward(const OpCall& c, ExecContext& ctx) {
   const Tensor& gu = c.inputs[0];
   const Tensor g = gu_half(ctx, gu, 0);
   const std::vector<Tensor> d = swiglu_backward(ctx, g, gu_half(ctx, gu, 1), c.inputs[1].view(g.shape()));
-  copy_into(ctx, concat_columns(ctx, d).view(gu.shape()), c.outputs[0]);
+  const Tensor dgu = c.outputs[0].view({g.size(0), 2 * g.size(1)});
+  copy_into(ctx, d[0], dgu.narrow(1, 0, g.size(1)));  // each half straight into its columns
+  copy_into(ctx, d[1], dgu.narrow(1, g.size(1), g.size(1)));
 }
 
 void run_qk_norm_rope(const OpCall& c, ExecContext& ctx) {
@@ -93,8 +95,10 @@ void run_qk_norm_rope_backward(const OpCall& c, ExecContext& ctx) {
                        a.norm);
   const std::vector<Tensor> gk = rmsnorm_backward(ctx, qkv_heads(ctx, qkv, a.q_heads, a.kv_heads, d), c.inputs[2],
                                                   rope(ctx, c.inputs[5], pos, inverse), a.norm);
-  copy_into(ctx, concat_columns(ctx, {gq[0].view({t, -1}), gk[0].view({t, -1}), c.inputs[6].view({t, -1})}),
-            c.outputs[0]);
+  const Tensor& dqkv = c.outputs[0];  // each part straight into its columns
+  copy_into(ctx, gq[0].view({t, -1}), dqkv.narrow(1, 0, a.q_heads * d));
+  copy_into(ctx, gk[0].view({t, -1}), dqkv.narrow(1, a.q_heads * d, a.kv_heads * d));
+  copy_into(ctx, c.inputs[6].view({t, -1}), dqkv.narrow(1, (a.q_heads + a.kv_heads) * d, a.kv_heads * d));
   copy_into(ctx, gq[1], c.outputs[1]);
   copy_into(ctx, gk[1], c.outputs[2]);
 }
