@@ -82,27 +82,24 @@ void CausalLm::add_linear_grad(int index, const Tensor& dy, const Tensor& x) {
   else grad = matmul(cx, dy, x, {true, false});
 }
 
-Tensor CausalLm::project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training) {
-  ExecContext cx = ctx();
-  Tensor y = matmul(cx, x, w(weight), {false, true});
+void CausalLm::add_lora(int64_t layer, LoraTarget t, const Tensor& x, const Tensor& y, const PackedBatch& b,
+                        bool training) {
   const LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
-  if (!slot) return y;
+  if (!slot) return;
   // y += mask(dropout(x) A_cat^T) BT_cat: every adapter in two GEMMs, each row keeping its own adapter's columns.
+  ExecContext cx = ctx();
   const SegmentAttrs seg = lora_segments(*lora_, *slot, b, training);
   const Tensor xd = any_dropout(seg) ? dropout(cx, x, seg) : x;
   const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);
-  matmul_into(cx, u, slot->bt, y, {false, false, 1.0f, 1.0f});
-  return y;
+  Tensor out = y;
+  matmul_into(cx, u, slot->bt, out, {false, false, 1.0f, 1.0f});
 }
 
-void CausalLm::project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
-                                const PackedBatch& b) {
-  ExecContext cx = ctx();
-  if (dx.defined()) matmul_into(cx, dy, w(weight), dx, {false, false, 1.0f, 1.0f});
-  else dx = matmul(cx, dy, w(weight));
-  add_linear_grad(weight, dy, x);
+void CausalLm::lora_backward(int64_t layer, LoraTarget t, const Tensor& x, const Tensor& dy, Tensor& dx,
+                             const PackedBatch& b) {
   LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
   if (!slot) return;
+  ExecContext cx = ctx();
   const SegmentAttrs seg = lora_segments(*lora_, *slot, b, true);
   const bool drop = any_dropout(seg);
   const Tensor xd = drop ? dropout(cx, x, seg) : x;  // the same masks as the forward (same seeds)
@@ -112,6 +109,22 @@ void CausalLm::project_backward(int64_t layer, LoraTarget t, int weight, const T
   matmul_into(cx, du, xd, slot->grad_a, {true, false, 1.0f, 1.0f});  // dA += dU^T x
   if (drop) dx = add(cx, dx, dropout(cx, matmul(cx, du, slot->a), seg));
   else matmul_into(cx, du, slot->a, dx, {false, false, 1.0f, 1.0f});
+}
+
+Tensor CausalLm::project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training) {
+  ExecContext cx = ctx();
+  const Tensor y = matmul(cx, x, w(weight), {false, true});
+  add_lora(layer, t, x, y, b, training);
+  return y;
+}
+
+void CausalLm::project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
+                                const PackedBatch& b) {
+  ExecContext cx = ctx();
+  if (dx.defined()) matmul_into(cx, dy, w(weight), dx, {false, false, 1.0f, 1.0f});
+  else dx = matmul(cx, dy, w(weight));
+  add_linear_grad(weight, dy, x);
+  lora_backward(layer, t, x, dy, dx, b);
 }
 
 namespace {
@@ -141,13 +154,6 @@ std::pair<Tensor, Tensor> CausalLm::norm_stream(const ResidualStream& s, const T
   return {y[0], y[1]};
 }
 
-bool CausalLm::any_adapter(int64_t layer, const std::vector<LoraTarget>& targets, const PackedBatch& b) const {
-  if (!lora_ || b.segments.empty()) return false;
-  for (LoraTarget t : targets)
-    if (static_cast<const LoraBank*>(lora_)->slot(layer, t)) return true;
-  return false;
-}
-
 void CausalLm::pack_rows(const std::vector<int>& weights) {
   ExecContext cx = ctx();
   const Tensor& first = w(weights.front());
@@ -174,11 +180,20 @@ Tensor CausalLm::project_rows(int64_t layer, const std::vector<LoraTarget>& targ
   ExecContext cx = ctx();
   std::vector<const Tensor*> values;
   for (int i : weights) values.push_back(&w(i));
-  if (const Tensor stacked = any_adapter(layer, targets, b) ? Tensor() : stacked_rows(values); stacked.defined())
-    return matmul(cx, x, stacked, {false, true});
-  std::vector<Tensor> parts;
-  for (size_t i = 0; i < weights.size(); ++i) parts.push_back(project(layer, targets[i], weights[i], x, b, training));
-  return concat_columns(cx, parts);
+  const Tensor stacked = stacked_rows(values);
+  if (!stacked.defined()) {
+    std::vector<Tensor> parts;
+    for (size_t i = 0; i < weights.size(); ++i) parts.push_back(project(layer, targets[i], weights[i], x, b, training));
+    return concat_columns(cx, parts);
+  }
+  const Tensor y = matmul(cx, x, stacked, {false, true});
+  int64_t at = 0;  // each adapter's term adds into its weight's columns of y (a column slice: no copy)
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const int64_t n = w(weights[i]).size(0);
+    add_lora(layer, targets[i], x, y.narrow(1, at, n), b, training);
+    at += n;
+  }
+  return y;
 }
 
 void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget>& targets,
@@ -190,19 +205,25 @@ void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget
     values.push_back(&w(i));
     grads.push_back(&params_[size_t(i)].grad);
   }
-  const Tensor stacked = any_adapter(layer, targets, b) ? Tensor() : stacked_rows(values);
+  const Tensor stacked = stacked_rows(values);
   bool none_yet = true;
   for (const Tensor* g : grads) none_yet = none_yet && !g->defined();
   const Tensor stacked_grad = none_yet ? Tensor() : stacked_rows(grads);
-  if (stacked.defined() && (!options_.train_base || none_yet || stacked_grad.defined())) {
-    if (dx.defined()) matmul_into(cx, dy, stacked, dx, {false, false, 1.0f, 1.0f});
-    else dx = matmul(cx, dy, stacked);
-    if (!options_.train_base) return;
-    if (stacked_grad.defined()) {
-      Tensor g = stacked_grad;
-      matmul_into(cx, dy, x, g, {true, false, 1.0f, 1.0f});
-      return;
+  if (!stacked.defined() || (options_.train_base && !none_yet && !stacked_grad.defined())) {
+    int64_t at = 0;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t n = w(weights[i]).size(0);
+      project_backward(layer, targets[i], weights[i], x, dy.narrow(1, at, n), dx, b);
+      at += n;
     }
+    return;
+  }
+  if (dx.defined()) matmul_into(cx, dy, stacked, dx, {false, false, 1.0f, 1.0f});
+  else dx = matmul(cx, dy, stacked);
+  if (options_.train_base && stacked_grad.defined()) {
+    Tensor g = stacked_grad;
+    matmul_into(cx, dy, x, g, {true, false, 1.0f, 1.0f});
+  } else if (options_.train_base) {
     const Tensor g = matmul(cx, dy, x, {true, false});  // (out_0 + out_1 + ..., in): the gradients' one buffer
     int64_t at = 0;
     for (int i : weights) {
@@ -210,12 +231,11 @@ void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget
       p.grad = g.narrow(0, at, p.value.size(0));
       at += p.value.size(0);
     }
-    return;
   }
-  int64_t at = 0;
+  int64_t at = 0;  // the adapters read their weight's columns of dy (a column slice: no copy)
   for (size_t i = 0; i < weights.size(); ++i) {
     const int64_t n = w(weights[i]).size(0);
-    project_backward(layer, targets[i], weights[i], x, contiguous(cx, dy.narrow(1, at, n)), dx, b);
+    lora_backward(layer, targets[i], x, dy.narrow(1, at, n), dx, b);
     at += n;
   }
 }

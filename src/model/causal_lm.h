@@ -123,21 +123,25 @@ class CausalLm {
   // weight's gradient (unless frozen) and the adapters' slot gradients accumulate.
   void project_backward(int64_t layer, LoraTarget t, int weight, const Tensor& x, const Tensor& dy, Tensor& dx,
                         const PackedBatch& b);
+  // y += the adapters' terms of (layer, target) for x, where the batch has any: y is the projection's output or its
+  // columns in a wider output (a column slice, written in place).
+  void add_lora(int64_t layer, LoraTarget t, const Tensor& x, const Tensor& y, const PackedBatch& b, bool training);
+  // The adapters' part of project_backward for dy (a tensor or a column slice): their slot gradients accumulate and
+  // dx (defined) += their input gradient.
+  void lora_backward(int64_t layer, LoraTarget t, const Tensor& x, const Tensor& dy, Tensor& dx, const PackedBatch& b);
   // {rmsnorm(x; w), x} of the stream x = h + r, the add fused into the norm (residual_rmsnorm; rmsnorm when r is
   // undefined).
   std::pair<Tensor, Tensor> norm_stream(const ResidualStream& s, const Tensor& w, NormAttrs attrs);
   // project() of several weights over the same x, side by side: y (T, out_0 + out_1 + ...). One GEMM over the
-  // weights' stacked rows when they are consecutive row blocks of one buffer (pack_rows) and no adapter applies to
-  // any of them (the adapters' terms are per weight); else project() per weight, then concat_columns.
+  // weights' stacked rows when they are consecutive row blocks of one buffer (pack_rows), each adapter's term added
+  // into its weight's columns; else project() per weight, then concat_columns.
   Tensor project_rows(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
                       const Tensor& x, const PackedBatch& b, bool training);
   // The backward of project_rows() for dy (T, out_0 + out_1 + ...): one GEMM for dx and one for the stacked
-  // gradients (kept as row blocks of one buffer, so that later micro-batches accumulate into it), or
-  // project_backward() per weight.
+  // gradients (kept as row blocks of one buffer, so that later micro-batches accumulate into it), the adapters
+  // reading their columns of dy; or project_backward() per weight.
   void project_rows_backward(int64_t layer, const std::vector<LoraTarget>& targets, const std::vector<int>& weights,
                              const Tensor& x, const Tensor& dy, Tensor& dx, const PackedBatch& b);
-  // Whether an adapter of the batch applies to any of `targets` of `layer`.
-  bool any_adapter(int64_t layer, const std::vector<LoraTarget>& targets, const PackedBatch& b) const;
   // Makes the values of `weights` (2-D, equal column counts) consecutive row blocks of one new buffer, in order,
   // keeping their values: what project_rows fuses. Loading writes into these views (read_parameters), so they stay.
   void pack_rows(const std::vector<int>& weights);
@@ -190,15 +194,16 @@ class CausalLm {
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
 
  private:
-  // The routing of rows x (computed, uploaded); moe_route caches it per layer for the current batch.
+  // The routing of rows x (the moe_route op, its offsets and totals read back); cached_route keeps it per layer for
+  // the current batch.
   MoeRoute make_route(const MoeParams& p, const Tensor& x);
-  const MoeRoute& moe_route(int64_t layer, const MoeParams& p, const Tensor& x);
+  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
   MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
                     bool training);
   // The adapters of expert parameter t of `layer` for batch b (ExpertLora::slot nullptr when none, or no batch).
   ExpertLora expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r);
-  // The route's tensors only the backward reads (the forward and decoding do without them), uploaded on first use.
+  // The route's tensor only the backward reads (ones), uploaded on first use.
   void prepare_moe_backward(MoeRoute& r);
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
 };

@@ -1,9 +1,9 @@
-// The MLP of a layer, dense or mixture of experts (model/moe_layer.h, docs/moe.md): for experts, routing on the host
-// from the router logits, grouped GEMMs over the rows sorted by expert, a gather and a fixed-order combine, the shared
-// expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
+// The MLP of a layer, dense or mixture of experts (model/moe_layer.h, docs/moe.md): for experts, routing on the
+// model's device (the moe_route op) from the router logits, grouped GEMMs over the rows sorted by expert, a gather
+// and a fixed-order combine, the shared expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
 // Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
-// in fp32 on the host (double in an f64 model) and the combine weights rounded to the model dtype.
+// in fp32 (double in an f64 model) and the combine weights rounded to the model dtype.
 #include <string_view>
 
 #include "model/causal_lm.h"
@@ -32,11 +32,6 @@ std::vector<std::string> expert_parts(std::string_view fused_name) {
 std::string per_expert_name(std::string_view fused_name, int64_t expert, const std::string& part) {
   const std::string_view base = fused_name.substr(0, fused_name.rfind('.') + 1);
   return fmt::format("{}{}.{}.weight", base, expert, part);
-}
-
-// Uploads without waiting for the device (Runtime::upload): mid-pass, a waiting upload would drain the queue.
-Tensor upload_i32(Runtime& rt, const std::vector<int32_t>& v, Device d) {
-  return rt.upload(v.data(), {int64_t(v.size())}, DType::I32, d);
 }
 
 }  // namespace
@@ -128,7 +123,7 @@ Tensor CausalLm::mlp_eval(int64_t layer, const Tensor& hn) {
   return linear(cx, swiglu(cx, linear(cx, hn, w(p.gate)), linear(cx, hn, w(p.up))), w(p.down));
 }
 
-const MoeRoute& CausalLm::moe_route(int64_t layer, const MoeParams& p, const Tensor& x) {
+const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
   if (!r.valid) r = make_route(p, x);
   return r;
@@ -139,60 +134,41 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), e = c.num_experts, k = c.num_experts_per_tok;
-  LATHE_CHECK(t * e < (int64_t(1) << 31), "model: {} tokens x {} experts exceed the i32 index range of the routing",
-              t, e);
-  // The logits in the model dtype (transformers' F.linear), read exactly on the host: f32 holds bf16, f16 and f32
-  // values (half the bytes of f64, which only an f64 model needs).
+  // The logits in the model dtype (transformers' F.linear), routed in f32 (transformers' fp32 router; f64 in an f64
+  // model) where they are: the moe_route op.
   const DType rd = routing_dtype();
-  const Tensor logits = rt_->copy_to(cast(cx, linear(cx, x, w(p.router)), rd), Device::cpu());
-  // f32 logits route in float (transformers' fp32 router), an f64 model's in double.
-  r.choice = rd == DType::F32 ? route_tokens(std::span<const float>(logits.data<float>(), size_t(t * e)), t, e, k,
-                                             c.norm_topk_prob)
-                              : route_tokens(std::span<const double>(logits.data<double>(), size_t(t * e)), t, e, k,
-                                             c.norm_topk_prob);
-  r.plan = plan_routing(r.choice);
-  const std::vector<int32_t> position(r.plan.position.begin(), r.plan.position.end());
-  r.token_ids = upload_i32(*rt_, r.plan.token, options_.device);
-  r.position_ids = upload_i32(*rt_, position, options_.device);
-  r.weights = cast(cx, rt_->upload(r.choice.weight.data(), {t, k}, DType::F64, options_.device), options_.dtype);
+  const MoeRouting m = moe_route(cx, cast(cx, linear(cx, x, w(p.router)), rd), {k, c.norm_topk_prob});
+  const Tensor prob_sums = sum(cx, m.probs, {0});  // (E), queued before the wait below
+  // The one wait of the layer: the grouped GEMMs take their groups on the host.
+  const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
+  const int32_t* off = offsets.data<int32_t>();
+  LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (a layer's router produced NaN or Inf)",
+              off[e + 1]);
+  r.offsets.assign(off, off + e + 1);
+  const Tensor sums = rt_->copy_to(prob_sums, Device::cpu());
+  r.totals.tokens = t;
+  for (int64_t i = 0; i < e; ++i) {
+    r.totals.counts.push_back(r.offsets[size_t(i + 1)] - r.offsets[size_t(i)]);
+    r.totals.prob_sums.push_back(load_as_double(sums.data_ptr(), sums.dtype(), i));
+  }
+  r.token_ids = m.token;
+  r.position_ids = m.position;
+  r.pair_ids = m.pair;
+  r.weights = cast(cx, m.weights, options_.dtype);
+  r.probs = m.probs;
+  r.picked_ids = m.picked.view({t * k});
+  r.picked_w = m.weights;
+  r.inv_sum = m.inv_sum;
   r.valid = true;
   return r;
 }
 
 void CausalLm::prepare_moe_backward(MoeRoute& r) {
-  if (r.probs.defined()) return;  // once per batch and layer (a recomputing backward reuses it)
+  if (r.ones.defined()) return;  // once per batch and layer (a recomputing backward reuses it)
   ExecContext cx = ctx();
-  const ModelConfig& c = config_;
-  const int64_t t = r.choice.tokens, e = c.num_experts, k = c.num_experts_per_tok;
-  std::vector<int32_t> pair(size_t(t * k));
-  for (size_t i = 0; i < pair.size(); ++i) pair[i] = r.plan.token[i] * int32_t(k) + r.plan.slot[i];
-  r.pair_ids = upload_i32(*rt_, pair, options_.device);
+  const int64_t t = r.weights.size(0), k = r.weights.size(1);
   const std::vector<double> ones(size_t(t * k), 1.0);
   r.ones = cast(cx, rt_->upload(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
-  // The router's backward, on the device in the routing dtype (uploads only: no synchronisation in the backward).
-  const DType rd = routing_dtype();
-  auto upload = [&](const std::vector<double>& v, Shape shape) {
-    if (rd == DType::F64) return rt_->upload(v.data(), shape, DType::F64, options_.device);
-    std::vector<float> f(v.size());
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < int64_t(v.size()); ++i) f[size_t(i)] = float(v[size_t(i)]);
-    return rt_->upload(f.data(), shape, DType::F32, options_.device);
-  };
-  r.probs = upload(r.choice.probs, {t, e});
-  std::vector<int32_t> picked(size_t(t * k));
-  std::vector<double> inv_sum(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) {
-    double sum = 0;
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t ex = r.choice.expert[size_t(i * k + j)];
-      picked[size_t(i * k + j)] = int32_t(i * e) + ex;
-      sum += r.choice.probs[size_t(i * e + ex)];
-    }
-    inv_sum[size_t(i)] = 1.0 / sum;
-  }
-  r.picked_ids = upload_i32(*rt_, picked, options_.device);
-  r.picked_w = upload(r.choice.weight, {t, k});
-  r.inv_sum = upload(inv_sum, {t, 1});
 }
 
 ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r) {
@@ -212,7 +188,7 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
 MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x, const PackedBatch& b,
                               bool training) {
   LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
-  return moe_apply(layer, moe_route(layer, p, x), p, x, &b, training);
+  return moe_apply(layer, cached_route(layer, p, x), p, x, &b, training);
 }
 
 MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x,
@@ -220,17 +196,17 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok;
-  const GroupedMatmulAttrs g{r.plan.offsets, true};
+  const GroupedMatmulAttrs g{r.offsets, true};
   MoeActs a;
   a.x = x;
   a.xs = embedding(cx, x, r.token_ids);
   a.lora_gate_up = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
   a.lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
   a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.plan.offsets, a.gu);
+  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.offsets, a.gu);
   a.act = swiglu_halves(cx, a.gu);
   Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
-  if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.plan.offsets, yd);
+  if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.offsets, yd);
   a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
@@ -260,14 +236,14 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
   const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
   // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
-  const GroupedMatmulAttrs g{r.plan.offsets, true}, gt{r.plan.offsets, false};
+  const GroupedMatmulAttrs g{r.offsets, true}, gt{r.offsets, false};
   Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
   if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
-  if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.plan.offsets, dact);
+  if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.offsets, dact);
   const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
   if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
   Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
-  if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.plan.offsets, dxs);
+  if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.offsets, dxs);
   // Each token's k rows summed in a fixed order (a batched product with ones).
   Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,
@@ -297,20 +273,20 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
 }
 
 void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {
-  std::vector<const RouterChoice*> choices;
+  std::vector<RoutingTotals> totals;
   std::vector<MoeRoute*> routes;
   for (size_t l = 0; l < moe_routes_.size(); ++l) {
     MoeRoute& r = moe_routes_[l];
     if (!r.valid) continue;
-    choices.push_back(&r.choice);
+    totals.push_back(r.totals);
     routes.push_back(&r);
-    const ExpertLoad load = expert_load(r.plan);
+    const ExpertLoad load = expert_load(r.totals.counts);
     res.expert_load.push_back({int64_t(l), load.tokens_per_expert, load.max_over_mean});
   }
-  if (choices.empty()) return;
+  if (totals.empty()) return;
   const bool grad = backward && aux_loss_on();
   std::vector<double> dp;
-  res.aux_loss = load_balancing_loss(choices, nullptr, grad ? &dp : nullptr);
+  res.aux_loss = load_balancing_loss_totals(totals, grad ? &dp : nullptr);
   if (!grad) return;
   for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale;
   ExecContext cx = ctx();

@@ -1,11 +1,11 @@
 // The mixture-of-experts MLP of a sparse layer, shared by the families that have one (qwen3_moe in Qwen3Model,
 // qwen3_5_moe_text and qwen3_next in Qwen35Model); CausalLm::moe_forward / moe_backward compute it
 // (model/moe_layer.cpp, docs/moe.md):
-//   logits = x Wr^T (T, E) -> host routing (model/moe_routing.h: softmax, top-k, norm_topk_prob, the plan sorted by
-//   expert) -> xs = x[plan.token] (P = T k rows, sorted by expert) -> [gate | up] = one grouped GEMM with gate_up_proj
-//   (E, 2I, D) -> swiglu -> yd = grouped GEMM with down_proj (E, D, I) -> each token's k rows read
-//   back through plan.position and combined by a batched (1 x k) (k x D) product with its weights (a gather and a
-//   fixed-order sum: no scatter-add, deterministic)
+//   logits = x Wr^T (T, E) -> routing on the device (the moe_route op: softmax, top-k, norm_topk_prob, the plan
+//   sorted by expert; model/moe_routing.h is its host reference) -> xs = x[plan.token] (P = T k rows, sorted by
+//   expert) -> [gate | up] = one grouped GEMM with gate_up_proj (E, 2I, D) -> swiglu -> yd = grouped GEMM with
+//   down_proj (E, D, I) -> each token's k rows read back through plan.position and combined by a batched (1 x k)
+//   (k x D) product with its weights (a gather and a fixed-order sum: no scatter-add, deterministic)
 //   [+ sigmoid(x Wg^T) * shared_expert(x) when the family has a shared expert].
 // The routing of a layer is computed once per forward (begin_forward invalidates it) and reused by the recomputing
 // backward, so both passes see the same choices.
@@ -29,16 +29,16 @@ struct MoeParams {
   int shared_gate_w = -1;                                // mlp.shared_expert_gate.weight (1, D)
 };
 
-// One layer's routing for the current batch: the host choices and plan, and their device index tensors.
+// One layer's routing for the current batch, computed on the model's device by the moe_route op; the host keeps what
+// the grouped GEMMs and the loss need (offsets, counts, probability sums), read in one wait per layer.
 struct MoeRoute {
   bool valid = false;
-  RouterChoice choice;
-  RoutingPlan plan;
+  std::vector<int64_t> offsets;  // (E + 1) the plan's row offsets per expert (the grouped GEMMs' groups)
+  RoutingTotals totals;          // pairs per expert and the probabilities' column sums (aux loss, expert load)
   Tensor token_ids;     // (P) i32: the token of each sorted row (gathers xs from x)
   Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
-  Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
-  // Only the backward's (CausalLm::prepare_moe_backward uploads them on first use):
   Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather)
+  Tensor weights;       // (T, k) combine weights in the model dtype (transformers rounds them to it)
   Tensor ones;          // (T, 1, k) ones: sums a token's k rows as a batched product (the backward of the gather)
   // the router's backward on the device, in the routing dtype (f32; f64 for an f64 model):
   Tensor probs;         // (T, E) the softmax

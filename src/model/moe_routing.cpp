@@ -167,47 +167,73 @@ RoutingPlan plan_for_owner(const RoutingPlan& plan, int64_t first, int64_t count
   return part;
 }
 
-ExpertLoad expert_load(const RoutingPlan& plan) {
+ExpertLoad expert_load(std::span<const int64_t> counts) {
   ExpertLoad load;
-  load.tokens_per_expert = plan.counts;
-  const double mean = plan.experts > 0 ? double(plan.tokens * plan.top_k) / double(plan.experts) : 0.0;
-  const int64_t mx = plan.counts.empty() ? 0 : *std::max_element(plan.counts.begin(), plan.counts.end());
+  load.tokens_per_expert.assign(counts.begin(), counts.end());
+  int64_t pairs = 0, mx = 0;
+  for (int64_t n : counts) {
+    pairs += n;
+    mx = std::max(mx, n);
+  }
+  const double mean = counts.empty() ? 0.0 : double(pairs) / double(counts.size());
   load.max_over_mean = mean > 0 ? double(mx) / mean : 0.0;
   return load;
+}
+
+ExpertLoad expert_load(const RoutingPlan& plan) { return expert_load(plan.counts); }
+
+RoutingTotals routing_totals(const RouterChoice& r) {
+  RoutingTotals s;
+  s.tokens = r.tokens;
+  s.counts.assign(size_t(r.experts), 0);
+  s.prob_sums.assign(size_t(r.experts), 0.0);
+  for (int32_t e : r.expert) ++s.counts[size_t(e)];
+  for (int64_t t = 0; t < r.tokens; ++t)
+    for (int64_t e = 0; e < r.experts; ++e) s.prob_sums[size_t(e)] += r.probs[size_t(t * r.experts + e)];
+  return s;
+}
+
+double load_balancing_loss_totals(const std::vector<RoutingTotals>& layers, std::vector<double>* d_probs) {
+  LATHE_CHECK(!layers.empty(), "moe: the load-balancing loss needs at least one layer's routing");
+  const size_t experts = layers[0].counts.size();
+  int64_t rows = 0;
+  std::vector<double> routed(experts, 0.0), prob(experts, 0.0);
+  for (const RoutingTotals& l : layers) {
+    LATHE_CHECK(l.counts.size() == experts && l.prob_sums.size() == experts, "moe: layers route to {} and {} experts: "
+                "the load-balancing loss needs one expert count", experts, l.counts.size());
+    rows += l.tokens;
+    for (size_t e = 0; e < experts; ++e) {
+      routed[e] += double(l.counts[e]);
+      prob[e] += l.prob_sums[e];
+    }
+  }
+  if (d_probs) d_probs->assign(experts, 0.0);
+  if (rows == 0) return 0.0;
+  const double n = double(rows);
+  double loss = 0;
+  for (size_t e = 0; e < experts; ++e) loss += (routed[e] / n) * (prob[e] / n);
+  if (d_probs)  // d loss / d probs[r, e] = E f_e / N
+    for (size_t e = 0; e < experts; ++e) (*d_probs)[e] = double(experts) * (routed[e] / n) / n;
+  return loss * double(experts);
 }
 
 double load_balancing_loss(const std::vector<const RouterChoice*>& layers, std::vector<std::vector<double>>* d_logits,
                            std::vector<double>* d_probs) {
   LATHE_CHECK(!layers.empty(), "moe: the load-balancing loss needs at least one layer's router choices");
-  const int64_t experts = layers[0]->experts, top_k = layers[0]->top_k;
-  int64_t rows = 0;
+  std::vector<RoutingTotals> totals;
   for (const RouterChoice* r : layers) {
-    LATHE_CHECK(r->experts == experts && r->top_k == top_k, "moe: layers route to {} / top-{} and {} / top-{} "
-                "experts: the load-balancing loss needs one expert count and k", experts, top_k, r->experts, r->top_k);
-    rows += r->tokens;
+    LATHE_CHECK(r->experts == layers[0]->experts && r->top_k == layers[0]->top_k, "moe: layers route to {} / top-{} "
+                "and {} / top-{} experts: the load-balancing loss needs one expert count and k", layers[0]->experts,
+                layers[0]->top_k, r->experts, r->top_k);
+    totals.push_back(routing_totals(*r));
   }
-  if (d_logits) d_logits->clear();
-  if (rows == 0) {
-    if (d_logits)
-      for (size_t l = 0; l < layers.size(); ++l) d_logits->emplace_back();
-    if (d_probs) d_probs->assign(size_t(experts), 0.0);
-    return 0.0;
-  }
-  std::vector<double> routed(size_t(experts), 0.0), prob(size_t(experts), 0.0);
-  for (const RouterChoice* r : layers) {
-    for (int32_t e : r->expert) routed[size_t(e)] += 1.0;
-    for (int64_t t = 0; t < r->tokens; ++t)
-      for (int64_t e = 0; e < experts; ++e) prob[size_t(e)] += r->probs[size_t(t * experts + e)];
-  }
-  double loss = 0;
-  for (int64_t e = 0; e < experts; ++e) loss += (routed[size_t(e)] / double(rows)) * (prob[size_t(e)] / double(rows));
-  loss *= double(experts);
-  // d loss / d probs[r, e] = E f_e / N, then (d_logits) through each row's softmax
-  std::vector<double> dp(static_cast<size_t>(experts));
-  for (int64_t e = 0; e < experts; ++e) dp[size_t(e)] = double(experts) * (routed[size_t(e)] / double(rows)) / double(rows);
+  std::vector<double> dp;
+  const double loss = load_balancing_loss_totals(totals, &dp);
   if (d_probs) *d_probs = dp;
-  if (d_logits) {
+  if (d_logits) {  // through each row's softmax
+    d_logits->clear();
     for (const RouterChoice* r : layers) {
+      const int64_t experts = r->experts;
       std::vector<double> d(size_t(r->tokens * experts));
 #pragma omp parallel for schedule(static)
       for (int64_t t = 0; t < r->tokens; ++t)

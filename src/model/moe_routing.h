@@ -66,6 +66,16 @@ struct ExpertLoad {
   double max_over_mean = 0.0;
 };
 ExpertLoad expert_load(const RoutingPlan& plan);
+ExpertLoad expert_load(std::span<const int64_t> counts);  // from the pairs routed to each expert
+
+// What the load-balancing loss needs of one layer's routing: the pairs routed to each expert and the sum over the
+// layer's T rows of probs[., e] (the MoE layer reads both from the device; routing_totals computes them on the host).
+struct RoutingTotals {
+  int64_t tokens = 0;
+  std::vector<int64_t> counts;    // (E)
+  std::vector<double> prob_sums;  // (E)
+};
+RoutingTotals routing_totals(const RouterChoice& r);
 
 // transformers' load-balancing loss over the router choices of every MoE layer, their rows concatenated (N rows in
 // all): loss = E * sum_e f_e P_e with f_e = (pairs routed to e) / N and P_e = (sum over rows of probs[., e]) / N.
@@ -74,5 +84,7 @@ ExpertLoad expert_load(const RoutingPlan& plan);
 // (may be null) receives d(loss)/d(probs[r, e]) = E f_e / N, the same (E) vector for every row r of every layer.
 double load_balancing_loss(const std::vector<const RouterChoice*>& layers,
                            std::vector<std::vector<double>>* d_logits = nullptr, std::vector<double>* d_probs = nullptr);
+// The same from each layer's totals (no d_logits: the MoE layer applies d_probs through the softmax on the device).
+double load_balancing_loss_totals(const std::vector<RoutingTotals>& layers, std::vector<double>* d_probs = nullptr);
 
 }  // namespace lathe

@@ -140,6 +140,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::sum_squares_list:
     case OpId::adamw:
     case OpId::adamw_list:
+    case OpId::moe_route:  // piecewise constant choices; the router's backward is composed by the MoE layer
     case OpId::kCount:
       break;
   }

@@ -60,7 +60,8 @@ namespace lathe {
   X(gated_delta_rule_backward, 9) \
   X(gated_delta_rule_state, 7) \
   X(grouped_matmul, 2)   \
-  X(grouped_matmul_weight_grad, 2)
+  X(grouped_matmul_weight_grad, 2) \
+  X(moe_route, 1)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -277,8 +278,28 @@ struct GroupedMatmulAttrs {
   bool trans_w = true;
 };
 
+// moe_route(logits (T, E) f32 or f64) -> (probs, weights, picked, inv_sum, offsets, token, pair, position): a
+// mixture-of-experts layer's routing for one batch, computed where the logits are (model/moe_routing.h has the host
+// reference and the conventions; P = T k pairs):
+//   probs (T, E): the softmax of each row, in the logits' dtype (transformers' fp32 router);
+//   weights (T, k): the k largest probabilities, larger first, ties to the lower expert index, divided by their sum S
+//     when norm_topk_prob (S summed in rank order, in the logits' dtype);
+//   picked (T, k) i32: t E + e for the expert e of pair (t, j), the flat index into probs;
+//   inv_sum (T, 1): 1 / S when norm_topk_prob, else 1;
+//   offsets (E + 2) i32: pairs offsets[e] .. offsets[e + 1] - 1 of the plan go to expert e (offsets[0] = 0,
+//     offsets[E] = P); offsets[E + 1] is the first token with a non-finite logit, or -1 (the caller refuses the batch:
+//     a NaN has no place in a top-k);
+//   token (P) i32, pair (P) i32: the token t and the pair t k + j of each sorted row, sorted by expert, then token,
+//     then slot (a pure function of the choices: deterministic);
+//   position (T k) i32: the sorted row of pair t k + j (the inverse permutation).
+// Not differentiable (the router's backward is composed from its outputs: model/moe_layer.cpp).
+struct MoeRouteAttrs {
+  int64_t top_k = 1;
+  bool norm_topk_prob = false;
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
                              NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs,
-                             SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs>;
+                             SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs, MoeRouteAttrs>;
 
 }  // namespace lathe

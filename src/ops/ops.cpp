@@ -44,6 +44,7 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::gated_delta_rule_state: return expect(GatedDeltaAttrs{});
     case OpId::grouped_matmul:
     case OpId::grouped_matmul_weight_grad: return expect(GroupedMatmulAttrs{});
+    case OpId::moe_route: return expect(MoeRouteAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -63,17 +64,65 @@ std::vector<Tensor> call_op(ExecContext& ctx, OpId op, std::vector<Tensor> input
   return call.outputs;
 }
 
+bool rows_contiguous(const Tensor& t) {
+  return t.dim() == 2 && (t.size(1) <= 1 || t.strides()[1] == 1) && (t.size(0) <= 1 || t.strides()[0] >= t.size(1));
+}
+
+int64_t leading_dim(const Tensor& t) { return std::max<int64_t>({t.size(0) > 1 ? t.strides()[0] : 0, t.size(1), 1}); }
+
+Support matmul_layout(const OpCall& call) {
+  const bool flat = call.inputs[0].dim() == 2 && call.inputs[1].dim() == 2;
+  for (const Tensor* t : {&call.inputs[0], &call.inputs[1], &call.outputs[0]})
+    if (!t->is_contiguous() && !(flat && rows_contiguous(*t)))
+      return Support::no("operands must be contiguous, or 2-D with contiguous rows in an unbatched product");
+  return Support::yes();
+}
+
+namespace {
+
+// Runs a matmul call whose outputs are set. Its operands are contiguous or 2-D with contiguous rows (column slices),
+// which the kernels of matmul_layout read and write in place; where the resolved kernel would not (a bf16 product on
+// the CPU runs as upcast_f32), the operands are copied and a strided output is written back.
+void run_matmul(ExecContext& ctx, OpCall call) {
+  bool strided = false;
+  for (const Tensor* t : {&call.inputs[0], &call.inputs[1], &call.outputs[0]}) strided = strided || !t->is_contiguous();
+  if (!strided || ctx.registry.has_exact(call)) {
+    run_op(ctx, call);
+    return;
+  }
+  for (Tensor& t : call.inputs) t = contiguous(ctx, t);
+  const Tensor dst = call.outputs[0];
+  call.outputs[0] = contiguous(ctx, dst);  // beta != 0 reads it
+  run_op(ctx, call);
+  if (!dst.is_contiguous()) copy_into(ctx, call.outputs[0], dst);
+}
+
+// An operand as a matmul takes it: as it is when contiguous or, in an unbatched product, 2-D with contiguous rows.
+Tensor matmul_operand(ExecContext& ctx, const Tensor& t, bool flat) {
+  return flat && rows_contiguous(t) ? t : contiguous(ctx, t);
+}
+
+}  // namespace
+
 Tensor matmul(ExecContext& ctx, const Tensor& a, const Tensor& b, MatmulAttrs attrs) {
-  return call_op(ctx, OpId::matmul, {contiguous(ctx, a), contiguous(ctx, b)}, attrs)[0];
+  LATHE_CHECK(attrs.beta == 0.0f, "ops: matmul with beta != 0 reads its output: use matmul_into");
+  const bool flat = a.dim() == 2 && b.dim() == 2;
+  OpCall call{OpId::matmul, {matmul_operand(ctx, a, flat), matmul_operand(ctx, b, flat)}, {}, attrs};
+  const TensorSpec spec = infer_outputs(OpId::matmul, call.inputs, call.attrs)[0];
+  call.outputs.push_back(Tensor::empty(spec.shape, spec.dtype, ctx.allocator));
+  run_matmul(ctx, call);
+  return call.outputs[0];
 }
 
 void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out, MatmulAttrs attrs) {
-  OpCall call{OpId::matmul, {contiguous(ctx, a), contiguous(ctx, b)}, {out}, attrs};
+  const bool flat = a.dim() == 2 && b.dim() == 2;
+  OpCall call{OpId::matmul, {matmul_operand(ctx, a, flat), matmul_operand(ctx, b, flat)}, {out}, attrs};
   const TensorSpec spec = infer_outputs(OpId::matmul, call.inputs, call.attrs)[0];
-  LATHE_CHECK(out.shape() == spec.shape && out.dtype() == spec.dtype && out.is_contiguous(),
-              "ops: matmul_into output {} should be a contiguous {}{}", out.describe(), dtype_name(spec.dtype),
-              shape_str(spec.shape));
-  run_op(ctx, call);
+  LATHE_CHECK(out.shape() == spec.shape && out.dtype() == spec.dtype && (out.is_contiguous() ||
+                                                                         (flat && rows_contiguous(out))),
+              "ops: matmul_into output {} should be a {}{}, contiguous or (2-D operands) with contiguous rows",
+              out.describe(), dtype_name(spec.dtype), shape_str(spec.shape));
+  run_matmul(ctx, call);
 }
 
 Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b) { return call_op(ctx, OpId::add, {a, b})[0]; }
@@ -324,6 +373,11 @@ Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs
 
 Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs) {
   return call_op(ctx, OpId::dropout, {contiguous(ctx, x)}, attrs)[0];
+}
+
+MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_route, {contiguous(ctx, logits)}, attrs);
+  return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
 }
 
 }  // namespace lathe

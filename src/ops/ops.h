@@ -27,6 +27,13 @@ Tensor matmul(ExecContext& ctx, const Tensor& a, const Tensor& b, MatmulAttrs at
 // y = x w^T for x (n, in) and a weight w (out, in) as Hugging Face stores it.
 Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w);
 void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out, MatmulAttrs attrs);
+// In an unbatched product (2-D a and b), matmul and matmul_into take a, b and out as they are when each is 2-D with
+// contiguous rows at least a row apart (rows_contiguous: a matrix or a column slice of a wider one, such as one
+// projection's columns of a fused q/k/v output), addressed by its leading dimension; anything else is made
+// contiguous first. Every matmul kernel takes that layout (matmul_layout).
+bool rows_contiguous(const Tensor& t);
+int64_t leading_dim(const Tensor& t);  // elements from one row of such a tensor to the next (>= its row length, >= 1)
+Support matmul_layout(const OpCall& call);
 Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor mul(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor scale(ExecContext& ctx, const Tensor& x, double alpha);
@@ -164,6 +171,15 @@ Support grouped_matmul_layout(const OpCall& call);
 std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
 std::vector<Tensor> grouped_matmul_op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
                                                const OpAttrs& attrs, const Tensor& grad_output);
+
+// A mixture-of-experts layer's routing for one batch on the logits' device (formulas and layouts at MoeRouteAttrs in
+// ops/op_table.h): the router choice and the plan of pairs sorted by expert, in one op.
+struct MoeRouting {
+  Tensor probs, weights, picked, inv_sum;  // (T, E), (T, k), (T, k) i32, (T, 1)
+  Tensor offsets;                          // (E + 2) i32: the plan's offsets, then the first non-finite token or -1
+  Tensor token, pair, position;            // (P) i32 each
+};
+MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

@@ -379,6 +379,17 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
     case OpId::grouped_matmul:
     case OpId::grouped_matmul_weight_grad:
       return infer_grouped_matmul_outputs(op, in, attrs);  // ops/grouped_matmul.cpp
+    case OpId::moe_route: {
+      const auto& a = std::get<MoeRouteAttrs>(attrs);
+      LATHE_CHECK(in[0].dim() == 2 && (in[0].dtype() == DType::F32 || in[0].dtype() == DType::F64),
+                  "ops: moe_route needs f32 or f64 router logits (T, E), got {}", in[0].describe());
+      const int64_t t = in[0].size(0), e = in[0].size(1), k = a.top_k;
+      LATHE_CHECK(e >= 1 && k >= 1 && k <= e, "ops: moe_route needs 1 <= top_k <= experts, got top_k {} of {}", k, e);
+      LATHE_CHECK(t * e < (int64_t(1) << 31), "ops: moe_route: {} tokens x {} experts exceed the i32 index range", t, e);
+      const DType dt = in[0].dtype();
+      return {{{t, e}, dt}, {{t, k}, dt}, {{t, k}, DType::I32}, {{t, 1}, dt}, {{e + 2}, DType::I32},
+              {{t * k}, DType::I32}, {{t * k}, DType::I32}, {{t * k}, DType::I32}};
+    }
     case OpId::kCount: break;
   }
   LATHE_FAIL("ops: invalid op id {}", int(op));

@@ -9,6 +9,8 @@
 // tests/ops/test_grouped_matmul.cpp checks them on every device.
 #include "testing/op_check.h"
 
+#include <tuple>
+
 namespace lathe {
 
 namespace {
@@ -70,6 +72,16 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_weight_grad(24, 16, {0, 10, 1, 29, 0}, kFloat);
   add_weight_grad(16, 16, {0, 0, 0, 0}, kFloat);  // P = 0: every block is zero
   add_weight_grad(48, 64, {37, 0, 101, 5, 60, 1, 64, 32}, kLarge);
+
+  // moe_route(logits (T, E)): f32 and f64 logits (the routing dtypes); the integer outputs (choices, plan) must be
+  // exact. Qwen3-30B-A3B's 128 / top-8 and Qwen3-Next's 512 / top-10 (several probabilities per lane), k = E, k = 1 of
+  // one expert, an expert count that is no power of two, and an empty batch.
+  const std::vector<DType> kRouting = {DType::F64, DType::F32};
+  for (const auto& [t, e, k, norm] : {std::tuple<int64_t, int64_t, int64_t, bool>{9, 6, 2, true}, {5, 4, 4, false},
+                                      {300, 128, 8, true}, {40, 512, 10, true}, {33, 60, 4, false}, {3, 1, 1, true},
+                                      {0, 8, 2, true}})
+    c.push_back({OpId::moe_route, fmt::format("t={},e={},k={},norm={}", t, e, k, int(norm)), {{t, e}},
+                 MoeRouteAttrs{k, norm}, kRouting, false, false});
 }
 
 }  // namespace lathe

@@ -3,7 +3,7 @@
 // halves of each row; qk_norm_rope is within one rounding of rmsnorm then rope. The CPU's bf16/f16 rows go through
 // upcast_f32, which keeps intermediates in f32 between the steps, so they are the op check's business (tolerance), not
 // this test's. Values against the f64 reference and the backwards: the op-check cases. Also copy_into's strided
-// destinations (concat_columns).
+// destinations (concat_columns), and matmul on column slices.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -122,6 +122,49 @@ TEST(CopyInto, WritesAColumnSliceAndRefusesOverlappingDestinations) {
 // qk_norm_rope against the ops it fuses (heads copied out of qkv, rmsnorm, rope; backward: inverse rope,
 // rmsnorm_backward): within one rounding of the output dtype everywhere; bitwise where the device rounds alike (the
 // count of differing values is printed).
+// matmul / matmul_into with column slices as A, B and C (cuBLASLt and BLAS leading dimensions, no copies): the
+// result equals the product of contiguous copies, and the columns of C outside the slice stay untouched. Every
+// transpose combination, beta 0 and 1; CPU f32 and f64, and CUDA f32 and bf16 where a GPU exists.
+TEST(Matmul, ReadsAndWritesColumnSlices) {
+  std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F32}, {Device::cpu(), DType::F64}};
+  if (runtime().has_device(Device::cuda(0)))
+    for (DType dt : {DType::F32, DType::BF16}) rows.push_back({Device::cuda(0), dt});
+  const int64_t m = 40, n = 24, k = 32;  // slices of 48-, 64- and 56-column matrices, 16-byte aligned in bf16
+  for (const auto& [device, dtype] : rows)
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 1.0f}) {
+          std::mt19937_64 rng{uint64_t(ta * 4 + tb * 2 + int(beta))};
+          ExecContext ctx = runtime().context(device);
+          const Tensor wa = random_tensor(rng, ta ? Shape{k, 48} : Shape{m, 48}, dtype, device);
+          const Tensor wb = random_tensor(rng, tb ? Shape{n, 64} : Shape{k, 64}, dtype, device);
+          const Tensor wc = random_tensor(rng, {m, 56}, dtype, device);
+          const Tensor a = wa.narrow(1, 8, ta ? m : k), b = wb.narrow(1, 16, tb ? k : n);
+          Tensor c = wc.narrow(1, 24, n);
+          const Tensor left = contiguous(ctx, wc.narrow(1, 0, 24));
+          const MatmulAttrs at{ta, tb, 1.0f, beta};
+          Tensor want = contiguous(ctx, c);
+          matmul_into(ctx, contiguous(ctx, a), contiguous(ctx, b), want, at);
+          matmul_into(ctx, a, b, c, at);
+          const std::string where = fmt::format("{} {} ta={} tb={} beta={}", device.str(), dtype_name(dtype), ta, tb,
+                                                beta);
+          const Tensor got = runtime().copy_to(cast(ctx, contiguous(ctx, c), DType::F64), Device::cpu());
+          const Tensor ref = runtime().copy_to(cast(ctx, want, DType::F64), Device::cpu());
+          // Two roundings of the result apart at most (either side may take another algorithm): 1e-2 relative in bf16.
+          const double rel = dtype == DType::BF16 ? 1e-2 : 1e-5;
+          const auto tol = [&](double v) { return rel * std::max(1.0, std::abs(v)); };
+          for (int64_t i = 0; i < got.numel(); ++i)
+            ASSERT_NEAR(got.data<double>()[i], ref.data<double>()[i], tol(ref.data<double>()[i])) << where << " " << i;
+          EXPECT_TRUE(same_bits(contiguous(ctx, wc.narrow(1, 0, 24)), left)) << where << ": columns left of C";
+          if (beta == 0.0f) {  // the plain product too
+            const Tensor y = matmul(ctx, a, b, {ta, tb});
+            const Tensor yc = runtime().copy_to(cast(ctx, y, DType::F64), Device::cpu());
+            for (int64_t i = 0; i < yc.numel(); ++i)
+              ASSERT_NEAR(yc.data<double>()[i], ref.data<double>()[i], tol(ref.data<double>()[i])) << where << " " << i;
+          }
+        }
+}
+
 TEST(QkNormRope, IsTheNormThenTheRotationWithinOneRounding) {
   for (const auto& [device, dtype] : bitwise_rows()) {
     const int64_t t = 300, hq = 8, hkv = 2, d = 128;

@@ -9,6 +9,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/registry.h"
 #include "core/error.h"
+#include "ops/ops.h"
 
 namespace lathe::cuda {
 
@@ -56,7 +57,7 @@ struct GemmOperands {
 // A candidate that fails to run is skipped; when scratch memory cannot be had, the heuristic's first choice stands.
 cublasLtMatmulAlgo_t fastest_algo(CudaStream& stream, const GemmProblem& p, const GemmPlan& plan,
                                   const std::vector<cublasLtMatmulHeuristicResult_t>& results, const GemmOperands& o) {
-  const int64_t c_elems = (p.batch > 1 ? p.stride_c * (p.batch - 1) : 0) + p.m * p.n;
+  const int64_t c_elems = (p.batch > 1 ? p.stride_c * (p.batch - 1) : 0) + (p.m - 1) * p.ld_c + p.n;
   const size_t c_bytes = size_t(c_elems) * dtype_size(p.dtype);
   void* scratch = nullptr;
   if (cudaMalloc(&scratch, c_bytes) != cudaSuccess) {
@@ -107,12 +108,13 @@ std::unique_ptr<GemmPlan> make_plan(CudaStream& stream, const GemmProblem& p, co
   const cublasOperation_t op_second = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   LATHE_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-  // Stored column-major shapes: B is (N x K, ld N) or, transposed, (K x N, ld K); A is (K x M, ld K) or (M x K, ld M).
-  plan->a = p.trans_b ? make_layout(type, p.k, p.n, p.k, p.batch, p.stride_b)
-                      : make_layout(type, p.n, p.k, p.n, p.batch, p.stride_b);
-  plan->b = p.trans_a ? make_layout(type, p.m, p.k, p.m, p.batch, p.stride_a)
-                      : make_layout(type, p.k, p.m, p.k, p.batch, p.stride_a);
-  plan->c = make_layout(type, p.n, p.m, p.n, p.batch, p.stride_c);
+  // Stored column-major shapes: B is (N x K) or, transposed, (K x N); A is (K x M) or (M x K); C is (N x M); the
+  // leading dimensions are the row strides of the row-major tensors.
+  plan->a = p.trans_b ? make_layout(type, p.k, p.n, p.ld_b, p.batch, p.stride_b)
+                      : make_layout(type, p.n, p.k, p.ld_b, p.batch, p.stride_b);
+  plan->b = p.trans_a ? make_layout(type, p.m, p.k, p.ld_a, p.batch, p.stride_a)
+                      : make_layout(type, p.k, p.m, p.ld_a, p.batch, p.stride_a);
+  plan->c = make_layout(type, p.n, p.m, p.ld_c, p.batch, p.stride_c);
 
   cublasLtMatmulPreference_t pref = nullptr;
   LATHE_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -143,12 +145,7 @@ int pointer_alignment(const void* p) {
   return align;
 }
 
-Support gemm_supports(const OpCall& call) {
-  for (const Tensor& t : call.inputs)
-    if (!t.is_contiguous()) return Support::no("inputs must be contiguous");
-  if (!call.outputs[0].is_contiguous()) return Support::no("output must be contiguous");
-  return Support::yes();
-}
+Support gemm_supports(const OpCall& call) { return matmul_layout(call); }
 
 void run_matmul(const OpCall& call, ExecContext& ctx) {
   const Tensor& a = call.inputs[0];
@@ -171,6 +168,10 @@ void run_matmul(const OpCall& call, ExecContext& ctx) {
   p.stride_a = p.m * p.k;
   p.stride_b = p.k * p.n;
   p.stride_c = p.m * p.n;
+  const bool flat = a.dim() == 2 && b.dim() == 2;  // else contiguous (matmul_layout)
+  p.ld_a = flat ? leading_dim(a) : (at.trans_a ? p.m : p.k);
+  p.ld_b = flat ? leading_dim(b) : (at.trans_b ? p.k : p.n);
+  p.ld_c = flat ? leading_dim(c) : p.n;
   p.accumulate = at.beta != 0.0f;
   p.align_a = pointer_alignment(a.data_ptr());
   p.align_b = pointer_alignment(b.data_ptr());

@@ -1,5 +1,6 @@
 // cuBLASLt GEMM for row-major tensors: C = alpha op(A) op(B) + beta C, bf16/f16/f32 inputs, fp32 compute
-// (no TF32 for f32, so f32 results match the CPU reference), strided batches. A plan (descriptors and the
+// (no TF32 for f32, so f32 results match the CPU reference), strided batches, and leading dimensions (an unbatched
+// product's operands may be column slices of wider matrices). A plan (descriptors and the
 // heuristic's first algorithm) is cached per stream and shape, so steady-state calls skip the heuristic. With
 // autotuning (GemmProblem::autotune, from ExecContext::gemm_autotune) the plan instead holds the fastest of the
 // heuristic's first kAutotuneCandidates algorithms, timed on the first call's own operands into a scratch output.
@@ -24,12 +25,13 @@ struct GemmProblem {
   bool trans_a, trans_b;
   int64_t batch, m, n, k;
   int64_t stride_a, stride_b, stride_c;  // elements between batches (0 = shared)
+  int64_t ld_a, ld_b, ld_c;              // elements between rows of the stored A, B and C (column slices: wider)
   bool accumulate;                       // beta != 0
   int align_a, align_b, align_c;         // pointer alignment in bytes (min 16, max 256)
   bool autotune = false;                 // time the heuristic's candidates on the first call, keep the fastest
   auto key() const {
-    return std::tuple(int(dtype), trans_a, trans_b, batch, m, n, k, stride_a, stride_b, stride_c, accumulate,
-                      align_a, align_b, align_c, autotune);
+    return std::tuple(int(dtype), trans_a, trans_b, batch, m, n, k, stride_a, stride_b, stride_c, ld_a, ld_b, ld_c,
+                      accumulate, align_a, align_b, align_c, autotune);
   }
 };
 

@@ -108,4 +108,16 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
 void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ignore_index, double grad_scale,
                           const void* logits, const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream);
 
+// moe_route (moe_route.cu) on f32 logits (tokens, experts); outputs as MoeRouteAttrs in ops/op_table.h lays them out.
+struct MoeRouteArgs {
+  int64_t tokens = 0, experts = 0, top_k = 0;
+  bool norm_topk_prob = false;
+  const float* logits = nullptr;
+  float *probs = nullptr, *weights = nullptr, *inv_sum = nullptr;
+  int32_t *picked = nullptr, *offsets = nullptr, *token = nullptr, *pair = nullptr, *position = nullptr;
+};
+size_t moe_route_scratch_bytes(int64_t pairs);
+int64_t moe_route_max_experts();  // a row of probabilities per warp lives in shared memory
+void launch_moe_route(const MoeRouteArgs& args, void* scratch, cudaStream_t stream);
+
 }  // namespace lathe::cuda

@@ -270,9 +270,39 @@ void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
                        a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
 }
 
+Support moe_route_supports(const OpCall& c) {
+  if (c.inputs[0].size(1) > moe_route_max_experts())
+    return Support::no(fmt::format("more than {} experts", moe_route_max_experts()));
+  return contiguous_supports(c);
+}
+
+void run_moe_route(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<MoeRouteAttrs>();
+  const Tensor& logits = c.inputs[0];
+  const int64_t bytes = int64_t(moe_route_scratch_bytes(logits.size(0) * a.top_k));
+  const Tensor scratch = Tensor::empty({bytes}, DType::U8, ctx.allocator);  // the sort's buffers
+  MoeRouteArgs args;
+  args.tokens = logits.size(0);
+  args.experts = logits.size(1);
+  args.top_k = a.top_k;
+  args.norm_topk_prob = a.norm_topk_prob;
+  args.logits = logits.data<float>();
+  args.probs = c.outputs[0].data<float>();
+  args.weights = c.outputs[1].data<float>();
+  args.picked = c.outputs[2].data<int32_t>();
+  args.inv_sum = c.outputs[3].data<float>();
+  args.offsets = c.outputs[4].data<int32_t>();
+  args.token = c.outputs[5].data<int32_t>();
+  args.pair = c.outputs[6].data<int32_t>();
+  args.position = c.outputs[7].data<int32_t>();
+  launch_moe_route(args, scratch.data_ptr(), stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_model_kernels(KernelRegistry& r) {
+  r.add(KernelDef{OpId::moe_route, DeviceType::CUDA, DType::F32, "cuda/route_rows_radix_plan", moe_route_supports,
+                  run_moe_route});
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     const auto add = [&](OpId op, const char* name, SupportsFn supports, RunFn run) {
       r.add(KernelDef{op, DeviceType::CUDA, dt, name, std::move(supports), std::move(run)});
