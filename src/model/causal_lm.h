@@ -47,6 +47,11 @@ struct ModelOptions {
   // MoE models: whether the trained loss includes router_aux_loss_coef x the load-balancing loss. Unset: the
   // config's output_router_logits decides, as in transformers (off in released Qwen MoE configs).
   std::optional<bool> router_aux_loss;
+  // MoE models: the experts' GEMMs of a batch run as one batched GEMM over (E, M, .) blocks, M = the largest expert's
+  // row count rounded up to 8 (padding rows computed and discarded), when E M <= moe_padded_max_waste x the routed rows
+  // and no expert adapter applies; else as grouped GEMMs over the exact rows. 0 keeps the grouped GEMMs always
+  // (docs/moe.md: the batched GEMM runs near dense speed, the grouped one well below it).
+  double moe_padded_max_waste = 1.5;
 };
 
 struct LossResult {

@@ -151,6 +151,17 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
     r.totals.counts.push_back(r.offsets[size_t(i + 1)] - r.offsets[size_t(i)]);
     r.totals.prob_sums.push_back(load_as_double(sums.data_ptr(), sums.dtype(), i));
   }
+  // The batched expert GEMMs when padding every expert to the largest count wastes little (ModelOptions).
+  int64_t most = 0;
+  for (int64_t n : r.totals.counts) most = std::max(most, n);
+  const int64_t rows = (most + 7) / 8 * 8, pairs = t * k;
+  if (pairs > 0 && double(e * rows) <= options_.moe_padded_max_waste * double(pairs)) {
+    const MoePadPlan pad = moe_pad_plan(cx, m.offsets, m.pair, {rows, k});
+    r.pad_rows = rows;
+    r.pad_token = pad.token;
+    r.pad_pair = pad.pair;
+    r.pad_position = pad.position;
+  }
   r.token_ids = m.token;
   r.position_ids = m.position;
   r.pair_ids = m.pair;
@@ -196,18 +207,28 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = x.size(0), d = x.size(1), k = c.num_experts_per_tok;
-  const GroupedMatmulAttrs g{r.offsets, true};
   MoeActs a;
   a.x = x;
-  a.xs = embedding(cx, x, r.token_ids);
   a.lora_gate_up = expert_lora(layer, LoraTarget::experts_gate_up, b, r);
   a.lora_down = expert_lora(layer, LoraTarget::experts_down, b, r);
-  a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-  if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.offsets, a.gu);
-  a.act = swiglu_halves(cx, a.gu);
-  Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
-  if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.offsets, yd);
-  a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
+  a.padded = r.pad_rows > 0 && !a.lora_gate_up.slot && !a.lora_down.slot;
+  if (a.padded) {  // (E, M, .) blocks, one batched GEMM each (padding rows hold token 0's row; never read back)
+    const int64_t e = c.num_experts, m = r.pad_rows, in = c.moe_intermediate_size;
+    a.xs = embedding(cx, x, r.pad_token);  // (E M, D)
+    a.gu = matmul(cx, a.xs.view({e, m, d}), w(p.gate_up), {false, true}).view({e * m, 2 * in});
+    a.act = swiglu_halves(cx, a.gu);
+    const Tensor yd = matmul(cx, a.act.view({e, m, in}), w(p.down), {false, true}).view({e * m, d});
+    a.picked = embedding(cx, yd, r.pad_position).view({t, k, d});
+  } else {
+    const GroupedMatmulAttrs g{r.offsets, true};
+    a.xs = embedding(cx, x, r.token_ids);
+    a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
+    if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.offsets, a.gu);
+    a.act = swiglu_halves(cx, a.gu);
+    Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
+    if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.offsets, yd);
+    a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
+  }
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
     const PackedBatch none;  // decoding: no adapters (merged)
@@ -232,20 +253,36 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok;
   const bool train = options_.train_base;
   // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.
-  const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
   const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
-  const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
-  // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
-  const GroupedMatmulAttrs g{r.offsets, true}, gt{r.offsets, false};
-  Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
-  if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
-  if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.offsets, dact);
-  const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
-  if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
-  Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
-  if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.offsets, dxs);
-  // Each token's k rows summed in a fixed order (a batched product with ones).
-  Tensor dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
+  Tensor dx;
+  if (a.padded) {  // the batched GEMMs of (E, M, .) blocks; padding rows take the zero row after the T k pairs
+    const int64_t e = c.num_experts, m = r.pad_rows, in = c.moe_intermediate_size;
+    const Tensor dpicked = Tensor::empty({t * k + 1, d}, dout.dtype(), cx.allocator);
+    cx.backend.fill_bytes(dpicked.narrow(0, t * k, 1).data_ptr(), 0, size_t(d) * dtype_size(dout.dtype()), cx.stream);
+    Tensor dpicked_pairs = dpicked.narrow(0, 0, t * k).view({t, k, d});
+    matmul_into(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}), dpicked_pairs, {});
+    const Tensor dyd = embedding(cx, dpicked, r.pad_pair).view({e, m, d});  // (E, M, D), zero padding rows
+    const Tensor dact = matmul(cx, dyd, w(p.down)).view({e * m, in});
+    if (train) add_grad(p.down, matmul(cx, dyd, a.act.view({e, m, in}), {true, false}));  // dyd_e^T act_e
+    const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact).view({e, m, 2 * in});
+    if (train) add_grad(p.gate_up, matmul(cx, dgate_up, a.xs.view({e, m, d}), {true, false}));
+    const Tensor dxs = matmul(cx, dgate_up, w(p.gate_up)).view({e * m, d});
+    dx = matmul(cx, r.ones, embedding(cx, dxs, r.pad_position).view({t, k, d})).view({t, d});
+  } else {
+    const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
+    const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
+    // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
+    const GroupedMatmulAttrs g{r.offsets, true}, gt{r.offsets, false};
+    Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
+    if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
+    if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.offsets, dact);
+    const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
+    if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
+    Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
+    if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.offsets, dxs);
+    // Each token's k rows summed in a fixed order (a batched product with ones).
+    dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
+  }
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,
   // through the renormalisation when norm_topk_prob (dp_j = (dw_j - sum_i dw_i w_i) / S), scattered into (T, E) (the k
   // experts of a token are distinct: no two writes meet), plus the aux term, then through the softmax.

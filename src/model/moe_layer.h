@@ -46,6 +46,10 @@ struct MoeRoute {
   Tensor picked_w;      // (T, k) the combine weights before rounding (norm_topk_prob: p_j / S)
   Tensor inv_sum;       // (T, 1) 1 / S, S = the sum of the k picked probabilities (norm_topk_prob only)
   Tensor d_aux;         // (1, E) d(coef x loss_scale x aux loss)/d(probs[r, .]), the same for every row, when on
+  // The plan at pad_rows rows per expert (moe_pad_plan) when the batched expert GEMMs apply (pad_rows > 0):
+  int64_t pad_rows = 0;
+  Tensor pad_token, pad_pair;  // (E pad_rows) i32
+  Tensor pad_position;         // (T k) i32
 };
 
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,
@@ -69,6 +73,7 @@ struct ExpertLora {
 // What the backward of one sparse layer reads.
 struct MoeActs {
   Tensor x;                 // (T, D) the MLP input (post-attention norm)
+  bool padded = false;      // the expert rows below are the padded plan's (E M rows, MoeRoute::pad_rows = M)
   Tensor xs;                // (P, D) x gathered in expert order
   Tensor gu, act;           // (P, 2I) [gate | up] per row, (P, I)
   Tensor picked;            // (T, k, D) each token's k expert outputs

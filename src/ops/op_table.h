@@ -61,7 +61,8 @@ namespace lathe {
   X(gated_delta_rule_state, 7) \
   X(grouped_matmul, 2)   \
   X(grouped_matmul_weight_grad, 2) \
-  X(moe_route, 1)
+  X(moe_route, 1)        \
+  X(moe_pad_plan, 2)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -298,8 +299,20 @@ struct MoeRouteAttrs {
   bool norm_topk_prob = false;
 };
 
+// moe_pad_plan(offsets (E + 2) i32, pair (P) i32) -> (pad_token (E M) i32, pad_pair (E M) i32, pad_position (P) i32):
+// moe_route's plan laid out with M = rows_per_expert rows per expert (M >= every expert's count; the caller derives M
+// from the same offsets), so that the experts' GEMMs are one batched GEMM over (E, M, .) blocks. Padded row
+// q = e M + r holds sorted row offsets[e] + r when r < count(e): pad_pair[q] its pair, pad_token[q] = pair / top_k;
+// a padding row has pad_token 0 (any valid token: its results are never read) and pad_pair P (one past the last
+// pair: the caller's gradient rows carry a zero row there). pad_position[t k + j] is the padded row of pair (t, j).
+// Not differentiable.
+struct MoePadAttrs {
+  int64_t rows_per_expert = 0;
+  int64_t top_k = 1;
+};
+
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
                              NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs,
-                             SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs, MoeRouteAttrs>;
+                             SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs, MoeRouteAttrs, MoePadAttrs>;
 
 }  // namespace lathe

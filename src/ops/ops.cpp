@@ -45,6 +45,7 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::grouped_matmul:
     case OpId::grouped_matmul_weight_grad: return expect(GroupedMatmulAttrs{});
     case OpId::moe_route: return expect(MoeRouteAttrs{});
+    case OpId::moe_pad_plan: return expect(MoePadAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -378,6 +379,11 @@ Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs) {
 MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs) {
   std::vector<Tensor> o = call_op(ctx, OpId::moe_route, {contiguous(ctx, logits)}, attrs);
   return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
+}
+
+MoePadPlan moe_pad_plan(ExecContext& ctx, const Tensor& offsets, const Tensor& pair, MoePadAttrs attrs) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_pad_plan, {contiguous(ctx, offsets), contiguous(ctx, pair)}, attrs);
+  return {o[0], o[1], o[2]};
 }
 
 }  // namespace lathe

@@ -180,6 +180,12 @@ struct MoeRouting {
   Tensor token, pair, position;            // (P) i32 each
 };
 MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs);
+// That plan with rows_per_expert rows per expert (formulas at MoePadAttrs): the index maps of a batched expert GEMM.
+struct MoePadPlan {
+  Tensor token, pair;  // (E M) i32 each
+  Tensor position;     // (P) i32
+};
+MoePadPlan moe_pad_plan(ExecContext& ctx, const Tensor& offsets, const Tensor& pair, MoePadAttrs attrs);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

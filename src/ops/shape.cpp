@@ -390,6 +390,18 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       return {{{t, e}, dt}, {{t, k}, dt}, {{t, k}, DType::I32}, {{t, 1}, dt}, {{e + 2}, DType::I32},
               {{t * k}, DType::I32}, {{t * k}, DType::I32}, {{t * k}, DType::I32}};
     }
+    case OpId::moe_pad_plan: {
+      const auto& a = std::get<MoePadAttrs>(attrs);
+      LATHE_CHECK(in[0].dim() == 1 && in[0].size(0) >= 3 && in[0].dtype() == DType::I32 && in[1].dim() == 1 &&
+                      in[1].dtype() == DType::I32,
+                  "ops: moe_pad_plan needs moe_route's offsets (E + 2) i32 and pairs (P) i32, got {} and {}",
+                  in[0].describe(), in[1].describe());
+      const int64_t e = in[0].size(0) - 2, p = in[1].size(0);
+      LATHE_CHECK(a.rows_per_expert >= 0 && a.top_k >= 1 && p % a.top_k == 0 && e * a.rows_per_expert < (int64_t(1) << 31),
+                  "ops: moe_pad_plan: {} rows per expert of {} experts, {} pairs with top_k {}", a.rows_per_expert, e,
+                  p, a.top_k);
+      return {{{e * a.rows_per_expert}, DType::I32}, {{e * a.rows_per_expert}, DType::I32}, {{p}, DType::I32}};
+    }
     case OpId::kCount: break;
   }
   LATHE_FAIL("ops: invalid op id {}", int(op));

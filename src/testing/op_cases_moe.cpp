@@ -82,6 +82,15 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
                                       {0, 8, 2, true}})
     c.push_back({OpId::moe_route, fmt::format("t={},e={},k={},norm={}", t, e, k, int(norm)), {{t, e}},
                  MoeRouteAttrs{k, norm}, kRouting, false, false});
+  // moe_pad_plan(offsets (E + 2), pair (P)): an empty expert first and in the middle, padding in every expert, spare
+  // rows beyond the largest count, k = 1.
+  const auto add_pad = [&](const std::vector<double>& offsets, const std::vector<double>& pair, int64_t m, int64_t k) {
+    c.push_back({OpId::moe_pad_plan, fmt::format("e={},p={},m={},k={}", offsets.size() - 2, pair.size(), m, k),
+                 {{int64_t(offsets.size())}, {int64_t(pair.size())}}, MoePadAttrs{m, k}, {DType::I32}, false, false,
+                 {offsets, pair}});
+  };
+  add_pad({0, 0, 3, 3, 7, 8, -1}, {5, 0, 7, 2, 6, 1, 4, 3}, 4, 2);
+  add_pad({0, 0, 0, 5, -1}, {4, 2, 0, 1, 3}, 7, 1);
 }
 
 }  // namespace lathe

@@ -32,9 +32,11 @@ namespace {
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "moe";
 
-std::unique_ptr<CausalLm> tiny_model(const std::string& type, DType dtype, uint64_t seed, bool norm = true) {
+std::unique_ptr<CausalLm> tiny_model(const std::string& type, DType dtype, uint64_t seed, bool norm = true,
+                                     double padded_max_waste = ModelOptions{}.moe_padded_max_waste) {
   ModelOptions opt;
   opt.dtype = dtype;
+  opt.moe_padded_max_waste = padded_max_waste;
   return random_causal_lm(runtime(), parse_model_config(tiny_moe_json(type, norm), "tiny"), opt, seed, 0.3);
 }
 
@@ -289,6 +291,32 @@ TEST(MoeDeterminism, SameBatchGivesBitwiseTheSameResult) {
     EXPECT_EQ(r1.loss, r2.loss);
     EXPECT_EQ(r1.aux_loss, r2.aux_loss);
     for (const Parameter& p : m->parameters()) EXPECT_EQ(to_f64(p.grad), g1[p.name]) << p.name;
+  }
+}
+
+// The experts as one batched GEMM over blocks padded to the largest expert's rows (ModelOptions::moe_padded_max_waste
+// high) and as grouped GEMMs over the exact rows (0): the same loss, aux loss and gradients (f64; the padding rows
+// only add zeros to the weight gradients).
+TEST(MoePadded, BatchedExpertGemmsAgreeWithGroupedOnes) {
+  for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5_moe_text"}) {
+    SCOPED_TRACE(type);
+    std::unique_ptr<CausalLm> grouped = tiny_model(type, DType::F64, 31, true, 0.0);
+    std::unique_ptr<CausalLm> padded = tiny_model(type, DType::F64, 31, true, 1e9);
+    const PackedBatch b = random_batch(40, {0, 17, 40}, 5);
+    const LossResult rg = grouped->loss(b, true), rp = padded->loss(b, true);
+    EXPECT_NEAR(rp.loss, rg.loss, 1e-12 * std::abs(rg.loss));
+    EXPECT_NEAR(rp.aux_loss, rg.aux_loss, 1e-12 * std::abs(rg.aux_loss));
+    int64_t compared = 0;
+    for (size_t i = 0; i < grouped->parameters().size(); ++i) {
+      const Parameter& pg = grouped->parameters()[i];
+      const std::vector<double> g = to_f64(pg.grad), q = to_f64(padded->parameters()[i].grad);
+      ASSERT_EQ(g.size(), q.size()) << pg.name;
+      double scale = 0;
+      for (double v : g) scale = std::max(scale, std::abs(v));
+      for (size_t j = 0; j < g.size(); ++j) EXPECT_NEAR(q[j], g[j], 1e-12 * scale) << pg.name << "[" << j << "]";
+      compared += pg.name.find("experts") != std::string::npos && scale > 0;
+    }
+    EXPECT_GE(compared, 2) << "the experts' gradients are non-zero and compared";
   }
 }
 

@@ -45,6 +45,7 @@ struct Args {
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
   bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false;
+  double moe_padded_max_waste = ModelOptions{}.moe_padded_max_waste;
 };
 
 // The Qwen3 dense shapes of the baseline (HF config.json of Qwen/Qwen3-0.6B, -1.7B, -4B).
@@ -290,6 +291,7 @@ void run(const Args& a) {
   mo.recompute = a.recompute;
   mo.deterministic = !a.nondeterministic;
   mo.train_base = !lora;
+  mo.moe_padded_max_waste = a.moe_padded_max_waste;
   const auto t_init = Clock::now();
   std::unique_ptr<CausalLm> loaded;
   double write_s = 0;
@@ -456,6 +458,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
                   "bf16 parameters) or bf16 (no masters: bf16 parameters updated in place, bf16 moments)")
       ->capture_default_str();
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
+  cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE: batched expert GEMMs over experts padded "
+                  "to the largest count while E x that count <= this x the routed rows (0: grouped GEMMs always)")
+      ->capture_default_str();
   cmd->callback([a, &exit_code] {
     run(*a);
     exit_code = 0;

@@ -1,6 +1,7 @@
 // CPU moe_route (formulas and layouts at MoeRouteAttrs in ops/op_table.h): each token's softmax, top-k and
 // renormalisation in the logits' type (float for f32 logits, as transformers' fp32 router; double for f64), then the
-// plan by a stable counting sort of the pairs by expert. A token with a non-finite logit is reported through
+// plan by a stable counting sort of the pairs by expert. Also moe_pad_plan (MoePadAttrs): that plan at a fixed number of
+// rows per expert. A token with a non-finite logit is reported through
 // offsets[E + 1] and routed to experts 0 .. k-1 with weight 0 and probabilities 0, so every output stays a valid plan.
 // The host reference it must equal is model/moe_routing.cpp (tests/models/test_moe_routing.cpp); the CUDA kernel is
 // checked against this one by tests/ops (testing/op_cases_moe.cpp).
@@ -81,9 +82,37 @@ void moe_route_cpu(const OpCall& c, ExecContext&) {
   }
 }
 
+void moe_pad_plan_cpu(const OpCall& c, ExecContext&) {
+  const auto& a = c.attr<MoePadAttrs>();
+  const int32_t* offsets = c.inputs[0].data<int32_t>();
+  const int32_t* pair = c.inputs[1].data<int32_t>();
+  const int64_t experts = c.inputs[0].size(0) - 2, m = a.rows_per_expert, pairs = c.inputs[1].size(0);
+  int32_t* pad_token = c.outputs[0].data<int32_t>();
+  int32_t* pad_pair = c.outputs[1].data<int32_t>();
+  int32_t* pad_position = c.outputs[2].data<int32_t>();
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = offsets[e + 1] - offsets[e];
+    LATHE_CHECK(count <= m, "moe_pad_plan: expert {} has {} rows, more than the {} rows per expert", e, count, m);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t q = e * m + r;
+      if (r < count) {
+        const int32_t pr = pair[offsets[e] + r];
+        pad_token[q] = int32_t(pr / a.top_k);
+        pad_pair[q] = pr;
+        pad_position[pr] = int32_t(q);
+      } else {
+        pad_token[q] = 0;
+        pad_pair[q] = int32_t(pairs);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void register_cpu_moe_route_kernels(KernelRegistry& r) {
+  r.add(KernelDef{OpId::moe_pad_plan, DeviceType::CPU, DType::I32, "cpu/pad_rows",
+                  [](const OpCall&) { return Support::yes(); }, moe_pad_plan_cpu});
   const auto any = [](const OpCall&) { return Support::yes(); };
   r.add(KernelDef{OpId::moe_route, DeviceType::CPU, DType::F32, "cpu/route_rows", any, moe_route_cpu<float>});
   r.add(KernelDef{OpId::moe_route, DeviceType::CPU, DType::F64, "cpu/route_rows", any, moe_route_cpu<double>});

@@ -119,5 +119,9 @@ struct MoeRouteArgs {
 size_t moe_route_scratch_bytes(int64_t pairs);
 int64_t moe_route_max_experts();  // a row of probabilities per warp lives in shared memory
 void launch_moe_route(const MoeRouteArgs& args, void* scratch, cudaStream_t stream);
+// moe_pad_plan (MoePadAttrs in ops/op_table.h): rows_per_expert must cover every expert's count.
+void launch_moe_pad_plan(int64_t experts, int64_t rows_per_expert, int64_t top_k, int64_t pairs,
+                         const int32_t* offsets, const int32_t* pair, int32_t* pad_token, int32_t* pad_pair,
+                         int32_t* pad_position, cudaStream_t stream);
 
 }  // namespace lathe::cuda

@@ -298,9 +298,18 @@ void run_moe_route(const OpCall& c, ExecContext& ctx) {
   launch_moe_route(args, scratch.data_ptr(), stream_of(ctx));
 }
 
+void run_moe_pad_plan(const OpCall& c, ExecContext& ctx) {
+  const auto& a = c.attr<MoePadAttrs>();
+  launch_moe_pad_plan(c.inputs[0].size(0) - 2, a.rows_per_expert, a.top_k, c.inputs[1].size(0),
+                      c.inputs[0].data<int32_t>(), c.inputs[1].data<int32_t>(), c.outputs[0].data<int32_t>(),
+                      c.outputs[1].data<int32_t>(), c.outputs[2].data<int32_t>(), stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_model_kernels(KernelRegistry& r) {
+  r.add(KernelDef{OpId::moe_pad_plan, DeviceType::CUDA, DType::I32, "cuda/pad_rows", contiguous_supports,
+                  run_moe_pad_plan});
   r.add(KernelDef{OpId::moe_route, DeviceType::CUDA, DType::F32, "cuda/route_rows_radix_plan", moe_route_supports,
                   run_moe_route});
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {

@@ -6,6 +6,7 @@
 //  2. the plan: cub's stable radix sort of the pairs by expert (values: the pair index, so each expert's pairs stay in
 //     (token, slot) order), then one thread per sorted row writes its token, the inverse permutation and, at each
 //     change of expert, the offsets. No floating-point atomics: the plan is a pure function of the choices.
+// moe_pad_plan: one thread per padded row (MoePadAttrs).
 #include <cub/device/device_radix_sort.cuh>
 
 #include "backend/cuda/check.h"
@@ -121,6 +122,23 @@ __global__ void plan_rows_kernel(int64_t pairs, int k, int experts, const int32_
   }
 }
 
+// One thread per padded row q = e M + r (MoePadAttrs in ops/op_table.h).
+__global__ void pad_plan_kernel(int64_t experts, int64_t m, int k, int64_t pairs, const int32_t* offsets,
+                                const int32_t* pair, int32_t* pad_token, int32_t* pad_pair, int32_t* pad_position) {
+  for (int64_t q = global_thread(); q < experts * m; q += grid_threads()) {
+    const int64_t e = q / m, r = q % m;
+    if (r < offsets[e + 1] - offsets[e]) {
+      const int32_t pr = pair[offsets[e] + r];
+      pad_token[q] = pr / k;
+      pad_pair[q] = pr;
+      pad_position[pr] = int32_t(q);
+    } else {
+      pad_token[q] = 0;
+      pad_pair[q] = int32_t(pairs);
+    }
+  }
+}
+
 size_t align256(size_t n) { return (n + 255) / 256 * 256; }
 
 size_t sort_temp_bytes(int64_t pairs) {
@@ -167,6 +185,15 @@ void launch_moe_route(const MoeRouteArgs& a, void* scratch, cudaStream_t stream)
   plan_rows_kernel<<<grid_for(pairs, 256), 256, 0, stream>>>(pairs, k, experts, sorted_keys, a.pair, a.token,
                                                              a.position, a.offsets, bad);
   LATHE_CUDA_LAUNCH_CHECK("plan_rows_kernel");
+}
+
+void launch_moe_pad_plan(int64_t experts, int64_t rows_per_expert, int64_t top_k, int64_t pairs,
+                         const int32_t* offsets, const int32_t* pair, int32_t* pad_token, int32_t* pad_pair,
+                         int32_t* pad_position, cudaStream_t stream) {
+  if (experts * rows_per_expert == 0) return;
+  pad_plan_kernel<<<grid_for(experts * rows_per_expert, 256), 256, 0, stream>>>(
+      experts, rows_per_expert, int(top_k), pairs, offsets, pair, pad_token, pad_pair, pad_position);
+  LATHE_CUDA_LAUNCH_CHECK("pad_plan_kernel");
 }
 
 }  // namespace lathe::cuda
