@@ -334,10 +334,13 @@ void run(const Args& a) {
   const double tokens = double(batch.tokens());
 
   std::vector<double> losses;
+  double expert_load = 0;  // MoE: the largest max / mean of tokens per expert over the layers (1: balanced)
   auto step = [&] {
     if (lora) bank->zero_grads();
     else model.zero_grads();
-    losses.push_back(model.loss(batch, true).loss);
+    const LossResult r = model.loss(batch, true);
+    losses.push_back(r.loss);
+    for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
     ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
     const double norm = global_grad_norm(ctx, params);
     opt.step(1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
@@ -409,7 +412,8 @@ void run(const Args& a) {
                       {"init_s", init_s},
                       {"init_write_s", write_s},
                       {"loss_first", losses.front()},
-                      {"loss_last", losses.back()}};
+                      {"loss_last", losses.back()},
+                      {"moe_expert_load_max_over_mean", expert_load}};
   if (a.profile) {
     OpProfiler profiler(rt.backend(device.type), device);
     rt.set_profiler(&profiler);
