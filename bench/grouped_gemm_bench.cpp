@@ -4,11 +4,14 @@
 // Usage: grouped_gemm_bench [dtype] [iters] [tokens top_k experts hidden intermediate]
 // Defaults: bf16, 20 iterations, 4096 tokens x top-8 = P = 32768 rows over E = 128 experts, hidden H = 2048,
 // expert intermediate I = 768 (Qwen3-30B-A3B). Two projections: gate/up-like (K = H, N = I) and down (K = I, N = H).
-// Two spreads of the rows: even (P / E each) and uneven (seeded log-normal sizes, every 8th expert empty).
+// Three spreads of the rows: even (P / E each), uneven (seeded log-normal sizes, every 8th expert empty) and hot (every
+// token to the same k experts: P / k rows each, the rest empty; what a random-init router does in lathe bench).
 // Three GEMMs per row, each 2 P N K FLOPs (active experts only: the dense baseline does the same work):
 //   fwd  y = grouped_matmul(x, w)                      (w (E, N, K), trans_w; dense: x W^T)
 //   dx   dx = grouped_matmul(dy, w, trans_w = false)   (dense: dy W)
 //   dw   dw = grouped_matmul_weight_grad(dy, x)        (dense: dy^T x)
+// Also the MoE layer's padded form (ModelOptions::moe_padded_max_waste): one batched matmul over (E, M, .) blocks, M the
+// largest group rounded up to 8, its TFLOP/s counting the P rows' work only (padding is waste).
 // Prints the device's description, then one JSON line per (projection, spread, GEMM) with the TFLOP/s of each and the
 // ratios grouped / dense and grouped / loop of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
 // adds the card, driver, CUDA version and commit.
@@ -27,10 +30,17 @@ using namespace lathe;
 namespace {
 
 
-// Group sizes summing to `rows` over `experts`: even, or log-normal with every 8th expert empty (seeded).
-std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, bool even) {
+enum class Spread { even, uneven, hot };
+
+// Group sizes summing to `rows` over `experts`: even, log-normal with every 8th expert empty (seeded), or all in the
+// first `top_k` experts.
+std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, int64_t top_k, Spread spread) {
   std::vector<int64_t> sizes(size_t(experts), 0);
-  if (even) {
+  if (spread == Spread::hot) {
+    for (int64_t e = 0; e < top_k; ++e) sizes[size_t(e)] = rows / top_k + (e < rows % top_k ? 1 : 0);
+    return sizes;
+  }
+  if (spread == Spread::even) {
     for (int64_t e = 0; e < experts; ++e) sizes[size_t(e)] = rows / experts + (e < rows % experts ? 1 : 0);
     return sizes;
   }
@@ -93,12 +103,17 @@ int main(int argc, char** argv) {
       const Tensor w_dense = random({n, k});  // the dense baseline's weight: (N, K), as one expert's
       Tensor y = Tensor::empty({p, n}, dtype, ctx.allocator), dx = Tensor::empty({p, k}, dtype, ctx.allocator);
       Tensor dw = Tensor::empty({experts, n, k}, dtype, ctx.allocator), dw_dense = Tensor::empty({n, k}, dtype, ctx.allocator);
-      for (const bool even : {true, false}) {
-        const std::vector<int64_t> sizes = group_sizes(p, experts, even);
+      for (const Spread spread : {Spread::even, Spread::uneven, Spread::hot}) {
+        const std::vector<int64_t> sizes = group_sizes(p, experts, top_k, spread);
         const GroupedMatmulAttrs attrs{offsets_of(sizes), true};
         const GroupedMatmulAttrs back{attrs.offsets, false};
         const int64_t empty = std::count(sizes.begin(), sizes.end(), int64_t(0));
         const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+        const int64_t m = (most + 7) / 8 * 8;  // the padded form's rows per expert
+        const Tensor xp = random({experts, m, k}), dyp = random({experts, m, n});
+        Tensor yp = Tensor::empty({experts, m, n}, dtype, ctx.allocator);
+        Tensor dxp = Tensor::empty({experts, m, k}, dtype, ctx.allocator);
+        Tensor dwp = Tensor::empty({experts, n, k}, dtype, ctx.allocator);
 
         std::vector<std::string> kernels;
         const ResolutionObserver observer = [&](const OpCall&, const Resolution& r) {
@@ -123,6 +138,7 @@ int main(int argc, char** argv) {
           }
         };
         const char* names[] = {"fwd", "dx", "dw"};
+        const char* spread_names[] = {"even", "uneven", "hot"};
         for (int which = 0; which < 3; ++which) {
           ctx.observer = &observer;
           const double grouped_ms = median_ms(ctx, iters, [&] {
@@ -137,16 +153,23 @@ int main(int argc, char** argv) {
             if (which == 2) matmul_into(ctx, dy, x, dw_dense, {true, false});
           }, 3);
           const double loop_ms = median_ms(ctx, iters, [&] { loop(which); }, 3);
+          const double padded_ms = median_ms(ctx, iters, [&] {
+            if (which == 0) matmul_into(ctx, xp, w, yp, {false, true});
+            if (which == 1) matmul_into(ctx, dyp, w, dxp, {});
+            if (which == 2) matmul_into(ctx, dyp, xp, dwp, {true, false});
+          }, 3);
           const double flop = 2.0 * double(p) * double(n) * double(k);
           auto tflops = [&](double ms) { return flop / (ms * 1e-3) / 1e12; };
           fmt::print("{{\"impl\": \"lathe\", \"proj\": \"{}\", \"spread\": \"{}\", \"gemm\": \"{}\", \"p\": {}, \"e\": {}, "
                      "\"k\": {}, \"n\": {}, \"dtype\": \"{}\", \"empty_experts\": {}, \"largest_group\": {}, "
                      "\"grouped_ms\": {:.4f}, \"grouped_tflops\": {:.1f}, \"dense_ms\": {:.4f}, \"dense_tflops\": {:.1f}, "
-                     "\"loop_ms\": {:.4f}, \"loop_tflops\": {:.1f}, \"tflops_ratio_vs_dense\": {:.3f}, "
-                     "\"tflops_ratio_vs_loop\": {:.3f}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
-                     down ? "down" : "gate_up", even ? "even" : "uneven", names[which], p, experts, k, n,
+                     "\"loop_ms\": {:.4f}, \"loop_tflops\": {:.1f}, \"padded_rows\": {}, \"padded_ms\": {:.4f}, "
+                     "\"padded_tflops\": {:.1f}, \"tflops_ratio_vs_dense\": {:.3f}, \"tflops_ratio_vs_loop\": {:.3f}, "
+                     "\"kernels\": \"{}\", \"device\": \"{}\"}}\n",
+                     down ? "down" : "gate_up", spread_names[int(spread)], names[which], p, experts, k, n,
                      dtype_name(dtype), empty, most, grouped_ms, tflops(grouped_ms), dense_ms, tflops(dense_ms), loop_ms,
-                     tflops(loop_ms), dense_ms / grouped_ms, loop_ms / grouped_ms, fmt::join(kernels, ", "), info.name);
+                     tflops(loop_ms), m, padded_ms, tflops(padded_ms), dense_ms / grouped_ms, loop_ms / grouped_ms,
+                     fmt::join(kernels, ", "), info.name);
         }
       }
     }

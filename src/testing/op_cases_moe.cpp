@@ -72,6 +72,10 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_weight_grad(24, 16, {0, 10, 1, 29, 0}, kFloat);
   add_weight_grad(16, 16, {0, 0, 0, 0}, kFloat);  // P = 0: every block is zero
   add_weight_grad(48, 64, {37, 0, 101, 5, 60, 1, 64, 32}, kLarge);
+  // Groups of 1024 rows and more run as GEMMs of their own ahead of the grouped call on CUDA.
+  add_forward(64, 48, {1100, 0, 37, 1030}, true, kLarge);
+  add_forward(48, 64, {1100, 0, 37, 1030}, false, kLarge);
+  add_weight_grad(48, 64, {1100, 0, 37, 1030}, kLarge);
 
   // moe_route(logits (T, E)): f32 and f64 logits (the routing dtypes); the integer outputs (choices, plan) must be
   // exact. Qwen3-30B-A3B's 128 / top-8 and Qwen3-Next's 512 / top-10 (several probabilities per lane), k = E, k = 1 of
