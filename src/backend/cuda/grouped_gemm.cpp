@@ -10,7 +10,7 @@
 // weight grad their blocks are zeroed with memsets first.
 // Two kernels per dtype, tried in order:
 // - cuda/cublas_grouped_gemm: one cublasGemmGroupedBatchedEx call (cuBLAS >= 12.5), the GEMMs bucketed into cuBLAS
-//   groups of equal sizes; groups of kOwnGemmRows rows or more run first as a cublasGemmEx each. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
+//   groups of equal sizes. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
 //   staging into scratch from the context's allocator), so cuBLAS cannot check their alignment: 16-bit types need
 //   16-byte aligned pointers and rows for it, and the kernel asks that of every dtype: base pointers aligned to 16
 //   bytes, K, N and the block stride multiples of 16 bytes.
@@ -37,21 +37,13 @@ namespace lathe::cuda {
 
 namespace {
 
-// One GEMM of a non-empty group in cuBLAS's column-major terms: C (m x n) = op(A) (m x k) op(B) (k x n); `rows` is
-// the group's row count (n in the forward, k in the weight grad).
+// One GEMM of a non-empty group in cuBLAS's column-major terms: C (m x n) = op(A) (m x k) op(B) (k x n).
 struct Gemm {
   int m, n, k;
   const void* a;
   const void* b;
   void* c;
-  int64_t rows;
 };
-
-// Groups of at least this many rows run as GEMMs of their own, ahead of the grouped call: alone they keep most SMs
-// busy (1024 rows of a 1536-wide output are 96 tiles of 128 x 128), and cuBLAS's GEMM runs them near dense speed,
-// where its grouped kernel stays at about a third of it (docs/benchmarks.md, session 10: a random-init router sends
-// every token to the same 8 of 128 experts).
-constexpr int64_t kOwnGemmRows = 1024;
 
 // Every GEMM of one call: the operations and leading dimensions are shared, only the group's row count differs.
 struct GroupedPlan {
@@ -87,7 +79,7 @@ GroupedPlan plan_of(const OpCall& c) {
       const int64_t row0 = off[size_t(e)], rows = off[size_t(e) + 1] - row0;
       if (rows == 0) continue;
       p.gemms.push_back({int(n), int(rows), int(k), element_at(w, e * w.strides()[0]), element_at(x, row0 * k),
-                         element_at(y, row0 * n), rows});
+                         element_at(y, row0 * n)});
     }
     return p;
   }
@@ -105,7 +97,7 @@ GroupedPlan plan_of(const OpCall& c) {
     const int64_t row0 = off[size_t(e)], rows = off[size_t(e) + 1] - row0;
     char* block = element_at(dw, e * dw.strides()[0]);
     if (rows > 0) {
-      p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n), block, rows});
+      p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n), block});
     } else if (!p.zero_ranges.empty() &&
                static_cast<char*>(p.zero_ranges.back().first) + p.zero_ranges.back().second == block) {
       p.zero_ranges.back().second += block_bytes;  // adjacent to the previous empty block: one memset for both
@@ -156,23 +148,11 @@ void run_grouped(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const GroupedPlan p = plan_of(c);
   zero_empty_blocks(p, s);
-  // Large groups first, each a GEMM of its own; then the rest in one grouped call. cuBLAS groups are uniform (one
-  // m, n, k each): bucket the GEMMs by size, in a fixed order.
-  const float one = 1.0f, zero = 0.0f;
+  if (p.gemms.empty()) return;
+  // cuBLAS groups are uniform (one m, n, k each): bucket the GEMMs by size, in a fixed order.
   std::map<std::tuple<int, int, int>, std::vector<size_t>> buckets;
-  size_t count = 0;
-  for (size_t i = 0; i < p.gemms.size(); ++i) {
-    const Gemm& g = p.gemms[i];
-    if (g.rows >= kOwnGemmRows) {
-      LATHE_CUBLAS_CHECK(cublasGemmEx(s.cublas(), p.trans_a, p.trans_b, g.m, g.n, g.k, &one, g.a, p.type, p.lda, g.b,
-                                      p.type, p.ldb, &zero, g.c, p.type, p.ldc, CUBLAS_COMPUTE_32F,
-                                      CUBLAS_GEMM_DEFAULT));
-      continue;
-    }
-    buckets[{g.m, g.n, g.k}].push_back(i);
-    ++count;
-  }
-  if (count == 0) return;
+  for (size_t i = 0; i < p.gemms.size(); ++i) buckets[{p.gemms[i].m, p.gemms[i].n, p.gemms[i].k}].push_back(i);
+  const size_t count = p.gemms.size();
   const int groups = int(buckets.size());
   std::vector<cublasOperation_t> trans_a(size_t(groups), p.trans_a), trans_b(size_t(groups), p.trans_b);
   std::vector<int> m, n, k, group_size, lda(size_t(groups), p.lda), ldb(size_t(groups), p.ldb),
