@@ -1,7 +1,8 @@
 // Mixture-of-experts families on CUDA: the CUDA model in f32 against the Hugging Face fixtures of
-// tests/models/fixtures/moe (f64 goldens, which the CPU f64 model matches within 1e-6, see test_moe.cpp), the bf16
-// model within bounds stated below, and bitwise run-to-run determinism of a bf16 training step (the combine step is
-// a gather, the grouped GEMMs run one fixed cuBLAS algorithm). Skips with the reason when no CUDA device is present.
+// tests/models/fixtures/moe (f64 goldens, which the CPU f64 model matches within 1e-6, see test_moe.cpp), with the
+// experts as grouped GEMMs and as one batched GEMM over padded blocks, the bf16 model within bounds stated below, and
+// bitwise run-to-run determinism of a bf16 training step (the combine step is a gather, the grouped GEMMs run one
+// fixed cuBLAS algorithm). Skips with the reason when no CUDA device is present.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -48,12 +49,16 @@ TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
     const std::string name = entry.path().filename().string();
     SCOPED_TRACE(name);
     const io::SafetensorsFile ref = io::SafetensorsFile::open((entry.path() / "reference.safetensors").string());
-    for (DType dtype : {DType::F32, DType::BF16}) {
-      SCOPED_TRACE(dtype_name(dtype));
+    // f32 twice: the experts as grouped GEMMs (padded_max_waste 0) and as one batched GEMM over padded blocks (always).
+    const double by_default = ModelOptions{}.moe_padded_max_waste;
+    for (const auto& [dtype, waste] : {std::pair{DType::F32, 0.0}, std::pair{DType::F32, 1e9},
+                                       std::pair{DType::BF16, by_default}}) {
+      SCOPED_TRACE(fmt::format("{}, moe_padded_max_waste {}", dtype_name(dtype), waste));
       ModelOptions opt;
       opt.device = Device::cuda(0);
       opt.dtype = dtype;
       opt.router_aux_loss = true;
+      opt.moe_padded_max_waste = waste;
       std::unique_ptr<CausalLm> m = load_causal_lm(runtime(), (entry.path() / "model").string(), opt);
       const PackedBatch b = make_packed_batch(runtime(), opt.device, read_i32(ref, "input_ids"),
                                               read_i32(ref, "cu_seqlens"), read_i32(ref, "labels"),
