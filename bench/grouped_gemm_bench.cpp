@@ -10,8 +10,8 @@
 //   fwd  y = grouped_matmul(x, w)                      (w (E, N, K), trans_w; dense: x W^T)
 //   dx   dx = grouped_matmul(dy, w, trans_w = false)   (dense: dy W)
 //   dw   dw = grouped_matmul_weight_grad(dy, x)        (dense: dy^T x)
-// Also the MoE layer's padded form (ModelOptions::moe_padded_max_waste): one batched matmul over (E, M, .) blocks, M the
-// largest group rounded up to 8, its TFLOP/s counting the P rows' work only (padding is waste).
+// Also the MoE layer's padded form (ModelOptions::moe_padded_max_waste): one batched matmul over (E, M, .) blocks,
+// M the largest group rounded up to 8, its TFLOP/s counting the P rows' work only (padding is waste).
 // Prints the device's description, then one JSON line per (projection, spread, GEMM) with the TFLOP/s of each and the
 // ratios grouped / dense and grouped / loop of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
 // adds the card, driver, CUDA version and commit.

@@ -111,7 +111,8 @@ void CausalLm::lora_backward(int64_t layer, LoraTarget t, const Tensor& x, const
   else matmul_into(cx, du, slot->a, dx, {false, false, 1.0f, 1.0f});
 }
 
-Tensor CausalLm::project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training) {
+Tensor CausalLm::project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b,
+                         bool training) {
   ExecContext cx = ctx();
   const Tensor y = matmul(cx, x, w(weight), {false, true});
   add_lora(layer, t, x, y, b, training);

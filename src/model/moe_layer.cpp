@@ -1,6 +1,7 @@
 // The MLP of a layer, dense or mixture of experts (model/moe_layer.h, docs/moe.md): for experts, routing on the
-// model's device (the moe_route op) from the router logits, grouped GEMMs over the rows sorted by expert, a gather
-// and a fixed-order combine, the shared expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
+// model's device (the moe_route op) from the router logits, grouped GEMMs over the rows sorted by expert (or one
+// batched GEMM over blocks padded to the largest expert's rows), a gather and a fixed-order combine, the shared
+// expert, the aux loss; and the checkpoint reading both families share (fused or per-expert expert tensors).
 // Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
 // in fp32 (double in an f64 model) and the combine weights rounded to the model dtype.

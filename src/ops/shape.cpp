@@ -385,7 +385,8 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "ops: moe_route needs f32 or f64 router logits (T, E), got {}", in[0].describe());
       const int64_t t = in[0].size(0), e = in[0].size(1), k = a.top_k;
       LATHE_CHECK(e >= 1 && k >= 1 && k <= e, "ops: moe_route needs 1 <= top_k <= experts, got top_k {} of {}", k, e);
-      LATHE_CHECK(t * e < (int64_t(1) << 31), "ops: moe_route: {} tokens x {} experts exceed the i32 index range", t, e);
+      LATHE_CHECK(t * e < (int64_t(1) << 31), "ops: moe_route: {} tokens x {} experts exceed the i32 index range", t,
+                  e);
       const DType dt = in[0].dtype();
       return {{{t, e}, dt}, {{t, k}, dt}, {{t, k}, DType::I32}, {{t, 1}, dt}, {{e + 2}, DType::I32},
               {{t * k}, DType::I32}, {{t * k}, DType::I32}, {{t * k}, DType::I32}};
@@ -397,7 +398,8 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "ops: moe_pad_plan needs moe_route's offsets (E + 2) i32 and pairs (P) i32, got {} and {}",
                   in[0].describe(), in[1].describe());
       const int64_t e = in[0].size(0) - 2, p = in[1].size(0);
-      LATHE_CHECK(a.rows_per_expert >= 0 && a.top_k >= 1 && p % a.top_k == 0 && e * a.rows_per_expert < (int64_t(1) << 31),
+      LATHE_CHECK(a.rows_per_expert >= 0 && a.top_k >= 1 && p % a.top_k == 0 &&
+                      e * a.rows_per_expert < (int64_t(1) << 31),
                   "ops: moe_pad_plan: {} rows per expert of {} experts, {} pairs with top_k {}", a.rows_per_expert, e,
                   p, a.top_k);
       return {{{e * a.rows_per_expert}, DType::I32}, {{e * a.rows_per_expert}, DType::I32}, {{p}, DType::I32}};

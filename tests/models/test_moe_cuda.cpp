@@ -86,7 +86,7 @@ TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
         EXPECT_NEAR(r.aux_loss, want_aux, 1e-4 * std::abs(want_aux));
         EXPECT_LT(worst, 5e-4) << worst_name;
       } else {
-        // bf16 weights and activations, the router softmax in f64 on the host from bf16 logits (as HF's fp32 one
+        // bf16 weights and activations, the router softmax in fp32 on the device from bf16 logits (as HF's fp32 one
         // from bf16 logits). Relative to HF's own bf16 error on the fixture (kHfBf16; its gradients here are
         // without the aux term, ours with it: the aux term is a small part of the router's gradient only): logits
         // 2x, gradient mean 3x, loss within 1%, when every token keeps its golden experts. The fixtures' smallest

@@ -90,11 +90,13 @@ void expect_reference(const Routed& got, const RouterChoice& r, MoeRouteAttrs a,
     for (int64_t j = 0; j < k; ++j) s += r.probs[size_t(i * e + r.expert[size_t(i * k + j)])];
     ASSERT_NEAR(got.inv_sum[size_t(i)], a.norm_topk_prob ? 1.0 / s : 1.0, 1e-5 / s) << where << ": inv_sum " << i;
   }
-  for (int64_t i = 0; i <= e; ++i) ASSERT_EQ(got.offsets[size_t(i)], plan.offsets[size_t(i)]) << where << ": offset " << i;
+  for (int64_t i = 0; i <= e; ++i)
+    ASSERT_EQ(got.offsets[size_t(i)], plan.offsets[size_t(i)]) << where << ": offset " << i;
   ASSERT_EQ(got.offsets[size_t(e + 1)], -1) << where << ": no non-finite logit";
   for (int64_t i = 0; i < t * k; ++i) {
     ASSERT_EQ(got.token[size_t(i)], plan.token[size_t(i)]) << where << ": token of row " << i;
-    ASSERT_EQ(got.pair[size_t(i)], plan.token[size_t(i)] * int32_t(k) + plan.slot[size_t(i)]) << where << ": pair " << i;
+    ASSERT_EQ(got.pair[size_t(i)], plan.token[size_t(i)] * int32_t(k) + plan.slot[size_t(i)])
+        << where << ": pair " << i;
     ASSERT_EQ(got.position[size_t(i)], plan.position[size_t(i)]) << where << ": position " << i;
   }
 }

@@ -1,7 +1,7 @@
 // CPU moe_route (formulas and layouts at MoeRouteAttrs in ops/op_table.h): each token's softmax, top-k and
 // renormalisation in the logits' type (float for f32 logits, as transformers' fp32 router; double for f64), then the
-// plan by a stable counting sort of the pairs by expert. Also moe_pad_plan (MoePadAttrs): that plan at a fixed number of
-// rows per expert. A token with a non-finite logit is reported through
+// plan by a stable counting sort of the pairs by expert. Also moe_pad_plan (MoePadAttrs): that plan at a fixed number
+// of rows per expert. A token with a non-finite logit is reported through
 // offsets[E + 1] and routed to experts 0 .. k-1 with weight 0 and probabilities 0, so every output stays a valid plan.
 // The host reference it must equal is model/moe_routing.cpp (tests/models/test_moe_routing.cpp); the CUDA kernel is
 // checked against this one by tests/ops (testing/op_cases_moe.cpp).
