@@ -2,7 +2,8 @@
 # Times lathe's MoE grouped GEMMs (grouped_matmul forward, its dx and the weight grad) at Qwen3-30B-A3B's expert shapes
 # (4096 tokens x top-8 over 128 experts, H = 2048, I = 768; even, uneven and hot spreads) against one dense matmul
 # of the same FLOPs, a loop of per-expert matmuls and the padded batched form, measured in the same run. Prints the
-# card, driver, CUDA version and commit, then one JSON line per row. Usage: bench/run_grouped_gemm.sh BUILD_DIR [dtype] [iters]
+# card, driver, CUDA version and commit, then one JSON line per row.
+# Usage: bench/run_grouped_gemm.sh BUILD_DIR [dtype] [iters]
 set -euo pipefail
 build=${1:?build dir}
 dtype=${2:-bf16}
