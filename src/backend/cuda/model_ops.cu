@@ -6,11 +6,10 @@
 // orders, never atomics. The gather, RMSNorm, SwiGLU and cross-entropy kernels move 16-byte packs when sizes and
 // alignment allow (checked on the host) and single elements otherwise.
 // Covered by tests/ops (cases for both the packed and the single-element paths).
-#include <cub/device/device_radix_sort.cuh>
-
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/model_launchers.h"
+#include "backend/cuda/radix_sort_scratch.cuh"
 
 namespace lathe::cuda {
 
@@ -941,23 +940,9 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
   LATHE_CUDA_LAUNCH_CHECK("embedding_kernel");
 }
 
-namespace {
-
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
-// cub's temporary storage for sorting n (int32 id, int32 token) pairs.
-size_t sort_temp_bytes(int64_t n_tokens) {
-  size_t bytes = 0;
-  LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                                   static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                                   static_cast<int32_t*>(nullptr), n_tokens));
-  return bytes;
-}
-
-}  // namespace
-
 size_t embedding_backward_scratch_bytes(int64_t n_tokens) {
-  return n_tokens > 0 ? 3 * align256(size_t(n_tokens) * sizeof(int32_t)) + align256(sort_temp_bytes(n_tokens)) : 0;
+  if (n_tokens == 0) return 0;
+  return 3 * align256(size_t(n_tokens) * sizeof(int32_t)) + align256(radix_sort_pairs_temp_bytes(n_tokens));
 }
 
 void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
@@ -972,7 +957,7 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
   auto* tokens = reinterpret_cast<int32_t*>(base);
   auto* sorted_ids = reinterpret_cast<int32_t*>(base + ints);
   auto* sorted_tokens = reinterpret_cast<int32_t*>(base + 2 * ints);
-  size_t temp = sort_temp_bytes(n_tokens);
+  size_t temp = radix_sort_pairs_temp_bytes(n_tokens);
   iota_kernel<<<grid_for(n_tokens, kThreads), kThreads, 0, stream>>>(n_tokens, tokens);
   LATHE_CUDA_LAUNCH_CHECK("iota_kernel");
   int end_bit = 1;  // the bits the valid ids use (ids are non-negative below vocab: validated on the host)

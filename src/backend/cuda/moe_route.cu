@@ -7,11 +7,10 @@
 //     (token, slot) order), then one thread per sorted row writes its token, the inverse permutation and, at each
 //     change of expert, the offsets. No floating-point atomics: the plan is a pure function of the choices.
 // moe_pad_plan: one thread per padded row (MoePadAttrs).
-#include <cub/device/device_radix_sort.cuh>
-
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/model_launchers.h"
+#include "backend/cuda/radix_sort_scratch.cuh"
 
 namespace lathe::cuda {
 
@@ -139,20 +138,11 @@ __global__ void pad_plan_kernel(int64_t experts, int64_t m, int k, int64_t pairs
   }
 }
 
-size_t align256(size_t n) { return (n + 255) / 256 * 256; }
-
-size_t sort_temp_bytes(int64_t pairs) {
-  size_t bytes = 0;
-  LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                                   static_cast<int32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                                   static_cast<int32_t*>(nullptr), pairs));
-  return bytes;
-}
-
 }  // namespace
 
 size_t moe_route_scratch_bytes(int64_t pairs) {
-  return 256 + 3 * align256(size_t(pairs) * sizeof(int32_t)) + (pairs > 0 ? align256(sort_temp_bytes(pairs)) : 0);
+  const size_t sort = pairs > 0 ? align256(radix_sort_pairs_temp_bytes(pairs)) : 0;
+  return 256 + 3 * align256(size_t(pairs) * sizeof(int32_t)) + sort;
 }
 
 int64_t moe_route_max_experts() { return 2048; }  // kRouteWarps rows of fp32 in 32 KiB of shared memory
@@ -178,7 +168,7 @@ void launch_moe_route(const MoeRouteArgs& a, void* scratch, cudaStream_t stream)
     LATHE_CUDA_LAUNCH_CHECK("plan_keys_kernel");
     int end_bit = 1;  // the bits expert indices use
     while (end_bit < 31 && (int64_t(1) << end_bit) < a.experts) ++end_bit;
-    size_t temp = sort_temp_bytes(pairs);
+    size_t temp = radix_sort_pairs_temp_bytes(pairs);
     LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 256 + 3 * ints, temp, keys, sorted_keys, values, a.pair,
                                                      pairs, 0, end_bit, stream));
   }
