@@ -43,6 +43,13 @@ Support attention_supports(const OpCall& c) {
   return contiguous_supports(c);
 }
 
+// Whether every tensor but the i32 index ones starts on a 16-byte boundary (the kernels' 16-byte copies).
+bool floats_aligned16(const std::vector<Tensor>& tensors) {
+  for (const Tensor& t : tensors)
+    if (t.dtype() != DType::I32 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  return true;
+}
+
 // The tiled kernels: tensor-core fragments of bf16/f16, one instance per head dim, 16-byte cp.async copies.
 Support flash_attention_supports(const OpCall& c) {
   const Tensor& q = c.inputs[0];
@@ -52,9 +59,7 @@ Support flash_attention_supports(const OpCall& c) {
     return Support::no("head dim must be 64, 128 or 256 (one compiled tile shape each)");
   if (!(c.attr<AttentionAttrs>().scale >= 0.0))
     return Support::no("scale must not be negative (the online softmax takes maxima of the unscaled scores)");
-  for (const Tensor& t : c.inputs)
-    if (t.dtype() != DType::I32 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0)
-      return Support::no("inputs must be 16-byte aligned (cp.async tile copies)");
+  if (!floats_aligned16(c.inputs)) return Support::no("inputs must be 16-byte aligned (cp.async tile copies)");
   return contiguous_supports(c);
 }
 
@@ -86,12 +91,16 @@ void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
                  c.outputs[0].data_ptr(), stream_of(ctx));
 }
 
-// The scratch of the rmsnorm backwards (partial dw rows, then their group sums; rmsnorm_backward_scratch_floats).
-float* norm_scratch(ExecContext& ctx, const Tensor& x, Tensor& holder) {
-  const int64_t n = rmsnorm_backward_scratch_floats(rows_of(x), x.size(-1));
+// n floats of scratch from the context's allocator, kept alive by `holder` (null for none).
+float* float_scratch(ExecContext& ctx, int64_t n, Tensor& holder) {
   if (n == 0) return nullptr;
   holder = Tensor::empty({n}, DType::F32, ctx.allocator);
   return holder.data<float>();
+}
+
+// The scratch of the rmsnorm backwards (partial dw rows, then their group sums; rmsnorm_backward_scratch_floats).
+float* norm_scratch(ExecContext& ctx, const Tensor& x, Tensor& holder) {
+  return float_scratch(ctx, rmsnorm_backward_scratch_floats(rows_of(x), x.size(-1)), holder);
 }
 
 void run_rmsnorm_backward(const OpCall& c, ExecContext& ctx) {
@@ -158,10 +167,8 @@ Support qk_norm_rope_supports(const OpCall& c) {
   if (a.rope.rotary_dim != 0 && a.rope.rotary_dim != d)
     return Support::no("partial rotary dim (the composite takes it)");
   if (!qk_norm_rope_supported(c.inputs[0].dtype(), d)) return Support::no("head dim not 8, 16 or 32 16-byte packs");
-  for (const auto* list : {&c.inputs, &c.outputs})
-    for (const Tensor& t : *list)
-      if (t.dtype() != DType::I32 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0)
-        return Support::no("buffers must be 16-byte aligned (16-byte packs)");
+  if (!floats_aligned16(c.inputs) || !floats_aligned16(c.outputs))
+    return Support::no("buffers must be 16-byte aligned (16-byte packs)");
   return contiguous_supports(c);
 }
 
@@ -179,14 +186,13 @@ void run_qk_norm_rope_backward(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<QkNormRopeAttrs>();
   const Tensor& qkv = c.inputs[0];
   const int64_t d = c.inputs[1].size(0);
-  const Tensor scratch =
-      Tensor::empty({std::max<int64_t>(1, qk_norm_rope_backward_scratch_floats(qkv.size(0), d))}, DType::F32,
-                    ctx.allocator);
+  Tensor scratch;
+  float* partials = float_scratch(ctx, qk_norm_rope_backward_scratch_floats(qkv.size(0), d), scratch);
   launch_qk_norm_rope_backward(qkv.dtype(), qkv.size(0), a.q_heads, a.kv_heads, d, a.norm.eps, a.norm.offset,
                                rope_frequencies(a.rope.theta, d), qkv.data_ptr(), c.inputs[1].data_ptr(),
                                c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.inputs[4].data_ptr(),
                                c.inputs[5].data_ptr(), c.inputs[6].data_ptr(), c.outputs[0].data_ptr(),
-                               c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
+                               c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), partials, stream_of(ctx));
 }
 
 void run_swiglu(const OpCall& c, ExecContext& ctx) {
@@ -259,7 +265,7 @@ void run_flash_attention_backward(const OpCall& c, ExecContext& ctx) {
   launch_flash_attention_backward(c.inputs[0].dtype(), d, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
                                   c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.inputs[4].data<float>(),
                                   c.inputs[5].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(),
-                                  c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
+                                  c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), partials, stream_of(ctx));
 }
 
 void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
