@@ -265,7 +265,7 @@ void run_flash_attention_backward(const OpCall& c, ExecContext& ctx) {
   launch_flash_attention_backward(c.inputs[0].dtype(), d, c.inputs[0].data_ptr(), c.inputs[1].data_ptr(),
                                   c.inputs[2].data_ptr(), c.inputs[3].data_ptr(), c.inputs[4].data<float>(),
                                   c.inputs[5].data_ptr(), cu.data<int32_t>(), c.outputs[0].data_ptr(),
-                                  c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), partials, stream_of(ctx));
+                                  c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
 }
 
 void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
