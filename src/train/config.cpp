@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <set>
@@ -114,6 +115,10 @@ const std::vector<Option>& options() {
                 "mixture-of-experts models: add router_aux_loss_coef x the load-balancing loss to the trained loss: "
                 "auto (as config.json's output_router_logits, like transformers) | on | off (docs/moe.md)",
                 router_aux_loss),
+      LATHE_OPT("train.moe_padded_max_waste", Kind::Float, "0",
+                "mixture-of-experts models: run the experts as one batched GEMM over blocks padded to the largest "
+                "expert's rows while E x those rows <= this x the routed rows (0: grouped GEMMs always; docs/moe.md)",
+                moe_padded_max_waste),
       LATHE_OPT("train.max_grad_norm", Kind::Float, "1.0", "global-norm gradient clipping (0 = off)", max_grad_norm),
       LATHE_OPT("train.seed", Kind::Int, "0", "seed of data order and initialisation", seed),
       LATHE_OPT("train.save_every", Kind::Int, "0", "checkpoint every N steps (0 = only at the end)", save_every),
@@ -260,6 +265,9 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, chat, prompt_completion", c.data_format));
   if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) problems.push_back("train.min_lr_ratio: must be in [0, 1]");
   if (c.beta1 < 0 || c.beta1 >= 1 || c.beta2 < 0 || c.beta2 >= 1) problems.push_back("train.beta1/beta2: must be in [0, 1)");
+  if (!(c.moe_padded_max_waste >= 0) || !std::isfinite(c.moe_padded_max_waste))
+    problems.push_back(
+        fmt::format("train.moe_padded_max_waste: {} must be a finite number >= 0", c.moe_padded_max_waste));
   if (c.router_aux_loss != "auto" && c.router_aux_loss != "on" && c.router_aux_loss != "off")
     problems.push_back(fmt::format("train.router_aux_loss: '{}' is not one of auto, on, off", c.router_aux_loss));
   if (c.optimizer_states != "f32" && c.optimizer_states != "bf16") {

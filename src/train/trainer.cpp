@@ -318,6 +318,7 @@ TrainSummary run_training(const TrainConfig& c) {
   mopt.deterministic = c.deterministic;
   mopt.train_base = !lora;
   if (c.router_aux_loss != "auto") mopt.router_aux_loss = c.router_aux_loss == "on";  // MoE (config.cpp checks)
+  mopt.moe_padded_max_waste = c.moe_padded_max_waste;
   // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
   const fs::path scratch_base = fs::path(c.output_dir) / "base";

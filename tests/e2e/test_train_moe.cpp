@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -174,4 +175,24 @@ TEST(MoeTrain, RouterAuxLossSettingChangesTheUpdatesOnly) {
   // The first step's loss is the cross-entropy of the same weights either way; the aux term changes the updates.
   EXPECT_EQ(runs[0][0], runs[1][0]);
   EXPECT_NE(runs[0][2], runs[1][2]);
+}
+
+TEST(MoeTrain, PaddedExpertsTrainAsTheGroupedOnes) {
+  const fs::path dir = setup("padded", kNext);
+  const std::string cfg = (dir / "config.yaml").string();
+  const LatheRun bad = lathe_e2e::lathe("train " + cfg + " --set train.moe_padded_max_waste=-1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("train.moe_padded_max_waste: -1 must be a finite number >= 0"), std::string::npos)
+      << bad.output;
+  // 0: grouped GEMMs; 1e9: every layer's experts as one batched GEMM over padded blocks. Same losses within f32
+  // rounding (the CPU runs f32 here; the f64 equality is tests/models/test_moe.cpp's MoePadded).
+  std::vector<std::vector<double>> runs;
+  for (const char* waste : {"0", "1e9"}) {
+    const LatheRun r = lathe_e2e::lathe("train " + cfg + " --set train.max_steps=3 --set train.moe_padded_max_waste=" +
+                                        waste + " --set output_dir=" + (dir / waste).string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    runs.push_back(losses(dir / waste));
+    ASSERT_EQ(runs.back().size(), 3u);
+  }
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(runs[1][i], runs[0][i], 1e-4 * std::abs(runs[0][i])) << "step " << i;
 }
