@@ -66,7 +66,7 @@ int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& 
     return kComposite;
   }
   if (depth_++ > 0) return -1;
-  Record r{intern(resolution.name), -1, call.op, 0.0, acquire_event(), acquire_event()};
+  Record r{intern(resolution.name), -1, call.op, 0.0, acquire_event(), acquire_event(), {}, 0.0};
   if (call.op == OpId::matmul) {
     std::string shape;
     r.flops = matmul_flops(call, &shape);
@@ -75,6 +75,7 @@ int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& 
     r.flops = grouped_flops(call);
   }
   r.start->record(stream);
+  r.host_start = std::chrono::steady_clock::now();
   records_.push_back(r);
   return int(records_.size()) - 1;
 }
@@ -82,7 +83,10 @@ int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& 
 void OpProfiler::end(int token, Stream& stream) {
   if (token == kComposite) return;
   --depth_;
-  if (token >= 0) records_[size_t(token)].stop->record(stream);
+  if (token < 0) return;
+  Record& r = records_[size_t(token)];
+  r.host_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - r.host_start).count();
+  r.stop->record(stream);
 }
 
 OpProfiler::Profile OpProfiler::collect() {
@@ -98,6 +102,7 @@ OpProfiler::Profile OpProfiler::collect() {
       t.op = r.op;
       t.calls += 1;
       t.ms += ms;
+      t.host_ms += r.host_ms;
       t.flops += r.flops;
     }
     p.kernels_ms += ms;

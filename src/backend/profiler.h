@@ -5,9 +5,12 @@
 // Time goes to the outermost exact kernel: a composite is the ops it is made of (each timed itself), and an op
 // nested inside an exact kernel counts in that kernel, so no interval is counted twice. Work not dispatched through
 // run_op (copies, fills, host code, waits) is not covered: the step's wall time minus the kernels' total is that.
+// Each record also keeps the host time spent inside the kernel's run function (launches, plan building, heuristic
+// queries): where it approaches the device interval, the op is host-bound (the device waited for its launches).
 // Covered by tests/unit/test_profiler.cpp and tests/e2e/test_bench.cpp (`lathe bench --profile`).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,6 +45,7 @@ class OpProfiler {
     OpId op = OpId::matmul;
     int64_t calls = 0;
     double ms = 0;
+    double host_ms = 0;  // host time inside the run functions (steady clock)
     double flops = 0;  // matmul: 2 M N K per call (batched: times the batch); 0 for other ops
   };
   struct Profile {
@@ -63,6 +67,8 @@ class OpProfiler {
     double flops;
     Event* start;
     Event* stop;
+    std::chrono::steady_clock::time_point host_start;
+    double host_ms;
   };
   Event* acquire_event();
   int intern(const std::string& name);

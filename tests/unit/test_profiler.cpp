@@ -1,6 +1,7 @@
 // The per-op profiler (backend/profiler.h) on the CPU: kernels are timed and counted by name, matmul FLOPs come from
 // the shapes, composites are counted but timed through their ops, an op nested in an exact kernel counts in that
-// kernel only, a kernel that throws leaves the profiler usable, and contexts without a profiler are not timed.
+// kernel only, a kernel that throws leaves the profiler usable, contexts without a profiler are not timed, and the host
+// time inside a run function lies within its interval.
 // Also the FLOP model of train/flops.h against the Qwen3-0.6B figures of research/perf-anchors.md.
 #include <gtest/gtest.h>
 
@@ -62,6 +63,7 @@ TEST(Profiler, TimesKernelsByNameWithoutCountingTwice) {
   ASSERT_NE(mm, nullptr);
   EXPECT_EQ(mm->calls, 2);
   EXPECT_DOUBLE_EQ(mm->flops, 2 * 2.0 * 64 * 48 * 32);
+  EXPECT_GT(mm->host_ms, 0.0) << "the CPU's matmul runs inside its run function";
   ASSERT_EQ(p.matmul_shapes.size(), 1u);
   EXPECT_EQ(p.matmul_shapes[0].name, "64 x 48 x 32 nt");
   ASSERT_NE(find(p.kernels, "test/nests_add"), nullptr);
@@ -79,6 +81,10 @@ TEST(Profiler, TimesKernelsByNameWithoutCountingTwice) {
   int64_t calls = 0;
   for (const auto& t : p.kernels) {
     EXPECT_GE(t.ms, 0.0) << t.name;
+    // The host time inside the run function lies within the device interval on the CPU (its events are host clocks
+    // read before and after): a kernel that runs on the host spends its time there.
+    EXPECT_GE(t.host_ms, 0.0) << t.name;
+    EXPECT_LE(t.host_ms, t.ms + 1e-6) << t.name;
     sum += t.ms;
     calls += t.calls;
   }

@@ -215,7 +215,8 @@ nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, doubl
   fmt::print("\nprofile of one step: wall {:.2f} ms; kernels {:.2f} ms ({:.1f}%) in {} calls, first start to last end "
              "{:.2f} ms; not in any kernel {:.2f} ms ({:.1f}%: host work, copies, fills, waits)\n",
              step_ms, p.kernels_ms, 100.0 * p.kernels_ms / step_ms, p.calls, p.span_ms, gaps, 100.0 * gaps / step_ms);
-  fmt::print("  {:<40} {:>7} {:>10} {:>7} {:>9}\n", "kernel", "calls", "total ms", "% step", "TFLOP/s");
+  fmt::print("  {:<40} {:>7} {:>10} {:>7} {:>9} {:>9}\n", "kernel", "calls", "total ms", "% step", "TFLOP/s",
+             "host ms");
   nlohmann::json kernels = nlohmann::json::array();
   std::map<std::string, double> by_kind;
   double gemm_ms = 0, gemm_flops = 0;
@@ -224,11 +225,13 @@ nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, doubl
     if (t.op == OpId::attention) flops = attention_flops * double(t.calls);
     if (t.op == OpId::attention_backward) flops = 2.5 * attention_flops * double(t.calls);
     const double tflops = flops > 0 && t.ms > 0 ? flops / (t.ms * 1e-3) / 1e12 : 0.0;
-    fmt::print("  {:<40} {:>7} {:>10.3f} {:>7.2f} {:>9}\n", t.name, t.calls, t.ms, 100.0 * t.ms / step_ms,
-               tflops >= 1 ? fmt::format("{:.1f}", tflops) : tflops > 0 ? fmt::format("{:.2g}", tflops) : "");
+    fmt::print("  {:<40} {:>7} {:>10.3f} {:>7.2f} {:>9} {:>9.3f}\n", t.name, t.calls, t.ms, 100.0 * t.ms / step_ms,
+               tflops >= 1 ? fmt::format("{:.1f}", tflops) : tflops > 0 ? fmt::format("{:.2g}", tflops) : "",
+               t.host_ms);
     by_kind[kind_of(t.op)] += t.ms;
     if (t.op == OpId::matmul) gemm_ms += t.ms, gemm_flops += t.flops;
-    nlohmann::json k = {{"kernel", t.name}, {"op", op_name(t.op)}, {"calls", t.calls}, {"ms", t.ms}};
+    nlohmann::json k = {{"kernel", t.name}, {"op", op_name(t.op)}, {"calls", t.calls}, {"ms", t.ms},
+                        {"host_ms", t.host_ms}};
     if (tflops > 0) k["tflops"] = tflops;
     kernels.push_back(k);
   }
