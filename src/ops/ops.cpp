@@ -119,8 +119,8 @@ void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out
   const bool flat = a.dim() == 2 && b.dim() == 2;
   OpCall call{OpId::matmul, {matmul_operand(ctx, a, flat), matmul_operand(ctx, b, flat)}, {out}, attrs};
   const TensorSpec spec = infer_outputs(OpId::matmul, call.inputs, call.attrs)[0];
-  LATHE_CHECK(out.shape() == spec.shape && out.dtype() == spec.dtype && (out.is_contiguous() ||
-                                                                         (flat && rows_contiguous(out))),
+  const bool layout_ok = out.is_contiguous() || (flat && rows_contiguous(out));
+  LATHE_CHECK(out.shape() == spec.shape && out.dtype() == spec.dtype && layout_ok,
               "ops: matmul_into output {} should be a {}{}, contiguous or (2-D operands) with contiguous rows",
               out.describe(), dtype_name(spec.dtype), shape_str(spec.shape));
   run_matmul(ctx, call);
