@@ -18,23 +18,7 @@ L=/tmp/logs; mkdir -p $L
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
 { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j16 >$L/build.log 2>&1; } ||
-  { grep -E "error" $L/build.log $L/cmake.log | head -20; # `dev/gpu_session.sh pending10`: what session 10 could not run on a GPU (source dev/gpu_deps.sh first where the
-# machine lacks PCRE2/ICU): the MoE CUDA fixtures with the experts grouped and padded, the routing and fused-op tests,
-# the op check of the kernels its refactors touched, and the MoE step profiled with the padded form forced on (host ms
-# per op beside device ms).
-if [ "$STAGE" = pending10 ]; then
-(cd build && OMP_NUM_THREADS=1 timeout 200 ctest -j8 -R "MoeCuda|MoeRoute|Fused|Matmul|CudaRuntime|Qwen3Cuda" \
-  --output-on-failure >$L/ctest.txt 2>&1); summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
-grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
-for op in qk_norm_rope_backward attention attention_backward embedding_backward rmsnorm_backward moe_route moe_pad_plan; do
-  summary "op-check $op: $(./build/lathe op-check --device cuda --op $op 2>&1 | tail -n 1)"
-done
-B="bench --shape 30b-a3b --layers 4 --optimizer-states bf16 --nondeterministic --steps 4 --warmup 6 --profile"
-./build/lathe $B >$L/moe_grouped.txt 2>&1; summary "grouped: $(grep '^bench:' $L/moe_grouped.txt | sed 's/.*): //')"
-./build/lathe $B --moe-padded-max-waste 1e9 >$L/moe_padded.txt 2>&1
-summary "padded (16x waste here): $(grep '^bench:' $L/moe_padded.txt | sed 's/.*): //')"
-fi
-tar -czf $OUT/logs.tgz -C /tmp logs; exit 1; }
+  { grep -E "error" $L/build.log $L/cmake.log | head -20; tar -czf $OUT/logs.tgz -C /tmp logs; exit 1; }
 if [ "$STAGE" = check ]; then
 python3 dev/ref/tokenizer_fixtures.py >$L/tok_fixtures.log 2>&1; summary "tokenizer fixtures rc=$?"
 python3 dev/ref/chat_template_fixtures.py >$L/chat_fixtures.log 2>&1; summary "chat fixtures rc=$?"
