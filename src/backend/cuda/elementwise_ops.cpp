@@ -3,6 +3,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/launchers.h"
 #include "backend/registry.h"
+#include "ops/ops.h"
 
 namespace lathe::cuda {
 
@@ -45,23 +46,17 @@ void run_unary(UnaryOp op, double alpha, const OpCall& c, ExecContext& ctx) {
                out.data_ptr(), as_cuda(ctx.stream).handle());
 }
 
-// A 2-D tensor whose rows are contiguous (inner stride 1): its row pitch in elements, else 0.
-int64_t row_pitch(const Tensor& t) {
-  if (t.dim() != 2 || (t.strides()[1] != 1 && t.size(1) > 1) || t.strides()[0] < t.size(1)) return 0;
-  return t.strides()[0];
-}
-
 void run_cast(const OpCall& c, ExecContext& ctx) {
   const Tensor& out = c.outputs[0];
   const Tensor& x = c.inputs[0];
   // Same dtype, rows to rows (a column slice in or out, concat_columns): a 2-D copy, whole rows at a time.
-  const int64_t px = row_pitch(x), po = row_pitch(out);
-  if (x.dtype() == out.dtype() && px > 0 && po > 0 && !(x.is_contiguous() && out.is_contiguous())) {
+  if (x.dtype() == out.dtype() && rows_contiguous(x) && rows_contiguous(out) &&
+      !(x.is_contiguous() && out.is_contiguous())) {
     if (out.numel() == 0) return;
     const size_t e = x.itemsize();
-    LATHE_CUDA_CHECK(cudaMemcpy2DAsync(out.data_ptr(), size_t(po) * e, x.data_ptr(), size_t(px) * e,
-                                       size_t(out.size(1)) * e, size_t(out.size(0)), cudaMemcpyDeviceToDevice,
-                                       as_cuda(ctx.stream).handle()));
+    LATHE_CUDA_CHECK(cudaMemcpy2DAsync(out.data_ptr(), size_t(leading_dim(out)) * e, x.data_ptr(),
+                                       size_t(leading_dim(x)) * e, size_t(out.size(1)) * e, size_t(out.size(0)),
+                                       cudaMemcpyDeviceToDevice, as_cuda(ctx.stream).handle()));
     return;
   }
   launch_cast(x.dtype(), out.dtype(), out.numel(), x.data_ptr(), layout_for(x, out.shape()), plain(x, out.shape()),
