@@ -65,6 +65,14 @@ fs::path setup(const std::string& name, const char* model, const std::string& ex
   return dir;
 }
 
+// The losses of 3 `lathe train` steps of dir's config with train.`key` = `value`, written to dir/value.
+std::vector<double> three_steps(const fs::path& dir, const std::string& key, const std::string& value) {
+  const std::string sets = " --set train.max_steps=3 --set train." + key + "=" + value + " --set output_dir=";
+  const LatheRun r = lathe_e2e::lathe("train " + (dir / "config.yaml").string() + sets + (dir / value).string());
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return losses(dir / value);
+}
+
 }  // namespace
 
 TEST(MoeTrain, FullFineTuningLossFallsAndLogsTheExpertLoad) {
@@ -164,14 +172,10 @@ TEST(MoeTrain, RouterAuxLossSettingChangesTheUpdatesOnly) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("train.router_aux_loss: 'maybe' is not one of auto, on, off"), std::string::npos)
       << bad.output;
-  std::vector<std::vector<double>> runs;
-  for (const char* setting : {"on", "off"}) {
-    const LatheRun r = lathe_e2e::lathe("train " + cfg + " --set train.max_steps=3 --set train.router_aux_loss=" +
-                                        setting + " --set output_dir=" + (dir / setting).string());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    runs.push_back(losses(dir / setting));
-    ASSERT_EQ(runs.back().size(), 3u);
-  }
+  const std::vector<std::vector<double>> runs = {three_steps(dir, "router_aux_loss", "on"),
+                                                  three_steps(dir, "router_aux_loss", "off")};
+  ASSERT_EQ(runs[0].size(), 3u);
+  ASSERT_EQ(runs[1].size(), 3u);
   // The first step's loss is the cross-entropy of the same weights either way; the aux term changes the updates.
   EXPECT_EQ(runs[0][0], runs[1][0]);
   EXPECT_NE(runs[0][2], runs[1][2]);
@@ -186,13 +190,9 @@ TEST(MoeTrain, PaddedExpertsTrainAsTheGroupedOnes) {
       << bad.output;
   // 0: grouped GEMMs; 1e9: every layer's experts as one batched GEMM over padded blocks. Same losses within f32
   // rounding (the CPU runs f32 here; the f64 equality is tests/models/test_moe.cpp's MoePadded).
-  std::vector<std::vector<double>> runs;
-  for (const char* waste : {"0", "1e9"}) {
-    const LatheRun r = lathe_e2e::lathe("train " + cfg + " --set train.max_steps=3 --set train.moe_padded_max_waste=" +
-                                        waste + " --set output_dir=" + (dir / waste).string());
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    runs.push_back(losses(dir / waste));
-    ASSERT_EQ(runs.back().size(), 3u);
-  }
+  const std::vector<std::vector<double>> runs = {three_steps(dir, "moe_padded_max_waste", "0"),
+                                                  three_steps(dir, "moe_padded_max_waste", "1e9")};
+  ASSERT_EQ(runs[0].size(), 3u);
+  ASSERT_EQ(runs[1].size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(runs[1][i], runs[0][i], 1e-4 * std::abs(runs[0][i])) << "step " << i;
 }
