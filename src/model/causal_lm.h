@@ -199,9 +199,10 @@ class CausalLm {
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
 
  private:
-  // The routing of rows x (the moe_route op, its offsets and totals read back); cached_route keeps it per layer for
-  // the current batch.
-  MoeRoute make_route(const MoeParams& p, const Tensor& x);
+  // The routing of rows x (the moe_route op, its offsets and totals read back; with prob_sums also the
+  // probabilities' column sums, which only the aux loss reads: decoding does without); cached_route keeps it per
+  // layer for the current batch.
+  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums);
   const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
   MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,

@@ -119,18 +119,18 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
 
 Tensor CausalLm::mlp_eval(int64_t layer, const Tensor& hn) {
   const MlpParams& p = mlps_.at(size_t(layer));
-  if (p.sparse) return moe_apply(layer, make_route(p.moe, hn), p.moe, hn, nullptr, false).out;
+  if (p.sparse) return moe_apply(layer, make_route(p.moe, hn, false), p.moe, hn, nullptr, false).out;
   ExecContext cx = ctx();
   return linear(cx, swiglu(cx, linear(cx, hn, w(p.gate)), linear(cx, hn, w(p.up))), w(p.down));
 }
 
 const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (!r.valid) r = make_route(p, x);
+  if (!r.valid) r = make_route(p, x, true);
   return r;
 }
 
-MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
+MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sums) {
   MoeRoute r;
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
@@ -139,18 +139,19 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x) {
   // model) where they are: the moe_route op.
   const DType rd = routing_dtype();
   const MoeRouting m = moe_route(cx, cast(cx, linear(cx, x, w(p.router)), rd), {k, c.norm_topk_prob});
-  const Tensor prob_sums = sum(cx, m.probs, {0});  // (E), queued before the wait below
+  const Tensor sums = prob_sums ? sum(cx, m.probs, {0}) : Tensor();  // (E), queued before the wait below
   // The one wait of the layer: the grouped GEMMs take their groups on the host.
   const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
   const int32_t* off = offsets.data<int32_t>();
   LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (a layer's router produced NaN or Inf)",
               off[e + 1]);
   r.offsets.assign(off, off + e + 1);
-  const Tensor sums = rt_->copy_to(prob_sums, Device::cpu());
   r.totals.tokens = t;
-  for (int64_t i = 0; i < e; ++i) {
-    r.totals.counts.push_back(r.offsets[size_t(i + 1)] - r.offsets[size_t(i)]);
-    r.totals.prob_sums.push_back(load_as_double(sums.data_ptr(), sums.dtype(), i));
+  for (int64_t i = 0; i < e; ++i) r.totals.counts.push_back(r.offsets[size_t(i + 1)] - r.offsets[size_t(i)]);
+  if (prob_sums) {
+    const Tensor host_sums = rt_->copy_to(sums, Device::cpu());
+    for (int64_t i = 0; i < e; ++i)
+      r.totals.prob_sums.push_back(load_as_double(host_sums.data_ptr(), host_sums.dtype(), i));
   }
   // The batched expert GEMMs when padding every expert to the largest count wastes little (ModelOptions).
   int64_t most = 0;
