@@ -49,9 +49,8 @@ struct ModelOptions {
   std::optional<bool> router_aux_loss;
   // MoE models: the experts' GEMMs of a batch run as one batched GEMM over (E, M, .) blocks, M = the largest expert's
   // row count rounded up to 8 (padding rows computed and discarded), when E M <= moe_padded_max_waste x the routed rows
-  // and no expert adapter applies; else as grouped GEMMs over the exact rows. 0 (the default until the padded form has
-  // been measured inside the model on a GPU) keeps the grouped GEMMs; docs/moe.md suggests 1.5.
-  double moe_padded_max_waste = 0.0;
+  // and no expert adapter applies; else as grouped GEMMs over the exact rows. 0 keeps the grouped GEMMs always.
+  double moe_padded_max_waste = 1.5;
 };
 
 struct LossResult {

@@ -115,7 +115,7 @@ const std::vector<Option>& options() {
                 "mixture-of-experts models: add router_aux_loss_coef x the load-balancing loss to the trained loss: "
                 "auto (as config.json's output_router_logits, like transformers) | on | off (docs/moe.md)",
                 router_aux_loss),
-      LATHE_OPT("train.moe_padded_max_waste", Kind::Float, "0",
+      LATHE_OPT("train.moe_padded_max_waste", Kind::Float, "1.5",
                 "mixture-of-experts models: run the experts as one batched GEMM over blocks padded to the largest "
                 "expert's rows while E x those rows <= this x the routed rows (0: grouped GEMMs always; docs/moe.md)",
                 moe_padded_max_waste),
