@@ -1,7 +1,7 @@
 // GEMM micro-benchmark: C = A @ B through lathe's matmul op (cuBLASLt path) on one GPU.
 // Usage: gemm_bench [M N K] [dtype] [iters] [layout]; layout nn (default), nt or tn: whether A and B are stored
-// transposed (A (K, M) for tn, B (N, K) for nt), as the model's backward GEMMs read them. Random inputs (never zeros), warm-up, median of event-timed
-// iterations. Prints one JSON line: {"impl":"lathe", "tflops":..., "ms":...}.
+// transposed (A (K, M) for tn, B (N, K) for nt), as the model's backward GEMMs read them. Random inputs (never
+// zeros), warm-up, median of event-timed iterations. Prints one JSON line: {"impl":"lathe", "tflops":..., "ms":...}.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -49,8 +49,8 @@ int main(int argc, char** argv) {
     std::sort(ms.begin(), ms.end());
     const double med = ms[ms.size() / 2];
     const double tflops = 2.0 * double(m) * double(n) * double(k) / (med * 1e-3) / 1e12;
-    fmt::print("{{\"impl\": \"lathe\", \"m\": {}, \"n\": {}, \"k\": {}, \"layout\": \"{}\", \"dtype\": \"{}\", \"ms\": {:.4f}, \"tflops\": {:.1f}, "
-               "\"device\": \"{}\"}}\n",
+    fmt::print("{{\"impl\": \"lathe\", \"m\": {}, \"n\": {}, \"k\": {}, \"layout\": \"{}\", \"dtype\": \"{}\", "
+               "\"ms\": {:.4f}, \"tflops\": {:.1f}, \"device\": \"{}\"}}\n",
                m, n, k, layout, dtype_name(dtype), med, tflops, ctx.backend.info(0).name);
     return 0;
   } catch (const std::exception& e) {
