@@ -284,11 +284,19 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
       result.segments.push_back({0.0, r - begin});
     }
   }
+  // The rows are padded to a multiple of 8 with ignored ones (token 0's row, label -100: zero loss, zero gradient
+  // rows), so the LM head's GEMMs never take an odd row count: cuBLAS ran the weight gradient of a 2,046-row chunk
+  // at 670 TFLOP/s against 750 for 2,048 rows (docs/benchmarks.md, session 9). The last piece takes the padding (only
+  // where it ends the rows: every padded row must fall in a chunk, which writes its zero gradient row).
+  const int64_t n_padded = !pieces.empty() && pieces.back().end == n_rows ? (n_rows + 7) / 8 * 8 : n_rows;
+  rows.resize(size_t(n_padded), 0);
+  targets.resize(size_t(n_padded), -100);
+  if (!pieces.empty()) pieces.back().end += n_padded - n_rows;
   Tensor xs, dxs, row_index, target_t;
   if (n_rows > 0) {
-    row_index = rt_->upload(rows.data(), {n_rows}, DType::I32, options_.device);  // no wait: the queue keeps running
-    target_t = rt_->upload(targets.data(), {n_rows}, DType::I32, options_.device);
-    xs = embedding(cx, xf, row_index);  // (n_rows, H)
+    row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);  // no wait: the queue keeps running
+    target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
+    xs = embedding(cx, xf, row_index);  // (n_padded, H)
     if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
   }
   const Tensor& wh = w(head);
@@ -335,7 +343,13 @@ void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
 
 void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
   ExecContext cx = ctx();
-  if (options_.train_base) add_grad(embed, embedding_backward(cx, dx, b.ids, config_.vocab_size));
+  Tensor& grad = params_[size_t(embed)].grad;
+  // A tied LM head already holds its gradient: the batch's rows are added into it in place (no full-size zero fill and
+  // add; a full-vocabulary pass each at 151,936 rows).
+  if (options_.train_base && grad.defined() && grad.is_contiguous() && grad.dtype() == dx.dtype())
+    embedding_backward_into(cx, dx, b.ids, grad);
+  else if (options_.train_base)
+    add_grad(embed, embedding_backward(cx, dx, b.ids, config_.vocab_size));
   if (lora_ && !b.segments.empty()) lora_->collect_grads();
 }
 

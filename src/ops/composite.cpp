@@ -29,7 +29,9 @@ void run_upcast(const OpCall& call, ExecContext& ctx) {
   const DType narrow = call.key_dtype();
   OpCall wide{call.op, {}, {}, call.attrs};
   for (const Tensor& t : call.inputs) wide.inputs.push_back(t.dtype() == narrow ? cast(ctx, t, DType::F32) : t);
-  const bool reads_output = call.op == OpId::matmul && call.attr<MatmulAttrs>().beta != 0.0f;
+  // Ops that read their output's current contents (matmul with beta, embedding_backward accumulating) get it widened.
+  const bool reads_output = (call.op == OpId::matmul && call.attr<MatmulAttrs>().beta != 0.0f) ||
+                            (call.op == OpId::embedding_backward && call.attr<EmbeddingAttrs>().accumulate);
   for (const Tensor& t : call.outputs) {
     const DType dt = t.dtype() == narrow ? DType::F32 : t.dtype();
     wide.outputs.push_back(reads_output ? cast(ctx, t, dt) : Tensor::empty(t.shape(), dt, ctx.allocator));

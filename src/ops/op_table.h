@@ -110,9 +110,12 @@ struct ReduceAttrs {
 };
 
 // embedding(weight (V, H), ids (T) i32) -> (T, H). embedding_backward(dy (T, H), ids) -> dweight (V, H):
-// rows of dy summed per id; `vocab` gives V.
+// rows of dy summed per id; `vocab` gives V. With `accumulate`, the output's current contents are kept and each id's
+// sum is added into its row (one rounding of old + sum per element; rows no id names stay bitwise as they were): a
+// tied LM head's gradient takes the embedding's without a full-size zero fill and add (embedding_backward_into).
 struct EmbeddingAttrs {
   int64_t vocab = 0;
+  bool accumulate = false;
 };
 
 // y = x / rms(x) * (offset + w) over the last dim, rms = sqrt(mean(x^2) + eps). offset is 0 for Qwen3,

@@ -221,6 +221,18 @@ Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids,
   return call_op(ctx, OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, EmbeddingAttrs{vocab})[0];
 }
 
+void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight) {
+  LATHE_CHECK(dweight.dim() == 2 && dweight.is_contiguous(), "ops: embedding_backward_into output {} should be a "
+              "contiguous (vocab, hidden) tensor", dweight.describe());
+  OpCall call{OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, {dweight},
+              EmbeddingAttrs{dweight.size(0), true}};
+  const TensorSpec spec = infer_outputs(OpId::embedding_backward, call.inputs, call.attrs)[0];
+  LATHE_CHECK(dweight.shape() == spec.shape && dweight.dtype() == spec.dtype,
+              "ops: embedding_backward_into output {} should be a {}{}", dweight.describe(), dtype_name(spec.dtype),
+              shape_str(spec.shape));
+  run_op(ctx, call);
+}
+
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs) {
   return call_op(ctx, OpId::rmsnorm, {contiguous(ctx, x), contiguous(ctx, w)}, attrs)[0];
 }

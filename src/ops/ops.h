@@ -62,6 +62,8 @@ Tensor swiglu_halves(ExecContext& ctx, const Tensor& gu);
 Tensor swiglu_halves_backward(ExecContext& ctx, const Tensor& gu, const Tensor& dy);
 Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids);
 Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab);
+// dweight (V, H), contiguous, dy's dtype) += embedding_backward(dy, ids, V) (EmbeddingAttrs::accumulate).
+void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight);
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs);  // {dx, dw}

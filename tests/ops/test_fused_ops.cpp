@@ -3,7 +3,8 @@
 // halves of each row; qk_norm_rope is within one rounding of rmsnorm then rope. The CPU's bf16/f16 rows go through
 // upcast_f32, which keeps intermediates in f32 between the steps, so they are the op check's business (tolerance), not
 // this test's. Values against the f64 reference and the backwards: the op-check cases. Also copy_into's strided
-// destinations (concat_columns), and matmul on column slices.
+// destinations (concat_columns), matmul on column slices, and embedding_backward_into (the tied LM head's gradient
+// taking the embedding's rows in place).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -163,6 +164,54 @@ TEST(Matmul, ReadsAndWritesColumnSlices) {
               ASSERT_NEAR(yc.data<double>()[i], ref.data<double>()[i], tol(ref.data<double>()[i])) << where << " " << i;
           }
         }
+}
+
+// dweight += rows of dy summed per id, against a plain f64 loop over the same values: rows no id names keep their
+// bytes, named rows are within one rounding of old + sum (the CUDA kernel sums in fp32 first: bf16 tolerance there).
+// The CPU's bf16 row runs the f32 kernel through upcast_f32, which must hand it the output's current contents.
+TEST(EmbeddingBackwardInto, AddsEachIdsRowsAndLeavesTheOtherRows) {
+  std::vector<std::pair<Device, DType>> rows = {
+      {Device::cpu(), DType::F32}, {Device::cpu(), DType::F64}, {Device::cpu(), DType::BF16}};
+  if (runtime().has_device(Device::cuda(0)))
+    for (DType dt : {DType::F32, DType::BF16}) rows.push_back({Device::cuda(0), dt});
+  const int64_t vocab = 37, hidden = 72, tokens = 300;
+  std::vector<int32_t> ids(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; ++t) ids[size_t(t)] = int32_t((t * t + 3 * t) % 29);  // ids 29..36 never occur
+  for (const auto& [device, dtype] : rows) {
+    const std::string where = fmt::format("{} {}", device.str(), dtype_name(dtype));
+    std::mt19937_64 rng{7};
+    ExecContext ctx = runtime().context(device);
+    const Tensor dy = random_tensor(rng, {tokens, hidden}, dtype, device);
+    Tensor dw = random_tensor(rng, {vocab, hidden}, dtype, device);
+    const Tensor before = runtime().copy_to(cast(ctx, dw, DType::F64), Device::cpu());
+    const Tensor dy64 = runtime().copy_to(cast(ctx, dy, DType::F64), Device::cpu());
+    const Tensor before_bits = runtime().copy_to(dw, Device::cpu());
+    embedding_backward_into(ctx, dy, runtime().from_host(ids.data(), {tokens}, DType::I32, device), dw);
+    const Tensor after_bits = runtime().copy_to(dw, Device::cpu());
+    const Tensor got = runtime().copy_to(cast(ctx, dw, DType::F64), Device::cpu());
+    const size_t row_bytes = size_t(hidden) * dtype_size(dtype);
+    for (int64_t v = 0; v < vocab; ++v) {
+      std::vector<double> want(static_cast<size_t>(hidden));
+      for (int64_t j = 0; j < hidden; ++j) want[size_t(j)] = before.data<double>()[v * hidden + j];
+      bool named = false;
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (ids[size_t(t)] != v) continue;
+        named = true;
+        for (int64_t j = 0; j < hidden; ++j) want[size_t(j)] += dy64.data<double>()[t * hidden + j];
+      }
+      if (!named) {
+        EXPECT_EQ(std::memcmp(static_cast<const char*>(after_bits.data_ptr()) + size_t(v) * row_bytes,
+                              static_cast<const char*>(before_bits.data_ptr()) + size_t(v) * row_bytes, row_bytes),
+                  0)
+            << where << ": row " << v << " has no token and must keep its bytes";
+        continue;
+      }
+      const double rel = dtype == DType::BF16 ? 8e-3 : (dtype == DType::F32 ? 1e-5 : 1e-12);
+      for (int64_t j = 0; j < hidden; ++j)
+        ASSERT_NEAR(got.data<double>()[v * hidden + j], want[size_t(j)], rel * std::max(1.0, std::abs(want[size_t(j)])))
+            << where << ": row " << v << " column " << j;
+    }
+  }
 }
 
 TEST(QkNormRope, IsTheNormThenTheRotationWithinOneRounding) {

@@ -44,7 +44,15 @@ void embedding_backward_kernel(const OpCall& c, ExecContext&) {
   for (int64_t j = 0; j < hidden; ++j)
     for (int64_t t = 0; t < n; ++t) acc[size_t(ids[t] * hidden + j)] += double(dy[t * hidden + j]);
   T* dw = c.outputs[0].data<T>();
-  for (size_t i = 0; i < acc.size(); ++i) dw[i] = T(acc[i]);
+  if (!c.attr<EmbeddingAttrs>().accumulate) {
+    for (size_t i = 0; i < acc.size(); ++i) dw[i] = T(acc[i]);
+    return;
+  }
+  std::vector<char> named(size_t(vocab), 0);  // rows no id names keep their bytes
+  for (int64_t t = 0; t < n; ++t) named[size_t(ids[t])] = 1;
+  for (int64_t v = 0; v < vocab; ++v)
+    if (named[size_t(v)])
+      for (int64_t j = 0; j < hidden; ++j) dw[v * hidden + j] = T(double(dw[v * hidden + j]) + acc[size_t(v * hidden + j)]);
 }
 
 // y = x inv (offset + w) [silu(z) when kGated], inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.

@@ -26,10 +26,12 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
                       const int32_t* ids, void* out, cudaStream_t stream);
 // dweight (vocab, hidden) = rows of dy (n_tokens, hidden) summed per id (out-of-range ids skipped): the (id, token)
 // pairs are sorted by id (cub's stable radix sort), then each id's rows are summed in token order in fp32 and written
-// once; other rows are zero. Bitwise deterministic. `scratch` holds embedding_backward_scratch_bytes(n_tokens).
+// once; other rows are zero. `accumulate`: dweight is not zeroed and each sum is added to its row's current value
+// (one rounding); other rows are left alone. Bitwise deterministic. `scratch` holds
+// embedding_backward_scratch_bytes(n_tokens).
 size_t embedding_backward_scratch_bytes(int64_t n_tokens);
 void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, void* scratch, void* dweight, cudaStream_t stream);
+                               const int32_t* ids, bool accumulate, void* scratch, void* dweight, cudaStream_t stream);
 
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,

@@ -44,8 +44,9 @@ __global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab
 // the block at the first pair of an id sums that id's dy rows in token order, in fp32, and writes its dw row once.
 // Deterministic; rows of ids that no token has are the zeros written before.
 template <typename T>
-__global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, const T* dy,
-                                            const int32_t* sorted_ids, const int32_t* sorted_tokens, T* dw) {
+__global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, bool accumulate,
+                                            const T* dy, const int32_t* sorted_ids, const int32_t* sorted_tokens,
+                                            T* dw) {
   for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
     const int32_t id = sorted_ids[p];
     if ((p > 0 && sorted_ids[p - 1] == id) || id < 0 || id >= vocab) continue;  // not an id's first pair; bad ids
@@ -54,7 +55,8 @@ __global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, in
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
       float acc = 0;
       for (int64_t q = p; q < end; ++q) acc += load(dy, int64_t(sorted_tokens[q]) * hidden + c);
-      store(dw, int64_t(id) * hidden + c, acc);
+      const int64_t at = int64_t(id) * hidden + c;
+      store(dw, at, accumulate ? load(dw, at) + acc : acc);
     }
   }
 }
@@ -946,10 +948,11 @@ size_t embedding_backward_scratch_bytes(int64_t n_tokens) {
 }
 
 void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, void* scratch, void* dweight, cudaStream_t stream) {
+                               const int32_t* ids, bool accumulate, void* scratch, void* dweight,
+                               cudaStream_t stream) {
   const int64_t n = vocab * hidden;
   if (n == 0) return;
-  LATHE_CUDA_CHECK(cudaMemsetAsync(dweight, 0, size_t(n) * dtype_size(dtype), stream));
+  if (!accumulate) LATHE_CUDA_CHECK(cudaMemsetAsync(dweight, 0, size_t(n) * dtype_size(dtype), stream));
   if (n_tokens == 0) return;
   // scratch: token indices, sorted ids, sorted tokens, then cub's storage
   const size_t ints = align256(size_t(n_tokens) * sizeof(int32_t));
@@ -967,7 +970,8 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
   dispatch_f32_bf16_f16(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     embedding_sorted_sum_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(
-        n_tokens, hidden, vocab, static_cast<const T*>(dy), sorted_ids, sorted_tokens, static_cast<T*>(dweight));
+        n_tokens, hidden, vocab, accumulate, static_cast<const T*>(dy), sorted_ids, sorted_tokens,
+        static_cast<T*>(dweight));
   });
   LATHE_CUDA_LAUNCH_CHECK("embedding_sorted_sum_kernel");
 }

@@ -81,7 +81,8 @@ void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
   const int64_t bytes = int64_t(embedding_backward_scratch_bytes(ids.numel()));
   const Tensor scratch = bytes ? Tensor::empty({bytes}, DType::U8, ctx.allocator) : Tensor();  // the sort's buffers
   launch_embedding_backward(dy.dtype(), ids.numel(), dw.size(1), dw.size(0), dy.data_ptr(), ids.data<int32_t>(),
-                            bytes ? scratch.data_ptr() : nullptr, dw.data_ptr(), stream_of(ctx));
+                            c.attr<EmbeddingAttrs>().accumulate, bytes ? scratch.data_ptr() : nullptr, dw.data_ptr(),
+                            stream_of(ctx));
 }
 
 void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
