@@ -1,6 +1,7 @@
 #include "backend/profiler.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -109,6 +110,18 @@ OpProfiler::Profile OpProfiler::collect() {
     ++p.calls;
   }
   if (!records_.empty()) p.span_ms = records_.back().stop->elapsed_ms_since(*records_.front().start);
+  std::map<std::pair<int, int>, Total> gaps;
+  for (size_t i = 1; i < records_.size(); ++i) {
+    const double ms = records_[i].start->elapsed_ms_since(*records_[i - 1].stop);
+    if (ms <= 0) continue;
+    Total& t = gaps[{records_[i - 1].kernel, records_[i].kernel}];
+    t.name = names_[size_t(records_[i - 1].kernel)] + " -> " + names_[size_t(records_[i].kernel)];
+    t.op = records_[i].op;
+    t.calls += 1;
+    t.ms += ms;
+  }
+  for (auto& [key, t] : gaps) p.gaps.push_back(std::move(t));
+  std::stable_sort(p.gaps.begin(), p.gaps.end(), [](const Total& a, const Total& b) { return a.ms > b.ms; });
   p.kernels = sorted(kernels);
   p.matmul_shapes = sorted(shapes);
   for (const auto& [name, calls] : composite_calls_) p.composites.push_back({name, calls});

@@ -7,6 +7,8 @@
 // run_op (copies, fills, host code, waits) is not covered: the step's wall time minus the kernels' total is that.
 // Each record also keeps the host time spent inside the kernel's run function (launches, plan building, heuristic
 // queries): where it approaches the device interval, the op is host-bound (the device waited for its launches).
+// The time between one timed op's end and the next one's start (copies, fills, waits for the host, idle) is summed by
+// the pair of kernels around it (Profile::gaps), which says where the untimed part of a step sits.
 // Covered by tests/unit/test_profiler.cpp and tests/e2e/test_bench.cpp (`lathe bench --profile`).
 #pragma once
 
@@ -52,6 +54,9 @@ class OpProfiler {
     std::vector<Total> kernels;        // by kernel name, largest total first
     std::vector<Total> matmul_shapes;  // the matmul calls by shape and layout, largest total first
     std::vector<std::pair<std::string, int64_t>> composites;  // composites run (their time is in their ops), calls
+    // Time between consecutive timed ops, by "previous kernel -> next kernel" (name), largest total first; calls =
+    // how many such gaps. Ops of one stream in launch order (the profiled runs use one stream).
+    std::vector<Total> gaps;
     double kernels_ms = 0;             // sum of the kernels' times
     double span_ms = 0;                // first kernel's start to the last one's end
     int64_t calls = 0;

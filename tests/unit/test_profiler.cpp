@@ -1,7 +1,8 @@
 // The per-op profiler (backend/profiler.h) on the CPU: kernels are timed and counted by name, matmul FLOPs come from
 // the shapes, composites are counted but timed through their ops, an op nested in an exact kernel counts in that
 // kernel only, a kernel that throws leaves the profiler usable, contexts without a profiler are not timed, and the host
-// time inside a run function lies within its interval.
+// time inside a run function lies within its interval; the time between timed ops is attributed to the pair of
+// kernels around it.
 // Also the FLOP model of train/flops.h against the Qwen3-0.6B figures of research/perf-anchors.md.
 #include <gtest/gtest.h>
 
@@ -91,6 +92,17 @@ TEST(Profiler, TimesKernelsByNameWithoutCountingTwice) {
   EXPECT_NEAR(sum, p.kernels_ms, 1e-9);
   EXPECT_EQ(calls, p.calls);
   EXPECT_LE(p.kernels_ms, p.span_ms + 1e-6);
+  // The time between timed ops, by the pair around it: on the CPU the ops run one after another on the host clock, so
+  // the gaps and the kernels together make up the span (the host code between the calls above is in the gaps).
+  double between = 0;
+  for (const auto& g : p.gaps) {
+    EXPECT_GT(g.ms, 0.0) << g.name;
+    EXPECT_NE(g.name.find(" -> "), std::string::npos) << g.name;
+    between += g.ms;
+  }
+  EXPECT_FALSE(p.gaps.empty());
+  EXPECT_NEAR(p.kernels_ms + between, p.span_ms, 1e-6);
+  EXPECT_TRUE(std::is_sorted(p.gaps.begin(), p.gaps.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; }));
 
   // collect() forgets what it returned.
   EXPECT_EQ(prof.collect().calls, 0);

@@ -255,13 +255,25 @@ nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, doubl
                  tf >= 1 ? fmt::format("{:.1f}", tf) : fmt::format("{:.2g}", tf));
     }
   }
+  // Where the time outside the kernels sits: between which two timed ops (largest first).
+  nlohmann::json between = nlohmann::json::array();
+  double between_ms = 0;
+  for (const OpProfiler::Total& t : p.gaps) between_ms += t.ms;
+  if (!p.gaps.empty())
+    fmt::print("  between timed ops {:.2f} ms of the {:.2f} ms outside them; largest, by the kernels around them:\n",
+               between_ms, gaps);
+  for (size_t i = 0; i < std::min<size_t>(8, p.gaps.size()); ++i) {
+    const OpProfiler::Total& t = p.gaps[i];
+    fmt::print("    {:<72} {:>5} x {:>8.3f} ms\n", t.name, t.calls, t.ms);
+    between.push_back({{"between", t.name}, {"count", t.calls}, {"ms", t.ms}});
+  }
   if (!p.composites.empty()) {
     std::string c;
     for (const auto& [name, calls] : p.composites) c += fmt::format("{}{} x{}", c.empty() ? "" : ", ", name, calls);
     fmt::print("  composites run (their time is in the kernels they call): {}\n", c);
   }
   return {{"step_ms", step_ms}, {"kernels_ms", p.kernels_ms}, {"span_ms", p.span_ms}, {"gaps_ms", gaps}, {"calls", p.calls},
-          {"gemm_ms", gemm_ms}, {"by_kind", by_kind}, {"kernels", kernels}};
+          {"gemm_ms", gemm_ms}, {"by_kind", by_kind}, {"kernels", kernels}, {"between_ops", between}};
 }
 
 void run(const Args& a) {

@@ -39,20 +39,25 @@ void embedding_backward_kernel(const OpCall& c, ExecContext&) {
   for (int64_t t = 0; t < n; ++t)
     LATHE_CHECK(ids[t] >= 0 && ids[t] < vocab, "embedding: token id {} at position {} is outside the vocabulary (size {})",
                 ids[t], t, vocab);
-  std::vector<double> acc(size_t(vocab * hidden), 0.0);
+  // f64 sums in token order, for the ids that occur only (a vocab x hidden buffer would be 1.2 GB at Qwen3-0.6B).
+  std::vector<int64_t> slot(size_t(vocab), -1), named;
+  for (int64_t t = 0; t < n; ++t) {
+    if (slot[size_t(ids[t])] >= 0) continue;
+    slot[size_t(ids[t])] = int64_t(named.size());
+    named.push_back(ids[t]);
+  }
+  std::vector<double> acc(named.size() * size_t(hidden), 0.0);
 #pragma omp parallel for if (n * hidden > 65536)
   for (int64_t j = 0; j < hidden; ++j)
-    for (int64_t t = 0; t < n; ++t) acc[size_t(ids[t] * hidden + j)] += double(dy[t * hidden + j]);
+    for (int64_t t = 0; t < n; ++t) acc[size_t(slot[size_t(ids[t])] * hidden + j)] += double(dy[t * hidden + j]);
   T* dw = c.outputs[0].data<T>();
-  if (!c.attr<EmbeddingAttrs>().accumulate) {
-    for (size_t i = 0; i < acc.size(); ++i) dw[i] = T(acc[i]);
-    return;
+  const bool accumulate = c.attr<EmbeddingAttrs>().accumulate;
+  if (!accumulate) std::fill(dw, dw + vocab * hidden, T(0.0));  // rows no id names keep their bytes when accumulating
+  for (size_t i = 0; i < named.size(); ++i) {
+    T* row = dw + named[i] * hidden;
+    const double* sum = acc.data() + i * size_t(hidden);
+    for (int64_t j = 0; j < hidden; ++j) row[j] = T(accumulate ? double(row[j]) + sum[j] : sum[j]);
   }
-  std::vector<char> named(size_t(vocab), 0);  // rows no id names keep their bytes
-  for (int64_t t = 0; t < n; ++t) named[size_t(ids[t])] = 1;
-  for (int64_t v = 0; v < vocab; ++v)
-    if (named[size_t(v)])
-      for (int64_t j = 0; j < hidden; ++j) dw[v * hidden + j] = T(double(dw[v * hidden + j]) + acc[size_t(v * hidden + j)]);
 }
 
 // y = x inv (offset + w) [silu(z) when kGated], inv = 1 / rms(x), silu(z) = z sigmoid(z); one rounding, at y.
