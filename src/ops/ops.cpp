@@ -332,6 +332,10 @@ void sum_squares_list_into(ExecContext& ctx, const std::vector<Tensor>& xs, cons
 }
 
 void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs) {
+  run_op(ctx, adamw_update_list_call(groups, attrs));
+}
+
+OpCall adamw_update_list_call(const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs) {
   LATHE_CHECK(!groups.empty(), "ops: adamw_update_list got no groups");
   const bool with_param = groups[0].param.defined();
   OpCall call{OpId::adamw_list, {}, {}, attrs};
@@ -354,7 +358,7 @@ void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, 
     if (with_param) call.outputs.push_back(g.param);
   }
   (void)infer_outputs(OpId::adamw_list, call.inputs, call.attrs);  // names the first bad group
-  run_op(ctx, call);
+  return call;
 }
 
 void adamw_update(ExecContext& ctx, Tensor& master, const Tensor& grad, Tensor& m, Tensor& v, const AdamWAttrs& attrs,

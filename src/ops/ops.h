@@ -106,6 +106,9 @@ struct AdamWGroup {
   Tensor master, grad, m, v, param;
 };
 void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs);
+// The checked adamw_list call adamw_update_list runs (for callers that build it before the attrs' lr and grad_scale are
+// known, then run it with run_op).
+OpCall adamw_update_list_call(const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs);
 // Row-segment ops on x (T, C) for multi-tenant LoRA (formulas at SegmentAttrs in ops/op_table.h).
 Tensor segment_mask(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);
 Tensor dropout(ExecContext& ctx, const Tensor& x, const SegmentAttrs& attrs);

@@ -135,9 +135,9 @@ size_t AdamW::state_bytes() const {
   return n;
 }
 
-void AdamW::step(double lr, double grad_scale) {
-  LATHE_CHECK(std::isfinite(lr) && lr >= 0 && std::isfinite(grad_scale),
-              "optim: AdamW step needs a finite lr >= 0 and a finite grad_scale, got {} and {}", lr, grad_scale);
+void AdamW::step(double lr, double grad_scale) { step(prepare(), lr, grad_scale); }
+
+AdamW::Prepared AdamW::prepare() const {
   ExecContext ctx = rt_->context(device_);
   // Parameters whose update shares every attribute (decay, step count) and dtype (master, gradient, parameter) go
   // through one adamw_list op, in parameter order; the groups in order of their first parameter.
@@ -146,7 +146,10 @@ void AdamW::step(double lr, double grad_scale) {
     std::vector<AdamWGroup> groups;
   };
   std::vector<Batch> batches;
-  for (Slot& s : slots_) {
+  Prepared prepared;
+  prepared.for_step = step_count_;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
     Parameter& p = *s.param;
     if (!p.grad.defined()) continue;
     LATHE_CHECK(p.grad.shape() == p.value.shape(), "optim: gradient {} of {} does not match the parameter {}",
@@ -160,13 +163,29 @@ void AdamW::step(double lr, double grad_scale) {
     // With a master, the op rounds the new master into the parameter as well.
     it->groups.push_back(master ? AdamWGroup{s.master, grad, s.m, s.v, p.value}
                                 : AdamWGroup{p.value, grad, s.m, s.v, {}});
-    s.steps += 1;
+    prepared.slots.push_back(i);
   }
   for (const Batch& b : batches) {
-    const AdamWAttrs a{lr, config_.beta1, config_.beta2, config_.eps, std::get<0>(b.key) ? config_.weight_decay : 0.0,
-                       std::get<1>(b.key), grad_scale, std::nullopt};
-    adamw_update_list(ctx, b.groups, a);
+    const AdamWAttrs a{0.0, config_.beta1, config_.beta2, config_.eps, std::get<0>(b.key) ? config_.weight_decay : 0.0,
+                       std::get<1>(b.key), 1.0, std::nullopt};
+    prepared.calls.push_back(adamw_update_list_call(b.groups, a));
   }
+  return prepared;
+}
+
+void AdamW::step(Prepared prepared, double lr, double grad_scale) {
+  LATHE_CHECK(std::isfinite(lr) && lr >= 0 && std::isfinite(grad_scale),
+              "optim: AdamW step needs a finite lr >= 0 and a finite grad_scale, got {} and {}", lr, grad_scale);
+  LATHE_CHECK(prepared.for_step == step_count_, "optim: AdamW update prepared at step {} run at step {}",
+              prepared.for_step, step_count_);
+  ExecContext ctx = rt_->context(device_);
+  for (OpCall& call : prepared.calls) {
+    auto& a = std::get<AdamWAttrs>(call.attrs);
+    a.lr = lr;
+    a.grad_scale = grad_scale;
+    run_op(ctx, call);
+  }
+  for (size_t i : prepared.slots) slots_[i].steps += 1;
   ++step_count_;
 }
 

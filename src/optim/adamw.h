@@ -54,6 +54,19 @@ class AdamW {
   // 1/accumulation times the clipping factor). Bias correction uses each parameter's own step count.
   void step(double lr, double grad_scale = 1.0);
 
+  // The same update in two halves: prepare() builds and checks the update's ops from the gradients as they are now
+  // (host work: about a millisecond for a few hundred parameters), so a trainer can do it while the device still
+  // computes the gradient norm; step(prepared, lr, grad_scale) then only sets the learning rate and scale and queues
+  // them. Nothing changes until step runs; a prepared update that is not run (a skipped step) is dropped. The
+  // gradients, parameters and states must not be replaced in between. step(lr, s) is step(prepare(), lr, s).
+  struct Prepared {
+    std::vector<OpCall> calls;   // adamw_list calls; attrs' lr and grad_scale set by step
+    std::vector<size_t> slots;   // the slots the calls update (their step counts advance)
+    int64_t for_step = -1;       // step_count() when prepared
+  };
+  Prepared prepare() const;
+  void step(Prepared prepared, double lr, double grad_scale = 1.0);
+
   int64_t step_count() const { return step_count_; }  // calls of step() (or the loaded value)
   const AdamWConfig& config() const { return config_; }
   size_t size() const { return slots_.size(); }

@@ -14,7 +14,9 @@ namespace lathe {
 
 namespace {
 
-double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
+// Queues the sums of squares into `totals` ((n) f32, or f64 when every gradient is f64); undefined when no parameter
+// has a gradient.
+Tensor launch_sums(ExecContext& ctx, const std::vector<const Parameter*>& params) {
   std::vector<Tensor> grads;
   bool all_f64 = true;
   for (const Parameter* p : params) {
@@ -26,10 +28,10 @@ double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
     grads.push_back(p->grad.is_contiguous() ? p->grad : contiguous(ctx, p->grad));
     all_f64 = all_f64 && p->grad.dtype() == DType::F64;
   }
-  if (grads.empty()) return 0.0;
+  if (grads.empty()) return Tensor();
   const DType acc = all_f64 ? DType::F64 : DType::F32;  // sum_squares gives f32 for every dtype but f64
   const int64_t n = int64_t(grads.size());
-  const Tensor totals = Tensor::empty({n}, acc, ctx.allocator);  // (n): sum(g^2) of each gradient
+  Tensor totals = Tensor::empty({n}, acc, ctx.allocator);  // (n): sum(g^2) of each gradient
   std::vector<DType> order;  // gradient dtypes in order of first appearance
   for (const Tensor& g : grads)
     if (std::find(order.begin(), order.end(), g.dtype()) == order.end()) order.push_back(g.dtype());
@@ -48,12 +50,20 @@ double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
     }
     at += int64_t(group.size());
   }
-  std::vector<double> host(static_cast<size_t>(n));
-  std::vector<float> host_f32(all_f64 ? 0 : size_t(n));
-  ctx.backend.copy(all_f64 ? static_cast<void*>(host.data()) : static_cast<void*>(host_f32.data()), Device::cpu(),
+  return totals;
+}
+
+// The norm from the totals: read back at once (waiting for them) and added on the host in double, in order.
+double norm_from(ExecContext& ctx, const Tensor& totals) {
+  if (!totals.defined()) return 0.0;
+  const bool f64 = totals.dtype() == DType::F64;
+  const size_t n = size_t(totals.numel());
+  std::vector<double> host(n);
+  std::vector<float> host_f32(f64 ? 0 : n);
+  ctx.backend.copy(f64 ? static_cast<void*>(host.data()) : static_cast<void*>(host_f32.data()), Device::cpu(),
                    totals.data_ptr(), ctx.device, totals.nbytes(), ctx.stream);
   ctx.stream.synchronize();
-  if (!all_f64) std::copy(host_f32.begin(), host_f32.end(), host.begin());
+  if (!f64) std::copy(host_f32.begin(), host_f32.end(), host.begin());
   double total = 0;
   for (double t : host) total += t;
   return std::sqrt(total);
@@ -61,14 +71,28 @@ double norm_of(ExecContext& ctx, const std::vector<const Parameter*>& params) {
 
 }  // namespace
 
+double PendingGradNorm::read() {
+  LATHE_CHECK(!read_, "optim: a pending gradient norm is read once");
+  read_ = true;
+  return norm_from(*ctx_, totals_);
+}
+
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params) {
+  return PendingGradNorm(ctx, launch_sums(ctx, std::vector<const Parameter*>(params.begin(), params.end())));
+}
+
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params) {
+  std::vector<const Parameter*> ptrs;
+  for (const Parameter& p : params) ptrs.push_back(&p);
+  return PendingGradNorm(ctx, launch_sums(ctx, ptrs));
+}
+
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params) {
-  return norm_of(ctx, std::vector<const Parameter*>(params.begin(), params.end()));
+  return launch_grad_norm(ctx, params).read();
 }
 
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params) {
-  std::vector<const Parameter*> ptrs;
-  for (const Parameter& p : params) ptrs.push_back(&p);
-  return norm_of(ctx, ptrs);
+  return launch_grad_norm(ctx, params).read();
 }
 
 double clip_factor(double grad_norm, double max_norm) {

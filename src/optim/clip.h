@@ -3,6 +3,7 @@
 // clipping costs no extra pass over the gradients. Covered by tests/unit/test_optim.cpp.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "model/qwen3.h"
@@ -16,6 +17,25 @@ namespace lathe {
 // of squares overflows: the caller must treat that as a bad step (skip it), never clip with it.
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
+
+// The same norm in two halves: launch_grad_norm queues the sums of squares and returns at once; read() waits for them
+// and returns the norm (once). A trainer prepares its optimizer update in between (AdamW::prepare), so the host work
+// overlaps the device's. global_grad_norm is launch_grad_norm(...).read().
+class PendingGradNorm {
+ public:
+  double read();
+
+  // Wraps queued totals ((n) sum(g^2) of each gradient, f32 or f64; undefined: no gradient) on `ctx`'s stream;
+  // `ctx` must outlive it.
+  PendingGradNorm(ExecContext& ctx, Tensor totals) : ctx_(&ctx), totals_(std::move(totals)) {}
+
+ private:
+  ExecContext* ctx_;
+  Tensor totals_;
+  bool read_ = false;
+};
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
 
 // The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).
 // 1 when max_norm <= 0 (clipping off). grad_norm must be finite.

@@ -527,7 +527,9 @@ TrainSummary run_training(const TrainConfig& c) {
       const TrainConfig& jc = *j->cfg;
       const int64_t step = j->step + 1;
       const double loss = j->loss_sum / double(jc.grad_accum);
-      const double norm = global_grad_norm(ctx, *j->params);
+      PendingGradNorm pending = launch_grad_norm(ctx, *j->params);
+      AdamW::Prepared update = j->opt->prepare();  // host work while the device sums the squares
+      const double norm = pending.read();
       const double lr = learning_rate(j->sched, step);
       nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j->tokens}, {"labelled", j->labelled}};
       if (!j->expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
@@ -554,7 +556,7 @@ TrainSummary run_training(const TrainConfig& c) {
         }
       } else {
         j->bad_in_row = 0;
-        j->opt->step(lr, clip_factor(norm, jc.max_grad_norm));
+        j->opt->step(std::move(update), lr, clip_factor(norm, jc.max_grad_norm));
         if (lora && !values_finite(ctx, *j->params)) {
           fail(*j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
           bank->clear(j->adapter);

@@ -217,6 +217,46 @@ TEST(AdamW, SkipsParametersWithoutGradient) {
   EXPECT_NEAR(values(params[0].value)[1], 2.1, 1e-7);
 }
 
+// The two-half update as the trainer runs it (prepare, drop or run) against the one-call step. step(lr, s) is itself
+// prepare + run, so the arithmetic is the paper-reference tests' business; this one checks that a prepared update that
+// is dropped (a skipped step) changes nothing, bitwise, over three steps with a bf16 parameter (master) and an f32 one
+// without a gradient at step 2, and that an update prepared before another step ran is refused.
+TEST(AdamW, PreparedUpdateIsTheStepBitwise) {
+  std::mt19937_64 rng(17);
+  const std::vector<double> w0 = random_vector(rng, 48), u0 = random_vector(rng, 6);
+  std::vector<std::vector<double>> grads_w, grads_u;
+  for (int s = 0; s < 3; ++s) grads_w.push_back(random_vector(rng, 48)), grads_u.push_back(random_vector(rng, 6));
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1;
+  auto make_params = [&] {
+    return std::vector<Parameter>{{"w", make(w0, {6, 8}, DType::BF16), {}}, {"u", make(u0, {6}, DType::F32), {}}};
+  };
+  std::vector<Parameter> one = make_params(), two = make_params();
+  AdamW a(runtime(), one, cfg), b(runtime(), two, cfg);
+  for (int s = 0; s < 3; ++s) {
+    for (std::vector<Parameter>* ps : {&one, &two}) {
+      (*ps)[0].grad = make(grads_w[size_t(s)], {6, 8}, DType::BF16);
+      (*ps)[1].grad = s == 1 ? Tensor() : make(grads_u[size_t(s)], {6}, DType::F32);
+    }
+    const double lr = 1e-2 * (s + 1), scale = 0.5 + 0.25 * s;
+    a.step(lr, scale);
+    AdamW::Prepared dropped = b.prepare();  // a skipped step: never run
+    (void)dropped;
+    AdamW::Prepared update = b.prepare();
+    b.step(std::move(update), lr, scale);
+  }
+  EXPECT_EQ(a.step_count(), b.step_count());
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(values(one[i].value), values(two[i].value)) << i;
+    EXPECT_EQ(values(a.master(i)), values(b.master(i))) << i;
+    EXPECT_EQ(values(a.exp_avg(i)), values(b.exp_avg(i))) << i;
+    EXPECT_EQ(values(a.exp_avg_sq(i)), values(b.exp_avg_sq(i))) << i;
+  }
+  AdamW::Prepared stale = b.prepare();
+  b.step(1e-3);
+  EXPECT_THROW(b.step(std::move(stale), 1e-3), Error);
+}
+
 TEST(AdamW, WeightDecayExclusions) {
   AdamWConfig c;
   c.weight_decay = 0.1;
@@ -678,6 +718,13 @@ TEST(GradNorm, MatchesDoubleAndFlagsNonFinite) {
 
   std::vector<Parameter> none = {{"a", make(g2, {7}, DType::F32), {}}};
   EXPECT_EQ(global_grad_norm(ctx, none), 0.0);
+
+  // Launched, then read: the same norm, read once.
+  params[1].grad = make(g2, {7}, DType::F32);
+  PendingGradNorm pending = launch_grad_norm(ctx, params);
+  EXPECT_EQ(pending.read(), global_grad_norm(ctx, params));
+  EXPECT_THROW(pending.read(), Error);
+  EXPECT_EQ(launch_grad_norm(ctx, none).read(), 0.0);
 
   EXPECT_EQ(clip_factor(0.5, 1.0), 1.0);
   EXPECT_DOUBLE_EQ(clip_factor(4.0, 1.0), 1.0 / (4.0 + 1e-6));

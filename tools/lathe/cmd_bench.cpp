@@ -357,8 +357,10 @@ void run(const Args& a) {
     losses.push_back(r.loss);
     for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
     ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
-    const double norm = global_grad_norm(ctx, params);
-    opt.step(1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
+    PendingGradNorm pending = launch_grad_norm(ctx, params);
+    AdamW::Prepared update = opt.prepare();  // host work while the device sums the squares
+    const double norm = pending.read();
+    opt.step(std::move(update), 1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
   };
   auto timed_step = [&] {
     rt.synchronize(device);
