@@ -147,4 +147,15 @@ B="bench --shape 30b-a3b --layers 4 --optimizer-states bf16 --nondeterministic -
 ./build/lathe $B --moe-padded-max-waste 1e9 >$L/moe_padded.txt 2>&1
 summary "padded (16x waste here): $(grep '^bench:' $L/moe_padded.txt | sed 's/.*): //')"
 fi
+# `dev/gpu_session.sh pending11`: what session 11 could not run on a GPU: the optimizer tests on CUDA (the prepared
+# AdamW update and the launched gradient norm), and the 1.7B step profiled, whose "between timed ops" list shows
+# whether the gap between the gradient norm and AdamW (1.49 ms on an H200 before the change) is gone.
+if [ "$STAGE" = pending11 ]; then
+(cd build && OMP_NUM_THREADS=1 timeout 200 ctest -j8 -R "AdamW|GradNorm|Fused|Train" --output-on-failure >$L/ctest.txt 2>&1)
+summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+./build/lathe bench --shape 1.7b --micro-batch 2 --seq 4096 --nondeterministic --steps 4 --warmup 2 --profile >$L/p17.txt 2>&1
+summary "1.7b: $(grep '^bench:' $L/p17.txt | sed 's/.*): //' | cut -c1-60)"
+sed -n '/between timed/,/composites/p' $L/p17.txt | head -5 | tee -a $OUT/summary.txt
+fi
 tar -czf $OUT/logs.tgz -C /tmp logs
