@@ -42,7 +42,7 @@ __global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab
 
 // The embedding's dw from the (id, token) pairs sorted by id (a stable sort, so each id's tokens stay in token order):
 // the block at the first pair of an id sums that id's dy rows in token order, in fp32, and writes its dw row once.
-// Deterministic; rows of ids that no token has are the zeros written before.
+// Deterministic; rows of ids that no token has are the zeros written before (accumulating: left as they were).
 template <typename T>
 __global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, bool accumulate,
                                             const T* dy, const int32_t* sorted_ids, const int32_t* sorted_tokens,
