@@ -98,6 +98,17 @@ void run_matmul(ExecContext& ctx, OpCall call) {
   if (!dst.is_contiguous()) copy_into(ctx, call.outputs[0], dst);
 }
 
+// Runs `call`, whose one output the caller gave: it must be defined, contiguous and of the shape and dtype the op
+// infers (`what` names the function in the error; run_op checks the devices).
+void run_into(ExecContext& ctx, const OpCall& call, const char* what) {
+  const Tensor& out = call.outputs[0];
+  const TensorSpec spec = infer_outputs(call.op, call.inputs, call.attrs)[0];
+  LATHE_CHECK(out.defined() && out.shape() == spec.shape && out.dtype() == spec.dtype && out.is_contiguous(),
+              "ops: {} needs a contiguous {}{} output, got {}", what, dtype_name(spec.dtype), shape_str(spec.shape),
+              out.defined() ? out.describe() : "an undefined tensor");
+  run_op(ctx, call);
+}
+
 // An operand as a matmul takes it: as it is when contiguous or, in an unbatched product, 2-D with contiguous rows.
 Tensor matmul_operand(ExecContext& ctx, const Tensor& t, bool flat) {
   return flat && rows_contiguous(t) ? t : contiguous(ctx, t);
@@ -177,12 +188,7 @@ Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims, bool keepd
 Tensor sum_squares(ExecContext& ctx, const Tensor& x) { return call_op(ctx, OpId::sum_squares, {x})[0]; }
 
 void sum_squares_into(ExecContext& ctx, const Tensor& x, const Tensor& out) {
-  OpCall call{OpId::sum_squares, {x}, {out}, {}};
-  const TensorSpec spec = infer_outputs(OpId::sum_squares, call.inputs, call.attrs)[0];
-  LATHE_CHECK(out.defined() && out.dim() == 0 && out.dtype() == spec.dtype && out.device() == x.device(),
-              "ops: sum_squares_into needs a 0-d {} output on {} for input {}, got {}", dtype_name(spec.dtype),
-              x.device().str(), x.describe(), out.defined() ? out.describe() : "an undefined tensor");
-  run_op(ctx, call);
+  run_into(ctx, OpCall{OpId::sum_squares, {x}, {out}, {}}, "sum_squares_into");
 }
 
 Tensor softmax(ExecContext& ctx, const Tensor& x) { return call_op(ctx, OpId::softmax, {contiguous(ctx, x)})[0]; }
@@ -222,15 +228,11 @@ Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids,
 }
 
 void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight) {
-  LATHE_CHECK(dweight.dim() == 2 && dweight.is_contiguous(), "ops: embedding_backward_into output {} should be a "
-              "contiguous (vocab, hidden) tensor", dweight.describe());
-  OpCall call{OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, {dweight},
-              EmbeddingAttrs{dweight.size(0), true}};
-  const TensorSpec spec = infer_outputs(OpId::embedding_backward, call.inputs, call.attrs)[0];
-  LATHE_CHECK(dweight.shape() == spec.shape && dweight.dtype() == spec.dtype,
-              "ops: embedding_backward_into output {} should be a {}{}", dweight.describe(), dtype_name(spec.dtype),
-              shape_str(spec.shape));
-  run_op(ctx, call);
+  LATHE_CHECK(dweight.dim() == 2, "ops: embedding_backward_into needs a (vocab, hidden) output, got {}",
+              dweight.describe());
+  run_into(ctx, OpCall{OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, {dweight},
+                       EmbeddingAttrs{dweight.size(0), true}},
+           "embedding_backward_into");
 }
 
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs) {
@@ -322,13 +324,7 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
 }
 
 void sum_squares_list_into(ExecContext& ctx, const std::vector<Tensor>& xs, const Tensor& out) {
-  OpCall call{OpId::sum_squares_list, xs, {out}, {}};
-  const TensorSpec spec = infer_outputs(OpId::sum_squares_list, call.inputs, call.attrs)[0];
-  LATHE_CHECK(out.defined() && out.shape() == spec.shape && out.dtype() == spec.dtype && out.is_contiguous() &&
-                  out.device() == xs[0].device(),
-              "ops: sum_squares_list_into needs a contiguous {} {} output on {}, got {}", shape_str(spec.shape),
-              dtype_name(spec.dtype), xs[0].device().str(), out.defined() ? out.describe() : "an undefined tensor");
-  run_op(ctx, call);
+  run_into(ctx, OpCall{OpId::sum_squares_list, xs, {out}, {}}, "sum_squares_list_into");
 }
 
 void adamw_update_list(ExecContext& ctx, const std::vector<AdamWGroup>& groups, const AdamWAttrs& attrs) {
