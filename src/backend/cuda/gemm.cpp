@@ -145,8 +145,6 @@ int pointer_alignment(const void* p) {
   return align;
 }
 
-Support gemm_supports(const OpCall& call) { return matmul_layout(call); }
-
 void run_matmul(const OpCall& call, ExecContext& ctx) {
   const Tensor& a = call.inputs[0];
   const Tensor& b = call.inputs[1];
@@ -205,7 +203,7 @@ Support thin_supports(const OpCall& call) {
   if (at.trans_a || at.trans_b) return Support::no("transposed operands (cuBLASLt takes them)");
   if (call.inputs[1].dim() < 3) return Support::no("an unbatched B (cuBLASLt takes it)");
   if (!thin_matmul_shape(thin_problem(call))) return Support::no("K above 16 with n above 1 (cuBLASLt takes it)");
-  return gemm_supports(call);
+  return matmul_layout(call);  // batched: contiguous operands
 }
 
 void run_thin(const OpCall& call, ExecContext& ctx) {
@@ -228,7 +226,7 @@ void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, 
 void register_cuda_gemm_kernels(KernelRegistry& r) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/thin_batched_matmul", thin_supports, run_thin});
-    r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/cublaslt_gemm", gemm_supports, run_matmul});
+    r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/cublaslt_gemm", matmul_layout, run_matmul});
   }
 }
 
