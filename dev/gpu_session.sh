@@ -158,4 +158,22 @@ grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/
 summary "1.7b: $(grep '^bench:' $L/p17.txt | sed 's/.*): //' | cut -c1-60)"
 sed -n '/between timed/,/composites/p' $L/p17.txt | head -5 | tee -a $OUT/summary.txt
 fi
+# `dev/gpu_session.sh plan12`: the activation memory plan (session 12): its CUDA test (training with and without a plan
+# bitwise equal), the CUDA model tests, and lathe bench with and without the plan, alternated, at 1.7B and 4B: step
+# time, peak and reserved memory, the arena against its lower bound, hits and misses.
+if [ "$STAGE" = plan12 ]; then
+(cd build && OMP_NUM_THREADS=1 timeout 240 ctest -j8 -R "MemoryPlan|Qwen3Cuda|MoeCuda|LoraCuda|AdamW|GradNorm" --output-on-failure >$L/ctest.txt 2>&1)
+summary "ctest: $(grep -E 'tests passed' $L/ctest.txt)"
+grep -E "\(Failed\)|\(SEGFAULT\)|Timeout" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+grep -h "memory plan cuda" build/Testing/Temporary/LastTest.log | sort -u | tee -a $OUT/summary.txt
+n=0
+for shape in "1.7b --micro-batch 2" "1.7b --micro-batch 2" "4b --micro-batch 1 --optimizer-states bf16"; do
+  for plan in "" "--no-memory-plan"; do
+    n=$((n+1))
+    ./build/lathe bench --shape $shape --seq 4096 --nondeterministic --steps 6 --warmup 3 $plan >$L/bench$n.txt 2>&1
+    summary "$shape ${plan:-(plan)}: $(grep '^bench:' $L/bench$n.txt | sed 's/.*): //' | cut -c1-75)"
+    summary "  $(grep '^memory:' $L/bench$n.txt)$(grep -i error $L/bench$n.txt | head -2)"
+  done
+done
+fi
 tar -czf $OUT/logs.tgz -C /tmp logs

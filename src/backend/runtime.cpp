@@ -55,8 +55,23 @@ void Runtime::check_device(Device device) const {
 ExecContext Runtime::context(Device device) {
   check_device(device);
   DeviceBackend& b = backend(device.type);
-  return ExecContext{registry_, b, device, b.allocator(device.index), b.default_stream(device.index), nullptr,
+  PlannedAllocator* plan = memory_plan(device);
+  Allocator& allocator = plan ? static_cast<Allocator&>(*plan) : b.allocator(device.index);
+  return ExecContext{registry_, b, device, allocator, b.default_stream(device.index), nullptr,
                      profiler_ && profiler_->device() == device ? profiler_ : nullptr, gemm_autotune_};
+}
+
+PlannedAllocator& Runtime::enable_memory_plan(Device device, int64_t record_window) {
+  check_device(device);
+  auto& plan = plans_[{device.type, device.index}];
+  LATHE_CHECK(!plan, "memory plan: {} already has one", device.str());
+  plan = std::make_unique<PlannedAllocator>(backend(device.type).allocator(device.index), record_window);
+  return *plan;
+}
+
+PlannedAllocator* Runtime::memory_plan(Device device) {
+  const auto it = plans_.find({device.type, device.index});
+  return it == plans_.end() ? nullptr : it->second.get();
 }
 
 void Runtime::synchronize(Device device) { backend(device.type).default_stream(device.index).synchronize(); }

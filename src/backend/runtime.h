@@ -4,11 +4,13 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 
 #include "backend/backend.h"
 #include "backend/registry.h"
+#include "core/memory_plan.h"
 
 namespace lathe {
 
@@ -41,6 +43,11 @@ class Runtime {
   void set_gemm_autotune(bool on) { gemm_autotune_ = on; }
   bool gemm_autotune() const { return gemm_autotune_; }
   Allocator& host_allocator() { return cpu_->allocator(0); }
+  // Every context made from now on for `device` allocates through an activation memory plan over the device's
+  // allocator (core/memory_plan.h), recorded in window `record_window`. The caller marks the windows
+  // (MemoryPlanWindow around each training step). Once per device; returns the plan.
+  PlannedAllocator& enable_memory_plan(Device device, int64_t record_window = 1);
+  PlannedAllocator* memory_plan(Device device);  // null when not enabled
   void synchronize(Device device);
 
   // A new contiguous copy of `t` on `device` (synchronous).
@@ -57,6 +64,7 @@ class Runtime {
   KernelRegistry registry_;
   OpProfiler* profiler_ = nullptr;
   bool gemm_autotune_ = false;
+  std::map<std::pair<DeviceType, int>, std::unique_ptr<PlannedAllocator>> plans_;  // destroyed before the backends
 };
 
 }  // namespace lathe

@@ -133,6 +133,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.gemm_autotune", Kind::Bool, "false",
                 "time cuBLASLt's candidate algorithms on each GEMM shape's first call and keep the fastest (faster; "
                 "two runs may then differ in the last bits; docs/training.md)", gemm_autotune),
+      LATHE_OPT("train.memory_plan", Kind::Bool, "true",
+                "lay out each step's memory (batch, activations, gradients) in one arena planned from the second step, "
+                "instead of allocating block by block (docs/training.md)", memory_plan),
       LATHE_OPT("train.max_bad_steps", Kind::Int, "5", "stop after this many non-finite steps in a row", max_bad_steps),
       LATHE_OPT("final_eval.file", Kind::String, "", "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
       LATHE_OPT("final_eval.max_new_tokens", Kind::Int, "16", "tokens generated per final-eval prompt", final_eval_max_new_tokens),
@@ -211,7 +214,7 @@ bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
-          path != "train.gemm_autotune" && path != "train.log_every");
+          path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every");
 }
 
 std::string unknown_key_problem(const std::string& key) {

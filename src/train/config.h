@@ -48,6 +48,7 @@ struct TrainConfig {
   bool recompute = false;
   bool deterministic = true;  // false: the attention backward may sum dQ in any order (ModelOptions::deterministic)
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (Runtime::set_gemm_autotune)
+  bool memory_plan = true;  // each step's memory in one planned arena (Runtime::enable_memory_plan)
   int64_t max_bad_steps = 5;
   // final check: generate answers for held-out prompts and print the accuracy
   std::string final_eval_file;
@@ -73,8 +74,8 @@ struct TrainConfig {
 
 // Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides.
 // A `tenants:` list makes a multi-tenant LoRA run: each entry is a mapping with a `name` and any of the per-tenant
-// options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune and
-// train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
+// options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune,
+// train.memory_plan and train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides);
 

@@ -237,6 +237,29 @@ void check_batch_fits(const data::Batch& b, int64_t vocab) {
   }
 }
 
+// What the log has said about the memory plan, so that each thing is said once.
+struct MemoryPlanReport {
+  bool outcome = false;  // planned, or why not
+  bool misses = false;   // a step left the planned sequence
+};
+
+void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& progress) {
+  if (!said.outcome && (s.planned || !s.not_planned.empty())) {
+    said.outcome = true;
+    progress.message(s.planned ? fmt::format("memory plan: {} of a step's {} allocations laid out in one arena of "
+                                             "{:.0f} MiB (their peak live {:.0f} MiB)",
+                                             s.planned_blocks, s.recorded_blocks, double(s.arena_bytes) / 1048576.0,
+                                             double(s.peak_live_bytes) / 1048576.0)
+                               : fmt::format("memory plan: none ({}); allocations stay block by block", s.not_planned));
+  }
+  if (s.planned && !said.misses && s.misses > 0) {
+    said.misses = true;
+    progress.message(fmt::format("memory plan: a step departed from the planned sequence ({} allocations so far outside "
+                                 "the arena, {} in it): steps whose batches differ in shape share the plan only in part "
+                                 "(docs/training.md)", s.misses, s.hits));
+  }
+}
+
 }  // namespace
 
 TrainSummary run_training(const TrainConfig& c) {
@@ -244,6 +267,7 @@ TrainSummary run_training(const TrainConfig& c) {
   rt.set_gemm_autotune(c.gemm_autotune);
   const Device device = parse_device(c.device);
   rt.check_device(device);
+  PlannedAllocator* const plan = c.memory_plan ? &rt.enable_memory_plan(device) : nullptr;
   const DType dtype = !c.dtype.empty() ? dtype_from_name(c.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
   const DType save_dtype = dtype == DType::F64 ? DType::F32 : dtype;
   const bool lora = c.tenants.empty() ? c.lora_rank > 0 : true;
@@ -464,6 +488,7 @@ TrainSummary run_training(const TrainConfig& c) {
   };
 
   ExecContext ctx = rt.context(device);
+  MemoryPlanReport plan_report;
   const auto t_start = Clock::now();
   int64_t run_steps = 0;
   for (;;) {
@@ -472,6 +497,10 @@ TrainSummary run_training(const TrainConfig& c) {
       if (j.active()) active.push_back(&j);
     if (active.empty()) break;
     const auto t0 = Clock::now();
+    // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
+    // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
+    // whole. Closed as aborted if an error leaves the step.
+    std::optional<MemoryPlanWindow> window(std::in_place, plan);
     if (lora) bank->zero_grads();
     else model->zero_grads();
     int64_t max_accum = 0;
@@ -566,8 +595,11 @@ TrainSummary run_training(const TrainConfig& c) {
       j->step = step;
       entries[size_t(j - jobs.data())] = std::move(m);
     }
+    if (!lora) model->zero_grads();
+    window.reset();
     rt.synchronize(device);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (plan) report_memory_plan(plan->plan_stats(), plan_report, progress);
     ++run_steps;
     int64_t run_tokens = 0;
     double run_flops = 0;

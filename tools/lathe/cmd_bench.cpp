@@ -44,7 +44,7 @@ struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
-  bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false;
+  bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false, no_memory_plan = false;
   double moe_padded_max_waste = ModelOptions{}.moe_padded_max_waste;
 };
 
@@ -284,6 +284,7 @@ void run(const Args& a) {
   rt.set_gemm_autotune(a.gemm_autotune);
   const Device device = parse_device(a.device);
   rt.check_device(device);
+  PlannedAllocator* const plan = a.no_memory_plan ? nullptr : &rt.enable_memory_plan(device);
   const DType dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
   LATHE_CHECK(a.optimizer_states == "f32" || a.optimizer_states == "bf16",
               "bench: --optimizer-states {}: expected f32 or bf16", a.optimizer_states);
@@ -350,7 +351,8 @@ void run(const Args& a) {
 
   std::vector<double> losses;
   double expert_load = 0;  // MoE: the largest max / mean of tokens per expert over the layers (1: balanced)
-  auto step = [&] {
+  auto step = [&] {  // one memory plan window, as in the trainer: the gradients die inside it
+    const MemoryPlanWindow window(plan);
     if (lora) bank->zero_grads();
     else model.zero_grads();
     const LossResult r = model.loss(batch, true);
@@ -361,6 +363,7 @@ void run(const Args& a) {
     AdamW::Prepared update = opt.prepare();  // host work while the device sums the squares
     const double norm = pending.read();
     opt.step(std::move(update), 1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
+    if (!lora) model.zero_grads();
   };
   auto timed_step = [&] {
     rt.synchronize(device);
@@ -370,6 +373,8 @@ void run(const Args& a) {
     return std::chrono::duration<double>(Clock::now() - t0).count();
   };
   for (int64_t i = 0; i < a.warmup; ++i) timed_step();
+  Allocator& device_memory = rt.backend(device.type).allocator(device.index);
+  device_memory.reset_peak();  // steady_peak_mib: the timed steps only
   std::vector<double> times;
   for (int64_t i = 0; i < a.steps; ++i) times.push_back(timed_step());
   double total = 0;
@@ -377,6 +382,8 @@ void run(const Args& a) {
   const double step_s = total / double(times.size());
   const double min_s = *std::min_element(times.begin(), times.end());
   const double peak_mib = peak_memory_mib(rt, device);
+  const AllocatorStats memory = device_memory.stats();
+  const PlanStats ps = plan ? plan->plan_stats() : PlanStats{};
   const std::string card = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(card) : 0.0;
   const double tps = tokens / step_s;
@@ -397,6 +404,14 @@ void run(const Args& a) {
              dtype_name(dtype), states, device.str(), card,
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
+  fmt::print("memory: {:.0f} MiB peak over the timed steps, {:.0f} MiB reserved at the end; {}\n",
+             double(memory.peak_allocated) / 1048576.0, double(memory.reserved) / 1048576.0,
+             !plan ? "no memory plan (--no-memory-plan)"
+             : ps.planned ? fmt::format("memory plan: arena {:.0f} MiB (peak live {:.0f} MiB) for {} of {} blocks a "
+                                        "step, {} hits, {} misses", double(ps.arena_bytes) / 1048576.0,
+                                        double(ps.peak_live_bytes) / 1048576.0, ps.planned_blocks, ps.recorded_blocks,
+                                        ps.hits, ps.misses)
+                          : fmt::format("no memory plan: {}", ps.not_planned.empty() ? "fewer than 2 steps" : ps.not_planned));
   nlohmann::json j = {{"shape", a.shape},
                       {"layers", mc.num_layers},
                       {"seq", a.seq},
@@ -430,7 +445,18 @@ void run(const Args& a) {
                       {"init_write_s", write_s},
                       {"loss_first", losses.front()},
                       {"loss_last", losses.back()},
-                      {"moe_expert_load_max_over_mean", expert_load}};
+                      {"moe_expert_load_max_over_mean", expert_load},
+                      {"steady_peak_mib", double(memory.peak_allocated) / 1048576.0},
+                      {"reserved_mib", double(memory.reserved) / 1048576.0},
+                      {"memory_plan", plan ? nlohmann::json{{"planned", ps.planned},
+                                                            {"not_planned", ps.not_planned},
+                                                            {"arena_mib", double(ps.arena_bytes) / 1048576.0},
+                                                            {"peak_live_mib", double(ps.peak_live_bytes) / 1048576.0},
+                                                            {"planned_blocks", ps.planned_blocks},
+                                                            {"recorded_blocks", ps.recorded_blocks},
+                                                            {"hits", ps.hits},
+                                                            {"misses", ps.misses}}
+                                           : nlohmann::json(nullptr)}};
   if (a.profile) {
     OpProfiler profiler(rt.backend(device.type), device);
     rt.set_profiler(&profiler);
@@ -478,6 +504,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--optimizer-states", a->optimizer_states, "AdamW state dtype: f32 (fp32 masters and moments for "
                   "bf16 parameters) or bf16 (no masters: bf16 parameters updated in place, bf16 moments)")
       ->capture_default_str();
+  cmd->add_flag("--no-memory-plan", a->no_memory_plan, "train.memory_plan false: allocate each step's activations "
+                "block by block from the caching allocator instead of the arena planned from the second step");
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
   cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE: batched expert GEMMs over experts padded "
                   "to the largest count while E x that count <= this x the routed rows (0: grouped GEMMs always)")

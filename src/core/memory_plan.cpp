@@ -1,0 +1,199 @@
+#include "core/memory_plan.h"
+
+#include <algorithm>
+#include <exception>
+
+#include "core/error.h"
+
+namespace lathe {
+
+namespace {
+
+size_t planned_size(size_t nbytes) {
+  return (std::max<size_t>(nbytes, 1) + kPlanAlignment - 1) / kPlanAlignment * kPlanAlignment;
+}
+
+bool lifetimes_overlap(const AllocationRecord& a, const AllocationRecord& b) {
+  return a.born < b.died && b.born < a.died;
+}
+
+}  // namespace
+
+MemoryPlan plan_memory(const std::vector<AllocationRecord>& records) {
+  MemoryPlan plan;
+  plan.offsets.assign(records.size(), -1);
+  std::vector<size_t> order;  // the records that die inside the window
+  std::vector<std::pair<int64_t, int64_t>> changes;  // (event, +bytes at birth / -bytes at death)
+  for (size_t i = 0; i < records.size(); ++i) {
+    const AllocationRecord& r = records[i];
+    if (r.died < 0) continue;
+    LATHE_ASSERT(r.died > r.born && r.bytes % kPlanAlignment == 0);
+    order.push_back(i);
+    changes.push_back({r.born, int64_t(r.bytes)});
+    changes.push_back({r.died, -int64_t(r.bytes)});
+  }
+  std::sort(changes.begin(), changes.end());
+  int64_t live = 0;
+  for (const auto& [event, delta] : changes) {
+    live += delta;
+    plan.peak_live_bytes = std::max(plan.peak_live_bytes, size_t(live));
+  }
+
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (records[a].bytes != records[b].bytes) return records[a].bytes > records[b].bytes;
+    return records[a].born < records[b].born;
+  });
+  std::vector<size_t> placed;                     // records placed so far
+  std::vector<std::pair<size_t, size_t>> busy;    // [offset, end) of the placed ones alive with the next
+  for (size_t i : order) {
+    const AllocationRecord& r = records[i];
+    busy.clear();
+    for (size_t j : placed)
+      if (lifetimes_overlap(r, records[j]))
+        busy.push_back({size_t(plan.offsets[j]), size_t(plan.offsets[j]) + records[j].bytes});
+    std::sort(busy.begin(), busy.end());
+    size_t at = 0;  // the lowest offset clear of every busy range seen so far
+    for (const auto& [begin, end] : busy) {
+      if (begin >= at + r.bytes) break;  // the gap before this range fits
+      at = std::max(at, end);
+    }
+    plan.offsets[i] = int64_t(at);
+    plan.arena_bytes = std::max(plan.arena_bytes, at + r.bytes);
+    placed.push_back(i);
+  }
+  return plan;
+}
+
+PlannedAllocator::PlannedAllocator(Allocator& backing, int64_t record_window)
+    : backing_(backing), record_window_(record_window) {
+  LATHE_CHECK(record_window >= 0, "memory plan: the recorded window must be 0 or later, got {}", record_window);
+}
+
+PlannedAllocator::~PlannedAllocator() {
+  if (arena_) backing_.deallocate(arena_, arena_size_);
+}
+
+void PlannedAllocator::begin_window() {
+  std::lock_guard lock(mutex_);
+  LATHE_CHECK(!open_, "memory plan: a window was begun inside another (windows do not nest)");
+  open_ = true;
+  alloc_index_ = 0;
+  event_ = 0;
+  window_hits_ = window_misses_ = 0;
+  recording_ = !stats_.planned && stats_.not_planned.empty() && window_ >= record_window_;
+  if (recording_) records_.clear();
+}
+
+void PlannedAllocator::end_window() { close_window(true); }
+void PlannedAllocator::abort_window() { close_window(false); }
+
+void PlannedAllocator::close_window(bool planable) {
+  std::lock_guard lock(mutex_);
+  LATHE_CHECK(open_, "memory plan: a window was closed that was never begun");
+  open_ = false;
+  if (recording_) {
+    recording_ = false;
+    recorded_live_.clear();  // blocks still live stay out of the arena (died < 0)
+    if (planable) make_plan();
+    else records_.clear();  // the next window is recorded instead
+  }
+  ++window_;
+  ++stats_.windows;
+  stats_.last_hits = window_hits_;
+  stats_.last_misses = window_misses_;
+}
+
+void PlannedAllocator::make_plan() {
+  plan_ = plan_memory(records_);
+  stats_.recorded_blocks = int64_t(records_.size());
+  stats_.planned_blocks = int64_t(std::count_if(plan_.offsets.begin(), plan_.offsets.end(),
+                                                [](int64_t o) { return o >= 0; }));
+  stats_.arena_bytes = plan_.arena_bytes;
+  stats_.peak_live_bytes = plan_.peak_live_bytes;
+  if (stats_.planned_blocks == 0) {
+    stats_.not_planned = "the recorded window freed none of its allocations";
+    return;
+  }
+  backing_.release_cached();  // the recorded window's blocks, cached now, would otherwise sit beside the arena
+  try {
+    arena_ = static_cast<char*>(backing_.allocate(plan_.arena_bytes));
+  } catch (const Error& e) {
+    stats_.not_planned = fmt::format("no arena of {} MiB: {}", plan_.arena_bytes >> 20, e.what());
+    return;
+  }
+  arena_size_ = plan_.arena_bytes;
+  stats_.planned = true;
+}
+
+void* PlannedAllocator::allocate(size_t nbytes) {
+  std::lock_guard lock(mutex_);
+  if (!open_ || nbytes == 0) return backing_.allocate(nbytes);  // empty blocks take no index: no address to track
+  const size_t size = planned_size(nbytes);
+  const int64_t i = alloc_index_++;
+  if (recording_) {
+    void* p = backing_.allocate(nbytes);
+    recorded_live_[p] = records_.size();
+    records_.push_back({size, event_++, -1});
+    return p;
+  }
+  ++event_;
+  if (!stats_.planned) return backing_.allocate(nbytes);
+  const bool known = size_t(i) < records_.size();
+  if (known && plan_.offsets[size_t(i)] < 0 && size == records_[size_t(i)].bytes)
+    return backing_.allocate(nbytes);  // planned to outlive the window: not a miss
+  if (known && plan_.offsets[size_t(i)] >= 0 && size <= records_[size_t(i)].bytes) {
+    const size_t off = size_t(plan_.offsets[size_t(i)]);
+    // Live blocks never overlap, so the one starting last before this block's end reaches furthest.
+    auto next = live_.lower_bound(off + size);
+    const bool clear = next == live_.begin() || std::prev(next)->second <= off;
+    if (clear) {
+      live_.emplace(off, off + size);
+      ++stats_.hits;
+      ++window_hits_;
+      return arena_ + off;
+    }
+  }
+  ++stats_.misses;
+  ++window_misses_;
+  stats_.miss_bytes += size;
+  return backing_.allocate(nbytes);
+}
+
+void PlannedAllocator::deallocate(void* ptr, size_t nbytes) {
+  std::lock_guard lock(mutex_);
+  char* const c = static_cast<char*>(ptr);
+  const bool in_arena = arena_ && c >= arena_ && c < arena_ + arena_size_;
+  if (open_ && ptr) {
+    if (recording_) {
+      const auto it = recorded_live_.find(ptr);
+      if (it != recorded_live_.end()) {
+        records_[it->second].died = event_;
+        recorded_live_.erase(it);
+      }
+    }
+    ++event_;
+  }
+  if (in_arena) {
+    const size_t erased = live_.erase(size_t(c - arena_));
+    LATHE_ASSERT(erased == 1);
+    return;
+  }
+  backing_.deallocate(ptr, nbytes);
+}
+
+PlanStats PlannedAllocator::plan_stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+MemoryPlanWindow::MemoryPlanWindow(PlannedAllocator* plan) : plan_(plan), exceptions_(std::uncaught_exceptions()) {
+  if (plan_) plan_->begin_window();
+}
+
+MemoryPlanWindow::~MemoryPlanWindow() {
+  if (!plan_) return;
+  if (std::uncaught_exceptions() > exceptions_) plan_->abort_window();
+  else plan_->end_window();
+}
+
+}  // namespace lathe
