@@ -98,7 +98,10 @@ class CausalLm {
   // Parameter::grad (so micro-batches accumulate), and the attached adapters' gradients into the bank.
   // `loss_scale` multiplies the gradients. A batch with segments differentiates the sum over segments of
   // segment.loss_scale x (the segment's mean loss); LoRA dropout is active only with `backward`.
-  virtual LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0) = 0;
+  // `backward_queued`, when given, is called once the whole backward is queued and before the host waits for the loss
+  // values: a trainer queues the gradient norm there, so the device does not idle between the backward and the norm.
+  virtual LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
+                          const std::function<void()>& backward_queued = {}) = 0;
   void zero_grads();
 
   // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`, atomically.

@@ -50,7 +50,8 @@ struct DecoderStack {
   }
 
   template <typename M>
-  static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale) {
+  static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale,
+                         const std::function<void()>& backward_queued) {
     ExecContext cx = m.ctx();
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
@@ -76,6 +77,7 @@ struct DecoderStack {
       dx = m.layer_backward(l, a, dx, b);
     }
     m.end_backward(m.embed_, dx, b);
+    if (backward_queued) backward_queued();
     m.add_head_losses(result, b, losses);
     return result;
   }

@@ -25,7 +25,8 @@ class Qwen3Model : public CausalLm {
 
   Tensor logits(const PackedBatch& batch) override;
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
-  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0) override;
+  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
+                  const std::function<void()>& backward_queued = {}) override;
 
  private:
   struct Layer {

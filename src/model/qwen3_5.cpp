@@ -466,8 +466,9 @@ Tensor Qwen35Model::logits(const PackedBatch& b) { return DecoderStack::logits(*
 
 std::vector<double> Qwen35Model::label_logprobs(const PackedBatch& b) { return DecoderStack::label_logprobs(*this, b); }
 
-LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_scale) {
-  return DecoderStack::loss(*this, b, backward, loss_scale);
+LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_scale,
+                             const std::function<void()>& backward_queued) {
+  return DecoderStack::loss(*this, b, backward, loss_scale, backward_queued);
 }
 
 }  // namespace lathe

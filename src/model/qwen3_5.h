@@ -47,7 +47,8 @@ class Qwen35Model : public CausalLm {
   // in_proj_ba are split exactly as in training.
   std::array<Tensor, 4> gdn_projections_eval(int64_t layer, const Tensor& xn);
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
-  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0) override;
+  LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
+                  const std::function<void()>& backward_queued = {}) override;
 
  protected:
   // save() writes the weights in the layout they were loaded from, plus the kept-aside tensors; A_log stays f32.

@@ -510,6 +510,18 @@ TrainSummary run_training(const TrainConfig& c) {
       j->expert_tokens.clear();
       max_accum = std::max(max_accum, j->cfg->grad_accum);
     }
+    // Each job's gradient norm and prepared AdamW update: queued from the last micro-batch's backward, before the host
+    // waits for its loss (CausalLm::loss's backward_queued), or at the optimizer step for a job not queued by then.
+    std::vector<std::optional<PendingGradNorm>> norms(jobs.size());
+    std::vector<std::optional<AdamW::Prepared>> updates(jobs.size());
+    const std::function<void()> queue_optimizer = [&] {
+      for (Job* j : active) {
+        const size_t k = size_t(j - jobs.data());
+        if (j->failed || norms[k]) continue;
+        norms[k].emplace(launch_grad_norm(ctx, *j->params));
+        updates[k].emplace(j->opt->prepare());  // host work while the device sums the squares
+      }
+    };
     // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the
     // shared base, the rows of each job a segment of its adapter.
     for (int64_t micro = 0; micro < max_accum; ++micro) {
@@ -535,7 +547,8 @@ TrainSummary run_training(const TrainConfig& c) {
       if (in_batch.empty()) continue;
       PackedBatch pb = make_packed_batch(rt, device, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
       if (lora) set_segments(pb, segments);
-      const LossResult r = model->loss(pb, true, lora ? 1.0 : 1.0 / double(jobs[0].cfg->grad_accum));
+      const LossResult r = model->loss(pb, true, lora ? 1.0 : 1.0 / double(jobs[0].cfg->grad_accum),
+                                       micro + 1 == max_accum ? queue_optimizer : std::function<void()>());
       for (size_t k = 0; k < in_batch.size(); ++k) {
         const LossResult::Segment seg = lora ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
         in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
@@ -551,14 +564,14 @@ TrainSummary run_training(const TrainConfig& c) {
     }
     // Each job's optimizer step, on its own gradient norm, schedule and clipping.
     std::vector<nlohmann::json> entries(jobs.size());
+    queue_optimizer();
     for (Job* j : active) {
       if (j->failed) continue;
+      const size_t k = size_t(j - jobs.data());
       const TrainConfig& jc = *j->cfg;
       const int64_t step = j->step + 1;
       const double loss = j->loss_sum / double(jc.grad_accum);
-      PendingGradNorm pending = launch_grad_norm(ctx, *j->params);
-      AdamW::Prepared update = j->opt->prepare();  // host work while the device sums the squares
-      const double norm = pending.read();
+      const double norm = norms[k]->read();
       const double lr = learning_rate(j->sched, step);
       nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j->tokens}, {"labelled", j->labelled}};
       if (!j->expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
@@ -585,7 +598,7 @@ TrainSummary run_training(const TrainConfig& c) {
         }
       } else {
         j->bad_in_row = 0;
-        j->opt->step(std::move(update), lr, clip_factor(norm, jc.max_grad_norm));
+        j->opt->step(std::move(*updates[k]), lr, clip_factor(norm, jc.max_grad_norm));
         if (lora && !values_finite(ctx, *j->params)) {
           fail(*j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
           bank->clear(j->adapter);
@@ -593,7 +606,7 @@ TrainSummary run_training(const TrainConfig& c) {
         }
       }
       j->step = step;
-      entries[size_t(j - jobs.data())] = std::move(m);
+      entries[k] = std::move(m);
     }
     if (!lora) model->zero_grads();
     window.reset();

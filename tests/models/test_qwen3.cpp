@@ -6,10 +6,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 
 #include "io/safetensors.h"
 #include "model/qwen3.h"
+#include "optim/clip.h"
 #include "ops/ops.h"
 #include "support/model_support.h"
 
@@ -207,4 +209,27 @@ TEST(ModelConfig, AcceptsBothRopeSpellingsAndRefusesWhatItCannotDo) {
   nlohmann::json gqa = base;
   gqa["num_key_value_heads"] = 3;
   refused(gqa, "not a multiple of num_key_value_heads");
+}
+
+// CausalLm::loss's backward_queued: called once, after every gradient exists (the whole backward is queued), and not
+// at all without a backward; a gradient norm queued there equals one taken after the loss returns.
+TEST(Qwen3Loss, BackwardQueuedRunsOnceWhenEveryGradientIsQueued) {
+  Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(true, 2, 1, 12), {}, 5, 0.3);
+  const PackedBatch b = random_batch(50, {0, 9, 16}, 4);
+  int calls = 0;
+  size_t with_grad = 0;
+  ExecContext ctx = runtime().context(Device::cpu());
+  std::optional<PendingGradNorm> queued;
+  const double loss = m.loss(b, true, 1.0, [&] {
+    ++calls;
+    for (const Parameter& p : m.parameters()) with_grad += p.grad.defined();
+    queued.emplace(launch_grad_norm(ctx, m.parameters()));
+  }).loss;
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(with_grad, m.parameters().size());
+  EXPECT_EQ(queued->read(), global_grad_norm(ctx, m.parameters()));
+  m.zero_grads();
+  EXPECT_EQ(m.loss(b, true).loss, loss);
+  m.loss(b, false, 1.0, [&] { ++calls; });
+  EXPECT_EQ(calls, 1) << "no backward, no call";
 }

@@ -355,14 +355,17 @@ void run(const Args& a) {
     const MemoryPlanWindow window(plan);
     if (lora) bank->zero_grads();
     else model.zero_grads();
-    const LossResult r = model.loss(batch, true);
+    ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
+    std::optional<PendingGradNorm> pending;
+    std::optional<AdamW::Prepared> update;
+    const LossResult r = model.loss(batch, true, 1.0, [&] {  // queued before the host waits for the loss
+      pending.emplace(launch_grad_norm(ctx, params));
+      update.emplace(opt.prepare());  // host work while the device sums the squares
+    });
     losses.push_back(r.loss);
     for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
-    ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
-    PendingGradNorm pending = launch_grad_norm(ctx, params);
-    AdamW::Prepared update = opt.prepare();  // host work while the device sums the squares
-    const double norm = pending.read();
-    opt.step(std::move(update), 1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
+    const double norm = pending->read();
+    opt.step(std::move(*update), 1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
     if (!lora) model.zero_grads();
   };
   auto timed_step = [&] {
