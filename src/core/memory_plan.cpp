@@ -181,6 +181,17 @@ void PlannedAllocator::deallocate(void* ptr, size_t nbytes) {
   backing_.deallocate(ptr, nbytes);
 }
 
+bool PlannedAllocator::release_arena() {
+  std::lock_guard lock(mutex_);
+  if (open_ || !live_.empty()) return false;
+  if (arena_) backing_.deallocate(arena_, arena_size_);
+  arena_ = nullptr;
+  arena_size_ = 0;
+  stats_.planned = false;
+  stats_.not_planned = "released";
+  return true;
+}
+
 PlanStats PlannedAllocator::plan_stats() const {
   std::lock_guard lock(mutex_);
   return stats_;

@@ -88,6 +88,11 @@ class PlannedAllocator final : public Allocator {
 
   PlanStats plan_stats() const;
 
+  // Ends the plan: the arena goes back to the backing allocator, which serves every later allocation (a trainer
+  // calls it after its last step, before generation). False, and nothing changes, while a window is open or a block
+  // of the arena is still live.
+  bool release_arena();
+
  private:
   void close_window(bool planable);
   void make_plan();  // from records_; under the lock

@@ -687,6 +687,8 @@ TrainSummary run_training(const TrainConfig& c) {
     }
   }
   progress.finish();
+  if (plan && !plan->release_arena())  // generation and export allocate as they need
+    progress.message("memory plan: a block of the arena outlived the last step; the arena stays held");
 
   // Final checks: each job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
   for (Job& j : jobs) {

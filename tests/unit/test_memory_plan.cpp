@@ -161,7 +161,7 @@ TEST(PlannedAllocator, RepeatedWindowsComeFromTheArenaAndDifferentOnesNeverOverl
   EXPECT_EQ(host.stats().allocated, int64_t(planned.arena_bytes)) << "only the arena is left";
 }
 
-TEST(PlannedAllocator, MisuseIsAClearErrorAndAnAbortedWindowIsNotPlannedFrom) {
+TEST(PlannedAllocator, MisuseIsAnErrorAbortedWindowsAreNotPlannedFromAndTheArenaGoesBackWhenFree) {
   HostAllocator host;
   PlannedAllocator plan(host, 0);
   plan.begin_window();
@@ -180,6 +180,26 @@ TEST(PlannedAllocator, MisuseIsAClearErrorAndAnAbortedWindowIsNotPlannedFrom) {
   EXPECT_TRUE(s.planned);
   EXPECT_EQ(s.arena_bytes, 3072u);
   EXPECT_THROW(PlannedAllocator(host, -1), Error);
+  // The arena goes back only when none of it is live.
+  void* c = nullptr;
+  {
+    const MemoryPlanWindow window(&plan);
+    c = plan.allocate(3000);
+    EXPECT_FALSE(plan.release_arena()) << "a window is open";
+  }
+  EXPECT_EQ(plan.plan_stats().last_hits, 1);
+  EXPECT_FALSE(plan.release_arena()) << "a block of the arena outlived its window";
+  plan.deallocate(c, 3000);
+  EXPECT_TRUE(plan.release_arena());
+  EXPECT_EQ(host.stats().allocated, 0);
+  {
+    const MemoryPlanWindow window(&plan);  // from now on everything passes through
+    void* d = plan.allocate(3000);
+    EXPECT_EQ(host.stats().allocated, 3000);
+    plan.deallocate(d, 3000);
+  }
+  EXPECT_FALSE(plan.plan_stats().planned);
+  EXPECT_EQ(plan.plan_stats().not_planned, "released");
 }
 
 TEST(PlannedAllocator, AWindowThatFreesNothingLeavesNoPlanAndSaysWhy) {
