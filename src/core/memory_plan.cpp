@@ -127,8 +127,25 @@ void PlannedAllocator::make_plan() {
 
 void* PlannedAllocator::allocate(size_t nbytes) {
   std::lock_guard lock(mutex_);
-  if (!open_ || nbytes == 0) return backing_.allocate(nbytes);  // empty blocks take no index: no address to track
+  if (nbytes == 0) return backing_.allocate(nbytes);  // empty blocks take no index: no address to track
   const size_t size = planned_size(nbytes);
+  if (!open_) {
+    // Between windows (evaluation, checkpoints) the arena is mostly idle: its lowest gap that fits, else the backing
+    // allocator. Such a block still live in a later window makes the planned blocks it overlaps miss.
+    if (stats_.planned) {
+      size_t at = 0;
+      for (const auto& [begin, end] : live_) {
+        if (begin >= at + size) break;
+        at = std::max(at, end);
+      }
+      if (at + size <= arena_size_) {
+        live_.emplace(at, at + size);
+        ++stats_.between_hits;
+        return arena_ + at;
+      }
+    }
+    return backing_.allocate(nbytes);
+  }
   const int64_t i = alloc_index_++;
   if (recording_) {
     void* p = backing_.allocate(nbytes);

@@ -2,7 +2,8 @@
 // activations, gradients and the optimizer's temporaries) laid out once in a single arena, every block at an offset
 // fixed ahead from a recorded window, instead of being taken from and returned to a general allocator block by block.
 //
-// PlannedAllocator wraps a device's allocator (the backing one). Outside windows it passes every call through. The
+// PlannedAllocator wraps a device's allocator (the backing one). Until there is a plan, calls outside windows pass
+// through. The
 // window numbered `record_window` (counting from 0; by default the second, after the first has created the gradients
 // and the libraries' workspaces) is recorded: each allocation's rounded size and its lifetime in the window's events.
 // When it closes, plan_memory gives every block that died inside it an offset such that blocks alive at the same
@@ -10,6 +11,8 @@
 // later window the i-th allocation gets the i-th planned block when it is no larger than the recorded one and no live
 // arena block overlaps it; any other allocation (a block that outlived the recorded window, a window whose sequence
 // differs) comes from the backing allocator, so a window that does not repeat costs its hits, never correctness.
+// Between windows (an evaluation, a checkpoint) allocations take the lowest gap of the idle arena that fits, so the
+// arena does not sit beside the memory they need.
 // Reuse follows host order, as in the caching allocator: correct for work queued on one stream.
 // plan_stats() reports hits and misses; a plan is made once per allocator (no re-planning: docs/training.md).
 // Covered by tests/unit/test_memory_plan.cpp (planner properties, the allocator on host memory, training with and
@@ -60,6 +63,7 @@ struct PlanStats {
   int64_t recorded_blocks = 0;  // allocations of the recorded window
   int64_t hits = 0;             // allocations served from the arena, all windows
   int64_t misses = 0;           // allocations of planned windows that departed from the plan (backing allocator)
+  int64_t between_hits = 0;     // allocations between windows served from the idle arena
   size_t miss_bytes = 0;
   int64_t last_hits = 0, last_misses = 0;  // the same, for the last window closed
 };

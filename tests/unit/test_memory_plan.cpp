@@ -215,6 +215,42 @@ TEST(PlannedAllocator, AWindowThatFreesNothingLeavesNoPlanAndSaysWhy) {
   plan.deallocate(kept, 100);
 }
 
+TEST(PlannedAllocator, BetweenWindowsTheIdleArenaServesAndABlockKeptIntoAWindowOnlyMakesItMiss) {
+  HostAllocator host;
+  PlannedAllocator plan(host, 0);
+  auto window = [&](std::vector<char*>* got) {  // three blocks of 4, 2 and 4 KiB; the first two die before the third
+    const MemoryPlanWindow w(&plan);
+    char* a = static_cast<char*>(plan.allocate(4096));
+    char* b = static_cast<char*>(plan.allocate(2048));
+    plan.deallocate(a, 4096);
+    plan.deallocate(b, 2048);
+    char* c = static_cast<char*>(plan.allocate(4096));
+    plan.deallocate(c, 4096);
+    if (got) *got = {a, b, c};
+  };
+  window(nullptr);
+  ASSERT_TRUE(plan.plan_stats().planned);
+  EXPECT_EQ(plan.plan_stats().arena_bytes, 6144u);
+  // Between windows: two blocks from the idle arena, a third that no longer fits from the host.
+  void* x = plan.allocate(4096);
+  void* y = plan.allocate(1000);
+  void* z = plan.allocate(4096);
+  EXPECT_EQ(plan.plan_stats().between_hits, 2);
+  EXPECT_EQ(host.stats().allocated, 6144 + 4096) << "x and y lie in the arena";
+  plan.deallocate(x, 4096);
+  plan.deallocate(z, 4096);
+  // y (bytes 4096-4607 of the arena) is still live: the window's blocks that overlap it miss, the others hit.
+  std::vector<char*> got;
+  window(&got);
+  EXPECT_EQ(plan.plan_stats().last_misses, 1);
+  EXPECT_EQ(plan.plan_stats().last_hits, 2);
+  for (char* p : got) EXPECT_FALSE(p <= static_cast<char*>(y) && static_cast<char*>(y) < p + 2048) << "overlaps y";
+  plan.deallocate(y, 1000);
+  window(&got);
+  EXPECT_EQ(plan.plan_stats().last_hits, 3);
+  EXPECT_EQ(host.stats().allocated, 6144);
+}
+
 namespace {
 
 ModelConfig small_qwen3() {
