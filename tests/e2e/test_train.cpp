@@ -2,7 +2,8 @@
 // falls; a run killed with SIGKILL (or dying inside a checkpoint save) and restarted with resume=auto
 // reproduces the uninterrupted run's losses bitwise on the CPU, and metrics.jsonl stays consistent; bad
 // configs and missing files fail with messages that name every problem; bf16 optimizer states
-// (train.optimizer_states) train, checkpoint bf16 moments without masters, resume bitwise, and refuse the other setting.
+// (train.optimizer_states) train, checkpoint bf16 moments without masters, resume bitwise, and refuse the other setting;
+// the memory plan changes no loss, evaluation or weight.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -170,6 +171,53 @@ TEST(Train, ResumeOnCudaMatchesWithinTolerance) {
   for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / std::abs(want[i]));
   std::printf("[cuda resume] worst relative loss difference over %zu steps: %.3g\n", want.size(), worst);
   EXPECT_LT(worst, 1e-2);
+}
+
+// train.memory_plan (default on) against off, through the whole trainer: evaluations and checkpoints between the
+// planned steps, the arena handed back before the export. Losses, evaluation losses, gradient norms and the exported
+// weights must be bitwise equal (on CUDA too: every kernel of a default run is deterministic), and the log must say
+// what was planned.
+namespace {
+
+void expect_memory_plan_changes_nothing(const std::string& device) {
+  std::vector<fs::path> dirs;
+  std::vector<LatheRun> runs;
+  for (const char* plan : {"true", "false"}) {
+    const fs::path dir = setup(fmt::format("plan_{}_{}", device, plan));
+    runs.push_back(lathe(fmt::format("train {} --set device={} --set train.eval_every=4 --set train.save_every=5 "
+                                     "--set data.eval=[{}] --set train.memory_plan={}",
+                                     (dir / "config.yaml").string(), device, (dir / "train.jsonl").string(), plan)));
+    ASSERT_EQ(runs.back().exit_code, 0) << runs.back().output;
+    dirs.push_back(dir);
+  }
+  EXPECT_NE(runs[0].output.find("memory plan: "), std::string::npos) << runs[0].output;
+  EXPECT_NE(runs[0].output.find("laid out in one arena"), std::string::npos) << runs[0].output;
+  EXPECT_EQ(runs[1].output.find("memory plan"), std::string::npos) << runs[1].output;
+  const auto with = metrics(dirs[0] / "out"), without = metrics(dirs[1] / "out");
+  ASSERT_EQ(with.size(), without.size());
+  int evals = 0;
+  for (size_t i = 0; i < with.size(); ++i) {
+    for (const char* key : {"loss", "grad_norm", "eval_loss"}) {
+      EXPECT_EQ(with[i].contains(key), without[i].contains(key)) << key << " at entry " << i;
+      if (with[i].contains(key) && without[i].contains(key))
+        EXPECT_EQ(with[i][key].get<double>(), without[i][key].get<double>()) << key << " at entry " << i;
+    }
+    evals += with[i].contains("eval_loss");
+  }
+  EXPECT_GE(evals, 3);
+  std::ifstream a(dirs[0] / "out/final/model.safetensors", std::ios::binary), b(dirs[1] / "out/final/model.safetensors", std::ios::binary);
+  const std::string wa((std::istreambuf_iterator<char>(a)), {}), wb((std::istreambuf_iterator<char>(b)), {});
+  EXPECT_FALSE(wa.empty());
+  EXPECT_TRUE(wa == wb) << "the exported weights differ";
+}
+
+}  // namespace
+
+TEST(Train, MemoryPlanChangesNothingOnTheCpu) { expect_memory_plan_changes_nothing("cpu"); }
+
+TEST(Train, MemoryPlanChangesNothingOnCuda) {
+  if (lathe("kernels").output.find("cuda: unavailable") != std::string::npos) GTEST_SKIP() << "no CUDA device";
+  expect_memory_plan_changes_nothing("cuda");
 }
 
 TEST(Cli, KernelsAndHelpRun) {
