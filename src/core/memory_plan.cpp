@@ -130,16 +130,16 @@ void* PlannedAllocator::allocate(size_t nbytes) {
   if (nbytes == 0) return backing_.allocate(nbytes);  // empty blocks take no index: no address to track
   const size_t size = planned_size(nbytes);
   if (!open_) {
-    // Between windows (evaluation, checkpoints) the arena is mostly idle: its lowest gap that fits, else the backing
-    // allocator. Such a block still live in a later window makes the planned blocks it overlaps miss.
+    // Between windows (evaluation, checkpoints) the arena is mostly idle: its highest gap that fits, else the backing
+    // allocator. Such a block still live in a later window (the next step's inputs, made before it begins) makes the
+    // planned blocks it overlaps miss; the planner fills the arena from offset 0 up, largest blocks first, so the top
+    // is where that costs least.
     if (stats_.planned) {
-      size_t at = 0;
-      for (const auto& [begin, end] : live_) {
-        if (begin >= at + size) break;
-        at = std::max(at, end);
-      }
-      if (at + size <= arena_size_) {
-        live_.emplace(at, at + size);
+      size_t top = arena_size_;  // the gap under consideration ends here
+      for (auto it = live_.rbegin(); it != live_.rend() && it->second + size > top; ++it) top = it->first;
+      if (size <= top) {
+        const size_t at = top - size;
+        live_.emplace(at, top);
         ++stats_.between_hits;
         return arena_ + at;
       }

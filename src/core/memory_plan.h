@@ -11,8 +11,9 @@
 // later window the i-th allocation gets the i-th planned block when it is no larger than the recorded one and no live
 // arena block overlaps it; any other allocation (a block that outlived the recorded window, a window whose sequence
 // differs) comes from the backing allocator, so a window that does not repeat costs its hits, never correctness.
-// Between windows (an evaluation, a checkpoint) allocations take the lowest gap of the idle arena that fits, so the
-// arena does not sit beside the memory they need.
+// Between windows (an evaluation, a checkpoint) allocations take the highest gap of the idle arena that fits, so the
+// arena does not sit beside the memory they need; one still live when a window begins (an input made before it) makes
+// the planned blocks it overlaps miss, so inputs belong inside the window, as the trainer makes its batches.
 // Reuse follows host order, as in the caching allocator: correct for work queued on one stream.
 // plan_stats() reports hits and misses; a plan is made once per allocator (no re-planning: docs/training.md).
 // Covered by tests/unit/test_memory_plan.cpp (planner properties, the allocator on host memory, training with and
