@@ -218,7 +218,7 @@ MemoryPlanWindow::MemoryPlanWindow(PlannedAllocator* plan) : plan_(plan), except
   if (plan_) plan_->begin_window();
 }
 
-MemoryPlanWindow::~MemoryPlanWindow() {
+MemoryPlanWindow::~MemoryPlanWindow() noexcept(false) {
   if (!plan_) return;
   if (std::uncaught_exceptions() > exceptions_) plan_->abort_window();
   else plan_->end_window();

@@ -364,6 +364,10 @@ void run(const Args& a) {
     });
     losses.push_back(r.loss);
     for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
+    if (!pending) {  // a model that does not call backward_queued
+      pending.emplace(launch_grad_norm(ctx, params));
+      update.emplace(opt.prepare());
+    }
     const double norm = pending->read();
     opt.step(std::move(*update), 1e-5, std::isfinite(norm) ? clip_factor(norm, 1.0) : 0.0);
     if (!lora) model.zero_grads();
