@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <utility>
 
 #include "core/error.h"
 
@@ -219,9 +220,13 @@ MemoryPlanWindow::MemoryPlanWindow(PlannedAllocator* plan) : plan_(plan), except
 }
 
 MemoryPlanWindow::~MemoryPlanWindow() noexcept(false) {
-  if (!plan_) return;
-  if (std::uncaught_exceptions() > exceptions_) plan_->abort_window();
-  else plan_->end_window();
+  if (plan_ && std::uncaught_exceptions() > exceptions_) plan_->abort_window();
+  else close();
+}
+
+void MemoryPlanWindow::close() {
+  PlannedAllocator* const plan = std::exchange(plan_, nullptr);
+  if (plan) plan->end_window();
 }
 
 }  // namespace lathe

@@ -120,18 +120,19 @@ class PlannedAllocator final : public Allocator {
   int64_t window_hits_ = 0, window_misses_ = 0;
 };
 
-// Opens a window on `plan` (nothing when null) for its lifetime; closed as aborted when an exception leaves it. Closing
-// the recorded window makes the plan, whose errors (a CUDA error releasing the cache) propagate from the destructor
-// when no exception is in flight.
+// Opens a window on `plan` (nothing when null) until close() or its end; closed as aborted when an exception leaves
+// it. Closing the recorded window makes the plan, whose errors (a CUDA error releasing the cache) propagate from
+// close(), or from the destructor when no exception is in flight.
 class MemoryPlanWindow {
  public:
   explicit MemoryPlanWindow(PlannedAllocator* plan);
   ~MemoryPlanWindow() noexcept(false);
   MemoryPlanWindow(const MemoryPlanWindow&) = delete;
   MemoryPlanWindow& operator=(const MemoryPlanWindow&) = delete;
+  void close();
 
  private:
-  PlannedAllocator* plan_;
+  PlannedAllocator* plan_;  // null once closed
   int exceptions_;
 };
 

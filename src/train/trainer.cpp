@@ -500,7 +500,7 @@ TrainSummary run_training(const TrainConfig& c) {
     // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
     // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
     // whole. Closed as aborted if an error leaves the step.
-    std::optional<MemoryPlanWindow> window(std::in_place, plan);
+    MemoryPlanWindow window(plan);
     if (lora) bank->zero_grads();
     else model->zero_grads();
     int64_t max_accum = 0;
@@ -609,7 +609,7 @@ TrainSummary run_training(const TrainConfig& c) {
       entries[k] = std::move(m);
     }
     if (!lora) model->zero_grads();
-    window.reset();
+    window.close();
     rt.synchronize(device);
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     if (plan) report_memory_plan(plan->plan_stats(), plan_report, progress);
