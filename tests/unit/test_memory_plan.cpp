@@ -213,6 +213,12 @@ TEST(PlannedAllocator, AWindowThatFreesNothingLeavesNoPlanAndSaysWhy) {
   EXPECT_FALSE(plan.plan_stats().planned);
   EXPECT_NE(plan.plan_stats().not_planned.find("freed none"), std::string::npos);
   plan.deallocate(kept, 100);
+  MemoryPlanWindow w(&plan);
+  w.close();
+  w.close();  // once closed, closing again (and the destructor) does nothing
+  EXPECT_EQ(plan.plan_stats().windows, 2);
+  plan.begin_window();  // no window is open
+  plan.end_window();
 }
 
 TEST(PlannedAllocator, BetweenWindowsTheIdleArenaServesAndABlockKeptIntoAWindowOnlyMakesItMiss) {
