@@ -6,9 +6,32 @@
 
 #include "core/error.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
 namespace lathe {
 
 namespace {
+
+// Under AddressSanitizer (LATHE_SANITIZE=ON) a host arena keeps every byte that no live block asked for poisoned, so
+// a read or write past a tensor's end, or into a freed block, is reported as it would be for a block of its own.
+// Device arenas have no host shadow memory and are left alone.
+void poison(bool host, const char* p, size_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+  if (host && n) ASAN_POISON_MEMORY_REGION(p, n);
+#else
+  (void)host, (void)p, (void)n;
+#endif
+}
+
+void unpoison(bool host, const char* p, size_t n) {
+#if defined(__SANITIZE_ADDRESS__)
+  if (host && n) ASAN_UNPOISON_MEMORY_REGION(p, n);
+#else
+  (void)host, (void)p, (void)n;
+#endif
+}
 
 size_t planned_size(size_t nbytes) {
   return (std::max<size_t>(nbytes, 1) + kPlanAlignment - 1) / kPlanAlignment * kPlanAlignment;
@@ -66,11 +89,12 @@ MemoryPlan plan_memory(const std::vector<AllocationRecord>& records) {
 }
 
 PlannedAllocator::PlannedAllocator(Allocator& backing, int64_t record_window)
-    : backing_(backing), record_window_(record_window) {
+    : backing_(backing), record_window_(record_window), host_(backing.device().is_cpu()) {
   LATHE_CHECK(record_window >= 0, "memory plan: the recorded window must be 0 or later, got {}", record_window);
 }
 
 PlannedAllocator::~PlannedAllocator() {
+  unpoison(host_, arena_, arena_size_);
   if (arena_) backing_.deallocate(arena_, arena_size_);
 }
 
@@ -123,6 +147,7 @@ void PlannedAllocator::make_plan() {
     return;
   }
   arena_size_ = plan_.arena_bytes;
+  poison(host_, arena_, arena_size_);
   stats_.planned = true;
 }
 
@@ -142,6 +167,7 @@ void* PlannedAllocator::allocate(size_t nbytes) {
         const size_t at = top - size;
         live_.emplace(at, top);
         ++stats_.between_hits;
+        unpoison(host_, arena_ + at, nbytes);
         return arena_ + at;
       }
     }
@@ -168,6 +194,7 @@ void* PlannedAllocator::allocate(size_t nbytes) {
       live_.emplace(off, off + size);
       ++stats_.hits;
       ++window_hits_;
+      unpoison(host_, arena_ + off, nbytes);
       return arena_ + off;
     }
   }
@@ -192,8 +219,10 @@ void PlannedAllocator::deallocate(void* ptr, size_t nbytes) {
     ++event_;
   }
   if (in_arena) {
-    const size_t erased = live_.erase(size_t(c - arena_));
-    LATHE_ASSERT(erased == 1);
+    const auto it = live_.find(size_t(c - arena_));
+    LATHE_ASSERT(it != live_.end());
+    poison(host_, c, it->second - it->first);
+    live_.erase(it);
     return;
   }
   backing_.deallocate(ptr, nbytes);
@@ -202,6 +231,7 @@ void PlannedAllocator::deallocate(void* ptr, size_t nbytes) {
 bool PlannedAllocator::release_arena() {
   std::lock_guard lock(mutex_);
   if (open_ || !live_.empty()) return false;
+  unpoison(host_, arena_, arena_size_);
   if (arena_) backing_.deallocate(arena_, arena_size_);
   arena_ = nullptr;
   arena_size_ = 0;

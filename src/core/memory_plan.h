@@ -14,7 +14,9 @@
 // Between windows (an evaluation, a checkpoint) allocations take the highest gap of the idle arena that fits, so the
 // arena does not sit beside the memory they need; one still live when a window begins (an input made before it) makes
 // the planned blocks it overlaps miss, so inputs belong inside the window, as the trainer makes its batches.
-// Reuse follows host order, as in the caching allocator: correct for work queued on one stream.
+// Reuse follows host order, as in the caching allocator: correct for work queued on one stream. Under AddressSanitizer
+// a host arena stays poisoned wherever no live block asked for bytes, so overflows and use-after-free inside it are
+// reported as for blocks of their own.
 // plan_stats() reports hits and misses; a plan is made once per allocator (no re-planning: docs/training.md).
 // Covered by tests/unit/test_memory_plan.cpp (planner properties, the allocator on host memory, training with and
 // without a plan bitwise equal on the CPU and on CUDA).
@@ -104,6 +106,7 @@ class PlannedAllocator final : public Allocator {
 
   Allocator& backing_;
   const int64_t record_window_;
+  const bool host_;           // host memory: poisoned for AddressSanitizer where no live block is
   mutable std::mutex mutex_;
   bool open_ = false;
   int64_t window_ = 0;        // windows closed so far (the open one's number while open)

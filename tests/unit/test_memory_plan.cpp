@@ -259,6 +259,30 @@ TEST(PlannedAllocator, BetweenWindowsTheIdleArenaServesAndABlockKeptIntoAWindowO
   EXPECT_EQ(host.stats().allocated, 6144);
 }
 
+// Under AddressSanitizer (-DLATHE_SANITIZE=ON) the host arena is poisoned wherever no live block asked for bytes, so a
+// step's tensors keep the overflow and use-after-free reports they would have as allocations of their own.
+TEST(PlannedAllocator, UnderAddressSanitizerArenaBlocksAreGuardedLikeTheirOwnAllocations) {
+#if !defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "not an AddressSanitizer build (configure with -DLATHE_SANITIZE=ON)";
+#else
+  HostAllocator host;
+  PlannedAllocator plan(host, 0);
+  {
+    const MemoryPlanWindow w(&plan);
+    plan.deallocate(plan.allocate(1000), 1000);
+  }
+  ASSERT_TRUE(plan.plan_stats().planned);
+  const MemoryPlanWindow w(&plan);
+  volatile char* p = static_cast<char*>(plan.allocate(1000));
+  EXPECT_EQ(plan.plan_stats().hits, 1);
+  p[0] = 1;
+  p[999] = 1;
+  EXPECT_DEATH(p[1000] = 1, "AddressSanitizer");  // past the end, inside the block's rounded 1,024 bytes
+  plan.deallocate(const_cast<char*>(p), 1000);
+  EXPECT_DEATH(p[0] = 1, "AddressSanitizer");  // freed
+#endif
+}
+
 namespace {
 
 ModelConfig small_qwen3() {
