@@ -180,7 +180,6 @@ void* PlannedAllocator::allocate(size_t nbytes) {
     records_.push_back({size, event_++, -1});
     return p;
   }
-  ++event_;
   if (!stats_.planned) return backing_.allocate(nbytes);
   const bool known = size_t(i) < records_.size();
   if (known && plan_.offsets[size_t(i)] < 0 && size == records_[size_t(i)].bytes)
@@ -200,7 +199,6 @@ void* PlannedAllocator::allocate(size_t nbytes) {
   }
   ++stats_.misses;
   ++window_misses_;
-  stats_.miss_bytes += size;
   return backing_.allocate(nbytes);
 }
 
@@ -208,13 +206,11 @@ void PlannedAllocator::deallocate(void* ptr, size_t nbytes) {
   std::lock_guard lock(mutex_);
   char* const c = static_cast<char*>(ptr);
   const bool in_arena = arena_ && c >= arena_ && c < arena_ + arena_size_;
-  if (open_ && ptr) {
-    if (recording_) {
-      const auto it = recorded_live_.find(ptr);
-      if (it != recorded_live_.end()) {
-        records_[it->second].died = event_;
-        recorded_live_.erase(it);
-      }
+  if (recording_ && ptr) {  // events are counted only while a window is recorded
+    const auto it = recorded_live_.find(ptr);
+    if (it != recorded_live_.end()) {
+      records_[it->second].died = event_;
+      recorded_live_.erase(it);
     }
     ++event_;
   }

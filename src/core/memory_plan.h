@@ -67,7 +67,6 @@ struct PlanStats {
   int64_t hits = 0;             // allocations served from the arena, all windows
   int64_t misses = 0;           // allocations of planned windows that departed from the plan (backing allocator)
   int64_t between_hits = 0;     // allocations between windows served from the idle arena
-  size_t miss_bytes = 0;
   int64_t last_hits = 0, last_misses = 0;  // the same, for the last window closed
 };
 
@@ -111,7 +110,7 @@ class PlannedAllocator final : public Allocator {
   bool open_ = false;
   int64_t window_ = 0;        // windows closed so far (the open one's number while open)
   int64_t alloc_index_ = 0;   // allocations in the open window
-  int64_t event_ = 0;         // events in the open window
+  int64_t event_ = 0;         // events in the recorded window
   bool recording_ = false;    // the open window is being recorded
   std::vector<AllocationRecord> records_;
   std::unordered_map<void*, size_t> recorded_live_;  // block -> its record, while recording
