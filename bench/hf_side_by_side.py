@@ -17,10 +17,11 @@ Rows (the issue's recipe, seq 4096):
         8/2 attention heads of 256, 16/16 GDN heads of 128, FFN 3584, tied vocab 248320), bf16 parameters, seq 4096,
         micro-batch 2. transformers runs its own GDN path: the flash-linear-attention kernels when that package is
         installed, else its PyTorch fallback (torch_chunk_gated_delta_rule); the row records which ("gdn_path").
-  30b-a3b  the Qwen3-30B-A3B shape of issue 9 cut to MOE_LAYERS (4) layers (hidden 2048, 128 experts, top 8, expert
-        FFN 768, 32/4 heads of 128, untied vocab 151936), bf16 parameters, seq 4096, micro-batch 1; transformers runs
-        its default experts implementation (recorded as "experts_implementation"; --hf-experts eager runs its
-        per-expert loop instead); MFU counts the active experts only.
+  30b-a3b  the Qwen3-30B-A3B shape of issue 9 (hidden 2048, 128 experts, top 8, expert FFN 768, 32/4 heads of 128,
+        untied vocab 151936) cut to MOE_LAYERS (14) layers, as many as fit one H100 80GB for transformers' full
+        fine-tuning (15 run out of memory there; --moe-layers N for another count), bf16 parameters, seq 4096,
+        micro-batch 1; transformers runs its default experts implementation (recorded as "experts_implementation";
+        --hf-experts eager runs its per-expert loop instead); MFU counts the active experts only.
 A training step on both sides: zero grads, forward + loss, backward, global grad norm (clipping at 1.0), AdamW step.
 Lathe keeps bf16 parameters with fp32 AdamW masters (its training default) for every row; with --lathe-bf16-states,
 the full fine-tuning rows whose HF recipe is bf16 parameters (4b, q35-0.8b, 30b-a3b) run `lathe bench
@@ -234,6 +235,8 @@ def run_hf(name, row, args):
            str(args.warmup)]
     if args.hf_experts:
         cmd += ["--hf-experts", args.hf_experts]
+    if row.get("layers"):
+        cmd += ["--moe-layers", str(row["layers"])]
     return run_json(cmd, args.timeout)
 
 
@@ -303,8 +306,13 @@ def main():
                     help="lathe bench --gemm-autotune: the fastest of cuBLASLt's candidate algorithms per GEMM shape")
     ap.add_argument("--hf-experts", help="MoE rows: transformers' experts implementation to run instead of its default "
                     "(model.set_experts_implementation: eager is the per-expert loop, grouped_mm the default)")
+    ap.add_argument("--moe-layers", type=int, default=MOE_LAYERS,
+                    help=f"MoE rows: decoder layers of the cut model (default {MOE_LAYERS})")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for row in ROWS.values():
+        if "layers" in row:
+            row["layers"] = args.moe_layers
     if args.worker:
         print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup, args.hf_experts)), flush=True)
         return 0
@@ -314,7 +322,8 @@ def main():
     results = []
     for name in names:
         row = ROWS[name]
-        print(f"{name}: seq {row['seq']} x micro-batch {row['micro_batch']}", flush=True)
+        layers = f", {row['layers']} layers" if row.get("layers") else ""
+        print(f"{name}: seq {row['seq']} x micro-batch {row['micro_batch']}{layers}", flush=True)
         hf = run_hf(name, row, args) if args.only != "lathe" else {}
         if "error" in hf:
             print(f"  HF: {hf['error']}", flush=True)
