@@ -34,6 +34,7 @@ void* HostAllocator::allocate(size_t nbytes) {
   LATHE_CHECK(rounded == 0 || p != nullptr, "memory: host allocation of {} bytes failed", nbytes);
   std::lock_guard lock(mutex_);
   stats_.allocated += int64_t(nbytes);
+  stats_.requested += int64_t(nbytes);
   stats_.reserved += int64_t(nbytes);
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
   stats_.num_allocs++;
@@ -45,6 +46,7 @@ void HostAllocator::deallocate(void* ptr, size_t nbytes) {
   std::free(ptr);
   std::lock_guard lock(mutex_);
   stats_.allocated -= int64_t(nbytes);
+  stats_.requested -= int64_t(nbytes);
   stats_.reserved -= int64_t(nbytes);
 }
 

@@ -15,7 +15,8 @@
 namespace lathe {
 
 struct AllocatorStats {
-  int64_t allocated = 0;       // bytes in live allocations
+  int64_t allocated = 0;       // bytes in live allocations (a caching allocator counts each one's whole block)
+  int64_t requested = 0;       // bytes those allocations asked for (allocated - requested: blocks' slack)
   int64_t reserved = 0;        // bytes obtained from the system (live + cached)
   int64_t peak_allocated = 0;  // high-water mark of `allocated` since the last reset_peak()
   int64_t num_allocs = 0;      // allocate() calls served

@@ -60,7 +60,10 @@ MemoryPlan plan_memory(const std::vector<AllocationRecord>& records) {
   int64_t live = 0;
   for (const auto& [event, delta] : changes) {
     live += delta;
-    plan.peak_live_bytes = std::max(plan.peak_live_bytes, size_t(live));
+    if (size_t(live) > plan.peak_live_bytes) {
+      plan.peak_live_bytes = size_t(live);
+      plan.peak_event = event;
+    }
   }
 
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -106,7 +109,10 @@ void PlannedAllocator::begin_window() {
   event_ = 0;
   window_hits_ = window_misses_ = 0;
   recording_ = !stats_.planned && stats_.not_planned.empty() && window_ >= record_window_;
-  if (recording_) records_.clear();
+  if (recording_) {
+    records_.clear();
+    stats_at_record_begin_ = backing_.stats();
+  }
 }
 
 void PlannedAllocator::end_window() { close_window(true); }
@@ -129,6 +135,7 @@ void PlannedAllocator::close_window(bool planable) {
 }
 
 void PlannedAllocator::make_plan() {
+  recorded_events_ = event_;
   plan_ = plan_memory(records_);
   stats_.recorded_blocks = int64_t(records_.size());
   stats_.planned_blocks = int64_t(std::count_if(plan_.offsets.begin(), plan_.offsets.end(),
@@ -239,6 +246,19 @@ bool PlannedAllocator::release_arena() {
 PlanStats PlannedAllocator::plan_stats() const {
   std::lock_guard lock(mutex_);
   return stats_;
+}
+
+PeakReport PlannedAllocator::peak_report() const {
+  std::lock_guard lock(mutex_);
+  PeakReport r;
+  if (plan_.peak_event < 0) return r;
+  r.event = plan_.peak_event;
+  r.events = recorded_events_;
+  r.at_begin = stats_at_record_begin_;
+  for (const AllocationRecord& b : records_)
+    if (b.died >= 0 && b.born <= r.event && r.event < b.died) r.blocks.push_back(b);
+  std::stable_sort(r.blocks.begin(), r.blocks.end(), [](const auto& a, const auto& b) { return a.bytes > b.bytes; });
+  return r;
 }
 
 MemoryPlanWindow::MemoryPlanWindow(PlannedAllocator* plan) : plan_(plan), exceptions_(std::uncaught_exceptions()) {

@@ -49,12 +49,20 @@ struct MemoryPlan {
   std::vector<int64_t> offsets;  // per record: byte offset in the arena, or -1 (not in the arena)
   size_t arena_bytes = 0;        // the arena's size
   size_t peak_live_bytes = 0;    // the largest total size of arena blocks alive at one event: no plan can do better
+  int64_t peak_event = -1;       // the first event at which that many bytes are alive
 };
 
 // Offsets for the records that die inside the window, such that two blocks whose lifetimes overlap never overlap in
 // the arena. Greedy: the largest block first (earlier birth breaks ties), each at the lowest offset that leaves it
 // clear of the blocks already placed whose lifetimes overlap its own. Deterministic.
 MemoryPlan plan_memory(const std::vector<AllocationRecord>& records);
+
+// What the recorded window held at its peak, for finding where a step's memory goes (`lathe bench --memory-report`).
+struct PeakReport {
+  int64_t event = -1, events = 0;          // the peak's event, of the recorded window's events
+  std::vector<AllocationRecord> blocks;    // the arena blocks alive then, largest first
+  AllocatorStats at_begin;                 // the backing allocator's as the recorded window began
+};
 
 struct PlanStats {
   int64_t windows = 0;          // windows closed
@@ -93,6 +101,7 @@ class PlannedAllocator final : public Allocator {
   void release_cached() override { backing_.release_cached(); }
 
   PlanStats plan_stats() const;
+  PeakReport peak_report() const;  // empty (event -1) until a window has been recorded
 
   // Ends the plan: the arena goes back to the backing allocator, which serves every later allocation (a trainer
   // calls it after its last step, before generation). False, and nothing changes, while a window is open or a block
@@ -113,6 +122,8 @@ class PlannedAllocator final : public Allocator {
   int64_t event_ = 0;         // events in the recorded window
   bool recording_ = false;    // the open window is being recorded
   std::vector<AllocationRecord> records_;
+  int64_t recorded_events_ = 0;
+  AllocatorStats stats_at_record_begin_;
   std::unordered_map<void*, size_t> recorded_live_;  // block -> its record, while recording
   MemoryPlan plan_;
   char* arena_ = nullptr;

@@ -5,6 +5,9 @@
 #include <numeric>
 
 #include "backend/runtime.h"
+#ifdef LATHE_WITH_CUDA
+#include "backend/cuda/allocator.h"
+#endif
 #include "ops/ops.h"
 
 using namespace lathe;
@@ -62,6 +65,49 @@ TEST(CudaRuntime, CachingAllocatorReusesAndReleases) {
   EXPECT_GE(alloc.stats().peak_allocated - s0.allocated, 4 << 20);
   alloc.release_cached();
   EXPECT_EQ(alloc.stats().reserved, alloc.stats().allocated);  // only live blocks remain reserved
+}
+
+TEST(CudaRuntime, CachingAllocatorKeepsLargeTensorsInBlocksNearTheirSize) {
+#ifdef LATHE_WITH_CUDA
+  using lathe::cuda::CachingAllocator;
+  EXPECT_EQ(CachingAllocator::max_block_for(2560), 5120u);          // small: twice the size
+  EXPECT_EQ(CachingAllocator::max_block_for(4u << 20), 6u << 20);    // large: + 2 MiB at least
+  EXPECT_EQ(CachingAllocator::max_block_for(64u << 20), 72u << 20);  // + an eighth
+#endif
+  REQUIRE_CUDA();
+  Allocator& alloc = runtime().backend(DeviceType::CUDA).allocator(0);
+  alloc.release_cached();
+  const AllocatorStats s0 = alloc.stats();
+  void* big = nullptr;
+  {
+    Tensor a = Tensor::empty({64 << 20}, DType::U8, alloc);
+    big = a.data_ptr();
+  }
+  {
+    Tensor b = Tensor::empty({40 << 20}, DType::U8, alloc);  // 64 MiB is over 40 + 5: not handed out
+    EXPECT_NE(b.data_ptr(), big);
+    EXPECT_EQ(alloc.stats().allocated - s0.allocated, 40 << 20);
+    EXPECT_EQ(alloc.stats().requested - s0.requested, 40 << 20);
+  }
+  {
+    Tensor c = Tensor::empty({60 << 20}, DType::U8, alloc);  // within 60 + 7.5: the cached 64 MiB block
+    EXPECT_EQ(c.data_ptr(), big);
+    EXPECT_EQ(alloc.stats().allocated - s0.allocated, 64 << 20) << "the whole block counts as allocated";
+    EXPECT_EQ(alloc.stats().requested - s0.requested, 60 << 20);
+  }
+  void* small = nullptr;
+  {
+    Tensor d = Tensor::empty({4000}, DType::U8, alloc);  // rounded to 4,096 bytes
+    small = d.data_ptr();
+  }
+  {
+    Tensor e = Tensor::empty({2100}, DType::U8, alloc);  // rounded to 2,560: the cached 4,096 is within twice that
+    EXPECT_EQ(e.data_ptr(), small);
+    EXPECT_EQ(alloc.stats().requested - s0.requested, 2100);
+  }
+  EXPECT_EQ(alloc.stats().allocated, s0.allocated);
+  EXPECT_EQ(alloc.stats().requested, s0.requested);
+  alloc.release_cached();
 }
 
 TEST(CudaRuntime, OutOfMemoryIsAClearError) {

@@ -67,13 +67,15 @@ TEST(MemoryPlan, BlocksAliveTogetherNeverShareBytes) {
     }
     // The lower bound, by brute force over every event.
     size_t peak = 0;
+    int64_t first_peak = -1;
     for (int64_t e = 0; e < int64_t(2 * r.size()); ++e) {
       size_t live = 0;
       for (const AllocationRecord& a : r)
         if (a.died >= 0 && a.born <= e && e < a.died) live += a.bytes;
-      peak = std::max(peak, live);
+      if (live > peak) peak = live, first_peak = e;
     }
     EXPECT_EQ(plan.peak_live_bytes, peak);
+    EXPECT_EQ(plan.peak_event, first_peak);
     EXPECT_GE(plan.arena_bytes, peak);
     EXPECT_LT(plan.arena_bytes, sum) << "blocks that never live together share memory";
   }
@@ -150,6 +152,19 @@ TEST(PlannedAllocator, RepeatedWindowsComeFromTheArenaAndDifferentOnesNeverOverl
   EXPECT_EQ(planned.recorded_blocks, 200);
   EXPECT_LT(planned.planned_blocks, 200);  // the ones still live at the window's end stay out
   EXPECT_GE(planned.arena_bytes, planned.peak_live_bytes);
+  const PeakReport peak = plan.peak_report();  // what --memory-report prints: the blocks that make the peak
+  ASSERT_GE(peak.event, 0);
+  EXPECT_LT(peak.event, peak.events);
+  const auto frees = std::count_if(script.begin(), script.end(), [](const AllocationRecord& a) { return a.died >= 0; });
+  EXPECT_EQ(peak.events, 200 + frees) << "the window's allocations and the frees inside it";
+  EXPECT_EQ(peak.at_begin.allocated, 0) << "window 0 freed all it kept";
+  size_t at_peak = 0;
+  for (size_t i = 0; i < peak.blocks.size(); ++i) {
+    at_peak += peak.blocks[i].bytes;
+    EXPECT_TRUE(peak.blocks[i].born <= peak.event && peak.event < peak.blocks[i].died);
+    if (i) EXPECT_GE(peak.blocks[i - 1].bytes, peak.blocks[i].bytes) << "largest first";
+  }
+  EXPECT_EQ(at_peak, planned.peak_live_bytes);
   play(0, 0);  // the same sequence: every planned block a hit
   EXPECT_EQ(plan.plan_stats().last_hits, planned.planned_blocks);
   EXPECT_EQ(plan.plan_stats().last_misses, 0) << "blocks planned to outlive the window are no misses";

@@ -45,6 +45,7 @@ struct Args {
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
   uint64_t seed = 1;
   bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false, no_memory_plan = false;
+  bool memory_report = false;
   double moe_padded_max_waste = ModelOptions{}.moe_padded_max_waste;
 };
 
@@ -276,6 +277,42 @@ nlohmann::json print_profile(const OpProfiler::Profile& p, double step_ms, doubl
           {"gemm_ms", gemm_ms}, {"by_kind", by_kind}, {"kernels", kernels}, {"between_ops", between}};
 }
 
+// --memory-report: the recorded step's peak (the blocks alive then, grouped by size, largest first) and what lived
+// outside the step as it began, so that memory beyond parameters, gradients and optimizer states can be traced.
+void print_memory_report(const PlannedAllocator& plan, const std::vector<Parameter>& params, const AdamW& opt) {
+  const PeakReport r = plan.peak_report();
+  if (r.event < 0) {
+    fmt::print("memory report: no recorded step was planned\n");
+    return;
+  }
+  constexpr double kMiB = 1048576.0;
+  double param_bytes = 0, grad_bytes = 0, at_peak = 0;
+  for (const Parameter& p : params) param_bytes += double(p.value.numel() * int64_t(p.value.itemsize()));
+  grad_bytes = param_bytes;  // every parameter's gradient has its dtype
+  for (const AllocationRecord& b : r.blocks) at_peak += double(b.bytes);
+  const double states = double(opt.state_bytes());
+  const double live = double(r.at_begin.allocated), asked = double(r.at_begin.requested);
+  fmt::print("memory report: as the recorded step began, {:.0f} MiB were live outside it: parameters {:.0f}, optimizer "
+             "states {:.0f}, other tensors {:.0f}, and {:.0f} in blocks larger than their tensors asked for\n",
+             live / kMiB, param_bytes / kMiB, states / kMiB, (asked - param_bytes - states) / kMiB, (live - asked) / kMiB);
+  fmt::print("memory report: the step peaks at event {} of {} with {:.0f} MiB alive in {} blocks (the gradients, if all "
+             "alive, {:.0f} MiB); by size:\n", r.event, r.events, at_peak / kMiB, r.blocks.size(), grad_bytes / kMiB);
+  std::vector<std::pair<size_t, std::vector<const AllocationRecord*>>> by_size;  // largest first, as r.blocks
+  for (const AllocationRecord& b : r.blocks) {
+    if (by_size.empty() || by_size.back().first != b.bytes) by_size.push_back({b.bytes, {}});
+    by_size.back().second.push_back(&b);
+  }
+  for (size_t i = 0; i < by_size.size() && i < 24; ++i) {
+    const auto& [bytes, blocks] = by_size[i];
+    std::string lives;  // the lifetimes of the first few, in allocation order
+    std::vector<const AllocationRecord*> first(blocks);
+    std::sort(first.begin(), first.end(), [](const auto* x, const auto* y) { return x->born < y->born; });
+    for (size_t k = 0; k < first.size() && k < 8; ++k) lives += fmt::format(" {}-{}", first[k]->born, first[k]->died);
+    fmt::print("  {:>12} bytes x {:>4} = {:>9.1f} MiB; alive over events{}{}\n", bytes, blocks.size(),
+               double(bytes) * double(blocks.size()) / kMiB, lives, blocks.size() > 8 ? " ..." : "");
+  }
+}
+
 void run(const Args& a) {
   LATHE_CHECK(a.seq >= 2 && a.micro_batch >= 1 && a.steps >= 1 && a.warmup >= 0 && a.lora_rank >= 0,
               "bench: need --seq >= 2, --micro-batch >= 1, --steps >= 1, --warmup >= 0, --lora-rank >= 0");
@@ -419,6 +456,7 @@ void run(const Args& a) {
                                         double(ps.peak_live_bytes) / 1048576.0, ps.planned_blocks, ps.recorded_blocks,
                                         ps.hits, ps.misses)
                           : fmt::format("no memory plan: {}", ps.not_planned.empty() ? "fewer than 2 steps" : ps.not_planned));
+  if (a.memory_report && plan) print_memory_report(*plan, params, opt);
   nlohmann::json j = {{"shape", a.shape},
                       {"layers", mc.num_layers},
                       {"seq", a.seq},
@@ -513,6 +551,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_flag("--no-memory-plan", a->no_memory_plan, "train.memory_plan false: allocate each step's activations "
                 "block by block from the caching allocator instead of the arena planned from the second step");
+  cmd->add_flag("--memory-report", a->memory_report, "print what made the memory plan's recorded step peak: the "
+                "largest blocks alive then, and what was live outside the step as it began");
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
   cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE: batched expert GEMMs over experts padded "
                   "to the largest count while E x that count <= this x the routed rows (0: grouped GEMMs always)")

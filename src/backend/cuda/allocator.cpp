@@ -2,6 +2,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "backend/cuda/check.h"
 #include "backend/cuda/device_guard.h"
 #include "core/error.h"
@@ -53,21 +55,26 @@ void* CachingAllocator::system_alloc(size_t bytes) {
   return p;
 }
 
+size_t CachingAllocator::max_block_for(size_t size) {
+  return size < kSmallLimit ? 2 * size : size + std::max(kLargeRound, size / 8);
+}
+
 void* CachingAllocator::allocate(size_t nbytes) {
   const size_t size = round_size(nbytes);
   std::lock_guard lock(mutex_);
   void* p = nullptr;
+  size_t block = size;
   auto it = free_.lower_bound(size);
-  if (it != free_.end() && it->first <= 2 * size) {
+  if (it != free_.end() && it->first <= max_block_for(size)) {
     p = it->second;
-    live_[p] = it->first;
-    stats_.allocated += int64_t(it->first);
+    block = it->first;
     free_.erase(it);
   } else {
     p = system_alloc(size);
-    live_[p] = size;
-    stats_.allocated += int64_t(size);
   }
+  live_[p] = {block, nbytes};
+  stats_.allocated += int64_t(block);
+  stats_.requested += int64_t(nbytes);
   stats_.num_allocs++;
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
   return p;
@@ -77,8 +84,9 @@ void CachingAllocator::deallocate(void* ptr, size_t) {
   std::lock_guard lock(mutex_);
   auto it = live_.find(ptr);
   LATHE_ASSERT(it != live_.end());
-  stats_.allocated -= int64_t(it->second);
-  free_.emplace(it->second, ptr);
+  stats_.allocated -= int64_t(it->second.block);
+  stats_.requested -= int64_t(it->second.requested);
+  free_.emplace(it->second.block, ptr);
   live_.erase(it);
 }
 
@@ -108,6 +116,7 @@ void* PinnedHostAllocator::allocate(size_t nbytes) {
   if (nbytes) LATHE_CUDA_CHECK(cudaHostAlloc(&p, nbytes, cudaHostAllocDefault));
   std::lock_guard lock(mutex_);
   stats_.allocated += int64_t(nbytes);
+  stats_.requested += int64_t(nbytes);
   stats_.reserved += int64_t(nbytes);
   stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
   stats_.num_allocs++;
@@ -119,6 +128,7 @@ void PinnedHostAllocator::deallocate(void* ptr, size_t nbytes) {
   if (ptr) cudaFreeHost(ptr);
   std::lock_guard lock(mutex_);
   stats_.allocated -= int64_t(nbytes);
+  stats_.requested -= int64_t(nbytes);
   stats_.reserved -= int64_t(nbytes);
 }
 

@@ -1,7 +1,9 @@
 // CUDA memory: a caching device allocator and a pinned host allocator.
 // The caching allocator keeps freed blocks in size-sorted free lists and hands them out again without a
-// cudaMalloc. Sizes round up to 512 bytes (blocks under 1 MiB) or 2 MiB (larger); a cached block is reused
-// for a request of at least half its size. Blocks are not split. Reuse is ordered by the device's default
+// cudaMalloc. Sizes round up to 512 bytes (blocks under 1 MiB) or 2 MiB (larger); a cached small block is reused
+// for a request of at least half its size, a large one for a request it exceeds by at most an eighth (2 MiB at
+// least: max_block_for). Blocks are not split. stats() counts whole blocks as allocated and the bytes asked for as
+// requested. Reuse is ordered by the device's default
 // stream: a tensor freed while another stream still uses it must be kept alive by that stream's owner.
 // release_cached() returns every free block to the driver (e.g. before handing memory to a rollout engine).
 // Covered by tests/unit/test_cuda_runtime.cpp.
@@ -29,6 +31,10 @@ class CachingAllocator final : public Allocator {
   void release_cached() override;
 
   static size_t round_size(size_t nbytes);
+  // The largest cached block a request of rounded `size` takes: twice the size for small blocks; for large ones the
+  // size plus an eighth (at least 2 MiB), so that a long-lived tensor (a parameter, an optimizer state) never sits in
+  // a block far larger than itself for the rest of the run. A larger cached block stays cached for a request it fits.
+  static size_t max_block_for(size_t size);
 
  private:
   void* system_alloc(size_t bytes);  // cudaMalloc, retrying once after releasing the cache
@@ -36,7 +42,10 @@ class CachingAllocator final : public Allocator {
   int device_;
   mutable std::mutex mutex_;
   std::multimap<size_t, void*> free_;           // block size -> block
-  std::unordered_map<void*, size_t> live_;      // block -> block size
+  struct LiveBlock {
+    size_t block, requested;  // the block's size, the bytes asked for
+  };
+  std::unordered_map<void*, LiveBlock> live_;
   AllocatorStats stats_;
 };
 
