@@ -59,9 +59,11 @@ VOCAB, KV_HEADS, HEAD_DIM = 151936, 8, 128
 # vocab (tied; one full-attention layer every 4).
 Q35_SHAPES = {"q35-0.8b": (24, 1024, 3584, 8, 2, 256, 16, 16, 128, 248320)}
 # The Qwen3-30B-A3B shape of issue 9 (hidden 2048, 128 experts, top 8, expert FFN 768, 32/4 heads of 128, untied
-# vocab 151936), cut to MOE_LAYERS layers so that full fine-tuning fits one GPU.
+# vocab 151936), cut to MOE_LAYERS layers: the most with which transformers' full fine-tuning (bf16 parameters and
+# AdamW moments) fits one H100 80GB; measured 2026-11-27, docs/benchmarks.md "Session 13": 14 layers peak at 69.7 GiB,
+# 15 run out of memory in the backward (Lathe fits 15; 16 run out of memory on both sides).
 MOE_SHAPES = {"30b-a3b": dict(hidden=2048, experts=128, top_k=8, expert_ffn=768, heads=32, kv=4, vocab=151936)}
-MOE_LAYERS = 4
+MOE_LAYERS = 14
 ROWS = {
     "0.6b": dict(shape="0.6b", seq=4096, micro_batch=4, params="fp32", autocast=True, lora_rank=0),
     "1.7b": dict(shape="1.7b", seq=4096, micro_batch=2, params="fp32", autocast=True, lora_rank=0),
