@@ -2,7 +2,10 @@
 // copies through pageable and pinned memory, streams and events. Skipped with the reason without a GPU.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "backend/runtime.h"
 #ifdef LATHE_WITH_CUDA
@@ -108,6 +111,45 @@ TEST(CudaRuntime, CachingAllocatorKeepsLargeTensorsInBlocksNearTheirSize) {
   EXPECT_EQ(alloc.stats().allocated, s0.allocated);
   EXPECT_EQ(alloc.stats().requested, s0.requested);
   alloc.release_cached();
+}
+
+// Fills the device, so it runs only when asked (LATHE_DEVICE_FILL_TESTS=1) and alone: other tests beside it would run
+// out of memory.
+TEST(CudaRuntime, CachingAllocatorTakesALargerCachedBlockBeforeEmptyingItsCacheWhenTheDeviceIsFull) {
+  REQUIRE_CUDA();
+  const char* fill = std::getenv("LATHE_DEVICE_FILL_TESTS");
+  if (!fill || std::string(fill) != "1") GTEST_SKIP() << "fills the device: set LATHE_DEVICE_FILL_TESTS=1 and run alone";
+  Allocator& alloc = runtime().backend(DeviceType::CUDA).allocator(0);
+  alloc.release_cached();
+  const AllocatorStats s0 = alloc.stats();
+  void* big = nullptr;
+  {
+    Tensor a = Tensor::empty({int64_t(1) << 30}, DType::U8, alloc);  // 1 GiB, then cached
+    big = a.data_ptr();
+  }
+  // 512 MiB chunks until the device is full: the cached 1 GiB block is far over 512 MiB + an eighth, so no chunk
+  // takes it while cudaMalloc succeeds; the first chunk cudaMalloc cannot place must take it (not empty the cache);
+  // the one after that finds nothing and is the out-of-memory error.
+  std::vector<Tensor> chunks;
+  bool took_big = false, out_of_memory = false;
+  for (int i = 0; i < 4096 && !out_of_memory; ++i) {
+    try {
+      chunks.push_back(Tensor::empty({int64_t(512) << 20}, DType::U8, alloc));
+      if (chunks.back().data_ptr() == big) {
+        took_big = true;
+        EXPECT_EQ(alloc.stats().allocated - alloc.stats().requested, int64_t(512) << 20)
+            << "the whole 1 GiB block counts as allocated, 512 MiB as requested";
+      }
+    } catch (const Error& e) {
+      out_of_memory = true;
+      EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(out_of_memory);
+  EXPECT_TRUE(took_big) << "the full device emptied the cache instead of using the cached 1 GiB block";
+  chunks.clear();
+  alloc.release_cached();
+  EXPECT_EQ(alloc.stats().allocated, s0.allocated);
 }
 
 TEST(CudaRuntime, OutOfMemoryIsAClearError) {

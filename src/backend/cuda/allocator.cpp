@@ -27,19 +27,30 @@ CachingAllocator::~CachingAllocator() {
   for (auto& [size, ptr] : free_) cudaFree(ptr);
 }
 
-void* CachingAllocator::system_alloc(size_t bytes) {
+void* CachingAllocator::try_system_alloc(size_t bytes) {
   DeviceGuard guard(device_);
   void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
+  const cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();  // clear the sticky-free error state of the failed call
-    for (auto& [size, ptr] : free_) {
-      LATHE_CUDA_CHECK(cudaFree(ptr));
-      stats_.reserved -= int64_t(size);
-    }
-    free_.clear();
-    err = cudaMalloc(&p, bytes);
+    cudaGetLastError();  // clear the error state of the failed call
+    return nullptr;
   }
+  LATHE_CUDA_CHECK(err);
+  stats_.reserved += int64_t(bytes);
+  stats_.num_system_allocs++;
+  return p;
+}
+
+void* CachingAllocator::system_alloc(size_t bytes) {
+  if (void* p = try_system_alloc(bytes)) return p;
+  DeviceGuard guard(device_);
+  for (auto& [size, ptr] : free_) {
+    LATHE_CUDA_CHECK(cudaFree(ptr));
+    stats_.reserved -= int64_t(size);
+  }
+  free_.clear();
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes);
   if (err == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
@@ -65,11 +76,15 @@ void* CachingAllocator::allocate(size_t nbytes) {
   void* p = nullptr;
   size_t block = size;
   auto it = free_.lower_bound(size);
-  if (it != free_.end() && it->first <= max_block_for(size)) {
+  // A cached block near the size; else a new one; else, with the device full, any larger cached block, since
+  // emptying the cache (system_alloc: a device-wide synchronisation) is the last resort.
+  const bool fits = it != free_.end() && it->first <= max_block_for(size);
+  if (!fits) p = try_system_alloc(size);
+  if (!p && it != free_.end()) {
     p = it->second;
     block = it->first;
     free_.erase(it);
-  } else {
+  } else if (!p) {
     p = system_alloc(size);
   }
   live_[p] = {block, nbytes};

@@ -2,7 +2,8 @@
 // The caching allocator keeps freed blocks in size-sorted free lists and hands them out again without a
 // cudaMalloc. Sizes round up to 512 bytes (blocks under 1 MiB) or 2 MiB (larger); a cached small block is reused
 // for a request of at least half its size, a large one for a request it exceeds by at most an eighth (2 MiB at
-// least: max_block_for). Blocks are not split. stats() counts whole blocks as allocated and the bytes asked for as
+// least: max_block_for), or any larger one when cudaMalloc finds the device full (before the whole cache is
+// released). Blocks are not split. stats() counts whole blocks as allocated and the bytes asked for as
 // requested. Reuse is ordered by the device's default
 // stream: a tensor freed while another stream still uses it must be kept alive by that stream's owner.
 // release_cached() returns every free block to the driver (e.g. before handing memory to a rollout engine).
@@ -37,7 +38,8 @@ class CachingAllocator final : public Allocator {
   static size_t max_block_for(size_t size);
 
  private:
-  void* system_alloc(size_t bytes);  // cudaMalloc, retrying once after releasing the cache
+  void* try_system_alloc(size_t bytes);  // cudaMalloc; nullptr when the device is out of memory
+  void* system_alloc(size_t bytes);      // cudaMalloc, retrying once after releasing the cache
 
   int device_;
   mutable std::mutex mutex_;
