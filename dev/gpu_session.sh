@@ -176,4 +176,14 @@ for shape in "1.7b --micro-batch 2" "1.7b --micro-batch 2" "4b --micro-batch 1 -
   done
 done
 fi
+# `dev/gpu_session.sh alloc13`: session 13's allocator checks: the CUDA runtime tests, the device-filling allocator test
+# alone, and where the 14-layer 30B-A3B step's memory goes (`lathe bench --memory-report`).
+if [ "$STAGE" = alloc13 ]; then
+./build/tests/test_cuda_runtime >$L/cuda_runtime.txt 2>&1; summary "test_cuda_runtime: $(grep -E '^\[  (PASSED|FAILED)' $L/cuda_runtime.txt | tr '\n' ' ')"
+LATHE_DEVICE_FILL_TESTS=1 ./build/tests/test_cuda_runtime --gtest_filter='*WhenTheDeviceIsFull' >$L/fill.txt 2>&1
+summary "device-filling allocator test: $(grep -E '^\[  (PASSED|FAILED)' $L/fill.txt | tr '\n' ' ')"
+./build/lathe bench --shape 30b-a3b --layers 14 --seq 4096 --micro-batch 1 --steps 6 --warmup 4 --optimizer-states bf16 \
+  --nondeterministic --memory-report >$L/moe14.txt 2>&1
+grep -E "^bench|^memory|bytes x" $L/moe14.txt | tee -a $OUT/summary.txt
+fi
 tar -czf $OUT/logs.tgz -C /tmp logs
