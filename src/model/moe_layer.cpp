@@ -256,32 +256,44 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   const bool train = options_.train_base;
   // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.
   const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
+  // Each (P, .) temporary below is dropped after its last use, not at the end of the scope: at the step's peak (the
+  // first layer's backward, every other gradient alive) that keeps about 300 MiB fewer of them alive at the
+  // 30B-A3B shape (docs/benchmarks.md, session 13).
   Tensor dx;
   if (a.padded) {  // the batched GEMMs of (E, M, .) blocks; padding rows take the zero row after the T k pairs
     const int64_t e = c.num_experts, m = r.pad_rows, in = c.moe_intermediate_size;
-    const Tensor dpicked = Tensor::empty({t * k + 1, d}, dout.dtype(), cx.allocator);
+    Tensor dpicked = Tensor::empty({t * k + 1, d}, dout.dtype(), cx.allocator);
     cx.backend.fill_bytes(dpicked.narrow(0, t * k, 1).data_ptr(), 0, size_t(d) * dtype_size(dout.dtype()), cx.stream);
     Tensor dpicked_pairs = dpicked.narrow(0, 0, t * k).view({t, k, d});
     matmul_into(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}), dpicked_pairs, {});
-    const Tensor dyd = embedding(cx, dpicked, r.pad_pair).view({e, m, d});  // (E, M, D), zero padding rows
-    const Tensor dact = matmul(cx, dyd, w(p.down)).view({e * m, in});
+    dpicked_pairs = Tensor();
+    Tensor dyd = embedding(cx, dpicked, r.pad_pair).view({e, m, d});  // (E, M, D), zero padding rows
+    dpicked = Tensor();
+    Tensor dact = matmul(cx, dyd, w(p.down)).view({e * m, in});
     if (train) add_grad(p.down, matmul(cx, dyd, a.act.view({e, m, in}), {true, false}));  // dyd_e^T act_e
-    const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact).view({e, m, 2 * in});
+    dyd = Tensor();
+    Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact).view({e, m, 2 * in});
+    dact = Tensor();
     if (train) add_grad(p.gate_up, matmul(cx, dgate_up, a.xs.view({e, m, d}), {true, false}));
     const Tensor dxs = matmul(cx, dgate_up, w(p.gate_up)).view({e * m, d});
+    dgate_up = Tensor();
     dx = matmul(cx, r.ones, embedding(cx, dxs, r.pad_position).view({t, k, d})).view({t, d});
   } else {
-    const Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
-    const Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
+    Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
+    Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
+    dpicked = Tensor();
     // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
     const GroupedMatmulAttrs g{r.offsets, true}, gt{r.offsets, false};
     Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
     if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
     if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.offsets, dact);
-    const Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
+    dyd = Tensor();
+    Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
+    dact = Tensor();
     if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
     Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
     if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.offsets, dxs);
+    dgate_up = Tensor();
     // Each token's k rows summed in a fixed order (a batched product with ones).
     dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   }
