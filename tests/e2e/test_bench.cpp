@@ -1,12 +1,14 @@
 // `lathe bench` end to end on the CPU with a tiny config.json: the JSON line has the throughput fields, --profile
 // prints a per-kernel table whose totals are positive and together within the step's wall time, LoRA counts its
 // FLOPs as 4N + 6N_adapter + attention, --optimizer-states says and records what AdamW keeps (a third of the state
-// bytes with bf16 states), and a bad shape fails with a message naming it.
+// bytes with bf16 states), --memory-report lists the blocks that make the planned peak, and a bad shape fails with a
+// message naming it.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -134,6 +136,44 @@ TEST(Bench, OptimizerStatesAreStatedAndRecorded) {
   EXPECT_NE(f32.exit_code, 0);
   EXPECT_NE(f32.output.find("--optimizer-states bf16 keeps bf16 parameters without masters, but the parameters are f32"),
             std::string::npos) << f32.output;
+}
+
+TEST(Bench, MemoryReportListsTheBlocksThatMakeThePlannedPeak) {
+  const std::string base = fmt::format("bench --device cpu --shape {} --seq 16 --micro-batch 2 --steps 1 --warmup 2",
+                                       tiny_config().string());
+  const LatheRun r = lathe(base + " --memory-report");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = result_line(r.output);
+  ASSERT_TRUE(j["memory_plan"]["planned"].get<bool>()) << r.output;
+  // "... peaks at event E of N with X MiB alive in B blocks ...", then one row per block size: "  S bytes x C = ...".
+  const size_t at = r.output.find("the step peaks at event ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  long long event = -1, events = 0, blocks = 0;
+  double mib = 0;
+  ASSERT_EQ(std::sscanf(r.output.c_str() + at, "the step peaks at event %lld of %lld with %lf MiB alive in %lld blocks",
+                        &event, &events, &mib, &blocks), 4) << r.output.substr(at, 200);
+  EXPECT_GE(event, 0);
+  EXPECT_LT(event, events);
+  EXPECT_NEAR(mib, j["memory_plan"]["peak_live_mib"].get<double>(), 0.05) << "the report's blocks are the planner's peak";
+  std::istringstream rows(r.output.substr(at));
+  std::string line;
+  std::getline(rows, line);
+  long long listed_blocks = 0, listed_bytes = 0, n_rows = 0;
+  while (std::getline(rows, line)) {
+    long long size = 0, count = 0;
+    if (std::sscanf(line.c_str(), " %lld bytes x %lld =", &size, &count) != 2) break;
+    listed_blocks += count, listed_bytes += size * count, ++n_rows;
+  }
+  ASSERT_GT(n_rows, 0) << r.output;
+  if (n_rows < 24) {  // every size listed: the rows add up to the peak
+    EXPECT_EQ(listed_blocks, blocks);
+    EXPECT_NEAR(double(listed_bytes) / 1048576.0, j["memory_plan"]["peak_live_mib"].get<double>(), 1e-6);
+  }
+  EXPECT_NE(r.output.find("and 0.0 in blocks larger than their tensors asked for"), std::string::npos)
+      << "the host allocator does not cache: no slack";
+  const LatheRun none = lathe(base + " --memory-report --no-memory-plan");
+  ASSERT_EQ(none.exit_code, 0) << none.output;
+  EXPECT_NE(none.output.find("memory report: none without the memory plan"), std::string::npos) << none.output;
 }
 
 TEST(Bench, UnknownShapeFailsWithItsName) {

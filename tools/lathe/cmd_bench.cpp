@@ -286,17 +286,16 @@ void print_memory_report(const PlannedAllocator& plan, const std::vector<Paramet
     return;
   }
   constexpr double kMiB = 1048576.0;
-  double param_bytes = 0, grad_bytes = 0, at_peak = 0;
+  double param_bytes = 0, at_peak = 0;  // the trained parameters (a LoRA run's adapters); their gradients alike
   for (const Parameter& p : params) param_bytes += double(p.value.numel() * int64_t(p.value.itemsize()));
-  grad_bytes = param_bytes;  // every parameter's gradient has its dtype
   for (const AllocationRecord& b : r.blocks) at_peak += double(b.bytes);
   const double states = double(opt.state_bytes());
   const double live = double(r.at_begin.allocated), asked = double(r.at_begin.requested);
-  fmt::print("memory report: as the recorded step began, {:.0f} MiB were live outside it: parameters {:.0f}, optimizer "
-             "states {:.0f}, other tensors {:.0f}, and {:.0f} in blocks larger than their tensors asked for\n",
+  fmt::print("memory report: as the recorded step began, {:.1f} MiB were live outside it: trained parameters {:.1f}, "
+             "optimizer states {:.1f}, other tensors {:.1f}, and {:.1f} in blocks larger than their tensors asked for\n",
              live / kMiB, param_bytes / kMiB, states / kMiB, (asked - param_bytes - states) / kMiB, (live - asked) / kMiB);
-  fmt::print("memory report: the step peaks at event {} of {} with {:.0f} MiB alive in {} blocks (the gradients, if all "
-             "alive, {:.0f} MiB); by size:\n", r.event, r.events, at_peak / kMiB, r.blocks.size(), grad_bytes / kMiB);
+  fmt::print("memory report: the step peaks at event {} of {} with {:.1f} MiB alive in {} blocks (the gradients, if all "
+             "alive, {:.1f} MiB); by size:\n", r.event, r.events, at_peak / kMiB, r.blocks.size(), param_bytes / kMiB);
   std::vector<std::pair<size_t, std::vector<const AllocationRecord*>>> by_size;  // largest first, as r.blocks
   for (const AllocationRecord& b : r.blocks) {
     if (by_size.empty() || by_size.back().first != b.bytes) by_size.push_back({b.bytes, {}});
@@ -457,6 +456,7 @@ void run(const Args& a) {
                                         ps.hits, ps.misses)
                           : fmt::format("no memory plan: {}", ps.not_planned.empty() ? "fewer than 2 steps" : ps.not_planned));
   if (a.memory_report && plan) print_memory_report(*plan, params, opt);
+  if (a.memory_report && !plan) fmt::print("memory report: none without the memory plan (--no-memory-plan)\n");
   nlohmann::json j = {{"shape", a.shape},
                       {"layers", mc.num_layers},
                       {"seq", a.seq},
