@@ -3,9 +3,9 @@
 // fixed ahead from a recorded window, instead of being taken from and returned to a general allocator block by block.
 //
 // PlannedAllocator wraps a device's allocator (the backing one). Until there is a plan, calls outside windows pass
-// through. The
-// window numbered `record_window` (counting from 0; by default the second, after the first has created the gradients
-// and the libraries' workspaces) is recorded: each allocation's rounded size and its lifetime in the window's events.
+// through. The window numbered `record_window` (counting from 0; by default the second, after the first has created
+// the gradients and the libraries' workspaces) is recorded: each allocation's rounded size and its lifetime in the
+// window's events.
 // When it closes, plan_memory gives every block that died inside it an offset such that blocks alive at the same
 // time never overlap, the backing allocator's cache is released and the arena is taken from it in one piece. In every
 // later window the i-th allocation gets the i-th planned block when it is no larger than the recorded one and no live
@@ -60,7 +60,7 @@ MemoryPlan plan_memory(const std::vector<AllocationRecord>& records);
 // What the recorded window held at its peak, for finding where a step's memory goes (`lathe bench --memory-report`).
 struct PeakReport {
   int64_t event = -1, events = 0;          // the peak's event, of the recorded window's events
-  std::vector<AllocationRecord> blocks;    // the arena blocks alive then, largest first
+  std::vector<AllocationRecord> blocks;    // the arena blocks alive then: largest first, by birth within a size
   AllocatorStats at_begin;                 // the backing allocator's as the recorded window began
 };
 

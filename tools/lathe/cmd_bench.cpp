@@ -303,10 +303,9 @@ void print_memory_report(const PlannedAllocator& plan, const std::vector<Paramet
   }
   for (size_t i = 0; i < by_size.size() && i < 24; ++i) {
     const auto& [bytes, blocks] = by_size[i];
-    std::string lives;  // the lifetimes of the first few, in allocation order
-    std::vector<const AllocationRecord*> first(blocks);
-    std::sort(first.begin(), first.end(), [](const auto* x, const auto* y) { return x->born < y->born; });
-    for (size_t k = 0; k < first.size() && k < 8; ++k) lives += fmt::format(" {}-{}", first[k]->born, first[k]->died);
+    std::string lives;  // the lifetimes of the first few, in order of birth (as peak_report lists a size's blocks)
+    for (size_t k = 0; k < blocks.size() && k < 8; ++k)
+      lives += fmt::format(" {}-{}", blocks[k]->born, blocks[k]->died);
     fmt::print("  {:>12} bytes x {:>4} = {:>9.1f} MiB; alive over events{}{}\n", bytes, blocks.size(),
                double(bytes) * double(blocks.size()) / kMiB, lives, blocks.size() > 8 ? " ..." : "");
   }

@@ -41,29 +41,25 @@ void* CachingAllocator::try_system_alloc(size_t bytes) {
   return p;
 }
 
-void* CachingAllocator::system_alloc(size_t bytes) {
-  if (void* p = try_system_alloc(bytes)) return p;
+void CachingAllocator::free_cached_blocks() {
   DeviceGuard guard(device_);
   for (auto& [size, ptr] : free_) {
     LATHE_CUDA_CHECK(cudaFree(ptr));
     stats_.reserved -= int64_t(size);
   }
   free_.clear();
-  void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes);
-  if (err == cudaErrorMemoryAllocation) {
-    cudaGetLastError();
-    size_t free_bytes = 0, total_bytes = 0;
-    cudaMemGetInfo(&free_bytes, &total_bytes);
-    LATHE_FAIL("cuda: out of memory allocating {} MiB on cuda:{} (lathe holds {} MiB live, {} MiB reserved; "
-               "device has {} MiB free of {} MiB)",
-               bytes >> 20, device_, stats_.allocated >> 20, stats_.reserved >> 20, free_bytes >> 20,
-               total_bytes >> 20);
-  }
-  LATHE_CUDA_CHECK(err);
-  stats_.reserved += int64_t(bytes);
-  stats_.num_system_allocs++;
-  return p;
+}
+
+void* CachingAllocator::system_alloc(size_t bytes) {
+  if (void* p = try_system_alloc(bytes)) return p;
+  free_cached_blocks();
+  if (void* p = try_system_alloc(bytes)) return p;
+  DeviceGuard guard(device_);
+  size_t free_bytes = 0, total_bytes = 0;
+  cudaMemGetInfo(&free_bytes, &total_bytes);
+  LATHE_FAIL("cuda: out of memory allocating {} MiB on cuda:{} (lathe holds {} MiB live, {} MiB reserved; "
+             "device has {} MiB free of {} MiB)",
+             bytes >> 20, device_, stats_.allocated >> 20, stats_.reserved >> 20, free_bytes >> 20, total_bytes >> 20);
 }
 
 size_t CachingAllocator::max_block_for(size_t size) {
@@ -119,11 +115,7 @@ void CachingAllocator::release_cached() {
   std::lock_guard lock(mutex_);
   DeviceGuard guard(device_);
   LATHE_CUDA_CHECK(cudaDeviceSynchronize());  // a cached block may still be read by queued work
-  for (auto& [size, ptr] : free_) {
-    LATHE_CUDA_CHECK(cudaFree(ptr));
-    stats_.reserved -= int64_t(size);
-  }
-  free_.clear();
+  free_cached_blocks();
 }
 
 void* PinnedHostAllocator::allocate(size_t nbytes) {

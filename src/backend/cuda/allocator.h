@@ -40,6 +40,7 @@ class CachingAllocator final : public Allocator {
  private:
   void* try_system_alloc(size_t bytes);  // cudaMalloc; nullptr when the device is out of memory
   void* system_alloc(size_t bytes);      // cudaMalloc, retrying once after releasing the cache
+  void free_cached_blocks();             // cudaFree of every cached block; under the lock
 
   int device_;
   mutable std::mutex mutex_;
