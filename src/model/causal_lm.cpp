@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "core/files.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "model/qwen3_5.h"
@@ -21,6 +22,19 @@ namespace {
 
 bool any_dropout(const SegmentAttrs& s) {
   return std::any_of(s.p.begin(), s.p.end(), [](double p) { return p > 0; });
+}
+
+// The transformers class a config.json of this model_type names in `architectures` (a model made from an inline
+// config has none; a loaded folder keeps its own).
+std::string architecture_of(const std::string& model_type) {
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  if (model_type == "qwen3_5_text") return "Qwen3_5ForCausalLM";
+  if (model_type == "qwen3_5_moe_text") return "Qwen3_5MoeForCausalLM";
+  if (model_type == "qwen3_next") return "Qwen3NextForCausalLM";
+  if (model_type == "qwen3_5") return "Qwen3_5ForConditionalGeneration";
+  if (model_type == "qwen3_5_moe") return "Qwen3_5MoeForConditionalGeneration";
+  LATHE_FAIL("model: no transformers class known for model_type '{}'", model_type);
 }
 
 }  // namespace
@@ -355,7 +369,8 @@ void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
 
 DType CausalLm::save_dtype(const std::string&, DType requested) const { return requested; }
 
-void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_bytes) const {
+void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_bytes,
+                    const std::function<void(const std::string&)>& add_files) const {
   LATHE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "model: cannot save weights as {}",
               dtype_name(dtype));
   ExecContext cx = rt_->context(options_.device);
@@ -367,23 +382,14 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
     for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
   }
   for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
-  // Write into a fresh sibling folder, then swap it in, so a crash never leaves a half-written model at `dir`.
-  const fs::path target = fs::absolute(dir);
-  const fs::path tmp = target.string() + fmt::format(".tmp-{}", getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  io::write_sharded_safetensors(tmp.string(), refs, max_shard_bytes, {{"format", "pt"}});
+  OutputDir out(dir, "model");
+  io::write_sharded_safetensors(out.tmp().string(), refs, max_shard_bytes, {{"format", "pt"}});
   nlohmann::json cfg = config_.raw;
   cfg["torch_dtype"] = cfg["dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
-  {
-    std::ofstream f(tmp / "config.json");
-    f << cfg.dump(2) << "\n";
-    LATHE_CHECK(f.good(), "model: cannot write {}", (tmp / "config.json").string());
-  }
-  const fs::path old = target.string() + fmt::format(".old-{}", getpid());
-  if (fs::exists(target)) fs::rename(target, old);
-  fs::rename(tmp, target);
-  fs::remove_all(old);
+  if (!cfg.contains("architectures")) cfg["architectures"] = {architecture_of(config_.model_type)};
+  write_file_atomic((out.tmp() / "config.json").string(), cfg.dump(2) + "\n", "model");
+  if (add_files) add_files(out.tmp().string());
+  out.commit();
 }
 
 std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options) {

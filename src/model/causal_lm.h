@@ -104,8 +104,11 @@ class CausalLm {
                           const std::function<void()>& backward_queued = {}) = 0;
   void zero_grads();
 
-  // Writes config.json and model.safetensors (sharded above max_shard_bytes) into `dir`, atomically.
-  void save(const std::string& dir, DType dtype = DType::F32, uint64_t max_shard_bytes = 5ull << 30) const;
+  // Writes config.json (with `architectures`, as transformers writes it) and model.safetensors (sharded above
+  // max_shard_bytes) into `dir`, atomically: the folder appears whole or not at all (core/files.h OutputDir).
+  // `add_files`, when given, writes more files (tokenizer, generation config) into the folder before it appears.
+  void save(const std::string& dir, DType dtype = DType::F32, uint64_t max_shard_bytes = 5ull << 30,
+            const std::function<void(const std::string&)>& add_files = {}) const;
 
  protected:
   CausalLm(Runtime& rt, ModelConfig config, ModelOptions options);

@@ -12,6 +12,7 @@
 
 #include <fmt/ranges.h>
 
+#include "core/files.h"
 #include "io/safetensors.h"
 #include "ops/ops.h"
 
@@ -572,7 +573,8 @@ void LoraBank::load_peft(int adapter, const std::string& dir) {
               extra.size(), extra.empty() ? "" : extra.front());
 }
 
-void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model) const {
+void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model,
+                         const std::function<void(const std::string&)>& add_files) const {
   ExecContext cx = rt_->context(device_);
   std::vector<Tensor> host;
   std::vector<io::TensorRef> refs;
@@ -582,20 +584,12 @@ void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const
     host.push_back(rt_->copy_to(cast(cx, v, dtype), Device::cpu()));
     refs.push_back({p.name, dtype, host.back().shape(), host.back().data_ptr(), host.back().nbytes()});
   }
-  const fs::path target = fs::absolute(dir);
-  const fs::path tmp = target.string() + fmt::format(".tmp-{}", getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  io::write_safetensors((tmp / "adapter_model.safetensors").string(), refs, {{"format", "pt"}});
-  {
-    std::ofstream f(tmp / "adapter_config.json");
-    f << lora_config_to_peft(config(adapter), base_model, model_).dump(2) << "\n";
-    LATHE_CHECK(f.good(), "lora: cannot write {}", (tmp / "adapter_config.json").string());
-  }
-  const fs::path old = target.string() + fmt::format(".old-{}", getpid());
-  if (fs::exists(target)) fs::rename(target, old);
-  fs::rename(tmp, target);
-  fs::remove_all(old);
+  OutputDir out(dir, "lora");
+  io::write_safetensors((out.tmp() / "adapter_model.safetensors").string(), refs, {{"format", "pt"}});
+  write_file_atomic((out.tmp() / "adapter_config.json").string(),
+                    lora_config_to_peft(config(adapter), base_model, model_).dump(2) + "\n", "lora");
+  if (add_files) add_files(out.tmp().string());
+  out.commit();
 }
 
 std::string lora_key_module(const std::string& key) {

@@ -144,8 +144,10 @@ class LoraBank {
   void clear(int adapter);
   // Reads DIR/adapter_model.safetensors into the adapter; its config must equal the adapter's (checked).
   void load_peft(int adapter, const std::string& dir);
-  // Writes adapter_config.json and adapter_model.safetensors (B transposed back to (out, r)) atomically.
-  void save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model) const;
+  // Writes adapter_config.json and adapter_model.safetensors (B transposed back to (out, r)) atomically; `add_files`,
+  // when given, writes more files into the folder before it appears.
+  void save_peft(int adapter, const std::string& dir, DType dtype, const std::string& base_model,
+                 const std::function<void(const std::string&)>& add_files = {}) const;
 
   // Copies every adapter's current values into the slots (one gather for the whole bank). The model calls it
   // before each forward, so optimizer updates and loads are always seen.
