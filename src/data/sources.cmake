@@ -10,5 +10,6 @@ target_sources(lathe PRIVATE
   data/pretokenize.cpp
   data/tokenizer.cpp
   data/tokenizer_load.cpp
+  data/tokenizer_files.cpp
 )
 target_link_libraries(lathe PUBLIC PkgConfig::PCRE2 PkgConfig::ICU)
