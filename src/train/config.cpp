@@ -3,24 +3,50 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <set>
 
 #include "core/error.h"
+#include "core/files.h"
+#include "data/dataset.h"
 
 namespace lathe {
 
 namespace {
 
-enum class Kind { Int, Float, Bool, String, StringList, Mapping };
+enum class Kind { Int, Float, Bool, String, StringList, Mapping, TenantList };
+
+// The values a number option accepts: lo..hi, each end open or closed. Every number must also be finite.
+struct Range {
+  double lo = -INFINITY, hi = INFINITY;
+  bool lo_open = false, hi_open = false;
+  bool contains(double v) const {
+    return std::isfinite(v) && (lo_open ? v > lo : v >= lo) && (hi_open ? v < hi : v <= hi);
+  }
+  std::string text() const {
+    if (std::isinf(hi)) return fmt::format("{} {}", lo_open ? ">" : ">=", lo);
+    return fmt::format("in {}{}, {}{}", lo_open ? "(" : "[", lo, hi, hi_open ? ")" : "]");
+  }
+};
+constexpr double kMaxTokens = 2147483647.0;  // token counts and positions are int32 on the device
+Range at_least(double lo) { return {lo, INFINITY, false, false}; }
+Range above(double lo) { return {lo, INFINITY, true, false}; }
+Range between(double lo, double hi, bool hi_open = false) { return {lo, hi, false, hi_open}; }
+
+// How an option's absence is treated: it has a default, it is required, or it is optional with no default.
+enum class Need { Default, Required, Optional };
 
 struct Option {
   const char* path;
   Kind kind;
-  const char* fallback;  // YAML text of the default; nullptr = required / no default
+  const char* fallback;  // YAML text of the default (Need::Default only)
   const char* help;
   std::function<void(TrainConfig&, const YAML::Node&)> set;
+  Range range = {};           // Int and Float options
+  Need need = Need::Default;
+  bool is_path = false;       // a file or folder: relative paths in a config file are relative to its folder
 };
 
 const char* kind_name(Kind k) {
@@ -31,6 +57,7 @@ const char* kind_name(Kind k) {
     case Kind::String: return "string";
     case Kind::StringList: return "list of strings";
     case Kind::Mapping: return "mapping";
+    case Kind::TenantList: return "list of mappings";
   }
   return "?";
 }
@@ -65,8 +92,14 @@ nlohmann::json to_json(const YAML::Node& n) {
   return s;
 }
 
-#define LATHE_OPT(path, kind, fallback, help, field) \
-  Option { path, kind, fallback, help, [](TrainConfig& c, const YAML::Node& n) { assign(c.field, n); } }
+// An option with a default (LATHE_OPT), a number with its range (LATHE_NUM), a file or folder (LATHE_PATH), and one
+// with no default (LATHE_NEED: Need::Required or Need::Optional).
+#define LATHE_SETTER(field) [](TrainConfig& c, const YAML::Node& n) { assign(c.field, n); }
+#define LATHE_OPT(path, kind, fallback, help, field) Option{path, kind, fallback, help, LATHE_SETTER(field)}
+#define LATHE_NUM(path, kind, fallback, range, help, field) Option{path, kind, fallback, help, LATHE_SETTER(field), range}
+#define LATHE_PATH(path, kind, fallback, need, help, field) \
+  Option{path, kind, fallback, help, LATHE_SETTER(field), {}, need, true}
+#define LATHE_NEED(path, kind, range, need, help, field) Option{path, kind, nullptr, help, LATHE_SETTER(field), range, need}
 
 void assign(int64_t& f, const YAML::Node& n) { f = n.as<int64_t>(); }
 void assign(uint64_t& f, const YAML::Node& n) { f = n.as<uint64_t>(); }
@@ -84,30 +117,44 @@ void assign(std::vector<std::string>& f, const YAML::Node& n) {
 void assign(nlohmann::json& f, const YAML::Node& n) { f = to_json(n); }
 
 const std::vector<Option>& options() {
+  static const Range any = {};
   static const std::vector<Option> table = {
-      LATHE_OPT("model.path", Kind::String, "", "Hugging Face model folder to fine-tune", model_path),
-      LATHE_OPT("model.config", Kind::Mapping, nullptr, "inline HF config.json fields: train a new model from scratch", model_config),
-      LATHE_OPT("model.init_std", Kind::Float, "0.02", "std of the random initialisation (with model.config)", init_std),
-      LATHE_OPT("model.tokenizer", Kind::String, "", "folder with tokenizer.json (default: model.path)", tokenizer),
-      LATHE_OPT("data.train", Kind::StringList, nullptr, "training JSONL file(s)", train_files),
-      LATHE_OPT("data.eval", Kind::StringList, "[]", "evaluation JSONL file(s)", eval_files),
-      LATHE_OPT("data.format", Kind::String, "auto", "auto | text | chat | prompt_completion", data_format),
-      LATHE_OPT("data.max_seq_len", Kind::Int, "2048", "longest sample in tokens", max_seq_len),
+      LATHE_PATH("model.path", Kind::String, "", Need::Default, "Hugging Face model folder to fine-tune", model_path),
+      LATHE_NEED("model.config", Kind::Mapping, any, Need::Optional,
+                 "inline HF config.json fields: train a new model from scratch (instead of model.path); "
+                 "--set model.config.KEY=VALUE sets one field", model_config),
+      LATHE_NUM("model.init_std", Kind::Float, "0.02", above(0), "std of the random initialisation (with model.config)", init_std),
+      LATHE_PATH("model.tokenizer", Kind::String, "", Need::Default, "folder with tokenizer.json (default: model.path)", tokenizer),
+      LATHE_PATH("data.train", Kind::StringList, nullptr, Need::Required, "training JSONL file(s)", train_files),
+      LATHE_PATH("data.eval", Kind::StringList, "[]", Need::Default, "evaluation JSONL file(s)", eval_files),
+      LATHE_OPT("data.format", Kind::String, "auto",
+                "auto (each row by its keys) | text | messages (alias: chat) | prompt_completion", data_format),
+      LATHE_NUM("data.max_seq_len", Kind::Int, "2048", between(1, kMaxTokens), "longest sample in tokens", max_seq_len),
       LATHE_OPT("data.skip_bad_rows", Kind::Bool, "false", "skip (and count) malformed rows instead of stopping", skip_bad_rows),
       LATHE_OPT("data.overlong", Kind::String, "truncate", "samples over max_seq_len: truncate | drop (counted)", overlong),
       LATHE_OPT("data.train_on_prompt", Kind::Bool, "false", "also put loss on prompt / user tokens", train_on_prompt),
-      LATHE_OPT("output_dir", Kind::String, nullptr, "folder for checkpoints, metrics and the final model", output_dir),
-      LATHE_OPT("train.max_steps", Kind::Int, nullptr, "optimizer steps to run", max_steps),
-      LATHE_OPT("train.micro_batch_tokens", Kind::Int, "4096", "tokens packed into one forward/backward", micro_batch_tokens),
-      LATHE_OPT("train.grad_accum", Kind::Int, "1", "micro-batches per optimizer step", grad_accum),
-      LATHE_OPT("train.lr", Kind::Float, "0.0001", "peak learning rate", lr),
+      LATHE_OPT("data.chat_template_kwargs", Kind::Mapping, "{enable_thinking: false}",
+                "variables the chat template renders 'messages' rows with; saved with the model "
+                "(chat_template_kwargs.json) and used by generate, logprobs and the final evaluation; "
+                "--set data.chat_template_kwargs.KEY=VALUE sets one", chat_template_kwargs),
+      LATHE_PATH("output_dir", Kind::String, nullptr, Need::Required, "folder for checkpoints, metrics and the final model",
+                 output_dir),
+      LATHE_OPT("overwrite", Kind::Bool, "false",
+                "delete the run already in output_dir (checkpoints, metrics, final model) and start again; without it a "
+                "folder holding a run is continued (resume: auto) or refused (docs/training.md)", overwrite),
+      LATHE_NEED("train.max_steps", Kind::Int, between(1, 1e12), Need::Required, "optimizer steps to run", max_steps),
+      LATHE_NUM("train.micro_batch_tokens", Kind::Int, "4096", between(1, kMaxTokens), "tokens packed into one forward/backward",
+                micro_batch_tokens),
+      LATHE_NUM("train.grad_accum", Kind::Int, "1", between(1, 1e6), "micro-batches per optimizer step", grad_accum),
+      LATHE_NUM("train.lr", Kind::Float, "0.0001", above(0), "peak learning rate", lr),
       LATHE_OPT("train.schedule", Kind::String, "cosine", "constant | linear | cosine (after warmup)", schedule),
-      LATHE_OPT("train.warmup_steps", Kind::Int, "0", "linear warmup from 0", warmup_steps),
-      LATHE_OPT("train.min_lr_ratio", Kind::Float, "0.1", "final LR as a fraction of train.lr (linear, cosine)", min_lr_ratio),
-      LATHE_OPT("train.weight_decay", Kind::Float, "0.0", "decoupled weight decay (AdamW)", weight_decay),
-      LATHE_OPT("train.beta1", Kind::Float, "0.9", "AdamW beta1", beta1),
-      LATHE_OPT("train.beta2", Kind::Float, "0.999", "AdamW beta2", beta2),
-      LATHE_OPT("train.eps", Kind::Float, "1e-8", "AdamW epsilon", eps),
+      LATHE_NUM("train.warmup_steps", Kind::Int, "0", at_least(0), "linear warmup from 0 (at most train.max_steps)", warmup_steps),
+      LATHE_NUM("train.min_lr_ratio", Kind::Float, "0.1", between(0, 1),
+                "final LR as a fraction of train.lr (linear, cosine)", min_lr_ratio),
+      LATHE_NUM("train.weight_decay", Kind::Float, "0.0", at_least(0), "decoupled weight decay (AdamW)", weight_decay),
+      LATHE_NUM("train.beta1", Kind::Float, "0.9", between(0, 1, true), "AdamW beta1", beta1),
+      LATHE_NUM("train.beta2", Kind::Float, "0.999", between(0, 1, true), "AdamW beta2", beta2),
+      LATHE_NUM("train.eps", Kind::Float, "1e-8", above(0), "AdamW epsilon", eps),
       LATHE_OPT("train.optimizer_states", Kind::String, "f32",
                 "AdamW state dtype: f32 (f32 masters and moments for bf16 parameters) | bf16 (no masters: bf16 "
                 "parameters updated in place, bf16 moments; needs dtype bf16; docs/optim.md)", optimizer_states),
@@ -115,17 +162,17 @@ const std::vector<Option>& options() {
                 "mixture-of-experts models: add router_aux_loss_coef x the load-balancing loss to the trained loss: "
                 "auto (as config.json's output_router_logits, like transformers) | on | off (docs/moe.md)",
                 router_aux_loss),
-      LATHE_OPT("train.moe_padded_max_waste", Kind::Float, "1.5",
+      LATHE_NUM("train.moe_padded_max_waste", Kind::Float, "1.5", at_least(0),
                 "mixture-of-experts models: run the experts as one batched GEMM over blocks padded to the largest "
                 "expert's rows while E x those rows <= this x the routed rows (0: grouped GEMMs always; docs/moe.md)",
                 moe_padded_max_waste),
-      LATHE_OPT("train.max_grad_norm", Kind::Float, "1.0", "global-norm gradient clipping (0 = off)", max_grad_norm),
-      LATHE_OPT("train.seed", Kind::Int, "0", "seed of data order and initialisation", seed),
-      LATHE_OPT("train.save_every", Kind::Int, "0", "checkpoint every N steps (0 = only at the end)", save_every),
-      LATHE_OPT("train.keep_last", Kind::Int, "2", "checkpoints kept", keep_last),
-      LATHE_OPT("train.eval_every", Kind::Int, "0", "evaluate every N steps (0 = never)", eval_every),
-      LATHE_OPT("train.eval_batches", Kind::Int, "4", "micro-batches per evaluation", eval_batches),
-      LATHE_OPT("train.log_every", Kind::Int, "1", "steps between log lines when not on a terminal", log_every),
+      LATHE_NUM("train.max_grad_norm", Kind::Float, "1.0", at_least(0), "global-norm gradient clipping (0 = off)", max_grad_norm),
+      LATHE_NUM("train.seed", Kind::Int, "0", at_least(0), "seed of data order and initialisation", seed),
+      LATHE_NUM("train.save_every", Kind::Int, "0", at_least(0), "checkpoint every N steps (0 = only at the end)", save_every),
+      LATHE_NUM("train.keep_last", Kind::Int, "2", at_least(1), "checkpoints kept", keep_last),
+      LATHE_NUM("train.eval_every", Kind::Int, "0", at_least(0), "evaluate every N steps (0 = never)", eval_every),
+      LATHE_NUM("train.eval_batches", Kind::Int, "4", at_least(1), "micro-batches per evaluation", eval_batches),
+      LATHE_NUM("train.log_every", Kind::Int, "1", at_least(1), "steps between log lines when not on a terminal", log_every),
       LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
       LATHE_OPT("train.deterministic", Kind::Bool, "true",
                 "bitwise-repeatable gradients; false lets the attention backward sum dQ in any order (faster, equal "
@@ -136,31 +183,98 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.memory_plan", Kind::Bool, "true",
                 "lay out each step's memory (batch, activations, gradients) in one arena planned from the second step, "
                 "instead of allocating block by block (docs/training.md)", memory_plan),
-      LATHE_OPT("train.max_bad_steps", Kind::Int, "5", "stop after this many non-finite steps in a row", max_bad_steps),
-      LATHE_OPT("final_eval.file", Kind::String, "", "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
-      LATHE_OPT("final_eval.max_new_tokens", Kind::Int, "16", "tokens generated per final-eval prompt", final_eval_max_new_tokens),
-      LATHE_OPT("lora.rank", Kind::Int, "0", "LoRA rank (0 = full fine-tuning; > 0 freezes the base)", lora_rank),
-      LATHE_OPT("lora.alpha", Kind::Float, "32", "LoRA alpha: scaling = alpha / rank (alpha / sqrt(rank) with rslora)", lora_alpha),
-      LATHE_OPT("lora.dropout", Kind::Float, "0.0", "dropout on the LoRA input during training", lora_dropout),
+      LATHE_NUM("train.max_bad_steps", Kind::Int, "5", at_least(1), "stop after this many non-finite steps in a row", max_bad_steps),
+      LATHE_PATH("final_eval.file", Kind::String, "", Need::Default,
+                 "JSONL of {messages|prompt, answer}: accuracy printed at the end", final_eval_file),
+      LATHE_NUM("final_eval.max_new_tokens", Kind::Int, "16", between(1, kMaxTokens), "tokens generated per final-eval prompt",
+                final_eval_max_new_tokens),
+      LATHE_NUM("lora.rank", Kind::Int, "0", between(0, 65536), "LoRA rank (0 = full fine-tuning; > 0 freezes the base)", lora_rank),
+      LATHE_NUM("lora.alpha", Kind::Float, "32", above(0), "LoRA alpha: scaling = alpha / rank (alpha / sqrt(rank) with rslora)",
+                lora_alpha),
+      LATHE_NUM("lora.dropout", Kind::Float, "0.0", between(0, 1, true), "dropout on the LoRA input during training", lora_dropout),
       LATHE_OPT("lora.rslora", Kind::Bool, "false", "rank-stabilised scaling alpha / sqrt(rank)", lora_rslora),
       LATHE_OPT("lora.targets", Kind::StringList, "all-linear",
                 "modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (Qwen3.5 also in_proj_qkv,in_proj_z,in_proj_b,in_proj_a,out_proj; qwen3_moe/qwen3_next: gate/up/down_proj mean the experts, as in peft) | all-linear | re:<regex>", lora_targets),
       LATHE_OPT("lora.target_parameters", Kind::StringList, "[]",
                 "MoE experts' fused parameters (PEFT target_parameters): mlp.experts.gate_up_proj, mlp.experts.down_proj", lora_target_parameters),
-      LATHE_OPT("lora.init", Kind::String, "", "PEFT adapter folder to continue from (default: fresh init)", lora_init),
-      LATHE_OPT("resume", Kind::String, "auto", "auto (newest complete checkpoint in output_dir) | none | checkpoint path", resume),
+      LATHE_PATH("lora.init", Kind::String, "", Need::Default, "PEFT adapter folder to continue from (default: fresh init)",
+                 lora_init),
+      LATHE_PATH("resume", Kind::String, "auto", Need::Default,
+                 "auto (continue the run in output_dir from its newest complete checkpoint) | none (start afresh: "
+                 "output_dir must hold no run) | checkpoint path", resume),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
-      LATHE_OPT("dtype", Kind::String, "", "compute dtype (default f32 on cpu, bf16 on cuda)", dtype),
+      LATHE_OPT("dtype", Kind::String, "", "compute dtype: f32 | bf16 (default f32 on cpu, bf16 on cuda)", dtype),
+      Option{"tenants", Kind::TenantList, nullptr,
+             "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
+             "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME); "
+             "the rest is inherited from the top level (docs/lora.md)",
+             [](TrainConfig&, const YAML::Node&) {}, {}, Need::Optional},
   };
   return table;
 }
 
-// Walks `node` and records every leaf path (mappings under model.config are one leaf).
+const Option* find_option(const std::string& path) {
+  for (const Option& o : options())
+    if (path == o.path) return &o;
+  return nullptr;
+}
+
+// A mapping option (model.config, data.chat_template_kwargs) is one leaf: its keys are not options.
+bool is_mapping_option(const std::string& path) {
+  const Option* o = find_option(path);
+  return o && o->kind == Kind::Mapping;
+}
+
+// Walks `node` and records every leaf path (a mapping option's mapping is one leaf).
 void collect(const YAML::Node& node, const std::string& prefix, std::map<std::string, YAML::Node>& out) {
   for (const auto& kv : node) {
     const std::string key = prefix.empty() ? kv.first.as<std::string>() : prefix + "." + kv.first.as<std::string>();
-    if (kv.second.IsMap() && key != "model.config") collect(kv.second, key, out);
+    if (kv.second.IsMap() && !is_mapping_option(key)) collect(kv.second, key, out);
     else out[key] = kv.second;
+  }
+}
+
+// yaml-cpp keeps both entries of a key given twice in one mapping (and the option code would take the last): every
+// such key is a problem, named with its line.
+void find_duplicate_keys(const YAML::Node& node, const std::string& file, std::vector<std::string>& problems) {
+  if (node.IsSequence()) {
+    for (const auto& v : node) find_duplicate_keys(v, file, problems);
+    return;
+  }
+  if (!node.IsMap()) return;
+  std::map<std::string, int> first_line;
+  for (const auto& kv : node) {
+    const std::string key = kv.first.Scalar();
+    const int line = kv.first.Mark().line + 1;
+    const auto [it, fresh] = first_line.emplace(key, line);
+    if (!fresh)
+      problems.push_back(fmt::format("{}:{}: key '{}' is given twice in one mapping (first at line {})", file, line, key,
+                                     it->second));
+    find_duplicate_keys(kv.second, file, problems);
+  }
+}
+
+// Relative file and folder paths written in a config file are relative to the file's folder, so a config works from
+// any current directory; resume's auto and none are words, not paths.
+void resolve_paths(std::map<std::string, YAML::Node>& given, const std::filesystem::path& base) {
+  if (base.empty()) return;
+  auto rebase = [&](const std::string& p) {
+    if (p.empty() || std::filesystem::path(p).is_absolute()) return p;
+    return (base / p).lexically_normal().string();
+  };
+  for (auto& [key, node] : given) {
+    const Option* o = find_option(key);
+    if (!o || !o->is_path || node.IsNull()) continue;
+    if (key == "resume" && node.IsScalar() && (node.Scalar() == "auto" || node.Scalar() == "none")) continue;
+    YAML::Node rebased;
+    if (node.IsSequence()) {
+      for (const auto& v : node) rebased.push_back(v.IsScalar() ? YAML::Node(rebase(v.Scalar())) : YAML::Node(v));
+    } else if (node.IsScalar()) {
+      rebased = YAML::Node(rebase(node.Scalar()));
+    } else {
+      continue;  // the wrong kind: reported by resolve()
+    }
+    node = rebased;
   }
 }
 
@@ -173,6 +287,7 @@ bool kind_matches(Kind k, const YAML::Node& n) {
       case Kind::String: return n.IsScalar();
       case Kind::StringList: return n.IsScalar() || n.IsSequence();
       case Kind::Mapping: return n.IsMap();
+      case Kind::TenantList: return n.IsSequence();
     }
   } catch (const YAML::Exception&) {
   }
@@ -243,6 +358,11 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
       unparsed.insert(o.path);
       continue;
     }
+    if ((o.kind == Kind::Int || o.kind == Kind::Float) && !o.range.contains(value.as<double>())) {
+      problems.push_back(fmt::format("{}: must be {} (got {})", o.path, o.range.text(), value.Scalar()));
+      unparsed.insert(o.path);
+      continue;
+    }
     o.set(c, value);
     c.resolved[o.path] = to_json(value);
   }
@@ -253,24 +373,27 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
   if (c.tokenizer.empty()) problems.push_back("model.tokenizer: required when training from model.config");
   if (c.train_files.empty() && !has_tenants) problems.push_back("data.train: at least one training file is required");
   if (c.output_dir.empty()) problems.push_back("output_dir: required");
-  if (c.max_steps <= 0 && !unparsed.count("train.max_steps") && !has_tenants)
-    problems.push_back("train.max_steps: must be a positive integer");
-  if (c.micro_batch_tokens <= 0) problems.push_back("train.micro_batch_tokens: must be positive");
-  if (c.grad_accum <= 0) problems.push_back("train.grad_accum: must be positive");
-  if (c.max_seq_len <= 0 || c.max_seq_len > c.micro_batch_tokens)
-    problems.push_back(fmt::format("data.max_seq_len: must be in 1..train.micro_batch_tokens ({})", c.micro_batch_tokens));
-  if (!(c.lr > 0)) problems.push_back("train.lr: must be positive");
+  if (!given.count("train.max_steps") && !unparsed.count("train.max_steps") && !has_tenants)
+    problems.push_back("train.max_steps: required");
+  if (c.max_seq_len > c.micro_batch_tokens)
+    problems.push_back(fmt::format("data.max_seq_len: {} exceeds train.micro_batch_tokens ({}): a sample must fit a "
+                                   "micro-batch", c.max_seq_len, c.micro_batch_tokens));
+  if (c.warmup_steps > c.max_steps && c.max_steps > 0)
+    problems.push_back(fmt::format("train.warmup_steps: {} exceed train.max_steps ({})", c.warmup_steps, c.max_steps));
   if (c.schedule != "constant" && c.schedule != "linear" && c.schedule != "cosine")
     problems.push_back(fmt::format("train.schedule: '{}' is not one of constant, linear, cosine", c.schedule));
   if (c.overlong != "truncate" && c.overlong != "drop")
     problems.push_back(fmt::format("data.overlong: '{}' is not one of truncate, drop", c.overlong));
-  if (c.data_format != "auto" && c.data_format != "text" && c.data_format != "chat" && c.data_format != "prompt_completion")
-    problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, chat, prompt_completion", c.data_format));
-  if (c.min_lr_ratio < 0 || c.min_lr_ratio > 1) problems.push_back("train.min_lr_ratio: must be in [0, 1]");
-  if (c.beta1 < 0 || c.beta1 >= 1 || c.beta2 < 0 || c.beta2 >= 1) problems.push_back("train.beta1/beta2: must be in [0, 1)");
-  if (!(c.moe_padded_max_waste >= 0) || !std::isfinite(c.moe_padded_max_waste))
-    problems.push_back(
-        fmt::format("train.moe_padded_max_waste: {} must be a finite number >= 0", c.moe_padded_max_waste));
+  try {
+    data::parse_row_format(c.data_format);
+  } catch (const Error&) {
+    problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, messages (or chat), prompt_completion",
+                                   c.data_format));
+  }
+  if (!c.dtype.empty() && c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f64")
+    problems.push_back(fmt::format("dtype: '{}' is not one of f32, bf16 (f64: CPU only)", c.dtype));
+  else if (c.dtype == "f64" && c.device != "cpu")
+    problems.push_back(fmt::format("dtype: f64 runs on the CPU only (device is {})", c.device));
   if (c.router_aux_loss != "auto" && c.router_aux_loss != "on" && c.router_aux_loss != "off")
     problems.push_back(fmt::format("train.router_aux_loss: '{}' is not one of auto, on, off", c.router_aux_loss));
   if (c.optimizer_states != "f32" && c.optimizer_states != "bf16") {
@@ -282,13 +405,9 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
       problems.push_back(fmt::format("train.optimizer_states: bf16 keeps bf16 parameters without f32 masters, but the "
                                      "parameters are {} (set dtype: bf16, the default on cuda)", dtype));
   }
-  if (c.keep_last < 1) problems.push_back("train.keep_last: must be at least 1");
   if (c.device != "cpu" && c.device != "cuda" && c.device.rfind("cuda:", 0) != 0)
     problems.push_back(fmt::format("device: '{}' is not cpu, cuda or cuda:N", c.device));
-  if (c.lora_rank < 0) problems.push_back("lora.rank: must be 0 (full fine-tuning) or positive");
   if (c.lora_rank > 0) {
-    if (!(c.lora_alpha > 0)) problems.push_back("lora.alpha: must be positive");
-    if (c.lora_dropout < 0 || c.lora_dropout >= 1) problems.push_back("lora.dropout: must be in [0, 1)");
     auto split = [](const std::vector<std::string>& list) {  // "q_proj,v_proj" is a list too
       std::vector<std::string> out;
       for (const std::string& t : list) {
@@ -317,27 +436,47 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
   std::vector<std::string> problems;
   YAML::Node root = YAML::Node(YAML::NodeType::Map);
+  std::filesystem::path base;  // relative paths in the file are relative to its folder
   if (!yaml_path.empty()) {
+    const std::string text = read_text_file(yaml_path, "config");
     try {
-      root = YAML::LoadFile(yaml_path);
+      root = YAML::Load(text);
     } catch (const YAML::Exception& e) {
       LATHE_FAIL("config: {}: {}", yaml_path, e.what());
     }
     LATHE_CHECK(root.IsMap() || root.IsNull(), "config: {}: the top level must be a mapping", yaml_path);
     if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+    find_duplicate_keys(root, yaml_path, problems);
+    base = std::filesystem::path(yaml_path).parent_path();
+    if (base.empty()) base = ".";
   }
   std::map<std::string, YAML::Node> given;
   collect(root, "", given);
+  resolve_paths(given, base);
   for (const std::string& o : overrides) {
     const size_t eq = o.find('=');
     if (eq == std::string::npos || eq == 0) {
       problems.push_back(fmt::format("--set '{}': expected key.path=value", o));
       continue;
     }
+    const std::string key = o.substr(0, eq);
+    YAML::Node value;
     try {
-      replace(given, o.substr(0, eq), YAML::Load(o.substr(eq + 1)));
+      value = YAML::Load(o.substr(eq + 1));
     } catch (const YAML::Exception& e) {
       problems.push_back(fmt::format("--set '{}': {}", o, e.what()));
+      continue;
+    }
+    // --set model.config.hidden_size=64: one field of a mapping option, the rest of the mapping kept.
+    const size_t dot = key.rfind('.');
+    if (dot != std::string::npos && is_mapping_option(key.substr(0, dot))) {
+      const std::string mapping = key.substr(0, dot);
+      YAML::Node m = given.count(mapping) && given[mapping].IsMap() ? YAML::Clone(given[mapping])
+                                                                    : YAML::Node(YAML::NodeType::Map);
+      m[key.substr(dot + 1)] = value;
+      replace(given, mapping, m);
+    } else {
+      replace(given, key, value);
     }
   }
   YAML::Node tenants;
@@ -365,6 +504,7 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
     }
     std::map<std::string, YAML::Node> own;
     collect(entry, "", own);
+    resolve_paths(own, base);
     std::string name = own.count("name") && own["name"].IsScalar() ? own["name"].as<std::string>() : "";
     own.erase("name");
     if (name.empty() || name.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-") != std::string::npos ||
@@ -409,8 +549,14 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
 
 std::string train_config_help() {
   std::string out;
-  for (const Option& o : options())
-    out += fmt::format("  {:<30} {:<16} {:<10} {}\n", o.path, kind_name(o.kind), o.fallback ? o.fallback : "(required)", o.help);
+  for (const Option& o : options()) {
+    const std::string fallback = o.need == Need::Required ? "(required)" : o.need == Need::Optional ? "(none)" : o.fallback;
+    std::string help = o.help;
+    if ((o.kind == Kind::Int || o.kind == Kind::Float) && (std::isfinite(o.range.lo) || std::isfinite(o.range.hi)))
+      help += fmt::format(" [{}]", o.range.text());
+    out += fmt::format("  {:<30} {:<16} {:<10} {}\n", o.path, kind_name(o.kind), fallback, help);
+  }
+  out += "Relative paths in a config file are relative to the file's folder; in --set, to the current directory.\n";
   return out;
 }
 

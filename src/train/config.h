@@ -23,8 +23,10 @@ struct TrainConfig {
   bool skip_bad_rows = false;
   std::string overlong = "truncate";
   bool train_on_prompt = false;
+  nlohmann::json chat_template_kwargs = nlohmann::json::object();  // rendering variables of 'messages' rows
   // output
   std::string output_dir;
+  bool overwrite = false;  // delete the run already in output_dir before starting
   // train
   int64_t max_steps = 0;
   int64_t micro_batch_tokens = 4096;
@@ -72,7 +74,9 @@ struct TrainConfig {
   nlohmann::json resolved;  // every option with its final value, saved beside the outputs
 };
 
-// Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides.
+// Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides. Relative paths in
+// the file are taken relative to its folder; those in overrides, relative to the current directory. A key given twice
+// in one mapping is a problem. "model.config.KEY=value" sets one field of the inline model config.
 // A `tenants:` list makes a multi-tenant LoRA run: each entry is a mapping with a `name` and any of the per-tenant
 // options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune,
 // train.memory_plan and train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,

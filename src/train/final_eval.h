@@ -1,5 +1,5 @@
 // The end-of-training check: for each held-out row {"messages": [...] | "prompt": "...", "answer": "..."},
-// render the prompt (chat template with the generation prompt, thinking off), generate greedily, and
+// render the prompt (chat template with the generation prompt and the run's chat_template_kwargs), generate greedily, and
 // count the completions whose trimmed text equals the answer. Used by the demo to show what was learned.
 // Generation runs through model/generate.h's Generator, which picks the family's decoder (Qwen3: KV cache; Qwen3.5:
 // conv, recurrent and KV caches). Covered by tests/e2e/test_train.cpp and tests/e2e/test_train_qwen3_5.cpp.
@@ -19,8 +19,19 @@ struct FinalEvalResult {
   double accuracy = 0;
 };
 
-FinalEvalResult run_final_eval(Runtime& rt, CausalLm& model, const data::Tokenizer& tokenizer, const ChatTemplate* chat,
-                               const std::string& path, int64_t max_new_tokens,
+// One held-out question: the prompt text to generate from (rendered) and the expected answer.
+struct FinalEvalRow {
+  std::string prompt, answer;
+  std::string shown;  // what the log shows of the question
+};
+
+// Reads and checks every row of `path` (the trainer does this before it writes anything): 'messages' rows are
+// rendered with the chat template, its generation prompt and `kwargs` (the run's data.chat_template_kwargs).
+std::vector<FinalEvalRow> read_final_eval(const std::string& path, const ChatTemplate* chat,
+                                          const nlohmann::ordered_json& kwargs);
+
+FinalEvalResult run_final_eval(Runtime& rt, CausalLm& model, const data::Tokenizer& tokenizer,
+                               const std::vector<FinalEvalRow>& rows, const std::string& path, int64_t max_new_tokens,
                                const std::function<void(const std::string&)>& log);
 
 }  // namespace lathe

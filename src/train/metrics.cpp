@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace lathe {
 
@@ -33,11 +34,6 @@ std::string read_file(const std::string& path) {
   std::ostringstream s;
   s << in.rdbuf();
   return s.str();
-}
-
-std::string folder_of(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
 }
 
 }  // namespace
@@ -85,22 +81,9 @@ void MetricsWriter::truncate_after(int64_t step) {
     if (!later) kept.append(line).push_back('\n');
     begin = end + 1;
   }
-  const std::string tmp = path_ + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  LATHE_CHECK(fd >= 0, "metrics: cannot create {}: {}", tmp, std::strerror(errno));
-  write_all(fd, kept, tmp);
-  const bool synced = ::fsync(fd) == 0;
-  ::close(fd);
-  LATHE_CHECK(synced, "metrics: cannot fsync {}: {}", tmp, std::strerror(errno));
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
-  LATHE_CHECK(::rename(tmp.c_str(), path_.c_str()) == 0, "metrics: cannot replace {}: {}", path_,
-              std::strerror(errno));
-  const int dir = ::open(folder_of(path_).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir >= 0) {
-    ::fsync(dir);
-    ::close(dir);
-  }
+  write_file_atomic(path_, kept, "metrics");  // synced, then renamed over the file; nothing left behind on failure
   open_for_append();
 }
 

@@ -25,9 +25,12 @@
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
+#include "core/files.h"
+#include "data/tokenizer_files.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
 #include "train/metrics.h"
+#include "train/run_folder.h"
 #include "train/tensorboard.h"
 
 namespace lathe {
@@ -36,25 +39,6 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-const char* kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                                 "generation_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"};
-
-void write_file_atomic(const fs::path& path, const std::string& text) {
-  const fs::path tmp = path.string() + fmt::format(".tmp-{}", getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f << text;
-    f.flush();
-    LATHE_CHECK(f.good(), "train: cannot write {}", tmp.string());
-  }
-  fs::rename(tmp, path);
-}
-
-void copy_tokenizer_files(const std::string& from, const fs::path& to) {
-  for (const char* name : kTokenizerFiles)
-    if (fs::exists(fs::path(from) / name)) fs::copy_file(fs::path(from) / name, to / name, fs::copy_options::overwrite_existing);
-}
 
 std::string step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
@@ -145,15 +129,21 @@ struct Job {
   fs::path out;
   std::string label;  // "" for a single-job run, else the tenant's name
   int adapter = -1;   // LoRA: index in the bank
-  std::vector<Parameter>* params = nullptr;
+  // Read and checked before anything is written.
+  RunFolder folder;
+  StartPlan start;
+  nlohmann::json state = nlohmann::json::object();  // the resumed checkpoint's trainer_state.json
   std::shared_ptr<const data::Corpus> train, eval;
+  std::vector<FinalEvalRow> final_eval_rows;
+  bool needs_final = false, needs_final_eval = false;  // resumed at max_steps with these still to do
+  // Built once the folder is prepared.
+  std::vector<Parameter>* params = nullptr;
   data::LoaderOptions loader_options;
   std::unique_ptr<data::PackedLoader> loader;
   std::unique_ptr<AdamW> opt;
   std::unique_ptr<MetricsWriter> metrics;
   std::unique_ptr<TensorBoardWriter> tb;
   ScheduleConfig sched;
-  std::string resume_from;
   int64_t step = 0, tokens_seen = 0, bad_in_row = 0;
   bool failed = false;
   std::string error;
@@ -166,7 +156,11 @@ struct Job {
   std::map<int64_t, std::vector<int64_t>> expert_tokens;
 
   bool active() const { return !failed && step < cfg->max_steps; }
+  bool finished() const {  // nothing left to do: trained, exported and evaluated
+    return start.training_done && !needs_final && !needs_final_eval;
+  }
   std::string prefix() const { return label.empty() ? "" : label + ": "; }
+  std::string who() const { return label.empty() ? "train" : "train: tenant " + label; }
 };
 
 uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
@@ -177,18 +171,13 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
 
 void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_weights, const nlohmann::json& state) {
   const fs::path dir = job.out / "checkpoints";
-  fs::create_directories(dir);
-  const fs::path final_dir = dir / step_dir_name(job.step);
-  const fs::path tmp = final_dir.string() + fmt::format(".tmp-{}", getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  write_weights(tmp);
-  job.opt->save((tmp / "optimizer.safetensors").string());
+  OutputDir out((dir / step_dir_name(job.step)).string(), job.who());  // replaces one of the same step
+  write_weights(out.tmp());
+  job.opt->save((out.tmp() / "optimizer.safetensors").string());
   // Test hook (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would.
   if (fault_injected("checkpoint_save", job.step)) _exit(3);
-  write_file_atomic(tmp / "trainer_state.json", state.dump(2));
-  fs::remove_all(final_dir);  // a checkpoint of the same step from an earlier, replaced run
-  fs::rename(tmp, final_dir);
+  write_file_atomic((out.tmp() / "trainer_state.json").string(), state.dump(2), job.who());
+  out.commit();
   // Keep the newest `keep_last` complete checkpoints.
   std::vector<fs::path> all;
   for (const auto& e : fs::directory_iterator(dir))
@@ -262,461 +251,630 @@ void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& pr
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& c) {
-  Runtime rt;
-  rt.set_gemm_autotune(c.gemm_autotune);
-  const Device device = parse_device(c.device);
-  rt.check_device(device);
-  PlannedAllocator* const plan = c.memory_plan ? &rt.enable_memory_plan(device) : nullptr;
-  const DType dtype = !c.dtype.empty() ? dtype_from_name(c.dtype) : device.is_cpu() ? DType::F32 : DType::BF16;
-  const DType save_dtype = dtype == DType::F64 ? DType::F32 : dtype;
-  const bool lora = c.tenants.empty() ? c.lora_rank > 0 : true;
+namespace {
+
+// generation_config.json for a model made from scratch, as transformers derives it from a model config: the
+// config's bos/eos ids, else the tokenizer's end-of-sequence tokens (<|im_end|> too, as chat generation stops there).
+nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& tok) {
+  nlohmann::json g = {{"_from_model_config", true}};
+  if (mc.raw.contains("bos_token_id")) g["bos_token_id"] = mc.raw["bos_token_id"];
+  else if (tok.bos_id()) g["bos_token_id"] = *tok.bos_id();
+  if (mc.raw.contains("eos_token_id")) {
+    g["eos_token_id"] = mc.raw["eos_token_id"];
+  } else {
+    std::vector<int32_t> eos;
+    if (tok.eos_id()) eos.push_back(*tok.eos_id());
+    if (auto im_end = tok.token_to_id("<|im_end|>"); im_end && (eos.empty() || eos[0] != *im_end)) eos.push_back(*im_end);
+    if (eos.size() == 1) g["eos_token_id"] = eos[0];
+    else if (!eos.empty()) g["eos_token_id"] = eos;
+  }
+  if (tok.pad_id()) g["pad_token_id"] = *tok.pad_id();
+  return g;
+}
+
+void check_folder_with(const std::string& dir, const char* file, const std::string& what) {
+  std::error_code ec;
+  LATHE_CHECK(fs::exists(dir, ec), "train: {} {} does not exist", what, dir);
+  LATHE_CHECK(fs::is_directory(dir, ec), "train: {} {} is not a folder", what, dir);
+  LATHE_CHECK(fs::exists(fs::path(dir) / file, ec), "train: {} {} has no {}", what, dir, file);
+}
+
+// A run of `lathe train`: one job, or one per tenant. Its steps, in order: the constructor reads and checks every
+// input and decides what happens to each output folder, writing nothing; prepare_outputs() makes those changes;
+// build() makes the model, adapters, optimizers, loaders and writers; step() runs one optimizer step of every active
+// job; finish() writes what a resumed run still lacks and runs the final evaluations.
+class Trainer {
+ public:
+  Trainer(Runtime& rt, const TrainConfig& c);
+  bool finished() const;  // every job already trained, exported and evaluated: nothing to do
+  void prepare_outputs();
+  void build();
+  bool step();
+  void finish();
+  TrainSummary summary(bool already_finished) const;
+
+ private:
+  void read_inputs(Job& j);
+  void choose_model_source();
+  void build_job(Job& j);
+  void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
+  nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
+  void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
+  void write_final(Job& j);
+  void final_eval(Job& j);
+  void fail(Job& j, const std::string& why);
+  void guarded(Job& j, const std::function<void()>& f);
+  void write_model_files(const std::string& dir) const;  // tokenizer files and chat_template_kwargs.json
+
+  Runtime& rt_;
+  const TrainConfig& c_;
+  Device device_;
+  DType dtype_, save_dtype_;
+  bool lora_;
+  Progress progress_;
+  RunFolder top_;  // output_dir; each job's own folder is in the job (the same folder for a single job)
+  StartPlan top_start_;
+  std::optional<data::Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_;
+  nlohmann::ordered_json chat_kwargs_;
+  std::vector<Job> jobs_;
+  // The model: loaded from model_source_ (a checkpoint's model/, the scratch LoRA base or model.path), or random.
+  std::string model_source_;
+  ModelConfig model_config_;
+  std::vector<LoraConfig> lora_configs_;
+  PlannedAllocator* plan_ = nullptr;
+  std::unique_ptr<CausalLm> model_;
+  std::unique_ptr<LoraBank> bank_;
+  std::string base_model_;
+  double peak_ = 0;
+  // The loop.
+  std::optional<ExecContext> ctx_;
+  MemoryPlanReport plan_report_;
+  Clock::time_point t_start_;
+  int64_t run_steps_ = 0;
+};
+
+Trainer::Trainer(Runtime& rt, const TrainConfig& c)
+    : rt_(rt), c_(c), device_(parse_device(c.device)), progress_(c.log_every) {
+  rt_.check_device(device_);
+  dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
+  save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
+  lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
   LATHE_CHECK(c.tenants.empty() || c.resume == "auto" || c.resume == "none",
               "train: resume: with tenants, only auto or none (each tenant resumes from its own output_dir)");
-  fs::create_directories(c.output_dir);
-  write_file_atomic(fs::path(c.output_dir) / "config.resolved.json", c.resolved.dump(2) + "\n");
-  Progress progress(c.log_every);
+  if (!c.model_path.empty()) check_folder_with(c.model_path, "config.json", "model.path");
+  check_folder_with(c.tokenizer, "tokenizer.json", c.model_path == c.tokenizer ? "model.path" : "model.tokenizer");
+  tokenizer_.emplace(data::Tokenizer::from_dir(c.tokenizer));
+  chat_ = data::load_chat_template(c.tokenizer);
+  chat_kwargs_ = nlohmann::ordered_json(c.chat_template_kwargs);
 
-  // Jobs: the run itself, or one per tenant.
-  std::vector<Job> jobs(c.tenants.empty() ? 1 : c.tenants.size());
-  for (size_t i = 0; i < jobs.size(); ++i) {
-    Job& j = jobs[i];
+  // The output folders: the run's, and each tenant's.
+  top_ = inspect_run_folder(c.output_dir, "train");
+  jobs_.resize(c.tenants.empty() ? 1 : c.tenants.size());
+  for (size_t i = 0; i < jobs_.size(); ++i) {
+    Job& j = jobs_[i];
     j.cfg = c.tenants.empty() ? &c : &c.tenants[i];
     j.label = j.cfg->name;
     j.out = j.cfg->output_dir;
-    j.adapter = lora ? int(i) : -1;
+    j.adapter = lora_ ? int(i) : -1;
     j.summary.name = j.label;
-    fs::create_directories(j.out);
-    for (const auto& e : fs::directory_iterator(fs::exists(j.out / "checkpoints") ? j.out / "checkpoints" : j.out))
-      if (e.path().filename().string().find(".tmp-") != std::string::npos) fs::remove_all(e.path());  // interrupted saves
-    if (!j.label.empty()) write_file_atomic(j.out / "config.resolved.json", j.cfg->resolved.dump(2) + "\n");
-    fs::remove(j.out / "FAILED");
   }
-  // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
-  auto fail = [&](Job& j, const std::string& why) {
-    if (c.tenants.empty()) throw Error(why);
-    j.failed = true;
-    j.error = why;
-    write_file_atomic(j.out / "FAILED", why + "\n");
-    if (j.metrics) j.metrics->write({{"step", j.step}, {"failed", why}});
-    progress.message(fmt::format("train: tenant {} failed at step {} and is stopped (the others continue): {}", j.label, j.step, why));
-  };
-  auto guarded = [&](Job& j, const std::function<void()>& f) {
-    if (j.failed) return;
-    try {
-      f();
-    } catch (const Error& e) {
-      fail(j, e.what());
+  if (!c.tenants.empty()) top_start_ = plan_start(top_, c.resume == "none" ? "none" : "auto", c.overwrite, 0, "train");
+  for (Job& j : jobs_) {
+    j.folder = c.tenants.empty() ? top_ : inspect_run_folder(j.out, j.who());
+    j.start = plan_start(j.folder, j.cfg->resume, c.overwrite, j.cfg->max_steps, j.who());
+    if (c.tenants.empty()) top_start_ = j.start;
+    if (!j.start.resume_from.empty()) {
+      std::ifstream f(fs::path(j.start.resume_from) / "trainer_state.json");
+      j.state = nlohmann::json::parse(f, nullptr, false);
+      LATHE_CHECK(j.state.is_object(), "train: {}/trainer_state.json is not valid JSON", j.start.resume_from);
     }
-  };
-
-  // Data (one tokenizer: the shared model's).
-  const data::Tokenizer tokenizer = data::Tokenizer::from_dir(c.tokenizer);
-  const std::optional<ChatTemplate> chat = data::load_chat_template(c.tokenizer);
-  for (Job& j : jobs) {
-    guarded(j, [&] {
-      const TrainConfig& jc = *j.cfg;
-      data::DatasetOptions dopt;
-      dopt.format = data::parse_row_format(jc.data_format);
-      dopt.max_seq_len = jc.max_seq_len;
-      dopt.overlong = data::parse_overlong_policy(jc.overlong);
-      dopt.skip_bad_rows = jc.skip_bad_rows;
-      dopt.train_on_prompt = jc.train_on_prompt;
-      dopt.chat_template_kwargs = {{"enable_thinking", false}};
-      const data::RowEncoder encoder(tokenizer, chat ? &*chat : nullptr, dopt);
-      data::DatasetStats train_stats, eval_stats;
-      j.train = load_corpus(jc.train_files, encoder, &train_stats);
-      progress.message(fmt::format("{}data: {}", j.prefix(), train_stats.summary()));
-      if (!jc.eval_files.empty()) j.eval = load_corpus(jc.eval_files, encoder, &eval_stats);
-      j.resume_from = jc.resume == "none" ? "" : jc.resume == "auto" ? latest_checkpoint(j.out.string()) : jc.resume;
-      LATHE_CHECK(j.resume_from.empty() || fs::exists(fs::path(j.resume_from) / "trainer_state.json"),
-                  "train: resume: {} is not a complete checkpoint (no trainer_state.json)", j.resume_from);
-    });
+    if (j.start.training_done) {
+      const bool final_kept = j.folder.has_final && !j.start.clear &&
+                              std::find(j.start.remove.begin(), j.start.remove.end(), j.out / "final") == j.start.remove.end();
+      j.needs_final = !final_kept;
+      j.needs_final_eval = !j.cfg->final_eval_file.empty() && !(final_kept && j.folder.has_final_eval);
+    }
   }
+  if (finished()) return;
+  for (Job& j : jobs_) guarded(j, [&] { read_inputs(j); });
+  choose_model_source();
+}
 
-  // Model: for full fine-tuning a checkpoint to resume, the HF folder, or a new one; for LoRA the base always.
+// The job's data, final-evaluation rows and LoRA start, read and checked.
+void Trainer::read_inputs(Job& j) {
+  const TrainConfig& jc = *j.cfg;
+  if (!jc.lora_init.empty()) check_folder_with(jc.lora_init, "adapter_config.json", "lora.init");
+  if (!jc.final_eval_file.empty()) j.final_eval_rows = read_final_eval(jc.final_eval_file, chat_ ? &*chat_ : nullptr, chat_kwargs_);
+  if (j.finished() || j.start.training_done) return;  // no step left to run: its data is not read
+  data::DatasetOptions dopt;
+  dopt.format = data::parse_row_format(jc.data_format);
+  dopt.max_seq_len = jc.max_seq_len;
+  dopt.overlong = data::parse_overlong_policy(jc.overlong);
+  dopt.skip_bad_rows = jc.skip_bad_rows;
+  dopt.train_on_prompt = jc.train_on_prompt;
+  dopt.chat_template_kwargs = nlohmann::ordered_json(jc.chat_template_kwargs);
+  const data::RowEncoder encoder(*tokenizer_, chat_ ? &*chat_ : nullptr, dopt);
+  data::DatasetStats train_stats, eval_stats;
+  j.train = load_corpus(jc.train_files, encoder, &train_stats);
+  progress_.message(fmt::format("{}data: {}", j.prefix(), train_stats.summary()));
+  if (!jc.eval_files.empty()) j.eval = load_corpus(jc.eval_files, encoder, &eval_stats);
+}
+
+// Where the model comes from, and its config, checked against the tokenizer and the adapters' targets.
+void Trainer::choose_model_source() {
+  const Job& first = jobs_[0];
+  const fs::path scratch_base = fs::path(c_.output_dir) / "base";
+  if (!lora_ && !first.start.resume_from.empty()) {
+    model_source_ = (fs::path(first.start.resume_from) / "model").string();
+  } else if (lora_ && c_.model_path.empty() && fs::exists(scratch_base / "config.json") && !top_start_.clear) {
+    model_source_ = scratch_base.string();
+  } else {
+    model_source_ = c_.model_path;
+  }
+  if (!model_source_.empty()) {
+    model_config_ = load_model_config(model_source_);
+  } else {
+    nlohmann::json cfg = c_.model_config;
+    if (!cfg.contains("model_type")) cfg["model_type"] = "qwen3";
+    if (!cfg.contains("vocab_size")) cfg["vocab_size"] = tokenizer_->vocab_size();
+    model_config_ = parse_model_config(cfg, "model.config");
+  }
+  LATHE_CHECK(model_config_.vocab_size >= tokenizer_->vocab_size(),
+              "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model_config_.vocab_size,
+              tokenizer_->vocab_size());
+  if (!lora_) return;
+  for (Job& j : jobs_) {
+    LoraConfig lc;
+    lc.rank = std::max<int64_t>(1, j.cfg->lora_rank);
+    lc.alpha = j.cfg->lora_alpha;
+    lc.dropout = j.cfg->lora_dropout;
+    lc.rslora = j.cfg->lora_rslora;
+    lc.targets = j.cfg->lora_targets;
+    lc.target_parameters = j.cfg->lora_target_parameters;
+    guarded(j, [&] { lc.validate(j.prefix() + "lora", model_config_); });  // a tenant whose targets match nothing fails alone
+    if (j.failed) {
+      lc.targets = {"all-linear"};
+      lc.target_parameters.clear();
+    }
+    lora_configs_.push_back(lc);
+  }
+}
+
+bool Trainer::finished() const {
+  return std::all_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.finished(); });
+}
+
+void Trainer::prepare_outputs() {
+  if (!c_.tenants.empty()) apply_start(top_, top_start_, "train");
+  for (Job& j : jobs_) {
+    if (!c_.tenants.empty()) j.folder = inspect_run_folder(j.out, j.who());  // the top folder's overwrite may have cleared it
+    apply_start(j.folder, j.start, j.who());
+  }
+  write_file_atomic((fs::path(c_.output_dir) / "config.resolved.json").string(), c_.resolved.dump(2) + "\n", "train");
+  for (Job& j : jobs_) {
+    if (!j.label.empty()) write_file_atomic((j.out / "config.resolved.json").string(), j.cfg->resolved.dump(2) + "\n", j.who());
+    std::error_code ec;
+    fs::remove(j.out / "FAILED", ec);
+    if (j.failed) write_file_atomic((j.out / "FAILED").string(), j.error + "\n", j.who());
+  }
+}
+
+void Trainer::build() {
+  rt_.set_gemm_autotune(c_.gemm_autotune);
+  plan_ = c_.memory_plan ? &rt_.enable_memory_plan(device_) : nullptr;
   ModelOptions mopt;
-  mopt.device = device;
-  mopt.dtype = dtype;
-  mopt.recompute = c.recompute;
-  mopt.deterministic = c.deterministic;
-  mopt.train_base = !lora;
-  if (c.router_aux_loss != "auto") mopt.router_aux_loss = c.router_aux_loss == "on";  // MoE (config.cpp checks)
-  mopt.moe_padded_max_waste = c.moe_padded_max_waste;
+  mopt.device = device_;
+  mopt.dtype = dtype_;
+  mopt.recompute = c_.recompute;
+  mopt.deterministic = c_.deterministic;
+  mopt.train_base = !lora_;
+  if (c_.router_aux_loss != "auto") mopt.router_aux_loss = c_.router_aux_loss == "on";  // MoE (config.cpp checks)
+  mopt.moe_padded_max_waste = c_.moe_padded_max_waste;
+  model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
+                                 : load_causal_lm(rt_, model_source_, mopt);
+  const ModelConfig& mc = model_->config();
+  base_model_ = c_.model_path.empty() ? "" : fs::absolute(c_.model_path).string();
   // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
-  const fs::path scratch_base = fs::path(c.output_dir) / "base";
-  std::unique_ptr<CausalLm> model;
-  if (!lora && !jobs[0].resume_from.empty()) {
-    model = load_causal_lm(rt, (fs::path(jobs[0].resume_from) / "model").string(), mopt);
-  } else if (lora && c.model_path.empty() && fs::exists(scratch_base / "config.json")) {
-    model = load_causal_lm(rt, scratch_base.string(), mopt);
-  } else if (!c.model_path.empty()) {
-    model = load_causal_lm(rt, c.model_path, mopt);
-  } else {
-    nlohmann::json cfg = c.model_config;
-    if (!cfg.contains("model_type")) cfg["model_type"] = "qwen3";
-    if (!cfg.contains("vocab_size")) cfg["vocab_size"] = tokenizer.vocab_size();
-    model = random_causal_lm(rt, parse_model_config(cfg, "model.config"), mopt, c.seed, c.init_std);
+  if (lora_ && c_.model_path.empty()) {
+    const fs::path scratch_base = fs::path(c_.output_dir) / "base";
+    if (model_source_.empty()) model_->save(scratch_base.string(), save_dtype_, 5ull << 30, [&](const std::string& d) { write_model_files(d); });
+    base_model_ = fs::absolute(scratch_base).string();
   }
-  const ModelConfig& mc = model->config();
-  LATHE_CHECK(mc.vocab_size >= tokenizer.vocab_size(), "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})",
-              mc.vocab_size, tokenizer.vocab_size());
-  std::string base_model = c.model_path.empty() ? "" : fs::absolute(c.model_path).string();
-  if (lora && c.model_path.empty()) {
-    if (!fs::exists(scratch_base / "config.json")) {
-      model->save(scratch_base.string(), save_dtype);
-      copy_tokenizer_files(c.tokenizer, scratch_base);
-    }
-    base_model = fs::absolute(scratch_base).string();
+  if (lora_) {
+    bank_ = std::make_unique<LoraBank>(rt_, mc, device_, dtype_, lora_configs_);
+    model_->attach_lora(bank_.get());
   }
+  for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
+  if (lora_)
+    for (Job& j : jobs_)
+      if (j.failed) bank_->clear(j.adapter);
 
-  // LoRA: one bank holds every tenant's adapter.
-  std::unique_ptr<LoraBank> bank;
-  if (lora) {
-    std::vector<LoraConfig> configs;
-    for (const Job& j : jobs) {
-      LoraConfig lc;
-      lc.rank = std::max<int64_t>(1, j.cfg->lora_rank);
-      lc.alpha = j.cfg->lora_alpha;
-      lc.dropout = j.cfg->lora_dropout;
-      lc.rslora = j.cfg->lora_rslora;
-      lc.targets = j.cfg->lora_targets;
-      lc.target_parameters = j.cfg->lora_target_parameters;
-      configs.push_back(lc);
-    }
-    for (size_t i = 0; i < jobs.size(); ++i) {  // a tenant whose targets match nothing fails alone
-      guarded(jobs[i], [&] { configs[i].validate(jobs[i].prefix() + "lora", mc); });
-      if (jobs[i].failed) {
-        configs[i].targets = {"all-linear"};
-        configs[i].target_parameters.clear();
-      }
-    }
-    bank = std::make_unique<LoraBank>(rt, mc, device, dtype, configs);
-    model->attach_lora(bank.get());
-  }
-
-  for (Job& j : jobs) {
-    guarded(j, [&] {
-      const TrainConfig& jc = *j.cfg;
-      if (lora) {
-        if (!j.resume_from.empty()) bank->load_peft(j.adapter, (fs::path(j.resume_from) / "adapter").string());
-        else if (!jc.lora_init.empty()) bank->load_peft(j.adapter, jc.lora_init);
-        else bank->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
-      }
-      j.params = lora ? &bank->flat_parameter(j.adapter) : &model->parameters();
-      AdamWConfig acfg;
-      acfg.beta1 = jc.beta1;
-      acfg.beta2 = jc.beta2;
-      acfg.eps = jc.eps;
-      acfg.weight_decay = jc.weight_decay;
-      acfg.state_dtype = dtype_from_name(jc.optimizer_states);  // f32 | bf16 (config.cpp checks)
-      j.opt = std::make_unique<AdamW>(rt, *j.params, acfg);
-      nlohmann::json state = nlohmann::json::object();
-      if (!j.resume_from.empty()) {
-        j.opt->load((fs::path(j.resume_from) / "optimizer.safetensors").string());
-        std::ifstream f(fs::path(j.resume_from) / "trainer_state.json");
-        state = nlohmann::json::parse(f);
-      }
-      j.step = state.value("step", int64_t(0));
-      j.tokens_seen = state.value("tokens_seen", int64_t(0));
-      j.bad_in_row = state.value("bad_steps_in_a_row", int64_t(0));
-      j.loader_options.capacity = jc.micro_batch_tokens;
-      j.loader_options.seed = jc.seed;
-      j.loader = std::make_unique<data::PackedLoader>(j.train, j.loader_options,
-                                                      state.contains("loader") ? state["loader"] : nlohmann::json(nullptr));
-      j.sched.kind = schedule_kind_from_name(jc.schedule);
-      j.sched.lr = jc.lr;
-      j.sched.warmup_steps = jc.warmup_steps;
-      j.sched.total_steps = jc.max_steps;
-      j.sched.min_lr_ratio = jc.min_lr_ratio;
-      j.metrics = std::make_unique<MetricsWriter>((j.out / "metrics.jsonl").string());
-      j.metrics->truncate_after(j.step);  // entries past the checkpoint belong to the interrupted run
-      j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
-      j.summary.final_step = j.step;
-    });
-  }
-  if (lora)
-    for (Job& j : jobs)
-      if (j.failed) bank->clear(j.adapter);
-
-  const std::string device_name = rt.backend(device.type).info(device.index).name;
-  const double peak = device.is_cuda() ? peak_flops(device_name) : 0.0;
+  const std::string device_name = rt_.backend(device_.type).info(device_.index).name;
+  peak_ = device_.is_cuda() ? peak_flops(device_name) : 0.0;
   const size_t bf16_jobs = size_t(
-      std::count_if(jobs.begin(), jobs.end(), [](const Job& j) { return j.cfg->optimizer_states == "bf16"; }));
+      std::count_if(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.cfg->optimizer_states == "bf16"; }));
   std::string states;
   if (bf16_jobs > 0) states = ", AdamW states in bf16 (no f32 masters)";
-  if (bf16_jobs > 0 && bf16_jobs < jobs.size()) states += fmt::format(" for {} of {} tenants", bf16_jobs, jobs.size());
-  progress.message(fmt::format("train: {} parameters, {} on {} ({}){}{}", human(double(mc.parameter_count())),
-                               dtype_name(dtype), device.str(), device_name,
-                               lora ? fmt::format(", LoRA with {} adapter(s)", jobs.size()) : "", states));
-  if (lora) {
+  if (bf16_jobs > 0 && bf16_jobs < jobs_.size()) states += fmt::format(" for {} of {} tenants", bf16_jobs, jobs_.size());
+  progress_.message(fmt::format("train: {} parameters, {} on {} ({}){}{}", human(double(mc.parameter_count())),
+                                dtype_name(dtype_), device_.str(), device_name,
+                                lora_ ? fmt::format(", LoRA with {} adapter(s)", jobs_.size()) : "", states));
+  auto resumed = [](const Job& j) { return j.start.resume_from.empty() ? "" : ", resumed from " + j.start.resume_from; };
+  if (lora_) {
     int64_t trainable = 0;
-    for (const Job& j : jobs) {
-      trainable += bank->parameter_count(j.adapter);
+    for (const Job& j : jobs_) {
+      trainable += bank_->parameter_count(j.adapter);
       if (!j.failed)
-        progress.message(fmt::format("{}lora r={} alpha={} targets={}: {} trainable parameters, steps {}..{}{}", j.prefix(),
-                                     j.cfg->lora_rank, j.cfg->lora_alpha, fmt::join(j.cfg->lora_targets, ","),
-                                     human(double(bank->parameter_count(j.adapter))), j.step + 1, j.cfg->max_steps,
-                                     j.resume_from.empty() ? "" : ", resumed from " + j.resume_from));
+        progress_.message(fmt::format("{}lora r={} alpha={} targets={}: {} trainable parameters, {}{}", j.prefix(),
+                                      j.cfg->lora_rank, j.cfg->lora_alpha, fmt::join(j.cfg->lora_targets, ","),
+                                      human(double(bank_->parameter_count(j.adapter))),
+                                      j.active() ? fmt::format("steps {}..{}", j.step + 1, j.cfg->max_steps)
+                                                 : fmt::format("trained to step {}", j.step),
+                                      resumed(j)));
     }
     // Frozen base: no gradient buffers and no optimizer state (master, m, v) for its weights.
     const double base = double(mc.parameter_count());
-    const double grad_bytes = base * double(dtype_size(dtype));
+    const double grad_bytes = base * double(dtype_size(dtype_));
     const double opt_bytes =
-        base * double(adamw_state_bytes_per_element(dtype, dtype_from_name(jobs[0].cfg->optimizer_states)));
-    progress.message(fmt::format("lora: {} trainable of {} base parameters ({:.3f}%); the frozen base needs no gradients "
-                                 "({:.2f} GiB) and no optimizer state ({:.2f} GiB)",
-                                 human(double(trainable)), human(base), 100.0 * double(trainable) / base,
-                                 grad_bytes / 1073741824.0, opt_bytes / 1073741824.0));
+        base * double(adamw_state_bytes_per_element(dtype_, dtype_from_name(jobs_[0].cfg->optimizer_states)));
+    progress_.message(fmt::format("lora: {} trainable of {} base parameters ({:.3f}%); the frozen base needs no gradients "
+                                  "({:.2f} GiB) and no optimizer state ({:.2f} GiB)",
+                                  human(double(trainable)), human(base), 100.0 * double(trainable) / base,
+                                  grad_bytes / 1073741824.0, opt_bytes / 1073741824.0));
   } else {
-    progress.message(fmt::format("train: steps {}..{}{}", jobs[0].step + 1, c.max_steps,
-                                 jobs[0].resume_from.empty() ? "" : ", resumed from " + jobs[0].resume_from));
+    const Job& j = jobs_[0];
+    progress_.message(j.active() ? fmt::format("train: steps {}..{}{}", j.step + 1, c_.max_steps, resumed(j))
+                                 : fmt::format("train: trained to step {} already{}; completing its outputs", j.step,
+                                               resumed(j)));
   }
+  ctx_.emplace(rt_.context(device_));
+  t_start_ = Clock::now();
+}
 
-  auto write_weights = [&](const Job& j, const fs::path& dir) {
-    if (lora) bank->save_peft(j.adapter, (dir / "adapter").string(), save_dtype, base_model);
-    else model->save((dir / "model").string(), save_dtype);
-  };
-  auto finish = [&](Job& j) {  // final export: an HF folder, or a PEFT adapter folder, with the tokenizer files
-    const fs::path final_dir = j.out / "final";
-    if (lora) bank->save_peft(j.adapter, final_dir.string(), save_dtype, base_model);
-    else model->save(final_dir.string(), save_dtype);
-    copy_tokenizer_files(c.tokenizer, final_dir);
-    progress.message(fmt::format("{}train: done at step {}; {} written to {}", j.prefix(), j.step, lora ? "adapter" : "model",
-                                 final_dir.string()));
-  };
+// The job's adapter start, optimizer (with the resumed state), loader, schedule and writers.
+void Trainer::build_job(Job& j) {
+  const TrainConfig& jc = *j.cfg;
+  if (lora_) {
+    if (!j.start.resume_from.empty()) bank_->load_peft(j.adapter, (fs::path(j.start.resume_from) / "adapter").string());
+    else if (!jc.lora_init.empty()) bank_->load_peft(j.adapter, jc.lora_init);
+    else bank_->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
+  }
+  j.params = lora_ ? &bank_->flat_parameter(j.adapter) : &model_->parameters();
+  AdamWConfig acfg;
+  acfg.beta1 = jc.beta1;
+  acfg.beta2 = jc.beta2;
+  acfg.eps = jc.eps;
+  acfg.weight_decay = jc.weight_decay;
+  acfg.state_dtype = dtype_from_name(jc.optimizer_states);  // f32 | bf16 (config.cpp checks)
+  j.opt = std::make_unique<AdamW>(rt_, *j.params, acfg);
+  if (!j.start.resume_from.empty()) j.opt->load((fs::path(j.start.resume_from) / "optimizer.safetensors").string());
+  j.step = j.state.value("step", int64_t(0));
+  j.tokens_seen = j.state.value("tokens_seen", int64_t(0));
+  j.bad_in_row = j.state.value("bad_steps_in_a_row", int64_t(0));
+  if (j.train) {
+    j.loader_options.capacity = jc.micro_batch_tokens;
+    j.loader_options.seed = jc.seed;
+    j.loader = std::make_unique<data::PackedLoader>(j.train, j.loader_options,
+                                                    j.state.contains("loader") ? j.state["loader"] : nlohmann::json(nullptr));
+  }
+  j.sched.kind = schedule_kind_from_name(jc.schedule);
+  j.sched.lr = jc.lr;
+  j.sched.warmup_steps = jc.warmup_steps;
+  j.sched.total_steps = jc.max_steps;
+  j.sched.min_lr_ratio = jc.min_lr_ratio;
+  j.metrics = std::make_unique<MetricsWriter>((j.out / "metrics.jsonl").string());
+  j.metrics->truncate_after(j.step);  // entries past the checkpoint belong to the interrupted run
+  j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
+  j.summary.final_step = j.step;
+}
 
-  ExecContext ctx = rt.context(device);
-  MemoryPlanReport plan_report;
-  const auto t_start = Clock::now();
-  int64_t run_steps = 0;
-  for (;;) {
-    std::vector<Job*> active;
-    for (Job& j : jobs)
-      if (j.active()) active.push_back(&j);
-    if (active.empty()) break;
-    const auto t0 = Clock::now();
-    // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
-    // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
-    // whole. Closed as aborted if an error leaves the step.
-    MemoryPlanWindow window(plan);
-    if (lora) bank->zero_grads();
-    else model->zero_grads();
-    int64_t max_accum = 0;
+// A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
+void Trainer::fail(Job& j, const std::string& why) {
+  if (c_.tenants.empty()) throw Error(why);
+  j.failed = true;
+  j.error = why;
+  if (j.metrics) {  // the folder is prepared (before that, prepare_outputs writes FAILED)
+    write_file_atomic((j.out / "FAILED").string(), why + "\n", j.who());
+    j.metrics->write({{"step", j.step}, {"failed", why}});
+  }
+  progress_.message(fmt::format("train: tenant {} failed at step {} and is stopped (the others continue): {}", j.label,
+                                j.step, why));
+}
+
+void Trainer::guarded(Job& j, const std::function<void()>& f) {
+  if (j.failed) return;
+  try {
+    f();
+  } catch (const Error& e) {
+    fail(j, e.what());
+  }
+}
+
+void Trainer::write_model_files(const std::string& dir) const {
+  data::copy_tokenizer_files(c_.tokenizer, dir);
+  if (!fs::exists(fs::path(dir) / "generation_config.json"))
+    write_file_atomic((fs::path(dir) / "generation_config.json").string(),
+                      generation_config(model_->config(), *tokenizer_).dump(2) + "\n", "train");
+  data::write_chat_template_kwargs(dir, chat_kwargs_);
+}
+
+// Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the shared base,
+// the rows of each job a segment of its adapter.
+void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
+  const ModelConfig& mc = model_->config();
+  int64_t max_accum = 0;
+  for (Job* j : active) max_accum = std::max(max_accum, j->cfg->grad_accum);
+  for (int64_t micro = 0; micro < max_accum; ++micro) {
+    std::vector<int32_t> ids, labels, cu = {0};
+    std::vector<BatchSegment> segments;
+    std::vector<Job*> in_batch;
     for (Job* j : active) {
-      j->loss_sum = j->flops = j->aux_sum = 0;
-      j->labelled = j->tokens = 0;
-      j->expert_tokens.clear();
-      max_accum = std::max(max_accum, j->cfg->grad_accum);
-    }
-    // Each job's gradient norm and prepared AdamW update: queued from the last micro-batch's backward, before the host
-    // waits for its loss (CausalLm::loss's backward_queued), or at the optimizer step for a job not queued by then.
-    std::vector<std::optional<PendingGradNorm>> norms(jobs.size());
-    std::vector<std::optional<AdamW::Prepared>> updates(jobs.size());
-    const std::function<void()> queue_optimizer = [&] {
-      for (Job* j : active) {
-        const size_t k = size_t(j - jobs.data());
-        if (j->failed || norms[k]) continue;
-        norms[k].emplace(launch_grad_norm(ctx, *j->params));
-        updates[k].emplace(j->opt->prepare());  // host work while the device sums the squares
-      }
-    };
-    // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the
-    // shared base, the rows of each job a segment of its adapter.
-    for (int64_t micro = 0; micro < max_accum; ++micro) {
-      std::vector<int32_t> ids, labels, cu = {0};
-      std::vector<BatchSegment> segments;
-      std::vector<Job*> in_batch;
-      for (Job* j : active) {
-        if (micro >= j->cfg->grad_accum || j->failed) continue;
-        guarded(*j, [&] {
-          const data::Batch b = j->loader->next();
-          check_batch_fits(b, mc.vocab_size);
-          const int32_t base_row = int32_t(ids.size());
-          ids.insert(ids.end(), b.ids.begin(), b.ids.end());
-          labels.insert(labels.end(), b.labels.begin(), b.labels.end());
-          for (size_t k = 1; k < b.cu_seqlens.size(); ++k) cu.push_back(base_row + b.cu_seqlens[k]);
-          segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum),
-                              mix_seed(j->cfg->seed, uint64_t(j->step + 1), uint64_t(micro))});
-          j->tokens += b.tokens();
-          j->flops += flops_per_token(mc, b.cu_seqlens) * double(b.tokens());
-          in_batch.push_back(j);
-        });
-      }
-      if (in_batch.empty()) continue;
-      PackedBatch pb = make_packed_batch(rt, device, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
-      if (lora) set_segments(pb, segments);
-      const LossResult r = model->loss(pb, true, lora ? 1.0 : 1.0 / double(jobs[0].cfg->grad_accum),
-                                       micro + 1 == max_accum ? queue_optimizer : std::function<void()>());
-      for (size_t k = 0; k < in_batch.size(); ++k) {
-        const LossResult::Segment seg = lora ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
-        in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
-        in_batch[k]->labelled += seg.labelled;
-        // The routing is the whole batch's (the tenants of one batch share the base model's experts).
-        in_batch[k]->aux_sum += r.aux_loss;
-        for (const ExpertLoadStat& s : r.expert_load) {
-          std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
-          acc.resize(s.tokens_per_expert.size(), 0);
-          for (size_t e = 0; e < acc.size(); ++e) acc[e] += s.tokens_per_expert[e];
-        }
-      }
-    }
-    // Each job's optimizer step, on its own gradient norm, schedule and clipping.
-    std::vector<nlohmann::json> entries(jobs.size());
-    queue_optimizer();
-    for (Job* j : active) {
-      if (j->failed) continue;
-      const size_t k = size_t(j - jobs.data());
-      const TrainConfig& jc = *j->cfg;
-      const int64_t step = j->step + 1;
-      const double loss = j->loss_sum / double(jc.grad_accum);
-      const double norm = norms[k]->read();
-      const double lr = learning_rate(j->sched, step);
-      nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j->tokens}, {"labelled", j->labelled}};
-      if (!j->expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
-        m["aux_loss"] = j->aux_sum / double(jc.grad_accum);
-        nlohmann::json load = nlohmann::json::object();
-        for (const auto& [layer, counts] : j->expert_tokens) {
-          const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
-          const int64_t mx = *std::max_element(counts.begin(), counts.end());
-          const double mean = double(total) / double(counts.size());
-          load[std::to_string(layer)] = {{"tokens_per_expert", counts}, {"max_over_mean", mean > 0 ? double(mx) / mean : 0.0}};
-        }
-        m["expert_load"] = std::move(load);
-      }
-      if (!std::isfinite(norm) || !std::isfinite(loss)) {
-        ++j->bad_in_row;
-        m["skipped"] = true;
-        progress.message(fmt::format("{}train: step {}: non-finite loss or gradient (loss {}, grad norm {}); step skipped ({} in a row)",
-                                     j->prefix(), step, loss, norm, j->bad_in_row));
-        if (j->bad_in_row >= jc.max_bad_steps) {
-          fail(*j, fmt::format("train: {} non-finite steps in a row (last at step {}); stopping. Lower train.lr or check the data; "
-                               "the last checkpoint is {}", j->bad_in_row, step, latest_checkpoint(j->out.string())));
-          if (lora) bank->clear(j->adapter);
-          continue;
-        }
-      } else {
-        j->bad_in_row = 0;
-        j->opt->step(std::move(*updates[k]), lr, clip_factor(norm, jc.max_grad_norm));
-        if (lora && !values_finite(ctx, *j->params)) {
-          fail(*j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
-          bank->clear(j->adapter);
-          continue;
-        }
-      }
-      j->step = step;
-      entries[k] = std::move(m);
-    }
-    if (!lora) model->zero_grads();
-    window.close();
-    rt.synchronize(device);
-    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (plan) report_memory_plan(plan->plan_stats(), plan_report, progress);
-    ++run_steps;
-    int64_t run_tokens = 0;
-    double run_flops = 0;
-    for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
-    const double mem_mib = peak_memory_mib(rt, device);
-    std::string tenant_losses;
-    for (Job* j : active) {
-      nlohmann::json& m = entries[size_t(j - jobs.data())];
-      if (j->failed || m.is_null()) continue;
-      const TrainConfig& jc = *j->cfg;
-      const int64_t step = j->step;
-      j->tokens_seen += j->tokens;
-      m["tokens_per_s"] = double(j->tokens) / dt;
-      m["step_time_s"] = dt;
-      if (jobs.size() > 1) m["run_tokens_per_s"] = double(run_tokens) / dt;
-      if (peak > 0) m["mfu"] = j->flops / dt / peak;
-      m["memory_mib"] = mem_mib;
+      if (micro >= j->cfg->grad_accum || j->failed) continue;
       guarded(*j, [&] {
-        if (j->eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
-          const double eval_loss = evaluate(rt, *model, *j);
-          m["eval_loss"] = eval_loss;
-          progress.message(fmt::format("{}eval: step {} loss {:.4f}", j->prefix(), step, eval_loss));
-        }
-        j->metrics->write(m);
-        if (fault_injected("after_step", step)) _exit(9);
-        std::vector<std::pair<std::string, double>> scalars = {{"train/loss", m["loss"].get<double>()}, {"train/lr", m["lr"].get<double>()},
-                                                               {"train/grad_norm", m["grad_norm"].get<double>()},
-                                                               {"train/tokens_per_s", double(j->tokens) / dt}};
-        if (m.contains("eval_loss")) scalars.push_back({"eval/loss", m["eval_loss"].get<double>()});
-        if (m.contains("mfu")) scalars.push_back({"train/mfu", m["mfu"].get<double>()});
-        if (m.contains("aux_loss")) scalars.push_back({"train/aux_loss", m["aux_loss"].get<double>()});
-        if (m.contains("expert_load"))
-          for (const auto& [layer, v] : m["expert_load"].items())
-            scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
-        j->tb->add_scalars(step, scalars);
-        const double loss = m["loss"].get<double>();
-        if (!m.contains("skipped")) {
-          if (j->summary.steps_run == 0) j->summary.first_loss = loss;
-          j->summary.last_loss = loss;
-        }
-        j->summary.steps_run++;
-        j->summary.final_step = step;
-        tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, loss);
-        if ((jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps) {
-          const nlohmann::json st = {{"step", step}, {"loader", j->loader->state()}, {"tokens_seen", j->tokens_seen},
-                                     {"bad_steps_in_a_row", j->bad_in_row}, {"tokenizer", fs::absolute(c.tokenizer).string()},
-                                     {"base_model", base_model}, {"lora", lora}, {"config", jc.resolved}};
-          save_checkpoint(*j, [&](const fs::path& dir) { write_weights(*j, dir); }, st);
-        }
-        if (step == jc.max_steps) finish(*j);
+        const data::Batch b = j->loader->next();
+        check_batch_fits(b, mc.vocab_size);
+        const int32_t base_row = int32_t(ids.size());
+        ids.insert(ids.end(), b.ids.begin(), b.ids.end());
+        labels.insert(labels.end(), b.labels.begin(), b.labels.end());
+        for (size_t k = 1; k < b.cu_seqlens.size(); ++k) cu.push_back(base_row + b.cu_seqlens[k]);
+        segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum),
+                            mix_seed(j->cfg->seed, uint64_t(j->step + 1), uint64_t(micro))});
+        j->tokens += b.tokens();
+        j->flops += flops_per_token(mc, b.cu_seqlens) * double(b.tokens());
+        in_batch.push_back(j);
       });
     }
-    const double elapsed = std::chrono::duration<double>(Clock::now() - t_start).count();
-    int64_t remaining = 0;
-    for (const Job& j : jobs)
-      if (j.active()) remaining = std::max(remaining, j.cfg->max_steps - j.step);
-    const double eta = elapsed / double(run_steps) * double(remaining);
-    const std::string rate = fmt::format("{} tok/s{}", human(double(run_tokens) / dt),
-                                         peak > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * run_flops / dt / peak) : "");
-    if (jobs.size() == 1 && !jobs[0].failed) {
-      const Job& j = jobs[0];
-      const nlohmann::json& m = entries[0];
-      if (!m.is_null())
-        progress.step(j.step, j.cfg->max_steps,
-                      fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f} | {} | mem {:.0f} MiB | ETA {}", j.step,
-                                  j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(), m["grad_norm"].get<double>(),
-                                  rate, mem_mib, duration(eta)));
-    } else if (jobs.size() > 1) {
-      progress.step(run_steps, run_steps + remaining,
-                    fmt::format("step {} | {} tenants | loss {} | {} | mem {:.0f} MiB | ETA {}", run_steps, active.size(),
-                                tenant_losses, rate, mem_mib, duration(eta)));
+    if (in_batch.empty()) continue;
+    PackedBatch pb = make_packed_batch(rt_, device_, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
+    if (lora_) set_segments(pb, segments);
+    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum),
+                                      micro + 1 == max_accum ? queue_optimizer : std::function<void()>());
+    for (size_t k = 0; k < in_batch.size(); ++k) {
+      const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
+      in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
+      in_batch[k]->labelled += seg.labelled;
+      // The routing is the whole batch's (the tenants of one batch share the base model's experts).
+      in_batch[k]->aux_sum += r.aux_loss;
+      for (const ExpertLoadStat& s : r.expert_load) {
+        std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
+        acc.resize(s.tokens_per_expert.size(), 0);
+        for (size_t e = 0; e < acc.size(); ++e) acc[e] += s.tokens_per_expert[e];
+      }
     }
   }
-  progress.finish();
-  if (plan && !plan->release_arena())  // generation and export allocate as they need
-    progress.message("memory plan: a block of the arena outlived the last step; the arena stays held");
+}
 
-  // Final checks: each job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
-  for (Job& j : jobs) {
-    if (j.failed || j.cfg->final_eval_file.empty()) continue;
+// The job's optimizer step on its own gradient norm, schedule and clipping; returns its metrics entry (null when the
+// job failed).
+nlohmann::json Trainer::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
+  const TrainConfig& jc = *j.cfg;
+  const int64_t step = j.step + 1;
+  const double loss = j.loss_sum / double(jc.grad_accum);
+  const double lr = learning_rate(j.sched, step);
+  nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j.tokens}, {"labelled", j.labelled}};
+  if (!j.expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
+    m["aux_loss"] = j.aux_sum / double(jc.grad_accum);
+    nlohmann::json load = nlohmann::json::object();
+    for (const auto& [layer, counts] : j.expert_tokens) {
+      const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
+      const int64_t mx = *std::max_element(counts.begin(), counts.end());
+      const double mean = double(total) / double(counts.size());
+      load[std::to_string(layer)] = {{"tokens_per_expert", counts}, {"max_over_mean", mean > 0 ? double(mx) / mean : 0.0}};
+    }
+    m["expert_load"] = std::move(load);
+  }
+  if (!std::isfinite(norm) || !std::isfinite(loss)) {
+    ++j.bad_in_row;
+    m["skipped"] = true;
+    progress_.message(fmt::format("{}train: step {}: non-finite loss or gradient (loss {}, grad norm {}); step skipped ({} in a row)",
+                                  j.prefix(), step, loss, norm, j.bad_in_row));
+    if (j.bad_in_row >= jc.max_bad_steps) {
+      fail(j, fmt::format("train: {} non-finite steps in a row (last at step {}); stopping. Lower train.lr or check the data; "
+                          "the last checkpoint is {}", j.bad_in_row, step, latest_checkpoint(j.out.string())));
+      if (lora_) bank_->clear(j.adapter);
+      return nullptr;
+    }
+  } else {
+    j.bad_in_row = 0;
+    j.opt->step(std::move(update), lr, clip_factor(norm, jc.max_grad_norm));
+    if (lora_ && !values_finite(*ctx_, *j.params)) {
+      fail(j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
+      bank_->clear(j.adapter);
+      return nullptr;
+    }
+  }
+  j.step = step;
+  return m;
+}
+
+// The step's metrics, evaluation, TensorBoard scalars, checkpoint and (at the last step) final model of one job.
+void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens) {
+  const TrainConfig& jc = *j.cfg;
+  const int64_t step = j.step;
+  j.tokens_seen += j.tokens;
+  m["tokens_per_s"] = double(j.tokens) / dt;
+  m["step_time_s"] = dt;
+  if (jobs_.size() > 1) m["run_tokens_per_s"] = double(run_tokens) / dt;
+  if (peak_ > 0) m["mfu"] = j.flops / dt / peak_;
+  m["memory_mib"] = mem_mib;
+  if (j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
+    const double eval_loss = evaluate(rt_, *model_, j);
+    m["eval_loss"] = eval_loss;
+    progress_.message(fmt::format("{}eval: step {} loss {:.4f}", j.prefix(), step, eval_loss));
+  }
+  j.metrics->write(m);
+  if (fault_injected("after_step", step)) _exit(9);
+  std::vector<std::pair<std::string, double>> scalars = {{"train/loss", m["loss"].get<double>()}, {"train/lr", m["lr"].get<double>()},
+                                                         {"train/grad_norm", m["grad_norm"].get<double>()},
+                                                         {"train/tokens_per_s", double(j.tokens) / dt}};
+  if (m.contains("eval_loss")) scalars.push_back({"eval/loss", m["eval_loss"].get<double>()});
+  if (m.contains("mfu")) scalars.push_back({"train/mfu", m["mfu"].get<double>()});
+  if (m.contains("aux_loss")) scalars.push_back({"train/aux_loss", m["aux_loss"].get<double>()});
+  if (m.contains("expert_load"))
+    for (const auto& [layer, v] : m["expert_load"].items())
+      scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
+  j.tb->add_scalars(step, scalars);
+  const double loss = m["loss"].get<double>();
+  if (!m.contains("skipped")) {
+    if (j.summary.steps_run == 0) j.summary.first_loss = loss;
+    j.summary.last_loss = loss;
+  }
+  j.summary.steps_run++;
+  j.summary.final_step = step;
+  if ((jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps) {
+    const nlohmann::json st = {{"step", step}, {"loader", j.loader->state()}, {"tokens_seen", j.tokens_seen},
+                               {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
+                               {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
+    save_checkpoint(j, [&](const fs::path& dir) {
+      const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
+      if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
+      else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
+    }, st);
+  }
+  if (step == jc.max_steps) write_final(j);
+}
+
+bool Trainer::step() {
+  std::vector<Job*> active;
+  for (Job& j : jobs_)
+    if (j.active()) active.push_back(&j);
+  if (active.empty()) return false;
+  const auto t0 = Clock::now();
+  // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
+  // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
+  // whole. Closed as aborted if an error leaves the step.
+  MemoryPlanWindow window(plan_);
+  if (lora_) bank_->zero_grads();
+  else model_->zero_grads();
+  for (Job* j : active) {
+    j->loss_sum = j->flops = j->aux_sum = 0;
+    j->labelled = j->tokens = 0;
+    j->expert_tokens.clear();
+  }
+  // Each job's gradient norm and prepared AdamW update: queued from the last micro-batch's backward, before the host
+  // waits for its loss (CausalLm::loss's backward_queued), or at the optimizer step for a job not queued by then.
+  std::vector<std::optional<PendingGradNorm>> norms(jobs_.size());
+  std::vector<std::optional<AdamW::Prepared>> updates(jobs_.size());
+  const std::function<void()> queue_optimizer = [&] {
+    for (Job* j : active) {
+      const size_t k = size_t(j - jobs_.data());
+      if (j->failed || norms[k]) continue;
+      norms[k].emplace(launch_grad_norm(*ctx_, *j->params));
+      updates[k].emplace(j->opt->prepare());  // host work while the device sums the squares
+    }
+  };
+  run_micro_batches(active, queue_optimizer);
+  std::vector<nlohmann::json> entries(jobs_.size());
+  queue_optimizer();
+  for (Job* j : active) {
+    if (j->failed) continue;
+    const size_t k = size_t(j - jobs_.data());
+    entries[k] = optimizer_step(*j, norms[k]->read(), std::move(*updates[k]));
+  }
+  if (!lora_) model_->zero_grads();
+  window.close();
+  rt_.synchronize(device_);
+  const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (plan_) report_memory_plan(plan_->plan_stats(), plan_report_, progress_);
+  ++run_steps_;
+  int64_t run_tokens = 0;
+  double run_flops = 0;
+  for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
+  const double mem_mib = peak_memory_mib(rt_, device_);
+  std::string tenant_losses;
+  for (Job* j : active) {
+    nlohmann::json& m = entries[size_t(j - jobs_.data())];
+    if (j->failed || m.is_null()) continue;
+    guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
+    tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
+  }
+  // The progress line.
+  const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
+  int64_t remaining = 0;
+  for (const Job& j : jobs_)
+    if (j.active()) remaining = std::max(remaining, j.cfg->max_steps - j.step);
+  const double eta = elapsed / double(run_steps_) * double(remaining);
+  const std::string rate = fmt::format("{} tok/s{}", human(double(run_tokens) / dt),
+                                       peak_ > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * run_flops / dt / peak_) : "");
+  const double mem = mem_mib;
+  if (jobs_.size() == 1 && !jobs_[0].failed) {
+    const Job& j = jobs_[0];
+    const nlohmann::json& m = entries[0];
+    if (!m.is_null())
+      progress_.step(j.step, j.cfg->max_steps,
+                     fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f} | {} | mem {:.0f} MiB | ETA {}", j.step,
+                                 j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(), m["grad_norm"].get<double>(),
+                                 rate, mem, duration(eta)));
+  } else if (jobs_.size() > 1) {
+    progress_.step(run_steps_, run_steps_ + remaining,
+                   fmt::format("step {} | {} tenants | loss {} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active.size(),
+                               tenant_losses, rate, mem, duration(eta)));
+  }
+  return true;
+}
+
+// The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
+// or a PEFT adapter folder with the same files; it appears whole.
+void Trainer::write_final(Job& j) {
+  const fs::path final_dir = j.out / "final";
+  const auto add = [&](const std::string& d) { write_model_files(d); };
+  if (lora_) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);
+  else model_->save(final_dir.string(), save_dtype_, 5ull << 30, add);
+  j.needs_final = false;
+  progress_.message(fmt::format("{}train: done at step {}; {} written to {}", j.prefix(), j.step, lora_ ? "adapter" : "model",
+                                final_dir.string()));
+}
+
+// The job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
+void Trainer::final_eval(Job& j) {
+  std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
+  if (lora_) {
+    for (const std::string& name : lora_merge_targets(*bank_, j.adapter)) {
+      Parameter& p = model_->parameter(name);
+      saved.push_back({&p, rt_.copy_to(p.value, device_)});
+    }
+    merge_lora(*model_, *bank_, j.adapter);
+  }
+  const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
+                                           j.cfg->final_eval_max_new_tokens,
+                                           [&](const std::string& l) { progress_.message(j.prefix() + l); });
+  for (auto& [p, v] : saved) p->value = v;
+  j.summary.final_eval_accuracy = r.accuracy;
+  j.metrics->write({{"step", j.step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
+                    {"final_eval_total", r.total}});
+  j.needs_final_eval = false;
+}
+
+void Trainer::finish() {
+  progress_.finish();
+  if (plan_ && !plan_->release_arena())  // generation and export allocate as they need
+    progress_.message("memory plan: a block of the arena outlived the last step; the arena stays held");
+  for (Job& j : jobs_) {
+    if (j.failed || j.step < j.cfg->max_steps) continue;
     guarded(j, [&] {
-      std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
-      if (lora) {
-        for (const std::string& name : lora_merge_targets(*bank, j.adapter)) {
-          Parameter& p = model->parameter(name);
-          saved.push_back({&p, rt.copy_to(p.value, device)});
-        }
-        merge_lora(*model, *bank, j.adapter);
-      }
-      const FinalEvalResult r = run_final_eval(rt, *model, tokenizer, chat ? &*chat : nullptr, j.cfg->final_eval_file,
-                                               j.cfg->final_eval_max_new_tokens,
-                                               [&](const std::string& l) { progress.message(j.prefix() + l); });
-      for (auto& [p, v] : saved) p->value = v;
-      j.summary.final_eval_accuracy = r.accuracy;
-      j.metrics->write({{"step", j.summary.final_step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
-                        {"final_eval_total", r.total}});
+      if (j.needs_final) write_final(j);  // resumed at max_steps from a run that died before writing it
+      if (!j.cfg->final_eval_file.empty() && (j.summary.steps_run > 0 || j.needs_final_eval)) final_eval(j);
     });
   }
+}
 
+TrainSummary Trainer::summary(bool already_finished) const {
   TrainSummary summary;
-  for (Job& j : jobs) {
-    j.summary.failed = j.failed;
-    j.summary.error = j.error;
-    summary.jobs.push_back(j.summary);
+  summary.already_finished = already_finished;
+  for (const Job& j : jobs_) {
+    JobSummary s = j.summary;
+    if (already_finished) {  // what the finished run recorded
+      s.final_step = j.folder.latest_step;
+      s.first_loss = j.folder.first_loss;
+      s.last_loss = j.folder.last_loss;
+      s.final_eval_accuracy = j.folder.final_eval_accuracy;
+      s.output_dir = j.out.string();
+    }
+    s.failed = j.failed;
+    s.error = j.error;
+    summary.jobs.push_back(s);
   }
   const JobSummary& first = summary.jobs[0];
   summary.steps_run = first.steps_run;
@@ -725,6 +883,20 @@ TrainSummary run_training(const TrainConfig& c) {
   summary.last_loss = first.last_loss;
   summary.final_eval_accuracy = first.final_eval_accuracy;
   return summary;
+}
+
+}  // namespace
+
+TrainSummary run_training(const TrainConfig& c) {
+  Runtime rt;
+  Trainer trainer(rt, c);  // reads and checks every input; writes nothing
+  if (trainer.finished()) return trainer.summary(true);
+  trainer.prepare_outputs();
+  trainer.build();
+  while (trainer.step()) {
+  }
+  trainer.finish();
+  return trainer.summary(false);
 }
 
 }  // namespace lathe

@@ -24,9 +24,13 @@ struct JobSummary {
   double final_eval_accuracy = -1;  // -1 when no final_eval.file
   bool failed = false;
   std::string error;
+  std::string output_dir;  // set when the run had already finished
 };
 
 struct TrainSummary {
+  // Every job had already trained, written its final model and run its final evaluation: nothing was done, and the
+  // jobs' figures are those the run recorded.
+  bool already_finished = false;
   // The first (or only) job's figures.
   int64_t steps_run = 0;
   int64_t final_step = 0;
@@ -35,6 +39,8 @@ struct TrainSummary {
   std::vector<JobSummary> jobs;  // one per tenant (one for a single-job run)
 };
 
+// Every input (files, options, the model config) is read and checked before anything is written; the output folder
+// is then continued, rewound, replaced or refused as train/run_folder.h says.
 TrainSummary run_training(const TrainConfig& config);
 
 // Newest complete checkpoint folder in `output_dir`, or "" when there is none.

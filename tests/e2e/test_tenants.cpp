@@ -206,8 +206,9 @@ TEST(Tenants, KilledRunResumesEveryTenantBitwise) {
 
 TEST(Tenants, AdapterExportsMergeAndScoresAgree) {
   const fs::path dir = setup("export");
-  std::ofstream(dir / "one.yaml") << shared_yaml(dir, dir / "one") << "data: {train: " << (dir / "a.jsonl").string()
-                                  << ", format: text, max_seq_len: 64}\n";
+  std::string one = shared_yaml(dir, dir / "one");  // its data mapping gains the training file (a key given twice is refused)
+  one.replace(one.find("data: {"), 7, "data: {train: " + (dir / "a.jsonl").string() + ", ");
+  std::ofstream(dir / "one.yaml") << one;
   ASSERT_EQ(cli("train " + (dir / "one.yaml").string()).exit_code, 0);
   for (const char* f : {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"})
     EXPECT_TRUE(fs::exists(dir / "one/final" / f)) << f;

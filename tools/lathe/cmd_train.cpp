@@ -27,6 +27,16 @@ void add_train_command(CLI::App& app, int& exit_code) {
     }
     LATHE_CHECK(!args->config.empty() || !args->overrides.empty(), "train: give a config file (see --help-config)");
     const TrainSummary s = run_training(load_train_config(args->config, args->overrides));
+    if (s.already_finished) {  // a re-run of a finished run: say so, with what it recorded
+      for (const JobSummary& j : s.jobs)
+        fmt::print("{}: {} already finished at step {} (loss {:.4f} -> {:.4f}{}); nothing to do. Raise train.max_steps to "
+                   "train on, or set overwrite: true to start again.\n",
+                   j.name.empty() ? "train" : "tenant " + j.name, j.output_dir, j.final_step, j.first_loss, j.last_loss,
+                   j.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * j.final_eval_accuracy)
+                                              : "");
+      exit_code = 0;
+      return;
+    }
     int failed = 0;
     for (const JobSummary& j : s.jobs) {
       failed += j.failed;
