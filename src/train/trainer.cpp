@@ -372,8 +372,8 @@ Trainer::Trainer(Runtime& rt, const TrainConfig& c)
     if (j.start.training_done) {
       const bool final_kept = j.folder.has_final && !j.start.clear &&
                               std::find(j.start.remove.begin(), j.start.remove.end(), j.out / "final") == j.start.remove.end();
-      j.needs_final = !final_kept;
-      j.needs_final_eval = !j.cfg->final_eval_file.empty() && !(final_kept && j.folder.has_final_eval);
+      j.needs_final = !final_kept;  // re-exported from the same checkpoint: an evaluation already run still holds
+      j.needs_final_eval = !j.cfg->final_eval_file.empty() && !(j.folder.has_final_eval && !j.start.clear);
     }
   }
   if (finished()) return;
@@ -414,6 +414,15 @@ void Trainer::choose_model_source() {
   }
   if (!model_source_.empty()) {
     model_config_ = load_model_config(model_source_);
+    if (!c_.model_config.is_null() && model_source_ != c_.model_path) {
+      // A resumed (or scratch-base) run keeps its model: an inline config that now says otherwise is an error, not
+      // silently ignored.
+      for (const auto& [key, value] : c_.model_config.items())
+        LATHE_CHECK(!model_config_.raw.contains(key) || model_config_.raw[key] == value,
+                    "train: model.config.{} is {}, but the run being continued was made with {} ({}): a resumed run "
+                    "keeps its model; set overwrite: true to start again with the new config", key, value.dump(),
+                    model_config_.raw[key].dump(), model_source_);
+    }
   } else {
     nlohmann::json cfg = c_.model_config;
     if (!cfg.contains("model_type")) cfg["model_type"] = "qwen3";

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -286,4 +287,224 @@ TEST(Train, Bf16OptimizerStates) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   EXPECT_EQ(losses(dir2 / "out"), want);  // bitwise: the same doubles
+}
+
+// ---- Bad input and re-runs never damage a run (the robustness issue) -------------------------------------------
+
+namespace {
+
+// Every file under `dir` with its bytes: a run folder's whole state, to show a command left it untouched.
+std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    files[fs::relative(e.path(), dir).string()] = std::string((std::istreambuf_iterator<char>(f)), {});
+  }
+  return files;
+}
+
+// The files that differ between two snapshots (added, removed or changed), for a readable failure.
+std::string changed(const std::map<std::string, std::string>& a, const std::map<std::string, std::string>& b) {
+  std::string out;
+  for (const auto& [name, bytes] : a)
+    if (!b.count(name) || b.at(name) != bytes) out += " " + name;
+  for (const auto& [name, bytes] : b)
+    if (!a.count(name)) out += " +" + name;
+  return out;
+}
+
+std::vector<std::string> checkpoints(const fs::path& out) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(out / "checkpoints")) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A finished 6-step run with a final evaluation: the folder the re-run tests start from.
+fs::path finished_run(const std::string& name) {
+  const fs::path dir = setup(name);
+  std::ofstream(dir / "heldout.jsonl") << "{\"prompt\": \"the cat sat\", \"answer\": \"on\"}\n";
+  std::ofstream(dir / "config.yaml", std::ios::app) << "final_eval: {file: " << (dir / "heldout.jsonl").string()
+                                                     << ", max_new_tokens: 2}\n";
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=6");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return dir;
+}
+
+}  // namespace
+
+TEST(Rerun, AFinishedRunSaysSoAndChangesNothing) {
+  const fs::path dir = finished_run("rerun_done");
+  const auto before = snapshot(dir / "out");
+  const LatheRun again = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=6");
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("already finished at step 6"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("steps 7..6"), std::string::npos) << again.output;
+  EXPECT_EQ(changed(before, snapshot(dir / "out")), "") << "a re-run of a finished run changed its folder";
+}
+
+TEST(Rerun, ResumeNoneIntoARunIsRefusedAndChangesNothing) {
+  const fs::path dir = finished_run("rerun_none");
+  const auto before = snapshot(dir / "out");
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=6 --set resume=none");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("resume: none, but output_dir " + (dir / "out").string() +
+                          " already holds a run with checkpoints up to step 6 and a final model"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("overwrite: true"), std::string::npos) << r.output;
+  EXPECT_EQ(changed(before, snapshot(dir / "out")), "");
+}
+
+TEST(Rerun, OverwriteStartsAgainAndExportSeesOnlyTheNewRun) {
+  const fs::path dir = finished_run("rerun_overwrite");
+  // The new run is shorter: with the old checkpoints kept, export would pick the old step-6 model.
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=2 --set overwrite=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(checkpoints(dir / "out"), std::vector<std::string>{"step-00000002"});
+  EXPECT_EQ(losses(dir / "out").size(), 2u);
+  int final_evals = 0;
+  for (const auto& m : metrics(dir / "out")) final_evals += m.contains("final_eval_accuracy");
+  EXPECT_EQ(final_evals, 1);
+  // Refused for a folder that holds files of something else.
+  fs::create_directories(dir / "mine");
+  std::ofstream(dir / "mine/notes.txt") << "keep me";
+  const LatheRun other = lathe("train " + (dir / "config.yaml").string() + " --set overwrite=true --set output_dir=" +
+                               (dir / "mine").string());
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.output.find("holds files that are not a Lathe run's"), std::string::npos) << other.output;
+  EXPECT_TRUE(fs::exists(dir / "mine/notes.txt"));
+}
+
+TEST(Rerun, ResumingFromAnOlderCheckpointRewindsTheRun) {
+  const fs::path dir = setup("rewind");
+  const std::string cfg = (dir / "config.yaml").string();
+  ASSERT_EQ(lathe("train " + cfg + " --set train.keep_last=5").exit_code, 0);  // checkpoints 3, 6, 9, 12
+  const std::vector<double> full = losses(dir / "out");
+  const LatheRun r = lathe("train " + cfg + " --set train.keep_last=5 --set resume=" +
+                           (dir / "out/checkpoints/step-00000006").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(checkpoints(dir / "out"),
+            (std::vector<std::string>{"step-00000003", "step-00000006", "step-00000009", "step-00000012"}));
+  EXPECT_EQ(losses(dir / "out"), full);  // the same run again from step 7: bitwise on the CPU, one entry a step
+  // A shorter run from step 6: the checkpoints after it belong to the abandoned run and go.
+  ASSERT_EQ(lathe("train " + cfg + " --set train.max_steps=8 --set train.keep_last=5 --set resume=" +
+                  (dir / "out/checkpoints/step-00000006").string()).exit_code, 0);
+  EXPECT_EQ(checkpoints(dir / "out"), (std::vector<std::string>{"step-00000003", "step-00000006", "step-00000008"}));
+  EXPECT_EQ(losses(dir / "out").size(), 8u);
+}
+
+TEST(Rerun, AMissingFinalModelIsWrittenOnTheNextRun) {
+  const fs::path dir = finished_run("final_missing");
+  const std::vector<double> before = losses(dir / "out");
+  fs::remove_all(dir / "out/final");  // as if the process died between the last checkpoint and the export
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "out/final/model.safetensors"));
+  EXPECT_EQ(losses(dir / "out"), before);
+  int final_evals = 0;
+  for (const auto& m : metrics(dir / "out")) final_evals += m.contains("final_eval_accuracy");
+  EXPECT_EQ(final_evals, 1) << "the final evaluation ran again";
+}
+
+TEST(Rerun, ARunThatFailsValidationLeavesTheFolderAsItWas) {
+  const fs::path dir = finished_run("invalid");
+  const auto before = snapshot(dir / "out");
+  const std::string cfg = (dir / "config.yaml").string() + " --set train.max_steps=12";  // would continue the run
+  struct Case {
+    std::string set, needle;
+  };
+  const std::vector<Case> cases = {
+      {"train.warmup_steps=20", "train.warmup_steps: 20 exceed train.max_steps (12)"},
+      {"model.tokenizer=" + (dir / "nowhere").string(), "model.tokenizer " + (dir / "nowhere").string() + " does not exist"},
+      {"data.train=" + (dir / "nowhere.jsonl").string(), "nowhere.jsonl"},
+      {"final_eval.file=" + (dir / "nowhere.jsonl").string(), (dir / "nowhere.jsonl").string() + " does not exist"},
+      {"dtype=f16", "dtype: 'f16' is not one of f32, bf16"},
+      {"model.config.num_attention_heads=3", "model.config"},
+      {"train.log_every=0", "train.log_every: must be >= 1 (got 0)"},
+      {"train.save_every=-1", "train.save_every: must be >= 0 (got -1)"},
+      {"train.eval_batches=0", "train.eval_batches: must be >= 1"},
+      {"train.max_bad_steps=0", "train.max_bad_steps: must be >= 1"},
+  };
+  for (const Case& c : cases) {
+    const LatheRun r = lathe("train " + cfg + " --set " + c.set);
+    EXPECT_NE(r.exit_code, 0) << c.set;
+    EXPECT_LT(r.exit_code, 3) << c.set << ": not a clear error\n" << r.output;
+    EXPECT_NE(r.output.find(c.needle), std::string::npos) << c.set << "\n" << r.output;
+    EXPECT_EQ(changed(before, snapshot(dir / "out")), "") << c.set << " changed the run folder";
+  }
+}
+
+TEST(Rerun, LogEveryIsSafeWhenStdoutIsNotATerminal) {
+  const fs::path dir = setup("log_every");
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() + " --set train.max_steps=4 --set train.log_every=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step 3/4"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step 4/4"), std::string::npos) << r.output;  // the last step always
+  EXPECT_EQ(r.output.find("step 2/4"), std::string::npos) << r.output;
+}
+
+TEST(Inputs, ConfigPathsAreRelativeToTheConfigFile) {
+  const fs::path dir = setup("relative");
+  fs::create_directories(dir / "conf");
+  // The same run with every path relative to conf/, started from another directory.
+  std::ofstream(dir / "conf/run.yaml")
+      << "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
+         "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true}\n"
+         "  tokenizer: ../tok\ndata:\n  train: [../train.jsonl]\n  format: text\n  max_seq_len: 64\n"
+         "output_dir: ../rel_out\ntrain: {max_steps: 2, micro_batch_tokens: 96}\n";
+  const LatheRun r = lathe("train conf/run.yaml", "cd " + dir.string() + " &&");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir / "rel_out/final/model.safetensors"));
+  const LatheRun elsewhere = lathe("train " + (dir / "conf/run.yaml").string(), "cd / &&");
+  ASSERT_EQ(elsewhere.exit_code, 0) << elsewhere.output;
+  EXPECT_NE(elsewhere.output.find("already finished"), std::string::npos) << elsewhere.output;
+  // --set paths stay relative to the current directory.
+  const LatheRun set = lathe("train conf/run.yaml --set output_dir=cwd_out", "cd " + dir.string() + " &&");
+  ASSERT_EQ(set.exit_code, 0) << set.output;
+  EXPECT_TRUE(fs::exists(dir / "cwd_out/final/model.safetensors"));
+}
+
+TEST(Inputs, DuplicateKeysAndMisplacedPathsAreClearErrors) {
+  const fs::path dir = setup("dups");
+  std::ofstream(dir / "dup.yaml") << "output_dir: a\ntrain: {max_steps: 2}\noutput_dir: b\n";
+  const LatheRun dup = lathe("train " + (dir / "dup.yaml").string());
+  EXPECT_EQ(dup.exit_code, 1);
+  EXPECT_NE(dup.output.find("dup.yaml:3: key 'output_dir' is given twice in one mapping (first at line 1)"),
+            std::string::npos) << dup.output;
+  std::ofstream(dir / "a_file") << "x";
+  const LatheRun under = lathe("train " + (dir / "config.yaml").string() + " --set output_dir=" + (dir / "a_file/out").string());
+  EXPECT_EQ(under.exit_code, 1);
+  EXPECT_NE(under.output.find((dir / "a_file").string() + " is a file, not a folder"), std::string::npos) << under.output;
+  const LatheRun folder = lathe("train " + dir.string());
+  EXPECT_EQ(folder.exit_code, 1);
+  EXPECT_NE(folder.output.find(dir.string() + " is a folder, not a file"), std::string::npos) << folder.output;
+  const LatheRun missing = lathe("train " + (dir / "absent.yaml").string());
+  EXPECT_NE(missing.output.find((dir / "absent.yaml").string() + " does not exist"), std::string::npos) << missing.output;
+  const LatheRun model = lathe("train " + (dir / "config.yaml").string() + " --set model.path=" + (dir / "no_model").string() +
+                               " --set model.config=null --set model.tokenizer=" + (dir / "tok").string());
+  EXPECT_NE(model.output.find("model.path " + (dir / "no_model").string() + " does not exist"), std::string::npos)
+      << model.output;
+  const LatheRun none = lathe("");
+  EXPECT_EQ(none.exit_code, 2);
+  EXPECT_NE(none.output.find("Usage: lathe"), std::string::npos) << none.output;
+  EXPECT_EQ(lathe("train --no-such-flag").exit_code, 2);
+}
+
+TEST(Inputs, TheFinalFolderCarriesWhatTransformersWritesAndTheChatSettings) {
+  const fs::path dir = setup("final_files");
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string() +
+                           " --set train.max_steps=2 --set model.config.hidden_size=48 --set model.config.head_dim=12"
+                           " --set data.chat_template_kwargs.enable_thinking=true");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream cf(dir / "out/final/config.json");
+  const nlohmann::json config = nlohmann::json::parse(cf);
+  EXPECT_EQ(config["architectures"], nlohmann::json::array({"Qwen3ForCausalLM"}));
+  EXPECT_EQ(config["hidden_size"], 48);  // --set model.config.KEY kept the rest of the inline config
+  EXPECT_EQ(config["num_hidden_layers"], 2);
+  EXPECT_TRUE(fs::exists(dir / "out/final/generation_config.json"));
+  std::ifstream kf(dir / "out/final/chat_template_kwargs.json");
+  EXPECT_EQ(nlohmann::json::parse(kf), (nlohmann::json{{"enable_thinking", true}}));
+  std::ifstream ck(dir / "out/checkpoints/step-00000002/model/chat_template_kwargs.json");
+  EXPECT_EQ(nlohmann::json::parse(ck), (nlohmann::json{{"enable_thinking", true}}));
 }

@@ -42,6 +42,9 @@ void add_train_command(CLI::App& app, int& exit_code) {
       failed += j.failed;
       const std::string who = j.name.empty() ? "train" : "tenant " + j.name;
       if (j.failed) fmt::print("{}: FAILED at step {}: {}\n", who, j.final_step, j.error);
+      else if (j.steps_run == 0)  // trained already: this run wrote what the earlier one had not
+        fmt::print("{}: trained to step {} already; its final outputs are complete{}\n", who, j.final_step,
+                   j.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * j.final_eval_accuracy) : "");
       else
         fmt::print("{}: {} steps, loss {:.4f} -> {:.4f}{}\n", who, j.steps_run, j.first_loss, j.last_loss,
                    j.final_eval_accuracy >= 0 ? fmt::format(", final-eval accuracy {:.1f}%", 100 * j.final_eval_accuracy) : "");

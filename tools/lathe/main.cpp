@@ -9,7 +9,7 @@
 #include "core/error.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"lathe: post-training for Qwen-family models"};
+  CLI::App app{"lathe: post-training for Qwen-family models", "lathe"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "lathe 0.1.0");
   int exit_code = 0;
