@@ -553,7 +553,7 @@ std::string train_config_help() {
     const std::string fallback = o.need == Need::Required ? "(required)" : o.need == Need::Optional ? "(none)" : o.fallback;
     std::string help = o.help;
     if ((o.kind == Kind::Int || o.kind == Kind::Float) && (std::isfinite(o.range.lo) || std::isfinite(o.range.hi)))
-      help += fmt::format(" [{}]", o.range.text());
+      help += fmt::format(" (range: {})", o.range.text());
     out += fmt::format("  {:<30} {:<16} {:<10} {}\n", o.path, kind_name(o.kind), fallback, help);
   }
   out += "Relative paths in a config file are relative to the file's folder; in --set, to the current directory.\n";
