@@ -129,7 +129,7 @@ StartPlan plan_start(const RunFolder& f, const std::string& resume, bool overwri
 
 void apply_start(const RunFolder& f, const StartPlan& p, const std::string& who) {
   std::error_code ec;
-  if (p.clear)
+  if (p.clear && fs::is_directory(f.dir))  // (a tenant's folder inside the run's may be gone already)
     for (const auto& e : fs::directory_iterator(f.dir)) {
       fs::remove_all(e.path(), ec);
       LATHE_CHECK(!ec, "{}: overwrite: cannot delete {}: {}", who, e.path().string(), ec.message());

@@ -202,6 +202,18 @@ TEST(Tenants, KilledRunResumesEveryTenantBitwise) {
     EXPECT_EQ(adapter(dir / "killed" / t.name / "final"), adapter(dir / "ref" / t.name / "final")) << t.name;
     EXPECT_EQ(losses(dir / "killed" / t.name), losses(dir / "ref" / t.name)) << t.name;
   }
+  // Run again: every tenant has finished, so nothing is done; overwrite trains them all again, to the same adapters.
+  const LatheRun again = cli("train " + cfg.string());
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  for (const Tenant& t : tenants())
+    EXPECT_NE(again.output.find("tenant " + t.name + ": " + (dir / "killed" / t.name).string() + " already finished"),
+              std::string::npos) << again.output;
+  const LatheRun over = cli("train " + cfg.string() + " --set overwrite=true");
+  ASSERT_EQ(over.exit_code, 0) << over.output;
+  for (const Tenant& t : tenants()) {
+    EXPECT_EQ(adapter(dir / "killed" / t.name / "final"), adapter(dir / "ref" / t.name / "final")) << t.name;
+    EXPECT_EQ(losses(dir / "killed" / t.name), losses(dir / "ref" / t.name)) << t.name;
+  }
 }
 
 TEST(Tenants, AdapterExportsMergeAndScoresAgree) {

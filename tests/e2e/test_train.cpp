@@ -508,3 +508,16 @@ TEST(Inputs, TheFinalFolderCarriesWhatTransformersWritesAndTheChatSettings) {
   std::ifstream ck(dir / "out/checkpoints/step-00000002/model/chat_template_kwargs.json");
   EXPECT_EQ(nlohmann::json::parse(ck), (nlohmann::json{{"enable_thinking", true}}));
 }
+
+TEST(Inputs, AFullDiskIsAClearErrorAndLeavesNoTemporaries) {
+  const fs::path dir = setup("full_disk");
+  // A full disk as the process sees it: writes past RLIMIT_FSIZE fail with EFBIG (SIGXFSZ ignored). The first
+  // checkpoint's weights (about 110 KiB) do not fit under 40 blocks.
+  const LatheRun r = lathe("train " + (dir / "config.yaml").string(), "trap '' XFSZ; ulimit -f 40;");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("lathe: error:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("too large"), std::string::npos) << r.output;  // the system's reason (EFBIG)
+  for (const auto& e : fs::recursive_directory_iterator(dir / "out"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << "left behind: " << e.path();
+  EXPECT_FALSE(fs::exists(dir / "out/checkpoints/step-00000003"));
+}
