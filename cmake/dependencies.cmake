@@ -10,6 +10,14 @@ if(TARGET yaml-cpp::yaml-cpp)
 else()
   set(LATHE_YAML_TARGET yaml-cpp)
 endif()
+# MPI (Debian's OpenMPI): the CPU data plane of the parallel runtime (src/comm/). Optional, so that a machine without
+# its headers still builds; a parallel launch is then refused with a message that names the missing package.
+find_package(MPI COMPONENTS C QUIET)
+if(MPI_C_FOUND)
+  message(STATUS "lathe: MPI ${MPI_C_VERSION} (parallel runs on the CPU)")
+else()
+  message(STATUS "lathe: no MPI found (install libopenmpi-dev): parallel runs over MPI are disabled")
+endif()
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(OPENBLAS REQUIRED IMPORTED_TARGET openblas)
 

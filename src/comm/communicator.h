@@ -1,0 +1,62 @@
+// Communicator: the collectives of one process group, behind one interface with a backend per data plane — MPI
+// (Debian's OpenMPI) for CPU tensors, so every parallel feature runs in CI with mpirun, and NCCL for CUDA tensors.
+// Conventions:
+// - Every rank of a group calls the same collectives in the same order (the sequence number of each call is the
+//   group's, and a fault report names it).
+// - Sums are exact and repeatable on the CPU: the MPI backend gathers the operands and adds them in rank order
+//   0..n-1 in f64 (MPI_Allreduce's order is unspecified), so reduce-scatter is all-reduce then a slice and a sharded
+//   run can equal the unsharded one (research note parallelism.md §13).
+// - Each call returns a CommWork; wait() returns once the result is in place. On the CPU the work is done when the
+//   call returns; on CUDA it is ordered on the tensors' stream.
+// - A call that does not complete within the group's timeout aborts the whole job with a message naming the rank, the
+//   group, the collective, its sequence number and this rank's last collectives (never a hang).
+// Covered by tests/parallel/test_comm.cpp (run under mpirun -np 2 and -np 4).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace lathe {
+
+class CommWork {
+ public:
+  CommWork() = default;  // already complete
+  explicit CommWork(std::function<void()> wait) : wait_(std::move(wait)) {}
+  void wait() {
+    if (wait_) std::exchange(wait_, nullptr)();
+  }
+
+ private:
+  std::function<void()> wait_;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual const std::string& name() const = 0;  // the group's kind and index, e.g. "dp[1]"
+
+  // In place: every rank's `t` becomes the element-wise sum over the group.
+  virtual CommWork all_reduce(Tensor& t) = 0;
+  // `in` (size x N elements) summed over the group; rank i keeps elements [i*N, (i+1)*N) in `out` (N elements).
+  virtual CommWork reduce_scatter(const Tensor& in, Tensor& out) = 0;
+  // `out` (size x N elements) holds every rank's `in` (N elements), in rank order.
+  virtual CommWork all_gather(const Tensor& in, Tensor& out) = 0;
+  // Rank i sends in[send_offsets...] slices: send_counts[j] elements to rank j, in rank order; receives
+  // recv_counts[j] elements from rank j into `out`, in rank order. Counts may differ between ranks (uneven splits).
+  virtual CommWork all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                              const std::vector<int64_t>& recv_counts) = 0;
+  virtual CommWork broadcast(Tensor& t, int root) = 0;
+  virtual CommWork send(const Tensor& t, int peer) = 0;
+  virtual CommWork recv(Tensor& t, int peer) = 0;
+  virtual void barrier() = 0;
+};
+
+}  // namespace lathe
