@@ -30,15 +30,20 @@ void sync_file(const std::string& path) {
 
 OutputFile::OutputFile(const std::string& path, std::string who) : who_(std::move(who)), path_(path) {
   LATHE_CHECK(!path.empty(), "{}: empty output path", who_);
-  if (path == "-") {
+  // /dev/stdout and its aliases are standard output even when the shell redirected it into a regular file: renaming
+  // over that file would leave the process's own stdout pointing at an unlinked one.
+  if (path == "-" || path == "/dev/stdout" || path == "/dev/fd/1" || path == "/proc/self/fd/1") {
     to_stdout_ = true;
     return;
   }
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0) {  // follows symbolic links
     LATHE_CHECK(!S_ISDIR(st.st_mode), "{}: output {} is a folder, not a file", who_, path);
-    if (!S_ISREG(st.st_mode)) {  // a pipe, a character device, a socket: stream into it
-      file_.open(path, std::ios::binary);
+    // A pipe, a character device, a socket: stream into it. So also for /dev/stderr, /dev/fd/N and the like that a
+    // redirection made a regular file (appended to, as the shell's other writers do).
+    const bool system_path = path.rfind("/dev/", 0) == 0 || path.rfind("/proc/", 0) == 0;
+    if (!S_ISREG(st.st_mode) || system_path) {
+      file_.open(path, S_ISREG(st.st_mode) ? std::ios::binary | std::ios::app : std::ios::binary);
       LATHE_CHECK(file_.good(), "{}: cannot open output {}: {}", who_, path, std::strerror(errno));
       return;
     }
@@ -47,8 +52,10 @@ OutputFile::OutputFile(const std::string& path, std::string who) : who_(std::mov
   const fs::path resolved = fs::is_symlink(fs::symlink_status(path, ec)) ? fs::weakly_canonical(path, ec) : fs::path(path);
   target_ = (ec ? fs::path(path) : resolved).string();
   const fs::path parent = fs::path(target_).parent_path();
-  LATHE_CHECK(parent.empty() || fs::is_directory(parent), "{}: cannot write {}: its folder {} does not exist", who_, path,
+  LATHE_CHECK(parent.empty() || fs::exists(parent, ec), "{}: cannot write {}: its folder {} does not exist", who_, path,
               parent.string());
+  LATHE_CHECK(parent.empty() || fs::is_directory(parent, ec), "{}: cannot write {}: {} is a file, not a folder", who_,
+              path, parent.string());
   tmp_ = temp_name(target_);
   file_.open(tmp_, std::ios::binary | std::ios::trunc);
   LATHE_CHECK(file_.good(), "{}: cannot create {}: {}", who_, tmp_, std::strerror(errno));

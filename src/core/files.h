@@ -1,6 +1,8 @@
 // Writing outputs so that a failure never leaves a half-written file, a stray temporary or a replaced special file.
-// - OutputFile: "-" is standard output. A path that names a pipe, a character device (/dev/stdout, /dev/null) or a
-//   socket is written in place, streaming: there is nothing to rename over. Anything else (a new path, a regular file,
+// - OutputFile: "-" and /dev/stdout (also when redirected into a file) are standard output. A path that names a pipe,
+//   a character device (/dev/null) or a socket, or any path under /dev/ or /proc/ (/dev/stderr, /dev/fd/N, even when
+//   a redirection made them regular files: appended to), is written in place, streaming: there is nothing to rename
+//   over. Anything else (a new path, a regular file,
 //   a symbolic link to one: the link is followed, so it stays a link) is written to TARGET.tmp-PID beside its target
 //   and renamed over it by commit(). Destroyed uncommitted (an error on the way), it removes its temporary.
 // - OutputDir: a folder written as TARGET.tmp-PID/ and swapped in whole by commit(); destroyed uncommitted, it removes

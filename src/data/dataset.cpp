@@ -3,10 +3,13 @@
 // Convention: assistant spans come from renderings of the conversation's prefixes compared with the
 // full rendering (common prefix = where the reply starts) plus the template's end-of-turn marker,
 // learnt once by rendering a probe conversation; docs/data.md explains why not plain prefix diffing
-// (Qwen3 drops the <think> block of earlier turns). Covered by tests/data/test_dataset.cpp.
+// (Qwen3 drops the <think> block of earlier turns). Outputs (tokenize_jsonl, PREFIX.json of prepare_corpus) go
+// through OutputFile (core/files.h): atomic for files, streamed into pipes and stdout. Covered by
+// tests/data/test_dataset.cpp and tests/e2e/test_cli_outputs.cpp.
 #include "data/dataset.h"
 
 #include "core/error.h"
+#include "core/files.h"
 #include "data/pretokenize.h"
 
 #include <algorithm>
@@ -17,7 +20,6 @@
 #include <thread>
 #include <unordered_set>
 
-#include <unistd.h>
 
 namespace lathe::data {
 
@@ -383,10 +385,12 @@ struct JsonlReader::Impl {
 };
 
 JsonlReader::JsonlReader(const std::string& path) : path_(path), impl_(std::make_unique<Impl>()) {
-  LATHE_CHECK(!std::filesystem::is_directory(path), "data: {} is a folder, not a JSONL file", path);
+  std::error_code ec;
+  LATHE_CHECK(std::filesystem::exists(path, ec), "data: cannot open {}: it does not exist", path);
+  LATHE_CHECK(!std::filesystem::is_directory(path, ec), "data: {} is a folder, not a JSONL file", path);
   impl_->in.rdbuf()->pubsetbuf(impl_->buffer.data(), std::streamsize(impl_->buffer.size()));
   impl_->in.open(path, std::ios::binary);
-  LATHE_CHECK(impl_->in.good(), "data: cannot open {}", path);
+  LATHE_CHECK(impl_->in.good(), "data: cannot open {}: {}", path, std::strerror(errno));
 }
 
 JsonlReader::~JsonlReader() = default;
@@ -532,35 +536,6 @@ std::shared_ptr<const Corpus> open_corpus(const std::string& path, const RowEnco
 
 namespace {
 
-// An output file written under a temporary name and renamed into place by commit(); removed
-// when destroyed uncommitted (an error on the way leaves nothing behind).
-class AtomicOutput {
- public:
-  explicit AtomicOutput(std::string path) : path_(std::move(path)), tmp_(path_ + fmt::format(".tmp-{}", getpid())) {
-    out_.open(tmp_, std::ios::binary);
-    LATHE_CHECK(out_.good(), "data: cannot write {}", tmp_);
-  }
-  ~AtomicOutput() {
-    if (committed_) return;
-    out_.close();
-    std::remove(tmp_.c_str());
-  }
-  std::ofstream& stream() { return out_; }
-  void commit() {
-    out_.close();
-    LATHE_CHECK(out_.good(), "data: writing {} failed", tmp_);
-    std::error_code ec;
-    std::filesystem::rename(tmp_, path_, ec);
-    LATHE_CHECK(!ec, "data: cannot rename {} to {}: {}", tmp_, path_, ec.message());
-    committed_ = true;
-  }
-
- private:
-  std::string path_, tmp_;
-  std::ofstream out_;
-  bool committed_ = false;
-};
-
 std::string tokenize_row(const std::string& line, const std::string& where, const Tokenizer& tok,
                          const ChatTemplate* chat, const ordered_json& kwargs) {
   ordered_json row;
@@ -609,7 +584,7 @@ int64_t tokenize_jsonl(const std::string& input, const std::string& output, cons
                        const ChatTemplate* chat, const ordered_json& template_kwargs, int threads) {
   LATHE_CHECK(template_kwargs.is_object(), "data: chat template kwargs must be a JSON object");
   JsonlReader reader(input);
-  AtomicOutput out(output);
+  OutputFile out(output, "data");
   std::vector<JsonlLine> lines;
   std::vector<std::string> results, errors;
   int64_t rows = 0;
@@ -655,7 +630,7 @@ DatasetStats prepare_corpus(const std::string& input, const std::string& prefix,
       {"vocab_size", meta.vocab_size},
       {"tokenizer_hash", fmt::format("{:016x}", meta.tokenizer_hash)},
       {"stats", stats.to_json()}};
-  AtomicOutput json(prefix + ".json");
+  OutputFile json(prefix + ".json", "data");
   json.stream() << info.dump(2) << '\n';
   writer.finish();
   json.commit();

@@ -1,7 +1,8 @@
 // The prepared-corpus format (PREFIX.tokens / .mask / .index) and the in-memory corpus.
 // Convention: every file starts with the same 64-byte little-endian header; the payload follows at
 // byte 64, so int32 and uint64 arrays are naturally aligned in the mapping. A random corpus id ties
-// the three files of one `prepare` run together, so a mix of files from two runs is refused.
+// the three files of one `prepare` run together, so a mix of files from two runs is refused. The writer writes
+// PREFIX.*.tmp-PID and renames them at finish(); a failure anywhere before (constructor included) removes them all.
 // Covered by tests/data/test_packing.cpp (TokenFile* tests).
 #include "data/token_file.h"
 
@@ -113,27 +114,42 @@ TokenFileWriter::TokenFileWriter(std::string prefix, TokenFileMeta meta)
     : prefix_(std::move(prefix)), meta_(meta), files_(std::make_unique<Files>()) {
   LATHE_CHECK(!prefix_.empty(), "data: the output prefix of a prepared corpus is empty");
   const std::filesystem::path dir = std::filesystem::path(prefix_).parent_path();
-  LATHE_CHECK(dir.empty() || std::filesystem::is_directory(dir), "data: output folder {} does not exist",
-              dir.string());
-  for (int p = 0; p < 3; ++p) {
-    files_->final[p] = prefix_ + kParts[p].suffix;
-    files_->tmp[p] = files_->final[p] + fmt::format(".tmp-{}", getpid());
-    files_->f[p] = std::fopen(files_->tmp[p].c_str(), "wb");
-    LATHE_CHECK(files_->f[p] != nullptr, "data: cannot write {}: {}", files_->tmp[p], std::strerror(errno));
-    files_->buffers[p].resize(1 << 20);
-    std::setvbuf(files_->f[p], files_->buffers[p].data(), _IOFBF, files_->buffers[p].size());
-    const char zeros[kHeaderBytes] = {};
-    write_all(files_->f[p], zeros, kHeaderBytes, files_->tmp[p]);  // the header is written by finish()
+  std::error_code ec;
+  LATHE_CHECK(dir.empty() || std::filesystem::exists(dir, ec), "data: cannot write {}.tokens: its folder {} does not "
+              "exist", prefix_, dir.string());
+  LATHE_CHECK(dir.empty() || std::filesystem::is_directory(dir, ec), "data: cannot write {}.tokens: {} is a file, not "
+              "a folder", prefix_, dir.string());
+  try {
+    for (int p = 0; p < 3; ++p) {
+      files_->final[p] = prefix_ + kParts[p].suffix;
+      LATHE_CHECK(!std::filesystem::is_directory(files_->final[p], ec), "data: output {} is a folder, not a file",
+                  files_->final[p]);
+      files_->tmp[p] = files_->final[p] + fmt::format(".tmp-{}", getpid());
+      files_->f[p] = std::fopen(files_->tmp[p].c_str(), "wb");
+      LATHE_CHECK(files_->f[p] != nullptr, "data: cannot create {}: {}", files_->tmp[p], std::strerror(errno));
+      files_->buffers[p].resize(1 << 20);
+      std::setvbuf(files_->f[p], files_->buffers[p].data(), _IOFBF, files_->buffers[p].size());
+      const char zeros[kHeaderBytes] = {};
+      write_all(files_->f[p], zeros, kHeaderBytes, files_->tmp[p]);  // the header is written by finish()
+    }
+    const uint64_t zero = 0;
+    write_all(files_->f[2], &zero, sizeof zero, files_->tmp[2]);  // offsets start at 0
+  } catch (...) {
+    remove_temporaries();  // a constructor that throws gets no destructor
+    throw;
   }
-  const uint64_t zero = 0;
-  write_all(files_->f[2], &zero, sizeof zero, files_->tmp[2]);  // offsets start at 0
 }
 
 TokenFileWriter::~TokenFileWriter() {
   if (finished_ || !files_) return;
+  remove_temporaries();
+}
+
+void TokenFileWriter::remove_temporaries() noexcept {
   for (int p = 0; p < 3; ++p) {
     if (files_->f[p]) std::fclose(files_->f[p]);
-    std::remove(files_->tmp[p].c_str());
+    files_->f[p] = nullptr;
+    if (!files_->tmp[p].empty()) std::remove(files_->tmp[p].c_str());
   }
 }
 
@@ -171,8 +187,8 @@ void TokenFileWriter::finish() {
     write_all(f, &h, sizeof h, files_->tmp[p]);
     LATHE_CHECK(std::fflush(f) == 0 && fsync(fileno(f)) == 0, "data: writing {} failed: {}", files_->tmp[p],
                 std::strerror(errno));
+    files_->f[p] = nullptr;  // closed even when fclose fails: the destructor must not close it again
     LATHE_CHECK(std::fclose(f) == 0, "data: writing {} failed: {}", files_->tmp[p], std::strerror(errno));
-    files_->f[p] = nullptr;
   }
   // The index goes last: a reader that finds the new index finds the new tokens and mask too.
   for (int p = 0; p < 3; ++p) {

@@ -67,7 +67,8 @@ struct TokenFileMeta {
 
 // Writes a prepared corpus. Data goes to PREFIX.{tokens,mask,index}.tmp-<pid> files; finish() writes
 // the headers and renames them into place (tokens, mask, then index last). Destroying a writer that
-// was not finished removes its temporary files, so a failed run leaves no partial corpus behind.
+// was not finished (or a constructor that fails part-way) removes its temporary files, so a failed run leaves no
+// partial corpus behind.
 class TokenFileWriter {
  public:
   TokenFileWriter(std::string prefix, TokenFileMeta meta);
@@ -82,6 +83,8 @@ class TokenFileWriter {
 
  private:
   struct Files;
+  void remove_temporaries() noexcept;  // closes and removes every PREFIX.*.tmp-<pid> opened so far
+
   std::string prefix_;
   TokenFileMeta meta_;
   std::unique_ptr<Files> files_;

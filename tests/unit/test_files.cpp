@@ -1,6 +1,8 @@
 // src/core/files.h: an output file replaces a regular file only when committed, follows a symbolic link to its
-// target, streams into a named pipe or a character device without replacing it, and leaves no temporary behind
-// after a failure (a full device, an error before commit); output folders likewise; errors name the path.
+// target, streams into a named pipe, a character device or a /dev/fd/N path without replacing it, and leaves no
+// temporary behind after a failure (a full device, an error before commit); output folders likewise; errors name the
+// path.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -103,6 +105,27 @@ TEST(Files, OutputFileWritesIntoACharacterDevice) {
   EXPECT_TRUE(S_ISCHR(st.st_mode));
 }
 
+// /dev/fd/N (like /dev/stdout under `> file`) names a regular file here: it is appended to in place, never renamed over.
+TEST(Files, OutputFileWritesInPlaceThroughDevFdEvenToARegularFile) {
+  const fs::path d = scratch("devfd");
+  const int fd = ::open((d / "log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0600);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, "a\n", 2), 2);
+  struct stat before {}, after {};
+  ASSERT_EQ(stat((d / "log").c_str(), &before), 0);
+  {
+    lathe::OutputFile out(fmt::format("/dev/fd/{}", fd), "test");
+    EXPECT_TRUE(out.streamed());
+    out.stream() << "b\n";
+    out.commit();
+  }
+  ::close(fd);
+  ASSERT_EQ(stat((d / "log").c_str(), &after), 0);
+  EXPECT_EQ(before.st_ino, after.st_ino) << "the file was replaced";
+  EXPECT_EQ(slurp(d / "log"), "a\nb\n");
+  EXPECT_TRUE(others(d, {"log"}).empty());
+}
+
 TEST(Files, AFullDeviceIsAClearErrorAndLeavesNothing) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full on this machine";
   lathe::OutputFile out("/dev/full", "test");
@@ -169,6 +192,9 @@ TEST(Files, ErrorsNameThePathInTheWay) {
             std::string::npos);
   EXPECT_NE(error_of([&] { lathe::OutputFile(d.string(), "logprobs"); }).find("is a folder, not a file"), std::string::npos);
   EXPECT_NE(error_of([&] { lathe::OutputFile((d / "no/such/dir/x.jsonl").string(), "logprobs"); }).find("does not exist"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { lathe::OutputFile((d / "file/x.jsonl").string(), "logprobs"); })
+                .find(fmt::format("{} is a file, not a folder", (d / "file").string())),
             std::string::npos);
   EXPECT_NE(error_of([&] { lathe::read_text_file((d / "absent.yaml").string(), "config"); })
                 .find(fmt::format("config: {} does not exist", (d / "absent.yaml").string())),

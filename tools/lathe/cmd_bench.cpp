@@ -9,7 +9,7 @@
 // (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs with an
 // OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the step that no
 // kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
-// Covered by tests/e2e/test_bench.cpp.
+// Covered by tests/e2e/test_bench.cpp; the range checks of its numeric options by tests/e2e/test_cli_outputs.cpp.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -27,6 +27,7 @@
 #include <random>
 
 #include "backend/profiler.h"
+#include "cli_support.h"
 #include "commands.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
@@ -527,16 +528,23 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--shape", a->shape, "0.6b, 1.7b, 4b (Qwen3 shapes), q35-0.8b (Qwen3.5), 30b-a3b (Qwen3-MoE) or a "
                   "config.json (or a folder holding one)")
       ->required();
-  cmd->add_option("--seq", a->seq, "tokens per document")->capture_default_str();
+  cmd->add_option("--seq", a->seq, "tokens per document")
+      ->capture_default_str()
+      ->check(number_in(2, double(int64_t(1) << 31)));
   cmd->add_option("--layers", a->layers, "keep only the first N layers of the shape (0: all); 30b-a3b needs a cut to fit "
-                  "one GPU");
-  cmd->add_option("--micro-batch", a->micro_batch, "documents per step")->capture_default_str();
-  cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str();
-  cmd->add_option("--warmup", a->warmup, "untimed steps first")->capture_default_str();
+                  "one GPU")
+      ->check(number_in(0));
+  cmd->add_option("--micro-batch", a->micro_batch, "documents per step")
+      ->capture_default_str()
+      ->check(number_in(1, double(int64_t(1) << 31)));
+  cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str()->check(number_in(1));
+  cmd->add_option("--warmup", a->warmup, "untimed steps first")->capture_default_str()->check(number_in(0));
   cmd->add_option("--device", a->device, "cpu or cuda[:N]")->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "parameter dtype (default bf16 on CUDA, f32 on the CPU)");
   cmd->add_option("--lora-rank", a->lora_rank, "0: full fine-tuning; r: one rank-r LoRA adapter (alpha 2r) on every linear "
-                                               "module of a frozen base")->capture_default_str();
+                                               "module of a frozen base")
+      ->capture_default_str()
+      ->check(number_in(0));
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
   cmd->add_flag("--nondeterministic", a->nondeterministic,
@@ -555,7 +563,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
   cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE: batched expert GEMMs over experts padded "
                   "to the largest count while E x that count <= this x the routed rows (0: grouped GEMMs always)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(number_in(0));
   cmd->callback([a, &exit_code] {
     run(*a);
     exit_code = 0;

@@ -1,24 +1,30 @@
 // `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with cached decoding (a KV
 // cache for qwen3; conv and recurrent state caches plus KV caches of the attention layers for qwen3_5).
 // --prompt streams the completion to stdout; --input reads {"prompt": "..."} or {"messages": [...]} lines and
-// writes {"completion", "tokens", "finish_reason"} lines in input order (to --output, which appears only when
-// every line is done, or to stdout). Convention: a prompt gets the chat template (one user message, generation
-// prompt added) unless --no-chat-template; messages always do. Every input line is checked before any generation.
+// writes {"completion", "tokens", "finish_reason"} lines in input order (to --output through OutputFile: a file
+// appears only when every line is done, "-", /dev/stdout or a pipe are streamed; default stdout).
+// Convention: a prompt gets the chat template (one user message, generation prompt added) unless --no-chat-template;
+// messages always do. The template renders with --chat-template-kwargs, else the first chat_template_kwargs.json of
+// the --adapter, --model and --tokenizer folders (what training recorded), else {}; one stderr line says which.
+// Every input line is checked before any generation.
 // Hidden options for dev/ref/check_generate.py: --prompt-tokens 1,2,3 (raw ids, no tokenizer needed),
 // --print-tokens (a JSON line instead of streamed text), --ignore-eos. Covered by dev/ref/check_generate.py (qwen3) and
-// dev/ref/check_generate_qwen3_5.py; the library underneath by tests/models/test_generate{,_qwen3_5}.cpp.
+// dev/ref/check_generate_qwen3_5.py and tests/e2e/test_cli_outputs.cpp (Generate* tests: options, outputs, chat-template
+// kwargs); the library underneath by tests/models/test_generate{,_qwen3_5}.cpp.
 #include <fmt/format.h>
 
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <unistd.h>
 
+#include "cli_support.h"
 #include "commands.h"
+#include "core/files.h"
 #include "data/chat_template.h"
+#include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "model/generate.h"
 #include "model/lora.h"
@@ -32,6 +38,8 @@ namespace fs = std::filesystem;
 
 struct Args {
   std::string model, adapter, tokenizer, prompt, input, output, prompt_tokens, device = "cpu", dtype;
+  std::string chat_template_kwargs;
+  bool has_chat_template_kwargs = false;  // --chat-template-kwargs given
   int64_t max_new_tokens = 256;
   double temperature = 0.0, top_p = 1.0;
   int64_t top_k = 0;
@@ -44,8 +52,9 @@ struct Args {
 // What a run needs besides the model: the tokenizer and chat template, loaded when the inputs need them.
 class Prompts {
  public:
-  Prompts(const Args& a, int64_t model_vocab, int64_t max_len)
-      : a_(a), dir_(a.tokenizer.empty() ? a.model : a.tokenizer), vocab_(model_vocab), max_len_(max_len) {}
+  Prompts(const Args& a, nlohmann::ordered_json kwargs, int64_t model_vocab, int64_t max_len)
+      : a_(a), dir_(a.tokenizer.empty() ? a.model : a.tokenizer), kwargs_(std::move(kwargs)), vocab_(model_vocab),
+        max_len_(max_len) {}
 
   const data::Tokenizer* tokenizer_if_present() {
     if (!tokenizer_ && fs::exists(fs::path(dir_) / "tokenizer.json")) tokenizer_.emplace(data::Tokenizer::from_dir(dir_));
@@ -67,13 +76,12 @@ class Prompts {
     LATHE_CHECK(!a_.no_chat_template, "generate: 'messages' need the chat template, but --no-chat-template is set");
     const data::Tokenizer& tok = tokenizer();
     if (!chat_) {
-      const fs::path config = fs::path(dir_) / "tokenizer_config.json";
-      LATHE_CHECK(fs::exists(config), "generate: {} not found, so there is no chat template; pass "
-                  "--no-chat-template to use the prompt as raw text", config.string());
-      chat_.emplace(ChatTemplate::from_tokenizer_config(config.string()));
+      chat_ = data::load_chat_template(dir_);
+      LATHE_CHECK(chat_.has_value(), "generate: {} has no chat template (no chat_template in tokenizer_config.json, "
+                  "no chat_template.jinja); pass --no-chat-template to use the prompt as raw text", dir_);
     }
     chat_used_ = true;
-    return check(tok.encode(chat_->render(messages, /*add_generation_prompt=*/true)));
+    return check(tok.encode(chat_->render(messages, /*add_generation_prompt=*/true, kwargs_)));
   }
   std::vector<int32_t> from_ids(const std::string& list) {
     std::vector<int32_t> ids;
@@ -112,6 +120,7 @@ class Prompts {
 
   const Args& a_;
   std::string dir_;
+  nlohmann::ordered_json kwargs_;  // the chat template's extra variables
   int64_t vocab_, max_len_;
   std::optional<data::Tokenizer> tokenizer_;
   std::optional<ChatTemplate> chat_;
@@ -120,11 +129,14 @@ class Prompts {
 
 // {"prompt": "..."} or {"messages": [...]} per line; blank lines are skipped. Errors name file:line.
 std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts) {
-  std::ifstream in(path);
-  LATHE_CHECK(in.good(), "generate: cannot open input {}", path);
+  const std::string text = read_text_file(path, "generate");
   std::vector<std::vector<int32_t>> out;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
+  size_t begin = 0;
+  for (int64_t n = 1; begin < text.size(); ++n) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::ordered_json j;
     try {
@@ -172,8 +184,8 @@ std::vector<int32_t> eos_ids(const std::string& model_dir, const data::Tokenizer
   for (const char* file : {"generation_config.json", "config.json"}) {
     const fs::path p = fs::path(model_dir) / file;
     if (!fs::exists(p)) continue;
-    std::ifstream in(p);
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    const nlohmann::json j = nlohmann::json::parse(read_text_file(p.string(), "generate"), nullptr,
+                                                   /*allow_exceptions=*/false);
     LATHE_CHECK(!j.is_discarded(), "generate: {} is not valid JSON", p.string());
     if (j.contains("eos_token_id")) {
       const nlohmann::json& e = j["eos_token_id"];
@@ -203,8 +215,15 @@ void run(const Args& a) {
   options.seed = a.seed;
   options.stop = a.stop;
   check_sampling_options(options.sampling);
-  LATHE_CHECK(a.max_new_tokens >= 0, "generate: --max-new-tokens must be >= 0, not {}", a.max_new_tokens);
   for (const std::string& s : a.stop) LATHE_CHECK(!s.empty(), "generate: --stop needs a non-empty string");
+  check_folder(a.model, "--model", "generate");
+  if (!a.adapter.empty()) check_folder(a.adapter, "--adapter", "generate");
+  if (!a.tokenizer.empty()) check_folder(a.tokenizer, "--tokenizer", "generate");
+  // Settled (and printed) before the model loads, so a bad --chat-template-kwargs fails at once.
+  nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
+  if (!a.no_chat_template && a.prompt_tokens.empty())
+    kwargs = resolve_chat_template_kwargs(a.has_chat_template_kwargs, a.chat_template_kwargs,
+                                          {a.adapter, a.model, a.tokenizer}, "generate").kwargs;
 
   Runtime rt;
   ModelOptions mo;
@@ -218,7 +237,8 @@ void run(const Args& a) {
     merge_lora(*model, bank, 0);
   }
   const ModelConfig& c = model->config();
-  Prompts prompts(a, c.vocab_size, c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
+  Prompts prompts(a, std::move(kwargs), c.vocab_size,
+                  c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
 
   std::vector<std::vector<int32_t>> requests;
   if (!a.input.empty()) requests = read_requests(a.input, prompts);
@@ -228,6 +248,8 @@ void run(const Args& a) {
   LATHE_CHECK(a.stop.empty() || tok, "generate: --stop needs a tokenizer (--tokenizer DIR)");
   if (!a.ignore_eos) options.eos_ids = eos_ids(a.model, tok, prompts.used_chat_template());
   Generator gen(rt, *model, tok);
+  int64_t prompt_tokens = 0;
+  for (const std::vector<int32_t>& r : requests) prompt_tokens += int64_t(r.size());
 
   const auto t0 = std::chrono::steady_clock::now();
   int64_t generated = 0;
@@ -241,41 +263,29 @@ void run(const Args& a) {
     });
     if (stream) std::fputs("\n", stdout);
     else fmt::print("{}\n", result_json(r).dump());
-    fmt::print(stderr, "generate: {} tokens, finish_reason {}, {:.1f} tokens/s on {} ({})\n", r.tokens.size(),
-               finish_reason_name(r.finish_reason), double(r.tokens.size()) / std::max(seconds(), 1e-9),
+    fmt::print(stderr, "generate: {} prompt tokens, {} tokens, finish_reason {}, {:.1f} tokens/s on {} ({})\n",
+               prompt_tokens, r.tokens.size(), finish_reason_name(r.finish_reason),
+               double(r.tokens.size()) / std::max(seconds(), 1e-9),
                mo.device.str(), dtype_name(mo.dtype));
     return;
   }
 
-  const std::string tmp = a.output.empty() ? "" : a.output + fmt::format(".tmp-{}", getpid());
-  std::ofstream file;
-  if (!tmp.empty()) {
-    file.open(tmp);
-    LATHE_CHECK(file.good(), "generate: cannot write {}", tmp);
-  }
+  OutputFile file(a.output.empty() ? "-" : a.output, "generate");
   const bool progress = isatty(STDERR_FILENO);
   for (size_t i = 0; i < requests.size(); ++i) {
     options.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines
     const GenerateResult r = gen.generate(requests[i], options);
     generated += int64_t(r.tokens.size());
-    const std::string line = result_json(r).dump() + "\n";
-    if (tmp.empty()) {
-      std::fputs(line.c_str(), stdout);
-      std::fflush(stdout);
-    } else {
-      file << line;
-    }
+    file.stream() << result_json(r).dump() << "\n";
+    if (file.streamed()) file.stream().flush();  // a reader of stdout or a pipe sees each line as it is done
     if (progress)
       fmt::print(stderr, "\rgenerate: {}/{} prompts, {} tokens, {:.1f} tokens/s", i + 1, requests.size(), generated,
                  double(generated) / std::max(seconds(), 1e-9));
   }
-  if (!tmp.empty()) {
-    file.close();
-    LATHE_CHECK(file.good(), "generate: writing {} failed", tmp);
-    fs::rename(tmp, a.output);
-  }
-  fmt::print(stderr, "{}generate: {} prompts, {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}){}\n",
-             progress ? "\r" : "", requests.size(), generated, seconds(), double(generated) / std::max(seconds(), 1e-9),
+  file.commit();
+  fmt::print(stderr, "{}generate: {} prompts ({} prompt tokens), {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}){}\n",
+             progress ? "\r" : "", requests.size(), prompt_tokens, generated, seconds(),
+             double(generated) / std::max(seconds(), 1e-9),
              mo.device.str(), dtype_name(mo.dtype), a.output.empty() ? "" : " -> " + a.output);
 }
 
@@ -290,15 +300,25 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt", args->prompt, "a user prompt; the completion streams to stdout");
   cmd->add_option("--input", args->input, "JSONL, one {\"prompt\": ...} or {\"messages\": [...]} per line");
   cmd->add_option("--output", args->output, "JSONL, one {\"completion\", \"tokens\", \"finish_reason\"} per input "
-                  "line (default: stdout)");
-  cmd->add_option("--max-new-tokens", args->max_new_tokens, "most tokens to generate per prompt")->capture_default_str();
-  cmd->add_option("--temperature", args->temperature, "0 = greedy")->capture_default_str();
-  cmd->add_option("--top-k", args->top_k, "sample from the k most likely tokens (0 = all)")->capture_default_str();
+                  "line, written whole when every line is done (default, - or a pipe: streamed to stdout / the pipe)");
+  cmd->add_option("--max-new-tokens", args->max_new_tokens, "most tokens to generate per prompt")
+      ->capture_default_str()
+      ->check(number_in(1));
+  cmd->add_option("--temperature", args->temperature, "0 = greedy")
+      ->capture_default_str()
+      ->check(number_in(0));
+  cmd->add_option("--top-k", args->top_k, "sample from the k most likely tokens (0 = all)")
+      ->capture_default_str()
+      ->check(number_in(0));
   cmd->add_option("--top-p", args->top_p, "sample from the smallest set with this probability (1 = all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(in_unit_interval());
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
+  cmd->add_option("--chat-template-kwargs", args->chat_template_kwargs,
+                  "JSON object passed to the chat template, e.g. {\"enable_thinking\": false} (default: "
+                  "chat_template_kwargs.json of the --adapter, else --model, else --tokenizer folder, else {})");
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "compute dtype (default f32 on cpu, bf16 on cuda)");
   cmd->add_option("--prompt-tokens", args->prompt_tokens, "prompt as token ids, e.g. 1,2,3")->group("");
@@ -306,6 +326,7 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--ignore-eos", args->ignore_eos, "do not stop on EOS tokens")->group("");
   cmd->callback([cmd, args, &exit_code] {
     args->has_prompt = cmd->count("--prompt") > 0;
+    args->has_chat_template_kwargs = cmd->count("--chat-template-kwargs") > 0;
     run(*args);
     exit_code = 0;
   });

@@ -1,17 +1,24 @@
-// `lathe logprobs --model DIR [--adapter PEFT_DIR] --input IN.jsonl --output OUT.jsonl [--device cpu|cuda]`: for each input line
-// {"tokens": [...]}, writes {"logprobs": [...]} with n-1 entries, entry i = log p(tokens[i+1] | tokens[..i]).
-// Lines are packed into batches of documents (no attention across them); output order is input order and
-// the output file appears only when every line succeeded.
+// `lathe logprobs --model DIR [--adapter PEFT_DIR] --input IN.jsonl --output OUT.jsonl [--device cpu|cuda]`: for each
+// input line {"tokens": [...]}, {"text": "..."} (encoded without special tokens, as `lathe tokenize` does) or
+// {"messages": [...]} (rendered with the model folder's chat template and chat-template kwargs, no generation prompt),
+// writes {"logprobs": [...]} with n-1 entries, entry i = log p(tokens[i+1] | tokens[..i]).
+// Lines are packed into batches of documents (no attention across them); output order is input order. The output
+// goes through OutputFile: a file appears only when every line succeeded (a failure leaves the old one and no
+// temporary), while "-", /dev/stdout or a pipe are streamed. The chat-template kwargs are --chat-template-kwargs, else
+// the adapter's, then the model folder's chat_template_kwargs.json (cli_support.h). Covered by
+// tests/e2e/test_cli_outputs.cpp (Logprobs* tests) and tests/e2e/test_train.cpp.
 #include <fmt/format.h>
 
 #include <filesystem>
 #include <memory>
 #include <optional>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
+#include "cli_support.h"
 #include "commands.h"
+#include "core/files.h"
+#include "data/chat_template.h"
+#include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
@@ -21,63 +28,109 @@ namespace lathe::cli {
 namespace {
 
 struct Args {
-  std::string model, adapter, input, output, device = "cpu", dtype;
+  std::string model, adapter, input, output, device = "cpu", dtype, chat_template_kwargs;
+  bool has_chat_template_kwargs = false;
   int64_t batch_tokens = 8192;
 };
 
-// Lines are {"tokens": [...]} or, when the model folder has a tokenizer.json, {"text": "..."} (encoded without
-// special tokens, as `lathe tokenize` does).
-std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int64_t vocab, const std::string& model_dir) {
-  std::optional<data::Tokenizer> tokenizer;
-  std::ifstream in(path);
-  LATHE_CHECK(in.good(), "logprobs: cannot open input {}", path);
+// The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
+class TextEncoder {
+ public:
+  TextEncoder(const Args& a, nlohmann::ordered_json kwargs) : dir_(a.model), kwargs_(std::move(kwargs)) {}
+
+  std::vector<int32_t> text(const std::string& text) { return tokenizer().encode(text); }
+  std::vector<int32_t> messages(const nlohmann::ordered_json& messages) {
+    if (!chat_loaded_) {
+      chat_ = data::load_chat_template(dir_);
+      chat_loaded_ = true;
+    }
+    LATHE_CHECK(chat_.has_value(), "'messages' need a chat template, and {} has none (no chat_template in "
+                "tokenizer_config.json, no chat_template.jinja)", dir_);
+    return tokenizer().encode(chat_->render(messages, /*add_generation_prompt=*/false, kwargs_));
+  }
+
+ private:
+  const data::Tokenizer& tokenizer() {
+    if (!tokenizer_) {
+      LATHE_CHECK(std::filesystem::exists(std::filesystem::path(dir_) / "tokenizer.json"),
+                  "'text' and 'messages' input need {}/tokenizer.json; pass 'tokens' instead", dir_);
+      tokenizer_.emplace(data::Tokenizer::from_dir(dir_));
+    }
+    return *tokenizer_;
+  }
+
+  std::string dir_;
+  nlohmann::ordered_json kwargs_;
+  std::optional<data::Tokenizer> tokenizer_;
+  std::optional<ChatTemplate> chat_;
+  bool chat_loaded_ = false;
+};
+
+std::vector<int32_t> line_ids(const nlohmann::ordered_json& j, int64_t vocab, TextEncoder& encoder) {
+  LATHE_CHECK(j.is_object(), "expected an object");
+  const int kinds = int(j.contains("tokens")) + int(j.contains("text")) + int(j.contains("messages"));
+  LATHE_CHECK(kinds == 1, "expected exactly one of {{\"tokens\": [int, ...]}}, {{\"text\": ...}} and "
+              "{{\"messages\": [...]}}");
+  std::vector<int32_t> ids;
+  if (j.contains("tokens")) {
+    LATHE_CHECK(j["tokens"].is_array(), "'tokens' must be an array of integers");
+    for (const auto& t : j["tokens"]) {
+      LATHE_CHECK(t.is_number_integer(), "token {} is not an integer", t.dump());
+      const int64_t v = t.get<int64_t>();
+      LATHE_CHECK(v >= 0 && v < vocab, "token {} is outside the vocabulary (size {})", v, vocab);
+      ids.push_back(int32_t(v));
+    }
+    LATHE_CHECK(!ids.empty(), "empty token list");
+    return ids;
+  }
+  if (j.contains("text")) {
+    LATHE_CHECK(j["text"].is_string(), "'text' must be a string");
+    ids = encoder.text(j["text"].get<std::string>());
+    LATHE_CHECK(!ids.empty(), "empty text");
+  } else {
+    LATHE_CHECK(j["messages"].is_array() && !j["messages"].empty(),
+                "'messages' must be a non-empty array of {{\"role\", \"content\"}} objects");
+    ids = encoder.messages(j["messages"]);
+    LATHE_CHECK(!ids.empty(), "the conversation renders to no tokens");
+  }
+  for (int32_t id : ids)
+    LATHE_CHECK(id < vocab, "token {} is outside the model's vocabulary (size {})", id, vocab);
+  return ids;
+}
+
+// Every non-blank line of the input; errors name FILE:LINE.
+std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int64_t vocab, TextEncoder& encoder) {
+  const std::string text = read_text_file(path, "logprobs");
   std::vector<std::vector<int32_t>> lines;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
+  size_t begin = 0;
+  for (int64_t n = 1; begin < text.size(); ++n) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines carry no request
-    nlohmann::json j;
+    nlohmann::ordered_json j;
     try {
-      j = nlohmann::json::parse(line);
+      j = nlohmann::ordered_json::parse(line);
     } catch (const nlohmann::json::exception& e) {
       LATHE_FAIL("logprobs: {}:{}: invalid JSON: {}", path, n, e.what());
     }
-    LATHE_CHECK(j.is_object(), "logprobs: {}:{}: expected an object", path, n);
-    std::vector<int32_t> ids;
-    if (j.contains("text")) {
-      LATHE_CHECK(j["text"].is_string(), "logprobs: {}:{}: 'text' must be a string", path, n);
-      if (!tokenizer) {
-        LATHE_CHECK(std::filesystem::exists(model_dir + "/tokenizer.json"),
-                    "logprobs: {}:{}: 'text' input needs {}/tokenizer.json; pass 'tokens' instead", path, n, model_dir);
-        tokenizer.emplace(data::Tokenizer::from_dir(model_dir));
-      }
-      ids = tokenizer->encode(j["text"].get<std::string>());
-      LATHE_CHECK(!ids.empty(), "logprobs: {}:{}: empty text", path, n);
-      for (int32_t id : ids)
-        LATHE_CHECK(id < vocab, "logprobs: {}:{}: token {} is outside the model's vocabulary (size {})", path, n, id, vocab);
-      lines.push_back(std::move(ids));
-      continue;
+    try {
+      lines.push_back(line_ids(j, vocab, encoder));
+    } catch (const Error& e) {
+      LATHE_FAIL("logprobs: {}:{}: {}", path, n, e.what());
     }
-    LATHE_CHECK(j.contains("tokens") && j["tokens"].is_array(), "logprobs: {}:{}: expected {{\"tokens\": [int, ...]}} or "
-                "{{\"text\": ...}}", path, n);
-    for (const auto& t : j["tokens"]) {
-      LATHE_CHECK(t.is_number_integer(), "logprobs: {}:{}: token {} is not an integer", path, n, t.dump());
-      const int64_t v = t.get<int64_t>();
-      LATHE_CHECK(v >= 0 && v < vocab, "logprobs: {}:{}: token {} is outside the vocabulary (size {})", path, n, v, vocab);
-      ids.push_back(int32_t(v));
-    }
-    LATHE_CHECK(!ids.empty(), "logprobs: {}:{}: empty token list", path, n);
-    lines.push_back(std::move(ids));
   }
   return lines;
 }
 
 // Scores every line with `model` into a.output.
-void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank) {
-  const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, a.model);
+void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank,
+           TextEncoder& encoder) {
+  const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, encoder);
 
-  const std::string tmp = a.output + fmt::format(".tmp-{}", getpid());
-  std::ofstream out(tmp);
-  LATHE_CHECK(out.good(), "logprobs: cannot write {}", tmp);
+  OutputFile file(a.output, "logprobs");
+  std::ostream& out = file.stream();
   for (size_t first = 0; first < lines.size();) {
     // Pack whole lines until the batch is full (a longer line gets a batch of its own).
     std::vector<int32_t> ids, cu = {0};
@@ -98,14 +151,16 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
     }
     first = last;
   }
-  out.close();
-  LATHE_CHECK(out.good(), "logprobs: writing {} failed", tmp);
-  std::filesystem::rename(tmp, a.output);
+  file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({})\n", lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype));
 }
 
 void run(const Args& a) {
+  check_folder(a.model, "--model", "logprobs");
+  if (!a.adapter.empty()) check_folder(a.adapter, "--adapter", "logprobs");
+  TextEncoder encoder(a, resolve_chat_template_kwargs(a.has_chat_template_kwargs, a.chat_template_kwargs,
+                                                      {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
   ModelOptions options;
   options.device = parse_device(a.device);
@@ -120,7 +175,7 @@ void run(const Args& a) {
     bank->load_peft(0, a.adapter);
     model->attach_lora(bank.get());
   }
-  score(rt, a, options, *model, bank.get());
+  score(rt, a, options, *model, bank.get(), encoder);
 }
 
 }  // namespace
@@ -130,12 +185,21 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<Args>();
   cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder applied to the model");
-  cmd->add_option("--input", args->input, "JSONL, one {\"tokens\": [...]} per line")->required();
-  cmd->add_option("--output", args->output, "JSONL, one {\"logprobs\": [...]} per input line")->required();
+  cmd->add_option("--input", args->input, "JSONL, one {\"tokens\": [...]}, {\"text\": ...} (encoded without special "
+                  "tokens) or {\"messages\": [...]} (the model's chat template, no generation prompt) per line")
+      ->required();
+  cmd->add_option("--output", args->output, "JSONL, one {\"logprobs\": [...]} per input line; written whole when every "
+                  "line succeeded (- or a pipe: streamed)")->required();
   cmd->add_option("--device", args->device, "cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", args->dtype, "compute dtype (default f32 on cpu, bf16 on cuda)");
-  cmd->add_option("--batch-tokens", args->batch_tokens, "tokens packed into one forward pass")->capture_default_str();
-  cmd->callback([args, &exit_code] {
+  cmd->add_option("--batch-tokens", args->batch_tokens, "tokens packed into one forward pass")
+      ->capture_default_str()
+      ->check(number_in(1));
+  cmd->add_option("--chat-template-kwargs", args->chat_template_kwargs,
+                  "JSON object passed to the chat template for 'messages' lines, e.g. {\"enable_thinking\": false} "
+                  "(default: chat_template_kwargs.json of the --adapter folder, else of the --model folder, else {})");
+  cmd->callback([cmd, args, &exit_code] {
+    args->has_chat_template_kwargs = cmd->count("--chat-template-kwargs") > 0;
     run(*args);
     exit_code = 0;
   });

@@ -1,0 +1,112 @@
+#include "cli_support.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <map>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "data/tokenizer_files.h"
+#include "io/safetensors.h"
+
+namespace lathe::cli {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The floating dtype that holds most elements of these tensors (mixed folders keep a few tensors, e.g. norms, wider).
+DType majority_dtype(const std::vector<const io::SafetensorsTensor*>& tensors, const std::string& where) {
+  std::map<DType, int64_t> elements;
+  for (const io::SafetensorsTensor* t : tensors)
+    if (is_floating(t->dtype)) elements[t->dtype] += t->numel;
+  LATHE_CHECK(!elements.empty(), "{} holds no floating-point tensors, so it has no weight dtype; pass --dtype", where);
+  DType best = elements.begin()->first;
+  for (const auto& [dtype, n] : elements)
+    if (n > elements[best]) best = dtype;
+  return best == DType::F64 ? DType::F32 : best;
+}
+
+}  // namespace
+
+CLI::Validator number_in(double min, double max) {
+  const std::string range = max == std::numeric_limits<double>::infinity() ? fmt::format(">= {}", min)
+                                                                            : fmt::format("in [{}, {}]", min, max);
+  return CLI::Validator(
+      [min, max, range](std::string& value) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(value, v)) return fmt::format("'{}' is not a number", value);
+        if (!(v >= min && v <= max)) return fmt::format("must be {}, not {}", range, value);
+        return {};
+      },
+      range);
+}
+
+CLI::Validator in_unit_interval() {
+  return CLI::Validator(
+      [](std::string& value) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(value, v) || !(v > 0 && v <= 1))
+          return fmt::format("must be in (0, 1], not {}", value);
+        return {};
+      },
+      "in (0, 1]");
+}
+
+void check_folder(const std::string& path, const std::string& option, const std::string& who) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  LATHE_CHECK(fs::exists(st), "{}: {} {} does not exist", who, option, path);
+  LATHE_CHECK(fs::is_directory(st), "{}: {} {} is a file, not a folder", who, option, path);
+}
+
+DType model_folder_dtype(const std::string& dir) {
+  const fs::path config = fs::path(dir) / "config.json";
+  if (fs::exists(config)) {
+    const nlohmann::json j = nlohmann::json::parse(read_text_file(config.string(), "model"), nullptr, false);
+    LATHE_CHECK(!j.is_discarded() && j.is_object(), "model: {} is not a JSON object", config.string());
+    for (const char* key : {"dtype", "torch_dtype"}) {
+      if (!j.contains(key) || !j[key].is_string()) continue;
+      const std::string name = j[key].get<std::string>();
+      if (name == "float32" || name == "float64") return DType::F32;
+      if (name == "bfloat16") return DType::BF16;
+      if (name == "float16") return DType::F16;
+    }  // absent, "auto" or unknown: the tensors say
+  }
+  const io::SafetensorsModel model = io::SafetensorsModel::open(dir);
+  std::vector<const io::SafetensorsTensor*> tensors;
+  for (const io::SafetensorsFile& f : model.files())
+    for (const io::SafetensorsTensor& t : f.tensors()) tensors.push_back(&t);
+  return majority_dtype(tensors, "model: " + dir);
+}
+
+DType adapter_folder_dtype(const std::string& dir) {
+  const io::SafetensorsFile file = io::SafetensorsFile::open((fs::path(dir) / "adapter_model.safetensors").string());
+  std::vector<const io::SafetensorsTensor*> tensors;
+  for (const io::SafetensorsTensor& t : file.tensors()) tensors.push_back(&t);
+  return majority_dtype(tensors, "lora: " + file.path());
+}
+
+ChatTemplateKwargs resolve_chat_template_kwargs(bool given, const std::string& option_text,
+                                                const std::vector<std::string>& dirs, const std::string& who) {
+  ChatTemplateKwargs r;
+  if (given) {
+    r.kwargs = data::parse_chat_template_kwargs(option_text, who + ": --chat-template-kwargs");
+    r.source = "--chat-template-kwargs";
+  } else {
+    r.source = "default: no chat_template_kwargs.json in the model folders";
+    for (const std::string& dir : dirs) {
+      if (dir.empty()) continue;
+      if (std::optional<nlohmann::ordered_json> found = data::read_chat_template_kwargs(dir)) {
+        r.kwargs = std::move(*found);
+        r.source = (fs::path(dir) / data::kChatTemplateKwargsFile).string();
+        break;
+      }
+    }
+  }
+  fmt::print(stderr, "{}: chat template kwargs {} (from {})\n", who, r.kwargs.dump(), r.source);
+  return r;
+}
+
+}  // namespace lathe::cli
