@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -202,6 +203,17 @@ const std::vector<Option>& options() {
       LATHE_PATH("resume", Kind::String, "auto", Need::Default,
                  "auto (continue the run in output_dir from its newest complete checkpoint) | none (start afresh: "
                  "output_dir must hold no run) | checkpoint path", resume),
+      LATHE_NUM("parallel.dp", Kind::Int, "0", between(0, 65536),
+                "data-parallel ranks (0: the world size divided by tp x cp x pp); docs/parallel.md", dp),
+      LATHE_NUM("parallel.tp", Kind::Int, "1", between(1, 65536), "tensor-parallel ranks (not built yet: 1)", tp),
+      LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks (not built yet: 1)", cp),
+      LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks (not built yet: 1)", ep),
+      LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
+      LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
+                "optimizer sharding over dp: 0 (replicated; ZeRO-1 and -2 are not built yet)", zero),
+      LATHE_NUM("parallel.timeout_s", Kind::Float, "600", above(0),
+                "a collective that does not complete in this time ends the job with a report (rank, group, "
+                "collective, sequence number)", timeout_s),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
       LATHE_OPT("dtype", Kind::String, "", "compute dtype: f32 | bf16 (default f32 on cpu, bf16 on cuda)", dtype),
       Option{"tenants", Kind::TenantList, nullptr,
@@ -390,6 +402,12 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, messages (or chat), prompt_completion",
                                    c.data_format));
   }
+  for (const auto& [key, size, what] : {std::tuple{"tp", c.tp, "tensor parallelism"}, {"cp", c.cp, "context parallelism"},
+                                        {"ep", c.ep, "expert parallelism"}, {"pp", c.pp, "pipeline parallelism"}})
+    if (size > 1)
+      problems.push_back(fmt::format("parallel.{}: {} is not built yet (data parallelism is): use 1", key, what));
+  if (c.zero > 0)
+    problems.push_back(fmt::format("parallel.zero: ZeRO-{} (sharded optimizer states) is not built yet: use 0", c.zero));
   if (!c.dtype.empty() && c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f64")
     problems.push_back(fmt::format("dtype: '{}' is not one of f32, bf16 (f64: CPU only)", c.dtype));
   else if (c.dtype == "f64" && c.device != "cpu")

@@ -66,6 +66,11 @@ struct TrainConfig {
   // multi-tenant runs: one entry per tenant, each a whole config (shared options inherited from the top level)
   std::string name;  // the tenant's name ("" for a single-job run)
   std::vector<TrainConfig> tenants;
+  // parallel layout (docs/parallel.md): sizes whose product is the world size (dp 0: inferred), ZeRO stage, the
+  // collectives' timeout
+  int64_t tp = 1, cp = 1, ep = 1, pp = 1, dp = 0;
+  int64_t zero = 0;
+  double timeout_s = 600;
   // where
   std::string resume = "auto";  // auto | none | path of a checkpoint
   std::string device = "cpu";

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -31,6 +32,7 @@
 #include "train/flops.h"
 #include "train/metrics.h"
 #include "train/run_folder.h"
+#include "parallel/process_groups.h"
 #include "train/tensorboard.h"
 
 namespace lathe {
@@ -82,8 +84,10 @@ std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& 
 
 class Progress {
  public:
-  explicit Progress(int64_t log_every) : tty_(isatty(STDOUT_FILENO)), log_every_(log_every) {}
+  // Only the first rank of a parallel run prints (`silent` on the others).
+  Progress(int64_t log_every, bool silent) : tty_(isatty(STDOUT_FILENO)), silent_(silent), log_every_(log_every) {}
   void step(int64_t step, int64_t total, const std::string& line) {
+    if (silent_) return;
     if (tty_) {
       std::printf("\r\033[K%s", line.c_str());
       std::fflush(stdout);
@@ -93,15 +97,16 @@ class Progress {
     }
   }
   void message(const std::string& line) {
+    if (silent_) return;
     std::printf(tty_ ? "\r\033[K%s\n" : "%s\n", line.c_str());
     std::fflush(stdout);
   }
   void finish() {
-    if (tty_) std::printf("\n");
+    if (tty_ && !silent_) std::printf("\n");
   }
 
  private:
-  bool tty_;
+  bool tty_, silent_;
   int64_t log_every_;
 };
 
@@ -285,7 +290,7 @@ void check_folder_with(const std::string& dir, const char* file, const std::stri
 // job; finish() writes what a resumed run still lacks and runs the final evaluations.
 class Trainer {
  public:
-  Trainer(Runtime& rt, const TrainConfig& c);
+  Trainer(Runtime& rt, const TrainConfig& c, ProcessGroups* groups);
   bool finished() const;  // every job already trained, exported and evaluated: nothing to do
   void prepare_outputs();
   void build();
@@ -305,9 +310,14 @@ class Trainer {
   void fail(Job& j, const std::string& why);
   void guarded(Job& j, const std::function<void()>& f);
   void write_model_files(const std::string& dir) const;  // tokenizer files and chat_template_kwargs.json
+  void agree_on_failures(const std::vector<Job*>& active);
+  void reduce_over_dp(const std::vector<Job*>& active);
 
   Runtime& rt_;
   const TrainConfig& c_;
+  ProcessGroups* groups_;  // nullptr: a single process
+  bool first_;             // the rank that prints and writes the run's files (rank 0, or the only one)
+  int dp_;                 // data-parallel ranks: each step's micro-batches are split over them
   Device device_;
   DType dtype_, save_dtype_;
   bool lora_;
@@ -334,8 +344,9 @@ class Trainer {
   int64_t run_steps_ = 0;
 };
 
-Trainer::Trainer(Runtime& rt, const TrainConfig& c)
-    : rt_(rt), c_(c), device_(parse_device(c.device)), progress_(c.log_every) {
+Trainer::Trainer(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
+    : rt_(rt), c_(c), groups_(groups), first_(!groups || groups->is_first()), dp_(groups ? groups->dp_size() : 1),
+      device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
   save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
@@ -455,6 +466,7 @@ bool Trainer::finished() const {
 }
 
 void Trainer::prepare_outputs() {
+  if (!first_) return;  // the first rank prepares the folders and writes every file of the run
   if (!c_.tenants.empty()) apply_start(top_, top_start_, "train");
   for (Job& j : jobs_) {
     if (!c_.tenants.empty()) j.folder = inspect_run_folder(j.out, j.who());  // the top folder's overwrite may have cleared it
@@ -488,7 +500,8 @@ void Trainer::build() {
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
   if (lora_ && c_.model_path.empty()) {
     const fs::path scratch_base = fs::path(c_.output_dir) / "base";
-    if (model_source_.empty()) model_->save(scratch_base.string(), save_dtype_, 5ull << 30, [&](const std::string& d) { write_model_files(d); });
+    if (model_source_.empty() && first_)  // every rank made the same random base from the seed
+      model_->save(scratch_base.string(), save_dtype_, 5ull << 30, [&](const std::string& d) { write_model_files(d); });
     base_model_ = fs::absolute(scratch_base).string();
   }
   if (lora_) {
@@ -565,6 +578,8 @@ void Trainer::build_job(Job& j) {
   if (j.train) {
     j.loader_options.capacity = jc.micro_batch_tokens;
     j.loader_options.seed = jc.seed;
+    j.loader_options.rank = groups_ ? groups_->dp_rank() : 0;  // rank r takes global batches r, r + dp, ...
+    j.loader_options.world = dp_;
     j.loader = std::make_unique<data::PackedLoader>(j.train, j.loader_options,
                                                     j.state.contains("loader") ? j.state["loader"] : nlohmann::json(nullptr));
   }
@@ -573,9 +588,11 @@ void Trainer::build_job(Job& j) {
   j.sched.warmup_steps = jc.warmup_steps;
   j.sched.total_steps = jc.max_steps;
   j.sched.min_lr_ratio = jc.min_lr_ratio;
-  j.metrics = std::make_unique<MetricsWriter>((j.out / "metrics.jsonl").string());
-  j.metrics->truncate_after(j.step);  // entries past the checkpoint belong to the interrupted run
-  j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
+  if (first_) {
+    j.metrics = std::make_unique<MetricsWriter>((j.out / "metrics.jsonl").string());
+    j.metrics->truncate_after(j.step);  // entries past the checkpoint belong to the interrupted run
+    j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
+  }
   j.summary.final_step = j.step;
 }
 
@@ -628,7 +645,7 @@ void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::func
         ids.insert(ids.end(), b.ids.begin(), b.ids.end());
         labels.insert(labels.end(), b.labels.begin(), b.labels.end());
         for (size_t k = 1; k < b.cu_seqlens.size(); ++k) cu.push_back(base_row + b.cu_seqlens[k]);
-        segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum),
+        segments.push_back({int64_t(ids.size()), j->adapter, 1.0 / double(j->cfg->grad_accum * dp_),
                             mix_seed(j->cfg->seed, uint64_t(j->step + 1), uint64_t(micro))});
         j->tokens += b.tokens();
         j->flops += flops_per_token(mc, b.cu_seqlens) * double(b.tokens());
@@ -638,8 +655,9 @@ void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::func
     if (in_batch.empty()) continue;
     PackedBatch pb = make_packed_batch(rt_, device_, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
     if (lora_) set_segments(pb, segments);
-    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum),
-                                      micro + 1 == max_accum ? queue_optimizer : std::function<void()>());
+    // Under data parallelism the optimizer is queued after the gradients are summed over the ranks (step()).
+    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_),
+                                      micro + 1 == max_accum && dp_ == 1 ? queue_optimizer : std::function<void()>());
     for (size_t k = 0; k < in_batch.size(); ++k) {
       const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
       in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
@@ -660,11 +678,11 @@ void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::func
 nlohmann::json Trainer::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
   const TrainConfig& jc = *j.cfg;
   const int64_t step = j.step + 1;
-  const double loss = j.loss_sum / double(jc.grad_accum);
+  const double loss = j.loss_sum / double(jc.grad_accum * dp_);
   const double lr = learning_rate(j.sched, step);
   nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j.tokens}, {"labelled", j.labelled}};
   if (!j.expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load
-    m["aux_loss"] = j.aux_sum / double(jc.grad_accum);
+    m["aux_loss"] = j.aux_sum / double(jc.grad_accum * dp_);
     nlohmann::json load = nlohmann::json::object();
     for (const auto& [layer, counts] : j.expert_tokens) {
       const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t(0));
@@ -708,6 +726,14 @@ void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, 
   if (jobs_.size() > 1) m["run_tokens_per_s"] = double(run_tokens) / dt;
   if (peak_ > 0) m["mfu"] = j.flops / dt / peak_;
   m["memory_mib"] = mem_mib;
+  const double loss = m["loss"].get<double>();
+  if (!m.contains("skipped")) {
+    if (j.summary.steps_run == 0) j.summary.first_loss = loss;
+    j.summary.last_loss = loss;
+  }
+  j.summary.steps_run++;
+  j.summary.final_step = step;
+  if (!first_) return;  // the other ranks hold the same state: the first one evaluates and writes
   if (j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
     const double eval_loss = evaluate(rt_, *model_, j);
     m["eval_loss"] = eval_loss;
@@ -725,13 +751,6 @@ void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, 
     for (const auto& [layer, v] : m["expert_load"].items())
       scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
   j.tb->add_scalars(step, scalars);
-  const double loss = m["loss"].get<double>();
-  if (!m.contains("skipped")) {
-    if (j.summary.steps_run == 0) j.summary.first_loss = loss;
-    j.summary.last_loss = loss;
-  }
-  j.summary.steps_run++;
-  j.summary.final_step = step;
   if ((jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps) {
     const nlohmann::json st = {{"step", step}, {"loader", j.loader->state()}, {"tokens_seen", j.tokens_seen},
                                {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
@@ -743,6 +762,53 @@ void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, 
     }, st);
   }
   if (step == jc.max_steps) write_final(j);
+}
+
+// A tenant that failed on any rank is failed on every rank, so that all ranks run the same collectives from here on.
+void Trainer::agree_on_failures(const std::vector<Job*>& active) {
+  std::vector<double> failed;
+  for (Job* j : active) failed.push_back(j->failed ? 1.0 : 0.0);
+  Tensor flags = rt_.from_host(failed.data(), {int64_t(failed.size())}, DType::F64, Device::cpu());
+  groups_->dp->all_reduce(flags).wait();
+  for (size_t k = 0; k < active.size(); ++k)
+    if (flags.data<double>()[k] > 0 && !active[k]->failed) {
+      fail(*active[k], fmt::format("train: failed on another data-parallel rank at step {}", active[k]->step + 1));
+      if (lora_) bank_->clear(active[k]->adapter);
+    }
+}
+
+// Data parallelism: every rank's gradients and step figures summed over the dp group (in rank order, so every rank
+// ends with the same values and takes the same optimizer step).
+void Trainer::reduce_over_dp(const std::vector<Job*>& active) {
+  Communicator& dp = *groups_->dp;
+  std::vector<double> stats;
+  for (Job* j : active) {
+    if (j->failed) continue;
+    for (Parameter& p : *j->params) {
+      if (!p.grad.defined()) {  // no gradient reached it on this rank (an expert without tokens): zero
+        p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), rt_.host_allocator());
+        std::memset(p.grad.data_ptr(), 0, p.grad.nbytes());
+      }
+      dp.all_reduce(p.grad).wait();
+    }
+    stats.insert(stats.end(), {j->loss_sum, double(j->labelled), double(j->tokens), j->flops, j->aux_sum});
+    for (auto& [layer, counts] : j->expert_tokens)
+      for (int64_t n : counts) stats.push_back(double(n));
+  }
+  if (stats.empty()) return;
+  Tensor t = rt_.from_host(stats.data(), {int64_t(stats.size())}, DType::F64, Device::cpu());
+  dp.all_reduce(t).wait();
+  const double* v = t.data<double>();
+  for (Job* j : active) {
+    if (j->failed) continue;
+    j->loss_sum = *v++;
+    j->labelled = int64_t(*v++);
+    j->tokens = int64_t(*v++);
+    j->flops = *v++;
+    j->aux_sum = *v++;
+    for (auto& [layer, counts] : j->expert_tokens)
+      for (int64_t& n : counts) n = int64_t(*v++);
+  }
 }
 
 bool Trainer::step() {
@@ -775,6 +841,10 @@ bool Trainer::step() {
     }
   };
   run_micro_batches(active, queue_optimizer);
+  if (dp_ > 1) {
+    agree_on_failures(active);
+    reduce_over_dp(active);
+  }
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
   for (Job* j : active) {
@@ -827,6 +897,7 @@ bool Trainer::step() {
 // The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
 // or a PEFT adapter folder with the same files; it appears whole.
 void Trainer::write_final(Job& j) {
+  if (!first_) return;
   const fs::path final_dir = j.out / "final";
   const auto add = [&](const std::string& d) { write_model_files(d); };
   if (lora_) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);
@@ -838,6 +909,7 @@ void Trainer::write_final(Job& j) {
 
 // The job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
 void Trainer::final_eval(Job& j) {
+  if (!first_) return;
   std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
   if (lora_) {
     for (const std::string& name : lora_merge_targets(*bank_, j.adapter)) {
@@ -896,9 +968,9 @@ TrainSummary Trainer::summary(bool already_finished) const {
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& c) {
+TrainSummary run_training(const TrainConfig& c, ProcessGroups* groups) {
   Runtime rt;
-  Trainer trainer(rt, c);  // reads and checks every input; writes nothing
+  Trainer trainer(rt, c, groups);  // reads and checks every input; writes nothing
   if (trainer.finished()) return trainer.summary(true);
   trainer.prepare_outputs();
   trainer.build();

@@ -16,6 +16,8 @@
 
 namespace lathe {
 
+struct ProcessGroups;
+
 struct JobSummary {
   std::string name;           // the tenant's name ("" for a single-job run)
   int64_t steps_run = 0;      // steps run by this invocation
@@ -41,7 +43,9 @@ struct TrainSummary {
 
 // Every input (files, options, the model config) is read and checked before anything is written; the output folder
 // is then continued, rewound, replaced or refused as train/run_folder.h says.
-TrainSummary run_training(const TrainConfig& config);
+// With `groups` (a parallel launch), the data-parallel ranks split each step's micro-batches: dp = N with grad_accum k
+// is the computation of one process with grad_accum N x k; the first rank prints and writes the run's files.
+TrainSummary run_training(const TrainConfig& config, ProcessGroups* groups = nullptr);
 
 // Newest complete checkpoint folder in `output_dir`, or "" when there is none.
 std::string latest_checkpoint(const std::string& output_dir);

@@ -1,0 +1,27 @@
+// The process groups one rank takes part in, made from the ParallelGrid: each kind's communicator is split from the
+// world eagerly, in the same order on every rank (a communicator made lazily can stall a job outside any timeout;
+// research note parallelism.md §1). Only the data-parallel group exists so far; tp, cp, ep and pp join it as their
+// issues land. A single process is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
+#pragma once
+
+#include <memory>
+
+#include "comm/communicator.h"
+#include "parallel/grid.h"
+
+namespace lathe {
+
+struct ProcessGroups {
+  ParallelGrid grid;
+  int rank = 0;
+  std::unique_ptr<Communicator> world, dp;
+
+  int dp_rank() const { return dp ? dp->rank() : 0; }
+  int dp_size() const { return dp ? dp->size() : 1; }
+  bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
+};
+
+// Over `world` (nullptr: a single process).
+std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator> world, const ParallelSizes& sizes);
+
+}  // namespace lathe
