@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -852,6 +853,8 @@ bool Trainer::step() {
     const size_t k = size_t(j - jobs_.data());
     entries[k] = optimizer_step(*j, norms[k]->read(), std::move(*updates[k]));
   }
+  // Test hook (tests/e2e/test_train_dp.cpp): the last rank dies with SIGKILL after step N's update, as kill -9 would.
+  if (groups_ && groups_->rank == groups_->grid.world() - 1 && fault_injected("rank_sigkill", jobs_[0].step)) raise(SIGKILL);
   if (!lora_) model_->zero_grads();
   window.close();
   rt_.synchronize(device_);
