@@ -467,6 +467,8 @@ bool Trainer::finished() const {
 }
 
 void Trainer::prepare_outputs() {
+  // Every rank has read the folders (and decided the same start) before the first one changes them.
+  if (groups_) groups_->world->barrier();
   if (!first_) return;  // the first rank prepares the folders and writes every file of the run
   if (!c_.tenants.empty()) apply_start(top_, top_start_, "train");
   for (Job& j : jobs_) {
