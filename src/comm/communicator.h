@@ -57,6 +57,9 @@ class Communicator {
   virtual CommWork send(const Tensor& t, int peer) = 0;
   virtual CommWork recv(Tensor& t, int peer) = 0;
   virtual void barrier() = 0;
+  // The group of the ranks that pass the same `color`, ordered by `key`: every rank of this group calls it, in the
+  // same order (the backend's own split: MPI_Comm_split, ncclCommSplit).
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
 };
 
 }  // namespace lathe

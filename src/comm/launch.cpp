@@ -22,7 +22,12 @@ bool read_int(const char* name, int& out) {
 
 LaunchEnv launch_env() {
   LaunchEnv e;
-  if (read_int("OMPI_COMM_WORLD_SIZE", e.world)) {
+  if (read_int("LATHE_WORLD", e.world)) {  // lathe train --nproc N (comm/local_launch.h)
+    e.launcher = "lathe --nproc";
+    read_int("LATHE_RANK", e.rank);
+    read_int("LATHE_LOCAL_RANK", e.local_rank);
+    if (const char* r = std::getenv("LATHE_RENDEZVOUS")) e.rendezvous = r;
+  } else if (read_int("OMPI_COMM_WORLD_SIZE", e.world)) {
     e.launcher = "mpirun";
     read_int("OMPI_COMM_WORLD_RANK", e.rank);
     read_int("OMPI_COMM_WORLD_LOCAL_RANK", e.local_rank);

@@ -167,6 +167,12 @@ class MpiCommunicator final : public Communicator {
     wait("barrier", &req, 1);
   }
 
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+    MPI_Comm sub;
+    LATHE_CHECK(MPI_Comm_split(comm_, color, key, &sub) == MPI_SUCCESS, "comm: splitting {} into {} failed", name_, name);
+    return std::make_unique<MpiCommunicator>(sub, name, timeout_s_);
+  }
+
  private:
   void check_cpu(const Tensor& t, const char* op) const {
     LATHE_CHECK(t.device().is_cpu() && t.is_contiguous(), "comm: {} on {} takes contiguous CPU tensors (the MPI data "
@@ -278,15 +284,6 @@ std::unique_ptr<Communicator> mpi_world(double timeout_s) {
   return std::make_unique<MpiCommunicator>(MPI_COMM_WORLD, "world", timeout_s);
 }
 
-std::unique_ptr<Communicator> mpi_split(Communicator& parent, int color, int key, const std::string& name) {
-  auto* p = dynamic_cast<MpiCommunicator*>(&parent);
-  LATHE_CHECK(p != nullptr, "comm: {} is not an MPI communicator", parent.name());
-  MPI_Comm sub;
-  const int rc = MPI_Comm_split(p->comm(), color, key, &sub);
-  LATHE_CHECK(rc == MPI_SUCCESS, "comm: splitting {} into {} failed", parent.name(), name);
-  return std::make_unique<MpiCommunicator>(sub, name, p->timeout_s());
-}
-
 void mpi_abort_job(int code) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -298,6 +295,17 @@ void mpi_abort_job(int code) {
   }
 }
 
+bool mpi_broadcast_bytes(void* data, size_t bytes, int root) {
+  int initialized = 0, finalized = 0, size = 1;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return false;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  if (size < 2) return false;
+  LATHE_CHECK(MPI_Bcast(data, int(bytes), MPI_BYTE, root, MPI_COMM_WORLD) == MPI_SUCCESS, "comm: MPI_Bcast failed");
+  return true;
+}
+
 #else  // no MPI in this build
 
 bool mpi_available() { return false; }
@@ -306,10 +314,8 @@ MpiSession::~MpiSession() = default;
 int MpiSession::rank() const { return 0; }
 int MpiSession::size() const { return 1; }
 std::unique_ptr<Communicator> mpi_world(double) { LATHE_FAIL("comm: this lathe was built without MPI"); }
-std::unique_ptr<Communicator> mpi_split(Communicator&, int, int, const std::string&) {
-  LATHE_FAIL("comm: this lathe was built without MPI");
-}
 void mpi_abort_job(int) {}
+bool mpi_broadcast_bytes(void*, size_t, int) { return false; }
 
 #endif
 

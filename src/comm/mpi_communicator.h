@@ -1,6 +1,6 @@
 // The MPI backend of Communicator (CPU tensors), over Debian's OpenMPI.
 // - MpiSession initialises MPI once for the process (MPI_THREAD_FUNNELED: only the main thread communicates) and
-//   finalises it at exit; mpi_world() is MPI_COMM_WORLD as a Communicator, split() makes a sub-group.
+//   finalises it at exit; mpi_world() is MPI_COMM_WORLD as a Communicator, whose split() makes sub-groups.
 // - Every operation is posted non-blocking and polled against the group's timeout: one that does not complete in time
 //   prints which rank, group, collective and sequence number stalled, with this rank's last eight collectives, and
 //   aborts the whole job (MPI_Abort), so a dead or stopped rank never hangs the others.
@@ -33,11 +33,11 @@ class MpiSession {
 // MPI_COMM_WORLD; `timeout_s` bounds every operation of it and of the groups split from it.
 std::unique_ptr<Communicator> mpi_world(double timeout_s);
 
-// The group of the ranks that pass the same `color` (ordered by `key`), split from `parent` (an MPI communicator):
-// every rank of the parent must call it, in the same order.
-std::unique_ptr<Communicator> mpi_split(Communicator& parent, int color, int key, const std::string& name);
-
 // Ends every rank of the job at once (MPI_Abort) when MPI is running; returns when it is not.
 void mpi_abort_job(int code);
+
+// Broadcasts `bytes` bytes from `root` over MPI_COMM_WORLD when MPI is running with more than one rank (and returns
+// true); returns false, touching nothing, when it is not.
+bool mpi_broadcast_bytes(void* data, size_t bytes, int root);
 
 }  // namespace lathe

@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 
-#include "comm/mpi_communicator.h"
 
 namespace lathe {
 
@@ -11,7 +10,7 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
   auto g = std::unique_ptr<ProcessGroups>(new ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, nullptr, nullptr});
   if (!world) return g;
   const int index = g->grid.group_index(GroupKind::Dp, g->rank);
-  g->dp = mpi_split(*world, index, g->rank, fmt::format("dp[{}]", index));
+  g->dp = world->split(index, g->rank, fmt::format("dp[{}]", index));
   g->world = std::move(world);
   return g;
 }

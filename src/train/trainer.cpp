@@ -313,6 +313,7 @@ class Trainer {
   void write_model_files(const std::string& dir) const;  // tokenizer files and chat_template_kwargs.json
   void agree_on_failures(const std::vector<Job*>& active);
   void reduce_over_dp(const std::vector<Job*>& active);
+  std::vector<double> sum_over_dp(const std::vector<double>& values);
 
   Runtime& rt_;
   const TrainConfig& c_;
@@ -767,14 +768,22 @@ void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, 
   if (step == jc.max_steps) write_final(j);
 }
 
+// `values` summed over the dp group, through a tensor on the training device (the group's data plane), back on the
+// host. Waiting for it waits for every collective queued before it in the stream, bounded by parallel.timeout_s.
+std::vector<double> Trainer::sum_over_dp(const std::vector<double>& values) {
+  Tensor t = rt_.from_host(values.data(), {int64_t(values.size())}, DType::F64, device_);
+  groups_->dp->all_reduce(t).wait();
+  const Tensor host = device_.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
+  return std::vector<double>(host.data<double>(), host.data<double>() + values.size());
+}
+
 // A tenant that failed on any rank is failed on every rank, so that all ranks run the same collectives from here on.
 void Trainer::agree_on_failures(const std::vector<Job*>& active) {
   std::vector<double> failed;
   for (Job* j : active) failed.push_back(j->failed ? 1.0 : 0.0);
-  Tensor flags = rt_.from_host(failed.data(), {int64_t(failed.size())}, DType::F64, Device::cpu());
-  groups_->dp->all_reduce(flags).wait();
+  const std::vector<double> any = sum_over_dp(failed);
   for (size_t k = 0; k < active.size(); ++k)
-    if (flags.data<double>()[k] > 0 && !active[k]->failed) {
+    if (any[k] > 0 && !active[k]->failed) {
       fail(*active[k], fmt::format("train: failed on another data-parallel rank at step {}", active[k]->step + 1));
       if (lora_) bank_->clear(active[k]->adapter);
     }
@@ -784,24 +793,23 @@ void Trainer::agree_on_failures(const std::vector<Job*>& active) {
 // ends with the same values and takes the same optimizer step).
 void Trainer::reduce_over_dp(const std::vector<Job*>& active) {
   Communicator& dp = *groups_->dp;
-  std::vector<double> stats;
+  std::vector<double> stats;  // the step's figures of every job, summed after the gradients
   for (Job* j : active) {
     if (j->failed) continue;
     for (Parameter& p : *j->params) {
       if (!p.grad.defined()) {  // no gradient reached it on this rank (an expert without tokens): zero
-        p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), rt_.host_allocator());
-        std::memset(p.grad.data_ptr(), 0, p.grad.nbytes());
+        p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), ctx_->allocator);
+        ctx_->backend.fill_bytes(p.grad.data_ptr(), 0, p.grad.nbytes(), ctx_->stream);
       }
-      dp.all_reduce(p.grad).wait();
+      dp.all_reduce(p.grad);  // in the device's stream order: the optimizer's kernels come after it
     }
     stats.insert(stats.end(), {j->loss_sum, double(j->labelled), double(j->tokens), j->flops, j->aux_sum});
     for (auto& [layer, counts] : j->expert_tokens)
       for (int64_t n : counts) stats.push_back(double(n));
   }
   if (stats.empty()) return;
-  Tensor t = rt_.from_host(stats.data(), {int64_t(stats.size())}, DType::F64, Device::cpu());
-  dp.all_reduce(t).wait();
-  const double* v = t.data<double>();
+  const std::vector<double> summed = sum_over_dp(stats);  // waits, bounded by the timeout, for the gradients too
+  const double* v = summed.data();
   for (Job* j : active) {
     if (j->failed) continue;
     j->loss_sum = *v++;
@@ -973,8 +981,12 @@ TrainSummary Trainer::summary(bool already_finished) const {
 
 }  // namespace
 
-TrainSummary run_training(const TrainConfig& c, ProcessGroups* groups) {
+TrainSummary run_training(const TrainConfig& c) {
   Runtime rt;
+  return run_training(rt, c, nullptr);
+}
+
+TrainSummary run_training(Runtime& rt, const TrainConfig& c, ProcessGroups* groups) {
   Trainer trainer(rt, c, groups);  // reads and checks every input; writes nothing
   if (trainer.finished()) return trainer.summary(true);
   trainer.prepare_outputs();

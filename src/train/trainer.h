@@ -17,6 +17,7 @@
 namespace lathe {
 
 struct ProcessGroups;
+class Runtime;
 
 struct JobSummary {
   std::string name;           // the tenant's name ("" for a single-job run)
@@ -45,7 +46,8 @@ struct TrainSummary {
 // is then continued, rewound, replaced or refused as train/run_folder.h says.
 // With `groups` (a parallel launch), the data-parallel ranks split each step's micro-batches: dp = N with grad_accum k
 // is the computation of one process with grad_accum N x k; the first rank prints and writes the run's files.
-TrainSummary run_training(const TrainConfig& config, ProcessGroups* groups = nullptr);
+TrainSummary run_training(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr);
+TrainSummary run_training(const TrainConfig& config);  // a single process with a Runtime of its own
 
 // Newest complete checkpoint folder in `output_dir`, or "" when there is none.
 std::string latest_checkpoint(const std::string& output_dir);

@@ -1,0 +1,320 @@
+#include "comm/nccl_communicator.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <thread>
+
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "core/files.h"
+
+#if LATHE_WITH_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "backend/cuda/cuda_backend.h"
+#endif
+
+namespace lathe {
+
+#if LATHE_WITH_NCCL
+
+bool nccl_available() { return true; }
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point deadline_in(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::F64: return ncclFloat64;
+    case DType::BF16: return ncclBfloat16;
+    case DType::F16: return ncclFloat16;
+    case DType::I32: return ncclInt32;
+    case DType::I64: return ncclInt64;
+    case DType::U8: return ncclUint8;
+    default: LATHE_FAIL("comm: NCCL cannot carry {} tensors", dtype_name(t));
+  }
+}
+
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // calls return at once; a stalled job can then be aborted (research note parallelism.md §11)
+  return config;
+}
+
+// Polls a non-blocking communicator until its pending call has settled; returns the final result.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
+  while (r == ncclInProgress) {
+    if (Clock::now() > deadline) return ncclInProgress;
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+    ncclCommGetAsyncError(comm, &r);
+  }
+  return r;
+}
+
+struct OpRecord {
+  int64_t seq;
+  std::string op;
+  size_t bytes;
+};
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, std::string name, double timeout_s, int world_rank)
+      : comm_(comm), stream_(stream), device_(device), name_(std::move(name)), timeout_s_(timeout_s), world_rank_(world_rank) {
+    ncclCommUserRank(comm_, &rank_);
+    ncclCommCount(comm_, &size_);
+  }
+  ~NcclCommunicator() override {
+    if (comm_) ncclCommDestroy(comm_);
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  ncclComm_t comm() const { return comm_; }
+  cudaStream_t stream() const { return stream_; }
+  int device() const { return device_; }
+  double timeout_s() const { return timeout_s_; }
+  int world_rank() const { return world_rank_; }
+
+  CommWork all_reduce(Tensor& t) override {
+    check(t, "all_reduce");
+    run("all_reduce", t.nbytes(), [&] {
+      return ncclAllReduce(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), ncclSum, comm_, stream_);
+    });
+    return completion("all_reduce");
+  }
+
+  CommWork reduce_scatter(const Tensor& in, Tensor& out) override {
+    check(in, "reduce_scatter");
+    check(out, "reduce_scatter");
+    LATHE_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
+                "comm: reduce_scatter on {}: input of {} elements for an output of {} on {} ranks", name_, in.numel(),
+                out.numel(), size_);
+    run("reduce_scatter", in.nbytes(), [&] {
+      return ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.dtype()), ncclSum, comm_,
+                               stream_);
+    });
+    return completion("reduce_scatter");
+  }
+
+  CommWork all_gather(const Tensor& in, Tensor& out) override {
+    check(in, "all_gather");
+    check(out, "all_gather");
+    LATHE_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
+                "comm: all_gather on {}: output of {} elements for inputs of {} on {} ranks", name_, out.numel(),
+                in.numel(), size_);
+    run("all_gather", in.nbytes(), [&] {
+      return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), nccl_type(in.dtype()), comm_, stream_);
+    });
+    return completion("all_gather");
+  }
+
+  CommWork all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                      const std::vector<int64_t>& recv_counts) override {
+    check(in, "all_to_all");
+    check(out, "all_to_all");
+    LATHE_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_,
+                "comm: all_to_all on {}: {} send and {} receive counts for {} ranks", name_, send_counts.size(),
+                recv_counts.size(), size_);
+    const size_t item = dtype_size(in.dtype());
+    run("all_to_all", in.nbytes(), [&] {
+      ncclGroupStart();
+      int64_t s = 0, r = 0;
+      for (int j = 0; j < size_; ++j) {
+        const auto* src = static_cast<const char*>(in.data_ptr()) + size_t(s) * item;
+        auto* dst = static_cast<char*>(out.data_ptr()) + size_t(r) * item;
+        if (send_counts[size_t(j)] > 0) ncclSend(src, size_t(send_counts[size_t(j)]), nccl_type(in.dtype()), j, comm_, stream_);
+        if (recv_counts[size_t(j)] > 0) ncclRecv(dst, size_t(recv_counts[size_t(j)]), nccl_type(in.dtype()), j, comm_, stream_);
+        s += send_counts[size_t(j)];
+        r += recv_counts[size_t(j)];
+      }
+      return ncclGroupEnd();
+    });
+    return completion("all_to_all");
+  }
+
+  CommWork broadcast(Tensor& t, int root) override {
+    check(t, "broadcast");
+    run("broadcast", t.nbytes(), [&] {
+      return ncclBroadcast(t.data_ptr(), t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), root, comm_, stream_);
+    });
+    return completion("broadcast");
+  }
+
+  CommWork send(const Tensor& t, int peer) override {
+    check(t, "send");
+    run("send", t.nbytes(), [&] { return ncclSend(t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), peer, comm_, stream_); });
+    return completion("send");
+  }
+
+  CommWork recv(Tensor& t, int peer) override {
+    check(t, "recv");
+    run("recv", t.nbytes(), [&] { return ncclRecv(t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), peer, comm_, stream_); });
+    return completion("recv");
+  }
+
+  void barrier() override {
+    void* one = nullptr;
+    cudaSetDevice(device_);
+    cudaMallocAsync(&one, sizeof(float), stream_);
+    cudaMemsetAsync(one, 0, sizeof(float), stream_);
+    run("barrier", sizeof(float), [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, stream_); });
+    CommWork w = completion("barrier");
+    w.wait();
+    cudaFreeAsync(one, stream_);
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override;
+
+  // Reports the stalled or failed operation with this rank's recent ones, aborts the communicator and ends the job.
+  [[noreturn]] void fail(const std::string& op, const std::string& why) {
+    std::string recent;
+    for (const OpRecord& r : history_) recent += fmt::format("\n  #{} {} ({} bytes)", r.seq, r.op, r.bytes);
+    std::fprintf(stderr, "lathe: error: rank %d: %s #%lld on group %s (%d ranks, NCCL) %s; this rank's last collectives "
+                         "on it:%s\n", world_rank_, op.c_str(), static_cast<long long>(seq_), name_.c_str(), size_,
+                 why.c_str(), recent.c_str());
+    std::fflush(stderr);
+    ncclCommAbort(comm_);
+    comm_ = nullptr;
+    mpi_abort_job(5);
+    std::_Exit(5);
+  }
+
+ private:
+  void check(const Tensor& t, const char* op) const {
+    LATHE_CHECK(t.device().is_cuda() && t.device().index == device_ && t.is_contiguous(),
+                "comm: {} on {} takes contiguous tensors on cuda:{} (the NCCL data plane); got a {} tensor{}", op, name_,
+                device_, t.device().str(), t.is_contiguous() ? "" : " that is not contiguous");
+  }
+
+  template <typename F>
+  void run(const std::string& op, size_t bytes, F&& call) {
+    ++seq_;
+    history_.push_back({seq_, op, bytes});
+    if (history_.size() > 8) history_.pop_front();
+    cudaSetDevice(device_);
+    const auto deadline = deadline_in(timeout_s_);
+    const ncclResult_t r = settle(comm_, call(), deadline);
+    if (r == ncclInProgress) fail(op, fmt::format("was not taken by NCCL within parallel.timeout_s = {} s", timeout_s_));
+    if (r != ncclSuccess) fail(op, fmt::format("failed: {}", ncclGetErrorString(r)));
+  }
+
+  // The operation's completion: an event behind it on the stream, polled by wait() against the timeout.
+  CommWork completion(const std::string& op) {
+    auto event = std::shared_ptr<cudaEvent_t>(new cudaEvent_t(nullptr), [](cudaEvent_t* e) {
+      if (*e) cudaEventDestroy(*e);
+      delete e;
+    });
+    cudaEventCreateWithFlags(event.get(), cudaEventDisableTiming);
+    cudaEventRecord(*event, stream_);
+    const int64_t seq = seq_;
+    return CommWork([this, event, op, seq] {
+      const auto deadline = deadline_in(timeout_s_);
+      for (int spins = 0;; ++spins) {
+        const cudaError_t e = cudaEventQuery(*event);
+        if (e == cudaSuccess) return;
+        if (e != cudaErrorNotReady) fail(op, fmt::format("#{}: CUDA error {}", seq, cudaGetErrorString(e)));
+        ncclResult_t async = ncclSuccess;
+        ncclCommGetAsyncError(comm_, &async);
+        if (async != ncclSuccess && async != ncclInProgress) fail(op, fmt::format("failed: {}", ncclGetErrorString(async)));
+        if (Clock::now() > deadline)
+          fail(op, fmt::format("did not complete within parallel.timeout_s = {} s (a rank died, stopped or took another "
+                               "path)", timeout_s_));
+        if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    });
+  }
+
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int device_;
+  std::string name_;
+  double timeout_s_;
+  int world_rank_;
+  int rank_ = 0, size_ = 1;
+  int64_t seq_ = 0;
+  std::deque<OpRecord> history_;
+};
+
+// Rank 0's NCCL id, on every rank: over MPI when it runs, else through a file in `dir`.
+ncclUniqueId share_id(int rank, int world, const std::string& dir, double timeout_s) {
+  ncclUniqueId id{};
+  if (rank == 0) {
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    LATHE_CHECK(r == ncclSuccess, "comm: ncclGetUniqueId failed: {}", ncclGetErrorString(r));
+  }
+  if (mpi_broadcast_bytes(&id, sizeof(id), 0)) return id;
+  LATHE_CHECK(!dir.empty(), "comm: {} ranks need a rendezvous for NCCL: run under mpirun (with MPI built in), or with "
+              "`lathe train --nproc N`, which sets LATHE_RENDEZVOUS", world);
+  const std::string path = (std::filesystem::path(dir) / "nccl-world.id").string();
+  if (rank == 0) {
+    make_dirs(dir, "comm");
+    write_file_atomic(path, std::string_view(id.internal, sizeof(id.internal)), "comm");
+    return id;
+  }
+  const auto deadline = deadline_in(timeout_s);
+  while (!std::filesystem::exists(path)) {
+    LATHE_CHECK(Clock::now() < deadline, "comm: rank {}: rank 0's NCCL id did not appear in {} within {} s", rank, path,
+                timeout_s);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::string bytes = read_text_file(path, "comm");
+  LATHE_CHECK(bytes.size() == sizeof(id.internal), "comm: {} holds {} bytes, not an NCCL id", path, bytes.size());
+  std::copy(bytes.begin(), bytes.end(), id.internal);
+  return id;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, double timeout_s,
+                                         const std::string& rendezvous_dir) {
+  cuda::CudaStream& s = cuda::as_cuda(stream);
+  cudaSetDevice(s.index());
+  const ncclUniqueId id = share_id(rank, world, rendezvous_dir, timeout_s);
+  ncclComm_t comm = nullptr;
+  ncclConfig_t config = nonblocking_config();
+  const auto deadline = deadline_in(timeout_s);
+  ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
+  r = settle(comm, r, deadline);
+  LATHE_CHECK(r == ncclSuccess, "comm: rank {}: NCCL world of {} ranks on cuda:{}: {}", rank, world, s.index(),
+              r == ncclInProgress ? fmt::format("not formed within {} s (a rank did not start?)", timeout_s)
+                                  : std::string(ncclGetErrorString(r)));
+  auto c = std::make_unique<NcclCommunicator>(comm, s.handle(), s.index(), "world", timeout_s, rank);
+  // Warm the communicator up with one tiny collective (a lazily formed one can stall outside any timeout).
+  c->barrier();
+  return c;
+}
+
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& name) {
+  cudaSetDevice(device_);
+  ncclComm_t sub = nullptr;
+  ncclConfig_t config = nonblocking_config();
+  ncclResult_t r = ncclCommSplit(comm_, color, key, &sub, &config);
+  r = settle(sub ? sub : comm_, r, deadline_in(timeout_s_));
+  if (r != ncclSuccess) fail("split", fmt::format("into {} failed: {}", name, ncclGetErrorString(r)));
+  auto c = std::make_unique<NcclCommunicator>(sub, stream_, device_, name, timeout_s_, world_rank_);
+  c->barrier();
+  return c;
+}
+
+#else  // no NCCL in this build
+
+bool nccl_available() { return false; }
+std::unique_ptr<Communicator> nccl_world(int, int, Stream&, double, const std::string&) {
+  LATHE_FAIL("comm: this lathe was built without NCCL (a CUDA toolkit with NCCL is needed for GPU ranks)");
+}
+
+#endif
+
+}  // namespace lathe

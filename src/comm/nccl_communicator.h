@@ -1,0 +1,28 @@
+// The NCCL backend of Communicator (CUDA tensors), one communicator per group.
+// - The world communicator is made from an ncclUniqueId that rank 0 creates and hands to the others: over MPI when
+//   the job runs under mpirun with MPI built in, else through a file in a rendezvous folder (LATHE_RENDEZVOUS, which
+//   `lathe train --nproc N` sets). Sub-groups come from ncclCommSplit, eagerly and in the same order on every rank.
+// - Communicators are non-blocking (config.blocking = 0), so that a stalled job can be aborted: every call is polled
+//   until NCCL has taken it, and wait() polls the operation's CUDA event and ncclCommGetAsyncError against the group's
+//   timeout; a timeout or an NCCL error prints the rank, group, collective, sequence number and this rank's last
+//   collectives, aborts the communicator and ends the job.
+// - Operations are ordered on the tensors' stream (the device's default stream, where the compute runs), so a later
+//   kernel sees the result without a wait; wait() is for the host.
+// Built when the CUDA toolkit has NCCL (LATHE_WITH_NCCL). Covered by tests/parallel/test_comm_nccl.cpp (2 GPUs).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "comm/communicator.h"
+
+namespace lathe {
+
+bool nccl_available();
+
+// The world of `world` ranks on `stream`'s device. `rendezvous_dir`: where rank 0 leaves the id when MPI is not used.
+std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, double timeout_s,
+                                         const std::string& rendezvous_dir);
+
+}  // namespace lathe
