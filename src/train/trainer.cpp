@@ -863,8 +863,12 @@ bool Trainer::step() {
     const size_t k = size_t(j - jobs_.data());
     entries[k] = optimizer_step(*j, norms[k]->read(), std::move(*updates[k]));
   }
-  // Test hook (tests/e2e/test_train_dp.cpp): the last rank dies with SIGKILL after step N's update, as kill -9 would.
-  if (groups_ && groups_->rank == groups_->grid.world() - 1 && fault_injected("rank_sigkill", jobs_[0].step)) raise(SIGKILL);
+  // Test hooks (tests/e2e/test_train_dp.cpp, dev/gpu_dp.sh): after step N's update the last rank dies with SIGKILL, as
+  // kill -9 would leave it, or stops with SIGSTOP, as a hung rank would.
+  if (groups_ && groups_->rank == groups_->grid.world() - 1) {
+    if (fault_injected("rank_sigkill", jobs_[0].step)) raise(SIGKILL);
+    if (fault_injected("rank_sigstop", jobs_[0].step)) raise(SIGSTOP);
+  }
   if (!lora_) model_->zero_grads();
   window.close();
   rt_.synchronize(device_);

@@ -192,6 +192,20 @@ TEST(DataParallel, ARankKilledWithSigkillEndsTheJobAndTheResumedRunEqualsTheUnin
   expect_same_curve(losses(dir / "run"), losses(dir / "ref"), "killed and resumed");
 }
 
+TEST(DataParallel, AStoppedRankEndsTheJobWithTheTimeoutReport) {
+  const fs::path dir = setup("stopped", kQwen3, "parallel: {timeout_s: 4}\n");
+  // The last rank stops (SIGSTOP) after step 3: rank 0 waits in the next step's all-reduce until the timeout.
+  const auto t0 = std::chrono::steady_clock::now();
+  const LatheRun r = train(dir, "run", 2, 2, "", "LATHE_FAULT_INJECT=rank_sigstop:3");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(seconds, 30) << "not ended at the timeout";
+  EXPECT_NE(r.output.find("lathe: error: rank 0: all_reduce #"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("on group dp[0] (2 ranks) did not complete within parallel.timeout_s = 4 s"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("this rank's last collectives on it:"), std::string::npos) << r.output;
+}
+
 TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
   const fs::path dir = setup("refused", kQwen3);
   const LatheRun one = train(dir, "x", 0, 1, " --set parallel.dp=2");
@@ -204,5 +218,8 @@ TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
   const LatheRun tp = train(dir, "x", 2, 1, " --set parallel.tp=2");
   EXPECT_NE(tp.exit_code, 0);
   EXPECT_NE(tp.output.find("parallel.tp: tensor parallelism is not built yet"), std::string::npos) << tp.output;
+  const LatheRun nproc = train(dir, "x", 0, 1, " --nproc 2");
+  EXPECT_EQ(nproc.exit_code, 1);
+  EXPECT_NE(nproc.output.find("--nproc starts GPU ranks (NCCL); CPU ranks talk over MPI"), std::string::npos) << nproc.output;
   EXPECT_FALSE(fs::exists(dir / "x"));
 }

