@@ -56,6 +56,7 @@ if [ "$STAGE" = dp ]; then
   ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/one.log 2>&1; summary "1 GPU grad_accum 4 rc=$?: $(tail -n 1 $L/one.log)"
   ./build/lathe train $D/config.yaml --set output_dir=$D/nproc --set train.grad_accum=2 --nproc 2 >$L/nproc.log 2>&1
   summary "--nproc 2 grad_accum 2 rc=$?: $(tail -n 1 $L/nproc.log)"
+  grep -a "lathe: error" $L/nproc.log | head -3 | cut -c1-300 | tee -a $OUT/summary.txt
   if grep -q "lathe: MPI" $L/cmake.log; then
     mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE=0 ./build/lathe train $D/config.yaml --set output_dir=$D/mpi \
       --set train.grad_accum=2 >$L/mpi.log 2>&1; summary "mpirun -np 2 rc=$?: $(tail -n 1 $L/mpi.log)"
@@ -73,10 +74,10 @@ for run in ("nproc", "mpi"):
     print(f"dp=2 ({run}) vs 1 GPU, bf16: {len(got)}/{len(ref)} steps, worst relative loss difference {worst:.2e}, "
           f"grad norm {gn:.2e}; losses {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f}")
 PY
-  start=$(date +%s.%N)
+  start=$(date +%s)
   LATHE_FAULT_INJECT=rank_sigstop:4 timeout 120 ./build/lathe train $D/config.yaml --set output_dir=$D/stop \
     --set train.grad_accum=2 --set parallel.timeout_s=20 --nproc 2 >$L/stop.log 2>&1
-  rc=$?; secs=$(echo "$(date +%s.%N) - $start" | bc)
+  rc=$?; secs=$(( $(date +%s) - start ))
   summary "SIGSTOP of rank 1 after step 4, timeout_s 20: rc=$rc after ${secs} s: $(grep -a 'lathe: error: rank' $L/stop.log | cut -c1-200)"
   summary "   $(grep -a 'lathe: launch' $L/stop.log | head -1)"
 fi

@@ -52,14 +52,16 @@ ncclConfig_t nonblocking_config() {
   return config;
 }
 
-// Polls a non-blocking communicator until its pending call has settled; returns the final result.
+// Polls a non-blocking communicator until its pending work has settled; returns the final result. A call may return
+// ncclSuccess while the communicator is still being set up in the background, so the state is always asked for.
 ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
-  while (r == ncclInProgress) {
+  if ((r != ncclSuccess && r != ncclInProgress) || comm == nullptr) return r;
+  for (;;) {
+    ncclCommGetAsyncError(comm, &r);
+    if (r != ncclInProgress) return r;
     if (Clock::now() > deadline) return ncclInProgress;
     std::this_thread::sleep_for(std::chrono::microseconds(20));
-    ncclCommGetAsyncError(comm, &r);
   }
-  return r;
 }
 
 struct OpRecord {
@@ -300,9 +302,16 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
   cudaSetDevice(device_);
   ncclComm_t sub = nullptr;
   ncclConfig_t config = nonblocking_config();
+  const auto deadline = deadline_in(timeout_s_);
   ncclResult_t r = ncclCommSplit(comm_, color, key, &sub, &config);
-  r = settle(sub ? sub : comm_, r, deadline_in(timeout_s_));
-  if (r != ncclSuccess) fail("split", fmt::format("into {} failed: {}", name, ncclGetErrorString(r)));
+  r = settle(comm_, r, deadline);  // the parent carries the split until the child exists
+  if (r == ncclSuccess) r = sub ? settle(sub, ncclInProgress, deadline) : ncclInvalidUsage;
+  if (r != ncclSuccess)
+    fail("split", fmt::format("into {} failed: {}", name, r == ncclInProgress ? "not done within parallel.timeout_s"
+                                                                               : ncclGetErrorString(r)));
+  int count = 0;
+  LATHE_CHECK(ncclCommCount(sub, &count) == ncclSuccess && count >= 1, "comm: the {} communicator split from {} is not "
+              "usable", name, name_);
   auto c = std::make_unique<NcclCommunicator>(sub, stream_, device_, name, timeout_s_, world_rank_);
   c->barrier();
   return c;
