@@ -108,10 +108,12 @@ import json, statistics, sys
 d = sys.argv[1]
 def rate(run):
     rows = [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"tokens_per_s"' in l][4:]  # steady steps
-    return statistics.median(r["tokens_per_s"] for r in rows), statistics.median(r["step_time_s"] for r in rows), rows[-1].get("memory_mib")
-(t1, s1, m1), (t2, s2, m2) = rate("one"), rate("two")
+    comm = statistics.median(r.get("dp_comm_s", 0) for r in rows)
+    return statistics.median(r["tokens_per_s"] for r in rows), statistics.median(r["step_time_s"] for r in rows), rows[-1].get("memory_mib"), comm
+(t1, s1, m1, _), (t2, s2, m2, c2) = rate("one"), rate("two")
 print(f"1.7B seq 4096, 2x4096 tokens per GPU per step: 1 GPU {t1:,.0f} tok/s ({s1*1e3:.1f} ms), dp=2 {t2:,.0f} tok/s "
-      f"({s2*1e3:.1f} ms): {t2/t1:.3f}x; step time added by dp {1e3*(s2-s1):.1f} ms; memory {m1} / {m2} MiB")
+      f"({s2*1e3:.1f} ms): {t2/t1:.3f}x; step time added by dp {1e3*(s2-s1):.1f} ms, of which exposed communication "
+      f"{1e3*c2:.1f} ms; memory {m1:.0f} / {m2:.0f} MiB")
 PY
   cat >/tmp/busbw.py <<'PY'
 import os, time, torch, torch.distributed as dist

@@ -852,9 +852,15 @@ bool Trainer::step() {
     }
   };
   run_micro_batches(active, queue_optimizer);
+  double dp_comm_s = 0;
   if (dp_ > 1) {
+    // The exposed (not overlapped) communication of the step: from the end of the backward on the device to the summed
+    // gradients and figures on every rank.
+    rt_.synchronize(device_);
+    const auto c0 = Clock::now();
     agree_on_failures(active);
     reduce_over_dp(active);
+    dp_comm_s = std::chrono::duration<double>(Clock::now() - c0).count();
   }
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
@@ -883,6 +889,7 @@ bool Trainer::step() {
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];
     if (j->failed || m.is_null()) continue;
+    if (dp_ > 1) m["dp_comm_s"] = dp_comm_s;
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
   }
