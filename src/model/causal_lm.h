@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/parameter.h"
 #include "io/safetensors.h"
 #include "model/batch.h"
 #include "model/config.h"
@@ -23,11 +24,6 @@
 
 namespace lathe {
 
-struct Parameter {
-  std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
-  Tensor value;
-  Tensor grad;       // undefined until a backward pass writes it
-};
 
 // The residual stream between decoder layers as its last two terms, x = h + r (r undefined: x = h), so that the add
 // runs inside the next norm (CausalLm::norm_stream: residual_rmsnorm) instead of as a kernel of its own.

@@ -114,7 +114,7 @@ AdamW::AdamW(Runtime& rt, std::vector<Parameter*> params, AdamWConfig config)
     LATHE_CHECK(names.insert(p->name).second, "optim: parameter {} is listed twice", p->name);
     LATHE_CHECK(!bf16_states || w.dtype() != DType::F16,
                 "optim: parameter {} is f16; bf16 optimizer states are for bf16 parameters (use f32 states)", p->name);
-    Slot s{p, {}, {}, {}, 0, weight_decay_applies(config_, p->name, w.shape())};
+    Slot s{p, {}, {}, {}, 0, weight_decay_applies(config_, p->name, p->global_shape())};
     const bool own_master =
         w.dtype() == DType::F32 || w.dtype() == DType::F64 || (bf16_states && w.dtype() == DType::BF16);
     if (!own_master) s.master = cast(ctx, w, DType::F32);

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "backend/runtime.h"
-#include "model/qwen3.h"
+#include "core/parameter.h"
 
 namespace lathe {
 

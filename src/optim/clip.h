@@ -6,7 +6,8 @@
 #include <utility>
 #include <vector>
 
-#include "model/qwen3.h"
+#include "backend/registry.h"
+#include "core/parameter.h"
 
 namespace lathe {
 

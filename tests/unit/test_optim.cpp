@@ -276,6 +276,20 @@ TEST(AdamW, WeightDecayExclusions) {
   EXPECT_FALSE(weight_decay_applies(c, "lm_head.weight", {100, 4}));
 }
 
+TEST(AdamW, APieceOfAShardedMatrixDecaysLikeTheMatrix) {
+  // A ZeRO slice of a 2 x 4 matrix is a 1-D tensor, but it is not a norm gain: its decay follows the global shape.
+  std::vector<Parameter> params(2);
+  params[0] = {"model.layers.0.mlp.up_proj.weight", make({1, 2, 3}, {3}, DType::F32), {}, {{2, 4}, {0, 0}, 2, "dp"}};
+  params[1] = {"model.layers.0.input_layernorm.weight", make({1, 2, 3}, {3}, DType::F32), {}, {}};
+  AdamWConfig c;
+  c.weight_decay = 0.1;
+  const AdamW opt(runtime(), params, c);
+  EXPECT_TRUE(opt.decays(0));
+  EXPECT_FALSE(opt.decays(1));
+  EXPECT_EQ(params[0].global_shape(), (Shape{2, 4}));
+  EXPECT_FALSE(params[0].whole());
+}
+
 TEST(AdamW, RejectsBadOpInputs) {
   ExecContext ctx = runtime().context(Device::cpu());
   Tensor w = make({1, 2}, {2}, DType::F32), m = make({0, 0}, {2}, DType::F64), v = make({0, 0}, {2}, DType::F32);
