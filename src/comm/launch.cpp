@@ -2,6 +2,10 @@
 
 #include <cstdlib>
 
+#include <fmt/format.h>
+
+#include "backend/runtime.h"
+#include "comm/nccl_communicator.h"
 #include "core/error.h"
 
 namespace lathe {
@@ -44,6 +48,28 @@ LaunchEnv launch_env() {
   }
   LATHE_CHECK(e.world >= 1 && e.rank < e.world, "launch: rank {} is not in a world of {} ({})", e.rank, e.world, e.launcher);
   return e;
+}
+
+std::unique_ptr<Communicator> join_world(Runtime& rt, std::string& device, const LaunchEnv& env, double timeout_s,
+                                         std::optional<MpiSession>& mpi, const std::string& who) {
+  if (env.world == 1) return nullptr;
+  const bool under_mpi = env.launcher != "lathe --nproc";
+  if (device == "cpu") {
+    LATHE_CHECK(under_mpi, "{}: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with `mpirun -np "
+                "{} lathe ...`", who, env.world);
+    LATHE_CHECK(mpi_available(), "{}: launched as {} ranks by {}, but this lathe was built without MPI (install "
+                "libopenmpi-dev and rebuild)", who, env.world, env.launcher);
+    mpi.emplace();
+    return mpi_world(timeout_s);
+  }
+  LATHE_CHECK(device == "cuda", "{}: device {} names one GPU for every rank; with {} ranks give device cuda, and rank r "
+              "takes cuda:LOCAL_RANK", who, device, env.world);
+  const int gpus = rt.cuda_built() ? rt.backend(DeviceType::CUDA).device_count() : 0;
+  LATHE_CHECK(env.local_rank < gpus, "{}: rank {} is rank {} on its machine, which has {} GPU(s): start at most one "
+              "rank per GPU", who, env.rank, env.local_rank, gpus);
+  device = fmt::format("cuda:{}", env.local_rank);
+  if (under_mpi && mpi_available()) mpi.emplace();  // hands NCCL its id
+  return nccl_world(env.rank, env.world, rt.context(parse_device(device)).stream, timeout_s, env.rendezvous);
 }
 
 }  // namespace lathe

@@ -3,7 +3,12 @@
 // (PMIX_RANK) — or a world of one. Covered by tests/parallel/test_train_dp.cpp.
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
+
+#include "comm/communicator.h"
+#include "comm/mpi_communicator.h"
 
 namespace lathe {
 
@@ -14,5 +19,14 @@ struct LaunchEnv {
 };
 
 LaunchEnv launch_env();
+
+class Runtime;
+
+// This rank's world communicator for a parallel launch (nullptr for a world of one). CPU ranks (`device` "cpu") talk
+// over MPI and need mpirun/srun; GPU ranks over NCCL, one GPU each: `device` must be "cuda" and becomes
+// "cuda:LOCAL_RANK" (more ranks on a machine than GPUs is refused). `mpi` holds MPI's session when one is started
+// (MPI also hands NCCL its id under mpirun). `who` starts the error messages.
+std::unique_ptr<Communicator> join_world(Runtime& rt, std::string& device, const LaunchEnv& env, double timeout_s,
+                                         std::optional<MpiSession>& mpi, const std::string& who);
 
 }  // namespace lathe

@@ -223,3 +223,34 @@ TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
   EXPECT_NE(nproc.output.find("--nproc starts GPU ranks (NCCL); CPU ranks talk over MPI"), std::string::npos) << nproc.output;
   EXPECT_FALSE(fs::exists(dir / "x"));
 }
+
+TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
+  const fs::path dir = setup("logprobs", kQwen3);
+  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (int i = 0; i < 7; ++i) {
+      nlohmann::json ids = nlohmann::json::array();
+      for (int k = 0; k < 3 + 5 * i % 11; ++k) ids.push_back((37 * i + 11 * k) % 300);
+      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
+    }
+  }
+  const std::string args = fmt::format("logprobs --model {} --input {} --output ", (dir / "model/final").string(),
+                                       (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  ASSERT_EQ(want.size(), 7u);
+  for (int np : {2, 3}) {
+    const fs::path out = dir / fmt::format("np{}.jsonl", np);
+    const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + fmt::format(" -np {}", np));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("7 lines scored with {} on cpu (f32), {} ranks", (dir / "model/final").string(), np)),
+              std::string::npos) << r.output;
+    const auto got = lathe_e2e::read_logprobs(out);
+    ASSERT_EQ(got.size(), want.size()) << np;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i].size(), want[i].size()) << "line " << i << " of " << np << " ranks: out of order";
+      for (size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(got[i][k], want[i][k], 1e-5 * (1 + std::abs(want[i][k])));
+    }
+  }
+}

@@ -2,19 +2,23 @@
 // input line {"tokens": [...]}, {"text": "..."} (encoded without special tokens, as `lathe tokenize` does) or
 // {"messages": [...]} (rendered with the model folder's chat template and chat-template kwargs, no generation prompt),
 // writes {"logprobs": [...]} with n-1 entries, entry i = log p(tokens[i+1] | tokens[..i]).
-// Lines are packed into batches of documents (no attention across them); output order is input order. The output
+// Lines are packed into batches of documents (no attention across them); output order is input order. Under mpirun,
+// srun or --nproc N the lines are split over the ranks (rank r scores lines r, r + N, ...) and rank 0 writes them all. The output
 // goes through OutputFile: a file appears only when every line succeeded (a failure leaves the old one and no
 // temporary), while "-", /dev/stdout or a pipe are streamed. The chat-template kwargs are --chat-template-kwargs, else
 // the adapter's, then the model folder's chat_template_kwargs.json (cli_support.h). Covered by
 // tests/e2e/test_cli_outputs.cpp (Logprobs* tests) and tests/e2e/test_train.cpp.
 #include <fmt/format.h>
 
+#include <cstring>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli_support.h"
+#include "comm/launch.h"
+#include "comm/local_launch.h"
 #include "commands.h"
 #include "core/files.h"
 #include "data/chat_template.h"
@@ -31,6 +35,7 @@ struct Args {
   std::string model, adapter, input, output, device = "cpu", dtype, chat_template_kwargs;
   bool has_chat_template_kwargs = false;
   int64_t batch_tokens = 8192;
+  int nproc = 0;
 };
 
 // The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
@@ -124,13 +129,62 @@ std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int6
   return lines;
 }
 
-// Scores every line with `model` into a.output.
-void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank,
-           TextEncoder& encoder) {
-  const std::vector<std::vector<int32_t>> lines = read_token_lines(a.input, model.config().vocab_size, encoder);
+// Every rank's output lines on rank 0, in rank order (rank r's lines in its own order); empty on the other ranks.
+// The bytes travel as one u8 tensor per rank through an uneven all-to-all on the world's data plane.
+std::vector<std::vector<std::string>> gather_lines(Runtime& rt, Communicator& world, Device device,
+                                                   const std::vector<std::string>& mine) {
+  std::string bytes;
+  std::vector<int64_t> lengths;
+  for (const std::string& l : mine) bytes += l, lengths.push_back(int64_t(l.size()));
+  const int n = world.size(), me = world.rank();
+  // First every rank's line count and byte count, then the bytes, all to rank 0.
+  std::vector<int64_t> sizes_all(size_t(2 * n), 0);
+  std::vector<int64_t> my_sizes = {int64_t(mine.size()), int64_t(bytes.size())};
+  Tensor mine_t = rt.from_host(my_sizes.data(), {2}, DType::I64, device);
+  Tensor all_t = rt.from_host(sizes_all.data(), {2 * int64_t(n)}, DType::I64, device);
+  world.all_gather(mine_t, all_t).wait();
+  const Tensor all_h = rt.copy_to(all_t, Device::cpu());
+  const int64_t* sz = all_h.data<int64_t>();
+  auto send = [&](const std::vector<char>& payload, auto count_of) {
+    std::vector<int64_t> sc(size_t(n), 0), rc(size_t(n), 0);
+    sc[0] = int64_t(payload.size());
+    int64_t total = 0;
+    if (me == 0)
+      for (int r = 0; r < n; ++r) rc[size_t(r)] = count_of(r), total += rc[size_t(r)];
+    std::vector<char> host_in = payload.empty() ? std::vector<char>(1) : payload;
+    Tensor in = rt.from_host(host_in.data(), {int64_t(payload.size())}, DType::U8, device);
+    std::vector<char> zeros(size_t(std::max<int64_t>(total, 1)));
+    Tensor out = rt.from_host(zeros.data(), {total}, DType::U8, device);
+    world.all_to_all(in, sc, out, rc).wait();
+    const Tensor h = rt.copy_to(out, Device::cpu());
+    return std::vector<char>(static_cast<const char*>(h.data_ptr()), static_cast<const char*>(h.data_ptr()) + total);
+  };
+  std::vector<char> len_bytes(lengths.size() * sizeof(int64_t));
+  std::memcpy(len_bytes.data(), lengths.data(), len_bytes.size());
+  const std::vector<char> all_lengths = send(len_bytes, [&](int r) { return sz[2 * r] * int64_t(sizeof(int64_t)); });
+  const std::vector<char> all_bytes = send(std::vector<char>(bytes.begin(), bytes.end()), [&](int r) { return sz[2 * r + 1]; });
+  std::vector<std::vector<std::string>> out(size_t(me == 0 ? n : 0));
+  size_t li = 0, bi = 0;
+  for (int r = 0; me == 0 && r < n; ++r)
+    for (int64_t k = 0; k < sz[2 * r]; ++k, ++li) {
+      int64_t len = 0;
+      std::memcpy(&len, all_lengths.data() + li * sizeof(int64_t), sizeof(int64_t));
+      out[size_t(r)].emplace_back(all_bytes.data() + bi, size_t(len));
+      bi += size_t(len);
+    }
+  return out;
+}
 
-  OutputFile file(a.output, "logprobs");
-  std::ostream& out = file.stream();
+// Scores every line with `model` into a.output. Under a parallel launch rank r scores lines r, r + n, ... and rank 0
+// writes them all in input order.
+void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank,
+           TextEncoder& encoder, Communicator* world) {
+  const std::vector<std::vector<int32_t>> all_lines = read_token_lines(a.input, model.config().vocab_size, encoder);
+  const int n = world ? world->size() : 1, me = world ? world->rank() : 0;
+  std::vector<std::vector<int32_t>> lines;
+  for (size_t i = size_t(me); i < all_lines.size(); i += size_t(n)) lines.push_back(all_lines[i]);
+
+  std::vector<std::string> rows;  // this rank's output lines
   for (size_t first = 0; first < lines.size();) {
     // Pack whole lines until the batch is full (a longer line gets a batch of its own).
     std::vector<int32_t> ids, cu = {0};
@@ -147,21 +201,43 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
     for (size_t b = 0; b + 1 < cu.size(); ++b) {
       nlohmann::json row = nlohmann::json::array();
       for (int32_t i = cu[b]; i + 1 < cu[b + 1]; ++i) row.push_back(lp[size_t(i)]);
-      out << nlohmann::json{{"logprobs", row}}.dump() << "\n";
+      rows.push_back(nlohmann::json{{"logprobs", row}}.dump() + "\n");
     }
     first = last;
   }
+  std::vector<std::vector<std::string>> by_rank = {rows};
+  if (world) by_rank = gather_lines(rt, *world, options.device, rows);
+  if (me != 0) return;  // rank 0 writes
+  OutputFile file(a.output, "logprobs");
+  std::ostream& out = file.stream();
+  for (size_t i = 0; i < all_lines.size(); ++i) out << by_rank[i % size_t(n)][i / size_t(n)];
   file.commit();
-  fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({})\n", lines.size(), a.model,
-             a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype));
+  fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
+             a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),
+             n > 1 ? fmt::format(", {} ranks", n) : "");
 }
 
-void run(const Args& a) {
+void run(Args a) {
+  const LaunchEnv env = launch_env();
+  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
+    LATHE_CHECK(a.device != "cpu", "logprobs: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
+                "with `mpirun -np {} lathe logprobs ...`", a.nproc);
+    std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
+                                     a.device, "--batch-tokens", std::to_string(a.batch_tokens)};
+    if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
+    if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
+    if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
+    const int rc = run_local_ranks("/proc/self/exe", args, a.nproc);
+    LATHE_CHECK(rc == 0, "logprobs: a rank failed (status {})", rc);
+    return;
+  }
   check_folder(a.model, "--model", "logprobs");
   if (!a.adapter.empty()) check_folder(a.adapter, "--adapter", "logprobs");
   TextEncoder encoder(a, resolve_chat_template_kwargs(a.has_chat_template_kwargs, a.chat_template_kwargs,
                                                       {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
+  std::optional<MpiSession> mpi;
+  const std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "logprobs");
   ModelOptions options;
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
@@ -175,7 +251,7 @@ void run(const Args& a) {
     bank->load_peft(0, a.adapter);
     model->attach_lora(bank.get());
   }
-  score(rt, a, options, *model, bank.get(), encoder);
+  score(rt, a, options, *model, bank.get(), encoder, world.get());
 }
 
 }  // namespace
@@ -198,6 +274,9 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--chat-template-kwargs", args->chat_template_kwargs,
                   "JSON object passed to the chat template for 'messages' lines, e.g. {\"enable_thinking\": false} "
                   "(default: chat_template_kwargs.json of the --adapter folder, else of the --model folder, else {})");
+  cmd->add_option("--nproc", args->nproc, "score on N GPUs of this machine (ranks started by lathe; mpirun and srun work "
+                  "too): the lines are split over the ranks, the output keeps input order")
+      ->check(number_in(1, 1024));
   cmd->callback([cmd, args, &exit_code] {
     args->has_chat_template_kwargs = cmd->count("--chat-template-kwargs") > 0;
     run(*args);

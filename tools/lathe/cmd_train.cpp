@@ -12,7 +12,6 @@
 #include "comm/launch.h"
 #include "comm/local_launch.h"
 #include "comm/mpi_communicator.h"
-#include "comm/nccl_communicator.h"
 #include "core/error.h"
 #include "parallel/process_groups.h"
 #include "train/trainer.h"
@@ -28,9 +27,8 @@ struct Args {
   int nproc = 0;
 };
 
-// A parallel launch: the communicators of this rank's groups, checked against the layout before any weight is loaded.
-// CPU ranks talk over MPI (mpirun, srun); GPU ranks over NCCL, one GPU each (cuda:LOCAL_RANK), with MPI or the --nproc
-// rendezvous handing out NCCL's id. `config.device` becomes this rank's GPU.
+// A parallel launch: the communicators of this rank's groups, checked against the layout before any weight is loaded
+// (comm/launch.h join_world: MPI for CPU ranks, NCCL for GPU ranks; `config.device` becomes this rank's GPU).
 std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
   const ParallelSizes sizes{int(config.tp), int(config.cp), int(config.ep), int(config.dp), int(config.pp)};
   if (env.world == 1) {
@@ -41,24 +39,7 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
   }
   const ParallelGrid check(env.world, sizes);  // an impossible layout is refused here, naming the constraint
   (void)check;
-  const bool under_mpi = env.launcher != "lathe --nproc";
-  if (config.device == "cpu") {
-    LATHE_CHECK(under_mpi, "train: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with `mpirun "
-                "-np {} lathe train CONFIG`", env.world);
-    LATHE_CHECK(mpi_available(), "train: launched as {} ranks by {}, but this lathe was built without MPI (install "
-                "libopenmpi-dev and rebuild)", env.world, env.launcher);
-    mpi.emplace();
-    return make_process_groups(mpi_world(config.timeout_s), sizes);
-  }
-  LATHE_CHECK(config.device == "cuda", "train: device: {} names one GPU for every rank; with {} ranks give device: cuda, "
-              "and rank r takes cuda:LOCAL_RANK", config.device, env.world);
-  const int gpus = rt.cuda_built() ? rt.backend(DeviceType::CUDA).device_count() : 0;
-  LATHE_CHECK(env.local_rank < gpus, "train: rank {} is rank {} on its machine, which has {} GPU(s): start at most one "
-              "rank per GPU", env.rank, env.local_rank, gpus);
-  config.device = fmt::format("cuda:{}", env.local_rank);
-  if (under_mpi && mpi_available()) mpi.emplace();  // hands NCCL's id to the ranks
-  Stream& stream = rt.context(parse_device(config.device)).stream;
-  return make_process_groups(nccl_world(env.rank, env.world, stream, config.timeout_s, env.rendezvous), sizes);
+  return make_process_groups(join_world(rt, config.device, env, config.timeout_s, mpi, "train"), sizes);
 }
 
 void print_summary(const TrainSummary& s, int& exit_code) {
