@@ -460,13 +460,13 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
     const Tensor v = values_.narrow(0, adapter_chunk, n).view({rows, width});
     const Tensor g = grads_.narrow(0, adapter_chunk, n).view({rows, width});
     const LoraConfig& cfg = adapters_[m.adapter].config;
-    adapters_[m.adapter].params.push_back({peft_key(cfg, model, s.layer, s.target, m.is_a ? "A" : "B"), v, g});
+    adapters_[m.adapter].params.push_back({peft_key(cfg, model, s.layer, s.target, m.is_a ? "A" : "B"), v, g, {}});
     adapter_chunk += n;
     adapter_begin[m.adapter + 1] = adapter_chunk;
   }
   for (size_t ai = 0; ai < adapters_.size(); ++ai) {
     const int64_t begin = adapter_begin[ai], n = std::max(begin, adapter_begin[ai + 1]) - begin;
-    adapters_[ai].flat.push_back({"lora_adapter", values_.narrow(0, begin, n), grads_.narrow(0, begin, n)});
+    adapters_[ai].flat.push_back({"lora_adapter", values_.narrow(0, begin, n), grads_.narrow(0, begin, n), {}});
   }
   to_slot_ = rt.from_host(to_slot.data(), {total_chunks}, DType::I32, device);
   to_adapter_ = rt.from_host(to_adapter.data(), {total_chunks}, DType::I32, device);

@@ -74,7 +74,7 @@ void Qwen3Model::build_parameter_list() {
   final_norm_ = add("model.norm.weight", {c.hidden_size});
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
   ExecContext cx = ctx();
-  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
+  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
 }

@@ -115,7 +115,7 @@ void Qwen35Model::build_parameter_list() {
   final_norm_ = add(root + "norm.weight", {c.hidden_size});
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
   ExecContext cx = ctx();
-  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}});
+  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   pack_mlp_rows();
 }
 

@@ -220,7 +220,7 @@ double evaluate(Runtime& rt, CausalLm& model, const Job& job) {
 // The sum of squares of the parameters' values is finite (an update that overflowed would poison other tenants).
 bool values_finite(ExecContext& ctx, std::vector<Parameter>& params) {
   std::vector<Parameter> as_grads;
-  for (const Parameter& p : params) as_grads.push_back({p.name, p.value, p.value});
+  for (const Parameter& p : params) as_grads.push_back({p.name, p.value, p.value, {}});
   return std::isfinite(global_grad_norm(ctx, as_grads));
 }
 
@@ -285,13 +285,12 @@ void check_folder_with(const std::string& dir, const char* file, const std::stri
   LATHE_CHECK(fs::exists(fs::path(dir) / file, ec), "train: {} {} has no {}", what, dir, file);
 }
 
-// A run of `lathe train`: one job, or one per tenant. Its steps, in order: the constructor reads and checks every
-// input and decides what happens to each output folder, writing nothing; prepare_outputs() makes those changes;
-// build() makes the model, adapters, optimizers, loaders and writers; step() runs one optimizer step of every active
-// job; finish() writes what a resumed run still lacks and runs the final evaluations.
-class Trainer {
+}  // namespace
+
+// The trainer's state (trainer.h's Trainer forwards to it): one job, or one per tenant.
+class Trainer::Impl {
  public:
-  Trainer(Runtime& rt, const TrainConfig& c, ProcessGroups* groups);
+  Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups);
   bool finished() const;  // every job already trained, exported and evaluated: nothing to do
   void prepare_outputs();
   void build();
@@ -346,7 +345,7 @@ class Trainer {
   int64_t run_steps_ = 0;
 };
 
-Trainer::Trainer(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
+Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
     : rt_(rt), c_(c), groups_(groups), first_(!groups || groups->is_first()), dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
@@ -395,7 +394,7 @@ Trainer::Trainer(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
 }
 
 // The job's data, final-evaluation rows and LoRA start, read and checked.
-void Trainer::read_inputs(Job& j) {
+void Trainer::Impl::read_inputs(Job& j) {
   const TrainConfig& jc = *j.cfg;
   if (!jc.lora_init.empty()) check_folder_with(jc.lora_init, "adapter_config.json", "lora.init");
   if (!jc.final_eval_file.empty()) j.final_eval_rows = read_final_eval(jc.final_eval_file, chat_ ? &*chat_ : nullptr, chat_kwargs_);
@@ -415,7 +414,7 @@ void Trainer::read_inputs(Job& j) {
 }
 
 // Where the model comes from, and its config, checked against the tokenizer and the adapters' targets.
-void Trainer::choose_model_source() {
+void Trainer::Impl::choose_model_source() {
   const Job& first = jobs_[0];
   const fs::path scratch_base = fs::path(c_.output_dir) / "base";
   if (!lora_ && !first.start.resume_from.empty()) {
@@ -463,11 +462,11 @@ void Trainer::choose_model_source() {
   }
 }
 
-bool Trainer::finished() const {
+bool Trainer::Impl::finished() const {
   return std::all_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.finished(); });
 }
 
-void Trainer::prepare_outputs() {
+void Trainer::Impl::prepare_outputs() {
   // Every rank has read the folders (and decided the same start) before the first one changes them.
   if (groups_) groups_->world->barrier();
   if (!first_) return;  // the first rank prepares the folders and writes every file of the run
@@ -485,7 +484,7 @@ void Trainer::prepare_outputs() {
   }
 }
 
-void Trainer::build() {
+void Trainer::Impl::build() {
   rt_.set_gemm_autotune(c_.gemm_autotune);
   plan_ = c_.memory_plan ? &rt_.enable_memory_plan(device_) : nullptr;
   ModelOptions mopt;
@@ -560,7 +559,7 @@ void Trainer::build() {
 }
 
 // The job's adapter start, optimizer (with the resumed state), loader, schedule and writers.
-void Trainer::build_job(Job& j) {
+void Trainer::Impl::build_job(Job& j) {
   const TrainConfig& jc = *j.cfg;
   if (lora_) {
     if (!j.start.resume_from.empty()) bank_->load_peft(j.adapter, (fs::path(j.start.resume_from) / "adapter").string());
@@ -601,7 +600,7 @@ void Trainer::build_job(Job& j) {
 }
 
 // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
-void Trainer::fail(Job& j, const std::string& why) {
+void Trainer::Impl::fail(Job& j, const std::string& why) {
   if (c_.tenants.empty()) throw Error(why);
   j.failed = true;
   j.error = why;
@@ -613,7 +612,7 @@ void Trainer::fail(Job& j, const std::string& why) {
                                 j.step, why));
 }
 
-void Trainer::guarded(Job& j, const std::function<void()>& f) {
+void Trainer::Impl::guarded(Job& j, const std::function<void()>& f) {
   if (j.failed) return;
   try {
     f();
@@ -622,7 +621,7 @@ void Trainer::guarded(Job& j, const std::function<void()>& f) {
   }
 }
 
-void Trainer::write_model_files(const std::string& dir) const {
+void Trainer::Impl::write_model_files(const std::string& dir) const {
   data::copy_tokenizer_files(c_.tokenizer, dir);
   if (!fs::exists(fs::path(dir) / "generation_config.json"))
     write_file_atomic((fs::path(dir) / "generation_config.json").string(),
@@ -632,7 +631,7 @@ void Trainer::write_model_files(const std::string& dir) const {
 
 // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the shared base,
 // the rows of each job a segment of its adapter.
-void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
+void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
   const ModelConfig& mc = model_->config();
   int64_t max_accum = 0;
   for (Job* j : active) max_accum = std::max(max_accum, j->cfg->grad_accum);
@@ -679,7 +678,7 @@ void Trainer::run_micro_batches(const std::vector<Job*>& active, const std::func
 
 // The job's optimizer step on its own gradient norm, schedule and clipping; returns its metrics entry (null when the
 // job failed).
-nlohmann::json Trainer::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
+nlohmann::json Trainer::Impl::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
   const TrainConfig& jc = *j.cfg;
   const int64_t step = j.step + 1;
   const double loss = j.loss_sum / double(jc.grad_accum * dp_);
@@ -721,7 +720,7 @@ nlohmann::json Trainer::optimizer_step(Job& j, double norm, AdamW::Prepared&& up
 }
 
 // The step's metrics, evaluation, TensorBoard scalars, checkpoint and (at the last step) final model of one job.
-void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens) {
+void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens) {
   const TrainConfig& jc = *j.cfg;
   const int64_t step = j.step;
   j.tokens_seen += j.tokens;
@@ -770,7 +769,7 @@ void Trainer::record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, 
 
 // `values` summed over the dp group, through a tensor on the training device (the group's data plane), back on the
 // host. Waiting for it waits for every collective queued before it in the stream, bounded by parallel.timeout_s.
-std::vector<double> Trainer::sum_over_dp(const std::vector<double>& values) {
+std::vector<double> Trainer::Impl::sum_over_dp(const std::vector<double>& values) {
   Tensor t = rt_.from_host(values.data(), {int64_t(values.size())}, DType::F64, device_);
   groups_->dp->all_reduce(t).wait();
   const Tensor host = device_.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
@@ -778,7 +777,7 @@ std::vector<double> Trainer::sum_over_dp(const std::vector<double>& values) {
 }
 
 // A tenant that failed on any rank is failed on every rank, so that all ranks run the same collectives from here on.
-void Trainer::agree_on_failures(const std::vector<Job*>& active) {
+void Trainer::Impl::agree_on_failures(const std::vector<Job*>& active) {
   std::vector<double> failed;
   for (Job* j : active) failed.push_back(j->failed ? 1.0 : 0.0);
   const std::vector<double> any = sum_over_dp(failed);
@@ -791,7 +790,7 @@ void Trainer::agree_on_failures(const std::vector<Job*>& active) {
 
 // Data parallelism: every rank's gradients and step figures summed over the dp group (in rank order, so every rank
 // ends with the same values and takes the same optimizer step).
-void Trainer::reduce_over_dp(const std::vector<Job*>& active) {
+void Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
   Communicator& dp = *groups_->dp;
   // The gradients, packed into one flat buffer per dtype and summed in one call: NCCL reaches its bandwidth only on
   // large messages (one call per parameter ran at a third of it at the 1.7B shape; docs/benchmarks.md). In the
@@ -846,7 +845,7 @@ void Trainer::reduce_over_dp(const std::vector<Job*>& active) {
   }
 }
 
-bool Trainer::step() {
+bool Trainer::Impl::step() {
   std::vector<Job*> active;
   for (Job& j : jobs_)
     if (j.active()) active.push_back(&j);
@@ -944,7 +943,7 @@ bool Trainer::step() {
 
 // The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
 // or a PEFT adapter folder with the same files; it appears whole.
-void Trainer::write_final(Job& j) {
+void Trainer::Impl::write_final(Job& j) {
   if (!first_) return;
   const fs::path final_dir = j.out / "final";
   const auto add = [&](const std::string& d) { write_model_files(d); };
@@ -956,7 +955,7 @@ void Trainer::write_final(Job& j) {
 }
 
 // The job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
-void Trainer::final_eval(Job& j) {
+void Trainer::Impl::final_eval(Job& j) {
   if (!first_) return;
   std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
   if (lora_) {
@@ -976,7 +975,7 @@ void Trainer::final_eval(Job& j) {
   j.needs_final_eval = false;
 }
 
-void Trainer::finish() {
+void Trainer::Impl::finish() {
   progress_.finish();
   if (plan_ && !plan_->release_arena())  // generation and export allocate as they need
     progress_.message("memory plan: a block of the arena outlived the last step; the arena stays held");
@@ -989,7 +988,7 @@ void Trainer::finish() {
   }
 }
 
-TrainSummary Trainer::summary(bool already_finished) const {
+TrainSummary Trainer::Impl::summary(bool already_finished) const {
   TrainSummary summary;
   summary.already_finished = already_finished;
   for (const Job& j : jobs_) {
@@ -1014,7 +1013,15 @@ TrainSummary Trainer::summary(bool already_finished) const {
   return summary;
 }
 
-}  // namespace
+Trainer::Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups)
+    : impl_(std::make_unique<Impl>(rt, config, groups)) {}
+Trainer::~Trainer() = default;
+bool Trainer::finished() const { return impl_->finished(); }
+void Trainer::prepare_outputs() { impl_->prepare_outputs(); }
+void Trainer::build() { impl_->build(); }
+bool Trainer::step() { return impl_->step(); }
+void Trainer::finish() { impl_->finish(); }
+TrainSummary Trainer::summary(bool already_finished) const { return impl_->summary(already_finished); }
 
 TrainSummary run_training(const TrainConfig& c) {
   Runtime rt;

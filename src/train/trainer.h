@@ -9,6 +9,7 @@
 // crash during save, bad configs).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,30 @@ struct TrainSummary {
   double first_loss = 0, last_loss = 0;
   double final_eval_accuracy = -1;
   std::vector<JobSummary> jobs;  // one per tenant (one for a single-job run)
+};
+
+// A run of `lathe train` as a training state that a loop drives — run_training's below, or another one (RL): the
+// constructor reads and checks every input (files, options, the model config, the output folders) and writes
+// nothing; prepare_outputs() then continues, rewinds, replaces or creates the output folders (train/run_folder.h);
+// build() makes the model, adapters, optimizers, loaders and writers; step() runs one optimizer step of every active
+// job and returns false when none is left; finish() writes what a resumed run still lacks and runs the final
+// evaluations. The Runtime and the process groups are the caller's (groups nullptr: a single process).
+class Trainer {
+ public:
+  Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+  bool finished() const;  // every job already trained, exported and evaluated: nothing to do
+  void prepare_outputs();
+  void build();
+  bool step();
+  void finish();
+  TrainSummary summary(bool already_finished) const;
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 // Every input (files, options, the model config) is read and checked before anything is written; the output folder
