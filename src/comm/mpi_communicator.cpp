@@ -33,30 +33,6 @@ struct OpRecord {
   size_t bytes;
 };
 
-double element_as_double(const void* p, DType t, size_t i) {
-  switch (t) {
-    case DType::F32: return static_cast<const float*>(p)[i];
-    case DType::F64: return static_cast<const double*>(p)[i];
-    case DType::BF16: return bf16_to_float(static_cast<const BF16*>(p)[i]);
-    case DType::F16: return f16_to_float(static_cast<const F16*>(p)[i]);
-    case DType::I32: return static_cast<const int32_t*>(p)[i];
-    case DType::I64: return double(static_cast<const int64_t*>(p)[i]);
-    default: LATHE_FAIL("comm: cannot sum {} tensors", dtype_name(t));
-  }
-}
-
-void store_double(void* p, DType t, size_t i, double v) {
-  switch (t) {
-    case DType::F32: static_cast<float*>(p)[i] = float(v); return;
-    case DType::F64: static_cast<double*>(p)[i] = v; return;
-    case DType::BF16: static_cast<BF16*>(p)[i] = float_to_bf16(float(v)); return;
-    case DType::F16: static_cast<F16*>(p)[i] = float_to_f16(float(v)); return;
-    case DType::I32: static_cast<int32_t*>(p)[i] = int32_t(v); return;
-    case DType::I64: static_cast<int64_t*>(p)[i] = int64_t(v); return;
-    default: LATHE_FAIL("comm: cannot sum {} tensors", dtype_name(t));
-  }
-}
-
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(MPI_Comm comm, std::string name, double timeout_s) : comm_(comm), name_(std::move(name)), timeout_s_(timeout_s) {
@@ -195,8 +171,8 @@ class MpiCommunicator final : public Communicator {
     const size_t per_rank = all.size() / size_t(size_);
     for (size_t i = 0; i < n; ++i) {
       double s = 0;
-      for (int r = 0; r < size_; ++r) s += element_as_double(all.data() + size_t(r) * per_rank, dtype, first + i);
-      store_double(out, dtype, i, s);
+      for (int r = 0; r < size_; ++r) s += load_as_double(all.data() + size_t(r) * per_rank, dtype, int64_t(first + i));
+      store_from_double(out, dtype, int64_t(i), s);
     }
   }
 

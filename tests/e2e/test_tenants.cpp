@@ -11,7 +11,7 @@
 #include <map>
 #include <sstream>
 
-#include "io/safetensors.h"
+#include "support/tensor_files.h"
 #include "lathe_run.h"
 
 namespace fs = std::filesystem;
@@ -124,28 +124,10 @@ LatheRun run_solo(const fs::path& dir, const Tenant& t) {
 }
 
 std::map<std::string, std::vector<float>> adapter(const fs::path& dir) {
-  const lathe::io::SafetensorsFile f = lathe::io::SafetensorsFile::open((dir / "adapter_model.safetensors").string());
-  std::map<std::string, std::vector<float>> out;
-  for (const auto& t : f.tensors()) out[t.name] = f.read_as_f32(t.name);
-  return out;
+  return lathe::test_support::read_f32_tensors(dir / "adapter_model.safetensors");
 }
 
-// Worst over tensors of ||a - b|| / ||b||.
-double worst_rel_diff(const std::map<std::string, std::vector<float>>& a, const std::map<std::string, std::vector<float>>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, vb] : b) {
-    auto it = a.find(name);
-    if (it == a.end()) {
-      ADD_FAILURE() << "missing tensor " << name;
-      continue;
-    }
-    double e = 0, n = 0;
-    for (size_t i = 0; i < vb.size(); ++i) e += (double(it->second[i]) - vb[i]) * (double(it->second[i]) - vb[i]), n += double(vb[i]) * vb[i];
-    worst = std::max(worst, std::sqrt(e / std::max(n, 1e-30)));
-  }
-  return worst;
-}
+using lathe::test_support::worst_rel_diff;
 
 }  // namespace
 

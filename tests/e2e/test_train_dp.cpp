@@ -15,7 +15,7 @@
 #include <fstream>
 #include <map>
 
-#include "io/safetensors.h"
+#include "support/tensor_files.h"
 #include "lathe_run.h"
 
 namespace fs = std::filesystem;
@@ -75,32 +75,8 @@ LatheRun train(const fs::path& dir, const std::string& out, int np, int grad_acc
   return lathe_e2e::lathe(args, env + " " + kMpirun + fmt::format(" -np {}", np));
 }
 
-std::map<std::string, std::vector<float>> weights(const fs::path& file) {
-  const lathe::io::SafetensorsFile f = lathe::io::SafetensorsFile::open(file.string());
-  std::map<std::string, std::vector<float>> out;
-  for (const auto& t : f.tensors()) out[t.name] = f.read_as_f32(t.name);
-  return out;
-}
-
-// Worst over tensors of ||a - b|| / ||b||: every weight of a data-parallel run against the single process's.
-double worst_rel_diff(const std::map<std::string, std::vector<float>>& a, const std::map<std::string, std::vector<float>>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [name, vb] : b) {
-    const auto it = a.find(name);
-    if (it == a.end() || it->second.size() != vb.size()) {
-      ADD_FAILURE() << "tensor " << name << " missing or of another size";
-      continue;
-    }
-    double diff = 0, norm = 0;
-    for (size_t i = 0; i < vb.size(); ++i) {
-      diff += std::pow(double(it->second[i]) - double(vb[i]), 2);
-      norm += std::pow(double(vb[i]), 2);
-    }
-    worst = std::max(worst, std::sqrt(diff) / std::max(std::sqrt(norm), 1e-12));
-  }
-  return worst;
-}
+using lathe::test_support::worst_rel_diff;
+const auto weights = lathe::test_support::read_f32_tensors;
 
 std::vector<double> grad_norms(const fs::path& out) {
   std::vector<double> g;

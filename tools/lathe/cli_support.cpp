@@ -109,4 +109,30 @@ ChatTemplateKwargs resolve_chat_template_kwargs(bool given, const std::string& o
   return r;
 }
 
+void for_each_jsonl_row(const std::string& path, const std::string& who,
+                        const std::function<void(const nlohmann::ordered_json& row, int64_t line)>& row) {
+  const std::string text = read_text_file(path, who);
+  size_t begin = 0;
+  for (int64_t n = 1; begin < text.size(); ++n) {
+    size_t end = text.find('\n', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(begin, end - begin);
+    begin = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines carry no request
+    nlohmann::ordered_json j;
+    try {
+      j = nlohmann::ordered_json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      LATHE_FAIL("{}: {}:{}: invalid JSON: {}", who, path, n, e.what());
+    }
+    try {
+      row(j, n);
+    } catch (const Error& e) {
+      std::string_view what = e.what();
+      if (what.starts_with(who + ": ")) what.remove_prefix(who.size() + 2);  // said once, before file:line
+      LATHE_FAIL("{}: {}:{}: {}", who, path, n, what);
+    }
+  }
+}
+
 }  // namespace lathe::cli

@@ -6,6 +6,9 @@
 // choice is printed on one stderr line. Covered by tests/e2e/test_cli_outputs.cpp.
 #pragma once
 
+#include <functional>
+#include <nlohmann/json.hpp>
+
 #include <CLI/CLI.hpp>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -23,6 +26,11 @@ CLI::Validator in_unit_interval();
 
 // `path` (given as `option`) must exist and be a folder; the error says which of the two it is not.
 void check_folder(const std::string& path, const std::string& option, const std::string& who);
+
+// Calls `row` with each non-blank line of the JSONL file `path`, parsed, and its line number; invalid JSON is an
+// error naming FILE:LINE, and so is any lathe::Error `row` throws (its message gets the FILE:LINE prefix).
+void for_each_jsonl_row(const std::string& path, const std::string& who,
+                        const std::function<void(const nlohmann::ordered_json& row, int64_t line)>& row);
 
 // The dtype a model folder's weights are stored in: config.json's "dtype" or "torch_dtype" (float32, bfloat16,
 // float16), else the floating dtype that holds most of its safetensors elements. f64 weights give f32 (the widest a

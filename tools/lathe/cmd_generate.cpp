@@ -129,46 +129,24 @@ class Prompts {
 
 // {"prompt": "..."} or {"messages": [...]} per line; blank lines are skipped. Errors name file:line.
 std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts) {
-  const std::string text = read_text_file(path, "generate");
   std::vector<std::vector<int32_t>> out;
-  size_t begin = 0;
-  for (int64_t n = 1; begin < text.size(); ++n) {
-    size_t end = text.find('\n', begin);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(begin, end - begin);
-    begin = end + 1;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    nlohmann::ordered_json j;
-    try {
-      j = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      LATHE_FAIL("generate: {}:{}: invalid JSON: {}", path, n, e.what());
-    }
-    LATHE_CHECK(j.is_object(), "generate: {}:{}: expected an object {{\"prompt\": ...}} or {{\"messages\": [...]}}",
-                path, n);
+  for_each_jsonl_row(path, "generate", [&](const nlohmann::ordered_json& j, int64_t) {
+    LATHE_CHECK(j.is_object(), "generate: expected an object {{\"prompt\": ...}} or {{\"messages\": [...]}}");
     for (const auto& [key, value] : j.items())
-      LATHE_CHECK(key == "prompt" || key == "messages", "generate: {}:{}: unknown key '{}' (expected 'prompt' or "
-                  "'messages')", path, n, key);
-    LATHE_CHECK(j.contains("prompt") != j.contains("messages"), "generate: {}:{}: expected exactly one of 'prompt' "
-                "and 'messages'", path, n);
-    try {
-      if (j.contains("prompt")) {
-        LATHE_CHECK(j["prompt"].is_string(), "generate: 'prompt' must be a string, not {}", j["prompt"].type_name());
-        out.push_back(prompts.from_text(j["prompt"].get<std::string>()));
-      } else {
-        LATHE_CHECK(j["messages"].is_array() && !j["messages"].empty(),
-                    "generate: 'messages' must be a non-empty array of {{\"role\", \"content\"}} objects");
-        for (const auto& m : j["messages"])
-          LATHE_CHECK(m.is_object() && m.contains("role") && m["role"].is_string(),
-                      "generate: each message must be an object with a string 'role', not {}", m.dump());
-        out.push_back(prompts.from_messages(j["messages"]));
-      }
-    } catch (const Error& e) {
-      std::string_view what = e.what();
-      if (what.starts_with("generate: ")) what.remove_prefix(10);  // said once, before file:line
-      LATHE_FAIL("generate: {}:{}: {}", path, n, what);
+      LATHE_CHECK(key == "prompt" || key == "messages", "generate: unknown key '{}' (expected 'prompt' or 'messages')", key);
+    LATHE_CHECK(j.contains("prompt") != j.contains("messages"), "generate: expected exactly one of 'prompt' and 'messages'");
+    if (j.contains("prompt")) {
+      LATHE_CHECK(j["prompt"].is_string(), "generate: 'prompt' must be a string, not {}", j["prompt"].type_name());
+      out.push_back(prompts.from_text(j["prompt"].get<std::string>()));
+    } else {
+      LATHE_CHECK(j["messages"].is_array() && !j["messages"].empty(),
+                  "generate: 'messages' must be a non-empty array of {{\"role\", \"content\"}} objects");
+      for (const auto& m : j["messages"])
+        LATHE_CHECK(m.is_object() && m.contains("role") && m["role"].is_string(),
+                    "generate: each message must be an object with a string 'role', not {}", m.dump());
+      out.push_back(prompts.from_messages(j["messages"]));
     }
-  }
+  });
   LATHE_CHECK(!out.empty(), "generate: {} holds no prompts", path);
   return out;
 }

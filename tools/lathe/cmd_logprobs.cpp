@@ -105,27 +105,8 @@ std::vector<int32_t> line_ids(const nlohmann::ordered_json& j, int64_t vocab, Te
 
 // Every non-blank line of the input; errors name FILE:LINE.
 std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int64_t vocab, TextEncoder& encoder) {
-  const std::string text = read_text_file(path, "logprobs");
   std::vector<std::vector<int32_t>> lines;
-  size_t begin = 0;
-  for (int64_t n = 1; begin < text.size(); ++n) {
-    size_t end = text.find('\n', begin);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(begin, end - begin);
-    begin = end + 1;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines carry no request
-    nlohmann::ordered_json j;
-    try {
-      j = nlohmann::ordered_json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      LATHE_FAIL("logprobs: {}:{}: invalid JSON: {}", path, n, e.what());
-    }
-    try {
-      lines.push_back(line_ids(j, vocab, encoder));
-    } catch (const Error& e) {
-      LATHE_FAIL("logprobs: {}:{}: {}", path, n, e.what());
-    }
-  }
+  for_each_jsonl_row(path, "logprobs", [&](const nlohmann::ordered_json& j, int64_t) { lines.push_back(line_ids(j, vocab, encoder)); });
   return lines;
 }
 
