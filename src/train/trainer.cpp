@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -18,22 +17,22 @@
 
 #include <fmt/ranges.h>
 
+#include "core/files.h"
 #include "data/chat_template.h"
 #include "data/dataset.h"
 #include "data/packing.h"
 #include "data/tokenizer.h"
-#include "model/lora.h"
+#include "data/tokenizer_files.h"
 #include "model/causal_lm.h"
+#include "model/lora.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
-#include "core/files.h"
-#include "data/tokenizer_files.h"
+#include "parallel/process_groups.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
 #include "train/metrics.h"
 #include "train/run_folder.h"
-#include "parallel/process_groups.h"
 #include "train/tensorboard.h"
 
 namespace lathe {

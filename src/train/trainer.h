@@ -4,9 +4,10 @@
 // evaluation, atomic checkpoints with automatic resume, metrics.jsonl + TensorBoard, a progress line, and a final HF export.
 // Checkpoint layout: OUTPUT/checkpoints/step-NNNNNNNN/{model/ or adapter/, optimizer.safetensors, trainer_state.json},
 // per tenant in the tenant's output_dir; a tenant that fails writes OUTPUT/FAILED and stops alone.
-// a checkpoint is written under a temporary name and renamed when complete, so any step-* folder is whole.
-// Covered by tests/e2e/test_train.cpp (loss falls, kill -9 and resume reproduce the losses bitwise on CPU,
-// crash during save, bad configs).
+// A checkpoint is written under a temporary name and renamed when complete, so any step-* folder is whole.
+// Data-parallel ranks (docs/parallel.md) split each step's micro-batches; the first rank writes the run's files.
+// Covered by tests/e2e/test_train.cpp (loss falls, kill -9 and resume reproduce the losses bitwise on CPU, crash during
+// save, bad configs, re-runs into a run folder, validation before any write) and tests/e2e/test_train_dp.cpp.
 #pragma once
 
 #include <memory>
