@@ -29,6 +29,7 @@
 #include "optim/clip.h"
 #include "optim/schedule.h"
 #include "parallel/process_groups.h"
+#include "parallel/zero.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
 #include "train/metrics.h"
@@ -142,7 +143,8 @@ struct Job {
   std::vector<FinalEvalRow> final_eval_rows;
   bool needs_final = false, needs_final_eval = false;  // resumed at max_steps with these still to do
   // Built once the folder is prepared.
-  std::vector<Parameter>* params = nullptr;
+  std::vector<Parameter>* params = nullptr;  // what the optimizer updates (under ZeRO-1: this rank's pieces)
+  std::unique_ptr<ZeroShards> zero;          // parallel.zero: 1 with dp > 1 (full fine-tuning)
   data::LoaderOptions loader_options;
   std::unique_ptr<data::PackedLoader> loader;
   std::unique_ptr<AdamW> opt;
@@ -174,11 +176,16 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
   return z ^ (z >> 29);
 }
 
-void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_weights, const nlohmann::json& state) {
+// The folder a ZeRO-1 run's ranks write their optimizer shards into before the first rank gathers them into the
+// checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
+fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
+std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
+
+// `write_files` writes the weights and the optimizer state into the checkpoint's folder before it appears.
+void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state) {
   const fs::path dir = job.out / "checkpoints";
   OutputDir out((dir / step_dir_name(job.step)).string(), job.who());  // replaces one of the same step
-  write_weights(out.tmp());
-  job.opt->save((out.tmp() / "optimizer.safetensors").string());
+  write_files(out.tmp());
   // Test hook (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would.
   if (fault_injected("checkpoint_save", job.step)) _exit(3);
   write_file_atomic((out.tmp() / "trainer_state.json").string(), state.dump(2), job.who());
@@ -301,6 +308,8 @@ class Trainer::Impl {
   void read_inputs(Job& j);
   void choose_model_source();
   void build_job(Job& j);
+  void load_optimizer(Job& j);
+  void check_optimizer_layout(const Job& j, const nlohmann::json& layout = nullptr) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
   void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
@@ -379,6 +388,7 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
       std::ifstream f(fs::path(j.start.resume_from) / "trainer_state.json");
       j.state = nlohmann::json::parse(f, nullptr, false);
       LATHE_CHECK(j.state.is_object(), "train: {}/trainer_state.json is not valid JSON", j.start.resume_from);
+      check_optimizer_layout(j);  // before anything is written (the element counts are checked again at load)
     }
     if (j.start.training_done) {
       const bool final_kept = j.folder.has_final && !j.start.clear &&
@@ -565,7 +575,12 @@ void Trainer::Impl::build_job(Job& j) {
     else if (!jc.lora_init.empty()) bank_->load_peft(j.adapter, jc.lora_init);
     else bank_->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
   }
-  j.params = lora_ ? &bank_->flat_parameter(j.adapter) : &model_->parameters();
+  if (c_.zero == 1 && dp_ > 1 && !lora_) {  // ZeRO-1: this rank updates (and keeps the state of) 1/dp of the model
+    j.zero = std::make_unique<ZeroShards>(model_->parameters(), *groups_->dp);
+    j.params = &j.zero->owned();
+  } else {
+    j.params = lora_ ? &bank_->flat_parameter(j.adapter) : &model_->parameters();
+  }
   AdamWConfig acfg;
   acfg.beta1 = jc.beta1;
   acfg.beta2 = jc.beta2;
@@ -573,7 +588,7 @@ void Trainer::Impl::build_job(Job& j) {
   acfg.weight_decay = jc.weight_decay;
   acfg.state_dtype = dtype_from_name(jc.optimizer_states);  // f32 | bf16 (config.cpp checks)
   j.opt = std::make_unique<AdamW>(rt_, *j.params, acfg);
-  if (!j.start.resume_from.empty()) j.opt->load((fs::path(j.start.resume_from) / "optimizer.safetensors").string());
+  if (!j.start.resume_from.empty()) load_optimizer(j);
   j.step = j.state.value("step", int64_t(0));
   j.tokens_seen = j.state.value("tokens_seen", int64_t(0));
   j.bad_in_row = j.state.value("bad_steps_in_a_row", int64_t(0));
@@ -596,6 +611,36 @@ void Trainer::Impl::build_job(Job& j) {
     j.tb = std::make_unique<TensorBoardWriter>((j.out / "tb").string(), j.step + 1);
   }
   j.summary.final_step = j.step;
+}
+
+// The resumed checkpoint's optimizer state: the whole state, or under ZeRO-1 this rank's shard, which fits only a run
+// with the same layout (resharding ZeRO states across dp sizes is not built yet).
+void Trainer::Impl::load_optimizer(Job& j) {
+  const fs::path from = j.start.resume_from;
+  if (!j.zero) {
+    check_optimizer_layout(j);
+    j.opt->load((from / "optimizer.safetensors").string());
+    return;
+  }
+  check_optimizer_layout(j, j.zero->layout());
+  j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
+}
+
+// The resumed checkpoint's optimizer state must be laid out as this run keeps it: whole, or sharded by ZeRO-1 over
+// the same dp size (and, once the model is built, the same element count: `layout`).
+void Trainer::Impl::check_optimizer_layout(const Job& j, const nlohmann::json& layout) const {
+  const bool sharded = j.state.contains("zero");
+  const bool zero = c_.zero == 1 && dp_ > 1 && !lora_;
+  const std::string from = j.start.resume_from;
+  if (!zero) {
+    LATHE_CHECK(!sharded, "train: {}'s optimizer state is sharded over dp = {} (parallel.zero: 1): resume it with "
+                "parallel.zero: 1 at dp = {}", from, j.state["zero"].value("dp", 0), j.state["zero"].value("dp", 0));
+    return;
+  }
+  const bool same = sharded && j.state["zero"].value("dp", 0) == dp_ && (layout.is_null() || j.state["zero"] == layout);
+  LATHE_CHECK(same, "train: {} holds {} optimizer state, but this run shards it over dp = {} (parallel.zero: 1): resume "
+              "at the checkpoint's layout (resharding ZeRO states is not built yet)", from,
+              sharded ? "ZeRO-1 " + j.state["zero"].dump() : std::string("the whole"), dp_);
 }
 
 // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
@@ -735,6 +780,12 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   }
   j.summary.steps_run++;
   j.summary.final_step = step;
+  const bool save = (jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps;
+  if (save && j.zero) {  // every rank's optimizer shard, before the first rank makes the checkpoint
+    make_dirs(zero_shard_dir(j), j.who());
+    j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
+    groups_->dp->barrier();
+  }
   if (!first_) return;  // the other ranks hold the same state: the first one evaluates and writes
   if (j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
     const double eval_loss = evaluate(rt_, *model_, j);
@@ -753,14 +804,21 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     for (const auto& [layer, v] : m["expert_load"].items())
       scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
   j.tb->add_scalars(step, scalars);
-  if ((jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps) {
-    const nlohmann::json st = {{"step", step}, {"loader", j.loader->state()}, {"tokens_seen", j.tokens_seen},
-                               {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
-                               {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
+  if (save) {
+    nlohmann::json st = {{"step", step}, {"loader", j.loader->state()}, {"tokens_seen", j.tokens_seen},
+                         {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
+                         {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
+    if (j.zero) st["zero"] = j.zero->layout();
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
       else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
+      if (!j.zero) {
+        j.opt->save((dir / "optimizer.safetensors").string());
+        return;
+      }
+      for (int r = 0; r < dp_; ++r) fs::rename(zero_shard_dir(j) / zero_shard_name(r, dp_), dir / zero_shard_name(r, dp_));
+      fs::remove_all(zero_shard_dir(j));
     }, st);
   }
   if (step == jc.max_steps) write_final(j);
@@ -797,6 +855,10 @@ void Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
   std::map<DType, std::vector<Tensor*>> by_dtype;
   for (Job* j : active) {
     if (j->failed) continue;
+    if (j->zero) {  // ZeRO-1: each rank receives the sum of its range only
+      j->zero->reduce_scatter_grads(*ctx_);
+      continue;
+    }
     for (Parameter& p : *j->params) {
       if (!p.grad.defined()) {  // no gradient reached it on this rank (an expert without tokens): zero
         p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), ctx_->allocator);
@@ -889,7 +951,13 @@ bool Trainer::Impl::step() {
   for (Job* j : active) {
     if (j->failed) continue;
     const size_t k = size_t(j - jobs_.data());
-    entries[k] = optimizer_step(*j, norms[k]->read(), std::move(*updates[k]));
+    double norm = norms[k]->read();
+    if (j->zero) norm = std::sqrt(sum_over_dp({norm * norm})[0]);  // each rank's norm is its range's
+    entries[k] = optimizer_step(*j, norm, std::move(*updates[k]));
+    if (j->zero) {  // every rank's updated range into every rank's parameters
+      j->zero->all_gather_values(*ctx_);
+      j->zero->drop_grads();
+    }
   }
   // Test hooks (tests/e2e/test_train_dp.cpp, dev/gpu_dp.sh): after step N's update the last rank dies with SIGKILL, as
   // kill -9 would leave it, or stops with SIGSTOP, as a hung rank would.

@@ -230,3 +230,53 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
     }
   }
 }
+
+TEST(DataParallel, Zero1EqualsPlainDataParallelAndShardsTheOptimizerState) {
+  const fs::path dir = setup("zero", kQwen3);
+  for (int np : {2, 4}) {
+    const int accum = 4 / np;
+    const std::string plain = fmt::format("plain{}", np), zero = fmt::format("zero{}", np);
+    ASSERT_EQ(train(dir, plain, np, accum).exit_code, 0);
+    const LatheRun z = train(dir, zero, np, accum, " --set parallel.zero=1");
+    ASSERT_EQ(z.exit_code, 0) << z.output;
+    // The same gradients (reduce-scatter is the all-reduce's slice, exactly); only the norm's sum is associated
+    // otherwise (each rank's range, then the ranks).
+    expect_same_curve(losses(dir / zero), losses(dir / plain), zero, 1e-7);
+    expect_same_curve(grad_norms(dir / zero), grad_norms(dir / plain), zero + " gradient norm", 1e-7);
+    const double d = worst_rel_diff(weights(dir / zero / "final/model.safetensors"), weights(dir / plain / "final/model.safetensors"));
+    std::printf("[zero] dp %d: worst ||w - w_plain|| / ||w_plain|| %.3g\n", np, d);
+    EXPECT_LT(d, 1e-6);
+    // Each rank kept 1/np of the moments: the shards' elements add up to the model's, none twice.
+    const fs::path ckpt = dir / zero / "checkpoints/step-00000008";
+    size_t moments = 0, params = 0;
+    for (const auto& [name, v] : weights(ckpt / "model/model.safetensors")) params += v.size();
+    for (int r = 0; r < np; ++r) {
+      const auto shard = weights(ckpt / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, np));
+      for (const auto& [name, v] : shard)
+        if (name.ends_with(".exp_avg")) moments += v.size();
+    }
+    EXPECT_EQ(moments, params);
+    EXPECT_FALSE(fs::exists(ckpt / "optimizer.safetensors"));
+  }
+}
+
+TEST(DataParallel, Zero1ResumesAtItsLayoutAndRefusesAnother) {
+  const fs::path dir = setup("zero_resume", kQwen3);
+  ASSERT_EQ(train(dir, "ref", 2, 2, " --set parallel.zero=1").exit_code, 0);
+  EXPECT_NE(train(dir, "run", 2, 2, " --set parallel.zero=1", "LATHE_FAULT_INJECT=after_step:4").exit_code, 0);
+  const LatheRun other = train(dir, "run", 4, 1, " --set parallel.zero=1");
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_NE(other.output.find("but this run shards it over dp = 4 (parallel.zero: 1)"), std::string::npos) << other.output;
+  const LatheRun plain = train(dir, "run", 2, 2);
+  EXPECT_NE(plain.exit_code, 0);
+  EXPECT_NE(plain.output.find("optimizer state is sharded over dp = 2 (parallel.zero: 1): resume it with parallel.zero: 1"),
+            std::string::npos) << plain.output;
+  EXPECT_EQ(losses(dir / "run").size(), 4u) << "a refused resume changed the run's metrics";
+  const LatheRun resumed = train(dir, "run", 2, 2, " --set parallel.zero=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  EXPECT_EQ(losses(dir / "run"), losses(dir / "ref"));  // the whole state came back: bitwise
+  const LatheRun lora = train(dir, "x", 2, 2, " --set parallel.zero=1 --set lora.rank=4");
+  EXPECT_NE(lora.exit_code, 0);
+  EXPECT_NE(lora.output.find("LoRA adapters' states are small and stay replicated"), std::string::npos) << lora.output;
+}
