@@ -2,7 +2,12 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
+#include <filesystem>
+
 #include "core/error.h"
+#include "io/safetensors.h"
 
 namespace lathe {
 
@@ -26,6 +31,7 @@ ZeroShards::ZeroShards(std::vector<Parameter>& params, Communicator& dp) : param
     ShardLayout shard{p.value.shape(), std::vector<int64_t>(p.value.shape().size(), 0), lo - offsets_[i], "dp"};
     owned_.push_back({p.name, p.value.view({-1}).narrow(0, lo - offsets_[i], hi - lo), {}, shard});
     owned_at_.push_back(lo - begin_);
+    owned_param_.push_back(i);
   }
 }
 
@@ -74,5 +80,48 @@ void ZeroShards::drop_grads() {
 }
 
 nlohmann::json ZeroShards::layout() const { return {{"dp", dp_->size()}, {"elements", total_}, {"chunk", chunk_}}; }
+
+void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const {
+  const int64_t old_dp = old_layout.value("dp", int64_t(0)), old_chunk = old_layout.value("chunk", int64_t(0));
+  LATHE_CHECK(old_layout.value("elements", int64_t(-1)) == total_ && old_dp >= 1 && old_chunk * old_dp >= total_,
+              "zero: {}'s optimizer shards ({}) are of another model than this one ({} elements)", dir, old_layout.dump(),
+              total_);
+  std::vector<io::SafetensorsFile> old;
+  for (int64_t r = 0; r < old_dp; ++r)
+    old.push_back(io::SafetensorsFile::open(
+        (std::filesystem::path(dir) / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, old_dp)).string()));
+  std::vector<std::vector<float>> values;  // the new file's tensors, as f32 until written
+  std::vector<io::TensorRef> refs;
+  std::vector<std::vector<uint8_t>> bytes;
+  values.reserve(owned_.size() * 3);
+  bytes.reserve(owned_.size() * 3);
+  for (size_t k = 0; k < owned_.size(); ++k) {
+    const size_t i = owned_param_[k];
+    const int64_t piece_begin = offsets_[i] + owned_[k].shard.flat_begin, n = owned_[k].value.numel();
+    for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) {
+      const std::string name = owned_[k].name + suffix;
+      std::vector<float> v(size_t(n), 0.0f);
+      DType dtype = DType::F32;
+      int64_t covered = 0;
+      for (int64_t r = 0; r < old_dp; ++r) {  // old rank r holds [r C, (r + 1) C) of the flat space
+        const int64_t lo = std::max(piece_begin, r * old_chunk), hi = std::min(piece_begin + n, (r + 1) * old_chunk);
+        const io::SafetensorsTensor* t = lo < hi ? old[size_t(r)].find(name) : nullptr;
+        if (!t) continue;
+        dtype = t->dtype;
+        const std::vector<float> part = old[size_t(r)].read_as_f32(name);
+        const int64_t part_begin = std::max(r * old_chunk, offsets_[i]);  // the old piece's first flat element
+        for (int64_t x = lo; x < hi; ++x) v[size_t(x - piece_begin)] = part[size_t(x - part_begin)];
+        covered += hi - lo;
+      }
+      if (covered == 0 && std::string(suffix) == ".master") continue;  // parameters that are their own masters
+      LATHE_CHECK(covered == n, "zero: {}: the old shards hold {} of {}'s {} elements", dir, covered, name, n);
+      std::vector<uint8_t> b(size_t(n) * dtype_size(dtype));
+      for (int64_t x = 0; x < n; ++x) store_from_double(b.data(), dtype, x, v[size_t(x)]);
+      bytes.push_back(std::move(b));
+      refs.push_back({name, dtype, {n}, bytes.back().data(), bytes.back().size()});
+    }
+  }
+  io::write_safetensors(out_path, refs, old[0].metadata());
+}
 
 }  // namespace lathe

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <string>
 #include <vector>
 
 #include "backend/registry.h"
@@ -29,8 +30,15 @@ class ZeroShards {
   void all_gather_values(ExecContext& ctx);
   void drop_grads();  // the owned pieces' gradients, at the end of a step
 
-  // {"dp", "elements", "chunk"}: a checkpoint's optimizer shards fit a run only with the same layout.
+  // {"dp", "elements", "chunk"}: how a checkpoint's optimizer shards are cut.
   nlohmann::json layout() const;
+
+  // Resharding on load: the optimizer state of this rank's pieces, assembled from the shard files
+  // (optimizer.rank-R-of-N.safetensors) that a ZeRO-1 checkpoint in `dir` wrote under `old_layout` (another dp size),
+  // written to `out_path` in the format AdamW::load reads. Each piece's master and moments come from the old shards
+  // whose ranges cover it; the step count and hyper-parameters are the old files'. The model must be the same
+  // (the same element count).
+  void reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const;
 
  private:
   // Copies between the parameters (values or gradients) and `flat`, for the flat range [begin, end).
@@ -41,7 +49,8 @@ class ZeroShards {
   std::vector<int64_t> offsets_;  // each parameter's first element in the flat space
   int64_t total_ = 0, chunk_ = 0, begin_ = 0, end_ = 0;
   std::vector<Parameter> owned_;
-  std::vector<int64_t> owned_at_;  // each owned piece's first element inside this rank's range
+  std::vector<int64_t> owned_at_;     // each owned piece's first element inside this rank's range
+  std::vector<size_t> owned_param_;   // each owned piece's parameter
 };
 
 }  // namespace lathe

@@ -309,7 +309,7 @@ class Trainer::Impl {
   void choose_model_source();
   void build_job(Job& j);
   void load_optimizer(Job& j);
-  void check_optimizer_layout(const Job& j, const nlohmann::json& layout = nullptr) const;
+  void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
   void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
@@ -613,8 +613,8 @@ void Trainer::Impl::build_job(Job& j) {
   j.summary.final_step = j.step;
 }
 
-// The resumed checkpoint's optimizer state: the whole state, or under ZeRO-1 this rank's shard, which fits only a run
-// with the same layout (resharding ZeRO states across dp sizes is not built yet).
+// The resumed checkpoint's optimizer state: the whole state, or under ZeRO-1 this rank's shard (at the same layout)
+// or its pieces assembled from the old shards (at another dp size).
 void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
   if (!j.zero) {
@@ -622,13 +622,22 @@ void Trainer::Impl::load_optimizer(Job& j) {
     j.opt->load((from / "optimizer.safetensors").string());
     return;
   }
-  check_optimizer_layout(j, j.zero->layout());
-  j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
+  check_optimizer_layout(j);
+  if (j.state["zero"] == j.zero->layout()) {
+    j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
+    return;
+  }
+  // Another dp size: this rank's pieces' state is assembled from the old shards that cover them.
+  const fs::path tmp = fs::temp_directory_path() / fmt::format("lathe-zero-reshard-{}-{}.safetensors", getpid(), groups_->rank);
+  j.zero->reshard_state(from.string(), j.state["zero"], tmp.string());
+  j.opt->load(tmp.string());
+  std::error_code ec;
+  fs::remove(tmp, ec);
 }
 
-// The resumed checkpoint's optimizer state must be laid out as this run keeps it: whole, or sharded by ZeRO-1 over
-// the same dp size (and, once the model is built, the same element count: `layout`).
-void Trainer::Impl::check_optimizer_layout(const Job& j, const nlohmann::json& layout) const {
+// The resumed checkpoint's optimizer state must be kept as this run keeps it: whole, or sharded by ZeRO-1 (over any
+// dp size: another one is resharded on load, where ZeroShards::reshard_state checks the element counts).
+void Trainer::Impl::check_optimizer_layout(const Job& j) const {
   const bool sharded = j.state.contains("zero");
   const bool zero = c_.zero == 1 && dp_ > 1 && !lora_;
   const std::string from = j.start.resume_from;
@@ -637,10 +646,8 @@ void Trainer::Impl::check_optimizer_layout(const Job& j, const nlohmann::json& l
                 "parallel.zero: 1 at dp = {}", from, j.state["zero"].value("dp", 0), j.state["zero"].value("dp", 0));
     return;
   }
-  const bool same = sharded && j.state["zero"].value("dp", 0) == dp_ && (layout.is_null() || j.state["zero"] == layout);
-  LATHE_CHECK(same, "train: {} holds {} optimizer state, but this run shards it over dp = {} (parallel.zero: 1): resume "
-              "at the checkpoint's layout (resharding ZeRO states is not built yet)", from,
-              sharded ? "ZeRO-1 " + j.state["zero"].dump() : std::string("the whole"), dp_);
+  LATHE_CHECK(sharded, "train: {} holds the whole optimizer state, but this run shards it over dp = {} (parallel.zero: "
+              "1): resume it with parallel.zero: 0 (resharding a whole state into ZeRO shards is not built yet)", from, dp_);
 }
 
 // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.

@@ -260,13 +260,13 @@ TEST(DataParallel, Zero1EqualsPlainDataParallelAndShardsTheOptimizerState) {
   }
 }
 
-TEST(DataParallel, Zero1ResumesAtItsLayoutAndRefusesAnother) {
+TEST(DataParallel, Zero1ResumesAtItsLayoutAndReshardsToAnother) {
   const fs::path dir = setup("zero_resume", kQwen3);
   ASSERT_EQ(train(dir, "ref", 2, 2, " --set parallel.zero=1").exit_code, 0);
+  // Killed after step 4 (checkpoint at 3): zero 0 is refused before anything is written; the same layout resumes
+  // bitwise; dp = 4 reshards the optimizer state and continues the same curve.
   EXPECT_NE(train(dir, "run", 2, 2, " --set parallel.zero=1", "LATHE_FAULT_INJECT=after_step:4").exit_code, 0);
-  const LatheRun other = train(dir, "run", 4, 1, " --set parallel.zero=1");
-  EXPECT_NE(other.exit_code, 0);
-  EXPECT_NE(other.output.find("but this run shards it over dp = 4 (parallel.zero: 1)"), std::string::npos) << other.output;
+  fs::copy(dir / "run", dir / "run4", fs::copy_options::recursive);
   const LatheRun plain = train(dir, "run", 2, 2);
   EXPECT_NE(plain.exit_code, 0);
   EXPECT_NE(plain.output.find("optimizer state is sharded over dp = 2 (parallel.zero: 1): resume it with parallel.zero: 1"),
@@ -276,6 +276,14 @@ TEST(DataParallel, Zero1ResumesAtItsLayoutAndRefusesAnother) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   EXPECT_EQ(losses(dir / "run"), losses(dir / "ref"));  // the whole state came back: bitwise
+  const LatheRun reshard = train(dir, "run4", 4, 1, " --set parallel.zero=1");
+  ASSERT_EQ(reshard.exit_code, 0) << reshard.output;
+  expect_same_curve(losses(dir / "run4"), losses(dir / "ref"), "ZeRO-1 dp 2 -> 4");
+  // A zero-0 checkpoint into ZeRO-1, and ZeRO-1 with LoRA, are refused.
+  ASSERT_EQ(train(dir, "whole", 2, 2, " --set train.max_steps=3").exit_code, 0);
+  const LatheRun into = train(dir, "whole", 2, 2, " --set parallel.zero=1");
+  EXPECT_NE(into.exit_code, 0);
+  EXPECT_NE(into.output.find("holds the whole optimizer state, but this run shards it"), std::string::npos) << into.output;
   const LatheRun lora = train(dir, "x", 2, 2, " --set parallel.zero=1 --set lora.rank=4");
   EXPECT_NE(lora.exit_code, 0);
   EXPECT_NE(lora.output.find("LoRA adapters' states are small and stay replicated"), std::string::npos) << lora.output;
