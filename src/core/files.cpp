@@ -146,6 +146,15 @@ void make_dirs(const fs::path& dir, const std::string& who) {
   LATHE_CHECK(!ec, "{}: cannot create folder {}: {}", who, dir.string(), ec.message());
 }
 
+void check_folder(const std::string& dir, const std::string& what, const std::string& who, const char* required_file) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  LATHE_CHECK(fs::exists(st), "{}: {} {} does not exist", who, what, dir);
+  LATHE_CHECK(fs::is_directory(st), "{}: {} {} is a file, not a folder", who, what, dir);
+  LATHE_CHECK(!required_file || fs::exists(fs::path(dir) / required_file, ec), "{}: {} {} has no {}", who, what, dir,
+              required_file);
+}
+
 std::string read_text_file(const std::string& path, const std::string& who) {
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);

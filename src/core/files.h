@@ -62,6 +62,10 @@ void write_file_atomic(const std::string& path, std::string_view text, const std
 // Creates `dir` and its parents; an error names the part of the path that is not a folder, or the system's reason.
 void make_dirs(const std::filesystem::path& dir, const std::string& who);
 
+// `dir` exists and is a folder (holding `required_file` when given); an error says which is not so, naming `what` (the
+// option, e.g. "--model" or "model.path") and the path.
+void check_folder(const std::string& dir, const std::string& what, const std::string& who, const char* required_file = nullptr);
+
 // Every byte of a file; an error names the path and says whether it is missing, a folder or unreadable.
 std::string read_text_file(const std::string& path, const std::string& who);
 

@@ -284,12 +284,6 @@ nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& t
   return g;
 }
 
-void check_folder_with(const std::string& dir, const char* file, const std::string& what) {
-  std::error_code ec;
-  LATHE_CHECK(fs::exists(dir, ec), "train: {} {} does not exist", what, dir);
-  LATHE_CHECK(fs::is_directory(dir, ec), "train: {} {} is not a folder", what, dir);
-  LATHE_CHECK(fs::exists(fs::path(dir) / file, ec), "train: {} {} has no {}", what, dir, file);
-}
 
 }  // namespace
 
@@ -362,8 +356,8 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
   lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
   LATHE_CHECK(c.tenants.empty() || c.resume == "auto" || c.resume == "none",
               "train: resume: with tenants, only auto or none (each tenant resumes from its own output_dir)");
-  if (!c.model_path.empty()) check_folder_with(c.model_path, "config.json", "model.path");
-  check_folder_with(c.tokenizer, "tokenizer.json", c.model_path == c.tokenizer ? "model.path" : "model.tokenizer");
+  if (!c.model_path.empty()) check_folder(c.model_path, "model.path", "train", "config.json");
+  check_folder(c.tokenizer, c.model_path == c.tokenizer ? "model.path" : "model.tokenizer", "train", "tokenizer.json");
   tokenizer_.emplace(data::Tokenizer::from_dir(c.tokenizer));
   chat_ = data::load_chat_template(c.tokenizer);
   chat_kwargs_ = nlohmann::ordered_json(c.chat_template_kwargs);
@@ -405,7 +399,7 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
 // The job's data, final-evaluation rows and LoRA start, read and checked.
 void Trainer::Impl::read_inputs(Job& j) {
   const TrainConfig& jc = *j.cfg;
-  if (!jc.lora_init.empty()) check_folder_with(jc.lora_init, "adapter_config.json", "lora.init");
+  if (!jc.lora_init.empty()) check_folder(jc.lora_init, "lora.init", "train", "adapter_config.json");
   if (!jc.final_eval_file.empty()) j.final_eval_rows = read_final_eval(jc.final_eval_file, chat_ ? &*chat_ : nullptr, chat_kwargs_);
   if (j.finished() || j.start.training_done) return;  // no step left to run: its data is not read
   data::DatasetOptions dopt;

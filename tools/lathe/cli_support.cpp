@@ -54,13 +54,6 @@ CLI::Validator in_unit_interval() {
       "in (0, 1]");
 }
 
-void check_folder(const std::string& path, const std::string& option, const std::string& who) {
-  std::error_code ec;
-  const fs::file_status st = fs::status(path, ec);
-  LATHE_CHECK(fs::exists(st), "{}: {} {} does not exist", who, option, path);
-  LATHE_CHECK(fs::is_directory(st), "{}: {} {} is a file, not a folder", who, option, path);
-}
-
 DType model_folder_dtype(const std::string& dir) {
   const fs::path config = fs::path(dir) / "config.json";
   if (fs::exists(config)) {

@@ -1,21 +1,19 @@
-// What several lathe subcommands share: range checks for their numeric options, checks that name a missing or
-// misplaced --model/--input path, the dtype a source folder's weights are stored in (the default of export and
+// What several lathe subcommands share: range checks for their numeric options, the JSONL row reader, the dtype a source folder's weights are stored in (the default of export and
 // convert), and where the chat-template settings of generate and logprobs come from.
 // Convention: the chat-template settings are --chat-template-kwargs when given, else the first
 // chat_template_kwargs.json found in the folders passed (adapter, model, tokenizer, in that order), else {}; the
 // choice is printed on one stderr line. Covered by tests/e2e/test_cli_outputs.cpp.
 #pragma once
 
-#include <functional>
-#include <nlohmann/json.hpp>
-
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/files.h"  // check_folder, which the subcommands use for --model, --adapter, --tokenizer
 
 namespace lathe::cli {
 
@@ -23,9 +21,6 @@ namespace lathe::cli {
 // and one in (0, 1] (--top-p).
 CLI::Validator number_in(double min, double max = std::numeric_limits<double>::infinity());
 CLI::Validator in_unit_interval();
-
-// `path` (given as `option`) must exist and be a folder; the error says which of the two it is not.
-void check_folder(const std::string& path, const std::string& option, const std::string& who);
 
 // Calls `row` with each non-blank line of the JSONL file `path`, parsed, and its line number; invalid JSON is an
 // error naming FILE:LINE, and so is any lathe::Error `row` throws (its message gets the FILE:LINE prefix).
