@@ -56,7 +56,9 @@ class Communicator {
   virtual CommWork broadcast(Tensor& t, int root) = 0;
   virtual CommWork send(const Tensor& t, int peer) = 0;
   virtual CommWork recv(Tensor& t, int peer) = 0;
-  virtual void barrier() = 0;
+  // Waits for every rank of the group. `timeout_s` (0: the group's) bounds this wait alone, for phases that take
+  // longer than a collective should, such as one rank writing a checkpoint; `timeout_name` is what a report calls it.
+  virtual void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") = 0;
   // The group of the ranks that pass the same `color`, ordered by `key`: every rank of this group calls it, in the
   // same order (the backend's own split: MPI_Comm_split, ncclCommSplit).
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;

@@ -137,10 +137,10 @@ class MpiCommunicator final : public Communicator {
     return {};
   }
 
-  void barrier() override {
+  void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") override {
     MPI_Request req;
     post("barrier", 0, MPI_Ibarrier(comm_, &req));
-    wait("barrier", &req, 1);
+    wait("barrier", &req, 1, timeout_s, timeout_name);
   }
 
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
@@ -183,16 +183,18 @@ class MpiCommunicator final : public Communicator {
     if (rc != MPI_SUCCESS) fail(op, fmt::format("MPI error {}", error_string(rc)));
   }
 
-  void wait(const std::string& op, MPI_Request* reqs, int n) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+  void wait(const std::string& op, MPI_Request* reqs, int n, double timeout_s = 0,
+            const char* timeout_name = "parallel.timeout_s") {
+    if (timeout_s <= 0) timeout_s = timeout_s_;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
     for (int spins = 0;; ++spins) {
       int done = 0;
       const int rc = MPI_Testall(n, reqs, &done, MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) fail(op, fmt::format("MPI error {}", error_string(rc)));
       if (done) return;
       if (std::chrono::steady_clock::now() > deadline)
-        fail(op, fmt::format("did not complete within parallel.timeout_s = {} s (a rank died, stopped or took another "
-                             "path)", timeout_s_));
+        fail(op, fmt::format("did not complete within {} = {} s (a rank died, stopped or took another path)",
+                             timeout_name, timeout_s));
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }

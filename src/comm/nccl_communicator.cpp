@@ -166,13 +166,13 @@ class NcclCommunicator final : public Communicator {
     return completion("recv");
   }
 
-  void barrier() override {
+  void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") override {
     void* one = nullptr;
     cudaSetDevice(device_);
     cudaMallocAsync(&one, sizeof(float), stream_);
     cudaMemsetAsync(one, 0, sizeof(float), stream_);
     run("barrier", sizeof(float), [&] { return ncclAllReduce(one, one, 1, ncclFloat32, ncclSum, comm_, stream_); });
-    CommWork w = completion("barrier");
+    CommWork w = completion("barrier", timeout_s, timeout_name);
     w.wait();
     cudaFreeAsync(one, stream_);
   }
@@ -213,7 +213,8 @@ class NcclCommunicator final : public Communicator {
   }
 
   // The operation's completion: an event behind it on the stream, polled by wait() against the timeout.
-  CommWork completion(const std::string& op) {
+  CommWork completion(const std::string& op, double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") {
+    if (timeout_s <= 0) timeout_s = timeout_s_;
     auto event = std::shared_ptr<cudaEvent_t>(new cudaEvent_t(nullptr), [](cudaEvent_t* e) {
       if (*e) cudaEventDestroy(*e);
       delete e;
@@ -221,8 +222,8 @@ class NcclCommunicator final : public Communicator {
     cudaEventCreateWithFlags(event.get(), cudaEventDisableTiming);
     cudaEventRecord(*event, stream_);
     const int64_t seq = seq_;
-    return CommWork([this, event, op, seq] {
-      const auto deadline = deadline_in(timeout_s_);
+    return CommWork([this, event, op, seq, timeout_s, timeout_name] {
+      const auto deadline = deadline_in(timeout_s);
       for (int spins = 0;; ++spins) {
         const cudaError_t e = cudaEventQuery(*event);
         if (e == cudaSuccess) return;
@@ -231,8 +232,8 @@ class NcclCommunicator final : public Communicator {
         ncclCommGetAsyncError(comm_, &async);
         if (async != ncclSuccess && async != ncclInProgress) fail(op, fmt::format("failed: {}", ncclGetErrorString(async)));
         if (Clock::now() > deadline)
-          fail(op, fmt::format("did not complete within parallel.timeout_s = {} s (a rank died, stopped or took another "
-                               "path)", timeout_s_));
+          fail(op, fmt::format("did not complete within {} = {} s (a rank died, stopped or took another path)",
+                               timeout_name, timeout_s));
         if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     });

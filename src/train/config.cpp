@@ -215,6 +215,9 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.timeout_s", Kind::Float, "600", above(0),
                 "a collective that does not complete in this time ends the job with a report (rank, group, "
                 "collective, sequence number)", timeout_s),
+      LATHE_NUM("parallel.save_timeout_s", Kind::Float, "3600", above(0),
+                "how long the other ranks wait while the first rank writes a checkpoint or the final model (a save "
+                "can take far longer than a collective)", save_timeout_s),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
       LATHE_OPT("dtype", Kind::String, "", "compute dtype: f32 | bf16 (default f32 on cpu, bf16 on cuda)", dtype),
       Option{"tenants", Kind::TenantList, nullptr,

@@ -14,6 +14,7 @@
 #include <numeric>
 #include <optional>
 #include <regex>
+#include <thread>
 
 #include <fmt/ranges.h>
 
@@ -186,8 +187,9 @@ void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>&
   const fs::path dir = job.out / "checkpoints";
   OutputDir out((dir / step_dir_name(job.step)).string(), job.who());  // replaces one of the same step
   write_files(out.tmp());
-  // Test hook (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would.
+  // Test hooks (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would; or take 6 s longer.
   if (fault_injected("checkpoint_save", job.step)) _exit(3);
+  if (fault_injected("slow_save", job.step)) std::this_thread::sleep_for(std::chrono::seconds(6));
   write_file_atomic((out.tmp() / "trainer_state.json").string(), state.dump(2), job.who());
   out.commit();
   // Keep the newest `keep_last` complete checkpoints.
@@ -977,6 +979,13 @@ bool Trainer::Impl::step() {
   for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
   const double mem_mib = peak_memory_mib(rt_, device_);
   std::string tenant_losses;
+  bool saved = false;
+  for (Job* j : active)
+    if (!j->failed && !entries[size_t(j - jobs_.data())].is_null())
+      saved |= (j->cfg->save_every > 0 && j->step % j->cfg->save_every == 0) || j->step == j->cfg->max_steps;
+  // Every rank is alive before the first one starts a save (a rank lost here is reported under the collectives'
+  // timeout, not the save's).
+  if (groups_ && saved) groups_->world->barrier();
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];
     if (j->failed || m.is_null()) continue;
@@ -984,6 +993,9 @@ bool Trainer::Impl::step() {
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
   }
+  // While the first rank writes the step's checkpoints, the others wait here under the save timeout, rather than in
+  // the next step's first collective under the collectives' one.
+  if (groups_ && saved) groups_->world->barrier(c_.save_timeout_s, "parallel.save_timeout_s");
   // The progress line.
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   int64_t remaining = 0;

@@ -170,9 +170,10 @@ TEST(DataParallel, ARankKilledWithSigkillEndsTheJobAndTheResumedRunEqualsTheUnin
 
 TEST(DataParallel, AStoppedRankEndsTheJobWithTheTimeoutReport) {
   const fs::path dir = setup("stopped", kQwen3, "parallel: {timeout_s: 4}\n");
-  // The last rank stops (SIGSTOP) after step 3: rank 0 waits in the next step's all-reduce until the timeout.
+  // The last rank stops (SIGSTOP) after step 4 (no checkpoint there): rank 0 waits in the next step's all-reduce
+  // until the timeout.
   const auto t0 = std::chrono::steady_clock::now();
-  const LatheRun r = train(dir, "run", 2, 2, "", "LATHE_FAULT_INJECT=rank_sigstop:3");
+  const LatheRun r = train(dir, "run", 2, 2, "", "LATHE_FAULT_INJECT=rank_sigstop:4");
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_NE(r.exit_code, 0);
   EXPECT_LT(seconds, 30) << "not ended at the timeout";
@@ -180,6 +181,26 @@ TEST(DataParallel, AStoppedRankEndsTheJobWithTheTimeoutReport) {
   EXPECT_NE(r.output.find("on group dp[0] (2 ranks) did not complete within parallel.timeout_s = 4 s"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("this rank's last collectives on it:"), std::string::npos) << r.output;
+  // Stopped just before a checkpoint (step 3): caught by the barrier before the save, under the same timeout (not
+  // parallel.save_timeout_s, which bounds only the wait while the first rank writes).
+  const LatheRun before_save = train(dir, "run2", 2, 2, "", "LATHE_FAULT_INJECT=rank_sigstop:3");
+  EXPECT_NE(before_save.exit_code, 0);
+  EXPECT_NE(before_save.output.find("on group world (2 ranks) did not complete within parallel.timeout_s = 4 s"),
+            std::string::npos) << before_save.output;
+}
+
+TEST(DataParallel, TheOtherRanksWaitForACheckpointUnderTheSaveTimeout) {
+  // Rank 0's save of step 3 takes 6 s, twice the collectives' timeout: the others wait for it at the save barrier.
+  const fs::path dir = setup("slow_save", kQwen3, "parallel: {timeout_s: 3}\n");
+  const LatheRun ok = train(dir, "run", 2, 2, " --set train.max_steps=4", "LATHE_FAULT_INJECT=slow_save:3");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_EQ(losses(dir / "run").size(), 4u);
+  // A save timeout shorter than the save ends the job with the report naming it.
+  const LatheRun late = train(dir, "late", 2, 2, " --set train.max_steps=4 --set parallel.save_timeout_s=1",
+                              "LATHE_FAULT_INJECT=slow_save:3");
+  EXPECT_NE(late.exit_code, 0);
+  EXPECT_NE(late.output.find("barrier #"), std::string::npos) << late.output;
+  EXPECT_NE(late.output.find("did not complete within parallel.save_timeout_s = 1 s"), std::string::npos) << late.output;
 }
 
 TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
