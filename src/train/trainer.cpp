@@ -46,6 +46,10 @@ namespace {
 
 std::string step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step); }
 
+// Whether a job checkpoints after `step`: every train.save_every steps, and at the last. One predicate for the save
+// itself and for the ranks' barriers around it, which must agree on every rank.
+bool saves_at(const TrainConfig& c, int64_t step) { return (c.save_every > 0 && step % c.save_every == 0) || step == c.max_steps; }
+
 // LATHE_FAULT_INJECT=<point>:<step> makes the process die at that point (tests of crash safety only).
 bool fault_injected(const char* point, int64_t step) {
   const char* f = std::getenv("LATHE_FAULT_INJECT");
@@ -783,7 +787,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   }
   j.summary.steps_run++;
   j.summary.final_step = step;
-  const bool save = (jc.save_every > 0 && step % jc.save_every == 0) || step == jc.max_steps;
+  const bool save = saves_at(jc, step);
   if (save && j.zero) {  // every rank's optimizer shard, before the first rank makes the checkpoint
     make_dirs(zero_shard_dir(j), j.who());
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
@@ -982,7 +986,7 @@ bool Trainer::Impl::step() {
   bool saved = false;
   for (Job* j : active)
     if (!j->failed && !entries[size_t(j - jobs_.data())].is_null())
-      saved |= (j->cfg->save_every > 0 && j->step % j->cfg->save_every == 0) || j->step == j->cfg->max_steps;
+      saved |= saves_at(*j->cfg, j->step);
   // Every rank is alive before the first one starts a save (a rank lost here is reported under the collectives'
   // timeout, not the save's).
   if (groups_ && saved) groups_->world->barrier();
