@@ -24,6 +24,8 @@
 
 namespace lathe {
 
+class Stream;
+
 class CommWork {
  public:
   CommWork() = default;  // already complete
@@ -60,8 +62,9 @@ class Communicator {
   // longer than a collective should, such as one rank writing a checkpoint; `timeout_name` is what a report calls it.
   virtual void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") = 0;
   // The group of the ranks that pass the same `color`, ordered by `key`: every rank of this group calls it, in the
-  // same order (the backend's own split: MPI_Comm_split, ncclCommSplit).
-  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name) = 0;
+  // same order (the backend's own split: MPI_Comm_split, ncclCommSplit). `stream`: where the new group's operations
+  // are ordered (nullptr: this group's stream), e.g. a side stream for gradients reduced while the backward runs.
+  virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) = 0;
 };
 
 }  // namespace lathe

@@ -143,7 +143,7 @@ class MpiCommunicator final : public Communicator {
     wait("barrier", &req, 1, timeout_s, timeout_name);
   }
 
-  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override {
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream*) override {  // CPU: no streams
     MPI_Comm sub;
     LATHE_CHECK(MPI_Comm_split(comm_, color, key, &sub) == MPI_SUCCESS, "comm: splitting {} into {} failed", name_, name);
     return std::make_unique<MpiCommunicator>(sub, name, timeout_s_);

@@ -177,7 +177,7 @@ class NcclCommunicator final : public Communicator {
     cudaFreeAsync(one, stream_);
   }
 
-  std::unique_ptr<Communicator> split(int color, int key, const std::string& name) override;
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) override;
 
   // Reports the stalled or failed operation with this rank's recent ones, aborts the communicator and ends the job.
   [[noreturn]] void fail(const std::string& op, const std::string& why) {
@@ -299,7 +299,7 @@ std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, do
   return c;
 }
 
-std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& name) {
+std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const std::string& name, Stream* stream) {
   cudaSetDevice(device_);
   ncclComm_t sub = nullptr;
   ncclConfig_t config = nonblocking_config();
@@ -313,7 +313,8 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
   int count = 0;
   LATHE_CHECK(ncclCommCount(sub, &count) == ncclSuccess && count >= 1, "comm: the {} communicator split from {} is not "
               "usable", name, name_);
-  auto c = std::make_unique<NcclCommunicator>(sub, stream_, device_, name, timeout_s_, world_rank_);
+  auto c = std::make_unique<NcclCommunicator>(sub, stream ? cuda::as_cuda(*stream).handle() : stream_, device_, name,
+                                              timeout_s_, world_rank_);
   c->barrier();
   return c;
 }

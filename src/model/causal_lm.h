@@ -49,6 +49,17 @@ struct ModelOptions {
   double moe_padded_max_waste = 1.5;
 };
 
+// What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
+// that are complete (reduce them over data-parallel ranks) while the rest of the backward still runs.
+struct BackwardHooks {
+  // Called with the number of layers whose backward is still to come: the number of layers once the LM head and the
+  // final norm are done, then i after layer i, then -1 once the embedding and the adapters are (the end).
+  std::function<void(int64_t layers_left)> grads_done;
+  // Called once the whole backward is queued and before the host waits for the loss values: a trainer queues the
+  // gradient norm there, so the device does not idle between the backward and the norm.
+  std::function<void()> queued;
+};
+
 struct LossResult {
   double loss = 0;         // mean over labelled positions
   double loss_sum = 0;     // sum over labelled positions
@@ -94,11 +105,14 @@ class CausalLm {
   // Parameter::grad (so micro-batches accumulate), and the attached adapters' gradients into the bank.
   // `loss_scale` multiplies the gradients. A batch with segments differentiates the sum over segments of
   // segment.loss_scale x (the segment's mean loss); LoRA dropout is active only with `backward`.
-  // `backward_queued`, when given, is called once the whole backward is queued and before the host waits for the loss
-  // values: a trainer queues the gradient norm there, so the device does not idle between the backward and the norm.
+  // `hooks` report the backward's progress (BackwardHooks).
   virtual LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
-                          const std::function<void()>& backward_queued = {}) = 0;
+                          const BackwardHooks& hooks = {}) = 0;
   void zero_grads();
+  // For each parameter, the `layers_left` value of BackwardHooks::grads_done after which the backward adds nothing
+  // more to its gradient: its layer's index, the number of layers for the LM head and the final norm, -1 (the end)
+  // for the embedding (also a tied head's) and anything else.
+  virtual std::vector<int64_t> grads_complete_after() const = 0;
 
   // Writes config.json (with `architectures`, as transformers writes it) and model.safetensors (sharded above
   // max_shard_bytes) into `dir`, atomically: the folder appears whole or not at all (core/files.h OutputDir).

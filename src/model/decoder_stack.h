@@ -6,6 +6,8 @@
 // Included only by the families' .cpp files, where LayerActs is complete. Covered by tests/models (both families).
 #pragma once
 
+#include <cctype>
+#include <string>
 #include <vector>
 
 #include "model/causal_lm.h"
@@ -50,8 +52,7 @@ struct DecoderStack {
   }
 
   template <typename M>
-  static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale,
-                         const std::function<void()>& backward_queued) {
+  static LossResult loss(M& m, const PackedBatch& b, bool backward, double loss_scale, const BackwardHooks& hooks) {
     ExecContext cx = m.ctx();
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
@@ -69,17 +70,44 @@ struct DecoderStack {
     }
     const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf, norm);
     m.add_grad(m.final_norm_, dfinal[1]);
+    const auto done = [&](int64_t layers_left) {
+      if (hooks.grads_done) hooks.grads_done(layers_left);
+    };
+    done(int64_t(m.layers_.size()));
     Tensor dx = dfinal[0];
     for (int64_t i = int64_t(m.layers_.size()) - 1; i >= 0; --i) {
       const auto& l = m.layers_[size_t(i)];
       const typename M::LayerActs a = keep ? std::move(acts[size_t(i)]) : m.layer_forward(l, inputs[size_t(i)], b, true);
       if (keep) acts.pop_back();
       dx = m.layer_backward(l, a, dx, b);
+      done(i);
     }
     m.end_backward(m.embed_, dx, b);
-    if (backward_queued) backward_queued();
+    done(-1);
+    if (hooks.queued) hooks.queued();
     m.add_head_losses(result, b, losses);
     return result;
+  }
+
+  // CausalLm::grads_complete_after: a layer's parameters are named "...layers.N." (N its index), so they are complete
+  // after layer N's backward; the head and the final norm before the first layer's; the rest at the end.
+  template <typename M>
+  static std::vector<int64_t> grads_complete_after(const M& m) {
+    std::vector<int64_t> after(m.params_.size(), -1);
+    for (size_t i = 0; i < m.params_.size(); ++i) {
+      const std::string& name = m.params_[i].name;
+      const size_t at = name.find("layers.");
+      if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) continue;
+      size_t end = at + 7;
+      int64_t layer = 0;
+      while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) layer = layer * 10 + (name[end++] - '0');
+      if (end > at + 7 && end < name.size() && name[end] == '.' && layer < int64_t(m.layers_.size()))
+        after[i] = layer;
+    }
+    after[size_t(m.final_norm_)] = int64_t(m.layers_.size());
+    if (m.head() != m.embed_) after[size_t(m.head())] = int64_t(m.layers_.size());
+    after[size_t(m.embed_)] = -1;
+    return after;
   }
 };
 

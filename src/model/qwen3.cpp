@@ -164,9 +164,10 @@ Tensor Qwen3Model::logits(const PackedBatch& b) { return DecoderStack::logits(*t
 
 std::vector<double> Qwen3Model::label_logprobs(const PackedBatch& b) { return DecoderStack::label_logprobs(*this, b); }
 
-LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_scale,
-                            const std::function<void()>& backward_queued) {
-  return DecoderStack::loss(*this, b, backward, loss_scale, backward_queued);
+LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_scale, const BackwardHooks& hooks) {
+  return DecoderStack::loss(*this, b, backward, loss_scale, hooks);
 }
+
+std::vector<int64_t> Qwen3Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
 }  // namespace lathe

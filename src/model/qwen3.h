@@ -26,7 +26,8 @@ class Qwen3Model : public CausalLm {
   Tensor logits(const PackedBatch& batch) override;
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
-                  const std::function<void()>& backward_queued = {}) override;
+                  const BackwardHooks& hooks = {}) override;
+  std::vector<int64_t> grads_complete_after() const override;
 
  private:
   struct Layer {

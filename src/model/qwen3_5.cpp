@@ -466,9 +466,10 @@ Tensor Qwen35Model::logits(const PackedBatch& b) { return DecoderStack::logits(*
 
 std::vector<double> Qwen35Model::label_logprobs(const PackedBatch& b) { return DecoderStack::label_logprobs(*this, b); }
 
-LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_scale,
-                             const std::function<void()>& backward_queued) {
-  return DecoderStack::loss(*this, b, backward, loss_scale, backward_queued);
+LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_scale, const BackwardHooks& hooks) {
+  return DecoderStack::loss(*this, b, backward, loss_scale, hooks);
 }
+
+std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
 }  // namespace lathe

@@ -48,7 +48,8 @@ class Qwen35Model : public CausalLm {
   std::array<Tensor, 4> gdn_projections_eval(int64_t layer, const Tensor& xn);
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
-                  const std::function<void()>& backward_queued = {}) override;
+                  const BackwardHooks& hooks = {}) override;
+  std::vector<int64_t> grads_complete_after() const override;
 
  protected:
   // save() writes the weights in the layout they were loaded from, plus the kept-aside tensors; A_log stays f32.

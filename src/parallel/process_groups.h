@@ -6,6 +6,7 @@
 
 #include <memory>
 
+#include "backend/backend.h"
 #include "comm/communicator.h"
 #include "parallel/grid.h"
 
@@ -15,13 +16,18 @@ struct ProcessGroups {
   ParallelGrid grid;
   int rank = 0;
   std::unique_ptr<Communicator> world, dp;
+  // The dp group again, ordered on its own stream: the gradients' buckets are reduced there while the backward still
+  // runs on the device's default stream (parallel/grad_reducer.h). Declared before its communicator, which it outlives.
+  std::unique_ptr<Stream> grad_stream;
+  std::unique_ptr<Communicator> dp_grads;
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int dp_size() const { return dp ? dp->size() : 1; }
   bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
 };
 
-// Over `world` (nullptr: a single process).
-std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator> world, const ParallelSizes& sizes);
+// Over `world` (nullptr: a single process). `grad_stream`: a stream of this rank's device for dp_grads.
+std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator> world, const ParallelSizes& sizes,
+                                                   std::unique_ptr<Stream> grad_stream);
 
 }  // namespace lathe

@@ -11,7 +11,17 @@
 
 namespace lathe {
 
-ZeroShards::ZeroShards(std::vector<Parameter>& params, Communicator& dp) : params_(&params), dp_(&dp) {
+namespace {
+
+// Rank r's range [lo, hi) of the flat space inside a bucket of `elements` from `begin`, cut in chunks of `chunk`.
+std::pair<int64_t, int64_t> rank_range(int64_t begin, int64_t elements, int64_t chunk, int64_t r) {
+  return {std::min(begin + elements, begin + r * chunk), std::min(begin + elements, begin + (r + 1) * chunk)};
+}
+
+}  // namespace
+
+ZeroShards::ZeroShards(std::vector<Parameter>& params, std::vector<GradBucket> buckets, Communicator& dp)
+    : params_(&params), buckets_(std::move(buckets)), dp_(&dp) {
   LATHE_CHECK(!params.empty(), "zero: no parameters to shard");
   const DType dtype = params[0].value.dtype();
   for (const Parameter& p : params) {
@@ -20,98 +30,112 @@ ZeroShards::ZeroShards(std::vector<Parameter>& params, Communicator& dp) : param
     offsets_.push_back(total_);
     total_ += p.value.numel();
   }
-  const int64_t n = dp.size();
-  chunk_ = (total_ + n - 1) / n;
-  begin_ = std::min(total_, chunk_ * dp.rank());
-  end_ = std::min(total_, begin_ + chunk_);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Parameter& p = params[i];
-    const int64_t lo = std::max(begin_, offsets_[i]), hi = std::min(end_, offsets_[i] + p.value.numel());
-    if (lo >= hi) continue;
-    ShardLayout shard{p.value.shape(), std::vector<int64_t>(p.value.shape().size(), 0), lo - offsets_[i], "dp"};
-    owned_.push_back({p.name, p.value.view({-1}).narrow(0, lo - offsets_[i], hi - lo), {}, shard});
-    owned_at_.push_back(lo - begin_);
-    owned_param_.push_back(i);
-  }
-}
-
-void ZeroShards::move(ExecContext& ctx, bool grads, Tensor& flat, int64_t begin, int64_t end, bool to_flat) {
-  const size_t item = dtype_size(flat.dtype());
-  for (size_t i = 0; i < params_->size(); ++i) {
-    Parameter& p = (*params_)[i];
-    const int64_t lo = std::max(begin, offsets_[i]), hi = std::min(end, offsets_[i] + p.value.numel());
-    if (lo >= hi) continue;
-    Tensor& t = grads ? p.grad : p.value;
-    char* param_bytes = static_cast<char*>(t.data_ptr()) + size_t(lo - offsets_[i]) * item;
-    char* flat_bytes = static_cast<char*>(flat.data_ptr()) + size_t(lo - begin) * item;
-    ctx.backend.copy(to_flat ? flat_bytes : param_bytes, ctx.device, to_flat ? param_bytes : flat_bytes, ctx.device,
-                     size_t(hi - lo) * item, ctx.stream);
-  }
-}
-
-void ZeroShards::reduce_scatter_grads(ExecContext& ctx) {
-  const DType dtype = (*params_)[0].value.dtype();
-  for (Parameter& p : *params_)
-    if (!p.grad.defined()) {  // no gradient reached it on this rank (an expert without tokens): zero
-      p.grad = Tensor::empty(p.value.shape(), dtype, ctx.allocator);
-      ctx.backend.fill_bytes(p.grad.data_ptr(), 0, p.grad.nbytes(), ctx.stream);
+  LATHE_CHECK(!buckets_.empty() && buckets_.back().end == params.size(), "zero: the buckets do not cover the parameters");
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const GradBucket& g = buckets_[b];
+    const auto [lo, hi] = rank_range(g.begin, g.elements, g.chunk(dp.size()), dp.rank());
+    for (size_t i = g.first; i < g.end; ++i) {
+      const Parameter& p = params[i];
+      const int64_t plo = std::max(lo, offsets_[i]), phi = std::min(hi, offsets_[i] + p.value.numel());
+      if (plo >= phi) continue;
+      ShardLayout shard{p.value.shape(), std::vector<int64_t>(p.value.shape().size(), 0), plo - offsets_[i], "dp"};
+      owned_.push_back({p.name, p.value.view({-1}).narrow(0, plo - offsets_[i], phi - plo), {}, shard});
+      pieces_.push_back({b, i, plo});
     }
-  const int64_t n = dp_->size();
-  Tensor flat = Tensor::empty({chunk_ * n}, dtype, ctx.allocator);
-  ctx.backend.fill_bytes(flat.data_ptr(), 0, flat.nbytes(), ctx.stream);  // the padding past T
-  move(ctx, true, flat, 0, total_, true);
-  Tensor mine = Tensor::empty({chunk_}, dtype, ctx.allocator);
-  dp_->reduce_scatter(flat, mine);
-  for (size_t k = 0; k < owned_.size(); ++k) owned_[k].grad = mine.narrow(0, owned_at_[k], owned_[k].value.numel());
+  }
+}
+
+void ZeroShards::take_grads(const std::vector<Tensor>& sums) {
+  const int dp = dp_->size();
+  for (size_t k = 0; k < owned_.size(); ++k) {
+    const Piece& piece = pieces_[k];
+    const GradBucket& g = buckets_[piece.bucket];
+    const int64_t rank_begin = rank_range(g.begin, g.elements, g.chunk(dp), dp_->rank()).first;
+    LATHE_ASSERT(sums[piece.bucket].defined());
+    owned_[k].grad = sums[piece.bucket].narrow(0, piece.begin - rank_begin, owned_[k].value.numel());
+  }
 }
 
 void ZeroShards::all_gather_values(ExecContext& ctx) {
-  const DType dtype = (*params_)[0].value.dtype();
-  const int64_t n = dp_->size();
-  Tensor mine = Tensor::empty({chunk_}, dtype, ctx.allocator);
-  if (end_ > begin_) move(ctx, false, mine, begin_, end_, true);
-  Tensor flat = Tensor::empty({chunk_ * n}, dtype, ctx.allocator);
-  dp_->all_gather(mine, flat);
-  move(ctx, false, flat, 0, total_, false);
+  const int dp = dp_->size();
+  for (const GradBucket& g : buckets_) {
+    const int64_t chunk = g.chunk(dp);
+    const size_t item = dtype_size(g.dtype);
+    const auto [lo, hi] = rank_range(g.begin, g.elements, chunk, dp_->rank());
+    Tensor mine = Tensor::empty({chunk}, g.dtype, ctx.allocator);
+    Tensor all = Tensor::empty({chunk * dp}, g.dtype, ctx.allocator);
+    // Between the bucket's flat range [begin, begin + elements) and `flat` (which starts at flat element `from`).
+    const auto move = [&](Tensor& flat, int64_t from, int64_t begin, int64_t end, bool to_flat) {
+      for (size_t i = g.first; i < g.end; ++i) {
+        Parameter& p = (*params_)[i];
+        const int64_t a = std::max(begin, offsets_[i]), b = std::min(end, offsets_[i] + p.value.numel());
+        if (a >= b) continue;
+        char* param_bytes = static_cast<char*>(p.value.data_ptr()) + size_t(a - offsets_[i]) * item;
+        char* flat_bytes = static_cast<char*>(flat.data_ptr()) + size_t(a - from) * item;
+        ctx.backend.copy(to_flat ? flat_bytes : param_bytes, ctx.device, to_flat ? param_bytes : flat_bytes, ctx.device,
+                         size_t(b - a) * item, ctx.stream);
+      }
+    };
+    if (hi > lo) move(mine, lo, lo, hi, true);
+    dp_->all_gather(mine, all);
+    move(all, g.begin, g.begin, g.begin + g.elements, false);
+  }
 }
 
 void ZeroShards::drop_grads() {
   for (Parameter& p : owned_) p.grad = Tensor();
 }
 
-nlohmann::json ZeroShards::layout() const { return {{"dp", dp_->size()}, {"elements", total_}, {"chunk", chunk_}}; }
+nlohmann::json ZeroShards::layout() const {
+  nlohmann::json sizes = nlohmann::json::array();
+  for (const GradBucket& g : buckets_) sizes.push_back(g.elements);
+  return {{"dp", dp_->size()}, {"elements", total_}, {"buckets", sizes}};
+}
 
 void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const {
-  const int64_t old_dp = old_layout.value("dp", int64_t(0)), old_chunk = old_layout.value("chunk", int64_t(0));
-  LATHE_CHECK(old_layout.value("elements", int64_t(-1)) == total_ && old_dp >= 1 && old_chunk * old_dp >= total_,
+  const int64_t old_dp = old_layout.value("dp", int64_t(0));
+  std::vector<int64_t> old_sizes;
+  if (old_layout.contains("buckets") && old_layout["buckets"].is_array())
+    for (const auto& n : old_layout["buckets"]) old_sizes.push_back(n.is_number_integer() ? n.get<int64_t>() : -1);
+  int64_t old_total = 0;
+  for (int64_t n : old_sizes) old_total += n > 0 ? n : int64_t(1) << 62;
+  LATHE_CHECK(old_layout.value("elements", int64_t(-1)) == total_ && old_total == total_ && old_dp >= 1,
               "zero: {}'s optimizer shards ({}) are of another model than this one ({} elements)", dir, old_layout.dump(),
               total_);
   std::vector<io::SafetensorsFile> old;
   for (int64_t r = 0; r < old_dp; ++r)
     old.push_back(io::SafetensorsFile::open(
         (std::filesystem::path(dir) / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, old_dp)).string()));
-  std::vector<std::vector<float>> values;  // the new file's tensors, as f32 until written
   std::vector<io::TensorRef> refs;
   std::vector<std::vector<uint8_t>> bytes;
-  values.reserve(owned_.size() * 3);
   bytes.reserve(owned_.size() * 3);
   for (size_t k = 0; k < owned_.size(); ++k) {
-    const size_t i = owned_param_[k];
-    const int64_t piece_begin = offsets_[i] + owned_[k].shard.flat_begin, n = owned_[k].value.numel();
+    const size_t i = pieces_[k].param;
+    const int64_t piece_begin = pieces_[k].begin, n = owned_[k].value.numel();
+    const int64_t param_begin = offsets_[i], param_end = offsets_[i] + (*params_)[i].value.numel();
     for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) {
       const std::string name = owned_[k].name + suffix;
       std::vector<float> v(size_t(n), 0.0f);
       DType dtype = DType::F32;
       int64_t covered = 0;
-      for (int64_t r = 0; r < old_dp; ++r) {  // old rank r holds [r C, (r + 1) C) of the flat space
-        const int64_t lo = std::max(piece_begin, r * old_chunk), hi = std::min(piece_begin + n, (r + 1) * old_chunk);
-        const io::SafetensorsTensor* t = lo < hi ? old[size_t(r)].find(name) : nullptr;
-        if (!t) continue;
-        dtype = t->dtype;
-        const std::vector<float> part = old[size_t(r)].read_as_f32(name);
-        const int64_t part_begin = std::max(r * old_chunk, offsets_[i]);  // the old piece's first flat element
-        for (int64_t x = lo; x < hi; ++x) v[size_t(x - piece_begin)] = part[size_t(x - part_begin)];
-        covered += hi - lo;
+      int64_t bucket_begin = 0;
+      for (int64_t size : old_sizes) {  // old rank r holds its chunk of each old bucket
+        const int64_t chunk = (size + old_dp - 1) / old_dp;
+        for (int64_t r = 0; r < old_dp; ++r) {
+          const auto [rlo, rhi] = rank_range(bucket_begin, size, chunk, r);
+          // The old piece of this parameter on rank r (a parameter lies in one bucket), and its overlap with ours.
+          const int64_t old_lo = std::max(rlo, param_begin), old_hi = std::min(rhi, param_end);
+          const int64_t lo = std::max(old_lo, piece_begin), hi = std::min(old_hi, piece_begin + n);
+          const io::SafetensorsTensor* t = lo < hi ? old[size_t(r)].find(name) : nullptr;
+          if (!t) continue;
+          dtype = t->dtype;
+          const std::vector<float> part = old[size_t(r)].read_as_f32(name);
+          LATHE_CHECK(int64_t(part.size()) == old_hi - old_lo, "zero: {}: rank {}'s {} holds {} elements, the layout "
+                      "says {}", dir, r, name, part.size(), old_hi - old_lo);
+          for (int64_t x = lo; x < hi; ++x) v[size_t(x - piece_begin)] = part[size_t(x - old_lo)];
+          covered += hi - lo;
+        }
+        bucket_begin += size;
       }
       if (covered == 0 && std::string(suffix) == ".master") continue;  // parameters that are their own masters
       LATHE_CHECK(covered == n, "zero: {}: the old shards hold {} of {}'s {} elements", dir, covered, name, n);

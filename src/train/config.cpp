@@ -211,7 +211,11 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
                 "optimizer sharding over dp: 0 (replicated) | 1 (ZeRO-1: each rank keeps the f32 masters and AdamW moments of "
-                "1/dp of the parameters; full fine-tuning; docs/parallel.md); 2 is not built yet", zero),
+                "1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only 1/dp of the gradients); full "
+                "fine-tuning; docs/parallel.md", zero),
+      LATHE_NUM("parallel.bucket_mb", Kind::Float, "128", above(0),
+                "gradients are summed over dp in buckets of about this many MiB, each as soon as the backward has "
+                "finished it, while the rest of the backward runs", bucket_mb),
       LATHE_NUM("parallel.timeout_s", Kind::Float, "600", above(0),
                 "a collective that does not complete in this time ends the job with a report (rank, group, "
                 "collective, sequence number)", timeout_s),
@@ -410,11 +414,9 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
                                         {"ep", c.ep, "expert parallelism"}, {"pp", c.pp, "pipeline parallelism"}})
     if (size > 1)
       problems.push_back(fmt::format("parallel.{}: {} is not built yet (data parallelism is): use 1", key, what));
-  if (c.zero > 1)
-    problems.push_back(fmt::format("parallel.zero: ZeRO-{} (sharded gradients) is not built yet: use 0 or 1", c.zero));
-  if (c.zero == 1 && (c.lora_rank > 0 || has_tenants))
-    problems.push_back("parallel.zero: 1 shards a full fine-tuning's optimizer state; LoRA adapters' states are small "
-                       "and stay replicated: use 0");
+  if (c.zero > 0 && (c.lora_rank > 0 || has_tenants))
+    problems.push_back(fmt::format("parallel.zero: {} shards a full fine-tuning's optimizer state; LoRA adapters' states "
+                                   "are small and stay replicated: use 0", c.zero));
   if (!c.dtype.empty() && c.dtype != "f32" && c.dtype != "bf16" && c.dtype != "f64")
     problems.push_back(fmt::format("dtype: '{}' is not one of f32, bf16 (f64: CPU only)", c.dtype));
   else if (c.dtype == "f64" && c.device != "cpu")

@@ -70,6 +70,7 @@ struct TrainConfig {
   // collectives' timeout
   int64_t tp = 1, cp = 1, ep = 1, pp = 1, dp = 0;
   int64_t zero = 0;
+  double bucket_mb = 128;  // gradient buckets summed over dp while the backward runs
   double timeout_s = 600;
   double save_timeout_s = 3600;  // how long the other ranks wait while the first one writes a checkpoint
   // where

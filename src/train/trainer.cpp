@@ -30,6 +30,7 @@
 #include "optim/clip.h"
 #include "optim/schedule.h"
 #include "parallel/process_groups.h"
+#include "parallel/grad_reducer.h"
 #include "parallel/zero.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
@@ -148,8 +149,8 @@ struct Job {
   std::vector<FinalEvalRow> final_eval_rows;
   bool needs_final = false, needs_final_eval = false;  // resumed at max_steps with these still to do
   // Built once the folder is prepared.
-  std::vector<Parameter>* params = nullptr;  // what the optimizer updates (under ZeRO-1: this rank's pieces)
-  std::unique_ptr<ZeroShards> zero;          // parallel.zero: 1 with dp > 1 (full fine-tuning)
+  std::vector<Parameter>* params = nullptr;  // what the optimizer updates (under ZeRO: this rank's pieces)
+  std::unique_ptr<ZeroShards> zero;          // parallel.zero: 1 or 2 with dp > 1 (full fine-tuning)
   data::LoaderOptions loader_options;
   std::unique_ptr<data::PackedLoader> loader;
   std::unique_ptr<AdamW> opt;
@@ -181,7 +182,7 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
   return z ^ (z >> 29);
 }
 
-// The folder a ZeRO-1 run's ranks write their optimizer shards into before the first rank gathers them into the
+// The folder a ZeRO run's ranks write their optimizer shards into before the first rank gathers them into the
 // checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
 fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
 std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
@@ -319,7 +320,9 @@ class Trainer::Impl {
   void guarded(Job& j, const std::function<void()>& f);
   void write_model_files(const std::string& dir) const;  // tokenizer files and chat_template_kwargs.json
   void agree_on_failures(const std::vector<Job*>& active);
-  void reduce_over_dp(const std::vector<Job*>& active);
+  double reduce_over_dp(const std::vector<Job*>& active);
+  void reduce_adapter_grads(const std::vector<Job*>& active);
+  bool sharded() const { return c_.zero > 0 && dp_ > 1 && !lora_; }  // ZeRO: the optimizer state over dp
   std::vector<double> sum_over_dp(const std::vector<double>& values);
 
   Runtime& rt_;
@@ -348,6 +351,9 @@ class Trainer::Impl {
   double peak_ = 0;
   // The loop.
   std::optional<ExecContext> ctx_;
+  // Data parallelism, full fine-tuning: the model's gradient buckets, summed over dp while the backward runs.
+  std::vector<GradBucket> buckets_;
+  std::unique_ptr<GradReducer> reducer_;
   MemoryPlanReport plan_report_;
   Clock::time_point t_start_;
   int64_t run_steps_ = 0;
@@ -520,6 +526,11 @@ void Trainer::Impl::build() {
     bank_ = std::make_unique<LoraBank>(rt_, mc, device_, dtype_, lora_configs_);
     model_->attach_lora(bank_.get());
   }
+  if (dp_ > 1 && !lora_) {
+    std::vector<Parameter*> params;
+    for (Parameter& p : model_->parameters()) params.push_back(&p);
+    buckets_ = plan_buckets(params, model_->grads_complete_after(), int64_t(c_.bucket_mb * 1048576.0));
+  }
   for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
   if (lora_)
     for (Job& j : jobs_)
@@ -564,6 +575,12 @@ void Trainer::Impl::build() {
                                                resumed(j)));
   }
   ctx_.emplace(rt_.context(device_));
+  if (!buckets_.empty()) {
+    std::vector<Parameter*> params;
+    for (Parameter& p : model_->parameters()) params.push_back(&p);
+    reducer_ = std::make_unique<GradReducer>(params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
+                                             sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
+  }
   t_start_ = Clock::now();
 }
 
@@ -575,8 +592,8 @@ void Trainer::Impl::build_job(Job& j) {
     else if (!jc.lora_init.empty()) bank_->load_peft(j.adapter, jc.lora_init);
     else bank_->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
   }
-  if (c_.zero == 1 && dp_ > 1 && !lora_) {  // ZeRO-1: this rank updates (and keeps the state of) 1/dp of the model
-    j.zero = std::make_unique<ZeroShards>(model_->parameters(), *groups_->dp);
+  if (sharded()) {  // ZeRO: this rank updates (and keeps the state of) 1/dp of the model
+    j.zero = std::make_unique<ZeroShards>(model_->parameters(), buckets_, *groups_->dp);
     j.params = &j.zero->owned();
   } else {
     j.params = lora_ ? &bank_->flat_parameter(j.adapter) : &model_->parameters();
@@ -613,8 +630,8 @@ void Trainer::Impl::build_job(Job& j) {
   j.summary.final_step = j.step;
 }
 
-// The resumed checkpoint's optimizer state: the whole state, or under ZeRO-1 this rank's shard (at the same layout)
-// or its pieces assembled from the old shards (at another dp size).
+// The resumed checkpoint's optimizer state: the whole state, or under ZeRO this rank's shard (at the same layout)
+// or its pieces assembled from the old shards (at another dp size or with other buckets).
 void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
   if (!j.zero) {
@@ -627,7 +644,7 @@ void Trainer::Impl::load_optimizer(Job& j) {
     j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
     return;
   }
-  // Another dp size: this rank's pieces' state is assembled from the old shards that cover them.
+  // Another layout: this rank's pieces' state is assembled from the old shards that cover them.
   const fs::path tmp = fs::temp_directory_path() / fmt::format("lathe-zero-reshard-{}-{}.safetensors", getpid(), groups_->rank);
   j.zero->reshard_state(from.string(), j.state["zero"], tmp.string());
   j.opt->load(tmp.string());
@@ -635,19 +652,20 @@ void Trainer::Impl::load_optimizer(Job& j) {
   fs::remove(tmp, ec);
 }
 
-// The resumed checkpoint's optimizer state must be kept as this run keeps it: whole, or sharded by ZeRO-1 (over any
-// dp size: another one is resharded on load, where ZeroShards::reshard_state checks the element counts).
+// The resumed checkpoint's optimizer state must be kept as this run keeps it: whole, or sharded by ZeRO (1 or 2: the
+// same state; over any dp size or buckets: another layout is resharded on load, where ZeroShards::reshard_state
+// checks the element counts).
 void Trainer::Impl::check_optimizer_layout(const Job& j) const {
-  const bool sharded = j.state.contains("zero");
-  const bool zero = c_.zero == 1 && dp_ > 1 && !lora_;
+  const bool was_sharded = j.state.contains("zero");
   const std::string from = j.start.resume_from;
-  if (!zero) {
-    LATHE_CHECK(!sharded, "train: {}'s optimizer state is sharded over dp = {} (parallel.zero: 1): resume it with "
-                "parallel.zero: 1 at dp = {}", from, j.state["zero"].value("dp", 0), j.state["zero"].value("dp", 0));
+  if (!sharded()) {
+    LATHE_CHECK(!was_sharded, "train: {}'s optimizer state is sharded over dp = {} (parallel.zero: 1 or 2): resume it "
+                "with parallel.zero: 1 or 2 at dp > 1", from, j.state["zero"].value("dp", 0));
     return;
   }
-  LATHE_CHECK(sharded, "train: {} holds the whole optimizer state, but this run shards it over dp = {} (parallel.zero: "
-              "1): resume it with parallel.zero: 0 (resharding a whole state into ZeRO shards is not built yet)", from, dp_);
+  LATHE_CHECK(was_sharded, "train: {} holds the whole optimizer state, but this run shards it over dp = {} "
+              "(parallel.zero: {}): resume it with parallel.zero: 0 (resharding a whole state into ZeRO shards is not "
+              "built yet)", from, dp_, c_.zero);
 }
 
 // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
@@ -709,9 +727,21 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
     if (in_batch.empty()) continue;
     PackedBatch pb = make_packed_batch(rt_, device_, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
     if (lora_) set_segments(pb, segments);
-    // Under data parallelism the optimizer is queued after the gradients are summed over the ranks (step()).
-    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_),
-                                      micro + 1 == max_accum && dp_ == 1 ? queue_optimizer : std::function<void()>());
+    const bool last = micro + 1 == max_accum;
+    BackwardHooks hooks;
+    if (reducer_) {  // data parallelism, full fine-tuning: buckets summed as the backward completes them
+      reducer_->begin_micro_batch(last || c_.zero == 2);
+      hooks.grads_done = [&](int64_t layers_left) { reducer_->grads_done(layers_left); };
+      hooks.queued = [&] {
+        reducer_->end_micro_batch();
+        if (!last) return;
+        if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
+        queue_optimizer();
+      };
+    } else if (last && dp_ == 1) {  // LoRA under data parallelism: queued once the adapters' gradients are summed
+      hooks.queued = queue_optimizer;
+    }
+    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks);
     for (size_t k = 0; k < in_batch.size(); ++k) {
       const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
       in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
@@ -853,44 +883,19 @@ void Trainer::Impl::agree_on_failures(const std::vector<Job*>& active) {
 }
 
 // Data parallelism: every rank's gradients and step figures summed over the dp group (in rank order, so every rank
-// ends with the same values and takes the same optimizer step).
-void Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
-  Communicator& dp = *groups_->dp;
-  // The gradients, packed into one flat buffer per dtype and summed in one call: NCCL reaches its bandwidth only on
-  // large messages (one call per parameter ran at a third of it at the 1.7B shape; docs/benchmarks.md). In the
-  // device's stream order, so the optimizer's kernels come after it.
-  std::map<DType, std::vector<Tensor*>> by_dtype;
-  for (Job* j : active) {
-    if (j->failed) continue;
-    if (j->zero) {  // ZeRO-1: each rank receives the sum of its range only
-      j->zero->reduce_scatter_grads(*ctx_);
-      continue;
-    }
-    for (Parameter& p : *j->params) {
-      if (!p.grad.defined()) {  // no gradient reached it on this rank (an expert without tokens): zero
-        p.grad = Tensor::empty(p.value.shape(), p.value.dtype(), ctx_->allocator);
-        ctx_->backend.fill_bytes(p.grad.data_ptr(), 0, p.grad.nbytes(), ctx_->stream);
-      }
-      LATHE_ASSERT(p.grad.is_contiguous());
-      by_dtype[p.grad.dtype()].push_back(&p.grad);
-    }
+// ends with the same values and takes the same optimizer step). Returns the communication the backward did not hide
+// (seconds): the device's wait for the last buckets, and the figures' sum.
+double Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
+  double exposed_s = 0;
+  if (reducer_) {
+    exposed_s = reducer_->wait() / 1e3;  // the buckets were summed during the backward; the host waits for the last
+  } else {
+    agree_on_failures(active);
+    const auto t0 = Clock::now();
+    reduce_adapter_grads(active);
+    exposed_s = std::chrono::duration<double>(Clock::now() - t0).count();
   }
-  for (auto& [dtype, grads] : by_dtype) {
-    int64_t total = 0;
-    for (const Tensor* g : grads) total += g->numel();
-    Tensor flat = Tensor::empty({total}, dtype, ctx_->allocator);
-    const auto move = [&](bool pack) {
-      size_t at = 0;
-      for (Tensor* g : grads) {
-        char* slot = static_cast<char*>(flat.data_ptr()) + at;
-        ctx_->backend.copy(pack ? slot : g->data_ptr(), device_, pack ? g->data_ptr() : slot, device_, g->nbytes(), ctx_->stream);
-        at += g->nbytes();
-      }
-    };
-    move(true);
-    dp.all_reduce(flat);
-    move(false);
-  }
+  const auto t0 = Clock::now();
   std::vector<double> stats;  // the step's figures of every job, summed after the gradients
   for (Job* j : active) {
     if (j->failed) continue;
@@ -898,8 +903,8 @@ void Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
     for (auto& [layer, counts] : j->expert_tokens)
       for (int64_t n : counts) stats.push_back(double(n));
   }
-  if (stats.empty()) return;
-  const std::vector<double> summed = sum_over_dp(stats);  // waits, bounded by the timeout, for the gradients too
+  if (stats.empty()) return exposed_s;
+  const std::vector<double> summed = sum_over_dp(stats);
   const double* v = summed.data();
   for (Job* j : active) {
     if (j->failed) continue;
@@ -911,6 +916,24 @@ void Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
     for (auto& [layer, counts] : j->expert_tokens)
       for (int64_t& n : counts) n = int64_t(*v++);
   }
+  return exposed_s + std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// LoRA: the adapters' gradients are complete only at the end of the backward (LoraBank collects them there), and the
+// set of tenants can change from step to step, so they are summed after the backward, in buckets over this step's
+// adapters.
+void Trainer::Impl::reduce_adapter_grads(const std::vector<Job*>& active) {
+  std::vector<Parameter*> params;
+  for (Job* j : active)
+    if (!j->failed)
+      for (Parameter& p : *j->params) params.push_back(&p);
+  if (params.empty()) return;
+  rt_.synchronize(device_);
+  GradReducer reducer(params, plan_buckets(params, std::vector<int64_t>(params.size(), -1), int64_t(c_.bucket_mb * 1048576.0)),
+                      *groups_->dp_grads, *ctx_, *groups_->grad_stream, GradReducer::Mode::AllReduceInPlace);
+  reducer.begin_micro_batch(true);
+  reducer.end_micro_batch();
+  reducer.wait();
 }
 
 bool Trainer::Impl::step() {
@@ -931,7 +954,7 @@ bool Trainer::Impl::step() {
     j->expert_tokens.clear();
   }
   // Each job's gradient norm and prepared AdamW update: queued from the last micro-batch's backward, before the host
-  // waits for its loss (CausalLm::loss's backward_queued), or at the optimizer step for a job not queued by then.
+  // waits for its loss (BackwardHooks::queued), or at the optimizer step for a job not queued by then.
   std::vector<std::optional<PendingGradNorm>> norms(jobs_.size());
   std::vector<std::optional<AdamW::Prepared>> updates(jobs_.size());
   const std::function<void()> queue_optimizer = [&] {
@@ -943,16 +966,7 @@ bool Trainer::Impl::step() {
     }
   };
   run_micro_batches(active, queue_optimizer);
-  double dp_comm_s = 0;
-  if (dp_ > 1) {
-    // The exposed (not overlapped) communication of the step: from the end of the backward on the device to the summed
-    // gradients and figures on every rank.
-    rt_.synchronize(device_);
-    const auto c0 = Clock::now();
-    agree_on_failures(active);
-    reduce_over_dp(active);
-    dp_comm_s = std::chrono::duration<double>(Clock::now() - c0).count();
-  }
+  const double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
   for (Job* j : active) {
@@ -966,6 +980,7 @@ bool Trainer::Impl::step() {
       j->zero->drop_grads();
     }
   }
+  if (reducer_) reducer_->clear();
   // Test hooks (tests/e2e/test_train_dp.cpp, dev/gpu_dp.sh): after step N's update the last rank dies with SIGKILL, as
   // kill -9 would leave it, or stops with SIGSTOP, as a hung rank would.
   if (groups_ && groups_->rank == groups_->grid.world() - 1) {

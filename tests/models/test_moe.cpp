@@ -365,3 +365,13 @@ TEST(MoeGenerate, EveryDecodingStepMatchesTheFullForward) {
   }
 }
 
+
+// BackwardHooks::grads_done and grads_complete_after agree with the backward in every MoE family (experts, routers,
+// shared experts, Gated DeltaNet layers); data-parallel buckets rely on it (parallel/grad_reducer.h).
+TEST(MoeBackward, GradientsAreCompleteWhenTheBackwardSaysSo) {
+  for (const std::string type : {"qwen3_moe", "qwen3_next", "qwen3_5_moe_text"}) {
+    SCOPED_TRACE(type);
+    std::unique_ptr<CausalLm> m = tiny_model(type, DType::F64, 3);
+    expect_grads_complete_when_reported(*m, random_batch(m->config().vocab_size, {0, 7, 16}, 5));
+  }
+}

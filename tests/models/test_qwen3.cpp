@@ -211,8 +211,8 @@ TEST(ModelConfig, AcceptsBothRopeSpellingsAndRefusesWhatItCannotDo) {
   refused(gqa, "not a multiple of num_key_value_heads");
 }
 
-// CausalLm::loss's backward_queued: called once, after every gradient exists (the whole backward is queued), and not
-// at all without a backward; a gradient norm queued there equals one taken after the loss returns.
+// BackwardHooks::queued: called once, after every gradient exists (the whole backward is queued), and not at all
+// without a backward; a gradient norm queued there equals one taken after the loss returns.
 TEST(Qwen3Loss, BackwardQueuedRunsOnceWhenEveryGradientIsQueued) {
   Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(true, 2, 1, 12), {}, 5, 0.3);
   const PackedBatch b = random_batch(50, {0, 9, 16}, 4);
@@ -220,16 +220,30 @@ TEST(Qwen3Loss, BackwardQueuedRunsOnceWhenEveryGradientIsQueued) {
   size_t with_grad = 0;
   ExecContext ctx = runtime().context(Device::cpu());
   std::optional<PendingGradNorm> queued;
-  const double loss = m.loss(b, true, 1.0, [&] {
+  BackwardHooks hooks;
+  hooks.queued = [&] {
     ++calls;
     for (const Parameter& p : m.parameters()) with_grad += p.grad.defined();
     queued.emplace(launch_grad_norm(ctx, m.parameters()));
-  }).loss;
+  };
+  const double loss = m.loss(b, true, 1.0, hooks).loss;
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(with_grad, m.parameters().size());
   EXPECT_EQ(queued->read(), global_grad_norm(ctx, m.parameters()));
   m.zero_grads();
   EXPECT_EQ(m.loss(b, true).loss, loss);
-  m.loss(b, false, 1.0, [&] { ++calls; });
+  m.loss(b, false, 1.0, hooks);
   EXPECT_EQ(calls, 1) << "no backward, no call";
+}
+
+// BackwardHooks::grads_done and grads_complete_after agree with the backward, tied and untied, with recompute.
+TEST(Qwen3Loss, GradientsAreCompleteWhenTheBackwardSaysSo) {
+  for (const bool tied : {true, false})
+    for (const bool recompute : {false, true}) {
+      ModelOptions opt;
+      opt.recompute = recompute;
+      Qwen3Model m = Qwen3Model::random(runtime(), tiny_config(tied, 3, 1, 12), opt, 5, 0.3);
+      SCOPED_TRACE(std::string("tied ") + (tied ? "yes" : "no") + ", recompute " + (recompute ? "yes" : "no"));
+      expect_grads_complete_when_reported(m, random_batch(50, {0, 9, 16}, 4));
+    }
 }

@@ -289,3 +289,12 @@ TEST(Qwen35Config, FieldsDefaultsNotesAndRefusals) {
   expect_refused({{"model_type", "qwen3_5_moe"}}, "a qwen3_5_moe (multimodal) config needs a 'text_config' object");
   expect_refused({{"model_type", "qwen3_vl"}}, "model_type 'qwen3_vl' is not supported");
 }
+
+// BackwardHooks::grads_done and grads_complete_after agree with the backward (Gated DeltaNet and gated attention
+// layers, tied and untied).
+TEST(Qwen35Backward, GradientsAreCompleteWhenTheBackwardSaysSo) {
+  for (const bool tied : {true, false}) {
+    Qwen35Model m = Qwen35Model::random(runtime(), parse_model_config(tiny_json(tied), "tiny"), {}, 5, 0.3);
+    expect_grads_complete_when_reported(m, random_batch(m.config().vocab_size, {0, 9, 16}, 4));
+  }
+}

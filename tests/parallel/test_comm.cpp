@@ -112,8 +112,8 @@ TEST_F(Comm, GridGroupsSplitTheWorld) {
   const int size = world->size();
   if (size % 2) GTEST_SKIP() << "needs an even world";
   const ParallelGrid grid(size, {.tp = 2});
-  auto tp = world->split(grid.group_index(GroupKind::Tp, world->rank()), world->rank(), "tp");
-  auto dp = world->split(grid.group_index(GroupKind::Dp, world->rank()), world->rank(), "dp");
+  auto tp = world->split(grid.group_index(GroupKind::Tp, world->rank()), world->rank(), "tp", nullptr);
+  auto dp = world->split(grid.group_index(GroupKind::Dp, world->rank()), world->rank(), "dp", nullptr);
   EXPECT_EQ(tp->size(), 2);
   EXPECT_EQ(dp->size(), size / 2);
   Tensor t = cpu_tensor({float(world->rank())});

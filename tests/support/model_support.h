@@ -133,4 +133,38 @@ inline int expect_gradients_match_finite_differences(CausalLm& m, const PackedBa
   return checked;
 }
 
+// CausalLm::grads_complete_after against the backward itself: at each BackwardHooks::grads_done report, every
+// parameter said to be complete by then holds (bitwise) the gradient it ends the backward with, and the reports come
+// as documented (the layer count, each layer down to 0, then -1). A data-parallel bucket reduced at that report would
+// otherwise miss what the backward adds later.
+inline void expect_grads_complete_when_reported(CausalLm& m, const PackedBatch& b) {
+  const std::vector<int64_t> after = m.grads_complete_after();
+  ASSERT_EQ(after.size(), m.parameters().size());
+  const int64_t layers = m.config().num_layers;
+  std::vector<std::vector<double>> at_report(after.size());
+  std::vector<int64_t> reports;
+  BackwardHooks hooks;
+  hooks.grads_done = [&](int64_t left) {
+    reports.push_back(left);
+    for (size_t i = 0; i < after.size(); ++i) {
+      const Parameter& p = m.parameters()[i];
+      if (after[i] == left) at_report[i] = p.grad.defined() ? to_f64(p.grad) : std::vector<double>{};
+    }
+  };
+  m.zero_grads();
+  m.loss(b, true, 1.0, hooks);
+  std::vector<int64_t> want = {layers};
+  for (int64_t i = layers - 1; i >= -1; --i) want.push_back(i);
+  EXPECT_EQ(reports, want);
+  size_t before_end = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    const Parameter& p = m.parameters()[i];
+    const std::vector<double> final_grad = p.grad.defined() ? to_f64(p.grad) : std::vector<double>{};
+    EXPECT_EQ(at_report[i], final_grad) << p.name << " (complete after " << after[i] << ")";
+    before_end += after[i] >= 0;
+  }
+  EXPECT_GT(before_end, after.size() / 2) << "most parameters are complete before the end of the backward";
+  m.zero_grads();
+}
+
 }  // namespace lathe::test_support

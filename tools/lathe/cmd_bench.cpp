@@ -394,13 +394,15 @@ void run(const Args& a) {
     ExecContext ctx = rt.context(device);  // made here so that a profiler set on the runtime reaches it
     std::optional<PendingGradNorm> pending;
     std::optional<AdamW::Prepared> update;
-    const LossResult r = model.loss(batch, true, 1.0, [&] {  // queued before the host waits for the loss
+    BackwardHooks hooks;
+    hooks.queued = [&] {  // queued before the host waits for the loss
       pending.emplace(launch_grad_norm(ctx, params));
       update.emplace(opt.prepare());  // host work while the device sums the squares
-    });
+    };
+    const LossResult r = model.loss(batch, true, 1.0, hooks);
     losses.push_back(r.loss);
     for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
-    if (!pending) {  // a model that does not call backward_queued
+    if (!pending) {  // a model that does not call hooks.queued
       pending.emplace(launch_grad_norm(ctx, params));
       update.emplace(opt.prepare());
     }

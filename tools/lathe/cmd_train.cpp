@@ -39,7 +39,9 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
   }
   const ParallelGrid check(env.world, sizes);  // an impossible layout is refused here, naming the constraint
   (void)check;
-  return make_process_groups(join_world(rt, config.device, env, config.timeout_s, mpi, "train"), sizes);
+  std::unique_ptr<Communicator> world = join_world(rt, config.device, env, config.timeout_s, mpi, "train");
+  const Device device = parse_device(config.device);  // this rank's
+  return make_process_groups(std::move(world), sizes, rt.backend(device.type).create_stream(device.index));
 }
 
 void print_summary(const TrainSummary& s, int& exit_code) {
