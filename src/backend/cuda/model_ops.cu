@@ -47,28 +47,17 @@ template <typename T>
 __global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, bool accumulate,
                                             const T* dy, const int32_t* sorted_ids, const int32_t* sorted_tokens,
                                             T* dw) {
-  // blockIdx.y: a chunk of blockDim.x columns, so that an id that occurs often (real text is skewed: a few tokens make
-  // a large share) is summed by hidden / blockDim.x blocks at once instead of one. Each column's sum runs over the
-  // id's tokens in sorted order, whatever the grid: deterministic. Four rows' loads are issued before their adds.
-  const int64_t c = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (c >= hidden) return;
   for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
     const int32_t id = sorted_ids[p];
     if ((p > 0 && sorted_ids[p - 1] == id) || id < 0 || id >= vocab) continue;  // not an id's first pair; bad ids
     int64_t end = p + 1;                                                       // (validated on the host) skipped
     while (end < n_tokens && sorted_ids[end] == id) ++end;
-    float acc = 0;
-    int64_t q = p;
-    for (; q + 4 <= end; q += 4) {
-      float v[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) v[k] = load(dy, int64_t(sorted_tokens[q + k]) * hidden + c);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc += v[k];
+    for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
+      float acc = 0;
+      for (int64_t q = p; q < end; ++q) acc += load(dy, int64_t(sorted_tokens[q]) * hidden + c);
+      const int64_t at = int64_t(id) * hidden + c;
+      store(dw, at, accumulate ? load(dw, at) + acc : acc);
     }
-    for (; q < end; ++q) acc += load(dy, int64_t(sorted_tokens[q]) * hidden + c);
-    const int64_t at = int64_t(id) * hidden + c;
-    store(dw, at, accumulate ? load(dw, at) + acc : acc);
   }
 }
 
@@ -980,8 +969,7 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
                                                    n_tokens, 0, end_bit, stream));
   dispatch_f32_bf16_f16(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    const dim3 grid(unsigned(std::min<int64_t>(n_tokens, 65536)), unsigned((hidden + 127) / 128));
-    embedding_sorted_sum_kernel<T><<<grid, 128, 0, stream>>>(
+    embedding_sorted_sum_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(
         n_tokens, hidden, vocab, accumulate, static_cast<const T*>(dy), sorted_ids, sorted_tokens,
         static_cast<T*>(dweight));
   });
