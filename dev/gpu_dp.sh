@@ -179,3 +179,29 @@ for run in ("one", "zero1"):
     else: print(f"4B {run}: no step completed")
 PY
 fi
+
+if has opts; then  # why `lathe train` runs slower than `lathe bench` at 1.7B: the same step through both, options varied
+  ./build/lathe bench --shape 1.7b --seq 4096 --micro-batch 2 --steps 5 --warmup 3 >$L/bench_det.log 2>&1
+  summary "lathe bench 1.7b 4096x2 f32 states deterministic: $(grep -a -E 'tokens/s|tok/s' $L/bench_det.log | tail -n 1)"
+  ./build/lathe bench --shape 1.7b --seq 4096 --micro-batch 2 --steps 5 --warmup 3 --nondeterministic --optimizer-states bf16 >$L/bench_fast.log 2>&1
+  summary "lathe bench 1.7b 4096x2 bf16 states nondeterministic: $(grep -a -E 'tokens/s|tok/s' $L/bench_fast.log | tail -n 1)"
+  D=/tmp/opts; rm -rf $D; speed_data $D "$Q17"
+  F="--set train.deterministic=false --set train.optimizer_states=bf16"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one $F >$L/opts1.log 2>&1; summary "1.7B 1 GPU fast options rc=$?"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/zero1 --set parallel.zero=1 $F --nproc 2 >$L/opts2.log 2>&1
+  summary "1.7B --nproc 2 ZeRO-1 fast options rc=$?"; grep -a "lathe: error" $L/opts2.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
+  report $D one zero1
+fi
+
+if has embed; then  # the embedding backward on real text's skewed ids: a 1.7B step through `lathe train` and `lathe bench`
+  (cd build && ctest -R "Embedding|OpCheck.Cuda/embedding" --output-on-failure >$L/ctest_embed.txt 2>&1)
+  summary "ctest embedding (CUDA): $(grep -E 'tests passed' $L/ctest_embed.txt)"
+  ./build/lathe bench --shape 1.7b --seq 4096 --micro-batch 2 --steps 5 --warmup 3 >$L/bench_det.log 2>&1
+  summary "lathe bench 1.7b 4096x2 f32 states deterministic: $(grep -a -E 'tok' $L/bench_det.log | tail -n 1 | cut -c1-260)"
+  D=/tmp/embed; rm -rf $D; speed_data $D "$Q17"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/embed1.log 2>&1; summary "1.7B 1 GPU rc=$?"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/zero1 --set parallel.zero=1 --nproc 2 >$L/embed2.log 2>&1
+  summary "1.7B --nproc 2 ZeRO-1 rc=$?"
+  report $D one zero1
+  rm -rf $D
+fi
