@@ -93,28 +93,47 @@ nlohmann::json ZeroShards::layout() const {
 }
 
 void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const {
-  const int64_t old_dp = old_layout.value("dp", int64_t(0));
-  std::vector<int64_t> old_sizes;
-  if (old_layout.contains("buckets") && old_layout["buckets"].is_array())
-    for (const auto& n : old_layout["buckets"]) old_sizes.push_back(n.is_number_integer() ? n.get<int64_t>() : -1);
-  int64_t old_total = 0;
-  for (int64_t n : old_sizes) old_total += n > 0 ? n : int64_t(1) << 62;
-  LATHE_CHECK(old_layout.value("elements", int64_t(-1)) == total_ && old_total == total_ && old_dp >= 1,
-              "zero: {}'s optimizer shards ({}) are of another model than this one ({} elements)", dir, old_layout.dump(),
-              total_);
+  std::vector<StatePiece> pieces;
+  for (size_t k = 0; k < owned_.size(); ++k) {
+    const size_t i = pieces_[k].param;
+    pieces.push_back({owned_[k].name, owned_[k].value.shape(), offsets_[i], offsets_[i] + (*params_)[i].value.numel(),
+                      pieces_[k].begin, owned_[k].value.numel()});
+  }
+  assemble_optimizer_state(dir, old_layout, pieces, total_, out_path);
+}
+
+void assemble_optimizer_state(const std::string& dir, const nlohmann::json& layout, const std::vector<StatePiece>& pieces,
+                              int64_t elements, const std::string& out_path) {
+  // The old files and the flat range each old rank holds in each old bucket: a whole state is one rank, one bucket.
+  int64_t old_dp = 1;
+  std::vector<int64_t> old_sizes = {elements};
+  if (!layout.is_null()) {
+    old_dp = layout.value("dp", int64_t(0));
+    old_sizes.clear();
+    int64_t sum = 0;
+    bool valid = layout.contains("buckets") && layout["buckets"].is_array();
+    if (valid)
+      for (const auto& n : layout["buckets"]) {
+        valid = valid && n.is_number_integer() && n.get<int64_t>() > 0;
+        old_sizes.push_back(valid ? n.get<int64_t>() : 0);
+        sum += old_sizes.back();
+      }
+    LATHE_CHECK(valid && old_dp >= 1 && sum == elements && layout.value("elements", int64_t(-1)) == elements,
+                "zero: {}'s optimizer shards ({}) are not of this model ({} elements)", dir, layout.dump(), elements);
+  }
   std::vector<io::SafetensorsFile> old;
   for (int64_t r = 0; r < old_dp; ++r)
     old.push_back(io::SafetensorsFile::open(
-        (std::filesystem::path(dir) / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, old_dp)).string()));
+        (std::filesystem::path(dir) /
+         (layout.is_null() ? std::string("optimizer.safetensors") : fmt::format("optimizer.rank-{}-of-{}.safetensors", r, old_dp)))
+            .string()));
   std::vector<io::TensorRef> refs;
   std::vector<std::vector<uint8_t>> bytes;
-  bytes.reserve(owned_.size() * 3);
-  for (size_t k = 0; k < owned_.size(); ++k) {
-    const size_t i = pieces_[k].param;
-    const int64_t piece_begin = pieces_[k].begin, n = owned_[k].value.numel();
-    const int64_t param_begin = offsets_[i], param_end = offsets_[i] + (*params_)[i].value.numel();
+  bytes.reserve(pieces.size() * 3);
+  for (const StatePiece& piece : pieces) {
+    const int64_t n = piece.elements;
     for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) {
-      const std::string name = owned_[k].name + suffix;
+      const std::string name = piece.name + suffix;
       std::vector<float> v(size_t(n), 0.0f);
       DType dtype = DType::F32;
       int64_t covered = 0;
@@ -124,25 +143,26 @@ void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old
         for (int64_t r = 0; r < old_dp; ++r) {
           const auto [rlo, rhi] = rank_range(bucket_begin, size, chunk, r);
           // The old piece of this parameter on rank r (a parameter lies in one bucket), and its overlap with ours.
-          const int64_t old_lo = std::max(rlo, param_begin), old_hi = std::min(rhi, param_end);
-          const int64_t lo = std::max(old_lo, piece_begin), hi = std::min(old_hi, piece_begin + n);
+          const int64_t old_lo = std::max(rlo, piece.param_begin), old_hi = std::min(rhi, piece.param_end);
+          const int64_t lo = std::max(old_lo, piece.begin), hi = std::min(old_hi, piece.begin + n);
           const io::SafetensorsTensor* t = lo < hi ? old[size_t(r)].find(name) : nullptr;
           if (!t) continue;
           dtype = t->dtype;
           const std::vector<float> part = old[size_t(r)].read_as_f32(name);
-          LATHE_CHECK(int64_t(part.size()) == old_hi - old_lo, "zero: {}: rank {}'s {} holds {} elements, the layout "
-                      "says {}", dir, r, name, part.size(), old_hi - old_lo);
-          for (int64_t x = lo; x < hi; ++x) v[size_t(x - piece_begin)] = part[size_t(x - old_lo)];
+          LATHE_CHECK(int64_t(part.size()) == old_hi - old_lo, "zero: {}: the {} of rank {} holds {} elements, the "
+                      "layout says {}", dir, name, r, part.size(), old_hi - old_lo);
+          for (int64_t x = lo; x < hi; ++x) v[size_t(x - piece.begin)] = part[size_t(x - old_lo)];
           covered += hi - lo;
         }
         bucket_begin += size;
       }
       if (covered == 0 && std::string(suffix) == ".master") continue;  // parameters that are their own masters
-      LATHE_CHECK(covered == n, "zero: {}: the old shards hold {} of {}'s {} elements", dir, covered, name, n);
+      LATHE_CHECK(covered == n, "zero: {}: the old optimizer files hold {} of {}'s {} elements", dir, covered, name, n);
       std::vector<uint8_t> b(size_t(n) * dtype_size(dtype));
       for (int64_t x = 0; x < n; ++x) store_from_double(b.data(), dtype, x, v[size_t(x)]);
       bytes.push_back(std::move(b));
-      refs.push_back({name, dtype, {n}, bytes.back().data(), bytes.back().size()});
+      refs.push_back({name, dtype, std::vector<int64_t>(piece.shape.begin(), piece.shape.end()), bytes.back().data(),
+                      bytes.back().size()});
     }
   }
   io::write_safetensors(out_path, refs, old[0].metadata());

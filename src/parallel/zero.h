@@ -20,6 +20,23 @@
 
 namespace lathe {
 
+// A piece of optimizer state to assemble: elements [begin, begin + elements) of the flat space, inside the parameter
+// `name` of shape `shape` that spans [param_begin, param_end) of it.
+struct StatePiece {
+  std::string name;
+  Shape shape;  // the tensor AdamW::load expects: the whole parameter's shape, or {elements} for a ZeRO piece
+  int64_t param_begin = 0, param_end = 0, begin = 0, elements = 0;
+};
+
+// The optimizer state (masters and moments) of `pieces`, assembled from the optimizer files of the checkpoint in `dir`
+// and written to `out_path` in the format AdamW::load reads: each piece from the old files whose ranges cover it; the
+// step count and hyper-parameters are the old files'. `layout`: the checkpoint's ZeRO layout ({"dp", "elements",
+// "buckets"}: files optimizer.rank-R-of-N.safetensors, rank r holding its chunk of each bucket) or null (the whole
+// state in optimizer.safetensors). `elements`: the model's, checked against the layout's. So a run can resume at
+// another dp size, other buckets, with ZeRO from a whole state, or whole from ZeRO shards.
+void assemble_optimizer_state(const std::string& dir, const nlohmann::json& layout, const std::vector<StatePiece>& pieces,
+                              int64_t elements, const std::string& out_path);
+
 class ZeroShards {
  public:
   // `params` must outlive this object; they are contiguous, on one device, of one dtype; `buckets` cover them.
@@ -35,11 +52,8 @@ class ZeroShards {
   // {"dp", "elements", "buckets": [each bucket's elements]}: how a checkpoint's optimizer shards are cut.
   nlohmann::json layout() const;
 
-  // Resharding on load: the optimizer state of this rank's pieces, assembled from the shard files
-  // (optimizer.rank-R-of-N.safetensors) that a ZeRO checkpoint in `dir` wrote under `old_layout` (another dp size or
-  // other buckets), written to `out_path` in the format AdamW::load reads. Each piece's master and moments come from
-  // the old shards whose ranges cover it; the step count and hyper-parameters are the old files'. The model must be
-  // the same (the same element count).
+  // Resharding on load: the optimizer state of this rank's pieces, assembled (assemble_optimizer_state) from a
+  // checkpoint in `dir` saved under `old_layout` (another dp size, other buckets, or null: the whole state).
   void reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const;
 
  private:

@@ -354,6 +354,7 @@ class Trainer::Impl {
   // Data parallelism, full fine-tuning: the model's gradient buckets, summed over dp while the backward runs.
   std::vector<GradBucket> buckets_;
   std::unique_ptr<GradReducer> reducer_;
+  std::vector<double> rank_mem_mib_;  // each dp rank's peak memory up to the last gradient sum, in rank order
   MemoryPlanReport plan_report_;
   Clock::time_point t_start_;
   int64_t run_steps_ = 0;
@@ -630,42 +631,49 @@ void Trainer::Impl::build_job(Job& j) {
   j.summary.final_step = j.step;
 }
 
-// The resumed checkpoint's optimizer state: the whole state, or under ZeRO this rank's shard (at the same layout)
-// or its pieces assembled from the old shards (at another dp size or with other buckets).
+// The resumed checkpoint's optimizer state, kept as this run keeps it: whole, or this rank's ZeRO pieces. A checkpoint
+// saved the same way is read as it is (the whole state, or this rank's shard at the same layout); any other (another
+// dp size, other buckets, ZeRO shards into a whole state or the reverse) is assembled into a temporary file of this
+// rank's pieces first (assemble_optimizer_state).
 void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
-  if (!j.zero) {
-    check_optimizer_layout(j);
+  check_optimizer_layout(j);
+  const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
+  if (!j.zero && saved.is_null()) {
     j.opt->load((from / "optimizer.safetensors").string());
     return;
   }
-  check_optimizer_layout(j);
-  if (j.state["zero"] == j.zero->layout()) {
+  if (j.zero && saved == j.zero->layout()) {
     j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
     return;
   }
-  // Another layout: this rank's pieces' state is assembled from the old shards that cover them.
-  const fs::path tmp = fs::temp_directory_path() / fmt::format("lathe-zero-reshard-{}-{}.safetensors", getpid(), groups_->rank);
-  j.zero->reshard_state(from.string(), j.state["zero"], tmp.string());
+  const fs::path tmp = fs::temp_directory_path() /
+                       fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
+  if (j.zero) {
+    j.zero->reshard_state(from.string(), saved, tmp.string());
+  } else {  // the whole state from ZeRO shards: every parameter whole
+    std::vector<StatePiece> pieces;
+    int64_t at = 0;
+    for (const Parameter& p : *j.params) {
+      pieces.push_back({p.name, p.value.shape(), at, at + p.value.numel(), at, p.value.numel()});
+      at += p.value.numel();
+    }
+    assemble_optimizer_state(from.string(), saved, pieces, at, tmp.string());
+  }
+  progress_.message(fmt::format("train: the optimizer state of {} was saved {}; re-cut for this run's layout", from.string(),
+                                saved.is_null() ? "whole" : fmt::format("in ZeRO shards over dp = {}", saved.value("dp", 0))));
   j.opt->load(tmp.string());
   std::error_code ec;
   fs::remove(tmp, ec);
 }
 
-// The resumed checkpoint's optimizer state must be kept as this run keeps it: whole, or sharded by ZeRO (1 or 2: the
-// same state; over any dp size or buckets: another layout is resharded on load, where ZeroShards::reshard_state
-// checks the element counts).
+// A checkpoint's ZeRO layout must be one this Lathe cuts shards by (the counts are checked against the model at load).
 void Trainer::Impl::check_optimizer_layout(const Job& j) const {
-  const bool was_sharded = j.state.contains("zero");
-  const std::string from = j.start.resume_from;
-  if (!sharded()) {
-    LATHE_CHECK(!was_sharded, "train: {}'s optimizer state is sharded over dp = {} (parallel.zero: 1 or 2): resume it "
-                "with parallel.zero: 1 or 2 at dp > 1", from, j.state["zero"].value("dp", 0));
-    return;
-  }
-  LATHE_CHECK(was_sharded, "train: {} holds the whole optimizer state, but this run shards it over dp = {} "
-              "(parallel.zero: {}): resume it with parallel.zero: 0 (resharding a whole state into ZeRO shards is not "
-              "built yet)", from, dp_, c_.zero);
+  if (!j.state.contains("zero")) return;
+  const nlohmann::json& z = j.state["zero"];
+  LATHE_CHECK(z.is_object() && z.contains("dp") && z.contains("elements") && z.contains("buckets") && !lora_,
+              "train: {}/trainer_state.json: its \"zero\" layout ({}) is not one this Lathe reads (dp, elements, "
+              "buckets; full fine-tuning)", j.start.resume_from, z.dump());
 }
 
 // A tenant's error stops that tenant only: recorded in its folder and the summary, the others go on.
@@ -904,7 +912,12 @@ double Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
       for (int64_t n : counts) stats.push_back(double(n));
   }
   if (stats.empty()) return exposed_s;
+  // Each rank's peak memory so far (its slot; the others' zero), summed into every rank's list.
+  const size_t mem_at = stats.size();
+  stats.resize(stats.size() + size_t(dp_), 0.0);
+  stats[mem_at + size_t(groups_->dp_rank())] = peak_memory_mib(rt_, device_);
   const std::vector<double> summed = sum_over_dp(stats);
+  rank_mem_mib_.assign(summed.begin() + std::ptrdiff_t(mem_at), summed.end());
   const double* v = summed.data();
   for (Job* j : active) {
     if (j->failed) continue;
@@ -997,12 +1010,6 @@ bool Trainer::Impl::step() {
   double run_flops = 0;
   for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
   const double mem_mib = peak_memory_mib(rt_, device_);
-  std::vector<double> rank_mem_mib;  // data parallelism: every dp rank's peak, in rank order (metrics.jsonl)
-  if (dp_ > 1) {
-    rank_mem_mib.assign(size_t(dp_), 0.0);
-    rank_mem_mib[size_t(groups_->dp_rank())] = mem_mib;
-    rank_mem_mib = sum_over_dp(rank_mem_mib);
-  }
   std::string tenant_losses;
   bool saved = false;
   for (Job* j : active)
@@ -1016,7 +1023,7 @@ bool Trainer::Impl::step() {
     if (j->failed || m.is_null()) continue;
     if (dp_ > 1) {
       m["dp_comm_s"] = dp_comm_s;
-      m["memory_mib_ranks"] = rank_mem_mib;
+      m["memory_mib_ranks"] = rank_mem_mib_;
     }
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
