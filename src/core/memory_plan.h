@@ -14,7 +14,8 @@
 // Between windows (an evaluation, a checkpoint) allocations take the highest gap of the idle arena that fits, so the
 // arena does not sit beside the memory they need; one still live when a window begins (an input made before it) makes
 // the planned blocks it overlaps miss, so inputs belong inside the window, as the trainer makes its batches.
-// Reuse follows host order, as in the caching allocator: correct for work queued on one stream. Under AddressSanitizer
+// Reuse follows host order, as in the caching allocator: correct for work queued on one stream; work on another stream
+// releases its blocks only after the default stream has waited for it (parallel/grad_reducer.h). Under AddressSanitizer
 // a host arena stays poisoned wherever no live block asked for bytes, so overflows and use-after-free inside it are
 // reported as for blocks of their own.
 // plan_stats() reports hits and misses; a plan is made once per allocator (no re-planning: docs/training.md).

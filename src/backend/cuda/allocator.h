@@ -4,8 +4,8 @@
 // for a request of at least half its size, a large one for a request it exceeds by at most an eighth (2 MiB at
 // least: max_block_for), or any larger one when cudaMalloc finds the device full (before the whole cache is
 // released). Blocks are not split. stats() counts whole blocks as allocated and the bytes asked for as
-// requested. Reuse is ordered by the device's default
-// stream: a tensor freed while another stream still uses it must be kept alive by that stream's owner.
+// requested. Reuse is ordered by the device's default stream: a tensor another stream uses is released only after the
+// default stream has waited for an event recorded after that use (parallel/grad_reducer.h does so).
 // release_cached() returns every free block to the driver (e.g. before handing memory to a rollout engine).
 // Covered by tests/unit/test_cuda_runtime.cpp.
 #pragma once
