@@ -29,8 +29,8 @@
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
-#include "parallel/process_groups.h"
 #include "parallel/grad_reducer.h"
+#include "parallel/process_groups.h"
 #include "parallel/zero.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
@@ -527,11 +527,10 @@ void Trainer::Impl::build() {
     bank_ = std::make_unique<LoraBank>(rt_, mc, device_, dtype_, lora_configs_);
     model_->attach_lora(bank_.get());
   }
-  if (dp_ > 1 && !lora_) {
-    std::vector<Parameter*> params;
-    for (Parameter& p : model_->parameters()) params.push_back(&p);
-    buckets_ = plan_buckets(params, model_->grads_complete_after(), int64_t(c_.bucket_mb * 1048576.0));
-  }
+  std::vector<Parameter*> model_params;
+  for (Parameter& p : model_->parameters()) model_params.push_back(&p);
+  if (dp_ > 1 && !lora_)
+    buckets_ = plan_buckets(model_params, model_->grads_complete_after(), int64_t(c_.bucket_mb * 1048576.0));
   for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
   if (lora_)
     for (Job& j : jobs_)
@@ -576,12 +575,9 @@ void Trainer::Impl::build() {
                                                resumed(j)));
   }
   ctx_.emplace(rt_.context(device_));
-  if (!buckets_.empty()) {
-    std::vector<Parameter*> params;
-    for (Parameter& p : model_->parameters()) params.push_back(&p);
-    reducer_ = std::make_unique<GradReducer>(params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
+  if (!buckets_.empty())
+    reducer_ = std::make_unique<GradReducer>(model_params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
                                              sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
-  }
   t_start_ = Clock::now();
 }
 
@@ -746,7 +742,7 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
         if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
         queue_optimizer();
       };
-    } else if (last && dp_ == 1) {  // LoRA under data parallelism: queued once the adapters' gradients are summed
+    } else if (last && dp_ == 1) {  // one process (LoRA under dp: queued in step(), once the adapters' sums are in)
       hooks.queued = queue_optimizer;
     }
     const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks);
@@ -941,7 +937,7 @@ void Trainer::Impl::reduce_adapter_grads(const std::vector<Job*>& active) {
     if (!j->failed)
       for (Parameter& p : *j->params) params.push_back(&p);
   if (params.empty()) return;
-  rt_.synchronize(device_);
+  rt_.synchronize(device_);  // the backward's end: what follows is the exposed communication
   GradReducer reducer(params, plan_buckets(params, std::vector<int64_t>(params.size(), -1), int64_t(c_.bucket_mb * 1048576.0)),
                       *groups_->dp_grads, *ctx_, *groups_->grad_stream, GradReducer::Mode::AllReduceInPlace);
   reducer.begin_micro_batch(true);
