@@ -10,6 +10,7 @@
 #   torch  — transformers + torchrun on the same two GPUs at that shape (DDP and FSDP2, dev/torch_dp_baseline.py),
 #            and NCCL's bus bandwidth (1 GiB all-reduce / reduce-scatter)
 #   mem4b  — the Qwen3-4B shape with f32 AdamW masters: one GPU, and dp = 2 with ZeRO-1 (each rank's peak)
+#   opts, embed, profile — the single-GPU step through `lathe train` against `lathe bench` (session 15)
 # Writes summary.txt and logs.tgz to $OUT.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -203,5 +204,17 @@ if has embed; then  # the embedding backward on real text's skewed ids: a 1.7B s
   ./build/lathe train $D/config.yaml --set output_dir=$D/zero1 --set parallel.zero=1 --nproc 2 >$L/embed2.log 2>&1
   summary "1.7B --nproc 2 ZeRO-1 rc=$?"
   report $D one zero1
+  rm -rf $D
+fi
+
+if has profile; then  # the 1.7B step through `lathe train` (train.profile_step) and `lathe bench --profile`, one GPU
+  ./build/lathe bench --shape 1.7b --seq 4096 --micro-batch 2 --steps 4 --warmup 3 --profile >$L/bench_prof.log 2>&1
+  summary "$(grep -a -A3 'profile of one step' $L/bench_prof.log | head -4)"
+  D=/tmp/prof; rm -rf $D; speed_data $D "$Q17"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one --set train.max_steps=7 --set train.profile_step=6 \
+    >$L/train_prof.log 2>&1; summary "1.7B train, profile of step 6 rc=$?"
+  summary "$(tr '\r' '\n' <$L/train_prof.log | grep -a -A3 'profile of one step' | head -4)"
+  tr '\r' '\n' <$L/train_prof.log | grep -a -A60 'profile of one step' >$OUT/train_profile.txt
+  grep -a -A60 'profile of one step' $L/bench_prof.log >$OUT/bench_profile.txt
   rm -rf $D
 fi

@@ -181,6 +181,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.gemm_autotune", Kind::Bool, "false",
                 "time cuBLASLt's candidate algorithms on each GEMM shape's first call and keep the fastest (faster; "
                 "two runs may then differ in the last bits; docs/training.md)", gemm_autotune),
+      LATHE_NUM("train.profile_step", Kind::Int, "0", at_least(0),
+                "time every kernel of step N and print the per-kernel table, as lathe bench --profile does (0: off)",
+                profile_step),
       LATHE_OPT("train.memory_plan", Kind::Bool, "true",
                 "lay out each step's memory (batch, activations, gradients) in one arena planned from the second step, "
                 "instead of allocating block by block (docs/training.md)", memory_plan),
@@ -349,7 +352,8 @@ bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
-          path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every");
+          path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
+          path != "train.profile_step");
 }
 
 std::string unknown_key_problem(const std::string& key) {

@@ -1,5 +1,7 @@
 #include "train/flops.h"
 
+#include <fmt/format.h>
+
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -75,6 +77,13 @@ double peak_memory_mib(Runtime& rt, Device device) {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return double(u.ru_maxrss) / 1024.0;
+}
+
+std::string human(double x) {
+  if (x >= 1e9) return fmt::format("{:.2f}G", x / 1e9);
+  if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);
+  if (x >= 1e3) return fmt::format("{:.1f}k", x / 1e3);
+  return fmt::format("{:.0f}", x);
 }
 
 }  // namespace lathe

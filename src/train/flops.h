@@ -30,6 +30,8 @@ double flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seql
 double lora_flops_per_token(const ModelConfig& c, double adapter_parameters, const std::vector<int32_t>& cu_seqlens);
 // bf16 dense peak of a card by its name (H100/H200 SXM: 989 TFLOP/s); 0 = unknown (no MFU is printed).
 double peak_flops(const std::string& device_name);
+// A count for people: 1.72G, 3.45M, 12.3k, 512.
+std::string human(double x);
 // Peak memory so far in MiB: the device allocator's peak on a GPU, the process's peak resident memory on the CPU.
 double peak_memory_mib(Runtime& rt, Device device);
 

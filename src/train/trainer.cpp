@@ -36,6 +36,7 @@
 #include "train/flops.h"
 #include "train/metrics.h"
 #include "train/run_folder.h"
+#include "train/step_profile.h"
 #include "train/tensorboard.h"
 
 namespace lathe {
@@ -57,13 +58,6 @@ bool fault_injected(const char* point, int64_t step) {
   return f && std::string(f) == fmt::format("{}:{}", point, step);
 }
 
-
-std::string human(double x) {
-  if (x >= 1e9) return fmt::format("{:.1f}G", x / 1e9);
-  if (x >= 1e6) return fmt::format("{:.1f}M", x / 1e6);
-  if (x >= 1e3) return fmt::format("{:.1f}k", x / 1e3);
-  return fmt::format("{:.0f}", x);
-}
 
 std::string duration(double s) {
   if (!(s >= 0) || s > 1e7) return "?";
@@ -955,6 +949,13 @@ bool Trainer::Impl::step() {
   // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
   // whole. Closed as aborted if an error leaves the step.
   MemoryPlanWindow window(plan_);
+  // train.profile_step: this step's kernels timed (contexts made from here on carry the profiler).
+  std::optional<OpProfiler> profiler;
+  if (c_.profile_step > 0 && jobs_[0].step + 1 == c_.profile_step) {
+    profiler.emplace(rt_.backend(device_.type), device_);
+    rt_.set_profiler(&*profiler);
+    ctx_.emplace(rt_.context(device_));
+  }
   if (lora_) bank_->zero_grads();
   else model_->zero_grads();
   for (Job* j : active) {
@@ -1000,11 +1001,17 @@ bool Trainer::Impl::step() {
   window.close();
   rt_.synchronize(device_);
   const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  if (profiler) {
+    rt_.set_profiler(nullptr);
+    ctx_.emplace(rt_.context(device_));
+  }
   if (plan_) report_memory_plan(plan_->plan_stats(), plan_report_, progress_);
   ++run_steps_;
   int64_t run_tokens = 0;
   double run_flops = 0;
   for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
+  if (profiler && first_)
+    print_step_profile(profiler->collect(), 1e3 * dt, double(run_tokens), run_flops, 0.0, peak_);
   const double mem_mib = peak_memory_mib(rt_, device_);
   std::string tenant_losses;
   bool saved = false;

@@ -94,6 +94,24 @@ TEST(Train, LossFallsAndOutputsAreComplete) {
   for (const char* key : {"loss", "lr", "grad_norm", "tokens", "tokens_per_s"}) EXPECT_TRUE(metrics(dir / "out")[0].contains(key)) << key;
 }
 
+// train.profile_step: step N's kernels are timed and printed as `lathe bench --profile` prints them, once, and the run
+// is otherwise the same (bitwise, on the CPU).
+TEST(Train, ProfileStepPrintsThatStepsKernelsAndChangesNothing) {
+  const fs::path dir = setup("profile");
+  const std::string base = "train " + (dir / "config.yaml").string() + " --set train.max_steps=4 --set train.save_every=0";
+  const LatheRun plain = lathe(base + " --set output_dir=" + (dir / "plain").string());
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_EQ(plain.output.find("profile of one step"), std::string::npos);
+  const LatheRun r = lathe(base + " --set output_dir=" + (dir / "profiled").string() + " --set train.profile_step=3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t at = r.output.find("profile of one step: wall ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("profile of one step", at + 1), std::string::npos) << "printed more than once";
+  EXPECT_NE(r.output.find("by kind: ", at), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("matmul shapes", at), std::string::npos) << r.output;
+  EXPECT_EQ(losses(dir / "profiled"), losses(dir / "plain"));
+}
+
 TEST(Train, KilledWithSigkillAndResumedReproducesTheLossesBitwise) {
   const fs::path ref = setup("ref");
   ASSERT_EQ(lathe("train " + (ref / "config.yaml").string()).exit_code, 0);
