@@ -9,7 +9,8 @@
 // - Each call returns a CommWork; wait() returns once the result is in place. On the CPU the work is done when the
 //   call returns; on CUDA it is ordered on the tensors' stream.
 // - A call that does not complete within the group's timeout aborts the whole job with a message naming the rank, the
-//   group, the collective, its sequence number and this rank's last collectives (never a hang).
+//   group, the collective, its sequence number and this rank's last collectives (never a hang); every other rank
+//   waiting in it prints its own (timeout_grace_s).
 // Covered by tests/parallel/test_comm.cpp (run under mpirun -np 2 and -np 4).
 #pragma once
 
@@ -25,6 +26,11 @@
 namespace lathe {
 
 class Stream;
+
+// How long a rank that reports a timed-out collective waits before it ends the job, so that the other ranks waiting in
+// the same collective (they time out within moments of each other) print their own reports too: 2 s, or half the
+// timeout when that is shorter.
+inline double timeout_grace_s(double timeout_s) { return timeout_s / 2 < 2.0 ? timeout_s / 2 : 2.0; }
 
 class CommWork {
  public:

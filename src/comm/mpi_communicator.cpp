@@ -194,7 +194,7 @@ class MpiCommunicator final : public Communicator {
       if (done) return;
       if (std::chrono::steady_clock::now() > deadline)
         fail(op, fmt::format("did not complete within {} = {} s (a rank died, stopped or took another path)",
-                             timeout_name, timeout_s));
+                             timeout_name, timeout_s), true);
       if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
   }
@@ -206,14 +206,17 @@ class MpiCommunicator final : public Communicator {
     return std::string(text, size_t(len));
   }
 
-  // Reports the stalled or failed operation with this rank's recent ones, and ends the whole job.
-  [[noreturn]] void fail(const std::string& op, const std::string& why) const {
+  // Reports the stalled or failed operation with this rank's recent ones, and ends the whole job. After a timeout it
+  // waits a moment first (timeout_grace_s): the other ranks waiting in the same collective time out within moments
+  // and print their own reports, so the job's output holds every live rank's last collectives.
+  [[noreturn]] void fail(const std::string& op, const std::string& why, bool timed_out = false) const {
     std::string recent;
     for (const OpRecord& r : history_) recent += fmt::format("\n  #{} {} ({} bytes)", r.seq, r.op, r.bytes);
     std::fprintf(stderr, "lathe: error: rank %d: %s #%lld on group %s (%d ranks) %s; this rank's last collectives on "
                          "it:%s\n", world_rank_, op.c_str(), static_cast<long long>(seq_), name_.c_str(), size_,
                  why.c_str(), recent.c_str());
     std::fflush(stderr);
+    if (timed_out) std::this_thread::sleep_for(std::chrono::duration<double>(timeout_grace_s(timeout_s_)));
     MPI_Abort(MPI_COMM_WORLD, 5);
     std::abort();
   }

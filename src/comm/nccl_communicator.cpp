@@ -180,13 +180,14 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) override;
 
   // Reports the stalled or failed operation with this rank's recent ones, aborts the communicator and ends the job.
-  [[noreturn]] void fail(const std::string& op, const std::string& why) {
+  [[noreturn]] void fail(const std::string& op, const std::string& why, bool timed_out = false) {
     std::string recent;
     for (const OpRecord& r : history_) recent += fmt::format("\n  #{} {} ({} bytes)", r.seq, r.op, r.bytes);
     std::fprintf(stderr, "lathe: error: rank %d: %s #%lld on group %s (%d ranks, NCCL) %s; this rank's last collectives "
                          "on it:%s\n", world_rank_, op.c_str(), static_cast<long long>(seq_), name_.c_str(), size_,
                  why.c_str(), recent.c_str());
     std::fflush(stderr);
+    if (timed_out) std::this_thread::sleep_for(std::chrono::duration<double>(timeout_grace_s(timeout_s_)));
     ncclCommAbort(comm_);
     comm_ = nullptr;
     mpi_abort_job(5);
@@ -208,7 +209,7 @@ class NcclCommunicator final : public Communicator {
     cudaSetDevice(device_);
     const auto deadline = deadline_in(timeout_s_);
     const ncclResult_t r = settle(comm_, call(), deadline);
-    if (r == ncclInProgress) fail(op, fmt::format("was not taken by NCCL within parallel.timeout_s = {} s", timeout_s_));
+    if (r == ncclInProgress) fail(op, fmt::format("was not taken by NCCL within parallel.timeout_s = {} s", timeout_s_), true);
     if (r != ncclSuccess) fail(op, fmt::format("failed: {}", ncclGetErrorString(r)));
   }
 
@@ -233,7 +234,7 @@ class NcclCommunicator final : public Communicator {
         if (async != ncclSuccess && async != ncclInProgress) fail(op, fmt::format("failed: {}", ncclGetErrorString(async)));
         if (Clock::now() > deadline)
           fail(op, fmt::format("did not complete within {} = {} s (a rank died, stopped or took another path)",
-                               timeout_name, timeout_s));
+                               timeout_name, timeout_s), true);
         if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     });

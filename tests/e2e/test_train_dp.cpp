@@ -199,6 +199,17 @@ TEST(DataParallel, AStoppedRankEndsTheJobWithTheTimeoutReport) {
             std::string::npos) << before_save.output;
 }
 
+// Four ranks, the last stopped: each of the three others reports its own last collectives before the job ends.
+TEST(DataParallel, EveryLiveRankReportsItsLastCollectives) {
+  const fs::path dir = setup("stopped4", kQwen3, "parallel: {timeout_s: 4}\n");
+  const LatheRun r = train(dir, "run", 4, 1, "", "LATHE_FAULT_INJECT=rank_sigstop:4");
+  EXPECT_NE(r.exit_code, 0);
+  for (int rank = 0; rank < 3; ++rank)
+    EXPECT_NE(r.output.find(fmt::format("lathe: error: rank {}: all_reduce #", rank)), std::string::npos)
+        << "rank " << rank << " did not report\n" << r.output;
+  EXPECT_EQ(r.output.find("lathe: error: rank 3:"), std::string::npos) << "the stopped rank cannot report";
+}
+
 TEST(DataParallel, TheOtherRanksWaitForACheckpointUnderTheSaveTimeout) {
   // Rank 0's save of step 3 takes 6 s, twice the collectives' timeout: the others wait for it at the save barrier.
   const fs::path dir = setup("slow_save", kQwen3, "parallel: {timeout_s: 3}\n");
