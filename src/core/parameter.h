@@ -20,6 +20,10 @@ struct ShardLayout {
   std::string group;             // the group whose ranks hold the pieces ("tp", "ep", "dp" for ZeRO), "" when whole
 };
 
+// How a checkpoint records a piece's place (the metadata "shard.<name>" of an optimizer file):
+// {"global_shape": [...], "offset": [...], "flat_begin": N, "group": "dp"}.
+std::string shard_metadata(const ShardLayout& layout);
+
 struct Parameter {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
   Tensor value;

@@ -6,6 +6,7 @@
 #include "optim/adamw.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <charconv>
@@ -21,6 +22,7 @@
 namespace lathe {
 
 namespace {
+
 
 constexpr const char* kFormat = "lathe.adamw";
 
@@ -211,6 +213,8 @@ void AdamW::save(const std::string& path) const {
     if (s.master.defined()) add(n + ".master", s.master);
     // A parameter that skipped steps (no gradient) has its own count; the common case stores nothing.
     if (s.steps != step_count_) meta["step." + n] = std::to_string(s.steps);
+    // A piece of a sharded tensor (ZeRO): where it sits in the whole, so that a shard file describes itself.
+    if (!s.param->whole()) meta["shard." + n] = shard_metadata(s.param->shard);
   }
   io::write_safetensors(path, std::move(refs), meta);
 }
@@ -257,6 +261,12 @@ void AdamW::load(const std::string& path) {
     check(n + ".exp_avg_sq", shape, true, slots_[i].v.dtype());
     check(n + ".master", shape, false, std::nullopt);
     if (meta.count("step." + n)) steps[i] = parse_int(meta, "step." + n, path);
+    const auto shard = meta.find("shard." + n);  // a piece must be loaded into the same piece
+    const std::string want = slots_[i].param->whole() ? "" : shard_metadata(slots_[i].param->shard);
+    if ((shard == meta.end() ? "" : shard->second) != want)
+      problems.push_back(fmt::format("{} was saved as {}, but this optimizer holds {}", n,
+                                     shard == meta.end() ? "the whole tensor" : "the piece " + shard->second,
+                                     want.empty() ? "the whole tensor" : "the piece " + want));
   }
   for (const io::SafetensorsTensor& t : file.tensors())
     if (!known.count(t.name)) problems.push_back(fmt::format("{} belongs to no parameter of this model", t.name));

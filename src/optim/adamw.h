@@ -80,10 +80,12 @@ class AdamW {
   const Tensor& exp_avg_sq(size_t i) const { return slots_[i].v; }
   size_t state_bytes() const;  // masters and moments
 
-  // Writes the state atomically (safetensors). Tensors are stored in their own dtype.
+  // Writes the state atomically (safetensors). Tensors are stored in their own dtype; a piece of a sharded parameter
+  // (ZeRO) records where it sits in the whole (metadata "shard.<name>": global shape, offset, flat_begin, group).
   void save(const std::string& path) const;
   // Reads a state written by save(). Every parameter must have its exp_avg and exp_avg_sq, with its shape;
-  // names the optimizer does not know are an error. Masters cross precisions: a <param>.master onto an f32
+  // names the optimizer does not know are an error, and so is a piece saved as another piece (or whole). Masters
+  // cross precisions: a <param>.master onto an f32
   // parameter is copied into the parameter; a bf16 parameter without one (state saved from f32 parameters)
   // takes its master from the parameter's current value. Moments cross f32 and f64 (they follow the parameters'
   // dtype), but bf16 moments where this optimizer keeps f32/f64 ones, or the reverse, are an error naming the tensor

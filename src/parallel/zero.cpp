@@ -1,6 +1,7 @@
 #include "parallel/zero.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -97,7 +98,7 @@ void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old
   for (size_t k = 0; k < owned_.size(); ++k) {
     const size_t i = pieces_[k].param;
     pieces.push_back({owned_[k].name, owned_[k].value.shape(), offsets_[i], offsets_[i] + (*params_)[i].value.numel(),
-                      pieces_[k].begin, owned_[k].value.numel()});
+                      pieces_[k].begin, owned_[k].value.numel(), owned_[k].shard});
   }
   assemble_optimizer_state(dir, old_layout, pieces, total_, out_path);
 }
@@ -165,7 +166,15 @@ void assemble_optimizer_state(const std::string& dir, const nlohmann::json& layo
                       bytes.back().size()});
     }
   }
-  io::write_safetensors(out_path, refs, old[0].metadata());
+  // The old files' hyper-parameters and step counts (a parameter's own count, "step.<name>", is in the file of the
+  // rank that held it), and the new pieces' places.
+  std::map<std::string, std::string> meta;
+  for (const io::SafetensorsFile& f : old)
+    for (const auto& [key, value] : f.metadata())
+      if (key.rfind("shard.", 0) != 0) meta[key] = value;
+  for (const StatePiece& piece : pieces)
+    if (!piece.shard.global_shape.empty()) meta["shard." + piece.name] = shard_metadata(piece.shard);
+  io::write_safetensors(out_path, refs, meta);
 }
 
 }  // namespace lathe

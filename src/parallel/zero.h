@@ -26,6 +26,7 @@ struct StatePiece {
   std::string name;
   Shape shape;  // the tensor AdamW::load expects: the whole parameter's shape, or {elements} for a ZeRO piece
   int64_t param_begin = 0, param_end = 0, begin = 0, elements = 0;
+  ShardLayout shard;  // the piece's place, as the optimizer that loads it holds it (whole: empty)
 };
 
 // The optimizer state (masters and moments) of `pieces`, assembled from the optimizer files of the checkpoint in `dir`

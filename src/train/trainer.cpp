@@ -645,7 +645,7 @@ void Trainer::Impl::load_optimizer(Job& j) {
     std::vector<StatePiece> pieces;
     int64_t at = 0;
     for (const Parameter& p : *j.params) {
-      pieces.push_back({p.name, p.value.shape(), at, at + p.value.numel(), at, p.value.numel()});
+      pieces.push_back({p.name, p.value.shape(), at, at + p.value.numel(), at, p.value.numel(), {}});
       at += p.value.numel();
     }
     assemble_optimizer_state(from.string(), saved, pieces, at, tmp.string());

@@ -9,14 +9,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
 
-#include "support/tensor_files.h"
+#include "io/safetensors.h"
 #include "lathe_run.h"
+#include "support/tensor_files.h"
 
 namespace fs = std::filesystem;
 
@@ -297,16 +299,34 @@ TEST(DataParallel, ZeroEqualsPlainDataParallelAndShardsTheOptimizerState) {
       const double d = worst_rel_diff(weights(dir / zero / "final/model.safetensors"), weights(dir / plain / "final/model.safetensors"));
       std::printf("[zero] ZeRO-%d dp %d: worst ||w - w_plain|| / ||w_plain|| %.3g\n", zero_level, np, d);
       EXPECT_LT(d, zero_level == 1 ? 1e-6 : 1e-5);
-      // Each rank kept 1/np of the moments: the shards' elements add up to the model's, none twice.
+      // Each rank kept 1/np of the moments, and each shard file says where its pieces sit: for every parameter the
+      // pieces' [flat_begin, flat_begin + n) over the ranks tile [0, numel) exactly.
       const fs::path ckpt = dir / zero / "checkpoints/step-00000008";
-      size_t moments = 0, params = 0;
-      for (const auto& [name, v] : weights(ckpt / "model/model.safetensors")) params += v.size();
+      std::map<std::string, size_t> numel;
+      for (const auto& [name, v] : weights(ckpt / "model/model.safetensors")) numel[name] = v.size();
+      std::map<std::string, std::vector<std::pair<int64_t, int64_t>>> pieces;
       for (int r = 0; r < np; ++r) {
-        const auto shard = weights(ckpt / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, np));
-        for (const auto& [name, v] : shard)
-          if (name.ends_with(".exp_avg")) moments += v.size();
+        const auto file = lathe::io::SafetensorsFile::open((ckpt / fmt::format("optimizer.rank-{}-of-{}.safetensors", r, np)).string());
+        for (const auto& t : file.tensors()) {
+          if (!t.name.ends_with(".exp_avg")) continue;
+          const std::string param = t.name.substr(0, t.name.size() - 8);
+          const auto meta = file.metadata().find("shard." + param);
+          ASSERT_NE(meta, file.metadata().end()) << "rank " << r << ": no place recorded for " << param;
+          const nlohmann::json where = nlohmann::json::parse(meta->second);
+          EXPECT_EQ(where["group"], "dp");
+          pieces[param].push_back({where["flat_begin"].get<int64_t>(), t.numel});
+        }
       }
-      EXPECT_EQ(moments, params);
+      ASSERT_EQ(pieces.size(), numel.size());
+      for (auto& [param, list] : pieces) {
+        std::sort(list.begin(), list.end());
+        int64_t at = 0;
+        for (const auto& [begin, n] : list) {
+          EXPECT_EQ(begin, at) << param << ": a gap or an overlap between the ranks' pieces";
+          at = begin + n;
+        }
+        EXPECT_EQ(at, int64_t(numel[param])) << param;
+      }
       EXPECT_FALSE(fs::exists(ckpt / "optimizer.safetensors"));
     }
   }

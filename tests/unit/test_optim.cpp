@@ -415,6 +415,31 @@ TEST(AdamW, LoadReportsMismatches) {
   EXPECT_THROW(opt.load(dir + "/model.safetensors"), Error);  // not an optimizer state
 }
 
+// A piece of a sharded parameter records its place in the file; loading it into another piece, or into the whole
+// tensor, is an error naming both; the same piece loads.
+TEST(AdamW, APieceLoadsOnlyIntoTheSamePiece) {
+  const std::string dir = ::testing::TempDir() + "/lathe_optim_piece";
+  std::filesystem::create_directories(dir);
+  std::vector<Parameter> a = {{"w", make({1, 2, 3}, {3}, DType::F32), {}, {{2, 4}, {0, 0}, 2, "dp"}}};
+  AdamW(runtime(), a, {}).save(dir + "/a.safetensors");
+  const io::SafetensorsFile file = io::SafetensorsFile::open(dir + "/a.safetensors");
+  EXPECT_EQ(file.metadata().at("shard.w"), R"({"global_shape": [2, 4], "offset": [0, 0], "flat_begin": 2, "group": "dp"})");
+  std::vector<Parameter> same = {{"w", make({1, 2, 3}, {3}, DType::F32), {}, {{2, 4}, {0, 0}, 2, "dp"}}};
+  AdamW(runtime(), same, {}).load(dir + "/a.safetensors");
+  std::vector<Parameter> other = {{"w", make({1, 2, 3}, {3}, DType::F32), {}, {{2, 4}, {0, 0}, 5, "dp"}}};
+  std::vector<Parameter> whole = {{"w", make({1, 2, 3}, {3}, DType::F32), {}, {}}};
+  for (std::vector<Parameter>* into : {&other, &whole}) {
+    AdamW opt(runtime(), *into, {});
+    try {
+      opt.load(dir + "/a.safetensors");
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("w was saved as the piece {\"global_shape\": [2, 4], \"offset\": [0, 0], "
+                                           "\"flat_begin\": 2"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // ---- bf16 optimizer states (AdamWConfig::state_dtype = bf16): no masters, bf16 moments, parameters updated in place.
 
 namespace {
