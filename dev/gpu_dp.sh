@@ -139,6 +139,7 @@ if has speed; then
     summary "1.7B --nproc 2 zero $z rc=$?"; grep -a "lathe: error" $L/speed2_$z.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
   done
   report $D one zero0 zero1 zero2
+  rm -rf $D  # the checkpoints and final models fill the disk over several stages
 fi
 
 if has torch; then
@@ -179,6 +180,7 @@ for run in ("one", "zero1"):
                    f"{rows[-1]['tokens_per_s']:,.0f} tok/s at step {rows[-1]['step']}")
     else: print(f"4B {run}: no step completed")
 PY
+  rm -rf $D
 fi
 
 if has opts; then  # why `lathe train` runs slower than `lathe bench` at 1.7B: the same step through both, options varied
@@ -192,6 +194,7 @@ if has opts; then  # why `lathe train` runs slower than `lathe bench` at 1.7B: t
   ./build/lathe train $D/config.yaml --set output_dir=$D/zero1 --set parallel.zero=1 $F --nproc 2 >$L/opts2.log 2>&1
   summary "1.7B --nproc 2 ZeRO-1 fast options rc=$?"; grep -a "lathe: error" $L/opts2.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
   report $D one zero1
+  rm -rf $D
 fi
 
 if has embed; then  # the embedding backward on real text's skewed ids: a 1.7B step through `lathe train` and `lathe bench`
