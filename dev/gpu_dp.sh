@@ -197,7 +197,8 @@ if has opts; then  # why `lathe train` runs slower than `lathe bench` at 1.7B: t
   rm -rf $D
 fi
 
-if has embed; then  # the embedding backward on real text's skewed ids: a 1.7B step through `lathe train` and `lathe bench`
+if has embed; then  # `lathe bench` and `lathe train` (one GPU, ZeRO-1 dp = 2) at 1.7B: the call that tried (and reverted) a
+  # faster embedding backward for skewed ids (docs/benchmarks.md, session 15)
   (cd build && ctest -R "Embedding|OpCheck.Cuda/embedding" --output-on-failure >$L/ctest_embed.txt 2>&1)
   summary "ctest embedding (CUDA): $(grep -E 'tests passed' $L/ctest_embed.txt)"
   ./build/lathe bench --shape 1.7b --seq 4096 --micro-batch 2 --steps 5 --warmup 3 >$L/bench_det.log 2>&1
