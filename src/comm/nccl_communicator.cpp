@@ -252,16 +252,21 @@ class NcclCommunicator final : public Communicator {
 };
 
 // Rank 0's NCCL id, on every rank: over MPI when it runs, else through a file in `dir`.
-ncclUniqueId share_id(int rank, int world, const std::string& dir, double timeout_s) {
+std::string id_file(const std::string& dir, const std::string& job) {
+  return (std::filesystem::path(dir) / (job.empty() ? std::string("nccl-world.id") : "nccl-world." + job + ".id")).string();
+}
+
+ncclUniqueId share_id(int rank, int world, const std::string& dir, const std::string& job, double timeout_s) {
   ncclUniqueId id{};
   if (rank == 0) {
     const ncclResult_t r = ncclGetUniqueId(&id);
     LATHE_CHECK(r == ncclSuccess, "comm: ncclGetUniqueId failed: {}", ncclGetErrorString(r));
   }
   if (mpi_broadcast_bytes(&id, sizeof(id), 0)) return id;
-  LATHE_CHECK(!dir.empty(), "comm: {} ranks need a rendezvous for NCCL: run under mpirun (with MPI built in), or with "
-              "`lathe train --nproc N`, which sets LATHE_RENDEZVOUS", world);
-  const std::string path = (std::filesystem::path(dir) / "nccl-world.id").string();
+  LATHE_CHECK(!dir.empty(), "comm: {} ranks need a rendezvous for NCCL: run under mpirun (with MPI built in), with "
+              "`lathe train --nproc N` (which sets LATHE_RENDEZVOUS), or set LATHE_RENDEZVOUS to a folder every rank "
+              "sees (srun without an MPI that srun starts)", world);
+  const std::string path = id_file(dir, job);
   if (rank == 0) {
     make_dirs(dir, "comm");
     write_file_atomic(path, std::string_view(id.internal, sizeof(id.internal)), "comm");
@@ -282,10 +287,10 @@ ncclUniqueId share_id(int rank, int world, const std::string& dir, double timeou
 }  // namespace
 
 std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, double timeout_s,
-                                         const std::string& rendezvous_dir) {
+                                         const std::string& rendezvous_dir, const std::string& job) {
   cuda::CudaStream& s = cuda::as_cuda(stream);
   cudaSetDevice(s.index());
-  const ncclUniqueId id = share_id(rank, world, rendezvous_dir, timeout_s);
+  const ncclUniqueId id = share_id(rank, world, rendezvous_dir, job, timeout_s);
   ncclComm_t comm = nullptr;
   ncclConfig_t config = nonblocking_config();
   const auto deadline = deadline_in(timeout_s);
@@ -297,6 +302,10 @@ std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, do
   auto c = std::make_unique<NcclCommunicator>(comm, s.handle(), s.index(), "world", timeout_s, rank);
   // Warm the communicator up with one tiny collective (a lazily formed one can stall outside any timeout).
   c->barrier();
+  if (rank == 0 && !rendezvous_dir.empty()) {  // every rank has read the id: a later job must not find it
+    std::error_code ec;
+    std::filesystem::remove(id_file(rendezvous_dir, job), ec);
+  }
   return c;
 }
 
@@ -323,7 +332,7 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key, const 
 #else  // no NCCL in this build
 
 bool nccl_available() { return false; }
-std::unique_ptr<Communicator> nccl_world(int, int, Stream&, double, const std::string&) {
+std::unique_ptr<Communicator> nccl_world(int, int, Stream&, double, const std::string&, const std::string&) {
   LATHE_FAIL("comm: this lathe was built without NCCL (a CUDA toolkit with NCCL is needed for GPU ranks)");
 }
 

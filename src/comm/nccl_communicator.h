@@ -22,7 +22,9 @@ namespace lathe {
 bool nccl_available();
 
 // The world of `world` ranks on `stream`'s device. `rendezvous_dir`: where rank 0 leaves the id when MPI is not used.
+// `job` names this job's id file in the folder ("" for a folder of its own, as --nproc makes); rank 0 removes the file
+// once the world has formed.
 std::unique_ptr<Communicator> nccl_world(int rank, int world, Stream& stream, double timeout_s,
-                                         const std::string& rendezvous_dir);
+                                         const std::string& rendezvous_dir, const std::string& job);
 
 }  // namespace lathe

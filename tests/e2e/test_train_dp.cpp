@@ -244,6 +244,19 @@ TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
   EXPECT_FALSE(fs::exists(dir / "x"));
 }
 
+// A task of srun whose MPI was not started by srun (no PMI) sees a world of one: refused, naming both worlds, before
+// anything is written (otherwise every task would train alone into the same folder).
+TEST(DataParallel, ARankWhoseMpiWorldIsNotTheLaunchersIsRefused) {
+  const fs::path dir = setup("srun", kQwen3);
+  const LatheRun r = lathe_e2e::lathe(fmt::format("train {} --set output_dir={}", (dir / "config.yaml").string(),
+                                                  (dir / "out").string()),
+                                      "SLURM_NTASKS=2 SLURM_PROCID=1 SLURM_LOCALID=1 SLURM_JOB_ID=7 SLURM_STEP_ID=0");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("srun started 2 ranks (this is rank 1), but MPI sees a world of 1 (rank 0)"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out"));
+}
+
 TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("logprobs", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
