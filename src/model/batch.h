@@ -17,6 +17,16 @@ struct BatchSegment {
   uint64_t dropout_seed = 0;  // LoRA dropout masks of this segment derive from it (training only)
 };
 
+// Attention over cached keys and values, for decoding: when a batch carries one (PackedBatch::cache), the model's
+// attention layers hand it their new tokens' rotated queries, keys and values, and it stores the keys and values and
+// returns the attention output (n, Hq, D), over the cache and the new tokens, instead of attending within the batch.
+// The layer maths is the model's own either way (generate.h's decoders implement it).
+class AttentionCache {
+ public:
+  virtual ~AttentionCache() = default;
+  virtual Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) = 0;
+};
+
 struct PackedBatch {
   Tensor ids;         // (T) i32
   Tensor positions;   // (T) i32
@@ -27,6 +37,7 @@ struct PackedBatch {
   // Empty: no adapter. Otherwise the segments cover every row and end on document boundaries
   // (set_segments checks); the loss is then the sum over segments of loss_scale x the segment's mean loss.
   std::vector<BatchSegment> segments;
+  AttentionCache* cache = nullptr;  // decoding: attention over cached keys and values (no backward)
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
 };

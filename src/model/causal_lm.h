@@ -97,8 +97,11 @@ class CausalLm {
   // no dropout) and, in a sparse layer, the experts routed afresh for these rows; no training state is touched.
   Tensor mlp_eval(int64_t layer, const Tensor& hn);
 
-  // Full logits (T, V) of a batch: for tests, scoring of short inputs and generation.
+  // Full logits (T, V) of a batch: for tests and scoring of short inputs.
   virtual Tensor logits(const PackedBatch& batch) = 0;
+  // The logits (1, V) after the batch's last token, through the same layers (a decoder's batch carries its
+  // AttentionCache).
+  virtual Tensor last_logits(const PackedBatch& batch) = 0;
   // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
   virtual std::vector<double> label_logprobs(const PackedBatch& batch) = 0;
   // Mean cross-entropy over labelled positions; with `backward`, adds every parameter's gradient into

@@ -46,6 +46,14 @@ struct DecoderStack {
   }
 
   template <typename M>
+  static Tensor last_logits(M& m, const PackedBatch& b) {
+    ExecContext cx = m.ctx();
+    const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
+    const Tensor xf = m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first;
+    return linear(cx, xf.narrow(0, xf.size(0) - 1, 1), m.w(m.head()));
+  }
+
+  template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
     const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
     return m.head_label_logprobs(xf, m.head(), b);

@@ -79,28 +79,8 @@ KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
     : rt_(&rt), model_(&model),
       cache_(size_t(model.config().num_layers), model.config().num_kv_heads, model.config().head_dim,
              model.options().dtype) {
-  std::map<std::string, int> index;
-  for (size_t i = 0; i < model.parameters().size(); ++i) index[model.parameters()[i].name] = int(i);
-  auto find = [&](const std::string& name) {
-    auto it = index.find(name);
-    LATHE_CHECK(it != index.end(), "generate: the model has no parameter '{}'", name);
-    return it->second;
-  };
-  const ModelConfig& c = model.config();
-  embed_ = find("model.embed_tokens.weight");
-  final_norm_ = find("model.norm.weight");
-  lm_head_ = c.tie_word_embeddings ? embed_ : find("lm_head.weight");
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    const std::string p = fmt::format("model.layers.{}.", i);
-    layers_.push_back({find(p + "input_layernorm.weight"), find(p + "self_attn.q_proj.weight"),
-                       find(p + "self_attn.k_proj.weight"), find(p + "self_attn.v_proj.weight"),
-                       find(p + "self_attn.o_proj.weight"), find(p + "self_attn.q_norm.weight"),
-                       find(p + "self_attn.k_norm.weight"), find(p + "post_attention_layernorm.weight")});
-  }
   reserve(std::max<int64_t>(capacity, 1));
 }
-
-const Tensor& KvCacheDecoder::w(int index) const { return model_->parameters()[size_t(index)].value; }
 
 void KvCacheDecoder::reserve(int64_t tokens) {
   ExecContext cx = rt_->context(model_->options().device);
@@ -114,60 +94,56 @@ void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
                 vocab_size);
 }
 
+// The decoder's cache as the model's attention layers see it (AttentionCache): the new tokens' keys and values are
+// stored at `past`; a prefill (past 0) attends causally within the new tokens, a step (one token) over the cache.
+class KvCacheDecoder::View final : public AttentionCache {
+ public:
+  View(Runtime& rt, KvCache& cache, int64_t past, int64_t n, Device device) : cache_(&cache), past_(past), n_(n) {
+    if (past == 0) {
+      const int32_t cu[2] = {0, int32_t(n)};
+      cu_seqlens_ = rt.from_host(cu, {2}, DType::I32, device);
+    }
+  }
+  Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
+    cache_->write(ctx, size_t(layer), kr, v, past_);
+    if (past_ == 0) return attention(ctx, qr, kr, v, cu_seqlens_, {})[0];
+    LATHE_ASSERT(n_ == 1);
+    return cache_->attend(ctx, size_t(layer), qr, past_ + 1);
+  }
+
+ private:
+  KvCache* cache_;
+  int64_t past_, n_;
+  Tensor cu_seqlens_;
+};
+
 std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
   const ModelConfig& c = model_->config();
   check_feed(ids, c.vocab_size);
   // After the prefill, tokens go one at a time: the step's attention has no causal mask within new tokens.
   const size_t chunk = length_ == 0 ? ids.size() : 1;
   const Device device = model_->options().device;
-  ExecContext cx = rt_->context(device);
   std::vector<float> out;
   for (size_t first = 0; first < ids.size(); first += chunk) {
     const int64_t n = int64_t(chunk), past = length_;
     reserve(past + n);
+    // The model's own layers over the new tokens at positions past.., their attention through the cache.
+    std::vector<int32_t> step_ids(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
+    PackedBatch b = make_packed_batch(*rt_, device, step_ids, {0, int32_t(n)}, std::vector<int32_t>(chunk, -100),
+                                      c.vocab_size);
     std::vector<int32_t> pos(chunk);
     std::iota(pos.begin(), pos.end(), int32_t(past));
-    const Tensor ids_t = rt_->from_host(ids.data() + first, {n}, DType::I32, device);  // (n)
-    const Tensor positions = rt_->from_host(pos.data(), {n}, DType::I32, device);     // (n)
-    Tensor x = embedding(cx, w(embed_), ids_t);                                        // (n, H)
-    for (size_t l = 0; l < layers_.size(); ++l) x = layer_step(l, x, positions, past);
+    b.positions = rt_->from_host(pos.data(), {n}, DType::I32, device);
+    View view(*rt_, cache_, past, n, device);
+    b.cache = &view;
+    const Tensor logits = model_->last_logits(b);  // (1, V)
     length_ = past + n;  // only now: a failed step leaves the cache as it was
     if (first + chunk < ids.size()) continue;  // logits of the last position only
-    const Tensor xf = rmsnorm(cx, x.narrow(0, n - 1, 1), w(final_norm_), {c.rms_norm_eps, 0.0});  // (1, H)
-    const Tensor logits = rt_->copy_to(to_f32(cx, linear(cx, xf, w(lm_head_))), Device::cpu());  // (1, V)
-    out.assign(logits.data<float>(), logits.data<float>() + logits.numel());
+    ExecContext cx = rt_->context(device);
+    const Tensor host = rt_->copy_to(to_f32(cx, logits), Device::cpu());
+    out.assign(host.data<float>(), host.data<float>() + host.numel());
   }
   return out;
-}
-
-// Qwen3Model::layer_forward for n new tokens at positions past.., writing their rotated keys and values into the
-// cache. With past == 0 this is the packed causal prefill; otherwise n == 1 and attention reads the cache.
-Tensor KvCacheDecoder::layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past) {
-  ExecContext cx = rt_->context(model_->options().device);
-  const ModelConfig& c = model_->config();
-  const LayerParams& l = layers_[layer];
-  const int64_t n = x.size(0);
-  const NormAttrs norm{c.rms_norm_eps, 0.0};
-  const RopeAttrs rot{c.rope_theta, 0, false};
-  const Tensor xn = rmsnorm(cx, x, w(l.input_norm), norm);                               // (n, H)
-  const Tensor q = linear(cx, xn, w(l.q_proj)).view({n, c.num_heads, c.head_dim});      // (n, Hq, D)
-  const Tensor k = linear(cx, xn, w(l.k_proj)).view({n, c.num_kv_heads, c.head_dim});   // (n, Hkv, D)
-  const Tensor v = linear(cx, xn, w(l.v_proj)).view({n, c.num_kv_heads, c.head_dim});   // (n, Hkv, D)
-  const Tensor qr = rope(cx, rmsnorm(cx, q, w(l.q_norm), norm), positions, rot);        // (n, Hq, D)
-  const Tensor kr = rope(cx, rmsnorm(cx, k, w(l.k_norm), norm), positions, rot);        // (n, Hkv, D)
-  cache_.write(cx, layer, kr, v, past);
-  Tensor o;  // (n, Hq, D)
-  if (past == 0) {
-    const int32_t cu[2] = {0, int32_t(n)};
-    const Tensor cu_seqlens = rt_->from_host(cu, {2}, DType::I32, model_->options().device);
-    o = attention(cx, qr, kr, v, cu_seqlens, {})[0];
-  } else {
-    LATHE_ASSERT(n == 1);
-    o = cache_.attend(cx, layer, qr, past + 1);
-  }
-  const Tensor h = add(cx, x, linear(cx, o.view({n, -1}), w(l.o_proj)));                // (n, H)
-  const Tensor hn = rmsnorm(cx, h, w(l.post_norm), norm);                               // (n, H)
-  return add(cx, h, model_->mlp_eval(int64_t(layer), hn));                              // (n, H), dense or experts
 }
 
 // ---------------------------------------------------------------------------------------------------------------

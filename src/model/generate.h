@@ -3,10 +3,11 @@
 // step; Qwen35Decoder in generate_qwen3_5.h is the other implementation), sampling (greedy, temperature, top-k,
 // top-p, seeded mt19937_64), stop conditions (EOS ids, stop strings on the decoded text, max_new_tokens) and
 // streaming of complete UTF-8 text; Generator drives any Decoder.
-// Convention: KvCacheDecoder replicates Qwen3Model's layer maths op for op, reading the parameters by their HF
-// names; a change to the model's maths must be made in both places. tests/models/test_generate.cpp catches any
-// divergence by comparing every decoding step's logits with a full recompute; dev/ref/check_generate.py compares
-// greedy tokens with transformers. One sequence at a time (no batch of prompts).
+// KvCacheDecoder runs the model's own layers (Qwen3Model::layer_forward through CausalLm::last_logits), its attention
+// through the decoder's KvCache (an AttentionCache on the batch), so there is one source of the layer maths;
+// Qwen35Decoder still repeats the Qwen3.5 layers until its Gated DeltaNet layers take a state view.
+// tests/models/test_generate.cpp compares every decoding step's logits with a full recompute;
+// dev/ref/check_generate.py compares greedy tokens with transformers. One sequence at a time (no batch of prompts).
 #pragma once
 
 #include <cstdint>
@@ -80,16 +81,10 @@ class KvCacheDecoder : public Decoder {
   int64_t capacity() const { return cache_.capacity(); }
 
  private:
-  struct LayerParams {
-    int input_norm, q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, post_norm;  // the MLP: CausalLm::mlp_eval
-  };
-  const Tensor& w(int index) const;
-  Tensor layer_step(size_t layer, const Tensor& x, const Tensor& positions, int64_t past);
+  class View;  // the cache as the model's attention layers see it
 
   Runtime* rt_;
   Qwen3Model* model_;
-  std::vector<LayerParams> layers_;
-  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ == embed_ when tied
   KvCache cache_;
   int64_t length_ = 0;
 };

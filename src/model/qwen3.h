@@ -28,6 +28,7 @@ class Qwen3Model : public CausalLm {
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
                   const BackwardHooks& hooks = {}) override;
   std::vector<int64_t> grads_complete_after() const override;
+  Tensor last_logits(const PackedBatch& batch) override;
 
  private:
   struct Layer {

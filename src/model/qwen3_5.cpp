@@ -472,4 +472,10 @@ LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_sc
 
 std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
+Tensor Qwen35Model::last_logits(const PackedBatch& b) {
+  LATHE_CHECK(!b.cache, "model: {} decodes through Qwen35Decoder (model/generate_qwen3_5.h): its Gated DeltaNet layers "
+              "take no cache yet", config_.model_type);
+  return DecoderStack::last_logits(*this, b);
+}
+
 }  // namespace lathe
