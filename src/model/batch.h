@@ -17,14 +17,20 @@ struct BatchSegment {
   uint64_t dropout_seed = 0;  // LoRA dropout masks of this segment derive from it (training only)
 };
 
-// Attention over cached keys and values, for decoding: when a batch carries one (PackedBatch::cache), the model's
-// attention layers hand it their new tokens' rotated queries, keys and values, and it stores the keys and values and
-// returns the attention output (n, Hq, D), over the cache and the new tokens, instead of attending within the batch.
-// The layer maths is the model's own either way (generate.h's decoders implement it).
-class AttentionCache {
+// What a decoder keeps between steps, as the model's layers see it: when a batch carries one (PackedBatch::cache), the
+// layers run over the batch's new tokens as continuations of the cached sequence, so the layer maths is the model's
+// own whether it trains or decodes (generate.h's decoders implement this). One sequence per batch for now.
+class DecodeCache {
  public:
-  virtual ~AttentionCache() = default;
+  virtual ~DecodeCache() = default;
+  // Attention layers: stores the new tokens' rotated keys and values and returns the attention output (n, Hq, D) of
+  // their queries over the cached tokens and themselves (causal among themselves).
   virtual Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) = 0;
+  // Gated DeltaNet layers: the last W - 1 pre-convolution rows before the new tokens (W - 1, C) and the recurrent
+  // state after them (1, H_v, d_k, d_v); set_gdn hands over the new ones.
+  virtual Tensor conv_history(int64_t layer) = 0;
+  virtual Tensor gdn_state(int64_t layer) = 0;
+  virtual void set_gdn(int64_t layer, Tensor conv_history, Tensor state) = 0;
 };
 
 struct PackedBatch {
@@ -37,7 +43,7 @@ struct PackedBatch {
   // Empty: no adapter. Otherwise the segments cover every row and end on document boundaries
   // (set_segments checks); the loss is then the sum over segments of loss_scale x the segment's mean loss.
   std::vector<BatchSegment> segments;
-  AttentionCache* cache = nullptr;  // decoding: attention over cached keys and values (no backward)
+  DecodeCache* cache = nullptr;  // decoding: the layers continue the cached sequence (no backward)
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
 };

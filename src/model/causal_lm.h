@@ -93,14 +93,10 @@ class CausalLm {
   void attach_lora(LoraBank* bank);
   LoraBank* lora() const { return lora_; }
 
-  // The MLP of layer `layer` on the post-attention-norm rows `hn` (n, D), for decoding: plain projections (no adapter,
-  // no dropout) and, in a sparse layer, the experts routed afresh for these rows; no training state is touched.
-  Tensor mlp_eval(int64_t layer, const Tensor& hn);
-
   // Full logits (T, V) of a batch: for tests and scoring of short inputs.
   virtual Tensor logits(const PackedBatch& batch) = 0;
   // The logits (1, V) after the batch's last token, through the same layers (a decoder's batch carries its
-  // AttentionCache).
+  // DecodeCache).
   virtual Tensor last_logits(const PackedBatch& batch) = 0;
   // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
   virtual std::vector<double> label_logprobs(const PackedBatch& batch) = 0;
@@ -181,7 +177,7 @@ class CausalLm {
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 
   // The MLP of layer `layer` (model/moe_layer.h): declare_mlp adds its parameters through `add` (Hugging Face name,
-  // shape) -> index, under `prefix` ("model.layers.N."), and remembers them for mlp_eval; mlp_backward returns d(hn)
+  // shape) -> index, under `prefix` ("model.layers.N."), and remembers them (pack_mlp_rows); mlp_backward returns d(hn)
   // and accumulates the gradients.
   MlpParams declare_mlp(int64_t layer, const std::string& prefix, const std::function<int(std::string, Shape)>& add);
   // pack_rows for every MLP's gate and up projections (dense, or a sparse layer's shared expert): one GEMM for both.

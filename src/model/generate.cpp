@@ -94,9 +94,9 @@ void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
                 vocab_size);
 }
 
-// The decoder's cache as the model's attention layers see it (AttentionCache): the new tokens' keys and values are
+// The decoder's cache as the model's attention layers see it (DecodeCache): the new tokens' keys and values are
 // stored at `past`; a prefill (past 0) attends causally within the new tokens, a step (one token) over the cache.
-class KvCacheDecoder::View final : public AttentionCache {
+class KvCacheDecoder::View final : public DecodeCache {
  public:
   View(Runtime& rt, KvCache& cache, int64_t past, int64_t n, Device device) : cache_(&cache), past_(past), n_(n) {
     if (past == 0) {
@@ -110,6 +110,10 @@ class KvCacheDecoder::View final : public AttentionCache {
     LATHE_ASSERT(n_ == 1);
     return cache_->attend(ctx, size_t(layer), qr, past_ + 1);
   }
+  // Qwen3 has no Gated DeltaNet layers.
+  Tensor conv_history(int64_t layer) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
+  Tensor gdn_state(int64_t layer) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
+  void set_gdn(int64_t layer, Tensor, Tensor) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
 
  private:
   KvCache* cache_;

@@ -4,8 +4,8 @@
 // top-p, seeded mt19937_64), stop conditions (EOS ids, stop strings on the decoded text, max_new_tokens) and
 // streaming of complete UTF-8 text; Generator drives any Decoder.
 // KvCacheDecoder runs the model's own layers (Qwen3Model::layer_forward through CausalLm::last_logits), its attention
-// through the decoder's KvCache (an AttentionCache on the batch), so there is one source of the layer maths;
-// Qwen35Decoder still repeats the Qwen3.5 layers until its Gated DeltaNet layers take a state view.
+// through the decoder's KvCache (the DecodeCache the batch carries), so there is one source of the layer maths;
+// Qwen35Decoder does the same for the hybrid models.
 // tests/models/test_generate.cpp compares every decoding step's logits with a full recompute;
 // dev/ref/check_generate.py compares greedy tokens with transformers. One sequence at a time (no batch of prompts).
 #pragma once

@@ -4,11 +4,9 @@
 // keeps a KV cache (KvCache of generate.h). The prompt runs as one prefill that fills every cache (GDN layers through
 // the gated_delta_rule_state op from a zero state, attention as one packed causal document), then one token per
 // step (research note gated-deltanet.md §2.3).
-// Convention: Qwen35Decoder replicates Qwen35Model's layer maths op for op (zero-centred norms, the q_proj rows
-// [query | gate] per head, partial RoPE, the L2 norm of q and k as an rmsnorm, the gated output norm), reading the
-// parameters by their HF names through Qwen35Model::parameter(); this file is the one other place that maths lives,
-// so a change to the model's maths must be made in both. tests/models/test_generate_qwen3_5.cpp catches any
-// divergence by comparing every decoding step's logits with Qwen35Model::logits of the full sequence.
+// The layers are the model's own (Qwen35Model::layer_forward through CausalLm::last_logits): the decoder is the
+// DecodeCache the batch carries, so no copy of the layer maths lives here. tests/models/test_generate_qwen3_5.cpp
+// compares every decoding step's logits with Qwen35Model::logits of the full sequence.
 #pragma once
 
 #include "model/generate.h"
@@ -37,26 +35,16 @@ class Qwen35Decoder : public Decoder {
   int64_t kv_cache_bytes() const { return kv_.bytes(); }
 
  private:
+  class View;  // the caches as the model's layers see them (DecodeCache)
   struct Layer {
-    int64_t index = 0;
     bool linear = false;
     size_t slot = 0;  // index among the GDN layers (states) or among the attention layers (KV cache)
-    int input_norm, post_norm;  // the MLP: CausalLm::mlp_eval
-    int q_proj = -1, k_proj = -1, v_proj = -1, o_proj = -1, q_norm = -1, k_norm = -1;
-    int conv = -1, dt_bias = -1, a_log = -1, gnorm = -1, out_proj = -1;  // projections in: Qwen35Model::gdn_projections_eval
   };
-  const Tensor& w(int index) const;
   ExecContext ctx() const;
-  Tensor layer_step(const Layer& l, const Tensor& x, const Tensor& positions, int64_t past);
-  Tensor attention_step(const Layer& l, const Tensor& xn, const Tensor& positions, int64_t past);
-  Tensor gdn_step(const Layer& l, const Tensor& xn);
-  Tensor l2norm(const Tensor& x);
 
   Runtime* rt_;
   Qwen35Model* model_;
   std::vector<Layer> layers_;
-  int embed_ = -1, final_norm_ = -1, lm_head_ = -1;  // lm_head_ == embed_ when tied
-  Tensor l2_weight_;               // (d_k) d_k^-1/2: the weight of the rmsnorm that computes the L2 norm
   std::vector<Tensor> conv_;       // per GDN layer (W - 1, C) pre-conv rows, oldest first
   std::vector<Tensor> state_;      // per GDN layer (1, H_v, d_k, d_v)
   std::vector<Tensor> new_conv_, new_state_;  // the current call's, committed when every layer succeeded

@@ -117,13 +117,6 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   return dhn;
 }
 
-Tensor CausalLm::mlp_eval(int64_t layer, const Tensor& hn) {
-  const MlpParams& p = mlps_.at(size_t(layer));
-  if (p.sparse) return moe_apply(layer, make_route(p.moe, hn, false), p.moe, hn, nullptr, false).out;
-  ExecContext cx = ctx();
-  return linear(cx, swiglu(cx, linear(cx, hn, w(p.gate)), linear(cx, hn, w(p.up))), w(p.down));
-}
-
 const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
   if (!r.valid) r = make_route(p, x, true);

@@ -38,6 +38,7 @@ struct Qwen35Model::LayerActs {
   Tensor o, lse, sg, y;  // (T, H, d), (T, H), sigmoid(gate) (T, H d), o * sg (T, H d)
   // Gated DeltaNet
   Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
+  Tensor conv_history;   // decoding: the last W - 1 pre-conv rows after this batch (DecodeCache::set_gdn)
   Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
@@ -296,9 +297,13 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   const RopeAttrs rot{c.rope_theta, c.rotary_dim(), false};
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), b.positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), b.positions, rot);
-  std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
-  a.o = att[0];
-  a.lse = att[1];
+  if (b.cache) {  // decoding: over the cached keys and values too
+    a.o = b.cache->attend(cx, l.index, a.qr, a.kr, a.v);
+  } else {
+    std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
+    a.o = att[0];
+    a.lse = att[1];
+  }
   a.sg = sigmoid(cx, a.gate);
   a.y = mul(cx, a.o.view({t, hd}), a.sg);
   a.mix = project(l.index, LoraTarget::o_proj, l.o_proj, a.y, b, training);
@@ -323,7 +328,23 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
     a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
     a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
   }
-  a.conv = causal_conv1d(cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), b.cu_seqlens);
+  const Tensor conv_w = w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim});
+  if (b.cache) {
+    // Decoding: the conv of [the cached W - 1 pre-conv rows ; these] as one document, keeping the last t outputs,
+    // equals the conv over the whole sequence (zero rows before its start are the op's zero history); the new
+    // history is the last W - 1 rows of that concatenation.
+    const Tensor hist = b.cache->conv_history(l.index);  // (W - 1, C)
+    const int64_t h = hist.size(0);
+    Tensor seq = Tensor::empty({h + t, 2 * kd + vd}, a.qkv.dtype(), cx.allocator);
+    if (h > 0) copy_into(cx, hist, seq.narrow(0, 0, h));
+    copy_into(cx, a.qkv, seq.narrow(0, h, t));
+    const int32_t cu[2] = {0, int32_t(h + t)};
+    a.conv = causal_conv1d(cx, seq, conv_w, rt_->from_host(cu, {2}, DType::I32, options_.device)).narrow(0, h, t);
+    a.conv_history = Tensor::empty({h, 2 * kd + vd}, a.qkv.dtype(), cx.allocator);
+    if (h > 0) copy_into(cx, seq.narrow(0, t, h), a.conv_history);
+  } else {
+    a.conv = causal_conv1d(cx, a.qkv, conv_w, b.cu_seqlens);
+  }
   const Tensor act = silu(cx, a.conv);
   a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
   a.ka = gather_columns(act, split.qkv[1]).view({t, hk, dk});
@@ -333,27 +354,21 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   const DType gd = gdn_gate_dtype(options_.dtype);
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
-  GatedDeltaAttrs rule;
-  rule.save_states = training;  // a backward follows: it reads the states instead of recomputing them
-  std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
-  a.core = r[0];
-  a.states = r[1];
-  a.chunk_cache = r[2];
+  if (b.cache) {  // decoding: the recurrence from the cached state, whose final state is the new cache
+    const std::vector<Tensor> r = gated_delta_rule_state(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens,
+                                                         b.cache->gdn_state(l.index));
+    a.core = r[0];
+    b.cache->set_gdn(l.index, a.conv_history, r[1]);
+  } else {
+    GatedDeltaAttrs rule;
+    rule.save_states = training;  // a backward follows: it reads the states instead of recomputing them
+    std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
+    a.core = r[0];
+    a.states = r[1];
+    a.chunk_cache = r[2];
+  }
   a.gy = gated_rmsnorm(cx, a.core, w(l.gnorm), a.z, {c.rms_norm_eps, 0.0});  // rmsnorm(core; w) * silu(z)
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
-}
-
-std::array<Tensor, 4> Qwen35Model::gdn_projections_eval(int64_t layer, const Tensor& xn) {
-  const Layer& l = layers_.at(size_t(layer));
-  LATHE_CHECK(l.linear, "model: layer {} is not a Gated DeltaNet layer", layer);
-  ExecContext cx = ctx();
-  if (config_.fused_gdn_projections) {
-    const SplitIndex& split = split_index(xn.size(0));
-    const Tensor qkvz = linear(cx, xn, w(l.in_qkvz)), ba = linear(cx, xn, w(l.in_ba));
-    return {gather_columns(qkvz, split.next_qkv), gather_columns(qkvz, split.next_z), gather_columns(ba, split.next_b),
-            gather_columns(ba, split.next_a)};
-  }
-  return {linear(cx, xn, w(l.in_qkv)), linear(cx, xn, w(l.in_z)), linear(cx, xn, w(l.in_b)), linear(cx, xn, w(l.in_a))};
 }
 
 Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,
@@ -472,10 +487,6 @@ LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_sc
 
 std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
-Tensor Qwen35Model::last_logits(const PackedBatch& b) {
-  LATHE_CHECK(!b.cache, "model: {} decodes through Qwen35Decoder (model/generate_qwen3_5.h): its Gated DeltaNet layers "
-              "take no cache yet", config_.model_type);
-  return DecoderStack::last_logits(*this, b);
-}
+Tensor Qwen35Model::last_logits(const PackedBatch& b) { return DecoderStack::last_logits(*this, b); }
 
 }  // namespace lathe

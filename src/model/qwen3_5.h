@@ -42,12 +42,7 @@ class Qwen35Model : public CausalLm {
                             double std = 0.02);
 
   Tensor logits(const PackedBatch& batch) override;                   // (T, V)
-  // A batch with an AttentionCache is refused: the Gated DeltaNet layers take no state view yet (Qwen35Decoder).
   Tensor last_logits(const PackedBatch& batch) override;
-  // The Gated DeltaNet input projections of layer `layer` on rows `xn` (n, D), for decoding (plain projections, no
-  // adapter): {qkv (n, 2K + V) before the conv, z (n, V), b (n, H_v), a (n, H_v)}; Qwen3-Next's fused in_proj_qkvz /
-  // in_proj_ba are split exactly as in training.
-  std::array<Tensor, 4> gdn_projections_eval(int64_t layer, const Tensor& xn);
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
                   const BackwardHooks& hooks = {}) override;
