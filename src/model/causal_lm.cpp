@@ -80,6 +80,14 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
 }
 
+std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
+                                           const PackedBatch& b) {
+  ExecContext cx = ctx();
+  if (b.cache) return {b.cache->attend(cx, layer, qr, kr, v), Tensor()};
+  std::vector<Tensor> att = attention(cx, qr, kr, v, b.cu_seqlens, {});
+  return {att[0], att[1]};
+}
+
 void CausalLm::add_grad(int index, const Tensor& g) {
   if (!options_.train_base) return;
   Parameter& p = params_[size_t(index)];

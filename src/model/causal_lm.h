@@ -173,6 +173,10 @@ class CausalLm {
                        std::vector<std::pair<size_t, Tensor>>& pending);
   void add_head_losses(LossResult& result, const PackedBatch& b, const std::vector<std::pair<size_t, Tensor>>& pending);
   std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
+  // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}), or for a
+  // decoding batch over its DecodeCache ({o, undefined}: no backward).
+  std::pair<Tensor, Tensor> attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
+                                   const PackedBatch& b);
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 

@@ -120,13 +120,7 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   a.qr = heads[0];
   a.kr = heads[1];
   a.v = heads[2];
-  if (b.cache) {  // decoding: over the cached keys and values too
-    a.o = b.cache->attend(cx, l.index, a.qr, a.kr, a.v);
-  } else {
-    std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
-    a.o = att[0];
-    a.lse = att[1];
-  }
+  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
   const Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, attn_out, w(l.post_norm), norm);

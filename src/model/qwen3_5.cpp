@@ -297,13 +297,7 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   const RopeAttrs rot{c.rope_theta, c.rotary_dim(), false};
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), b.positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), b.positions, rot);
-  if (b.cache) {  // decoding: over the cached keys and values too
-    a.o = b.cache->attend(cx, l.index, a.qr, a.kr, a.v);
-  } else {
-    std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, b.cu_seqlens, {});
-    a.o = att[0];
-    a.lse = att[1];
-  }
+  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
   a.sg = sigmoid(cx, a.gate);
   a.y = mul(cx, a.o.view({t, hd}), a.sg);
   a.mix = project(l.index, LoraTarget::o_proj, l.o_proj, a.y, b, training);
