@@ -39,46 +39,30 @@ class Env {
 }  // namespace
 
 TEST(LaunchEnv, ReadsEachLauncher) {
-  {
-    const Env env({});
+  struct Case {
+    std::map<std::string, std::string> vars;
+    LaunchEnv want;
+  };
+  const Case cases[] = {
+      {{}, {0, 1, 0, "none", "", ""}},
+      {{{"LATHE_WORLD", "4"}, {"LATHE_RANK", "2"}, {"LATHE_LOCAL_RANK", "2"}, {"LATHE_RENDEZVOUS", "/tmp/r"}},
+       {2, 4, 2, "lathe --nproc", "/tmp/r", ""}},
+      {{{"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}},
+       {5, 8, 1, "mpirun", "", ""}},
+      {{{"SLURM_NTASKS", "16"}, {"SLURM_PROCID", "9"}, {"SLURM_LOCALID", "1"}, {"SLURM_JOB_ID", "4711"},
+        {"SLURM_STEP_ID", "3"}, {"LATHE_RENDEZVOUS", "/shared/rdv"}},
+       {9, 16, 1, "srun", "/shared/rdv", "4711.3"}},
+      {{{"PMIX_RANK", "3"}, {"PMI_SIZE", "4"}, {"PMIX_LOCAL_RANK", "0"}}, {3, 4, 0, "pmix", "", ""}},
+  };
+  for (const Case& c : cases) {
+    const Env env(c.vars);
     const LaunchEnv e = launch_env();
-    EXPECT_EQ(e.world, 1);
-    EXPECT_EQ(e.launcher, "none");
-  }
-  {
-    const Env env({{"LATHE_WORLD", "4"}, {"LATHE_RANK", "2"}, {"LATHE_LOCAL_RANK", "2"}, {"LATHE_RENDEZVOUS", "/tmp/r"}});
-    const LaunchEnv e = launch_env();
-    EXPECT_EQ(e.launcher, "lathe --nproc");
-    EXPECT_EQ(e.world, 4);
-    EXPECT_EQ(e.rank, 2);
-    EXPECT_EQ(e.local_rank, 2);
-    EXPECT_EQ(e.rendezvous, "/tmp/r");
-  }
-  {
-    const Env env({{"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_RANK", "5"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
-    const LaunchEnv e = launch_env();
-    EXPECT_EQ(e.launcher, "mpirun");
-    EXPECT_EQ(e.world, 8);
-    EXPECT_EQ(e.rank, 5);
-    EXPECT_EQ(e.local_rank, 1);
-  }
-  {
-    const Env env({{"SLURM_NTASKS", "16"}, {"SLURM_PROCID", "9"}, {"SLURM_LOCALID", "1"}, {"SLURM_JOB_ID", "4711"},
-                   {"SLURM_STEP_ID", "3"}, {"LATHE_RENDEZVOUS", "/shared/rdv"}});
-    const LaunchEnv e = launch_env();
-    EXPECT_EQ(e.launcher, "srun");
-    EXPECT_EQ(e.world, 16);
-    EXPECT_EQ(e.rank, 9);
-    EXPECT_EQ(e.local_rank, 1);
-    EXPECT_EQ(e.job, "4711.3");
-    EXPECT_EQ(e.rendezvous, "/shared/rdv");
-  }
-  {
-    const Env env({{"PMIX_RANK", "3"}, {"PMI_SIZE", "4"}, {"PMIX_LOCAL_RANK", "0"}});
-    const LaunchEnv e = launch_env();
-    EXPECT_EQ(e.launcher, "pmix");
-    EXPECT_EQ(e.world, 4);
-    EXPECT_EQ(e.rank, 3);
+    EXPECT_EQ(e.launcher, c.want.launcher);
+    EXPECT_EQ(e.world, c.want.world) << c.want.launcher;
+    EXPECT_EQ(e.rank, c.want.rank) << c.want.launcher;
+    EXPECT_EQ(e.local_rank, c.want.local_rank) << c.want.launcher;
+    EXPECT_EQ(e.rendezvous, c.want.rendezvous) << c.want.launcher;
+    EXPECT_EQ(e.job, c.want.job) << c.want.launcher;
   }
 }
 
