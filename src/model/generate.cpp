@@ -66,6 +66,14 @@ Tensor KvCache::attend(ExecContext& cx, size_t layer, const Tensor& q, int64_t l
   return cast(cx, o, dtype_).view({1, q_heads, dim_});
 }
 
+Tensor KvCache::extend(ExecContext& ctx, size_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v, int64_t past,
+                       const Tensor& prefill_cu) {
+  write(ctx, layer, kr, v, past);
+  if (past == 0) return attention(ctx, qr, kr, v, prefill_cu, {})[0];
+  LATHE_CHECK(qr.size(0) == 1, "generate: a decoding step takes one token at a time, not {}", qr.size(0));
+  return attend(ctx, layer, qr, past + 1);
+}
+
 int64_t KvCache::bytes() const {
   int64_t total = 0;
   for (size_t l = 0; l < k_.size(); ++l) total += k_[l].defined() ? k_[l].nbytes() + v_[l].nbytes() : 0;
@@ -98,17 +106,9 @@ void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
 // stored at `past`; a prefill (past 0) attends causally within the new tokens, a step (one token) over the cache.
 class KvCacheDecoder::View final : public DecodeCache {
  public:
-  View(Runtime& rt, KvCache& cache, int64_t past, int64_t n, Device device) : cache_(&cache), past_(past), n_(n) {
-    if (past == 0) {
-      const int32_t cu[2] = {0, int32_t(n)};
-      cu_seqlens_ = rt.from_host(cu, {2}, DType::I32, device);
-    }
-  }
+  View(KvCache& cache, int64_t past, const Tensor& cu_seqlens) : cache_(&cache), past_(past), cu_seqlens_(cu_seqlens) {}
   Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
-    cache_->write(ctx, size_t(layer), kr, v, past_);
-    if (past_ == 0) return attention(ctx, qr, kr, v, cu_seqlens_, {})[0];
-    LATHE_ASSERT(n_ == 1);
-    return cache_->attend(ctx, size_t(layer), qr, past_ + 1);
+    return cache_->extend(ctx, size_t(layer), qr, kr, v, past_, cu_seqlens_);
   }
   // Qwen3 has no Gated DeltaNet layers.
   Tensor conv_history(int64_t layer) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
@@ -117,7 +117,7 @@ class KvCacheDecoder::View final : public DecodeCache {
 
  private:
   KvCache* cache_;
-  int64_t past_, n_;
+  int64_t past_;
   Tensor cu_seqlens_;
 };
 
@@ -138,7 +138,7 @@ std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
     std::vector<int32_t> pos(chunk);
     std::iota(pos.begin(), pos.end(), int32_t(past));
     b.positions = rt_->from_host(pos.data(), {n}, DType::I32, device);
-    View view(*rt_, cache_, past, n, device);
+    View view(cache_, past, b.cu_seqlens);
     b.cache = &view;
     const Tensor logits = model_->last_logits(b);  // (1, V)
     length_ = past + n;  // only now: a failed step leaves the cache as it was

@@ -58,6 +58,11 @@ class KvCache {
   // every cached position precedes the query), in f32 (f64 for an f64 cache), returned as (1, Hq, D) of the
   // cache's dtype. Query head h reads kv head h / (Hq / Hkv), as HF's repeat_kv.
   Tensor attend(ExecContext& ctx, size_t layer, const Tensor& q, int64_t length) const;
+  // A decoding call's attention layer (DecodeCache::attend): stores the n new tokens' kr, v at rows [past, past + n)
+  // and returns their attention: a prefill (past 0) causal within them (`prefill_cu`: {0, n}), a step (n 1) over
+  // the cache.
+  Tensor extend(ExecContext& ctx, size_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v, int64_t past,
+                const Tensor& prefill_cu);
   int64_t capacity() const { return capacity_; }
   int64_t bytes() const;  // all layers
 

@@ -25,18 +25,9 @@ Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
 // read the committed conv history and state and leave the new ones for feed_logits to commit.
 class Qwen35Decoder::View final : public DecodeCache {
  public:
-  View(Runtime& rt, Qwen35Decoder& d, int64_t past, int64_t n) : d_(&d), past_(past), n_(n) {
-    if (past == 0) {
-      const int32_t cu[2] = {0, int32_t(n)};
-      cu_seqlens_ = rt.from_host(cu, {2}, DType::I32, d.model_->options().device);
-    }
-  }
+  View(Qwen35Decoder& d, int64_t past, const Tensor& cu_seqlens) : d_(&d), past_(past), cu_seqlens_(cu_seqlens) {}
   Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
-    const size_t slot = d_->layers_.at(size_t(layer)).slot;
-    d_->kv_.write(ctx, slot, kr, v, past_);
-    if (past_ == 0) return attention(ctx, qr, kr, v, cu_seqlens_, {})[0];
-    LATHE_ASSERT(n_ == 1);
-    return d_->kv_.attend(ctx, slot, qr, past_ + 1);
+    return d_->kv_.extend(ctx, d_->layers_.at(size_t(layer)).slot, qr, kr, v, past_, cu_seqlens_);
   }
   Tensor conv_history(int64_t layer) override { return d_->conv_[gdn_slot(layer)]; }
   Tensor gdn_state(int64_t layer) override { return d_->state_[gdn_slot(layer)]; }
@@ -52,7 +43,7 @@ class Qwen35Decoder::View final : public DecodeCache {
     return l.slot;
   }
   Qwen35Decoder* d_;
-  int64_t past_, n_;
+  int64_t past_;
   Tensor cu_seqlens_;
 };
 
@@ -136,7 +127,7 @@ Tensor Qwen35Decoder::feed_logits(std::span<const int32_t> ids) {
     std::vector<int32_t> pos(chunk);
     std::iota(pos.begin(), pos.end(), int32_t(past));
     b.positions = rt_->from_host(pos.data(), {n}, DType::I32, device);
-    View view(*rt_, *this, past, n);
+    View view(*this, past, b.cu_seqlens);
     b.cache = &view;
     new_conv_ = conv_;
     new_state_ = state_;
