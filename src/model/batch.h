@@ -17,17 +17,17 @@ struct BatchSegment {
   uint64_t dropout_seed = 0;  // LoRA dropout masks of this segment derive from it (training only)
 };
 
-// What a decoder keeps between steps, as the model's layers see it: when a batch carries one (PackedBatch::cache), the
-// layers run over the batch's new tokens as continuations of the cached sequence, so the layer maths is the model's
-// own whether it trains or decodes (generate.h's decoders implement this). One sequence per batch for now.
+// What a decoder keeps between steps, as the model's layers see it: when a batch carries one (PackedBatch::cache), each
+// document of the batch is the next tokens of one cached sequence, and the layers continue those sequences, so the
+// layer maths is the model's own whether it trains or decodes (generate.h's decoders implement this).
 class DecodeCache {
  public:
   virtual ~DecodeCache() = default;
-  // Attention layers: stores the new tokens' rotated keys and values and returns the attention output (n, Hq, D) of
-  // their queries over the cached tokens and themselves (causal among themselves).
+  // Attention layers: stores the new tokens' rotated keys and values and returns the attention output (T, Hq, D) of
+  // their queries over their sequence's cached tokens and themselves (causal among themselves).
   virtual Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) = 0;
-  // Gated DeltaNet layers: the last W - 1 pre-convolution rows before the new tokens (W - 1, C) and the recurrent
-  // state after them (1, H_v, d_k, d_v); set_gdn hands over the new ones.
+  // Gated DeltaNet layers, per sequence in the batch's document order: the last W - 1 pre-convolution rows before the
+  // new tokens (B, W - 1, C) and the recurrent state before them (B, H_v, d_k, d_v); set_gdn hands over the new ones.
   virtual Tensor conv_history(int64_t layer) = 0;
   virtual Tensor gdn_state(int64_t layer) = 0;
   virtual void set_gdn(int64_t layer, Tensor conv_history, Tensor state) = 0;

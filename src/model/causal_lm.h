@@ -95,8 +95,8 @@ class CausalLm {
 
   // Full logits (T, V) of a batch: for tests and scoring of short inputs.
   virtual Tensor logits(const PackedBatch& batch) = 0;
-  // The logits (1, V) after the batch's last token, through the same layers (a decoder's batch carries its
-  // DecodeCache).
+  // The logits (B, V) after each document's last token, through the same layers (a decoder's batch carries its
+  // DecodeCache, each document continuing one sequence).
   virtual Tensor last_logits(const PackedBatch& batch) = 0;
   // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
   virtual std::vector<double> label_logprobs(const PackedBatch& batch) = 0;

@@ -50,7 +50,11 @@ struct DecoderStack {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
     const Tensor xf = m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first;
-    return linear(cx, xf.narrow(0, xf.size(0) - 1, 1), m.w(m.head()));
+    if (b.host_cu.size() == 2) return linear(cx, xf.narrow(0, xf.size(0) - 1, 1), m.w(m.head()));
+    std::vector<int32_t> last;  // each document's last row, gathered as embedding rows
+    for (size_t i = 1; i < b.host_cu.size(); ++i) last.push_back(b.host_cu[i] - 1);
+    const Tensor rows = m.rt_->from_host(last.data(), {int64_t(last.size())}, DType::I32, m.options_.device);
+    return linear(cx, embedding(cx, xf, rows), m.w(m.head()));
   }
 
   template <typename M>

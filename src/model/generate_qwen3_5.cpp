@@ -29,10 +29,14 @@ class Qwen35Decoder::View final : public DecodeCache {
   Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
     return d_->kv_.extend(ctx, d_->layers_.at(size_t(layer)).slot, qr, kr, v, past_, cu_seqlens_);
   }
-  Tensor conv_history(int64_t layer) override { return d_->conv_[gdn_slot(layer)]; }
+  // One sequence: the conv history (W - 1, C) as a batch of one.
+  Tensor conv_history(int64_t layer) override {
+    const Tensor& h = d_->conv_[gdn_slot(layer)];
+    return h.view({1, h.size(0), h.size(1)});
+  }
   Tensor gdn_state(int64_t layer) override { return d_->state_[gdn_slot(layer)]; }
   void set_gdn(int64_t layer, Tensor conv_history, Tensor state) override {
-    d_->new_conv_[gdn_slot(layer)] = std::move(conv_history);
+    d_->new_conv_[gdn_slot(layer)] = conv_history.view({conv_history.size(1), conv_history.size(2)});
     d_->new_state_[gdn_slot(layer)] = std::move(state);
   }
 

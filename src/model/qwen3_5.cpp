@@ -38,7 +38,7 @@ struct Qwen35Model::LayerActs {
   Tensor o, lse, sg, y;  // (T, H, d), (T, H), sigmoid(gate) (T, H d), o * sg (T, H d)
   // Gated DeltaNet
   Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
-  Tensor conv_history;   // decoding: the last W - 1 pre-conv rows after this batch (DecodeCache::set_gdn)
+  Tensor conv_history;   // decoding: (B, W - 1, C), each sequence's last pre-conv rows after this batch
   Tensor qa, ka, va;     // silu(conv) split: (T, Hk, dk), (T, Hk, dk), (T, Hv, dv)
   Tensor qn, kn;         // L2-normalised
   Tensor z, bproj, aproj, beta, g;  // (T, V), (T, Hv) x4; beta and g at least f32 (gdn_gate_dtype)
@@ -324,18 +324,28 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   }
   const Tensor conv_w = w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim});
   if (b.cache) {
-    // Decoding: the conv of [the cached W - 1 pre-conv rows ; these] as one document, keeping the last t outputs,
-    // equals the conv over the whole sequence (zero rows before its start are the op's zero history); the new
-    // history is the last W - 1 rows of that concatenation.
-    const Tensor hist = b.cache->conv_history(l.index);  // (W - 1, C)
-    const int64_t h = hist.size(0);
-    Tensor seq = Tensor::empty({h + t, 2 * kd + vd}, a.qkv.dtype(), cx.allocator);
-    if (h > 0) copy_into(cx, hist, seq.narrow(0, 0, h));
-    copy_into(cx, a.qkv, seq.narrow(0, h, t));
-    const int32_t cu[2] = {0, int32_t(h + t)};
-    a.conv = causal_conv1d(cx, seq, conv_w, rt_->from_host(cu, {2}, DType::I32, options_.device)).narrow(0, h, t);
-    a.conv_history = Tensor::empty({h, 2 * kd + vd}, a.qkv.dtype(), cx.allocator);
-    if (h > 0) copy_into(cx, seq.narrow(0, t, h), a.conv_history);
+    // Decoding: per document, the conv of [its sequence's cached W - 1 pre-conv rows ; its new rows] as one document,
+    // keeping the last outputs, equals the conv over the whole sequence (zero rows before its start are the op's zero
+    // history); its new history is the last W - 1 rows of that concatenation. All documents in one conv call.
+    const Tensor hist = b.cache->conv_history(l.index);  // (B, W - 1, C)
+    const int64_t docs = int64_t(b.host_cu.size()) - 1, h = hist.size(1), ch = 2 * kd + vd;
+    Tensor seq = Tensor::empty({docs * h + t, ch}, a.qkv.dtype(), cx.allocator);
+    std::vector<int32_t> cu = {0};
+    for (int64_t i = 0; i < docs; ++i) {
+      const int64_t at = cu.back(), first = b.host_cu[size_t(i)], n = b.host_cu[size_t(i + 1)] - first;
+      if (h > 0) copy_into(cx, hist.narrow(0, i, 1).view({h, ch}), seq.narrow(0, at, h));
+      copy_into(cx, a.qkv.narrow(0, first, n), seq.narrow(0, at + h, n));
+      cu.push_back(int32_t(at + h + n));
+    }
+    const Tensor conv = causal_conv1d(cx, seq, conv_w, rt_->from_host(cu.data(), {int64_t(cu.size())}, DType::I32,
+                                                                      options_.device));
+    a.conv = Tensor::empty({t, ch}, a.qkv.dtype(), cx.allocator);
+    a.conv_history = Tensor::empty({docs, h, ch}, a.qkv.dtype(), cx.allocator);
+    for (int64_t i = 0; i < docs; ++i) {
+      const int64_t at = cu[size_t(i)], first = b.host_cu[size_t(i)], n = b.host_cu[size_t(i + 1)] - first;
+      copy_into(cx, conv.narrow(0, at + h, n), a.conv.narrow(0, first, n));
+      if (h > 0) copy_into(cx, seq.narrow(0, at + n, h), a.conv_history.narrow(0, i, 1).view({h, ch}));
+    }
   } else {
     a.conv = causal_conv1d(cx, a.qkv, conv_w, b.cu_seqlens);
   }

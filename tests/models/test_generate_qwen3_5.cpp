@@ -12,6 +12,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
+#include <numeric>
 #include <random>
 
 #include "../e2e/lathe_run.h"
@@ -90,7 +92,145 @@ double check_decoding(Qwen35Model& m, Qwen35Decoder& dec, const std::vector<int3
   return worst;
 }
 
+// A DecodeCache of several sequences, as a rollout engine keeps them (model/batch.h): per sequence a KvCache over the
+// attention layers and a conv history and recurrent state per GDN layer. Each batch's documents continue the
+// sequences `active`, in order; `past` is each sequence's length.
+class MultiCache final : public DecodeCache {
+ public:
+  MultiCache(const ModelConfig& c, DType dt, size_t sequences) : c_(c) {
+    for (const std::string& type : c.layer_types) slot_.push_back(type == "linear_attention" ? gdn_layers_++ : attn_layers_++);
+    ExecContext cx = runtime().context(Device::cpu());
+    const int64_t ch = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
+    for (size_t s = 0; s < sequences; ++s) {
+      kv_.emplace_back(attn_layers_, c.num_kv_heads, c.head_dim, dt);
+      kv_.back().reserve(cx, 64, 0);
+      hist_.emplace_back();
+      state_.emplace_back();
+      for (size_t g = 0; g < gdn_layers_; ++g) {
+        hist_.back().push_back(zeros({c.linear_conv_kernel_dim - 1, ch}, dt));
+        state_.back().push_back(zeros({1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim},
+                                      gdn_state_dtype(dt)));
+      }
+    }
+    past.assign(sequences, 0);
+  }
+  // The batch of `tokens[i]` continuing sequence active[i]; afterwards `past` grows.
+  PackedBatch batch(const std::vector<std::vector<int32_t>>& tokens) {
+    std::vector<int32_t> ids, cu = {0}, pos;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      for (size_t k = 0; k < tokens[i].size(); ++k) pos.push_back(int32_t(past[active[i]] + int64_t(k)));
+      ids.insert(ids.end(), tokens[i].begin(), tokens[i].end());
+      cu.push_back(int32_t(ids.size()));
+    }
+    rows_ = cu;
+    PackedBatch b = make_packed_batch(runtime(), Device::cpu(), ids, cu, std::vector<int32_t>(ids.size(), -100), c_.vocab_size);
+    b.positions = runtime().from_host(pos.data(), {int64_t(pos.size())}, DType::I32, Device::cpu());
+    b.cache = this;
+    return b;
+  }
+  void advance() {
+    for (size_t i = 0; i < active.size(); ++i) past[active[i]] += rows_[i + 1] - rows_[i];
+  }
+
+  Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
+    Tensor out = Tensor::empty({qr.size(0), qr.size(1), qr.size(2)}, qr.dtype(), ctx.allocator);
+    for (size_t i = 0; i < active.size(); ++i) {
+      const int64_t first = rows_[i], n = rows_[i + 1] - first;
+      const int32_t cu[2] = {0, int32_t(n)};
+      const Tensor o = kv_[active[i]].extend(ctx, slot_[size_t(layer)], qr.narrow(0, first, n), kr.narrow(0, first, n),
+                                             v.narrow(0, first, n), past[active[i]],
+                                             runtime().from_host(cu, {2}, DType::I32, Device::cpu()));
+      copy_into(ctx, o, out.narrow(0, first, n));
+    }
+    return out;
+  }
+  Tensor conv_history(int64_t layer) override { return stack(hist_, layer); }
+  Tensor gdn_state(int64_t layer) override {
+    const Tensor s = stack(state_, layer);
+    return s.view({s.size(0), s.size(2), s.size(3), s.size(4)});
+  }
+  void set_gdn(int64_t layer, Tensor conv_history, Tensor state) override {
+    for (size_t i = 0; i < active.size(); ++i) {
+      hist_[active[i]][slot_[size_t(layer)]] = contiguous_copy(conv_history.narrow(0, int64_t(i), 1)).view(
+          {conv_history.size(1), conv_history.size(2)});
+      state_[active[i]][slot_[size_t(layer)]] = contiguous_copy(state.narrow(0, int64_t(i), 1));
+    }
+  }
+
+  std::vector<size_t> active;
+  std::vector<int64_t> past;
+
+ private:
+  static Tensor zeros(const Shape& shape, DType dt) {
+    std::vector<double> z(size_t(std::max<int64_t>(1, std::accumulate(shape.begin(), shape.end(), int64_t(1), std::multiplies<>()))), 0.0);
+    ExecContext cx = runtime().context(Device::cpu());
+    return cast(cx, runtime().from_host(z.data(), shape, DType::F64, Device::cpu()), dt);
+  }
+  static Tensor contiguous_copy(const Tensor& t) {
+    ExecContext cx = runtime().context(Device::cpu());
+    Tensor out = Tensor::empty(t.shape(), t.dtype(), cx.allocator);
+    copy_into(cx, t, out);
+    return out;
+  }
+  // The active sequences' tensors of `layer`, stacked along a new first axis.
+  Tensor stack(const std::vector<std::vector<Tensor>>& per_seq, int64_t layer) {
+    ExecContext cx = runtime().context(Device::cpu());
+    const Tensor& one = per_seq[active[0]][slot_[size_t(layer)]];
+    Shape shape = one.shape();
+    shape.insert(shape.begin(), int64_t(active.size()));
+    Tensor out = Tensor::empty(shape, one.dtype(), cx.allocator);
+    for (size_t i = 0; i < active.size(); ++i)
+      copy_into(cx, per_seq[active[i]][slot_[size_t(layer)]], out.narrow(0, int64_t(i), 1).view(one.shape()));
+    return out;
+  }
+
+  ModelConfig c_;
+  std::vector<size_t> slot_;
+  size_t gdn_layers_ = 0, attn_layers_ = 0;
+  std::vector<KvCache> kv_;
+  std::vector<std::vector<Tensor>> hist_, state_;
+  std::vector<int32_t> rows_;
+};
+
 }  // namespace
+
+// Several sequences decoded as one batch through the model's own layers (a multi-sequence DecodeCache, as a rollout
+// engine keeps): a prefill of three prompts of different lengths in one batch, steps of one token per sequence, and
+// steps where one sequence has left the batch; every row's logits against that sequence decoded alone
+// (Qwen35Decoder, itself checked against the full forward above), in f64.
+TEST(Qwen35Decode, ABatchOfSequencesDecodesAsEachAlone) {
+  const ModelConfig c = tiny_config();
+  Qwen35Model m = random_model(c, DType::F64);
+  const std::vector<std::vector<int32_t>> prompts = {random_ids(5, c.vocab_size, 3), random_ids(2, c.vocab_size, 4),
+                                                     random_ids(7, c.vocab_size, 5)};
+  std::vector<Qwen35Decoder> alone;
+  for (size_t s = 0; s < 3; ++s) alone.emplace_back(runtime(), m, 4);
+  MultiCache cache(c, DType::F64, 3);
+  const size_t v = size_t(c.vocab_size);
+  const auto check = [&](const std::vector<std::vector<int32_t>>& tokens, const std::string& what) {
+    const PackedBatch b = cache.batch(tokens);
+    const std::vector<double> got = to_f64(m.last_logits(b));
+    cache.advance();
+    ASSERT_EQ(got.size(), cache.active.size() * v);
+    for (size_t i = 0; i < cache.active.size(); ++i) {
+      const std::vector<double> want = to_f64(alone[cache.active[i]].feed_logits(tokens[i]));
+      const std::vector<double> row(got.begin() + long(i * v), got.begin() + long((i + 1) * v));
+      EXPECT_LT(rel_l2(row, want), 1e-12) << what << ", sequence " << cache.active[i];
+    }
+  };
+  cache.active = {0, 1, 2};
+  check(prompts, "prefill");
+  for (int step = 0; step < 4; ++step) {
+    const std::vector<int32_t> next = random_ids(3, c.vocab_size, uint64_t(10 + step));
+    check({{next[0]}, {next[1]}, {next[2]}}, "step " + std::to_string(step));
+  }
+  cache.active = {0, 2};  // sequence 1 finished
+  for (int step = 0; step < 3; ++step) {
+    const std::vector<int32_t> next = random_ids(2, c.vocab_size, uint64_t(20 + step));
+    check({{next[0]}, {next[1]}}, "without sequence 1, step " + std::to_string(step));
+  }
+  EXPECT_EQ(cache.past, (std::vector<int64_t>{12, 6, 14}));
+}
 
 // The op's CPU kernel (the chunked form) against the plain recurrence, with non-zero initial states, several
 // documents (one of one token, one empty), H_v > H_k.
