@@ -112,7 +112,8 @@ struct DecoderStack {
       if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) continue;
       size_t end = at + 7;
       int64_t layer = 0;
-      while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end]))) layer = layer * 10 + (name[end++] - '0');
+      while (end < name.size() && std::isdigit(static_cast<unsigned char>(name[end])))
+        layer = layer * 10 + (name[end++] - '0');
       if (end > at + 7 && end < name.size() && name[end] == '.' && layer < int64_t(m.layers_.size()))
         after[i] = layer;
     }
