@@ -73,4 +73,12 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) = 0;
 };
 
+// The collectives' shape contract, which every backend checks before it starts one (the message names the group):
+// reduce-scatter's input holds size x the output's elements, all-gather's output size x the input's, all-to-all has a
+// count per rank that add up to the tensors' elements; one dtype.
+void check_reduce_scatter(const Communicator& c, const Tensor& in, const Tensor& out);
+void check_all_gather(const Communicator& c, const Tensor& in, const Tensor& out);
+void check_all_to_all(const Communicator& c, const Tensor& in, const std::vector<int64_t>& send_counts, const Tensor& out,
+                      const std::vector<int64_t>& recv_counts);
+
 }  // namespace lathe

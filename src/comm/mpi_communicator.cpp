@@ -62,9 +62,7 @@ class MpiCommunicator final : public Communicator {
   CommWork reduce_scatter(const Tensor& in, Tensor& out) override {
     check_cpu(in, "reduce_scatter");
     check_cpu(out, "reduce_scatter");
-    LATHE_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
-                "comm: reduce_scatter on {}: input of {} elements for an output of {} on {} ranks", name_, in.numel(),
-                out.numel(), size_);
+    check_reduce_scatter(*this, in, out);
     std::vector<char> all = gather_bytes(in, "reduce_scatter");
     sum_into(all, out.data_ptr(), in.dtype(), size_t(out.numel()), size_t(rank_) * size_t(out.numel()));
     return {};
@@ -73,9 +71,7 @@ class MpiCommunicator final : public Communicator {
   CommWork all_gather(const Tensor& in, Tensor& out) override {
     check_cpu(in, "all_gather");
     check_cpu(out, "all_gather");
-    LATHE_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
-                "comm: all_gather on {}: output of {} elements for inputs of {} on {} ranks", name_, out.numel(),
-                in.numel(), size_);
+    check_all_gather(*this, in, out);
     MPI_Request req;
     post("all_gather", in.nbytes(), MPI_Iallgather(in.data_ptr(), int(in.nbytes()), MPI_BYTE, out.data_ptr(),
                                                      int(in.nbytes()), MPI_BYTE, comm_, &req));
@@ -87,9 +83,7 @@ class MpiCommunicator final : public Communicator {
                       const std::vector<int64_t>& recv_counts) override {
     check_cpu(in, "all_to_all");
     check_cpu(out, "all_to_all");
-    LATHE_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_,
-                "comm: all_to_all on {}: {} send and {} receive counts for {} ranks", name_, send_counts.size(),
-                recv_counts.size(), size_);
+    check_all_to_all(*this, in, send_counts, out, recv_counts);
     const size_t item = dtype_size(in.dtype());
     const size_t n = size_t(size_);
     std::vector<int> sc(n), sd(n), rc(n), rd(n);
@@ -102,10 +96,9 @@ class MpiCommunicator final : public Communicator {
       s_off += send_counts[size_t(i)];
       r_off += recv_counts[size_t(i)];
     }
-    LATHE_CHECK(s_off == in.numel() && r_off == out.numel() && s_off * int64_t(item) < (int64_t(1) << 31) &&
-                    r_off * int64_t(item) < (int64_t(1) << 31),
-                "comm: all_to_all on {}: counts ({} sent, {} received) do not match the tensors ({} and {} elements) or "
-                "exceed 2 GiB", name_, s_off, r_off, in.numel(), out.numel());
+    LATHE_CHECK(s_off * int64_t(item) < (int64_t(1) << 31) && r_off * int64_t(item) < (int64_t(1) << 31),
+                "comm: all_to_all on {}: {} bytes sent or {} received exceed MPI's 2 GiB", name_,
+                s_off * int64_t(item), r_off * int64_t(item));
     MPI_Request req;
     post("all_to_all", in.nbytes(), MPI_Ialltoallv(in.data_ptr(), sc.data(), sd.data(), MPI_BYTE, out.data_ptr(),
                                                      rc.data(), rd.data(), MPI_BYTE, comm_, &req));

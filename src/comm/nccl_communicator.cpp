@@ -100,9 +100,7 @@ class NcclCommunicator final : public Communicator {
   CommWork reduce_scatter(const Tensor& in, Tensor& out) override {
     check(in, "reduce_scatter");
     check(out, "reduce_scatter");
-    LATHE_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * size_,
-                "comm: reduce_scatter on {}: input of {} elements for an output of {} on {} ranks", name_, in.numel(),
-                out.numel(), size_);
+    check_reduce_scatter(*this, in, out);
     run("reduce_scatter", in.nbytes(), [&] {
       return ncclReduceScatter(in.data_ptr(), out.data_ptr(), size_t(out.numel()), nccl_type(in.dtype()), ncclSum, comm_,
                                stream_);
@@ -113,9 +111,7 @@ class NcclCommunicator final : public Communicator {
   CommWork all_gather(const Tensor& in, Tensor& out) override {
     check(in, "all_gather");
     check(out, "all_gather");
-    LATHE_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * size_,
-                "comm: all_gather on {}: output of {} elements for inputs of {} on {} ranks", name_, out.numel(),
-                in.numel(), size_);
+    check_all_gather(*this, in, out);
     run("all_gather", in.nbytes(), [&] {
       return ncclAllGather(in.data_ptr(), out.data_ptr(), size_t(in.numel()), nccl_type(in.dtype()), comm_, stream_);
     });
@@ -126,9 +122,7 @@ class NcclCommunicator final : public Communicator {
                       const std::vector<int64_t>& recv_counts) override {
     check(in, "all_to_all");
     check(out, "all_to_all");
-    LATHE_CHECK(int(send_counts.size()) == size_ && int(recv_counts.size()) == size_,
-                "comm: all_to_all on {}: {} send and {} receive counts for {} ranks", name_, send_counts.size(),
-                recv_counts.size(), size_);
+    check_all_to_all(*this, in, send_counts, out, recv_counts);
     const size_t item = dtype_size(in.dtype());
     run("all_to_all", in.nbytes(), [&] {
       ncclGroupStart();

@@ -1,0 +1,33 @@
+#include "comm/communicator.h"
+
+#include <numeric>
+
+#include "core/error.h"
+
+namespace lathe {
+
+void check_reduce_scatter(const Communicator& c, const Tensor& in, const Tensor& out) {
+  LATHE_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * c.size(),
+              "comm: reduce_scatter on {}: input of {} elements for an output of {} on {} ranks", c.name(), in.numel(),
+              out.numel(), c.size());
+}
+
+void check_all_gather(const Communicator& c, const Tensor& in, const Tensor& out) {
+  LATHE_CHECK(in.dtype() == out.dtype() && out.numel() == in.numel() * c.size(),
+              "comm: all_gather on {}: output of {} elements for inputs of {} on {} ranks", c.name(), out.numel(),
+              in.numel(), c.size());
+}
+
+void check_all_to_all(const Communicator& c, const Tensor& in, const std::vector<int64_t>& send_counts, const Tensor& out,
+                      const std::vector<int64_t>& recv_counts) {
+  LATHE_CHECK(int(send_counts.size()) == c.size() && int(recv_counts.size()) == c.size(),
+              "comm: all_to_all on {}: {} send and {} receive counts for {} ranks", c.name(), send_counts.size(),
+              recv_counts.size(), c.size());
+  const int64_t sent = std::accumulate(send_counts.begin(), send_counts.end(), int64_t(0));
+  const int64_t received = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t(0));
+  LATHE_CHECK(in.dtype() == out.dtype() && sent == in.numel() && received == out.numel(),
+              "comm: all_to_all on {}: counts ({} sent, {} received) do not match the tensors ({} and {} elements)",
+              c.name(), sent, received, in.numel(), out.numel());
+}
+
+}  // namespace lathe
