@@ -52,6 +52,11 @@ struct PackedBatch {
 PackedBatch make_packed_batch(Runtime& rt, Device device, std::vector<int32_t> ids, std::vector<int32_t> cu_seqlens,
                               std::vector<int32_t> labels, int64_t vocab_size);
 
+// A decoding batch (for a DecodeCache): document i holds tokens[i], the next tokens of a sequence that has past[i]
+// tokens already (positions past[i], past[i] + 1, ...); no labels.
+PackedBatch continuation_batch(Runtime& rt, Device device, const std::vector<std::vector<int32_t>>& tokens,
+                               const std::vector<int64_t>& past, int64_t vocab_size);
+
 // Sets `b.segments` after checking that they are ordered, end on document boundaries and cover every row.
 void set_segments(PackedBatch& b, std::vector<BatchSegment> segments);
 

@@ -132,12 +132,8 @@ std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
     const int64_t n = int64_t(chunk), past = length_;
     reserve(past + n);
     // The model's own layers over the new tokens at positions past.., their attention through the cache.
-    std::vector<int32_t> step_ids(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
-    PackedBatch b = make_packed_batch(*rt_, device, step_ids, {0, int32_t(n)}, std::vector<int32_t>(chunk, -100),
-                                      c.vocab_size);
-    std::vector<int32_t> pos(chunk);
-    std::iota(pos.begin(), pos.end(), int32_t(past));
-    b.positions = rt_->from_host(pos.data(), {n}, DType::I32, device);
+    const std::vector<int32_t> step(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
+    PackedBatch b = continuation_batch(*rt_, device, {step}, {past}, c.vocab_size);
     View view(cache_, past, b.cu_seqlens);
     b.cache = &view;
     const Tensor logits = model_->last_logits(b);  // (1, V)

@@ -4,8 +4,6 @@
 // history and the state continue the sequence. Covered by tests/models/test_generate_qwen3_5.cpp.
 #include "model/generate_qwen3_5.h"
 
-#include <cmath>
-#include <numeric>
 
 #include "ops/ops.h"
 
@@ -125,12 +123,8 @@ Tensor Qwen35Decoder::feed_logits(std::span<const int32_t> ids) {
   for (size_t first = 0; first < ids.size(); first += chunk) {
     const int64_t n = int64_t(chunk), past = length_;
     reserve(past + n);
-    std::vector<int32_t> step_ids(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
-    PackedBatch b = make_packed_batch(*rt_, device, step_ids, {0, int32_t(n)}, std::vector<int32_t>(chunk, -100),
-                                      c.vocab_size);
-    std::vector<int32_t> pos(chunk);
-    std::iota(pos.begin(), pos.end(), int32_t(past));
-    b.positions = rt_->from_host(pos.data(), {n}, DType::I32, device);
+    const std::vector<int32_t> step(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
+    PackedBatch b = continuation_batch(*rt_, device, {step}, {past}, c.vocab_size);
     View view(*this, past, b.cu_seqlens);
     b.cache = &view;
     new_conv_ = conv_;

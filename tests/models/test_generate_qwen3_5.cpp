@@ -116,15 +116,10 @@ class MultiCache final : public DecodeCache {
   }
   // The batch of `tokens[i]` continuing sequence active[i]; afterwards `past` grows.
   PackedBatch batch(const std::vector<std::vector<int32_t>>& tokens) {
-    std::vector<int32_t> ids, cu = {0}, pos;
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      for (size_t k = 0; k < tokens[i].size(); ++k) pos.push_back(int32_t(past[active[i]] + int64_t(k)));
-      ids.insert(ids.end(), tokens[i].begin(), tokens[i].end());
-      cu.push_back(int32_t(ids.size()));
-    }
-    rows_ = cu;
-    PackedBatch b = make_packed_batch(runtime(), Device::cpu(), ids, cu, std::vector<int32_t>(ids.size(), -100), c_.vocab_size);
-    b.positions = runtime().from_host(pos.data(), {int64_t(pos.size())}, DType::I32, Device::cpu());
+    std::vector<int64_t> lengths;
+    for (size_t s : active) lengths.push_back(past[s]);
+    PackedBatch b = continuation_batch(runtime(), Device::cpu(), tokens, lengths, c_.vocab_size);
+    rows_ = b.host_cu;
     b.cache = this;
     return b;
   }
