@@ -4,7 +4,6 @@
 // history and the state continue the sequence. Covered by tests/models/test_generate_qwen3_5.cpp.
 #include "model/generate_qwen3_5.h"
 
-
 #include "ops/ops.h"
 
 namespace lathe {
