@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "backend/runtime.h"
+#include "cli_support.h"
 #include "commands.h"
 #include "comm/launch.h"
 #include "comm/local_launch.h"
@@ -80,7 +81,7 @@ void add_train_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--set", args->overrides, "override an option: key.path=value (repeatable)");
   cmd->add_flag("--help-config", args->help_config, "list every config option");
   cmd->add_option("--nproc", args->nproc, "start N ranks on this machine, one per GPU (NCCL; no MPI needed)")
-      ->check(CLI::Range(1, 1024));
+      ->check(number_in(1, 1024));
   cmd->callback([args, &exit_code] {
     if (args->help_config) {
       fmt::print("lathe train options (YAML keys; --set key=value overrides):\n{}", train_config_help());
