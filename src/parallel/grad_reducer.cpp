@@ -42,6 +42,10 @@ GradReducer::GradReducer(std::vector<Parameter*> params, std::vector<GradBucket>
       launched_(buckets_.size(), false), sums_(buckets_.size()) {
   backward_end_ = compute_.backend.create_event(compute_.device.index);
   joined_ = compute_.backend.create_event(compute_.device.index);
+  for (size_t b = 0; b < buckets_.size(); ++b) {  // recorded again each time the bucket is reduced
+    written_.push_back(compute_.backend.create_event(compute_.device.index));
+    done_.push_back(compute_.backend.create_event(compute_.device.index));
+  }
 }
 
 GradReducer::~GradReducer() { side_->synchronize(); }
@@ -78,9 +82,8 @@ void GradReducer::launch(size_t b) {
   const int64_t padded = mode_ == Mode::ReduceScatter ? g.chunk(dp) * dp : g.elements;
   f.buffer = Tensor::empty({padded}, g.dtype, compute_.allocator);  // allocated in the default stream's order
   if (mode_ == Mode::ReduceScatter) f.out = Tensor::empty({g.chunk(dp)}, g.dtype, compute_.allocator);
-  std::unique_ptr<Event> written = compute_.backend.create_event(compute_.device.index);
-  written->record(compute_.stream);
-  written->wait(*side_);
+  written_[b]->record(compute_.stream);
+  written_[b]->wait(*side_);
   const size_t item = dtype_size(g.dtype);
   char* at = static_cast<char*>(f.buffer.data_ptr());
   for (size_t i = g.first; i < g.end; ++i) {
@@ -107,8 +110,7 @@ void GradReducer::launch(size_t b) {
       at += bytes;
     }
   }
-  f.done = compute_.backend.create_event(compute_.device.index);
-  f.done->record(*side_);
+  done_[b]->record(*side_);
   in_flight_.push_back(std::move(f));
   if (in_flight_.size() > 2) retire_oldest();
 }
@@ -117,7 +119,7 @@ void GradReducer::launch(size_t b) {
 void GradReducer::retire_oldest() {
   InFlight f = std::move(in_flight_.front());
   in_flight_.erase(in_flight_.begin());
-  f.done->wait(compute_.stream);
+  done_[f.bucket]->wait(compute_.stream);
   const GradBucket& g = buckets_[f.bucket];
   int64_t at = 0;
   for (size_t i = g.first; i < g.end; ++i) {

@@ -75,7 +75,6 @@ class GradReducer {
   struct InFlight {
     size_t bucket = 0;
     Tensor buffer, out;
-    std::unique_ptr<Event> done;
   };
   void launch(size_t b);
   void retire_oldest();
@@ -92,6 +91,9 @@ class GradReducer {
   std::vector<CommWork> works_;
   std::vector<Tensor> sums_;
   std::unique_ptr<Event> backward_end_, joined_;
+  // Per bucket: after the backward's writes to its gradients (the side stream waits), after its sum (the default
+  // stream waits). A bucket is retired before it is launched again, so one pair serves every micro-batch.
+  std::vector<std::unique_ptr<Event>> written_, done_;
 };
 
 }  // namespace lathe
