@@ -76,6 +76,14 @@ Support all_contiguous(const OpCall& call) {
   return outputs_contiguous(call);
 }
 
+Support rows_layout(const OpCall& call) {
+  for (const auto* list : {&call.inputs, &call.outputs})
+    for (const Tensor& t : *list)
+      if (!t.is_contiguous() && !rows_contiguous(t))
+        return Support::no("operands must be contiguous or 2-D with contiguous rows");
+  return Support::yes();
+}
+
 void run_op(ExecContext& ctx, const OpCall& call) {
   for (const Tensor& t : call.inputs)
     LATHE_CHECK(t.device() == ctx.device, "ops: {} input {} is not on {}", op_name(call.op), t.describe(),

@@ -109,6 +109,7 @@ class KernelRegistry {
 // Predicates shared by kernels that index their tensors densely.
 Support outputs_contiguous(const OpCall& call);  // every output contiguous
 Support all_contiguous(const OpCall& call);      // every input and output contiguous
+Support rows_layout(const OpCall& call);         // every input and output contiguous or 2-D with contiguous rows
 
 // Resolves and runs one op call.
 void run_op(ExecContext& ctx, const OpCall& call);

@@ -60,6 +60,17 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
+bool rows_contiguous(const Tensor& t) {
+  return t.dim() == 2 && (t.size(1) <= 1 || t.strides()[1] == 1) && (t.size(0) <= 1 || t.strides()[0] >= t.size(1));
+}
+
+int64_t leading_dim(const Tensor& t) { return std::max<int64_t>({t.size(0) > 1 ? t.strides()[0] : 0, t.size(1), 1}); }
+
+Tensor empty_padded_rows(int64_t rows, int64_t cols, DType dtype, Allocator& allocator) {
+  const int64_t ld = (cols + 63) / 64 * 64;
+  return Tensor::empty({rows, ld}, dtype, allocator).narrow(1, 0, cols);
+}
+
 void* Tensor::data_ptr() const {
   LATHE_CHECK(defined(), "tensor: data of an undefined tensor");
   return static_cast<char*>(storage_->data()) + offset_ * int64_t(itemsize());

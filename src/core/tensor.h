@@ -88,4 +88,15 @@ class Tensor {
   DType dtype_ = DType::F32;
 };
 
+// A 2-D tensor whose rows are contiguous and at least a row apart: a matrix, or a column slice of a wider one (one
+// projection's columns of a fused output; a row padded so that the next starts on a 16-byte boundary). Kernels that
+// take this layout address it by its leading dimension.
+bool rows_contiguous(const Tensor& t);
+int64_t leading_dim(const Tensor& t);  // elements from one row of such a tensor to the next (>= its row length, >= 1)
+
+// A (rows, cols) tensor whose rows start a multiple of 64 elements apart (a column slice of a wider buffer), so
+// that GEMMs and vector kernels take whole 16-byte packs whatever `cols` is: a vocabulary of 151,669 as the LM
+// head's leading dimension slowed its GEMMs fivefold (docs/benchmarks.md, session 16).
+Tensor empty_padded_rows(int64_t rows, int64_t cols, DType dtype, Allocator& allocator);
+
 }  // namespace lathe

@@ -263,12 +263,24 @@ void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget
   }
 }
 
+namespace {
+
+// x w^T for the LM head: (n, V) logits in rows padded to 64 elements, so that its GEMMs and the cross-entropy read
+// and write whole 16-byte packs whatever the vocabulary's size.
+Tensor head_logits(ExecContext& cx, const Tensor& x, const Tensor& w) {
+  Tensor logits = empty_padded_rows(x.size(0), w.size(0), x.dtype(), cx.allocator);
+  matmul_into(cx, x, w, logits, {false, true});
+  return logits;
+}
+
+}  // namespace
+
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
   ExecContext cx = ctx();
   std::vector<double> out;
   for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
-    const Tensor logits = matmul(cx, xf.narrow(0, r0, n), w(head), {false, true});
+    const Tensor logits = head_logits(cx, xf.narrow(0, r0, n), w(head));
     const Tensor loss = rt_->copy_to(cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
     for (int64_t i = 0; i < n; ++i) out.push_back(-load_as_double(loss.data_ptr(), loss.dtype(), i));
   }
@@ -328,7 +340,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     for (int64_t r0 = piece.begin; r0 < piece.end; r0 += options_.loss_chunk_rows) {
       const int64_t n = std::min(options_.loss_chunk_rows, piece.end - r0);
       const Tensor xc = xs.narrow(0, r0, n);
-      const Tensor logits = matmul(cx, xc, wh, {false, true});  // (n, V), freed after this chunk
+      const Tensor logits = head_logits(cx, xc, wh);  // (n, V), freed after this chunk
       const std::vector<Tensor> ce =
           cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
       pending.emplace_back(pi, ce[0]);

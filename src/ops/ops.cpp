@@ -65,12 +65,6 @@ std::vector<Tensor> call_op(ExecContext& ctx, OpId op, std::vector<Tensor> input
   return call.outputs;
 }
 
-bool rows_contiguous(const Tensor& t) {
-  return t.dim() == 2 && (t.size(1) <= 1 || t.strides()[1] == 1) && (t.size(0) <= 1 || t.strides()[0] >= t.size(1));
-}
-
-int64_t leading_dim(const Tensor& t) { return std::max<int64_t>({t.size(0) > 1 ? t.strides()[0] : 0, t.size(1), 1}); }
-
 Support matmul_layout(const OpCall& call) {
   const bool flat = call.inputs[0].dim() == 2 && call.inputs[1].dim() == 2;
   for (const Tensor* t : {&call.inputs[0], &call.inputs[1], &call.outputs[0]})
@@ -320,7 +314,18 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
 
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs) {
-  return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
+  if (logits.is_contiguous() || !rows_contiguous(logits))
+    return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), contiguous(ctx, labels)}, attrs);
+  // Padded rows (empty_padded_rows): dlogits gets padded rows too, for the GEMMs that read it; a kernel that takes
+  // only contiguous operands gets copies.
+  OpCall call{OpId::cross_entropy, {logits, contiguous(ctx, labels)}, {}, normalize_attrs(OpId::cross_entropy, attrs)};
+  const std::vector<TensorSpec> specs = infer_outputs(call.op, call.inputs, call.attrs);
+  call.outputs.push_back(Tensor::empty(specs[0].shape, specs[0].dtype, ctx.allocator));
+  if (attrs.with_grad) call.outputs.push_back(empty_padded_rows(logits.size(0), logits.size(1), logits.dtype(), ctx.allocator));
+  if (!ctx.registry.has_exact(call))
+    return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), call.inputs[1]}, attrs);
+  run_op(ctx, call);
+  return call.outputs;
 }
 
 void sum_squares_list_into(ExecContext& ctx, const std::vector<Tensor>& xs, const Tensor& out) {

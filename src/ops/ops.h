@@ -28,11 +28,9 @@ Tensor matmul(ExecContext& ctx, const Tensor& a, const Tensor& b, MatmulAttrs at
 Tensor linear(ExecContext& ctx, const Tensor& x, const Tensor& w);
 void matmul_into(ExecContext& ctx, const Tensor& a, const Tensor& b, Tensor& out, MatmulAttrs attrs);
 // In an unbatched product (2-D a and b), matmul and matmul_into take a, b and out as they are when each is 2-D with
-// contiguous rows at least a row apart (rows_contiguous: a matrix or a column slice of a wider one, such as one
-// projection's columns of a fused q/k/v output), addressed by its leading dimension; anything else is made
-// contiguous first. Every matmul kernel takes that layout (matmul_layout).
-bool rows_contiguous(const Tensor& t);
-int64_t leading_dim(const Tensor& t);  // elements from one row of such a tensor to the next (>= its row length, >= 1)
+// contiguous rows at least a row apart (rows_contiguous, core/tensor.h: a matrix or a column slice of a wider one,
+// such as one projection's columns of a fused q/k/v output), addressed by its leading dimension; anything else is
+// made contiguous first. Every matmul kernel takes that layout (matmul_layout).
 Support matmul_layout(const OpCall& call);
 Tensor add(ExecContext& ctx, const Tensor& a, const Tensor& b);
 Tensor mul(ExecContext& ctx, const Tensor& a, const Tensor& b);

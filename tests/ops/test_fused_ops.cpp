@@ -240,3 +240,59 @@ TEST(QkNormRope, IsTheNormThenTheRotationWithinOneRounding) {
                 same_bits(fused[1], k) ? "bitwise" : "not bitwise");
   }
 }
+
+// cross_entropy on logits in padded rows (empty_padded_rows, the LM head's layout), the padding NaN so that a read of
+// it poisons the row: loss and dlogits against logsumexp(x) - x[label] and grad_scale (softmax(x) - onehot(label))
+// computed here in f64 from the same (rounded) values; dlogits comes back in padded rows too, an ignored row all zero.
+// Vocabularies: one pack short of a whole one, odd (the kernel's single-logit tail after its 16-byte packs), a multiple
+// of 64 (no padding).
+TEST(CrossEntropy, ReadsAndWritesPaddedRows) {
+  std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F32}, {Device::cpu(), DType::F64}};
+  if (runtime().has_device(Device::cuda(0)))
+    for (DType dt : {DType::F32, DType::BF16}) rows.push_back({Device::cuda(0), dt});
+  const int64_t n = 6;
+  for (const auto& [device, dtype] : rows)
+    for (int64_t v : {int64_t(7), int64_t(1031), int64_t(2048)}) {
+      std::mt19937_64 rng{uint64_t(v)};
+      ExecContext ctx = runtime().context(device);
+      const int64_t ld = (v + 63) / 64 * 64;
+      std::vector<double> host(size_t(n * ld), std::nan(""));
+      std::uniform_real_distribution<double> dist(-4.0, 4.0);
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t j = 0; j < v; ++j) host[size_t(r * ld + j)] = dist(rng);
+      const Tensor full = cast(ctx, runtime().from_host(host.data(), {n, ld}, DType::F64, device), dtype);
+      const Tensor logits = full.narrow(1, 0, v);
+      ASSERT_FALSE(logits.is_contiguous() && v != ld);
+      const std::vector<double> x = [&] {  // the values as rounded to dtype
+        const Tensor h = runtime().copy_to(cast(ctx, full, DType::F64), Device::cpu());
+        return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
+      }();
+      std::vector<int32_t> labels(static_cast<size_t>(n));
+      for (int64_t r = 0; r < n; ++r) labels[size_t(r)] = r == 2 ? -100 : int32_t(rng() % uint64_t(v));
+      labels[0] = int32_t(v - 1);  // the last logit: in the tail where there is one
+      const Tensor lab = runtime().from_host(labels.data(), {n}, DType::I32, device);
+      const double scale = 0.5;
+      const std::vector<Tensor> out = cross_entropy(ctx, logits, lab, {-100, true, scale});
+      ASSERT_EQ(out.size(), 2u);
+      ASSERT_EQ(out[1].shape(), (Shape{n, v}));
+      EXPECT_TRUE(rows_contiguous(out[1]) && leading_dim(out[1]) % 64 == 0) << out[1].describe();
+      const Tensor loss = runtime().copy_to(cast(ctx, out[0], DType::F64), Device::cpu());
+      const Tensor grad = runtime().copy_to(cast(ctx, contiguous(ctx, out[1]), DType::F64), Device::cpu());
+      const std::string where = fmt::format("{} {} V={}", device.str(), dtype_name(dtype), v);
+      const double rel = dtype == DType::F64 ? 1e-12 : dtype == DType::F32 ? 1e-5 : 8e-3;
+      for (int64_t r = 0; r < n; ++r) {
+        const double* xr = x.data() + r * ld;
+        const double mx = *std::max_element(xr, xr + v);
+        double sum = 0;
+        for (int64_t j = 0; j < v; ++j) sum += std::exp(xr[j] - mx);
+        const double lse = mx + std::log(sum);
+        const bool ignored = labels[size_t(r)] == -100;
+        const double want_loss = ignored ? 0.0 : lse - xr[labels[size_t(r)]];
+        EXPECT_NEAR(loss.data<double>()[r], want_loss, 1e-5 * std::max(1.0, want_loss)) << where << " row " << r;
+        for (int64_t j = 0; j < v; ++j) {
+          const double want = ignored ? 0.0 : scale * (std::exp(xr[j] - lse) - (j == int64_t(labels[size_t(r)]) ? 1.0 : 0.0));
+          ASSERT_NEAR(grad.data<double>()[r * v + j], want, rel * std::abs(want) + 1e-7) << where << " row " << r << " " << j;
+        }
+      }
+    }
+}

@@ -300,6 +300,7 @@ template <typename T>
 void cross_entropy_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<CrossEntropyAttrs>();
   const int64_t n = c.inputs[0].size(0), v = c.inputs[0].size(1);
+  const int64_t ld = leading_dim(c.inputs[0]), ld_grad = a.with_grad ? leading_dim(c.outputs[1]) : 0;  // rows_layout
   const T* x = c.inputs[0].data<T>();
   const int32_t* labels = c.inputs[1].data<int32_t>();
   using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
@@ -310,13 +311,13 @@ void cross_entropy_kernel(const OpCall& c, ExecContext&) {
                 "cross_entropy: label {} at position {} is outside the vocabulary (size {})", labels[r], r, v);
 #pragma omp parallel for if (n * v > 65536)
   for (int64_t r = 0; r < n; ++r) {
-    const T* xr = x + r * v;
+    const T* xr = x + r * ld;
     const bool ignored = labels[r] == a.ignore_index;
     T mx = xr[0];
     for (int64_t j = 1; j < v; ++j) mx = std::max(mx, xr[j]);
     // exp(x - max) in the input's precision (one exp per element, kept in dlogits when it is wanted),
     // summed in double.
-    T* dr = dx ? dx + r * v : nullptr;
+    T* dr = dx ? dx + r * ld_grad : nullptr;
     double sum = 0;
     for (int64_t j = 0; j < v; ++j) {
       const T e = std::exp(xr[j] - mx);
@@ -350,7 +351,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);
   add(OpId::attention, "cpu/causal_varlen_attention", attention_kernel<T>);
   add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
-  add(OpId::cross_entropy, "cpu/cross_entropy_rows", cross_entropy_kernel<T>);
+  r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout, cross_entropy_kernel<T>});
 }
 
 }  // namespace

@@ -107,8 +107,9 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
 
 // loss (rows) float = logsumexp(x) - x[label] (0 where label == ignore_index; NaN for any other out-of-range
 // label); with dlogits non-null, dlogits (rows, vocab) = grad_scale * (softmax - onehot), zero rows if ignored.
-void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ignore_index, double grad_scale,
-                          const void* logits, const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream);
+void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
+                          double grad_scale, const void* logits, const int32_t* labels, float* loss, void* dlogits,
+                          cudaStream_t stream);  // rows of logits and dlogits `ld` and `ld_grad` elements apart
 
 // moe_route (moe_route.cu) on f32 logits (tokens, experts); outputs as MoeRouteAttrs in ops/op_table.h lays them out.
 struct MoeRouteArgs {

@@ -864,17 +864,33 @@ template <typename F> void dispatch_head_dim(int64_t head_dim, F f) {
 
 // ---------------------------------------------------------------- cross-entropy
 
+// Adds logits f[0..n) to a thread's online (max m, sum of exp s): the values' max first, then one rescale of the
+// running sum. A -inf logit adds nothing; a NaN one reaches the sum (fmaxf skips it, expf passes it), as in the
+// reference. While m is -inf, s is 0 or NaN.
+template <int kN>
+__device__ __forceinline__ void online_logsumexp_add(float& m, float& s, const float (&f)[kN]) {
+  float pm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) pm = fmaxf(pm, f[k]);
+  const float nm = fmaxf(m, pm);
+  float add = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) add += f[k] == -INFINITY ? 0.0f : expf(f[k] - nm);
+  s = (m == nm ? s : s * expf(m - nm)) + add;
+  m = nm;
+}
+
 // One block per row: a per-thread online (max, sum of exp) over a block-stride pass of packs (kN logits; 16 bytes
-// when the vocabulary is a multiple of the pack and the buffers are aligned), combined across the block; a second
-// pass writes the gradient. Ignored rows skip the statistics.
+// when the rows start on 16-byte boundaries, `ld` and `ld_grad` elements apart) and the row's last vocab % kN logits
+// one at a time, combined across the block; a second pass writes the gradient. Ignored rows skip the statistics.
 template <typename T, int kN>
-__global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore_index, float grad_scale, const T* x,
-                                     const int32_t* labels, float* loss, T* dx) {
+__global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
+                                     float grad_scale, const T* x, const int32_t* labels, float* loss, T* dx) {
   __shared__ float scratch[32];
-  const int64_t packs = vocab / kN;
+  const int64_t packs = vocab / kN, tail = packs * kN;  // logits [tail, vocab) are read one at a time
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * vocab;
-    T* dxr = dx ? dx + r * vocab : nullptr;
+    const T* xr = x + r * ld;
+    T* dxr = dx ? dx + r * ld_grad : nullptr;
     const int64_t label = labels[r];
     if (label == ignore_index) {
       if (threadIdx.x == 0) loss[r] = 0.0f;
@@ -883,26 +899,21 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore
 #pragma unroll
         for (int k = 0; k < kN; ++k) store(zero.e, k, 0.0f);
         for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) store_pack(dxr + p * kN, zero);
+        for (int64_t j = tail + threadIdx.x; j < vocab; j += blockDim.x) store(dxr, j, 0.0f);
       }
       continue;
     }
-    // Online max and sum of exp, a pack at a time: the pack's max first, then one rescale of the running sum. A
-    // -inf logit adds nothing; a NaN one reaches the sum (fmaxf skips it, expf passes it), as in the reference.
-    float m = -INFINITY, s = 0.0f;  // while m is -inf, s is 0 or NaN
+    float m = -INFINITY, s = 0.0f;
     for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
       const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
-      float f[kN], pm = -INFINITY;
+      float f[kN];
 #pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        f[k] = load(v.e, k);
-        pm = fmaxf(pm, f[k]);
-      }
-      const float nm = fmaxf(m, pm);
-      float add = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kN; ++k) add += f[k] == -INFINITY ? 0.0f : expf(f[k] - nm);
-      s = (m == nm ? s : s * expf(m - nm)) + add;
-      m = nm;
+      for (int k = 0; k < kN; ++k) f[k] = load(v.e, k);
+      online_logsumexp_add(m, s, f);
+    }
+    for (int64_t j = tail + threadIdx.x; j < vocab; j += blockDim.x) {
+      const float f[1] = {float(load(xr, j))};
+      online_logsumexp_add(m, s, f);
     }
     const float mx = block_reduce<float, true>(m, scratch);
     const float total = block_reduce<float, false>(m == -INFINITY ? s : s * expf(m - mx), scratch);
@@ -910,7 +921,7 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore
     // Labels are validated on the host before upload; an out-of-range one gives a NaN loss, not a bad read.
     const bool valid = label >= 0 && label < vocab;
     if (threadIdx.x == 0) loss[r] = valid ? lse - float(load(xr, label)) : NAN;
-    if (dxr)
+    if (dxr) {
       for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
         const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
         Pack<T, kN> g;
@@ -919,6 +930,9 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ignore
           store(g.e, k, grad_scale * (expf(load(v.e, k) - lse) - (p * kN + k == label ? 1.0f : 0.0f)));
         store_pack(dxr + p * kN, g);
       }
+      for (int64_t j = tail + threadIdx.x; j < vocab; j += blockDim.x)
+        store(dxr, j, grad_scale * (expf(load(xr, j) - lse) - (j == label ? 1.0f : 0.0f)));
+    }
   }
 }
 
@@ -1275,8 +1289,9 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
   });
 }
 
-void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ignore_index, double grad_scale,
-                          const void* logits, const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream) {
+void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
+                          double grad_scale, const void* logits, const int32_t* labels, float* loss, void* dlogits,
+                          cudaStream_t stream) {
   if (rows == 0) return;
   const int threads = vocab >= 8192 ? 512 : 128;
   dispatch_f32_bf16_f16(dtype, "cross_entropy dispatch (unsupported dtype)", [&](auto t) {
@@ -1284,12 +1299,12 @@ void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t igno
     constexpr int kN = kPackOf16<T>;
     const auto* x = static_cast<const T*>(logits);
     auto* dx = static_cast<T*>(dlogits);
-    if (vocab % kN == 0 && aligned16(x) && (!dx || aligned16(dx)))  // rows of whole 16-byte packs
-      cross_entropy_kernel<T, kN><<<rows_grid(rows), threads, 0, stream>>>(rows, vocab, ignore_index,
-                                                                           float(grad_scale), x, labels, loss, dx);
+    if (ld % kN == 0 && aligned16(x) && (!dx || (ld_grad % kN == 0 && aligned16(dx))))  // rows start on 16 bytes
+      cross_entropy_kernel<T, kN><<<rows_grid(rows), threads, 0, stream>>>(
+          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), x, labels, loss, dx);
     else
-      cross_entropy_kernel<T, 1><<<rows_grid(rows), threads, 0, stream>>>(rows, vocab, ignore_index,
-                                                                          float(grad_scale), x, labels, loss, dx);
+      cross_entropy_kernel<T, 1><<<rows_grid(rows), threads, 0, stream>>>(
+          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), x, labels, loss, dx);
   });
   LATHE_CUDA_LAUNCH_CHECK("cross_entropy_kernel");
 }

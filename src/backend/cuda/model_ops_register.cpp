@@ -271,10 +271,10 @@ void run_flash_attention_backward(const OpCall& c, ExecContext& ctx) {
 
 void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<CrossEntropyAttrs>();
-  const Tensor& x = c.inputs[0];  // (N, V)
-  launch_cross_entropy(x.dtype(), x.size(0), x.size(1), a.ignore_index, a.grad_scale, x.data_ptr(),
-                       c.inputs[1].data<int32_t>(), c.outputs[0].data<float>(),
-                       a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
+  const Tensor& x = c.inputs[0];  // (N, V), rows_layout
+  launch_cross_entropy(x.dtype(), x.size(0), x.size(1), leading_dim(x), a.with_grad ? leading_dim(c.outputs[1]) : 0,
+                       a.ignore_index, a.grad_scale, x.data_ptr(), c.inputs[1].data<int32_t>(),
+                       c.outputs[0].data<float>(), a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
 }
 
 Support moe_route_supports(const OpCall& c) {
@@ -350,7 +350,7 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     }
     add(OpId::attention, "cuda/causal_varlen_attention", attention_supports, run_attention);
     add(OpId::attention_backward, "cuda/causal_varlen_attention_backward", attention_supports, run_attention_backward);
-    add(OpId::cross_entropy, "cuda/cross_entropy_rows", contiguous_supports, run_cross_entropy);
+    add(OpId::cross_entropy, "cuda/cross_entropy_rows", rows_layout, run_cross_entropy);
   }
 }
 
