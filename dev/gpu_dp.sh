@@ -142,6 +142,19 @@ if has speed; then
     summary "1.7B --nproc 2 zero $z rc=$?"; grep -a "lathe: error" $L/speed2_$z.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
   done
   report $D one $(for z in ${SPEED_ZERO:-0 1 2}; do echo zero$z; done)
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt  # ZeRO against plain dp: the same computation, bf16 rounding apart
+import json, os, sys
+d = sys.argv[1]
+def losses(run):
+    p = f"{d}/{run}/metrics.jsonl"
+    return [json.loads(l)["loss"] for l in open(p) if '"loss"' in l] if os.path.exists(p) else []
+base = losses("zero0")
+for run in ("zero1", "zero2"):
+    got = losses(run)
+    if base and got:
+        print(f"1.7B {run} against zero0: {len(got)} steps, worst relative loss difference "
+              f"{max(abs(a - b) / abs(b) for a, b in zip(got, base)):.2e} (losses {base[0]:.4f} -> {base[-1]:.4f})")
+PY
   rm -rf $D  # the checkpoints and final models fill the disk over several stages
 fi
 

@@ -139,12 +139,15 @@ size_t AdamW::state_bytes() const {
 
 void AdamW::step(double lr, double grad_scale) { step(prepare(), lr, grad_scale); }
 
-AdamW::Prepared AdamW::prepare() const {
+AdamW::Prepared AdamW::prepare(const std::vector<size_t>& segment_of) const {
   ExecContext ctx = rt_->context(device_);
-  // Parameters whose update shares every attribute (decay, step count) and dtype (master, gradient, parameter) go
-  // through one adamw_list op, in parameter order; the groups in order of their first parameter.
+  LATHE_CHECK(segment_of.empty() || (segment_of.size() == slots_.size() && std::is_sorted(segment_of.begin(), segment_of.end())),
+              "optim: {} segment numbers for {} parameters, or not in order", segment_of.size(), slots_.size());
+  // Parameters whose update shares every attribute (segment, decay, step count) and dtype (master, gradient,
+  // parameter) go through one adamw_list op, in parameter order; the groups in order of their first parameter (so in
+  // segment order).
   struct Batch {
-    std::tuple<bool, int64_t, bool, DType, DType, DType> key;  // decay, step, has master, master, grad, param
+    std::tuple<size_t, bool, int64_t, bool, DType, DType, DType> key;  // segment, decay, step, has master, dtypes
     std::vector<AdamWGroup> groups;
   };
   std::vector<Batch> batches;
@@ -158,8 +161,8 @@ AdamW::Prepared AdamW::prepare() const {
                 p.grad.describe(), p.name, p.value.describe());
     const bool master = s.master.defined();
     const Tensor grad = p.grad.is_contiguous() ? p.grad : contiguous(ctx, p.grad);
-    const auto key = std::make_tuple(s.decay, s.steps + 1, master, master ? s.master.dtype() : p.value.dtype(),
-                                     grad.dtype(), p.value.dtype());
+    const auto key = std::make_tuple(segment_of.empty() ? size_t(0) : segment_of[i], s.decay, s.steps + 1, master,
+                                     master ? s.master.dtype() : p.value.dtype(), grad.dtype(), p.value.dtype());
     auto it = std::find_if(batches.begin(), batches.end(), [&](const Batch& b) { return b.key == key; });
     if (it == batches.end()) it = batches.insert(batches.end(), Batch{key, {}});
     // With a master, the op rounds the new master into the parameter as well.
@@ -168,24 +171,27 @@ AdamW::Prepared AdamW::prepare() const {
     prepared.slots.push_back(i);
   }
   for (const Batch& b : batches) {
-    const AdamWAttrs a{0.0, config_.beta1, config_.beta2, config_.eps, std::get<0>(b.key) ? config_.weight_decay : 0.0,
-                       std::get<1>(b.key), 1.0, std::nullopt};
+    const AdamWAttrs a{0.0, config_.beta1, config_.beta2, config_.eps, std::get<1>(b.key) ? config_.weight_decay : 0.0,
+                       std::get<2>(b.key), 1.0, std::nullopt};
     prepared.calls.push_back(adamw_update_list_call(b.groups, a));
+    prepared.segment.push_back(std::get<0>(b.key));
   }
   return prepared;
 }
 
-void AdamW::step(Prepared prepared, double lr, double grad_scale) {
+void AdamW::step(Prepared prepared, double lr, double grad_scale, const std::function<void(size_t)>& segment_done) {
   LATHE_CHECK(std::isfinite(lr) && lr >= 0 && std::isfinite(grad_scale),
               "optim: AdamW step needs a finite lr >= 0 and a finite grad_scale, got {} and {}", lr, grad_scale);
   LATHE_CHECK(prepared.for_step == step_count_, "optim: AdamW update prepared at step {} run at step {}",
               prepared.for_step, step_count_);
   ExecContext ctx = rt_->context(device_);
-  for (OpCall& call : prepared.calls) {
-    auto& a = std::get<AdamWAttrs>(call.attrs);
+  for (size_t c = 0; c < prepared.calls.size(); ++c) {
+    auto& a = std::get<AdamWAttrs>(prepared.calls[c].attrs);
     a.lr = lr;
     a.grad_scale = grad_scale;
-    run_op(ctx, call);
+    run_op(ctx, prepared.calls[c]);
+    const bool segment_ends = c + 1 == prepared.calls.size() || prepared.segment[c + 1] != prepared.segment[c];
+    if (segment_done && segment_ends) segment_done(prepared.segment[c]);
   }
   for (size_t i : prepared.slots) slots_[i].steps += 1;
   ++step_count_;

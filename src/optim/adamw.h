@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -59,13 +60,20 @@ class AdamW {
   // computes the gradient norm; step(prepared, lr, grad_scale) then only sets the learning rate and scale and queues
   // them. Nothing changes until step runs; a prepared update that is not run (a skipped step) is dropped. The
   // gradients, parameters and states must not be replaced in between. step(lr, s) is step(prepare(), lr, s).
+  //
+  // Segments: with `segment_of` (one entry per parameter, non-decreasing), no call mixes two segments and the calls
+  // run in segment order; step calls `segment_done(s)` once the last call of segment s is queued (a segment without a
+  // gradient to update has no calls and no report). ZeRO all-gathers a bucket's updated ranges while the update of the
+  // next buckets runs (parallel/zero.h).
   struct Prepared {
-    std::vector<OpCall> calls;   // adamw_list calls; attrs' lr and grad_scale set by step
-    std::vector<size_t> slots;   // the slots the calls update (their step counts advance)
-    int64_t for_step = -1;       // step_count() when prepared
+    std::vector<OpCall> calls;    // adamw_list calls; attrs' lr and grad_scale set by step
+    std::vector<size_t> segment;  // per call: its segment (0 without segments)
+    std::vector<size_t> slots;    // the slots the calls update (their step counts advance)
+    int64_t for_step = -1;        // step_count() when prepared
   };
-  Prepared prepare() const;
-  void step(Prepared prepared, double lr, double grad_scale = 1.0);
+  Prepared prepare(const std::vector<size_t>& segment_of = {}) const;
+  void step(Prepared prepared, double lr, double grad_scale = 1.0,
+            const std::function<void(size_t segment)>& segment_done = {});
 
   int64_t step_count() const { return step_count_; }  // calls of step() (or the loaded value)
   const AdamWConfig& config() const { return config_; }

@@ -57,30 +57,82 @@ void ZeroShards::take_grads(const std::vector<Tensor>& sums) {
   }
 }
 
-void ZeroShards::all_gather_values(ExecContext& ctx) {
-  const int dp = dp_->size();
-  for (const GradBucket& g : buckets_) {
-    const int64_t chunk = g.chunk(dp);
-    const size_t item = dtype_size(g.dtype);
-    const auto [lo, hi] = rank_range(g.begin, g.elements, chunk, dp_->rank());
-    Tensor mine = Tensor::empty({chunk}, g.dtype, ctx.allocator);
-    Tensor all = Tensor::empty({chunk * dp}, g.dtype, ctx.allocator);
-    // Between the bucket's flat range [begin, begin + elements) and `flat` (which starts at flat element `from`).
-    const auto move = [&](Tensor& flat, int64_t from, int64_t begin, int64_t end, bool to_flat) {
-      for (size_t i = g.first; i < g.end; ++i) {
-        Parameter& p = (*params_)[i];
-        const int64_t a = std::max(begin, offsets_[i]), b = std::min(end, offsets_[i] + p.value.numel());
-        if (a >= b) continue;
-        char* param_bytes = static_cast<char*>(p.value.data_ptr()) + size_t(a - offsets_[i]) * item;
-        char* flat_bytes = static_cast<char*>(flat.data_ptr()) + size_t(a - from) * item;
-        ctx.backend.copy(to_flat ? flat_bytes : param_bytes, ctx.device, to_flat ? param_bytes : flat_bytes, ctx.device,
-                         size_t(b - a) * item, ctx.stream);
-      }
-    };
-    if (hi > lo) move(mine, lo, lo, hi, true);
-    dp_->all_gather(mine, all);
-    move(all, g.begin, g.begin, g.begin + g.elements, false);
+std::vector<size_t> ZeroShards::owned_buckets() const {
+  std::vector<size_t> out;
+  for (const Piece& p : pieces_) out.push_back(p.bucket);
+  return out;
+}
+
+void ZeroShards::begin_gather(const ExecContext& compute, Communicator& comm, Stream& side) {
+  LATHE_CHECK(!compute_, "zero: a step's gathers began twice");
+  compute_.emplace(compute);
+  gather_comm_ = &comm;
+  side_ = &side;
+  next_gather_ = 0;
+  if (!updated_) {
+    updated_ = compute.backend.create_event(compute.device.index);
+    gathered_ = compute.backend.create_event(compute.device.index);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      written_.push_back(compute.backend.create_event(compute.device.index));
+      done_.push_back(compute.backend.create_event(compute.device.index));
+    }
   }
+}
+
+void ZeroShards::gather_through(size_t bucket) {
+  LATHE_CHECK(compute_, "zero: gather_through outside a step's gathers");
+  while (next_gather_ <= bucket && next_gather_ < buckets_.size()) launch_gather(next_gather_++);
+}
+
+double ZeroShards::finish_gather() {
+  LATHE_CHECK(compute_, "zero: finish_gather outside a step's gathers");
+  updated_->record(compute_->stream);
+  while (next_gather_ < buckets_.size()) launch_gather(next_gather_++);
+  gathered_->record(*side_);
+  while (!gathering_.empty()) retire_oldest_gather();
+  compute_.reset();
+  for (CommWork& w : works_) w.wait();
+  works_.clear();
+  gathered_->synchronize();
+  return std::max(0.0, gathered_->elapsed_ms_since(*updated_));
+}
+
+// Bucket b's range of this rank copied out of the parameters, all-gathered, and every rank's range copied back, on the
+// side stream after the compute stream's work so far (the update of bucket b and those before it).
+void ZeroShards::launch_gather(size_t b) {
+  const GradBucket& g = buckets_[b];
+  const int dp = gather_comm_->size();
+  const int64_t chunk = g.chunk(dp);
+  const size_t item = dtype_size(g.dtype);
+  const auto [lo, hi] = rank_range(g.begin, g.elements, chunk, gather_comm_->rank());
+  ExecContext& cx = *compute_;
+  Gathering f{b, Tensor::empty({chunk}, g.dtype, cx.allocator), Tensor::empty({chunk * dp}, g.dtype, cx.allocator)};
+  written_[b]->record(cx.stream);
+  written_[b]->wait(*side_);
+  // Between the bucket's flat range [begin, begin + elements) and `flat` (which starts at flat element `from`).
+  const auto move = [&](const Tensor& flat, int64_t from, int64_t begin, int64_t end, bool to_flat) {
+    for (size_t i = g.first; i < g.end; ++i) {
+      Parameter& p = (*params_)[i];
+      const int64_t a = std::max(begin, offsets_[i]), e = std::min(end, offsets_[i] + p.value.numel());
+      if (a >= e) continue;
+      char* param_bytes = static_cast<char*>(p.value.data_ptr()) + size_t(a - offsets_[i]) * item;
+      char* flat_bytes = static_cast<char*>(flat.data_ptr()) + size_t(a - from) * item;
+      cx.backend.copy(to_flat ? flat_bytes : param_bytes, cx.device, to_flat ? param_bytes : flat_bytes, cx.device,
+                      size_t(e - a) * item, *side_);
+    }
+  };
+  if (hi > lo) move(f.mine, lo, lo, hi, true);
+  works_.push_back(gather_comm_->all_gather(f.mine, f.all));
+  move(f.all, g.begin, g.begin, g.begin + g.elements, false);
+  done_[b]->record(*side_);
+  gathering_.push_back(std::move(f));
+  if (gathering_.size() > 2) retire_oldest_gather();
+}
+
+// The compute stream waits for the oldest gather; only then is its memory released.
+void ZeroShards::retire_oldest_gather() {
+  done_[gathering_.front().bucket]->wait(compute_->stream);
+  gathering_.erase(gathering_.begin());
 }
 
 void ZeroShards::drop_grads() {

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,8 +48,22 @@ class ZeroShards {
   std::vector<Parameter>& owned() { return owned_; }  // this rank's pieces: what its optimizer updates
   // The owned pieces' gradients: views into `sums` (GradReducer::sums(), ReduceScatter mode).
   void take_grads(const std::vector<Tensor>& sums);
-  // Every rank's updated ranges into every parameter's value, one all-gather per bucket.
-  void all_gather_values(ExecContext& ctx);
+  // Each owned piece's bucket (non-decreasing): AdamW::prepare's segments, so that its update reports each bucket.
+  std::vector<size_t> owned_buckets() const;
+
+  // After the update, every rank's updated ranges into every parameter's value: one all-gather per bucket, in bucket
+  // order on every rank, on `comm` (the dp group's second communicator, ProcessGroups::dp_grads, whose work runs on
+  // `side`). begin_gather sets up a step's gathers; gather_through(b), called as the update of bucket b is queued,
+  // launches the gathers of buckets up to b not launched yet, each after an event that follows the compute stream's
+  // work so far, so that a bucket's all-gather runs while the next buckets' update does. finish_gather launches the
+  // rest, makes the compute stream wait for them all, and waits on the host for them (each bounded by the group's
+  // timeout, so a stalled rank is reported by its collective); it returns the device time (ms) from the end of the
+  // update to the end of the last gather: the part of the all-gathers the update did not hide. The memory a gather
+  // uses is released only after the compute stream has waited for it (the rule of parallel/grad_reducer.h); at most
+  // two gathers are in flight.
+  void begin_gather(const ExecContext& compute, Communicator& comm, Stream& side);
+  void gather_through(size_t bucket);
+  double finish_gather();
   void drop_grads();  // the owned pieces' gradients, at the end of a step
 
   // {"dp", "elements", "buckets": [each bucket's elements]}: how a checkpoint's optimizer shards are cut.
@@ -62,6 +78,12 @@ class ZeroShards {
     size_t bucket = 0, param = 0;
     int64_t begin = 0;  // the piece's first element in the flat space
   };
+  struct Gathering {
+    size_t bucket = 0;
+    Tensor mine, all;  // this rank's range of the bucket and every rank's
+  };
+  void launch_gather(size_t b);
+  void retire_oldest_gather();
   std::vector<Parameter>* params_;
   std::vector<GradBucket> buckets_;
   Communicator* dp_;
@@ -69,6 +91,15 @@ class ZeroShards {
   int64_t total_ = 0;
   std::vector<Parameter> owned_;
   std::vector<Piece> pieces_;  // per owned piece
+  // The step's gathers (begin_gather .. finish_gather).
+  std::optional<ExecContext> compute_;
+  Communicator* gather_comm_ = nullptr;
+  Stream* side_ = nullptr;
+  size_t next_gather_ = 0;
+  std::vector<Gathering> gathering_;
+  std::vector<CommWork> works_;
+  std::unique_ptr<Event> updated_, gathered_;
+  std::vector<std::unique_ptr<Event>> written_, done_;  // per bucket, recorded again each step
 };
 
 }  // namespace lathe

@@ -787,7 +787,9 @@ nlohmann::json Trainer::Impl::optimizer_step(Job& j, double norm, AdamW::Prepare
     }
   } else {
     j.bad_in_row = 0;
-    j.opt->step(std::move(update), lr, clip_factor(norm, jc.max_grad_norm));
+    j.opt->step(std::move(update), lr, clip_factor(norm, jc.max_grad_norm), [&j](size_t bucket) {
+      if (j.zero) j.zero->gather_through(bucket);
+    });
     if (lora_ && !values_finite(*ctx_, *j.params)) {
       fail(j, fmt::format("train: the adapter's weights overflowed at step {} (lr {}); stopping", step, lr));
       bank_->clear(j.adapter);
@@ -972,11 +974,12 @@ bool Trainer::Impl::step() {
       const size_t k = size_t(j - jobs_.data());
       if (j->failed || norms[k]) continue;
       norms[k].emplace(launch_grad_norm(*ctx_, *j->params));
-      updates[k].emplace(j->opt->prepare());  // host work while the device sums the squares
+      // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
+      updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
     }
   };
   run_micro_batches(active, queue_optimizer);
-  const double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
+  double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
   for (Job* j : active) {
@@ -984,9 +987,12 @@ bool Trainer::Impl::step() {
     const size_t k = size_t(j - jobs_.data());
     double norm = norms[k]->read();
     if (j->zero) norm = std::sqrt(sum_over_dp({norm * norm})[0]);  // each rank's norm is its range's
+    // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
+    // update is queued (optimizer_step), the rest after it.
+    if (j->zero) j->zero->begin_gather(*ctx_, *groups_->dp_grads, *groups_->grad_stream);
     entries[k] = optimizer_step(*j, norm, std::move(*updates[k]));
-    if (j->zero) {  // every rank's updated range into every rank's parameters
-      j->zero->all_gather_values(*ctx_);
+    if (j->zero) {
+      dp_comm_s += j->zero->finish_gather() / 1e3;
       j->zero->drop_grads();
     }
   }

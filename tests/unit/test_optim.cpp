@@ -257,6 +257,47 @@ TEST(AdamW, PreparedUpdateIsTheStepBitwise) {
   EXPECT_THROW(b.step(std::move(stale), 1e-3), Error);
 }
 
+// Segments (ZeRO's buckets): an update prepared in segments is the one-call step bitwise, no call mixes segments, and
+// each segment that has a gradient is reported once, in order, after its last call is queued: here segments
+// {0, 0, 1, 2, 2, 3} where segment 1's one parameter has no gradient (no call, no report) and segment 2 mixes a decayed
+// matrix and an undecayed norm (two calls, one report). Out-of-order or miscounted segments are refused.
+TEST(AdamW, SegmentsReportEachOnceAfterItsLastCall) {
+  std::mt19937_64 rng(23);
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.1;
+  const std::vector<std::pair<std::string, Shape>> shapes = {
+      {"a.weight", {4, 3}}, {"b.weight", {3, 3}}, {"c.weight", {5, 2}}, {"d.weight", {2, 6}}, {"d.norm.weight", {6}},
+      {"e.weight", {3, 4}}};
+  std::vector<std::vector<double>> init, grads;
+  for (const auto& [name, shape] : shapes) {
+    init.push_back(random_vector(rng, size_t(shape_numel(shape))));
+    grads.push_back(random_vector(rng, size_t(shape_numel(shape))));
+  }
+  auto make_params = [&] {
+    std::vector<Parameter> ps;
+    for (size_t i = 0; i < shapes.size(); ++i) ps.push_back({shapes[i].first, make(init[i], shapes[i].second, DType::F32), {}});
+    for (size_t i = 0; i < shapes.size(); ++i)
+      if (i != 2) ps[i].grad = make(grads[i], shapes[i].second, DType::F32);
+    return ps;
+  };
+  std::vector<Parameter> one = make_params(), two = make_params();
+  AdamW a(runtime(), one, cfg), b(runtime(), two, cfg);
+  const std::vector<size_t> segments = {0, 0, 1, 2, 2, 3};
+  AdamW::Prepared update = b.prepare(segments);
+  std::vector<size_t> reported;
+  b.step(std::move(update), 1e-2, 0.5, [&](size_t s) { reported.push_back(s); });
+  a.step(1e-2, 0.5);
+  EXPECT_EQ(reported, (std::vector<size_t>{0, 2, 3}));
+  AdamW::Prepared again = b.prepare(segments);
+  EXPECT_EQ(again.segment, (std::vector<size_t>{0, 2, 2, 3}));  // segment 2: decayed and undecayed, two calls
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_EQ(values(one[i].value), values(two[i].value)) << i;
+    EXPECT_EQ(values(a.exp_avg_sq(i)), values(b.exp_avg_sq(i))) << i;
+  }
+  EXPECT_THROW(b.prepare({0, 1, 0, 2, 2, 3}), Error);
+  EXPECT_THROW(b.prepare({0, 1}), Error);
+}
+
 TEST(AdamW, WeightDecayExclusions) {
   AdamWConfig c;
   c.weight_decay = 0.1;
