@@ -321,7 +321,8 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
   OpCall call{OpId::cross_entropy, {logits, contiguous(ctx, labels)}, {}, normalize_attrs(OpId::cross_entropy, attrs)};
   const std::vector<TensorSpec> specs = infer_outputs(call.op, call.inputs, call.attrs);
   call.outputs.push_back(Tensor::empty(specs[0].shape, specs[0].dtype, ctx.allocator));
-  if (attrs.with_grad) call.outputs.push_back(empty_padded_rows(logits.size(0), logits.size(1), logits.dtype(), ctx.allocator));
+  if (attrs.with_grad)
+    call.outputs.push_back(empty_padded_rows(logits.size(0), logits.size(1), logits.dtype(), ctx.allocator));
   if (!ctx.registry.has_exact(call))
     return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), call.inputs[1]}, attrs);
   run_op(ctx, call);

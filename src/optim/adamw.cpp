@@ -141,8 +141,10 @@ void AdamW::step(double lr, double grad_scale) { step(prepare(), lr, grad_scale)
 
 AdamW::Prepared AdamW::prepare(const std::vector<size_t>& segment_of) const {
   ExecContext ctx = rt_->context(device_);
-  LATHE_CHECK(segment_of.empty() || (segment_of.size() == slots_.size() && std::is_sorted(segment_of.begin(), segment_of.end())),
-              "optim: {} segment numbers for {} parameters, or not in order", segment_of.size(), slots_.size());
+  const bool segments_ok =
+      segment_of.empty() || (segment_of.size() == slots_.size() && std::is_sorted(segment_of.begin(), segment_of.end()));
+  LATHE_CHECK(segments_ok, "optim: {} segment numbers for {} parameters, or not in order", segment_of.size(),
+              slots_.size());
   // Parameters whose update shares every attribute (segment, decay, step count) and dtype (master, gradient,
   // parameter) go through one adamw_list op, in parameter order; the groups in order of their first parameter (so in
   // segment order).

@@ -290,8 +290,10 @@ TEST(CrossEntropy, ReadsAndWritesPaddedRows) {
         const double want_loss = ignored ? 0.0 : lse - xr[labels[size_t(r)]];
         EXPECT_NEAR(loss.data<double>()[r], want_loss, 1e-5 * std::max(1.0, want_loss)) << where << " row " << r;
         for (int64_t j = 0; j < v; ++j) {
-          const double want = ignored ? 0.0 : scale * (std::exp(xr[j] - lse) - (j == int64_t(labels[size_t(r)]) ? 1.0 : 0.0));
-          ASSERT_NEAR(grad.data<double>()[r * v + j], want, rel * std::abs(want) + 1e-7) << where << " row " << r << " " << j;
+          const double onehot = j == int64_t(labels[size_t(r)]) ? 1.0 : 0.0;
+          const double want = ignored ? 0.0 : scale * (std::exp(xr[j] - lse) - onehot);
+          ASSERT_NEAR(grad.data<double>()[r * v + j], want, rel * std::abs(want) + 1e-7)
+              << where << " row " << r << " " << j;
         }
       }
     }

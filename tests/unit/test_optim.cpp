@@ -275,7 +275,8 @@ TEST(AdamW, SegmentsReportEachOnceAfterItsLastCall) {
   }
   auto make_params = [&] {
     std::vector<Parameter> ps;
-    for (size_t i = 0; i < shapes.size(); ++i) ps.push_back({shapes[i].first, make(init[i], shapes[i].second, DType::F32), {}});
+    for (size_t i = 0; i < shapes.size(); ++i)
+      ps.push_back({shapes[i].first, make(init[i], shapes[i].second, DType::F32), {}});
     for (size_t i = 0; i < shapes.size(); ++i)
       if (i != 2) ps[i].grad = make(grads[i], shapes[i].second, DType::F32);
     return ps;

@@ -351,7 +351,8 @@ void register_for(KernelRegistry& r) {
   add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);
   add(OpId::attention, "cpu/causal_varlen_attention", attention_kernel<T>);
   add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
-  r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout, cross_entropy_kernel<T>});
+  r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
+                  cross_entropy_kernel<T>});
 }
 
 }  // namespace
