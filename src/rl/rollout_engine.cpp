@@ -1,0 +1,446 @@
+// The rollout engine (rollout_engine.h). Shapes: n new tokens of a sequence, L = past + n its cached tokens, Hq/Hkv
+// heads of D (group = Hq / Hkv query heads share one kv head), S = blocks x block_size rows of a layer's pool.
+#include "rl/rollout_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <span>
+#include <tuple>
+#include <utility>
+
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+bool is_gdn_layer(const ModelConfig& c, int64_t layer) {
+  return !c.layer_types.empty() && c.layer_types[size_t(layer)] == "linear_attention";
+}
+
+void fill_zero(ExecContext& cx, const Tensor& t) {
+  if (t.nbytes() > 0) cx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), cx.stream);
+}
+
+// The causal mask of n new tokens at positions past .. past + n - 1 over L = past + n keys, for `group` query heads
+// per kv head: (group n, L), row g n + i is 0 for keys 0 .. past + i and -inf after.
+Tensor causal_mask(Runtime& rt, Device device, DType dtype, int64_t group, int64_t n, int64_t past) {
+  const int64_t len = past + n;
+  std::vector<double> mask(size_t(group * n * len), 0.0);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = past + i + 1; j < len; ++j)
+        mask[size_t((g * n + i) * len + j)] = -std::numeric_limits<double>::infinity();
+  ExecContext cx = rt.context(device);
+  return cast(cx, rt.from_host(mask.data(), {group * n, len}, DType::F64, device), dtype);
+}
+
+// The attention of n queries q (n, Hq, D) at positions past .. past + n - 1 over a sequence's keys and values k, v
+// (L = past + n, Hkv, D): query i sees keys 0 .. past + i (`mask`, causal_mask; undefined for n = 1). In f32 (f64 for
+// f64), returned in q's dtype. For n = 1 this is the single-sequence decoder's step (KvCache::attend), op for op.
+Tensor attend_past(ExecContext& cx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
+  const int64_t n = q.size(0), q_heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  const int64_t group = q_heads / kv_heads;
+  const DType acc = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const Tensor kt = cast(cx, k.permute({1, 0, 2}), acc);  // (Hkv, L, D)
+  const Tensor vt = cast(cx, v.permute({1, 0, 2}), acc);  // (Hkv, L, D)
+  const Tensor q3 = contiguous(cx, cast(cx, q.view({n, kv_heads, group, dim}).permute({1, 2, 0, 3}), acc))
+                        .view({kv_heads, group * n, dim});  // row g n + i: head g of the group, query i
+  // The scale as its own op: matmul's alpha is a float, which an f64 model must not round to.
+  Tensor scores = scale(cx, matmul(cx, q3, kt, {false, true}), 1.0 / std::sqrt(double(dim)));  // (Hkv, group n, L)
+  if (mask.defined()) scores = add(cx, scores, mask);
+  const Tensor o = matmul(cx, softmax(cx, scores), vt);                                      // (Hkv, group n, D)
+  const Tensor on = contiguous(cx, o.view({kv_heads, group, n, dim}).permute({2, 0, 1, 3}));  // (n, Hkv, group, D)
+  return cast(cx, on.view({n, q_heads, dim}), q.dtype());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// The cache memory: KV blocks of the attention layers, state slots of the Gated DeltaNet layers.
+
+class RolloutEngine::Pool {
+ public:
+  Pool(Runtime& rt, const ModelConfig& c, const ModelOptions& mo, const EngineOptions& o) : block_size(o.block_size) {
+    ExecContext cx = rt.context(mo.device);
+    int64_t attn = 0, gdn = 0;
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+      const bool linear = is_gdn_layer(c, i);
+      attn_slot.push_back(linear ? -1 : int(attn++));
+      gdn_slot.push_back(linear ? int(gdn++) : -1);
+    }
+    const int64_t block_bytes = attn * 2 * block_size * c.num_kv_heads * c.head_dim * int64_t(dtype_size(mo.dtype));
+    blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? o.cache_bytes / block_bytes : 0);
+    LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
+                o.cache_bytes, block_size, block_bytes);
+    for (int64_t l = 0; l < attn; ++l)
+      for (std::vector<Tensor>* t : {&k, &v})
+        t->push_back(Tensor::empty({blocks * block_size, c.num_kv_heads, c.head_dim}, mo.dtype, cx.allocator));
+    const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
+                             c.linear_num_value_heads * c.linear_value_head_dim;
+    for (int64_t l = 0; l < gdn; ++l) {
+      conv.push_back(Tensor::empty({o.max_running, c.linear_conv_kernel_dim - 1, channels}, mo.dtype, cx.allocator));
+      state.push_back(Tensor::empty({o.max_running, c.linear_num_value_heads, c.linear_key_head_dim,
+                                     c.linear_value_head_dim}, gdn_state_dtype(mo.dtype), cx.allocator));
+    }
+    for (int64_t b = blocks; b-- > 0;) free_blocks.push_back(int32_t(b));
+    for (int64_t s = o.max_running; s-- > 0;) free_slots.push_back(int(s));
+    // Without attention layers the context is not bounded by the cache.
+    capacity_tokens = attn > 0 ? blocks * block_size : std::numeric_limits<int64_t>::max();
+  }
+
+  int64_t block_size, blocks = 0, capacity_tokens = 0;
+  std::vector<int> attn_slot, gdn_slot;  // per model layer: its index among the attention / GDN layers, or -1
+  std::vector<Tensor> k, v;              // per attention layer: (S, Hkv, D)
+  std::vector<Tensor> conv, state;       // per GDN layer: (slots, W - 1, C), (slots, Hv, dk, dv)
+  std::vector<int32_t> free_blocks;      // back: next handed out
+  std::vector<int> free_slots;
+};
+
+struct RolloutEngine::Sequence {
+  int64_t request = 0;
+  int sample = 0;
+  std::shared_ptr<const RolloutRequest> req;
+  std::vector<int32_t> tokens;  // the prompt, then the generated ids
+  size_t prompt_len = 0;
+  int64_t computed = 0;         // tokens whose keys, values and states are in the cache
+  std::vector<int32_t> blocks;  // block table
+  int slot = -1;                // GDN state slot while running
+  int64_t admitted = -1;        // admission number while running
+  std::mt19937_64 rng;
+  std::vector<double> logprobs;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// One step's cache as the model's layers see it (PackedBatch::cache): document i of the batch is the next chunk[i]
+// tokens of sequence i, after its `computed` ones.
+
+class RolloutEngine::StepView final : public DecodeCache {
+ public:
+  StepView(Runtime& rt, Device device, DType dtype, Pool& pool, const std::vector<Sequence*>& seqs,
+           const std::vector<int64_t>& chunk)
+      : pool_(&pool) {
+    std::vector<int32_t> slots;
+    int64_t row = 0;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const Sequence& s = *seqs[i];
+      Doc d;
+      d.row = row;
+      d.past = s.computed;
+      d.n = chunk[i];
+      d.slot = s.slot;
+      row += d.n;
+      // Where the new tokens' keys and values go: runs of consecutive rows inside one block.
+      for (int64_t p = d.past; p < d.past + d.n;) {
+        const int64_t in_block = p % pool.block_size, len = std::min(pool.block_size - in_block, d.past + d.n - p);
+        d.writes.push_back({p - d.past, s.blocks[size_t(p / pool.block_size)] * pool.block_size + in_block, len});
+        p += len;
+      }
+      if (d.past > 0) {  // the rows of all its tokens, for the gather; and the mask of the new ones
+        std::vector<int32_t> rows;
+        for (int64_t p = 0; p < d.past + d.n; ++p)
+          rows.push_back(int32_t(s.blocks[size_t(p / pool.block_size)] * pool.block_size + p % pool.block_size));
+        d.rows = rt.from_host(rows.data(), {int64_t(rows.size())}, DType::I32, device);
+      }
+      d.prefill_cu = d.past == 0 ? rt.from_host(std::vector<int32_t>{0, int32_t(d.n)}.data(), {2}, DType::I32, device)
+                                 : Tensor();
+      docs_.push_back(std::move(d));
+      slots.push_back(int32_t(std::max(s.slot, 0)));
+    }
+    slots_ = rt.from_host(slots.data(), {int64_t(slots.size())}, DType::I32, device);
+    rt_ = &rt;
+    device_ = device;
+    dtype_ = dtype;
+  }
+
+  Tensor attend(ExecContext& cx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
+    const int a = pool_->attn_slot.at(size_t(layer));
+    LATHE_ASSERT(a >= 0);
+    Tensor& kc = pool_->k[size_t(a)];
+    Tensor& vc = pool_->v[size_t(a)];
+    const int64_t rows = kc.size(0), kv_heads = kc.size(1), dim = kc.size(2);
+    Tensor out = Tensor::empty(qr.shape(), qr.dtype(), cx.allocator);
+    for (Doc& d : docs_) {
+      for (const Write& w : d.writes) {
+        copy_into(cx, kr.narrow(0, d.row + w.offset, w.len), kc.narrow(0, w.at, w.len));
+        copy_into(cx, v.narrow(0, d.row + w.offset, w.len), vc.narrow(0, w.at, w.len));
+      }
+      const Tensor q = qr.narrow(0, d.row, d.n);
+      Tensor o;
+      if (d.past == 0) {  // a first chunk: causal among its own tokens, as training's attention
+        o = attention(cx, q, kr.narrow(0, d.row, d.n), v.narrow(0, d.row, d.n), d.prefill_cu, {})[0];
+      } else {
+        const int64_t len = d.past + d.n, group = qr.size(1) / kv_heads;
+        const Tensor kd = embedding(cx, kc.view({rows, kv_heads * dim}), d.rows).view({len, kv_heads, dim});
+        const Tensor vd = embedding(cx, vc.view({rows, kv_heads * dim}), d.rows).view({len, kv_heads, dim});
+        if (d.n > 1 && !d.mask.defined())
+          d.mask = causal_mask(*rt_, device_, dtype_ == DType::F64 ? DType::F64 : DType::F32, group, d.n, d.past);
+        o = attend_past(cx, q, kd, vd, d.mask);
+      }
+      copy_into(cx, o, out.narrow(0, d.row, d.n));
+    }
+    return out;
+  }
+
+  Tensor conv_history(int64_t layer) override { return gather(pool_->conv[gdn(layer)]); }
+  Tensor gdn_state(int64_t layer) override { return gather(pool_->state[gdn(layer)]); }
+  void set_gdn(int64_t layer, Tensor conv_history, Tensor state) override {
+    ExecContext cx = rt_->context(device_);
+    const size_t g = gdn(layer);
+    for (size_t i = 0; i < docs_.size(); ++i) {
+      const int64_t slot = docs_[i].slot;
+      copy_into(cx, conv_history.narrow(0, int64_t(i), 1), pool_->conv[g].narrow(0, slot, 1));
+      copy_into(cx, state.narrow(0, int64_t(i), 1), pool_->state[g].narrow(0, slot, 1));
+    }
+  }
+
+ private:
+  struct Write {
+    int64_t offset, at, len;  // the chunk's rows [offset, offset + len) go to pool rows [at, at + len)
+  };
+  struct Doc {
+    int64_t row = 0, past = 0, n = 0, slot = -1;
+    std::vector<Write> writes;
+    Tensor rows, mask, prefill_cu;
+  };
+
+  size_t gdn(int64_t layer) const {
+    const int g = pool_->gdn_slot.at(size_t(layer));
+    LATHE_ASSERT(g >= 0);
+    return size_t(g);
+  }
+  // The batch's sequences' rows of a per-slot tensor (slots, ...), as (B, ...).
+  Tensor gather(const Tensor& per_slot) const {
+    ExecContext cx = rt_->context(device_);
+    Shape shape = per_slot.shape();
+    const int64_t slots = shape[0], each = per_slot.numel() / std::max<int64_t>(slots, 1);
+    shape[0] = int64_t(docs_.size());
+    return embedding(cx, per_slot.view({slots, each}), slots_).view(shape);
+  }
+
+  Pool* pool_;
+  Runtime* rt_ = nullptr;
+  Device device_;
+  DType dtype_ = DType::F32;
+  std::vector<Doc> docs_;
+  Tensor slots_;  // (B) i32: each sequence's GDN slot
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// RolloutEngine
+
+RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options)
+    : rt_(&rt), model_(&model), options_(options) {
+  LATHE_CHECK(options_.block_size >= 1 && options_.max_step_tokens >= 1 && options_.max_running >= 1,
+              "rollout: block_size, max_step_tokens and max_running must be at least 1 (got {}, {}, {})",
+              options_.block_size, options_.max_step_tokens, options_.max_running);
+  pool_ = std::make_unique<Pool>(rt, model.config(), model.options(), options_);
+}
+
+RolloutEngine::~RolloutEngine() = default;
+
+int64_t RolloutEngine::cache_blocks() const { return pool_->blocks; }
+
+int64_t RolloutEngine::submit(RolloutRequest request) {
+  const ModelConfig& c = model_->config();
+  LATHE_CHECK(!request.prompt.empty(), "rollout: request {} has an empty prompt", next_request_);
+  LATHE_CHECK(request.n >= 1, "rollout: request {} asks for {} samples", next_request_, request.n);
+  LATHE_CHECK(request.max_new_tokens >= 1, "rollout: request {} asks for {} new tokens", next_request_,
+              request.max_new_tokens);
+  check_sampling_options(request.sampling);
+  for (int32_t id : request.prompt)
+    LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: token id {} is outside the vocabulary (size {})",
+                next_request_, id, c.vocab_size);
+  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
+                                                                                       : pool_->capacity_tokens);
+  LATHE_CHECK(int64_t(request.prompt.size()) < limit,
+              "rollout: request {}: a prompt of {} tokens leaves no room in a context of {} (the model's positions "
+              "and the cache's {} blocks of {})",
+              next_request_, request.prompt.size(), limit, pool_->blocks, pool_->block_size);
+  auto req = std::make_shared<const RolloutRequest>(std::move(request));
+  for (int i = 0; i < req->n; ++i) {
+    auto s = std::make_unique<Sequence>();
+    s->request = next_request_;
+    s->sample = i;
+    s->req = req;
+    s->tokens = req->prompt;
+    s->prompt_len = req->prompt.size();
+    std::seed_seq seq{uint32_t(req->seed), uint32_t(req->seed >> 32), uint32_t(i)};
+    s->rng.seed(seq);
+    waiting_.push_back(std::move(s));
+  }
+  return next_request_++;
+}
+
+// Grows a running sequence's block table to hold `tokens` tokens; false (and nothing taken) when the pool is short.
+bool RolloutEngine::reserve_blocks(Sequence& s, int64_t tokens) {
+  if (pool_->k.empty()) return true;  // no attention layer: nothing to page
+  const size_t need = size_t((tokens + pool_->block_size - 1) / pool_->block_size);
+  if (need <= s.blocks.size()) return true;
+  if (need - s.blocks.size() > pool_->free_blocks.size()) return false;
+  while (s.blocks.size() < need) {
+    s.blocks.push_back(pool_->free_blocks.back());
+    pool_->free_blocks.pop_back();
+  }
+  return true;
+}
+
+void RolloutEngine::release(Sequence& s) {
+  for (int32_t b : s.blocks) pool_->free_blocks.push_back(b);
+  s.blocks.clear();
+  if (s.slot >= 0) pool_->free_slots.push_back(s.slot);
+  s.slot = -1;
+  s.admitted = -1;
+}
+
+// The sequence leaves the running batch and waits first in line, to be prefilled again from its tokens so far.
+void RolloutEngine::preempt(Sequence& s) {
+  release(s);
+  s.computed = 0;
+  auto it = std::find_if(running_.begin(), running_.end(), [&](const auto& p) { return p.get() == &s; });
+  LATHE_ASSERT(it != running_.end());
+  waiting_.push_front(std::move(*it));
+  running_.erase(it);
+  ++stats_.preemptions;
+}
+
+void RolloutEngine::finish(Sequence& s, FinishReason why) {
+  RolloutResult r;
+  r.request = s.request;
+  r.sample = s.sample;
+  r.tokens.assign(s.tokens.begin() + std::ptrdiff_t(s.prompt_len), s.tokens.end());
+  r.logprobs = std::move(s.logprobs);
+  r.finish_reason = why;
+  finished_.push_back(std::move(r));
+  release(s);
+}
+
+// The step's sequences and how many of their tokens each computes: the running ones first (in admission order; a
+// sequence that cannot get its blocks preempts the latest admitted one), then waiting ones while the step has room.
+bool RolloutEngine::schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk) {
+  int64_t budget = options_.max_step_tokens;
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence& s = *running_[i];
+    const int64_t n = std::min(int64_t(s.tokens.size()) - s.computed, budget);
+    if (!reserve_blocks(s, s.computed + n)) {
+      Sequence& victim = *running_.back();
+      LATHE_CHECK(&victim != &s || running_.size() > 1,
+                  "rollout: the cache ({} blocks of {} tokens) cannot hold one sequence of {} tokens", pool_->blocks,
+                  pool_->block_size, s.computed + n);
+      preempt(victim);
+      if (&victim == &s) break;
+      continue;  // try again with the victim's blocks
+    }
+    batch.push_back(&s);
+    chunk.push_back(n);
+    budget -= n;
+    ++i;
+  }
+  while (budget > 0 && !waiting_.empty() && !pool_->free_slots.empty() &&
+         int64_t(running_.size()) < options_.max_running) {
+    Sequence& s = *waiting_.front();
+    const int64_t n = std::min(int64_t(s.tokens.size()), budget);
+    if (!reserve_blocks(s, n)) {
+      // Nothing running to wait for: the pool is too small for this sequence's first chunk.
+      LATHE_CHECK(!running_.empty(),
+                  "rollout: the cache ({} blocks of {} tokens) cannot hold {} tokens of one sequence", pool_->blocks,
+                  pool_->block_size, n);
+      break;
+    }
+    s.slot = pool_->free_slots.back();
+    pool_->free_slots.pop_back();
+    s.admitted = admissions_++;
+    ExecContext cx = rt_->context(model_->options().device);
+    for (size_t g = 0; g < pool_->conv.size(); ++g) {  // a new sequence starts from zero history and state
+      fill_zero(cx, pool_->conv[g].narrow(0, s.slot, 1));
+      fill_zero(cx, pool_->state[g].narrow(0, s.slot, 1));
+    }
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
+    batch.push_back(&s);
+    chunk.push_back(n);
+    budget -= n;
+  }
+  return !batch.empty();
+}
+
+bool RolloutEngine::step() {
+  std::vector<Sequence*> batch;
+  std::vector<int64_t> chunk;
+  if (!schedule(batch, chunk)) return false;
+  const ModelConfig& c = model_->config();
+  const Device device = model_->options().device;
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<int64_t> past;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Sequence& s = *batch[i];
+    tokens.emplace_back(s.tokens.begin() + std::ptrdiff_t(s.computed),
+                        s.tokens.begin() + std::ptrdiff_t(s.computed + chunk[i]));
+    past.push_back(s.computed);
+  }
+  PackedBatch b = continuation_batch(*rt_, device, tokens, past, c.vocab_size);
+  StepView view(*rt_, device, model_->options().dtype, *pool_, batch, chunk);
+  b.cache = &view;
+  ExecContext cx = rt_->context(device);
+  const Tensor logits = model_->last_logits(b);  // (B, V)
+  // In f64 on the host: the log-probabilities keep an f64 model's precision; the sampler takes f32 (as generate's).
+  const Tensor host = rt_->copy_to(logits.dtype() == DType::F64 ? logits : cast(cx, logits, DType::F64), Device::cpu());
+  const double* all = host.data<double>();
+  std::vector<float> row_f32(size_t(c.vocab_size));
+  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
+                                                                                       : pool_->capacity_tokens);
+  ++stats_.steps;
+  for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
+  stats_.peak_blocks_used = std::max(stats_.peak_blocks_used, pool_->blocks - int64_t(pool_->free_blocks.size()));
+  stats_.peak_running = std::max(stats_.peak_running, int64_t(running_.size()));
+  std::vector<Sequence*> done;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Sequence& s = *batch[i];
+    s.computed += chunk[i];
+    if (s.computed < int64_t(s.tokens.size())) continue;  // a prompt chunk: its last logits are not the next token's
+    const std::span<const double> row(all + int64_t(i) * c.vocab_size, size_t(c.vocab_size));
+    std::copy(row.begin(), row.end(), row_f32.begin());
+    const int32_t token = sample_token(row_f32, c.vocab_size, s.req->sampling, s.rng);
+    // log-softmax of the raw logits at the token
+    const double mx = *std::max_element(row.begin(), row.end());
+    double sum = 0;
+    for (double x : row) sum += std::exp(x - mx);
+    s.logprobs.push_back(row[size_t(token)] - mx - std::log(sum));
+    s.tokens.push_back(token);
+    const bool stop = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
+    const int64_t generated = int64_t(s.tokens.size() - s.prompt_len);
+    if (stop || generated >= s.req->max_new_tokens || int64_t(s.tokens.size()) >= limit) {
+      finish(s, stop ? FinishReason::kEos : FinishReason::kLength);
+      done.push_back(&s);
+    }
+  }
+  std::erase_if(running_, [&](const auto& p) { return std::find(done.begin(), done.end(), p.get()) != done.end(); });
+  return true;
+}
+
+std::vector<RolloutResult> RolloutEngine::take_finished() { return std::exchange(finished_, {}); }
+
+std::vector<RolloutResult> RolloutEngine::run() {
+  std::vector<RolloutResult> all;
+  while (step()) {
+    std::vector<RolloutResult> f = take_finished();
+    all.insert(all.end(), std::make_move_iterator(f.begin()), std::make_move_iterator(f.end()));
+  }
+  std::vector<RolloutResult> f = take_finished();
+  all.insert(all.end(), std::make_move_iterator(f.begin()), std::make_move_iterator(f.end()));
+  std::sort(all.begin(), all.end(), [](const RolloutResult& a, const RolloutResult& b) {
+    return std::tie(a.request, a.sample) < std::tie(b.request, b.sample);
+  });
+  return all;
+}
+
+void RolloutEngine::abort(int64_t request) {
+  std::erase_if(waiting_, [&](const auto& s) { return s->request == request; });
+  for (auto& s : running_)
+    if (s->request == request) release(*s);
+  std::erase_if(running_, [&](const auto& s) { return s->request == request; });
+}
+
+}  // namespace lathe

@@ -1,0 +1,113 @@
+// The rollout engine: many sequences generated at once, continuously batched, over a paged KV cache, through the
+// model's own layers (the batch's DecodeCache is the engine's step view; no family's layer maths is repeated here).
+//
+// - Paged KV cache (PagedKvPool): each attention layer's rotated keys and values live in fixed-size blocks of
+//   `block_size` tokens, (blocks x block_size, Hkv, D) per layer; a sequence holds a block table. The pool is sized
+//   once (EngineOptions::cache_blocks or cache_bytes); blocks are handed out as sequences grow and returned when they
+//   finish.
+// - Gated DeltaNet layers keep a conv history and a recurrent state per running sequence, in `max_running` slots.
+// - Continuous batching: every step runs one model call over the running sequences' next tokens (one each while
+//   decoding) and chunks of waiting prompts, at most `max_step_tokens` tokens; sequences join and leave every step.
+//   A prompt longer than what a step has room for is prefilled in chunks over several steps.
+// - Preemption by recomputation: when the pool has no free block for a step, the most recently admitted running
+//   sequence gives its blocks and slot back and waits again with everything it has so far (prompt and generated
+//   tokens), which it prefills again when readmitted; its sampler's state is kept, so its tokens are the same.
+// - Sampling on the host (sample_token, model/generate.h) with one mt19937_64 per sequence seeded from the request's
+//   seed and the sample's index, so a sequence's tokens do not depend on what else is in the batch. Each token comes
+//   with its log-probability under the model's distribution (log-softmax of the raw logits).
+//
+// Attention over the pages: per sequence, its cached keys and values are gathered from the blocks (a row gather) and
+// its queries attend them with the causal mask of their positions (the last n of its past + n tokens), in f32 (f64
+// for an f64 model), as the single-sequence decoder's step does; a sequence's first chunk attends through the
+// training attention op. These are compositions of registry ops, so the engine runs on every backend; fused paged
+// kernels, device sampling, prefix sharing and per-request adapters are the next steps (docs/rollout.md).
+// Covered by tests/models/test_rollout.cpp.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "model/causal_lm.h"
+#include "model/generate.h"
+
+namespace lathe {
+
+struct EngineOptions {
+  int64_t block_size = 16;         // tokens per KV block
+  int64_t cache_blocks = 0;        // blocks in the pool; 0: as many as cache_bytes holds
+  int64_t cache_bytes = int64_t(1) << 30;
+  int64_t max_step_tokens = 2048;  // tokens one model call takes (decodes and prefill chunks together)
+  int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)
+};
+
+struct RolloutRequest {
+  std::vector<int32_t> prompt;     // at least one token
+  int n = 1;                       // samples of this prompt
+  int64_t max_new_tokens = 256;
+  SamplingOptions sampling;        // temperature 0: greedy
+  uint64_t seed = 0;               // sample i draws from mt19937_64 seeded by (seed, i)
+  std::vector<int32_t> stop_ids;   // any of them ends a sample (it is kept in its tokens)
+};
+
+struct RolloutResult {
+  int64_t request = 0;             // submit()'s number
+  int sample = 0;                  // 0 .. n - 1
+  std::vector<int32_t> tokens;     // generated ids
+  std::vector<double> logprobs;    // each token's log-probability under the model's distribution
+  FinishReason finish_reason = FinishReason::kLength;  // kEos: a stop id; kLength: max_new_tokens or the context
+};
+
+struct EngineStats {
+  int64_t steps = 0, step_tokens = 0, preemptions = 0, peak_blocks_used = 0, peak_running = 0;
+};
+
+class RolloutEngine {
+ public:
+  // The model's parameters are read at every step (a weight update in between is used as it is then).
+  RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options = {});
+  ~RolloutEngine();
+  RolloutEngine(const RolloutEngine&) = delete;
+  RolloutEngine& operator=(const RolloutEngine&) = delete;
+
+  // Queues a request's n samples; returns its number (0, 1, ...). Checked here: tokens in the vocabulary, a prompt
+  // that fits the model's context and the cache.
+  int64_t submit(RolloutRequest request);
+  // One model call over the next tokens of the running and newly admitted sequences; false when nothing is left.
+  bool step();
+  // The samples finished since the last call, in the order they finished.
+  std::vector<RolloutResult> take_finished();
+  // Steps until every submitted sample is finished; returns them ordered by request, then sample.
+  std::vector<RolloutResult> run();
+  // Drops a request's samples that are not finished (they are not reported).
+  void abort(int64_t request);
+
+  const EngineStats& stats() const { return stats_; }
+  int64_t cache_blocks() const;
+
+ private:
+  struct Sequence;
+  class StepView;
+  class Pool;
+
+  bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
+  bool reserve_blocks(Sequence& s, int64_t tokens);
+  void preempt(Sequence& s);
+  void release(Sequence& s);
+  void finish(Sequence& s, FinishReason why);
+
+  Runtime* rt_;
+  CausalLm* model_;
+  EngineOptions options_;
+  std::unique_ptr<Pool> pool_;
+  std::deque<std::unique_ptr<Sequence>> waiting_;  // front: next to admit (preempted sequences go first)
+  std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
+  std::vector<RolloutResult> finished_;
+  int64_t next_request_ = 0;
+  int64_t admissions_ = 0;
+  EngineStats stats_;
+};
+
+}  // namespace lathe

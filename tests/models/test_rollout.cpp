@@ -1,0 +1,221 @@
+// The rollout engine (rl/rollout_engine.h) on the CPU in f64, for every family (qwen3, qwen3_moe, qwen3_5, qwen3_next,
+// qwen3_5_moe_text): a batch of prompts of mixed lengths generated at once — with small blocks, a step budget that
+// prefills the longest prompt in chunks, fewer running slots than sequences, and a cache so small that sequences are
+// preempted — against the reference of each prompt alone without any cache: the argmax of the model's full forward
+// (CausalLm::logits) over the prompt and the tokens so far, recomputed at every step, and the log-softmax of that row
+// at the token. Seeded sampling is the same whatever else is in the batch. Bad requests are refused with their reason.
+// Convention: random models use weights of std 0.3 so that logits are spread and greedy ties do not occur.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "model/config.h"
+#include "rl/rollout_engine.h"
+#include "support/model_support.h"
+#include "support/moe_support.h"
+
+using namespace lathe;
+using namespace lathe::test_support;
+
+namespace {
+
+nlohmann::json tiny_json(const std::string& type) {
+  if (type == "qwen3")
+    return {{"model_type", "qwen3"}, {"vocab_size", 40}, {"hidden_size", 24}, {"intermediate_size", 32},
+            {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 8},
+            {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", true}, {"max_position_embeddings", 128}};
+  if (type == "qwen3_5")  // GDN, attention, GDN; H_v = 2 H_k, d_k != d_v
+    return {{"model_type", "qwen3_5_text"}, {"vocab_size", 40}, {"hidden_size", 24}, {"intermediate_size", 32},
+            {"num_hidden_layers", 3}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"head_dim", 8},
+            {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false},
+            {"layer_types", {"linear_attention", "full_attention", "linear_attention"}}, {"linear_num_key_heads", 2},
+            {"linear_num_value_heads", 4}, {"linear_key_head_dim", 8}, {"linear_value_head_dim", 6},
+            {"linear_conv_kernel_dim", 4}, {"max_position_embeddings", 128},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}}}};
+  nlohmann::json j = tiny_moe_json(type);
+  j["max_position_embeddings"] = 128;
+  return j;
+}
+
+std::unique_ptr<CausalLm> tiny_model(const std::string& type) {
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  return random_causal_lm(runtime(), parse_model_config(tiny_json(type), "test"), opt, 5, 0.3);
+}
+
+std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t& x : ids) x = int32_t(rng() % uint32_t(vocab));
+  return ids;
+}
+
+// Greedy generation of one prompt without a cache: each token the argmax of the full forward's last row, with its
+// log-softmax.
+std::pair<std::vector<int32_t>, std::vector<double>> reference_greedy(CausalLm& m, std::vector<int32_t> ids,
+                                                                      int64_t new_tokens) {
+  const int64_t v = m.config().vocab_size;
+  std::vector<int32_t> out;
+  std::vector<double> logprobs;
+  for (int64_t k = 0; k < new_tokens; ++k) {
+    const int32_t n = int32_t(ids.size());
+    const PackedBatch b =
+        make_packed_batch(runtime(), Device::cpu(), ids, {0, n}, std::vector<int32_t>(ids.size(), -100), v);
+    const std::vector<double> all = to_f64(m.logits(b));
+    const double* row = all.data() + (ids.size() - 1) * size_t(v);
+    const int32_t best = int32_t(std::max_element(row, row + v) - row);
+    double sum = 0;
+    for (int64_t j = 0; j < v; ++j) sum += std::exp(row[j] - row[best]);
+    out.push_back(best);
+    logprobs.push_back(-std::log(sum));
+    ids.push_back(best);
+  }
+  return {out, logprobs};
+}
+
+class RolloutFamilies : public ::testing::TestWithParam<std::string> {};
+
+// Five prompts (1 to 37 tokens) of 9 new tokens each, greedy: every engine configuration gives each prompt's reference
+// tokens, and log-probs within 1e-10.
+TEST_P(RolloutFamilies, GreedyBatchEqualsEachPromptAloneWithoutACache) {
+  const std::unique_ptr<CausalLm> m = tiny_model(GetParam());
+  const int64_t v = m->config().vocab_size, new_tokens = 9;
+  const std::vector<int64_t> lengths = {5, 37, 1, 12, 20};
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::pair<std::vector<int32_t>, std::vector<double>>> want;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    prompts.push_back(random_ids(lengths[i], v, 100 + i));
+    want.push_back(reference_greedy(*m, prompts.back(), new_tokens));
+  }
+  struct Config {
+    const char* what;
+    EngineOptions options;
+    bool expect_preemption;
+  };
+  std::vector<Config> configs = {{"roomy", {}, false}, {"chunks", {}, false}, {"preempted", {}, true}};
+  configs[1].options.block_size = 4;
+  configs[1].options.max_step_tokens = 16;  // the 37- and 20-token prompts prefill in chunks
+  configs[1].options.max_running = 3;       // two prompts wait for a slot
+  configs[2].options.block_size = 4;
+  configs[2].options.max_step_tokens = 24;
+  configs[2].options.cache_blocks = 14;     // 56 tokens: the five sequences (111 tokens at the end) cannot all stay
+  for (const Config& cfg : configs) {
+    RolloutEngine engine(runtime(), *m, cfg.options);
+    for (const auto& p : prompts) {
+      RolloutRequest r;
+      r.prompt = p;
+      r.max_new_tokens = new_tokens;
+      engine.submit(r);
+    }
+    const std::vector<RolloutResult> got = engine.run();
+    ASSERT_EQ(got.size(), prompts.size()) << cfg.what;
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].request, int64_t(i)) << cfg.what;
+      EXPECT_EQ(got[i].tokens, want[i].first) << cfg.what << " prompt " << i;
+      ASSERT_EQ(got[i].logprobs.size(), want[i].second.size()) << cfg.what;
+      for (size_t k = 0; k < got[i].logprobs.size(); ++k)
+        EXPECT_NEAR(got[i].logprobs[k], want[i].second[k], 1e-10) << cfg.what << " prompt " << i << " token " << k;
+      EXPECT_EQ(got[i].finish_reason, FinishReason::kLength);
+    }
+    EXPECT_EQ(engine.stats().preemptions > 0, cfg.expect_preemption)
+        << cfg.what << ": " << engine.stats().preemptions << " preemptions";
+    if (cfg.options.max_running == 3) EXPECT_LE(engine.stats().peak_running, 3);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
+                         ::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe_text"));
+
+// Sampled (temperature 0.8, top-k 12): each request's tokens are the same alone and in a batch with others in another
+// order, and two samples of one request differ; a stop id ends a sample with "eos" and is kept.
+TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
+  const std::unique_ptr<CausalLm> m = tiny_model("qwen3_5");
+  const int64_t v = m->config().vocab_size;
+  auto request = [&](uint64_t i) {
+    RolloutRequest r;
+    r.prompt = random_ids(3 + int64_t(i) * 5, v, 200 + i);
+    r.max_new_tokens = 12;
+    r.sampling.temperature = 0.8;
+    r.sampling.top_k = 12;
+    r.seed = 1000 + i;
+    r.n = 2;
+    return r;
+  };
+  std::vector<std::vector<RolloutResult>> alone;
+  for (uint64_t i = 0; i < 3; ++i) {
+    RolloutEngine e(runtime(), *m);
+    e.submit(request(i));
+    alone.push_back(e.run());
+  }
+  EngineOptions small;
+  small.block_size = 4;
+  small.max_step_tokens = 7;
+  RolloutEngine together(runtime(), *m, small);
+  for (uint64_t i : {2u, 0u, 1u}) together.submit(request(i));
+  const std::vector<RolloutResult> got = together.run();
+  ASSERT_EQ(got.size(), 6u);
+  const uint64_t order[] = {2, 0, 1};
+  for (size_t k = 0; k < got.size(); ++k) {
+    const RolloutResult& want = alone[order[got[k].request]][size_t(got[k].sample)];
+    EXPECT_EQ(got[k].tokens, want.tokens) << "request " << got[k].request << " sample " << got[k].sample;
+  }
+  EXPECT_NE(alone[0][0].tokens, alone[0][1].tokens);
+  // A stop id: the first token sample 0 of request 0 drew, so it stops right there.
+  RolloutRequest r = request(0);
+  r.stop_ids = {alone[0][0].tokens[0]};
+  r.n = 1;
+  RolloutEngine e(runtime(), *m);
+  e.submit(r);
+  const std::vector<RolloutResult> stopped = e.run();
+  ASSERT_EQ(stopped.size(), 1u);
+  EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>{alone[0][0].tokens[0]});
+  EXPECT_EQ(stopped[0].finish_reason, FinishReason::kEos);
+}
+
+// A sequence reaching the model's context ends with "length"; bad requests and impossible caches are refused.
+TEST(Rollout, LimitsAndBadRequests) {
+  const std::unique_ptr<CausalLm> m = tiny_model("qwen3");
+  const int64_t v = m->config().vocab_size;
+  RolloutEngine e(runtime(), *m);
+  RolloutRequest r;
+  r.prompt = random_ids(126, v, 7);
+  r.max_new_tokens = 10;
+  e.submit(r);
+  const std::vector<RolloutResult> got = e.run();
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].tokens.size(), 2u);  // 126 + 2 = max_position_embeddings
+  EXPECT_EQ(got[0].finish_reason, FinishReason::kLength);
+  const auto refused = [&](RolloutEngine& engine, RolloutRequest bad, const std::string& needle) {
+    try {
+      engine.submit(std::move(bad));
+      ADD_FAILURE() << "accepted; expected: " << needle;
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(needle), std::string::npos) << err.what();
+    }
+  };
+  RolloutRequest empty;
+  refused(e, empty, "empty prompt");
+  RolloutRequest outside;
+  outside.prompt = {1, int32_t(v)};
+  refused(e, outside, "outside the vocabulary");
+  RolloutRequest too_long;
+  too_long.prompt = random_ids(128, v, 8);
+  refused(e, too_long, "leaves no room");
+  EngineOptions tiny;
+  tiny.block_size = 4;
+  tiny.cache_blocks = 2;  // 8 tokens
+  RolloutEngine small(runtime(), *m, tiny);
+  RolloutRequest nine;
+  nine.prompt = random_ids(9, v, 9);
+  refused(small, nine, "leaves no room");
+  RolloutRequest six;
+  six.prompt = random_ids(6, v, 10);
+  six.max_new_tokens = 5;
+  small.submit(six);
+  const std::vector<RolloutResult> cut = small.run();
+  ASSERT_EQ(cut.size(), 1u);
+  EXPECT_EQ(cut[0].tokens.size(), 2u);  // the cache's 8 tokens bound the context
+}
+
+}  // namespace
