@@ -86,6 +86,7 @@ class RolloutEngine::Pool {
                                      c.linear_value_head_dim}, gdn_state_dtype(mo.dtype), cx.allocator));
     }
     for (int64_t b = blocks; b-- > 0;) free_blocks.push_back(int32_t(b));
+    block_refs.assign(size_t(blocks), 0);
     for (int64_t s = o.max_running; s-- > 0;) free_slots.push_back(int(s));
     // Without attention layers the context is not bounded by the cache.
     capacity_tokens = attn > 0 ? blocks * block_size : std::numeric_limits<int64_t>::max();
@@ -96,6 +97,7 @@ class RolloutEngine::Pool {
   std::vector<Tensor> k, v;              // per attention layer: (S, Hkv, D)
   std::vector<Tensor> conv, state;       // per GDN layer: (slots, W - 1, C), (slots, Hv, dk, dv)
   std::vector<int32_t> free_blocks;      // back: next handed out
+  std::vector<int> block_refs;           // per block: the sequences whose table holds it
   std::vector<int> free_slots;
 };
 
@@ -111,6 +113,9 @@ struct RolloutEngine::Sequence {
   int64_t admitted = -1;        // admission number while running
   std::mt19937_64 rng;
   std::vector<double> logprobs;
+  // The request's other samples while this one computes the shared prompt (share_prefixes); they fork from it once
+  // the prompt is in the cache.
+  std::vector<std::unique_ptr<Sequence>> followers;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -269,7 +274,8 @@ int64_t RolloutEngine::submit(RolloutRequest request) {
     s->prompt_len = req->prompt.size();
     std::seed_seq seq{uint32_t(req->seed), uint32_t(req->seed >> 32), uint32_t(i)};
     s->rng.seed(seq);
-    waiting_.push_back(std::move(s));
+    if (i > 0 && options_.share_prefixes) waiting_.back()->followers.push_back(std::move(s));
+    else waiting_.push_back(std::move(s));
   }
   return next_request_++;
 }
@@ -282,13 +288,15 @@ bool RolloutEngine::reserve_blocks(Sequence& s, int64_t tokens) {
   if (need - s.blocks.size() > pool_->free_blocks.size()) return false;
   while (s.blocks.size() < need) {
     s.blocks.push_back(pool_->free_blocks.back());
+    pool_->block_refs[size_t(s.blocks.back())] = 1;
     pool_->free_blocks.pop_back();
   }
   return true;
 }
 
 void RolloutEngine::release(Sequence& s) {
-  for (int32_t b : s.blocks) pool_->free_blocks.push_back(b);
+  for (int32_t b : s.blocks)
+    if (--pool_->block_refs[size_t(b)] == 0) pool_->free_blocks.push_back(b);
   s.blocks.clear();
   if (s.slot >= 0) pool_->free_slots.push_back(s.slot);
   s.slot = -1;
@@ -315,6 +323,61 @@ void RolloutEngine::finish(Sequence& s, FinishReason why) {
   r.finish_reason = why;
   finished_.push_back(std::move(r));
   release(s);
+}
+
+void RolloutEngine::admit(Sequence& s) {
+  s.slot = pool_->free_slots.back();
+  pool_->free_slots.pop_back();
+  s.admitted = admissions_++;
+}
+
+// `follower` continues from `leader`'s prompt, which is in the cache: its whole blocks shared, its partial block and
+// GDN history and state copied. False (nothing taken) when no slot or block is free for it.
+bool RolloutEngine::fork(Sequence& leader, Sequence& follower) {
+  const int64_t bs = pool_->block_size, whole = int64_t(leader.prompt_len) / bs, part = int64_t(leader.prompt_len) % bs;
+  const bool needs_block = !pool_->k.empty() && part > 0;
+  if (pool_->free_slots.empty() || int64_t(running_.size()) >= options_.max_running ||
+      (needs_block && pool_->free_blocks.empty()))
+    return false;
+  admit(follower);
+  ExecContext cx = rt_->context(model_->options().device);
+  if (!pool_->k.empty()) {
+    for (int64_t b = 0; b < whole; ++b) {
+      follower.blocks.push_back(leader.blocks[size_t(b)]);
+      ++pool_->block_refs[size_t(leader.blocks[size_t(b)])];
+    }
+    if (needs_block) {
+      reserve_blocks(follower, int64_t(leader.prompt_len));  // the one new block
+      const int64_t from = leader.blocks[size_t(whole)] * bs, to = follower.blocks.back() * bs;
+      for (size_t a = 0; a < pool_->k.size(); ++a)
+        for (Tensor* t : {&pool_->k[a], &pool_->v[a]}) copy_into(cx, t->narrow(0, from, part), t->narrow(0, to, part));
+    }
+  }
+  for (size_t g = 0; g < pool_->conv.size(); ++g)
+    for (Tensor* t : {&pool_->conv[g], &pool_->state[g]})
+      copy_into(cx, t->narrow(0, leader.slot, 1), t->narrow(0, follower.slot, 1));
+  follower.computed = int64_t(leader.prompt_len);
+  stats_.shared_prompt_tokens += int64_t(leader.prompt_len);
+  return true;
+}
+
+bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
+  const ModelConfig& c = model_->config();
+  std::copy(row.begin(), row.end(), scratch.begin());
+  const int32_t token = sample_token(scratch, c.vocab_size, s.req->sampling, s.rng);
+  // log-softmax of the raw logits at the token
+  const double mx = *std::max_element(row.begin(), row.end());
+  double sum = 0;
+  for (double x : row) sum += std::exp(x - mx);
+  s.logprobs.push_back(row[size_t(token)] - mx - std::log(sum));
+  s.tokens.push_back(token);
+  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
+                                                                                       : pool_->capacity_tokens);
+  const bool stop = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
+  const int64_t generated = int64_t(s.tokens.size() - s.prompt_len);
+  if (!stop && generated < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
+  finish(s, stop ? FinishReason::kEos : FinishReason::kLength);
+  return true;
 }
 
 // The step's sequences and how many of their tokens each computes: the running ones first (in admission order; a
@@ -349,9 +412,7 @@ bool RolloutEngine::schedule(std::vector<Sequence*>& batch, std::vector<int64_t>
                   pool_->block_size, n);
       break;
     }
-    s.slot = pool_->free_slots.back();
-    pool_->free_slots.pop_back();
-    s.admitted = admissions_++;
+    admit(s);
     ExecContext cx = rt_->context(model_->options().device);
     for (size_t g = 0; g < pool_->conv.size(); ++g) {  // a new sequence starts from zero history and state
       fill_zero(cx, pool_->conv[g].narrow(0, s.slot, 1));
@@ -389,33 +450,27 @@ bool RolloutEngine::step() {
   const Tensor host = rt_->copy_to(logits.dtype() == DType::F64 ? logits : cast(cx, logits, DType::F64), Device::cpu());
   const double* all = host.data<double>();
   std::vector<float> row_f32(size_t(c.vocab_size));
-  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
-                                                                                       : pool_->capacity_tokens);
   ++stats_.steps;
   for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
   stats_.peak_blocks_used = std::max(stats_.peak_blocks_used, pool_->blocks - int64_t(pool_->free_blocks.size()));
-  stats_.peak_running = std::max(stats_.peak_running, int64_t(running_.size()));
   std::vector<Sequence*> done;
   for (size_t i = 0; i < batch.size(); ++i) {
     Sequence& s = *batch[i];
     s.computed += chunk[i];
     if (s.computed < int64_t(s.tokens.size())) continue;  // a prompt chunk: its last logits are not the next token's
     const std::span<const double> row(all + int64_t(i) * c.vocab_size, size_t(c.vocab_size));
-    std::copy(row.begin(), row.end(), row_f32.begin());
-    const int32_t token = sample_token(row_f32, c.vocab_size, s.req->sampling, s.rng);
-    // log-softmax of the raw logits at the token
-    const double mx = *std::max_element(row.begin(), row.end());
-    double sum = 0;
-    for (double x : row) sum += std::exp(x - mx);
-    s.logprobs.push_back(row[size_t(token)] - mx - std::log(sum));
-    s.tokens.push_back(token);
-    const bool stop = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
-    const int64_t generated = int64_t(s.tokens.size() - s.prompt_len);
-    if (stop || generated >= s.req->max_new_tokens || int64_t(s.tokens.size()) >= limit) {
-      finish(s, stop ? FinishReason::kEos : FinishReason::kLength);
-      done.push_back(&s);
+    // The prompt is in the cache: the request's other samples fork from it and draw from the same logits.
+    for (std::unique_ptr<Sequence>& f : std::exchange(s.followers, {})) {
+      if (!fork(s, *f)) {  // no room now: it will compute its prompt itself
+        waiting_.push_back(std::move(f));
+        continue;
+      }
+      if (sample(*f, row, row_f32)) done.push_back(f.get());
+      running_.push_back(std::move(f));
     }
+    if (sample(s, row, row_f32)) done.push_back(&s);
   }
+  stats_.peak_running = std::max(stats_.peak_running, int64_t(running_.size()));
   std::erase_if(running_, [&](const auto& p) { return std::find(done.begin(), done.end(), p.get()) != done.end(); });
   return true;
 }

@@ -12,6 +12,11 @@
 // - Preemption by recomputation: when the pool has no free block for a step, the most recently admitted running
 //   sequence gives its blocks and slot back and waits again with everything it has so far (prompt and generated
 //   tokens), which it prefills again when readmitted; its sampler's state is kept, so its tokens are the same.
+// - Prefix sharing: the n samples of a request run as one sequence until its prompt is in the cache; then the other
+//   samples fork from it: they share its whole prompt blocks (reference counts), get a copy of its last, partial
+//   block and of its GDN history and state, and draw their first token from the same logits. Nothing writes to a
+//   shared block: every sequence's next tokens go to its own partial block or to new ones. A sample that finds no
+//   free block or slot at the fork waits and computes its prompt itself.
 // - Sampling on the host (sample_token, model/generate.h) with one mt19937_64 per sequence seeded from the request's
 //   seed and the sample's index, so a sequence's tokens do not depend on what else is in the batch. Each token comes
 //   with its log-probability under the model's distribution (log-softmax of the raw logits).
@@ -20,7 +25,7 @@
 // its queries attend them with the causal mask of their positions (the last n of its past + n tokens), in f32 (f64
 // for an f64 model), as the single-sequence decoder's step does; a sequence's first chunk attends through the
 // training attention op. These are compositions of registry ops, so the engine runs on every backend; fused paged
-// kernels, device sampling, prefix sharing and per-request adapters are the next steps (docs/rollout.md).
+// kernels, device sampling and per-request adapters are the next steps (docs/rollout.md).
 // Covered by tests/models/test_rollout.cpp.
 #pragma once
 
@@ -28,6 +33,7 @@
 #include <deque>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "model/causal_lm.h"
@@ -41,6 +47,7 @@ struct EngineOptions {
   int64_t cache_bytes = int64_t(1) << 30;
   int64_t max_step_tokens = 2048;  // tokens one model call takes (decodes and prefill chunks together)
   int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)
+  bool share_prefixes = true;      // the n samples of a request share its prompt's cache, computed once
 };
 
 struct RolloutRequest {
@@ -62,6 +69,7 @@ struct RolloutResult {
 
 struct EngineStats {
   int64_t steps = 0, step_tokens = 0, preemptions = 0, peak_blocks_used = 0, peak_running = 0;
+  int64_t shared_prompt_tokens = 0;  // prompt tokens samples took from their request's first sample, not computed
 };
 
 class RolloutEngine {
@@ -93,6 +101,10 @@ class RolloutEngine {
   class Pool;
 
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
+  void admit(Sequence& s);
+  bool fork(Sequence& leader, Sequence& follower);
+  // Samples the next token of `s` from `row` (its logits); true when that finishes it.
+  bool sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch);
   bool reserve_blocks(Sequence& s, int64_t tokens);
   void preempt(Sequence& s);
   void release(Sequence& s);

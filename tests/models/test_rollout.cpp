@@ -124,6 +124,56 @@ TEST_P(RolloutFamilies, GreedyBatchEqualsEachPromptAloneWithoutACache) {
   }
 }
 
+// Three samples of each of three prompts (6, 13 and 1 tokens), 7 new tokens: with prefix sharing the prompt of each
+// request is computed once (the step tokens drop by (n - 1) x its length, which shared_prompt_tokens counts) and every
+// sample draws the same tokens as without sharing, also under a cache so small that samples are preempted and forks
+// find no room; greedy samples all equal the cache-free reference.
+TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
+  const std::unique_ptr<CausalLm> m = tiny_model(GetParam());
+  const int64_t v = m->config().vocab_size;
+  const std::vector<int64_t> lengths = {6, 13, 1};
+  const auto run = [&](EngineOptions o, double temperature, EngineStats* stats = nullptr) {
+    RolloutEngine e(runtime(), *m, o);
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      RolloutRequest r;
+      r.prompt = random_ids(lengths[i], v, 300 + i);
+      r.n = 3;
+      r.max_new_tokens = 7;
+      r.sampling.temperature = temperature;
+      r.sampling.top_k = 10;
+      r.seed = 77 + i;
+      e.submit(r);
+    }
+    std::vector<RolloutResult> out = e.run();
+    if (stats) *stats = e.stats();
+    return out;
+  };
+  EngineOptions unshared, shared, cramped;
+  unshared.block_size = shared.block_size = cramped.block_size = 4;
+  unshared.share_prefixes = false;
+  cramped.cache_blocks = 9;  // 36 tokens for nine sequences of up to 20
+  cramped.max_step_tokens = 12;
+  EngineStats a, b, c;
+  const std::vector<RolloutResult> want = run(unshared, 0.9, &a);
+  const std::vector<RolloutResult> got = run(shared, 0.9, &b);
+  const std::vector<RolloutResult> tight = run(cramped, 0.9, &c);
+  ASSERT_EQ(want.size(), 9u);
+  ASSERT_EQ(got.size(), 9u);
+  ASSERT_EQ(tight.size(), 9u);
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request << " sample " << got[k].sample;
+    EXPECT_EQ(tight[k].tokens, want[k].tokens) << "cramped: request " << tight[k].request << " sample " << tight[k].sample;
+  }
+  EXPECT_EQ(a.shared_prompt_tokens, 0);
+  EXPECT_EQ(b.shared_prompt_tokens, 2 * (6 + 13 + 1));
+  EXPECT_EQ(b.step_tokens, a.step_tokens - 2 * (6 + 13 + 1));
+  EXPECT_GT(c.preemptions, 0);
+  const std::vector<RolloutResult> greedy = run(shared, 0.0);
+  for (const RolloutResult& r : greedy)
+    EXPECT_EQ(r.tokens, reference_greedy(*m, random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request)), 7).first)
+        << "greedy request " << r.request << " sample " << r.sample;
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
                          ::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe_text"));
 
