@@ -162,16 +162,18 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   ASSERT_EQ(tight.size(), 9u);
   for (size_t k = 0; k < want.size(); ++k) {
     EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request << " sample " << got[k].sample;
-    EXPECT_EQ(tight[k].tokens, want[k].tokens) << "cramped: request " << tight[k].request << " sample " << tight[k].sample;
+    EXPECT_EQ(tight[k].tokens, want[k].tokens)
+        << "cramped: request " << tight[k].request << " sample " << tight[k].sample;
   }
   EXPECT_EQ(a.shared_prompt_tokens, 0);
   EXPECT_EQ(b.shared_prompt_tokens, 2 * (6 + 13 + 1));
   EXPECT_EQ(b.step_tokens, a.step_tokens - 2 * (6 + 13 + 1));
   EXPECT_GT(c.preemptions, 0);
   const std::vector<RolloutResult> greedy = run(shared, 0.0);
-  for (const RolloutResult& r : greedy)
-    EXPECT_EQ(r.tokens, reference_greedy(*m, random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request)), 7).first)
-        << "greedy request " << r.request << " sample " << r.sample;
+  for (const RolloutResult& r : greedy) {
+    const std::vector<int32_t> prompt = random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request));
+    EXPECT_EQ(r.tokens, reference_greedy(*m, prompt, 7).first) << "greedy request " << r.request << " sample " << r.sample;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
