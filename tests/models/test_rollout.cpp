@@ -172,7 +172,8 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   const std::vector<RolloutResult> greedy = run(shared, 0.0);
   for (const RolloutResult& r : greedy) {
     const std::vector<int32_t> prompt = random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request));
-    EXPECT_EQ(r.tokens, reference_greedy(*m, prompt, 7).first) << "greedy request " << r.request << " sample " << r.sample;
+    EXPECT_EQ(r.tokens, reference_greedy(*m, prompt, 7).first)
+        << "greedy request " << r.request << " sample " << r.sample;
   }
 }
 
