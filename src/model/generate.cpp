@@ -154,19 +154,39 @@ void check_sampling_options(const SamplingOptions& o) {
               o.temperature);
   LATHE_CHECK(o.top_k >= 0, "generate: top_k must be >= 0 (0 = off), not {}", o.top_k);
   LATHE_CHECK(o.top_p > 0 && o.top_p <= 1, "generate: top_p must be in (0, 1] (1 = off), not {}", o.top_p);
+  LATHE_CHECK(o.min_p >= 0 && o.min_p <= 1, "generate: min_p must be in [0, 1] (0 = off), not {}", o.min_p);
+  LATHE_CHECK(std::isfinite(o.repetition_penalty) && o.repetition_penalty > 0,
+              "generate: repetition_penalty must be > 0 (1 = off), not {}", o.repetition_penalty);
+  LATHE_CHECK(std::isfinite(o.frequency_penalty), "generate: frequency_penalty must be finite (0 = off), not {}",
+              o.frequency_penalty);
 }
 
-int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& o,
-                     std::mt19937_64& rng) {
+SampledToken sample_next(std::span<const float> raw, int64_t allowed_vocab, const SamplingOptions& o,
+                         std::span<const int32_t> prompt, std::span<const int32_t> generated, std::mt19937_64& rng) {
   check_sampling_options(o);
-  const int64_t n = std::min<int64_t>(allowed_vocab, int64_t(logits.size()));
-  LATHE_CHECK(n > 0, "generate: no token id is allowed (allowed vocab {}, {} logits)", allowed_vocab, logits.size());
+  const int64_t n = std::min<int64_t>(allowed_vocab, int64_t(raw.size()));
+  LATHE_CHECK(n > 0, "generate: no token id is allowed (allowed vocab {}, {} logits)", allowed_vocab, raw.size());
   for (int64_t i = 0; i < n; ++i)  // -inf marks a masked id; NaN or +inf means the model went wrong
-    LATHE_CHECK(!std::isnan(logits[size_t(i)]) && logits[size_t(i)] != std::numeric_limits<float>::infinity(),
-                "generate: the model produced a non-finite logit ({} for id {})", logits[size_t(i)], i);
-  const int32_t best = int32_t(std::max_element(logits.begin(), logits.begin() + n) - logits.begin());
+    LATHE_CHECK(!std::isnan(raw[size_t(i)]) && raw[size_t(i)] != std::numeric_limits<float>::infinity(),
+                "generate: the model produced a non-finite logit ({} for id {})", raw[size_t(i)], i);
+  std::vector<double> logits(raw.begin(), raw.begin() + n);
+  if (o.repetition_penalty != 1.0) {
+    std::vector<bool> seen(size_t(n), false);
+    for (std::span<const int32_t> ids : {prompt, generated})
+      for (int32_t id : ids)
+        if (id >= 0 && id < n) seen[size_t(id)] = true;
+    for (int64_t i = 0; i < n; ++i)
+      if (seen[size_t(i)]) {
+        double& l = logits[size_t(i)];
+        l = l > 0 ? l / o.repetition_penalty : l * o.repetition_penalty;
+      }
+  }
+  if (o.frequency_penalty != 0.0)
+    for (int32_t id : generated)
+      if (id >= 0 && id < n && std::isfinite(logits[size_t(id)])) logits[size_t(id)] -= o.frequency_penalty;
+  const int32_t best = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
   LATHE_CHECK(std::isfinite(logits[size_t(best)]), "generate: every token id is masked");
-  if (o.temperature == 0) return best;
+  if (o.temperature == 0) return {best, 0.0};
 
   std::vector<int32_t> ids(static_cast<size_t>(n));
   std::iota(ids.begin(), ids.end(), 0);
@@ -181,11 +201,11 @@ int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const
     std::sort(ids.begin(), ids.end(), more_likely);
   }
   double max_logit = -std::numeric_limits<double>::infinity();
-  for (int64_t i = 0; i < keep; ++i) max_logit = std::max(max_logit, double(logits[size_t(ids[size_t(i)])]));
+  for (int64_t i = 0; i < keep; ++i) max_logit = std::max(max_logit, logits[size_t(ids[size_t(i)])]);
   std::vector<double> p(static_cast<size_t>(keep));  // unnormalised probabilities of ids[0..keep)
   double total = 0;
   for (int64_t i = 0; i < keep; ++i)
-    total += (p[size_t(i)] = std::exp((double(logits[size_t(ids[size_t(i)])]) - max_logit) / o.temperature));
+    total += (p[size_t(i)] = std::exp((logits[size_t(ids[size_t(i)])] - max_logit) / o.temperature));
   if (o.top_p < 1) {  // ids are sorted here: keep each id while the mass before it is below p (HF's rule)
     double before = 0;
     int64_t m = 0;
@@ -193,13 +213,30 @@ int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const
     keep = m;
     total = before;
   }
+  if (o.min_p > 0) {  // the largest probability is the max logit's, exp(0) = 1 unnormalised
+    total = 0;
+    for (int64_t i = 0; i < keep; ++i) {
+      if (p[size_t(i)] < o.min_p) p[size_t(i)] = 0;
+      total += p[size_t(i)];
+    }
+  }
   const double u = double(rng() >> 11) * 0x1.0p-53 * total;  // uniform in [0, total), same on every platform
   double acc = 0;
+  int64_t chosen = keep - 1;  // u rounded up to the total: the last id with mass
+  while (chosen > 0 && p[size_t(chosen)] == 0) --chosen;
   for (int64_t i = 0; i < keep; ++i) {
     acc += p[size_t(i)];
-    if (u < acc) return ids[size_t(i)];
+    if (u < acc) {
+      chosen = i;
+      break;
+    }
   }
-  return ids[size_t(keep - 1)];  // u rounded up to the total
+  return {ids[size_t(chosen)], std::log(p[size_t(chosen)] / total)};
+}
+
+int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& o,
+                     std::mt19937_64& rng) {
+  return sample_next(logits, allowed_vocab, o, {}, {}, rng).id;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -98,14 +98,30 @@ struct SamplingOptions {
   double temperature = 0.0;  // 0 = greedy: the largest logit, the lowest id on ties
   int64_t top_k = 0;         // keep the k most likely ids; 0 = all
   double top_p = 1.0;        // then keep the most likely ids until their probability reaches p; 1 = all
+  double min_p = 0.0;        // then keep the ids whose probability is at least min_p x the largest; 0 = all
+  // Penalties on the logits before everything else (sample_next): Hugging Face's repetition penalty over the prompt
+  // and the generated ids (a logit l of an id seen becomes l / r if l > 0, else l r; 1 = off), and the frequency
+  // penalty over the generated ids (l - f x its count, as vLLM and OpenAI's API; 0 = off).
+  double repetition_penalty = 1.0;
+  double frequency_penalty = 0.0;
 };
 
 // Throws a lathe::Error naming the first option out of range.
 void check_sampling_options(const SamplingOptions& options);
 
-// The next token from `logits`; ids >= `allowed_vocab` and ids whose logit is -inf are never chosen (the
-// embedding may be larger than the tokenizer, which may have holes). Applied in Hugging Face's order:
-// temperature, top-k, top-p on the distribution top-k left, one draw.
+struct SampledToken {
+  int32_t id = 0;
+  // Its log-probability under the distribution it was drawn from (after penalties, temperature, top-k, top-p and
+  // min-p; 0 for greedy, a point mass): what an RL importance ratio divides by.
+  double logprob = 0.0;
+};
+
+// The next token from `logits`; ids >= `allowed_vocab` and ids whose logit is -inf are never chosen (the embedding may
+// be larger than the tokenizer, which may have holes). Applied in Hugging Face's order: penalties (from `prompt` and
+// `generated`), temperature, top-k, top-p on the distribution top-k left, min-p on what is left, one draw.
+SampledToken sample_next(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& options,
+                         std::span<const int32_t> prompt, std::span<const int32_t> generated, std::mt19937_64& rng);
+// sample_next without a history (no penalty applies).
 int32_t sample_token(std::span<const float> logits, int64_t allowed_vocab, const SamplingOptions& options,
                      std::mt19937_64& rng);
 

@@ -112,7 +112,7 @@ struct RolloutEngine::Sequence {
   int slot = -1;                // GDN state slot while running
   int64_t admitted = -1;        // admission number while running
   std::mt19937_64 rng;
-  std::vector<double> logprobs;
+  std::vector<double> logprobs, sampling_logprobs;
   // The request's other samples while this one computes the shared prompt (share_prefixes); they fork from it once
   // the prompt is in the cache.
   std::vector<std::unique_ptr<Sequence>> followers;
@@ -320,6 +320,7 @@ void RolloutEngine::finish(Sequence& s, FinishReason why) {
   r.sample = s.sample;
   r.tokens.assign(s.tokens.begin() + std::ptrdiff_t(s.prompt_len), s.tokens.end());
   r.logprobs = std::move(s.logprobs);
+  r.sampling_logprobs = std::move(s.sampling_logprobs);
   r.finish_reason = why;
   finished_.push_back(std::move(r));
   release(s);
@@ -364,7 +365,11 @@ bool RolloutEngine::fork(Sequence& leader, Sequence& follower) {
 bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
   const ModelConfig& c = model_->config();
   std::copy(row.begin(), row.end(), scratch.begin());
-  const int32_t token = sample_token(scratch, c.vocab_size, s.req->sampling, s.rng);
+  const std::span<const int32_t> prompt(s.tokens.data(), s.prompt_len);
+  const std::span<const int32_t> generated(s.tokens.data() + s.prompt_len, s.tokens.size() - s.prompt_len);
+  const SampledToken drawn = sample_next(scratch, c.vocab_size, s.req->sampling, prompt, generated, s.rng);
+  const int32_t token = drawn.id;
+  s.sampling_logprobs.push_back(drawn.logprob);
   // log-softmax of the raw logits at the token
   const double mx = *std::max_element(row.begin(), row.end());
   double sum = 0;
@@ -374,8 +379,8 @@ bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector
   const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
                                                                                        : pool_->capacity_tokens);
   const bool stop = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
-  const int64_t generated = int64_t(s.tokens.size() - s.prompt_len);
-  if (!stop && generated < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
+  const int64_t new_tokens = int64_t(s.tokens.size() - s.prompt_len);
+  if (!stop && new_tokens < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
   finish(s, stop ? FinishReason::kEos : FinishReason::kLength);
   return true;
 }

@@ -17,9 +17,10 @@
 //   block and of its GDN history and state, and draw their first token from the same logits. Nothing writes to a
 //   shared block: every sequence's next tokens go to its own partial block or to new ones. A sample that finds no
 //   free block or slot at the fork waits and computes its prompt itself.
-// - Sampling on the host (sample_token, model/generate.h) with one mt19937_64 per sequence seeded from the request's
-//   seed and the sample's index, so a sequence's tokens do not depend on what else is in the batch. Each token comes
-//   with its log-probability under the model's distribution (log-softmax of the raw logits).
+// - Sampling on the host (sample_next, model/generate.h: penalties, temperature, top-k, top-p, min-p) with one
+//   mt19937_64 per sequence seeded from the request's seed and the sample's index, so a sequence's tokens do not
+//   depend on what else is in the batch. Each token comes with its log-probability under the model's distribution
+//   (log-softmax of the raw logits) and under the distribution it was drawn from.
 //
 // Attention over the pages: per sequence, its cached keys and values are gathered from the blocks (a row gather) and
 // its queries attend them with the causal mask of their positions (the last n of its past + n tokens), in f32 (f64
@@ -64,6 +65,7 @@ struct RolloutResult {
   int sample = 0;                  // 0 .. n - 1
   std::vector<int32_t> tokens;     // generated ids
   std::vector<double> logprobs;    // each token's log-probability under the model's distribution
+  std::vector<double> sampling_logprobs;  // and under the distribution it was drawn from (SampledToken::logprob)
   FinishReason finish_reason = FinishReason::kLength;  // kEos: a stop id; kLength: max_new_tokens or the context
 };
 

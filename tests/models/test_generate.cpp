@@ -245,6 +245,75 @@ TEST(Sampling, GreedyTopKTopPAndMasking) {
   }
 }
 
+// Probabilities 0.4, 0.3, 0.2, 0.1 at temperature 1: min-p 0.6 keeps the ids at least 0.6 x 0.4 = 0.24 likely (0 and
+// 1), so draws follow 4:3 and each draw's log-probability is log(0.4 / 0.7) or log(0.3 / 0.7); top-k 3 with min-p 0.45
+// keeps 0, 1, 2 (0.2 >= 0.18). The log-probability is always of the distribution drawn from; greedy reports 0.
+TEST(Sampling, MinPAndTheDrawsLogProbability) {
+  std::mt19937_64 rng(3);
+  const std::vector<float> p4 = {std::log(0.4f), std::log(0.3f), std::log(0.2f), std::log(0.1f)};
+  const auto q = [&](int32_t id, std::vector<int32_t> kept) {
+    double total = 0;
+    for (int32_t k : kept) total += std::exp(double(p4[size_t(k)]));
+    return std::log(std::exp(double(p4[size_t(id)])) / total);
+  };
+  std::map<int32_t, int> counts;
+  const int draws = 20000;
+  SamplingOptions min_p{1.0, 0, 1.0, 0.6};
+  for (int i = 0; i < draws; ++i) {
+    const SampledToken t = sample_next(p4, 4, min_p, {}, {}, rng);
+    ++counts[t.id];
+    ASSERT_TRUE(t.id == 0 || t.id == 1) << t.id;
+    EXPECT_NEAR(t.logprob, q(t.id, {0, 1}), 1e-6);
+  }
+  EXPECT_NEAR(counts[0] / double(draws), 0.4 / 0.7, 0.015);
+  SamplingOptions both{1.0, 3, 1.0, 0.45};
+  for (int i = 0; i < 2000; ++i) {
+    const SampledToken t = sample_next(p4, 4, both, {}, {}, rng);
+    ASSERT_LT(t.id, 3);
+    EXPECT_NEAR(t.logprob, q(t.id, {0, 1, 2}), 1e-6);
+  }
+  const SampledToken g = sample_next(p4, 4, {}, {}, {}, rng);
+  EXPECT_EQ(g.id, 0);
+  EXPECT_EQ(g.logprob, 0.0);
+  SamplingOptions bad;
+  bad.min_p = 1.5;
+  EXPECT_THROW(sample_next(p4, 4, bad, {}, {}, rng), Error);
+}
+
+// Penalties by their definitions, on logits {2.0, 1.9, -0.5, -0.6}: a repetition penalty of 1.2 on id 0 (in the
+// prompt) gives 2.0 / 1.2 = 1.667 < 1.9, so greedy picks 1; with id 1 generated twice, frequency penalty 0.2 and the
+// same repetition penalty, id 1 is 1.9 / 1.2 - 0.4 = 1.183, so greedy picks 0; a negative logit is multiplied
+// (-0.5 x 2 = -1.0 < -0.6). At temperature 1 the draw's log-probability is the log-softmax of the penalised logits.
+TEST(Sampling, RepetitionAndFrequencyPenalties) {
+  std::mt19937_64 rng(5);
+  const std::vector<float> l = {2.0f, 1.9f, -0.5f, -0.6f};
+  const std::vector<int32_t> prompt = {0}, twice = {1, 1};
+  SamplingOptions rep;
+  rep.repetition_penalty = 1.2;
+  EXPECT_EQ(sample_next(l, 4, rep, prompt, {}, rng).id, 1);
+  SamplingOptions both = rep;
+  both.frequency_penalty = 0.2;
+  EXPECT_EQ(sample_next(l, 4, both, prompt, twice, rng).id, 0);
+  const std::vector<float> neg = {-0.5f, -0.6f};
+  SamplingOptions doubled;
+  doubled.repetition_penalty = 2.0;
+  EXPECT_EQ(sample_next(neg, 2, doubled, std::vector<int32_t>{0}, {}, rng).id, 1);
+  both.temperature = 1.0;
+  const std::vector<double> penalised = {2.0f / 1.2, 1.9f / 1.2 - 0.4, -0.5f, -0.6f};
+  double total = 0;
+  for (double x : penalised) total += std::exp(x);
+  for (int i = 0; i < 200; ++i) {
+    const SampledToken t = sample_next(l, 4, both, prompt, twice, rng);
+    EXPECT_NEAR(t.logprob, penalised[size_t(t.id)] - std::log(total), 1e-6) << t.id;
+  }
+  SamplingOptions bad;
+  bad.repetition_penalty = 0.0;
+  EXPECT_THROW(sample_next(l, 4, bad, {}, {}, rng), Error);
+  bad = {};
+  bad.frequency_penalty = NAN;
+  EXPECT_THROW(sample_next(l, 4, bad, {}, {}, rng), Error);
+}
+
 TEST(TextStream, HoldsCutCharactersAndStopPrefixes) {
   const data::Tokenizer tok = data::Tokenizer::from_file(kTinyTokenizer.string());
   const std::string text = "h\xC3\xA9 \xE4\xBD\xA0\xE5\xA5\xBD!";  // "hé 你好!" one byte per token

@@ -214,6 +214,16 @@ TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
     EXPECT_EQ(got[k].tokens, want.tokens) << "request " << got[k].request << " sample " << got[k].sample;
   }
   EXPECT_NE(alone[0][0].tokens, alone[0][1].tokens);
+  // At temperature 1 without truncation the sampling distribution is the model's: both log-probs agree (the sampler
+  // reads the logits in f32); greedy's is 0, a point mass.
+  RolloutRequest plain = request(1);
+  plain.sampling = {};
+  plain.sampling.temperature = 1.0;
+  RolloutEngine p(runtime(), *m);
+  p.submit(plain);
+  for (const RolloutResult& r : p.run())
+    for (size_t k = 0; k < r.tokens.size(); ++k) EXPECT_NEAR(r.sampling_logprobs[k], r.logprobs[k], 1e-5);
+  for (double lp : alone[0][0].sampling_logprobs) EXPECT_LE(lp, 0.0);
   // A stop id: the first token sample 0 of request 0 drew, so it stops right there.
   RolloutRequest r = request(0);
   r.stop_ids = {alone[0][0].tokens[0]};
