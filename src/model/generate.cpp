@@ -378,7 +378,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
     std::vector<float> logits = decoder_->feed(prompt);
     while (true) {
       for (int32_t id : unknown_ids_) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
-      const int32_t token = sample_token(logits, allowed, options.sampling, rng);
+      const std::span<const int32_t> done(result.tokens);
+      const int32_t token = sample_next(logits, allowed, options.sampling, prompt, done, rng).id;
       result.tokens.push_back(token);
       if (std::find(options.eos_ids.begin(), options.eos_ids.end(), token) != options.eos_ids.end()) {
         result.finish_reason = FinishReason::kEos;

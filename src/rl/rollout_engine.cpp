@@ -255,6 +255,9 @@ int64_t RolloutEngine::submit(RolloutRequest request) {
   LATHE_CHECK(request.max_new_tokens >= 1, "rollout: request {} asks for {} new tokens", next_request_,
               request.max_new_tokens);
   check_sampling_options(request.sampling);
+  for (int32_t id : request.banned_ids)
+    LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: banned id {} is outside the vocabulary (size {})",
+                next_request_, id, c.vocab_size);
   for (int32_t id : request.prompt)
     LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: token id {} is outside the vocabulary (size {})",
                 next_request_, id, c.vocab_size);
@@ -365,9 +368,11 @@ bool RolloutEngine::fork(Sequence& leader, Sequence& follower) {
 bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
   const ModelConfig& c = model_->config();
   std::copy(row.begin(), row.end(), scratch.begin());
+  for (int32_t id : s.req->banned_ids) scratch[size_t(id)] = -std::numeric_limits<float>::infinity();
   const std::span<const int32_t> prompt(s.tokens.data(), s.prompt_len);
   const std::span<const int32_t> generated(s.tokens.data() + s.prompt_len, s.tokens.size() - s.prompt_len);
-  const SampledToken drawn = sample_next(scratch, c.vocab_size, s.req->sampling, prompt, generated, s.rng);
+  const int64_t allowed = s.req->allowed_vocab > 0 ? std::min(s.req->allowed_vocab, c.vocab_size) : c.vocab_size;
+  const SampledToken drawn = sample_next(scratch, allowed, s.req->sampling, prompt, generated, s.rng);
   const int32_t token = drawn.id;
   s.sampling_logprobs.push_back(drawn.logprob);
   // log-softmax of the raw logits at the token
@@ -378,10 +383,11 @@ bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector
   s.tokens.push_back(token);
   const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
                                                                                        : pool_->capacity_tokens);
-  const bool stop = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
+  const bool eos = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
+  const bool stop = s.req->on_token && s.req->on_token(s.sample, token);
   const int64_t new_tokens = int64_t(s.tokens.size() - s.prompt_len);
-  if (!stop && new_tokens < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
-  finish(s, stop ? FinishReason::kEos : FinishReason::kLength);
+  if (!eos && !stop && new_tokens < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
+  finish(s, eos ? FinishReason::kEos : stop ? FinishReason::kStop : FinishReason::kLength);
   return true;
 }
 

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <random>
 #include <span>
@@ -58,6 +59,11 @@ struct RolloutRequest {
   SamplingOptions sampling;        // temperature 0: greedy
   uint64_t seed = 0;               // sample i draws from mt19937_64 seeded by (seed, i)
   std::vector<int32_t> stop_ids;   // any of them ends a sample (it is kept in its tokens)
+  int64_t allowed_vocab = 0;       // ids at or above it are never drawn (0: the model's vocabulary)
+  std::vector<int32_t> banned_ids;  // never drawn (a tokenizer's holes)
+  // Called with each sample's generated tokens, once each, in order; true ends the sample with finish reason kStop
+  // (the token kept): stop strings, matched on the decoded text by the caller (TextStream).
+  std::function<bool(int sample, int32_t token)> on_token;
 };
 
 struct RolloutResult {
@@ -66,7 +72,7 @@ struct RolloutResult {
   std::vector<int32_t> tokens;     // generated ids
   std::vector<double> logprobs;    // each token's log-probability under the model's distribution
   std::vector<double> sampling_logprobs;  // and under the distribution it was drawn from (SampledToken::logprob)
-  FinishReason finish_reason = FinishReason::kLength;  // kEos: a stop id; kLength: max_new_tokens or the context
+  FinishReason finish_reason = FinishReason::kLength;  // kEos: a stop id; kStop: on_token; kLength: the limits
 };
 
 struct EngineStats {

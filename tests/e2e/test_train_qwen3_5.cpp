@@ -215,7 +215,7 @@ TEST(Qwen35Train, LoraFinalEvalGeneratesWhatTheMergedExportGenerates) {
   std::string line;
   for (const std::string& p : prompts) {
     ASSERT_TRUE(std::getline(in, line)) << "fewer completions than prompts";
-    std::string text = nlohmann::json::parse(line)["completion"].get<std::string>();
+    std::string text = nlohmann::json::parse(line)["text"].get<std::string>();
     const size_t b = text.find_first_not_of(" \t\r\n"), e = text.find_last_not_of(" \t\r\n");
     text = b == std::string::npos ? "" : text.substr(b, e - b + 1);
     std::printf("[qwen3_5 final eval] %s -> \"%s\"\n", p.c_str(), text.c_str());

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -427,6 +428,54 @@ TEST(Qwen35GenerateCli, GreedyTokensMatchTheFullForward) {
                                                        " --prompt-tokens 3 --adapter " + dir.string());
   EXPECT_NE(refused.exit_code, 0);
   EXPECT_NE(refused.output.find("adapter_config.json"), std::string::npos) << refused.output;
+}
+
+// `lathe generate --input` runs the rollout engine: three token lines of different lengths, two samples each, at most
+// two sequences at once; greedy, so every sample's tokens are the argmax chain of the full forward from its prompt and
+// its log-probs that forward's log-softmax; two lines per input line, in input order (no tokenizer here: no "text").
+TEST(Qwen35GenerateCli, InputLinesGenerateTogetherAsEachAlone) {
+  const fs::path dir = kFixtures / "hv_gt_hk_untied" / "model";
+  const fs::path work = fs::temp_directory_path() / "lathe_test_generate_input";
+  fs::remove_all(work);
+  fs::create_directories(work);
+  const std::vector<std::vector<int32_t>> prompts = {{3, 1, 4, 1, 5}, {2}, {7, 7, 0, 9, 2, 6, 5, 3, 1}};
+  {
+    std::ofstream f(work / "in.jsonl");
+    for (const auto& p : prompts) f << nlohmann::json{{"tokens", p}}.dump() << "\n";
+  }
+  const lathe_e2e::LatheRun run = lathe_e2e::lathe(
+      "generate --model " + dir.string() + " --input " + (work / "in.jsonl").string() + " --output " +
+      (work / "out.jsonl").string() + " --n 2 --max-new-tokens 6 --ignore-eos --dtype f64 --max-running 2");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  Qwen35Model m = Qwen35Model::load(runtime(), dir.string(), opt);
+  std::ifstream in(work / "out.jsonl");
+  std::string line;
+  for (const auto& prompt : prompts)
+    for (int sample = 0; sample < 2; ++sample) {
+      ASSERT_TRUE(std::getline(in, line)) << "fewer lines than prompts x 2";
+      const nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_FALSE(j.contains("text"));
+      EXPECT_EQ(j["finish_reason"], "length");
+      const std::vector<int32_t> tokens = j["tokens"].get<std::vector<int32_t>>();
+      const std::vector<double> logprobs = j["logprobs"].get<std::vector<double>>();
+      ASSERT_EQ(tokens.size(), 6u);
+      ASSERT_EQ(logprobs.size(), 6u);
+      std::vector<int32_t> seq = prompt;
+      for (size_t k = 0; k < tokens.size(); ++k) {
+        const std::vector<double> row = full_logits(m, seq).back();
+        EXPECT_EQ(tokens[k], argmax(row)) << "prompt of " << prompt.size() << ", token " << k;
+        const double mx = *std::max_element(row.begin(), row.end());
+        double sum = 0;
+        for (double x : row) sum += std::exp(x - mx);
+        EXPECT_NEAR(logprobs[k], row[size_t(tokens[k])] - mx - std::log(sum), 1e-9);
+        seq.push_back(tokens[k]);
+      }
+    }
+  EXPECT_FALSE(std::getline(in, line)) << "more lines than prompts x 2: " << line;
+  EXPECT_NE(run.output.find("prompt tokens shared"), std::string::npos) << run.output;
+  fs::remove_all(work);
 }
 
 // CUDA decoding (f32, bf16) against the CPU f32 full forward of the same weights.

@@ -1,8 +1,11 @@
 // `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with cached decoding (a KV
 // cache for qwen3; conv and recurrent state caches plus KV caches of the attention layers for qwen3_5).
-// --prompt streams the completion to stdout; --input reads {"prompt": "..."} or {"messages": [...]} lines and
-// writes {"completion", "tokens", "finish_reason"} lines in input order (to --output through OutputFile: a file
-// appears only when every line is done, "-", /dev/stdout or a pipe are streamed; default stdout).
+// --prompt streams the completion to stdout (one sequence, the single-sequence decoders of model/generate.h);
+// --input reads {"prompt": "..."}, {"messages": [...]} or {"tokens": [...]} lines and generates them all at once with
+// the rollout engine (rl/rollout_engine.h: continuous batching, paged cache, --n samples per line sharing their
+// prompt), writing n lines {"text", "tokens", "logprobs", "finish_reason"} per input line in input order (to --output
+// through OutputFile: a file appears only when every line is done, "-", /dev/stdout or a pipe are streamed; default
+// stdout).
 // Convention: a prompt gets the chat template (one user message, generation prompt added) unless --no-chat-template;
 // messages always do. The template renders with --chat-template-kwargs, else the first chat_template_kwargs.json of
 // the --adapter, --model and --tokenizer folders (what training recorded), else {}; one stderr line says which.
@@ -29,6 +32,7 @@
 #include "model/generate.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
+#include "rl/rollout_engine.h"
 
 namespace lathe::cli {
 
@@ -41,8 +45,10 @@ struct Args {
   std::string chat_template_kwargs;
   bool has_chat_template_kwargs = false;  // --chat-template-kwargs given
   int64_t max_new_tokens = 256;
-  double temperature = 0.0, top_p = 1.0;
+  double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0, frequency_penalty = 0.0;
   int64_t top_k = 0;
+  int n = 1;                                  // --input: samples per line
+  int64_t max_running = 64, cache_mib = 1024;  // --input: the rollout engine's batch and cache
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool no_chat_template = false, print_tokens = false, ignore_eos = false;
@@ -83,7 +89,7 @@ class Prompts {
     chat_used_ = true;
     return check(tok.encode(chat_->render(messages, /*add_generation_prompt=*/true, kwargs_)));
   }
-  std::vector<int32_t> from_ids(const std::string& list) {
+  std::vector<int32_t> from_ids(const std::string& list, const char* what = "--prompt-tokens") {
     std::vector<int32_t> ids;
     std::string item;
     for (size_t i = 0; i <= list.size(); ++i) {
@@ -99,8 +105,8 @@ class Prompts {
       } catch (const std::exception&) {
         used = 0;
       }
-      LATHE_CHECK(used == item.size(), "generate: --prompt-tokens: '{}' is not an integer", item);
-      LATHE_CHECK(v >= 0 && v < vocab_, "generate: --prompt-tokens: id {} is outside the vocabulary (size {})", v, vocab_);
+      LATHE_CHECK(used == item.size(), "generate: {}: '{}' is not an integer", what, item);
+      LATHE_CHECK(v >= 0 && v < vocab_, "generate: {}: id {} is outside the vocabulary (size {})", what, v, vocab_);
       ids.push_back(int32_t(v));
       item.clear();
     }
@@ -131,11 +137,23 @@ class Prompts {
 std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts) {
   std::vector<std::vector<int32_t>> out;
   for_each_jsonl_row(path, "generate", [&](const nlohmann::ordered_json& j, int64_t) {
-    LATHE_CHECK(j.is_object(), "generate: expected an object {{\"prompt\": ...}} or {{\"messages\": [...]}}");
+    LATHE_CHECK(j.is_object(),
+                "generate: expected an object {{\"prompt\": ...}}, {{\"messages\": [...]}} or {{\"tokens\": [...]}}");
     for (const auto& [key, value] : j.items())
-      LATHE_CHECK(key == "prompt" || key == "messages", "generate: unknown key '{}' (expected 'prompt' or 'messages')", key);
-    LATHE_CHECK(j.contains("prompt") != j.contains("messages"), "generate: expected exactly one of 'prompt' and 'messages'");
-    if (j.contains("prompt")) {
+      LATHE_CHECK(key == "prompt" || key == "messages" || key == "tokens",
+                  "generate: unknown key '{}' (expected 'prompt', 'messages' or 'tokens')", key);
+    LATHE_CHECK(int(j.contains("prompt")) + int(j.contains("messages")) + int(j.contains("tokens")) == 1,
+                "generate: expected exactly one of 'prompt', 'messages' and 'tokens'");
+    if (j.contains("tokens")) {
+      LATHE_CHECK(j["tokens"].is_array(), "generate: 'tokens' must be an array of token ids, not {}",
+                  j["tokens"].type_name());
+      std::string ids;
+      for (const auto& x : j["tokens"]) {
+        LATHE_CHECK(x.is_number_integer(), "generate: 'tokens' must hold integers, not {}", x.dump());
+        ids += std::to_string(x.get<int64_t>()) + ",";
+      }
+      out.push_back(prompts.from_ids(ids, "'tokens'"));
+    } else if (j.contains("prompt")) {
       LATHE_CHECK(j["prompt"].is_string(), "generate: 'prompt' must be a string, not {}", j["prompt"].type_name());
       out.push_back(prompts.from_text(j["prompt"].get<std::string>()));
     } else {
@@ -183,13 +201,17 @@ nlohmann::json result_json(const GenerateResult& r) {
   return {{"completion", r.text}, {"tokens", r.tokens}, {"finish_reason", finish_reason_name(r.finish_reason)}};
 }
 
+void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
+                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok, int64_t prompt_tokens);
+
 void run(const Args& a) {
   const int n_sources = int(a.has_prompt) + int(!a.input.empty()) + int(!a.prompt_tokens.empty());
   LATHE_CHECK(n_sources == 1, "generate: give exactly one of --prompt TEXT and --input IN.jsonl");
   LATHE_CHECK(a.output.empty() || !a.input.empty(), "generate: --output goes with --input (--prompt streams to stdout)");
   GenerateOptions options;
   options.max_new_tokens = a.max_new_tokens;
-  options.sampling = {a.temperature, a.top_k, a.top_p};
+  options.sampling = {a.temperature, a.top_k, a.top_p, a.min_p, a.repetition_penalty, a.frequency_penalty};
+  LATHE_CHECK(a.n == 1 || !a.input.empty(), "generate: --n goes with --input (one --prompt is one sample)");
   options.seed = a.seed;
   options.stop = a.stop;
   check_sampling_options(options.sampling);
@@ -225,14 +247,17 @@ void run(const Args& a) {
   const data::Tokenizer* tok = prompts.tokenizer_if_present();
   LATHE_CHECK(a.stop.empty() || tok, "generate: --stop needs a tokenizer (--tokenizer DIR)");
   if (!a.ignore_eos) options.eos_ids = eos_ids(a.model, tok, prompts.used_chat_template());
-  Generator gen(rt, *model, tok);
   int64_t prompt_tokens = 0;
   for (const std::vector<int32_t>& r : requests) prompt_tokens += int64_t(r.size());
-
+  if (!a.input.empty()) {
+    generate_batch(rt, *model, a, options, requests, tok, prompt_tokens);
+    return;
+  }
+  // One prompt: stream the text, or print the result as JSON.
+  Generator gen(rt, *model, tok);
   const auto t0 = std::chrono::steady_clock::now();
-  int64_t generated = 0;
   auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
-  if (a.input.empty()) {  // one prompt: stream the text, or print the result as JSON
+  {
     const bool stream = tok && !a.print_tokens;
     const GenerateResult r = gen.generate(requests[0], options, [&](std::string_view piece) {
       if (!stream) return;
@@ -245,26 +270,92 @@ void run(const Args& a) {
                prompt_tokens, r.tokens.size(), finish_reason_name(r.finish_reason),
                double(r.tokens.size()) / std::max(seconds(), 1e-9),
                mo.device.str(), dtype_name(mo.dtype));
-    return;
   }
+}
 
+// --input: every line's --n samples at once through the rollout engine; n output lines per input line, in input order,
+// each written as soon as it and every line before it are done.
+void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
+                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok,
+                    int64_t prompt_tokens) {
+  const ModelConfig& c = model.config();
+  EngineOptions eo;
+  eo.max_running = a.max_running;
+  eo.cache_bytes = a.cache_mib * 1048576;
+  RolloutEngine engine(rt, model, eo);
+  // Ids the sampler never draws, as Generator: above the tokenizer's vocabulary, and its holes.
+  std::vector<int32_t> banned;
+  const int64_t allowed = tok ? std::min<int64_t>(c.vocab_size, tok->vocab_size()) : c.vocab_size;
+  if (tok)
+    for (int32_t id = 0; id < int32_t(allowed); ++id)
+      if (!tok->id_to_token(id)) banned.push_back(id);
+  // One text stream per sample (stop strings, the text); indexed [line][sample].
+  std::vector<std::vector<std::optional<TextStream>>> streams(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    streams[i].resize(size_t(a.n));
+    if (tok)
+      for (auto& st : streams[i]) st.emplace(*tok, options.stop, options.skip_special_tokens);
+    RolloutRequest r;
+    r.prompt = requests[i];
+    r.n = a.n;
+    r.max_new_tokens = options.max_new_tokens;
+    r.sampling = options.sampling;
+    r.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines
+    r.stop_ids = options.eos_ids;
+    r.allowed_vocab = allowed;
+    r.banned_ids = banned;
+    if (tok) r.on_token = [&streams, i](int sample, int32_t id) { return streams[i][size_t(sample)]->push(id); };
+    engine.submit(std::move(r));
+  }
   OutputFile file(a.output.empty() ? "-" : a.output, "generate");
   const bool progress = isatty(STDERR_FILENO);
-  for (size_t i = 0; i < requests.size(); ++i) {
-    options.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines
-    const GenerateResult r = gen.generate(requests[i], options);
-    generated += int64_t(r.tokens.size());
-    file.stream() << result_json(r).dump() << "\n";
-    if (file.streamed()) file.stream().flush();  // a reader of stdout or a pipe sees each line as it is done
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  std::vector<std::vector<std::optional<RolloutResult>>> done(requests.size(), std::vector<std::optional<RolloutResult>>(size_t(a.n)));
+  size_t next_line = 0;
+  int64_t generated = 0, lines_done = 0;
+  const auto write_ready = [&] {
+    for (; next_line < requests.size(); ++next_line) {
+      for (const auto& r : done[next_line])
+        if (!r) return;
+      for (size_t k = 0; k < done[next_line].size(); ++k) {
+        const RolloutResult& r = *done[next_line][k];
+        nlohmann::json j;
+        if (tok) {
+          TextStream& st = *streams[next_line][k];
+          std::string text = st.take_ready();
+          text += st.take_rest();
+          j["text"] = text;
+        }
+        j["tokens"] = r.tokens;
+        j["logprobs"] = r.logprobs;
+        j["finish_reason"] = finish_reason_name(r.finish_reason);
+        file.stream() << j.dump() << "\n";
+      }
+      if (file.streamed()) file.stream().flush();  // a reader of stdout or a pipe sees each line as it is done
+    }
+  };
+  bool more = true;
+  while (more) {
+    more = engine.step();
+    for (RolloutResult& r : engine.take_finished()) {
+      generated += int64_t(r.tokens.size());
+      ++lines_done;
+      done[size_t(r.request)][size_t(r.sample)] = std::move(r);
+    }
+    write_ready();
     if (progress)
-      fmt::print(stderr, "\rgenerate: {}/{} prompts, {} tokens, {:.1f} tokens/s", i + 1, requests.size(), generated,
-                 double(generated) / std::max(seconds(), 1e-9));
+      fmt::print(stderr, "\rgenerate: {}/{} samples, {} tokens, {:.1f} tokens/s", lines_done, requests.size() * size_t(a.n),
+                 generated, double(generated) / std::max(seconds(), 1e-9));
   }
   file.commit();
-  fmt::print(stderr, "{}generate: {} prompts ({} prompt tokens), {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}){}\n",
-             progress ? "\r" : "", requests.size(), prompt_tokens, generated, seconds(),
-             double(generated) / std::max(seconds(), 1e-9),
-             mo.device.str(), dtype_name(mo.dtype), a.output.empty() ? "" : " -> " + a.output);
+  const EngineStats& st = engine.stats();
+  fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}); "
+             "{} steps, {} preemptions, {} prompt tokens shared{}\n",
+             progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, seconds(),
+             double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
+             dtype_name(model.options().dtype), st.steps, st.preemptions, st.shared_prompt_tokens,
+             a.output.empty() ? "" : " -> " + a.output);
 }
 
 }  // namespace
@@ -276,9 +367,11 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder, merged into the model");
   cmd->add_option("--tokenizer", args->tokenizer, "folder with tokenizer.json (default: the model folder)");
   cmd->add_option("--prompt", args->prompt, "a user prompt; the completion streams to stdout");
-  cmd->add_option("--input", args->input, "JSONL, one {\"prompt\": ...} or {\"messages\": [...]} per line");
-  cmd->add_option("--output", args->output, "JSONL, one {\"completion\", \"tokens\", \"finish_reason\"} per input "
-                  "line, written whole when every line is done (default, - or a pipe: streamed to stdout / the pipe)");
+  cmd->add_option("--input", args->input,
+                  "JSONL, one {\"prompt\": ...}, {\"messages\": [...]} or {\"tokens\": [...]} per line");
+  cmd->add_option("--output", args->output, "JSONL, --n lines {\"text\", \"tokens\", \"logprobs\", "
+                  "\"finish_reason\"} per input line, written whole when every line is done (default, - or a pipe: "
+                  "streamed to stdout / the pipe)");
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "most tokens to generate per prompt")
       ->capture_default_str()
       ->check(number_in(1));
@@ -291,6 +384,25 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--top-p", args->top_p, "sample from the smallest set with this probability (1 = all)")
       ->capture_default_str()
       ->check(in_unit_interval());
+  cmd->add_option("--min-p", args->min_p, "keep tokens at least this fraction as likely as the most likely (0 = all)")
+      ->capture_default_str()
+      ->check(in_unit_interval());
+  cmd->add_option("--repetition-penalty", args->repetition_penalty,
+                  "divide positive (multiply negative) logits of ids already in the prompt or output (1 = off)")
+      ->capture_default_str()
+      ->check(number_in(0));
+  cmd->add_option("--frequency-penalty", args->frequency_penalty,
+                  "subtract this times each id's count in the output from its logit (0 = off)")
+      ->capture_default_str();
+  cmd->add_option("--n", args->n, "--input: samples per line, sharing the line's prompt")
+      ->capture_default_str()
+      ->check(number_in(1));
+  cmd->add_option("--max-running", args->max_running, "--input: sequences generated at once")
+      ->capture_default_str()
+      ->check(number_in(1));
+  cmd->add_option("--cache-mib", args->cache_mib, "--input: the KV cache's memory (MiB)")
+      ->capture_default_str()
+      ->check(number_in(1));
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
