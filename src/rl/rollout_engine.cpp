@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "model/lora.h"
 #include "ops/ops.h"
 
 namespace lathe {
@@ -255,6 +256,10 @@ int64_t RolloutEngine::submit(RolloutRequest request) {
   LATHE_CHECK(request.max_new_tokens >= 1, "rollout: request {} asks for {} new tokens", next_request_,
               request.max_new_tokens);
   check_sampling_options(request.sampling);
+  const int adapters = model_->lora() ? model_->lora()->size() : 0;
+  LATHE_CHECK(request.adapter >= -1 && request.adapter < adapters,
+              "rollout: request {} names adapter {}, but the model has {} (attach a LoRA bank to serve adapters)",
+              next_request_, request.adapter, adapters);
   for (int32_t id : request.banned_ids)
     LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: banned id {} is outside the vocabulary (size {})",
                 next_request_, id, c.vocab_size);
@@ -453,6 +458,11 @@ bool RolloutEngine::step() {
     past.push_back(s.computed);
   }
   PackedBatch b = continuation_batch(*rt_, device, tokens, past, c.vocab_size);
+  if (model_->lora()) {  // each sequence a segment with its request's adapter (-1: the base alone)
+    std::vector<BatchSegment> segments;
+    for (size_t i = 0; i < batch.size(); ++i) segments.push_back({b.host_cu[i + 1], batch[i]->req->adapter});
+    set_segments(b, std::move(segments));
+  }
   StepView view(*rt_, device, model_->options().dtype, *pool_, batch, chunk);
   b.cache = &view;
   ExecContext cx = rt_->context(device);

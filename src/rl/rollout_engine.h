@@ -17,6 +17,9 @@
 //   block and of its GDN history and state, and draw their first token from the same logits. Nothing writes to a
 //   shared block: every sequence's next tokens go to its own partial block or to new ones. A sample that finds no
 //   free block or slot at the fork waits and computes its prompt itself.
+// - Adapters per request: a request may name an adapter of the LoRA bank attached to the model (CausalLm::attach_lora);
+//   each sequence of a step is a segment of the batch (PackedBatch::segments) with its adapter, so one model call
+//   serves every tenant, through the same segment machinery as multi-tenant training.
 // - Sampling on the host (sample_next, model/generate.h: penalties, temperature, top-k, top-p, min-p) with one
 //   mt19937_64 per sequence seeded from the request's seed and the sample's index, so a sequence's tokens do not
 //   depend on what else is in the batch. Each token comes with its log-probability under the model's distribution
@@ -26,7 +29,7 @@
 // its queries attend them with the causal mask of their positions (the last n of its past + n tokens), in f32 (f64
 // for an f64 model), as the single-sequence decoder's step does; a sequence's first chunk attends through the
 // training attention op. These are compositions of registry ops, so the engine runs on every backend; fused paged
-// kernels, device sampling and per-request adapters are the next steps (docs/rollout.md).
+// kernels and device sampling are the next steps (docs/rollout.md).
 // Covered by tests/models/test_rollout.cpp.
 #pragma once
 
@@ -59,6 +62,7 @@ struct RolloutRequest {
   SamplingOptions sampling;        // temperature 0: greedy
   uint64_t seed = 0;               // sample i draws from mt19937_64 seeded by (seed, i)
   std::vector<int32_t> stop_ids;   // any of them ends a sample (it is kept in its tokens)
+  int adapter = -1;                // the LoRA adapter of the model's attached bank that serves it; -1: the base
   int64_t allowed_vocab = 0;       // ids at or above it are never drawn (0: the model's vocabulary)
   std::vector<int32_t> banned_ids;  // never drawn (a tokenizer's holes)
   // Called with each sample's generated tokens, once each, in order; true ends the sample with finish reason kStop
