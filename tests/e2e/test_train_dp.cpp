@@ -288,6 +288,55 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   }
 }
 
+// `lathe generate --input` under mpirun: rank r generates lines r, r + N, ... (each line's draws seeded by its index)
+// and rank 0 writes them all in input order: the same lines as one process (tokens equal, log-probs within f32
+// rounding of another batch composition), sampled at temperature 1 with two samples a line.
+TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
+  const fs::path dir = setup("generate", kQwen3);
+  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (int i = 0; i < 5; ++i) {
+      nlohmann::json ids = nlohmann::json::array();
+      for (int k = 0; k < 2 + 3 * i; ++k) ids.push_back((29 * i + 7 * k) % 300);
+      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
+    }
+  }
+  const std::string args = fmt::format("generate --model {} --input {} --n 2 --temperature 1 --max-new-tokens 5 "
+                                       "--ignore-eos --seed 9 --output ", (dir / "model/final").string(),
+                                       (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const auto read = [](const fs::path& p) {
+    std::vector<nlohmann::json> rows;
+    std::ifstream f(p);
+    for (std::string line; std::getline(f, line);) rows.push_back(nlohmann::json::parse(line));
+    return rows;
+  };
+  const std::vector<nlohmann::json> want = read(dir / "one.jsonl");
+  ASSERT_EQ(want.size(), 10u);
+  const fs::path out = dir / "np2.jsonl";
+  const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + " -np 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(rank 0 of 2)"), std::string::npos) << r.output;
+  const std::vector<nlohmann::json> got = read(out);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << "line " << i;
+    const auto g = got[i]["logprobs"].get<std::vector<double>>(), w = want[i]["logprobs"].get<std::vector<double>>();
+    ASSERT_EQ(g.size(), w.size()) << "line " << i;
+    for (size_t k = 0; k < w.size(); ++k) EXPECT_NEAR(g[k], w[k], 1e-5 * (1 + std::abs(w[k]))) << "line " << i;
+  }
+  EXPECT_NE(want[0]["tokens"], want[1]["tokens"]) << "a line's two samples should differ at temperature 1";
+  // One --prompt is not split: refused under a parallel launch, and --nproc (GPU ranks) refuses the CPU.
+  const std::string model = " --model " + (dir / "model/final").string();
+  const LatheRun prompt = lathe_e2e::lathe("generate" + model + " --prompt-tokens 1,2", kMpirun + " -np 2");
+  EXPECT_NE(prompt.exit_code, 0);
+  EXPECT_NE(prompt.output.find("--prompt runs on one"), std::string::npos) << prompt.output;
+  const LatheRun cpu = lathe_e2e::lathe("generate" + model + " --input " + (dir / "in.jsonl").string() + " --nproc 2");
+  EXPECT_NE(cpu.exit_code, 0);
+  EXPECT_NE(cpu.output.find("launch them with `mpirun -np 2 lathe generate"), std::string::npos) << cpu.output;
+}
+
 TEST(DataParallel, ZeroEqualsPlainDataParallelAndShardsTheOptimizerState) {
   const fs::path dir = setup("zero", kQwen3);
   for (int np : {2, 4}) {

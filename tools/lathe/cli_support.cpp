@@ -2,9 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <cstring>
 #include <filesystem>
 #include <map>
 
+#include "backend/runtime.h"
+#include "comm/communicator.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "data/tokenizer_files.h"
@@ -126,6 +129,50 @@ void for_each_jsonl_row(const std::string& path, const std::string& who,
       LATHE_FAIL("{}: {}:{}: {}", who, path, n, what);
     }
   }
+}
+
+std::vector<std::vector<std::string>> gather_lines(Runtime& rt, Communicator& world, Device device,
+                                                   const std::vector<std::string>& mine) {
+  std::string bytes;
+  std::vector<int64_t> lengths;
+  for (const std::string& l : mine) bytes += l, lengths.push_back(int64_t(l.size()));
+  const int n = world.size(), me = world.rank();
+  // First every rank's line count and byte count, then the bytes, all to rank 0.
+  std::vector<int64_t> sizes_all(size_t(2 * n), 0);
+  std::vector<int64_t> my_sizes = {int64_t(mine.size()), int64_t(bytes.size())};
+  Tensor mine_t = rt.from_host(my_sizes.data(), {2}, DType::I64, device);
+  Tensor all_t = rt.from_host(sizes_all.data(), {2 * int64_t(n)}, DType::I64, device);
+  world.all_gather(mine_t, all_t).wait();
+  const Tensor all_h = rt.copy_to(all_t, Device::cpu());
+  const int64_t* sz = all_h.data<int64_t>();
+  auto send = [&](const std::vector<char>& payload, auto count_of) {
+    std::vector<int64_t> sc(size_t(n), 0), rc(size_t(n), 0);
+    sc[0] = int64_t(payload.size());
+    int64_t total = 0;
+    if (me == 0)
+      for (int r = 0; r < n; ++r) rc[size_t(r)] = count_of(r), total += rc[size_t(r)];
+    std::vector<char> host_in = payload.empty() ? std::vector<char>(1) : payload;
+    Tensor in = rt.from_host(host_in.data(), {int64_t(payload.size())}, DType::U8, device);
+    std::vector<char> zeros(size_t(std::max<int64_t>(total, 1)));
+    Tensor out = rt.from_host(zeros.data(), {total}, DType::U8, device);
+    world.all_to_all(in, sc, out, rc).wait();
+    const Tensor h = rt.copy_to(out, Device::cpu());
+    return std::vector<char>(static_cast<const char*>(h.data_ptr()), static_cast<const char*>(h.data_ptr()) + total);
+  };
+  std::vector<char> len_bytes(lengths.size() * sizeof(int64_t));
+  std::memcpy(len_bytes.data(), lengths.data(), len_bytes.size());
+  const std::vector<char> all_lengths = send(len_bytes, [&](int r) { return sz[2 * r] * int64_t(sizeof(int64_t)); });
+  const std::vector<char> all_bytes = send(std::vector<char>(bytes.begin(), bytes.end()), [&](int r) { return sz[2 * r + 1]; });
+  std::vector<std::vector<std::string>> out(size_t(me == 0 ? n : 0));
+  size_t li = 0, bi = 0;
+  for (int r = 0; me == 0 && r < n; ++r)
+    for (int64_t k = 0; k < sz[2 * r]; ++k, ++li) {
+      int64_t len = 0;
+      std::memcpy(&len, all_lengths.data() + li * sizeof(int64_t), sizeof(int64_t));
+      out[size_t(r)].emplace_back(all_bytes.data() + bi, size_t(len));
+      bi += size_t(len);
+    }
+  return out;
 }
 
 }  // namespace lathe::cli

@@ -13,7 +13,13 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/device.h"
 #include "core/files.h"  // check_folder, which the subcommands use for --model, --adapter, --tokenizer
+
+namespace lathe {
+class Communicator;
+class Runtime;
+}  // namespace lathe
 
 namespace lathe::cli {
 
@@ -43,5 +49,11 @@ struct ChatTemplateKwargs {
 // of `dirs` (empty entries are skipped), else {}. Prints "WHO: chat template kwargs {...} (from SOURCE)" to stderr.
 ChatTemplateKwargs resolve_chat_template_kwargs(bool given, const std::string& option_text,
                                                 const std::vector<std::string>& dirs, const std::string& who);
+
+// Every rank's output lines on rank 0, in rank order (rank r's lines in its own order); empty on the other ranks
+// (`lathe logprobs` and `lathe generate --input` under mpirun, srun or --nproc). The bytes travel as one u8 tensor per
+// rank through an uneven all-to-all on the world's data plane.
+std::vector<std::vector<std::string>> gather_lines(Runtime& rt, Communicator& world, Device device,
+                                                   const std::vector<std::string>& mine);
 
 }  // namespace lathe::cli

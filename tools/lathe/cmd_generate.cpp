@@ -24,6 +24,8 @@
 #include <unistd.h>
 
 #include "cli_support.h"
+#include "comm/launch.h"
+#include "comm/local_launch.h"
 #include "commands.h"
 #include "core/files.h"
 #include "data/chat_template.h"
@@ -49,6 +51,7 @@ struct Args {
   int64_t top_k = 0;
   int n = 1;                                  // --input: samples per line
   int64_t max_running = 64, cache_mib = 1024;  // --input: the rollout engine's batch and cache
+  int nproc = 0;                               // --input on N GPUs of this machine
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool no_chat_template = false, print_tokens = false, ignore_eos = false;
@@ -202,9 +205,44 @@ nlohmann::json result_json(const GenerateResult& r) {
 }
 
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
-                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok, int64_t prompt_tokens);
+                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok, int64_t prompt_tokens,
+                    Communicator* world);
 
-void run(const Args& a) {
+// `--nproc N`: this process starts N GPU ranks of the same command (without --nproc) and waits for them.
+std::vector<std::string> rank_args(const Args& a) {
+  std::vector<std::string> v = {"generate", "--model", a.model, "--input", a.input, "--device", a.device,
+                                "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
+                                "--max-running", std::to_string(a.max_running), "--cache-mib",
+                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed)};
+  const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
+  num("--temperature", a.temperature);
+  num("--top-p", a.top_p);
+  num("--min-p", a.min_p);
+  num("--repetition-penalty", a.repetition_penalty);
+  num("--frequency-penalty", a.frequency_penalty);
+  v.insert(v.end(), {"--top-k", std::to_string(a.top_k)});
+  for (const auto& [flag, value] : {std::pair{"--output", a.output}, {"--adapter", a.adapter},
+                                    {"--tokenizer", a.tokenizer}, {"--dtype", a.dtype}})
+    if (!value.empty()) v.insert(v.end(), {flag, value});
+  for (const std::string& stop : a.stop) v.insert(v.end(), {"--stop", stop});
+  if (a.has_chat_template_kwargs) v.insert(v.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
+  if (a.no_chat_template) v.push_back("--no-chat-template");
+  if (a.ignore_eos) v.push_back("--ignore-eos");
+  return v;
+}
+
+void run(Args a) {
+  const LaunchEnv env = launch_env();
+  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
+    LATHE_CHECK(!a.input.empty(), "generate: --nproc splits the lines of --input over ranks; --prompt runs on one");
+    LATHE_CHECK(a.device != "cpu", "generate: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
+                "with `mpirun -np {} lathe generate ...`", a.nproc);
+    const int rc = run_local_ranks("/proc/self/exe", rank_args(a), a.nproc);
+    LATHE_CHECK(rc == 0, "generate: a rank failed (status {})", rc);
+    return;
+  }
+  LATHE_CHECK(env.world == 1 || !a.input.empty(),
+              "generate: under a parallel launch the lines of --input are split over the ranks; --prompt runs on one");
   const int n_sources = int(a.has_prompt) + int(!a.input.empty()) + int(!a.prompt_tokens.empty());
   LATHE_CHECK(n_sources == 1, "generate: give exactly one of --prompt TEXT and --input IN.jsonl");
   LATHE_CHECK(a.output.empty() || !a.input.empty(), "generate: --output goes with --input (--prompt streams to stdout)");
@@ -226,6 +264,8 @@ void run(const Args& a) {
                                           {a.adapter, a.model, a.tokenizer}, "generate").kwargs;
 
   Runtime rt;
+  std::optional<MpiSession> mpi;
+  const std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "generate");
   ModelOptions mo;
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
@@ -250,7 +290,7 @@ void run(const Args& a) {
   int64_t prompt_tokens = 0;
   for (const std::vector<int32_t>& r : requests) prompt_tokens += int64_t(r.size());
   if (!a.input.empty()) {
-    generate_batch(rt, *model, a, options, requests, tok, prompt_tokens);
+    generate_batch(rt, *model, a, options, requests, tok, prompt_tokens, world.get());
     return;
   }
   // One prompt: stream the text, or print the result as JSON.
@@ -273,12 +313,15 @@ void run(const Args& a) {
   }
 }
 
-// --input: every line's --n samples at once through the rollout engine; n output lines per input line, in input order,
-// each written as soon as it and every line before it are done.
+// --input: every line's --n samples at once through the rollout engine; n output lines per input line, in input order.
+// One process writes each line as soon as it and every line before it are done. Under a parallel launch (`world`)
+// rank r generates lines r, r + N, ... (line i's draws are seeded by --seed + i wherever it runs) and rank 0 writes
+// them all once every rank is done.
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok,
-                    int64_t prompt_tokens) {
+                    int64_t prompt_tokens, Communicator* world) {
   const ModelConfig& c = model.config();
+  const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
   eo.cache_bytes = a.cache_mib * 1048576;
@@ -289,33 +332,39 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   if (tok)
     for (int32_t id = 0; id < int32_t(allowed); ++id)
       if (!tok->id_to_token(id)) banned.push_back(id);
-  // One text stream per sample (stop strings, the text); indexed [line][sample].
-  std::vector<std::vector<std::optional<TextStream>>> streams(requests.size());
-  for (size_t i = 0; i < requests.size(); ++i) {
-    streams[i].resize(size_t(a.n));
+  // This rank's lines (global indices), and per line one text stream per sample (stop strings, the text).
+  std::vector<size_t> mine;
+  for (size_t i = size_t(me); i < requests.size(); i += size_t(ranks)) mine.push_back(i);
+  std::vector<std::vector<std::optional<TextStream>>> streams(mine.size());
+  for (size_t k = 0; k < mine.size(); ++k) {
+    const size_t i = mine[k];
+    streams[k].resize(size_t(a.n));
     if (tok)
-      for (auto& st : streams[i]) st.emplace(*tok, options.stop, options.skip_special_tokens);
+      for (auto& st : streams[k]) st.emplace(*tok, options.stop, options.skip_special_tokens);
     RolloutRequest r;
     r.prompt = requests[i];
     r.n = a.n;
     r.max_new_tokens = options.max_new_tokens;
     r.sampling = options.sampling;
-    r.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines
+    r.seed = a.seed + i;  // each line's draws depend on its index only, not on the other lines or the ranks
     r.stop_ids = options.eos_ids;
     r.allowed_vocab = allowed;
     r.banned_ids = banned;
-    if (tok) r.on_token = [&streams, i](int sample, int32_t id) { return streams[i][size_t(sample)]->push(id); };
-    engine.submit(std::move(r));
+    if (tok) r.on_token = [&streams, k](int sample, int32_t id) { return streams[k][size_t(sample)]->push(id); };
+    engine.submit(std::move(r));  // request number k
   }
-  OutputFile file(a.output.empty() ? "-" : a.output, "generate");
-  const bool progress = isatty(STDERR_FILENO);
+  std::optional<OutputFile> file;
+  if (me == 0) file.emplace(a.output.empty() ? "-" : a.output, "generate");
+  const bool progress = me == 0 && isatty(STDERR_FILENO);
   const auto t0 = std::chrono::steady_clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
-  std::vector<std::vector<std::optional<RolloutResult>>> done(requests.size(), std::vector<std::optional<RolloutResult>>(size_t(a.n)));
+  std::vector<std::vector<std::optional<RolloutResult>>> done(mine.size(),
+                                                              std::vector<std::optional<RolloutResult>>(size_t(a.n)));
+  std::vector<std::string> text(mine.size());  // per line of this rank: its n output lines, once all are done
   size_t next_line = 0;
-  int64_t generated = 0, lines_done = 0;
-  const auto write_ready = [&] {
-    for (; next_line < requests.size(); ++next_line) {
+  int64_t generated = 0, samples_done = 0;
+  const auto finish_lines = [&] {  // this rank's lines whose samples are all done, in order
+    for (; next_line < mine.size(); ++next_line) {
       for (const auto& r : done[next_line])
         if (!r) return;
       for (size_t k = 0; k < done[next_line].size(); ++k) {
@@ -323,16 +372,19 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
         nlohmann::json j;
         if (tok) {
           TextStream& st = *streams[next_line][k];
-          std::string text = st.take_ready();
-          text += st.take_rest();
-          j["text"] = text;
+          std::string t = st.take_ready();
+          t += st.take_rest();
+          j["text"] = t;
         }
         j["tokens"] = r.tokens;
         j["logprobs"] = r.logprobs;
         j["finish_reason"] = finish_reason_name(r.finish_reason);
-        file.stream() << j.dump() << "\n";
+        text[next_line] += j.dump() + "\n";
       }
-      if (file.streamed()) file.stream().flush();  // a reader of stdout or a pipe sees each line as it is done
+      if (!world) {  // one process: out as soon as it is done (a reader of stdout or a pipe sees it then)
+        file->stream() << text[next_line];
+        if (file->streamed()) file->stream().flush();
+      }
     }
   };
   bool more = true;
@@ -340,22 +392,28 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     more = engine.step();
     for (RolloutResult& r : engine.take_finished()) {
       generated += int64_t(r.tokens.size());
-      ++lines_done;
+      ++samples_done;
       done[size_t(r.request)][size_t(r.sample)] = std::move(r);
     }
-    write_ready();
+    finish_lines();
     if (progress)
-      fmt::print(stderr, "\rgenerate: {}/{} samples, {} tokens, {:.1f} tokens/s", lines_done, requests.size() * size_t(a.n),
-                 generated, double(generated) / std::max(seconds(), 1e-9));
+      fmt::print(stderr, "\rgenerate: {}/{} samples{}, {} tokens, {:.1f} tokens/s", samples_done,
+                 mine.size() * size_t(a.n), ranks > 1 ? " on rank 0" : "", generated,
+                 double(generated) / std::max(seconds(), 1e-9));
   }
-  file.commit();
+  if (world) {  // every rank's lines to rank 0, which writes them in input order
+    const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, model.options().device, text);
+    for (size_t i = 0; me == 0 && i < requests.size(); ++i) file->stream() << by_rank[i % size_t(ranks)][i / size_t(ranks)];
+  }
+  if (me != 0) return;
+  file->commit();
   const EngineStats& st = engine.stats();
-  fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens in {:.1f} s ({:.1f} tokens/s) on {} ({}); "
-             "{} steps, {} preemptions, {} prompt tokens shared{}\n",
-             progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, seconds(),
-             double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
+  fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens{} in {:.1f} s ({:.1f} tokens/s) on {} "
+             "({}); {} steps, {} preemptions, {} prompt tokens shared{}{}\n",
+             progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, ranks > 1 ? " on rank 0" : "",
+             seconds(), double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
              dtype_name(model.options().dtype), st.steps, st.preemptions, st.shared_prompt_tokens,
-             a.output.empty() ? "" : " -> " + a.output);
+             ranks > 1 ? fmt::format(" (rank 0 of {})", ranks) : "", a.output.empty() ? "" : " -> " + a.output);
 }
 
 }  // namespace
@@ -402,6 +460,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
       ->check(number_in(1));
   cmd->add_option("--cache-mib", args->cache_mib, "--input: the KV cache's memory (MiB)")
       ->capture_default_str()
+      ->check(number_in(1));
+  cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
+                  "srun work too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1));
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
