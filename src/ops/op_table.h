@@ -45,6 +45,8 @@ namespace lathe {
   X(qk_norm_rope_backward, 7) \
   X(attention, 4)        \
   X(attention_backward, 7) \
+  X(paged_attention, 6)  \
+  X(scatter_rows, 3)     \
   X(cross_entropy, 2)    \
   X(adamw, 4)            \
   X(adamw_list, -1)      \
@@ -169,6 +171,21 @@ struct AttentionAttrs {
   double scale = 0.0;  // 0 = 1/sqrt(D)
   bool deterministic = true;
 };
+
+// Attention of new tokens over a paged KV cache (the rollout engine, rl/rollout_engine.h). paged_attention(q (T, Hq, D),
+// k_cache and v_cache (S, Hkv, D) with S a multiple of block_size, block_table (B, M) i32, cu_q (B + 1) i32,
+// context_lens (B) i32) -> o (T, Hq, D): sequence b's queries are rows [cu_q[b], cu_q[b+1]) of q, its last n_b tokens of
+// context_lens[b]; query i of it (position context_lens[b] - n_b + i) attends the sequence's positions 0 .. that
+// position, position j's key and value at cache row block_table[b][j / block_size] * block_size + j % block_size. GQA:
+// query head h reads kv head h / (Hq / Hkv). Scores and the softmax in f32 (f64 for f64). Forward only.
+struct PagedAttentionAttrs {
+  double scale = 0.0;  // 0 = 1/sqrt(D)
+  int64_t block_size = 16;
+};
+
+// scatter_rows(src (T, ...), index (T) i32, dst (N, ...)) -> dst' (N, ...): dst with row index[i] replaced by src row i
+// (indices distinct and in [0, N)); the other rows as dst. scatter_rows_into writes dst in place (the engine's KV
+// writes). Not differentiable.
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
 // `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).
@@ -315,7 +332,8 @@ struct MoePadAttrs {
 };
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, CrossEntropyAttrs, AdamWAttrs,
+                             NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, PagedAttentionAttrs,
+                             CrossEntropyAttrs, AdamWAttrs,
                              SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs, MoeRouteAttrs, MoePadAttrs>;
 
 }  // namespace lathe

@@ -35,6 +35,7 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
+    case OpId::paged_attention: return expect(PagedAttentionAttrs{});
     case OpId::adamw:
     case OpId::adamw_list: return expect(AdamWAttrs{});
     case OpId::segment_mask:
@@ -310,6 +311,20 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
                  {contiguous(ctx, q), contiguous(ctx, k), contiguous(ctx, v), contiguous(ctx, o), contiguous(ctx, lse),
                   contiguous(ctx, d_o), contiguous(ctx, cu_seqlens)},
                  attrs);
+}
+
+Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_table, const Tensor& cu_q, const Tensor& context_lens, PagedAttentionAttrs attrs) {
+  return call_op(ctx, OpId::paged_attention,
+                 {contiguous(ctx, q), k_cache, v_cache, contiguous(ctx, block_table), contiguous(ctx, cu_q),
+                  contiguous(ctx, context_lens)},
+                 attrs)[0];
+}
+
+void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst) {
+  LATHE_CHECK(dst.is_contiguous(), "ops: scatter_rows_into needs a contiguous destination, got {}", dst.describe());
+  run_into(ctx, OpCall{OpId::scatter_rows, {contiguous(ctx, src), contiguous(ctx, index), dst}, {dst}, {}},
+           "scatter_rows_into");
 }
 
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,

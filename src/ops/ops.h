@@ -90,6 +90,10 @@ std::vector<Tensor> attention(ExecContext& ctx, const Tensor& q, const Tensor& k
 std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& o, const Tensor& lse, const Tensor& d_o,
                                        const Tensor& cu_seqlens, AttentionAttrs attrs);  // {dq, dk, dv}
+// op_table.h: the rollout engine's attention over its paged cache, and its in-place row writes into the cache.
+Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                       const Tensor& block_table, const Tensor& cu_q, const Tensor& context_lens, PagedAttentionAttrs attrs);
+void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst);
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
 // One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.

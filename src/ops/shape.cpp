@@ -309,6 +309,38 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "ops: attention_backward o, lse or do do not match q {}", q.describe());
       return {{q.shape(), q.dtype()}, {k.shape(), k.dtype()}, {v.shape(), v.dtype()}};
     }
+    case OpId::paged_attention: {
+      const Tensor& q = in[0];
+      const Tensor& kc = in[1];
+      check_floating(op, q);
+      check_same_dtype(op, q, kc);
+      check_same_dtype(op, q, in[2]);
+      const auto& a = std::get<PagedAttentionAttrs>(attrs);
+      LATHE_CHECK(a.block_size >= 1, "ops: paged_attention block_size must be >= 1, got {}", a.block_size);
+      LATHE_CHECK(q.dim() == 3 && kc.dim() == 3 && in[2].shape() == kc.shape() && q.size(2) == kc.size(2) &&
+                      kc.size(1) > 0 && q.size(1) % kc.size(1) == 0 && kc.size(0) % a.block_size == 0,
+                  "ops: paged_attention needs q (T, Hq, D), k_cache and v_cache (S, Hkv, D) with Hq a multiple of Hkv "
+                  "and S of block_size {}; got {}, {}, {}", a.block_size, q.describe(), kc.describe(), in[2].describe());
+      check_index(op, in[3], "block_table");
+      check_index(op, in[4], "cu_q");
+      check_index(op, in[5], "context_lens");
+      LATHE_CHECK(in[3].dim() == 2 && in[4].dim() == 1 && in[5].dim() == 1 && in[4].size(0) == in[3].size(0) + 1 &&
+                      in[5].size(0) == in[3].size(0),
+                  "ops: paged_attention needs block_table (B, M), cu_q (B + 1) and context_lens (B); got {}, {}, {}",
+                  in[3].describe(), in[4].describe(), in[5].describe());
+      return {{q.shape(), q.dtype()}};
+    }
+    case OpId::scatter_rows: {
+      const Tensor& src = in[0];
+      const Tensor& dst = in[2];
+      check_same_dtype(op, src, dst);
+      check_index(op, in[1], "index");
+      LATHE_CHECK(src.dim() >= 1 && dst.dim() == src.dim() && in[1].dim() == 1 && in[1].size(0) == src.size(0) &&
+                      std::equal(src.shape().begin() + 1, src.shape().end(), dst.shape().begin() + 1),
+                  "ops: scatter_rows needs src (T, ...), index (T) and dst (N, ...) with the same row shape; got {}, "
+                  "{}, {}", src.describe(), in[1].describe(), dst.describe());
+      return {{dst.shape(), dst.dtype()}};
+    }
     case OpId::cross_entropy: {
       check_floating(op, in[0]);
       check_index(op, in[1], "labels");

@@ -25,38 +25,6 @@ void fill_zero(ExecContext& cx, const Tensor& t) {
   if (t.nbytes() > 0) cx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), cx.stream);
 }
 
-// The causal mask of n new tokens at positions past .. past + n - 1 over L = past + n keys, for `group` query heads
-// per kv head: (group n, L), row g n + i is 0 for keys 0 .. past + i and -inf after.
-Tensor causal_mask(Runtime& rt, Device device, DType dtype, int64_t group, int64_t n, int64_t past) {
-  const int64_t len = past + n;
-  std::vector<double> mask(size_t(group * n * len), 0.0);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = past + i + 1; j < len; ++j)
-        mask[size_t((g * n + i) * len + j)] = -std::numeric_limits<double>::infinity();
-  ExecContext cx = rt.context(device);
-  return cast(cx, rt.from_host(mask.data(), {group * n, len}, DType::F64, device), dtype);
-}
-
-// The attention of n queries q (n, Hq, D) at positions past .. past + n - 1 over a sequence's keys and values k, v
-// (L = past + n, Hkv, D): query i sees keys 0 .. past + i (`mask`, causal_mask; undefined for n = 1). In f32 (f64 for
-// f64), returned in q's dtype. For n = 1 this is the single-sequence decoder's step (KvCache::attend), op for op.
-Tensor attend_past(ExecContext& cx, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask) {
-  const int64_t n = q.size(0), q_heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
-  const int64_t group = q_heads / kv_heads;
-  const DType acc = q.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  const Tensor kt = cast(cx, k.permute({1, 0, 2}), acc);  // (Hkv, L, D)
-  const Tensor vt = cast(cx, v.permute({1, 0, 2}), acc);  // (Hkv, L, D)
-  const Tensor q3 = contiguous(cx, cast(cx, q.view({n, kv_heads, group, dim}).permute({1, 2, 0, 3}), acc))
-                        .view({kv_heads, group * n, dim});  // row g n + i: head g of the group, query i
-  // The scale as its own op: matmul's alpha is a float, which an f64 model must not round to.
-  Tensor scores = scale(cx, matmul(cx, q3, kt, {false, true}), 1.0 / std::sqrt(double(dim)));  // (Hkv, group n, L)
-  if (mask.defined()) scores = add(cx, scores, mask);
-  const Tensor o = matmul(cx, softmax(cx, scores), vt);                                      // (Hkv, group n, D)
-  const Tensor on = contiguous(cx, o.view({kv_heads, group, n, dim}).permute({2, 0, 1, 3}));  // (n, Hkv, group, D)
-  return cast(cx, on.view({n, q_heads, dim}), q.dtype());
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -121,44 +89,48 @@ struct RolloutEngine::Sequence {
 
 // ---------------------------------------------------------------------------------------------------------------
 // One step's cache as the model's layers see it (PackedBatch::cache): document i of the batch is the next chunk[i]
-// tokens of sequence i, after its `computed` ones.
+// tokens of sequence i, after its `computed` ones. The sequences that have a past come first (the running ones; the
+// scheduler admits new ones after them): their queries attend the pages through paged_attention, one call for all;
+// the first chunks of new sequences attend among their own tokens through the training attention op, one call for
+// all. Every new token's key and value is written to its cache row first (scatter_rows), so that both see them.
 
 class RolloutEngine::StepView final : public DecodeCache {
  public:
-  StepView(Runtime& rt, Device device, DType dtype, Pool& pool, const std::vector<Sequence*>& seqs,
-           const std::vector<int64_t>& chunk)
-      : pool_(&pool) {
-    std::vector<int32_t> slots;
-    int64_t row = 0;
+  StepView(Runtime& rt, Device device, Pool& pool, const std::vector<Sequence*>& seqs, const std::vector<int64_t>& chunk)
+      : rt_(&rt), device_(device), pool_(&pool) {
+    std::vector<int32_t> rows, table, cu_paged = {0}, lens, cu_first = {0}, slots;
+    size_t width = 1;
+    for (const Sequence* s : seqs) width = std::max(width, s->blocks.size());
     for (size_t i = 0; i < seqs.size(); ++i) {
       const Sequence& s = *seqs[i];
-      Doc d;
-      d.row = row;
-      d.past = s.computed;
-      d.n = chunk[i];
-      d.slot = s.slot;
-      row += d.n;
-      // Where the new tokens' keys and values go: runs of consecutive rows inside one block.
-      for (int64_t p = d.past; p < d.past + d.n;) {
-        const int64_t in_block = p % pool.block_size, len = std::min(pool.block_size - in_block, d.past + d.n - p);
-        d.writes.push_back({p - d.past, s.blocks[size_t(p / pool.block_size)] * pool.block_size + in_block, len});
-        p += len;
+      for (int64_t p = s.computed; p < s.computed + chunk[i] && !pool.k.empty(); ++p)
+        rows.push_back(int32_t(s.blocks[size_t(p / pool.block_size)] * pool.block_size + p % pool.block_size));
+      if (s.computed > 0) {
+        LATHE_ASSERT(cu_first.size() == 1);  // no sequence with a past after a first chunk
+        std::vector<int32_t> t(s.blocks.begin(), s.blocks.end());
+        t.resize(width, 0);
+        table.insert(table.end(), t.begin(), t.end());
+        cu_paged.push_back(cu_paged.back() + int32_t(chunk[i]));
+        lens.push_back(int32_t(s.computed + chunk[i]));
+      } else {
+        cu_first.push_back(cu_first.back() + int32_t(chunk[i]));
       }
-      if (d.past > 0) {  // the rows of all its tokens, for the gather; and the mask of the new ones
-        std::vector<int32_t> rows;
-        for (int64_t p = 0; p < d.past + d.n; ++p)
-          rows.push_back(int32_t(s.blocks[size_t(p / pool.block_size)] * pool.block_size + p % pool.block_size));
-        d.rows = rt.from_host(rows.data(), {int64_t(rows.size())}, DType::I32, device);
-      }
-      d.prefill_cu = d.past == 0 ? rt.from_host(std::vector<int32_t>{0, int32_t(d.n)}.data(), {2}, DType::I32, device)
-                                 : Tensor();
-      docs_.push_back(std::move(d));
-      slots.push_back(int32_t(std::max(s.slot, 0)));
+      slots.push_back(int32_t(s.slot));
     }
-    slots_ = rt.from_host(slots.data(), {int64_t(slots.size())}, DType::I32, device);
-    rt_ = &rt;
-    device_ = device;
-    dtype_ = dtype;
+    const auto upload = [&](const std::vector<int32_t>& v, Shape shape) {
+      return rt.from_host(v.data(), std::move(shape), DType::I32, device);
+    };
+    paged_rows_ = cu_paged.back();
+    first_rows_ = cu_first.back();
+    if (!rows.empty()) rows_ = upload(rows, {int64_t(rows.size())});
+    if (paged_rows_ > 0) {
+      const int64_t b = int64_t(lens.size());
+      table_ = upload(table, {b, int64_t(width)});
+      cu_paged_ = upload(cu_paged, {b + 1});
+      lens_ = upload(lens, {b});
+    }
+    if (first_rows_ > 0) cu_first_ = upload(cu_first, {int64_t(cu_first.size())});
+    slots_ = upload(slots, {int64_t(slots.size())});
   }
 
   Tensor attend(ExecContext& cx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
@@ -166,27 +138,18 @@ class RolloutEngine::StepView final : public DecodeCache {
     LATHE_ASSERT(a >= 0);
     Tensor& kc = pool_->k[size_t(a)];
     Tensor& vc = pool_->v[size_t(a)];
-    const int64_t rows = kc.size(0), kv_heads = kc.size(1), dim = kc.size(2);
+    scatter_rows_into(cx, kr, rows_, kc);
+    scatter_rows_into(cx, v, rows_, vc);
+    const int64_t p = paged_rows_, f = first_rows_;
+    Tensor paged, first;
+    if (p > 0)
+      paged = paged_attention(cx, qr.narrow(0, 0, p), kc, vc, table_, cu_paged_, lens_, {0.0, pool_->block_size});
+    if (f > 0) first = attention(cx, qr.narrow(0, p, f), kr.narrow(0, p, f), v.narrow(0, p, f), cu_first_, {})[0];
+    if (f == 0) return paged;
+    if (p == 0) return first;
     Tensor out = Tensor::empty(qr.shape(), qr.dtype(), cx.allocator);
-    for (Doc& d : docs_) {
-      for (const Write& w : d.writes) {
-        copy_into(cx, kr.narrow(0, d.row + w.offset, w.len), kc.narrow(0, w.at, w.len));
-        copy_into(cx, v.narrow(0, d.row + w.offset, w.len), vc.narrow(0, w.at, w.len));
-      }
-      const Tensor q = qr.narrow(0, d.row, d.n);
-      Tensor o;
-      if (d.past == 0) {  // a first chunk: causal among its own tokens, as training's attention
-        o = attention(cx, q, kr.narrow(0, d.row, d.n), v.narrow(0, d.row, d.n), d.prefill_cu, {})[0];
-      } else {
-        const int64_t len = d.past + d.n, group = qr.size(1) / kv_heads;
-        const Tensor kd = embedding(cx, kc.view({rows, kv_heads * dim}), d.rows).view({len, kv_heads, dim});
-        const Tensor vd = embedding(cx, vc.view({rows, kv_heads * dim}), d.rows).view({len, kv_heads, dim});
-        if (d.n > 1 && !d.mask.defined())
-          d.mask = causal_mask(*rt_, device_, dtype_ == DType::F64 ? DType::F64 : DType::F32, group, d.n, d.past);
-        o = attend_past(cx, q, kd, vd, d.mask);
-      }
-      copy_into(cx, o, out.narrow(0, d.row, d.n));
-    }
+    copy_into(cx, paged, out.narrow(0, 0, p));
+    copy_into(cx, first, out.narrow(0, p, f));
     return out;
   }
 
@@ -195,23 +158,11 @@ class RolloutEngine::StepView final : public DecodeCache {
   void set_gdn(int64_t layer, Tensor conv_history, Tensor state) override {
     ExecContext cx = rt_->context(device_);
     const size_t g = gdn(layer);
-    for (size_t i = 0; i < docs_.size(); ++i) {
-      const int64_t slot = docs_[i].slot;
-      copy_into(cx, conv_history.narrow(0, int64_t(i), 1), pool_->conv[g].narrow(0, slot, 1));
-      copy_into(cx, state.narrow(0, int64_t(i), 1), pool_->state[g].narrow(0, slot, 1));
-    }
+    scatter_rows_into(cx, conv_history, slots_, pool_->conv[g]);
+    scatter_rows_into(cx, state, slots_, pool_->state[g]);
   }
 
  private:
-  struct Write {
-    int64_t offset, at, len;  // the chunk's rows [offset, offset + len) go to pool rows [at, at + len)
-  };
-  struct Doc {
-    int64_t row = 0, past = 0, n = 0, slot = -1;
-    std::vector<Write> writes;
-    Tensor rows, mask, prefill_cu;
-  };
-
   size_t gdn(int64_t layer) const {
     const int g = pool_->gdn_slot.at(size_t(layer));
     LATHE_ASSERT(g >= 0);
@@ -222,16 +173,18 @@ class RolloutEngine::StepView final : public DecodeCache {
     ExecContext cx = rt_->context(device_);
     Shape shape = per_slot.shape();
     const int64_t slots = shape[0], each = per_slot.numel() / std::max<int64_t>(slots, 1);
-    shape[0] = int64_t(docs_.size());
+    shape[0] = slots_.size(0);
     return embedding(cx, per_slot.view({slots, each}), slots_).view(shape);
   }
 
-  Pool* pool_;
-  Runtime* rt_ = nullptr;
+  Runtime* rt_;
   Device device_;
-  DType dtype_ = DType::F32;
-  std::vector<Doc> docs_;
-  Tensor slots_;  // (B) i32: each sequence's GDN slot
+  Pool* pool_;
+  int64_t paged_rows_ = 0, first_rows_ = 0;
+  Tensor rows_;                      // (T) i32: each new token's cache row
+  Tensor table_, cu_paged_, lens_;   // the sequences with a past: block tables, query offsets, context lengths
+  Tensor cu_first_;                  // the first chunks' offsets, from the first of them
+  Tensor slots_;                     // (B) i32: each sequence's GDN slot
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -463,7 +416,7 @@ bool RolloutEngine::step() {
     for (size_t i = 0; i < batch.size(); ++i) segments.push_back({b.host_cu[i + 1], batch[i]->req->adapter});
     set_segments(b, std::move(segments));
   }
-  StepView view(*rt_, device, model_->options().dtype, *pool_, batch, chunk);
+  StepView view(*rt_, device, *pool_, batch, chunk);
   b.cache = &view;
   ExecContext cx = rt_->context(device);
   const Tensor logits = model_->last_logits(b);  // (B, V)

@@ -25,11 +25,11 @@
 //   depend on what else is in the batch. Each token comes with its log-probability under the model's distribution
 //   (log-softmax of the raw logits) and under the distribution it was drawn from.
 //
-// Attention over the pages: per sequence, its cached keys and values are gathered from the blocks (a row gather) and
-// its queries attend them with the causal mask of their positions (the last n of its past + n tokens), in f32 (f64
-// for an f64 model), as the single-sequence decoder's step does; a sequence's first chunk attends through the
-// training attention op. These are compositions of registry ops, so the engine runs on every backend; fused paged
-// kernels and device sampling are the next steps (docs/rollout.md).
+// Attention over the pages: every new token's key and value goes to its cache row (scatter_rows), then the sequences
+// with a past attend the pages in one paged_attention call (ops/op_table.h: query length 1 or a chunk, GQA, over the
+// block tables) and the first chunks of new sequences attend among themselves through the training attention op.
+// Gated DeltaNet histories and states are gathered from their slots (a row gather) and written back (scatter_rows).
+// Device sampling and CUDA graphs for the decode step are the next steps (docs/rollout.md).
 // Covered by tests/models/test_rollout.cpp.
 #pragma once
 

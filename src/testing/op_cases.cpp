@@ -334,6 +334,7 @@ std::vector<OpCase> all_op_cases() {
   add_gated_delta_op_cases(c);
   add_gdn_state_op_cases(c);
   add_moe_op_cases(c);
+  add_paged_op_cases(c);
   // adamw: all three outputs checked; grad has the master's dtype here (bf16 grads with f32 masters:
   // tests/unit/test_optim.cpp). The bf16 rows are bf16 optimizer states (parameter, m and v bf16, no master).
   const std::vector<DType> kMaster = {DType::F64, DType::F32};

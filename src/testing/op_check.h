@@ -39,6 +39,7 @@ DType op_case_input_dtype(const OpCase& c, size_t i, DType row);
 void add_gated_delta_op_cases(std::vector<OpCase>& cases);  // testing/op_cases_gated_delta.cpp
 void add_gdn_state_op_cases(std::vector<OpCase>& cases);    // testing/op_cases_gdn_state.cpp
 void add_moe_op_cases(std::vector<OpCase>& cases);          // testing/op_cases_moe.cpp
+void add_paged_op_cases(std::vector<OpCase>& cases);        // testing/op_cases_paged.cpp
 
 struct OpCheckOptions {
   std::string op;                   // exact op name, empty = all

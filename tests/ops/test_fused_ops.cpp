@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 
 #include "backend/runtime.h"
@@ -297,4 +298,66 @@ TEST(CrossEntropy, ReadsAndWritesPaddedRows) {
         }
       }
     }
+}
+
+// paged_attention against the training attention op: each sequence's keys and values laid out whole for `attention`
+// (causal over all its positions) and scattered over shuffled cache blocks for paged_attention, whose queries are the
+// sequence's last n positions; its output equals attention's last n rows. Sequences: a decoding step at 13 positions, a
+// chunk of 4 after 6, a first chunk of 5 (no past); GQA group 2; blocks of 4. On the CPU (f32, f64) and CUDA (f32,
+// bf16) where a GPU exists.
+TEST(PagedAttention, IsTheLastRowsOfCausalAttentionOverTheSequence) {
+  std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F32}, {Device::cpu(), DType::F64}};
+  if (runtime().has_device(Device::cuda(0)))
+    for (DType dt : {DType::F32, DType::BF16}) rows.push_back({Device::cuda(0), dt});
+  const int64_t hq = 4, hkv = 2, d = 16, bs = 4, blocks = 12;
+  const std::vector<int64_t> len = {13, 10, 5}, news = {1, 4, 5};
+  for (const auto& [device, dtype] : rows) {
+    std::mt19937_64 rng{7};
+    ExecContext ctx = runtime().context(device);
+    const auto host_of = [&](const Tensor& t) { return runtime().copy_to(cast(ctx, t, DType::F64), Device::cpu()); };
+    std::vector<double> cache_k(size_t(blocks * bs * hkv * d), 0.0), cache_v = cache_k;
+    std::vector<int32_t> order(static_cast<size_t>(blocks));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int32_t> table(len.size() * 4, 0), cu_q = {0}, ctx_lens;
+    size_t next_block = 0;
+    std::vector<Tensor> refs;
+    std::vector<Tensor> queries;
+    for (size_t b = 0; b < len.size(); ++b) {
+      const Tensor q = random_tensor(rng, {len[b], hq, d}, dtype, device);
+      const Tensor k = random_tensor(rng, {len[b], hkv, d}, dtype, device);
+      const Tensor v = random_tensor(rng, {len[b], hkv, d}, dtype, device);
+      const std::vector<int32_t> cu = {0, int32_t(len[b])};
+      const Tensor o = attention(ctx, q, k, v, runtime().from_host(cu.data(), {2}, DType::I32, device), {})[0];
+      refs.push_back(host_of(o.narrow(0, len[b] - news[b], news[b])));
+      queries.push_back(q.narrow(0, len[b] - news[b], news[b]));
+      const Tensor hk = host_of(k), hv = host_of(v);
+      for (int64_t j = 0; j < len[b]; ++j) {
+        if (j % bs == 0) table[b * 4 + size_t(j / bs)] = order[next_block++];
+        const int64_t row = int64_t(table[b * 4 + size_t(j / bs)]) * bs + j % bs;
+        for (int64_t e = 0; e < hkv * d; ++e) {
+          cache_k[size_t(row * hkv * d + e)] = hk.data<double>()[j * hkv * d + e];
+          cache_v[size_t(row * hkv * d + e)] = hv.data<double>()[j * hkv * d + e];
+        }
+      }
+      cu_q.push_back(cu_q.back() + int32_t(news[b]));
+      ctx_lens.push_back(int32_t(len[b]));
+    }
+    const auto upload = [&](const std::vector<double>& x) {
+      return cast(ctx, runtime().from_host(x.data(), {blocks * bs, hkv, d}, DType::F64, device), dtype);
+    };
+    Tensor q_all = Tensor::empty({cu_q.back(), hq, d}, dtype, ctx.allocator);
+    for (size_t b = 0; b < len.size(); ++b) copy_into(ctx, queries[b], q_all.narrow(0, cu_q[b], news[b]));
+    const Tensor o = paged_attention(
+        ctx, q_all, upload(cache_k), upload(cache_v),
+        runtime().from_host(table.data(), {int64_t(len.size()), 4}, DType::I32, device),
+        runtime().from_host(cu_q.data(), {int64_t(cu_q.size())}, DType::I32, device),
+        runtime().from_host(ctx_lens.data(), {int64_t(ctx_lens.size())}, DType::I32, device), {0.0, bs});
+    const Tensor got = host_of(o);
+    const double tol = dtype == DType::F64 ? 1e-12 : dtype == DType::F32 ? 1e-5 : 2e-2;
+    for (size_t b = 0; b < len.size(); ++b)
+      for (int64_t x = 0; x < refs[b].numel(); ++x)
+        ASSERT_NEAR(got.data<double>()[cu_q[b] * hq * d + x], refs[b].data<double>()[x], tol)
+            << device.str() << " " << dtype_name(dtype) << " sequence " << b << " element " << x;
+  }
 }

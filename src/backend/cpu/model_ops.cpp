@@ -249,6 +249,71 @@ void attention_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
+// paged_attention (op_table.h), in double; each sequence's block table and lengths checked first.
+template <typename T>
+void paged_attention_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& q = c.inputs[0];
+  const int64_t t_len = q.size(0), hq = q.size(1), d = q.size(2), hkv = c.inputs[1].size(1), group = hq / hkv;
+  const auto& a = c.attr<PagedAttentionAttrs>();
+  const double scale = a.scale ? a.scale : 1.0 / std::sqrt(double(d));
+  const int64_t bs = a.block_size, rows = c.inputs[1].size(0), b_count = c.inputs[3].size(0);
+  const int64_t m = c.inputs[3].size(1);
+  const int32_t* table = c.inputs[3].data<int32_t>();
+  const std::vector<int64_t> cu = documents(c.inputs[4], t_len);
+  const int32_t* ctx_len = c.inputs[5].data<int32_t>();
+  for (int64_t b = 0; b < b_count; ++b) {
+    const int64_t n = cu[size_t(b + 1)] - cu[size_t(b)], len = ctx_len[b];
+    LATHE_CHECK(len >= n && len <= m * bs, "paged_attention: sequence {} has {} new tokens and a context of {} (its block "
+                "table holds {})", b, n, len, m * bs);
+    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+      LATHE_CHECK(table[b * m + j] >= 0 && (table[b * m + j] + 1) * bs <= rows,
+                  "paged_attention: sequence {} names block {} of a cache of {} rows", b, table[b * m + j], rows);
+  }
+  const T* pq = q.data<T>();
+  const T* pk = c.inputs[1].data<T>();
+  const T* pv = c.inputs[2].data<T>();
+  T* po = c.outputs[0].data<T>();
+#pragma omp parallel for collapse(2) schedule(dynamic)
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t i = 0; i < t_len; ++i) {
+      const int64_t b = int64_t(std::upper_bound(cu.begin(), cu.end(), i) - cu.begin()) - 1;
+      const int64_t n = cu[size_t(b + 1)] - cu[size_t(b)], pos = ctx_len[b] - n + (i - cu[size_t(b)]);
+      const int64_t kh = h / group;
+      const auto row = [&](int64_t j) { return (int64_t(table[b * m + j / bs]) * bs + j % bs) * hkv + kh; };
+      std::vector<double> s(size_t(pos + 1));
+      double mx = -INFINITY;
+      for (int64_t j = 0; j <= pos; ++j) {
+        double dot = 0;
+        for (int64_t e = 0; e < d; ++e) dot += double(pq[(i * hq + h) * d + e]) * double(pk[row(j) * d + e]);
+        s[size_t(j)] = dot * scale;
+        mx = std::max(mx, dot * scale);
+      }
+      double l = 0;
+      for (double v : s) l += std::exp(v - mx);
+      for (int64_t e = 0; e < d; ++e) {
+        double acc = 0;
+        for (int64_t j = 0; j <= pos; ++j) acc += std::exp(s[size_t(j)] - mx) * double(pv[row(j) * d + e]);
+        po[(i * hq + h) * d + e] = T(acc / l);
+      }
+    }
+  }
+}
+
+// scatter_rows (op_table.h): dst copied to the output unless it is the output (scatter_rows_into), then the rows.
+template <typename T>
+void scatter_rows_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& src = c.inputs[0];
+  const Tensor& dst = c.inputs[2];
+  const int64_t t = src.size(0), n = dst.size(0), width = t > 0 ? src.numel() / t : 0;
+  const int32_t* index = c.inputs[1].data<int32_t>();
+  T* out = c.outputs[0].data<T>();
+  if (dst.data_ptr() != c.outputs[0].data_ptr()) std::copy(dst.data<T>(), dst.data<T>() + dst.numel(), out);
+  for (int64_t i = 0; i < t; ++i) {
+    LATHE_CHECK(index[i] >= 0 && index[i] < n, "scatter_rows: index {} at row {} is outside [0, {})", index[i], i, n);
+    std::copy(src.data<T>() + i * width, src.data<T>() + (i + 1) * width, out + int64_t(index[i]) * width);
+  }
+}
+
 template <typename T>
 void attention_backward_kernel(const OpCall& c, ExecContext&) {
   const Tensor& q = c.inputs[0];
@@ -351,6 +416,8 @@ void register_for(KernelRegistry& r) {
   add(OpId::swiglu_backward, "cpu/swiglu_backward", swiglu_backward_kernel<T>);
   add(OpId::attention, "cpu/causal_varlen_attention", attention_kernel<T>);
   add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
+  add(OpId::paged_attention, "cpu/paged_attention", paged_attention_kernel<T>);
+  add(OpId::scatter_rows, "cpu/scatter_rows", scatter_rows_kernel<T>);
   r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
                   cross_entropy_kernel<T>});
 }

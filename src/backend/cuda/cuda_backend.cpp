@@ -235,6 +235,7 @@ void CudaBackend::register_kernels(KernelRegistry& registry) {
   register_cuda_gated_delta_kernels(registry);
   register_cuda_gdn_state_kernels(registry);
   register_cuda_grouped_gemm_kernels(registry);
+  register_cuda_paged_kernels(registry);
 }
 
 }  // namespace cuda

@@ -103,6 +103,7 @@ void register_cuda_segment_kernels(KernelRegistry& registry);  // segment_ops_re
 void register_cuda_gated_delta_kernels(KernelRegistry& registry);  // gated_delta_ops.cpp
 void register_cuda_gdn_state_kernels(KernelRegistry& registry);  // gdn_state_register.cpp
 void register_cuda_grouped_gemm_kernels(KernelRegistry& registry);  // grouped_gemm.cpp
+void register_cuda_paged_kernels(KernelRegistry& registry);  // paged_ops_register.cpp
 
 }  // namespace cuda
 }  // namespace lathe

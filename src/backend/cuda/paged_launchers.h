@@ -1,0 +1,24 @@
+// Launchers of the rollout engine's kernels (paged.cu): paged_attention and scatter_rows (ops/op_table.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace lathe::cuda {
+
+inline constexpr int kMaxPagedHeadDim = 256;  // a warp holds a query row, 8 values a lane
+
+// q (T, Hq, D), caches (S, Hkv, D), table (B, M), cu_q (B + 1), context_lens (B); o (T, Hq, D). f32, bf16 or f16.
+void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t batch, int64_t table_width, float scale, const void* q,
+                            const void* k_cache, const void* v_cache, const int32_t* table, const int32_t* cu_q,
+                            const int32_t* context_lens, void* o, cudaStream_t stream);
+
+// out[index[i]] = src[i] for rows of `row_bytes` (a multiple of 2); out already holds the rest.
+void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,
+                         cudaStream_t stream);
+
+}  // namespace lathe::cuda

@@ -1,0 +1,52 @@
+// Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
+// 256), scatter_rows for every float dtype (a row copy). Covered by src/testing/op_cases_paged.cpp.
+#include <cmath>
+
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/paged_launchers.h"
+#include "backend/registry.h"
+
+namespace lathe::cuda {
+
+namespace {
+
+cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
+
+Support paged_attention_supports(const OpCall& c) {
+  if (c.inputs[0].size(2) > kMaxPagedHeadDim) return Support::no("head dim above 256 (a warp holds a query row)");
+  return all_contiguous(c);
+}
+
+void run_paged_attention(const OpCall& c, ExecContext& ctx) {
+  const Tensor& q = c.inputs[0];
+  const auto& a = c.attr<PagedAttentionAttrs>();
+  const int64_t d = q.size(2);
+  launch_paged_attention(q.dtype(), q.size(0), q.size(1), c.inputs[1].size(1), d, a.block_size, c.inputs[3].size(0),
+                         c.inputs[3].size(1), float(a.scale ? a.scale : 1.0 / std::sqrt(double(d))), q.data_ptr(),
+                         c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(),
+                         c.inputs[4].data<int32_t>(), c.inputs[5].data<int32_t>(), c.outputs[0].data_ptr(),
+                         stream_of(ctx));
+}
+
+void run_scatter_rows(const OpCall& c, ExecContext& ctx) {
+  const Tensor& src = c.inputs[0];
+  const Tensor& dst = c.inputs[2];
+  const Tensor& out = c.outputs[0];
+  if (dst.data_ptr() != out.data_ptr())  // scatter_rows_into passes the destination as the output
+    ctx.backend.copy(out.data_ptr(), ctx.device, dst.data_ptr(), ctx.device, dst.nbytes(), ctx.stream);
+  const int64_t rows = src.size(0);
+  launch_scatter_rows(rows, rows > 0 ? int64_t(src.nbytes()) / rows : 0, src.data_ptr(), c.inputs[1].data<int32_t>(),
+                      out.data_ptr(), stream_of(ctx));
+}
+
+}  // namespace
+
+void register_cuda_paged_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::paged_attention, DeviceType::CUDA, dt, "cuda/paged_attention", paged_attention_supports,
+                    run_paged_attention});
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::scatter_rows, DeviceType::CUDA, dt, "cuda/scatter_rows", all_contiguous, run_scatter_rows});
+}
+
+}  // namespace lathe::cuda

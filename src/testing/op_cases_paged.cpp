@@ -1,0 +1,31 @@
+// Op cases of the rollout engine's ops: paged_attention (decoding steps of several sequences over scattered blocks,
+// chunks of new tokens after a past, a first chunk, GQA groups 1 to 3, head dims 8 to 128, block sizes 4 and 16;
+// unused table entries point at block 0) and scatter_rows (rows of 12 floats, 6 bf16 values: every element width of
+// the CUDA copy). Forward only. The CPU kernel itself is checked against the training attention op in
+// tests/ops/test_fused_ops.cpp.
+#include "testing/op_check.h"
+
+namespace lathe {
+
+void add_paged_op_cases(std::vector<OpCase>& c) {
+  const std::vector<DType> dtypes = {DType::F64, DType::F32, DType::BF16, DType::F16};
+  // q (T, Hq, D), caches (S, Hkv, D), table (B, M), cu_q (B + 1), context_lens (B).
+  const auto add = [&](const char* what, int64_t hq, int64_t hkv, int64_t d, int64_t bs, int64_t blocks,
+                       std::vector<double> table, std::vector<double> cu, std::vector<double> ctx) {
+    const int64_t b = int64_t(ctx.size()), m = int64_t(table.size()) / b, t = int64_t(cu.back());
+    const int64_t s = blocks * bs;
+    c.push_back({OpId::paged_attention, fmt::format("{},hq={},hkv={},d={},bs={}", what, hq, hkv, d, bs),
+                 {{t, hq, d}, {s, hkv, d}, {s, hkv, d}, {b, m}, {b + 1}, {b}}, PagedAttentionAttrs{0.0, bs}, dtypes,
+                 false, false, {{}, {}, {}, table, cu, ctx}});
+  };
+  add("decode=1+1+1,ctx=5+9+1", 4, 2, 8, 4, 10, {7, 2, 0, 1, 9, 4, 3, 0, 0}, {0, 1, 2, 3}, {5, 9, 1});
+  add("chunks=3+5,ctx=7+5", 6, 2, 16, 4, 6, {5, 1, 2, 4}, {0, 3, 8}, {7, 5});
+  add("decode+chunk,ctx=20+3", 2, 1, 128, 16, 4, {3, 0, 2, 0}, {0, 1, 3}, {20, 3});
+  add("mha,decode=1+1,ctx=33+2", 3, 3, 64, 16, 5, {4, 1, 0, 2, 0, 0}, {0, 1, 2}, {33, 2});
+  c.push_back({OpId::scatter_rows, "rows=5,into=10,row=3x4", {{5, 3, 4}, {5}, {10, 3, 4}}, {}, dtypes, false, false,
+               {{}, {7, 0, 3, 9, 2}, {}}});
+  c.push_back({OpId::scatter_rows, "rows=3,into=4,row=6", {{3, 6}, {3}, {4, 6}}, {}, dtypes, false, false,
+               {{}, {1, 0, 2}, {}}});
+}
+
+}  // namespace lathe
