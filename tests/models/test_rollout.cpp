@@ -230,6 +230,51 @@ TEST_P(RolloutFamilies, RequestsChooseTheirAdapterInOneBatch) {
 INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
                          ::testing::Values("qwen3", "qwen3_moe", "qwen3_5", "qwen3_next", "qwen3_5_moe_text"));
 
+// The engine on CUDA (f32 and bf16 models of the same weights; every family) against the CPU f32 engine: a batch of
+// prompts, chunked prefill and a shared group prompt; greedy tokens equal in f32 (logits spread by std 0.3 weights, so
+// no near-ties), and the log-probs within 1e-4 (f32) and 0.1 (bf16); bf16 must agree on the first token of each sample.
+// Skips without a GPU.
+TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const auto model_on = [&](Device d, DType dt) {
+    ModelOptions opt;
+    opt.dtype = dt;
+    opt.device = d;
+    return random_causal_lm(runtime(), parse_model_config(tiny_json(GetParam()), "test"), opt, 5, 0.3);
+  };
+  const auto generate = [&](CausalLm& m) {
+    EngineOptions o;
+    o.block_size = 4;
+    o.max_step_tokens = 16;
+    RolloutEngine e(runtime(), m, o);
+    for (uint64_t i = 0; i < 4; ++i) {
+      RolloutRequest r;
+      r.prompt = random_ids(3 + int64_t(i) * 9, m.config().vocab_size, 500 + i);
+      r.max_new_tokens = 8;
+      r.n = i == 1 ? 3 : 1;
+      e.submit(r);
+    }
+    return e.run();
+  };
+  const std::unique_ptr<CausalLm> cpu = model_on(Device::cpu(), DType::F32);
+  const std::vector<RolloutResult> want = generate(*cpu);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    const std::unique_ptr<CausalLm> gpu = model_on(Device::cuda(0), dt);
+    const std::vector<RolloutResult> got = generate(*gpu);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < want.size(); ++k) {
+      const std::string what = fmt::format("{} request {} sample {}", dtype_name(dt), got[k].request, got[k].sample);
+      if (dt == DType::F32) EXPECT_EQ(got[k].tokens, want[k].tokens) << what;
+      ASSERT_FALSE(got[k].tokens.empty()) << what;
+      EXPECT_EQ(got[k].tokens[0], want[k].tokens[0]) << what;
+      const size_t same = dt == DType::F32 ? want[k].logprobs.size() : 1;  // bf16 may leave the path after a token
+      for (size_t t = 0; t < same && t < got[k].logprobs.size(); ++t)
+        EXPECT_NEAR(got[k].logprobs[t], want[k].logprobs[t], dt == DType::F32 ? 1e-4 : 0.1) << what << " token " << t;
+    }
+  }
+}
+
 // Sampled (temperature 0.8, top-k 12): each request's tokens are the same alone and in a batch with others in another
 // order, and two samples of one request differ; a stop id ends a sample with "eos" and is kept.
 TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {

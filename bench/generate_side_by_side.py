@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Generation throughput, Hugging Face transformers' generate against `lathe generate --input` (the rollout engine),
+same random weights, prompts, lengths and card (issue 27).
+
+For each shape a random model is written once as an HF folder (bf16), with a JSONL of R prompts of P random token ids.
+transformers generates them as one batch (greedy, exactly N new tokens, its static cache where the family takes it,
+else its default cache), timed with torch.cuda.synchronize(); then `lathe generate --input` generates the same lines
+(greedy, --ignore-eos, --max-new-tokens N, all R running at once) and its stderr summary gives tokens/s. A batch-1 row
+(one prompt) times the decoding step against the time to read the weights once at the card's measured copy bandwidth.
+
+Shapes: 1.7b (Qwen3-1.7B: 28 layers, hidden 2048, FFN 6144, 16/8 heads of 128, vocab 151936) and q35-0.8b (the
+Qwen3.5-0.8B text shape: 24 layers, 3 Gated DeltaNet + 1 gated attention repeated, hidden 1024, FFN 3584, 8/2 heads of
+256, GDN 16/16 heads of 128, vocab 248320).
+
+Usage (GPU machine): python3 bench/generate_side_by_side.py --lathe-bin build/lathe [--shapes 1.7b,q35-0.8b]
+                     [--requests 64] [--prompt 512] [--new 512] [--out /tmp/gen_bench]
+Prints one line per measurement and writes OUT/results.json.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def make_model(shape, folder):
+    import torch
+    from transformers import AutoModelForCausalLM
+    if shape == "1.7b":
+        from transformers import Qwen3Config
+        config = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                             max_position_embeddings=40960, rope_theta=1000000.0)
+    elif shape == "q35-0.8b":
+        from transformers import Qwen3_5TextConfig
+        types = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 6
+        config = Qwen3_5TextConfig(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=256, layer_types=types,
+                                   linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                                   linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+                                   max_position_embeddings=40960)
+    else:
+        sys.exit(f"unknown shape {shape}")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    return config.vocab_size
+
+
+def hf_generate(folder, prompts, new_tokens):
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")
+    kinds = ["static", None]
+    for cache in kinds:
+        try:
+            kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                      attention_mask=torch.ones_like(ids))
+            if cache:
+                kw["cache_implementation"] = cache
+            model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model.generate(ids, **kw)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
+            return generated / dt, cache or "default", dt
+        except Exception as e:  # the static cache is not offered for every family
+            log(f"transformers generate with cache {cache}: {type(e).__name__}: {str(e)[:200]}")
+    return None, None, None
+
+
+def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib):
+    cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
+           "--max-new-tokens", str(new_tokens), "--ignore-eos", "--max-running", str(running), "--cache-mib",
+           str(cache_mib)]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        log(f"lathe generate failed ({r.returncode}): {r.stderr[-1500:]}")
+        return None, r.stderr
+    m = re.search(r"\(([\d.]+) tokens/s\)", r.stderr)
+    return (float(m.group(1)) if m else None), r.stderr.strip().splitlines()[-1]
+
+
+def copy_bandwidth():
+    import torch
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)  # read + write bytes per second
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lathe-bin", required=True)
+    ap.add_argument("--shapes", default="1.7b,q35-0.8b")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--out", default="/tmp/gen_bench")
+    a = ap.parse_args()
+    import torch
+    os.makedirs(a.out, exist_ok=True)
+    card = torch.cuda.get_device_name(0)
+    bw = copy_bandwidth()
+    log(f"card {card}; device copy bandwidth {bw / 1e9:.0f} GB/s")
+    results = {"card": card, "copy_bandwidth_gbs": bw / 1e9, "rows": []}
+    for shape in a.shapes.split(","):
+        folder = os.path.join(a.out, shape)
+        vocab = make_model(shape, folder)
+        weights = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        rng = random.Random(0)
+        prompts = [[rng.randrange(vocab) for _ in range(a.prompt)] for _ in range(a.requests)]
+        path = os.path.join(a.out, f"{shape}.jsonl")
+        with open(path, "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"tokens": p}) + "\n")
+        hf, cache, hf_s = hf_generate(folder, prompts, a.new)
+        torch.cuda.empty_cache()
+        cache_mib = 16384
+        lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.out.jsonl"), a.new,
+                                     a.requests, cache_mib)
+        row = {"shape": shape, "requests": a.requests, "prompt": a.prompt, "new": a.new, "hf_tokens_per_s": hf,
+               "hf_cache": cache, "lathe_tokens_per_s": lt, "lathe_summary": summary,
+               "ratio": (lt / hf) if (lt and hf) else None}
+        log(f"{shape}: {a.requests} x ({a.prompt} + {a.new}): transformers ({cache} cache) "
+            f"{hf or 0:,.0f} tok/s, lathe {lt or 0:,.0f} tok/s, ratio {row['ratio'] or 0:.2f}x; {summary}")
+        # Batch 1: one prompt, the decoding step against one read of the weights.
+        one = os.path.join(a.out, f"{shape}.one.jsonl")
+        with open(one, "w") as f:
+            f.write(json.dumps({"tokens": prompts[0]}) + "\n")
+        lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"), a.new,
+                                       1, cache_mib)
+        bound_ms = weights / (bw / 2) * 1e3  # reading the weights once at the copy's read rate
+        step_ms = 1e3 / lt1 if lt1 else None
+        row.update({"batch1_tokens_per_s": lt1, "batch1_step_ms": step_ms, "weights_bytes": weights,
+                    "weights_read_ms": bound_ms, "batch1_over_bound": (step_ms / bound_ms) if step_ms else None})
+        log(f"{shape} batch 1: {lt1 or 0:,.1f} tok/s = {step_ms or 0:.2f} ms a step; reading {weights / 1e9:.2f} GB of "
+            f"weights takes {bound_ms:.2f} ms ({(step_ms or 0) / bound_ms:.2f}x the bound); {summary1}")
+        results["rows"].append(row)
+    with open(os.path.join(a.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

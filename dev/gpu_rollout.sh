@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The rollout engine on one GPU (run from the repo root with OUT set; carry .gpu-debs, see dev/gpu_deps.sh).
+# `dev/gpu_rollout.sh STAGE...`:
+#   build  — configure and build; the CUDA rows of the engine's tests (RolloutFamilies.CudaMatchesTheCpu, the
+#            paged_attention / scatter_rows op checks and PagedAttention against the training attention op) and of
+#            the decoders and generate tests
+#   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
+#            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights
+# Writes summary.txt and logs.tgz to $OUT.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:?set OUT}
+STAGES="${*:-build}"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+L=/tmp/logs; mkdir -p $L
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
+trap finish EXIT
+source dev/gpu_deps.sh
+summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stages $STAGES"
+{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j16 >$L/build.log 2>&1; } &&
+  summary "built in $SECONDS s" || { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
+
+if has build; then
+  (cd build && ctest -j8 --output-on-failure \
+     -R "Rollout|Paged|OpCheck.Cuda/(paged_attention|scatter_rows|cross_entropy|embedding)|CrossEntropy|Decode|Generate|Sampling" \
+     >$L/ctest.txt 2>&1)
+  summary "ctest (rollout, paged ops, decoding; CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
+  grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
+  grep -E "Skipped|SKIPPED" $L/ctest.txt | grep -i cuda | head -5 | tee -a $OUT/summary.txt
+fi
+
+if has speed; then
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --out /tmp/gen_bench >$L/gen_bench.log 2>&1
+  summary "$(grep -E '^(card|1.7b|q35)' $L/gen_bench.log)"
+  cp /tmp/gen_bench/results.json $OUT/ 2>/dev/null
+fi
