@@ -47,6 +47,7 @@ namespace lathe {
   X(attention_backward, 7) \
   X(paged_attention, 6)  \
   X(scatter_rows, 3)     \
+  X(row_argmax_logsumexp, 1) \
   X(cross_entropy, 2)    \
   X(adamw, 4)            \
   X(adamw_list, -1)      \
@@ -186,6 +187,14 @@ struct PagedAttentionAttrs {
 // scatter_rows(src (T, ...), index (T) i32, dst (N, ...)) -> dst' (N, ...): dst with row index[i] replaced by src row i
 // (indices distinct and in [0, N)); the other rows as dst. scatter_rows_into writes dst in place (the engine's KV
 // writes). Not differentiable.
+
+// row_argmax_logsumexp(x (N, V)) -> argmax (N) i32 over ids [0, limit) (the lowest id on ties; limit 0 = V), its value
+// x[argmax] (N) and lse (N), the log-sum-exp of the whole row, both f32 (f64 for f64): the rollout engine's greedy token
+// and its log-probability under the model's distribution (x[argmax] - lse) without copying the logits to the host. A
+// NaN in a row makes its lse NaN.
+struct ArgmaxAttrs {
+  int64_t limit = 0;
+};
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
 // `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).
@@ -332,7 +341,7 @@ struct MoePadAttrs {
 };
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,
-                             NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, PagedAttentionAttrs,
+                             NormAttrs, RopeAttrs, QkNormRopeAttrs, AttentionAttrs, PagedAttentionAttrs, ArgmaxAttrs,
                              CrossEntropyAttrs, AdamWAttrs,
                              SegmentAttrs, GatedDeltaAttrs, GroupedMatmulAttrs, MoeRouteAttrs, MoePadAttrs>;
 

@@ -36,6 +36,7 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
     case OpId::paged_attention: return expect(PagedAttentionAttrs{});
+    case OpId::row_argmax_logsumexp: return expect(ArgmaxAttrs{});
     case OpId::adamw:
     case OpId::adamw_list: return expect(AdamWAttrs{});
     case OpId::segment_mask:
@@ -319,6 +320,10 @@ Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache,
                  {contiguous(ctx, q), k_cache, v_cache, contiguous(ctx, block_table), contiguous(ctx, cu_q),
                   contiguous(ctx, context_lens)},
                  attrs)[0];
+}
+
+std::vector<Tensor> row_argmax_logsumexp(ExecContext& ctx, const Tensor& x, int64_t limit) {
+  return call_op(ctx, OpId::row_argmax_logsumexp, {contiguous(ctx, x)}, ArgmaxAttrs{limit});
 }
 
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst) {

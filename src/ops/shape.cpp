@@ -341,6 +341,15 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "{}, {}", src.describe(), in[1].describe(), dst.describe());
       return {{dst.shape(), dst.dtype()}};
     }
+    case OpId::row_argmax_logsumexp: {
+      check_floating(op, in[0]);
+      const int64_t limit = std::get<ArgmaxAttrs>(attrs).limit;
+      LATHE_CHECK(in[0].dim() == 2 && in[0].size(1) > 0 && limit >= 0 && limit <= in[0].size(1),
+                  "ops: row_argmax_logsumexp needs x (N, V) with V > 0 and a limit in [0, V]; got {}, limit {}",
+                  in[0].describe(), limit);
+      const DType st = stats_dtype(in[0].dtype());
+      return {{{in[0].size(0)}, DType::I32}, {{in[0].size(0)}, st}, {{in[0].size(0)}, st}};
+    }
     case OpId::cross_entropy: {
       check_floating(op, in[0]);
       check_index(op, in[1], "labels");

@@ -323,21 +323,30 @@ bool RolloutEngine::fork(Sequence& leader, Sequence& follower) {
   return true;
 }
 
-bool RolloutEngine::sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
-  const ModelConfig& c = model_->config();
+int64_t RolloutEngine::allowed_vocab(const Sequence& s) const {
+  const int64_t v = model_->config().vocab_size;
+  return s.req->allowed_vocab > 0 ? std::min(s.req->allowed_vocab, v) : v;
+}
+
+// Whether the sequence's next token is the argmax over `limit` ids: greedy with nothing that changes the logits.
+bool RolloutEngine::plain_greedy(const Sequence& s, int64_t limit) const {
+  const SamplingOptions& o = s.req->sampling;
+  return o.temperature == 0 && o.repetition_penalty == 1.0 && o.frequency_penalty == 0.0 && s.req->banned_ids.empty() &&
+         allowed_vocab(s) == limit;
+}
+
+SampledToken RolloutEngine::draw(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
   std::copy(row.begin(), row.end(), scratch.begin());
   for (int32_t id : s.req->banned_ids) scratch[size_t(id)] = -std::numeric_limits<float>::infinity();
   const std::span<const int32_t> prompt(s.tokens.data(), s.prompt_len);
   const std::span<const int32_t> generated(s.tokens.data() + s.prompt_len, s.tokens.size() - s.prompt_len);
-  const int64_t allowed = s.req->allowed_vocab > 0 ? std::min(s.req->allowed_vocab, c.vocab_size) : c.vocab_size;
-  const SampledToken drawn = sample_next(scratch, allowed, s.req->sampling, prompt, generated, s.rng);
-  const int32_t token = drawn.id;
-  s.sampling_logprobs.push_back(drawn.logprob);
-  // log-softmax of the raw logits at the token
-  const double mx = *std::max_element(row.begin(), row.end());
-  double sum = 0;
-  for (double x : row) sum += std::exp(x - mx);
-  s.logprobs.push_back(row[size_t(token)] - mx - std::log(sum));
+  return sample_next(scratch, allowed_vocab(s), s.req->sampling, prompt, generated, s.rng);
+}
+
+bool RolloutEngine::take(Sequence& s, int32_t token, double logprob, double sampling_logprob) {
+  const ModelConfig& c = model_->config();
+  s.logprobs.push_back(logprob);
+  s.sampling_logprobs.push_back(sampling_logprob);
   s.tokens.push_back(token);
   const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
                                                                                        : pool_->capacity_tokens);
@@ -420,10 +429,29 @@ bool RolloutEngine::step() {
   b.cache = &view;
   ExecContext cx = rt_->context(device);
   const Tensor logits = model_->last_logits(b);  // (B, V)
-  // In f64 on the host: the log-probabilities keep an f64 model's precision; the sampler takes f32 (as generate's).
-  const Tensor host = rt_->copy_to(logits.dtype() == DType::F64 ? logits : cast(cx, logits, DType::F64), Device::cpu());
-  const double* all = host.data<double>();
-  std::vector<float> row_f32(size_t(c.vocab_size));
+  // Every row's log-sum-exp, and the argmax over `limit` ids, on the device: a plain greedy sequence takes its token
+  // and log-probability from there; only the rows that sample (or whose logits change first) come to the host.
+  std::vector<size_t> ready;  // rows whose sequence has all its tokens in the cache after this step
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (batch[i]->computed + chunk[i] == int64_t(batch[i]->tokens.size())) ready.push_back(i);
+  const int64_t limit = ready.empty() ? c.vocab_size : allowed_vocab(*batch[ready[0]]);
+  const std::vector<Tensor> summary = row_argmax_logsumexp(cx, logits, limit == c.vocab_size ? 0 : limit);
+  const Tensor arg = rt_->copy_to(summary[0], Device::cpu());
+  const Tensor best = rt_->copy_to(cast(cx, summary[1], DType::F64), Device::cpu());
+  const Tensor lse = rt_->copy_to(cast(cx, summary[2], DType::F64), Device::cpu());
+  std::vector<int32_t> host_rows;  // in f64 on the host: an f64 model's log-probabilities keep their precision
+  std::vector<int64_t> host_row_of(batch.size(), -1);
+  for (size_t i : ready)
+    if (!plain_greedy(*batch[i], limit)) {
+      host_row_of[i] = int64_t(host_rows.size());
+      host_rows.push_back(int32_t(i));
+    }
+  Tensor host;
+  if (!host_rows.empty()) {
+    const Tensor rows = rt_->from_host(host_rows.data(), {int64_t(host_rows.size())}, DType::I32, device);
+    host = rt_->copy_to(cast(cx, embedding(cx, logits, rows), DType::F64), Device::cpu());
+  }
+  std::vector<float> scratch(size_t(c.vocab_size));
   ++stats_.steps;
   for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
   stats_.peak_blocks_used = std::max(stats_.peak_blocks_used, pool_->blocks - int64_t(pool_->free_blocks.size()));
@@ -432,17 +460,26 @@ bool RolloutEngine::step() {
     Sequence& s = *batch[i];
     s.computed += chunk[i];
     if (s.computed < int64_t(s.tokens.size())) continue;  // a prompt chunk: its last logits are not the next token's
-    const std::span<const double> row(all + int64_t(i) * c.vocab_size, size_t(c.vocab_size));
+    const double row_lse = lse.data<double>()[i];
+    LATHE_CHECK(std::isfinite(row_lse), "rollout: the model produced a non-finite logit for request {} (log-sum-exp {})",
+                s.request, row_lse);
+    // Sequence s's next token (and the request's other samples' first, from the same logits).
+    const auto next = [&](Sequence& q) {
+      if (host_row_of[i] < 0) return take(q, arg.data<int32_t>()[i], best.data<double>()[i] - row_lse, 0.0);
+      const std::span<const double> row(host.data<double>() + host_row_of[i] * c.vocab_size, size_t(c.vocab_size));
+      const SampledToken t = draw(q, row, scratch);
+      return take(q, t.id, row[size_t(t.id)] - row_lse, t.logprob);
+    };
     // The prompt is in the cache: the request's other samples fork from it and draw from the same logits.
     for (std::unique_ptr<Sequence>& f : std::exchange(s.followers, {})) {
       if (!fork(s, *f)) {  // no room now: it will compute its prompt itself
         waiting_.push_back(std::move(f));
         continue;
       }
-      if (sample(*f, row, row_f32)) done.push_back(f.get());
+      if (next(*f)) done.push_back(f.get());
       running_.push_back(std::move(f));
     }
-    if (sample(s, row, row_f32)) done.push_back(&s);
+    if (next(s)) done.push_back(&s);
   }
   stats_.peak_running = std::max(stats_.peak_running, int64_t(running_.size()));
   std::erase_if(running_, [&](const auto& p) { return std::find(done.begin(), done.end(), p.get()) != done.end(); });

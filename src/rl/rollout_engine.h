@@ -115,8 +115,12 @@ class RolloutEngine {
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
   void admit(Sequence& s);
   bool fork(Sequence& leader, Sequence& follower);
-  // Samples the next token of `s` from `row` (its logits); true when that finishes it.
-  bool sample(Sequence& s, std::span<const double> row, std::vector<float>& scratch);
+  int64_t allowed_vocab(const Sequence& s) const;
+  bool plain_greedy(const Sequence& s, int64_t limit) const;
+  // Draws the next token of `s` from `row` (its logits) on the host.
+  SampledToken draw(Sequence& s, std::span<const double> row, std::vector<float>& scratch);
+  // Appends the token with its log-probabilities; true when that finishes `s`.
+  bool take(Sequence& s, int32_t token, double logprob, double sampling_logprob);
   bool reserve_blocks(Sequence& s, int64_t tokens);
   void preempt(Sequence& s);
   void release(Sequence& s);

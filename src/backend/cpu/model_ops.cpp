@@ -299,6 +299,35 @@ void paged_attention_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
+// row_argmax_logsumexp (op_table.h), in double.
+template <typename T>
+void row_argmax_logsumexp_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& x = c.inputs[0];
+  const int64_t n = x.size(0), v = x.size(1), limit = c.attr<ArgmaxAttrs>().limit ? c.attr<ArgmaxAttrs>().limit : v;
+  const T* px = x.data<T>();
+  int32_t* arg = c.outputs[0].data<int32_t>();
+  using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
+  S* best_value = static_cast<S*>(c.outputs[1].data_ptr());
+  S* lse = static_cast<S*>(c.outputs[2].data_ptr());
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = px + r * v;
+    int64_t best = 0;
+    for (int64_t j = 1; j < limit; ++j)
+      if (row[j] > row[best]) best = j;
+    double mx = -INFINITY;
+    bool nan = false;
+    for (int64_t j = 0; j < v; ++j) {
+      nan = nan || std::isnan(double(row[j]));
+      mx = std::max(mx, double(row[j]));
+    }
+    double sum = 0;
+    for (int64_t j = 0; j < v && std::isfinite(mx); ++j) sum += std::exp(double(row[j]) - mx);
+    arg[r] = int32_t(best);
+    best_value[r] = S(row[best]);
+    lse[r] = nan ? S(NAN) : std::isfinite(mx) ? S(mx + std::log(sum)) : S(mx);
+  }
+}
+
 // scatter_rows (op_table.h): dst copied to the output unless it is the output (scatter_rows_into), then the rows.
 template <typename T>
 void scatter_rows_kernel(const OpCall& c, ExecContext&) {
@@ -418,6 +447,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
   add(OpId::paged_attention, "cpu/paged_attention", paged_attention_kernel<T>);
   add(OpId::scatter_rows, "cpu/scatter_rows", scatter_rows_kernel<T>);
+  add(OpId::row_argmax_logsumexp, "cpu/row_argmax_logsumexp", row_argmax_logsumexp_kernel<T>);
   r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
                   cross_entropy_kernel<T>});
 }

@@ -67,6 +67,52 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
   }
 }
 
+// One block per row: each thread's strided max with the lowest index (ids below `limit`) and online sum of exp over
+// the whole row, then tree reductions in shared memory.
+template <typename T, typename S>
+__global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x, int32_t* arg, S* best, S* lse) {
+  __shared__ float best_v[kThreads], m_v[kThreads], s_v[kThreads];
+  __shared__ int64_t best_i[kThreads];
+  __shared__ int nan_seen;
+  const T* row = x + int64_t(blockIdx.x) * v;
+  if (threadIdx.x == 0) nan_seen = 0;
+  __syncthreads();
+  float bv = -INFINITY, m = -INFINITY, sum = 0.0f;
+  int64_t bi = -1;
+  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+    const float f = float(load(row, j));
+    if (isnan(f)) nan_seen = 1;
+    if (j < limit && (bi < 0 || f > bv)) bv = f, bi = j;
+    const float nm = fmaxf(m, f);
+    sum = (m == nm ? sum : sum * expf(m - nm)) + (f == -INFINITY ? 0.0f : expf(f - nm));
+    m = nm;
+  }
+  best_v[threadIdx.x] = bv;
+  best_i[threadIdx.x] = bi;
+  m_v[threadIdx.x] = m;
+  s_v[threadIdx.x] = sum;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const int o = threadIdx.x + stride;
+      const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_v[o] > best_v[threadIdx.x] ||
+                                           (best_v[o] == best_v[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
+      if (take) best_v[threadIdx.x] = best_v[o], best_i[threadIdx.x] = best_i[o];
+      const float a = m_v[threadIdx.x], b = m_v[o], nm = fmaxf(a, b);
+      if (nm != -INFINITY)
+        s_v[threadIdx.x] = (a == -INFINITY ? 0.0f : s_v[threadIdx.x] * expf(a - nm)) +
+                           (b == -INFINITY ? 0.0f : s_v[o] * expf(b - nm));
+      m_v[threadIdx.x] = nm;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    arg[blockIdx.x] = int32_t(best_i[0] < 0 ? 0 : best_i[0]);
+    best[blockIdx.x] = S(best_v[0]);
+    lse[blockIdx.x] = nan_seen ? S(NAN) : m_v[0] == -INFINITY ? S(m_v[0]) : S(m_v[0] + logf(s_v[0]));
+  }
+}
+
 template <typename E>
 __global__ void scatter_rows_kernel(int64_t rows, int64_t width, const E* src, const int32_t* index, E* out) {
   for (int64_t x = global_thread(); x < rows * width; x += grid_threads())
@@ -88,6 +134,17 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
         static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens, static_cast<T*>(o));
   });
   LATHE_CUDA_LAUNCH_CHECK("paged_attention_kernel");
+}
+
+void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,
+                                 float* best, float* lse, cudaStream_t stream) {
+  if (rows == 0) return;
+  dispatch_f32_bf16_f16(dtype, "row_argmax_logsumexp dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    row_argmax_logsumexp_kernel<T, float><<<unsigned(rows), kThreads, 0, stream>>>(v, limit > 0 ? limit : v,
+                                                                                     static_cast<const T*>(x), arg, best, lse);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("row_argmax_logsumexp_kernel");
 }
 
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,

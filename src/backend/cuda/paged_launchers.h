@@ -17,6 +17,10 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
                             const void* k_cache, const void* v_cache, const int32_t* table, const int32_t* cu_q,
                             const int32_t* context_lens, void* o, cudaStream_t stream);
 
+// x (rows, v) f32, bf16 or f16: argmax over [0, limit) (0: all), its value, log-sum-exp of the row (f32).
+void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,
+                                 float* best, float* lse, cudaStream_t stream);
+
 // out[index[i]] = src[i] for rows of `row_bytes` (a multiple of 2); out already holds the rest.
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,
                          cudaStream_t stream);

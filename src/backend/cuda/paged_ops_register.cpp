@@ -39,9 +39,19 @@ void run_scatter_rows(const OpCall& c, ExecContext& ctx) {
                       out.data_ptr(), stream_of(ctx));
 }
 
+void run_row_argmax_logsumexp(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  launch_row_argmax_logsumexp(x.dtype(), x.size(0), x.size(1), c.attr<ArgmaxAttrs>().limit, x.data_ptr(),
+                              c.outputs[0].data<int32_t>(), c.outputs[1].data<float>(), c.outputs[2].data<float>(),
+                              stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_paged_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::row_argmax_logsumexp, DeviceType::CUDA, dt, "cuda/row_argmax_logsumexp", all_contiguous,
+                    run_row_argmax_logsumexp});
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     r.add(KernelDef{OpId::paged_attention, DeviceType::CUDA, dt, "cuda/paged_attention", paged_attention_supports,
                     run_paged_attention});
