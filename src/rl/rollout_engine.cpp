@@ -79,7 +79,6 @@ struct RolloutEngine::Sequence {
   int64_t computed = 0;         // tokens whose keys, values and states are in the cache
   std::vector<int32_t> blocks;  // block table
   int slot = -1;                // GDN state slot while running
-  int64_t admitted = -1;        // admission number while running
   std::mt19937_64 rng;
   std::vector<double> logprobs, sampling_logprobs;
   // The request's other samples while this one computes the shared prompt (share_prefixes); they fork from it once
@@ -261,7 +260,6 @@ void RolloutEngine::release(Sequence& s) {
   s.blocks.clear();
   if (s.slot >= 0) pool_->free_slots.push_back(s.slot);
   s.slot = -1;
-  s.admitted = -1;
 }
 
 // The sequence leaves the running batch and waits first in line, to be prefilled again from its tokens so far.
@@ -290,7 +288,6 @@ void RolloutEngine::finish(Sequence& s, FinishReason why) {
 void RolloutEngine::admit(Sequence& s) {
   s.slot = pool_->free_slots.back();
   pool_->free_slots.pop_back();
-  s.admitted = admissions_++;
 }
 
 // `follower` continues from `leader`'s prompt, which is in the cache: its whole blocks shared, its partial block and

@@ -134,7 +134,6 @@ class RolloutEngine {
   std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
   std::vector<RolloutResult> finished_;
   int64_t next_request_ = 0;
-  int64_t admissions_ = 0;
   EngineStats stats_;
 };
 
