@@ -12,19 +12,7 @@
 #   mem4b  — the Qwen3-4B shape with f32 AdamW masters: one GPU, and dp = 2 with ZeRO-1 (each rank's peak)
 #   opts, embed, profile — the single-GPU step through `lathe train` against `lathe bench` (session 15)
 # Writes summary.txt and logs.tgz to $OUT.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:?set OUT}
-STAGES="${*:-build}"
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-L=/tmp/logs; mkdir -p $L
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
-trap finish EXIT
-source dev/gpu_deps.sh  # PCRE2 and ICU from the carried .gpu-debs
-summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stages $STAGES"
-{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j32 >$L/build.log 2>&1; } && summary "built in $SECONDS s" ||
-  { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
+BUILD_JOBS=32 source dev/gpu_common.sh "$@"
 grep -E "lathe: (MPI|no MPI|NCCL|no NCCL)" $L/cmake.log | tee -a $OUT/summary.txt
 
 tiny_config() {  # $1: folder

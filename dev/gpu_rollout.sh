@@ -7,19 +7,7 @@
 #   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
 #            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights
 # Writes summary.txt and logs.tgz to $OUT.
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-OUT=${OUT:?set OUT}
-STAGES="${*:-build}"
-has() { [[ " $STAGES " == *" $1 "* ]]; }
-L=/tmp/logs; mkdir -p $L
-summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
-finish() { tar -czf $OUT/logs.tgz -C /tmp logs; }
-trap finish EXIT
-source dev/gpu_deps.sh
-summary "card: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tr '\n' ';') stages $STAGES"
-{ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >$L/cmake.log 2>&1 && cmake --build build -j16 >$L/build.log 2>&1; } &&
-  summary "built in $SECONDS s" || { grep -E "error" $L/build.log $L/cmake.log | head -20 | tee -a $OUT/summary.txt; exit 1; }
+source dev/gpu_common.sh "$@"
 
 if has build; then
   (cd build && ctest -j8 --output-on-failure \
