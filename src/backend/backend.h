@@ -48,6 +48,9 @@ class DeviceBackend {
   // Why no device is usable (empty when device_count() > 0).
   virtual std::string unavailable_reason() const { return {}; }
   virtual DeviceInfo info(int index) const = 0;
+  // Bytes the device could still hand out now (CUDA: cudaMemGetInfo's free memory plus what this process's caching
+  // allocator holds unused; the CPU: available physical memory).
+  virtual int64_t free_memory(int index) = 0;
   virtual Allocator& allocator(int index) = 0;
   // Page-locked host memory for asynchronous copies (nullptr when the backend has none).
   virtual Allocator* pinned_host_allocator() { return nullptr; }

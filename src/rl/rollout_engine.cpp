@@ -41,9 +41,15 @@ class RolloutEngine::Pool {
       gdn_slot.push_back(linear ? int(gdn++) : -1);
     }
     const int64_t block_bytes = attn * 2 * block_size * c.num_kv_heads * c.head_dim * int64_t(dtype_size(mo.dtype));
-    blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? o.cache_bytes / block_bytes : 0);
+    LATHE_CHECK(o.cache_memory_fraction >= 0 && o.cache_memory_fraction < 1,
+                "rollout: cache_memory_fraction must be in [0, 1), not {}", o.cache_memory_fraction);
+    const int64_t bytes =
+        o.cache_memory_fraction > 0
+            ? int64_t(o.cache_memory_fraction * double(rt.backend(mo.device.type).free_memory(mo.device.index)))
+            : o.cache_bytes;
+    blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
-                o.cache_bytes, block_size, block_bytes);
+                bytes, block_size, block_bytes);
     for (int64_t l = 0; l < attn; ++l)
       for (std::vector<Tensor>* t : {&k, &v})
         t->push_back(Tensor::empty({blocks * block_size, c.num_kv_heads, c.head_dim}, mo.dtype, cx.allocator));
@@ -95,7 +101,8 @@ struct RolloutEngine::Sequence {
 
 class RolloutEngine::StepView final : public DecodeCache {
  public:
-  StepView(Runtime& rt, Device device, Pool& pool, const std::vector<Sequence*>& seqs, const std::vector<int64_t>& chunk)
+  StepView(Runtime& rt, Device device, Pool& pool, const std::vector<Sequence*>& seqs,
+           const std::vector<int64_t>& chunk)
       : rt_(&rt), device_(device), pool_(&pool) {
     std::vector<int32_t> rows, table, cu_paged = {0}, lens, cu_first = {0}, slots;
     size_t width = 1;
@@ -458,8 +465,8 @@ bool RolloutEngine::step() {
     s.computed += chunk[i];
     if (s.computed < int64_t(s.tokens.size())) continue;  // a prompt chunk: its last logits are not the next token's
     const double row_lse = lse.data<double>()[i];
-    LATHE_CHECK(std::isfinite(row_lse), "rollout: the model produced a non-finite logit for request {} (log-sum-exp {})",
-                s.request, row_lse);
+    LATHE_CHECK(std::isfinite(row_lse),
+                "rollout: the model produced a non-finite logit for request {} (log-sum-exp {})", s.request, row_lse);
     // Sequence s's next token (and the request's other samples' first, from the same logits).
     const auto next = [&](Sequence& q) {
       if (host_row_of[i] < 0) return take(q, arg.data<int32_t>()[i], best.data<double>()[i] - row_lse, 0.0);

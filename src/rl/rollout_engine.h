@@ -48,7 +48,8 @@ namespace lathe {
 
 struct EngineOptions {
   int64_t block_size = 16;         // tokens per KV block
-  int64_t cache_blocks = 0;        // blocks in the pool; 0: as many as cache_bytes holds
+  int64_t cache_blocks = 0;        // blocks in the pool; 0: as many as cache_memory_fraction or cache_bytes hold
+  double cache_memory_fraction = 0.0;  // > 0: this fraction of the device's free memory when the engine is made
   int64_t cache_bytes = int64_t(1) << 30;
   int64_t max_step_tokens = 2048;  // tokens one model call takes (decodes and prefill chunks together)
   int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)

@@ -360,6 +360,12 @@ TEST(Rollout, LimitsAndBadRequests) {
   RolloutRequest too_long;
   too_long.prompt = random_ids(128, v, 8);
   refused(e, too_long, "leaves no room");
+  // A cache sized by a fraction of the free memory holds blocks (the machine has some); a fraction of 1 is refused.
+  EngineOptions fraction;
+  fraction.cache_memory_fraction = 0.001;
+  EXPECT_GT(RolloutEngine(runtime(), *m, fraction).cache_blocks(), 0);
+  fraction.cache_memory_fraction = 1.0;
+  EXPECT_THROW(RolloutEngine(runtime(), *m, fraction), Error);
   EngineOptions tiny;
   tiny.block_size = 4;
   tiny.cache_blocks = 2;  // 8 tokens

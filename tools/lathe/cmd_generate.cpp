@@ -50,7 +50,7 @@ struct Args {
   double temperature = 0.0, top_p = 1.0, min_p = 0.0, repetition_penalty = 1.0, frequency_penalty = 0.0;
   int64_t top_k = 0;
   int n = 1;                                  // --input: samples per line
-  int64_t max_running = 64, cache_mib = 1024;  // --input: the rollout engine's batch and cache
+  int64_t max_running = 64, cache_mib = 0;  // --input: the rollout engine's batch and cache (0: the default)
   int nproc = 0;                               // --input on N GPUs of this machine
   uint64_t seed = 0;
   std::vector<std::string> stop;
@@ -324,7 +324,9 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
-  eo.cache_bytes = a.cache_mib * 1048576;
+  // The cache: --cache-mib, else 80% of the GPU's free memory once the model is loaded, or 1 GiB on the CPU.
+  if (a.cache_mib > 0) eo.cache_bytes = a.cache_mib * 1048576;
+  else if (!model.options().device.is_cpu()) eo.cache_memory_fraction = 0.8;
   RolloutEngine engine(rt, model, eo);
   // Ids the sampler never draws, as Generator: above the tokenizer's vocabulary, and its holes.
   std::vector<int32_t> banned;
@@ -458,8 +460,8 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--max-running", args->max_running, "--input: sequences generated at once")
       ->capture_default_str()
       ->check(number_in(1));
-  cmd->add_option("--cache-mib", args->cache_mib, "--input: the KV cache's memory (MiB)")
-      ->capture_default_str()
+  cmd->add_option("--cache-mib", args->cache_mib,
+                  "--input: the KV cache's memory in MiB (default: 80% of the GPU's free memory; 1024 on the CPU)")
       ->check(number_in(1));
   cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
                   "srun work too): the lines are split over the ranks, the output keeps input order")

@@ -1,5 +1,7 @@
 #include "backend/cpu/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <omp.h>
 
 #include <chrono>
@@ -43,6 +45,8 @@ DeviceInfo CpuBackend::info(int) const {
   return {"cpu", 0, fmt::format("{} hardware threads, {} OpenMP threads", std::thread::hardware_concurrency(),
                                 omp_get_max_threads())};
 }
+
+int64_t CpuBackend::free_memory(int) { return int64_t(sysconf(_SC_AVPHYS_PAGES)) * int64_t(sysconf(_SC_PAGESIZE)); }
 
 Allocator& CpuBackend::allocator(int index) {
   LATHE_CHECK(index == 0, "cpu: there is one cpu device, not {}", index);

@@ -11,6 +11,7 @@ class CpuBackend final : public DeviceBackend {
   DeviceType type() const override { return DeviceType::CPU; }
   int device_count() const override { return 1; }
   DeviceInfo info(int index) const override;
+  int64_t free_memory(int index) override;
   Allocator& allocator(int index) override;
   Stream& default_stream(int index) override;
   std::unique_ptr<Stream> create_stream(int index) override;

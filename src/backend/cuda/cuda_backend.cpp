@@ -178,6 +178,15 @@ void CudaBackend::check_index(int index) const {
               device_count_, unavailable_reason_.empty() ? "" : ": ", unavailable_reason_);
 }
 
+int64_t CudaBackend::free_memory(int index) {
+  check_index(index);
+  DeviceGuard guard(index);
+  size_t free_bytes = 0, total_bytes = 0;
+  LATHE_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const AllocatorStats st = allocator(index).stats();
+  return int64_t(free_bytes) + std::max<int64_t>(st.reserved - st.allocated, 0);
+}
+
 DeviceInfo CudaBackend::info(int index) const {
   check_index(index);
   cudaDeviceProp p{};

@@ -73,6 +73,7 @@ class CudaBackend final : public DeviceBackend {
   int device_count() const override { return device_count_; }
   std::string unavailable_reason() const override { return unavailable_reason_; }
   DeviceInfo info(int index) const override;
+  int64_t free_memory(int index) override;
   Allocator& allocator(int index) override;
   Allocator* pinned_host_allocator() override { return &pinned_; }
   Stream& default_stream(int index) override;
