@@ -3,6 +3,8 @@
 // Covered by tests/models/test_qwen3.cpp.
 #pragma once
 
+#include <functional>
+#include <span>
 #include <vector>
 
 #include "backend/runtime.h"
@@ -33,6 +35,13 @@ class DecodeCache {
   virtual void set_gdn(int64_t layer, Tensor conv_history, Tensor state) = 0;
 };
 
+// A loss of each labelled token's log-probability in place of the cross-entropy (the RL policy losses,
+// rl/policy_loss.h). Called once per forward with every labelled row's log-probability, in row order; it writes each
+// row's loss term and the term's derivative by that log-probability. The batch's loss is the sum of the terms (they
+// carry their own weights); the backward scales each row's cross-entropy gradient by the derivative.
+using RowLoss =
+    std::function<void(std::span<const double> logp, std::span<double> loss, std::span<double> dloss_dlogp)>;
+
 struct PackedBatch {
   Tensor ids;         // (T) i32
   Tensor positions;   // (T) i32
@@ -44,6 +53,7 @@ struct PackedBatch {
   // (set_segments checks); the loss is then the sum over segments of loss_scale x the segment's mean loss.
   std::vector<BatchSegment> segments;
   DecodeCache* cache = nullptr;  // decoding: the layers continue the cached sequence (no backward)
+  const RowLoss* row_loss = nullptr;  // the loss of the labelled tokens' log-probabilities (no segments)
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
 };

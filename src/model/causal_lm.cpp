@@ -289,6 +289,7 @@ std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, co
 
 LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
                                Tensor* dxf, std::vector<std::pair<size_t, Tensor>>& pending) {
+  if (b.row_loss) return head_row_loss(xf, head, b, backward, loss_scale, dxf);
   ExecContext cx = ctx();
   LossResult result;
   result.labelled = b.num_labelled;
@@ -362,8 +363,66 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   return result;
 }
 
+LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
+                                   Tensor* dxf) {
+  ExecContext cx = ctx();
+  LATHE_CHECK(b.segments.empty(), "model: a batch with a row loss takes no segments");
+  std::vector<int32_t> rows, targets;
+  for (int64_t i = 0; i < b.tokens(); ++i)
+    if (b.host_labels[size_t(i)] != -100) rows.push_back(int32_t(i)), targets.push_back(b.host_labels[size_t(i)]);
+  const int64_t n_rows = int64_t(rows.size()), n_padded = (n_rows + 7) / 8 * 8;  // as head_loss: GEMMs of 8k rows
+  rows.resize(size_t(n_padded), 0);
+  targets.resize(size_t(n_padded), -100);
+  LossResult result;
+  result.labelled = n_rows;
+  if (n_rows == 0) {
+    if (backward) {
+      *dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
+      cx.backend.fill_bytes(dxf->data_ptr(), 0, dxf->nbytes(), cx.stream);
+    }
+    return result;
+  }
+  const Tensor row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);
+  const Tensor target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
+  const Tensor xs = embedding(cx, xf, row_index);  // (n_padded, H)
+  const Tensor& wh = w(head);
+  // Pass 1: every labelled row's log-probability (minus its cross-entropy).
+  std::vector<double> logp;
+  for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
+    const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
+    const Tensor ce = cross_entropy(cx, head_logits(cx, xs.narrow(0, r0, n), wh), target_t.narrow(0, r0, n), {})[0];
+    const Tensor host = rt_->copy_to(ce, Device::cpu());
+    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i)
+      logp.push_back(-load_as_double(host.data_ptr(), host.dtype(), i));
+  }
+  std::vector<double> terms(static_cast<size_t>(n_rows)), dlogp(static_cast<size_t>(n_rows));
+  (*b.row_loss)(logp, terms, dlogp);
+  for (double t : terms) result.loss_sum += t;
+  result.loss = result.loss_sum;
+  if (!backward) return result;
+  // Pass 2: d loss / d logits of row t is dloss_dlogp[t] (onehot - softmax): the cross-entropy's gradient scaled by
+  // -dloss_dlogp[t] (and loss_scale); padded rows by 0.
+  std::vector<double> scale(static_cast<size_t>(n_padded), 0.0);
+  for (int64_t t = 0; t < n_rows; ++t) scale[size_t(t)] = -dlogp[size_t(t)] * loss_scale;
+  const Tensor scale_t =
+      cast(cx, rt_->from_host(scale.data(), {n_padded, 1}, DType::F64, options_.device), xs.dtype());
+  Tensor dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
+  for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
+    const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
+    const Tensor xc = xs.narrow(0, r0, n);
+    const Tensor unit = cross_entropy(cx, head_logits(cx, xc, wh), target_t.narrow(0, r0, n), {-100, true, 1.0})[1];
+    const Tensor dlogits = mul(cx, unit, scale_t.narrow(0, r0, n));
+    Tensor dxc = dxs.narrow(0, r0, n);
+    matmul_into(cx, dlogits, wh, dxc, {});
+    add_linear_grad(head, dlogits, xc);
+  }
+  *dxf = embedding_backward(cx, dxs, row_index, b.tokens());
+  return result;
+}
+
 void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
                                const std::vector<std::pair<size_t, Tensor>>& pending) {
+  if (b.row_loss) return;  // head_row_loss set the result
   for (const auto& [pi, losses] : pending) {
     const Tensor loss_rows = rt_->copy_to(losses, Device::cpu());  // the first copy waits for the queued work
     double chunk_sum = 0;

@@ -172,6 +172,10 @@ class CausalLm {
   LossResult head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale, Tensor* dxf,
                        std::vector<std::pair<size_t, Tensor>>& pending);
   void add_head_losses(LossResult& result, const PackedBatch& b, const std::vector<std::pair<size_t, Tensor>>& pending);
+  // head_loss for a batch with a RowLoss: the labelled rows' log-probabilities (one pass of chunked logits), the
+  // loss's terms and derivatives, then a second pass whose cross-entropy gradients are scaled row by row.
+  LossResult head_row_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
+                           Tensor* dxf);
   std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
   // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}), or for a
   // decoding batch over its DecodeCache ({o, undefined}: no backward).
