@@ -331,6 +331,31 @@ TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
   EXPECT_EQ(stopped[0].finish_reason, FinishReason::kEos);
 }
 
+// The engine reads the model's parameters at every step: after a weight update between batches (every matrix scaled
+// in place, as an optimizer step would change them), a new request's greedy tokens are the updated model's cache-free
+// reference, not the old one's.
+TEST(Rollout, AWeightUpdateBetweenBatchesIsUsed) {
+  const std::unique_ptr<CausalLm> m = tiny_model("qwen3_5");
+  const int64_t v = m->config().vocab_size;
+  RolloutEngine e(runtime(), *m);
+  RolloutRequest r;
+  r.prompt = random_ids(9, v, 600);
+  r.max_new_tokens = 8;
+  e.submit(r);
+  const std::vector<RolloutResult> before = e.run();
+  for (Parameter& p : m->parameters())
+    if (p.value.dim() == 2) {
+      double* w = p.value.data<double>();
+      for (int64_t i = 0; i < p.value.numel(); ++i) w[i] *= (i % 7 == 0) ? -1.3 : 1.1;
+    }
+  const auto want = reference_greedy(*m, r.prompt, 8);
+  e.submit(r);
+  const std::vector<RolloutResult> after = e.run();
+  ASSERT_EQ(after.size(), 1u);
+  EXPECT_EQ(after[0].tokens, want.first);
+  EXPECT_NE(after[0].tokens, before[0].tokens) << "the update should change the greedy tokens of this prompt";
+}
+
 // A sequence reaching the model's context ends with "length"; bad requests and impossible caches are refused.
 TEST(Rollout, LimitsAndBadRequests) {
   const std::unique_ptr<CausalLm> m = tiny_model("qwen3");
