@@ -189,9 +189,15 @@ std::vector<double> external_rewards(const std::string& command, const std::vect
   }
   if (to_child >= 0) close(to_child);
   close(out[0]), close(err[0]);
-  if (timed_out) kill(pid, SIGKILL);
   int status = 0;
-  waitpid(pid, &status, 0);
+  while (!timed_out && waitpid(pid, &status, WNOHANG) != pid) {  // a command that closed its output may still run
+    if (std::chrono::steady_clock::now() >= deadline) timed_out = true;
+    else usleep(10000);
+  }
+  if (timed_out) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  }
   signal(SIGPIPE, previous_sigpipe);
   const std::string tail = errors.size() > 400 ? errors.substr(errors.size() - 400) : errors;
   LATHE_CHECK(!timed_out, "rl: reward command '{}' did not finish within {} s (killed); stderr: {}", command, timeout_s,

@@ -77,5 +77,8 @@ TEST(Rewards, ExternalCommandAndItsFailures) {
   const auto t0 = std::chrono::steady_clock::now();
   EXPECT_NE(error_of([&] { external_rewards("sleep 30", two, 0.5); }).find("did not finish within 0.5 s (killed)"),
             std::string::npos);
+  // Closing its output does not end the wait: the timeout still holds.
+  EXPECT_NE(error_of([&] { external_rewards("exec >&- 2>&-; sleep 30", two, 0.5); }).find("did not finish within"),
+            std::string::npos);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
 }
