@@ -7,10 +7,15 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <algorithm>
+#include <numeric>
 #include <random>
 
 #include "model/config.h"
+#include "optim/adamw.h"
 #include "rl/policy_loss.h"
+#include "rl/rl_batch.h"
 #include "support/model_support.h"
 
 using namespace lathe;
@@ -184,4 +189,64 @@ TEST(PolicyLoss, TheModelsRowLossHeadHasTheLossesGradient) {
   EXPECT_EQ(st.ratio_mean, 1.0);
   EXPECT_EQ(st.clip_fraction, 0.0);
   EXPECT_NEAR(r.loss, want, 1e-12);
+}
+
+// GRPO end to end on a tiny f64 Qwen3: the rollout engine samples 8 responses of 3 tokens for each of 2 prompts
+// (temperature 1), the reward is the fraction of response tokens equal to id 5, group-normalised advantages, the
+// batch of prompts + responses (make_rl_batch) trained with the clipped loss (token-mean, the rollout's log-probs as
+// the old policy) and AdamW, 12 rounds: the mean reward of the last rounds is well above the first's; and the first
+// round is on policy (every ratio 1, nothing clipped).
+TEST(PolicyLoss, GrpoRoundsRaiseTheReward) {
+  const nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", 16}, {"hidden_size", 16}, {"intermediate_size", 24},
+                            {"num_hidden_layers", 2}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
+                            {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", true}};
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(j, "test"), opt, 3, 0.1);
+  AdamWConfig ac;
+  ac.weight_decay = 0;
+  AdamW adam(runtime(), m->parameters(), ac);
+  const std::vector<std::vector<int32_t>> prompts = {{1, 2, 3}, {4, 7}};
+  std::vector<double> mean_reward;
+  for (int round = 0; round < 12; ++round) {
+    RolloutEngine engine(runtime(), *m);
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      RolloutRequest r;
+      r.prompt = prompts[p];
+      r.n = 8;
+      r.max_new_tokens = 3;
+      r.sampling.temperature = 1.0;
+      r.seed = uint64_t(round * 10 + int(p));
+      engine.submit(r);
+    }
+    const std::vector<RolloutResult> samples = engine.run();
+    std::vector<double> rewards;
+    std::vector<std::vector<int32_t>> sample_prompts;
+    for (const RolloutResult& s : samples) {
+      rewards.push_back(double(std::count(s.tokens.begin(), s.tokens.end(), 5)) / double(s.tokens.size()));
+      sample_prompts.push_back(prompts[size_t(s.request)]);
+    }
+    mean_reward.push_back(std::accumulate(rewards.begin(), rewards.end(), 0.0) / double(rewards.size()));
+    const std::vector<double> adv = group_advantages(rewards, 8, true);
+    RlBatch rb = make_rl_batch(runtime(), Device::cpu(), 16, sample_prompts, samples, adv, "token-mean");
+    PolicyLossConfig c;
+    c.clip_high = 0.28;
+    PolicyStats st;
+    const RowLoss loss = [&](std::span<const double> logp, std::span<double> l, std::span<double> d) {
+      policy_loss(rb.tokens, c, logp, l, d, &st);
+    };
+    rb.batch.row_loss = &loss;
+    m->zero_grads();
+    m->loss(rb.batch, true);
+    if (round == 0) {  // on policy: the engine's log-probs are the model's
+      EXPECT_NEAR(st.ratio_mean, 1.0, 1e-12);
+      EXPECT_EQ(st.clip_fraction, 0.0);
+    }
+    adam.step(0.05);
+  }
+  std::printf("[grpo] mean reward per round:");
+  for (double r : mean_reward) std::printf(" %.3f", r);
+  std::printf("\n");
+  const double first = (mean_reward[0] + mean_reward[1]) / 2, last = (mean_reward[10] + mean_reward[11]) / 2;
+  EXPECT_GT(last, first + 0.3) << "reward " << first << " -> " << last;
 }
