@@ -273,6 +273,22 @@ Tensor head_logits(ExecContext& cx, const Tensor& x, const Tensor& w) {
   return logits;
 }
 
+// The batch's labelled positions (label != -100) and their targets, in row order: the only rows the LM head computes.
+void labelled_rows(const PackedBatch& b, std::vector<int32_t>& rows, std::vector<int32_t>& targets) {
+  for (int64_t i = 0; i < b.tokens(); ++i) {
+    if (b.host_labels[size_t(i)] == -100) continue;
+    rows.push_back(int32_t(i));
+    targets.push_back(b.host_labels[size_t(i)]);
+  }
+}
+
+// The hidden states' gradient of a batch without labelled rows.
+Tensor zero_grad_like(ExecContext& cx, const Tensor& x) {
+  Tensor g = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
+  cx.backend.fill_bytes(g.data_ptr(), 0, g.nbytes(), cx.stream);
+  return g;
+}
+
 }  // namespace
 
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
@@ -296,11 +312,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   // Only labelled positions need logits: gather their rows (the embedding op is a row gather, its backward a
   // scatter-add), so prompt tokens of SFT data cost nothing in the LM head.
   std::vector<int32_t> rows, targets;
-  for (int64_t i = 0; i < b.tokens(); ++i) {
-    if (b.host_labels[size_t(i)] == -100) continue;
-    rows.push_back(int32_t(i));
-    targets.push_back(b.host_labels[size_t(i)]);
-  }
+  labelled_rows(b, rows, targets);
   const int64_t n_rows = int64_t(rows.size());
   // The gathered rows of each segment are contiguous; each segment's mean loss has its own gradient scale.
   struct Piece {
@@ -354,12 +366,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   }
   if (!backward) return result;
   // The labelled rows' gradients scattered back (zero elsewhere).
-  if (n_rows > 0) {
-    *dxf = embedding_backward(cx, dxs, row_index, b.tokens());
-  } else {
-    *dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
-    cx.backend.fill_bytes(dxf->data_ptr(), 0, dxf->nbytes(), cx.stream);
-  }
+  *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, b.tokens()) : zero_grad_like(cx, xf);
   return result;
 }
 
@@ -368,18 +375,14 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   ExecContext cx = ctx();
   LATHE_CHECK(b.segments.empty(), "model: a batch with a row loss takes no segments");
   std::vector<int32_t> rows, targets;
-  for (int64_t i = 0; i < b.tokens(); ++i)
-    if (b.host_labels[size_t(i)] != -100) rows.push_back(int32_t(i)), targets.push_back(b.host_labels[size_t(i)]);
+  labelled_rows(b, rows, targets);
   const int64_t n_rows = int64_t(rows.size()), n_padded = (n_rows + 7) / 8 * 8;  // as head_loss: GEMMs of 8k rows
   rows.resize(size_t(n_padded), 0);
   targets.resize(size_t(n_padded), -100);
   LossResult result;
   result.labelled = n_rows;
   if (n_rows == 0) {
-    if (backward) {
-      *dxf = Tensor::empty(xf.shape(), xf.dtype(), cx.allocator);
-      cx.backend.fill_bytes(dxf->data_ptr(), 0, dxf->nbytes(), cx.stream);
-    }
+    if (backward) *dxf = zero_grad_like(cx, xf);
     return result;
   }
   const Tensor row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);
