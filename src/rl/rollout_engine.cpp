@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <map>
 #include <span>
 #include <tuple>
 #include <utility>
@@ -63,11 +62,12 @@ class RolloutEngine::Pool {
     for (int64_t b = blocks; b-- > 0;) free_blocks.push_back(int32_t(b));
     block_refs.assign(size_t(blocks), 0);
     for (int64_t s = o.max_running; s-- > 0;) free_slots.push_back(int(s));
-    // Without attention layers the context is not bounded by the cache.
-    capacity_tokens = attn > 0 ? blocks * block_size : std::numeric_limits<int64_t>::max();
+    // A sequence's context: the model's positions and the cache (which does not bound it without attention layers).
+    context_tokens = attn > 0 ? blocks * block_size : std::numeric_limits<int64_t>::max();
+    if (c.max_position_embeddings > 0) context_tokens = std::min(context_tokens, c.max_position_embeddings);
   }
 
-  int64_t block_size, blocks = 0, capacity_tokens = 0;
+  int64_t block_size, blocks = 0, context_tokens = 0;
   std::vector<int> attn_slot, gdn_slot;  // per model layer: its index among the attention / GDN layers, or -1
   std::vector<Tensor> k, v;              // per attention layer: (S, Hkv, D)
   std::vector<Tensor> conv, state;       // per GDN layer: (slots, W - 1, C), (slots, Hv, dk, dv)
@@ -225,8 +225,7 @@ int64_t RolloutEngine::submit(RolloutRequest request) {
   for (int32_t id : request.prompt)
     LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: token id {} is outside the vocabulary (size {})",
                 next_request_, id, c.vocab_size);
-  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
-                                                                                       : pool_->capacity_tokens);
+  const int64_t limit = pool_->context_tokens;
   LATHE_CHECK(int64_t(request.prompt.size()) < limit,
               "rollout: request {}: a prompt of {} tokens leaves no room in a context of {} (the model's positions "
               "and the cache's {} blocks of {})",
@@ -348,16 +347,14 @@ SampledToken RolloutEngine::draw(Sequence& s, std::span<const double> row, std::
 }
 
 bool RolloutEngine::take(Sequence& s, int32_t token, double logprob, double sampling_logprob) {
-  const ModelConfig& c = model_->config();
   s.logprobs.push_back(logprob);
   s.sampling_logprobs.push_back(sampling_logprob);
   s.tokens.push_back(token);
-  const int64_t limit = std::min(pool_->capacity_tokens, c.max_position_embeddings > 0 ? c.max_position_embeddings
-                                                                                       : pool_->capacity_tokens);
   const bool eos = std::find(s.req->stop_ids.begin(), s.req->stop_ids.end(), token) != s.req->stop_ids.end();
   const bool stop = s.req->on_token && s.req->on_token(s.sample, token);
   const int64_t new_tokens = int64_t(s.tokens.size() - s.prompt_len);
-  if (!eos && !stop && new_tokens < s.req->max_new_tokens && int64_t(s.tokens.size()) < limit) return false;
+  if (!eos && !stop && new_tokens < s.req->max_new_tokens && int64_t(s.tokens.size()) < pool_->context_tokens)
+    return false;
   finish(s, eos ? FinishReason::kEos : stop ? FinishReason::kStop : FinishReason::kLength);
   return true;
 }
