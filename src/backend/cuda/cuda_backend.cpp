@@ -137,6 +137,8 @@ void* CudaStream::gemm_workspace() {
 
 GemmPlanCache& CudaStream::gemm_cache() { return *gemm_cache_; }
 
+cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
+
 CudaStream& as_cuda(Stream& stream) {
   auto* s = dynamic_cast<CudaStream*>(&stream);
   LATHE_CHECK(s != nullptr, "cuda: a CUDA kernel was given a {} stream", stream.device().str());

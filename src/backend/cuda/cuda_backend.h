@@ -16,6 +16,7 @@
 namespace lathe {
 
 class KernelRegistry;
+struct ExecContext;
 
 namespace cuda {
 
@@ -63,6 +64,7 @@ class CudaStream final : public Stream {
 };
 
 CudaStream& as_cuda(Stream& stream);  // checked downcast
+cudaStream_t stream_of(ExecContext& ctx);  // the context's stream, as the kernels' launchers take it
 
 class CudaBackend final : public DeviceBackend {
  public:

@@ -18,8 +18,6 @@ namespace {
 
 static_assert(kChunkCacheWidth == kGdnChunkCacheWidth, "the chunk cache layouts of ops/ops.h and gated_delta.cu agree");
 
-cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
-
 Support conv_supports(const OpCall& c) {
   if (c.inputs[1].size(1) > kMaxConvWidth)
     return Support::no(fmt::format("conv width {} above {} (taps live in registers)", c.inputs[1].size(1),

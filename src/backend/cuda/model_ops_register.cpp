@@ -63,8 +63,6 @@ Support flash_attention_supports(const OpCall& c) {
   return contiguous_supports(c);
 }
 
-cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
-
 int64_t rows_of(const Tensor& t) { return t.size(-1) ? t.numel() / t.size(-1) : 0; }
 
 void run_embedding(const OpCall& c, ExecContext& ctx) {

@@ -1,5 +1,6 @@
 // Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
-// 256), scatter_rows for every float dtype (a row copy). Covered by src/testing/op_cases_paged.cpp.
+// 256), row_argmax_logsumexp for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
+// src/testing/op_cases_paged.cpp.
 #include <cmath>
 
 #include "backend/cuda/cuda_backend.h"
@@ -9,8 +10,6 @@
 namespace lathe::cuda {
 
 namespace {
-
-cudaStream_t stream_of(ExecContext& ctx) { return as_cuda(ctx.stream).handle(); }
 
 Support paged_attention_supports(const OpCall& c) {
   if (c.inputs[0].size(2) > kMaxPagedHeadDim) return Support::no("head dim above 256 (a warp holds a query row)");
