@@ -115,6 +115,23 @@ template <typename A, bool kMax> __device__ A block_reduce(A v, A* scratch) {
   return r;
 }
 
+// Adds values f[0..kN) to a thread's online (max m, sum of exp s): the values' max first, then one rescale of the
+// running sum. A -inf value adds nothing; a NaN one reaches the sum (fmaxf skips it, expf passes it), as in the
+// reference. While m is -inf, s is 0 or NaN. The block's log-sum-exp is then mx + log(total) with
+// mx = block_reduce<float, true>(m) and total = block_reduce<float, false>(m == -inf ? s : s * expf(m - mx)).
+template <int kN>
+__device__ __forceinline__ void online_logsumexp_add(float& m, float& s, const float (&f)[kN]) {
+  float pm = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) pm = fmaxf(pm, f[k]);
+  const float nm = fmaxf(m, pm);
+  float add = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) add += f[k] == -INFINITY ? 0.0f : expf(f[k] - nm);
+  s = (m == nm ? s : s * expf(m - nm)) + add;
+  m = nm;
+}
+
 // The list kernels (one launch over a table of tensors, each cut into chunks, one block a chunk): the entry whose
 // chunks include this block, the last one whose first_chunk is <= blockIdx.x (entries without chunks share their
 // successor's first_chunk and are passed over).

@@ -864,22 +864,6 @@ template <typename F> void dispatch_head_dim(int64_t head_dim, F f) {
 
 // ---------------------------------------------------------------- cross-entropy
 
-// Adds logits f[0..n) to a thread's online (max m, sum of exp s): the values' max first, then one rescale of the
-// running sum. A -inf logit adds nothing; a NaN one reaches the sum (fmaxf skips it, expf passes it), as in the
-// reference. While m is -inf, s is 0 or NaN.
-template <int kN>
-__device__ __forceinline__ void online_logsumexp_add(float& m, float& s, const float (&f)[kN]) {
-  float pm = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < kN; ++k) pm = fmaxf(pm, f[k]);
-  const float nm = fmaxf(m, pm);
-  float add = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kN; ++k) add += f[k] == -INFINITY ? 0.0f : expf(f[k] - nm);
-  s = (m == nm ? s : s * expf(m - nm)) + add;
-  m = nm;
-}
-
 // One block per row: a per-thread online (max, sum of exp) over a block-stride pass of packs (kN logits; 16 bytes
 // when the rows start on 16-byte boundaries, `ld` and `ld_grad` elements apart) and the row's last vocab % kN logits
 // one at a time, combined across the block; a second pass writes the gradient. Ignored rows skip the statistics.

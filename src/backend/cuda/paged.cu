@@ -1,10 +1,12 @@
-// The rollout engine's kernels: attention of new tokens over a paged KV cache, and row scatters into the cache.
+// The rollout engine's kernels: attention of new tokens over a paged KV cache, row scatters into the cache, and each
+// row's argmax and log-sum-exp of the logits.
 //
 // paged_attention: one warp per (query token, query head), four heads a block; the warp walks the sequence's positions
 // 0 .. the query's own, reads each key row through the block table (a lane holds D / 32 values), sums the dot product
 // across the warp, and keeps an online softmax (running max and sum, rescaled accumulators) in f32. Decoding is bound
 // by reading the cache, which each of the `group` heads sharing a kv head reads again (from L2, mostly).
-// Covered by the paged_attention and scatter_rows op-check cases (src/testing/op_cases_paged.cpp).
+// Covered by the paged_attention, scatter_rows and row_argmax_logsumexp op-check cases
+// (src/testing/op_cases_paged.cpp).
 #include <cmath>
 
 #include "backend/cuda/device_math.cuh"
@@ -68,10 +70,11 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
 }
 
 // One block per row: each thread's strided max with the lowest index (ids below `limit`) and online sum of exp over
-// the whole row, then tree reductions in shared memory.
+// the whole row (online_logsumexp_add, as the cross-entropy's), then block reductions: the log-sum-exp by
+// block_reduce, the argmax by a tree over (value, lowest index) in shared memory.
 template <typename T, typename S>
 __global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x, int32_t* arg, S* best, S* lse) {
-  __shared__ float best_v[kThreads], m_v[kThreads], s_v[kThreads];
+  __shared__ float best_v[kThreads], scratch[32];
   __shared__ int64_t best_i[kThreads];
   __shared__ int nan_seen;
   const T* row = x + int64_t(blockIdx.x) * v;
@@ -80,17 +83,15 @@ __global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x
   float bv = -INFINITY, m = -INFINITY, sum = 0.0f;
   int64_t bi = -1;
   for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-    const float f = float(load(row, j));
-    if (isnan(f)) nan_seen = 1;
-    if (j < limit && (bi < 0 || f > bv)) bv = f, bi = j;
-    const float nm = fmaxf(m, f);
-    sum = (m == nm ? sum : sum * expf(m - nm)) + (f == -INFINITY ? 0.0f : expf(f - nm));
-    m = nm;
+    const float f[1] = {float(load(row, j))};
+    if (isnan(f[0])) nan_seen = 1;
+    if (j < limit && (bi < 0 || f[0] > bv)) bv = f[0], bi = j;
+    online_logsumexp_add(m, sum, f);
   }
+  const float mx = block_reduce<float, true>(m, scratch);
+  const float total = block_reduce<float, false>(m == -INFINITY ? sum : sum * expf(m - mx), scratch);
   best_v[threadIdx.x] = bv;
   best_i[threadIdx.x] = bi;
-  m_v[threadIdx.x] = m;
-  s_v[threadIdx.x] = sum;
   __syncthreads();
   for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
     if (threadIdx.x < stride) {
@@ -98,18 +99,13 @@ __global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x
       const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_v[o] > best_v[threadIdx.x] ||
                                            (best_v[o] == best_v[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
       if (take) best_v[threadIdx.x] = best_v[o], best_i[threadIdx.x] = best_i[o];
-      const float a = m_v[threadIdx.x], b = m_v[o], nm = fmaxf(a, b);
-      if (nm != -INFINITY)
-        s_v[threadIdx.x] = (a == -INFINITY ? 0.0f : s_v[threadIdx.x] * expf(a - nm)) +
-                           (b == -INFINITY ? 0.0f : s_v[o] * expf(b - nm));
-      m_v[threadIdx.x] = nm;
     }
     __syncthreads();
   }
   if (threadIdx.x == 0) {
     arg[blockIdx.x] = int32_t(best_i[0] < 0 ? 0 : best_i[0]);
     best[blockIdx.x] = S(best_v[0]);
-    lse[blockIdx.x] = nan_seen ? S(NAN) : m_v[0] == -INFINITY ? S(m_v[0]) : S(m_v[0] + logf(s_v[0]));
+    lse[blockIdx.x] = nan_seen ? S(NAN) : mx == -INFINITY ? S(mx) : S(mx + logf(total));
   }
 }
 
@@ -141,8 +137,8 @@ void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t l
   if (rows == 0) return;
   dispatch_f32_bf16_f16(dtype, "row_argmax_logsumexp dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    row_argmax_logsumexp_kernel<T, float><<<unsigned(rows), kThreads, 0, stream>>>(v, limit > 0 ? limit : v,
-                                                                                     static_cast<const T*>(x), arg, best, lse);
+    row_argmax_logsumexp_kernel<T, float><<<unsigned(rows), kThreads, 0, stream>>>(
+        v, limit > 0 ? limit : v, static_cast<const T*>(x), arg, best, lse);
   });
   LATHE_CUDA_LAUNCH_CHECK("row_argmax_logsumexp_kernel");
 }

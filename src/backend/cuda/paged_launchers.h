@@ -1,4 +1,5 @@
-// Launchers of the rollout engine's kernels (paged.cu): paged_attention and scatter_rows (ops/op_table.h).
+// Launchers of the rollout engine's kernels (paged.cu): paged_attention, scatter_rows and row_argmax_logsumexp
+// (ops/op_table.h).
 #pragma once
 
 #include <cuda_runtime.h>
