@@ -31,6 +31,17 @@ double objective(const PolicyTokens& t, const PolicyLossConfig& c, const std::ve
   return sum;
 }
 
+// A tiny random f64 Qwen3 (2 layers, hidden 16, 2 / 1 heads of 8) of `vocab` ids, weights of std `std`.
+std::unique_ptr<CausalLm> tiny_qwen3(int64_t vocab, bool tied, double std) {
+  const nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", vocab}, {"hidden_size", 16},
+                            {"intermediate_size", 24}, {"num_hidden_layers", 2}, {"num_attention_heads", 2},
+                            {"num_key_value_heads", 1}, {"head_dim", 8}, {"rms_norm_eps", 1e-6},
+                            {"tie_word_embeddings", tied}};
+  ModelOptions opt;
+  opt.dtype = DType::F64;
+  return random_causal_lm(runtime(), parse_model_config(j, "test"), opt, 3, std);
+}
+
 }  // namespace
 
 TEST(GroupAdvantages, GrpoAndDrGrpoByHand) {
@@ -134,12 +145,7 @@ TEST(PolicyLoss, DerivativesMatchFiniteDifferences) {
 // loss with clip-higher and a k3 KL, old and reference log-probs off the current ones: gradients against finite
 // differences of the loss; then old = current log-probs: every ratio is exactly 1 and the loss is -sum(w A).
 TEST(PolicyLoss, TheModelsRowLossHeadHasTheLossesGradient) {
-  const nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", 40}, {"hidden_size", 16}, {"intermediate_size", 24},
-                            {"num_hidden_layers", 2}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
-                            {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false}};
-  ModelOptions opt;
-  opt.dtype = DType::F64;
-  std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(j, "test"), opt, 3, 0.3);
+  std::unique_ptr<CausalLm> m = tiny_qwen3(40, false, 0.3);
   std::vector<int32_t> ids, labels;
   std::mt19937 rng(9);
   const std::vector<int32_t> cu = {0, 7, 16};
@@ -197,12 +203,7 @@ TEST(PolicyLoss, TheModelsRowLossHeadHasTheLossesGradient) {
 // the old policy) and AdamW, 12 rounds: the mean reward of the last rounds is well above the first's; and the first
 // round is on policy (every ratio 1, nothing clipped).
 TEST(PolicyLoss, GrpoRoundsRaiseTheReward) {
-  const nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", 16}, {"hidden_size", 16}, {"intermediate_size", 24},
-                            {"num_hidden_layers", 2}, {"num_attention_heads", 2}, {"num_key_value_heads", 1},
-                            {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", true}};
-  ModelOptions opt;
-  opt.dtype = DType::F64;
-  std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(j, "test"), opt, 3, 0.1);
+  std::unique_ptr<CausalLm> m = tiny_qwen3(16, true, 0.1);
   AdamWConfig ac;
   ac.weight_decay = 0;
   AdamW adam(runtime(), m->parameters(), ac);
