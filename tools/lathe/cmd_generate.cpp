@@ -446,7 +446,7 @@ void add_generate_command(CLI::App& app, int& exit_code) {
       ->check(in_unit_interval());
   cmd->add_option("--min-p", args->min_p, "keep tokens at least this fraction as likely as the most likely (0 = all)")
       ->capture_default_str()
-      ->check(in_unit_interval());
+      ->check(number_in(0, 1));
   cmd->add_option("--repetition-penalty", args->repetition_penalty,
                   "divide positive (multiply negative) logits of ids already in the prompt or output (1 = off)")
       ->capture_default_str()
