@@ -288,9 +288,9 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   }
 }
 
-// `lathe generate --input` under mpirun: rank r generates lines r, r + N, ... (each line's draws seeded by its index)
-// and rank 0 writes them all in input order: the same lines as one process (tokens equal, log-probs within f32
-// rounding of another batch composition), sampled at temperature 1 with two samples a line.
+// `lathe generate --input` under mpirun -np 2 and 4: rank r generates lines r, r + N, ... (each line's draws seeded by
+// its index) and rank 0 writes them all in input order: the same lines as one process (tokens equal, log-probs within
+// f32 rounding of another batch composition), sampled at temperature 1 with two samples a line.
 TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("generate", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
@@ -314,17 +314,19 @@ TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   };
   const std::vector<nlohmann::json> want = read(dir / "one.jsonl");
   ASSERT_EQ(want.size(), 10u);
-  const fs::path out = dir / "np2.jsonl";
-  const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + " -np 2");
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("(rank 0 of 2)"), std::string::npos) << r.output;
-  const std::vector<nlohmann::json> got = read(out);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << "line " << i;
-    const auto g = got[i]["logprobs"].get<std::vector<double>>(), w = want[i]["logprobs"].get<std::vector<double>>();
-    ASSERT_EQ(g.size(), w.size()) << "line " << i;
-    for (size_t k = 0; k < w.size(); ++k) EXPECT_NEAR(g[k], w[k], 1e-5 * (1 + std::abs(w[k]))) << "line " << i;
+  for (int np : {2, 4}) {  // 4 ranks: one of them gets a single line
+    const fs::path out = dir / fmt::format("np{}.jsonl", np);
+    const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + fmt::format(" -np {}", np));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("(rank 0 of {})", np)), std::string::npos) << r.output;
+    const std::vector<nlohmann::json> got = read(out);
+    ASSERT_EQ(got.size(), want.size()) << np;
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << "line " << i << " of " << np << " ranks";
+      const auto g = got[i]["logprobs"].get<std::vector<double>>(), w = want[i]["logprobs"].get<std::vector<double>>();
+      ASSERT_EQ(g.size(), w.size()) << "line " << i;
+      for (size_t k = 0; k < w.size(); ++k) EXPECT_NEAR(g[k], w[k], 1e-5 * (1 + std::abs(w[k]))) << "line " << i;
+    }
   }
   EXPECT_NE(want[0]["tokens"], want[1]["tokens"]) << "a line's two samples should differ at temperature 1";
   // One --prompt is not split: refused under a parallel launch, and --nproc (GPU ranks) refuses the CPU.
