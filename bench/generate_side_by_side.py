@@ -79,12 +79,16 @@ def hf_generate(folder, prompts, new_tokens):
     return None, None, None
 
 
-def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib):
+def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150):
     cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--max-running", str(running), "--cache-mib",
            str(cache_mib)]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        log(f"lathe generate passed its {timeout_s} s limit: {(e.stderr or b'')[-800:]}")
+        return None, f"timed out after {timeout_s} s"
     if r.returncode != 0:
         log(f"lathe generate failed ({r.returncode}): {r.stderr[-1500:]}")
         return None, r.stderr

@@ -76,6 +76,27 @@ std::pair<std::vector<int32_t>, std::vector<double>> reference_greedy(CausalLm& 
   return {out, logprobs};
 }
 
+// The log-softmax of the model's full forward (on the model's device, in its dtype) at each generated token of one
+// sample: what the trainer computes for the same sequence.
+std::vector<double> forward_logprobs(CausalLm& m, Device device, std::vector<int32_t> ids,
+                                     const std::vector<int32_t>& generated) {
+  const int64_t v = m.config().vocab_size;
+  const size_t first = ids.size() - 1;  // the row that predicts the first generated token
+  ids.insert(ids.end(), generated.begin(), generated.end());
+  const int32_t n = int32_t(ids.size());
+  const PackedBatch b = make_packed_batch(runtime(), device, ids, {0, n}, std::vector<int32_t>(ids.size(), -100), v);
+  const std::vector<double> all = to_f64(m.logits(b));
+  std::vector<double> out;
+  for (size_t k = 0; k < generated.size(); ++k) {
+    const double* row = all.data() + (first + k) * size_t(v);
+    const double top = *std::max_element(row, row + v);
+    double sum = 0;
+    for (int64_t j = 0; j < v; ++j) sum += std::exp(row[j] - top);
+    out.push_back(row[generated[k]] - top - std::log(sum));
+  }
+  return out;
+}
+
 class RolloutFamilies : public ::testing::TestWithParam<std::string> {};
 
 // Five prompts (1 to 37 tokens) of 9 new tokens each, greedy: every engine configuration gives each prompt's reference
@@ -232,8 +253,11 @@ INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
 
 // The engine on CUDA (f32 and bf16 models of the same weights; every family) against the CPU f32 engine: a batch of
 // prompts, chunked prefill and a shared group prompt; greedy tokens equal in f32 (logits spread by std 0.3 weights, so
-// no near-ties), and the log-probs within 1e-4 (f32) and 0.1 (bf16); bf16 must agree on the first token of each sample.
-// Skips without a GPU.
+// no near-ties), and the log-probs within 1e-4. In bf16 the engine's log-probs of its own tokens are checked against
+// the bf16 full forward of the same sequences on the GPU (the train-rollout gap, printed; within 0.1), and the first
+// token of each sample must equal the CPU's for the dense families. For the MoE families a bf16 router may pick
+// another expert than f32 does (seen on the H200: one prompt in each MoE family), so their first token may differ
+// from the f32 CPU's. Skips without a GPU.
 TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
@@ -243,6 +267,9 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
     opt.device = d;
     return random_causal_lm(runtime(), parse_model_config(tiny_json(GetParam()), "test"), opt, 5, 0.3);
   };
+  const auto prompt = [&](CausalLm& m, uint64_t i) {
+    return random_ids(3 + int64_t(i) * 9, m.config().vocab_size, 500 + i);
+  };
   const auto generate = [&](CausalLm& m) {
     EngineOptions o;
     o.block_size = 4;
@@ -250,7 +277,7 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
     RolloutEngine e(runtime(), m, o);
     for (uint64_t i = 0; i < 4; ++i) {
       RolloutRequest r;
-      r.prompt = random_ids(3 + int64_t(i) * 9, m.config().vocab_size, 500 + i);
+      r.prompt = prompt(m, i);
       r.max_new_tokens = 8;
       r.n = i == 1 ? 3 : 1;
       e.submit(r);
@@ -259,19 +286,36 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
   };
   const std::unique_ptr<CausalLm> cpu = model_on(Device::cpu(), DType::F32);
   const std::vector<RolloutResult> want = generate(*cpu);
+  const bool moe = cpu->config().num_experts > 0;
   for (DType dt : {DType::F32, DType::BF16}) {
     const std::unique_ptr<CausalLm> gpu = model_on(Device::cuda(0), dt);
     const std::vector<RolloutResult> got = generate(*gpu);
     ASSERT_EQ(got.size(), want.size());
+    double gap_sum = 0, gap_max = 0;
+    size_t gaps = 0;
     for (size_t k = 0; k < want.size(); ++k) {
       const std::string what = fmt::format("{} request {} sample {}", dtype_name(dt), got[k].request, got[k].sample);
-      if (dt == DType::F32) EXPECT_EQ(got[k].tokens, want[k].tokens) << what;
       ASSERT_FALSE(got[k].tokens.empty()) << what;
-      EXPECT_EQ(got[k].tokens[0], want[k].tokens[0]) << what;
-      const size_t same = dt == DType::F32 ? want[k].logprobs.size() : 1;  // bf16 may leave the path after a token
-      for (size_t t = 0; t < same && t < got[k].logprobs.size(); ++t)
-        EXPECT_NEAR(got[k].logprobs[t], want[k].logprobs[t], dt == DType::F32 ? 1e-4 : 0.1) << what << " token " << t;
+      if (dt == DType::F32) {
+        EXPECT_EQ(got[k].tokens, want[k].tokens) << what;
+        for (size_t t = 0; t < want[k].logprobs.size() && t < got[k].logprobs.size(); ++t)
+          EXPECT_NEAR(got[k].logprobs[t], want[k].logprobs[t], 1e-4) << what << " token " << t;
+        continue;
+      }
+      if (!moe) EXPECT_EQ(got[k].tokens[0], want[k].tokens[0]) << what;
+      const std::vector<double> trainer =
+          forward_logprobs(*gpu, Device::cuda(0), prompt(*gpu, uint64_t(got[k].request)), got[k].tokens);
+      for (size_t t = 0; t < trainer.size(); ++t) {
+        const double gap = std::abs(got[k].logprobs[t] - trainer[t]);
+        gap_sum += gap;
+        gap_max = std::max(gap_max, gap);
+        ++gaps;
+        EXPECT_LT(gap, 0.1) << what << " token " << t;
+      }
     }
+    if (gaps > 0)
+      std::printf("%s bf16: engine against the full forward over %zu tokens: mean |gap| %.4f, max %.4f\n",
+                  GetParam().c_str(), gaps, gap_sum / double(gaps), gap_max);
   }
 }
 
