@@ -79,10 +79,11 @@ def hf_generate(folder, prompts, new_tokens):
     return None, None, None
 
 
-def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150):
+def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150,
+                   profile_step=-1):
     cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--max-running", str(running), "--cache-mib",
-           str(cache_mib)]
+           str(cache_mib)] + (["--profile-step", str(profile_step)] if profile_step >= 0 else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -92,6 +93,9 @@ def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, runnin
     if r.returncode != 0:
         log(f"lathe generate failed ({r.returncode}): {r.stderr[-1500:]}")
         return None, r.stderr
+    if profile_step >= 0:
+        with open(out_path + ".profile.txt", "w") as f:
+            f.write(r.stdout)
     m = re.search(r"\(([\d.]+) tokens/s\)", r.stderr)
     return (float(m.group(1)) if m else None), r.stderr.strip().splitlines()[-1]
 
@@ -118,6 +122,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--out", default="/tmp/gen_bench")
+    ap.add_argument("--skip-hf", action="store_true", help="only lathe (no transformers baseline)")
+    ap.add_argument("--profile-step", type=int, default=-1, help="pass --profile-step to lathe generate")
     a = ap.parse_args()
     import torch
     os.makedirs(a.out, exist_ok=True)
@@ -135,11 +141,11 @@ def main():
         with open(path, "w") as f:
             for p in prompts:
                 f.write(json.dumps({"tokens": p}) + "\n")
-        hf, cache, hf_s = hf_generate(folder, prompts, a.new)
+        hf, cache, hf_s = (None, None, None) if a.skip_hf else hf_generate(folder, prompts, a.new)
         torch.cuda.empty_cache()
         cache_mib = 16384
         lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.out.jsonl"), a.new,
-                                     a.requests, cache_mib)
+                                     a.requests, cache_mib, profile_step=a.profile_step)
         row = {"shape": shape, "requests": a.requests, "prompt": a.prompt, "new": a.new, "hf_tokens_per_s": hf,
                "hf_cache": cache, "lathe_tokens_per_s": lt, "lathe_summary": summary,
                "ratio": (lt / hf) if (lt and hf) else None}
@@ -150,7 +156,7 @@ def main():
         with open(one, "w") as f:
             f.write(json.dumps({"tokens": prompts[0]}) + "\n")
         lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"), a.new,
-                                       1, cache_mib)
+                                       1, cache_mib, profile_step=a.profile_step)
         bound_ms = weights / (bw / 2) * 1e3  # reading the weights once at the copy's read rate
         step_ms = 1e3 / lt1 if lt1 else None
         row.update({"batch1_tokens_per_s": lt1, "batch1_step_ms": step_ms, "weights_bytes": weights,

@@ -6,6 +6,8 @@
 #            attention op, the padded-rows cross-entropy); the CPU-only rows run in CI
 #   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
 #            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights
+#   profile — the same engine runs without transformers, each with --profile-step 100 (the kernels of 10 decoding
+#            steps); the tables go to $OUT (BUILD_TARGET=lathe_cli builds only the binary)
 # Writes summary.txt and logs.tgz to $OUT.
 source dev/gpu_common.sh "$@"
 
@@ -22,4 +24,11 @@ if has speed; then
   python3 bench/generate_side_by_side.py --lathe-bin build/lathe --out /tmp/gen_bench >$L/gen_bench.log 2>&1
   summary "$(grep -E '^(card|1.7b|q35)' $L/gen_bench.log)"
   cp /tmp/gen_bench/results.json $OUT/ 2>/dev/null
+fi
+
+if has profile; then
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --profile-step 100 --out /tmp/gen_prof \
+    >$L/gen_prof.log 2>&1
+  summary "$(grep -E '^(card|1.7b|q35)' $L/gen_prof.log)"
+  cp /tmp/gen_prof/*.profile.txt $OUT/ 2>/dev/null
 fi

@@ -106,6 +106,7 @@ class RolloutEngine {
   void abort(int64_t request);
 
   const EngineStats& stats() const { return stats_; }
+  int64_t running() const { return int64_t(running_.size()); }
   int64_t cache_blocks() const;
 
  private:

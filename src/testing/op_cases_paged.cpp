@@ -1,6 +1,7 @@
-// Op cases of the rollout engine's ops: row_argmax_logsumexp (odd widths, a limit below the width), paged_attention (decoding steps of several sequences over scattered blocks,
-// chunks of new tokens after a past, a first chunk, GQA groups 1 to 3, head dims 8 to 128, block sizes 4 and 16;
-// unused table entries point at block 0) and scatter_rows (rows of 12 floats, 6 bf16 values: every element width of
+// Op cases of the rollout engine's ops: row_argmax_logsumexp (odd widths, a limit below the width), paged_attention
+// (decoding steps of several sequences over scattered blocks, chunks of new tokens after a past, a first chunk, GQA
+// groups 1 to 4 and 8, head dims 8 to 256, block sizes 4 and 16, long contexts that the CUDA kernel splits; unused
+// table entries point at block 0) and scatter_rows (rows of 12 floats, 6 bf16 values: every element width of
 // the CUDA copy). Forward only. The CPU kernel itself is checked against the training attention op in
 // tests/ops/test_fused_ops.cpp.
 #include "testing/op_check.h"
@@ -22,6 +23,10 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
   add("chunks=3+5,ctx=7+5", 6, 2, 16, 4, 6, {5, 1, 2, 4}, {0, 3, 8}, {7, 5});
   add("decode+chunk,ctx=20+3", 2, 1, 128, 16, 4, {3, 0, 2, 0}, {0, 1, 3}, {20, 3});
   add("mha,decode=1+1,ctx=33+2", 3, 3, 64, 16, 5, {4, 1, 0, 2, 0, 0}, {0, 1, 2}, {33, 2});
+  // Long contexts of few queries: the CUDA kernel splits them (and merges the splits); groups of 8 and 4 heads.
+  add("decode=1+1,group=8,ctx=200+77", 16, 2, 128, 16, 20,
+      {19, 3, 7, 0, 12, 5, 16, 1, 9, 14, 2, 11, 6, 4, 8, 10, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0}, {0, 1, 2}, {200, 77});
+  add("chunk=3,group=4,d=256,ctx=150", 8, 2, 256, 16, 12, {11, 0, 5, 3, 9, 1, 7, 2, 10, 4}, {0, 3}, {150});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37", {{5, 37}}, ArgmaxAttrs{}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37,limit=20", {{5, 37}}, ArgmaxAttrs{20}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=3,v=3001", {{3, 3001}}, ArgmaxAttrs{}, dtypes, false, false});

@@ -23,6 +23,7 @@
 #include <optional>
 #include <unistd.h>
 
+#include "backend/profiler.h"
 #include "cli_support.h"
 #include "comm/launch.h"
 #include "comm/local_launch.h"
@@ -35,6 +36,7 @@
 #include "model/lora.h"
 #include "model/causal_lm.h"
 #include "rl/rollout_engine.h"
+#include "train/step_profile.h"
 
 namespace lathe::cli {
 
@@ -52,6 +54,7 @@ struct Args {
   int n = 1;                                  // --input: samples per line
   int64_t max_running = 64, cache_mib = 0;  // --input: the rollout engine's batch and cache (0: the default)
   int nproc = 0;                               // --input on N GPUs of this machine
+  int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool no_chat_template = false, print_tokens = false, ignore_eos = false;
@@ -389,8 +392,26 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
       }
     }
   };
+  // --profile-step: 10 steps of the engine under an OpProfiler (backend/profiler.h), their kernels printed as a table.
+  std::optional<OpProfiler> profiler;
+  std::chrono::steady_clock::time_point profile_t0;
+  const auto profile = [&](int64_t step) {
+    if (me != 0 || a.profile_step < 0) return;
+    if (step == a.profile_step) {
+      profiler.emplace(rt.backend(model.options().device.type), model.options().device);
+      rt.set_profiler(&*profiler);
+      profile_t0 = std::chrono::steady_clock::now();
+    } else if (profiler && step == a.profile_step + 10) {
+      rt.set_profiler(nullptr);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - profile_t0).count();
+      fmt::print("engine steps {}..{} ({} running):", a.profile_step, step - 1, engine.running());
+      print_step_profile(profiler->collect(), ms, 0, 0, 0, 0);
+      profiler.reset();
+    }
+  };
   bool more = true;
-  while (more) {
+  for (int64_t step = 0; more; ++step) {
+    profile(step);
     more = engine.step();
     for (RolloutResult& r : engine.take_finished()) {
       generated += int64_t(r.tokens.size());
@@ -403,6 +424,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
                  mine.size() * size_t(a.n), ranks > 1 ? " on rank 0" : "", generated,
                  double(generated) / std::max(seconds(), 1e-9));
   }
+  if (profiler) rt.set_profiler(nullptr);
   if (world) {  // every rank's lines to rank 0, which writes them in input order
     const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, model.options().device, text);
     for (size_t i = 0; me == 0 && i < requests.size(); ++i) file->stream() << by_rank[i % size_t(ranks)][i / size_t(ranks)];
@@ -477,6 +499,8 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt-tokens", args->prompt_tokens, "prompt as token ids, e.g. 1,2,3")->group("");
   cmd->add_flag("--print-tokens", args->print_tokens, "print the result as JSON instead of streaming")->group("");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "do not stop on EOS tokens")->group("");
+  cmd->add_option("--profile-step", args->profile_step, "--input: print the kernels of 10 engine steps from this one")
+      ->group("");
   cmd->callback([cmd, args, &exit_code] {
     args->has_prompt = cmd->count("--prompt") > 0;
     args->has_chat_template_kwargs = cmd->count("--chat-template-kwargs") > 0;

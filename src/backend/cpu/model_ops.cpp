@@ -289,10 +289,10 @@ void paged_attention_kernel(const OpCall& c, ExecContext&) {
         mx = std::max(mx, dot * scale);
       }
       double l = 0;
-      for (double v : s) l += std::exp(v - mx);
+      for (double& v : s) l += (v = std::exp(v - mx));
       for (int64_t e = 0; e < d; ++e) {
         double acc = 0;
-        for (int64_t j = 0; j <= pos; ++j) acc += std::exp(s[size_t(j)] - mx) * double(pv[row(j) * d + e]);
+        for (int64_t j = 0; j <= pos; ++j) acc += s[size_t(j)] * double(pv[row(j) * d + e]);
         po[(i * hq + h) * d + e] = T(acc / l);
       }
     }

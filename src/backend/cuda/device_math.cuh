@@ -14,6 +14,17 @@
 
 namespace lathe::cuda {
 
+// The current device's streaming multiprocessors (read once: the engine runs on one device a process).
+inline int multiprocessors() {
+  static const int sms = [] {
+    int device = 0, n = 0;
+    LATHE_CUDA_CHECK(cudaGetDevice(&device));
+    LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  return sms;
+}
+
 template <typename T> struct Compute { using type = float; };
 template <> struct Compute<double> { using type = double; };
 template <> struct Compute<int32_t> { using type = int64_t; };

@@ -1323,15 +1323,6 @@ namespace {
 // SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs).
 // Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
 // H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md).
-int multiprocessors() {
-  static const int sms = [] {
-    int device = 0, n = 0;
-    LATHE_CUDA_CHECK(cudaGetDevice(&device));
-    LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return n;
-  }();
-  return sms;
-}
 int scan_columns(const GdnShape& s) { return s.docs * s.v_heads * (kD / 64) < multiprocessors() ? 32 : 64; }
 
 // The forward scan also prefetches K and b where its blocks fit one wave of one block an SM: the larger shared memory

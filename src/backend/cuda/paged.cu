@@ -1,13 +1,18 @@
 // The rollout engine's kernels: attention of new tokens over a paged KV cache, row scatters into the cache, and each
 // row's argmax and log-sum-exp of the logits.
 //
-// paged_attention: one warp per (query token, query head), four heads a block; the warp walks the sequence's positions
-// 0 .. the query's own, reads each key row through the block table (a lane holds D / 32 values), sums the dot product
-// across the warp, and keeps an online softmax (running max and sum, rescaled accumulators) in f32. Decoding is bound
-// by reading the cache, which each of the `group` heads sharing a kv head reads again (from L2, mostly).
-// Covered by the paged_attention, scatter_rows and row_argmax_logsumexp op-check cases
-// (src/testing/op_cases_paged.cpp).
+// paged_attention, split over the context (as flash-decoding does): a block per (query token, group of up to 8 query
+// heads sharing one kv head, split of the context); its four warps take the split's positions in turn, each reading a
+// key and value row once through the block table for all the block's heads (a lane holds D / 32 values), summing the
+// dot products across the warp and keeping an online softmax per head (running max and sum, rescaled accumulators,
+// f32). The warps' partial results merge in shared memory; with one split the block writes the output, else each
+// split's unnormalised output, max and sum go to a workspace and a second kernel merges the splits. The launcher picks
+// the splits so that about two blocks an SM run: a decode step of few sequences splits a long context many ways (a
+// warp per position was latency-bound: 34 ms a step for the 1.7B shape on an H200 at batch 1), a prefill chunk of
+// many tokens does not split.
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/paged_launchers.h"
@@ -17,17 +22,20 @@ namespace lathe::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = 4;
-constexpr int kPerLane = kMaxPagedHeadDim / 32;
 
-template <typename T>
+constexpr int kSplitWarps = 4;
+constexpr int kMinSplitPositions = 32;
+
+// G query heads a block, P values of a row a lane (D <= 32 P).
+template <typename T, int G, int P>
 __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t batch,
-                                       int64_t width, float scale, const T* q, const T* kc, const T* vc,
-                                       const int32_t* table, const int32_t* cu, const int32_t* ctx, T* o) {
-  const int lane = int(threadIdx.x % 32);
-  const int64_t i = blockIdx.x;
-  const int64_t h = int64_t(blockIdx.y) * kWarpsPerBlock + threadIdx.x / 32;
-  if (h >= q_heads) return;
+                                       int64_t width, int64_t split_len, float scale, const T* q, const T* kc,
+                                       const T* vc, const int32_t* table, const int32_t* cu, const int32_t* ctx, T* o,
+                                       float* part) {
+  __shared__ float merge_acc[kSplitWarps][G][32 * P];
+  __shared__ float merge_m[kSplitWarps][G], merge_l[kSplitWarps][G];
+  const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
+  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
   int64_t lo = 0, hi = batch;  // the sequence b with cu[b] <= i < cu[b + 1]
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
@@ -35,38 +43,97 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
     else hi = mid;
   }
   const int64_t b = lo, n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
-  const int64_t kh = h / (q_heads / kv_heads);
-  float qv[kPerLane], acc[kPerLane];
+  const int64_t kh = h0 / (q_heads / kv_heads);
+  const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
+  float qv[G][P], acc[G][P], mx[G], sum[G];
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) {
-    const int64_t c = lane + 32 * e;
-    qv[e] = c < d ? float(load(q, (i * q_heads + h) * d + c)) : 0.0f;
-    acc[e] = 0.0f;
+  for (int g = 0; g < G; ++g) {
+    mx[g] = -INFINITY;
+    sum[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < P; ++e) {
+      const int64_t c = lane + 32 * e;
+      qv[g][e] = c < d ? float(load(q, (i * q_heads + h0 + g) * d + c)) * scale : 0.0f;
+      acc[g][e] = 0.0f;
+    }
   }
-  float mx = -INFINITY, sum = 0.0f;
-  for (int64_t j = 0; j <= pos; ++j) {
+  for (int64_t j = begin + warp; j < end; j += kSplitWarps) {
     const int64_t row = (int64_t(table[b * width + j / bs]) * bs + j % bs) * kv_heads + kh;
-    float dot = 0.0f;
+    float kv[P], vv[P];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
+    for (int e = 0; e < P; ++e) {
       const int64_t c = lane + 32 * e;
-      if (c < d) dot += qv[e] * float(load(kc, row * d + c));
+      kv[e] = c < d ? float(load(kc, row * d + c)) : 0.0f;
+      vv[e] = c < d ? float(load(vc, row * d + c)) : 0.0f;
     }
-    dot = warp_sum(dot) * scale;
-    const float nm = fmaxf(mx, dot), corr = expf(mx - nm), p = expf(dot - nm);
-    sum = sum * corr + p;
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) {
-      const int64_t c = lane + 32 * e;
-      if (c < d) acc[e] = acc[e] * corr + p * float(load(vc, row * d + c));
+    for (int g = 0; g < G; ++g) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < P; ++e) dot += qv[g][e] * kv[e];
+      dot = warp_sum(dot);
+      const float nm = fmaxf(mx[g], dot), corr = expf(mx[g] - nm), p = expf(dot - nm);
+      sum[g] = sum[g] * corr + p;
+#pragma unroll
+      for (int e = 0; e < P; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
+      mx[g] = nm;
     }
-    mx = nm;
   }
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) {
-    const int64_t c = lane + 32 * e;
-    if (c < d) store(o, (i * q_heads + h) * d + c, acc[e] / sum);
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int e = 0; e < P; ++e)
+      if (lane + 32 * e < d) merge_acc[warp][g][lane + 32 * e] = acc[g][e];
+    if (lane == 0) merge_m[warp][g] = mx[g], merge_l[warp][g] = sum[g];
   }
+  __syncthreads();
+  for (int64_t x = threadIdx.x; x < G * d; x += blockDim.x) {
+    const int g = int(x / d);
+    const int64_t c = x % d;
+    float m = -INFINITY;
+    for (int w = 0; w < kSplitWarps; ++w) m = fmaxf(m, merge_m[w][g]);
+    float l = 0.0f, a = 0.0f;
+    for (int w = 0; w < kSplitWarps; ++w) {
+      if (merge_m[w][g] == -INFINITY) continue;  // a warp without positions
+      const float f = expf(merge_m[w][g] - m);
+      l += merge_l[w][g] * f;
+      a += merge_acc[w][g][c] * f;
+    }
+    const int64_t h = h0 + g;
+    if (splits == 1) {
+      store(o, (i * q_heads + h) * d + c, a / l);
+      continue;
+    }
+    float* p = part + ((i * q_heads + h) * splits + split) * (d + 2);
+    p[c] = a;
+    if (c == 0) p[d] = m, p[d + 1] = l;  // a split past the query's position: m = -inf, l = 0
+  }
+}
+
+// The splits of paged_attention_kernel merged: a block per (query token, head), a thread per output column.
+template <typename T>
+__global__ void paged_attention_merge_kernel(int64_t q_heads, int64_t d, int64_t splits, const float* part, T* o) {
+  const int64_t i = blockIdx.x, h = blockIdx.y;
+  const float* p = part + (i * q_heads + h) * splits * (d + 2);
+  float m = -INFINITY;
+  for (int64_t s = 0; s < splits; ++s) m = fmaxf(m, p[s * (d + 2) + d]);
+  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float l = 0.0f, a = 0.0f;
+    for (int64_t s = 0; s < splits; ++s) {
+      const float ms = p[s * (d + 2) + d];
+      if (ms == -INFINITY) continue;
+      const float f = expf(ms - m);
+      l += p[s * (d + 2) + d + 1] * f;
+      a += p[s * (d + 2) + c] * f;
+    }
+    store(o, (i * q_heads + h) * d + c, a / l);
+  }
+}
+
+// The query heads one block serves: the largest of 8, 4, 2, 1 that divides the group.
+int64_t heads_a_block(int64_t group) {
+  for (int64_t g : {8, 4, 2}) if (group % g == 0) return g;
+  return 1;
 }
 
 // One block per row: each thread's strided max with the lowest index (ids below `limit`) and online sum of exp over
@@ -117,19 +184,42 @@ __global__ void scatter_rows_kernel(int64_t rows, int64_t width, const E* src, c
 
 }  // namespace
 
+int64_t paged_attention_splits(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t max_context) {
+  const int64_t blocks = tokens * (q_heads / heads_a_block(q_heads / kv_heads));
+  const int64_t want = (2 * multiprocessors() + blocks - 1) / blocks;
+  return std::max<int64_t>(1, std::min(want, (max_context + kMinSplitPositions - 1) / kMinSplitPositions));
+}
+
 void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t batch, int64_t table_width, float scale, const void* q,
-                            const void* k_cache, const void* v_cache, const int32_t* table, const int32_t* cu_q,
-                            const int32_t* context_lens, void* o, cudaStream_t stream) {
+                            int64_t block_size, int64_t batch, int64_t table_width, int64_t splits, float scale,
+                            const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                            const int32_t* cu_q, const int32_t* context_lens, void* o, float* workspace,
+                            cudaStream_t stream) {
   if (tokens == 0) return;
-  const dim3 grid(unsigned(tokens), unsigned((q_heads + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  const int64_t g = heads_a_block(q_heads / kv_heads);
+  const int64_t split_len = (table_width * block_size + splits - 1) / splits;
+  const dim3 grid(unsigned(tokens), unsigned(q_heads / g), unsigned(splits));
   dispatch_f32_bf16_f16(dtype, "paged_attention dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    paged_attention_kernel<T><<<grid, 32 * kWarpsPerBlock, 0, stream>>>(
-        q_heads, kv_heads, head_dim, block_size, batch, table_width, scale, static_cast<const T*>(q),
-        static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens, static_cast<T*>(o));
+    const auto run = [&](auto heads) {
+      constexpr int G = decltype(heads)::value;
+      const auto kernel = head_dim <= 128 ? paged_attention_kernel<T, G, 4> : paged_attention_kernel<T, G, 8>;
+      kernel<<<grid, 32 * kSplitWarps, 0, stream>>>(
+          q_heads, kv_heads, head_dim, block_size, batch, table_width, split_len, scale, static_cast<const T*>(q),
+          static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens,
+          static_cast<T*>(o), workspace);
+    };
+    if (g == 8) run(std::integral_constant<int, 8>{});
+    else if (g == 4) run(std::integral_constant<int, 4>{});
+    else if (g == 2) run(std::integral_constant<int, 2>{});
+    else run(std::integral_constant<int, 1>{});
+    LATHE_CUDA_LAUNCH_CHECK("paged_attention_kernel");
+    if (splits > 1) {
+      paged_attention_merge_kernel<T><<<dim3(unsigned(tokens), unsigned(q_heads)), 128, 0, stream>>>(
+          q_heads, head_dim, splits, workspace, static_cast<T*>(o));
+      LATHE_CUDA_LAUNCH_CHECK("paged_attention_merge_kernel");
+    }
   });
-  LATHE_CUDA_LAUNCH_CHECK("paged_attention_kernel");
 }
 
 void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,

@@ -10,13 +10,19 @@
 
 namespace lathe::cuda {
 
-inline constexpr int kMaxPagedHeadDim = 256;  // a warp holds a query row, 8 values a lane
+inline constexpr int kMaxPagedHeadDim = 256;  // a warp holds a query row, up to 8 values a lane
+
+// How many ways launch_paged_attention splits each query's context (at most `max_context` positions: the block
+// table's width x block size) for T tokens of Hq query heads over Hkv kv heads.
+int64_t paged_attention_splits(int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t max_context);
 
 // q (T, Hq, D), caches (S, Hkv, D), table (B, M), cu_q (B + 1), context_lens (B); o (T, Hq, D). f32, bf16 or f16.
+// With splits > 1, `workspace` holds T x Hq x splits x (D + 2) floats.
 void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t batch, int64_t table_width, float scale, const void* q,
-                            const void* k_cache, const void* v_cache, const int32_t* table, const int32_t* cu_q,
-                            const int32_t* context_lens, void* o, cudaStream_t stream);
+                            int64_t block_size, int64_t batch, int64_t table_width, int64_t splits, float scale,
+                            const void* q, const void* k_cache, const void* v_cache, const int32_t* table,
+                            const int32_t* cu_q, const int32_t* context_lens, void* o, float* workspace,
+                            cudaStream_t stream);
 
 // x (rows, v) f32, bf16 or f16: argmax over [0, limit) (0: all), its value, log-sum-exp of the row (f32).
 void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,

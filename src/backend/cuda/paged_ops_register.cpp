@@ -19,12 +19,16 @@ Support paged_attention_supports(const OpCall& c) {
 void run_paged_attention(const OpCall& c, ExecContext& ctx) {
   const Tensor& q = c.inputs[0];
   const auto& a = c.attr<PagedAttentionAttrs>();
-  const int64_t d = q.size(2);
-  launch_paged_attention(q.dtype(), q.size(0), q.size(1), c.inputs[1].size(1), d, a.block_size, c.inputs[3].size(0),
-                         c.inputs[3].size(1), float(a.scale ? a.scale : 1.0 / std::sqrt(double(d))), q.data_ptr(),
-                         c.inputs[1].data_ptr(), c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(),
-                         c.inputs[4].data<int32_t>(), c.inputs[5].data<int32_t>(), c.outputs[0].data_ptr(),
-                         stream_of(ctx));
+  const int64_t tokens = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = c.inputs[1].size(1);
+  const int64_t width = c.inputs[3].size(1);
+  const int64_t splits = paged_attention_splits(tokens, heads, kv_heads, width * a.block_size);
+  const Tensor workspace =
+      splits > 1 ? Tensor::empty({tokens * heads * splits * (d + 2)}, DType::F32, ctx.allocator) : Tensor();
+  launch_paged_attention(q.dtype(), tokens, heads, kv_heads, d, a.block_size, c.inputs[3].size(0), width, splits,
+                         float(a.scale ? a.scale : 1.0 / std::sqrt(double(d))), q.data_ptr(), c.inputs[1].data_ptr(),
+                         c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.inputs[4].data<int32_t>(),
+                         c.inputs[5].data<int32_t>(), c.outputs[0].data_ptr(),
+                         splits > 1 ? workspace.data<float>() : nullptr, stream_of(ctx));
 }
 
 void run_scatter_rows(const OpCall& c, ExecContext& ctx) {
