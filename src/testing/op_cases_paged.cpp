@@ -30,6 +30,9 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37", {{5, 37}}, ArgmaxAttrs{}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37,limit=20", {{5, 37}}, ArgmaxAttrs{20}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=3,v=3001", {{3, 3001}}, ArgmaxAttrs{}, dtypes, false, false});
+  // Rows the CUDA kernel cuts into chunks, with the limit inside a chunk.
+  c.push_back({OpId::row_argmax_logsumexp, "n=2,v=20001,limit=15000", {{2, 20001}}, ArgmaxAttrs{15000}, dtypes, false,
+               false});
   c.push_back({OpId::scatter_rows, "rows=5,into=10,row=3x4", {{5, 3, 4}, {5}, {10, 3, 4}}, {}, dtypes, false, false,
                {{}, {7, 0, 3, 9, 2}, {}}});
   c.push_back({OpId::scatter_rows, "rows=3,into=4,row=6", {{3, 6}, {3}, {4, 6}}, {}, dtypes, false, false,

@@ -136,20 +136,24 @@ int64_t heads_a_block(int64_t group) {
   return 1;
 }
 
-// One block per row: each thread's strided max with the lowest index (ids below `limit`) and online sum of exp over
-// the whole row (online_logsumexp_add, as the cross-entropy's), then block reductions: the log-sum-exp by
-// block_reduce, the argmax by a tree over (value, lowest index) in shared memory.
-template <typename T, typename S>
-__global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x, int32_t* arg, S* best, S* lse) {
+// row_argmax_logsumexp in two kernels, so that a few long rows (a decoding step's logits: one row a sequence, the
+// vocabulary wide) spread over the SMs: a block per (row, chunk of the row) — each thread's strided max with the lowest
+// index (ids below `limit`) and online sum of exp (online_logsumexp_add, as the cross-entropy's), then block
+// reductions: the log-sum-exp by block_reduce, the argmax by a tree over (value, lowest index) in shared memory —
+// writes (max, sum, best value, best index) of its chunk (max NaN where the chunk holds a NaN); then a warp per row
+// merges its chunks. (One block a row took 250 us for one row of 151,936 logits on an H200.)
+template <typename T>
+__global__ void row_summary_chunk_kernel(int64_t v, int64_t limit, int64_t chunk_len, const T* x, float* part) {
   __shared__ float best_v[kThreads], scratch[32];
   __shared__ int64_t best_i[kThreads];
   __shared__ int nan_seen;
   const T* row = x + int64_t(blockIdx.x) * v;
+  const int64_t begin = int64_t(blockIdx.y) * chunk_len, end = min(begin + chunk_len, v);
   if (threadIdx.x == 0) nan_seen = 0;
   __syncthreads();
   float bv = -INFINITY, m = -INFINITY, sum = 0.0f;
   int64_t bi = -1;
-  for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
     const float f[1] = {float(load(row, j))};
     if (isnan(f[0])) nan_seen = 1;
     if (j < limit && (bi < 0 || f[0] > bv)) bv = f[0], bi = j;
@@ -170,9 +174,43 @@ __global__ void row_argmax_logsumexp_kernel(int64_t v, int64_t limit, const T* x
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    arg[blockIdx.x] = int32_t(best_i[0] < 0 ? 0 : best_i[0]);
-    best[blockIdx.x] = S(best_v[0]);
-    lse[blockIdx.x] = nan_seen ? S(NAN) : mx == -INFINITY ? S(mx) : S(mx + logf(total));
+    float* p = part + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * 4;
+    p[0] = nan_seen ? NAN : mx;
+    p[1] = total;
+    p[2] = best_v[0];
+    p[3] = float(best_i[0]);  // exact: vocabularies stay below 2^24; -1: no id below the limit in this chunk
+  }
+}
+
+template <typename S>
+__global__ void row_summary_merge_kernel(int64_t chunks, const float* part, int32_t* arg, S* best, S* lse) {
+  const int64_t r = blockIdx.x;
+  const float* p = part + r * chunks * 4;
+  const int lane = int(threadIdx.x);
+  float m = -INFINITY, bv = -INFINITY, bi = -1.0f;
+  bool nan = false;
+  for (int64_t c = lane; c < chunks; c += 32) {
+    nan = nan || isnan(p[c * 4]);
+    m = fmaxf(m, p[c * 4]);
+  }
+  m = warp_max(m);
+  nan = __any_sync(0xffffffffu, nan);
+  float total = 0.0f;
+  for (int64_t c = lane; c < chunks; c += 32) {
+    const float* q = p + c * 4;
+    if (q[0] != -INFINITY) total += q[1] * expf(q[0] - m);
+    // Chunks are in id order: the lowest index wins ties, as in one pass over the row.
+    if (q[3] >= 0 && (bi < 0 || q[2] > bv || (q[2] == bv && q[3] < bi))) bv = q[2], bi = q[3];
+  }
+  total = warp_sum(total);
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o), oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) bv = ov, bi = oi;
+  }
+  if (lane == 0) {
+    arg[r] = int32_t(bi < 0 ? 0 : bi);
+    best[r] = S(bv);
+    lse[r] = nan ? S(NAN) : m == -INFINITY ? S(m) : S(m + logf(total));
   }
 }
 
@@ -222,15 +260,23 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
   });
 }
 
-void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,
-                                 float* best, float* lse, cudaStream_t stream) {
+int64_t row_argmax_logsumexp_chunks(int64_t rows, int64_t v) {
+  const int64_t want = (2 * multiprocessors() + rows - 1) / std::max<int64_t>(rows, 1);
+  return std::max<int64_t>(1, std::min(want, (v + 2047) / 2048));
+}
+
+void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, int64_t chunks, const void* x,
+                                 int32_t* arg, float* best, float* lse, float* workspace, cudaStream_t stream) {
   if (rows == 0) return;
+  const int64_t chunk_len = (v + chunks - 1) / chunks;
   dispatch_f32_bf16_f16(dtype, "row_argmax_logsumexp dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    row_argmax_logsumexp_kernel<T, float><<<unsigned(rows), kThreads, 0, stream>>>(
-        v, limit > 0 ? limit : v, static_cast<const T*>(x), arg, best, lse);
+    row_summary_chunk_kernel<T><<<dim3(unsigned(rows), unsigned(chunks)), kThreads, 0, stream>>>(
+        v, limit > 0 ? limit : v, chunk_len, static_cast<const T*>(x), workspace);
   });
-  LATHE_CUDA_LAUNCH_CHECK("row_argmax_logsumexp_kernel");
+  LATHE_CUDA_LAUNCH_CHECK("row_summary_chunk_kernel");
+  row_summary_merge_kernel<float><<<unsigned(rows), 32, 0, stream>>>(chunks, workspace, arg, best, lse);
+  LATHE_CUDA_LAUNCH_CHECK("row_summary_merge_kernel");
 }
 
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,

@@ -24,9 +24,13 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
                             const int32_t* cu_q, const int32_t* context_lens, void* o, float* workspace,
                             cudaStream_t stream);
 
+// The chunks launch_row_argmax_logsumexp cuts each of `rows` rows of `v` values into.
+int64_t row_argmax_logsumexp_chunks(int64_t rows, int64_t v);
+
 // x (rows, v) f32, bf16 or f16: argmax over [0, limit) (0: all), its value, log-sum-exp of the row (f32).
-void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, const void* x, int32_t* arg,
-                                 float* best, float* lse, cudaStream_t stream);
+// `workspace` holds rows x chunks x 4 floats.
+void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t limit, int64_t chunks, const void* x,
+                                 int32_t* arg, float* best, float* lse, float* workspace, cudaStream_t stream);
 
 // out[index[i]] = src[i] for rows of `row_bytes` (a multiple of 2); out already holds the rest.
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,

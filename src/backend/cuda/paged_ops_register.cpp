@@ -44,9 +44,11 @@ void run_scatter_rows(const OpCall& c, ExecContext& ctx) {
 
 void run_row_argmax_logsumexp(const OpCall& c, ExecContext& ctx) {
   const Tensor& x = c.inputs[0];
-  launch_row_argmax_logsumexp(x.dtype(), x.size(0), x.size(1), c.attr<ArgmaxAttrs>().limit, x.data_ptr(),
+  const int64_t rows = x.size(0), chunks = row_argmax_logsumexp_chunks(rows, x.size(1));
+  const Tensor workspace = Tensor::empty({std::max<int64_t>(rows, 1) * chunks * 4}, DType::F32, ctx.allocator);
+  launch_row_argmax_logsumexp(x.dtype(), rows, x.size(1), c.attr<ArgmaxAttrs>().limit, chunks, x.data_ptr(),
                               c.outputs[0].data<int32_t>(), c.outputs[1].data<float>(), c.outputs[2].data<float>(),
-                              stream_of(ctx));
+                              workspace.data<float>(), stream_of(ctx));
 }
 
 }  // namespace
