@@ -53,7 +53,7 @@ struct PackedBatch {
   // (set_segments checks); the loss is then the sum over segments of loss_scale x the segment's mean loss.
   std::vector<BatchSegment> segments;
   DecodeCache* cache = nullptr;  // decoding: the layers continue the cached sequence (no backward)
-  const RowLoss* row_loss = nullptr;  // the loss of the labelled tokens' log-probabilities (no segments)
+  const RowLoss* row_loss = nullptr;  // a loss of the labelled log-probabilities (segments scale their rows)
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
 };

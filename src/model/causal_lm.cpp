@@ -373,13 +373,20 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
 LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
                                    Tensor* dxf) {
   ExecContext cx = ctx();
-  LATHE_CHECK(b.segments.empty(), "model: a batch with a row loss takes no segments");
   std::vector<int32_t> rows, targets;
   labelled_rows(b, rows, targets);
+  // Segments (an adapter's rows) scale their rows' gradients by their loss_scale; the terms carry their own weights.
+  std::vector<double> row_scale(rows.size(), loss_scale);
+  LossResult result;
+  size_t r = 0;
+  for (const BatchSegment& seg : b.segments) {
+    const size_t begin = r;
+    for (; r < rows.size() && rows[r] < seg.rows_end; ++r) row_scale[r] = loss_scale * seg.loss_scale;
+    result.segments.push_back({0.0, int64_t(r - begin)});
+  }
   const int64_t n_rows = int64_t(rows.size()), n_padded = (n_rows + 7) / 8 * 8;  // as head_loss: GEMMs of 8k rows
   rows.resize(size_t(n_padded), 0);
   targets.resize(size_t(n_padded), -100);
-  LossResult result;
   result.labelled = n_rows;
   if (n_rows == 0) {
     if (backward) *dxf = zero_grad_like(cx, xf);
@@ -402,11 +409,13 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   (*b.row_loss)(logp, terms, dlogp);
   for (double t : terms) result.loss_sum += t;
   result.loss = result.loss_sum;
+  for (size_t s = 0, t = 0; s < result.segments.size(); ++s)
+    for (int64_t k = 0; k < result.segments[s].labelled; ++k) result.segments[s].loss_sum += terms[t++];
   if (!backward) return result;
   // Pass 2: d loss / d logits of row t is dloss_dlogp[t] (onehot - softmax): the cross-entropy's gradient scaled by
   // -dloss_dlogp[t] (and loss_scale); padded rows by 0.
   std::vector<double> scale(static_cast<size_t>(n_padded), 0.0);
-  for (int64_t t = 0; t < n_rows; ++t) scale[size_t(t)] = -dlogp[size_t(t)] * loss_scale;
+  for (int64_t t = 0; t < n_rows; ++t) scale[size_t(t)] = -dlogp[size_t(t)] * row_scale[size_t(t)];
   const Tensor scale_t =
       cast(cx, rt_->from_host(scale.data(), {n_padded, 1}, DType::F64, options_.device), xs.dtype());
   Tensor dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);

@@ -1,5 +1,6 @@
 #include "train/config.h"
 
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -227,6 +228,67 @@ const std::vector<Option>& options() {
                 "can take far longer than a collective)", save_timeout_s),
       LATHE_OPT("device", Kind::String, "cpu", "cpu | cuda | cuda:N", device),
       LATHE_OPT("dtype", Kind::String, "", "compute dtype: f32 | bf16 (default f32 on cpu, bf16 on cuda)", dtype),
+      // lathe rl (docs/rl.md)
+      LATHE_PATH("rl.warm_start", Kind::String, "", Need::Default,
+                 "a lathe train config run first (continued, or found finished, like any run); its final model is the "
+                 "policy's start (model.path)", rl.warm_start),
+      LATHE_OPT("rl.algorithm", Kind::String, "grpo",
+                "grpo | dr_grpo | dapo | gspo: sets the defaults of rl.clip_high, rl.loss_agg, rl.scale_by_std, "
+                "rl.dynamic_sampling and rl.overlong_filter", rl.algorithm),
+      LATHE_NUM("rl.samples", Kind::Int, "8", between(1, 4096), "responses sampled per prompt (a group)", rl.samples),
+      LATHE_NUM("rl.prompts_per_step", Kind::Int, "16", between(1, 1e6), "prompts (groups) per rollout",
+                rl.prompts_per_step),
+      LATHE_NUM("rl.minibatches", Kind::Int, "1", between(1, 4096),
+                "optimizer steps per rollout: its groups split evenly (train.max_steps counts optimizer steps)",
+                rl.minibatches),
+      LATHE_NUM("rl.max_new_tokens", Kind::Int, "256", between(1, kMaxTokens), "longest response", rl.max_new_tokens),
+      LATHE_NUM("rl.temperature", Kind::Float, "1.0", above(0), "sampling temperature of the rollouts", rl.temperature),
+      LATHE_NUM("rl.top_p", Kind::Float, "1.0", between(0, 1), "nucleus sampling (1 = off)", rl.top_p),
+      LATHE_NUM("rl.top_k", Kind::Int, "0", at_least(0), "sample from the k most likely tokens (0 = off)", rl.top_k),
+      LATHE_NUM("rl.clip_low", Kind::Float, "0.2", between(0, 1, true), "PPO clip: ratio >= 1 - clip_low", rl.clip_low),
+      LATHE_NUM("rl.clip_high", Kind::Float, "-1", at_least(-1),
+                "PPO clip: ratio <= 1 + clip_high (-1: the algorithm's: 0.28 for dapo, else clip_low)", rl.clip_high),
+      LATHE_OPT("rl.loss_agg", Kind::String, "",
+                "token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (verl's names; empty: "
+                "the algorithm's: token-mean for dapo, seq-mean-token-sum-norm for dr_grpo, seq-mean-token-mean else)",
+                rl.loss_agg),
+      LATHE_OPT("rl.scale_by_std", Kind::String, "auto",
+                "divide group advantages by the group's std: auto (all but dr_grpo) | true | false", rl.scale_by_std),
+      LATHE_OPT("rl.dynamic_sampling", Kind::String, "auto",
+                "drop groups whose rewards are all equal and sample more prompts: auto (dapo) | true | false",
+                rl.dynamic_sampling),
+      LATHE_NUM("rl.max_sampling_rounds", Kind::Int, "4", between(1, 1000),
+                "dynamic sampling: rollouts per step at most (then the step trains on the groups it has)",
+                rl.max_sampling_rounds),
+      LATHE_OPT("rl.overlong_filter", Kind::String, "auto",
+                "responses cut by rl.max_new_tokens take no part in the loss: auto (dapo) | true | false",
+                rl.overlong_filter),
+      LATHE_NUM("rl.kl_coef", Kind::Float, "0", at_least(0),
+                "KL penalty to the reference policy in the loss (LoRA: the base without the adapter)", rl.kl_coef),
+      LATHE_OPT("rl.kl_estimator", Kind::String, "k3", "k1 | k2 | k3 (Schulman's estimators)", rl.kl_estimator),
+      LATHE_OPT("rl.importance_correction", Kind::String, "none",
+                "weight each token by the trainer's over the rollout engine's probability of it (the train-rollout "
+                "mismatch): none | token_tis | seq_tis (truncated at rl.importance_cap) | token_mis | seq_mis (tokens or "
+                "sequences whose weight leaves [1/cap, cap] masked out)", rl.importance_correction),
+      LATHE_NUM("rl.importance_cap", Kind::Float, "2.0", above(1), "the importance weight's bound", rl.importance_cap),
+      LATHE_NUM("rl.reward.answer", Kind::Float, "1.0", at_least(0),
+                "weight of the answer match (last \\boxed{} or number against the row's \"answer\")", rl.reward_answer),
+      LATHE_OPT("rl.reward.format", Kind::String, "", "PCRE2 pattern the whole response must match (\"\" = off)",
+                rl.reward_format),
+      LATHE_NUM("rl.reward.format_weight", Kind::Float, "0", at_least(0), "weight of the format reward",
+                rl.reward_format_weight),
+      LATHE_OPT("rl.reward.command", Kind::String, "",
+                "external reward: sh -c COMMAND reads one JSON row per response on stdin ({prompt, response, ...the "
+                "prompt row's fields}) and prints one number per line (\"\" = off)", rl.reward_command),
+      LATHE_NUM("rl.reward.command_weight", Kind::Float, "1.0", at_least(0), "weight of the external reward",
+                rl.reward_command_weight),
+      LATHE_NUM("rl.reward.command_timeout_s", Kind::Float, "60", above(0),
+                "the external command's time per rollout; past it the run stops with an error", rl.reward_command_timeout_s),
+      LATHE_NUM("rl.reward.overlong_buffer", Kind::Int, "0", at_least(0),
+                "DAPO's overlong shaping: a penalty rising to -1 over the last N tokens before rl.max_new_tokens (0 = off)",
+                rl.overlong_buffer),
+      LATHE_NUM("rl.cache_mib", Kind::Int, "0", at_least(0),
+                "the rollout engine's KV cache in MiB (0: 80% of the GPU's free memory, 256 MiB on the CPU)", rl.cache_mib),
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
              "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME); "
@@ -464,7 +526,54 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
 
 }  // namespace
 
-TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides) {
+namespace {
+
+bool is_rl_option(const std::string& path) { return path.rfind("rl.", 0) == 0; }
+
+// lathe rl's checks of its options against the rest.
+void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& problems) {
+  const RlOptions& r = c.rl;
+  const auto one_of = [&](const char* key, const std::string& v, std::initializer_list<const char*> allowed) {
+    for (const char* a : allowed)
+      if (v == a) return;
+    problems.push_back(fmt::format("{}: '{}' is not one of {}", key, v, fmt::join(allowed, ", ")));
+  };
+  one_of("rl.algorithm", r.algorithm, {"grpo", "dr_grpo", "dapo", "gspo"});
+  if (!r.loss_agg.empty())
+    one_of("rl.loss_agg", r.loss_agg, {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"});
+  one_of("rl.scale_by_std", r.scale_by_std, {"auto", "true", "false"});
+  one_of("rl.dynamic_sampling", r.dynamic_sampling, {"auto", "true", "false"});
+  one_of("rl.overlong_filter", r.overlong_filter, {"auto", "true", "false"});
+  one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
+  one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
+  if (has_tenants) problems.push_back("tenants: lathe rl trains one policy (one adapter or the whole model)");
+  if (c.grad_accum != 1)
+    problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "
+                                   "a rollout)", c.grad_accum));
+  if (c.max_steps % r.minibatches != 0)
+    problems.push_back(fmt::format("train.max_steps: {} is not a multiple of rl.minibatches ({}): a run ends on a "
+                                   "rollout's last update", c.max_steps, r.minibatches));
+  if (c.save_every % r.minibatches != 0)
+    problems.push_back(fmt::format("train.save_every: {} is not a multiple of rl.minibatches ({}): checkpoints fall "
+                                   "between rollouts", c.save_every, r.minibatches));
+  if (r.prompts_per_step % r.minibatches != 0)
+    problems.push_back(fmt::format("rl.prompts_per_step: {} groups do not split evenly into rl.minibatches ({})",
+                                   r.prompts_per_step, r.minibatches));
+  if (r.overlong_buffer >= r.max_new_tokens)
+    problems.push_back(fmt::format("rl.reward.overlong_buffer: {} must be below rl.max_new_tokens ({})",
+                                   r.overlong_buffer, r.max_new_tokens));
+  if (r.reward_answer == 0 && r.reward_format_weight == 0 && r.reward_command.empty() && r.overlong_buffer == 0)
+    problems.push_back("rl.reward: every reward is off (rl.reward.answer, format_weight, command, overlong_buffer)");
+  if (r.kl_coef > 0 && c.lora_rank == 0)
+    problems.push_back("rl.kl_coef: the reference policy is the base model under LoRA (lora.rank > 0); a frozen copy "
+                       "for full fine-tuning is not built yet");
+  if (c.dp > 1) problems.push_back("parallel.dp: lathe rl runs in one process for now (docs/rl.md)");
+}
+
+}  // namespace
+
+TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
+                              ConfigFor which) {
   std::vector<std::string> problems;
   YAML::Node root = YAML::Node(YAML::NodeType::Map);
   std::filesystem::path base;  // relative paths in the file are relative to its folder
@@ -521,9 +630,24 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
   }
   std::map<std::string, const Option*> by_path;
   for (const Option& o : options()) by_path[o.path] = &o;
-  for (const auto& [key, node] : given)
+  for (const auto& [key, node] : given) {
     if (!by_path.count(key)) problems.push_back(unknown_key_problem(key));
+    else if (which == ConfigFor::train && is_rl_option(key))
+      problems.push_back(fmt::format("'{}' is an option of lathe rl, not lathe train", key));
+  }
+  // lathe rl with rl.warm_start and no model option: the warm-start run's final model is the policy's start.
+  if (which == ConfigFor::rl && given.count("rl.warm_start") && given["rl.warm_start"].IsScalar() &&
+      !given.count("model.path") && !given.count("model.config")) {
+    const std::string warm = given["rl.warm_start"].Scalar();
+    const TrainConfig sft = load_train_config(warm, {});
+    replace(given, "model.path", YAML::Node((std::filesystem::path(sft.output_dir) / "final").string()));
+    if (!given.count("model.tokenizer")) replace(given, "model.tokenizer", YAML::Node(sft.tokenizer));
+  }
   TrainConfig c = resolve(given, "", tenants.IsDefined() && !tenants.IsNull(), problems);
+  if (which == ConfigFor::rl) check_rl(c, tenants.IsDefined() && !tenants.IsNull(), problems);
+  else
+    for (auto it = c.resolved.begin(); it != c.resolved.end();)
+      it = is_rl_option(it.key()) ? c.resolved.erase(it) : std::next(it);
 
   std::set<std::string> names, outputs;
   for (size_t i = 0; tenants.IsDefined() && !tenants.IsNull() && i < tenants.size(); ++i) {
@@ -578,9 +702,10 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
   return c;
 }
 
-std::string train_config_help() {
+std::string train_config_help(ConfigFor which) {
   std::string out;
   for (const Option& o : options()) {
+    if (which == ConfigFor::train && is_rl_option(o.path)) continue;
     const std::string fallback = o.need == Need::Required ? "(required)" : o.need == Need::Optional ? "(none)" : o.fallback;
     std::string help = o.help;
     if ((o.kind == Kind::Int || o.kind == Kind::Float) && (std::isfinite(o.range.lo) || std::isfinite(o.range.hi)))

@@ -10,6 +10,35 @@
 
 namespace lathe {
 
+// `lathe rl`'s own options (the rl.* keys; docs/rl.md). Plain values: the RL loop (src/rl/rl_source.h) reads them.
+struct RlOptions {
+  std::string warm_start;      // a `lathe train` config run first; its final model is the policy's start
+  std::string algorithm = "grpo";  // grpo | dr_grpo | dapo | gspo: the defaults of the settings below
+  int64_t samples = 8;             // responses per prompt (a group)
+  int64_t prompts_per_step = 16;   // groups per rollout
+  int64_t minibatches = 1;         // optimizer steps per rollout (the groups split evenly)
+  int64_t max_new_tokens = 256;
+  double temperature = 1.0, top_p = 1.0;
+  int64_t top_k = 0;
+  double clip_low = 0.2, clip_high = -1;  // -1: the algorithm's (DAPO 0.28, else clip_low)
+  std::string loss_agg;                   // "": the algorithm's (verl's loss_agg_mode names)
+  std::string scale_by_std = "auto";      // auto (off for dr_grpo) | true | false
+  std::string dynamic_sampling = "auto";  // auto (on for dapo) | true | false: drop groups whose rewards are all equal
+  int64_t max_sampling_rounds = 4;        // dynamic sampling: rollouts per step at most
+  std::string overlong_filter = "auto";   // auto (on for dapo) | true | false: truncated responses take no part in the loss
+  double kl_coef = 0.0;
+  std::string kl_estimator = "k3";
+  std::string importance_correction = "none";  // none | token_tis | token_mis | seq_tis | seq_mis
+  double importance_cap = 2.0;                 // the truncation (tis) or mask bound (mis) of the rollout weight
+  double reward_answer = 1.0;             // weight of the answer-match reward (needs "answer" in each prompt row)
+  std::string reward_format;              // PCRE2 pattern of the format reward ("" = off)
+  double reward_format_weight = 0.0;
+  std::string reward_command;             // external reward command ("" = off)
+  double reward_command_weight = 1.0, reward_command_timeout_s = 60;
+  int64_t overlong_buffer = 0;            // DAPO's overlong shaping over the last N tokens (0 = off)
+  int64_t cache_mib = 0;                  // the rollout engine's KV cache (0: 80% of free GPU memory / 256 MiB CPU)
+};
+
 struct TrainConfig {
   // model: an HF folder, or an inline HF config for training from scratch.
   std::string model_path;
@@ -79,8 +108,13 @@ struct TrainConfig {
   std::string device = "cpu";
   std::string dtype;  // default: f32 on cpu, bf16 on cuda
 
+  RlOptions rl;  // lathe rl only
+
   nlohmann::json resolved;  // every option with its final value, saved beside the outputs
 };
+
+// Which command reads the config: lathe rl also takes the rl.* options (and data.train holds its prompts).
+enum class ConfigFor { train, rl };
 
 // Reads `yaml_path` (may be empty: defaults and overrides only) and applies "a.b=value" overrides. Relative paths in
 // the file are taken relative to its folder; those in overrides, relative to the current directory. A key given twice
@@ -89,9 +123,12 @@ struct TrainConfig {
 // options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune,
 // train.memory_plan and train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
-TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides);
+// With ConfigFor::rl: the rl.* options too, checked together with the rest (no tenants, one micro-batch a step,
+// checkpoints on rollout boundaries); rl.warm_start's run output supplies model.path when neither model option is set.
+TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
+                              ConfigFor which = ConfigFor::train);
 
 // One line per option: "train.lr (float, default 0.0001): peak learning rate".
-std::string train_config_help();
+std::string train_config_help(ConfigFor which = ConfigFor::train);
 
 }  // namespace lathe

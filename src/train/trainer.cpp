@@ -291,7 +291,7 @@ nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& t
 // The trainer's state (trainer.h's Trainer forwards to it): one job, or one per tenant.
 class Trainer::Impl {
  public:
-  Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups);
+  Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source);
   bool finished() const;  // every job already trained, exported and evaluated: nothing to do
   void prepare_outputs();
   void build();
@@ -306,6 +306,8 @@ class Trainer::Impl {
   void load_optimizer(Job& j);
   void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
+  void run_source_batches(Job& j, const std::vector<PackedBatch*>& batches, const std::function<void()>& queue_optimizer);
+  void start_source();
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
   void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
   void write_final(Job& j);
@@ -322,6 +324,7 @@ class Trainer::Impl {
   Runtime& rt_;
   const TrainConfig& c_;
   ProcessGroups* groups_;  // nullptr: a single process
+  StepSource* source_;     // nullptr: the steps train on data.train
   bool first_;             // the rank that prints and writes the run's files (rank 0, or the only one)
   int dp_;                 // data-parallel ranks: each step's micro-batches are split over them
   Device device_;
@@ -354,10 +357,12 @@ class Trainer::Impl {
   int64_t run_steps_ = 0;
 };
 
-Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups)
-    : rt_(rt), c_(c), groups_(groups), first_(!groups || groups->is_first()), dp_(groups ? groups->dp_size() : 1),
+Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source)
+    : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
+      dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
+  LATHE_CHECK(!source_ || (c.tenants.empty() && !groups), "train: a step source trains one job in one process");
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
   save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
   lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
@@ -409,6 +414,7 @@ void Trainer::Impl::read_inputs(Job& j) {
   if (!jc.lora_init.empty()) check_folder(jc.lora_init, "lora.init", "train", "adapter_config.json");
   if (!jc.final_eval_file.empty()) j.final_eval_rows = read_final_eval(jc.final_eval_file, chat_ ? &*chat_ : nullptr, chat_kwargs_);
   if (j.finished() || j.start.training_done) return;  // no step left to run: its data is not read
+  if (source_) return;  // the source read its own inputs
   data::DatasetOptions dopt;
   dopt.format = data::parse_row_format(jc.data_format);
   dopt.max_seq_len = jc.max_seq_len;
@@ -569,6 +575,7 @@ void Trainer::Impl::build() {
                                                resumed(j)));
   }
   ctx_.emplace(rt_.context(device_));
+  if (source_ && jobs_[0].active()) start_source();
   if (!buckets_.empty())
     reducer_ = std::make_unique<GradReducer>(model_params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
                                              sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
@@ -755,6 +762,39 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
   }
 }
 
+// A step source's micro-batches (one job, one process): each trains on its row loss, whose terms carry their weights
+// (so no scaling by the micro-batch count); the LoRA adapter serves every row.
+void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& batches,
+                                       const std::function<void()>& queue_optimizer) {
+  const ModelConfig& mc = model_->config();
+  for (size_t k = 0; k < batches.size(); ++k) {
+    PackedBatch& pb = *batches[k];
+    LATHE_CHECK(pb.row_loss, "train: a step source's batch has no row loss");
+    if (lora_) set_segments(pb, {{pb.tokens(), j.adapter, 1.0, mix_seed(j.cfg->seed, uint64_t(j.step + 1), k)}});
+    BackwardHooks hooks;
+    if (k + 1 == batches.size()) hooks.queued = queue_optimizer;
+    const LossResult r = model_->loss(pb, true, 1.0, hooks);
+    j.loss_sum += r.loss_sum;
+    j.labelled += r.labelled;
+    j.tokens += pb.tokens();
+    j.flops += flops_per_token(mc, pb.host_cu) * double(pb.tokens());
+  }
+}
+
+// The source's start, after the model, adapter and optimizer are built (and resumed). On a fresh run with a
+// final_eval.file, the held-out accuracy before the first step is printed and recorded, to set beside the final one.
+void Trainer::Impl::start_source() {
+  Job& j = jobs_[0];
+  source_->start(*model_, lora_ ? j.adapter : -1, j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr));
+  if (j.step > 0 || j.cfg->final_eval_file.empty() || !first_) return;
+  const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
+                                           j.cfg->final_eval_max_new_tokens,
+                                           [&](const std::string& l) { progress_.message("before training: " + l); });
+  j.metrics->write({{"step", 0}, {"start_eval_accuracy", r.accuracy}, {"start_eval_correct", r.correct},
+                    {"start_eval_total", r.total}});
+  j.summary.start_eval_accuracy = r.accuracy;
+}
+
 // The job's optimizer step on its own gradient norm, schedule and clipping; returns its metrics entry (null when the
 // job failed).
 nlohmann::json Trainer::Impl::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
@@ -840,12 +880,16 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (m.contains("expert_load"))
     for (const auto& [layer, v] : m["expert_load"].items())
       scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
+  if (m.contains("rl"))
+    for (const auto& [name, v] : m["rl"].items())
+      if (v.is_number()) scalars.push_back({"rl/" + name, v.get<double>()});
   j.tb->add_scalars(step, scalars);
   if (save) {
-    nlohmann::json st = {{"step", step}, {"loader", j.loader->state()}, {"tokens_seen", j.tokens_seen},
+    nlohmann::json st = {{"step", step}, {"loader", j.loader ? j.loader->state() : nlohmann::json(nullptr)}, {"tokens_seen", j.tokens_seen},
                          {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
+    if (source_) st["source"] = source_->state();
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
@@ -947,6 +991,8 @@ bool Trainer::Impl::step() {
     if (j.active()) active.push_back(&j);
   if (active.empty()) return false;
   const auto t0 = Clock::now();
+  // A step source's batches (a rollout, for RL) come before the step's memory plan opens.
+  const std::vector<PackedBatch*> source_batches = source_ ? source_->batches(active[0]->step + 1) : std::vector<PackedBatch*>{};
   // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
   // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
   // whole. Closed as aborted if an error leaves the step.
@@ -978,7 +1024,8 @@ bool Trainer::Impl::step() {
       updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
     }
   };
-  run_micro_batches(active, queue_optimizer);
+  if (source_) run_source_batches(*active[0], source_batches, queue_optimizer);
+  else run_micro_batches(active, queue_optimizer);
   double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
@@ -1034,6 +1081,7 @@ bool Trainer::Impl::step() {
       m["dp_comm_s"] = dp_comm_s;
       m["memory_mib_ranks"] = rank_mem_mib_;
     }
+    if (source_) m["rl"] = source_->step_metrics();
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
   }
@@ -1054,9 +1102,10 @@ bool Trainer::Impl::step() {
     const nlohmann::json& m = entries[0];
     if (!m.is_null())
       progress_.step(j.step, j.cfg->max_steps,
-                     fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f} | {} | mem {:.0f} MiB | ETA {}", j.step,
-                                 j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(), m["grad_norm"].get<double>(),
-                                 rate, mem, duration(eta)));
+                     fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f}{} | {} | mem {:.0f} MiB | ETA {}",
+                                 j.step, j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(),
+                                 m["grad_norm"].get<double>(), source_ ? " | " + source_->progress() : "", rate, mem,
+                                 duration(eta)));
   } else if (jobs_.size() > 1) {
     progress_.step(run_steps_, run_steps_ + remaining,
                    fmt::format("step {} | {} tenants | loss {} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active.size(),
@@ -1137,8 +1186,8 @@ TrainSummary Trainer::Impl::summary(bool already_finished) const {
   return summary;
 }
 
-Trainer::Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups)
-    : impl_(std::make_unique<Impl>(rt, config, groups)) {}
+Trainer::Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups, StepSource* source)
+    : impl_(std::make_unique<Impl>(rt, config, groups, source)) {}
 Trainer::~Trainer() = default;
 bool Trainer::finished() const { return impl_->finished(); }
 void Trainer::prepare_outputs() { impl_->prepare_outputs(); }
@@ -1152,8 +1201,8 @@ TrainSummary run_training(const TrainConfig& c) {
   return run_training(rt, c, nullptr);
 }
 
-TrainSummary run_training(Runtime& rt, const TrainConfig& c, ProcessGroups* groups) {
-  Trainer trainer(rt, c, groups);  // reads and checks every input; writes nothing
+TrainSummary run_training(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source) {
+  Trainer trainer(rt, c, groups, source);  // reads and checks every input; writes nothing
   if (trainer.finished()) return trainer.summary(true);
   trainer.prepare_outputs();
   trainer.build();

@@ -19,7 +19,27 @@
 namespace lathe {
 
 struct ProcessGroups;
+struct PackedBatch;
+class CausalLm;
 class Runtime;
+
+// What a step trains on in place of the SFT data (lathe rl: src/rl/rl_source.h). One job (no tenants), one process.
+// The trainer calls start() once the model (and adapter) is built and resumed, then batches() at the start of every
+// step, outside the step's memory plan (a source may generate there), and step_metrics() after the update; state()
+// goes into every checkpoint's trainer_state.json ("source") and comes back to start() on resume.
+class StepSource {
+ public:
+  virtual ~StepSource() = default;
+  // `adapter`: the LoRA adapter being trained (-1: full fine-tuning); `state`: the resumed checkpoint's, else null.
+  virtual void start(CausalLm& model, int adapter, const nlohmann::json& state) = 0;
+  // Step `step`'s micro-batches, each with its row loss (PackedBatch::row_loss) whose terms carry their own weights;
+  // they stay valid until the next call.
+  virtual std::vector<PackedBatch*> batches(int64_t step) = 0;
+  // The step's figures (numbers) for metrics.jsonl and TensorBoard ("rl/NAME"), and a few words for the progress line.
+  virtual nlohmann::json step_metrics() = 0;
+  virtual std::string progress() const = 0;
+  virtual nlohmann::json state() const = 0;
+};
 
 struct JobSummary {
   std::string name;           // the tenant's name ("" for a single-job run)
@@ -27,6 +47,7 @@ struct JobSummary {
   int64_t final_step = 0;
   double first_loss = 0, last_loss = 0;
   double final_eval_accuracy = -1;  // -1 when no final_eval.file
+  double start_eval_accuracy = -1;  // a step source's run: the held-out accuracy before its first step (-1: not run)
   bool failed = false;
   std::string error;
   std::string output_dir;  // set when the run had already finished
@@ -52,7 +73,8 @@ struct TrainSummary {
 // evaluations. The Runtime and the process groups are the caller's (groups nullptr: a single process).
 class Trainer {
  public:
-  Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr);
+  // `source`: the steps' batches come from it (kept by the caller), not from data.train.
+  Trainer(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr, StepSource* source = nullptr);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -72,7 +94,8 @@ class Trainer {
 // is then continued, rewound, replaced or refused as train/run_folder.h says.
 // With `groups` (a parallel launch), the data-parallel ranks split each step's micro-batches: dp = N with grad_accum k
 // is the computation of one process with grad_accum N x k; the first rank prints and writes the run's files.
-TrainSummary run_training(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr);
+TrainSummary run_training(Runtime& rt, const TrainConfig& config, ProcessGroups* groups = nullptr,
+                          StepSource* source = nullptr);
 TrainSummary run_training(const TrainConfig& config);  // a single process with a Runtime of its own
 
 // Newest complete checkpoint folder in `output_dir`, or "" when there is none.

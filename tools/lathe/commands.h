@@ -16,5 +16,6 @@ void add_tokenize_command(CLI::App& app, int& exit_code);
 void add_prepare_command(CLI::App& app, int& exit_code);
 void add_export_command(CLI::App& app, int& exit_code);
 void add_bench_command(CLI::App& app, int& exit_code);
+void add_rl_command(CLI::App& app, int& exit_code);
 
 }  // namespace lathe::cli

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   lathe::cli::add_logprobs_command(app, exit_code);
   lathe::cli::add_convert_command(app, exit_code);
   lathe::cli::add_train_command(app, exit_code);
+  lathe::cli::add_rl_command(app, exit_code);
   lathe::cli::add_generate_command(app, exit_code);
   lathe::cli::add_tokenize_command(app, exit_code);
   lathe::cli::add_prepare_command(app, exit_code);

@@ -1,0 +1,378 @@
+// The RL loop's rollouts and update batches (rl_source.h).
+#include "rl/rl_source.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "data/dataset.h"
+#include "model/causal_lm.h"
+
+namespace lathe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x7F4A7C159E3779B9ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
+  z = (z ^ (z >> 31)) * 0xD6E8FEB86927D7A9ull;
+  return z ^ (z >> 29);
+}
+
+bool flag(const std::string& option, bool automatic) { return option == "auto" ? automatic : option == "true"; }
+
+}  // namespace
+
+RlSettings resolve_rl_settings(const RlOptions& o) {
+  RlSettings s;
+  const bool dapo = o.algorithm == "dapo", dr = o.algorithm == "dr_grpo";
+  s.loss.clip_low = o.clip_low;
+  s.loss.clip_high = o.clip_high >= 0 ? o.clip_high : dapo ? 0.28 : o.clip_low;
+  s.loss.sequence_ratio = o.algorithm == "gspo";
+  s.loss.kl_coef = o.kl_coef;
+  s.loss.kl = o.kl_estimator == "k1" ? KlEstimator::k1 : o.kl_estimator == "k2" ? KlEstimator::k2 : KlEstimator::k3;
+  s.aggregation = !o.loss_agg.empty() ? o.loss_agg
+                  : dapo             ? "token-mean"
+                  : dr               ? "seq-mean-token-sum-norm"
+                                     : "seq-mean-token-mean";
+  s.scale_by_std = flag(o.scale_by_std, !dr);
+  s.dynamic_sampling = flag(o.dynamic_sampling, dapo);
+  s.overlong_filter = flag(o.overlong_filter, dapo);
+  return s;
+}
+
+std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenizer& tok, const ChatTemplate* chat) {
+  const nlohmann::ordered_json kwargs(c.chat_template_kwargs);
+  std::vector<RlPrompt> out;
+  for (const std::string& path : c.train_files) {
+    std::istringstream in(read_text_file(path, "rl: data.train"));
+    std::string line;
+    for (int64_t n = 1; std::getline(in, line); ++n) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      RlPrompt p;
+      try {
+        p.row = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        LATHE_FAIL("rl: {}:{}: invalid JSON: {}", path, n, e.what());
+      }
+      const bool text = p.row.is_object() && p.row.contains("prompt") && p.row["prompt"].is_string();
+      const bool messages = p.row.is_object() && p.row.contains("messages") && p.row["messages"].is_array() &&
+                            !p.row["messages"].empty();
+      LATHE_CHECK(text || messages, "rl: {}:{}: expected {{\"prompt\": \"...\"}} or {{\"messages\": [...]}}", path, n);
+      if (c.rl.reward_answer > 0) {
+        LATHE_CHECK(p.row.contains("answer") && (p.row["answer"].is_string() || p.row["answer"].is_number()),
+                    "rl: {}:{}: no \"answer\" (a string or number) for the answer reward (rl.reward.answer {}; set it "
+                    "to 0 to train without it)", path, n, c.rl.reward_answer);
+        if (p.row["answer"].is_number()) p.row["answer"] = p.row["answer"].dump();
+      }
+      const nlohmann::ordered_json conv =
+          messages ? nlohmann::ordered_json(p.row["messages"])
+                   : nlohmann::ordered_json::array({{{"role", "user"}, {"content", p.row["prompt"].get<std::string>()}}});
+      if (chat) {
+        try {
+          p.text = chat->render(conv, true, kwargs);
+        } catch (const Error& e) {
+          LATHE_FAIL("rl: {}:{}: {}", path, n, e.what());
+        }
+      } else {
+        LATHE_CHECK(text, "rl: {}:{}: 'messages' need a chat template in the tokenizer folder", path, n);
+        p.text = p.row["prompt"].get<std::string>();
+      }
+      p.ids = tok.encode(p.text);
+      LATHE_CHECK(!p.ids.empty(), "rl: {}:{}: the prompt has no tokens", path, n);
+      out.push_back(std::move(p));
+    }
+  }
+  LATHE_CHECK(!out.empty(), "rl: data.train has no prompt rows");
+  return out;
+}
+
+// One update's batch: the groups' samples as documents, the policy loss as its row loss.
+struct RlSource::Update {
+  RlBatch rb;
+  RowLoss loss;
+  PolicyStats stats;
+};
+
+RlSource::RlSource(Runtime& rt, const TrainConfig& c)
+    : rt_(rt), c_(c), settings_(resolve_rl_settings(c.rl)), tok_(data::Tokenizer::from_dir(c.tokenizer)),
+      chat_(data::load_chat_template(c.tokenizer)) {
+  prompts_ = read_rl_prompts(c, tok_, chat_ ? &*chat_ : nullptr);
+  if (!c.rl.reward_format.empty() && c.rl.reward_format_weight > 0) format_.emplace(c.rl.reward_format);
+  for (int32_t id = 0; id < tok_.vocab_size(); ++id)  // ids without a token (a tokenizer's holes) are never drawn
+    if (!tok_.id_to_token(id)) banned_.push_back(id);
+  if (tok_.eos_id()) stop_ids_.push_back(*tok_.eos_id());
+  if (auto im_end = tok_.token_to_id("<|im_end|>"); im_end && std::find(stop_ids_.begin(), stop_ids_.end(), *im_end) == stop_ids_.end())
+    stop_ids_.push_back(*im_end);
+}
+
+RlSource::~RlSource() = default;
+
+void RlSource::start(CausalLm& model, int adapter, const nlohmann::json& state) {
+  model_ = &model;
+  adapter_ = adapter;
+  if (state.is_object()) {
+    epoch_ = state.value("epoch", int64_t(0));
+    position_ = state.value("position", int64_t(0));
+    rollouts_ = state.value("rollouts", int64_t(0));
+  }
+  order_.resize(prompts_.size());
+  std::iota(order_.begin(), order_.end(), size_t(0));
+  std::shuffle(order_.begin(), order_.end(), std::mt19937_64(mix(c_.seed, uint64_t(epoch_), 0x5eed)));
+}
+
+nlohmann::json RlSource::state() const {
+  LATHE_ASSERT(pending_.empty());  // checkpoints fall on rollout boundaries (config.cpp checks)
+  return {{"epoch", epoch_}, {"position", position_}, {"rollouts", rollouts_}};
+}
+
+size_t RlSource::next_prompt() {
+  if (position_ == int64_t(order_.size())) {
+    ++epoch_;
+    position_ = 0;
+    std::iota(order_.begin(), order_.end(), size_t(0));
+    std::shuffle(order_.begin(), order_.end(), std::mt19937_64(mix(c_.seed, uint64_t(epoch_), 0x5eed)));
+  }
+  return order_[size_t(position_++)];
+}
+
+// rl.samples responses to each prompt, in prompt order, then sample order. The engine lives for the rollout: its KV
+// cache is freed before the updates (on a GPU the memory goes back to the training step).
+std::vector<RolloutResult> RlSource::sample(const std::vector<size_t>& prompts, int64_t round) {
+  const RlOptions& o = c_.rl;
+  EngineOptions eo;
+  eo.max_running = std::min<int64_t>(256, int64_t(prompts.size()) * o.samples);
+  if (o.cache_mib > 0) eo.cache_bytes = o.cache_mib * 1048576;
+  else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
+  else eo.cache_memory_fraction = 0.8;
+  RolloutEngine engine(rt_, *model_, eo);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    RolloutRequest r;
+    r.prompt = prompts_[prompts[i]].ids;
+    r.n = int(o.samples);
+    r.max_new_tokens = o.max_new_tokens;
+    r.sampling.temperature = o.temperature;
+    r.sampling.top_p = o.top_p;
+    r.sampling.top_k = o.top_k;
+    r.seed = mix(c_.seed, uint64_t(rollouts_) * 1024 + uint64_t(round), prompts[i]);
+    r.stop_ids = stop_ids_;
+    r.allowed_vocab = tok_.vocab_size();
+    r.banned_ids = banned_;
+    r.adapter = adapter_;
+    engine.submit(std::move(r));  // request i
+  }
+  return engine.run();
+}
+
+// Each sample's weighted reward; `texts` gets each response's text (without its stop token).
+std::vector<double> RlSource::rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
+                                      std::vector<std::string>& texts) {
+  const RlOptions& o = c_.rl;
+  std::vector<double> out(samples.size(), 0.0);
+  std::vector<std::string> rows;
+  texts.clear();
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const RolloutResult& s = samples[k];
+    const RlPrompt& p = prompts_[prompts[size_t(s.request)]];
+    std::span<const int32_t> ids(s.tokens);
+    if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);
+    texts.push_back(tok_.decode(ids, true));
+    const std::string& text = texts.back();
+    if (o.reward_answer > 0) out[k] += o.reward_answer * answer_reward(text, p.row["answer"].get<std::string>());
+    if (format_) out[k] += o.reward_format_weight * (*format_)(text);
+    if (o.overlong_buffer > 0) out[k] += overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
+    if (!o.reward_command.empty()) {
+      nlohmann::json row = p.row;
+      row["prompt"] = p.text;
+      row["response"] = text;
+      rows.push_back(row.dump());
+    }
+  }
+  if (!o.reward_command.empty()) {
+    const std::vector<double> ext = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
+    for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * ext[k];
+  }
+  return out;
+}
+
+// One rollout: groups sampled and scored (more rounds while dynamic sampling drops uniform groups), advantages, and
+// the groups split into rl.minibatches updates.
+void RlSource::rollout() {
+  const RlOptions& o = c_.rl;
+  const int64_t want = o.prompts_per_step, n = o.samples;
+  struct Group {
+    size_t prompt;
+    std::vector<RolloutResult> samples;
+    std::vector<double> rewards;
+    bool uniform;
+  };
+  std::vector<Group> informative, uniform;
+  double rollout_s = 0, reward_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
+  int64_t sampled = 0, truncated = 0, rounds = 0;
+  while (int64_t(informative.size()) < want && rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
+    std::vector<size_t> prompts;
+    for (int64_t i = int64_t(informative.size()); i < want; ++i) prompts.push_back(next_prompt());
+    auto t = Clock::now();
+    std::vector<RolloutResult> samples = sample(prompts, rounds);
+    rollout_s += seconds_since(t);
+    t = Clock::now();
+    std::vector<std::string> texts;
+    const std::vector<double> r = rewards(prompts, samples, texts);
+    reward_s += seconds_since(t);
+    for (size_t k = 0; k < samples.size(); ++k) {
+      reward_sum += r[k];
+      if (o.reward_answer > 0)
+        answer_sum += answer_reward(texts[k], prompts_[prompts[size_t(samples[k].request)]].row["answer"].get<std::string>());
+      length_sum += double(samples[k].tokens.size());
+      truncated += samples[k].finish_reason == FinishReason::kLength;
+    }
+    sampled += int64_t(samples.size());
+    for (size_t g = 0; g < prompts.size(); ++g) {
+      Group group{prompts[g], {}, {}, false};
+      for (int64_t i = 0; i < n; ++i) {
+        group.samples.push_back(std::move(samples[g * size_t(n) + size_t(i)]));
+        group.rewards.push_back(r[g * size_t(n) + size_t(i)]);
+      }
+      group.uniform = std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
+      (settings_.dynamic_sampling && group.uniform ? uniform : informative).push_back(std::move(group));
+    }
+    ++rounds;
+  }
+  // Groups still missing (dynamic sampling ran out of rounds) are filled with uniform ones: zero advantages, so no
+  // policy gradient, but the step keeps its size.
+  const int64_t dropped = int64_t(uniform.size());
+  for (size_t i = 0; int64_t(informative.size()) < want && i < uniform.size(); ++i)
+    informative.push_back(std::move(uniform[i]));
+  ++rollouts_;
+  // The updates: groups split evenly, in order.
+  const int64_t per = want / o.minibatches;
+  double gap_sum = 0, gap_max = 0, is_sum = 0;
+  int64_t gap_tokens = 0, is_masked = 0;
+  for (int64_t m = 0; m < o.minibatches; ++m) {
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<RolloutResult> samples;
+    std::vector<double> advantages;
+    for (int64_t g = m * per; g < (m + 1) * per; ++g) {
+      Group& group = informative[size_t(g)];
+      const std::vector<double> adv = group_advantages(group.rewards, n, settings_.scale_by_std);
+      for (int64_t i = 0; i < n; ++i) {
+        RolloutResult& s = group.samples[size_t(i)];
+        if (settings_.overlong_filter && s.finish_reason == FinishReason::kLength) continue;  // DAPO: out of the loss
+        prompts.push_back(prompts_[group.prompt].ids);
+        samples.push_back(std::move(s));
+        advantages.push_back(adv[size_t(i)]);
+      }
+    }
+    if (samples.empty()) {  // every response cut by the length limit: keep one with zero advantage (no gradient)
+      prompts.push_back(prompts_[informative[size_t(m * per)].prompt].ids);
+      samples.push_back(informative[size_t(m * per)].samples[0]);
+      advantages.push_back(0.0);
+    }
+    auto u = std::make_unique<Update>();
+    u->rb = make_rl_batch(rt_, model_->options().device, model_->config().vocab_size, prompts, samples, advantages,
+                          settings_.aggregation, double(o.max_new_tokens));
+    // The old policy's log-probabilities: the trainer's own forward over the rollout (as verl recomputes them), so an
+    // update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
+    // measure the train-rollout mismatch and, with rl.importance_correction, weight the tokens.
+    const std::vector<double> rollout_lp = std::exchange(u->rb.tokens.old_logprob, {});
+    u->rb.tokens.old_logprob = label_logprobs(u->rb.batch, true);
+    for (size_t t = 0; t < rollout_lp.size(); ++t) {
+      const double gap = std::abs(u->rb.tokens.old_logprob[t] - rollout_lp[t]);
+      gap_sum += gap;
+      gap_max = std::max(gap_max, gap);
+    }
+    gap_tokens += int64_t(rollout_lp.size());
+    if (o.importance_correction != "none") correct_importance(u->rb.tokens, rollout_lp, is_sum, is_masked);
+    if (settings_.loss.kl_coef > 0) u->rb.tokens.ref_logprob = label_logprobs(u->rb.batch, false);
+    Update* raw = u.get();
+    const PolicyLossConfig config = settings_.loss;
+    u->loss = [raw, config](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
+      policy_loss(raw->rb.tokens, config, logp, loss, d, &raw->stats);
+    };
+    u->rb.batch.row_loss = &u->loss;
+    pending_.push_back(std::move(u));
+  }
+  const double count = double(std::max<int64_t>(sampled, 1));
+  last_reward_ = reward_sum / count;
+  rollout_metrics_ = {{"reward_mean", reward_sum / count}, {"response_length_mean", length_sum / count},
+                      {"truncated_fraction", double(truncated) / count}, {"samples", sampled},
+                      {"sampling_rounds", rounds}, {"groups_dropped", dropped}, {"rollout_s", rollout_s},
+                      {"reward_s", reward_s}};
+  if (o.reward_answer > 0) rollout_metrics_["answer_accuracy"] = answer_sum / count;
+  rollout_metrics_["logprob_gap_mean"] = gap_tokens ? gap_sum / double(gap_tokens) : 0.0;
+  rollout_metrics_["logprob_gap_max"] = gap_max;
+  if (o.importance_correction != "none") {
+    rollout_metrics_["importance_weight_mean"] = gap_tokens ? is_sum / double(gap_tokens) : 1.0;
+    rollout_metrics_["importance_masked_fraction"] = gap_tokens ? double(is_masked) / double(gap_tokens) : 0.0;
+  }
+}
+
+std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapter) {
+  std::vector<double> out;
+  const RowLoss capture = [&](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
+    out.assign(logp.begin(), logp.end());
+    std::fill(loss.begin(), loss.end(), 0.0);
+    std::fill(d.begin(), d.end(), 0.0);
+  };
+  b.row_loss = &capture;
+  if (with_adapter && adapter_ >= 0) set_segments(b, {{b.tokens(), adapter_, 1.0, 0}});
+  model_->loss(b, false);
+  b.row_loss = nullptr;
+  b.segments.clear();
+  return out;
+}
+
+// w = exp(old - rollout) per token (token_*) or exp(the sum over the sequence) per sequence (seq_*); *_tis: min(w,
+// cap); *_mis: 1 inside [1 / cap, cap], else 0. The weight multiplies the token's aggregation weight (the policy loss
+// and the KL term alike).
+void RlSource::correct_importance(PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
+                                  int64_t& masked) {
+  const std::string& mode = c_.rl.importance_correction;
+  const double cap = c_.rl.importance_cap;
+  const bool sequence = mode.rfind("seq_", 0) == 0, truncate = mode.ends_with("_tis");
+  std::vector<double> log_w(t.old_logprob.size());
+  for (size_t i = 0; i < log_w.size(); ++i) log_w[i] = t.old_logprob[i] - rollout[i];
+  if (sequence)
+    for (size_t a = 0; a < log_w.size();) {  // tokens of a sequence are consecutive
+      size_t b = a;
+      double sum = 0;
+      for (; b < log_w.size() && t.sequence[b] == t.sequence[a]; ++b) sum += log_w[b];
+      std::fill(log_w.begin() + std::ptrdiff_t(a), log_w.begin() + std::ptrdiff_t(b), sum);
+      a = b;
+    }
+  for (size_t i = 0; i < log_w.size(); ++i) {
+    const double w = std::exp(log_w[i]);
+    const double applied = truncate ? std::min(w, cap) : (w >= 1.0 / cap && w <= cap ? 1.0 : 0.0);
+    masked += applied == 0.0;
+    weight_sum += applied;
+    t.weight[i] *= applied;
+  }
+}
+
+std::vector<PackedBatch*> RlSource::batches(int64_t) {
+  if (pending_.empty()) rollout();
+  current_ = std::move(pending_.front());
+  pending_.erase(pending_.begin());
+  return {&current_->rb.batch};
+}
+
+nlohmann::json RlSource::step_metrics() {
+  nlohmann::json m = {{"clip_fraction", current_->stats.clip_fraction}, {"ratio_mean", current_->stats.ratio_mean}};
+  if (settings_.loss.kl_coef > 0) m["kl_mean"] = current_->stats.kl_mean;
+  if (!rollout_metrics_.is_null()) m.update(std::exchange(rollout_metrics_, nullptr));
+  return m;
+}
+
+std::string RlSource::progress() const {
+  return fmt::format("reward {:.3f} | ratio {:.3f} | clip {:.3f}", last_reward_,
+                     current_ ? current_->stats.ratio_mean : 1.0, current_ ? current_->stats.clip_fraction : 0.0);
+}
+
+}  // namespace lathe

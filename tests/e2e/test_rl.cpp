@@ -1,0 +1,185 @@
+// End-to-end `lathe rl` on a tiny Qwen3 and the tiny tokenizer fixture (CPU, f32), with a format reward (a response
+// holding an "e" scores 1): with one update per rollout every update is on policy (every ratio exactly 1; the rollout
+// engine's log-probs within 1e-5 of the trainer's); with two mini-batches the second is off policy; a run killed with
+// SIGKILL after a step and restarted equals the uninterrupted run (metrics and final weights); LoRA with a KL term to
+// the base (zero KL at the first step, where the adapter is zero); bad options, prompt rows and reward commands are
+// refused with messages naming them; the reward rises (checked to fail with the advantages' sign flipped).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "lathe_run.h"
+
+namespace fs = std::filesystem;
+using lathe_e2e::lathe;
+using lathe_e2e::metrics;
+
+namespace {
+
+const fs::path kTests = LATHE_TEST_DATA_DIR;
+
+// A work folder with the tokenizer, prompts and an RL config (extra YAML lines appended).
+fs::path setup(const std::string& name, const std::string& extra = "") {
+  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_e2e_rl_{}_{}", name, getpid());
+  fs::remove_all(dir);
+  fs::create_directories(dir / "tok");
+  fs::copy_file(kTests / "data/fixtures/tiny_tokenizer.json", dir / "tok/tokenizer.json");
+  std::ofstream data(dir / "prompts.jsonl");
+  const char* lines[] = {"the cat sat on", "a dog ran in", "the sun is", "we like green", "hello world", "one two three"};
+  for (int i = 0; i < 12; ++i) data << nlohmann::json{{"prompt", lines[i % 6]}, {"id", i}}.dump() << "\n";
+  std::ofstream cfg(dir / "rl.yaml");
+  cfg << "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
+         "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true}\n"
+         "  tokenizer: tok\n  init_std: 0.1\n"
+         "data:\n  train: prompts.jsonl\n"
+         "output_dir: out\n"
+         "train:\n  max_steps: 6\n  lr: 0.01\n  schedule: constant\n  save_every: 2\n  keep_last: 5\n  seed: 5\n"
+         "rl:\n  samples: 4\n  prompts_per_step: 4\n  max_new_tokens: 4\n"
+         "  reward:\n    answer: 0\n    format: '.*e.*'\n    format_weight: 1\n"
+      << extra;
+  return dir;
+}
+
+std::string config(const fs::path& dir) { return (dir / "rl.yaml").string(); }
+
+// The metrics rows of the steps (those with "rl"), in order.
+std::vector<nlohmann::json> rl_rows(const fs::path& out) {
+  std::vector<nlohmann::json> rows;
+  for (const auto& r : metrics(out))
+    if (r.contains("rl")) rows.push_back(r);
+  return rows;
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+}  // namespace
+
+TEST(Rl, OnPolicyUpdatesHaveRatioOneAndAKilledRunResumesExactly) {
+  const fs::path dir = setup("resume");
+  const auto run = lathe("rl " + config(dir));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> full = rl_rows(dir / "out");
+  ASSERT_EQ(full.size(), 6u) << run.output;
+  for (const auto& r : full) {
+    // One update per rollout: the update's forward is the old policy's, bit for bit (CPU f32): every ratio is 1.
+    EXPECT_EQ(r["rl"]["ratio_mean"].get<double>(), 1.0) << r.dump();
+    // The rollout engine's log-probabilities (paged attention, another order of sums) agree within f32 rounding.
+    EXPECT_LT(r["rl"]["logprob_gap_max"].get<double>(), 1e-5) << r.dump();
+    EXPECT_EQ(r["rl"]["clip_fraction"].get<double>(), 0.0) << r.dump();
+    EXPECT_EQ(r["rl"]["samples"].get<int64_t>(), 16);
+  }
+  ASSERT_TRUE(fs::exists(dir / "out/final/model.safetensors"));
+  const std::string final_weights = file_bytes(dir / "out/final/model.safetensors");
+
+  // Killed after step 3 (its checkpoint is step 2), then run again: resumes and equals the uninterrupted run.
+  fs::remove_all(dir / "out");
+  EXPECT_EQ(lathe("rl " + config(dir), "LATHE_FAULT_INJECT=after_step:3").exit_code, 9);
+  const auto resumed = lathe("rl " + config(dir));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  const std::vector<nlohmann::json> again = rl_rows(dir / "out");
+  ASSERT_EQ(again.size(), full.size());
+  for (size_t i = 0; i < full.size(); ++i) {
+    EXPECT_EQ(again[i]["loss"], full[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(again[i]["grad_norm"], full[i]["grad_norm"]) << "step " << i + 1;
+    EXPECT_EQ(again[i]["rl"]["reward_mean"], full[i]["rl"]["reward_mean"]) << "step " << i + 1;
+    EXPECT_EQ(again[i]["rl"]["response_length_mean"], full[i]["rl"]["response_length_mean"]) << "step " << i + 1;
+  }
+  EXPECT_EQ(file_bytes(dir / "out/final/model.safetensors"), final_weights);
+  // Finished: a re-run says so.
+  const auto done = lathe("rl " + config(dir));
+  EXPECT_EQ(done.exit_code, 0);
+  EXPECT_NE(done.output.find("already finished"), std::string::npos) << done.output;
+}
+
+TEST(Rl, TwoMinibatchesMakeTheSecondUpdateOffPolicy) {
+  const fs::path dir = setup("minibatch", "  minibatches: 2\n");
+  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4 --set train.save_every=0");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  ASSERT_EQ(rows.size(), 4u);
+  int off_policy = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    if (i % 2 == 0) {  // a rollout's first update: on policy, and the rollout's figures
+      EXPECT_EQ(rows[i]["rl"]["ratio_mean"].get<double>(), 1.0) << i;
+      EXPECT_TRUE(rows[i]["rl"].contains("reward_mean")) << i;
+    } else {  // after the first update the policy has moved (unless that update had no gradient: equal rewards)
+      off_policy += rows[i]["rl"]["ratio_mean"].get<double>() != 1.0;
+      EXPECT_FALSE(rows[i]["rl"].contains("reward_mean")) << i;
+    }
+  }
+  EXPECT_GT(off_policy, 0);
+}
+
+TEST(Rl, LoraWithAKlTermToTheBase) {
+  const fs::path dir = setup("lora", "  kl_coef: 0.5\nlora:\n  rank: 4\n  alpha: 8\n");
+  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  ASSERT_EQ(rows.size(), 4u);
+  // Step 1: the adapter's B is zero, so the policy is the base and every KL estimate is 0; then the adapter moves.
+  EXPECT_EQ(rows[0]["rl"]["kl_mean"].get<double>(), 0.0);
+  EXPECT_GT(rows[3]["rl"]["kl_mean"].get<double>(), 0.0);
+  EXPECT_TRUE(fs::exists(dir / "out/final/adapter_config.json"));
+  EXPECT_TRUE(fs::exists(dir / "out/final/adapter_model.safetensors"));
+}
+
+TEST(Rl, TheRewardRises) {
+  const fs::path dir = setup("learn");
+  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=24 --set train.save_every=0 --set train.lr=0.02");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  ASSERT_EQ(rows.size(), 24u);
+  double first = 0, last = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
+    last += rows[rows.size() - 1 - i]["rl"]["reward_mean"].get<double>() / 4;
+  }
+  std::printf("[rl] format reward, mean of the first 4 steps %.3f, of the last 4 %.3f\n", first, last);
+  EXPECT_GT(last, first + 0.3);
+}
+
+TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
+  const fs::path dir = setup("bad");
+  // rl.* belongs to lathe rl.
+  auto r = lathe("train " + config(dir) + " --set data.format=text");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("'rl.samples' is an option of lathe rl, not lathe train"), std::string::npos) << r.output;
+  // Checked together: steps not a multiple of the mini-batches, a KL term without LoRA, an unknown algorithm.
+  r = lathe("rl " + config(dir) + " --set rl.minibatches=4 --set rl.kl_coef=0.1 --set rl.algorithm=ppo");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("train.max_steps: 6 is not a multiple of rl.minibatches (4)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rl.kl_coef"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rl.algorithm: 'ppo' is not one of grpo, dr_grpo, dapo, gspo"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out")) << "nothing is written before the inputs are checked";
+  // The answer reward needs an "answer" in each row: named by file and line.
+  r = lathe("rl " + config(dir) + " --set rl.reward.answer=1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("prompts.jsonl:1: no \"answer\""), std::string::npos) << r.output;
+  {
+    std::ofstream bad(dir / "bad.jsonl");
+    bad << "{\"prompt\": \"the cat\"}\n{\"text\": 3}\n";
+  }
+  r = lathe("rl " + config(dir) + " --set data.train=" + (dir / "bad.jsonl").string());
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("bad.jsonl:2: expected {\"prompt\""), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  // An external reward that fails stops the run with the command and its exit status (no reward of zero).
+  r = lathe("rl " + config(dir) + " --set 'rl.reward.command=cat >/dev/null; echo broken >&2; exit 3'");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("exited with status 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("broken"), std::string::npos) << r.output;
+  // One that prints a number per response works, with its weight: here every response scores 2 x 0.5 more.
+  const auto ok = lathe("rl " + config(dir) + " --set train.max_steps=2 --set train.save_every=0 --set output_dir=" +
+                        (dir / "ext").string() + " --set rl.reward.format_weight=0 --set rl.reward.command_weight=2 " +
+                        "--set 'rl.reward.command=while read -r line; do echo 0.5; done'");
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  for (const auto& row : rl_rows(dir / "ext")) EXPECT_EQ(row["rl"]["reward_mean"].get<double>(), 1.0);
+}

@@ -1,0 +1,88 @@
+// `lathe rl CONFIG.yaml [--set key.path=value ...]`: reinforcement learning (GRPO, Dr. GRPO, DAPO, GSPO) on the
+// trainer's own weights, colocated: each rollout comes from the rollout engine over the policy being trained, its
+// updates are the trainer's steps (src/rl/rl_source.h, src/train/trainer.h StepSource). The config is lathe train's
+// with data.train holding prompts and the rl.* options; `lathe rl --help-config` lists them all. rl.warm_start names a
+// `lathe train` config run first (resumed or found finished like any run) whose final model the policy starts from.
+// Checkpoints, resume (resume: auto), metrics, TensorBoard and the final HF / PEFT export are the trainer's.
+#include <fmt/format.h>
+
+#include <filesystem>
+
+#include "backend/runtime.h"
+#include "commands.h"
+#include "core/error.h"
+#include "rl/rl_source.h"
+#include "train/trainer.h"
+
+namespace lathe::cli {
+
+namespace {
+
+struct Args {
+  std::string config;
+  std::vector<std::string> overrides;
+  bool help_config = false;
+};
+
+std::string accuracy(double a) { return a >= 0 ? fmt::format("{:.1f}%", 100 * a) : "-"; }
+
+// The warm start's SFT run: trained (or continued, or found finished) before the RL run reads its final model.
+void warm_start(const std::string& path) {
+  const TrainConfig sft = load_train_config(path, {});
+  fmt::print("rl: warm start: lathe train {} (output {})\n", path, sft.output_dir);
+  std::fflush(stdout);
+  const TrainSummary s = run_training(sft);
+  const JobSummary& j = s.jobs[0];
+  LATHE_CHECK(!j.failed, "rl: the warm start {} failed: {}", path, j.error);
+  if (s.already_finished)
+    fmt::print("rl: warm start already trained ({} steps{}); starting RL from {}/final\n", j.final_step,
+               j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "",
+               sft.output_dir);
+  else
+    fmt::print("rl: warm start trained {} steps, loss {:.4f} -> {:.4f}{}\n", j.steps_run, j.first_loss, j.last_loss,
+               j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "");
+}
+
+}  // namespace
+
+void add_rl_command(CLI::App& app, int& exit_code) {
+  auto* cmd = app.add_subcommand("rl", "Reinforcement learning (GRPO, Dr. GRPO, DAPO, GSPO) from a YAML config");
+  auto args = std::make_shared<Args>();
+  cmd->add_option("config", args->config, "YAML config file");
+  cmd->add_option("--set", args->overrides, "override an option: key.path=value (repeatable)");
+  cmd->add_flag("--help-config", args->help_config, "list every config option");
+  cmd->callback([args, &exit_code] {
+    if (args->help_config) {
+      fmt::print("lathe rl options (YAML keys; --set key=value overrides; data.train holds the prompts):\n{}",
+                 train_config_help(ConfigFor::rl));
+      exit_code = 0;
+      return;
+    }
+    LATHE_CHECK(!args->config.empty() || !args->overrides.empty(), "rl: give a config file (see --help-config)");
+    TrainConfig config = load_train_config(args->config, args->overrides, ConfigFor::rl);
+    if (!config.rl.warm_start.empty()) warm_start(config.rl.warm_start);
+    // Each step's batch differs in shape (responses of any length): no step-wise memory plan.
+    config.memory_plan = false;
+    Runtime rt;
+    RlSource source(rt, config);  // reads and checks the prompts; writes nothing
+    const TrainSummary s = run_training(rt, config, nullptr, &source);
+    const JobSummary& j = s.jobs[0];
+    if (s.already_finished) {
+      fmt::print("rl: {} already finished at step {}{}; nothing to do. Raise train.max_steps to train on, or set "
+                 "overwrite: true to start again.\n",
+                 j.output_dir, j.final_step,
+                 j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "");
+    } else if (j.steps_run == 0) {
+      fmt::print("rl: trained to step {} already; its final outputs are complete\n", j.final_step);
+    } else {
+      fmt::print("rl: {} steps{}\n", j.steps_run,
+                 j.final_eval_accuracy >= 0
+                     ? fmt::format(", held-out accuracy {} -> {}", accuracy(j.start_eval_accuracy),
+                                   accuracy(j.final_eval_accuracy))
+                     : "");
+    }
+    exit_code = 0;
+  });
+}
+
+}  // namespace lathe::cli
