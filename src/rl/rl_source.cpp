@@ -202,40 +202,72 @@ std::vector<double> RlSource::rewards(const std::vector<size_t>& prompts, const 
   return out;
 }
 
-// One rollout: groups sampled and scored (more rounds while dynamic sampling drops uniform groups), advantages, and
-// the groups split into rl.minibatches updates.
+// A prompt's samples with their rewards.
+struct RlSource::Group {
+  size_t prompt = 0;
+  std::vector<RolloutResult> samples;
+  std::vector<double> rewards;
+  bool uniform = false;  // every reward equal: zero advantages
+};
+
+// The rollout's figures, summed over its sampling rounds and updates.
+struct RlSource::Figures {
+  double rollout_s = 0, reward_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
+  int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0;
+  double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
+  int64_t gap_tokens = 0, masked = 0;
+};
+
+// One rollout: the groups sampled and scored, then split into rl.minibatches updates.
 void RlSource::rollout() {
+  Figures f;
+  std::vector<Group> groups = sample_groups(f);
+  ++rollouts_;
+  queue_updates(groups, f);
+  const RlOptions& o = c_.rl;
+  const double count = double(std::max<int64_t>(f.sampled, 1));
+  last_reward_ = f.reward_sum / count;
+  rollout_metrics_ = {{"reward_mean", f.reward_sum / count}, {"response_length_mean", f.length_sum / count},
+                      {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
+                      {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
+                      {"reward_s", f.reward_s}};
+  if (o.reward_answer > 0) rollout_metrics_["answer_accuracy"] = f.answer_sum / count;
+  rollout_metrics_["logprob_gap_mean"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
+  rollout_metrics_["logprob_gap_max"] = f.gap_max;
+  if (o.importance_correction != "none") {
+    rollout_metrics_["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
+    rollout_metrics_["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
+  }
+}
+
+// rl.prompts_per_step groups, sampled and scored; under dynamic sampling, groups whose rewards are all equal are set
+// aside and more prompts sampled (up to rl.max_sampling_rounds rounds); groups still missing are filled with set-aside
+// ones (zero advantages: no policy gradient, but the step keeps its size).
+std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
   const RlOptions& o = c_.rl;
   const int64_t want = o.prompts_per_step, n = o.samples;
-  struct Group {
-    size_t prompt;
-    std::vector<RolloutResult> samples;
-    std::vector<double> rewards;
-    bool uniform;
-  };
   std::vector<Group> informative, uniform;
-  double rollout_s = 0, reward_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
-  int64_t sampled = 0, truncated = 0, rounds = 0;
-  while (int64_t(informative.size()) < want && rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
+  while (int64_t(informative.size()) < want && f.rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
     std::vector<size_t> prompts;
     for (int64_t i = int64_t(informative.size()); i < want; ++i) prompts.push_back(next_prompt());
     auto t = Clock::now();
-    std::vector<RolloutResult> samples = sample(prompts, rounds);
-    rollout_s += seconds_since(t);
+    std::vector<RolloutResult> samples = sample(prompts, f.rounds);
+    f.rollout_s += seconds_since(t);
     t = Clock::now();
     std::vector<std::string> texts;
     const std::vector<double> r = rewards(prompts, samples, texts);
-    reward_s += seconds_since(t);
+    f.reward_s += seconds_since(t);
     for (size_t k = 0; k < samples.size(); ++k) {
-      reward_sum += r[k];
+      f.reward_sum += r[k];
       if (o.reward_answer > 0)
-        answer_sum += answer_reward(texts[k], prompts_[prompts[size_t(samples[k].request)]].row["answer"].get<std::string>());
-      length_sum += double(samples[k].tokens.size());
-      truncated += samples[k].finish_reason == FinishReason::kLength;
+        f.answer_sum += answer_reward(texts[k], prompts_[prompts[size_t(samples[k].request)]].row["answer"].get<std::string>());
+      f.length_sum += double(samples[k].tokens.size());
+      f.truncated += samples[k].finish_reason == FinishReason::kLength;
     }
-    sampled += int64_t(samples.size());
+    f.sampled += int64_t(samples.size());
     for (size_t g = 0; g < prompts.size(); ++g) {
-      Group group{prompts[g], {}, {}, false};
+      Group group;
+      group.prompt = prompts[g];
       for (int64_t i = 0; i < n; ++i) {
         group.samples.push_back(std::move(samples[g * size_t(n) + size_t(i)]));
         group.rewards.push_back(r[g * size_t(n) + size_t(i)]);
@@ -243,24 +275,25 @@ void RlSource::rollout() {
       group.uniform = std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
       (settings_.dynamic_sampling && group.uniform ? uniform : informative).push_back(std::move(group));
     }
-    ++rounds;
+    ++f.rounds;
   }
-  // Groups still missing (dynamic sampling ran out of rounds) are filled with uniform ones: zero advantages, so no
-  // policy gradient, but the step keeps its size.
-  const int64_t dropped = int64_t(uniform.size());
+  f.dropped = int64_t(uniform.size());
   for (size_t i = 0; int64_t(informative.size()) < want && i < uniform.size(); ++i)
     informative.push_back(std::move(uniform[i]));
-  ++rollouts_;
-  // The updates: groups split evenly, in order.
-  const int64_t per = want / o.minibatches;
-  double gap_sum = 0, gap_max = 0, is_sum = 0;
-  int64_t gap_tokens = 0, is_masked = 0;
+  return informative;
+}
+
+// The groups split evenly into rl.minibatches updates, in order: each an RL batch with its advantages, the old
+// policy's log-probabilities, the importance weights and the KL reference where asked, and its policy loss.
+void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
+  const RlOptions& o = c_.rl;
+  const int64_t per = o.prompts_per_step / o.minibatches, n = o.samples;
   for (int64_t m = 0; m < o.minibatches; ++m) {
     std::vector<std::vector<int32_t>> prompts;
     std::vector<RolloutResult> samples;
     std::vector<double> advantages;
     for (int64_t g = m * per; g < (m + 1) * per; ++g) {
-      Group& group = informative[size_t(g)];
+      Group& group = groups[size_t(g)];
       const std::vector<double> adv = group_advantages(group.rewards, n, settings_.scale_by_std);
       for (int64_t i = 0; i < n; ++i) {
         RolloutResult& s = group.samples[size_t(i)];
@@ -271,8 +304,8 @@ void RlSource::rollout() {
       }
     }
     if (samples.empty()) {  // every response cut by the length limit: keep one with zero advantage (no gradient)
-      prompts.push_back(prompts_[informative[size_t(m * per)].prompt].ids);
-      samples.push_back(informative[size_t(m * per)].samples[0]);
+      prompts.push_back(prompts_[groups[size_t(m * per)].prompt].ids);
+      samples.push_back(groups[size_t(m * per)].samples[0]);
       advantages.push_back(0.0);
     }
     auto u = std::make_unique<Update>();
@@ -285,11 +318,11 @@ void RlSource::rollout() {
     u->rb.tokens.old_logprob = label_logprobs(u->rb.batch, true);
     for (size_t t = 0; t < rollout_lp.size(); ++t) {
       const double gap = std::abs(u->rb.tokens.old_logprob[t] - rollout_lp[t]);
-      gap_sum += gap;
-      gap_max = std::max(gap_max, gap);
+      f.gap_sum += gap;
+      f.gap_max = std::max(f.gap_max, gap);
     }
-    gap_tokens += int64_t(rollout_lp.size());
-    if (o.importance_correction != "none") correct_importance(u->rb.tokens, rollout_lp, is_sum, is_masked);
+    f.gap_tokens += int64_t(rollout_lp.size());
+    if (o.importance_correction != "none") correct_importance(u->rb.tokens, rollout_lp, f.weight_sum, f.masked);
     if (settings_.loss.kl_coef > 0) u->rb.tokens.ref_logprob = label_logprobs(u->rb.batch, false);
     Update* raw = u.get();
     const PolicyLossConfig config = settings_.loss;
@@ -298,19 +331,6 @@ void RlSource::rollout() {
     };
     u->rb.batch.row_loss = &u->loss;
     pending_.push_back(std::move(u));
-  }
-  const double count = double(std::max<int64_t>(sampled, 1));
-  last_reward_ = reward_sum / count;
-  rollout_metrics_ = {{"reward_mean", reward_sum / count}, {"response_length_mean", length_sum / count},
-                      {"truncated_fraction", double(truncated) / count}, {"samples", sampled},
-                      {"sampling_rounds", rounds}, {"groups_dropped", dropped}, {"rollout_s", rollout_s},
-                      {"reward_s", reward_s}};
-  if (o.reward_answer > 0) rollout_metrics_["answer_accuracy"] = answer_sum / count;
-  rollout_metrics_["logprob_gap_mean"] = gap_tokens ? gap_sum / double(gap_tokens) : 0.0;
-  rollout_metrics_["logprob_gap_max"] = gap_max;
-  if (o.importance_correction != "none") {
-    rollout_metrics_["importance_weight_mean"] = gap_tokens ? is_sum / double(gap_tokens) : 1.0;
-    rollout_metrics_["importance_masked_fraction"] = gap_tokens ? double(is_masked) / double(gap_tokens) : 0.0;
   }
 }
 

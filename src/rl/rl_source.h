@@ -66,8 +66,12 @@ class RlSource final : public StepSource {
   nlohmann::json state() const override;
 
  private:
-  struct Update;  // one mini-batch: its batch, policy tokens and loss
+  struct Update;   // one mini-batch: its batch, policy tokens and loss
+  struct Group;    // a prompt's samples and rewards
+  struct Figures;  // a rollout's figures
   void rollout();
+  std::vector<Group> sample_groups(Figures& f);
+  void queue_updates(std::vector<Group>& groups, Figures& f);
   std::vector<RolloutResult> sample(const std::vector<size_t>& prompts, int64_t round);
   std::vector<double> rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
                               std::vector<std::string>& texts);
