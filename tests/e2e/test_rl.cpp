@@ -2,8 +2,9 @@
 // holding an "e" scores 1): with one update per rollout every update is on policy (every ratio exactly 1; the rollout
 // engine's log-probs within 1e-5 of the trainer's); with two mini-batches the second is off policy; a run killed with
 // SIGKILL after a step and restarted equals the uninterrupted run (metrics and final weights); LoRA with a KL term to
-// the base (zero KL at the first step, where the adapter is zero); bad options, prompt rows and reward commands are
-// refused with messages naming them; the reward rises (checked to fail with the advantages' sign flipped).
+// the base (zero KL at the first step, where the adapter is zero); DAPO's dynamic sampling refills the groups it drops;
+// bad options, prompt rows and reward commands are refused with messages naming them; the reward rises (checked to
+// fail with the advantages' sign flipped).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -116,6 +117,26 @@ TEST(Rl, TwoMinibatchesMakeTheSecondUpdateOffPolicy) {
     }
   }
   EXPECT_GT(off_policy, 0);
+}
+
+// DAPO: groups whose rewards are all equal are dropped and replaced by newly sampled ones (the format reward starts
+// rare, so many groups are all zero at first); every step trains on rl.prompts_per_step groups.
+TEST(Rl, DynamicSamplingRefillsDroppedGroups) {
+  const fs::path dir = setup("dapo", "  algorithm: dapo\n  max_sampling_rounds: 6\n");
+  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4 --set train.save_every=0");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  ASSERT_EQ(rows.size(), 4u);
+  int refilled = 0;
+  for (const auto& r : rows) {
+    const int64_t rounds = r["rl"]["sampling_rounds"], dropped = r["rl"]["groups_dropped"], samples = r["rl"]["samples"];
+    ASSERT_GE(rounds, 1);
+    ASSERT_LE(rounds, 6);
+    if (rounds < 6) EXPECT_EQ(samples, 4 * (4 + dropped)) << r.dump();  // 4 kept groups of 4, and each dropped one
+    if (dropped > 0) EXPECT_GT(rounds, 1) << r.dump();
+    refilled += dropped > 0;
+  }
+  EXPECT_GT(refilled, 0) << "no group was ever dropped: the test's reward no longer makes uniform groups";
 }
 
 TEST(Rl, LoraWithAKlTermToTheBase) {
