@@ -785,7 +785,8 @@ void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& 
 // final_eval.file, the held-out accuracy before the first step is printed and recorded, to set beside the final one.
 void Trainer::Impl::start_source() {
   Job& j = jobs_[0];
-  source_->start(*model_, lora_ ? j.adapter : -1, j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr));
+  const nlohmann::json state = j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr);
+  source_->start(*model_, lora_ ? j.adapter : -1, state);
   if (j.step > 0 || j.cfg->final_eval_file.empty() || !first_) return;
   const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
                                            j.cfg->final_eval_max_new_tokens,
@@ -885,8 +886,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
       if (v.is_number()) scalars.push_back({"rl/" + name, v.get<double>()});
   j.tb->add_scalars(step, scalars);
   if (save) {
-    nlohmann::json st = {{"step", step}, {"loader", j.loader ? j.loader->state() : nlohmann::json(nullptr)}, {"tokens_seen", j.tokens_seen},
-                         {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
+    nlohmann::json st = {{"step", step}, {"loader", j.loader ? j.loader->state() : nlohmann::json(nullptr)},
+                         {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
     if (source_) st["source"] = source_->state();
@@ -992,7 +993,8 @@ bool Trainer::Impl::step() {
   if (active.empty()) return false;
   const auto t0 = Clock::now();
   // A step source's batches (a rollout, for RL) come before the step's memory plan opens.
-  const std::vector<PackedBatch*> source_batches = source_ ? source_->batches(active[0]->step + 1) : std::vector<PackedBatch*>{};
+  std::vector<PackedBatch*> source_batches;
+  if (source_) source_batches = source_->batches(active[0]->step + 1);
   // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
   // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
   // whole. Closed as aborted if an error leaves the step.

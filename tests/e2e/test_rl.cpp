@@ -204,3 +204,28 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   for (const auto& row : rl_rows(dir / "ext")) EXPECT_EQ(row["rl"]["reward_mean"].get<double>(), 1.0);
 }
+
+// On a GPU in bf16: one update per rollout is on policy within bf16 noise (the trainer's forward is the old policy's,
+// so the ratio is 1 up to the nondeterminism of the kernels), the train-rollout gap of the engine is reported and
+// printed, and the reward still rises. Skips without a GPU.
+TEST(Rl, CudaOnPolicyAndLearns) {
+  if (lathe("kernels").output.find("cuda: unavailable") != std::string::npos) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = setup("cuda");
+  const auto run = lathe("rl " + config(dir) + " --set device=cuda --set train.max_steps=24 --set train.save_every=0 " +
+                         "--set train.lr=0.02");
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  ASSERT_EQ(rows.size(), 24u);
+  double gap_max = 0, ratio_worst = 0, first = 0, last = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    ratio_worst = std::max(ratio_worst, std::abs(rows[i]["rl"]["ratio_mean"].get<double>() - 1.0));
+    gap_max = std::max(gap_max, rows[i]["rl"]["logprob_gap_max"].get<double>());
+    if (i < 4) first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
+    if (i >= rows.size() - 4) last += rows[i]["rl"]["reward_mean"].get<double>() / 4;
+  }
+  std::printf("[rl cuda] worst |ratio - 1| %.3g, engine-trainer log-prob gap max %.3g, reward %.3f -> %.3f\n",
+              ratio_worst, gap_max, first, last);
+  EXPECT_LT(ratio_worst, 1e-2);
+  EXPECT_LT(gap_max, 0.5);
+  EXPECT_GT(last, first + 0.3);
+}

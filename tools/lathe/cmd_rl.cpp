@@ -26,9 +26,10 @@ struct Args {
 
 std::string accuracy(double a) { return a >= 0 ? fmt::format("{:.1f}%", 100 * a) : "-"; }
 
-// The warm start's SFT run: trained (or continued, or found finished) before the RL run reads its final model.
-void warm_start(const std::string& path) {
-  const TrainConfig sft = load_train_config(path, {});
+// The warm start's SFT run, on the RL run's device: trained (or continued, or found finished) before the RL run reads
+// its final model.
+void warm_start(const std::string& path, const std::string& device) {
+  const TrainConfig sft = load_train_config(path, {"device=" + device});
   fmt::print("rl: warm start: lathe train {} (output {})\n", path, sft.output_dir);
   std::fflush(stdout);
   const TrainSummary s = run_training(sft);
@@ -60,7 +61,7 @@ void add_rl_command(CLI::App& app, int& exit_code) {
     }
     LATHE_CHECK(!args->config.empty() || !args->overrides.empty(), "rl: give a config file (see --help-config)");
     TrainConfig config = load_train_config(args->config, args->overrides, ConfigFor::rl);
-    if (!config.rl.warm_start.empty()) warm_start(config.rl.warm_start);
+    if (!config.rl.warm_start.empty()) warm_start(config.rl.warm_start, config.device);
     // Each step's batch differs in shape (responses of any length): no step-wise memory plan.
     config.memory_plan = false;
     Runtime rt;
