@@ -55,6 +55,17 @@ std::vector<nlohmann::json> rl_rows(const fs::path& out) {
   return rows;
 }
 
+// `lathe rl` on the folder's config with `sets` (--set options), without checkpoints; the steps' metrics rows, which
+// must number `steps` (empty, with the failure reported, when the run fails).
+std::vector<nlohmann::json> run_steps(const fs::path& dir, const std::string& sets, size_t steps) {
+  const auto run = lathe(fmt::format("rl {} --set train.max_steps={} --set train.save_every=0 {}", config(dir), steps, sets));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  if (run.exit_code != 0) return {};
+  std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+  EXPECT_EQ(rows.size(), steps);
+  return rows.size() == steps ? rows : std::vector<nlohmann::json>{};
+}
+
 std::string file_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(f)), {});
@@ -102,10 +113,8 @@ TEST(Rl, OnPolicyUpdatesHaveRatioOneAndAKilledRunResumesExactly) {
 
 TEST(Rl, TwoMinibatchesMakeTheSecondUpdateOffPolicy) {
   const fs::path dir = setup("minibatch", "  minibatches: 2\n");
-  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4 --set train.save_every=0");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
-  ASSERT_EQ(rows.size(), 4u);
+  const std::vector<nlohmann::json> rows = run_steps(dir, "", 4);
+  ASSERT_FALSE(rows.empty());
   int off_policy = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     if (i % 2 == 0) {  // a rollout's first update: on policy, and the rollout's figures
@@ -123,10 +132,8 @@ TEST(Rl, TwoMinibatchesMakeTheSecondUpdateOffPolicy) {
 // rare, so many groups are all zero at first); every step trains on rl.prompts_per_step groups.
 TEST(Rl, DynamicSamplingRefillsDroppedGroups) {
   const fs::path dir = setup("dapo", "  algorithm: dapo\n  max_sampling_rounds: 6\n");
-  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4 --set train.save_every=0");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
-  ASSERT_EQ(rows.size(), 4u);
+  const std::vector<nlohmann::json> rows = run_steps(dir, "", 4);
+  ASSERT_FALSE(rows.empty());
   int refilled = 0;
   for (const auto& r : rows) {
     const int64_t rounds = r["rl"]["sampling_rounds"], dropped = r["rl"]["groups_dropped"], samples = r["rl"]["samples"];
@@ -141,10 +148,8 @@ TEST(Rl, DynamicSamplingRefillsDroppedGroups) {
 
 TEST(Rl, LoraWithAKlTermToTheBase) {
   const fs::path dir = setup("lora", "  kl_coef: 0.5\nlora:\n  rank: 4\n  alpha: 8\n");
-  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=4");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
-  ASSERT_EQ(rows.size(), 4u);
+  const std::vector<nlohmann::json> rows = run_steps(dir, "", 4);
+  ASSERT_FALSE(rows.empty());
   // Step 1: the adapter's B is zero, so the policy is the base and every KL estimate is 0; then the adapter moves.
   EXPECT_EQ(rows[0]["rl"]["kl_mean"].get<double>(), 0.0);
   EXPECT_GT(rows[3]["rl"]["kl_mean"].get<double>(), 0.0);
@@ -154,10 +159,8 @@ TEST(Rl, LoraWithAKlTermToTheBase) {
 
 TEST(Rl, TheRewardRises) {
   const fs::path dir = setup("learn");
-  const auto run = lathe("rl " + config(dir) + " --set train.max_steps=24 --set train.save_every=0 --set train.lr=0.02");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
-  ASSERT_EQ(rows.size(), 24u);
+  const std::vector<nlohmann::json> rows = run_steps(dir, "--set train.lr=0.02", 24);
+  ASSERT_FALSE(rows.empty());
   double first = 0, last = 0;
   for (size_t i = 0; i < 4; ++i) {
     first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
@@ -211,11 +214,8 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
 TEST(Rl, CudaOnPolicyAndLearns) {
   if (lathe("kernels").output.find("cuda: unavailable") != std::string::npos) GTEST_SKIP() << "no CUDA device";
   const fs::path dir = setup("cuda");
-  const auto run = lathe("rl " + config(dir) + " --set device=cuda --set train.max_steps=24 --set train.save_every=0 " +
-                         "--set train.lr=0.02");
-  ASSERT_EQ(run.exit_code, 0) << run.output;
-  const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
-  ASSERT_EQ(rows.size(), 24u);
+  const std::vector<nlohmann::json> rows = run_steps(dir, "--set device=cuda --set train.lr=0.02", 24);
+  ASSERT_FALSE(rows.empty());
   double gap_max = 0, ratio_worst = 0, first = 0, last = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     ratio_worst = std::max(ratio_worst, std::abs(rows[i]["rl"]["ratio_mean"].get<double>() - 1.0));
