@@ -562,6 +562,9 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   if (r.overlong_buffer >= r.max_new_tokens)
     problems.push_back(fmt::format("rl.reward.overlong_buffer: {} must be below rl.max_new_tokens ({})",
                                    r.overlong_buffer, r.max_new_tokens));
+  if (r.reward_format.empty() != (r.reward_format_weight == 0))
+    problems.push_back("rl.reward.format and rl.reward.format_weight: give both (a pattern and a weight above 0) or "
+                       "neither");
   if (r.reward_answer == 0 && r.reward_format_weight == 0 && r.reward_command.empty() && r.overlong_buffer == 0)
     problems.push_back("rl.reward: every reward is off (rl.reward.answer, format_weight, command, overlong_buffer)");
   if (r.kl_coef > 0 && c.lora_rank == 0)

@@ -176,12 +176,15 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   auto r = lathe("train " + config(dir) + " --set data.format=text");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("'rl.samples' is an option of lathe rl, not lathe train"), std::string::npos) << r.output;
-  // Checked together: steps not a multiple of the mini-batches, a KL term without LoRA, an unknown algorithm.
-  r = lathe("rl " + config(dir) + " --set rl.minibatches=4 --set rl.kl_coef=0.1 --set rl.algorithm=ppo");
+  // Checked together: steps not a multiple of the mini-batches, a KL term without LoRA, an unknown algorithm, a format
+  // pattern without a weight.
+  r = lathe("rl " + config(dir) +
+            " --set rl.minibatches=4 --set rl.kl_coef=0.1 --set rl.algorithm=ppo --set rl.reward.format_weight=0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("train.max_steps: 6 is not a multiple of rl.minibatches (4)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rl.kl_coef"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rl.algorithm: 'ppo' is not one of grpo, dr_grpo, dapo, gspo"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rl.reward.format and rl.reward.format_weight: give both"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir / "out")) << "nothing is written before the inputs are checked";
   // The answer reward needs an "answer" in each row: named by file and line.
   r = lathe("rl " + config(dir) + " --set rl.reward.answer=1");
@@ -202,7 +205,7 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   EXPECT_NE(r.output.find("broken"), std::string::npos) << r.output;
   // One that prints a number per response works, with its weight: here every response scores 2 x 0.5 more.
   const auto ok = lathe("rl " + config(dir) + " --set train.max_steps=2 --set train.save_every=0 --set output_dir=" +
-                        (dir / "ext").string() + " --set rl.reward.format_weight=0 --set rl.reward.command_weight=2 " +
+                        (dir / "ext").string() + " --set rl.reward.format_weight=0 --set rl.reward.format= --set rl.reward.command_weight=2 " +
                         "--set 'rl.reward.command=while read -r line; do echo 0.5; done'");
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   for (const auto& row : rl_rows(dir / "ext")) EXPECT_EQ(row["rl"]["reward_mean"].get<double>(), 1.0);
