@@ -3,6 +3,7 @@
 // engine's log-probs within 1e-5 of the trainer's); with two mini-batches the second is off policy; a run killed with
 // SIGKILL after a step and restarted equals the uninterrupted run (metrics and final weights); LoRA with a KL term to
 // the base (zero KL at the first step, where the adapter is zero); DAPO's dynamic sampling refills the groups it drops;
+// importance weights against the rollout engine's log-probs;
 // bad options, prompt rows and reward commands are refused with messages naming them; the reward rises (checked to
 // fail with the advantages' sign flipped).
 #include <fmt/format.h>
@@ -144,6 +145,27 @@ TEST(Rl, DynamicSamplingRefillsDroppedGroups) {
     refilled += dropped > 0;
   }
   EXPECT_GT(refilled, 0) << "no group was ever dropped: the test's reward no longer makes uniform groups";
+}
+
+// Importance correction against the rollout engine: on the CPU its log-probs are the trainer's within f32 rounding,
+// so truncated weights average 1 within 1e-5 and nothing is masked at the default cap; a cap of 1 + 1e-12 masks the
+// sequences holding a token whose (rounding-sized) gap is not zero.
+TEST(Rl, ImportanceWeightsAgainstTheRollout) {
+  const fs::path dir = setup("importance");
+  const std::vector<nlohmann::json> tis = run_steps(dir, "--set rl.importance_correction=token_tis", 2);
+  ASSERT_FALSE(tis.empty());
+  for (const auto& r : tis) {
+    EXPECT_NEAR(r["rl"]["importance_weight_mean"].get<double>(), 1.0, 1e-5) << r.dump();
+    EXPECT_EQ(r["rl"]["importance_masked_fraction"].get<double>(), 0.0) << r.dump();
+  }
+  fs::remove_all(dir / "out");
+  const std::vector<nlohmann::json> mis =
+      run_steps(dir, "--set rl.importance_correction=seq_mis --set rl.importance_cap=1.000000000001", 2);
+  ASSERT_FALSE(mis.empty());
+  const double masked = mis[0]["rl"]["importance_masked_fraction"].get<double>();
+  std::printf("[rl] seq_mis at cap 1 + 1e-12: %.3f of the tokens masked (gap max %.3g)\n", masked,
+              mis[0]["rl"]["logprob_gap_max"].get<double>());
+  if (mis[0]["rl"]["logprob_gap_max"].get<double>() > 0) EXPECT_GT(masked, 0.0);
 }
 
 TEST(Rl, LoraWithAKlTermToTheBase) {
