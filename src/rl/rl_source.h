@@ -61,6 +61,7 @@ class RlSource final : public StepSource {
 
   void start(CausalLm& model, int adapter, const nlohmann::json& state) override;
   std::vector<PackedBatch*> batches(int64_t step) override;
+  std::string name() const override { return "rl"; }
   nlohmann::json step_metrics() override;
   std::string progress() const override;
   nlohmann::json state() const override;

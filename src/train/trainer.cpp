@@ -881,9 +881,9 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (m.contains("expert_load"))
     for (const auto& [layer, v] : m["expert_load"].items())
       scalars.push_back({"moe/layer_" + layer + "_max_over_mean", v["max_over_mean"].get<double>()});
-  if (m.contains("rl"))
-    for (const auto& [name, v] : m["rl"].items())
-      if (v.is_number()) scalars.push_back({"rl/" + name, v.get<double>()});
+  if (source_ && m.contains(source_->name()))
+    for (const auto& [name, v] : m[source_->name()].items())
+      if (v.is_number()) scalars.push_back({source_->name() + "/" + name, v.get<double>()});
   j.tb->add_scalars(step, scalars);
   if (save) {
     nlohmann::json st = {{"step", step}, {"loader", j.loader ? j.loader->state() : nlohmann::json(nullptr)},
@@ -1083,7 +1083,7 @@ bool Trainer::Impl::step() {
       m["dp_comm_s"] = dp_comm_s;
       m["memory_mib_ranks"] = rank_mem_mib_;
     }
-    if (source_) m["rl"] = source_->step_metrics();
+    if (source_) m[source_->name()] = source_->step_metrics();
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
   }

@@ -35,7 +35,9 @@ class StepSource {
   // Step `step`'s micro-batches, each with its row loss (PackedBatch::row_loss) whose terms carry their own weights;
   // they stay valid until the next call.
   virtual std::vector<PackedBatch*> batches(int64_t step) = 0;
-  // The step's figures (numbers) for metrics.jsonl and TensorBoard ("rl/NAME"), and a few words for the progress line.
+  // The key of the step's figures in metrics.jsonl and their TensorBoard prefix ("rl": "rl" and "rl/NAME").
+  virtual std::string name() const = 0;
+  // The step's figures (numbers) for metrics.jsonl and TensorBoard, and a few words for the progress line.
   virtual nlohmann::json step_metrics() = 0;
   virtual std::string progress() const = 0;
   virtual nlohmann::json state() const = 0;
