@@ -50,7 +50,7 @@ struct RlSettings {
 RlSettings resolve_rl_settings(const RlOptions& o);
 
 // Reads and checks data.train's prompt rows (bad JSON, a row without a prompt, a missing "answer" while the answer
-// reward is on, a prompt longer than the model's context: errors naming the file and line).
+// reward is on: errors naming the file and line). A prompt the model's context cannot hold is refused by the engine.
 std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenizer& tok, const ChatTemplate* chat);
 
 class RlSource final : public StepSource {
@@ -93,7 +93,6 @@ class RlSource final : public StepSource {
   std::vector<int32_t> stop_ids_, banned_;
   CausalLm* model_ = nullptr;
   int adapter_ = -1;
-  std::unique_ptr<RolloutEngine> engine_;
   // The position in the prompt order, and the rollouts done (each seeds its sampling).
   int64_t epoch_ = 0, position_ = 0, rollouts_ = 0;
   std::vector<size_t> order_;
