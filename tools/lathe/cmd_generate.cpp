@@ -499,7 +499,8 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt-tokens", args->prompt_tokens, "prompt as token ids, e.g. 1,2,3")->group("");
   cmd->add_flag("--print-tokens", args->print_tokens, "print the result as JSON instead of streaming")->group("");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "do not stop on EOS tokens")->group("");
-  cmd->add_option("--profile-step", args->profile_step, "--input: print the kernels of 10 engine steps from this one")
+  cmd->add_option("--profile-step", args->profile_step,
+                  "--input: print the kernels of 10 engine steps from this one (on stdout: give --output)")
       ->group("");
   cmd->callback([cmd, args, &exit_code] {
     args->has_prompt = cmd->count("--prompt") > 0;
