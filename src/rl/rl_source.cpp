@@ -212,7 +212,7 @@ struct RlSource::Group {
 
 // The rollout's figures, summed over its sampling rounds and updates.
 struct RlSource::Figures {
-  double rollout_s = 0, reward_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
+  double rollout_s = 0, reward_s = 0, logprob_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
   int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0;
   double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
   int64_t gap_tokens = 0, masked = 0;
@@ -230,7 +230,7 @@ void RlSource::rollout() {
   rollout_metrics_ = {{"reward_mean", f.reward_sum / count}, {"response_length_mean", f.length_sum / count},
                       {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
                       {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
-                      {"reward_s", f.reward_s}};
+                      {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
   if (o.reward_answer > 0) rollout_metrics_["answer_accuracy"] = f.answer_sum / count;
   rollout_metrics_["logprob_gap_mean"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
   rollout_metrics_["logprob_gap_max"] = f.gap_max;
@@ -314,6 +314,7 @@ void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
     // The old policy's log-probabilities: the trainer's own forward over the rollout (as verl recomputes them), so an
     // update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
     // measure the train-rollout mismatch and, with rl.importance_correction, weight the tokens.
+    const auto t = Clock::now();
     const std::vector<double> rollout_lp = std::exchange(u->rb.tokens.old_logprob, {});
     u->rb.tokens.old_logprob = label_logprobs(u->rb.batch, true);
     for (size_t t = 0; t < rollout_lp.size(); ++t) {
@@ -324,6 +325,7 @@ void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
     f.gap_tokens += int64_t(rollout_lp.size());
     if (o.importance_correction != "none") correct_importance(u->rb.tokens, rollout_lp, f.weight_sum, f.masked);
     if (settings_.loss.kl_coef > 0) u->rb.tokens.ref_logprob = label_logprobs(u->rb.batch, false);
+    f.logprob_s += seconds_since(t);
     Update* raw = u.get();
     const PolicyLossConfig config = settings_.loss;
     u->loss = [raw, config](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
