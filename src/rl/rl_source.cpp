@@ -118,6 +118,17 @@ RlSource::~RlSource() = default;
 void RlSource::start(CausalLm& model, int adapter, const nlohmann::json& state) {
   model_ = &model;
   adapter_ = adapter;
+  const RlOptions& o = c_.rl;
+  const auto yes = [](bool b) { return b ? "on" : "off"; };
+  fmt::print("rl: {}: {} samples x {} prompts a rollout ({} in data.train), {} update(s) each; clip [{}, {}]{}, "
+             "loss_agg {}, advantages / std {}, dynamic sampling {}, overlong filter {}, kl {}{}, importance "
+             "correction {}\n",
+             o.algorithm, o.samples, o.prompts_per_step, prompts_.size(), o.minibatches, settings_.loss.clip_low,
+             settings_.loss.clip_high, settings_.loss.sequence_ratio ? " (sequence ratio)" : "", settings_.aggregation,
+             yes(settings_.scale_by_std), yes(settings_.dynamic_sampling), yes(settings_.overlong_filter),
+             settings_.loss.kl_coef, settings_.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "",
+             o.importance_correction);
+  std::fflush(stdout);
   if (state.is_object()) {
     epoch_ = state.value("epoch", int64_t(0));
     position_ = state.value("position", int64_t(0));

@@ -3,15 +3,16 @@
 // engine's log-probs within 1e-5 of the trainer's); with two mini-batches the second is off policy; a run killed with
 // SIGKILL after a step and restarted equals the uninterrupted run (metrics and final weights); LoRA with a KL term to
 // the base (zero KL at the first step, where the adapter is zero); DAPO's dynamic sampling refills the groups it drops;
-// importance weights against the rollout engine's log-probs;
-// bad options, prompt rows and reward commands are refused with messages naming them; the reward rises (checked to
-// fail with the advantages' sign flipped).
+// importance weights against the rollout engine's log-probs; every algorithm with its defaults; bad options, prompt
+// rows and reward commands are refused with messages naming them; the reward rises (checked to fail with the
+// advantages' sign flipped).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "lathe_run.h"
@@ -166,6 +167,32 @@ TEST(Rl, ImportanceWeightsAgainstTheRollout) {
   std::printf("[rl] seq_mis at cap 1 + 1e-12: %.3f of the tokens masked (gap max %.3g)\n", masked,
               mis[0]["rl"]["logprob_gap_max"].get<double>());
   if (mis[0]["rl"]["logprob_gap_max"].get<double>() > 0) EXPECT_GT(masked, 0.0);
+}
+
+// Each algorithm runs with the defaults its paper sets (docs/rl.md's table), said in the run's first rl line, and its
+// first update is on policy.
+TEST(Rl, EveryAlgorithmRunsWithItsDefaults) {
+  const std::map<std::string, std::string> said = {
+      {"grpo", "clip [0.2, 0.2], loss_agg seq-mean-token-mean, advantages / std on, dynamic sampling off, overlong "
+               "filter off"},
+      {"dr_grpo", "clip [0.2, 0.2], loss_agg seq-mean-token-sum-norm, advantages / std off, dynamic sampling off, "
+                  "overlong filter off"},
+      {"dapo", "clip [0.2, 0.28], loss_agg token-mean, advantages / std on, dynamic sampling on, overlong filter on"},
+      {"gspo", "clip [0.2, 0.2] (sequence ratio), loss_agg seq-mean-token-mean, advantages / std on, dynamic sampling "
+               "off, overlong filter off"}};
+  for (const auto& [algorithm, line] : said) {
+    const fs::path dir = setup("algo_" + algorithm);
+    const auto run = lathe("rl " + config(dir) + " --set train.max_steps=2 --set train.save_every=0 --set rl.algorithm=" +
+                           algorithm);
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_NE(run.output.find("rl: " + algorithm + ": 4 samples x 4 prompts a rollout (12 in data.train), 1 update(s) "
+                              "each; " + line),
+              std::string::npos)
+        << run.output;
+    const std::vector<nlohmann::json> rows = rl_rows(dir / "out");
+    ASSERT_EQ(rows.size(), 2u) << algorithm;
+    EXPECT_EQ(rows[0]["rl"]["ratio_mean"].get<double>(), 1.0) << algorithm;
+  }
 }
 
 TEST(Rl, LoraWithAKlTermToTheBase) {
