@@ -11,6 +11,7 @@
 #include "core/files.h"
 #include "data/dataset.h"
 #include "model/causal_lm.h"
+#include "model/config.h"
 
 namespace lathe {
 
@@ -50,6 +51,11 @@ RlSettings resolve_rl_settings(const RlOptions& o) {
 
 std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenizer& tok, const ChatTemplate* chat) {
   const nlohmann::ordered_json kwargs(c.chat_template_kwargs);
+  // The model's positions (0: not bounded by its config), so that a prompt the model cannot hold with one response
+  // token is refused here, before anything is written.
+  int64_t context = 0;
+  if (!c.model_path.empty()) context = load_model_config(c.model_path).max_position_embeddings;
+  else if (c.model_config.is_object()) context = c.model_config.value("max_position_embeddings", int64_t(0));
   std::vector<RlPrompt> out;
   for (const std::string& path : c.train_files) {
     std::istringstream in(read_text_file(path, "rl: data.train"));
@@ -87,6 +93,9 @@ std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenize
       }
       p.ids = tok.encode(p.text);
       LATHE_CHECK(!p.ids.empty(), "rl: {}:{}: the prompt has no tokens", path, n);
+      LATHE_CHECK(context == 0 || int64_t(p.ids.size()) < context,
+                  "rl: {}:{}: the prompt has {} tokens, leaving no room for a response in the model's {} positions "
+                  "(max_position_embeddings)", path, n, p.ids.size(), context);
       out.push_back(std::move(p));
     }
   }

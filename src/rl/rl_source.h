@@ -50,7 +50,7 @@ struct RlSettings {
 RlSettings resolve_rl_settings(const RlOptions& o);
 
 // Reads and checks data.train's prompt rows (bad JSON, a row without a prompt, a missing "answer" while the answer
-// reward is on: errors naming the file and line). A prompt the model's context cannot hold is refused by the engine.
+// reward is on, a prompt that fills the model's max_position_embeddings: errors naming the file and line).
 std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenizer& tok, const ChatTemplate* chat);
 
 class RlSource final : public StepSource {

@@ -246,6 +246,13 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   r = lathe("rl " + config(dir) + " --set data.train=" + (dir / "bad.jsonl").string());
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("bad.jsonl:2: expected {\"prompt\""), std::string::npos) << r.output;
+  // A prompt that fills the model's positions (the first row, "the cat sat on": 13 byte-level tokens).
+  r = lathe("rl " + config(dir) + " --set model.config.max_position_embeddings=13");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("prompts.jsonl:1: the prompt has 13 tokens, leaving no room for a response in the model's "
+                          "13 positions"),
+            std::string::npos)
+      << r.output;
   EXPECT_FALSE(fs::exists(dir / "out"));
   // An external reward that fails stops the run with the command and its exit status (no reward of zero).
   r = lathe("rl " + config(dir) + " --set 'rl.reward.command=cat >/dev/null; echo broken >&2; exit 3'");
