@@ -7,6 +7,8 @@
 
 #include <unicode/uchar.h>
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "data/tokenizer_impl.h"
 
@@ -155,6 +157,20 @@ std::optional<std::string_view> Tokenizer::id_to_token(int32_t id) const {
     return std::string_view(impl_->added[impl_->added_index_of_id[id]].content);
   }
   return impl_->model->id_to_token(id);
+}
+
+std::vector<int32_t> Tokenizer::ids_without_token(int64_t below) const {
+  std::vector<int32_t> out;
+  for (int32_t id = 0; id < int32_t(std::min<int64_t>(below, vocab_size())); ++id)
+    if (!id_to_token(id)) out.push_back(id);
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::end_of_turn_ids() const {
+  std::vector<int32_t> ids;
+  if (eos_id()) ids.push_back(*eos_id());
+  if (auto im_end = token_to_id("<|im_end|>"); im_end && (ids.empty() || ids[0] != *im_end)) ids.push_back(*im_end);
+  return ids;
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }

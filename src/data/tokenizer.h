@@ -58,6 +58,9 @@ class Tokenizer {
   // Added tokens first, then the model vocab (byte-level strings, e.g. "Ġthe"), as HF does.
   std::optional<int32_t> token_to_id(std::string_view token) const;
   std::optional<std::string_view> id_to_token(int32_t id) const;
+  // The ids below `below` (capped at vocab_size()) that no token has: a vocabulary's holes, which a sampler must never
+  // draw.
+  std::vector<int32_t> ids_without_token(int64_t below) const;
 
   // One past the largest id of the vocab and the added tokens (151669 for Qwen3; the model's
   // embedding table may be larger).
@@ -69,6 +72,8 @@ class Tokenizer {
   std::optional<int32_t> eos_id() const;
   std::optional<int32_t> pad_id() const;
   std::optional<int32_t> bos_id() const;
+  // What ends a chat reply: eos_id(), then <|im_end|> where the vocabulary has it and it differs.
+  std::vector<int32_t> end_of_turn_ids() const;
 
  private:
   explicit Tokenizer(std::unique_ptr<TokenizerImpl> impl);

@@ -349,10 +349,7 @@ Generator& Generator::operator=(Generator&&) noexcept = default;
 
 Generator::Generator(const ModelConfig& config, const data::Tokenizer* tokenizer, std::unique_ptr<Decoder> decoder)
     : config_(&config), tokenizer_(tokenizer), decoder_(std::move(decoder)) {
-  if (!tokenizer) return;
-  const int32_t n = int32_t(std::min<int64_t>(config.vocab_size, tokenizer->vocab_size()));
-  for (int32_t id = 0; id < n; ++id)
-    if (!tokenizer->id_to_token(id)) unknown_ids_.push_back(id);
+  if (tokenizer) unknown_ids_ = tokenizer->ids_without_token(config.vocab_size);
 }
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,

@@ -115,11 +115,8 @@ RlSource::RlSource(Runtime& rt, const TrainConfig& c)
       chat_(data::load_chat_template(c.tokenizer)) {
   prompts_ = read_rl_prompts(c, tok_, chat_ ? &*chat_ : nullptr);
   if (!c.rl.reward_format.empty() && c.rl.reward_format_weight > 0) format_.emplace(c.rl.reward_format);
-  for (int32_t id = 0; id < tok_.vocab_size(); ++id)  // ids without a token (a tokenizer's holes) are never drawn
-    if (!tok_.id_to_token(id)) banned_.push_back(id);
-  if (tok_.eos_id()) stop_ids_.push_back(*tok_.eos_id());
-  if (auto im_end = tok_.token_to_id("<|im_end|>"); im_end && std::find(stop_ids_.begin(), stop_ids_.end(), *im_end) == stop_ids_.end())
-    stop_ids_.push_back(*im_end);
+  banned_ = tok_.ids_without_token(tok_.vocab_size());  // a tokenizer's holes are never drawn
+  stop_ids_ = tok_.end_of_turn_ids();
 }
 
 RlSource::~RlSource() = default;
@@ -191,21 +188,23 @@ std::vector<RolloutResult> RlSource::sample(const std::vector<size_t>& prompts, 
   return engine.run();
 }
 
-// Each sample's weighted reward; `texts` gets each response's text (without its stop token).
+// Each sample's weighted reward; `answers` gets each one's answer match (1 or 0; 0 without the answer reward).
 std::vector<double> RlSource::rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
-                                      std::vector<std::string>& texts) {
+                                      std::vector<double>& answers) {
   const RlOptions& o = c_.rl;
   std::vector<double> out(samples.size(), 0.0);
   std::vector<std::string> rows;
-  texts.clear();
+  answers.assign(samples.size(), 0.0);
   for (size_t k = 0; k < samples.size(); ++k) {
     const RolloutResult& s = samples[k];
     const RlPrompt& p = prompts_[prompts[size_t(s.request)]];
     std::span<const int32_t> ids(s.tokens);
-    if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);
-    texts.push_back(tok_.decode(ids, true));
-    const std::string& text = texts.back();
-    if (o.reward_answer > 0) out[k] += o.reward_answer * answer_reward(text, p.row["answer"].get<std::string>());
+    if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);  // the stop token
+    const std::string text = tok_.decode(ids, true);
+    if (o.reward_answer > 0) {
+      answers[k] = answer_reward(text, p.row["answer"].get<std::string>());
+      out[k] += o.reward_answer * answers[k];
+    }
     if (format_) out[k] += o.reward_format_weight * (*format_)(text);
     if (o.overlong_buffer > 0) out[k] += overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
     if (!o.reward_command.empty()) {
@@ -274,13 +273,12 @@ std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
     std::vector<RolloutResult> samples = sample(prompts, f.rounds);
     f.rollout_s += seconds_since(t);
     t = Clock::now();
-    std::vector<std::string> texts;
-    const std::vector<double> r = rewards(prompts, samples, texts);
+    std::vector<double> answers;
+    const std::vector<double> r = rewards(prompts, samples, answers);
     f.reward_s += seconds_since(t);
     for (size_t k = 0; k < samples.size(); ++k) {
       f.reward_sum += r[k];
-      if (o.reward_answer > 0)
-        f.answer_sum += answer_reward(texts[k], prompts_[prompts[size_t(samples[k].request)]].row["answer"].get<std::string>());
+      f.answer_sum += answers[k];
       f.length_sum += double(samples[k].tokens.size());
       f.truncated += samples[k].finish_reason == FinishReason::kLength;
     }

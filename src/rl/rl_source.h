@@ -75,7 +75,7 @@ class RlSource final : public StepSource {
   void queue_updates(std::vector<Group>& groups, Figures& f);
   std::vector<RolloutResult> sample(const std::vector<size_t>& prompts, int64_t round);
   std::vector<double> rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
-                              std::vector<std::string>& texts);
+                              std::vector<double>& answers);
   size_t next_prompt();  // the next prompt index in the shuffled order (a new epoch reshuffles)
   // The labelled tokens' log-probabilities under the model as it is (forward only): with the trained adapter, or the
   // base alone (the KL reference).

@@ -60,8 +60,7 @@ FinalEvalResult run_final_eval(Runtime& rt, CausalLm& model, const data::Tokeniz
   Generator gen(rt, model, &tokenizer);
   GenerateOptions opt;
   opt.max_new_tokens = max_new_tokens;
-  if (tokenizer.eos_id()) opt.eos_ids.push_back(*tokenizer.eos_id());
-  if (auto im_end = tokenizer.token_to_id("<|im_end|>")) opt.eos_ids.push_back(*im_end);
+  opt.eos_ids = tokenizer.end_of_turn_ids();
   FinalEvalResult r;
   for (const FinalEvalRow& row : rows) {
     const GenerateResult g = gen.generate(tokenizer.encode(row.prompt), opt);

@@ -275,9 +275,7 @@ nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& t
   if (mc.raw.contains("eos_token_id")) {
     g["eos_token_id"] = mc.raw["eos_token_id"];
   } else {
-    std::vector<int32_t> eos;
-    if (tok.eos_id()) eos.push_back(*tok.eos_id());
-    if (auto im_end = tok.token_to_id("<|im_end|>"); im_end && (eos.empty() || eos[0] != *im_end)) eos.push_back(*im_end);
+    const std::vector<int32_t> eos = tok.end_of_turn_ids();
     if (eos.size() == 1) g["eos_token_id"] = eos[0];
     else if (!eos.empty()) g["eos_token_id"] = eos;
   }

@@ -213,6 +213,13 @@ TEST(TinyTokenizer, Metadata) {
   EXPECT_EQ(t.id_to_token(280), std::nullopt);  // gap between vocab and added tokens
   EXPECT_TRUE(t.is_special(300));
   EXPECT_FALSE(t.is_special(301));
+  // The holes (ids 270-299, between the vocab and the added tokens), below a bound and below the vocabulary's end.
+  std::vector<int32_t> holes(30);
+  for (int32_t i = 0; i < 30; ++i) holes[size_t(i)] = 270 + i;
+  EXPECT_EQ(t.ids_without_token(1000), holes);
+  EXPECT_EQ(t.ids_without_token(272), (std::vector<int32_t>{270, 271}));
+  // What ends a reply: the eos id (no <|im_end|> in this vocabulary).
+  EXPECT_EQ(t.end_of_turn_ids(), std::vector<int32_t>{300});
   EXPECT_FALSE(t.is_special(65));
   ASSERT_EQ(t.added_tokens().size(), 5u);
   EXPECT_TRUE(t.added_tokens()[1].lstrip);

@@ -332,11 +332,8 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   else if (!model.options().device.is_cpu()) eo.cache_memory_fraction = 0.8;
   RolloutEngine engine(rt, model, eo);
   // Ids the sampler never draws, as Generator: above the tokenizer's vocabulary, and its holes.
-  std::vector<int32_t> banned;
   const int64_t allowed = tok ? std::min<int64_t>(c.vocab_size, tok->vocab_size()) : c.vocab_size;
-  if (tok)
-    for (int32_t id = 0; id < int32_t(allowed); ++id)
-      if (!tok->id_to_token(id)) banned.push_back(id);
+  const std::vector<int32_t> banned = tok ? tok->ids_without_token(allowed) : std::vector<int32_t>{};
   // This rank's lines (global indices), and per line one text stream per sample (stop strings, the text).
   std::vector<size_t> mine;
   for (size_t i = size_t(me); i < requests.size(); i += size_t(ranks)) mine.push_back(i);
