@@ -54,7 +54,7 @@ def make_model(shape, folder):
     return config.vocab_size
 
 
-def hf_generate(folder, prompts, new_tokens):
+def hf_generate(folder, prompts, new_tokens, max_time):
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
@@ -63,7 +63,7 @@ def hf_generate(folder, prompts, new_tokens):
     for cache in kinds:
         try:
             kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                      attention_mask=torch.ones_like(ids))
+                      attention_mask=torch.ones_like(ids), max_time=max_time)
             if cache:
                 kw["cache_implementation"] = cache
             model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
@@ -72,8 +72,11 @@ def hf_generate(folder, prompts, new_tokens):
             out = model.generate(ids, **kw)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t
-            generated = (out.shape[1] - ids.shape[1]) * out.shape[0]
-            return generated / dt, cache or "default", dt
+            steps = out.shape[1] - ids.shape[1]
+            if steps < new_tokens:  # max_time ended it: the rate over the steps it made (prefill included)
+                log(f"transformers generate stopped by max_time {max_time} s after {steps} of {new_tokens} tokens")
+            label = (cache or "default") + ("" if steps == new_tokens else f", {steps} steps")
+            return steps * out.shape[0] / dt, label, dt
         except Exception as e:  # the static cache is not offered for every family
             log(f"transformers generate with cache {cache}: {type(e).__name__}: {str(e)[:200]}")
     return None, None, None
@@ -123,6 +126,10 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--out", default="/tmp/gen_bench")
     ap.add_argument("--skip-hf", action="store_true", help="only lathe (no transformers baseline)")
+    ap.add_argument("--hf-max-time", type=float, default=150.0,
+                    help="transformers' generate stops after this many seconds; its rate is then over the steps made")
+    ap.add_argument("--cache-mib", type=int, default=16384, help="lathe's KV cache")
+    ap.add_argument("--skip-batch1", action="store_true", help="no batch-1 row")
     ap.add_argument("--profile-step", type=int, default=-1, help="pass --profile-step to lathe generate")
     a = ap.parse_args()
     import torch
@@ -141,16 +148,19 @@ def main():
         with open(path, "w") as f:
             for p in prompts:
                 f.write(json.dumps({"tokens": p}) + "\n")
-        hf, cache, hf_s = (None, None, None) if a.skip_hf else hf_generate(folder, prompts, a.new)
+        hf, cache, hf_s = (None, None, None) if a.skip_hf else hf_generate(folder, prompts, a.new, a.hf_max_time)
         torch.cuda.empty_cache()
-        cache_mib = 16384
-        lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.out.jsonl"), a.new,
-                                     a.requests, cache_mib, profile_step=a.profile_step)
+        cache_mib = a.cache_mib
+        lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.r{a.requests}.out.jsonl"),
+                                     a.new, a.requests, cache_mib, profile_step=a.profile_step)
         row = {"shape": shape, "requests": a.requests, "prompt": a.prompt, "new": a.new, "hf_tokens_per_s": hf,
                "hf_cache": cache, "lathe_tokens_per_s": lt, "lathe_summary": summary,
                "ratio": (lt / hf) if (lt and hf) else None}
         log(f"{shape}: {a.requests} x ({a.prompt} + {a.new}): transformers ({cache} cache) "
             f"{hf or 0:,.0f} tok/s, lathe {lt or 0:,.0f} tok/s, ratio {row['ratio'] or 0:.2f}x; {summary}")
+        results["rows"].append(row)
+        if a.skip_batch1:
+            continue
         # Batch 1: one prompt, the decoding step against one read of the weights.
         one = os.path.join(a.out, f"{shape}.one.jsonl")
         with open(one, "w") as f:
@@ -163,7 +173,6 @@ def main():
                     "weights_read_ms": bound_ms, "batch1_over_bound": (step_ms / bound_ms) if step_ms else None})
         log(f"{shape} batch 1: {lt1 or 0:,.1f} tok/s = {step_ms or 0:.2f} ms a step; reading {weights / 1e9:.2f} GB of "
             f"weights takes {bound_ms:.2f} ms ({(step_ms or 0) / bound_ms:.2f}x the bound); {summary1}")
-        results["rows"].append(row)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -7,13 +7,14 @@
 #   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
 #            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights
 #   profile — the same engine runs without transformers, each with --profile-step 100 (the kernels of 10 decoding
-#            steps); the tables go to $OUT (BUILD_TARGET=lathe_cli builds only the binary)
+#            steps), and the 1.7B shape with 256 requests; the tables go to $OUT (BUILD_TARGET=lathe_cli builds only
+#            the binary)
 # Writes summary.txt and logs.tgz to $OUT.
 source dev/gpu_common.sh "$@"
 
 if has build; then
   (cd build && ctest -j8 --output-on-failure \
-     -R "CudaMatchesTheCpu|OpCheck.Cuda/(paged_attention|scatter_rows|row_argmax|cross_entropy)|PagedAttention|CrossEntropy" \
+     -R "CudaMatchesTheCpu|OpCheck.Cuda/(paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda" \
      >$L/ctest.txt 2>&1)
   summary "ctest (rollout, paged ops, decoding; CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
@@ -21,7 +22,8 @@ if has build; then
 fi
 
 if has speed; then
-  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --out /tmp/gen_bench >$L/gen_bench.log 2>&1
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --hf-max-time ${HF_MAX_TIME:-150} --out /tmp/gen_bench \
+    >$L/gen_bench.log 2>&1
   summary "$(grep -E '^(card|1.7b|q35)' $L/gen_bench.log)"
   cp /tmp/gen_bench/results.json $OUT/ 2>/dev/null
 fi
@@ -30,5 +32,8 @@ if has profile; then
   python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --profile-step 100 --out /tmp/gen_prof \
     >$L/gen_prof.log 2>&1
   summary "$(grep -E '^(card|1.7b|q35)' $L/gen_prof.log)"
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --profile-step 100 --shapes 1.7b \
+    --requests 256 --cache-mib 40000 --skip-batch1 --out /tmp/gen_prof >$L/gen_prof256.log 2>&1
+  summary "$(grep -E '^(1.7b)' $L/gen_prof256.log)"
   cp /tmp/gen_prof/*.profile.txt $OUT/ 2>/dev/null
 fi

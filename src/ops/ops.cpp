@@ -36,7 +36,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::attention_backward: return expect(AttentionAttrs{});
     case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
     case OpId::paged_attention: return expect(PagedAttentionAttrs{});
-    case OpId::row_argmax_logsumexp: return expect(ArgmaxAttrs{});
+    case OpId::row_argmax_logsumexp:
+    case OpId::sample_rows: return expect(ArgmaxAttrs{});
     case OpId::adamw:
     case OpId::adamw_list: return expect(AdamWAttrs{});
     case OpId::segment_mask:
@@ -324,6 +325,13 @@ Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache,
 
 std::vector<Tensor> row_argmax_logsumexp(ExecContext& ctx, const Tensor& x, int64_t limit) {
   return call_op(ctx, OpId::row_argmax_logsumexp, {contiguous(ctx, x)}, ArgmaxAttrs{limit});
+}
+
+std::vector<Tensor> sample_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, const Tensor& params,
+                                const Tensor& keys, int64_t limit) {
+  return call_op(ctx, OpId::sample_rows,
+                 {contiguous(ctx, x), contiguous(ctx, rows), contiguous(ctx, params), contiguous(ctx, keys)},
+                 ArgmaxAttrs{limit});
 }
 
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst) {

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <utility>
 
+#include "backend/dropout_hash.h"
 #include "model/lora.h"
 #include "ops/ops.h"
 
@@ -338,6 +339,49 @@ bool RolloutEngine::plain_greedy(const Sequence& s, int64_t limit) const {
          allowed_vocab(s) == limit;
 }
 
+// Whether the sequence's tokens are drawn on the device (sample_rows): sampling with a temperature and min-p alone.
+bool RolloutEngine::device_sampled(const Sequence& s, int64_t limit) const {
+  const SamplingOptions& o = s.req->sampling;
+  return o.temperature > 0 && (o.top_k == 0 || o.top_k >= limit) && o.top_p >= 1.0 && o.repetition_penalty == 1.0 &&
+         o.frequency_penalty == 0.0 && s.req->banned_ids.empty() && allowed_vocab(s) == limit;
+}
+
+// The next tokens of the ready rows that sample on the device, and of their followers (which draw their first token
+// from their leader's row), in one sample_rows call. Each draw's stream is the sample's (a key from the request's seed
+// and the sample's index), its counter the tokens the sample has generated, so nothing else in the step changes it.
+RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const Tensor& logits,
+                                                         const std::vector<Sequence*>& batch,
+                                                         const std::vector<size_t>& ready, int64_t limit) {
+  DeviceDraws d;
+  std::vector<int32_t> rows, keys;
+  std::vector<double> params;
+  const auto add = [&](const Sequence& q, size_t row) {
+    const uint64_t key = splitmix64(splitmix64(q.req->seed) + uint64_t(q.sample));
+    d.index[&q] = rows.size();
+    rows.push_back(int32_t(row));
+    keys.insert(keys.end(), {int32_t(uint32_t(key)), int32_t(uint32_t(key >> 32)),
+                             int32_t(q.tokens.size() - q.prompt_len)});
+    params.insert(params.end(), {q.req->sampling.temperature, q.req->sampling.min_p});
+  };
+  for (size_t i : ready) {
+    if (!device_sampled(*batch[i], limit ? limit : logits.size(1))) continue;
+    add(*batch[i], i);
+    for (const std::unique_ptr<Sequence>& f : batch[i]->followers) add(*f, i);
+  }
+  if (rows.empty()) return d;
+  const Device device = logits.device();
+  const int64_t m = int64_t(rows.size());
+  const DType st = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const std::vector<Tensor> out =
+      sample_rows(cx, logits, rt_->from_host(rows.data(), {m}, DType::I32, device),
+                  cast(cx, rt_->from_host(params.data(), {m, 2}, DType::F64, device), st),
+                  rt_->from_host(keys.data(), {m, 3}, DType::I32, device), limit);
+  d.token = rt_->copy_to(out[0], Device::cpu());
+  d.logit = rt_->copy_to(cast(cx, out[1], DType::F64), Device::cpu());
+  d.logprob = rt_->copy_to(cast(cx, out[2], DType::F64), Device::cpu());
+  return d;
+}
+
 SampledToken RolloutEngine::draw(Sequence& s, std::span<const double> row, std::vector<float>& scratch) {
   std::copy(row.begin(), row.end(), scratch.begin());
   for (int32_t id : s.req->banned_ids) scratch[size_t(id)] = -std::numeric_limits<float>::infinity();
@@ -443,7 +487,7 @@ bool RolloutEngine::step() {
   std::vector<int32_t> host_rows;  // in f64 on the host: an f64 model's log-probabilities keep their precision
   std::vector<int64_t> host_row_of(batch.size(), -1);
   for (size_t i : ready)
-    if (!plain_greedy(*batch[i], limit)) {
+    if (!plain_greedy(*batch[i], limit) && !device_sampled(*batch[i], limit)) {
       host_row_of[i] = int64_t(host_rows.size());
       host_rows.push_back(int32_t(i));
     }
@@ -452,6 +496,7 @@ bool RolloutEngine::step() {
     const Tensor rows = rt_->from_host(host_rows.data(), {int64_t(host_rows.size())}, DType::I32, device);
     host = rt_->copy_to(cast(cx, embedding(cx, logits, rows), DType::F64), Device::cpu());
   }
+  const DeviceDraws drawn = draw_on_device(cx, logits, batch, ready, limit == c.vocab_size ? 0 : limit);
   std::vector<float> scratch(size_t(c.vocab_size));
   ++stats_.steps;
   for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
@@ -466,6 +511,11 @@ bool RolloutEngine::step() {
                 "rollout: the model produced a non-finite logit for request {} (log-sum-exp {})", s.request, row_lse);
     // Sequence s's next token (and the request's other samples' first, from the same logits).
     const auto next = [&](Sequence& q) {
+      if (const auto d = drawn.index.find(&q); d != drawn.index.end()) {
+        const int32_t id = drawn.token.data<int32_t>()[d->second];
+        LATHE_CHECK(id >= 0, "rollout: every token id of request {} is masked", q.request);
+        return take(q, id, drawn.logit.data<double>()[d->second] - row_lse, drawn.logprob.data<double>()[d->second]);
+      }
       if (host_row_of[i] < 0) return take(q, arg.data<int32_t>()[i], best.data<double>()[i] - row_lse, 0.0);
       const std::span<const double> row(host.data<double>() + host_row_of[i] * c.vocab_size, size_t(c.vocab_size));
       const SampledToken t = draw(q, row, scratch);

@@ -39,6 +39,7 @@
 #include <memory>
 #include <random>
 #include <span>
+#include <unordered_map>
 #include <vector>
 
 #include "model/causal_lm.h"
@@ -119,6 +120,13 @@ class RolloutEngine {
   bool fork(Sequence& leader, Sequence& follower);
   int64_t allowed_vocab(const Sequence& s) const;
   bool plain_greedy(const Sequence& s, int64_t limit) const;
+  bool device_sampled(const Sequence& s, int64_t limit) const;
+  struct DeviceDraws {  // sample_rows' results on the host, draw i of sequence q at index[q]
+    std::unordered_map<const Sequence*, size_t> index;
+    Tensor token, logit, logprob;
+  };
+  DeviceDraws draw_on_device(ExecContext& cx, const Tensor& logits, const std::vector<Sequence*>& batch,
+                             const std::vector<size_t>& ready, int64_t limit);
   // Draws the next token of `s` from `row` (its logits) on the host.
   SampledToken draw(Sequence& s, std::span<const double> row, std::vector<float>& scratch);
   // Appends the token with its log-probabilities; true when that finishes `s`.

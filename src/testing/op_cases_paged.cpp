@@ -1,6 +1,7 @@
-// Op cases of the rollout engine's ops: row_argmax_logsumexp (odd widths, a limit below the width), paged_attention
+// Op cases of the rollout engine's ops: row_argmax_logsumexp and sample_rows (odd widths, a limit below the width, rows
+// the CUDA kernels cut into chunks; draws that share a row), paged_attention
 // (decoding steps of several sequences over scattered blocks, chunks of new tokens after a past, a first chunk, GQA
-// groups 1 to 4 and 8, head dims 8 to 256, block sizes 4 and 16, long contexts that the CUDA kernel splits; unused
+// groups 1 to 4 and 8, head dims 8 to 256 (every row width of the CUDA kernel's 16-byte loads), block sizes 4 and 16, long contexts that the CUDA kernel splits; unused
 // table entries point at block 0) and scatter_rows (rows of 12 floats, 6 bf16 values: every element width of
 // the CUDA copy). Forward only. The CPU kernel itself is checked against the training attention op in
 // tests/ops/test_fused_ops.cpp.
@@ -27,12 +28,29 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
   add("decode=1+1,group=8,ctx=200+77", 16, 2, 128, 16, 20,
       {19, 3, 7, 0, 12, 5, 16, 1, 9, 14, 2, 11, 6, 4, 8, 10, 13, 15, 0, 0, 0, 0, 0, 0, 0, 0}, {0, 1, 2}, {200, 77});
   add("chunk=3,group=4,d=256,ctx=150", 8, 2, 256, 16, 12, {11, 0, 5, 3, 9, 1, 7, 2, 10, 4}, {0, 3}, {150});
+  // Head dim 32: 16-byte rows of 8 lanes in f32 on CUDA (4 positions a warp at once), and a query chunk over 70.
+  add("decode+chunk=2,group=4,d=32,ctx=70+13", 4, 1, 32, 4, 24,
+      {17, 3, 22, 8, 0, 11, 19, 5, 14, 1, 20, 9, 6, 15, 2, 12, 23, 7, 4, 10, 13, 16, 18, 21, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+       0, 0, 0},
+      {0, 1, 3}, {70, 13});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37", {{5, 37}}, ArgmaxAttrs{}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37,limit=20", {{5, 37}}, ArgmaxAttrs{20}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=3,v=3001", {{3, 3001}}, ArgmaxAttrs{}, dtypes, false, false});
   // Rows the CUDA kernel cuts into chunks, with the limit inside a chunk.
   c.push_back({OpId::row_argmax_logsumexp, "n=2,v=20001,limit=15000", {{2, 20001}}, ArgmaxAttrs{15000}, dtypes, false,
                false});
+  // sample_rows: temperatures and min-p drawn from [0.3, 0.9]; draws sharing a row with different keys and counters,
+  // a limit inside a chunk of the CUDA kernel.
+  const auto sample = [&](const char* what, int64_t n, int64_t v, int64_t limit, std::vector<double> rows,
+                          std::vector<double> keys) {
+    OpCase oc{OpId::sample_rows, what, {{n, v}, {int64_t(rows.size())}, {int64_t(rows.size()), 2},
+              {int64_t(rows.size()), 3}}, ArgmaxAttrs{limit}, dtypes, false, false, {{}, rows, {}, keys}};
+    oc.value_ranges = {{}, {}, {0.3, 0.9}, {}};
+    oc.accumulation_inputs = {2};
+    c.push_back(std::move(oc));
+  };
+  sample("n=3,v=37,draws=5", 3, 37, 0, {0, 2, 2, 1, 0}, {7, 0, 0, 7, 0, 1, 9, 3, 0, -5, 12, 4, 7, 0, 0});
+  sample("n=2,v=20001,limit=15000,draws=3", 2, 20001, 15000, {1, 0, 1}, {11, 22, 5, 11, 22, 6, -1, -1, 0});
   c.push_back({OpId::scatter_rows, "rows=5,into=10,row=3x4", {{5, 3, 4}, {5}, {10, 3, 4}}, {}, dtypes, false, false,
                {{}, {7, 0, 3, 9, 2}, {}}});
   c.push_back({OpId::scatter_rows, "rows=3,into=4,row=6", {{3, 6}, {3}, {4, 6}}, {}, dtypes, false, false,

@@ -155,15 +155,14 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   const std::unique_ptr<CausalLm> m = tiny_model(GetParam());
   const int64_t v = m->config().vocab_size;
   const std::vector<int64_t> lengths = {6, 13, 1};
-  const auto run = [&](EngineOptions o, double temperature, EngineStats* stats = nullptr) {
+  const auto run = [&](EngineOptions o, SamplingOptions sampling, EngineStats* stats = nullptr) {
     RolloutEngine e(runtime(), *m, o);
     for (size_t i = 0; i < lengths.size(); ++i) {
       RolloutRequest r;
       r.prompt = random_ids(lengths[i], v, 300 + i);
       r.n = 3;
       r.max_new_tokens = 7;
-      r.sampling.temperature = temperature;
-      r.sampling.top_k = 10;
+      r.sampling = sampling;
       r.seed = 77 + i;
       e.submit(r);
     }
@@ -177,22 +176,31 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   cramped.cache_blocks = 9;  // 36 tokens for nine sequences of up to 20
   cramped.max_step_tokens = 12;
   EngineStats a, b, c;
-  const std::vector<RolloutResult> want = run(unshared, 0.9, &a);
-  const std::vector<RolloutResult> got = run(shared, 0.9, &b);
-  const std::vector<RolloutResult> tight = run(cramped, 0.9, &c);
-  ASSERT_EQ(want.size(), 9u);
-  ASSERT_EQ(got.size(), 9u);
-  ASSERT_EQ(tight.size(), 9u);
-  for (size_t k = 0; k < want.size(); ++k) {
-    EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request << " sample " << got[k].sample;
-    EXPECT_EQ(tight[k].tokens, want[k].tokens)
-        << "cramped: request " << tight[k].request << " sample " << tight[k].sample;
+  // Top-k draws on the host; temperature with min-p on the device (sample_rows), followers from their leader's row.
+  SamplingOptions host_drawn, device_drawn, greedy_options;
+  host_drawn.temperature = device_drawn.temperature = 0.9;
+  host_drawn.top_k = 10;
+  device_drawn.min_p = 0.1;
+  greedy_options.temperature = 0.0;
+  for (const SamplingOptions& so : {host_drawn, device_drawn}) {
+    const std::vector<RolloutResult> want = run(unshared, so, &a);
+    const std::vector<RolloutResult> got = run(shared, so, &b);
+    const std::vector<RolloutResult> tight = run(cramped, so, &c);
+    ASSERT_EQ(want.size(), 9u);
+    ASSERT_EQ(got.size(), 9u);
+    ASSERT_EQ(tight.size(), 9u);
+    for (size_t k = 0; k < want.size(); ++k) {
+      EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request << " sample " << got[k].sample;
+      EXPECT_EQ(tight[k].tokens, want[k].tokens)
+          << "cramped: request " << tight[k].request << " sample " << tight[k].sample;
+    }
+    EXPECT_NE(want[0].tokens, want[1].tokens) << "two samples of one request drew the same tokens";
   }
   EXPECT_EQ(a.shared_prompt_tokens, 0);
   EXPECT_EQ(b.shared_prompt_tokens, 2 * (6 + 13 + 1));
   EXPECT_EQ(b.step_tokens, a.step_tokens - 2 * (6 + 13 + 1));
   EXPECT_GT(c.preemptions, 0);
-  const std::vector<RolloutResult> greedy = run(shared, 0.0);
+  const std::vector<RolloutResult> greedy = run(shared, greedy_options);
   for (const RolloutResult& r : greedy) {
     const std::vector<int32_t> prompt = random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request));
     EXPECT_EQ(r.tokens, reference_greedy(*m, prompt, 7).first)
@@ -319,9 +327,12 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
   }
 }
 
-// Sampled (temperature 0.8, top-k 12): each request's tokens are the same alone and in a batch with others in another
-// order, and two samples of one request differ; a stop id ends a sample with "eos" and is kept.
-TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
+// Sampled (temperature 0.8 with top-k 12, on the host; or with min-p 0.05, on the device): each request's tokens are the
+// same alone and in a batch with others in another order, and two samples of one request differ; a stop id ends a
+// sample with "eos" and is kept.
+class SeededSampling : public ::testing::TestWithParam<bool> {};  // true: temperature and min-p, drawn on the device
+
+TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
   const std::unique_ptr<CausalLm> m = tiny_model("qwen3_5");
   const int64_t v = m->config().vocab_size;
   auto request = [&](uint64_t i) {
@@ -329,7 +340,8 @@ TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
     r.prompt = random_ids(3 + int64_t(i) * 5, v, 200 + i);
     r.max_new_tokens = 12;
     r.sampling.temperature = 0.8;
-    r.sampling.top_k = 12;
+    if (GetParam()) r.sampling.min_p = 0.05;
+    else r.sampling.top_k = 12;
     r.seed = 1000 + i;
     r.n = 2;
     return r;
@@ -374,6 +386,10 @@ TEST(Rollout, SeededSamplingDoesNotDependOnTheBatch) {
   EXPECT_EQ(stopped[0].tokens, std::vector<int32_t>{alone[0][0].tokens[0]});
   EXPECT_EQ(stopped[0].finish_reason, FinishReason::kEos);
 }
+
+INSTANTIATE_TEST_SUITE_P(HostAndDevice, SeededSampling, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& i) {
+  return i.param ? "min_p_on_device" : "top_k_on_host";
+});
 
 // The engine reads the model's parameters at every step: after a weight update between batches (every matrix scaled
 // in place, as an optimizer step would change them), a new request's greedy tokens are the updated model's cache-free

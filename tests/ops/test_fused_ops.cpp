@@ -361,3 +361,85 @@ TEST(PagedAttention, IsTheLastRowsOfCausalAttentionOverTheSequence) {
             << device.str() << " " << dtype_name(dtype) << " sequence " << b << " element " << x;
   }
 }
+
+// sample_rows against the distribution it is meant to draw from, computed here from its definition: 20,000 draws from
+// one row (counters 0..19,999 of one key) in each of two settings — temperature 0.7 with min-p 0.25 (two ids kept), and
+// temperature 1.3 without min-p (every finite id below the limit) — give each id's frequency within 5 standard
+// errors of its probability, never an id outside the kept set, and each draw's logprob equal to the log of its id's
+// probability and its logit to x[id]. On the CPU (f64, f32) and CUDA (f32) where a GPU exists, whose tokens equal the
+// CPU's draw for draw (the same variates, backend/sample_hash.h). Interleaving the draws with draws from another row
+// changes none of them.
+TEST(SampleRows, DrawsFromTheTemperedMinPDistributionWhateverElseIsDrawn) {
+  const std::vector<double> x = {0.25, 2.5, -INFINITY, 0.375, 2.375, 9.0};  // id 5 lies beyond the limit
+  const int64_t v = 6, limit = 5, n = 20000;
+  struct Setting {
+    double t, min_p;
+  };
+  for (const Setting s : {Setting{0.7, 0.25}, Setting{1.3, 0.0}}) {
+    // The kept ids and their probabilities from the definition (op_table.h).
+    double zmax = -INFINITY;
+    for (int64_t j = 0; j < limit; ++j) zmax = std::max(zmax, x[size_t(j)] / s.t);
+    std::vector<double> p(size_t(v), 0.0);
+    double total = 0;
+    for (int64_t j = 0; j < limit; ++j)
+      if (std::isfinite(x[size_t(j)]) && (s.min_p == 0 || x[size_t(j)] / s.t >= zmax + std::log(s.min_p)))
+        total += (p[size_t(j)] = std::exp(x[size_t(j)] / s.t - zmax));
+    for (double& q : p) q /= total;
+    ASSERT_EQ(std::count_if(p.begin(), p.end(), [](double q) { return q > 0; }), s.min_p > 0 ? 2 : 4);
+    std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F64}, {Device::cpu(), DType::F32}};
+    if (runtime().has_device(Device::cuda(0))) rows.push_back({Device::cuda(0), DType::F32});
+    std::vector<int32_t> cpu_f32_tokens;
+    for (const auto& [device, dtype] : rows) {
+      ExecContext ctx = runtime().context(device);
+      // Two rows: draw 2i from row 0 (counter i), draw 2i + 1 from row 1 (a shuffled copy, another key).
+      std::vector<double> two = x;
+      for (int64_t j = 0; j < v; ++j) two.push_back(x[size_t((j + 3) % v)]);
+      std::vector<int32_t> which, keys;
+      std::vector<double> params;
+      for (int64_t i = 0; i < 2 * n; ++i) {
+        which.push_back(int32_t(i % 2));
+        keys.insert(keys.end(), {int32_t(i % 2 ? 99 : 7), 0, int32_t(i / 2)});
+        params.insert(params.end(), {s.t, s.min_p});
+      }
+      const DType st = dtype == DType::F64 ? DType::F64 : DType::F32;
+      const auto up = [&](const std::vector<double>& h, Shape shape, DType dt) {
+        return cast(ctx, runtime().from_host(h.data(), std::move(shape), DType::F64, device), dt);
+      };
+      const std::vector<Tensor> out =
+          sample_rows(ctx, up(two, {2, v}, dtype), runtime().from_host(which.data(), {2 * n}, DType::I32, device),
+                      up(params, {2 * n, 2}, st), runtime().from_host(keys.data(), {2 * n, 3}, DType::I32, device), limit);
+      const Tensor tok = runtime().copy_to(out[0], Device::cpu());
+      const Tensor logit = runtime().copy_to(cast(ctx, out[1], DType::F64), Device::cpu());
+      const Tensor logprob = runtime().copy_to(cast(ctx, out[2], DType::F64), Device::cpu());
+      // The same draws from row 0 alone.
+      std::vector<int32_t> alone_rows(size_t(n), 0), alone_keys;
+      std::vector<double> alone_params;
+      for (int64_t i = 0; i < n; ++i) {
+        alone_keys.insert(alone_keys.end(), {7, 0, int32_t(i)});
+        alone_params.insert(alone_params.end(), {s.t, s.min_p});
+      }
+      const Tensor alone = runtime().copy_to(
+          sample_rows(ctx, up(x, {1, v}, dtype), runtime().from_host(alone_rows.data(), {n}, DType::I32, device),
+                      up(alone_params, {n, 2}, st), runtime().from_host(alone_keys.data(), {n, 3}, DType::I32, device),
+                      limit)[0],
+          Device::cpu());
+      std::vector<int64_t> count(size_t(v), 0);
+      const double tol = dtype == DType::F64 ? 1e-12 : 1e-5;
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t id = tok.data<int32_t>()[2 * i];
+        ASSERT_TRUE(id >= 0 && id < v && p[size_t(id)] > 0) << device.str() << " draw " << i << " gave id " << id;
+        ASSERT_EQ(alone.data<int32_t>()[i], id) << device.str() << " draw " << i << " depends on the other row's";
+        ++count[size_t(id)];
+        ASSERT_NEAR(logprob.data<double>()[2 * i], std::log(p[size_t(id)]), tol);
+        ASSERT_EQ(logit.data<double>()[2 * i], x[size_t(id)]);
+      }
+      for (int64_t j = 0; j < v; ++j) {
+        const double freq = double(count[size_t(j)]) / double(n), se = std::sqrt(p[size_t(j)] * (1 - p[size_t(j)]) / n);
+        EXPECT_NEAR(freq, p[size_t(j)], 5 * se + 1e-12) << device.str() << " id " << j << " t " << s.t;
+      }
+      std::vector<int32_t> tokens(tok.data<int32_t>(), tok.data<int32_t>() + 2 * n);
+      if (device.is_cpu() && dtype == DType::F32) cpu_f32_tokens = tokens;
+      if (!device.is_cpu()) EXPECT_EQ(tokens, cpu_f32_tokens) << "CUDA draws differ from the CPU's";
+    }
+  }
+}

@@ -11,6 +11,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/rope_angles.h"
 #include "backend/registry.h"
+#include "backend/sample_hash.h"
 
 namespace lathe {
 
@@ -299,6 +300,49 @@ void paged_attention_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
+// sample_rows (op_table.h), in double: one pass for the largest kept z, one for the Gumbel argmax and the sum.
+template <typename T>
+void sample_rows_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& x = c.inputs[0];
+  const int64_t v = x.size(1), m = c.inputs[1].size(0);
+  const int64_t limit = c.attr<ArgmaxAttrs>().limit ? c.attr<ArgmaxAttrs>().limit : v;
+  using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
+  const int32_t* rows = c.inputs[1].data<int32_t>();
+  const S* params = static_cast<const S*>(c.inputs[2].data_ptr());
+  const int32_t* keys = c.inputs[3].data<int32_t>();
+  int32_t* token = c.outputs[0].data<int32_t>();
+  S* logit = static_cast<S*>(c.outputs[1].data_ptr());
+  S* logprob = static_cast<S*>(c.outputs[2].data_ptr());
+  for (int64_t i = 0; i < m; ++i) {
+    LATHE_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "cpu: sample_rows: draw {} names row {} of {}", i, rows[i],
+                x.size(0));
+    const T* row = x.data<T>() + int64_t(rows[i]) * v;
+    const double t = double(params[2 * i]), min_p = double(params[2 * i + 1]);
+    const uint64_t key = sample_key(keys[3 * i], keys[3 * i + 1]), counter = uint64_t(uint32_t(keys[3 * i + 2]));
+    double zmax = -INFINITY;
+    for (int64_t j = 0; j < limit; ++j)
+      if (std::isfinite(double(row[j]))) zmax = std::max(zmax, double(row[j]) / t);
+    const double cut = min_p > 0 ? zmax + std::log(min_p) : -INFINITY;
+    double best = -INFINITY, sum = 0;
+    int64_t chosen = -1;
+    for (int64_t j = 0; j < limit; ++j) {
+      const double z = double(row[j]) / t;
+      if (!std::isfinite(z) || z < cut) continue;
+      sum += std::exp(z - zmax);
+      const double score = z - std::log(-std::log(sample_uniform(key, counter, uint64_t(j))));
+      if (chosen < 0 || score > best) best = score, chosen = j;
+    }
+    if (chosen < 0) {  // no finite logit below the limit: token -1 (the CUDA kernel's answer too)
+      token[i] = -1;
+      logit[i] = logprob[i] = S(NAN);
+      continue;
+    }
+    token[i] = int32_t(chosen);
+    logit[i] = S(row[chosen]);
+    logprob[i] = S(double(row[chosen]) / t - zmax - std::log(sum));
+  }
+}
+
 // row_argmax_logsumexp (op_table.h), in double.
 template <typename T>
 void row_argmax_logsumexp_kernel(const OpCall& c, ExecContext&) {
@@ -448,6 +492,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::paged_attention, "cpu/paged_attention", paged_attention_kernel<T>);
   add(OpId::scatter_rows, "cpu/scatter_rows", scatter_rows_kernel<T>);
   add(OpId::row_argmax_logsumexp, "cpu/row_argmax_logsumexp", row_argmax_logsumexp_kernel<T>);
+  add(OpId::sample_rows, "cpu/sample_rows", sample_rows_kernel<T>);
   r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
                   cross_entropy_kernel<T>});
 }

@@ -514,6 +514,8 @@ __device__ __forceinline__ Pack<T, kN> norm_rope_pack(const Pack<T, kN>& x, cons
   return rotate_pack(normalized<false>(x, w, static_cast<const T*>(nullptr), 0, inv, offset), cs, sn, lg);
 }
 
+// A lane group per (token, head row) of the fused output: q's Hq heads, then k's Hkv, then v's Hkv (copied), so that a
+// decoding step's few tokens spread over as many groups as they have heads.
 template <typename T, int kN, int kLanes>
 __global__ void __launch_bounds__(kNormThreads)
     qk_norm_rope_kernel(int64_t tokens, int64_t hq, int64_t hkv, float eps, float offset,
@@ -522,20 +524,19 @@ __global__ void __launch_bounds__(kNormThreads)
   __shared__ GroupScratch scratch;  // group_sum2's, unused by groups of at most a warp
   const LaneGroup<kLanes> lg = lane_group<kLanes>();
   constexpr int64_t kD = int64_t(kLanes) * kN;
-  const int64_t cols = (hq + 2 * hkv) * kD, at = lg.lane * kN;
-  const Pack<T, kN> wqv = load_pack<T, kN>(wq + at), wkv = load_pack<T, kN>(wk + at);
-  for (int64_t t = lg.index; t < tokens; t += lg.count) {
+  const int64_t heads = hq + 2 * hkv, cols = heads * kD, at = lg.lane * kN;
+  for (int64_t i = lg.index; i < tokens * heads; i += lg.count) {
+    const int64_t t = i / heads, h = i % heads;
+    const Pack<T, kN> x = load_pack<T, kN>(qkv + t * cols + h * kD + at);
+    if (h >= hq + hkv) {
+      store_pack(v + (t * hkv + h - hq - hkv) * kD + at, x);
+      continue;
+    }
     float cs[kN], sn[kN];
     rope_angles<kN, kLanes>(freqs, pos[t], lg.lane, false, cs, sn);
-    const T* row = qkv + t * cols + at;
-    for (int64_t h = 0; h < hq; ++h)
-      store_pack(q + (t * hq + h) * kD + at,
-                 norm_rope_pack(load_pack<T, kN>(row + h * kD), wqv, eps, offset, cs, sn, lg, scratch));
-    for (int64_t h = 0; h < hkv; ++h)
-      store_pack(k + (t * hkv + h) * kD + at,
-                 norm_rope_pack(load_pack<T, kN>(row + (hq + h) * kD), wkv, eps, offset, cs, sn, lg, scratch));
-    for (int64_t h = 0; h < hkv; ++h)
-      store_pack(v + (t * hkv + h) * kD + at, load_pack<T, kN>(row + (hq + hkv + h) * kD));
+    const bool is_q = h < hq;
+    T* out = is_q ? q + (t * hq + h) * kD + at : k + (t * hkv + h - hq) * kD + at;
+    store_pack(out, norm_rope_pack(x, load_pack<T, kN>((is_q ? wq : wk) + at), eps, offset, cs, sn, lg, scratch));
   }
 }
 
@@ -1124,7 +1125,7 @@ void launch_qk_norm_rope(DType dtype, int64_t tokens, int64_t hq, int64_t hkv, i
     using T = decltype(t);
     const bool ok = dispatch_qk_lanes<T>(d, [&](auto lanes) {
       constexpr int kLanes = decltype(lanes)::value;
-      const int blocks = grid_for(tokens, kNormThreads / kLanes);
+      const int blocks = grid_for(tokens * (hq + 2 * hkv), kNormThreads / kLanes);
       qk_norm_rope_kernel<T, kPackOf16<T>, kLanes><<<blocks, kNormThreads, 0, stream>>>(
           tokens, hq, hkv, float(eps), float(offset), freqs, static_cast<const T*>(qkv), static_cast<const T*>(wq),
           static_cast<const T*>(wk), positions, static_cast<T*>(q), static_cast<T*>(k), static_cast<T*>(v));

@@ -5,7 +5,8 @@
 // heads sharing one kv head, split of the context); its four warps take the split's positions in turn, each reading a
 // key and value row once through the block table for all the block's heads (a lane holds D / 32 values), summing the
 // dot products across the warp and keeping an online softmax per head (running max and sum, rescaled accumulators,
-// f32). The warps' partial results merge in shared memory; with one split the block writes the output, else each
+// f32; where the rows allow, 16-byte loads and several positions in flight a warp: paged_attention_packed_kernel).
+// The warps' partial results merge in shared memory; with one split the block writes the output, else each
 // split's unnormalised output, max and sum go to a workspace and a second kernel merges the splits. The launcher picks
 // the splits so that about two blocks an SM run: a decode step of few sequences splits a long context many ways (a
 // warp per position was latency-bound: 34 ms a step for the 1.7B shape on an H200 at batch 1), a prefill chunk of
@@ -16,6 +17,7 @@
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/paged_launchers.h"
+#include "backend/sample_hash.h"
 
 namespace lathe::cuda {
 
@@ -214,6 +216,123 @@ __global__ void row_summary_merge_kernel(int64_t chunks, const float* part, int3
   }
 }
 
+// The same block layout with 16-byte loads and several positions in flight: a key or value row of D = L x kN elements
+// is read by L lanes (kN = 16 / sizeof(T) values each), so a warp takes 32 / L positions at once and each of those
+// "slots" loads kU positions before it uses any; the scores of the kU positions enter the online softmax together
+// (one rescale). Taken where D x sizeof(T) is 128, 256 or 512 bytes and the operands are 16-byte aligned (the other
+// kernel serves the rest).
+template <typename T, int G, int L>
+__global__ void paged_attention_packed_kernel(int64_t q_heads, int64_t kv_heads, int64_t bs, int64_t batch,
+                                              int64_t width, int64_t split_len, float scale, const T* q, const T* kc,
+                                              const T* vc, const int32_t* table, const int32_t* cu,
+                                              const int32_t* ctx, T* o, float* part) {
+  constexpr int kN = kPackOf16<T>, kD = L * kN, kSub = 32 / L, kSlots = kSplitWarps * kSub, kU = 4;
+  __shared__ float merge_acc[kSlots][G][kD];
+  __shared__ float merge_m[kSlots][G], merge_l[kSlots][G];
+  const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32), sl = lane % L, slot = warp * kSub + lane / L;
+  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
+  int64_t lo = 0, hi = batch;  // the sequence b with cu[b] <= i < cu[b + 1]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (cu[mid] <= i) lo = mid;
+    else hi = mid;
+  }
+  const int64_t b = lo, n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
+  const int64_t kh = h0 / (q_heads / kv_heads);
+  const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
+  float qv[G][kN], acc[G][kN], mx[G], sum[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const Pack<T, kN> x = load_pack<T, kN>(q + (i * q_heads + h0 + g) * kD + sl * kN);
+    mx[g] = -INFINITY;
+    sum[g] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kN; ++e) {
+      qv[g][e] = float(x.e[e]) * scale;
+      acc[g][e] = 0.0f;
+    }
+  }
+  // The loop runs while the warp's first slot has a position, so that every lane takes part in every shuffle.
+  for (int64_t w0 = begin + warp * kSub; w0 < end; w0 += int64_t(kSlots) * kU) {
+    const int64_t j0 = w0 + slot - warp * kSub;
+    Pack<T, kN> kp[kU], vp[kU];
+    bool ok[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t j = j0 + int64_t(u) * kSlots;
+      ok[u] = j < end;
+      if (ok[u]) {
+        const int64_t row = (int64_t(table[b * width + j / bs]) * bs + j % bs) * kv_heads + kh;
+        kp[u] = load_pack<T, kN>(kc + row * kD + sl * kN);
+        vp[u] = load_pack<T, kN>(vc + row * kD + sl * kN);
+      } else {
+#pragma unroll
+        for (int e = 0; e < kN; ++e) kp[u].e[e] = vp[u].e[e] = T(0.0f);
+      }
+    }
+    float score[G][kU];  // every lane of the warp shuffles, whatever its slot's positions
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kN; ++e) dot += qv[g][e] * float(kp[u].e[e]);
+#pragma unroll
+        for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        score[g][u] = ok[u] ? dot : -INFINITY;
+      }
+    if (!ok[0]) continue;  // this slot has no position left (the others may)
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float nm = mx[g];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) nm = fmaxf(nm, score[g][u]);
+      const float corr = expf(mx[g] - nm);
+      float p[kU], ps = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kU; ++u) ps += (p[u] = expf(score[g][u] - nm));
+      sum[g] = sum[g] * corr + ps;
+#pragma unroll
+      for (int e = 0; e < kN; ++e) {
+        float a = acc[g][e] * corr;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) a += p[u] * float(vp[u].e[e]);
+        acc[g][e] = a;
+      }
+      mx[g] = nm;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int e = 0; e < kN; ++e) merge_acc[slot][g][sl * kN + e] = acc[g][e];
+    if (sl == 0) merge_m[slot][g] = mx[g], merge_l[slot][g] = sum[g];
+  }
+  __syncthreads();
+  for (int64_t x = threadIdx.x; x < G * kD; x += blockDim.x) {
+    const int g = int(x / kD);
+    const int64_t c = x % kD;
+    float m = -INFINITY;
+    for (int w = 0; w < kSlots; ++w) m = fmaxf(m, merge_m[w][g]);
+    float l = 0.0f, a = 0.0f;
+    for (int w = 0; w < kSlots; ++w) {
+      if (merge_m[w][g] == -INFINITY) continue;  // a slot without positions
+      const float f = expf(merge_m[w][g] - m);
+      l += merge_l[w][g] * f;
+      a += merge_acc[w][g][c] * f;
+    }
+    const int64_t h = h0 + g;
+    if (splits == 1) {
+      store(o, (i * q_heads + h) * kD + c, a / l);
+      continue;
+    }
+    float* p = part + ((i * q_heads + h) * splits + split) * (kD + 2);
+    p[c] = a;
+    if (c == 0) p[kD] = m, p[kD + 1] = l;  // a split past the query's position: m = -inf, l = 0
+  }
+}
+
 template <typename E>
 __global__ void scatter_rows_kernel(int64_t rows, int64_t width, const E* src, const int32_t* index, E* out) {
   for (int64_t x = global_thread(); x < rows * width; x += grid_threads())
@@ -239,13 +358,22 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
   const dim3 grid(unsigned(tokens), unsigned(q_heads / g), unsigned(splits));
   dispatch_f32_bf16_f16(dtype, "paged_attention dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
+    const int64_t row_bytes = head_dim * int64_t(sizeof(T));
+    const bool packed = (row_bytes == 128 || row_bytes == 256 || row_bytes == 512) && aligned16(q) &&
+                        aligned16(k_cache) && aligned16(v_cache) && aligned16(o);
     const auto run = [&](auto heads) {
       constexpr int G = decltype(heads)::value;
-      const auto kernel = head_dim <= 128 ? paged_attention_kernel<T, G, 4> : paged_attention_kernel<T, G, 8>;
-      kernel<<<grid, 32 * kSplitWarps, 0, stream>>>(
-          q_heads, kv_heads, head_dim, block_size, batch, table_width, split_len, scale, static_cast<const T*>(q),
-          static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens,
-          static_cast<T*>(o), workspace);
+      const auto args = [&](auto kernel, auto... dims) {
+        kernel<<<grid, 32 * kSplitWarps, 0, stream>>>(
+            q_heads, kv_heads, dims..., block_size, batch, table_width, split_len, scale, static_cast<const T*>(q),
+            static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens,
+            static_cast<T*>(o), workspace);
+      };
+      if (packed && row_bytes == 128) args(paged_attention_packed_kernel<T, G, 8>);
+      else if (packed && row_bytes == 256) args(paged_attention_packed_kernel<T, G, 16>);
+      else if (packed) args(paged_attention_packed_kernel<T, G, 32>);
+      else if (head_dim <= 128) args(paged_attention_kernel<T, G, 4>, head_dim);
+      else args(paged_attention_kernel<T, G, 8>, head_dim);
     };
     if (g == 8) run(std::integral_constant<int, 8>{});
     else if (g == 4) run(std::integral_constant<int, 4>{});
@@ -257,6 +385,118 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
           q_heads, head_dim, splits, workspace, static_cast<T*>(o));
       LATHE_CUDA_LAUNCH_CHECK("paged_attention_merge_kernel");
     }
+  });
+}
+
+namespace {
+
+// sample_rows in three kernels over (draw, chunk of the row) blocks, as row_argmax_logsumexp: each chunk's largest
+// finite logit below the limit; then, with the row's largest z from those, each chunk's sum of exp(z - max z) over
+// its kept ids and its Gumbel argmax (score and id, in double as the CPU kernel); then a thread per draw merges its
+// chunks (the lowest id wins a tie, as one pass over the row would).
+template <typename T>
+__global__ void sample_max_kernel(int64_t v, int64_t limit, int64_t chunk_len, const T* x, const int32_t* rows,
+                                  float* part) {
+  __shared__ float scratch[32];
+  const T* row = x + int64_t(rows[blockIdx.x]) * v;
+  const int64_t begin = int64_t(blockIdx.y) * chunk_len, end = min(begin + chunk_len, limit);
+  float m = -INFINITY;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    const float f = float(load(row, j));
+    if (isfinite(f)) m = fmaxf(m, f);
+  }
+  m = block_reduce<float, true>(m, scratch);
+  if (threadIdx.x == 0) part[int64_t(blockIdx.x) * gridDim.y + blockIdx.y] = m;
+}
+
+template <typename T, typename S>
+__global__ void sample_chunk_kernel(int64_t v, int64_t limit, int64_t chunk_len, const T* x, const int32_t* rows,
+                                    const S* params, const int32_t* keys, const float* maxes, double* part) {
+  __shared__ double scratch[32], best_s[kThreads];
+  __shared__ int64_t best_i[kThreads];
+  const int64_t i = blockIdx.x, chunks = gridDim.y;
+  const T* row = x + int64_t(rows[i]) * v;
+  float xmax = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) xmax = fmaxf(xmax, maxes[i * chunks + c]);
+  const double t = double(params[2 * i]), min_p = double(params[2 * i + 1]), zmax = double(xmax) / t;
+  const double cut = min_p > 0 ? zmax + log(min_p) : -INFINITY;
+  const uint64_t key = sample_key(keys[3 * i], keys[3 * i + 1]), counter = uint64_t(uint32_t(keys[3 * i + 2]));
+  const int64_t begin = int64_t(blockIdx.y) * chunk_len, end = min(begin + chunk_len, limit);
+  double sum = 0.0, bs = -INFINITY;
+  int64_t bi = -1;
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    const double z = double(load(row, j)) / t;
+    if (!isfinite(z) || z < cut) continue;
+    sum += exp(z - zmax);
+    const double score = z - log(-log(sample_uniform(key, counter, uint64_t(j))));
+    if (bi < 0 || score > bs) bs = score, bi = j;
+  }
+  sum = block_reduce<double, false>(sum, scratch);
+  best_s[threadIdx.x] = bs;
+  best_i[threadIdx.x] = bi;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const int o = threadIdx.x + stride;
+      const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_s[o] > best_s[threadIdx.x] ||
+                                           (best_s[o] == best_s[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
+      if (take) best_s[threadIdx.x] = best_s[o], best_i[threadIdx.x] = best_i[o];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    double* p = part + (i * chunks + blockIdx.y) * 3;
+    p[0] = sum;
+    p[1] = best_s[0];
+    p[2] = double(best_i[0]);
+  }
+}
+
+template <typename T, typename S>
+__global__ void sample_merge_kernel(int64_t m, int64_t v, int64_t chunks, const T* x, const int32_t* rows,
+                                    const S* params, const float* maxes, const double* part, int32_t* token, S* logit,
+                                    S* logprob) {
+  const int64_t i = global_thread();
+  if (i >= m) return;
+  float xmax = -INFINITY;
+  double total = 0.0, bs = -INFINITY, bi = -1.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    xmax = fmaxf(xmax, maxes[i * chunks + c]);
+    const double* p = part + (i * chunks + c) * 3;
+    total += p[0];
+    if (p[2] >= 0 && (bi < 0 || p[1] > bs)) bs = p[1], bi = p[2];  // chunks in id order: a tie keeps the lower id
+  }
+  if (bi < 0) {
+    token[i] = -1;
+    logit[i] = logprob[i] = S(NAN);
+    return;
+  }
+  const double t = double(params[2 * i]), x_tok = double(load(x + int64_t(rows[i]) * v, int64_t(bi)));
+  token[i] = int32_t(bi);
+  logit[i] = S(x_tok);
+  logprob[i] = S(x_tok / t - double(xmax) / t - log(total));
+}
+
+}  // namespace
+
+void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_t chunks, const void* x,
+                        const int32_t* rows, const void* params, const int32_t* keys, int32_t* token, void* logit,
+                        void* logprob, float* maxes, double* part, cudaStream_t stream) {
+  if (m == 0) return;
+  limit = limit > 0 ? limit : v;
+  const int64_t chunk_len = (limit + chunks - 1) / chunks;
+  const dim3 grid{unsigned(m), unsigned(chunks)};
+  dispatch_f32_bf16_f16(dtype, "sample_rows dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    const T* px = static_cast<const T*>(x);
+    const float* pp = static_cast<const float*>(params);
+    sample_max_kernel<T><<<grid, kThreads, 0, stream>>>(v, limit, chunk_len, px, rows, maxes);
+    LATHE_CUDA_LAUNCH_CHECK("sample_max_kernel");
+    sample_chunk_kernel<T, float><<<grid, kThreads, 0, stream>>>(v, limit, chunk_len, px, rows, pp, keys, maxes, part);
+    LATHE_CUDA_LAUNCH_CHECK("sample_chunk_kernel");
+    sample_merge_kernel<T, float><<<grid_for(m, kThreads), kThreads, 0, stream>>>(
+        m, v, chunks, px, rows, pp, maxes, part, token, static_cast<float*>(logit), static_cast<float*>(logprob));
+    LATHE_CUDA_LAUNCH_CHECK("sample_merge_kernel");
   });
 }
 

@@ -1,5 +1,5 @@
 // Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
-// 256), row_argmax_logsumexp for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
+// 256), row_argmax_logsumexp and sample_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
 // src/testing/op_cases_paged.cpp.
 #include <cmath>
 
@@ -51,9 +51,24 @@ void run_row_argmax_logsumexp(const OpCall& c, ExecContext& ctx) {
                               workspace.data<float>(), stream_of(ctx));
 }
 
+void run_sample_rows(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  const int64_t m = c.inputs[1].size(0), limit = c.attr<ArgmaxAttrs>().limit;
+  const int64_t chunks = row_argmax_logsumexp_chunks(m, limit > 0 ? limit : x.size(1));
+  const int64_t blocks = std::max<int64_t>(m, 1) * chunks;
+  const Tensor maxes = Tensor::empty({blocks}, DType::F32, ctx.allocator);
+  const Tensor part = Tensor::empty({blocks * 3}, DType::F64, ctx.allocator);
+  launch_sample_rows(x.dtype(), m, x.size(1), limit, chunks, x.data_ptr(), c.inputs[1].data<int32_t>(),
+                     c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.outputs[0].data<int32_t>(),
+                     c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), maxes.data<float>(), part.data<double>(),
+                     stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_paged_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::sample_rows, DeviceType::CUDA, dt, "cuda/sample_rows", all_contiguous, run_sample_rows});
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     r.add(KernelDef{OpId::row_argmax_logsumexp, DeviceType::CUDA, dt, "cuda/row_argmax_logsumexp", all_contiguous,
                     run_row_argmax_logsumexp});
