@@ -121,19 +121,21 @@ RlSource::RlSource(Runtime& rt, const TrainConfig& c)
 
 RlSource::~RlSource() = default;
 
-void RlSource::start(CausalLm& model, int adapter, const nlohmann::json& state) {
+void RlSource::start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) {
   model_ = &model;
   adapter_ = adapter;
+  ranks_ = ranks;
   const RlOptions& o = c_.rl;
   const auto yes = [](bool b) { return b ? "on" : "off"; };
-  fmt::print("rl: {}: {} samples x {} prompts a rollout ({} in data.train), {} update(s) each; clip [{}, {}]{}, "
+  if (ranks_.rank == 0)
+    fmt::print("rl: {}: {} samples x {} prompts a rollout ({} in data.train), {} update(s) each; clip [{}, {}]{}, "
              "loss_agg {}, advantages / std {}, dynamic sampling {}, overlong filter {}, kl {}{}, importance "
-             "correction {}\n",
+             "correction {}{}\n",
              o.algorithm, o.samples, o.prompts_per_step, prompts_.size(), o.minibatches, settings_.loss.clip_low,
              settings_.loss.clip_high, settings_.loss.sequence_ratio ? " (sequence ratio)" : "", settings_.aggregation,
              yes(settings_.scale_by_std), yes(settings_.dynamic_sampling), yes(settings_.overlong_filter),
              settings_.loss.kl_coef, settings_.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "",
-             o.importance_correction);
+             o.importance_correction, ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
   std::fflush(stdout);
   if (state.is_object()) {
     epoch_ = state.value("epoch", int64_t(0));
@@ -243,6 +245,7 @@ void RlSource::rollout() {
   std::vector<Group> groups = sample_groups(f);
   ++rollouts_;
   queue_updates(groups, f);
+  if (ranks_.ranks > 1) figures_over_ranks(f);
   const RlOptions& o = c_.rl;
   const double count = double(std::max<int64_t>(f.sampled, 1));
   last_reward_ = f.reward_sum / count;
@@ -264,11 +267,14 @@ void RlSource::rollout() {
 // ones (zero advantages: no policy gradient, but the step keeps its size).
 std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
   const RlOptions& o = c_.rl;
-  const int64_t want = o.prompts_per_step, n = o.samples;
+  const int64_t want = o.prompts_per_step, n = o.samples;  // under data parallelism, over all ranks
   std::vector<Group> informative, uniform;
-  while (int64_t(informative.size()) < want && f.rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
-    std::vector<size_t> prompts;
-    for (int64_t i = int64_t(informative.size()); i < want; ++i) prompts.push_back(next_prompt());
+  while (int64_t(informative.size()) * ranks_.ranks < want && f.rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
+    std::vector<size_t> prompts;  // this rank's share of the round's prompts
+    for (int64_t i = int64_t(informative.size()); i < want; ++i) {
+      const size_t p = next_prompt();
+      if (i % ranks_.ranks == ranks_.rank) prompts.push_back(p);
+    }
     auto t = Clock::now();
     std::vector<RolloutResult> samples = sample(prompts, f.rounds);
     f.rollout_s += seconds_since(t);
@@ -296,7 +302,7 @@ std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
     ++f.rounds;
   }
   f.dropped = int64_t(uniform.size());
-  for (size_t i = 0; int64_t(informative.size()) < want && i < uniform.size(); ++i)
+  for (size_t i = 0; int64_t(informative.size()) * ranks_.ranks < want && i < uniform.size(); ++i)
     informative.push_back(std::move(uniform[i]));
   return informative;
 }
@@ -305,7 +311,7 @@ std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
 // policy's log-probabilities, the importance weights and the KL reference where asked, and its policy loss.
 void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
   const RlOptions& o = c_.rl;
-  const int64_t per = o.prompts_per_step / o.minibatches, n = o.samples;
+  const int64_t per = o.prompts_per_step / o.minibatches / ranks_.ranks, n = o.samples;  // this rank's groups
   for (int64_t m = 0; m < o.minibatches; ++m) {
     std::vector<std::vector<int32_t>> prompts;
     std::vector<RolloutResult> samples;
@@ -329,6 +335,7 @@ void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
     auto u = std::make_unique<Update>();
     u->rb = make_rl_batch(rt_, model_->options().device, model_->config().vocab_size, prompts, samples, advantages,
                           settings_.aggregation, double(o.max_new_tokens));
+    if (ranks_.ranks > 1) whole_batch_weights(u->rb.tokens);
     // The old policy's log-probabilities: the trainer's own forward over the rollout (as verl recomputes them), so an
     // update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
     // measure the train-rollout mismatch and, with rl.importance_correction, weight the tokens.
@@ -351,6 +358,40 @@ void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
     };
     u->rb.batch.row_loss = &u->loss;
     pending_.push_back(std::move(u));
+  }
+}
+
+// Data parallelism: the aggregation weights of this rank's share rescaled to the whole mini-batch's (their
+// denominators, the sequences or the tokens, summed over the ranks).
+void RlSource::whole_batch_weights(PolicyTokens& t) {
+  double seqs = 0;
+  for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
+  const double tokens = double(t.sequence.size());
+  const std::vector<double> all = ranks_.sum({seqs, tokens});
+  const double scale = settings_.aggregation == "token-mean" ? tokens / all[1] : seqs / all[0];
+  for (double& w : t.weight) w *= scale;
+}
+
+// Data parallelism: the rollout's figures over every rank — the counts and sums added, the largest gap and the
+// slowest rank's seconds taken.
+void RlSource::figures_over_ranks(Figures& f) {
+  std::vector<double> v = {f.reward_sum, f.answer_sum, f.length_sum, double(f.sampled), double(f.truncated),
+                           double(f.dropped), f.gap_sum, double(f.gap_tokens), f.weight_sum, double(f.masked)};
+  const size_t slots = v.size(), per_rank = 4;  // then each rank's gap_max and seconds in its own slots
+  v.resize(slots + per_rank * size_t(ranks_.ranks), 0.0);
+  double* mine = v.data() + slots + per_rank * size_t(ranks_.rank);
+  mine[0] = f.gap_max, mine[1] = f.rollout_s, mine[2] = f.reward_s, mine[3] = f.logprob_s;
+  const std::vector<double> s = ranks_.sum(v);
+  f.reward_sum = s[0], f.answer_sum = s[1], f.length_sum = s[2];
+  f.sampled = int64_t(s[3]), f.truncated = int64_t(s[4]), f.dropped = int64_t(s[5]);
+  f.gap_sum = s[6], f.gap_tokens = int64_t(s[7]), f.weight_sum = s[8], f.masked = int64_t(s[9]);
+  f.gap_max = f.rollout_s = f.reward_s = f.logprob_s = 0;
+  for (int r = 0; r < ranks_.ranks; ++r) {
+    const double* x = s.data() + slots + per_rank * size_t(r);
+    f.gap_max = std::max(f.gap_max, x[0]);
+    f.rollout_s = std::max(f.rollout_s, x[1]);
+    f.reward_s = std::max(f.reward_s, x[2]);
+    f.logprob_s = std::max(f.logprob_s, x[3]);
   }
 }
 
@@ -404,6 +445,17 @@ std::vector<PackedBatch*> RlSource::batches(int64_t) {
 }
 
 nlohmann::json RlSource::step_metrics() {
+  if (ranks_.ranks > 1) {  // the update's statistics over every rank's share, weighted by its tokens (or sequences)
+    const PolicyTokens& t = current_->rb.tokens;
+    double seqs = 0;
+    for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
+    const double tokens = double(t.sequence.size()), n = settings_.loss.sequence_ratio ? seqs : tokens;
+    PolicyStats& st = current_->stats;
+    const std::vector<double> s = ranks_.sum({st.clip_fraction * n, st.ratio_mean * n, st.kl_mean * tokens, n, tokens});
+    st.clip_fraction = s[0] / s[3];
+    st.ratio_mean = s[1] / s[3];
+    st.kl_mean = s[2] / s[4];
+  }
   nlohmann::json m = {{"clip_fraction", current_->stats.clip_fraction}, {"ratio_mean", current_->stats.ratio_mean}};
   if (settings_.loss.kl_coef > 0) m["kl_mean"] = current_->stats.kl_mean;
   if (!rollout_metrics_.is_null()) m.update(std::exchange(rollout_metrics_, nullptr));

@@ -13,6 +13,11 @@
 // external command gets the whole row). Every row is read and checked before anything is written.
 // Order: the rows shuffled per epoch by train.seed; the state is the rollouts done and the position in the order, so a
 // resumed run continues with the same prompts and, sampling being seeded by (seed, rollout, prompt), the same tokens.
+// Data parallelism (parallel.dp = N): every rank walks the same order; of a rollout's groups (prompt k of the rollout's
+// list), rank r samples, scores and trains those with k % N == r, so the ranks' rollouts together are the one
+// process's rollout, the same tokens included. The loss weights are the whole mini-batch's (its sequence and token
+// counts summed over the ranks) and the figures are summed (or their maxima taken) over the ranks, so a run of N ranks
+// is the one-process run up to the order of the gradient sums. Dynamic sampling is refused there (config.cpp).
 // Covered by tests/e2e/test_rl.cpp.
 #pragma once
 
@@ -59,7 +64,7 @@ class RlSource final : public StepSource {
   RlSource(Runtime& rt, const TrainConfig& c);
   ~RlSource() override;
 
-  void start(CausalLm& model, int adapter, const nlohmann::json& state) override;
+  void start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) override;
   std::vector<PackedBatch*> batches(int64_t step) override;
   std::string name() const override { return "rl"; }
   nlohmann::json step_metrics() override;
@@ -80,6 +85,8 @@ class RlSource final : public StepSource {
   // The labelled tokens' log-probabilities under the model as it is (forward only): with the trained adapter, or the
   // base alone (the KL reference).
   std::vector<double> label_logprobs(PackedBatch& b, bool with_adapter);
+  void whole_batch_weights(PolicyTokens& t);
+  void figures_over_ranks(Figures& f);
   // Folds the importance weights of the trainer's (old) over the rollout's log-probabilities into the token weights.
   void correct_importance(PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum, int64_t& masked);
 
@@ -93,6 +100,7 @@ class RlSource final : public StepSource {
   std::vector<int32_t> stop_ids_, banned_;
   CausalLm* model_ = nullptr;
   int adapter_ = -1;
+  SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
   // The position in the prompt order, and the rollouts done (each seeds its sampling).
   int64_t epoch_ = 0, position_ = 0, rollouts_ = 0;
   std::vector<size_t> order_;

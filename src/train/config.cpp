@@ -570,7 +570,15 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   if (r.kl_coef > 0 && c.lora_rank == 0)
     problems.push_back("rl.kl_coef: the reference policy is the base model under LoRA (lora.rank > 0); a frozen copy "
                        "for full fine-tuning is not built yet");
-  if (c.dp > 1) problems.push_back("parallel.dp: lathe rl runs in one process for now (docs/rl.md)");
+  if (c.dp > 1 && r.prompts_per_step % (r.minibatches * c.dp) != 0)
+    problems.push_back(fmt::format("rl.prompts_per_step: {} groups do not split evenly into rl.minibatches ({}) x "
+                                   "parallel.dp ({}): each rank trains an equal share of every mini-batch",
+                                   r.prompts_per_step, r.minibatches, c.dp));
+  const bool dynamic = r.dynamic_sampling == "true" || (r.dynamic_sampling == "auto" && r.algorithm == "dapo");
+  if (c.dp > 1 && dynamic)
+    problems.push_back(fmt::format("rl.dynamic_sampling: not yet under data parallelism (parallel.dp {}): its refills "
+                                   "would need the ranks to agree on prompts; set rl.dynamic_sampling: false",
+                                   c.dp));
 }
 
 }  // namespace

@@ -304,6 +304,7 @@ class Trainer::Impl {
   void load_optimizer(Job& j);
   void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
+  BackwardHooks micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer);
   void run_source_batches(Job& j, const std::vector<PackedBatch*>& batches, const std::function<void()>& queue_optimizer);
   void start_source();
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
@@ -360,7 +361,7 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
       dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
-  LATHE_CHECK(!source_ || (c.tenants.empty() && !groups), "train: a step source trains one job in one process");
+  LATHE_CHECK(!source_ || c.tenants.empty(), "train: a step source trains one job");
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
   save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
   lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
@@ -731,19 +732,7 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
     PackedBatch pb = make_packed_batch(rt_, device_, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
     if (lora_) set_segments(pb, segments);
     const bool last = micro + 1 == max_accum;
-    BackwardHooks hooks;
-    if (reducer_) {  // data parallelism, full fine-tuning: buckets summed as the backward completes them
-      reducer_->begin_micro_batch(last || c_.zero == 2);
-      hooks.grads_done = [&](int64_t layers_left) { reducer_->grads_done(layers_left); };
-      hooks.queued = [&] {
-        reducer_->end_micro_batch();
-        if (!last) return;
-        if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
-        queue_optimizer();
-      };
-    } else if (last && dp_ == 1) {  // one process (LoRA under dp: queued in step(), once the adapters' sums are in)
-      hooks.queued = queue_optimizer;
-    }
+    const BackwardHooks hooks = micro_batch_hooks(last, queue_optimizer);
     const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks);
     for (size_t k = 0; k < in_batch.size(); ++k) {
       const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
@@ -760,7 +749,28 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
   }
 }
 
-// A step source's micro-batches (one job, one process): each trains on its row loss, whose terms carry their weights
+// The backward hooks of a step's micro-batch (`last`: the step's last on this rank). Data parallelism with full
+// fine-tuning: the reducer sums the gradient buckets as the backward completes them, and after the last micro-batch
+// the optimizer is queued; one process: the last queues it; LoRA under data parallelism: step() queues it, once the
+// adapters' sums are in.
+BackwardHooks Trainer::Impl::micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer) {
+  BackwardHooks hooks;
+  if (reducer_) {
+    reducer_->begin_micro_batch(last || c_.zero == 2);
+    hooks.grads_done = [this](int64_t layers_left) { reducer_->grads_done(layers_left); };
+    hooks.queued = [this, last, queue_optimizer] {
+      reducer_->end_micro_batch();
+      if (!last) return;
+      if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
+      queue_optimizer();
+    };
+  } else if (last && dp_ == 1) {
+    hooks.queued = queue_optimizer;
+  }
+  return hooks;
+}
+
+// A step source's micro-batches (one job; this rank's share under data parallelism): each trains on its row loss, whose terms carry their weights
 // (so no scaling by the micro-batch count); the LoRA adapter serves every row.
 void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& batches,
                                        const std::function<void()>& queue_optimizer) {
@@ -769,9 +779,7 @@ void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& 
     PackedBatch& pb = *batches[k];
     LATHE_CHECK(pb.row_loss, "train: a step source's batch has no row loss");
     if (lora_) set_segments(pb, {{pb.tokens(), j.adapter, 1.0, mix_seed(j.cfg->seed, uint64_t(j.step + 1), k)}});
-    BackwardHooks hooks;
-    if (k + 1 == batches.size()) hooks.queued = queue_optimizer;
-    const LossResult r = model_->loss(pb, true, 1.0, hooks);
+    const LossResult r = model_->loss(pb, true, 1.0, micro_batch_hooks(k + 1 == batches.size(), queue_optimizer));
     j.loss_sum += r.loss_sum;
     j.labelled += r.labelled;
     j.tokens += pb.tokens();
@@ -784,7 +792,13 @@ void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& 
 void Trainer::Impl::start_source() {
   Job& j = jobs_[0];
   const nlohmann::json state = j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr);
-  source_->start(*model_, lora_ ? j.adapter : -1, state);
+  SourceRanks ranks;
+  if (dp_ > 1) {
+    ranks.rank = groups_->dp_rank();
+    ranks.ranks = int(dp_);
+    ranks.sum = [this](const std::vector<double>& v) { return sum_over_dp(v); };
+  }
+  source_->start(*model_, lora_ ? j.adapter : -1, state, ranks);
   if (j.step > 0 || j.cfg->final_eval_file.empty() || !first_) return;
   const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
                                            j.cfg->final_eval_max_new_tokens,
@@ -799,7 +813,9 @@ void Trainer::Impl::start_source() {
 nlohmann::json Trainer::Impl::optimizer_step(Job& j, double norm, AdamW::Prepared&& update) {
   const TrainConfig& jc = *j.cfg;
   const int64_t step = j.step + 1;
-  const double loss = j.loss_sum / double(jc.grad_accum * dp_);
+  // A source's terms carry the whole step's weights (summed over the ranks: the step's loss); the SFT micro-batches
+  // add their means.
+  const double loss = source_ ? j.loss_sum : j.loss_sum / double(jc.grad_accum * dp_);
   const double lr = learning_rate(j.sched, step);
   nlohmann::json m = {{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", norm}, {"tokens", j.tokens}, {"labelled", j.labelled}};
   if (!j.expert_tokens.empty()) {  // MoE: the aux loss (mean over micro-batches) and each sparse layer's load

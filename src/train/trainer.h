@@ -10,6 +10,7 @@
 // save, bad configs, re-runs into a run folder, validation before any write) and tests/e2e/test_train_dp.cpp.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,15 +24,24 @@ struct PackedBatch;
 class CausalLm;
 class Runtime;
 
-// What a step trains on in place of the SFT data (lathe rl: src/rl/rl_source.h). One job (no tenants), one process.
+// A step source's view of the data-parallel ranks: its rank among `ranks`, and a sum of numbers over them (every rank
+// calls it with vectors of one length, in the same order; a single process's sum is the identity).
+struct SourceRanks {
+  int rank = 0, ranks = 1;
+  std::function<std::vector<double>(const std::vector<double>&)> sum = [](const std::vector<double>& v) { return v; };
+};
+
+// What a step trains on in place of the SFT data (lathe rl: src/rl/rl_source.h). One job (no tenants); under
+// data parallelism every rank has its own source, which builds that rank's share of each step (the gradients of the
+// ranks' batches are summed, so each row loss's weights are the whole step's).
 // The trainer calls start() once the model (and adapter) is built and resumed, then batches() at the start of every
-// step, outside the step's memory plan (a source may generate there), and step_metrics() after the update; state()
-// goes into every checkpoint's trainer_state.json ("source") and comes back to start() on resume.
+// step, outside the step's memory plan (a source may generate there), and step_metrics() after the update (on every
+// rank); state() goes into every checkpoint's trainer_state.json ("source") and comes back to start() on resume.
 class StepSource {
  public:
   virtual ~StepSource() = default;
   // `adapter`: the LoRA adapter being trained (-1: full fine-tuning); `state`: the resumed checkpoint's, else null.
-  virtual void start(CausalLm& model, int adapter, const nlohmann::json& state) = 0;
+  virtual void start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) = 0;
   // Step `step`'s micro-batches, each with its row loss (PackedBatch::row_loss) whose terms carry their own weights;
   // they stay valid until the next call.
   virtual std::vector<PackedBatch*> batches(int64_t step) = 0;

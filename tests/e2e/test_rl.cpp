@@ -270,6 +270,68 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
 // On a GPU in bf16: one update per rollout is on policy within bf16 noise (the trainer's forward is the old policy's,
 // so the ratio is 1 up to the nondeterminism of the kernels), the train-rollout gap of the engine is reported and
 // printed, and the reward still rises. Skips without a GPU.
+// Data parallelism over MPI on the CPU (f32): `mpirun -np 2 lathe rl` and `-np 4` are the one-process run — each
+// rank samples its share of the groups (the same tokens: the same rewards and response lengths at every step,
+// exactly), trains it with the whole mini-batch's weights, and the summed gradients give the same losses and gradient
+// norms within 1e-5 relative (another order of the sums); the ratio stays 1 on every rank. Variants: GRPO; two
+// mini-batches a rollout (the second off policy) with GSPO's sequence ratio and token-mean aggregation; LoRA with a KL
+// term to the base (the adapters' gradients summed in step()). Checked to fail without the whole-batch weights. A layout whose
+// groups do not split over the ranks, and dynamic sampling, are refused before anything is written.
+TEST(Rl, DataParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const std::string mpirun = std::string(LATHE_MPIRUN) + " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1";
+  const fs::path dir = setup("dp");
+  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
+  for (const std::string& variant :
+       {std::string(""), std::string(" --set rl.minibatches=2 --set rl.algorithm=gspo --set rl.loss_agg=token-mean"),
+        std::string(" --set lora.rank=4 --set lora.alpha=8 --set train.lr=0.05 --set rl.kl_coef=0.1")}) {
+    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common,
+                                       variant));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const std::vector<nlohmann::json> want = rl_rows(dir / "one");
+    ASSERT_EQ(want.size(), 6u);
+    for (int np : {2, 4}) {
+      const std::string out = fmt::format("dp{}", np);
+      const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp={}{}{}", config(dir),
+                                         (dir / out).string(), np, common, variant),
+                             mpirun + fmt::format(" -np {}", np));
+      ASSERT_EQ(run.exit_code, 0) << run.output;
+      const std::vector<nlohmann::json> got = rl_rows(dir / out);
+      ASSERT_EQ(got.size(), want.size()) << run.output;
+      for (size_t i = 0; i < want.size(); ++i) {
+        const std::string at = fmt::format("{} {}, step {}", out, variant, i + 1);
+        for (const char* key : {"reward_mean", "response_length_mean", "samples"})
+          if (want[i]["rl"].contains(key)) EXPECT_EQ(got[i]["rl"][key], want[i]["rl"][key]) << at << " " << key;
+        for (const char* key : {"loss", "grad_norm"})
+          EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
+              << at << " " << key;
+        EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-6) << at;
+      }
+      fs::remove_all(dir / out);
+    }
+    fs::remove_all(dir / "one");
+  }
+  // Refused before anything is written: 6 groups over 4 ranks, and DAPO's dynamic sampling over 2.
+  const auto uneven = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp=4 --set rl.prompts_per_step=6",
+                                        config(dir), (dir / "bad").string()), mpirun + " -np 4");
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE(uneven.output.find("do not split evenly into rl.minibatches (1) x parallel.dp (4)"), std::string::npos)
+      << uneven.output;
+  const auto dapo = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp=2 --set rl.algorithm=dapo",
+                                      config(dir), (dir / "bad").string()), mpirun + " -np 2");
+  EXPECT_NE(dapo.exit_code, 0);
+  EXPECT_NE(dapo.output.find("rl.dynamic_sampling: not yet under data parallelism"), std::string::npos) << dapo.output;
+  EXPECT_FALSE(fs::exists(dir / "bad"));
+  // One process asked for two ranks says how to launch them.
+  const auto alone = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp=2", config(dir),
+                                       (dir / "bad").string()));
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.output.find("launch them with `mpirun -np 2 lathe rl"), std::string::npos) << alone.output;
+#endif
+}
+
 TEST(Rl, CudaOnPolicyAndLearns) {
   if (lathe("kernels").output.find("cuda: unavailable") != std::string::npos) GTEST_SKIP() << "no CUDA device";
   const fs::path dir = setup("cuda");

@@ -10,11 +10,8 @@
 #include "backend/runtime.h"
 #include "cli_support.h"
 #include "commands.h"
-#include "comm/launch.h"
-#include "comm/local_launch.h"
-#include "comm/mpi_communicator.h"
 #include "core/error.h"
-#include "parallel/process_groups.h"
+#include "parallel_job.h"
 #include "train/trainer.h"
 
 namespace lathe::cli {
@@ -27,23 +24,6 @@ struct Args {
   bool help_config = false;
   int nproc = 0;
 };
-
-// A parallel launch: the communicators of this rank's groups, checked against the layout before any weight is loaded
-// (comm/launch.h join_world: MPI for CPU ranks, NCCL for GPU ranks; `config.device` becomes this rank's GPU).
-std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
-  const ParallelSizes sizes{int(config.tp), int(config.cp), int(config.ep), int(config.dp), int(config.pp)};
-  if (env.world == 1) {
-    LATHE_CHECK(config.dp <= 1, "train: parallel.dp = {0} needs {0} ranks, but this is one process: launch them with "
-                "`mpirun -np {0} lathe train CONFIG` (CPU or GPU) or `lathe train CONFIG --nproc {0}` (GPUs; "
-                "docs/parallel.md)", config.dp);
-    return nullptr;
-  }
-  const ParallelGrid check(env.world, sizes);  // an impossible layout is refused here, naming the constraint
-  (void)check;
-  std::unique_ptr<Communicator> world = join_world(rt, config.device, env, config.timeout_s, mpi, "train");
-  const Device device = parse_device(config.device);  // this rank's
-  return make_process_groups(std::move(world), sizes, rt.backend(device.type).create_stream(device.index));
-}
 
 void print_summary(const TrainSummary& s, int& exit_code) {
   if (s.already_finished) {  // a re-run of a finished run: say so, with what it recorded
@@ -92,29 +72,16 @@ void add_train_command(CLI::App& app, int& exit_code) {
     TrainConfig config = load_train_config(args->config, args->overrides);
     const LaunchEnv env = launch_env();
     if (args->nproc > 1 && env.world == 1) {  // the parent of a --nproc job: start the ranks, report how they ended
-      LATHE_CHECK(config.device != "cpu", "train: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
-                  "with `mpirun -np {} lathe train CONFIG`", args->nproc);
-      std::vector<std::string> rank_args = {"train"};
-      if (!args->config.empty()) rank_args.push_back(args->config);
-      for (const std::string& o : args->overrides) rank_args.insert(rank_args.end(), {"--set", o});
-      exit_code = run_local_ranks("/proc/self/exe", rank_args, args->nproc);
+      exit_code = start_local_ranks("train", args->config, args->overrides, config.device, args->nproc);
       return;
     }
     Runtime rt;
     std::optional<MpiSession> mpi;
-    std::unique_ptr<ProcessGroups> groups;
-    try {
-      groups = join_job(rt, config, env, mpi);
+    run_as_rank(env, [&] {
+      const std::unique_ptr<ProcessGroups> groups = join_job(rt, config, env, mpi, "train");
       const TrainSummary s = run_training(rt, config, groups.get());
       if (!groups || groups->is_first()) print_summary(s, exit_code);  // the first rank reports
-    } catch (const std::exception& e) {
-      if (env.world == 1) throw;
-      // One rank's error ends every rank at once (a rank left waiting in a collective would only time out).
-      fmt::print(stderr, "lathe: error: rank {}: {}\n", env.rank, e.what());
-      std::fflush(stderr);
-      mpi_abort_job(1);
-      std::_Exit(1);  // under --nproc the parent ends the other ranks
-    }
+    });
   });
 }
 

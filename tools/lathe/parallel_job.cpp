@@ -1,0 +1,53 @@
+// Several ranks of `lathe train` / `lathe rl` (parallel_job.h).
+#include "parallel_job.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "backend/runtime.h"
+#include "comm/local_launch.h"
+#include "core/error.h"
+
+namespace lathe::cli {
+
+std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env,
+                                        std::optional<MpiSession>& mpi, const std::string& who) {
+  const ParallelSizes sizes{int(config.tp), int(config.cp), int(config.ep), int(config.dp), int(config.pp)};
+  if (env.world == 1) {
+    LATHE_CHECK(config.dp <= 1, "{0}: parallel.dp = {1} needs {1} ranks, but this is one process: launch them with "
+                "`mpirun -np {1} lathe {0} CONFIG` (CPU or GPU) or `lathe {0} CONFIG --nproc {1}` (GPUs; "
+                "docs/parallel.md)", who, config.dp);
+    return nullptr;
+  }
+  const ParallelGrid check(env.world, sizes);  // an impossible layout is refused here, naming the constraint
+  (void)check;
+  std::unique_ptr<Communicator> world = join_world(rt, config.device, env, config.timeout_s, mpi, who);
+  const Device device = parse_device(config.device);  // this rank's
+  return make_process_groups(std::move(world), sizes, rt.backend(device.type).create_stream(device.index));
+}
+
+int start_local_ranks(const std::string& who, const std::string& config_path, const std::vector<std::string>& overrides,
+                      const std::string& device, int nproc) {
+  LATHE_CHECK(device != "cpu", "{0}: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with "
+              "`mpirun -np {1} lathe {0} CONFIG`", who, nproc);
+  std::vector<std::string> rank_args = {who};
+  if (!config_path.empty()) rank_args.push_back(config_path);
+  for (const std::string& o : overrides) rank_args.insert(rank_args.end(), {"--set", o});
+  return run_local_ranks("/proc/self/exe", rank_args, nproc);
+}
+
+void run_as_rank(const LaunchEnv& env, const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    if (env.world == 1) throw;
+    fmt::print(stderr, "lathe: error: rank {}: {}\n", env.rank, e.what());
+    std::fflush(stderr);
+    mpi_abort_job(1);
+    std::_Exit(1);  // under --nproc the parent ends the other ranks
+  }
+}
+
+}  // namespace lathe::cli

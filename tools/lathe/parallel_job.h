@@ -1,0 +1,34 @@
+// How `lathe train` and `lathe rl` run as several ranks: joining the job's process groups (mpirun, srun or --nproc),
+// the parent of a --nproc launch starting its ranks, and one rank's error ending every rank (docs/parallel.md).
+// Covered by tests/e2e/test_train_dp.cpp.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/launch.h"
+#include "comm/mpi_communicator.h"
+#include "parallel/process_groups.h"
+#include "train/config.h"
+
+namespace lathe::cli {
+
+// A parallel launch: the communicators of this rank's groups, checked against the layout before any weight is loaded
+// (comm/launch.h join_world: MPI for CPU ranks, NCCL for GPU ranks; `config.device` becomes this rank's GPU); nullptr
+// for one process (which parallel.dp > 1 refuses, saying how to launch). `who`: the subcommand, for messages.
+std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env,
+                                        std::optional<MpiSession>& mpi, const std::string& who);
+
+// The parent of `lathe WHO CONFIG --nproc N`: starts N ranks of the same command on this machine's GPUs and returns
+// how they ended (an exit code). GPU ranks only (CPU ranks talk over MPI: mpirun).
+int start_local_ranks(const std::string& who, const std::string& config_path, const std::vector<std::string>& overrides,
+                      const std::string& device, int nproc);
+
+// Runs `body` as this rank's work; under a parallel launch an error on this rank ends every rank at once (a rank left
+// waiting in a collective would only time out), after printing it with the rank's number.
+void run_as_rank(const LaunchEnv& env, const std::function<void()>& body);
+
+}  // namespace lathe::cli
