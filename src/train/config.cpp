@@ -530,6 +530,20 @@ namespace {
 
 bool is_rl_option(const std::string& path) { return path.rfind("rl.", 0) == 0; }
 
+// lathe rl's limits under `dp` data-parallel ranks (none for dp <= 1).
+void rl_layout_problems(const TrainConfig& c, int64_t dp, std::vector<std::string>& problems) {
+  const RlOptions& r = c.rl;
+  if (dp <= 1) return;
+  if (r.prompts_per_step % (r.minibatches * dp) != 0)
+    problems.push_back(fmt::format("rl.prompts_per_step: {} groups do not split evenly into rl.minibatches ({}) x "
+                                   "parallel.dp ({}): each rank trains an equal share of every mini-batch",
+                                   r.prompts_per_step, r.minibatches, dp));
+  const bool dynamic = r.dynamic_sampling == "true" || (r.dynamic_sampling == "auto" && r.algorithm == "dapo");
+  if (dynamic)
+    problems.push_back(fmt::format("rl.dynamic_sampling: not yet under data parallelism (parallel.dp {}): its refills "
+                                   "would need the ranks to agree on prompts; set rl.dynamic_sampling: false", dp));
+}
+
 // lathe rl's checks of its options against the rest.
 void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& problems) {
   const RlOptions& r = c.rl;
@@ -570,18 +584,16 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   if (r.kl_coef > 0 && c.lora_rank == 0)
     problems.push_back("rl.kl_coef: the reference policy is the base model under LoRA (lora.rank > 0); a frozen copy "
                        "for full fine-tuning is not built yet");
-  if (c.dp > 1 && r.prompts_per_step % (r.minibatches * c.dp) != 0)
-    problems.push_back(fmt::format("rl.prompts_per_step: {} groups do not split evenly into rl.minibatches ({}) x "
-                                   "parallel.dp ({}): each rank trains an equal share of every mini-batch",
-                                   r.prompts_per_step, r.minibatches, c.dp));
-  const bool dynamic = r.dynamic_sampling == "true" || (r.dynamic_sampling == "auto" && r.algorithm == "dapo");
-  if (c.dp > 1 && dynamic)
-    problems.push_back(fmt::format("rl.dynamic_sampling: not yet under data parallelism (parallel.dp {}): its refills "
-                                   "would need the ranks to agree on prompts; set rl.dynamic_sampling: false",
-                                   c.dp));
+  rl_layout_problems(c, c.dp, problems);
 }
 
 }  // namespace
+
+void check_rl_layout(const TrainConfig& c, int64_t dp) {
+  std::vector<std::string> problems;
+  rl_layout_problems(c, dp, problems);
+  LATHE_CHECK(problems.empty(), "config: {}", fmt::join(problems, "; "));
+}
 
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
                               ConfigFor which) {

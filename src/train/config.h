@@ -131,4 +131,8 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
 // One line per option: "train.lr (float, default 0.0001): peak learning rate".
 std::string train_config_help(ConfigFor which = ConfigFor::train);
 
+// lathe rl under a parallel launch whose dp (`dp` ranks) the config left to the launch (parallel.dp 0): the checks
+// load_train_config makes of an explicit parallel.dp (equal shares of every mini-batch per rank; no dynamic sampling).
+void check_rl_layout(const TrainConfig& c, int64_t dp);
+
 }  // namespace lathe

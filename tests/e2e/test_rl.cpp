@@ -313,9 +313,10 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
     }
     fs::remove_all(dir / "one");
   }
-  // Refused before anything is written: 6 groups over 4 ranks, and DAPO's dynamic sampling over 2.
-  const auto uneven = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp=4 --set rl.prompts_per_step=6",
-                                        config(dir), (dir / "bad").string()), mpirun + " -np 4");
+  // Refused before anything is written: 6 groups over 4 ranks (dp left to the launch), and DAPO's dynamic sampling
+  // over 2 (dp given).
+  const auto uneven = lathe(fmt::format("rl {} --set output_dir={} --set rl.prompts_per_step=6", config(dir),
+                                        (dir / "bad").string()), mpirun + " -np 4");
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.output.find("do not split evenly into rl.minibatches (1) x parallel.dp (4)"), std::string::npos)
       << uneven.output;

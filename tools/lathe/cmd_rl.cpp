@@ -108,6 +108,7 @@ void add_rl_command(CLI::App& app, int& exit_code) {
     std::optional<MpiSession> mpi;
     run_as_rank(env, [&] {
       const std::unique_ptr<ProcessGroups> groups = join_job(rt, config, env, mpi, "rl");
+      if (groups) check_rl_layout(config, groups->dp_size());
       RlSource source(rt, config);  // reads and checks the prompts; writes nothing
       const TrainSummary s = run_training(rt, config, groups.get(), &source);
       if (!groups || groups->is_first()) report(s);  // the first rank reports
