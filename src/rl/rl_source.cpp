@@ -103,125 +103,40 @@ std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenize
   return out;
 }
 
-// One update's batch: the groups' samples as documents, the policy loss as its row loss.
-struct RlSource::Update {
-  RlBatch rb;
-  RowLoss loss;
+// One job's share of an update: its labelled tokens (in the batch's row order, after the earlier jobs'), their policy
+// loss settings and the statistics the loss reports.
+struct RlSource::Part {
+  size_t job = 0;
+  PolicyTokens tokens;
+  PolicyLossConfig config;
   PolicyStats stats;
+  bool dropped = false;  // the job failed after the rollout: its rows stay in the batch, without adapter or loss
 };
 
-RlSource::RlSource(Runtime& rt, const TrainConfig& c)
-    : rt_(rt), c_(c), settings_(resolve_rl_settings(c.rl)), tok_(data::Tokenizer::from_dir(c.tokenizer)),
-      chat_(data::load_chat_template(c.tokenizer)) {
-  prompts_ = read_rl_prompts(c, tok_, chat_ ? &*chat_ : nullptr);
-  if (!c.rl.reward_format.empty() && c.rl.reward_format_weight > 0) format_.emplace(c.rl.reward_format);
-  banned_ = tok_.ids_without_token(tok_.vocab_size());  // a tokenizer's holes are never drawn
-  stop_ids_ = tok_.end_of_turn_ids();
-}
+// One step's update of the jobs that rolled out together: each job's samples of the mini-batch as documents (a segment
+// each under LoRA), one row loss calling each job's policy loss on its rows.
+struct RlSource::Update {
+  std::vector<size_t> jobs;
+  PackedBatch batch;
+  std::vector<Part> parts;
+  RowLoss loss;
+};
 
-RlSource::~RlSource() = default;
-
-void RlSource::start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) {
-  model_ = &model;
-  adapter_ = adapter;
-  ranks_ = ranks;
-  const RlOptions& o = c_.rl;
-  const auto yes = [](bool b) { return b ? "on" : "off"; };
-  if (ranks_.rank == 0)
-    fmt::print("rl: {}: {} samples x {} prompts a rollout ({} in data.train), {} update(s) each; clip [{}, {}]{}, "
-             "loss_agg {}, advantages / std {}, dynamic sampling {}, overlong filter {}, kl {}{}, importance "
-             "correction {}{}\n",
-             o.algorithm, o.samples, o.prompts_per_step, prompts_.size(), o.minibatches, settings_.loss.clip_low,
-             settings_.loss.clip_high, settings_.loss.sequence_ratio ? " (sequence ratio)" : "", settings_.aggregation,
-             yes(settings_.scale_by_std), yes(settings_.dynamic_sampling), yes(settings_.overlong_filter),
-             settings_.loss.kl_coef, settings_.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "",
-             o.importance_correction, ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
-  std::fflush(stdout);
-  if (state.is_object()) {
-    epoch_ = state.value("epoch", int64_t(0));
-    position_ = state.value("position", int64_t(0));
-    rollouts_ = state.value("rollouts", int64_t(0));
-  }
-  order_.resize(prompts_.size());
-  std::iota(order_.begin(), order_.end(), size_t(0));
-  std::shuffle(order_.begin(), order_.end(), std::mt19937_64(mix(c_.seed, uint64_t(epoch_), 0x5eed)));
-}
-
-nlohmann::json RlSource::state() const {
-  LATHE_ASSERT(pending_.empty());  // checkpoints fall on rollout boundaries (config.cpp checks)
-  return {{"epoch", epoch_}, {"position", position_}, {"rollouts", rollouts_}};
-}
-
-size_t RlSource::next_prompt() {
-  if (position_ == int64_t(order_.size())) {
-    ++epoch_;
-    position_ = 0;
-    std::iota(order_.begin(), order_.end(), size_t(0));
-    std::shuffle(order_.begin(), order_.end(), std::mt19937_64(mix(c_.seed, uint64_t(epoch_), 0x5eed)));
-  }
-  return order_[size_t(position_++)];
-}
-
-// rl.samples responses to each prompt, in prompt order, then sample order. The engine lives for the rollout: its KV
-// cache is freed before the updates (on a GPU the memory goes back to the training step).
-std::vector<RolloutResult> RlSource::sample(const std::vector<size_t>& prompts, int64_t round) {
-  const RlOptions& o = c_.rl;
-  EngineOptions eo;
-  eo.max_running = std::min<int64_t>(256, int64_t(prompts.size()) * o.samples);
-  if (o.cache_mib > 0) eo.cache_bytes = o.cache_mib * 1048576;
-  else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
-  else eo.cache_memory_fraction = 0.8;
-  RolloutEngine engine(rt_, *model_, eo);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    RolloutRequest r;
-    r.prompt = prompts_[prompts[i]].ids;
-    r.n = int(o.samples);
-    r.max_new_tokens = o.max_new_tokens;
-    r.sampling.temperature = o.temperature;
-    r.sampling.top_p = o.top_p;
-    r.sampling.top_k = o.top_k;
-    r.seed = mix(c_.seed, uint64_t(rollouts_) * 1024 + uint64_t(round), prompts[i]);
-    r.stop_ids = stop_ids_;
-    r.allowed_vocab = tok_.vocab_size();
-    r.banned_ids = banned_;
-    r.adapter = adapter_;
-    engine.submit(std::move(r));  // request i
-  }
-  return engine.run();
-}
-
-// Each sample's weighted reward; `answers` gets each one's answer match (1 or 0; 0 without the answer reward).
-std::vector<double> RlSource::rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
-                                      std::vector<double>& answers) {
-  const RlOptions& o = c_.rl;
-  std::vector<double> out(samples.size(), 0.0);
-  std::vector<std::string> rows;
-  answers.assign(samples.size(), 0.0);
-  for (size_t k = 0; k < samples.size(); ++k) {
-    const RolloutResult& s = samples[k];
-    const RlPrompt& p = prompts_[prompts[size_t(s.request)]];
-    std::span<const int32_t> ids(s.tokens);
-    if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);  // the stop token
-    const std::string text = tok_.decode(ids, true);
-    if (o.reward_answer > 0) {
-      answers[k] = answer_reward(text, p.row["answer"].get<std::string>());
-      out[k] += o.reward_answer * answers[k];
-    }
-    if (format_) out[k] += o.reward_format_weight * (*format_)(text);
-    if (o.overlong_buffer > 0) out[k] += overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
-    if (!o.reward_command.empty()) {
-      nlohmann::json row = p.row;
-      row["prompt"] = p.text;
-      row["response"] = text;
-      rows.push_back(row.dump());
-    }
-  }
-  if (!o.reward_command.empty()) {
-    const std::vector<double> ext = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
-    for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * ext[k];
-  }
-  return out;
-}
+// One policy being trained: a tenant, or the run's single job.
+struct RlSource::Job {
+  const TrainConfig* c = nullptr;
+  RlSettings settings;
+  std::vector<RlPrompt> prompts;
+  std::optional<FormatReward> format;
+  int adapter = -1;
+  bool active = true;
+  // The position in the prompt order, and the rollouts done (each seeds its sampling).
+  int64_t epoch = 0, position = 0, rollouts = 0;
+  std::vector<size_t> order;
+  nlohmann::json rollout_metrics;                // the last rollout's figures, reported with its first update
+  double last_reward = 0;                        // the last rollout's mean reward (the progress line)
+  double last_ratio = 1, last_clip = 0;          // the last update's (the progress line)
+};
 
 // A prompt's samples with their rewards.
 struct RlSource::Group {
@@ -239,136 +154,366 @@ struct RlSource::Figures {
   int64_t gap_tokens = 0, masked = 0;
 };
 
-// One rollout: the groups sampled and scored, then split into rl.minibatches updates.
-void RlSource::rollout() {
-  Figures f;
-  std::vector<Group> groups = sample_groups(f);
-  ++rollouts_;
-  queue_updates(groups, f);
-  if (ranks_.ranks > 1) figures_over_ranks(f);
-  const RlOptions& o = c_.rl;
-  const double count = double(std::max<int64_t>(f.sampled, 1));
-  last_reward_ = f.reward_sum / count;
-  rollout_metrics_ = {{"reward_mean", f.reward_sum / count}, {"response_length_mean", f.length_sum / count},
-                      {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
-                      {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
-                      {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
-  if (o.reward_answer > 0) rollout_metrics_["answer_accuracy"] = f.answer_sum / count;
-  rollout_metrics_["logprob_gap_mean"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
-  rollout_metrics_["logprob_gap_max"] = f.gap_max;
-  if (o.importance_correction != "none") {
-    rollout_metrics_["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
-    rollout_metrics_["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
+// One job's prompts in a sampling round (this rank's share), and the round's number for the job (its seeds).
+struct RlSource::Ask {
+  Job* job = nullptr;
+  std::vector<size_t> prompts;
+  int64_t round = 0;
+};
+
+RlSource::RlSource(Runtime& rt, const TrainConfig& c)
+    : rt_(rt), tok_(data::Tokenizer::from_dir(c.tokenizer)), chat_(data::load_chat_template(c.tokenizer)) {
+  banned_ = tok_.ids_without_token(tok_.vocab_size());  // a tokenizer's holes are never drawn
+  stop_ids_ = tok_.end_of_turn_ids();
+  std::vector<const TrainConfig*> configs;
+  for (const TrainConfig& t : c.tenants) configs.push_back(&t);
+  if (configs.empty()) configs.push_back(&c);
+  for (const TrainConfig* tc : configs) {
+    auto j = std::make_unique<Job>();
+    j->c = tc;
+    j->settings = resolve_rl_settings(tc->rl);
+    j->prompts = read_rl_prompts(*tc, tok_, chat_ ? &*chat_ : nullptr);
+    if (!tc->rl.reward_format.empty() && tc->rl.reward_format_weight > 0) j->format.emplace(tc->rl.reward_format);
+    jobs_.push_back(std::move(j));
   }
 }
 
-// rl.prompts_per_step groups, sampled and scored; under dynamic sampling, groups whose rewards are all equal are set
-// aside and more prompts sampled (up to rl.max_sampling_rounds rounds); groups still missing are filled with set-aside
-// ones (zero advantages: no policy gradient, but the step keeps its size).
-std::vector<RlSource::Group> RlSource::sample_groups(Figures& f) {
-  const RlOptions& o = c_.rl;
-  const int64_t want = o.prompts_per_step, n = o.samples;  // under data parallelism, over all ranks
-  std::vector<Group> informative, uniform;
-  while (int64_t(informative.size()) * ranks_.ranks < want && f.rounds < (settings_.dynamic_sampling ? o.max_sampling_rounds : 1)) {
-    std::vector<size_t> prompts;  // this rank's share of the round's prompts
-    for (int64_t i = int64_t(informative.size()); i < want; ++i) {
-      const size_t p = next_prompt();
-      if (i % ranks_.ranks == ranks_.rank) prompts.push_back(p);
+RlSource::~RlSource() = default;
+
+void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) {
+  LATHE_CHECK(jobs.size() == jobs_.size(), "rl: the trainer has {} jobs, the RL loop {}", jobs.size(), jobs_.size());
+  model_ = &model;
+  ranks_ = ranks;
+  const auto yes = [](bool b) { return b ? "on" : "off"; };
+  for (size_t k = 0; k < jobs_.size(); ++k) {
+    Job& j = *jobs_[k];
+    j.adapter = jobs[k].adapter;
+    j.active = jobs[k].active;
+    const RlOptions& o = j.c->rl;
+    const RlSettings& s = j.settings;
+    if (ranks_.rank == 0)
+      fmt::print("rl: {}{}: {} samples x {} prompts a rollout ({} in data.train), {} update(s) each; clip [{}, {}]{}, "
+                 "loss_agg {}, advantages / std {}, dynamic sampling {}, overlong filter {}, kl {}{}, importance "
+                 "correction {}{}\n",
+                 j.c->name.empty() ? "" : "tenant " + j.c->name + ": ", o.algorithm, o.samples, o.prompts_per_step,
+                 j.prompts.size(), o.minibatches, s.loss.clip_low, s.loss.clip_high,
+                 s.loss.sequence_ratio ? " (sequence ratio)" : "", s.aggregation, yes(s.scale_by_std),
+                 yes(s.dynamic_sampling), yes(s.overlong_filter), s.loss.kl_coef,
+                 s.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "", o.importance_correction,
+                 ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
+    const nlohmann::json& state = jobs[k].state;
+    if (state.is_object()) {
+      j.epoch = state.value("epoch", int64_t(0));
+      j.position = state.value("position", int64_t(0));
+      j.rollouts = state.value("rollouts", int64_t(0));
     }
+    j.order.resize(j.prompts.size());
+    std::iota(j.order.begin(), j.order.end(), size_t(0));
+    std::shuffle(j.order.begin(), j.order.end(), std::mt19937_64(mix(j.c->seed, uint64_t(j.epoch), 0x5eed)));
+  }
+  std::fflush(stdout);
+}
+
+nlohmann::json RlSource::state(size_t job) const {
+  const Job& j = *jobs_.at(job);
+  LATHE_ASSERT(pending_.empty());  // checkpoints fall on rollout boundaries (config.cpp checks)
+  return {{"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts}};
+}
+
+size_t RlSource::next_prompt(Job& j) {
+  if (j.position == int64_t(j.order.size())) {
+    ++j.epoch;
+    j.position = 0;
+    std::iota(j.order.begin(), j.order.end(), size_t(0));
+    std::shuffle(j.order.begin(), j.order.end(), std::mt19937_64(mix(j.c->seed, uint64_t(j.epoch), 0x5eed)));
+  }
+  return j.order[size_t(j.position++)];
+}
+
+// Each ask's prompts, rl.samples responses each, in prompt order, then sample order: one engine for every ask (the
+// tenants' requests in one batch, each with its job's adapter). The engine lives for the round: its KV cache is freed
+// before the updates (on a GPU the memory goes back to the training step).
+std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>& asks) {
+  const RlOptions& first = asks[0].job->c->rl;
+  int64_t requests = 0;
+  for (const Ask& a : asks) requests += int64_t(a.prompts.size()) * a.job->c->rl.samples;
+  EngineOptions eo;
+  eo.max_running = std::max<int64_t>(1, std::min<int64_t>(256, requests));
+  if (first.cache_mib > 0) eo.cache_bytes = first.cache_mib * 1048576;
+  else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
+  else eo.cache_memory_fraction = 0.8;
+  RolloutEngine engine(rt_, *model_, eo);
+  for (const Ask& a : asks) {
+    const RlOptions& o = a.job->c->rl;
+    for (size_t p : a.prompts) {
+      RolloutRequest r;
+      r.prompt = a.job->prompts[p].ids;
+      r.n = int(o.samples);
+      r.max_new_tokens = o.max_new_tokens;
+      r.sampling.temperature = o.temperature;
+      r.sampling.top_p = o.top_p;
+      r.sampling.top_k = o.top_k;
+      r.seed = mix(a.job->c->seed, uint64_t(a.job->rollouts) * 1024 + uint64_t(a.round), p);
+      r.stop_ids = stop_ids_;
+      r.allowed_vocab = tok_.vocab_size();
+      r.banned_ids = banned_;
+      r.adapter = a.job->adapter;
+      engine.submit(std::move(r));
+    }
+  }
+  std::vector<RolloutResult> all = engine.run();  // by request, then sample
+  std::vector<std::vector<RolloutResult>> out;
+  size_t at = 0;
+  int64_t first_request = 0;
+  for (const Ask& a : asks) {
+    const size_t n = a.prompts.size() * size_t(a.job->c->rl.samples);
+    std::vector<RolloutResult> mine(std::make_move_iterator(all.begin() + std::ptrdiff_t(at)),
+                                    std::make_move_iterator(all.begin() + std::ptrdiff_t(at + n)));
+    for (RolloutResult& r : mine) r.request -= first_request;  // the job's own request numbers (its prompt index)
+    first_request += int64_t(a.prompts.size());
+    out.push_back(std::move(mine));
+    at += n;
+  }
+  return out;
+}
+
+// Each sample's weighted reward; `answers` gets each one's answer match (1 or 0; 0 without the answer reward).
+std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& prompts,
+                                      const std::vector<RolloutResult>& samples, std::vector<double>& answers) {
+  const RlOptions& o = j.c->rl;
+  std::vector<double> out(samples.size(), 0.0);
+  std::vector<std::string> rows;
+  answers.assign(samples.size(), 0.0);
+  for (size_t k = 0; k < samples.size(); ++k) {
+    const RolloutResult& s = samples[k];
+    const RlPrompt& p = j.prompts[prompts[size_t(s.request)]];
+    std::span<const int32_t> ids(s.tokens);
+    if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);  // the stop token
+    const std::string text = tok_.decode(ids, true);
+    if (o.reward_answer > 0) {
+      answers[k] = answer_reward(text, p.row["answer"].get<std::string>());
+      out[k] += o.reward_answer * answers[k];
+    }
+    if (j.format) out[k] += o.reward_format_weight * (*j.format)(text);
+    if (o.overlong_buffer > 0) out[k] += overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
+    if (!o.reward_command.empty()) {
+      nlohmann::json row = p.row;
+      row["prompt"] = p.text;
+      row["response"] = text;
+      rows.push_back(row.dump());
+    }
+  }
+  if (!o.reward_command.empty()) {
+    const std::vector<double> ext = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
+    for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * ext[k];
+  }
+  return out;
+}
+
+// One rollout of each listed job: rl.prompts_per_step groups each, sampled and scored; under dynamic sampling, groups
+// whose rewards are all equal are set aside and more prompts sampled (up to rl.max_sampling_rounds rounds); groups
+// still missing are filled with set-aside ones (zero advantages: no policy gradient, but the step keeps its size).
+// Every round samples the asks of all jobs still short of groups in one engine. Then each job's groups are split into
+// its rl.minibatches updates.
+void RlSource::rollout(const std::vector<size_t>& ids) {
+  struct Drawn {
+    std::vector<Group> informative, uniform;
+    Figures f;
+  };
+  std::vector<Drawn> d(ids.size());
+  for (;;) {
+    std::vector<Ask> asks;
+    std::vector<size_t> of;  // each ask's index into ids
+    for (size_t k = 0; k < ids.size(); ++k) {
+      Job& j = *jobs_[ids[k]];
+      const RlOptions& o = j.c->rl;
+      const int64_t want = o.prompts_per_step;  // under data parallelism, over all ranks
+      const int64_t rounds = j.settings.dynamic_sampling ? o.max_sampling_rounds : 1;
+      if (int64_t(d[k].informative.size()) * ranks_.ranks >= want || d[k].f.rounds >= rounds) continue;
+      Ask a{&j, {}, d[k].f.rounds};
+      for (int64_t i = int64_t(d[k].informative.size()); i < want; ++i) {  // this rank's share of the round
+        const size_t p = next_prompt(j);
+        if (i % ranks_.ranks == ranks_.rank) a.prompts.push_back(p);
+      }
+      asks.push_back(std::move(a));
+      of.push_back(k);
+    }
+    if (asks.empty()) break;
     auto t = Clock::now();
-    std::vector<RolloutResult> samples = sample(prompts, f.rounds);
-    f.rollout_s += seconds_since(t);
-    t = Clock::now();
-    std::vector<double> answers;
-    const std::vector<double> r = rewards(prompts, samples, answers);
-    f.reward_s += seconds_since(t);
-    for (size_t k = 0; k < samples.size(); ++k) {
-      f.reward_sum += r[k];
-      f.answer_sum += answers[k];
-      f.length_sum += double(samples[k].tokens.size());
-      f.truncated += samples[k].finish_reason == FinishReason::kLength;
-    }
-    f.sampled += int64_t(samples.size());
-    for (size_t g = 0; g < prompts.size(); ++g) {
-      Group group;
-      group.prompt = prompts[g];
-      for (int64_t i = 0; i < n; ++i) {
-        group.samples.push_back(std::move(samples[g * size_t(n) + size_t(i)]));
-        group.rewards.push_back(r[g * size_t(n) + size_t(i)]);
+    std::vector<std::vector<RolloutResult>> samples = sample(asks);
+    const double rollout_s = seconds_since(t);
+    for (size_t a = 0; a < asks.size(); ++a) {
+      const Job& j = *asks[a].job;
+      Figures& f = d[of[a]].f;
+      f.rollout_s += rollout_s;  // the round's, shared by its jobs
+      t = Clock::now();
+      std::vector<double> answers;
+      const std::vector<size_t>& prompts = asks[a].prompts;
+      const std::vector<double> r = rewards(j, prompts, samples[a], answers);
+      f.reward_s += seconds_since(t);
+      for (size_t k = 0; k < samples[a].size(); ++k) {
+        f.reward_sum += r[k];
+        f.answer_sum += answers[k];
+        f.length_sum += double(samples[a][k].tokens.size());
+        f.truncated += samples[a][k].finish_reason == FinishReason::kLength;
       }
-      group.uniform = std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
-      (settings_.dynamic_sampling && group.uniform ? uniform : informative).push_back(std::move(group));
+      f.sampled += int64_t(samples[a].size());
+      const size_t n = size_t(j.c->rl.samples);
+      for (size_t g = 0; g < prompts.size(); ++g) {
+        Group group;
+        group.prompt = prompts[g];
+        for (size_t i = 0; i < n; ++i) {
+          group.samples.push_back(std::move(samples[a][g * n + i]));
+          group.rewards.push_back(r[g * n + i]);
+        }
+        group.uniform =
+            std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
+        (j.settings.dynamic_sampling && group.uniform ? d[of[a]].uniform : d[of[a]].informative)
+            .push_back(std::move(group));
+      }
+      ++f.rounds;
     }
-    ++f.rounds;
   }
-  f.dropped = int64_t(uniform.size());
-  for (size_t i = 0; int64_t(informative.size()) * ranks_.ranks < want && i < uniform.size(); ++i)
-    informative.push_back(std::move(uniform[i]));
-  return informative;
+  std::vector<std::vector<Group>> groups(ids.size());
+  std::vector<Figures> figures(ids.size());
+  for (size_t k = 0; k < ids.size(); ++k) {
+    Job& j = *jobs_[ids[k]];
+    groups[k] = std::move(d[k].informative);
+    figures[k] = d[k].f;
+    figures[k].dropped = int64_t(d[k].uniform.size());
+    for (size_t i = 0; int64_t(groups[k].size()) * ranks_.ranks < j.c->rl.prompts_per_step && i < d[k].uniform.size(); ++i)
+      groups[k].push_back(std::move(d[k].uniform[i]));
+    ++j.rollouts;
+  }
+  queue_updates(ids, groups, figures);
+  for (size_t k = 0; k < ids.size(); ++k) {
+    Job& j = *jobs_[ids[k]];
+    Figures& f = figures[k];
+    if (ranks_.ranks > 1) figures_over_ranks(f);
+    const double count = double(std::max<int64_t>(f.sampled, 1));
+    j.last_reward = f.reward_sum / count;
+    nlohmann::json m = {{"reward_mean", f.reward_sum / count}, {"response_length_mean", f.length_sum / count},
+                        {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
+                        {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
+                        {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
+    if (j.c->rl.reward_answer > 0) m["answer_accuracy"] = f.answer_sum / count;
+    m["logprob_gap_mean"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
+    m["logprob_gap_max"] = f.gap_max;
+    if (j.c->rl.importance_correction != "none") {
+      m["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
+      m["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
+    }
+    j.rollout_metrics = std::move(m);
+  }
 }
 
-// The groups split evenly into rl.minibatches updates, in order: each an RL batch with its advantages, the old
-// policy's log-probabilities, the importance weights and the KL reference where asked, and its policy loss.
-void RlSource::queue_updates(std::vector<Group>& groups, Figures& f) {
-  const RlOptions& o = c_.rl;
-  const int64_t per = o.prompts_per_step / o.minibatches / ranks_.ranks, n = o.samples;  // this rank's groups
-  for (int64_t m = 0; m < o.minibatches; ++m) {
-    std::vector<std::vector<int32_t>> prompts;
-    std::vector<RolloutResult> samples;
-    std::vector<double> advantages;
-    for (int64_t g = m * per; g < (m + 1) * per; ++g) {
-      Group& group = groups[size_t(g)];
-      const std::vector<double> adv = group_advantages(group.rewards, n, settings_.scale_by_std);
-      for (int64_t i = 0; i < n; ++i) {
-        RolloutResult& s = group.samples[size_t(i)];
-        if (settings_.overlong_filter && s.finish_reason == FinishReason::kLength) continue;  // DAPO: out of the loss
-        prompts.push_back(prompts_[group.prompt].ids);
-        samples.push_back(std::move(s));
-        advantages.push_back(adv[size_t(i)]);
-      }
-    }
-    if (samples.empty()) {  // every response cut by the length limit: keep one with zero advantage (no gradient)
-      prompts.push_back(prompts_[groups[size_t(m * per)].prompt].ids);
-      samples.push_back(groups[size_t(m * per)].samples[0]);
-      advantages.push_back(0.0);
-    }
+// Each job's groups split evenly into rl.minibatches updates, in order (the jobs share rl.minibatches): update m holds
+// every job's m-th share, each job's samples with their advantages, the old policy's log-probabilities, the importance
+// weights and the KL reference where asked, and the jobs' policy losses on their rows.
+void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::vector<Group>>& groups,
+                             std::vector<Figures>& figures) {
+  const int64_t minibatches = jobs_[ids[0]]->c->rl.minibatches;
+  const Device device = model_->options().device;
+  const int64_t vocab = model_->config().vocab_size;
+  for (int64_t m = 0; m < minibatches; ++m) {
     auto u = std::make_unique<Update>();
-    u->rb = make_rl_batch(rt_, model_->options().device, model_->config().vocab_size, prompts, samples, advantages,
-                          settings_.aggregation, double(o.max_new_tokens));
-    if (ranks_.ranks > 1) whole_batch_weights(u->rb.tokens);
-    // The old policy's log-probabilities: the trainer's own forward over the rollout (as verl recomputes them), so an
-    // update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
+    u->jobs = ids;
+    std::vector<int32_t> all_ids, cu = {0}, labels;
+    std::vector<BatchSegment> segments;
+    std::vector<std::vector<double>> rollout_lp;
+    for (size_t k = 0; k < ids.size(); ++k) {
+      const Job& j = *jobs_[ids[k]];
+      const RlOptions& o = j.c->rl;
+      const RlSettings& settings = j.settings;
+      const int64_t per = o.prompts_per_step / o.minibatches / ranks_.ranks, n = o.samples;  // this rank's groups
+      std::vector<std::vector<int32_t>> prompts;
+      std::vector<RolloutResult> samples;
+      std::vector<double> advantages;
+      for (int64_t g = m * per; g < (m + 1) * per; ++g) {
+        Group& group = groups[k][size_t(g)];
+        const std::vector<double> adv = group_advantages(group.rewards, n, settings.scale_by_std);
+        for (int64_t i = 0; i < n; ++i) {
+          RolloutResult& s = group.samples[size_t(i)];
+          if (settings.overlong_filter && s.finish_reason == FinishReason::kLength) continue;  // DAPO: out of the loss
+          prompts.push_back(j.prompts[group.prompt].ids);
+          samples.push_back(std::move(s));
+          advantages.push_back(adv[size_t(i)]);
+        }
+      }
+      if (samples.empty()) {  // every response cut by the length limit: keep one with zero advantage (no gradient)
+        prompts.push_back(j.prompts[groups[k][size_t(m * per)].prompt].ids);
+        samples.push_back(groups[k][size_t(m * per)].samples[0]);
+        advantages.push_back(0.0);
+      }
+      // The job's documents on the host, appended to the update's batch.
+      RlBatch rb = make_rl_batch(rt_, Device::cpu(), vocab, prompts, samples, advantages, settings.aggregation,
+                                 double(o.max_new_tokens));
+      if (ranks_.ranks > 1) whole_batch_weights(j, rb.tokens);
+      for (size_t d = 1; d < rb.batch.host_cu.size(); ++d) cu.push_back(int32_t(all_ids.size()) + rb.batch.host_cu[d]);
+      all_ids.insert(all_ids.end(), rb.batch.host_ids.begin(), rb.batch.host_ids.end());
+      labels.insert(labels.end(), rb.batch.host_labels.begin(), rb.batch.host_labels.end());
+      segments.push_back({int64_t(all_ids.size()), j.adapter, 1.0, 0});
+      rollout_lp.push_back(std::exchange(rb.tokens.old_logprob, {}));
+      u->parts.push_back({ids[k], std::move(rb.tokens), settings.loss, {}});
+    }
+    u->batch = make_packed_batch(rt_, device, std::move(all_ids), std::move(cu), std::move(labels), vocab);
+    if (jobs_[ids[0]]->adapter >= 0) set_segments(u->batch, std::move(segments));  // LoRA: a segment a job
+    // The old policy's log-probabilities: the trainer's own forward over this very batch (as verl recomputes them), so
+    // an update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
     // measure the train-rollout mismatch and, with rl.importance_correction, weight the tokens.
     const auto t = Clock::now();
-    const std::vector<double> rollout_lp = std::exchange(u->rb.tokens.old_logprob, {});
-    u->rb.tokens.old_logprob = label_logprobs(u->rb.batch, true);
-    for (size_t t = 0; t < rollout_lp.size(); ++t) {
-      const double gap = std::abs(u->rb.tokens.old_logprob[t] - rollout_lp[t]);
-      f.gap_sum += gap;
-      f.gap_max = std::max(f.gap_max, gap);
+    const std::vector<double> old = label_logprobs(u->batch, true);
+    const bool kl = std::any_of(u->parts.begin(), u->parts.end(), [](const Part& p) { return p.config.kl_coef > 0; });
+    const std::vector<double> ref = kl ? label_logprobs(u->batch, false) : std::vector<double>{};
+    size_t at = 0;
+    for (size_t k = 0; k < u->parts.size(); ++k) {
+      Part& part = u->parts[k];
+      const Job& j = *jobs_[part.job];
+      Figures& f = figures[k];
+      const size_t n = part.tokens.sequence.size();
+      part.tokens.old_logprob.assign(old.begin() + std::ptrdiff_t(at), old.begin() + std::ptrdiff_t(at + n));
+      for (size_t i = 0; i < n; ++i) {
+        const double gap = std::abs(part.tokens.old_logprob[i] - rollout_lp[k][i]);
+        f.gap_sum += gap;
+        f.gap_max = std::max(f.gap_max, gap);
+      }
+      f.gap_tokens += int64_t(n);
+      if (j.c->rl.importance_correction != "none")
+        correct_importance(j, part.tokens, rollout_lp[k], f.weight_sum, f.masked);
+      if (part.config.kl_coef > 0)
+        part.tokens.ref_logprob.assign(ref.begin() + std::ptrdiff_t(at), ref.begin() + std::ptrdiff_t(at + n));
+      at += n;
     }
-    f.gap_tokens += int64_t(rollout_lp.size());
-    if (o.importance_correction != "none") correct_importance(u->rb.tokens, rollout_lp, f.weight_sum, f.masked);
-    if (settings_.loss.kl_coef > 0) u->rb.tokens.ref_logprob = label_logprobs(u->rb.batch, false);
-    f.logprob_s += seconds_since(t);
+    const double logprob_s = seconds_since(t);
+    for (Figures& f : figures) f.logprob_s += logprob_s;  // the update's forwards, shared by its jobs
     Update* raw = u.get();
-    const PolicyLossConfig config = settings_.loss;
-    u->loss = [raw, config](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
-      policy_loss(raw->rb.tokens, config, logp, loss, d, &raw->stats);
+    u->loss = [raw](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
+      size_t at = 0;
+      for (Part& part : raw->parts) {
+        const size_t n = part.tokens.sequence.size();
+        if (part.dropped) {
+          std::fill_n(loss.begin() + std::ptrdiff_t(at), n, 0.0);
+          std::fill_n(d.begin() + std::ptrdiff_t(at), n, 0.0);
+        } else {
+          policy_loss(part.tokens, part.config, logp.subspan(at, n), loss.subspan(at, n), d.subspan(at, n),
+                      &part.stats);
+        }
+        at += n;
+      }
     };
-    u->rb.batch.row_loss = &u->loss;
+    u->batch.row_loss = &u->loss;
     pending_.push_back(std::move(u));
   }
 }
 
 // Data parallelism: the aggregation weights of this rank's share rescaled to the whole mini-batch's (their
 // denominators, the sequences or the tokens, summed over the ranks).
-void RlSource::whole_batch_weights(PolicyTokens& t) {
+void RlSource::whole_batch_weights(const Job& j, PolicyTokens& t) {
   double seqs = 0;
   for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
   const double tokens = double(t.sequence.size());
   const std::vector<double> all = ranks_.sum({seqs, tokens});
-  const double scale = settings_.aggregation == "token-mean" ? tokens / all[1] : seqs / all[0];
+  const double scale = j.settings.aggregation == "token-mean" ? tokens / all[1] : seqs / all[0];
   for (double& w : t.weight) w *= scale;
 }
 
@@ -395,7 +540,7 @@ void RlSource::figures_over_ranks(Figures& f) {
   }
 }
 
-std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapter) {
+std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters) {
   std::vector<double> out;
   const RowLoss capture = [&](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
     out.assign(logp.begin(), logp.end());
@@ -403,20 +548,21 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapter) 
     std::fill(d.begin(), d.end(), 0.0);
   };
   b.row_loss = &capture;
-  if (with_adapter && adapter_ >= 0) set_segments(b, {{b.tokens(), adapter_, 1.0, 0}});
+  std::vector<BatchSegment> segments;
+  if (!with_adapters) segments = std::exchange(b.segments, {});  // the base alone
   model_->loss(b, false);
+  if (!with_adapters) b.segments = std::move(segments);
   b.row_loss = nullptr;
-  b.segments.clear();
   return out;
 }
 
 // w = exp(old - rollout) per token (token_*) or exp(the sum over the sequence) per sequence (seq_*); *_tis: min(w,
 // cap); *_mis: 1 inside [1 / cap, cap], else 0. The weight multiplies the token's aggregation weight (the policy loss
 // and the KL term alike).
-void RlSource::correct_importance(PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
-                                  int64_t& masked) {
-  const std::string& mode = c_.rl.importance_correction;
-  const double cap = c_.rl.importance_cap;
+void RlSource::correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout,
+                                  double& weight_sum, int64_t& masked) {
+  const std::string& mode = j.c->rl.importance_correction;
+  const double cap = j.c->rl.importance_cap;
   const bool sequence = mode.rfind("seq_", 0) == 0, truncate = mode.ends_with("_tis");
   std::vector<double> log_w(t.old_logprob.size());
   for (size_t i = 0; i < log_w.size(); ++i) log_w[i] = t.old_logprob[i] - rollout[i];
@@ -437,34 +583,53 @@ void RlSource::correct_importance(PolicyTokens& t, const std::vector<double>& ro
   }
 }
 
-std::vector<PackedBatch*> RlSource::batches(int64_t) {
-  if (pending_.empty()) rollout();
+PackedBatch* RlSource::batch(const std::vector<size_t>& ids) {
+  if (pending_.empty()) rollout(ids);  // every job asking rolls out, together
   current_ = std::move(pending_.front());
   pending_.erase(pending_.begin());
-  return {&current_->rb.batch};
+  for (size_t k : ids)
+    LATHE_CHECK(std::find(current_->jobs.begin(), current_->jobs.end(), k) != current_->jobs.end(),
+                "rl: the tenants are out of step: the update prepared is for jobs [{}], the step trains jobs [{}]",
+                fmt::join(current_->jobs, ", "), fmt::join(ids, ", "));
+  // A job that failed since the rollout (a tenant stops alone): its rows stay, served by the base, with no loss.
+  for (size_t k = 0; k < current_->parts.size(); ++k)
+    if (std::find(ids.begin(), ids.end(), current_->parts[k].job) == ids.end()) {
+      current_->parts[k].dropped = true;
+      if (!current_->batch.segments.empty()) current_->batch.segments[k].adapter = -1;
+    }
+  return &current_->batch;
 }
 
-nlohmann::json RlSource::step_metrics() {
+// Job `job`'s part of the update of the step.
+nlohmann::json RlSource::step_metrics(size_t job) {
+  Job& j = *jobs_.at(job);
+  LATHE_ASSERT(current_);
+  Part* part = nullptr;
+  for (Part& p : current_->parts)
+    if (p.job == job) part = &p;
+  LATHE_ASSERT(part);
+  PolicyStats& st = part->stats;
   if (ranks_.ranks > 1) {  // the update's statistics over every rank's share, weighted by its tokens (or sequences)
-    const PolicyTokens& t = current_->rb.tokens;
+    const PolicyTokens& t = part->tokens;
     double seqs = 0;
     for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
-    const double tokens = double(t.sequence.size()), n = settings_.loss.sequence_ratio ? seqs : tokens;
-    PolicyStats& st = current_->stats;
+    const double tokens = double(t.sequence.size()), n = part->config.sequence_ratio ? seqs : tokens;
     const std::vector<double> s = ranks_.sum({st.clip_fraction * n, st.ratio_mean * n, st.kl_mean * tokens, n, tokens});
     st.clip_fraction = s[0] / s[3];
     st.ratio_mean = s[1] / s[3];
     st.kl_mean = s[2] / s[4];
   }
-  nlohmann::json m = {{"clip_fraction", current_->stats.clip_fraction}, {"ratio_mean", current_->stats.ratio_mean}};
-  if (settings_.loss.kl_coef > 0) m["kl_mean"] = current_->stats.kl_mean;
-  if (!rollout_metrics_.is_null()) m.update(std::exchange(rollout_metrics_, nullptr));
+  j.last_ratio = st.ratio_mean;
+  j.last_clip = st.clip_fraction;
+  nlohmann::json m = {{"clip_fraction", st.clip_fraction}, {"ratio_mean", st.ratio_mean}};
+  if (part->config.kl_coef > 0) m["kl_mean"] = st.kl_mean;
+  if (!j.rollout_metrics.is_null()) m.update(std::exchange(j.rollout_metrics, nullptr));
   return m;
 }
 
-std::string RlSource::progress() const {
-  return fmt::format("reward {:.3f} | ratio {:.3f} | clip {:.3f}", last_reward_,
-                     current_ ? current_->stats.ratio_mean : 1.0, current_ ? current_->stats.clip_fraction : 0.0);
+std::string RlSource::progress(size_t job) const {
+  const Job& j = *jobs_.at(job);
+  return fmt::format("reward {:.3f} | ratio {:.3f} | clip {:.3f}", j.last_reward, j.last_ratio, j.last_clip);
 }
 
 }  // namespace lathe

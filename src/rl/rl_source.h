@@ -18,6 +18,9 @@
 // process's rollout, the same tokens included. The loss weights are the whole mini-batch's (its sequence and token
 // counts summed over the ranks) and the figures are summed (or their maxima taken) over the ranks, so a run of N ranks
 // is the one-process run up to the order of the gradient sums. Dynamic sampling is refused there (config.cpp).
+// Tenants (a `tenants:` list, LoRA): each tenant is a job with its own prompts, rewards, algorithm settings, adapter and
+// output folder over the one frozen base; a rollout's sampling rounds draw every tenant's requests in one engine (each
+// request with its tenant's adapter) and each step trains every tenant's mini-batch in one batch (a segment each).
 // Covered by tests/e2e/test_rl.cpp.
 #pragma once
 
@@ -60,54 +63,52 @@ std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenize
 
 class RlSource final : public StepSource {
  public:
-  // Reads the tokenizer, chat template and prompts (nothing is written).
+  // Reads the tokenizer, chat template and every job's prompts (nothing is written). Jobs: the config's tenants (each
+  // its own prompts, rewards, algorithm settings and adapter), or the config itself.
   RlSource(Runtime& rt, const TrainConfig& c);
   ~RlSource() override;
 
-  void start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) override;
-  std::vector<PackedBatch*> batches(int64_t step) override;
+  void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) override;
+  PackedBatch* batch(const std::vector<size_t>& jobs) override;
   std::string name() const override { return "rl"; }
-  nlohmann::json step_metrics() override;
-  std::string progress() const override;
-  nlohmann::json state() const override;
+  nlohmann::json step_metrics(size_t job) override;
+  std::string progress(size_t job) const override;
+  nlohmann::json state(size_t job) const override;
 
  private:
-  struct Update;   // one mini-batch: its batch, policy tokens and loss
+  struct Job;      // one policy: its options, prompts and position in them
+  struct Part;     // one job's share of an update: its policy tokens and loss settings
+  struct Update;   // one step's mini-batch of every job that rolled out together: one batch, a part per job
   struct Group;    // a prompt's samples and rewards
   struct Figures;  // a rollout's figures
-  void rollout();
-  std::vector<Group> sample_groups(Figures& f);
-  void queue_updates(std::vector<Group>& groups, Figures& f);
-  std::vector<RolloutResult> sample(const std::vector<size_t>& prompts, int64_t round);
-  std::vector<double> rewards(const std::vector<size_t>& prompts, const std::vector<RolloutResult>& samples,
-                              std::vector<double>& answers);
-  size_t next_prompt();  // the next prompt index in the shuffled order (a new epoch reshuffles)
-  // The labelled tokens' log-probabilities under the model as it is (forward only): with the trained adapter, or the
-  // base alone (the KL reference).
-  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapter);
-  void whole_batch_weights(PolicyTokens& t);
-  void figures_over_ranks(Figures& f);
+  struct Ask;      // one job's prompts of a sampling round
+  // One rollout of each job in `jobs` (indices), their samples drawn by one engine in each sampling round (the
+  // tenants' requests batched, each with its adapter).
+  void rollout(const std::vector<size_t>& jobs);
+  std::vector<std::vector<RolloutResult>> sample(const std::vector<Ask>& asks);
+  std::vector<double> rewards(const Job& j, const std::vector<size_t>& prompts,
+                              const std::vector<RolloutResult>& samples, std::vector<double>& answers);
+  void queue_updates(const std::vector<size_t>& jobs, std::vector<std::vector<Group>>& groups,
+                     std::vector<Figures>& figures);
+  size_t next_prompt(Job& j);  // the next prompt index in the job's shuffled order (a new epoch reshuffles)
+  // The labelled tokens' log-probabilities under the model as it is (forward only): with the batch's segments (each
+  // job's adapter), or the base alone (the KL reference).
+  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters);
   // Folds the importance weights of the trainer's (old) over the rollout's log-probabilities into the token weights.
-  void correct_importance(PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum, int64_t& masked);
+  void correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
+                          int64_t& masked);
+  void whole_batch_weights(const Job& j, PolicyTokens& t);
+  void figures_over_ranks(Figures& f);
 
   Runtime& rt_;
-  const TrainConfig& c_;
-  RlSettings settings_;
-  data::Tokenizer tok_;
+  data::Tokenizer tok_;  // shared by the jobs (one base model)
   std::optional<ChatTemplate> chat_;
-  std::vector<RlPrompt> prompts_;
-  std::optional<FormatReward> format_;
   std::vector<int32_t> stop_ids_, banned_;
+  std::vector<std::unique_ptr<Job>> jobs_;
+  std::vector<std::unique_ptr<Update>> pending_;  // the last rollout's updates not trained yet, next first
+  std::unique_ptr<Update> current_;               // the update of the step running
   CausalLm* model_ = nullptr;
-  int adapter_ = -1;
   SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
-  // The position in the prompt order, and the rollouts done (each seeds its sampling).
-  int64_t epoch_ = 0, position_ = 0, rollouts_ = 0;
-  std::vector<size_t> order_;
-  std::vector<std::unique_ptr<Update>> pending_;  // this rollout's mini-batches not trained yet, next first
-  std::unique_ptr<Update> current_;               // the mini-batch of the step running
-  nlohmann::json rollout_metrics_;                 // the last rollout's figures, reported with its first update
-  double last_reward_ = 0;                         // the last rollout's mean reward (the progress line)
 };
 
 }  // namespace lathe

@@ -413,6 +413,7 @@ void replace(std::map<std::string, YAML::Node>& m, const std::string& key, const
 bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
+         (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib") ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");
@@ -560,7 +561,10 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.overlong_filter", r.overlong_filter, {"auto", "true", "false"});
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
   one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
-  if (has_tenants) problems.push_back("tenants: lathe rl trains one policy (one adapter or the whole model)");
+  if (has_tenants) {  // each tenant's policy is checked with its own options; the run's layout here
+    if (c.dp > 1) problems.push_back("tenants: lathe rl's tenants run in one process for now (parallel.dp 1)");
+    return;
+  }
   if (c.grad_accum != 1)
     problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "
                                    "a rollout)", c.grad_accum));
@@ -695,6 +699,8 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
     std::map<std::string, YAML::Node> merged = given;
     for (const auto& [key, node] : own) {
       if (!by_path.count(key)) problems.push_back(where + unknown_key_problem(key));
+      else if (which == ConfigFor::train && is_rl_option(key))
+        problems.push_back(where + fmt::format("'{}' is an option of lathe rl, not lathe train", key));
       else if (!per_tenant(key)) problems.push_back(where + fmt::format("'{}' is shared by every tenant: set it at the top level", key));
       else replace(merged, key, node);
     }
@@ -702,6 +708,11 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
     if (!own_output && !c.output_dir.empty()) replace(merged, "output_dir", YAML::Node(c.output_dir + "/" + name));
     TrainConfig t = resolve(merged, where, false, problems);
     t.name = name;
+    if (which == ConfigFor::rl) {
+      std::vector<std::string> own_problems;
+      check_rl(t, false, own_problems);
+      for (const std::string& p : own_problems) problems.push_back(where + p);
+    }
     if (t.lora_rank <= 0) problems.push_back(where + "lora.rank: tenants share one frozen base model, so each needs lora.rank > 0");
     if (!t.output_dir.empty() && !outputs.insert(t.output_dir).second)
       problems.push_back(where + fmt::format("output_dir '{}' is used by another tenant", t.output_dir));

@@ -305,11 +305,12 @@ class Trainer::Impl {
   void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   BackwardHooks micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer);
-  void run_source_batches(Job& j, const std::vector<PackedBatch*>& batches, const std::function<void()>& queue_optimizer);
+  void run_source_batch(const std::vector<Job*>& active, PackedBatch& pb, const std::function<void()>& queue_optimizer);
   void start_source();
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
   void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
   void write_final(Job& j);
+  FinalEvalResult held_out(Job& j, const std::string& prefix);
   void final_eval(Job& j);
   void fail(Job& j, const std::string& why);
   void guarded(Job& j, const std::function<void()>& f);
@@ -361,7 +362,6 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
       dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
-  LATHE_CHECK(!source_ || c.tenants.empty(), "train: a step source trains one job");
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
   save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
   lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
@@ -574,7 +574,7 @@ void Trainer::Impl::build() {
                                                resumed(j)));
   }
   ctx_.emplace(rt_.context(device_));
-  if (source_ && jobs_[0].active()) start_source();
+  if (source_ && std::any_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.active(); })) start_source();
   if (!buckets_.empty())
     reducer_ = std::make_unique<GradReducer>(model_params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
                                              sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
@@ -770,42 +770,58 @@ BackwardHooks Trainer::Impl::micro_batch_hooks(bool last, const std::function<vo
   return hooks;
 }
 
-// A step source's micro-batches (one job; this rank's share under data parallelism): each trains on its row loss, whose terms carry their weights
-// (so no scaling by the micro-batch count); the LoRA adapter serves every row.
-void Trainer::Impl::run_source_batches(Job& j, const std::vector<PackedBatch*>& batches,
-                                       const std::function<void()>& queue_optimizer) {
-  const ModelConfig& mc = model_->config();
-  for (size_t k = 0; k < batches.size(); ++k) {
-    PackedBatch& pb = *batches[k];
-    LATHE_CHECK(pb.row_loss, "train: a step source's batch has no row loss");
-    if (lora_) set_segments(pb, {{pb.tokens(), j.adapter, 1.0, mix_seed(j.cfg->seed, uint64_t(j.step + 1), k)}});
-    const LossResult r = model_->loss(pb, true, 1.0, micro_batch_hooks(k + 1 == batches.size(), queue_optimizer));
-    j.loss_sum += r.loss_sum;
-    j.labelled += r.labelled;
-    j.tokens += pb.tokens();
-    j.flops += flops_per_token(mc, pb.host_cu) * double(pb.tokens());
+// A step source's batch for the active jobs (this rank's share under data parallelism): its terms carry their weights
+// (so no scaling by a micro-batch count). Under LoRA each active job's rows are the segment with its adapter, whose
+// loss is the job's (a segment without an adapter: rows of a job that failed, which the source keeps with no loss).
+void Trainer::Impl::run_source_batch(const std::vector<Job*>& active, PackedBatch& pb,
+                                     const std::function<void()>& queue_optimizer) {
+  LATHE_CHECK(pb.row_loss, "train: a step source's batch has no row loss");
+  LATHE_CHECK(lora_ || (pb.segments.empty() && active.size() == 1),
+              "train: a step source's batch for full fine-tuning has {} segments for {} jobs", pb.segments.size(),
+              active.size());
+  std::vector<size_t> segment_of;  // active job k's segment
+  for (Job* j : active) {
+    size_t s = 0;
+    while (s < pb.segments.size() && pb.segments[s].adapter != j->adapter) ++s;
+    LATHE_CHECK(!lora_ || s < pb.segments.size(), "train: a step source's batch has no rows for {}", j->who());
+    segment_of.push_back(s);
+    if (lora_) pb.segments[s].dropout_seed = mix_seed(j->cfg->seed, uint64_t(j->step + 1), 0);
+  }
+  const double flops = flops_per_token(model_->config(), pb.host_cu) * double(pb.tokens());
+  const LossResult r = model_->loss(pb, true, 1.0, micro_batch_hooks(true, queue_optimizer));
+  for (size_t k = 0; k < active.size(); ++k) {
+    Job& j = *active[k];
+    const size_t s = segment_of[k];
+    const int64_t rows = lora_ ? pb.segments[s].rows_end - (s ? pb.segments[s - 1].rows_end : 0) : pb.tokens();
+    j.loss_sum += lora_ ? r.segments[s].loss_sum : r.loss_sum;
+    j.labelled += lora_ ? r.segments[s].labelled : r.labelled;
+    j.tokens += rows;
+    j.flops += flops * double(rows) / double(std::max<int64_t>(pb.tokens(), 1));  // the job's share of the batch's
   }
 }
 
-// The source's start, after the model, adapter and optimizer are built (and resumed). On a fresh run with a
-// final_eval.file, the held-out accuracy before the first step is printed and recorded, to set beside the final one.
+// The source's start, after the model, adapters and optimizers are built (and resumed). On a fresh run with a
+// final_eval.file, each job's held-out accuracy before its first step is printed and recorded, to set beside the final
+// one.
 void Trainer::Impl::start_source() {
-  Job& j = jobs_[0];
-  const nlohmann::json state = j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr);
   SourceRanks ranks;
   if (dp_ > 1) {
     ranks.rank = groups_->dp_rank();
     ranks.ranks = int(dp_);
     ranks.sum = [this](const std::vector<double>& v) { return sum_over_dp(v); };
   }
-  source_->start(*model_, lora_ ? j.adapter : -1, state, ranks);
-  if (j.step > 0 || j.cfg->final_eval_file.empty() || !first_) return;
-  const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
-                                           j.cfg->final_eval_max_new_tokens,
-                                           [&](const std::string& l) { progress_.message("before training: " + l); });
-  j.metrics->write({{"step", 0}, {"start_eval_accuracy", r.accuracy}, {"start_eval_correct", r.correct},
-                    {"start_eval_total", r.total}});
-  j.summary.start_eval_accuracy = r.accuracy;
+  std::vector<SourceJob> jobs;
+  for (const Job& j : jobs_)
+    jobs.push_back({lora_ ? j.adapter : -1, j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr),
+                    j.active()});
+  source_->start(*model_, jobs, ranks);
+  for (Job& j : jobs_) {
+    if (j.step > 0 || !j.active() || j.cfg->final_eval_file.empty() || !first_) continue;
+    const FinalEvalResult r = held_out(j, j.prefix() + "before training: ");
+    j.metrics->write({{"step", 0}, {"start_eval_accuracy", r.accuracy}, {"start_eval_correct", r.correct},
+                      {"start_eval_total", r.total}});
+    j.summary.start_eval_accuracy = r.accuracy;
+  }
 }
 
 // The job's optimizer step on its own gradient norm, schedule and clipping; returns its metrics entry (null when the
@@ -904,7 +920,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
-    if (source_) st["source"] = source_->state();
+    if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
@@ -1007,8 +1023,12 @@ bool Trainer::Impl::step() {
   if (active.empty()) return false;
   const auto t0 = Clock::now();
   // A step source's batches (a rollout, for RL) come before the step's memory plan opens.
-  std::vector<PackedBatch*> source_batches;
-  if (source_) source_batches = source_->batches(active[0]->step + 1);
+  PackedBatch* source_batch = nullptr;
+  if (source_) {
+    std::vector<size_t> ids;
+    for (Job* j : active) ids.push_back(size_t(j - jobs_.data()));
+    source_batch = source_->batch(ids);
+  }
   // The step is the memory plan's window: its batches, activations, gradients and the optimizer's temporaries are
   // born and die inside it (full fine-tuning drops the gradients at its end), so a step that repeats is laid out
   // whole. Closed as aborted if an error leaves the step.
@@ -1040,7 +1060,7 @@ bool Trainer::Impl::step() {
       updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
     }
   };
-  if (source_) run_source_batches(*active[0], source_batches, queue_optimizer);
+  if (source_) run_source_batch(active, *source_batch, queue_optimizer);
   else run_micro_batches(active, queue_optimizer);
   double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
   std::vector<nlohmann::json> entries(jobs_.size());
@@ -1097,9 +1117,11 @@ bool Trainer::Impl::step() {
       m["dp_comm_s"] = dp_comm_s;
       m["memory_mib_ranks"] = rank_mem_mib_;
     }
-    if (source_) m[source_->name()] = source_->step_metrics();
+    if (source_) m[source_->name()] = source_->step_metrics(size_t(j - jobs_.data()));
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
-    tenant_losses += fmt::format("{}{} {:.4f}", tenant_losses.empty() ? "" : ", ", j->label, m["loss"].get<double>());
+    tenant_losses += fmt::format("{}{} {}", tenant_losses.empty() ? "" : ", ", j->label,
+                                 source_ ? source_->progress(size_t(j - jobs_.data()))
+                                         : fmt::format("{:.4f}", m["loss"].get<double>()));
   }
   // While the first rank writes the step's checkpoints, the others wait here under the save timeout, rather than in
   // the next step's first collective under the collectives' one.
@@ -1120,12 +1142,12 @@ bool Trainer::Impl::step() {
       progress_.step(j.step, j.cfg->max_steps,
                      fmt::format("step {}/{} | loss {:.4f} | lr {:.2e} | grad-norm {:.3f}{} | {} | mem {:.0f} MiB | ETA {}",
                                  j.step, j.cfg->max_steps, m["loss"].get<double>(), m["lr"].get<double>(),
-                                 m["grad_norm"].get<double>(), source_ ? " | " + source_->progress() : "", rate, mem,
+                                 m["grad_norm"].get<double>(), source_ ? " | " + source_->progress(0) : "", rate, mem,
                                  duration(eta)));
   } else if (jobs_.size() > 1) {
     progress_.step(run_steps_, run_steps_ + remaining,
-                   fmt::format("step {} | {} tenants | loss {} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active.size(),
-                               tenant_losses, rate, mem, duration(eta)));
+                   fmt::format("step {} | {} tenants | {}{} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active.size(),
+                               source_ ? "" : "loss ", tenant_losses, rate, mem, duration(eta)));
   }
   return true;
 }
@@ -1143,9 +1165,9 @@ void Trainer::Impl::write_final(Job& j) {
                                 final_dir.string()));
 }
 
-// The job's held-out accuracy (LoRA: with its adapter merged into the base, then restored).
-void Trainer::Impl::final_eval(Job& j) {
-  if (!first_) return;
+// The job's held-out accuracy now (LoRA: with its adapter merged into the base, then restored); each log line is
+// printed after `prefix`.
+FinalEvalResult Trainer::Impl::held_out(Job& j, const std::string& prefix) {
   std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
   if (lora_) {
     for (const std::string& name : lora_merge_targets(*bank_, j.adapter)) {
@@ -1156,8 +1178,14 @@ void Trainer::Impl::final_eval(Job& j) {
   }
   const FinalEvalResult r = run_final_eval(rt_, *model_, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
                                            j.cfg->final_eval_max_new_tokens,
-                                           [&](const std::string& l) { progress_.message(j.prefix() + l); });
+                                           [&](const std::string& l) { progress_.message(prefix + l); });
   for (auto& [p, v] : saved) p->value = v;
+  return r;
+}
+
+void Trainer::Impl::final_eval(Job& j) {
+  if (!first_) return;
+  const FinalEvalResult r = held_out(j, j.prefix());
   j.summary.final_eval_accuracy = r.accuracy;
   j.metrics->write({{"step", j.step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
                     {"final_eval_total", r.total}});

@@ -31,26 +31,34 @@ struct SourceRanks {
   std::function<std::vector<double>(const std::vector<double>&)> sum = [](const std::vector<double>& v) { return v; };
 };
 
-// What a step trains on in place of the SFT data (lathe rl: src/rl/rl_source.h). One job (no tenants); under
-// data parallelism every rank has its own source, which builds that rank's share of each step (the gradients of the
-// ranks' batches are summed, so each row loss's weights are the whole step's).
-// The trainer calls start() once the model (and adapter) is built and resumed, then batches() at the start of every
+// What a step trains on in place of the SFT data (lathe rl: src/rl/rl_source.h), for every job of the run (one, or
+// each LoRA tenant; job k is the config's tenant k). Under data parallelism every rank has its own source, which builds
+// that rank's share of each step (the gradients of the ranks' batches are summed, so each row loss's weights are the
+// whole step's).
+// The trainer calls start() once the model (and adapters) are built and resumed, then batches() at the start of every
 // step, outside the step's memory plan (a source may generate there), and step_metrics() after the update (on every
 // rank); state() goes into every checkpoint's trainer_state.json ("source") and comes back to start() on resume.
+struct SourceJob {
+  int adapter = -1;         // the LoRA adapter the job trains (-1: full fine-tuning)
+  nlohmann::json state;     // the resumed checkpoint's state(), else null
+  bool active = true;       // false: the job has finished training (it never asks for batches)
+};
+
 class StepSource {
  public:
   virtual ~StepSource() = default;
-  // `adapter`: the LoRA adapter being trained (-1: full fine-tuning); `state`: the resumed checkpoint's, else null.
-  virtual void start(CausalLm& model, int adapter, const nlohmann::json& state, const SourceRanks& ranks) = 0;
-  // Step `step`'s micro-batches, each with its row loss (PackedBatch::row_loss) whose terms carry their own weights;
-  // they stay valid until the next call.
-  virtual std::vector<PackedBatch*> batches(int64_t step) = 0;
+  virtual void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) = 0;
+  // The step's batch for the jobs in `jobs` (indices, ascending): one batch, its row loss (PackedBatch::row_loss)
+  // covering every labelled row with terms that carry their own weights; under LoRA each job's rows are a segment
+  // with its adapter (the trainer sets their dropout seeds; a segment with adapter -1 is rows kept without a loss).
+  // Valid until the next call.
+  virtual PackedBatch* batch(const std::vector<size_t>& jobs) = 0;
   // The key of the step's figures in metrics.jsonl and their TensorBoard prefix ("rl": "rl" and "rl/NAME").
   virtual std::string name() const = 0;
-  // The step's figures (numbers) for metrics.jsonl and TensorBoard, and a few words for the progress line.
-  virtual nlohmann::json step_metrics() = 0;
-  virtual std::string progress() const = 0;
-  virtual nlohmann::json state() const = 0;
+  // Job `job`'s figures of the step (numbers) for metrics.jsonl and TensorBoard, and a few words for the progress line.
+  virtual nlohmann::json step_metrics(size_t job) = 0;
+  virtual std::string progress(size_t job) const = 0;
+  virtual nlohmann::json state(size_t job) const = 0;
 };
 
 struct JobSummary {

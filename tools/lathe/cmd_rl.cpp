@@ -59,22 +59,31 @@ void warm_start(const std::string& path, const std::string& device, const Launch
 }
 
 // The run's last line (the first rank's).
-void report(const TrainSummary& s) {
-  const JobSummary& j = s.jobs[0];
-  if (s.already_finished) {
-    fmt::print("rl: {} already finished at step {}{}; nothing to do. Raise train.max_steps to train on, or set "
-               "overwrite: true to start again.\n",
-               j.output_dir, j.final_step,
-               j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "");
-  } else if (j.steps_run == 0) {
-    fmt::print("rl: trained to step {} already; its final outputs are complete\n", j.final_step);
-  } else {
-    fmt::print("rl: {} steps{}\n", j.steps_run,
-               j.final_eval_accuracy >= 0
-                   ? fmt::format(", held-out accuracy {} -> {}", accuracy(j.start_eval_accuracy),
-                                 accuracy(j.final_eval_accuracy))
-                   : "");
+// The run's last lines (the first rank's): one per tenant; returns the exit code (4 when a tenant failed, as lathe
+// train's).
+int report(const TrainSummary& s) {
+  int failed = 0;
+  for (const JobSummary& j : s.jobs) {
+    const std::string who = j.name.empty() ? "rl" : "rl: tenant " + j.name;
+    if (s.already_finished) {
+      fmt::print("{}: {} already finished at step {}{}; nothing to do. Raise train.max_steps to train on, or set "
+                 "overwrite: true to start again.\n",
+                 who, j.output_dir, j.final_step,
+                 j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "");
+    } else if (j.failed) {
+      ++failed;
+      fmt::print("{}: FAILED at step {}: {}\n", who, j.final_step, j.error);
+    } else if (j.steps_run == 0) {
+      fmt::print("{}: trained to step {} already; its final outputs are complete\n", who, j.final_step);
+    } else {
+      fmt::print("{}: {} steps{}\n", who, j.steps_run,
+                 j.final_eval_accuracy >= 0
+                     ? fmt::format(", held-out accuracy {} -> {}", accuracy(j.start_eval_accuracy),
+                                   accuracy(j.final_eval_accuracy))
+                     : "");
+    }
   }
+  return failed ? 4 : 0;
 }
 
 }  // namespace
@@ -111,9 +120,8 @@ void add_rl_command(CLI::App& app, int& exit_code) {
       if (groups) check_rl_layout(config, groups->dp_size());
       RlSource source(rt, config);  // reads and checks the prompts; writes nothing
       const TrainSummary s = run_training(rt, config, groups.get(), &source);
-      if (!groups || groups->is_first()) report(s);  // the first rank reports
+      exit_code = !groups || groups->is_first() ? report(s) : 0;  // the first rank reports
     });
-    exit_code = 0;
   });
 }
 
