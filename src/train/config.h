@@ -123,8 +123,9 @@ enum class ConfigFor { train, rl };
 // options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune,
 // train.memory_plan and train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
-// With ConfigFor::rl: the rl.* options too, checked together with the rest (no tenants, one micro-batch a step,
-// checkpoints on rollout boundaries); rl.warm_start's run output supplies model.path when neither model option is set.
+// With ConfigFor::rl: the rl.* options too, checked together with the rest (one micro-batch a step, checkpoints on
+// rollout boundaries; each tenant's checked with its own options), a tenant may set rl.* except rl.minibatches,
+// rl.cache_mib and rl.warm_start; rl.warm_start's run output supplies model.path when neither model option is set.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
                               ConfigFor which = ConfigFor::train);
 

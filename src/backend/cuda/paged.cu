@@ -28,6 +28,36 @@ constexpr int kThreads = 256;
 constexpr int kSplitWarps = 4;
 constexpr int kMinSplitPositions = 32;
 
+// The block's slots (warps, or groups of lanes) each hold an online softmax over some of the split's positions for
+// the block's G heads: accumulators (unnormalised, D columns used of kCols), max and sum in shared memory. Merges
+// them; with one split writes the output row, else the split's unnormalised row, max and sum to the workspace.
+template <int kSlots, int G, int kCols, typename T>
+__device__ void merge_slots(const float (&acc)[kSlots][G][kCols], const float (&mx)[kSlots][G],
+                            const float (&sum)[kSlots][G], int64_t d, int64_t i, int64_t q_heads, int64_t h0,
+                            int64_t split, int64_t splits, T* o, float* part) {
+  for (int64_t x = threadIdx.x; x < G * d; x += blockDim.x) {
+    const int g = int(x / d);
+    const int64_t c = x % d;
+    float m = -INFINITY;
+    for (int w = 0; w < kSlots; ++w) m = fmaxf(m, mx[w][g]);
+    float l = 0.0f, a = 0.0f;
+    for (int w = 0; w < kSlots; ++w) {
+      if (mx[w][g] == -INFINITY) continue;  // a slot without positions
+      const float f = expf(mx[w][g] - m);
+      l += sum[w][g] * f;
+      a += acc[w][g][c] * f;
+    }
+    const int64_t h = h0 + g;
+    if (splits == 1) {
+      store(o, (i * q_heads + h) * d + c, a / l);
+      continue;
+    }
+    float* p = part + ((i * q_heads + h) * splits + split) * (d + 2);
+    p[c] = a;
+    if (c == 0) p[d] = m, p[d + 1] = l;  // a split past the query's position: m = -inf, l = 0
+  }
+}
+
 // G query heads a block, P values of a row a lane (D <= 32 P).
 template <typename T, int G, int P>
 __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_t d, int64_t bs, int64_t batch,
@@ -89,27 +119,7 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
     if (lane == 0) merge_m[warp][g] = mx[g], merge_l[warp][g] = sum[g];
   }
   __syncthreads();
-  for (int64_t x = threadIdx.x; x < G * d; x += blockDim.x) {
-    const int g = int(x / d);
-    const int64_t c = x % d;
-    float m = -INFINITY;
-    for (int w = 0; w < kSplitWarps; ++w) m = fmaxf(m, merge_m[w][g]);
-    float l = 0.0f, a = 0.0f;
-    for (int w = 0; w < kSplitWarps; ++w) {
-      if (merge_m[w][g] == -INFINITY) continue;  // a warp without positions
-      const float f = expf(merge_m[w][g] - m);
-      l += merge_l[w][g] * f;
-      a += merge_acc[w][g][c] * f;
-    }
-    const int64_t h = h0 + g;
-    if (splits == 1) {
-      store(o, (i * q_heads + h) * d + c, a / l);
-      continue;
-    }
-    float* p = part + ((i * q_heads + h) * splits + split) * (d + 2);
-    p[c] = a;
-    if (c == 0) p[d] = m, p[d + 1] = l;  // a split past the query's position: m = -inf, l = 0
-  }
+  merge_slots<kSplitWarps, G, 32 * P>(merge_acc, merge_m, merge_l, d, i, q_heads, h0, split, splits, o, part);
 }
 
 // The splits of paged_attention_kernel merged: a block per (query token, head), a thread per output column.
@@ -310,27 +320,7 @@ __global__ void paged_attention_packed_kernel(int64_t q_heads, int64_t kv_heads,
     if (sl == 0) merge_m[slot][g] = mx[g], merge_l[slot][g] = sum[g];
   }
   __syncthreads();
-  for (int64_t x = threadIdx.x; x < G * kD; x += blockDim.x) {
-    const int g = int(x / kD);
-    const int64_t c = x % kD;
-    float m = -INFINITY;
-    for (int w = 0; w < kSlots; ++w) m = fmaxf(m, merge_m[w][g]);
-    float l = 0.0f, a = 0.0f;
-    for (int w = 0; w < kSlots; ++w) {
-      if (merge_m[w][g] == -INFINITY) continue;  // a slot without positions
-      const float f = expf(merge_m[w][g] - m);
-      l += merge_l[w][g] * f;
-      a += merge_acc[w][g][c] * f;
-    }
-    const int64_t h = h0 + g;
-    if (splits == 1) {
-      store(o, (i * q_heads + h) * kD + c, a / l);
-      continue;
-    }
-    float* p = part + ((i * q_heads + h) * splits + split) * (kD + 2);
-    p[c] = a;
-    if (c == 0) p[kD] = m, p[kD + 1] = l;  // a split past the query's position: m = -inf, l = 0
-  }
+  merge_slots<kSlots, G, kD>(merge_acc, merge_m, merge_l, kD, i, q_heads, h0, split, splits, o, part);
 }
 
 template <typename E>
