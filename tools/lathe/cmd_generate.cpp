@@ -5,7 +5,9 @@
 // the rollout engine (rl/rollout_engine.h: continuous batching, paged cache, --n samples per line sharing their
 // prompt), writing n lines {"text", "tokens", "logprobs", "finish_reason"} per input line in input order (to --output
 // through OutputFile: a file appears only when every line is done, "-", /dev/stdout or a pipe are streamed; default
-// stdout).
+// stdout). --adapters NAME=DIR (repeatable) serves several PEFT adapters unmerged beside the base: an --input line
+// {"adapter": NAME, ...} runs with that adapter, one without on the base, all in the same engine steps (the engine's
+// per-request segments); --adapter DIR instead merges one adapter into the weights for every line.
 // Convention: a prompt gets the chat template (one user message, generation prompt added) unless --no-chat-template;
 // messages always do. The template renders with --chat-template-kwargs, else the first chat_template_kwargs.json of
 // the --adapter, --model and --tokenizer folders (what training recorded), else {}; one stderr line says which.
@@ -57,6 +59,7 @@ struct Args {
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   uint64_t seed = 0;
   std::vector<std::string> stop;
+  std::vector<std::string> adapters;  // --input: NAME=DIR, each a PEFT adapter rows pick with {"adapter": NAME}
   bool no_chat_template = false, print_tokens = false, ignore_eos = false;
   bool has_prompt = false;  // --prompt given (even as an empty string)
 };
@@ -140,14 +143,28 @@ class Prompts {
 };
 
 // {"prompt": "..."} or {"messages": [...]} per line; blank lines are skipped. Errors name file:line.
-std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts) {
+// Each row's prompt, and in `adapter_of` its adapter's index in `names` (-1: the base model): a row's "adapter" must be
+// one of the --adapters names.
+std::vector<std::vector<int32_t>> read_requests(const std::string& path, Prompts& prompts,
+                                                const std::vector<std::string>& names, std::vector<int>& adapter_of) {
   std::vector<std::vector<int32_t>> out;
   for_each_jsonl_row(path, "generate", [&](const nlohmann::ordered_json& j, int64_t) {
     LATHE_CHECK(j.is_object(),
                 "generate: expected an object {{\"prompt\": ...}}, {{\"messages\": [...]}} or {{\"tokens\": [...]}}");
     for (const auto& [key, value] : j.items())
-      LATHE_CHECK(key == "prompt" || key == "messages" || key == "tokens",
-                  "generate: unknown key '{}' (expected 'prompt', 'messages' or 'tokens')", key);
+      LATHE_CHECK(key == "prompt" || key == "messages" || key == "tokens" || key == "adapter",
+                  "generate: unknown key '{}' (expected 'prompt', 'messages' or 'tokens', and 'adapter')", key);
+    int adapter = -1;
+    if (j.contains("adapter") && !j["adapter"].is_null()) {
+      LATHE_CHECK(j["adapter"].is_string(), "generate: 'adapter' must be the name of an --adapters entry, not {}",
+                  j["adapter"].dump());
+      const std::string name = j["adapter"].get<std::string>();
+      const auto it = std::find(names.begin(), names.end(), name);
+      LATHE_CHECK(it != names.end(), "generate: adapter '{}' is not among --adapters ({})", name,
+                  names.empty() ? "none given" : fmt::format("{}", fmt::join(names, ", ")));
+      adapter = int(it - names.begin());
+    }
+    adapter_of.push_back(adapter);
     LATHE_CHECK(int(j.contains("prompt")) + int(j.contains("messages")) + int(j.contains("tokens")) == 1,
                 "generate: expected exactly one of 'prompt', 'messages' and 'tokens'");
     if (j.contains("tokens")) {
@@ -208,7 +225,8 @@ nlohmann::json result_json(const GenerateResult& r) {
 }
 
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
-                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok, int64_t prompt_tokens,
+                    const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
+                    const data::Tokenizer* tok, int64_t prompt_tokens,
                     Communicator* world);
 
 // `--nproc N`: this process starts N GPU ranks of the same command (without --nproc) and waits for them.
@@ -228,6 +246,7 @@ std::vector<std::string> rank_args(const Args& a) {
                                     {"--tokenizer", a.tokenizer}, {"--dtype", a.dtype}})
     if (!value.empty()) v.insert(v.end(), {flag, value});
   for (const std::string& stop : a.stop) v.insert(v.end(), {"--stop", stop});
+  for (const std::string& spec : a.adapters) v.insert(v.end(), {"--adapters", spec});
   if (a.has_chat_template_kwargs) v.insert(v.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
   if (a.no_chat_template) v.push_back("--no-chat-template");
   if (a.ignore_eos) v.push_back("--ignore-eos");
@@ -259,6 +278,22 @@ void run(Args a) {
   for (const std::string& s : a.stop) LATHE_CHECK(!s.empty(), "generate: --stop needs a non-empty string");
   check_folder(a.model, "--model", "generate");
   if (!a.adapter.empty()) check_folder(a.adapter, "--adapter", "generate");
+  std::vector<std::string> adapter_names, adapter_dirs;
+  for (const std::string& spec : a.adapters) {
+    const size_t eq = spec.find('=');
+    LATHE_CHECK(eq != std::string::npos && eq > 0 && eq + 1 < spec.size(),
+                "generate: --adapters takes NAME=DIR (a PEFT adapter folder), not '{}'", spec);
+    const std::string name = spec.substr(0, eq), dir = spec.substr(eq + 1);
+    LATHE_CHECK(std::find(adapter_names.begin(), adapter_names.end(), name) == adapter_names.end(),
+                "generate: --adapters names '{}' twice", name);
+    check_folder(dir, "--adapters " + name, "generate", "adapter_config.json");
+    adapter_names.push_back(name);
+    adapter_dirs.push_back(dir);
+  }
+  LATHE_CHECK(adapter_names.empty() || !a.input.empty(),
+              "generate: --adapters goes with --input (its lines name their adapter); --adapter DIR merges one");
+  LATHE_CHECK(adapter_names.empty() || a.adapter.empty(),
+              "generate: give --adapter DIR (merged) or --adapters NAME=DIR (per line), not both");
   if (!a.tokenizer.empty()) check_folder(a.tokenizer, "--tokenizer", "generate");
   // Settled (and printed) before the model loads, so a bad --chat-template-kwargs fails at once.
   nlohmann::ordered_json kwargs = nlohmann::ordered_json::object();
@@ -279,12 +314,23 @@ void run(Args a) {
     bank.load_peft(0, a.adapter);
     merge_lora(*model, bank, 0);
   }
+  // --adapters: a bank of every named adapter beside the base; each --input line runs with its own (the engine's
+  // segments, as multi-tenant training's), unmerged.
+  std::optional<LoraBank> named;
+  if (!adapter_dirs.empty()) {
+    std::vector<LoraConfig> configs;
+    for (const std::string& dir : adapter_dirs) configs.push_back(read_lora_config(dir));
+    named.emplace(rt, model->config(), mo.device, mo.dtype, configs);
+    for (size_t k = 0; k < adapter_dirs.size(); ++k) named->load_peft(int(k), adapter_dirs[k]);
+    model->attach_lora(&*named);
+  }
   const ModelConfig& c = model->config();
   Prompts prompts(a, std::move(kwargs), c.vocab_size,
                   c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
 
   std::vector<std::vector<int32_t>> requests;
-  if (!a.input.empty()) requests = read_requests(a.input, prompts);
+  std::vector<int> adapter_of;  // per --input line: its --adapters index, or -1
+  if (!a.input.empty()) requests = read_requests(a.input, prompts, adapter_names, adapter_of);
   else if (a.has_prompt) requests.push_back(prompts.from_text(a.prompt));
   else requests.push_back(prompts.from_ids(a.prompt_tokens));
   const data::Tokenizer* tok = prompts.tokenizer_if_present();
@@ -293,7 +339,7 @@ void run(Args a) {
   int64_t prompt_tokens = 0;
   for (const std::vector<int32_t>& r : requests) prompt_tokens += int64_t(r.size());
   if (!a.input.empty()) {
-    generate_batch(rt, *model, a, options, requests, tok, prompt_tokens, world.get());
+    generate_batch(rt, *model, a, options, requests, adapter_of, tok, prompt_tokens, world.get());
     return;
   }
   // One prompt: stream the text, or print the result as JSON.
@@ -321,7 +367,8 @@ void run(Args a) {
 // rank r generates lines r, r + N, ... (line i's draws are seeded by --seed + i wherever it runs) and rank 0 writes
 // them all once every rank is done.
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
-                    const std::vector<std::vector<int32_t>>& requests, const data::Tokenizer* tok,
+                    const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
+                    const data::Tokenizer* tok,
                     int64_t prompt_tokens, Communicator* world) {
   const ModelConfig& c = model.config();
   const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
@@ -352,6 +399,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     r.stop_ids = options.eos_ids;
     r.allowed_vocab = allowed;
     r.banned_ids = banned;
+    r.adapter = adapter_of[i];
     if (tok) r.on_token = [&streams, k](int sample, int32_t id) { return streams[k][size_t(sample)]->push(id); };
     engine.submit(std::move(r));  // request number k
   }
@@ -444,6 +492,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<Args>();
   cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
   cmd->add_option("--adapter", args->adapter, "PEFT LoRA adapter folder, merged into the model");
+  cmd->add_option("--adapters", args->adapters,
+                  "NAME=DIR (repeatable): a PEFT adapter that --input lines pick with {\"adapter\": NAME}, served "
+                  "unmerged beside the base (lines without one run on the base)");
   cmd->add_option("--tokenizer", args->tokenizer, "folder with tokenizer.json (default: the model folder)");
   cmd->add_option("--prompt", args->prompt, "a user prompt; the completion streams to stdout");
   cmd->add_option("--input", args->input,
