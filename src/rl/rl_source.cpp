@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -148,8 +149,9 @@ struct RlSource::Group {
 
 // The rollout's figures, summed over its sampling rounds and updates.
 struct RlSource::Figures {
-  double rollout_s = 0, reward_s = 0, logprob_s = 0, reward_sum = 0, answer_sum = 0, length_sum = 0;
-  int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0;
+  double rollout_s = 0, reward_s = 0, logprob_s = 0, reward_sum = 0, reward_sq_sum = 0, length_sum = 0;
+  double answer_sum = 0, format_sum = 0, overlong_sum = 0, command_sum = 0;  // the reward components, unweighted
+  int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0, length_max = 0;
   double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
   int64_t gap_tokens = 0, masked = 0;
 };
@@ -277,13 +279,14 @@ std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>&
   return out;
 }
 
-// Each sample's weighted reward; `answers` gets each one's answer match (1 or 0; 0 without the answer reward).
+// Each sample's weighted reward; `parts` gets each sample's unweighted components (0 where a component is off).
 std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& prompts,
-                                      const std::vector<RolloutResult>& samples, std::vector<double>& answers) {
+                                      const std::vector<RolloutResult>& samples, RewardParts& parts) {
   const RlOptions& o = j.c->rl;
   std::vector<double> out(samples.size(), 0.0);
   std::vector<std::string> rows;
-  answers.assign(samples.size(), 0.0);
+  for (std::vector<double>* v : {&parts.answer, &parts.format, &parts.overlong, &parts.command})
+    v->assign(samples.size(), 0.0);
   for (size_t k = 0; k < samples.size(); ++k) {
     const RolloutResult& s = samples[k];
     const RlPrompt& p = j.prompts[prompts[size_t(s.request)]];
@@ -291,11 +294,12 @@ std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& p
     if (s.finish_reason == FinishReason::kEos && !ids.empty()) ids = ids.first(ids.size() - 1);  // the stop token
     const std::string text = tok_.decode(ids, true);
     if (o.reward_answer > 0) {
-      answers[k] = answer_reward(text, p.row["answer"].get<std::string>());
-      out[k] += o.reward_answer * answers[k];
+      parts.answer[k] = answer_reward(text, p.row["answer"].get<std::string>());
+      out[k] += o.reward_answer * parts.answer[k];
     }
-    if (j.format) out[k] += o.reward_format_weight * (*j.format)(text);
-    if (o.overlong_buffer > 0) out[k] += overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
+    if (j.format) out[k] += o.reward_format_weight * (parts.format[k] = (*j.format)(text));
+    if (o.overlong_buffer > 0)
+      out[k] += parts.overlong[k] = overlong_penalty(int64_t(s.tokens.size()), o.max_new_tokens, o.overlong_buffer);
     if (!o.reward_command.empty()) {
       nlohmann::json row = p.row;
       row["prompt"] = p.text;
@@ -304,8 +308,8 @@ std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& p
     }
   }
   if (!o.reward_command.empty()) {
-    const std::vector<double> ext = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
-    for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * ext[k];
+    parts.command = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
+    for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * parts.command[k];
   }
   return out;
 }
@@ -347,14 +351,19 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
       Figures& f = d[of[a]].f;
       f.rollout_s += rollout_s;  // the round's, shared by its jobs
       t = Clock::now();
-      std::vector<double> answers;
+      RewardParts parts;
       const std::vector<size_t>& prompts = asks[a].prompts;
-      const std::vector<double> r = rewards(j, prompts, samples[a], answers);
+      const std::vector<double> r = rewards(j, prompts, samples[a], parts);
       f.reward_s += seconds_since(t);
       for (size_t k = 0; k < samples[a].size(); ++k) {
         f.reward_sum += r[k];
-        f.answer_sum += answers[k];
+        f.reward_sq_sum += r[k] * r[k];
+        f.answer_sum += parts.answer[k];
+        f.format_sum += parts.format[k];
+        f.overlong_sum += parts.overlong[k];
+        f.command_sum += parts.command[k];
         f.length_sum += double(samples[a][k].tokens.size());
+        f.length_max = std::max(f.length_max, int64_t(samples[a][k].tokens.size()));
         f.truncated += samples[a][k].finish_reason == FinishReason::kLength;
       }
       f.sampled += int64_t(samples[a].size());
@@ -390,15 +399,23 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     Job& j = *jobs_[ids[k]];
     Figures& f = figures[k];
     if (ranks_.ranks > 1) figures_over_ranks(f);
-    const double count = double(std::max<int64_t>(f.sampled, 1));
-    j.last_reward = f.reward_sum / count;
-    nlohmann::json m = {{"reward_mean", f.reward_sum / count}, {"response_length_mean", f.length_sum / count},
+    const double count = double(std::max<int64_t>(f.sampled, 1)), mean = f.reward_sum / count;
+    const RlOptions& o = j.c->rl;
+    j.last_reward = mean;
+    nlohmann::json m = {{"reward_mean", mean},
+                        {"reward_std", std::sqrt(std::max(0.0, f.reward_sq_sum / count - mean * mean))},
+                        {"response_length_mean", f.length_sum / count}, {"response_length_max", f.length_max},
                         {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
                         {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
+                        {"rollout_tokens_per_s", f.rollout_s > 0 ? f.length_sum / f.rollout_s : 0.0},
                         {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
-    if (j.c->rl.reward_answer > 0) m["answer_accuracy"] = f.answer_sum / count;
-    m["logprob_gap_mean"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
-    m["logprob_gap_max"] = f.gap_max;
+    // Each reward that is on, unweighted: the answer match is the accuracy.
+    if (o.reward_answer > 0) m["accuracy"] = f.answer_sum / count;
+    if (j.format) m["reward_format"] = f.format_sum / count;
+    if (o.overlong_buffer > 0) m["reward_overlong"] = f.overlong_sum / count;
+    if (!o.reward_command.empty()) m["reward_command"] = f.command_sum / count;
+    m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
+    m["rollout_train_logprob_gap_max"] = f.gap_max;
     if (j.c->rl.importance_correction != "none") {
       m["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
       m["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
@@ -520,23 +537,27 @@ void RlSource::whole_batch_weights(const Job& j, PolicyTokens& t) {
 // Data parallelism: the rollout's figures over every rank — the counts and sums added, the largest gap and the
 // slowest rank's seconds taken.
 void RlSource::figures_over_ranks(Figures& f) {
-  std::vector<double> v = {f.reward_sum, f.answer_sum, f.length_sum, double(f.sampled), double(f.truncated),
-                           double(f.dropped), f.gap_sum, double(f.gap_tokens), f.weight_sum, double(f.masked)};
-  const size_t slots = v.size(), per_rank = 4;  // then each rank's gap_max and seconds in its own slots
+  std::vector<double> v = {f.reward_sum, f.reward_sq_sum, f.answer_sum, f.format_sum, f.overlong_sum, f.command_sum,
+                           f.length_sum, double(f.sampled), double(f.truncated), double(f.dropped), f.gap_sum,
+                           double(f.gap_tokens), f.weight_sum, double(f.masked)};
+  const size_t slots = v.size(), per_rank = 5;  // then each rank's maxima and seconds in its own slots
   v.resize(slots + per_rank * size_t(ranks_.ranks), 0.0);
   double* mine = v.data() + slots + per_rank * size_t(ranks_.rank);
-  mine[0] = f.gap_max, mine[1] = f.rollout_s, mine[2] = f.reward_s, mine[3] = f.logprob_s;
+  mine[0] = f.gap_max, mine[1] = f.rollout_s, mine[2] = f.reward_s, mine[3] = f.logprob_s, mine[4] = double(f.length_max);
   const std::vector<double> s = ranks_.sum(v);
-  f.reward_sum = s[0], f.answer_sum = s[1], f.length_sum = s[2];
-  f.sampled = int64_t(s[3]), f.truncated = int64_t(s[4]), f.dropped = int64_t(s[5]);
-  f.gap_sum = s[6], f.gap_tokens = int64_t(s[7]), f.weight_sum = s[8], f.masked = int64_t(s[9]);
+  f.reward_sum = s[0], f.reward_sq_sum = s[1], f.answer_sum = s[2], f.format_sum = s[3], f.overlong_sum = s[4];
+  f.command_sum = s[5], f.length_sum = s[6];
+  f.sampled = int64_t(s[7]), f.truncated = int64_t(s[8]), f.dropped = int64_t(s[9]);
+  f.gap_sum = s[10], f.gap_tokens = int64_t(s[11]), f.weight_sum = s[12], f.masked = int64_t(s[13]);
   f.gap_max = f.rollout_s = f.reward_s = f.logprob_s = 0;
+  f.length_max = 0;
   for (int r = 0; r < ranks_.ranks; ++r) {
     const double* x = s.data() + slots + per_rank * size_t(r);
     f.gap_max = std::max(f.gap_max, x[0]);
     f.rollout_s = std::max(f.rollout_s, x[1]);
     f.reward_s = std::max(f.reward_s, x[2]);
     f.logprob_s = std::max(f.logprob_s, x[3]);
+    f.length_max = std::max(f.length_max, int64_t(x[4]));
   }
 }
 

@@ -82,12 +82,15 @@ class RlSource final : public StepSource {
   struct Group;    // a prompt's samples and rewards
   struct Figures;  // a rollout's figures
   struct Ask;      // one job's prompts of a sampling round
+  struct RewardParts {  // each sample's reward components, unweighted (0 where one is off)
+    std::vector<double> answer, format, overlong, command;
+  };
   // One rollout of each job in `jobs` (indices), their samples drawn by one engine in each sampling round (the
   // tenants' requests batched, each with its adapter).
   void rollout(const std::vector<size_t>& jobs);
   std::vector<std::vector<RolloutResult>> sample(const std::vector<Ask>& asks);
   std::vector<double> rewards(const Job& j, const std::vector<size_t>& prompts,
-                              const std::vector<RolloutResult>& samples, std::vector<double>& answers);
+                              const std::vector<RolloutResult>& samples, RewardParts& parts);
   void queue_updates(const std::vector<size_t>& jobs, std::vector<std::vector<Group>>& groups,
                      std::vector<Figures>& figures);
   size_t next_prompt(Job& j);  // the next prompt index in the job's shuffled order (a new epoch reshuffles)

@@ -85,9 +85,18 @@ TEST(Rl, OnPolicyUpdatesHaveRatioOneAndAKilledRunResumesExactly) {
     // One update per rollout: the update's forward is the old policy's, bit for bit (CPU f32): every ratio is 1.
     EXPECT_EQ(r["rl"]["ratio_mean"].get<double>(), 1.0) << r.dump();
     // The rollout engine's log-probabilities (paged attention, another order of sums) agree within f32 rounding.
-    EXPECT_LT(r["rl"]["logprob_gap_max"].get<double>(), 1e-5) << r.dump();
+    EXPECT_LT(r["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5) << r.dump();
     EXPECT_EQ(r["rl"]["clip_fraction"].get<double>(), 0.0) << r.dump();
     EXPECT_EQ(r["rl"]["samples"].get<int64_t>(), 16);
+    // The figures of the rollout: the format reward is the only reward (weight 1), so it is the mean reward; a
+    // reward of 0 or 1 has std sqrt(p (1 - p)).
+    const double mean = r["rl"]["reward_mean"].get<double>();
+    EXPECT_EQ(r["rl"]["reward_format"].get<double>(), mean) << r.dump();
+    EXPECT_NEAR(r["rl"]["reward_std"].get<double>(), std::sqrt(mean * (1 - mean)), 1e-12) << r.dump();
+    EXPECT_GE(r["rl"]["response_length_max"].get<double>(), r["rl"]["response_length_mean"].get<double>());
+    EXPECT_LE(r["rl"]["response_length_max"].get<int64_t>(), 4);  // rl.max_new_tokens
+    EXPECT_GT(r["rl"]["rollout_tokens_per_s"].get<double>(), 0.0);
+    EXPECT_FALSE(r["rl"].contains("accuracy"));  // no answer reward
   }
   ASSERT_TRUE(fs::exists(dir / "out/final/model.safetensors"));
   const std::string final_weights = file_bytes(dir / "out/final/model.safetensors");
@@ -165,8 +174,8 @@ TEST(Rl, ImportanceWeightsAgainstTheRollout) {
   ASSERT_FALSE(mis.empty());
   const double masked = mis[0]["rl"]["importance_masked_fraction"].get<double>();
   std::printf("[rl] seq_mis at cap 1 + 1e-12: %.3f of the tokens masked (gap max %.3g)\n", masked,
-              mis[0]["rl"]["logprob_gap_max"].get<double>());
-  if (mis[0]["rl"]["logprob_gap_max"].get<double>() > 0) EXPECT_GT(masked, 0.0);
+              mis[0]["rl"]["rollout_train_logprob_gap_max"].get<double>());
+  if (mis[0]["rl"]["rollout_train_logprob_gap_max"].get<double>() > 0) EXPECT_GT(masked, 0.0);
 }
 
 // Each algorithm runs with the defaults its paper sets (docs/rl.md's table), said in the run's first rl line, and its
@@ -302,7 +311,8 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
       ASSERT_EQ(got.size(), want.size()) << run.output;
       for (size_t i = 0; i < want.size(); ++i) {
         const std::string at = fmt::format("{} {}, step {}", out, variant, i + 1);
-        for (const char* key : {"reward_mean", "response_length_mean", "samples"})
+        for (const char* key : {"reward_mean", "reward_std", "reward_format", "response_length_mean",
+                                "response_length_max", "samples"})
           if (want[i]["rl"].contains(key)) EXPECT_EQ(got[i]["rl"][key], want[i]["rl"][key]) << at << " " << key;
         for (const char* key : {"loss", "grad_norm"})
           EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
@@ -423,7 +433,7 @@ TEST(Rl, CudaOnPolicyAndLearns) {
   double gap_max = 0, ratio_worst = 0, first = 0, last = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     ratio_worst = std::max(ratio_worst, std::abs(rows[i]["rl"]["ratio_mean"].get<double>() - 1.0));
-    gap_max = std::max(gap_max, rows[i]["rl"]["logprob_gap_max"].get<double>());
+    gap_max = std::max(gap_max, rows[i]["rl"]["rollout_train_logprob_gap_max"].get<double>());
     if (i < 4) first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
     if (i >= rows.size() - 4) last += rows[i]["rl"]["reward_mean"].get<double>() / 4;
   }
