@@ -1,7 +1,4 @@
-// Generation: the shared KV cache, KV-cache decoding of Qwen3, sampling, streaming detokenisation. Shapes: n new tokens, S cached tokens,
-// H hidden, Hq/Hkv heads of D (group = Hq / Hkv query heads share one kv head, as HF's repeat_kv), V vocab.
-// The decoding step's attention is built from ops: q (Hkv, group, D) @ K (Hkv, S, D)^T -> softmax -> @ V, in f32
-// whatever the model dtype, f64 for f64 (the gathered K and V are copied anyway, so the upcast costs nothing extra).
+// Generation of one prompt through the rollout engine, sampling, streaming detokenisation (generate.h).
 // Covered by tests/models/test_generate.cpp.
 #include "model/generate.h"
 
@@ -12,16 +9,11 @@
 #include <numeric>
 #include <optional>
 
-#include "model/generate_qwen3_5.h"
-#include "ops/ops.h"
+#include "model/rollout_engine.h"
 
 namespace lathe {
 
 namespace {
-
-Tensor to_f32(ExecContext& ctx, const Tensor& x) {
-  return x.dtype() == DType::F32 && x.is_contiguous() ? x : cast(ctx, x, DType::F32);
-}
 
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD, what decode() makes of a cut character
 
@@ -30,124 +22,6 @@ bool ends_with(std::string_view s, std::string_view suffix) {
 }
 
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------------------------
-// KvCache
-
-void KvCache::reserve(ExecContext& cx, int64_t tokens, int64_t length) {
-  if (tokens <= capacity_) return;
-  const int64_t cap = std::max(tokens, 2 * capacity_);
-  for (size_t l = 0; l < k_.size(); ++l) {
-    for (std::vector<Tensor>* cache : {&k_, &v_}) {
-      Tensor grown = Tensor::empty({cap, heads_, dim_}, dtype_, cx.allocator);
-      if (length > 0) copy_into(cx, (*cache)[l].narrow(0, 0, length), grown.narrow(0, 0, length));
-      (*cache)[l] = grown;
-    }
-  }
-  capacity_ = cap;
-}
-
-void KvCache::write(ExecContext& cx, size_t layer, const Tensor& k, const Tensor& v, int64_t pos) {
-  LATHE_ASSERT(pos + k.size(0) <= capacity_);
-  copy_into(cx, k, k_[layer].narrow(0, pos, k.size(0)));
-  copy_into(cx, v, v_[layer].narrow(0, pos, v.size(0)));
-}
-
-Tensor KvCache::attend(ExecContext& cx, size_t layer, const Tensor& q, int64_t length) const {
-  const int64_t q_heads = q.size(1), group = q_heads / heads_;
-  const DType acc = dtype_ == DType::F64 ? DType::F64 : DType::F32;
-  const Tensor k = cast(cx, k_[layer].narrow(0, 0, length).permute({1, 0, 2}), acc);  // (Hkv, S, D)
-  const Tensor v = cast(cx, v_[layer].narrow(0, 0, length).permute({1, 0, 2}), acc);  // (Hkv, S, D)
-  const Tensor q3 = contiguous(cx, cast(cx, q.view({heads_, group, dim_}), acc));    // (Hkv, group, D)
-  // The scale as its own op: matmul's alpha is a float, which an f64 cache must not round to.
-  const Tensor scores = scale(cx, matmul(cx, q3, k, {false, true}), 1.0 / std::sqrt(double(dim_)));  // (Hkv, group, S)
-  const Tensor p = softmax(cx, scores);                                                               // (Hkv, group, S)
-  const Tensor o = matmul(cx, p, v);                                      // (Hkv, group, D)
-  return cast(cx, o, dtype_).view({1, q_heads, dim_});
-}
-
-Tensor KvCache::extend(ExecContext& ctx, size_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v, int64_t past,
-                       const Tensor& prefill_cu) {
-  write(ctx, layer, kr, v, past);
-  if (past == 0) return attention(ctx, qr, kr, v, prefill_cu, {})[0];
-  LATHE_CHECK(qr.size(0) == 1, "generate: a decoding step takes one token at a time, not {}", qr.size(0));
-  return attend(ctx, layer, qr, past + 1);
-}
-
-int64_t KvCache::bytes() const {
-  int64_t total = 0;
-  for (size_t l = 0; l < k_.size(); ++l) total += k_[l].defined() ? k_[l].nbytes() + v_[l].nbytes() : 0;
-  return total;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// KvCacheDecoder
-
-KvCacheDecoder::KvCacheDecoder(Runtime& rt, Qwen3Model& model, int64_t capacity)
-    : rt_(&rt), model_(&model),
-      cache_(size_t(model.config().num_layers), model.config().num_kv_heads, model.config().head_dim,
-             model.options().dtype) {
-  reserve(std::max<int64_t>(capacity, 1));
-}
-
-void KvCacheDecoder::reserve(int64_t tokens) {
-  ExecContext cx = rt_->context(model_->options().device);
-  cache_.reserve(cx, tokens, length_);
-}
-
-void Decoder::check_feed(std::span<const int32_t> ids, int64_t vocab_size) {
-  LATHE_CHECK(!ids.empty(), "generate: no tokens to feed");
-  for (int32_t id : ids)
-    LATHE_CHECK(id >= 0 && id < vocab_size, "generate: token id {} is outside the vocabulary (size {})", id,
-                vocab_size);
-}
-
-// The decoder's cache as the model's attention layers see it (DecodeCache): the new tokens' keys and values are
-// stored at `past`; a prefill (past 0) attends causally within the new tokens, a step (one token) over the cache.
-class KvCacheDecoder::View final : public DecodeCache {
- public:
-  View(KvCache& cache, int64_t past, const Tensor& cu_seqlens) : cache_(&cache), past_(past), cu_seqlens_(cu_seqlens) {}
-  Tensor attend(ExecContext& ctx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
-    return cache_->extend(ctx, size_t(layer), qr, kr, v, past_, cu_seqlens_);
-  }
-  // Qwen3 has no Gated DeltaNet layers.
-  Tensor conv_history(int64_t layer) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
-  Tensor gdn_state(int64_t layer) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
-  void set_gdn(int64_t layer, Tensor, Tensor) override { LATHE_FAIL("generate: layer {} of a Qwen3 model is not GDN", layer); }
-
- private:
-  KvCache* cache_;
-  int64_t past_;
-  Tensor cu_seqlens_;
-};
-
-std::vector<float> KvCacheDecoder::feed(std::span<const int32_t> ids) {
-  const ModelConfig& c = model_->config();
-  check_feed(ids, c.vocab_size);
-  // After the prefill, tokens go one at a time: the step's attention has no causal mask within new tokens.
-  const size_t chunk = length_ == 0 ? ids.size() : 1;
-  const Device device = model_->options().device;
-  std::vector<float> out;
-  for (size_t first = 0; first < ids.size(); first += chunk) {
-    const int64_t n = int64_t(chunk), past = length_;
-    reserve(past + n);
-    // The model's own layers over the new tokens at positions past.., their attention through the cache.
-    const std::vector<int32_t> step(ids.begin() + std::ptrdiff_t(first), ids.begin() + std::ptrdiff_t(first + chunk));
-    PackedBatch b = continuation_batch(*rt_, device, {step}, {past}, c.vocab_size);
-    View view(cache_, past, b.cu_seqlens);
-    b.cache = &view;
-    const Tensor logits = model_->last_logits(b);  // (1, V)
-    length_ = past + n;  // only now: a failed step leaves the cache as it was
-    if (first + chunk < ids.size()) continue;  // logits of the last position only
-    ExecContext cx = rt_->context(device);
-    const Tensor host = rt_->copy_to(to_f32(cx, logits), Device::cpu());
-    out.assign(host.data<float>(), host.data<float>() + host.numel());
-  }
-  return out;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Sampling
 
 void check_sampling_options(const SamplingOptions& o) {
   LATHE_CHECK(std::isfinite(o.temperature) && o.temperature >= 0, "generate: temperature must be >= 0, not {}",
@@ -326,35 +200,14 @@ const char* finish_reason_name(FinishReason reason) {
   return "?";
 }
 
-Generator::Generator(Runtime& rt, Qwen3Model& model, const data::Tokenizer* tokenizer)
-    : Generator(model.config(), tokenizer, std::make_unique<KvCacheDecoder>(rt, model)) {}
-
-Generator::Generator(Runtime& rt, Qwen35Model& model, const data::Tokenizer* tokenizer)
-    : Generator(model.config(), tokenizer, std::make_unique<Qwen35Decoder>(rt, model)) {}
-
-namespace {
-std::unique_ptr<Decoder> decoder_for(Runtime& rt, CausalLm& model) {
-  if (auto* m = dynamic_cast<Qwen3Model*>(&model)) return std::make_unique<KvCacheDecoder>(rt, *m);
-  if (auto* m = dynamic_cast<Qwen35Model*>(&model)) return std::make_unique<Qwen35Decoder>(rt, *m);
-  LATHE_FAIL("generate: no decoder for {} models", model.config().model_type);
-}
-}  // namespace
-
 Generator::Generator(Runtime& rt, CausalLm& model, const data::Tokenizer* tokenizer)
-    : Generator(model.config(), tokenizer, decoder_for(rt, model)) {}
-
-Generator::~Generator() = default;
-Generator::Generator(Generator&&) noexcept = default;
-Generator& Generator::operator=(Generator&&) noexcept = default;
-
-Generator::Generator(const ModelConfig& config, const data::Tokenizer* tokenizer, std::unique_ptr<Decoder> decoder)
-    : config_(&config), tokenizer_(tokenizer), decoder_(std::move(decoder)) {
-  if (tokenizer) unknown_ids_ = tokenizer->ids_without_token(config.vocab_size);
+    : rt_(&rt), model_(&model), tokenizer_(tokenizer) {
+  if (tokenizer) unknown_ids_ = tokenizer->ids_without_token(model.config().vocab_size);
 }
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
                                    const TextCallback& on_text) {
-  const ModelConfig& c = *config_;
+  const ModelConfig& c = model_->config();
   LATHE_CHECK(!prompt.empty(), "generate: the prompt is empty");
   LATHE_CHECK(options.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, not {}", options.max_new_tokens);
   LATHE_CHECK(options.stop.empty() || tokenizer_ != nullptr, "generate: stop strings need a tokenizer");
@@ -368,31 +221,36 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   GenerateResult result;
   std::optional<TextStream> stream;
   if (tokenizer_) stream.emplace(*tokenizer_, options.stop, options.skip_special_tokens);
-  std::mt19937_64 rng(options.seed);
-  decoder_->reset();
   if (budget > 0) {
-    decoder_->reserve(int64_t(prompt.size()) + budget);
-    std::vector<float> logits = decoder_->feed(prompt);
-    while (true) {
-      for (int32_t id : unknown_ids_) logits[size_t(id)] = -std::numeric_limits<float>::infinity();
-      const std::span<const int32_t> done(result.tokens);
-      const int32_t token = sample_next(logits, allowed, options.sampling, prompt, done, rng).id;
-      result.tokens.push_back(token);
-      if (std::find(options.eos_ids.begin(), options.eos_ids.end(), token) != options.eos_ids.end()) {
-        result.finish_reason = FinishReason::kEos;
-        break;
-      }
-      if (stream && stream->push(token)) {
-        result.finish_reason = FinishReason::kStop;
-        break;
-      }
-      if (stream && on_text) {
+    EngineOptions eo;  // one sequence: a cache just large enough for it
+    eo.max_running = 1;
+    eo.share_prefixes = false;
+    eo.cache_blocks = (int64_t(prompt.size()) + budget + eo.block_size - 1) / eo.block_size + 1;
+    RolloutEngine engine(*rt_, *model_, eo);
+    RolloutRequest r;
+    r.prompt.assign(prompt.begin(), prompt.end());
+    r.max_new_tokens = budget;
+    r.sampling = options.sampling;
+    r.seed = options.seed;
+    r.stop_ids = options.eos_ids;
+    r.allowed_vocab = allowed;
+    for (int32_t id : unknown_ids_)
+      if (id < allowed) r.banned_ids.push_back(id);
+    r.on_token = [&](int, int32_t id) {  // an EOS id ends the sample and stays out of the text
+      const bool eos = std::find(options.eos_ids.begin(), options.eos_ids.end(), id) != options.eos_ids.end();
+      if (!stream || eos) return false;
+      if (stream->push(id)) return true;  // a stop string: finish reason "stop"
+      if (on_text) {
         const std::string piece = stream->take_ready();
         if (!piece.empty()) on_text(piece);
       }
-      if (int64_t(result.tokens.size()) >= budget) break;  // kLength
-      logits = decoder_->feed(std::span(&token, 1));
-    }
+      return false;
+    };
+    engine.submit(std::move(r));
+    std::vector<RolloutResult> out = engine.run();
+    LATHE_ASSERT(out.size() == 1);
+    result.tokens = std::move(out[0].tokens);
+    result.finish_reason = out[0].finish_reason;
   }
   if (stream) {
     const std::string rest = stream->take_rest();

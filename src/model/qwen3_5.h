@@ -29,7 +29,7 @@ namespace lathe {
 
 // The dtype of the GDN log-decay g and of beta in a model of dtype `model`: at least f32 (transformers computes g
 // from a.float() and A_log.float() in a bf16 model; a bf16 g is off by ~|g| 2^-9, which compounds over the decays of
-// a document). The training path and the decoder (generate_qwen3_5.cpp) both use it.
+// a document). The training path and the rollout engine (its DecodeCache) both use it.
 DType gdn_gate_dtype(DType model);
 
 class Qwen35Model : public CausalLm {

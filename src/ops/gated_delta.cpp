@@ -5,7 +5,7 @@
 // (N + 1) i32; the shapes are checked here, the boundaries (0 = cu[0] <= ... <= cu[N] = T) by the kernels.
 // gated_delta_rule(_backward) accepts f32 g and beta beside bf16/f16 q, k, v (the model's fp32 log-decay).
 // Covered by tests/ops (op cases in testing/op_cases_gated_delta.cpp and op_cases_gdn_state.cpp) and
-// tests/models/test_qwen3_5.cpp, test_generate_qwen3_5.cpp.
+// tests/models/test_qwen3_5.cpp, test_generate_qwen3_5.cpp (the op gated_delta_rule_state).
 #include <cmath>
 
 #include "ops/ops.h"

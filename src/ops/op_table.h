@@ -174,7 +174,7 @@ struct AttentionAttrs {
   bool deterministic = true;
 };
 
-// Attention of new tokens over a paged KV cache (the rollout engine, rl/rollout_engine.h). paged_attention(q (T, Hq, D),
+// Attention of new tokens over a paged KV cache (the rollout engine, model/rollout_engine.h). paged_attention(q (T, Hq, D),
 // k_cache and v_cache (S, Hkv, D) with S a multiple of block_size, block_table (B, M) i32, cu_q (B + 1) i32,
 // context_lens (B) i32) -> o (T, Hq, D): sequence b's queries are rows [cu_q[b], cu_q[b+1]) of q, its last n_b tokens of
 // context_lens[b]; query i of it (position context_lens[b] - n_b + i) attends the sequence's positions 0 .. that

@@ -10,7 +10,7 @@
 
 #include "model/batch.h"
 #include "rl/policy_loss.h"
-#include "rl/rollout_engine.h"
+#include "model/rollout_engine.h"
 
 namespace lathe {
 

@@ -1,6 +1,6 @@
 // The RL loop of `lathe rl` as the trainer's step source (train/trainer.h StepSource): each rollout samples
 // rl.samples responses to each of rl.prompts_per_step prompts with the rollout engine, on the policy's own weights
-// (rl/rollout_engine.h: the engine reads the parameters the optimizer updates, and serves the LoRA adapter being
+// (model/rollout_engine.h: the engine reads the parameters the optimizer updates, and serves the LoRA adapter being
 // trained); scores them (rl/rewards.h: answer match, format, overlong shaping, an external command, weighted);
 // turns the rewards into group advantages; drops groups whose rewards are all equal and samples more prompts where
 // dynamic sampling is on (DAPO); and splits the groups into rl.minibatches update batches, each the trainer's step
@@ -37,7 +37,7 @@
 #include "rl/policy_loss.h"
 #include "rl/rewards.h"
 #include "rl/rl_batch.h"
-#include "rl/rollout_engine.h"
+#include "model/rollout_engine.h"
 #include "train/config.h"
 #include "train/trainer.h"
 

@@ -190,7 +190,7 @@ TEST(Qwen35Train, TwoTenantsGiveEachTheAdapterItGetsAlone) {
   EXPECT_EQ(adapter(dir / "both/b/final").size(), size_t(2 * (2 + 1 + 2)));
 }
 
-// The trainer's final eval of a LoRA run (adapter merged in memory, Qwen35Decoder with its caches, then restored)
+// The trainer's final eval of a LoRA run (adapter merged in memory, decoded through the rollout engine, then restored)
 // generates what `lathe generate` generates from the exported merged model: two paths to the same completions.
 TEST(Qwen35Train, LoraFinalEvalGeneratesWhatTheMergedExportGenerates) {
   const fs::path dir = setup("final_eval", "lora: {rank: 4, alpha: 8, targets: all-linear}\n");

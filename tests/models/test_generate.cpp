@@ -1,6 +1,7 @@
-// Generation: the KV cache against a full recompute (every step's logits and the greedy tokens, on random tiny
-// models and on the committed HF fixtures), sampling (seeded, top-k, top-p, vocab masking), stop conditions and
-// streaming (pieces are whole characters and concatenate to the text).
+// Generation: Generator (one prompt through the rollout engine) against a full recompute (the greedy tokens and their
+// log-probabilities, on random tiny models and on the committed HF fixtures against transformers' logits), sampling
+// (seeded, top-k, top-p, vocab masking), stop conditions and streaming (pieces are whole characters and concatenate
+// to the text). The engine's own tests (batches, preemption, prefix sharing, adapters, CUDA) are in test_rollout.cpp.
 // Convention: random models use weights of std 0.3, so that logits are spread and greedy ties do not occur; the
 // Qwen3 tokenizer tests GTEST_SKIP with the reason when third_party/npm is not installed.
 #include <gtest/gtest.h>
@@ -13,6 +14,8 @@
 #include "data/chat_template.h"
 #include "io/safetensors.h"
 #include "model/generate.h"
+#include "model/qwen3.h"
+#include "model/rollout_engine.h"
 #include "ops/ops.h"
 #include "support/model_support.h"
 
@@ -63,22 +66,23 @@ std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
   return ids;
 }
 
-// Greedy decoding two ways: KV cache, and a full recompute at each step. Returns the worst relative error of the
-// cached logits; the tokens (taken from the recompute) must agree at every step.
-double check_cache_against_recompute(Qwen3Model& m, std::vector<int32_t> seq, int steps, double tol) {
-  KvCacheDecoder dec(runtime(), m, 4);  // small, so the cache grows while decoding
-  std::vector<float> cached = dec.feed(seq);
+// Greedy decoding two ways: the rollout engine (one request), and a full recompute at each step: the tokens agree at
+// every step and each token's log-probability is within `tol` of the recompute's log-softmax. Returns the worst gap.
+double check_engine_against_recompute(Qwen3Model& m, std::vector<int32_t> seq, int steps, double tol) {
+  EngineOptions eo;
+  eo.block_size = 4;  // several blocks, so the sequence's table grows while decoding
+  const RolloutResult out = engine_greedy(m, seq, steps, eo);
+  EXPECT_EQ(out.tokens.size(), size_t(steps));
   double worst = 0;
-  for (int s = 0; s < steps; ++s) {
+  for (size_t s = 0; s < out.tokens.size(); ++s) {
     const std::vector<float> full = recompute_logits(m, seq);
-    const double err = rel_l2(cached, full);
-    worst = std::max(worst, err);
-    EXPECT_LT(err, tol) << "step " << s << " (sequence length " << seq.size() << ")";
-    EXPECT_EQ(argmax(cached), argmax(full)) << "step " << s;
-    seq.push_back(argmax(full));
-    cached = dec.feed(std::span(&seq.back(), 1));
+    const int32_t want = argmax(full);
+    EXPECT_EQ(out.tokens[s], want) << "step " << s;
+    const double gap = std::abs(out.logprobs[s] - log_softmax_at(full, want));
+    worst = std::max(worst, gap);
+    EXPECT_LT(gap, tol) << "step " << s << " (sequence length " << seq.size() << ")";
+    seq.push_back(want);
   }
-  EXPECT_EQ(dec.length(), int64_t(seq.size()));
   return worst;
 }
 
@@ -143,7 +147,7 @@ Streamed generate_streamed(Generator& g, const std::vector<int32_t>& prompt, con
 
 }  // namespace
 
-TEST(KvCache, MatchesRecomputeOnRandomModels) {
+TEST(GenerateEngine, MatchesRecomputeOnRandomModels) {
   struct Case {
     const char* name;
     ModelConfig config;
@@ -156,32 +160,15 @@ TEST(KvCache, MatchesRecomputeOnRandomModels) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     Qwen3Model m = random_model(c.config, 5);
-    const double worst = check_cache_against_recompute(m, random_ids(7, c.config.vocab_size, 1), 24, 1e-5);
-    check_cache_against_recompute(m, random_ids(1, c.config.vocab_size, 2), 8, 1e-5);  // one-token prompt
-    std::printf("[ %s ] worst relative L2 error of cached logits: %.2e\n", c.name, worst);
+    const double worst = check_engine_against_recompute(m, random_ids(7, c.config.vocab_size, 1), 24, 1e-5);
+    check_engine_against_recompute(m, random_ids(1, c.config.vocab_size, 2), 8, 1e-5);  // one-token prompt
+    std::printf("[ %s ] worst log-probability gap against the recompute: %.2e\n", c.name, worst);
   }
 }
 
-TEST(KvCache, FeedingInPiecesEqualsOnePrefill) {
-  Qwen3Model m = random_model(tiny_config(64, 32, 4, 2, 8, true), 6);
-  const std::vector<int32_t> ids = random_ids(12, 64, 3);
-  KvCacheDecoder one(runtime(), m), pieces(runtime(), m, 1);
-  const std::vector<float> a = one.feed(ids);
-  pieces.feed(std::span(ids).subspan(0, 5));
-  const std::vector<float> b = pieces.feed(std::span(ids).subspan(5));  // one step per token after the prefill
-  EXPECT_LT(rel_l2(b, a), 1e-5);
-  EXPECT_LT(rel_l2(a, recompute_logits(m, ids)), 1e-5);
-  EXPECT_EQ(pieces.length(), 12);
-  EXPECT_GE(pieces.capacity(), 12);
-  // reset() forgets the sequence: the same prompt gives the same logits again, bit for bit.
-  one.reset();
-  EXPECT_EQ(one.feed(ids), a);
-  EXPECT_THROW(one.feed(std::vector<int32_t>{64}), Error);  // outside the vocabulary
-  EXPECT_THROW(one.feed(std::vector<int32_t>{}), Error);
-}
-
-// The committed HF fixtures: the prefill logits match transformers' golden logits, and decoding matches recompute.
-TEST(KvCache, MatchesOnHfFixtures) {
+// The committed HF fixtures: the first generated token of document 1 is the argmax of transformers' logits after it,
+// with the log-probability of transformers' log-softmax; then decoding matches the recompute.
+TEST(GenerateEngine, MatchesOnHfFixtures) {
   ASSERT_TRUE(fs::exists(kFixtures)) << "fixtures missing: " << kFixtures << " (made by dev/ref/qwen3_fixtures.py)";
   int checked = 0;
   for (const auto& entry : fs::directory_iterator(kFixtures)) {
@@ -194,13 +181,13 @@ TEST(KvCache, MatchesOnHfFixtures) {
     ref.read_into("cu_seqlens", DType::I32, cu.data(), cu.size() * 4);
     const std::vector<float> golden = ref.read_as_f32("logits");  // (24, V)
     const int64_t vocab = m.config().vocab_size;
-    // Document 1 (positions 0..11 of its own sequence): the prefill's last-position logits.
     const std::vector<int32_t> doc(ids.begin() + cu[1], ids.begin() + cu[2]);
-    KvCacheDecoder dec(runtime(), m);
-    const std::vector<float> got = dec.feed(doc);
     const std::vector<float> want(golden.begin() + (cu[2] - 1) * vocab, golden.begin() + cu[2] * vocab);
-    EXPECT_LT(rel_l2(got, want), 1e-5);
-    check_cache_against_recompute(m, doc, 20, 1e-5);
+    const RolloutResult out = engine_greedy(m, doc, 1);
+    ASSERT_EQ(out.tokens.size(), 1u);
+    EXPECT_EQ(out.tokens[0], argmax(want));
+    EXPECT_NEAR(out.logprobs[0], log_softmax_at(want, argmax(want)), 1e-5);
+    check_engine_against_recompute(m, doc, 20, 1e-5);
     ++checked;
   }
   EXPECT_GE(checked, 3);
@@ -496,25 +483,11 @@ TEST(GeneratorQwen3, ChatPromptStreamsWholeCharacters) {
   EXPECT_EQ(s.joined(), s.result.text);
 }
 
-TEST(KvCacheCuda, MatchesRecomputeOnCuda) {
+TEST(GenerateEngineCuda, MatchesRecomputeOnCuda) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
   const ModelConfig c = tiny_config(96, 64, 4, 2, 16, false);
   Qwen3Model f32 = random_model(c, 5, Device::cuda(0), DType::F32);
-  std::printf("[ cuda f32 ] worst relative error %.2e\n",
-              check_cache_against_recompute(f32, random_ids(9, c.vocab_size, 1), 16, 1e-4));
-  // bf16: both paths round differently (the cached attention runs in f32), so only the logits are bounded.
-  Qwen3Model bf16 = random_model(c, 5, Device::cuda(0), DType::BF16);
-  std::vector<int32_t> seq = random_ids(9, c.vocab_size, 1);
-  KvCacheDecoder dec(runtime(), bf16);
-  std::vector<float> cached = dec.feed(seq);
-  double worst = 0;
-  for (int s = 0; s < 16; ++s) {
-    const std::vector<float> full = recompute_logits(bf16, seq);
-    worst = std::max(worst, rel_l2(cached, full));
-    seq.push_back(argmax(full));
-    cached = dec.feed(std::span(&seq.back(), 1));
-  }
-  std::printf("[ cuda bf16 ] worst relative error %.2e\n", worst);
-  EXPECT_LT(worst, 3e-2);
+  std::printf("[ cuda f32 ] worst log-probability gap %.2e\n",
+              check_engine_against_recompute(f32, random_ids(9, c.vocab_size, 1), 16, 1e-4));
 }

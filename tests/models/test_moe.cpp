@@ -17,7 +17,7 @@
 #include "io/safetensors.h"
 #include "model/causal_lm.h"
 #include "model/generate.h"
-#include "model/generate_qwen3_5.h"
+#include "model/rollout_engine.h"
 #include "model/qwen3.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
@@ -338,30 +338,33 @@ TEST(MoePacking, DocumentsDoNotSeeEachOther) {
 }
 
 TEST(MoeGenerate, EveryDecodingStepMatchesTheFullForward) {
-  // qwen3_moe through the KV-cache decoder, qwen3_5_moe and qwen3_next (fused GDN projections) through the GDN
-  // decoder: each step routes its own rows.
+  // Each family through the rollout engine (qwen3_5_moe and qwen3_next: fused GDN projections, GDN state slots), the
+  // prompt prefilled in chunks of 5: each step routes its own rows; every greedy token is the full forward's argmax and
+  // its log-probability that row's log-softmax.
   for (const char* type : {"qwen3_moe", "qwen3_5_moe_text", "qwen3_next"}) {
     SCOPED_TRACE(type);
     std::unique_ptr<CausalLm> m = tiny_model(type, DType::F64, 23);
     std::mt19937 rng(4);
-    std::vector<int32_t> ids(14);
+    std::vector<int32_t> ids(9);
     for (int32_t& id : ids) id = int32_t(rng() % 40);
-    const std::vector<int32_t> cu = {0, int32_t(ids.size())};
-    const std::vector<double> full = to_f64(m->logits(make_packed_batch(runtime(), Device::cpu(), ids, cu,
-                                                                        next_token_labels(ids, cu), 40)));
-    std::unique_ptr<Decoder> dec;
-    if (auto* q = dynamic_cast<Qwen3Model*>(m.get())) dec = std::make_unique<KvCacheDecoder>(runtime(), *q);
-    else dec = std::make_unique<Qwen35Decoder>(runtime(), dynamic_cast<Qwen35Model&>(*m));
-    const size_t prefill = 5;
+    EngineOptions eo;
+    eo.max_step_tokens = 5;
+    const RolloutResult out = engine_greedy(*m, ids, 6, eo);
+    ASSERT_EQ(out.tokens.size(), 6u);
     double worst = 0;
-    for (size_t end = prefill; end <= ids.size(); ++end) {
-      const size_t first = end == prefill ? 0 : end - 1;
-      const std::vector<float> got = dec->feed(std::span(ids).subspan(first, end - first));
-      const std::vector<double> want(full.begin() + (end - 1) * 40, full.begin() + end * 40);
-      worst = std::max(worst, rel_l2(got, want));
+    for (size_t s = 0; s < out.tokens.size(); ++s) {
+      const int32_t n = int32_t(ids.size());
+      const std::vector<int32_t> cu = {0, n};
+      const std::vector<double> full = to_f64(m->logits(make_packed_batch(runtime(), Device::cpu(), ids, cu,
+                                                                          next_token_labels(ids, cu), 40)));
+      const std::vector<double> row(full.begin() + (n - 1) * 40, full.end());
+      const int32_t want = int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+      EXPECT_EQ(out.tokens[s], want) << "step " << s;
+      worst = std::max(worst, std::abs(out.logprobs[s] - log_softmax_at(row, want)));
+      ids.push_back(want);
     }
-    std::printf("[%s] decoded logits against the full forward: worst rel-l2 %.2e\n", type, worst);
-    EXPECT_LT(worst, 1e-6);  // the decoder returns f32 logits
+    std::printf("[%s] decoded log-probabilities against the full forward: worst gap %.2e\n", type, worst);
+    EXPECT_LT(worst, 1e-9);
   }
 }
 

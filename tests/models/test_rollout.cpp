@@ -1,4 +1,4 @@
-// The rollout engine (rl/rollout_engine.h) on the CPU in f64, for every family (qwen3, qwen3_moe, qwen3_5, qwen3_next,
+// The rollout engine (model/rollout_engine.h) on the CPU in f64, for every family (qwen3, qwen3_moe, qwen3_5, qwen3_next,
 // qwen3_5_moe_text): a batch of prompts of mixed lengths generated at once — with small blocks, a step budget that
 // prefills the longest prompt in chunks, fewer running slots than sequences, and a cache so small that sequences are
 // preempted — against the reference of each prompt alone without any cache: the argmax of the model's full forward
@@ -11,7 +11,7 @@
 #include <random>
 
 #include "model/config.h"
-#include "rl/rollout_engine.h"
+#include "model/rollout_engine.h"
 #include "support/model_support.h"
 #include "model/lora.h"
 #include "support/lora_support.h"

@@ -1,7 +1,8 @@
 // Helpers shared by the model tests (tests/models): one Runtime per test binary, a tensor as host f64 values, the
 // relative L2 error every parity check reports, a row-major transpose (PEFT's lora_B layout), i32 tensors of a
 // fixture file, a random packed batch, the gradient errors against a fixture, a config-refusal check, and the
-// finite-difference check of a model's gradients. Header-only; the tests say `using namespace lathe::test_support;`.
+// finite-difference check of a model's gradients, one greedy request through the rollout engine and a row's
+// log-softmax at an id. Header-only; the tests say `using namespace lathe::test_support;`.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "backend/runtime.h"
 #include "io/safetensors.h"
 #include "model/causal_lm.h"
+#include "model/rollout_engine.h"
 #include "ops/ops.h"
 
 namespace lathe::test_support {
@@ -24,6 +26,28 @@ namespace lathe::test_support {
 inline Runtime& runtime() {
   static Runtime rt;
   return rt;
+}
+
+// One greedy request of `new_tokens` tokens after `prompt` through the rollout engine with options `eo`.
+inline RolloutResult engine_greedy(CausalLm& m, const std::vector<int32_t>& prompt, int64_t new_tokens,
+                                   EngineOptions eo = {}) {
+  RolloutEngine engine(runtime(), m, eo);
+  RolloutRequest r;
+  r.prompt = prompt;
+  r.max_new_tokens = new_tokens;
+  engine.submit(r);
+  std::vector<RolloutResult> out = engine.run();
+  EXPECT_EQ(out.size(), 1u);
+  return out.empty() ? RolloutResult{} : std::move(out[0]);
+}
+
+// log softmax(row)[id] in double.
+template <typename V>
+double log_softmax_at(const V& row, int32_t id) {
+  double mx = -INFINITY, sum = 0;
+  for (const auto x : row) mx = std::max(mx, double(x));
+  for (const auto x : row) sum += std::exp(double(x) - mx);
+  return double(row[size_t(id)]) - mx - std::log(sum);
 }
 
 // The values of `t` (any device, any floating dtype) as host doubles.

@@ -1,8 +1,8 @@
 // `lathe generate --model DIR (--prompt TEXT | --input IN.jsonl) [...]`: text generation with cached decoding (a KV
 // cache for qwen3; conv and recurrent state caches plus KV caches of the attention layers for qwen3_5).
-// --prompt streams the completion to stdout (one sequence, the single-sequence decoders of model/generate.h);
+// --prompt streams the completion to stdout (one sequence: Generator, model/generate.h, over the rollout engine);
 // --input reads {"prompt": "..."}, {"messages": [...]} or {"tokens": [...]} lines and generates them all at once with
-// the rollout engine (rl/rollout_engine.h: continuous batching, paged cache, --n samples per line sharing their
+// the rollout engine (model/rollout_engine.h: continuous batching, paged cache, --n samples per line sharing their
 // prompt), writing n lines {"text", "tokens", "logprobs", "finish_reason"} per input line in input order (to --output
 // through OutputFile: a file appears only when every line is done, "-", /dev/stdout or a pipe are streamed; default
 // stdout). --adapters NAME=DIR (repeatable) serves several PEFT adapters unmerged beside the base: an --input line
@@ -37,7 +37,7 @@
 #include "model/generate.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
-#include "rl/rollout_engine.h"
+#include "model/rollout_engine.h"
 #include "train/step_profile.h"
 
 namespace lathe::cli {
@@ -307,7 +307,7 @@ void run(Args a) {
   ModelOptions mo;
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
-  // qwen3_5 folders decode with conv and recurrent state caches (Qwen35Decoder), qwen3 ones with a KV cache.
+  // Every family decodes through the rollout engine (paged KV cache; conv and recurrent state slots for qwen3_5).
   const std::unique_ptr<CausalLm> model = load_causal_lm(rt, a.model, mo);
   if (!a.adapter.empty()) {  // decoding runs on the merged weights (W + scaling B A): same function, no per-token cost
     LoraBank bank(rt, model->config(), mo.device, mo.dtype, {read_lora_config(a.adapter)});

@@ -28,6 +28,17 @@ constexpr int kThreads = 256;
 constexpr int kSplitWarps = 4;
 constexpr int kMinSplitPositions = 32;
 
+// The sequence b of query token i: cu[b] <= i < cu[b + 1] (a binary search over the batch's query offsets).
+__device__ __forceinline__ int64_t query_sequence(int64_t i, int64_t batch, const int32_t* cu) {
+  int64_t lo = 0, hi = batch;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (cu[mid] <= i) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
 // The block's slots (warps, or groups of lanes) each hold an online softmax over some of the split's positions for
 // the block's G heads: accumulators (unnormalised, D columns used of kCols), max and sum in shared memory. Merges
 // them; with one split writes the output row, else the split's unnormalised row, max and sum to the workspace.
@@ -68,13 +79,7 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
   __shared__ float merge_m[kSplitWarps][G], merge_l[kSplitWarps][G];
   const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
   const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
-  int64_t lo = 0, hi = batch;  // the sequence b with cu[b] <= i < cu[b + 1]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (cu[mid] <= i) lo = mid;
-    else hi = mid;
-  }
-  const int64_t b = lo, n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
+  const int64_t b = query_sequence(i, batch, cu), n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
   const int64_t kh = h0 / (q_heads / kv_heads);
   const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
   float qv[G][P], acc[G][P], mx[G], sum[G];
@@ -241,13 +246,7 @@ __global__ void paged_attention_packed_kernel(int64_t q_heads, int64_t kv_heads,
   __shared__ float merge_m[kSlots][G], merge_l[kSlots][G];
   const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32), sl = lane % L, slot = warp * kSub + lane / L;
   const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
-  int64_t lo = 0, hi = batch;  // the sequence b with cu[b] <= i < cu[b + 1]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (cu[mid] <= i) lo = mid;
-    else hi = mid;
-  }
-  const int64_t b = lo, n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
+  const int64_t b = query_sequence(i, batch, cu), n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
   const int64_t kh = h0 / (q_heads / kv_heads);
   const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
   float qv[G][kN], acc[G][kN], mx[G], sum[G];

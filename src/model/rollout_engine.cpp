@@ -1,6 +1,6 @@
 // The rollout engine (rollout_engine.h). Shapes: n new tokens of a sequence, L = past + n its cached tokens, Hq/Hkv
 // heads of D (group = Hq / Hkv query heads share one kv head), S = blocks x block_size rows of a layer's pool.
-#include "rl/rollout_engine.h"
+#include "model/rollout_engine.h"
 
 #include <algorithm>
 #include <cmath>

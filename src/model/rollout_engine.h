@@ -20,16 +20,18 @@
 // - Adapters per request: a request may name an adapter of the LoRA bank attached to the model (CausalLm::attach_lora);
 //   each sequence of a step is a segment of the batch (PackedBatch::segments) with its adapter, so one model call
 //   serves every tenant, through the same segment machinery as multi-tenant training.
-// - Sampling on the host (sample_next, model/generate.h: penalties, temperature, top-k, top-p, min-p) with one
-//   mt19937_64 per sequence seeded from the request's seed and the sample's index, so a sequence's tokens do not
-//   depend on what else is in the batch. Each token comes with its log-probability under the model's distribution
-//   (log-softmax of the raw logits) and under the distribution it was drawn from.
+// - Sampling: greedy and temperature / min-p draws on the device (row_argmax_logsumexp, sample_rows: a Gumbel argmax
+//   over counter-based variates keyed by the request's seed and the sample's index); top-k, top-p, penalties and
+//   banned ids on the host (sample_next, model/generate.h) with one mt19937_64 per sequence seeded from the same two.
+//   Either way a sequence's tokens do not depend on what else is in the batch. Each token comes with its
+//   log-probability under the model's distribution (log-softmax of the raw logits) and under the distribution it was
+//   drawn from.
 //
 // Attention over the pages: every new token's key and value goes to its cache row (scatter_rows), then the sequences
 // with a past attend the pages in one paged_attention call (ops/op_table.h: query length 1 or a chunk, GQA, over the
 // block tables) and the first chunks of new sequences attend among themselves through the training attention op.
 // Gated DeltaNet histories and states are gathered from their slots (a row gather) and written back (scatter_rows).
-// Device sampling and CUDA graphs for the decode step are the next steps (docs/rollout.md).
+// Generator (model/generate.h) runs single prompts through it. CUDA graphs for the decode step are next (docs/rollout.md).
 // Covered by tests/models/test_rollout.cpp.
 #pragma once
 
