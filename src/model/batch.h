@@ -54,6 +54,9 @@ struct PackedBatch {
   std::vector<BatchSegment> segments;
   DecodeCache* cache = nullptr;  // decoding: the layers continue the cached sequence (no backward)
   const RowLoss* row_loss = nullptr;  // a loss of the labelled log-probabilities (segments scale their rows)
+  // With a row loss: where set, the forward also writes each labelled row's entropy of the next-token distribution
+  // (-sum p log p, in row order) here (the RL loop's policy entropy).
+  std::vector<double>* row_entropy = nullptr;
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
 };

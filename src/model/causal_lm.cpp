@@ -396,14 +396,23 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   const Tensor target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
   const Tensor xs = embedding(cx, xf, row_index);  // (n_padded, H)
   const Tensor& wh = w(head);
-  // Pass 1: every labelled row's log-probability (minus its cross-entropy).
+  // Pass 1: every labelled row's log-probability (minus its cross-entropy), and where asked its entropy
+  // lse(x) - sum softmax(x) x.
   std::vector<double> logp;
+  if (b.row_entropy) b.row_entropy->clear();
   for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
-    const Tensor ce = cross_entropy(cx, head_logits(cx, xs.narrow(0, r0, n), wh), target_t.narrow(0, r0, n), {})[0];
+    const Tensor logits = head_logits(cx, xs.narrow(0, r0, n), wh);
+    const Tensor ce = cross_entropy(cx, logits, target_t.narrow(0, r0, n), {})[0];
     const Tensor host = rt_->copy_to(ce, Device::cpu());
     for (int64_t i = 0; i < n && r0 + i < n_rows; ++i)
       logp.push_back(-load_as_double(host.data_ptr(), host.dtype(), i));
+    if (!b.row_entropy) continue;
+    const Tensor lse = row_argmax_logsumexp(cx, logits)[2];
+    const Tensor mean_x = sum(cx, mul(cx, softmax(cx, logits), logits), {1});
+    const Tensor h = rt_->copy_to(cast(cx, lse, DType::F64), Device::cpu());
+    const Tensor m = rt_->copy_to(cast(cx, mean_x, DType::F64), Device::cpu());
+    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i) b.row_entropy->push_back(h.data<double>()[i] - m.data<double>()[i]);
   }
   std::vector<double> terms(static_cast<size_t>(n_rows)), dlogp(static_cast<size_t>(n_rows));
   (*b.row_loss)(logp, terms, dlogp);

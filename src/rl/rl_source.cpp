@@ -153,6 +153,7 @@ struct RlSource::Figures {
   double answer_sum = 0, format_sum = 0, overlong_sum = 0, command_sum = 0;  // the reward components, unweighted
   int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0, length_max = 0;
   double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
+  double entropy_sum = 0;                            // the policy's entropy at each response token
   int64_t gap_tokens = 0, masked = 0;
 };
 
@@ -414,6 +415,7 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     if (j.format) m["reward_format"] = f.format_sum / count;
     if (o.overlong_buffer > 0) m["reward_overlong"] = f.overlong_sum / count;
     if (!o.reward_command.empty()) m["reward_command"] = f.command_sum / count;
+    m["entropy"] = f.gap_tokens ? f.entropy_sum / double(f.gap_tokens) : 0.0;
     m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
     m["rollout_train_logprob_gap_max"] = f.gap_max;
     if (j.c->rl.importance_correction != "none") {
@@ -479,7 +481,8 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
     // an update on policy has ratios of exactly 1 wherever the forward is deterministic. The engine's log-probabilities
     // measure the train-rollout mismatch and, with rl.importance_correction, weight the tokens.
     const auto t = Clock::now();
-    const std::vector<double> old = label_logprobs(u->batch, true);
+    std::vector<double> entropy;
+    const std::vector<double> old = label_logprobs(u->batch, true, &entropy);
     const bool kl = std::any_of(u->parts.begin(), u->parts.end(), [](const Part& p) { return p.config.kl_coef > 0; });
     const std::vector<double> ref = kl ? label_logprobs(u->batch, false) : std::vector<double>{};
     size_t at = 0;
@@ -495,6 +498,7 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
         f.gap_max = std::max(f.gap_max, gap);
       }
       f.gap_tokens += int64_t(n);
+      for (size_t i = 0; i < n; ++i) f.entropy_sum += entropy[at + i];
       if (j.c->rl.importance_correction != "none")
         correct_importance(j, part.tokens, rollout_lp[k], f.weight_sum, f.masked);
       if (part.config.kl_coef > 0)
@@ -539,7 +543,7 @@ void RlSource::whole_batch_weights(const Job& j, PolicyTokens& t) {
 void RlSource::figures_over_ranks(Figures& f) {
   std::vector<double> v = {f.reward_sum, f.reward_sq_sum, f.answer_sum, f.format_sum, f.overlong_sum, f.command_sum,
                            f.length_sum, double(f.sampled), double(f.truncated), double(f.dropped), f.gap_sum,
-                           double(f.gap_tokens), f.weight_sum, double(f.masked)};
+                           double(f.gap_tokens), f.weight_sum, double(f.masked), f.entropy_sum};
   const size_t slots = v.size(), per_rank = 5;  // then each rank's maxima and seconds in its own slots
   v.resize(slots + per_rank * size_t(ranks_.ranks), 0.0);
   double* mine = v.data() + slots + per_rank * size_t(ranks_.rank);
@@ -549,6 +553,7 @@ void RlSource::figures_over_ranks(Figures& f) {
   f.command_sum = s[5], f.length_sum = s[6];
   f.sampled = int64_t(s[7]), f.truncated = int64_t(s[8]), f.dropped = int64_t(s[9]);
   f.gap_sum = s[10], f.gap_tokens = int64_t(s[11]), f.weight_sum = s[12], f.masked = int64_t(s[13]);
+  f.entropy_sum = s[14];
   f.gap_max = f.rollout_s = f.reward_s = f.logprob_s = 0;
   f.length_max = 0;
   for (int r = 0; r < ranks_.ranks; ++r) {
@@ -561,7 +566,7 @@ void RlSource::figures_over_ranks(Figures& f) {
   }
 }
 
-std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters) {
+std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy) {
   std::vector<double> out;
   const RowLoss capture = [&](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
     out.assign(logp.begin(), logp.end());
@@ -569,11 +574,13 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters)
     std::fill(d.begin(), d.end(), 0.0);
   };
   b.row_loss = &capture;
+  b.row_entropy = entropy;
   std::vector<BatchSegment> segments;
   if (!with_adapters) segments = std::exchange(b.segments, {});  // the base alone
   model_->loss(b, false);
   if (!with_adapters) b.segments = std::move(segments);
   b.row_loss = nullptr;
+  b.row_entropy = nullptr;
   return out;
 }
 

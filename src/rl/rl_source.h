@@ -95,8 +95,8 @@ class RlSource final : public StepSource {
                      std::vector<Figures>& figures);
   size_t next_prompt(Job& j);  // the next prompt index in the job's shuffled order (a new epoch reshuffles)
   // The labelled tokens' log-probabilities under the model as it is (forward only): with the batch's segments (each
-  // job's adapter), or the base alone (the KL reference).
-  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters);
+  // job's adapter), or the base alone (the KL reference); `entropy`, where given, gets each row's entropy.
+  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy = nullptr);
   // Folds the importance weights of the trainer's (old) over the rollout's log-probabilities into the token weights.
   void correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
                           int64_t& masked);

@@ -97,6 +97,10 @@ TEST(Rl, OnPolicyUpdatesHaveRatioOneAndAKilledRunResumesExactly) {
     EXPECT_LE(r["rl"]["response_length_max"].get<int64_t>(), 4);  // rl.max_new_tokens
     EXPECT_GT(r["rl"]["rollout_tokens_per_s"].get<double>(), 0.0);
     EXPECT_FALSE(r["rl"].contains("accuracy"));  // no answer reward
+    // The policy's mean entropy at the response tokens: above 0, at most log(vocab).
+    EXPECT_GT(r["rl"]["entropy"].get<double>(), 0.0);
+    const int64_t vocab = nlohmann::json::parse(file_bytes(dir / "out/final/config.json"))["vocab_size"].get<int64_t>();
+    EXPECT_LE(r["rl"]["entropy"].get<double>(), std::log(double(vocab)));
   }
   ASSERT_TRUE(fs::exists(dir / "out/final/model.safetensors"));
   const std::string final_weights = file_bytes(dir / "out/final/model.safetensors");

@@ -3,7 +3,7 @@
 // every term's derivative (token-level with clip-higher and KL, GSPO's sequence ratio) against central finite
 // differences of the summed loss; and the model's row-loss head (PackedBatch::row_loss) on a tiny f64 Qwen3: the
 // gradients of a GRPO loss against finite differences of the loss, and the on-policy case (old = current log-probs:
-// every ratio exactly 1, the loss -sum(w A)).
+// every ratio exactly 1, the loss -sum(w A)); the head's per-row entropy against the full forward's logits.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -195,6 +195,28 @@ TEST(PolicyLoss, TheModelsRowLossHeadHasTheLossesGradient) {
   EXPECT_EQ(st.ratio_mean, 1.0);
   EXPECT_EQ(st.clip_fraction, 0.0);
   EXPECT_NEAR(r.loss, want, 1e-12);
+  // The head's entropy of each labelled row (PackedBatch::row_entropy, the RL loop's `entropy`) against -sum p log p of
+  // the full forward's logits at that row, on the host.
+  std::vector<double> entropy;
+  b.row_entropy = &entropy;
+  m->loss(b, false);
+  b.row_entropy = nullptr;
+  ASSERT_EQ(entropy.size(), sequence.size());
+  ExecContext cx = runtime().context(Device::cpu());
+  const Tensor logits = runtime().copy_to(cast(cx, m->logits(b), DType::F64), Device::cpu());
+  size_t k = 0;
+  for (size_t i = 0; i < labels.size(); ++i) {
+    if (labels[i] == -100) continue;
+    const double* row = logits.data<double>() + i * 40;
+    double mx = -INFINITY, z = 0, h = 0;
+    for (int v = 0; v < 40; ++v) mx = std::max(mx, row[v]);
+    for (int v = 0; v < 40; ++v) z += std::exp(row[v] - mx);
+    for (int v = 0; v < 40; ++v) {
+      const double p = std::exp(row[v] - mx) / z;
+      h -= p * std::log(p);
+    }
+    EXPECT_NEAR(entropy[k++], h, 1e-12) << "row " << i;
+  }
 }
 
 // GRPO end to end on a tiny f64 Qwen3: the rollout engine samples 8 responses of 3 tokens for each of 2 prompts
