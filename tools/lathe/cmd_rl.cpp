@@ -58,7 +58,6 @@ void warm_start(const std::string& path, const std::string& device, const Launch
                j.final_eval_accuracy >= 0 ? ", held-out accuracy " + accuracy(j.final_eval_accuracy) : "");
 }
 
-// The run's last line (the first rank's).
 // The run's last lines (the first rank's): one per tenant; returns the exit code (4 when a tenant failed, as lathe
 // train's).
 int report(const TrainSummary& s) {
