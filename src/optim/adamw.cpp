@@ -137,9 +137,29 @@ size_t AdamW::state_bytes() const {
   return n;
 }
 
+size_t AdamW::offload() {
+  if (offloaded_) return 0;
+  const size_t bytes = state_bytes();
+  for (Slot& s : slots_)
+    for (Tensor* t : {&s.master, &s.m, &s.v})
+      if (t->defined()) *t = rt_->copy_to(*t, Device::cpu());
+  offloaded_ = true;
+  return bytes;
+}
+
+size_t AdamW::restore() {
+  if (!offloaded_) return 0;
+  for (Slot& s : slots_)
+    for (Tensor* t : {&s.master, &s.m, &s.v})
+      if (t->defined()) *t = rt_->copy_to(*t, device_);
+  offloaded_ = false;
+  return state_bytes();
+}
+
 void AdamW::step(double lr, double grad_scale) { step(prepare(), lr, grad_scale); }
 
 AdamW::Prepared AdamW::prepare(const std::vector<size_t>& segment_of) const {
+  LATHE_CHECK(!offloaded_, "adamw: the state is offloaded to the host (restore() it before an update)");
   ExecContext ctx = rt_->context(device_);
   const bool segments_ok =
       segment_of.empty() || (segment_of.size() == slots_.size() && std::is_sorted(segment_of.begin(), segment_of.end()));
@@ -200,6 +220,7 @@ void AdamW::step(Prepared prepared, double lr, double grad_scale, const std::fun
 }
 
 void AdamW::save(const std::string& path) const {
+  LATHE_CHECK(!offloaded_, "adamw: the state is offloaded to the host (restore() it before saving)");
   std::vector<std::vector<uint8_t>> buffers;  // keeps the host copies alive until written
   std::vector<io::TensorRef> refs;
   auto add = [&](const std::string& name, const Tensor& t) {
@@ -228,6 +249,7 @@ void AdamW::save(const std::string& path) const {
 }
 
 void AdamW::load(const std::string& path) {
+  LATHE_CHECK(!offloaded_, "adamw: the state is offloaded to the host (restore() it before loading)");
   const io::SafetensorsFile file = io::SafetensorsFile::open(path);
   const auto& meta = file.metadata();
   const auto fmt_it = meta.find("format");

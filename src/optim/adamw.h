@@ -87,6 +87,13 @@ class AdamW {
   const Tensor& exp_avg(size_t i) const { return slots_[i].m; }
   const Tensor& exp_avg_sq(size_t i) const { return slots_[i].v; }
   size_t state_bytes() const;  // masters and moments
+  // The colocated RL handover: offload() moves the masters and moments to host memory (their device memory goes back
+  // to the allocator, for the rollout's cache) and restore() brings them back, bit for bit; step(), prepare(), save()
+  // and load() need them restored. Both return the bytes moved; a second offload() (or a restore() without one) moves
+  // nothing.
+  size_t offload();
+  size_t restore();
+  bool offloaded() const { return offloaded_; }
 
   // Writes the state atomically (safetensors). Tensors are stored in their own dtype; a piece of a sharded parameter
   // (ZeRO) records where it sits in the whole (metadata "shard.<name>": global shape, offset, flat_begin, group).
@@ -114,6 +121,7 @@ class AdamW {
   AdamWConfig config_;
   std::vector<Slot> slots_;
   int64_t step_count_ = 0;
+  bool offloaded_ = false;
 };
 
 }  // namespace lathe

@@ -183,10 +183,14 @@ RlSource::RlSource(Runtime& rt, const TrainConfig& c)
 
 RlSource::~RlSource() = default;
 
-void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) {
+void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks,
+                     const SourceHandover& handover) {
   LATHE_CHECK(jobs.size() == jobs_.size(), "rl: the trainer has {} jobs, the RL loop {}", jobs.size(), jobs_.size());
   model_ = &model;
   ranks_ = ranks;
+  handover_ = handover;
+  const std::string& offload = jobs_[0]->c->rl.offload_optimizer;  // shared by the tenants
+  offload_ = offload == "true" || (offload == "auto" && !model.options().device.is_cpu());
   const auto yes = [](bool b) { return b ? "on" : "off"; };
   for (size_t k = 0; k < jobs_.size(); ++k) {
     Job& j = *jobs_[k];
@@ -326,6 +330,11 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     Figures f;
   };
   std::vector<Drawn> d(ids.size());
+  // The handover: the optimizer state leaves the device while the engine samples (its cache gets the room) and
+  // comes back before the updates.
+  auto t_handover = Clock::now();
+  const size_t handover_bytes = offload_ ? handover_.offload() : 0;
+  double handover_s = seconds_since(t_handover);
   for (;;) {
     std::vector<Ask> asks;
     std::vector<size_t> of;  // each ask's index into ids
@@ -384,6 +393,9 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
       ++f.rounds;
     }
   }
+  t_handover = Clock::now();
+  if (offload_) handover_.restore();
+  handover_s += seconds_since(t_handover);
   std::vector<std::vector<Group>> groups(ids.size());
   std::vector<Figures> figures(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
@@ -416,6 +428,10 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     if (o.overlong_buffer > 0) m["reward_overlong"] = f.overlong_sum / count;
     if (!o.reward_command.empty()) m["reward_command"] = f.command_sum / count;
     m["entropy"] = f.gap_tokens ? f.entropy_sum / double(f.gap_tokens) : 0.0;
+    if (offload_) {  // the whole run's optimizer state, every tenant's
+      m["handover_s"] = handover_s;
+      m["handover_mib"] = double(handover_bytes) / 1048576.0;
+    }
     m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
     m["rollout_train_logprob_gap_max"] = f.gap_max;
     if (j.c->rl.importance_correction != "none") {

@@ -68,7 +68,8 @@ class RlSource final : public StepSource {
   RlSource(Runtime& rt, const TrainConfig& c);
   ~RlSource() override;
 
-  void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) override;
+  void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks,
+             const SourceHandover& handover) override;
   PackedBatch* batch(const std::vector<size_t>& jobs) override;
   std::string name() const override { return "rl"; }
   nlohmann::json step_metrics(size_t job) override;
@@ -112,6 +113,8 @@ class RlSource final : public StepSource {
   std::unique_ptr<Update> current_;               // the update of the step running
   CausalLm* model_ = nullptr;
   SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
+  SourceHandover handover_;
+  bool offload_ = false;  // rl.offload_optimizer resolved
 };
 
 }  // namespace lathe

@@ -289,6 +289,9 @@ const std::vector<Option>& options() {
                 rl.overlong_buffer),
       LATHE_NUM("rl.cache_mib", Kind::Int, "0", at_least(0),
                 "the rollout engine's KV cache in MiB (0: 80% of the GPU's free memory, 256 MiB on the CPU)", rl.cache_mib),
+      LATHE_OPT("rl.offload_optimizer", Kind::String, "auto",
+                "auto | true | false: the optimizer state (masters and moments) moves to host memory for each rollout "
+                "and back for the updates, so the rollout's cache gets its room (auto: on for GPUs)", rl.offload_optimizer),
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
              "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME); "
@@ -413,7 +416,8 @@ void replace(std::map<std::string, YAML::Node>& m, const std::string& key, const
 bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
-         (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib") ||
+         (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
+          path != "rl.offload_optimizer") ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");
@@ -561,6 +565,7 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.overlong_filter", r.overlong_filter, {"auto", "true", "false"});
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
   one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
+  one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
   if (has_tenants) {  // each tenant's policy is checked with its own options; the run's layout here
     if (c.dp > 1) problems.push_back("tenants: lathe rl's tenants run in one process for now (parallel.dp 1)");
     return;

@@ -37,6 +37,7 @@ struct RlOptions {
   double reward_command_weight = 1.0, reward_command_timeout_s = 60;
   int64_t overlong_buffer = 0;            // DAPO's overlong shaping over the last N tokens (0 = off)
   int64_t cache_mib = 0;                  // the rollout engine's KV cache (0: 80% of free GPU memory / 256 MiB CPU)
+  std::string offload_optimizer = "auto";  // auto (on for GPUs) | true | false: the optimizer state on the host during rollouts
 };
 
 struct TrainConfig {

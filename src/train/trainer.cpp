@@ -814,7 +814,20 @@ void Trainer::Impl::start_source() {
   for (const Job& j : jobs_)
     jobs.push_back({lora_ ? j.adapter : -1, j.state.contains("source") ? j.state["source"] : nlohmann::json(nullptr),
                     j.active()});
-  source_->start(*model_, jobs, ranks);
+  SourceHandover handover;
+  handover.offload = [this] {
+    size_t bytes = 0;
+    for (Job& j : jobs_)
+      if (j.opt) bytes += j.opt->offload();
+    return bytes;
+  };
+  handover.restore = [this] {
+    size_t bytes = 0;
+    for (Job& j : jobs_)
+      if (j.opt) bytes += j.opt->restore();
+    return bytes;
+  };
+  source_->start(*model_, jobs, ranks, handover);
   for (Job& j : jobs_) {
     if (j.step > 0 || !j.active() || j.cfg->final_eval_file.empty() || !first_) continue;
     const FinalEvalResult r = held_out(j, j.prefix() + "before training: ");

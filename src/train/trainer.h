@@ -44,10 +44,18 @@ struct SourceJob {
   bool active = true;       // false: the job has finished training (it never asks for batches)
 };
 
+// The trainer's side of the colocated handover: offload() moves every job's optimizer state (masters and moments) to
+// host memory and restore() brings it back; each returns the bytes moved.
+struct SourceHandover {
+  std::function<size_t()> offload = [] { return size_t(0); };
+  std::function<size_t()> restore = [] { return size_t(0); };
+};
+
 class StepSource {
  public:
   virtual ~StepSource() = default;
-  virtual void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks) = 0;
+  virtual void start(CausalLm& model, const std::vector<SourceJob>& jobs, const SourceRanks& ranks,
+                     const SourceHandover& handover) = 0;
   // The step's batch for the jobs in `jobs` (indices, ascending): one batch, its row loss (PackedBatch::row_loss)
   // covering every labelled row with terms that carry their own weights; under LoRA each job's rows are a segment
   // with its adapter (the trainer sets their dropout seeds; a segment with adapter -1 is rows kept without a loss).

@@ -126,6 +126,36 @@ TEST(Rl, OnPolicyUpdatesHaveRatioOneAndAKilledRunResumesExactly) {
   EXPECT_NE(done.output.find("already finished"), std::string::npos) << done.output;
 }
 
+// The colocated handover (rl.offload_optimizer): the optimizer state goes to host memory for every rollout and comes
+// back for the updates; the run is bitwise the one that keeps it (losses, gradient norms, rewards, final weights), and
+// each rollout reports the time and the size moved (full fine-tuning in f32: the moments, 8 bytes a parameter).
+TEST(Rl, OffloadingTheOptimizerDuringRolloutsChangesNothing) {
+  const fs::path dir = setup("offload");
+  const auto run = [&](const std::string& offload, const std::string& out) {
+    const auto r = lathe(fmt::format("rl {} --set train.max_steps=4 --set train.save_every=0 --set output_dir={} "
+                                     "--set rl.offload_optimizer={}", config(dir), (dir / out).string(), offload));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return rl_rows(dir / out);
+  };
+  const std::vector<nlohmann::json> kept = run("false", "kept"), moved = run("true", "moved");
+  ASSERT_EQ(kept.size(), 4u);
+  ASSERT_EQ(moved.size(), 4u);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_EQ(moved[i]["loss"], kept[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(moved[i]["grad_norm"], kept[i]["grad_norm"]) << "step " << i + 1;
+    EXPECT_EQ(moved[i]["rl"]["reward_mean"], kept[i]["rl"]["reward_mean"]) << "step " << i + 1;
+    EXPECT_FALSE(kept[i]["rl"].contains("handover_s"));
+    EXPECT_GT(moved[i]["rl"]["handover_s"].get<double>(), 0.0);
+    // The moments, 2 x 4 bytes for each of the model's parameters, at every rollout: 32 V (the tied embedding) + 2 x
+    // 9,296 (q 32x32, k and v 16x32, o 32x32, q/k norms 8 each, gate, up and down 64x32, two norms of 32) + 32.
+    const int64_t vocab =
+        nlohmann::json::parse(file_bytes(dir / "moved/final/config.json"))["vocab_size"].get<int64_t>();
+    EXPECT_EQ(moved[i]["rl"]["handover_mib"].get<double>() * 1048576.0, 8.0 * double(32 * vocab + 2 * 9296 + 32))
+        << "step " << i + 1;
+  }
+  EXPECT_EQ(file_bytes(dir / "moved/final/model.safetensors"), file_bytes(dir / "kept/final/model.safetensors"));
+}
+
 TEST(Rl, TwoMinibatchesMakeTheSecondUpdateOffPolicy) {
   const fs::path dir = setup("minibatch", "  minibatches: 2\n");
   const std::vector<nlohmann::json> rows = run_steps(dir, "", 4);

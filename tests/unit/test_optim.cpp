@@ -204,6 +204,45 @@ TEST(AdamW, Bf16ParametersUpdateAnF32Master) {
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(w[i], rounded(master[i], DType::BF16)) << i;
 }
 
+// The RL handover: an optimizer whose state goes to the host and back between its steps (bf16 parameters with f32
+// masters, and f32 ones) ends bitwise where one that kept its state ends; offload() moves the masters and moments
+// (and only once), restore() brings them back; an update, a save or a load while offloaded is refused.
+TEST(AdamW, OffloadAndRestoreBetweenStepsChangeNothing) {
+  std::mt19937_64 rng(5);
+  const size_t n = 48;
+  const std::vector<double> w0 = random_vector(rng, n), w1 = random_vector(rng, n);
+  const auto params = [&] {
+    return std::vector<Parameter>{{"a", make(w0, {6, 8}, DType::BF16), {}}, {"b", make(w1, {48}, DType::F32), {}}};
+  };
+  std::vector<Parameter> kept = params(), moved = params();
+  AdamWConfig cfg;
+  cfg.weight_decay = 0.01;
+  AdamW a(runtime(), kept, cfg), b(runtime(), moved, cfg);
+  const size_t state = b.state_bytes();
+  EXPECT_EQ(state, size_t(48 * 4 * 3 + 48 * 4 * 2));  // a: f32 master, m, v; b: m, v (its own master)
+  for (int s = 0; s < 4; ++s) {
+    const std::vector<double> g = random_vector(rng, n);
+    kept[0].grad = moved[0].grad = make(g, {6, 8}, DType::BF16);
+    kept[1].grad = moved[1].grad = make(g, {48}, DType::F32);
+    a.step(1e-2);
+    EXPECT_EQ(b.offload(), state);
+    EXPECT_EQ(b.offload(), 0u);  // already on the host
+    EXPECT_TRUE(b.offloaded());
+    EXPECT_TRUE(b.exp_avg(0).device().is_cpu());
+    EXPECT_THROW(b.step(1e-2), Error);
+    EXPECT_THROW(b.save((std::filesystem::temp_directory_path() / "never.safetensors").string()), Error);
+    EXPECT_EQ(b.restore(), state);
+    EXPECT_EQ(b.restore(), 0u);
+    b.step(1e-2);
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(values(kept[i].value), values(moved[i].value)) << i;
+    EXPECT_EQ(values(a.exp_avg(i)), values(b.exp_avg(i))) << i;
+    EXPECT_EQ(values(a.exp_avg_sq(i)), values(b.exp_avg_sq(i))) << i;
+    EXPECT_EQ(values(a.master(i)), values(b.master(i))) << i;
+  }
+}
+
 TEST(AdamW, SkipsParametersWithoutGradient) {
   std::vector<Parameter> params = {{"a", make({1.0, 2.0}, {2}, DType::F64), {}},
                                    {"b", make({3.0, 4.0}, {2}, DType::F64), {}}};
