@@ -157,6 +157,12 @@ struct RlSource::Figures {
   int64_t gap_tokens = 0, masked = 0;
 };
 
+// A job's groups so far in a rollout (kept, and set aside by dynamic sampling), and its figures.
+struct RlSource::Drawn {
+  std::vector<Group> informative, uniform;
+  Figures f;
+};
+
 // One job's prompts in a sampling round (this rank's share), and the round's number for the job (its seeds).
 struct RlSource::Ask {
   Job* job = nullptr;
@@ -319,83 +325,83 @@ std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& p
   return out;
 }
 
-// One rollout of each listed job: rl.prompts_per_step groups each, sampled and scored; under dynamic sampling, groups
-// whose rewards are all equal are set aside and more prompts sampled (up to rl.max_sampling_rounds rounds); groups
-// still missing are filled with set-aside ones (zero advantages: no policy gradient, but the step keeps its size).
-// Every round samples the asks of all jobs still short of groups in one engine. Then each job's groups are split into
-// its rl.minibatches updates.
-void RlSource::rollout(const std::vector<size_t>& ids) {
-  struct Drawn {
-    std::vector<Group> informative, uniform;
-    Figures f;
-  };
-  std::vector<Drawn> d(ids.size());
-  // The handover: the optimizer state leaves the device while the engine samples (its cache gets the room) and
-  // comes back before the updates.
-  auto t_handover = Clock::now();
-  const size_t handover_bytes = offload_ ? handover_.offload() : 0;
-  double handover_s = seconds_since(t_handover);
-  for (;;) {
-    std::vector<Ask> asks;
-    std::vector<size_t> of;  // each ask's index into ids
-    for (size_t k = 0; k < ids.size(); ++k) {
-      Job& j = *jobs_[ids[k]];
-      const RlOptions& o = j.c->rl;
-      const int64_t want = o.prompts_per_step;  // under data parallelism, over all ranks
-      const int64_t rounds = j.settings.dynamic_sampling ? o.max_sampling_rounds : 1;
-      if (int64_t(d[k].informative.size()) * ranks_.ranks >= want || d[k].f.rounds >= rounds) continue;
-      Ask a{&j, {}, d[k].f.rounds};
-      for (int64_t i = int64_t(d[k].informative.size()); i < want; ++i) {  // this rank's share of the round
-        const size_t p = next_prompt(j);
-        if (i % ranks_.ranks == ranks_.rank) a.prompts.push_back(p);
-      }
-      asks.push_back(std::move(a));
-      of.push_back(k);
+// One sampling round: every job in `ids` still short of groups (rl.prompts_per_step, or dynamic sampling's rounds
+// left) asks for the rest of its groups (this rank's share), all asks are sampled by one engine, scored, and their
+// groups kept (informative) or set aside (every reward equal, under dynamic sampling). False when no job asked.
+bool RlSource::sampling_round(const std::vector<size_t>& ids, std::vector<Drawn>& d) {
+  std::vector<Ask> asks;
+  std::vector<size_t> of;  // each ask's index into ids
+  for (size_t k = 0; k < ids.size(); ++k) {
+    Job& j = *jobs_[ids[k]];
+    const RlOptions& o = j.c->rl;
+    const int64_t want = o.prompts_per_step;  // under data parallelism, over all ranks
+    const int64_t rounds = j.settings.dynamic_sampling ? o.max_sampling_rounds : 1;
+    if (int64_t(d[k].informative.size()) * ranks_.ranks >= want || d[k].f.rounds >= rounds) continue;
+    Ask a{&j, {}, d[k].f.rounds};
+    for (int64_t i = int64_t(d[k].informative.size()); i < want; ++i) {  // this rank's share of the round
+      const size_t p = next_prompt(j);
+      if (i % ranks_.ranks == ranks_.rank) a.prompts.push_back(p);
     }
-    if (asks.empty()) break;
-    auto t = Clock::now();
-    std::vector<std::vector<RolloutResult>> samples = sample(asks);
-    const double rollout_s = seconds_since(t);
-    for (size_t a = 0; a < asks.size(); ++a) {
-      const Job& j = *asks[a].job;
-      Figures& f = d[of[a]].f;
-      f.rollout_s += rollout_s;  // the round's, shared by its jobs
-      t = Clock::now();
-      RewardParts parts;
-      const std::vector<size_t>& prompts = asks[a].prompts;
-      const std::vector<double> r = rewards(j, prompts, samples[a], parts);
-      f.reward_s += seconds_since(t);
-      for (size_t k = 0; k < samples[a].size(); ++k) {
-        f.reward_sum += r[k];
-        f.reward_sq_sum += r[k] * r[k];
-        f.answer_sum += parts.answer[k];
-        f.format_sum += parts.format[k];
-        f.overlong_sum += parts.overlong[k];
-        f.command_sum += parts.command[k];
-        f.length_sum += double(samples[a][k].tokens.size());
-        f.length_max = std::max(f.length_max, int64_t(samples[a][k].tokens.size()));
-        f.truncated += samples[a][k].finish_reason == FinishReason::kLength;
-      }
-      f.sampled += int64_t(samples[a].size());
-      const size_t n = size_t(j.c->rl.samples);
-      for (size_t g = 0; g < prompts.size(); ++g) {
-        Group group;
-        group.prompt = prompts[g];
-        for (size_t i = 0; i < n; ++i) {
-          group.samples.push_back(std::move(samples[a][g * n + i]));
-          group.rewards.push_back(r[g * n + i]);
-        }
-        group.uniform =
-            std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
-        (j.settings.dynamic_sampling && group.uniform ? d[of[a]].uniform : d[of[a]].informative)
-            .push_back(std::move(group));
-      }
-      ++f.rounds;
-    }
+    asks.push_back(std::move(a));
+    of.push_back(k);
   }
-  t_handover = Clock::now();
+  if (asks.empty()) return false;
+  auto t = Clock::now();
+  std::vector<std::vector<RolloutResult>> samples = sample(asks);
+  const double rollout_s = seconds_since(t);
+  for (size_t a = 0; a < asks.size(); ++a) {
+    const Job& j = *asks[a].job;
+    Figures& f = d[of[a]].f;
+    f.rollout_s += rollout_s;  // the round's, shared by its jobs
+    t = Clock::now();
+    RewardParts parts;
+    const std::vector<size_t>& prompts = asks[a].prompts;
+    const std::vector<double> r = rewards(j, prompts, samples[a], parts);
+    f.reward_s += seconds_since(t);
+    for (size_t k = 0; k < samples[a].size(); ++k) {
+      f.reward_sum += r[k];
+      f.reward_sq_sum += r[k] * r[k];
+      f.answer_sum += parts.answer[k];
+      f.format_sum += parts.format[k];
+      f.overlong_sum += parts.overlong[k];
+      f.command_sum += parts.command[k];
+      f.length_sum += double(samples[a][k].tokens.size());
+      f.length_max = std::max(f.length_max, int64_t(samples[a][k].tokens.size()));
+      f.truncated += samples[a][k].finish_reason == FinishReason::kLength;
+    }
+    f.sampled += int64_t(samples[a].size());
+    const size_t n = size_t(j.c->rl.samples);
+    for (size_t g = 0; g < prompts.size(); ++g) {
+      Group group;
+      group.prompt = prompts[g];
+      for (size_t i = 0; i < n; ++i) {
+        group.samples.push_back(std::move(samples[a][g * n + i]));
+        group.rewards.push_back(r[g * n + i]);
+      }
+      group.uniform =
+          std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
+      (j.settings.dynamic_sampling && group.uniform ? d[of[a]].uniform : d[of[a]].informative)
+          .push_back(std::move(group));
+    }
+    ++f.rounds;
+  }
+  return true;
+}
+
+// One rollout of each listed job: sampling rounds until every job has rl.prompts_per_step groups (or no rounds left:
+// set-aside groups fill the rest, with zero advantages), then each job's groups split into its updates. The optimizer
+// state leaves the device while the engine samples (rl.offload_optimizer: its cache gets the room) and comes back
+// before the updates.
+void RlSource::rollout(const std::vector<size_t>& ids) {
+  std::vector<Drawn> d(ids.size());
+  auto t = Clock::now();
+  const size_t handover_bytes = offload_ ? handover_.offload() : 0;
+  double handover_s = seconds_since(t);
+  while (sampling_round(ids, d)) {
+  }
+  t = Clock::now();
   if (offload_) handover_.restore();
-  handover_s += seconds_since(t_handover);
+  handover_s += seconds_since(t);
   std::vector<std::vector<Group>> groups(ids.size());
   std::vector<Figures> figures(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
@@ -410,36 +416,40 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
   queue_updates(ids, groups, figures);
   for (size_t k = 0; k < ids.size(); ++k) {
     Job& j = *jobs_[ids[k]];
-    Figures& f = figures[k];
-    if (ranks_.ranks > 1) figures_over_ranks(f);
-    const double count = double(std::max<int64_t>(f.sampled, 1)), mean = f.reward_sum / count;
-    const RlOptions& o = j.c->rl;
-    j.last_reward = mean;
-    nlohmann::json m = {{"reward_mean", mean},
-                        {"reward_std", std::sqrt(std::max(0.0, f.reward_sq_sum / count - mean * mean))},
-                        {"response_length_mean", f.length_sum / count}, {"response_length_max", f.length_max},
-                        {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
-                        {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
-                        {"rollout_tokens_per_s", f.rollout_s > 0 ? f.length_sum / f.rollout_s : 0.0},
-                        {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
-    // Each reward that is on, unweighted: the answer match is the accuracy.
-    if (o.reward_answer > 0) m["accuracy"] = f.answer_sum / count;
-    if (j.format) m["reward_format"] = f.format_sum / count;
-    if (o.overlong_buffer > 0) m["reward_overlong"] = f.overlong_sum / count;
-    if (!o.reward_command.empty()) m["reward_command"] = f.command_sum / count;
-    m["entropy"] = f.gap_tokens ? f.entropy_sum / double(f.gap_tokens) : 0.0;
+    if (ranks_.ranks > 1) figures_over_ranks(figures[k]);
+    j.last_reward = figures[k].reward_sum / double(std::max<int64_t>(figures[k].sampled, 1));
+    j.rollout_metrics = rollout_figures(j, figures[k]);
     if (offload_) {  // the whole run's optimizer state, every tenant's
-      m["handover_s"] = handover_s;
-      m["handover_mib"] = double(handover_bytes) / 1048576.0;
+      j.rollout_metrics["handover_s"] = handover_s;
+      j.rollout_metrics["handover_mib"] = double(handover_bytes) / 1048576.0;
     }
-    m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
-    m["rollout_train_logprob_gap_max"] = f.gap_max;
-    if (j.c->rl.importance_correction != "none") {
-      m["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
-      m["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
-    }
-    j.rollout_metrics = std::move(m);
   }
+}
+
+// A rollout's figures as metrics.jsonl reports them (docs/rl.md, "What a run reports").
+nlohmann::json RlSource::rollout_figures(const Job& j, const Figures& f) const {
+  const double count = double(std::max<int64_t>(f.sampled, 1)), mean = f.reward_sum / count;
+  const RlOptions& o = j.c->rl;
+  nlohmann::json m = {{"reward_mean", mean},
+                      {"reward_std", std::sqrt(std::max(0.0, f.reward_sq_sum / count - mean * mean))},
+                      {"response_length_mean", f.length_sum / count}, {"response_length_max", f.length_max},
+                      {"truncated_fraction", double(f.truncated) / count}, {"samples", f.sampled},
+                      {"sampling_rounds", f.rounds}, {"groups_dropped", f.dropped}, {"rollout_s", f.rollout_s},
+                      {"rollout_tokens_per_s", f.rollout_s > 0 ? f.length_sum / f.rollout_s : 0.0},
+                      {"reward_s", f.reward_s}, {"logprob_s", f.logprob_s}};
+  // Each reward that is on, unweighted: the answer match is the accuracy.
+  if (o.reward_answer > 0) m["accuracy"] = f.answer_sum / count;
+  if (j.format) m["reward_format"] = f.format_sum / count;
+  if (o.overlong_buffer > 0) m["reward_overlong"] = f.overlong_sum / count;
+  if (!o.reward_command.empty()) m["reward_command"] = f.command_sum / count;
+  m["entropy"] = f.gap_tokens ? f.entropy_sum / double(f.gap_tokens) : 0.0;
+  m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
+  m["rollout_train_logprob_gap_max"] = f.gap_max;
+  if (o.importance_correction != "none") {
+    m["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
+    m["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
+  }
+  return m;
 }
 
 // Each job's groups split evenly into rl.minibatches updates, in order (the jobs share rl.minibatches): update m holds

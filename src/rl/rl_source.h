@@ -89,6 +89,9 @@ class RlSource final : public StepSource {
   // One rollout of each job in `jobs` (indices), their samples drawn by one engine in each sampling round (the
   // tenants' requests batched, each with its adapter).
   void rollout(const std::vector<size_t>& jobs);
+  struct Drawn;  // a job's groups so far in a rollout, and its figures
+  bool sampling_round(const std::vector<size_t>& jobs, std::vector<Drawn>& drawn);
+  nlohmann::json rollout_figures(const Job& j, const Figures& f) const;
   std::vector<std::vector<RolloutResult>> sample(const std::vector<Ask>& asks);
   std::vector<double> rewards(const Job& j, const std::vector<size_t>& prompts,
                               const std::vector<RolloutResult>& samples, RewardParts& parts);
