@@ -153,6 +153,24 @@ int64_t heads_a_block(int64_t group) {
   return 1;
 }
 
+// The block's largest (value, index) pair, the lowest index on ties (index -1: a thread without one), left in
+// best_v[0] and best_i[0] (shared arrays of blockDim.x entries, a power of two).
+template <typename V>
+__device__ void block_argmax(V v, int64_t i, V* best_v, int64_t* best_i) {
+  best_v[threadIdx.x] = v;
+  best_i[threadIdx.x] = i;
+  __syncthreads();
+  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) {
+      const int o = threadIdx.x + stride;
+      const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_v[o] > best_v[threadIdx.x] ||
+                                           (best_v[o] == best_v[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
+      if (take) best_v[threadIdx.x] = best_v[o], best_i[threadIdx.x] = best_i[o];
+    }
+    __syncthreads();
+  }
+}
+
 // row_argmax_logsumexp in two kernels, so that a few long rows (a decoding step's logits: one row a sequence, the
 // vocabulary wide) spread over the SMs: a block per (row, chunk of the row) — each thread's strided max with the lowest
 // index (ids below `limit`) and online sum of exp (online_logsumexp_add, as the cross-entropy's), then block
@@ -178,18 +196,7 @@ __global__ void row_summary_chunk_kernel(int64_t v, int64_t limit, int64_t chunk
   }
   const float mx = block_reduce<float, true>(m, scratch);
   const float total = block_reduce<float, false>(m == -INFINITY ? sum : sum * expf(m - mx), scratch);
-  best_v[threadIdx.x] = bv;
-  best_i[threadIdx.x] = bi;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      const int o = threadIdx.x + stride;
-      const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_v[o] > best_v[threadIdx.x] ||
-                                           (best_v[o] == best_v[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
-      if (take) best_v[threadIdx.x] = best_v[o], best_i[threadIdx.x] = best_i[o];
-    }
-    __syncthreads();
-  }
+  block_argmax(bv, bi, best_v, best_i);
   if (threadIdx.x == 0) {
     float* p = part + (int64_t(blockIdx.x) * gridDim.y + blockIdx.y) * 4;
     p[0] = nan_seen ? NAN : mx;
@@ -421,18 +428,7 @@ __global__ void sample_chunk_kernel(int64_t v, int64_t limit, int64_t chunk_len,
     if (bi < 0 || score > bs) bs = score, bi = j;
   }
   sum = block_reduce<double, false>(sum, scratch);
-  best_s[threadIdx.x] = bs;
-  best_i[threadIdx.x] = bi;
-  __syncthreads();
-  for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      const int o = threadIdx.x + stride;
-      const bool take = best_i[o] >= 0 && (best_i[threadIdx.x] < 0 || best_s[o] > best_s[threadIdx.x] ||
-                                           (best_s[o] == best_s[threadIdx.x] && best_i[o] < best_i[threadIdx.x]));
-      if (take) best_s[threadIdx.x] = best_s[o], best_i[threadIdx.x] = best_i[o];
-    }
-    __syncthreads();
-  }
+  block_argmax(bs, bi, best_s, best_i);
   if (threadIdx.x == 0) {
     double* p = part + (i * chunks + blockIdx.y) * 3;
     p[0] = sum;
