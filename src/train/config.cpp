@@ -566,10 +566,7 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
   one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
   one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
-  if (has_tenants) {  // each tenant's policy is checked with its own options; the run's layout here
-    if (c.dp > 1) problems.push_back("tenants: lathe rl's tenants run in one process for now (parallel.dp 1)");
-    return;
-  }
+  if (has_tenants) return;  // each tenant's policy is checked with its own options (and layout)
   if (c.grad_accum != 1)
     problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "
                                    "a rollout)", c.grad_accum));
@@ -600,7 +597,12 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
 
 void check_rl_layout(const TrainConfig& c, int64_t dp) {
   std::vector<std::string> problems;
-  rl_layout_problems(c, dp, problems);
+  if (c.tenants.empty()) rl_layout_problems(c, dp, problems);
+  for (const TrainConfig& t : c.tenants) {
+    std::vector<std::string> own;
+    rl_layout_problems(t, dp, own);
+    for (const std::string& p : own) problems.push_back(fmt::format("tenants ({}): {}", t.name, p));
+  }
   LATHE_CHECK(problems.empty(), "config: {}", fmt::join(problems, "; "));
 }
 
