@@ -28,6 +28,13 @@ uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
   return z ^ (z >> 29);
 }
 
+// The sequences of a mini-batch's labelled tokens (consecutive runs of one sequence index).
+double sequences_in(const PolicyTokens& t) {
+  double n = 0;
+  for (size_t i = 0; i < t.sequence.size(); ++i) n += i == 0 || t.sequence[i] != t.sequence[i - 1];
+  return n;
+}
+
 bool flag(const std::string& option, bool automatic) { return option == "auto" ? automatic : option == "true"; }
 
 }  // namespace
@@ -556,9 +563,7 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
 // Data parallelism: the aggregation weights of this rank's share rescaled to the whole mini-batch's (their
 // denominators, the sequences or the tokens, summed over the ranks).
 void RlSource::whole_batch_weights(const Job& j, PolicyTokens& t) {
-  double seqs = 0;
-  for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
-  const double tokens = double(t.sequence.size());
+  const double seqs = sequences_in(t), tokens = double(t.sequence.size());
   const std::vector<double> all = ranks_.sum({seqs, tokens});
   const double scale = j.settings.aggregation == "token-mean" ? tokens / all[1] : seqs / all[0];
   for (double& w : t.weight) w *= scale;
@@ -665,9 +670,7 @@ nlohmann::json RlSource::step_metrics(size_t job) {
   PolicyStats& st = part->stats;
   if (ranks_.ranks > 1) {  // the update's statistics over every rank's share, weighted by its tokens (or sequences)
     const PolicyTokens& t = part->tokens;
-    double seqs = 0;
-    for (size_t i = 0; i < t.sequence.size(); ++i) seqs += i == 0 || t.sequence[i] != t.sequence[i - 1];
-    const double tokens = double(t.sequence.size()), n = part->config.sequence_ratio ? seqs : tokens;
+    const double tokens = double(t.sequence.size()), n = part->config.sequence_ratio ? sequences_in(t) : tokens;
     const std::vector<double> s = ranks_.sum({st.clip_fraction * n, st.ratio_mean * n, st.kl_mean * tokens, n, tokens});
     st.clip_fraction = s[0] / s[3];
     st.ratio_mean = s[1] / s[3];

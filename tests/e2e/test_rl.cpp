@@ -68,6 +68,21 @@ std::vector<nlohmann::json> run_steps(const fs::path& dir, const std::string& se
   return rows.size() == steps ? rows : std::vector<nlohmann::json>{};
 }
 
+// Two runs of one computation, step by step (rl_rows): the `exact` rl figures equal where the reference reports them,
+// the losses and gradient norms within 1e-5 relative (the runs may sum in another order). `what` names the run.
+void expect_same_steps(const std::vector<nlohmann::json>& got, const std::vector<nlohmann::json>& want,
+                       std::initializer_list<const char*> exact, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const std::string at = fmt::format("{}, step {}", what, i + 1);
+    for (const char* key : exact)
+      if (want[i]["rl"].contains(key)) EXPECT_EQ(got[i]["rl"][key], want[i]["rl"][key]) << at << " " << key;
+    for (const char* key : {"loss", "grad_norm"})
+      EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
+          << at << " " << key;
+  }
+}
+
 std::string file_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(f)), {});
@@ -343,16 +358,12 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
       ASSERT_EQ(run.exit_code, 0) << run.output;
       const std::vector<nlohmann::json> got = rl_rows(dir / out);
       ASSERT_EQ(got.size(), want.size()) << run.output;
-      for (size_t i = 0; i < want.size(); ++i) {
-        const std::string at = fmt::format("{} {}, step {}", out, variant, i + 1);
-        for (const char* key : {"reward_mean", "reward_std", "reward_format", "response_length_mean",
-                                "response_length_max", "samples"})
-          if (want[i]["rl"].contains(key)) EXPECT_EQ(got[i]["rl"][key], want[i]["rl"][key]) << at << " " << key;
-        for (const char* key : {"loss", "grad_norm"})
-          EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
-              << at << " " << key;
-        EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-6) << at;
-      }
+      const std::string what = fmt::format("{} {}", out, variant);
+      expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
+                                    "response_length_max", "samples"}, what);
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-6)
+            << what << ", step " << i + 1;
       fs::remove_all(dir / out);
     }
     fs::remove_all(dir / "one");
@@ -420,16 +431,9 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
     const std::vector<nlohmann::json> got = rl_rows(dir / "multi" / t);
     ASSERT_EQ(want.size(), 6u) << alone.output;
     ASSERT_EQ(got.size(), want.size()) << multi.output;
+    expect_same_steps(got, want, {"reward_mean", "response_length_mean"}, fmt::format("tenant {}", t));
     bool learned = false;
-    for (size_t i = 0; i < want.size(); ++i) {
-      const std::string at = fmt::format("tenant {} step {}", t, i + 1);
-      EXPECT_EQ(got[i]["rl"]["reward_mean"], want[i]["rl"]["reward_mean"]) << at;
-      EXPECT_EQ(got[i]["rl"]["response_length_mean"], want[i]["rl"]["response_length_mean"]) << at;
-      for (const char* key : {"loss", "grad_norm"})
-        EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
-            << at << " " << key;
-      learned = learned || want[i]["grad_norm"].get<double>() > 0;
-    }
+    for (const nlohmann::json& row : want) learned = learned || row["grad_norm"].get<double>() > 0;
     EXPECT_TRUE(learned) << "tenant " << t << " never had a gradient: the comparison says little";
     EXPECT_TRUE(fs::exists(dir / "multi" / t / "final/adapter_model.safetensors"));
     EXPECT_TRUE(fs::exists(dir / "multi" / t / "checkpoints/step-00000006"));
@@ -444,14 +448,7 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
   for (const char* t : {"a", "b"}) {
     const std::vector<nlohmann::json> want = rl_rows(dir / "multi" / t), got = rl_rows(dir / "multi_dp2" / t);
     ASSERT_EQ(got.size(), want.size()) << dp.output;
-    for (size_t i = 0; i < want.size(); ++i) {
-      const std::string at = fmt::format("dp2 tenant {} step {}", t, i + 1);
-      EXPECT_EQ(got[i]["rl"]["reward_mean"], want[i]["rl"]["reward_mean"]) << at;
-      EXPECT_EQ(got[i]["rl"]["response_length_mean"], want[i]["rl"]["response_length_mean"]) << at;
-      for (const char* key : {"loss", "grad_norm"})
-        EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
-            << at << " " << key;
-    }
+    expect_same_steps(got, want, {"reward_mean", "response_length_mean"}, fmt::format("dp2 tenant {}", t));
   }
 #endif
   // The tenants' settings differ, so their reward curves do.

@@ -28,7 +28,6 @@
 #include "backend/profiler.h"
 #include "cli_support.h"
 #include "comm/launch.h"
-#include "comm/local_launch.h"
 #include "commands.h"
 #include "core/files.h"
 #include "data/chat_template.h"
@@ -38,6 +37,7 @@
 #include "model/lora.h"
 #include "model/causal_lm.h"
 #include "model/rollout_engine.h"
+#include "parallel_job.h"
 #include "train/step_profile.h"
 
 namespace lathe::cli {
@@ -257,9 +257,7 @@ void run(Args a) {
   const LaunchEnv env = launch_env();
   if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
     LATHE_CHECK(!a.input.empty(), "generate: --nproc splits the lines of --input over ranks; --prompt runs on one");
-    LATHE_CHECK(a.device != "cpu", "generate: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
-                "with `mpirun -np {} lathe generate ...`", a.nproc);
-    const int rc = run_local_ranks("/proc/self/exe", rank_args(a), a.nproc);
+    const int rc = start_local_ranks("generate", rank_args(a), a.device, a.nproc, "...");
     LATHE_CHECK(rc == 0, "generate: a rank failed (status {})", rc);
     return;
   }

@@ -28,14 +28,19 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
   return make_process_groups(std::move(world), sizes, rt.backend(device.type).create_stream(device.index));
 }
 
+int start_local_ranks(const std::string& who, const std::vector<std::string>& rank_args, const std::string& device,
+                      int nproc, const std::string& usage) {
+  LATHE_CHECK(device != "cpu", "{0}: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with "
+              "`mpirun -np {1} lathe {0} {2}`", who, nproc, usage);
+  return run_local_ranks("/proc/self/exe", rank_args, nproc);
+}
+
 int start_local_ranks(const std::string& who, const std::string& config_path, const std::vector<std::string>& overrides,
                       const std::string& device, int nproc) {
-  LATHE_CHECK(device != "cpu", "{0}: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with "
-              "`mpirun -np {1} lathe {0} CONFIG`", who, nproc);
   std::vector<std::string> rank_args = {who};
   if (!config_path.empty()) rank_args.push_back(config_path);
   for (const std::string& o : overrides) rank_args.insert(rank_args.end(), {"--set", o});
-  return run_local_ranks("/proc/self/exe", rank_args, nproc);
+  return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
 }
 
 void run_as_rank(const LaunchEnv& env, const std::function<void()>& body) {

@@ -22,8 +22,12 @@ namespace lathe::cli {
 std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env,
                                         std::optional<MpiSession>& mpi, const std::string& who);
 
-// The parent of `lathe WHO CONFIG --nproc N`: starts N ranks of the same command on this machine's GPUs and returns
-// how they ended (an exit code). GPU ranks only (CPU ranks talk over MPI: mpirun).
+// The parent of `lathe WHO ... --nproc N`: starts N ranks of `lathe rank_args...` (WHO and its arguments, without
+// --nproc) on this machine's GPUs and returns how they ended (an exit code). GPU ranks only: a CPU `device` is refused,
+// pointing to `mpirun -np N lathe WHO USAGE` (CPU ranks talk over MPI).
+int start_local_ranks(const std::string& who, const std::vector<std::string>& rank_args, const std::string& device,
+                      int nproc, const std::string& usage);
+// The same for `lathe WHO CONFIG [--set ...] --nproc N` (lathe train, lathe rl).
 int start_local_ranks(const std::string& who, const std::string& config_path, const std::vector<std::string>& overrides,
                       const std::string& device, int nproc);
 

@@ -28,15 +28,25 @@ constexpr int kThreads = 256;
 constexpr int kSplitWarps = 4;
 constexpr int kMinSplitPositions = 32;
 
-// The sequence b of query token i: cu[b] <= i < cu[b + 1] (a binary search over the batch's query offsets).
-__device__ __forceinline__ int64_t query_sequence(int64_t i, int64_t batch, const int32_t* cu) {
+// What a paged-attention block works on: query token i (blockIdx.x), its G heads from h0 (blockIdx.y) and their kv
+// head kh, split `split` of `splits` (blockIdx.z), the token's sequence b (cu[b] <= i < cu[b + 1], a binary search over
+// the batch's query offsets), and the split's positions [begin, end) up to the token's own.
+struct BlockQuery {
+  int64_t i, h0, split, splits, b, kh, begin, end;
+};
+
+__device__ __forceinline__ BlockQuery block_query(int64_t G, int64_t q_heads, int64_t kv_heads, int64_t batch,
+                                                  int64_t split_len, const int32_t* cu, const int32_t* ctx) {
+  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z;
   int64_t lo = 0, hi = batch;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
     if (cu[mid] <= i) lo = mid;
     else hi = mid;
   }
-  return lo;
+  const int64_t b = lo, n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
+  const int64_t begin = split * split_len;
+  return {i, h0, split, int64_t(gridDim.z), b, h0 / (q_heads / kv_heads), begin, min(begin + split_len, pos + 1)};
 }
 
 // The block's slots (warps, or groups of lanes) each hold an online softmax over some of the split's positions for
@@ -78,10 +88,7 @@ __global__ void paged_attention_kernel(int64_t q_heads, int64_t kv_heads, int64_
   __shared__ float merge_acc[kSplitWarps][G][32 * P];
   __shared__ float merge_m[kSplitWarps][G], merge_l[kSplitWarps][G];
   const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32);
-  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
-  const int64_t b = query_sequence(i, batch, cu), n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
-  const int64_t kh = h0 / (q_heads / kv_heads);
-  const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
+  const auto [i, h0, split, splits, b, kh, begin, end] = block_query(G, q_heads, kv_heads, batch, split_len, cu, ctx);
   float qv[G][P], acc[G][P], mx[G], sum[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -252,10 +259,7 @@ __global__ void paged_attention_packed_kernel(int64_t q_heads, int64_t kv_heads,
   __shared__ float merge_acc[kSlots][G][kD];
   __shared__ float merge_m[kSlots][G], merge_l[kSlots][G];
   const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32), sl = lane % L, slot = warp * kSub + lane / L;
-  const int64_t i = blockIdx.x, h0 = int64_t(blockIdx.y) * G, split = blockIdx.z, splits = gridDim.z;
-  const int64_t b = query_sequence(i, batch, cu), n = cu[b + 1] - cu[b], pos = ctx[b] - n + (i - cu[b]);
-  const int64_t kh = h0 / (q_heads / kv_heads);
-  const int64_t begin = split * split_len, end = min(begin + split_len, pos + 1);
+  const auto [i, h0, split, splits, b, kh, begin, end] = block_query(G, q_heads, kv_heads, batch, split_len, cu, ctx);
   float qv[G][kN], acc[G][kN], mx[G], sum[G];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
