@@ -294,8 +294,9 @@ const std::vector<Option>& options() {
                 "and back for the updates, so the rollout's cache gets its room (auto: on for GPUs)", rl.offload_optimizer),
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
-             "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME); "
-             "the rest is inherited from the top level (docs/lora.md)",
+             "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME), and "
+             "under lathe rl its rl.* but rl.minibatches, rl.cache_mib, rl.offload_optimizer and rl.warm_start; "
+             "the rest is inherited from the top level (docs/lora.md, docs/rl.md)",
              [](TrainConfig&, const YAML::Node&) {}, {}, Need::Optional},
   };
   return table;

@@ -126,7 +126,8 @@ enum class ConfigFor { train, rl };
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
 // With ConfigFor::rl: the rl.* options too, checked together with the rest (one micro-batch a step, checkpoints on
 // rollout boundaries; each tenant's checked with its own options), a tenant may set rl.* except rl.minibatches,
-// rl.cache_mib and rl.warm_start; rl.warm_start's run output supplies model.path when neither model option is set.
+// rl.cache_mib, rl.offload_optimizer and rl.warm_start; rl.warm_start's run output supplies model.path when neither
+// model option is set.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
                               ConfigFor which = ConfigFor::train);
 
