@@ -83,10 +83,10 @@ def hf_generate(folder, prompts, new_tokens, max_time):
 
 
 def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150,
-                   profile_step=-1):
+                   profile_step=-1, graphs="auto"):
     cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--max-running", str(running), "--cache-mib",
-           str(cache_mib)] + (["--profile-step", str(profile_step)] if profile_step >= 0 else [])
+           str(cache_mib), "--graphs", graphs] + (["--profile-step", str(profile_step)] if profile_step >= 0 else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -131,6 +131,8 @@ def main():
     ap.add_argument("--cache-mib", type=int, default=16384, help="lathe's KV cache")
     ap.add_argument("--skip-batch1", action="store_true", help="no batch-1 row")
     ap.add_argument("--profile-step", type=int, default=-1, help="pass --profile-step to lathe generate")
+    ap.add_argument("--graphs-off-too", action="store_true", help="batch 1 also without decode graphs")
+    ap.add_argument("--graphs", default="auto", help="lathe generate --graphs for the batched run")
     a = ap.parse_args()
     import torch
     os.makedirs(a.out, exist_ok=True)
@@ -152,7 +154,7 @@ def main():
         torch.cuda.empty_cache()
         cache_mib = a.cache_mib
         lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.r{a.requests}.out.jsonl"),
-                                     a.new, a.requests, cache_mib, profile_step=a.profile_step)
+                                     a.new, a.requests, cache_mib, profile_step=a.profile_step, graphs=a.graphs)
         row = {"shape": shape, "requests": a.requests, "prompt": a.prompt, "new": a.new, "hf_tokens_per_s": hf,
                "hf_cache": cache, "lathe_tokens_per_s": lt, "lathe_summary": summary,
                "ratio": (lt / hf) if (lt and hf) else None}
@@ -165,14 +167,18 @@ def main():
         one = os.path.join(a.out, f"{shape}.one.jsonl")
         with open(one, "w") as f:
             f.write(json.dumps({"tokens": prompts[0]}) + "\n")
-        lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"), a.new,
-                                       1, cache_mib, profile_step=a.profile_step)
         bound_ms = weights / (bw / 2) * 1e3  # reading the weights once at the copy's read rate
-        step_ms = 1e3 / lt1 if lt1 else None
-        row.update({"batch1_tokens_per_s": lt1, "batch1_step_ms": step_ms, "weights_bytes": weights,
-                    "weights_read_ms": bound_ms, "batch1_over_bound": (step_ms / bound_ms) if step_ms else None})
-        log(f"{shape} batch 1: {lt1 or 0:,.1f} tok/s = {step_ms or 0:.2f} ms a step; reading {weights / 1e9:.2f} GB of "
-            f"weights takes {bound_ms:.2f} ms ({(step_ms or 0) / bound_ms:.2f}x the bound); {summary1}")
+        # With decode graphs (auto) and without (off), in the same call: the graphs' effect at batch 1.
+        for graphs in (["auto", "off"] if a.graphs_off_too else ["auto"]):
+            lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"),
+                                           a.new, 1, cache_mib, profile_step=a.profile_step, graphs=graphs)
+            step_ms = 1e3 / lt1 if lt1 else None
+            key = "batch1" if graphs == "auto" else "batch1_no_graphs"
+            row.update({f"{key}_tokens_per_s": lt1, f"{key}_step_ms": step_ms, "weights_bytes": weights,
+                        "weights_read_ms": bound_ms, f"{key}_over_bound": (step_ms / bound_ms) if step_ms else None})
+            log(f"{shape} batch 1 (graphs {graphs}): {lt1 or 0:,.1f} tok/s = {step_ms or 0:.2f} ms a step; reading "
+                f"{weights / 1e9:.2f} GB of weights takes {bound_ms:.2f} ms ({(step_ms or 0) / bound_ms:.2f}x the "
+                f"bound); {summary1}")
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
 

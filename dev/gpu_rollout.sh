@@ -5,7 +5,8 @@
 #            paged_attention / scatter_rows / row_argmax_logsumexp op checks, PagedAttention against the training
 #            attention op, the padded-rows cross-entropy); the CPU-only rows run in CI
 #   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
-#            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights
+#            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights,
+#            with decode graphs and without (SPEED_ARGS: more arguments, e.g. --skip-hf)
 #   profile — the same engine runs without transformers, each with --profile-step 100 (the kernels of 10 decoding
 #            steps), and the 1.7B shape with 256 requests; the tables go to $OUT (BUILD_TARGET=lathe_cli builds only
 #            the binary)
@@ -14,7 +15,7 @@ source dev/gpu_common.sh "$@"
 
 if has build; then
   (cd build && ctest -j8 --output-on-failure \
-     -R "CudaMatchesTheCpu|OpCheck.Cuda/(paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda" \
+     -R "CudaMatchesTheCpu|CudaGraphsEqualEagerSteps|OpCheck.Cuda/(paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda" \
      >$L/ctest.txt 2>&1)
   summary "ctest (rollout, paged ops, decoding; CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
@@ -23,7 +24,7 @@ fi
 
 if has speed; then
   python3 bench/generate_side_by_side.py --lathe-bin build/lathe --hf-max-time ${HF_MAX_TIME:-150} --out /tmp/gen_bench \
-    >$L/gen_bench.log 2>&1
+    --graphs-off-too ${SPEED_ARGS:-} >$L/gen_bench.log 2>&1
   summary "$(grep -E '^(card|1.7b|q35)' $L/gen_bench.log)"
   cp /tmp/gen_bench/results.json $OUT/ 2>/dev/null
 fi

@@ -34,6 +34,14 @@ class Event {
   virtual double elapsed_ms_since(const Event& start) = 0;
 };
 
+// Work recorded from a stream once and replayed as one launch (CUDA graphs): the same kernels with the same
+// arguments and pointers, so what a replay reads and writes must sit at the addresses it had when recorded.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual void replay(Stream& stream) = 0;
+};
+
 struct DeviceInfo {
   std::string name;
   int64_t total_memory = 0;
@@ -62,6 +70,14 @@ class DeviceBackend {
   virtual void copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes,
                     Stream& stream) = 0;
   virtual void fill_bytes(void* dst, uint8_t value, size_t nbytes, Stream& stream) = 0;
+  // Graphs: whether this backend records them; between begin_capture and end_capture the work queued on `stream` is
+  // recorded, not run, and nothing may wait for the device or copy from host memory (end_capture throws then).
+  virtual bool can_capture() const { return false; }
+  virtual void begin_capture(Stream& stream);
+  virtual std::unique_ptr<Graph> end_capture(Stream& stream);
+  // A caching allocator of the device's memory with blocks of its own (what graphs use stays theirs); nullptr when the
+  // backend has none.
+  virtual std::unique_ptr<Allocator> private_allocator(int /*index*/) { return nullptr; }
   virtual void register_kernels(KernelRegistry& registry) = 0;
 };
 

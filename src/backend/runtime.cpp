@@ -11,6 +11,14 @@ namespace lathe {
 std::unique_ptr<DeviceBackend> create_cuda_backend();  // backend/cuda/cuda_backend.cpp
 #endif
 
+void DeviceBackend::begin_capture(Stream& stream) {
+  throw Error(fmt::format("graphs: the {} backend does not record them", stream.device().str()));
+}
+
+std::unique_ptr<Graph> DeviceBackend::end_capture(Stream& stream) {
+  throw Error(fmt::format("graphs: the {} backend does not record them", stream.device().str()));
+}
+
 Runtime::Runtime() : Runtime(std::function<void(KernelRegistry&)>{}) {}
 
 Runtime::Runtime(const std::function<void(KernelRegistry&)>& first) : cpu_(std::make_unique<CpuBackend>()) {
@@ -56,9 +64,24 @@ ExecContext Runtime::context(Device device) {
   check_device(device);
   DeviceBackend& b = backend(device.type);
   PlannedAllocator* plan = memory_plan(device);
-  Allocator& allocator = plan ? static_cast<Allocator&>(*plan) : b.allocator(device.index);
+  const auto routed = allocators_.find({device.type, device.index});
+  Allocator& allocator = routed != allocators_.end() ? *routed->second
+                         : plan                      ? static_cast<Allocator&>(*plan)
+                                                     : b.allocator(device.index);
   return ExecContext{registry_, b, device, allocator, b.default_stream(device.index), nullptr,
                      profiler_ && profiler_->device() == device ? profiler_ : nullptr, gemm_autotune_};
+}
+
+AllocatorScope::AllocatorScope(Runtime& rt, Device device, Allocator& allocator) : rt_(&rt), device_(device) {
+  auto& slot = rt.allocators_[{device.type, device.index}];
+  previous_ = slot;
+  slot = &allocator;
+}
+
+AllocatorScope::~AllocatorScope() {
+  const std::pair<DeviceType, int> key{device_.type, device_.index};
+  if (previous_) rt_->allocators_[key] = previous_;
+  else rt_->allocators_.erase(key);
 }
 
 PlannedAllocator& Runtime::enable_memory_plan(Device device, int64_t record_window) {

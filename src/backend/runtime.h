@@ -14,6 +14,23 @@
 
 namespace lathe {
 
+class Runtime;
+
+// While it lives, every context made for `device` allocates from `allocator` (before any memory plan): what a graph
+// is recorded with stays in memory of its own (model/rollout_engine.cpp). Scopes nest.
+class AllocatorScope {
+ public:
+  AllocatorScope(Runtime& rt, Device device, Allocator& allocator);
+  ~AllocatorScope();
+  AllocatorScope(const AllocatorScope&) = delete;
+  AllocatorScope& operator=(const AllocatorScope&) = delete;
+
+ private:
+  Runtime* rt_;
+  Device device_;
+  Allocator* previous_ = nullptr;
+};
+
 class Runtime {
  public:
   Runtime();
@@ -32,7 +49,7 @@ class Runtime {
   bool has_device(Device device, std::string* why = nullptr) const;
   void check_device(Device device) const;  // throws with the reason when absent
 
-  ExecContext context(Device device);  // the device's default stream and allocator
+  ExecContext context(Device device);  // the device's default stream and allocator (or an AllocatorScope's)
   // Every context made from now on for the profiler's device times its ops with `profiler` (nullptr: none;
   // backend/profiler.h). The profiler must outlive the contexts that hold it.
   void set_profiler(OpProfiler* profiler) { profiler_ = profiler; }
@@ -59,12 +76,14 @@ class Runtime {
   Tensor upload(const void* data, const Shape& shape, DType dtype, Device device);
 
  private:
+  friend class AllocatorScope;
   std::unique_ptr<DeviceBackend> cpu_;
   std::unique_ptr<DeviceBackend> cuda_;  // null when built without CUDA
   KernelRegistry registry_;
   OpProfiler* profiler_ = nullptr;
   bool gemm_autotune_ = false;
   std::map<std::pair<DeviceType, int>, std::unique_ptr<PlannedAllocator>> plans_;  // destroyed before the backends
+  std::map<std::pair<DeviceType, int>, Allocator*> allocators_;  // AllocatorScope's
 };
 
 }  // namespace lathe

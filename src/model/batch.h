@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "backend/runtime.h"
@@ -33,6 +34,10 @@ class DecodeCache {
   virtual Tensor conv_history(int64_t layer) = 0;
   virtual Tensor gdn_state(int64_t layer) = 0;
   virtual void set_gdn(int64_t layer, Tensor conv_history, Tensor state) = 0;
+  // An index table of this step's row gathers, on the device: `values` depend only on the batch's document lengths
+  // (never on token ids), so a cache may keep the table for every step of the same shape, and a recorded graph
+  // (rollout_engine.h) needs it kept. `key` names the table within a step.
+  virtual Tensor table(const std::string& key, const std::vector<int32_t>& values) = 0;
 };
 
 // A loss of each labelled token's log-probability in place of the cross-entropy (the RL policy losses,

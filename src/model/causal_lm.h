@@ -96,8 +96,13 @@ class CausalLm {
   // Full logits (T, V) of a batch: for tests and scoring of short inputs.
   virtual Tensor logits(const PackedBatch& batch) = 0;
   // The logits (B, V) after each document's last token, through the same layers (a decoder's batch carries its
-  // DecodeCache, each document continuing one sequence).
-  virtual Tensor last_logits(const PackedBatch& batch) = 0;
+  // DecodeCache, each document continuing one sequence): lm_head_logits(last_hidden(batch)).
+  Tensor last_logits(const PackedBatch& batch) { return lm_head_logits(last_hidden(batch)); }
+  // The final norm's output (B, H) at each document's last token; with one token a document, nothing is uploaded
+  // (a rollout engine records it as a graph).
+  virtual Tensor last_hidden(const PackedBatch& batch) = 0;
+  // The LM head over rows of the final norm's output: (N, H) -> (N, V).
+  virtual Tensor lm_head_logits(const Tensor& x) = 0;
   // Per-position log p(label) (T entries; 0 where the label is -100), chunked like the loss.
   virtual std::vector<double> label_logprobs(const PackedBatch& batch) = 0;
   // Mean cross-entropy over labelled positions; with `backward`, adds every parameter's gradient into
@@ -134,6 +139,7 @@ class CausalLm {
   const Tensor& w(int index) const { return params_[size_t(index)].value; }
   // Checks the batch (device, token ids) and refreshes the attached adapters' slots: the start of every forward.
   void begin_forward(const PackedBatch& b);
+  int64_t forwards() const { return forwards_; }  // begin_forward's calls so far
   void add_grad(int index, const Tensor& g);                                         // unless frozen
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x, unless frozen
   // y = x W^T plus the adapters' terms of (layer, target) for the batch's segments (the LoRA path, docs/lora.md).
@@ -234,6 +240,7 @@ class CausalLm {
   // The route's tensor only the backward reads (ones), uploaded on first use.
   void prepare_moe_backward(MoeRoute& r);
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
+  int64_t forwards_ = 0;
 };
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /

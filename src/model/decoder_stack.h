@@ -46,15 +46,24 @@ struct DecoderStack {
   }
 
   template <typename M>
-  static Tensor last_logits(M& m, const PackedBatch& b) {
+  static Tensor last_hidden(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
     const Tensor xf = m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first;
-    if (b.host_cu.size() == 2) return linear(cx, xf.narrow(0, xf.size(0) - 1, 1), m.w(m.head()));
+    const int64_t docs = int64_t(b.host_cu.size()) - 1;
+    if (xf.size(0) == docs) return xf;  // one token a document: every row is a last one
+    if (docs == 1) return xf.narrow(0, xf.size(0) - 1, 1);
     std::vector<int32_t> last;  // each document's last row, gathered as embedding rows
     for (size_t i = 1; i < b.host_cu.size(); ++i) last.push_back(b.host_cu[i] - 1);
-    const Tensor rows = m.rt_->from_host(last.data(), {int64_t(last.size())}, DType::I32, m.options_.device);
-    return linear(cx, embedding(cx, xf, rows), m.w(m.head()));
+    const Tensor rows = b.cache ? b.cache->table("last_rows", last)
+                                : m.rt_->upload(last.data(), {int64_t(last.size())}, DType::I32, m.options_.device);
+    return embedding(cx, xf, rows);
+  }
+
+  template <typename M>
+  static Tensor lm_head_logits(M& m, const Tensor& x) {
+    ExecContext cx = m.ctx();
+    return linear(cx, x, m.w(m.head()));
   }
 
   template <typename M>

@@ -168,6 +168,7 @@ LossResult Qwen3Model::loss(const PackedBatch& b, bool backward, double loss_sca
 
 std::vector<int64_t> Qwen3Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
-Tensor Qwen3Model::last_logits(const PackedBatch& b) { return DecoderStack::last_logits(*this, b); }
+Tensor Qwen3Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
+Tensor Qwen3Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
 
 }  // namespace lathe

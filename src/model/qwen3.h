@@ -28,7 +28,8 @@ class Qwen3Model : public CausalLm {
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
                   const BackwardHooks& hooks = {}) override;
   std::vector<int64_t> grads_complete_after() const override;
-  Tensor last_logits(const PackedBatch& batch) override;
+  Tensor last_hidden(const PackedBatch& batch) override;
+  Tensor lm_head_logits(const Tensor& x) override;
 
  private:
   struct Layer {

@@ -184,19 +184,26 @@ std::vector<io::TensorRef> Qwen35Model::extra_tensors() const {
   return refs;
 }
 
-const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
-  if (split_.tokens == tokens) return split_;
+// Kept while the tokens are the same; a decoding batch's (from its cache's tables) only for its own forward.
+const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCache* cache) {
+  if (split_.tokens == tokens && split_.cache == cache && (!cache || split_.forward == forwards()))
+    return split_;
   const ModelConfig& c = config_;
   // Row indices, into (T N / width, width), of the column blocks [off, off + len) of each token's row.
   std::vector<std::vector<int32_t>> host;  // the ids of each block, in the order they are made
+  const auto to_device = [&](const std::vector<int32_t>& ids) {
+    if (cache) return cache->table(fmt::format("split.{}", host.size()), ids);
+    return rt_->upload(ids.data(), {int64_t(ids.size())}, DType::I32, options_.device);
+  };
   auto columns = [&](int64_t n, int64_t width, const std::vector<std::pair<int64_t, int64_t>>& blocks) {
     std::vector<int32_t> ids;
     for (int64_t t = 0; t < tokens; ++t)
       for (auto [off, len] : blocks)
         for (int64_t j = 0; j < len / width; ++j) ids.push_back(int32_t(t * (n / width) + off / width + j));
     LATHE_CHECK(tokens * (n / width) < (int64_t(1) << 31), "model: {} tokens exceed the index range of the splits", tokens);
-    host.push_back(ids);
-    return Columns{width, n, rt_->from_host(ids.data(), {int64_t(ids.size())}, DType::I32, options_.device)};
+    Columns made{width, n, to_device(ids)};
+    host.push_back(std::move(ids));
+    return made;
   };
   // The inverse of the last `parts` blocks made, which partition the rows of the whole: row r of the whole is row
   // merge[r] of those blocks' rows stacked in order.
@@ -209,10 +216,14 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens) {
         inv[size_t(id)] = row++;
       }
     LATHE_ASSERT(size_t(row) == inv.size() && std::find(inv.begin(), inv.end(), -1) == inv.end());
-    return rt_->from_host(inv.data(), {int64_t(inv.size())}, DType::I32, options_.device);
+    const Tensor made = to_device(inv);
+    host.emplace_back();  // a key of its own
+    return made;
   };
   split_ = SplitIndex{};
   split_.tokens = tokens;
+  split_.cache = cache;
+  split_.forward = forwards();
   if (c.num_heads > 0 && c.head_dim > 0) {
     const int64_t d = c.head_dim;
     std::vector<std::pair<int64_t, int64_t>> query, gate;
@@ -288,7 +299,7 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   const ModelConfig& c = config_;
   const int64_t t = a.x.size(0), d = c.head_dim, hd = c.num_heads * d;
   const NormAttrs norm{c.rms_norm_eps, 1.0};
-  const SplitIndex& split = split_index(t);
+  const SplitIndex& split = split_index(t, b.cache);
   const Tensor yq = project(l.index, LoraTarget::q_proj, l.q_proj, a.xn, b, training);  // (T, 2 H d)
   a.q = gather_columns(yq, split.query).view({t, c.num_heads, d});
   a.gate = gather_columns(yq, split.gate);
@@ -308,7 +319,7 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   const ModelConfig& c = config_;
   const int64_t t = a.x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
-  const SplitIndex& split = split_index(t);
+  const SplitIndex& split = split_index(t, b.cache);
   if (c.fused_gdn_projections) {  // qwen3_next: the conv input, z, b and a are column gathers of two projections
     const Tensor qkvz = project(l.index, LoraTarget::in_proj_qkvz, l.in_qkvz, a.xn, b, training);
     const Tensor ba = project(l.index, LoraTarget::in_proj_ba, l.in_ba, a.xn, b, training);
@@ -342,13 +353,11 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
       for (int64_t k = 0; k < h; ++k) hist_rows.push_back(int32_t(at + n + k));
       cu.push_back(int32_t(at + h + n));
     }
-    const auto upload = [&](const std::vector<int32_t>& v) {
-      return rt_->from_host(v.data(), {int64_t(v.size())}, DType::I32, options_.device);
-    };
-    const Tensor seq = embedding(cx, both, upload(seq_rows));
-    const Tensor conv = causal_conv1d(cx, seq, conv_w, upload(cu));
-    a.conv = embedding(cx, conv, upload(out_rows));
-    a.conv_history = h > 0 ? embedding(cx, seq, upload(hist_rows)).view({docs, h, ch})
+    DecodeCache& cache = *b.cache;
+    const Tensor seq = embedding(cx, both, cache.table("conv.seq_rows", seq_rows));
+    const Tensor conv = causal_conv1d(cx, seq, conv_w, cache.table("conv.cu", cu));
+    a.conv = embedding(cx, conv, cache.table("conv.out_rows", out_rows));
+    a.conv_history = h > 0 ? embedding(cx, seq, cache.table("conv.hist_rows", hist_rows)).view({docs, h, ch})
                            : Tensor::empty({docs, 0, ch}, a.qkv.dtype(), cx.allocator);
   } else {
     a.conv = causal_conv1d(cx, a.qkv, conv_w, b.cu_seqlens);
@@ -402,7 +411,7 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   const int64_t t = dh.size(0), d = c.head_dim, hd = c.num_heads * d;
   const NormAttrs norm{c.rms_norm_eps, 1.0};
   const RopeAttrs inv{c.rope_theta, c.rotary_dim(), true};
-  const SplitIndex& split = split_index(t);
+  const SplitIndex& split = split_index(t, b.cache);
   Tensor dy;  // (T, H d)
   project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.y, dh, dy, b);
   const Tensor d_o = mul(cx, dy, a.sg).view({t, c.num_heads, d});
@@ -429,7 +438,7 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   const ModelConfig& c = config_;
   const int64_t t = dh.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
-  const SplitIndex& split = split_index(t);
+  const SplitIndex& split = split_index(t, b.cache);
   Tensor dgy;
   project_backward(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), dh, dgy, b);
   dgy = dgy.view({t, hv, dv});
@@ -495,6 +504,7 @@ LossResult Qwen35Model::loss(const PackedBatch& b, bool backward, double loss_sc
 
 std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderStack::grads_complete_after(*this); }
 
-Tensor Qwen35Model::last_logits(const PackedBatch& b) { return DecoderStack::last_logits(*this, b); }
+Tensor Qwen35Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
+Tensor Qwen35Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
 
 }  // namespace lathe

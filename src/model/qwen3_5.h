@@ -42,7 +42,8 @@ class Qwen35Model : public CausalLm {
                             double std = 0.02);
 
   Tensor logits(const PackedBatch& batch) override;                   // (T, V)
-  Tensor last_logits(const PackedBatch& batch) override;
+  Tensor last_hidden(const PackedBatch& batch) override;
+  Tensor lm_head_logits(const Tensor& x) override;
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
                   const BackwardHooks& hooks = {}) override;
@@ -80,6 +81,8 @@ class Qwen35Model : public CausalLm {
   };
   struct SplitIndex {
     int64_t tokens = -1;
+    const DecodeCache* cache = nullptr;  // the decoding batch's cache whose tables these are (its forward's number)
+    int64_t forward = 0;
     Columns query, gate, qkv[3];
     Tensor merge_query_gate, merge_qkv;  // (T N / width) i32 into [query; gate] and [q; k; v] rows
     // qwen3_next: in_proj_qkvz's output is, per key head, [q (d_k) | k (d_k) | v (r d_v) | z (r d_v)] with r = H_v /
@@ -91,7 +94,7 @@ class Qwen35Model : public CausalLm {
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);
   void build_parameter_list();
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
-  const SplitIndex& split_index(int64_t tokens);
+  const SplitIndex& split_index(int64_t tokens, DecodeCache* cache);
   Tensor gather_columns(const Tensor& y, const Columns& c);
   // The gradient (T, N) of the whole from those of its parts (dparts[i] is (T, block i's columns)).
   Tensor merge_columns(const std::vector<Tensor>& dparts, const std::vector<const Columns*>& blocks,

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <span>
 #include <tuple>
 #include <utility>
@@ -50,15 +51,22 @@ class RolloutEngine::Pool {
     blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
                 bytes, block_size, block_bytes);
+    // One block and one slot more, for the pad rows of fixed-shape steps: scratch_block, scratch_slot.
+    scratch_block = blocks;
+    scratch_slot = o.max_running;
     for (int64_t l = 0; l < attn; ++l)
-      for (std::vector<Tensor>* t : {&k, &v})
-        t->push_back(Tensor::empty({blocks * block_size, c.num_kv_heads, c.head_dim}, mo.dtype, cx.allocator));
+      for (std::vector<Tensor>* t : {&k, &v}) {
+        t->push_back(Tensor::empty({(blocks + 1) * block_size, c.num_kv_heads, c.head_dim}, mo.dtype, cx.allocator));
+        fill_zero(cx, t->back().narrow(0, scratch_block * block_size, block_size));
+      }
     const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
                              c.linear_num_value_heads * c.linear_value_head_dim;
     for (int64_t l = 0; l < gdn; ++l) {
-      conv.push_back(Tensor::empty({o.max_running, c.linear_conv_kernel_dim - 1, channels}, mo.dtype, cx.allocator));
-      state.push_back(Tensor::empty({o.max_running, c.linear_num_value_heads, c.linear_key_head_dim,
+      conv.push_back(
+          Tensor::empty({o.max_running + 1, c.linear_conv_kernel_dim - 1, channels}, mo.dtype, cx.allocator));
+      state.push_back(Tensor::empty({o.max_running + 1, c.linear_num_value_heads, c.linear_key_head_dim,
                                      c.linear_value_head_dim}, gdn_state_dtype(mo.dtype), cx.allocator));
+      for (Tensor* t : {&conv.back(), &state.back()}) fill_zero(cx, t->narrow(0, scratch_slot, 1));
     }
     for (int64_t b = blocks; b-- > 0;) free_blocks.push_back(int32_t(b));
     block_refs.assign(size_t(blocks), 0);
@@ -69,6 +77,7 @@ class RolloutEngine::Pool {
   }
 
   int64_t block_size, blocks = 0, context_tokens = 0;
+  int64_t scratch_block = 0, scratch_slot = 0;  // written by pad rows only
   std::vector<int> attn_slot, gdn_slot;  // per model layer: its index among the attention / GDN layers, or -1
   std::vector<Tensor> k, v;              // per attention layer: (S, Hkv, D)
   std::vector<Tensor> conv, state;       // per GDN layer: (slots, W - 1, C), (slots, Hv, dk, dv)
@@ -100,58 +109,62 @@ struct RolloutEngine::Sequence {
 // the first chunks of new sequences attend among their own tokens through the training attention op, one call for
 // all. Every new token's key and value is written to its cache row first (scatter_rows), so that both see them.
 
+// A step's cache coordinates on the host.
+struct RolloutEngine::StepCoords {
+  std::vector<int32_t> rows;   // each new token's cache row (attention layers)
+  std::vector<int32_t> table;  // the sequences with a past: their block tables, `width` columns each
+  int64_t width = 1;
+  std::vector<int32_t> cu_paged = {0}, lens, cu_first = {0};
+  std::vector<int32_t> slots;  // each sequence's GDN slot
+};
+
+namespace {
+
+// The same on the device.
+struct StepTensors {
+  int64_t paged_rows = 0, first_rows = 0;
+  Tensor rows, table, cu_paged, lens, cu_first, slots;
+};
+
+}  // namespace
+
+// Index tables of the layers (DecodeCache::table), kept while their values stay the same. A frozen store (a recorded
+// graph's) hands out only what it holds: the layers asking for anything else would make the graph read a table that
+// is not kept.
+class RolloutEngine::TableStore {
+ public:
+  Tensor get(Runtime& rt, Device device, const std::string& key, const std::vector<int32_t>& values) {
+    auto it = tables_.find(key);
+    if (it != tables_.end() && it->second.first == values) return it->second.second;
+    LATHE_CHECK(!frozen, "rollout: the layers asked for table '{}' with other values than when the step's graph was "
+                         "prepared (a table must depend only on the batch's document lengths)", key);
+    Tensor t = rt.upload(values.data(), {int64_t(values.size())}, DType::I32, device);
+    tables_[key] = {values, t};
+    return t;
+  }
+  bool frozen = false;
+
+ private:
+  std::map<std::string, std::pair<std::vector<int32_t>, Tensor>> tables_;
+};
+
 class RolloutEngine::StepView final : public DecodeCache {
  public:
-  StepView(Runtime& rt, Device device, Pool& pool, const std::vector<Sequence*>& seqs,
-           const std::vector<int64_t>& chunk)
-      : rt_(&rt), device_(device), pool_(&pool) {
-    std::vector<int32_t> rows, table, cu_paged = {0}, lens, cu_first = {0}, slots;
-    size_t width = 1;
-    for (const Sequence* s : seqs) width = std::max(width, s->blocks.size());
-    for (size_t i = 0; i < seqs.size(); ++i) {
-      const Sequence& s = *seqs[i];
-      for (int64_t p = s.computed; p < s.computed + chunk[i] && !pool.k.empty(); ++p)
-        rows.push_back(int32_t(s.blocks[size_t(p / pool.block_size)] * pool.block_size + p % pool.block_size));
-      if (s.computed > 0) {
-        LATHE_ASSERT(cu_first.size() == 1);  // no sequence with a past after a first chunk
-        std::vector<int32_t> t(s.blocks.begin(), s.blocks.end());
-        t.resize(width, 0);
-        table.insert(table.end(), t.begin(), t.end());
-        cu_paged.push_back(cu_paged.back() + int32_t(chunk[i]));
-        lens.push_back(int32_t(s.computed + chunk[i]));
-      } else {
-        cu_first.push_back(cu_first.back() + int32_t(chunk[i]));
-      }
-      slots.push_back(int32_t(s.slot));
-    }
-    const auto upload = [&](const std::vector<int32_t>& v, Shape shape) {
-      return rt.from_host(v.data(), std::move(shape), DType::I32, device);
-    };
-    paged_rows_ = cu_paged.back();
-    first_rows_ = cu_first.back();
-    if (!rows.empty()) rows_ = upload(rows, {int64_t(rows.size())});
-    if (paged_rows_ > 0) {
-      const int64_t b = int64_t(lens.size());
-      table_ = upload(table, {b, int64_t(width)});
-      cu_paged_ = upload(cu_paged, {b + 1});
-      lens_ = upload(lens, {b});
-    }
-    if (first_rows_ > 0) cu_first_ = upload(cu_first, {int64_t(cu_first.size())});
-    slots_ = upload(slots, {int64_t(slots.size())});
-  }
+  StepView(Runtime& rt, Device device, Pool& pool, StepTensors tensors, TableStore& tables)
+      : rt_(&rt), device_(device), pool_(&pool), t_(std::move(tensors)), tables_(&tables) {}
 
   Tensor attend(ExecContext& cx, int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v) override {
     const int a = pool_->attn_slot.at(size_t(layer));
     LATHE_ASSERT(a >= 0);
     Tensor& kc = pool_->k[size_t(a)];
     Tensor& vc = pool_->v[size_t(a)];
-    scatter_rows_into(cx, kr, rows_, kc);
-    scatter_rows_into(cx, v, rows_, vc);
-    const int64_t p = paged_rows_, f = first_rows_;
+    scatter_rows_into(cx, kr, t_.rows, kc);
+    scatter_rows_into(cx, v, t_.rows, vc);
+    const int64_t p = t_.paged_rows, f = t_.first_rows;
     Tensor paged, first;
     if (p > 0)
-      paged = paged_attention(cx, qr.narrow(0, 0, p), kc, vc, table_, cu_paged_, lens_, {0.0, pool_->block_size});
-    if (f > 0) first = attention(cx, qr.narrow(0, p, f), kr.narrow(0, p, f), v.narrow(0, p, f), cu_first_, {})[0];
+      paged = paged_attention(cx, qr.narrow(0, 0, p), kc, vc, t_.table, t_.cu_paged, t_.lens, {0.0, pool_->block_size});
+    if (f > 0) first = attention(cx, qr.narrow(0, p, f), kr.narrow(0, p, f), v.narrow(0, p, f), t_.cu_first, {})[0];
     if (f == 0) return paged;
     if (p == 0) return first;
     Tensor out = Tensor::empty(qr.shape(), qr.dtype(), cx.allocator);
@@ -165,8 +178,11 @@ class RolloutEngine::StepView final : public DecodeCache {
   void set_gdn(int64_t layer, Tensor conv_history, Tensor state) override {
     ExecContext cx = rt_->context(device_);
     const size_t g = gdn(layer);
-    scatter_rows_into(cx, conv_history, slots_, pool_->conv[g]);
-    scatter_rows_into(cx, state, slots_, pool_->state[g]);
+    scatter_rows_into(cx, conv_history, t_.slots, pool_->conv[g]);
+    scatter_rows_into(cx, state, t_.slots, pool_->state[g]);
+  }
+  Tensor table(const std::string& key, const std::vector<int32_t>& values) override {
+    return tables_->get(*rt_, device_, key, values);
   }
 
  private:
@@ -180,18 +196,171 @@ class RolloutEngine::StepView final : public DecodeCache {
     ExecContext cx = rt_->context(device_);
     Shape shape = per_slot.shape();
     const int64_t slots = shape[0], each = per_slot.numel() / std::max<int64_t>(slots, 1);
-    shape[0] = slots_.size(0);
-    return embedding(cx, per_slot.view({slots, each}), slots_).view(shape);
+    shape[0] = t_.slots.size(0);
+    return embedding(cx, per_slot.view({slots, each}), t_.slots).view(shape);
   }
 
   Runtime* rt_;
   Device device_;
   Pool* pool_;
-  int64_t paged_rows_ = 0, first_rows_ = 0;
-  Tensor rows_;                      // (T) i32: each new token's cache row
-  Tensor table_, cu_paged_, lens_;   // the sequences with a past: block tables, query offsets, context lengths
-  Tensor cu_first_;                  // the first chunks' offsets, from the first of them
-  Tensor slots_;                     // (B) i32: each sequence's GDN slot
+  StepTensors t_;
+  TableStore* tables_;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Decode steps of fixed shapes: a step whose sequences all decode one token runs padded to a shape (a batch size of
+// kDecodeBatches, a power-of-two block-table width) whose inputs sit in one device buffer at fixed places; its layers
+// are recorded once per shape as a graph and replayed (EngineOptions::graphs). Pad rows decode token 0 at position 0
+// into the pool's scratch block and scratch GDN slot, which no sequence uses; their outputs are dropped. Recording
+// runs the step once eagerly first (that run is the step's result and warms lazily made state: GEMM plans, tables),
+// then records the same calls with every allocation from an allocator of the graphs' own, so what a graph reads and
+// writes stays where it was recorded. The final norm's rows are the graph's output; the LM head runs after it.
+
+namespace {
+
+// The padded batch sizes of decode steps.
+constexpr int64_t kDecodeBatches[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+
+}  // namespace
+
+class RolloutEngine::FixedSteps {
+ public:
+  FixedSteps(Runtime& rt, CausalLm& model, Pool& pool, int64_t max_batch, bool record)
+      : rt_(&rt), model_(&model), pool_(&pool), record_(record), device_(model.options().device) {
+    max_batch_ = padded_batch(max_batch);
+    max_width_ = std::max<int64_t>(1, (pool.context_tokens + pool.block_size - 1) / pool.block_size);
+    if (pool.k.empty()) max_width_ = 1;
+    max_width_ = std::min(max_width_, std::max<int64_t>(1, pool.blocks));
+    ExecContext cx = rt.context(device_);
+    inputs_ = Tensor::empty({6 * max_batch_ + 1 + max_batch_ * max_width_}, DType::I32, cx.allocator);
+    if (record_) private_ = rt.backend(device_.type).private_allocator(device_.index);
+    LATHE_CHECK(!record_ || private_, "rollout: {} has no allocator for graphs", device_.str());
+  }
+
+  // The final norm's rows (b, H) of a decode step of b sequences, one token each: ids, positions and coordinates
+  // (b rows, `width` columns of table) of the real sequences.
+  Tensor hidden(const std::vector<int32_t>& ids, const std::vector<int32_t>& positions, const StepCoords& c,
+                EngineStats& stats) {
+    const int64_t b = int64_t(ids.size()), batch = padded_batch(b), width = padded_width(c.width);
+    ShapeRun& s = shape(batch, width);
+    upload(s, ids, positions, c);
+    if (s.graph) {
+      s.graph->replay(rt_->context(device_).stream);
+      ++stats.graph_replays;
+      return s.out.narrow(0, 0, b);
+    }
+    ++stats.padded_steps;
+    if (!record_) return run(s).narrow(0, 0, b);
+    const AllocatorScope scope(*rt_, device_, *private_);
+    const Tensor out = run(s);  // this step's rows; then the same calls are recorded
+    s.tables.frozen = true;
+    ExecContext cx = rt_->context(device_);
+    DeviceBackend& backend = cx.backend;
+    backend.begin_capture(cx.stream);
+    try {
+      s.out = run(s);
+    } catch (...) {
+      try {
+        backend.end_capture(cx.stream);
+      } catch (const Error&) {  // the first error is the one to report
+      }
+      throw;
+    }
+    s.graph = backend.end_capture(cx.stream);
+    ++stats.graphs_recorded;
+    return out.narrow(0, 0, b);
+  }
+
+  int64_t max_batch() const { return max_batch_; }
+
+ private:
+  struct ShapeRun {
+    int64_t batch = 0, width = 0;
+    StepTensors tensors;
+    PackedBatch batch_inputs;  // views of the input buffer; no cache (run() sets one)
+    TableStore tables;
+    std::unique_ptr<Graph> graph;
+    Tensor out;  // the graph's output
+  };
+
+  static int64_t padded_batch(int64_t b) {
+    for (int64_t p : kDecodeBatches)
+      if (p >= b) return p;
+    return b;  // past the largest size: the batch itself
+  }
+  int64_t padded_width(int64_t w) const {
+    int64_t p = 1;
+    while (p < w) p *= 2;
+    return std::min(p, max_width_);
+  }
+
+  // Input buffer layout of a shape: ids | positions | rows | lens | slots (batch each) | cu (batch + 1) | table.
+  ShapeRun& shape(int64_t batch, int64_t width) {
+    auto& slot = shapes_[{batch, width}];
+    if (slot) return *slot;
+    LATHE_ASSERT(batch <= max_batch_ && width <= max_width_);
+    slot = std::make_unique<ShapeRun>();
+    ShapeRun& s = *slot;
+    s.batch = batch;
+    s.width = width;
+    const auto part = [&](int64_t i) { return inputs_.narrow(0, i * batch, batch); };
+    const Tensor cu = inputs_.narrow(0, 5 * batch, batch + 1);
+    s.tensors.paged_rows = batch;
+    s.tensors.rows = part(2);
+    s.tensors.lens = part(3);
+    s.tensors.slots = part(4);
+    s.tensors.cu_paged = cu;
+    s.tensors.table = inputs_.narrow(0, 6 * batch + 1, batch * width).view({batch, width});
+    PackedBatch& p = s.batch_inputs;
+    p.ids = part(0);
+    p.positions = part(1);
+    p.cu_seqlens = cu;
+    p.labels = part(0);  // unread: no loss
+    p.host_ids.assign(size_t(batch), 0);  // the real ids were checked when they were made
+    p.host_labels.assign(size_t(batch), -100);
+    for (int64_t i = 0; i <= batch; ++i) p.host_cu.push_back(int32_t(i));
+    return s;
+  }
+
+  void upload(const ShapeRun& s, const std::vector<int32_t>& ids, const std::vector<int32_t>& positions,
+              const StepCoords& c) {
+    const int64_t b = int64_t(ids.size()), batch = s.batch, width = s.width;
+    const int32_t scratch_row = int32_t(pool_->scratch_block * pool_->block_size);
+    host_.assign(size_t(6 * batch + 1 + batch * width), 0);
+    int32_t* h = host_.data();
+    for (int64_t i = 0; i < batch; ++i) {
+      const bool real = i < b;
+      h[i] = real ? ids[size_t(i)] : 0;
+      h[batch + i] = real ? positions[size_t(i)] : 0;
+      h[2 * batch + i] = real && !c.rows.empty() ? c.rows[size_t(i)] : scratch_row;
+      h[3 * batch + i] = real ? c.lens[size_t(i)] : 1;
+      h[4 * batch + i] = real ? c.slots[size_t(i)] : int32_t(pool_->scratch_slot);
+      for (int64_t j = 0; j < width; ++j)
+        h[6 * batch + 1 + i * width + j] =
+            real && j < c.width ? c.table[size_t(i * c.width + j)] : int32_t(pool_->scratch_block);
+    }
+    for (int64_t i = 0; i <= batch; ++i) h[5 * batch + i] = int32_t(i);
+    ExecContext cx = rt_->context(device_);
+    cx.stream.upload(inputs_.data_ptr(), host_.data(), host_.size() * sizeof(int32_t));
+  }
+
+  Tensor run(ShapeRun& s) {
+    StepView view(*rt_, device_, *pool_, s.tensors, s.tables);
+    PackedBatch b = s.batch_inputs;
+    b.cache = &view;
+    return model_->last_hidden(b);
+  }
+
+  Runtime* rt_;
+  CausalLm* model_;
+  Pool* pool_;
+  bool record_;
+  Device device_;
+  int64_t max_batch_ = 1, max_width_ = 1;
+  Tensor inputs_;                       // the shapes' inputs (i32)
+  std::vector<int32_t> host_;           // their host copy
+  std::unique_ptr<Allocator> private_;  // the graphs' memory: destroyed after the shapes that hold it
+  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<ShapeRun>> shapes_;
 };
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -203,6 +372,14 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
               "rollout: block_size, max_step_tokens and max_running must be at least 1 (got {}, {}, {})",
               options_.block_size, options_.max_step_tokens, options_.max_running);
   pool_ = std::make_unique<Pool>(rt, model.config(), model.options(), options_);
+  tables_ = std::make_unique<TableStore>();
+  const Device device = model.options().device;
+  std::string why;
+  if (!rt.backend(device.type).can_capture()) why = fmt::format("{} does not record graphs", device.str());
+  else if (model.config().num_experts > 0) why = "a mixture-of-experts layer reads its routing back to the host";
+  LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
+  if (options_.graphs == StepGraphs::kPadded || (options_.graphs != StepGraphs::kOff && why.empty()))
+    fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, options_.graphs != StepGraphs::kPadded);
 }
 
 RolloutEngine::~RolloutEngine() = default;
@@ -450,12 +627,50 @@ bool RolloutEngine::schedule(std::vector<Sequence*>& batch, std::vector<int64_t>
   return !batch.empty();
 }
 
-bool RolloutEngine::step() {
-  std::vector<Sequence*> batch;
-  std::vector<int64_t> chunk;
-  if (!schedule(batch, chunk)) return false;
+RolloutEngine::StepCoords RolloutEngine::step_coords(const std::vector<Sequence*>& seqs,
+                                                     const std::vector<int64_t>& chunk) const {
+  StepCoords co;
+  const Pool& pool = *pool_;
+  for (const Sequence* s : seqs) co.width = std::max(co.width, int64_t(s->blocks.size()));
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    const Sequence& s = *seqs[i];
+    for (int64_t p = s.computed; p < s.computed + chunk[i] && !pool.k.empty(); ++p)
+      co.rows.push_back(int32_t(s.blocks[size_t(p / pool.block_size)] * pool.block_size + p % pool.block_size));
+    if (s.computed > 0) {
+      LATHE_ASSERT(co.cu_first.size() == 1);  // no sequence with a past after a first chunk
+      std::vector<int32_t> t(s.blocks.begin(), s.blocks.end());
+      t.resize(size_t(co.width), 0);
+      co.table.insert(co.table.end(), t.begin(), t.end());
+      co.cu_paged.push_back(co.cu_paged.back() + int32_t(chunk[i]));
+      co.lens.push_back(int32_t(s.computed + chunk[i]));
+    } else {
+      co.cu_first.push_back(co.cu_first.back() + int32_t(chunk[i]));
+    }
+    co.slots.push_back(int32_t(s.slot));
+  }
+  return co;
+}
+
+// A decode step (every sequence one token after its past) of a batch without adapters, while no profiler times ops.
+bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
+  if (!fixed_ || model_->lora() || rt_->profiler() || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (chunk[i] != 1 || batch[i]->computed == 0) return false;
+  return true;
+}
+
+Tensor RolloutEngine::step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
   const ModelConfig& c = model_->config();
   const Device device = model_->options().device;
+  const StepCoords co = step_coords(batch, chunk);
+  if (fixed_shape_step(batch, chunk)) {
+    std::vector<int32_t> ids, positions;
+    for (const Sequence* s : batch) {
+      ids.push_back(s->tokens[size_t(s->computed)]);
+      positions.push_back(int32_t(s->computed));
+    }
+    return model_->lm_head_logits(fixed_->hidden(ids, positions, co, stats_));
+  }
   std::vector<std::vector<int32_t>> tokens;
   std::vector<int64_t> past;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -470,10 +685,33 @@ bool RolloutEngine::step() {
     for (size_t i = 0; i < batch.size(); ++i) segments.push_back({b.host_cu[i + 1], batch[i]->req->adapter});
     set_segments(b, std::move(segments));
   }
-  StepView view(*rt_, device, *pool_, batch, chunk);
+  const auto upload = [&](const std::vector<int32_t>& v) {
+    return rt_->upload(v.data(), {int64_t(v.size())}, DType::I32, device);
+  };
+  StepTensors t;
+  t.paged_rows = co.cu_paged.back();
+  t.first_rows = co.cu_first.back();
+  if (!co.rows.empty()) t.rows = upload(co.rows);
+  if (t.paged_rows > 0) {
+    t.table = upload(co.table).view({int64_t(co.lens.size()), co.width});
+    t.cu_paged = upload(co.cu_paged);
+    t.lens = upload(co.lens);
+  }
+  if (t.first_rows > 0) t.cu_first = upload(co.cu_first);
+  t.slots = upload(co.slots);
+  StepView view(*rt_, device, *pool_, std::move(t), *tables_);
   b.cache = &view;
+  return model_->last_logits(b);  // (B, V)
+}
+
+bool RolloutEngine::step() {
+  std::vector<Sequence*> batch;
+  std::vector<int64_t> chunk;
+  if (!schedule(batch, chunk)) return false;
+  const ModelConfig& c = model_->config();
+  const Device device = model_->options().device;
   ExecContext cx = rt_->context(device);
-  const Tensor logits = model_->last_logits(b);  // (B, V)
+  const Tensor logits = step_logits(batch, chunk);
   // Every row's log-sum-exp, and the argmax over `limit` ids, on the device: a plain greedy sequence takes its token
   // and log-probability from there; only the rows that sample (or whose logits change first) come to the host.
   std::vector<size_t> ready;  // rows whose sequence has all its tokens in the cache after this step

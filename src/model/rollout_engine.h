@@ -31,7 +31,8 @@
 // with a past attend the pages in one paged_attention call (ops/op_table.h: query length 1 or a chunk, GQA, over the
 // block tables) and the first chunks of new sequences attend among themselves through the training attention op.
 // Gated DeltaNet histories and states are gathered from their slots (a row gather) and written back (scatter_rows).
-// Generator (model/generate.h) runs single prompts through it. CUDA graphs for the decode step are next (docs/rollout.md).
+// Decode steps (one new token for every sequence) run at fixed shapes, padded, recorded once per shape as a graph and
+// replayed (StepGraphs, FixedSteps in the .cpp). Generator (model/generate.h) runs single prompts through the engine.
 // Covered by tests/models/test_rollout.cpp.
 #pragma once
 
@@ -49,6 +50,14 @@
 
 namespace lathe {
 
+// How decode steps (every running sequence one new token) run.
+enum class StepGraphs {
+  kAuto,    // recorded where the device records graphs and the model allows (no experts), otherwise kOff
+  kOn,      // recorded: a model or device that cannot is refused when the engine is made
+  kPadded,  // padded to the recorded shapes and run eagerly (what a graph replays, on any device and family: tests)
+  kOff,     // every step as it comes
+};
+
 struct EngineOptions {
   int64_t block_size = 16;         // tokens per KV block
   int64_t cache_blocks = 0;        // blocks in the pool; 0: as many as cache_memory_fraction or cache_bytes hold
@@ -57,6 +66,7 @@ struct EngineOptions {
   int64_t max_step_tokens = 2048;  // tokens one model call takes (decodes and prefill chunks together)
   int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)
   bool share_prefixes = true;      // the n samples of a request share its prompt's cache, computed once
+  StepGraphs graphs = StepGraphs::kAuto;  // decode steps as CUDA graphs (steps of LoRA batches run eagerly)
 };
 
 struct RolloutRequest {
@@ -86,6 +96,8 @@ struct RolloutResult {
 struct EngineStats {
   int64_t steps = 0, step_tokens = 0, preemptions = 0, peak_blocks_used = 0, peak_running = 0;
   int64_t shared_prompt_tokens = 0;  // prompt tokens samples took from their request's first sample, not computed
+  int64_t padded_steps = 0;          // decode steps run eagerly at a fixed shape (each graph's first step included)
+  int64_t graphs_recorded = 0, graph_replays = 0;
 };
 
 class RolloutEngine {
@@ -114,8 +126,16 @@ class RolloutEngine {
 
  private:
   struct Sequence;
+  struct StepCoords;
   class StepView;
   class Pool;
+  class TableStore;
+  class FixedSteps;
+
+  StepCoords step_coords(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
+  // The step's logits (B, V) after each batch sequence's chunk.
+  Tensor step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
+  bool fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
 
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
   void admit(Sequence& s);
@@ -142,6 +162,8 @@ class RolloutEngine {
   CausalLm* model_;
   EngineOptions options_;
   std::unique_ptr<Pool> pool_;
+  std::unique_ptr<TableStore> tables_;  // the eager steps' index tables
+  std::unique_ptr<FixedSteps> fixed_;   // null: every step eager (StepGraphs::kOff, or kAuto where none records)
   std::deque<std::unique_ptr<Sequence>> waiting_;  // front: next to admit (preempted sequences go first)
   std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
   std::vector<RolloutResult> finished_;

@@ -116,13 +116,19 @@ TEST_P(RolloutFamilies, GreedyBatchEqualsEachPromptAloneWithoutACache) {
     EngineOptions options;
     bool expect_preemption;
   };
-  std::vector<Config> configs = {{"roomy", {}, false}, {"chunks", {}, false}, {"preempted", {}, true}};
+  std::vector<Config> configs = {{"roomy", {}, false},          {"chunks", {}, false},       {"preempted", {}, true},
+                                 {"padded", {}, false},         {"padded chunks", {}, false}, {"padded preempted", {}, true}};
   configs[1].options.block_size = 4;
   configs[1].options.max_step_tokens = 16;  // the 37- and 20-token prompts prefill in chunks
   configs[1].options.max_running = 3;       // two prompts wait for a slot
   configs[2].options.block_size = 4;
   configs[2].options.max_step_tokens = 24;
   configs[2].options.cache_blocks = 14;     // 56 tokens: the five sequences (111 tokens at the end) cannot all stay
+  // The same with decode steps padded to fixed shapes (batch 1, 2, 4 or 8; table widths 1 to 16): what a graph replays.
+  for (size_t k = 3; k < 6; ++k) {
+    configs[k].options = configs[k - 3].options;
+    configs[k].options.graphs = StepGraphs::kPadded;
+  }
   for (const Config& cfg : configs) {
     RolloutEngine engine(runtime(), *m, cfg.options);
     for (const auto& p : prompts) {
@@ -144,6 +150,7 @@ TEST_P(RolloutFamilies, GreedyBatchEqualsEachPromptAloneWithoutACache) {
     EXPECT_EQ(engine.stats().preemptions > 0, cfg.expect_preemption)
         << cfg.what << ": " << engine.stats().preemptions << " preemptions";
     if (cfg.options.max_running == 3) EXPECT_LE(engine.stats().peak_running, 3);
+    EXPECT_EQ(engine.stats().padded_steps > 0, cfg.options.graphs == StepGraphs::kPadded) << cfg.what;
   }
 }
 
@@ -175,6 +182,7 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   unshared.share_prefixes = false;
   cramped.cache_blocks = 9;  // 36 tokens for nine sequences of up to 20
   cramped.max_step_tokens = 12;
+  cramped.graphs = StepGraphs::kPadded;  // and decode steps padded to fixed shapes
   EngineStats a, b, c;
   // Top-k draws on the host; temperature with min-p on the device (sample_rows), followers from their leader's row.
   SamplingOptions host_drawn, device_drawn, greedy_options;
@@ -200,6 +208,7 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   EXPECT_EQ(b.shared_prompt_tokens, 2 * (6 + 13 + 1));
   EXPECT_EQ(b.step_tokens, a.step_tokens - 2 * (6 + 13 + 1));
   EXPECT_GT(c.preemptions, 0);
+  EXPECT_GT(c.padded_steps, 0);
   const std::vector<RolloutResult> greedy = run(shared, greedy_options);
   for (const RolloutResult& r : greedy) {
     const std::vector<int32_t> prompt = random_ids(lengths[size_t(r.request)], v, 300 + uint64_t(r.request));
@@ -325,6 +334,68 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
       std::printf("%s bf16: engine against the full forward over %zu tokens: mean |gap| %.4f, max %.4f\n",
                   GetParam().c_str(), gaps, gap_sum / double(gaps), gap_max);
   }
+}
+
+// Decode steps as recorded CUDA graphs (StepGraphs::kOn) against the same engine without them (kOff), f32 on the GPU:
+// nine sequences of mixed prompt lengths that finish at different lengths (so the batch shrinks through several padded
+// sizes), a shared group prompt, a cache small enough to preempt, greedy and device-sampled requests: the same tokens,
+// log-probs within 1e-5; graphs were recorded and replayed. The mixture-of-experts families are refused kOn (their
+// routing is read back to the host) and kAuto runs them eagerly. Skips without a GPU.
+TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  ModelOptions opt;
+  opt.dtype = DType::F32;
+  opt.device = Device::cuda(0);
+  const std::unique_ptr<CausalLm> m =
+      random_causal_lm(runtime(), parse_model_config(tiny_json(GetParam()), "test"), opt, 5, 0.3);
+  const bool moe = m->config().num_experts > 0;
+  const auto generate = [&](StepGraphs graphs, EngineStats* stats) {
+    EngineOptions o;
+    o.block_size = 4;
+    o.max_step_tokens = 20;
+    o.cache_blocks = 40;
+    o.graphs = graphs;
+    RolloutEngine e(runtime(), *m, o);
+    for (uint64_t i = 0; i < 6; ++i) {
+      RolloutRequest r;
+      r.prompt = random_ids(1 + int64_t(i) * 5, m->config().vocab_size, 700 + i);
+      r.max_new_tokens = 6 + int64_t(i) * 3;
+      r.n = i == 2 ? 4 : 1;
+      if (i % 2 == 1) {
+        r.sampling.temperature = 0.8;
+        r.sampling.min_p = 0.05;
+        r.seed = 90 + i;
+      }
+      e.submit(r);
+    }
+    std::vector<RolloutResult> out = e.run();
+    *stats = e.stats();
+    return out;
+  };
+  EngineStats eager_stats, graph_stats;
+  const std::vector<RolloutResult> want = generate(StepGraphs::kOff, &eager_stats);
+  if (moe) {
+    EngineOptions o;
+    o.graphs = StepGraphs::kOn;
+    EXPECT_THROW(RolloutEngine(runtime(), *m, o), Error);
+    generate(StepGraphs::kAuto, &graph_stats);
+    EXPECT_EQ(graph_stats.graph_replays, 0);
+    return;
+  }
+  const std::vector<RolloutResult> got = generate(StepGraphs::kOn, &graph_stats);
+  EXPECT_EQ(eager_stats.graph_replays, 0);
+  EXPECT_GT(graph_stats.graphs_recorded, 1);
+  EXPECT_GT(graph_stats.graph_replays, graph_stats.graphs_recorded);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request << " sample " << got[k].sample;
+    for (size_t t = 0; t < want[k].logprobs.size() && t < got[k].logprobs.size(); ++t)
+      EXPECT_NEAR(got[k].logprobs[t], want[k].logprobs[t], 1e-5) << "request " << got[k].request << " token " << t;
+  }
+  std::printf("%s: %lld graphs recorded, %lld replays, %lld steps\n", GetParam().c_str(),
+              (long long)graph_stats.graphs_recorded, (long long)graph_stats.graph_replays,
+              (long long)graph_stats.steps);
 }
 
 // Sampled (temperature 0.8 with top-k 12, on the host; or with min-p 0.05, on the device): each request's tokens are the

@@ -1,5 +1,5 @@
 // Core types: dtype conversions against known bit patterns (IEEE 754 / bfloat16 definitions), tensor
-// views and strides, host allocator statistics, device parsing and error messages.
+// views and strides, host allocator statistics and scopes, device parsing and error messages.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -96,6 +96,28 @@ TEST(HostAllocator, Statistics) {
   EXPECT_EQ(alloc.stats().allocated, 0);
   EXPECT_EQ(alloc.stats().peak_allocated, 8000);
   EXPECT_EQ(alloc.stats().num_allocs, 2);
+}
+
+// AllocatorScope: while it lives, contexts made for its device allocate from its allocator (nested scopes too); the
+// runtime's own allocator again once it ends. (What the rollout engine's graphs are recorded with.)
+TEST(AllocatorScope, RoutesContextsWhileItLives) {
+  Runtime rt;
+  HostAllocator outer, inner;
+  const auto allocate = [&] { return Tensor::empty({10}, DType::F32, rt.context(Device::cpu()).allocator); };
+  {
+    const AllocatorScope a(rt, Device::cpu(), outer);
+    const Tensor x = allocate();
+    {
+      const AllocatorScope b(rt, Device::cpu(), inner);
+      const Tensor y = allocate();
+      EXPECT_EQ(inner.stats().allocated, 40);
+    }
+    const Tensor z = allocate();
+    EXPECT_EQ(outer.stats().num_allocs, 2);
+    EXPECT_EQ(inner.stats().num_allocs, 1);
+  }
+  EXPECT_EQ(&rt.context(Device::cpu()).allocator, &rt.backend(DeviceType::CPU).allocator(0));
+  EXPECT_EQ(outer.stats().num_allocs, 2);
 }
 
 TEST(Errors, MessagesNameTheProblem) {

@@ -57,6 +57,7 @@ struct Args {
   int64_t max_running = 64, cache_mib = 0;  // --input: the rollout engine's batch and cache (0: the default)
   int nproc = 0;                               // --input on N GPUs of this machine
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
+  std::string graphs = "auto";                 // --input: decode steps as CUDA graphs (EngineOptions::graphs)
   uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<std::string> adapters;  // --input: NAME=DIR, each a PEFT adapter rows pick with {"adapter": NAME}
@@ -234,7 +235,7 @@ std::vector<std::string> rank_args(const Args& a) {
   std::vector<std::string> v = {"generate", "--model", a.model, "--input", a.input, "--device", a.device,
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
                                 "--max-running", std::to_string(a.max_running), "--cache-mib",
-                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed)};
+                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs};
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
   num("--temperature", a.temperature);
   num("--top-p", a.top_p);
@@ -372,6 +373,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
+  eo.graphs = a.graphs == "on" ? StepGraphs::kOn : a.graphs == "off" ? StepGraphs::kOff : StepGraphs::kAuto;
   // The cache: --cache-mib, else 80% of the GPU's free memory once the model is loaded, or 1 GiB on the CPU.
   if (a.cache_mib > 0) eo.cache_bytes = a.cache_mib * 1048576;
   else if (!model.options().device.is_cpu()) eo.cache_memory_fraction = 0.8;
@@ -476,10 +478,11 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   file->commit();
   const EngineStats& st = engine.stats();
   fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens{} in {:.1f} s ({:.1f} tokens/s) on {} "
-             "({}); {} steps, {} preemptions, {} prompt tokens shared{}{}\n",
+             "({}); {} steps ({} graph replays of {} recorded), {} preemptions, {} prompt tokens shared{}{}\n",
              progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, ranks > 1 ? " on rank 0" : "",
              seconds(), double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
-             dtype_name(model.options().dtype), st.steps, st.preemptions, st.shared_prompt_tokens,
+             dtype_name(model.options().dtype), st.steps, st.graph_replays, st.graphs_recorded, st.preemptions,
+             st.shared_prompt_tokens,
              ranks > 1 ? fmt::format(" (rank 0 of {})", ranks) : "", a.output.empty() ? "" : " -> " + a.output);
 }
 
@@ -534,6 +537,11 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
                   "srun work too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1));
+  cmd->add_option("--graphs", args->graphs,
+                  "--input: decode steps recorded as CUDA graphs and replayed: auto (where the device and model "
+                  "allow: not for mixture-of-experts models or adapters), on (refused where they do not), off")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");

@@ -236,6 +236,54 @@ void CudaBackend::fill_bytes(void* dst, uint8_t value, size_t nbytes, Stream& st
   if (nbytes) LATHE_CUDA_CHECK(cudaMemsetAsync(dst, value, nbytes, as_cuda(stream).handle()));
 }
 
+namespace {
+
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(cudaGraph_t graph, int device) : graph_(graph), device_(device) {
+    DeviceGuard g(device_);
+    LATHE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+  }
+  ~CudaGraph() override {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  void replay(Stream& stream) override {
+    DeviceGuard g(device_);
+    LATHE_CUDA_CHECK(cudaGraphLaunch(exec_, as_cuda(stream).handle()));
+  }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  int device_;
+};
+
+}  // namespace
+
+void CudaBackend::begin_capture(Stream& stream) {
+  DeviceGuard g(as_cuda(stream).index());
+  LATHE_CUDA_CHECK(cudaStreamBeginCapture(as_cuda(stream).handle(), cudaStreamCaptureModeRelaxed));
+}
+
+std::unique_ptr<Graph> CudaBackend::end_capture(Stream& stream) {
+  DeviceGuard g(as_cuda(stream).index());
+  cudaGraph_t graph = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(as_cuda(stream).handle(), &graph);
+  if (err != cudaSuccess || graph == nullptr) {
+    cudaGetLastError();  // the capture's error is reported here, not left for the next call
+    if (graph) cudaGraphDestroy(graph);
+    throw Error(fmt::format("graphs: recording on {} failed: {} (something in the recorded work waited for the device "
+                            "or copied from host memory)", stream.device().str(), cudaGetErrorString(err)));
+  }
+  return std::make_unique<CudaGraph>(graph, as_cuda(stream).index());
+}
+
+std::unique_ptr<Allocator> CudaBackend::private_allocator(int index) {
+  check_index(index);
+  return std::make_unique<CachingAllocator>(index);
+}
+
 void CudaBackend::register_kernels(KernelRegistry& registry) {
   register_cuda_gemm_kernels(registry);
   register_cuda_elementwise_kernels(registry);

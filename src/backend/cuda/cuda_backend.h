@@ -84,6 +84,10 @@ class CudaBackend final : public DeviceBackend {
   void copy(void* dst, Device dst_device, const void* src, Device src_device, size_t nbytes,
             Stream& stream) override;
   void fill_bytes(void* dst, uint8_t value, size_t nbytes, Stream& stream) override;
+  bool can_capture() const override { return true; }
+  void begin_capture(Stream& stream) override;  // relaxed mode: other threads may call the runtime meanwhile
+  std::unique_ptr<Graph> end_capture(Stream& stream) override;
+  std::unique_ptr<Allocator> private_allocator(int index) override;
   void register_kernels(KernelRegistry& registry) override;
 
  private:
