@@ -140,6 +140,9 @@ class CausalLm {
   // Checks the batch (device, token ids) and refreshes the attached adapters' slots: the start of every forward.
   void begin_forward(const PackedBatch& b);
   int64_t forwards() const { return forwards_; }  // begin_forward's calls so far
+  // After a forward's layers: a family drops what it kept from a decoding batch's cache (whose tables may live in
+  // memory that goes when the cache's engine goes).
+  virtual void end_forward() {}
   void add_grad(int index, const Tensor& g);                                         // unless frozen
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x, unless frozen
   // y = x W^T plus the adapters' terms of (layer, target) for the batch's segments (the LoRA path, docs/lora.md).

@@ -28,6 +28,10 @@ struct DecoderStack {
                                std::vector<ResidualStream>* inputs, bool training) {
     ExecContext cx = m.ctx();
     m.begin_forward(b);
+    struct End {  // what the model kept for this forward of a decoding batch goes with it, also on an error
+      M& m;
+      ~End() { m.end_forward(); }
+    } end{m};
     ResidualStream x{embedding(cx, m.w(m.embed_), b.ids), {}};
     for (const auto& l : m.layers_) {
       typename M::LayerActs a = m.layer_forward(l, x, b, training);

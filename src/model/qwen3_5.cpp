@@ -184,6 +184,10 @@ std::vector<io::TensorRef> Qwen35Model::extra_tensors() const {
   return refs;
 }
 
+void Qwen35Model::end_forward() {
+  if (split_.cache) split_ = SplitIndex{};
+}
+
 // Kept while the tokens are the same; a decoding batch's (from its cache's tables) only for its own forward.
 const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCache* cache) {
   if (split_.tokens == tokens && split_.cache == cache && (!cache || split_.forward == forwards()))

@@ -95,6 +95,7 @@ class Qwen35Model : public CausalLm {
   void build_parameter_list();
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
   const SplitIndex& split_index(int64_t tokens, DecodeCache* cache);
+  void end_forward() override;
   Tensor gather_columns(const Tensor& y, const Columns& c);
   // The gradient (T, N) of the whole from those of its parts (dparts[i] is (T, block i's columns)).
   Tensor merge_columns(const std::vector<Tensor>& dparts, const std::vector<const Columns*>& blocks,

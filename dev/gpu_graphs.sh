@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Decode graphs on one GPU (run from the repo root with OUT set; carry .gpu-debs and the tokenizer models).
+# `dev/gpu_graphs.sh STAGE...`:
+#   build — configure and build; the engine's CUDA tests (CudaGraphsEqualEagerSteps, CudaMatchesTheCpu, Rl.Cuda)
+#   speed — bench/generate_side_by_side.py without transformers: 64 requests of 512 + 512 and batch 1, with decode
+#           graphs and without, Qwen3-1.7B and Qwen3.5-0.8B shapes
+#   nsys  — where Nsight Systems is installed: 128 batch-1 steps of the 1.7B shape with graphs and without, the GPU
+#           time of every kernel (cuda_gpu_kern_sum) to $OUT
+source dev/gpu_common.sh "$@"
+
+if has build; then
+  (cd build && OMP_NUM_THREADS=2 ctest -j8 --output-on-failure -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu|Rl.Cuda|GenerateEngineCuda" \
+     >$L/ctest.txt 2>&1)
+  summary "ctest (engine on CUDA): $(grep -E 'tests passed' $L/ctest.txt)"
+  grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run|graphs recorded" $L/ctest.txt | head -12 | tee -a $OUT/summary.txt
+fi
+
+if has speed; then
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs-off-too --out /tmp/gen_bench \
+    ${SPEED_ARGS:-} >$L/gen_bench.log 2>&1
+  summary "$(grep -E '^(card|1.7b|q35)' $L/gen_bench.log)"
+  cp /tmp/gen_bench/results.json $OUT/ 2>/dev/null
+fi
+
+if has nsys; then
+  NSYS=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+  summary "nsys: ${NSYS:-not installed}"
+  if [ -n "$NSYS" ] && [ -d /tmp/gen_bench/1.7b ]; then
+    for g in auto off; do
+      $NSYS profile -o /tmp/nsys_$g --cuda-graph-trace=node -t cuda --force-overwrite true build/lathe generate \
+        --model /tmp/gen_bench/1.7b --input /tmp/gen_bench/1.7b.one.jsonl --output /tmp/nsys_out.jsonl --device cuda \
+        --max-new-tokens 128 --ignore-eos --max-running 1 --cache-mib 4096 --graphs $g >$L/nsys_$g.log 2>&1
+      $NSYS stats -r cuda_gpu_kern_sum,cuda_gpu_mem_time_sum,cuda_api_sum --format csv -o $OUT/nsys_$g \
+        /tmp/nsys_$g.nsys-rep >>$L/nsys_$g.log 2>&1
+      summary "nsys $g: $(ls $OUT | grep nsys_$g | tr '\n' ' ')"
+    done
+  fi
+fi
