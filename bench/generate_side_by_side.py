@@ -133,6 +133,7 @@ def main():
     ap.add_argument("--profile-step", type=int, default=-1, help="pass --profile-step to lathe generate")
     ap.add_argument("--graphs-off-too", action="store_true", help="batch 1 also without decode graphs")
     ap.add_argument("--graphs", default="auto", help="lathe generate --graphs for the batched run")
+    ap.add_argument("--batch1-graphs", default="auto,off", help="with --graphs-off-too: the --graphs values at batch 1")
     a = ap.parse_args()
     import torch
     os.makedirs(a.out, exist_ok=True)
@@ -169,11 +170,11 @@ def main():
             f.write(json.dumps({"tokens": prompts[0]}) + "\n")
         bound_ms = weights / (bw / 2) * 1e3  # reading the weights once at the copy's read rate
         # With decode graphs (auto) and without (off), in the same call: the graphs' effect at batch 1.
-        for graphs in (["auto", "off"] if a.graphs_off_too else ["auto"]):
+        for graphs in (a.batch1_graphs.split(",") if a.graphs_off_too else ["auto"]):
             lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"),
                                            a.new, 1, cache_mib, profile_step=a.profile_step, graphs=graphs)
             step_ms = 1e3 / lt1 if lt1 else None
-            key = "batch1" if graphs == "auto" else "batch1_no_graphs"
+            key = "batch1" if graphs == "auto" else f"batch1_graphs_{graphs}"
             row.update({f"{key}_tokens_per_s": lt1, f"{key}_step_ms": step_ms, "weights_bytes": weights,
                         "weights_read_ms": bound_ms, f"{key}_over_bound": (step_ms / bound_ms) if step_ms else None})
             log(f"{shape} batch 1 (graphs {graphs}): {lt1 or 0:,.1f} tok/s = {step_ms or 0:.2f} ms a step; reading "

@@ -36,3 +36,17 @@ if has nsys; then
     done
   fi
 fi
+
+if has compare; then  # batch 1 with graphs, without, and padded without recording; their kernel tables (profile)
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs-off-too --batch1-graphs \
+    auto,off,padded --shapes 1.7b --out /tmp/gen_cmp >$L/gen_cmp.log 2>&1
+  summary "$(grep -E '^(1.7b)' $L/gen_cmp.log)"
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs off --shapes 1.7b --skip-batch1 \
+    --out /tmp/gen_cmp >$L/gen_cmp_off64.log 2>&1
+  summary "64 without graphs: $(grep -E '^(1.7b)' $L/gen_cmp_off64.log)"
+  for g in off padded; do
+    build/lathe generate --model /tmp/gen_cmp/1.7b --input /tmp/gen_cmp/1.7b.one.jsonl --output /tmp/p.jsonl \
+      --device cuda --max-new-tokens 200 --ignore-eos --max-running 1 --cache-mib 4096 --graphs $g \
+      --profile-step 100 >$OUT/profile_batch1_$g.txt 2>>$L/profile.log
+  done
+fi

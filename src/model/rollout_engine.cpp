@@ -272,6 +272,7 @@ class RolloutEngine::FixedSteps {
   }
 
   int64_t max_batch() const { return max_batch_; }
+  bool records() const { return record_; }
 
  private:
   struct ShapeRun {
@@ -651,9 +652,11 @@ RolloutEngine::StepCoords RolloutEngine::step_coords(const std::vector<Sequence*
   return co;
 }
 
-// A decode step (every sequence one token after its past) of a batch without adapters, while no profiler times ops.
+// A decode step (every sequence one token after its past) of a batch without adapters; not recorded while a profiler
+// times ops.
 bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
-  if (!fixed_ || model_->lora() || rt_->profiler() || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  if (!fixed_ || model_->lora() || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  if (fixed_->records() && rt_->profiler()) return false;
   for (size_t i = 0; i < batch.size(); ++i)
     if (chunk[i] != 1 || batch[i]->computed == 0) return false;
   return true;

@@ -373,7 +373,10 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
-  eo.graphs = a.graphs == "on" ? StepGraphs::kOn : a.graphs == "off" ? StepGraphs::kOff : StepGraphs::kAuto;
+  eo.graphs = a.graphs == "on"       ? StepGraphs::kOn
+              : a.graphs == "off"    ? StepGraphs::kOff
+              : a.graphs == "padded" ? StepGraphs::kPadded
+                                     : StepGraphs::kAuto;
   // The cache: --cache-mib, else 80% of the GPU's free memory once the model is loaded, or 1 GiB on the CPU.
   if (a.cache_mib > 0) eo.cache_bytes = a.cache_mib * 1048576;
   else if (!model.options().device.is_cpu()) eo.cache_memory_fraction = 0.8;
@@ -539,9 +542,10 @@ void add_generate_command(CLI::App& app, int& exit_code) {
       ->check(number_in(1));
   cmd->add_option("--graphs", args->graphs,
                   "--input: decode steps recorded as CUDA graphs and replayed: auto (where the device and model "
-                  "allow: not for mixture-of-experts models or adapters), on (refused where they do not), off")
+                  "allow: not for mixture-of-experts models or adapters), on (refused where they do not), off, "
+                  "padded (the graphs' fixed shapes, run eagerly: for comparisons)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "on", "off"}));
+      ->check(CLI::IsMember({"auto", "on", "off", "padded"}));
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
