@@ -379,8 +379,13 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   if (!rt.backend(device.type).can_capture()) why = fmt::format("{} does not record graphs", device.str());
   else if (model.config().num_experts > 0) why = "a mixture-of-experts layer reads its routing back to the host";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
-  if (options_.graphs == StepGraphs::kPadded || (options_.graphs != StepGraphs::kOff && why.empty()))
-    fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, options_.graphs != StepGraphs::kPadded);
+  // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200, while the dense
+  // Qwen3 shape measured slower replayed than eager there (docs/rollout.md, "Decode graphs").
+  const bool hybrid = std::count(model.config().layer_types.begin(), model.config().layer_types.end(),
+                                 "linear_attention") > 0;
+  const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));
+  if (options_.graphs == StepGraphs::kPadded || record)
+    fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record);
 }
 
 RolloutEngine::~RolloutEngine() = default;

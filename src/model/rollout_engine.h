@@ -52,7 +52,8 @@ namespace lathe {
 
 // How decode steps (every running sequence one new token) run.
 enum class StepGraphs {
-  kAuto,    // recorded where the device records graphs and the model allows (no experts), otherwise kOff
+  kAuto,    // kOn for models with Gated DeltaNet layers where the device records graphs (measured faster there; the
+            // dense Qwen3 shape measured slower replayed, docs/rollout.md), otherwise kOff
   kOn,      // recorded: a model or device that cannot is refused when the engine is made
   kPadded,  // padded to the recorded shapes and run eagerly (what a graph replays, on any device and family: tests)
   kOff,     // every step as it comes
