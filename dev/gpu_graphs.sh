@@ -9,7 +9,7 @@
 source dev/gpu_common.sh "$@"
 
 if has build; then
-  (cd build && OMP_NUM_THREADS=2 ctest -j8 --output-on-failure -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu|Rl.Cuda|GenerateEngineCuda" \
+  (cd build && OMP_NUM_THREADS=2 ctest -j8 --output-on-failure -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu|Rl.Cuda|GenerateEngineCuda|CudaParametersMove" \
      >$L/ctest.txt 2>&1)
   summary "ctest (engine on CUDA): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run|graphs recorded" $L/ctest.txt | head -12 | tee -a $OUT/summary.txt

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "core/files.h"
 #include "model/lora.h"
@@ -64,6 +65,25 @@ void CausalLm::attach_lora(LoraBank* bank) {
                 config_.num_layers, config_.hidden_size);
   }
   lora_ = bank;
+}
+
+size_t CausalLm::move_parameters(Device device) {
+  std::map<const Storage*, std::shared_ptr<Storage>> moved;
+  size_t bytes = 0;
+  for (Parameter& p : params_) {
+    const std::shared_ptr<Storage>& from = p.value.storage();
+    if (!from || from->device() == device) continue;
+    std::shared_ptr<Storage>& to = moved[from.get()];
+    if (!to) {
+      ExecContext cx = rt_->context(device.is_cpu() ? from->device() : device);
+      to = std::make_shared<Storage>(rt_->context(device).allocator, from->nbytes());
+      cx.backend.copy(to->data(), device, from->data(), from->device(), from->nbytes(), cx.stream);
+      cx.stream.synchronize();
+      bytes += from->nbytes();
+    }
+    p.value = Tensor(to, p.value.shape(), p.value.strides(), p.value.offset(), p.value.dtype());
+  }
+  return bytes;
 }
 
 void CausalLm::zero_grads() {

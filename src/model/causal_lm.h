@@ -87,6 +87,10 @@ class CausalLm {
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
   Parameter& parameter(const std::string& name);
+  // Moves every parameter's storage to `device` (a frozen model waiting in host memory, and back), one copy per
+  // storage, so parameters that share one keep sharing it at the same offsets (the joined projections still join).
+  // The model's forward then runs on `device`'s side of the move only where its options' device is; returns the bytes.
+  size_t move_parameters(Device device);
   Runtime& runtime() const { return *rt_; }
   // Adapters applied to the rows of a batch according to its segments (nullptr: none). The bank must be built for
   // this model's config and outlive its use; its gradients accumulate like the model's.

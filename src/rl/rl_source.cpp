@@ -204,6 +204,14 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
   handover_ = handover;
   const std::string& offload = jobs_[0]->c->rl.offload_optimizer;  // shared by the tenants
   offload_ = offload == "true" || (offload == "auto" && !model.options().device.is_cpu());
+  // Full fine-tuning's KL reference: a frozen copy of the starting weights (tenants are LoRA: their base is it).
+  const bool kl = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& j) { return j->c->rl.kl_coef > 0; });
+  if (kl && jobs[0].adapter < 0) {
+    LATHE_CHECK(bool(handover.starting_model), "rl: the trainer gave no starting model for the KL reference");
+    reference_ = handover.starting_model();
+    reference_offloaded_ = jobs_[0]->c->rl.reference_offload;  // on the CPU the copy stays where it is
+    if (reference_offloaded_) reference_->move_parameters(Device::cpu());
+  }
   const auto yes = [](bool b) { return b ? "on" : "off"; };
   for (size_t k = 0; k < jobs_.size(); ++k) {
     Job& j = *jobs_[k];
@@ -517,7 +525,7 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
     std::vector<double> entropy;
     const std::vector<double> old = label_logprobs(u->batch, true, &entropy);
     const bool kl = std::any_of(u->parts.begin(), u->parts.end(), [](const Part& p) { return p.config.kl_coef > 0; });
-    const std::vector<double> ref = kl ? label_logprobs(u->batch, false) : std::vector<double>{};
+    const std::vector<double> ref = kl ? reference_logprobs(u->batch) : std::vector<double>{};
     size_t at = 0;
     for (size_t k = 0; k < u->parts.size(); ++k) {
       Part& part = u->parts[k];
@@ -597,7 +605,19 @@ void RlSource::figures_over_ranks(Figures& f) {
   }
 }
 
-std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy) {
+// The KL reference's log-probabilities: the frozen copy of the starting weights (full fine-tuning; brought from host
+// memory for the forward with rl.reference_offload), or the base without the adapters (LoRA).
+std::vector<double> RlSource::reference_logprobs(PackedBatch& b) {
+  if (!reference_) return label_logprobs(b, false);
+  if (reference_offloaded_) reference_->move_parameters(model_->options().device);
+  const std::vector<double> out = label_logprobs(b, false, nullptr, reference_.get());
+  if (reference_offloaded_) reference_->move_parameters(Device::cpu());
+  return out;
+}
+
+
+std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy,
+                                             CausalLm* model) {
   std::vector<double> out;
   const RowLoss capture = [&](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
     out.assign(logp.begin(), logp.end());
@@ -608,7 +628,7 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
   b.row_entropy = entropy;
   std::vector<BatchSegment> segments;
   if (!with_adapters) segments = std::exchange(b.segments, {});  // the base alone
-  model_->loss(b, false);
+  (model ? model : model_)->loss(b, false);
   if (!with_adapters) b.segments = std::move(segments);
   b.row_loss = nullptr;
   b.row_entropy = nullptr;

@@ -100,7 +100,9 @@ class RlSource final : public StepSource {
   size_t next_prompt(Job& j);  // the next prompt index in the job's shuffled order (a new epoch reshuffles)
   // The labelled tokens' log-probabilities under the model as it is (forward only): with the batch's segments (each
   // job's adapter), or the base alone (the KL reference); `entropy`, where given, gets each row's entropy.
-  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy = nullptr);
+  std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy = nullptr,
+                                     CausalLm* model = nullptr);  // nullptr: the policy
+  std::vector<double> reference_logprobs(PackedBatch& b);
   // Folds the importance weights of the trainer's (old) over the rollout's log-probabilities into the token weights.
   void correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
                           int64_t& masked);
@@ -118,6 +120,8 @@ class RlSource final : public StepSource {
   SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
   SourceHandover handover_;
   bool offload_ = false;  // rl.offload_optimizer resolved
+  std::unique_ptr<CausalLm> reference_;  // full fine-tuning's KL reference (the starting weights, frozen)
+  bool reference_offloaded_ = false;     // rl.reference_offload: it waits in host memory
 };
 
 }  // namespace lathe

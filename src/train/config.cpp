@@ -264,8 +264,13 @@ const std::vector<Option>& options() {
                 "responses cut by rl.max_new_tokens take no part in the loss: auto (dapo) | true | false",
                 rl.overlong_filter),
       LATHE_NUM("rl.kl_coef", Kind::Float, "0", at_least(0),
-                "KL penalty to the reference policy in the loss (LoRA: the base without the adapter)", rl.kl_coef),
+                "KL penalty to the reference policy in the loss (LoRA: the base without the adapter; full "
+                "fine-tuning: a frozen copy of the starting weights)", rl.kl_coef),
       LATHE_OPT("rl.kl_estimator", Kind::String, "k3", "k1 | k2 | k3 (Schulman's estimators)", rl.kl_estimator),
+      LATHE_OPT("rl.reference_offload", Kind::Bool, "false",
+                "full fine-tuning with rl.kl_coef: the frozen reference copy waits in host memory and comes to the "
+                "device for each update's reference forward (a GPU's memory for one more copy of the weights)",
+                rl.reference_offload),
       LATHE_OPT("rl.importance_correction", Kind::String, "none",
                 "weight each token by the trainer's over the rollout engine's probability of it (the train-rollout "
                 "mismatch): none | token_tis | seq_tis (truncated at rl.importance_cap) | token_mis | seq_mis (tokens or "
@@ -588,9 +593,9 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
                        "neither");
   if (r.reward_answer == 0 && r.reward_format_weight == 0 && r.reward_command.empty() && r.overlong_buffer == 0)
     problems.push_back("rl.reward: every reward is off (rl.reward.answer, format_weight, command, overlong_buffer)");
-  if (r.kl_coef > 0 && c.lora_rank == 0)
-    problems.push_back("rl.kl_coef: the reference policy is the base model under LoRA (lora.rank > 0); a frozen copy "
-                       "for full fine-tuning is not built yet");
+  if (r.reference_offload && (r.kl_coef == 0 || c.lora_rank > 0))
+    problems.push_back("rl.reference_offload: only full fine-tuning with rl.kl_coef > 0 keeps a reference copy (under "
+                       "LoRA the reference is the base without the adapter)");
   rl_layout_problems(c, c.dp, problems);
 }
 

@@ -827,6 +827,15 @@ void Trainer::Impl::start_source() {
       if (j.opt) bytes += j.opt->restore();
     return bytes;
   };
+  handover.starting_model = [this] {
+    ModelOptions mopt = model_->options();
+    mopt.train_base = false;
+    mopt.recompute = false;
+    // model.path (or the warm start's final model), else the seed's initialisation; a resumed run's model_source_
+    // is its checkpoint, which is not where the run started.
+    return c_.model_path.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
+                                 : load_causal_lm(rt_, c_.model_path, mopt);
+  };
   source_->start(*model_, jobs, ranks, handover);
   for (Job& j : jobs_) {
     if (j.step > 0 || !j.active() || j.cfg->final_eval_file.empty() || !first_) continue;

@@ -45,10 +45,13 @@ struct SourceJob {
 };
 
 // The trainer's side of the colocated handover: offload() moves every job's optimizer state (masters and moments) to
-// host memory and restore() brings it back; each returns the bytes moved.
+// host memory and restore() brings it back; each returns the bytes moved. starting_model() makes a new, frozen model
+// of the run's starting weights (the model folder, or the seed's random initialisation; not a checkpoint's) on the
+// run's device: full fine-tuning's KL reference.
 struct SourceHandover {
   std::function<size_t()> offload = [] { return size_t(0); };
   std::function<size_t()> restore = [] { return size_t(0); };
+  std::function<std::unique_ptr<CausalLm>()> starting_model;
 };
 
 class StepSource {

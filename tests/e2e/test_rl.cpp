@@ -264,6 +264,31 @@ TEST(Rl, LoraWithAKlTermToTheBase) {
   EXPECT_TRUE(fs::exists(dir / "out/final/adapter_model.safetensors"));
 }
 
+// Full fine-tuning with a KL term: the reference is a frozen copy of the starting weights (here the seed's random
+// initialisation), so step 1's KL is exactly 0 (the policy is the copy: the same forward, bit for bit on the CPU) and
+// it grows as the policy moves. Killed after step 3 and resumed from its step-2 checkpoint, the run's KL estimates and
+// losses equal the uninterrupted run's (the reference is the starting weights again, not the checkpoint's; fails with
+// the checkpoint's). rl.reference_offload is accepted and changes nothing (on the CPU the copy is in host memory
+// already; the move itself is CausalLm::move_parameters, tested on CUDA).
+TEST(Rl, FullFineTuningKlToAFrozenCopyOfTheStartingWeights) {
+  const fs::path dir = setup("kl_full", "  kl_coef: 0.5\n");
+  const auto run = lathe("rl " + config(dir));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> full = rl_rows(dir / "out");
+  ASSERT_EQ(full.size(), 6u);
+  EXPECT_EQ(full[0]["rl"]["kl_mean"].get<double>(), 0.0);
+  EXPECT_GT(full[5]["rl"]["kl_mean"].get<double>(), 0.0);
+  fs::remove_all(dir / "out");
+  EXPECT_EQ(lathe("rl " + config(dir), "LATHE_FAULT_INJECT=after_step:3").exit_code, 9);
+  const auto resumed = lathe("rl " + config(dir));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  expect_same_steps(rl_rows(dir / "out"), full, {"kl_mean", "reward_mean"}, "resumed");
+  fs::remove_all(dir / "out");
+  const auto offloaded = lathe("rl " + config(dir) + " --set rl.reference_offload=true");
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.output;
+  expect_same_steps(rl_rows(dir / "out"), full, {"kl_mean", "reward_mean"}, "reference offloaded");
+}
+
 TEST(Rl, TheRewardRises) {
   const fs::path dir = setup("learn");
   const std::vector<nlohmann::json> rows = run_steps(dir, "--set train.lr=0.02", 24);
@@ -283,13 +308,14 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   auto r = lathe("train " + config(dir) + " --set data.format=text");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("'rl.samples' is an option of lathe rl, not lathe train"), std::string::npos) << r.output;
-  // Checked together: steps not a multiple of the mini-batches, a KL term without LoRA, an unknown algorithm, a format
-  // pattern without a weight.
+  // Checked together: steps not a multiple of the mini-batches, a reference copy without a KL term, an unknown
+  // algorithm, a format pattern without a weight.
   r = lathe("rl " + config(dir) +
-            " --set rl.minibatches=4 --set rl.kl_coef=0.1 --set rl.algorithm=ppo --set rl.reward.format_weight=0");
+            " --set rl.minibatches=4 --set rl.reference_offload=true --set rl.algorithm=ppo --set rl.reward.format_weight=0");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("train.max_steps: 6 is not a multiple of rl.minibatches (4)"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("rl.kl_coef"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rl.reference_offload: only full fine-tuning with rl.kl_coef > 0"), std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("rl.algorithm: 'ppo' is not one of grpo, dr_grpo, dapo, gspo"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rl.reward.format and rl.reward.format_weight: give both"), std::string::npos) << r.output;
   EXPECT_FALSE(fs::exists(dir / "out")) << "nothing is written before the inputs are checked";

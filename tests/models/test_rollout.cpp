@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <set>
 
 #include "model/config.h"
 #include "model/rollout_engine.h"
@@ -403,6 +404,36 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
   std::printf("%s: %lld graphs recorded, %lld replays, %lld steps\n", GetParam().c_str(),
               (long long)graph_stats.graphs_recorded, (long long)graph_stats.graph_replays,
               (long long)graph_stats.steps);
+}
+
+// CausalLm::move_parameters (full fine-tuning's KL reference waiting in host memory, rl.reference_offload): a CUDA
+// model's parameters go to the host, where they are, and back; its logits are then bit for bit what they were, and
+// the parameters that shared a storage (the joined projections) share one again. Skips without a GPU.
+TEST(Rollout, CudaParametersMoveToTheHostAndBack) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  ModelOptions opt;
+  opt.dtype = DType::F32;
+  opt.device = Device::cuda(0);
+  const std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(tiny_json("qwen3"), "test"), opt, 5, 0.3);
+  const std::vector<int32_t> ids = random_ids(9, m->config().vocab_size, 3);
+  const auto logits = [&] {
+    return to_f64(m->logits(make_packed_batch(runtime(), Device::cuda(0), ids, {0, 9}, std::vector<int32_t>(9, -100),
+                                              m->config().vocab_size)));
+  };
+  const auto storages = [&] {
+    std::set<const Storage*> s;
+    for (const Parameter& p : m->parameters()) s.insert(p.value.storage().get());
+    return s.size();
+  };
+  const std::vector<double> before = logits();
+  const size_t shared = storages();
+  EXPECT_GT(m->move_parameters(Device::cpu()), 0u);
+  for (const Parameter& p : m->parameters()) EXPECT_TRUE(p.value.device().is_cpu()) << p.name;
+  EXPECT_EQ(storages(), shared);
+  EXPECT_GT(m->move_parameters(Device::cuda(0)), 0u);
+  EXPECT_EQ(logits(), before);
+  EXPECT_EQ(storages(), shared);
 }
 
 // Sampled (temperature 0.8 with top-k 12, on the host; or with min-p 0.05, on the device): each request's tokens are the
