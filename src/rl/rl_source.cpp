@@ -4,9 +4,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -152,6 +154,7 @@ struct RlSource::Group {
   std::vector<RolloutResult> samples;
   std::vector<double> rewards;
   bool uniform = false;  // every reward equal: zero advantages
+  int64_t round = 0, candidate = 0;  // its place among the rollout's groups: sampling round, index in the round
 };
 
 // The rollout's figures, summed over its sampling rounds and updates.
@@ -166,14 +169,17 @@ struct RlSource::Figures {
 
 // A job's groups so far in a rollout (kept, and set aside by dynamic sampling), and its figures.
 struct RlSource::Drawn {
-  std::vector<Group> informative, uniform;
+  std::vector<Group> informative, uniform;  // this rank's
   Figures f;
+  int64_t informative_total = 0;            // over every rank
+  std::vector<std::vector<bool>> uniform_at;  // per round, per candidate (over every rank): set aside
 };
 
 // One job's prompts in a sampling round (this rank's share), and the round's number for the job (its seeds).
 struct RlSource::Ask {
   Job* job = nullptr;
   std::vector<size_t> prompts;
+  std::vector<int64_t> candidates;  // each prompt's index among the round's candidates (over every rank)
   int64_t round = 0;
 };
 
@@ -265,6 +271,7 @@ std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>&
   const RlOptions& first = asks[0].job->c->rl;
   int64_t requests = 0;
   for (const Ask& a : asks) requests += int64_t(a.prompts.size()) * a.job->c->rl.samples;
+  if (requests == 0) return std::vector<std::vector<RolloutResult>>(asks.size());  // a rank's empty share of a refill
   EngineOptions eo;
   eo.max_running = std::max<int64_t>(1, std::min<int64_t>(256, requests));
   if (first.cache_mib > 0) eo.cache_bytes = first.cache_mib * 1048576;
@@ -333,7 +340,7 @@ std::vector<double> RlSource::rewards(const Job& j, const std::vector<size_t>& p
       rows.push_back(row.dump());
     }
   }
-  if (!o.reward_command.empty()) {
+  if (!o.reward_command.empty() && !rows.empty()) {  // (a rank's share of a refill round may be empty)
     parts.command = external_rewards(o.reward_command, rows, o.reward_command_timeout_s);
     for (size_t k = 0; k < out.size(); ++k) out[k] += o.reward_command_weight * parts.command[k];
   }
@@ -351,12 +358,16 @@ bool RlSource::sampling_round(const std::vector<size_t>& ids, std::vector<Drawn>
     const RlOptions& o = j.c->rl;
     const int64_t want = o.prompts_per_step;  // under data parallelism, over all ranks
     const int64_t rounds = j.settings.dynamic_sampling ? o.max_sampling_rounds : 1;
-    if (int64_t(d[k].informative.size()) * ranks_.ranks >= want || d[k].f.rounds >= rounds) continue;
-    Ask a{&j, {}, d[k].f.rounds};
-    for (int64_t i = int64_t(d[k].informative.size()); i < want; ++i) {  // this rank's share of the round
+    if (d[k].informative_total >= want || d[k].f.rounds >= rounds) continue;
+    Ask a{&j, {}, {}, d[k].f.rounds};
+    for (int64_t c = 0; c < want - d[k].informative_total; ++c) {  // every rank walks them; samples its share
       const size_t p = next_prompt(j);
-      if (i % ranks_.ranks == ranks_.rank) a.prompts.push_back(p);
+      if (c % ranks_.ranks == ranks_.rank) {
+        a.prompts.push_back(p);
+        a.candidates.push_back(c);
+      }
     }
+    d[k].uniform_at.emplace_back(size_t(want - d[k].informative_total), false);
     asks.push_back(std::move(a));
     of.push_back(k);
   }
@@ -386,21 +397,97 @@ bool RlSource::sampling_round(const std::vector<size_t>& ids, std::vector<Drawn>
     }
     f.sampled += int64_t(samples[a].size());
     const size_t n = size_t(j.c->rl.samples);
+    Drawn& dk = d[of[a]];
+    std::vector<double> aside(dk.uniform_at.back().size(), 0.0);  // this round's set-aside candidates
     for (size_t g = 0; g < prompts.size(); ++g) {
       Group group;
       group.prompt = prompts[g];
+      group.round = f.rounds;
+      group.candidate = asks[a].candidates[g];
       for (size_t i = 0; i < n; ++i) {
         group.samples.push_back(std::move(samples[a][g * n + i]));
         group.rewards.push_back(r[g * n + i]);
       }
       group.uniform =
           std::all_of(group.rewards.begin(), group.rewards.end(), [&](double x) { return x == group.rewards[0]; });
-      (j.settings.dynamic_sampling && group.uniform ? d[of[a]].uniform : d[of[a]].informative)
-          .push_back(std::move(group));
+      const bool set_aside = j.settings.dynamic_sampling && group.uniform;
+      if (set_aside) aside[size_t(group.candidate)] = 1;
+      (set_aside ? dk.uniform : dk.informative).push_back(std::move(group));
+    }
+    // Every rank learns which of the round's candidates were set aside (the next round's size, the final order).
+    if (ranks_.ranks > 1) aside = ranks_.sum(aside);
+    for (size_t c = 0; c < aside.size(); ++c) {
+      dk.uniform_at.back()[c] = aside[c] != 0;
+      dk.informative_total += aside[c] == 0;
     }
     ++f.rounds;
   }
   return true;
+}
+
+// Data parallelism with dynamic sampling: the groups a rank sampled are not its share of the rollout. Every rank
+// orders the rollout's groups as one process does — the informative ones by (round, candidate), then the set-aside
+// ones that fill the rest — and takes those at k % ranks == rank, sent by the ranks that sampled them (one sum over
+// the ranks of every such group's numbers, each written by its sampler: ids and log-probabilities are exact in f64).
+std::vector<RlSource::Group> RlSource::share_of_groups(const Job& j, Drawn& d) {
+  const int64_t want = j.c->rl.prompts_per_step;
+  std::vector<std::pair<int64_t, int64_t>> order;  // (round, candidate) of the rollout's groups, in order
+  for (bool aside : {false, true})
+    for (size_t r = 0; r < d.uniform_at.size(); ++r)
+      for (size_t c = 0; c < d.uniform_at[r].size() && int64_t(order.size()) < want; ++c)
+        if (d.uniform_at[r][c] == aside) order.push_back({int64_t(r), int64_t(c)});
+  std::map<std::pair<int64_t, int64_t>, size_t> place;  // -> k
+  for (size_t k = 0; k < order.size(); ++k) place[order[k]] = k;
+  // A group's numbers: prompt, then per sample: request, sample, finish reason, reward, length, ids, log-probs,
+  // sampling log-probs. Their sizes go first, so that every rank knows where each group's numbers go.
+  const auto encode = [](const Group& g) {
+    std::vector<double> v = {double(g.prompt)};
+    for (size_t i = 0; i < g.samples.size(); ++i) {
+      const RolloutResult& s = g.samples[i];
+      v.insert(v.end(), {double(s.request), double(s.sample), double(int(s.finish_reason)), g.rewards[i],
+                         double(s.tokens.size())});
+      for (int32_t t : s.tokens) v.push_back(double(t));
+      v.insert(v.end(), s.logprobs.begin(), s.logprobs.end());
+      v.insert(v.end(), s.sampling_logprobs.begin(), s.sampling_logprobs.end());
+    }
+    return v;
+  };
+  std::vector<std::vector<double>> mine(order.size());
+  for (std::vector<Group>* kept : {&d.informative, &d.uniform})
+    for (const Group& g : *kept)
+      if (const auto it = place.find({g.round, g.candidate}); it != place.end()) mine[it->second] = encode(g);
+  std::vector<double> sizes(order.size());
+  for (size_t k = 0; k < order.size(); ++k) sizes[k] = double(mine[k].size());
+  sizes = ranks_.sum(sizes);
+  std::vector<size_t> at(order.size() + 1, 0);
+  for (size_t k = 0; k < order.size(); ++k) at[k + 1] = at[k] + size_t(sizes[k]);
+  std::vector<double> all(at.back(), 0.0);
+  for (size_t k = 0; k < order.size(); ++k) std::copy(mine[k].begin(), mine[k].end(), all.begin() + std::ptrdiff_t(at[k]));
+  all = ranks_.sum(all);
+  std::vector<Group> share;
+  const size_t n = size_t(j.c->rl.samples);
+  for (size_t k = size_t(ranks_.rank); k < order.size(); k += size_t(ranks_.ranks)) {
+    const double* v = all.data() + at[k];
+    Group g;
+    g.prompt = size_t(*v++);
+    std::tie(g.round, g.candidate) = order[k];
+    for (size_t i = 0; i < n; ++i) {
+      RolloutResult s;
+      s.request = int64_t(*v++);
+      s.sample = int(*v++);
+      s.finish_reason = FinishReason(int(*v++));
+      g.rewards.push_back(*v++);
+      const size_t len = size_t(*v++);
+      for (size_t t = 0; t < len; ++t) s.tokens.push_back(int32_t(*v++));
+      s.logprobs.assign(v, v + len);
+      s.sampling_logprobs.assign(v + len, v + 2 * len);
+      v += 2 * len;
+      g.samples.push_back(std::move(s));
+    }
+    g.uniform = d.uniform_at[size_t(g.round)][size_t(g.candidate)];
+    share.push_back(std::move(g));
+  }
+  return share;
 }
 
 // One rollout of each listed job: sampling rounds until every job has rl.prompts_per_step groups (or no rounds left:
@@ -421,11 +508,16 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
   std::vector<Figures> figures(ids.size());
   for (size_t k = 0; k < ids.size(); ++k) {
     Job& j = *jobs_[ids[k]];
-    groups[k] = std::move(d[k].informative);
     figures[k] = d[k].f;
     figures[k].dropped = int64_t(d[k].uniform.size());
-    for (size_t i = 0; int64_t(groups[k].size()) * ranks_.ranks < j.c->rl.prompts_per_step && i < d[k].uniform.size(); ++i)
-      groups[k].push_back(std::move(d[k].uniform[i]));
+    if (ranks_.ranks > 1 && j.settings.dynamic_sampling) {
+      groups[k] = share_of_groups(j, d[k]);
+    } else {  // one process, or one round whose candidate c is sampled (and trained) by rank c % ranks
+      groups[k] = std::move(d[k].informative);
+      for (size_t i = 0; int64_t(groups[k].size()) * ranks_.ranks < j.c->rl.prompts_per_step && i < d[k].uniform.size();
+           ++i)
+        groups[k].push_back(std::move(d[k].uniform[i]));
+    }
     ++j.rollouts;
   }
   queue_updates(ids, groups, figures);

@@ -91,6 +91,7 @@ class RlSource final : public StepSource {
   void rollout(const std::vector<size_t>& jobs);
   struct Drawn;  // a job's groups so far in a rollout, and its figures
   bool sampling_round(const std::vector<size_t>& jobs, std::vector<Drawn>& drawn);
+  std::vector<Group> share_of_groups(const Job& j, Drawn& drawn);  // data parallelism with dynamic sampling
   nlohmann::json rollout_figures(const Job& j, const Figures& f) const;
   std::vector<std::vector<RolloutResult>> sample(const std::vector<Ask>& asks);
   std::vector<double> rewards(const Job& j, const std::vector<size_t>& prompts,

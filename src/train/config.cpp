@@ -549,10 +549,6 @@ void rl_layout_problems(const TrainConfig& c, int64_t dp, std::vector<std::strin
     problems.push_back(fmt::format("rl.prompts_per_step: {} groups do not split evenly into rl.minibatches ({}) x "
                                    "parallel.dp ({}): each rank trains an equal share of every mini-batch",
                                    r.prompts_per_step, r.minibatches, dp));
-  const bool dynamic = r.dynamic_sampling == "true" || (r.dynamic_sampling == "auto" && r.algorithm == "dapo");
-  if (dynamic)
-    problems.push_back(fmt::format("rl.dynamic_sampling: not yet under data parallelism (parallel.dp {}): its refills "
-                                   "would need the ranks to agree on prompts; set rl.dynamic_sampling: false", dp));
 }
 
 // lathe rl's checks of its options against the rest.
