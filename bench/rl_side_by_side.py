@@ -75,6 +75,7 @@ def lathe_side(a, folder):
                 f"  recompute: true\n  seed: 1\n"
                 f"rl:\n  algorithm: grpo\n  samples: {a.samples}\n  prompts_per_step: {a.prompts}\n"
                 f"  minibatches: {a.minibatches}\n  max_new_tokens: {a.new}\n  temperature: 1.0\n"
+                f"  max_running: {a.prompts * a.samples}\n"
                 "  reward:\n    answer: 0\n    format: '.*[0-9].*'\n    format_weight: 1\n")
     t = time.perf_counter()
     r = subprocess.run([a.lathe_bin, "rl", cfg], capture_output=True, text=True,

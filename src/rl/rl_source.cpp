@@ -273,7 +273,7 @@ std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>&
   for (const Ask& a : asks) requests += int64_t(a.prompts.size()) * a.job->c->rl.samples;
   if (requests == 0) return std::vector<std::vector<RolloutResult>>(asks.size());  // a rank's empty share of a refill
   EngineOptions eo;
-  eo.max_running = std::max<int64_t>(1, std::min<int64_t>(256, requests));
+  eo.max_running = std::max<int64_t>(1, std::min<int64_t>(first.max_running, requests));
   if (first.cache_mib > 0) eo.cache_bytes = first.cache_mib * 1048576;
   else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
   else eo.cache_memory_fraction = 0.8;

@@ -292,6 +292,9 @@ const std::vector<Option>& options() {
       LATHE_NUM("rl.reward.overlong_buffer", Kind::Int, "0", at_least(0),
                 "DAPO's overlong shaping: a penalty rising to -1 over the last N tokens before rl.max_new_tokens (0 = off)",
                 rl.overlong_buffer),
+      LATHE_NUM("rl.max_running", Kind::Int, "256", at_least(1),
+                "sequences the rollout engine generates at once (and Gated DeltaNet state slots it keeps)",
+                rl.max_running),
       LATHE_NUM("rl.cache_mib", Kind::Int, "0", at_least(0),
                 "the rollout engine's KV cache in MiB (0: 80% of the GPU's free memory, 256 MiB on the CPU)", rl.cache_mib),
       LATHE_OPT("rl.offload_optimizer", Kind::String, "auto",
@@ -300,7 +303,8 @@ const std::vector<Option>& options() {
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
              "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME), and "
-             "under lathe rl its rl.* but rl.minibatches, rl.cache_mib, rl.offload_optimizer and rl.warm_start; "
+             "under lathe rl its rl.* but rl.minibatches, rl.cache_mib, rl.max_running, rl.offload_optimizer and "
+             "rl.warm_start; "
              "the rest is inherited from the top level (docs/lora.md, docs/rl.md)",
              [](TrainConfig&, const YAML::Node&) {}, {}, Need::Optional},
   };
@@ -423,7 +427,7 @@ bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
          (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
-          path != "rl.offload_optimizer") ||
+          path != "rl.offload_optimizer" && path != "rl.max_running") ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");

@@ -38,6 +38,7 @@ struct RlOptions {
   double reward_command_weight = 1.0, reward_command_timeout_s = 60;
   int64_t overlong_buffer = 0;            // DAPO's overlong shaping over the last N tokens (0 = off)
   int64_t cache_mib = 0;                  // the rollout engine's KV cache (0: 80% of free GPU memory / 256 MiB CPU)
+  int64_t max_running = 256;              // the rollout engine's running sequences
   std::string offload_optimizer = "auto";  // auto (on for GPUs) | true | false: the optimizer state on the host during rollouts
 };
 
@@ -127,7 +128,7 @@ enum class ConfigFor { train, rl };
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
 // With ConfigFor::rl: the rl.* options too, checked together with the rest (one micro-batch a step, checkpoints on
 // rollout boundaries; each tenant's checked with its own options), a tenant may set rl.* except rl.minibatches,
-// rl.cache_mib, rl.offload_optimizer and rl.warm_start; rl.warm_start's run output supplies model.path when neither
+// rl.cache_mib, rl.max_running, rl.offload_optimizer and rl.warm_start; rl.warm_start's run output supplies model.path when neither
 // model option is set.
 TrainConfig load_train_config(const std::string& yaml_path, const std::vector<std::string>& overrides,
                               ConfigFor which = ConfigFor::train);
