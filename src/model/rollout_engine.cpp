@@ -225,8 +225,8 @@ constexpr int64_t kDecodeBatches[] = {1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 12
 
 class RolloutEngine::FixedSteps {
  public:
-  FixedSteps(Runtime& rt, CausalLm& model, Pool& pool, int64_t max_batch, bool record)
-      : rt_(&rt), model_(&model), pool_(&pool), record_(record), device_(model.options().device) {
+  FixedSteps(Runtime& rt, CausalLm& model, Pool& pool, int64_t max_batch, bool record, bool strict)
+      : rt_(&rt), model_(&model), pool_(&pool), record_(record), strict_(strict), device_(model.options().device) {
     max_batch_ = padded_batch(max_batch);
     max_width_ = std::max<int64_t>(1, (pool.context_tokens + pool.block_size - 1) / pool.block_size);
     if (pool.k.empty()) max_width_ = 1;
@@ -256,20 +256,29 @@ class RolloutEngine::FixedSteps {
     s.tables.frozen = true;
     ExecContext cx = rt_->context(device_);
     DeviceBackend& backend = cx.backend;
-    backend.begin_capture(cx.stream);
     try {
-      s.out = run(s);
-    } catch (...) {
+      backend.begin_capture(cx.stream);
       try {
-        backend.end_capture(cx.stream);
-      } catch (const Error&) {  // the first error is the one to report
+        s.out = run(s);
+      } catch (...) {
+        try {
+          backend.end_capture(cx.stream);
+        } catch (const Error&) {  // the first error is the one to report
+        }
+        throw;
       }
-      throw;
+      s.graph = backend.end_capture(cx.stream);
+    } catch (const Error& e) {
+      if (strict_) throw;
+      failure_ = e.what();  // this step's rows stand (its cache writes are done); the engine stops recording
+      return out.narrow(0, 0, b);
     }
-    s.graph = backend.end_capture(cx.stream);
     ++stats.graphs_recorded;
     return out.narrow(0, 0, b);
   }
+
+  // Why recording failed (empty: it did not), for an engine that was not asked for graphs outright (StepGraphs::kAuto).
+  const std::string& failure() const { return failure_; }
 
   int64_t max_batch() const { return max_batch_; }
   bool records() const { return record_; }
@@ -355,7 +364,8 @@ class RolloutEngine::FixedSteps {
   Runtime* rt_;
   CausalLm* model_;
   Pool* pool_;
-  bool record_;
+  bool record_, strict_;  // strict: a failed recording is an error, else failure() says why
+  std::string failure_;
   Device device_;
   int64_t max_batch_ = 1, max_width_ = 1;
   Tensor inputs_;                       // the shapes' inputs (i32)
@@ -385,7 +395,8 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
                                  "linear_attention") > 0;
   const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));
   if (options_.graphs == StepGraphs::kPadded || record)
-    fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record);
+    fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record,
+                                          options_.graphs != StepGraphs::kAuto);
 }
 
 RolloutEngine::~RolloutEngine() = default;
@@ -677,7 +688,12 @@ Tensor RolloutEngine::step_logits(const std::vector<Sequence*>& batch, const std
       ids.push_back(s->tokens[size_t(s->computed)]);
       positions.push_back(int32_t(s->computed));
     }
-    return model_->lm_head_logits(fixed_->hidden(ids, positions, co, stats_));
+    const Tensor logits = model_->lm_head_logits(fixed_->hidden(ids, positions, co, stats_));
+    if (!fixed_->failure().empty()) {  // kAuto: the rest runs eagerly (the rows above were freed before this)
+      fmt::print(stderr, "rollout: note: decode graphs are off for this engine: {}\n", fixed_->failure());
+      fixed_.reset();
+    }
+    return logits;
   }
   std::vector<std::vector<int32_t>> tokens;
   std::vector<int64_t> past;
