@@ -195,8 +195,9 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCa
   const ModelConfig& c = config_;
   // Row indices, into (T N / width, width), of the column blocks [off, off + len) of each token's row.
   std::vector<std::vector<int32_t>> host;  // the ids of each block, in the order they are made
+  int tables = 0;                           // index tables made (their keys in the cache)
   const auto to_device = [&](const std::vector<int32_t>& ids) {
-    if (cache) return cache->table(fmt::format("split.{}", host.size()), ids);
+    if (cache) return cache->table(fmt::format("split.{}", tables++), ids);
     return rt_->upload(ids.data(), {int64_t(ids.size())}, DType::I32, options_.device);
   };
   auto columns = [&](int64_t n, int64_t width, const std::vector<std::pair<int64_t, int64_t>>& blocks) {
@@ -220,9 +221,7 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCa
         inv[size_t(id)] = row++;
       }
     LATHE_ASSERT(size_t(row) == inv.size() && std::find(inv.begin(), inv.end(), -1) == inv.end());
-    const Tensor made = to_device(inv);
-    host.emplace_back();  // a key of its own
-    return made;
+    return to_device(inv);
   };
   split_ = SplitIndex{};
   split_.tokens = tokens;
