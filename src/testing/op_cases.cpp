@@ -280,6 +280,14 @@ std::vector<OpCase> all_op_cases() {
   add_matmul(c, 3, 2, 13, 5, {false, false, 0.5f, 1.0f}, false);
   add_matmul(c, 4, 3, 1, 70, {}, false);
   add_matmul(c, 3, 5, 1, 40, {false, false, 2.0f, 1.0f}, false);
+  // Skinny products x W^T, 1 to 4 rows against a 2-D W (the CUDA skinny_linear kernel; the decoding step's
+  // projections): an odd number of W rows (a warp's second row is its first), K of 40 to 1032 packs of 16 bytes
+  // (sweeps that do not divide evenly among the lanes), alpha; 5 rows fall to cuBLASLt.
+  add_matmul(c, 0, 1, 37, 264, {false, true, 1.0f, 0.0f}, false);
+  add_matmul(c, 0, 2, 130, 1032, {false, true, 0.5f, 0.0f}, false);
+  add_matmul(c, 0, 3, 9, 40, {false, true, 1.0f, 0.0f}, false);
+  add_matmul(c, 0, 4, 64, 512, {false, true, 1.0f, 0.0f}, false);
+  add_matmul(c, 0, 5, 16, 64, {false, true, 1.0f, 0.0f}, false);
 
   for (OpId op : {OpId::add, OpId::mul}) {
     c.push_back({op, "same=[5,7]", {{5, 7}, {5, 7}}, {}, kFloat});

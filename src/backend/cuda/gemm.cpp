@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "backend/cuda/check.h"
+#include "backend/cuda/skinny_linear.h"
 #include "backend/cuda/thin_matmul.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/registry.h"
@@ -211,6 +212,32 @@ void run_thin(const OpCall& call, ExecContext& ctx) {
                      call.outputs[0].data_ptr(), as_cuda(ctx.stream).handle());
 }
 
+// A few rows of x against a 2-D weight, x W^T (skinny_linear.h): the decoding step's projections at small batch sizes.
+Support skinny_supports(const OpCall& call) {
+  const Tensor& a = call.inputs[0];
+  const Tensor& b = call.inputs[1];
+  const auto& at = call.attr<MatmulAttrs>();
+  if (at.trans_a || !at.trans_b || b.dim() != 2) return Support::no("not x W^T with a 2-D W (cuBLASLt takes it)");
+  if (at.beta != 0.0f) return Support::no("accumulates into the output (cuBLASLt takes it)");
+  const int64_t k = b.size(1), m = k > 0 ? a.numel() / k : 0;
+  if (m < 1 || m > kMaxSkinnyRows) return Support::no(fmt::format("{} rows (1 to {} take it)", m, kMaxSkinnyRows));
+  if (!a.is_contiguous() || !b.is_contiguous() || !call.outputs[0].is_contiguous())
+    return Support::no("strided operands (cuBLASLt takes them)");
+  const int64_t bytes = int64_t(dtype_size(a.dtype()));
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if ((k * bytes) % 16 != 0 || !aligned(a.data_ptr()) || !aligned(b.data_ptr()))
+    return Support::no("rows that are not whole 16-byte packs, or unaligned operands");
+  if (m * k * bytes > kMaxSkinnyXBytes) return Support::no("x larger than the 48 KiB a block stages");
+  return Support::yes();
+}
+
+void run_skinny(const OpCall& call, ExecContext& ctx) {
+  const Tensor& b = call.inputs[1];
+  const int64_t k = b.size(1);
+  launch_skinny_linear(b.dtype(), call.inputs[0].numel() / k, b.size(0), k, call.attr<MatmulAttrs>().alpha,
+                       call.inputs[0].data_ptr(), b.data_ptr(), call.outputs[0].data_ptr(), as_cuda(ctx.stream).handle());
+}
+
 }  // namespace
 
 void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, const void* b, float beta, void* c) {
@@ -225,6 +252,7 @@ void gemm(CudaStream& stream, const GemmProblem& p, float alpha, const void* a, 
 
 void register_cuda_gemm_kernels(KernelRegistry& r) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/skinny_linear", skinny_supports, run_skinny});
     r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/thin_batched_matmul", thin_supports, run_thin});
     r.add(KernelDef{OpId::matmul, DeviceType::CUDA, dt, "cuda/cublaslt_gemm", matmul_layout, run_matmul});
   }
