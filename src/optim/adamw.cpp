@@ -137,21 +137,45 @@ size_t AdamW::state_bytes() const {
   return n;
 }
 
+// The host copies are made once and kept (host_), in pinned memory where the device's backend has it, so the copies
+// of a move are queued without waiting and the move waits once.
 size_t AdamW::offload() {
   if (offloaded_) return 0;
   const size_t bytes = state_bytes();
+  ExecContext cx = rt_->context(device_);
+  Allocator* pinned = device_.is_cpu() ? nullptr : cx.backend.pinned_host_allocator();
+  Allocator& host = pinned ? *pinned : rt_->host_allocator();
+  host_.resize(slots_.size() * 3);
+  size_t i = 0;
   for (Slot& s : slots_)
-    for (Tensor* t : {&s.master, &s.m, &s.v})
-      if (t->defined()) *t = rt_->copy_to(*t, Device::cpu());
+    for (Tensor* t : {&s.master, &s.m, &s.v}) {
+      Tensor& h = host_[i++];
+      if (!t->defined()) continue;
+      if (!h.defined() || h.shape() != t->shape() || h.dtype() != t->dtype()) h = Tensor::empty(t->shape(), t->dtype(), host);
+      cx.backend.copy(h.data_ptr(), Device::cpu(), t->data_ptr(), device_, t->nbytes(), cx.stream);
+    }
+  cx.stream.synchronize();
+  i = 0;
+  for (Slot& s : slots_)
+    for (Tensor* t : {&s.master, &s.m, &s.v}) {
+      const Tensor& h = host_[i++];
+      if (t->defined()) *t = h;  // the device tensor goes back to its allocator
+    }
   offloaded_ = true;
   return bytes;
 }
 
 size_t AdamW::restore() {
   if (!offloaded_) return 0;
+  ExecContext cx = rt_->context(device_);
   for (Slot& s : slots_)
-    for (Tensor* t : {&s.master, &s.m, &s.v})
-      if (t->defined()) *t = rt_->copy_to(*t, device_);
+    for (Tensor* t : {&s.master, &s.m, &s.v}) {
+      if (!t->defined()) continue;
+      Tensor d = Tensor::empty(t->shape(), t->dtype(), cx.allocator);
+      cx.backend.copy(d.data_ptr(), device_, t->data_ptr(), Device::cpu(), t->nbytes(), cx.stream);
+      *t = std::move(d);
+    }
+  cx.stream.synchronize();  // the host copies are written again at the next offload
   offloaded_ = false;
   return state_bytes();
 }

@@ -90,7 +90,7 @@ class AdamW {
   // The colocated RL handover: offload() moves the masters and moments to host memory (their device memory goes back
   // to the allocator, for the rollout's cache) and restore() brings them back, bit for bit; step(), prepare(), save()
   // and load() need them restored. Both return the bytes moved; a second offload() (or a restore() without one) moves
-  // nothing.
+  // nothing. The host memory (pinned for a GPU: asynchronous copies, one wait a move) is kept for the next offload.
   size_t offload();
   size_t restore();
   bool offloaded() const { return offloaded_; }
@@ -122,6 +122,7 @@ class AdamW {
   std::vector<Slot> slots_;
   int64_t step_count_ = 0;
   bool offloaded_ = false;
+  std::vector<Tensor> host_;  // offload()'s host copies (master, m, v per slot), kept for the next move
 };
 
 }  // namespace lathe
