@@ -533,11 +533,12 @@ bool RolloutEngine::plain_greedy(const Sequence& s, int64_t limit) const {
          allowed_vocab(s) == limit;
 }
 
-// Whether the sequence's tokens are drawn on the device (sample_rows): sampling with a temperature and min-p alone.
+// Whether the sequence's tokens are drawn on the device (sample_rows): sampling with a temperature, top-k, top-p and
+// min-p, without penalties or banned ids.
 bool RolloutEngine::device_sampled(const Sequence& s, int64_t limit) const {
   const SamplingOptions& o = s.req->sampling;
-  return o.temperature > 0 && (o.top_k == 0 || o.top_k >= limit) && o.top_p >= 1.0 && o.repetition_penalty == 1.0 &&
-         o.frequency_penalty == 0.0 && s.req->banned_ids.empty() && allowed_vocab(s) == limit;
+  return o.temperature > 0 && o.repetition_penalty == 1.0 && o.frequency_penalty == 0.0 && s.req->banned_ids.empty() &&
+         allowed_vocab(s) == limit;
 }
 
 // The next tokens of the ready rows that sample on the device, and of their followers (which draw their first token
@@ -555,7 +556,8 @@ RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const 
     rows.push_back(int32_t(row));
     keys.insert(keys.end(), {int32_t(uint32_t(key)), int32_t(uint32_t(key >> 32)),
                              int32_t(q.tokens.size() - q.prompt_len)});
-    params.insert(params.end(), {q.req->sampling.temperature, q.req->sampling.min_p});
+    const SamplingOptions& o = q.req->sampling;
+    params.insert(params.end(), {o.temperature, o.min_p, double(o.top_k), o.top_p});
   };
   for (size_t i : ready) {
     if (!device_sampled(*batch[i], limit ? limit : logits.size(1))) continue;
@@ -568,7 +570,7 @@ RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const 
   const DType st = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
   const std::vector<Tensor> out =
       sample_rows(cx, logits, rt_->from_host(rows.data(), {m}, DType::I32, device),
-                  cast(cx, rt_->from_host(params.data(), {m, 2}, DType::F64, device), st),
+                  cast(cx, rt_->from_host(params.data(), {m, 4}, DType::F64, device), st),
                   rt_->from_host(keys.data(), {m, 3}, DType::I32, device), limit);
   d.token = rt_->copy_to(out[0], Device::cpu());
   d.logit = rt_->copy_to(cast(cx, out[1], DType::F64), Device::cpu());

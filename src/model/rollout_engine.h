@@ -20,9 +20,10 @@
 // - Adapters per request: a request may name an adapter of the LoRA bank attached to the model (CausalLm::attach_lora);
 //   each sequence of a step is a segment of the batch (PackedBatch::segments) with its adapter, so one model call
 //   serves every tenant, through the same segment machinery as multi-tenant training.
-// - Sampling: greedy and temperature / min-p draws on the device (row_argmax_logsumexp, sample_rows: a Gumbel argmax
-//   over counter-based variates keyed by the request's seed and the sample's index); top-k, top-p, penalties and
-//   banned ids on the host (sample_next, model/generate.h) with one mt19937_64 per sequence seeded from the same two.
+// - Sampling: greedy and temperature / top-k / top-p / min-p draws on the device (row_argmax_logsumexp, sample_rows: a
+//   Gumbel argmax over counter-based variates keyed by the request's seed and the sample's index, above a top-k /
+//   top-p cut); penalties and banned ids on the host (sample_next, model/generate.h) with one mt19937_64 per sequence
+//   seeded from the same two.
 //   Either way a sequence's tokens do not depend on what else is in the batch. Each token comes with its
 //   log-probability under the model's distribution (log-softmax of the raw logits) and under the distribution it was
 //   drawn from.

@@ -197,17 +197,24 @@ struct ArgmaxAttrs {
   int64_t limit = 0;
 };
 
-// sample_rows(x (N, V), rows (M) i32, params (M, 2), keys (M, 3) i32) -> token (M) i32, logit (M) and logprob (M) (f32;
+// sample_rows(x (N, V), rows (M) i32, params (M, 4), keys (M, 3) i32) -> token (M) i32, logit (M) and logprob (M) (f32;
 // f64 for f64): M draws, draw i from row rows[i] of x (several draws may share a row: the samples of a prompt), with
-// temperature T = params[i][0] > 0 and min-p m = params[i][1] in [0, 1) (params in f32, f64 for an f64 x). With
-// z_j = x_j / T over the ids j < limit (0 = V) whose logit is finite, the kept ids are those with z_j >= max z +
-// log m (all for m = 0: the ids whose probability is at least m x the largest, transformers' min-p), and the token is
-// the argmax over the kept ids of z_j + G_j (the lowest id on ties), G_j = -log(-log u_j) a Gumbel variate, so the
-// token is drawn from softmax(z) over the kept ids (token -1, logit and logprob NaN, where no id has a finite logit). u_j = sample_uniform(key, counter, j) (backend/sample_hash.h) with
-// key = keys[i][0] | keys[i][1] << 32 (as unsigned) and counter = keys[i][2]: a draw depends on its key, counter and
-// row only, never on the other draws. logit = x[token]; logprob = z_token - log sum over the kept ids of exp(z), the
-// token's log-probability under the distribution it was drawn from. The rollout engine's device sampling (penalties,
-// top-k and top-p still sample on the host). Not differentiable.
+// params[i] = (temperature T > 0, min-p m in [0, 1), top-k k >= 0, top-p p in (0, 1]) in f32 (f64 for an f64 x). With
+// z_j = x_j / T over the ids j < limit (0 = V) whose logit is finite, and c_j = ordered_key(float(z_j))
+// (backend/sample_hash.h), the kept ids are those with
+// - c_j >= C_k, C_k the largest key with at least k ids at or above it (the k-th largest z, ties kept; all for k = 0 or
+//   k at least the finite ids: transformers' top-k),
+// - c_j >= C_p, C_p the smallest key such that the ids of the top-k set with a key above it have less than p x the
+//   top-k set's mass sum exp(z - max z) (all for p = 1: transformers' top-p, which keeps an id while the mass strictly
+//   above it is below p, applied after top-k),
+// - z_j >= max z + log m (all for m = 0: the ids whose probability is at least m x the largest, transformers' min-p),
+// and the token is the argmax over the kept ids of z_j + G_j (the lowest id on ties), G_j = -log(-log u_j) a Gumbel
+// variate, so the token is drawn from softmax(z) over the kept ids (token -1, logit and logprob NaN, where no id has a
+// finite logit). u_j = sample_uniform(key, counter, j) (backend/sample_hash.h) with key = keys[i][0] | keys[i][1] <<
+// 32 (as unsigned) and counter = keys[i][2]: a draw depends on its key, counter and row only, never on the other
+// draws. logit = x[token]; logprob = z_token - log sum over the kept ids of exp(z), the token's log-probability under
+// the distribution it was drawn from. The rollout engine's device sampling (penalties and banned ids sample on the
+// host). Not differentiable.
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
 // `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).

@@ -357,9 +357,9 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       const int64_t limit = std::get<ArgmaxAttrs>(attrs).limit, m = in[1].dim() == 1 ? in[1].size(0) : -1;
       const DType st = stats_dtype(in[0].dtype());
       LATHE_CHECK(in[0].dim() == 2 && in[0].size(1) > 0 && limit >= 0 && limit <= in[0].size(1) && m >= 0 &&
-                      in[2].dim() == 2 && in[2].size(0) == m && in[2].size(1) == 2 && in[2].dtype() == st &&
+                      in[2].dim() == 2 && in[2].size(0) == m && in[2].size(1) == 4 && in[2].dtype() == st &&
                       in[3].dim() == 2 && in[3].size(0) == m && in[3].size(1) == 3,
-                  "ops: sample_rows needs x (N, V) with V > 0, rows (M), params (M, 2) in {} and keys (M, 3), and a "
+                  "ops: sample_rows needs x (N, V) with V > 0, rows (M), params (M, 4) in {} and keys (M, 3), and a "
                   "limit in [0, V]; got {}, {}, {}, {}, limit {}",
                   dtype_name(st), in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe(), limit);
       return {{{m}, DType::I32}, {{m}, st}, {{m}, st}};

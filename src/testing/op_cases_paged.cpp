@@ -39,18 +39,20 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
   // Rows the CUDA kernel cuts into chunks, with the limit inside a chunk.
   c.push_back({OpId::row_argmax_logsumexp, "n=2,v=20001,limit=15000", {{2, 20001}}, ArgmaxAttrs{15000}, dtypes, false,
                false});
-  // sample_rows: temperatures and min-p drawn from [0.3, 0.9]; draws sharing a row with different keys and counters,
-  // a limit inside a chunk of the CUDA kernel.
+  // sample_rows: draws sharing a row with different keys and counters, a limit inside a chunk of the CUDA kernel; each
+  // draw's (temperature, min-p, top-k, top-p): min-p alone, top-k, top-p, all three, top-k beyond the row.
   const auto sample = [&](const char* what, int64_t n, int64_t v, int64_t limit, std::vector<double> rows,
-                          std::vector<double> keys) {
-    OpCase oc{OpId::sample_rows, what, {{n, v}, {int64_t(rows.size())}, {int64_t(rows.size()), 2},
+                          std::vector<double> keys, std::vector<double> params) {
+    OpCase oc{OpId::sample_rows, what, {{n, v}, {int64_t(rows.size())}, {int64_t(rows.size()), 4},
               {int64_t(rows.size()), 3}}, ArgmaxAttrs{limit}, dtypes, false, false, {{}, rows, {}, keys}};
-    oc.value_ranges = {{}, {}, {0.3, 0.9}, {}};
+    oc.fixed_values = {{}, {}, params, {}};
     oc.accumulation_inputs = {2};
     c.push_back(std::move(oc));
   };
-  sample("n=3,v=37,draws=5", 3, 37, 0, {0, 2, 2, 1, 0}, {7, 0, 0, 7, 0, 1, 9, 3, 0, -5, 12, 4, 7, 0, 0});
-  sample("n=2,v=20001,limit=15000,draws=3", 2, 20001, 15000, {1, 0, 1}, {11, 22, 5, 11, 22, 6, -1, -1, 0});
+  sample("n=3,v=37,draws=5", 3, 37, 0, {0, 2, 2, 1, 0}, {7, 0, 0, 7, 0, 1, 9, 3, 0, -5, 12, 4, 7, 0, 0},
+         {0.75, 0.3125, 0, 1, 0.5, 0, 5, 1, 0.875, 0, 0, 0.625, 0.375, 0.0625, 8, 0.8125, 0.8125, 0, 40, 1});
+  sample("n=2,v=20001,limit=15000,draws=3", 2, 20001, 15000, {1, 0, 1}, {11, 22, 5, 11, 22, 6, -1, -1, 0},
+         {0.625, 0.5, 0, 1, 0.3125, 0, 300, 0.875, 0.875, 0, 0, 0.5});
   c.push_back({OpId::scatter_rows, "rows=5,into=10,row=3x4", {{5, 3, 4}, {5}, {10, 3, 4}}, {}, dtypes, false, false,
                {{}, {7, 0, 3, 9, 2}, {}}});
   c.push_back({OpId::scatter_rows, "rows=3,into=4,row=6", {{3, 6}, {3}, {4, 6}}, {}, dtypes, false, false,

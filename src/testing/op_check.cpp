@@ -122,16 +122,16 @@ std::vector<Tensor> reference_inputs(Runtime& rt, const std::vector<Values>& log
   return out;
 }
 
-double loss_of(Runtime& rt, ExecContext& cpu, const OpCase& oc, const std::vector<Tensor>& in, const Values& r) {
+// The op's first output on the CPU (the loss is its dot with R).
+Values output_of(Runtime& rt, ExecContext& cpu, const OpCase& oc, const std::vector<Tensor>& in) {
   OpAttrs attrs = oc.attrs;
   if (auto* mm = std::get_if<MatmulAttrs>(&attrs)) mm->beta = 0.0f;  // beta * C0 is constant in the inputs
-  const Values y = to_values(rt, call_op(cpu, oc.op, in, attrs)[0]);
-  double l = 0;
-  for (size_t i = 0; i < y.size(); ++i) l += y[i] * r[i];
-  return l;
+  return to_values(rt, call_op(cpu, oc.op, in, attrs)[0]);
 }
 
-// Central finite differences of L = sum(op(x) * R) against the analytic gradients, in f64 on the CPU.
+// Central finite differences of L = sum(op(x) * R) against the analytic gradients, in f64 on the CPU. The difference
+// L(x + h) - L(x - h) is summed from the outputs' differences, not taken between the two sums: over a large output
+// the sums' rounding would otherwise swamp it.
 std::string finite_difference_check(Runtime& rt, const OpCase& oc, const std::vector<Values>& logical,
                                     const Values& r, const std::vector<Tensor>& grads, double* max_err) {
   ExecContext cpu = rt.context(Device::cpu());
@@ -146,9 +146,11 @@ std::string finite_difference_check(Runtime& rt, const OpCase& oc, const std::ve
       std::vector<Values> plus = logical, minus = logical;
       plus[i][size_t(j)] += h;
       minus[i][size_t(j)] -= h;
-      const double lp = loss_of(rt, cpu, oc, reference_inputs(rt, plus, oc), r);
-      const double lm = loss_of(rt, cpu, oc, reference_inputs(rt, minus, oc), r);
-      const double numeric = (lp - lm) / (2 * h);
+      const Values yp = output_of(rt, cpu, oc, reference_inputs(rt, plus, oc));
+      const Values ym = output_of(rt, cpu, oc, reference_inputs(rt, minus, oc));
+      double diff = 0;
+      for (size_t k = 0; k < yp.size(); ++k) diff += (yp[k] - ym[k]) * r[k];
+      const double numeric = diff / (2 * h);
       const double err = std::abs(numeric - g[size_t(j)]) / std::max(1.0, std::abs(numeric));
       *max_err = std::max(*max_err, err);
       if (err > 1e-6)
@@ -215,8 +217,10 @@ void check_row(Runtime& rt, const OpCase& oc, size_t case_index, Device device, 
     const bool to_unsigned = oc.op == OpId::cast && std::get<CastAttrs>(oc.attrs).to == DType::U8;
     const bool ranged = i < oc.value_ranges.size() && oc.value_ranges[i].first < oc.value_ranges[i].second;
     const DType in_dtype = op_case_input_dtype(oc, i, dtype);
-    const Values stored = random_values(rng, shape_numel(oc.inputs[i]), in_dtype, to_unsigned,
-                                        ranged ? oc.value_ranges[i] : std::pair<double, double>{-2.0, 2.0});
+    const bool fixed = i < oc.fixed_values.size() && !oc.fixed_values[i].empty();
+    const Values stored = fixed ? oc.fixed_values[i]
+                                : random_values(rng, shape_numel(oc.inputs[i]), in_dtype, to_unsigned,
+                                                ranged ? oc.value_ranges[i] : std::pair<double, double>{-2.0, 2.0});
     const bool tr = oc.transpose_first && i == 0;
     logical.push_back(logical_values(stored, oc.inputs[i], tr));
     dev_in.push_back(make_input(rt, stored, oc.inputs[i], in_dtype, device, tr));

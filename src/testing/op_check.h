@@ -31,6 +31,8 @@ struct OpCase {
   // ops that take some inputs wider than the key dtype (the gated delta rule's g and beta beside bf16/f16 q, k, v;
   // the recurrent state of gated_delta_rule_state).
   std::vector<size_t> accumulation_inputs = {};
+  // Where non-empty, floating input i holds these values (exact in its dtype: settings such as sample_rows' params).
+  std::vector<std::vector<double>> fixed_values = {};
 };
 
 std::vector<OpCase> all_op_cases();

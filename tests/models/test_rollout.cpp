@@ -186,11 +186,15 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   cramped.max_step_tokens = 12;
   cramped.graphs = StepGraphs::kPadded;  // and decode steps padded to fixed shapes
   EngineStats a, b, c;
-  // Top-k draws on the host; temperature with min-p on the device (sample_rows), followers from their leader's row.
+  // A repetition penalty draws on the host; top-k, top-p and min-p on the device (sample_rows), followers from their
+  // leader's row.
   SamplingOptions host_drawn, device_drawn, greedy_options;
   host_drawn.temperature = device_drawn.temperature = 0.9;
   host_drawn.top_k = 10;
+  host_drawn.repetition_penalty = 1.2;
   device_drawn.min_p = 0.1;
+  device_drawn.top_k = 12;
+  device_drawn.top_p = 0.9;
   greedy_options.temperature = 0.0;
   for (const SamplingOptions& so : {host_drawn, device_drawn}) {
     const std::vector<RolloutResult> want = run(unshared, so, &a);
@@ -436,10 +440,10 @@ TEST(Rollout, CudaParametersMoveToTheHostAndBack) {
   EXPECT_EQ(storages(), shared);
 }
 
-// Sampled (temperature 0.8 with top-k 12, on the host; or with min-p 0.05, on the device): each request's tokens are the
-// same alone and in a batch with others in another order, and two samples of one request differ; a stop id ends a
-// sample with "eos" and is kept.
-class SeededSampling : public ::testing::TestWithParam<bool> {};  // true: temperature and min-p, drawn on the device
+// Sampled (temperature 0.8 with top-k 12 and a repetition penalty, on the host; or with top-k 12, top-p 0.9 and min-p
+// 0.05, on the device): each request's tokens are the same alone and in a batch with others in another order, and two
+// samples of one request differ; a stop id ends a sample with "eos" and is kept.
+class SeededSampling : public ::testing::TestWithParam<bool> {};  // true: top-k, top-p and min-p, drawn on the device
 
 TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
   const std::unique_ptr<CausalLm> m = tiny_model("qwen3_5");
@@ -449,8 +453,9 @@ TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
     r.prompt = random_ids(3 + int64_t(i) * 5, v, 200 + i);
     r.max_new_tokens = 12;
     r.sampling.temperature = 0.8;
-    if (GetParam()) r.sampling.min_p = 0.05;
-    else r.sampling.top_k = 12;
+    r.sampling.top_k = 12;
+    if (GetParam()) r.sampling.min_p = 0.05, r.sampling.top_p = 0.9;
+    else r.sampling.repetition_penalty = 1.3;  // only penalties (and banned ids) sample on the host
     r.seed = 1000 + i;
     r.n = 2;
     return r;
@@ -497,7 +502,7 @@ TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HostAndDevice, SeededSampling, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& i) {
-  return i.param ? "min_p_on_device" : "top_k_on_host";
+  return i.param ? "top_k_top_p_min_p_on_device" : "penalty_on_host";
 });
 
 // The engine reads the model's parameters at every step: after a weight update between batches (every matrix scaled

@@ -362,30 +362,70 @@ TEST(PagedAttention, IsTheLastRowsOfCausalAttentionOverTheSequence) {
   }
 }
 
-// sample_rows against the distribution it is meant to draw from, computed here from its definition: 20,000 draws from
-// one row (counters 0..19,999 of one key) in each of two settings — temperature 0.7 with min-p 0.25 (two ids kept), and
-// temperature 1.3 without min-p (every finite id below the limit) — give each id's frequency within 5 standard
-// errors of its probability, never an id outside the kept set, and each draw's logprob equal to the log of its id's
-// probability and its logit to x[id]. On the CPU (f64, f32) and CUDA (f32) where a GPU exists, whose tokens equal the
-// CPU's draw for draw (the same variates, backend/sample_hash.h). Interleaving the draws with draws from another row
-// changes none of them.
+// The distribution transformers' logits processors leave, in their order (temperature, top-k, top-p, min-p): top-k
+// masks z below the k-th largest; top-p sorts ascending and masks the ids whose cumulative probability is at most
+// 1 - p (never the last); min-p masks the probabilities below m x the largest. Ids at or past `limit` never count.
+std::vector<double> processed_distribution(const std::vector<double>& x, int64_t limit, double t, double min_p,
+                                           int64_t top_k, double top_p) {
+  std::vector<double> z(x.size(), -INFINITY);
+  for (int64_t j = 0; j < limit; ++j)
+    if (std::isfinite(x[size_t(j)])) z[size_t(j)] = x[size_t(j)] / t;
+  const auto softmax = [](const std::vector<double>& a) {
+    const double top = *std::max_element(a.begin(), a.end());
+    std::vector<double> p(a.size());
+    double sum = 0;
+    for (size_t j = 0; j < a.size(); ++j) sum += (p[j] = std::exp(a[j] - top));
+    for (double& q : p) q /= sum;
+    return p;
+  };
+  if (top_k > 0) {
+    std::vector<double> sorted = z;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    const double kth = sorted[size_t(std::min<int64_t>(top_k, int64_t(z.size())) - 1)];
+    for (double& a : z)
+      if (a < kth) a = -INFINITY;
+  }
+  if (top_p < 1) {
+    const std::vector<double> p = softmax(z);
+    std::vector<size_t> order(z.size());
+    std::iota(order.begin(), order.end(), size_t(0));
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return z[a] < z[b]; });
+    double cum = 0;
+    for (size_t r = 0; r + 1 < order.size(); ++r)
+      if ((cum += p[order[r]]) <= 1 - top_p) z[order[r]] = -INFINITY;
+  }
+  if (min_p > 0) {
+    const std::vector<double> p = softmax(z);
+    const double top = *std::max_element(p.begin(), p.end());
+    for (size_t j = 0; j < z.size(); ++j)
+      if (p[j] < min_p * top) z[j] = -INFINITY;
+  }
+  return softmax(z);
+}
+
+// sample_rows against the distribution it is meant to draw from, computed here by transformers' definitions
+// (processed_distribution): 20,000 draws from one row (counters 0..19,999 of one key) in each of five settings —
+// temperature 0.7 with min-p 0.25 (two ids kept), temperature 1.3 alone (every finite id below the limit), top-k 3,
+// top-p 0.8, and top-k 3 with top-p 0.9 and min-p 0.01 — give each id's frequency within 5 standard errors of its
+// probability, never an id outside the kept set, and each draw's logprob equal to the log of its id's probability and
+// its logit to x[id]. On the CPU (f64, f32) and CUDA (f32) where a GPU exists, whose tokens equal the CPU's draw for
+// draw (the same variates, backend/sample_hash.h). Interleaving the draws with draws from another row changes none
+// of them.
 TEST(SampleRows, DrawsFromTheTemperedMinPDistributionWhateverElseIsDrawn) {
   const std::vector<double> x = {0.25, 2.5, -INFINITY, 0.375, 2.375, 9.0};  // id 5 lies beyond the limit
   const int64_t v = 6, limit = 5, n = 20000;
   struct Setting {
     double t, min_p;
+    int64_t top_k;
+    double top_p;
+    int kept;  // ids left, worked out by hand
   };
-  for (const Setting s : {Setting{0.7, 0.25}, Setting{1.3, 0.0}}) {
-    // The kept ids and their probabilities from the definition (op_table.h).
-    double zmax = -INFINITY;
-    for (int64_t j = 0; j < limit; ++j) zmax = std::max(zmax, x[size_t(j)] / s.t);
-    std::vector<double> p(size_t(v), 0.0);
-    double total = 0;
-    for (int64_t j = 0; j < limit; ++j)
-      if (std::isfinite(x[size_t(j)]) && (s.min_p == 0 || x[size_t(j)] / s.t >= zmax + std::log(s.min_p)))
-        total += (p[size_t(j)] = std::exp(x[size_t(j)] / s.t - zmax));
-    for (double& q : p) q /= total;
-    ASSERT_EQ(std::count_if(p.begin(), p.end(), [](double q) { return q > 0; }), s.min_p > 0 ? 2 : 4);
+  for (const Setting s : {Setting{0.7, 0.25, 0, 1, 2}, Setting{1.3, 0.0, 0, 1, 4}, Setting{1.0, 0.0, 3, 1, 3},
+                          Setting{0.9, 0.0, 0, 0.8, 2}, Setting{1.1, 0.01, 3, 0.9, 2}}) {
+    // The kept ids and their probabilities, from transformers' definitions.
+    const std::vector<double> p = processed_distribution(x, limit, s.t, s.min_p, s.top_k, s.top_p);
+    ASSERT_EQ(std::count_if(p.begin(), p.end(), [](double q) { return q > 0; }), s.kept)
+        << "t " << s.t << " top-k " << s.top_k << " top-p " << s.top_p;
     std::vector<std::pair<Device, DType>> rows = {{Device::cpu(), DType::F64}, {Device::cpu(), DType::F32}};
     if (runtime().has_device(Device::cuda(0))) rows.push_back({Device::cuda(0), DType::F32});
     std::vector<int32_t> cpu_f32_tokens;
@@ -399,7 +439,7 @@ TEST(SampleRows, DrawsFromTheTemperedMinPDistributionWhateverElseIsDrawn) {
       for (int64_t i = 0; i < 2 * n; ++i) {
         which.push_back(int32_t(i % 2));
         keys.insert(keys.end(), {int32_t(i % 2 ? 99 : 7), 0, int32_t(i / 2)});
-        params.insert(params.end(), {s.t, s.min_p});
+        params.insert(params.end(), {s.t, s.min_p, double(s.top_k), s.top_p});
       }
       const DType st = dtype == DType::F64 ? DType::F64 : DType::F32;
       const auto up = [&](const std::vector<double>& h, Shape shape, DType dt) {
@@ -407,7 +447,7 @@ TEST(SampleRows, DrawsFromTheTemperedMinPDistributionWhateverElseIsDrawn) {
       };
       const std::vector<Tensor> out =
           sample_rows(ctx, up(two, {2, v}, dtype), runtime().from_host(which.data(), {2 * n}, DType::I32, device),
-                      up(params, {2 * n, 2}, st), runtime().from_host(keys.data(), {2 * n, 3}, DType::I32, device), limit);
+                      up(params, {2 * n, 4}, st), runtime().from_host(keys.data(), {2 * n, 3}, DType::I32, device), limit);
       const Tensor tok = runtime().copy_to(out[0], Device::cpu());
       const Tensor logit = runtime().copy_to(cast(ctx, out[1], DType::F64), Device::cpu());
       const Tensor logprob = runtime().copy_to(cast(ctx, out[2], DType::F64), Device::cpu());
@@ -416,11 +456,11 @@ TEST(SampleRows, DrawsFromTheTemperedMinPDistributionWhateverElseIsDrawn) {
       std::vector<double> alone_params;
       for (int64_t i = 0; i < n; ++i) {
         alone_keys.insert(alone_keys.end(), {7, 0, int32_t(i)});
-        alone_params.insert(alone_params.end(), {s.t, s.min_p});
+        alone_params.insert(alone_params.end(), {s.t, s.min_p, double(s.top_k), s.top_p});
       }
       const Tensor alone = runtime().copy_to(
           sample_rows(ctx, up(x, {1, v}, dtype), runtime().from_host(alone_rows.data(), {n}, DType::I32, device),
-                      up(alone_params, {n, 2}, st), runtime().from_host(alone_keys.data(), {n, 3}, DType::I32, device),
+                      up(alone_params, {n, 4}, st), runtime().from_host(alone_keys.data(), {n, 3}, DType::I32, device),
                       limit)[0],
           Device::cpu());
       std::vector<int64_t> count(size_t(v), 0);

@@ -300,7 +300,31 @@ void paged_attention_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
-// sample_rows (op_table.h), in double: one pass for the largest kept z, one for the Gumbel argmax and the sum.
+// sample_rows' top-k / top-p cut (op_table.h) of the ids with finite z below the limit: the smallest key kept (0: all).
+uint32_t sample_cut(const std::vector<std::pair<uint32_t, double>>& keyed, int64_t top_k, double top_p) {
+  std::vector<std::pair<uint32_t, double>> s = keyed;  // (key, exp(z - max z)), largest key first
+  std::sort(s.begin(), s.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  uint32_t cut = 0;
+  size_t kept = s.size();
+  if (top_k > 0 && size_t(top_k) < s.size()) {
+    cut = s[size_t(top_k) - 1].first;
+    while (kept > 0 && s[kept - 1].first < cut) --kept;
+  }
+  if (top_p < 1) {
+    double mass = 0;
+    for (size_t i = 0; i < kept; ++i) mass += s[i].second;
+    double above = 0;  // the mass of the keys above the current group of equal keys
+    uint32_t lowest = cut;
+    for (size_t i = 0; i < kept && above < top_p * mass;) {
+      lowest = s[i].first;
+      while (i < kept && s[i].first == lowest) above += s[i++].second;
+    }
+    cut = std::max(cut, lowest);
+  }
+  return cut;
+}
+
+// sample_rows (op_table.h), in double: one pass for the largest z, the cut, one pass for the Gumbel argmax and the sum.
 template <typename T>
 void sample_rows_kernel(const OpCall& c, ExecContext&) {
   const Tensor& x = c.inputs[0];
@@ -313,21 +337,33 @@ void sample_rows_kernel(const OpCall& c, ExecContext&) {
   int32_t* token = c.outputs[0].data<int32_t>();
   S* logit = static_cast<S*>(c.outputs[1].data_ptr());
   S* logprob = static_cast<S*>(c.outputs[2].data_ptr());
+  std::vector<std::pair<uint32_t, double>> keyed;
   for (int64_t i = 0; i < m; ++i) {
     LATHE_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "cpu: sample_rows: draw {} names row {} of {}", i, rows[i],
                 x.size(0));
     const T* row = x.data<T>() + int64_t(rows[i]) * v;
-    const double t = double(params[2 * i]), min_p = double(params[2 * i + 1]);
+    const double t = double(params[4 * i]), min_p = double(params[4 * i + 1]);
+    const int64_t top_k = int64_t(params[4 * i + 2]);
+    const double top_p = double(params[4 * i + 3]);
     const uint64_t key = sample_key(keys[3 * i], keys[3 * i + 1]), counter = uint64_t(uint32_t(keys[3 * i + 2]));
     double zmax = -INFINITY;
     for (int64_t j = 0; j < limit; ++j)
       if (std::isfinite(double(row[j]))) zmax = std::max(zmax, double(row[j]) / t);
+    uint32_t cut_key = 0;
+    if ((top_k > 0 || top_p < 1) && std::isfinite(zmax)) {
+      keyed.clear();
+      for (int64_t j = 0; j < limit; ++j) {
+        const double z = double(row[j]) / t;
+        if (std::isfinite(z)) keyed.push_back({ordered_key(float(z)), std::exp(z - zmax)});
+      }
+      cut_key = sample_cut(keyed, top_k, top_p);
+    }
     const double cut = min_p > 0 ? zmax + std::log(min_p) : -INFINITY;
     double best = -INFINITY, sum = 0;
     int64_t chosen = -1;
     for (int64_t j = 0; j < limit; ++j) {
       const double z = double(row[j]) / t;
-      if (!std::isfinite(z) || z < cut) continue;
+      if (!std::isfinite(z) || z < cut || ordered_key(float(z)) < cut_key) continue;
       sum += std::exp(z - zmax);
       const double score = z - std::log(-std::log(sample_uniform(key, counter, uint64_t(j))));
       if (chosen < 0 || score > best) best = score, chosen = j;

@@ -390,10 +390,10 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
 
 namespace {
 
-// sample_rows in three kernels over (draw, chunk of the row) blocks, as row_argmax_logsumexp: each chunk's largest
-// finite logit below the limit; then, with the row's largest z from those, each chunk's sum of exp(z - max z) over
-// its kept ids and its Gumbel argmax (score and id, in double as the CPU kernel); then a thread per draw merges its
-// chunks (the lowest id wins a tie, as one pass over the row would).
+// sample_rows in four kernels, as row_argmax_logsumexp over (draw, chunk of the row) blocks: each chunk's largest
+// finite logit below the limit; each draw's top-k / top-p cut (a block per draw); then, with the row's largest z,
+// each chunk's sum of exp(z - max z) over its kept ids and its Gumbel argmax (score and id, in double as the CPU
+// kernel); then a thread per draw merges its chunks (the lowest id wins a tie, as one pass over the row would).
 template <typename T>
 __global__ void sample_max_kernel(int64_t v, int64_t limit, int64_t chunk_len, const T* x, const int32_t* rows,
                                   float* part) {
@@ -409,24 +409,81 @@ __global__ void sample_max_kernel(int64_t v, int64_t limit, int64_t chunk_len, c
   if (threadIdx.x == 0) part[int64_t(blockIdx.x) * gridDim.y + blockIdx.y] = m;
 }
 
+// The top-k / top-p cut of each draw (op_table.h), a block per draw, by bisection over the f32 order keys: C_k, the
+// largest key with at least k ids at or above it (32 halvings of the key range, each a count over the row), then C_p,
+// the smallest key above which the top-k set has less than p of its mass (33 halvings, each a sum); 0 (keep all) where
+// neither is asked. In double, as the CPU kernel.
+template <typename T, typename S>
+__global__ void sample_cut_kernel(int64_t v, int64_t limit, int64_t chunks, const T* x, const int32_t* rows,
+                                  const S* params, const float* maxes, uint32_t* cuts) {
+  __shared__ double scratch[32];
+  const int64_t i = blockIdx.x;
+  const double t = double(params[4 * i]), top_p = double(params[4 * i + 3]);
+  const int64_t top_k = int64_t(params[4 * i + 2]);
+  float xmax = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) xmax = fmaxf(xmax, maxes[i * chunks + c]);
+  const double zmax = double(xmax) / t;
+  if ((top_k <= 0 && !(top_p < 1)) || !isfinite(zmax)) {  // block-uniform
+    if (threadIdx.x == 0) cuts[i] = 0;
+    return;
+  }
+  const T* row = x + int64_t(rows[i]) * v;
+  // Over the ids with a finite z below the limit and a key >= floor: how many have a key >= at_least (mass = false),
+  // or the mass exp(z - zmax) of those with a key > above (mass = true).
+  const auto reduce = [&](int64_t floor, int64_t bound, bool mass) {
+    double acc = 0;
+    for (int64_t j = threadIdx.x; j < limit; j += blockDim.x) {
+      const double z = double(load(row, j)) / t;
+      if (!isfinite(z)) continue;
+      const int64_t k = int64_t(ordered_key(float(z)));
+      if (k < floor) continue;
+      if (mass ? k > bound : k >= bound) acc += mass ? exp(z - zmax) : 1.0;
+    }
+    return block_reduce<double, false>(acc, scratch);
+  };
+  int64_t cut = 0;
+  if (top_k > 0 && double(top_k) < reduce(0, 0, false)) {
+    int64_t lo = 0, hi = int64_t(1) << 32;  // count(>= lo) >= k; count(>= hi) < k
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (reduce(0, mid, false) >= double(top_k)) lo = mid;
+      else hi = mid;
+    }
+    cut = lo;
+  }
+  if (top_p < 1) {
+    const double target = top_p * reduce(cut, -1, true);  // the top-k set's mass
+    int64_t lo = -1, hi = (int64_t(1) << 32) - 1;          // mass(> lo) >= target; mass(> hi) < target
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (reduce(cut, mid, true) < target) hi = mid;
+      else lo = mid;
+    }
+    cut = max(cut, hi);
+  }
+  if (threadIdx.x == 0) cuts[i] = uint32_t(cut);
+}
+
 template <typename T, typename S>
 __global__ void sample_chunk_kernel(int64_t v, int64_t limit, int64_t chunk_len, const T* x, const int32_t* rows,
-                                    const S* params, const int32_t* keys, const float* maxes, double* part) {
+                                    const S* params, const int32_t* keys, const float* maxes, const uint32_t* cuts,
+                                    double* part) {
   __shared__ double scratch[32], best_s[kThreads];
   __shared__ int64_t best_i[kThreads];
   const int64_t i = blockIdx.x, chunks = gridDim.y;
   const T* row = x + int64_t(rows[i]) * v;
   float xmax = -INFINITY;
   for (int64_t c = 0; c < chunks; ++c) xmax = fmaxf(xmax, maxes[i * chunks + c]);
-  const double t = double(params[2 * i]), min_p = double(params[2 * i + 1]), zmax = double(xmax) / t;
+  const double t = double(params[4 * i]), min_p = double(params[4 * i + 1]), zmax = double(xmax) / t;
   const double cut = min_p > 0 ? zmax + log(min_p) : -INFINITY;
+  const uint32_t cut_key = cuts[i];
   const uint64_t key = sample_key(keys[3 * i], keys[3 * i + 1]), counter = uint64_t(uint32_t(keys[3 * i + 2]));
   const int64_t begin = int64_t(blockIdx.y) * chunk_len, end = min(begin + chunk_len, limit);
   double sum = 0.0, bs = -INFINITY;
   int64_t bi = -1;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
     const double z = double(load(row, j)) / t;
-    if (!isfinite(z) || z < cut) continue;
+    if (!isfinite(z) || z < cut || ordered_key(float(z)) < cut_key) continue;
     sum += exp(z - zmax);
     const double score = z - log(-log(sample_uniform(key, counter, uint64_t(j))));
     if (bi < 0 || score > bs) bs = score, bi = j;
@@ -460,7 +517,7 @@ __global__ void sample_merge_kernel(int64_t m, int64_t v, int64_t chunks, const 
     logit[i] = logprob[i] = S(NAN);
     return;
   }
-  const double t = double(params[2 * i]), x_tok = double(load(x + int64_t(rows[i]) * v, int64_t(bi)));
+  const double t = double(params[4 * i]), x_tok = double(load(x + int64_t(rows[i]) * v, int64_t(bi)));
   token[i] = int32_t(bi);
   logit[i] = S(x_tok);
   logprob[i] = S(x_tok / t - double(xmax) / t - log(total));
@@ -470,7 +527,7 @@ __global__ void sample_merge_kernel(int64_t m, int64_t v, int64_t chunks, const 
 
 void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_t chunks, const void* x,
                         const int32_t* rows, const void* params, const int32_t* keys, int32_t* token, void* logit,
-                        void* logprob, float* maxes, double* part, cudaStream_t stream) {
+                        void* logprob, float* maxes, uint32_t* cuts, double* part, cudaStream_t stream) {
   if (m == 0) return;
   limit = limit > 0 ? limit : v;
   const int64_t chunk_len = (limit + chunks - 1) / chunks;
@@ -481,7 +538,10 @@ void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_
     const float* pp = static_cast<const float*>(params);
     sample_max_kernel<T><<<grid, kThreads, 0, stream>>>(v, limit, chunk_len, px, rows, maxes);
     LATHE_CUDA_LAUNCH_CHECK("sample_max_kernel");
-    sample_chunk_kernel<T, float><<<grid, kThreads, 0, stream>>>(v, limit, chunk_len, px, rows, pp, keys, maxes, part);
+    sample_cut_kernel<T, float><<<unsigned(m), 1024, 0, stream>>>(v, limit, chunks, px, rows, pp, maxes, cuts);
+    LATHE_CUDA_LAUNCH_CHECK("sample_cut_kernel");
+    sample_chunk_kernel<T, float><<<grid, kThreads, 0, stream>>>(v, limit, chunk_len, px, rows, pp, keys, maxes, cuts,
+                                                                   part);
     LATHE_CUDA_LAUNCH_CHECK("sample_chunk_kernel");
     sample_merge_kernel<T, float><<<grid_for(m, kThreads), kThreads, 0, stream>>>(
         m, v, chunks, px, rows, pp, maxes, part, token, static_cast<float*>(logit), static_cast<float*>(logprob));

@@ -33,10 +33,11 @@ void launch_row_argmax_logsumexp(DType dtype, int64_t rows, int64_t v, int64_t l
                                  int32_t* arg, float* best, float* lse, float* workspace, cudaStream_t stream);
 
 // sample_rows (ops/op_table.h) for m draws from x (N, v) (f32, bf16 or f16; params f32), each row cut into `chunks`
-// (row_argmax_logsumexp_chunks of (m, limit)); `maxes` holds m x chunks floats, `part` m x chunks x 3 doubles.
+// (row_argmax_logsumexp_chunks of (m, limit)); `maxes` holds m x chunks floats, `cuts` m keys, `part` m x chunks x 3
+// doubles.
 void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_t chunks, const void* x,
                         const int32_t* rows, const void* params, const int32_t* keys, int32_t* token, void* logit,
-                        void* logprob, float* maxes, double* part, cudaStream_t stream);
+                        void* logprob, float* maxes, uint32_t* cuts, double* part, cudaStream_t stream);
 
 // out[index[i]] = src[i] for rows of `row_bytes` (a multiple of 2); out already holds the rest.
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,

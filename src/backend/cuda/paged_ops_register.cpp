@@ -1,6 +1,7 @@
 // Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
 // 256), row_argmax_logsumexp and sample_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
 // src/testing/op_cases_paged.cpp.
+#include <algorithm>
 #include <cmath>
 
 #include "backend/cuda/cuda_backend.h"
@@ -57,11 +58,12 @@ void run_sample_rows(const OpCall& c, ExecContext& ctx) {
   const int64_t chunks = row_argmax_logsumexp_chunks(m, limit > 0 ? limit : x.size(1));
   const int64_t blocks = std::max<int64_t>(m, 1) * chunks;
   const Tensor maxes = Tensor::empty({blocks}, DType::F32, ctx.allocator);
+  const Tensor cuts = Tensor::empty({std::max<int64_t>(m, 1)}, DType::I32, ctx.allocator);
   const Tensor part = Tensor::empty({blocks * 3}, DType::F64, ctx.allocator);
   launch_sample_rows(x.dtype(), m, x.size(1), limit, chunks, x.data_ptr(), c.inputs[1].data<int32_t>(),
                      c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.outputs[0].data<int32_t>(),
-                     c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), maxes.data<float>(), part.data<double>(),
-                     stream_of(ctx));
+                     c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), maxes.data<float>(),
+                     reinterpret_cast<uint32_t*>(cuts.data<int32_t>()), part.data<double>(), stream_of(ctx));
 }
 
 }  // namespace
