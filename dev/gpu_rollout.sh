@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The rollout engine on one GPU (run from the repo root with OUT set; carry .gpu-debs, see dev/gpu_deps.sh).
 # `dev/gpu_rollout.sh STAGE...`:
-#   build  — configure and build; the CUDA rows of the engine's tests (RolloutFamilies.CudaMatchesTheCpu, the
-#            paged_attention / scatter_rows / row_argmax_logsumexp op checks, PagedAttention against the training
-#            attention op, the padded-rows cross-entropy); the CPU-only rows run in CI
+#   build  — configure and build; the CUDA rows of the engine's tests (RolloutFamilies.CudaMatchesTheCpu and
+#            CudaGraphsEqualEagerSteps, the matmul (skinny_linear) / paged_attention / scatter_rows /
+#            row_argmax_logsumexp / sample_rows op checks, SampleRows' distributions, PagedAttention against the
+#            training attention op, the padded-rows cross-entropy, the RL and generation CUDA rows, the parameters'
+#            host round trip); the CPU-only rows run in CI
 #   speed  — bench/generate_side_by_side.py: transformers' generate against `lathe generate --input`, 64 requests of
 #            512 + 512 tokens, Qwen3-1.7B and Qwen3.5-0.8B shapes, and the batch-1 step against one read of the weights,
 #            with decode graphs and without (SPEED_ARGS: more arguments, e.g. --skip-hf)
@@ -15,7 +17,7 @@ source dev/gpu_common.sh "$@"
 
 if has build; then
   (cd build && ctest -j8 --output-on-failure \
-     -R "CudaMatchesTheCpu|CudaGraphsEqualEagerSteps|OpCheck.Cuda/(paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda|CudaParametersMove" \
+     -R "CudaMatchesTheCpu|CudaGraphsEqualEagerSteps|OpCheck.Cuda/(matmul|paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda|CudaParametersMove" \
      >$L/ctest.txt 2>&1)
   summary "ctest (rollout, paged ops, decoding; CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
