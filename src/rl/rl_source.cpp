@@ -707,7 +707,6 @@ std::vector<double> RlSource::reference_logprobs(PackedBatch& b) {
   return out;
 }
 
-
 std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy,
                                              CausalLm* model) {
   std::vector<double> out;
