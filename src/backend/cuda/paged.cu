@@ -428,8 +428,8 @@ __global__ void sample_cut_kernel(int64_t v, int64_t limit, int64_t chunks, cons
     return;
   }
   const T* row = x + int64_t(rows[i]) * v;
-  // Over the ids with a finite z below the limit and a key >= floor: how many have a key >= at_least (mass = false),
-  // or the mass exp(z - zmax) of those with a key > above (mass = true).
+  // Over the ids with a finite z below the limit and a key >= floor: how many have a key >= bound (mass = false), or
+  // the mass exp(z - zmax) of those with a key > bound (mass = true).
   const auto reduce = [&](int64_t floor, int64_t bound, bool mass) {
     double acc = 0;
     for (int64_t j = threadIdx.x; j < limit; j += blockDim.x) {
