@@ -83,10 +83,11 @@ def hf_generate(folder, prompts, new_tokens, max_time):
 
 
 def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150,
-                   profile_step=-1, graphs="auto"):
+                   profile_step=-1, graphs="auto", time_forwards=False):
     cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
            "--max-new-tokens", str(new_tokens), "--ignore-eos", "--max-running", str(running), "--cache-mib",
-           str(cache_mib), "--graphs", graphs] + (["--profile-step", str(profile_step)] if profile_step >= 0 else [])
+           str(cache_mib), "--graphs", graphs] + (["--profile-step", str(profile_step)] if profile_step >= 0 else []) \
+          + (["--time-forwards"] if time_forwards else [])
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
@@ -100,7 +101,9 @@ def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, runnin
         with open(out_path + ".profile.txt", "w") as f:
             f.write(r.stdout)
     m = re.search(r"\(([\d.]+) tokens/s\)", r.stderr)
-    return (float(m.group(1)) if m else None), r.stderr.strip().splitlines()[-1]
+    timed = re.search(r"decode steps on the device: .*", r.stderr)
+    summary = r.stderr.strip().splitlines()[-1] + (f"; {timed.group(0)}" if timed else "")
+    return (float(m.group(1)) if m else None), summary
 
 
 def copy_bandwidth():
@@ -130,10 +133,14 @@ def main():
                     help="transformers' generate stops after this many seconds; its rate is then over the steps made")
     ap.add_argument("--cache-mib", type=int, default=16384, help="lathe's KV cache")
     ap.add_argument("--skip-batch1", action="store_true", help="no batch-1 row")
+    ap.add_argument("--skip-batched", action="store_true", help="only the batch-1 rows")
     ap.add_argument("--profile-step", type=int, default=-1, help="pass --profile-step to lathe generate")
     ap.add_argument("--graphs-off-too", action="store_true", help="batch 1 also without decode graphs")
     ap.add_argument("--graphs", default="auto", help="lathe generate --graphs for the batched run")
     ap.add_argument("--batch1-graphs", default="auto,off", help="with --graphs-off-too: the --graphs values at batch 1")
+    ap.add_argument("--time-forwards", action="store_true",
+                    help="batch 1: lathe generate --time-forwards (each decode step's device time, replayed and eager; "
+                         "a wait a step, so the tokens/s of those runs is not the figure to quote)")
     a = ap.parse_args()
     import torch
     os.makedirs(a.out, exist_ok=True)
@@ -154,8 +161,9 @@ def main():
         hf, cache, hf_s = (None, None, None) if a.skip_hf else hf_generate(folder, prompts, a.new, a.hf_max_time)
         torch.cuda.empty_cache()
         cache_mib = a.cache_mib
-        lt, summary = lathe_generate(a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.r{a.requests}.out.jsonl"),
-                                     a.new, a.requests, cache_mib, profile_step=a.profile_step, graphs=a.graphs)
+        lt, summary = (None, "skipped") if a.skip_batched else lathe_generate(
+            a.lathe_bin, folder, path, os.path.join(a.out, f"{shape}.r{a.requests}.out.jsonl"), a.new, a.requests,
+            cache_mib, profile_step=a.profile_step, graphs=a.graphs)
         row = {"shape": shape, "requests": a.requests, "prompt": a.prompt, "new": a.new, "hf_tokens_per_s": hf,
                "hf_cache": cache, "lathe_tokens_per_s": lt, "lathe_summary": summary,
                "ratio": (lt / hf) if (lt and hf) else None}
@@ -172,7 +180,8 @@ def main():
         # With decode graphs (auto) and without (off), in the same call: the graphs' effect at batch 1.
         for graphs in (a.batch1_graphs.split(",") if a.graphs_off_too else ["auto"]):
             lt1, summary1 = lathe_generate(a.lathe_bin, folder, one, os.path.join(a.out, f"{shape}.one.out.jsonl"),
-                                           a.new, 1, cache_mib, profile_step=a.profile_step, graphs=graphs)
+                                           a.new, 1, cache_mib, profile_step=a.profile_step, graphs=graphs,
+                                           time_forwards=a.time_forwards)
             step_ms = 1e3 / lt1 if lt1 else None
             key = "batch1" if graphs == "auto" else f"batch1_graphs_{graphs}"
             row.update({f"{key}_tokens_per_s": lt1, f"{key}_step_ms": step_ms, "weights_bytes": weights,

@@ -4,6 +4,8 @@
 #   build — configure and build; the engine's CUDA tests (CudaGraphsEqualEagerSteps, CudaMatchesTheCpu, Rl.Cuda)
 #   speed — bench/generate_side_by_side.py without transformers: 64 requests of 512 + 512 and batch 1, with decode
 #           graphs and without, Qwen3-1.7B and Qwen3.5-0.8B shapes
+#   timing — batch 1 of the 1.7B shape with --graphs on and off under lathe generate --time-forwards: the device time
+#           of a replayed decode step against an eager one
 #   nsys  — where Nsight Systems is installed: 128 batch-1 steps of the 1.7B shape with graphs and without, the GPU
 #           time of every kernel (cuda_gpu_kern_sum) to $OUT
 source dev/gpu_common.sh "$@"
@@ -59,4 +61,11 @@ if has modes; then  # every --graphs mode at 64 requests and at batch 1: Qwen3.5
       summary "[$g] $(grep -E '^(1.7b|q35)' $L/modes_${shape}_$g.log | sed -E 's/; generate: .* on cuda:0 \(bf16\);/;/')"
     done
   done
+fi
+
+if has timing; then  # batch 1, 1.7B shape: each decode step's device time, replayed against eager (lathe generate
+                     # --time-forwards), to tell a slower replay on the GPU from host-side costs
+  python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs-off-too --batch1-graphs on,off \
+    --time-forwards --shapes 1.7b --skip-batched --out /tmp/gen_timing >$L/gen_timing.log 2>&1
+  summary "$(grep -E '^(1.7b)' $L/gen_timing.log | sed -E 's/; generate: .* on cuda:0 \(bf16\);/;/')"
 fi

@@ -681,6 +681,29 @@ bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const 
 }
 
 Tensor RolloutEngine::step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
+  const Device device = model_->options().device;
+  bool decode = true;
+  for (size_t i = 0; i < batch.size(); ++i) decode = decode && chunk[i] == 1 && batch[i]->computed > 0;
+  if (!options_.time_forwards || !decode) return step_logits_untimed(batch, chunk);
+  DeviceBackend& backend = rt_->backend(device.type);
+  Stream& stream = rt_->context(device).stream;
+  if (!forward_start_) forward_start_ = backend.create_event(device.index), forward_end_ = backend.create_event(device.index);
+  const int64_t replays = stats_.graph_replays, recorded = stats_.graphs_recorded;
+  forward_start_->record(stream);
+  Tensor logits = step_logits_untimed(batch, chunk);
+  forward_end_->record(stream);
+  forward_end_->synchronize();
+  const double ms = forward_end_->elapsed_ms_since(*forward_start_);
+  if (stats_.graph_replays > replays) {
+    stats_.replay_forward_ms += ms;
+  } else if (stats_.graphs_recorded == recorded) {  // (a recording step is neither)
+    stats_.eager_forward_ms += ms;
+    ++stats_.eager_decode_steps;
+  }
+  return logits;
+}
+
+Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
   const ModelConfig& c = model_->config();
   const Device device = model_->options().device;
   const StepCoords co = step_coords(batch, chunk);

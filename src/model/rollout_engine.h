@@ -69,6 +69,7 @@ struct EngineOptions {
   int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)
   bool share_prefixes = true;      // the n samples of a request share its prompt's cache, computed once
   StepGraphs graphs = StepGraphs::kAuto;  // decode steps as CUDA graphs (steps of LoRA batches run eagerly)
+  bool time_forwards = false;      // time each step's layers on the device (EngineStats::*_forward_ms; events)
 };
 
 struct RolloutRequest {
@@ -100,6 +101,10 @@ struct EngineStats {
   int64_t shared_prompt_tokens = 0;  // prompt tokens samples took from their request's first sample, not computed
   int64_t padded_steps = 0;          // decode steps run eagerly at a fixed shape (each graph's first step included)
   int64_t graphs_recorded = 0, graph_replays = 0;
+  // With EngineOptions::time_forwards: the device time from before a step's layers to after its LM head, summed over
+  // the decode steps that replayed a graph and over those that ran eagerly (both only for decode steps).
+  double replay_forward_ms = 0, eager_forward_ms = 0;
+  int64_t eager_decode_steps = 0;
 };
 
 class RolloutEngine {
@@ -135,8 +140,9 @@ class RolloutEngine {
   class FixedSteps;
 
   StepCoords step_coords(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
-  // The step's logits (B, V) after each batch sequence's chunk.
+  // The step's logits (B, V) after each batch sequence's chunk (timed on the device for time_forwards).
   Tensor step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
+  Tensor step_logits_untimed(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
   bool fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
 
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
@@ -166,6 +172,7 @@ class RolloutEngine {
   std::unique_ptr<Pool> pool_;
   std::unique_ptr<TableStore> tables_;  // the eager steps' index tables
   std::unique_ptr<FixedSteps> fixed_;   // null: every step eager (StepGraphs::kOff, or kAuto where none records)
+  std::unique_ptr<Event> forward_start_, forward_end_;  // EngineOptions::time_forwards
   std::deque<std::unique_ptr<Sequence>> waiting_;  // front: next to admit (preempted sequences go first)
   std::vector<std::unique_ptr<Sequence>> running_;  // in admission order
   std::vector<RolloutResult> finished_;

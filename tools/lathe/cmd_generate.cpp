@@ -58,6 +58,7 @@ struct Args {
   int nproc = 0;                               // --input on N GPUs of this machine
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   std::string graphs = "auto";                 // --input: decode steps as CUDA graphs (EngineOptions::graphs)
+  bool time_forwards = false;                  // --input: the decode steps' device time, replayed and eager
   uint64_t seed = 0;
   std::vector<std::string> stop;
   std::vector<std::string> adapters;  // --input: NAME=DIR, each a PEFT adapter rows pick with {"adapter": NAME}
@@ -236,6 +237,7 @@ std::vector<std::string> rank_args(const Args& a) {
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
                                 "--max-running", std::to_string(a.max_running), "--cache-mib",
                                 std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs};
+  if (a.time_forwards) v.push_back("--time-forwards");
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
   num("--temperature", a.temperature);
   num("--top-p", a.top_p);
@@ -373,6 +375,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
+  eo.time_forwards = a.time_forwards;
   eo.graphs = a.graphs == "on"       ? StepGraphs::kOn
               : a.graphs == "off"    ? StepGraphs::kOff
               : a.graphs == "padded" ? StepGraphs::kPadded
@@ -480,6 +483,11 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   if (me != 0) return;
   file->commit();
   const EngineStats& st = engine.stats();
+  if (a.time_forwards)
+    fmt::print(stderr, "{}generate: decode steps on the device: {:.3f} ms replayed ({} steps), {:.3f} ms eager ({} steps)\n",
+               progress ? "\r" : "", st.graph_replays ? st.replay_forward_ms / double(st.graph_replays) : 0.0,
+               st.graph_replays, st.eager_decode_steps ? st.eager_forward_ms / double(st.eager_decode_steps) : 0.0,
+               st.eager_decode_steps);
   fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens{} in {:.1f} s ({:.1f} tokens/s) on {} "
              "({}); {} steps ({} graph replays of {} recorded), {} preemptions, {} prompt tokens shared{}{}\n",
              progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, ranks > 1 ? " on rank 0" : "",
@@ -547,6 +555,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
                   "padded (the graphs' fixed shapes, run eagerly: for comparisons)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "on", "off", "padded"}));
+  cmd->add_flag("--time-forwards", args->time_forwards,
+                "--input: time each decode step's layers and LM head on the device (events; a wait a step) and print "
+                "the mean for replayed graphs and for eager steps");
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
