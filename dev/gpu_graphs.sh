@@ -8,6 +8,9 @@
 #           of a replayed decode step against an eager one
 #   nsys  — where Nsight Systems is installed: 128 batch-1 steps of the 1.7B shape with graphs and without, the GPU
 #           time of every kernel (cuda_gpu_kern_sum) to $OUT
+#   compare — 1.7B batch 1 with graphs, without and padded, 64 requests without graphs, and the kernel tables of the
+#           eager and padded batch-1 steps (--profile-step)
+#   modes — every --graphs mode at 64 requests and at batch 1, Qwen3.5-0.8B then Qwen3-1.7B
 source dev/gpu_common.sh "$@"
 
 if has build; then
