@@ -140,9 +140,11 @@ def torch_side(a, folder):
     sync()
     res["reward_s"] = time.perf_counter() - t
     full_mask = torch.cat([mask, torch.ones_like(resp)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: the positions generate used
 
     def response_logprobs(rows):
-        logits = model(input_ids=out[rows], attention_mask=full_mask[rows]).logits[:, prompt_len - 1:-1].float()
+        logits = model(input_ids=out[rows], attention_mask=full_mask[rows],
+                       position_ids=positions[rows]).logits[:, prompt_len - 1:-1].float()
         return torch.gather(F.log_softmax(logits, -1), 2, resp[rows].unsqueeze(-1)).squeeze(-1)
 
     # Old policy's log-probabilities.
@@ -155,6 +157,7 @@ def torch_side(a, folder):
     res["logprob_s"] = time.perf_counter() - t
     # The updates: M mini-batches, token-mean PPO-clip loss.
     model.train()
+    model.config.use_cache = False
     model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     t = time.perf_counter()
