@@ -26,6 +26,27 @@ void fill_zero(ExecContext& cx, const Tensor& t) {
   if (t.nbytes() > 0) cx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), cx.stream);
 }
 
+// The tensors' values as doubles on the host through one copy (each cast into its place of one f64 buffer): one wait
+// for the device a step instead of one a tensor.
+std::vector<std::vector<double>> to_host_f64(Runtime& rt, ExecContext& cx, const std::vector<Tensor>& ts) {
+  int64_t total = 0;
+  for (const Tensor& t : ts) total += t.numel();
+  const Tensor buf = Tensor::empty({std::max<int64_t>(total, 1)}, DType::F64, cx.allocator);
+  int64_t at = 0;
+  for (const Tensor& t : ts) {
+    if (t.numel() > 0) copy_into(cx, contiguous(cx, t).view({t.numel()}), buf.narrow(0, at, t.numel()));
+    at += t.numel();
+  }
+  const Tensor host = rt.copy_to(buf, Device::cpu());
+  std::vector<std::vector<double>> out;
+  at = 0;
+  for (const Tensor& t : ts) {
+    out.emplace_back(host.data<double>() + at, host.data<double>() + at + t.numel());
+    at += t.numel();
+  }
+  return out;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -568,13 +589,9 @@ RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const 
   const Device device = logits.device();
   const int64_t m = int64_t(rows.size());
   const DType st = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  const std::vector<Tensor> out =
-      sample_rows(cx, logits, rt_->from_host(rows.data(), {m}, DType::I32, device),
-                  cast(cx, rt_->from_host(params.data(), {m, 4}, DType::F64, device), st),
-                  rt_->from_host(keys.data(), {m, 3}, DType::I32, device), limit);
-  d.token = rt_->copy_to(out[0], Device::cpu());
-  d.logit = rt_->copy_to(cast(cx, out[1], DType::F64), Device::cpu());
-  d.logprob = rt_->copy_to(cast(cx, out[2], DType::F64), Device::cpu());
+  d.out = sample_rows(cx, logits, rt_->upload(rows.data(), {m}, DType::I32, device),
+                      cast(cx, rt_->upload(params.data(), {m, 4}, DType::F64, device), st),
+                      rt_->upload(keys.data(), {m, 3}, DType::I32, device), limit);
   return d;
 }
 
@@ -767,10 +784,7 @@ bool RolloutEngine::step() {
   for (size_t i = 0; i < batch.size(); ++i)
     if (batch[i]->computed + chunk[i] == int64_t(batch[i]->tokens.size())) ready.push_back(i);
   const int64_t limit = ready.empty() ? c.vocab_size : allowed_vocab(*batch[ready[0]]);
-  const std::vector<Tensor> summary = row_argmax_logsumexp(cx, logits, limit == c.vocab_size ? 0 : limit);
-  const Tensor arg = rt_->copy_to(summary[0], Device::cpu());
-  const Tensor best = rt_->copy_to(cast(cx, summary[1], DType::F64), Device::cpu());
-  const Tensor lse = rt_->copy_to(cast(cx, summary[2], DType::F64), Device::cpu());
+  std::vector<Tensor> figures = row_argmax_logsumexp(cx, logits, limit == c.vocab_size ? 0 : limit);
   std::vector<int32_t> host_rows;  // in f64 on the host: an f64 model's log-probabilities keep their precision
   std::vector<int64_t> host_row_of(batch.size(), -1);
   for (size_t i : ready)
@@ -784,6 +798,11 @@ bool RolloutEngine::step() {
     host = rt_->copy_to(cast(cx, embedding(cx, logits, rows), DType::F64), Device::cpu());
   }
   const DeviceDraws drawn = draw_on_device(cx, logits, batch, ready, limit == c.vocab_size ? 0 : limit);
+  // Every row's argmax, its value and log-sum-exp, then the device draws' tokens, logits and log-probabilities: one
+  // copy to the host.
+  figures.insert(figures.end(), drawn.out.begin(), drawn.out.end());
+  const std::vector<std::vector<double>> host_figures = to_host_f64(*rt_, cx, figures);
+  const std::vector<double>&arg = host_figures[0], &best = host_figures[1], &lse = host_figures[2];
   std::vector<float> scratch(size_t(c.vocab_size));
   ++stats_.steps;
   for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
@@ -793,17 +812,18 @@ bool RolloutEngine::step() {
     Sequence& s = *batch[i];
     s.computed += chunk[i];
     if (s.computed < int64_t(s.tokens.size())) continue;  // a prompt chunk: its last logits are not the next token's
-    const double row_lse = lse.data<double>()[i];
+    const double row_lse = lse[i];
     LATHE_CHECK(std::isfinite(row_lse),
                 "rollout: the model produced a non-finite logit for request {} (log-sum-exp {})", s.request, row_lse);
     // Sequence s's next token (and the request's other samples' first, from the same logits).
     const auto next = [&](Sequence& q) {
       if (const auto d = drawn.index.find(&q); d != drawn.index.end()) {
-        const int32_t id = drawn.token.data<int32_t>()[d->second];
+        const std::vector<double>&token = host_figures[3], &logit = host_figures[4], &logprob = host_figures[5];
+        const int32_t id = int32_t(token[d->second]);
         LATHE_CHECK(id >= 0, "rollout: every token id of request {} is masked", q.request);
-        return take(q, id, drawn.logit.data<double>()[d->second] - row_lse, drawn.logprob.data<double>()[d->second]);
+        return take(q, id, logit[d->second] - row_lse, logprob[d->second]);
       }
-      if (host_row_of[i] < 0) return take(q, arg.data<int32_t>()[i], best.data<double>()[i] - row_lse, 0.0);
+      if (host_row_of[i] < 0) return take(q, int32_t(arg[i]), best[i] - row_lse, 0.0);
       const std::span<const double> row(host.data<double>() + host_row_of[i] * c.vocab_size, size_t(c.vocab_size));
       const SampledToken t = draw(q, row, scratch);
       return take(q, t.id, row[size_t(t.id)] - row_lse, t.logprob);

@@ -151,9 +151,9 @@ class RolloutEngine {
   int64_t allowed_vocab(const Sequence& s) const;
   bool plain_greedy(const Sequence& s, int64_t limit) const;
   bool device_sampled(const Sequence& s, int64_t limit) const;
-  struct DeviceDraws {  // sample_rows' results on the host, draw i of sequence q at index[q]
+  struct DeviceDraws {  // sample_rows' results on the device (token, logit, logprob), draw i of sequence q at index[q]
     std::unordered_map<const Sequence*, size_t> index;
-    Tensor token, logit, logprob;
+    std::vector<Tensor> out;  // empty when nothing was drawn on the device
   };
   DeviceDraws draw_on_device(ExecContext& cx, const Tensor& logits, const std::vector<Sequence*>& batch,
                              const std::vector<size_t>& ready, int64_t limit);
