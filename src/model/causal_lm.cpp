@@ -91,7 +91,6 @@ void CausalLm::zero_grads() {
 }
 
 void CausalLm::begin_forward(const PackedBatch& b) {
-  ++forwards_;
   LATHE_CHECK(b.ids.device() == options_.device, "model: batch is on {} but the model is on {}", b.ids.device().str(),
               options_.device.str());
   for (int32_t id : b.host_ids)

@@ -143,7 +143,6 @@ class CausalLm {
   const Tensor& w(int index) const { return params_[size_t(index)].value; }
   // Checks the batch (device, token ids) and refreshes the attached adapters' slots: the start of every forward.
   void begin_forward(const PackedBatch& b);
-  int64_t forwards() const { return forwards_; }  // begin_forward's calls so far
   // After a forward's layers: a family drops what it kept from a decoding batch's cache (whose tables may live in
   // memory that goes when the cache's engine goes).
   virtual void end_forward() {}
@@ -247,7 +246,6 @@ class CausalLm {
   // The route's tensor only the backward reads (ones), uploaded on first use.
   void prepare_moe_backward(MoeRoute& r);
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
-  int64_t forwards_ = 0;
 };
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /

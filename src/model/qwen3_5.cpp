@@ -188,10 +188,10 @@ void Qwen35Model::end_forward() {
   if (split_.cache) split_ = SplitIndex{};
 }
 
-// Kept while the tokens are the same; a decoding batch's (from its cache's tables) only for its own forward.
+// Kept while the tokens are the same; a decoding batch's (from its cache's tables) only for its own forward
+// (end_forward drops it).
 const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCache* cache) {
-  if (split_.tokens == tokens && split_.cache == cache && (!cache || split_.forward == forwards()))
-    return split_;
+  if (split_.tokens == tokens && split_.cache == cache) return split_;
   const ModelConfig& c = config_;
   // Row indices, into (T N / width, width), of the column blocks [off, off + len) of each token's row.
   std::vector<std::vector<int32_t>> host;  // the ids of each block, in the order they are made
@@ -226,7 +226,6 @@ const Qwen35Model::SplitIndex& Qwen35Model::split_index(int64_t tokens, DecodeCa
   split_ = SplitIndex{};
   split_.tokens = tokens;
   split_.cache = cache;
-  split_.forward = forwards();
   if (c.num_heads > 0 && c.head_dim > 0) {
     const int64_t d = c.head_dim;
     std::vector<std::pair<int64_t, int64_t>> query, gate;

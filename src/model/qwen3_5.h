@@ -81,8 +81,7 @@ class Qwen35Model : public CausalLm {
   };
   struct SplitIndex {
     int64_t tokens = -1;
-    const DecodeCache* cache = nullptr;  // the decoding batch's cache whose tables these are (its forward's number)
-    int64_t forward = 0;
+    const DecodeCache* cache = nullptr;  // the decoding batch's cache whose tables these are (this forward's)
     Columns query, gate, qkv[3];
     Tensor merge_query_gate, merge_qkv;  // (T N / width) i32 into [query; gate] and [q; k; v] rows
     // qwen3_next: in_proj_qkvz's output is, per key head, [q (d_k) | k (d_k) | v (r d_v) | z (r d_v)] with r = H_v /

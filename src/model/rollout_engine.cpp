@@ -412,9 +412,9 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
   // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200, while the dense
   // Qwen3 shape measured slower replayed than eager there (docs/rollout.md, "Decode graphs").
-  const bool hybrid = std::count(model.config().layer_types.begin(), model.config().layer_types.end(),
-                                 "linear_attention") > 0;
-  const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));
+  const bool hybrid = !pool_->conv.empty();  // it has Gated DeltaNet state slots
+  const bool record =
+      why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));
   if (options_.graphs == StepGraphs::kPadded || record)
     fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record,
                                           options_.graphs != StepGraphs::kAuto);
@@ -687,21 +687,23 @@ RolloutEngine::StepCoords RolloutEngine::step_coords(const std::vector<Sequence*
   return co;
 }
 
-// A decode step (every sequence one token after its past) of a batch without adapters; not recorded while a profiler
-// times ops.
-bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
-  if (!fixed_ || model_->lora() || int64_t(batch.size()) > fixed_->max_batch()) return false;
-  if (fixed_->records() && rt_->profiler()) return false;
+// Every sequence of the step decodes one token after its past.
+bool RolloutEngine::decode_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
   for (size_t i = 0; i < batch.size(); ++i)
     if (chunk[i] != 1 || batch[i]->computed == 0) return false;
   return true;
 }
 
+// A decode step of a batch without adapters; not recorded while a profiler times ops.
+bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
+  if (!fixed_ || model_->lora() || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  if (fixed_->records() && rt_->profiler()) return false;
+  return decode_step(batch, chunk);
+}
+
 Tensor RolloutEngine::step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
   const Device device = model_->options().device;
-  bool decode = true;
-  for (size_t i = 0; i < batch.size(); ++i) decode = decode && chunk[i] == 1 && batch[i]->computed > 0;
-  if (!options_.time_forwards || !decode) return step_logits_untimed(batch, chunk);
+  if (!options_.time_forwards || !decode_step(batch, chunk)) return step_logits_untimed(batch, chunk);
   DeviceBackend& backend = rt_->backend(device.type);
   Stream& stream = rt_->context(device).stream;
   if (!forward_start_) forward_start_ = backend.create_event(device.index), forward_end_ = backend.create_event(device.index);

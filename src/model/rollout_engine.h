@@ -143,6 +143,7 @@ class RolloutEngine {
   // The step's logits (B, V) after each batch sequence's chunk (timed on the device for time_forwards).
   Tensor step_logits(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
   Tensor step_logits_untimed(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
+  static bool decode_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk);
   bool fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
 
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);

@@ -42,9 +42,10 @@ nlohmann::json tiny_json(const std::string& type) {
   return j;
 }
 
-std::unique_ptr<CausalLm> tiny_model(const std::string& type) {
+std::unique_ptr<CausalLm> tiny_model(const std::string& type, Device device = Device::cpu(), DType dtype = DType::F64) {
   ModelOptions opt;
-  opt.dtype = DType::F64;
+  opt.dtype = dtype;
+  opt.device = device;
   return random_causal_lm(runtime(), parse_model_config(tiny_json(type), "test"), opt, 5, 0.3);
 }
 
@@ -286,12 +287,6 @@ INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
 TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
-  const auto model_on = [&](Device d, DType dt) {
-    ModelOptions opt;
-    opt.dtype = dt;
-    opt.device = d;
-    return random_causal_lm(runtime(), parse_model_config(tiny_json(GetParam()), "test"), opt, 5, 0.3);
-  };
   const auto prompt = [&](CausalLm& m, uint64_t i) {
     return random_ids(3 + int64_t(i) * 9, m.config().vocab_size, 500 + i);
   };
@@ -309,11 +304,11 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
     }
     return e.run();
   };
-  const std::unique_ptr<CausalLm> cpu = model_on(Device::cpu(), DType::F32);
+  const std::unique_ptr<CausalLm> cpu = tiny_model(GetParam(), Device::cpu(), DType::F32);
   const std::vector<RolloutResult> want = generate(*cpu);
   const bool moe = cpu->config().num_experts > 0;
   for (DType dt : {DType::F32, DType::BF16}) {
-    const std::unique_ptr<CausalLm> gpu = model_on(Device::cuda(0), dt);
+    const std::unique_ptr<CausalLm> gpu = tiny_model(GetParam(), Device::cuda(0), dt);
     const std::vector<RolloutResult> got = generate(*gpu);
     ASSERT_EQ(got.size(), want.size());
     double gap_sum = 0, gap_max = 0;
@@ -353,11 +348,7 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
 TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
-  ModelOptions opt;
-  opt.dtype = DType::F32;
-  opt.device = Device::cuda(0);
-  const std::unique_ptr<CausalLm> m =
-      random_causal_lm(runtime(), parse_model_config(tiny_json(GetParam()), "test"), opt, 5, 0.3);
+  const std::unique_ptr<CausalLm> m = tiny_model(GetParam(), Device::cuda(0), DType::F32);
   const bool moe = m->config().num_experts > 0;
   const auto generate = [&](StepGraphs graphs, EngineStats* stats) {
     EngineOptions o;
@@ -418,10 +409,7 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
 TEST(Rollout, CudaParametersMoveToTheHostAndBack) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
-  ModelOptions opt;
-  opt.dtype = DType::F32;
-  opt.device = Device::cuda(0);
-  const std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(tiny_json("qwen3"), "test"), opt, 5, 0.3);
+  const std::unique_ptr<CausalLm> m = tiny_model("qwen3", Device::cuda(0), DType::F32);
   const std::vector<int32_t> ids = random_ids(9, m->config().vocab_size, 3);
   const auto logits = [&] {
     return to_f64(m->logits(make_packed_batch(runtime(), Device::cuda(0), ids, {0, 9}, std::vector<int32_t>(9, -100),

@@ -300,9 +300,9 @@ void paged_attention_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
-// sample_rows' top-k / top-p cut (op_table.h) of the ids with finite z below the limit: the smallest key kept (0: all).
-uint32_t sample_cut(const std::vector<std::pair<uint32_t, double>>& keyed, int64_t top_k, double top_p) {
-  std::vector<std::pair<uint32_t, double>> s = keyed;  // (key, exp(z - max z)), largest key first
+// sample_rows' top-k / top-p cut (op_table.h) of the ids with finite z below the limit, given as (key, exp(z - max z))
+// and sorted here, largest key first: the smallest key kept (0: all).
+uint32_t sample_cut(std::vector<std::pair<uint32_t, double>>& s, int64_t top_k, double top_p) {
   std::sort(s.begin(), s.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   uint32_t cut = 0;
   size_t kept = s.size();
