@@ -101,8 +101,9 @@ def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, runnin
         with open(out_path + ".profile.txt", "w") as f:
             f.write(r.stdout)
     m = re.search(r"\(([\d.]+) tokens/s\)", r.stderr)
-    timed = re.search(r"decode steps on the device: .*", r.stderr)
-    summary = r.stderr.strip().splitlines()[-1] + (f"; {timed.group(0)}" if timed else "")
+    timed = [t.group(0) for t in (re.search(r"decode steps on the device: .*", r.stderr),
+                                  re.search(r"step wall times: .*", r.stderr)) if t]
+    summary = "; ".join([r.stderr.strip().splitlines()[-1]] + timed)
     return (float(m.group(1)) if m else None), summary
 
 

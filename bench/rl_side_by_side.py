@@ -129,6 +129,7 @@ def torch_side(a, folder):
                              temperature=1.0, top_p=1.0, top_k=0, cache_implementation="static")
     sync()
     res["rollout_s"] = time.perf_counter() - t
+    log(f"torch rollout_s: {res['rollout_s']:.1f}")  # as it comes: a run cut short keeps its phases
     prompt_len = ids.shape[1]
     resp = out[:, prompt_len:]
     # Reward and group-normalised advantages.
@@ -139,6 +140,7 @@ def torch_side(a, folder):
     adv = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1)
     sync()
     res["reward_s"] = time.perf_counter() - t
+    log(f"torch reward_s: {res['reward_s']:.1f}")  # as it comes: a run cut short keeps its phases
     full_mask = torch.cat([mask, torch.ones_like(resp)], dim=1)
     positions = (full_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: the positions generate used
 
@@ -155,6 +157,7 @@ def torch_side(a, folder):
             old[s:s + a.micro] = response_logprobs(slice(s, s + a.micro))
     sync()
     res["logprob_s"] = time.perf_counter() - t
+    log(f"torch logprob_s: {res['logprob_s']:.1f}")  # as it comes: a run cut short keeps its phases
     # The updates: M mini-batches, token-mean PPO-clip loss.
     model.train()
     model.config.use_cache = False
@@ -173,8 +176,11 @@ def torch_side(a, folder):
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        sync()
+        log(f"torch minibatch {m + 1}/{a.minibatches}: {time.perf_counter() - t:.1f} s since the updates began")
     sync()
     res["train_s"] = time.perf_counter() - t
+    log(f"torch train_s: {res['train_s']:.1f}")  # as it comes: a run cut short keeps its phases
     res["step_s"] = res["rollout_s"] + res["reward_s"] + res["logprob_s"] + res["train_s"]
     res["response_length_mean"] = float(resp.shape[1])
     return res

@@ -52,6 +52,10 @@ std::vector<std::vector<double>> to_host_f64(Runtime& rt, ExecContext& cx, const
 // ---------------------------------------------------------------------------------------------------------------
 // The cache memory: KV blocks of the attention layers, state slots of the Gated DeltaNet layers.
 
+int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max_new_tokens, int64_t n) {
+  return n * ((prompt_tokens + max_new_tokens + o.block_size - 1) / o.block_size);
+}
+
 class RolloutEngine::Pool {
  public:
   Pool(Runtime& rt, const ModelConfig& c, const ModelOptions& mo, const EngineOptions& o) : block_size(o.block_size) {
@@ -70,6 +74,7 @@ class RolloutEngine::Pool {
             ? int64_t(o.cache_memory_fraction * double(rt.backend(mo.device.type).free_memory(mo.device.index)))
             : o.cache_bytes;
     blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
+    if (o.cache_blocks == 0 && o.max_cache_blocks > 0) blocks = std::min(blocks, o.max_cache_blocks);
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
                 bytes, block_size, block_bytes);
     // One block and one slot more, for the pad rows of fixed-shape steps: scratch_block, scratch_slot.

@@ -65,12 +65,19 @@ struct EngineOptions {
   int64_t cache_blocks = 0;        // blocks in the pool; 0: as many as cache_memory_fraction or cache_bytes hold
   double cache_memory_fraction = 0.0;  // > 0: this fraction of the device's free memory when the engine is made
   int64_t cache_bytes = int64_t(1) << 30;
+  // > 0: the pool holds no more blocks than this, however much memory is free: a caller that knows its requests
+  // passes what they can use (blocks_needed), so a memory fraction does not take room the rest of the run needs.
+  int64_t max_cache_blocks = 0;
   int64_t max_step_tokens = 2048;  // tokens one model call takes (decodes and prefill chunks together)
   int64_t max_running = 64;        // sequences in the running batch (and Gated DeltaNet state slots)
   bool share_prefixes = true;      // the n samples of a request share its prompt's cache, computed once
   StepGraphs graphs = StepGraphs::kAuto;  // decode steps as CUDA graphs (steps of LoRA batches run eagerly)
   bool time_forwards = false;      // time each step's layers on the device (EngineStats::*_forward_ms; events)
 };
+
+// The KV blocks n samples of a prompt of `prompt_tokens` use at most (each its own, no prefix shared) with up to
+// `max_new_tokens` new tokens each.
+int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max_new_tokens, int64_t n);
 
 struct RolloutRequest {
   std::vector<int32_t> prompt;     // at least one token

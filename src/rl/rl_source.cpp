@@ -277,6 +277,14 @@ std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>&
   if (first.cache_mib > 0) eo.cache_bytes = first.cache_mib * 1048576;
   else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
   else eo.cache_memory_fraction = 0.8;
+  for (const Ask& a : asks)  // the pool holds what the round's requests can use, no more
+    for (size_t p : a.prompts)
+      eo.max_cache_blocks += blocks_needed(eo, int64_t(a.job->prompts[p].ids.size()), a.job->c->rl.max_new_tokens,
+                                           a.job->c->rl.samples);
+  const Device device = model_->options().device;
+  // What the updates left cached goes back to the driver: the pool is sized from the free memory, and small requests
+  // in large cached blocks would hold room nobody uses.
+  rt_.backend(device.type).allocator(device.index).release_cached();
   RolloutEngine engine(rt_, *model_, eo);
   for (const Ask& a : asks) {
     const RlOptions& o = a.job->c->rl;

@@ -553,6 +553,13 @@ TEST(Rollout, LimitsAndBadRequests) {
   EngineOptions fraction;
   fraction.cache_memory_fraction = 0.001;
   EXPECT_GT(RolloutEngine(runtime(), *m, fraction).cache_blocks(), 0);
+  // With what the requests can use given (max_cache_blocks), the fraction takes no more: 3 samples of a 20-token
+  // prompt with 13 new tokens each use 3 x ceil(33 / 16) blocks.
+  fraction.cache_memory_fraction = 0.5;
+  fraction.max_cache_blocks = blocks_needed(fraction, 20, 13, 3);
+  EXPECT_EQ(fraction.max_cache_blocks, 9);
+  EXPECT_EQ(RolloutEngine(runtime(), *m, fraction).cache_blocks(), 9);
+  fraction.max_cache_blocks = 0;
   fraction.cache_memory_fraction = 1.0;
   EXPECT_THROW(RolloutEngine(runtime(), *m, fraction), Error);
   EngineOptions tiny;

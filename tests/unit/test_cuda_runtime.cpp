@@ -115,38 +115,40 @@ TEST(CudaRuntime, CachingAllocatorKeepsLargeTensorsInBlocksNearTheirSize) {
 
 // Fills the device, so it runs only when asked (LATHE_DEVICE_FILL_TESTS=1) and alone: other tests beside it would run
 // out of memory.
-TEST(CudaRuntime, CachingAllocatorTakesALargerCachedBlockBeforeEmptyingItsCacheWhenTheDeviceIsFull) {
+TEST(CudaRuntime, CachingAllocatorOnAFullDeviceTakesACachedBlockOfAtMostTwiceTheSize) {
   REQUIRE_CUDA();
   const char* fill = std::getenv("LATHE_DEVICE_FILL_TESTS");
   if (!fill || std::string(fill) != "1") GTEST_SKIP() << "fills the device: set LATHE_DEVICE_FILL_TESTS=1 and run alone";
   Allocator& alloc = runtime().backend(DeviceType::CUDA).allocator(0);
   alloc.release_cached();
   const AllocatorStats s0 = alloc.stats();
-  void* big = nullptr;
+  const int64_t chunk = int64_t(512) << 20;
+  void* one = nullptr;
   {
-    Tensor a = Tensor::empty({int64_t(1) << 30}, DType::U8, alloc);  // 1 GiB, then cached
-    big = a.data_ptr();
+    Tensor a = Tensor::empty({int64_t(1) << 30}, DType::U8, alloc);  // 1 GiB and 4 GiB, then cached
+    Tensor b = Tensor::empty({int64_t(4) << 30}, DType::U8, alloc);
+    one = a.data_ptr();
   }
-  // 512 MiB chunks until the device is full: the cached 1 GiB block is far over 512 MiB + an eighth, so no chunk
-  // takes it while cudaMalloc succeeds; the first chunk cudaMalloc cannot place must take it (not empty the cache);
-  // the one after that finds nothing and is the out-of-memory error.
+  // 512 MiB chunks until the device is full. Both cached blocks are far over 512 MiB + an eighth, so no chunk takes
+  // them while cudaMalloc succeeds; the first chunk cudaMalloc cannot place takes the 1 GiB block (twice its size);
+  // the next must not take the 4 GiB one: the cache is emptied and the chunks fill its room.
   std::vector<Tensor> chunks;
-  bool took_big = false, out_of_memory = false;
+  bool took_one = false, out_of_memory = false;
   for (int i = 0; i < 4096 && !out_of_memory; ++i) {
     try {
-      chunks.push_back(Tensor::empty({int64_t(512) << 20}, DType::U8, alloc));
-      if (chunks.back().data_ptr() == big) {
-        took_big = true;
-        EXPECT_EQ(alloc.stats().allocated - alloc.stats().requested, int64_t(512) << 20)
-            << "the whole 1 GiB block counts as allocated, 512 MiB as requested";
-      }
+      chunks.push_back(Tensor::empty({chunk}, DType::U8, alloc));
+      took_one = took_one || chunks.back().data_ptr() == one;
     } catch (const Error& e) {
       out_of_memory = true;
       EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
     }
   }
   EXPECT_TRUE(out_of_memory);
-  EXPECT_TRUE(took_big) << "the full device emptied the cache instead of using the cached 1 GiB block";
+  EXPECT_TRUE(took_one) << "the full device emptied the cache instead of using the cached 1 GiB block";
+  const AllocatorStats full = alloc.stats();
+  EXPECT_EQ((full.allocated - s0.allocated) - (full.requested - s0.requested), chunk)
+      << "only the chunk in the 1 GiB block holds unused memory (a chunk in the 4 GiB block would hold 3.5 GiB)";
+  EXPECT_EQ(full.reserved - s0.reserved, full.allocated - s0.allocated) << "the cache was emptied";
   chunks.clear();
   alloc.release_cached();
   EXPECT_EQ(alloc.stats().allocated, s0.allocated);

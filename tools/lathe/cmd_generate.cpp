@@ -18,10 +18,12 @@
 // kwargs); the library underneath by tests/models/test_generate{,_qwen3_5}.cpp.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <optional>
 #include <unistd.h>
 
@@ -380,9 +382,12 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
               : a.graphs == "off"    ? StepGraphs::kOff
               : a.graphs == "padded" ? StepGraphs::kPadded
                                      : StepGraphs::kAuto;
-  // The cache: --cache-mib, else 80% of the GPU's free memory once the model is loaded, or 1 GiB on the CPU.
+  // The cache: --cache-mib, else 80% of the GPU's free memory once the model is loaded, or 1 GiB on the CPU; at most
+  // what the lines can use.
   if (a.cache_mib > 0) eo.cache_bytes = a.cache_mib * 1048576;
   else if (!model.options().device.is_cpu()) eo.cache_memory_fraction = 0.8;
+  for (size_t i = size_t(me); i < requests.size(); i += size_t(ranks))  // never more than this rank's lines can use
+    eo.max_cache_blocks += blocks_needed(eo, int64_t(requests[i].size()), options.max_new_tokens, a.n);
   RolloutEngine engine(rt, model, eo);
   // Ids the sampler never draws, as Generator: above the tokenizer's vocabulary, and its holes.
   const int64_t allowed = tok ? std::min<int64_t>(c.vocab_size, tok->vocab_size()) : c.vocab_size;
@@ -461,9 +466,13 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     }
   };
   bool more = true;
+  std::vector<double> step_ms;  // --time-forwards: each step's wall time
   for (int64_t step = 0; more; ++step) {
     profile(step);
+    const auto step_t0 = std::chrono::steady_clock::now();
     more = engine.step();
+    if (a.time_forwards)
+      step_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - step_t0).count());
     for (RolloutResult& r : engine.take_finished()) {
       generated += int64_t(r.tokens.size());
       ++samples_done;
@@ -488,6 +497,13 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
                progress ? "\r" : "", st.graph_replays ? st.replay_forward_ms / double(st.graph_replays) : 0.0,
                st.graph_replays, st.eager_decode_steps ? st.eager_forward_ms / double(st.eager_decode_steps) : 0.0,
                st.eager_decode_steps);
+  if (a.time_forwards && !step_ms.empty()) {  // steady steps against one-off costs (recording, first calls)
+    std::vector<double> sorted = step_ms;
+    std::sort(sorted.begin(), sorted.end());
+    const double total = std::accumulate(step_ms.begin(), step_ms.end(), 0.0);
+    fmt::print(stderr, "generate: step wall times: median {:.3f} ms, longest {:.1f} ms, all {:.1f} ms over {} steps\n",
+               sorted[sorted.size() / 2], sorted.back(), total, step_ms.size());
+  }
   fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens{} in {:.1f} s ({:.1f} tokens/s) on {} "
              "({}); {} steps ({} graph replays of {} recorded), {} preemptions, {} prompt tokens shared{}{}\n",
              progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, ranks > 1 ? " on rank 0" : "",

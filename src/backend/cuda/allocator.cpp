@@ -62,6 +62,8 @@ void* CachingAllocator::system_alloc(size_t bytes) {
              bytes >> 20, device_, stats_.allocated >> 20, stats_.reserved >> 20, free_bytes >> 20, total_bytes >> 20);
 }
 
+size_t CachingAllocator::max_cached_block_when_full(size_t size) { return 2 * size; }
+
 size_t CachingAllocator::max_block_for(size_t size) {
   return size < kSmallLimit ? 2 * size : size + std::max(kLargeRound, size / 8);
 }
@@ -72,11 +74,13 @@ void* CachingAllocator::allocate(size_t nbytes) {
   void* p = nullptr;
   size_t block = size;
   auto it = free_.lower_bound(size);
-  // A cached block near the size; else a new one; else, with the device full, any larger cached block, since
-  // emptying the cache (system_alloc: a device-wide synchronisation) is the last resort.
+  // A cached block near the size; else a new one; else, with the device full, a cached block of at most twice the
+  // size; else the cache is emptied (system_alloc: a device-wide synchronisation) and the request placed afresh. A
+  // larger block would count whole against the device: small requests in the large blocks a training step left
+  // cached once filled a GPU with memory nobody used (docs/memory.md, "The caching allocator").
   const bool fits = it != free_.end() && it->first <= max_block_for(size);
   if (!fits) p = try_system_alloc(size);
-  if (!p && it != free_.end()) {
+  if (!p && it != free_.end() && it->first <= max_cached_block_when_full(size)) {
     p = it->second;
     block = it->first;
     free_.erase(it);
