@@ -11,7 +11,8 @@ at 0.2, token-mean loss, M mini-batch updates per rollout (8 by default: 64 sequ
 - Lathe: `lathe rl` for two rollouts (2 x M optimizer steps); the second rollout's step is reported from
   metrics.jsonl, split into rollout / reward / old log-probs / training / handover (the first includes one-time
   work: graph recording, GEMM plans).
-- PyTorch: one rollout: model.generate on the 512 sequences at once (static cache), the reward in Python, the old
+- PyTorch: one rollout: model.generate on the 512 sequences at once (its default cache: with the static one generate
+  compiles its step with torch.compile inside the timed call, which session 20 saw start and not finish in time), the reward in Python, the old
   policy's log-probabilities by a no-grad forward, then the M mini-batch updates (micro-batches of --micro sequences,
   gradient checkpointing, bf16 weights, torch.optim.AdamW), each phase timed with torch.cuda.synchronize().
 
@@ -75,7 +76,7 @@ def lathe_side(a, folder):
                 f"  recompute: true\n  seed: 1\n"
                 f"rl:\n  algorithm: grpo\n  samples: {a.samples}\n  prompts_per_step: {a.prompts}\n"
                 f"  minibatches: {a.minibatches}\n  max_new_tokens: {a.new}\n  temperature: 1.0\n"
-                f"  max_running: {a.prompts * a.samples}\n"
+                f"  max_running: {a.prompts * a.samples}\n  offload_optimizer: {a.offload}\n"
                 "  reward:\n    answer: 0\n    format: '.*[0-9].*'\n    format_weight: 1\n")
     t = time.perf_counter()
     r = subprocess.run([a.lathe_bin, "rl", cfg], capture_output=True, text=True,
@@ -126,7 +127,7 @@ def torch_side(a, folder):
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=a.new, min_new_tokens=a.new, do_sample=True,
-                             temperature=1.0, top_p=1.0, top_k=0, cache_implementation="static")
+                             temperature=1.0, top_p=1.0, top_k=0)
     sync()
     res["rollout_s"] = time.perf_counter() - t
     log(f"torch rollout_s: {res['rollout_s']:.1f}")  # as it comes: a run cut short keeps its phases
@@ -197,6 +198,7 @@ def main():
     ap.add_argument("--minibatches", type=int, default=8)
     ap.add_argument("--micro", type=int, default=8, help="PyTorch: sequences per forward/backward")
     ap.add_argument("--out", default="/tmp/rl_bench")
+    ap.add_argument("--offload", default="auto", help="lathe: rl.offload_optimizer (auto, true, false)")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--skip-lathe", action="store_true")
     ap.add_argument("--lathe-timeout", type=float, default=400)

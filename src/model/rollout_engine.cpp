@@ -56,17 +56,44 @@ int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max
   return n * ((prompt_tokens + max_new_tokens + o.block_size - 1) / o.block_size);
 }
 
+namespace {
+
+struct CacheLayout {
+  int64_t attn = 0, gdn = 0;  // attention and Gated DeltaNet layers
+  int64_t block_bytes = 0;    // one KV block over every attention layer
+  int64_t conv_channels = 0;
+};
+
+CacheLayout cache_layout(const ModelConfig& c, const ModelOptions& mo, int64_t block_size) {
+  CacheLayout l;
+  for (int64_t i = 0; i < c.num_layers; ++i) ++(is_gdn_layer(c, i) ? l.gdn : l.attn);
+  l.block_bytes = l.attn * 2 * block_size * c.num_kv_heads * c.head_dim * int64_t(dtype_size(mo.dtype));
+  l.conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
+  return l;
+}
+
+}  // namespace
+
+int64_t cache_bytes(const ModelConfig& c, const ModelOptions& mo, const EngineOptions& o, int64_t blocks) {
+  const CacheLayout l = cache_layout(c, mo, o.block_size);
+  const int64_t slot_bytes =
+      (c.linear_conv_kernel_dim - 1) * l.conv_channels * int64_t(dtype_size(mo.dtype)) +
+      c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim *
+          int64_t(dtype_size(gdn_state_dtype(mo.dtype)));
+  return (blocks + 1) * l.block_bytes + l.gdn * (o.max_running + 1) * slot_bytes;
+}
+
 class RolloutEngine::Pool {
  public:
   Pool(Runtime& rt, const ModelConfig& c, const ModelOptions& mo, const EngineOptions& o) : block_size(o.block_size) {
     ExecContext cx = rt.context(mo.device);
-    int64_t attn = 0, gdn = 0;
-    for (int64_t i = 0; i < c.num_layers; ++i) {
+    const CacheLayout layout = cache_layout(c, mo, block_size);
+    const int64_t attn = layout.attn, gdn = layout.gdn, block_bytes = layout.block_bytes;
+    for (int64_t i = 0, a = 0, g = 0; i < c.num_layers; ++i) {
       const bool linear = is_gdn_layer(c, i);
-      attn_slot.push_back(linear ? -1 : int(attn++));
-      gdn_slot.push_back(linear ? int(gdn++) : -1);
+      attn_slot.push_back(linear ? -1 : int(a++));
+      gdn_slot.push_back(linear ? int(g++) : -1);
     }
-    const int64_t block_bytes = attn * 2 * block_size * c.num_kv_heads * c.head_dim * int64_t(dtype_size(mo.dtype));
     LATHE_CHECK(o.cache_memory_fraction >= 0 && o.cache_memory_fraction < 1,
                 "rollout: cache_memory_fraction must be in [0, 1), not {}", o.cache_memory_fraction);
     const int64_t bytes =
@@ -85,8 +112,7 @@ class RolloutEngine::Pool {
         t->push_back(Tensor::empty({(blocks + 1) * block_size, c.num_kv_heads, c.head_dim}, mo.dtype, cx.allocator));
         fill_zero(cx, t->back().narrow(0, scratch_block * block_size, block_size));
       }
-    const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim +
-                             c.linear_num_value_heads * c.linear_value_head_dim;
+    const int64_t channels = layout.conv_channels;
     for (int64_t l = 0; l < gdn; ++l) {
       conv.push_back(
           Tensor::empty({o.max_running + 1, c.linear_conv_kernel_dim - 1, channels}, mo.dtype, cx.allocator));

@@ -78,6 +78,9 @@ struct EngineOptions {
 // The KV blocks n samples of a prompt of `prompt_tokens` use at most (each its own, no prefix shared) with up to
 // `max_new_tokens` new tokens each.
 int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max_new_tokens, int64_t n);
+// The device memory an engine's cache takes with `blocks` KV blocks: the attention layers' blocks (and the pad rows'
+// scratch block) and, for Gated DeltaNet layers, max_running (+ 1 scratch) conv and recurrent state slots.
+int64_t cache_bytes(const ModelConfig& c, const ModelOptions& mo, const EngineOptions& o, int64_t blocks);
 
 struct RolloutRequest {
   std::vector<int32_t> prompt;     // at least one token

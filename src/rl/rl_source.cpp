@@ -143,6 +143,7 @@ struct RlSource::Job {
   // The position in the prompt order, and the rollouts done (each seeds its sampling).
   int64_t epoch = 0, position = 0, rollouts = 0;
   std::vector<size_t> order;
+  int64_t longest_prompt = 0;                    // tokens (the rollout cache's need)
   nlohmann::json rollout_metrics;                // the last rollout's figures, reported with its first update
   double last_reward = 0;                        // the last rollout's mean reward (the progress line)
   double last_ratio = 1, last_clip = 0;          // the last update's (the progress line)
@@ -209,7 +210,11 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
   ranks_ = ranks;
   handover_ = handover;
   const std::string& offload = jobs_[0]->c->rl.offload_optimizer;  // shared by the tenants
-  offload_ = offload == "true" || (offload == "auto" && !model.options().device.is_cpu());
+  offload_ = offload == "true"                                          ? Offload::kAlways
+             : offload == "auto" && !model.options().device.is_cpu() ? Offload::kWhenShort
+                                                                       : Offload::kNever;
+  for (auto& j : jobs_)
+    for (const RlPrompt& p : j->prompts) j->longest_prompt = std::max(j->longest_prompt, int64_t(p.ids.size()));
   // Full fine-tuning's KL reference: a frozen copy of the starting weights (tenants are LoRA: their base is it).
   const bool kl = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& j) { return j->c->rl.kl_coef > 0; });
   if (kl && jobs[0].adapter < 0) {
@@ -268,24 +273,19 @@ size_t RlSource::next_prompt(Job& j) {
 // tenants' requests in one batch, each with its job's adapter). The engine lives for the round: its KV cache is freed
 // before the updates (on a GPU the memory goes back to the training step).
 std::vector<std::vector<RolloutResult>> RlSource::sample(const std::vector<Ask>& asks) {
-  const RlOptions& first = asks[0].job->c->rl;
   int64_t requests = 0;
   for (const Ask& a : asks) requests += int64_t(a.prompts.size()) * a.job->c->rl.samples;
   if (requests == 0) return std::vector<std::vector<RolloutResult>>(asks.size());  // a rank's empty share of a refill
-  EngineOptions eo;
-  eo.max_running = std::max<int64_t>(1, std::min<int64_t>(first.max_running, requests));
-  if (first.cache_mib > 0) eo.cache_bytes = first.cache_mib * 1048576;
-  else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
-  else eo.cache_memory_fraction = 0.8;
-  for (const Ask& a : asks)  // the pool holds what the round's requests can use, no more
+  int64_t blocks = 0;
+  for (const Ask& a : asks)
     for (size_t p : a.prompts)
-      eo.max_cache_blocks += blocks_needed(eo, int64_t(a.job->prompts[p].ids.size()), a.job->c->rl.max_new_tokens,
-                                           a.job->c->rl.samples);
+      blocks += blocks_needed(EngineOptions{}, int64_t(a.job->prompts[p].ids.size()), a.job->c->rl.max_new_tokens,
+                              a.job->c->rl.samples);
   const Device device = model_->options().device;
   // What the updates left cached goes back to the driver: the pool is sized from the free memory, and small requests
   // in large cached blocks would hold room nobody uses.
   rt_.backend(device.type).allocator(device.index).release_cached();
-  RolloutEngine engine(rt_, *model_, eo);
+  RolloutEngine engine(rt_, *model_, engine_options(requests, blocks));
   for (const Ask& a : asks) {
     const RlOptions& o = a.job->c->rl;
     for (size_t p : a.prompts) {
@@ -498,6 +498,42 @@ std::vector<RlSource::Group> RlSource::share_of_groups(const Job& j, Drawn& d) {
   return share;
 }
 
+// The engine of a sampling round of `sequences` samples whose requests can use `blocks` KV blocks: rl.max_running
+// sequences at once (at most the round's), a cache of rl.cache_mib, else 80% of a GPU's free memory (256 MiB on the
+// CPU), never more than the blocks.
+EngineOptions RlSource::engine_options(int64_t sequences, int64_t blocks) const {
+  const RlOptions& o = jobs_[0]->c->rl;  // shared by the tenants
+  EngineOptions eo;
+  eo.max_running = std::max<int64_t>(1, std::min<int64_t>(o.max_running, sequences));
+  if (o.cache_mib > 0) eo.cache_bytes = o.cache_mib * 1048576;
+  else if (model_->options().device.is_cpu()) eo.cache_bytes = int64_t(256) << 20;
+  else eo.cache_memory_fraction = 0.8;
+  eo.max_cache_blocks = blocks;
+  return eo;
+}
+
+// rl.offload_optimizer: auto: whether the first sampling round's cache (this rank's share of the jobs' prompts, each
+// sample as long as the longest prompt and rl.max_new_tokens) fits the device's free memory as the engine takes it
+// (80%, or rl.cache_mib) with the optimizer state where it is.
+bool RlSource::cache_fits_beside_optimizer(const std::vector<size_t>& ids) const {
+  int64_t sequences = 0, blocks = 0;
+  for (size_t id : ids) {
+    const Job& j = *jobs_[id];
+    const RlOptions& o = j.c->rl;
+    const int64_t prompts = (o.prompts_per_step + ranks_.ranks - 1) / ranks_.ranks;
+    sequences += prompts * o.samples;
+    blocks += prompts * blocks_needed(EngineOptions{}, j.longest_prompt, o.max_new_tokens, o.samples);
+  }
+  const EngineOptions eo = engine_options(sequences, blocks);
+  const Device device = model_->options().device;
+  rt_.backend(device.type).allocator(device.index).release_cached();
+  const int64_t free = rt_.backend(device.type).free_memory(device.index);
+  const int64_t need = cache_bytes(model_->config(), model_->options(), eo, blocks);
+  const int64_t room = eo.cache_memory_fraction > 0 ? int64_t(eo.cache_memory_fraction * double(free))
+                                                     : std::min<int64_t>(eo.cache_bytes, free);
+  return need <= room;
+}
+
 // One rollout of each listed job: sampling rounds until every job has rl.prompts_per_step groups (or no rounds left:
 // set-aside groups fill the rest, with zero advantages), then each job's groups split into its updates. The optimizer
 // state leaves the device while the engine samples (rl.offload_optimizer: its cache gets the room) and comes back
@@ -505,12 +541,14 @@ std::vector<RlSource::Group> RlSource::share_of_groups(const Job& j, Drawn& d) {
 void RlSource::rollout(const std::vector<size_t>& ids) {
   std::vector<Drawn> d(ids.size());
   auto t = Clock::now();
-  const size_t handover_bytes = offload_ ? handover_.offload() : 0;
+  const bool offload =
+      offload_ == Offload::kAlways || (offload_ == Offload::kWhenShort && !cache_fits_beside_optimizer(ids));
+  const size_t handover_bytes = offload ? handover_.offload() : 0;
   double handover_s = seconds_since(t);
   while (sampling_round(ids, d)) {
   }
   t = Clock::now();
-  if (offload_) handover_.restore();
+  if (offload) handover_.restore();
   handover_s += seconds_since(t);
   std::vector<std::vector<Group>> groups(ids.size());
   std::vector<Figures> figures(ids.size());
@@ -534,7 +572,7 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     if (ranks_.ranks > 1) figures_over_ranks(figures[k]);
     j.last_reward = figures[k].reward_sum / double(std::max<int64_t>(figures[k].sampled, 1));
     j.rollout_metrics = rollout_figures(j, figures[k]);
-    if (offload_) {  // the whole run's optimizer state, every tenant's
+    if (offload_ != Offload::kNever) {  // the whole run's optimizer state, every tenant's (0: it stayed)
       j.rollout_metrics["handover_s"] = handover_s;
       j.rollout_metrics["handover_mib"] = double(handover_bytes) / 1048576.0;
     }

@@ -94,6 +94,8 @@ class RlSource final : public StepSource {
   std::vector<Group> share_of_groups(const Job& j, Drawn& drawn);  // data parallelism with dynamic sampling
   nlohmann::json rollout_figures(const Job& j, const Figures& f) const;
   std::vector<std::vector<RolloutResult>> sample(const std::vector<Ask>& asks);
+  EngineOptions engine_options(int64_t sequences, int64_t blocks) const;
+  bool cache_fits_beside_optimizer(const std::vector<size_t>& jobs) const;
   std::vector<double> rewards(const Job& j, const std::vector<size_t>& prompts,
                               const std::vector<RolloutResult>& samples, RewardParts& parts);
   void queue_updates(const std::vector<size_t>& jobs, std::vector<std::vector<Group>>& groups,
@@ -120,7 +122,8 @@ class RlSource final : public StepSource {
   CausalLm* model_ = nullptr;
   SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
   SourceHandover handover_;
-  bool offload_ = false;  // rl.offload_optimizer resolved
+  enum class Offload { kNever, kAlways, kWhenShort };  // rl.offload_optimizer false, true, auto (on a GPU)
+  Offload offload_ = Offload::kNever;
   std::unique_ptr<CausalLm> reference_;  // full fine-tuning's KL reference (the starting weights, frozen)
   bool reference_offloaded_ = false;     // rl.reference_offload: it waits in host memory
 };

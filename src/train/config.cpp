@@ -299,7 +299,8 @@ const std::vector<Option>& options() {
                 "the rollout engine's KV cache in MiB (0: 80% of the GPU's free memory, 256 MiB on the CPU)", rl.cache_mib),
       LATHE_OPT("rl.offload_optimizer", Kind::String, "auto",
                 "auto | true | false: the optimizer state (masters and moments) moves to host memory for each rollout "
-                "and back for the updates, so the rollout's cache gets its room (auto: on for GPUs)", rl.offload_optimizer),
+                "and back for the updates, so the rollout's cache gets its room (auto: on a GPU, for the rollouts whose cache "
+                "would not fit the free memory beside it)", rl.offload_optimizer),
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
              "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME), and "

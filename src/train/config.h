@@ -39,7 +39,7 @@ struct RlOptions {
   int64_t overlong_buffer = 0;            // DAPO's overlong shaping over the last N tokens (0 = off)
   int64_t cache_mib = 0;                  // the rollout engine's KV cache (0: 80% of free GPU memory / 256 MiB CPU)
   int64_t max_running = 256;              // the rollout engine's running sequences
-  std::string offload_optimizer = "auto";  // auto (on for GPUs) | true | false: the optimizer state on the host during rollouts
+  std::string offload_optimizer = "auto";  // auto (a GPU's rollouts short of room) | true | false: the optimizer state on the host during rollouts
 };
 
 struct TrainConfig {

@@ -520,6 +520,22 @@ TEST(Rollout, AWeightUpdateBetweenBatchesIsUsed) {
   EXPECT_NE(after[0].tokens, before[0].tokens) << "the update should change the greedy tokens of this prompt";
 }
 
+// cache_bytes (what RL's handover weighs against the free memory) is what an engine's cache takes: the host
+// allocator's bytes while an engine of N blocks lives, for a dense and a hybrid model.
+TEST(Rollout, CacheBytesIsWhatTheCacheTakes) {
+  for (const std::string type : {"qwen3", "qwen3_5"}) {
+    const std::unique_ptr<CausalLm> m = tiny_model(type);
+    EngineOptions o;
+    o.cache_blocks = 11;
+    o.max_running = 5;
+    o.graphs = StepGraphs::kOff;
+    Allocator& host = runtime().host_allocator();
+    const int64_t before = host.stats().allocated;
+    const RolloutEngine e(runtime(), *m, o);
+    EXPECT_EQ(host.stats().allocated - before, cache_bytes(m->config(), m->options(), o, 11)) << type;
+  }
+}
+
 // A sequence reaching the model's context ends with "length"; bad requests and impossible caches are refused.
 TEST(Rollout, LimitsAndBadRequests) {
   const std::unique_ptr<CausalLm> m = tiny_model("qwen3");
