@@ -59,7 +59,7 @@ fi
 if has modes; then  # every --graphs mode at 64 requests and at batch 1: Qwen3.5-0.8B first, then Qwen3-1.7B
   for shape in q35-0.8b 1.7b; do
     for g in padded auto off; do
-      python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs $g --graphs-off-too \
+      python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --graphs $g --graphs-off-too --time-forwards \
         --batch1-graphs $g --shapes $shape --out /tmp/gen_modes >$L/modes_${shape}_$g.log 2>&1
       summary "[$g] $(grep -E '^(1.7b|q35)' $L/modes_${shape}_$g.log | sed -E 's/; generate: .* on cuda:0 \(bf16\);/;/')"
     done
