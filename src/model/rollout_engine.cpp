@@ -441,8 +441,9 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   if (!rt.backend(device.type).can_capture()) why = fmt::format("{} does not record graphs", device.str());
   else if (model.config().num_experts > 0) why = "a mixture-of-experts layer reads its routing back to the host";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
-  // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200, while the dense
-  // Qwen3 shape measured slower replayed than eager there (docs/rollout.md, "Decode graphs").
+  // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200 at every batch; the
+  // dense Qwen3 shape is faster replayed at batch 1 but not yet measured fairly at 64 (docs/rollout.md, "Decode
+  // graphs").
   const bool hybrid = !pool_->conv.empty();  // it has Gated DeltaNet state slots
   const bool record =
       why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));

@@ -53,8 +53,9 @@ namespace lathe {
 
 // How decode steps (every running sequence one new token) run.
 enum class StepGraphs {
-  kAuto,    // kOn for models with Gated DeltaNet layers where the device records graphs (measured faster there; the
-            // dense Qwen3 shape measured slower replayed, docs/rollout.md), otherwise kOff
+  kAuto,    // kOn for models with Gated DeltaNet layers where the device records graphs (measured faster there at
+            // every batch; dense models: faster at batch 1, not yet measured by median steps at 64, docs/rollout.md),
+            // otherwise kOff
   kOn,      // recorded: a model or device that cannot is refused when the engine is made
   kPadded,  // padded to the recorded shapes and run eagerly (what a graph replays, on any device and family: tests)
   kOff,     // every step as it comes
