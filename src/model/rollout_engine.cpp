@@ -586,44 +586,103 @@ bool RolloutEngine::plain_greedy(const Sequence& s, int64_t limit) const {
          allowed_vocab(s) == limit;
 }
 
-// Whether the sequence's tokens are drawn on the device (sample_rows): sampling with a temperature, top-k, top-p and
-// min-p, without penalties or banned ids.
-bool RolloutEngine::device_sampled(const Sequence& s, int64_t limit) const {
-  const SamplingOptions& o = s.req->sampling;
-  return o.temperature > 0 && o.repetition_penalty == 1.0 && o.frequency_penalty == 0.0 && s.req->banned_ids.empty() &&
-         allowed_vocab(s) == limit;
+// Whether the sequence's next token is drawn on the device: sampled (temperature, top-k, top-p, min-p), or greedy or
+// sampled after penalties or banned ids (penalize_rows); only a request whose allowed vocabulary is not the step's
+// limit draws on the host.
+bool RolloutEngine::device_drawn(const Sequence& s, int64_t limit) const {
+  return allowed_vocab(s) == limit && !plain_greedy(s, limit);
 }
 
-// The next tokens of the ready rows that sample on the device, and of their followers (which draw their first token
-// from their leader's row), in one sample_rows call. Each draw's stream is the sample's (a key from the request's seed
-// and the sample's index), its counter the tokens the sample has generated, so nothing else in the step changes it.
+// The model's logit of `token` from its penalised one (penalize_rows, op_table.h, undone in double): z = y + f c,
+// then z * p above zero and z / p otherwise, for an id the draw saw; other ids are unchanged.
+double RolloutEngine::unpenalized(const DeviceDraws::Draw& d, int32_t token, double logit) {
+  const auto e = d.entries.find(token);
+  if (e == d.entries.end() || e->second < 0) return logit;
+  const double z = logit + d.frequency * double(e->second);
+  return z > 0 ? z * d.repetition : z / d.repetition;
+}
+
+// The next tokens of the ready rows that draw on the device, and of their followers (which draw their first token
+// from their leader's row): at most one sample_rows call for the plain draws, and for the penalised ones one
+// penalize_rows call and then sample_rows or row_argmax_logsumexp over its rows. Each draw's stream is the sample's (a
+// key from the request's seed and the sample's index), its counter the tokens the sample has generated, so nothing
+// else in the step changes it.
 RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const Tensor& logits,
                                                          const std::vector<Sequence*>& batch,
                                                          const std::vector<size_t>& ready, int64_t limit) {
+  using Group = DeviceDraws::Group;
   DeviceDraws d;
-  std::vector<int32_t> rows, keys;
-  std::vector<double> params;
+  const DType st = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
+  const auto as_kernel = [&](double x) { return st == DType::F64 ? x : double(float(x)); };
+  const int64_t v = logits.size(1);
+  struct Draws {  // one sample_rows call's inputs
+    std::vector<int32_t> rows, keys;
+    std::vector<double> params;
+  } plain, penalised;
+  std::vector<int32_t> penalised_rows, entries, greedy_rows;  // penalize_rows' inputs; the greedy draws' y rows
+  std::vector<double> penalties;
   const auto add = [&](const Sequence& q, size_t row) {
-    const uint64_t key = splitmix64(splitmix64(q.req->seed) + uint64_t(q.sample));
-    d.index[&q] = rows.size();
-    rows.push_back(int32_t(row));
-    keys.insert(keys.end(), {int32_t(uint32_t(key)), int32_t(uint32_t(key >> 32)),
-                             int32_t(q.tokens.size() - q.prompt_len)});
     const SamplingOptions& o = q.req->sampling;
-    params.insert(params.end(), {o.temperature, o.min_p, double(o.top_k), o.top_p});
+    const bool penalise = o.repetition_penalty != 1.0 || o.frequency_penalty != 0.0 || !q.req->banned_ids.empty();
+    DeviceDraws::Draw w{o.temperature == 0 ? Group::kPenalisedGreedy : penalise ? Group::kPenalisedSampled : Group::kSampled, 0};
+    if (penalise) {  // the ids the penalties change: generated (their counts), and the prompt's for repetition
+      w.repetition = as_kernel(o.repetition_penalty);
+      w.frequency = as_kernel(o.frequency_penalty);
+      const int32_t y_row = int32_t(penalised_rows.size());
+      if (o.repetition_penalty != 1.0)
+        for (size_t k = 0; k < q.prompt_len; ++k) w.entries.try_emplace(q.tokens[k], 0);
+      for (size_t k = q.prompt_len; k < q.tokens.size(); ++k) ++w.entries[q.tokens[k]];
+      for (int32_t id : q.req->banned_ids) w.entries[id] = -1;
+      for (const auto& [id, count] : w.entries)
+        if (id >= 0 && id < v) entries.insert(entries.end(), {y_row, id, count});
+      penalised_rows.push_back(int32_t(row));
+      penalties.insert(penalties.end(), {o.repetition_penalty, o.frequency_penalty});
+      row = size_t(y_row);
+    }
+    if (w.group == Group::kPenalisedGreedy) {
+      w.i = greedy_rows.size();
+      greedy_rows.push_back(int32_t(row));
+    } else {
+      Draws& to = penalise ? penalised : plain;
+      const uint64_t key = splitmix64(splitmix64(q.req->seed) + uint64_t(q.sample));
+      w.i = to.rows.size();
+      to.rows.push_back(int32_t(row));
+      to.keys.insert(to.keys.end(), {int32_t(uint32_t(key)), int32_t(uint32_t(key >> 32)),
+                                     int32_t(q.tokens.size() - q.prompt_len)});
+      to.params.insert(to.params.end(), {o.temperature, o.min_p, double(o.top_k), o.top_p});
+    }
+    d.index.emplace(&q, std::move(w));
   };
   for (size_t i : ready) {
-    if (!device_sampled(*batch[i], limit ? limit : logits.size(1))) continue;
+    if (!device_drawn(*batch[i], limit ? limit : v)) continue;
     add(*batch[i], i);
     for (const std::unique_ptr<Sequence>& f : batch[i]->followers) add(*f, i);
   }
-  if (rows.empty()) return d;
   const Device device = logits.device();
-  const int64_t m = int64_t(rows.size());
-  const DType st = logits.dtype() == DType::F64 ? DType::F64 : DType::F32;
-  d.out = sample_rows(cx, logits, rt_->upload(rows.data(), {m}, DType::I32, device),
-                      cast(cx, rt_->upload(params.data(), {m, 4}, DType::F64, device), st),
-                      rt_->upload(keys.data(), {m, 3}, DType::I32, device), limit);
+  const auto sample = [&](Group g, const Tensor& x, const Draws& draws) {
+    if (draws.rows.empty()) return;
+    const int64_t m = int64_t(draws.rows.size());
+    d.first[g] = int(d.out.size());
+    for (Tensor& t : sample_rows(cx, x, rt_->upload(draws.rows.data(), {m}, DType::I32, device),
+                                 cast(cx, rt_->upload(draws.params.data(), {m, 4}, DType::F64, device), st),
+                                 rt_->upload(draws.keys.data(), {m, 3}, DType::I32, device), limit))
+      d.out.push_back(std::move(t));
+  };
+  sample(Group::kSampled, logits, plain);
+  if (penalised_rows.empty()) return d;
+  const int64_t m = int64_t(penalised_rows.size()), e = int64_t(entries.size()) / 3;
+  const Tensor y =
+      penalize_rows(cx, logits, rt_->upload(penalised_rows.data(), {m}, DType::I32, device),
+                    cast(cx, rt_->upload(penalties.data(), {m, 2}, DType::F64, device), st),
+                    e > 0 ? rt_->upload(entries.data(), {e, 3}, DType::I32, device) : Tensor::empty({0, 3}, DType::I32, cx.allocator));
+  sample(Group::kPenalisedSampled, y, penalised);
+  if (!greedy_rows.empty()) {
+    const Tensor rows_of_y = embedding(cx, y, rt_->upload(greedy_rows.data(), {int64_t(greedy_rows.size())}, DType::I32, device));
+    std::vector<Tensor> g = row_argmax_logsumexp(cx, rows_of_y, limit);
+    d.first[Group::kPenalisedGreedy] = int(d.out.size());
+    d.out.push_back(std::move(g[0]));
+    d.out.push_back(std::move(g[1]));
+  }
   return d;
 }
 
@@ -822,7 +881,7 @@ bool RolloutEngine::step() {
   std::vector<int32_t> host_rows;  // in f64 on the host: an f64 model's log-probabilities keep their precision
   std::vector<int64_t> host_row_of(batch.size(), -1);
   for (size_t i : ready)
-    if (!plain_greedy(*batch[i], limit) && !device_sampled(*batch[i], limit)) {
+    if (!plain_greedy(*batch[i], limit) && !device_drawn(*batch[i], limit)) {
       host_row_of[i] = int64_t(host_rows.size());
       host_rows.push_back(int32_t(i));
     }
@@ -852,10 +911,13 @@ bool RolloutEngine::step() {
     // Sequence s's next token (and the request's other samples' first, from the same logits).
     const auto next = [&](Sequence& q) {
       if (const auto d = drawn.index.find(&q); d != drawn.index.end()) {
-        const std::vector<double>&token = host_figures[3], &logit = host_figures[4], &logprob = host_figures[5];
-        const int32_t id = int32_t(token[d->second]);
-        LATHE_CHECK(id >= 0, "rollout: every token id of request {} is masked", q.request);
-        return take(q, id, logit[d->second] - row_lse, logprob[d->second]);
+        const DeviceDraws::Draw& w = d->second;
+        const size_t at = 3 + size_t(drawn.first[w.group]);  // the group's outputs among host_figures
+        const int32_t id = int32_t(host_figures[at][w.i]);
+        const double logit = host_figures[at + 1][w.i];
+        const bool greedy = w.group == DeviceDraws::kPenalisedGreedy;
+        LATHE_CHECK(id >= 0 && std::isfinite(logit), "rollout: every token id of request {} is masked", q.request);
+        return take(q, id, unpenalized(w, id, logit) - row_lse, greedy ? 0.0 : host_figures[at + 2][w.i]);
       }
       if (host_row_of[i] < 0) return take(q, int32_t(arg[i]), best[i] - row_lse, 0.0);
       const std::span<const double> row(host.data<double>() + host_row_of[i] * c.vocab_size, size_t(c.vocab_size));

@@ -22,8 +22,9 @@
 //   serves every tenant, through the same segment machinery as multi-tenant training.
 // - Sampling: greedy and temperature / top-k / top-p / min-p draws on the device (row_argmax_logsumexp, sample_rows: a
 //   Gumbel argmax over counter-based variates keyed by the request's seed and the sample's index, above a top-k /
-//   top-p cut); penalties and banned ids on the host (sample_next, model/generate.h) with one mt19937_64 per sequence
-//   seeded from the same two.
+//   top-p cut), penalties and banned ids too (penalize_rows first); only a request whose allowed vocabulary differs
+//   from the step's draws on the host (sample_next, model/generate.h), with one mt19937_64 per sequence seeded from
+//   the same two.
 //   Either way a sequence's tokens do not depend on what else is in the batch. Each token comes with its
 //   log-probability under the model's distribution (log-softmax of the raw logits) and under the distribution it was
 //   drawn from.
@@ -162,11 +163,25 @@ class RolloutEngine {
   bool fork(Sequence& leader, Sequence& follower);
   int64_t allowed_vocab(const Sequence& s) const;
   bool plain_greedy(const Sequence& s, int64_t limit) const;
-  bool device_sampled(const Sequence& s, int64_t limit) const;
-  struct DeviceDraws {  // sample_rows' results on the device (token, logit, logprob), draw i of sequence q at index[q]
-    std::unordered_map<const Sequence*, size_t> index;
+  bool device_drawn(const Sequence& s, int64_t limit) const;
+  // The draws made on the device, in three groups: sampled from the logits (sample_rows: token, logit, logprob),
+  // sampled from penalised rows (penalize_rows, then sample_rows) and greedy over penalised rows (row_argmax_logsumexp:
+  // token, logit). A group's outputs start at out[first[group]] (-1: no draw in it); sequence q's draw is entry i of
+  // its group. A penalised draw's logit is the penalised one; `entries` (id -> generated count, -1 banned) and the
+  // penalties undo that for the model's log-probability (unpenalized).
+  struct DeviceDraws {
+    enum Group { kSampled, kPenalisedSampled, kPenalisedGreedy };
+    struct Draw {
+      Group group;
+      size_t i;
+      double repetition = 1, frequency = 0;  // as the kernel used them (f32 for a low-precision model)
+      std::unordered_map<int32_t, int32_t> entries;
+    };
+    std::unordered_map<const Sequence*, Draw> index;
+    int first[3] = {-1, -1, -1};
     std::vector<Tensor> out;  // empty when nothing was drawn on the device
   };
+  static double unpenalized(const DeviceDraws::Draw& d, int32_t token, double logit);
   DeviceDraws draw_on_device(ExecContext& cx, const Tensor& logits, const std::vector<Sequence*>& batch,
                              const std::vector<size_t>& ready, int64_t limit);
   // Draws the next token of `s` from `row` (its logits) on the host.

@@ -49,6 +49,7 @@ namespace lathe {
   X(scatter_rows, 3)     \
   X(row_argmax_logsumexp, 1) \
   X(sample_rows, 4)      \
+  X(penalize_rows, 4)    \
   X(cross_entropy, 2)    \
   X(adamw, 4)            \
   X(adamw_list, -1)      \
@@ -213,8 +214,15 @@ struct ArgmaxAttrs {
 // finite logit). u_j = sample_uniform(key, counter, j) (backend/sample_hash.h) with key = keys[i][0] | keys[i][1] <<
 // 32 (as unsigned) and counter = keys[i][2]: a draw depends on its key, counter and row only, never on the other
 // draws. logit = x[token]; logprob = z_token - log sum over the kept ids of exp(z), the token's log-probability under
-// the distribution it was drawn from. The rollout engine's device sampling (penalties and banned ids sample on the
-// host). Not differentiable.
+// the distribution it was drawn from. The rollout engine's device sampling (penalize_rows first where a request has
+// penalties or banned ids). Not differentiable.
+
+// penalize_rows(x (N, V), rows (M) i32, params (M, 2), entries (E, 3) i32) -> y (M, V) (f32; f64 for f64): row i of y is
+// row rows[i] of x with the rollout engine's logit penalties, in the order transformers applies them before the
+// temperature: for each entry (i, j, c) (one at most per (i, j)), c >= 0 marks id j as seen in draw i's prompt or
+// response, c the times it was generated: with params[i] = (repetition p > 0, frequency f), y[i][j] = x / p where the
+// logit x > 0, x * p otherwise (transformers' repetition penalty), then minus f * c (the frequency penalty, as vLLM's);
+// c = -1 bans id j: y[i][j] = -inf. Ids without an entry are copied. Not differentiable.
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
 // `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).

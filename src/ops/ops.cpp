@@ -334,6 +334,12 @@ std::vector<Tensor> sample_rows(ExecContext& ctx, const Tensor& x, const Tensor&
                  ArgmaxAttrs{limit});
 }
 
+Tensor penalize_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, const Tensor& params,
+                     const Tensor& entries) {
+  return call_op(ctx, OpId::penalize_rows,
+                 {contiguous(ctx, x), contiguous(ctx, rows), contiguous(ctx, params), contiguous(ctx, entries)})[0];
+}
+
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst) {
   LATHE_CHECK(dst.is_contiguous(), "ops: scatter_rows_into needs a contiguous destination, got {}", dst.describe());
   run_into(ctx, OpCall{OpId::scatter_rows, {contiguous(ctx, src), contiguous(ctx, index), dst}, {dst}, {}},

@@ -95,6 +95,8 @@ Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache,
                        const Tensor& block_table, const Tensor& cu_q, const Tensor& context_lens, PagedAttentionAttrs attrs);
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst);
 std::vector<Tensor> row_argmax_logsumexp(ExecContext& ctx, const Tensor& x, int64_t limit = 0);  // {arg, max, lse}
+Tensor penalize_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, const Tensor& params,
+                     const Tensor& entries);
 std::vector<Tensor> sample_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, const Tensor& params,
                                 const Tensor& keys, int64_t limit = 0);  // {token, logit, logprob}
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,

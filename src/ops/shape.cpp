@@ -364,6 +364,18 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   dtype_name(st), in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe(), limit);
       return {{{m}, DType::I32}, {{m}, st}, {{m}, st}};
     }
+    case OpId::penalize_rows: {
+      check_floating(op, in[0]);
+      check_index(op, in[1], "rows");
+      check_index(op, in[3], "entries");
+      const int64_t m = in[1].dim() == 1 ? in[1].size(0) : -1;
+      const DType st = stats_dtype(in[0].dtype());
+      LATHE_CHECK(in[0].dim() == 2 && m >= 0 && in[2].dim() == 2 && in[2].size(0) == m && in[2].size(1) == 2 &&
+                      in[2].dtype() == st && in[3].dim() == 2 && in[3].size(1) == 3,
+                  "ops: penalize_rows needs x (N, V), rows (M), params (M, 2) in {} and entries (E, 3); got {}, {}, "
+                  "{}, {}", dtype_name(st), in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe());
+      return {{{m, in[0].size(1)}, st}};
+    }
     case OpId::cross_entropy: {
       check_floating(op, in[0]);
       check_index(op, in[1], "labels");

@@ -1,4 +1,4 @@
-// Op cases of the rollout engine's ops: row_argmax_logsumexp and sample_rows (odd widths, a limit below the width, rows
+// Op cases of the rollout engine's ops: row_argmax_logsumexp, sample_rows and penalize_rows (odd widths, a limit below the width, rows
 // the CUDA kernels cut into chunks; draws that share a row), paged_attention
 // (decoding steps of several sequences over scattered blocks, chunks of new tokens after a past, a first chunk, GQA
 // groups 1 to 4 and 8, head dims 8 to 256 (every row width of the CUDA kernel's 16-byte loads), block sizes 4 and 16, long contexts that the CUDA kernel splits; unused
@@ -53,6 +53,14 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
          {0.75, 0.3125, 0, 1, 0.5, 0, 5, 1, 0.875, 0, 0, 0.625, 0.375, 0.0625, 8, 0.8125, 0.8125, 0, 40, 1});
   sample("n=2,v=20001,limit=15000,draws=3", 2, 20001, 15000, {1, 0, 1}, {11, 22, 5, 11, 22, 6, -1, -1, 0},
          {0.625, 0.5, 0, 1, 0.3125, 0, 300, 0.875, 0.875, 0, 0, 0.5});
+  // penalize_rows: four draws from three rows (two share one), (repetition, frequency) each, entries that penalise
+  // and count generations, and one of a draw whose penalties are off (no change). Bans (-inf, which the harness reads
+  // as unwritten) are checked by PenalizeRows in tests/ops/test_fused_ops.cpp, on CUDA too.
+  OpCase pen{OpId::penalize_rows, "n=3,v=37,draws=4", {{3, 37}, {4}, {4, 2}, {6, 3}}, {}, dtypes, false, false,
+             {{}, {0, 2, 2, 1}, {}, {0, 3, 0, 0, 5, 2, 1, 0, 1, 2, 7, 0, 3, 4, 3, 3, 36, 0}}};
+  pen.fixed_values = {{}, {}, {1.5, 0.5, 1, 0, 0.75, 1.25, 2, -0.5}, {}};
+  pen.accumulation_inputs = {2};
+  c.push_back(std::move(pen));
   c.push_back({OpId::scatter_rows, "rows=5,into=10,row=3x4", {{5, 3, 4}, {5}, {10, 3, 4}}, {}, dtypes, false, false,
                {{}, {7, 0, 3, 9, 2}, {}}});
   c.push_back({OpId::scatter_rows, "rows=3,into=4,row=6", {{3, 6}, {3}, {4, 6}}, {}, dtypes, false, false,

@@ -69,16 +69,16 @@ std::vector<nlohmann::json> run_steps(const fs::path& dir, const std::string& se
 }
 
 // Two runs of one computation, step by step (rl_rows): the `exact` rl figures equal where the reference reports them,
-// the losses and gradient norms within 1e-5 relative (the runs may sum in another order). `what` names the run.
+// the losses and gradient norms within `rel` relative (the runs may sum in another order). `what` names the run.
 void expect_same_steps(const std::vector<nlohmann::json>& got, const std::vector<nlohmann::json>& want,
-                       std::initializer_list<const char*> exact, const std::string& what) {
+                       std::initializer_list<const char*> exact, const std::string& what, double rel = 1e-5) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < want.size(); ++i) {
     const std::string at = fmt::format("{}, step {}", what, i + 1);
     for (const char* key : exact)
       if (want[i]["rl"].contains(key)) EXPECT_EQ(got[i]["rl"][key], want[i]["rl"][key]) << at << " " << key;
     for (const char* key : {"loss", "grad_norm"})
-      EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), 1e-5 * std::abs(want[i][key].get<double>()) + 1e-9)
+      EXPECT_NEAR(got[i][key].get<double>(), want[i][key].get<double>(), rel * std::abs(want[i][key].get<double>()) + 1e-9)
           << at << " " << key;
   }
 }
@@ -400,10 +400,13 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
       const std::vector<nlohmann::json> got = rl_rows(dir / out);
       ASSERT_EQ(got.size(), want.size()) << run.output;
       const std::string what = fmt::format("{} {}", out, variant);
+      // f32 sums in another order differ by ~1e-7 at the first step and the updates amplify that: measured (session
+      // 20) up to 1.1e-5 relative by the sixth step of the LoRA variant (lr 0.05), growing step by step. A wrong
+      // reduction or loss scale is off by far more than 1e-4.
       expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
-                                    "response_length_max", "samples", "groups_dropped", "sampling_rounds"}, what);
+                                    "response_length_max", "samples", "groups_dropped", "sampling_rounds"}, what, 1e-4);
       for (size_t i = 0; i < want.size(); ++i)
-        EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-6)
+        EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-5)
             << what << ", step " << i + 1;
       fs::remove_all(dir / out);
     }

@@ -189,17 +189,17 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
   cramped.max_step_tokens = 12;
   cramped.graphs = StepGraphs::kPadded;  // and decode steps padded to fixed shapes
   EngineStats a, b, c;
-  // A repetition penalty draws on the host; top-k, top-p and min-p on the device (sample_rows), followers from their
-  // leader's row.
-  SamplingOptions host_drawn, device_drawn, greedy_options;
-  host_drawn.temperature = device_drawn.temperature = 0.9;
-  host_drawn.top_k = 10;
-  host_drawn.repetition_penalty = 1.2;
+  // A repetition penalty (penalize_rows, then sample_rows) and top-k, top-p and min-p (sample_rows), followers from
+  // their leader's row.
+  SamplingOptions penalised, device_drawn, greedy_options;
+  penalised.temperature = device_drawn.temperature = 0.9;
+  penalised.top_k = 10;
+  penalised.repetition_penalty = 1.2;
   device_drawn.min_p = 0.1;
   device_drawn.top_k = 12;
   device_drawn.top_p = 0.9;
   greedy_options.temperature = 0.0;
-  for (const SamplingOptions& so : {host_drawn, device_drawn}) {
+  for (const SamplingOptions& so : {penalised, device_drawn}) {
     const std::vector<RolloutResult> want = run(unshared, so, &a);
     const std::vector<RolloutResult> got = run(shared, so, &b);
     const std::vector<RolloutResult> tight = run(cramped, so, &c);
@@ -430,8 +430,63 @@ TEST(Rollout, CudaParametersMoveToTheHostAndBack) {
   EXPECT_EQ(storages(), shared);
 }
 
-// Sampled (temperature 0.8 with top-k 12 and a repetition penalty, on the host; or with top-k 12, top-p 0.9 and min-p
-// 0.05, on the device): each request's tokens are the same alone and in a batch with others in another order, and two
+// Penalties on the device (penalize_rows): greedy requests with a repetition penalty (1.5), a frequency penalty (0.7)
+// and banned ids (including the first token plain greedy picks), in one batch with a sampled request with the same
+// penalties: the greedy tokens are those of the rule applied here to the cache-free forward's logits (transformers'
+// repetition penalty over the prompt and the response, vLLM's frequency penalty over the response counts, bans at
+// -inf, then the argmax), and every token's log-probability is the model's own (the forward's log-softmax, the
+// penalty undone) within 1e-9 in f64.
+TEST(Rollout, PenaltiesAndBansOnTheDeviceFollowTheRules) {
+  const std::unique_ptr<CausalLm> m = tiny_model("qwen3");
+  const int64_t v = m->config().vocab_size;
+  const double rep = 1.5, freq = 0.7;
+  std::vector<int32_t> prompt = random_ids(9, v, 77);
+  prompt.insert(prompt.end(), {prompt[0], prompt[0], prompt[3]});  // repeats in the prompt
+  const int32_t plain_first = reference_greedy(*m, prompt, 1).first[0];
+  const std::vector<int32_t> banned = {plain_first, int32_t(v - 1), 5};
+  // The rule, step by step on the full forward.
+  std::vector<int32_t> ids = prompt, want;
+  for (int k = 0; k < 8; ++k) {
+    const int32_t n = int32_t(ids.size());
+    const PackedBatch b = make_packed_batch(runtime(), Device::cpu(), ids, {0, n}, std::vector<int32_t>(ids.size(), -100), v);
+    const std::vector<double> all = to_f64(m->logits(b));
+    std::vector<double> row(all.end() - v, all.end());
+    std::set<int32_t> seen(ids.begin(), ids.end());
+    for (int32_t id : seen) row[size_t(id)] = row[size_t(id)] > 0 ? row[size_t(id)] / rep : row[size_t(id)] * rep;
+    for (size_t i = prompt.size(); i < ids.size(); ++i) row[size_t(ids[i])] -= freq;
+    for (int32_t id : banned) row[size_t(id)] = -std::numeric_limits<double>::infinity();
+    const int32_t best = int32_t(std::max_element(row.begin(), row.end()) - row.begin());
+    want.push_back(best);
+    ids.push_back(best);
+  }
+  RolloutEngine e(runtime(), *m);
+  RolloutRequest greedy;
+  greedy.prompt = prompt;
+  greedy.n = 2;
+  greedy.max_new_tokens = 8;
+  greedy.sampling.temperature = 0;
+  greedy.sampling.repetition_penalty = rep;
+  greedy.sampling.frequency_penalty = freq;
+  greedy.banned_ids = banned;
+  RolloutRequest sampled = greedy;
+  sampled.n = 1;
+  sampled.sampling.temperature = 0.9;
+  sampled.seed = 3;
+  e.submit(greedy);
+  e.submit(sampled);
+  const std::vector<RolloutResult> got = e.run();
+  ASSERT_EQ(got.size(), 3u);
+  for (const RolloutResult& r : got) {
+    if (r.request == 0) EXPECT_EQ(r.tokens, want) << "greedy sample " << r.sample;
+    for (int32_t id : r.tokens) EXPECT_TRUE(std::find(banned.begin(), banned.end(), id) == banned.end()) << id;
+    const std::vector<double> model = forward_logprobs(*m, Device::cpu(), prompt, r.tokens);
+    ASSERT_EQ(r.logprobs.size(), model.size());
+    for (size_t k = 0; k < model.size(); ++k) EXPECT_NEAR(r.logprobs[k], model[k], 1e-9) << "request " << r.request;
+  }
+}
+
+// Sampled (temperature 0.8 with top-k 12 and a repetition penalty, penalised on the device; or with top-k 12, top-p
+// 0.9 and min-p 0.05): each request's tokens are the same alone and in a batch with others in another order, and two
 // samples of one request differ; a stop id ends a sample with "eos" and is kept.
 class SeededSampling : public ::testing::TestWithParam<bool> {};  // true: top-k, top-p and min-p, drawn on the device
 
@@ -445,7 +500,7 @@ TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
     r.sampling.temperature = 0.8;
     r.sampling.top_k = 12;
     if (GetParam()) r.sampling.min_p = 0.05, r.sampling.top_p = 0.9;
-    else r.sampling.repetition_penalty = 1.3;  // only penalties (and banned ids) sample on the host
+    else r.sampling.repetition_penalty = 1.3;  // penalize_rows first
     r.seed = 1000 + i;
     r.n = 2;
     return r;
@@ -492,7 +547,7 @@ TEST_P(SeededSampling, DoesNotDependOnTheBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HostAndDevice, SeededSampling, ::testing::Bool(), [](const ::testing::TestParamInfo<bool>& i) {
-  return i.param ? "top_k_top_p_min_p_on_device" : "penalty_on_host";
+  return i.param ? "top_k_top_p_min_p" : "repetition_penalty";
 });
 
 // The engine reads the model's parameters at every step: after a weight update between batches (every matrix scaled

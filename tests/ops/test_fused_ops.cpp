@@ -403,6 +403,31 @@ std::vector<double> processed_distribution(const std::vector<double>& x, int64_t
   return softmax(z);
 }
 
+// penalize_rows against transformers' repetition penalty (x / p above zero, x * p otherwise) and vLLM's frequency
+// penalty (f times the generated count), values worked out by hand: a seen id, a generated one, a banned one, an
+// untouched one, and a draw from the same row with the penalties off.
+TEST(PenalizeRows, AppliesTheRepetitionAndFrequencyPenaltiesAndBans) {
+  const std::vector<double> x = {2.0, -1.0, 0.5, 3.0, 0.0};
+  const std::vector<int32_t> rows = {0, 0}, entries = {0, 0, 0, 0, 1, 2, 0, 3, -1, 0, 4, 1, 1, 0, 3};
+  const std::vector<double> params = {2.0, 0.25, 1.0, 0.0};
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> want = {1.0, -2.5, 0.5, -inf, -0.25, 2.0, -1.0, 0.5, 3.0, 0.0};
+  std::vector<std::pair<Device, DType>> cells = {{Device::cpu(), DType::F64}, {Device::cpu(), DType::F32}};
+  if (runtime().has_device(Device::cuda(0))) cells.push_back({Device::cuda(0), DType::F32});
+  for (const auto& [device, dtype] : cells) {
+    ExecContext ctx = runtime().context(device);
+    const DType st = dtype == DType::F64 ? DType::F64 : DType::F32;
+    const Tensor y = penalize_rows(
+        ctx, cast(ctx, runtime().from_host(x.data(), {1, 5}, DType::F64, device), dtype),
+        runtime().from_host(rows.data(), {2}, DType::I32, device),
+        cast(ctx, runtime().from_host(params.data(), {2, 2}, DType::F64, device), st),
+        runtime().from_host(entries.data(), {5, 3}, DType::I32, device));
+    ASSERT_EQ(y.shape(), (Shape{2, 5}));
+    const Tensor h = runtime().copy_to(cast(ctx, y, DType::F64), Device::cpu());
+    for (size_t j = 0; j < want.size(); ++j) EXPECT_EQ(h.data<double>()[j], want[j]) << device.str() << " " << j;
+  }
+}
+
 // sample_rows against the distribution it is meant to draw from, computed here by transformers' definitions
 // (processed_distribution): 20,000 draws from one row (counters 0..19,999 of one key) in each of five settings —
 // temperature 0.7 with min-p 0.25 (two ids kept), temperature 1.3 alone (every finite id below the limit), top-k 3,

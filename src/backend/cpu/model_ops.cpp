@@ -379,6 +379,37 @@ void sample_rows_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
+// penalize_rows (op_table.h): the rows copied in the stats dtype, then each entry's id changed.
+template <typename T>
+void penalize_rows_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& x = c.inputs[0];
+  const int64_t v = x.size(1), m = c.inputs[1].size(0), e = c.inputs[3].size(0);
+  using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
+  const int32_t* rows = c.inputs[1].data<int32_t>();
+  const S* params = static_cast<const S*>(c.inputs[2].data_ptr());
+  const int32_t* entries = c.inputs[3].data<int32_t>();
+  S* y = static_cast<S*>(c.outputs[0].data_ptr());
+  for (int64_t i = 0; i < m; ++i) {
+    LATHE_CHECK(rows[i] >= 0 && rows[i] < x.size(0), "cpu: penalize_rows: draw {} names row {} of {}", i, rows[i],
+                x.size(0));
+    const T* row = x.data<T>() + int64_t(rows[i]) * v;
+    for (int64_t j = 0; j < v; ++j) y[i * v + j] = S(row[j]);
+  }
+  for (int64_t k = 0; k < e; ++k) {
+    const int32_t i = entries[3 * k], j = entries[3 * k + 1], count = entries[3 * k + 2];
+    LATHE_CHECK(i >= 0 && i < m && j >= 0 && j < v && count >= -1,
+                "cpu: penalize_rows: entry {} is ({}, {}, {}) for {} draws of {} ids", k, i, j, count, m, v);
+    S& l = y[int64_t(i) * v + j];
+    if (count < 0) {
+      l = -std::numeric_limits<S>::infinity();
+      continue;
+    }
+    const S p = params[2 * i], f = params[2 * i + 1];
+    l = l > 0 ? l / p : l * p;
+    l -= f * S(count);
+  }
+}
+
 // row_argmax_logsumexp (op_table.h), in double.
 template <typename T>
 void row_argmax_logsumexp_kernel(const OpCall& c, ExecContext&) {
@@ -529,6 +560,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::scatter_rows, "cpu/scatter_rows", scatter_rows_kernel<T>);
   add(OpId::row_argmax_logsumexp, "cpu/row_argmax_logsumexp", row_argmax_logsumexp_kernel<T>);
   add(OpId::sample_rows, "cpu/sample_rows", sample_rows_kernel<T>);
+  add(OpId::penalize_rows, "cpu/penalize_rows", penalize_rows_kernel<T>);
   r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
                   cross_entropy_kernel<T>});
 }

@@ -523,7 +523,47 @@ __global__ void sample_merge_kernel(int64_t m, int64_t v, int64_t chunks, const 
   logprob[i] = S(x_tok / t - double(xmax) / t - log(total));
 }
 
+// penalize_rows: the rows copied into y in f32 (one thread an element), then one thread an entry (the entries name
+// distinct (draw, id) pairs, so no two threads write one element).
+template <typename T>
+__global__ void penalize_copy_kernel(int64_t m, int64_t v, const T* x, const int32_t* rows, float* y) {
+  const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= m * v) return;
+  const int64_t i = k / v, j = k - i * v;
+  y[k] = float(load(x + int64_t(rows[i]) * v, j));
+}
+
+__global__ void penalize_entries_kernel(int64_t e, int64_t m, int64_t v, const float* params, const int32_t* entries,
+                                        float* y) {
+  const int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= e) return;
+  const int64_t i = entries[3 * k], j = entries[3 * k + 1];
+  if (i < 0 || i >= m || j < 0 || j >= v) return;  // the engine makes them in range (the CPU kernel checks)
+  const int32_t count = entries[3 * k + 2];
+  float& l = y[i * v + j];
+  if (count < 0) {
+    l = -INFINITY;
+    return;
+  }
+  const float p = params[2 * i], f = params[2 * i + 1];
+  l = l > 0 ? l / p : l * p;
+  l -= f * float(count);
+}
+
 }  // namespace
+
+void launch_penalize_rows(DType dtype, int64_t m, int64_t v, int64_t e, const void* x, const int32_t* rows,
+                          const float* params, const int32_t* entries, float* y, cudaStream_t stream) {
+  if (m == 0) return;
+  dispatch_f32_bf16_f16(dtype, "penalize_rows dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    penalize_copy_kernel<T><<<grid_for(m * v, kThreads), kThreads, 0, stream>>>(m, v, static_cast<const T*>(x), rows, y);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("penalize_copy_kernel");
+  if (e == 0) return;
+  penalize_entries_kernel<<<grid_for(e, kThreads), kThreads, 0, stream>>>(e, m, v, params, entries, y);
+  LATHE_CUDA_LAUNCH_CHECK("penalize_entries_kernel");
+}
 
 void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_t chunks, const void* x,
                         const int32_t* rows, const void* params, const int32_t* keys, int32_t* token, void* logit,

@@ -39,6 +39,10 @@ void launch_sample_rows(DType dtype, int64_t m, int64_t v, int64_t limit, int64_
                         const int32_t* rows, const void* params, const int32_t* keys, int32_t* token, void* logit,
                         void* logprob, float* maxes, uint32_t* cuts, double* part, cudaStream_t stream);
 
+// penalize_rows (ops/op_table.h) for m draws from x (N, v) (f32, bf16 or f16) with e entries, into y (m, v) f32.
+void launch_penalize_rows(DType dtype, int64_t m, int64_t v, int64_t e, const void* x, const int32_t* rows,
+                          const float* params, const int32_t* entries, float* y, cudaStream_t stream);
+
 // out[index[i]] = src[i] for rows of `row_bytes` (a multiple of 2); out already holds the rest.
 void launch_scatter_rows(int64_t rows, int64_t row_bytes, const void* src, const int32_t* index, void* out,
                          cudaStream_t stream);

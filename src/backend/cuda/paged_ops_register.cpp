@@ -1,5 +1,5 @@
 // Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
-// 256), row_argmax_logsumexp and sample_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
+// 256), row_argmax_logsumexp, sample_rows and penalize_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
 // src/testing/op_cases_paged.cpp.
 #include <algorithm>
 #include <cmath>
@@ -66,9 +66,18 @@ void run_sample_rows(const OpCall& c, ExecContext& ctx) {
                      reinterpret_cast<uint32_t*>(cuts.data<int32_t>()), part.data<double>(), stream_of(ctx));
 }
 
+void run_penalize_rows(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  launch_penalize_rows(x.dtype(), c.inputs[1].size(0), x.size(1), c.inputs[3].size(0), x.data_ptr(),
+                       c.inputs[1].data<int32_t>(), c.inputs[2].data<float>(), c.inputs[3].data<int32_t>(),
+                       c.outputs[0].data<float>(), stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_paged_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    r.add(KernelDef{OpId::penalize_rows, DeviceType::CUDA, dt, "cuda/penalize_rows", all_contiguous, run_penalize_rows});
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     r.add(KernelDef{OpId::sample_rows, DeviceType::CUDA, dt, "cuda/sample_rows", all_contiguous, run_sample_rows});
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
