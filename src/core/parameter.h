@@ -4,9 +4,11 @@
 // Covered by tests/unit/test_optim.cpp (decay by the global shape).
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 
 namespace lathe {
@@ -34,5 +36,20 @@ struct Parameter {
   // The logical tensor's shape: what decides weight decay (a norm gain is 1-D whatever its pieces look like).
   const Shape& global_shape() const { return whole() ? value.shape() : shard.global_shape; }
 };
+
+// The values of p's box (a 2-D piece: ShardLayout offset and p.value's shape) out of its whole tensor's row-major
+// values, `elem` entries of `whole` an element (bytes: the dtype's size; typed values: 1).
+template <typename T>
+std::vector<T> slice_of(const std::vector<T>& whole, const Parameter& p, size_t elem = 1) {
+  LATHE_CHECK(p.value.dim() == 2 && p.shard.flat_begin < 0 && p.shard.global_shape.size() == 2,
+              "parameter {}: only 2-D boxes are sliced here", p.name);
+  const size_t rows = size_t(p.value.size(0)), cols = size_t(p.value.size(1)) * elem;
+  const size_t stride = size_t(p.shard.global_shape[1]) * elem, r0 = size_t(p.shard.offset[0]);
+  const size_t c0 = size_t(p.shard.offset[1]) * elem;
+  std::vector<T> out(rows * cols);
+  for (size_t i = 0; i < rows; ++i)
+    std::copy_n(whole.begin() + std::ptrdiff_t((r0 + i) * stride + c0), cols, out.begin() + std::ptrdiff_t(i * cols));
+  return out;
+}
 
 }  // namespace lathe

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 
+#include "comm/communicator.h"
 #include "core/files.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
@@ -40,10 +41,66 @@ std::string architecture_of(const std::string& model_type) {
 
 }  // namespace
 
+namespace {
+
+// This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group, checked first.
+ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
+  if (tp <= 1) return c;
+  LATHE_CHECK(c.model_type == "qwen3", "parallel.tp: tensor parallelism is built for qwen3 (dense) models so far, not "
+              "{} (docs/parallel.md)", c.model_type);
+  LATHE_CHECK(c.num_heads % tp == 0 && c.num_kv_heads % tp == 0 && c.intermediate_size % tp == 0,
+              "parallel.tp: {} ranks must divide the attention heads ({}), the key/value heads ({}) and the MLP's "
+              "intermediate size ({})", tp, c.num_heads, c.num_kv_heads, c.intermediate_size);
+  ModelConfig local = c;
+  local.num_heads /= tp;
+  local.num_kv_heads /= tp;
+  local.intermediate_size /= tp;
+  return local;
+}
+
+}  // namespace
+
 CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
-    : rt_(&rt), config_(std::move(config)), options_(options) {
+    : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
+  config_ = tensor_parallel_slice(global_config_, tp_size());
   moe_routes_.resize(size_t(config_.num_layers));
+}
+
+int CausalLm::tp_size() const { return options_.tp ? options_.tp->size() : 1; }
+int CausalLm::tp_rank() const { return options_.tp ? options_.tp->rank() : 0; }
+
+void CausalLm::tp_sum(Tensor& t) const {
+  if (tp_size() > 1) options_.tp->all_reduce(t).wait();
+}
+
+void CausalLm::shard_over_tp(int index, int dim) {
+  if (tp_size() <= 1) return;
+  Parameter& p = params_[size_t(index)];
+  ShardLayout& s = p.shard;
+  s.global_shape = p.value.shape();
+  s.global_shape[size_t(dim)] *= tp_size();
+  s.offset.assign(s.global_shape.size(), 0);
+  s.offset[size_t(dim)] = p.value.size(dim) * tp_rank();
+  s.group = "tp";
+}
+
+Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
+  const Tensor& mine = grad ? p.grad : p.value;
+  if (p.whole() || p.shard.group != "tp") return mine;
+  const int n = tp_size();
+  const int dim = p.shard.global_shape[0] != mine.size(0) ? 0 : 1;  // the split dimension
+  ExecContext cx = rt_->context(options_.device);
+  Tensor all = Tensor::empty({int64_t(n) * mine.numel()}, mine.dtype(), cx.allocator);  // the slices in rank order
+  Tensor in = contiguous(cx, mine);
+  options_.tp->all_gather(in.view({in.numel()}), all).wait();
+  if (dim == 0) return all.view(p.shard.global_shape);
+  // Column slices: slice r holds columns [r c, (r + 1) c) of every row.
+  const int64_t rows = mine.size(0), cols = mine.size(1);
+  Tensor whole = Tensor::empty(p.shard.global_shape, mine.dtype(), cx.allocator);
+  for (int r = 0; r < n; ++r)
+    copy_into(cx, all.narrow(0, r * rows * cols, rows * cols).view({rows, cols}), whole.narrow(1, r * cols, cols));
+  return whole;
 }
 
 ExecContext CausalLm::ctx() { return rt_->context(options_.device); }
@@ -55,6 +112,7 @@ Parameter& CausalLm::parameter(const std::string& name) {
 }
 
 void CausalLm::attach_lora(LoraBank* bank) {
+  LATHE_CHECK(!bank || tp_size() == 1, "parallel.tp: LoRA under tensor parallelism is not built yet (docs/parallel.md)");
   if (bank) {
     const ModelConfig& m = bank->model();
     LATHE_CHECK(m.model_type == config_.model_type && m.num_layers == config_.num_layers &&
@@ -494,17 +552,21 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
   LATHE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "model: cannot save weights as {}",
               dtype_name(dtype));
   ExecContext cx = rt_->context(options_.device);
+  const bool writer = tp_rank() == 0;  // tensor parallelism: every rank joins its slices, the first writes
   std::vector<Tensor> host;
   std::vector<io::TensorRef> refs;
   for (const Parameter& p : params_) {
+    const Tensor whole = gathered(p);
+    if (!writer) continue;
     const DType dt = save_dtype(p.name, dtype);
-    host.push_back(rt_->copy_to(cast(cx, p.value, dt), Device::cpu()));
+    host.push_back(rt_->copy_to(cast(cx, whole, dt), Device::cpu()));
     for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
   }
+  if (!writer) return;
   for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
   OutputDir out(dir, "model");
   io::write_sharded_safetensors(out.tmp().string(), refs, max_shard_bytes, {{"format", "pt"}});
-  nlohmann::json cfg = config_.raw;
+  nlohmann::json cfg = global_config_.raw;
   cfg["torch_dtype"] = cfg["dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
   if (!cfg.contains("architectures")) cfg["architectures"] = {architecture_of(config_.model_type)};
   write_file_atomic((out.tmp() / "config.json").string(), cfg.dump(2) + "\n", "model");

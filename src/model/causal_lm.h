@@ -31,6 +31,8 @@ struct ResidualStream {
   Tensor h, r;
 };
 
+class Communicator;
+
 struct ModelOptions {
   Device device = Device::cpu();
   DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
@@ -47,6 +49,11 @@ struct ModelOptions {
   // row count rounded up to 8 (padding rows computed and discarded), when E M <= moe_padded_max_waste x the routed rows
   // and no expert adapter applies; else as grouped GEMMs over the exact rows. 0 keeps the grouped GEMMs always.
   double moe_padded_max_waste = 1.5;
+  // Tensor parallelism (docs/parallel.md, "Tensor parallelism"): the group whose ranks each hold a slice of every
+  // attention and MLP layer (nullptr or a group of one: the whole model). The model then works on its slice: config()
+  // has the local head counts and intermediate size; the column-parallel projections (q, k, v, gate, up) hold their
+  // rank's rows and the row-parallel ones (o, down) its columns; the embedding, the LM head and the norms are whole.
+  Communicator* tp = nullptr;
 };
 
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
@@ -82,7 +89,13 @@ class CausalLm {
  public:
   virtual ~CausalLm() = default;
 
-  const ModelConfig& config() const { return config_; }
+  const ModelConfig& config() const { return config_; }  // this rank's slice of the layers under tensor parallelism
+  const ModelConfig& global_config() const { return global_config_; }  // the whole model's (config.json)
+  int tp_size() const;
+  int tp_rank() const;
+  // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
+  // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
+  Tensor gathered(const Parameter& p, bool grad = false) const;
   const ModelOptions& options() const { return options_; }
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -123,7 +136,8 @@ class CausalLm {
   virtual std::vector<int64_t> grads_complete_after() const = 0;
 
   // Writes config.json (with `architectures`, as transformers writes it) and model.safetensors (sharded above
-  // max_shard_bytes) into `dir`, atomically: the folder appears whole or not at all (core/files.h OutputDir).
+  // max_shard_bytes) into `dir`, atomically: the folder appears whole or not at all (core/files.h OutputDir). Under
+  // tensor parallelism every rank of the group calls it (the slices are gathered) and the group's first rank writes.
   // `add_files`, when given, writes more files (tokenizer, generation config) into the folder before it appears.
   void save(const std::string& dir, DType dtype = DType::F32, uint64_t max_shard_bytes = 5ull << 30,
             const std::function<void(const std::string&)>& add_files = {}) const;
@@ -224,7 +238,15 @@ class CausalLm {
   // when the checkpoint used that layout.
   std::vector<io::TensorRef> checkpoint_refs(const Parameter& p, DType dtype, const Tensor& host) const;
 
+  // Tensor parallelism: t summed in place over the group (a row-parallel projection's partial output, or a
+  // column-parallel one's partial input gradient); nothing without it.
+  void tp_sum(Tensor& t) const;
+  // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
+  // (ShardLayout "tp"); what loading, random initialisation and gathered() read.
+  void shard_over_tp(int index, int dim);
+
   Runtime* rt_;
+  ModelConfig global_config_;
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;

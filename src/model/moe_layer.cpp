@@ -103,6 +103,7 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
   a.gu = project_rows(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn, b, training);
   a.act = swiglu_halves(cx, a.gu);
   a.out = project(layer, LoraTarget::down_proj, p.down, a.act, b, training);
+  tp_sum(a.out);  // tensor parallelism: every rank's intermediate columns
   return a;
 }
 
@@ -114,6 +115,7 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   project_backward(layer, LoraTarget::down_proj, p.down, a.act, dout, dact, b);
   project_rows_backward(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn,
                         swiglu_halves_backward(cx, a.gu, dact), dhn, b);
+  tp_sum(dhn);
   return dhn;
 }
 
@@ -347,13 +349,14 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
   const DType host_dtype = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
   const size_t elem = dtype_size(host_dtype);
   for (Parameter& p : params_) {
-    std::vector<uint8_t> host(size_t(p.value.numel()) * elem);
+    std::vector<uint8_t> host(size_t(shape_numel(p.global_shape())) * elem);
     const io::SafetensorsTensor* t = st.find(p.name);
     if (t != nullptr || !is_fused_experts(p.name)) {
       LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", st.dir(), p.name);
-      LATHE_CHECK(t->shape == p.value.shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
-                  st.dir(), p.name, shape_str(t->shape), shape_str(p.value.shape()));
+      LATHE_CHECK(t->shape == p.global_shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
+                  st.dir(), p.name, shape_str(t->shape), shape_str(p.global_shape()));
       st.read_into(p.name, host_dtype, host.data(), host.size());
+      if (!p.whole()) host = slice_of(host, p, elem);  // tensor parallelism: this rank's rows or columns
       used.insert(p.name);
       fused += is_fused_experts(p.name);
     } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)
@@ -383,7 +386,7 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
 
 std::vector<io::TensorRef> CausalLm::checkpoint_refs(const Parameter& p, DType dtype, const Tensor& host) const {
   if (!per_expert_layout_ || !is_fused_experts(p.name))
-    return {{p.name, dtype, p.value.shape(), host.data_ptr(), host.nbytes()}};
+    return {{p.name, dtype, host.shape(), host.data_ptr(), host.nbytes()}};
   std::vector<io::TensorRef> refs;
   const std::vector<std::string> parts = expert_parts(p.name);
   const int64_t rows = p.value.size(1), cols = p.value.size(2), part_rows = rows / int64_t(parts.size());

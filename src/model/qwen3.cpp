@@ -77,6 +77,10 @@ void Qwen3Model::build_parameter_list() {
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
+  for (const Layer& l : layers_) {  // tensor parallelism: column-parallel q, k, v, gate, up; row-parallel o, down
+    for (int i : {l.q_proj, l.k_proj, l.v_proj, l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+    for (int i : {l.o_proj, l.mlp.down}) shard_over_tp(i, 1);
+  }
 }
 
 Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
@@ -97,10 +101,11 @@ Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const Mode
   Qwen3Model m(rt, config, options);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, float(std));
-  for (Parameter& p : m.params_) {
-    std::vector<float> host(size_t(p.value.numel()));
+  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's slice
+    std::vector<float> host(size_t(shape_numel(p.global_shape())));
     const bool norm = p.value.dim() == 1;
     for (float& x : host) x = norm ? 1.0f : normal(rng);
+    if (!p.whole()) host = slice_of(host, p);
     ExecContext cx = rt.context(options.device);
     copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F32, options.device), p.value);  // cast in place
   }
@@ -115,14 +120,15 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   LayerActs a;
   std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
-  a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);
+  a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
   const std::vector<Tensor> heads = qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, qk_attrs(c));
   a.qr = heads[0];
   a.kr = heads[1];
   a.v = heads[2];
   std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
-  const Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
+  Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
+  tp_sum(attn_out);  // tensor parallelism: every rank's heads
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, attn_out, w(l.post_norm), norm);
   a.hn = post[0];
   a.h = post[1];
@@ -149,10 +155,14 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
                          {0.0, options_.deterministic});
   const std::vector<Tensor> dheads =
       qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
-  add_grad(l.q_norm, dheads[1]);
-  add_grad(l.k_norm, dheads[2]);
+  Tensor dq_norm = dheads[1], dk_norm = dheads[2];
+  tp_sum(dq_norm);  // tensor parallelism: the norms' gains are every rank's heads'
+  tp_sum(dk_norm);
+  add_grad(l.q_norm, dq_norm);
+  add_grad(l.k_norm, dk_norm);
   Tensor dxn;
   project_rows_backward(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, dheads[0], dxn, b);
+  tp_sum(dxn);
   const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
   add_grad(l.input_norm, din[1]);
   return din[0];
