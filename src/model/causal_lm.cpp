@@ -41,16 +41,21 @@ std::string architecture_of(const std::string& model_type) {
 
 }  // namespace
 
-namespace {
-
-// This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group, checked first.
-ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
-  if (tp <= 1) return c;
+void check_tensor_parallel(const ModelConfig& c, int tp) {
+  if (tp <= 1) return;
   LATHE_CHECK(c.model_type == "qwen3", "parallel.tp: tensor parallelism is built for qwen3 (dense) models so far, not "
               "{} (docs/parallel.md)", c.model_type);
   LATHE_CHECK(c.num_heads % tp == 0 && c.num_kv_heads % tp == 0 && c.intermediate_size % tp == 0,
               "parallel.tp: {} ranks must divide the attention heads ({}), the key/value heads ({}) and the MLP's "
               "intermediate size ({})", tp, c.num_heads, c.num_kv_heads, c.intermediate_size);
+}
+
+namespace {
+
+// This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group, checked first.
+ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
+  if (tp <= 1) return c;
+  check_tensor_parallel(c, tp);
   ModelConfig local = c;
   local.num_heads /= tp;
   local.num_kv_heads /= tp;

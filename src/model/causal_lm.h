@@ -270,6 +270,10 @@ class CausalLm {
   std::vector<MlpParams> mlps_;  // per layer, from declare_mlp
 };
 
+// Refuses a tensor-parallel layout of `tp` ranks the model cannot take (a family not built yet, heads or the MLP's
+// intermediate size that tp does not divide), naming the problem.
+void check_tensor_parallel(const ModelConfig& c, int tp);
+
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /
 // qwen3_5_moe_text / qwen3_next -> Qwen35Model.
 std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, const ModelOptions& options);

@@ -56,6 +56,8 @@ Tensor launch_sums(ExecContext& ctx, const std::vector<const Parameter*>& params
 // The norm from the totals: read back at once (waiting for them) and added on the host in double, in order.
 double norm_from(ExecContext& ctx, const Tensor& totals) {
   if (!totals.defined()) return 0.0;
+  LATHE_CHECK(totals.device() == ctx.device, "optim: gradient totals on {}, the norm is read on {}",
+              totals.device().str(), ctx.device.str());
   const bool f64 = totals.dtype() == DType::F64;
   const size_t n = size_t(totals.numel());
   std::vector<double> host(n);
@@ -74,17 +76,29 @@ double norm_from(ExecContext& ctx, const Tensor& totals) {
 double PendingGradNorm::read() {
   LATHE_CHECK(!read_, "optim: a pending gradient norm is read once");
   read_ = true;
-  return norm_from(*ctx_, totals_);
+  double squares = 0;
+  for (const Tensor& t : totals_) {
+    const double n = norm_from(*ctx_, t);
+    squares += n * n;
+  }
+  return std::sqrt(squares);
 }
 
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params) {
-  return PendingGradNorm(ctx, launch_sums(ctx, std::vector<const Parameter*>(params.begin(), params.end())));
+  return PendingGradNorm(ctx, {launch_sums(ctx, std::vector<const Parameter*>(params.begin(), params.end()))});
 }
 
-PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params) {
-  std::vector<const Parameter*> ptrs;
-  for (const Parameter& p : params) ptrs.push_back(&p);
-  return PendingGradNorm(ctx, launch_sums(ctx, ptrs));
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp) {
+  std::vector<const Parameter*> whole, sliced;
+  for (const Parameter& p : params)
+    (tp && tp->size() > 1 && p.shard.group == "tp" ? sliced : whole).push_back(&p);
+  std::vector<Tensor> totals = {launch_sums(ctx, whole)};
+  if (!sliced.empty()) {
+    Tensor t = launch_sums(ctx, sliced);
+    if (t.defined()) tp->all_reduce(t).wait();  // every rank's slices
+    totals.push_back(t);
+  }
+  return PendingGradNorm(ctx, std::move(totals));
 }
 
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params) {

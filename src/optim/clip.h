@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "backend/registry.h"
+#include "comm/communicator.h"
 #include "core/parameter.h"
 
 namespace lathe {
@@ -26,17 +27,19 @@ class PendingGradNorm {
  public:
   double read();
 
-  // Wraps queued totals ((n) sum(g^2) of each gradient, f32 or f64; undefined: no gradient) on `ctx`'s stream;
+  // Wraps queued totals (each (n) sum(g^2) of n gradients, f32 or f64; undefined: no gradient) on `ctx`'s stream;
   // `ctx` must outlive it.
-  PendingGradNorm(ExecContext& ctx, Tensor totals) : ctx_(&ctx), totals_(std::move(totals)) {}
+  PendingGradNorm(ExecContext& ctx, std::vector<Tensor> totals) : ctx_(&ctx), totals_(std::move(totals)) {}
 
  private:
   ExecContext* ctx_;
-  Tensor totals_;
+  std::vector<Tensor> totals_;
   bool read_ = false;
 };
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
-PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params);
+// Tensor parallelism (`tp` a group of more than one rank): the totals of the gradients of slices split over the group
+// (ShardLayout group "tp") are summed over it before the norm; every other gradient, whole on each rank, counts once.
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp = nullptr);
 
 // The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).
 // 1 when max_norm <= 0 (clipping off). grad_norm must be finite.

@@ -180,6 +180,8 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
 // checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
 fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
 std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
+// Tensor parallelism: the optimizer state of tp rank `rank`'s slices (and of the whole tensors, the same on each).
+std::string tp_shard_name(int rank, int ranks) { return fmt::format("optimizer.tp-{}-of-{}.safetensors", rank, ranks); }
 
 // `write_files` writes the weights and the optimizer state into the checkpoint's folder before it appears.
 void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state) {
@@ -326,6 +328,10 @@ class Trainer::Impl {
   ProcessGroups* groups_;  // nullptr: a single process
   StepSource* source_;     // nullptr: the steps train on data.train
   bool first_;             // the rank that prints and writes the run's files (rank 0, or the only one)
+  // Tensor parallelism: the ranks of the first rank's tp group, which run its model work with it (evaluation, the
+  // held-out check, gathering the model for a save); without tp, the first rank alone.
+  bool lead_;
+  Communicator* tp_ = nullptr;  // the tensor-parallel group (tp > 1)
   int dp_;                 // data-parallel ranks: each step's micro-batches are split over them
   Device device_;
   DType dtype_, save_dtype_;
@@ -359,7 +365,8 @@ class Trainer::Impl {
 
 Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source)
     : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
-      dp_(groups ? groups->dp_size() : 1),
+      lead_(!groups || groups->grid.group_index(GroupKind::Tp, groups->rank) == groups->grid.group_index(GroupKind::Tp, 0)),
+      tp_(groups ? groups->tp.get() : nullptr), dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
@@ -459,6 +466,7 @@ void Trainer::Impl::choose_model_source() {
   LATHE_CHECK(model_config_.vocab_size >= tokenizer_->vocab_size(),
               "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model_config_.vocab_size,
               tokenizer_->vocab_size());
+  check_tensor_parallel(model_config_, int(c_.tp));  // before any weight is loaded
   if (!lora_) return;
   for (Job& j : jobs_) {
     LoraConfig lc;
@@ -510,9 +518,10 @@ void Trainer::Impl::build() {
   mopt.train_base = !lora_;
   if (c_.router_aux_loss != "auto") mopt.router_aux_loss = c_.router_aux_loss == "on";  // MoE (config.cpp checks)
   mopt.moe_padded_max_waste = c_.moe_padded_max_waste;
+  mopt.tp = tp_;
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
-  const ModelConfig& mc = model_->config();
+  const ModelConfig& mc = model_->global_config();
   base_model_ = c_.model_path.empty() ? "" : fs::absolute(c_.model_path).string();
   // LoRA over a from-scratch base: the base is written once to OUTPUT/base (and read back on resume), so the
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
@@ -635,6 +644,13 @@ void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
   check_optimizer_layout(j);
   const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
+  const int saved_tp = j.state.value("tp", 1), tp = tp_ ? tp_->size() : 1;
+  LATHE_CHECK(saved_tp == tp, "train: {} was saved at parallel.tp = {} and this run has tp = {}: resuming at another tp "
+              "is not built yet (docs/parallel.md)", from.string(), saved_tp, tp);
+  if (tp_) {
+    j.opt->load((from / tp_shard_name(tp_->rank(), tp)).string());
+    return;
+  }
   if (!j.zero && saved.is_null()) {
     j.opt->load((from / "optimizer.safetensors").string());
     return;
@@ -838,8 +854,9 @@ void Trainer::Impl::start_source() {
   };
   source_->start(*model_, jobs, ranks, handover);
   for (Job& j : jobs_) {
-    if (j.step > 0 || !j.active() || j.cfg->final_eval_file.empty() || !first_) continue;
+    if (j.step > 0 || !j.active() || j.cfg->final_eval_file.empty() || !lead_) continue;
     const FinalEvalResult r = held_out(j, j.prefix() + "before training: ");
+    if (!first_) continue;
     j.metrics->write({{"step", 0}, {"start_eval_accuracy", r.accuracy}, {"start_eval_correct", r.correct},
                       {"start_eval_total", r.total}});
     j.summary.start_eval_accuracy = r.accuracy;
@@ -916,8 +933,21 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
     groups_->dp->barrier();
   }
-  if (!first_) return;  // the other ranks hold the same state: the first one evaluates and writes
-  if (j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps)) {
+  if (save && tp_ && lead_) {  // the first rank's tp group: each rank's optimizer state of its slices
+    if (first_) make_dirs(zero_shard_dir(j), j.who());
+    tp_->barrier();
+    j.opt->save((zero_shard_dir(j) / tp_shard_name(tp_->rank(), tp_->size())).string());
+    tp_->barrier();
+  }
+  const bool evaluates = j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps);
+  if (!first_) {  // the other ranks hold the same state; the first rank's tp group joins its model work
+    if (!lead_) return;
+    if (evaluates) evaluate(rt_, *model_, j);
+    if (save) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
+    if (step == jc.max_steps) write_final(j);
+    return;
+  }
+  if (evaluates) {
     const double eval_loss = evaluate(rt_, *model_, j);
     m["eval_loss"] = eval_loss;
     progress_.message(fmt::format("{}eval: step {} loss {:.4f}", j.prefix(), step, eval_loss));
@@ -942,11 +972,18 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
+    if (tp_) st["tp"] = tp_->size();
     if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
       else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
+      if (tp_) {
+        for (int r = 0; r < tp_->size(); ++r)
+          fs::rename(zero_shard_dir(j) / tp_shard_name(r, tp_->size()), dir / tp_shard_name(r, tp_->size()));
+        fs::remove_all(zero_shard_dir(j));
+        return;
+      }
       if (!j.zero) {
         j.opt->save((dir / "optimizer.safetensors").string());
         return;
@@ -1077,7 +1114,7 @@ bool Trainer::Impl::step() {
     for (Job* j : active) {
       const size_t k = size_t(j - jobs_.data());
       if (j->failed || norms[k]) continue;
-      norms[k].emplace(launch_grad_norm(*ctx_, *j->params));
+      norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_));
       // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
       updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
     }
@@ -1177,7 +1214,7 @@ bool Trainer::Impl::step() {
 // The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
 // or a PEFT adapter folder with the same files; it appears whole.
 void Trainer::Impl::write_final(Job& j) {
-  if (!first_) return;
+  if (!lead_) return;  // (under tp the group gathers the model; its first rank writes)
   const fs::path final_dir = j.out / "final";
   const auto add = [&](const std::string& d) { write_model_files(d); };
   if (lora_) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);
@@ -1206,8 +1243,10 @@ FinalEvalResult Trainer::Impl::held_out(Job& j, const std::string& prefix) {
 }
 
 void Trainer::Impl::final_eval(Job& j) {
-  if (!first_) return;
+  if (!lead_) return;
   const FinalEvalResult r = held_out(j, j.prefix());
+  j.needs_final_eval = false;
+  if (!first_) return;
   j.summary.final_eval_accuracy = r.accuracy;
   j.metrics->write({{"step", j.step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
                     {"final_eval_total", r.total}});
