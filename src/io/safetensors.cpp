@@ -266,6 +266,30 @@ SafetensorsHeader parse_safetensors_bytes(std::span<const uint8_t> bytes, std::s
   return parse_safetensors_header(json, bytes.size() - 8 - header_size, label);
 }
 
+namespace {
+
+// Elements [first, first + count) of `tensor` into `out` as `dst`.
+void convert_span(const SafetensorsTensor& tensor, size_t first, size_t count, DType dst, uint8_t* out,
+                  std::string_view label) {
+  const size_t src_size = dtype_size(tensor.dtype), dst_size = dtype_size(dst);
+  if (tensor.dtype == dst) {
+    if (count > 0) std::memcpy(out, tensor.data + first * src_size, count * dst_size);
+    return;
+  }
+  LATHE_CHECK(is_floating(tensor.dtype) && is_floating(dst),
+              "safetensors: {}: tensor '{}': cannot convert {} to {} (only between floating dtypes)", label,
+              shown(tensor.name), dtype_name(tensor.dtype), dtype_name(dst));
+  // Elements are copied through aligned scratch: mapped data is not aligned to the element size.
+  alignas(8) uint8_t in[8], res[8];
+  for (size_t i = 0; i < count; ++i) {
+    std::memcpy(in, tensor.data + (first + i) * src_size, src_size);
+    store_from_double(res, dst, 0, load_as_double(in, tensor.dtype, 0));
+    std::memcpy(out + i * dst_size, res, dst_size);
+  }
+}
+
+}  // namespace
+
 void convert_tensor(const SafetensorsTensor& tensor, DType dst, void* out, size_t out_bytes,
                     std::string_view source_label) {
   const std::string_view label = source_label;
@@ -276,21 +300,30 @@ void convert_tensor(const SafetensorsTensor& tensor, DType dst, void* out, size_
   LATHE_CHECK(out_bytes / dst_size == n && out_bytes % dst_size == 0,
               "safetensors: {}: tensor '{}' has {} elements but the {} output buffer holds {} bytes", label,
               shown(tensor.name), n, dtype_name(dst), out_bytes);
-  if (tensor.dtype == dst) {
-    if (n > 0) std::memcpy(out, tensor.data, n * dst_size);
-    return;
-  }
-  LATHE_CHECK(is_floating(tensor.dtype) && is_floating(dst),
-              "safetensors: {}: tensor '{}': cannot convert {} to {} (only between floating dtypes)", label,
-              shown(tensor.name), dtype_name(tensor.dtype), dtype_name(dst));
-  // Elements are copied through aligned scratch: mapped data is not aligned to the element size.
-  alignas(8) uint8_t in[8], res[8];
-  for (size_t i = 0; i < n; ++i) {
-    std::memcpy(in, tensor.data + i * src_size, src_size);
-    store_from_double(res, dst, 0, load_as_double(in, tensor.dtype, 0));
-    std::memcpy(static_cast<uint8_t*>(out) + i * dst_size, res, dst_size);
-  }
+  convert_span(tensor, 0, n, dst, static_cast<uint8_t*>(out), label);
 }
+
+namespace {
+
+// The 2-D box [offset, offset + box) of `tensor`, row by row, into `out` as `dst`.
+void convert_box(const SafetensorsTensor& tensor, const std::vector<int64_t>& offset, const std::vector<int64_t>& box,
+                 DType dst, void* out, size_t out_bytes, std::string_view label) {
+  const size_t dst_size = dtype_size(dst);
+  LATHE_CHECK(tensor.data != nullptr || tensor.byte_size() == 0,
+              "safetensors: {}: tensor '{}' has no data (a bare header entry)", label, shown(tensor.name));
+  LATHE_CHECK(tensor.shape.size() == 2 && offset.size() == 2 && box.size() == 2 && offset[0] >= 0 && offset[1] >= 0 &&
+                  offset[0] + box[0] <= tensor.shape[0] && offset[1] + box[1] <= tensor.shape[1],
+              "safetensors: {}: tensor '{}' {}: the box at ({}, {}) of {} x {} is not inside it", label,
+              shown(tensor.name), fmt::join(tensor.shape, "x"), offset[0], offset[1], box[0], box[1]);
+  LATHE_CHECK(out_bytes == size_t(box[0] * box[1]) * dst_size,
+              "safetensors: {}: tensor '{}': a box of {} x {} does not fill {} bytes of {}", label, shown(tensor.name),
+              box[0], box[1], out_bytes, dtype_name(dst));
+  for (int64_t r = 0; r < box[0]; ++r)
+    convert_span(tensor, size_t((offset[0] + r) * tensor.shape[1] + offset[1]), size_t(box[1]), dst,
+                 static_cast<uint8_t*>(out) + size_t(r * box[1]) * dst_size, label);
+}
+
+}  // namespace
 
 // ---- SafetensorsFile ----
 
@@ -378,6 +411,11 @@ std::vector<float> SafetensorsFile::read_as_f32(std::string_view name) const {
 
 void SafetensorsFile::read_into(std::string_view name, DType dst, void* out, size_t out_bytes) const {
   convert_tensor(get(name), dst, out, out_bytes, path_);
+}
+
+void SafetensorsFile::read_box_into(std::string_view name, const std::vector<int64_t>& offset,
+                                    const std::vector<int64_t>& box, DType dst, void* out, size_t out_bytes) const {
+  convert_box(get(name), offset, box, dst, out, out_bytes, path_);
 }
 
 // ---- writer ----
@@ -695,6 +733,11 @@ std::vector<float> SafetensorsModel::read_as_f32(std::string_view name) const {
 
 void SafetensorsModel::read_into(std::string_view name, DType dst, void* out, size_t out_bytes) const {
   file_of(name).read_into(name, dst, out, out_bytes);
+}
+
+void SafetensorsModel::read_box_into(std::string_view name, const std::vector<int64_t>& offset,
+                                     const std::vector<int64_t>& box, DType dst, void* out, size_t out_bytes) const {
+  file_of(name).read_box_into(name, offset, box, dst, out, out_bytes);
 }
 
 }  // namespace lathe::io

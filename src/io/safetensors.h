@@ -74,6 +74,10 @@ class SafetensorsFile {
   const SafetensorsTensor& get(std::string_view name) const;   // throws naming file and tensor
   std::vector<float> read_as_f32(std::string_view name) const;
   void read_into(std::string_view name, DType dst, void* out, size_t out_bytes) const;
+  // The box [offset, offset + box) of a 2-D tensor, row-major, as `dst`: only the box's bytes are read from the
+  // mapping (a tensor-parallel slice: its rows, or its columns of every row).
+  void read_box_into(std::string_view name, const std::vector<int64_t>& offset, const std::vector<int64_t>& box,
+                     DType dst, void* out, size_t out_bytes) const;
 
  private:
   SafetensorsFile() = default;
@@ -128,6 +132,8 @@ class SafetensorsModel {
   const SafetensorsFile& file_of(std::string_view name) const;
   std::vector<float> read_as_f32(std::string_view name) const;
   void read_into(std::string_view name, DType dst, void* out, size_t out_bytes) const;
+  void read_box_into(std::string_view name, const std::vector<int64_t>& offset, const std::vector<int64_t>& box,
+                     DType dst, void* out, size_t out_bytes) const;
 
  private:
   std::string dir_;

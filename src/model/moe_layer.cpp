@@ -349,14 +349,14 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
   const DType host_dtype = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
   const size_t elem = dtype_size(host_dtype);
   for (Parameter& p : params_) {
-    std::vector<uint8_t> host(size_t(shape_numel(p.global_shape())) * elem);
+    std::vector<uint8_t> host(size_t(p.value.numel()) * elem);
     const io::SafetensorsTensor* t = st.find(p.name);
     if (t != nullptr || !is_fused_experts(p.name)) {
       LATHE_CHECK(t != nullptr, "model: {}: tensor '{}' is missing from the checkpoint", st.dir(), p.name);
       LATHE_CHECK(t->shape == p.global_shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
                   st.dir(), p.name, shape_str(t->shape), shape_str(p.global_shape()));
-      st.read_into(p.name, host_dtype, host.data(), host.size());
-      if (!p.whole()) host = slice_of(host, p, elem);  // tensor parallelism: this rank's rows or columns
+      if (p.whole()) st.read_into(p.name, host_dtype, host.data(), host.size());
+      else st.read_box_into(p.name, p.shard.offset, p.value.shape(), host_dtype, host.data(), host.size());  // tp slice
       used.insert(p.name);
       fused += is_fused_experts(p.name);
     } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)

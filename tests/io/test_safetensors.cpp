@@ -329,6 +329,25 @@ TEST_F(SafetensorsTest, EveryTruncationOfAValidFileIsRejected) {
   }
 }
 
+// A tensor-parallel slice: the rows [1, 3) or the columns [2, 4) of a 3 x 5 f32 tensor (as f32, and as f64 through
+// the conversion), each element worked out here; a box outside the tensor or a buffer of another size is refused.
+TEST_F(SafetensorsTest, ReadBoxIntoReadsRowsOrColumnsOfA2DTensor) {
+  std::vector<float> m(15);
+  for (int i = 0; i < 15; ++i) m[size_t(i)] = float(10 * (i / 5) + i % 5);  // 10 r + c
+  write_safetensors(path("m.safetensors"), {{"m", DType::F32, {3, 5}, m.data(), 60}}, {});
+  const SafetensorsFile f = SafetensorsFile::open(path("m.safetensors"));
+  std::vector<float> rows(10);
+  f.read_box_into("m", {1, 0}, {2, 5}, DType::F32, rows.data(), 40);
+  EXPECT_EQ(rows, (std::vector<float>{10, 11, 12, 13, 14, 20, 21, 22, 23, 24}));
+  std::vector<double> cols(6);
+  f.read_box_into("m", {0, 2}, {3, 2}, DType::F64, cols.data(), 48);
+  EXPECT_EQ(cols, (std::vector<double>{2, 3, 12, 13, 22, 23}));
+  EXPECT_THAT(error_of([&] { f.read_box_into("m", {2, 0}, {2, 5}, DType::F32, rows.data(), 40); }),
+              HasSubstr("is not inside it"));
+  EXPECT_THAT(error_of([&] { f.read_box_into("m", {0, 0}, {2, 5}, DType::F32, rows.data(), 36); }),
+              HasSubstr("does not fill 36 bytes"));
+}
+
 // ---- writer ----
 
 TEST_F(SafetensorsTest, WriterMatchesTheReferenceLayoutByteForByte) {
