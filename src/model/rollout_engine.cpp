@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "backend/dropout_hash.h"
+#include "comm/communicator.h"
 #include "model/lora.h"
 #include "ops/ops.h"
 
@@ -51,6 +52,24 @@ std::vector<std::vector<double>> to_host_f64(Runtime& rt, ExecContext& cx, const
 
 // ---------------------------------------------------------------------------------------------------------------
 // The cache memory: KV blocks of the attention layers, state slots of the Gated DeltaNet layers.
+
+namespace {
+
+// Tensor parallelism: the smallest of the group's values (each rank sizes its pool from its own free memory, and the
+// ranks of a group must admit, preempt and finish the same sequences, since every step's layers are collectives).
+int64_t fewest_over(Runtime& rt, Device device, Communicator* tp, int64_t value) {
+  if (!tp || tp->size() <= 1) return value;
+  const double mine = double(value);
+  const Tensor in = rt.from_host(&mine, {1}, DType::F64, device);  // on the group's data plane
+  Tensor all = Tensor::empty({int64_t(tp->size())}, DType::F64, rt.context(device).allocator);
+  tp->all_gather(in, all).wait();
+  const Tensor host = rt.copy_to(all, Device::cpu());
+  double least = mine;
+  for (int i = 0; i < tp->size(); ++i) least = std::min(least, host.data<double>()[i]);
+  return int64_t(least);
+}
+
+}  // namespace
 
 int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max_new_tokens, int64_t n) {
   return n * ((prompt_tokens + max_new_tokens + o.block_size - 1) / o.block_size);
@@ -102,6 +121,7 @@ class RolloutEngine::Pool {
             : o.cache_bytes;
     blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
     if (o.cache_blocks == 0 && o.max_cache_blocks > 0) blocks = std::min(blocks, o.max_cache_blocks);
+    blocks = fewest_over(rt, mo.device, mo.tp, blocks);  // tensor parallelism: one pool size, so every rank schedules alike
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
                 bytes, block_size, block_bytes);
     // One block and one slot more, for the pad rows of fixed-shape steps: scratch_block, scratch_slot.

@@ -209,7 +209,7 @@ const std::vector<Option>& options() {
                  "output_dir must hold no run) | checkpoint path", resume),
       LATHE_NUM("parallel.dp", Kind::Int, "0", between(0, 65536),
                 "data-parallel ranks (0: the world size divided by tp x cp x pp); docs/parallel.md", dp),
-      LATHE_NUM("parallel.tp", Kind::Int, "1", between(1, 65536), "tensor-parallel ranks: each holds a slice of every layer (qwen3 dense, full fine-tuning, lathe train; docs/parallel.md)", tp),
+      LATHE_NUM("parallel.tp", Kind::Int, "1", between(1, 65536), "tensor-parallel ranks: each holds a slice of every layer (qwen3 dense, full fine-tuning; docs/parallel.md)", tp),
       LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks (not built yet: 1)", cp),
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks (not built yet: 1)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
@@ -580,9 +580,6 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
   one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
   one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
-  if (c.tp > 1)
-    problems.push_back(fmt::format("parallel.tp: {}: lathe rl under tensor parallelism is not built yet (lathe train "
-                                   "is; docs/parallel.md)", c.tp));
   if (has_tenants) return;  // each tenant's policy is checked with its own options (and layout)
   if (c.grad_accum != 1)
     problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "

@@ -351,6 +351,39 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   for (const auto& row : rl_rows(dir / "ext")) EXPECT_EQ(row["rl"]["reward_mean"].get<double>(), 1.0);
 }
 
+// Tensor parallelism (parallel.tp = 2, the dense tiny Qwen3 split in two; and tp 2 x dp 2): the same rollouts (rewards,
+// lengths and counts exact: the ranks of a tp group decode the same sequences, their rollout pools agreed on one size)
+// and updates (losses and gradient norms within 1e-4 relative) as one process, with GRPO and with a KL term to a
+// frozen reference (itself sliced).
+TEST(Rl, TensorParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const std::string mpirun = std::string(LATHE_MPIRUN) + " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1";
+  const fs::path dir = setup("tp");
+  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
+  for (const std::string& variant : {std::string(""), std::string(" --set rl.kl_coef=0.1")}) {
+    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common,
+                                       variant));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const std::vector<nlohmann::json> want = rl_rows(dir / "one");
+    ASSERT_EQ(want.size(), 6u);
+    for (int np : {2, 4}) {
+      const std::string out = fmt::format("tp2_np{}", np);
+      const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.tp=2{}{}", config(dir),
+                                         (dir / out).string(), common, variant),
+                             mpirun + fmt::format(" -np {}", np));
+      ASSERT_EQ(run.exit_code, 0) << run.output;
+      const std::vector<nlohmann::json> got = rl_rows(dir / out);
+      expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
+                                    "response_length_max", "samples"}, out + variant, 1e-4);
+      fs::remove_all(dir / out);
+    }
+    fs::remove_all(dir / "one");
+  }
+#endif
+}
+
 // On a GPU in bf16: one update per rollout is on policy within bf16 noise (the trainer's forward is the old policy's,
 // so the ratio is 1 up to the nondeterminism of the kernels), the train-rollout gap of the engine is reported and
 // printed, and the reward still rises. Skips without a GPU.
