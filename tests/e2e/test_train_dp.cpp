@@ -339,7 +339,8 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
 
 // `lathe generate --input` under mpirun -np 2 and 4: rank r generates lines r, r + N, ... (each line's draws seeded by
 // its index) and rank 0 writes them all in input order: the same lines as one process (tokens equal, log-probs within
-// f32 rounding of another batch composition), sampled at temperature 1 with two samples a line.
+// f32 rounding of another batch composition), sampled at temperature 1 with two samples a line; likewise with --tp 2
+// (the model split over two ranks, the lines over the np / 2 groups).
 TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("generate", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
@@ -363,11 +364,13 @@ TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   };
   const std::vector<nlohmann::json> want = read(dir / "one.jsonl");
   ASSERT_EQ(want.size(), 10u);
-  for (int np : {2, 4}) {  // 4 ranks: one of them gets a single line
-    const fs::path out = dir / fmt::format("np{}.jsonl", np);
-    const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + fmt::format(" -np {}", np));
+  // 4 ranks: one of them gets a single line; --tp 2: two ranks decode each line with the model split between them
+  for (const auto& [np, tp] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
+    const fs::path out = dir / fmt::format("np{}_tp{}.jsonl", np, tp);
+    const LatheRun r = lathe_e2e::lathe(args + out.string() + fmt::format(" --tp {}", tp), kMpirun + fmt::format(" -np {}", np));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find(fmt::format("(rank 0 of {})", np)), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(tp > 1 ? fmt::format("(rank 0 of {}, tp {})", np, tp) : fmt::format("(rank 0 of {})", np)),
+              std::string::npos) << r.output;
     const std::vector<nlohmann::json> got = read(out);
     ASSERT_EQ(got.size(), want.size()) << np;
     for (size_t i = 0; i < want.size(); ++i) {
@@ -378,6 +381,10 @@ TEST(DataParallel, GenerateSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
     }
   }
   EXPECT_NE(want[0]["tokens"], want[1]["tokens"]) << "a line's two samples should differ at temperature 1";
+  const LatheRun alone = lathe_e2e::lathe(args + (dir / "x.jsonl").string() + " --tp 2");
+  EXPECT_NE(alone.exit_code, 0);
+  EXPECT_NE(alone.output.find("--tp 2 splits the model over 2 ranks, but this is one process"), std::string::npos)
+      << alone.output;
   // One --prompt is not split: refused under a parallel launch, and --nproc (GPU ranks) refuses the CPU.
   const std::string model = " --model " + (dir / "model/final").string();
   const LatheRun prompt = lathe_e2e::lathe("generate" + model + " --prompt-tokens 1,2", kMpirun + " -np 2");

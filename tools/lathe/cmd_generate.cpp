@@ -58,6 +58,7 @@ struct Args {
   int n = 1;                                  // --input: samples per line
   int64_t max_running = 64, cache_mib = 0;  // --input: the rollout engine's batch and cache (0: the default)
   int nproc = 0;                               // --input on N GPUs of this machine
+  int tp = 1;                                  // tensor parallelism: each model replica split over tp ranks
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   std::string graphs = "auto";                 // --input: decode steps as CUDA graphs (EngineOptions::graphs)
   bool time_forwards = false;                  // --input: the decode steps' device time, replayed and eager
@@ -228,17 +229,24 @@ nlohmann::json result_json(const GenerateResult& r) {
   return {{"completion", r.text}, {"tokens", r.tokens}, {"finish_reason", finish_reason_name(r.finish_reason)}};
 }
 
+// The ranks of a parallel --input run: the world, and this rank's place among the model replicas (dp: the lines are
+// split over them) and inside its replica (tp: its ranks decode the same lines).
+struct GenerateRanks {
+  Communicator* world = nullptr;  // nullptr: one process
+  int dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;
+};
+
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
-                    const data::Tokenizer* tok, int64_t prompt_tokens,
-                    Communicator* world);
+                    const data::Tokenizer* tok, int64_t prompt_tokens, const GenerateRanks& ranks);
 
 // `--nproc N`: this process starts N GPU ranks of the same command (without --nproc) and waits for them.
 std::vector<std::string> rank_args(const Args& a) {
   std::vector<std::string> v = {"generate", "--model", a.model, "--input", a.input, "--device", a.device,
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
                                 "--max-running", std::to_string(a.max_running), "--cache-mib",
-                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs};
+                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs,
+                                "--tp", std::to_string(a.tp)};
   if (a.time_forwards) v.push_back("--time-forwards");
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
   num("--temperature", a.temperature);
@@ -306,8 +314,24 @@ void run(Args a) {
 
   Runtime rt;
   std::optional<MpiSession> mpi;
-  const std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "generate");
+  std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "generate");
+  // --tp: the ranks in groups of tp, each group one model replica (ParallelGrid: tp fastest); the lines go to groups.
+  LATHE_CHECK(a.tp == 1 || env.world > 1, "generate: --tp {0} splits the model over {0} ranks, but this is one process: "
+              "launch them with `mpirun -np {0} lathe generate ... --tp {0}` or --nproc {0}", a.tp);
+  LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
+              "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
+  std::unique_ptr<ProcessGroups> groups;
+  if (a.tp > 1) groups = make_process_groups(std::move(world), ParallelSizes{a.tp, 1, 1, 0, 1}, nullptr);
+  GenerateRanks ranks;
+  ranks.world = groups ? groups->world.get() : world.get();
+  if (groups) {
+    ranks.dp_rank = groups->dp_rank(), ranks.dp_size = groups->dp_size();
+    ranks.tp_rank = groups->tp_rank(), ranks.tp_size = groups->tp_size();
+  } else if (world) {
+    ranks.dp_rank = world->rank(), ranks.dp_size = world->size();
+  }
   ModelOptions mo;
+  mo.tp = groups ? groups->tp.get() : nullptr;
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
   // Every family decodes through the rollout engine (paged KV cache; conv and recurrent state slots for qwen3_5).
@@ -342,7 +366,7 @@ void run(Args a) {
   int64_t prompt_tokens = 0;
   for (const std::vector<int32_t>& r : requests) prompt_tokens += int64_t(r.size());
   if (!a.input.empty()) {
-    generate_batch(rt, *model, a, options, requests, adapter_of, tok, prompt_tokens, world.get());
+    generate_batch(rt, *model, a, options, requests, adapter_of, tok, prompt_tokens, ranks);
     return;
   }
   // One prompt: stream the text, or print the result as JSON.
@@ -368,13 +392,14 @@ void run(Args a) {
 // --input: every line's --n samples at once through the rollout engine; n output lines per input line, in input order.
 // One process writes each line as soon as it and every line before it are done. Under a parallel launch (`world`)
 // rank r generates lines r, r + N, ... (line i's draws are seeded by --seed + i wherever it runs) and rank 0 writes
-// them all once every rank is done.
+// them all once every rank is done. Under --tp the ranks of a replica decode the same lines; its first sends them.
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
-                    const data::Tokenizer* tok,
-                    int64_t prompt_tokens, Communicator* world) {
+                    const data::Tokenizer* tok, int64_t prompt_tokens, const GenerateRanks& g) {
   const ModelConfig& c = model.config();
-  const int ranks = world ? world->size() : 1, me = world ? world->rank() : 0;
+  Communicator* world = g.world;
+  const int ranks = g.dp_size, me = g.dp_rank;  // lines go to replicas
+  const bool writer = !world || world->rank() == 0;
   EngineOptions eo;
   eo.max_running = a.max_running;
   eo.time_forwards = a.time_forwards;
@@ -415,8 +440,8 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     engine.submit(std::move(r));  // request number k
   }
   std::optional<OutputFile> file;
-  if (me == 0) file.emplace(a.output.empty() ? "-" : a.output, "generate");
-  const bool progress = me == 0 && isatty(STDERR_FILENO);
+  if (writer) file.emplace(a.output.empty() ? "-" : a.output, "generate");
+  const bool progress = writer && isatty(STDERR_FILENO);
   const auto t0 = std::chrono::steady_clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
   std::vector<std::vector<std::optional<RolloutResult>>> done(mine.size(),
@@ -452,7 +477,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   std::optional<OpProfiler> profiler;
   std::chrono::steady_clock::time_point profile_t0;
   const auto profile = [&](int64_t step) {
-    if (me != 0 || a.profile_step < 0) return;
+    if (!writer || a.profile_step < 0) return;
     if (step == a.profile_step) {
       profiler.emplace(rt.backend(model.options().device.type), model.options().device);
       rt.set_profiler(&*profiler);
@@ -481,15 +506,18 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     finish_lines();
     if (progress)
       fmt::print(stderr, "\rgenerate: {}/{} samples{}, {} tokens, {:.1f} tokens/s", samples_done,
-                 mine.size() * size_t(a.n), ranks > 1 ? " on rank 0" : "", generated,
+                 mine.size() * size_t(a.n), world ? " on rank 0" : "", generated,
                  double(generated) / std::max(seconds(), 1e-9));
   }
   if (profiler) rt.set_profiler(nullptr);
-  if (world) {  // every rank's lines to rank 0, which writes them in input order
-    const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, model.options().device, text);
-    for (size_t i = 0; me == 0 && i < requests.size(); ++i) file->stream() << by_rank[i % size_t(ranks)][i / size_t(ranks)];
+  if (world) {  // every replica's lines to rank 0 (from the replica's first rank), which writes them in input order
+    const std::vector<std::string> none;
+    const std::vector<std::vector<std::string>> by_rank =
+        gather_lines(rt, *world, model.options().device, g.tp_rank == 0 ? text : none);
+    for (size_t i = 0; writer && i < requests.size(); ++i)  // replica d's first rank is world rank d x tp (grid order)
+      file->stream() << by_rank[size_t(i % size_t(ranks)) * size_t(g.tp_size)][i / size_t(ranks)];
   }
-  if (me != 0) return;
+  if (!writer) return;
   file->commit();
   const EngineStats& st = engine.stats();
   if (a.time_forwards)
@@ -506,11 +534,13 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
   }
   fmt::print(stderr, "{}generate: {} prompts x {} ({} prompt tokens), {} tokens{} in {:.1f} s ({:.1f} tokens/s) on {} "
              "({}); {} steps ({} graph replays of {} recorded), {} preemptions, {} prompt tokens shared{}{}\n",
-             progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, ranks > 1 ? " on rank 0" : "",
+             progress ? "\r" : "", requests.size(), a.n, prompt_tokens, generated, world ? " on rank 0" : "",
              seconds(), double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
              dtype_name(model.options().dtype), st.steps, st.graph_replays, st.graphs_recorded, st.preemptions,
              st.shared_prompt_tokens,
-             ranks > 1 ? fmt::format(" (rank 0 of {})", ranks) : "", a.output.empty() ? "" : " -> " + a.output);
+             world ? fmt::format(" (rank 0 of {}{})", world->size(), g.tp_size > 1 ? fmt::format(", tp {}", g.tp_size) : "")
+                   : "",
+             a.output.empty() ? "" : " -> " + a.output);
 }
 
 }  // namespace
@@ -561,6 +591,10 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--cache-mib", args->cache_mib,
                   "--input: the KV cache's memory in MiB (default: 80% of the GPU's free memory; 1024 on the CPU)")
       ->check(number_in(1));
+  cmd->add_option("--tp", args->tp, "--input under a parallel launch: each model split over N ranks (tensor "
+                  "parallelism, the dense qwen3; the launch's ranks form groups of N, the lines go to the groups; "
+                  "docs/parallel.md)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
                   "srun work too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1));
