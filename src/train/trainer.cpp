@@ -31,6 +31,7 @@
 #include "optim/schedule.h"
 #include "parallel/grad_reducer.h"
 #include "parallel/process_groups.h"
+#include "parallel/tp_state.h"
 #include "parallel/zero.h"
 #include "train/final_eval.h"
 #include "train/flops.h"
@@ -180,8 +181,6 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
 // checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
 fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
 std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
-// Tensor parallelism: the optimizer state of tp rank `rank`'s slices (and of the whole tensors, the same on each).
-std::string tp_shard_name(int rank, int ranks) { return fmt::format("optimizer.tp-{}-of-{}.safetensors", rank, ranks); }
 
 // `write_files` writes the weights and the optimizer state into the checkpoint's folder before it appears.
 void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state) {
@@ -645,10 +644,25 @@ void Trainer::Impl::load_optimizer(Job& j) {
   check_optimizer_layout(j);
   const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
   const int saved_tp = j.state.value("tp", 1), tp = tp_ ? tp_->size() : 1;
-  LATHE_CHECK(saved_tp == tp, "train: {} was saved at parallel.tp = {} and this run has tp = {}: resuming at another tp "
-              "is not built yet (docs/parallel.md)", from.string(), saved_tp, tp);
-  if (tp_) {
-    j.opt->load((from / tp_shard_name(tp_->rank(), tp)).string());
+  LATHE_CHECK(saved_tp == 1 || saved.is_null(), "train: {}: a checkpoint of tp {} with ZeRO shards is not one Lathe "
+              "writes", from.string(), saved_tp);
+  if (saved_tp > 1 || tp_) {  // tensor parallelism, now or then: this rank's slices (and whole tensors)
+    LATHE_CHECK(!j.zero, "train: {} was saved at parallel.tp = {}: resuming it under ZeRO is not built yet",
+                from.string(), saved_tp);
+    if (saved_tp == tp) {
+      j.opt->load((from / tp_state_name(tp_->rank(), tp)).string());
+      return;
+    }
+    const fs::path tmp = fs::temp_directory_path() /
+                         fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
+    std::vector<std::string> files;  // the old tp group's files, or the whole state
+    for (int r = 0; r < saved_tp; ++r) files.push_back((from / tp_state_name(r, saved_tp)).string());
+    if (saved_tp == 1) files = {(from / "optimizer.safetensors").string()};
+    reslice_tp_state(files, *j.params, tmp.string());
+    j.opt->load(tmp.string());
+    fs::remove(tmp);
+    progress_.message(fmt::format("train: the optimizer state of {} was saved at tp {}; re-cut for tp {}", from.string(),
+                                  saved_tp, tp));
     return;
   }
   if (!j.zero && saved.is_null()) {
@@ -936,7 +950,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (save && tp_ && lead_) {  // the first rank's tp group: each rank's optimizer state of its slices
     if (first_) make_dirs(zero_shard_dir(j), j.who());
     tp_->barrier();
-    j.opt->save((zero_shard_dir(j) / tp_shard_name(tp_->rank(), tp_->size())).string());
+    j.opt->save((zero_shard_dir(j) / tp_state_name(tp_->rank(), tp_->size())).string());
     tp_->barrier();
   }
   const bool evaluates = j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps);
@@ -980,7 +994,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
       else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
       if (tp_) {
         for (int r = 0; r < tp_->size(); ++r)
-          fs::rename(zero_shard_dir(j) / tp_shard_name(r, tp_->size()), dir / tp_shard_name(r, tp_->size()));
+          fs::rename(zero_shard_dir(j) / tp_state_name(r, tp_->size()), dir / tp_state_name(r, tp_->size()));
         fs::remove_all(zero_shard_dir(j));
         return;
       }

@@ -152,8 +152,9 @@ TEST(DataParallel, LoraEqualsOneProcess) {
 // key/value heads and half the MLP): one process with grad_accum 4 against tp = 2 (grad_accum 4) and tp = 2 x dp = 2
 // (grad_accum 2): losses within 1e-5 relative at every step, the first three gradient norms within 1e-4 (the slices'
 // sums of squares summed over the group), the step-3 checkpoint's and the final weights within 1e-5 (gathered from the
-// slices). Then tp = 2 dies after step 4 and tp = 2 x dp = 2 resumes its step-3 checkpoint (each tp rank's optimizer
-// state in its own file) on the same curve; resuming at another tp is refused.
+// slices). Then tp = 2 dies after step 4 and its step-3 checkpoint (each tp rank's optimizer state in its own file)
+// resumes at tp = 2 x dp = 2 and at tp = 1 (the state re-cut), and a one-process checkpoint resumes at tp = 2, all on
+// the same curve.
 TEST(TensorParallel, Qwen3EqualsOneProcessAndResumes) {
   const fs::path dir = setup("tp", kQwen3);
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -178,16 +179,25 @@ TEST(TensorParallel, Qwen3EqualsOneProcessAndResumes) {
     for (int rank : {0, 1})
       EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.tp-{}-of-2.safetensors", rank)));
   }
+  // Killed after step 4 at tp 2; its step-3 checkpoint resumed at tp 2 x dp 2 and, re-cut, at tp 1.
   const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.tp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
-  const LatheRun other_tp = train(dir, "run", 0, 4);
-  EXPECT_NE(other_tp.exit_code, 0);
-  EXPECT_NE(other_tp.output.find("was saved at parallel.tp = 2 and this run has tp = 1"), std::string::npos)
-      << other_tp.output;
+  fs::copy(dir / "run", dir / "run_tp1", fs::copy_options::recursive);
   const LatheRun resumed = train(dir, "run", 4, 2, " --set parallel.tp=2");
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   expect_same_curve(losses(dir / "run"), want, "tp 2 -> tp 2 x dp 2");
+  const LatheRun at_tp1 = train(dir, "run_tp1", 0, 4);
+  ASSERT_EQ(at_tp1.exit_code, 0) << at_tp1.output;
+  EXPECT_NE(at_tp1.output.find("was saved at tp 2; re-cut for tp 1"), std::string::npos) << at_tp1.output;
+  expect_same_curve(losses(dir / "run_tp1"), want, "tp 2 -> tp 1");
+  // The other way: one process killed after step 4, resumed at tp 2 (its whole optimizer state cut into slices).
+  const LatheRun one = train(dir, "one", 0, 4, "", "LATHE_FAULT_INJECT=after_step:4");
+  EXPECT_NE(one.exit_code, 0);
+  const LatheRun at_tp2 = train(dir, "one", 2, 4, " --set parallel.tp=2");
+  ASSERT_EQ(at_tp2.exit_code, 0) << at_tp2.output;
+  EXPECT_NE(at_tp2.output.find("was saved at tp 1; re-cut for tp 2"), std::string::npos) << at_tp2.output;
+  expect_same_curve(losses(dir / "one"), want, "tp 1 -> tp 2");
 }
 
 TEST(DataParallel, ACheckpointOfDp2ResumesAtDp4OnTheSameCurve) {

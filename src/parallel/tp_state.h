@@ -1,0 +1,26 @@
+// Tensor parallelism: a checkpoint's optimizer state, saved by the ranks of one tp group (optimizer.tp-R-of-T
+// .safetensors: each rank's slices of the split tensors, and the whole tensors), re-cut for a run at another tp. The
+// slices' places come from the files themselves (the "shard.<name>" metadata AdamW::save writes: global shape and
+// offset), so nothing about the old layout needs to be known beyond T. Covered by tests/e2e/test_train_dp.cpp
+// (TensorParallel.Qwen3EqualsOneProcessAndResumes: tp 2 resumed at tp 1 and at tp 4... on the same curve).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/parameter.h"
+
+namespace lathe {
+
+// The optimizer state file name of tp rank `rank` of `ranks`.
+std::string tp_state_name(int rank, int ranks);
+
+// Writes to `out_path` (AdamW::load's format) the masters and moments of `params` — this run's parameters, whole or
+// this rank's tp slices (Parameter::shard) — assembled from the old state `files` (a tp group's, in rank order, or one
+// whole optimizer.safetensors): a tensor whole in the old files from the first, a slice from the boxes of the old
+// files that overlap it. The step counts and hyper-parameters are the old files'. Errors name the file and tensor
+// when a piece is missing or the old files do not cover a slice.
+void reslice_tp_state(const std::vector<std::string>& files, const std::vector<Parameter>& params,
+                      const std::string& out_path);
+
+}  // namespace lathe
