@@ -1264,7 +1264,6 @@ void Trainer::Impl::final_eval(Job& j) {
   j.summary.final_eval_accuracy = r.accuracy;
   j.metrics->write({{"step", j.step}, {"final_eval_accuracy", r.accuracy}, {"final_eval_correct", r.correct},
                     {"final_eval_total", r.total}});
-  j.needs_final_eval = false;
 }
 
 void Trainer::Impl::finish() {
