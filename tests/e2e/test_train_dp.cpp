@@ -316,6 +316,8 @@ TEST(DataParallel, ARankWhoseMpiWorldIsNotTheLaunchersIsRefused) {
   EXPECT_FALSE(fs::exists(dir / "out"));
 }
 
+// `lathe logprobs` under mpirun -np 2 and 3, and with --tp 2 under -np 2 and 4: the same log-probabilities as one
+// process (within f32 rounding), in input order.
 TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("logprobs", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
@@ -332,11 +334,14 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
   const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
   ASSERT_EQ(want.size(), 7u);
-  for (int np : {2, 3}) {
-    const fs::path out = dir / fmt::format("np{}.jsonl", np);
-    const LatheRun r = lathe_e2e::lathe(args + out.string(), kMpirun + fmt::format(" -np {}", np));
+  // --tp 2: the model split over two ranks, the lines over the np / 2 groups
+  for (const auto& [np, tp] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
+    const fs::path out = dir / fmt::format("np{}_tp{}.jsonl", np, tp);
+    const LatheRun r =
+        lathe_e2e::lathe(args + out.string() + fmt::format(" --tp {}", tp), kMpirun + fmt::format(" -np {}", np));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find(fmt::format("7 lines scored with {} on cpu (f32), {} ranks", (dir / "model/final").string(), np)),
+    EXPECT_NE(r.output.find(fmt::format("7 lines scored with {} on cpu (f32), {} ranks{}", (dir / "model/final").string(),
+                                        np, tp > 1 ? fmt::format(", tp {}", tp) : "")),
               std::string::npos) << r.output;
     const auto got = lathe_e2e::read_logprobs(out);
     ASSERT_EQ(got.size(), want.size()) << np;

@@ -229,16 +229,9 @@ nlohmann::json result_json(const GenerateResult& r) {
   return {{"completion", r.text}, {"tokens", r.tokens}, {"finish_reason", finish_reason_name(r.finish_reason)}};
 }
 
-// The ranks of a parallel --input run: the world, and this rank's place among the model replicas (dp: the lines are
-// split over them) and inside its replica (tp: its ranks decode the same lines).
-struct GenerateRanks {
-  Communicator* world = nullptr;  // nullptr: one process
-  int dp_rank = 0, dp_size = 1, tp_rank = 0, tp_size = 1;
-};
-
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
-                    const data::Tokenizer* tok, int64_t prompt_tokens, const GenerateRanks& ranks);
+                    const data::Tokenizer* tok, int64_t prompt_tokens, const LineRanks& ranks);
 
 // `--nproc N`: this process starts N GPU ranks of the same command (without --nproc) and waits for them.
 std::vector<std::string> rank_args(const Args& a) {
@@ -314,24 +307,11 @@ void run(Args a) {
 
   Runtime rt;
   std::optional<MpiSession> mpi;
-  std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "generate");
-  // --tp: the ranks in groups of tp, each group one model replica (ParallelGrid: tp fastest); the lines go to groups.
-  LATHE_CHECK(a.tp == 1 || env.world > 1, "generate: --tp {0} splits the model over {0} ranks, but this is one process: "
-              "launch them with `mpirun -np {0} lathe generate ... --tp {0}` or --nproc {0}", a.tp);
   LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
               "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  std::unique_ptr<ProcessGroups> groups;
-  if (a.tp > 1) groups = make_process_groups(std::move(world), ParallelSizes{a.tp, 1, 1, 0, 1}, nullptr);
-  GenerateRanks ranks;
-  ranks.world = groups ? groups->world.get() : world.get();
-  if (groups) {
-    ranks.dp_rank = groups->dp_rank(), ranks.dp_size = groups->dp_size();
-    ranks.tp_rank = groups->tp_rank(), ranks.tp_size = groups->tp_size();
-  } else if (world) {
-    ranks.dp_rank = world->rank(), ranks.dp_size = world->size();
-  }
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, "generate");
   ModelOptions mo;
-  mo.tp = groups ? groups->tp.get() : nullptr;
+  mo.tp = ranks.tp;
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
   // Every family decodes through the rollout engine (paged KV cache; conv and recurrent state slots for qwen3_5).
@@ -395,11 +375,11 @@ void run(Args a) {
 // them all once every rank is done. Under --tp the ranks of a replica decode the same lines; its first sends them.
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
-                    const data::Tokenizer* tok, int64_t prompt_tokens, const GenerateRanks& g) {
+                    const data::Tokenizer* tok, int64_t prompt_tokens, const LineRanks& g) {
   const ModelConfig& c = model.config();
   Communicator* world = g.world;
-  const int ranks = g.dp_size, me = g.dp_rank;  // lines go to replicas
-  const bool writer = !world || world->rank() == 0;
+  const int ranks = g.replicas, me = g.replica;  // lines go to replicas
+  const bool writer = g.writer();
   EngineOptions eo;
   eo.max_running = a.max_running;
   eo.time_forwards = a.time_forwards;
@@ -514,8 +494,10 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
     const std::vector<std::string> none;
     const std::vector<std::vector<std::string>> by_rank =
         gather_lines(rt, *world, model.options().device, g.tp_rank == 0 ? text : none);
-    for (size_t i = 0; writer && i < requests.size(); ++i)  // replica d's first rank is world rank d x tp (grid order)
-      file->stream() << by_rank[size_t(i % size_t(ranks)) * size_t(g.tp_size)][i / size_t(ranks)];
+    for (size_t i = 0; writer && i < requests.size(); ++i) {
+      const auto [rank, at] = g.line_owner(i);
+      file->stream() << by_rank[rank][at];
+    }
   }
   if (!writer) return;
   file->commit();

@@ -26,6 +26,7 @@
 #include "data/tokenizer.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
+#include "parallel_job.h"
 
 namespace lathe::cli {
 
@@ -36,6 +37,7 @@ struct Args {
   bool has_chat_template_kwargs = false;
   int64_t batch_tokens = 8192;
   int nproc = 0;
+  int tp = 1;  // tensor parallelism: each model replica split over tp ranks
 };
 
 // The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
@@ -110,12 +112,12 @@ std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int6
   return lines;
 }
 
-// Scores every line with `model` into a.output. Under a parallel launch rank r scores lines r, r + n, ... and rank 0
-// writes them all in input order.
+// Scores every line with `model` into a.output. Under a parallel launch replica r (a rank, or with --tp a group of
+// ranks) scores lines r, r + n, ... and rank 0 writes them all in input order.
 void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank,
-           TextEncoder& encoder, Communicator* world) {
+           TextEncoder& encoder, const LineRanks& g) {
   const std::vector<std::vector<int32_t>> all_lines = read_token_lines(a.input, model.config().vocab_size, encoder);
-  const int n = world ? world->size() : 1, me = world ? world->rank() : 0;
+  const int n = g.replicas, me = g.replica;
   std::vector<std::vector<int32_t>> lines;
   for (size_t i = size_t(me); i < all_lines.size(); i += size_t(n)) lines.push_back(all_lines[i]);
 
@@ -141,15 +143,20 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
     first = last;
   }
   std::vector<std::vector<std::string>> by_rank = {rows};
-  if (world) by_rank = gather_lines(rt, *world, options.device, rows);
-  if (me != 0) return;  // rank 0 writes
+  const std::vector<std::string> none;  // a replica's other ranks send nothing
+  if (g.world) by_rank = gather_lines(rt, *g.world, options.device, g.tp_rank == 0 ? rows : none);
+  if (!g.writer()) return;  // rank 0 writes
   OutputFile file(a.output, "logprobs");
   std::ostream& out = file.stream();
-  for (size_t i = 0; i < all_lines.size(); ++i) out << by_rank[i % size_t(n)][i / size_t(n)];
+  for (size_t i = 0; i < all_lines.size(); ++i) {
+    const auto [rank, at] = g.line_owner(i);
+    out << by_rank[rank][at];
+  }
   file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),
-             n > 1 ? fmt::format(", {} ranks", n) : "");
+             g.world ? fmt::format(", {} ranks{}", g.world->size(), g.tp_size > 1 ? fmt::format(", tp {}", g.tp_size) : "")
+                     : "");
 }
 
 void run(Args a) {
@@ -158,7 +165,8 @@ void run(Args a) {
     LATHE_CHECK(a.device != "cpu", "logprobs: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
                 "with `mpirun -np {} lathe logprobs ...`", a.nproc);
     std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
-                                     a.device, "--batch-tokens", std::to_string(a.batch_tokens)};
+                                     a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
+                                     std::to_string(a.tp)};
     if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
     if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
     if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
@@ -172,8 +180,11 @@ void run(Args a) {
                                                       {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
   std::optional<MpiSession> mpi;
-  const std::unique_ptr<Communicator> world = join_world(rt, a.device, env, 600, mpi, "logprobs");
+  LATHE_CHECK(a.tp == 1 || a.adapter.empty(),
+              "logprobs: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, "logprobs");
   ModelOptions options;
+  options.tp = ranks.tp;
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
@@ -186,7 +197,7 @@ void run(Args a) {
     bank->load_peft(0, a.adapter);
     model->attach_lora(bank.get());
   }
-  score(rt, a, options, *model, bank.get(), encoder, world.get());
+  score(rt, a, options, *model, bank.get(), encoder, ranks);
 }
 
 }  // namespace
@@ -209,6 +220,9 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--chat-template-kwargs", args->chat_template_kwargs,
                   "JSON object passed to the chat template for 'messages' lines, e.g. {\"enable_thinking\": false} "
                   "(default: chat_template_kwargs.json of the --adapter folder, else of the --model folder, else {})");
+  cmd->add_option("--tp", args->tp, "under a parallel launch: each model split over N ranks (tensor parallelism, the "
+                  "dense qwen3; the launch's ranks form groups of N, the lines go to the groups; docs/parallel.md)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "score on N GPUs of this machine (ranks started by lathe; mpirun and srun work "
                   "too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1, 1024));

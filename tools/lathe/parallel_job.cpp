@@ -43,6 +43,27 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
   return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
 }
 
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::string& who) {
+  const int n = world ? world->size() : 1;
+  LATHE_CHECK(tp == 1 || n > 1, "{0}: --tp {1} splits the model over {1} ranks, but this is one process: launch them "
+              "with `mpirun -np {1} lathe {0} ... --tp {1}` or --nproc {1}", who, tp);
+  LineRanks r;
+  if (tp > 1) {
+    const ParallelGrid check(n, ParallelSizes{tp, 1, 1, 0, 1});  // the world must be a multiple of tp (named if not)
+    (void)check;
+    r.groups = make_process_groups(std::move(world), ParallelSizes{tp, 1, 1, 0, 1}, nullptr);
+    r.world = r.groups->world.get();
+    r.tp = r.groups->tp.get();
+    r.replica = r.groups->dp_rank(), r.replicas = r.groups->dp_size();
+    r.tp_rank = r.groups->tp_rank(), r.tp_size = r.groups->tp_size();
+    return r;
+  }
+  r.alone = std::move(world);
+  r.world = r.alone.get();
+  if (r.world) r.replica = r.world->rank(), r.replicas = r.world->size();
+  return r;
+}
+
 void run_as_rank(const LaunchEnv& env, const std::function<void()>& body) {
   try {
     body();

@@ -31,6 +31,25 @@ int start_local_ranks(const std::string& who, const std::vector<std::string>& ra
 int start_local_ranks(const std::string& who, const std::string& config_path, const std::vector<std::string>& overrides,
                       const std::string& device, int nproc);
 
+// The ranks of a parallel `lathe generate` / `lathe logprobs` over input lines: the world, and with `--tp T` its
+// ranks in groups of T (ParallelGrid order: tp fastest), each group one model replica. The lines go to the replicas
+// (replica d: lines d, d + replicas, ...); every rank of a replica computes them, and its first rank sends them to rank
+// 0, which writes them in input order (line_owner).
+struct LineRanks {
+  std::unique_ptr<ProcessGroups> groups;  // with tp > 1
+  std::unique_ptr<Communicator> alone;    // the world without tp
+  Communicator* world = nullptr;          // nullptr: one process
+  Communicator* tp = nullptr;             // the replica's tensor-parallel group (ModelOptions::tp)
+  int replica = 0, replicas = 1, tp_rank = 0, tp_size = 1;
+  bool writer() const { return !world || world->rank() == 0; }
+  // The world rank whose gathered lines hold input line i (its replica's first rank), and the line's place there.
+  std::pair<size_t, size_t> line_owner(size_t i) const {
+    return {(i % size_t(replicas)) * size_t(tp_size), i / size_t(replicas)};
+  }
+};
+// `world` (nullptr: one process) split for `--tp tp`; refused when tp does not fit the launch. `who`: for messages.
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::string& who);
+
 // Runs `body` as this rank's work; under a parallel launch an error on this rank ends every rank at once (a rank left
 // waiting in a collective would only time out), after printing it with the rank's number.
 void run_as_rank(const LaunchEnv& env, const std::function<void()>& body);
