@@ -20,6 +20,7 @@ struct ShardLayout {
   std::vector<int64_t> offset;   // per dimension of global_shape
   int64_t flat_begin = -1;       // -1: the whole box
   std::string group;             // the group whose ranks hold the pieces ("tp", "ep", "dp" for ZeRO), "" when whole
+  int replicas = 1;              // consecutive ranks of the group holding the same piece (tp above the kv heads)
 };
 
 // How a checkpoint records a piece's place (the metadata "shard.<name>" of an optimizer file):

@@ -41,24 +41,30 @@ std::string architecture_of(const std::string& model_type) {
 
 }  // namespace
 
-void check_tensor_parallel(const ModelConfig& c, int tp) {
+void check_tensor_parallel(const ModelConfig& c, int tp, bool training) {
   if (tp <= 1) return;
   LATHE_CHECK(c.model_type == "qwen3", "parallel.tp: tensor parallelism is built for qwen3 (dense) models so far, not "
               "{} (docs/parallel.md)", c.model_type);
-  LATHE_CHECK(c.num_heads % tp == 0 && c.num_kv_heads % tp == 0 && c.intermediate_size % tp == 0,
-              "parallel.tp: {} ranks must divide the attention heads ({}), the key/value heads ({}) and the MLP's "
-              "intermediate size ({})", tp, c.num_heads, c.num_kv_heads, c.intermediate_size);
+  LATHE_CHECK(c.num_heads % tp == 0 && c.intermediate_size % tp == 0,
+              "parallel.tp: {} ranks must divide the attention heads ({}) and the MLP's intermediate size ({})", tp,
+              c.num_heads, c.intermediate_size);
+  LATHE_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0,
+              "parallel.tp: {} ranks and {} key/value heads: one must divide the other", tp, c.num_kv_heads);
+  LATHE_CHECK(c.num_kv_heads % tp == 0 || !training,
+              "parallel.tp: {} ranks above the {} key/value heads (each head held by {} ranks) is built for scoring and "
+              "generation; training so is not built yet (docs/parallel.md)", tp, c.num_kv_heads, tp / c.num_kv_heads);
 }
 
 namespace {
 
-// This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group, checked first.
-ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
+// This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group (above the
+// key/value heads, one key/value head a rank, each held by tp / heads ranks), checked first.
+ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp, bool training) {
   if (tp <= 1) return c;
-  check_tensor_parallel(c, tp);
+  check_tensor_parallel(c, tp, training);
   ModelConfig local = c;
   local.num_heads /= tp;
-  local.num_kv_heads /= tp;
+  local.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / tp);
   local.intermediate_size /= tp;
   return local;
 }
@@ -68,7 +74,7 @@ ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
 CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
-  config_ = tensor_parallel_slice(global_config_, tp_size());
+  config_ = tensor_parallel_slice(global_config_, tp_size(), options_.train_base);
   moe_routes_.resize(size_t(config_.num_layers));
 }
 
@@ -79,26 +85,36 @@ void CausalLm::tp_sum(Tensor& t) const {
   if (tp_size() > 1) options_.tp->all_reduce(t).wait();
 }
 
-void CausalLm::shard_over_tp(int index, int dim) {
+void CausalLm::shard_over_tp(int index, int dim, int replicas) {
   if (tp_size() <= 1) return;
   Parameter& p = params_[size_t(index)];
   ShardLayout& s = p.shard;
   s.global_shape = p.value.shape();
-  s.global_shape[size_t(dim)] *= tp_size();
+  s.global_shape[size_t(dim)] *= tp_size() / replicas;
   s.offset.assign(s.global_shape.size(), 0);
-  s.offset[size_t(dim)] = p.value.size(dim) * tp_rank();
+  s.offset[size_t(dim)] = p.value.size(dim) * (tp_rank() / replicas);
   s.group = "tp";
+  s.replicas = replicas;
 }
 
 Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   const Tensor& mine = grad ? p.grad : p.value;
   if (p.whole() || p.shard.group != "tp") return mine;
   const int n = tp_size();
+  if (p.shard.global_shape == mine.shape()) return mine;  // held whole by every rank (one kv head for all)
   const int dim = p.shard.global_shape[0] != mine.size(0) ? 0 : 1;  // the split dimension
   ExecContext cx = rt_->context(options_.device);
   Tensor all = Tensor::empty({int64_t(n) * mine.numel()}, mine.dtype(), cx.allocator);  // the slices in rank order
   Tensor in = contiguous(cx, mine);
   options_.tp->all_gather(in.view({in.numel()}), all).wait();
+  if (p.shard.replicas > 1) {  // ranks r, r + 1, ... of a replica set hold the same rows: one of each set
+    LATHE_CHECK(dim == 0, "model: {}: only row slices are held by several ranks", p.name);
+    Tensor whole = Tensor::empty(p.shard.global_shape, mine.dtype(), cx.allocator);
+    for (int r = 0; r < n; r += p.shard.replicas)
+      copy_into(cx, all.narrow(0, r * mine.numel(), mine.numel()),
+                whole.view({whole.numel()}).narrow(0, (r / p.shard.replicas) * mine.numel(), mine.numel()));
+    return whole;
+  }
   if (dim == 0) return all.view(p.shard.global_shape);
   // Column slices: slice r holds columns [r c, (r + 1) c) of every row.
   const int64_t rows = mine.size(0), cols = mine.size(1);

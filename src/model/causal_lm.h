@@ -242,8 +242,9 @@ class CausalLm {
   // column-parallel one's partial input gradient); nothing without it.
   void tp_sum(Tensor& t) const;
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
-  // (ShardLayout "tp"); what loading, random initialisation and gathered() read.
-  void shard_over_tp(int index, int dim);
+  // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; what loading, random initialisation and
+  // gathered() read.
+  void shard_over_tp(int index, int dim, int replicas = 1);
 
   Runtime* rt_;
   ModelConfig global_config_;
@@ -271,8 +272,9 @@ class CausalLm {
 };
 
 // Refuses a tensor-parallel layout of `tp` ranks the model cannot take (a family not built yet, heads or the MLP's
-// intermediate size that tp does not divide), naming the problem.
-void check_tensor_parallel(const ModelConfig& c, int tp);
+// intermediate size that tp does not divide, key/value heads that neither divide nor are divided by tp; more ranks than
+// key/value heads only without `training`), naming the problem.
+void check_tensor_parallel(const ModelConfig& c, int tp, bool training);
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /
 // qwen3_5_moe_text / qwen3_next -> Qwen35Model.

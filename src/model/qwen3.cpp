@@ -77,8 +77,12 @@ void Qwen3Model::build_parameter_list() {
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
-  for (const Layer& l : layers_) {  // tensor parallelism: column-parallel q, k, v, gate, up; row-parallel o, down
-    for (int i : {l.q_proj, l.k_proj, l.v_proj, l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+  // Tensor parallelism: column-parallel q, k, v, gate, up; row-parallel o, down; with more ranks than key/value heads
+  // each k and v head is held by tp / heads consecutive ranks (the ones whose query heads read it).
+  const int kv_replicas = int(tp_size() * c.num_kv_heads / global_config_.num_kv_heads);
+  for (const Layer& l : layers_) {
+    for (int i : {l.q_proj, l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+    for (int i : {l.k_proj, l.v_proj}) shard_over_tp(i, 0, kv_replicas);
     for (int i : {l.o_proj, l.mlp.down}) shard_over_tp(i, 1);
   }
 }

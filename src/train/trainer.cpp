@@ -465,7 +465,7 @@ void Trainer::Impl::choose_model_source() {
   LATHE_CHECK(model_config_.vocab_size >= tokenizer_->vocab_size(),
               "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model_config_.vocab_size,
               tokenizer_->vocab_size());
-  check_tensor_parallel(model_config_, int(c_.tp));  // before any weight is loaded
+  check_tensor_parallel(model_config_, int(c_.tp), true);  // before any weight is loaded
   if (!lora_) return;
   for (Job& j : jobs_) {
     LoraConfig lc;

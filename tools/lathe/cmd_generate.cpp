@@ -312,6 +312,7 @@ void run(Args a) {
   const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
+  mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
   // Every family decodes through the rollout engine (paged KV cache; conv and recurrent state slots for qwen3_5).
