@@ -41,7 +41,7 @@ std::string architecture_of(const std::string& model_type) {
 
 }  // namespace
 
-void check_tensor_parallel(const ModelConfig& c, int tp, bool training) {
+void check_tensor_parallel(const ModelConfig& c, int tp) {
   if (tp <= 1) return;
   LATHE_CHECK(c.model_type == "qwen3", "parallel.tp: tensor parallelism is built for qwen3 (dense) models so far, not "
               "{} (docs/parallel.md)", c.model_type);
@@ -50,18 +50,15 @@ void check_tensor_parallel(const ModelConfig& c, int tp, bool training) {
               c.num_heads, c.intermediate_size);
   LATHE_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0,
               "parallel.tp: {} ranks and {} key/value heads: one must divide the other", tp, c.num_kv_heads);
-  LATHE_CHECK(c.num_kv_heads % tp == 0 || !training,
-              "parallel.tp: {} ranks above the {} key/value heads (each head held by {} ranks) is built for scoring and "
-              "generation; training so is not built yet (docs/parallel.md)", tp, c.num_kv_heads, tp / c.num_kv_heads);
 }
 
 namespace {
 
 // This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group (above the
 // key/value heads, one key/value head a rank, each held by tp / heads ranks), checked first.
-ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp, bool training) {
+ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
   if (tp <= 1) return c;
-  check_tensor_parallel(c, tp, training);
+  check_tensor_parallel(c, tp);
   ModelConfig local = c;
   local.num_heads /= tp;
   local.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / tp);
@@ -74,7 +71,7 @@ ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp, bool training) {
 CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
-  config_ = tensor_parallel_slice(global_config_, tp_size(), options_.train_base);
+  config_ = tensor_parallel_slice(global_config_, tp_size());
   moe_routes_.resize(size_t(config_.num_layers));
 }
 
@@ -95,6 +92,21 @@ void CausalLm::shard_over_tp(int index, int dim, int replicas) {
   s.offset[size_t(dim)] = p.value.size(dim) * (tp_rank() / replicas);
   s.group = "tp";
   s.replicas = replicas;
+}
+
+void CausalLm::sum_replicated_grads() {
+  ExecContext cx = ctx();
+  for (Parameter& p : params_) {
+    const int r = p.shard.replicas;
+    if (r <= 1 || !p.grad.defined()) continue;
+    const int64_t n = p.grad.numel();
+    Tensor all = Tensor::empty({int64_t(tp_size()) * n}, p.grad.dtype(), cx.allocator);
+    options_.tp->all_gather(contiguous(cx, p.grad).view({n}), all).wait();
+    const int first = tp_rank() / r * r;  // the replica set's ranks, summed in rank order (the same bits on each)
+    Tensor sum = contiguous(cx, all.narrow(0, first * n, n));
+    for (int k = 1; k < r; ++k) sum = add(cx, sum, all.narrow(0, (first + k) * n, n));
+    copy_into(cx, sum.view(p.grad.shape()), p.grad);
+  }
 }
 
 Tensor CausalLm::gathered(const Parameter& p, bool grad) const {

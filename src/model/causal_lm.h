@@ -96,6 +96,10 @@ class CausalLm {
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
   Tensor gathered(const Parameter& p, bool grad = false) const;
+  // Tensor parallelism above the key/value heads: the gradients of the k and v slices that several ranks hold, each
+  // rank's part (from its own query heads) summed over those ranks. A collective: every rank of the group calls it once
+  // the step's gradients are complete, before their norm (the trainer does); a sum over micro-batches commutes with it.
+  void sum_replicated_grads();
   const ModelOptions& options() const { return options_; }
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -272,9 +276,9 @@ class CausalLm {
 };
 
 // Refuses a tensor-parallel layout of `tp` ranks the model cannot take (a family not built yet, heads or the MLP's
-// intermediate size that tp does not divide, key/value heads that neither divide nor are divided by tp; more ranks than
-// key/value heads only without `training`), naming the problem.
-void check_tensor_parallel(const ModelConfig& c, int tp, bool training);
+// intermediate size that tp does not divide, key/value heads that neither divide nor are divided by tp), naming the
+// problem.
+void check_tensor_parallel(const ModelConfig& c, int tp);
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /
 // qwen3_5_moe_text / qwen3_next -> Qwen35Model.

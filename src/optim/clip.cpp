@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "ops/ops.h"
 
@@ -77,9 +78,9 @@ double PendingGradNorm::read() {
   LATHE_CHECK(!read_, "optim: a pending gradient norm is read once");
   read_ = true;
   double squares = 0;
-  for (const Tensor& t : totals_) {
-    const double n = norm_from(*ctx_, t);
-    squares += n * n;
+  for (size_t i = 0; i < totals_.size(); ++i) {
+    const double n = norm_from(*ctx_, totals_[i]);
+    squares += weights_.empty() ? n * n : weights_[i] * n * n;
   }
   return std::sqrt(squares);
 }
@@ -89,16 +90,22 @@ PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>
 }
 
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp) {
-  std::vector<const Parameter*> whole, sliced;
-  for (const Parameter& p : params)
-    (tp && tp->size() > 1 && p.shard.group == "tp" ? sliced : whole).push_back(&p);
+  // Whole tensors; slices held by one rank each; slices held by `replicas` ranks each (counted once per set).
+  std::vector<const Parameter*> whole;
+  std::map<int, std::vector<const Parameter*>> sliced;  // by replicas
+  for (const Parameter& p : params) {
+    if (tp && tp->size() > 1 && p.shard.group == "tp") sliced[p.shard.replicas].push_back(&p);
+    else whole.push_back(&p);
+  }
   std::vector<Tensor> totals = {launch_sums(ctx, whole)};
-  if (!sliced.empty()) {
-    Tensor t = launch_sums(ctx, sliced);
+  std::vector<double> weights = {1.0};
+  for (const auto& [replicas, group] : sliced) {
+    Tensor t = launch_sums(ctx, group);
     if (t.defined()) tp->all_reduce(t).wait();  // every rank's slices
     totals.push_back(t);
+    weights.push_back(1.0 / double(replicas));
   }
-  return PendingGradNorm(ctx, std::move(totals));
+  return PendingGradNorm(ctx, std::move(totals), std::move(weights));
 }
 
 double global_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params) {

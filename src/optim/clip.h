@@ -27,18 +27,21 @@ class PendingGradNorm {
  public:
   double read();
 
-  // Wraps queued totals (each (n) sum(g^2) of n gradients, f32 or f64; undefined: no gradient) on `ctx`'s stream;
-  // `ctx` must outlive it.
-  PendingGradNorm(ExecContext& ctx, std::vector<Tensor> totals) : ctx_(&ctx), totals_(std::move(totals)) {}
+  // Wraps queued totals (each (n) sum(g^2) of n gradients, f32 or f64; undefined: no gradient) on `ctx`'s stream,
+  // each counted with its weight (empty: 1 each); `ctx` must outlive it.
+  PendingGradNorm(ExecContext& ctx, std::vector<Tensor> totals, std::vector<double> weights = {})
+      : ctx_(&ctx), totals_(std::move(totals)), weights_(std::move(weights)) {}
 
  private:
   ExecContext* ctx_;
   std::vector<Tensor> totals_;
+  std::vector<double> weights_;
   bool read_ = false;
 };
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>& params);
 // Tensor parallelism (`tp` a group of more than one rank): the totals of the gradients of slices split over the group
-// (ShardLayout group "tp") are summed over it before the norm; every other gradient, whole on each rank, counts once.
+// (ShardLayout group "tp") are summed over it before the norm, a slice that `replicas` ranks hold counted once; every
+// other gradient, whole on each rank, counts once.
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp = nullptr);
 
 // The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -60,12 +61,14 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
         else old[0].read_box_into(name, mine_offset, mine_shape, dtype, b.data(), b.size());
         covered = p.value.numel();
       }
-      if (covered == 0) {  // split in the old files: each one's overlap with ours
+      if (covered == 0) {  // split in the old files: each one's overlap with ours (a box held by several, once)
+        std::set<std::vector<int64_t>> seen;
         for (const io::SafetensorsFile& f : old) {
           const io::SafetensorsTensor* t = f.find(name);
           LATHE_CHECK(t && t->dtype == dtype && t->shape.size() == 2, "tp: {}: {} is missing, of another dtype or not "
                       "2-D", f.path(), name);
           const Box ob = box_in(f, p.name, *t);
+          if (!seen.insert(ob.offset).second) continue;
           std::vector<int64_t> lo(2), hi(2);  // the overlap, in the whole tensor's coordinates
           for (size_t d = 0; d < 2; ++d) {
             lo[d] = std::max(ob.offset[d], mine_offset[d]);

@@ -465,7 +465,7 @@ void Trainer::Impl::choose_model_source() {
   LATHE_CHECK(model_config_.vocab_size >= tokenizer_->vocab_size(),
               "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model_config_.vocab_size,
               tokenizer_->vocab_size());
-  check_tensor_parallel(model_config_, int(c_.tp), true);  // before any weight is loaded
+  check_tensor_parallel(model_config_, int(c_.tp));  // before any weight is loaded
   if (!lora_) return;
   for (Job& j : jobs_) {
     LoraConfig lc;
@@ -1124,7 +1124,10 @@ bool Trainer::Impl::step() {
   // waits for its loss (BackwardHooks::queued), or at the optimizer step for a job not queued by then.
   std::vector<std::optional<PendingGradNorm>> norms(jobs_.size());
   std::vector<std::optional<AdamW::Prepared>> updates(jobs_.size());
+  bool replicas_summed = false;
   const std::function<void()> queue_optimizer = [&] {
+    if (!replicas_summed && !lora_) model_->sum_replicated_grads();  // tp above the kv heads (else nothing)
+    replicas_summed = true;
     for (Job* j : active) {
       const size_t k = size_t(j - jobs_.data());
       if (j->failed || norms[k]) continue;
