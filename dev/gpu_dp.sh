@@ -5,6 +5,10 @@
 #   dp     — a tiny Qwen3 in bf16: one GPU with grad_accum 4 against --nproc 2 with grad_accum 2 (plain, ZeRO-1 and
 #            ZeRO-2, 1 MiB buckets; and mpirun -np 2 when MPI is built); a stopped rank (SIGSTOP) must end the job
 #            with the timeout report
+#   tp     — tensor parallelism over NCCL: the same tiny Qwen3 in bf16, one GPU with grad_accum 4 against --nproc 2
+#            with parallel.tp=2 (grad_accum 4): per-step loss and gradient-norm differences, and a resume of its step-6
+#            checkpoint at tp 1 (the optimizer state re-cut); `lathe generate --tp 2` and `lathe logprobs --tp 2`
+#            against one GPU on a few lines
 #   speed  — the Qwen3-1.7B shape, seq 4096, one micro-batch of 2 x 4096 per GPU: one GPU against --nproc 2 with
 #            ZeRO 0, 1 and 2 (tokens/s ratio, exposed communication, each rank's peak memory; same call, same card)
 #   torch  — transformers + torchrun on the same two GPUs at that shape (DDP and FSDP2, dev/torch_dp_baseline.py),
@@ -121,6 +125,36 @@ PY
 Q17='{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}'
 Q17_TOKENIZER_VOCAB="${Q17/vocab_size: 151936, /}"
 Q4B='{vocab_size: 151936, hidden_size: 2560, intermediate_size: 9728, num_hidden_layers: 36, num_attention_heads: 32, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}'
+
+if has tp; then
+  D=/tmp/tp; rm -rf $D; tiny_config $D
+  ./build/lathe train $D/config.yaml --set output_dir=$D/one >$L/tp_one.log 2>&1; summary "tp: 1 GPU rc=$?: $(tail -n 1 $L/tp_one.log)"
+  ./build/lathe train $D/config.yaml --set output_dir=$D/tp2 --set parallel.tp=2 --nproc 2 >$L/tp2.log 2>&1
+  summary "tp: --nproc 2 parallel.tp=2 rc=$?: $(tail -n 1 $L/tp2.log)"
+  grep -a "lathe: error" $L/tp2.log | head -3 | cut -c1-300 | tee -a $OUT/summary.txt
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt
+import json, os, sys
+d = sys.argv[1]
+def rows(run): return [json.loads(l) for l in open(f"{d}/{run}/metrics.jsonl") if '"loss"' in l]
+ref, got = rows("one"), rows("tp2")
+worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(got, ref))
+gn = max(abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"]) for a, b in zip(got, ref))
+print(f"tp=2 vs 1 GPU, bf16: {len(got)}/{len(ref)} steps, worst relative loss difference {worst:.2e}, grad norm {gn:.2e}")
+PY
+  # The tp 2 run's step-6 checkpoint resumed on one GPU (the optimizer state re-cut).
+  cp -r $D/tp2 $D/tp2_to_1; rm -rf $D/tp2_to_1/final $D/tp2_to_1/checkpoints/step-00000012
+  ./build/lathe train $D/config.yaml --set output_dir=$D/tp2_to_1 >$L/tp2_to_1.log 2>&1
+  summary "tp: resumed at tp 1 rc=$?: $(grep -a 're-cut' $L/tp2_to_1.log | head -1 | cut -c1-160); $(tail -n 1 $L/tp2_to_1.log)"
+  python3 -c "import json
+for i in range(6): print(json.dumps({'tokens': [(37 * i + 11 * k) % 300 for k in range(3 + 4 * i)]}))" >$D/in.jsonl
+  for cmd in "generate --max-new-tokens 8 --ignore-eos" logprobs; do
+    name=${cmd%% *}
+    ./build/lathe $cmd --model $D/one/final --input $D/in.jsonl --output $D/$name.one.jsonl --device cuda >$L/$name.one.log 2>&1
+    ./build/lathe $cmd --model $D/one/final --input $D/in.jsonl --output $D/$name.tp2.jsonl --device cuda --tp 2 --nproc 2 \
+      >$L/$name.tp2.log 2>&1
+    summary "tp: $name --tp 2 rc=$?: $(cmp -s $D/$name.one.jsonl $D/$name.tp2.jsonl && echo identical to one GPU || echo differs from one GPU: see logs)"
+  done
+fi
 
 if has speed; then
   D=/tmp/speed; rm -rf $D; speed_data $D "$Q17"
