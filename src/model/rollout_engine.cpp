@@ -460,6 +460,8 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   std::string why;
   if (!rt.backend(device.type).can_capture()) why = fmt::format("{} does not record graphs", device.str());
   else if (model.config().num_experts > 0) why = "a mixture-of-experts layer reads its routing back to the host";
+  else if (model.options().tp && model.options().tp->size() > 1)
+    why = "tensor parallelism's collectives are not recorded in graphs yet";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
   // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200 at every batch; the
   // dense Qwen3 shape is faster replayed at batch 1 but not yet measured fairly at 64 (docs/rollout.md, "Decode
