@@ -553,6 +553,12 @@ void Trainer::Impl::build() {
   progress_.message(fmt::format("train: {} parameters, {} on {} ({}){}{}", human(double(mc.parameter_count())),
                                 dtype_name(dtype_), device_.str(), device_name,
                                 lora_ ? fmt::format(", LoRA with {} adapter(s)", jobs_.size()) : "", states));
+  if (groups_)  // the layout, and under tp what one rank holds
+    progress_.message(fmt::format("parallel: {}{}", groups_->grid.describe(),
+                                  tp_ ? fmt::format("; each rank {} of the {} attention heads, {} of the {} key/value heads",
+                                                    model_->config().num_heads, mc.num_heads,
+                                                    model_->config().num_kv_heads, mc.num_kv_heads)
+                                      : ""));
   auto resumed = [](const Job& j) { return j.start.resume_from.empty() ? "" : ", resumed from " + j.start.resume_from; };
   if (lora_) {
     int64_t trainable = 0;

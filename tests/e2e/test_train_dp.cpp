@@ -165,6 +165,8 @@ TEST(TensorParallel, Qwen3EqualsOneProcessAndResumes) {
     const std::string out = fmt::format("tp{}_np{}", tp, np);
     const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.tp={}", tp) + kSmallBuckets);
     ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("parallel: tp={} cp=1 ep=1 dp={} pp=1 (world {}); each rank {} of the 4 attention "
+                                        "heads", tp, np / tp, np, 4 / tp)), std::string::npos) << r.output;
     expect_same_curve(losses(dir / out), want, out);
     std::vector<double> got = grad_norms(dir / out), norms = grad_norms(dir / "ref");
     got.resize(std::min<size_t>(got.size(), 3));
