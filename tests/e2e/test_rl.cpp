@@ -23,6 +23,13 @@ using lathe_e2e::metrics;
 
 namespace {
 
+#ifdef LATHE_MPIRUN
+// The launcher of `np` CPU ranks (oversubscribed: CI machines have 2 cores; one OpenMP thread a rank).
+std::string mpirun(int np) {
+  return fmt::format("{} --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1 -np {}", LATHE_MPIRUN, np);
+}
+#endif
+
 const fs::path kTests = LATHE_TEST_DATA_DIR;
 
 // A work folder with the tokenizer, prompts and an RL config (extra YAML lines appended).
@@ -359,7 +366,6 @@ TEST(Rl, TensorParallelRanksEqualOneProcess) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
 #else
-  const std::string mpirun = std::string(LATHE_MPIRUN) + " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1";
   const fs::path dir = setup("tp");
   const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
   for (const std::string& variant : {std::string(""), std::string(" --set rl.kl_coef=0.1")}) {
@@ -372,7 +378,7 @@ TEST(Rl, TensorParallelRanksEqualOneProcess) {
       const std::string out = fmt::format("tp2_np{}", np);
       const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.tp=2{}{}", config(dir),
                                          (dir / out).string(), common, variant),
-                             mpirun + fmt::format(" -np {}", np));
+                             mpirun(np));
       ASSERT_EQ(run.exit_code, 0) << run.output;
       const std::vector<nlohmann::json> got = rl_rows(dir / out);
       expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
@@ -400,7 +406,6 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
 #else
-  const std::string mpirun = std::string(LATHE_MPIRUN) + " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1";
   const fs::path dir = setup("dp");
   const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
   // DAPO with dynamic sampling, two mini-batches, every response kept (the 4-token limit cuts them all) and a reward
@@ -428,7 +433,7 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
       const std::string out = fmt::format("dp{}", np);
       const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.dp={}{}{}", config(dir),
                                          (dir / out).string(), np, common, variant),
-                             mpirun + fmt::format(" -np {}", np));
+                             mpirun(np));
       ASSERT_EQ(run.exit_code, 0) << run.output;
       const std::vector<nlohmann::json> got = rl_rows(dir / out);
       ASSERT_EQ(got.size(), want.size()) << run.output;
@@ -447,7 +452,7 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
   }
   // Refused before anything is written: 6 groups over 4 ranks (dp left to the launch).
   const auto uneven = lathe(fmt::format("rl {} --set output_dir={} --set rl.prompts_per_step=6", config(dir),
-                                        (dir / "bad").string()), mpirun + " -np 4");
+                                        (dir / "bad").string()), mpirun(4));
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.output.find("do not split evenly into rl.minibatches (1) x parallel.dp (4)"), std::string::npos)
       << uneven.output;
@@ -513,9 +518,8 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
   // Under mpirun -np 2 each rank samples and trains its share of every tenant's groups: the same rewards and lengths
   // at every step, losses and gradient norms within 1e-5 relative of the one-process run.
 #ifdef LATHE_MPIRUN
-  const std::string mpirun = std::string(LATHE_MPIRUN) + " --oversubscribe --allow-run-as-root -x OMP_NUM_THREADS=1 -np 2";
   const auto dp = lathe("rl " + (dir / "tenants.yaml").string() + " --set output_dir=" + (dir / "multi_dp2").string(),
-                        mpirun);
+                        mpirun(2));
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   for (const char* t : {"a", "b"}) {
     const std::vector<nlohmann::json> want = rl_rows(dir / "multi" / t), got = rl_rows(dir / "multi_dp2" / t);

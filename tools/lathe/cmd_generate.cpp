@@ -491,15 +491,9 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
                  double(generated) / std::max(seconds(), 1e-9));
   }
   if (profiler) rt.set_profiler(nullptr);
-  if (world) {  // every replica's lines to rank 0 (from the replica's first rank), which writes them in input order
-    const std::vector<std::string> none;
-    const std::vector<std::vector<std::string>> by_rank =
-        gather_lines(rt, *world, model.options().device, g.tp_rank == 0 ? text : none);
-    for (size_t i = 0; writer && i < requests.size(); ++i) {
-      const auto [rank, at] = g.line_owner(i);
-      file->stream() << by_rank[rank][at];
-    }
-  }
+  if (world)  // every replica's lines to rank 0, which writes them in input order
+    for (const std::string& lines : g.in_input_order(rt, model.options().device, text, requests.size()))
+      file->stream() << lines;
   if (!writer) return;
   file->commit();
   const EngineStats& st = engine.stats();

@@ -142,16 +142,10 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
     }
     first = last;
   }
-  std::vector<std::vector<std::string>> by_rank = {rows};
-  const std::vector<std::string> none;  // a replica's other ranks send nothing
-  if (g.world) by_rank = gather_lines(rt, *g.world, options.device, g.tp_rank == 0 ? rows : none);
+  const std::vector<std::string> in_order = g.in_input_order(rt, options.device, rows, all_lines.size());
   if (!g.writer()) return;  // rank 0 writes
   OutputFile file(a.output, "logprobs");
-  std::ostream& out = file.stream();
-  for (size_t i = 0; i < all_lines.size(); ++i) {
-    const auto [rank, at] = g.line_owner(i);
-    out << by_rank[rank][at];
-  }
+  for (const std::string& line : in_order) file.stream() << line;
   file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "backend/runtime.h"
+#include "cli_support.h"
 #include "comm/local_launch.h"
 #include "core/error.h"
 
@@ -62,6 +63,17 @@ LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::str
   r.world = r.alone.get();
   if (r.world) r.replica = r.world->rank(), r.replicas = r.world->size();
   return r;
+}
+
+std::vector<std::string> LineRanks::in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
+                                                   size_t lines) const {
+  if (!world) return mine;
+  const std::vector<std::string> none;  // a replica's other ranks send nothing
+  const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, device, tp_rank == 0 ? mine : none);
+  std::vector<std::string> out;
+  for (size_t i = 0; writer() && i < lines; ++i)  // replica d's first rank is world rank d x tp (ParallelGrid order)
+    out.push_back(by_rank[(i % size_t(replicas)) * size_t(tp_size)][i / size_t(replicas)]);
+  return out;
 }
 
 void run_as_rank(const LaunchEnv& env, const std::function<void()>& body) {

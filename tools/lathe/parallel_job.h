@@ -34,7 +34,7 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
 // The ranks of a parallel `lathe generate` / `lathe logprobs` over input lines: the world, and with `--tp T` its
 // ranks in groups of T (ParallelGrid order: tp fastest), each group one model replica. The lines go to the replicas
 // (replica d: lines d, d + replicas, ...); every rank of a replica computes them, and its first rank sends them to rank
-// 0, which writes them in input order (line_owner).
+// 0, which writes them in input order (in_input_order).
 struct LineRanks {
   std::unique_ptr<ProcessGroups> groups;  // with tp > 1
   std::unique_ptr<Communicator> alone;    // the world without tp
@@ -42,10 +42,10 @@ struct LineRanks {
   Communicator* tp = nullptr;             // the replica's tensor-parallel group (ModelOptions::tp)
   int replica = 0, replicas = 1, tp_rank = 0, tp_size = 1;
   bool writer() const { return !world || world->rank() == 0; }
-  // The world rank whose gathered lines hold input line i (its replica's first rank), and the line's place there.
-  std::pair<size_t, size_t> line_owner(size_t i) const {
-    return {(i % size_t(replicas)) * size_t(tp_size), i / size_t(replicas)};
-  }
+  // Every replica's output lines (`mine`: this rank's, in its own order) on the writer, in input order, `lines` in all;
+  // empty on the other ranks. A collective under a parallel launch (gather_lines over the world).
+  std::vector<std::string> in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
+                                          size_t lines) const;
 };
 // `world` (nullptr: one process) split for `--tp tp`; refused when tp does not fit the launch. `who`: for messages.
 LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::string& who);
