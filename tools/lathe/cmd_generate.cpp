@@ -584,7 +584,7 @@ void add_generate_command(CLI::App& app, int& exit_code) {
       ->check(CLI::IsMember({"auto", "on", "off", "padded"}));
   cmd->add_flag("--time-forwards", args->time_forwards,
                 "--input: time each decode step's layers and LM head on the device (events; a wait a step) and print "
-                "the mean for replayed graphs and for eager steps");
+                "the mean for replayed graphs and for eager steps, and the steps' wall times (median, longest, total)");
   cmd->add_option("--seed", args->seed, "sampling seed (line i of --input uses seed + i)")->capture_default_str();
   cmd->add_option("--stop", args->stop, "stop strings: the completion ends before the first one (repeatable)");
   cmd->add_flag("--no-chat-template", args->no_chat_template, "use --prompt / 'prompt' as raw text");
