@@ -7,7 +7,8 @@
 #           after and its wall time
 #   bench — bench/rl_side_by_side.py's Lathe side: a GRPO step of the Qwen3-1.7B shape (64 x 8 x RL_NEW tokens,
 #           default 1024), lathe rl with rl.offload_optimizer auto, then true (the handover measured), split into its
-#           phases, each run cut at RL_LATHE_S seconds; RL_BENCH_ARGS: more arguments
+#           phases, each run cut at RL_LATHE_S seconds; RL_OFFLOADS: which settings (default "auto true");
+#           RL_BENCH_ARGS: more arguments
 #   torch — its PyTorch side (transformers' generate + a training loop), cut at RL_END_S seconds of the call, each
 #           phase logged as it ends
 # Writes summary.txt and logs.tgz to $OUT.
@@ -26,7 +27,7 @@ if has demo; then
 fi
 
 if has bench; then  # lathe (offload auto, then forced: the handover's cost), then PyTorch with what time is left
-  for offload in auto true; do
+  for offload in ${RL_OFFLOADS:-auto true}; do
     timeout ${RL_LATHE_S:-240} python3 bench/rl_side_by_side.py --lathe-bin build/lathe --new ${RL_NEW:-1024} --skip-torch \
       --offload $offload ${RL_BENCH_ARGS:-} --out /tmp/rl_bench_$offload >$L/rl_lathe_$offload.log 2>&1
     summary "lathe (offload $offload): $(grep -E '^(lathe|card)' $L/rl_lathe_$offload.log | tr '\n' ' ')"

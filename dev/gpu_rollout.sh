@@ -17,7 +17,7 @@ source dev/gpu_common.sh "$@"
 
 if has build; then
   (cd build && ctest -j8 --output-on-failure \
-     -R "CudaMatchesTheCpu|CudaGraphsEqualEagerSteps|OpCheck.Cuda/(matmul|paged_attention|scatter_rows|row_argmax|sample_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda|CudaParametersMove" \
+     -R "CudaMatchesTheCpu|CudaGraphsEqualEagerSteps|OpCheck.Cuda/(matmul|paged_attention|scatter_rows|row_argmax|sample_rows|penalize_rows|cross_entropy|qk_norm_rope)|PagedAttention|CrossEntropy|SampleRows|Rl.Cuda|GenerateEngineCuda|CudaParametersMove" \
      >$L/ctest.txt 2>&1)
   summary "ctest (rollout, paged ops, decoding; CUDA included): $(grep -E 'tests passed' $L/ctest.txt)"
   grep -E "\(Failed\)|\(SEGFAULT\)|Timeout|Not Run" $L/ctest.txt | head -10 | tee -a $OUT/summary.txt
