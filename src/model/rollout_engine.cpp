@@ -463,12 +463,9 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   else if (model.options().tp && model.options().tp->size() > 1)
     why = "tensor parallelism's collectives are not recorded in graphs yet";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
-  // kAuto records only models with Gated DeltaNet layers: measured faster with graphs on the H200 at every batch; the
-  // dense Qwen3 shape is faster replayed at batch 1 but not yet measured fairly at 64 (docs/rollout.md, "Decode
-  // graphs").
-  const bool hybrid = !pool_->conv.empty();  // it has Gated DeltaNet state slots
-  const bool record =
-      why.empty() && (options_.graphs == StepGraphs::kOn || (options_.graphs == StepGraphs::kAuto && hybrid));
+  // kAuto records whatever can be recorded: faster by median step for both the dense and the hybrid shapes at every
+  // batch measured (docs/rollout.md, "Decode graphs").
+  const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || options_.graphs == StepGraphs::kAuto);
   if (options_.graphs == StepGraphs::kPadded || record)
     fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record,
                                           options_.graphs != StepGraphs::kAuto);

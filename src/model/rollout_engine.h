@@ -54,9 +54,8 @@ namespace lathe {
 
 // How decode steps (every running sequence one new token) run.
 enum class StepGraphs {
-  kAuto,    // kOn for models with Gated DeltaNet layers where the device records graphs (measured faster there at
-            // every batch; dense models: faster at batch 1, not yet measured by median steps at 64, docs/rollout.md),
-            // otherwise kOff
+  kAuto,    // kOn where the model and device can be recorded (measured faster by median step at batch 1, 64 and 256
+            // for the dense and hybrid shapes, docs/rollout.md), otherwise kOff
   kOn,      // recorded: a model or device that cannot is refused when the engine is made
   kPadded,  // padded to the recorded shapes and run eagerly (what a graph replays, on any device and family: tests)
   kOff,     // every step as it comes

@@ -576,8 +576,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
                   "srun work too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1));
   cmd->add_option("--graphs", args->graphs,
-                  "--input: decode steps recorded as CUDA graphs and replayed: auto (for models with Gated "
-                  "DeltaNet layers, where they measured faster; not for mixture-of-experts models or adapters), on "
+                  "--input: decode steps recorded as CUDA graphs and replayed: auto (wherever they can be: "
+                  "measured faster for dense and hybrid models; not for mixture-of-experts models, adapters or "
+                  "--tp), on "
                   "(any model that allows them; refused where one does not), off, "
                   "padded (the graphs' fixed shapes, run eagerly: for comparisons)")
       ->capture_default_str()
