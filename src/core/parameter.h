@@ -21,11 +21,30 @@ struct ShardLayout {
   int64_t flat_begin = -1;       // -1: the whole box
   std::string group;             // the group whose ranks hold the pieces ("tp", "ep", "dp" for ZeRO), "" when whole
   int replicas = 1;              // consecutive ranks of the group holding the same piece (tp above the kv heads)
+  // Dim 0 of the whole as consecutive sections, each split alike over the group: the piece is the same part of every
+  // section, stacked (Gated DeltaNet's in_proj_qkv and conv1d rows, [q | k | v]); offset[0] is then the piece's
+  // offset into the first section. Empty: one section.
+  std::vector<int64_t> sections;
 };
 
 // How a checkpoint records a piece's place (the metadata "shard.<name>" of an optimizer file):
-// {"global_shape": [...], "offset": [...], "flat_begin": N, "group": "dp"}.
+// {"global_shape": [...], "offset": [...], "flat_begin": N, "group": "dp"} (and "sections": [...] where set).
 std::string shard_metadata(const ShardLayout& layout);
+
+// A box of a piece in its whole tensor viewed as 2-D (dim 0 by the product of the other dimensions): `rows` rows
+// from `row` and `cols` columns from `col` of the whole, held at rows [local_row, local_row + rows) of the piece
+// (viewed alike).
+struct PieceBox {
+  int64_t row = 0, rows = 0, col = 0, cols = 0, local_row = 0;
+};
+
+// The boxes of a piece of shape `local` placed by `layout` (one, unless sections split dim 0; a whole tensor: one box
+// of all of it). A tensor split along a dimension other than 0 must be 2-D.
+std::vector<PieceBox> piece_boxes(const ShardLayout& layout, const Shape& local);
+
+// The layout of the piece `part` (0-based, in the order of the split) of the same split as `layout`: what another
+// rank of the group holds.
+ShardLayout part_layout(const ShardLayout& layout, const Shape& local, int64_t part);
 
 struct Parameter {
   std::string name;  // Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
@@ -38,18 +57,19 @@ struct Parameter {
   const Shape& global_shape() const { return whole() ? value.shape() : shard.global_shape; }
 };
 
-// The values of p's box (a 2-D piece: ShardLayout offset and p.value's shape) out of its whole tensor's row-major
-// values, `elem` entries of `whole` an element (bytes: the dtype's size; typed values: 1).
+// The values of p's piece (piece_boxes) out of its whole tensor's row-major values, `elem` entries of `whole` an
+// element (bytes: the dtype's size; typed values: 1).
 template <typename T>
 std::vector<T> slice_of(const std::vector<T>& whole, const Parameter& p, size_t elem = 1) {
-  LATHE_CHECK(p.value.dim() == 2 && p.shard.flat_begin < 0 && p.shard.global_shape.size() == 2,
-              "parameter {}: only 2-D boxes are sliced here", p.name);
-  const size_t rows = size_t(p.value.size(0)), cols = size_t(p.value.size(1)) * elem;
-  const size_t stride = size_t(p.shard.global_shape[1]) * elem, r0 = size_t(p.shard.offset[0]);
-  const size_t c0 = size_t(p.shard.offset[1]) * elem;
-  std::vector<T> out(rows * cols);
-  for (size_t i = 0; i < rows; ++i)
-    std::copy_n(whole.begin() + std::ptrdiff_t((r0 + i) * stride + c0), cols, out.begin() + std::ptrdiff_t(i * cols));
+  LATHE_CHECK(p.shard.flat_begin < 0, "parameter {}: a ZeRO piece is not sliced here", p.name);
+  const Shape& global = p.global_shape();
+  const size_t stride = size_t(shape_numel(global) / global[0]) * elem;  // a row of the whole viewed as 2-D
+  const size_t local_stride = size_t(p.value.numel() / p.value.size(0)) * elem;
+  std::vector<T> out(size_t(p.value.numel()) * elem);
+  for (const PieceBox& b : piece_boxes(p.shard, p.value.shape()))
+    for (int64_t i = 0; i < b.rows; ++i)
+      std::copy_n(whole.begin() + std::ptrdiff_t(size_t(b.row + i) * stride + size_t(b.col) * elem),
+                  size_t(b.cols) * elem, out.begin() + std::ptrdiff_t(size_t(b.local_row + i) * local_stride));
   return out;
 }
 

@@ -311,15 +311,19 @@ void convert_box(const SafetensorsTensor& tensor, const std::vector<int64_t>& of
   const size_t dst_size = dtype_size(dst);
   LATHE_CHECK(tensor.data != nullptr || tensor.byte_size() == 0,
               "safetensors: {}: tensor '{}' has no data (a bare header entry)", label, shown(tensor.name));
-  LATHE_CHECK(tensor.shape.size() == 2 && offset.size() == 2 && box.size() == 2 && offset[0] >= 0 && offset[1] >= 0 &&
-                  offset[0] + box[0] <= tensor.shape[0] && offset[1] + box[1] <= tensor.shape[1],
+  // The tensor viewed as 2-D: dim 0 by the product of the others (a 1-D tensor: one column).
+  int64_t cols = 1;
+  for (size_t d = 1; d < tensor.shape.size(); ++d) cols *= tensor.shape[d];
+  LATHE_CHECK(!tensor.shape.empty() && offset.size() == 2 && box.size() == 2 && offset[0] >= 0 && offset[1] >= 0 &&
+                  offset[0] + box[0] <= tensor.shape[0] && offset[1] + box[1] <= cols,
               "safetensors: {}: tensor '{}' {}: the box at ({}, {}) of {} x {} is not inside it", label,
-              shown(tensor.name), fmt::join(tensor.shape, "x"), offset[0], offset[1], box[0], box[1]);
+              shown(tensor.name), fmt::join(tensor.shape, "x"), offset.empty() ? -1 : offset[0],
+              offset.size() < 2 ? -1 : offset[1], box.empty() ? -1 : box[0], box.size() < 2 ? -1 : box[1]);
   LATHE_CHECK(out_bytes == size_t(box[0] * box[1]) * dst_size,
               "safetensors: {}: tensor '{}': a box of {} x {} does not fill {} bytes of {}", label, shown(tensor.name),
               box[0], box[1], out_bytes, dtype_name(dst));
   for (int64_t r = 0; r < box[0]; ++r)
-    convert_span(tensor, size_t((offset[0] + r) * tensor.shape[1] + offset[1]), size_t(box[1]), dst,
+    convert_span(tensor, size_t((offset[0] + r) * cols + offset[1]), size_t(box[1]), dst,
                  static_cast<uint8_t*>(out) + size_t(r * box[1]) * dst_size, label);
 }
 

@@ -74,8 +74,9 @@ class SafetensorsFile {
   const SafetensorsTensor& get(std::string_view name) const;   // throws naming file and tensor
   std::vector<float> read_as_f32(std::string_view name) const;
   void read_into(std::string_view name, DType dst, void* out, size_t out_bytes) const;
-  // The box [offset, offset + box) of a 2-D tensor, row-major, as `dst`: only the box's bytes are read from the
-  // mapping (a tensor-parallel slice: its rows, or its columns of every row).
+  // The box [offset, offset + box) of a tensor viewed as 2-D (dim 0 by the product of the others), row-major, as
+  // `dst`: only the box's bytes are read from the mapping (a tensor-parallel slice: its rows, or its columns of every
+  // row).
   void read_box_into(std::string_view name, const std::vector<int64_t>& offset, const std::vector<int64_t>& box,
                      DType dst, void* out, size_t out_bytes) const;
 

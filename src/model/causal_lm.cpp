@@ -43,13 +43,20 @@ std::string architecture_of(const std::string& model_type) {
 
 void check_tensor_parallel(const ModelConfig& c, int tp) {
   if (tp <= 1) return;
-  LATHE_CHECK(c.model_type == "qwen3", "parallel.tp: tensor parallelism is built for qwen3 (dense) models so far, not "
-              "{} (docs/parallel.md)", c.model_type);
+  bool sparse = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) sparse = sparse || c.sparse_layer(i);
+  LATHE_CHECK((c.model_type == "qwen3" || c.is_hybrid()) && !sparse, "parallel.tp: tensor parallelism is built for "
+              "the Qwen3, Qwen3.5 and Qwen3-Next layers with dense MLPs so far, not {}{} (docs/parallel.md)",
+              c.model_type, sparse ? " with mixture-of-experts layers" : "");
   LATHE_CHECK(c.num_heads % tp == 0 && c.intermediate_size % tp == 0,
               "parallel.tp: {} ranks must divide the attention heads ({}) and the MLP's intermediate size ({})", tp,
               c.num_heads, c.intermediate_size);
   LATHE_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0,
               "parallel.tp: {} ranks and {} key/value heads: one must divide the other", tp, c.num_kv_heads);
+  LATHE_CHECK(!c.is_hybrid() || c.linear_num_key_heads % tp == 0,
+              "parallel.tp: {} ranks must divide the Gated DeltaNet key heads ({}; each rank keeps its key heads' "
+              "groups of {} value heads)", tp, c.linear_num_key_heads,
+              c.linear_num_key_heads > 0 ? c.linear_num_value_heads / c.linear_num_key_heads : 0);
 }
 
 namespace {
@@ -63,6 +70,8 @@ ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
   local.num_heads /= tp;
   local.num_kv_heads = std::max<int64_t>(1, c.num_kv_heads / tp);
   local.intermediate_size /= tp;
+  local.linear_num_key_heads /= tp;  // Gated DeltaNet: each rank its key heads and their value heads
+  local.linear_num_value_heads /= tp;
   return local;
 }
 
@@ -82,16 +91,18 @@ void CausalLm::tp_sum(Tensor& t) const {
   if (tp_size() > 1) options_.tp->all_reduce(t).wait();
 }
 
-void CausalLm::shard_over_tp(int index, int dim, int replicas) {
+void CausalLm::shard_over_tp(int index, int dim, int replicas, std::vector<int64_t> sections) {
   if (tp_size() <= 1) return;
   Parameter& p = params_[size_t(index)];
   ShardLayout& s = p.shard;
+  const int64_t parts = tp_size() / replicas;
   s.global_shape = p.value.shape();
-  s.global_shape[size_t(dim)] *= tp_size() / replicas;
+  s.global_shape[size_t(dim)] *= parts;
   s.offset.assign(s.global_shape.size(), 0);
-  s.offset[size_t(dim)] = p.value.size(dim) * (tp_rank() / replicas);
+  s.offset[size_t(dim)] = (sections.empty() ? p.value.size(dim) : sections[0] / parts) * (tp_rank() / replicas);
   s.group = "tp";
   s.replicas = replicas;
+  s.sections = std::move(sections);
 }
 
 void CausalLm::sum_replicated_grads() {
@@ -114,25 +125,21 @@ Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   if (p.whole() || p.shard.group != "tp") return mine;
   const int n = tp_size();
   if (p.shard.global_shape == mine.shape()) return mine;  // held whole by every rank (one kv head for all)
-  const int dim = p.shard.global_shape[0] != mine.size(0) ? 0 : 1;  // the split dimension
   ExecContext cx = rt_->context(options_.device);
-  Tensor all = Tensor::empty({int64_t(n) * mine.numel()}, mine.dtype(), cx.allocator);  // the slices in rank order
+  const int64_t size = mine.numel(), local_cols = size / mine.size(0);
+  Tensor all = Tensor::empty({int64_t(n) * size}, mine.dtype(), cx.allocator);  // the pieces in rank order
   Tensor in = contiguous(cx, mine);
-  options_.tp->all_gather(in.view({in.numel()}), all).wait();
-  if (p.shard.replicas > 1) {  // ranks r, r + 1, ... of a replica set hold the same rows: one of each set
-    LATHE_CHECK(dim == 0, "model: {}: only row slices are held by several ranks", p.name);
-    Tensor whole = Tensor::empty(p.shard.global_shape, mine.dtype(), cx.allocator);
-    for (int r = 0; r < n; r += p.shard.replicas)
-      copy_into(cx, all.narrow(0, r * mine.numel(), mine.numel()),
-                whole.view({whole.numel()}).narrow(0, (r / p.shard.replicas) * mine.numel(), mine.numel()));
-    return whole;
+  options_.tp->all_gather(in.view({size}), all).wait();
+  // Each part (one of a replica set's ranks) copied box by box into the whole viewed as 2-D.
+  const Shape& global = p.shard.global_shape;
+  Tensor whole = Tensor::empty(global, mine.dtype(), cx.allocator);
+  Tensor whole2d = whole.view({global[0], whole.numel() / global[0]});
+  for (int r = 0; r < n; r += p.shard.replicas) {
+    const Tensor piece = all.narrow(0, r * size, size).view({mine.size(0), local_cols});
+    for (const PieceBox& box : piece_boxes(part_layout(p.shard, mine.shape(), r / p.shard.replicas), mine.shape()))
+      copy_into(cx, piece.narrow(0, box.local_row, box.rows),
+                whole2d.narrow(0, box.row, box.rows).narrow(1, box.col, box.cols));
   }
-  if (dim == 0) return all.view(p.shard.global_shape);
-  // Column slices: slice r holds columns [r c, (r + 1) c) of every row.
-  const int64_t rows = mine.size(0), cols = mine.size(1);
-  Tensor whole = Tensor::empty(p.shard.global_shape, mine.dtype(), cx.allocator);
-  for (int r = 0; r < n; ++r)
-    copy_into(cx, all.narrow(0, r * rows * cols, rows * cols).view({rows, cols}), whole.narrow(1, r * cols, cols));
   return whole;
 }
 

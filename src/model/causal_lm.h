@@ -246,9 +246,10 @@ class CausalLm {
   // column-parallel one's partial input gradient); nothing without it.
   void tp_sum(Tensor& t) const;
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
-  // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; what loading, random initialisation and
-  // gathered() read.
-  void shard_over_tp(int index, int dim, int replicas = 1);
+  // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
+  // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random
+  // initialisation and gathered() read.
+  void shard_over_tp(int index, int dim, int replicas = 1, std::vector<int64_t> sections = {});
 
   Runtime* rt_;
   ModelConfig global_config_;

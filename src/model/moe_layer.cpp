@@ -356,7 +356,12 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
       LATHE_CHECK(t->shape == p.global_shape(), "model: {}: tensor '{}' has shape {} but the config implies {}",
                   st.dir(), p.name, shape_str(t->shape), shape_str(p.global_shape()));
       if (p.whole()) st.read_into(p.name, host_dtype, host.data(), host.size());
-      else st.read_box_into(p.name, p.shard.offset, p.value.shape(), host_dtype, host.data(), host.size());  // tp slice
+      else  // a tp piece: only its boxes' bytes are read
+        for (const PieceBox& box : piece_boxes(p.shard, p.value.shape())) {
+          const size_t at = size_t(box.local_row * (p.value.numel() / p.value.size(0))) * elem;
+          st.read_box_into(p.name, {box.row, box.col}, {box.rows, box.cols}, host_dtype, host.data() + at,
+                           size_t(box.rows * box.cols) * elem);
+        }
       used.insert(p.name);
       fused += is_fused_experts(p.name);
     } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)

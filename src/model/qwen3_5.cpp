@@ -118,6 +118,41 @@ void Qwen35Model::build_parameter_list() {
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   pack_mlp_rows();
+  shard_layers();
+}
+
+// Tensor parallelism (docs/parallel.md): the attention layers as Qwen3's (q_proj's rows are per head [query | gate],
+// so a rank's heads are contiguous rows); Gated DeltaNet's projections column-parallel by key heads with their value
+// heads (in_proj_qkv and the conv's channels [q | k | v] as three sections; Qwen3-Next's fused in_proj_qkvz and
+// in_proj_ba are already grouped by key head, so contiguous), A_log and dt_bias by value head, out_proj row-parallel.
+// The norms' gains (q/k norm, the gated output norm) stay whole: their gradients are summed over the group.
+void Qwen35Model::shard_layers() {
+  const ModelConfig& c = config_;
+  const ModelConfig& g = global_config_;
+  const int kv_replicas = c.num_kv_heads > 0 ? int(tp_size() * c.num_kv_heads / g.num_kv_heads) : 1;
+  const int64_t kd = g.linear_num_key_heads * g.linear_key_head_dim;
+  const int64_t vd = g.linear_num_value_heads * g.linear_value_head_dim;
+  for (const Layer& l : layers_) {
+    if (l.linear) {
+      if (c.fused_gdn_projections) {
+        for (int i : {l.in_qkvz, l.in_ba}) shard_over_tp(i, 0);
+      } else {
+        shard_over_tp(l.in_qkv, 0, 1, {kd, kd, vd});
+        for (int i : {l.in_z, l.in_b, l.in_a}) shard_over_tp(i, 0);
+      }
+      shard_over_tp(l.conv, 0, 1, {kd, kd, vd});
+      for (int i : {l.a_log, l.dt_bias}) shard_over_tp(i, 0);
+      shard_over_tp(l.out_proj, 1);
+    } else {
+      shard_over_tp(l.q_proj, 0);
+      for (int i : {l.k_proj, l.v_proj}) shard_over_tp(i, 0, kv_replicas);
+      shard_over_tp(l.o_proj, 1);
+    }
+    if (!l.mlp.sparse) {
+      for (int i : {l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+      shard_over_tp(l.mlp.down, 1);
+    }
+  }
 }
 
 Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
@@ -158,8 +193,8 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, std);
   std::uniform_real_distribution<double> uniform(0.01, 16.0);
-  for (Parameter& p : m.params_) {
-    std::vector<double> host(size_t(p.value.numel()));
+  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's piece
+    std::vector<double> host(size_t(shape_numel(p.global_shape())));
     const bool gated_norm = p.name.find("linear_attn.norm.weight") != std::string::npos;
     for (double& x : host) {
       if (p.name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
@@ -167,6 +202,7 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
       else if (p.value.dim() == 1) x = 0.0;  // zero-centred norms
       else x = normal(rng);
     }
+    if (!p.whole()) host = slice_of(host, p);
     ExecContext cx = rt.context(options.device);
     copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), p.value);  // cast in place
   }
@@ -398,6 +434,7 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Residual
   std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
   if (l.linear) gdn_forward(l, a, b, training);
   else attention_forward(l, a, b, training);
+  tp_sum(a.mix);  // tensor parallelism: every rank's heads
   // h = x + mixer output and hn = post_norm(h) in one pass
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, a.mix, w(l.post_norm), norm);
   a.hn = post[0];
@@ -423,8 +460,11 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
                          {0.0, options_.deterministic});
   const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], b.positions, inv), norm);
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
-  add_grad(l.q_norm, dq[1]);
-  add_grad(l.k_norm, dk[1]);
+  Tensor dq_norm = dq[1], dk_norm = dk[1];
+  tp_sum(dq_norm);  // tensor parallelism: the norms' gains are every rank's heads'
+  tp_sum(dk_norm);
+  add_grad(l.q_norm, dq_norm);
+  add_grad(l.k_norm, dk_norm);
   // d(q_proj output): the query and gate gradients scattered back to their interleaved columns.
   const Tensor dyq = merge_columns({contiguous(cx, dq[0]), contiguous(cx, dgate)}, {&split.query, &split.gate},
                                    split.merge_query_gate);
@@ -446,7 +486,9 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   dgy = dgy.view({t, hv, dv});
   // gy = rmsnorm(core; w) * silu(z): {dcore, dw, dz}
   const std::vector<Tensor> dnorm = gated_rmsnorm_backward(cx, a.core, w(l.gnorm), a.z, dgy, {c.rms_norm_eps, 0.0});
-  add_grad(l.gnorm, dnorm[1]);
+  Tensor dgnorm = dnorm[1];
+  tp_sum(dgnorm);  // tensor parallelism: the gain is every rank's value heads'
+  add_grad(l.gnorm, dgnorm);
   const Tensor& dz = dnorm[2];
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dnorm[0], b.cu_seqlens,
                                                            a.states, {}, a.chunk_cache);
@@ -490,7 +532,8 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   add_grad(l.post_norm, dpost[1]);
   const Tensor& dh = dpost[0];
   // Mixer: h = x + mixer(input_norm(x))
-  const Tensor dxn = l.linear ? gdn_backward_part(l, a, dh, b) : attention_backward_part(l, a, dh, b);
+  Tensor dxn = l.linear ? gdn_backward_part(l, a, dh, b) : attention_backward_part(l, a, dh, b);
+  tp_sum(dxn);  // tensor parallelism: the column-parallel projections' parts of the input gradient
   const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
   add_grad(l.input_norm, din[1]);
   return din[0];

@@ -91,6 +91,7 @@ class Qwen35Model : public CausalLm {
   };
 
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);
+  void shard_layers();
   void build_parameter_list();
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
   const SplitIndex& split_index(int64_t tokens, DecodeCache* cache);

@@ -17,18 +17,28 @@ std::string tp_state_name(int rank, int ranks) { return fmt::format("optimizer.t
 
 namespace {
 
-// An old file's box of a tensor: where its slice sits in the whole (its "shard.<param>" metadata), or the whole.
-struct Box {
-  std::vector<int64_t> offset, shape;
-};
-
-Box box_in(const io::SafetensorsFile& f, const std::string& param, const io::SafetensorsTensor& t) {
+// Where an old file's piece of a tensor sits in the whole (its "shard.<param>" metadata: global shape, offset and
+// sections), as boxes; no metadata: the file holds the whole.
+std::vector<PieceBox> old_boxes(const io::SafetensorsFile& f, const std::string& param, const io::SafetensorsTensor& t) {
   const auto it = f.metadata().find("shard." + param);
-  if (it == f.metadata().end()) return {std::vector<int64_t>(t.shape.size(), 0), t.shape};
+  if (it == f.metadata().end()) return piece_boxes({}, t.shape);
   const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
-  LATHE_CHECK(j.is_object() && j.contains("offset") && j["offset"].size() == t.shape.size(),
+  LATHE_CHECK(j.is_object() && j.contains("offset") && j.contains("global_shape") &&
+                  j["offset"].size() == t.shape.size() && j["global_shape"].size() == t.shape.size(),
               "tp: {}: the metadata shard.{} ({}) does not place the tensor", f.path(), param, it->second);
-  return {j["offset"].get<std::vector<int64_t>>(), t.shape};
+  ShardLayout l;
+  l.global_shape = j["global_shape"].get<Shape>();
+  l.offset = j["offset"].get<std::vector<int64_t>>();
+  if (j.contains("sections")) l.sections = j["sections"].get<std::vector<int64_t>>();
+  return piece_boxes(l, t.shape);
+}
+
+// Row-major bytes of `rows` x `cols` elements of `elem` bytes at (row, col) of a `width`-wide 2-D buffer.
+void put_box(std::vector<uint8_t>& to, int64_t width, int64_t row, int64_t col, const std::vector<uint8_t>& box,
+             int64_t rows, int64_t cols, size_t elem) {
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy_n(box.begin() + std::ptrdiff_t(size_t(r * cols) * elem), size_t(cols) * elem,
+                to.begin() + std::ptrdiff_t(size_t((row + r) * width + col) * elem));
 }
 
 }  // namespace
@@ -42,9 +52,9 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
   std::vector<std::vector<uint8_t>> bytes;
   bytes.reserve(params.size() * 3);
   for (const Parameter& p : params) {
-    LATHE_CHECK(p.value.dim() == 2 || p.whole(), "tp: {} is split but not 2-D", p.name);
-    const std::vector<int64_t> mine_offset = p.whole() ? std::vector<int64_t>(size_t(p.value.dim()), 0) : p.shard.offset;
     const std::vector<int64_t> mine_shape(p.value.shape().begin(), p.value.shape().end());
+    const std::vector<PieceBox> mine = piece_boxes(p.shard, p.value.shape());
+    const int64_t width = p.value.numel() / p.value.size(0);  // ours viewed as 2-D
     for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) {
       const std::string name = p.name + suffix;
       const io::SafetensorsTensor* first = old[0].find(name);
@@ -55,35 +65,26 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
       const DType dtype = first->dtype;
       const size_t elem = dtype_size(dtype);
       std::vector<uint8_t> b(size_t(p.value.numel()) * elem);
+      // Each old file's boxes' overlaps with ours (a box held by several files, or whole in each, taken once).
       int64_t covered = 0;
-      if (!old[0].metadata().count("shard." + p.name)) {  // whole in every old file: ours is a box of it, or all of it
-        if (p.whole()) old[0].read_into(name, dtype, b.data(), b.size());
-        else old[0].read_box_into(name, mine_offset, mine_shape, dtype, b.data(), b.size());
-        covered = p.value.numel();
-      }
-      if (covered == 0) {  // split in the old files: each one's overlap with ours (a box held by several, once)
-        std::set<std::vector<int64_t>> seen;
-        for (const io::SafetensorsFile& f : old) {
-          const io::SafetensorsTensor* t = f.find(name);
-          LATHE_CHECK(t && t->dtype == dtype && t->shape.size() == 2, "tp: {}: {} is missing, of another dtype or not "
-                      "2-D", f.path(), name);
-          const Box ob = box_in(f, p.name, *t);
-          if (!seen.insert(ob.offset).second) continue;
-          std::vector<int64_t> lo(2), hi(2);  // the overlap, in the whole tensor's coordinates
-          for (size_t d = 0; d < 2; ++d) {
-            lo[d] = std::max(ob.offset[d], mine_offset[d]);
-            hi[d] = std::min(ob.offset[d] + ob.shape[d], mine_offset[d] + mine_shape[d]);
+      std::set<std::pair<int64_t, int64_t>> seen;
+      for (const io::SafetensorsFile& f : old) {
+        const io::SafetensorsTensor* t = f.find(name);
+        LATHE_CHECK(t && t->dtype == dtype && t->shape.size() == mine_shape.size(),
+                    "tp: {}: {} is missing, of another dtype or of another rank", f.path(), name);
+        for (const PieceBox& ob : old_boxes(f, p.name, *t)) {
+          if (!seen.insert({ob.row, ob.col}).second) continue;
+          for (const PieceBox& mb : mine) {
+            const int64_t r0 = std::max(ob.row, mb.row), r1 = std::min(ob.row + ob.rows, mb.row + mb.rows);
+            const int64_t c0 = std::max(ob.col, mb.col), c1 = std::min(ob.col + ob.cols, mb.col + mb.cols);
+            if (r0 >= r1 || c0 >= c1) continue;
+            const int64_t rows = r1 - r0, cols = c1 - c0;
+            std::vector<uint8_t> part(size_t(rows * cols) * elem);
+            f.read_box_into(name, {ob.local_row + r0 - ob.row, c0 - ob.col}, {rows, cols}, dtype, part.data(),
+                            part.size());
+            put_box(b, width, mb.local_row + r0 - mb.row, c0 - mb.col, part, rows, cols, elem);
+            covered += rows * cols;
           }
-          if (lo[0] >= hi[0] || lo[1] >= hi[1]) continue;
-          const int64_t rows = hi[0] - lo[0], cols = hi[1] - lo[1];
-          std::vector<uint8_t> part(size_t(rows * cols) * elem);
-          f.read_box_into(name, {lo[0] - ob.offset[0], lo[1] - ob.offset[1]}, {rows, cols}, dtype, part.data(),
-                          part.size());
-          for (int64_t r = 0; r < rows; ++r)
-            std::copy_n(part.begin() + std::ptrdiff_t(size_t(r * cols) * elem), size_t(cols) * elem,
-                        b.begin() + std::ptrdiff_t(size_t((lo[0] - mine_offset[0] + r) * mine_shape[1] + lo[1] -
-                                                          mine_offset[1]) * elem));
-          covered += rows * cols;
         }
       }
       LATHE_CHECK(covered == p.value.numel(), "tp: {}: the {} old optimizer files hold {} of {}'s {} elements",

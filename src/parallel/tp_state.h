@@ -1,7 +1,7 @@
 // Tensor parallelism: a checkpoint's optimizer state, saved by the ranks of one tp group (optimizer.tp-R-of-T
 // .safetensors: each rank's slices of the split tensors, and the whole tensors), re-cut for a run at another tp. The
-// slices' places come from the files themselves (the "shard.<name>" metadata AdamW::save writes: global shape and
-// offset; a box several ranks held is taken once), so nothing about the old layout needs to be known beyond T. Covered
+// slices' places come from the files themselves (the "shard.<name>" metadata AdamW::save writes: global shape,
+// offset and sections; a box several ranks held is taken once), so nothing about the old layout needs to be known beyond T. Covered
 // by tests/e2e/test_train_dp.cpp (TensorParallel.Qwen3EqualsOneProcessAndResumes: tp 2 resumed at tp 1, tp 1 at tp 2
 // and tp 4 at tp 2, each on one process's curve).
 #pragma once
