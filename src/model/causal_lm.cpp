@@ -59,11 +59,9 @@ void check_tensor_parallel(const ModelConfig& c, int tp) {
               c.linear_num_key_heads > 0 ? c.linear_num_value_heads / c.linear_num_key_heads : 0);
 }
 
-namespace {
-
 // This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group (above the
 // key/value heads, one key/value head a rank, each held by tp / heads ranks), checked first.
-ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
+ModelConfig tensor_parallel_config(const ModelConfig& c, int tp) {
   if (tp <= 1) return c;
   check_tensor_parallel(c, tp);
   ModelConfig local = c;
@@ -75,12 +73,10 @@ ModelConfig tensor_parallel_slice(const ModelConfig& c, int tp) {
   return local;
 }
 
-}  // namespace
-
 CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
-  config_ = tensor_parallel_slice(global_config_, tp_size());
+  config_ = tensor_parallel_config(global_config_, tp_size());
   moe_routes_.resize(size_t(config_.num_layers));
 }
 

@@ -280,6 +280,9 @@ class CausalLm {
 // intermediate size that tp does not divide, key/value heads that neither divide nor are divided by tp), naming the
 // problem.
 void check_tensor_parallel(const ModelConfig& c, int tp);
+// The config of one rank's layers under tensor parallelism over `tp` ranks (checked first): the query heads, the MLP's
+// intermediate size and the Gated DeltaNet key and value heads divided by tp; above the key/value heads, one a rank.
+ModelConfig tensor_parallel_config(const ModelConfig& c, int tp);
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /
 // qwen3_5_moe_text / qwen3_next -> Qwen35Model.

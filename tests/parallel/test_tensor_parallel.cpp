@@ -140,6 +140,18 @@ TEST_P(TensorParallelFamilies, SlicedLayersEqualTheWholeModel) {
   if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// What `lathe plan` counts as a rank's weights (the local config's parameter count) is what a sliced model holds.
+TEST_P(TensorParallelFamilies, TheLocalConfigCountsTheRanksParameters) {
+  const int n = world->size();
+  for (double kv : {1.0, 0.5}) {
+    const nlohmann::json config = tiny_config(GetParam(), n, kv);
+    const std::unique_ptr<CausalLm> sliced = model(config, world.get());
+    int64_t held = 0;
+    for (const Parameter& p : sliced->parameters()) held += p.value.numel();
+    EXPECT_EQ(tensor_parallel_config(sliced->global_config(), n).parameter_count(), held) << config.dump();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, TensorParallelFamilies, ::testing::Values("qwen3", "qwen3_5_text", "qwen3_next"));
 
 // More ranks than key/value heads (MQA at tp 2: one kv head; at tp 4, two kv heads each held by two ranks): the

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   lathe::cli::add_prepare_command(app, exit_code);
   lathe::cli::add_export_command(app, exit_code);
   lathe::cli::add_bench_command(app, exit_code);
+  lathe::cli::add_plan_command(app, exit_code);
   if (argc < 2) {  // no subcommand: the usage, as a usage error
     std::fputs(app.help().c_str(), stderr);
     return 2;
