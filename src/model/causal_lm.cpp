@@ -43,12 +43,12 @@ std::string architecture_of(const std::string& model_type) {
 
 void check_tensor_parallel(const ModelConfig& c, int tp) {
   if (tp <= 1) return;
-  bool sparse = false;
-  for (int64_t i = 0; i < c.num_layers; ++i) sparse = sparse || c.sparse_layer(i);
-  LATHE_CHECK((c.model_type == "qwen3" || c.is_hybrid()) && !sparse, "parallel.tp: tensor parallelism is built for "
-              "the Qwen3, Qwen3.5 and Qwen3-Next layers with dense MLPs so far, not {}{} (docs/parallel.md)",
-              c.model_type, sparse ? " with mixture-of-experts layers" : "");
-  LATHE_CHECK(c.num_heads % tp == 0 && c.intermediate_size % tp == 0,
+  LATHE_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.is_hybrid(),
+              "parallel.tp: tensor parallelism is built for the qwen3, qwen3_moe, qwen3_5 and qwen3_next families, not "
+              "{} (docs/parallel.md)", c.model_type);
+  bool dense = false;  // a layer with a dense MLP, which tp splits
+  for (int64_t i = 0; i < c.num_layers; ++i) dense = dense || !c.sparse_layer(i);
+  LATHE_CHECK(c.num_heads % tp == 0 && (!dense || c.intermediate_size % tp == 0),
               "parallel.tp: {} ranks must divide the attention heads ({}) and the MLP's intermediate size ({})", tp,
               c.num_heads, c.intermediate_size);
   LATHE_CHECK(c.num_kv_heads % tp == 0 || tp % c.num_kv_heads == 0,

@@ -78,12 +78,17 @@ void Qwen3Model::build_parameter_list() {
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
   // Tensor parallelism: column-parallel q, k, v, gate, up; row-parallel o, down; with more ranks than key/value heads
-  // each k and v head is held by tp / heads consecutive ranks (the ones whose query heads read it).
+  // each k and v head is held by tp / heads consecutive ranks (the ones whose query heads read it). A sparse layer's
+  // mixture-of-experts block is whole on every rank (its input and output are the group's common stream).
   const int kv_replicas = int(tp_size() * c.num_kv_heads / global_config_.num_kv_heads);
   for (const Layer& l : layers_) {
-    for (int i : {l.q_proj, l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+    shard_over_tp(l.q_proj, 0);
     for (int i : {l.k_proj, l.v_proj}) shard_over_tp(i, 0, kv_replicas);
-    for (int i : {l.o_proj, l.mlp.down}) shard_over_tp(i, 1);
+    shard_over_tp(l.o_proj, 1);
+    if (!l.mlp.sparse) {  // a mixture-of-experts block stays whole on every rank
+      for (int i : {l.mlp.gate, l.mlp.up}) shard_over_tp(i, 0);
+      shard_over_tp(l.mlp.down, 1);
+    }
   }
 }
 

@@ -32,9 +32,20 @@ nlohmann::json tiny_qwen3(int heads, int kv_heads, int intermediate) {
           {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false}, {"max_position_embeddings", 128}};
 }
 
+// Mixture-of-experts layers: 4 experts, top 2, a shared expert on the hybrids.
+void add_experts(nlohmann::json& j) {
+  j["num_experts"] = 4;
+  j["num_experts_per_tok"] = 2;
+  j["moe_intermediate_size"] = 12;
+  j["norm_topk_prob"] = true;
+  if (j["model_type"] != "qwen3_moe") j["shared_expert_intermediate_size"] = 10;
+}
+
 // The hybrid stack (Gated DeltaNet, full attention, Gated DeltaNet) with H_v = 2 H_k: `keys` GDN key heads; Qwen3-Next
-// with its fused, per-key-head interleaved projections and every MLP dense (mlp_only_layers).
-nlohmann::json tiny_hybrid(const std::string& type, int heads, int kv_heads, int keys, int intermediate) {
+// with its fused, per-key-head interleaved projections (every MLP dense through mlp_only_layers, or with `moe` the
+// first and last layers sparse).
+nlohmann::json tiny_hybrid(const std::string& type, int heads, int kv_heads, int keys, int intermediate,
+                           bool moe = false) {
   nlohmann::json j = tiny_qwen3(heads, kv_heads, intermediate);
   j["model_type"] = type;
   j["num_hidden_layers"] = 3;
@@ -46,29 +57,34 @@ nlohmann::json tiny_hybrid(const std::string& type, int heads, int kv_heads, int
   j["linear_value_head_dim"] = 6;
   j["linear_conv_kernel_dim"] = 4;
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
-  if (type == "qwen3_next") {
-    j["num_experts"] = 4;
-    j["num_experts_per_tok"] = 2;
-    j["moe_intermediate_size"] = 12;
-    j["shared_expert_intermediate_size"] = 10;
-    j["mlp_only_layers"] = {0, 1, 2};
-  }
+  if (type == "qwen3_next" || type == "qwen3_5_moe_text") add_experts(j);
+  if (type == "qwen3_next") j["mlp_only_layers"] = moe ? nlohmann::json{1} : nlohmann::json{0, 1, 2};
   return j;
 }
 
 // A family's tiny config for n ranks: two query heads a rank, key/value heads kv_per_rank x n (rounded up to one),
-// 12 MLP columns a rank, one GDN key head a rank.
+// 12 MLP columns a rank, one GDN key head a rank. "qwen3_next_moe": Qwen3-Next with sparse layers.
 nlohmann::json tiny_config(const std::string& family, int n, double kv_per_rank) {
   const int kv = std::max(1, int(kv_per_rank * n));
   if (family == "qwen3") return tiny_qwen3(2 * n, kv, 12 * n);
+  if (family == "qwen3_moe") {
+    nlohmann::json j = tiny_qwen3(2 * n, kv, 12 * n);
+    j["model_type"] = "qwen3_moe";
+    add_experts(j);
+    return j;
+  }
+  if (family == "qwen3_next_moe") return tiny_hybrid("qwen3_next", 2 * n, kv, n, 12 * n, true);
   return tiny_hybrid(family, 2 * n, kv, n, 12 * n);
 }
 
 // Parameters split over the ranks: Qwen3 q, k, v, o, gate, up, down a layer; the hybrids' attention layer the same,
 // a GDN layer in_proj_qkv (three sections), z, b, a (Qwen3-Next: in_proj_qkvz, in_proj_ba), the conv (three
-// sections), A_log, dt_bias, out_proj and its MLP's three.
+// sections), A_log, dt_bias, out_proj, and a dense MLP's three. Mixture-of-experts blocks are whole on every rank.
 int split_tensors(const std::string& family) {
   if (family == "qwen3") return 2 * 7;
+  if (family == "qwen3_moe") return 2 * 4;
+  if (family == "qwen3_5_moe_text") return 4 + 2 * 8;
+  if (family == "qwen3_next_moe") return 7 + 2 * 6;
   return 7 + 2 * (family == "qwen3_next" ? 9 : 11);
 }
 
@@ -152,7 +168,9 @@ TEST_P(TensorParallelFamilies, TheLocalConfigCountsTheRanksParameters) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, TensorParallelFamilies, ::testing::Values("qwen3", "qwen3_5_text", "qwen3_next"));
+INSTANTIATE_TEST_SUITE_P(Families, TensorParallelFamilies,
+                         ::testing::Values("qwen3", "qwen3_5_text", "qwen3_next", "qwen3_moe", "qwen3_5_moe_text",
+                                           "qwen3_next_moe"));
 
 // More ranks than key/value heads (MQA at tp 2: one kv head; at tp 4, two kv heads each held by two ranks): the
 // gathered parameters, logits, loss and the engine's greedy decode equal the whole model's, and every gradient too
@@ -197,15 +215,6 @@ TEST_F(TensorParallel, RefusesWhatItCannotSlice) {
     }
   };
   refused(tiny_qwen3(2 * n + 1, 1, 12 * n), "must divide the attention heads");
-  nlohmann::json moe = tiny_qwen3(2 * n, n, 12 * n);
-  moe["model_type"] = "qwen3_moe";
-  moe["num_experts"] = 4;
-  moe["num_experts_per_tok"] = 2;
-  moe["moe_intermediate_size"] = 12;
-  refused(moe, "with mixture-of-experts layers");
-  nlohmann::json next = tiny_hybrid("qwen3_next", 2 * n, n, n, 12 * n);
-  next["mlp_only_layers"] = {1};
-  refused(next, "qwen3_next with mixture-of-experts layers");
   refused(tiny_hybrid("qwen3_5_text", 2 * n, n, 1, 12 * n), "must divide the Gated DeltaNet key heads (1;");
 }
 
