@@ -1,5 +1,6 @@
-// Tensor parallelism of the Qwen3, Qwen3.5 and Qwen3-Next layers with dense MLPs (CausalLm with ModelOptions::tp;
-// the hybrids with H_v = 2 H_k, Qwen3-Next through its fused projections) under mpirun (-np 2 and -np 4 in ctest):
+// Tensor parallelism of the Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next layers (CausalLm with
+// ModelOptions::tp; the hybrids with H_v = 2 H_k, Qwen3-Next through its fused projections; mixture-of-experts blocks
+// whole on every rank) under mpirun (-np 2 and -np 4 in ctest):
 // every rank holds a slice of each layer, and the whole model on every rank is the reference. In f64, against
 // that reference: the slices joined (gathered) equal its parameters; the logits and the loss of a packed batch of
 // three documents agree within 1e-12 relative; every gradient, joined, within 1e-10 relative; the rollout engine's
