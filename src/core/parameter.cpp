@@ -30,32 +30,47 @@ std::vector<PieceBox> piece_boxes(const ShardLayout& l, const Shape& local) {
   const int64_t cols = shape_numel(global) / global[0];  // the whole viewed as 2-D
   if (l.global_shape.empty()) return {{0, global[0], 0, cols, 0}};
   const int dim = split_dim(l, local);
-  if (dim > 0) {
-    LATHE_CHECK(global.size() == 2 && l.sections.empty(), "shard: only a 2-D tensor is split along dimension 1");
-    return {{0, local[0], l.offset[1], local[1], 0}};
-  }
-  if (l.sections.empty()) return {{l.offset[0], local[0], 0, cols, 0}};
+  LATHE_CHECK(dim <= 0 || global.size() == 2, "shard: only a 2-D tensor is split along dimension 1");
+  if (dim < 0) return {{0, global[0], 0, cols, 0, 0}};
+  const std::vector<int64_t> sections = l.sections.empty() ? std::vector<int64_t>{global[size_t(dim)]} : l.sections;
+  const int64_t whole = global[size_t(dim)], mine = local[size_t(dim)];
   int64_t total = 0;
-  for (int64_t s : l.sections) total += s;
-  LATHE_CHECK(total == global[0] && local[0] > 0 && global[0] % local[0] == 0,
-              "shard: sections of {} rows in a tensor of {}, a piece of {}", total, global[0], local[0]);
-  const int64_t parts = global[0] / local[0], part = l.offset[0] / (l.sections[0] / parts);
+  for (int64_t s : sections) total += s;
+  LATHE_CHECK(total == whole && mine > 0 && whole % mine == 0,
+              "shard: sections of {} in a dimension of {}, a piece of {}", total, whole, mine);
+  const int64_t parts = whole / mine, part = l.offset[size_t(dim)] / (sections[0] / parts);
   std::vector<PieceBox> boxes;
-  int64_t start = 0, local_row = 0;
-  for (int64_t s : l.sections) {
-    LATHE_CHECK(s % parts == 0, "shard: a section of {} rows does not split in {}", s, parts);
-    boxes.push_back({start + part * (s / parts), s / parts, 0, cols, local_row});
+  int64_t start = 0, at = 0;  // the section's start in the whole, the part's in the piece
+  for (int64_t s : sections) {
+    LATHE_CHECK(s % parts == 0, "shard: a section of {} does not split in {}", s, parts);
+    const int64_t from = start + part * (s / parts), n = s / parts;
+    if (dim == 0) boxes.push_back({from, n, 0, cols, at, 0});
+    else boxes.push_back({0, local[0], from, n, 0, at});
     start += s;
-    local_row += s / parts;
+    at += n;
   }
   return boxes;
+}
+
+ShardLayout split_layout(const Shape& local, int dim, int64_t parts, int64_t part, const std::string& group,
+                         int replicas, std::vector<int64_t> sections) {
+  ShardLayout s;
+  s.global_shape = local;
+  s.global_shape[size_t(dim)] *= parts;
+  s.offset.assign(local.size(), 0);
+  s.offset[size_t(dim)] = (sections.empty() ? local[size_t(dim)] : sections[0] / parts) * part;
+  s.group = group;
+  s.replicas = replicas;
+  s.sections = std::move(sections);
+  return s;
 }
 
 ShardLayout part_layout(const ShardLayout& l, const Shape& local, int64_t part) {
   ShardLayout out = l;
   const int dim = split_dim(l, local);
   if (dim < 0) return out;
-  const int64_t first = l.sections.empty() ? local[size_t(dim)] : l.sections[0] / (l.global_shape[0] / local[0]);
+  const int64_t parts = l.global_shape[size_t(dim)] / local[size_t(dim)];
+  const int64_t first = l.sections.empty() ? local[size_t(dim)] : l.sections[0] / parts;
   out.offset[size_t(dim)] = part * first;
   return out;
 }

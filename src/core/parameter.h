@@ -21,9 +21,10 @@ struct ShardLayout {
   int64_t flat_begin = -1;       // -1: the whole box
   std::string group;             // the group whose ranks hold the pieces ("tp", "ep", "dp" for ZeRO), "" when whole
   int replicas = 1;              // consecutive ranks of the group holding the same piece (tp above the kv heads)
-  // Dim 0 of the whole as consecutive sections, each split alike over the group: the piece is the same part of every
-  // section, stacked (Gated DeltaNet's in_proj_qkv and conv1d rows, [q | k | v]); offset[0] is then the piece's
-  // offset into the first section. Empty: one section.
+  // The split dimension of the whole as consecutive sections, each split alike over the group: the piece is the same
+  // part of every section, stacked (Gated DeltaNet's in_proj_qkv and conv1d rows, [q | k | v]; the columns of a LoRA
+  // B^T over them); the offset along that dimension is then the piece's offset into the first section. Empty: one
+  // section.
   std::vector<int64_t> sections;
 };
 
@@ -32,15 +33,20 @@ struct ShardLayout {
 std::string shard_metadata(const ShardLayout& layout);
 
 // A box of a piece in its whole tensor viewed as 2-D (dim 0 by the product of the other dimensions): `rows` rows
-// from `row` and `cols` columns from `col` of the whole, held at rows [local_row, local_row + rows) of the piece
-// (viewed alike).
+// from `row` and `cols` columns from `col` of the whole, held at (local_row, local_col) of the piece (viewed alike).
 struct PieceBox {
-  int64_t row = 0, rows = 0, col = 0, cols = 0, local_row = 0;
+  int64_t row = 0, rows = 0, col = 0, cols = 0, local_row = 0, local_col = 0;
 };
 
 // The boxes of a piece of shape `local` placed by `layout` (one, unless sections split dim 0; a whole tensor: one box
 // of all of it). A tensor split along a dimension other than 0 must be 2-D.
 std::vector<PieceBox> piece_boxes(const ShardLayout& layout, const Shape& local);
+
+// The layout of a piece of shape `local` that is part `part` of `parts` along `dim` of its whole tensor (each part
+// held by `replicas` consecutive ranks of `group`; `sections`: the whole's sizes of the dimension's sections, each
+// split alike, ShardLayout::sections).
+ShardLayout split_layout(const Shape& local, int dim, int64_t parts, int64_t part, const std::string& group,
+                         int replicas = 1, std::vector<int64_t> sections = {});
 
 // The layout of the piece `part` (0-based, in the order of the split) of the same split as `layout`: what another
 // rank of the group holds.
@@ -69,7 +75,8 @@ std::vector<T> slice_of(const std::vector<T>& whole, const Parameter& p, size_t 
   for (const PieceBox& b : piece_boxes(p.shard, p.value.shape()))
     for (int64_t i = 0; i < b.rows; ++i)
       std::copy_n(whole.begin() + std::ptrdiff_t(size_t(b.row + i) * stride + size_t(b.col) * elem),
-                  size_t(b.cols) * elem, out.begin() + std::ptrdiff_t(size_t(b.local_row + i) * local_stride));
+                  size_t(b.cols) * elem,
+                  out.begin() + std::ptrdiff_t(size_t(b.local_row + i) * local_stride + size_t(b.local_col) * elem));
   return out;
 }
 

@@ -70,6 +70,9 @@ ModelConfig tensor_parallel_config(const ModelConfig& c, int tp) {
   local.intermediate_size /= tp;
   local.linear_num_key_heads /= tp;  // Gated DeltaNet: each rank its key heads and their value heads
   local.linear_num_value_heads /= tp;
+  // The vocab-parallel embedding and LM head, each rank its rows, where tp divides the vocabulary; otherwise both stay
+  // whole on every rank (a tokenizer's own size, e.g. 151,669; Qwen checkpoints pad theirs to 151,936).
+  if (c.vocab_size % tp == 0) local.vocab_size /= tp;
   return local;
 }
 
@@ -90,30 +93,26 @@ void CausalLm::tp_sum(Tensor& t) const {
 void CausalLm::shard_over_tp(int index, int dim, int replicas, std::vector<int64_t> sections) {
   if (tp_size() <= 1) return;
   Parameter& p = params_[size_t(index)];
-  ShardLayout& s = p.shard;
-  const int64_t parts = tp_size() / replicas;
-  s.global_shape = p.value.shape();
-  s.global_shape[size_t(dim)] *= parts;
-  s.offset.assign(s.global_shape.size(), 0);
-  s.offset[size_t(dim)] = (sections.empty() ? p.value.size(dim) : sections[0] / parts) * (tp_rank() / replicas);
-  s.group = "tp";
-  s.replicas = replicas;
-  s.sections = std::move(sections);
+  p.shard = split_layout(p.value.shape(), dim, tp_size() / replicas, tp_rank() / replicas, "tp", replicas,
+                         std::move(sections));
 }
 
 void CausalLm::sum_replicated_grads() {
-  ExecContext cx = ctx();
-  for (Parameter& p : params_) {
-    const int r = p.shard.replicas;
-    if (r <= 1 || !p.grad.defined()) continue;
-    const int64_t n = p.grad.numel();
-    Tensor all = Tensor::empty({int64_t(tp_size()) * n}, p.grad.dtype(), cx.allocator);
-    options_.tp->all_gather(contiguous(cx, p.grad).view({n}), all).wait();
-    const int first = tp_rank() / r * r;  // the replica set's ranks, summed in rank order (the same bits on each)
-    Tensor sum = contiguous(cx, all.narrow(0, first * n, n));
-    for (int k = 1; k < r; ++k) sum = add(cx, sum, all.narrow(0, (first + k) * n, n));
-    copy_into(cx, sum.view(p.grad.shape()), p.grad);
-  }
+  for (Parameter& p : params_)
+    if (p.grad.defined()) sum_over_replicas(p);
+}
+
+void CausalLm::sum_over_replicas(Parameter& p) const {
+  const int r = p.shard.replicas;
+  if (r <= 1 || tp_size() <= 1) return;
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = p.grad.numel();
+  Tensor all = Tensor::empty({int64_t(tp_size()) * n}, p.grad.dtype(), cx.allocator);
+  options_.tp->all_gather(contiguous(cx, p.grad).view({n}), all).wait();
+  const int first = tp_rank() / r * r;  // the replica set's ranks, summed in rank order (the same bits on each)
+  Tensor sum = contiguous(cx, all.narrow(0, first * n, n));
+  for (int k = 1; k < r; ++k) sum = add(cx, sum, all.narrow(0, (first + k) * n, n));
+  copy_into(cx, sum.view(p.grad.shape()), p.grad);
 }
 
 Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
@@ -133,7 +132,7 @@ Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   for (int r = 0; r < n; r += p.shard.replicas) {
     const Tensor piece = all.narrow(0, r * size, size).view({mine.size(0), local_cols});
     for (const PieceBox& box : piece_boxes(part_layout(p.shard, mine.shape(), r / p.shard.replicas), mine.shape()))
-      copy_into(cx, piece.narrow(0, box.local_row, box.rows),
+      copy_into(cx, piece.narrow(0, box.local_row, box.rows).narrow(1, box.local_col, box.cols),
                 whole2d.narrow(0, box.row, box.rows).narrow(1, box.col, box.cols));
   }
   return whole;
@@ -148,7 +147,8 @@ Parameter& CausalLm::parameter(const std::string& name) {
 }
 
 void CausalLm::attach_lora(LoraBank* bank) {
-  LATHE_CHECK(!bank || tp_size() == 1, "parallel.tp: LoRA under tensor parallelism is not built yet (docs/parallel.md)");
+  LATHE_CHECK(!bank || tp_size() == 1 || bank->split(), "lora: under tensor parallelism the adapter bank must be split "
+              "like the model first (LoraBank::split_like)");
   if (bank) {
     const ModelConfig& m = bank->model();
     LATHE_CHECK(m.model_type == config_.model_type && m.num_layers == config_.num_layers &&
@@ -188,8 +188,8 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   LATHE_CHECK(b.ids.device() == options_.device, "model: batch is on {} but the model is on {}", b.ids.device().str(),
               options_.device.str());
   for (int32_t id : b.host_ids)
-    LATHE_CHECK(id >= 0 && id < config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
-                config_.vocab_size);
+    LATHE_CHECK(id >= 0 && id < global_config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
+                global_config_.vocab_size);
   if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
 }
@@ -377,15 +377,22 @@ void CausalLm::project_rows_backward(int64_t layer, const std::vector<LoraTarget
   }
 }
 
-namespace {
-
-// x w^T for the LM head: (n, V) logits in rows padded to 64 elements, so that its GEMMs and the cross-entropy read
-// and write whole 16-byte packs whatever the vocabulary's size.
-Tensor head_logits(ExecContext& cx, const Tensor& x, const Tensor& w) {
-  Tensor logits = empty_padded_rows(x.size(0), w.size(0), x.dtype(), cx.allocator);
-  matmul_into(cx, x, w, logits, {false, true});
-  return logits;
+LmHead CausalLm::lm_head(int head) const {
+  const Parameter& p = params_[size_t(head)];
+  const bool sliced = !p.whole() && p.shard.group == "tp";
+  return LmHead(*rt_, p.value, options_.tp, sliced ? p.shard.offset[0] : -1);
 }
+
+Tensor CausalLm::embed(int index, const Tensor& ids) {
+  ExecContext cx = ctx();
+  const Parameter& p = params_[size_t(index)];
+  if (p.whole() || p.shard.group != "tp") return embedding(cx, p.value, ids);
+  Tensor x = embedding(cx, p.value, ids, p.shard.offset[0]);  // (T, H): this rank's ids' rows, zeros elsewhere
+  tp_sum(x);
+  return x;
+}
+
+namespace {
 
 // The batch's labelled positions (label != -100) and their targets, in row order: the only rows the LM head computes.
 void labelled_rows(const PackedBatch& b, std::vector<int32_t>& rows, std::vector<int32_t>& targets) {
@@ -407,11 +414,12 @@ Tensor zero_grad_like(ExecContext& cx, const Tensor& x) {
 
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
   ExecContext cx = ctx();
+  const LmHead lm = lm_head(head);
   std::vector<double> out;
   for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
-    const Tensor logits = head_logits(cx, xf.narrow(0, r0, n), w(head));
-    const Tensor loss = rt_->copy_to(cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
+    const Tensor logits = lm.logits(cx, xf.narrow(0, r0, n));
+    const Tensor loss = rt_->copy_to(lm.cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
     for (int64_t i = 0; i < n; ++i) out.push_back(-load_as_double(loss.data_ptr(), loss.dtype(), i));
   }
   return out;
@@ -460,16 +468,17 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     xs = embedding(cx, xf, row_index);  // (n_padded, H)
     if (backward) dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
   }
-  const Tensor& wh = w(head);
+  const LmHead lm = lm_head(head);
+  const Tensor& wh = lm.weight();
   pending.clear();
   for (size_t pi = 0; pi < pieces.size(); ++pi) {
     const Piece& piece = pieces[pi];
     for (int64_t r0 = piece.begin; r0 < piece.end; r0 += options_.loss_chunk_rows) {
       const int64_t n = std::min(options_.loss_chunk_rows, piece.end - r0);
       const Tensor xc = xs.narrow(0, r0, n);
-      const Tensor logits = head_logits(cx, xc, wh);  // (n, V), freed after this chunk
+      const Tensor logits = lm.logits(cx, xc);  // (n, V) (under tp this rank's columns), freed after this chunk
       const std::vector<Tensor> ce =
-          cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
+          lm.cross_entropy(cx, logits, target_t.narrow(0, r0, n), {-100, backward, piece.grad_scale});
       pending.emplace_back(pi, ce[0]);
       if (backward) {
         Tensor dxc = dxs.narrow(0, r0, n);
@@ -479,6 +488,7 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     }
   }
   if (!backward) return result;
+  if (n_rows > 0) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
   // The labelled rows' gradients scattered back (zero elsewhere).
   *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, b.tokens()) : zero_grad_like(cx, xf);
   return result;
@@ -509,24 +519,22 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   const Tensor row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);
   const Tensor target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
   const Tensor xs = embedding(cx, xf, row_index);  // (n_padded, H)
-  const Tensor& wh = w(head);
+  const LmHead lm = lm_head(head);
+  const Tensor& wh = lm.weight();
   // Pass 1: every labelled row's log-probability (minus its cross-entropy), and where asked its entropy
   // lse(x) - sum softmax(x) x.
   std::vector<double> logp;
   if (b.row_entropy) b.row_entropy->clear();
   for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
-    const Tensor logits = head_logits(cx, xs.narrow(0, r0, n), wh);
-    const Tensor ce = cross_entropy(cx, logits, target_t.narrow(0, r0, n), {})[0];
+    const Tensor logits = lm.logits(cx, xs.narrow(0, r0, n));
+    const Tensor ce = lm.cross_entropy(cx, logits, target_t.narrow(0, r0, n), {})[0];
     const Tensor host = rt_->copy_to(ce, Device::cpu());
     for (int64_t i = 0; i < n && r0 + i < n_rows; ++i)
       logp.push_back(-load_as_double(host.data_ptr(), host.dtype(), i));
     if (!b.row_entropy) continue;
-    const Tensor lse = row_argmax_logsumexp(cx, logits)[2];
-    const Tensor mean_x = sum(cx, mul(cx, softmax(cx, logits), logits), {1});
-    const Tensor h = rt_->copy_to(cast(cx, lse, DType::F64), Device::cpu());
-    const Tensor m = rt_->copy_to(cast(cx, mean_x, DType::F64), Device::cpu());
-    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i) b.row_entropy->push_back(h.data<double>()[i] - m.data<double>()[i]);
+    const std::vector<double> h = lm.entropy(cx, logits);
+    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i) b.row_entropy->push_back(h[size_t(i)]);
   }
   std::vector<double> terms(static_cast<size_t>(n_rows)), dlogp(static_cast<size_t>(n_rows));
   (*b.row_loss)(logp, terms, dlogp);
@@ -545,12 +553,13 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
     const Tensor xc = xs.narrow(0, r0, n);
-    const Tensor unit = cross_entropy(cx, head_logits(cx, xc, wh), target_t.narrow(0, r0, n), {-100, true, 1.0})[1];
+    const Tensor unit = lm.cross_entropy(cx, lm.logits(cx, xc), target_t.narrow(0, r0, n), {-100, true, 1.0})[1];
     const Tensor dlogits = mul(cx, unit, scale_t.narrow(0, r0, n));
     Tensor dxc = dxs.narrow(0, r0, n);
     matmul_into(cx, dlogits, wh, dxc, {});
     add_linear_grad(head, dlogits, xc);
   }
+  lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
   *dxf = embedding_backward(cx, dxs, row_index, b.tokens());
   return result;
 }
@@ -571,13 +580,16 @@ void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
 
 void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
   ExecContext cx = ctx();
+  const Parameter& p = params_[size_t(embed)];
   Tensor& grad = params_[size_t(embed)].grad;
+  // Vocab-parallel (tensor parallelism): dx is the same on every rank, each adds the rows of its own ids.
+  const int64_t first = !p.whole() && p.shard.group == "tp" ? p.shard.offset[0] : -1;
   // A tied LM head already holds its gradient: the batch's rows are added into it in place (no full-size zero fill and
   // add; a full-vocabulary pass each at 151,936 rows).
   if (options_.train_base && grad.defined() && grad.is_contiguous() && grad.dtype() == dx.dtype())
-    embedding_backward_into(cx, dx, b.ids, grad);
+    embedding_backward_into(cx, dx, b.ids, grad, first);
   else if (options_.train_base)
-    add_grad(embed, embedding_backward(cx, dx, b.ids, config_.vocab_size));
+    add_grad(embed, embedding_backward(cx, dx, b.ids, p.value.size(0), first));
   if (lora_ && !b.segments.empty()) lora_->collect_grads();
 }
 

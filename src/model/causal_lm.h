@@ -20,6 +20,7 @@
 #include "io/safetensors.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "model/lm_head.h"
 #include "model/moe_layer.h"
 
 namespace lathe {
@@ -51,8 +52,9 @@ struct ModelOptions {
   double moe_padded_max_waste = 1.5;
   // Tensor parallelism (docs/parallel.md, "Tensor parallelism"): the group whose ranks each hold a slice of every
   // attention and MLP layer (nullptr or a group of one: the whole model). The model then works on its slice: config()
-  // has the local head counts and intermediate size; the column-parallel projections (q, k, v, gate, up) hold their
-  // rank's rows and the row-parallel ones (o, down) its columns; the embedding, the LM head and the norms are whole.
+  // has the local head counts, intermediate size and vocabulary (vocab_size / tp); the column-parallel projections
+  // (q, k, v, gate, up) hold their rank's rows and the row-parallel ones (o, down) its columns; the embedding and the
+  // LM head are vocab-parallel (each rank its vocab_size / tp rows: lm_head.h); the norms are whole.
   Communicator* tp = nullptr;
 };
 
@@ -93,6 +95,8 @@ class CausalLm {
   const ModelConfig& global_config() const { return global_config_; }  // the whole model's (config.json)
   int tp_size() const;
   int tp_rank() const;
+  // Whether the embedding and the LM head are split by vocabulary rows over the tp group (tp divides vocab_size).
+  bool vocab_parallel() const { return config_.vocab_size != global_config_.vocab_size; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
   Tensor gathered(const Parameter& p, bool grad = false) const;
@@ -100,6 +104,8 @@ class CausalLm {
   // rank's part (from its own query heads) summed over those ranks. A collective: every rank of the group calls it once
   // the step's gradients are complete, before their norm (the trainer does); a sum over micro-batches commutes with it.
   void sum_replicated_grads();
+  // Sums p's gradient over the tp ranks that hold the same piece (ShardLayout::replicas; nothing when one does).
+  void sum_over_replicas(Parameter& p) const;
   const ModelOptions& options() const { return options_; }
   std::vector<Parameter>& parameters() { return params_; }
   const std::vector<Parameter>& parameters() const { return params_; }
@@ -114,7 +120,9 @@ class CausalLm {
   void attach_lora(LoraBank* bank);
   LoraBank* lora() const { return lora_; }
 
-  // Full logits (T, V) of a batch: for tests and scoring of short inputs.
+  // Full logits (T, V) of a batch: for tests and scoring of short inputs. Under tensor parallelism the ranks' pieces
+  // of each row are gathered (here, in last_logits and lm_head_logits: decoding's rows); the training loss and
+  // label_logprobs never gather (LmHead).
   virtual Tensor logits(const PackedBatch& batch) = 0;
   // The logits (B, V) after each document's last token, through the same layers (a decoder's batch carries its
   // DecodeCache, each document continuing one sequence): lm_head_logits(last_hidden(batch)).
@@ -194,6 +202,11 @@ class CausalLm {
   // Makes the values of `weights` (2-D, equal column counts) consecutive row blocks of one new buffer, in order,
   // keeping their values: what project_rows fuses. Loading writes into these views (read_parameters), so they stay.
   void pack_rows(const std::vector<int>& weights);
+  // The LM head params_[head] as a component (vocab-parallel under tensor parallelism).
+  LmHead lm_head(int head) const;
+  // The embedding params_[embed] of token ids (T) -> (T, H): under tensor parallelism each rank looks up the ids of its
+  // rows (zero rows for the others') and the rows are summed over the group.
+  Tensor embed(int embed, const Tensor& ids);
   // The loss head over xf (T, H), the final norm's output, with the LM head params_[head]: only labelled rows get
   // logits, in chunks of options_.loss_chunk_rows; segments weight their mean losses. With `backward`, the head's
   // gradient accumulates and *dxf receives d(loss)/d(xf) (T, H). The losses stay on the device in `pending` (each
@@ -281,7 +294,9 @@ class CausalLm {
 // problem.
 void check_tensor_parallel(const ModelConfig& c, int tp);
 // The config of one rank's layers under tensor parallelism over `tp` ranks (checked first): the query heads, the MLP's
-// intermediate size and the Gated DeltaNet key and value heads divided by tp; above the key/value heads, one a rank.
+// intermediate size, the Gated DeltaNet key and value heads and, where tp divides it, the vocabulary (the embedding's
+// and the LM head's rows) divided by tp; above the key/value heads, one a rank. The whole vocabulary (token ids,
+// logits' width) is the global config's.
 ModelConfig tensor_parallel_config(const ModelConfig& c, int tp);
 
 // A model of config.json's model_type: qwen3 / qwen3_moe -> Qwen3Model; qwen3_5 / qwen3_5_text / qwen3_5_moe /

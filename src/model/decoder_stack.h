@@ -32,7 +32,7 @@ struct DecoderStack {
       M& m;
       ~End() { m.end_forward(); }
     } end{m};
-    ResidualStream x{embedding(cx, m.w(m.embed_), b.ids), {}};
+    ResidualStream x{m.embed(m.embed_, b.ids), {}};  // vocab-parallel under tp: summed over the group
     for (const auto& l : m.layers_) {
       typename M::LayerActs a = m.layer_forward(l, x, b, training);
       if (inputs) inputs->push_back({a.x, {}});
@@ -46,7 +46,7 @@ struct DecoderStack {
   static Tensor logits(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    return linear(cx, m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, m.w(m.head()));
+    return m.lm_head(m.head()).whole_logits(cx, m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first);
   }
 
   template <typename M>
@@ -67,7 +67,7 @@ struct DecoderStack {
   template <typename M>
   static Tensor lm_head_logits(M& m, const Tensor& x) {
     ExecContext cx = m.ctx();
-    return linear(cx, x, m.w(m.head()));
+    return m.lm_head(m.head()).whole_logits(cx, x);  // under tp the rows' pieces gathered: decoding's few rows
   }
 
   template <typename M>

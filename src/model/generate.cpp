@@ -202,7 +202,7 @@ const char* finish_reason_name(FinishReason reason) {
 
 Generator::Generator(Runtime& rt, CausalLm& model, const data::Tokenizer* tokenizer)
     : rt_(&rt), model_(&model), tokenizer_(tokenizer) {
-  if (tokenizer) unknown_ids_ = tokenizer->ids_without_token(model.config().vocab_size);
+  if (tokenizer) unknown_ids_ = tokenizer->ids_without_token(model.global_config().vocab_size);
 }
 
 GenerateResult Generator::generate(std::span<const int32_t> prompt, const GenerateOptions& options,
@@ -216,7 +216,8 @@ GenerateResult Generator::generate(std::span<const int32_t> prompt, const Genera
   LATHE_CHECK(int64_t(prompt.size()) < max_len, "generate: the prompt has {} tokens; the model takes at most {} "
               "(max_position_embeddings)", prompt.size(), max_len);
   const int64_t budget = std::min(options.max_new_tokens, max_len - int64_t(prompt.size()));
-  const int64_t allowed = tokenizer_ ? std::min<int64_t>(c.vocab_size, tokenizer_->vocab_size()) : c.vocab_size;
+  const int64_t vocab = model_->global_config().vocab_size;  // config()'s is a tp rank's rows
+  const int64_t allowed = tokenizer_ ? std::min<int64_t>(vocab, tokenizer_->vocab_size()) : vocab;
 
   GenerateResult result;
   std::optional<TextStream> stream;

@@ -12,6 +12,7 @@
 
 #include <fmt/ranges.h>
 
+#include "comm/communicator.h"
 #include "core/files.h"
 #include "io/safetensors.h"
 #include "ops/ops.h"
@@ -517,15 +518,53 @@ void LoraBank::zero_grads() {
   fill_zero(*rt_, grads_);
 }
 
+void LoraBank::split_like(CausalLm& model) {
+  if (model.tp_size() <= 1) return;
+  tp_model_ = &model;
+  const int tp = model.tp_size(), rank = model.tp_rank();
+  std::map<std::string, const Parameter*> base;
+  for (const Parameter& p : model.parameters()) base[p.name] = &p;
+  for (Adapter& a : adapters_) {
+    LATHE_CHECK(a.config.dropout == 0, "lora: dropout {} under tensor parallelism is not built yet (the mask would "
+                "need each element's global column); set lora.dropout: 0 or parallel.tp: 1", a.config.dropout);
+    a.partial.clear();
+    for (size_t i = 0; i < a.params.size(); ++i) {
+      Parameter& p = a.params[i];
+      const auto it = base.find(lora_key_module(p.name) + ".weight");
+      if (it == base.end() || it->second->whole()) continue;  // experts and MoE blocks: whole on every rank
+      const ShardLayout& w = it->second->shard;
+      const bool is_a = ends_with(p.name, "lora_A.weight");
+      const bool column = w.offset[0] != 0 || w.global_shape[0] != it->second->value.size(0) || w.replicas > 1;
+      if (column == is_a) {  // A of a column-parallel module, B^T of a row-parallel one: whole, its gradient a part
+        a.partial.push_back(i);
+        continue;
+      }
+      // The split side: B^T (r, out) by the base's rows, A (r, in) by its columns; B^T of a shared kv head is held by
+      // the base's replicas (their gradient parts summed over them).
+      p.shard = split_layout(p.value.shape(), 1, tp / w.replicas, rank / w.replicas, "tp", w.replicas, w.sections);
+    }
+  }
+}
+
+void LoraBank::sum_tp_grads() {
+  if (!tp_model_) return;
+  Communicator& group = *tp_model_->options().tp;
+  for (Adapter& a : adapters_) {
+    for (size_t i : a.partial) group.all_reduce(a.params[i].grad).wait();
+    for (Parameter& p : a.params) tp_model_->sum_over_replicas(p);
+  }
+}
+
 void LoraBank::init(int adapter, uint64_t seed) {
   std::mt19937_64 rng(seed);
-  for (Parameter& p : parameters(adapter)) {
-    std::vector<double> host(size_t(p.value.numel()), 0.0);
+  for (Parameter& p : parameters(adapter)) {  // the whole matrix's draws (the same at any tp), then this rank's piece
+    std::vector<double> host(size_t(shape_numel(p.global_shape())), 0.0);
     if (ends_with(p.name, "lora_A.weight")) {  // kaiming_uniform_(a = sqrt(5)): bound = 1 / sqrt(fan_in)
       std::uniform_real_distribution<double> u(-1.0, 1.0);
-      const double bound = 1.0 / std::sqrt(double(p.value.size(1)));
+      const double bound = 1.0 / std::sqrt(double(p.global_shape()[1]));
       for (double& x : host) x = bound * u(rng);
     }
+    if (!p.whole()) host = slice_of(host, p);
     write_view(*rt_, p.value, host);
   }
 }
@@ -551,7 +590,8 @@ void LoraBank::load_peft(int adapter, const std::string& dir) {
     const bool is_b = ends_with(p.name, "lora_B.weight");
     const io::SafetensorsTensor* t = st.find(p.name);
     LATHE_CHECK(t != nullptr, "lora: {}: tensor '{}' is missing (the adapter's target_modules imply it)", file.string(), p.name);
-    const Shape want = is_b ? Shape{p.value.size(1), p.value.size(0)} : p.value.shape();
+    const Shape& whole = p.global_shape();
+    const Shape want = is_b ? Shape{whole[1], whole[0]} : whole;
     LATHE_CHECK(t->shape == want, "lora: {}: tensor '{}' has shape {}, expected {}", file.string(), p.name,
                 shape_str(t->shape), shape_str(want));
     std::vector<double> host(size_t(t->numel));
@@ -563,6 +603,7 @@ void LoraBank::load_peft(int adapter, const std::string& dir) {
         for (int64_t k = 0; k < r; ++k) tr[size_t(k * out + o)] = host[size_t(o * r + k)];
       host.swap(tr);
     }
+    if (!p.whole()) host = slice_of(host, p);  // tensor parallelism: this rank's columns
     write_view(*rt_, p.value, host);
     used.insert(p.name);
   }
@@ -580,10 +621,12 @@ void LoraBank::save_peft(int adapter, const std::string& dir, DType dtype, const
   std::vector<io::TensorRef> refs;
   for (const Parameter& p : adapters_[size_t(adapter)].params) {
     const bool is_b = ends_with(p.name, "lora_B.weight");
-    const Tensor v = is_b ? contiguous(cx, p.value.transpose(0, 1)) : p.value;
+    const Tensor whole = tp_model_ ? tp_model_->gathered(p) : p.value;  // tensor parallelism: the pieces joined
+    const Tensor v = is_b ? contiguous(cx, whole.transpose(0, 1)) : whole;
     host.push_back(rt_->copy_to(cast(cx, v, dtype), Device::cpu()));
     refs.push_back({p.name, dtype, host.back().shape(), host.back().data_ptr(), host.back().nbytes()});
   }
+  if (tp_model_ && tp_model_->tp_rank() != 0) return;  // the group's first rank writes
   OutputDir out(dir, "lora");
   io::write_safetensors((out.tmp() / "adapter_model.safetensors").string(), refs, {{"format", "pt"}});
   write_file_atomic((out.tmp() / "adapter_config.json").string(),

@@ -157,6 +157,19 @@ class LoraBank {
   // Copies the slots' accumulated gradients into the adapters' gradients (one gather). The model calls it at the
   // end of each backward.
   void collect_grads();
+  // Tensor parallelism: `model` (its layers split over ModelOptions::tp, the bank built from its local config()) is
+  // the bank's base. Each matrix is then split as its base weight is: a column-parallel module's B^T holds the rank's
+  // output columns (in the base's sections and replicas) and its A is whole, a row-parallel module's A holds the rank's
+  // input columns and its B^T is whole; the whole matrix of each pair gets a part of its gradient on every rank
+  // (sum_tp_grads). init, load_peft and save_peft then draw, read and write the whole matrices (save_peft: every rank
+  // of the group calls it; the first writes). Dropout is refused here (its mask would need the global columns). The
+  // adapters' optimizer then works on parameters() (each matrix with its layout), not flat_parameter(). Nothing
+  // without tp.
+  void split_like(CausalLm& model);
+  bool split() const { return tp_model_ != nullptr; }
+  // Sums the parts of the adapters' gradients over the tp group: the whole matrices' over every rank, a shared kv
+  // head's B^T over the ranks that hold it. A collective, once a step's gradients are complete; nothing without tp.
+  void sum_tp_grads();
   // The slot of (layer, target), or nullptr when no adapter targets it.
   const Slot* slot(int64_t layer, LoraTarget t) const;
   Slot* slot(int64_t layer, LoraTarget t);
@@ -168,7 +181,9 @@ class LoraBank {
     LoraConfig config;
     std::vector<Parameter> params;
     std::vector<Parameter> flat;  // one entry
+    std::vector<size_t> partial;  // tp: the params whose gradient is this rank's part of the whole matrix's
   };
+  CausalLm* tp_model_ = nullptr;  // split_like's model (its tp group gathers and sums)
   Runtime* rt_;
   ModelConfig model_;
   Device device_;

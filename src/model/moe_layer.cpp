@@ -358,6 +358,7 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
       if (p.whole()) st.read_into(p.name, host_dtype, host.data(), host.size());
       else  // a tp piece: only its boxes' bytes are read
         for (const PieceBox& box : piece_boxes(p.shard, p.value.shape())) {
+          LATHE_CHECK(box.local_col == 0, "model: {}: a piece in column sections is not read here", p.name);
           const size_t at = size_t(box.local_row * (p.value.numel() / p.value.size(0))) * elem;
           st.read_box_into(p.name, {box.row, box.col}, {box.rows, box.cols}, host_dtype, host.data() + at,
                            size_t(box.rows * box.cols) * elem);

@@ -153,6 +153,12 @@ void Qwen35Model::shard_layers() {
       shard_over_tp(l.mlp.down, 1);
     }
   }
+  // The vocab-parallel embedding and LM head: each rank its vocab_size / tp rows (a tied head is the same tensor),
+  // where tp divides the vocabulary (tensor_parallel_config); otherwise whole on every rank.
+  if (vocab_parallel()) {
+    shard_over_tp(embed_, 0);
+    if (lm_head_ >= 0) shard_over_tp(lm_head_, 0);
+  }
 }
 
 Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {

@@ -476,7 +476,7 @@ RolloutEngine::~RolloutEngine() = default;
 int64_t RolloutEngine::cache_blocks() const { return pool_->blocks; }
 
 int64_t RolloutEngine::submit(RolloutRequest request) {
-  const ModelConfig& c = model_->config();
+  const int64_t vocab = model_->global_config().vocab_size;  // the whole vocabulary (config()'s is a tp rank's rows)
   LATHE_CHECK(!request.prompt.empty(), "rollout: request {} has an empty prompt", next_request_);
   LATHE_CHECK(request.n >= 1, "rollout: request {} asks for {} samples", next_request_, request.n);
   LATHE_CHECK(request.max_new_tokens >= 1, "rollout: request {} asks for {} new tokens", next_request_,
@@ -487,11 +487,11 @@ int64_t RolloutEngine::submit(RolloutRequest request) {
               "rollout: request {} names adapter {}, but the model has {} (attach a LoRA bank to serve adapters)",
               next_request_, request.adapter, adapters);
   for (int32_t id : request.banned_ids)
-    LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: banned id {} is outside the vocabulary (size {})",
-                next_request_, id, c.vocab_size);
+    LATHE_CHECK(id >= 0 && id < vocab, "rollout: request {}: banned id {} is outside the vocabulary (size {})",
+                next_request_, id, vocab);
   for (int32_t id : request.prompt)
-    LATHE_CHECK(id >= 0 && id < c.vocab_size, "rollout: request {}: token id {} is outside the vocabulary (size {})",
-                next_request_, id, c.vocab_size);
+    LATHE_CHECK(id >= 0 && id < vocab, "rollout: request {}: token id {} is outside the vocabulary (size {})",
+                next_request_, id, vocab);
   const int64_t limit = pool_->context_tokens;
   LATHE_CHECK(int64_t(request.prompt.size()) < limit,
               "rollout: request {}: a prompt of {} tokens leaves no room in a context of {} (the model's positions "
@@ -594,7 +594,7 @@ bool RolloutEngine::fork(Sequence& leader, Sequence& follower) {
 }
 
 int64_t RolloutEngine::allowed_vocab(const Sequence& s) const {
-  const int64_t v = model_->config().vocab_size;
+  const int64_t v = model_->global_config().vocab_size;  // the whole vocabulary (config()'s is a tp rank's rows)
   return s.req->allowed_vocab > 0 ? std::min(s.req->allowed_vocab, v) : v;
 }
 
@@ -833,7 +833,7 @@ Tensor RolloutEngine::step_logits(const std::vector<Sequence*>& batch, const std
 }
 
 Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) {
-  const ModelConfig& c = model_->config();
+  const int64_t vocab = model_->global_config().vocab_size;
   const Device device = model_->options().device;
   const StepCoords co = step_coords(batch, chunk);
   if (fixed_shape_step(batch, chunk)) {
@@ -857,7 +857,7 @@ Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, c
                         s.tokens.begin() + std::ptrdiff_t(s.computed + chunk[i]));
     past.push_back(s.computed);
   }
-  PackedBatch b = continuation_batch(*rt_, device, tokens, past, c.vocab_size);
+  PackedBatch b = continuation_batch(*rt_, device, tokens, past, vocab);
   if (model_->lora()) {  // each sequence a segment with its request's adapter (-1: the base alone)
     std::vector<BatchSegment> segments;
     for (size_t i = 0; i < batch.size(); ++i) segments.push_back({b.host_cu[i + 1], batch[i]->req->adapter});
@@ -886,7 +886,7 @@ bool RolloutEngine::step() {
   std::vector<Sequence*> batch;
   std::vector<int64_t> chunk;
   if (!schedule(batch, chunk)) return false;
-  const ModelConfig& c = model_->config();
+  const int64_t vocab = model_->global_config().vocab_size;
   const Device device = model_->options().device;
   ExecContext cx = rt_->context(device);
   const Tensor logits = step_logits(batch, chunk);
@@ -895,8 +895,8 @@ bool RolloutEngine::step() {
   std::vector<size_t> ready;  // rows whose sequence has all its tokens in the cache after this step
   for (size_t i = 0; i < batch.size(); ++i)
     if (batch[i]->computed + chunk[i] == int64_t(batch[i]->tokens.size())) ready.push_back(i);
-  const int64_t limit = ready.empty() ? c.vocab_size : allowed_vocab(*batch[ready[0]]);
-  std::vector<Tensor> figures = row_argmax_logsumexp(cx, logits, limit == c.vocab_size ? 0 : limit);
+  const int64_t limit = ready.empty() ? vocab : allowed_vocab(*batch[ready[0]]);
+  std::vector<Tensor> figures = row_argmax_logsumexp(cx, logits, limit == vocab ? 0 : limit);
   std::vector<int32_t> host_rows;  // in f64 on the host: an f64 model's log-probabilities keep their precision
   std::vector<int64_t> host_row_of(batch.size(), -1);
   for (size_t i : ready)
@@ -909,13 +909,13 @@ bool RolloutEngine::step() {
     const Tensor rows = rt_->from_host(host_rows.data(), {int64_t(host_rows.size())}, DType::I32, device);
     host = rt_->copy_to(cast(cx, embedding(cx, logits, rows), DType::F64), Device::cpu());
   }
-  const DeviceDraws drawn = draw_on_device(cx, logits, batch, ready, limit == c.vocab_size ? 0 : limit);
+  const DeviceDraws drawn = draw_on_device(cx, logits, batch, ready, limit == vocab ? 0 : limit);
   // Every row's argmax, its value and log-sum-exp, then the device draws' tokens, logits and log-probabilities: one
   // copy to the host.
   figures.insert(figures.end(), drawn.out.begin(), drawn.out.end());
   const std::vector<std::vector<double>> host_figures = to_host_f64(*rt_, cx, figures);
   const std::vector<double>&arg = host_figures[0], &best = host_figures[1], &lse = host_figures[2];
-  std::vector<float> scratch(size_t(c.vocab_size));
+  std::vector<float> scratch(static_cast<size_t>(vocab));
   ++stats_.steps;
   for (size_t i = 0; i < batch.size(); ++i) stats_.step_tokens += chunk[i];
   stats_.peak_blocks_used = std::max(stats_.peak_blocks_used, pool_->blocks - int64_t(pool_->free_blocks.size()));
@@ -939,7 +939,7 @@ bool RolloutEngine::step() {
         return take(q, id, unpenalized(w, id, logit) - row_lse, greedy ? 0.0 : host_figures[at + 2][w.i]);
       }
       if (host_row_of[i] < 0) return take(q, int32_t(arg[i]), best[i] - row_lse, 0.0);
-      const std::span<const double> row(host.data<double>() + host_row_of[i] * c.vocab_size, size_t(c.vocab_size));
+      const std::span<const double> row(host.data<double>() + host_row_of[i] * vocab, size_t(vocab));
       const SampledToken t = draw(q, row, scratch);
       return take(q, t.id, row[size_t(t.id)] - row_lse, t.logprob);
     };

@@ -21,7 +21,7 @@ constexpr OpId kUpcastOps[] = {
     OpId::softmax, OpId::softmax_backward,  OpId::silu,  OpId::silu_backward, OpId::swiglu,
     OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
     OpId::residual_rmsnorm, OpId::residual_rmsnorm_backward, OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
-    OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::grouped_matmul,
+    OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::cross_entropy_slice, OpId::grouped_matmul,
     OpId::grouped_matmul_weight_grad};
 
 // Tensors of the call's low-precision dtype are widened; index and f32 statistics tensors pass through.

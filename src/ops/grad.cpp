@@ -79,8 +79,10 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
       return swiglu_backward(ctx, in[0], in[1], dy);
     case OpId::swiglu_halves:
       return {swiglu_halves_backward(ctx, in[0], dy)};
-    case OpId::embedding:
-      return {embedding_backward(ctx, dy, in[1], in[0].size(0)), Tensor()};
+    case OpId::embedding: {
+      const int64_t first = std::holds_alternative<EmbeddingAttrs>(attrs) ? std::get<EmbeddingAttrs>(attrs).first : -1;
+      return {embedding_backward(ctx, dy, in[1], in[0].size(0), first), Tensor()};
+    }
     case OpId::rmsnorm:
       return rmsnorm_backward(ctx, in[0], in[1], dy, std::get<NormAttrs>(attrs));
     case OpId::residual_rmsnorm: {  // through y; h = outputs[1] is what was normalised
@@ -136,6 +138,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::qk_norm_rope_backward:
     case OpId::attention_backward:
     case OpId::cross_entropy:
+    case OpId::cross_entropy_slice:
     case OpId::sum_squares:  // the global gradient norm: never part of a differentiated graph
     case OpId::sum_squares_list:
     case OpId::adamw:

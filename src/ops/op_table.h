@@ -51,6 +51,7 @@ namespace lathe {
   X(sample_rows, 4)      \
   X(penalize_rows, 4)    \
   X(cross_entropy, 2)    \
+  X(cross_entropy_slice, 3) \
   X(adamw, 4)            \
   X(adamw_list, -1)      \
   X(segment_mask, 1)     \
@@ -118,9 +119,13 @@ struct ReduceAttrs {
 // rows of dy summed per id; `vocab` gives V. With `accumulate`, the output's current contents are kept and each id's
 // sum is added into its row (one rounding of old + sum per element; rows no id names stay bitwise as they were): a
 // tied LM head's gradient takes the embedding's without a full-size zero fill and add (embedding_backward_into).
+// `first` >= 0: the weight is a vocab-parallel slice (CausalLm under tensor parallelism), its rows the ids
+// [first, first + V) of the whole vocabulary: ids outside give zero rows and add to no row (another slice holds them);
+// -1 (default): the whole vocabulary, and an id outside it is an error.
 struct EmbeddingAttrs {
   int64_t vocab = 0;
   bool accumulate = false;
+  int64_t first = -1;
 };
 
 // y = x / rms(x) * (offset + w) over the last dim, rms = sqrt(mean(x^2) + eps). offset is 0 for Qwen3,
@@ -226,10 +231,17 @@ struct ArgmaxAttrs {
 
 // cross_entropy(logits (N, V), labels (N) i32) -> loss (N) f32 (f64 for f64; 0 where label == ignore_index) and, with
 // `with_grad`, dlogits (N, V) = grad_scale * (softmax(logits) - onehot(label)) (zero rows where ignored).
+// cross_entropy_slice(logits (N, V), labels (N) i32, lse (N) f32 (f64 for f64)): the same over a vocab-parallel slice
+// of the LM head (model/lm_head.h): the logits are the columns [first, first + V) of the whole vocabulary, labels are
+// whole-vocabulary ids and lse is each row's log-sum-exp over the whole vocabulary (combined over the slices). The
+// loss part is lse - x[label] where this slice holds the label, 0 where another does (the slices' parts sum to the
+// row's loss) or the row is ignored; dlogits = grad_scale * (exp(x - lse) - onehot(label)), the one-hot only where
+// held: this slice's columns of the whole row's gradient.
 struct CrossEntropyAttrs {
   int64_t ignore_index = -100;
   bool with_grad = false;
   double grad_scale = 1.0;
+  int64_t first = 0;  // cross_entropy_slice: the whole-vocabulary id of column 0
 };
 
 // adamw(master, grad, m, v) -> (master', m', v'[, param']): one AdamW step (Loshchilov & Hutter's decoupled weight decay,

@@ -34,7 +34,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::qk_norm_rope_backward: return expect(QkNormRopeAttrs{});
     case OpId::attention:
     case OpId::attention_backward: return expect(AttentionAttrs{});
-    case OpId::cross_entropy: return expect(CrossEntropyAttrs{});
+    case OpId::cross_entropy:
+    case OpId::cross_entropy_slice: return expect(CrossEntropyAttrs{});
     case OpId::paged_attention: return expect(PagedAttentionAttrs{});
     case OpId::row_argmax_logsumexp:
     case OpId::sample_rows: return expect(ArgmaxAttrs{});
@@ -216,19 +217,21 @@ std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const 
   return call_op(ctx, OpId::swiglu_backward, {contiguous(ctx, gate), contiguous(ctx, up), contiguous(ctx, dy)});
 }
 
-Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids) {
-  return call_op(ctx, OpId::embedding, {contiguous(ctx, weight), contiguous(ctx, ids)})[0];
+Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids, int64_t first) {
+  return call_op(ctx, OpId::embedding, {contiguous(ctx, weight), contiguous(ctx, ids)},
+                 EmbeddingAttrs{0, false, first})[0];
 }
 
-Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab) {
-  return call_op(ctx, OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, EmbeddingAttrs{vocab})[0];
+Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab, int64_t first) {
+  return call_op(ctx, OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)},
+                 EmbeddingAttrs{vocab, false, first})[0];
 }
 
-void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight) {
+void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight, int64_t first) {
   LATHE_CHECK(dweight.dim() == 2, "ops: embedding_backward_into needs a (vocab, hidden) output, got {}",
               dweight.describe());
   run_into(ctx, OpCall{OpId::embedding_backward, {contiguous(ctx, dy), contiguous(ctx, ids)}, {dweight},
-                       EmbeddingAttrs{dweight.size(0), true}},
+                       EmbeddingAttrs{dweight.size(0), true, first}},
            "embedding_backward_into");
 }
 
@@ -359,6 +362,21 @@ std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const 
     call.outputs.push_back(empty_padded_rows(logits.size(0), logits.size(1), logits.dtype(), ctx.allocator));
   if (!ctx.registry.has_exact(call))
     return call_op(ctx, OpId::cross_entropy, {contiguous(ctx, logits), call.inputs[1]}, attrs);
+  run_op(ctx, call);
+  return call.outputs;
+}
+
+std::vector<Tensor> cross_entropy_slice(ExecContext& ctx, const Tensor& logits, const Tensor& labels, const Tensor& lse,
+                                        CrossEntropyAttrs attrs) {
+  const std::vector<Tensor> in = {contiguous(ctx, logits), contiguous(ctx, labels), contiguous(ctx, lse)};
+  if (logits.is_contiguous() || !rows_contiguous(logits)) return call_op(ctx, OpId::cross_entropy_slice, in, attrs);
+  // Padded rows (empty_padded_rows), as cross_entropy: dlogits gets padded rows too.
+  OpCall call{OpId::cross_entropy_slice, {logits, in[1], in[2]}, {}, normalize_attrs(OpId::cross_entropy_slice, attrs)};
+  const std::vector<TensorSpec> specs = infer_outputs(call.op, call.inputs, call.attrs);
+  call.outputs.push_back(Tensor::empty(specs[0].shape, specs[0].dtype, ctx.allocator));
+  if (attrs.with_grad)
+    call.outputs.push_back(empty_padded_rows(logits.size(0), logits.size(1), logits.dtype(), ctx.allocator));
+  if (!ctx.registry.has_exact(call)) return call_op(ctx, OpId::cross_entropy_slice, in, attrs);
   run_op(ctx, call);
   return call.outputs;
 }

@@ -58,10 +58,12 @@ std::vector<Tensor> swiglu_backward(ExecContext& ctx, const Tensor& gate, const 
 // projection's output) -> (..., I); the backward's dgu has gu's layout. Bitwise swiglu / swiglu_backward.
 Tensor swiglu_halves(ExecContext& ctx, const Tensor& gu);
 Tensor swiglu_halves_backward(ExecContext& ctx, const Tensor& gu, const Tensor& dy);
-Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids);
-Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab);
+// `first` >= 0: weight is the vocab-parallel slice of ids [first, first + V) (EmbeddingAttrs::first).
+Tensor embedding(ExecContext& ctx, const Tensor& weight, const Tensor& ids, int64_t first = -1);
+Tensor embedding_backward(ExecContext& ctx, const Tensor& dy, const Tensor& ids, int64_t vocab, int64_t first = -1);
 // dweight (V, H), contiguous, dy's dtype) += embedding_backward(dy, ids, V) (EmbeddingAttrs::accumulate).
-void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight);
+void embedding_backward_into(ExecContext& ctx, const Tensor& dy, const Tensor& ids, Tensor& dweight,
+                             int64_t first = -1);
 Tensor rmsnorm(ExecContext& ctx, const Tensor& x, const Tensor& w, NormAttrs attrs);
 std::vector<Tensor> rmsnorm_backward(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& dy,
                                      NormAttrs attrs);  // {dx, dw}
@@ -101,6 +103,10 @@ std::vector<Tensor> sample_rows(ExecContext& ctx, const Tensor& x, const Tensor&
                                 const Tensor& keys, int64_t limit = 0);  // {token, logit, logprob}
 std::vector<Tensor> cross_entropy(ExecContext& ctx, const Tensor& logits, const Tensor& labels,
                                   CrossEntropyAttrs attrs);  // {loss} or {loss, dlogits}
+// The cross-entropy of a vocab-parallel slice of the logits given the rows' whole log-sum-exp (cross_entropy_slice):
+// {loss part} or {loss part, dlogits}.
+std::vector<Tensor> cross_entropy_slice(ExecContext& ctx, const Tensor& logits, const Tensor& labels, const Tensor& lse,
+                                        CrossEntropyAttrs attrs);
 // One AdamW step in place: master, m and v (contiguous, one dtype) are both inputs and outputs of the adamw op.
 // With a defined `param` (contiguous bf16/f16, the master's shape), the same kernel also writes the new master rounded
 // into it (attrs.rounded_to is set from param's dtype), instead of a separate cast afterwards. A bf16 master is the

@@ -376,12 +376,17 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "{}, {}", dtype_name(st), in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe());
       return {{{m, in[0].size(1)}, st}};
     }
-    case OpId::cross_entropy: {
+    case OpId::cross_entropy:
+    case OpId::cross_entropy_slice: {
       check_floating(op, in[0]);
       check_index(op, in[1], "labels");
       LATHE_CHECK(in[0].dim() == 2 && in[1].dim() == 1 && in[1].size(0) == in[0].size(0),
                   "ops: cross_entropy needs logits (N, V) and labels (N), got {} and {}", in[0].describe(),
                   in[1].describe());
+      if (op == OpId::cross_entropy_slice)
+        LATHE_CHECK(in[2].dim() == 1 && in[2].size(0) == in[0].size(0) && in[2].dtype() == stats_dtype(in[0].dtype()),
+                    "ops: cross_entropy_slice needs the rows' log-sum-exp (N) in {}, got {}",
+                    dtype_name(stats_dtype(in[0].dtype())), in[2].describe());
       std::vector<TensorSpec> out = {{{in[0].size(0)}, stats_dtype(in[0].dtype())}};
       if (std::get<CrossEntropyAttrs>(attrs).with_grad) out.push_back({in[0].shape(), in[0].dtype()});
       return out;

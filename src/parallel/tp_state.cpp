@@ -80,9 +80,9 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
             if (r0 >= r1 || c0 >= c1) continue;
             const int64_t rows = r1 - r0, cols = c1 - c0;
             std::vector<uint8_t> part(size_t(rows * cols) * elem);
-            f.read_box_into(name, {ob.local_row + r0 - ob.row, c0 - ob.col}, {rows, cols}, dtype, part.data(),
-                            part.size());
-            put_box(b, width, mb.local_row + r0 - mb.row, c0 - mb.col, part, rows, cols, elem);
+            f.read_box_into(name, {ob.local_row + r0 - ob.row, ob.local_col + c0 - ob.col}, {rows, cols}, dtype,
+                            part.data(), part.size());
+            put_box(b, width, mb.local_row + r0 - mb.row, mb.local_col + c0 - mb.col, part, rows, cols, elem);
             covered += rows * cols;
           }
         }

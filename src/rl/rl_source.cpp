@@ -612,7 +612,7 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
                              std::vector<Figures>& figures) {
   const int64_t minibatches = jobs_[ids[0]]->c->rl.minibatches;
   const Device device = model_->options().device;
-  const int64_t vocab = model_->config().vocab_size;
+  const int64_t vocab = model_->global_config().vocab_size;
   for (int64_t m = 0; m < minibatches; ++m) {
     auto u = std::make_unique<Update>();
     u->jobs = ids;

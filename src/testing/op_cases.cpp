@@ -49,6 +49,9 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::embedding, "v=20,h=2048,t=12", {{20, 2048}, {12}}, {}, kFloat, false, true, {{}, iota_mod(12, 20, 7)}});
   c.push_back({OpId::embedding, "v=30,h=256,t=33", {{30, 256}, {33}}, {}, kFloat, false, true, {{}, iota_mod(33, 30, 11)}});
   c.push_back({OpId::embedding, "v=30,h=258,t=20", {{30, 258}, {20}}, {}, kFloat, false, true, {{}, iota_mod(20, 30, 13)}});
+  // A vocab-parallel slice (ids [40, 52) of a vocabulary of 64): the other ids give zero rows and no gradient.
+  c.push_back({OpId::embedding, "v=12,h=64,t=30,first=40", {{12, 64}, {30}}, EmbeddingAttrs{0, false, 40}, kFloat, false,
+               true, {{}, iota_mod(30, 64, 7)}});
   c.push_back({OpId::rmsnorm, "h=32,eps=1e-6", {{5, 32}, {32}}, NormAttrs{1e-6, 0.0}, kFloat});
   c.push_back({OpId::rmsnorm, "h=96,offset=1", {{3, 4, 96}, {96}}, NormAttrs{1e-5, 1.0}, kFloat});
   c.push_back({OpId::rmsnorm_backward, "h=40", {{6, 40}, {40}, {6, 40}}, NormAttrs{1e-6, 0.0}, kFloat, false, false});
@@ -220,6 +223,14 @@ void add_model_op_cases(std::vector<OpCase>& c) {
                kFloat, false, false, {{}, {4103, -100, 8}}});
   c.push_back({OpId::cross_entropy, "n=2,v=4104,loss_only,packed", {{2, 4104}, {2}},
                CrossEntropyAttrs{-100, false, 1.0}, kFloat, false, false, {{}, {0, 4097}}});
+  // A vocab-parallel slice: columns [4104, 8208) of the vocabulary, each row's whole log-sum-exp given (input 2, drawn
+  // in [3, 6]): labels held, held by another slice (below and above) and ignored.
+  c.push_back({OpId::cross_entropy_slice, "n=5,v=4104,first=4104,packed", {{5, 4104}, {5}, {5}},
+               CrossEntropyAttrs{-100, true, 0.5, 4104}, kFloat, false, false, {{}, {4104, 8207, 17, 9000, -100}},
+               {{}, {}, {3.0, 6.0}}, {2}});
+  c.push_back({OpId::cross_entropy_slice, "n=4,v=13,first=13,loss_only", {{4, 13}, {4}, {4}},
+               CrossEntropyAttrs{-100, false, 1.0, 13}, kFloat, false, false, {{}, {13, 25, 2, -100}}, {{}, {}, {1.0, 3.0}},
+               {2}});
 }
 
 // Row-segment ops (multi-tenant LoRA): empty segments, rows past the last segment, column ranges that differ

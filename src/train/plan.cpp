@@ -43,7 +43,8 @@ LocalSizes local_sizes(const ModelConfig& whole, const ModelConfig& local, int64
           tp * local.num_kv_heads / std::max<int64_t>(whole.num_kv_heads, 1)};
 }
 
-// Parameters outside the layers: the embedding, an untied LM head and the final norm (whole on every rank).
+// Parameters outside the layers: the embedding, an untied LM head (both vocab-parallel: `m` is a rank's local config,
+// its vocab_size the rank's rows) and the final norm (whole on every rank).
 int64_t outside_layer_elements(const ModelConfig& m) {
   return m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 1 : 2) + m.hidden_size;
 }
@@ -193,6 +194,9 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
     const int64_t per_layer =
         (forward_sums + 2) * all_reduce_bytes(stream, layout.tp) + 2 * all_reduce_bytes(b * m.head_dim, layout.tp);
     plan.comm_bytes += micro_batches * layers * per_layer;
+    // The vocab-parallel embedding's rows summed (forward) and the LM head's input gradient (backward), each (T, H);
+    // the loss's per-row log-sum-exps and label logits are T values a chunk.
+    plan.comm_bytes += micro_batches * (2 * all_reduce_bytes(stream, layout.tp) + 4 * t * (layout.tp + 2));
     if (l.kv_replicas > 1)  // shared k/v slices' gradients summed over the ranks holding them, once a step
       plan.comm_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
   }

@@ -202,7 +202,8 @@ void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>&
 
 // A device batch of one job's host batch, its rows served by `adapter` (-1: no adapter).
 PackedBatch single_job_batch(Runtime& rt, const CausalLm& model, const data::Batch& b, int adapter) {
-  PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels, model.config().vocab_size);
+  PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels,
+                                     model.global_config().vocab_size);
   if (adapter >= 0) set_segments(pb, {{pb.tokens(), adapter, 1.0, 0}});
   return pb;
 }
@@ -526,12 +527,13 @@ void Trainer::Impl::build() {
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
   if (lora_ && c_.model_path.empty()) {
     const fs::path scratch_base = fs::path(c_.output_dir) / "base";
-    if (model_source_.empty() && first_)  // every rank made the same random base from the seed
+    if (model_source_.empty() && lead_)  // every rank made the same random base; under tp the first group gathers it
       model_->save(scratch_base.string(), save_dtype_, 5ull << 30, [&](const std::string& d) { write_model_files(d); });
     base_model_ = fs::absolute(scratch_base).string();
   }
   if (lora_) {
-    bank_ = std::make_unique<LoraBank>(rt_, mc, device_, dtype_, lora_configs_);
+    bank_ = std::make_unique<LoraBank>(rt_, model_->config(), device_, dtype_, lora_configs_);  // this rank's layers
+    bank_->split_like(*model_);  // tensor parallelism: each matrix split as its base weight
     model_->attach_lora(bank_.get());
   }
   std::vector<Parameter*> model_params;
@@ -607,7 +609,8 @@ void Trainer::Impl::build_job(Job& j) {
     j.zero = std::make_unique<ZeroShards>(model_->parameters(), buckets_, *groups_->dp);
     j.params = &j.zero->owned();
   } else {
-    j.params = lora_ ? &bank_->flat_parameter(j.adapter) : &model_->parameters();
+    // LoRA under tp: the matrices one by one (each with its slice's layout), not the flat parameter.
+    j.params = !lora_ ? &model_->parameters() : tp_ ? &bank_->parameters(j.adapter) : &bank_->flat_parameter(j.adapter);
   }
   AdamWConfig acfg;
   acfg.beta1 = jc.beta1;
@@ -659,6 +662,10 @@ void Trainer::Impl::load_optimizer(Job& j) {
       j.opt->load((from / tp_state_name(tp_->rank(), tp)).string());
       return;
     }
+    LATHE_CHECK(!lora_ || (saved_tp > 1 && tp > 1), "train: {}: a LoRA checkpoint saved at parallel.tp = {} cannot "
+                "resume at tp {}: between tp 1 and tp > 1 the adapters' optimizer state is laid out differently (one "
+                "flat tensor, or matrix by matrix); resume it at {}", from.string(), saved_tp, tp,
+                saved_tp > 1 ? "any tp above 1" : "tp 1");
     const fs::path tmp = fs::temp_directory_path() /
                          fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
     std::vector<std::string> files;  // the old tp group's files, or the whole state
@@ -741,7 +748,7 @@ void Trainer::Impl::write_model_files(const std::string& dir) const {
 // Micro-batches: each active job adds its own micro-batch; together they make one packed batch over the shared base,
 // the rows of each job a segment of its adapter.
 void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
-  const ModelConfig& mc = model_->config();
+  const ModelConfig& mc = model_->global_config();  // the whole vocabulary (config()'s is a tp rank's rows)
   int64_t max_accum = 0;
   for (Job* j : active) max_accum = std::max(max_accum, j->cfg->grad_accum);
   for (int64_t micro = 0; micro < max_accum; ++micro) {
@@ -963,7 +970,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (!first_) {  // the other ranks hold the same state; the first rank's tp group joins its model work
     if (!lead_) return;
     if (evaluates) evaluate(rt_, *model_, j);
-    if (save) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
+    if (save && lora_) bank_->save_peft(j.adapter, std::string(), save_dtype_, base_model_);  // gathers; rank 0 writes
+    else if (save) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
     if (step == jc.max_steps) write_final(j);
     return;
   }
@@ -1132,7 +1140,10 @@ bool Trainer::Impl::step() {
   std::vector<std::optional<AdamW::Prepared>> updates(jobs_.size());
   bool replicas_summed = false;
   const std::function<void()> queue_optimizer = [&] {
-    if (!replicas_summed && !lora_) model_->sum_replicated_grads();  // tp above the kv heads (else nothing)
+    if (!replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
+      if (lora_) bank_->sum_tp_grads();
+      else model_->sum_replicated_grads();
+    }
     replicas_summed = true;
     for (Job* j : active) {
       const size_t k = size_t(j - jobs_.data());

@@ -20,6 +20,8 @@
 #include "model/batch.h"
 #include "model/causal_lm.h"
 #include "model/config.h"
+#include "model/lora.h"
+#include "support/lora_support.h"
 #include "support/model_support.h"
 
 using namespace lathe;
@@ -120,7 +122,7 @@ TEST_P(TensorParallelFamilies, SlicedLayersEqualTheWholeModel) {
     sharded += !p.whole();
     EXPECT_EQ(to_f64(sliced->gathered(p)), to_f64(whole->parameters()[i].value)) << p.name;
   }
-  EXPECT_EQ(sharded, split_tensors(GetParam()));
+  EXPECT_EQ(sharded, split_tensors(GetParam()) + 2);  // and the vocab-parallel embedding and LM head
   // Forward and backward of three packed documents.
   const PackedBatch b = random_batch(40, {0, 7, 9, 20}, 3);
   EXPECT_LT(rel(to_f64(sliced->logits(b)), to_f64(whole->logits(b))), 1e-12);
@@ -155,6 +157,69 @@ TEST_P(TensorParallelFamilies, SlicedLayersEqualTheWholeModel) {
   EXPECT_LT(rel(to_f64(reloaded->logits(b)), to_f64(back->logits(b))), 1e-12);
   world->barrier();
   if (world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+const Parameter& named(LoraBank& bank, int adapter, const std::string& name) {
+  for (const Parameter& p : bank.parameters(adapter))
+    if (p.name == name) return p;
+  throw std::runtime_error("no adapter matrix " + name);
+}
+
+// LoRA over the sliced layers (every module a family has, two adapters of ranks 4 and 2 in one batch of two
+// segments): a sliced bank's init draws the whole adapter's values; an adapter saved whole loads into the slices; the
+// logits, the loss and every adapter gradient (the whole matrices' parts summed over the group, sum_tp_grads) equal
+// the whole model's; the slices saved as PEFT files read back as the whole adapter. Fails without sum_tp_grads.
+TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
+  const int n = world->size();
+  for (double kv : {1.0, 0.5}) {
+    const nlohmann::json config = tiny_config(GetParam(), n, kv);
+    const std::unique_ptr<CausalLm> whole = model(config, nullptr);
+    const std::unique_ptr<CausalLm> sliced = model(config, world.get());
+    const std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
+    LoraBank wb(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
+    LoraBank sb(runtime(), sliced->config(), Device::cpu(), DType::F64, adapters);
+    sb.split_like(*sliced);
+    wb.init(0, 5);
+    sb.init(0, 5);
+    for (const Parameter& p : sb.parameters(0))
+      EXPECT_EQ(to_f64(sliced->gathered(p)), to_f64(named(wb, 0, p.name).value)) << "init of " << p.name;
+    // Non-zero B everywhere: random whole adapters, saved, and read into the slices.
+    const std::string dir = (std::filesystem::temp_directory_path() / ("lathe_tp_lora_" + std::to_string(getppid()))).string();
+    for (int a : {0, 1}) {
+      randomise(wb, a, 40 + uint64_t(a), 0.2);
+      if (world->rank() == 0) wb.save_peft(a, dir + std::to_string(a), DType::F32, "");
+    }
+    world->barrier();
+    for (int a : {0, 1}) {
+      wb.load_peft(a, dir + std::to_string(a));  // the f32 values on both sides
+      sb.load_peft(a, dir + std::to_string(a));
+    }
+    whole->attach_lora(&wb);
+    sliced->attach_lora(&sb);
+    PackedBatch b = random_batch(40, {0, 7, 9, 20}, 3);
+    set_segments(b, {{9, 0, 1.0, 0}, {20, 1, 0.5, 0}});
+    EXPECT_LT(rel(to_f64(sliced->logits(b)), to_f64(whole->logits(b))), 1e-12) << config.dump();
+    wb.zero_grads();
+    sb.zero_grads();
+    const LossResult want = whole->loss(b, true), got = sliced->loss(b, true);
+    EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
+    sb.sum_tp_grads();
+    for (int a : {0, 1})
+      for (const Parameter& p : sb.parameters(a))
+        EXPECT_LT(rel(to_f64(sliced->gathered(p, true)), to_f64(named(wb, a, p.name).grad)), 1e-10)
+            << p.name << " at " << config.dump();
+    // Saved from the slices (every rank joins, the first writes), read back whole.
+    world->barrier();
+    sb.save_peft(1, dir + "back", DType::F32, "");
+    world->barrier();
+    LoraBank back(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
+    back.load_peft(1, dir + "back");
+    for (const Parameter& p : back.parameters(1))
+      EXPECT_EQ(to_f64(p.value), to_f64(named(wb, 1, p.name).value)) << p.name;
+    world->barrier();
+    if (world->rank() == 0)
+      for (const char* d : {"0", "1", "back"}) std::filesystem::remove_all(dir + d);
+  }
 }
 
 // What `lathe plan` counts as a rank's weights (the local config's parameter count) is what a sliced model holds.

@@ -156,13 +156,14 @@ TEST(Plan, RefusedLayoutsSayWhy) {
 }
 
 // tp and ZeRO divide what one rank holds as the trainer divides it: tp 2 halves the split matrices (k/v too, with 2
-// kv heads), ZeRO-1 divides the states, ZeRO-2 the gradients too; tp adds per-layer activation sums to the traffic.
+// kv heads; the embedding and LM head by vocabulary rows), ZeRO-1 divides the states, ZeRO-2 the gradients too; tp adds per-layer activation sums to the traffic.
 TEST(Plan, LayoutsDivideTheirParts) {
   const fs::path dir = run_folder("divide", kSmallModel, "{max_steps: 1, micro_batch_tokens: 64}");
   const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
   const ModelConfig mc = planned_model_config(c);
   const LayoutPlan one = plan_layout(c, mc, {1, 1, 0}), tp2 = plan_layout(c, mc, {2, 1, 0});
-  const int64_t b = 4, outside = (2 * mc.vocab_size * mc.hidden_size + mc.hidden_size) * b;
+  // Whole on every rank: the final norm and the layers' norms (the embedding and LM head are vocab-parallel).
+  const int64_t b = 4, outside = mc.hidden_size * b;
   const int64_t norms = mc.num_layers * (2 * mc.hidden_size + 2 * mc.head_dim) * b;
   EXPECT_EQ(tp2.memory.weights - outside - norms, (one.memory.weights - outside - norms) / 2);
   EXPECT_GT(tp2.comm_bytes, 0);

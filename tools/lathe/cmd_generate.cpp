@@ -332,7 +332,7 @@ void run(Args a) {
     for (size_t k = 0; k < adapter_dirs.size(); ++k) named->load_peft(int(k), adapter_dirs[k]);
     model->attach_lora(&*named);
   }
-  const ModelConfig& c = model->config();
+  const ModelConfig& c = model->global_config();  // the whole vocabulary (config()'s is a tp rank's rows)
   Prompts prompts(a, std::move(kwargs), c.vocab_size,
                   c.max_position_embeddings > 0 ? c.max_position_embeddings : INT64_MAX);
 
@@ -377,7 +377,7 @@ void run(Args a) {
 void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateOptions& options,
                     const std::vector<std::vector<int32_t>>& requests, const std::vector<int>& adapter_of,
                     const data::Tokenizer* tok, int64_t prompt_tokens, const LineRanks& g) {
-  const ModelConfig& c = model.config();
+  const ModelConfig& c = model.global_config();  // the whole vocabulary (config()'s is a tp rank's rows)
   Communicator* world = g.world;
   const int ranks = g.replicas, me = g.replica;  // lines go to replicas
   const bool writer = g.writer();

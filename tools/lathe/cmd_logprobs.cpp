@@ -116,7 +116,7 @@ std::vector<std::vector<int32_t>> read_token_lines(const std::string& path, int6
 // ranks) scores lines r, r + n, ... and rank 0 writes them all in input order.
 void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& model, const LoraBank* bank,
            TextEncoder& encoder, const LineRanks& g) {
-  const std::vector<std::vector<int32_t>> all_lines = read_token_lines(a.input, model.config().vocab_size, encoder);
+  const std::vector<std::vector<int32_t>> all_lines = read_token_lines(a.input, model.global_config().vocab_size, encoder);
   const int n = g.replicas, me = g.replica;
   std::vector<std::vector<int32_t>> lines;
   for (size_t i = size_t(me); i < all_lines.size(); i += size_t(n)) lines.push_back(all_lines[i]);
@@ -132,7 +132,7 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
       ++last;
     }
     std::vector<int32_t> labels = next_token_labels(ids, cu);
-    PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.config().vocab_size);
+    PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.global_config().vocab_size);
     if (bank) set_segments(batch, {{batch.tokens(), 0, 1.0, 0}});
     const std::vector<double> lp = model.label_logprobs(batch);
     for (size_t b = 0; b + 1 < cu.size(); ++b) {

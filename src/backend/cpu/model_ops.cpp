@@ -22,13 +22,19 @@ void embedding_kernel(const OpCall& c, ExecContext&) {
   const Tensor& w = c.inputs[0];
   const int64_t vocab = w.size(0), hidden = w.size(1), n = c.inputs[1].numel();
   const int32_t* ids = c.inputs[1].data<int32_t>();
+  const int64_t first = std::holds_alternative<EmbeddingAttrs>(c.attrs) ? c.attr<EmbeddingAttrs>().first : -1;
   for (int64_t t = 0; t < n; ++t)
-    LATHE_CHECK(ids[t] >= 0 && ids[t] < vocab, "embedding: token id {} at position {} is outside the vocabulary (size {})",
-                ids[t], t, vocab);
+    LATHE_CHECK(first >= 0 || (ids[t] >= 0 && ids[t] < vocab),
+                "embedding: token id {} at position {} is outside the vocabulary (size {})", ids[t], t, vocab);
   const T* pw = w.data<T>();
   T* out = c.outputs[0].data<T>();
+  const int64_t from = std::max<int64_t>(first, 0);
 #pragma omp parallel for if (n * hidden > 65536)
-  for (int64_t t = 0; t < n; ++t) std::copy(pw + ids[t] * hidden, pw + (ids[t] + 1) * hidden, out + t * hidden);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t row = ids[t] - from;
+    if (row >= 0 && row < vocab) std::copy(pw + row * hidden, pw + (row + 1) * hidden, out + t * hidden);
+    else std::fill(out + t * hidden, out + (t + 1) * hidden, T(0.0));  // another slice's id
+  }
 }
 
 template <typename T>
@@ -37,20 +43,25 @@ void embedding_backward_kernel(const OpCall& c, ExecContext&) {
   const int64_t vocab = c.outputs[0].size(0);
   const T* dy = c.inputs[0].data<T>();
   const int32_t* ids = c.inputs[1].data<int32_t>();
+  const int64_t first = c.attr<EmbeddingAttrs>().first;  // >= 0: a vocab-parallel slice; other ids are skipped
   for (int64_t t = 0; t < n; ++t)
-    LATHE_CHECK(ids[t] >= 0 && ids[t] < vocab, "embedding: token id {} at position {} is outside the vocabulary (size {})",
-                ids[t], t, vocab);
+    LATHE_CHECK(first >= 0 || (ids[t] >= 0 && ids[t] < vocab),
+                "embedding: token id {} at position {} is outside the vocabulary (size {})", ids[t], t, vocab);
+  const int64_t from = std::max<int64_t>(first, 0);
+  std::vector<int64_t> row(static_cast<size_t>(n));  // each token's row of dw, -1 where another slice holds it
+  for (int64_t t = 0; t < n; ++t) row[size_t(t)] = ids[t] - from >= 0 && ids[t] - from < vocab ? ids[t] - from : -1;
   // f64 sums in token order, for the ids that occur only (a vocab x hidden buffer would be 1.2 GB at Qwen3-0.6B).
   std::vector<int64_t> slot(size_t(vocab), -1), named;
   for (int64_t t = 0; t < n; ++t) {
-    if (slot[size_t(ids[t])] >= 0) continue;
-    slot[size_t(ids[t])] = int64_t(named.size());
-    named.push_back(ids[t]);
+    if (row[size_t(t)] < 0 || slot[size_t(row[size_t(t)])] >= 0) continue;
+    slot[size_t(row[size_t(t)])] = int64_t(named.size());
+    named.push_back(row[size_t(t)]);
   }
   std::vector<double> acc(named.size() * size_t(hidden), 0.0);
 #pragma omp parallel for if (n * hidden > 65536)
   for (int64_t j = 0; j < hidden; ++j)
-    for (int64_t t = 0; t < n; ++t) acc[size_t(slot[size_t(ids[t])] * hidden + j)] += double(dy[t * hidden + j]);
+    for (int64_t t = 0; t < n; ++t)
+      if (row[size_t(t)] >= 0) acc[size_t(slot[size_t(row[size_t(t)])] * hidden + j)] += double(dy[t * hidden + j]);
   T* dw = c.outputs[0].data<T>();
   const bool accumulate = c.attr<EmbeddingAttrs>().accumulate;
   if (!accumulate) std::fill(dw, dw + vocab * hidden, T(0.0));  // rows no id names keep their bytes when accumulating
@@ -501,7 +512,9 @@ void attention_backward_kernel(const OpCall& c, ExecContext&) {
   write(dv, c.outputs[2]);
 }
 
-template <typename T>
+// cross_entropy, and with kSlice cross_entropy_slice: the row's lse is given (input 2), the label's column is
+// label - first, and a label outside the slice's columns contributes neither loss nor one-hot.
+template <typename T, bool kSlice = false>
 void cross_entropy_kernel(const OpCall& c, ExecContext&) {
   const auto& a = c.attr<CrossEntropyAttrs>();
   const int64_t n = c.inputs[0].size(0), v = c.inputs[0].size(1);
@@ -511,6 +524,23 @@ void cross_entropy_kernel(const OpCall& c, ExecContext&) {
   using S = typename std::conditional<std::is_same_v<T, double>, double, float>::type;
   S* loss = static_cast<S*>(c.outputs[0].data_ptr());
   T* dx = a.with_grad ? c.outputs[1].data<T>() : nullptr;
+  if constexpr (kSlice) {
+    const S* given = static_cast<const S*>(c.inputs[2].data_ptr());
+#pragma omp parallel for if (n * v > 65536)
+    for (int64_t r = 0; r < n; ++r) {
+      const T* xr = x + r * ld;
+      const bool ignored = labels[r] == a.ignore_index;
+      const int64_t col = int64_t(labels[r]) - a.first;
+      const bool held = !ignored && col >= 0 && col < v;
+      const double lse = double(given[r]);
+      loss[r] = held ? S(lse - double(xr[col])) : S(0);
+      if (!dx) continue;
+      T* dr = dx + r * ld_grad;
+      for (int64_t j = 0; j < v; ++j) dr[j] = ignored ? T(0) : T(a.grad_scale * std::exp(double(xr[j]) - lse));
+      if (held) dr[col] -= T(a.grad_scale);
+    }
+    return;
+  }
   for (int64_t r = 0; r < n; ++r)
     LATHE_CHECK(labels[r] == a.ignore_index || (labels[r] >= 0 && labels[r] < v),
                 "cross_entropy: label {} at position {} is outside the vocabulary (size {})", labels[r], r, v);
@@ -563,6 +593,8 @@ void register_for(KernelRegistry& r) {
   add(OpId::penalize_rows, "cpu/penalize_rows", penalize_rows_kernel<T>);
   r.add(KernelDef{OpId::cross_entropy, DeviceType::CPU, dt, "cpu/cross_entropy_rows", rows_layout,
                   cross_entropy_kernel<T>});
+  r.add(KernelDef{OpId::cross_entropy_slice, DeviceType::CPU, dt, "cpu/cross_entropy_slice_rows", rows_layout,
+                  cross_entropy_kernel<T, true>});
 }
 
 }  // namespace

@@ -21,17 +21,20 @@ constexpr int kMaxRopeHalf = 256;
 // Index inputs (token ids, labels, cu_seqlens) are validated on the host by the model before upload; a
 // kernel cannot throw, so out-of-range values are skipped (see each launcher).
 
-// out (n_tokens, hidden) = weight (vocab, hidden) rows at ids; an out-of-range id gives a zero row.
-void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* weight,
+// out (n_tokens, hidden) = weight (vocab, hidden) rows at ids - first (first > 0: a vocab-parallel slice, rows the ids
+// [first, first + vocab)); an id outside gives a zero row.
+void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first, const void* weight,
                       const int32_t* ids, void* out, cudaStream_t stream);
 // dweight (vocab, hidden) = rows of dy (n_tokens, hidden) summed per id (out-of-range ids skipped): the (id, token)
 // pairs are sorted by id (cub's stable radix sort), then each id's rows are summed in token order in fp32 and written
 // once; other rows are zero. `accumulate`: dweight is not zeroed and each sum is added to its row's current value
 // (one rounding); other rows are left alone. Bitwise deterministic. `scratch` holds
 // embedding_backward_scratch_bytes(n_tokens).
+// `first` as launch_embedding's: ids outside [first, first + vocab) are skipped.
 size_t embedding_backward_scratch_bytes(int64_t n_tokens);
-void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, bool accumulate, void* scratch, void* dweight, cudaStream_t stream);
+void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first,
+                               const void* dy, const int32_t* ids, bool accumulate, void* scratch, void* dweight,
+                               cudaStream_t stream);
 
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
@@ -107,8 +110,12 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
 
 // loss (rows) float = logsumexp(x) - x[label] (0 where label == ignore_index; NaN for any other out-of-range
 // label); with dlogits non-null, dlogits (rows, vocab) = grad_scale * (softmax - onehot), zero rows if ignored.
+// With row_lse non-null (cross_entropy_slice): the logits are the columns [first, first + vocab) of the whole
+// vocabulary, row_lse the rows' whole log-sum-exp: loss = lse - x[label - first] where the slice holds the label, else
+// 0; dlogits = grad_scale * (exp(x - lse) - onehot), the one-hot only where held.
 void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
-                          double grad_scale, const void* logits, const int32_t* labels, float* loss, void* dlogits,
+                          double grad_scale, int64_t first, const float* row_lse, const void* logits,
+                          const int32_t* labels, float* loss, void* dlogits,
                           cudaStream_t stream);  // rows of logits and dlogits `ld` and `ld_grad` elements apart
 
 // moe_route (moe_route.cu) on f32 logits (tokens, experts); outputs as MoeRouteAttrs in ops/op_table.h lays them out.

@@ -23,12 +23,12 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // One thread per pack of kN elements of the output (grid-stride over tokens x packs of a row): 16-byte copies
 // when hidden is a multiple of the pack and both buffers are aligned, single elements (kN = 1) otherwise.
 template <typename T, int kN>
-__global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, const T* w, const int32_t* ids,
-                                 T* out) {
+__global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first, const T* w,
+                                 const int32_t* ids, T* out) {
   const int64_t row_packs = hidden / kN, n = n_tokens * row_packs;
   for (int64_t p = global_thread(); p < n; p += grid_threads()) {
     const int64_t t = p / row_packs, c = (p % row_packs) * kN;
-    const int64_t id = ids[t];
+    const int64_t id = ids[t] - first;  // a vocab-parallel slice's row; outside it, another slice's id
     Pack<T, kN> v;
     if (id >= 0 && id < vocab) {  // ids are validated on the host before upload; never read outside w
       v = load_pack<T, kN>(w + id * hidden + c);
@@ -44,18 +44,18 @@ __global__ void embedding_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab
 // the block at the first pair of an id sums that id's dy rows in token order, in fp32, and writes its dw row once.
 // Deterministic; rows of ids that no token has are the zeros written before (accumulating: left as they were).
 template <typename T>
-__global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, bool accumulate,
-                                            const T* dy, const int32_t* sorted_ids, const int32_t* sorted_tokens,
-                                            T* dw) {
+__global__ void embedding_sorted_sum_kernel(int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first,
+                                            bool accumulate, const T* dy, const int32_t* sorted_ids,
+                                            const int32_t* sorted_tokens, T* dw) {
   for (int64_t p = blockIdx.x; p < n_tokens; p += gridDim.x) {
-    const int32_t id = sorted_ids[p];
-    if ((p > 0 && sorted_ids[p - 1] == id) || id < 0 || id >= vocab) continue;  // not an id's first pair; bad ids
+    const int64_t id = int64_t(sorted_ids[p]) - first;  // its row (a vocab-parallel slice: another slice's if outside)
+    if ((p > 0 && sorted_ids[p - 1] == sorted_ids[p]) || id < 0 || id >= vocab) continue;  // not an id's first pair
     int64_t end = p + 1;                                                       // (validated on the host) skipped
     while (end < n_tokens && sorted_ids[end] == id) ++end;
     for (int64_t c = threadIdx.x; c < hidden; c += blockDim.x) {
       float acc = 0;
       for (int64_t q = p; q < end; ++q) acc += load(dy, int64_t(sorted_tokens[q]) * hidden + c);
-      const int64_t at = int64_t(id) * hidden + c;
+      const int64_t at = id * hidden + c;
       store(dw, at, accumulate ? load(dw, at) + acc : acc);
     }
   }
@@ -869,15 +869,18 @@ template <typename F> void dispatch_head_dim(int64_t head_dim, F f) {
 // when the rows start on 16-byte boundaries, `ld` and `ld_grad` elements apart) and the row's last vocab % kN logits
 // one at a time, combined across the block; a second pass writes the gradient. Ignored rows skip the statistics.
 template <typename T, int kN>
+// With row_lse (cross_entropy_slice), the statistics pass is skipped: the row's lse is given and the label's column is
+// label - first, held by this slice or not.
 __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
-                                     float grad_scale, const T* x, const int32_t* labels, float* loss, T* dx) {
+                                     float grad_scale, int64_t first, const float* row_lse, const T* x,
+                                     const int32_t* labels, float* loss, T* dx) {
   __shared__ float scratch[32];
   const int64_t packs = vocab / kN, tail = packs * kN;  // logits [tail, vocab) are read one at a time
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * ld;
     T* dxr = dx ? dx + r * ld_grad : nullptr;
-    const int64_t label = labels[r];
-    if (label == ignore_index) {
+    const int64_t label = labels[r] == ignore_index ? ignore_index : labels[r] - first;
+    if (labels[r] == ignore_index) {
       if (threadIdx.x == 0) loss[r] = 0.0f;
       if (dxr) {
         Pack<T, kN> zero;
@@ -889,23 +892,29 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ld, in
       continue;
     }
     float m = -INFINITY, s = 0.0f;
-    for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+    for (int64_t p = threadIdx.x; !row_lse && p < packs; p += blockDim.x) {
       const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
       float f[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k) f[k] = load(v.e, k);
       online_logsumexp_add(m, s, f);
     }
-    for (int64_t j = tail + threadIdx.x; j < vocab; j += blockDim.x) {
+    for (int64_t j = tail + threadIdx.x; !row_lse && j < vocab; j += blockDim.x) {
       const float f[1] = {float(load(xr, j))};
       online_logsumexp_add(m, s, f);
     }
-    const float mx = block_reduce<float, true>(m, scratch);
-    const float total = block_reduce<float, false>(m == -INFINITY ? s : s * expf(m - mx), scratch);
-    const float lse = mx + logf(total);
-    // Labels are validated on the host before upload; an out-of-range one gives a NaN loss, not a bad read.
+    float lse = 0.0f;
+    if (row_lse) {
+      lse = row_lse[r];
+    } else {
+      const float mx = block_reduce<float, true>(m, scratch);
+      const float total = block_reduce<float, false>(m == -INFINITY ? s : s * expf(m - mx), scratch);
+      lse = mx + logf(total);
+    }
+    // Labels are validated on the host before upload; an out-of-range one gives a NaN loss, not a bad read (a slice:
+    // another slice's label, a zero loss part).
     const bool valid = label >= 0 && label < vocab;
-    if (threadIdx.x == 0) loss[r] = valid ? lse - float(load(xr, label)) : NAN;
+    if (threadIdx.x == 0) loss[r] = valid ? lse - float(load(xr, label)) : row_lse ? 0.0f : NAN;
     if (dxr) {
       for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
         const Pack<T, kN> v = load_pack<T, kN>(xr + p * kN);
@@ -923,7 +932,7 @@ __global__ void cross_entropy_kernel(int64_t rows, int64_t vocab, int64_t ld, in
 
 }  // namespace
 
-void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* weight,
+void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first, const void* weight,
                       const int32_t* ids, void* out, cudaStream_t stream) {
   if (n_tokens == 0 || hidden == 0) return;
   dispatch_f32_bf16_f16(dtype, "embedding dispatch (unsupported dtype)", [&](auto t) {
@@ -933,10 +942,10 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
     constexpr int kN = kPackOf16<T>;
     if (hidden % kN == 0 && aligned16(pw) && aligned16(po))
       embedding_kernel<T, kN><<<grid_for(n_tokens * (hidden / kN), kThreads), kThreads, 0, stream>>>(
-          n_tokens, hidden, vocab, pw, ids, po);
+          n_tokens, hidden, vocab, first, pw, ids, po);
     else
       embedding_kernel<T, 1><<<grid_for(n_tokens * hidden, kThreads), kThreads, 0, stream>>>(n_tokens, hidden, vocab,
-                                                                                          pw, ids, po);
+                                                                                          first, pw, ids, po);
   });
   LATHE_CUDA_LAUNCH_CHECK("embedding_kernel");
 }
@@ -946,8 +955,8 @@ size_t embedding_backward_scratch_bytes(int64_t n_tokens) {
   return 3 * align256(size_t(n_tokens) * sizeof(int32_t)) + align256(radix_sort_pairs_temp_bytes(n_tokens));
 }
 
-void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, const void* dy,
-                               const int32_t* ids, bool accumulate, void* scratch, void* dweight,
+void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, int64_t vocab, int64_t first,
+                               const void* dy, const int32_t* ids, bool accumulate, void* scratch, void* dweight,
                                cudaStream_t stream) {
   const int64_t n = vocab * hidden;
   if (n == 0) return;
@@ -962,14 +971,16 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
   size_t temp = radix_sort_pairs_temp_bytes(n_tokens);
   iota_kernel<<<grid_for(n_tokens, kThreads), kThreads, 0, stream>>>(n_tokens, tokens);
   LATHE_CUDA_LAUNCH_CHECK("iota_kernel");
-  int end_bit = 1;  // the bits the valid ids use (ids are non-negative below vocab: validated on the host)
+  // The bits the ids use (non-negative below vocab: validated on the host). A vocab-parallel slice (first > 0) sees
+  // every slice's ids, whose range it does not know: all 31 bits.
+  int end_bit = first > 0 ? 31 : 1;
   while (end_bit < 31 && (int64_t(1) << end_bit) < vocab) ++end_bit;
   LATHE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + 3 * ints, temp, ids, sorted_ids, tokens, sorted_tokens,
                                                    n_tokens, 0, end_bit, stream));
   dispatch_f32_bf16_f16(dtype, "embedding_backward dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
     embedding_sorted_sum_kernel<T><<<rows_grid(n_tokens), 128, 0, stream>>>(
-        n_tokens, hidden, vocab, accumulate, static_cast<const T*>(dy), sorted_ids, sorted_tokens,
+        n_tokens, hidden, vocab, first, accumulate, static_cast<const T*>(dy), sorted_ids, sorted_tokens,
         static_cast<T*>(dweight));
   });
   LATHE_CUDA_LAUNCH_CHECK("embedding_sorted_sum_kernel");
@@ -1275,8 +1286,8 @@ void launch_attention_backward(DType dtype, const AttentionDims& dims, const voi
 }
 
 void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ld, int64_t ld_grad, int64_t ignore_index,
-                          double grad_scale, const void* logits, const int32_t* labels, float* loss, void* dlogits,
-                          cudaStream_t stream) {
+                          double grad_scale, int64_t first, const float* row_lse, const void* logits,
+                          const int32_t* labels, float* loss, void* dlogits, cudaStream_t stream) {
   if (rows == 0) return;
   const int threads = vocab >= 8192 ? 512 : 128;
   dispatch_f32_bf16_f16(dtype, "cross_entropy dispatch (unsupported dtype)", [&](auto t) {
@@ -1286,10 +1297,10 @@ void launch_cross_entropy(DType dtype, int64_t rows, int64_t vocab, int64_t ld, 
     auto* dx = static_cast<T*>(dlogits);
     if (ld % kN == 0 && aligned16(x) && (!dx || (ld_grad % kN == 0 && aligned16(dx))))  // rows start on 16 bytes
       cross_entropy_kernel<T, kN><<<rows_grid(rows), threads, 0, stream>>>(
-          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), x, labels, loss, dx);
+          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), first, row_lse, x, labels, loss, dx);
     else
       cross_entropy_kernel<T, 1><<<rows_grid(rows), threads, 0, stream>>>(
-          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), x, labels, loss, dx);
+          rows, vocab, ld, ld_grad, ignore_index, float(grad_scale), first, row_lse, x, labels, loss, dx);
   });
   LATHE_CUDA_LAUNCH_CHECK("cross_entropy_kernel");
 }

@@ -68,8 +68,9 @@ int64_t rows_of(const Tensor& t) { return t.size(-1) ? t.numel() / t.size(-1) : 
 void run_embedding(const OpCall& c, ExecContext& ctx) {
   const Tensor& w = c.inputs[0];  // (V, H)
   const Tensor& ids = c.inputs[1];
-  launch_embedding(w.dtype(), ids.numel(), w.size(1), w.size(0), w.data_ptr(), ids.data<int32_t>(),
-                   c.outputs[0].data_ptr(), stream_of(ctx));
+  const int64_t first = std::holds_alternative<EmbeddingAttrs>(c.attrs) ? c.attr<EmbeddingAttrs>().first : -1;
+  launch_embedding(w.dtype(), ids.numel(), w.size(1), w.size(0), std::max<int64_t>(first, 0), w.data_ptr(),
+                   ids.data<int32_t>(), c.outputs[0].data_ptr(), stream_of(ctx));
 }
 
 void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
@@ -78,7 +79,8 @@ void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
   const Tensor& dw = c.outputs[0];  // (V, H)
   const int64_t bytes = int64_t(embedding_backward_scratch_bytes(ids.numel()));
   const Tensor scratch = bytes ? Tensor::empty({bytes}, DType::U8, ctx.allocator) : Tensor();  // the sort's buffers
-  launch_embedding_backward(dy.dtype(), ids.numel(), dw.size(1), dw.size(0), dy.data_ptr(), ids.data<int32_t>(),
+  launch_embedding_backward(dy.dtype(), ids.numel(), dw.size(1), dw.size(0),
+                            std::max<int64_t>(c.attr<EmbeddingAttrs>().first, 0), dy.data_ptr(), ids.data<int32_t>(),
                             c.attr<EmbeddingAttrs>().accumulate, bytes ? scratch.data_ptr() : nullptr, dw.data_ptr(),
                             stream_of(ctx));
 }
@@ -267,12 +269,15 @@ void run_flash_attention_backward(const OpCall& c, ExecContext& ctx) {
                                   c.outputs[1].data_ptr(), c.outputs[2].data_ptr(), scratch.data<float>(), stream_of(ctx));
 }
 
+// cross_entropy, and cross_entropy_slice (its third input the rows' whole log-sum-exp).
 void run_cross_entropy(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<CrossEntropyAttrs>();
   const Tensor& x = c.inputs[0];  // (N, V), rows_layout
+  const bool slice = c.op == OpId::cross_entropy_slice;
   launch_cross_entropy(x.dtype(), x.size(0), x.size(1), leading_dim(x), a.with_grad ? leading_dim(c.outputs[1]) : 0,
-                       a.ignore_index, a.grad_scale, x.data_ptr(), c.inputs[1].data<int32_t>(),
-                       c.outputs[0].data<float>(), a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
+                       a.ignore_index, a.grad_scale, slice ? a.first : 0, slice ? c.inputs[2].data<float>() : nullptr,
+                       x.data_ptr(), c.inputs[1].data<int32_t>(), c.outputs[0].data<float>(),
+                       a.with_grad ? c.outputs[1].data_ptr() : nullptr, stream_of(ctx));
 }
 
 Support moe_route_supports(const OpCall& c) {
@@ -349,6 +354,7 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     add(OpId::attention, "cuda/causal_varlen_attention", attention_supports, run_attention);
     add(OpId::attention_backward, "cuda/causal_varlen_attention_backward", attention_supports, run_attention_backward);
     add(OpId::cross_entropy, "cuda/cross_entropy_rows", rows_layout, run_cross_entropy);
+    add(OpId::cross_entropy_slice, "cuda/cross_entropy_slice_rows", rows_layout, run_cross_entropy);
   }
 }
 
