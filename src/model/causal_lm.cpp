@@ -90,6 +90,56 @@ void CausalLm::tp_sum(Tensor& t) const {
   if (tp_size() > 1) options_.tp->all_reduce(t).wait();
 }
 
+namespace {
+
+// (T, H) padded with zero rows to tp x ceil(T / tp) (itself when tp divides T).
+Tensor padded_rows(ExecContext& cx, const Tensor& x, int64_t rows) {
+  if (x.size(0) == rows) return x;
+  Tensor out = Tensor::empty({rows, x.size(1)}, x.dtype(), cx.allocator);
+  cx.backend.fill_bytes(out.data_ptr(), 0, out.nbytes(), cx.stream);
+  copy_into(cx, x, out.narrow(0, 0, x.size(0)));
+  return out;
+}
+
+}  // namespace
+
+Tensor CausalLm::block_input(const Tensor& rows, int64_t tokens) const {
+  if (!sequence_parallel()) return rows;
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = tp_size(), mine = rows.size(0), h = rows.size(1);
+  Tensor all = Tensor::empty({n * mine, h}, rows.dtype(), cx.allocator);
+  Tensor in = contiguous(cx, rows);
+  Tensor flat = all.view({n * mine * h});
+  options_.tp->all_gather(in.view({mine * h}), flat).wait();
+  return all.narrow(0, 0, tokens);  // the padding rows dropped
+}
+
+Tensor CausalLm::block_output(Tensor partial) const {
+  if (!sequence_parallel()) {
+    tp_sum(partial);
+    return partial;
+  }
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = tp_size(), mine = (partial.size(0) + n - 1) / n, h = partial.size(1);
+  const Tensor in = padded_rows(cx, contiguous(cx, partial), n * mine);
+  Tensor out = Tensor::empty({mine, h}, partial.dtype(), cx.allocator);
+  Tensor flat = out.view({mine * h});
+  options_.tp->reduce_scatter(in.view({n * mine * h}), flat).wait();
+  return out;
+}
+
+Tensor CausalLm::stream_rows(const Tensor& whole) const {
+  if (!sequence_parallel()) return whole;
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = tp_size(), mine = (whole.size(0) + n - 1) / n;
+  return contiguous(cx, padded_rows(cx, whole, n * mine).narrow(0, tp_rank() * mine, mine));
+}
+
+void CausalLm::add_norm_grad(int index, Tensor g) {
+  if (sequence_parallel()) tp_sum(g);
+  add_grad(index, g);
+}
+
 void CausalLm::shard_over_tp(int index, int dim, int replicas, std::vector<int64_t> sections) {
   if (tp_size() <= 1) return;
   Parameter& p = params_[size_t(index)];
@@ -386,10 +436,9 @@ LmHead CausalLm::lm_head(int head) const {
 Tensor CausalLm::embed(int index, const Tensor& ids) {
   ExecContext cx = ctx();
   const Parameter& p = params_[size_t(index)];
-  if (p.whole() || p.shard.group != "tp") return embedding(cx, p.value, ids);
-  Tensor x = embedding(cx, p.value, ids, p.shard.offset[0]);  // (T, H): this rank's ids' rows, zeros elsewhere
-  tp_sum(x);
-  return x;
+  if (p.whole() || p.shard.group != "tp") return stream_rows(embedding(cx, p.value, ids));
+  // (T, H): this rank's ids' rows, zeros elsewhere, summed over the group (onto the rank's rows under sp)
+  return block_output(embedding(cx, p.value, ids, p.shard.offset[0]));
 }
 
 namespace {
@@ -586,10 +635,13 @@ void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
   const int64_t first = !p.whole() && p.shard.group == "tp" ? p.shard.offset[0] : -1;
   // A tied LM head already holds its gradient: the batch's rows are added into it in place (no full-size zero fill and
   // add; a full-vocabulary pass each at 151,936 rows).
-  if (options_.train_base && grad.defined() && grad.is_contiguous() && grad.dtype() == dx.dtype())
-    embedding_backward_into(cx, dx, b.ids, grad, first);
-  else if (options_.train_base)
-    add_grad(embed, embedding_backward(cx, dx, b.ids, p.value.size(0), first));
+  if (options_.train_base) {
+    const Tensor d = block_input(dx, b.tokens());  // sequence parallelism: every rank's rows of the stream
+    if (grad.defined() && grad.is_contiguous() && grad.dtype() == d.dtype())
+      embedding_backward_into(cx, d, b.ids, grad, first);
+    else
+      add_grad(embed, embedding_backward(cx, d, b.ids, p.value.size(0), first));
+  }
   if (lora_ && !b.segments.empty()) lora_->collect_grads();
 }
 

@@ -56,6 +56,11 @@ struct ModelOptions {
   // (q, k, v, gate, up) hold their rank's rows and the row-parallel ones (o, down) its columns; the embedding and the
   // LM head are vocab-parallel (each rank its vocab_size / tp rows: lm_head.h); the norms are whole.
   Communicator* tp = nullptr;
+  // Sequence parallelism (Megatron's, with tp > 1): between the tensor-parallel blocks the residual stream, its norms
+  // and their inputs hold this rank's rows of the batch's T tokens (ceil(T / tp) a rank, the last padded with zero
+  // rows); each block's input is gathered over the group (all-gather) and its partial output summed onto the rows
+  // (reduce-scatter) instead of all-reduced. The same communication volume, 1/tp of the stream's activations.
+  bool sequence_parallel = false;
 };
 
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
@@ -97,6 +102,8 @@ class CausalLm {
   int tp_rank() const;
   // Whether the embedding and the LM head are split by vocabulary rows over the tp group (tp divides vocab_size).
   bool vocab_parallel() const { return config_.vocab_size != global_config_.vocab_size; }
+  // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
+  bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
   Tensor gathered(const Parameter& p, bool grad = false) const;
@@ -229,7 +236,8 @@ class CausalLm {
 
   // The MLP of layer `layer` (model/moe_layer.h): declare_mlp adds its parameters through `add` (Hugging Face name,
   // shape) -> index, under `prefix` ("model.layers.N."), and remembers them (pack_mlp_rows); mlp_backward returns d(hn)
-  // and accumulates the gradients.
+  // and accumulates the gradients. Under sequence parallelism hn is the block's whole input (T, H) and the output,
+  // dout and d(hn) are the stream's rows.
   MlpParams declare_mlp(int64_t layer, const std::string& prefix, const std::function<int(std::string, Shape)>& add);
   // pack_rows for every MLP's gate and up projections (dense, or a sparse layer's shared expert): one GEMM for both.
   void pack_mlp_rows();
@@ -258,6 +266,16 @@ class CausalLm {
   // Tensor parallelism: t summed in place over the group (a row-parallel projection's partial output, or a
   // column-parallel one's partial input gradient); nothing without it.
   void tp_sum(Tensor& t) const;
+  // The residual stream's side of a tensor-parallel block (ModelOptions::sequence_parallel; without it the stream is
+  // whole and these are plain): block_input gathers the rank's rows (rows, H) into the block's input (T, H);
+  // block_output sums a block's partial output (T, H) over the group onto the rank's rows (else all-reduced, whole);
+  // stream_rows takes the rank's rows of a whole (T, H) that every rank holds (a mixture-of-experts block's output, a
+  // whole embedding's); add_norm_grad adds the gradient of the stream norm `index`'s gain, summed over the group
+  // under sp (each rank's from its rows).
+  Tensor block_input(const Tensor& rows, int64_t tokens) const;
+  Tensor block_output(Tensor partial) const;
+  Tensor stream_rows(const Tensor& whole) const;
+  void add_norm_grad(int index, Tensor g);
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
   // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random

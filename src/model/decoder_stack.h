@@ -46,14 +46,15 @@ struct DecoderStack {
   static Tensor logits(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    return m.lm_head(m.head()).whole_logits(cx, m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first);
+    const Tensor xf = m.block_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
+    return m.lm_head(m.head()).whole_logits(cx, xf);
   }
 
   template <typename M>
   static Tensor last_hidden(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first;
+    const Tensor xf = m.block_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
     const int64_t docs = int64_t(b.host_cu.size()) - 1;
     if (xf.size(0) == docs) return xf;  // one token a document: every row is a last one
     if (docs == 1) return xf.narrow(0, xf.size(0) - 1, 1);
@@ -73,7 +74,7 @@ struct DecoderStack {
   template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
     const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
-    return m.head_label_logprobs(xf, m.head(), b);
+    return m.head_label_logprobs(m.block_input(xf, b.tokens()), m.head(), b);
   }
 
   template <typename M>
@@ -84,17 +85,17 @@ struct DecoderStack {
     const bool keep = backward && !m.options_.recompute;
     const NormAttrs norm = final_norm(m);
     const ResidualStream out = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
-    const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);
+    const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);  // the stream's rows under sp
     Tensor dxf;
     std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
-    LossResult result = m.head_loss(xf, m.head(), b, backward, loss_scale, &dxf, losses);
+    LossResult result = m.head_loss(m.block_input(xf, b.tokens()), m.head(), b, backward, loss_scale, &dxf, losses);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) {
       m.add_head_losses(result, b, losses);
       return result;
     }
-    const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf, norm);
-    m.add_grad(m.final_norm_, dfinal[1]);
+    const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), m.stream_rows(dxf), norm);
+    m.add_norm_grad(m.final_norm_, dfinal[1]);
     const auto done = [&](int64_t layers_left) {
       if (hooks.grads_done) hooks.grads_done(layers_left);
     };

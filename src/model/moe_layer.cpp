@@ -94,29 +94,29 @@ void CausalLm::pack_mlp_rows() {
 MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b,
                               bool training) {
   MlpActs a;
-  if (p.sparse) {
+  if (p.sparse) {  // whole on every rank of a tp group: the stream's rows of its output
     a.moe = moe_forward(layer, p.moe, hn, b, training);
-    a.out = a.moe.out;
+    a.out = stream_rows(a.moe.out);
     return a;
   }
   ExecContext cx = ctx();
   a.gu = project_rows(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn, b, training);
   a.act = swiglu_halves(cx, a.gu);
-  a.out = project(layer, LoraTarget::down_proj, p.down, a.act, b, training);
-  tp_sum(a.out);  // tensor parallelism: every rank's intermediate columns
+  // tensor parallelism: every rank's intermediate columns summed (onto the stream's rows under sp)
+  a.out = block_output(project(layer, LoraTarget::down_proj, p.down, a.act, b, training));
   return a;
 }
 
 Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                               const PackedBatch& b) {
-  if (p.sparse) return moe_backward(layer, p.moe, a.moe, dout, b);
+  const Tensor d = block_input(dout, b.tokens());  // sequence parallelism: every rank's rows of the stream
+  if (p.sparse) return stream_rows(moe_backward(layer, p.moe, a.moe, d, b));
   ExecContext cx = ctx();
   Tensor dact, dhn;  // out = down(swiglu(gate(hn), up(hn)))
-  project_backward(layer, LoraTarget::down_proj, p.down, a.act, dout, dact, b);
+  project_backward(layer, LoraTarget::down_proj, p.down, a.act, d, dact, b);
   project_rows_backward(layer, {LoraTarget::gate_proj, LoraTarget::up_proj}, {p.gate, p.up}, hn,
                         swiglu_halves_backward(cx, a.gu, dact), dhn, b);
-  tp_sum(dhn);
-  return dhn;
+  return block_output(dhn);
 }
 
 const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {

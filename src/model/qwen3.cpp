@@ -131,10 +131,12 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
                                                 bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = x.h.size(0);
+  const int64_t t = b.tokens();
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   LayerActs a;
-  std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
+  Tensor xn;
+  std::tie(xn, a.x) = norm_stream(x, w(l.input_norm), norm);
+  a.xn = block_input(xn, t);  // sequence parallelism: every rank's rows of the stream
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
   const std::vector<Tensor> heads = qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, qk_attrs(c));
   a.qr = heads[0];
@@ -142,10 +144,10 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   a.v = heads[2];
   std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
-  Tensor attn_out = project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training);
-  tp_sum(attn_out);  // tensor parallelism: every rank's heads
+  // tensor parallelism: every rank's heads summed (onto the stream's rows under sequence parallelism)
+  const Tensor attn_out = block_output(project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training));
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, attn_out, w(l.post_norm), norm);
-  a.hn = post[0];
+  a.hn = block_input(post[0], t);
   a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
   a.out = {a.h, a.mlp.out};
@@ -155,16 +157,16 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
 Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = dout.size(0);
+  const int64_t t = b.tokens();
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
   const std::vector<Tensor> dpost = residual_rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, dout, norm);  // dh
-  add_grad(l.post_norm, dpost[1]);
+  add_norm_grad(l.post_norm, dpost[1]);
   const Tensor& dh = dpost[0];
   // Attention: h = x + o_proj(attention(rope(qnorm(q)), rope(knorm(k)), v))
   Tensor d_o;
-  project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), dh, d_o, b);
+  project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), block_input(dh, t), d_o, b);
   const std::vector<Tensor> dqkv =
       attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o.view({t, c.num_heads, c.head_dim}), b.cu_seqlens,
                          {0.0, options_.deterministic});
@@ -177,9 +179,9 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   add_grad(l.k_norm, dk_norm);
   Tensor dxn;
   project_rows_backward(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, dheads[0], dxn, b);
-  tp_sum(dxn);
-  const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
-  add_grad(l.input_norm, din[1]);
+  const std::vector<Tensor> din =
+      residual_rmsnorm_backward(cx, a.x, w(l.input_norm), block_output(dxn), dh, norm);  // dx
+  add_norm_grad(l.input_norm, din[1]);
   return din[0];
 }
 

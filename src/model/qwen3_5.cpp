@@ -30,7 +30,7 @@
 namespace lathe {
 
 struct Qwen35Model::LayerActs {
-  Tensor x, xn;         // (T, D) layer input and its input norm
+  Tensor x, xn;         // (T, D) layer input (the stream's rows under sp) and its input norm (every rank's rows)
   Tensor mix;           // (T, D) mixer output (before the residual)
   // full attention
   Tensor q, gate, k, v;  // (T, H, d), (T, H d), (T, Hkv, d) x2: projections (q, k before their norm)
@@ -341,7 +341,7 @@ Tensor Qwen35Model::l2norm_backward(const Tensor& x, const Tensor& dy) {
 void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = a.x.size(0), d = c.head_dim, hd = c.num_heads * d;
+  const int64_t t = a.xn.size(0), d = c.head_dim, hd = c.num_heads * d;
   const NormAttrs norm{c.rms_norm_eps, 1.0};
   const SplitIndex& split = split_index(t, b.cache);
   const Tensor yq = project(l.index, LoraTarget::q_proj, l.q_proj, a.xn, b, training);  // (T, 2 H d)
@@ -361,7 +361,7 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
 void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = a.x.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t t = a.xn.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
   const SplitIndex& split = split_index(t, b.cache);
   if (c.fused_gdn_projections) {  // qwen3_next: the conv input, z, b and a are column gathers of two projections
@@ -437,13 +437,15 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Residual
   ExecContext cx = ctx();
   const NormAttrs norm{config_.rms_norm_eps, 1.0};
   LayerActs a;
-  std::tie(a.xn, a.x) = norm_stream(x, w(l.input_norm), norm);
+  Tensor xn;
+  std::tie(xn, a.x) = norm_stream(x, w(l.input_norm), norm);
+  a.xn = block_input(xn, b.tokens());  // sequence parallelism: every rank's rows of the stream
   if (l.linear) gdn_forward(l, a, b, training);
   else attention_forward(l, a, b, training);
-  tp_sum(a.mix);  // tensor parallelism: every rank's heads
+  a.mix = block_output(a.mix);  // tensor parallelism: every rank's heads (summed onto the stream's rows under sp)
   // h = x + mixer output and hn = post_norm(h) in one pass
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, a.mix, w(l.post_norm), norm);
-  a.hn = post[0];
+  a.hn = block_input(post[0], b.tokens());
   a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
   a.out = {a.h, a.mlp.out};
@@ -535,13 +537,14 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
   const std::vector<Tensor> dpost = residual_rmsnorm_backward(cx, a.h, w(l.post_norm), dhn, dout, norm);  // dh
-  add_grad(l.post_norm, dpost[1]);
+  add_norm_grad(l.post_norm, dpost[1]);
   const Tensor& dh = dpost[0];
-  // Mixer: h = x + mixer(input_norm(x))
-  Tensor dxn = l.linear ? gdn_backward_part(l, a, dh, b) : attention_backward_part(l, a, dh, b);
-  tp_sum(dxn);  // tensor parallelism: the column-parallel projections' parts of the input gradient
-  const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), dxn, dh, norm);  // dx
-  add_grad(l.input_norm, din[1]);
+  // Mixer: h = x + mixer(input_norm(x)), over every rank's rows of the stream under sequence parallelism
+  const Tensor dh_all = block_input(dh, b.tokens());
+  Tensor dxn = l.linear ? gdn_backward_part(l, a, dh_all, b) : attention_backward_part(l, a, dh_all, b);
+  // tensor parallelism: the column-parallel projections' parts of the input gradient summed
+  const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), block_output(dxn), dh, norm);
+  add_norm_grad(l.input_norm, din[1]);
   return din[0];
 }
 

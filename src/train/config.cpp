@@ -210,6 +210,7 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.dp", Kind::Int, "0", between(0, 65536),
                 "data-parallel ranks (0: the world size divided by tp x cp x pp); docs/parallel.md", dp),
       LATHE_NUM("parallel.tp", Kind::Int, "1", between(1, 65536), "tensor-parallel ranks: each holds a slice of every layer (full fine-tuning and LoRA; docs/parallel.md)", tp),
+      LATHE_OPT("parallel.sp", Kind::Bool, "false", "sequence parallelism with parallel.tp > 1: the residual stream between the layers' blocks split by tokens over the tp group (1/tp of its activations; docs/parallel.md)", sp),
       LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks (not built yet: 1)", cp),
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks (not built yet: 1)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
@@ -497,6 +498,8 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     if (size > 1)
       problems.push_back(fmt::format("parallel.{}: {} is not built yet (data and tensor parallelism are): use 1", key,
                                      what));
+  if (c.sp && c.tp <= 1)
+    problems.push_back("parallel.sp: sequence parallelism splits the stream over the tp group: it needs parallel.tp > 1");
   if (c.tp > 1 && c.lora_rank > 0 && c.lora_dropout > 0)
     problems.push_back(fmt::format("lora.dropout: {} under parallel.tp {} is not built yet (the mask would need each "
                                    "element's global column): use 0", c.lora_dropout, c.tp));

@@ -102,6 +102,7 @@ struct TrainConfig {
   // parallel layout (docs/parallel.md): sizes whose product is the world size (dp 0: inferred), ZeRO stage, the
   // collectives' timeout
   int64_t tp = 1, cp = 1, ep = 1, pp = 1, dp = 0;
+  bool sp = false;  // sequence parallelism with tp (ModelOptions::sequence_parallel)
   int64_t zero = 0;
   double bucket_mb = 128;  // gradient buckets summed over dp while the backward runs
   double timeout_s = 600;

@@ -519,6 +519,7 @@ void Trainer::Impl::build() {
   if (c_.router_aux_loss != "auto") mopt.router_aux_loss = c_.router_aux_loss == "on";  // MoE (config.cpp checks)
   mopt.moe_padded_max_waste = c_.moe_padded_max_waste;
   mopt.tp = tp_;
+  mopt.sequence_parallel = c_.sp;
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
   const ModelConfig& mc = model_->global_config();
@@ -557,9 +558,10 @@ void Trainer::Impl::build() {
                                 lora_ ? fmt::format(", LoRA with {} adapter(s)", jobs_.size()) : "", states));
   if (groups_)  // the layout, and under tp what one rank holds
     progress_.message(fmt::format("parallel: {}{}", groups_->grid.describe(),
-                                  tp_ ? fmt::format("; each rank {} of the {} attention heads, {} of the {} key/value heads",
+                                  tp_ ? fmt::format("; each rank {} of the {} attention heads, {} of the {} key/value heads{}",
                                                     model_->config().num_heads, mc.num_heads,
-                                                    model_->config().num_kv_heads, mc.num_kv_heads)
+                                                    model_->config().num_kv_heads, mc.num_kv_heads,
+                                                    model_->sequence_parallel() ? "; sequence parallel" : "")
                                       : ""));
   auto resumed = [](const Job& j) { return j.start.resume_from.empty() ? "" : ", resumed from " + j.start.resume_from; };
   if (lora_) {

@@ -256,6 +256,20 @@ TEST(TensorParallel, Qwen35EqualsOneProcessAndResumesAtAnotherTp) {
   expect_same_curve(losses(dir / "run"), want, "qwen3.5 tp 2 -> tp 1");
 }
 
+// Sequence parallelism at tp 2 (the stream between the blocks split by tokens; micro-batches of 64 tokens at most,
+// odd lengths padded) equals one process, full fine-tuning and LoRA.
+TEST(TensorParallel, SequenceParallelEqualsOneProcess) {
+  for (const std::string extra : {"", "lora: {rank: 4, alpha: 8}\n"}) {
+    const fs::path dir = setup(extra.empty() ? "sp" : "splora", kQwen3, extra);
+    const LatheRun ref = train(dir, "ref", 0, 4);
+    ASSERT_EQ(ref.exit_code, 0) << ref.output;
+    const LatheRun r = train(dir, "sp", 2, 4, " --set parallel.tp=2 --set parallel.sp=true");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("; sequence parallel"), std::string::npos) << r.output;
+    expect_same_curve(losses(dir / "sp"), losses(dir / "ref"), "tp 2 with sp " + extra);
+  }
+}
+
 // LoRA at tp 2 and tp 2 x dp 2 (each adapter matrix split as its base weight; the whole matrices' gradient parts
 // summed over the group) equals one process: losses within 1e-5 relative, the adapters' weights at steps 3 and 8;
 // killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve.
