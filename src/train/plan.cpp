@@ -61,11 +61,13 @@ int64_t mlp_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_t 
   return bytes;
 }
 
-// Bytes layer i keeps from its forward for its backward (LayerActs), T tokens of dtype size b.
+// Bytes layer i keeps from its forward for its backward (LayerActs), T tokens of dtype size b; `stream_parts`: the
+// ranks the residual stream's rows are split over (tp under sequence parallelism, else 1).
 int64_t layer_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, int64_t t, int64_t b,
-                               int64_t docs) {
+                               int64_t docs, int64_t stream_parts) {
   const int64_t h = m.hidden_size, d = m.head_dim;
-  const int64_t stream = 4 * b * t * h;  // x, xn, h, hn
+  // x and h (the stream's rows), xn and hn (the blocks' whole inputs, gathered under sp)
+  const int64_t stream = 2 * b * ((t + stream_parts - 1) / stream_parts) * h + 2 * b * t * h;
   const int64_t mlp = mlp_activation_bytes(m, l, i, t, b);
   if (!m.is_hybrid()) {
     // qkv, qr, kr, v, o; lse in f32
@@ -140,7 +142,7 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   // Activations: every layer's LayerActs, or under recomputation each layer's input and one layer recomputed.
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t i = 0; i < layers; ++i) {
-    acts[size_t(i)] = layer_activation_bytes(m, l, i, t, b, docs);
+    acts[size_t(i)] = layer_activation_bytes(m, l, i, t, b, docs, c.sp ? layout.tp : 1);
     kept[size_t(i)] = c.recompute ? b * t * h : acts[size_t(i)];
   }
   int64_t kept_all = 0;
