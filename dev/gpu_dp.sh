@@ -8,7 +8,7 @@
 #   tp     — tensor parallelism over NCCL: the same tiny Qwen3 in bf16, one GPU with grad_accum 4 against --nproc 2
 #            with parallel.tp=2 (grad_accum 4): per-step loss and gradient-norm differences, and a resume of its step-6
 #            checkpoint at tp 1 (the optimizer state re-cut); `lathe generate --tp 2` and `lathe logprobs --tp 2`
-#            against one GPU on a few lines
+#            against one GPU on a few lines; sequence parallelism and LoRA (and both) at tp 2 against one GPU
 #   speed  — the Qwen3-1.7B shape, seq 4096, one micro-batch of 2 x 4096 per GPU: one GPU against --nproc 2 with
 #            ZeRO 0, 1 and 2 (tokens/s ratio, exposed communication, each rank's peak memory; same call, same card)
 #   torch  — transformers + torchrun on the same two GPUs at that shape (DDP and FSDP2, dev/torch_dp_baseline.py),
@@ -153,6 +153,27 @@ for i in range(6): print(json.dumps({'tokens': [(37 * i + 11 * k) % 300 for k in
     ./build/lathe $cmd --model $D/one/final --input $D/in.jsonl --output $D/$name.tp2.jsonl --device cuda --tp 2 --nproc 2 \
       >$L/$name.tp2.log 2>&1
     summary "tp: $name --tp 2 rc=$?: $(cmp -s $D/$name.one.jsonl $D/$name.tp2.jsonl && echo identical to one GPU || echo differs from one GPU: see logs)"
+  done
+  # Sequence parallelism, and LoRA (with and without sp), at tp 2 against one GPU (each its own reference run).
+  for variant in sp lora lora_sp; do
+    more=""; ref=one
+    [[ $variant == *sp* ]] && more="--set parallel.sp=true"
+    if [[ $variant == lora* ]]; then
+      ref=one_lora; lora="--set lora.rank=8 --set lora.alpha=16"
+      [ -d $D/one_lora ] || ./build/lathe train $D/config.yaml --set output_dir=$D/one_lora $lora >$L/tp_one_lora.log 2>&1
+      more="$more $lora"
+    fi
+    ./build/lathe train $D/config.yaml --set output_dir=$D/$variant --set parallel.tp=2 $more --nproc 2 >$L/tp_$variant.log 2>&1
+    summary "tp 2 $variant rc=$?: $(tail -n 1 $L/tp_$variant.log)"
+    grep -a "lathe: error" $L/tp_$variant.log | head -2 | cut -c1-300 | tee -a $OUT/summary.txt
+    python3 - $D $ref $variant <<'PY' | tee -a $OUT/summary.txt
+import json, sys
+d, ref, run = sys.argv[1:4]
+def rows(r): return [json.loads(l) for l in open(f"{d}/{r}/metrics.jsonl") if '"loss"' in l]
+a, b = rows(run), rows(ref)
+worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(a, b))
+print(f"tp=2 {run} vs 1 GPU, bf16: {len(a)}/{len(b)} steps, worst relative loss difference {worst:.2e}")
+PY
   done
 fi
 
