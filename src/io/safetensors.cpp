@@ -293,7 +293,7 @@ void convert_span(const SafetensorsTensor& tensor, size_t first, size_t count, D
 void convert_tensor(const SafetensorsTensor& tensor, DType dst, void* out, size_t out_bytes,
                     std::string_view source_label) {
   const std::string_view label = source_label;
-  const size_t src_size = dtype_size(tensor.dtype), dst_size = dtype_size(dst);
+  const size_t dst_size = dtype_size(dst);
   const size_t n = size_t(tensor.numel);
   LATHE_CHECK(tensor.data != nullptr || tensor.byte_size() == 0,
               "safetensors: {}: tensor '{}' has no data (a bare header entry)", label, shown(tensor.name));

@@ -167,13 +167,3 @@ TEST(CommFault, ARankThatIsMissingEndsTheJob) {
   world->all_reduce(t).wait();  // #2
   FAIL() << "the collective completed without rank 1";
 }
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  MpiSession mpi;
-  // Only rank 0 prints GoogleTest's report; every rank's failures still fail the job through the exit code.
-  if (mpi.rank() != 0) delete ::testing::UnitTest::GetInstance()->listeners().Release(
-      ::testing::UnitTest::GetInstance()->listeners().default_result_printer());
-  const int rc = RUN_ALL_TESTS();
-  return rc;
-}

@@ -23,47 +23,12 @@
 #include "model/lora.h"
 #include "support/lora_support.h"
 #include "support/model_support.h"
+#include "support/tp_configs.h"
 
 using namespace lathe;
 using namespace lathe::test_support;
 
 namespace {
-
-nlohmann::json tiny_qwen3(int heads, int kv_heads, int intermediate) {
-  return {{"model_type", "qwen3"}, {"vocab_size", 40}, {"hidden_size", 16}, {"intermediate_size", intermediate},
-          {"num_hidden_layers", 2}, {"num_attention_heads", heads}, {"num_key_value_heads", kv_heads},
-          {"head_dim", 8}, {"rms_norm_eps", 1e-6}, {"tie_word_embeddings", false}, {"max_position_embeddings", 128}};
-}
-
-// Mixture-of-experts layers: 4 experts, top 2, a shared expert on the hybrids.
-void add_experts(nlohmann::json& j) {
-  j["num_experts"] = 4;
-  j["num_experts_per_tok"] = 2;
-  j["moe_intermediate_size"] = 12;
-  j["norm_topk_prob"] = true;
-  if (j["model_type"] != "qwen3_moe") j["shared_expert_intermediate_size"] = 10;
-}
-
-// The hybrid stack (Gated DeltaNet, full attention, Gated DeltaNet) with H_v = 2 H_k: `keys` GDN key heads; Qwen3-Next
-// with its fused, per-key-head interleaved projections (every MLP dense through mlp_only_layers, or with `moe` the
-// first and last layers sparse).
-nlohmann::json tiny_hybrid(const std::string& type, int heads, int kv_heads, int keys, int intermediate,
-                           bool moe = false) {
-  nlohmann::json j = tiny_qwen3(heads, kv_heads, intermediate);
-  j["model_type"] = type;
-  j["num_hidden_layers"] = 3;
-  j["head_dim"] = 16;
-  j["layer_types"] = {"linear_attention", "full_attention", "linear_attention"};
-  j["linear_num_key_heads"] = keys;
-  j["linear_num_value_heads"] = 2 * keys;
-  j["linear_key_head_dim"] = 8;
-  j["linear_value_head_dim"] = 6;
-  j["linear_conv_kernel_dim"] = 4;
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
-  if (type == "qwen3_next" || type == "qwen3_5_moe_text") add_experts(j);
-  if (type == "qwen3_next") j["mlp_only_layers"] = moe ? nlohmann::json{1} : nlohmann::json{0, 1, 2};
-  return j;
-}
 
 // A family's tiny config for n ranks: two query heads a rank, key/value heads kv_per_rank x n (rounded up to one),
 // 12 MLP columns a rank, one GDN key head a rank. "qwen3_next_moe": Qwen3-Next with sparse layers.
@@ -309,13 +274,3 @@ TEST_F(TensorParallel, RefusesWhatItCannotSlice) {
 }
 
 }  // namespace
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  MpiSession mpi;
-  // Only rank 0 prints GoogleTest's report; every rank's failures still fail the job through the exit code.
-  if (mpi.rank() != 0)
-    delete ::testing::UnitTest::GetInstance()->listeners().Release(
-        ::testing::UnitTest::GetInstance()->listeners().default_result_printer());
-  return RUN_ALL_TESTS();
-}

@@ -21,6 +21,7 @@
 #include "model/causal_lm.h"
 #include "model/config.h"
 #include "support/model_support.h"
+#include "support/tp_configs.h"
 
 using namespace lathe;
 using namespace lathe::test_support;
@@ -29,22 +30,11 @@ namespace {
 
 constexpr int64_t kVocab = 48;  // divided by 2 and 4
 
+// Two query heads, one kv head, 12 MLP columns and (the hybrid) one GDN key head a rank; kVocab rows.
 nlohmann::json tiny_config(const std::string& family, int n, bool tied) {
-  nlohmann::json j = {{"model_type", "qwen3"}, {"vocab_size", kVocab}, {"hidden_size", 16},
-                      {"intermediate_size", 12 * n}, {"num_hidden_layers", 2}, {"num_attention_heads", 2 * n},
-                      {"num_key_value_heads", n}, {"head_dim", 8}, {"rms_norm_eps", 1e-6},
-                      {"tie_word_embeddings", tied}, {"max_position_embeddings", 128}};
-  if (family == "qwen3") return j;
-  j["model_type"] = family;  // the hybrid: Gated DeltaNet, full attention, Gated DeltaNet
-  j["num_hidden_layers"] = 3;
-  j["head_dim"] = 16;
-  j["layer_types"] = {"linear_attention", "full_attention", "linear_attention"};
-  j["linear_num_key_heads"] = n;
-  j["linear_num_value_heads"] = 2 * n;
-  j["linear_key_head_dim"] = 8;
-  j["linear_value_head_dim"] = 6;
-  j["linear_conv_kernel_dim"] = 4;
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.25}};
+  nlohmann::json j = family == "qwen3" ? tiny_qwen3(2 * n, n, 12 * n) : tiny_hybrid(family, 2 * n, n, n, 12 * n);
+  j["vocab_size"] = kVocab;
+  j["tie_word_embeddings"] = tied;
   return j;
 }
 
@@ -164,13 +154,3 @@ TEST_F(VocabParallel, AVocabularyTpDoesNotDivideStaysWhole) {
 }
 
 }  // namespace
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  MpiSession mpi;
-  // Only rank 0 prints GoogleTest's report; every rank's failures still fail the job through the exit code.
-  if (mpi.rank() != 0)
-    delete ::testing::UnitTest::GetInstance()->listeners().Release(
-        ::testing::UnitTest::GetInstance()->listeners().default_result_printer());
-  return RUN_ALL_TESTS();
-}
