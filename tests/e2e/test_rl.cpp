@@ -360,8 +360,9 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
 
 // Tensor parallelism (parallel.tp = 2, the dense tiny Qwen3 split in two; and tp 2 x dp 2): the same rollouts (rewards,
 // lengths and counts exact: the ranks of a tp group decode the same sequences, their rollout pools agreed on one size)
-// and updates (losses and gradient norms within 1e-4 relative) as one process, with GRPO and with a KL term to a
-// frozen reference (itself sliced).
+// and updates (losses and gradient norms within 1e-4 relative) as one process, with GRPO, with a KL term to a
+// frozen reference (itself sliced), with LoRA and that KL term (the reference is the base), and with LoRA under
+// sequence parallelism.
 TEST(Rl, TensorParallelRanksEqualOneProcess) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -370,9 +371,12 @@ TEST(Rl, TensorParallelRanksEqualOneProcess) {
   // vocab_size 320 (the tokenizer's 305 padded): tp 2 splits the vocabulary too.
   const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0"
                              " --set model.config.vocab_size=320";
-  for (const std::string& variant : {std::string(""), std::string(" --set rl.kl_coef=0.1")}) {
+  for (const std::string& variant : {std::string(""), std::string(" --set rl.kl_coef=0.1"),
+                                     std::string(" --set lora.rank=4 --set lora.alpha=8 --set rl.kl_coef=0.1"),
+                                     std::string(" --set lora.rank=4 --set lora.alpha=8 --set parallel.sp=true")}) {
+    const bool sp = variant.find("parallel.sp") != std::string::npos;  // one process: no tp, no sp
     const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common,
-                                       variant));
+                                       sp ? variant.substr(0, variant.find(" --set parallel.sp")) : variant));
     ASSERT_EQ(one.exit_code, 0) << one.output;
     const std::vector<nlohmann::json> want = rl_rows(dir / "one");
     ASSERT_EQ(want.size(), 6u);
