@@ -80,6 +80,17 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
   config_ = tensor_parallel_config(global_config_, tp_size());
+  if (context_parallel()) {  // the head all-to-all splits each rank's heads over the cp group
+    const int cp = cp_size();
+    bool sparse = false;
+    for (int64_t i = 0; i < config_.num_layers; ++i) sparse = sparse || config_.sparse_layer(i);
+    LATHE_CHECK(config_.model_type == "qwen3" && !sparse, "parallel.cp: context parallelism is built for the dense "
+                "qwen3 family so far, not {}{} (docs/parallel.md)", config_.model_type, sparse ? " with experts" : "");
+    LATHE_CHECK(!sequence_parallel(), "parallel.cp: context parallelism with parallel.sp is not built yet");
+    LATHE_CHECK(config_.num_heads % cp == 0 && config_.num_kv_heads % cp == 0,
+                "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
+                config_.num_heads, config_.num_kv_heads);
+  }
   moe_routes_.resize(size_t(config_.num_layers));
 }
 
@@ -92,13 +103,32 @@ void CausalLm::tp_sum(Tensor& t) const {
 
 namespace {
 
-// (T, H) padded with zero rows to tp x ceil(T / tp) (itself when tp divides T).
+// x (T, ...) padded with zero rows to `rows` (itself when it has them).
 Tensor padded_rows(ExecContext& cx, const Tensor& x, int64_t rows) {
   if (x.size(0) == rows) return x;
-  Tensor out = Tensor::empty({rows, x.size(1)}, x.dtype(), cx.allocator);
+  Shape shape = x.shape();
+  shape[0] = rows;
+  Tensor out = Tensor::empty(shape, x.dtype(), cx.allocator);
   cx.backend.fill_bytes(out.data_ptr(), 0, out.nbytes(), cx.stream);
   copy_into(cx, x, out.narrow(0, 0, x.size(0)));
   return out;
+}
+
+// Rank `rank` of `n`'s rows of a whole (T, ...): ceil(T / n) of them, the last rank's zero-padded.
+Tensor rows_of(ExecContext& cx, const Tensor& whole, int64_t n, int64_t rank) {
+  const int64_t mine = (whole.size(0) + n - 1) / n;
+  return contiguous(cx, padded_rows(cx, whole, n * mine).narrow(0, rank * mine, mine));
+}
+
+// Every rank's rows (rows_of) joined over `group` into the whole's first `tokens` rows.
+Tensor joined_rows(ExecContext& cx, Communicator& group, const Tensor& rows, int64_t tokens) {
+  const int64_t n = group.size(), size = rows.numel();
+  Shape shape = rows.shape();
+  shape[0] *= n;
+  Tensor all = Tensor::empty(shape, rows.dtype(), cx.allocator);
+  Tensor flat = all.view({n * size});
+  group.all_gather(contiguous(cx, rows).view({size}), flat).wait();
+  return all.narrow(0, 0, tokens);  // the padding rows dropped
 }
 
 }  // namespace
@@ -106,12 +136,7 @@ Tensor padded_rows(ExecContext& cx, const Tensor& x, int64_t rows) {
 Tensor CausalLm::block_input(const Tensor& rows, int64_t tokens) const {
   if (!sequence_parallel()) return rows;
   ExecContext cx = rt_->context(options_.device);
-  const int64_t n = tp_size(), mine = rows.size(0), h = rows.size(1);
-  Tensor all = Tensor::empty({n * mine, h}, rows.dtype(), cx.allocator);
-  Tensor in = contiguous(cx, rows);
-  Tensor flat = all.view({n * mine * h});
-  options_.tp->all_gather(in.view({mine * h}), flat).wait();
-  return all.narrow(0, 0, tokens);  // the padding rows dropped
+  return joined_rows(cx, *options_.tp, rows, tokens);
 }
 
 Tensor CausalLm::block_output(Tensor partial) const {
@@ -129,10 +154,68 @@ Tensor CausalLm::block_output(Tensor partial) const {
 }
 
 Tensor CausalLm::stream_rows(const Tensor& whole) const {
-  if (!sequence_parallel()) return whole;
   ExecContext cx = rt_->context(options_.device);
-  const int64_t n = tp_size(), mine = (whole.size(0) + n - 1) / n;
-  return contiguous(cx, padded_rows(cx, whole, n * mine).narrow(0, tp_rank() * mine, mine));
+  if (sequence_parallel()) return rows_of(cx, whole, tp_size(), tp_rank());
+  return cp_rows(whole);
+}
+
+Tensor CausalLm::cp_rows(const Tensor& whole) const {
+  if (!context_parallel()) return whole;
+  ExecContext cx = rt_->context(options_.device);
+  return rows_of(cx, whole, options_.cp->size(), options_.cp->rank());
+}
+
+Tensor CausalLm::cp_gather(const Tensor& rows, int64_t tokens) const {
+  if (!context_parallel()) return rows;
+  ExecContext cx = rt_->context(options_.device);
+  return joined_rows(cx, *options_.cp, rows, tokens);
+}
+
+Tensor CausalLm::heads_to_sequence(const Tensor& rows) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t c = options_.cp->size(), r = rows.size(0), part = rows.size(1) / c, d = rows.size(2);
+  // (c, rows, part d): block j (my rows, rank j's heads) goes to rank j; block j back is rank j's rows, my heads.
+  const Tensor send = contiguous(cx, rows.view({r, c, part * d}).transpose(0, 1));
+  Tensor recv = Tensor::empty({c * r, part, d}, rows.dtype(), cx.allocator);
+  Tensor flat = recv.view({c * r * part * d});
+  const std::vector<int64_t> counts(size_t(c), r * part * d);
+  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts).wait();
+  return recv;
+}
+
+Tensor CausalLm::sequence_to_heads(const Tensor& sequence) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t c = options_.cp->size(), r = sequence.size(0) / c, part = sequence.size(1), d = sequence.size(2);
+  const Tensor send = contiguous(cx, sequence);  // block j: rank j's rows, my heads
+  Tensor recv = Tensor::empty({c, r, part * d}, sequence.dtype(), cx.allocator);  // block j: my rows, rank j's heads
+  Tensor flat = recv.view({c * r * part * d});
+  const std::vector<int64_t> counts(size_t(c), r * part * d);
+  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts).wait();
+  return contiguous(cx, recv.transpose(0, 1)).view({r, c * part, d});
+}
+
+bool CausalLm::context_parallel() const { return cp_size() > 1; }
+int CausalLm::cp_size() const { return options_.cp ? options_.cp->size() : 1; }
+
+int64_t CausalLm::block_tokens(const PackedBatch& b) const {
+  if (!context_parallel()) return b.tokens();
+  const int64_t c = options_.cp->size();
+  return (b.tokens() + c - 1) / c;
+}
+
+Tensor CausalLm::head_input(const Tensor& xf, int64_t tokens) const {
+  return sequence_parallel() ? block_input(xf, tokens) : cp_gather(xf, tokens);
+}
+
+const Tensor& CausalLm::cp_cu_seqlens(const PackedBatch& b) {
+  const int64_t c = options_.cp->size(), padded = (b.tokens() + c - 1) / c * c;
+  if (cp_cu_tokens_ != b.tokens()) {
+    std::vector<int32_t> cu = b.host_cu;
+    if (padded > b.tokens()) cu.push_back(int32_t(padded));  // the padding rows: a document of their own
+    cp_cu_ = rt_->upload(cu.data(), {int64_t(cu.size())}, DType::I32, options_.device);
+    cp_cu_tokens_ = b.tokens();
+  }
+  return cp_cu_;
 }
 
 void CausalLm::add_norm_grad(int index, Tensor g) {
@@ -242,6 +325,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
                 global_config_.vocab_size);
   if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
+  cp_cu_tokens_ = -1;                                   // context parallelism: this batch's documents
 }
 
 std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
@@ -438,7 +522,8 @@ Tensor CausalLm::embed(int index, const Tensor& ids) {
   const Parameter& p = params_[size_t(index)];
   if (p.whole() || p.shard.group != "tp") return stream_rows(embedding(cx, p.value, ids));
   // (T, H): this rank's ids' rows, zeros elsewhere, summed over the group (onto the rank's rows under sp)
-  return block_output(embedding(cx, p.value, ids, p.shard.offset[0]));
+  const Tensor x = block_output(embedding(cx, p.value, ids, p.shard.offset[0]));
+  return sequence_parallel() ? x : cp_rows(x);
 }
 
 namespace {
@@ -636,11 +721,13 @@ void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
   // A tied LM head already holds its gradient: the batch's rows are added into it in place (no full-size zero fill and
   // add; a full-vocabulary pass each at 151,936 rows).
   if (options_.train_base) {
-    const Tensor d = block_input(dx, b.tokens());  // sequence parallelism: every rank's rows of the stream
+    // sequence parallelism: every rank's rows of the stream; context parallelism: the rank's rows and their ids
+    const Tensor d = block_input(dx, b.tokens());
+    const Tensor ids = cp_rows(b.ids);
     if (grad.defined() && grad.is_contiguous() && grad.dtype() == d.dtype())
-      embedding_backward_into(cx, d, b.ids, grad, first);
+      embedding_backward_into(cx, d, ids, grad, first);
     else
-      add_grad(embed, embedding_backward(cx, d, b.ids, p.value.size(0), first));
+      add_grad(embed, embedding_backward(cx, d, ids, p.value.size(0), first));
   }
   if (lora_ && !b.segments.empty()) lora_->collect_grads();
 }

@@ -61,6 +61,11 @@ struct ModelOptions {
   // rows); each block's input is gathered over the group (all-gather) and its partial output summed onto the rows
   // (reduce-scatter) instead of all-reduced. The same communication volume, 1/tp of the stream's activations.
   bool sequence_parallel = false;
+  // Context parallelism (docs/parallel.md, "Context parallelism"): the group whose ranks each hold ceil(T / cp)
+  // consecutive rows of every batch for the whole stack; attention goes over whole documents by a head all-to-all
+  // (each rank all rows of a cp-th of its heads). Every rank is given the whole batch; each parameter's gradient is
+  // the rank's rows' part (to sum over the group). Qwen3 (dense) so far, without sp; not for decoding.
+  Communicator* cp = nullptr;
 };
 
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
@@ -102,6 +107,9 @@ class CausalLm {
   int tp_rank() const;
   // Whether the embedding and the LM head are split by vocabulary rows over the tp group (tp divides vocab_size).
   bool vocab_parallel() const { return config_.vocab_size != global_config_.vocab_size; }
+  // Whether the stack runs on this rank's rows of every batch (ModelOptions::cp of more than one rank).
+  bool context_parallel() const;
+  int cp_size() const;
   // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
   bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
@@ -276,6 +284,20 @@ class CausalLm {
   Tensor block_output(Tensor partial) const;
   Tensor stream_rows(const Tensor& whole) const;
   void add_norm_grad(int index, Tensor g);
+  // Context parallelism: the rank's rows of a whole (T, ...) (ceil(T / cp), zero-padded), every rank's rows joined
+  // back into the whole (T, ...), and the head all-to-all: (rows, heads, d) -> (cp x rows, heads / cp, d) (every row,
+  // the rank's heads) and back. Plain without cp.
+  Tensor cp_rows(const Tensor& whole) const;
+  Tensor cp_gather(const Tensor& rows, int64_t tokens) const;
+  Tensor heads_to_sequence(const Tensor& rows) const;
+  Tensor sequence_to_heads(const Tensor& sequence) const;
+  // The rows a block works on: the batch's T tokens, or under cp the rank's ceil(T / cp).
+  int64_t block_tokens(const PackedBatch& b) const;
+  // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
+  Tensor head_input(const Tensor& xf, int64_t tokens) const;
+  // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not
+  // divide T), made once a forward.
+  const Tensor& cp_cu_seqlens(const PackedBatch& b);
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
   // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random
@@ -284,6 +306,8 @@ class CausalLm {
 
   Runtime* rt_;
   ModelConfig global_config_;
+  Tensor cp_cu_;                  // cp_cu_seqlens' tensor, for cp_cu_tokens_ tokens
+  int64_t cp_cu_tokens_ = -1;
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;

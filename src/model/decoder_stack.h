@@ -46,7 +46,7 @@ struct DecoderStack {
   static Tensor logits(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.block_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
+    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
     return m.lm_head(m.head()).whole_logits(cx, xf);
   }
 
@@ -54,7 +54,7 @@ struct DecoderStack {
   static Tensor last_hidden(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.block_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
+    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
     const int64_t docs = int64_t(b.host_cu.size()) - 1;
     if (xf.size(0) == docs) return xf;  // one token a document: every row is a last one
     if (docs == 1) return xf.narrow(0, xf.size(0) - 1, 1);
@@ -74,7 +74,7 @@ struct DecoderStack {
   template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
     const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
-    return m.head_label_logprobs(m.block_input(xf, b.tokens()), m.head(), b);
+    return m.head_label_logprobs(m.head_input(xf, b.tokens()), m.head(), b);
   }
 
   template <typename M>
@@ -88,13 +88,18 @@ struct DecoderStack {
     const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);  // the stream's rows under sp
     Tensor dxf;
     std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
-    LossResult result = m.head_loss(m.block_input(xf, b.tokens()), m.head(), b, backward, loss_scale, &dxf, losses);
+    // Under cp every rank runs the head on every row at 1 / cp of the scale (its weights' gradient a part like the
+    // others'), and its rows' input gradient is scaled back.
+    const int64_t cp = m.context_parallel() ? m.cp_size() : 1;
+    LossResult result = m.head_loss(m.head_input(xf, b.tokens()), m.head(), b, backward, loss_scale / double(cp),
+                                    &dxf, losses);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) {
       m.add_head_losses(result, b, losses);
       return result;
     }
-    const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), m.stream_rows(dxf), norm);
+    const Tensor dxf_rows = cp > 1 ? scale(cx, m.stream_rows(dxf), double(cp)) : m.stream_rows(dxf);
+    const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf_rows, norm);
     m.add_norm_grad(m.final_norm_, dfinal[1]);
     const auto done = [&](int64_t layers_left) {
       if (hooks.grads_done) hooks.grads_done(layers_left);

@@ -24,6 +24,9 @@ struct Qwen3Model::LayerActs {
   Tensor qr, kr;   // (T, Hq, D), (T, Hkv, D) normed and rotated
   Tensor v;        // (T, Hkv, D) v's heads
   Tensor o, lse;   // (T, Hq, D) attention output, (T, Hq) f32 log-sum-exp
+  // Context parallelism: qr, kr, v, o and lse are every row's for the rank's cp-th of the heads (the all-to-all's
+  // layout, what attention and its backward take); o_rows is o for the rank's rows and every head (o_proj's input).
+  Tensor o_rows;
   Tensor h;        // (T, H) after the attention residual
   Tensor hn;       // (T, H) post-attention RMSNorm
   MlpActs mlp;     // the MLP's (dense or experts)
@@ -131,21 +134,34 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
                                                 bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = b.tokens();
+  const int64_t t = block_tokens(b);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   LayerActs a;
   Tensor xn;
   std::tie(xn, a.x) = norm_stream(x, w(l.input_norm), norm);
   a.xn = block_input(xn, t);  // sequence parallelism: every rank's rows of the stream
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
-  const std::vector<Tensor> heads = qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, qk_attrs(c));
-  a.qr = heads[0];
-  a.kr = heads[1];
-  a.v = heads[2];
-  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+  const std::vector<Tensor> heads =
+      qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), cp_rows(b.positions), qk_attrs(c));
+  if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
+    a.qr = heads_to_sequence(heads[0]);
+    a.kr = heads_to_sequence(heads[1]);
+    a.v = heads_to_sequence(heads[2]);
+    const std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, cp_cu_seqlens(b), {});
+    a.o = att[0];
+    a.lse = att[1];
+    a.o_rows = sequence_to_heads(a.o);
+  } else {
+    a.qr = heads[0];
+    a.kr = heads[1];
+    a.v = heads[2];
+    std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+    a.o_rows = a.o;
+  }
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
   // tensor parallelism: every rank's heads summed (onto the stream's rows under sequence parallelism)
-  const Tensor attn_out = block_output(project(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), b, training));
+  const Tensor attn_out =
+      block_output(project(l.index, LoraTarget::o_proj, l.o_proj, a.o_rows.view({t, -1}), b, training));
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, attn_out, w(l.post_norm), norm);
   a.hn = block_input(post[0], t);
   a.h = post[1];
@@ -157,7 +173,7 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
 Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = b.tokens();
+  const int64_t t = block_tokens(b);
   const NormAttrs norm{c.rms_norm_eps, 0.0};
   // MLP: out = h + mlp(hn)
   const Tensor dhn = mlp_backward(l.index, l.mlp, a.hn, a.mlp, dout, b);
@@ -166,12 +182,16 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   const Tensor& dh = dpost[0];
   // Attention: h = x + o_proj(attention(rope(qnorm(q)), rope(knorm(k)), v))
   Tensor d_o;
-  project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o.view({t, -1}), block_input(dh, t), d_o, b);
-  const std::vector<Tensor> dqkv =
-      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o.view({t, c.num_heads, c.head_dim}), b.cu_seqlens,
-                         {0.0, options_.deterministic});
-  const std::vector<Tensor> dheads =
-      qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), b.positions, dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
+  project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.o_rows.view({t, -1}), block_input(dh, t), d_o, b);
+  const Tensor d_o_heads = d_o.view({t, c.num_heads, c.head_dim});
+  const bool cp = context_parallel();
+  std::vector<Tensor> dqkv =
+      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, cp ? heads_to_sequence(d_o_heads) : d_o_heads,
+                         cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
+  if (cp)
+    for (Tensor& d : dqkv) d = sequence_to_heads(d);  // back to the rank's rows, every head
+  const std::vector<Tensor> dheads = qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), cp_rows(b.positions),
+                                                           dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
   Tensor dq_norm = dheads[1], dk_norm = dheads[2];
   tp_sum(dq_norm);  // tensor parallelism: the norms' gains are every rank's heads'
   tp_sum(dk_norm);
