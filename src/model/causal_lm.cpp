@@ -739,7 +739,8 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
   LATHE_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16, "model: cannot save weights as {}",
               dtype_name(dtype));
   ExecContext cx = rt_->context(options_.device);
-  const bool writer = tp_rank() == 0;  // tensor parallelism: every rank joins its slices, the first writes
+  // tensor parallelism: every rank joins its slices, the first writes (under cp, the first of its cp group too)
+  const bool writer = tp_rank() == 0 && (!options_.cp || options_.cp->rank() == 0);
   std::vector<Tensor> host;
   std::vector<io::TensorRef> refs;
   for (const Parameter& p : params_) {

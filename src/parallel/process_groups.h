@@ -1,6 +1,6 @@
 // The process groups one rank takes part in, made from the ParallelGrid: each kind's communicator is split from the
 // world eagerly, in the same order on every rank (a communicator made lazily can stall a job outside any timeout;
-// research note parallelism.md §1). The data-parallel and tensor-parallel groups exist so far; cp, ep and pp join
+// research note parallelism.md §1). The data-, tensor- and context-parallel groups exist so far; ep and pp join
 // them as their issues land. A single process is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
 #pragma once
 
@@ -21,10 +21,12 @@ struct ProcessGroups {
   std::unique_ptr<Stream> grad_stream;
   std::unique_ptr<Communicator> dp_grads;
   std::unique_ptr<Communicator> tp;  // tensor parallelism: the ranks sharing one model replica's layers (tp > 1)
+  std::unique_ptr<Communicator> cp;  // context parallelism: the ranks sharing one replica's batches by rows (cp > 1)
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
   int tp_size() const { return tp ? tp->size() : 1; }
+  int cp_rank() const { return cp ? cp->rank() : 0; }
   int dp_size() const { return dp ? dp->size() : 1; }
   bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
 };

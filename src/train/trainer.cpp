@@ -365,7 +365,7 @@ class Trainer::Impl {
 
 Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source)
     : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
-      lead_(!groups || groups->grid.group_index(GroupKind::Tp, groups->rank) == groups->grid.group_index(GroupKind::Tp, 0)),
+      lead_(!groups || groups->dp_rank() == 0),
       tp_(groups ? groups->tp.get() : nullptr), dp_(groups ? groups->dp_size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
@@ -520,6 +520,8 @@ void Trainer::Impl::build() {
   mopt.moe_padded_max_waste = c_.moe_padded_max_waste;
   mopt.tp = tp_;
   mopt.sequence_parallel = c_.sp;
+  mopt.cp = groups_ ? groups_->cp.get() : nullptr;
+  LATHE_CHECK(!mopt.cp || !source_, "parallel.cp: {}: lathe rl under context parallelism is not built yet", c_.cp);
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
   const ModelConfig& mc = model_->global_config();
@@ -962,7 +964,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
     groups_->dp->barrier();
   }
-  if (save && tp_ && lead_) {  // the first rank's tp group: each rank's optimizer state of its slices
+  if (save && tp_ && lead_ && groups_->cp_rank() == 0) {  // the first replica's tp group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
     tp_->barrier();
     j.opt->save((zero_shard_dir(j) / tp_state_name(tp_->rank(), tp_->size())).string());
@@ -1145,6 +1147,9 @@ bool Trainer::Impl::step() {
     if (!replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
       if (lora_) bank_->sum_tp_grads();
       else model_->sum_replicated_grads();
+      if (groups_ && groups_->cp)  // context parallelism: each rank's gradients are its rows' parts
+        for (Parameter& p : model_->parameters())
+          if (p.grad.defined()) groups_->cp->all_reduce(p.grad).wait();
     }
     replicas_summed = true;
     for (Job* j : active) {
