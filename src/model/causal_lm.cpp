@@ -84,12 +84,16 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     const int cp = cp_size();
     bool sparse = false;
     for (int64_t i = 0; i < config_.num_layers; ++i) sparse = sparse || config_.sparse_layer(i);
-    LATHE_CHECK(config_.model_type == "qwen3" && !sparse, "parallel.cp: context parallelism is built for the dense "
-                "qwen3 family so far, not {}{} (docs/parallel.md)", config_.model_type, sparse ? " with experts" : "");
+    LATHE_CHECK((config_.model_type == "qwen3" || config_.is_hybrid()) && !sparse, "parallel.cp: context parallelism "
+                "is built for the qwen3, qwen3_5 and qwen3_next layers with dense MLPs so far, not {}{} "
+                "(docs/parallel.md)", config_.model_type, sparse ? " with mixture-of-experts layers" : "");
     LATHE_CHECK(!sequence_parallel(), "parallel.cp: context parallelism with parallel.sp is not built yet");
     LATHE_CHECK(config_.num_heads % cp == 0 && config_.num_kv_heads % cp == 0,
                 "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
                 config_.num_heads, config_.num_kv_heads);
+    LATHE_CHECK(!config_.is_hybrid() || config_.linear_num_key_heads % cp == 0,
+                "parallel.cp: {} ranks must divide each tp rank's Gated DeltaNet key heads ({})", cp,
+                config_.linear_num_key_heads);
   }
   moe_routes_.resize(size_t(config_.num_layers));
 }
@@ -196,6 +200,7 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence) const {
 
 bool CausalLm::context_parallel() const { return cp_size() > 1; }
 int CausalLm::cp_size() const { return options_.cp ? options_.cp->size() : 1; }
+int CausalLm::cp_rank() const { return options_.cp ? options_.cp->rank() : 0; }
 
 int64_t CausalLm::block_tokens(const PackedBatch& b) const {
   if (!context_parallel()) return b.tokens();

@@ -110,6 +110,7 @@ class CausalLm {
   // Whether the stack runs on this rank's rows of every batch (ModelOptions::cp of more than one rank).
   bool context_parallel() const;
   int cp_size() const;
+  int cp_rank() const;
   // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
   bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined

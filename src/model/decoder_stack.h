@@ -26,7 +26,6 @@ struct DecoderStack {
   template <typename M>
   static ResidualStream hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts,
                                std::vector<ResidualStream>* inputs, bool training) {
-    ExecContext cx = m.ctx();
     m.begin_forward(b);
     struct End {  // what the model kept for this forward of a decoding batch goes with it, also on an error
       M& m;

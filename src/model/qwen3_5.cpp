@@ -36,6 +36,10 @@ struct Qwen35Model::LayerActs {
   Tensor q, gate, k, v;  // (T, H, d), (T, H d), (T, Hkv, d) x2: projections (q, k before their norm)
   Tensor qr, kr;         // normed and rotated
   Tensor o, lse, sg, y;  // (T, H, d), (T, H), sigmoid(gate) (T, H d), o * sg (T, H d)
+  // Context parallelism: qr, kr, v, o and lse are every row's for the rank's cp-th of the heads (the all-to-all's
+  // layout); o_rows is o on the rank's rows for every head. A Gated DeltaNet layer keeps qkv (its rank's channel
+  // blocks [q | k | v], every row), conv, qa..kn, bproj, aproj, beta, g in that layout too; core, z and gy are rows.
+  Tensor o_rows;
   // Gated DeltaNet
   Tensor qkv, conv;      // (T, 2K + V): in_proj_qkv's output and the conv's
   Tensor conv_history;   // decoding: (B, W - 1, C), each sequence's last pre-conv rows after this batch
@@ -54,6 +58,18 @@ struct Qwen35Model::LayerActs {
 namespace {
 
 Tensor as_dtype(ExecContext& ctx, const Tensor& x, DType t) { return x.dtype() == t ? x : cast(ctx, x, t); }
+
+// Context parallelism: the [q | k | v] sections (K, K, V wide) of x's dim `dim` regrouped part by part — part j's
+// [q_j | k_j | v_j] contiguous, j = 0 .. parts - 1 (to_parts) — and back (from_parts). Rows of a conv weight (dim 0)
+// or columns of in_proj_qkv's output (dim 1).
+Tensor qkv_to_parts(ExecContext& cx, const Tensor& x, int dim, int64_t kd, int64_t vd, int64_t parts, bool to_parts) {
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
+  const int64_t kc = kd / parts, vc = vd / parts, w = 2 * kc + vc;
+  for (int64_t j = 0; j < parts; ++j)
+    for (auto [from, at, n] : {std::tuple{j * kc, j * w, kc}, {kd + j * kc, j * w + kc, kc}, {2 * kd + j * vc, j * w + 2 * kc, vc}})
+      copy_into(cx, x.narrow(dim, to_parts ? from : at, n), out.narrow(dim, to_parts ? at : from, n));
+  return out;
+}
 
 }  // namespace
 
@@ -350,19 +366,31 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   a.k = project(l.index, LoraTarget::k_proj, l.k_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
   a.v = project(l.index, LoraTarget::v_proj, l.v_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
   const RopeAttrs rot{c.rope_theta, c.rotary_dim(), false};
-  a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), b.positions, rot);
-  a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), b.positions, rot);
-  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+  const Tensor positions = cp_rows(b.positions);
+  a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), positions, rot);
+  a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), positions, rot);
+  if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
+    a.qr = heads_to_sequence(a.qr);
+    a.kr = heads_to_sequence(a.kr);
+    a.v = heads_to_sequence(a.v);
+    const std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, cp_cu_seqlens(b), {});
+    a.o = att[0];
+    a.lse = att[1];
+    a.o_rows = sequence_to_heads(a.o);
+  } else {
+    std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+    a.o_rows = a.o;
+  }
   a.sg = sigmoid(cx, a.gate);
-  a.y = mul(cx, a.o.view({t, hd}), a.sg);
+  a.y = mul(cx, a.o_rows.view({t, hd}), a.sg);
   a.mix = project(l.index, LoraTarget::o_proj, l.o_proj, a.y, b, training);
 }
 
 void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = a.xn.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
+  const int64_t t = a.xn.size(0), hv = c.linear_num_value_heads;
+  const int64_t dv = c.linear_value_head_dim, vd = hv * dv;
   const SplitIndex& split = split_index(t, b.cache);
   if (c.fused_gdn_projections) {  // qwen3_next: the conv input, z, b and a are column gathers of two projections
     const Tensor qkvz = project(l.index, LoraTarget::in_proj_qkvz, l.in_qkvz, a.xn, b, training);
@@ -377,6 +405,59 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
     a.bproj = project(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, b, training);
     a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
   }
+  if (context_parallel() && !b.cache) {
+    gdn_core_over_ranks(l, a, b, training);
+  } else {
+    gdn_core(l, a, b, training);
+  }
+  a.gy = gated_rmsnorm(cx, a.core, w(l.gnorm), a.z, {c.rms_norm_eps, 0.0});  // rmsnorm(core; w) * silu(z)
+  a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
+}
+
+// Context parallelism: the rank's channel blocks of every row (the head all-to-all of in_proj_qkv's output by its
+// [q | k | v] sections, and of b and a by value head), the conv, the L2 norms, the decay and the delta rule over whole
+// documents for the rank's cp-th of the heads (its rows of the conv weight, A_log and dt_bias), the output back on the
+// rank's rows.
+void Qwen35Model::gdn_core_over_ranks(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t parts = cp_size(), rank = cp_rank(), rows = a.xn.size(0);
+  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, hv = c.linear_num_value_heads;
+  const int64_t vd = hv * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts, hvc = hv / parts;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, width = 2 * kc + vc;
+  a.qkv = heads_to_sequence(qkv_to_parts(cx, a.qkv, 1, kd, vd, parts, true).view({rows, parts, width}));
+  const int64_t n = a.qkv.size(0);  // every row, padded
+  a.qkv = a.qkv.view({n, width});
+  const Tensor conv_w = qkv_to_parts(cx, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), 0, kd, vd, parts,
+                                     true).narrow(0, rank * width, width);
+  const Tensor& cu = cp_cu_seqlens(b);
+  a.conv = causal_conv1d(cx, a.qkv, contiguous(cx, conv_w), cu);
+  const Tensor act = silu(cx, a.conv);
+  a.qa = contiguous(cx, act.narrow(1, 0, kc)).view({n, kc / dk, dk});
+  a.ka = contiguous(cx, act.narrow(1, kc, kc)).view({n, kc / dk, dk});
+  a.va = contiguous(cx, act.narrow(1, 2 * kc, vc)).view({n, hvc, dv});
+  a.qn = l2norm(a.qa);
+  a.kn = l2norm(a.ka);
+  a.bproj = heads_to_sequence(a.bproj.view({rows, parts, hvc})).view({n, hvc});
+  a.aproj = heads_to_sequence(a.aproj.view({rows, parts, hvc})).view({n, hvc});
+  const DType gd = gdn_gate_dtype(options_.dtype);
+  a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
+  a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log).narrow(0, rank * hvc, hvc), gd),
+                  as_dtype(cx, w(l.dt_bias).narrow(0, rank * hvc, hvc), gd));
+  GatedDeltaAttrs rule;
+  rule.save_states = training;
+  std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, cu, rule);
+  a.core = sequence_to_heads(r[0]);  // (rows, Hv, dv)
+  a.states = r[1];
+  a.chunk_cache = r[2];
+}
+
+void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = a.xn.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
+  const SplitIndex& split = split_index(t, b.cache);
   const Tensor conv_w = w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim});
   if (b.cache) {
     // Decoding: per document, the conv of [its sequence's cached W - 1 pre-conv rows ; its new rows] as one document,
@@ -428,8 +509,6 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
     a.states = r[1];
     a.chunk_cache = r[2];
   }
-  a.gy = gated_rmsnorm(cx, a.core, w(l.gnorm), a.z, {c.rms_norm_eps, 0.0});  // rmsnorm(core; w) * silu(z)
-  a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
 Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,
@@ -462,12 +541,15 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   Tensor dy;  // (T, H d)
   project_backward(l.index, LoraTarget::o_proj, l.o_proj, a.y, dh, dy, b);
   const Tensor d_o = mul(cx, dy, a.sg).view({t, c.num_heads, d});
-  const Tensor dgate = sigmoid_backward(cx, a.sg, mul(cx, dy, a.o.view({t, hd})));
-  const std::vector<Tensor> dqkv =
-      attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, d_o, b.cu_seqlens,
-                         {0.0, options_.deterministic});
-  const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], b.positions, inv), norm);
-  const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], b.positions, inv), norm);
+  const Tensor dgate = sigmoid_backward(cx, a.sg, mul(cx, dy, a.o_rows.view({t, hd})));
+  const bool cp = context_parallel();
+  std::vector<Tensor> dqkv = attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, cp ? heads_to_sequence(d_o) : d_o,
+                                                cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
+  if (cp)
+    for (Tensor& g : dqkv) g = sequence_to_heads(g);  // back to the rank's rows, every head
+  const Tensor positions = cp_rows(b.positions);
+  const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], positions, inv), norm);
+  const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], positions, inv), norm);
   Tensor dq_norm = dq[1], dk_norm = dk[1];
   tp_sum(dq_norm);  // tensor parallelism: the norms' gains are every rank's heads'
   tp_sum(dk_norm);
@@ -486,8 +568,8 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
 Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t t = dh.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
+  const int64_t t = dh.size(0), hv = c.linear_num_value_heads;
+  const int64_t dv = c.linear_value_head_dim, vd = hv * dv;
   const SplitIndex& split = split_index(t, b.cache);
   Tensor dgy;
   project_backward(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), dh, dgy, b);
@@ -498,25 +580,12 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   tp_sum(dgnorm);  // tensor parallelism: the gain is every rank's value heads'
   add_grad(l.gnorm, dgnorm);
   const Tensor& dz = dnorm[2];
-  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dnorm[0], b.cu_seqlens,
-                                                           a.states, {}, a.chunk_cache);
-  // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
-  const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
-  const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),
-                                                        as_dtype(cx, w(l.dt_bias), gd), dr[3]);
-  add_grad(l.a_log, as_dtype(cx, ddecay[1], md));
-  add_grad(l.dt_bias, as_dtype(cx, ddecay[2], md));
-  const Tensor db = as_dtype(cx, sigmoid_backward(cx, a.beta, dr[4]), md);
-  // d(silu(conv)): the q, k, v gradients scattered back to their column blocks.
-  const Tensor dact = merge_columns({l2norm_backward(a.qa, dr[0]), l2norm_backward(a.ka, dr[1]), contiguous(cx, dr[2])},
-                                    {&split.qkv[0], &split.qkv[1], &split.qkv[2]}, split.merge_qkv);
-  const std::vector<Tensor> dconv = causal_conv1d_backward(
-      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
-  add_grad(l.conv, dconv[1]);
+  Tensor dqkv, db, da;  // the projections' output gradients: (T, 2K + V), (T, Hv) x2
+  if (context_parallel() && !b.cache) gdn_core_over_ranks_backward(l, a, dnorm[0], b, dqkv, db, da);
+  else gdn_core_backward(l, a, dnorm[0], b, dqkv, db, da);
   Tensor dxn;
-  const Tensor da = as_dtype(cx, ddecay[0], md);
   if (c.fused_gdn_projections) {
-    const Tensor dqkvz = merge_columns({dconv[0], contiguous(cx, dz).view({t, vd})}, {&split.next_qkv, &split.next_z},
+    const Tensor dqkvz = merge_columns({dqkv, contiguous(cx, dz).view({t, vd})}, {&split.next_qkv, &split.next_z},
                                        split.merge_qkvz);
     const Tensor dba = merge_columns({contiguous(cx, db), contiguous(cx, da)}, {&split.next_b, &split.next_a},
                                      split.merge_ba);
@@ -524,11 +593,81 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
     project_backward(l.index, LoraTarget::in_proj_ba, l.in_ba, a.xn, dba, dxn, b);
     return dxn;
   }
-  project_backward(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, dconv[0], dxn, b);
+  project_backward(l.index, LoraTarget::in_proj_qkv, l.in_qkv, a.xn, dqkv, dxn, b);
   project_backward(l.index, LoraTarget::in_proj_z, l.in_z, a.xn, dz.view({t, vd}), dxn, b);
   project_backward(l.index, LoraTarget::in_proj_b, l.in_b, a.xn, db, dxn, b);
   project_backward(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, da, dxn, b);
   return dxn;
+}
+
+// gdn_core's backward: from d(core) to the gradients of in_proj_qkv's output (dqkv), of b and of a; the conv's,
+// A_log's and dt_bias's gradients added.
+void Qwen35Model::gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
+                                    Tensor& dqkv, Tensor& db, Tensor& da) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim;
+  const SplitIndex& split = split_index(dcore.size(0), b.cache);
+  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore, b.cu_seqlens,
+                                                           a.states, {}, a.chunk_cache);
+  // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
+  const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
+  const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),
+                                                        as_dtype(cx, w(l.dt_bias), gd), dr[3]);
+  add_grad(l.a_log, as_dtype(cx, ddecay[1], md));
+  add_grad(l.dt_bias, as_dtype(cx, ddecay[2], md));
+  db = as_dtype(cx, sigmoid_backward(cx, a.beta, dr[4]), md);
+  da = as_dtype(cx, ddecay[0], md);
+  // d(silu(conv)): the q, k, v gradients scattered back to their column blocks.
+  const Tensor dact = merge_columns({l2norm_backward(a.qa, dr[0]), l2norm_backward(a.ka, dr[1]), contiguous(cx, dr[2])},
+                                    {&split.qkv[0], &split.qkv[1], &split.qkv[2]}, split.merge_qkv);
+  const std::vector<Tensor> dconv = causal_conv1d_backward(
+      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
+  add_grad(l.conv, dconv[1]);
+  dqkv = dconv[0];
+}
+
+// gdn_core_over_ranks' backward: d(core) on the rank's rows to every row of the rank's heads, the rule's, decay's and
+// conv's backward there, and the gradients back to the rank's rows; the rank's rows of the conv weight's, A_log's and
+// dt_bias's gradients added (zero elsewhere: the cp group's sum makes them whole).
+void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& a, const Tensor& dcore,
+                                               const PackedBatch& b, Tensor& dqkv, Tensor& db, Tensor& da) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t parts = cp_size(), rank = cp_rank(), rows = dcore.size(0), n = a.qkv.size(0);
+  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, hv = c.linear_num_value_heads;
+  const int64_t vd = hv * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts, hvc = hv / parts;
+  const int64_t width = 2 * kc + vc, kernel = c.linear_conv_kernel_dim;
+  const Tensor& cu = cp_cu_seqlens(b);
+  const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, heads_to_sequence(dcore),
+                                                           cu, a.states, {}, a.chunk_cache);
+  const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
+  const std::vector<Tensor> ddecay =
+      gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log).narrow(0, rank * hvc, hvc), gd),
+                         as_dtype(cx, w(l.dt_bias).narrow(0, rank * hvc, hvc), gd), dr[3]);
+  const auto rank_part = [&](const Tensor& g, int64_t whole, int64_t at) {  // zeros, the rank's part at `at`
+    Tensor full = Tensor::empty({whole, g.numel() / g.size(0)}, md, cx.allocator);
+    cx.backend.fill_bytes(full.data_ptr(), 0, full.nbytes(), cx.stream);
+    copy_into(cx, as_dtype(cx, g, md).view({g.size(0), -1}), full.narrow(0, at, g.size(0)));
+    return full;
+  };
+  add_grad(l.a_log, rank_part(ddecay[1], hv, rank * hvc));
+  add_grad(l.dt_bias, rank_part(ddecay[2], hv, rank * hvc));
+  const Tensor db_all = as_dtype(cx, sigmoid_backward(cx, a.beta, dr[4]), md), da_all = as_dtype(cx, ddecay[0], md);
+  db = sequence_to_heads(db_all.view({n, 1, hvc})).view({rows, hv});
+  da = sequence_to_heads(da_all.view({n, 1, hvc})).view({rows, hv});
+  Tensor dact = Tensor::empty({n, width}, a.conv.dtype(), cx.allocator);  // [dq | dk | dv] of the rank's heads
+  copy_into(cx, l2norm_backward(a.qa, dr[0]).view({n, kc}), dact.narrow(1, 0, kc));
+  copy_into(cx, l2norm_backward(a.ka, dr[1]).view({n, kc}), dact.narrow(1, kc, kc));
+  copy_into(cx, contiguous(cx, dr[2]).view({n, vc}), dact.narrow(1, 2 * kc, vc));
+  const Tensor conv_w = qkv_to_parts(cx, w(l.conv).view({2 * kd + vd, kernel}), 0, kd, vd, parts, true)
+                            .narrow(0, rank * width, width);
+  const std::vector<Tensor> dconv =
+      causal_conv1d_backward(cx, a.qkv, contiguous(cx, conv_w), silu_backward(cx, a.conv, dact), cu);
+  add_grad(l.conv, qkv_to_parts(cx, rank_part(dconv[1], 2 * kd + vd, rank * width), 0, kd, vd, parts, false));
+  dqkv = qkv_to_parts(cx, sequence_to_heads(dconv[0].view({n, 1, width})).view({rows, 2 * kd + vd}), 1, kd, vd, parts,
+                      false);
 }
 
 Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {

@@ -106,6 +106,14 @@ class Qwen35Model : public CausalLm {
   LayerActs layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b, bool training);
   void attention_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   void gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  // The Gated DeltaNet core from its projections (a.qkv, a.bproj, a.aproj) to a.core: on one rank's rows, or (context
+  // parallelism) over every row for the rank's cp-th of the heads.
+  void gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  void gdn_core_over_ranks(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  void gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b, Tensor& dqkv,
+                         Tensor& db, Tensor& da);
+  void gdn_core_over_ranks_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
+                                    Tensor& dqkv, Tensor& db, Tensor& da);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
   Tensor attention_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);
   Tensor gdn_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);

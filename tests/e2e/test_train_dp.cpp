@@ -272,7 +272,8 @@ TEST(TensorParallel, SequenceParallelEqualsOneProcess) {
 
 // Context parallelism (each rank its rows of every micro-batch, attention by a head all-to-all, the gradients summed
 // over the cp group) at cp 2 and cp 2 x dp 2 equals one process: losses within 1e-5 relative, weights at steps 3
-// and 8 within 1e-5; killed after step 4 at cp 2, resumed on the same curve.
+// and 8 within 1e-5; killed after step 4 at cp 2, resumed on the same curve; the Qwen3.5 hybrid at cp 2 (Gated
+// DeltaNet too) on one process's loss curve.
 TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
   const fs::path dir = setup("cp", kQwen3);
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -298,6 +299,13 @@ TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   expect_same_curve(losses(dir / "run"), want, "cp 2 resumed");
+  // The Qwen3.5 hybrid at cp 2: Gated DeltaNet over whole documents by the head all-to-all (lr 0.002, as the tp test).
+  const fs::path hybrid = setup("cp35", kQwen35Tp);
+  const std::string lr = " --set train.lr=0.002";
+  ASSERT_EQ(train(hybrid, "ref", 0, 4, lr).exit_code, 0);
+  const LatheRun r35 = train(hybrid, "cp2", 2, 4, lr + " --set parallel.cp=2");
+  ASSERT_EQ(r35.exit_code, 0) << r35.output;
+  expect_same_curve(losses(hybrid / "cp2"), losses(hybrid / "ref"), "qwen3.5 cp 2");
 }
 
 // LoRA at tp 2 and tp 2 x dp 2 (each adapter matrix split as its base weight; the whole matrices' gradient parts

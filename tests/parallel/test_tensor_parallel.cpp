@@ -212,51 +212,62 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 }
 
 // Context parallelism (the world as the cp group): each rank runs the stack on its rows of three packed documents of
-// 7, 2 and 12 tokens (21 rows: the splits fall inside documents, the last rank's rows padded), attention over whole
-// documents by the head all-to-all: the logits, the loss, and every gradient summed over the ranks (each rank's is
-// its rows' part) equal the whole model's, and at -np 4 as tp 2 x cp 2; families not built yet are refused by name.
-// Fails with the rows' head gradient left at 1 / cp.
+// 7, 2 and 12 tokens (21 rows: the splits fall inside documents, the last rank's rows padded); attention and Gated
+// DeltaNet (conv, decay, delta rule) over whole documents by the head all-to-all, for Qwen3, Qwen3.5 and Qwen3-Next
+// (fused projections): the logits, the loss, and every gradient summed over the ranks (each rank's is its rows'
+// part) equal the whole model's, and at -np 4 as tp 2 x cp 2; mixture-of-experts layers are refused by name. Fails
+// with the rows' head gradient left at 1 / cp.
 TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
   const int n = world->size();
-  const nlohmann::json config = tiny_qwen3(2 * n, n, 12);
-  const std::unique_ptr<CausalLm> whole = model(config, nullptr);
+  for (const nlohmann::json& config : {tiny_qwen3(2 * n, n, 12), tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
+                                       tiny_hybrid("qwen3_next", 2 * n, n, n, 12)}) {
+    const std::string family = config["model_type"];
+    const std::unique_ptr<CausalLm> whole = model(config, nullptr);
+    ModelOptions o;
+    o.dtype = DType::F64;
+    o.cp = world.get();
+    const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    ASSERT_TRUE(split->context_parallel());
+    const PackedBatch b = random_batch(40, {0, 7, 9, 21}, 7);
+    EXPECT_LT(rel(to_f64(split->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
+    const LossResult want = whole->loss(b, true, 0.7), got = split->loss(b, true, 0.7);
+    EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
+    EXPECT_EQ(got.labelled, want.labelled);
+    for (size_t i = 0; i < whole->parameters().size(); ++i) {
+      Parameter& p = split->parameters()[i];
+      ASSERT_TRUE(p.grad.defined()) << p.name;
+      Tensor g = p.grad;
+      world->all_reduce(g).wait();  // the ranks' parts
+      EXPECT_LT(rel(to_f64(g), to_f64(whole->parameters()[i].grad)), 1e-10) << family << ": " << p.name;
+    }
+    if (n == 4) {  // tp 2 x cp 2: the tp groups {0, 1} and {2, 3}, the cp groups {0, 2} and {1, 3}
+      const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
+      const std::unique_ptr<Communicator> cp = world->split(world->rank() % 2, world->rank(), "cp", nullptr);
+      ModelOptions both = o;
+      both.tp = tp.get();
+      both.cp = cp.get();
+      const std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(config, "test"), both, 11, 0.3);
+      EXPECT_LT(rel(to_f64(m->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
+      EXPECT_NEAR(m->loss(b, true, 0.7).loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
+      for (size_t i = 0; i < whole->parameters().size(); ++i) {
+        Parameter& p = m->parameters()[i];
+        cp->all_reduce(p.grad).wait();
+        EXPECT_LT(rel(to_f64(m->gathered(p, true)), to_f64(whole->parameters()[i].grad)), 1e-10)
+            << "tp x cp, " << family << ": " << p.name;
+      }
+    }
+  }
   ModelOptions o;
   o.dtype = DType::F64;
   o.cp = world.get();
-  const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
-  ASSERT_TRUE(split->context_parallel());
-  const PackedBatch b = random_batch(40, {0, 7, 9, 21}, 7);
-  EXPECT_LT(rel(to_f64(split->logits(b)), to_f64(whole->logits(b))), 1e-12);
-  const LossResult want = whole->loss(b, true, 0.7), got = split->loss(b, true, 0.7);
-  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
-  EXPECT_EQ(got.labelled, want.labelled);
-  for (size_t i = 0; i < whole->parameters().size(); ++i) {
-    Parameter& p = split->parameters()[i];
-    ASSERT_TRUE(p.grad.defined()) << p.name;
-    Tensor g = p.grad;
-    world->all_reduce(g).wait();  // the ranks' parts
-    EXPECT_LT(rel(to_f64(g), to_f64(whole->parameters()[i].grad)), 1e-10) << p.name;
-  }
-  if (n == 4) {  // tp 2 x cp 2: the tp groups {0, 1} and {2, 3}, the cp groups {0, 2} and {1, 3}
-    const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
-    const std::unique_ptr<Communicator> cp = world->split(world->rank() % 2, world->rank(), "cp", nullptr);
-    ModelOptions both = o;
-    both.tp = tp.get();
-    both.cp = cp.get();
-    const std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(config, "test"), both, 11, 0.3);
-    EXPECT_LT(rel(to_f64(m->logits(b)), to_f64(whole->logits(b))), 1e-12);
-    EXPECT_NEAR(m->loss(b, true, 0.7).loss, want.loss, 1e-12 * std::abs(want.loss));
-    for (size_t i = 0; i < whole->parameters().size(); ++i) {
-      Parameter& p = m->parameters()[i];
-      cp->all_reduce(p.grad).wait();
-      EXPECT_LT(rel(to_f64(m->gathered(p, true)), to_f64(whole->parameters()[i].grad)), 1e-10) << "tp x cp: " << p.name;
-    }
-  }
+  nlohmann::json moe = tiny_qwen3(2 * n, n, 12);
+  moe["model_type"] = "qwen3_moe";
+  add_experts(moe);
   try {
-    random_causal_lm(runtime(), parse_model_config(tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12), "test"), o, 1, 0.3);
+    random_causal_lm(runtime(), parse_model_config(moe, "test"), o, 1, 0.3);
     ADD_FAILURE() << "expected a refusal";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("context parallelism is built for the dense qwen3 family"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("not qwen3_moe with mixture-of-experts layers"), std::string::npos)
         << e.what();
   }
 }
