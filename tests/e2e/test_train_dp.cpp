@@ -310,7 +310,8 @@ TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
 
 // LoRA at tp 2 and tp 2 x dp 2 (each adapter matrix split as its base weight; the whole matrices' gradient parts
 // summed over the group) equals one process: losses within 1e-5 relative, the adapters' weights at steps 3 and 8;
-// killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve.
+// killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve; `lathe logprobs --adapter --tp 2` scores
+// as one process.
 TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   const fs::path dir = setup("tplora", kQwen3, "lora: {rank: 4, alpha: 8}\n");
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -336,6 +337,24 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   expect_same_curve(losses(dir / "run"), want, "lora tp 2 -> tp 2 x dp 2");
+  // The adapter scored over its base at tp 2 (each matrix sliced as its base weight) as by one process.
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (int i = 0; i < 5; ++i) {
+      nlohmann::json ids = nlohmann::json::array();
+      for (int k = 0; k < 4 + 3 * i; ++k) ids.push_back((37 * i + 11 * k) % 300);
+      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
+    }
+  }
+  const std::string args = fmt::format("logprobs --model {} --adapter {} --input {} --output ", (dir / "ref/base").string(),
+                                       (dir / "ref/final").string(), (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const LatheRun scored = lathe_e2e::lathe(args + (dir / "tp2.jsonl").string() + " --tp 2", kMpirun + " -np 2");
+  ASSERT_EQ(scored.exit_code, 0) << scored.output;
+  const auto a = lathe_e2e::read_logprobs(dir / "one.jsonl"), c = lathe_e2e::read_logprobs(dir / "tp2.jsonl");
+  ASSERT_EQ(c.size(), a.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    for (size_t k = 0; k < a[i].size(); ++k) EXPECT_NEAR(c[i][k], a[i][k], 1e-5 * (1 + std::abs(a[i][k])));
 }
 
 TEST(DataParallel, ACheckpointOfDp2ResumesAtDp4OnTheSameCurve) {
@@ -459,8 +478,8 @@ TEST(DataParallel, ARankWhoseMpiWorldIsNotTheLaunchersIsRefused) {
   EXPECT_FALSE(fs::exists(dir / "out"));
 }
 
-// `lathe logprobs` under mpirun -np 2 and 3, and with --tp 2 under -np 2 and 4: the same log-probabilities as one
-// process (within f32 rounding), in input order.
+// `lathe logprobs` under mpirun -np 2 and 3, with --tp 2 under -np 2 and 4, with --cp 2 under -np 2 and 4: the same
+// log-probabilities as one process (within f32 rounding), in input order.
 TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("logprobs", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
@@ -477,14 +496,17 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
   const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
   ASSERT_EQ(want.size(), 7u);
-  // --tp 2: the model split over two ranks, the lines over the np / 2 groups
-  for (const auto& [np, tp] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
-    const fs::path out = dir / fmt::format("np{}_tp{}.jsonl", np, tp);
-    const LatheRun r =
-        lathe_e2e::lathe(args + out.string() + fmt::format(" --tp {}", tp), kMpirun + fmt::format(" -np {}", np));
+  // --tp 2: the model split over two ranks, the lines over the np / 2 groups; --cp 2: each batch's rows split over two
+  // ranks (two such replicas at -np 4)
+  for (const auto& [np, tp, cp] : {std::tuple{2, 1, 1}, std::tuple{3, 1, 1}, std::tuple{2, 2, 1}, std::tuple{4, 2, 1},
+                                   std::tuple{2, 1, 2}, std::tuple{4, 1, 2}}) {
+    const fs::path out = dir / fmt::format("np{}_tp{}_cp{}.jsonl", np, tp, cp);
+    const LatheRun r = lathe_e2e::lathe(args + out.string() + fmt::format(" --tp {} --cp {}", tp, cp),
+                                        kMpirun + fmt::format(" -np {}", np));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find(fmt::format("7 lines scored with {} on cpu (f32), {} ranks{}", (dir / "model/final").string(),
-                                        np, tp > 1 ? fmt::format(", tp {}", tp) : "")),
+    EXPECT_NE(r.output.find(fmt::format("7 lines scored with {} on cpu (f32), {} ranks{}{}", (dir / "model/final").string(),
+                                        np, tp > 1 ? fmt::format(", tp {}", tp) : "",
+                                        cp > 1 ? fmt::format(", cp {}", cp) : "")),
               std::string::npos) << r.output;
     const auto got = lathe_e2e::read_logprobs(out);
     ASSERT_EQ(got.size(), want.size()) << np;

@@ -309,7 +309,7 @@ void run(Args a) {
   std::optional<MpiSession> mpi;
   LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
               "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, "generate");
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
   mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)
@@ -515,7 +515,7 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
              seconds(), double(generated) / std::max(seconds(), 1e-9), model.options().device.str(),
              dtype_name(model.options().dtype), st.steps, st.graph_replays, st.graphs_recorded, st.preemptions,
              st.shared_prompt_tokens,
-             world ? fmt::format(" (rank 0 of {}{})", world->size(), g.tp_size > 1 ? fmt::format(", tp {}", g.tp_size) : "")
+             world ? fmt::format(" (rank 0 of {}{})", world->size(), g.members > 1 ? fmt::format(", tp {}", g.members) : "")
                    : "",
              a.output.empty() ? "" : " -> " + a.output);
 }

@@ -38,6 +38,7 @@ struct Args {
   int64_t batch_tokens = 8192;
   int nproc = 0;
   int tp = 1;  // tensor parallelism: each model replica split over tp ranks
+  int cp = 1;  // context parallelism: each replica's batches split by rows over cp ranks (times tp)
 };
 
 // The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
@@ -149,7 +150,8 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
   file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),
-             g.world ? fmt::format(", {} ranks{}", g.world->size(), g.tp_size > 1 ? fmt::format(", tp {}", g.tp_size) : "")
+             g.world ? fmt::format(", {} ranks{}{}", g.world->size(), g.tp ? fmt::format(", tp {}", g.tp->size()) : "",
+                                     g.cp ? fmt::format(", cp {}", g.cp->size()) : "")
                      : "");
 }
 
@@ -160,7 +162,7 @@ void run(Args a) {
                 "with `mpirun -np {} lathe logprobs ...`", a.nproc);
     std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
                                      a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
-                                     std::to_string(a.tp)};
+                                     std::to_string(a.tp), "--cp", std::to_string(a.cp)};
     if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
     if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
     if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
@@ -174,11 +176,12 @@ void run(Args a) {
                                                       {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
   std::optional<MpiSession> mpi;
-  LATHE_CHECK(a.tp == 1 || a.adapter.empty(),
-              "logprobs: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, "logprobs");
+  LATHE_CHECK(a.cp == 1 || a.adapter.empty(),
+              "logprobs: --cp {}: adapters under context parallelism are not built yet (docs/parallel.md)", a.cp);
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, "logprobs");
   ModelOptions options;
   options.tp = ranks.tp;
+  options.cp = ranks.cp;
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
@@ -188,6 +191,7 @@ void run(Args a) {
   if (!a.adapter.empty()) {
     bank = std::make_unique<LoraBank>(rt, model->config(), options.device, options.dtype,
                                       std::vector<LoraConfig>{read_lora_config(a.adapter)});
+    bank->split_like(*model);  // tensor parallelism: each matrix split as its base weight
     bank->load_peft(0, a.adapter);
     model->attach_lora(bank.get());
   }
@@ -214,8 +218,11 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--chat-template-kwargs", args->chat_template_kwargs,
                   "JSON object passed to the chat template for 'messages' lines, e.g. {\"enable_thinking\": false} "
                   "(default: chat_template_kwargs.json of the --adapter folder, else of the --model folder, else {})");
-  cmd->add_option("--tp", args->tp, "under a parallel launch: each model split over N ranks (tensor parallelism, the "
-                  "dense qwen3; the launch's ranks form groups of N, the lines go to the groups; docs/parallel.md)")
+  cmd->add_option("--tp", args->tp, "under a parallel launch: each model split over N ranks (tensor parallelism; the "
+                  "launch's ranks form groups of N, the lines go to the groups; docs/parallel.md)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--cp", args->cp, "under a parallel launch: each batch split by rows over N ranks (context "
+                  "parallelism; with --tp, replicas of tp x cp ranks; docs/parallel.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "score on N GPUs of this machine (ranks started by lathe; mpirun and srun work "
                   "too): the lines are split over the ranks, the output keeps input order")

@@ -44,19 +44,22 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
   return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
 }
 
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::string& who) {
-  const int n = world ? world->size() : 1;
-  LATHE_CHECK(tp == 1 || n > 1, "{0}: --tp {1} splits the model over {1} ranks, but this is one process: launch them "
-              "with `mpirun -np {1} lathe {0} ... --tp {1}` or --nproc {1}", who, tp);
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, const std::string& who) {
+  const int n = world ? world->size() : 1, size = tp * cp;
+  const std::string flags = cp > 1 ? fmt::format("--tp {} --cp {}", tp, cp) : fmt::format("--tp {}", tp);
+  LATHE_CHECK(size == 1 || n > 1, "{0}: {1} splits the model over {2} ranks, but this is one process: launch them with "
+              "`mpirun -np {2} lathe {0} ... {1}` or --nproc {2}", who, flags, size);
   LineRanks r;
-  if (tp > 1) {
-    const ParallelGrid check(n, ParallelSizes{tp, 1, 1, 0, 1});  // the world must be a multiple of tp (named if not)
+  if (size > 1) {
+    const ParallelSizes sizes{tp, cp, 1, 0, 1};
+    const ParallelGrid check(n, sizes);  // the world must be a multiple of tp x cp (named if not)
     (void)check;
-    r.groups = make_process_groups(std::move(world), ParallelSizes{tp, 1, 1, 0, 1}, nullptr);
+    r.groups = make_process_groups(std::move(world), sizes, nullptr);
     r.world = r.groups->world.get();
     r.tp = r.groups->tp.get();
+    r.cp = r.groups->cp.get();
     r.replica = r.groups->dp_rank(), r.replicas = r.groups->dp_size();
-    r.tp_rank = r.groups->tp_rank(), r.tp_size = r.groups->tp_size();
+    r.member = r.groups->tp_rank() + tp * r.groups->cp_rank(), r.members = size;
     return r;
   }
   r.alone = std::move(world);
@@ -69,10 +72,10 @@ std::vector<std::string> LineRanks::in_input_order(Runtime& rt, Device device, c
                                                    size_t lines) const {
   if (!world) return mine;
   const std::vector<std::string> none;  // a replica's other ranks send nothing
-  const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, device, tp_rank == 0 ? mine : none);
+  const std::vector<std::vector<std::string>> by_rank = gather_lines(rt, *world, device, member == 0 ? mine : none);
   std::vector<std::string> out;
-  for (size_t i = 0; writer() && i < lines; ++i)  // replica d's first rank is world rank d x tp (ParallelGrid order)
-    out.push_back(by_rank[(i % size_t(replicas)) * size_t(tp_size)][i / size_t(replicas)]);
+  for (size_t i = 0; writer() && i < lines; ++i)  // replica d's first rank is world rank d x tp x cp (ParallelGrid order)
+    out.push_back(by_rank[(i % size_t(replicas)) * size_t(members)][i / size_t(replicas)]);
   return out;
 }
 

@@ -36,19 +36,22 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
 // (replica d: lines d, d + replicas, ...); every rank of a replica computes them, and its first rank sends them to rank
 // 0, which writes them in input order (in_input_order).
 struct LineRanks {
-  std::unique_ptr<ProcessGroups> groups;  // with tp > 1
-  std::unique_ptr<Communicator> alone;    // the world without tp
+  std::unique_ptr<ProcessGroups> groups;  // with tp or cp > 1
+  std::unique_ptr<Communicator> alone;    // the world without them
   Communicator* world = nullptr;          // nullptr: one process
   Communicator* tp = nullptr;             // the replica's tensor-parallel group (ModelOptions::tp)
-  int replica = 0, replicas = 1, tp_rank = 0, tp_size = 1;
+  Communicator* cp = nullptr;             // the replica's context-parallel group (ModelOptions::cp)
+  int replica = 0, replicas = 1;
+  int member = 0, members = 1;            // this rank's place in its replica (tp fastest, then cp), the replica's size
   bool writer() const { return !world || world->rank() == 0; }
   // Every replica's output lines (`mine`: this rank's, in its own order) on the writer, in input order, `lines` in all;
   // empty on the other ranks. A collective under a parallel launch (gather_lines over the world).
   std::vector<std::string> in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
                                           size_t lines) const;
 };
-// `world` (nullptr: one process) split for `--tp tp`; refused when tp does not fit the launch. `who`: for messages.
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, const std::string& who);
+// `world` (nullptr: one process) split for `--tp tp` and `--cp cp` (a replica is tp x cp ranks); refused when they do
+// not fit the launch. `who`: for messages.
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, const std::string& who);
 
 // Runs `body` as this rank's work; under a parallel launch an error on this rank ends every rank at once (a rank left
 // waiting in a collective would only time out), after printing it with the rank's number.
