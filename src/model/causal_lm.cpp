@@ -59,6 +59,22 @@ void check_tensor_parallel(const ModelConfig& c, int tp) {
               c.linear_num_key_heads > 0 ? c.linear_num_value_heads / c.linear_num_key_heads : 0);
 }
 
+void check_context_parallel(const ModelConfig& whole, int tp, int cp) {
+  if (cp <= 1) return;
+  const ModelConfig c = tensor_parallel_config(whole, tp);  // the head all-to-all splits each tp rank's heads
+  bool sparse = false;
+  for (int64_t i = 0; i < c.num_layers; ++i) sparse = sparse || c.sparse_layer(i);
+  LATHE_CHECK((c.model_type == "qwen3" || c.is_hybrid()) && !sparse, "parallel.cp: context parallelism is built for the "
+              "qwen3, qwen3_5 and qwen3_next layers with dense MLPs so far, not {}{} (docs/parallel.md)", c.model_type,
+              sparse ? " with mixture-of-experts layers" : "");
+  LATHE_CHECK(c.num_heads % cp == 0 && c.num_kv_heads % cp == 0,
+              "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
+              c.num_heads, c.num_kv_heads);
+  LATHE_CHECK(!c.is_hybrid() || c.linear_num_key_heads % cp == 0,
+              "parallel.cp: {} ranks must divide each tp rank's Gated DeltaNet key heads ({})", cp,
+              c.linear_num_key_heads);
+}
+
 // This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group (above the
 // key/value heads, one key/value head a rank, each held by tp / heads ranks), checked first.
 ModelConfig tensor_parallel_config(const ModelConfig& c, int tp) {
@@ -80,21 +96,9 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
   config_ = tensor_parallel_config(global_config_, tp_size());
-  if (context_parallel()) {  // the head all-to-all splits each rank's heads over the cp group
-    const int cp = cp_size();
-    bool sparse = false;
-    for (int64_t i = 0; i < config_.num_layers; ++i) sparse = sparse || config_.sparse_layer(i);
-    LATHE_CHECK((config_.model_type == "qwen3" || config_.is_hybrid()) && !sparse, "parallel.cp: context parallelism "
-                "is built for the qwen3, qwen3_5 and qwen3_next layers with dense MLPs so far, not {}{} "
-                "(docs/parallel.md)", config_.model_type, sparse ? " with mixture-of-experts layers" : "");
-    LATHE_CHECK(!sequence_parallel(), "parallel.cp: context parallelism with parallel.sp is not built yet");
-    LATHE_CHECK(config_.num_heads % cp == 0 && config_.num_kv_heads % cp == 0,
-                "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
-                config_.num_heads, config_.num_kv_heads);
-    LATHE_CHECK(!config_.is_hybrid() || config_.linear_num_key_heads % cp == 0,
-                "parallel.cp: {} ranks must divide each tp rank's Gated DeltaNet key heads ({})", cp,
-                config_.linear_num_key_heads);
-  }
+  LATHE_CHECK(!context_parallel() || !sequence_parallel(), "parallel.cp: context parallelism with parallel.sp is not "
+              "built yet");
+  check_context_parallel(global_config_, tp_size(), cp_size());
   moe_routes_.resize(size_t(config_.num_layers));
 }
 

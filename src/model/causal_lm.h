@@ -336,6 +336,9 @@ class CausalLm {
 // intermediate size that tp does not divide, key/value heads that neither divide nor are divided by tp), naming the
 // problem.
 void check_tensor_parallel(const ModelConfig& c, int tp);
+// Refuses context parallelism over `cp` ranks (with tp) that the model cannot take (mixture-of-experts layers, heads
+// of a tp rank that cp does not divide), naming the problem.
+void check_context_parallel(const ModelConfig& whole, int tp, int cp);
 // The config of one rank's layers under tensor parallelism over `tp` ranks (checked first): the query heads, the MLP's
 // intermediate size, the Gated DeltaNet key and value heads and, where tp divides it, the vocabulary (the embedding's
 // and the LM head's rows) divided by tp; above the key/value heads, one a rank. The whole vocabulary (token ids,

@@ -503,7 +503,7 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     if (c.zero > 0) problems.push_back(fmt::format("parallel.cp: {} with parallel.zero {} is not built yet", c.cp, c.zero));
     if (c.sp) problems.push_back(fmt::format("parallel.cp: {} with parallel.sp is not built yet", c.cp));
     if (!c.final_eval_file.empty())
-      problems.push_back(fmt::format("parallel.cp: {}: data.final_eval (generation) under context parallelism is not "
+      problems.push_back(fmt::format("parallel.cp: {}: final_eval.file (generation) under context parallelism is not "
                                      "built yet", c.cp));
   }
   if (c.sp && c.tp <= 1)
