@@ -216,15 +216,25 @@ Tensor CausalLm::head_input(const Tensor& xf, int64_t tokens) const {
   return sequence_parallel() ? block_input(xf, tokens) : cp_gather(xf, tokens);
 }
 
-const Tensor& CausalLm::cp_cu_seqlens(const PackedBatch& b) {
+void CausalLm::make_cp_tables(const PackedBatch& b) {
+  if (cp_tables_tokens_ == b.tokens()) return;
   const int64_t c = options_.cp->size(), padded = (b.tokens() + c - 1) / c * c;
-  if (cp_cu_tokens_ != b.tokens()) {
-    std::vector<int32_t> cu = b.host_cu;
-    if (padded > b.tokens()) cu.push_back(int32_t(padded));  // the padding rows: a document of their own
-    cp_cu_ = rt_->upload(cu.data(), {int64_t(cu.size())}, DType::I32, options_.device);
-    cp_cu_tokens_ = b.tokens();
-  }
+  std::vector<int32_t> cu = b.host_cu;
+  if (padded > b.tokens()) cu.push_back(int32_t(padded));  // the padding rows: a document of their own
+  cp_cu_ = rt_->upload(cu.data(), {int64_t(cu.size())}, DType::I32, options_.device);
+  cp_positions_ = cp_rows(b.positions);
+  cp_tables_tokens_ = b.tokens();
+}
+
+const Tensor& CausalLm::cp_cu_seqlens(const PackedBatch& b) {
+  make_cp_tables(b);
   return cp_cu_;
+}
+
+const Tensor& CausalLm::stack_positions(const PackedBatch& b) {
+  if (!context_parallel()) return b.positions;
+  make_cp_tables(b);
+  return cp_positions_;
 }
 
 void CausalLm::add_norm_grad(int index, Tensor g) {
@@ -334,7 +344,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
                 global_config_.vocab_size);
   if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
-  cp_cu_tokens_ = -1;                                   // context parallelism: this batch's documents
+  cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
 }
 
 std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,

@@ -297,8 +297,10 @@ class CausalLm {
   // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
   Tensor head_input(const Tensor& xf, int64_t tokens) const;
   // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not
-  // divide T), made once a forward.
+  // divide T), and the positions of the rows the stack runs on (under cp the rank's), made once a forward.
   const Tensor& cp_cu_seqlens(const PackedBatch& b);
+  const Tensor& stack_positions(const PackedBatch& b);
+  void make_cp_tables(const PackedBatch& b);
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
   // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random
@@ -307,8 +309,8 @@ class CausalLm {
 
   Runtime* rt_;
   ModelConfig global_config_;
-  Tensor cp_cu_;                  // cp_cu_seqlens' tensor, for cp_cu_tokens_ tokens
-  int64_t cp_cu_tokens_ = -1;
+  Tensor cp_cu_, cp_positions_;   // make_cp_tables' tensors, for a batch of cp_tables_tokens_ tokens
+  int64_t cp_tables_tokens_ = -1;
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;

@@ -382,7 +382,7 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
   for (size_t i = 0; i < adapters.size(); ++i) {
     const std::string where = fmt::format("lora adapter {}", i);
     adapters[i].validate(where, model);
-    adapters_.push_back({lora_config_for_model(adapters[i], model, where), {}, {}});
+    adapters_.push_back({lora_config_for_model(adapters[i], model, where), {}, {}, {}});
   }
   chunk_ = 0;  // gcd of every row length; 1 when nothing is targeted
   slot_index_.assign(size_t(model.num_layers * kLoraTargetCount), -1);

@@ -142,7 +142,7 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   a.xn = block_input(xn, t);  // sequence parallelism: every rank's rows of the stream
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
   const std::vector<Tensor> heads =
-      qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), cp_rows(b.positions), qk_attrs(c));
+      qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), stack_positions(b), qk_attrs(c));
   if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
     a.qr = heads_to_sequence(heads[0]);
     a.kr = heads_to_sequence(heads[1]);
@@ -190,7 +190,7 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
                          cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
   if (cp)
     for (Tensor& d : dqkv) d = sequence_to_heads(d);  // back to the rank's rows, every head
-  const std::vector<Tensor> dheads = qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), cp_rows(b.positions),
+  const std::vector<Tensor> dheads = qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), stack_positions(b),
                                                            dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
   Tensor dq_norm = dheads[1], dk_norm = dheads[2];
   tp_sum(dq_norm);  // tensor parallelism: the norms' gains are every rank's heads'

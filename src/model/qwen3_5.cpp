@@ -366,7 +366,7 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   a.k = project(l.index, LoraTarget::k_proj, l.k_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
   a.v = project(l.index, LoraTarget::v_proj, l.v_proj, a.xn, b, training).view({t, c.num_kv_heads, d});
   const RopeAttrs rot{c.rope_theta, c.rotary_dim(), false};
-  const Tensor positions = cp_rows(b.positions);
+  const Tensor positions = stack_positions(b);
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), positions, rot);
   if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
@@ -414,6 +414,20 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
+// Context parallelism: the rows of the conv weight (2K + V, W) for this rank's channels, [q_j | k_j | v_j].
+Tensor Qwen35Model::rank_conv_weight(const Layer& l) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t parts = cp_size(), kd = c.linear_num_key_heads * c.linear_key_head_dim;
+  const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts;
+  const int64_t j = cp_rank(), kernel = c.linear_conv_kernel_dim;
+  const Tensor whole = w(l.conv).view({2 * kd + vd, kernel});
+  Tensor out = Tensor::empty({2 * kc + vc, kernel}, whole.dtype(), cx.allocator);
+  for (auto [from, at, n] : {std::tuple{j * kc, int64_t(0), kc}, {kd + j * kc, kc, kc}, {2 * kd + j * vc, 2 * kc, vc}})
+    copy_into(cx, whole.narrow(0, from, n), out.narrow(0, at, n));
+  return out;
+}
+
 // Context parallelism: the rank's channel blocks of every row (the head all-to-all of in_proj_qkv's output by its
 // [q | k | v] sections, and of b and a by value head), the conv, the L2 norms, the decay and the delta rule over whole
 // documents for the rank's cp-th of the heads (its rows of the conv weight, A_log and dt_bias), the output back on the
@@ -428,10 +442,8 @@ void Qwen35Model::gdn_core_over_ranks(const Layer& l, LayerActs& a, const Packed
   a.qkv = heads_to_sequence(qkv_to_parts(cx, a.qkv, 1, kd, vd, parts, true).view({rows, parts, width}));
   const int64_t n = a.qkv.size(0);  // every row, padded
   a.qkv = a.qkv.view({n, width});
-  const Tensor conv_w = qkv_to_parts(cx, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), 0, kd, vd, parts,
-                                     true).narrow(0, rank * width, width);
   const Tensor& cu = cp_cu_seqlens(b);
-  a.conv = causal_conv1d(cx, a.qkv, contiguous(cx, conv_w), cu);
+  a.conv = causal_conv1d(cx, a.qkv, rank_conv_weight(l), cu);
   const Tensor act = silu(cx, a.conv);
   a.qa = contiguous(cx, act.narrow(1, 0, kc)).view({n, kc / dk, dk});
   a.ka = contiguous(cx, act.narrow(1, kc, kc)).view({n, kc / dk, dk});
@@ -547,7 +559,7 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
                                                 cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
   if (cp)
     for (Tensor& g : dqkv) g = sequence_to_heads(g);  // back to the rank's rows, every head
-  const Tensor positions = cp_rows(b.positions);
+  const Tensor positions = stack_positions(b);
   const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], positions, inv), norm);
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], positions, inv), norm);
   Tensor dq_norm = dq[1], dk_norm = dk[1];
@@ -638,7 +650,7 @@ void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& 
   const int64_t parts = cp_size(), rank = cp_rank(), rows = dcore.size(0), n = a.qkv.size(0);
   const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, hv = c.linear_num_value_heads;
   const int64_t vd = hv * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts, hvc = hv / parts;
-  const int64_t width = 2 * kc + vc, kernel = c.linear_conv_kernel_dim;
+  const int64_t width = 2 * kc + vc;
   const Tensor& cu = cp_cu_seqlens(b);
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, heads_to_sequence(dcore),
                                                            cu, a.states, {}, a.chunk_cache);
@@ -661,10 +673,8 @@ void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& 
   copy_into(cx, l2norm_backward(a.qa, dr[0]).view({n, kc}), dact.narrow(1, 0, kc));
   copy_into(cx, l2norm_backward(a.ka, dr[1]).view({n, kc}), dact.narrow(1, kc, kc));
   copy_into(cx, contiguous(cx, dr[2]).view({n, vc}), dact.narrow(1, 2 * kc, vc));
-  const Tensor conv_w = qkv_to_parts(cx, w(l.conv).view({2 * kd + vd, kernel}), 0, kd, vd, parts, true)
-                            .narrow(0, rank * width, width);
   const std::vector<Tensor> dconv =
-      causal_conv1d_backward(cx, a.qkv, contiguous(cx, conv_w), silu_backward(cx, a.conv, dact), cu);
+      causal_conv1d_backward(cx, a.qkv, rank_conv_weight(l), silu_backward(cx, a.conv, dact), cu);
   add_grad(l.conv, qkv_to_parts(cx, rank_part(dconv[1], 2 * kd + vd, rank * width), 0, kd, vd, parts, false));
   dqkv = qkv_to_parts(cx, sequence_to_heads(dconv[0].view({n, 1, width})).view({rows, 2 * kd + vd}), 1, kd, vd, parts,
                       false);

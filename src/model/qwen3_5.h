@@ -110,6 +110,7 @@ class Qwen35Model : public CausalLm {
   // parallelism) over every row for the rank's cp-th of the heads.
   void gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   void gdn_core_over_ranks(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  Tensor rank_conv_weight(const Layer& l);
   void gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b, Tensor& dqkv,
                          Tensor& db, Tensor& da);
   void gdn_core_over_ranks_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
