@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "lathe_run.h"
+#include "support/text_folder.h"
 
 namespace fs = std::filesystem;
 using lathe_e2e::lathe;
@@ -27,18 +28,9 @@ using lathe_e2e::metrics;
 
 namespace {
 
-const fs::path kTests = LATHE_TEST_DATA_DIR;
-
 // A work folder with a tokenizer folder, training text and a config.
 fs::path setup(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_e2e_{}_{}", name, getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir / "tok");
-  fs::copy_file(kTests / "data/fixtures/tiny_tokenizer.json", dir / "tok/tokenizer.json");
-  std::ofstream data(dir / "train.jsonl");
-  const char* lines[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is hot", "we like green tea",
-                         "hello world hello world", "one two three four five", "cats and dogs play"};
-  for (int i = 0; i < 60; ++i) data << nlohmann::json{{"text", lines[i % 7]}}.dump() << "\n";
+  const fs::path dir = lathe_e2e::tiny_text_folder("lathe_e2e", name, 60);
   std::ofstream cfg(dir / "config.yaml");
   cfg << "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
          "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true}\n"

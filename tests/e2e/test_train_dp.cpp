@@ -107,6 +107,29 @@ void expect_same_curve(const std::vector<double>& got, const std::vector<double>
     EXPECT_NEAR(got[i], want[i], tolerance * std::abs(want[i])) << what << ", step " << i + 1;
 }
 
+// Run `out`'s gradient norms over the first three steps against the reference run's (DIR/ref), within 1e-4 relative:
+// they check the scale of the summed gradients while the weights still agree to rounding.
+void expect_same_first_grad_norms(const fs::path& dir, const std::string& out) {
+  std::vector<double> got = grad_norms(dir / out), want = grad_norms(dir / "ref");
+  got.resize(std::min<size_t>(got.size(), 3));
+  want.resize(3);
+  expect_same_curve(got, want, out + " gradient norm", 1e-4);
+}
+
+// The worst ||w - w_ref|| / ||w_ref|| over the tensors of run `out`'s `weights_file` (model.safetensors, or an
+// adapter's adapter_model.safetensors) against the reference run's: {in the step-3 checkpoint, in the final folder},
+// printed after `tag`.
+std::pair<double, double> weight_diffs(const fs::path& dir, const std::string& out, const std::string& weights_file,
+                                       const std::string& tag) {
+  const fs::path step3 = fs::path("checkpoints/step-00000003") /
+                         (weights_file == "model.safetensors" ? "model" : "adapter") / weights_file;
+  const fs::path last = fs::path("final") / weights_file;
+  const double d3 = worst_rel_diff(weights(dir / out / step3), weights(dir / "ref" / step3));
+  const double d = worst_rel_diff(weights(dir / out / last), weights(dir / "ref" / last));
+  std::printf("[%s] worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", tag.c_str(), d3, d);
+  return {d3, d};
+}
+
 // One process with grad_accum 4 against dp = 2 (grad_accum 2) and dp = 4 (grad_accum 1): losses within 1e-5
 // relative at every step, the step-3 checkpoint's weights within 1e-5 and the final weights within `final_tolerance`.
 // The association of the gradient sums differs (each rank sums its micro-batches, then the ranks are summed), so the
@@ -134,15 +157,8 @@ void expect_dp_equals_one_process(const char* model, const std::string& name, co
     // The gradient norm checks the scale of the summed gradients (a missing 1/dp would double it), over the first
     // three steps, while the weights still agree to rounding (checked below). Gradients whose micro-batch parts cancel
     // lose digits to the other association of the sum (3e-5 relative on the hybrid's norm of 61 at step 1), hence 1e-4.
-    std::vector<double> got = grad_norms(dir / out), ref = grad_norms(dir / "ref");
-    got.resize(std::min<size_t>(got.size(), 3));
-    ref.resize(3);
-    expect_same_curve(got, ref, out + " gradient norm", 1e-4);
-    const std::string step3 = "checkpoints/step-00000003/" + std::string(weights_file == "model.safetensors" ? "model/" : "adapter/");
-    const double d3 = worst_rel_diff(weights(dir / out / step3 / weights_file), weights(dir / "ref" / step3 / weights_file));
-    const double d = worst_rel_diff(weights(dir / out / "final" / weights_file), weights(dir / "ref/final" / weights_file));
-    std::printf("[dp] %s %s: worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", name.c_str(),
-                out.c_str(), d3, d);
+    expect_same_first_grad_norms(dir, out);
+    const auto [d3, d] = weight_diffs(dir, out, weights_file, "dp " + name + " " + out);
     EXPECT_LT(d3, 1e-5) << out;
     EXPECT_LT(d, final_tolerance) << out;
   }
@@ -177,15 +193,8 @@ TEST(TensorParallel, Qwen3EqualsOneProcessAndResumes) {
     EXPECT_NE(r.output.find(fmt::format("parallel: tp={} cp=1 ep=1 dp={} pp=1 (world {}); each rank {} of the 4 attention "
                                         "heads", tp, np / tp, np, 4 / tp)), std::string::npos) << r.output;
     expect_same_curve(losses(dir / out), want, out);
-    std::vector<double> got = grad_norms(dir / out), norms = grad_norms(dir / "ref");
-    got.resize(std::min<size_t>(got.size(), 3));
-    norms.resize(3);
-    expect_same_curve(got, norms, out + " gradient norm", 1e-4);
-    const std::string step3 = "checkpoints/step-00000003/model/model.safetensors";
-    const double d3 = worst_rel_diff(weights(dir / out / step3), weights(dir / "ref" / step3));
-    const double d = worst_rel_diff(weights(dir / out / "final/model.safetensors"), weights(dir / "ref/final/model.safetensors"));
-    std::printf("[tp] %s: worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", out.c_str(),
-                d3, d);
+    expect_same_first_grad_norms(dir, out);
+    const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "tp " + out);
     // tp 4 sums each key/value head's gradient from two ranks' parts: another f32 association (7.6e-6 measured at
     // step 3), hence 2e-5 there.
     EXPECT_LT(d3, tp == 4 ? 2e-5 : 1e-5) << out;
@@ -238,14 +247,8 @@ TEST(TensorParallel, Qwen35EqualsOneProcessAndResumesAtAnotherTp) {
   const LatheRun r = train(dir, "tp2", 2, 4, lr + " --set parallel.tp=2");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_same_curve(losses(dir / "tp2"), want, "tp 2");
-  std::vector<double> got = grad_norms(dir / "tp2"), norms = grad_norms(dir / "ref");
-  got.resize(std::min<size_t>(got.size(), 3));
-  norms.resize(3);
-  expect_same_curve(got, norms, "tp 2 gradient norm", 1e-4);
-  const std::string step3 = "checkpoints/step-00000003/model/model.safetensors";
-  const double d3 = worst_rel_diff(weights(dir / "tp2" / step3), weights(dir / "ref" / step3));
-  const double d = worst_rel_diff(weights(dir / "tp2/final/model.safetensors"), weights(dir / "ref/final/model.safetensors"));
-  std::printf("[tp] qwen3.5 tp 2: worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", d3, d);
+  expect_same_first_grad_norms(dir, "tp2");
+  const auto [d3, d] = weight_diffs(dir, "tp2", "model.safetensors", "tp qwen3.5 tp2");
   EXPECT_LT(d3, 2e-5);
   EXPECT_LT(d, 2e-5);
   const LatheRun killed = train(dir, "run", 2, 4, lr + " --set parallel.tp=2", "LATHE_FAULT_INJECT=after_step:4");
@@ -285,11 +288,7 @@ TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(fmt::format("parallel: tp=1 cp=2 ep=1 dp={}", np / 2)), std::string::npos) << r.output;
     expect_same_curve(losses(dir / out), want, out);
-    const std::string step3 = "checkpoints/step-00000003/model/model.safetensors";
-    const double d3 = worst_rel_diff(weights(dir / out / step3), weights(dir / "ref" / step3));
-    const double d = worst_rel_diff(weights(dir / out / "final/model.safetensors"), weights(dir / "ref/final/model.safetensors"));
-    std::printf("[cp] %s: worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", out.c_str(),
-                d3, d);
+    const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "cp " + out);
     EXPECT_LT(d3, 1e-5) << out;
     EXPECT_LT(d, 1e-5) << out;
   }
@@ -322,12 +321,7 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
     const LatheRun r = train(dir, out, np, accum, " --set parallel.tp=2");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     expect_same_curve(losses(dir / out), want, out);
-    const std::string step3 = "checkpoints/step-00000003/adapter/adapter_model.safetensors";
-    const double d3 = worst_rel_diff(weights(dir / out / step3), weights(dir / "ref" / step3));
-    const double d = worst_rel_diff(weights(dir / out / "final/adapter_model.safetensors"),
-                                    weights(dir / "ref/final/adapter_model.safetensors"));
-    std::printf("[tp] lora %s: worst ||w - w_ref|| / ||w_ref|| over adapter tensors: %.3g at step 3, %.3g at step 8\n",
-                out.c_str(), d3, d);
+    const auto [d3, d] = weight_diffs(dir, out, "adapter_model.safetensors", "tp lora " + out);
     EXPECT_LT(d3, 1e-5) << out;
     EXPECT_LT(d, 1e-5) << out;
   }

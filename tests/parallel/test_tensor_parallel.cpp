@@ -23,7 +23,7 @@
 #include "model/lora.h"
 #include "support/lora_support.h"
 #include "support/model_support.h"
-#include "support/tp_configs.h"
+#include "support/tp_support.h"
 
 using namespace lathe;
 using namespace lathe::test_support;
@@ -91,15 +91,7 @@ TEST_P(TensorParallelFamilies, SlicedLayersEqualTheWholeModel) {
   EXPECT_EQ(sharded, split_tensors(GetParam()) + 2);  // and the vocab-parallel embedding and LM head
   // Forward and backward of three packed documents.
   const PackedBatch b = random_batch(40, {0, 7, 9, 20}, 3);
-  EXPECT_LT(rel(to_f64(sliced->logits(b)), to_f64(whole->logits(b))), 1e-12);
-  const LossResult want = whole->loss(b, true);
-  const LossResult got = sliced->loss(b, true);
-  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
-  for (size_t i = 0; i < whole->parameters().size(); ++i) {
-    const Parameter& p = sliced->parameters()[i];
-    ASSERT_TRUE(p.grad.defined()) << p.name;
-    EXPECT_LT(rel(to_f64(sliced->gathered(p, true)), to_f64(whole->parameters()[i].grad)), 1e-10) << p.name;
-  }
+  expect_equals_whole(*sliced, *whole, b);
   // Decoding through the rollout engine over the sliced layers.
   const std::vector<int32_t> prompt = {3, 17, 5, 5, 28, 1};
   const RolloutResult a = engine_greedy(*whole, prompt, 9), c = engine_greedy(*sliced, prompt, 9);
@@ -135,13 +127,7 @@ TEST_P(TensorParallelFamilies, SequenceParallelEqualsTheWholeModel) {
   const std::unique_ptr<CausalLm> whole = model(config, nullptr);
   const std::unique_ptr<CausalLm> sliced = model(config, world.get(), true);
   ASSERT_TRUE(sliced->sequence_parallel());
-  const PackedBatch b = random_batch(40, {0, 7, 9, 21}, 5);
-  EXPECT_LT(rel(to_f64(sliced->logits(b)), to_f64(whole->logits(b))), 1e-12);
-  const LossResult want = whole->loss(b, true), got = sliced->loss(b, true);
-  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
-  for (size_t i = 0; i < whole->parameters().size(); ++i)
-    EXPECT_LT(rel(to_f64(sliced->gathered(sliced->parameters()[i], true)), to_f64(whole->parameters()[i].grad)), 1e-10)
-        << sliced->parameters()[i].name;
+  expect_equals_whole(*sliced, *whole, random_batch(40, {0, 7, 9, 21}, 5));
   const std::vector<int32_t> prompt = {3, 17, 5, 5, 28, 1, 9};
   const RolloutResult a = engine_greedy(*whole, prompt, 6), c = engine_greedy(*sliced, prompt, 6);
   EXPECT_EQ(c.tokens, a.tokens);

@@ -21,7 +21,7 @@
 #include "model/causal_lm.h"
 #include "model/config.h"
 #include "support/model_support.h"
-#include "support/tp_configs.h"
+#include "support/tp_support.h"
 
 using namespace lathe;
 using namespace lathe::test_support;
@@ -144,13 +144,7 @@ TEST_F(VocabParallel, AVocabularyTpDoesNotDivideStaysWhole) {
   EXPECT_EQ(sliced->config().vocab_size, kVocab + 1);
   for (const Parameter& p : sliced->parameters())
     if (p.name.find("embed_tokens") != std::string::npos || p.name == "lm_head.weight") EXPECT_TRUE(p.whole()) << p.name;
-  const PackedBatch b = batch();
-  EXPECT_LT(rel_l2(to_f64(sliced->logits(b)), to_f64(whole->logits(b))), 1e-12);
-  const LossResult want = whole->loss(b, true), got = sliced->loss(b, true);
-  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
-  for (size_t i = 0; i < whole->parameters().size(); ++i)
-    EXPECT_LT(rel_l2(to_f64(sliced->gathered(sliced->parameters()[i], true)), to_f64(whole->parameters()[i].grad)), 1e-10)
-        << sliced->parameters()[i].name;
+  expect_equals_whole(*sliced, *whole, batch());
 }
 
 }  // namespace

@@ -1,10 +1,17 @@
-// The tiny configs the tensor-parallel tests share (tests/parallel/test_tensor_parallel.cpp, test_vocab_parallel.cpp):
-// a Qwen3 of `heads` query and `kv_heads` key/value heads, the hybrid stack (Gated DeltaNet, full attention, Gated
-// DeltaNet) with H_v = 2 H_k, and mixture-of-experts layers for either.
+// What the tensor-parallel tests share (tests/parallel/test_tensor_parallel.cpp, test_vocab_parallel.cpp): the tiny
+// configs — a Qwen3 of `heads` query and `kv_heads` key/value heads, the hybrid stack (Gated DeltaNet, full attention,
+// Gated DeltaNet) with H_v = 2 H_k, mixture-of-experts layers for either — and the check of a split model against
+// the whole one.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <string>
+
+#include "model/causal_lm.h"
+#include "support/model_support.h"
 
 namespace lathe::test_support {
 
@@ -42,6 +49,19 @@ inline nlohmann::json tiny_hybrid(const std::string& type, int heads, int kv_hea
   if (type == "qwen3_next" || type == "qwen3_5_moe_text") add_experts(j);
   if (type == "qwen3_next") j["mlp_only_layers"] = moe ? nlohmann::json{1} : nlohmann::json{0, 1, 2};
   return j;
+}
+
+// A split model against the whole one on batch `b` (f64): logits within 1e-12 relative, the loss within 1e-12 and,
+// after both backwards, every gradient (the split model's joined, gathered) within 1e-10.
+inline void expect_equals_whole(CausalLm& split, CausalLm& whole, const PackedBatch& b) {
+  EXPECT_LT(rel_l2(to_f64(split.logits(b)), to_f64(whole.logits(b))), 1e-12);
+  const LossResult want = whole.loss(b, true), got = split.loss(b, true);
+  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss));
+  for (size_t i = 0; i < whole.parameters().size(); ++i) {
+    const Parameter& p = split.parameters()[i];
+    ASSERT_TRUE(p.grad.defined()) << p.name;
+    EXPECT_LT(rel_l2(to_f64(split.gathered(p, true)), to_f64(whole.parameters()[i].grad)), 1e-10) << p.name;
+  }
 }
 
 }  // namespace lathe::test_support

@@ -15,6 +15,7 @@
 #include "optim/adamw.h"
 #include "support/error_of.h"
 #include "support/model_support.h"
+#include "support/text_folder.h"
 #include "train/plan.h"
 #include "train/trainer.h"
 
@@ -24,19 +25,10 @@ namespace fs = std::filesystem;
 using namespace lathe;
 using namespace lathe::test_support;
 
-const fs::path kTests = LATHE_TEST_DATA_DIR;
-
 // A run folder: the tiny test tokenizer, `rows` short text rows and a config.yaml training an inline Qwen3 `model`
 // (a flow mapping of config.json fields) with `train` (a flow mapping of train.* options).
 fs::path run_folder(const std::string& name, const std::string& model, const std::string& train, int rows = 60) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_plan_{}_{}", name, getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir / "tok");
-  fs::copy_file(kTests / "data/fixtures/tiny_tokenizer.json", dir / "tok/tokenizer.json");
-  std::ofstream data(dir / "train.jsonl");
-  const char* lines[] = {"the cat sat on the mat", "a dog ran in the park", "the sun is hot", "we like green tea",
-                         "hello world hello world", "one two three four five", "cats and dogs play"};
-  for (int i = 0; i < rows; ++i) data << nlohmann::json{{"text", lines[i % 7]}}.dump() << "\n";
+  const fs::path dir = lathe_e2e::tiny_text_folder("lathe_plan", name, rows);
   std::ofstream(dir / "config.yaml") << "model:\n  config: " << model << "\n  tokenizer: " << (dir / "tok").string()
                                      << "\ndata:\n  train: " << (dir / "train.jsonl").string()
                                      << "\n  format: text\n  max_seq_len: 64\noutput_dir: " << (dir / "out").string()
