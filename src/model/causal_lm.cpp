@@ -62,11 +62,9 @@ void check_tensor_parallel(const ModelConfig& c, int tp) {
 void check_context_parallel(const ModelConfig& whole, int tp, int cp) {
   if (cp <= 1) return;
   const ModelConfig c = tensor_parallel_config(whole, tp);  // the head all-to-all splits each tp rank's heads
-  bool sparse = false;
-  for (int64_t i = 0; i < c.num_layers; ++i) sparse = sparse || c.sparse_layer(i);
-  LATHE_CHECK((c.model_type == "qwen3" || c.is_hybrid()) && !sparse, "parallel.cp: context parallelism is built for the "
-              "qwen3, qwen3_5 and qwen3_next layers with dense MLPs so far, not {}{} (docs/parallel.md)", c.model_type,
-              sparse ? " with mixture-of-experts layers" : "");
+  LATHE_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.is_hybrid(), "parallel.cp: context "
+              "parallelism is built for the qwen3, qwen3_moe, qwen3_5 and qwen3_next families, not {} (docs/parallel.md)",
+              c.model_type);
   LATHE_CHECK(c.num_heads % cp == 0 && c.num_kv_heads % cp == 0,
               "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
               c.num_heads, c.num_kv_heads);
@@ -210,6 +208,26 @@ int64_t CausalLm::block_tokens(const PackedBatch& b) const {
   if (!context_parallel()) return b.tokens();
   const int64_t c = options_.cp->size();
   return (b.tokens() + c - 1) / c;
+}
+
+int64_t CausalLm::cp_real_rows(const PackedBatch& b) const {
+  if (!context_parallel()) return b.tokens();
+  const int64_t mine = block_tokens(b);
+  return std::clamp<int64_t>(b.tokens() - cp_rank() * mine, 0, mine);
+}
+
+Tensor CausalLm::zero_padded_rows(const Tensor& x, int64_t rows) const {
+  ExecContext cx = rt_->context(options_.device);
+  return padded_rows(cx, x, rows);
+}
+
+SegmentAttrs CausalLm::stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const {
+  SegmentAttrs s = lora_segments(*lora_, slot, b, training);
+  if (!context_parallel()) return s;
+  // Context parallelism: the batch's segments as the rank's rows see them, from its first row, cut at `rows`.
+  const int64_t first = cp_rank() * block_tokens(b);
+  for (int64_t& r : s.rows) r = std::clamp<int64_t>(r - first, 0, rows);
+  return s;
 }
 
 Tensor CausalLm::head_input(const Tensor& xf, int64_t tokens) const {
@@ -377,7 +395,7 @@ void CausalLm::add_lora(int64_t layer, LoraTarget t, const Tensor& x, const Tens
   if (!slot) return;
   // y += mask(dropout(x) A_cat^T) BT_cat: every adapter in two GEMMs, each row keeping its own adapter's columns.
   ExecContext cx = ctx();
-  const SegmentAttrs seg = lora_segments(*lora_, *slot, b, training);
+  const SegmentAttrs seg = stack_segments(*slot, b, training, x.size(0));
   const Tensor xd = any_dropout(seg) ? dropout(cx, x, seg) : x;
   const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);
   Tensor out = y;
@@ -389,7 +407,7 @@ void CausalLm::lora_backward(int64_t layer, LoraTarget t, const Tensor& x, const
   LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
   if (!slot) return;
   ExecContext cx = ctx();
-  const SegmentAttrs seg = lora_segments(*lora_, *slot, b, true);
+  const SegmentAttrs seg = stack_segments(*slot, b, true, x.size(0));
   const bool drop = any_dropout(seg);
   const Tensor xd = drop ? dropout(cx, x, seg) : x;  // the same masks as the forward (same seeds)
   const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);

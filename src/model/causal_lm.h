@@ -95,6 +95,8 @@ struct LossResult {
 };
 
 class LoraBank;
+struct LoraSlot;
+struct SegmentAttrs;
 enum class LoraTarget;
 
 class CausalLm {
@@ -260,7 +262,10 @@ class CausalLm {
   Tensor moe_backward(int64_t layer, const MoeParams& p, const MoeActs& a, const Tensor& dout, const PackedBatch& b);
   // After a forward of the loss: the aux loss and expert loads into `r`; with `backward` and the aux loss on, each
   // sparse layer's aux gradient (times coef x loss_scale) for moe_backward.
+  // Under cp the rows' aux loss and loads are the whole batch's only once summed: each sparse layer's routing totals
+  // (tokens, pairs and probability sums per expert) summed over the group (a rank without rows adds zeros).
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
+  void sum_over_cp(std::vector<RoutingTotals>& totals) const;
   bool aux_loss_on() const { return options_.router_aux_loss.value_or(config_.output_router_logits); }
   // The dtype of the router's softmax backward on the device: f32 (transformers' router dtype), f64 in an f64 model.
   DType routing_dtype() const { return options_.dtype == DType::F64 ? DType::F64 : DType::F32; }
@@ -292,8 +297,15 @@ class CausalLm {
   Tensor cp_gather(const Tensor& rows, int64_t tokens) const;
   Tensor heads_to_sequence(const Tensor& rows) const;
   Tensor sequence_to_heads(const Tensor& sequence) const;
-  // The rows a block works on: the batch's T tokens, or under cp the rank's ceil(T / cp).
+  // The rows a block works on: the batch's T tokens, or under cp the rank's ceil(T / cp); cp_real_rows: those of them
+  // that are the batch's (the last ranks' rows past T are zero padding; a rank may have none).
   int64_t block_tokens(const PackedBatch& b) const;
+  int64_t cp_real_rows(const PackedBatch& b) const;
+  // x (n, ...) with zero rows after it up to `rows` (x itself when it has them).
+  Tensor zero_padded_rows(const Tensor& x, int64_t rows) const;
+  // The adapters' segments (lora_segments) of the first `rows` of the rows the stack runs on: the batch's, or under cp
+  // the rank's, from its first row.
+  SegmentAttrs stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const;
   // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
   Tensor head_input(const Tensor& xf, int64_t tokens) const;
   // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not

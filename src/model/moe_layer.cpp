@@ -5,8 +5,10 @@
 // Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
 // in fp32 (double in an f64 model) and the combine weights rounded to the model dtype.
+#include <cmath>
 #include <string_view>
 
+#include "comm/communicator.h"
 #include "model/causal_lm.h"
 #include "model/lora.h"
 #include "ops/ops.h"
@@ -94,6 +96,16 @@ void CausalLm::pack_mlp_rows() {
 MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b,
                               bool training) {
   MlpActs a;
+  if (p.sparse && context_parallel()) {  // the rank's rows of the batch routed, padding rows left out (zero output)
+    const int64_t real = cp_real_rows(b);
+    if (real == 0) {
+      a.out = zero_padded_rows(hn.narrow(0, 0, 0), hn.size(0));
+      return a;
+    }
+    a.moe = moe_forward(layer, p.moe, hn.narrow(0, 0, real), b, training);
+    a.out = zero_padded_rows(a.moe.out, hn.size(0));
+    return a;
+  }
   if (p.sparse) {  // whole on every rank of a tp group: the stream's rows of its output
     a.moe = moe_forward(layer, p.moe, hn, b, training);
     a.out = stream_rows(a.moe.out);
@@ -109,6 +121,20 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
 
 Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                               const PackedBatch& b) {
+  if (p.sparse && context_parallel()) {  // the rank's batch rows (mlp_forward); its padding rows get no gradient
+    const int64_t real = cp_real_rows(b);
+    if (real > 0) return zero_padded_rows(moe_backward(layer, p.moe, a.moe, dout.narrow(0, 0, real), b), dout.size(0));
+    // No row of the batch: the layer's gradients are zero here (defined, as on the other ranks, for the group's sum).
+    ExecContext cx = ctx();
+    for (int index : {p.moe.router, p.moe.gate_up, p.moe.down, p.moe.shared_gate, p.moe.shared_up, p.moe.shared_down,
+                      p.moe.shared_gate_w})
+      if (index >= 0) {
+        Tensor zero = Tensor::empty(w(index).shape(), w(index).dtype(), cx.allocator);
+        cx.backend.fill_bytes(zero.data_ptr(), 0, zero.nbytes(), cx.stream);
+        add_grad(index, zero);
+      }
+    return zero_padded_rows(dout.narrow(0, 0, 0), dout.size(0));
+  }
   const Tensor d = block_input(dout, b.tokens());  // sequence parallelism: every rank's rows of the stream
   if (p.sparse) return stream_rows(moe_backward(layer, p.moe, a.moe, d, b));
   ExecContext cx = ctx();
@@ -186,10 +212,10 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
   if (!e.slot) return e;
   // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
   ExecContext cx = ctx();
-  const int64_t tokens = b->tokens(), rank = e.slot->rank_total;
+  const int64_t tokens = int64_t(r.weights.size(0)), rank = e.slot->rank_total;  // the routed rows
   const std::vector<double> ones(size_t(tokens * rank), 1.0);
   const Tensor ones_t = cast(cx, rt_->upload(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
-  e.mask = embedding(cx, segment_mask(cx, ones_t, lora_segments(*lora_, *e.slot, *b, false)), r.token_ids);
+  e.mask = embedding(cx, segment_mask(cx, ones_t, stack_segments(*e.slot, *b, false, tokens)), r.token_ids);
   return e;
 }
 
@@ -320,16 +346,24 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
 
 void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {
   std::vector<RoutingTotals> totals;
+  std::vector<int64_t> layers;
   std::vector<MoeRoute*> routes;
   for (size_t l = 0; l < moe_routes_.size(); ++l) {
     MoeRoute& r = moe_routes_[l];
-    if (!r.valid) continue;
-    totals.push_back(r.totals);
-    routes.push_back(&r);
-    const ExpertLoad load = expert_load(r.totals.counts);
-    res.expert_load.push_back({int64_t(l), load.tokens_per_expert, load.max_over_mean});
+    // Under cp every sparse layer takes part in the sum below, also on a rank whose rows are all padding (no route).
+    const bool unrouted_part = context_parallel() && mlps_[l].sparse && !r.valid;
+    if (!r.valid && !unrouted_part) continue;
+    const size_t e = size_t(config_.num_experts);
+    totals.push_back(r.valid ? r.totals : RoutingTotals{0, std::vector<int64_t>(e, 0), std::vector<double>(e, 0.0)});
+    layers.push_back(int64_t(l));
+    if (r.valid) routes.push_back(&r);
   }
   if (totals.empty()) return;
+  if (context_parallel()) sum_over_cp(totals);  // the aux loss and the loads are the whole batch's, not the rows'
+  for (size_t i = 0; i < totals.size(); ++i) {
+    const ExpertLoad load = expert_load(totals[i].counts);
+    res.expert_load.push_back({layers[i], load.tokens_per_expert, load.max_over_mean});
+  }
   const bool grad = backward && aux_loss_on();
   std::vector<double> dp;
   res.aux_loss = load_balancing_loss_totals(totals, grad ? &dp : nullptr);
@@ -339,6 +373,25 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   const Tensor d_aux =
       cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
   for (MoeRoute* r : routes) r->d_aux = d_aux;
+}
+
+void CausalLm::sum_over_cp(std::vector<RoutingTotals>& totals) const {
+  std::vector<double> flat;  // per layer: tokens, counts, probability sums
+  for (const RoutingTotals& t : totals) {
+    LATHE_ASSERT(t.prob_sums.size() == t.counts.size());
+    flat.push_back(double(t.tokens));
+    flat.insert(flat.end(), t.counts.begin(), t.counts.end());
+    flat.insert(flat.end(), t.prob_sums.begin(), t.prob_sums.end());
+  }
+  Tensor sums = rt_->from_host(flat.data(), {int64_t(flat.size())}, DType::F64, options_.device);
+  options_.cp->all_reduce(sums).wait();
+  const Tensor host = options_.device.is_cpu() ? sums : rt_->copy_to(sums, Device::cpu());
+  const double* v = host.data<double>();
+  for (RoutingTotals& t : totals) {  // counts are whole numbers far below 2^53: exact in f64
+    t.tokens = int64_t(std::llround(*v++));
+    for (int64_t& n : t.counts) n = int64_t(std::llround(*v++));
+    for (double& s : t.prob_sums) s = *v++;
+  }
 }
 
 std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) {

@@ -321,6 +321,9 @@ class Trainer::Impl {
   double reduce_over_dp(const std::vector<Job*>& active);
   void reduce_adapter_grads(const std::vector<Job*>& active);
   bool sharded() const { return c_.zero > 0 && dp_ > 1 && !lora_; }  // ZeRO: the optimizer state over dp
+  // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
+  // the other ranks of its cp group hold the same weights and stay out.
+  bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
 
   Runtime& rt_;
@@ -473,6 +476,9 @@ void Trainer::Impl::choose_model_source() {
     lc.rank = std::max<int64_t>(1, j.cfg->lora_rank);
     lc.alpha = j.cfg->lora_alpha;
     lc.dropout = j.cfg->lora_dropout;
+    LATHE_CHECK(c_.cp <= 1 || lc.dropout == 0, "{}lora.dropout: {} under parallel.cp {} is not built yet (the mask is "
+                "drawn per element of a segment, from its first row; a rank's rows start inside one): use 0",
+                j.prefix(), lc.dropout, c_.cp);
     lc.rslora = j.cfg->lora_rslora;
     lc.targets = j.cfg->lora_targets;
     lc.target_parameters = j.cfg->lora_target_parameters;
@@ -530,7 +536,7 @@ void Trainer::Impl::build() {
   // adapters have a base folder to load onto in transformers/peft, `lathe logprobs --adapter` and export --merge.
   if (lora_ && c_.model_path.empty()) {
     const fs::path scratch_base = fs::path(c_.output_dir) / "base";
-    if (model_source_.empty() && lead_)  // every rank made the same random base; under tp the first group gathers it
+    if (model_source_.empty() && joins_save())  // every rank made the same random base; under tp the first group gathers it
       model_->save(scratch_base.string(), save_dtype_, 5ull << 30, [&](const std::string& d) { write_model_files(d); });
     base_model_ = fs::absolute(scratch_base).string();
   }
@@ -964,7 +970,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
     groups_->dp->barrier();
   }
-  if (save && tp_ && lead_ && groups_->cp_rank() == 0) {  // the first replica's tp group: each its slices' state
+  if (save && tp_ && joins_save()) {  // the first replica's tp group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
     tp_->barrier();
     j.opt->save((zero_shard_dir(j) / tp_state_name(tp_->rank(), tp_->size())).string());
@@ -974,8 +980,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (!first_) {  // the other ranks hold the same state; the first rank's tp group joins its model work
     if (!lead_) return;
     if (evaluates) evaluate(rt_, *model_, j);
-    if (save && lora_) bank_->save_peft(j.adapter, std::string(), save_dtype_, base_model_);  // gathers; rank 0 writes
-    else if (save) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
+    if (save && joins_save() && lora_) bank_->save_peft(j.adapter, std::string(), save_dtype_, base_model_);  // gathers
+    else if (save && joins_save()) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
     if (step == jc.max_steps) write_final(j);
     return;
   }
@@ -1147,7 +1153,8 @@ bool Trainer::Impl::step() {
     if (!replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
       if (lora_) bank_->sum_tp_grads();
       else model_->sum_replicated_grads();
-      if (groups_ && groups_->cp)  // context parallelism: each rank's gradients are its rows' parts
+      if (groups_ && groups_->cp && lora_) bank_->sum_grads(*groups_->cp);  // context parallelism: the rows' parts
+      else if (groups_ && groups_->cp)
         for (Parameter& p : model_->parameters())
           if (p.grad.defined()) groups_->cp->all_reduce(p.grad).wait();
     }
@@ -1255,7 +1262,7 @@ bool Trainer::Impl::step() {
 // The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
 // or a PEFT adapter folder with the same files; it appears whole.
 void Trainer::Impl::write_final(Job& j) {
-  if (!lead_) return;  // (under tp the group gathers the model; its first rank writes)
+  if (!joins_save()) return;  // (under tp the group gathers the model; its first rank writes)
   const fs::path final_dir = j.out / "final";
   const auto add = [&](const std::string& d) { write_model_files(d); };
   if (lora_) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);

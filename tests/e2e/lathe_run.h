@@ -38,11 +38,11 @@ inline std::vector<nlohmann::json> metrics(const std::filesystem::path& out) {
   return rows;
 }
 
-// The "loss" of every metrics row of a run, in order.
-inline std::vector<double> losses(const std::filesystem::path& out) {
+// The `key` ("loss", "aux_loss", ...) of every metrics row of a run that has it, in order.
+inline std::vector<double> losses(const std::filesystem::path& out, const std::string& key = "loss") {
   std::vector<double> l;
   for (const auto& r : metrics(out))
-    if (r.contains("loss")) l.push_back(r["loss"].get<double>());
+    if (r.contains(key)) l.push_back(r[key].get<double>());
   return l;
 }
 

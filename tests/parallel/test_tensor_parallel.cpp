@@ -198,63 +198,104 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 }
 
 // Context parallelism (the world as the cp group): each rank runs the stack on its rows of three packed documents of
-// 7, 2 and 12 tokens (21 rows: the splits fall inside documents, the last rank's rows padded); attention and Gated
-// DeltaNet (conv, decay, delta rule) over whole documents by the head all-to-all, for Qwen3, Qwen3.5 and Qwen3-Next
-// (fused projections): the logits, the loss, and every gradient summed over the ranks (each rank's is its rows'
-// part) equal the whole model's, and at -np 4 as tp 2 x cp 2; mixture-of-experts layers are refused by name. Fails
-// with the rows' head gradient left at 1 / cp.
+// 7, 2 and 12 tokens (21 rows: the splits fall inside documents, the last rank's rows padded), and of two documents of
+// 3 and 2 tokens (at -np 4 the last rank has no row of the batch); attention and Gated DeltaNet (conv, decay, delta
+// rule) over whole documents by the head all-to-all, mixture-of-experts layers on the rank's rows with the aux loss on
+// (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next (fused
+// projections, sparse layers): the logits, the loss, the aux loss and the expert loads, and every gradient summed over
+// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2. Fails with the
+// rows' head gradient left at 1 / cp, or with the routing totals not summed.
+std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp) {
+  ModelOptions o;
+  o.dtype = DType::F64;
+  o.tp = tp;
+  o.cp = cp;
+  o.router_aux_loss = true;
+  return random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+}
+
+std::vector<nlohmann::json> cp_configs(int n) {
+  nlohmann::json qwen3_moe = tiny_qwen3(2 * n, n, 12);
+  qwen3_moe["model_type"] = "qwen3_moe";
+  add_experts(qwen3_moe);
+  return {tiny_qwen3(2 * n, n, 12), qwen3_moe, tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
+          tiny_hybrid("qwen3_5_moe_text", 2 * n, n, n, 12), tiny_hybrid("qwen3_next", 2 * n, n, n, 12, true)};
+}
+
+// `split`'s loss, aux loss, expert loads and gradients (summed over `cp`, gathered over its tp group) against `whole`'s.
+void expect_cp_equals_whole(CausalLm& split, CausalLm& whole, Communicator& cp, const PackedBatch& b,
+                            const std::string& what) {
+  EXPECT_LT(rel(to_f64(split.logits(b)), to_f64(whole.logits(b))), 1e-12) << what;
+  whole.zero_grads();
+  split.zero_grads();
+  const LossResult want = whole.loss(b, true, 0.7), got = split.loss(b, true, 0.7);
+  EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss)) << what;
+  EXPECT_EQ(got.labelled, want.labelled) << what;
+  EXPECT_NEAR(got.aux_loss, want.aux_loss, 1e-12 * std::abs(want.aux_loss)) << what;
+  ASSERT_EQ(got.expert_load.size(), want.expert_load.size()) << what;
+  for (size_t l = 0; l < want.expert_load.size(); ++l)
+    EXPECT_EQ(got.expert_load[l].tokens_per_expert, want.expert_load[l].tokens_per_expert) << what;
+  for (size_t i = 0; i < whole.parameters().size(); ++i) {
+    Parameter& p = split.parameters()[i];
+    ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
+    cp.all_reduce(p.grad).wait();  // the ranks' parts
+    EXPECT_LT(rel(to_f64(split.gathered(p, true)), to_f64(whole.parameters()[i].grad)), 1e-10) << what << ": " << p.name;
+  }
+}
+
 TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
   const int n = world->size();
-  for (const nlohmann::json& config : {tiny_qwen3(2 * n, n, 12), tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
-                                       tiny_hybrid("qwen3_next", 2 * n, n, n, 12)}) {
+  for (const nlohmann::json& config : cp_configs(n)) {
     const std::string family = config["model_type"];
-    const std::unique_ptr<CausalLm> whole = model(config, nullptr);
-    ModelOptions o;
-    o.dtype = DType::F64;
-    o.cp = world.get();
-    const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    const std::unique_ptr<CausalLm> whole = cp_model(config, nullptr, nullptr);
+    const std::unique_ptr<CausalLm> split = cp_model(config, nullptr, world.get());
     ASSERT_TRUE(split->context_parallel());
-    const PackedBatch b = random_batch(40, {0, 7, 9, 21}, 7);
-    EXPECT_LT(rel(to_f64(split->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
-    const LossResult want = whole->loss(b, true, 0.7), got = split->loss(b, true, 0.7);
-    EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
-    EXPECT_EQ(got.labelled, want.labelled);
-    for (size_t i = 0; i < whole->parameters().size(); ++i) {
-      Parameter& p = split->parameters()[i];
-      ASSERT_TRUE(p.grad.defined()) << p.name;
-      Tensor g = p.grad;
-      world->all_reduce(g).wait();  // the ranks' parts
-      EXPECT_LT(rel(to_f64(g), to_f64(whole->parameters()[i].grad)), 1e-10) << family << ": " << p.name;
-    }
+    for (const PackedBatch& b : {random_batch(40, {0, 7, 9, 21}, 7), random_batch(40, {0, 3, 5}, 8)})
+      expect_cp_equals_whole(*split, *whole, *world, b, family + " at " + std::to_string(b.tokens()) + " tokens");
     if (n == 4) {  // tp 2 x cp 2: the tp groups {0, 1} and {2, 3}, the cp groups {0, 2} and {1, 3}
       const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
       const std::unique_ptr<Communicator> cp = world->split(world->rank() % 2, world->rank(), "cp", nullptr);
-      ModelOptions both = o;
-      both.tp = tp.get();
-      both.cp = cp.get();
-      const std::unique_ptr<CausalLm> m = random_causal_lm(runtime(), parse_model_config(config, "test"), both, 11, 0.3);
-      EXPECT_LT(rel(to_f64(m->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
-      EXPECT_NEAR(m->loss(b, true, 0.7).loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
-      for (size_t i = 0; i < whole->parameters().size(); ++i) {
-        Parameter& p = m->parameters()[i];
-        cp->all_reduce(p.grad).wait();
-        EXPECT_LT(rel(to_f64(m->gathered(p, true)), to_f64(whole->parameters()[i].grad)), 1e-10)
-            << "tp x cp, " << family << ": " << p.name;
-      }
+      const std::unique_ptr<CausalLm> m = cp_model(config, tp.get(), cp.get());
+      expect_cp_equals_whole(*m, *whole, *cp, random_batch(40, {0, 7, 9, 21}, 7), "tp x cp, " + family);
     }
   }
-  ModelOptions o;
-  o.dtype = DType::F64;
-  o.cp = world.get();
-  nlohmann::json moe = tiny_qwen3(2 * n, n, 12);
-  moe["model_type"] = "qwen3_moe";
-  add_experts(moe);
-  try {
-    random_causal_lm(runtime(), parse_model_config(moe, "test"), o, 1, 0.3);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not qwen3_moe with mixture-of-experts layers"), std::string::npos)
-        << e.what();
+}
+
+// LoRA under context parallelism: two adapters (every module, and on the mixture-of-experts families the experts'
+// fused parameters) in one batch of two segments whose boundary falls inside a rank's rows: the logits, the loss and
+// every adapter gradient, summed over the group (LoraBank::sum_grads), equal the whole model's. Fails with the
+// segments left at the batch's rows.
+TEST_F(TensorParallel, ContextParallelLoraEqualsTheWholeModel) {
+  const int n = world->size();
+  for (const nlohmann::json& config : cp_configs(n)) {
+    const std::string family = config["model_type"];
+    const std::unique_ptr<CausalLm> whole = cp_model(config, nullptr, nullptr);
+    const std::unique_ptr<CausalLm> split = cp_model(config, nullptr, world.get());
+    std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
+    if (config.contains("num_experts"))
+      for (LoraConfig& a : adapters) a.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    for (LoraConfig& a : adapters) a = lora_config_for_model(a, whole->config(), "test");
+    LoraBank wb(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
+    LoraBank sb(runtime(), split->config(), Device::cpu(), DType::F64, adapters);
+    for (int a : {0, 1}) {
+      randomise(wb, a, 40 + uint64_t(a), 0.2);
+      randomise(sb, a, 40 + uint64_t(a), 0.2);
+    }
+    whole->attach_lora(&wb);
+    split->attach_lora(&sb);
+    PackedBatch b = random_batch(40, {0, 7, 9, 21}, 3);
+    set_segments(b, {{9, 0, 1.0, 0}, {21, 1, 0.5, 0}});
+    EXPECT_LT(rel(to_f64(split->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
+    wb.zero_grads();
+    sb.zero_grads();
+    const LossResult want = whole->loss(b, true), got = split->loss(b, true);
+    EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
+    sb.sum_grads(*world);
+    for (int a : {0, 1})
+      for (size_t i = 0; i < wb.parameters(a).size(); ++i) {
+        const Parameter& p = sb.parameters(a)[i];
+        EXPECT_LT(rel(to_f64(p.grad), to_f64(wb.parameters(a)[i].grad)), 1e-10) << family << ": " << p.name;
+      }
   }
 }
 
