@@ -65,12 +65,15 @@ void check_context_parallel(const ModelConfig& whole, int tp, int cp) {
   LATHE_CHECK(c.model_type == "qwen3" || c.model_type == "qwen3_moe" || c.is_hybrid(), "parallel.cp: context "
               "parallelism is built for the qwen3, qwen3_moe, qwen3_5 and qwen3_next families, not {} (docs/parallel.md)",
               c.model_type);
-  LATHE_CHECK(c.num_heads % cp == 0 && c.num_kv_heads % cp == 0,
-              "parallel.cp: {} ranks must divide each tp rank's attention heads ({}) and key/value heads ({})", cp,
-              c.num_heads, c.num_kv_heads);
-  LATHE_CHECK(!c.is_hybrid() || c.linear_num_key_heads % cp == 0,
-              "parallel.cp: {} ranks must divide each tp rank's Gated DeltaNet key heads ({})", cp,
-              c.linear_num_key_heads);
+  // Heads fewer than the ranks are shared: a key/value head by the ranks whose query heads read it, a Gated DeltaNet
+  // key head by the ranks whose value heads read it.
+  LATHE_CHECK(c.num_heads % cp == 0 && (c.num_kv_heads % cp == 0 || cp % c.num_kv_heads == 0),
+              "parallel.cp: {} ranks must divide each tp rank's attention heads ({}), and divide or be divided by its "
+              "key/value heads ({})", cp, c.num_heads, c.num_kv_heads);
+  LATHE_CHECK(!c.is_hybrid() || c.linear_num_key_heads % cp == 0 ||
+                  (cp % c.linear_num_key_heads == 0 && c.linear_num_value_heads % cp == 0),
+              "parallel.cp: {} ranks must divide each tp rank's Gated DeltaNet key heads ({}), or be divided by them "
+              "and divide its value heads ({})", cp, c.linear_num_key_heads, c.linear_num_value_heads);
 }
 
 // This rank's slice of the layers: the heads and the MLP's intermediate size divided over the group (above the
@@ -177,9 +180,16 @@ Tensor CausalLm::cp_gather(const Tensor& rows, int64_t tokens) const {
   return joined_rows(cx, *options_.cp, rows, tokens);
 }
 
-Tensor CausalLm::heads_to_sequence(const Tensor& rows) const {
+Tensor CausalLm::heads_to_sequence(const Tensor& heads_rows) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t c = options_.cp->size(), r = rows.size(0), part = rows.size(1) / c, d = rows.size(2);
+  const int64_t c = options_.cp->size(), heads = heads_rows.size(1);
+  LATHE_ASSERT(heads % c == 0 || c % heads == 0);
+  // Fewer heads than ranks (key/value heads): each head repeated for the c / heads ranks whose query heads read it.
+  const Tensor rows = heads >= c ? heads_rows
+                                 : contiguous(cx, heads_rows.view({heads_rows.size(0), heads, 1, heads_rows.size(2)})
+                                                      .expand({heads_rows.size(0), heads, c / heads, heads_rows.size(2)}))
+                                       .view({heads_rows.size(0), c, heads_rows.size(2)});
+  const int64_t r = rows.size(0), part = rows.size(1) / c, d = rows.size(2);
   // (c, rows, part d): block j (my rows, rank j's heads) goes to rank j; block j back is rank j's rows, my heads.
   const Tensor send = contiguous(cx, rows.view({r, c, part * d}).transpose(0, 1));
   Tensor recv = Tensor::empty({c * r, part, d}, rows.dtype(), cx.allocator);
@@ -189,7 +199,7 @@ Tensor CausalLm::heads_to_sequence(const Tensor& rows) const {
   return recv;
 }
 
-Tensor CausalLm::sequence_to_heads(const Tensor& sequence) const {
+Tensor CausalLm::sequence_to_heads(const Tensor& sequence, int64_t heads) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t c = options_.cp->size(), r = sequence.size(0) / c, part = sequence.size(1), d = sequence.size(2);
   const Tensor send = contiguous(cx, sequence);  // block j: rank j's rows, my heads
@@ -197,7 +207,11 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence) const {
   Tensor flat = recv.view({c * r * part * d});
   const std::vector<int64_t> counts(size_t(c), r * part * d);
   options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts).wait();
-  return contiguous(cx, recv.transpose(0, 1)).view({r, c * part, d});
+  const Tensor rows = contiguous(cx, recv.transpose(0, 1)).view({r, c * part, d});
+  if (heads < 0 || heads == c * part) return rows;
+  // A head repeated over c / heads ranks (heads_to_sequence): the gradients of its copies summed.
+  LATHE_ASSERT(part == 1 && c % heads == 0);
+  return sum(cx, rows.view({r, heads, c / heads, d}), {2}, false);
 }
 
 bool CausalLm::context_parallel() const { return cp_size() > 1; }

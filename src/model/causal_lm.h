@@ -292,11 +292,12 @@ class CausalLm {
   void add_norm_grad(int index, Tensor g);
   // Context parallelism: the rank's rows of a whole (T, ...) (ceil(T / cp), zero-padded), every rank's rows joined
   // back into the whole (T, ...), and the head all-to-all: (rows, heads, d) -> (cp x rows, heads / cp, d) (every row,
-  // the rank's heads) and back. Plain without cp.
+  // the rank's heads) and back. Plain without cp. Fewer heads than ranks (key/value heads) go out repeated, each to
+  // the cp / heads ranks that read it, (cp x rows, 1, d); back, sequence_to_heads(x, heads) sums the copies.
   Tensor cp_rows(const Tensor& whole) const;
   Tensor cp_gather(const Tensor& rows, int64_t tokens) const;
   Tensor heads_to_sequence(const Tensor& rows) const;
-  Tensor sequence_to_heads(const Tensor& sequence) const;
+  Tensor sequence_to_heads(const Tensor& sequence, int64_t heads = -1) const;
   // The rows a block works on: the batch's T tokens, or under cp the rank's ceil(T / cp); cp_real_rows: those of them
   // that are the batch's (the last ranks' rows past T are zero padding; a rank may have none).
   int64_t block_tokens(const PackedBatch& b) const;

@@ -188,8 +188,10 @@ Tensor Qwen3Model::layer_backward(const Layer& l, const LayerActs& a, const Tens
   std::vector<Tensor> dqkv =
       attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, cp ? heads_to_sequence(d_o_heads) : d_o_heads,
                          cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
-  if (cp)
-    for (Tensor& d : dqkv) d = sequence_to_heads(d);  // back to the rank's rows, every head
+  if (cp) {  // back to the rank's rows, every head (a key/value head's copies summed)
+    dqkv[0] = sequence_to_heads(dqkv[0]);
+    for (int i : {1, 2}) dqkv[size_t(i)] = sequence_to_heads(dqkv[size_t(i)], c.num_kv_heads);
+  }
   const std::vector<Tensor> dheads = qk_norm_rope_backward(cx, a.qkv, w(l.q_norm), w(l.k_norm), stack_positions(b),
                                                            dqkv[0], dqkv[1], dqkv[2], qk_attrs(c));
   Tensor dq_norm = dheads[1], dk_norm = dheads[2];

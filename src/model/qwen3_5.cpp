@@ -14,6 +14,7 @@
 #include "model/qwen3_5.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -59,15 +60,44 @@ namespace {
 
 Tensor as_dtype(ExecContext& ctx, const Tensor& x, DType t) { return x.dtype() == t ? x : cast(ctx, x, t); }
 
-// Context parallelism: the [q | k | v] sections (K, K, V wide) of x's dim `dim` regrouped part by part — part j's
-// [q_j | k_j | v_j] contiguous, j = 0 .. parts - 1 (to_parts) — and back (from_parts). Rows of a conv weight (dim 0)
-// or columns of in_proj_qkv's output (dim 1).
-Tensor qkv_to_parts(ExecContext& cx, const Tensor& x, int dim, int64_t kd, int64_t vd, int64_t parts, bool to_parts) {
-  Tensor out = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
-  const int64_t kc = kd / parts, vc = vd / parts, w = 2 * kc + vc;
-  for (int64_t j = 0; j < parts; ++j)
-    for (auto [from, at, n] : {std::tuple{j * kc, j * w, kc}, {kd + j * kc, j * w + kc, kc}, {2 * kd + j * vc, j * w + 2 * kc, vc}})
-      copy_into(cx, x.narrow(dim, to_parts ? from : at, n), out.narrow(dim, to_parts ? at : from, n));
+// Context parallelism's channel blocks of a Gated DeltaNet layer: part j of `parts` takes [q_j | k_j | v_j], a
+// parts-th of the value channels and the key heads its value heads read: a parts-th of the key heads, or, where the
+// key heads are fewer than the parts, the one key head its value heads read (then held by parts / H_k parts).
+struct CpChannels {
+  int64_t kd, vd, dk, parts;
+  int64_t key_heads() const { return kd / dk; }
+  bool shared_keys() const { return key_heads() < parts; }
+  int64_t kc() const { return std::max<int64_t>(key_heads() / parts, 1) * dk; }  // key channels a part
+  int64_t vc() const { return vd / parts; }
+  int64_t width() const { return 2 * kc() + vc(); }
+  int64_t key_at(int64_t j) const { return j * key_heads() / parts * dk; }  // part j's first key channel
+  // {the whole's first channel, the part's, how many} for part j's q, k and v blocks.
+  std::array<std::array<int64_t, 3>, 3> blocks(int64_t j) const {
+    const int64_t w = width(), k = kc(), v = vc();
+    return {{{key_at(j), j * w, k}, {kd + key_at(j), j * w + k, k}, {2 * kd + j * v, j * w + 2 * k, v}}};
+  }
+};
+
+CpChannels cp_channels(const ModelConfig& c, int64_t parts) {
+  return {c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim,
+          c.linear_key_head_dim, parts};
+}
+
+// x's dim `dim` (the [q | k | v] sections, K, K and V wide) regrouped part by part, part j's blocks contiguous
+// (to_parts: the dim becomes parts x width), and back (from_parts: the parts' blocks summed where parts share a key
+// head). Rows of a conv weight (dim 0) or columns of in_proj_qkv's output (dim 1).
+Tensor qkv_to_parts(ExecContext& cx, const Tensor& x, int dim, const CpChannels& ch, bool to_parts) {
+  Shape shape = x.shape();
+  shape[size_t(dim)] = to_parts ? ch.parts * ch.width() : 2 * ch.kd + ch.vd;
+  Tensor out = Tensor::empty(shape, x.dtype(), cx.allocator);
+  const bool sum = !to_parts && ch.shared_keys();
+  if (sum) cx.backend.fill_bytes(out.data_ptr(), 0, out.nbytes(), cx.stream);
+  for (int64_t j = 0; j < ch.parts; ++j)
+    for (const auto& [whole, part, n] : ch.blocks(j)) {
+      const Tensor from = x.narrow(dim, to_parts ? whole : part, n);
+      Tensor to = out.narrow(dim, to_parts ? part : whole, n);
+      copy_into(cx, sum ? add(cx, contiguous(cx, to), contiguous(cx, from)) : from, to);
+    }
   return out;
 }
 
@@ -417,14 +447,11 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
 // Context parallelism: the rows of the conv weight (2K + V, W) for this rank's channels, [q_j | k_j | v_j].
 Tensor Qwen35Model::rank_conv_weight(const Layer& l) {
   ExecContext cx = ctx();
-  const ModelConfig& c = config_;
-  const int64_t parts = cp_size(), kd = c.linear_num_key_heads * c.linear_key_head_dim;
-  const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts;
-  const int64_t j = cp_rank(), kernel = c.linear_conv_kernel_dim;
-  const Tensor whole = w(l.conv).view({2 * kd + vd, kernel});
-  Tensor out = Tensor::empty({2 * kc + vc, kernel}, whole.dtype(), cx.allocator);
-  for (auto [from, at, n] : {std::tuple{j * kc, int64_t(0), kc}, {kd + j * kc, kc, kc}, {2 * kd + j * vc, 2 * kc, vc}})
-    copy_into(cx, whole.narrow(0, from, n), out.narrow(0, at, n));
+  const CpChannels ch = cp_channels(config_, cp_size());
+  const Tensor whole = w(l.conv).view({2 * ch.kd + ch.vd, config_.linear_conv_kernel_dim});
+  Tensor out = Tensor::empty({ch.width(), whole.size(1)}, whole.dtype(), cx.allocator);
+  for (const auto& [at, part, n] : ch.blocks(cp_rank()))
+    copy_into(cx, whole.narrow(0, at, n), out.narrow(0, part - cp_rank() * ch.width(), n));
   return out;
 }
 
@@ -435,11 +462,11 @@ Tensor Qwen35Model::rank_conv_weight(const Layer& l) {
 void Qwen35Model::gdn_core_over_ranks(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t parts = cp_size(), rank = cp_rank(), rows = a.xn.size(0);
-  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, hv = c.linear_num_value_heads;
-  const int64_t vd = hv * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts, hvc = hv / parts;
-  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, width = 2 * kc + vc;
-  a.qkv = heads_to_sequence(qkv_to_parts(cx, a.qkv, 1, kd, vd, parts, true).view({rows, parts, width}));
+  const CpChannels ch = cp_channels(config_, cp_size());
+  const int64_t parts = ch.parts, rank = cp_rank(), rows = a.xn.size(0), hv = c.linear_num_value_heads;
+  const int64_t kc = ch.kc(), vc = ch.vc(), hvc = hv / parts, width = ch.width();
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  a.qkv = heads_to_sequence(qkv_to_parts(cx, a.qkv, 1, ch, true).view({rows, parts, width}));
   const int64_t n = a.qkv.size(0);  // every row, padded
   a.qkv = a.qkv.view({n, width});
   const Tensor& cu = cp_cu_seqlens(b);
@@ -557,8 +584,10 @@ Tensor Qwen35Model::attention_backward_part(const Layer& l, const LayerActs& a, 
   const bool cp = context_parallel();
   std::vector<Tensor> dqkv = attention_backward(cx, a.qr, a.kr, a.v, a.o, a.lse, cp ? heads_to_sequence(d_o) : d_o,
                                                 cp ? cp_cu_seqlens(b) : b.cu_seqlens, {0.0, options_.deterministic});
-  if (cp)
-    for (Tensor& g : dqkv) g = sequence_to_heads(g);  // back to the rank's rows, every head
+  if (cp) {  // back to the rank's rows, every head (a key/value head's copies summed)
+    dqkv[0] = sequence_to_heads(dqkv[0]);
+    for (int i : {1, 2}) dqkv[size_t(i)] = sequence_to_heads(dqkv[size_t(i)], config_.num_kv_heads);
+  }
   const Tensor positions = stack_positions(b);
   const std::vector<Tensor> dq = rmsnorm_backward(cx, a.q, w(l.q_norm), rope(cx, dqkv[0], positions, inv), norm);
   const std::vector<Tensor> dk = rmsnorm_backward(cx, a.k, w(l.k_norm), rope(cx, dqkv[1], positions, inv), norm);
@@ -647,10 +676,9 @@ void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& 
                                                const PackedBatch& b, Tensor& dqkv, Tensor& db, Tensor& da) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
-  const int64_t parts = cp_size(), rank = cp_rank(), rows = dcore.size(0), n = a.qkv.size(0);
-  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim, hv = c.linear_num_value_heads;
-  const int64_t vd = hv * c.linear_value_head_dim, kc = kd / parts, vc = vd / parts, hvc = hv / parts;
-  const int64_t width = 2 * kc + vc;
+  const CpChannels ch = cp_channels(config_, cp_size());
+  const int64_t parts = ch.parts, rank = cp_rank(), rows = dcore.size(0), n = a.qkv.size(0);
+  const int64_t hv = c.linear_num_value_heads, kc = ch.kc(), vc = ch.vc(), hvc = hv / parts, width = ch.width();
   const Tensor& cu = cp_cu_seqlens(b);
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, heads_to_sequence(dcore),
                                                            cu, a.states, {}, a.chunk_cache);
@@ -675,9 +703,8 @@ void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& 
   copy_into(cx, contiguous(cx, dr[2]).view({n, vc}), dact.narrow(1, 2 * kc, vc));
   const std::vector<Tensor> dconv =
       causal_conv1d_backward(cx, a.qkv, rank_conv_weight(l), silu_backward(cx, a.conv, dact), cu);
-  add_grad(l.conv, qkv_to_parts(cx, rank_part(dconv[1], 2 * kd + vd, rank * width), 0, kd, vd, parts, false));
-  dqkv = qkv_to_parts(cx, sequence_to_heads(dconv[0].view({n, 1, width})).view({rows, 2 * kd + vd}), 1, kd, vd, parts,
-                      false);
+  add_grad(l.conv, qkv_to_parts(cx, rank_part(dconv[1], parts * width, rank * width), 0, ch, false));
+  dqkv = qkv_to_parts(cx, sequence_to_heads(dconv[0].view({n, 1, width})).view({rows, parts * width}), 1, ch, false);
 }
 
 Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b) {

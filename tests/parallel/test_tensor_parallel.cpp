@@ -218,8 +218,12 @@ std::vector<nlohmann::json> cp_configs(int n) {
   nlohmann::json qwen3_moe = tiny_qwen3(2 * n, n, 12);
   qwen3_moe["model_type"] = "qwen3_moe";
   add_experts(qwen3_moe);
-  return {tiny_qwen3(2 * n, n, 12), qwen3_moe, tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
-          tiny_hybrid("qwen3_5_moe_text", 2 * n, n, n, 12), tiny_hybrid("qwen3_next", 2 * n, n, n, 12, true)};
+  // Heads fewer than the ranks, shared: one key/value head for every rank; n / 2 Gated DeltaNet key heads of two
+  // value heads each (a key head read by two ranks).
+  nlohmann::json shared = tiny_hybrid("qwen3_5_text", 2 * n, 1, n / 2, 12);
+  shared["linear_num_value_heads"] = n;
+  return {tiny_qwen3(2 * n, n, 12), tiny_qwen3(2 * n, 1, 12), qwen3_moe, tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
+          shared, tiny_hybrid("qwen3_5_moe_text", 2 * n, n, n, 12), tiny_hybrid("qwen3_next", 2 * n, n, n, 12, true)};
 }
 
 // `split`'s loss, aux loss, expert loads and gradients (summed over `cp`, gathered over its tp group) against `whole`'s.
@@ -235,6 +239,7 @@ void expect_cp_equals_whole(CausalLm& split, CausalLm& whole, Communicator& cp, 
   ASSERT_EQ(got.expert_load.size(), want.expert_load.size()) << what;
   for (size_t l = 0; l < want.expert_load.size(); ++l)
     EXPECT_EQ(got.expert_load[l].tokens_per_expert, want.expert_load[l].tokens_per_expert) << what;
+  split.sum_replicated_grads();  // tp above the key/value heads: the parts of the ranks sharing one
   for (size_t i = 0; i < whole.parameters().size(); ++i) {
     Parameter& p = split.parameters()[i];
     ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
@@ -246,7 +251,8 @@ void expect_cp_equals_whole(CausalLm& split, CausalLm& whole, Communicator& cp, 
 TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
   const int n = world->size();
   for (const nlohmann::json& config : cp_configs(n)) {
-    const std::string family = config["model_type"];
+    const std::string family = config["model_type"].get<std::string>() + " (" +
+                               std::to_string(config["num_key_value_heads"].get<int>()) + " kv heads)";
     const std::unique_ptr<CausalLm> whole = cp_model(config, nullptr, nullptr);
     const std::unique_ptr<CausalLm> split = cp_model(config, nullptr, world.get());
     ASSERT_TRUE(split->context_parallel());
@@ -258,6 +264,14 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
       const std::unique_ptr<CausalLm> m = cp_model(config, tp.get(), cp.get());
       expect_cp_equals_whole(*m, *whole, *cp, random_batch(40, {0, 7, 9, 21}, 7), "tp x cp, " + family);
     }
+  }
+  // Three key/value heads over two or four ranks: neither divides the other, refused by name.
+  try {
+    cp_model(tiny_qwen3(12, 3, 12), nullptr, world.get());
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("and divide or be divided by its key/value heads (3)"), std::string::npos)
+        << e.what();
   }
 }
 
