@@ -546,10 +546,6 @@ void LoraBank::split_like(CausalLm& model) {
   }
 }
 
-void LoraBank::sum_grads(Communicator& group) {
-  if (grads_.numel() > 0) group.all_reduce(grads_).wait();
-}
-
 void LoraBank::sum_tp_grads() {
   if (!tp_model_) return;
   Communicator& group = *tp_model_->options().tp;

@@ -169,9 +169,6 @@ class LoraBank {
   bool split() const { return tp_model_ != nullptr; }
   // Sums the parts of the adapters' gradients over the tp group: the whole matrices' over every rank, a shared kv
   // head's B^T over the ranks that hold it. A collective, once a step's gradients are complete; nothing without tp.
-  // Context parallelism: every adapter's gradient, each rank's from its rows, summed over `group` (one all-reduce of
-  // the bank's gradient buffer; after collect_grads).
-  void sum_grads(Communicator& group);
   void sum_tp_grads();
   // The slot of (layer, target), or nullptr when no adapter targets it.
   const Slot* slot(int64_t layer, LoraTarget t) const;

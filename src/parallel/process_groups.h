@@ -22,6 +22,9 @@ struct ProcessGroups {
   std::unique_ptr<Communicator> dp_grads;
   std::unique_ptr<Communicator> tp;  // tensor parallelism: the ranks sharing one model replica's layers (tp > 1)
   std::unique_ptr<Communicator> cp;  // context parallelism: the ranks sharing one replica's batches by rows (cp > 1)
+  // Context parallelism: the dp x cp ranks of one tp slot (Megatron's dp_cp group), which hold the same weights and
+  // whose gradients sum (a cp rank's are its rows' parts), and the same group ordered on grad_stream (cp > 1).
+  std::unique_ptr<Communicator> dp_cp, dp_cp_grads;
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
@@ -29,6 +32,10 @@ struct ProcessGroups {
   int cp_rank() const { return cp ? cp->rank() : 0; }
   int dp_size() const { return dp ? dp->size() : 1; }
   bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
+  // The ranks that hold the same weights: the gradients are summed over them and ZeRO cuts the optimizer state over
+  // them (dp_cp under cp, else dp); weight_sums() is the same group on grad_stream.
+  Communicator& weight_replicas() const { return dp_cp ? *dp_cp : *dp; }
+  Communicator& weight_sums() const { return dp_cp_grads ? *dp_cp_grads : *dp_grads; }
 };
 
 // Over `world` (nullptr: a single process). `grad_stream`: a stream of this rank's device for dp_grads.

@@ -215,9 +215,9 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks (not built yet: 1)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
-                "optimizer sharding over dp: 0 (replicated) | 1 (ZeRO-1: each rank keeps the f32 masters and AdamW moments of "
-                "1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only 1/dp of the gradients); full "
-                "fine-tuning; docs/parallel.md", zero),
+                "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
+                "the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only "
+                "1/dp of the gradients); full fine-tuning; docs/parallel.md", zero),
       LATHE_NUM("parallel.bucket_mb", Kind::Float, "128", above(0),
                 "gradients are summed over dp in buckets of about this many MiB, each as soon as the backward has "
                 "finished it, while the rest of the backward runs", bucket_mb),
@@ -497,12 +497,11 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     if (size > 1)
       problems.push_back(fmt::format("parallel.{}: {} is not built yet (data, tensor and context parallelism are): "
                                      "use 1", key, what));
-  if (c.cp > 1) {  // context parallelism so far: without sp, ZeRO, LoRA dropout or generation
+  if (c.cp > 1) {  // context parallelism so far: without sp, LoRA dropout or generation
     if (c.lora_rank > 0 && c.lora_dropout > 0)
       problems.push_back(fmt::format("lora.dropout: {} under parallel.cp {} is not built yet (the mask is drawn per "
                                      "element of a segment from its first row; a rank's rows start inside one): use 0",
                                      c.lora_dropout, c.cp));
-    if (c.zero > 0) problems.push_back(fmt::format("parallel.cp: {} with parallel.zero {} is not built yet", c.cp, c.zero));
     if (c.sp) problems.push_back(fmt::format("parallel.cp: {} with parallel.sp is not built yet", c.cp));
     if (!c.final_eval_file.empty())
       problems.push_back(fmt::format("parallel.cp: {}: final_eval.file (generation) under context parallelism is not "

@@ -320,11 +320,12 @@ class Trainer::Impl {
   void agree_on_failures(const std::vector<Job*>& active);
   double reduce_over_dp(const std::vector<Job*>& active);
   void reduce_adapter_grads(const std::vector<Job*>& active);
-  bool sharded() const { return c_.zero > 0 && dp_ > 1 && !lora_; }  // ZeRO: the optimizer state over dp
+  bool sharded() const { return c_.zero > 0 && grad_ranks_ > 1 && !lora_; }  // ZeRO: the state over grad_ranks_
   // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
   // the other ranks of its cp group hold the same weights and stay out.
   bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
+  std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
   Runtime& rt_;
   const TrainConfig& c_;
@@ -336,6 +337,8 @@ class Trainer::Impl {
   bool lead_;
   Communicator* tp_ = nullptr;  // the tensor-parallel group (tp > 1)
   int dp_;                 // data-parallel ranks: each step's micro-batches are split over them
+  // The ranks whose gradients are summed (ProcessGroups::weight_replicas): dp, or dp x cp under context parallelism.
+  int grad_ranks_;
   Device device_;
   DType dtype_, save_dtype_;
   bool lora_;
@@ -370,6 +373,7 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
     : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
       lead_(!groups || groups->dp_rank() == 0),
       tp_(groups ? groups->tp.get() : nullptr), dp_(groups ? groups->dp_size() : 1),
+      grad_ranks_(groups ? groups->weight_replicas().size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
@@ -547,7 +551,7 @@ void Trainer::Impl::build() {
   }
   std::vector<Parameter*> model_params;
   for (Parameter& p : model_->parameters()) model_params.push_back(&p);
-  if (dp_ > 1 && !lora_)
+  if (grad_ranks_ > 1 && !lora_)
     buckets_ = plan_buckets(model_params, model_->grads_complete_after(), int64_t(c_.bucket_mb * 1048576.0));
   for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
   if (lora_)
@@ -602,7 +606,7 @@ void Trainer::Impl::build() {
   ctx_.emplace(rt_.context(device_));
   if (source_ && std::any_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.active(); })) start_source();
   if (!buckets_.empty())
-    reducer_ = std::make_unique<GradReducer>(model_params, buckets_, *groups_->dp_grads, *ctx_, *groups_->grad_stream,
+    reducer_ = std::make_unique<GradReducer>(model_params, buckets_, groups_->weight_sums(), *ctx_, *groups_->grad_stream,
                                              sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
   t_start_ = Clock::now();
 }
@@ -615,8 +619,8 @@ void Trainer::Impl::build_job(Job& j) {
     else if (!jc.lora_init.empty()) bank_->load_peft(j.adapter, jc.lora_init);
     else bank_->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
   }
-  if (sharded()) {  // ZeRO: this rank updates (and keeps the state of) 1/dp of the model
-    j.zero = std::make_unique<ZeroShards>(model_->parameters(), buckets_, *groups_->dp);
+  if (sharded()) {  // ZeRO: this rank updates (and keeps the state of) 1/dp (1/(dp cp)) of the model
+    j.zero = std::make_unique<ZeroShards>(model_->parameters(), buckets_, groups_->weight_replicas());
     j.params = &j.zero->owned();
   } else {
     // LoRA under tp: the matrices one by one (each with its slice's layout), not the flat parameter.
@@ -693,7 +697,7 @@ void Trainer::Impl::load_optimizer(Job& j) {
     return;
   }
   if (j.zero && saved == j.zero->layout()) {
-    j.opt->load((from / zero_shard_name(groups_->dp_rank(), dp_)).string());
+    j.opt->load((from / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
     return;
   }
   const fs::path tmp = fs::temp_directory_path() /
@@ -817,7 +821,7 @@ BackwardHooks Trainer::Impl::micro_batch_hooks(bool last, const std::function<vo
       if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
       queue_optimizer();
     };
-  } else if (last && dp_ == 1) {
+  } else if (last && grad_ranks_ == 1) {
     hooks.queued = queue_optimizer;
   }
   return hooks;
@@ -967,8 +971,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   const bool save = saves_at(jc, step);
   if (save && j.zero) {  // every rank's optimizer shard, before the first rank makes the checkpoint
     make_dirs(zero_shard_dir(j), j.who());
-    j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->dp_rank(), dp_)).string());
-    groups_->dp->barrier();
+    j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
+    groups_->weight_replicas().barrier();
   }
   if (save && tp_ && joins_save()) {  // the first replica's tp group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
@@ -1026,7 +1030,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
         j.opt->save((dir / "optimizer.safetensors").string());
         return;
       }
-      for (int r = 0; r < dp_; ++r) fs::rename(zero_shard_dir(j) / zero_shard_name(r, dp_), dir / zero_shard_name(r, dp_));
+      for (int r = 0; r < grad_ranks_; ++r)
+        fs::rename(zero_shard_dir(j) / zero_shard_name(r, grad_ranks_), dir / zero_shard_name(r, grad_ranks_));
       fs::remove_all(zero_shard_dir(j));
     }, st);
   }
@@ -1036,8 +1041,12 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
 // `values` summed over the dp group, through a tensor on the training device (the group's data plane), back on the
 // host. Waiting for it waits for every collective queued before it in the stream, bounded by parallel.timeout_s.
 std::vector<double> Trainer::Impl::sum_over_dp(const std::vector<double>& values) {
+  return sum_over(*groups_->dp, values);
+}
+
+std::vector<double> Trainer::Impl::sum_over(Communicator& group, const std::vector<double>& values) {
   Tensor t = rt_.from_host(values.data(), {int64_t(values.size())}, DType::F64, device_);
-  groups_->dp->all_reduce(t).wait();
+  group.all_reduce(t).wait();
   const Tensor host = device_.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
   return std::vector<double>(host.data<double>(), host.data<double>() + values.size());
 }
@@ -1107,7 +1116,7 @@ void Trainer::Impl::reduce_adapter_grads(const std::vector<Job*>& active) {
   if (params.empty()) return;
   rt_.synchronize(device_);  // the backward's end: what follows is the exposed communication
   GradReducer reducer(params, plan_buckets(params, std::vector<int64_t>(params.size(), -1), int64_t(c_.bucket_mb * 1048576.0)),
-                      *groups_->dp_grads, *ctx_, *groups_->grad_stream, GradReducer::Mode::AllReduceInPlace);
+                      groups_->weight_sums(), *ctx_, *groups_->grad_stream, GradReducer::Mode::AllReduceInPlace);
   reducer.begin_micro_batch(true);
   reducer.end_micro_batch();
   reducer.wait();
@@ -1153,10 +1162,6 @@ bool Trainer::Impl::step() {
     if (!replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
       if (lora_) bank_->sum_tp_grads();
       else model_->sum_replicated_grads();
-      if (groups_ && groups_->cp && lora_) bank_->sum_grads(*groups_->cp);  // context parallelism: the rows' parts
-      else if (groups_ && groups_->cp)
-        for (Parameter& p : model_->parameters())
-          if (p.grad.defined()) groups_->cp->all_reduce(p.grad).wait();
     }
     replicas_summed = true;
     for (Job* j : active) {
@@ -1169,17 +1174,17 @@ bool Trainer::Impl::step() {
   };
   if (source_) run_source_batch(active, *source_batch, queue_optimizer);
   else run_micro_batches(active, queue_optimizer);
-  double dp_comm_s = dp_ > 1 ? reduce_over_dp(active) : 0.0;
+  double dp_comm_s = grad_ranks_ > 1 ? reduce_over_dp(active) : 0.0;
   std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
   for (Job* j : active) {
     if (j->failed) continue;
     const size_t k = size_t(j - jobs_.data());
     double norm = norms[k]->read();
-    if (j->zero) norm = std::sqrt(sum_over_dp({norm * norm})[0]);  // each rank's norm is its range's
+    if (j->zero) norm = std::sqrt(sum_over(groups_->weight_replicas(), {norm * norm})[0]);  // each its range's
     // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
     // update is queued (optimizer_step), the rest after it.
-    if (j->zero) j->zero->begin_gather(*ctx_, *groups_->dp_grads, *groups_->grad_stream);
+    if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);
     entries[k] = optimizer_step(*j, norm, std::move(*updates[k]));
     if (j->zero) {
       dp_comm_s += j->zero->finish_gather() / 1e3;
@@ -1220,10 +1225,8 @@ bool Trainer::Impl::step() {
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];
     if (j->failed || m.is_null()) continue;
-    if (dp_ > 1) {
-      m["dp_comm_s"] = dp_comm_s;
-      m["memory_mib_ranks"] = rank_mem_mib_;
-    }
+    if (grad_ranks_ > 1) m["dp_comm_s"] = dp_comm_s;
+    if (dp_ > 1) m["memory_mib_ranks"] = rank_mem_mib_;
     if (source_) m[source_->name()] = source_->step_metrics(size_t(j - jobs_.data()));
     guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
     tenant_losses += fmt::format("{}{} {}", tenant_losses.empty() ? "" : ", ", j->label,

@@ -340,6 +340,32 @@ TEST(ContextParallel, MoeAndLoraEqualOneProcess) {
   EXPECT_LT(d, 1e-5);
 }
 
+// ZeRO under context parallelism: the optimizer state cut over the dp x cp ranks of one tp slot (the ranks that hold
+// the same weights; the gradients reduced and scattered over them, Megatron's dp_cp group) at cp 2 (ZeRO-1 and
+// ZeRO-2) and cp 2 x dp 2 (ZeRO-1, four shards) on the one-process loss curve with the weights at steps 3 and 8 within
+// 1e-5; killed after step 4 at cp 2 x dp 2 and resumed at cp 2 (the four shards re-cut into two) on the same curve.
+TEST(ContextParallel, ZeroCutsTheStateOverDpAndCp) {
+  const fs::path dir = setup("cpzero", kQwen3);
+  ASSERT_EQ(train(dir, "ref", 0, 4).exit_code, 0);
+  const std::vector<double> want = losses(dir / "ref");
+  for (const auto& [np, accum, zero] : {std::tuple{2, 4, 1}, {2, 4, 2}, {4, 2, 1}}) {
+    const std::string out = fmt::format("cp2_np{}_zero{}", np, zero);
+    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.cp=2 --set parallel.zero={}", zero) + kSmallBuckets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    expect_same_curve(losses(dir / out), want, out);
+    const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "cp zero " + out);
+    EXPECT_LT(d3, 1e-5) << out;
+    EXPECT_LT(d, 1e-5) << out;
+    EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.rank-0-of-{}.safetensors", np)))
+        << out;
+  }
+  EXPECT_NE(train(dir, "run", 4, 2, " --set parallel.cp=2 --set parallel.zero=1", "LATHE_FAULT_INJECT=after_step:4").exit_code, 0);
+  const LatheRun resumed = train(dir, "run", 2, 4, " --set parallel.cp=2 --set parallel.zero=1");
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  expect_same_curve(losses(dir / "run"), want, "cp 2 x dp 2 ZeRO-1 resumed at cp 2");
+}
+
 // LoRA at tp 2 and tp 2 x dp 2 (each adapter matrix split as its base weight; the whole matrices' gradient parts
 // summed over the group) equals one process: losses within 1e-5 relative, the adapters' weights at steps 3 and 8;
 // killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve; `lathe logprobs --adapter --tp 2` scores
