@@ -214,7 +214,7 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence, int64_t heads) const 
   return sum(cx, rows.view({r, heads, c / heads, d}), {2}, false);
 }
 
-bool CausalLm::context_parallel() const { return cp_size() > 1; }
+bool CausalLm::context_parallel() const { return cp_size() > 1 && !decoding_; }
 int CausalLm::cp_size() const { return options_.cp ? options_.cp->size() : 1; }
 int CausalLm::cp_rank() const { return options_.cp ? options_.cp->rank() : 0; }
 
@@ -377,6 +377,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
   cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
+  decoding_ = b.cache != nullptr;                       // decoding runs every row on every rank (no cp)
 }
 
 std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,

@@ -64,7 +64,7 @@ struct ModelOptions {
   // Context parallelism (docs/parallel.md, "Context parallelism"): the group whose ranks each hold ceil(T / cp)
   // consecutive rows of every batch for the whole stack; attention goes over whole documents by a head all-to-all
   // (each rank all rows of a cp-th of its heads). Every rank is given the whole batch; each parameter's gradient is
-  // the rank's rows' part (to sum over the group). Qwen3 (dense) so far, without sp; not for decoding.
+  // the rank's rows' part (to sum over the group). Without sp; a decoding batch runs whole on every rank.
   Communicator* cp = nullptr;
 };
 
@@ -109,7 +109,9 @@ class CausalLm {
   int tp_rank() const;
   // Whether the embedding and the LM head are split by vocabulary rows over the tp group (tp divides vocab_size).
   bool vocab_parallel() const { return config_.vocab_size != global_config_.vocab_size; }
-  // Whether the stack runs on this rank's rows of every batch (ModelOptions::cp of more than one rank).
+  // Whether the stack runs on this rank's rows of the batch (ModelOptions::cp of more than one rank), for every batch
+  // but a decoding one (with a DecodeCache): generation runs the whole batch on each rank of the cp group alike (the
+  // weights are the same there), so prefill and decoding need no split; set by each forward's begin_forward.
   bool context_parallel() const;
   int cp_size() const;
   int cp_rank() const;
@@ -324,6 +326,7 @@ class CausalLm {
   ModelConfig global_config_;
   Tensor cp_cu_, cp_positions_;   // make_cp_tables' tensors, for a batch of cp_tables_tokens_ tokens
   int64_t cp_tables_tokens_ = -1;
+  bool decoding_ = false;  // the current forward's batch is a decoding one (context_parallel())
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;

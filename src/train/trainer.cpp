@@ -531,7 +531,6 @@ void Trainer::Impl::build() {
   mopt.tp = tp_;
   mopt.sequence_parallel = c_.sp;
   mopt.cp = groups_ ? groups_->cp.get() : nullptr;
-  LATHE_CHECK(!mopt.cp || !source_, "parallel.cp: {}: lathe rl under context parallelism is not built yet", c_.cp);
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
   const ModelConfig& mc = model_->global_config();

@@ -396,6 +396,36 @@ TEST(Rl, TensorParallelRanksEqualOneProcess) {
 #endif
 }
 
+// Context parallelism: `mpirun -np 2 lathe rl --set parallel.cp=2` (and -np 4, cp 2 x dp 2) is the one-process run:
+// the cp ranks of a replica sample the same groups (decoding runs whole on each of them), score them by rows with the
+// head all-to-all, and their gradient parts are summed with the dp ones: rewards and lengths exact, losses and
+// gradient norms within 1e-4, for GRPO with a KL term and for LoRA.
+TEST(Rl, ContextParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const fs::path dir = setup("cp");
+  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
+  for (const std::string& variant : {std::string(" --set rl.kl_coef=0.1"), std::string(" --set lora.rank=4 --set lora.alpha=8")}) {
+    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common, variant));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const std::vector<nlohmann::json> want = rl_rows(dir / "one");
+    ASSERT_EQ(want.size(), 6u);
+    for (int np : {2, 4}) {
+      const std::string out = fmt::format("cp2_np{}", np);
+      const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.cp=2{}{}", config(dir),
+                                         (dir / out).string(), common, variant),
+                             mpirun(np));
+      ASSERT_EQ(run.exit_code, 0) << run.output;
+      expect_same_steps(rl_rows(dir / out), want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
+                                                   "response_length_max", "samples"}, out + variant, 1e-4);
+      fs::remove_all(dir / out);
+    }
+    fs::remove_all(dir / "one");
+  }
+#endif
+}
+
 // On a GPU in bf16: one update per rollout is on policy within bf16 noise (the trainer's forward is the old policy's,
 // so the ratio is 1 up to the nondeterminism of the kernels), the train-rollout gap of the engine is reported and
 // printed, and the reward still rises. Skips without a GPU.

@@ -203,8 +203,9 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 // rule) over whole documents by the head all-to-all, mixture-of-experts layers on the rank's rows with the aux loss on
 // (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next (fused
 // projections, sparse layers): the logits, the loss, the aux loss and the expert loads, and every gradient summed over
-// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2. Fails with the
-// rows' head gradient left at 1 / cp, or with the routing totals not summed.
+// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2; the rollout engine's
+// greedy decode (no split while decoding) is the reference's. Fails with the rows' head gradient left at 1 / cp, or
+// with the routing totals not summed.
 std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp) {
   ModelOptions o;
   o.dtype = DType::F64;
@@ -258,6 +259,10 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
     ASSERT_TRUE(split->context_parallel());
     for (const PackedBatch& b : {random_batch(40, {0, 7, 9, 21}, 7), random_batch(40, {0, 3, 5}, 8)})
       expect_cp_equals_whole(*split, *whole, *world, b, family + " at " + std::to_string(b.tokens()) + " tokens");
+    // Decoding runs the whole batch on every rank (no split): the rollout engine's greedy tokens are the reference's.
+    const std::vector<int32_t> prompt = {3, 9, 14, 2, 27};
+    const RolloutResult a = engine_greedy(*whole, prompt, 6), c = engine_greedy(*split, prompt, 6);
+    EXPECT_EQ(c.tokens, a.tokens) << family;
     if (n == 4) {  // tp 2 x cp 2: the tp groups {0, 1} and {2, 3}, the cp groups {0, 2} and {1, 3}
       const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
       const std::unique_ptr<Communicator> cp = world->split(world->rank() % 2, world->rank(), "cp", nullptr);
