@@ -97,8 +97,6 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     : rt_(&rt), global_config_(std::move(config)), options_(options) {
   rt.check_device(options_.device);
   config_ = tensor_parallel_config(global_config_, tp_size());
-  LATHE_CHECK(!context_parallel() || !sequence_parallel(), "parallel.cp: context parallelism with parallel.sp is not "
-              "built yet");
   check_context_parallel(global_config_, tp_size(), cp_size());
   moe_routes_.resize(size_t(config_.num_layers));
 }
@@ -162,10 +160,12 @@ Tensor CausalLm::block_output(Tensor partial) const {
   return out;
 }
 
-Tensor CausalLm::stream_rows(const Tensor& whole) const {
+Tensor CausalLm::stream_rows(const Tensor& whole) const { return sp_rows(cp_rows(whole)); }
+
+Tensor CausalLm::sp_rows(const Tensor& block) const {
+  if (!sequence_parallel()) return block;
   ExecContext cx = rt_->context(options_.device);
-  if (sequence_parallel()) return rows_of(cx, whole, tp_size(), tp_rank());
-  return cp_rows(whole);
+  return rows_of(cx, block, tp_size(), tp_rank());
 }
 
 Tensor CausalLm::cp_rows(const Tensor& whole) const {
@@ -244,8 +244,8 @@ SegmentAttrs CausalLm::stack_segments(const LoraSlot& slot, const PackedBatch& b
   return s;
 }
 
-Tensor CausalLm::head_input(const Tensor& xf, int64_t tokens) const {
-  return sequence_parallel() ? block_input(xf, tokens) : cp_gather(xf, tokens);
+Tensor CausalLm::head_input(const Tensor& xf, const PackedBatch& b) const {
+  return cp_gather(block_input(xf, block_tokens(b)), b.tokens());
 }
 
 void CausalLm::make_cp_tables(const PackedBatch& b) {
@@ -573,9 +573,9 @@ Tensor CausalLm::embed(int index, const Tensor& ids) {
   ExecContext cx = ctx();
   const Parameter& p = params_[size_t(index)];
   if (p.whole() || p.shard.group != "tp") return stream_rows(embedding(cx, p.value, ids));
-  // (T, H): this rank's ids' rows, zeros elsewhere, summed over the group (onto the rank's rows under sp)
-  const Tensor x = block_output(embedding(cx, p.value, ids, p.shard.offset[0]));
-  return sequence_parallel() ? x : cp_rows(x);
+  // (T, H): this rank's ids' rows, zeros elsewhere; the rows the stack runs on (cp) summed over the group (onto the
+  // rank's rows under sp)
+  return block_output(cp_rows(embedding(cx, p.value, ids, p.shard.offset[0])));
 }
 
 namespace {
@@ -774,7 +774,7 @@ void CausalLm::end_backward(int embed, const Tensor& dx, const PackedBatch& b) {
   // add; a full-vocabulary pass each at 151,936 rows).
   if (options_.train_base) {
     // sequence parallelism: every rank's rows of the stream; context parallelism: the rank's rows and their ids
-    const Tensor d = block_input(dx, b.tokens());
+    const Tensor d = block_input(dx, block_tokens(b));
     const Tensor ids = cp_rows(b.ids);
     if (grad.defined() && grad.is_contiguous() && grad.dtype() == d.dtype())
       embedding_backward_into(cx, d, ids, grad, first);

@@ -291,6 +291,8 @@ class CausalLm {
   Tensor block_input(const Tensor& rows, int64_t tokens) const;
   Tensor block_output(Tensor partial) const;
   Tensor stream_rows(const Tensor& whole) const;
+  // Under sp the rank's rows of a block's whole rows (the batch's, or under cp the rank's cp rows); else itself.
+  Tensor sp_rows(const Tensor& block) const;
   void add_norm_grad(int index, Tensor g);
   // Context parallelism: the rank's rows of a whole (T, ...) (ceil(T / cp), zero-padded), every rank's rows joined
   // back into the whole (T, ...), and the head all-to-all: (rows, heads, d) -> (cp x rows, heads / cp, d) (every row,
@@ -310,7 +312,7 @@ class CausalLm {
   // the rank's, from its first row.
   SegmentAttrs stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const;
   // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
-  Tensor head_input(const Tensor& xf, int64_t tokens) const;
+  Tensor head_input(const Tensor& xf, const PackedBatch& b) const;
   // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not
   // divide T), and the positions of the rows the stack runs on (under cp the rank's), made once a forward.
   const Tensor& cp_cu_seqlens(const PackedBatch& b);

@@ -45,7 +45,7 @@ struct DecoderStack {
   static Tensor logits(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
+    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b);
     return m.lm_head(m.head()).whole_logits(cx, xf);
   }
 
@@ -53,7 +53,7 @@ struct DecoderStack {
   static Tensor last_hidden(M& m, const PackedBatch& b) {
     ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b.tokens());
+    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b);
     const int64_t docs = int64_t(b.host_cu.size()) - 1;
     if (xf.size(0) == docs) return xf;  // one token a document: every row is a last one
     if (docs == 1) return xf.narrow(0, xf.size(0) - 1, 1);
@@ -73,7 +73,7 @@ struct DecoderStack {
   template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
     const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
-    return m.head_label_logprobs(m.head_input(xf, b.tokens()), m.head(), b);
+    return m.head_label_logprobs(m.head_input(xf, b), m.head(), b);
   }
 
   template <typename M>
@@ -90,7 +90,7 @@ struct DecoderStack {
     // Under cp every rank runs the head on every row at 1 / cp of the scale (its weights' gradient a part like the
     // others'), and its rows' input gradient is scaled back.
     const int64_t cp = m.context_parallel() ? m.cp_size() : 1;
-    LossResult result = m.head_loss(m.head_input(xf, b.tokens()), m.head(), b, backward, loss_scale / double(cp),
+    LossResult result = m.head_loss(m.head_input(xf, b), m.head(), b, backward, loss_scale / double(cp),
                                     &dxf, losses);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) {

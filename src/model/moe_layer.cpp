@@ -96,19 +96,11 @@ void CausalLm::pack_mlp_rows() {
 MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b,
                               bool training) {
   MlpActs a;
-  if (p.sparse && context_parallel()) {  // the rank's rows of the batch routed, padding rows left out (zero output)
-    const int64_t real = cp_real_rows(b);
-    if (real == 0) {
-      a.out = zero_padded_rows(hn.narrow(0, 0, 0), hn.size(0));
-      return a;
-    }
-    a.moe = moe_forward(layer, p.moe, hn.narrow(0, 0, real), b, training);
-    a.out = zero_padded_rows(a.moe.out, hn.size(0));
-    return a;
-  }
-  if (p.sparse) {  // whole on every rank of a tp group: the stream's rows of its output
-    a.moe = moe_forward(layer, p.moe, hn, b, training);
-    a.out = stream_rows(a.moe.out);
+  if (p.sparse) {  // whole on every rank of a tp group: the stream's rows (sp) of its output
+    // Under cp the rank's rows of the batch are routed, the padding rows after its end left out (a zero output).
+    const int64_t real = context_parallel() ? cp_real_rows(b) : hn.size(0);
+    if (real > 0) a.moe = moe_forward(layer, p.moe, hn.narrow(0, 0, real), b, training);
+    a.out = sp_rows(zero_padded_rows(real > 0 ? a.moe.out : hn.narrow(0, 0, 0), hn.size(0)));
     return a;
   }
   ExecContext cx = ctx();
@@ -121,9 +113,11 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
 
 Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                               const PackedBatch& b) {
-  if (p.sparse && context_parallel()) {  // the rank's batch rows (mlp_forward); its padding rows get no gradient
-    const int64_t real = cp_real_rows(b);
-    if (real > 0) return zero_padded_rows(moe_backward(layer, p.moe, a.moe, dout.narrow(0, 0, real), b), dout.size(0));
+  const Tensor d = block_input(dout, hn.size(0));  // sequence parallelism: every rank's rows of the stream
+  if (p.sparse) {  // the rows mlp_forward routed (under cp the padding rows after the batch get no gradient)
+    const int64_t real = context_parallel() ? cp_real_rows(b) : d.size(0);
+    if (real > 0)
+      return sp_rows(zero_padded_rows(moe_backward(layer, p.moe, a.moe, d.narrow(0, 0, real), b), d.size(0)));
     // No row of the batch: the layer's gradients are zero here (defined, as on the other ranks, for the group's sum).
     ExecContext cx = ctx();
     for (int index : {p.moe.router, p.moe.gate_up, p.moe.down, p.moe.shared_gate, p.moe.shared_up, p.moe.shared_down,
@@ -133,10 +127,8 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
         cx.backend.fill_bytes(zero.data_ptr(), 0, zero.nbytes(), cx.stream);
         add_grad(index, zero);
       }
-    return zero_padded_rows(dout.narrow(0, 0, 0), dout.size(0));
+    return sp_rows(zero_padded_rows(d.narrow(0, 0, 0), d.size(0)));
   }
-  const Tensor d = block_input(dout, b.tokens());  // sequence parallelism: every rank's rows of the stream
-  if (p.sparse) return stream_rows(moe_backward(layer, p.moe, a.moe, d, b));
   ExecContext cx = ctx();
   Tensor dact, dhn;  // out = down(swiglu(gate(hn), up(hn)))
   project_backward(layer, LoraTarget::down_proj, p.down, a.act, d, dact, b);

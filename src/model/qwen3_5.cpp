@@ -557,13 +557,13 @@ Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const Residual
   LayerActs a;
   Tensor xn;
   std::tie(xn, a.x) = norm_stream(x, w(l.input_norm), norm);
-  a.xn = block_input(xn, b.tokens());  // sequence parallelism: every rank's rows of the stream
+  a.xn = block_input(xn, block_tokens(b));  // sequence parallelism: every rank's rows of the stream
   if (l.linear) gdn_forward(l, a, b, training);
   else attention_forward(l, a, b, training);
   a.mix = block_output(a.mix);  // tensor parallelism: every rank's heads (summed onto the stream's rows under sp)
   // h = x + mixer output and hn = post_norm(h) in one pass
   std::vector<Tensor> post = residual_rmsnorm(cx, a.x, a.mix, w(l.post_norm), norm);
-  a.hn = block_input(post[0], b.tokens());
+  a.hn = block_input(post[0], block_tokens(b));
   a.h = post[1];
   a.mlp = mlp_forward(l.index, l.mlp, a.hn, b, training);
   a.out = {a.h, a.mlp.out};
@@ -716,7 +716,7 @@ Tensor Qwen35Model::layer_backward(const Layer& l, const LayerActs& a, const Ten
   add_norm_grad(l.post_norm, dpost[1]);
   const Tensor& dh = dpost[0];
   // Mixer: h = x + mixer(input_norm(x)), over every rank's rows of the stream under sequence parallelism
-  const Tensor dh_all = block_input(dh, b.tokens());
+  const Tensor dh_all = block_input(dh, block_tokens(b));
   Tensor dxn = l.linear ? gdn_backward_part(l, a, dh_all, b) : attention_backward_part(l, a, dh_all, b);
   // tensor parallelism: the column-parallel projections' parts of the input gradient summed
   const std::vector<Tensor> din = residual_rmsnorm_backward(cx, a.x, w(l.input_norm), block_output(dxn), dh, norm);

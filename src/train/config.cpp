@@ -497,12 +497,11 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     if (size > 1)
       problems.push_back(fmt::format("parallel.{}: {} is not built yet (data, tensor and context parallelism are): "
                                      "use 1", key, what));
-  if (c.cp > 1) {  // context parallelism so far: without sp or LoRA dropout
+  if (c.cp > 1) {  // context parallelism so far: without LoRA dropout
     if (c.lora_rank > 0 && c.lora_dropout > 0)
       problems.push_back(fmt::format("lora.dropout: {} under parallel.cp {} is not built yet (the mask is drawn per "
                                      "element of a segment from its first row; a rank's rows start inside one): use 0",
                                      c.lora_dropout, c.cp));
-    if (c.sp) problems.push_back(fmt::format("parallel.cp: {} with parallel.sp is not built yet", c.cp));
   }
   if (c.sp && c.tp <= 1)
     problems.push_back("parallel.sp: sequence parallelism splits the stream over the tp group: it needs parallel.tp > 1");

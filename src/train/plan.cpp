@@ -1,6 +1,9 @@
 // The layout planner (plan.h; formulas in words: docs/plan.md). Sizes follow what the layer code keeps: Qwen3's and
-// Qwen3.5's LayerActs (model/qwen3.cpp, model/qwen3_5.cpp), MlpActs and MoeActs (model/moe_layer.h), the loss head
-// (CausalLm::head_loss), the parameters each tp rank holds (Qwen3Model's shard_over_tp calls) and AdamW's states.
+// Qwen3.5's LayerActs (model/qwen3.cpp, model/qwen3_5.cpp, their context_parallel() branches included), MlpActs and
+// MoeActs (model/moe_layer.h), the loss head (DecoderStack::loss, CausalLm::head_loss), the parameters each tp rank
+// holds (Qwen3Model's shard_over_tp calls) and AdamW's states. Under context parallelism a rank's tensors have one of
+// two row counts: its ceil(T / cp) rows of the micro-batch (the stream, norms, projections, MLPs) or, inside a mixer
+// after the head all-to-all, every row (padded to cp x its rows) for a cp-th of its heads (Rows).
 #include "train/plan.h"
 
 #include <fmt/format.h>
@@ -11,6 +14,7 @@
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "model/causal_lm.h"
+#include "ops/ops.h"
 #include "optim/adamw.h"
 #include "parallel/grid.h"
 
@@ -20,7 +24,6 @@ namespace {
 
 constexpr int64_t kMiB = int64_t(1) << 20;
 constexpr int64_t kLossChunkRows = 2048;  // ModelOptions::loss_chunk_rows, the trainer's
-constexpr int64_t kGdnChunk = 64;         // gated_delta_rule saves one state per 64-token chunk (ops/op_table.h)
 constexpr int64_t kBucketsAlive = 3;      // gradient buckets alive at once: the one filling and two in flight
 
 DType model_dtype(const TrainConfig& c) {
@@ -28,9 +31,15 @@ DType model_dtype(const TrainConfig& c) {
   return c.device == "cpu" ? DType::F32 : DType::BF16;
 }
 
-// Ring volumes: what one of n ranks sends for a collective over S bytes.
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+bool on_cuda(const TrainConfig& c) { return c.device.rfind("cuda", 0) == 0; }
+
+// Ring volumes: what one of n ranks sends for a collective over S bytes (an all-gather sends what a reduce-scatter
+// does; an all-to-all of a rank's S bytes keeps 1/n of them).
 int64_t all_reduce_bytes(int64_t s, int64_t n) { return n > 1 ? 2 * (n - 1) * s / n : 0; }
 int64_t reduce_scatter_bytes(int64_t s, int64_t n) { return n > 1 ? (n - 1) * s / n : 0; }
+int64_t all_to_all_bytes(int64_t s, int64_t n) { return n > 1 ? (n - 1) * s / n : 0; }
 
 // The head counts and intermediate size of one tp rank: the model's own local config (tensor_parallel_config), and
 // how many ranks share each of its key/value heads.
@@ -43,10 +52,35 @@ LocalSizes local_sizes(const ModelConfig& whole, const ModelConfig& local, int64
           tp * local.num_kv_heads / std::max<int64_t>(whole.num_kv_heads, 1)};
 }
 
+// The rows a rank's tensors have for one micro-batch of T tokens.
+struct Rows {
+  int64_t tokens;  // T
+  int64_t block;   // a block's rows (the norms' outputs, the projections, the MLP): T; ceil(T / cp) under cp
+  int64_t stream;  // the residual stream's (x, h, a layer's output): block; ceil(block / tp) under sequence parallelism
+  int64_t core;    // a mixer core's after cp's head all-to-all: every row, padded to cp x block; T without cp
+  int64_t cp;      // the parts of a tp rank's heads in the core (1 without cp)
+  int64_t docs;    // documents the core sees: the micro-batch's, and the padding rows' own under cp
+};
+
+Rows rows_of(int64_t t, int64_t tp, int64_t cp, bool sp, int64_t docs) {
+  Rows r;
+  r.tokens = t;
+  r.block = ceil_div(t, cp);
+  r.stream = sp && tp > 1 ? ceil_div(r.block, tp) : r.block;
+  r.core = cp * r.block;
+  r.cp = cp;
+  r.docs = docs + (r.core > t ? 1 : 0);
+  return r;
+}
+
 // Parameters outside the layers: the embedding, an untied LM head (both vocab-parallel: `m` is a rank's local config,
 // its vocab_size the rank's rows) and the final norm (whole on every rank).
 int64_t outside_layer_elements(const ModelConfig& m) {
   return m.vocab_size * m.hidden_size * (m.tie_word_embeddings ? 1 : 2) + m.hidden_size;
+}
+
+bool gdn_layer(const ModelConfig& m, int64_t i) {
+  return m.is_hybrid() && m.layer_types[size_t(i)] != "full_attention";
 }
 
 // Bytes of a dense SwiGLU MLP's or a sparse layer's activations (MlpActs / MoeActs, with the layer's cached route).
@@ -61,44 +95,131 @@ int64_t mlp_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_t 
   return bytes;
 }
 
-// Bytes layer i keeps from its forward for its backward (LayerActs), T tokens of dtype size b; `stream_parts`: the
-// ranks the residual stream's rows are split over (tp under sequence parallelism, else 1).
-int64_t layer_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, int64_t t, int64_t b,
-                               int64_t docs, int64_t stream_parts) {
-  const int64_t h = m.hidden_size, d = m.head_dim;
-  // x and h (the stream's rows), xn and hn (the blocks' whole inputs, gathered under sp)
-  const int64_t stream = 2 * b * ((t + stream_parts - 1) / stream_parts) * h + 2 * b * t * h;
-  const int64_t mlp = mlp_activation_bytes(m, l, i, t, b);
-  if (!m.is_hybrid()) {
-    // qkv, qr, kr, v, o; lse in f32
-    const int64_t attn = b * t * d * (2 * (l.heads + 2 * l.kv_heads) + l.heads) + 4 * t * l.heads;
-    return stream + attn + mlp;
-  }
-  if (m.layer_types[size_t(i)] == "full_attention") {
-    // mix; q, gate, k, v; qr, kr; o, sg, y; lse in f32
-    const int64_t attn = b * t * (h + d * (6 * l.heads + 3 * l.kv_heads) + d * l.kv_heads) + 4 * t * l.heads;
-    return stream + attn + mlp;
-  }
-  // Gated DeltaNet: mix; qkv and conv (T, 2K + V); qa, ka, va; qn, kn; z; core, gy; b, a, beta, g (T, Hv); the
-  // chunk-start states (T / 64 + docs, Hv, dk, dv)
-  const int64_t kd = m.linear_num_key_heads * m.linear_key_head_dim;
-  const int64_t vd = m.linear_num_value_heads * m.linear_value_head_dim, hv = m.linear_num_value_heads;
-  const int64_t gate_b = std::max<int64_t>(b, 4);  // beta and g at least f32
-  const int64_t states = (t / kGdnChunk + docs) * hv * m.linear_key_head_dim * m.linear_value_head_dim;
-  const int64_t gdn = b * t * (h + 2 * (2 * kd + vd) + (2 * kd + vd) + 2 * kd + 3 * vd + 2 * hv) +
-                      gate_b * t * 2 * hv + b * states;
+// A tp rank's mixer heads as cp's head all-to-all splits them over the core (CausalLm::heads_to_sequence; qwen3_5.cpp's
+// CpChannels): a rank's core takes heads / cp query heads and max(kv / cp, 1) key/value heads (with fewer key/value
+// heads than ranks, a head goes to each of the cp / kv ranks whose query heads read it); of a Gated DeltaNet layer
+// Hv / cp value heads and the key heads those read, max(Hk / cp, 1). `sent_*`: what a rank puts into the all-to-all per
+// row (shared heads once for each rank). Without cp the core is the rank's own heads.
+struct CoreHeads {
+  int64_t q, kv, sent_kv;          // attention
+  int64_t key_width, value_width;  // Gated DeltaNet: a core's key channels (for q and for k) and value channels
+  int64_t value_heads;             // Gated DeltaNet value heads in a core
+  int64_t width() const { return 2 * key_width + value_width; }  // a core's [q | k | v] channels
+};
+
+CoreHeads core_heads(const ModelConfig& m, const LocalSizes& l, int64_t cp) {
+  CoreHeads c;
+  c.q = l.heads / cp;
+  c.kv = std::max<int64_t>(l.kv_heads / cp, 1);
+  c.sent_kv = std::max(l.kv_heads, cp);
+  c.key_width = std::max<int64_t>(m.linear_num_key_heads / cp, 1) * m.linear_key_head_dim;
+  c.value_width = m.linear_num_value_heads * m.linear_value_head_dim / cp;
+  c.value_heads = m.linear_num_value_heads / cp;
+  return c;
+}
+
+// Bytes layer i keeps from its forward for its backward (LayerActs), dtype size b. `chunk_cache`: the CUDA chunked
+// Gated DeltaNet kernels save their per-chunk factors too (gdn_chunk_cache_applies).
+int64_t layer_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
+                               bool chunk_cache) {
+  const int64_t h = m.hidden_size, d = m.head_dim, rows = r.block, core = r.core;
+  const CoreHeads ch = core_heads(m, l, r.cp);
+  // x and h (the stream's rows), xn and hn (the blocks' inputs: gathered whole under sp, the rank's rows under cp)
+  const int64_t stream = 2 * b * r.stream * h + 2 * b * rows * h;
+  const int64_t mlp = mlp_activation_bytes(m, l, i, rows, b);
+  // cp: the attention core's output on the rank's rows for every head (o_rows), a tensor of its own
+  const int64_t o_rows = r.cp > 1 ? b * rows * l.heads * d : 0;
+  // In the core (every row, the core's heads): qr, kr, v, o; the log-sum-exp in f32.
+  const int64_t attn_core = b * core * d * (2 * ch.q + 2 * ch.kv) + 4 * core * ch.q;
+  if (!m.is_hybrid()) return stream + b * rows * d * (l.heads + 2 * l.kv_heads) + attn_core + o_rows + mlp;  // + qkv
+  if (!gdn_layer(m, i))  // + mix, q, gate, k, sg, y on the rows
+    return stream + b * rows * (h + d * (4 * l.heads + l.kv_heads)) + attn_core + o_rows + mlp;
+  // Gated DeltaNet. On the rows: mix; z, core, gy. In the core (every row, the rank's channel blocks): qkv and conv;
+  // qa, ka, va; qn, kn; b, a, beta and g (at least f32); the chunk-start states ((rows / 64 + documents), its value
+  // heads, dk, dv); on CUDA the chunk cache (rows, its value heads, kGdnChunkCacheWidth).
+  const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim;
+  const int64_t vd = m.linear_num_value_heads * dv, hv = ch.value_heads;
+  const int64_t gate_b = std::max<int64_t>(b, 4);
+  const int64_t states = gdn_state_rows(core, r.docs) * hv * dk * dv;
+  const int64_t gdn = b * rows * (h + 3 * vd) + b * core * (3 * ch.width() + 2 * ch.key_width + 2 * hv) +
+                      gate_b * core * 2 * hv + b * states + (chunk_cache ? b * core * hv * kGdnChunkCacheWidth : 0);
   return stream + gdn + mlp;
 }
 
-// The largest temporaries of a layer's backward besides the stream gradients: the MLP's (dact, dgu) or the
-// attention's (d_o, dq, dk, dv and the stacked dqkv).
-int64_t layer_backward_temporary_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, int64_t t, int64_t b) {
+// Scratch that the CUDA kernels of a mixer's core take for their backward (0 on the CPU), for one layer of each kind.
+struct CoreScratch {
+  int64_t attention = 0, gdn = 0;
+};
+
+// `r`'s core on CUDA, for a rank's local layers `m` (bf16 or f16 models):
+// - attention: cuDNN's fused backward (bf16/f16, head dim up to 128; cudnn_attention.cpp), whose deterministic engine
+//   stages dS in its workspace, B x Hq x S^2 x 2 bytes for B documents of S rows (the longest rounded up to 128),
+//   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. The
+//   nondeterministic engine's workspace is not known ahead and not counted.
+// - Gated DeltaNet: the chunked kernels' backward workspace (bf16, dk = dv = 128; gated_delta.cu carve_chunked, given
+//   the forward's states and chunk cache): per row and value head the f32 dq and dk, the bf16 dDelta and dW and db;
+//   per saved state its gradient. Elsewhere the recurrent kernel's (carve_recurrent): f32 state checkpoints, dq and dk
+//   and its blocks' token states.
+CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const LocalSizes& l, const Rows& r, DType dtype) {
+  CoreScratch s;
+  if (!on_cuda(c)) return s;
+  const int64_t b = int64_t(dtype_size(dtype));
+  const CoreHeads ch = core_heads(m, l, r.cp);
+  if (c.deterministic && b == 2 && m.head_dim <= 128) {
+    const int64_t longest = ceil_div(std::min(c.max_seq_len, r.tokens), 128) * 128;
+    s.attention = r.docs * ch.q * longest * (2 * longest + 4);
+  }
+  if (m.is_hybrid()) {
+    const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim, hv = ch.value_heads;
+    const int64_t states = gdn_state_rows(r.core, r.docs) * hv * dk * dv;
+    if (dtype == DType::BF16 && dk == 128 && dv == 128) {
+      s.gdn = r.core * hv * (2 * dv + 10 * dk + 4) + 2 * states;
+    } else {
+      const int64_t blocks = std::min(r.docs * hv, dk * dv >= 64 * 64 ? int64_t(128) : int64_t(1024));
+      constexpr int64_t kCheckpoint = 64;  // tokens between the recurrent backward's state checkpoints
+      s.gdn = 4 * (states + 2 * r.core * hv * dk + blocks * ((kCheckpoint + 1) * dk * dv + kCheckpoint * dv));
+    }
+  }
+  return s;
+}
+
+// The largest temporaries of layer i's backward besides the gradients: the incoming stream gradient (dout) and either
+// the MLP's (dact, dgu) or, after it, the MLP's input gradient and the mixer's input gradient (dhn, dh) with the
+// mixer's own: its output's gradient d_o (again in the core's layout under cp), the core's input gradients and the
+// kernel's scratch, or the stacked dqkv beside them.
+int64_t layer_backward_temporary_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
+                                       const CoreScratch& scratch, bool cpu) {
+  const int64_t h = m.hidden_size, d = m.head_dim, rows = r.block;
+  const CoreHeads ch = core_heads(m, l, r.cp);
   const int64_t inter = m.sparse_layer(i) ? m.num_experts_per_tok * m.moe_intermediate_size : l.intermediate;
-  const int64_t qkv = m.is_hybrid() && m.layer_types[size_t(i)] != "full_attention"
-                          ? 2 * m.linear_num_key_heads * m.linear_key_head_dim +
+  const bool gdn = gdn_layer(m, i);
+  // On the rows: the projections' stacked output gradient, and the mixer's output gradient; in the core: its input
+  // and output gradients.
+  const int64_t qkv = gdn ? 2 * m.linear_num_key_heads * m.linear_key_head_dim +
                                 m.linear_num_value_heads * m.linear_value_head_dim
-                          : (l.heads + 2 * l.kv_heads) * m.head_dim;
-  return b * t * std::max(3 * inter, 2 * qkv + l.heads * m.head_dim);
+                          : (l.heads + 2 * l.kv_heads) * d;
+  const int64_t out = gdn ? m.linear_num_value_heads * m.linear_value_head_dim : l.heads * d;
+  const int64_t core_in = gdn ? ch.width() : (ch.q + 2 * ch.kv) * d, core_out = gdn ? ch.value_width : ch.q * d;
+  const int64_t dout = b * r.stream * h;
+  // dact and dgu; on the CPU swiglu_halves_backward is a composite (ops/composite.cpp) that copies out the gate and up
+  // halves and makes their gradients before it writes dgu: four (rows, I) more.
+  const int64_t mlp = b * rows * (3 + (cpu && !m.sparse_layer(i) ? 4 : 0)) * inter;
+  const int64_t core = b * rows * out + (r.cp > 1 ? b * r.core * core_out : 0) + b * r.core * core_in +
+                       (gdn ? scratch.gdn : scratch.attention);
+  const int64_t mixer = b * rows * h + b * r.stream * h + std::max(core, b * rows * (2 * qkv + out));
+  return dout + std::max(mlp, mixer);
+}
+
+// Bytes one rank sends through cp's head all-to-alls in one pass of layer i (a forward, or a backward: the same
+// tensors the other way): attention's q, k, v there and o back; Gated DeltaNet's in_proj_qkv output (the rank's
+// blocks for every core) and b, a there and the core's output back.
+int64_t layer_all_to_all_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b) {
+  if (r.cp <= 1) return 0;
+  const CoreHeads ch = core_heads(m, l, r.cp);
+  const int64_t width = gdn_layer(m, i) ? r.cp * ch.width() + 2 * m.linear_num_value_heads +
+                                              m.linear_num_value_heads * m.linear_value_head_dim
+                                        : (2 * l.heads + 2 * ch.sent_kv) * m.head_dim;
+  return all_to_all_bytes(b * r.block * width, r.cp);
 }
 
 }  // namespace
@@ -119,51 +240,71 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   const ModelConfig local = tensor_parallel_config(whole, int(layout.tp));  // this rank's layers
   const ModelConfig& m = local;
   const int64_t t = c.micro_batch_tokens, h = m.hidden_size, layers = m.num_layers;
-  const int64_t docs = (t + c.max_seq_len - 1) / c.max_seq_len;  // documents a packed micro-batch holds, at least
+  const int64_t docs = ceil_div(t, c.max_seq_len);  // documents a packed micro-batch holds, at least
+  const Rows rows = rows_of(t, layout.tp, layout.cp, c.sp, docs);
   const LocalSizes l = local_sizes(whole, local, layout.tp);
   const bool lora = c.lora_rank > 0 || !c.tenants.empty();
-  const int64_t dp = layout.dp, micro_batches = c.grad_accum;
-  const bool zero = layout.zero > 0 && dp > 1;
+  // The ranks that hold the same weights (ProcessGroups::weight_replicas): the gradients are summed, and ZeRO cuts the
+  // optimizer state, over dp, or dp x cp under context parallelism.
+  const int64_t replicas = layout.dp * layout.cp, micro_batches = c.grad_accum;
+  const bool zero = layout.zero > 0 && replicas > 1;
+  // The CUDA chunked Gated DeltaNet kernels' saved factors (ops.h, gdn_chunk_cache_applies: bf16, dk = dv = 128).
+  const bool chunk_cache = on_cuda(c) && dtype == DType::BF16 && m.linear_key_head_dim == 128 &&
+                           m.linear_value_head_dim == 128;
 
-  // Parameters, gradients (every trainable parameter's, in the model dtype) and AdamW's states.
+  // Parameters, gradients (every trainable parameter's, in the model dtype) and AdamW's states: whole on every cp rank
+  // (the tp slice's).
   const int64_t weight_elements = local.parameter_count();  // the rank's slices and the whole tensors
   RankMemory& mem = plan.memory;
   mem.weights = weight_elements * b;
   const int64_t grads = lora ? 0 : mem.weights;  // LoRA: the frozen base has none (adapters: docs/plan.md)
   const int64_t states =
       lora ? 0 : weight_elements * int64_t(adamw_state_bytes_per_element(dtype, dtype_from_name(c.optimizer_states)));
-  mem.optimizer = zero ? states / dp : states;
-  mem.gradients = zero && layout.zero == 2 ? grads / dp : grads;
-  const int64_t grad_shard = zero ? grads / dp : 0;  // ZeRO: the rank's summed share, after the first reduction
+  mem.optimizer = zero ? states / replicas : states;
+  mem.gradients = zero && layout.zero == 2 ? grads / replicas : grads;
+  const int64_t grad_shard = zero ? grads / replicas : 0;  // ZeRO: the rank's summed share, after the first reduction
   const int64_t head_grad = lora ? 0 : m.vocab_size * h * b + h * b;  // LM head (tied: the embedding) and final norm
   const int64_t layer_grad = lora ? 0 : (grads - outside_layer_elements(m) * b) / std::max<int64_t>(layers, 1);
   const int64_t bucket = int64_t(c.bucket_mb * double(kMiB));
 
-  // Activations: every layer's LayerActs, or under recomputation each layer's input and one layer recomputed.
+  // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows) and one layer
+  // recomputed.
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t i = 0; i < layers; ++i) {
-    acts[size_t(i)] = layer_activation_bytes(m, l, i, t, b, docs, c.sp ? layout.tp : 1);
-    kept[size_t(i)] = c.recompute ? b * t * h : acts[size_t(i)];
+    acts[size_t(i)] = layer_activation_bytes(m, l, i, rows, b, chunk_cache);
+    kept[size_t(i)] = c.recompute ? b * rows.stream * h : acts[size_t(i)];
   }
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;
   mem.activations = kept_all + (c.recompute ? *std::max_element(acts.begin(), acts.end()) : 0);
-  // The loss head: the final norm's output and stream (T, H) x2, the labelled rows and their gradient (T, H) x2, one
-  // chunk's logits and their gradient (rows padded to 64 columns) and its per-row losses.
+  // The loss head: the final norm's output and stream on the stream's rows, their gather into every row (whole,
+  // padded: sp and cp), the labelled rows and their gradient (T, H) x2, one chunk's logits and their gradient (rows
+  // padded to 64 columns) and its per-row losses. Under cp every rank runs the head on every row.
+  const int64_t padded_block = rows.stream < rows.block ? layout.tp * rows.stream : rows.block;  // sp's padding
+  const int64_t gathered = rows.stream < t ? b * rows.cp * padded_block * h : 0;
   const int64_t chunk = std::min(t, kLossChunkRows), padded_vocab = (m.vocab_size + 63) / 64 * 64;
-  mem.loss_head = 4 * b * t * h + 2 * b * chunk * padded_vocab + 4 * chunk;
+  mem.loss_head = 2 * b * rows.stream * h + gathered + 2 * b * t * h + 2 * b * chunk * padded_vocab + 4 * chunk;
 
   // The peak: the step's phases, micro-batch by micro-batch (the second repeats in every later one).
   const int64_t persistent = mem.weights + mem.optimizer;
-  const int64_t stream = b * t * h;
+  // What the loss keeps through the whole backward (DecoderStack::loss): every layer's input (one (rows, H) tensor a
+  // layer, also once its activations are gone), the final norm's output and stream, the last layer's output terms
+  // (part of its activations until its backward), the head's input gradient (T, H) and, under sp and cp, its rows.
+  const int64_t x_bytes = b * rows.stream * h;
+  const int64_t carried = 2 * x_bytes + b * t * h + (rows.stream < t ? x_bytes : 0);
+  const CoreScratch scratch = core_scratch(c, m, l, rows, dtype);  // the CUDA kernels' backward scratch
   int64_t peak = persistent;
   for (int64_t mb = 0; mb < std::min<int64_t>(micro_batches, 2); ++mb) {
     const bool first = mb == 0, last = mb + 1 == micro_batches;
     // ZeRO reduces (and drops) whole gradients as the backward completes their buckets: every micro-batch under
-    // ZeRO-2, the last under ZeRO-1; plain dp sums the last micro-batch's buckets through packed buffers.
+    // ZeRO-2, the last under ZeRO-1; otherwise the last micro-batch's buckets are summed through packed buffers.
     const bool reduced_here = zero && (layout.zero == 2 || last);
     const int64_t before = first ? 0 : zero && layout.zero == 2 ? grad_shard : grads;
-    const int64_t dp_buffers = dp > 1 && !zero && last && !lora ? 2 * std::min(grads, 2 * bucket) : 0;
+    // Buckets packed for the sum, at most two in flight (GradReducer, AllReduce: once summed, a bucket's buffer holds
+    // its gradients and theirs are freed); a bucket is complete once the backward has passed all of its layers.
+    auto in_flight = [&](int64_t complete) {
+      return replicas > 1 && !zero && last && !lora ? std::min(2 * bucket, complete / bucket * bucket) : 0;
+    };
     auto whole_grads = [&](int64_t made) {  // gradients alive once `made` bytes of them were written this micro-batch
       const int64_t alive = first || (zero && layout.zero == 2) ? made : grads;
       return reduced_here ? std::min(alive, kBucketsAlive * bucket) + (first ? 0 : grad_shard) : alive;
@@ -171,43 +312,61 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
     // The end of the forward and the loss head (the head's gradient is made in its first chunk).
     const int64_t head_made = std::min(head_grad, grads);
     peak = std::max(peak, persistent + std::max(before, whole_grads(head_made)) + kept_all + mem.loss_head);
-    // The backward, last layer first: layers 0..i keep their activations (layer i whole), gradients up to layer i
-    // exist, and the stream's gradient with the layer's temporaries.
+    // The backward, last layer first: layers 0..i - 1 keep what they kept, layer i its whole activations (recomputed
+    // under train.recompute), the layers above their inputs; the gradients up to layer i exist, and the layer's
+    // temporaries.
     int64_t kept_below = kept_all;
     for (int64_t i = layers - 1; i >= 0; --i) {
       kept_below -= kept[size_t(i)];
       const int64_t made = head_made + (layers - i) * layer_grad;
-      const int64_t live = persistent + std::max(before, whole_grads(made)) + kept_below + acts[size_t(i)] +
-                           2 * stream + layer_backward_temporary_bytes(m, l, i, t, b) + dp_buffers;
+      const int64_t above = (layers - 1 - i) * x_bytes + (c.recompute || i < layers - 1 ? 2 * x_bytes : 0);
+      const int64_t live = persistent + std::max(before, whole_grads(made)) + kept_below + acts[size_t(i)] + above +
+                           carried + layer_backward_temporary_bytes(m, l, i, rows, b, scratch, c.device == "cpu") +
+                           in_flight((layers - 1 - i) * layer_grad);
       peak = std::max(peak, live);
     }
+    // The end of the backward: every gradient, the last buckets in flight (the whole gradients when they fit one), the
+    // layers' inputs and what the loss keeps.
+    const int64_t end = persistent + std::max(before, whole_grads(grads)) + (layers + 2) * x_bytes + carried;
+    peak = std::max(peak, end + (replicas > 1 && !zero && last && !lora ? std::min(2 * bucket, grads) : 0));
   }
   mem.peak = peak;
 
-  // Communication per optimizer step: the dp gradient sum (ZeRO: reduce-scatter, then the parameters' all-gather) and
-  // tp's per-layer sums of (T, H) activations and the q/k norm gains' gradients, each micro-batch.
+  // Communication per optimizer step. The gradient sum over the weight replicas, dp (x cp) (ZeRO: reduce-scatter, then
+  // the parameters' all-gather).
   const int64_t dp_grads = lora ? 0 : grads;
-  if (!zero) plan.comm_bytes += all_reduce_bytes(dp_grads, dp);
+  if (!zero) plan.comm_grads_bytes = all_reduce_bytes(dp_grads, replicas);
   else
-    plan.comm_bytes += (layout.zero == 2 ? micro_batches : 1) * reduce_scatter_bytes(dp_grads, dp) +
-                       reduce_scatter_bytes(mem.weights, dp);  // an all-gather sends what a reduce-scatter does
+    plan.comm_grads_bytes = (layout.zero == 2 ? micro_batches : 1) * reduce_scatter_bytes(dp_grads, replicas) +
+                            reduce_scatter_bytes(mem.weights, replicas);  // the all-gather sends as much
+  // tp: each layer's sums of (rows, H) activations and the q/k norm gains' gradients, each micro-batch.
+  const int64_t forward_passes = c.recompute ? 2 : 1;  // the recomputing backward runs the forward's collectives again
   if (layout.tp > 1) {
-    const int64_t forward_sums = c.recompute ? 4 : 2;  // the recomputing backward runs the forward's sums again
-    const int64_t per_layer =
-        (forward_sums + 2) * all_reduce_bytes(stream, layout.tp) + 2 * all_reduce_bytes(b * m.head_dim, layout.tp);
-    plan.comm_bytes += micro_batches * layers * per_layer;
-    // The vocab-parallel embedding's rows summed (forward) and the LM head's input gradient (backward), each (T, H);
-    // the loss's per-row log-sum-exps and label logits are T values a chunk.
-    plan.comm_bytes += micro_batches * (2 * all_reduce_bytes(stream, layout.tp) + 4 * t * (layout.tp + 2));
+    const int64_t stream = b * rows.block * h;
+    const int64_t per_layer = (2 * forward_passes + 2) * all_reduce_bytes(stream, layout.tp) +
+                              2 * all_reduce_bytes(b * m.head_dim, layout.tp);
+    plan.comm_tp_bytes += micro_batches * layers * per_layer;
+    // The vocab-parallel embedding's rows summed (forward; every row of the micro-batch, also under cp) and the LM
+    // head's input gradient (backward), each (T, H); the loss's per-row log-sum-exps and label logits are T values a
+    // chunk.
+    plan.comm_tp_bytes += micro_batches * (2 * all_reduce_bytes(b * t * h, layout.tp) + 4 * t * (layout.tp + 2));
     if (l.kv_replicas > 1)  // shared k/v slices' gradients summed over the ranks holding them, once a step
-      plan.comm_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
+      plan.comm_tp_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
   }
+  // cp: each mixer's head all-to-alls (forward, again when recomputing, and backward) and the final norm's output
+  // gathered into every row, each micro-batch (its gradient sum is part of the weight replicas' above).
+  if (layout.cp > 1) {
+    for (int64_t i = 0; i < layers; ++i)
+      plan.comm_cp_bytes += micro_batches * (forward_passes + 1) * layer_all_to_all_bytes(m, l, i, rows, b);
+    plan.comm_cp_bytes += micro_batches * reduce_scatter_bytes(b * rows.core * h, layout.cp);  // all-gather
+  }
+  plan.comm_bytes = plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes;
   return plan;
 }
 
 std::vector<std::string> layout_overrides(const PlanLayout& layout) {
-  return {fmt::format("parallel.tp={}", layout.tp), fmt::format("parallel.dp={}", layout.dp),
-          fmt::format("parallel.zero={}", layout.zero)};
+  return {fmt::format("parallel.tp={}", layout.tp), fmt::format("parallel.cp={}", layout.cp),
+          fmt::format("parallel.dp={}", layout.dp), fmt::format("parallel.zero={}", layout.zero)};
 }
 
 TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_bytes,
@@ -221,24 +380,29 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
   plan.model = planned_model_config(c);
   for (int64_t tp = 1; tp <= nproc; ++tp) {
     if (nproc % tp != 0) continue;
-    const int64_t dp = nproc / tp;
-    for (int64_t zero = 0; zero <= (dp > 1 ? 2 : 0); ++zero) {
-      const PlanLayout layout{tp, dp, zero};
-      std::string refused;
-      TrainConfig at = c;
-      try {
-        at = config_at(layout);
-        check_tensor_parallel(plan.model, int(tp));
-      } catch (const Error& e) {
-        refused = e.what();
+    for (int64_t cp = 1; cp <= nproc / tp; ++cp) {
+      if (nproc / tp % cp != 0) continue;
+      const int64_t dp = nproc / tp / cp;
+      for (int64_t zero = 0; zero <= (dp * cp > 1 ? 2 : 0); ++zero) {
+        const PlanLayout layout{tp, cp, dp, zero};
+        std::string refused;
+        TrainConfig at = c;
+        try {
+          at = config_at(layout);
+          check_tensor_parallel(plan.model, int(tp));
+          check_context_parallel(plan.model, int(tp), int(cp));
+        } catch (const Error& e) {
+          refused = e.what();
+        }
+        LayoutPlan lp;
+        if (refused.empty()) lp = plan_layout(at, plan.model, layout);
+        lp.layout = layout;
+        lp.refused = refused;
+        lp.configured = tp == configured.sizes().tp && cp == configured.sizes().cp && dp == configured.sizes().dp &&
+                        zero == c.zero;
+        lp.fits = refused.empty() && lp.memory.peak <= memory_bytes;
+        plan.layouts.push_back(std::move(lp));
       }
-      LayoutPlan lp;
-      if (refused.empty()) lp = plan_layout(at, plan.model, layout);
-      lp.layout = layout;
-      lp.refused = refused;
-      lp.configured = tp == configured.sizes().tp && dp == configured.sizes().dp && zero == c.zero;
-      lp.fits = refused.empty() && lp.memory.peak <= memory_bytes;
-      plan.layouts.push_back(std::move(lp));
     }
   }
   return plan;
@@ -251,7 +415,9 @@ std::string bytes_text(int64_t bytes) {
   return mib >= 1024 ? fmt::format("{:.2f} GiB", mib / 1024) : fmt::format("{:.1f} MiB", mib);
 }
 
-std::string layout_name(const PlanLayout& l) { return fmt::format("tp={} dp={} zero={}", l.tp, l.dp, l.zero); }
+std::string layout_name(const PlanLayout& l) {
+  return fmt::format("tp={} cp={} dp={} zero={}", l.tp, l.cp, l.dp, l.zero);
+}
 
 // A refusal's first problem, on one line ("config: 1 problem in X:\n  - parallel.tp: ..." -> "parallel.tp: ...").
 std::string short_reason(const std::string& why) {
@@ -266,17 +432,17 @@ std::string short_reason(const std::string& why) {
 std::string format_plan(const TrainingPlan& plan) {
   std::string out = fmt::format("lathe plan: {} ({} parameters), {} ranks, {} per rank\n", plan.model.model_type,
                                 plan.model.parameter_count(), plan.nproc, bytes_text(plan.memory_bytes));
-  out += fmt::format("  {:<20} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", "layout", "weights",
+  out += fmt::format("  {:<25} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", "layout", "weights",
                      "gradients", "optimizer", "activations", "loss head", "peak", "fits", "comm/step");
   std::vector<std::string> fitting;
   for (const LayoutPlan& l : plan.layouts) {
     const std::string name = (l.configured ? "* " : "  ") + layout_name(l.layout);
     if (!l.refused.empty()) {
-      out += fmt::format("{:<22} refused: {}\n", name, short_reason(l.refused));
+      out += fmt::format("{:<27} refused: {}\n", name, short_reason(l.refused));
       continue;
     }
     const RankMemory& m = l.memory;
-    out += fmt::format("{:<22} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", name, bytes_text(m.weights),
+    out += fmt::format("{:<27} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", name, bytes_text(m.weights),
                        bytes_text(m.gradients), bytes_text(m.optimizer), bytes_text(m.activations),
                        bytes_text(m.loss_head), bytes_text(m.peak), l.fits ? "fits" : "DOES NOT", bytes_text(l.comm_bytes));
     if (l.fits) fitting.push_back(layout_name(l.layout));
@@ -294,12 +460,15 @@ nlohmann::json plan_to_json(const TrainingPlan& plan) {
                       {"layouts", nlohmann::json::array()}};
   for (const LayoutPlan& l : plan.layouts) {
     const RankMemory& m = l.memory;
-    nlohmann::json row = {{"tp", l.layout.tp}, {"dp", l.layout.dp}, {"zero", l.layout.zero},
+    nlohmann::json row = {{"tp", l.layout.tp}, {"cp", l.layout.cp}, {"dp", l.layout.dp}, {"zero", l.layout.zero},
                           {"configured", l.configured}, {"refused", l.refused.empty() ? nlohmann::json() : nlohmann::json(l.refused)},
                           {"weights_bytes", m.weights}, {"gradients_bytes", m.gradients},
                           {"optimizer_bytes", m.optimizer}, {"activations_bytes", m.activations},
                           {"loss_head_bytes", m.loss_head}, {"peak_bytes", m.peak},
-                          {"comm_bytes_per_step", l.comm_bytes}, {"fits", l.fits}};
+                          {"comm_bytes_per_step", l.comm_bytes},
+                          {"comm_bytes_per_step_by_group", {{"grads", l.comm_grads_bytes}, {"tp", l.comm_tp_bytes},
+                                                            {"cp", l.comm_cp_bytes}}},
+                          {"fits", l.fits}};
     j["layouts"].push_back(std::move(row));
   }
   return j;

@@ -1,12 +1,13 @@
 // The layout planner behind `lathe plan` (docs/plan.md): before launch, for a training config and N processes, the
-// bytes one rank holds for each layout tp x dp (x ZeRO stage) — weights, gradients, optimizer state, the activations
-// one micro-batch keeps for its backward, the loss head's chunk — the step's peak, and the bytes each rank sends
-// through collectives per optimizer step.
+// bytes one rank holds for each layout tp x cp x dp (x ZeRO stage) — weights, gradients, optimizer state, the
+// activations one micro-batch keeps for its backward, the loss head's chunk — the step's peak, and the bytes each
+// rank sends through collectives per optimizer step.
 // Convention: everything is counted per rank, in bytes, from the model's config alone (nothing is allocated); the
 // peak is a walk over the step's phases (forward, loss head, backward layer by layer, optimizer), each phase's live
 // memory summed. A layout the trainer would refuse is listed with the trainer's own reason.
 // Covered by tests/unit/test_plan.cpp (weights, gradients and states against a built model and optimizer; the peak
-// against a real run's allocator peak; refusals) and tests/e2e/test_plan_cli.cpp (`lathe plan`).
+// against a real run's allocator peak; cp's activations and traffic against a hand count; refusals),
+// tests/e2e/test_plan_cli.cpp (`lathe plan`) and tests/e2e/test_plan_gpu.cpp (the peak against a GPU run's).
 #pragma once
 
 #include <cstdint>
@@ -20,16 +21,17 @@
 
 namespace lathe {
 
+// One layout of the grid's dense view (tp x cp x dp ranks) and the ZeRO stage.
 struct PlanLayout {
-  int64_t tp = 1, dp = 1, zero = 0;
+  int64_t tp = 1, cp = 1, dp = 1, zero = 0;
 };
 
 // One rank's memory, in bytes. `peak` is the most that is live at once during a step (plan.cpp walks its phases): not
 // the parts' sum, since activations die as the gradients are made, and a phase's temporaries add to it.
 struct RankMemory {
   int64_t weights = 0;      // the model's parameters this rank holds (its tp slice; the frozen base under LoRA)
-  int64_t gradients = 0;    // kept across the step's micro-batches (ZeRO-2: this rank's 1/dp share)
-  int64_t optimizer = 0;    // AdamW moments and f32 masters (ZeRO: this rank's 1/dp share)
+  int64_t gradients = 0;    // kept across the step's micro-batches (ZeRO-2: this rank's 1/(dp x cp) share)
+  int64_t optimizer = 0;    // AdamW moments and f32 masters (ZeRO: this rank's 1/(dp x cp) share)
   int64_t activations = 0;  // what one micro-batch's forward keeps for its backward, every layer
   int64_t loss_head = 0;    // the loss head's rows, one chunk's logits and their gradient
   int64_t peak = 0;
@@ -40,7 +42,10 @@ struct LayoutPlan {
   bool configured = false;  // the layout the config asks for
   std::string refused;      // why the trainer would refuse this layout ("" when it runs)
   RankMemory memory;
-  int64_t comm_bytes = 0;   // bytes each rank sends per optimizer step (ring all-reduce 2 (n-1)/n S, etc.)
+  int64_t comm_bytes = 0;   // bytes each rank sends per optimizer step (ring all-reduce 2 (n-1)/n S, etc.), the sum of:
+  int64_t comm_grads_bytes = 0;  // the gradient sum (and ZeRO's gathers) over the ranks with the same weights, dp x cp
+  int64_t comm_tp_bytes = 0;     // tp's activation sums (and its shared k/v and norm gains' gradient sums)
+  int64_t comm_cp_bytes = 0;     // cp's head all-to-alls and the final norm's gather
   bool fits = false;        // peak <= the device memory
 };
 
@@ -59,10 +64,11 @@ ModelConfig planned_model_config(const TrainConfig& c);
 // cannot take throws; plan_layouts lists such layouts as refused).
 LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& model, const PlanLayout& layout);
 
-// Every layout of `nproc` ranks: each tp dividing nproc (dp = nproc / tp), each ZeRO stage 0, 1, 2 (only 0 at dp 1).
-// `config_at` returns the config at a layout (the YAML with the layout's parallel.* overrides) and throws lathe::Error
-// with the trainer's reason where the config checks refuse it; check_tensor_parallel refuses the rest. The configured
-// layout (c's tp, and c's zero) is marked; an nproc that the configured tp x dp cannot fill is an error.
+// Every layout of `nproc` ranks: each tp dividing nproc, each cp dividing nproc / tp (dp = nproc / (tp cp)), each ZeRO
+// stage 0, 1, 2 (only 0 at dp x cp = 1). `config_at` returns the config at a layout (the YAML with the layout's parallel.*
+// overrides) and throws lathe::Error with the trainer's reason where the config checks refuse it;
+// check_tensor_parallel and check_context_parallel refuse the rest. The configured layout (c's tp, cp and dp, and c's
+// zero) is marked; an nproc that the configured tp x cp x dp cannot fill is an error.
 TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_bytes,
                           const std::function<TrainConfig(const PlanLayout&)>& config_at);
 

@@ -284,8 +284,8 @@ TEST(TensorParallel, SequenceParallelEqualsOneProcess) {
 
 // Context parallelism (each rank its rows of every micro-batch, attention by a head all-to-all, the gradients summed
 // over the cp group) at cp 2 and cp 2 x dp 2 equals one process: losses within 1e-5 relative, weights at steps 3
-// and 8 within 1e-5; killed after step 4 at cp 2, resumed on the same curve; the Qwen3.5 hybrid at cp 2 (Gated
-// DeltaNet too) on one process's loss curve.
+// and 8 within 1e-5; tp 2 x cp 2 with sp on the same curve; killed after step 4 at cp 2, resumed on the same curve;
+// the Qwen3.5 hybrid at cp 2 (Gated DeltaNet too) on one process's loss curve.
 TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
   const fs::path dir = setup("cp", kQwen3);
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -301,6 +301,11 @@ TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
     EXPECT_LT(d3, 1e-5) << out;
     EXPECT_LT(d, 1e-5) << out;
   }
+  // tp 2 x cp 2 with sequence parallelism: each cp rank's rows split again over its tp group between the blocks.
+  const LatheRun tpcp = train(dir, "tp2cp2sp", 4, 4, " --set parallel.tp=2 --set parallel.cp=2 --set parallel.sp=true");
+  ASSERT_EQ(tpcp.exit_code, 0) << tpcp.output;
+  EXPECT_NE(tpcp.output.find("parallel: tp=2 cp=2 ep=1 dp=1"), std::string::npos) << tpcp.output;
+  expect_same_curve(losses(dir / "tp2cp2sp"), want, "tp 2 x cp 2 with sp");
   const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.cp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
   const LatheRun resumed = train(dir, "run", 2, 4, " --set parallel.cp=2");

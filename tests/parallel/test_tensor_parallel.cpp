@@ -203,14 +203,17 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 // rule) over whole documents by the head all-to-all, mixture-of-experts layers on the rank's rows with the aux loss on
 // (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next (fused
 // projections, sparse layers): the logits, the loss, the aux loss and the expert loads, and every gradient summed over
-// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2; the rollout engine's
+// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2, with and without
+// sequence parallelism (each cp rank's rows split again over its tp group between the blocks); the rollout engine's
 // greedy decode (no split while decoding) is the reference's. Fails with the rows' head gradient left at 1 / cp, or
 // with the routing totals not summed.
-std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp) {
+std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp,
+                                   bool sequence_parallel = false) {
   ModelOptions o;
   o.dtype = DType::F64;
   o.tp = tp;
   o.cp = cp;
+  o.sequence_parallel = sequence_parallel;
   o.router_aux_loss = true;
   return random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
 }
@@ -266,8 +269,11 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
     if (n == 4) {  // tp 2 x cp 2: the tp groups {0, 1} and {2, 3}, the cp groups {0, 2} and {1, 3}
       const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
       const std::unique_ptr<Communicator> cp = world->split(world->rank() % 2, world->rank(), "cp", nullptr);
-      const std::unique_ptr<CausalLm> m = cp_model(config, tp.get(), cp.get());
-      expect_cp_equals_whole(*m, *whole, *cp, random_batch(40, {0, 7, 9, 21}, 7), "tp x cp, " + family);
+      for (bool sp : {false, true}) {  // with sequence parallelism: the stream of each cp rank's rows split over tp
+        const std::unique_ptr<CausalLm> m = cp_model(config, tp.get(), cp.get(), sp);
+        for (const PackedBatch& b : {random_batch(40, {0, 7, 9, 21}, 7), random_batch(40, {0, 3, 5}, 8)})
+          expect_cp_equals_whole(*m, *whole, *cp, b, (sp ? "tp x cp with sp, " : "tp x cp, ") + family);
+      }
     }
   }
   // Three key/value heads over two or four ranks: neither divides the other, refused by name.

@@ -1,5 +1,5 @@
 // `lathe plan CONFIG.yaml --nproc N [--set key=value ...] [--memory-gib G] [--json]`: before launch, each layout of N
-// ranks (tp x dp x ZeRO stage) with the memory one rank needs for it, whether that fits, and its communication per
+// ranks (tp x cp x dp x ZeRO stage) with the memory one rank needs for it, whether that fits, and its communication per
 // step (src/train/plan.h, docs/plan.md). Every problem with the input (the config, N, the memory) is a usage error:
 // exit 2. Covered by tests/e2e/test_plan_cli.cpp.
 #include <fmt/format.h>
