@@ -244,6 +244,8 @@ SegmentAttrs CausalLm::stack_segments(const LoraSlot& slot, const PackedBatch& b
   return s;
 }
 
+bool CausalLm::head_on_rows(const PackedBatch& b) const { return context_parallel() && !b.row_loss; }
+
 Tensor CausalLm::head_input(const Tensor& xf, const PackedBatch& b) const {
   return cp_gather(block_input(xf, block_tokens(b)), b.tokens());
 }
@@ -621,6 +623,28 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   // scatter-add), so prompt tokens of SFT data cost nothing in the LM head.
   std::vector<int32_t> rows, targets;
   labelled_rows(b, rows, targets);
+  // Each segment's labelled rows in the whole batch (one segment without adapters): its mean's divisor.
+  std::vector<int64_t> seg_end, seg_rows;
+  for (const BatchSegment& seg : b.segments) seg_end.push_back(seg.rows_end);
+  if (seg_end.empty()) seg_end.push_back(b.tokens());
+  seg_rows.assign(seg_end.size(), 0);
+  for (size_t r = 0, s = 0; r < rows.size(); ++r) {
+    while (rows[r] >= seg_end[s]) ++s;
+    ++seg_rows[s];
+  }
+  // Context parallelism (head_on_rows): xf holds this rank's rows of the batch, from `first`; only its labelled rows
+  // are this rank's, and add_head_losses sums the losses over the group.
+  const int64_t first = head_on_rows(b) ? cp_rank() * block_tokens(b) : 0;
+  if (head_on_rows(b)) {
+    size_t kept = 0;
+    for (size_t r = 0; r < rows.size(); ++r)
+      if (rows[r] >= first && rows[r] < first + xf.size(0)) {
+        rows[kept] = int32_t(rows[r] - first);
+        targets[kept++] = targets[r];
+      }
+    rows.resize(kept);
+    targets.resize(kept);
+  }
   const int64_t n_rows = int64_t(rows.size());
   // The gathered rows of each segment are contiguous; each segment's mean loss has its own gradient scale.
   struct Piece {
@@ -628,16 +652,12 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     double grad_scale;
   };
   std::vector<Piece> pieces;
-  if (b.segments.empty()) {
-    pieces.push_back({0, n_rows, n_rows ? loss_scale / double(n_rows) : 0.0});
-  } else {
-    int64_t r = 0;
-    for (const BatchSegment& seg : b.segments) {
-      const int64_t begin = r;
-      while (r < n_rows && rows[size_t(r)] < seg.rows_end) ++r;
-      pieces.push_back({begin, r, r > begin ? loss_scale * seg.loss_scale / double(r - begin) : 0.0});
-      result.segments.push_back({0.0, r - begin});
-    }
+  for (size_t s = 0, r = 0; s < seg_end.size(); ++s) {
+    const size_t begin = r;
+    while (r < rows.size() && rows[r] + first < seg_end[s]) ++r;
+    const double scale = b.segments.empty() ? 1.0 : b.segments[s].loss_scale;
+    pieces.push_back({int64_t(begin), int64_t(r), seg_rows[s] ? loss_scale * scale / double(seg_rows[s]) : 0.0});
+    if (!b.segments.empty()) result.segments.push_back({0.0, seg_rows[s]});
   }
   // The rows are padded to a multiple of 8 with ignored ones (token 0's row, label -100: zero loss, zero gradient
   // rows), so the LM head's GEMMs never take an odd row count: cuBLAS ran the weight gradient of a 2,046-row chunk
@@ -676,7 +696,9 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   if (!backward) return result;
   if (n_rows > 0) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
   // The labelled rows' gradients scattered back (zero elsewhere).
-  *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, b.tokens()) : zero_grad_like(cx, xf);
+  *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, xf.size(0)) : zero_grad_like(cx, xf);
+  // A cp rank without labelled rows: the head's gradient is zero here (defined, as on the others, for the group's sum).
+  if (n_rows == 0) add_grad(head, zero_grad_like(cx, w(head)));
   return result;
 }
 
@@ -760,6 +782,15 @@ void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
       chunk_sum += load_as_double(loss_rows.data_ptr(), loss_rows.dtype(), i);
     result.loss_sum += chunk_sum;
     if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
+  }
+  if (head_on_rows(b)) {  // each rank's rows' losses, summed over the cp group
+    std::vector<double> sums = {result.loss_sum};
+    for (const LossResult::Segment& s : result.segments) sums.push_back(s.loss_sum);
+    Tensor t = rt_->from_host(sums.data(), {int64_t(sums.size())}, DType::F64, options_.device);
+    options_.cp->all_reduce(t).wait();
+    const Tensor host = options_.device.is_cpu() ? t : rt_->copy_to(t, Device::cpu());
+    result.loss_sum = host.data<double>()[0];
+    for (size_t i = 0; i < result.segments.size(); ++i) result.segments[i].loss_sum = host.data<double>()[i + 1];
   }
   result.loss = b.num_labelled ? result.loss_sum / double(b.num_labelled) : 0.0;
 }

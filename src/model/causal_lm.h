@@ -313,6 +313,11 @@ class CausalLm {
   SegmentAttrs stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const;
   // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
   Tensor head_input(const Tensor& xf, const PackedBatch& b) const;
+  // Whether the training loss head runs on the rank's rows only: under cp, for a cross-entropy batch (a RowLoss —
+  // RL's sequence-level ratios and aggregations — needs every row of its sequences: the head runs on them all, at 1 /
+  // cp of the loss scale). head_loss then takes the rank's rows (gathered over tp under sp) and add_head_losses sums
+  // the losses over the cp group.
+  bool head_on_rows(const PackedBatch& b) const;
   // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not
   // divide T), and the positions of the rows the stack runs on (under cp the rank's), made once a forward.
   const Tensor& cp_cu_seqlens(const PackedBatch& b);
