@@ -277,21 +277,24 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;
   mem.activations = kept_all + (c.recompute ? *std::max_element(acts.begin(), acts.end()) : 0);
-  // The loss head: the final norm's output and stream on the stream's rows, their gather into every row (whole,
-  // padded: sp and cp), the labelled rows and their gradient (T, H) x2, one chunk's logits and their gradient (rows
-  // padded to 64 columns) and its per-row losses. Under cp every rank runs the head on every row.
+  // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_on_rows): the final norm's
+  // output and stream on the stream's rows, their gather into the block's rows (padded; sp), the labelled rows and their
+  // gradient (block rows, H) x2, one chunk's logits and their gradient (rows padded to 64 columns) and its per-row
+  // losses.
+  const int64_t head_rows = rows.block;
   const int64_t padded_block = rows.stream < rows.block ? layout.tp * rows.stream : rows.block;  // sp's padding
-  const int64_t gathered = rows.stream < t ? b * rows.cp * padded_block * h : 0;
-  const int64_t chunk = std::min(t, kLossChunkRows), padded_vocab = (m.vocab_size + 63) / 64 * 64;
-  mem.loss_head = 2 * b * rows.stream * h + gathered + 2 * b * t * h + 2 * b * chunk * padded_vocab + 4 * chunk;
+  const int64_t gathered = rows.stream < head_rows ? b * padded_block * h : 0;
+  const int64_t chunk = std::min(head_rows, kLossChunkRows), padded_vocab = (m.vocab_size + 63) / 64 * 64;
+  mem.loss_head =
+      2 * b * rows.stream * h + gathered + 2 * b * head_rows * h + 2 * b * chunk * padded_vocab + 4 * chunk;
 
   // The peak: the step's phases, micro-batch by micro-batch (the second repeats in every later one).
   const int64_t persistent = mem.weights + mem.optimizer;
   // What the loss keeps through the whole backward (DecoderStack::loss): every layer's input (one (rows, H) tensor a
   // layer, also once its activations are gone), the final norm's output and stream, the last layer's output terms
-  // (part of its activations until its backward), the head's input gradient (T, H) and, under sp and cp, its rows.
+  // (part of its activations until its backward), the head's input gradient (block rows, H) and, under sp, its rows.
   const int64_t x_bytes = b * rows.stream * h;
-  const int64_t carried = 2 * x_bytes + b * t * h + (rows.stream < t ? x_bytes : 0);
+  const int64_t carried = 2 * x_bytes + b * head_rows * h + (rows.stream < head_rows ? x_bytes : 0);
   const CoreScratch scratch = core_scratch(c, m, l, rows, dtype);  // the CUDA kernels' backward scratch
   int64_t peak = persistent;
   for (int64_t mb = 0; mb < std::min<int64_t>(micro_batches, 2); ++mb) {
@@ -346,20 +349,19 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
     const int64_t per_layer = (2 * forward_passes + 2) * all_reduce_bytes(stream, layout.tp) +
                               2 * all_reduce_bytes(b * m.head_dim, layout.tp);
     plan.comm_tp_bytes += micro_batches * layers * per_layer;
-    // The vocab-parallel embedding's rows summed (forward; every row of the micro-batch, also under cp) and the LM
-    // head's input gradient (backward), each (T, H); the loss's per-row log-sum-exps and label logits are T values a
-    // chunk.
-    plan.comm_tp_bytes += micro_batches * (2 * all_reduce_bytes(b * t * h, layout.tp) + 4 * t * (layout.tp + 2));
+    // The vocab-parallel embedding's rows summed (forward) and the LM head's input gradient (backward), each (block
+    // rows, H); the loss's per-row log-sum-exps and label logits are a value a row.
+    plan.comm_tp_bytes +=
+        micro_batches * (2 * all_reduce_bytes(b * rows.block * h, layout.tp) + 4 * rows.block * (layout.tp + 2));
     if (l.kv_replicas > 1)  // shared k/v slices' gradients summed over the ranks holding them, once a step
       plan.comm_tp_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
   }
-  // cp: each mixer's head all-to-alls (forward, again when recomputing, and backward) and the final norm's output
-  // gathered into every row, each micro-batch (its gradient sum is part of the weight replicas' above).
-  if (layout.cp > 1) {
+  // cp: each mixer's head all-to-alls (forward, again when recomputing, and backward), each micro-batch (the loss
+  // head runs on the rank's rows: only its loss sums, a few values, go over the group; the gradient sum is part of
+  // the weight replicas' above).
+  if (layout.cp > 1)
     for (int64_t i = 0; i < layers; ++i)
       plan.comm_cp_bytes += micro_batches * (forward_passes + 1) * layer_all_to_all_bytes(m, l, i, rows, b);
-    plan.comm_cp_bytes += micro_batches * reduce_scatter_bytes(b * rows.core * h, layout.cp);  // all-gather
-  }
   plan.comm_bytes = plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes;
   return plan;
 }

@@ -236,9 +236,10 @@ TEST(Plan, ContextParallelActivationsAreWhatTheLayersKeep) {
   const int64_t qwen3_layer =
       stream_and_mlp_elements() + kRows * 64 + kCore * (16 + 8 + 8 + 16) + kCore * 2 + kRows * 32;
   EXPECT_EQ(plan.memory.activations, 2 * kB * qwen3_layer);
-  // The loss head on every row: the final norm's output and stream on the rows, their gather (72, H), the 71 labelled
-  // rows and their gradient, one chunk of 71 rows of logits and their gradient over the vocabulary (320), its losses.
-  EXPECT_EQ(plan.memory.loss_head, kB * (2 * kRows * 32 + kCore * 32 + 2 * 71 * 32 + 2 * 71 * 320 + 71));
+  // The loss head on the rank's rows (CausalLm::head_on_rows): the final norm's output and stream on the rows, the
+  // rows taken as labelled and their gradient, one chunk of 36 rows of logits and their gradient over the vocabulary
+  // (320), its losses.
+  EXPECT_EQ(plan.memory.loss_head, kB * (2 * kRows * 32 + 2 * kRows * 32 + 2 * kRows * 320 + kRows));
   // Whole weights, gradients and optimizer state on every cp rank, as on every dp rank; the gradients summed over the
   // pair in the same buckets; the activations halved.
   const LayoutPlan dp2 = plan_layout(c, planned_model_config(c), {.dp = 2});
@@ -275,22 +276,22 @@ TEST(Plan, ContextParallelActivationsAreWhatTheLayersKeep) {
 
 // What a cp rank sends per step, by hand (Qwen3 at cp 2, T = 71, one micro-batch): in each layer's forward q, k, v
 // there and o back through the all-to-all, and their gradients the other way in the backward (a rank keeps its own
-// half of each); the final norm's output gathered (its 36 rows to the other rank); the gradients summed over the pair
-// (over dp x cp with dp, which ZeRO cuts the optimizer state over).
-TEST(Plan, ContextParallelCommunicationIsTheAllToAllsTheGatherAndTheGradientSum) {
+// half of each); the loss head on each rank's rows (nothing gathered); the gradients summed over the pair (over dp x cp
+// with dp, which ZeRO cuts the optimizer state over).
+TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
   const fs::path dir = run_folder("cpcomm", kSmallModel, "{max_steps: 1, micro_batch_tokens: 71}");
   const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
   const ModelConfig mc = planned_model_config(c);
   const LayoutPlan plan = plan_layout(c, mc, {.cp = 2});
   const int64_t all_to_all = kB * kRows * ((4 + 2 + 2) * 8 + 4 * 8) / 2;  // q, k, v and o: half goes to the other rank
   const int64_t grads = plan.memory.gradients;
-  EXPECT_EQ(plan.comm_cp_bytes, 2 * 2 * all_to_all + kB * kRows * 32);  // 2 layers x (forward + backward)
+  EXPECT_EQ(plan.comm_cp_bytes, 2 * 2 * all_to_all);  // 2 layers x (forward + backward)
   EXPECT_EQ(plan.comm_grads_bytes, grads);  // a ring all-reduce over 2 ranks sends 2 (2 - 1) / 2 of it
   EXPECT_EQ(plan.comm_tp_bytes, 0);
   EXPECT_EQ(plan.comm_bytes, plan.comm_cp_bytes + plan.comm_grads_bytes);
   // Recomputing runs each layer's forward all-to-alls again.
   const TrainConfig rc = load_train_config((dir / "config.yaml").string(), {"train.recompute=true"});
-  EXPECT_EQ(plan_layout(rc, mc, {.cp = 2}).comm_cp_bytes, 2 * 3 * all_to_all + kB * kRows * 32);
+  EXPECT_EQ(plan_layout(rc, mc, {.cp = 2}).comm_cp_bytes, 2 * 3 * all_to_all);
   // cp 2 x dp 2: the gradients summed over the 4 ranks that hold the same weights; ZeRO-1 cuts the state over them.
   const LayoutPlan four = plan_layout(c, mc, {.cp = 2, .dp = 2});
   const LayoutPlan zero = plan_layout(c, mc, {.cp = 2, .dp = 2, .zero = 1});
