@@ -343,8 +343,8 @@ TEST_P(RolloutFamilies, CudaMatchesTheCpu) {
 // nine sequences of mixed prompt lengths that finish at different lengths (so the batch shrinks through several padded
 // sizes), a shared group prompt, a cache small enough to preempt, greedy and device-sampled requests: the same tokens,
 // log-probs within 1e-5; graphs were recorded and replayed. The mixture-of-experts families are refused kOn (their
-// routing is read back to the host) and kAuto runs them eagerly, as it runs dense Qwen3 (kAuto records the hybrid
-// families). Skips without a GPU.
+// routing is read back to the host) and kAuto runs them eagerly; kAuto records the dense and hybrid families (session
+// 21). Skips without a GPU.
 TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
@@ -383,11 +383,9 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
     EXPECT_EQ(graph_stats.graph_replays, 0);
     return;
   }
-  EngineStats auto_stats;  // kAuto records the hybrid families only
+  EngineStats auto_stats;  // kAuto records every family that can be recorded (dense and hybrid; not MoE, above)
   generate(StepGraphs::kAuto, &auto_stats);
-  const auto& types = m->config().layer_types;
-  const bool hybrid = std::find(types.begin(), types.end(), "linear_attention") != types.end();
-  EXPECT_EQ(auto_stats.graph_replays > 0, hybrid) << "kAuto";
+  EXPECT_GT(auto_stats.graph_replays, 0) << "kAuto";
   const std::vector<RolloutResult> got = generate(StepGraphs::kOn, &graph_stats);
   EXPECT_EQ(eager_stats.graph_replays, 0);
   EXPECT_GT(graph_stats.graphs_recorded, 1);
