@@ -300,6 +300,28 @@ class Trainer::Impl {
   TrainSummary summary(bool already_finished) const;
 
  private:
+  // What a step queues for each job (indexed like jobs_): its gradient norm and prepared AdamW update.
+  struct PendingUpdates {
+    explicit PendingUpdates(size_t jobs) : norms(jobs), updates(jobs) {}
+    std::vector<std::optional<PendingGradNorm>> norms;
+    std::vector<std::optional<AdamW::Prepared>> updates;
+    bool replicas_summed = false;
+  };
+  // A step's totals over its active jobs, for the metrics and the progress line.
+  struct StepTotals {
+    double dt = 0, dp_comm_s = 0, mem_mib = 0;
+    int64_t tokens = 0;
+    double flops = 0;
+  };
+  // step()'s named parts: the gradients and figures cleared; the norms and updates queued (once the gradients are
+  // complete); the updates applied (ZeRO's gathers included); the metrics, checkpoints and the progress line.
+  void begin_step(const std::vector<Job*>& active);
+  void queue_updates(const std::vector<Job*>& active, PendingUpdates& pending);
+  std::vector<nlohmann::json> apply_updates(const std::vector<Job*>& active, PendingUpdates& pending,
+                                            double& dp_comm_s);
+  void record_steps(const std::vector<Job*>& active, std::vector<nlohmann::json> entries, const StepTotals& totals);
+  void print_progress(size_t active, const std::vector<nlohmann::json>& entries, const StepTotals& totals,
+                      const std::string& tenant_losses);
   void read_inputs(Job& j);
   void choose_model_source();
   void build_job(Job& j);
@@ -1145,52 +1167,16 @@ bool Trainer::Impl::step() {
     rt_.set_profiler(&*profiler);
     ctx_.emplace(rt_.context(device_));
   }
-  if (lora_) bank_->zero_grads();
-  else model_->zero_grads();
-  for (Job* j : active) {
-    j->loss_sum = j->flops = j->aux_sum = 0;
-    j->labelled = j->tokens = 0;
-    j->expert_tokens.clear();
-  }
+  begin_step(active);
   // Each job's gradient norm and prepared AdamW update: queued from the last micro-batch's backward, before the host
   // waits for its loss (BackwardHooks::queued), or at the optimizer step for a job not queued by then.
-  std::vector<std::optional<PendingGradNorm>> norms(jobs_.size());
-  std::vector<std::optional<AdamW::Prepared>> updates(jobs_.size());
-  bool replicas_summed = false;
-  const std::function<void()> queue_optimizer = [&] {
-    if (!replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
-      if (lora_) bank_->sum_tp_grads();
-      else model_->sum_replicated_grads();
-    }
-    replicas_summed = true;
-    for (Job* j : active) {
-      const size_t k = size_t(j - jobs_.data());
-      if (j->failed || norms[k]) continue;
-      norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_));
-      // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
-      updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
-    }
-  };
+  PendingUpdates pending(jobs_.size());
+  const std::function<void()> queue_optimizer = [&] { queue_updates(active, pending); };
   if (source_) run_source_batch(active, *source_batch, queue_optimizer);
   else run_micro_batches(active, queue_optimizer);
   double dp_comm_s = grad_ranks_ > 1 ? reduce_over_dp(active) : 0.0;
-  std::vector<nlohmann::json> entries(jobs_.size());
   queue_optimizer();
-  for (Job* j : active) {
-    if (j->failed) continue;
-    const size_t k = size_t(j - jobs_.data());
-    double norm = norms[k]->read();
-    if (j->zero) norm = std::sqrt(sum_over(groups_->weight_replicas(), {norm * norm})[0]);  // each its range's
-    // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
-    // update is queued (optimizer_step), the rest after it.
-    if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);
-    entries[k] = optimizer_step(*j, norm, std::move(*updates[k]));
-    if (j->zero) {
-      dp_comm_s += j->zero->finish_gather() / 1e3;
-      j->zero->drop_grads();
-    }
-  }
-  if (reducer_) reducer_->clear();
+  const std::vector<nlohmann::json> entries = apply_updates(active, pending, dp_comm_s);
   // Test hooks (tests/e2e/test_train_dp.cpp, dev/gpu_dp.sh): after step N's update the last rank dies with SIGKILL, as
   // kill -9 would leave it, or stops with SIGSTOP, as a hung rank would.
   if (groups_ && groups_->rank == groups_->grid.world() - 1) {
@@ -1207,12 +1193,62 @@ bool Trainer::Impl::step() {
   }
   if (plan_) report_memory_plan(plan_->plan_stats(), plan_report_, progress_);
   ++run_steps_;
-  int64_t run_tokens = 0;
-  double run_flops = 0;
-  for (Job* j : active) run_tokens += j->tokens, run_flops += j->flops;
+  StepTotals totals{dt, dp_comm_s, peak_memory_mib(rt_, device_)};
+  for (Job* j : active) totals.tokens += j->tokens, totals.flops += j->flops;
   if (profiler && first_)
-    print_step_profile(profiler->collect(), 1e3 * dt, double(run_tokens), run_flops, 0.0, peak_);
-  const double mem_mib = peak_memory_mib(rt_, device_);
+    print_step_profile(profiler->collect(), 1e3 * dt, double(totals.tokens), totals.flops, 0.0, peak_);
+  record_steps(active, entries, totals);
+  return true;
+}
+
+void Trainer::Impl::begin_step(const std::vector<Job*>& active) {
+  if (lora_) bank_->zero_grads();
+  else model_->zero_grads();
+  for (Job* j : active) {
+    j->loss_sum = j->flops = j->aux_sum = 0;
+    j->labelled = j->tokens = 0;
+    j->expert_tokens.clear();
+  }
+}
+
+void Trainer::Impl::queue_updates(const std::vector<Job*>& active, PendingUpdates& pending) {
+  if (!pending.replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
+    if (lora_) bank_->sum_tp_grads();
+    else model_->sum_replicated_grads();
+  }
+  pending.replicas_summed = true;
+  for (Job* j : active) {
+    const size_t k = size_t(j - jobs_.data());
+    if (j->failed || pending.norms[k]) continue;
+    pending.norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_));
+    // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
+    pending.updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
+  }
+}
+
+std::vector<nlohmann::json> Trainer::Impl::apply_updates(const std::vector<Job*>& active, PendingUpdates& pending,
+                                                         double& dp_comm_s) {
+  std::vector<nlohmann::json> entries(jobs_.size());
+  for (Job* j : active) {
+    if (j->failed) continue;
+    const size_t k = size_t(j - jobs_.data());
+    double norm = pending.norms[k]->read();
+    if (j->zero) norm = std::sqrt(sum_over(groups_->weight_replicas(), {norm * norm})[0]);  // each its range's
+    // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
+    // update is queued (optimizer_step), the rest after it.
+    if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);
+    entries[k] = optimizer_step(*j, norm, std::move(*pending.updates[k]));
+    if (j->zero) {
+      dp_comm_s += j->zero->finish_gather() / 1e3;
+      j->zero->drop_grads();
+    }
+  }
+  if (reducer_) reducer_->clear();
+  return entries;
+}
+
+void Trainer::Impl::record_steps(const std::vector<Job*>& active, std::vector<nlohmann::json> entries,
+                                 const StepTotals& totals) {
   std::string tenant_losses;
   bool saved = false;
   for (Job* j : active)
@@ -1224,10 +1260,10 @@ bool Trainer::Impl::step() {
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];
     if (j->failed || m.is_null()) continue;
-    if (grad_ranks_ > 1) m["dp_comm_s"] = dp_comm_s;
+    if (grad_ranks_ > 1) m["dp_comm_s"] = totals.dp_comm_s;
     if (dp_ > 1) m["memory_mib_ranks"] = rank_mem_mib_;
     if (source_) m[source_->name()] = source_->step_metrics(size_t(j - jobs_.data()));
-    guarded(*j, [&] { record_step(*j, m, dt, mem_mib, run_tokens); });
+    guarded(*j, [&] { record_step(*j, m, totals.dt, totals.mem_mib, totals.tokens); });
     tenant_losses += fmt::format("{}{} {}", tenant_losses.empty() ? "" : ", ", j->label,
                                  source_ ? source_->progress(size_t(j - jobs_.data()))
                                          : fmt::format("{:.4f}", m["loss"].get<double>()));
@@ -1235,15 +1271,19 @@ bool Trainer::Impl::step() {
   // While the first rank writes the step's checkpoints, the others wait here under the save timeout, rather than in
   // the next step's first collective under the collectives' one.
   if (groups_ && saved) groups_->world->barrier(c_.save_timeout_s, "parallel.save_timeout_s");
-  // The progress line.
+  print_progress(active.size(), entries, totals, tenant_losses);
+}
+
+void Trainer::Impl::print_progress(size_t active, const std::vector<nlohmann::json>& entries,
+                                   const StepTotals& totals, const std::string& tenant_losses) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t_start_).count();
   int64_t remaining = 0;
   for (const Job& j : jobs_)
     if (j.active()) remaining = std::max(remaining, j.cfg->max_steps - j.step);
-  const double eta = elapsed / double(run_steps_) * double(remaining);
-  const std::string rate = fmt::format("{} tok/s{}", human(double(run_tokens) / dt),
-                                       peak_ > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * run_flops / dt / peak_) : "");
-  const double mem = mem_mib;
+  const double eta = elapsed / double(run_steps_) * double(remaining), dt = totals.dt, mem = totals.mem_mib;
+  const std::string rate =
+      fmt::format("{} tok/s{}", human(double(totals.tokens) / dt),
+                  peak_ > 0 ? fmt::format(" | MFU {:.1f}%", 100.0 * totals.flops / dt / peak_) : "");
   if (jobs_.size() == 1 && !jobs_[0].failed) {
     const Job& j = jobs_[0];
     const nlohmann::json& m = entries[0];
@@ -1255,10 +1295,9 @@ bool Trainer::Impl::step() {
                                  duration(eta)));
   } else if (jobs_.size() > 1) {
     progress_.step(run_steps_, run_steps_ + remaining,
-                   fmt::format("step {} | {} tenants | {}{} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active.size(),
+                   fmt::format("step {} | {} tenants | {}{} | {} | mem {:.0f} MiB | ETA {}", run_steps_, active,
                                source_ ? "" : "loss ", tenant_losses, rate, mem, duration(eta)));
   }
-  return true;
 }
 
 // The final export: an HF folder (with the tokenizer's files, generation_config.json and the chat-template settings),
