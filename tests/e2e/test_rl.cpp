@@ -358,63 +358,26 @@ TEST(Rl, BadOptionsRowsAndRewardCommandsAreRefused) {
   for (const auto& row : rl_rows(dir / "ext")) EXPECT_EQ(row["rl"]["reward_mean"].get<double>(), 1.0);
 }
 
-// Tensor parallelism (parallel.tp = 2, the dense tiny Qwen3 split in two; and tp 2 x dp 2): the same rollouts (rewards,
-// lengths and counts exact: the ranks of a tp group decode the same sequences, their rollout pools agreed on one size)
-// and updates (losses and gradient norms within 1e-4 relative) as one process, with GRPO, with a KL term to a
-// frozen reference (itself sliced), with LoRA and that KL term (the reference is the base), and with LoRA under
-// sequence parallelism.
-TEST(Rl, TensorParallelRanksEqualOneProcess) {
-#ifndef LATHE_MPIRUN
-  GTEST_SKIP() << "built without MPI";
-#else
-  const fs::path dir = setup("tp");
-  // vocab_size 320 (the tokenizer's 305 padded): tp 2 splits the vocabulary too.
-  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0"
-                             " --set model.config.vocab_size=320";
-  for (const std::string& variant : {std::string(""), std::string(" --set rl.kl_coef=0.1"),
-                                     std::string(" --set lora.rank=4 --set lora.alpha=8 --set rl.kl_coef=0.1"),
-                                     std::string(" --set lora.rank=4 --set lora.alpha=8 --set parallel.sp=true")}) {
-    const bool sp = variant.find("parallel.sp") != std::string::npos;  // one process: no tp, no sp
-    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common,
-                                       sp ? variant.substr(0, variant.find(" --set parallel.sp")) : variant));
-    ASSERT_EQ(one.exit_code, 0) << one.output;
-    const std::vector<nlohmann::json> want = rl_rows(dir / "one");
-    ASSERT_EQ(want.size(), 6u);
-    for (int np : {2, 4}) {
-      const std::string out = fmt::format("tp2_np{}", np);
-      const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.tp=2{}{}", config(dir),
-                                         (dir / out).string(), common, variant),
-                             mpirun(np));
-      ASSERT_EQ(run.exit_code, 0) << run.output;
-      const std::vector<nlohmann::json> got = rl_rows(dir / out);
-      expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
-                                    "response_length_max", "samples"}, out + variant, 1e-4);
-      fs::remove_all(dir / out);
-    }
-    fs::remove_all(dir / "one");
-  }
-#endif
-}
+#ifdef LATHE_MPIRUN
+namespace {
 
-// Context parallelism: `mpirun -np 2 lathe rl --set parallel.cp=2` (and -np 4, cp 2 x dp 2) is the one-process run:
-// the cp ranks of a replica sample the same groups (decoding runs whole on each of them), score them by rows with the
-// head all-to-all, and their gradient parts are summed with the dp ones: rewards and lengths exact, losses and
-// gradient norms within 1e-4, for GRPO with a KL term and for LoRA.
-TEST(Rl, ContextParallelRanksEqualOneProcess) {
-#ifndef LATHE_MPIRUN
-  GTEST_SKIP() << "built without MPI";
-#else
-  const fs::path dir = setup("cp");
-  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
-  for (const std::string& variant : {std::string(" --set rl.kl_coef=0.1"), std::string(" --set lora.rank=4 --set lora.alpha=8")}) {
-    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common, variant));
+// `lathe rl` with `layout` (e.g. " --set parallel.tp=2") under mpirun -np 2 and -np 4 (the rest data-parallel) against
+// one process, for each variant of the run (its `layout_only` settings left out of the one-process run): the same
+// rollouts (rewards, lengths and counts exact) and updates (losses and gradient norms within 1e-4 relative).
+void expect_layout_equals_one_process(const std::string& name, const std::string& common, const std::string& layout,
+                                      const std::vector<std::string>& variants, const std::string& layout_only = "") {
+  const fs::path dir = setup(name);
+  for (const std::string& variant : variants) {
+    const std::string one_variant = layout_only.empty() ? variant : variant.substr(0, variant.find(layout_only));
+    const auto one = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "one").string(), common,
+                                       one_variant));
     ASSERT_EQ(one.exit_code, 0) << one.output;
     const std::vector<nlohmann::json> want = rl_rows(dir / "one");
     ASSERT_EQ(want.size(), 6u);
     for (int np : {2, 4}) {
-      const std::string out = fmt::format("cp2_np{}", np);
-      const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.cp=2{}{}", config(dir),
-                                         (dir / out).string(), common, variant),
+      const std::string out = fmt::format("{}_np{}", name, np);
+      const auto run = lathe(fmt::format("rl {} --set output_dir={}{}{}{}", config(dir), (dir / out).string(), layout,
+                                         common, variant),
                              mpirun(np));
       ASSERT_EQ(run.exit_code, 0) << run.output;
       expect_same_steps(rl_rows(dir / out), want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
@@ -423,6 +386,39 @@ TEST(Rl, ContextParallelRanksEqualOneProcess) {
     }
     fs::remove_all(dir / "one");
   }
+}
+
+}  // namespace
+#endif
+
+// Tensor parallelism (parallel.tp = 2, the dense tiny Qwen3 split in two; and tp 2 x dp 2): the same rollouts (the
+// ranks of a tp group decode the same sequences, their rollout pools agreed on one size) and updates as one process,
+// with GRPO, with a KL term to a frozen reference (itself sliced), with LoRA and that KL term (the reference is the
+// base), and with LoRA under sequence parallelism.
+TEST(Rl, TensorParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  // vocab_size 320 (the tokenizer's 305 padded): tp 2 splits the vocabulary too.
+  expect_layout_equals_one_process(
+      "tp2", " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0 --set model.config.vocab_size=320",
+      " --set parallel.tp=2",
+      {"", " --set rl.kl_coef=0.1", " --set lora.rank=4 --set lora.alpha=8 --set rl.kl_coef=0.1",
+       " --set lora.rank=4 --set lora.alpha=8 --set parallel.sp=true"},
+      " --set parallel.sp");  // one process: no tp, no sp
+#endif
+}
+
+// Context parallelism (parallel.cp = 2, and cp 2 x dp 2): the cp ranks of a replica sample the same groups (decoding
+// runs whole on each of them), score them by rows with the head all-to-all, and their gradient parts are summed with
+// the dp ones: the one-process run, for GRPO with a KL term and for LoRA.
+TEST(Rl, ContextParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  expect_layout_equals_one_process("cp2", " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0",
+                                   " --set parallel.cp=2",
+                                   {" --set rl.kl_coef=0.1", " --set lora.rank=4 --set lora.alpha=8"});
 #endif
 }
 
