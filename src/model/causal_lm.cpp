@@ -244,8 +244,6 @@ SegmentAttrs CausalLm::stack_segments(const LoraSlot& slot, const PackedBatch& b
   return s;
 }
 
-bool CausalLm::head_on_rows(const PackedBatch& b) const { return context_parallel() && !b.row_loss; }
-
 Tensor CausalLm::head_input(const Tensor& xf, const PackedBatch& b) const {
   return cp_gather(block_input(xf, block_tokens(b)), b.tokens());
 }
@@ -591,6 +589,36 @@ void labelled_rows(const PackedBatch& b, std::vector<int32_t>& rows, std::vector
   }
 }
 
+}  // namespace
+
+size_t CausalLm::head_rows(const PackedBatch& b, int64_t rows_here, std::vector<int32_t>& rows,
+                           std::vector<int32_t>& targets) const {
+  if (!context_parallel()) return 0;
+  const int64_t first = cp_rank() * block_tokens(b);
+  size_t kept = 0, at = rows.size();
+  for (size_t r = 0; r < rows.size(); ++r)
+    if (rows[r] >= first && rows[r] < first + rows_here) {
+      at = std::min(at, r);
+      rows[kept] = int32_t(rows[r] - first);
+      targets[kept++] = targets[r];
+    }
+  rows.resize(kept);
+  targets.resize(kept);
+  return kept > 0 ? at : 0;
+}
+
+std::vector<double> CausalLm::joined_values(const std::vector<double>& mine, size_t at, size_t total) const {
+  if (!context_parallel() || total == 0) return mine;  // (every rank of the group has the same total)
+  std::vector<double> all(total, 0.0);  // each rank's values at its place, zero elsewhere, summed over the group
+  std::copy(mine.begin(), mine.end(), all.begin() + std::ptrdiff_t(at));
+  Tensor t = rt_->from_host(all.data(), {int64_t(total)}, DType::F64, options_.device);
+  options_.cp->all_reduce(t).wait();
+  const Tensor host = options_.device.is_cpu() ? t : rt_->copy_to(t, Device::cpu());
+  return std::vector<double>(host.data<double>(), host.data<double>() + total);
+}
+
+namespace {
+
 // The hidden states' gradient of a batch without labelled rows.
 Tensor zero_grad_like(ExecContext& cx, const Tensor& x) {
   Tensor g = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
@@ -603,14 +631,18 @@ Tensor zero_grad_like(ExecContext& cx, const Tensor& x) {
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
   ExecContext cx = ctx();
   const LmHead lm = lm_head(head);
+  // Under cp xf holds the rank's rows of the batch: their log-probs, joined over the group into the batch's.
+  const int64_t first = context_parallel() ? cp_rank() * block_tokens(b) : 0;
+  const int64_t rows = std::min(xf.size(0), b.tokens() - std::min(first, b.tokens()));
   std::vector<double> out;
-  for (int64_t r0 = 0; r0 < b.tokens(); r0 += options_.loss_chunk_rows) {
-    const int64_t n = std::min(options_.loss_chunk_rows, b.tokens() - r0);
+  for (int64_t r0 = 0; r0 < rows; r0 += options_.loss_chunk_rows) {
+    const int64_t n = std::min(options_.loss_chunk_rows, rows - r0);
     const Tensor logits = lm.logits(cx, xf.narrow(0, r0, n));
-    const Tensor loss = rt_->copy_to(lm.cross_entropy(cx, logits, b.labels.narrow(0, r0, n), {})[0], Device::cpu());
+    const Tensor loss =
+        rt_->copy_to(lm.cross_entropy(cx, logits, b.labels.narrow(0, first + r0, n), {})[0], Device::cpu());
     for (int64_t i = 0; i < n; ++i) out.push_back(-load_as_double(loss.data_ptr(), loss.dtype(), i));
   }
-  return out;
+  return joined_values(out, size_t(first), size_t(b.tokens()));
 }
 
 LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
@@ -632,19 +664,10 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     while (rows[r] >= seg_end[s]) ++s;
     ++seg_rows[s];
   }
-  // Context parallelism (head_on_rows): xf holds this rank's rows of the batch, from `first`; only its labelled rows
-  // are this rank's, and add_head_losses sums the losses over the group.
-  const int64_t first = head_on_rows(b) ? cp_rank() * block_tokens(b) : 0;
-  if (head_on_rows(b)) {
-    size_t kept = 0;
-    for (size_t r = 0; r < rows.size(); ++r)
-      if (rows[r] >= first && rows[r] < first + xf.size(0)) {
-        rows[kept] = int32_t(rows[r] - first);
-        targets[kept++] = targets[r];
-      }
-    rows.resize(kept);
-    targets.resize(kept);
-  }
+  // Context parallelism: xf holds this rank's rows of the batch, from `first`; only its labelled rows are this
+  // rank's, and add_head_losses sums the losses over the group.
+  const int64_t first = context_parallel() ? cp_rank() * block_tokens(b) : 0;
+  head_rows(b, xf.size(0), rows, targets);
   const int64_t n_rows = int64_t(rows.size());
   // The gathered rows of each segment are contiguous; each segment's mean loss has its own gradient scale.
   struct Piece {
@@ -708,31 +731,34 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
   std::vector<int32_t> rows, targets;
   labelled_rows(b, rows, targets);
   // Segments (an adapter's rows) scale their rows' gradients by their loss_scale; the terms carry their own weights.
-  std::vector<double> row_scale(rows.size(), loss_scale);
+  const size_t n_all = rows.size();
+  std::vector<double> row_scale(n_all, loss_scale);
   LossResult result;
   size_t r = 0;
   for (const BatchSegment& seg : b.segments) {
     const size_t begin = r;
-    for (; r < rows.size() && rows[r] < seg.rows_end; ++r) row_scale[r] = loss_scale * seg.loss_scale;
+    for (; r < n_all && rows[r] < seg.rows_end; ++r) row_scale[r] = loss_scale * seg.loss_scale;
     result.segments.push_back({0.0, int64_t(r - begin)});
   }
+  result.labelled = int64_t(n_all);
+  // Context parallelism: xf holds this rank's rows; its labelled rows are [at, at + n_rows) of the batch's, whose
+  // log-probabilities (and entropies) are joined over the group, so that every rank evaluates the loss's terms on
+  // whole sequences (a sequence ratio, a sequence mean) and differentiates its own rows.
+  const size_t at = head_rows(b, xf.size(0), rows, targets);
   const int64_t n_rows = int64_t(rows.size()), n_padded = (n_rows + 7) / 8 * 8;  // as head_loss: GEMMs of 8k rows
   rows.resize(size_t(n_padded), 0);
   targets.resize(size_t(n_padded), -100);
-  result.labelled = n_rows;
-  if (n_rows == 0) {
-    if (backward) *dxf = zero_grad_like(cx, xf);
-    return result;
-  }
-  const Tensor row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);
-  const Tensor target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
-  const Tensor xs = embedding(cx, xf, row_index);  // (n_padded, H)
   const LmHead lm = lm_head(head);
   const Tensor& wh = lm.weight();
+  Tensor row_index, target_t, xs;
+  if (n_rows > 0) {
+    row_index = rt_->upload(rows.data(), {n_padded}, DType::I32, options_.device);
+    target_t = rt_->upload(targets.data(), {n_padded}, DType::I32, options_.device);
+    xs = embedding(cx, xf, row_index);  // (n_padded, H)
+  }
   // Pass 1: every labelled row's log-probability (minus its cross-entropy), and where asked its entropy
   // lse(x) - sum softmax(x) x.
-  std::vector<double> logp;
-  if (b.row_entropy) b.row_entropy->clear();
+  std::vector<double> logp, entropy;
   for (int64_t r0 = 0; r0 < n_padded; r0 += options_.loss_chunk_rows) {
     const int64_t n = std::min(options_.loss_chunk_rows, n_padded - r0);
     const Tensor logits = lm.logits(cx, xs.narrow(0, r0, n));
@@ -742,19 +768,26 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
       logp.push_back(-load_as_double(host.data_ptr(), host.dtype(), i));
     if (!b.row_entropy) continue;
     const std::vector<double> h = lm.entropy(cx, logits);
-    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i) b.row_entropy->push_back(h[size_t(i)]);
+    for (int64_t i = 0; i < n && r0 + i < n_rows; ++i) entropy.push_back(h[size_t(i)]);
   }
-  std::vector<double> terms(static_cast<size_t>(n_rows)), dlogp(static_cast<size_t>(n_rows));
-  (*b.row_loss)(logp, terms, dlogp);
+  logp = joined_values(logp, at, n_all);
+  if (b.row_entropy) *b.row_entropy = joined_values(entropy, at, n_all);
+  std::vector<double> terms(n_all), dlogp(n_all);
+  if (n_all > 0) (*b.row_loss)(logp, terms, dlogp);
   for (double t : terms) result.loss_sum += t;
   result.loss = result.loss_sum;
   for (size_t s = 0, t = 0; s < result.segments.size(); ++s)
     for (int64_t k = 0; k < result.segments[s].labelled; ++k) result.segments[s].loss_sum += terms[t++];
   if (!backward) return result;
+  if (n_rows == 0) {  // nothing labelled here: zero gradients (the head's defined, as on the others, for a cp sum)
+    *dxf = zero_grad_like(cx, xf);
+    if (context_parallel()) add_grad(head, zero_grad_like(cx, w(head)));
+    return result;
+  }
   // Pass 2: d loss / d logits of row t is dloss_dlogp[t] (onehot - softmax): the cross-entropy's gradient scaled by
   // -dloss_dlogp[t] (and loss_scale); padded rows by 0.
   std::vector<double> scale(static_cast<size_t>(n_padded), 0.0);
-  for (int64_t t = 0; t < n_rows; ++t) scale[size_t(t)] = -dlogp[size_t(t)] * row_scale[size_t(t)];
+  for (int64_t t = 0; t < n_rows; ++t) scale[size_t(t)] = -dlogp[at + size_t(t)] * row_scale[at + size_t(t)];
   const Tensor scale_t =
       cast(cx, rt_->from_host(scale.data(), {n_padded, 1}, DType::F64, options_.device), xs.dtype());
   Tensor dxs = Tensor::empty(xs.shape(), xs.dtype(), cx.allocator);
@@ -768,7 +801,7 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
     add_linear_grad(head, dlogits, xc);
   }
   lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
-  *dxf = embedding_backward(cx, dxs, row_index, b.tokens());
+  *dxf = embedding_backward(cx, dxs, row_index, xf.size(0));
   return result;
 }
 
@@ -783,7 +816,7 @@ void CausalLm::add_head_losses(LossResult& result, const PackedBatch& b,
     result.loss_sum += chunk_sum;
     if (!result.segments.empty()) result.segments[pi].loss_sum += chunk_sum;
   }
-  if (head_on_rows(b)) {  // each rank's rows' losses, summed over the cp group
+  if (context_parallel()) {  // each rank's rows' losses, summed over the cp group
     std::vector<double> sums = {result.loss_sum};
     for (const LossResult::Segment& s : result.segments) sums.push_back(s.loss_sum);
     Tensor t = rt_->from_host(sums.data(), {int64_t(sums.size())}, DType::F64, options_.device);

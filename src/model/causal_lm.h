@@ -313,11 +313,15 @@ class CausalLm {
   SegmentAttrs stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const;
   // The final norm's output as the LM head takes it: every row of the batch (gathered under sp or cp).
   Tensor head_input(const Tensor& xf, const PackedBatch& b) const;
-  // Whether the training loss head runs on the rank's rows only: under cp, for a cross-entropy batch (a RowLoss —
-  // RL's sequence-level ratios and aggregations — needs every row of its sequences: the head runs on them all, at 1 /
-  // cp of the loss scale). head_loss then takes the rank's rows (gathered over tp under sp) and add_head_losses sums
-  // the losses over the cp group.
-  bool head_on_rows(const PackedBatch& b) const;
+  // The loss head under cp runs on the rank's rows of the batch (its final norm's output gathered over tp under sp):
+  // head_rows keeps those of the batch's labelled `rows` (and their targets) that fall in the rank's `rows_here`
+  // rows, made relative to them, and returns the index of the first kept one among the batch's (0 without cp: all
+  // kept); joined_values puts each rank's values (`mine`, from index `at` of `total`) together over the group.
+  // head_loss sums the losses over the group (add_head_losses); head_row_loss joins the rows' log-probabilities, so
+  // that a RowLoss sees whole sequences, then differentiates the rank's rows; head_label_logprobs joins its rows'.
+  size_t head_rows(const PackedBatch& b, int64_t rows_here, std::vector<int32_t>& rows,
+                   std::vector<int32_t>& targets) const;
+  std::vector<double> joined_values(const std::vector<double>& mine, size_t at, size_t total) const;
   // The batch's cu_seqlens for the all-to-all's cp x rows (a padding document after the last one when cp does not
   // divide T), and the positions of the rows the stack runs on (under cp the rank's), made once a forward.
   const Tensor& cp_cu_seqlens(const PackedBatch& b);

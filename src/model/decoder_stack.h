@@ -73,7 +73,7 @@ struct DecoderStack {
   template <typename M>
   static std::vector<double> label_logprobs(M& m, const PackedBatch& b) {
     const Tensor xf = m.norm_stream(hidden(m, b, nullptr, nullptr, false), m.w(m.final_norm_), final_norm(m)).first;
-    return m.head_label_logprobs(m.head_input(xf, b), m.head(), b);
+    return m.head_label_logprobs(m.block_input(xf, m.block_tokens(b)), m.head(), b);  // the rank's rows under cp
   }
 
   template <typename M>
@@ -87,20 +87,15 @@ struct DecoderStack {
     const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);  // the stream's rows under sp
     Tensor dxf;
     std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
-    // Under cp the head runs on the rank's rows (head_on_rows), or, for a RowLoss, on every row at 1 / cp of the scale
-    // (its weights' gradient a part like the others') with the rows' input gradient scaled back.
-    const bool rows = m.head_on_rows(b);
-    const int64_t cp = m.context_parallel() && !rows ? m.cp_size() : 1;
-    LossResult result = m.head_loss(rows ? m.block_input(xf, m.block_tokens(b)) : m.head_input(xf, b), m.head(), b,
-                                    backward, loss_scale / double(cp), &dxf, losses);
+    // The head on the rows the stack ran on (under cp the rank's; gathered over tp under sp): CausalLm::head_rows.
+    LossResult result =
+        m.head_loss(m.block_input(xf, m.block_tokens(b)), m.head(), b, backward, loss_scale, &dxf, losses);
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) {
       m.add_head_losses(result, b, losses);
       return result;
     }
-    const Tensor dxf_rows = rows     ? m.sp_rows(dxf)
-                            : cp > 1 ? scale(cx, m.stream_rows(dxf), double(cp))
-                                     : m.stream_rows(dxf);
+    const Tensor dxf_rows = m.sp_rows(dxf);
     const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf_rows, norm);
     m.add_norm_grad(m.final_norm_, dfinal[1]);
     const auto done = [&](int64_t layers_left) {

@@ -643,7 +643,9 @@ RolloutEngine::DeviceDraws RolloutEngine::draw_on_device(ExecContext& cx, const 
   const auto add = [&](const Sequence& q, size_t row) {
     const SamplingOptions& o = q.req->sampling;
     const bool penalise = o.repetition_penalty != 1.0 || o.frequency_penalty != 0.0 || !q.req->banned_ids.empty();
-    DeviceDraws::Draw w{o.temperature == 0 ? Group::kPenalisedGreedy : penalise ? Group::kPenalisedSampled : Group::kSampled, 0};
+    DeviceDraws::Draw w;
+    w.group = o.temperature == 0 ? Group::kPenalisedGreedy : penalise ? Group::kPenalisedSampled : Group::kSampled;
+    w.i = 0;
     if (penalise) {  // the ids the penalties change: generated (their counts), and the prompt's for repetition
       w.repetition = as_kernel(o.repetition_penalty);
       w.frequency = as_kernel(o.frequency_penalty);

@@ -277,7 +277,7 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;
   mem.activations = kept_all + (c.recompute ? *std::max_element(acts.begin(), acts.end()) : 0);
-  // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_on_rows): the final norm's
+  // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_rows): the final norm's
   // output and stream on the stream's rows, their gather into the block's rows (padded; sp), the labelled rows and their
   // gradient (block rows, H) x2, one chunk's logits and their gradient (rows padded to 64 columns) and its per-row
   // losses.

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <unistd.h>
 
@@ -243,13 +244,39 @@ void expect_cp_equals_whole(CausalLm& split, CausalLm& whole, Communicator& cp, 
   ASSERT_EQ(got.expert_load.size(), want.expert_load.size()) << what;
   for (size_t l = 0; l < want.expert_load.size(); ++l)
     EXPECT_EQ(got.expert_load[l].tokens_per_expert, want.expert_load[l].tokens_per_expert) << what;
-  split.sum_replicated_grads();  // tp above the key/value heads: the parts of the ranks sharing one
-  for (size_t i = 0; i < whole.parameters().size(); ++i) {
-    Parameter& p = split.parameters()[i];
-    ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
-    cp.all_reduce(p.grad).wait();  // the ranks' parts
-    EXPECT_LT(rel(to_f64(split.gathered(p, true)), to_f64(whole.parameters()[i].grad)), 1e-10) << what << ": " << p.name;
-  }
+  const auto expect_grads = [&](const std::string& pass) {
+    split.sum_replicated_grads();  // tp above the key/value heads: the parts of the ranks sharing one
+    for (size_t i = 0; i < whole.parameters().size(); ++i) {
+      Parameter& p = split.parameters()[i];
+      ASSERT_TRUE(p.grad.defined()) << what << pass << ": " << p.name;
+      cp.all_reduce(p.grad).wait();  // the ranks' parts
+      EXPECT_LT(rel(to_f64(split.gathered(p, true)), to_f64(whole.parameters()[i].grad)), 1e-10)
+          << what << pass << ": " << p.name;
+    }
+  };
+  expect_grads("");
+  // Per-token label log-probs (each rank's rows, joined) and a row loss whose terms couple every row of the batch (a
+  // square of the log-probs' sum, as a sequence-level term does): each rank must see every row's log-prob.
+  EXPECT_LT(rel(split.label_logprobs(b), whole.label_logprobs(b)), 1e-12) << what;
+  const RowLoss row_loss = [](std::span<const double> logp, std::span<double> loss, std::span<double> d) {
+    double sum = 0;
+    for (double l : logp) sum += l;
+    for (size_t i = 0; i < logp.size(); ++i) {
+      loss[i] = -(1.0 + 0.1 * double(i % 3)) * logp[i] + (i == 0 ? 0.01 * sum * sum : 0.0);
+      d[i] = -(1.0 + 0.1 * double(i % 3)) + 0.02 * sum;
+    }
+  };
+  PackedBatch rw = b, rs = b;
+  std::vector<double> h_want, h_got;
+  rw.row_loss = rs.row_loss = &row_loss;
+  rw.row_entropy = &h_want;
+  rs.row_entropy = &h_got;
+  whole.zero_grads();
+  split.zero_grads();
+  const double row_want = whole.loss(rw, true).loss, row_got = split.loss(rs, true).loss;
+  EXPECT_NEAR(row_got, row_want, 1e-12 * std::abs(row_want)) << what;
+  EXPECT_LT(rel(h_got, h_want), 1e-12) << what;
+  expect_grads(", row loss");
 }
 
 TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
