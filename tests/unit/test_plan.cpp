@@ -236,7 +236,7 @@ TEST(Plan, ContextParallelActivationsAreWhatTheLayersKeep) {
   const int64_t qwen3_layer =
       stream_and_mlp_elements() + kRows * 64 + kCore * (16 + 8 + 8 + 16) + kCore * 2 + kRows * 32;
   EXPECT_EQ(plan.memory.activations, 2 * kB * qwen3_layer);
-  // The loss head on the rank's rows (CausalLm::head_on_rows): the final norm's output and stream on the rows, the
+  // The loss head on the rank's rows (CausalLm::head_rows): the final norm's output and stream on the rows, the
   // rows taken as labelled and their gradient, one chunk of 36 rows of logits and their gradient over the vocabulary
   // (320), its losses.
   EXPECT_EQ(plan.memory.loss_head, kB * (2 * kRows * 32 + 2 * kRows * 32 + 2 * kRows * 320 + kRows));
