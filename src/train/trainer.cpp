@@ -395,9 +395,12 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
     : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
       lead_(!groups || groups->dp_rank() == 0),
       tp_(groups ? groups->tp.get() : nullptr), dp_(groups ? groups->dp_size() : 1),
-      grad_ranks_(groups ? groups->weight_replicas().size() : 1),
+      grad_ranks_(groups && groups->dp ? groups->weight_replicas().size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
   rt_.check_device(device_);
+  // The gradient sums run on the groups' own stream (make_process_groups' grad_stream), which several ranks need.
+  LATHE_CHECK(grad_ranks_ <= 1 || groups->grad_stream, "train: process groups whose gradients sum over {} ranks were "
+              "made without a gradient stream (make_process_groups' grad_stream)", grad_ranks_);
   dtype_ = !c.dtype.empty() ? dtype_from_name(c.dtype) : device_.is_cpu() ? DType::F32 : DType::BF16;
   save_dtype_ = dtype_ == DType::F64 ? DType::F32 : dtype_;
   lora_ = c.tenants.empty() ? c.lora_rank > 0 : true;
