@@ -617,16 +617,12 @@ std::vector<double> CausalLm::joined_values(const std::vector<double>& mine, siz
   return std::vector<double>(host.data<double>(), host.data<double>() + total);
 }
 
-namespace {
-
-// The hidden states' gradient of a batch without labelled rows.
-Tensor zero_grad_like(ExecContext& cx, const Tensor& x) {
+Tensor CausalLm::zeros_like(const Tensor& x) const {
+  ExecContext cx = rt_->context(options_.device);
   Tensor g = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
   cx.backend.fill_bytes(g.data_ptr(), 0, g.nbytes(), cx.stream);
   return g;
 }
-
-}  // namespace
 
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
   ExecContext cx = ctx();
@@ -719,9 +715,9 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
   if (!backward) return result;
   if (n_rows > 0) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
   // The labelled rows' gradients scattered back (zero elsewhere).
-  *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, xf.size(0)) : zero_grad_like(cx, xf);
+  *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, xf.size(0)) : zeros_like(xf);
   // A cp rank without labelled rows: the head's gradient is zero here (defined, as on the others, for the group's sum).
-  if (n_rows == 0) add_grad(head, zero_grad_like(cx, w(head)));
+  if (n_rows == 0) add_grad(head, zeros_like(w(head)));
   return result;
 }
 
@@ -780,8 +776,8 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
     for (int64_t k = 0; k < result.segments[s].labelled; ++k) result.segments[s].loss_sum += terms[t++];
   if (!backward) return result;
   if (n_rows == 0) {  // nothing labelled here: zero gradients (the head's defined, as on the others, for a cp sum)
-    *dxf = zero_grad_like(cx, xf);
-    if (context_parallel()) add_grad(head, zero_grad_like(cx, w(head)));
+    *dxf = zeros_like(xf);
+    if (context_parallel()) add_grad(head, zeros_like(w(head)));
     return result;
   }
   // Pass 2: d loss / d logits of row t is dloss_dlogp[t] (onehot - softmax): the cross-entropy's gradient scaled by

@@ -306,8 +306,10 @@ class CausalLm {
   // that are the batch's (the last ranks' rows past T are zero padding; a rank may have none).
   int64_t block_tokens(const PackedBatch& b) const;
   int64_t cp_real_rows(const PackedBatch& b) const;
-  // x (n, ...) with zero rows after it up to `rows` (x itself when it has them).
+  // x (n, ...) with zero rows after it up to `rows` (x itself when it has them); a zero tensor of x's shape and dtype
+  // (a gradient that is zero on this rank, defined for a sum over the group).
   Tensor zero_padded_rows(const Tensor& x, int64_t rows) const;
+  Tensor zeros_like(const Tensor& x) const;
   // The adapters' segments (lora_segments) of the first `rows` of the rows the stack runs on: the batch's, or under cp
   // the rank's, from its first row.
   SegmentAttrs stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const;

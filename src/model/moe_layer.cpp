@@ -119,14 +119,9 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
     if (real > 0)
       return sp_rows(zero_padded_rows(moe_backward(layer, p.moe, a.moe, d.narrow(0, 0, real), b), d.size(0)));
     // No row of the batch: the layer's gradients are zero here (defined, as on the other ranks, for the group's sum).
-    ExecContext cx = ctx();
     for (int index : {p.moe.router, p.moe.gate_up, p.moe.down, p.moe.shared_gate, p.moe.shared_up, p.moe.shared_down,
                       p.moe.shared_gate_w})
-      if (index >= 0) {
-        Tensor zero = Tensor::empty(w(index).shape(), w(index).dtype(), cx.allocator);
-        cx.backend.fill_bytes(zero.data_ptr(), 0, zero.nbytes(), cx.stream);
-        add_grad(index, zero);
-      }
+      if (index >= 0) add_grad(index, zeros_like(w(index)));
     return sp_rows(zero_padded_rows(d.narrow(0, 0, 0), d.size(0)));
   }
   ExecContext cx = ctx();

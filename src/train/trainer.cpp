@@ -340,7 +340,7 @@ class Trainer::Impl {
   void guarded(Job& j, const std::function<void()>& f);
   void write_model_files(const std::string& dir) const;  // tokenizer files and chat_template_kwargs.json
   void agree_on_failures(const std::vector<Job*>& active);
-  double reduce_over_dp(const std::vector<Job*>& active);
+  double reduce_over_replicas(const std::vector<Job*>& active);
   void reduce_adapter_grads(const std::vector<Job*>& active);
   bool sharded() const { return c_.zero > 0 && grad_ranks_ > 1 && !lora_; }  // ZeRO: the state over grad_ranks_
   // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
@@ -1087,10 +1087,11 @@ void Trainer::Impl::agree_on_failures(const std::vector<Job*>& active) {
     }
 }
 
-// Data parallelism: every rank's gradients and step figures summed over the dp group (in rank order, so every rank
-// ends with the same values and takes the same optimizer step). Returns the communication the backward did not hide
-// (seconds): the device's wait for the last buckets, and the figures' sum.
-double Trainer::Impl::reduce_over_dp(const std::vector<Job*>& active) {
+// Data (and context) parallelism: every rank's gradients summed over the ranks that hold the same weights (dp, or
+// dp x cp) and the step figures over the dp group (in rank order, so every rank ends with the same values and takes
+// the same optimizer step). Returns the communication the backward did not hide (seconds): the device's wait for the
+// last buckets, and the figures' sum.
+double Trainer::Impl::reduce_over_replicas(const std::vector<Job*>& active) {
   double exposed_s = 0;
   if (reducer_) {
     exposed_s = reducer_->wait() / 1e3;  // the buckets were summed during the backward; the host waits for the last
@@ -1177,7 +1178,7 @@ bool Trainer::Impl::step() {
   const std::function<void()> queue_optimizer = [&] { queue_updates(active, pending); };
   if (source_) run_source_batch(active, *source_batch, queue_optimizer);
   else run_micro_batches(active, queue_optimizer);
-  double dp_comm_s = grad_ranks_ > 1 ? reduce_over_dp(active) : 0.0;
+  double dp_comm_s = grad_ranks_ > 1 ? reduce_over_replicas(active) : 0.0;
   queue_optimizer();
   const std::vector<nlohmann::json> entries = apply_updates(active, pending, dp_comm_s);
   // Test hooks (tests/e2e/test_train_dp.cpp, dev/gpu_dp.sh): after step N's update the last rank dies with SIGKILL, as

@@ -116,6 +116,16 @@ void expect_same_curve(const std::vector<double>& got, const std::vector<double>
     EXPECT_NEAR(got[i], want[i], tolerance * std::abs(want[i])) << what << ", step " << i + 1;
 }
 
+// `out` run (again: after a stop, at another layout) on `np` ranks: it ends well, its output says `said` ("resumed
+// from", a re-cut's report, the layout), and its losses are on the `want` curve.
+void expect_continues(const fs::path& dir, const std::string& out, int np, int accum, const std::string& extra,
+                      const std::string& said, const std::vector<double>& want, const std::string& what) {
+  const LatheRun r = train(dir, out, np, accum, extra);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(said), std::string::npos) << r.output;
+  expect_same_curve(losses(dir / out), want, what);
+}
+
 // Run `out`'s gradient norms over the first three steps against the reference run's (DIR/ref), within 1e-4 relative:
 // they check the scale of the summed gradients while the weights still agree to rounding.
 void expect_same_first_grad_norms(const fs::path& dir, const std::string& out) {
@@ -216,29 +226,19 @@ TEST(TensorParallel, Qwen3EqualsOneProcessAndResumes) {
   for (const auto& e : fs::directory_iterator(dir / "tp4_to_2/checkpoints"))
     if (e.path().filename() != "step-00000003") fs::remove_all(e.path());
   fs::remove_all(dir / "tp4_to_2/final");
-  const LatheRun down = train(dir, "tp4_to_2", 2, 4, " --set parallel.tp=2");
-  ASSERT_EQ(down.exit_code, 0) << down.output;
-  EXPECT_NE(down.output.find("was saved at tp 4; re-cut for tp 2"), std::string::npos) << down.output;
-  expect_same_curve(losses(dir / "tp4_to_2"), want, "tp 4 -> tp 2");
+  expect_continues(dir, "tp4_to_2", 2, 4, " --set parallel.tp=2", "was saved at tp 4; re-cut for tp 2",
+                   want, "tp 4 -> tp 2");
   // Killed after step 4 at tp 2; its step-3 checkpoint resumed at tp 2 x dp 2 and, re-cut, at tp 1.
   const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.tp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
   fs::copy(dir / "run", dir / "run_tp1", fs::copy_options::recursive);
-  const LatheRun resumed = train(dir, "run", 4, 2, " --set parallel.tp=2");
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), want, "tp 2 -> tp 2 x dp 2");
-  const LatheRun at_tp1 = train(dir, "run_tp1", 0, 4);
-  ASSERT_EQ(at_tp1.exit_code, 0) << at_tp1.output;
-  EXPECT_NE(at_tp1.output.find("was saved at tp 2; re-cut for tp 1"), std::string::npos) << at_tp1.output;
-  expect_same_curve(losses(dir / "run_tp1"), want, "tp 2 -> tp 1");
+  expect_continues(dir, "run", 4, 2, " --set parallel.tp=2", "resumed from", want, "tp 2 -> tp 2 x dp 2");
+  expect_continues(dir, "run_tp1", 0, 4, "", "was saved at tp 2; re-cut for tp 1", want, "tp 2 -> tp 1");
   // The other way: one process killed after step 4, resumed at tp 2 (its whole optimizer state cut into slices).
   const LatheRun one = train(dir, "one", 0, 4, "", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(one.exit_code, 0);
-  const LatheRun at_tp2 = train(dir, "one", 2, 4, " --set parallel.tp=2");
-  ASSERT_EQ(at_tp2.exit_code, 0) << at_tp2.output;
-  EXPECT_NE(at_tp2.output.find("was saved at tp 1; re-cut for tp 2"), std::string::npos) << at_tp2.output;
-  expect_same_curve(losses(dir / "one"), want, "tp 1 -> tp 2");
+  expect_continues(dir, "one", 2, 4, " --set parallel.tp=2", "was saved at tp 1; re-cut for tp 2",
+                   want, "tp 1 -> tp 2");
 }
 
 // The Qwen3.5 hybrid at tp 2 (Gated DeltaNet split by key heads with their value heads; in_proj_qkv and the conv in
@@ -262,10 +262,7 @@ TEST(TensorParallel, Qwen35EqualsOneProcessAndResumesAtAnotherTp) {
   EXPECT_LT(d, 2e-5);
   const LatheRun killed = train(dir, "run", 2, 4, lr + " --set parallel.tp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
-  const LatheRun at_tp1 = train(dir, "run", 0, 4, lr);
-  ASSERT_EQ(at_tp1.exit_code, 0) << at_tp1.output;
-  EXPECT_NE(at_tp1.output.find("was saved at tp 2; re-cut for tp 1"), std::string::npos) << at_tp1.output;
-  expect_same_curve(losses(dir / "run"), want, "qwen3.5 tp 2 -> tp 1");
+  expect_continues(dir, "run", 0, 4, lr, "was saved at tp 2; re-cut for tp 1", want, "qwen3.5 tp 2 -> tp 1");
 }
 
 // Sequence parallelism at tp 2 (the stream between the blocks split by tokens; micro-batches of 64 tokens at most,
@@ -302,16 +299,11 @@ TEST(ContextParallel, Qwen3EqualsOneProcessAndResumes) {
     EXPECT_LT(d, 1e-5) << out;
   }
   // tp 2 x cp 2 with sequence parallelism: each cp rank's rows split again over its tp group between the blocks.
-  const LatheRun tpcp = train(dir, "tp2cp2sp", 4, 4, " --set parallel.tp=2 --set parallel.cp=2 --set parallel.sp=true");
-  ASSERT_EQ(tpcp.exit_code, 0) << tpcp.output;
-  EXPECT_NE(tpcp.output.find("parallel: tp=2 cp=2 ep=1 dp=1"), std::string::npos) << tpcp.output;
-  expect_same_curve(losses(dir / "tp2cp2sp"), want, "tp 2 x cp 2 with sp");
+  expect_continues(dir, "tp2cp2sp", 4, 4, " --set parallel.tp=2 --set parallel.cp=2 --set parallel.sp=true",
+                   "parallel: tp=2 cp=2 ep=1 dp=1", want, "tp 2 x cp 2 with sp");
   const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.cp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
-  const LatheRun resumed = train(dir, "run", 2, 4, " --set parallel.cp=2");
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), want, "cp 2 resumed");
+  expect_continues(dir, "run", 2, 4, " --set parallel.cp=2", "resumed from", want, "cp 2 resumed");
   // The Qwen3.5 hybrid at cp 2: Gated DeltaNet over whole documents by the head all-to-all (lr 0.002, as the tp test).
   const fs::path hybrid = setup("cp35", kQwen35Tp);
   const std::string lr = " --set train.lr=0.002";
@@ -355,7 +347,8 @@ TEST(ContextParallel, ZeroCutsTheStateOverDpAndCp) {
   const std::vector<double> want = losses(dir / "ref");
   for (const auto& [np, accum, zero] : {std::tuple{2, 4, 1}, {2, 4, 2}, {4, 2, 1}}) {
     const std::string out = fmt::format("cp2_np{}_zero{}", np, zero);
-    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.cp=2 --set parallel.zero={}", zero) + kSmallBuckets);
+    const std::string layout = fmt::format(" --set parallel.cp=2 --set parallel.zero={}", zero);
+    const LatheRun r = train(dir, out, np, accum, layout + kSmallBuckets);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     expect_same_curve(losses(dir / out), want, out);
     const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "cp zero " + out);
@@ -365,10 +358,8 @@ TEST(ContextParallel, ZeroCutsTheStateOverDpAndCp) {
         << out;
   }
   EXPECT_NE(train(dir, "run", 4, 2, " --set parallel.cp=2 --set parallel.zero=1", "LATHE_FAULT_INJECT=after_step:4").exit_code, 0);
-  const LatheRun resumed = train(dir, "run", 2, 4, " --set parallel.cp=2 --set parallel.zero=1");
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), want, "cp 2 x dp 2 ZeRO-1 resumed at cp 2");
+  expect_continues(dir, "run", 2, 4, " --set parallel.cp=2 --set parallel.zero=1", "resumed from",
+                   want, "cp 2 x dp 2 ZeRO-1 resumed at cp 2");
 }
 
 // LoRA at tp 2 and tp 2 x dp 2 (each adapter matrix split as its base weight; the whole matrices' gradient parts
@@ -391,10 +382,7 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   }
   const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.tp=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
-  const LatheRun resumed = train(dir, "run", 4, 2, " --set parallel.tp=2");
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), want, "lora tp 2 -> tp 2 x dp 2");
+  expect_continues(dir, "run", 4, 2, " --set parallel.tp=2", "resumed from", want, "lora tp 2 -> tp 2 x dp 2");
   // The adapter scored over its base at tp 2 (each matrix sliced as its base weight) as by one process.
   {
     std::ofstream in(dir / "in.jsonl");
@@ -421,10 +409,7 @@ TEST(DataParallel, ACheckpointOfDp2ResumesAtDp4OnTheSameCurve) {
   // dp = 2 dies after step 4 (checkpoint at 3); dp = 4 continues it.
   const LatheRun killed = train(dir, "run", 2, 2, "", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
-  const LatheRun resumed = train(dir, "run", 4, 1);
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), losses(dir / "ref"), "dp 2 -> 4");
+  expect_continues(dir, "run", 4, 1, "", "resumed from", losses(dir / "ref"), "dp 2 -> 4");
 }
 
 TEST(DataParallel, ARankKilledWithSigkillEndsTheJobAndTheResumedRunEqualsTheUninterruptedOne) {
@@ -441,10 +426,7 @@ TEST(DataParallel, ARankKilledWithSigkillEndsTheJobAndTheResumedRunEqualsTheUnin
   EXPECT_TRUE(fs::exists(dir / "run/checkpoints/step-00000003/trainer_state.json"));
   EXPECT_LT(losses(dir / "run").size(), 8u);
   // Resumed (at another dp size), the run equals the uninterrupted one.
-  const LatheRun resumed = train(dir, "run", 4, 1);
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
-  expect_same_curve(losses(dir / "run"), losses(dir / "ref"), "killed and resumed");
+  expect_continues(dir, "run", 4, 1, "", "resumed from", losses(dir / "ref"), "killed and resumed");
 }
 
 TEST(DataParallel, AStoppedRankEndsTheJobWithTheTimeoutReport) {
@@ -703,10 +685,8 @@ TEST(DataParallel, ZeroResumesAtItsLayoutAndReshardsToAnother) {
   EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
   EXPECT_EQ(resumed.output.find("re-cut"), std::string::npos) << "the same layout is read as it is";
   EXPECT_EQ(losses(dir / "run"), losses(dir / "ref"));  // the whole state came back: bitwise
-  const LatheRun reshard = train(dir, "run4", 4, 1, " --set parallel.zero=2" + kSmallBuckets);
-  ASSERT_EQ(reshard.exit_code, 0) << reshard.output;
-  EXPECT_NE(reshard.output.find("re-cut for this run's layout"), std::string::npos) << reshard.output;
-  expect_same_curve(losses(dir / "run4"), losses(dir / "ref"), "ZeRO-1 dp 2 -> ZeRO-2 dp 4, other buckets");
+  expect_continues(dir, "run4", 4, 1, " --set parallel.zero=2" + kSmallBuckets, "re-cut for this run's layout",
+                   losses(dir / "ref"), "ZeRO-1 dp 2 -> ZeRO-2 dp 4, other buckets");
   const LatheRun one = train(dir, "one", 0, 4);
   ASSERT_EQ(one.exit_code, 0) << one.output;
   expect_same_curve(losses(dir / "one"), losses(dir / "ref"), "ZeRO-1 dp 2 -> one process");
