@@ -379,7 +379,7 @@ class Trainer::Impl {
   std::unique_ptr<CausalLm> model_;
   std::unique_ptr<LoraBank> bank_;
   std::string base_model_;
-  double peak_ = 0;
+  double peak_ = 0;  // bf16 FLOP/s of every GPU of the run (0: not a known card, no MFU)
   // The loop.
   std::optional<ExecContext> ctx_;
   // Data parallelism, full fine-tuning: the model's gradient buckets, summed over dp while the backward runs.
@@ -583,7 +583,9 @@ void Trainer::Impl::build() {
       if (j.failed) bank_->clear(j.adapter);
 
   const std::string device_name = rt_.backend(device_.type).info(device_.index).name;
-  peak_ = device_.is_cuda() ? peak_flops(device_name) : 0.0;
+  // MFU divides the step's model FLOPs (every replica's batches, counted once per batch) by the peak of every GPU that
+  // ran them: one card's peak times the world (tp x cp x dp ranks).
+  peak_ = device_.is_cuda() ? peak_flops(device_name) * double(groups_ ? groups_->world->size() : 1) : 0.0;
   const size_t bf16_jobs = size_t(
       std::count_if(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.cfg->optimizer_states == "bf16"; }));
   std::string states;

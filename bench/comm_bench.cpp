@@ -1,0 +1,73 @@
+// The collectives of Lathe's NCCL communicator, timed (issue 25: tensor-parallel communication against the bytes moved
+// and the link's bandwidth). Each rank, one GPU, times all_gather, reduce_scatter and all_reduce of bf16 tensors on
+// its default stream (where the model's collectives run) between CUDA events, for full tensors from 1 MiB to 1 GiB —
+// the sizes a tensor-parallel layer moves (tokens x hidden x 2 bytes: 32 MiB for 4,096 tokens of the Qwen3-8B shape)
+// and NCCL's own bandwidth test size. Rank 0 prints one JSON line per collective and size: the median time, the
+// algorithm bandwidth (the full tensor's bytes over the time) and the bus bandwidth (NCCL's convention: x (n-1)/n for
+// gather and scatter, x 2(n-1)/n for all-reduce; what one link carries). Launched by bench/run_comm.sh.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/runtime.h"
+#include "comm/launch.h"
+#include "core/device.h"
+
+using namespace lathe;
+
+int main() {
+  try {
+    Runtime rt;
+    const LaunchEnv env = launch_env();
+    std::string device = "cuda";
+    std::optional<MpiSession> mpi;
+    const std::unique_ptr<Communicator> world = join_world(rt, device, env, 120.0, mpi, "comm_bench");
+    LATHE_CHECK(world != nullptr, "comm_bench: a world of one rank has nothing to time (bench/run_comm.sh starts two)");
+    const Device dev = parse_device(device);
+    ExecContext ctx = rt.context(dev);
+    const int64_t n = world->size();
+    auto start = ctx.backend.create_event(dev.index), stop = ctx.backend.create_event(dev.index);
+    for (const int64_t mib : {1, 4, 16, 32, 64, 256, 1024}) {
+      const int64_t elems = mib * 1048576 / 2;
+      Tensor full = Tensor::empty({elems}, DType::BF16, ctx.allocator), part = Tensor::empty({elems / n}, DType::BF16, ctx.allocator);
+      struct Case {
+        const char* name;
+        double bus_factor;
+        std::function<void()> run;
+      };
+      const std::vector<Case> cases = {
+          {"all_gather", double(n - 1) / double(n), [&] { world->all_gather(part, full); }},
+          {"reduce_scatter", double(n - 1) / double(n), [&] { world->reduce_scatter(full, part); }},
+          {"all_reduce", 2.0 * double(n - 1) / double(n), [&] { world->all_reduce(full); }}};
+      for (const Case& c : cases) {
+        const int iters = mib >= 256 ? 10 : 30;
+        for (int i = 0; i < 3; ++i) c.run();
+        std::vector<double> ms;
+        for (int i = 0; i < iters; ++i) {
+          start->record(ctx.stream);
+          c.run();
+          stop->record(ctx.stream);
+          stop->synchronize();
+          ms.push_back(stop->elapsed_ms_since(*start));
+        }
+        std::sort(ms.begin(), ms.end());
+        const double med = ms[ms.size() / 2], bytes = double(mib) * 1048576.0;
+        if (world->rank() == 0)
+          fmt::print("{{\"collective\": \"{}\", \"ranks\": {}, \"mib\": {}, \"ms\": {:.4f}, \"algbw_gbs\": {:.1f}, "
+                     "\"busbw_gbs\": {:.1f}, \"device\": \"{}\"}}\n",
+                     c.name, n, mib, med, bytes / (med * 1e-3) / 1e9, c.bus_factor * bytes / (med * 1e-3) / 1e9,
+                     ctx.backend.info(dev.index).name);
+      }
+    }
+    world->barrier();
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "comm_bench: error: {}\n", e.what());
+    return 1;
+  }
+}

