@@ -1,8 +1,10 @@
 // The collectives of Lathe's NCCL communicator, timed (issue 25: tensor-parallel communication against the bytes moved
 // and the link's bandwidth). Each rank, one GPU, times all_gather, reduce_scatter and all_reduce of bf16 tensors on
-// its default stream (where the model's collectives run) between CUDA events, for full tensors from 1 MiB to 1 GiB —
+// its default stream (where the model's collectives run) between CUDA events — one call on an idle GPU, and ten
+// queued back to back — for full tensors from 1 MiB to 1 GiB —
 // the sizes a tensor-parallel layer moves (tokens x hidden x 2 bytes: 32 MiB for 4,096 tokens of the Qwen3-8B shape)
-// and NCCL's own bandwidth test size. Rank 0 prints one JSON line per collective and size: the median time, the
+// and NCCL's own bandwidth test size. Rank 0 prints one JSON line per collective and size: the median time a call
+// (queued; one_call_ms: alone), the
 // algorithm bandwidth (the full tensor's bytes over the time) and the bus bandwidth (NCCL's convention: x (n-1)/n for
 // gather and scatter, x 2(n-1)/n for all-reduce; what one link carries). Launched by bench/run_comm.sh.
 #include <fmt/format.h>
@@ -45,23 +47,28 @@ int main() {
           {"reduce_scatter", double(n - 1) / double(n), [&] { world->reduce_scatter(full, part); }},
           {"all_reduce", 2.0 * double(n - 1) / double(n), [&] { world->all_reduce(full); }}};
       for (const Case& c : cases) {
-        const int iters = mib >= 256 ? 10 : 30;
+        // One call on an idle GPU (the host's queueing included), and a run of `reps` calls queued back to back (the
+        // GPU's time per call, as in a step where the host runs ahead): medians over `iters`.
+        const int iters = mib >= 256 ? 5 : 15, reps = 10;
         for (int i = 0; i < 3; ++i) c.run();
-        std::vector<double> ms;
+        std::vector<double> one, queued;
         for (int i = 0; i < iters; ++i) {
-          start->record(ctx.stream);
-          c.run();
-          stop->record(ctx.stream);
-          stop->synchronize();
-          ms.push_back(stop->elapsed_ms_since(*start));
+          for (int k : {1, reps}) {
+            start->record(ctx.stream);
+            for (int r = 0; r < k; ++r) c.run();
+            stop->record(ctx.stream);
+            stop->synchronize();
+            (k == 1 ? one : queued).push_back(stop->elapsed_ms_since(*start) / k);
+          }
         }
-        std::sort(ms.begin(), ms.end());
-        const double med = ms[ms.size() / 2], bytes = double(mib) * 1048576.0;
+        std::sort(one.begin(), one.end());
+        std::sort(queued.begin(), queued.end());
+        const double ms = queued[queued.size() / 2], bytes = double(mib) * 1048576.0;
         if (world->rank() == 0)
-          fmt::print("{{\"collective\": \"{}\", \"ranks\": {}, \"mib\": {}, \"ms\": {:.4f}, \"algbw_gbs\": {:.1f}, "
-                     "\"busbw_gbs\": {:.1f}, \"device\": \"{}\"}}\n",
-                     c.name, n, mib, med, bytes / (med * 1e-3) / 1e9, c.bus_factor * bytes / (med * 1e-3) / 1e9,
-                     ctx.backend.info(dev.index).name);
+          fmt::print("{{\"collective\": \"{}\", \"ranks\": {}, \"mib\": {}, \"ms\": {:.4f}, \"one_call_ms\": {:.4f}, "
+                     "\"algbw_gbs\": {:.1f}, \"busbw_gbs\": {:.1f}, \"device\": \"{}\"}}\n",
+                     c.name, n, mib, ms, one[one.size() / 2], bytes / (ms * 1e-3) / 1e9,
+                     c.bus_factor * bytes / (ms * 1e-3) / 1e9, ctx.backend.info(dev.index).name);
       }
     }
     world->barrier();

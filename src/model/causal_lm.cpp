@@ -105,7 +105,7 @@ int CausalLm::tp_size() const { return options_.tp ? options_.tp->size() : 1; }
 int CausalLm::tp_rank() const { return options_.tp ? options_.tp->rank() : 0; }
 
 void CausalLm::tp_sum(Tensor& t) const {
-  if (tp_size() > 1) options_.tp->all_reduce(t).wait();
+  if (tp_size() > 1) options_.tp->all_reduce(t);
 }
 
 namespace {
@@ -134,7 +134,7 @@ Tensor joined_rows(ExecContext& cx, Communicator& group, const Tensor& rows, int
   shape[0] *= n;
   Tensor all = Tensor::empty(shape, rows.dtype(), cx.allocator);
   Tensor flat = all.view({n * size});
-  group.all_gather(contiguous(cx, rows).view({size}), flat).wait();
+  group.all_gather(contiguous(cx, rows).view({size}), flat);
   return all.narrow(0, 0, tokens);  // the padding rows dropped
 }
 
@@ -156,7 +156,7 @@ Tensor CausalLm::block_output(Tensor partial) const {
   const Tensor in = padded_rows(cx, contiguous(cx, partial), n * mine);
   Tensor out = Tensor::empty({mine, h}, partial.dtype(), cx.allocator);
   Tensor flat = out.view({mine * h});
-  options_.tp->reduce_scatter(in.view({n * mine * h}), flat).wait();
+  options_.tp->reduce_scatter(in.view({n * mine * h}), flat);
   return out;
 }
 
@@ -195,7 +195,7 @@ Tensor CausalLm::heads_to_sequence(const Tensor& heads_rows) const {
   Tensor recv = Tensor::empty({c * r, part, d}, rows.dtype(), cx.allocator);
   Tensor flat = recv.view({c * r * part * d});
   const std::vector<int64_t> counts(size_t(c), r * part * d);
-  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts).wait();
+  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts);
   return recv;
 }
 
@@ -206,7 +206,7 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence, int64_t heads) const 
   Tensor recv = Tensor::empty({c, r, part * d}, sequence.dtype(), cx.allocator);  // block j: my rows, rank j's heads
   Tensor flat = recv.view({c * r * part * d});
   const std::vector<int64_t> counts(size_t(c), r * part * d);
-  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts).wait();
+  options_.cp->all_to_all(send.view({c * r * part * d}), counts, flat, counts);
   const Tensor rows = contiguous(cx, recv.transpose(0, 1)).view({r, c * part, d});
   if (heads < 0 || heads == c * part) return rows;
   // A head repeated over c / heads ranks (heads_to_sequence): the gradients of its copies summed.
@@ -292,7 +292,7 @@ void CausalLm::sum_over_replicas(Parameter& p) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = p.grad.numel();
   Tensor all = Tensor::empty({int64_t(tp_size()) * n}, p.grad.dtype(), cx.allocator);
-  options_.tp->all_gather(contiguous(cx, p.grad).view({n}), all).wait();
+  options_.tp->all_gather(contiguous(cx, p.grad).view({n}), all);
   const int first = tp_rank() / r * r;  // the replica set's ranks, summed in rank order (the same bits on each)
   Tensor sum = contiguous(cx, all.narrow(0, first * n, n));
   for (int k = 1; k < r; ++k) sum = add(cx, sum, all.narrow(0, (first + k) * n, n));
@@ -308,7 +308,7 @@ Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   const int64_t size = mine.numel(), local_cols = size / mine.size(0);
   Tensor all = Tensor::empty({int64_t(n) * size}, mine.dtype(), cx.allocator);  // the pieces in rank order
   Tensor in = contiguous(cx, mine);
-  options_.tp->all_gather(in.view({size}), all).wait();
+  options_.tp->all_gather(in.view({size}), all);
   // Each part (one of a replica set's ranks) copied box by box into the whole viewed as 2-D.
   const Shape& global = p.shard.global_shape;
   Tensor whole = Tensor::empty(global, mine.dtype(), cx.allocator);

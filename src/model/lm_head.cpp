@@ -24,7 +24,7 @@ Tensor LmHead::whole_logits(ExecContext& cx, const Tensor& x) const {
   const Tensor mine = linear(cx, x, w_);  // (N, Vl)
   const int64_t rows = mine.size(0), cols = mine.size(1);
   Tensor all = Tensor::empty({int64_t(n) * rows * cols}, mine.dtype(), cx.allocator);  // the pieces in rank order
-  tp_->all_gather(mine.view({rows * cols}), all).wait();
+  tp_->all_gather(mine.view({rows * cols}), all);
   Tensor whole = Tensor::empty({rows, int64_t(n) * cols}, mine.dtype(), cx.allocator);  // rank r: columns [r Vl, ...)
   for (int r = 0; r < n; ++r)
     copy_into(cx, all.narrow(0, r * rows * cols, rows * cols).view({rows, cols}), whole.narrow(1, r * cols, cols));
@@ -35,7 +35,7 @@ Tensor LmHead::whole_lse(ExecContext& cx, const Tensor& local_lse) const {
   const int n = tp_->size();
   const int64_t rows = local_lse.size(0);
   Tensor all = Tensor::empty({int64_t(n) * rows}, local_lse.dtype(), cx.allocator);
-  tp_->all_gather(local_lse, all).wait();
+  tp_->all_gather(local_lse, all);
   // Row i's ranks' log-sum-exps side by side (N, tp): their log-sum-exp is the whole row's (the same bits on every
   // rank: every rank combines the same gathered values in the same order).
   return row_argmax_logsumexp(cx, all.view({n, rows}).transpose(0, 1))[2];
@@ -47,7 +47,7 @@ std::vector<Tensor> LmHead::cross_entropy(ExecContext& cx, const Tensor& logits,
   const Tensor lse = whole_lse(cx, row_argmax_logsumexp(cx, logits)[2]);
   attrs.first = first_;
   std::vector<Tensor> out = cross_entropy_slice(cx, logits, labels, lse, attrs);
-  tp_->all_reduce(out[0]).wait();  // each row's loss from the rank holding its label (0 from the others)
+  tp_->all_reduce(out[0]);  // each row's loss from the rank holding its label (0 from the others)
   return out;
 }
 
@@ -75,7 +75,7 @@ std::vector<double> LmHead::entropy(ExecContext& cx, const Tensor& logits) const
 }
 
 void LmHead::sum_input_grad(Tensor& dx) const {
-  if (tp_) tp_->all_reduce(dx).wait();
+  if (tp_) tp_->all_reduce(dx);
 }
 
 }  // namespace lathe

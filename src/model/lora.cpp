@@ -550,7 +550,7 @@ void LoraBank::sum_tp_grads() {
   if (!tp_model_) return;
   Communicator& group = *tp_model_->options().tp;
   for (Adapter& a : adapters_) {
-    for (size_t i : a.partial) group.all_reduce(a.params[i].grad).wait();
+    for (size_t i : a.partial) group.all_reduce(a.params[i].grad);
     for (Parameter& p : a.params) tp_model_->sum_over_replicas(p);
   }
 }
