@@ -4,13 +4,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <set>
 #include <tuple>
 
 #include "io/safetensors.h"
 #include "model/decoder_stack.h"
 #include "model/lora.h"
-#include "model/random_init.h"
 #include "ops/ops.h"
 
 namespace lathe {
@@ -117,13 +117,15 @@ Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOpti
 Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const ModelOptions& options, uint64_t seed,
                               double std) {
   Qwen3Model m(rt, config, options);
-  for (size_t i = 0; i < m.params_.size(); ++i) {  // the whole tensor's values (the same at any tp), this rank's slice
-    Parameter& p = m.params_[i];
-    std::vector<double> host(size_t(shape_numel(p.global_shape())), 1.0);  // norm gains: 1
-    if (p.value.dim() > 1) fill_normal(host, tensor_seed(seed, i), std);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, float(std));
+  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's slice
+    std::vector<float> host(size_t(shape_numel(p.global_shape())));
+    const bool norm = p.value.dim() == 1;
+    for (float& x : host) x = norm ? 1.0f : normal(rng);
     if (!p.whole()) host = slice_of(host, p);
     ExecContext cx = rt.context(options.device);
-    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), p.value);  // cast in place
+    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F32, options.device), p.value);  // cast in place
   }
   return m;
 }

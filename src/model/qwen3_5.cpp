@@ -19,13 +19,13 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <set>
 #include <tuple>
 
 #include "io/safetensors.h"
 #include "model/decoder_stack.h"
 #include "model/lora.h"
-#include "model/random_init.h"
 #include "ops/ops.h"
 
 namespace lathe {
@@ -242,16 +242,17 @@ Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOp
 Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const ModelOptions& options, uint64_t seed,
                                 double std) {
   Qwen35Model m(rt, config, options);
-  for (size_t i = 0; i < m.params_.size(); ++i) {  // the whole tensor's values (the same at any tp), this rank's piece
-    Parameter& p = m.params_[i];
-    std::vector<double> host(size_t(shape_numel(p.global_shape())), 0.0);  // zero-centred norms: 0
-    if (p.name.find("A_log") != std::string::npos) {
-      fill_uniform(host, tensor_seed(seed, i), 0.01, 16.0);
-      for (double& x : host) x = std::log(x);
-    } else if (p.name.find("linear_attn.norm.weight") != std::string::npos || p.name.find("dt_bias") != std::string::npos) {
-      std::fill(host.begin(), host.end(), 1.0);
-    } else if (p.value.dim() > 1) {
-      fill_normal(host, tensor_seed(seed, i), std);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, std);
+  std::uniform_real_distribution<double> uniform(0.01, 16.0);
+  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's piece
+    std::vector<double> host(size_t(shape_numel(p.global_shape())));
+    const bool gated_norm = p.name.find("linear_attn.norm.weight") != std::string::npos;
+    for (double& x : host) {
+      if (p.name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
+      else if (gated_norm || p.name.find("dt_bias") != std::string::npos) x = 1.0;
+      else if (p.value.dim() == 1) x = 0.0;  // zero-centred norms
+      else x = normal(rng);
     }
     if (!p.whole()) host = slice_of(host, p);
     ExecContext cx = rt.context(options.device);
