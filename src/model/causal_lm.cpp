@@ -713,7 +713,8 @@ LossResult CausalLm::head_loss(const Tensor& xf, int head, const PackedBatch& b,
     }
   }
   if (!backward) return result;
-  if (n_rows > 0) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
+  if (n_rows > 0 && !sequence_parallel()) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part (sp:
+                                                                     // the stack reduce-scatters it, DecoderStack)
   // The labelled rows' gradients scattered back (zero elsewhere).
   *dxf = n_rows > 0 ? embedding_backward(cx, dxs, row_index, xf.size(0)) : zeros_like(xf);
   // A cp rank without labelled rows: the head's gradient is zero here (defined, as on the others, for the group's sum).
@@ -796,7 +797,7 @@ LossResult CausalLm::head_row_loss(const Tensor& xf, int head, const PackedBatch
     matmul_into(cx, dlogits, wh, dxc, {});
     add_linear_grad(head, dlogits, xc);
   }
-  lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part
+  if (!sequence_parallel()) lm.sum_input_grad(dxs);  // under tp each rank's columns gave a part (sp: DecoderStack)
   *dxf = embedding_backward(cx, dxs, row_index, xf.size(0));
   return result;
 }

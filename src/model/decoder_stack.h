@@ -95,7 +95,9 @@ struct DecoderStack {
       m.add_head_losses(result, b, losses);
       return result;
     }
-    const Tensor dxf_rows = m.sp_rows(dxf);
+    // Under sp the head's input gradient is each tp rank's part (its vocabulary columns'), reduce-scattered to the
+    // rows (one collective of the rows' size, where an all-reduce and a cut moved twice that).
+    const Tensor dxf_rows = m.sequence_parallel() ? m.block_output(dxf) : dxf;
     const std::vector<Tensor> dfinal = rmsnorm_backward(cx, x_last, m.w(m.final_norm_), dxf_rows, norm);
     m.add_norm_grad(m.final_norm_, dfinal[1]);
     const auto done = [&](int64_t layers_left) {
