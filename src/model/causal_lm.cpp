@@ -98,6 +98,14 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
   rt.check_device(options_.device);
   config_ = tensor_parallel_config(global_config_, tp_size());
   check_context_parallel(global_config_, tp_size(), cp_size());
+  if (expert_parallel()) {
+    LATHE_CHECK(global_config_.num_experts > 0, "parallel.ep: {} has no mixture-of-experts layers to split over {} "
+                "ranks", global_config_.model_type, ep_size());
+    LATHE_CHECK(global_config_.num_experts % ep_size() == 0, "parallel.ep: {} experts do not split evenly over {} "
+                "ranks", global_config_.num_experts, ep_size());
+    LATHE_CHECK(cp_size() == 1, "parallel.ep: expert parallelism with context parallelism (cp {}) is not built",
+                cp_size());
+  }
   moe_routes_.resize(size_t(config_.num_layers));
 }
 
@@ -217,6 +225,8 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence, int64_t heads) const 
 bool CausalLm::context_parallel() const { return cp_size() > 1 && !decoding_; }
 int CausalLm::cp_size() const { return options_.cp ? options_.cp->size() : 1; }
 int CausalLm::cp_rank() const { return options_.cp ? options_.cp->rank() : 0; }
+int CausalLm::ep_size() const { return options_.ep ? options_.ep->size() : 1; }
+int CausalLm::ep_rank() const { return options_.ep ? options_.ep->rank() : 0; }
 
 int64_t CausalLm::block_tokens(const PackedBatch& b) const {
   if (!context_parallel()) return b.tokens();
@@ -281,6 +291,12 @@ void CausalLm::shard_over_tp(int index, int dim, int replicas, std::vector<int64
                          std::move(sections));
 }
 
+void CausalLm::shard_over_ep(int index) {
+  if (!expert_parallel()) return;
+  Parameter& p = params_[size_t(index)];
+  p.shard = split_layout(p.value.shape(), 0, ep_size(), ep_rank(), "ep");
+}
+
 void CausalLm::sum_replicated_grads() {
   for (Parameter& p : params_)
     if (p.grad.defined()) sum_over_replicas(p);
@@ -301,14 +317,15 @@ void CausalLm::sum_over_replicas(Parameter& p) const {
 
 Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   const Tensor& mine = grad ? p.grad : p.value;
-  if (p.whole() || p.shard.group != "tp") return mine;
-  const int n = tp_size();
+  if (p.whole() || (p.shard.group != "tp" && p.shard.group != "ep")) return mine;
+  Communicator& group = p.shard.group == "tp" ? *options_.tp : *options_.ep;
+  const int n = group.size();
   if (p.shard.global_shape == mine.shape()) return mine;  // held whole by every rank (one kv head for all)
   ExecContext cx = rt_->context(options_.device);
   const int64_t size = mine.numel(), local_cols = size / mine.size(0);
   Tensor all = Tensor::empty({int64_t(n) * size}, mine.dtype(), cx.allocator);  // the pieces in rank order
   Tensor in = contiguous(cx, mine);
-  options_.tp->all_gather(in.view({size}), all);
+  group.all_gather(in.view({size}), all);
   // Each part (one of a replica set's ranks) copied box by box into the whole viewed as 2-D.
   const Shape& global = p.shard.global_shape;
   Tensor whole = Tensor::empty(global, mine.dtype(), cx.allocator);
@@ -378,6 +395,8 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
   cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
   decoding_ = b.cache != nullptr;                       // decoding runs every row on every rank (no cp)
+  LATHE_CHECK(!decoding_ || !expert_parallel(), "model: generation under expert parallelism (ep {}) is not built: the "
+              "ranks would have to decode in step", ep_size());
 }
 
 std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
@@ -853,7 +872,8 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
               dtype_name(dtype));
   ExecContext cx = rt_->context(options_.device);
   // tensor parallelism: every rank joins its slices, the first writes (under cp, the first of its cp group too)
-  const bool writer = tp_rank() == 0 && (!options_.cp || options_.cp->rank() == 0);
+  // (and under ep the first of its ep group: each has gathered the experts)
+  const bool writer = tp_rank() == 0 && (!options_.cp || options_.cp->rank() == 0) && ep_rank() == 0;
   std::vector<Tensor> host;
   std::vector<io::TensorRef> refs;
   for (const Parameter& p : params_) {

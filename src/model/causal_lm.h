@@ -66,6 +66,14 @@ struct ModelOptions {
   // (each rank all rows of a cp-th of its heads). Every rank is given the whole batch; each parameter's gradient is
   // the rank's rows' part (to sum over the group). Without sp; a decoding batch runs whole on every rank.
   Communicator* cp = nullptr;
+  // Expert parallelism (docs/moe.md, "Expert parallelism"): the group whose ranks each hold num_experts / ep of every
+  // sparse layer's experts (ShardLayout "ep", split along the expert dimension) and each give their own batch (the
+  // ranks are data-parallel for everything else). Each sparse layer routes its rows on the rank, sends every routed
+  // row to the rank that owns its expert and gets the outputs back (all-to-alls of uneven sizes, the per-expert counts
+  // exchanged first); an expert's gradient is then that of every rank's rows, a dense parameter's the rank's own
+  // part. The aux loss and the expert loads are the group's (routing totals summed over it). Not with cp, expert
+  // adapters or a decoding batch (the ranks would have to decode in step).
+  Communicator* ep = nullptr;
 };
 
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
@@ -115,6 +123,10 @@ class CausalLm {
   bool context_parallel() const;
   int cp_size() const;
   int cp_rank() const;
+  // Whether the sparse layers' experts are split over ModelOptions::ep (more than one rank).
+  bool expert_parallel() const { return ep_size() > 1; }
+  int ep_size() const;
+  int ep_rank() const;
   // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
   bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
@@ -254,6 +266,7 @@ class CausalLm {
   MlpParams declare_mlp(int64_t layer, const std::string& prefix, const std::function<int(std::string, Shape)>& add);
   // pack_rows for every MLP's gate and up projections (dense, or a sparse layer's shared expert): one GEMM for both.
   void pack_mlp_rows();
+  void shard_experts();  // after the parameters exist: the sparse layers' experts over ep (shard_over_ep)
   MlpActs mlp_forward(int64_t layer, const MlpParams& p, const Tensor& hn, const PackedBatch& b, bool training);
   Tensor mlp_backward(int64_t layer, const MlpParams& p, const Tensor& hn, const MlpActs& a, const Tensor& dout,
                       const PackedBatch& b);
@@ -267,7 +280,13 @@ class CausalLm {
   // Under cp the rows' aux loss and loads are the whole batch's only once summed: each sparse layer's routing totals
   // (tokens, pairs and probability sums per expert) summed over the group (a rank without rows adds zeros).
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
-  void sum_over_cp(std::vector<RoutingTotals>& totals) const;
+  // The routing totals summed over `group` (cp: the rows' parts of one batch; ep: the ranks' batches).
+  void sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const;
+  // Expert parallelism: the plan of a route's all-to-alls (MoeRoute::ep_*, from every rank's per-expert counts),
+  // the rows sent to their experts' ranks and the outputs (or gradients) sent back.
+  void plan_expert_exchange(MoeRoute& r) const;
+  Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, D) -> (R, D) by local expert
+  Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, D) -> (P, D) in the route's order
   bool aux_loss_on() const { return options_.router_aux_loss.value_or(config_.output_router_logits); }
   // The dtype of the router's softmax backward on the device: f32 (transformers' router dtype), f64 in an f64 model.
   DType routing_dtype() const { return options_.dtype == DType::F64 ? DType::F64 : DType::F32; }
@@ -334,6 +353,8 @@ class CausalLm {
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random
   // initialisation and gathered() read.
   void shard_over_tp(int index, int dim, int replicas = 1, std::vector<int64_t> sections = {});
+  // Marks parameter `index` (experts along dim 0) as this rank's num_experts / ep of them (ShardLayout "ep").
+  void shard_over_ep(int index);
 
   Runtime* rt_;
   ModelConfig global_config_;

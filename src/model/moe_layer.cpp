@@ -74,9 +74,10 @@ MlpParams CausalLm::declare_mlp(int64_t layer, const std::string& prefix,
     return p;
   }
   const int64_t e = c.num_experts, in = c.moe_intermediate_size, is = c.shared_expert_intermediate_size;
+  const int64_t mine = e / ep_size();  // expert parallelism: this rank's experts
   p.moe.router = add(prefix + "mlp.gate.weight", {e, c.hidden_size});
-  p.moe.gate_up = add(prefix + "mlp.experts.gate_up_proj", {e, 2 * in, c.hidden_size});
-  p.moe.down = add(prefix + "mlp.experts.down_proj", {e, c.hidden_size, in});
+  p.moe.gate_up = add(prefix + "mlp.experts.gate_up_proj", {mine, 2 * in, c.hidden_size});
+  p.moe.down = add(prefix + "mlp.experts.down_proj", {mine, c.hidden_size, in});
   if (is > 0) {
     p.moe.shared_gate = add(prefix + "mlp.shared_expert.gate_proj.weight", {is, c.hidden_size});
     p.moe.shared_up = add(prefix + "mlp.shared_expert.up_proj.weight", {is, c.hidden_size});
@@ -84,6 +85,14 @@ MlpParams CausalLm::declare_mlp(int64_t layer, const std::string& prefix,
     p.moe.shared_gate_w = add(prefix + "mlp.shared_expert_gate.weight", {1, c.hidden_size});
   }
   return p;
+}
+
+void CausalLm::shard_experts() {
+  for (const MlpParams& p : mlps_)
+    if (p.sparse) {
+      shard_over_ep(p.moe.gate_up);
+      shard_over_ep(p.moe.down);
+    }
 }
 
 void CausalLm::pack_mlp_rows() {
@@ -165,7 +174,7 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
   int64_t most = 0;
   for (int64_t n : r.totals.counts) most = std::max(most, n);
   const int64_t rows = (most + 7) / 8 * 8, pairs = t * k;
-  if (pairs > 0 && double(e * rows) <= options_.moe_padded_max_waste * double(pairs)) {
+  if (pairs > 0 && !expert_parallel() && double(e * rows) <= options_.moe_padded_max_waste * double(pairs)) {
     const MoePadPlan pad = moe_pad_plan(cx, m.offsets, m.pair, {rows, k});
     r.pad_rows = rows;
     r.pad_token = pad.token;
@@ -180,8 +189,70 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
   r.picked_ids = m.picked.view({t * k});
   r.picked_w = m.weights;
   r.inv_sum = m.inv_sum;
+  if (expert_parallel()) plan_expert_exchange(r);
   r.valid = true;
   return r;
+}
+
+// Every rank's pairs per expert (an all-gather over the ep group: the one extra wait of the layer), then the element
+// counts of the two all-to-alls and the row orders between the received layout (by sending rank, each rank's rows of
+// this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take.
+void CausalLm::plan_expert_exchange(MoeRoute& r) const {
+  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, d = config_.hidden_size;
+  std::vector<double> counts(r.totals.counts.begin(), r.totals.counts.end());
+  const Tensor local = rt_->from_host(counts.data(), {e}, DType::F64, options_.device);
+  Tensor all = Tensor::empty({n * e}, DType::F64, rt_->context(options_.device).allocator);
+  options_.ep->all_gather(local, all).wait();
+  const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
+  const auto count = [&](int64_t rank, int64_t expert) { return int64_t(host.data<double>()[rank * e + expert]); };
+  r.ep_send.assign(size_t(n), 0);
+  r.ep_recv.assign(size_t(n), 0);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t x = 0; x < mine; ++x) {
+      r.ep_send[size_t(j)] += count(me, j * mine + x) * d;  // my rows for rank j's experts
+      r.ep_recv[size_t(j)] += count(j, me * mine + x) * d;  // rank j's rows for mine
+    }
+  // start[j][x]: where sender j's rows of local expert x begin in the received layout.
+  std::vector<int64_t> start(size_t(n * mine));
+  int64_t at = 0;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t x = 0; x < mine; ++x) {
+      start[size_t(j * mine + x)] = at;
+      at += count(j, me * mine + x);
+    }
+  std::vector<int32_t> grouped, received(size_t(at), 0);
+  r.ep_offsets = {0};
+  for (int64_t x = 0; x < mine; ++x) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t k = 0; k < count(j, me * mine + x); ++k) {
+        received[size_t(start[size_t(j * mine + x)] + k)] = int32_t(grouped.size());
+        grouped.push_back(int32_t(start[size_t(j * mine + x)] + k));
+      }
+    r.ep_offsets.push_back(int64_t(grouped.size()));
+  }
+  r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
+  r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
+}
+
+Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t d = rows.size(1), got = r.ep_offsets.back();
+  Tensor received = Tensor::empty({got, d}, rows.dtype(), cx.allocator);
+  Tensor flat = received.view({got * d});
+  options_.ep->all_to_all(contiguous(cx, rows).view({rows.numel()}), r.ep_send, flat, r.ep_recv);
+  return got > 0 ? embedding(cx, received, r.ep_grouped) : received;
+}
+
+Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t d = rows.size(1);
+  int64_t back = 0;
+  for (int64_t n : r.ep_send) back += n / d;
+  const Tensor received = rows.size(0) > 0 ? embedding(cx, rows, r.ep_received) : rows;
+  Tensor out = Tensor::empty({back, d}, rows.dtype(), cx.allocator);
+  Tensor flat = out.view({back * d});
+  options_.ep->all_to_all(contiguous(cx, received).view({received.numel()}), r.ep_recv, flat, r.ep_send);
+  return out;
 }
 
 void CausalLm::prepare_moe_backward(MoeRoute& r) {
@@ -197,6 +268,8 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
   if (!lora_ || !b || b->segments.empty()) return e;
   e.slot = lora_->slot(layer, t);
   if (!e.slot) return e;
+  LATHE_CHECK(!expert_parallel(), "lora: adapters on the experts under expert parallelism (ep {}) are not built; "
+              "leave the experts out of lora.targets", ep_size());
   // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
   ExecContext cx = ctx();
   const int64_t tokens = int64_t(r.weights.size(0)), rank = e.slot->rank_total;  // the routed rows
@@ -230,13 +303,18 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     const Tensor yd = matmul(cx, a.act.view({e, m, in}), w(p.down), {false, true}).view({e * m, d});
     a.picked = embedding(cx, yd, r.pad_position).view({t, k, d});
   } else {
-    const GroupedMatmulAttrs g{r.offsets, true};
+    // Expert parallelism: the rows go to their experts' ranks and the GEMMs run over this rank's experts' rows from
+    // every rank (grouped by local expert); the outputs come back in the route's order.
+    const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
+    const GroupedMatmulAttrs g{offsets, true};
     a.xs = embedding(cx, x, r.token_ids);
+    if (expert_parallel()) a.xs = to_expert_ranks(r, a.xs);
     a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-    if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, r.offsets, a.gu);
+    if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, offsets, a.gu);
     a.act = swiglu_halves(cx, a.gu);
     Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
-    if (a.lora_down.slot) a.lora_down.forward(cx, a.act, r.offsets, yd);
+    if (a.lora_down.slot) a.lora_down.forward(cx, a.act, offsets, yd);
+    if (expert_parallel()) yd = from_expert_ranks(r, yd);
     a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
   }
   a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
@@ -290,18 +368,21 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
     Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
     dpicked = Tensor();
+    if (expert_parallel()) dyd = to_expert_ranks(r, dyd);  // to the experts' ranks, as the rows went
     // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
-    const GroupedMatmulAttrs g{r.offsets, true}, gt{r.offsets, false};
+    const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
+    const GroupedMatmulAttrs g{offsets, true}, gt{offsets, false};
     Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
     if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
-    if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, r.offsets, dact);
+    if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, offsets, dact);
     dyd = Tensor();
     Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
     dact = Tensor();
     if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
     Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
-    if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, r.offsets, dxs);
+    if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, offsets, dxs);
     dgate_up = Tensor();
+    if (expert_parallel()) dxs = from_expert_ranks(r, dxs);  // back to the rows' ranks
     // Each token's k rows summed in a fixed order (a batched product with ones).
     dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   }
@@ -346,7 +427,9 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
     if (r.valid) routes.push_back(&r);
   }
   if (totals.empty()) return;
-  if (context_parallel()) sum_over_cp(totals);  // the aux loss and the loads are the whole batch's, not the rows'
+  // The aux loss and the loads are the whole batch's, not the rows' (cp), or the group's batches' (ep).
+  if (context_parallel()) sum_totals_over(*options_.cp, totals);
+  if (expert_parallel()) sum_totals_over(*options_.ep, totals);
   for (size_t i = 0; i < totals.size(); ++i) {
     const ExpertLoad load = expert_load(totals[i].counts);
     res.expert_load.push_back({layers[i], load.tokens_per_expert, load.max_over_mean});
@@ -355,14 +438,17 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   std::vector<double> dp;
   res.aux_loss = load_balancing_loss_totals(totals, grad ? &dp : nullptr);
   if (!grad) return;
-  for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale;
+  // Under ep each rank differentiates the group's aux loss at its own rows; a rank's loss_scale is its share of a
+  // mean over the group's batches (1 / ep of it for equal shares), so the aux term takes ep x loss_scale, and the
+  // group's gradients sum to the aux loss's over all their rows at the group's scale.
+  for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale * double(ep_size());
   ExecContext cx = ctx();
   const Tensor d_aux =
       cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
   for (MoeRoute* r : routes) r->d_aux = d_aux;
 }
 
-void CausalLm::sum_over_cp(std::vector<RoutingTotals>& totals) const {
+void CausalLm::sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const {
   std::vector<double> flat;  // per layer: tokens, counts, probability sums
   for (const RoutingTotals& t : totals) {
     LATHE_ASSERT(t.prob_sums.size() == t.counts.size());
@@ -371,7 +457,7 @@ void CausalLm::sum_over_cp(std::vector<RoutingTotals>& totals) const {
     flat.insert(flat.end(), t.prob_sums.begin(), t.prob_sums.end());
   }
   Tensor sums = rt_->from_host(flat.data(), {int64_t(flat.size())}, DType::F64, options_.device);
-  options_.cp->all_reduce(sums).wait();
+  group.all_reduce(sums).wait();
   const Tensor host = options_.device.is_cpu() ? sums : rt_->copy_to(sums, Device::cpu());
   const double* v = host.data<double>();
   for (RoutingTotals& t : totals) {  // counts are whole numbers far below 2^53: exact in f64
@@ -408,9 +494,10 @@ std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) 
     } else {  // the per-expert layout: experts.N.<part>.weight stacked along dim 1 of the fused (E, rows, cols)
       const std::vector<std::string> parts = expert_parts(p.name);
       const int64_t rows = p.value.size(1), cols = p.value.size(2), part_rows = rows / int64_t(parts.size());
+      const int64_t first = p.whole() ? 0 : p.shard.offset[0];  // expert parallelism: this rank's experts
       for (int64_t e = 0; e < p.value.size(0); ++e)
         for (size_t i = 0; i < parts.size(); ++i) {
-          const std::string name = per_expert_name(p.name, e, parts[i]);
+          const std::string name = per_expert_name(p.name, first + e, parts[i]);
           const io::SafetensorsTensor* pt = st.find(name);
           LATHE_CHECK(pt != nullptr, "model: {}: the checkpoint has neither '{}' (fused experts) nor '{}' (per-expert "
                       "layout)", st.dir(), p.name, name);
@@ -435,10 +522,10 @@ std::vector<io::TensorRef> CausalLm::checkpoint_refs(const Parameter& p, DType d
     return {{p.name, dtype, host.shape(), host.data_ptr(), host.nbytes()}};
   std::vector<io::TensorRef> refs;
   const std::vector<std::string> parts = expert_parts(p.name);
-  const int64_t rows = p.value.size(1), cols = p.value.size(2), part_rows = rows / int64_t(parts.size());
+  const int64_t rows = host.size(1), cols = host.size(2), part_rows = rows / int64_t(parts.size());  // the whole's
   const size_t elem = dtype_size(dtype);
   const auto* base = static_cast<const uint8_t*>(host.data_ptr());
-  for (int64_t e = 0; e < p.value.size(0); ++e)
+  for (int64_t e = 0; e < host.size(0); ++e)
     for (size_t i = 0; i < parts.size(); ++i) {
       const int64_t at = (e * rows + int64_t(i) * part_rows) * cols;
       refs.push_back({per_expert_name(p.name, e, parts[i]), dtype, {part_rows, cols}, base + size_t(at) * elem,

@@ -51,6 +51,12 @@ struct MoeRoute {
   int64_t pad_rows = 0;
   Tensor pad_token, pad_pair;  // (E pad_rows) i32
   Tensor pad_position;         // (T k) i32
+  // Expert parallelism (CausalLm::plan_expert_exchange): the elements sent to and received from each rank of the ep
+  // group, the received rows' groups by local expert (offsets, El + 1), and the row orders between the received
+  // (by sending rank, then expert) and the grouped (by local expert, then sending rank) layouts.
+  std::vector<int64_t> ep_send, ep_recv, ep_offsets;
+  Tensor ep_grouped;  // (R) i32: the received row of each grouped row
+  Tensor ep_received; // (R) i32: the grouped row of each received row
 };
 
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,

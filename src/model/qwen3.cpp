@@ -80,6 +80,7 @@ void Qwen3Model::build_parameter_list() {
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
+  shard_experts();  // expert parallelism: this rank's experts
   // Tensor parallelism: column-parallel q, k, v, gate, up; row-parallel o, down; with more ranks than key/value heads
   // each k and v head is held by tp / heads consecutive ranks (the ones whose query heads read it). A sparse layer's
   // mixture-of-experts block is whole on every rank (its input and output are the group's common stream).

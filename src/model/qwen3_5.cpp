@@ -164,6 +164,7 @@ void Qwen35Model::build_parameter_list() {
   ExecContext cx = ctx();
   for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
   pack_mlp_rows();
+  shard_experts();  // expert parallelism: this rank's experts
   shard_layers();
 }
 

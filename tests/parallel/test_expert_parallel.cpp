@@ -1,0 +1,167 @@
+// Expert parallelism of the mixture-of-experts layers (CausalLm with ModelOptions::ep) under mpirun (-np 2 and -np 4 in
+// ctest), in f64: each rank its own batch (three documents), the experts split over the ranks, every routed row sent to
+// its expert's rank and its output back. The reference is the whole model on every rank: each rank's logits (on its
+// batch) within 1e-12 relative; the loss (each rank's batch's mean, averaged over the group) and the aux loss and the
+// expert loads (the group's: the whole model on the group's batches joined into one); and every gradient within 1e-10
+// — a dense parameter's summed over the group, an expert's gathered from its owner — against the whole model's
+// gradient on the joined batch. Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next (shared experts, dense layers beside sparse
+// ones); at -np 4 also as tp 2 x ep 2. A model saved from the split experts reads back as the whole model. Fails with
+// the routing totals left per rank, or the aux gradient not scaled by ep.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "model/batch.h"
+#include "model/causal_lm.h"
+#include "model/config.h"
+#include "support/model_support.h"
+#include "support/tp_support.h"
+
+using namespace lathe;
+using namespace lathe::test_support;
+
+namespace {
+
+std::unique_ptr<CausalLm> ep_model(const nlohmann::json& config, Communicator* tp, Communicator* ep) {
+  ModelOptions o;
+  o.dtype = DType::F64;
+  o.tp = tp;
+  o.ep = ep;
+  o.router_aux_loss = true;
+  return random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+}
+
+// The families with experts, `experts` of them (two query heads and one kv head a tp rank of two).
+std::vector<nlohmann::json> ep_configs(int experts) {
+  nlohmann::json qwen3_moe = tiny_qwen3(4, 2, 12);
+  qwen3_moe["model_type"] = "qwen3_moe";
+  std::vector<nlohmann::json> out = {qwen3_moe, tiny_hybrid("qwen3_5_moe_text", 4, 2, 2, 12),
+                                     tiny_hybrid("qwen3_next", 4, 2, 2, 12, true)};
+  for (nlohmann::json& j : out) {
+    add_experts(j);
+    j["num_experts"] = experts;
+    j["num_experts_per_tok"] = 3;
+  }
+  return out;
+}
+
+// Rank r's batch of a group of n: three documents of 7, 2 and 12 tokens (the same labelled count on every rank).
+PackedBatch rank_batch(int r) { return random_batch(40, {0, 7, 9, 21}, 100 + uint64_t(r)); }
+
+// The group's batches joined into one, in rank order.
+PackedBatch joined_batch(int n) {
+  std::vector<int32_t> ids, cu = {0};
+  for (int r = 0; r < n; ++r) {
+    const PackedBatch b = rank_batch(r);
+    for (size_t d = 1; d < b.host_cu.size(); ++d) cu.push_back(int32_t(ids.size()) + b.host_cu[d]);
+    ids.insert(ids.end(), b.host_ids.begin(), b.host_ids.end());
+  }
+  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), 40);
+}
+
+struct ExpertParallel : ::testing::Test {
+  static std::unique_ptr<Communicator> world;
+  static void SetUpTestSuite() { world = mpi_world(60); }
+  static void TearDownTestSuite() { world.reset(); }
+};
+std::unique_ptr<Communicator> ExpertParallel::world;
+
+// `split` (ep group `ep`, this rank's batch the group's `ep_rank`-th) against `whole`.
+void expect_ep_equals_whole(CausalLm& split, CausalLm& whole, Communicator& ep, const std::string& what) {
+  const int n = ep.size();
+  const PackedBatch mine = rank_batch(ep.rank()), all = joined_batch(n);
+  EXPECT_LT(rel_l2(to_f64(split.logits(mine)), to_f64(whole.logits(mine))), 1e-12) << what;
+  whole.zero_grads();
+  split.zero_grads();
+  const double scale = 0.7;
+  const LossResult want = whole.loss(all, true, scale);
+  const LossResult got = split.loss(mine, true, scale / n);  // equal labelled counts: the mean's share
+  Tensor mean = runtime().from_host(&got.loss, {1}, DType::F64, Device::cpu());
+  ep.all_reduce(mean).wait();
+  EXPECT_NEAR(mean.data<double>()[0] / n, want.loss, 1e-12 * std::abs(want.loss)) << what;
+  EXPECT_NEAR(got.aux_loss, want.aux_loss, 1e-12 * std::abs(want.aux_loss)) << what;
+  ASSERT_EQ(got.expert_load.size(), want.expert_load.size()) << what;
+  for (size_t l = 0; l < want.expert_load.size(); ++l)
+    EXPECT_EQ(got.expert_load[l].tokens_per_expert, want.expert_load[l].tokens_per_expert) << what;
+  split.sum_replicated_grads();
+  int experts = 0;
+  for (size_t i = 0; i < whole.parameters().size(); ++i) {
+    Parameter& p = split.parameters()[i];
+    ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
+    if (p.shard.group == "ep") ++experts;
+    else ep.all_reduce(p.grad).wait();  // a dense parameter: each rank's batch's part
+    EXPECT_LT(rel_l2(to_f64(split.gathered(p, true)), to_f64(whole.parameters()[i].grad)), 1e-10)
+        << what << ": " << p.name;
+  }
+  EXPECT_GT(experts, 0) << what << ": no parameter was split over the ep group";
+}
+
+TEST_F(ExpertParallel, SplitExpertsEqualTheWholeModel) {
+  const int n = world->size();
+  for (const nlohmann::json& config : ep_configs(2 * n)) {
+    const std::string family = config["model_type"];
+    const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get());
+    ASSERT_TRUE(split->expert_parallel());
+    for (size_t i = 0; i < whole->parameters().size(); ++i)  // the same draws: each rank its experts' slice
+      EXPECT_EQ(to_f64(split->gathered(split->parameters()[i])), to_f64(whole->parameters()[i].value))
+          << family << ": " << split->parameters()[i].name;
+    expect_ep_equals_whole(*split, *whole, *world, family + " at ep " + std::to_string(n));
+    if (n == 4) {  // tp 2 x ep 2: the tp groups {0, 1} and {2, 3}, the ep groups {0, 2} and {1, 3}
+      const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
+      const std::unique_ptr<Communicator> ep = world->split(world->rank() % 2, world->rank(), "ep", nullptr);
+      const std::unique_ptr<CausalLm> m = ep_model(config, tp.get(), ep.get());
+      expect_ep_equals_whole(*m, *whole, *ep, family + " at tp 2 x ep 2");
+    }
+  }
+}
+
+// A model saved from the split experts (the first rank writes, every rank gathers) reads back as the whole model,
+// in the fused layout it was made in.
+TEST_F(ExpertParallel, SavedExpertsReadBackWhole) {
+  const int n = world->size();
+  const nlohmann::json config = ep_configs(2 * n)[0];
+  const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr);
+  const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get());
+  const double pid = double(getpid());
+  Tensor first = runtime().from_host(&pid, {1}, DType::F64, Device::cpu());
+  world->broadcast(first, 0).wait();  // rank 0's process id names the folder for every rank
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / fmt::format("lathe_ep_save_{}", int64_t(first.data<double>()[0]))).string();
+  split->save(dir, DType::F32);
+  world->barrier();
+  ModelOptions o;
+  o.dtype = DType::F64;
+  const std::unique_ptr<CausalLm> back = load_causal_lm(runtime(), dir, o);
+  for (size_t i = 0; i < whole->parameters().size(); ++i)
+    EXPECT_LT(rel_l2(to_f64(back->parameters()[i].value), to_f64(whole->parameters()[i].value)), 1e-6)
+        << back->parameters()[i].name;  // f32 on disk
+  world->barrier();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
+}
+
+TEST_F(ExpertParallel, RefusesWhatItCannotSplit) {
+  const int n = world->size();
+  nlohmann::json odd = ep_configs(2 * n)[0];
+  odd["num_experts"] = 2 * n + 1;
+  try {
+    ep_model(odd, nullptr, world.get());
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("experts do not split evenly over"), std::string::npos) << e.what();
+  }
+  try {
+    ep_model(tiny_qwen3(4, 2, 12), nullptr, world.get());
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no mixture-of-experts layers"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
