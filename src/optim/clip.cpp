@@ -89,16 +89,24 @@ PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>
   return PendingGradNorm(ctx, {launch_sums(ctx, std::vector<const Parameter*>(params.begin(), params.end()))});
 }
 
-PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp) {
-  // Whole tensors; slices held by one rank each; slices held by `replicas` ranks each (counted once per set).
-  std::vector<const Parameter*> whole;
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp,
+                                 Communicator* ep) {
+  // Whole tensors; slices held by one rank each; slices held by `replicas` ranks each (counted once per set); experts.
+  std::vector<const Parameter*> whole, experts;
   std::map<int, std::vector<const Parameter*>> sliced;  // by replicas
   for (const Parameter& p : params) {
     if (tp && tp->size() > 1 && p.shard.group == "tp") sliced[p.shard.replicas].push_back(&p);
+    else if (ep && ep->size() > 1 && p.shard.group == "ep") experts.push_back(&p);
     else whole.push_back(&p);
   }
   std::vector<Tensor> totals = {launch_sums(ctx, whole)};
   std::vector<double> weights = {1.0};
+  if (!experts.empty()) {
+    Tensor t = launch_sums(ctx, experts);
+    if (t.defined()) ep->all_reduce(t).wait();  // every rank's experts
+    totals.push_back(t);
+    weights.push_back(1.0);
+  }
   for (const auto& [replicas, group] : sliced) {
     Tensor t = launch_sums(ctx, group);
     if (t.defined()) tp->all_reduce(t).wait();  // every rank's slices

@@ -42,7 +42,9 @@ PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>
 // Tensor parallelism (`tp` a group of more than one rank): the totals of the gradients of slices split over the group
 // (ShardLayout group "tp") are summed over it before the norm, a slice that `replicas` ranks hold counted once; every
 // other gradient, whole on each rank, counts once.
-PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp = nullptr);
+// `ep`: the expert-parallel group, whose ranks each hold their experts ("ep" slices: their squares summed over it).
+PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp = nullptr,
+                                 Communicator* ep = nullptr);
 
 // The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).
 // 1 when max_norm <= 0 (clipping off). grad_norm must be finite.

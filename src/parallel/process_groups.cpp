@@ -7,7 +7,8 @@ namespace lathe {
 std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator> world, const ParallelSizes& sizes,
                                                    std::unique_ptr<Stream> grad_stream) {
   const int n = world ? world->size() : 1;
-  auto g = std::make_unique<ProcessGroups>(ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}});
+  auto g = std::make_unique<ProcessGroups>(
+      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
   if (!world) return g;
   const int index = g->grid.group_index(GroupKind::Dp, g->rank);
   g->dp = world->split(index, g->rank, fmt::format("dp[{}]", index), nullptr);
@@ -23,6 +24,11 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
     const int r = g->grid.group_index(GroupKind::DpCp, g->rank);
     g->dp_cp = world->split(r, g->rank, fmt::format("dp_cp[{}]", r), nullptr);
     g->dp_cp_grads = g->dp_cp->split(0, g->dp_cp->rank(), fmt::format("dp_cp[{}].grads", r), g->grad_stream.get());
+  }
+  if (sizes.ep > 1) {
+    const int e = g->grid.group_index(GroupKind::Ep, g->rank), d = g->grid.group_index(GroupKind::Edp, g->rank);
+    g->ep = world->split(e, g->rank, fmt::format("ep[{}]", e), nullptr);
+    g->edp = world->split(d, g->rank, fmt::format("edp[{}]", d), nullptr);
   }
   g->world = std::move(world);
   return g;

@@ -1,7 +1,7 @@
 // The process groups one rank takes part in, made from the ParallelGrid: each kind's communicator is split from the
 // world eagerly, in the same order on every rank (a communicator made lazily can stall a job outside any timeout;
-// research note parallelism.md §1). The data-, tensor- and context-parallel groups exist so far; ep and pp join
-// them as their issues land. A single process is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
+// research note parallelism.md §1). The data-, tensor-, context- and expert-parallel groups exist so far; pp joins
+// them as its issue lands. A single process is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
 #pragma once
 
 #include <memory>
@@ -25,12 +25,17 @@ struct ProcessGroups {
   // Context parallelism: the dp x cp ranks of one tp slot (Megatron's dp_cp group), which hold the same weights and
   // whose gradients sum (a cp rank's are its rows' parts), and the same group ordered on grad_stream (cp > 1).
   std::unique_ptr<Communicator> dp_cp, dp_cp_grads;
+  // Expert parallelism (ep > 1): the ranks that split one copy of the experts (each its own batches), and the ranks
+  // that hold the same experts (their gradients sum over it).
+  std::unique_ptr<Communicator> ep, edp;
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
   int tp_size() const { return tp ? tp->size() : 1; }
   int cp_rank() const { return cp ? cp->rank() : 0; }
   int dp_size() const { return dp ? dp->size() : 1; }
+  int ep_size() const { return ep ? ep->size() : 1; }
+  int edp_rank() const { return edp ? edp->rank() : 0; }
   bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
   // The ranks that hold the same weights: the gradients are summed over them and ZeRO cuts the optimizer state over
   // them (dp_cp under cp, else dp); weight_sums() is the same group on grad_stream.

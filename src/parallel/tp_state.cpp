@@ -13,7 +13,9 @@
 
 namespace lathe {
 
-std::string tp_state_name(int rank, int ranks) { return fmt::format("optimizer.tp-{}-of-{}.safetensors", rank, ranks); }
+std::string slice_state_name(const std::string& group, int rank, int ranks) {
+  return fmt::format("optimizer.{}-{}-of-{}.safetensors", group, rank, ranks);
+}
 
 namespace {
 

@@ -13,8 +13,9 @@
 
 namespace lathe {
 
-// The optimizer state file name of tp rank `rank` of `ranks`.
-std::string tp_state_name(int rank, int ranks);
+// The optimizer state file name of rank `rank` of `ranks` of the group that slices the weights: "tp", or "ep" (each
+// expert-parallel rank its experts).
+std::string slice_state_name(const std::string& group, int rank, int ranks);
 
 // Writes to `out_path` (AdamW::load's format) the masters and moments of `params` — this run's parameters, whole or
 // this rank's tp slices (Parameter::shard) — assembled from the old state `files` (a tp group's, in rank order, or one

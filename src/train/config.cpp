@@ -212,7 +212,7 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.tp", Kind::Int, "1", between(1, 65536), "tensor-parallel ranks: each holds a slice of every layer (full fine-tuning and LoRA; docs/parallel.md)", tp),
       LATHE_OPT("parallel.sp", Kind::Bool, "false", "sequence parallelism with parallel.tp > 1: the residual stream between the layers' blocks split by tokens over the tp group (1/tp of its activations; docs/parallel.md)", sp),
       LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks: each holds its rows of every micro-batch, attention and Gated DeltaNet over whole documents by a head all-to-all (docs/parallel.md)", cp),
-      LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks (not built yet: 1)", ep),
+      LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks: each holds num_experts / ep of every mixture-of-experts layer's experts (docs/moe.md)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
                 "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
@@ -493,10 +493,21 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, messages (or chat), prompt_completion",
                                    c.data_format));
   }
-  for (const auto& [key, size, what] : {std::tuple{"ep", c.ep, "expert parallelism"}, {"pp", c.pp, "pipeline parallelism"}})
-    if (size > 1)
-      problems.push_back(fmt::format("parallel.{}: {} is not built yet (data, tensor and context parallelism are): "
-                                     "use 1", key, what));
+  if (c.pp > 1)
+    problems.push_back("parallel.pp: pipeline parallelism is not built yet (data, tensor, context and expert parallelism "
+                       "are): use 1");
+  if (c.ep > 1) {  // expert parallelism so far (docs/moe.md, "Expert parallelism"): what the trainer composes it with
+    const auto refuse = [&](const std::string& what) {
+      problems.push_back(fmt::format("parallel.ep: {} with {} is not built yet", c.ep, what));
+    };
+    if (c.tp > 1) refuse(fmt::format("parallel.tp {} in training (the model runs tp x ep; the optimizer state's files "
+                                     "are one group's)", c.tp));
+    if (c.cp > 1) refuse(fmt::format("parallel.cp {}", c.cp));
+    if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
+    if (!c.final_eval_file.empty()) refuse("final_eval.file (generation: the ranks would have to decode in step)");
+    for (const std::string& t : c.lora_target_parameters)
+      if (t.find("experts") != std::string::npos) refuse("LoRA on the experts (" + t + ")");
+  }
   if (c.cp > 1) {  // context parallelism so far: without LoRA dropout
     if (c.lora_rank > 0 && c.lora_dropout > 0)
       problems.push_back(fmt::format("lora.dropout: {} under parallel.cp {} is not built yet (the mask is drawn per "
@@ -574,6 +585,9 @@ void rl_layout_problems(const TrainConfig& c, int64_t dp, std::vector<std::strin
 // lathe rl's checks of its options against the rest.
 void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& problems) {
   const RlOptions& r = c.rl;
+  if (c.ep > 1)
+    problems.push_back(fmt::format("parallel.ep: {} under lathe rl is not built yet (the rollouts are generated, and "
+                                   "the ranks would have to decode in step)", c.ep));
   const auto one_of = [&](const char* key, const std::string& v, std::initializer_list<const char*> allowed) {
     for (const char* a : allowed)
       if (v == a) return;

@@ -346,6 +346,9 @@ class Trainer::Impl {
   // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
   // the other ranks of its cp group hold the same weights and stay out.
   bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
+  // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, or ep.
+  Communicator* slices() const { return tp_ ? tp_ : groups_ ? groups_->ep.get() : nullptr; }
+  std::string slice_kind() const { return tp_ ? "tp" : "ep"; }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
@@ -355,7 +358,8 @@ class Trainer::Impl {
   StepSource* source_;     // nullptr: the steps train on data.train
   bool first_;             // the rank that prints and writes the run's files (rank 0, or the only one)
   // Tensor parallelism: the ranks of the first rank's tp group, which run its model work with it (evaluation, the
-  // held-out check, gathering the model for a save); without tp, the first rank alone.
+  // held-out check, gathering the model for a save); without tp, the first rank alone. Expert parallelism: the first
+  // ep group (each its experts).
   bool lead_;
   Communicator* tp_ = nullptr;  // the tensor-parallel group (tp > 1)
   int dp_;                 // data-parallel ranks: each step's micro-batches are split over them
@@ -393,7 +397,7 @@ class Trainer::Impl {
 
 Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, StepSource* source)
     : rt_(rt), c_(c), groups_(groups), source_(source), first_(!groups || groups->is_first()),
-      lead_(!groups || groups->dp_rank() == 0),
+      lead_(!groups || (groups->ep ? groups->edp_rank() == 0 : groups->dp_rank() == 0)),
       tp_(groups ? groups->tp.get() : nullptr), dp_(groups ? groups->dp_size() : 1),
       grad_ranks_(groups && groups->dp ? groups->weight_replicas().size() : 1),
       device_(parse_device(c.device)), progress_(c.log_every, !first_) {
@@ -556,6 +560,7 @@ void Trainer::Impl::build() {
   mopt.tp = tp_;
   mopt.sequence_parallel = c_.sp;
   mopt.cp = groups_ ? groups_->cp.get() : nullptr;
+  mopt.ep = groups_ ? groups_->ep.get() : nullptr;
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
   const ModelConfig& mc = model_->global_config();
@@ -573,10 +578,16 @@ void Trainer::Impl::build() {
     bank_->split_like(*model_);  // tensor parallelism: each matrix split as its base weight
     model_->attach_lora(bank_.get());
   }
-  std::vector<Parameter*> model_params;
-  for (Parameter& p : model_->parameters()) model_params.push_back(&p);
+  std::vector<Parameter*> model_params;  // summed over the weight replicas (the experts under ep: over edp, below)
+  std::vector<int64_t> complete_after;
+  const std::vector<int64_t> after = model_->grads_complete_after();
+  for (size_t i = 0; i < model_->parameters().size(); ++i)
+    if (Parameter& p = model_->parameters()[i]; p.shard.group != "ep") {
+      model_params.push_back(&p);
+      complete_after.push_back(after[i]);
+    }
   if (grad_ranks_ > 1 && !lora_)
-    buckets_ = plan_buckets(model_params, model_->grads_complete_after(), int64_t(c_.bucket_mb * 1048576.0));
+    buckets_ = plan_buckets(model_params, complete_after, int64_t(c_.bucket_mb * 1048576.0));
   for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
   if (lora_)
     for (Job& j : jobs_)
@@ -692,30 +703,32 @@ void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
   check_optimizer_layout(j);
   const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
-  const int saved_tp = j.state.value("tp", 1), tp = tp_ ? tp_->size() : 1;
-  LATHE_CHECK(saved_tp == 1 || saved.is_null(), "train: {}: a checkpoint of tp {} with ZeRO shards is not one Lathe "
-              "writes", from.string(), saved_tp);
-  if (saved_tp > 1 || tp_) {  // tensor parallelism, now or then: this rank's slices (and whole tensors)
-    LATHE_CHECK(!j.zero, "train: {} was saved at parallel.tp = {}: resuming it under ZeRO is not built yet",
-                from.string(), saved_tp);
-    if (saved_tp == tp) {
-      j.opt->load((from / tp_state_name(tp_->rank(), tp)).string());
+  // Tensor or expert parallelism, now or then: the checkpoint's slices, one file per rank of the slicing group.
+  const std::string saved_kind = j.state.contains("ep") ? "ep" : "tp";
+  const int saved_n = j.state.value(saved_kind, 1), n = slices() ? slices()->size() : 1;
+  LATHE_CHECK(saved_n == 1 || saved.is_null(), "train: {}: a checkpoint of {} {} with ZeRO shards is not one Lathe "
+              "writes", from.string(), saved_kind, saved_n);
+  if (saved_n > 1 || slices()) {  // this rank's slices (and whole tensors)
+    LATHE_CHECK(!j.zero, "train: {} was saved at parallel.{} = {}: resuming it under ZeRO is not built yet",
+                from.string(), saved_kind, saved_n);
+    if (saved_n == n && saved_kind == slice_kind()) {
+      j.opt->load((from / slice_state_name(saved_kind, slices()->rank(), n)).string());
       return;
     }
-    LATHE_CHECK(!lora_ || (saved_tp > 1 && tp > 1), "train: {}: a LoRA checkpoint saved at parallel.tp = {} cannot "
+    LATHE_CHECK(!lora_ || (saved_n > 1 && n > 1), "train: {}: a LoRA checkpoint saved at parallel.tp = {} cannot "
                 "resume at tp {}: between tp 1 and tp > 1 the adapters' optimizer state is laid out differently (one "
-                "flat tensor, or matrix by matrix); resume it at {}", from.string(), saved_tp, tp,
-                saved_tp > 1 ? "any tp above 1" : "tp 1");
+                "flat tensor, or matrix by matrix); resume it at {}", from.string(), saved_n, n,
+                saved_n > 1 ? "any tp above 1" : "tp 1");
     const fs::path tmp = fs::temp_directory_path() /
                          fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
-    std::vector<std::string> files;  // the old tp group's files, or the whole state
-    for (int r = 0; r < saved_tp; ++r) files.push_back((from / tp_state_name(r, saved_tp)).string());
-    if (saved_tp == 1) files = {(from / "optimizer.safetensors").string()};
+    std::vector<std::string> files;  // the old group's files, or the whole state
+    for (int r = 0; r < saved_n; ++r) files.push_back((from / slice_state_name(saved_kind, r, saved_n)).string());
+    if (saved_n == 1) files = {(from / "optimizer.safetensors").string()};
     reslice_tp_state(files, *j.params, tmp.string());
     j.opt->load(tmp.string());
     fs::remove(tmp);
-    progress_.message(fmt::format("train: the optimizer state of {} was saved at tp {}; re-cut for tp {}", from.string(),
-                                  saved_tp, tp));
+    progress_.message(fmt::format("train: the optimizer state of {} was saved at {} {}; re-cut for {} {}", from.string(),
+                                  saved_kind, saved_n, slices() ? slice_kind() : saved_kind, n));
     return;
   }
   if (!j.zero && saved.is_null()) {
@@ -823,10 +836,12 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
       in_batch[k]->labelled += seg.labelled;
       // The routing is the whole batch's (the tenants of one batch share the base model's experts).
       in_batch[k]->aux_sum += r.aux_loss;
+      // Under ep every rank of an ep group has the group's loads: its first rank's count once in the sum over dp.
+      const bool counts = !groups_ || !groups_->ep || groups_->ep->rank() == 0;
       for (const ExpertLoadStat& s : r.expert_load) {
         std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
         acc.resize(s.tokens_per_expert.size(), 0);
-        for (size_t e = 0; e < acc.size(); ++e) acc[e] += s.tokens_per_expert[e];
+        for (size_t e = 0; e < acc.size(); ++e) acc[e] += counts ? s.tokens_per_expert[e] : 0;
       }
     }
   }
@@ -1000,11 +1015,11 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
     groups_->weight_replicas().barrier();
   }
-  if (save && tp_ && joins_save()) {  // the first replica's tp group: each its slices' state
+  if (save && slices() && joins_save()) {  // the first replica's tp (or ep) group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
-    tp_->barrier();
-    j.opt->save((zero_shard_dir(j) / tp_state_name(tp_->rank(), tp_->size())).string());
-    tp_->barrier();
+    slices()->barrier();
+    j.opt->save((zero_shard_dir(j) / slice_state_name(slice_kind(), slices()->rank(), slices()->size())).string());
+    slices()->barrier();
   }
   const bool evaluates = j.eval && jc.eval_every > 0 && (step % jc.eval_every == 0 || step == jc.max_steps);
   if (!first_) {  // the other ranks hold the same state; the first rank's tp group joins its model work
@@ -1040,15 +1055,17 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
-    if (tp_) st["tp"] = tp_->size();
+    if (slices()) st[slice_kind()] = slices()->size();
     if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
       else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
-      if (tp_) {
-        for (int r = 0; r < tp_->size(); ++r)
-          fs::rename(zero_shard_dir(j) / tp_state_name(r, tp_->size()), dir / tp_state_name(r, tp_->size()));
+      if (slices()) {
+        for (int r = 0; r < slices()->size(); ++r) {
+          const std::string name = slice_state_name(slice_kind(), r, slices()->size());
+          fs::rename(zero_shard_dir(j) / name, dir / name);
+        }
         fs::remove_all(zero_shard_dir(j));
         return;
       }
@@ -1222,11 +1239,14 @@ void Trainer::Impl::queue_updates(const std::vector<Job*>& active, PendingUpdate
     if (lora_) bank_->sum_tp_grads();
     else model_->sum_replicated_grads();
   }
+  if (!pending.replicas_summed && groups_ && groups_->edp && groups_->edp->size() > 1 && !lora_)
+    for (Parameter& p : model_->parameters())  // expert parallelism: each expert's gradient over its replicas
+      if (p.shard.group == "ep" && p.grad.defined()) groups_->edp->all_reduce(p.grad);
   pending.replicas_summed = true;
   for (Job* j : active) {
     const size_t k = size_t(j - jobs_.data());
     if (j->failed || pending.norms[k]) continue;
-    pending.norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_));
+    pending.norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_, groups_ ? groups_->ep.get() : nullptr));
     // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
     pending.updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
   }

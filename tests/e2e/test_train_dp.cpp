@@ -70,6 +70,13 @@ const char* kMoe =
     "           shared_expert_intermediate_size: 16, router_aux_loss_coef: 0.01, output_router_logits: true,\n"
     "           tie_word_embeddings: true}\n  init_std: 0.2\n";
 
+// Qwen3-MoE with four experts, the aux loss off (its value is reported, not trained: under ep it is the group's batch's,
+// under one process each micro-batch's, so only with it off are the runs the same computation).
+const char* kQwen3Moe =
+    "model:\n  config: {model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
+    "           num_key_value_heads: 2, head_dim: 8, num_experts: 4, num_experts_per_tok: 2,\n"
+    "           moe_intermediate_size: 16, tie_word_embeddings: true, vocab_size: 320}\n  init_std: 0.2\n";
+
 // A work folder with the tiny tokenizer, varied training text and a config of `model` (grad_accum 4, 8 steps).
 fs::path setup(const std::string& name, const char* model, const std::string& extra = "") {
   const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_dp_e2e_{}_{}", name, getpid());
@@ -366,6 +373,64 @@ TEST(ContextParallel, ZeroCutsTheStateOverDpAndCp) {
 // summed over the group) equals one process: losses within 1e-5 relative, the adapters' weights at steps 3 and 8;
 // killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve; `lathe logprobs --adapter --tp 2` scores
 // as one process.
+// Expert parallelism in `lathe train` (docs/moe.md, "Expert parallelism"): ep 2 on 2 ranks (grad_accum 2), ep 4 on 4
+// (grad_accum 1) and ep 2 x edp 2 on 4 (each expert's gradient summed over its two holders) against one process with
+// grad_accum 4: losses within 1e-5 and the expert loads equal at every step, weights within 1e-5 at step 3; each ep
+// rank writes its experts' optimizer state. Killed after step 4 at ep 2, the run continues on the same curve at ep 2,
+// and its state re-cut at ep 4 and for one process.
+TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
+  const fs::path dir = setup("ep", kQwen3Moe);
+  const LatheRun ref = train(dir, "ref", 0, 4);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::vector<double> want = losses(dir / "ref");
+  const auto loads = [](const fs::path& out) {
+    std::vector<nlohmann::json> l;
+    for (const auto& row : lathe_e2e::metrics(out))
+      if (row.contains("expert_load")) l.push_back(row["expert_load"]);
+    return l;
+  };
+  for (const auto& [np, accum, ep] : {std::tuple{2, 2, 2}, std::tuple{4, 1, 4}, std::tuple{4, 1, 2}}) {
+    const std::string out = fmt::format("ep{}_np{}", ep, np);
+    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.ep={}", ep) + kSmallBuckets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("parallel: tp=1 cp=1 ep={} dp={} pp=1 (world {})", ep, np, np)),
+              std::string::npos) << r.output;
+    expect_same_curve(losses(dir / out), want, out);
+    EXPECT_EQ(loads(dir / out), loads(dir / "ref")) << out;
+    expect_same_first_grad_norms(dir, out);
+    const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "ep " + out);
+    EXPECT_LT(d3, 1e-5) << out;
+    EXPECT_LT(d, 1e-5) << out;
+    for (int rank = 0; rank < ep; ++rank)
+      EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.ep-{}-of-{}.safetensors", rank, ep)));
+  }
+  const LatheRun killed = train(dir, "run", 2, 2, " --set parallel.ep=2", "LATHE_FAULT_INJECT=after_step:4");
+  EXPECT_NE(killed.exit_code, 0);
+  fs::copy(dir / "run", dir / "run_ep4", fs::copy_options::recursive);
+  fs::copy(dir / "run", dir / "run_one", fs::copy_options::recursive);
+  expect_continues(dir, "run", 2, 2, " --set parallel.ep=2", "resumed from", want, "ep 2 -> ep 2");
+  expect_continues(dir, "run_ep4", 4, 1, " --set parallel.ep=4", "was saved at ep 2; re-cut for ep 4", want, "ep 2 -> ep 4");
+  expect_continues(dir, "run_one", 0, 4, "", "was saved at ep 2; re-cut for ep 1", want, "ep 2 -> one process");
+}
+
+// Layouts expert parallelism does not compose with yet are refused before any weight is loaded, by name.
+TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
+  const fs::path dir = setup("ep_refused", kQwen3Moe);
+  for (const auto& [np, sets, needle] :
+       {std::tuple{2, " --set parallel.ep=2 --set parallel.zero=1", "parallel.ep: 2 with parallel.zero 1"},
+        std::tuple{4, " --set parallel.ep=2 --set parallel.tp=2", "parallel.ep: 2 with parallel.tp 2 in training"},
+        std::tuple{2, " --set parallel.ep=2 --set lora.rank=4 --set lora.target_parameters=[mlp.experts.gate_up_proj]",
+                   "parallel.ep: 2 with LoRA on the experts"}}) {
+    const LatheRun r = train(dir, "out", np, 2, sets);
+    EXPECT_NE(r.exit_code, 0) << sets;
+    EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;
+  }
+  const fs::path dense = setup("ep_dense", kQwen3);
+  const LatheRun r = train(dense, "out", 2, 2, " --set parallel.ep=2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("has no mixture-of-experts layers to split over 2 ranks"), std::string::npos) << r.output;
+}
+
 TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   const fs::path dir = setup("tplora", kQwen3, "lora: {rank: 4, alpha: 8}\n");
   const LatheRun ref = train(dir, "ref", 0, 4);
