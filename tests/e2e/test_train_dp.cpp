@@ -413,6 +413,39 @@ TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
   expect_continues(dir, "run_one", 0, 4, "", "was saved at ep 2; re-cut for ep 1", want, "ep 2 -> one process");
 }
 
+// `lathe logprobs --ep 2` (-np 2, and -np 4 as two ep groups) scores as one process: each rank its lines, the experts
+// split; with --batch-tokens 24 the ranks pack different numbers of batches, so the ones with fewer run fillers.
+TEST(ExpertParallel, LogprobsEqualOneProcess) {
+  const fs::path dir = setup("ep_logprobs", kQwen3Moe);
+  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  {
+    std::ofstream in(dir / "in.jsonl");
+    for (int i = 0; i < 9; ++i) {
+      nlohmann::json ids = nlohmann::json::array();
+      for (int k = 0; k < 3 + (7 * i) % 17; ++k) ids.push_back((37 * i + 11 * k) % 300);
+      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
+    }
+  }
+  const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
+                                       (dir / "model/final").string(), (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  ASSERT_EQ(want.size(), 9u);
+  for (int np : {2, 4}) {
+    const fs::path out = dir / fmt::format("ep2_np{}.jsonl", np);
+    const LatheRun r = lathe_e2e::lathe(args + out.string() + " --ep 2", kMpirun + fmt::format(" -np {}", np));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("9 lines scored with {} on cpu (f32), {} ranks, ep 2",
+                                        (dir / "model/final").string(), np)), std::string::npos) << r.output;
+    const auto got = lathe_e2e::read_logprobs(out);
+    ASSERT_EQ(got.size(), want.size()) << np;
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i].size(), want[i].size()) << "line " << i << " of " << np << " ranks: out of order";
+      for (size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(got[i][k], want[i][k], 1e-5 * (1 + std::abs(want[i][k])));
+    }
+  }
+}
+
 // Layouts expert parallelism does not compose with yet are refused before any weight is loaded, by name.
 TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
   const fs::path dir = setup("ep_refused", kQwen3Moe);

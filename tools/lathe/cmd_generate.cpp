@@ -309,7 +309,7 @@ void run(Args a) {
   std::optional<MpiSession> mpi;
   LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
               "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, "generate");
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, 1, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
   mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)

@@ -39,6 +39,7 @@ struct Args {
   int nproc = 0;
   int tp = 1;  // tensor parallelism: each model replica split over tp ranks
   int cp = 1;  // context parallelism: each replica's batches split by rows over cp ranks (times tp)
+  int ep = 1;  // expert parallelism: ep replicas (each its own lines) share one copy of the experts
 };
 
 // The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
@@ -122,26 +123,47 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
   std::vector<std::vector<int32_t>> lines;
   for (size_t i = size_t(me); i < all_lines.size(); i += size_t(n)) lines.push_back(all_lines[i]);
 
-  std::vector<std::string> rows;  // this rank's output lines
-  for (size_t first = 0; first < lines.size();) {
-    // Pack whole lines until the batch is full (a longer line gets a batch of its own).
+  // Whole lines packed until a batch is full (a longer line gets a batch of its own).
+  struct Pack {
     std::vector<int32_t> ids, cu = {0};
+  };
+  std::vector<Pack> packs;
+  for (size_t first = 0; first < lines.size();) {
+    Pack p;
     size_t last = first;
-    while (last < lines.size() && (last == first || int64_t(ids.size() + lines[last].size()) <= a.batch_tokens)) {
-      ids.insert(ids.end(), lines[last].begin(), lines[last].end());
-      cu.push_back(int32_t(ids.size()));
+    while (last < lines.size() && (last == first || int64_t(p.ids.size() + lines[last].size()) <= a.batch_tokens)) {
+      p.ids.insert(p.ids.end(), lines[last].begin(), lines[last].end());
+      p.cu.push_back(int32_t(p.ids.size()));
       ++last;
     }
+    packs.push_back(std::move(p));
+    first = last;
+  }
+  // Expert parallelism: each forward is a collective of the ep group (its ranks serve each other's rows), so every
+  // rank runs as many as the one with most batches, the others' last ones a two-token filler whose output is dropped.
+  size_t forwards = packs.size();
+  if (g.ep) {
+    const double mine = double(packs.size());
+    Tensor all = Tensor::empty({g.ep->size()}, DType::F64, rt.context(options.device).allocator);
+    g.ep->all_gather(rt.from_host(&mine, {1}, DType::F64, options.device), all).wait();
+    const Tensor host = options.device.is_cpu() ? all : rt.copy_to(all, Device::cpu());
+    for (int r = 0; r < g.ep->size(); ++r) forwards = std::max(forwards, size_t(host.data<double>()[r]));
+  }
+  const Pack filler{{0, 0}, {0, 2}};
+  std::vector<std::string> rows;  // this rank's output lines
+  for (size_t k = 0; k < forwards; ++k) {
+    const std::vector<int32_t>& ids = k < packs.size() ? packs[k].ids : filler.ids;
+    const std::vector<int32_t>& cu = k < packs.size() ? packs[k].cu : filler.cu;
     std::vector<int32_t> labels = next_token_labels(ids, cu);
     PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.global_config().vocab_size);
     if (bank) set_segments(batch, {{batch.tokens(), 0, 1.0, 0}});
     const std::vector<double> lp = model.label_logprobs(batch);
+    if (k >= packs.size()) continue;  // a filler
     for (size_t b = 0; b + 1 < cu.size(); ++b) {
       nlohmann::json row = nlohmann::json::array();
       for (int32_t i = cu[b]; i + 1 < cu[b + 1]; ++i) row.push_back(lp[size_t(i)]);
       rows.push_back(nlohmann::json{{"logprobs", row}}.dump() + "\n");
     }
-    first = last;
   }
   const std::vector<std::string> in_order = g.in_input_order(rt, options.device, rows, all_lines.size());
   if (!g.writer()) return;  // rank 0 writes
@@ -150,8 +172,9 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
   file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),
-             g.world ? fmt::format(", {} ranks{}{}", g.world->size(), g.tp ? fmt::format(", tp {}", g.tp->size()) : "",
-                                     g.cp ? fmt::format(", cp {}", g.cp->size()) : "")
+             g.world ? fmt::format(", {} ranks{}{}{}", g.world->size(), g.tp ? fmt::format(", tp {}", g.tp->size()) : "",
+                                     g.cp ? fmt::format(", cp {}", g.cp->size()) : "",
+                                     g.ep ? fmt::format(", ep {}", g.ep->size()) : "")
                      : "");
 }
 
@@ -162,7 +185,7 @@ void run(Args a) {
                 "with `mpirun -np {} lathe logprobs ...`", a.nproc);
     std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
                                      a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
-                                     std::to_string(a.tp), "--cp", std::to_string(a.cp)};
+                                     std::to_string(a.tp), "--cp", std::to_string(a.cp), "--ep", std::to_string(a.ep)};
     if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
     if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
     if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
@@ -178,10 +201,13 @@ void run(Args a) {
   std::optional<MpiSession> mpi;
   LATHE_CHECK(a.cp == 1 || a.adapter.empty(),
               "logprobs: --cp {}: adapters under context parallelism are not built yet (docs/parallel.md)", a.cp);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, "logprobs");
+  LATHE_CHECK(a.ep == 1 || a.adapter.empty(),
+              "logprobs: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, "logprobs");
   ModelOptions options;
   options.tp = ranks.tp;
   options.cp = ranks.cp;
+  options.ep = ranks.ep;
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
@@ -223,6 +249,9 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--cp", args->cp, "under a parallel launch: each batch split by rows over N ranks (context "
                   "parallelism; with --tp, replicas of tp x cp ranks; docs/parallel.md)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--ep", args->ep, "under a parallel launch: the experts of a mixture-of-experts model split over N "
+                  "ranks, each scoring its own lines (expert parallelism; docs/moe.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "score on N GPUs of this machine (ranks started by lathe; mpirun and srun work "
                   "too): the lines are split over the ranks, the output keeps input order")

@@ -44,22 +44,25 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
   return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
 }
 
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, const std::string& who) {
-  const int n = world ? world->size() : 1, size = tp * cp;
-  const std::string flags = cp > 1 ? fmt::format("--tp {} --cp {}", tp, cp) : fmt::format("--tp {}", tp);
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, const std::string& who) {
+  const int n = world ? world->size() : 1, size = tp * cp * ep;
+  std::string flags = fmt::format("--tp {}", tp);
+  if (cp > 1) flags += fmt::format(" --cp {}", cp);
+  if (ep > 1) flags = tp == 1 && cp == 1 ? fmt::format("--ep {}", ep) : flags + fmt::format(" --ep {}", ep);
   LATHE_CHECK(size == 1 || n > 1, "{0}: {1} splits the model over {2} ranks, but this is one process: launch them with "
               "`mpirun -np {2} lathe {0} ... {1}` or --nproc {2}", who, flags, size);
   LineRanks r;
   if (size > 1) {
-    const ParallelSizes sizes{tp, cp, 1, 0, 1};
-    const ParallelGrid check(n, sizes);  // the world must be a multiple of tp x cp (named if not)
+    const ParallelSizes sizes{tp, cp, ep, 0, 1};
+    const ParallelGrid check(n, sizes);  // the world must be a multiple of tp x cp, ep divide cp x dp (named if not)
     (void)check;
     r.groups = make_process_groups(std::move(world), sizes, nullptr);
     r.world = r.groups->world.get();
     r.tp = r.groups->tp.get();
     r.cp = r.groups->cp.get();
+    r.ep = r.groups->ep.get();
     r.replica = r.groups->dp_rank(), r.replicas = r.groups->dp_size();
-    r.member = r.groups->tp_rank() + tp * r.groups->cp_rank(), r.members = size;
+    r.member = r.groups->tp_rank() + tp * r.groups->cp_rank(), r.members = tp * cp;
     return r;
   }
   r.alone = std::move(world);

@@ -41,6 +41,7 @@ struct LineRanks {
   Communicator* world = nullptr;          // nullptr: one process
   Communicator* tp = nullptr;             // the replica's tensor-parallel group (ModelOptions::tp)
   Communicator* cp = nullptr;             // the replica's context-parallel group (ModelOptions::cp)
+  Communicator* ep = nullptr;             // the expert-parallel group (ModelOptions::ep): replicas that split experts
   int replica = 0, replicas = 1;
   int member = 0, members = 1;            // this rank's place in its replica (tp fastest, then cp), the replica's size
   bool writer() const { return !world || world->rank() == 0; }
@@ -49,9 +50,10 @@ struct LineRanks {
   std::vector<std::string> in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
                                           size_t lines) const;
 };
-// `world` (nullptr: one process) split for `--tp tp` and `--cp cp` (a replica is tp x cp ranks); refused when they do
-// not fit the launch. `who`: for messages.
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, const std::string& who);
+// `world` (nullptr: one process) split for `--tp tp` and `--cp cp` (a replica is tp x cp ranks) and `--ep ep` (ep
+// replicas share one copy of the experts, each holding ep-th of them); refused when they do not fit the launch.
+// `who`: for messages.
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, const std::string& who);
 
 // Runs `body` as this rank's work; under a parallel launch an error on this rank ends every rank at once (a rank left
 // waiting in a collective would only time out), after printing it with the rank's number.
