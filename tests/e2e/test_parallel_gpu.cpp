@@ -1,6 +1,7 @@
 // Issue 25's GPU check: tensor, sequence and context parallelism on two GPUs over NCCL, in bf16, against one GPU.
 // For each family (Qwen3 with GQA and head_dim != hidden / heads; the Qwen3.5 hybrid with H_v > H_k and 128-wide Gated
-// DeltaNet heads, so the chunked CUDA kernels run; Qwen3.5-MoE; Qwen3-Next with its fused projections) `lathe train`
+// DeltaNet heads, so the chunked CUDA kernels run; Qwen3.5-MoE; Qwen3-Next with its fused projections; Qwen3-MoE at
+// ep 2, added after the session-23 GPU calls and not yet run there) `lathe train`
 // runs 6 steps of packed batches (documents of many lengths, straddling the cp split) on one GPU in f32 and in bf16,
 // and at each layout with `--nproc 2` in bf16. A bf16 run is not equal to another bf16 run summed in another order,
 // so the check is against the f32 curve: the parallel run's worst relative loss difference to it must be within 3x
@@ -54,6 +55,12 @@ const std::string kQwen35Moe = "{model_type: qwen3_5_moe_text, hidden_size: 256,
                                ", " + kExperts + "}";
 const std::string kQwen3Next = "{model_type: qwen3_next, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2, " +
                                kHybrid + ", " + kExperts + "}";
+
+// Qwen3-MoE for expert parallelism, the aux loss off (under ep it is the group's batch's: another computation).
+const char* kQwen3Moe =
+    "{model_type: qwen3_moe, hidden_size: 256, num_hidden_layers: 2, num_attention_heads: 8, num_key_value_heads: 2, "
+    "head_dim: 64, num_experts: 8, num_experts_per_tok: 2, moe_intermediate_size: 256, tie_word_embeddings: true, "
+    "vocab_size: 320, rope_theta: 10000}";
 
 const std::string kNproc2 = " --nproc 2";
 const double kBf16Roundoff = 1.0 / 256;  // 2^-8: bf16 keeps 8 significant bits
@@ -198,6 +205,11 @@ TEST_F(ParallelGpu, Qwen35MoeTpAndCpAreAsCloseToF32AsOneGpu) {
 
 TEST_F(ParallelGpu, Qwen3NextTpAndCpAreAsCloseToF32AsOneGpu) {
   expect_layouts_as_close_as_one_gpu("qwen3_next", kQwen3Next, kTpAndCp);
+}
+
+// ep 2: the ranks are data-parallel for the rest, so each takes one micro-batch a step (the one-GPU runs' two).
+TEST_F(ParallelGpu, Qwen3MoeEpIsAsCloseToF32AsOneGpu) {
+  expect_layouts_as_close_as_one_gpu("qwen3_moe_ep", kQwen3Moe, {{"ep2", " --set parallel.ep=2 --set train.grad_accum=1"}});
 }
 
 TEST_F(ParallelGpu, LoraTpSpAndCpAreAsCloseToF32AsOneGpu) {
