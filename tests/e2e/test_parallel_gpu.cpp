@@ -68,17 +68,12 @@ const double kBf16Roundoff = 1.0 / 256;  // 2^-8: bf16 keeps 8 significant bits
 // A work folder: the tiny test tokenizer, 160 rows of 10 to 150 words (packed into micro-batches of 512 tokens, so
 // documents of many lengths straddle the cp split) and a config training `model` on cuda for 6 steps.
 fs::path run_folder(const std::string& name, const std::string& model) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_parallel_gpu_{}_{}", name, getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir / "tok");
-  fs::copy_file(fs::path(LATHE_TEST_DATA_DIR) / "data/fixtures/tiny_tokenizer.json", dir / "tok/tokenizer.json");
-  const char* words[] = {"the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "sun", "is", "hot",
-                         "we", "like", "green", "tea", "one", "two", "three", "four", "five"};
+  const fs::path dir = lathe_e2e::tokenizer_folder("lathe_parallel_gpu", name);
   std::mt19937 rng(11);
   std::ofstream data(dir / "train.jsonl");
   for (int row = 0; row < 160; ++row) {
     std::string text;
-    for (int w = 0, n = 10 + int(rng() % 140); w < n; ++w) text += std::string(words[rng() % std::size(words)]) + " ";
+    for (int w = 0, n = 10 + int(rng() % 140); w < n; ++w) text += lathe_e2e::tiny_word(rng);
     data << nlohmann::json{{"text", text}}.dump() << "\n";
   }
   std::ofstream(dir / "config.yaml") << "model:\n  config: " << model << "\n  init_std: 0.05\n  tokenizer: "

@@ -48,17 +48,12 @@ const char* kQwen35 =
 // of 4,096 tokens is exactly two documents of 2,048) and a config.yaml training `model` on cuda for 4 steps (the
 // memory plan records step 2 and runs steps 3 and 4 from its arena).
 fs::path run_folder(const std::string& name, const std::string& model) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_plan_gpu_{}_{}", name, getpid());
-  fs::remove_all(dir);
-  fs::create_directories(dir / "tok");
-  fs::copy_file(fs::path(LATHE_TEST_DATA_DIR) / "data/fixtures/tiny_tokenizer.json", dir / "tok/tokenizer.json");
-  const char* words[] = {"the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "sun", "is", "hot",
-                         "we", "like", "green", "tea", "one", "two", "three", "four", "five"};
+  const fs::path dir = lathe_e2e::tokenizer_folder("lathe_plan_gpu", name);
   std::mt19937 rng(7);
   std::ofstream data(dir / "train.jsonl");
   for (int row = 0; row < 64; ++row) {
     std::string text;
-    while (text.size() < 12000) text += std::string(words[rng() % std::size(words)]) + " ";
+    while (text.size() < 12000) text += lathe_e2e::tiny_word(rng);
     data << nlohmann::json{{"text", text}}.dump() << "\n";
   }
   std::ofstream(dir / "config.yaml") << "model:\n  config: " << model << "\n  init_std: 0.02\n  tokenizer: "

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 
 #include "io/safetensors.h"
@@ -154,6 +155,26 @@ std::pair<double, double> weight_diffs(const fs::path& dir, const std::string& o
   const double d = worst_rel_diff(weights(dir / out / last), weights(dir / "ref" / last));
   std::printf("[%s] worst ||w - w_ref|| / ||w_ref|| over tensors: %.3g at step 3, %.3g at step 8\n", tag.c_str(), d3, d);
   return {d3, d};
+}
+
+// `n` lines {"tokens": [...]} into `path`, line i of `length(i)` ids below 300.
+void write_token_lines(const fs::path& path, int n, const std::function<int(int)>& length) {
+  std::ofstream in(path);
+  for (int i = 0; i < n; ++i) {
+    nlohmann::json ids = nlohmann::json::array();
+    for (int k = 0; k < length(i); ++k) ids.push_back((37 * i + 11 * k) % 300);
+    in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
+  }
+}
+
+// `out`'s log-probs against `want`, line by line in input order, within f32 rounding of another batch composition.
+void expect_same_logprobs(const fs::path& out, const std::vector<std::vector<double>>& want, const std::string& what) {
+  const auto got = lathe_e2e::read_logprobs(out);
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].size(), want[i].size()) << "line " << i << " of " << what << ": out of order";
+    for (size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(got[i][k], want[i][k], 1e-5 * (1 + std::abs(want[i][k])));
+  }
 }
 
 // One process with grad_accum 4 against dp = 2 (grad_accum 2) and dp = 4 (grad_accum 1): losses within 1e-5
@@ -418,14 +439,7 @@ TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
 TEST(ExpertParallel, LogprobsEqualOneProcess) {
   const fs::path dir = setup("ep_logprobs", kQwen3Moe);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
-  {
-    std::ofstream in(dir / "in.jsonl");
-    for (int i = 0; i < 9; ++i) {
-      nlohmann::json ids = nlohmann::json::array();
-      for (int k = 0; k < 3 + (7 * i) % 17; ++k) ids.push_back((37 * i + 11 * k) % 300);
-      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
-    }
-  }
+  write_token_lines(dir / "in.jsonl", 9, [](int i) { return 3 + (7 * i) % 17; });
   const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
                                        (dir / "model/final").string(), (dir / "in.jsonl").string());
   ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
@@ -437,12 +451,7 @@ TEST(ExpertParallel, LogprobsEqualOneProcess) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(fmt::format("9 lines scored with {} on cpu (f32), {} ranks, ep 2",
                                         (dir / "model/final").string(), np)), std::string::npos) << r.output;
-    const auto got = lathe_e2e::read_logprobs(out);
-    ASSERT_EQ(got.size(), want.size()) << np;
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_EQ(got[i].size(), want[i].size()) << "line " << i << " of " << np << " ranks: out of order";
-      for (size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(got[i][k], want[i][k], 1e-5 * (1 + std::abs(want[i][k])));
-    }
+    expect_same_logprobs(out, want, fmt::format("{} ranks at ep 2", np));
   }
 }
 
@@ -620,14 +629,7 @@ TEST(DataParallel, ARankWhoseMpiWorldIsNotTheLaunchersIsRefused) {
 TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
   const fs::path dir = setup("logprobs", kQwen3);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
-  {
-    std::ofstream in(dir / "in.jsonl");
-    for (int i = 0; i < 7; ++i) {
-      nlohmann::json ids = nlohmann::json::array();
-      for (int k = 0; k < 3 + 5 * i % 11; ++k) ids.push_back((37 * i + 11 * k) % 300);
-      in << nlohmann::json{{"tokens", ids}}.dump() << "\n";
-    }
-  }
+  write_token_lines(dir / "in.jsonl", 7, [](int i) { return 3 + 5 * i % 11; });
   const std::string args = fmt::format("logprobs --model {} --input {} --output ", (dir / "model/final").string(),
                                        (dir / "in.jsonl").string());
   ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
@@ -645,12 +647,7 @@ TEST(DataParallel, LogprobsSplitsTheLinesOverTheRanksAndKeepsTheirOrder) {
                                         np, tp > 1 ? fmt::format(", tp {}", tp) : "",
                                         cp > 1 ? fmt::format(", cp {}", cp) : "")),
               std::string::npos) << r.output;
-    const auto got = lathe_e2e::read_logprobs(out);
-    ASSERT_EQ(got.size(), want.size()) << np;
-    for (size_t i = 0; i < want.size(); ++i) {
-      ASSERT_EQ(got[i].size(), want[i].size()) << "line " << i << " of " << np << " ranks: out of order";
-      for (size_t k = 0; k < want[i].size(); ++k) EXPECT_NEAR(got[i][k], want[i][k], 1e-5 * (1 + std::abs(want[i][k])));
-    }
+    expect_same_logprobs(out, want, fmt::format("{} ranks", np));
   }
 }
 
