@@ -56,10 +56,10 @@ ncclConfig_t nonblocking_config() {
 }
 
 // Polls a non-blocking communicator until its pending work has settled; returns the final result. A call may return
-// ncclSuccess while the communicator is still being set up in the background, so the state is always asked for.
-// A non-blocking communicator's call may return ncclInProgress until NCCL has taken it: polled, spinning (yielding)
-// for the first thousand polls — a collective is taken within microseconds, and a 20 us sleep is about 80 us on
-// Linux, which bounded queued collectives at one every 0.11 ms — then sleeping (a communicator forming, a stalled rank).
+// ncclSuccess while the communicator is still being set up in the background, so the state is always asked for. The
+// first thousand polls spin (yielding): a collective is taken within microseconds, and a 20 us sleep lasts several
+// times that on Linux (suspected of the 0.11 ms floor per queued collective that bench/comm_bench.cpp measured,
+// docs/benchmarks.md session 23; not measured again since); then they sleep (a communicator forming, a stalled rank).
 ncclResult_t settle(ncclComm_t comm, ncclResult_t r, Clock::time_point deadline) {
   if ((r != ncclSuccess && r != ncclInProgress) || comm == nullptr) return r;
   for (int polls = 0;; ++polls) {

@@ -8,9 +8,10 @@
 //   collectives, aborts the communicator and ends the job.
 // - Operations are ordered on the tensors' stream (the device's default stream, where the compute runs), so a later
 //   kernel sees the result without a wait; wait() is for the host. The model's tensor- and context-parallel
-//   collectives are never waited for (a wait after each drained the GPU's queue, 130 us a collective on an H200
-//   pair): a watchdog thread per communicator polls every queued operation's event against its timeout, so a stalled
-//   one still ends the job with the report, even while the host is blocked in a copy behind it.
+//   collectives are never waited for (a wait after each let the GPU's queue run dry at every collective: the 8B shape
+//   at tp 2 + sp ran at 40% MFU so): a watchdog thread per communicator polls every queued operation's event against
+//   its timeout, so a stalled one still ends the job with the report, even while the host is blocked in a copy
+//   behind it.
 // Built when the CUDA toolkit has NCCL (LATHE_WITH_NCCL). Covered on two GPUs by tests/e2e/test_parallel_gpu.cpp and
 // dev/gpu_parallel.sh's `stall` stage (a stopped rank under tp ends the job with the timeout report).
 #pragma once
