@@ -254,7 +254,12 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
 
   // Parameters, gradients (every trainable parameter's, in the model dtype) and AdamW's states: whole on every cp rank
   // (the tp slice's).
-  const int64_t weight_elements = local.parameter_count();  // the rank's slices and the whole tensors
+  // Expert parallelism: the rank holds num_experts / ep of every sparse layer's experts (gate_up and down).
+  int64_t sparse_layers = 0;
+  for (int64_t i = 0; i < layers; ++i) sparse_layers += m.sparse_layer(i);
+  const int64_t expert_elements = sparse_layers * 3 * m.num_experts * m.moe_intermediate_size * h;
+  const int64_t weight_elements =  // the rank's slices and the whole tensors
+      local.parameter_count() - (layout.ep > 1 ? expert_elements - expert_elements / layout.ep : 0);
   RankMemory& mem = plan.memory;
   mem.weights = weight_elements * b;
   const int64_t grads = lora ? 0 : mem.weights;  // LoRA: the frozen base has none (adapters: docs/plan.md)
@@ -337,8 +342,11 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
 
   // Communication per optimizer step. The gradient sum over the weight replicas, dp (x cp) (ZeRO: reduce-scatter, then
   // the parameters' all-gather).
-  const int64_t dp_grads = lora ? 0 : grads;
-  if (!zero) plan.comm_grads_bytes = all_reduce_bytes(dp_grads, replicas);
+  // Under ep the experts' gradients are summed over their holders (edp = dp / ep) instead.
+  const int64_t rank_experts = layout.ep > 1 ? expert_elements / layout.ep * b : 0;
+  const int64_t dp_grads = lora ? 0 : grads - rank_experts;
+  if (layout.ep > 1 && !lora) plan.comm_grads_bytes += all_reduce_bytes(rank_experts, replicas / layout.ep);
+  if (!zero) plan.comm_grads_bytes += all_reduce_bytes(dp_grads, replicas);
   else
     plan.comm_grads_bytes = (layout.zero == 2 ? micro_batches : 1) * reduce_scatter_bytes(dp_grads, replicas) +
                             reduce_scatter_bytes(mem.weights, replicas);  // the all-gather sends as much
@@ -362,13 +370,19 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   if (layout.cp > 1)
     for (int64_t i = 0; i < layers; ++i)
       plan.comm_cp_bytes += micro_batches * (forward_passes + 1) * layer_all_to_all_bytes(m, l, i, rows, b);
-  plan.comm_bytes = plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes;
+  // ep: each sparse layer's routed rows (T k of them, H wide) out and their outputs back, forward (again when
+  // recomputing) and backward, each micro-batch (the per-expert counts' all-gather is E numbers).
+  if (layout.ep > 1)
+    plan.comm_ep_bytes = micro_batches * sparse_layers * 2 * (forward_passes + 1) *
+                         all_to_all_bytes(b * rows.block * m.num_experts_per_tok * h, layout.ep);
+  plan.comm_bytes = plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes + plan.comm_ep_bytes;
   return plan;
 }
 
 std::vector<std::string> layout_overrides(const PlanLayout& layout) {
   return {fmt::format("parallel.tp={}", layout.tp), fmt::format("parallel.cp={}", layout.cp),
-          fmt::format("parallel.dp={}", layout.dp), fmt::format("parallel.zero={}", layout.zero)};
+          fmt::format("parallel.dp={}", layout.dp), fmt::format("parallel.zero={}", layout.zero),
+          fmt::format("parallel.ep={}", layout.ep)};
 }
 
 TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_bytes,
@@ -385,8 +399,10 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
     for (int64_t cp = 1; cp <= nproc / tp; ++cp) {
       if (nproc / tp % cp != 0) continue;
       const int64_t dp = nproc / tp / cp;
-      for (int64_t zero = 0; zero <= (dp * cp > 1 ? 2 : 0); ++zero) {
-        const PlanLayout layout{tp, cp, dp, zero};
+      for (int64_t zero = 0; zero <= (dp * cp > 1 ? 2 : 0); ++zero)
+      for (int64_t ep = 1; ep <= dp; ++ep) {
+        if (dp % ep != 0 || (ep > 1 && (plan.model.num_experts == 0 || plan.model.num_experts % ep != 0))) continue;
+        const PlanLayout layout{tp, cp, dp, zero, ep};
         std::string refused;
         TrainConfig at = c;
         try {
@@ -401,7 +417,7 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
         lp.layout = layout;
         lp.refused = refused;
         lp.configured = tp == configured.sizes().tp && cp == configured.sizes().cp && dp == configured.sizes().dp &&
-                        zero == c.zero;
+                        zero == c.zero && ep == configured.sizes().ep;
         lp.fits = refused.empty() && lp.memory.peak <= memory_bytes;
         plan.layouts.push_back(std::move(lp));
       }
@@ -418,7 +434,8 @@ std::string bytes_text(int64_t bytes) {
 }
 
 std::string layout_name(const PlanLayout& l) {
-  return fmt::format("tp={} cp={} dp={} zero={}", l.tp, l.cp, l.dp, l.zero);
+  return l.ep > 1 ? fmt::format("tp={} cp={} ep={} dp={} zero={}", l.tp, l.cp, l.ep, l.dp, l.zero)
+                  : fmt::format("tp={} cp={} dp={} zero={}", l.tp, l.cp, l.dp, l.zero);
 }
 
 // A refusal's first problem, on one line ("config: 1 problem in X:\n  - parallel.tp: ..." -> "parallel.tp: ...").
@@ -434,17 +451,17 @@ std::string short_reason(const std::string& why) {
 std::string format_plan(const TrainingPlan& plan) {
   std::string out = fmt::format("lathe plan: {} ({} parameters), {} ranks, {} per rank\n", plan.model.model_type,
                                 plan.model.parameter_count(), plan.nproc, bytes_text(plan.memory_bytes));
-  out += fmt::format("  {:<25} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", "layout", "weights",
+  out += fmt::format("  {:<30} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", "layout", "weights",
                      "gradients", "optimizer", "activations", "loss head", "peak", "fits", "comm/step");
   std::vector<std::string> fitting;
   for (const LayoutPlan& l : plan.layouts) {
     const std::string name = (l.configured ? "* " : "  ") + layout_name(l.layout);
     if (!l.refused.empty()) {
-      out += fmt::format("{:<27} refused: {}\n", name, short_reason(l.refused));
+      out += fmt::format("{:<32} refused: {}\n", name, short_reason(l.refused));
       continue;
     }
     const RankMemory& m = l.memory;
-    out += fmt::format("{:<27} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", name, bytes_text(m.weights),
+    out += fmt::format("{:<32} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", name, bytes_text(m.weights),
                        bytes_text(m.gradients), bytes_text(m.optimizer), bytes_text(m.activations),
                        bytes_text(m.loss_head), bytes_text(m.peak), l.fits ? "fits" : "DOES NOT", bytes_text(l.comm_bytes));
     if (l.fits) fitting.push_back(layout_name(l.layout));
@@ -463,13 +480,14 @@ nlohmann::json plan_to_json(const TrainingPlan& plan) {
   for (const LayoutPlan& l : plan.layouts) {
     const RankMemory& m = l.memory;
     nlohmann::json row = {{"tp", l.layout.tp}, {"cp", l.layout.cp}, {"dp", l.layout.dp}, {"zero", l.layout.zero},
+                          {"ep", l.layout.ep},
                           {"configured", l.configured}, {"refused", l.refused.empty() ? nlohmann::json() : nlohmann::json(l.refused)},
                           {"weights_bytes", m.weights}, {"gradients_bytes", m.gradients},
                           {"optimizer_bytes", m.optimizer}, {"activations_bytes", m.activations},
                           {"loss_head_bytes", m.loss_head}, {"peak_bytes", m.peak},
                           {"comm_bytes_per_step", l.comm_bytes},
                           {"comm_bytes_per_step_by_group", {{"grads", l.comm_grads_bytes}, {"tp", l.comm_tp_bytes},
-                                                            {"cp", l.comm_cp_bytes}}},
+                                                            {"cp", l.comm_cp_bytes}, {"ep", l.comm_ep_bytes}}},
                           {"fits", l.fits}};
     j["layouts"].push_back(std::move(row));
   }

@@ -21,9 +21,10 @@
 
 namespace lathe {
 
-// One layout of the grid's dense view (tp x cp x dp ranks) and the ZeRO stage.
+// One layout of the grid's dense view (tp x cp x dp ranks), the ZeRO stage and, for mixture-of-experts models, the
+// expert-parallel ranks among the dp ones (each holding num_experts / ep of every sparse layer's experts).
 struct PlanLayout {
-  int64_t tp = 1, cp = 1, dp = 1, zero = 0;
+  int64_t tp = 1, cp = 1, dp = 1, zero = 0, ep = 1;
 };
 
 // One rank's memory, in bytes. `peak` is the most that is live at once during a step (plan.cpp walks its phases): not
@@ -46,6 +47,7 @@ struct LayoutPlan {
   int64_t comm_grads_bytes = 0;  // the gradient sum (and ZeRO's gathers) over the ranks with the same weights, dp x cp
   int64_t comm_tp_bytes = 0;     // tp's activation sums (and its shared k/v and norm gains' gradient sums)
   int64_t comm_cp_bytes = 0;     // cp's head all-to-alls and the final norm's gather
+  int64_t comm_ep_bytes = 0;     // ep's all-to-alls of the routed rows and their gradients, each sparse layer
   bool fits = false;        // peak <= the device memory
 };
 
@@ -65,7 +67,7 @@ ModelConfig planned_model_config(const TrainConfig& c);
 LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& model, const PlanLayout& layout);
 
 // Every layout of `nproc` ranks: each tp dividing nproc, each cp dividing nproc / tp (dp = nproc / (tp cp)), each ZeRO
-// stage 0, 1, 2 (only 0 at dp x cp = 1). `config_at` returns the config at a layout (the YAML with the layout's parallel.*
+// stage 0, 1, 2 (only 0 at dp x cp = 1), and for a mixture-of-experts model each ep dividing dp and the experts. `config_at` returns the config at a layout (the YAML with the layout's parallel.*
 // overrides) and throws lathe::Error with the trainer's reason where the config checks refuse it;
 // check_tensor_parallel and check_context_parallel refuse the rest. The configured layout (c's tp, cp and dp, and c's
 // zero) is marked; an nproc that the configured tp x cp x dp cannot fill is an error.

@@ -14,26 +14,6 @@
 
 namespace lathe_e2e {
 
-#ifdef LATHE_TEST_DATA_DIR
-// A fresh folder TMP/PREFIX_NAME_PID with the tiny test tokenizer in tok/ (the GPU tests' run folders).
-inline std::filesystem::path tokenizer_folder(const std::string& prefix, const std::string& name) {
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / fmt::format("{}_{}_{}", prefix, name, getpid());
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir / "tok");
-  std::filesystem::copy_file(std::filesystem::path(LATHE_TEST_DATA_DIR) / "data/fixtures/tiny_tokenizer.json",
-                             dir / "tok/tokenizer.json");
-  return dir;
-}
-#endif
-
-// A word the tiny test tokenizer knows, drawn by `rng`, and a space.
-template <typename Rng>
-std::string tiny_word(Rng& rng) {
-  static const char* words[] = {"the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "sun", "is", "hot",
-                                "we", "like", "green", "tea", "one", "two", "three", "four", "five"};
-  return std::string(words[rng() % std::size(words)]) + " ";
-}
-
 struct LatheRun {
   int exit_code;
   std::string output;

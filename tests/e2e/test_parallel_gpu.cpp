@@ -29,6 +29,7 @@
 
 #include "backend/runtime.h"
 #include "lathe_run.h"
+#include "support/text_folder.h"
 
 namespace {
 

@@ -21,6 +21,7 @@
 
 #include "backend/runtime.h"
 #include "lathe_run.h"
+#include "support/text_folder.h"
 
 namespace {
 

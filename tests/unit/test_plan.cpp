@@ -300,4 +300,45 @@ TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
   EXPECT_EQ(plan_layout(c, mc, {.cp = 2, .zero = 2}).memory.gradients, grads / 2);
 }
 
+// Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and
+// states), its experts' gradients are summed over the dp / ep ranks holding the same ones and the dense ones over dp,
+// and each sparse layer sends its routed rows (T k of them) out and their outputs back, forward and backward; a
+// layout ep does not compose with yet is refused with the trainer's reason.
+TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
+  const char* moe =
+      "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
+      "head_dim: 8, num_experts: 4, num_experts_per_tok: 2, moe_intermediate_size: 16, vocab_size: 320}";
+  const fs::path dir = run_folder("ep", moe, "{max_steps: 1, micro_batch_tokens: 64}");
+  const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
+  const ModelConfig mc = planned_model_config(c);
+  const LayoutPlan dp4 = plan_layout(c, mc, {.dp = 4}), ep4 = plan_layout(c, mc, {.dp = 4, .ep = 4});
+  const LayoutPlan ep2 = plan_layout(c, mc, {.dp = 4, .ep = 2});
+  const int64_t experts = 2 * 4 * (2 * 16 * 32 + 32 * 16) * kB;  // 2 layers x 4 experts x (gate_up + down), f32
+  EXPECT_EQ(dp4.memory.weights - ep4.memory.weights, experts * 3 / 4);
+  EXPECT_EQ(dp4.memory.weights - ep2.memory.weights, experts / 2);
+  EXPECT_EQ(dp4.memory.gradients - ep4.memory.gradients, experts * 3 / 4);
+  EXPECT_EQ(dp4.memory.optimizer - ep4.memory.optimizer, 2 * experts * 3 / 4);  // f32 parameters: m and v, no master
+  const int64_t dense = dp4.memory.weights - experts, routed = kB * 64 * 2 * 32;  // 64 tokens x top 2, 32 wide
+  EXPECT_EQ(ep4.comm_grads_bytes, 2 * 3 * dense / 4);  // the dense gradients over dp 4; each expert has one holder
+  EXPECT_EQ(ep2.comm_grads_bytes, 2 * 3 * dense / 4 + 2 * 1 * (experts / 2) / 2);  // ... and over edp 2
+  EXPECT_EQ(ep4.comm_ep_bytes, 2 * 2 * 2 * (3 * routed / 4));  // 2 layers x (forward + backward) x (out + back)
+  EXPECT_EQ(ep2.comm_ep_bytes, 2 * 2 * 2 * (routed / 2));
+  EXPECT_EQ(dp4.comm_ep_bytes, 0);
+  EXPECT_EQ(ep4.comm_bytes, ep4.comm_grads_bytes + ep4.comm_ep_bytes);
+  // Listed by plan_layouts for the MoE model (ep 1, 2 and 4 of dp 4), ZeRO with ep refused by name.
+  const TrainingPlan plan = plan_layouts(c, 4, int64_t(1) << 30, [&](const PlanLayout& l) {
+    return load_train_config((dir / "config.yaml").string(), layout_overrides(l));
+  });
+  int listed = 0;
+  for (const LayoutPlan& l : plan.layouts)
+    if (l.layout.tp == 1 && l.layout.cp == 1 && l.layout.dp == 4) {
+      ++listed;
+      if (l.layout.ep > 1 && l.layout.zero > 0)
+        EXPECT_NE(l.refused.find("with parallel.zero"), std::string::npos) << l.refused;
+      else
+        EXPECT_EQ(l.refused, "") << l.layout.ep << " " << l.layout.zero;
+    }
+  EXPECT_EQ(listed, 3 * 3);  // ep 1, 2, 4 x ZeRO 0, 1, 2
+}
+
 }  // namespace
