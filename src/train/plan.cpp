@@ -154,13 +154,15 @@ struct CoreScratch {
 // `r`'s core on CUDA, for a rank's local layers `m` (bf16 or f16 models):
 // - attention: cuDNN's fused backward (bf16/f16, head dim up to 128; cudnn_attention.cpp), whose deterministic engine
 //   stages dS in its workspace, B x Hq x S^2 x 2 bytes for B documents of S rows (the longest rounded up to 128),
-//   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. The
+//   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. Where that passes
+//   1/16 of the device's memory cuDNN's backward is refused and the tiled kernel runs, with 2 x T x Hq floats. The
 //   nondeterministic engine's workspace is not known ahead and not counted.
 // - Gated DeltaNet: the chunked kernels' backward workspace (bf16, dk = dv = 128; gated_delta.cu carve_chunked, given
 //   the forward's states and chunk cache): per row and value head the f32 dq and dk, the bf16 dDelta and dW and db;
 //   per saved state its gradient. Elsewhere the recurrent kernel's (carve_recurrent): f32 state checkpoints, dq and dk
 //   and its blocks' token states.
-CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const LocalSizes& l, const Rows& r, DType dtype) {
+CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const LocalSizes& l, const Rows& r, DType dtype,
+                         int64_t device_bytes) {
   CoreScratch s;
   if (!on_cuda(c)) return s;
   const int64_t b = int64_t(dtype_size(dtype));
@@ -168,6 +170,9 @@ CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const Local
   if (c.deterministic && b == 2 && m.head_dim <= 128) {
     const int64_t longest = ceil_div(std::min(c.max_seq_len, r.tokens), 128) * 128;
     s.attention = r.docs * ch.q * longest * (2 * longest + 4);
+    // cuDNN's backward is refused where that passes 1/16 of the device's memory (cudnn_attention.cpp, prepare): the
+    // tiled kernel runs instead, with two floats a row and head (flash_attention_backward_scratch_floats).
+    if (device_bytes > 0 && s.attention > device_bytes / 16) s.attention = 8 * r.core * ch.q;
   }
   if (m.is_hybrid()) {
     const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim, hv = ch.value_heads;
@@ -232,7 +237,7 @@ ModelConfig planned_model_config(const TrainConfig& c) {
   return parse_model_config(cfg, "model.config");
 }
 
-LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const PlanLayout& layout) {
+LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const PlanLayout& layout, int64_t device_bytes) {
   LayoutPlan plan;
   plan.layout = layout;
   const DType dtype = model_dtype(c);
@@ -300,7 +305,7 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   // (part of its activations until its backward), the head's input gradient (block rows, H) and, under sp, its rows.
   const int64_t x_bytes = b * rows.stream * h;
   const int64_t carried = 2 * x_bytes + b * head_rows * h + (rows.stream < head_rows ? x_bytes : 0);
-  const CoreScratch scratch = core_scratch(c, m, l, rows, dtype);  // the CUDA kernels' backward scratch
+  const CoreScratch scratch = core_scratch(c, m, l, rows, dtype, device_bytes);  // the CUDA kernels' backward scratch
   int64_t peak = persistent;
   for (int64_t mb = 0; mb < std::min<int64_t>(micro_batches, 2); ++mb) {
     const bool first = mb == 0, last = mb + 1 == micro_batches;
@@ -413,7 +418,7 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
           refused = e.what();
         }
         LayoutPlan lp;
-        if (refused.empty()) lp = plan_layout(at, plan.model, layout);
+        if (refused.empty()) lp = plan_layout(at, plan.model, layout, memory_bytes);
         lp.layout = layout;
         lp.refused = refused;
         lp.configured = tp == configured.sizes().tp && cp == configured.sizes().cp && dp == configured.sizes().dp &&

@@ -63,8 +63,9 @@ struct TrainingPlan {
 ModelConfig planned_model_config(const TrainConfig& c);
 
 // One layout's memory and communication, from the rank's own layer config (tensor_parallel_config: a tp the model
-// cannot take throws; plan_layouts lists such layouts as refused).
-LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& model, const PlanLayout& layout);
+// cannot take throws; plan_layouts lists such layouts as refused). `device_bytes`: one device's memory, which decides
+// the CUDA attention backward (cuDNN's, or above 1/16 of it the tiled kernel's smaller scratch); 0: cuDNN's.
+LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& model, const PlanLayout& layout, int64_t device_bytes = 0);
 
 // Every layout of `nproc` ranks: each tp dividing nproc, each cp dividing nproc / tp (dp = nproc / (tp cp)), each ZeRO
 // stage 0, 1, 2 (only 0 at dp x cp = 1), and for a mixture-of-experts model each ep dividing dp and the experts. `config_at` returns the config at a layout (the YAML with the layout's parallel.*

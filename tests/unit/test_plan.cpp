@@ -5,6 +5,8 @@
 // sends; and the layouts that are refused, with the trainer's reasons.
 #include <gtest/gtest.h>
 
+#include <tuple>
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -298,6 +300,41 @@ TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
   EXPECT_EQ(four.comm_grads_bytes, 2 * 3 * grads / 4);
   EXPECT_EQ(zero.memory.optimizer, four.memory.optimizer / 4);
   EXPECT_EQ(plan_layout(c, mc, {.cp = 2, .zero = 2}).memory.gradients, grads / 2);
+}
+
+// Long documents on cuda (one H200, 139.8 GiB, `dev/gpu_parallel.sh build longctx`, docs/benchmarks.md session 23):
+// the planned peak against the trainer's measured memory_mib of one-document runs with recompute, the Qwen3-1.7B shape
+// at 65,536 tokens (42,552 MiB) and the Qwen3.5-0.8B shape at 131,072 (43,160 MiB), within 10%. At these lengths
+// cuDNN's attention backward would stage B x Hq x S^2 x 2 bytes (137 GB for the 1.7B shape) and is refused above 1/16
+// of the device's memory; the tiled kernel runs, and the plan must say so (it said 168 GiB, does not fit, before).
+TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
+  const int64_t h200 = int64_t(143155) << 20;  // the device's memory as the CUDA runtime reports it (MiB)
+  const std::string layers = [] {
+    std::string l = "[";
+    for (int i = 0; i < 24; ++i) l += std::string(i ? ", " : "") + (i % 4 == 3 ? "full_attention" : "linear_attention");
+    return l + "]";
+  }();
+  const std::vector<std::tuple<std::string, std::string, int64_t, double>> runs = {
+      {"q17_64k",
+       "{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, "
+       "num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, max_position_embeddings: 65536}",
+       65536, 42552.0},
+      {"q35_128k",
+       "{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, num_hidden_layers: 24, "
+       "layer_types: " + layers + ", num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, "
+       "partial_rotary_factor: 0.25, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, "
+       "linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: 262144}",
+       131072, 43160.0}};
+  for (const auto& [name, model, seq, measured_mib] : runs) {
+    const fs::path dir = run_folder(name, model, fmt::format("{{max_steps: 4, micro_batch_tokens: {}, recompute: true}}", seq));
+    const TrainConfig c = load_train_config((dir / "config.yaml").string(),
+                                            {"device=cuda", fmt::format("data.max_seq_len={}", seq)});
+    const LayoutPlan plan = plan_layout(c, planned_model_config(c), {}, h200);
+    const double planned_mib = double(plan.memory.peak) / double(int64_t(1) << 20);
+    std::printf("%s: planned %.0f MiB, measured %.0f MiB (%+.1f%%)\n", name.c_str(), planned_mib, measured_mib,
+                100.0 * (planned_mib - measured_mib) / measured_mib);
+    EXPECT_LT(std::abs(planned_mib - measured_mib) / measured_mib, 0.10) << name;
+  }
 }
 
 // Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and
