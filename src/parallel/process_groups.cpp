@@ -8,7 +8,7 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
                                                    std::unique_ptr<Stream> grad_stream) {
   const int n = world ? world->size() : 1;
   auto g = std::make_unique<ProcessGroups>(
-      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
+      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
   if (!world) return g;
   const int index = g->grid.group_index(GroupKind::Dp, g->rank);
   g->dp = world->split(index, g->rank, fmt::format("dp[{}]", index), nullptr);
@@ -29,6 +29,10 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
     const int e = g->grid.group_index(GroupKind::Ep, g->rank), d = g->grid.group_index(GroupKind::Edp, g->rank);
     g->ep = world->split(e, g->rank, fmt::format("ep[{}]", e), nullptr);
     g->edp = world->split(d, g->rank, fmt::format("edp[{}]", d), nullptr);
+    if (sizes.tp > 1) {  // (ep runs without cp and pp: the ranks of one edp index are its tp x ep ranks)
+      const int r = g->edp->rank();
+      g->tp_ep = world->split(r, g->rank, fmt::format("tp_ep[{}]", r), nullptr);
+    }
   }
   g->world = std::move(world);
   return g;

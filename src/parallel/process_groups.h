@@ -28,6 +28,9 @@ struct ProcessGroups {
   // Expert parallelism (ep > 1): the ranks that split one copy of the experts (each its own batches), and the ranks
   // that hold the same experts (their gradients sum over it).
   std::unique_ptr<Communicator> ep, edp;
+  // tp and ep both above 1: the tp x ep ranks of one expert replica, which hold different slices (the tp slices and
+  // the experts), each saving its own optimizer state.
+  std::unique_ptr<Communicator> tp_ep;
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int tp_rank() const { return tp ? tp->rank() : 0; }

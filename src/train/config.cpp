@@ -500,8 +500,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     const auto refuse = [&](const std::string& what) {
       problems.push_back(fmt::format("parallel.ep: {} with {} is not built yet", c.ep, what));
     };
-    if (c.tp > 1) refuse(fmt::format("parallel.tp {} in training (the model runs tp x ep; the optimizer state's files "
-                                     "are one group's)", c.tp));
     if (c.cp > 1) refuse(fmt::format("parallel.cp {}", c.cp));
     if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
     if (!c.final_eval_file.empty()) refuse("final_eval.file (generation: the ranks would have to decode in step)");

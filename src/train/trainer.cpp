@@ -347,8 +347,11 @@ class Trainer::Impl {
   // the other ranks of its cp group hold the same weights and stay out.
   bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
   // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, or ep.
-  Communicator* slices() const { return tp_ ? tp_ : groups_ ? groups_->ep.get() : nullptr; }
-  std::string slice_kind() const { return tp_ ? "tp" : "ep"; }
+  Communicator* slices() const {
+    if (!groups_) return nullptr;
+    return groups_->tp_ep ? groups_->tp_ep.get() : tp_ ? tp_ : groups_->ep.get();
+  }
+  std::string slice_kind() const { return groups_ && groups_->tp_ep ? "tp-ep" : tp_ ? "tp" : "ep"; }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
@@ -704,8 +707,9 @@ void Trainer::Impl::load_optimizer(Job& j) {
   check_optimizer_layout(j);
   const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
   // Tensor or expert parallelism, now or then: the checkpoint's slices, one file per rank of the slicing group.
-  const std::string saved_kind = j.state.contains("ep") ? "ep" : "tp";
-  const int saved_n = j.state.value(saved_kind, 1), n = slices() ? slices()->size() : 1;
+  const int saved_tp = j.state.value("tp", 1), saved_ep = j.state.value("ep", 1), n = slices() ? slices()->size() : 1;
+  const std::string saved_kind = saved_tp > 1 && saved_ep > 1 ? "tp-ep" : saved_ep > 1 ? "ep" : "tp";
+  const int saved_n = saved_tp * saved_ep;
   LATHE_CHECK(saved_n == 1 || saved.is_null(), "train: {}: a checkpoint of {} {} with ZeRO shards is not one Lathe "
               "writes", from.string(), saved_kind, saved_n);
   if (saved_n > 1 || slices()) {  // this rank's slices (and whole tensors)
@@ -1015,7 +1019,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
     groups_->weight_replicas().barrier();
   }
-  if (save && slices() && joins_save()) {  // the first replica's tp (or ep) group: each its slices' state
+  if (save && slices() && joins_save()) {  // the first replica's tp (or ep, or tp x ep) group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
     slices()->barrier();
     j.opt->save((zero_shard_dir(j) / slice_state_name(slice_kind(), slices()->rank(), slices()->size())).string());
@@ -1055,7 +1059,8 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
-    if (slices()) st[slice_kind()] = slices()->size();
+    if (tp_) st["tp"] = tp_->size();
+    if (groups_ && groups_->ep) st["ep"] = groups_->ep->size();
     if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };

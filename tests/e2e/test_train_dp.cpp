@@ -395,10 +395,10 @@ TEST(ContextParallel, ZeroCutsTheStateOverDpAndCp) {
 // killed after step 4 at tp 2, resumed at tp 2 x dp 2 on the same curve; `lathe logprobs --adapter --tp 2` scores
 // as one process.
 // Expert parallelism in `lathe train` (docs/moe.md, "Expert parallelism"): ep 2 on 2 ranks (grad_accum 2), ep 4 on 4
-// (grad_accum 1) and ep 2 x edp 2 on 4 (each expert's gradient summed over its two holders) against one process with
-// grad_accum 4: losses within 1e-5 and the expert loads equal at every step, weights within 1e-5 at step 3; each ep
-// rank writes its experts' optimizer state. Killed after step 4 at ep 2, the run continues on the same curve at ep 2,
-// and its state re-cut at ep 4 and for one process.
+// (grad_accum 1), ep 2 x edp 2 on 4 (each expert's gradient summed over its two holders) and tp 2 x ep 2 on 4
+// (grad_accum 2) against one process with grad_accum 4: losses within 1e-5 and the expert loads equal at every step,
+// weights within 1e-5; each rank of the ep (or tp x ep) group writes its slices' optimizer state. Killed after step 4 at
+// ep 2, the run continues on the same curve at ep 2, and its state re-cut at ep 4, at tp 2 x ep 2 and for one process.
 TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
   const fs::path dir = setup("ep", kQwen3Moe);
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -410,11 +410,13 @@ TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
       if (row.contains("expert_load")) l.push_back(row["expert_load"]);
     return l;
   };
-  for (const auto& [np, accum, ep] : {std::tuple{2, 2, 2}, std::tuple{4, 1, 4}, std::tuple{4, 1, 2}}) {
-    const std::string out = fmt::format("ep{}_np{}", ep, np);
-    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.ep={}", ep) + kSmallBuckets);
+  for (const auto& [np, accum, ep, tp] :
+       {std::tuple{2, 2, 2, 1}, std::tuple{4, 1, 4, 1}, std::tuple{4, 1, 2, 1}, std::tuple{4, 2, 2, 2}}) {
+    const std::string out = fmt::format("ep{}_tp{}_np{}", ep, tp, np);
+    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.ep={} --set parallel.tp={}", ep, tp) +
+                                                      kSmallBuckets);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find(fmt::format("parallel: tp=1 cp=1 ep={} dp={} pp=1 (world {})", ep, np, np)),
+    EXPECT_NE(r.output.find(fmt::format("parallel: tp={} cp=1 ep={} dp={} pp=1 (world {})", tp, ep, np / tp, np)),
               std::string::npos) << r.output;
     expect_same_curve(losses(dir / out), want, out);
     EXPECT_EQ(loads(dir / out), loads(dir / "ref")) << out;
@@ -422,20 +424,26 @@ TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
     const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "ep " + out);
     EXPECT_LT(d3, 1e-5) << out;
     EXPECT_LT(d, 1e-5) << out;
-    for (int rank = 0; rank < ep; ++rank)
-      EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.ep-{}-of-{}.safetensors", rank, ep)));
+    const std::string kind = tp > 1 ? "tp-ep" : "ep";  // each rank of the tp x ep group its slices' state
+    for (int rank = 0; rank < tp * ep; ++rank)
+      EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.{}-{}-of-{}.safetensors", kind,
+                                                     rank, tp * ep)));
   }
   const LatheRun killed = train(dir, "run", 2, 2, " --set parallel.ep=2", "LATHE_FAULT_INJECT=after_step:4");
   EXPECT_NE(killed.exit_code, 0);
   fs::copy(dir / "run", dir / "run_ep4", fs::copy_options::recursive);
   fs::copy(dir / "run", dir / "run_one", fs::copy_options::recursive);
+  fs::copy(dir / "run", dir / "run_tp2", fs::copy_options::recursive);
   expect_continues(dir, "run", 2, 2, " --set parallel.ep=2", "resumed from", want, "ep 2 -> ep 2");
   expect_continues(dir, "run_ep4", 4, 1, " --set parallel.ep=4", "was saved at ep 2; re-cut for ep 4", want, "ep 2 -> ep 4");
   expect_continues(dir, "run_one", 0, 4, "", "was saved at ep 2; re-cut for ep 1", want, "ep 2 -> one process");
+  expect_continues(dir, "run_tp2", 4, 2, " --set parallel.ep=2 --set parallel.tp=2", "was saved at ep 2; re-cut for tp-ep 4",
+                   want, "ep 2 -> tp 2 x ep 2");
 }
 
-// `lathe logprobs --ep 2` (-np 2, and -np 4 as two ep groups) scores as one process: each rank its lines, the experts
-// split; with --batch-tokens 24 the ranks pack different numbers of batches, so the ones with fewer run fillers.
+// `lathe logprobs --ep 2` (-np 2, -np 4 as two ep groups, and -np 4 as tp 2 x ep 2) scores as one process: each ep
+// rank its lines, the experts split; with --batch-tokens 24 the ranks pack different numbers of batches, so the ones
+// with fewer run fillers.
 TEST(ExpertParallel, LogprobsEqualOneProcess) {
   const fs::path dir = setup("ep_logprobs", kQwen3Moe);
   ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
@@ -445,13 +453,15 @@ TEST(ExpertParallel, LogprobsEqualOneProcess) {
   ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
   const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
   ASSERT_EQ(want.size(), 9u);
-  for (int np : {2, 4}) {
-    const fs::path out = dir / fmt::format("ep2_np{}.jsonl", np);
-    const LatheRun r = lathe_e2e::lathe(args + out.string() + " --ep 2", kMpirun + fmt::format(" -np {}", np));
+  for (const auto& [np, tp] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{4, 2}}) {
+    const fs::path out = dir / fmt::format("ep2_tp{}_np{}.jsonl", tp, np);
+    const LatheRun r = lathe_e2e::lathe(args + out.string() + fmt::format(" --ep 2 --tp {}", tp),
+                                        kMpirun + fmt::format(" -np {}", np));
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find(fmt::format("9 lines scored with {} on cpu (f32), {} ranks, ep 2",
-                                        (dir / "model/final").string(), np)), std::string::npos) << r.output;
-    expect_same_logprobs(out, want, fmt::format("{} ranks at ep 2", np));
+    EXPECT_NE(r.output.find(fmt::format("9 lines scored with {} on cpu (f32), {} ranks{}, ep 2",
+                                        (dir / "model/final").string(), np, tp > 1 ? ", tp 2" : "")),
+              std::string::npos) << r.output;
+    expect_same_logprobs(out, want, fmt::format("{} ranks at ep 2, tp {}", np, tp));
   }
 }
 
@@ -460,7 +470,6 @@ TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
   const fs::path dir = setup("ep_refused", kQwen3Moe);
   for (const auto& [np, sets, needle] :
        {std::tuple{2, " --set parallel.ep=2 --set parallel.zero=1", "parallel.ep: 2 with parallel.zero 1"},
-        std::tuple{4, " --set parallel.ep=2 --set parallel.tp=2", "parallel.ep: 2 with parallel.tp 2 in training"},
         std::tuple{2, " --set parallel.ep=2 --set lora.rank=4 --set lora.target_parameters=[mlp.experts.gate_up_proj]",
                    "parallel.ep: 2 with LoRA on the experts"}}) {
     const LatheRun r = train(dir, "out", np, 2, sets);
