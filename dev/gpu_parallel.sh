@@ -10,6 +10,9 @@
 #   longctx  — cp 2, one document a sequence: the Qwen3.5-0.8B shape at 131,072 tokens and the Qwen3-1.7B shape at
 #              65,536, each also on one GPU (the same sequence, the ratio)
 #   stall    — a rank stopped (SIGSTOP) under tp 2: the job must end with the timeout report
+#   ep30b    — issue 26's ep target: the Qwen3-30B-A3B shape (128 experts, top 8) cut to 16 layers at ep 2 on both GPUs,
+#              and to 8 layers on one GPU (the same memory a GPU); MFU counts the active parameters (train/flops.cpp),
+#              TFLOP/s per GPU = MFU x 989; the all-to-all's own rate is comm's all_to_all rows
 # The training stages end each run after its timed steps (run_steps: no checkpoint) and skip what the 600 s call
 # has no time left for. TP8B_12=0 leaves out tp8b's 12-layer pair, LONG_ONE=0 longctx's one-GPU runs.
 # long_train's sequences train with recompute (the planner: 164 GiB a rank for Qwen3.5-0.8B at 131,072 tokens and
@@ -110,6 +113,18 @@ if has tp8b && left 300 tp8b; then  # the random 8B model's start: about 150 s o
     run_steps $D tp2_sp 8 90 --set parallel.tp=2 --set parallel.sp=true --nproc 2
     report $D one 3; report $D tp2_sp 3; rm -rf $D
   fi
+fi
+
+Q30B='{model_type: qwen3_moe, vocab_size: 151936, hidden_size: 2048, num_hidden_layers: 16, num_attention_heads: 32, num_key_value_heads: 4, head_dim: 128, num_experts: 128, num_experts_per_tok: 8, moe_intermediate_size: 768, tie_word_embeddings: false, rope_theta: 1000000}'
+TRAIN_MOE='data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
+train: {micro_batch_tokens: 4096, grad_accum: 8, lr: 0.0001, warmup_steps: 0}'
+if has ep30b && left 400 ep30b; then  # the random model's start: about 35 s of host draws at 16 layers
+  D=/tmp/q30b; rm -rf $D; long_data $D 300 2600 "$Q30B" "$TRAIN_MOE"
+  run_steps $D ep2 6 200 --set parallel.ep=2 --set train.grad_accum=4 --nproc 2
+  report $D ep2 2; rm -rf $D/ep2
+  D=/tmp/q30b8; rm -rf $D; long_data $D 300 2600 "${Q30B/num_hidden_layers: 16/num_hidden_layers: 8}" "$TRAIN_MOE"
+  left 520 "ep30b one GPU" && run_steps $D one 6 120
+  report $D one 2; rm -rf $D
 fi
 
 Q35_LAYERS=$(python3 -c "print('[' + ', '.join((['linear_attention'] * 3 + ['full_attention']) * 6) + ']')")
