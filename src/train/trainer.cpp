@@ -346,7 +346,8 @@ class Trainer::Impl {
   // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
   // the other ranks of its cp group hold the same weights and stay out.
   bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
-  // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, or ep.
+  // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, ep, or
+  // tp x ep.
   Communicator* slices() const {
     if (!groups_) return nullptr;
     return groups_->tp_ep ? groups_->tp_ep.get() : tp_ ? tp_ : groups_->ep.get();
@@ -598,7 +599,7 @@ void Trainer::Impl::build() {
 
   const std::string device_name = rt_.backend(device_.type).info(device_.index).name;
   // MFU divides the step's model FLOPs (every replica's batches, counted once per batch) by the peak of every GPU that
-  // ran them: one card's peak times the world (tp x cp x dp ranks).
+  // ran them: one card's peak times the world (every rank of every group).
   peak_ = device_.is_cuda() ? peak_flops(device_name) * double(groups_ ? groups_->world->size() : 1) : 0.0;
   const size_t bf16_jobs = size_t(
       std::count_if(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.cfg->optimizer_states == "bf16"; }));
