@@ -395,8 +395,6 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
   cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
   decoding_ = b.cache != nullptr;                       // decoding runs every row on every rank (no cp)
-  LATHE_CHECK(!decoding_ || !expert_parallel(), "model: generation under expert parallelism (ep {}) is not built: the "
-              "ranks would have to decode in step", ep_size());
 }
 
 std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,

@@ -884,10 +884,40 @@ Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, c
   return model_->last_logits(b);  // (B, V)
 }
 
+// Expert parallelism: whether any rank of the ep group still has work (a sum over the group, read on the host).
+bool RolloutEngine::any_rank_busy(bool busy) {
+  const Device device = model_->options().device;
+  const double mine = busy ? 1.0 : 0.0;
+  Tensor t = rt_->from_host(&mine, {1}, DType::F64, device);
+  model_->options().ep->all_reduce(t).wait();
+  const Tensor host = device.is_cpu() ? t : rt_->copy_to(t, Device::cpu());
+  return host.data<double>()[0] > 0;
+}
+
+// A forward of two tokens whose output is dropped: a rank of an ep group with nothing left to decode keeps serving its
+// experts to the ranks that have.
+void RolloutEngine::filler_forward() {
+  const int64_t vocab = model_->global_config().vocab_size;
+  std::vector<int32_t> ids = {0, 0}, cu = {0, 2};
+  std::vector<int32_t> labels = next_token_labels(ids, cu);
+  model_->logits(make_packed_batch(*rt_, model_->options().device, std::move(ids), std::move(cu), std::move(labels), vocab));
+}
+
 bool RolloutEngine::step() {
   std::vector<Sequence*> batch;
   std::vector<int64_t> chunk;
-  if (!schedule(batch, chunk)) return false;
+  const bool busy = schedule(batch, chunk);
+  // Expert parallelism: each forward is the ep group's collective (its ranks serve each other's routed rows), so every
+  // rank steps while any has work; one without runs a filler.
+  if (model_->expert_parallel()) {
+    if (!any_rank_busy(busy)) return false;
+    if (!busy) {
+      filler_forward();
+      return true;
+    }
+  } else if (!busy) {
+    return false;
+  }
   const int64_t vocab = model_->global_config().vocab_size;
   const Device device = model_->options().device;
   ExecContext cx = rt_->context(device);

@@ -130,6 +130,8 @@ class RolloutEngine {
   // that fits the model's context and the cache.
   int64_t submit(RolloutRequest request);
   // One model call over the next tokens of the running and newly admitted sequences; false when nothing is left.
+  // Under expert parallelism (ModelOptions::ep) every rank of the group steps while any has work (each forward is the
+  // group's collective): a rank with none runs a filler forward, and true is returned.
   bool step();
   // The samples finished since the last call, in the order they finished.
   std::vector<RolloutResult> take_finished();
@@ -158,6 +160,8 @@ class RolloutEngine {
   bool fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const;
 
   bool schedule(std::vector<Sequence*>& batch, std::vector<int64_t>& chunk);
+  bool any_rank_busy(bool busy);  // expert parallelism: the ranks' step agreement
+  void filler_forward();
   void admit(Sequence& s);
   bool fork(Sequence& leader, Sequence& follower);
   int64_t allowed_vocab(const Sequence& s) const;

@@ -502,7 +502,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     };
     if (c.cp > 1) refuse(fmt::format("parallel.cp {}", c.cp));
     if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
-    if (!c.final_eval_file.empty()) refuse("final_eval.file (generation: the ranks would have to decode in step)");
     for (const std::string& t : c.lora_target_parameters)
       if (t.find("experts") != std::string::npos) refuse("LoRA on the experts (" + t + ")");
   }
@@ -583,9 +582,6 @@ void rl_layout_problems(const TrainConfig& c, int64_t dp, std::vector<std::strin
 // lathe rl's checks of its options against the rest.
 void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& problems) {
   const RlOptions& r = c.rl;
-  if (c.ep > 1)
-    problems.push_back(fmt::format("parallel.ep: {} under lathe rl is not built yet (the rollouts are generated, and "
-                                   "the ranks would have to decode in step)", c.ep));
   const auto one_of = [&](const char* key, const std::string& v, std::initializer_list<const char*> allowed) {
     for (const char* a : allowed)
       if (v == a) return;

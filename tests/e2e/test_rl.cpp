@@ -32,8 +32,13 @@ std::string mpirun(int np) {
 
 const fs::path kTests = LATHE_TEST_DATA_DIR;
 
-// A work folder with the tokenizer, prompts and an RL config (extra YAML lines appended).
-fs::path setup(const std::string& name, const std::string& extra = "") {
+const char* kDenseModel =
+    "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
+    "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true}";
+
+// A work folder with the tokenizer, prompts and an RL config (extra YAML lines appended) training `model` (a flow
+// mapping of config.json fields).
+fs::path setup(const std::string& name, const std::string& extra = "", const std::string& model = kDenseModel) {
   const fs::path dir = fs::temp_directory_path() / fmt::format("lathe_e2e_rl_{}_{}", name, getpid());
   fs::remove_all(dir);
   fs::create_directories(dir / "tok");
@@ -42,8 +47,7 @@ fs::path setup(const std::string& name, const std::string& extra = "") {
   const char* lines[] = {"the cat sat on", "a dog ran in", "the sun is", "we like green", "hello world", "one two three"};
   for (int i = 0; i < 12; ++i) data << nlohmann::json{{"prompt", lines[i % 6]}, {"id", i}}.dump() << "\n";
   std::ofstream cfg(dir / "rl.yaml");
-  cfg << "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
-         "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true}\n"
+  cfg << "model:\n  config: " << model << "\n"
          "  tokenizer: tok\n  init_std: 0.1\n"
          "data:\n  train: prompts.jsonl\n"
          "output_dir: out\n"
@@ -434,6 +438,35 @@ TEST(Rl, ContextParallelRanksEqualOneProcess) {
 // refills them (the same groups dropped and rounds sampled; each rank trains the groups one process's order gives it,
 // sent by the ranks that sampled them). Checked to fail without the whole-batch weights. A layout whose groups do not
 // split over the ranks is refused before anything is written.
+// Expert parallelism under `lathe rl` (a Qwen3-MoE policy, the aux loss off): at ep 2 each rank samples, scores and
+// trains its share of the groups with the experts split over the two ranks, the rollout engine stepping the ranks
+// together (a rank with nothing left runs filler forwards); the same rollouts and updates as one process.
+TEST(Rl, ExpertParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const fs::path dir =
+      setup("ep", "", "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
+                      "           num_key_value_heads: 2, head_dim: 8, num_experts: 4, num_experts_per_tok: 2,\n"
+                      "           moe_intermediate_size: 16, tie_word_embeddings: true}");
+  const std::string common = " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0";
+  const auto one = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "one").string(), common));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const std::vector<nlohmann::json> want = rl_rows(dir / "one");
+  ASSERT_EQ(want.size(), 6u);
+  const auto run = lathe(fmt::format("rl {} --set output_dir={} --set parallel.ep=2{}", config(dir),
+                                     (dir / "ep2").string(), common), mpirun(2));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::vector<nlohmann::json> got = rl_rows(dir / "ep2");
+  ASSERT_EQ(got.size(), want.size()) << run.output;
+  expect_same_steps(got, want, {"reward_mean", "reward_std", "reward_format", "response_length_mean",
+                                "response_length_max", "samples"}, "ep 2", 1e-4);
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(got[i]["rl"]["ratio_mean"].get<double>(), want[i]["rl"]["ratio_mean"].get<double>(), 1e-5)
+        << "step " << i + 1;
+#endif
+}
+
 TEST(Rl, DataParallelRanksEqualOneProcess) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";

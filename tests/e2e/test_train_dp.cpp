@@ -465,6 +465,35 @@ TEST(ExpertParallel, LogprobsEqualOneProcess) {
   }
 }
 
+// `lathe generate --ep 2` (greedy, one sequence at a time) equals one process: rank 0 has three lines and rank 1 two,
+// so rank 1 runs out of work first and keeps stepping with filler forwards while rank 0 still routes rows to its
+// experts (without them the ranks' collectives part ways and the job fails).
+TEST(ExpertParallel, GenerateEqualsOneProcess) {
+  const fs::path dir = setup("ep_generate", kQwen3Moe);
+  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  write_token_lines(dir / "in.jsonl", 5, [](int i) { return 3 + 4 * i; });
+  const std::string args = fmt::format("generate --model {} --input {} --max-new-tokens 8 --ignore-eos --max-running 1 "
+                                       "--output ", (dir / "model/final").string(), (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const LatheRun r = lathe_e2e::lathe(args + (dir / "ep2.jsonl").string() + " --ep 2", kMpirun + " -np 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto rows = [](const fs::path& file) {
+    std::vector<nlohmann::json> out;
+    std::ifstream f(file);
+    for (std::string line; std::getline(f, line);) out.push_back(nlohmann::json::parse(line));
+    return out;
+  };
+  const std::vector<nlohmann::json> want = rows(dir / "one.jsonl"), got = rows(dir / "ep2.jsonl");
+  ASSERT_EQ(got.size(), 5u);
+  ASSERT_EQ(want.size(), 5u);
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i]["tokens"], want[i]["tokens"]) << "line " << i;
+    const auto a = got[i]["logprobs"].get<std::vector<double>>(), b = want[i]["logprobs"].get<std::vector<double>>();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t k = 0; k < a.size(); ++k) EXPECT_NEAR(a[k], b[k], 1e-5 * (1 + std::abs(b[k]))) << "line " << i;
+  }
+}
+
 // Layouts expert parallelism does not compose with yet are refused before any weight is loaded, by name.
 TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
   const fs::path dir = setup("ep_refused", kQwen3Moe);

@@ -59,6 +59,7 @@ struct Args {
   int64_t max_running = 64, cache_mib = 0;  // --input: the rollout engine's batch and cache (0: the default)
   int nproc = 0;                               // --input on N GPUs of this machine
   int tp = 1;                                  // tensor parallelism: each model replica split over tp ranks
+  int ep = 1;                                  // expert parallelism: ep replicas (each its lines) share the experts
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   std::string graphs = "auto";                 // --input: decode steps as CUDA graphs (EngineOptions::graphs)
   bool time_forwards = false;                  // --input: the decode steps' device time, replayed and eager
@@ -239,7 +240,7 @@ std::vector<std::string> rank_args(const Args& a) {
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
                                 "--max-running", std::to_string(a.max_running), "--cache-mib",
                                 std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs,
-                                "--tp", std::to_string(a.tp)};
+                                "--tp", std::to_string(a.tp), "--ep", std::to_string(a.ep)};
   if (a.time_forwards) v.push_back("--time-forwards");
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
   num("--temperature", a.temperature);
@@ -309,9 +310,12 @@ void run(Args a) {
   std::optional<MpiSession> mpi;
   LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
               "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, 1, "generate");
+  LATHE_CHECK(a.ep == 1 || (a.adapter.empty() && a.adapters.empty()),
+              "generate: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
+  mo.ep = ranks.ep;
   mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
@@ -568,6 +572,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--cache-mib", args->cache_mib,
                   "--input: the KV cache's memory in MiB (default: 80% of the GPU's free memory; 1024 on the CPU)")
       ->check(number_in(1));
+  cmd->add_option("--ep", args->ep, "--input under a parallel launch: a mixture-of-experts model's experts split "
+                  "over N ranks, each generating its own lines (expert parallelism; docs/moe.md)")
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--tp", args->tp, "--input under a parallel launch: each model split over N ranks (tensor "
                   "parallelism, the dense qwen3; the launch's ranks form groups of N, the lines go to the groups; "
                   "docs/parallel.md)")
