@@ -39,8 +39,18 @@ std::string per_expert_name(std::string_view fused_name, int64_t expert, const s
 
 }  // namespace
 
-Tensor ExpertLora::a() const { return slot->a.view({slot->experts, slot->rank_total, slot->in}); }
-Tensor ExpertLora::bt() const { return slot->bt.view({slot->experts, slot->rank_total, slot->out}); }
+namespace {
+
+// A slot tensor (E R, n) as (E, R, n), its experts [first, first + count) (count -1: all).
+Tensor experts_of(const Tensor& t, const LoraSlot& slot, int64_t n, int64_t first, int64_t count) {
+  const Tensor all = t.view({slot.experts, slot.rank_total, n});
+  return count < 0 ? all : all.narrow(0, first, count);
+}
+
+}  // namespace
+
+Tensor ExpertLora::a() const { return experts_of(slot->a, *slot, slot->in, first, count); }
+Tensor ExpertLora::bt() const { return experts_of(slot->bt, *slot, slot->out, first, count); }
 
 void ExpertLora::forward(ExecContext& cx, const Tensor& x, const std::vector<int64_t>& offsets, Tensor& y) {
   u = mul(cx, grouped_matmul(cx, x, a(), {offsets, true}), mask);
@@ -49,14 +59,14 @@ void ExpertLora::forward(ExecContext& cx, const Tensor& x, const std::vector<int
 
 void ExpertLora::backward(ExecContext& cx, const Tensor& x, const Tensor& dy, const std::vector<int64_t>& offsets,
                           Tensor& dx) const {
-  auto accumulate = [&](const Tensor& grad, const Tensor& g) {
-    const Tensor view = grad.view(g.shape());
+  auto accumulate = [&](const Tensor& grad, int64_t n, const Tensor& g) {
+    const Tensor view = experts_of(grad, *slot, n, first, count);
     copy_into(cx, add(cx, view, g), view);
   };
   const GroupedMatmulAttrs g{offsets, true};
-  accumulate(slot->grad_bt, grouped_matmul_weight_grad(cx, u, dy, g));  // dBT_e += u_e^T dy_e
+  accumulate(slot->grad_bt, slot->out, grouped_matmul_weight_grad(cx, u, dy, g));  // dBT_e += u_e^T dy_e
   const Tensor du = mul(cx, grouped_matmul(cx, dy, bt(), {offsets, true}), mask);
-  accumulate(slot->grad_a, grouped_matmul_weight_grad(cx, du, x, g));  // dA_e += du_e^T x_e
+  accumulate(slot->grad_a, slot->in, grouped_matmul_weight_grad(cx, du, x, g));  // dA_e += du_e^T x_e
   dx = add(cx, dx, grouped_matmul(cx, du, a(), {offsets, false}));
 }
 
@@ -198,7 +208,7 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
 // counts of the two all-to-alls and the row orders between the received layout (by sending rank, each rank's rows of
 // this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take.
 void CausalLm::plan_expert_exchange(MoeRoute& r) const {
-  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, d = config_.hidden_size;
+  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n;
   std::vector<double> counts(r.totals.counts.begin(), r.totals.counts.end());
   const Tensor local = rt_->from_host(counts.data(), {e}, DType::F64, options_.device);
   Tensor all = Tensor::empty({n * e}, DType::F64, rt_->context(options_.device).allocator);
@@ -209,8 +219,8 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   r.ep_recv.assign(size_t(n), 0);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t x = 0; x < mine; ++x) {
-      r.ep_send[size_t(j)] += count(me, j * mine + x) * d;  // my rows for rank j's experts
-      r.ep_recv[size_t(j)] += count(j, me * mine + x) * d;  // rank j's rows for mine
+      r.ep_send[size_t(j)] += count(me, j * mine + x);  // my rows for rank j's experts
+      r.ep_recv[size_t(j)] += count(j, me * mine + x);  // rank j's rows for mine
     }
   // start[j][x]: where sender j's rows of local expert x begin in the received layout.
   std::vector<int64_t> start(size_t(n * mine));
@@ -234,12 +244,24 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
 }
 
+namespace {
+
+// Row counts as element counts of rows `width` wide.
+std::vector<int64_t> elements(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out(rows);
+  for (int64_t& n : out) n *= width;
+  return out;
+}
+
+}  // namespace
+
 Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t d = rows.size(1), got = r.ep_offsets.back();
   Tensor received = Tensor::empty({got, d}, rows.dtype(), cx.allocator);
   Tensor flat = received.view({got * d});
-  options_.ep->all_to_all(contiguous(cx, rows).view({rows.numel()}), r.ep_send, flat, r.ep_recv);
+  options_.ep->all_to_all(contiguous(cx, rows).view({rows.numel()}), elements(r.ep_send, d), flat,
+                          elements(r.ep_recv, d));
   return got > 0 ? embedding(cx, received, r.ep_grouped) : received;
 }
 
@@ -247,11 +269,12 @@ Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const 
   ExecContext cx = rt_->context(options_.device);
   const int64_t d = rows.size(1);
   int64_t back = 0;
-  for (int64_t n : r.ep_send) back += n / d;
+  for (int64_t n : r.ep_send) back += n;
   const Tensor received = rows.size(0) > 0 ? embedding(cx, rows, r.ep_received) : rows;
   Tensor out = Tensor::empty({back, d}, rows.dtype(), cx.allocator);
   Tensor flat = out.view({back * d});
-  options_.ep->all_to_all(contiguous(cx, received).view({received.numel()}), r.ep_recv, flat, r.ep_send);
+  options_.ep->all_to_all(contiguous(cx, received).view({received.numel()}), elements(r.ep_recv, d), flat,
+                          elements(r.ep_send, d));
   return out;
 }
 
@@ -268,14 +291,17 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
   if (!lora_ || !b || b->segments.empty()) return e;
   e.slot = lora_->slot(layer, t);
   if (!e.slot) return e;
-  LATHE_CHECK(!expert_parallel(), "lora: adapters on the experts under expert parallelism (ep {}) are not built; "
-              "leave the experts out of lora.targets", ep_size());
   // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
   ExecContext cx = ctx();
   const int64_t tokens = int64_t(r.weights.size(0)), rank = e.slot->rank_total;  // the routed rows
   const std::vector<double> ones(size_t(tokens * rank), 1.0);
   const Tensor ones_t = cast(cx, rt_->upload(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
   e.mask = embedding(cx, segment_mask(cx, ones_t, stack_segments(*e.slot, *b, false, tokens)), r.token_ids);
+  if (expert_parallel()) {  // the mask goes with the rows to their experts' ranks; the slot's local experts are used
+    e.mask = to_expert_ranks(r, e.mask);
+    e.count = global_config_.num_experts / ep_size();
+    e.first = ep_rank() * e.count;
+  }
   return e;
 }
 

@@ -51,7 +51,7 @@ struct MoeRoute {
   int64_t pad_rows = 0;
   Tensor pad_token, pad_pair;  // (E pad_rows) i32
   Tensor pad_position;         // (T k) i32
-  // Expert parallelism (CausalLm::plan_expert_exchange): the elements sent to and received from each rank of the ep
+  // Expert parallelism (CausalLm::plan_expert_exchange): the rows sent to and received from each rank of the ep
   // group, the received rows' groups by local expert (offsets, El + 1), and the row orders between the received
   // (by sending rank, then expert) and the grouped (by local expert, then sending rank) layouts.
   std::vector<int64_t> ep_send, ep_recv, ep_offsets;
@@ -63,10 +63,15 @@ struct MoeRoute {
 // u = (x A_e^T) * mask (P, R) -- the mask keeps each row's own adapter's columns, times its scaling -- and
 // y (P, out) += u BT_e; two grouped GEMMs each way over the slot's (E, R, in) and (E, R, out) views.
 // The forward keeps it (mask and u) in MoeActs for the backward.
+// Under expert parallelism the rows are this rank's experts' rows from every rank (grouped by local expert), the mask
+// came with them, and the slot's experts [first, first + count) are the ones used: the bank stays whole on every rank,
+// the other experts' gradients zero here (a sum over the data-parallel ranks, as every adapter gradient has, adds the
+// owners' parts).
 struct ExpertLora {
   const LoraSlot* slot = nullptr;  // nullptr: no adapter here
   Tensor mask;                     // (P, R)
   Tensor u;                        // (P, R), set by forward
+  int64_t first = 0, count = -1;   // the experts used (count -1: all)
 
   Tensor a() const;
   Tensor bt() const;

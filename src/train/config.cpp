@@ -502,8 +502,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     };
     if (c.cp > 1) refuse(fmt::format("parallel.cp {}", c.cp));
     if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
-    for (const std::string& t : c.lora_target_parameters)
-      if (t.find("experts") != std::string::npos) refuse("LoRA on the experts (" + t + ")");
   }
   if (c.cp > 1) {  // context parallelism so far: without LoRA dropout
     if (c.lora_rank > 0 && c.lora_dropout > 0)

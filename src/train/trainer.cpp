@@ -353,6 +353,8 @@ class Trainer::Impl {
     return groups_->tp_ep ? groups_->tp_ep.get() : tp_ ? tp_ : groups_->ep.get();
   }
   std::string slice_kind() const { return groups_ && groups_->tp_ep ? "tp-ep" : tp_ ? "tp" : "ep"; }
+  // LoRA under ep: the adapters are whole on every ep rank, so only the first ep rank's (tp group) writes them.
+  bool writes_adapters() const { return !groups_ || !groups_->ep || groups_->ep->rank() == 0; }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
@@ -1030,8 +1032,9 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   if (!first_) {  // the other ranks hold the same state; the first rank's tp group joins its model work
     if (!lead_) return;
     if (evaluates) evaluate(rt_, *model_, j);
-    if (save && joins_save() && lora_) bank_->save_peft(j.adapter, std::string(), save_dtype_, base_model_);  // gathers
-    else if (save && joins_save()) model_->save(std::string(), save_dtype_);  // gathers the slices; the first rank writes
+    if (save && joins_save() && lora_ && writes_adapters())  // gathers
+      bank_->save_peft(j.adapter, std::string(), save_dtype_, base_model_);
+    else if (save && joins_save() && !lora_) model_->save(std::string(), save_dtype_);  // gathers; the first rank writes
     if (step == jc.max_steps) write_final(j);
     return;
   }
@@ -1338,8 +1341,8 @@ void Trainer::Impl::write_final(Job& j) {
   if (!joins_save()) return;  // (under tp the group gathers the model; its first rank writes)
   const fs::path final_dir = j.out / "final";
   const auto add = [&](const std::string& d) { write_model_files(d); };
-  if (lora_) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);
-  else model_->save(final_dir.string(), save_dtype_, 5ull << 30, add);
+  if (lora_ && writes_adapters()) bank_->save_peft(j.adapter, final_dir.string(), save_dtype_, base_model_, add);
+  else if (!lora_) model_->save(final_dir.string(), save_dtype_, 5ull << 30, add);
   j.needs_final = false;
   progress_.message(fmt::format("{}train: done at step {}; {} written to {}", j.prefix(), j.step, lora_ ? "adapter" : "model",
                                 final_dir.string()));

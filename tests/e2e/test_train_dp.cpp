@@ -441,6 +441,21 @@ TEST(ExpertParallel, EqualsOneProcessAndResumesAtAnotherEp) {
                    want, "ep 2 -> tp 2 x ep 2");
 }
 
+// LoRA with the experts' fused parameters among its targets, at ep 2: the adapters' loss curve and weights equal one
+// process's (each rank's expert adapters used at its experts, their gradients summed over the ranks).
+TEST(ExpertParallel, LoraOnTheExpertsEqualsOneProcess) {
+  const fs::path dir = setup("ep_lora", kQwen3Moe);
+  const std::string lora = " --set lora.rank=4 --set lora.alpha=8 "
+                           "--set lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]";
+  ASSERT_EQ(train(dir, "ref", 0, 4, lora).exit_code, 0);
+  const LatheRun r = train(dir, "ep2", 2, 2, " --set parallel.ep=2 --set parallel.timeout_s=60" + lora);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_curve(losses(dir / "ep2"), losses(dir / "ref"), "lora at ep 2");
+  const auto [d3, d] = weight_diffs(dir, "ep2", "adapter_model.safetensors", "ep lora");
+  EXPECT_LT(d3, 1e-5);
+  EXPECT_LT(d, 1e-5);
+}
+
 // `lathe logprobs --ep 2` (-np 2, -np 4 as two ep groups, and -np 4 as tp 2 x ep 2) scores as one process: each ep
 // rank its lines, the experts split; with --batch-tokens 24 the ranks pack different numbers of batches, so the ones
 // with fewer run fillers.
@@ -499,8 +514,7 @@ TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
   const fs::path dir = setup("ep_refused", kQwen3Moe);
   for (const auto& [np, sets, needle] :
        {std::tuple{2, " --set parallel.ep=2 --set parallel.zero=1", "parallel.ep: 2 with parallel.zero 1"},
-        std::tuple{2, " --set parallel.ep=2 --set lora.rank=4 --set lora.target_parameters=[mlp.experts.gate_up_proj]",
-                   "parallel.ep: 2 with LoRA on the experts"}}) {
+        std::tuple{4, " --set parallel.ep=2 --set parallel.cp=2", "parallel.ep: 2 with parallel.cp 2"}}) {
     const LatheRun r = train(dir, "out", np, 2, sets);
     EXPECT_NE(r.exit_code, 0) << sets;
     EXPECT_NE(r.output.find(needle), std::string::npos) << r.output;

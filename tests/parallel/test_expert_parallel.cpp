@@ -5,8 +5,8 @@
 // expert loads (the group's: the whole model on the group's batches joined into one); and every gradient within 1e-10
 // — a dense parameter's summed over the group, an expert's gathered from its owner — against the whole model's
 // gradient on the joined batch. Qwen3-MoE, Qwen3.5-MoE and Qwen3-Next (shared experts, dense layers beside sparse
-// ones); at -np 4 also as tp 2 x ep 2. A model saved from the split experts reads back as the whole model. Fails with
-// the routing totals left per rank, or the aux gradient not scaled by ep.
+// ones); at -np 4 also as tp 2 x ep 2; LoRA on the experts. A model saved from the split experts reads back as the
+// whole model. Fails with the routing totals left per rank, or the aux gradient not scaled by ep.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +20,8 @@
 #include "model/batch.h"
 #include "model/causal_lm.h"
 #include "model/config.h"
+#include "model/lora.h"
+#include "support/lora_support.h"
 #include "support/model_support.h"
 #include "support/tp_support.h"
 
@@ -119,6 +121,52 @@ TEST_F(ExpertParallel, SplitExpertsEqualTheWholeModel) {
       const std::unique_ptr<CausalLm> m = ep_model(config, tp.get(), ep.get());
       expect_ep_equals_whole(*m, *whole, *ep, family + " at tp 2 x ep 2");
     }
+  }
+}
+
+// LoRA under ep, the experts' fused parameters and every module adapted, two adapters: each rank's batch one segment
+// of its own adapter (rank r: adapter r % 2), the whole model's the ranks' batches joined, a segment each. Each rank's
+// expert adapters are used at its experts only (the mask travels with the rows); every adapter gradient, summed over
+// the group (a rank's expert parts are its experts'), equals the whole model's. The aux loss is off here: with a
+// loss_scale of 1 on every rank (one segment's mean each) its ep scaling would count it ep times.
+TEST_F(ExpertParallel, LoraOnTheExpertsEqualsTheWholeModel) {
+  const int n = world->size();
+  for (const nlohmann::json& config : ep_configs(2 * n)) {
+    const std::string family = config["model_type"];
+    ModelOptions o;
+    o.dtype = DType::F64;
+    o.router_aux_loss = false;
+    const std::unique_ptr<CausalLm> whole = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    o.ep = world.get();
+    const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
+    for (LoraConfig& a : adapters) {
+      a.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+      a = lora_config_for_model(a, whole->config(), "test");
+    }
+    LoraBank wb(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
+    LoraBank sb(runtime(), split->config(), Device::cpu(), DType::F64, adapters);
+    for (int a : {0, 1}) {
+      randomise(wb, a, 40 + uint64_t(a), 0.2);
+      randomise(sb, a, 40 + uint64_t(a), 0.2);
+    }
+    whole->attach_lora(&wb);
+    split->attach_lora(&sb);
+    PackedBatch mine = rank_batch(world->rank()), all = joined_batch(n);
+    set_segments(mine, {{mine.tokens(), world->rank() % 2, 1.0, 0}});
+    std::vector<BatchSegment> joined;
+    for (int r = 0; r < n; ++r) joined.push_back({(r + 1) * mine.tokens(), r % 2, 1.0, 0});
+    set_segments(all, joined);
+    wb.zero_grads();
+    sb.zero_grads();
+    whole->loss(all, true);
+    split->loss(mine, true);
+    for (int a : {0, 1})
+      for (size_t i = 0; i < wb.parameters(a).size(); ++i) {
+        Parameter& p = sb.parameters(a)[i];
+        world->all_reduce(p.grad).wait();
+        EXPECT_LT(rel_l2(to_f64(p.grad), to_f64(wb.parameters(a)[i].grad)), 1e-10) << family << ": " << p.name;
+      }
   }
 }
 
