@@ -1,9 +1,9 @@
 // Issue 25's GPU check: tensor, sequence and context parallelism on two GPUs over NCCL, in bf16, against one GPU.
 // For each family (Qwen3 with GQA and head_dim != hidden / heads; the Qwen3.5 hybrid with H_v > H_k and 128-wide Gated
 // DeltaNet heads, so the chunked CUDA kernels run; Qwen3.5-MoE; Qwen3-Next with its fused projections; Qwen3-MoE at
-// ep 2, added after the session-23 GPU calls and not yet run there) `lathe train`
-// runs 6 steps of packed batches (documents of many lengths, straddling the cp split) on one GPU in f32 and in bf16,
-// and at each layout with `--nproc 2` in bf16. A bf16 run is not equal to another bf16 run summed in another order,
+// ep 2, added after the session-23 GPU calls and not yet run there) `lathe train` runs 6 steps of packed batches
+// (documents of many lengths, straddling the cp split) on one GPU in f32 and in bf16, and at each layout with
+// `--nproc 2` in bf16. A bf16 run is not equal to another bf16 run summed in another order,
 // so the check is against the f32 curve: the parallel run's worst relative loss difference to it must be within 3x
 // the one-GPU bf16 run's, and its first gradient norm likewise. The one-GPU difference can be small by luck, and a tp
 // rank rounds its partial sums to bf16 before they are summed (one rounding more than one GPU), so the one-GPU figure
