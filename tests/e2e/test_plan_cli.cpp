@@ -1,6 +1,7 @@
 // `lathe plan` as a user runs it: the demo's layouts over 2, 3 and 4 ranks as a table and as JSON (a context-parallel
 // layout the trainer refuses, with its reason; one it runs, against data parallelism), and input it cannot plan (a
-// missing config, an N the configured layout cannot fill, an unknown key) as usage errors, exit 2.
+// missing config, an N the configured layout cannot fill, an unknown key) as usage errors, exit 2; the demo made a
+// mixture-of-experts model, with its expert-parallel layouts.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -94,6 +95,33 @@ TEST(Plan, InputItCannotPlanIsAUsageError) {
   EXPECT_NE(gpu.output.find("give --memory-gib"), std::string::npos) << gpu.output;
   EXPECT_EQ(lathe("plan " + kDemo + " --nproc 2 --set device=cuda --memory-gib 80").exit_code, 0);
 #endif
+}
+
+// The demo made a mixture-of-experts model (4 experts, top 2): the ep rows appear among the layouts of 2 ranks, the one
+// ep runs with (ZeRO 0) planned, ZeRO with ep refused in the trainer's words, and the JSON names ep and its traffic.
+TEST(Plan, MoeLayoutsIncludeExpertParallelism) {
+  const std::string moe = " --set model.config.model_type=qwen3_moe --set model.config.num_experts=4 "
+                          "--set model.config.num_experts_per_tok=2 --set model.config.moe_intermediate_size=32 "
+                          "--set final_eval.file=";
+  const LatheRun r = lathe("plan " + kDemo + " --nproc 2 --memory-gib 4" + moe);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tp=1 cp=1 ep=2 dp=2 zero=0"), std::string::npos) << r.output;
+  const size_t row = r.output.find("tp=1 cp=1 ep=2 dp=2 zero=1");
+  ASSERT_NE(row, std::string::npos) << r.output;
+  EXPECT_NE(r.output.substr(row, r.output.find('\n', row) - row).find("refused: parallel.ep: 2 with parallel.zero 1"),
+            std::string::npos) << r.output;
+  const LatheRun j = lathe("plan " + kDemo + " --nproc 2 --memory-gib 4 --json" + moe);
+  ASSERT_EQ(j.exit_code, 0) << j.output;
+  const nlohmann::json plan = nlohmann::json::parse(j.output);
+  int ep_rows = 0;
+  for (const nlohmann::json& l : plan["layouts"])
+    if (l["ep"] == 2 && l["zero"] == 0) {
+      ++ep_rows;
+      EXPECT_GT(l["comm_bytes_per_step_by_group"]["ep"].get<int64_t>(), 0) << l.dump();
+    } else {
+      EXPECT_EQ(l["comm_bytes_per_step_by_group"]["ep"].get<int64_t>(), 0) << l.dump();
+    }
+  EXPECT_EQ(ep_rows, 1);
 }
 
 }  // namespace
