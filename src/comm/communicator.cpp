@@ -2,9 +2,18 @@
 
 #include <numeric>
 
+#include "backend/runtime.h"
 #include "core/error.h"
 
 namespace lathe {
+
+std::vector<double> values_over(Runtime& rt, Device device, Communicator& group, double mine) {
+  const Tensor in = rt.from_host(&mine, {1}, DType::F64, device);
+  Tensor all = Tensor::empty({int64_t(group.size())}, DType::F64, rt.context(device).allocator);
+  group.all_gather(in, all).wait();
+  const Tensor host = device.is_cpu() ? all : rt.copy_to(all, Device::cpu());
+  return std::vector<double>(host.data<double>(), host.data<double>() + group.size());
+}
 
 void check_reduce_scatter(const Communicator& c, const Tensor& in, const Tensor& out) {
   LATHE_CHECK(in.dtype() == out.dtype() && in.numel() == out.numel() * c.size(),

@@ -25,6 +25,7 @@
 
 namespace lathe {
 
+class Runtime;
 class Stream;
 
 // How long a rank that reports a timed-out collective waits before it ends the job, so that the other ranks waiting in
@@ -72,6 +73,10 @@ class Communicator {
   // are ordered (nullptr: this group's stream), e.g. a side stream for gradients reduced while the backward runs.
   virtual std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) = 0;
 };
+
+// Every rank's `mine` (one number a rank: a count, a flag) on the host, in rank order: an all-gather on `device` (the
+// group's data plane), waited for. A collective of the group.
+std::vector<double> values_over(Runtime& rt, Device device, Communicator& group, double mine);
 
 // The collectives' shape contract, which every backend checks before it starts one (the message names the group):
 // reduce-scatter's input holds size x the output's elements, all-gather's output size x the input's, all-to-all has a

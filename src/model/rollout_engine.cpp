@@ -59,14 +59,8 @@ namespace {
 // ranks of a group must admit, preempt and finish the same sequences, since every step's layers are collectives).
 int64_t fewest_over(Runtime& rt, Device device, Communicator* tp, int64_t value) {
   if (!tp || tp->size() <= 1) return value;
-  const double mine = double(value);
-  const Tensor in = rt.from_host(&mine, {1}, DType::F64, device);  // on the group's data plane
-  Tensor all = Tensor::empty({int64_t(tp->size())}, DType::F64, rt.context(device).allocator);
-  tp->all_gather(in, all).wait();
-  const Tensor host = rt.copy_to(all, Device::cpu());
-  double least = mine;
-  for (int i = 0; i < tp->size(); ++i) least = std::min(least, host.data<double>()[i]);
-  return int64_t(least);
+  const std::vector<double> all = values_over(rt, device, *tp, double(value));
+  return int64_t(*std::min_element(all.begin(), all.end()));
 }
 
 }  // namespace
@@ -886,12 +880,8 @@ Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, c
 
 // Expert parallelism: whether any rank of the ep group still has work (a sum over the group, read on the host).
 bool RolloutEngine::any_rank_busy(bool busy) {
-  const Device device = model_->options().device;
-  const double mine = busy ? 1.0 : 0.0;
-  Tensor t = rt_->from_host(&mine, {1}, DType::F64, device);
-  model_->options().ep->all_reduce(t).wait();
-  const Tensor host = device.is_cpu() ? t : rt_->copy_to(t, Device::cpu());
-  return host.data<double>()[0] > 0;
+  const std::vector<double> all = values_over(*rt_, model_->options().device, *model_->options().ep, busy ? 1.0 : 0.0);
+  return std::any_of(all.begin(), all.end(), [](double b) { return b > 0; });
 }
 
 // A forward of two tokens whose output is dropped: a rank of an ep group with nothing left to decode keeps serving its
@@ -900,7 +890,8 @@ void RolloutEngine::filler_forward() {
   const int64_t vocab = model_->global_config().vocab_size;
   std::vector<int32_t> ids = {0, 0}, cu = {0, 2};
   std::vector<int32_t> labels = next_token_labels(ids, cu);
-  model_->logits(make_packed_batch(*rt_, model_->options().device, std::move(ids), std::move(cu), std::move(labels), vocab));
+  model_->logits(
+      make_packed_batch(*rt_, model_->options().device, std::move(ids), std::move(cu), std::move(labels), vocab));
 }
 
 bool RolloutEngine::step() {

@@ -139,34 +139,17 @@ TEST_F(ExpertParallel, LoraOnTheExpertsEqualsTheWholeModel) {
     const std::unique_ptr<CausalLm> whole = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
     o.ep = world.get();
     const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
-    std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
-    for (LoraConfig& a : adapters) {
-      a.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
-      a = lora_config_for_model(a, whole->config(), "test");
-    }
-    LoraBank wb(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
-    LoraBank sb(runtime(), split->config(), Device::cpu(), DType::F64, adapters);
-    for (int a : {0, 1}) {
-      randomise(wb, a, 40 + uint64_t(a), 0.2);
-      randomise(sb, a, 40 + uint64_t(a), 0.2);
-    }
-    whole->attach_lora(&wb);
-    split->attach_lora(&sb);
+    AdapterBanks banks = attach_two_adapters(*whole, *split);
     PackedBatch mine = rank_batch(world->rank()), all = joined_batch(n);
     set_segments(mine, {{mine.tokens(), world->rank() % 2, 1.0, 0}});
     std::vector<BatchSegment> joined;
     for (int r = 0; r < n; ++r) joined.push_back({(r + 1) * mine.tokens(), r % 2, 1.0, 0});
     set_segments(all, joined);
-    wb.zero_grads();
-    sb.zero_grads();
+    banks.whole->zero_grads();
+    banks.split->zero_grads();
     whole->loss(all, true);
     split->loss(mine, true);
-    for (int a : {0, 1})
-      for (size_t i = 0; i < wb.parameters(a).size(); ++i) {
-        Parameter& p = sb.parameters(a)[i];
-        world->all_reduce(p.grad).wait();
-        EXPECT_LT(rel_l2(to_f64(p.grad), to_f64(wb.parameters(a)[i].grad)), 1e-10) << family << ": " << p.name;
-      }
+    expect_summed_adapter_grads_equal(banks, *world, family);
   }
 }
 

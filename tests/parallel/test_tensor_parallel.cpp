@@ -323,31 +323,15 @@ TEST_F(TensorParallel, ContextParallelLoraEqualsTheWholeModel) {
     const std::string family = config["model_type"];
     const std::unique_ptr<CausalLm> whole = cp_model(config, nullptr, nullptr);
     const std::unique_ptr<CausalLm> split = cp_model(config, nullptr, world.get());
-    std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
-    if (config.contains("num_experts"))
-      for (LoraConfig& a : adapters) a.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
-    for (LoraConfig& a : adapters) a = lora_config_for_model(a, whole->config(), "test");
-    LoraBank wb(runtime(), whole->config(), Device::cpu(), DType::F64, adapters);
-    LoraBank sb(runtime(), split->config(), Device::cpu(), DType::F64, adapters);
-    for (int a : {0, 1}) {
-      randomise(wb, a, 40 + uint64_t(a), 0.2);
-      randomise(sb, a, 40 + uint64_t(a), 0.2);
-    }
-    whole->attach_lora(&wb);
-    split->attach_lora(&sb);
+    AdapterBanks banks = attach_two_adapters(*whole, *split);
     PackedBatch b = random_batch(40, {0, 7, 9, 21}, 3);
     set_segments(b, {{9, 0, 1.0, 0}, {21, 1, 0.5, 0}});
     EXPECT_LT(rel(to_f64(split->logits(b)), to_f64(whole->logits(b))), 1e-12) << family;
-    wb.zero_grads();
-    sb.zero_grads();
+    banks.whole->zero_grads();
+    banks.split->zero_grads();
     const LossResult want = whole->loss(b, true), got = split->loss(b, true);
     EXPECT_NEAR(got.loss, want.loss, 1e-12 * std::abs(want.loss)) << family;
-    for (int a : {0, 1})
-      for (size_t i = 0; i < wb.parameters(a).size(); ++i) {
-        Parameter& p = sb.parameters(a)[i];
-        world->all_reduce(p.grad).wait();
-        EXPECT_LT(rel(to_f64(p.grad), to_f64(wb.parameters(a)[i].grad)), 1e-10) << family << ": " << p.name;
-      }
+    expect_summed_adapter_grads_equal(banks, *world, family);
   }
 }
 

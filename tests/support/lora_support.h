@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "io/safetensors.h"
 #include "model/lora.h"
 #include "support/model_support.h"
@@ -143,6 +144,40 @@ inline void expect_gradients_match_finite_differences(const std::filesystem::pat
     ++checked;
   }
   EXPECT_EQ(checked, parts.size());
+}
+
+// The parallel tests' two adapters (rank 4, alpha 8 and rank 2, alpha 3) over every module and, on a model with
+// experts, the experts' fused parameters: one bank for the whole model and one for the split one, randomised alike
+// (seeds 40 and 41) and attached.
+struct AdapterBanks {
+  std::unique_ptr<LoraBank> whole, split;
+};
+inline AdapterBanks attach_two_adapters(CausalLm& whole, CausalLm& split) {
+  std::vector<LoraConfig> adapters = {lora(4, 8, {"all-linear"}), lora(2, 3, {"all-linear"})};
+  for (LoraConfig& a : adapters) {
+    if (whole.config().num_experts > 0) a.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    a = lora_config_for_model(a, whole.config(), "test");
+  }
+  AdapterBanks b{std::make_unique<LoraBank>(runtime(), whole.config(), Device::cpu(), DType::F64, adapters),
+                 std::make_unique<LoraBank>(runtime(), split.config(), Device::cpu(), DType::F64, adapters)};
+  for (int a : {0, 1}) {
+    randomise(*b.whole, a, 40 + uint64_t(a), 0.2);
+    randomise(*b.split, a, 40 + uint64_t(a), 0.2);
+  }
+  whole.attach_lora(b.whole.get());
+  split.attach_lora(b.split.get());
+  return b;
+}
+
+// Every adapter gradient of the split bank, summed over `group` (each rank's its part), against the whole bank's:
+// within 1e-10 relative.
+inline void expect_summed_adapter_grads_equal(AdapterBanks& b, Communicator& group, const std::string& what) {
+  for (int a : {0, 1})
+    for (size_t i = 0; i < b.whole->parameters(a).size(); ++i) {
+      Parameter& p = b.split->parameters(a)[i];
+      group.all_reduce(p.grad).wait();
+      EXPECT_LT(rel_l2(to_f64(p.grad), to_f64(b.whole->parameters(a)[i].grad)), 1e-10) << what << ": " << p.name;
+    }
 }
 
 }  // namespace lathe::test_support

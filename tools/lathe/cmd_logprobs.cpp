@@ -10,6 +10,7 @@
 // tests/e2e/test_cli_outputs.cpp (Logprobs* tests) and tests/e2e/test_train.cpp.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -142,13 +143,9 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
   // Expert parallelism: each forward is a collective of the ep group (its ranks serve each other's rows), so every
   // rank runs as many as the one with most batches, the others' last ones a two-token filler whose output is dropped.
   size_t forwards = packs.size();
-  if (g.ep) {
-    const double mine = double(packs.size());
-    Tensor all = Tensor::empty({g.ep->size()}, DType::F64, rt.context(options.device).allocator);
-    g.ep->all_gather(rt.from_host(&mine, {1}, DType::F64, options.device), all).wait();
-    const Tensor host = options.device.is_cpu() ? all : rt.copy_to(all, Device::cpu());
-    for (int r = 0; r < g.ep->size(); ++r) forwards = std::max(forwards, size_t(host.data<double>()[r]));
-  }
+  if (g.ep)
+    for (double n : values_over(rt, options.device, *g.ep, double(packs.size())))
+      forwards = std::max(forwards, size_t(n));
   const Pack filler{{0, 0}, {0, 2}};
   std::vector<std::string> rows;  // this rank's output lines
   for (size_t k = 0; k < forwards; ++k) {
