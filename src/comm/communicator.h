@@ -65,6 +65,11 @@ class Communicator {
   virtual CommWork broadcast(Tensor& t, int root) = 0;
   virtual CommWork send(const Tensor& t, int peer) = 0;
   virtual CommWork recv(Tensor& t, int peer) = 0;
+  // Point-to-point sends and receives posted together and completed together (MPI: every Isend and Irecv, then one
+  // wait; NCCL: one group), so that two ranks sending to each other at once cannot deadlock: each peer posts the
+  // matching ones in its own exchange, in the same order per pair of ranks. A received tensor is filled in place.
+  virtual CommWork exchange(const std::vector<std::pair<Tensor, int>>& sends,
+                            const std::vector<std::pair<Tensor, int>>& recvs) = 0;
   // Waits for every rank of the group. `timeout_s` (0: the group's) bounds this wait alone, for phases that take
   // longer than a collective should, such as one rank writing a checkpoint; `timeout_name` is what a report calls it.
   virtual void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") = 0;

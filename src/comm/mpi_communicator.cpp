@@ -130,6 +130,30 @@ class MpiCommunicator final : public Communicator {
     return {};
   }
 
+  CommWork exchange(const std::vector<std::pair<Tensor, int>>& sends,
+                    const std::vector<std::pair<Tensor, int>>& recvs) override {
+    std::vector<MPI_Request> reqs;
+    size_t bytes = 0;
+    for (const auto& [t, peer] : sends) check_cpu(t, "exchange"), bytes += t.nbytes();
+    for (const auto& [t, peer] : recvs) check_cpu(t, "exchange"), bytes += t.nbytes();
+    LATHE_CHECK(bytes < (size_t(1) << 31), "comm: exchange on {}: {} bytes exceed MPI's 2 GiB", name_, bytes);
+    ++seq_;
+    history_.push_back({seq_, "exchange", bytes});
+    if (history_.size() > 8) history_.pop_front();
+    for (const auto& [t, peer] : sends) {
+      reqs.emplace_back();
+      const int rc = MPI_Isend(t.data_ptr(), int(t.nbytes()), MPI_BYTE, peer, 0, comm_, &reqs.back());
+      if (rc != MPI_SUCCESS) fail("exchange", fmt::format("MPI error {}", error_string(rc)));
+    }
+    for (const auto& [t, peer] : recvs) {
+      reqs.emplace_back();
+      const int rc = MPI_Irecv(t.data_ptr(), int(t.nbytes()), MPI_BYTE, peer, 0, comm_, &reqs.back());
+      if (rc != MPI_SUCCESS) fail("exchange", fmt::format("MPI error {}", error_string(rc)));
+    }
+    if (!reqs.empty()) wait("exchange", reqs.data(), int(reqs.size()));
+    return {};
+  }
+
   void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") override {
     MPI_Request req;
     post("barrier", 0, MPI_Ibarrier(comm_, &req));

@@ -182,6 +182,23 @@ class NcclCommunicator final : public Communicator {
     return completion("recv");
   }
 
+  CommWork exchange(const std::vector<std::pair<Tensor, int>>& sends,
+                    const std::vector<std::pair<Tensor, int>>& recvs) override {
+    size_t bytes = 0;
+    for (const auto& [t, peer] : sends) check(t, "exchange"), bytes += t.nbytes();
+    for (const auto& [t, peer] : recvs) check(t, "exchange"), bytes += t.nbytes();
+    if (sends.empty() && recvs.empty()) return {};
+    run("exchange", bytes, [&] {
+      ncclGroupStart();
+      for (const auto& [t, peer] : sends)
+        ncclSend(t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), peer, comm_, stream_);
+      for (const auto& [t, peer] : recvs)
+        ncclRecv(t.data_ptr(), size_t(t.numel()), nccl_type(t.dtype()), peer, comm_, stream_);
+      return ncclGroupEnd();
+    });
+    return completion("exchange");
+  }
+
   void barrier(double timeout_s = 0, const char* timeout_name = "parallel.timeout_s") override {
     void* one = nullptr;
     cudaSetDevice(device_);

@@ -133,6 +133,20 @@ TEST_F(Comm, BroadcastAndARingOfSendsAndReceives) {
   world->barrier();
 }
 
+// Every rank sends 4 MiB to both neighbours and receives from both at once (what two pipeline stages do when one's
+// activations and the other's gradients cross): blocking sends would wait for each other past MPI's eager limit.
+TEST_F(Comm, ExchangeSendsBothWaysAtOnce) {
+  const int size = world->size(), me = world->rank(), n = 1 << 20;
+  const int left = (me + size - 1) % size, right = (me + 1) % size;
+  Tensor to_right = cpu_tensor(std::vector<float>(n, float(me) + 0.25f));
+  Tensor to_left = cpu_tensor(std::vector<float>(n, float(me) + 0.75f));
+  Tensor from_left = cpu_tensor(std::vector<float>(n, -1.0f)), from_right = cpu_tensor(std::vector<float>(n, -1.0f));
+  world->exchange({{to_right, right}, {to_left, left}}, {{from_left, left}, {from_right, right}}).wait();
+  EXPECT_EQ(values(from_left)[n - 1], float(left) + 0.25f);
+  EXPECT_EQ(values(from_right)[0], float(right) + 0.75f);
+  world->barrier();
+}
+
 TEST_F(Comm, GridGroupsSplitTheWorld) {
   const int size = world->size();
   if (size % 2) GTEST_SKIP() << "needs an even world";
