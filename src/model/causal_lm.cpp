@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -106,7 +107,54 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
     LATHE_CHECK(cp_size() == 1, "parallel.ep: expert parallelism with context parallelism (cp {}) is not built",
                 cp_size());
   }
+  if (pp_size() > 1) {
+    const PipelineLayout& pl = options_.pipeline;
+    LATHE_CHECK(pl.pp() == pp_size() && pl.end_layer(pl.stages() - 1) == global_config_.num_layers,
+                "model: the pipeline layout ({}) is not one for {} ranks and {} layers", pl.describe(), pp_size(),
+                global_config_.num_layers);
+  }
   moe_routes_.resize(size_t(config_.num_layers));
+}
+
+int CausalLm::declare(std::string name, Shape shape, bool here) {
+  if (here) {
+    declared_here_.emplace_back(std::move(name), std::move(shape));
+    declared_.push_back(int(declared_here_.size()) - 1);
+  } else {
+    absent_.push_back({std::move(name), std::move(shape), {}});
+    declared_.push_back(-1 - int(absent_.size()));
+  }
+  return declared_.back();
+}
+
+void CausalLm::allocate_declared() {
+  ExecContext cx = ctx();
+  for (auto& [name, shape] : declared_here_)
+    params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
+  declared_here_.clear();
+}
+
+void CausalLm::for_each_declared(const std::function<void(const std::string&, const Shape&, Parameter*)>& f) {
+  for (int i : declared_) {
+    if (i >= 0) {
+      f(params_[size_t(i)].name, params_[size_t(i)].global_shape(), &params_[size_t(i)]);
+    } else {
+      const AbsentParameter& a = absent_[size_t(-2 - i)];
+      f(a.name, a.shard.global_shape.empty() ? a.shape : a.shard.global_shape, nullptr);
+    }
+  }
+}
+
+bool CausalLm::held_elsewhere(const std::string& name) const {
+  for (const char* root : {"model.layers.", "model.language_model.layers."}) {  // a layer's (per-expert names too)
+    const std::string r = root;
+    if (name.rfind(r, 0) != 0) continue;
+    int64_t layer = 0;
+    size_t end = r.size();
+    for (; end < name.size() && std::isdigit(static_cast<unsigned char>(name[end])); ++end) layer = layer * 10 + (name[end] - '0');
+    return end > r.size() && !holds_layer(layer);
+  }
+  return std::any_of(absent_.begin(), absent_.end(), [&](const AbsentParameter& a) { return a.name == name; });
 }
 
 int CausalLm::tp_size() const { return options_.tp ? options_.tp->size() : 1; }
@@ -225,8 +273,15 @@ Tensor CausalLm::sequence_to_heads(const Tensor& sequence, int64_t heads) const 
 bool CausalLm::context_parallel() const { return cp_size() > 1 && !decoding_; }
 int CausalLm::cp_size() const { return options_.cp ? options_.cp->size() : 1; }
 int CausalLm::cp_rank() const { return options_.cp ? options_.cp->rank() : 0; }
+int CausalLm::pp_size() const { return options_.pp ? options_.pp->size() : 1; }
+int CausalLm::pp_rank() const { return options_.pp ? options_.pp->rank() : 0; }
 int CausalLm::ep_size() const { return options_.ep ? options_.ep->size() : 1; }
 int CausalLm::ep_rank() const { return options_.ep ? options_.ep->rank() : 0; }
+
+int64_t CausalLm::stream_rows(const PackedBatch& b) const {
+  const int64_t t = block_tokens(b);
+  return sequence_parallel() ? (t + tp_size() - 1) / tp_size() : t;
+}
 
 int64_t CausalLm::block_tokens(const PackedBatch& b) const {
   if (!context_parallel()) return b.tokens();
@@ -286,15 +341,16 @@ void CausalLm::add_norm_grad(int index, Tensor g) {
 
 void CausalLm::shard_over_tp(int index, int dim, int replicas, std::vector<int64_t> sections) {
   if (tp_size() <= 1) return;
-  Parameter& p = params_[size_t(index)];
-  p.shard = split_layout(p.value.shape(), dim, tp_size() / replicas, tp_rank() / replicas, "tp", replicas,
-                         std::move(sections));
+  ShardLayout& shard = index >= 0 ? params_[size_t(index)].shard : absent_[size_t(-2 - index)].shard;
+  const Shape& shape = index >= 0 ? params_[size_t(index)].value.shape() : absent_[size_t(-2 - index)].shape;
+  shard = split_layout(shape, dim, tp_size() / replicas, tp_rank() / replicas, "tp", replicas, std::move(sections));
 }
 
 void CausalLm::shard_over_ep(int index) {
   if (!expert_parallel()) return;
-  Parameter& p = params_[size_t(index)];
-  p.shard = split_layout(p.value.shape(), 0, ep_size(), ep_rank(), "ep");
+  ShardLayout& shard = index >= 0 ? params_[size_t(index)].shard : absent_[size_t(-2 - index)].shard;
+  const Shape& shape = index >= 0 ? params_[size_t(index)].value.shape() : absent_[size_t(-2 - index)].shape;
+  shard = split_layout(shape, 0, ep_size(), ep_rank(), "ep");
 }
 
 void CausalLm::sum_replicated_grads() {

@@ -22,6 +22,7 @@
 #include "model/config.h"
 #include "model/lm_head.h"
 #include "model/moe_layer.h"
+#include "parallel/pipeline.h"
 
 namespace lathe {
 
@@ -74,7 +75,14 @@ struct ModelOptions {
   // part. The aux loss and the expert loads are the group's (routing totals summed over it). Not with cp, expert
   // adapters or a decoding batch (the ranks would have to decode in step).
   Communicator* ep = nullptr;
+  // Pipeline parallelism (docs/parallel.md, "Pipeline parallelism"): the group of the pipeline's ranks and how the
+  // layers are split over its stages. The model holds only its rank's layers (those of its chunks), the embedding on
+  // the first rank (and on the last when the head is tied to it), the final norm and the LM head on the last; it runs
+  // one stage of one micro-batch at a time (stage_forward, stage_backward; model/pipeline_step.h drives the schedule).
+  Communicator* pp = nullptr;
+  PipelineLayout pipeline;
 };
+
 
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
 // that are complete (reduce them over data-parallel ranks) while the rest of the backward still runs.
@@ -102,6 +110,16 @@ struct LossResult {
   std::vector<ExpertLoadStat> expert_load;
 };
 
+// Pipeline parallelism: one micro-batch's forward on one virtual stage, kept until its backward.
+struct StageWork {
+  int stage = 0;
+  std::shared_ptr<void> acts;  // the family's layer activations (or their inputs, under recompute)
+  Tensor out;                  // (2, rows, H): the residual stream's two terms, for the next stage (not on the last)
+  LossResult loss;             // the last stage's
+  std::vector<std::pair<int64_t, MoeRoute>> routes;  // the stage's sparse layers' routing, for their backward
+  std::vector<RoutingTotals> totals;                  // and its totals (the aux loss is every layer's)
+};
+
 class LoraBank;
 struct LoraSlot;
 struct SegmentAttrs;
@@ -127,7 +145,39 @@ class CausalLm {
   bool expert_parallel() const { return ep_size() > 1; }
   int ep_size() const;
   int ep_rank() const;
-  // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
+  // Pipeline parallelism: this rank's place in the pipeline, and what it holds (ModelOptions::pipeline).
+  int pp_size() const;
+  int pp_rank() const;
+  bool holds_layer(int64_t layer) const { return pp_size() == 1 || options_.pipeline.rank_holds_layer(pp_rank(), layer); }
+  bool holds_embedding() const { return pp_rank() == 0; }
+  bool holds_head() const { return pp_rank() == pp_size() - 1; }
+  // One micro-batch's part of the stack on virtual stage `stage` (one of this rank's): the embedding of b's ids on the
+  // first stage, else the stream `in` (2, rows, H) from the previous; the stage's layers; on the last stage the final
+  // norm and the loss head (with `backward`, the head's gradient now and d(loss) kept for stage_backward). A MoE
+  // model's routing totals of the stage's layers are in the work (pipeline_step.h joins them for the aux loss).
+  virtual std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+                                                   double loss_scale) = 0;
+  // The stage's backward: from d(stream) `dout` (rows, H) from the next stage (undefined on the last), the layers'
+  // gradients, and the embedding's on the first stage; returns d(stream) for the previous stage (undefined on the
+  // first). `d_aux` (the aux loss's derivative, MoeRoute::d_aux) for the stage's sparse layers when the aux loss is on.
+  virtual Tensor stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) = 0;
+  // Pipeline parallelism, MoE models (model/pipeline_step.h): the aux loss is every sparse layer's, so each stage's
+  // routing totals of a micro-batch travel on with its stream. stage_routing_totals: the stage's, flat (per sparse
+  // layer in order: tokens, the per-expert counts, the probability sums; the group's under cp or ep);
+  // routing_totals_size: the flat size of the sparse layers before `stage` (all of them for stages()); on the last
+  // stage aux_from_pipeline puts the aux loss and the loads of every layer's totals into r and returns the aux
+  // derivative every stage's sparse layers take (stage_backward's d_aux; undefined when off or without backward).
+  std::vector<double> stage_routing_totals(const StageWork& work);
+  // The rows of the residual stream between stages for batch b: the batch's (under cp the rank's) tokens, under sp
+  // this tp rank's share of them.
+  int64_t stream_rows(const PackedBatch& b) const;
+  int64_t routing_totals_size(int stage) const;
+  Tensor aux_from_pipeline(LossResult& r, const std::vector<double>& flat, bool backward, double loss_scale);
+  // Whether a backward's stages take the aux derivative (the aux loss on, sparse layers), and its dtype.
+  bool pipeline_sends_aux(bool backward) const {
+    return backward && aux_loss_on() && routing_totals_size(options_.pipeline.stages()) > 0;
+  }
+  DType aux_dtype() const { return routing_dtype(); }
   bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
@@ -282,6 +332,10 @@ class CausalLm {
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
   // The routing totals summed over `group` (cp: the rows' parts of one batch; ep: the ranks' batches).
   void sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const;
+  // The aux loss and the loads of sparse layers `layers` from their (summed) totals into `r`; returns the aux loss's
+  // derivative for moe_backward (MoeRoute::d_aux; undefined when the aux loss is off or without backward).
+  Tensor aux_from_totals(LossResult& r, const std::vector<int64_t>& layers, const std::vector<RoutingTotals>& totals,
+                         bool backward, double loss_scale);
   // Expert parallelism: the plan of a route's all-to-alls (MoeRoute::ep_*, from every rank's per-expert counts),
   // the rows sent to their experts' ranks and the outputs (or gradients) sent back.
   void plan_expert_exchange(MoeRoute& r) const;
@@ -348,6 +402,15 @@ class CausalLm {
   const Tensor& cp_cu_seqlens(const PackedBatch& b);
   const Tensor& stack_positions(const PackedBatch& b);
   void make_cp_tables(const PackedBatch& b);
+  // The parameter list as a family declares it, in order: `here` false for another pipeline stage's parameter, which
+  // is only remembered (absent_, with the index declare returns: -2, -3, ...; the sharding calls take those too) so
+  // that random initialisation draws the same values at any layout; allocate_declared makes params_ from the rest.
+  int declare(std::string name, Shape shape, bool here);
+  void allocate_declared();
+  // Every declared parameter in order: its name, whole shape and this rank's Parameter (nullptr: another stage's).
+  void for_each_declared(const std::function<void(const std::string&, const Shape&, Parameter*)>& f);
+  // Whether a checkpoint tensor belongs to another pipeline stage (loading skips it).
+  bool held_elsewhere(const std::string& name) const;
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
   // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random
@@ -367,6 +430,16 @@ class CausalLm {
   LoraBank* lora_ = nullptr;
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
+  // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
+  // <= -2: absent_[-2 - index]).
+  struct AbsentParameter {
+    std::string name;
+    Shape shape;
+    ShardLayout shard;
+  };
+  std::vector<AbsentParameter> absent_;
+  std::vector<std::pair<std::string, Shape>> declared_here_;
+  std::vector<int> declared_;
 
  private:
   // The routing of rows x (the moe_route op, its offsets and totals read back; with prob_sums also the

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cctype>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -135,10 +136,106 @@ struct DecoderStack {
       if (end > at + 7 && end < name.size() && name[end] == '.' && layer < int64_t(m.layers_.size()))
         after[i] = layer;
     }
-    after[size_t(m.final_norm_)] = int64_t(m.layers_.size());
-    if (m.head() != m.embed_) after[size_t(m.head())] = int64_t(m.layers_.size());
-    after[size_t(m.embed_)] = -1;
+    if (m.final_norm_ >= 0) after[size_t(m.final_norm_)] = int64_t(m.layers_.size());
+    if (m.head() >= 0 && m.head() != m.embed_) after[size_t(m.head())] = int64_t(m.layers_.size());
+    if (m.embed_ >= 0) after[size_t(m.embed_)] = -1;
     return after;
+  }
+
+  // Pipeline parallelism (CausalLm::stage_forward / stage_backward): one micro-batch on one virtual stage. What the
+  // forward keeps: the layers' activations (or, under recompute, their inputs), and on the last stage the final norm's
+  // input and d(loss)/d(its output).
+  template <typename M>
+  struct StageActs {
+    std::vector<typename M::LayerActs> acts;
+    std::vector<ResidualStream> inputs;
+    std::vector<const typename M::Layer*> layers;
+    Tensor x_last, dxf;
+  };
+
+  template <typename M>
+  static std::shared_ptr<StageWork> stage_forward(M& m, int stage, const PackedBatch& b, const Tensor& in, bool backward,
+                                                  double loss_scale) {
+    const PipelineLayout& pl = m.options_.pipeline;
+    LATHE_CHECK(pl.rank_of(stage) == m.pp_rank(), "model: pipeline stage {} is not held by pp rank {}", stage, m.pp_rank());
+    ExecContext cx = m.ctx();
+    auto work = std::make_shared<StageWork>();
+    auto sa = std::make_shared<StageActs<M>>();
+    work->stage = stage;
+    m.begin_forward(b);
+    struct End {
+      M& m;
+      ~End() { m.end_forward(); }
+    } end{m};
+    ResidualStream x;
+    if (stage == 0) {
+      x = {m.embed(m.embed_, b.ids), {}};
+    } else {
+      const int64_t rows = in.size(1);
+      x = {in.narrow(0, 0, 1).view({rows, in.size(2)}), in.narrow(0, 1, 1).view({rows, in.size(2)})};
+    }
+    const bool keep = backward && !m.options_.recompute;
+    for (const auto& l : m.layers_) {
+      if (l.index < pl.first_layer(stage) || l.index >= pl.end_layer(stage)) continue;
+      typename M::LayerActs a = m.layer_forward(l, x, b, backward);
+      sa->layers.push_back(&l);
+      if (backward) sa->inputs.push_back({a.x, {}});
+      x = a.out;
+      if (keep) sa->acts.push_back(std::move(a));
+      const MoeRoute& route = m.moe_routes_[size_t(l.index)];
+      if (route.valid) work->routes.emplace_back(l.index, route);
+      if (m.global_config_.sparse_layer(l.index)) {  // a cp rank without rows of the batch adds zeros
+        const size_t e = size_t(m.global_config_.num_experts);
+        work->totals.push_back(route.valid ? route.totals
+                                           : RoutingTotals{0, std::vector<int64_t>(e, 0), std::vector<double>(e, 0.0)});
+      }
+    }
+    if (stage + 1 < pl.stages()) {  // the stream's two terms, stacked, for the next stage
+      const int64_t rows = x.h.size(0), h = x.h.size(1);
+      work->out = Tensor::empty({2, rows, h}, x.h.dtype(), cx.allocator);
+      copy_into(cx, x.h, work->out.narrow(0, 0, 1).view({rows, h}));
+      copy_into(cx, x.r, work->out.narrow(0, 1, 1).view({rows, h}));
+    } else {
+      const auto [xf, x_last] = m.norm_stream(x, m.w(m.final_norm_), final_norm(m));
+      std::vector<std::pair<size_t, Tensor>> losses;
+      Tensor dxf;
+      work->loss = m.head_loss(m.block_input(xf, m.block_tokens(b)), m.head(), b, backward, loss_scale, &dxf, losses);
+      m.add_head_losses(work->loss, b, losses);
+      if (backward) {
+        sa->x_last = x_last;
+        sa->dxf = m.sequence_parallel() ? m.block_output(dxf) : dxf;
+      }
+    }
+    work->acts = sa;
+    return work;
+  }
+
+  template <typename M>
+  static Tensor stage_backward(M& m, StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) {
+    ExecContext cx = m.ctx();
+    auto& sa = *static_cast<StageActs<M>*>(work.acts.get());
+    for (auto& [layer, route] : work.routes) {  // the stage's routing of this micro-batch (others ran since)
+      m.moe_routes_[size_t(layer)] = route;
+      m.moe_routes_[size_t(layer)].d_aux = d_aux;
+    }
+    m.cp_tables_tokens_ = -1;  // context parallelism: this micro-batch's tables, not the last forward's
+    Tensor dx = dout;
+    if (work.stage + 1 == m.options_.pipeline.stages()) {
+      const std::vector<Tensor> dfinal = rmsnorm_backward(cx, sa.x_last, m.w(m.final_norm_), sa.dxf, final_norm(m));
+      m.add_norm_grad(m.final_norm_, dfinal[1]);
+      dx = dfinal[0];
+    }
+    const bool keep = !sa.acts.empty();
+    for (int64_t i = int64_t(sa.layers.size()) - 1; i >= 0; --i) {
+      const auto& l = *sa.layers[size_t(i)];
+      const typename M::LayerActs a = keep ? std::move(sa.acts[size_t(i)]) : m.layer_forward(l, sa.inputs[size_t(i)], b, true);
+      if (keep) sa.acts.pop_back();
+      dx = m.layer_backward(l, a, dx, b);
+    }
+    work.acts.reset();
+    if (work.stage > 0) return dx;
+    m.end_backward(m.embed_, dx, b);
+    return Tensor();
   }
 };
 

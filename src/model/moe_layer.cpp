@@ -107,8 +107,8 @@ void CausalLm::shard_experts() {
 
 void CausalLm::pack_mlp_rows() {
   for (const MlpParams& p : mlps_) {
-    if (!p.sparse) pack_rows({p.gate, p.up});
-    else if (p.moe.shared_gate >= 0) pack_rows({p.moe.shared_gate, p.moe.shared_up});
+    if (!p.sparse && p.gate >= 0) pack_rows({p.gate, p.up});
+    else if (p.sparse && p.moe.shared_gate >= 0) pack_rows({p.moe.shared_gate, p.moe.shared_up});
   }
 }
 
@@ -456,6 +456,13 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   // The aux loss and the loads are the whole batch's, not the rows' (cp), or the group's batches' (ep).
   if (context_parallel()) sum_totals_over(*options_.cp, totals);
   if (expert_parallel()) sum_totals_over(*options_.ep, totals);
+  const Tensor d_aux = aux_from_totals(res, layers, totals, backward, loss_scale);
+  if (d_aux.defined())
+    for (MoeRoute* r : routes) r->d_aux = d_aux;
+}
+
+Tensor CausalLm::aux_from_totals(LossResult& res, const std::vector<int64_t>& layers,
+                                 const std::vector<RoutingTotals>& totals, bool backward, double loss_scale) {
   for (size_t i = 0; i < totals.size(); ++i) {
     const ExpertLoad load = expert_load(totals[i].counts);
     res.expert_load.push_back({layers[i], load.tokens_per_expert, load.max_over_mean});
@@ -463,34 +470,74 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   const bool grad = backward && aux_loss_on();
   std::vector<double> dp;
   res.aux_loss = load_balancing_loss_totals(totals, grad ? &dp : nullptr);
-  if (!grad) return;
+  if (!grad) return Tensor();
   // Under ep each rank differentiates the group's aux loss at its own rows; a rank's loss_scale is its share of a
   // mean over the group's batches (1 / ep of it for equal shares), so the aux term takes ep x loss_scale, and the
   // group's gradients sum to the aux loss's over all their rows at the group's scale.
   for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale * double(ep_size());
   ExecContext cx = ctx();
-  const Tensor d_aux =
-      cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
-  for (MoeRoute* r : routes) r->d_aux = d_aux;
+  return cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
 }
 
-void CausalLm::sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const {
-  std::vector<double> flat;  // per layer: tokens, counts, probability sums
+namespace {
+
+// Routing totals as flat f64 values, per layer: tokens, the counts, the probability sums (exact: the counts are whole
+// numbers far below 2^53).
+std::vector<double> flatten_totals(const std::vector<RoutingTotals>& totals) {
+  std::vector<double> flat;
   for (const RoutingTotals& t : totals) {
     LATHE_ASSERT(t.prob_sums.size() == t.counts.size());
     flat.push_back(double(t.tokens));
     flat.insert(flat.end(), t.counts.begin(), t.counts.end());
     flat.insert(flat.end(), t.prob_sums.begin(), t.prob_sums.end());
   }
-  Tensor sums = rt_->from_host(flat.data(), {int64_t(flat.size())}, DType::F64, options_.device);
-  group.all_reduce(sums).wait();
-  const Tensor host = options_.device.is_cpu() ? sums : rt_->copy_to(sums, Device::cpu());
-  const double* v = host.data<double>();
-  for (RoutingTotals& t : totals) {  // counts are whole numbers far below 2^53: exact in f64
+  return flat;
+}
+
+std::vector<RoutingTotals> unflatten_totals(const double* v, size_t layers, size_t experts) {
+  std::vector<RoutingTotals> totals(layers, RoutingTotals{0, std::vector<int64_t>(experts), std::vector<double>(experts)});
+  for (RoutingTotals& t : totals) {
     t.tokens = int64_t(std::llround(*v++));
     for (int64_t& n : t.counts) n = int64_t(std::llround(*v++));
     for (double& s : t.prob_sums) s = *v++;
   }
+  return totals;
+}
+
+}  // namespace
+
+void CausalLm::sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const {
+  const std::vector<double> flat = flatten_totals(totals);  // per layer: tokens, counts, probability sums
+  Tensor sums = rt_->from_host(flat.data(), {int64_t(flat.size())}, DType::F64, options_.device);
+  group.all_reduce(sums).wait();
+  const Tensor host = options_.device.is_cpu() ? sums : rt_->copy_to(sums, Device::cpu());
+  if (!totals.empty()) totals = unflatten_totals(host.data<double>(), totals.size(), totals[0].counts.size());
+}
+
+std::vector<double> CausalLm::stage_routing_totals(const StageWork& work) {
+  std::vector<RoutingTotals> totals = work.totals;
+  if (totals.empty()) return {};
+  if (context_parallel()) sum_totals_over(*options_.cp, totals);
+  if (expert_parallel()) sum_totals_over(*options_.ep, totals);
+  return flatten_totals(totals);
+}
+
+int64_t CausalLm::routing_totals_size(int stage) const {
+  const PipelineLayout& pl = options_.pipeline;
+  int64_t n = 0;
+  for (int64_t l = 0; l < (stage < pl.stages() ? pl.first_layer(stage) : global_config_.num_layers); ++l)
+    if (global_config_.sparse_layer(l)) n += 1 + 2 * global_config_.num_experts;
+  return n;
+}
+
+Tensor CausalLm::aux_from_pipeline(LossResult& r, const std::vector<double>& flat, bool backward, double loss_scale) {
+  std::vector<int64_t> layers;
+  for (int64_t l = 0; l < global_config_.num_layers; ++l)
+    if (global_config_.sparse_layer(l)) layers.push_back(l);
+  if (layers.empty()) return Tensor();
+  LATHE_ASSERT(int64_t(flat.size()) == routing_totals_size(options_.pipeline.stages()));
+  return aux_from_totals(r, layers, unflatten_totals(flat.data(), layers.size(), size_t(global_config_.num_experts)),
+                         backward, loss_scale);
 }
 
 std::set<std::string> CausalLm::read_parameters(const io::SafetensorsModel& st) {

@@ -53,13 +53,13 @@ Qwen3Model::Qwen3Model(Runtime& rt, ModelConfig config, ModelOptions options)
 void Qwen3Model::build_parameter_list() {
   const ModelConfig& c = config_;
   const int64_t q_out = c.num_heads * c.head_dim, kv_out = c.num_kv_heads * c.head_dim;
-  std::vector<std::pair<std::string, Shape>> specs;
-  auto add = [&](std::string name, Shape shape) {
-    specs.emplace_back(std::move(name), std::move(shape));
-    return int(specs.size()) - 1;
-  };
+  // Pipeline parallelism: `here` says whether this rank holds what is declared next (declare).
+  bool here = holds_embedding() || (holds_head() && c.tie_word_embeddings);
+  auto add = [&](std::string name, Shape shape) { return declare(std::move(name), std::move(shape), here); };
+  std::vector<Layer> elsewhere;  // another pipeline stage's layers: declared, not held
   embed_ = add("model.embed_tokens.weight", {c.vocab_size, c.hidden_size});
   for (int64_t i = 0; i < c.num_layers; ++i) {
+    here = holds_layer(i);
     const std::string p = fmt::format("model.layers.{}.", i);
     Layer l{};
     l.index = i;
@@ -72,12 +72,12 @@ void Qwen3Model::build_parameter_list() {
     l.k_norm = add(p + "self_attn.k_norm.weight", {c.head_dim});
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
     l.mlp = declare_mlp(i, p, add);
-    layers_.push_back(l);
+    (here ? layers_ : elsewhere).push_back(l);
   }
+  here = holds_head();
   final_norm_ = add("model.norm.weight", {c.hidden_size});
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
-  ExecContext cx = ctx();
-  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
+  allocate_declared();
   for (const Layer& l : layers_) pack_rows({l.q_proj, l.k_proj, l.v_proj});  // one GEMM for q, k and v
   pack_mlp_rows();
   shard_experts();  // expert parallelism: this rank's experts
@@ -85,7 +85,8 @@ void Qwen3Model::build_parameter_list() {
   // each k and v head is held by tp / heads consecutive ranks (the ones whose query heads read it). A sparse layer's
   // mixture-of-experts block is whole on every rank (its input and output are the group's common stream).
   const int kv_replicas = int(tp_size() * c.num_kv_heads / global_config_.num_kv_heads);
-  for (const Layer& l : layers_) {
+  for (const std::vector<Layer>* held : {&layers_, &elsewhere})
+  for (const Layer& l : *held) {
     shard_over_tp(l.q_proj, 0);
     for (int i : {l.k_proj, l.v_proj}) shard_over_tp(i, 0, kv_replicas);
     shard_over_tp(l.o_proj, 1);
@@ -98,7 +99,7 @@ void Qwen3Model::build_parameter_list() {
   // where tp divides the vocabulary (tensor_parallel_config); otherwise whole on every rank.
   if (vocab_parallel()) {
     shard_over_tp(embed_, 0);
-    if (lm_head_ >= 0) shard_over_tp(lm_head_, 0);
+    if (lm_head_ != -1) shard_over_tp(lm_head_, 0);
   }
 }
 
@@ -109,7 +110,8 @@ Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOpti
   // Anything else in the checkpoint would be silently unused: refuse it, except a stored copy of a tied head.
   std::vector<std::string> unexpected;
   for (const std::string& name : st.names())
-    if (!expected.count(name) && !(name == "lm_head.weight" && m.config_.tie_word_embeddings)) unexpected.push_back(name);
+    if (!expected.count(name) && !(name == "lm_head.weight" && m.config_.tie_word_embeddings) && !m.held_elsewhere(name))
+      unexpected.push_back(name);
   LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the {} model does not use, e.g. '{}'", dir, unexpected.size(),
               m.config_.model_type, unexpected.empty() ? "" : unexpected.front());
   return m;
@@ -120,14 +122,16 @@ Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const Mode
   Qwen3Model m(rt, config, options);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal(0.0f, float(std));
-  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's slice
-    std::vector<float> host(size_t(shape_numel(p.global_shape())));
-    const bool norm = p.value.dim() == 1;
+  // The whole tensor's values (the same draws at any tp, ep or pp layout), then this rank's slice, if it holds any.
+  m.for_each_declared([&](const std::string&, const Shape& shape, Parameter* p) {
+    std::vector<float> host(size_t(shape_numel(shape)));
+    const bool norm = shape.size() == 1;
     for (float& x : host) x = norm ? 1.0f : normal(rng);
-    if (!p.whole()) host = slice_of(host, p);
+    if (!p) return;
+    if (!p->whole()) host = slice_of(host, *p);
     ExecContext cx = rt.context(options.device);
-    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F32, options.device), p.value);  // cast in place
-  }
+    copy_into(cx, rt.from_host(host.data(), p->value.shape(), DType::F32, options.device), p->value);  // cast in place
+  });
   return m;
 }
 
@@ -220,5 +224,12 @@ std::vector<int64_t> Qwen3Model::grads_complete_after() const { return DecoderSt
 
 Tensor Qwen3Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
 Tensor Qwen3Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
+std::shared_ptr<StageWork> Qwen3Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+                                                double loss_scale) {
+  return DecoderStack::stage_forward(*this, stage, b, in, backward, loss_scale);
+}
+Tensor Qwen3Model::stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) {
+  return DecoderStack::stage_backward(*this, work, dout, b, d_aux);
+}
 
 }  // namespace lathe

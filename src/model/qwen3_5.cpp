@@ -120,13 +120,13 @@ void Qwen35Model::build_parameter_list() {
   const std::string root = c.multimodal_layout ? "model.language_model." : "model.";
   const int64_t d = c.head_dim, kd = c.linear_num_key_heads * c.linear_key_head_dim;
   const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim, hv = c.linear_num_value_heads;
-  std::vector<std::pair<std::string, Shape>> specs;
-  auto add = [&](std::string name, Shape shape) {
-    specs.emplace_back(std::move(name), std::move(shape));
-    return int(specs.size()) - 1;
-  };
+  // Pipeline parallelism: `here` says whether this rank holds what is declared next (declare).
+  bool here = holds_embedding() || (holds_head() && c.tie_word_embeddings);
+  auto add = [&](std::string name, Shape shape) { return declare(std::move(name), std::move(shape), here); };
+  std::vector<Layer> elsewhere;  // another pipeline stage's layers: declared, not held
   embed_ = add(root + "embed_tokens.weight", {c.vocab_size, c.hidden_size});
   for (int64_t i = 0; i < c.num_layers; ++i) {
+    here = holds_layer(i);
     const std::string p = fmt::format("{}layers.{}.", root, i);
     Layer l;
     l.index = i;
@@ -157,15 +157,22 @@ void Qwen35Model::build_parameter_list() {
     }
     l.post_norm = add(p + "post_attention_layernorm.weight", {c.hidden_size});
     l.mlp = declare_mlp(i, p, add);
-    layers_.push_back(l);
+    (here ? layers_ : elsewhere).push_back(l);
   }
+  here = holds_head();
   final_norm_ = add(root + "norm.weight", {c.hidden_size});
   if (!c.tie_word_embeddings) lm_head_ = add("lm_head.weight", {c.vocab_size, c.hidden_size});
-  ExecContext cx = ctx();
-  for (auto& [name, shape] : specs) params_.push_back({name, Tensor::empty(shape, options_.dtype, cx.allocator), {}, {}});
+  allocate_declared();
   pack_mlp_rows();
   shard_experts();  // expert parallelism: this rank's experts
-  shard_layers();
+  shard_layers(layers_);
+  shard_layers(elsewhere);  // their whole shapes, for random initialisation
+  // The vocab-parallel embedding and LM head: each rank its vocab_size / tp rows (a tied head is the same tensor),
+  // where tp divides the vocabulary (tensor_parallel_config); otherwise whole on every rank.
+  if (vocab_parallel()) {
+    shard_over_tp(embed_, 0);
+    if (lm_head_ != -1) shard_over_tp(lm_head_, 0);
+  }
 }
 
 // Tensor parallelism (docs/parallel.md): the attention layers as Qwen3's (q_proj's rows are per head [query | gate],
@@ -173,13 +180,13 @@ void Qwen35Model::build_parameter_list() {
 // heads (in_proj_qkv and the conv's channels [q | k | v] as three sections; Qwen3-Next's fused in_proj_qkvz and
 // in_proj_ba are already grouped by key head, so contiguous), A_log and dt_bias by value head, out_proj row-parallel.
 // The norms' gains (q/k norm, the gated output norm) stay whole: their gradients are summed over the group.
-void Qwen35Model::shard_layers() {
+void Qwen35Model::shard_layers(const std::vector<Layer>& layers) {
   const ModelConfig& c = config_;
   const ModelConfig& g = global_config_;
   const int kv_replicas = c.num_kv_heads > 0 ? int(tp_size() * c.num_kv_heads / g.num_kv_heads) : 1;
   const int64_t kd = g.linear_num_key_heads * g.linear_key_head_dim;
   const int64_t vd = g.linear_num_value_heads * g.linear_value_head_dim;
-  for (const Layer& l : layers_) {
+  for (const Layer& l : layers) {
     if (l.linear) {
       if (c.fused_gdn_projections) {
         for (int i : {l.in_qkvz, l.in_ba}) shard_over_tp(i, 0);
@@ -200,12 +207,6 @@ void Qwen35Model::shard_layers() {
       shard_over_tp(l.mlp.down, 1);
     }
   }
-  // The vocab-parallel embedding and LM head: each rank its vocab_size / tp rows (a tied head is the same tensor),
-  // where tp divides the vocabulary (tensor_parallel_config); otherwise whole on every rank.
-  if (vocab_parallel()) {
-    shard_over_tp(embed_, 0);
-    if (lm_head_ >= 0) shard_over_tp(lm_head_, 0);
-  }
 }
 
 Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOptions& options) {
@@ -220,6 +221,7 @@ Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOp
   int64_t kept = 0;
   for (const std::string& name : st.names()) {
     if (expected.count(name) || (name == "lm_head.weight" && m.config_.tie_word_embeddings)) continue;
+    if (m.held_elsewhere(name) || !m.holds_head()) continue;  // pipeline: the last stage keeps the passthrough
     const bool vision = m.config_.multimodal_layout && name.rfind(visual, 0) == 0;
     const bool mtp = name.rfind("mtp.", 0) == 0;
     if (!vision && !mtp) {
@@ -246,19 +248,21 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, std);
   std::uniform_real_distribution<double> uniform(0.01, 16.0);
-  for (Parameter& p : m.params_) {  // the whole tensor's values (the same draws at any tp), then this rank's piece
-    std::vector<double> host(size_t(shape_numel(p.global_shape())));
-    const bool gated_norm = p.name.find("linear_attn.norm.weight") != std::string::npos;
+  // The whole tensor's values (the same draws at any tp, ep or pp layout), then this rank's piece, if it holds any.
+  m.for_each_declared([&](const std::string& name, const Shape& shape, Parameter* p) {
+    std::vector<double> host(size_t(shape_numel(shape)));
+    const bool gated_norm = name.find("linear_attn.norm.weight") != std::string::npos;
     for (double& x : host) {
-      if (p.name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
-      else if (gated_norm || p.name.find("dt_bias") != std::string::npos) x = 1.0;
-      else if (p.value.dim() == 1) x = 0.0;  // zero-centred norms
+      if (name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
+      else if (gated_norm || name.find("dt_bias") != std::string::npos) x = 1.0;
+      else if (shape.size() == 1) x = 0.0;  // zero-centred norms
       else x = normal(rng);
     }
-    if (!p.whole()) host = slice_of(host, p);
+    if (!p) return;
+    if (!p->whole()) host = slice_of(host, *p);
     ExecContext cx = rt.context(options.device);
-    copy_into(cx, rt.from_host(host.data(), p.value.shape(), DType::F64, options.device), p.value);  // cast in place
-  }
+    copy_into(cx, rt.from_host(host.data(), p->value.shape(), DType::F64, options.device), p->value);  // cast in place
+  });
   return m;
 }
 
@@ -737,5 +741,12 @@ std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderS
 
 Tensor Qwen35Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
 Tensor Qwen35Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
+std::shared_ptr<StageWork> Qwen35Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+                                                double loss_scale) {
+  return DecoderStack::stage_forward(*this, stage, b, in, backward, loss_scale);
+}
+Tensor Qwen35Model::stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) {
+  return DecoderStack::stage_backward(*this, work, dout, b, d_aux);
+}
 
 }  // namespace lathe

@@ -43,6 +43,9 @@ class Qwen35Model : public CausalLm {
 
   Tensor logits(const PackedBatch& batch) override;                   // (T, V)
   Tensor last_hidden(const PackedBatch& batch) override;
+  std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+                                           double loss_scale) override;
+  Tensor stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) override;
   Tensor lm_head_logits(const Tensor& x) override;
   std::vector<double> label_logprobs(const PackedBatch& batch) override;
   LossResult loss(const PackedBatch& batch, bool backward, double loss_scale = 1.0,
@@ -91,7 +94,7 @@ class Qwen35Model : public CausalLm {
   };
 
   Qwen35Model(Runtime& rt, ModelConfig config, ModelOptions options);
-  void shard_layers();
+  void shard_layers(const std::vector<Layer>& layers);
   void build_parameter_list();
   int head() const { return lm_head_ >= 0 ? lm_head_ : embed_; }
   const SplitIndex& split_index(int64_t tokens, DecodeCache* cache);

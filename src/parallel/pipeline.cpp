@@ -47,9 +47,19 @@ std::string PipelineLayout::describe() const {
   return fmt::format("pp {} x vpp {}: layers {}", pp_, vpp_, fmt::join(parts, " | "));
 }
 
-std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches) {
+std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches,
+                                       bool forward_only) {
   const int pp = layout.pp(), vpp = layout.vpp();
   LATHE_CHECK(micro_batches >= 1, "pipeline: a step needs at least one micro-batch, got {}", micro_batches);
+  if (forward_only) {  // each forward as early as its input can be there: micro-batch m reaches stage v at tick m + v
+    std::vector<PipeAction> order;
+    for (int c = 0; c < vpp; ++c)
+      for (int64_t m = 0; m < micro_batches; ++m) order.push_back({PipeOp::Forward, c, int(m)});
+    std::stable_sort(order.begin(), order.end(), [&](const PipeAction& a, const PipeAction& b) {
+      return a.micro + layout.stage(rank, a.chunk) < b.micro + layout.stage(rank, b.chunk);
+    });
+    return order;
+  }
   LATHE_CHECK(vpp == 1 || micro_batches % pp == 0, "parallel.vpp = {}: the interleaved pipeline schedule runs "
               "micro-batches in groups of pp = {}; a step's {} micro-batches (train.grad_accum) are not a multiple of it",
               vpp, pp, micro_batches);
@@ -79,12 +89,12 @@ double PipelineTimeline::idle_fraction() const {
   return (slots - double(busy)) / slots;
 }
 
-PipelineTimeline pipeline_timeline(const PipelineLayout& layout, int64_t micro_batches) {
+PipelineTimeline pipeline_timeline(const PipelineLayout& layout, int64_t micro_batches, bool forward_only) {
   PipelineTimeline tl;
   const int pp = layout.pp(), stages = layout.stages();
   size_t remaining = 0;
   for (int r = 0; r < pp; ++r) {
-    tl.orders.push_back(pipeline_order(layout, r, micro_batches));
+    tl.orders.push_back(pipeline_order(layout, r, micro_batches, forward_only));
     remaining += tl.orders.back().size();
   }
   // The tick at which each (stage, micro-batch)'s forward and backward ran (-1: not yet).

@@ -54,8 +54,10 @@ struct PipeAction {
 // Rank `rank`'s actions for `micro_batches` micro-batches in the order it runs them: with vpp 1 Megatron's 1F1B (pp -
 // rank - 1 warm-up forwards, then one forward and one backward in turn, then the remaining backwards); with vpp > 1
 // the interleaved schedule (forwards in groups of pp micro-batches, chunk by chunk; warm-up (pp - rank - 1) x 2 + (vpp -
-// 1) x pp). Refuses a micro-batch count the interleaved schedule cannot take (not a multiple of pp).
-std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches);
+// 1) x pp). Refuses a micro-batch count the interleaved schedule cannot take (not a multiple of pp). `forward_only`
+// (evaluation, log-probabilities): the forwards alone, each as early as its input can arrive (any count).
+std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches,
+                                       bool forward_only = false);
 
 // What crosses between two ranks after a tick: micro-batch `micro`'s activations into virtual stage `stage`
 // (op Forward, from stage - 1), or its gradient into `stage` (op Backward, from stage + 1).
@@ -80,6 +82,6 @@ struct PipelineTimeline {
 };
 
 // Every rank's timeline: at each tick a rank runs its next action once its input was produced at an earlier tick.
-PipelineTimeline pipeline_timeline(const PipelineLayout& layout, int64_t micro_batches);
+PipelineTimeline pipeline_timeline(const PipelineLayout& layout, int64_t micro_batches, bool forward_only = false);
 
 }  // namespace lathe

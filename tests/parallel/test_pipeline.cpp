@@ -63,7 +63,7 @@ namespace {
 
 // Replays `tl` with its own bookkeeping: returns the largest number of micro-batches whose activations a rank holds
 // at once (forwards run whose backward has not), per rank.
-std::vector<int> replay(const PipelineLayout& l, int64_t m, const PipelineTimeline& tl) {
+std::vector<int> replay(const PipelineLayout& l, int64_t m, const PipelineTimeline& tl, bool forward_only = false) {
   const int pp = l.pp();
   std::set<std::tuple<int, int, int>> arrived;  // (op, stage, micro) delivered to the stage's rank
   std::set<std::tuple<int, int, int>> done;     // (op, stage, micro) run
@@ -91,7 +91,7 @@ std::vector<int> replay(const PipelineLayout& l, int64_t m, const PipelineTimeli
       arrived.insert({int(msg.op), msg.stage, msg.micro});
     }
   }
-  EXPECT_EQ(done.size(), size_t(2 * l.stages() * m));
+  EXPECT_EQ(done.size(), size_t((forward_only ? 1 : 2) * l.stages() * m));
   return most;
 }
 
@@ -118,4 +118,13 @@ TEST(PipelineTimeline, InterleavedRunsEveryActionOnceAndShrinksTheBubble) {
         EXPECT_DOUBLE_EQ(tl.idle_fraction(), double(pp - 1) / double(vpp * m + pp - 1))
             << "pp " << pp << " vpp " << vpp << " m " << m;
       }
+}
+
+TEST(PipelineTimeline, ForwardOnlyTakesAnyMicroBatchCount) {
+  for (int vpp : {1, 2}) {
+    const PipelineLayout l(8, 4, vpp);
+    const PipelineTimeline tl = pipeline_timeline(l, 3, true);
+    replay(l, 3, tl, true);
+    EXPECT_EQ(tl.ticks.size(), size_t(3 + 4 * vpp - 1)) << vpp;  // micro-batch m reaches stage v at tick m + v
+  }
 }

@@ -1,0 +1,185 @@
+// The pipeline's driver (pipeline_step.h).
+#include "model/pipeline_step.h"
+
+#include <map>
+#include <memory>
+#include <tuple>
+#include <utility>
+
+#include "comm/communicator.h"
+#include "ops/ops.h"
+
+namespace lathe {
+
+namespace {
+
+// The doubles of a host vector on the model's device (for the pipeline group's data plane) and back.
+Tensor device_values(Runtime& rt, Device device, const std::vector<double>& v) {
+  return rt.from_host(v.data(), {int64_t(v.size())}, DType::F64, device);
+}
+
+std::vector<double> host_values(Runtime& rt, const Tensor& t) {
+  const Tensor h = t.device().is_cpu() ? t : rt.copy_to(t, Device::cpu());
+  return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
+}
+
+}  // namespace
+
+std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>& micro, bool backward,
+                                     double loss_scale) {
+  const ModelOptions& o = m.options();
+  LATHE_CHECK(o.pp && o.pp->size() > 1, "pipeline: the model was built without a pipeline group (ModelOptions::pp)");
+  Runtime& rt = m.runtime();
+  Communicator& pp = *o.pp;
+  const PipelineLayout& pl = o.pipeline;
+  const int me = pp.rank(), stages = pl.stages();
+  const int64_t n = int64_t(micro.size());
+  const PipelineTimeline tl = pipeline_timeline(pl, n, !backward);
+  const std::vector<PipeAction>& order = tl.orders[size_t(me)];
+  const bool moe = m.routing_totals_size(stages) > 0;
+  const bool aux = m.pipeline_sends_aux(backward);  // the aux derivative travels back with the gradients
+  const int64_t hidden = m.config().hidden_size;
+  ExecContext cx = rt.context(o.device);
+
+  using Key = std::pair<int, int>;  // (virtual stage, micro-batch)
+  std::map<Key, std::shared_ptr<StageWork>> works;
+  std::map<Key, Tensor> stream_in, totals_in, grad_in, aux_in;  // received, for the stage's own action
+  std::map<std::tuple<int, int, int>, std::vector<Tensor>> outbox;  // (op, receiving stage, micro) -> tensors to send
+  std::vector<LossResult> losses(static_cast<size_t>(n));
+  std::vector<Tensor> last_aux(static_cast<size_t>(n));  // the last stage's aux derivative of each micro-batch
+
+  for (const PipeTick& tick : tl.ticks) {
+    if (const int index = tick.action[size_t(me)]; index >= 0) {
+      const PipeAction a = order[size_t(index)];
+      const int v = pl.stage(me, a.chunk);
+      const Key key{v, a.micro};
+      const PackedBatch& b = micro[size_t(a.micro)];
+      if (a.op == PipeOp::Forward) {
+        std::shared_ptr<StageWork> w = m.stage_forward(v, b, v > 0 ? stream_in.at(key) : Tensor(), backward, loss_scale);
+        stream_in.erase(key);
+        std::vector<double> totals;  // every sparse layer's so far, in layer order
+        if (moe) {
+          if (v > 0 && totals_in.count(key)) totals = host_values(rt, totals_in.at(key));
+          const std::vector<double> mine = m.stage_routing_totals(*w);
+          totals.insert(totals.end(), mine.begin(), mine.end());
+        }
+        totals_in.erase(key);
+        if (v + 1 < stages) {
+          std::vector<Tensor> out = {w->out};
+          if (!totals.empty()) out.push_back(device_values(rt, o.device, totals));
+          outbox[{int(PipeOp::Forward), v + 1, a.micro}] = std::move(out);
+          w->out = Tensor();
+        } else {
+          losses[size_t(a.micro)] = w->loss;
+          if (moe) last_aux[size_t(a.micro)] = m.aux_from_pipeline(losses[size_t(a.micro)], totals, backward, loss_scale);
+        }
+        if (backward) works[key] = std::move(w);
+      } else {
+        std::shared_ptr<StageWork> w = works.at(key);
+        works.erase(key);
+        const Tensor dout = v + 1 < stages ? grad_in.at(key) : Tensor();
+        const Tensor d_aux = v + 1 < stages ? (aux ? aux_in.at(key) : Tensor()) : last_aux[size_t(a.micro)];
+        grad_in.erase(key);
+        aux_in.erase(key);
+        const Tensor dx = m.stage_backward(*w, dout, b, d_aux);
+        if (v > 0) {
+          std::vector<Tensor> out = {dx};
+          if (aux) out.push_back(d_aux);
+          outbox[{int(PipeOp::Backward), v - 1, a.micro}] = std::move(out);
+        }
+      }
+    }
+    // The tick's exchange: what this tick's actions made goes out, what the neighbours' made comes in.
+    std::vector<std::pair<Tensor, int>> sends, recvs;
+    for (const PipeMessage& msg : tick.messages) {
+      const std::tuple<int, int, int> id{int(msg.op), msg.stage, msg.micro};
+      if (msg.from == me) {
+        for (const Tensor& t : outbox.at(id)) sends.emplace_back(t, msg.to);
+        outbox.erase(id);
+      }
+      if (msg.to != me) continue;
+      const Key key{msg.stage, msg.micro};
+      const int64_t rows = m.stream_rows(micro[size_t(msg.micro)]);
+      if (msg.op == PipeOp::Forward) {
+        stream_in[key] = Tensor::empty({2, rows, hidden}, o.dtype, cx.allocator);
+        recvs.emplace_back(stream_in[key], msg.from);
+        if (const int64_t size = moe ? m.routing_totals_size(msg.stage) : 0; size > 0) {
+          totals_in[key] = Tensor::empty({size}, DType::F64, cx.allocator);
+          recvs.emplace_back(totals_in[key], msg.from);
+        }
+      } else {
+        grad_in[key] = Tensor::empty({rows, hidden}, o.dtype, cx.allocator);
+        recvs.emplace_back(grad_in[key], msg.from);
+        if (aux) {
+          aux_in[key] = Tensor::empty({1, m.global_config().num_experts}, m.aux_dtype(), cx.allocator);
+          recvs.emplace_back(aux_in[key], msg.from);
+        }
+      }
+    }
+    if (!sends.empty() || !recvs.empty()) pp.exchange(sends, recvs).wait();
+  }
+  LATHE_ASSERT(works.empty() && outbox.empty());
+  return losses;
+}
+
+void broadcast_losses(CausalLm& m, std::vector<LossResult>& losses) {
+  Communicator& pp = *m.options().pp;
+  Runtime& rt = m.runtime();
+  const Device device = m.options().device;
+  std::vector<double> flat;  // per micro-batch: loss sum, labelled, aux loss, segments, then the loads
+  if (pp.rank() == pp.size() - 1)
+    for (const LossResult& r : losses) {
+      flat.insert(flat.end(), {r.loss_sum, double(r.labelled), r.aux_loss, double(r.segments.size())});
+      for (const LossResult::Segment& s : r.segments) flat.insert(flat.end(), {s.loss_sum, double(s.labelled)});
+      flat.push_back(double(r.expert_load.size()));
+      for (const ExpertLoadStat& e : r.expert_load) {
+        flat.insert(flat.end(), {double(e.layer), e.max_over_mean, double(e.tokens_per_expert.size())});
+        flat.insert(flat.end(), e.tokens_per_expert.begin(), e.tokens_per_expert.end());
+      }
+    }
+  Tensor size = device_values(rt, device, {double(flat.size())});
+  pp.broadcast(size, pp.size() - 1).wait();
+  flat.resize(size_t(host_values(rt, size)[0]));
+  Tensor values = device_values(rt, device, flat);
+  pp.broadcast(values, pp.size() - 1).wait();
+  flat = host_values(rt, values);
+  const double* v = flat.data();
+  for (LossResult& r : losses) {
+    r = LossResult{};
+    r.loss_sum = *v++;
+    r.labelled = int64_t(*v++);
+    r.loss = r.labelled > 0 ? r.loss_sum / double(r.labelled) : 0.0;
+    r.aux_loss = *v++;
+    r.segments.resize(size_t(*v++));
+    for (LossResult::Segment& s : r.segments) {
+      s.loss_sum = *v++;
+      s.labelled = int64_t(*v++);
+    }
+    r.expert_load.resize(size_t(*v++));
+    for (ExpertLoadStat& e : r.expert_load) {
+      e.layer = int64_t(*v++);
+      e.max_over_mean = *v++;
+      e.tokens_per_expert.resize(size_t(*v++));
+      for (int64_t& t : e.tokens_per_expert) t = int64_t(*v++);
+    }
+  }
+}
+
+void sum_tied_embedding_grads(CausalLm& m) {
+  const ModelOptions& o = m.options();
+  if (!o.pp || o.pp->size() == 1 || !m.global_config().tie_word_embeddings) return;
+  if (!m.holds_embedding() && !m.holds_head()) return;
+  Parameter* embed = nullptr;
+  for (Parameter& p : m.parameters())
+    if (p.name.size() >= 19 && p.name.compare(p.name.size() - 19, 19, "embed_tokens.weight") == 0) embed = &p;
+  LATHE_CHECK(embed, "pipeline: the first or last stage holds no embed_tokens.weight to tie");
+  ExecContext cx = m.runtime().context(o.device);
+  Tensor mine = embed->grad.defined() ? contiguous(cx, embed->grad) : Tensor::empty(embed->value.shape(), embed->value.dtype(), cx.allocator);
+  if (!embed->grad.defined()) cx.backend.fill_bytes(mine.data_ptr(), 0, mine.nbytes(), cx.stream);  // no labelled row
+  Tensor theirs = Tensor::empty(mine.shape(), mine.dtype(), cx.allocator);
+  const int peer = m.holds_embedding() ? o.pp->size() - 1 : 0;
+  o.pp->exchange({{mine, peer}}, {{theirs, peer}}).wait();
+  embed->grad = m.holds_embedding() ? add(cx, mine, theirs) : add(cx, theirs, mine);
+}
+
+}  // namespace lathe

@@ -1,0 +1,161 @@
+// Pipeline parallelism (CausalLm with ModelOptions::pp, model/pipeline_step.h) under mpirun (-np 2 and -np 4 in
+// ctest), in f64: each family's tiny four-layer model split into stages — pp 2, pp 2 x vpp 2 (interleaved) at two
+// ranks; pp 4, pp 2 x dp 2 and pp 2 x vpp 2 x dp 2 at four — runs a step of micro-batches through the schedule. The
+// reference is the whole model on every rank (the same seed: the same draws at any layout), the same micro-batches one
+// after another: each micro-batch's loss, aux loss and expert loads within 1e-12, and every gradient (summed over dp;
+// a tied embedding's over the first and last stage) within 1e-10 relative; a second run of the step is bitwise equal
+// to the first; forward-only runs give the losses too. Qwen3 (tied head), Qwen3-MoE with the aux loss, the Qwen3.5
+// MoE hybrid and Qwen3-Next. Fails with the routing totals left per stage (the aux loss is every layer's), with a
+// micro-batch's routes overwritten by the next one's forward, or with the tied embedding's halves not summed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+
+#include "comm/mpi_communicator.h"
+#include "core/error.h"
+#include "model/batch.h"
+#include "model/causal_lm.h"
+#include "model/config.h"
+#include "model/pipeline_step.h"
+#include "parallel/grid.h"
+#include "support/model_support.h"
+#include "support/tp_support.h"
+
+using namespace lathe;
+using namespace lathe::test_support;
+
+namespace {
+
+// The four-layer families: Qwen3 with a tied head, Qwen3-MoE (every layer sparse), the Qwen3.5 MoE hybrid (GDN, full
+// attention, GDN, full attention) and Qwen3-Next (layer 1's MLP dense).
+std::vector<nlohmann::json> pp_configs() {
+  nlohmann::json qwen3 = tiny_qwen3(4, 2, 12);
+  qwen3["tie_word_embeddings"] = true;
+  nlohmann::json moe = tiny_qwen3(4, 2, 12);
+  moe["model_type"] = "qwen3_moe";
+  add_experts(moe);
+  std::vector<nlohmann::json> out = {qwen3, moe, tiny_hybrid("qwen3_5_moe_text", 4, 2, 2, 12),
+                                     tiny_hybrid("qwen3_next", 4, 2, 2, 12, true)};
+  for (nlohmann::json& j : out) {
+    j["num_hidden_layers"] = 4;
+    if (j.contains("layer_types"))
+      j["layer_types"] = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
+  }
+  return out;
+}
+
+std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout) {
+  ModelOptions o;
+  o.dtype = DType::F64;
+  o.router_aux_loss = true;
+  o.pp = pp;
+  o.pipeline = layout;
+  return random_causal_lm(runtime(), parse_model_config(config, "test"), o, 5, 0.3);
+}
+
+// Micro-batch k of a step: documents of varying lengths and counts (a different token count every other one).
+PackedBatch micro_batch(int k) {
+  const std::vector<std::vector<int32_t>> cus = {{0, 7, 9, 21}, {0, 13}, {0, 4, 10, 11, 19}, {0, 6, 17}};
+  return random_batch(40, cus[size_t(k) % cus.size()], 300 + uint64_t(k));
+}
+
+struct PipelineParallel : ::testing::Test {
+  static std::unique_ptr<Communicator> world;
+  static void SetUpTestSuite() { world = mpi_world(60); }
+  static void TearDownTestSuite() { world.reset(); }
+};
+std::unique_ptr<Communicator> PipelineParallel::world;
+
+struct Layout {
+  int pp, vpp, dp;
+};
+
+void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
+  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {}", config["model_type"].get<std::string>(), lay.pp,
+                                       lay.vpp, lay.dp);
+  const ParallelGrid grid(world.size(), {.dp = lay.dp, .pp = lay.pp});
+  const ParallelGrid::Coords me = grid.coords(world.rank());
+  const std::unique_ptr<Communicator> pp = world.split(grid.group_index(GroupKind::Pp, world.rank()), me.pp, "pp", nullptr);
+  const std::unique_ptr<Communicator> dp = world.split(grid.group_index(GroupKind::Dp, world.rank()), me.dp, "dp", nullptr);
+  const PipelineLayout layout(4, lay.pp, lay.vpp);
+  const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout);
+  const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
+  for (const Parameter& p : split->parameters())  // the same draws at any layout
+    EXPECT_EQ(to_f64(p.value), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
+  const int per_replica = 4, all = per_replica * lay.dp;
+  const double scale = 1.0 / double(all);
+  std::vector<PackedBatch> mine;
+  for (int k = 0; k < per_replica; ++k) mine.push_back(micro_batch(me.dp * per_replica + k));
+  std::vector<LossResult> want;
+  whole->zero_grads();
+  for (int k = 0; k < all; ++k) want.push_back(whole->loss(micro_batch(k), true, scale));
+
+  std::vector<std::vector<double>> first_run;
+  for (int run = 0; run < 2; ++run) {
+    split->zero_grads();
+    std::vector<LossResult> got = run_pipeline(*split, mine, true, scale);
+    broadcast_losses(*split, got);
+    sum_tied_embedding_grads(*split);
+    for (int k = 0; k < per_replica; ++k) {
+      const LossResult& w = want[size_t(me.dp * per_replica + k)];
+      EXPECT_NEAR(got[size_t(k)].loss_sum, w.loss_sum, 1e-12 * std::abs(w.loss_sum)) << what << " micro " << k;
+      EXPECT_EQ(got[size_t(k)].labelled, w.labelled) << what;
+      EXPECT_NEAR(got[size_t(k)].aux_loss, w.aux_loss, 1e-12 * std::abs(w.aux_loss)) << what << " micro " << k;
+      ASSERT_EQ(got[size_t(k)].expert_load.size(), w.expert_load.size()) << what;
+      for (size_t l = 0; l < w.expert_load.size(); ++l)
+        EXPECT_EQ(got[size_t(k)].expert_load[l].tokens_per_expert, w.expert_load[l].tokens_per_expert) << what;
+    }
+    std::vector<std::vector<double>> grads;
+    for (Parameter& p : split->parameters()) {
+      ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
+      dp->all_reduce(p.grad).wait();
+      grads.push_back(to_f64(p.grad));
+      EXPECT_LT(rel_l2(grads.back(), to_f64(whole->parameter(p.name).grad)), 1e-10) << what << ": " << p.name;
+    }
+    if (run == 0) first_run = grads;
+    else EXPECT_EQ(grads, first_run) << what << ": a second run of the step is not bitwise equal";
+  }
+  // Every parameter is held by one stage (a tied embedding by the first and the last).
+  double held = double(split->parameters().size());
+  Tensor count = runtime().from_host(&held, {1}, DType::F64, Device::cpu());
+  pp->all_reduce(count).wait();
+  const bool tied = config.value("tie_word_embeddings", false);
+  EXPECT_EQ(count.data<double>()[0], double(whole->parameters().size() + (tied && lay.pp > 1 ? 1 : 0))) << what;
+
+  std::vector<LossResult> eval = run_pipeline(*split, mine, false, 1.0);  // forward only
+  broadcast_losses(*split, eval);
+  for (int k = 0; k < per_replica; ++k) {
+    const LossResult w = whole->loss(mine[size_t(k)], false);
+    EXPECT_NEAR(eval[size_t(k)].loss, w.loss, 1e-12 * w.loss) << what << " forward only, micro " << k;
+  }
+}
+
+TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
+  const int n = world->size();
+  const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}}
+                                             : std::vector<Layout>{{4, 1, 1}, {2, 1, 2}, {2, 2, 2}};
+  for (const nlohmann::json& config : pp_configs())
+    for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
+}
+
+TEST_F(PipelineParallel, RefusesWhatItCannotSchedule) {
+  const int n = world->size();
+  const auto refusal = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no refusal");
+  };
+  const std::string wrong_size = refusal([&] { model(pp_configs()[0], world.get(), PipelineLayout(4, n / 2, 1)); });
+  EXPECT_NE(wrong_size.find("is not one for " + std::to_string(n) + " ranks"), std::string::npos) << wrong_size;
+  if (n != 2) return;  // three micro-batches on the interleaved pp 2 x vpp 2
+  const std::unique_ptr<CausalLm> m = model(pp_configs()[0], world.get(), PipelineLayout(4, 2, 2));
+  const std::string odd = refusal([&] { run_pipeline(*m, {micro_batch(0), micro_batch(1), micro_batch(2)}, true, 1.0); });
+  EXPECT_NE(odd.find("3 micro-batches (train.grad_accum) are not a multiple of it"), std::string::npos) << odd;
+}
+
+}  // namespace
