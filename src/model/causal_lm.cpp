@@ -145,15 +145,37 @@ void CausalLm::for_each_declared(const std::function<void(const std::string&, co
   }
 }
 
-bool CausalLm::held_elsewhere(const std::string& name) const {
-  for (const char* root : {"model.layers.", "model.language_model.layers."}) {  // a layer's (per-expert names too)
-    const std::string r = root;
-    if (name.rfind(r, 0) != 0) continue;
+namespace {
+
+// The layer of a decoder layer's tensor ("model.layers.N." or "model.language_model.layers.N.", per-expert names
+// too); -1 for any other.
+int64_t layer_of(const std::string& name) {
+  for (const std::string root : {"model.layers.", "model.language_model.layers."}) {
+    if (name.rfind(root, 0) != 0) continue;
     int64_t layer = 0;
-    size_t end = r.size();
-    for (; end < name.size() && std::isdigit(static_cast<unsigned char>(name[end])); ++end) layer = layer * 10 + (name[end] - '0');
-    return end > r.size() && !holds_layer(layer);
+    size_t end = root.size();
+    for (; end < name.size() && std::isdigit(static_cast<unsigned char>(name[end])); ++end)
+      layer = layer * 10 + (name[end] - '0');
+    return end > root.size() ? layer : -1;
   }
+  return -1;
+}
+
+}  // namespace
+
+int CausalLm::stage_rank_of(const std::string& name) const {
+  const int64_t layer = layer_of(name);
+  if (layer >= 0) return options_.pipeline.rank_of(options_.pipeline.stage_of_layer(layer));
+  return name.find("embed_tokens") != std::string::npos ? 0 : pp_size() - 1;
+}
+
+bool CausalLm::holds_embedding_param(int index) const {
+  const std::string& n = params_[size_t(index)].name;
+  return n.size() >= 19 && n.compare(n.size() - 19, 19, "embed_tokens.weight") == 0;
+}
+
+bool CausalLm::held_elsewhere(const std::string& name) const {
+  if (layer_of(name) >= 0) return !holds_layer(layer_of(name));
   return std::any_of(absent_.begin(), absent_.end(), [&](const AbsentParameter& a) { return a.name == name; });
 }
 
@@ -927,17 +949,30 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
   ExecContext cx = rt_->context(options_.device);
   // tensor parallelism: every rank joins its slices, the first writes (under cp, the first of its cp group too)
   // (and under ep the first of its ep group: each has gathered the experts)
+  // (pipeline parallelism: the first stage writes; every other stage's first rank sends it its tensors, in order)
   const bool writer = tp_rank() == 0 && (!options_.cp || options_.cp->rank() == 0) && ep_rank() == 0;
   std::vector<Tensor> host;
   std::vector<io::TensorRef> refs;
-  for (const Parameter& p : params_) {
-    const Tensor whole = gathered(p);
-    if (!writer) continue;
+  const auto keep = [&](const Parameter& p, const Tensor& whole) {
     const DType dt = save_dtype(p.name, dtype);
     host.push_back(rt_->copy_to(cast(cx, whole, dt), Device::cpu()));
     for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Tensor whole = gathered(params_[i]);
+    if (!writer) continue;
+    if (pp_rank() == 0) keep(params_[i], whole);
+    else if (!(holds_embedding_param(int(i)))) options_.pp->send(contiguous(cx, whole), 0).wait();
   }
-  if (!writer) return;
+  if (!writer || pp_rank() > 0) return;
+  for (int i : declared_) {  // the other stages' tensors (pp rank 0 holds the embedding, tied or not)
+    if (i >= 0) continue;
+    const AbsentParameter& a = absent_[size_t(-2 - i)];
+    Parameter p{a.name, Tensor::empty(a.shard.global_shape.empty() ? a.shape : a.shard.global_shape, options_.dtype,
+                                      cx.allocator), {}, {}};
+    options_.pp->recv(p.value, stage_rank_of(a.name)).wait();
+    keep(p, p.value);
+  }
   for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
   OutputDir out(dir, "model");
   io::write_sharded_safetensors(out.tmp().string(), refs, max_shard_bytes, {{"format", "pt"}});

@@ -151,6 +151,7 @@ class CausalLm {
   bool holds_layer(int64_t layer) const { return pp_size() == 1 || options_.pipeline.rank_holds_layer(pp_rank(), layer); }
   bool holds_embedding() const { return pp_rank() == 0; }
   bool holds_head() const { return pp_rank() == pp_size() - 1; }
+  bool holds_embedding_param(int index) const;  // params_[index] is the embedding (tied: also on the last stage)
   // One micro-batch's part of the stack on virtual stage `stage` (one of this rank's): the embedding of b's ids on the
   // first stage, else the stream `in` (2, rows, H) from the previous; the stage's layers; on the last stage the final
   // norm and the loss head (with `backward`, the head's gradient now and d(loss) kept for stage_backward). A MoE
@@ -409,8 +410,10 @@ class CausalLm {
   void allocate_declared();
   // Every declared parameter in order: its name, whole shape and this rank's Parameter (nullptr: another stage's).
   void for_each_declared(const std::function<void(const std::string&, const Shape&, Parameter*)>& f);
-  // Whether a checkpoint tensor belongs to another pipeline stage (loading skips it).
+  // Whether a checkpoint tensor belongs to another pipeline stage (loading skips it); the pp rank that holds tensor
+  // `name` (a layer's: its stage's; the embedding: 0; the final norm and the head: the last).
   bool held_elsewhere(const std::string& name) const;
+  int stage_rank_of(const std::string& name) const;
   // Marks parameter `index` as this rank's slice of a tensor split along `dim` (0: rows, 1: columns) over the group
   // (ShardLayout "tp"), each slice held by `replicas` consecutive ranks; with `sections` (the whole's dim-0 sizes of
   // its parts, e.g. [q | k | v]) the slice is the rank's part of each section, stacked; what loading, random

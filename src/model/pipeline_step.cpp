@@ -170,8 +170,8 @@ void sum_tied_embedding_grads(CausalLm& m) {
   if (!o.pp || o.pp->size() == 1 || !m.global_config().tie_word_embeddings) return;
   if (!m.holds_embedding() && !m.holds_head()) return;
   Parameter* embed = nullptr;
-  for (Parameter& p : m.parameters())
-    if (p.name.size() >= 19 && p.name.compare(p.name.size() - 19, 19, "embed_tokens.weight") == 0) embed = &p;
+  for (size_t i = 0; i < m.parameters().size(); ++i)
+    if (m.holds_embedding_param(int(i))) embed = &m.parameters()[i];
   LATHE_CHECK(embed, "pipeline: the first or last stage holds no embed_tokens.weight to tie");
   ExecContext cx = m.runtime().context(o.device);
   Tensor mine = embed->grad.defined() ? contiguous(cx, embed->grad) : Tensor::empty(embed->value.shape(), embed->value.dtype(), cx.allocator);

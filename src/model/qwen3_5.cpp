@@ -221,7 +221,7 @@ Qwen35Model Qwen35Model::load(Runtime& rt, const std::string& dir, const ModelOp
   int64_t kept = 0;
   for (const std::string& name : st.names()) {
     if (expected.count(name) || (name == "lm_head.weight" && m.config_.tie_word_embeddings)) continue;
-    if (m.held_elsewhere(name) || !m.holds_head()) continue;  // pipeline: the last stage keeps the passthrough
+    if (m.held_elsewhere(name) || !m.holds_embedding()) continue;  // pipeline: the first stage keeps (and saves) it
     const bool vision = m.config_.multimodal_layout && name.rfind(visual, 0) == 0;
     const bool mtp = name.rfind("mtp.", 0) == 0;
     if (!vision && !mtp) {

@@ -10,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <unistd.h>
 #include <functional>
 #include <string>
 
@@ -138,6 +140,39 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
                                              : std::vector<Layout>{{4, 1, 1}, {2, 1, 2}, {2, 2, 2}};
   for (const nlohmann::json& config : pp_configs())
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
+}
+
+// A model saved from the stages (every stage sends the first its tensors, which writes one HF folder) reads back as
+// the whole model; loading that folder at a pp layout gives each stage its own tensors (and refuses none of the
+// others'). The Qwen3.5 hybrid, at pp = the world size.
+TEST_F(PipelineParallel, SavedStagesReadBackWholeAndLoadIntoStages) {
+  const int n = world->size();
+  const nlohmann::json config = pp_configs()[2];
+  const PipelineLayout layout(4, n, 1);
+  const std::unique_ptr<CausalLm> split = model(config, world.get(), layout);
+  const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
+  const double pid = double(getpid());
+  Tensor first = runtime().from_host(&pid, {1}, DType::F64, Device::cpu());
+  world->broadcast(first, 0).wait();  // rank 0's process id names the folder for every rank
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / fmt::format("lathe_pp_save_{}", int64_t(first.data<double>()[0]))).string();
+  split->save(dir, DType::F32);
+  world->barrier();
+  ModelOptions o;
+  o.dtype = DType::F64;
+  const std::unique_ptr<CausalLm> back = load_causal_lm(runtime(), dir, o);
+  ASSERT_EQ(back->parameters().size(), whole->parameters().size());
+  for (size_t i = 0; i < whole->parameters().size(); ++i)
+    EXPECT_LT(rel_l2(to_f64(back->parameters()[i].value), to_f64(whole->parameters()[i].value)), 1e-6)
+        << back->parameters()[i].name;  // f32 on disk
+  o.pp = world.get();
+  o.pipeline = layout;
+  const std::unique_ptr<CausalLm> staged = load_causal_lm(runtime(), dir, o);
+  ASSERT_EQ(staged->parameters().size(), split->parameters().size());
+  for (const Parameter& p : staged->parameters())
+    EXPECT_EQ(to_f64(p.value), to_f64(back->parameter(p.name).value)) << p.name;
+  world->barrier();
+  if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
 TEST_F(PipelineParallel, RefusesWhatItCannotSchedule) {
