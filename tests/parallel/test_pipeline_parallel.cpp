@@ -1,12 +1,15 @@
 // Pipeline parallelism (CausalLm with ModelOptions::pp, model/pipeline_step.h) under mpirun (-np 2 and -np 4 in
-// ctest), in f64: each family's tiny four-layer model split into stages — pp 2, pp 2 x vpp 2 (interleaved) at two
-// ranks; pp 4, pp 2 x dp 2 and pp 2 x vpp 2 x dp 2 at four — runs a step of micro-batches through the schedule. The
-// reference is the whole model on every rank (the same seed: the same draws at any layout), the same micro-batches one
-// after another: each micro-batch's loss, aux loss and expert loads within 1e-12, and every gradient (summed over dp;
-// a tied embedding's over the first and last stage) within 1e-10 relative; a second run of the step is bitwise equal
-// to the first; forward-only runs give the losses too. Qwen3 (tied head), Qwen3-MoE with the aux loss, the Qwen3.5
-// MoE hybrid and Qwen3-Next. Fails with the routing totals left per stage (the aux loss is every layer's), with a
-// micro-batch's routes overwritten by the next one's forward, or with the tied embedding's halves not summed.
+// ctest), in f64: each family's tiny four-layer model split into stages — pp 2 and pp 2 x vpp 2 (interleaved) at two
+// ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2 and, for the MoE families, pp 2 x ep 2 at four — runs a step of
+// micro-batches through the schedule. The reference is the whole model on every rank (the same seed: the same draws
+// at any layout), the same micro-batches one after another (under ep each micro-batch joined with the ep group's,
+// which route together): each micro-batch's loss, aux loss and expert loads within 1e-12, and every gradient (summed
+// over dp; a tied embedding's over the first and last stage; gathered over tp and ep) within 1e-10 relative; a
+// second run of the step is bitwise equal to the first; forward-only runs give the losses too. Qwen3 (tied head),
+// Qwen3-MoE with the aux loss, the Qwen3.5 MoE hybrid and Qwen3-Next. Fails with the routing totals left per stage
+// (the aux loss is every layer's: planted, the run stops at the size check), or with the tied embedding's halves not
+// summed (planted: the embedding's gradient fails). Also: a save from the stages reads back whole, and loads into
+// stages; layouts and micro-batch counts that cannot work are refused.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -48,8 +51,11 @@ std::vector<nlohmann::json> pp_configs() {
   return out;
 }
 
-std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout) {
+std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout,
+                                Communicator* tp = nullptr, Communicator* ep = nullptr) {
   ModelOptions o;
+  o.tp = tp;
+  o.ep = ep;
   o.dtype = DType::F64;
   o.router_aux_loss = true;
   o.pp = pp;
@@ -58,9 +64,20 @@ std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, 
 }
 
 // Micro-batch k of a step: documents of varying lengths and counts (a different token count every other one).
-PackedBatch micro_batch(int k) {
+std::vector<int32_t> micro_cu(int k) {
   const std::vector<std::vector<int32_t>> cus = {{0, 7, 9, 21}, {0, 13}, {0, 4, 10, 11, 19}, {0, 6, 17}};
-  return random_batch(40, cus[size_t(k) % cus.size()], 300 + uint64_t(k));
+  return cus[size_t(k) % cus.size()];
+}
+PackedBatch micro_batch(int k) { return random_batch(40, micro_cu(k), 300 + uint64_t(k)); }
+
+// Batches joined into one, in order.
+PackedBatch joined(const std::vector<PackedBatch>& parts) {
+  std::vector<int32_t> ids, cu = {0};
+  for (const PackedBatch& b : parts) {
+    for (size_t d = 1; d < b.host_cu.size(); ++d) cu.push_back(int32_t(ids.size()) + b.host_cu[d]);
+    ids.insert(ids.end(), b.host_ids.begin(), b.host_ids.end());
+  }
+  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), 40);
 }
 
 struct PipelineParallel : ::testing::Test {
@@ -71,28 +88,47 @@ struct PipelineParallel : ::testing::Test {
 std::unique_ptr<Communicator> PipelineParallel::world;
 
 struct Layout {
-  int pp, vpp, dp;
+  int pp, vpp, dp, tp = 1, ep = 1;
 };
 
 void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
-  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {}", config["model_type"].get<std::string>(), lay.pp,
-                                       lay.vpp, lay.dp);
-  const ParallelGrid grid(world.size(), {.dp = lay.dp, .pp = lay.pp});
+  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {}",
+                                       config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep);
+  const ParallelGrid grid(world.size(), {.tp = lay.tp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
   const ParallelGrid::Coords me = grid.coords(world.rank());
-  const std::unique_ptr<Communicator> pp = world.split(grid.group_index(GroupKind::Pp, world.rank()), me.pp, "pp", nullptr);
-  const std::unique_ptr<Communicator> dp = world.split(grid.group_index(GroupKind::Dp, world.rank()), me.dp, "dp", nullptr);
+  const int rank = world.rank();
+  const std::unique_ptr<Communicator> pp = world.split(grid.group_index(GroupKind::Pp, rank), me.pp, "pp", nullptr);
+  const std::unique_ptr<Communicator> dp = world.split(grid.group_index(GroupKind::Dp, rank), me.dp, "dp", nullptr);
+  const std::unique_ptr<Communicator> tp = world.split(grid.group_index(GroupKind::Tp, rank), me.tp, "tp", nullptr);
+  const std::unique_ptr<Communicator> ep = world.split(grid.group_index(GroupKind::Ep, rank), me.ep, "ep", nullptr);
   const PipelineLayout layout(4, lay.pp, lay.vpp);
-  const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout);
+  const std::unique_ptr<CausalLm> split =
+      model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr, lay.ep > 1 ? ep.get() : nullptr);
   const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
   for (const Parameter& p : split->parameters())  // the same draws at any layout
-    EXPECT_EQ(to_f64(p.value), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
-  const int per_replica = 4, all = per_replica * lay.dp;
+    EXPECT_EQ(to_f64(split->gathered(p)), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
+  // Each dp rank its micro-batches. Under ep the dp ranks are the ep group, which routes its ranks' k-th micro-batches
+  // together (the aux loss and loads are theirs): there the k-th have the same documents on every rank (equal
+  // labelled counts), and the reference is the whole model on them joined, at ep times the scale (the mean of a joined
+  // batch is the ranks' means' mean).
+  const int per_replica = 2, all = per_replica * lay.dp;
   const double scale = 1.0 / double(all);
+  const auto batch = [&](int d, int k) {
+    return lay.ep > 1 ? random_batch(40, micro_cu(k), 500 + 10 * uint64_t(d) + uint64_t(k)) : micro_batch(d * per_replica + k);
+  };
   std::vector<PackedBatch> mine;
-  for (int k = 0; k < per_replica; ++k) mine.push_back(micro_batch(me.dp * per_replica + k));
+  for (int k = 0; k < per_replica; ++k) mine.push_back(batch(me.dp, k));
   std::vector<LossResult> want;
   whole->zero_grads();
-  for (int k = 0; k < all; ++k) want.push_back(whole->loss(micro_batch(k), true, scale));
+  if (lay.ep == 1) {
+    for (int k = 0; k < all; ++k) want.push_back(whole->loss(micro_batch(k), true, scale));
+  } else {
+    for (int k = 0; k < per_replica; ++k) {
+      std::vector<PackedBatch> parts;
+      for (int d = 0; d < lay.dp; ++d) parts.push_back(batch(d, k));
+      want.push_back(whole->loss(joined(parts), true, scale * lay.ep));
+    }
+  }
 
   std::vector<std::vector<double>> first_run;
   for (int run = 0; run < 2; ++run) {
@@ -101,19 +137,25 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
     broadcast_losses(*split, got);
     sum_tied_embedding_grads(*split);
     for (int k = 0; k < per_replica; ++k) {
-      const LossResult& w = want[size_t(me.dp * per_replica + k)];
-      EXPECT_NEAR(got[size_t(k)].loss_sum, w.loss_sum, 1e-12 * std::abs(w.loss_sum)) << what << " micro " << k;
-      EXPECT_EQ(got[size_t(k)].labelled, w.labelled) << what;
+      const LossResult& w = want[size_t(lay.ep > 1 ? k : me.dp * per_replica + k)];
+      double loss_sum = got[size_t(k)].loss_sum;
+      if (lay.ep > 1) {  // the joined batch's: every rank's rows
+        Tensor t = runtime().from_host(&loss_sum, {1}, DType::F64, Device::cpu());
+        dp->all_reduce(t).wait();
+        loss_sum = t.data<double>()[0];
+      }
+      EXPECT_NEAR(loss_sum, w.loss_sum, 1e-12 * std::abs(w.loss_sum)) << what << " micro " << k;
       EXPECT_NEAR(got[size_t(k)].aux_loss, w.aux_loss, 1e-12 * std::abs(w.aux_loss)) << what << " micro " << k;
       ASSERT_EQ(got[size_t(k)].expert_load.size(), w.expert_load.size()) << what;
       for (size_t l = 0; l < w.expert_load.size(); ++l)
         EXPECT_EQ(got[size_t(k)].expert_load[l].tokens_per_expert, w.expert_load[l].tokens_per_expert) << what;
     }
+    split->sum_replicated_grads();
     std::vector<std::vector<double>> grads;
     for (Parameter& p : split->parameters()) {
       ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
-      dp->all_reduce(p.grad).wait();
-      grads.push_back(to_f64(p.grad));
+      if (p.shard.group != "ep") dp->all_reduce(p.grad).wait();  // an expert's: its ep rank's (one replica here)
+      grads.push_back(to_f64(split->gathered(p, true)));
       EXPECT_LT(rel_l2(grads.back(), to_f64(whole->parameter(p.name).grad)), 1e-10) << what << ": " << p.name;
     }
     if (run == 0) first_run = grads;
@@ -137,9 +179,11 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
 TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
   const int n = world->size();
   const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}}
-                                             : std::vector<Layout>{{4, 1, 1}, {2, 1, 2}, {2, 2, 2}};
-  for (const nlohmann::json& config : pp_configs())
+                                             : std::vector<Layout>{{4, 1, 1}, {2, 2, 2}, {2, 1, 1, 2, 1}};
+  for (const nlohmann::json& config : pp_configs()) {
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
+    if (n == 4 && config.value("num_experts", 0) > 0) expect_pipeline_equals_whole(config, {2, 1, 2, 1, 2}, *world);
+  }
 }
 
 // A model saved from the stages (every stage sends the first its tensors, which writes one HF folder) reads back as
