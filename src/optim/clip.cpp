@@ -90,11 +90,12 @@ PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>
 }
 
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp,
-                                 Communicator* ep) {
+                                 Communicator* ep, const Parameter* skip) {
   // Whole tensors; slices held by one rank each; slices held by `replicas` ranks each (counted once per set); experts.
   std::vector<const Parameter*> whole, experts;
   std::map<int, std::vector<const Parameter*>> sliced;  // by replicas
   for (const Parameter& p : params) {
+    if (&p == skip) continue;
     if (tp && tp->size() > 1 && p.shard.group == "tp") sliced[p.shard.replicas].push_back(&p);
     else if (ep && ep->size() > 1 && p.shard.group == "ep") experts.push_back(&p);
     else whole.push_back(&p);

@@ -43,8 +43,9 @@ PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter*>
 // (ShardLayout group "tp") are summed over it before the norm, a slice that `replicas` ranks hold counted once; every
 // other gradient, whole on each rank, counts once.
 // `ep`: the expert-parallel group, whose ranks each hold their experts ("ep" slices: their squares summed over it).
+// `skip`: a parameter left out (pipeline parallelism: a tied embedding's copy on the last stage; the first counts it).
 PendingGradNorm launch_grad_norm(ExecContext& ctx, const std::vector<Parameter>& params, Communicator* tp = nullptr,
-                                 Communicator* ep = nullptr);
+                                 Communicator* ep = nullptr, const Parameter* skip = nullptr);
 
 // The factor torch.nn.utils.clip_grad_norm_ scales gradients by: min(1, max_norm / (grad_norm + 1e-6)).
 // 1 when max_norm <= 0 (clipping off). grad_norm must be finite.

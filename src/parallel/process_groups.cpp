@@ -8,7 +8,7 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
                                                    std::unique_ptr<Stream> grad_stream) {
   const int n = world ? world->size() : 1;
   auto g = std::make_unique<ProcessGroups>(
-      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
+      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
   if (!world) return g;
   const int index = g->grid.group_index(GroupKind::Dp, g->rank);
   g->dp = world->split(index, g->rank, fmt::format("dp[{}]", index), nullptr);
@@ -29,10 +29,15 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
     const int e = g->grid.group_index(GroupKind::Ep, g->rank), d = g->grid.group_index(GroupKind::Edp, g->rank);
     g->ep = world->split(e, g->rank, fmt::format("ep[{}]", e), nullptr);
     g->edp = world->split(d, g->rank, fmt::format("edp[{}]", d), nullptr);
-    if (sizes.tp > 1) {  // (ep runs without cp and pp: the ranks of one edp index are its tp x ep ranks)
-      const int r = g->edp->rank();
-      g->tp_ep = world->split(r, g->rank, fmt::format("tp_ep[{}]", r), nullptr);
-    }
+  }
+  if (sizes.pp > 1) {
+    const int p = g->grid.group_index(GroupKind::Pp, g->rank);
+    g->pp = world->split(p, g->rank, fmt::format("pp[{}]", p), nullptr);
+  }
+  if (sizes.tp * sizes.ep * sizes.pp > 1) {  // the ranks of one replica's slices: one (cp, dp) place, or one edp index
+    const ParallelGrid::Coords c = g->grid.coords(g->rank);
+    const int r = sizes.ep > 1 ? c.edp : c.cp + g->grid.sizes().cp * c.dp;
+    g->slices = world->split(r, g->rank, fmt::format("slices[{}]", r), nullptr);
   }
   g->world = std::move(world);
   return g;

@@ -1,7 +1,7 @@
 // The process groups one rank takes part in, made from the ParallelGrid: each kind's communicator is split from the
 // world eagerly, in the same order on every rank (a communicator made lazily can stall a job outside any timeout;
-// research note parallelism.md §1). The data-, tensor-, context- and expert-parallel groups exist so far; pp joins
-// them as its issue lands. A single process is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
+// research note parallelism.md §1): data-, tensor-, context-, expert- and pipeline-parallel groups. A single process
+// is a world of one with no communicators. Covered by tests/e2e/test_train_dp.cpp.
 #pragma once
 
 #include <memory>
@@ -28,9 +28,10 @@ struct ProcessGroups {
   // Expert parallelism (ep > 1): the ranks that split one copy of the experts (each its own batches), and the ranks
   // that hold the same experts (their gradients sum over it).
   std::unique_ptr<Communicator> ep, edp;
-  // tp and ep both above 1: the tp x ep ranks of one expert replica, which hold different slices (the tp slices and
-  // the experts), each saving its own optimizer state.
-  std::unique_ptr<Communicator> tp_ep;
+  std::unique_ptr<Communicator> pp;  // pipeline parallelism: the stages of one replica, in stage order (pp > 1)
+  // The tp x ep x pp ranks of one replica (above one rank), which hold different slices of the weights (tp slices,
+  // experts, stages), each saving its own optimizer state.
+  std::unique_ptr<Communicator> slices;
 
   int dp_rank() const { return dp ? dp->rank() : 0; }
   int tp_rank() const { return tp ? tp->rank() : 0; }
@@ -38,6 +39,8 @@ struct ProcessGroups {
   int cp_rank() const { return cp ? cp->rank() : 0; }
   int dp_size() const { return dp ? dp->size() : 1; }
   int ep_size() const { return ep ? ep->size() : 1; }
+  int pp_rank() const { return pp ? pp->rank() : 0; }
+  int pp_size() const { return pp ? pp->size() : 1; }
   int edp_rank() const { return edp ? edp->rank() : 0; }
   bool is_first() const { return rank == 0; }  // the rank that prints and writes the run's files
   // The ranks that hold the same weights: the gradients are summed over them and ZeRO cuts the optimizer state over

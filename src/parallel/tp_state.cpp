@@ -59,9 +59,11 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
     const int64_t width = p.value.numel() / p.value.size(0);  // ours viewed as 2-D
     for (const char* suffix : {".master", ".exp_avg", ".exp_avg_sq"}) {
       const std::string name = p.name + suffix;
-      const io::SafetensorsTensor* first = old[0].find(name);
+      const io::SafetensorsTensor* first = nullptr;  // in the first file that holds it (pp: one stage's file)
+      for (size_t f = 0; f < old.size() && !first; ++f) first = old[f].find(name);
       if (!first) {
-        LATHE_CHECK(std::string(suffix) == ".master", "tp: {}: {} is missing", old[0].path(), name);
+        LATHE_CHECK(std::string(suffix) == ".master", "tp: {}: {} is missing from the {} old optimizer files",
+                    old[0].path(), name, old.size());
         continue;  // parameters that are their own masters
       }
       const DType dtype = first->dtype;
@@ -72,8 +74,9 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
       std::set<std::pair<int64_t, int64_t>> seen;
       for (const io::SafetensorsFile& f : old) {
         const io::SafetensorsTensor* t = f.find(name);
-        LATHE_CHECK(t && t->dtype == dtype && t->shape.size() == mine_shape.size(),
-                    "tp: {}: {} is missing, of another dtype or of another rank", f.path(), name);
+        if (!t) continue;  // another slice's file (pipeline stages hold different tensors; the count below checks)
+        LATHE_CHECK(t->dtype == dtype && t->shape.size() == mine_shape.size(),
+                    "tp: {}: {} is of another dtype or of another rank", f.path(), name);
         for (const PieceBox& ob : old_boxes(f, p.name, *t)) {
           if (!seen.insert({ob.row, ob.col}).second) continue;
           for (const PieceBox& mb : mine) {

@@ -213,7 +213,9 @@ const std::vector<Option>& options() {
       LATHE_OPT("parallel.sp", Kind::Bool, "false", "sequence parallelism with parallel.tp > 1: the residual stream between the layers' blocks split by tokens over the tp group (1/tp of its activations; docs/parallel.md)", sp),
       LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks: each holds its rows of every micro-batch, attention and Gated DeltaNet over whole documents by a head all-to-all (docs/parallel.md)", cp),
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks: each holds num_experts / ep of every mixture-of-experts layer's experts (docs/moe.md)", ep),
-      LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages (not built yet: 1)", pp),
+      LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages: each rank holds the layers of its stages, a step's micro-batches (train.grad_accum) run through them by the 1F1B schedule (full fine-tuning; docs/parallel.md)", pp),
+      LATHE_NUM("parallel.vpp", Kind::Int, "1", between(1, 65536), "virtual pipeline stages per rank (the interleaved 1F1B schedule: a smaller bubble; train.grad_accum a multiple of parallel.pp)", vpp),
+      LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order (default: as even as possible, the first stages one more)", pp_layers),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
                 "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
                 "the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only "
@@ -493,9 +495,25 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, messages (or chat), prompt_completion",
                                    c.data_format));
   }
-  if (c.pp > 1)
-    problems.push_back("parallel.pp: pipeline parallelism is not built yet (data, tensor, context and expert parallelism "
-                       "are): use 1");
+  if (c.pp > 1) {  // pipeline parallelism so far (docs/parallel.md, "Pipeline parallelism"): what the trainer composes
+    const auto refuse = [&](const std::string& what) {
+      problems.push_back(fmt::format("parallel.pp: {} with {} is not built yet", c.pp, what));
+    };
+    if (c.lora_rank > 0 || has_tenants) refuse("LoRA");
+    if (c.zero > 0) refuse(fmt::format("parallel.zero {}", c.zero));
+    if (!c.final_eval_file.empty()) refuse("final_eval.file (generation through the stages)");
+    if (c.vpp > 1 && c.grad_accum % c.pp != 0)
+      problems.push_back(fmt::format("parallel.vpp: the interleaved schedule runs micro-batches in groups of "
+                                     "parallel.pp = {}; train.grad_accum = {} is not a multiple of it", c.pp, c.grad_accum));
+  }
+  if (c.vpp > 1 && c.pp <= 1)
+    problems.push_back(fmt::format("parallel.vpp: {} virtual stages need pipeline parallelism (parallel.pp above 1)", c.vpp));
+  for (const std::string& n : c.pp_layers)
+    if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos)
+      problems.push_back(fmt::format("parallel.pp_layers: '{}' is not a layer count", n));
+  if (!c.pp_layers.empty() && int64_t(c.pp_layers.size()) != c.pp * c.vpp)
+    problems.push_back(fmt::format("parallel.pp_layers: {} counts for {} pipeline stages (pp {} x vpp {})",
+                                   c.pp_layers.size(), c.pp * c.vpp, c.pp, c.vpp));
   if (c.ep > 1) {  // expert parallelism so far (docs/moe.md, "Expert parallelism"): what the trainer composes it with
     const auto refuse = [&](const std::string& what) {
       problems.push_back(fmt::format("parallel.ep: {} with {} is not built yet", c.ep, what));

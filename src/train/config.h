@@ -102,6 +102,8 @@ struct TrainConfig {
   // parallel layout (docs/parallel.md): sizes whose product is the world size (dp 0: inferred), ZeRO stage, the
   // collectives' timeout
   int64_t tp = 1, cp = 1, ep = 1, pp = 1, dp = 0;
+  int64_t vpp = 1;                     // virtual pipeline stages a rank (the interleaved schedule)
+  std::vector<std::string> pp_layers;  // layers of each pipeline stage (empty: as even as possible)
   bool sp = false;  // sequence parallelism with tp (ModelOptions::sequence_parallel)
   int64_t zero = 0;
   double bucket_mb = 128;  // gradient buckets summed over dp while the backward runs

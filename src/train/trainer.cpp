@@ -26,6 +26,7 @@
 #include "data/tokenizer_files.h"
 #include "model/causal_lm.h"
 #include "model/lora.h"
+#include "model/pipeline_step.h"
 #include "optim/adamw.h"
 #include "optim/clip.h"
 #include "optim/schedule.h"
@@ -201,6 +202,16 @@ void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>&
 }
 
 // A device batch of one job's host batch, its rows served by `adapter` (-1: no adapter).
+// The name of the layout whose ranks hold different slices of the weights, in the optimizer state files' names: the
+// kinds above 1 joined ("tp", "ep", "tp-ep", "pp", "tp-pp", ...).
+std::string slice_kind_of(int tp, int ep, int pp) {
+  std::vector<std::string> kinds;
+  if (tp > 1) kinds.push_back("tp");
+  if (ep > 1) kinds.push_back("ep");
+  if (pp > 1) kinds.push_back("pp");
+  return kinds.empty() ? "tp" : fmt::format("{}", fmt::join(kinds, "-"));
+}
+
 PackedBatch single_job_batch(Runtime& rt, const CausalLm& model, const data::Batch& b, int adapter) {
   PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels,
                                      model.global_config().vocab_size);
@@ -216,10 +227,18 @@ double evaluate(Runtime& rt, CausalLm& model, const Job& job) {
   o.prefetch = 0;
   data::PackedLoader loader(job.eval, o);
   const int64_t n = std::min<int64_t>(job.cfg->eval_batches, loader.batches_in_first_epoch());
+  std::vector<PackedBatch> batches;
+  for (int64_t i = 0; i < n; ++i) batches.push_back(single_job_batch(rt, model, loader.next(), job.adapter));
+  std::vector<LossResult> results;
+  if (model.pp_size() > 1) {  // pipeline parallelism: the batches stream through the stages, forward only
+    results = run_pipeline(model, batches, false, 1.0);
+    broadcast_losses(model, results);
+  } else {
+    for (const PackedBatch& b : batches) results.push_back(model.loss(b, false));
+  }
   double sum = 0;
   int64_t labelled = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const LossResult r = model.loss(single_job_batch(rt, model, loader.next(), job.adapter), false);
+  for (const LossResult& r : results) {
     sum += r.loss_sum;
     labelled += r.labelled;
   }
@@ -328,6 +347,7 @@ class Trainer::Impl {
   void load_optimizer(Job& j);
   void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
+  void account_micro_batch(const LossResult& r, const std::vector<Job*>& in_batch);
   BackwardHooks micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer);
   void run_source_batch(const std::vector<Job*>& active, PackedBatch& pb, const std::function<void()>& queue_optimizer);
   void start_source();
@@ -348,14 +368,22 @@ class Trainer::Impl {
   bool joins_save() const { return lead_ && (!groups_ || groups_->cp_rank() == 0); }
   // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, ep, or
   // tp x ep.
-  Communicator* slices() const {
-    if (!groups_) return nullptr;
-    return groups_->tp_ep ? groups_->tp_ep.get() : tp_ ? tp_ : groups_->ep.get();
+  Communicator* slices() const { return groups_ ? groups_->slices.get() : nullptr; }
+  std::string slice_kind() const {
+    return groups_ ? slice_kind_of(groups_->tp_size(), groups_->ep_size(), groups_->pp_size()) : "tp";
   }
-  std::string slice_kind() const { return groups_ && groups_->tp_ep ? "tp-ep" : tp_ ? "tp" : "ep"; }
   // LoRA under ep: the adapters are whole on every ep rank, so only the first ep rank's (tp group) writes them.
   bool writes_adapters() const { return !groups_ || !groups_->ep || groups_->ep->rank() == 0; }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
+  // Pipeline parallelism with a tied head: the last stage's copy of the embedding (the first stage's is counted in
+  // the gradient norm); else nullptr.
+  const Parameter* tied_head_copy() const {
+    if (lora_ || model_->pp_size() == 1 || !model_->holds_head() || !model_->global_config().tie_word_embeddings)
+      return nullptr;
+    for (size_t i = 0; i < model_->parameters().size(); ++i)
+      if (model_->holds_embedding_param(int(i))) return &model_->parameters()[i];
+    return nullptr;
+  }
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
   Runtime& rt_;
@@ -567,6 +595,14 @@ void Trainer::Impl::build() {
   mopt.sequence_parallel = c_.sp;
   mopt.cp = groups_ ? groups_->cp.get() : nullptr;
   mopt.ep = groups_ ? groups_->ep.get() : nullptr;
+  if (groups_ && groups_->pp) {
+    LATHE_CHECK(!source_, "rl: parallel.pp = {}: reinforcement learning through pipeline stages is not built yet",
+                groups_->pp->size());
+    std::vector<int64_t> counts;
+    for (const std::string& n : c_.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
+    mopt.pp = groups_->pp.get();
+    mopt.pipeline = PipelineLayout(model_config_.num_layers, groups_->pp->size(), int(c_.vpp), counts);
+  }
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);
   const ModelConfig& mc = model_->global_config();
@@ -710,15 +746,18 @@ void Trainer::Impl::load_optimizer(Job& j) {
   check_optimizer_layout(j);
   const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
   // Tensor or expert parallelism, now or then: the checkpoint's slices, one file per rank of the slicing group.
-  const int saved_tp = j.state.value("tp", 1), saved_ep = j.state.value("ep", 1), n = slices() ? slices()->size() : 1;
-  const std::string saved_kind = saved_tp > 1 && saved_ep > 1 ? "tp-ep" : saved_ep > 1 ? "ep" : "tp";
-  const int saved_n = saved_tp * saved_ep;
+  const int saved_tp = j.state.value("tp", 1), saved_ep = j.state.value("ep", 1), saved_pp = j.state.value("pp", 1);
+  const int n = slices() ? slices()->size() : 1;
+  const std::string saved_kind = slice_kind_of(saved_tp, saved_ep, saved_pp);
+  const int saved_n = saved_tp * saved_ep * saved_pp;
   LATHE_CHECK(saved_n == 1 || saved.is_null(), "train: {}: a checkpoint of {} {} with ZeRO shards is not one Lathe "
               "writes", from.string(), saved_kind, saved_n);
   if (saved_n > 1 || slices()) {  // this rank's slices (and whole tensors)
     LATHE_CHECK(!j.zero, "train: {} was saved at parallel.{} = {}: resuming it under ZeRO is not built yet",
                 from.string(), saved_kind, saved_n);
-    if (saved_n == n && saved_kind == slice_kind()) {
+    const bool same_stages = j.state.value("pipeline", std::string()) ==
+                             (model_->pp_size() > 1 ? model_->options().pipeline.describe() : std::string());
+    if (saved_n == n && saved_kind == slice_kind() && same_stages) {
       j.opt->load((from / slice_state_name(saved_kind, slices()->rank(), n)).string());
       return;
     }
@@ -809,6 +848,9 @@ void Trainer::Impl::write_model_files(const std::string& dir) const {
 // the rows of each job a segment of its adapter.
 void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
   const ModelConfig& mc = model_->global_config();  // the whole vocabulary (config()'s is a tp rank's rows)
+  const auto account = [this](const LossResult& r, const std::vector<Job*>& in_batch) { account_micro_batch(r, in_batch); };
+  std::vector<PackedBatch> pipeline_batches;
+  std::vector<std::vector<Job*>> pipeline_jobs;
   int64_t max_accum = 0;
   for (Job* j : active) max_accum = std::max(max_accum, j->cfg->grad_accum);
   for (int64_t micro = 0; micro < max_accum; ++micro) {
@@ -834,22 +876,43 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
     if (in_batch.empty()) continue;
     PackedBatch pb = make_packed_batch(rt_, device_, std::move(ids), std::move(cu), std::move(labels), mc.vocab_size);
     if (lora_) set_segments(pb, segments);
+    if (model_->pp_size() > 1) {  // the step's micro-batches go through the pipeline together, below
+      pipeline_batches.push_back(std::move(pb));
+      pipeline_jobs.push_back(std::move(in_batch));
+      continue;
+    }
     const bool last = micro + 1 == max_accum;
     const BackwardHooks hooks = micro_batch_hooks(last, queue_optimizer);
-    const LossResult r = model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks);
-    for (size_t k = 0; k < in_batch.size(); ++k) {
-      const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
-      in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
-      in_batch[k]->labelled += seg.labelled;
-      // The routing is the whole batch's (the tenants of one batch share the base model's experts).
-      in_batch[k]->aux_sum += r.aux_loss;
-      // Under ep every rank of an ep group has the group's loads: its first rank's count once in the sum over dp.
-      const bool counts = !groups_ || !groups_->ep || groups_->ep->rank() == 0;
-      for (const ExpertLoadStat& s : r.expert_load) {
-        std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
-        acc.resize(s.tokens_per_expert.size(), 0);
-        for (size_t e = 0; e < acc.size(); ++e) acc[e] += counts ? s.tokens_per_expert[e] : 0;
-      }
+    account(model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks), in_batch);
+  }
+  if (pipeline_batches.empty()) return;
+  // Pipeline parallelism (full fine-tuning, one job): the schedule runs every micro-batch's forward and backward; the
+  // last stage's losses are shared with the others, a tied embedding's two halves summed, and the gradients are then
+  // complete, as after a backward.
+  std::vector<LossResult> results =
+      run_pipeline(*model_, pipeline_batches, true, 1.0 / double(jobs_[0].cfg->grad_accum * dp_));
+  broadcast_losses(*model_, results);
+  sum_tied_embedding_grads(*model_);
+  for (size_t i = 0; i < results.size(); ++i) account(results[i], pipeline_jobs[i]);
+  const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
+  if (hooks.grads_done) hooks.grads_done(-1);
+  if (hooks.queued) hooks.queued();
+}
+
+// A micro-batch's losses, aux loss and expert loads into the figures of the jobs whose rows it holds.
+void Trainer::Impl::account_micro_batch(const LossResult& r, const std::vector<Job*>& in_batch) {
+  for (size_t k = 0; k < in_batch.size(); ++k) {
+    const LossResult::Segment seg = lora_ ? r.segments[k] : LossResult::Segment{r.loss_sum, r.labelled};
+    in_batch[k]->loss_sum += seg.labelled ? seg.loss_sum / double(seg.labelled) : 0.0;
+    in_batch[k]->labelled += seg.labelled;
+    // The routing is the whole batch's (the tenants of one batch share the base model's experts).
+    in_batch[k]->aux_sum += r.aux_loss;
+    // Under ep every rank of an ep group has the group's loads: its first rank's count once in the sum over dp.
+    const bool counts = !groups_ || !groups_->ep || groups_->ep->rank() == 0;
+    for (const ExpertLoadStat& s : r.expert_load) {
+      std::vector<int64_t>& acc = in_batch[k]->expert_tokens[s.layer];
+      acc.resize(s.tokens_per_expert.size(), 0);
+      for (size_t e = 0; e < acc.size(); ++e) acc[e] += counts ? s.tokens_per_expert[e] : 0;
     }
   }
 }
@@ -1065,6 +1128,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     if (j.zero) st["zero"] = j.zero->layout();
     if (tp_) st["tp"] = tp_->size();
     if (groups_ && groups_->ep) st["ep"] = groups_->ep->size();
+    if (groups_ && groups_->pp) st["pp"] = groups_->pp->size(), st["pipeline"] = model_->options().pipeline.describe();
     if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
@@ -1255,7 +1319,8 @@ void Trainer::Impl::queue_updates(const std::vector<Job*>& active, PendingUpdate
   for (Job* j : active) {
     const size_t k = size_t(j - jobs_.data());
     if (j->failed || pending.norms[k]) continue;
-    pending.norms[k].emplace(launch_grad_norm(*ctx_, *j->params, tp_, groups_ ? groups_->ep.get() : nullptr));
+    pending.norms[k].emplace(
+        launch_grad_norm(*ctx_, *j->params, tp_, groups_ ? groups_->ep.get() : nullptr, tied_head_copy()));
     // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
     pending.updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
   }
@@ -1269,6 +1334,7 @@ std::vector<nlohmann::json> Trainer::Impl::apply_updates(const std::vector<Job*>
     const size_t k = size_t(j - jobs_.data());
     double norm = pending.norms[k]->read();
     if (j->zero) norm = std::sqrt(sum_over(groups_->weight_replicas(), {norm * norm})[0]);  // each its range's
+    if (groups_ && groups_->pp) norm = std::sqrt(sum_over(*groups_->pp, {norm * norm})[0]);  // each its stages'
     // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
     // update is queued (optimizer_step), the rest after it.
     if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);

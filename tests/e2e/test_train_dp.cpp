@@ -528,6 +528,64 @@ TEST(ExpertParallel, LayoutsNotBuiltAreRefusedByName) {
   EXPECT_NE(r.output.find("has no mixture-of-experts layers to split over 2 ranks"), std::string::npos) << r.output;
 }
 
+// Qwen3 with four layers (tied head): pp 2 x vpp 2 splits them into four stages, pp 4 into one a stage.
+const char* kQwen3Deep =
+    "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4,\n"
+    "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true, vocab_size: 320}\n";
+
+// Pipeline parallelism: the step's micro-batches (grad_accum) through the stages by the 1F1B schedule (interleaved
+// with vpp 2) equal one process's grad_accum x dp micro-batches: losses within 1e-5, the first gradient norms within
+// 1e-4 (the norm's squares are summed stage by stage, the tied embedding's counted once), weights within 1e-5 at step
+// 3 and at the end; each stage writes its optimizer state (optimizer.pp-R-of-N), and the model is one HF folder.
+// Qwen3 (tied head) at pp 2, pp 2 x vpp 2, pp 4 and pp 2 x dp 2; Qwen3-MoE at pp 2 x ep 2. A run killed at pp 2
+// resumes at pp 2 and, re-cut, at one process and at pp 4; one process's checkpoint resumes at pp 2.
+TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
+  const fs::path dir = setup("pp", kQwen3Deep);
+  const LatheRun ref = train(dir, "ref", 0, 4);
+  ASSERT_EQ(ref.exit_code, 0) << ref.output;
+  const std::vector<double> want = losses(dir / "ref");
+  for (const auto& [np, accum, pp, vpp] :
+       {std::tuple{2, 4, 2, 1}, std::tuple{2, 4, 2, 2}, std::tuple{4, 4, 4, 1}, std::tuple{4, 2, 2, 1}}) {
+    const std::string out = fmt::format("pp{}_vpp{}_np{}", pp, vpp, np);
+    const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.pp={} --set parallel.vpp={}", pp, vpp) +
+                                                      kSmallBuckets);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("parallel: tp=1 cp=1 ep=1 dp={} pp={} (world {})", np / pp, pp, np)),
+              std::string::npos) << r.output;
+    expect_same_curve(losses(dir / out), want, out);
+    expect_same_first_grad_norms(dir, out);
+    const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "pp " + out);
+    EXPECT_LT(d3, 1e-5) << out;
+    EXPECT_LT(d, 1e-5) << out;
+    for (int rank = 0; rank < pp; ++rank)
+      EXPECT_TRUE(fs::exists(dir / out / fmt::format("checkpoints/step-00000003/optimizer.pp-{}-of-{}.safetensors", rank, pp)));
+  }
+  const LatheRun killed = train(dir, "run", 2, 4, " --set parallel.pp=2", "LATHE_FAULT_INJECT=after_step:4");
+  EXPECT_NE(killed.exit_code, 0);
+  fs::copy(dir / "run", dir / "run_one", fs::copy_options::recursive);
+  fs::copy(dir / "run", dir / "run_pp4", fs::copy_options::recursive);
+  expect_continues(dir, "run", 2, 4, " --set parallel.pp=2", "resumed from", want, "pp 2 -> pp 2");
+  expect_continues(dir, "run_one", 0, 4, "", "was saved at pp 2; re-cut for pp 1", want, "pp 2 -> one process");
+  expect_continues(dir, "run_pp4", 4, 4, " --set parallel.pp=4", "was saved at pp 2; re-cut for pp 4", want,
+                   "pp 2 -> pp 4");
+  const LatheRun one = train(dir, "one", 0, 4, "", "LATHE_FAULT_INJECT=after_step:4");
+  EXPECT_NE(one.exit_code, 0);
+  expect_continues(dir, "one", 2, 4, " --set parallel.pp=2", "was saved at tp 1; re-cut for pp 2", want,
+                   "one process -> pp 2");
+
+  const fs::path moe = setup("pp_ep", kQwen3Moe);  // pp 2 x ep 2: the ep group is the dp pair of each stage
+  const LatheRun moe_ref = train(moe, "ref", 0, 4);
+  ASSERT_EQ(moe_ref.exit_code, 0) << moe_ref.output;
+  const LatheRun r = train(moe, "pp2_ep2", 4, 2, " --set parallel.pp=2 --set parallel.ep=2" + std::string(kSmallBuckets));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_same_curve(losses(moe / "pp2_ep2"), losses(moe / "ref"), "pp 2 x ep 2");
+  const auto [d3, d] = weight_diffs(moe, "pp2_ep2", "model.safetensors", "pp 2 x ep 2");
+  EXPECT_LT(d3, 1e-5);
+  EXPECT_LT(d, 1e-5);
+  for (int rank = 0; rank < 4; ++rank)
+    EXPECT_TRUE(fs::exists(moe / fmt::format("pp2_ep2/checkpoints/step-00000003/optimizer.ep-pp-{}-of-4.safetensors", rank)));
+}
+
 TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   const fs::path dir = setup("tplora", kQwen3, "lora: {rank: 4, alpha: 8}\n");
   const LatheRun ref = train(dir, "ref", 0, 4);
@@ -649,9 +707,16 @@ TEST(DataParallel, LayoutsThatCannotWorkAreRefusedBeforeAnyWeightIsLoaded) {
   const LatheRun cp = train(dir, "x", 2, 1, " --set parallel.cp=2 --set lora.rank=4 --set lora.dropout=0.1");
   EXPECT_NE(cp.exit_code, 0);
   EXPECT_NE(cp.output.find("lora.dropout: 0.1 under parallel.cp 2 is not built yet"), std::string::npos) << cp.output;
-  const LatheRun pp = train(dir, "x", 2, 1, " --set parallel.pp=2");
+  const LatheRun pp = train(dir, "x", 2, 1, " --set parallel.pp=2 --set lora.rank=4");
   EXPECT_NE(pp.exit_code, 0);
-  EXPECT_NE(pp.output.find("parallel.pp: pipeline parallelism is not built yet"), std::string::npos) << pp.output;
+  EXPECT_NE(pp.output.find("parallel.pp: 2 with LoRA is not built yet"), std::string::npos) << pp.output;
+  const LatheRun vpp = train(dir, "x", 2, 3, " --set parallel.pp=2 --set parallel.vpp=2");
+  EXPECT_NE(vpp.exit_code, 0);
+  EXPECT_NE(vpp.output.find("train.grad_accum = 3 is not a multiple of it"), std::string::npos) << vpp.output;
+  const LatheRun stages = train(dir, "x", 2, 2, " --set parallel.pp=2 --set parallel.pp_layers=[2,1]");
+  EXPECT_NE(stages.exit_code, 0);
+  EXPECT_NE(stages.output.find("parallel.pp_layers: the counts add up to 3 layers; the model has 2"), std::string::npos)
+      << stages.output;
   const LatheRun tp = train(dir, "x", 3, 1, " --set parallel.tp=3");  // 4 heads
   EXPECT_NE(tp.exit_code, 0);
   EXPECT_NE(tp.output.find("parallel.tp: 3 ranks must divide the attention heads (4) and the MLP's intermediate size"),
