@@ -110,12 +110,17 @@ struct LossResult {
   std::vector<ExpertLoadStat> expert_load;
 };
 
+// Pipeline parallelism: what the last stage computes of a micro-batch — its loss (Train: and the head's backward, the
+// stages' activations kept for theirs), or its labels' log-probabilities.
+enum class StageHead { Loss, Train, LabelLogprobs };
+
 // Pipeline parallelism: one micro-batch's forward on one virtual stage, kept until its backward.
 struct StageWork {
   int stage = 0;
   std::shared_ptr<void> acts;  // the family's layer activations (or their inputs, under recompute)
   Tensor out;                  // (2, rows, H): the residual stream's two terms, for the next stage (not on the last)
-  LossResult loss;             // the last stage's
+  LossResult loss;             // the last stage's (StageHead Loss and Train)
+  std::vector<double> logprobs;  // the last stage's (StageHead LabelLogprobs): per position, label_logprobs' layout
   std::vector<std::pair<int64_t, MoeRoute>> routes;  // the stage's sparse layers' routing, for their backward
   std::vector<RoutingTotals> totals;                  // and its totals (the aux loss is every layer's)
 };
@@ -154,9 +159,9 @@ class CausalLm {
   bool holds_embedding_param(int index) const;  // params_[index] is the embedding (tied: also on the last stage)
   // One micro-batch's part of the stack on virtual stage `stage` (one of this rank's): the embedding of b's ids on the
   // first stage, else the stream `in` (2, rows, H) from the previous; the stage's layers; on the last stage the final
-  // norm and the loss head (with `backward`, the head's gradient now and d(loss) kept for stage_backward). A MoE
-  // model's routing totals of the stage's layers are in the work (pipeline_step.h joins them for the aux loss).
-  virtual std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+  // norm and `head` (Train: the loss, the head's gradient now and d(loss) kept for stage_backward). A MoE model's
+  // routing totals of the stage's layers are in the work (pipeline_step.h joins them for the aux loss).
+  virtual std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                                    double loss_scale) = 0;
   // The stage's backward: from d(stream) `dout` (rows, H) from the next stage (undefined on the last), the layers'
   // gradients, and the embedding's on the first stage; returns d(stream) for the previous stage (undefined on the

@@ -154,8 +154,9 @@ struct DecoderStack {
   };
 
   template <typename M>
-  static std::shared_ptr<StageWork> stage_forward(M& m, int stage, const PackedBatch& b, const Tensor& in, bool backward,
+  static std::shared_ptr<StageWork> stage_forward(M& m, int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                                   double loss_scale) {
+    const bool backward = head == StageHead::Train;
     const PipelineLayout& pl = m.options_.pipeline;
     LATHE_CHECK(pl.rank_of(stage) == m.pp_rank(), "model: pipeline stage {} is not held by pp rank {}", stage, m.pp_rank());
     ExecContext cx = m.ctx();
@@ -197,6 +198,10 @@ struct DecoderStack {
       copy_into(cx, x.r, work->out.narrow(0, 1, 1).view({rows, h}));
     } else {
       const auto [xf, x_last] = m.norm_stream(x, m.w(m.final_norm_), final_norm(m));
+      if (head == StageHead::LabelLogprobs) {  // the rank's rows under cp, joined
+        work->logprobs = m.head_label_logprobs(m.block_input(xf, m.block_tokens(b)), m.head(), b);
+        return work;
+      }
       std::vector<std::pair<size_t, Tensor>> losses;
       Tensor dxf;
       work->loss = m.head_loss(m.block_input(xf, m.block_tokens(b)), m.head(), b, backward, loss_scale, &dxf, losses);

@@ -25,8 +25,13 @@ std::vector<double> host_values(Runtime& rt, const Tensor& t) {
 
 }  // namespace
 
-std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>& micro, bool backward,
-                                     double loss_scale) {
+namespace {
+
+// The schedule's ticks on this rank (pipeline_step.h): the last stage's losses, or with StageHead::LabelLogprobs its
+// log-probabilities into *logprobs.
+std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& micro, StageHead head,
+                                   double loss_scale, std::vector<std::vector<double>>* logprobs) {
+  const bool backward = head == StageHead::Train;
   const ModelOptions& o = m.options();
   LATHE_CHECK(o.pp && o.pp->size() > 1, "pipeline: the model was built without a pipeline group (ModelOptions::pp)");
   Runtime& rt = m.runtime();
@@ -55,7 +60,7 @@ std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>
       const Key key{v, a.micro};
       const PackedBatch& b = micro[size_t(a.micro)];
       if (a.op == PipeOp::Forward) {
-        std::shared_ptr<StageWork> w = m.stage_forward(v, b, v > 0 ? stream_in.at(key) : Tensor(), backward, loss_scale);
+        std::shared_ptr<StageWork> w = m.stage_forward(v, b, v > 0 ? stream_in.at(key) : Tensor(), head, loss_scale);
         stream_in.erase(key);
         std::vector<double> totals;  // every sparse layer's so far, in layer order
         if (moe) {
@@ -69,6 +74,8 @@ std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>
           if (!totals.empty()) out.push_back(device_values(rt, o.device, totals));
           outbox[{int(PipeOp::Forward), v + 1, a.micro}] = std::move(out);
           w->out = Tensor();
+        } else if (head == StageHead::LabelLogprobs) {
+          (*logprobs)[size_t(a.micro)] = std::move(w->logprobs);
         } else {
           losses[size_t(a.micro)] = w->loss;
           if (moe) last_aux[size_t(a.micro)] = m.aux_from_pipeline(losses[size_t(a.micro)], totals, backward, loss_scale);
@@ -120,6 +127,35 @@ std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>
   }
   LATHE_ASSERT(works.empty() && outbox.empty());
   return losses;
+}
+
+}  // namespace
+
+std::vector<LossResult> run_pipeline(CausalLm& m, const std::vector<PackedBatch>& micro, bool backward,
+                                     double loss_scale) {
+  return run_stages(m, micro, backward ? StageHead::Train : StageHead::Loss, loss_scale, nullptr);
+}
+
+std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& m, const std::vector<PackedBatch>& batches) {
+  std::vector<std::vector<double>> lp(batches.size());
+  run_stages(m, batches, StageHead::LabelLogprobs, 1.0, &lp);
+  Communicator& pp = *m.options().pp;
+  Runtime& rt = m.runtime();
+  std::vector<double> flat;  // every batch's, one value a token
+  size_t total = 0;
+  for (const PackedBatch& b : batches) total += size_t(b.tokens());
+  if (pp.rank() == pp.size() - 1)
+    for (const std::vector<double>& v : lp) flat.insert(flat.end(), v.begin(), v.end());
+  flat.resize(total, 0.0);
+  Tensor t = device_values(rt, m.options().device, flat);
+  pp.broadcast(t, pp.size() - 1).wait();
+  flat = host_values(rt, t);
+  size_t at = 0;
+  for (size_t k = 0; k < batches.size(); ++k) {
+    lp[k].assign(flat.begin() + std::ptrdiff_t(at), flat.begin() + std::ptrdiff_t(at + size_t(batches[k].tokens())));
+    at += size_t(batches[k].tokens());
+  }
+  return lp;
 }
 
 void broadcast_losses(CausalLm& m, std::vector<LossResult>& losses) {

@@ -19,6 +19,10 @@ namespace lathe {
 std::vector<LossResult> run_pipeline(CausalLm& model, const std::vector<PackedBatch>& micro, bool backward,
                                      double loss_scale);
 
+// Each batch's label log-probabilities (CausalLm::label_logprobs' layout: one a position, 0 where unlabelled),
+// forward only, on every rank of the pipeline group.
+std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& model, const std::vector<PackedBatch>& batches);
+
 // The last rank's results (loss sums, labelled counts, segments, aux loss, expert loads) on every rank of the
 // pipeline group, which all call it.
 void broadcast_losses(CausalLm& model, std::vector<LossResult>& losses);

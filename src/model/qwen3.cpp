@@ -224,9 +224,9 @@ std::vector<int64_t> Qwen3Model::grads_complete_after() const { return DecoderSt
 
 Tensor Qwen3Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
 Tensor Qwen3Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
-std::shared_ptr<StageWork> Qwen3Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+std::shared_ptr<StageWork> Qwen3Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                                 double loss_scale) {
-  return DecoderStack::stage_forward(*this, stage, b, in, backward, loss_scale);
+  return DecoderStack::stage_forward(*this, stage, b, in, head, loss_scale);
 }
 Tensor Qwen3Model::stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) {
   return DecoderStack::stage_backward(*this, work, dout, b, d_aux);

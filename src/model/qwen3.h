@@ -29,7 +29,7 @@ class Qwen3Model : public CausalLm {
                   const BackwardHooks& hooks = {}) override;
   std::vector<int64_t> grads_complete_after() const override;
   Tensor last_hidden(const PackedBatch& batch) override;
-  std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+  std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                            double loss_scale) override;
   Tensor stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) override;
   Tensor lm_head_logits(const Tensor& x) override;

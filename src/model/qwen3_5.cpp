@@ -741,9 +741,9 @@ std::vector<int64_t> Qwen35Model::grads_complete_after() const { return DecoderS
 
 Tensor Qwen35Model::last_hidden(const PackedBatch& b) { return DecoderStack::last_hidden(*this, b); }
 Tensor Qwen35Model::lm_head_logits(const Tensor& x) { return DecoderStack::lm_head_logits(*this, x); }
-std::shared_ptr<StageWork> Qwen35Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+std::shared_ptr<StageWork> Qwen35Model::stage_forward(int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                                 double loss_scale) {
-  return DecoderStack::stage_forward(*this, stage, b, in, backward, loss_scale);
+  return DecoderStack::stage_forward(*this, stage, b, in, head, loss_scale);
 }
 Tensor Qwen35Model::stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) {
   return DecoderStack::stage_backward(*this, work, dout, b, d_aux);

@@ -43,7 +43,7 @@ class Qwen35Model : public CausalLm {
 
   Tensor logits(const PackedBatch& batch) override;                   // (T, V)
   Tensor last_hidden(const PackedBatch& batch) override;
-  std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, bool backward,
+  std::shared_ptr<StageWork> stage_forward(int stage, const PackedBatch& b, const Tensor& in, StageHead head,
                                            double loss_scale) override;
   Tensor stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) override;
   Tensor lm_head_logits(const Tensor& x) override;

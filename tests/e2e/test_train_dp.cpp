@@ -586,6 +586,29 @@ TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
     EXPECT_TRUE(fs::exists(moe / fmt::format("pp2_ep2/checkpoints/step-00000003/optimizer.ep-pp-{}-of-4.safetensors", rank)));
 }
 
+// `lathe logprobs --pp N`: each replica's batches stream through its stages; the lines equal one process's at pp 2
+// (two replicas at four ranks), pp 4, and pp 2 x tp 2.
+TEST(PipelineParallel, LogprobsEqualOneProcess) {
+  const fs::path dir = setup("pp_logprobs", kQwen3Deep);
+  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  write_token_lines(dir / "in.jsonl", 9, [](int i) { return 3 + (7 * i) % 17; });
+  const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
+                                       (dir / "model/final").string(), (dir / "in.jsonl").string());
+  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  ASSERT_EQ(want.size(), 9u);
+  for (const auto& [np, pp, tp] : {std::tuple{2, 2, 1}, std::tuple{4, 2, 1}, std::tuple{4, 4, 1}, std::tuple{4, 2, 2}}) {
+    const fs::path out = dir / fmt::format("pp{}_tp{}_np{}.jsonl", pp, tp, np);
+    const LatheRun r = lathe_e2e::lathe(args + out.string() + fmt::format(" --pp {} --tp {}", pp, tp),
+                                        kMpirun + fmt::format(" -np {}", np));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("9 lines scored with {} on cpu (f32), {} ranks{}, pp {}",
+                                        (dir / "model/final").string(), np, tp > 1 ? ", tp 2" : "", pp)),
+              std::string::npos) << r.output;
+    expect_same_logprobs(out, want, fmt::format("{} ranks at pp {}, tp {}", np, pp, tp));
+  }
+}
+
 TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
   const fs::path dir = setup("tplora", kQwen3, "lora: {rank: 4, alpha: 8}\n");
   const LatheRun ref = train(dir, "ref", 0, 4);

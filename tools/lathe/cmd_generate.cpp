@@ -312,7 +312,7 @@ void run(Args a) {
               "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
   LATHE_CHECK(a.ep == 1 || (a.adapter.empty() && a.adapters.empty()),
               "generate: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, "generate");
+  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, 1, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
   mo.ep = ranks.ep;

@@ -27,6 +27,7 @@
 #include "data/tokenizer.h"
 #include "model/lora.h"
 #include "model/causal_lm.h"
+#include "model/pipeline_step.h"
 #include "parallel_job.h"
 
 namespace lathe::cli {
@@ -41,6 +42,7 @@ struct Args {
   int tp = 1;  // tensor parallelism: each model replica split over tp ranks
   int cp = 1;  // context parallelism: each replica's batches split by rows over cp ranks (times tp)
   int ep = 1;  // expert parallelism: ep replicas (each its own lines) share one copy of the experts
+  int pp = 1;  // pipeline parallelism: each replica's layers in pp stages
 };
 
 // The tokenizer and chat template of the model folder, loaded when a 'text' or 'messages' line first needs them.
@@ -147,15 +149,23 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
     for (double n : values_over(rt, options.device, *g.ep, double(packs.size())))
       forwards = std::max(forwards, size_t(n));
   const Pack filler{{0, 0}, {0, 2}};
-  std::vector<std::string> rows;  // this rank's output lines
+  std::vector<PackedBatch> batches;
   for (size_t k = 0; k < forwards; ++k) {
     const std::vector<int32_t>& ids = k < packs.size() ? packs[k].ids : filler.ids;
     const std::vector<int32_t>& cu = k < packs.size() ? packs[k].cu : filler.cu;
     std::vector<int32_t> labels = next_token_labels(ids, cu);
-    PackedBatch batch = make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.global_config().vocab_size);
-    if (bank) set_segments(batch, {{batch.tokens(), 0, 1.0, 0}});
-    const std::vector<double> lp = model.label_logprobs(batch);
-    if (k >= packs.size()) continue;  // a filler
+    batches.push_back(make_packed_batch(rt, options.device, ids, cu, std::move(labels), model.global_config().vocab_size));
+    if (bank) set_segments(batches.back(), {{batches.back().tokens(), 0, 1.0, 0}});
+  }
+  // Pipeline parallelism: the batches stream through the stages (every stage gets the log-probabilities).
+  std::vector<std::vector<double>> logprobs;
+  if (g.pp) logprobs = pipeline_label_logprobs(model, batches);
+  else
+    for (const PackedBatch& b : batches) logprobs.push_back(model.label_logprobs(b));
+  std::vector<std::string> rows;  // this rank's output lines
+  for (size_t k = 0; k < packs.size(); ++k) {  // (the fillers' dropped)
+    const std::vector<int32_t>& cu = packs[k].cu;
+    const std::vector<double>& lp = logprobs[k];
     for (size_t b = 0; b + 1 < cu.size(); ++b) {
       nlohmann::json row = nlohmann::json::array();
       for (int32_t i = cu[b]; i + 1 < cu[b + 1]; ++i) row.push_back(lp[size_t(i)]);
@@ -169,9 +179,10 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
   file.commit();
   fmt::print(stderr, "logprobs: {} lines scored with {}{} on {} ({}){}\n", all_lines.size(), a.model,
              a.adapter.empty() ? "" : " + adapter " + a.adapter, options.device.str(), dtype_name(options.dtype),
-             g.world ? fmt::format(", {} ranks{}{}{}", g.world->size(), g.tp ? fmt::format(", tp {}", g.tp->size()) : "",
+             g.world ? fmt::format(", {} ranks{}{}{}{}", g.world->size(), g.tp ? fmt::format(", tp {}", g.tp->size()) : "",
                                      g.cp ? fmt::format(", cp {}", g.cp->size()) : "",
-                                     g.ep ? fmt::format(", ep {}", g.ep->size()) : "")
+                                     g.ep ? fmt::format(", ep {}", g.ep->size()) : "",
+                                     g.pp ? fmt::format(", pp {}", g.pp->size()) : "")
                      : "");
 }
 
@@ -182,7 +193,8 @@ void run(Args a) {
                 "with `mpirun -np {} lathe logprobs ...`", a.nproc);
     std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
                                      a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
-                                     std::to_string(a.tp), "--cp", std::to_string(a.cp), "--ep", std::to_string(a.ep)};
+                                     std::to_string(a.tp), "--cp", std::to_string(a.cp), "--ep", std::to_string(a.ep),
+                                     "--pp", std::to_string(a.pp)};
     if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
     if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
     if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
@@ -200,11 +212,18 @@ void run(Args a) {
               "logprobs: --cp {}: adapters under context parallelism are not built yet (docs/parallel.md)", a.cp);
   LATHE_CHECK(a.ep == 1 || a.adapter.empty(),
               "logprobs: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, "logprobs");
+  LATHE_CHECK(a.pp == 1 || a.adapter.empty(),
+              "logprobs: --pp {}: adapters through pipeline stages are not built yet (docs/parallel.md)", a.pp);
+  const LineRanks ranks =
+      line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, a.pp, "logprobs");
   ModelOptions options;
   options.tp = ranks.tp;
   options.cp = ranks.cp;
   options.ep = ranks.ep;
+  if (ranks.pp) {
+    options.pp = ranks.pp;
+    options.pipeline = PipelineLayout(load_model_config(a.model).num_layers, a.pp, 1);
+  }
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
@@ -249,6 +268,9 @@ void add_logprobs_command(CLI::App& app, int& exit_code) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--ep", args->ep, "under a parallel launch: the experts of a mixture-of-experts model split over N "
                   "ranks, each scoring its own lines (expert parallelism; docs/moe.md)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--pp", args->pp, "under a parallel launch: each model's layers split into N pipeline stages, one a "
+                  "rank, the batches streamed through them (pipeline parallelism; docs/parallel.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "score on N GPUs of this machine (ranks started by lathe; mpirun and srun work "
                   "too): the lines are split over the ranks, the output keeps input order")

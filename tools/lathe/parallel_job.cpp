@@ -2,6 +2,7 @@
 #include "parallel_job.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -44,25 +45,28 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
   return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
 }
 
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, const std::string& who) {
-  const int n = world ? world->size() : 1, size = tp * cp * ep;
-  std::string flags = fmt::format("--tp {}", tp);
-  if (cp > 1) flags += fmt::format(" --cp {}", cp);
-  if (ep > 1) flags = tp == 1 && cp == 1 ? fmt::format("--ep {}", ep) : flags + fmt::format(" --ep {}", ep);
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, int pp, const std::string& who) {
+  const int n = world ? world->size() : 1, size = tp * cp * ep * pp;
+  std::vector<std::string> given;
+  for (const auto& [flag, v] : {std::pair{"--tp", tp}, {"--cp", cp}, {"--ep", ep}, {"--pp", pp}})
+    if (v > 1) given.push_back(fmt::format("{} {}", flag, v));
+  const std::string flags = given.empty() ? "--tp 1" : fmt::format("{}", fmt::join(given, " "));
   LATHE_CHECK(size == 1 || n > 1, "{0}: {1} splits the model over {2} ranks, but this is one process: launch them with "
               "`mpirun -np {2} lathe {0} ... {1}` or --nproc {2}", who, flags, size);
   LineRanks r;
   if (size > 1) {
-    const ParallelSizes sizes{tp, cp, ep, 0, 1};
-    const ParallelGrid check(n, sizes);  // the world must be a multiple of tp x cp, ep divide cp x dp (named if not)
+    const ParallelSizes sizes{tp, cp, ep, 0, pp};
+    const ParallelGrid check(n, sizes);  // the world must be a multiple of tp x cp x pp, ep divide cp x dp (named if not)
     (void)check;
     r.groups = make_process_groups(std::move(world), sizes, nullptr);
     r.world = r.groups->world.get();
     r.tp = r.groups->tp.get();
     r.cp = r.groups->cp.get();
     r.ep = r.groups->ep.get();
+    r.pp = r.groups->pp.get();
     r.replica = r.groups->dp_rank(), r.replicas = r.groups->dp_size();
-    r.member = r.groups->tp_rank() + tp * r.groups->cp_rank(), r.members = tp * cp;
+    // (a replica's later stages follow all first stages in rank order: pp is the slowest coordinate)
+    r.member = r.groups->tp_rank() + tp * (r.groups->cp_rank() + cp * r.groups->pp_rank()), r.members = tp * cp;
     return r;
   }
   r.alone = std::move(world);

@@ -42,18 +42,21 @@ struct LineRanks {
   Communicator* tp = nullptr;             // the replica's tensor-parallel group (ModelOptions::tp)
   Communicator* cp = nullptr;             // the replica's context-parallel group (ModelOptions::cp)
   Communicator* ep = nullptr;             // the expert-parallel group (ModelOptions::ep): replicas that split experts
+  Communicator* pp = nullptr;             // the replica's pipeline (ModelOptions::pp): its stages
   int replica = 0, replicas = 1;
-  int member = 0, members = 1;            // this rank's place in its replica (tp fastest, then cp), the replica's size
+  // This rank's place in its replica (tp fastest, then cp, then pp; 0: the rank that sends the replica's lines), and
+  // the rank distance between two replicas' first ranks (tp x cp).
+  int member = 0, members = 1;
   bool writer() const { return !world || world->rank() == 0; }
   // Every replica's output lines (`mine`: this rank's, in its own order) on the writer, in input order, `lines` in all;
   // empty on the other ranks. A collective under a parallel launch (gather_lines over the world).
   std::vector<std::string> in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
                                           size_t lines) const;
 };
-// `world` (nullptr: one process) split for `--tp tp` and `--cp cp` (a replica is tp x cp ranks) and `--ep ep` (ep
-// replicas share one copy of the experts, each holding ep-th of them); refused when they do not fit the launch.
-// `who`: for messages.
-LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, const std::string& who);
+// `world` (nullptr: one process) split for `--tp tp`, `--cp cp` and `--pp pp` (a replica is tp x cp x pp ranks) and
+// `--ep ep` (ep replicas share one copy of the experts, each holding ep-th of them); refused when they do not fit the
+// launch. `who`: for messages.
+LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, int pp, const std::string& who);
 
 // Runs `body` as this rank's work; under a parallel launch an error on this rank ends every rank at once (a rank left
 // waiting in a collective would only time out), after printing it with the rank's number.
