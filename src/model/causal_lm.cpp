@@ -174,6 +174,13 @@ bool CausalLm::holds_embedding_param(int index) const {
   return n.size() >= 19 && n.compare(n.size() - 19, 19, "embed_tokens.weight") == 0;
 }
 
+std::map<std::string, std::pair<Shape, ShardLayout>> CausalLm::declared_layouts() const {
+  std::map<std::string, std::pair<Shape, ShardLayout>> out;
+  for (const Parameter& p : params_) out[p.name] = {p.value.shape(), p.shard};
+  for (const AbsentParameter& a : absent_) out[a.name] = {a.shape, a.shard};
+  return out;
+}
+
 bool CausalLm::held_elsewhere(const std::string& name) const {
   if (layer_of(name) >= 0) return !holds_layer(layer_of(name));
   return std::any_of(absent_.begin(), absent_.end(), [&](const AbsentParameter& a) { return a.name == name; });

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -157,6 +158,9 @@ class CausalLm {
   bool holds_embedding() const { return pp_rank() == 0; }
   bool holds_head() const { return pp_rank() == pp_size() - 1; }
   bool holds_embedding_param(int index) const;  // params_[index] is the embedding (tied: also on the last stage)
+  // Every declared parameter's shape on this rank and layout (ShardLayout), by name, whether this rank holds it or
+  // another pipeline stage does: what an adapter bank, which holds every layer's adapters, splits them by.
+  std::map<std::string, std::pair<Shape, ShardLayout>> declared_layouts() const;
   // One micro-batch's part of the stack on virtual stage `stage` (one of this rank's): the embedding of b's ids on the
   // first stage, else the stream `in` (2, rows, H) from the previous; the stage's layers; on the last stage the final
   // norm and `head` (Train: the loss, the head's gradient now and d(loss) kept for stage_backward). A MoE model's

@@ -238,7 +238,10 @@ struct DecoderStack {
       dx = m.layer_backward(l, a, dx, b);
     }
     work.acts.reset();
-    if (work.stage > 0) return dx;
+    if (work.stage > 0) {
+      if (m.lora_ && !b.segments.empty()) m.lora_->collect_grads();  // (end_backward's, on the first stage)
+      return dx;
+    }
     m.end_backward(m.embed_, dx, b);
     return Tensor();
   }

@@ -522,8 +522,8 @@ void LoraBank::split_like(CausalLm& model) {
   if (model.tp_size() <= 1) return;
   tp_model_ = &model;
   const int tp = model.tp_size(), rank = model.tp_rank();
-  std::map<std::string, const Parameter*> base;
-  for (const Parameter& p : model.parameters()) base[p.name] = &p;
+  // Every layer's base weight (pipeline parallelism: also those of the other stages, whose adapters this bank holds).
+  const std::map<std::string, std::pair<Shape, ShardLayout>> base = model.declared_layouts();
   for (Adapter& a : adapters_) {
     LATHE_CHECK(a.config.dropout == 0, "lora: dropout {} under tensor parallelism is not built yet (the mask would "
                 "need each element's global column); set lora.dropout: 0 or parallel.tp: 1", a.config.dropout);
@@ -531,10 +531,10 @@ void LoraBank::split_like(CausalLm& model) {
     for (size_t i = 0; i < a.params.size(); ++i) {
       Parameter& p = a.params[i];
       const auto it = base.find(lora_key_module(p.name) + ".weight");
-      if (it == base.end() || it->second->whole()) continue;  // experts and MoE blocks: whole on every rank
-      const ShardLayout& w = it->second->shard;
+      const ShardLayout& w = it == base.end() ? ShardLayout{} : it->second.second;
+      if (w.global_shape.empty()) continue;  // experts and MoE blocks: whole on every rank
       const bool is_a = ends_with(p.name, "lora_A.weight");
-      const bool column = w.offset[0] != 0 || w.global_shape[0] != it->second->value.size(0) || w.replicas > 1;
+      const bool column = w.offset[0] != 0 || w.global_shape[0] != it->second.first[0] || w.replicas > 1;
       if (column == is_a) {  // A of a column-parallel module, B^T of a row-parallel one: whole, its gradient a part
         a.partial.push_back(i);
         continue;
@@ -553,6 +553,10 @@ void LoraBank::sum_tp_grads() {
     for (size_t i : a.partial) group.all_reduce(a.params[i].grad);
     for (Parameter& p : a.params) tp_model_->sum_over_replicas(p);
   }
+}
+
+void LoraBank::sum_grads_over(Communicator& group) {
+  if (grads_.numel() > 0) group.all_reduce(grads_);
 }
 
 void LoraBank::init(int adapter, uint64_t seed) {

@@ -170,6 +170,9 @@ class LoraBank {
   // Sums the parts of the adapters' gradients over the tp group: the whole matrices' over every rank, a shared kv
   // head's B^T over the ranks that hold it. A collective, once a step's gradients are complete; nothing without tp.
   void sum_tp_grads();
+  // Pipeline parallelism: every adapter's gradient summed over `group` (each stage holds every adapter, and gives the
+  // gradients of its own layers' matrices; zero elsewhere). A collective of the group.
+  void sum_grads_over(Communicator& group);
   // The slot of (layer, target), or nullptr when no adapter targets it.
   const Slot* slot(int64_t layer, LoraTarget t) const;
   Slot* slot(int64_t layer, LoraTarget t);

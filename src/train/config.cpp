@@ -499,7 +499,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     const auto refuse = [&](const std::string& what) {
       problems.push_back(fmt::format("parallel.pp: {} with {} is not built yet", c.pp, what));
     };
-    if (c.lora_rank > 0 || has_tenants) refuse("LoRA");
     if (c.zero > 0) refuse(fmt::format("parallel.zero {}", c.zero));
     if (!c.final_eval_file.empty()) refuse("final_eval.file (generation through the stages)");
     if (c.vpp > 1 && c.grad_accum % c.pp != 0)

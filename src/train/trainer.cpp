@@ -373,7 +373,8 @@ class Trainer::Impl {
     return groups_ ? slice_kind_of(groups_->tp_size(), groups_->ep_size(), groups_->pp_size()) : "tp";
   }
   // LoRA under ep: the adapters are whole on every ep rank, so only the first ep rank's (tp group) writes them.
-  bool writes_adapters() const { return !groups_ || !groups_->ep || groups_->ep->rank() == 0; }
+  // Under pp every stage holds the adapters whole: the first stage's write them.
+  bool writes_adapters() const { return !groups_ || ((!groups_->ep || groups_->ep->rank() == 0) && groups_->pp_rank() == 0); }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
   // Pipeline parallelism with a tied head: the last stage's copy of the embedding (the first stage's is counted in
   // the gradient norm); else nullptr.
@@ -761,10 +762,11 @@ void Trainer::Impl::load_optimizer(Job& j) {
       j.opt->load((from / slice_state_name(saved_kind, slices()->rank(), n)).string());
       return;
     }
-    LATHE_CHECK(!lora_ || (saved_n > 1 && n > 1), "train: {}: a LoRA checkpoint saved at parallel.tp = {} cannot "
+    const int tp = tp_ ? tp_->size() : 1;
+    LATHE_CHECK(!lora_ || (saved_tp > 1) == (tp > 1), "train: {}: a LoRA checkpoint saved at parallel.tp = {} cannot "
                 "resume at tp {}: between tp 1 and tp > 1 the adapters' optimizer state is laid out differently (one "
-                "flat tensor, or matrix by matrix); resume it at {}", from.string(), saved_n, n,
-                saved_n > 1 ? "any tp above 1" : "tp 1");
+                "flat tensor, or matrix by matrix); resume it at {}", from.string(), saved_tp, tp,
+                saved_tp > 1 ? "any tp above 1" : "tp 1");
     const fs::path tmp = fs::temp_directory_path() /
                          fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
     std::vector<std::string> files;  // the old group's files, or the whole state
@@ -886,13 +888,14 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
     account(model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks), in_batch);
   }
   if (pipeline_batches.empty()) return;
-  // Pipeline parallelism (full fine-tuning, one job): the schedule runs every micro-batch's forward and backward; the
-  // last stage's losses are shared with the others, a tied embedding's two halves summed, and the gradients are then
-  // complete, as after a backward.
+  // Pipeline parallelism: the schedule runs every micro-batch's forward and backward; the last stage's losses are
+  // shared with the others, a tied embedding's two halves summed (LoRA: the adapters' gradients over the stages), and
+  // the gradients are then complete, as after a backward.
   std::vector<LossResult> results =
-      run_pipeline(*model_, pipeline_batches, true, 1.0 / double(jobs_[0].cfg->grad_accum * dp_));
+      run_pipeline(*model_, pipeline_batches, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_));
   broadcast_losses(*model_, results);
-  sum_tied_embedding_grads(*model_);
+  if (lora_) bank_->sum_grads_over(*groups_->pp);  // every stage holds the adapters, each its layers' gradients
+  else sum_tied_embedding_grads(*model_);
   for (size_t i = 0; i < results.size(); ++i) account(results[i], pipeline_jobs[i]);
   const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
   if (hooks.grads_done) hooks.grads_done(-1);
@@ -1334,7 +1337,7 @@ std::vector<nlohmann::json> Trainer::Impl::apply_updates(const std::vector<Job*>
     const size_t k = size_t(j - jobs_.data());
     double norm = pending.norms[k]->read();
     if (j->zero) norm = std::sqrt(sum_over(groups_->weight_replicas(), {norm * norm})[0]);  // each its range's
-    if (groups_ && groups_->pp) norm = std::sqrt(sum_over(*groups_->pp, {norm * norm})[0]);  // each its stages'
+    if (groups_ && groups_->pp && !lora_) norm = std::sqrt(sum_over(*groups_->pp, {norm * norm})[0]);  // its stages'
     // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
     // update is queued (optimizer_step), the rest after it.
     if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);
