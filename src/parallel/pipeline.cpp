@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "core/error.h"
 
@@ -45,6 +46,34 @@ std::string PipelineLayout::describe() const {
     parts.push_back(a == b ? fmt::format("{}", a) : fmt::format("{}-{}", a, b));
   }
   return fmt::format("pp {} x vpp {}: layers {}", pp_, vpp_, fmt::join(parts, " | "));
+}
+
+PipelineLayout balanced_pipeline_layout(const std::vector<double>& layer_costs, int pp, int vpp) {
+  const int64_t n = int64_t(layer_costs.size());
+  const int s = pp * vpp;
+  if (n < s) return PipelineLayout(n, pp, vpp);  // refused there, naming the counts
+  std::vector<double> prefix(size_t(n) + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[size_t(i) + 1] = prefix[size_t(i)] + layer_costs[size_t(i)];
+  // best[k][i]: the least largest stage cost of the first i layers in k stages; cut[k][i]: where the k-th starts.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(size_t(s) + 1, std::vector<double>(size_t(n) + 1, inf));
+  std::vector<std::vector<int64_t>> cut(size_t(s) + 1, std::vector<int64_t>(size_t(n) + 1, 0));
+  best[0][0] = 0.0;
+  for (int k = 1; k <= s; ++k)
+    for (int64_t i = k; i <= n - (s - k); ++i)
+      for (int64_t j = i - 1; j >= k - 1; --j) {  // the k-th stage is layers [j, i): from the largest first
+        const double cost = std::max(best[size_t(k) - 1][size_t(j)], prefix[size_t(i)] - prefix[size_t(j)]);
+        if (cost < best[size_t(k)][size_t(i)] * (1 - 1e-12)) {
+          best[size_t(k)][size_t(i)] = cost;
+          cut[size_t(k)][size_t(i)] = j;
+        }
+      }
+  std::vector<int64_t> counts(static_cast<size_t>(s));
+  for (int64_t k = s, i = n; k >= 1; --k) {
+    counts[size_t(k) - 1] = i - cut[size_t(k)][size_t(i)];
+    i = cut[size_t(k)][size_t(i)];
+  }
+  return PipelineLayout(n, pp, vpp, counts);
 }
 
 std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches,

@@ -43,6 +43,11 @@ class PipelineLayout {
   std::vector<int64_t> layers_, starts_;
 };
 
+// The split of layers whose costs (any unit, one a layer) are `layer_costs` into pp x vpp stages of consecutive
+// layers, at least one each, whose most costly stage costs as little as can be (ties: the earlier stages the larger);
+// for stacks whose layers differ (Gated DeltaNet and full attention, dense and sparse MLPs).
+PipelineLayout balanced_pipeline_layout(const std::vector<double>& layer_costs, int pp, int vpp);
+
 enum class PipeOp { Forward, Backward };
 
 struct PipeAction {

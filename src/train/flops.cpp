@@ -19,25 +19,50 @@ double active_mlp_parameters(const ModelConfig& c, int64_t i) {
          (c.shared_expert_intermediate_size > 0 ? 3 * h * double(c.shared_expert_intermediate_size) + h : 0.0);
 }
 
+bool gdn_layer(const ModelConfig& c, int64_t i) {
+  return c.is_hybrid() && c.layer_types[size_t(i)] == "linear_attention";
+}
+
+// The matrix parameters one token goes through in layer i: its projections and its MLP's active ones.
+double layer_matmul_parameters(const ModelConfig& c, int64_t i) {
+  const double h = double(c.hidden_size), d = double(c.head_dim);
+  double n = active_mlp_parameters(c, i);
+  if (gdn_layer(c, i)) {
+    const double kd = double(c.linear_num_key_heads * c.linear_key_head_dim);
+    const double vd = double(c.linear_num_value_heads * c.linear_value_head_dim);
+    n += h * (2 * kd + vd + vd + 2.0 * double(c.linear_num_value_heads)) + vd * h;
+  } else {
+    const double q_out = double((c.is_hybrid() ? 2 : 1) * c.num_heads) * d;  // hybrids gate: query + gate
+    n += h * q_out + h * d * double(2 * c.num_kv_heads) + double(c.num_heads) * d * h;
+  }
+  return n;
+}
+
+// One Gated DeltaNet layer's chunked core, forward + backward, per token.
+double gdn_layer_core_flops(const ModelConfig& c) {
+  const double dk = double(c.linear_key_head_dim), dv = double(c.linear_value_head_dim), ch = 64.0;
+  const double fwd = 6 * dk * dv + 6 * ch * dk + 4 * ch * dv;
+  const double bwd = 16 * dk * dv + 18 * ch * dk + 10 * ch * dv + 4 * ch * ch;
+  return double(c.linear_num_value_heads) * (fwd + bwd);
+}
+
 }  // namespace
 
 double matmul_parameter_count(const ModelConfig& c) {
   // The matrices a token goes through: projections, MLPs (the active experts only) and the LM head (once, tied or not).
-  const double h = double(c.hidden_size), d = double(c.head_dim);
-  double n = double(c.vocab_size) * h;
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    n += active_mlp_parameters(c, i);
-    const bool gdn = c.is_hybrid() && c.layer_types[size_t(i)] == "linear_attention";
-    if (gdn) {
-      const double kd = double(c.linear_num_key_heads * c.linear_key_head_dim);
-      const double vd = double(c.linear_num_value_heads * c.linear_value_head_dim);
-      n += h * (2 * kd + vd + vd + 2.0 * double(c.linear_num_value_heads)) + vd * h;
-    } else {
-      const double q_out = double((c.is_hybrid() ? 2 : 1) * c.num_heads) * d;  // hybrids gate: query + gate
-      n += h * q_out + h * d * double(2 * c.num_kv_heads) + double(c.num_heads) * d * h;
-    }
-  }
+  double n = double(c.vocab_size) * double(c.hidden_size);
+  for (int64_t i = 0; i < c.num_layers; ++i) n += layer_matmul_parameters(c, i);
   return n;
+}
+
+std::vector<double> layer_flops_per_token(const ModelConfig& c, int64_t document_tokens) {
+  std::vector<double> f;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    f.push_back(6.0 * layer_matmul_parameters(c, i) +
+                (gdn_layer(c, i) ? gdn_layer_core_flops(c)
+                                 : 6.0 * double(c.num_heads * c.head_dim) * double(document_tokens)));
+  if (!f.empty()) f.back() += 6.0 * double(c.vocab_size) * double(c.hidden_size);  // the LM head, on the last stage
+  return f;
 }
 
 double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens) {
@@ -51,11 +76,8 @@ double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t
 
 double gdn_core_flops_per_token(const ModelConfig& c) {
   if (!c.is_hybrid()) return 0.0;
-  const double dk = double(c.linear_key_head_dim), dv = double(c.linear_value_head_dim), ch = 64.0;
-  const double fwd = 6 * dk * dv + 6 * ch * dk + 4 * ch * dv;
-  const double bwd = 16 * dk * dv + 18 * ch * dk + 10 * ch * dv + 4 * ch * ch;
   const int64_t gdn_layers = std::count(c.layer_types.begin(), c.layer_types.end(), "linear_attention");
-  return double(gdn_layers * c.linear_num_value_heads) * (fwd + bwd);
+  return double(gdn_layers) * gdn_layer_core_flops(c);
 }
 
 double flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens) {

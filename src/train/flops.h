@@ -24,6 +24,9 @@ double matmul_parameter_count(const ModelConfig& c);
 double attention_flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
 // Gated DeltaNet core FLOPs per token, forward + backward (0 for Qwen3).
 double gdn_core_flops_per_token(const ModelConfig& c);
+// Each layer's training FLOPs per token in documents of `document_tokens` (its matmuls, its attention or Gated DeltaNet
+// core), the LM head's added to the last: what a pipeline of a hybrid stack is balanced by (balanced_pipeline_layout).
+std::vector<double> layer_flops_per_token(const ModelConfig& c, int64_t document_tokens);
 // Full training: 6 N_matmul + attention (+ the GDN core).
 double flops_per_token(const ModelConfig& c, const std::vector<int32_t>& cu_seqlens);
 // LoRA over a frozen base with `adapter_parameters` trainable adapter weights: 4 N_matmul + 6 N_adapter + attention.

@@ -343,6 +343,7 @@ class Trainer::Impl {
                       const std::string& tenant_losses);
   void read_inputs(Job& j);
   void choose_model_source();
+  PipelineLayout pipeline_layout() const;
   void build_job(Job& j);
   void load_optimizer(Job& j);
   void check_optimizer_layout(const Job& j) const;
@@ -483,6 +484,17 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
   if (finished()) return;
   for (Job& j : jobs_) guarded(j, [&] { read_inputs(j); });
   choose_model_source();
+  if (groups_ && groups_->pp) pipeline_layout();  // refused here (before anything is written) if it cannot be made
+}
+
+// The stages' layers: parallel.pp_layers; else a hybrid stack's by its layers' estimated cost at data.max_seq_len
+// (Gated DeltaNet and full attention differ), a uniform one's as evenly as possible.
+PipelineLayout Trainer::Impl::pipeline_layout() const {
+  const int pp = groups_->pp->size(), vpp = int(c_.vpp);
+  std::vector<int64_t> counts;
+  for (const std::string& n : c_.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
+  if (!counts.empty() || !model_config_.is_hybrid()) return PipelineLayout(model_config_.num_layers, pp, vpp, counts);
+  return balanced_pipeline_layout(layer_flops_per_token(model_config_, c_.max_seq_len), pp, vpp);
 }
 
 // The job's data, final-evaluation rows and LoRA start, read and checked.
@@ -599,10 +611,11 @@ void Trainer::Impl::build() {
   if (groups_ && groups_->pp) {
     LATHE_CHECK(!source_, "rl: parallel.pp = {}: reinforcement learning through pipeline stages is not built yet",
                 groups_->pp->size());
-    std::vector<int64_t> counts;
-    for (const std::string& n : c_.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
     mopt.pp = groups_->pp.get();
-    mopt.pipeline = PipelineLayout(model_config_.num_layers, groups_->pp->size(), int(c_.vpp), counts);
+    mopt.pipeline = pipeline_layout();
+    const PipelineTimeline tl = pipeline_timeline(mopt.pipeline, c_.grad_accum);
+    progress_.message(fmt::format("pipeline: {}; {} micro-batches a step: {:.1f}% of the schedule's ticks idle",
+                                  mopt.pipeline.describe(), c_.grad_accum, 100.0 * tl.idle_fraction()));
   }
   model_ = model_source_.empty() ? random_causal_lm(rt_, model_config_, mopt, c_.seed, c_.init_std)
                                  : load_causal_lm(rt_, model_source_, mopt);

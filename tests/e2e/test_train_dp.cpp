@@ -533,11 +533,19 @@ const char* kQwen3Deep =
     "model:\n  config: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4,\n"
     "           num_key_value_heads: 2, head_dim: 8, tie_word_embeddings: true, vocab_size: 320}\n";
 
+// The Qwen3.5 hybrid with four layers: three Gated DeltaNet and one full attention.
+const char* kQwen35Deep =
+    "model:\n  config: {model_type: qwen3_5_text, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4,\n"
+    "           layer_types: [linear_attention, linear_attention, linear_attention, full_attention],\n"
+    "           num_attention_heads: 2, num_key_value_heads: 1, head_dim: 8, partial_rotary_factor: 0.5,\n"
+    "           rope_theta: 10000, linear_num_key_heads: 1, linear_num_value_heads: 2, linear_key_head_dim: 8,\n"
+    "           linear_value_head_dim: 8, linear_conv_kernel_dim: 4, tie_word_embeddings: true}\n  init_std: 0.2\n";
+
 // Pipeline parallelism: the step's micro-batches (grad_accum) through the stages by the 1F1B schedule (interleaved
 // with vpp 2) equal one process's grad_accum x dp micro-batches: losses within 1e-5, the first gradient norms within
 // 1e-4 (the norm's squares are summed stage by stage, the tied embedding's counted once), weights within 1e-5 at step
 // 3 and at the end; each stage writes its optimizer state (optimizer.pp-R-of-N), and the model is one HF folder.
-// Qwen3 (tied head) at pp 2, pp 2 x vpp 2, pp 4 and pp 2 x dp 2; Qwen3-MoE at pp 2 x ep 2. A run killed at pp 2
+// Qwen3 (tied head) at pp 2, pp 2 x vpp 2, pp 4 and pp 2 x dp 2; the Qwen3.5 hybrid at pp 2; Qwen3-MoE at pp 2 x ep 2. A run killed at pp 2
 // resumes at pp 2 and, re-cut, at one process and at pp 4; one process's checkpoint resumes at pp 2.
 TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   const fs::path dir = setup("pp", kQwen3Deep);
@@ -572,6 +580,19 @@ TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   EXPECT_NE(one.exit_code, 0);
   expect_continues(dir, "one", 2, 4, " --set parallel.pp=2", "was saved at tp 1; re-cut for pp 2", want,
                    "one process -> pp 2");
+
+  // The Qwen3.5 hybrid (three GDN layers and one full attention; its stages by their layers' estimated cost), in f64:
+  // in f32 its gradient norm jumps to 63 at step 4 and f32 rounding alone (here the tied embedding's two halves added
+  // in another order) grows to 3e-5 in the weights by step 8; in f64 the runs agree to 2e-14.
+  const fs::path hybrid = setup("pp_hybrid", kQwen35Deep, "dtype: f64\n");
+  ASSERT_EQ(train(hybrid, "ref", 0, 4).exit_code, 0);
+  const LatheRun h = train(hybrid, "pp2", 2, 4, " --set parallel.pp=2");
+  ASSERT_EQ(h.exit_code, 0) << h.output;
+  EXPECT_NE(h.output.find("pipeline: pp 2 x vpp 1: layers "), std::string::npos) << h.output;
+  expect_same_curve(losses(hybrid / "pp2"), losses(hybrid / "ref"), "Qwen3.5 at pp 2", 1e-12);
+  const auto [hd3, hd] = weight_diffs(hybrid, "pp2", "model.safetensors", "Qwen3.5 at pp 2");  // saved in f32
+  EXPECT_LT(hd3, 1e-7);
+  EXPECT_LT(hd, 1e-7);
 
   const fs::path moe = setup("pp_ep", kQwen3Moe);  // pp 2 x ep 2: the ep group is the dp pair of each stage
   const LatheRun moe_ref = train(moe, "ref", 0, 4);

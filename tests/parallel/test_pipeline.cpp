@@ -7,6 +7,7 @@
 // for 1F1B and (p - 1) / (v m + p - 1) interleaved, with a forward and a backward costing one tick each.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <tuple>
@@ -43,6 +44,35 @@ TEST(PipelineLayout, ExplicitCountsAndRefusals) {
   EXPECT_NE(error_of([] { PipelineLayout(5, 1, 2); }).find("need pipeline parallelism"), std::string::npos);
   EXPECT_NE(error_of([] { pipeline_order(PipelineLayout(8, 2, 2), 0, 3); }).find("not a multiple of it"),
             std::string::npos);
+}
+
+// The least largest stage: found by trying every split (small enough to enumerate), against the layout's.
+TEST(PipelineLayout, BalancedByCostMinimisesTheLargestStage) {
+  const std::vector<std::vector<double>> stacks = {
+      {3, 1, 1, 3, 1, 1, 3, 1},  // a hybrid: one full-attention layer in every three, costlier
+      {1, 1, 1, 1, 1, 1},        // equal layers: as even as possible
+      {5, 1, 1, 1, 1, 1, 1, 1}};
+  for (const std::vector<double>& costs : stacks) {
+    const int64_t n = int64_t(costs.size());
+    double brute = 1e300;  // two stages x two virtual: three cuts among n - 1 places
+    for (int64_t a = 1; a < n; ++a)
+      for (int64_t b = a + 1; b < n; ++b)
+        for (int64_t c = b + 1; c < n; ++c) {
+          double sums[4] = {0, 0, 0, 0};
+          for (int64_t i = 0; i < n; ++i) sums[(i >= a) + (i >= b) + (i >= c)] += costs[size_t(i)];
+          brute = std::min(brute, *std::max_element(sums, sums + 4));
+        }
+    const PipelineLayout l = balanced_pipeline_layout(costs, 2, 2);
+    double largest = 0;
+    for (int st = 0; st < l.stages(); ++st) {
+      double sum = 0;
+      for (int64_t i = l.first_layer(st); i < l.end_layer(st); ++i) sum += costs[size_t(i)];
+      largest = std::max(largest, sum);
+    }
+    EXPECT_DOUBLE_EQ(largest, brute);
+  }
+  EXPECT_EQ(balanced_pipeline_layout({1, 1, 1}, 2, 1).counts(), (std::vector<int64_t>{2, 1}));
+  EXPECT_EQ(balanced_pipeline_layout({4, 1, 1, 1, 1}, 2, 1).counts(), (std::vector<int64_t>{1, 4}));
 }
 
 TEST(PipelineOrder, OneForwardOneBackwardAfterTheWarmUp) {

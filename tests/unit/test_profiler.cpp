@@ -161,4 +161,15 @@ TEST(Flops, Qwen35SmallShapeCountsGdnLayersAndFullAttentionOnly) {
   const std::vector<int32_t> one_doc = {0, 4096};
   EXPECT_DOUBLE_EQ(attention_flops_per_token(c, one_doc), 6.0 * 6 * 8 * 256 * 4096);
   EXPECT_DOUBLE_EQ(flops_per_token(c, one_doc), 6 * n + 6.0 * 6 * 8 * 256 * 4096 + 18.0 * 16 * 688128);
+  // Layer by layer (what a pipeline is balanced by): a full-attention layer its projections, MLP and attention at
+  // 4,096 tokens, a GDN layer its projections, MLP and core; the head on the last; together the whole count.
+  const std::vector<double> layers = layer_flops_per_token(c, 4096);
+  ASSERT_EQ(layers.size(), 24u);
+  const double mlp = 3 * 1024.0 * 3584;
+  EXPECT_DOUBLE_EQ(layers[0], 6 * (gdn + mlp) + 16.0 * 688128);
+  EXPECT_DOUBLE_EQ(layers[3], 6 * (attn + mlp) + 6.0 * 8 * 256 * 4096);
+  EXPECT_DOUBLE_EQ(layers[23], 6 * (attn + mlp) + 6.0 * 8 * 256 * 4096 + 6 * 248320.0 * 1024);
+  double sum = 0;
+  for (double f : layers) sum += f;
+  EXPECT_NEAR(sum, flops_per_token(c, one_doc), 1e-12 * sum);
 }
