@@ -1,10 +1,11 @@
 // Pipeline parallelism (CausalLm with ModelOptions::pp, model/pipeline_step.h) under mpirun (-np 2 and -np 4 in
 // ctest), in f64: each family's tiny four-layer model split into stages — pp 2 and pp 2 x vpp 2 (interleaved) at two
-// ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2 and, for the MoE families, pp 2 x ep 2 at four — runs a step of
-// micro-batches through the schedule. The reference is the whole model on every rank (the same seed: the same draws
-// at any layout), the same micro-batches one after another (under ep each micro-batch joined with the ep group's,
-// which route together): each micro-batch's loss, aux loss and expert loads within 1e-12, and every gradient (summed
-// over dp; a tied embedding's over the first and last stage; gathered over tp and ep) within 1e-10 relative; a
+// ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2, pp 2 x cp 2 (Qwen3) and, for the MoE families, pp 2 x ep 2 at four
+// — runs a step of micro-batches through the schedule. The reference is the whole model on every rank (the same
+// seed: the same draws at any layout), the same micro-batches one after another (under ep each micro-batch joined
+// with the ep group's, which route together): each micro-batch's loss, aux loss and expert loads within 1e-12, and
+// every gradient (summed over dp and cp; a tied embedding's over the first and last stage; gathered over tp and ep)
+// within 1e-10 relative; a
 // second run of the step is bitwise equal to the first; forward-only runs give the losses too. Qwen3 (tied head),
 // Qwen3-MoE with the aux loss, the Qwen3.5 MoE hybrid and Qwen3-Next. Fails with the routing totals left per stage
 // (the aux loss is every layer's: planted, the run stops at the size check), or with the tied embedding's halves not
@@ -52,10 +53,11 @@ std::vector<nlohmann::json> pp_configs() {
 }
 
 std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout,
-                                Communicator* tp = nullptr, Communicator* ep = nullptr) {
+                                Communicator* tp = nullptr, Communicator* ep = nullptr, Communicator* cp = nullptr) {
   ModelOptions o;
   o.tp = tp;
   o.ep = ep;
+  o.cp = cp;
   o.dtype = DType::F64;
   o.router_aux_loss = true;
   o.pp = pp;
@@ -88,22 +90,23 @@ struct PipelineParallel : ::testing::Test {
 std::unique_ptr<Communicator> PipelineParallel::world;
 
 struct Layout {
-  int pp, vpp, dp, tp = 1, ep = 1;
+  int pp, vpp, dp, tp = 1, ep = 1, cp = 1;
 };
 
 void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
   const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {}",
                                        config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep);
-  const ParallelGrid grid(world.size(), {.tp = lay.tp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
+  const ParallelGrid grid(world.size(), {.tp = lay.tp, .cp = lay.cp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
   const ParallelGrid::Coords me = grid.coords(world.rank());
   const int rank = world.rank();
   const std::unique_ptr<Communicator> pp = world.split(grid.group_index(GroupKind::Pp, rank), me.pp, "pp", nullptr);
   const std::unique_ptr<Communicator> dp = world.split(grid.group_index(GroupKind::Dp, rank), me.dp, "dp", nullptr);
   const std::unique_ptr<Communicator> tp = world.split(grid.group_index(GroupKind::Tp, rank), me.tp, "tp", nullptr);
   const std::unique_ptr<Communicator> ep = world.split(grid.group_index(GroupKind::Ep, rank), me.ep, "ep", nullptr);
+  const std::unique_ptr<Communicator> cp = world.split(grid.group_index(GroupKind::Cp, rank), me.cp, "cp", nullptr);
   const PipelineLayout layout(4, lay.pp, lay.vpp);
-  const std::unique_ptr<CausalLm> split =
-      model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr, lay.ep > 1 ? ep.get() : nullptr);
+  const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr,
+                                                lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr);
   const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
   for (const Parameter& p : split->parameters())  // the same draws at any layout
     EXPECT_EQ(to_f64(split->gathered(p)), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
@@ -155,6 +158,7 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
     for (Parameter& p : split->parameters()) {
       ASSERT_TRUE(p.grad.defined()) << what << ": " << p.name;
       if (p.shard.group != "ep") dp->all_reduce(p.grad).wait();  // an expert's: its ep rank's (one replica here)
+      if (lay.cp > 1) cp->all_reduce(p.grad).wait();  // each cp rank's rows' part
       grads.push_back(to_f64(split->gathered(p, true)));
       EXPECT_LT(rel_l2(grads.back(), to_f64(whole->parameter(p.name).grad)), 1e-10) << what << ": " << p.name;
     }
@@ -183,6 +187,7 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
   for (const nlohmann::json& config : pp_configs()) {
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
     if (n == 4 && config.value("num_experts", 0) > 0) expect_pipeline_equals_whole(config, {2, 1, 2, 1, 2}, *world);
+    if (n == 4 && config.value("num_experts", 0) == 0) expect_pipeline_equals_whole(config, {2, 1, 1, 1, 1, 2}, *world);
   }
 }
 
