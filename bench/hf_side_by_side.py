@@ -157,7 +157,7 @@ def gdn_path():
     return "flash-linear-attention" if fast else "torch fallback (torch_chunk_gated_delta_rule)"
 
 
-def hf_worker(row, steps, warmup, experts=None):
+def hf_worker(row, steps, warmup, experts=None, accum=1):
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -196,11 +196,12 @@ def hf_worker(row, steps, warmup, experts=None):
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=True)
     ids = torch.randint(0, vocab, (row["micro_batch"], row["seq"]), device="cuda")
 
-    def step():
+    def step():  # `accum` micro-batches (each loss / accum), then one optimizer step
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=row["autocast"]):
-            loss = model(input_ids=ids, labels=ids).loss  # labels shifted inside: next-token loss per row
-        loss.backward()
+        for _ in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=row["autocast"]):
+                loss = model(input_ids=ids, labels=ids).loss  # labels shifted inside: next-token loss per row
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         return loss.item()
@@ -214,7 +215,7 @@ def hf_worker(row, steps, warmup, experts=None):
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     step_s = sum(times) / len(times)
-    tokens = row["micro_batch"] * row["seq"]
+    tokens = row["micro_batch"] * row["seq"] * accum
     fpt = flops_per_token(row["shape"], row["seq"], adapter_params, bool(row["lora_rank"]), row.get("layers", 0))
     card = torch.cuda.get_device_name()
     peak = PEAK if ("H100" in card or "H200" in card) else 0
@@ -239,6 +240,7 @@ def run_hf(name, row, args):
         cmd += ["--hf-experts", args.hf_experts]
     if row.get("layers"):
         cmd += ["--moe-layers", str(row["layers"])]
+    cmd += ["--grad-accum", str(args.grad_accum)]
     return run_json(cmd, args.timeout)
 
 
@@ -251,7 +253,7 @@ def lathe_states(row, args):
 def run_lathe(row, args):
     cmd = [args.lathe_bin, "bench", "--device", "cuda", "--shape", row["shape"], "--seq", str(row["seq"]),
            "--micro-batch", str(row["micro_batch"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--optimizer-states", lathe_states(row, args)]
+           "--optimizer-states", lathe_states(row, args), "--grad-accum", str(args.grad_accum)]
     if row["lora_rank"]:
         cmd += ["--lora-rank", str(row["lora_rank"])]
     if row.get("layers"):
@@ -310,13 +312,16 @@ def main():
                     "(model.set_experts_implementation: eager is the per-expert loop, grouped_mm the default)")
     ap.add_argument("--moe-layers", type=int, default=MOE_LAYERS,
                     help=f"MoE rows: decoder layers of the cut model (default {MOE_LAYERS})")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches a step on both sides (the optimizer once a step; issue 26's MoE row: 8)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     for row in ROWS.values():
         if "layers" in row:
             row["layers"] = args.moe_layers
     if args.worker:
-        print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup, args.hf_experts)), flush=True)
+        print(json.dumps(hf_worker(ROWS[args.worker], args.steps, args.warmup, args.hf_experts, args.grad_accum)),
+              flush=True)
         return 0
     names = [s.strip().lower() for s in args.shapes.split(",") if s.strip()]
     if args.lora:
@@ -325,7 +330,8 @@ def main():
     for name in names:
         row = ROWS[name]
         layers = f", {row['layers']} layers" if row.get("layers") else ""
-        print(f"{name}: seq {row['seq']} x micro-batch {row['micro_batch']}{layers}", flush=True)
+        print(f"{name}: seq {row['seq']} x micro-batch {row['micro_batch']} x grad_accum {args.grad_accum}{layers}",
+              flush=True)
         hf = run_hf(name, row, args) if args.only != "lathe" else {}
         if "error" in hf:
             print(f"  HF: {hf['error']}", flush=True)

@@ -44,7 +44,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
-  int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0;
+  int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0, grad_accum = 1;
   uint64_t seed = 1;
   bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false, no_memory_plan = false;
   bool memory_report = false;
@@ -295,7 +295,7 @@ void run(const Args& a) {
   attention_fwd *= double(mc.num_heads * mc.head_dim);
   PackedBatch batch = make_packed_batch(rt, device, ids, cu, next_token_labels(ids, cu), mc.vocab_size);
   if (lora) set_segments(batch, {{batch.tokens(), 0, 1.0, a.seed}});
-  const double tokens = double(batch.tokens());
+  const double tokens = double(batch.tokens() * a.grad_accum);  // a step's: grad_accum micro-batches
 
   std::vector<double> losses;
   double expert_load = 0;  // MoE: the largest max / mean of tokens per expert over the layers (1: balanced)
@@ -311,9 +311,12 @@ void run(const Args& a) {
       pending.emplace(launch_grad_norm(ctx, params));
       update.emplace(opt.prepare());  // host work while the device sums the squares
     };
-    const LossResult r = model.loss(batch, true, 1.0, hooks);
-    losses.push_back(r.loss);
-    for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
+    for (int64_t m = 0; m < a.grad_accum; ++m) {  // the step's micro-batches, the last one queueing the optimizer
+      const LossResult r = model.loss(batch, true, 1.0 / double(a.grad_accum),
+                                      m + 1 == a.grad_accum ? hooks : BackwardHooks{});
+      losses.push_back(r.loss);
+      for (const ExpertLoadStat& s : r.expert_load) expert_load = std::max(expert_load, s.max_over_mean);
+    }
     if (!pending) {  // a model that does not call hooks.queued
       pending.emplace(launch_grad_norm(ctx, params));
       update.emplace(opt.prepare());
@@ -375,6 +378,7 @@ void run(const Args& a) {
                       {"layers", mc.num_layers},
                       {"seq", a.seq},
                       {"micro_batch", a.micro_batch},
+                      {"grad_accum", a.grad_accum},
                       {"tokens_per_step", int64_t(tokens)},
                       {"tokens_per_s", tps},
                       {"mfu", peak > 0 ? nlohmann::json(fpt * tps / peak) : nlohmann::json(nullptr)},
@@ -451,6 +455,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--micro-batch", a->micro_batch, "documents per step")
       ->capture_default_str()
       ->check(number_in(1, double(int64_t(1) << 31)));
+  cmd->add_option("--grad-accum", a->grad_accum, "micro-batches a step (the optimizer once a step)")
+      ->capture_default_str()
+      ->check(number_in(1));
   cmd->add_option("--steps", a->steps, "timed steps")->capture_default_str()->check(number_in(1));
   cmd->add_option("--warmup", a->warmup, "untimed steps first")->capture_default_str()->check(number_in(0));
   cmd->add_option("--device", a->device, "cpu or cuda[:N]")->capture_default_str();
