@@ -180,6 +180,19 @@ void write_token_lines(const fs::path& path, int n, const std::function<int(int)
 }
 
 // `out`'s log-probs against `want`, line by line in input order, within f32 rounding of another batch composition.
+// The folder's model trained two steps (DIR/model/final), nine token lines of 3 to 19 tokens (DIR/in.jsonl) and one
+// process's log-probs of them into `want`, what a parallel `lathe logprobs` is held to; returns the arguments of such
+// a run up to its --output (with --batch-tokens 24: several batches a rank).
+std::string logprobs_reference(const fs::path& dir, std::vector<std::vector<double>>& want) {
+  EXPECT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
+  write_token_lines(dir / "in.jsonl", 9, [](int i) { return 3 + (7 * i) % 17; });
+  const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
+                                       (dir / "model/final").string(), (dir / "in.jsonl").string());
+  EXPECT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
+  want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  return args;
+}
+
 void expect_same_logprobs(const fs::path& out, const std::vector<std::vector<double>>& want, const std::string& what) {
   const auto got = lathe_e2e::read_logprobs(out);
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -464,12 +477,8 @@ TEST(ExpertParallel, LoraOnTheExpertsEqualsOneProcess) {
 // with fewer run fillers.
 TEST(ExpertParallel, LogprobsEqualOneProcess) {
   const fs::path dir = setup("ep_logprobs", kQwen3Moe);
-  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
-  write_token_lines(dir / "in.jsonl", 9, [](int i) { return 3 + (7 * i) % 17; });
-  const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
-                                       (dir / "model/final").string(), (dir / "in.jsonl").string());
-  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
-  const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  std::vector<std::vector<double>> want;
+  const std::string args = logprobs_reference(dir, want);
   ASSERT_EQ(want.size(), 9u);
   for (const auto& [np, tp] : {std::pair{2, 1}, std::pair{4, 1}, std::pair{4, 2}}) {
     const fs::path out = dir / fmt::format("ep2_tp{}_np{}.jsonl", tp, np);
@@ -632,12 +641,8 @@ TEST(PipelineParallel, LoraEqualsOneProcessAndResumes) {
 // (two replicas at four ranks), pp 4, and pp 2 x tp 2.
 TEST(PipelineParallel, LogprobsEqualOneProcess) {
   const fs::path dir = setup("pp_logprobs", kQwen3Deep);
-  ASSERT_EQ(train(dir, "model", 0, 1, " --set train.max_steps=2").exit_code, 0);
-  write_token_lines(dir / "in.jsonl", 9, [](int i) { return 3 + (7 * i) % 17; });
-  const std::string args = fmt::format("logprobs --model {} --input {} --batch-tokens 24 --output ",
-                                       (dir / "model/final").string(), (dir / "in.jsonl").string());
-  ASSERT_EQ(lathe_e2e::lathe(args + (dir / "one.jsonl").string()).exit_code, 0);
-  const auto want = lathe_e2e::read_logprobs(dir / "one.jsonl");
+  std::vector<std::vector<double>> want;
+  const std::string args = logprobs_reference(dir, want);
   ASSERT_EQ(want.size(), 9u);
   for (const auto& [np, pp, tp] : {std::tuple{2, 2, 1}, std::tuple{4, 2, 1}, std::tuple{4, 4, 1}, std::tuple{4, 2, 2}}) {
     const fs::path out = dir / fmt::format("pp{}_tp{}_np{}.jsonl", pp, tp, np);
