@@ -969,7 +969,7 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
     const Tensor whole = gathered(params_[i]);
     if (!writer) continue;
     if (pp_rank() == 0) keep(params_[i], whole);
-    else if (!(holds_embedding_param(int(i)))) options_.pp->send(contiguous(cx, whole), 0).wait();
+    else if (!holds_embedding_param(int(i))) options_.pp->send(contiguous(cx, whole), 0).wait();
   }
   if (!writer || pp_rank() > 0) return;
   for (int i : declared_) {  // the other stages' tensors (pp rank 0 holds the embedding, tied or not)

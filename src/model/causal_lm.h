@@ -84,7 +84,6 @@ struct ModelOptions {
   PipelineLayout pipeline;
 };
 
-
 // What a backward reports while it is being queued (CausalLm::loss), so that a trainer can start work on the gradients
 // that are complete (reduce them over data-parallel ranks) while the rest of the backward still runs.
 struct BackwardHooks {
@@ -171,6 +170,9 @@ class CausalLm {
   // gradients, and the embedding's on the first stage; returns d(stream) for the previous stage (undefined on the
   // first). `d_aux` (the aux loss's derivative, MoeRoute::d_aux) for the stage's sparse layers when the aux loss is on.
   virtual Tensor stage_backward(StageWork& work, const Tensor& dout, const PackedBatch& b, const Tensor& d_aux) = 0;
+  // The rows of the residual stream between stages for batch b: the batch's (under cp the rank's) tokens, under sp
+  // this tp rank's share of them.
+  int64_t stream_rows(const PackedBatch& b) const;
   // Pipeline parallelism, MoE models (model/pipeline_step.h): the aux loss is every sparse layer's, so each stage's
   // routing totals of a micro-batch travel on with its stream. stage_routing_totals: the stage's, flat (per sparse
   // layer in order: tokens, the per-expert counts, the probability sums; the group's under cp or ep);
@@ -178,9 +180,6 @@ class CausalLm {
   // stage aux_from_pipeline puts the aux loss and the loads of every layer's totals into r and returns the aux
   // derivative every stage's sparse layers take (stage_backward's d_aux; undefined when off or without backward).
   std::vector<double> stage_routing_totals(const StageWork& work);
-  // The rows of the residual stream between stages for batch b: the batch's (under cp the rank's) tokens, under sp
-  // this tp rank's share of them.
-  int64_t stream_rows(const PackedBatch& b) const;
   int64_t routing_totals_size(int stage) const;
   Tensor aux_from_pipeline(LossResult& r, const std::vector<double>& flat, bool backward, double loss_scale);
   // Whether a backward's stages take the aux derivative (the aux loss on, sparse layers), and its dtype.
@@ -188,6 +187,7 @@ class CausalLm {
     return backward && aux_loss_on() && routing_totals_size(options_.pipeline.stages()) > 0;
   }
   DType aux_dtype() const { return routing_dtype(); }
+  // Whether the residual stream between the blocks holds this rank's rows (ModelOptions::sequence_parallel, tp > 1).
   bool sequence_parallel() const { return options_.sequence_parallel && tp_size() > 1; }
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).

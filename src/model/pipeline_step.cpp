@@ -23,10 +23,6 @@ std::vector<double> host_values(Runtime& rt, const Tensor& t) {
   return std::vector<double>(h.data<double>(), h.data<double>() + h.numel());
 }
 
-}  // namespace
-
-namespace {
-
 // The schedule's ticks on this rank (pipeline_step.h): the last stage's losses, or with StageHead::LabelLogprobs its
 // log-probabilities into *logprobs.
 std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& micro, StageHead head,

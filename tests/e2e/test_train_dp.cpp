@@ -558,18 +558,28 @@ const char* kQwen35Deep =
 // resumes at pp 2 and, re-cut, at one process and at pp 4; one process's checkpoint resumes at pp 2.
 TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   const fs::path dir = setup("pp", kQwen3Deep);
-  const LatheRun ref = train(dir, "ref", 0, 4);
+  // Held-out loss every 4 steps (streamed through the stages under pp).
+  const std::string eval = " --set data.eval=[" + (dir / "train.jsonl").string() + "] --set train.eval_every=4";
+  const LatheRun ref = train(dir, "ref", 0, 4, eval);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   const std::vector<double> want = losses(dir / "ref");
+  const auto eval_losses = [](const fs::path& out) {
+    std::vector<double> e;
+    for (const auto& row : lathe_e2e::metrics(out))
+      if (row.contains("eval_loss")) e.push_back(row["eval_loss"].get<double>());
+    return e;
+  };
+  ASSERT_EQ(eval_losses(dir / "ref").size(), 2u);
   for (const auto& [np, accum, pp, vpp] :
        {std::tuple{2, 4, 2, 1}, std::tuple{2, 4, 2, 2}, std::tuple{4, 4, 4, 1}, std::tuple{4, 2, 2, 1}}) {
     const std::string out = fmt::format("pp{}_vpp{}_np{}", pp, vpp, np);
     const LatheRun r = train(dir, out, np, accum, fmt::format(" --set parallel.pp={} --set parallel.vpp={}", pp, vpp) +
-                                                      kSmallBuckets);
+                                                      kSmallBuckets + eval);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find(fmt::format("parallel: tp=1 cp=1 ep=1 dp={} pp={} (world {})", np / pp, pp, np)),
               std::string::npos) << r.output;
     expect_same_curve(losses(dir / out), want, out);
+    expect_same_curve(eval_losses(dir / out), eval_losses(dir / "ref"), out + " held-out loss");
     expect_same_first_grad_norms(dir, out);
     const auto [d3, d] = weight_diffs(dir, out, "model.safetensors", "pp " + out);
     EXPECT_LT(d3, 1e-5) << out;

@@ -1,6 +1,6 @@
 // Pipeline parallelism (CausalLm with ModelOptions::pp, model/pipeline_step.h) under mpirun (-np 2 and -np 4 in
-// ctest), in f64: each family's tiny four-layer model split into stages — pp 2 and pp 2 x vpp 2 (interleaved) at two
-// ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2, pp 2 x cp 2 (Qwen3) and, for the MoE families, pp 2 x ep 2 at four
+// ctest), in f64: each family's tiny four-layer model split into stages — pp 2 and pp 2 x vpp 2 (interleaved, also
+// recomputing the activations) at two ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2, pp 2 x cp 2 (Qwen3) and, for the MoE families, pp 2 x ep 2 at four
 // — runs a step of micro-batches through the schedule. The reference is the whole model on every rank (the same
 // seed: the same draws at any layout), the same micro-batches one after another (under ep each micro-batch joined
 // with the ep group's, which route together): each micro-batch's loss, aux loss and expert loads within 1e-12, and
@@ -53,8 +53,10 @@ std::vector<nlohmann::json> pp_configs() {
 }
 
 std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout,
-                                Communicator* tp = nullptr, Communicator* ep = nullptr, Communicator* cp = nullptr) {
+                                Communicator* tp = nullptr, Communicator* ep = nullptr, Communicator* cp = nullptr,
+                                bool recompute = false) {
   ModelOptions o;
+  o.recompute = recompute;
   o.tp = tp;
   o.ep = ep;
   o.cp = cp;
@@ -91,11 +93,13 @@ std::unique_ptr<Communicator> PipelineParallel::world;
 
 struct Layout {
   int pp, vpp, dp, tp = 1, ep = 1, cp = 1;
+  bool recompute = false;
 };
 
 void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
-  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {}",
-                                       config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep);
+  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {} x cp {}{}",
+                                       config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep,
+                                       lay.cp, lay.recompute ? ", recomputing" : "");
   const ParallelGrid grid(world.size(), {.tp = lay.tp, .cp = lay.cp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
   const ParallelGrid::Coords me = grid.coords(world.rank());
   const int rank = world.rank();
@@ -106,7 +110,8 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
   const std::unique_ptr<Communicator> cp = world.split(grid.group_index(GroupKind::Cp, rank), me.cp, "cp", nullptr);
   const PipelineLayout layout(4, lay.pp, lay.vpp);
   const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr,
-                                                lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr);
+                                                lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr,
+                                                lay.recompute);
   const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
   for (const Parameter& p : split->parameters())  // the same draws at any layout
     EXPECT_EQ(to_f64(split->gathered(p)), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
@@ -182,7 +187,9 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
 
 TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
   const int n = world->size();
-  const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}}
+  Layout recomputing{2, 2, 1};  // the layers' activations recomputed in the backward from their kept inputs
+  recomputing.recompute = true;
+  const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}, recomputing}
                                              : std::vector<Layout>{{4, 1, 1}, {2, 2, 2}, {2, 1, 1, 2, 1}};
   for (const nlohmann::json& config : pp_configs()) {
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
