@@ -554,7 +554,8 @@ const char* kQwen35Deep =
 // with vpp 2) equal one process's grad_accum x dp micro-batches: losses within 1e-5, the first gradient norms within
 // 1e-4 (the norm's squares are summed stage by stage, the tied embedding's counted once), weights within 1e-5 at step
 // 3 and at the end; each stage writes its optimizer state (optimizer.pp-R-of-N), and the model is one HF folder.
-// Qwen3 (tied head) at pp 2, pp 2 x vpp 2, pp 4 and pp 2 x dp 2; the Qwen3.5 hybrid at pp 2; Qwen3-MoE at pp 2 x ep 2. A run killed at pp 2
+// Qwen3 (tied head) at pp 2, pp 2 x vpp 2, pp 4 and pp 2 x dp 2; the Qwen3.5 hybrid at pp 2; Qwen3-MoE at pp 2 x ep 2,
+// twice: bitwise the same. A run killed at pp 2
 // resumes at pp 2 and, re-cut, at one process and at pp 4; one process's checkpoint resumes at pp 2.
 TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   const fs::path dir = setup("pp", kQwen3Deep);
@@ -624,6 +625,13 @@ TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   EXPECT_LT(d, 1e-5);
   for (int rank = 0; rank < 4; ++rank)
     EXPECT_TRUE(fs::exists(moe / fmt::format("pp2_ep2/checkpoints/step-00000003/optimizer.ep-pp-{}-of-4.safetensors", rank)));
+  // The same run again: bitwise the same (every loss and gradient norm, and the final weights).
+  const LatheRun again = train(moe, "pp2_ep2_again", 4, 2, " --set parallel.pp=2 --set parallel.ep=2" +
+                                                               std::string(kSmallBuckets));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(losses(moe / "pp2_ep2_again"), losses(moe / "pp2_ep2"));
+  EXPECT_EQ(grad_norms(moe / "pp2_ep2_again"), grad_norms(moe / "pp2_ep2"));
+  EXPECT_EQ(weights(moe / "pp2_ep2_again/final/model.safetensors"), weights(moe / "pp2_ep2/final/model.safetensors"));
 }
 
 // LoRA through pipeline stages: every stage holds the adapters, the gradients of each stage's layers summed over the

@@ -1,7 +1,8 @@
 // Pipeline parallelism (CausalLm with ModelOptions::pp, model/pipeline_step.h) under mpirun (-np 2 and -np 4 in
 // ctest), in f64: each family's tiny four-layer model split into stages — pp 2 and pp 2 x vpp 2 (interleaved, also
-// recomputing the activations) at two ranks; pp 4, pp 2 x vpp 2 x dp 2, pp 2 x tp 2, pp 2 x cp 2 (Qwen3) and, for the MoE families, pp 2 x ep 2 at four
-// — runs a step of micro-batches through the schedule. The reference is the whole model on every rank (the same
+// recomputing the activations) at two ranks; pp 4, pp 4 x vpp 2 (eight layers), pp 2 x vpp 2 x dp 2, pp 2 x tp 2,
+// pp 2 x cp 2 (Qwen3) and, for the MoE families, pp 2 x ep 2 at four — runs a step of micro-batches through the
+// schedule. The reference is the whole model on every rank (the same
 // seed: the same draws at any layout), the same micro-batches one after another (under ep each micro-batch joined
 // with the ep group's, which route together): each micro-batch's loss, aux loss and expert loads within 1e-12, and
 // every gradient (summed over dp and cp; a tied embedding's over the first and last stage; gathered over tp and ep)
@@ -13,6 +14,7 @@
 // stages; layouts and micro-batch counts that cannot work are refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <unistd.h>
@@ -108,7 +110,8 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
   const std::unique_ptr<Communicator> tp = world.split(grid.group_index(GroupKind::Tp, rank), me.tp, "tp", nullptr);
   const std::unique_ptr<Communicator> ep = world.split(grid.group_index(GroupKind::Ep, rank), me.ep, "ep", nullptr);
   const std::unique_ptr<Communicator> cp = world.split(grid.group_index(GroupKind::Cp, rank), me.cp, "cp", nullptr);
-  const PipelineLayout layout(4, lay.pp, lay.vpp);
+  const int64_t layers = config["num_hidden_layers"].get<int64_t>();
+  const PipelineLayout layout(layers, lay.pp, lay.vpp);
   const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr,
                                                 lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr,
                                                 lay.recompute);
@@ -119,7 +122,7 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
   // together (the aux loss and loads are theirs): there the k-th have the same documents on every rank (equal
   // labelled counts), and the reference is the whole model on them joined, at ep times the scale (the mean of a joined
   // batch is the ranks' means' mean).
-  const int per_replica = 2, all = per_replica * lay.dp;
+  const int per_replica = lay.vpp > 1 ? std::max(2, lay.pp) : 2, all = per_replica * lay.dp;  // (interleaved: k x pp)
   const double scale = 1.0 / double(all);
   const auto batch = [&](int d, int k) {
     return lay.ep > 1 ? random_batch(40, micro_cu(k), 500 + 10 * uint64_t(d) + uint64_t(k)) : micro_batch(d * per_replica + k);
@@ -193,6 +196,13 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
                                              : std::vector<Layout>{{4, 1, 1}, {2, 2, 2}, {2, 1, 1, 2, 1}};
   for (const nlohmann::json& config : pp_configs()) {
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);
+    if (n == 4) {  // pp 4 x vpp 2: eight stages of the model doubled to eight layers
+      nlohmann::json deep = config;
+      deep["num_hidden_layers"] = 8;
+      if (config.contains("layer_types"))
+        for (const auto& t : config["layer_types"]) deep["layer_types"].push_back(t);
+      expect_pipeline_equals_whole(deep, {4, 2, 1}, *world);
+    }
     if (n == 4 && config.value("num_experts", 0) > 0) expect_pipeline_equals_whole(config, {2, 1, 2, 1, 2}, *world);
     if (n == 4 && config.value("num_experts", 0) == 0) expect_pipeline_equals_whole(config, {2, 1, 1, 1, 1, 2}, *world);
   }
