@@ -102,30 +102,28 @@ int64_t ModelConfig::rotary_dim() const {
   return r - r % 2;
 }
 
-int64_t ModelConfig::parameter_count() const {
-  // The MLP of layer i: a dense SwiGLU, or the router, the experts and the shared expert with its gate.
-  auto mlp = [&](int64_t i) {
-    if (!sparse_layer(i)) return 3 * hidden_size * intermediate_size;
-    int64_t n = num_experts * hidden_size + 3 * num_experts * hidden_size * moe_intermediate_size;
+int64_t ModelConfig::layer_parameter_count(int64_t i) const {
+  // The MLP: a dense SwiGLU, or the router, the experts and the shared expert with its gate; two norms.
+  int64_t n = 2 * hidden_size;
+  if (!sparse_layer(i)) {
+    n += 3 * hidden_size * intermediate_size;
+  } else {
+    n += num_experts * hidden_size + 3 * num_experts * hidden_size * moe_intermediate_size;
     if (shared_expert_intermediate_size > 0) n += 3 * hidden_size * shared_expert_intermediate_size + hidden_size;
-    return n;
-  };
-  if (is_hybrid()) {
-    const int64_t attn = hidden_size * head_dim * (2 * num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
-                         2 * head_dim;
+  }
+  if (is_hybrid() && layer_types[size_t(i)] != "full_attention") {  // Gated DeltaNet
     const int64_t kd = linear_num_key_heads * linear_key_head_dim, vd = linear_num_value_heads * linear_value_head_dim;
     const int64_t conv = 2 * kd + vd;
-    const int64_t gdn = hidden_size * (conv + vd + 2 * linear_num_value_heads) + conv * linear_conv_kernel_dim +
-                        2 * linear_num_value_heads + linear_value_head_dim + vd * hidden_size;
-    int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;
-    for (int64_t i = 0; i < num_layers; ++i)
-      n += (layer_types[size_t(i)] == "full_attention" ? attn : gdn) + mlp(i) + 2 * hidden_size;
-    return n;
+    return n + hidden_size * (conv + vd + 2 * linear_num_value_heads) + conv * linear_conv_kernel_dim +
+           2 * linear_num_value_heads + linear_value_head_dim + vd * hidden_size;
   }
-  const int64_t attn = hidden_size * head_dim * (num_heads + 2 * num_kv_heads) + num_heads * head_dim * hidden_size +
-                       2 * head_dim;
-  int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;
-  for (int64_t i = 0; i < num_layers; ++i) n += attn + mlp(i) + 2 * hidden_size;
+  const int64_t q_rows = (is_hybrid() ? 2 : 1) * num_heads;  // the hybrids' q_proj holds query and gate
+  return n + hidden_size * head_dim * (q_rows + 2 * num_kv_heads) + num_heads * head_dim * hidden_size + 2 * head_dim;
+}
+
+int64_t ModelConfig::parameter_count() const {
+  int64_t n = vocab_size * hidden_size * (tie_word_embeddings ? 1 : 2) + hidden_size;  // embedding, head, final norm
+  for (int64_t i = 0; i < num_layers; ++i) n += layer_parameter_count(i);
   return n;
 }
 

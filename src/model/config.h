@@ -61,6 +61,7 @@ struct ModelConfig {
 
   // Number of parameters (tied embeddings counted once).
   int64_t parameter_count() const;
+  int64_t layer_parameter_count(int64_t i) const;  // decoder layer i's (its norms, mixer and MLP)
 };
 
 ModelConfig parse_model_config(const nlohmann::json& j, const std::string& source);

@@ -17,6 +17,7 @@
 #include "ops/ops.h"
 #include "optim/adamw.h"
 #include "parallel/grid.h"
+#include "train/flops.h"
 
 namespace lathe {
 
@@ -227,6 +228,17 @@ int64_t layer_all_to_all_bytes(const ModelConfig& m, const LocalSizes& l, int64_
   return all_to_all_bytes(b * r.block * width, r.cp);
 }
 
+// What one pipeline rank holds and does: its layers (all of them without pp), the embedding, the head, the most
+// micro-batches' activations it keeps at once (in units of its layers' whole: 1F1B keeps pp - rank micro-batches),
+// and how many of its virtual stages send the stream forward and its gradient back.
+struct StageShare {
+  std::vector<int64_t> layers;
+  bool embedding = true, head = true;
+  double held = 1;
+  int64_t sends_forward = 0, sends_backward = 0;
+  int64_t held_kept(int64_t kept_all) const { return int64_t(held * double(kept_all) + 0.5); }
+};
+
 }  // namespace
 
 ModelConfig planned_model_config(const TrainConfig& c) {
@@ -237,14 +249,18 @@ ModelConfig planned_model_config(const TrainConfig& c) {
   return parse_model_config(cfg, "model.config");
 }
 
-LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const PlanLayout& layout, int64_t device_bytes) {
+namespace {
+
+// One pipeline rank's part of a layout (the whole model without pp): its memory and what it sends.
+LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const PlanLayout& layout, int64_t device_bytes,
+                      const StageShare& st) {
   LayoutPlan plan;
   plan.layout = layout;
   const DType dtype = model_dtype(c);
   const int64_t b = int64_t(dtype_size(dtype));
   const ModelConfig local = tensor_parallel_config(whole, int(layout.tp));  // this rank's layers
   const ModelConfig& m = local;
-  const int64_t t = c.micro_batch_tokens, h = m.hidden_size, layers = m.num_layers;
+  const int64_t t = c.micro_batch_tokens, h = m.hidden_size, layers = int64_t(st.layers.size());
   const int64_t docs = ceil_div(t, c.max_seq_len);  // documents a packed micro-batch holds, at least
   const Rows rows = rows_of(t, layout.tp, layout.cp, c.sp, docs);
   const LocalSizes l = local_sizes(whole, local, layout.tp);
@@ -260,11 +276,19 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   // Parameters, gradients (every trainable parameter's, in the model dtype) and AdamW's states: whole on every cp rank
   // (the tp slice's).
   // Expert parallelism: the rank holds num_experts / ep of every sparse layer's experts (gate_up and down).
-  int64_t sparse_layers = 0;
-  for (int64_t i = 0; i < layers; ++i) sparse_layers += m.sparse_layer(i);
+  // Pipeline parallelism: the rank's layers; the embedding on the first stage, the final norm and the LM head (a tied
+  // one a copy of the embedding) on the last.
+  int64_t sparse_layers = 0, layer_elements = 0;
+  for (int64_t i : st.layers) {
+    sparse_layers += m.sparse_layer(i);
+    layer_elements += local.layer_parameter_count(i);
+  }
+  const int64_t vocab_rows = m.vocab_size * h;
+  const int64_t outside = st.embedding && st.head ? outside_layer_elements(m)
+                                                  : (st.embedding ? vocab_rows : 0) + (st.head ? vocab_rows + h : 0);
   const int64_t expert_elements = sparse_layers * 3 * m.num_experts * m.moe_intermediate_size * h;
   const int64_t weight_elements =  // the rank's slices and the whole tensors
-      local.parameter_count() - (layout.ep > 1 ? expert_elements - expert_elements / layout.ep : 0);
+      layer_elements + outside - (layout.ep > 1 ? expert_elements - expert_elements / layout.ep : 0);
   RankMemory& mem = plan.memory;
   mem.weights = weight_elements * b;
   const int64_t grads = lora ? 0 : mem.weights;  // LoRA: the frozen base has none (adapters: docs/plan.md)
@@ -273,20 +297,23 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   mem.optimizer = zero ? states / replicas : states;
   mem.gradients = zero && layout.zero == 2 ? grads / replicas : grads;
   const int64_t grad_shard = zero ? grads / replicas : 0;  // ZeRO: the rank's summed share, after the first reduction
-  const int64_t head_grad = lora ? 0 : m.vocab_size * h * b + h * b;  // LM head (tied: the embedding) and final norm
-  const int64_t layer_grad = lora ? 0 : (grads - outside_layer_elements(m) * b) / std::max<int64_t>(layers, 1);
+  // LM head (tied: the embedding) and final norm, on the last stage
+  const int64_t head_grad = lora || !st.head ? 0 : m.vocab_size * h * b + h * b;
+  const int64_t layer_grad = lora ? 0 : (grads - outside * b) / std::max<int64_t>(layers, 1);
   const int64_t bucket = int64_t(c.bucket_mb * double(kMiB));
 
   // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows) and one layer
   // recomputed.
+  // (acts and kept by the rank's layers in order; under pp the other micro-batches' kept activations stay too.)
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
-  for (int64_t i = 0; i < layers; ++i) {
-    acts[size_t(i)] = layer_activation_bytes(m, l, i, rows, b, chunk_cache);
-    kept[size_t(i)] = c.recompute ? b * rows.stream * h : acts[size_t(i)];
+  for (int64_t k = 0; k < layers; ++k) {
+    acts[size_t(k)] = layer_activation_bytes(m, l, st.layers[size_t(k)], rows, b, chunk_cache);
+    kept[size_t(k)] = c.recompute ? b * rows.stream * h : acts[size_t(k)];
   }
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;
-  mem.activations = kept_all + (c.recompute ? *std::max_element(acts.begin(), acts.end()) : 0);
+  const int64_t others_kept = std::max<int64_t>(st.held_kept(kept_all) - kept_all, 0);  // other micro-batches'
+  mem.activations = kept_all + others_kept + (c.recompute && layers > 0 ? *std::max_element(acts.begin(), acts.end()) : 0);
   // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_rows): the final norm's
   // output and stream on the stream's rows, their gather into the block's rows (padded; sp), the labelled rows and their
   // gradient (block rows, H) x2, one chunk's logits and their gradient (rows padded to 64 columns) and its per-row
@@ -295,16 +322,19 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   const int64_t padded_block = rows.stream < rows.block ? layout.tp * rows.stream : rows.block;  // sp's padding
   const int64_t gathered = rows.stream < head_rows ? b * padded_block * h : 0;
   const int64_t chunk = std::min(head_rows, kLossChunkRows), padded_vocab = (m.vocab_size + 63) / 64 * 64;
-  mem.loss_head =
-      2 * b * rows.stream * h + gathered + 2 * b * head_rows * h + 2 * b * chunk * padded_vocab + 4 * chunk;
+  mem.loss_head = !st.head ? 0
+                            : 2 * b * rows.stream * h + gathered + 2 * b * head_rows * h + 2 * b * chunk * padded_vocab +
+                                  4 * chunk;
 
   // The peak: the step's phases, micro-batch by micro-batch (the second repeats in every later one).
-  const int64_t persistent = mem.weights + mem.optimizer;
+  const int64_t persistent = mem.weights + mem.optimizer + others_kept;
   // What the loss keeps through the whole backward (DecoderStack::loss): every layer's input (one (rows, H) tensor a
   // layer, also once its activations are gone), the final norm's output and stream, the last layer's output terms
   // (part of its activations until its backward), the head's input gradient (block rows, H) and, under sp, its rows.
   const int64_t x_bytes = b * rows.stream * h;
-  const int64_t carried = 2 * x_bytes + b * head_rows * h + (rows.stream < head_rows ? x_bytes : 0);
+  // (A stage without the head: the stream it received or sends, (2, rows, H), and the gradient it got.)
+  const int64_t carried =
+      st.head ? 2 * x_bytes + b * head_rows * h + (rows.stream < head_rows ? x_bytes : 0) : 3 * x_bytes;
   const CoreScratch scratch = core_scratch(c, m, l, rows, dtype, device_bytes);  // the CUDA kernels' backward scratch
   int64_t peak = persistent;
   for (int64_t mb = 0; mb < std::min<int64_t>(micro_batches, 2); ++mb) {
@@ -329,13 +359,14 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
     // under train.recompute), the layers above their inputs; the gradients up to layer i exist, and the layer's
     // temporaries.
     int64_t kept_below = kept_all;
-    for (int64_t i = layers - 1; i >= 0; --i) {
-      kept_below -= kept[size_t(i)];
-      const int64_t made = head_made + (layers - i) * layer_grad;
-      const int64_t above = (layers - 1 - i) * x_bytes + (c.recompute || i < layers - 1 ? 2 * x_bytes : 0);
-      const int64_t live = persistent + std::max(before, whole_grads(made)) + kept_below + acts[size_t(i)] + above +
+    for (int64_t k = layers - 1; k >= 0; --k) {  // the rank's k-th layer, layer i of the model
+      const int64_t i = st.layers[size_t(k)];
+      kept_below -= kept[size_t(k)];
+      const int64_t made = head_made + (layers - k) * layer_grad;
+      const int64_t above = (layers - 1 - k) * x_bytes + (c.recompute || k < layers - 1 ? 2 * x_bytes : 0);
+      const int64_t live = persistent + std::max(before, whole_grads(made)) + kept_below + acts[size_t(k)] + above +
                            carried + layer_backward_temporary_bytes(m, l, i, rows, b, scratch, c.device == "cpu") +
-                           in_flight((layers - 1 - i) * layer_grad);
+                           in_flight((layers - 1 - k) * layer_grad);
       peak = std::max(peak, live);
     }
     // The end of the backward: every gradient, the last buckets in flight (the whole gradients when they fit one), the
@@ -364,8 +395,10 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
     plan.comm_tp_bytes += micro_batches * layers * per_layer;
     // The vocab-parallel embedding's rows summed (forward) and the LM head's input gradient (backward), each (block
     // rows, H); the loss's per-row log-sum-exps and label logits are a value a row.
-    plan.comm_tp_bytes +=
-        micro_batches * (2 * all_reduce_bytes(b * rows.block * h, layout.tp) + 4 * rows.block * (layout.tp + 2));
+    plan.comm_tp_bytes += micro_batches * ((st.embedding ? all_reduce_bytes(b * rows.block * h, layout.tp) : 0) +
+                                           (st.head ? all_reduce_bytes(b * rows.block * h, layout.tp) +
+                                                          4 * rows.block * (layout.tp + 2)
+                                                    : 0));
     if (l.kv_replicas > 1)  // shared k/v slices' gradients summed over the ranks holding them, once a step
       plan.comm_tp_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
   }
@@ -373,21 +406,82 @@ LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const Pla
   // head runs on the rank's rows: only its loss sums, a few values, go over the group; the gradient sum is part of
   // the weight replicas' above).
   if (layout.cp > 1)
-    for (int64_t i = 0; i < layers; ++i)
+    for (int64_t i : st.layers)
       plan.comm_cp_bytes += micro_batches * (forward_passes + 1) * layer_all_to_all_bytes(m, l, i, rows, b);
   // ep: each sparse layer's routed rows (T k of them, H wide) out and their outputs back, forward (again when
   // recomputing) and backward, each micro-batch (the per-expert counts' all-gather is E numbers).
   if (layout.ep > 1)
     plan.comm_ep_bytes = micro_batches * sparse_layers * 2 * (forward_passes + 1) *
                          all_to_all_bytes(b * rows.block * m.num_experts_per_tok * h, layout.ep);
-  plan.comm_bytes = plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes + plan.comm_ep_bytes;
+  // pp: each micro-batch's stream (2, rows, H) to the next stage and its gradient (rows, H) to the previous, for each
+  // of the rank's virtual stages that has one.
+  plan.comm_pp_bytes = micro_batches * (st.sends_forward * 2 + st.sends_backward) * x_bytes;
+  // A tied embedding's gradient, held by the first and the last stage, goes to the other once a step.
+  if (whole.tie_word_embeddings && st.embedding != st.head && !lora) plan.comm_pp_bytes += vocab_rows * b;
+  plan.comm_bytes =
+      plan.comm_grads_bytes + plan.comm_tp_bytes + plan.comm_cp_bytes + plan.comm_ep_bytes + plan.comm_pp_bytes;
+  return plan;
+}
+
+}  // namespace
+
+PipelineLayout planned_pipeline(const TrainConfig& c, const ModelConfig& model, int pp) {
+  std::vector<int64_t> counts;
+  for (const std::string& n : c.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
+  if (!counts.empty() || !model.is_hybrid()) return PipelineLayout(model.num_layers, pp, int(c.vpp), counts);
+  return balanced_pipeline_layout(layer_flops_per_token(model, c.max_seq_len), pp, int(c.vpp));
+}
+
+LayoutPlan plan_layout(const TrainConfig& c, const ModelConfig& whole, const PlanLayout& layout, int64_t device_bytes) {
+  StageShare all;
+  for (int64_t i = 0; i < whole.num_layers; ++i) all.layers.push_back(i);
+  if (layout.pp <= 1) return plan_stage(c, whole, layout, device_bytes, all);
+  // Every pipeline rank's part; the layout's memory is the rank with the highest peak, its communication the most any
+  // rank sends.
+  const PipelineLayout pl = planned_pipeline(c, whole, int(layout.pp));
+  const PipelineTimeline tl = pipeline_timeline(pl, c.grad_accum);
+  LayoutPlan plan;
+  for (int r = 0; r < pl.pp(); ++r) {
+    StageShare st;
+    for (int64_t i = 0; i < whole.num_layers; ++i)
+      if (pl.rank_holds_layer(r, i)) st.layers.push_back(i);
+    st.embedding = pl.holds_embedding(r);
+    st.head = pl.holds_head(r);
+    // The chunks' shares of the rank's layers, and the most of their forwards the schedule holds at once.
+    std::vector<double> chunk_share(size_t(pl.vpp()));
+    for (int ch = 0; ch < pl.vpp(); ++ch) {
+      const int v = pl.stage(r, ch);
+      chunk_share[size_t(ch)] = double(pl.end_layer(v) - pl.first_layer(v)) / double(st.layers.size());
+      st.sends_forward += v + 1 < pl.stages();
+      st.sends_backward += v > 0;
+    }
+    double held = 0;
+    for (const PipeTick& tick : tl.ticks) {
+      if (tick.action[size_t(r)] < 0) continue;
+      const PipeAction& a = tl.orders[size_t(r)][size_t(tick.action[size_t(r)])];
+      held += (a.op == PipeOp::Forward ? 1 : -1) * chunk_share[size_t(a.chunk)];
+      st.held = std::max(st.held, held);
+    }
+    LayoutPlan stage = plan_stage(c, whole, layout, device_bytes, st);
+    if (r == 0 || stage.memory.peak > plan.memory.peak) {
+      const std::vector<RankMemory> stages = std::move(plan.stages);
+      const int64_t most_sent = std::max(plan.comm_bytes, stage.comm_bytes);
+      plan = stage;
+      plan.stages = stages;
+      plan.heaviest_stage = r;
+      plan.comm_bytes = most_sent;
+    } else {
+      plan.comm_bytes = std::max(plan.comm_bytes, stage.comm_bytes);
+    }
+    plan.stages.push_back(stage.memory);
+  }
   return plan;
 }
 
 std::vector<std::string> layout_overrides(const PlanLayout& layout) {
   return {fmt::format("parallel.tp={}", layout.tp), fmt::format("parallel.cp={}", layout.cp),
           fmt::format("parallel.dp={}", layout.dp), fmt::format("parallel.zero={}", layout.zero),
-          fmt::format("parallel.ep={}", layout.ep)};
+          fmt::format("parallel.ep={}", layout.ep), fmt::format("parallel.pp={}", layout.pp)};
 }
 
 TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_bytes,
@@ -403,17 +497,20 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
     if (nproc % tp != 0) continue;
     for (int64_t cp = 1; cp <= nproc / tp; ++cp) {
       if (nproc / tp % cp != 0) continue;
-      const int64_t dp = nproc / tp / cp;
+      for (int64_t pp = 1; pp <= nproc / tp / cp; ++pp) {
+      if (nproc / tp / cp % pp != 0) continue;
+      const int64_t dp = nproc / tp / cp / pp;
       for (int64_t zero = 0; zero <= (dp * cp > 1 ? 2 : 0); ++zero)
       for (int64_t ep = 1; ep <= dp; ++ep) {
         if (dp % ep != 0 || (ep > 1 && (plan.model.num_experts == 0 || plan.model.num_experts % ep != 0))) continue;
-        const PlanLayout layout{tp, cp, dp, zero, ep};
+        const PlanLayout layout{tp, cp, dp, zero, ep, pp};
         std::string refused;
         TrainConfig at = c;
         try {
           at = config_at(layout);
           check_tensor_parallel(plan.model, int(tp));
           check_context_parallel(plan.model, int(tp), int(cp));
+          if (pp > 1) planned_pipeline(at, plan.model, int(pp));  // enough layers for the stages
         } catch (const Error& e) {
           refused = e.what();
         }
@@ -422,9 +519,10 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
         lp.layout = layout;
         lp.refused = refused;
         lp.configured = tp == configured.sizes().tp && cp == configured.sizes().cp && dp == configured.sizes().dp &&
-                        zero == c.zero && ep == configured.sizes().ep;
+                        zero == c.zero && ep == configured.sizes().ep && pp == configured.sizes().pp;
         lp.fits = refused.empty() && lp.memory.peak <= memory_bytes;
         plan.layouts.push_back(std::move(lp));
+      }
       }
     }
   }
@@ -439,8 +537,9 @@ std::string bytes_text(int64_t bytes) {
 }
 
 std::string layout_name(const PlanLayout& l) {
-  return l.ep > 1 ? fmt::format("tp={} cp={} ep={} dp={} zero={}", l.tp, l.cp, l.ep, l.dp, l.zero)
-                  : fmt::format("tp={} cp={} dp={} zero={}", l.tp, l.cp, l.dp, l.zero);
+  std::string name = l.ep > 1 ? fmt::format("tp={} cp={} ep={} dp={} zero={}", l.tp, l.cp, l.ep, l.dp, l.zero)
+                              : fmt::format("tp={} cp={} dp={} zero={}", l.tp, l.cp, l.dp, l.zero);
+  return l.pp > 1 ? name + fmt::format(" pp={}", l.pp) : name;
 }
 
 // A refusal's first problem, on one line ("config: 1 problem in X:\n  - parallel.tp: ..." -> "parallel.tp: ...").
@@ -485,15 +584,20 @@ nlohmann::json plan_to_json(const TrainingPlan& plan) {
   for (const LayoutPlan& l : plan.layouts) {
     const RankMemory& m = l.memory;
     nlohmann::json row = {{"tp", l.layout.tp}, {"cp", l.layout.cp}, {"dp", l.layout.dp}, {"zero", l.layout.zero},
-                          {"ep", l.layout.ep},
+                          {"ep", l.layout.ep}, {"pp", l.layout.pp},
                           {"configured", l.configured}, {"refused", l.refused.empty() ? nlohmann::json() : nlohmann::json(l.refused)},
                           {"weights_bytes", m.weights}, {"gradients_bytes", m.gradients},
                           {"optimizer_bytes", m.optimizer}, {"activations_bytes", m.activations},
                           {"loss_head_bytes", m.loss_head}, {"peak_bytes", m.peak},
                           {"comm_bytes_per_step", l.comm_bytes},
                           {"comm_bytes_per_step_by_group", {{"grads", l.comm_grads_bytes}, {"tp", l.comm_tp_bytes},
-                                                            {"cp", l.comm_cp_bytes}, {"ep", l.comm_ep_bytes}}},
+                                                            {"cp", l.comm_cp_bytes}, {"ep", l.comm_ep_bytes},
+                                                            {"pp", l.comm_pp_bytes}}},
                           {"fits", l.fits}};
+    if (!l.stages.empty()) {  // pipeline parallelism: every pipeline rank's peak, and which one is the layout's
+      row["heaviest_stage"] = l.heaviest_stage;
+      for (const RankMemory& st : l.stages) row["stage_peak_bytes"].push_back(st.peak);
+    }
     j["layouts"].push_back(std::move(row));
   }
   return j;

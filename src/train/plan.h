@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "parallel/pipeline.h"
 #include "train/config.h"
 
 namespace lathe {
@@ -24,7 +25,7 @@ namespace lathe {
 // One layout of the grid's dense view (tp x cp x dp ranks), the ZeRO stage and, for mixture-of-experts models, the
 // expert-parallel ranks among the dp ones (each holding num_experts / ep of every sparse layer's experts).
 struct PlanLayout {
-  int64_t tp = 1, cp = 1, dp = 1, zero = 0, ep = 1;
+  int64_t tp = 1, cp = 1, dp = 1, zero = 0, ep = 1, pp = 1;
 };
 
 // One rank's memory, in bytes. `peak` is the most that is live at once during a step (plan.cpp walks its phases): not
@@ -48,7 +49,12 @@ struct LayoutPlan {
   int64_t comm_tp_bytes = 0;     // tp's activation sums (and its shared k/v and norm gains' gradient sums)
   int64_t comm_cp_bytes = 0;     // cp's head all-to-alls and the final norm's gather
   int64_t comm_ep_bytes = 0;     // ep's all-to-alls of the routed rows and their gradients, each sparse layer
+  int64_t comm_pp_bytes = 0;     // pp's streams to the next stage and gradients to the previous, each micro-batch
   bool fits = false;        // peak <= the device memory
+  // Pipeline parallelism: each pipeline rank's memory (`memory` is the one with the highest peak, heaviest_stage; the
+  // comm figures are that rank's but comm_bytes, the most any rank sends).
+  std::vector<RankMemory> stages;
+  int heaviest_stage = 0;
 };
 
 struct TrainingPlan {
@@ -57,6 +63,11 @@ struct TrainingPlan {
   ModelConfig model;         // the whole model's config
   std::vector<LayoutPlan> layouts;
 };
+
+// The stages' layers `lathe train` takes for `model` at parallel.pp = `pp`: parallel.pp_layers; else a hybrid stack's by
+// its layers' estimated cost at data.max_seq_len (Gated DeltaNet and full attention differ), a uniform one's as evenly
+// as possible. Refuses (lathe::Error) a split that cannot be made.
+PipelineLayout planned_pipeline(const TrainConfig& c, const ModelConfig& model, int pp);
 
 // The model config `lathe train` would build from `c`: model.path's config.json, or the inline model.config (model
 // type qwen3 and the tokenizer's vocabulary size unless given).

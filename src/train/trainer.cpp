@@ -37,6 +37,7 @@
 #include "train/final_eval.h"
 #include "train/flops.h"
 #include "train/metrics.h"
+#include "train/plan.h"
 #include "train/run_folder.h"
 #include "train/step_profile.h"
 #include "train/tensorboard.h"
@@ -487,14 +488,9 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
   if (groups_ && groups_->pp) pipeline_layout();  // refused here (before anything is written) if it cannot be made
 }
 
-// The stages' layers: parallel.pp_layers; else a hybrid stack's by its layers' estimated cost at data.max_seq_len
-// (Gated DeltaNet and full attention differ), a uniform one's as evenly as possible.
+// The stages' layers (train/plan.h planned_pipeline: what `lathe plan` counts with).
 PipelineLayout Trainer::Impl::pipeline_layout() const {
-  const int pp = groups_->pp->size(), vpp = int(c_.vpp);
-  std::vector<int64_t> counts;
-  for (const std::string& n : c_.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
-  if (!counts.empty() || !model_config_.is_hybrid()) return PipelineLayout(model_config_.num_layers, pp, vpp, counts);
-  return balanced_pipeline_layout(layer_flops_per_token(model_config_, c_.max_seq_len), pp, vpp);
+  return planned_pipeline(c_, model_config_, groups_->pp->size());
 }
 
 // The job's data, final-evaluation rows and LoRA start, read and checked.

@@ -43,13 +43,15 @@ TEST(Plan, DemoOverTwoRanksNamesItsLayouts) {
   const nlohmann::json plan = nlohmann::json::parse(j.output);
   EXPECT_EQ(plan["nproc"], 4);
   EXPECT_EQ(plan["memory_bytes"], int64_t(1) << 30);
-  // tp 1 with cp 1, 2 and 4 and tp 2 with cp 1 and 2, zero 0..2 each; tp 4 with zero 0
-  ASSERT_EQ(plan["layouts"].size(), 16u);
+  // tp 1 with cp 1, 2 and 4 and tp 2 with cp 1 and 2, zero 0..2 each; tp 4 with zero 0; with pp 2 tp 1 x cp 1, tp 1
+  // x cp 2 (zero 0..2 each) and tp 2; pp 4 (refused: the demo's 2 layers)
+  ASSERT_EQ(plan["layouts"].size(), 24u);
   for (const nlohmann::json& l : plan["layouts"]) {
-    const int tp = l["tp"].get<int>(), cp = l["cp"].get<int>(), zero = l["zero"].get<int>();
-    EXPECT_EQ(tp * cp * l["dp"].get<int>(), 4);
+    const int tp = l["tp"].get<int>(), cp = l["cp"].get<int>(), zero = l["zero"].get<int>(), pp = l["pp"].get<int>();
+    EXPECT_EQ(tp * cp * pp * l["dp"].get<int>(), 4);
     const bool refused = !l["refused"].is_null();
-    EXPECT_EQ(refused, tp > 1 && zero > 0) << l.dump();
+    EXPECT_EQ(refused, ((tp > 1 || pp > 1) && zero > 0) || pp == 4) << l.dump();  // (the demo has 2 layers)
+    if (pp > 1 && !refused) EXPECT_EQ(l["stage_peak_bytes"].size(), size_t(pp)) << l.dump();
     if (!refused) EXPECT_GT(l["peak_bytes"].get<int64_t>(), l["weights_bytes"].get<int64_t>());
   }
 
@@ -58,9 +60,9 @@ TEST(Plan, DemoOverTwoRanksNamesItsLayouts) {
   const LatheRun k = lathe("plan " + kDemo + " --nproc 2 --memory-gib 1 --json --set final_eval.file=");
   ASSERT_EQ(k.exit_code, 0) << k.output;
   const nlohmann::json cp_plan = nlohmann::json::parse(k.output);
-  ASSERT_EQ(cp_plan["layouts"].size(), 7u);
+  ASSERT_EQ(cp_plan["layouts"].size(), 8u);  // dp 2 (zero 0..2), pp 2, cp 2 (zero 0..2), tp 2
   const nlohmann::json& dp2 = cp_plan["layouts"][0];
-  const nlohmann::json& cp2 = cp_plan["layouts"][3];
+  const nlohmann::json& cp2 = cp_plan["layouts"][4];
   ASSERT_EQ(cp2["cp"], 2);
   ASSERT_EQ(cp2["zero"], 0);
   EXPECT_TRUE(cp2["refused"].is_null()) << cp2.dump();

@@ -149,14 +149,18 @@ TEST(Plan, RefusedLayoutsSayWhy) {
   const TrainConfig c = load_train_config(yaml, {});
   const TrainingPlan four = plan_layouts(c, 4, int64_t(1) << 30, config_at);
   // tp 1: cp 1 (dp 4), cp 2 (dp 2), cp 4 (dp 1); tp 2: cp 1 (dp 2), cp 2 (dp 1); tp 4; zero 0..2 where dp x cp > 1
-  // (ZeRO cuts the state over the dp x cp ranks holding the same weights): 3 + 3 + 3 + 3 + 3 + 1 layouts
-  ASSERT_EQ(four.layouts.size(), 16u);
+  // (ZeRO cuts the state over the dp x cp ranks holding the same weights): 3 + 3 + 3 + 3 + 3 + 1 layouts; and with pp
+  // 2: tp 1 x cp 1 (dp 2), tp 1 x cp 2, tp 2 (3 + 3 + 1), pp 4 (1): 24
+  ASSERT_EQ(four.layouts.size(), 24u);
   for (const LayoutPlan& l : four.layouts) {
     const PlanLayout& at = l.layout;
-    SCOPED_TRACE(fmt::format("tp {} cp {} dp {} zero {}", at.tp, at.cp, at.dp, at.zero));
-    EXPECT_EQ(at.tp * at.cp * at.dp, 4);
-    EXPECT_EQ(l.configured, at.tp == 1 && at.cp == 1 && at.zero == 0);
-    const std::string why = at.tp > 1 && at.zero > 0 ? "ZeRO over tensor-parallel slices is not built" : "";
+    SCOPED_TRACE(fmt::format("tp {} cp {} dp {} zero {} pp {}", at.tp, at.cp, at.dp, at.zero, at.pp));
+    EXPECT_EQ(at.tp * at.cp * at.dp * at.pp, 4);
+    EXPECT_EQ(l.configured, at.tp == 1 && at.cp == 1 && at.zero == 0 && at.pp == 1);
+    const std::string why = at.pp == 4                ? "2 layers cannot be split into 4 pipeline stages"
+                            : at.pp > 1 && at.zero > 0 ? "with parallel.zero"
+                            : at.tp > 1 && at.zero > 0 ? "ZeRO over tensor-parallel slices is not built"
+                                                       : "";
     if (why.empty()) {
       EXPECT_EQ(l.refused, "");
       EXPECT_TRUE(l.fits);
@@ -165,18 +169,21 @@ TEST(Plan, RefusedLayoutsSayWhy) {
       EXPECT_FALSE(l.fits);
     }
   }
-  // 3 ranks: tp 1 x cp 1 x dp 3 and tp 1 x cp 3 (zero 0..2 each), and tp 3; neither 3 divides the 4 query heads
-  // (check_context_parallel's and check_tensor_parallel's reasons).
+  // 3 ranks: tp 1 x cp 1 x dp 3 (zero 0..2), pp 3 (more stages than the 2 layers), tp 1 x cp 3 (zero 0..2), and tp
+  // 3; neither 3 divides the 4 query heads (check_context_parallel's and check_tensor_parallel's reasons).
   const TrainingPlan three = plan_layouts(c, 3, int64_t(1) << 30, config_at);
-  ASSERT_EQ(three.layouts.size(), 7u);
-  for (size_t i = 3; i < 6; ++i) {
+  ASSERT_EQ(three.layouts.size(), 8u);
+  EXPECT_EQ(three.layouts[3].layout.pp, 3);
+  EXPECT_NE(three.layouts[3].refused.find("2 layers cannot be split into 3 pipeline stages"), std::string::npos)
+      << three.layouts[3].refused;
+  for (size_t i = 4; i < 7; ++i) {
     EXPECT_EQ(three.layouts[i].layout.cp, 3);
     EXPECT_NE(three.layouts[i].refused.find("parallel.cp: 3 ranks must divide each tp rank's attention heads (4)"),
               std::string::npos) << three.layouts[i].refused;
   }
-  EXPECT_EQ(three.layouts[6].layout.tp, 3);
-  EXPECT_NE(three.layouts[6].refused.find("parallel.tp: 3 ranks must divide the attention heads (4)"),
-            std::string::npos) << three.layouts[6].refused;
+  EXPECT_EQ(three.layouts[7].layout.tp, 3);
+  EXPECT_NE(three.layouts[7].refused.find("parallel.tp: 3 ranks must divide the attention heads (4)"),
+            std::string::npos) << three.layouts[7].refused;
   // A config check that depends on cp: LoRA dropout is refused under cp (not at cp 1).
   const std::vector<std::string> dropout = {"lora.rank=4", "lora.dropout=0.1"};
   const auto dropout_at = [&](const PlanLayout& l) {
@@ -185,11 +192,13 @@ TEST(Plan, RefusedLayoutsSayWhy) {
     return load_train_config(yaml, o);
   };
   const TrainingPlan lora = plan_layouts(load_train_config(yaml, dropout), 2, int64_t(1) << 30, dropout_at);
-  ASSERT_EQ(lora.layouts.size(), 7u);  // tp 1 x cp 1 x dp 2 and tp 1 x cp 2 (zero 0..2 each), tp 2
+  ASSERT_EQ(lora.layouts.size(), 8u);  // tp 1 x cp 1 x dp 2 (zero 0..2), pp 2, tp 1 x cp 2 (zero 0..2), tp 2
   EXPECT_EQ(lora.layouts[0].refused, "");
-  EXPECT_EQ(lora.layouts[3].layout.cp, 2);
-  EXPECT_NE(lora.layouts[3].refused.find("lora.dropout: 0.1 under parallel.cp 2 is not built yet"), std::string::npos)
-      << lora.layouts[3].refused;
+  EXPECT_EQ(lora.layouts[3].layout.pp, 2);
+  EXPECT_EQ(lora.layouts[3].refused, "");
+  EXPECT_EQ(lora.layouts[4].layout.cp, 2);
+  EXPECT_NE(lora.layouts[4].refused.find("lora.dropout: 0.1 under parallel.cp 2 is not built yet"), std::string::npos)
+      << lora.layouts[4].refused;
   // A configured tp 2 cannot fill 3 ranks; nor can an explicit dp 2 with tp 1.
   const TrainConfig tp2 = load_train_config(yaml, {"parallel.tp=2"});
   EXPECT_NE(error_of([&] { plan_layouts(tp2, 3, int64_t(1) << 30, config_at); }), "(no error)");
@@ -378,4 +387,54 @@ TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   EXPECT_EQ(listed, 3 * 3);  // ep 1, 2, 4 x ZeRO 0, 1, 2
 }
 
+// Pipeline parallelism: each pipeline rank's weights, gradients and AdamW states are those of the tensors its stages
+// hold (a layer's by its index; the embedding on the first, the final norm and the head on the last, a tied head as a
+// copy of the embedding there), byte for byte against a built model's tensors picked by name and an optimizer over
+// them; under 1F1B the first of two stages keeps two micro-batches' activations, the second one (four layers, even:
+// the first keeps its two layers twice, as much as the whole model once); each sends its stream (2, rows, H) forward or
+// its gradient (rows, H) back each micro-batch, and a tied embedding's gradient once.
+TEST(Plan, PipelineStagesHoldTheirTensorsAndTheSchedulesActivations) {
+  const std::string deep =
+      "{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 2, "
+      "head_dim: 8, tie_word_embeddings: true, vocab_size: 320}";
+  const fs::path dir = run_folder("pp", deep, "{max_steps: 1, micro_batch_tokens: 64, grad_accum: 4}");
+  const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
+  const ModelConfig mc = planned_model_config(c);
+  const LayoutPlan one = plan_layout(c, mc, {});
+  const LayoutPlan two = plan_layout(c, mc, {.pp = 2});
+  ASSERT_EQ(two.stages.size(), 2u);
+  ModelOptions opts;
+  std::unique_ptr<CausalLm> model = random_causal_lm(runtime(), mc, opts, 1);
+  model->loss(random_batch(mc.vocab_size, {0, 20, 48}, 2), true);
+  const PipelineLayout pl(4, 2, 1);
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE(fmt::format("stage {}", r));
+    std::vector<Parameter> held;
+    for (const Parameter& p : model->parameters()) {
+      const size_t at = p.name.find("layers.");
+      const bool mine = at != std::string::npos ? pl.rank_holds_layer(r, std::stoll(p.name.substr(at + 7)))
+                        : p.name.find("embed_tokens") != std::string::npos ? true  // tied: first, and head on the last
+                        : r == 1;                                                   // the final norm
+      if (mine) held.push_back(p);
+    }
+    AdamW opt(runtime(), held, AdamWConfig{});
+    opt.step(1e-3);
+    const RankMemory& m = two.stages[size_t(r)];
+    EXPECT_EQ(int64_t(value_bytes(held)), m.weights);
+    EXPECT_EQ(int64_t(grad_bytes(held)), m.gradients);
+    EXPECT_EQ(int64_t(opt.state_bytes()), m.optimizer);
+    EXPECT_EQ(m.loss_head == 0, r == 0);
+  }
+  EXPECT_EQ(two.stages[0].activations, one.memory.activations);  // two micro-batches of half the layers
+  EXPECT_EQ(two.stages[0].activations, 2 * two.stages[1].activations);
+  const int64_t stream = 4 * 64 * 32;  // one micro-batch's (rows, H) in f32
+  EXPECT_EQ(two.comm_pp_bytes, 4 * (two.heaviest_stage == 0 ? 2 : 1) * stream + 320 * 32 * 4);
+  EXPECT_EQ(one.comm_pp_bytes, 0);
+  // The stages' layers follow the trainer's rule; a layout with more stages than layers is refused by name.
+  EXPECT_EQ(planned_pipeline(c, mc, 2).counts(), (std::vector<int64_t>{2, 2}));
+  EXPECT_NE(error_of([&] { planned_pipeline(c, mc, 8); }).find("4 layers cannot be split into 8 pipeline stages"),
+            std::string::npos);
+}
+
 }  // namespace
+
