@@ -500,7 +500,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
       problems.push_back(fmt::format("parallel.pp: {} with {} is not built yet", c.pp, what));
     };
     if (c.zero > 0) refuse(fmt::format("parallel.zero {}", c.zero));
-    if (!c.final_eval_file.empty()) refuse("final_eval.file (generation through the stages)");
     if (c.vpp > 1 && c.grad_accum % c.pp != 0)
       problems.push_back(fmt::format("parallel.vpp: the interleaved schedule runs micro-batches in groups of "
                                      "parallel.pp = {}; train.grad_accum = {} is not a multiple of it", c.pp, c.grad_accum));

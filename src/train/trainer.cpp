@@ -357,6 +357,7 @@ class Trainer::Impl {
   void record_step(Job& j, nlohmann::json& m, double dt, double mem_mib, int64_t run_tokens);
   void write_final(Job& j);
   FinalEvalResult held_out(Job& j, const std::string& prefix);
+  FinalEvalResult held_out_whole(Job& j, const std::string& prefix);
   void final_eval(Job& j);
   void fail(Job& j, const std::string& why);
   void guarded(Job& j, const std::function<void()>& f);
@@ -1429,6 +1430,7 @@ void Trainer::Impl::write_final(Job& j) {
 // The job's held-out accuracy now (LoRA: with its adapter merged into the base, then restored); each log line is
 // printed after `prefix`.
 FinalEvalResult Trainer::Impl::held_out(Job& j, const std::string& prefix) {
+  if (model_->pp_size() > 1) return held_out_whole(j, prefix);
   std::vector<std::pair<Parameter*, Tensor>> saved;  // the weights the merge changes, restored afterwards
   if (lora_) {
     for (const std::string& name : lora_merge_targets(*bank_, j.adapter)) {
@@ -1444,8 +1446,27 @@ FinalEvalResult Trainer::Impl::held_out(Job& j, const std::string& prefix) {
   return r;
 }
 
+// Pipeline parallelism: the rollout engine decodes through whole models, not stages, so the first rank evaluates the
+// job's exported final folder (the model, or the base with the adapter merged) as one model on its device, which it
+// must fit beside the rank's stage; the other ranks do not take part.
+FinalEvalResult Trainer::Impl::held_out_whole(Job& j, const std::string& prefix) {
+  ModelOptions mopt;
+  mopt.device = device_;
+  mopt.dtype = dtype_;
+  mopt.train_base = false;
+  const std::string final_dir = (j.out / "final").string();
+  std::unique_ptr<CausalLm> whole = load_causal_lm(rt_, lora_ ? base_model_ : final_dir, mopt);
+  if (lora_) {
+    LoraBank bank(rt_, whole->config(), device_, dtype_, {read_lora_config(final_dir)});
+    bank.load_peft(0, final_dir);
+    merge_lora(*whole, bank, 0);
+  }
+  return run_final_eval(rt_, *whole, *tokenizer_, j.final_eval_rows, j.cfg->final_eval_file,
+                        j.cfg->final_eval_max_new_tokens, [&](const std::string& l) { progress_.message(prefix + l); });
+}
+
 void Trainer::Impl::final_eval(Job& j) {
-  if (!lead_) return;
+  if (!lead_ || (model_->pp_size() > 1 && !first_)) return;  // (under pp the first rank alone: held_out_whole)
   const FinalEvalResult r = held_out(j, j.prefix());
   j.needs_final_eval = false;
   if (!first_) return;

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <sstream>
 
 #include "io/safetensors.h"
 #include "lathe_run.h"
@@ -632,6 +633,39 @@ TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   EXPECT_EQ(losses(moe / "pp2_ep2_again"), losses(moe / "pp2_ep2"));
   EXPECT_EQ(grad_norms(moe / "pp2_ep2_again"), grad_norms(moe / "pp2_ep2"));
   EXPECT_EQ(weights(moe / "pp2_ep2_again/final/model.safetensors"), weights(moe / "pp2_ep2/final/model.safetensors"));
+}
+
+// The lines a run printed for its final evaluation (each prompt's generation and the summary), in order, without the
+// progress line's erase codes and indent.
+std::vector<std::string> final_eval_lines(const std::string& output) {
+  std::vector<std::string> lines;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    if (line.find(" -> \"") == std::string::npos && line.find("final eval: ") == std::string::npos) continue;
+    for (const std::string erase : {"\r", "\x1B[K"})
+      for (size_t at; (at = line.find(erase)) != std::string::npos;) line.erase(at, erase.size());
+    lines.push_back(line.substr(line.find_first_not_of(' ')));
+  }
+  return lines;
+}
+
+// The final evaluation under pp (generation runs on whole models: the first rank evaluates the exported final folder
+// alone): the same generations and accuracy as one process's, full fine-tuning and LoRA.
+TEST(PipelineParallel, FinalEvalGeneratesWhatOneProcessGenerates) {
+  const fs::path dir = setup("pp_final_eval", kQwen3Deep);
+  std::ofstream(dir / "heldout.jsonl") << "{\"prompt\": \"the cat sat\", \"answer\": \"on\"}\n"
+                                       << "{\"prompt\": \"dogs run\", \"answer\": \"in\"}\n";
+  const std::string eval = " --set final_eval.file=" + (dir / "heldout.jsonl").string() +
+                           " --set final_eval.max_new_tokens=4 --set train.max_steps=4";
+  for (const std::string& lora : {std::string(), std::string(" --set lora.rank=4")}) {
+    const LatheRun one = train(dir, "one" + std::to_string(lora.size()), 0, 4, eval + lora);
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const LatheRun pp = train(dir, "pp" + std::to_string(lora.size()), 2, 4, " --set parallel.pp=2" + eval + lora);
+    ASSERT_EQ(pp.exit_code, 0) << pp.output;
+    const std::vector<std::string> want = final_eval_lines(one.output);
+    ASSERT_EQ(want.size(), 3u) << one.output;
+    EXPECT_EQ(final_eval_lines(pp.output), want) << (lora.empty() ? "full" : "LoRA") << "\n" << pp.output;
+  }
 }
 
 // LoRA through pipeline stages: every stage holds the adapters, the gradients of each stage's layers summed over the
