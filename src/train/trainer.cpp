@@ -377,7 +377,9 @@ class Trainer::Impl {
   }
   // LoRA under ep: the adapters are whole on every ep rank, so only the first ep rank's (tp group) writes them.
   // Under pp every stage holds the adapters whole: the first stage's write them.
-  bool writes_adapters() const { return !groups_ || ((!groups_->ep || groups_->ep->rank() == 0) && groups_->pp_rank() == 0); }
+  bool writes_adapters() const {
+    return !groups_ || ((!groups_->ep || groups_->ep->rank() == 0) && groups_->pp_rank() == 0);
+  }
   std::vector<double> sum_over_dp(const std::vector<double>& values);
   // Pipeline parallelism with a tied head: the last stage's copy of the embedding (the first stage's is counted in
   // the gradient norm); else nullptr.
@@ -860,7 +862,6 @@ void Trainer::Impl::write_model_files(const std::string& dir) const {
 // the rows of each job a segment of its adapter.
 void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer) {
   const ModelConfig& mc = model_->global_config();  // the whole vocabulary (config()'s is a tp rank's rows)
-  const auto account = [this](const LossResult& r, const std::vector<Job*>& in_batch) { account_micro_batch(r, in_batch); };
   std::vector<PackedBatch> pipeline_batches;
   std::vector<std::vector<Job*>> pipeline_jobs;
   int64_t max_accum = 0;
@@ -895,7 +896,8 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
     }
     const bool last = micro + 1 == max_accum;
     const BackwardHooks hooks = micro_batch_hooks(last, queue_optimizer);
-    account(model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks), in_batch);
+    account_micro_batch(model_->loss(pb, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), hooks),
+                        in_batch);
   }
   if (pipeline_batches.empty()) return;
   // Pipeline parallelism: the schedule runs every micro-batch's forward and backward; the last stage's losses are
@@ -906,7 +908,7 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
   broadcast_losses(*model_, results);
   if (lora_) bank_->sum_grads_over(*groups_->pp);  // every stage holds the adapters, each its layers' gradients
   else sum_tied_embedding_grads(*model_);
-  for (size_t i = 0; i < results.size(); ++i) account(results[i], pipeline_jobs[i]);
+  for (size_t i = 0; i < results.size(); ++i) account_micro_batch(results[i], pipeline_jobs[i]);
   const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
   if (hooks.grads_done) hooks.grads_done(-1);
   if (hooks.queued) hooks.queued();
@@ -1141,7 +1143,10 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     if (j.zero) st["zero"] = j.zero->layout();
     if (tp_) st["tp"] = tp_->size();
     if (groups_ && groups_->ep) st["ep"] = groups_->ep->size();
-    if (groups_ && groups_->pp) st["pp"] = groups_->pp->size(), st["pipeline"] = model_->options().pipeline.describe();
+    if (groups_ && groups_->pp) {
+      st["pp"] = groups_->pp->size();
+      st["pipeline"] = model_->options().pipeline.describe();  // another split of the layers re-cuts the state
+    }
     if (source_) st["source"] = source_->state(size_t(&j - jobs_.data()));
     save_checkpoint(j, [&](const fs::path& dir) {
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
