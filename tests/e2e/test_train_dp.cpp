@@ -635,6 +635,20 @@ TEST(PipelineParallel, EqualsOneProcessAndResumesAtAnotherLayout) {
   EXPECT_EQ(weights(moe / "pp2_ep2_again/final/model.safetensors"), weights(moe / "pp2_ep2/final/model.safetensors"));
 }
 
+// A stage that stops (SIGSTOP, the last rank after step 4) leaves the first stage waiting in the pipeline's exchange
+// of the next step: the job ends at parallel.timeout_s with the report naming the pp group.
+TEST(PipelineParallel, AStoppedStageEndsTheJobWithTheTimeoutReport) {
+  const fs::path dir = setup("pp_stopped", kQwen3Deep, "parallel: {timeout_s: 4}\n");
+  const auto t0 = std::chrono::steady_clock::now();
+  const LatheRun r = train(dir, "run", 2, 2, " --set parallel.pp=2", "LATHE_FAULT_INJECT=rank_sigstop:4");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(seconds, 30) << "not ended at the timeout";
+  EXPECT_NE(r.output.find("lathe: error: rank 0: exchange #"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("on group pp[0] (2 ranks) did not complete within parallel.timeout_s = 4 s"),
+            std::string::npos) << r.output;
+}
+
 // The lines a run printed for its final evaluation (each prompt's generation and the summary), in order, without the
 // progress line's erase codes and indent.
 std::vector<std::string> final_eval_lines(const std::string& output) {
