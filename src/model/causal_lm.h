@@ -266,6 +266,10 @@ class CausalLm {
   virtual void end_forward() {}
   void add_grad(int index, const Tensor& g);                                         // unless frozen
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x, unless frozen
+  // An expert weight's gradient (E, N, K) += each expert's dy_e^T x_e, unless frozen: rows grouped by `groups` (the
+  // grouped GEMM), or with nullptr the padded form's (E, M, N) and (E, M, K) blocks; added in place where the gradient
+  // exists (the later micro-batches: no (E, N, K) temporary and add each time).
+  void add_expert_grad(int index, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs* groups);
   // y = x W^T plus the adapters' terms of (layer, target) for the batch's segments (the LoRA path, docs/lora.md).
   Tensor project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training);
   // The backward of project(): dx (allocated when undefined, else accumulated) += dy W (+ adapter terms); the

@@ -382,11 +382,11 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     Tensor dyd = embedding(cx, dpicked, r.pad_pair).view({e, m, d});  // (E, M, D), zero padding rows
     dpicked = Tensor();
     Tensor dact = matmul(cx, dyd, w(p.down)).view({e * m, in});
-    if (train) add_grad(p.down, matmul(cx, dyd, a.act.view({e, m, in}), {true, false}));  // dyd_e^T act_e
+    if (train) add_expert_grad(p.down, dyd, a.act.view({e, m, in}), nullptr);  // dyd_e^T act_e
     dyd = Tensor();
     Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact).view({e, m, 2 * in});
     dact = Tensor();
-    if (train) add_grad(p.gate_up, matmul(cx, dgate_up, a.xs.view({e, m, d}), {true, false}));
+    if (train) add_expert_grad(p.gate_up, dgate_up, a.xs.view({e, m, d}), nullptr);
     const Tensor dxs = matmul(cx, dgate_up, w(p.gate_up)).view({e * m, d});
     dgate_up = Tensor();
     dx = matmul(cx, r.ones, embedding(cx, dxs, r.pad_position).view({t, k, d})).view({t, d});
@@ -399,12 +399,12 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
     const GroupedMatmulAttrs g{offsets, true}, gt{offsets, false};
     Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
-    if (train) add_grad(p.down, grouped_matmul_weight_grad(cx, dyd, a.act, g));
+    if (train) add_expert_grad(p.down, dyd, a.act, &g);
     if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, offsets, dact);
     dyd = Tensor();
     Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
     dact = Tensor();
-    if (train) add_grad(p.gate_up, grouped_matmul_weight_grad(cx, dgate_up, a.xs, g));
+    if (train) add_expert_grad(p.gate_up, dgate_up, a.xs, &g);
     Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
     if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, offsets, dxs);
     dgate_up = Tensor();
@@ -436,6 +436,25 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
                           {p.shared_gate, p.shared_up}, a.x, swiglu_halves_backward(cx, a.sh_gu, dsh_act), dx, b);
   }
   return dx;
+}
+
+void CausalLm::add_expert_grad(int index, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs* groups) {
+  if (!options_.train_base) return;
+  ExecContext cx = ctx();
+  Tensor& grad = params_[size_t(index)].grad;
+  const bool in_place = grad.defined() && grad.is_contiguous() && grad.dtype() == dy.dtype();
+  if (!groups) {  // the padded form: (E, M, N) and (E, M, K) blocks, one batched GEMM
+    if (in_place) matmul_into(cx, dy, x, grad, {true, false, 1.0f, 1.0f});
+    else add_grad(index, matmul(cx, dy, x, {true, false}));
+    return;
+  }
+  if (!in_place) {
+    add_grad(index, grouped_matmul_weight_grad(cx, dy, x, *groups));
+    return;
+  }
+  GroupedMatmulAttrs add = *groups;
+  add.accumulate = true;
+  grouped_matmul_weight_grad_into(cx, dy, x, grad, add);
 }
 
 void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {

@@ -41,6 +41,7 @@ Tensor expert_blocks(ExecContext& ctx, const Tensor& w) { return expert_blocks_c
 GroupedMatmulAttrs with_trans(const GroupedMatmulAttrs& a, bool trans_w) {
   GroupedMatmulAttrs out = a;
   out.trans_w = trans_w;
+  out.accumulate = false;
   return out;
 }
 
@@ -118,6 +119,8 @@ Tensor grouped_matmul(ExecContext& ctx, const Tensor& x, const Tensor& w, const 
 }
 
 Tensor grouped_matmul_weight_grad(ExecContext& ctx, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs& attrs) {
+  LATHE_CHECK(!attrs.accumulate, "ops: grouped_matmul_weight_grad accumulates only into an output "
+              "(grouped_matmul_weight_grad_into)");
   return call_op(ctx, OpId::grouped_matmul_weight_grad, {contiguous(ctx, dy), contiguous(ctx, x)}, attrs)[0];
 }
 
@@ -131,14 +134,22 @@ void grouped_matmul_weight_grad_into(ExecContext& ctx, const Tensor& dy, const T
               "ops: grouped_matmul_weight_grad_into needs a {}{} output on {} whose expert blocks are contiguous and "
               "at least a block apart, got {}",
               dtype_name(spec.dtype), shape_str(spec.shape), ctx.device.str(), out.describe());
-  if (out.is_contiguous() || ctx.registry.has_exact(call)) {
+  // A kernel of the exact dtype writes (or adds into) the output directly; so does any kernel into a contiguous
+  // output when nothing is added.
+  if (ctx.registry.has_exact(call) || (out.is_contiguous() && !attrs.accumulate)) {
     run_op(ctx, call);
     return;
   }
   // No kernel writes this view directly (a bf16 call on the CPU runs as upcast_f32, whose final cast needs a
-  // contiguous output): compute into a fresh tensor, then copy its expert blocks, each contiguous, into place.
-  const Tensor dense = call_op(ctx, call.op, call.inputs, call.attrs)[0];
-  for (int64_t e = 0; e < spec.shape[0]; ++e) copy_into(ctx, dense.narrow(0, e, 1), out.narrow(0, e, 1));
+  // contiguous output, and reads nothing of it): compute into a fresh tensor, then copy (or add) its expert blocks,
+  // each contiguous, into place.
+  GroupedMatmulAttrs fresh = attrs;
+  fresh.accumulate = false;
+  const Tensor dense = call_op(ctx, call.op, call.inputs, fresh)[0];
+  for (int64_t e = 0; e < spec.shape[0]; ++e) {
+    const Tensor block = out.narrow(0, e, 1);
+    copy_into(ctx, attrs.accumulate ? add(ctx, block, dense.narrow(0, e, 1)) : dense.narrow(0, e, 1), block);
+  }
 }
 
 }  // namespace lathe

@@ -346,6 +346,9 @@ struct GatedDeltaAttrs {
 struct GroupedMatmulAttrs {
   std::vector<int64_t> offsets;
   bool trans_w = true;
+  // grouped_matmul_weight_grad written into an existing output (grouped_matmul_weight_grad_into): dw[e] += instead of
+  // =, an empty group's block left as it is (a model's expert gradients accumulating over micro-batches in place).
+  bool accumulate = false;
 };
 
 // moe_route(logits (T, E) f32 or f64) -> (probs, weights, picked, inv_sum, offsets, token, pair, position): a

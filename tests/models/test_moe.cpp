@@ -320,6 +320,38 @@ TEST(MoePadded, BatchedExpertGemmsAgreeWithGroupedOnes) {
   }
 }
 
+// Gradient accumulation over micro-batches: the experts' gradients (added in place from the second micro-batch on,
+// by the grouped GEMMs and by the padded batched ones) equal the sum of each micro-batch's own, every parameter's too.
+TEST(MoeAccumulation, TwoMicroBatchesAddUpInPlace) {
+  for (double waste : {0.0, 1e9}) {
+    for (const char* type : {"qwen3_moe", "qwen3_next"}) {
+      SCOPED_TRACE(fmt::format("{}, {}", type, waste > 0 ? "padded" : "grouped"));
+      std::unique_ptr<CausalLm> m = tiny_model(type, DType::F64, 13, true, waste);
+      const PackedBatch b1 = random_batch(40, {0, 9, 21}, 7), b2 = random_batch(40, {0, 14}, 8);
+      std::map<std::string, std::vector<double>> want;
+      for (const PackedBatch* b : {&b1, &b2}) {
+        m->zero_grads();
+        m->loss(*b, true, 0.5);
+        for (const Parameter& p : m->parameters()) {
+          std::vector<double>& w = want[p.name];
+          const std::vector<double> g = to_f64(p.grad);
+          if (w.empty()) w.assign(g.size(), 0.0);
+          for (size_t i = 0; i < g.size(); ++i) w[i] += g[i];
+        }
+      }
+      m->zero_grads();
+      m->loss(b1, true, 0.5);
+      m->loss(b2, true, 0.5);
+      int64_t experts = 0;
+      for (const Parameter& p : m->parameters()) {
+        EXPECT_LT(rel_l2(to_f64(p.grad), want[p.name]), 1e-12) << p.name;
+        experts += p.name.find("experts") != std::string::npos;
+      }
+      EXPECT_GT(experts, 0);
+    }
+  }
+}
+
 TEST(MoePacking, DocumentsDoNotSeeEachOther) {
   for (const char* type : {"qwen3_moe", "qwen3_5_moe_text"}) {
     SCOPED_TRACE(type);

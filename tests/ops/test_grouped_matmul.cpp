@@ -2,7 +2,8 @@
 // CUDA where a GPU exists): a small case worked by hand (both trans_w values and the weight grad), agreement with one
 // linear / matmul per group, weights that are strided views (the gate and up halves of a fused gate_up_proj, narrowed
 // on dim 1) read in place, weight grads written with the _into form into such views without touching the rest,
-// identical bytes on a second run, and the errors for bad offsets, shapes and outputs. Values and gradients against
+// accumulation into an existing output (empty groups left alone), identical bytes on a second run, and the errors for
+// bad offsets, shapes and outputs. Values and gradients against
 // the f64 reference in every dtype: the op cases in src/testing/op_cases_moe.cpp.
 #include <gtest/gtest.h>
 
@@ -224,6 +225,49 @@ TEST(GroupedMatmul, WeightGradIntoStridedView) {
       expect_near_all(values(out), dense, dt, where(device, dt) + " contiguous output");
     }
   }
+}
+
+// Accumulating (GroupedMatmulAttrs::accumulate, what a model's expert gradients do over micro-batches): the output's
+// values plus the fresh weight grad, an empty group's block left as it was, into a contiguous output and into the
+// middle third of a fused buffer (CPU bf16 through the composite's fresh copy and an add).
+TEST(GroupedMatmul, WeightGradIntoAccumulates) {
+  const std::vector<int64_t> offsets = {0, 4, 4, 9, 10};
+  const int64_t p = 10, e = 4, n = 8, k = 16;
+  std::mt19937 rng(5);
+  const std::vector<double> dyv = random_values(p * n, rng), xv = random_values(p * k, rng);
+  const std::vector<double> before = random_values(e * n * k, rng);
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      const Tensor dy = make(dyv, {p, n}, dt, device), x = make(xv, {p, k}, dt, device);
+      const std::vector<double> start = values(make(before, {e, n, k}, dt, device));  // (rounded to dt)
+      const std::vector<double> fresh = values(grouped_matmul_weight_grad(ctx, dy, x, {offsets, true}));
+      std::vector<double> want(start.size());
+      for (size_t i = 0; i < want.size(); ++i) want[i] = start[i] + fresh[i];
+      GroupedMatmulAttrs add{offsets, true};
+      add.accumulate = true;
+      const Tensor out = make(before, {e, n, k}, dt, device);
+      grouped_matmul_weight_grad_into(ctx, dy, x, out, add);
+      expect_near_all(values(out), want, dt, where(device, dt) + " contiguous");
+      const std::vector<double> empty(start.begin() + n * k, start.begin() + 2 * n * k);
+      EXPECT_EQ(values(out.narrow(0, 1, 1)), empty) << where(device, dt) << ": the empty group's block changed";
+      std::vector<double> fused(size_t(e * 3 * n * k), 7.0);
+      for (int64_t b = 0; b < e; ++b)
+        std::copy_n(before.begin() + b * n * k, n * k, fused.begin() + b * 3 * n * k + n * k);
+      const Tensor buffer = make(fused, {e, 3 * n, k}, dt, device);
+      grouped_matmul_weight_grad_into(ctx, dy, x, buffer.narrow(1, n, n), add);
+      expect_near_all(values(buffer.narrow(1, n, n)), want, dt, where(device, dt) + " middle third");
+      EXPECT_EQ(values(buffer.narrow(1, 0, n)), std::vector<double>(size_t(e * n * k), 7.0)) << where(device, dt);
+    }
+  }
+  EXPECT_NE(error_of([] {
+              ExecContext ctx = runtime().context(Device::cpu());
+              GroupedMatmulAttrs add{{0, 1}, true};
+              add.accumulate = true;
+              grouped_matmul_weight_grad(ctx, make({1}, {1, 1}, DType::F32, Device::cpu()),
+                                         make({1}, {1, 1}, DType::F32, Device::cpu()), add);
+            }).find("accumulates only into an output"),
+            std::string::npos);
 }
 
 TEST(GroupedMatmul, SecondRunGivesIdenticalBytes) {

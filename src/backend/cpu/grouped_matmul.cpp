@@ -58,12 +58,12 @@ void grouped_matmul_weight_grad_f32(const OpCall& c, ExecContext&) {
     const int64_t row0 = a.offsets[size_t(e)], rows = a.offsets[size_t(e) + 1] - row0;
     float* block = dw + e * g.block_stride;
     if (rows == 0) {
-      std::fill(block, block + g.n * g.k, 0.0f);
+      if (!a.accumulate) std::fill(block, block + g.n * g.k, 0.0f);
       continue;
     }
-    // dw_e (N, K) = dy_e^T (N, rows) x_e (rows, K).
+    // dw_e (N, K) = dy_e^T (N, rows) x_e (rows, K) (+ dw_e when accumulating).
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(g.n), int(g.k), int(rows), 1.0f, dy + row0 * g.n,
-                int(g.n), x + row0 * g.k, int(g.k), 0.0f, block, int(g.k));
+                int(g.n), x + row0 * g.k, int(g.k), a.accumulate ? 1.0f : 0.0f, block, int(g.k));
   }
 }
 
@@ -101,7 +101,7 @@ void grouped_matmul_weight_grad_f64_reference(const OpCall& c, ExecContext&) {
       for (int64_t p = 0; p < g.k; ++p) {
         double acc = 0;  // 0 for an empty group
         for (int64_t i = row0; i < row1; ++i) acc += dy[i * g.n + j] * x[i * g.k + p];
-        block[j * g.k + p] = acc;
+        block[j * g.k + p] = a.accumulate ? block[j * g.k + p] + acc : acc;
       }
     }
   }

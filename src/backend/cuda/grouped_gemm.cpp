@@ -98,6 +98,8 @@ GroupedPlan plan_of(const OpCall& c) {
     char* block = element_at(dw, e * dw.strides()[0]);
     if (rows > 0) {
       p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n), block});
+    } else if (attrs.accumulate) {
+      continue;  // an empty group adds nothing to its block
     } else if (!p.zero_ranges.empty() &&
                static_cast<char*>(p.zero_ranges.back().first) + p.zero_ranges.back().second == block) {
       p.zero_ranges.back().second += block_bytes;  // adjacent to the previous empty block: one memset for both
@@ -157,7 +159,8 @@ void run_grouped(const OpCall& c, ExecContext& ctx) {
   std::vector<cublasOperation_t> trans_a(size_t(groups), p.trans_a), trans_b(size_t(groups), p.trans_b);
   std::vector<int> m, n, k, group_size, lda(size_t(groups), p.lda), ldb(size_t(groups), p.ldb),
       ldc(size_t(groups), p.ldc);
-  std::vector<float> alpha(size_t(groups), 1.0f), beta(size_t(groups), 0.0f);
+  const float added = c.op == OpId::grouped_matmul_weight_grad && c.attr<GroupedMatmulAttrs>().accumulate ? 1.0f : 0.0f;
+  std::vector<float> alpha(size_t(groups), 1.0f), beta(size_t(groups), added);
   std::vector<const void*> table(3 * count);  // [A pointers | B pointers | C pointers], one per GEMM in group order
   size_t idx = 0;
   for (const auto& [dims, members] : buckets) {
@@ -187,7 +190,8 @@ void run_per_group(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const GroupedPlan p = plan_of(c);
   zero_empty_blocks(p, s);
-  const float alpha = 1.0f, beta = 0.0f;
+  const float alpha = 1.0f;
+  const float beta = c.op == OpId::grouped_matmul_weight_grad && c.attr<GroupedMatmulAttrs>().accumulate ? 1.0f : 0.0f;
   for (const Gemm& g : p.gemms)
     LATHE_CUBLAS_CHECK(cublasGemmEx(s.cublas(), p.trans_a, p.trans_b, g.m, g.n, g.k, &alpha, g.a, p.type, p.lda, g.b,
                                     p.type, p.ldb, &beta, g.c, p.type, p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
