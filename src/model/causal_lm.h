@@ -23,7 +23,7 @@
 #include "model/config.h"
 #include "model/lm_head.h"
 #include "model/moe_layer.h"
-#include "parallel/pipeline.h"
+#include "model/pipeline_schedule.h"
 
 namespace lathe {
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "model/config.h"
-#include "parallel/pipeline.h"
+#include "model/pipeline_schedule.h"
 #include "train/config.h"
 
 namespace lathe {

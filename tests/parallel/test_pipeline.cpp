@@ -1,4 +1,4 @@
-// src/parallel/pipeline.h: stage layouts (even by default, 3 layers on 2 stages is 2 + 1; explicit counts; refusals
+// src/model/pipeline_schedule.h: stage layouts (even by default, 3 layers on 2 stages is 2 + 1; explicit counts; refusals
 // naming the constraint), the 1F1B and interleaved orders, and the lockstep timeline. The timeline is checked by
 // replaying it independently (every action's input arrived in an earlier tick's message from the right rank, every
 // micro-batch's forward and backward run once on every stage), against 1F1B's memory bound (rank r never holds more
@@ -13,7 +13,7 @@
 #include <tuple>
 
 #include "core/error.h"
-#include "parallel/pipeline.h"
+#include "model/pipeline_schedule.h"
 #include "support/error_of.h"
 
 using namespace lathe;

@@ -1,5 +1,5 @@
 // Pipeline layouts, schedules and the lockstep timeline (pipeline.h).
-#include "parallel/pipeline.h"
+#include "model/pipeline_schedule.h"
 
 #include <fmt/format.h>
 
