@@ -213,7 +213,7 @@ const std::vector<Option>& options() {
       LATHE_OPT("parallel.sp", Kind::Bool, "false", "sequence parallelism with parallel.tp > 1: the residual stream between the layers' blocks split by tokens over the tp group (1/tp of its activations; docs/parallel.md)", sp),
       LATHE_NUM("parallel.cp", Kind::Int, "1", between(1, 65536), "context-parallel ranks: each holds its rows of every micro-batch, attention and Gated DeltaNet over whole documents by a head all-to-all (docs/parallel.md)", cp),
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks: each holds num_experts / ep of every mixture-of-experts layer's experts (docs/moe.md)", ep),
-      LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages: each rank holds the layers of its stages, a step's micro-batches (train.grad_accum) run through them by the 1F1B schedule (full fine-tuning; docs/parallel.md)", pp),
+      LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages: each rank holds the layers of its stages, a step's micro-batches (train.grad_accum) run through them by the 1F1B schedule (full fine-tuning and LoRA; docs/parallel.md)", pp),
       LATHE_NUM("parallel.vpp", Kind::Int, "1", between(1, 65536), "virtual pipeline stages per rank (the interleaved 1F1B schedule: a smaller bubble; train.grad_accum a multiple of parallel.pp)", vpp),
       LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order (default: as even as possible, the first stages one more)", pp_layers),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
