@@ -1,7 +1,7 @@
 // Issue 25's GPU check: tensor, sequence and context parallelism on two GPUs over NCCL, in bf16, against one GPU.
 // For each family (Qwen3 with GQA and head_dim != hidden / heads; the Qwen3.5 hybrid with H_v > H_k and 128-wide Gated
 // DeltaNet heads, so the chunked CUDA kernels run; Qwen3.5-MoE; Qwen3-Next with its fused projections; Qwen3-MoE at
-// ep 2, added after the session-23 GPU calls and not yet run there) `lathe train` runs 6 steps of packed batches
+// ep 2; and Qwen3 and the hybrid at pp 2, session 24) `lathe train` runs 6 steps of packed batches
 // (documents of many lengths, straddling the cp split) on one GPU in f32 and in bf16, and at each layout with
 // `--nproc 2` in bf16. A bf16 run is not equal to another bf16 run summed in another order,
 // so the check is against the f32 curve: the parallel run's worst relative loss difference to it must be within 3x
@@ -208,6 +208,13 @@ TEST_F(ParallelGpu, Qwen3MoeEpIsAsCloseToF32AsOneGpu) {
   expect_layouts_as_close_as_one_gpu("qwen3_moe_ep", kQwen3Moe, {{"ep2", " --set parallel.ep=2 --set train.grad_accum=1"}});
 }
 
+// pp 2 (session 24): each GPU one of the two layers (the embedding on the first, the head on the second), the step's
+// micro-batches through the 1F1B schedule, the stream and its gradient over NCCL.
+TEST_F(ParallelGpu, PipelineIsAsCloseToF32AsOneGpu) {
+  expect_layouts_as_close_as_one_gpu("qwen3_pp", kQwen3, {{"pp2", " --set parallel.pp=2"}});
+  expect_layouts_as_close_as_one_gpu("qwen3_5_pp", kQwen35, {{"pp2", " --set parallel.pp=2"}});
+}
+
 TEST_F(ParallelGpu, LoraTpSpAndCpAreAsCloseToF32AsOneGpu) {
   expect_layouts_as_close_as_one_gpu("qwen3_5_lora", kQwen35,
                                      {{"tp2_sp", " --set parallel.tp=2 --set parallel.sp=true"}, {"cp2", " --set parallel.cp=2"}},
@@ -215,8 +222,8 @@ TEST_F(ParallelGpu, LoraTpSpAndCpAreAsCloseToF32AsOneGpu) {
 }
 
 TEST_F(ParallelGpu, LogprobsAtTpAndCpAreAsCloseToF32AsOneGpu) {
-  expect_logprobs_as_close_as_one_gpu("qwen3", kQwen3, {{"tp2", " --tp 2"}, {"cp2", " --cp 2"}});
-  expect_logprobs_as_close_as_one_gpu("qwen3_5", kQwen35, {{"tp2", " --tp 2"}, {"cp2", " --cp 2"}});
+  expect_logprobs_as_close_as_one_gpu("qwen3", kQwen3, {{"tp2", " --tp 2"}, {"cp2", " --cp 2"}, {"pp2", " --pp 2"}});
+  expect_logprobs_as_close_as_one_gpu("qwen3_5", kQwen35, {{"tp2", " --tp 2"}, {"cp2", " --cp 2"}, {"pp2", " --pp 2"}});
 }
 
 }  // namespace
