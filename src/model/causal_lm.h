@@ -153,7 +153,9 @@ class CausalLm {
   // Pipeline parallelism: this rank's place in the pipeline, and what it holds (ModelOptions::pipeline).
   int pp_size() const;
   int pp_rank() const;
-  bool holds_layer(int64_t layer) const { return pp_size() == 1 || options_.pipeline.rank_holds_layer(pp_rank(), layer); }
+  bool holds_layer(int64_t layer) const {
+    return pp_size() == 1 || options_.pipeline.rank_holds_layer(pp_rank(), layer);
+  }
   bool holds_embedding() const { return pp_rank() == 0; }
   bool holds_head() const { return pp_rank() == pp_size() - 1; }
   bool holds_embedding_param(int index) const;  // params_[index] is the embedding (tied: also on the last stage)

@@ -154,11 +154,12 @@ struct DecoderStack {
   };
 
   template <typename M>
-  static std::shared_ptr<StageWork> stage_forward(M& m, int stage, const PackedBatch& b, const Tensor& in, StageHead head,
-                                                  double loss_scale) {
+  static std::shared_ptr<StageWork> stage_forward(M& m, int stage, const PackedBatch& b, const Tensor& in,
+                                                  StageHead head, double loss_scale) {
     const bool backward = head == StageHead::Train;
     const PipelineLayout& pl = m.options_.pipeline;
-    LATHE_CHECK(pl.rank_of(stage) == m.pp_rank(), "model: pipeline stage {} is not held by pp rank {}", stage, m.pp_rank());
+    LATHE_CHECK(pl.rank_of(stage) == m.pp_rank(), "model: pipeline stage {} is not held by pp rank {}", stage,
+                m.pp_rank());
     ExecContext cx = m.ctx();
     auto work = std::make_shared<StageWork>();
     auto sa = std::make_shared<StageActs<M>>();
@@ -233,7 +234,8 @@ struct DecoderStack {
     const bool keep = !sa.acts.empty();
     for (int64_t i = int64_t(sa.layers.size()) - 1; i >= 0; --i) {
       const auto& l = *sa.layers[size_t(i)];
-      const typename M::LayerActs a = keep ? std::move(sa.acts[size_t(i)]) : m.layer_forward(l, sa.inputs[size_t(i)], b, true);
+      const typename M::LayerActs a =
+          keep ? std::move(sa.acts[size_t(i)]) : m.layer_forward(l, sa.inputs[size_t(i)], b, true);
       if (keep) sa.acts.pop_back();
       dx = m.layer_backward(l, a, dx, b);
     }

@@ -514,7 +514,8 @@ std::vector<double> flatten_totals(const std::vector<RoutingTotals>& totals) {
 }
 
 std::vector<RoutingTotals> unflatten_totals(const double* v, size_t layers, size_t experts) {
-  std::vector<RoutingTotals> totals(layers, RoutingTotals{0, std::vector<int64_t>(experts), std::vector<double>(experts)});
+  std::vector<RoutingTotals> totals(layers,
+                                    RoutingTotals{0, std::vector<int64_t>(experts), std::vector<double>(experts)});
   for (RoutingTotals& t : totals) {
     t.tokens = int64_t(std::llround(*v++));
     for (int64_t& n : t.counts) n = int64_t(std::llround(*v++));

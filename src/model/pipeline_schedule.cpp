@@ -30,7 +30,8 @@ PipelineLayout::PipelineLayout(int64_t num_layers, int pp, int vpp, std::vector<
     starts_.push_back(sum);
     sum += layers_[i];
   }
-  LATHE_CHECK(sum == num_layers, "parallel.pp_layers: the counts add up to {} layers; the model has {}", sum, num_layers);
+  LATHE_CHECK(sum == num_layers, "parallel.pp_layers: the counts add up to {} layers; the model has {}", sum,
+              num_layers);
 }
 
 int PipelineLayout::stage_of_layer(int64_t layer) const {
@@ -90,8 +91,8 @@ std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, i
     return order;
   }
   LATHE_CHECK(vpp == 1 || micro_batches % pp == 0, "parallel.vpp = {}: the interleaved pipeline schedule runs "
-              "micro-batches in groups of pp = {}; a step's {} micro-batches (train.grad_accum) are not a multiple of it",
-              vpp, pp, micro_batches);
+              "micro-batches in groups of pp = {}; a step's {} micro-batches (train.grad_accum) are not a multiple of "
+              "it", vpp, pp, micro_batches);
   const int64_t total = micro_batches * vpp;
   // The k-th forward (backward) of the rank: chunks in turn for each group of pp micro-batches (backwards from the
   // last chunk); with vpp 1 simply micro-batch k.
@@ -113,7 +114,8 @@ std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, i
 double PipelineTimeline::idle_fraction() const {
   if (ticks.empty()) return 0.0;
   size_t busy = 0;
-  for (const PipeTick& t : ticks) busy += size_t(std::count_if(t.action.begin(), t.action.end(), [](int a) { return a >= 0; }));
+  for (const PipeTick& t : ticks)
+    busy += size_t(std::count_if(t.action.begin(), t.action.end(), [](int a) { return a >= 0; }));
   const double slots = double(ticks.size()) * double(ticks[0].action.size());
   return (slots - double(busy)) / slots;
 }

@@ -57,9 +57,9 @@ struct PipeAction {
 };
 
 // Rank `rank`'s actions for `micro_batches` micro-batches in the order it runs them: with vpp 1 Megatron's 1F1B (pp -
-// rank - 1 warm-up forwards, then one forward and one backward in turn, then the remaining backwards); with vpp > 1
-// the interleaved schedule (forwards in groups of pp micro-batches, chunk by chunk; warm-up (pp - rank - 1) x 2 + (vpp -
-// 1) x pp). Refuses a micro-batch count the interleaved schedule cannot take (not a multiple of pp). `forward_only`
+// rank - 1 warm-up forwards, then one forward and one backward in turn, then the remaining backwards); with vpp > 1 the
+// interleaved schedule (forwards in groups of pp micro-batches, chunk by chunk; warm-up (pp - rank - 1) x 2 + (vpp - 1)
+// x pp). Refuses a micro-batch count the interleaved schedule cannot take (not a multiple of pp). `forward_only`
 // (evaluation, log-probabilities): the forwards alone, each as early as its input can arrive (any count).
 std::vector<PipeAction> pipeline_order(const PipelineLayout& layout, int rank, int64_t micro_batches,
                                        bool forward_only = false);

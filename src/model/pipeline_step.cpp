@@ -74,7 +74,8 @@ std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& 
           (*logprobs)[size_t(a.micro)] = std::move(w->logprobs);
         } else {
           losses[size_t(a.micro)] = w->loss;
-          if (moe) last_aux[size_t(a.micro)] = m.aux_from_pipeline(losses[size_t(a.micro)], totals, backward, loss_scale);
+          if (moe)
+            last_aux[size_t(a.micro)] = m.aux_from_pipeline(losses[size_t(a.micro)], totals, backward, loss_scale);
         }
         if (backward) works[key] = std::move(w);
       } else {
@@ -206,7 +207,8 @@ void sum_tied_embedding_grads(CausalLm& m) {
     if (m.holds_embedding_param(int(i))) embed = &m.parameters()[i];
   LATHE_CHECK(embed, "pipeline: the first or last stage holds no embed_tokens.weight to tie");
   ExecContext cx = m.runtime().context(o.device);
-  Tensor mine = embed->grad.defined() ? contiguous(cx, embed->grad) : Tensor::empty(embed->value.shape(), embed->value.dtype(), cx.allocator);
+  Tensor mine = embed->grad.defined() ? contiguous(cx, embed->grad)
+                                       : Tensor::empty(embed->value.shape(), embed->value.dtype(), cx.allocator);
   if (!embed->grad.defined()) cx.backend.fill_bytes(mine.data_ptr(), 0, mine.nbytes(), cx.stream);  // no labelled row
   Tensor theirs = Tensor::empty(mine.shape(), mine.dtype(), cx.allocator);
   const int peer = m.holds_embedding() ? o.pp->size() - 1 : 0;

@@ -1,9 +1,9 @@
 // Pipeline parallelism's driver (docs/parallel.md, "Pipeline parallelism"): one step's micro-batches through this
 // rank's stages of a CausalLm built with ModelOptions::pp, in the order of the schedule's lockstep timeline
-// (model/pipeline_schedule.h). At each tick the rank runs its action — one stage's forward or backward of one micro-batch —
-// then one grouped exchange with its neighbours: the residual stream's two terms forward (2, rows, H), its gradient
-// back (rows, H); for models with mixture-of-experts layers also the routing totals forward (the aux loss is every
-// layer's) and the aux loss's derivative back. Every rank of the pipeline passes the same micro-batches.
+// (model/pipeline_schedule.h). At each tick the rank runs its action — one stage's forward or backward of one
+// micro-batch — then one grouped exchange with its neighbours: the residual stream's two terms forward (2, rows, H),
+// its gradient back (rows, H); for models with mixture-of-experts layers also the routing totals forward (the aux loss
+// is every layer's) and the aux loss's derivative back. Every rank of the pipeline passes the same micro-batches.
 // Covered by tests/parallel/test_pipeline_parallel.cpp (MPI).
 #pragma once
 

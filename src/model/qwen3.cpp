@@ -110,7 +110,8 @@ Qwen3Model Qwen3Model::load(Runtime& rt, const std::string& dir, const ModelOpti
   // Anything else in the checkpoint would be silently unused: refuse it, except a stored copy of a tied head.
   std::vector<std::string> unexpected;
   for (const std::string& name : st.names())
-    if (!expected.count(name) && !(name == "lm_head.weight" && m.config_.tie_word_embeddings) && !m.held_elsewhere(name))
+    if (!expected.count(name) && !(name == "lm_head.weight" && m.config_.tie_word_embeddings) &&
+        !m.held_elsewhere(name))
       unexpected.push_back(name);
   LATHE_CHECK(unexpected.empty(), "model: {}: {} tensors the {} model does not use, e.g. '{}'", dir, unexpected.size(),
               m.config_.model_type, unexpected.empty() ? "" : unexpected.front());

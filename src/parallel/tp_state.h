@@ -20,8 +20,9 @@ std::string slice_state_name(const std::string& group, int rank, int ranks);
 // Writes to `out_path` (AdamW::load's format) the masters and moments of `params` — this run's parameters, whole or
 // this rank's tp slices (Parameter::shard) — assembled from the old state `files` (a tp group's, in rank order, or one
 // whole optimizer.safetensors; a pipeline's stages each hold their own tensors): a tensor whole in the old files from
-// the first that holds it, a slice from the boxes of the old files that overlap it. The step counts and hyper-parameters are the old files'. Errors name the file and tensor
-// when a piece is missing or the old files do not cover a slice.
+// the first that holds it, a slice from the boxes of the old files that overlap it. The step counts and
+// hyper-parameters are the old files'. Errors name the file and tensor when a piece is missing or the old files do not
+// cover a slice.
 void reslice_tp_state(const std::vector<std::string>& files, const std::vector<Parameter>& params,
                       const std::string& out_path);
 

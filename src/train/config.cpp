@@ -502,10 +502,12 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     if (c.zero > 0) refuse(fmt::format("parallel.zero {}", c.zero));
     if (c.vpp > 1 && c.grad_accum % c.pp != 0)
       problems.push_back(fmt::format("parallel.vpp: the interleaved schedule runs micro-batches in groups of "
-                                     "parallel.pp = {}; train.grad_accum = {} is not a multiple of it", c.pp, c.grad_accum));
+                                     "parallel.pp = {}; train.grad_accum = {} is not a multiple of it", c.pp,
+                                     c.grad_accum));
   }
   if (c.vpp > 1 && c.pp <= 1)
-    problems.push_back(fmt::format("parallel.vpp: {} virtual stages need pipeline parallelism (parallel.pp above 1)", c.vpp));
+    problems.push_back(
+        fmt::format("parallel.vpp: {} virtual stages need pipeline parallelism (parallel.pp above 1)", c.vpp));
   for (const std::string& n : c.pp_layers)
     if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos)
       problems.push_back(fmt::format("parallel.pp_layers: '{}' is not a layer count", n));

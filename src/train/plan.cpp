@@ -313,7 +313,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;
   const int64_t others_kept = std::max<int64_t>(st.held_kept(kept_all) - kept_all, 0);  // other micro-batches'
-  mem.activations = kept_all + others_kept + (c.recompute && layers > 0 ? *std::max_element(acts.begin(), acts.end()) : 0);
+  mem.activations =
+      kept_all + others_kept + (c.recompute && layers > 0 ? *std::max_element(acts.begin(), acts.end()) : 0);
   // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_rows): the final norm's
   // output and stream on the stream's rows, their gather into the block's rows (padded; sp), the labelled rows and their
   // gradient (block rows, H) x2, one chunk's logits and their gradient (rows padded to 64 columns) and its per-row
@@ -323,8 +324,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   const int64_t gathered = rows.stream < head_rows ? b * padded_block * h : 0;
   const int64_t chunk = std::min(head_rows, kLossChunkRows), padded_vocab = (m.vocab_size + 63) / 64 * 64;
   mem.loss_head = !st.head ? 0
-                            : 2 * b * rows.stream * h + gathered + 2 * b * head_rows * h + 2 * b * chunk * padded_vocab +
-                                  4 * chunk;
+                            : 2 * b * rows.stream * h + gathered + 2 * b * head_rows * h +
+                                  2 * b * chunk * padded_vocab + 4 * chunk;
 
   // The peak: the step's phases, micro-batch by micro-batch (the second repeats in every later one).
   const int64_t persistent = mem.weights + mem.optimizer + others_kept;

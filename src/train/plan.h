@@ -64,9 +64,9 @@ struct TrainingPlan {
   std::vector<LayoutPlan> layouts;
 };
 
-// The stages' layers `lathe train` takes for `model` at parallel.pp = `pp`: parallel.pp_layers; else a hybrid stack's by
-// its layers' estimated cost at data.max_seq_len (Gated DeltaNet and full attention differ), a uniform one's as evenly
-// as possible. Refuses (lathe::Error) a split that cannot be made.
+// The stages' layers `lathe train` takes for `model` at parallel.pp = `pp`: parallel.pp_layers; else a hybrid stack's
+// by its layers' estimated cost at data.max_seq_len (Gated DeltaNet and full attention differ), a uniform one's as
+// evenly as possible. Refuses (lathe::Error) a split that cannot be made.
 PipelineLayout planned_pipeline(const TrainConfig& c, const ModelConfig& model, int pp);
 
 // The model config `lathe train` would build from `c`: model.path's config.json, or the inline model.config (model

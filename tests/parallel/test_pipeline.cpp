@@ -1,10 +1,10 @@
-// src/model/pipeline_schedule.h: stage layouts (even by default, 3 layers on 2 stages is 2 + 1; explicit counts; refusals
-// naming the constraint), the 1F1B and interleaved orders, and the lockstep timeline. The timeline is checked by
-// replaying it independently (every action's input arrived in an earlier tick's message from the right rank, every
+// src/model/pipeline_schedule.h: stage layouts (even by default, 3 layers on 2 stages is 2 + 1; explicit counts;
+// refusals naming the constraint), the 1F1B and interleaved orders, and the lockstep timeline. The timeline is checked
+// by replaying it independently (every action's input arrived in an earlier tick's message from the right rank, every
 // micro-batch's forward and backward run once on every stage), against 1F1B's memory bound (rank r never holds more
 // than pp - r micro-batches' activations) and against the bubble fractions published for the two schedules (Narayanan
-// et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2): (p - 1) / (m + p - 1)
-// for 1F1B and (p - 1) / (v m + p - 1) interleaved, with a forward and a backward costing one tick each.
+// et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", section 2.2): (p - 1) / (m + p - 1) for
+// 1F1B and (p - 1) / (v m + p - 1) interleaved, with a forward and a backward costing one tick each.
 #include <gtest/gtest.h>
 
 #include <algorithm>
