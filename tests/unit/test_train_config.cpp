@@ -108,6 +108,30 @@ TEST(TrainConfig, RangesAreCheckedAndEveryProblemIsReported) {
     EXPECT_NE(e.find(needle), std::string::npos) << needle << "\n" << e;
 }
 
+// The pipeline options, each wrong in its own way, every problem reported at once: a stage count that is no number,
+// counts for another number of stages, virtual stages without a pipeline, and (at pp 2) ZeRO and a grad_accum the
+// interleaved schedule cannot group.
+TEST(TrainConfig, PipelineOptionsAreChecked) {
+  const std::vector<std::string> base = {"model.config={hidden_size: 8}", "model.tokenizer=t", "data.train=x.jsonl",
+                                         "output_dir=o", "train.max_steps=1"};
+  auto problems = [&](const std::vector<std::string>& more) {
+    std::vector<std::string> sets = base;
+    sets.insert(sets.end(), more.begin(), more.end());
+    return error_of([&] { lathe::load_train_config("", sets); });
+  };
+  const std::string one = problems({"parallel.vpp=2", "parallel.pp_layers=[2,x,1]"});
+  for (const char* needle : {"3 problems", "parallel.vpp: 2 virtual stages need pipeline parallelism (parallel.pp above 1)",
+                             "parallel.pp_layers: 'x' is not a layer count",
+                             "parallel.pp_layers: 3 counts for 2 pipeline stages (pp 1 x vpp 2)"})
+    EXPECT_NE(one.find(needle), std::string::npos) << needle << "\n" << one;
+  const std::string two =
+      problems({"parallel.pp=2", "parallel.vpp=2", "train.grad_accum=3", "parallel.zero=1", "parallel.pp_layers=[1,1]"});
+  for (const char* needle : {"parallel.pp: 2 with parallel.zero 1 is not built yet",
+                             "train.grad_accum = 3 is not a multiple of it",
+                             "parallel.pp_layers: 2 counts for 4 pipeline stages (pp 2 x vpp 2)"})
+    EXPECT_NE(two.find(needle), std::string::npos) << needle << "\n" << two;
+}
+
 TEST(TrainConfig, PathsInAFileAreRelativeToItsFolder) {
   const fs::path d = scratch("paths");
   fs::create_directories(d / "conf");
