@@ -14,7 +14,6 @@
 #include <numeric>
 #include <optional>
 #include <regex>
-#include <thread>
 
 #include <fmt/ranges.h>
 
@@ -41,80 +40,12 @@
 #include "train/run_folder.h"
 #include "train/step_profile.h"
 #include "train/tensorboard.h"
+#include "train/trainer_parts.h"
 
 namespace lathe {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-namespace {
-
-std::string step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step); }
-
-// Whether a job checkpoints after `step`: every train.save_every steps, and at the last. One predicate for the save
-// itself and for the ranks' barriers around it, which must agree on every rank.
-bool saves_at(const TrainConfig& c, int64_t step) { return (c.save_every > 0 && step % c.save_every == 0) || step == c.max_steps; }
-
-// LATHE_FAULT_INJECT=<point>:<step> makes the process die at that point (tests of crash safety only).
-bool fault_injected(const char* point, int64_t step) {
-  const char* f = std::getenv("LATHE_FAULT_INJECT");
-  return f && std::string(f) == fmt::format("{}:{}", point, step);
-}
-
-
-std::string duration(double s) {
-  if (!(s >= 0) || s > 1e7) return "?";
-  const int64_t t = int64_t(s);
-  return t >= 3600 ? fmt::format("{}h{:02d}m", t / 3600, t % 3600 / 60) : fmt::format("{}m{:02d}s", t / 60, t % 60);
-}
-
-std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& files, const data::RowEncoder& enc,
-                                                data::DatasetStats* stats) {
-  if (files.size() == 1) return data::open_corpus(files[0], enc, stats);
-  auto corpus = std::make_shared<data::MemoryCorpus>();
-  for (const std::string& f : files) {
-    const data::DatasetStats s = data::encode_jsonl(f, enc, [&](data::Sample&& x) { corpus->append(x); });
-    stats->samples += s.samples;
-    stats->tokens += s.tokens;
-    stats->labelled += s.labelled;
-    stats->bad_rows += s.bad_rows;
-    stats->truncated += s.truncated;
-    stats->dropped_too_long += s.dropped_too_long;
-    stats->dropped_no_labels += s.dropped_no_labels;
-  }
-  return corpus;
-}
-
-
-class Progress {
- public:
-  // Only the first rank of a parallel run prints (`silent` on the others).
-  Progress(int64_t log_every, bool silent) : tty_(isatty(STDOUT_FILENO)), silent_(silent), log_every_(log_every) {}
-  void step(int64_t step, int64_t total, const std::string& line) {
-    if (silent_) return;
-    if (tty_) {
-      std::printf("\r\033[K%s", line.c_str());
-      std::fflush(stdout);
-    } else if (step % log_every_ == 0 || step == total) {
-      std::printf("%s\n", line.c_str());
-      std::fflush(stdout);
-    }
-  }
-  void message(const std::string& line) {
-    if (silent_) return;
-    std::printf(tty_ ? "\r\033[K%s\n" : "%s\n", line.c_str());
-    std::fflush(stdout);
-  }
-  void finish() {
-    if (tty_ && !silent_) std::printf("\n");
-  }
-
- private:
-  bool tty_, silent_;
-  int64_t log_every_;
-};
-
-}  // namespace
 
 std::string latest_checkpoint(const std::string& output_dir) {
   const fs::path dir = fs::path(output_dir) / "checkpoints";
@@ -129,184 +60,7 @@ std::string latest_checkpoint(const std::string& output_dir) {
   return best.empty() ? "" : (dir / best).string();
 }
 
-namespace {
-
-// One model being trained: the whole model (full fine-tuning) or one LoRA adapter (a tenant). Everything a job
-// owns — data, optimizer, schedule, metrics, checkpoints — is its own; a failing job is stopped alone.
-struct Job {
-  const TrainConfig* cfg = nullptr;
-  fs::path out;
-  std::string label;  // "" for a single-job run, else the tenant's name
-  int adapter = -1;   // LoRA: index in the bank
-  // Read and checked before anything is written.
-  RunFolder folder;
-  StartPlan start;
-  nlohmann::json state = nlohmann::json::object();  // the resumed checkpoint's trainer_state.json
-  std::shared_ptr<const data::Corpus> train, eval;
-  std::vector<FinalEvalRow> final_eval_rows;
-  bool needs_final = false, needs_final_eval = false;  // resumed at max_steps with these still to do
-  // Built once the folder is prepared.
-  std::vector<Parameter>* params = nullptr;  // what the optimizer updates (under ZeRO: this rank's pieces)
-  std::unique_ptr<ZeroShards> zero;          // parallel.zero: 1 or 2 with dp > 1 (full fine-tuning)
-  data::LoaderOptions loader_options;
-  std::unique_ptr<data::PackedLoader> loader;
-  std::unique_ptr<AdamW> opt;
-  std::unique_ptr<MetricsWriter> metrics;
-  std::unique_ptr<TensorBoardWriter> tb;
-  ScheduleConfig sched;
-  int64_t step = 0, tokens_seen = 0, bad_in_row = 0;
-  bool failed = false;
-  std::string error;
-  JobSummary summary;
-  // this step
-  double loss_sum = 0, flops = 0;
-  int64_t labelled = 0, tokens = 0;
-  // MoE models, this step: the aux loss summed over micro-batches, and each sparse layer's tokens per expert.
-  double aux_sum = 0;
-  std::map<int64_t, std::vector<int64_t>> expert_tokens;
-
-  bool active() const { return !failed && step < cfg->max_steps; }
-  bool finished() const {  // nothing left to do: trained, exported and evaluated
-    return start.training_done && !needs_final && !needs_final_eval;
-  }
-  std::string prefix() const { return label.empty() ? "" : label + ": "; }
-  std::string who() const { return label.empty() ? "train" : "train: tenant " + label; }
-};
-
-uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
-  uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
-  z = (z ^ (z >> 31)) * 0xD6E8FEB86927D7A9ull;
-  return z ^ (z >> 29);
-}
-
-// The folder a ZeRO run's ranks write their optimizer shards into before the first rank gathers them into the
-// checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
-fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
-std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
-
-// `write_files` writes the weights and the optimizer state into the checkpoint's folder before it appears.
-void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state) {
-  const fs::path dir = job.out / "checkpoints";
-  OutputDir out((dir / step_dir_name(job.step)).string(), job.who());  // replaces one of the same step
-  write_files(out.tmp());
-  // Test hooks (tests/e2e): die in the middle of the save of step N, as a crash or kill -9 would; or take 6 s longer.
-  if (fault_injected("checkpoint_save", job.step)) _exit(3);
-  if (fault_injected("slow_save", job.step)) std::this_thread::sleep_for(std::chrono::seconds(6));
-  write_file_atomic((out.tmp() / "trainer_state.json").string(), state.dump(2), job.who());
-  out.commit();
-  // Keep the newest `keep_last` complete checkpoints.
-  std::vector<fs::path> all;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (std::regex_match(e.path().filename().string(), std::regex("step-[0-9]{8}"))) all.push_back(e.path());
-  std::sort(all.begin(), all.end());
-  for (size_t i = 0; i + size_t(job.cfg->keep_last) < all.size(); ++i) fs::remove_all(all[i]);
-}
-
-// A device batch of one job's host batch, its rows served by `adapter` (-1: no adapter).
-// The name of the layout whose ranks hold different slices of the weights, in the optimizer state files' names: the
-// kinds above 1 joined ("tp", "ep", "tp-ep", "pp", "tp-pp", ...).
-std::string slice_kind_of(int tp, int ep, int pp) {
-  std::vector<std::string> kinds;
-  if (tp > 1) kinds.push_back("tp");
-  if (ep > 1) kinds.push_back("ep");
-  if (pp > 1) kinds.push_back("pp");
-  return kinds.empty() ? "tp" : fmt::format("{}", fmt::join(kinds, "-"));
-}
-
-PackedBatch single_job_batch(Runtime& rt, const CausalLm& model, const data::Batch& b, int adapter) {
-  PackedBatch pb = make_packed_batch(rt, model.options().device, b.ids, b.cu_seqlens, b.labels,
-                                     model.global_config().vocab_size);
-  if (adapter >= 0) set_segments(pb, {{pb.tokens(), adapter, 1.0, 0}});
-  return pb;
-}
-
-double evaluate(Runtime& rt, CausalLm& model, const Job& job) {
-  data::LoaderOptions o = job.loader_options;
-  o.shuffle = false;
-  o.rank = 0;
-  o.world = 1;
-  o.prefetch = 0;
-  data::PackedLoader loader(job.eval, o);
-  const int64_t n = std::min<int64_t>(job.cfg->eval_batches, loader.batches_in_first_epoch());
-  std::vector<PackedBatch> batches;
-  for (int64_t i = 0; i < n; ++i) batches.push_back(single_job_batch(rt, model, loader.next(), job.adapter));
-  std::vector<LossResult> results;
-  if (model.pp_size() > 1) {  // pipeline parallelism: the batches stream through the stages, forward only
-    results = run_pipeline(model, batches, false, 1.0);
-    broadcast_losses(model, results);
-  } else {
-    for (const PackedBatch& b : batches) results.push_back(model.loss(b, false));
-  }
-  double sum = 0;
-  int64_t labelled = 0;
-  for (const LossResult& r : results) {
-    sum += r.loss_sum;
-    labelled += r.labelled;
-  }
-  return labelled ? sum / double(labelled) : NAN;
-}
-
-// The sum of squares of the parameters' values is finite (an update that overflowed would poison other tenants).
-bool values_finite(ExecContext& ctx, std::vector<Parameter>& params) {
-  std::vector<Parameter> as_grads;
-  for (const Parameter& p : params) as_grads.push_back({p.name, p.value, p.value, {}});
-  return std::isfinite(global_grad_norm(ctx, as_grads));
-}
-
-void check_batch_fits(const data::Batch& b, int64_t vocab) {
-  for (size_t i = 0; i < b.ids.size(); ++i) {
-    LATHE_CHECK(b.ids[i] >= 0 && b.ids[i] < vocab, "data: token id {} is outside the model's vocabulary ({})", b.ids[i], vocab);
-    LATHE_CHECK(b.labels[i] == -100 || (b.labels[i] >= 0 && b.labels[i] < vocab),
-                "data: label {} is outside the model's vocabulary ({})", b.labels[i], vocab);
-  }
-}
-
-// What the log has said about the memory plan, so that each thing is said once.
-struct MemoryPlanReport {
-  bool outcome = false;  // planned, or why not
-  bool misses = false;   // a step left the planned sequence
-};
-
-void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& progress) {
-  if (!said.outcome && (s.planned || !s.not_planned.empty())) {
-    said.outcome = true;
-    progress.message(s.planned ? fmt::format("memory plan: {} of a step's {} allocations laid out in one arena of "
-                                             "{:.0f} MiB (their peak live {:.0f} MiB)",
-                                             s.planned_blocks, s.recorded_blocks, double(s.arena_bytes) / 1048576.0,
-                                             double(s.peak_live_bytes) / 1048576.0)
-                               : fmt::format("memory plan: none ({}); allocations stay block by block", s.not_planned));
-  }
-  if (s.planned && !said.misses && s.misses > 0) {
-    said.misses = true;
-    progress.message(fmt::format("memory plan: a step departed from the planned sequence ({} allocations so far outside "
-                                 "the arena, {} in it): steps whose batches differ in shape share the plan only in part "
-                                 "(docs/training.md)", s.misses, s.hits));
-  }
-}
-
-}  // namespace
-
-namespace {
-
-// generation_config.json for a model made from scratch, as transformers derives it from a model config: the
-// config's bos/eos ids, else the tokenizer's end-of-sequence tokens (<|im_end|> too, as chat generation stops there).
-nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& tok) {
-  nlohmann::json g = {{"_from_model_config", true}};
-  if (mc.raw.contains("bos_token_id")) g["bos_token_id"] = mc.raw["bos_token_id"];
-  else if (tok.bos_id()) g["bos_token_id"] = *tok.bos_id();
-  if (mc.raw.contains("eos_token_id")) {
-    g["eos_token_id"] = mc.raw["eos_token_id"];
-  } else {
-    const std::vector<int32_t> eos = tok.end_of_turn_ids();
-    if (eos.size() == 1) g["eos_token_id"] = eos[0];
-    else if (!eos.empty()) g["eos_token_id"] = eos;
-  }
-  if (tok.pad_id()) g["pad_token_id"] = *tok.pad_id();
-  return g;
-}
-
-
-}  // namespace
+using namespace trainer_parts;
 
 // The trainer's state (trainer.h's Trainer forwards to it): one job, or one per tenant.
 class Trainer::Impl {
