@@ -169,9 +169,14 @@ int CausalLm::stage_rank_of(const std::string& name) const {
   return name.find("embed_tokens") != std::string::npos ? 0 : pp_size() - 1;
 }
 
-bool CausalLm::holds_embedding_param(int index) const {
-  const std::string& n = params_[size_t(index)].name;
-  return n.size() >= 19 && n.compare(n.size() - 19, 19, "embed_tokens.weight") == 0;
+const Parameter* CausalLm::embedding_parameter() const {
+  for (const Parameter& p : params_)
+    if (p.name.size() >= 19 && p.name.compare(p.name.size() - 19, 19, "embed_tokens.weight") == 0) return &p;
+  return nullptr;
+}
+
+Parameter* CausalLm::embedding_parameter() {
+  return const_cast<Parameter*>(static_cast<const CausalLm&>(*this).embedding_parameter());
 }
 
 std::map<std::string, std::pair<Shape, ShardLayout>> CausalLm::declared_layouts() const {
@@ -182,7 +187,7 @@ std::map<std::string, std::pair<Shape, ShardLayout>> CausalLm::declared_layouts(
 }
 
 bool CausalLm::held_elsewhere(const std::string& name) const {
-  if (layer_of(name) >= 0) return !holds_layer(layer_of(name));
+  if (const int64_t layer = layer_of(name); layer >= 0) return !holds_layer(layer);
   return std::any_of(absent_.begin(), absent_.end(), [&](const AbsentParameter& a) { return a.name == name; });
 }
 
@@ -965,11 +970,12 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
     host.push_back(rt_->copy_to(cast(cx, whole, dt), Device::cpu()));
     for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
   };
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Tensor whole = gathered(params_[i]);
+  const Parameter* embedding = pp_rank() > 0 ? embedding_parameter() : nullptr;
+  for (const Parameter& p : params_) {
+    const Tensor whole = gathered(p);
     if (!writer) continue;
-    if (pp_rank() == 0) keep(params_[i], whole);
-    else if (!holds_embedding_param(int(i))) options_.pp->send(contiguous(cx, whole), 0).wait();
+    if (pp_rank() == 0) keep(p, whole);
+    else if (&p != embedding) options_.pp->send(contiguous(cx, whole), 0).wait();  // (a tied head: the first's)
   }
   if (!writer || pp_rank() > 0) return;
   for (int i : declared_) {  // the other stages' tensors (pp rank 0 holds the embedding, tied or not)

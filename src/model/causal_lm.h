@@ -158,7 +158,9 @@ class CausalLm {
   }
   bool holds_embedding() const { return pp_rank() == 0; }
   bool holds_head() const { return pp_rank() == pp_size() - 1; }
-  bool holds_embedding_param(int index) const;  // params_[index] is the embedding (tied: also on the last stage)
+  // The embedding this rank holds (under pp the first stage's, and a tied head's copy on the last), or nullptr.
+  Parameter* embedding_parameter();
+  const Parameter* embedding_parameter() const;
   // Every declared parameter's shape on this rank and layout (ShardLayout), by name, whether this rank holds it or
   // another pipeline stage does: what an adapter bank, which holds every layer's adapters, splits them by.
   std::map<std::string, std::pair<Shape, ShardLayout>> declared_layouts() const;

@@ -202,9 +202,7 @@ void sum_tied_embedding_grads(CausalLm& m) {
   const ModelOptions& o = m.options();
   if (!o.pp || o.pp->size() == 1 || !m.global_config().tie_word_embeddings) return;
   if (!m.holds_embedding() && !m.holds_head()) return;
-  Parameter* embed = nullptr;
-  for (size_t i = 0; i < m.parameters().size(); ++i)
-    if (m.holds_embedding_param(int(i))) embed = &m.parameters()[i];
+  Parameter* embed = m.embedding_parameter();
   LATHE_CHECK(embed, "pipeline: the first or last stage holds no embed_tokens.weight to tie");
   ExecContext cx = m.runtime().context(o.device);
   Tensor mine = embed->grad.defined() ? contiguous(cx, embed->grad)

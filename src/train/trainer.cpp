@@ -140,9 +140,7 @@ class Trainer::Impl {
   const Parameter* tied_head_copy() const {
     if (lora_ || model_->pp_size() == 1 || !model_->holds_head() || !model_->global_config().tie_word_embeddings)
       return nullptr;
-    for (size_t i = 0; i < model_->parameters().size(); ++i)
-      if (model_->holds_embedding_param(int(i))) return &model_->parameters()[i];
-    return nullptr;
+    return model_->embedding_parameter();
   }
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
