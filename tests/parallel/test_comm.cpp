@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <functional>
 #include <string>
 #include <thread>
 
@@ -15,8 +14,10 @@
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "parallel/grid.h"
+#include "support/error_of.h"
 
 using namespace lathe;
+using lathe::test_support::error_of;
 
 namespace {
 
@@ -96,21 +97,13 @@ TEST_F(Comm, AllToAllWithUnevenSplits) {
 // rank refuses the same bad call, so none waits for the others.
 TEST_F(Comm, BadShapesAreRefusedBeforeTheCollective) {
   const int size = world->size();
-  const auto message = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("(no error)");
-  };
   Tensor in = cpu_tensor(std::vector<float>(size_t(3 * size), 1.0f));
   Tensor small = Tensor::empty({2}, DType::F32, runtime().host_allocator());
-  EXPECT_NE(message([&] { world->reduce_scatter(in, small); }).find("reduce_scatter on world: input of"), std::string::npos);
-  EXPECT_NE(message([&] { world->all_gather(small, in); }).find("all_gather on world: output of"), std::string::npos);
+  EXPECT_NE(error_of([&] { world->reduce_scatter(in, small); }).find("reduce_scatter on world: input of"), std::string::npos);
+  EXPECT_NE(error_of([&] { world->all_gather(small, in); }).find("all_gather on world: output of"), std::string::npos);
   const std::vector<int64_t> ones(size_t(size), 1);
-  EXPECT_NE(message([&] { world->all_to_all(in, ones, small, ones); }).find("all_to_all on world: counts"), std::string::npos);
-  EXPECT_NE(message([&] { world->all_to_all(in, {1}, small, ones); }).find("receive counts for"), std::string::npos)
+  EXPECT_NE(error_of([&] { world->all_to_all(in, ones, small, ones); }).find("all_to_all on world: counts"), std::string::npos);
+  EXPECT_NE(error_of([&] { world->all_to_all(in, {1}, small, ones); }).find("receive counts for"), std::string::npos)
       << "a count per rank";
   world->barrier();  // and the group still works
 }

@@ -58,13 +58,9 @@ PackedBatch rank_batch(int r) { return random_batch(40, {0, 7, 9, 21}, 100 + uin
 
 // The group's batches joined into one, in rank order.
 PackedBatch joined_batch(int n) {
-  std::vector<int32_t> ids, cu = {0};
-  for (int r = 0; r < n; ++r) {
-    const PackedBatch b = rank_batch(r);
-    for (size_t d = 1; d < b.host_cu.size(); ++d) cu.push_back(int32_t(ids.size()) + b.host_cu[d]);
-    ids.insert(ids.end(), b.host_ids.begin(), b.host_ids.end());
-  }
-  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), 40);
+  std::vector<PackedBatch> parts;
+  for (int r = 0; r < n; ++r) parts.push_back(rank_batch(r));
+  return test_support::joined_batch(parts, 40);
 }
 
 struct ExpertParallel : ::testing::Test {

@@ -18,7 +18,6 @@
 #include <cmath>
 #include <filesystem>
 #include <unistd.h>
-#include <functional>
 #include <string>
 
 #include "comm/mpi_communicator.h"
@@ -28,6 +27,7 @@
 #include "model/config.h"
 #include "model/pipeline_step.h"
 #include "parallel/grid.h"
+#include "support/error_of.h"
 #include "support/model_support.h"
 #include "support/tp_support.h"
 
@@ -76,15 +76,6 @@ std::vector<int32_t> micro_cu(int k) {
 }
 PackedBatch micro_batch(int k) { return random_batch(40, micro_cu(k), 300 + uint64_t(k)); }
 
-// Batches joined into one, in order.
-PackedBatch joined(const std::vector<PackedBatch>& parts) {
-  std::vector<int32_t> ids, cu = {0};
-  for (const PackedBatch& b : parts) {
-    for (size_t d = 1; d < b.host_cu.size(); ++d) cu.push_back(int32_t(ids.size()) + b.host_cu[d]);
-    ids.insert(ids.end(), b.host_ids.begin(), b.host_ids.end());
-  }
-  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), 40);
-}
 
 struct PipelineParallel : ::testing::Test {
   static std::unique_ptr<Communicator> world;
@@ -137,7 +128,7 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
     for (int k = 0; k < per_replica; ++k) {
       std::vector<PackedBatch> parts;
       for (int d = 0; d < lay.dp; ++d) parts.push_back(batch(d, k));
-      want.push_back(whole->loss(joined(parts), true, scale * lay.ep));
+      want.push_back(whole->loss(joined_batch(parts, 40), true, scale * lay.ep));
     }
   }
 
@@ -243,19 +234,11 @@ TEST_F(PipelineParallel, SavedStagesReadBackWholeAndLoadIntoStages) {
 
 TEST_F(PipelineParallel, RefusesWhatItCannotSchedule) {
   const int n = world->size();
-  const auto refusal = [](const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no refusal");
-  };
-  const std::string wrong_size = refusal([&] { model(pp_configs()[0], world.get(), PipelineLayout(4, n / 2, 1)); });
+  const std::string wrong_size = error_of([&] { model(pp_configs()[0], world.get(), PipelineLayout(4, n / 2, 1)); });
   EXPECT_NE(wrong_size.find("is not one for " + std::to_string(n) + " ranks"), std::string::npos) << wrong_size;
   if (n != 2) return;  // three micro-batches on the interleaved pp 2 x vpp 2
   const std::unique_ptr<CausalLm> m = model(pp_configs()[0], world.get(), PipelineLayout(4, 2, 2));
-  const std::string odd = refusal([&] { run_pipeline(*m, {micro_batch(0), micro_batch(1), micro_batch(2)}, true, 1.0); });
+  const std::string odd = error_of([&] { run_pipeline(*m, {micro_batch(0), micro_batch(1), micro_batch(2)}, true, 1.0); });
   EXPECT_NE(odd.find("3 micro-batches (train.grad_accum) are not a multiple of it"), std::string::npos) << odd;
 }
 

@@ -93,6 +93,17 @@ inline PackedBatch random_batch(int64_t vocab, const std::vector<int32_t>& cu, u
   return make_packed_batch(runtime(), device, ids, cu, next_token_labels(ids, cu), vocab);
 }
 
+// Batches joined into one CPU batch, in order (each document keeps its rows; next-token labels), of a `vocab`-word
+// model: what several ranks' batches are to one process.
+inline PackedBatch joined_batch(const std::vector<PackedBatch>& parts, int64_t vocab) {
+  std::vector<int32_t> ids, cu = {0};
+  for (const PackedBatch& b : parts) {
+    for (size_t d = 1; d < b.host_cu.size(); ++d) cu.push_back(int32_t(ids.size()) + b.host_cu[d]);
+    ids.insert(ids.end(), b.host_ids.begin(), b.host_ids.end());
+  }
+  return make_packed_batch(runtime(), Device::cpu(), ids, cu, next_token_labels(ids, cu), vocab);
+}
+
 // The relative L2 error of every parameter's gradient against the fixture tensor `prefix` + its name: the mean over
 // the parameters and the worst, with its name. A parameter without a gradient is a failure (and is skipped).
 struct GradErrors {
