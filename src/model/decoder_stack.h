@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cctype>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,13 +34,41 @@ struct DecoderStack {
       ~End() { m.end_forward(); }
     } end{m};
     ResidualStream x{m.embed(m.embed_, b.ids), {}};  // vocab-parallel under tp: summed over the group
-    for (const auto& l : m.layers_) {
-      typename M::LayerActs a = m.layer_forward(l, x, b, training);
+    return forward_layers(m, 0, m.layers_.size(), x, b, training, acts, inputs);
+  }
+
+  // The layers m.layers_[begin, end) over the stream x (the whole stack, or a pipeline stage's): each one's input (its
+  // sum, LayerActs::x) into `inputs` and its activations into `acts` where given; returns the last one's output.
+  template <typename M>
+  static ResidualStream forward_layers(M& m, size_t begin, size_t end, ResidualStream x, const PackedBatch& b,
+                                       bool training, std::vector<typename M::LayerActs>* acts,
+                                       std::vector<ResidualStream>* inputs) {
+    for (size_t k = begin; k < end; ++k) {
+      typename M::LayerActs a = m.layer_forward(m.layers_[k], x, b, training);
       if (inputs) inputs->push_back({a.x, {}});
       x = a.out;
       if (acts) acts->push_back(std::move(a));
     }
     return x;
+  }
+
+  // The backward through m.layers_[begin, end), the last first, from d(their output) dx: each layer's activations
+  // from `acts` (one a layer from `begin`, moved out as used) or, with `acts` empty, recomputed from its input in
+  // `inputs`; `done(k)` after the layer at position k. Returns d(the input of layer `begin`).
+  template <typename M>
+  static Tensor backward_layers(M& m, size_t begin, size_t end, std::vector<typename M::LayerActs>& acts,
+                                const std::vector<ResidualStream>& inputs, Tensor dx, const PackedBatch& b,
+                                const std::function<void(int64_t)>& done) {
+    const bool keep = !acts.empty();
+    for (size_t k = end; k-- > begin;) {
+      const auto& l = m.layers_[k];
+      const typename M::LayerActs a =
+          keep ? std::move(acts[k - begin]) : m.layer_forward(l, inputs[k - begin], b, true);
+      if (keep) acts.pop_back();
+      dx = m.layer_backward(l, a, dx, b);
+      if (done) done(int64_t(k));
+    }
+    return dx;
   }
 
   template <typename M>
@@ -105,14 +134,7 @@ struct DecoderStack {
       if (hooks.grads_done) hooks.grads_done(layers_left);
     };
     done(int64_t(m.layers_.size()));
-    Tensor dx = dfinal[0];
-    for (int64_t i = int64_t(m.layers_.size()) - 1; i >= 0; --i) {
-      const auto& l = m.layers_[size_t(i)];
-      const typename M::LayerActs a = keep ? std::move(acts[size_t(i)]) : m.layer_forward(l, inputs[size_t(i)], b, true);
-      if (keep) acts.pop_back();
-      dx = m.layer_backward(l, a, dx, b);
-      done(i);
-    }
+    const Tensor dx = backward_layers(m, 0, m.layers_.size(), acts, inputs, dfinal[0], b, done);
     m.end_backward(m.embed_, dx, b);
     done(-1);
     if (hooks.queued) hooks.queued();
@@ -147,9 +169,9 @@ struct DecoderStack {
   // input and d(loss)/d(its output).
   template <typename M>
   struct StageActs {
+    size_t begin = 0, end = 0;  // the stage's layers: m.layers_[begin, end)
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
-    std::vector<const typename M::Layer*> layers;
     Tensor x_last, dxf;
   };
 
@@ -177,16 +199,15 @@ struct DecoderStack {
       x = {in.narrow(0, 0, 1).view({rows, in.size(2)}), in.narrow(0, 1, 1).view({rows, in.size(2)})};
     }
     const bool keep = backward && !m.options_.recompute;
-    for (const auto& l : m.layers_) {
-      if (l.index < pl.first_layer(stage) || l.index >= pl.end_layer(stage)) continue;
-      typename M::LayerActs a = m.layer_forward(l, x, b, backward);
-      sa->layers.push_back(&l);
-      if (backward) sa->inputs.push_back({a.x, {}});
-      x = a.out;
-      if (keep) sa->acts.push_back(std::move(a));
-      const MoeRoute& route = m.moe_routes_[size_t(l.index)];
-      if (route.valid) work->routes.emplace_back(l.index, route);
-      if (m.global_config_.sparse_layer(l.index)) {  // a cp rank without rows of the batch adds zeros
+    while (sa->begin < m.layers_.size() && m.layers_[sa->begin].index < pl.first_layer(stage)) ++sa->begin;
+    for (sa->end = sa->begin; sa->end < m.layers_.size() && m.layers_[sa->end].index < pl.end_layer(stage);) ++sa->end;
+    x = forward_layers(m, sa->begin, sa->end, x, b, backward, keep ? &sa->acts : nullptr,
+                       backward ? &sa->inputs : nullptr);
+    for (size_t k = sa->begin; k < sa->end; ++k) {  // the stage's routing of this micro-batch, for its backward
+      const int64_t layer = m.layers_[k].index;
+      const MoeRoute& route = m.moe_routes_[size_t(layer)];
+      if (route.valid) work->routes.emplace_back(layer, route);
+      if (m.global_config_.sparse_layer(layer)) {  // a cp rank without rows of the batch adds zeros
         const size_t e = size_t(m.global_config_.num_experts);
         work->totals.push_back(route.valid ? route.totals
                                            : RoutingTotals{0, std::vector<int64_t>(e, 0), std::vector<double>(e, 0.0)});
@@ -231,14 +252,7 @@ struct DecoderStack {
       m.add_norm_grad(m.final_norm_, dfinal[1]);
       dx = dfinal[0];
     }
-    const bool keep = !sa.acts.empty();
-    for (int64_t i = int64_t(sa.layers.size()) - 1; i >= 0; --i) {
-      const auto& l = *sa.layers[size_t(i)];
-      const typename M::LayerActs a =
-          keep ? std::move(sa.acts[size_t(i)]) : m.layer_forward(l, sa.inputs[size_t(i)], b, true);
-      if (keep) sa.acts.pop_back();
-      dx = m.layer_backward(l, a, dx, b);
-    }
+    dx = backward_layers(m, sa.begin, sa.end, sa.acts, sa.inputs, dx, b, {});
     work.acts.reset();
     if (work.stage > 0) {
       if (m.lora_ && !b.segments.empty()) m.lora_->collect_grads();  // (end_backward's, on the first stage)
