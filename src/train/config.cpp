@@ -215,7 +215,7 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks: each holds num_experts / ep of every mixture-of-experts layer's experts (docs/moe.md)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages: each rank holds the layers of its stages, a step's micro-batches (train.grad_accum) run through them by the 1F1B schedule (full fine-tuning and LoRA; docs/parallel.md)", pp),
       LATHE_NUM("parallel.vpp", Kind::Int, "1", between(1, 65536), "virtual pipeline stages per rank (the interleaved 1F1B schedule: a smaller bubble; train.grad_accum a multiple of parallel.pp)", vpp),
-      LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order (default: as even as possible, the first stages one more)", pp_layers),
+      LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order (default: as even as possible, the first stages one more; a hybrid stack by its layers' estimated cost at data.max_seq_len)", pp_layers),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
                 "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
                 "the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only "
