@@ -14,6 +14,7 @@
 #   torch  — transformers + torchrun on the same two GPUs at that shape (DDP and FSDP2, dev/torch_dp_baseline.py),
 #            and NCCL's bus bandwidth (1 GiB all-reduce / reduce-scatter)
 #   mem4b  — the Qwen3-4B shape with f32 AdamW masters: one GPU, and dp = 2 with ZeRO-1 (each rank's peak)
+#   pp4b   — the Qwen3-4B shape at pp 2 against dp 2 at the same global batch (issue 26's pipeline target)
 #   opts, embed, profile — the single-GPU step through `lathe train` against `lathe bench` (session 15)
 # Writes summary.txt and logs.tgz to $OUT.
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
@@ -238,6 +239,33 @@ for run in ("one", "zero1"):
     if rows: print(f"4B {run}: peak per rank {rows[-1].get('memory_mib_ranks', [rows[-1].get('memory_mib')])} MiB, "
                    f"{rows[-1]['tokens_per_s']:,.0f} tok/s at step {rows[-1]['step']}")
     else: print(f"4B {run}: no step completed")
+PY
+  rm -rf $D
+fi
+
+if has pp4b; then  # issue 26's pp target: the Qwen3-4B shape at pp 2 against dp 2, the same global batch (16 micro-batches of
+  # 2 x 4096 tokens a step: dp 2 x grad_accum 8, pp 2 x grad_accum 16); each run stopped by `timeout` after its steady
+  # steps (the final save of a 4B model with its f32 optimizer state is not what is measured)
+  D=/tmp/pp4b; rm -rf $D; speed_data $D "$Q4B"
+  timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/dp2 --set train.max_steps=40 --set train.grad_accum=8 \
+    --nproc 2 >$L/pp4b_dp2.log 2>&1; summary "4B dp 2 grad_accum 8 rc=$?"
+  timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/pp2 --set train.max_steps=40 --set train.grad_accum=16 \
+    --set parallel.pp=2 --nproc 2 >$L/pp4b_pp2.log 2>&1; summary "4B pp 2 grad_accum 16 rc=$?"
+  grep -a -E "pipeline:|lathe: error" $L/pp4b_pp2.log $L/pp4b_dp2.log | head -4 | cut -c1-300 | tee -a $OUT/summary.txt
+  python3 - $D <<'PY' | tee -a $OUT/summary.txt
+import json, os, statistics, sys
+d = sys.argv[1]
+def rows(run):
+    p = f"{d}/{run}/metrics.jsonl"
+    return [json.loads(l) for l in open(p) if '"tokens_per_s"' in l] if os.path.exists(p) else []
+got = {}
+for run in ("dp2", "pp2"):
+    r = rows(run)[2:]  # steady steps
+    if not r: print(f"4B {run}: no steady steps"); continue
+    got[run] = statistics.median(x["tokens_per_s"] for x in r)
+    print(f"4B {run}: {len(r)} steady steps, median {got[run]:,.0f} tok/s, step {statistics.median(x['step_time_s'] for x in r):.2f} s, "
+          f"mfu {statistics.median(x.get('mfu', 0) for x in r):.3f}, peak per rank {r[-1].get('memory_mib_ranks', [r[-1].get('memory_mib')])} MiB")
+if len(got) == 2: print(f"4B pp 2 / dp 2 throughput: {got['pp2'] / got['dp2']:.3f} (target >= 0.90)")
 PY
   rm -rf $D
 fi
