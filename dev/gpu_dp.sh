@@ -249,9 +249,13 @@ if has pp4b; then  # issue 26's pp target: the Qwen3-4B shape at pp 2 against dp
   D=/tmp/pp4b; rm -rf $D; speed_data $D "$Q4B"
   timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/dp2 --set train.max_steps=40 --set train.grad_accum=8 \
     --nproc 2 >$L/pp4b_dp2.log 2>&1; summary "4B dp 2 grad_accum 8 rc=$?"
-  timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/pp2 --set train.max_steps=40 --set train.grad_accum=16 \
-    --set parallel.pp=2 --nproc 2 >$L/pp4b_pp2.log 2>&1; summary "4B pp 2 grad_accum 16 rc=$?"
-  grep -a -E "pipeline:|lathe: error" $L/pp4b_pp2.log $L/pp4b_dp2.log | head -4 | cut -c1-300 | tee -a $OUT/summary.txt
+  for split in ${PP4B_SPLITS:-even balanced}; do  # the default even split (18 | 18), and parallel.pp_layers=[balanced]
+    [ $split = even ] && layers="" || layers="--set parallel.pp_layers=[balanced]"
+    timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/pp2_$split --set train.max_steps=40 \
+      --set train.grad_accum=16 --set parallel.pp=2 $layers --nproc 2 >$L/pp4b_pp2_$split.log 2>&1
+    summary "4B pp 2 ($split) grad_accum 16 rc=$?"
+  done
+  grep -a -E "pipeline:|lathe: error" $L/pp4b_pp2_*.log $L/pp4b_dp2.log | head -4 | cut -c1-300 | tee -a $OUT/summary.txt
   python3 - $D <<'PY' | tee -a $OUT/summary.txt
 import json, os, statistics, sys
 d = sys.argv[1]
@@ -259,13 +263,14 @@ def rows(run):
     p = f"{d}/{run}/metrics.jsonl"
     return [json.loads(l) for l in open(p) if '"tokens_per_s"' in l] if os.path.exists(p) else []
 got = {}
-for run in ("dp2", "pp2"):
+for run in ["dp2"] + sorted(r for r in os.listdir(d) if r.startswith("pp2_")):
     r = rows(run)[2:]  # steady steps
     if not r: print(f"4B {run}: no steady steps"); continue
     got[run] = statistics.median(x["tokens_per_s"] for x in r)
     print(f"4B {run}: {len(r)} steady steps, median {got[run]:,.0f} tok/s, step {statistics.median(x['step_time_s'] for x in r):.2f} s, "
           f"mfu {statistics.median(x.get('mfu', 0) for x in r):.3f}, peak per rank {r[-1].get('memory_mib_ranks', [r[-1].get('memory_mib')])} MiB")
-if len(got) == 2: print(f"4B pp 2 / dp 2 throughput: {got['pp2'] / got['dp2']:.3f} (target >= 0.90)")
+for run in got:
+    if run != "dp2" and "dp2" in got: print(f"4B {run} / dp2 throughput: {got[run] / got['dp2']:.3f} (target >= 0.90)")
 PY
   rm -rf $D
 fi

@@ -215,7 +215,7 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.ep", Kind::Int, "1", between(1, 65536), "expert-parallel ranks: each holds num_experts / ep of every mixture-of-experts layer's experts (docs/moe.md)", ep),
       LATHE_NUM("parallel.pp", Kind::Int, "1", between(1, 65536), "pipeline stages: each rank holds the layers of its stages, a step's micro-batches (train.grad_accum) run through them by the 1F1B schedule (full fine-tuning and LoRA; docs/parallel.md)", pp),
       LATHE_NUM("parallel.vpp", Kind::Int, "1", between(1, 65536), "virtual pipeline stages per rank (the interleaved 1F1B schedule: a smaller bubble; train.grad_accum a multiple of parallel.pp)", vpp),
-      LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order (default: as even as possible, the first stages one more; a hybrid stack by its layers' estimated cost at data.max_seq_len)", pp_layers),
+      LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order, or [balanced]: split by the layers' estimated training FLOPs at data.max_seq_len, the LM head's on the last stage (default: as even as possible, the first stages one more; a hybrid stack balanced)", pp_layers),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
                 "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
                 "the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only "
@@ -304,6 +304,16 @@ const std::vector<Option>& options() {
                 "auto | true | false: the optimizer state (masters and moments) moves to host memory for each rollout "
                 "and back for the updates, so the rollout's cache gets its room (auto: on a GPU, for the rollouts whose cache "
                 "would not fit the free memory beside it)", rl.offload_optimizer),
+      LATHE_OPT("rl.mode", Kind::String, "colocated",
+                "colocated | async: async splits the ranks into training ranks and rollout ranks (rl.rollout_ranks), "
+                "which sample while the trainer trains, taking new weights after each rollout's updates (docs/rl.md)",
+                rl.mode),
+      LATHE_NUM("rl.rollout_ranks", Kind::Int, "0", at_least(0),
+                "async: how many of the launch's ranks (the last ones) sample; the rest train (0: half)", rl.rollout_ranks),
+      LATHE_NUM("rl.max_staleness", Kind::Int, "1", at_least(0),
+                "async: how many weight versions a rollout may lag: rollout n is sampled with the weights after the "
+                "updates of rollouts up to n - 1 - max_staleness (0: the colocated loop on separate ranks)",
+                rl.max_staleness),
       Option{"tenants", Kind::TenantList, nullptr,
              "multi-tenant LoRA: one entry per adapter trained at once over the shared base, each a mapping with a "
              "name and its own data.*, lora.*, train.*, final_eval.* and output_dir (default OUTPUT/NAME), and "
@@ -431,7 +441,8 @@ bool per_tenant(const std::string& path) {
   auto starts = [&](const char* p) { return path.rfind(p, 0) == 0; };
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
          (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
-          path != "rl.offload_optimizer" && path != "rl.max_running") ||
+          path != "rl.offload_optimizer" && path != "rl.max_running" && path != "rl.mode" &&
+          path != "rl.rollout_ranks" && path != "rl.max_staleness") ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");
@@ -508,10 +519,11 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
   if (c.vpp > 1 && c.pp <= 1)
     problems.push_back(
         fmt::format("parallel.vpp: {} virtual stages need pipeline parallelism (parallel.pp above 1)", c.vpp));
+  const bool balanced = c.pp_layers == std::vector<std::string>{"balanced"};
   for (const std::string& n : c.pp_layers)
-    if (n.empty() || n.find_first_not_of("0123456789") != std::string::npos)
-      problems.push_back(fmt::format("parallel.pp_layers: '{}' is not a layer count", n));
-  if (!c.pp_layers.empty() && int64_t(c.pp_layers.size()) != c.pp * c.vpp)
+    if (!balanced && (n.empty() || n.find_first_not_of("0123456789") != std::string::npos))
+      problems.push_back(fmt::format("parallel.pp_layers: '{}' is not a layer count (or give [balanced] alone)", n));
+  if (!balanced && !c.pp_layers.empty() && int64_t(c.pp_layers.size()) != c.pp * c.vpp)
     problems.push_back(fmt::format("parallel.pp_layers: {} counts for {} pipeline stages (pp {} x vpp {})",
                                    c.pp_layers.size(), c.pp * c.vpp, c.pp, c.vpp));
   if (c.ep > 1) {  // expert parallelism so far (docs/moe.md, "Expert parallelism"): what the trainer composes it with
@@ -612,6 +624,10 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
   one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
   one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
+  one_of("rl.mode", r.mode, {"colocated", "async"});
+  if (r.mode == "async" && has_tenants)
+    problems.push_back("rl.mode: async with tenants is not built yet (the rollout ranks serve one policy): train the "
+                       "tenants colocated, or one policy async");
   if (has_tenants) return;  // each tenant's policy is checked with its own options (and layout)
   if (c.grad_accum != 1)
     problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "

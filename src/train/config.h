@@ -40,6 +40,9 @@ struct RlOptions {
   int64_t cache_mib = 0;                  // the rollout engine's KV cache (0: 80% of free GPU memory / 256 MiB CPU)
   int64_t max_running = 256;              // the rollout engine's running sequences
   std::string offload_optimizer = "auto";  // auto (a GPU's rollouts short of room) | true | false: the optimizer state on the host during rollouts
+  std::string mode = "colocated";         // colocated | async: separate rollout ranks (docs/rl.md)
+  int64_t rollout_ranks = 0;              // async: the last N ranks sample (0: half the world)
+  int64_t max_staleness = 1;              // async: rollout n is sampled with the weights after rollout n - 1 - k's updates
 };
 
 struct TrainConfig {

@@ -427,9 +427,11 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
 }  // namespace
 
 PipelineLayout planned_pipeline(const TrainConfig& c, const ModelConfig& model, int pp) {
+  const bool balanced = c.pp_layers == std::vector<std::string>{"balanced"};
   std::vector<int64_t> counts;
-  for (const std::string& n : c.pp_layers) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
-  if (!counts.empty() || !model.is_hybrid()) return PipelineLayout(model.num_layers, pp, int(c.vpp), counts);
+  for (const std::string& n : c.pp_layers)
+    if (!balanced) counts.push_back(std::stoll(n));  // digits (config.cpp checks)
+  if (!balanced && (!counts.empty() || !model.is_hybrid())) return PipelineLayout(model.num_layers, pp, int(c.vpp), counts);
   return balanced_pipeline_layout(layer_flops_per_token(model, c.max_seq_len), pp, int(c.vpp));
 }
 

@@ -1127,6 +1127,7 @@ void Trainer::Impl::record_steps(const std::vector<Job*>& active, std::vector<nl
       saved |= saves_at(*j->cfg, j->step);
   // Every rank is alive before the first one starts a save (a rank lost here is reported under the collectives'
   // timeout, not the save's).
+  if (source_ && saved) source_->before_save();
   if (groups_ && saved) groups_->world->barrier();
   for (Job* j : active) {
     nlohmann::json& m = entries[size_t(j - jobs_.data())];

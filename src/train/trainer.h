@@ -70,6 +70,8 @@ class StepSource {
   virtual nlohmann::json step_metrics(size_t job) = 0;
   virtual std::string progress(size_t job) const = 0;
   virtual nlohmann::json state(size_t job) const = 0;
+  // Called on every rank, in step, before a step's checkpoint is written (a source may gather what its state needs).
+  virtual void before_save() {}
 };
 
 struct JobSummary {

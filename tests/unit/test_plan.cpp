@@ -436,5 +436,22 @@ TEST(Plan, PipelineStagesHoldTheirTensorsAndTheSchedulesActivations) {
             std::string::npos);
 }
 
+// parallel.pp_layers: [balanced] on a dense stack: the Qwen3-4B shape at seq 4096 (by hand: a layer's matmuls 6 x
+// 100.93M = 605.6 MFLOP a token plus attention 6 x 4096 x 4096 = 100.7M, 706.3M in all; the tied LM head 6 x 151,936 x
+// 2,560 = 2,333.7M, about 3.3 layers, on the last stage): 18 | 18 costs 12,713 | 15,047, 19 | 17 costs 13,420 |
+// 14,341, 20 | 16 costs 14,126 | 13,635, 21 | 15 costs 14,832 | 12,928: 20 | 16 is the cheapest slowest stage. The
+// default stays even.
+TEST(Plan, BalancedPipelineOfADenseStackCountsTheHead) {
+  const ModelConfig mc = parse_model_config(
+      nlohmann::json::parse(R"({"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560,
+        "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "tie_word_embeddings": true})"), "test");
+  TrainConfig c;
+  c.max_seq_len = 4096;
+  EXPECT_EQ(planned_pipeline(c, mc, 2).counts(), (std::vector<int64_t>{18, 18}));
+  c.pp_layers = {"balanced"};
+  EXPECT_EQ(planned_pipeline(c, mc, 2).counts(), (std::vector<int64_t>{20, 16}));
+}
+
 }  // namespace
 

@@ -121,7 +121,7 @@ TEST(TrainConfig, PipelineOptionsAreChecked) {
   };
   const std::string one = problems({"parallel.vpp=2", "parallel.pp_layers=[2,x,1]"});
   for (const char* needle : {"3 problems", "parallel.vpp: 2 virtual stages need pipeline parallelism (parallel.pp above 1)",
-                             "parallel.pp_layers: 'x' is not a layer count",
+                             "parallel.pp_layers: 'x' is not a layer count (or give [balanced] alone)",
                              "parallel.pp_layers: 3 counts for 2 pipeline stages (pp 1 x vpp 2)"})
     EXPECT_NE(one.find(needle), std::string::npos) << needle << "\n" << one;
   const std::string two =
