@@ -1,5 +1,6 @@
 #include "comm/communicator.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include "backend/runtime.h"
@@ -13,6 +14,24 @@ std::vector<double> values_over(Runtime& rt, Device device, Communicator& group,
   group.all_gather(in, all).wait();
   const Tensor host = device.is_cpu() ? all : rt.copy_to(all, Device::cpu());
   return std::vector<double>(host.data<double>(), host.data<double>() + group.size());
+}
+
+std::vector<std::vector<double>> gathered_values(Runtime& rt, Device device, Communicator& group,
+                                                 const std::vector<double>& mine) {
+  const std::vector<double> lengths = values_over(rt, device, group, double(mine.size()));
+  const int64_t longest = int64_t(*std::max_element(lengths.begin(), lengths.end()));
+  std::vector<std::vector<double>> out(lengths.size());
+  if (longest == 0) return out;
+  std::vector<double> padded(mine);
+  padded.resize(size_t(longest), 0.0);
+  const Tensor in = rt.from_host(padded.data(), {longest}, DType::F64, device);
+  Tensor all = Tensor::empty({longest * int64_t(group.size())}, DType::F64, rt.context(device).allocator);
+  group.all_gather(in, all).wait();
+  const Tensor host = device.is_cpu() ? all : rt.copy_to(all, Device::cpu());
+  const double* v = host.data<double>();
+  for (size_t r = 0; r < out.size(); ++r)
+    out[r].assign(v + int64_t(r) * longest, v + int64_t(r) * longest + int64_t(lengths[r]));
+  return out;
 }
 
 void check_reduce_scatter(const Communicator& c, const Tensor& in, const Tensor& out) {

@@ -82,6 +82,10 @@ class Communicator {
 // Every rank's `mine` (one number a rank: a count, a flag) on the host, in rank order: an all-gather on `device` (the
 // group's data plane), waited for. A collective of the group.
 std::vector<double> values_over(Runtime& rt, Device device, Communicator& group, double mine);
+// Every rank's `mine` (any length; exact in f64) on every rank, in rank order: two all-gathers on `device`, the
+// lengths and then the numbers padded to the longest. A collective of the group.
+std::vector<std::vector<double>> gathered_values(Runtime& rt, Device device, Communicator& group,
+                                                 const std::vector<double>& mine);
 
 // The collectives' shape contract, which every backend checks before it starts one (the message names the group):
 // reduce-scatter's input holds size x the output's elements, all-gather's output size x the input's, all-to-all has a

@@ -1,5 +1,6 @@
 // The RL loop's rollouts and update batches (rl_source.h).
 #include "rl/rl_source.h"
+#include "rl/rl_source_parts.h"
 
 #include <algorithm>
 #include <chrono>
@@ -113,77 +114,6 @@ std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenize
   return out;
 }
 
-// One job's share of an update: its labelled tokens (in the batch's row order, after the earlier jobs'), their policy
-// loss settings and the statistics the loss reports.
-struct RlSource::Part {
-  size_t job = 0;
-  PolicyTokens tokens;
-  PolicyLossConfig config;
-  PolicyStats stats;
-  bool dropped = false;  // the job failed after the rollout: its rows stay in the batch, without adapter or loss
-};
-
-// One step's update of the jobs that rolled out together: each job's samples of the mini-batch as documents (a segment
-// each under LoRA), one row loss calling each job's policy loss on its rows.
-struct RlSource::Update {
-  std::vector<size_t> jobs;
-  PackedBatch batch;
-  std::vector<Part> parts;
-  RowLoss loss;
-};
-
-// One policy being trained: a tenant, or the run's single job.
-struct RlSource::Job {
-  const TrainConfig* c = nullptr;
-  RlSettings settings;
-  std::vector<RlPrompt> prompts;
-  std::optional<FormatReward> format;
-  int adapter = -1;
-  bool active = true;
-  // The position in the prompt order, and the rollouts done (each seeds its sampling).
-  int64_t epoch = 0, position = 0, rollouts = 0;
-  std::vector<size_t> order;
-  int64_t longest_prompt = 0;                    // tokens (the rollout cache's need)
-  nlohmann::json rollout_metrics;                // the last rollout's figures, reported with its first update
-  double last_reward = 0;                        // the last rollout's mean reward (the progress line)
-  double last_ratio = 1, last_clip = 0;          // the last update's (the progress line)
-};
-
-// A prompt's samples with their rewards.
-struct RlSource::Group {
-  size_t prompt = 0;
-  std::vector<RolloutResult> samples;
-  std::vector<double> rewards;
-  bool uniform = false;  // every reward equal: zero advantages
-  int64_t round = 0, candidate = 0;  // its place among the rollout's groups: sampling round, index in the round
-};
-
-// The rollout's figures, summed over its sampling rounds and updates.
-struct RlSource::Figures {
-  double rollout_s = 0, reward_s = 0, logprob_s = 0, reward_sum = 0, reward_sq_sum = 0, length_sum = 0;
-  double answer_sum = 0, format_sum = 0, overlong_sum = 0, command_sum = 0;  // the reward components, unweighted
-  int64_t sampled = 0, truncated = 0, rounds = 0, dropped = 0, length_max = 0;
-  double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
-  double entropy_sum = 0;                            // the policy's entropy at each response token
-  int64_t gap_tokens = 0, masked = 0;
-};
-
-// A job's groups so far in a rollout (kept, and set aside by dynamic sampling), and its figures.
-struct RlSource::Drawn {
-  std::vector<Group> informative, uniform;  // this rank's
-  Figures f;
-  int64_t informative_total = 0;            // over every rank
-  std::vector<std::vector<bool>> uniform_at;  // per round, per candidate (over every rank): set aside
-};
-
-// One job's prompts in a sampling round (this rank's share), and the round's number for the job (its seeds).
-struct RlSource::Ask {
-  Job* job = nullptr;
-  std::vector<size_t> prompts;
-  std::vector<int64_t> candidates;  // each prompt's index among the round's candidates (over every rank)
-  int64_t round = 0;
-};
-
 RlSource::RlSource(Runtime& rt, const TrainConfig& c)
     : rt_(rt), tok_(data::Tokenizer::from_dir(c.tokenizer)), chat_(data::load_chat_template(c.tokenizer)) {
   banned_ = tok_.ids_without_token(tok_.vocab_size());  // a tokenizer's holes are never drawn
@@ -213,8 +143,7 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
   offload_ = offload == "true"                                          ? Offload::kAlways
              : offload == "auto" && !model.options().device.is_cpu() ? Offload::kWhenShort
                                                                        : Offload::kNever;
-  for (auto& j : jobs_)
-    for (const RlPrompt& p : j->prompts) j->longest_prompt = std::max(j->longest_prompt, int64_t(p.ids.size()));
+  for (auto& j : jobs_) j->longest_prompt = longest_prompt(*j);
   // Full fine-tuning's KL reference: a frozen copy of the starting weights (tenants are LoRA: their base is it).
   const bool kl = std::any_of(jobs_.begin(), jobs_.end(), [](const auto& j) { return j->c->rl.kl_coef > 0; });
   if (kl && jobs[0].adapter < 0) {
@@ -240,23 +169,37 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
                  yes(s.dynamic_sampling), yes(s.overlong_filter), s.loss.kl_coef,
                  s.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "", o.importance_correction,
                  ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
-    const nlohmann::json& state = jobs[k].state;
-    if (state.is_object()) {
-      j.epoch = state.value("epoch", int64_t(0));
-      j.position = state.value("position", int64_t(0));
-      j.rollouts = state.value("rollouts", int64_t(0));
-    }
-    j.order.resize(j.prompts.size());
-    std::iota(j.order.begin(), j.order.end(), size_t(0));
-    std::shuffle(j.order.begin(), j.order.end(), std::mt19937_64(mix(j.c->seed, uint64_t(j.epoch), 0x5eed)));
+    set_position(j, jobs[k].state);
   }
+  if (async_) start_async(jobs[0].state);
   std::fflush(stdout);
+}
+
+// The job's place in its prompts (a checkpoint's state, else the start): the epoch's order, the position in it, the
+// rollouts sampled.
+void RlSource::set_position(Job& j, const nlohmann::json& state) {
+  if (state.is_object()) {
+    j.epoch = state.value("epoch", int64_t(0));
+    j.position = state.value("position", int64_t(0));
+    j.rollouts = state.value("rollouts", int64_t(0));
+  }
+  j.order.resize(j.prompts.size());
+  std::iota(j.order.begin(), j.order.end(), size_t(0));
+  std::shuffle(j.order.begin(), j.order.end(), std::mt19937_64(mix(j.c->seed, uint64_t(j.epoch), 0x5eed)));
+}
+
+int64_t RlSource::longest_prompt(const Job& j) {
+  int64_t n = 0;
+  for (const RlPrompt& p : j.prompts) n = std::max(n, int64_t(p.ids.size()));
+  return n;
 }
 
 nlohmann::json RlSource::state(size_t job) const {
   const Job& j = *jobs_.at(job);
   LATHE_ASSERT(pending_.empty());  // checkpoints fall on rollout boundaries (config.cpp checks)
-  return {{"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts}};
+  nlohmann::json s = {{"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts}};
+  if (async_) s["async"] = async_state();
+  return s;
 }
 
 size_t RlSource::next_prompt(Job& j) {
@@ -433,6 +376,43 @@ bool RlSource::sampling_round(const std::vector<size_t>& ids, std::vector<Drawn>
   return true;
 }
 
+// A group as numbers (exact in f64): prompt, round, candidate, set aside, then per sample: request, sample, finish
+// reason, reward, length, ids, log-probs, sampling log-probs.
+void RlSource::encode_group(const Group& g, std::vector<double>& v) {
+  v.insert(v.end(), {double(g.prompt), double(g.round), double(g.candidate), double(g.uniform)});
+  for (size_t i = 0; i < g.samples.size(); ++i) {
+    const RolloutResult& s = g.samples[i];
+    v.insert(v.end(), {double(s.request), double(s.sample), double(int(s.finish_reason)), g.rewards[i],
+                       double(s.tokens.size())});
+    for (int32_t t : s.tokens) v.push_back(double(t));
+    v.insert(v.end(), s.logprobs.begin(), s.logprobs.end());
+    v.insert(v.end(), s.sampling_logprobs.begin(), s.sampling_logprobs.end());
+  }
+}
+
+// The group of `samples` samples at v (encode_group's numbers); v moves past it.
+RlSource::Group RlSource::decode_group(const double*& v, size_t samples) {
+  Group g;
+  g.prompt = size_t(*v++);
+  g.round = int64_t(*v++);
+  g.candidate = int64_t(*v++);
+  g.uniform = *v++ != 0;
+  for (size_t i = 0; i < samples; ++i) {
+    RolloutResult s;
+    s.request = int64_t(*v++);
+    s.sample = int(*v++);
+    s.finish_reason = FinishReason(int(*v++));
+    g.rewards.push_back(*v++);
+    const size_t len = size_t(*v++);
+    for (size_t t = 0; t < len; ++t) s.tokens.push_back(int32_t(*v++));
+    s.logprobs.assign(v, v + len);
+    s.sampling_logprobs.assign(v + len, v + 2 * len);
+    v += 2 * len;
+    g.samples.push_back(std::move(s));
+  }
+  return g;
+}
+
 // Data parallelism with dynamic sampling: the groups a rank sampled are not its share of the rollout. Every rank
 // orders the rollout's groups as one process does — the informative ones by (round, candidate), then the set-aside
 // ones that fill the rest — and takes those at k % ranks == rank, sent by the ranks that sampled them (one sum over
@@ -446,24 +426,11 @@ std::vector<RlSource::Group> RlSource::share_of_groups(const Job& j, Drawn& d) {
         if (d.uniform_at[r][c] == aside) order.push_back({int64_t(r), int64_t(c)});
   std::map<std::pair<int64_t, int64_t>, size_t> place;  // -> k
   for (size_t k = 0; k < order.size(); ++k) place[order[k]] = k;
-  // A group's numbers: prompt, then per sample: request, sample, finish reason, reward, length, ids, log-probs,
-  // sampling log-probs. Their sizes go first, so that every rank knows where each group's numbers go.
-  const auto encode = [](const Group& g) {
-    std::vector<double> v = {double(g.prompt)};
-    for (size_t i = 0; i < g.samples.size(); ++i) {
-      const RolloutResult& s = g.samples[i];
-      v.insert(v.end(), {double(s.request), double(s.sample), double(int(s.finish_reason)), g.rewards[i],
-                         double(s.tokens.size())});
-      for (int32_t t : s.tokens) v.push_back(double(t));
-      v.insert(v.end(), s.logprobs.begin(), s.logprobs.end());
-      v.insert(v.end(), s.sampling_logprobs.begin(), s.sampling_logprobs.end());
-    }
-    return v;
-  };
+  // The groups' numbers (encode_group); their sizes go first, so that every rank knows where each group's go.
   std::vector<std::vector<double>> mine(order.size());
   for (std::vector<Group>* kept : {&d.informative, &d.uniform})
     for (const Group& g : *kept)
-      if (const auto it = place.find({g.round, g.candidate}); it != place.end()) mine[it->second] = encode(g);
+      if (const auto it = place.find({g.round, g.candidate}); it != place.end()) encode_group(g, mine[it->second]);
   std::vector<double> sizes(order.size());
   for (size_t k = 0; k < order.size(); ++k) sizes[k] = double(mine[k].size());
   sizes = ranks_.sum(sizes);
@@ -476,24 +443,7 @@ std::vector<RlSource::Group> RlSource::share_of_groups(const Job& j, Drawn& d) {
   const size_t n = size_t(j.c->rl.samples);
   for (size_t k = size_t(ranks_.rank); k < order.size(); k += size_t(ranks_.ranks)) {
     const double* v = all.data() + at[k];
-    Group g;
-    g.prompt = size_t(*v++);
-    std::tie(g.round, g.candidate) = order[k];
-    for (size_t i = 0; i < n; ++i) {
-      RolloutResult s;
-      s.request = int64_t(*v++);
-      s.sample = int(*v++);
-      s.finish_reason = FinishReason(int(*v++));
-      g.rewards.push_back(*v++);
-      const size_t len = size_t(*v++);
-      for (size_t t = 0; t < len; ++t) s.tokens.push_back(int32_t(*v++));
-      s.logprobs.assign(v, v + len);
-      s.sampling_logprobs.assign(v + len, v + 2 * len);
-      v += 2 * len;
-      g.samples.push_back(std::move(s));
-    }
-    g.uniform = d.uniform_at[size_t(g.round)][size_t(g.candidate)];
-    share.push_back(std::move(g));
+    share.push_back(decode_group(v, n));
   }
   return share;
 }
@@ -539,6 +489,7 @@ bool RlSource::cache_fits_beside_optimizer(const std::vector<size_t>& ids) const
 // state leaves the device while the engine samples (rl.offload_optimizer: its cache gets the room) and comes back
 // before the updates.
 void RlSource::rollout(const std::vector<size_t>& ids) {
+  if (async_) return rollout_from_ranks(ids);
   std::vector<Drawn> d(ids.size());
   auto t = Clock::now();
   const bool offload =
@@ -566,16 +517,23 @@ void RlSource::rollout(const std::vector<size_t>& ids) {
     }
     ++j.rollouts;
   }
+  train_on(ids, groups, figures);
+  if (offload_ != Offload::kNever)  // the whole run's optimizer state, every tenant's (0: it stayed)
+    for (size_t id : ids) {
+      jobs_[id]->rollout_metrics["handover_s"] = handover_s;
+      jobs_[id]->rollout_metrics["handover_mib"] = double(handover_bytes) / 1048576.0;
+    }
+}
+
+// A rollout's groups (this rank's share) become its updates, and its figures (this rank's) the metrics of its first.
+void RlSource::train_on(const std::vector<size_t>& ids, std::vector<std::vector<Group>>& groups,
+                        std::vector<Figures>& figures) {
   queue_updates(ids, groups, figures);
   for (size_t k = 0; k < ids.size(); ++k) {
     Job& j = *jobs_[ids[k]];
     if (ranks_.ranks > 1) figures_over_ranks(figures[k]);
     j.last_reward = figures[k].reward_sum / double(std::max<int64_t>(figures[k].sampled, 1));
     j.rollout_metrics = rollout_figures(j, figures[k]);
-    if (offload_ != Offload::kNever) {  // the whole run's optimizer state, every tenant's (0: it stayed)
-      j.rollout_metrics["handover_s"] = handover_s;
-      j.rollout_metrics["handover_mib"] = double(handover_bytes) / 1048576.0;
-    }
   }
 }
 
@@ -803,6 +761,7 @@ PackedBatch* RlSource::batch(const std::vector<size_t>& ids) {
   if (pending_.empty()) rollout(ids);  // every job asking rolls out, together
   current_ = std::move(pending_.front());
   pending_.erase(pending_.begin());
+  if (async_) staleness_ = next_update_staleness();
   for (size_t k : ids)
     LATHE_CHECK(std::find(current_->jobs.begin(), current_->jobs.end(), k) != current_->jobs.end(),
                 "rl: the tenants are out of step: the update prepared is for jobs [{}], the step trains jobs [{}]",
@@ -837,6 +796,7 @@ nlohmann::json RlSource::step_metrics(size_t job) {
   j.last_clip = st.clip_fraction;
   nlohmann::json m = {{"clip_fraction", st.clip_fraction}, {"ratio_mean", st.ratio_mean}};
   if (part->config.kl_coef > 0) m["kl_mean"] = st.kl_mean;
+  if (async_) m["staleness"] = staleness_;
   if (!j.rollout_metrics.is_null()) m.update(std::exchange(j.rollout_metrics, nullptr));
   return m;
 }

@@ -37,6 +37,7 @@
 #include "rl/policy_loss.h"
 #include "rl/rewards.h"
 #include "rl/rl_batch.h"
+#include "comm/communicator.h"
 #include "model/rollout_engine.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -61,6 +62,15 @@ RlSettings resolve_rl_settings(const RlOptions& o);
 // reward is on, a prompt that fills the model's max_position_embeddings: errors naming the file and line).
 std::vector<RlPrompt> read_rl_prompts(const TrainConfig& c, const data::Tokenizer& tok, const ChatTemplate* chat);
 
+// rl.mode: async (docs/rl.md): this rank's side and the communicators between the sides, made at the launch
+// (tools/lathe/parallel_job.h join_async_job). The last rl.rollout_ranks ranks of the world sample; the others train.
+struct AsyncRanks {
+  bool trains = true;
+  Communicator* world = nullptr;    // every rank: each rollout's groups go to every training rank
+  Communicator* sync = nullptr;     // the first training rank (its rank 0) and the rollout ranks: the weights; else null
+  Communicator* rollout = nullptr;  // the rollout ranks (on a rollout rank): they share each rollout's prompts
+};
+
 class RlSource final : public StepSource {
  public:
   // Reads the tokenizer, chat template and every job's prompts (nothing is written). Jobs: the config's tenants (each
@@ -72,6 +82,18 @@ class RlSource final : public StepSource {
              const SourceHandover& handover) override;
   PackedBatch* batch(const std::vector<size_t>& jobs) override;
   std::string name() const override { return "rl"; }
+  void before_save() override;
+
+  // rl.mode: async: this rank's side of the job, set before start() (a training rank) or serve() (a rollout rank).
+  void set_async(const AsyncRanks& ranks);
+  // A rollout rank's work: takes the run's start from the first training rank (the model, its weights and the position
+  // in the prompts), then samples each rollout the schedule (rl/async_schedule.h) gives it, sends its groups to the
+  // training ranks and takes each new version of the weights where the schedule says; returns at the schedule's end,
+  // or when the trainer stopped early (end_async).
+  void serve();
+  // A training rank at the end of its run: a trainer that stops before the schedule's end tells the rollout ranks, so
+  // that they return instead of waiting for it. A collective of the training ranks and the rollout ranks.
+  void end_async();
   nlohmann::json step_metrics(size_t job) override;
   std::string progress(size_t job) const override;
   nlohmann::json state(size_t job) const override;
@@ -100,6 +122,22 @@ class RlSource final : public StepSource {
                               const std::vector<RolloutResult>& samples, RewardParts& parts);
   void queue_updates(const std::vector<size_t>& jobs, std::vector<std::vector<Group>>& groups,
                      std::vector<Figures>& figures);
+  void train_on(const std::vector<size_t>& jobs, std::vector<std::vector<Group>>& groups, std::vector<Figures>& figures);
+  static void encode_group(const Group& g, std::vector<double>& v);
+  static Group decode_group(const double*& v, size_t samples);
+  // rl.mode: async (rl_source_async.cpp).
+  struct Async;
+  void rollout_from_ranks(const std::vector<size_t>& jobs);  // a training rank: the rollout the rollout ranks sampled
+  void take_events(size_t end);                             // a training rank: the schedule's events up to `end`
+  void send_weights(bool start);                            // the first training rank
+  bool receive_weights();                                   // a rollout rank; false: the trainer stopped
+  std::vector<double> sample_for_trainer(int64_t rollout);  // a rollout rank: one rollout, as its message
+  std::vector<Tensor> synced_tensors(bool with_base) const;
+  void start_async(const nlohmann::json& state);  // a training rank: the buffer resumed, the rollout ranks started
+  nlohmann::json async_state() const;             // a training rank: what a checkpoint keeps of the async loop
+  int64_t next_update_staleness();                // a training rank: the update's lag behind its samples' weights
+  void set_position(Job& j, const nlohmann::json& state);
+  static int64_t longest_prompt(const Job& j);
   size_t next_prompt(Job& j);  // the next prompt index in the job's shuffled order (a new epoch reshuffles)
   // The labelled tokens' log-probabilities under the model as it is (forward only): with the batch's segments (each
   // job's adapter), or the base alone (the KL reference); `entropy`, where given, gets each row's entropy.
@@ -119,6 +157,7 @@ class RlSource final : public StepSource {
   std::vector<std::unique_ptr<Job>> jobs_;
   std::vector<std::unique_ptr<Update>> pending_;  // the last rollout's updates not trained yet, next first
   std::unique_ptr<Update> current_;               // the update of the step running
+  int64_t staleness_ = 0;                         // rl.mode async: the update's (next_update_staleness)
   CausalLm* model_ = nullptr;
   SourceRanks ranks_;  // data parallelism: this rank samples and trains the groups g with g % ranks == rank
   SourceHandover handover_;
@@ -126,6 +165,7 @@ class RlSource final : public StepSource {
   Offload offload_ = Offload::kNever;
   std::unique_ptr<CausalLm> reference_;  // full fine-tuning's KL reference (the starting weights, frozen)
   bool reference_offloaded_ = false;     // rl.reference_offload: it waits in host memory
+  std::unique_ptr<Async> async_;         // rl.mode: async
 };
 
 }  // namespace lathe

@@ -85,6 +85,24 @@ int report(const TrainSummary& s) {
   return failed ? 4 : 0;
 }
 
+// rl.mode: async: the training ranks run the trainer on the groups the rollout ranks sample (parallel_job.h
+// join_async_job, rl_source.h); returns the exit code.
+int run_async(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
+  AsyncJob job = join_async_job(rt, config, env, mpi);
+  RlSource source(rt, config);  // reads and checks the prompts; writes nothing
+  source.set_async(job.ranks);
+  if (!job.ranks.trains) {
+    source.serve();
+    return 0;
+  }
+  if (job.world->rank() == 0)
+    fmt::print("rl: async: {} training rank(s), {} rollout rank(s), max_staleness {}\n", job.training_ranks,
+               job.rollout_ranks, config.rl.max_staleness);
+  const TrainSummary s = run_training(rt, config, job.groups.get(), &source);
+  source.end_async();
+  return job.world->rank() == 0 ? report(s) : 0;
+}
+
 }  // namespace
 
 void add_rl_command(CLI::App& app, int& exit_code) {
@@ -115,6 +133,10 @@ void add_rl_command(CLI::App& app, int& exit_code) {
     Runtime rt;
     std::optional<MpiSession> mpi;
     run_as_rank(env, [&] {
+      if (config.rl.mode == "async") {
+        exit_code = run_async(rt, config, env, mpi);
+        return;
+      }
       const std::unique_ptr<ProcessGroups> groups = join_job(rt, config, env, mpi, "rl");
       if (groups) check_rl_layout(config, groups->dp_size());
       RlSource source(rt, config);  // reads and checks the prompts; writes nothing

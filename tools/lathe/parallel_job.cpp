@@ -30,6 +30,40 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
   return make_process_groups(std::move(world), sizes, rt.backend(device.type).create_stream(device.index));
 }
 
+AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
+  AsyncJob job;
+  job.rollout_ranks = int(config.rl.rollout_ranks > 0 ? config.rl.rollout_ranks : env.world / 2);
+  job.training_ranks = env.world - job.rollout_ranks;
+  LATHE_CHECK(env.world >= 2, "rl: rl.mode async runs rollout ranks beside training ranks: launch at least two (`mpirun "
+              "-np 2 lathe rl CONFIG` on CPUs, or `lathe rl CONFIG --nproc 2` on the GPUs of one machine)");
+  LATHE_CHECK(job.rollout_ranks < env.world, "rl: rl.rollout_ranks = {} leaves no training rank in a launch of {} ranks",
+              job.rollout_ranks, env.world);
+  for (const auto& [option, v] : {std::pair{"parallel.tp", config.tp}, {"parallel.cp", config.cp},
+                                  {"parallel.ep", config.ep}, {"parallel.pp", config.pp}})
+    LATHE_CHECK(v <= 1, "rl: rl.mode async with {} = {} is not built yet: the training ranks are data-parallel (the "
+                "rollout ranks hold whole models)", option, v);
+  LATHE_CHECK(config.dp == 0 || config.dp == job.training_ranks, "rl: parallel.dp = {}, but rl.mode async leaves {} "
+              "training rank(s) of the {} launched ({} sample: rl.rollout_ranks): leave parallel.dp unset or make it {}",
+              config.dp, job.training_ranks, env.world, job.rollout_ranks, job.training_ranks);
+  config.dp = job.training_ranks;
+  check_rl_layout(config, config.dp);
+  job.world = join_world(rt, config.device, env, config.timeout_s, mpi, "rl");
+  const int rank = job.world->rank();
+  const bool trains = rank < job.training_ranks;
+  job.side = job.world->split(trains ? 0 : 1, rank, trains ? "train" : "rollout", nullptr);
+  job.sync = job.world->split(!trains || rank == 0 ? 0 : 1, rank, "sync", nullptr);
+  job.ranks.trains = trains;
+  job.ranks.world = job.world.get();
+  job.ranks.sync = !trains || rank == 0 ? job.sync.get() : nullptr;
+  job.ranks.rollout = trains ? nullptr : job.side.get();
+  if (trains && job.training_ranks > 1) {
+    const Device device = parse_device(config.device);
+    job.groups = make_process_groups(std::move(job.side), ParallelSizes{1, 1, 1, job.training_ranks, 1},
+                                     rt.backend(device.type).create_stream(device.index));
+  }
+  return job;
+}
+
 int start_local_ranks(const std::string& who, const std::vector<std::string>& rank_args, const std::string& device,
                       int nproc, const std::string& usage) {
   LATHE_CHECK(device != "cpu", "{0}: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them with "

@@ -12,6 +12,7 @@
 #include "comm/launch.h"
 #include "comm/mpi_communicator.h"
 #include "parallel/process_groups.h"
+#include "rl/rl_source.h"
 #include "train/config.h"
 
 namespace lathe::cli {
@@ -21,6 +22,20 @@ namespace lathe::cli {
 // for one process (which parallel.dp > 1 refuses, saying how to launch). `who`: the subcommand, for messages.
 std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env,
                                         std::optional<MpiSession>& mpi, const std::string& who);
+
+// rl.mode: async: the launch's ranks split into training ranks (the first world - R) and rollout ranks (the last R =
+// rl.rollout_ranks, half by default), with every communicator between them made here, in one order on every rank:
+// the training ranks' world (and, for more than one, their process groups: data parallelism), the rollout ranks'
+// world, and the sync group of the first training rank and the rollout ranks. A layout the launch cannot hold, or
+// one not built for async yet (tp, cp, ep, pp on the training side), is refused naming it. `config.device` becomes
+// this rank's GPU.
+struct AsyncJob {
+  std::unique_ptr<Communicator> world, side, sync;
+  std::unique_ptr<ProcessGroups> groups;  // a training rank's, with more than one training rank
+  AsyncRanks ranks;
+  int training_ranks = 0, rollout_ranks = 0;
+};
+AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optional<MpiSession>& mpi);
 
 // The parent of `lathe WHO ... --nproc N`: starts N ranks of `lathe rank_args...` (WHO and its arguments, without
 // --nproc) on this machine's GPUs and returns how they ended (an exit code). GPU ranks only: a CPU `device` is refused,

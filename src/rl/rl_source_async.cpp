@@ -1,0 +1,352 @@
+// rl.mode: async (rl_source.h, docs/rl.md "Asynchronous RL"): the training ranks' side — each rollout's groups taken
+// from the rollout ranks instead of sampled, the weights sent after each rollout's updates — and the rollout ranks'
+// loop, both walking the events of rl/async_schedule.h in one order.
+//
+// Messages. A rollout rank's groups of one rollout, to every training rank (gathered_values over the world; a
+// training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, epoch, position, the
+// rollout rank's seconds waiting for the trainer since its last message, its figures (kFigures numbers), group
+// count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
+// {kWeights or kStop, version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA
+// configs, the position in the prompts and the parameters' names and sizes), then every synced tensor broadcast in
+// place: at the start the whole model and the adapters, later the adapters alone under LoRA, else the whole model.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <tuple>
+
+#include "backend/runtime.h"
+#include "core/error.h"
+#include "model/causal_lm.h"
+#include "model/config.h"
+#include "model/lora.h"
+#include "rl/async_schedule.h"
+#include "rl/rl_source.h"
+#include "rl/rl_source_parts.h"
+
+namespace lathe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr double kRollout = 1, kStop = 2, kWeights = 3;
+constexpr size_t kFigures = 14;
+
+}  // namespace
+
+void RlSource::set_async(const AsyncRanks& ranks) {
+  LATHE_CHECK(jobs_.size() == 1, "rl: rl.mode async serves one policy (tenants are refused by the config check)");
+  async_ = std::make_unique<Async>();
+  async_->ranks = ranks;
+  const RlOptions& o = jobs_[0]->c->rl;
+  async_->max_staleness = o.max_staleness;
+  async_->minibatches = o.minibatches;
+  async_->total = jobs_[0]->c->max_steps / o.minibatches;
+}
+
+// The tensors the sync sends, in one order on both sides: every model parameter (`with_base`, or full fine-tuning),
+// then each adapter's values (one flat tensor an adapter).
+std::vector<Tensor> RlSource::synced_tensors(bool with_base) const {
+  std::vector<Tensor> out;
+  LoraBank* bank = model_->lora();
+  if (with_base || !bank)
+    for (const Parameter& p : model_->parameters()) out.push_back(p.value);
+  if (bank)
+    for (int a = 0; a < bank->size(); ++a) out.push_back(bank->flat_parameter(a)[0].value);
+  return out;
+}
+
+// The first training rank: the header, at the start the run's description, and the weights, over the sync group.
+void RlSource::send_weights(bool start) {
+  Async& as = *async_;
+  Communicator& sync = *as.ranks.sync;
+  const Device device = model_->options().device;
+  const auto t = Clock::now();
+  std::string json;
+  if (start) {
+    const Job& j = *jobs_[0];
+    nlohmann::json s = {{"model_config", model_->global_config().raw},
+                        {"dtype", std::string(dtype_name(model_->options().dtype))},
+                        {"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts},
+                        {"held", as.trained}};
+    nlohmann::json lora = nlohmann::json::array();
+    if (LoraBank* bank = model_->lora())
+      for (int a = 0; a < bank->size(); ++a)
+        lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
+    s["lora"] = lora;
+    for (const Tensor& v : synced_tensors(true)) s["sizes"].push_back(v.numel());
+    json = s.dump();
+  }
+  std::vector<double> header = {kWeights, double(as.trained), double(json.size())};
+  Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
+  sync.broadcast(h, 0).wait();
+  if (!json.empty()) {
+    Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
+    sync.broadcast(bytes, 0).wait();
+  }
+  double sent = 0;
+  for (Tensor& v : synced_tensors(start)) {
+    sync.broadcast(v, 0).wait();
+    sent += double(v.nbytes());
+  }
+  rt_.synchronize(device);
+  as.sync_s = seconds_since(t);
+  as.sync_bytes = sent;
+}
+
+// A rollout rank: the next weights (at the first call the run's start: the model is built from its description).
+bool RlSource::receive_weights() {
+  Async& as = *async_;
+  Communicator& sync = *as.ranks.sync;
+  const Device device = as.model ? as.model->options().device : parse_device(jobs_[0]->c->device);
+  std::vector<double> header(3, 0.0);
+  Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
+  sync.broadcast(h, 0).wait();
+  const Tensor hh = device.is_cpu() ? h : rt_.copy_to(h, Device::cpu());
+  std::copy(hh.data<double>(), hh.data<double>() + 3, header.begin());
+  if (header[0] == kStop) return false;
+  LATHE_CHECK(header[0] == kWeights, "rl: async: a malformed weights header from the first training rank");
+  const bool start = header[2] > 0;
+  if (start) {
+    std::string json(size_t(header[2]), '\0');
+    Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
+    sync.broadcast(bytes, 0).wait();
+    const Tensor hb = device.is_cpu() ? bytes : rt_.copy_to(bytes, Device::cpu());
+    json.assign(static_cast<const char*>(hb.data_ptr()), json.size());
+    const nlohmann::json s = nlohmann::json::parse(json);
+    ModelOptions mopt;
+    mopt.device = device;
+    mopt.dtype = dtype_from_name(s["dtype"].get<std::string>());
+    mopt.train_base = false;
+    const ModelConfig mc = parse_model_config(s["model_config"], "rl: async: the trainer's model");
+    as.model = random_causal_lm(rt_, mc, mopt, 0);  // its values come next
+    std::vector<LoraConfig> adapters;
+    for (const nlohmann::json& a : s["lora"]) adapters.push_back(lora_config_from_peft(a, "rl: async"));
+    if (!adapters.empty()) {
+      as.bank = std::make_unique<LoraBank>(rt_, as.model->config(), device, mopt.dtype, adapters);
+      as.model->attach_lora(as.bank.get());
+      jobs_[0]->adapter = 0;
+    }
+    model_ = as.model.get();
+    Job& j = *jobs_[0];
+    set_position(j, s);
+    j.longest_prompt = longest_prompt(j);
+    const std::vector<Tensor> mine = synced_tensors(true);
+    const std::vector<int64_t> sizes = s["sizes"].get<std::vector<int64_t>>();
+    LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {}",
+                sizes.size(), mine.size());
+    for (size_t i = 0; i < sizes.size(); ++i)
+      LATHE_CHECK(sizes[i] == mine[i].numel(), "rl: async: tensor {} has {} elements on the trainer and {} here", i,
+                  sizes[i], mine[i].numel());
+    // The schedule from the trainer's position: it holds rollouts [held, rollouts) already.
+    as.events = async_events(s["held"].get<int64_t>(), j.rollouts, as.total, as.max_staleness);
+    as.next = 0;
+  }
+  for (Tensor& v : synced_tensors(start)) sync.broadcast(v, 0).wait();
+  return true;
+}
+
+// A training rank at the start of the run: the rollouts a checkpoint kept (taken but not trained), the schedule from
+// there, and the run's start sent to the rollout ranks (the first training rank).
+void RlSource::start_async(const nlohmann::json& state) {
+  Async& as = *async_;
+  LATHE_CHECK(as.ranks.trains, "rl: start() is a training rank's; a rollout rank runs serve()");
+  const Job& j = *jobs_[0];
+  const nlohmann::json none = nlohmann::json::object();
+  const nlohmann::json& saved = state.is_object() && state.contains("async") ? state["async"] : none;
+  LATHE_CHECK(!state.is_object() || state.contains("async") || j.rollouts == 0,
+              "rl: the checkpoint being resumed was written by a colocated run (rl.mode colocated): resume it "
+              "colocated, or start the async run again (overwrite: true)");
+  as.trained = saved.value("trained", j.rollouts);
+  as.updates = as.trained * as.minibatches;
+  if (saved.contains("buffer"))
+    for (const auto& [rollout, messages] : saved["buffer"].items())
+      as.buffer[std::stoll(rollout)] = messages.get<std::vector<std::vector<double>>>();
+  as.events = async_events(as.trained, j.rollouts, as.total, as.max_staleness);
+  as.next = 0;
+  if (ranks_.rank == 0)
+    fmt::print("rl: async: {} rollout(s) taken and not trained{}; the rollout ranks sample from rollout {} with "
+               "max_staleness {}\n", as.buffer.size(), as.buffer.empty() ? "" : " (kept by the checkpoint)",
+               j.rollouts, as.max_staleness);
+  if (as.ranks.sync) send_weights(true);
+}
+
+nlohmann::json RlSource::async_state() const {
+  nlohmann::json buffer = nlohmann::json::object();
+  for (const auto& [rollout, messages] : async_->buffer) buffer[std::to_string(rollout)] = messages;
+  return {{"trained", async_->trained}, {"buffer", buffer}};
+}
+
+// Where the update of this step stands against the weights its samples came from (in updates: colocated runs
+// count 0 .. rl.minibatches - 1 within a rollout).
+int64_t RlSource::next_update_staleness() {
+  Async& as = *async_;
+  return as.updates++ - as.version * as.minibatches;
+}
+
+// A rollout rank: one rollout sampled (its share of the prompts, dynamic sampling's rounds agreed over the rollout
+// ranks), as the message to the training ranks.
+std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
+  Job& j = *jobs_[0];
+  j.rollouts = rollout;
+  std::vector<Drawn> d(1);
+  while (sampling_round({0}, d)) {
+  }
+  j.rollouts = rollout + 1;
+  const Figures& f = d[0].f;
+  std::vector<double> m = {kRollout, double(rollout), double(async_version(rollout, async_->max_staleness)),
+                           double(j.epoch), double(j.position), async_->rollout_idle_s,
+                           f.rollout_s, f.reward_s, f.reward_sum, f.reward_sq_sum, f.answer_sum, f.format_sum,
+                           f.overlong_sum, f.command_sum, f.length_sum, double(f.sampled), double(f.truncated),
+                           double(f.rounds), double(d[0].uniform.size()), double(f.length_max)};
+  LATHE_ASSERT(m.size() == 6 + kFigures);
+  m.push_back(double(d[0].informative.size() + d[0].uniform.size()));
+  for (const std::vector<Group>* kept : {&d[0].informative, &d[0].uniform})
+    for (const Group& g : *kept) encode_group(g, m);
+  return m;
+}
+
+void RlSource::serve() {
+  LATHE_CHECK(async_ && !async_->ranks.trains, "rl: serve() is a rollout rank's (rl.mode async)");
+  Async& as = *async_;
+  Communicator& rollout = *as.ranks.rollout;
+  ranks_.rank = rollout.rank();
+  ranks_.ranks = rollout.size();
+  if (!receive_weights()) return;
+  const Device device = model_->options().device;
+  ranks_.sum = [this, &rollout, device](const std::vector<double>& v) {
+    std::vector<double> out(v.size(), 0.0);
+    for (const std::vector<double>& r : gathered_values(rt_, device, rollout, v))
+      for (size_t i = 0; i < r.size(); ++i) out[i] += r[i];
+    return out;
+  };
+  if (ranks_.rank == 0)
+    fmt::print("rl: async: rollout ranks {} from rollout {} of {}, max_staleness {}\n", ranks_.ranks,
+               jobs_[0]->rollouts, as.total, as.max_staleness);
+  for (; as.next < as.events.size(); ++as.next) {
+    const AsyncEvent e = as.events[as.next];
+    if (e.kind == AsyncEvent::Kind::kWeights) {
+      const auto t = Clock::now();
+      if (!receive_weights()) return;
+      as.rollout_idle_s += seconds_since(t);
+      continue;
+    }
+    const std::vector<double> mine = sample_for_trainer(e.index);
+    const auto t = Clock::now();
+    const std::vector<std::vector<double>> all = gathered_values(rt_, device, *as.ranks.world, mine);
+    as.rollout_idle_s = seconds_since(t);  // reported with the next rollout
+    for (const std::vector<double>& m : all)
+      if (!m.empty() && m[0] == kStop) return;
+  }
+}
+
+// A training rank: the schedule's events [next, end).
+void RlSource::take_events(size_t end) {
+  Async& as = *async_;
+  const Device device = model_->options().device;
+  for (; as.next < end; ++as.next) {
+    const AsyncEvent e = as.events[as.next];
+    if (e.kind == AsyncEvent::Kind::kWeights) {
+      LATHE_ASSERT(e.index == as.trained);  // the weights of this version are the trainer's now
+      if (as.ranks.sync) send_weights(false);
+      continue;
+    }
+    const auto t = Clock::now();
+    std::vector<std::vector<double>> all = gathered_values(rt_, device, *as.ranks.world, {});
+    as.trainer_idle_s += seconds_since(t);
+    std::vector<std::vector<double>>& kept = as.buffer[e.index];
+    for (std::vector<double>& m : all)
+      if (!m.empty()) {
+        LATHE_CHECK(m[0] == kRollout && int64_t(m[1]) == e.index, "rl: async: expected rollout {} from the rollout "
+                    "ranks, got a message for {}", e.index, m.size() > 1 ? int64_t(m[1]) : -1);
+        kept.push_back(std::move(m));
+      }
+    Job& j = *jobs_[0];
+    j.epoch = int64_t(kept.back()[3]);  // the position after this rollout's prompts (a checkpoint's)
+    j.position = int64_t(kept.back()[4]);
+    j.rollouts = e.index + 1;
+  }
+}
+
+// A training rank: rollout m (its weights are version m) from the rollout ranks' messages — the groups ordered as one
+// process orders them (the informative by sampling round and candidate, then the set-aside ones that fill the rest),
+// this rank's share of them, and the rollout ranks' figures (on the first training rank alone: the ranks' figures are
+// summed).
+void RlSource::rollout_from_ranks(const std::vector<size_t>& ids) {
+  Async& as = *async_;
+  const int64_t m = as.trained;
+  as.trainer_idle_s = 0;
+  take_events(async_events_before_training(as.events, as.next, m));
+  const auto it = as.buffer.find(m);
+  LATHE_CHECK(it != as.buffer.end(), "rl: async: rollout {} never arrived from the rollout ranks", m);
+  const std::vector<std::vector<double>> messages = std::move(it->second);
+  as.buffer.erase(it);
+  const Job& j = *jobs_[0];
+  const size_t n = size_t(j.c->rl.samples);
+  std::vector<Group> all;
+  Figures f;
+  double rollout_idle = 0;
+  for (const std::vector<double>& msg : messages) {
+    as.version = int64_t(msg[2]);
+    rollout_idle = std::max(rollout_idle, msg[5]);
+    const double* x = msg.data() + 6;
+    f.rollout_s = std::max(f.rollout_s, x[0]);
+    f.reward_s = std::max(f.reward_s, x[1]);
+    f.reward_sum += x[2], f.reward_sq_sum += x[3], f.answer_sum += x[4], f.format_sum += x[5];
+    f.overlong_sum += x[6], f.command_sum += x[7], f.length_sum += x[8];
+    f.sampled += int64_t(x[9]), f.truncated += int64_t(x[10]);
+    f.rounds = std::max(f.rounds, int64_t(x[11]));
+    f.dropped += int64_t(x[12]);
+    f.length_max = std::max(f.length_max, int64_t(x[13]));
+    const double* v = x + kFigures + 1;
+    for (int64_t g = 0; g < int64_t(x[kFigures]); ++g) all.push_back(decode_group(v, n));
+  }
+  const bool dynamic = j.settings.dynamic_sampling;
+  std::stable_sort(all.begin(), all.end(), [&](const Group& a, const Group& b) {
+    return std::tuple(dynamic && a.uniform, a.round, a.candidate) < std::tuple(dynamic && b.uniform, b.round, b.candidate);
+  });
+  const int64_t want = j.c->rl.prompts_per_step;
+  LATHE_CHECK(int64_t(all.size()) >= want, "rl: async: rollout {} has {} groups, {} wanted", m, all.size(), want);
+  std::vector<std::vector<Group>> groups(1);
+  for (int64_t k = ranks_.rank; k < want; k += ranks_.ranks) groups[0].push_back(std::move(all[size_t(k)]));
+  std::vector<Figures> figures(1);
+  if (ranks_.rank == 0) figures[0] = f;  // summed over the training ranks in train_on
+  train_on(ids, groups, figures);
+  nlohmann::json& metrics = jobs_[ids[0]]->rollout_metrics;
+  metrics["weights_version"] = as.version;
+  metrics["trainer_idle_s"] = as.trainer_idle_s;
+  metrics["rollout_idle_s"] = rollout_idle;
+  if (as.ranks.sync) {
+    metrics["sync_s"] = as.sync_s;
+    metrics["sync_mib"] = as.sync_bytes / 1048576.0;
+    metrics["sync_gb_per_s"] = as.sync_s > 0 ? as.sync_bytes / as.sync_s / 1e9 : 0.0;
+  }
+  ++as.trained;
+}
+
+void RlSource::before_save() {
+  if (!async_ || !async_->ranks.trains) return;
+  Async& as = *async_;
+  take_events(async_events_before_checkpoint(as.events, as.next, as.trained, as.max_staleness));
+}
+
+void RlSource::end_async() {
+  if (!async_ || !async_->ranks.trains) return;
+  Async& as = *async_;
+  if (as.next >= as.events.size()) return;
+  const AsyncEvent e = as.events[as.next];
+  const Device device = model_->options().device;
+  if (e.kind == AsyncEvent::Kind::kSamples) {
+    gathered_values(rt_, device, *as.ranks.world, {kStop});
+  } else if (as.ranks.sync) {
+    std::vector<double> header = {kStop, 0, 0};
+    Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
+    as.ranks.sync->broadcast(h, 0).wait();
+  }
+  as.next = as.events.size();
+}
+
+}  // namespace lathe
