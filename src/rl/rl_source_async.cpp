@@ -12,12 +12,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <csignal>
 #include <chrono>
 #include <map>
 #include <tuple>
 
 #include "backend/runtime.h"
 #include "core/error.h"
+#include "core/fault_inject.h"
 #include "model/causal_lm.h"
 #include "model/config.h"
 #include "model/lora.h"
@@ -235,6 +237,9 @@ void RlSource::serve() {
       continue;
     }
     const std::vector<double> mine = sample_for_trainer(e.index);
+    // Test hooks (tests/e2e/test_rl.cpp): the first rollout rank dies (kill -9) or stalls after sampling rollout N.
+    if (ranks_.rank == 0 && fault_injected("rollout_sigkill", e.index)) raise(SIGKILL);
+    if (ranks_.rank == 0 && fault_injected("rollout_sigstop", e.index)) raise(SIGSTOP);
     const auto t = Clock::now();
     const std::vector<std::vector<double>> all = gathered_values(rt_, device, *as.ranks.world, mine);
     as.rollout_idle_s = seconds_since(t);  // reported with the next rollout

@@ -23,12 +23,6 @@ std::string step_dir_name(int64_t step) { return fmt::format("step-{:08d}", step
 // itself and for the ranks' barriers around it, which must agree on every rank.
 bool saves_at(const TrainConfig& c, int64_t step) { return (c.save_every > 0 && step % c.save_every == 0) || step == c.max_steps; }
 
-// LATHE_FAULT_INJECT=<point>:<step> makes the process die at that point (tests of crash safety only).
-bool fault_injected(const char* point, int64_t step) {
-  const char* f = std::getenv("LATHE_FAULT_INJECT");
-  return f && std::string(f) == fmt::format("{}:{}", point, step);
-}
-
 std::string duration(double s) {
   if (!(s >= 0) || s > 1e7) return "?";
   const int64_t t = int64_t(s);

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/runtime.h"
+#include "core/fault_inject.h"
 #include "core/memory_plan.h"
 #include "data/dataset.h"
 #include "data/packing.h"
@@ -117,8 +118,6 @@ std::string step_dir_name(int64_t step);  // "step-00000042"
 // Whether a job checkpoints after `step`: every train.save_every steps, and at the last. One predicate for the save
 // itself and for the ranks' barriers around it, which must agree on every rank.
 bool saves_at(const TrainConfig& c, int64_t step);
-// LATHE_FAULT_INJECT=<point>:<step> makes the process die at that point (tests of crash safety only).
-bool fault_injected(const char* point, int64_t step);
 std::string duration(double s);  // "3m05s", "1h02m" (the ETA)
 // The rows of data files, one corpus (a file's own, memory-mapped where it can be; several joined in memory).
 std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& files, const data::RowEncoder& enc,

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -758,6 +759,41 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
   std::printf("[rl async] format reward at max_staleness 1, mean of the first 4 steps %.3f, of the last 4 %.3f\n", first,
               last);
   EXPECT_GT(last, first + 0.3);
+#endif
+}
+
+// Faults on the rollout side: a rollout rank killed (kill -9) after sampling rollout 3 ends the job through mpirun,
+// naming the rank, at once; the trainer's checkpoints stay whole and the run resumes from step 2 and finishes. A rollout
+// rank that stalls (SIGSTOP) leaves the trainer waiting in the samples' collective, which ends the job at
+// parallel.timeout_s with the report naming the rank, the collective and the group — never a hang.
+TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  const fs::path dir = setup("async_faults");
+  const std::string async = " --set rl.mode=async";
+  auto t0 = std::chrono::steady_clock::now();
+  const auto killed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
+                            mpirun(2) + " -x LATHE_FAULT_INJECT=rollout_sigkill:3");
+  EXPECT_NE(killed.exit_code, 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60);
+  EXPECT_NE(killed.output.find("rank 1"), std::string::npos) << killed.output;
+  EXPECT_NE(killed.output.find("signal 9"), std::string::npos) << killed.output;
+  EXPECT_TRUE(fs::exists(dir / "kill/checkpoints/step-00000002/trainer_state.json")) << killed.output;
+  const auto resumed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
+                             mpirun(2));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(rl_rows(dir / "kill").size(), 6u);
+
+  t0 = std::chrono::steady_clock::now();
+  const auto stalled = lathe(fmt::format("rl {} --set output_dir={} --set parallel.timeout_s=4{}", config(dir),
+                                         (dir / "stall").string(), async),
+                             mpirun(2) + " -x LATHE_FAULT_INJECT=rollout_sigstop:2");
+  EXPECT_NE(stalled.exit_code, 0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60) << "not ended at the timeout";
+  EXPECT_NE(stalled.output.find("lathe: error: rank 0: all_gather #"), std::string::npos) << stalled.output;
+  EXPECT_NE(stalled.output.find("did not complete within parallel.timeout_s = 4 s"), std::string::npos)
+      << stalled.output;
 #endif
 }
 
