@@ -45,6 +45,7 @@ for l in open(sys.argv[1]):
               f"weights v{x['weights_version']}, staleness {x['staleness']}, trainer idle {x['trainer_idle_s']:.2f} s, "
               f"rollout idle {x['rollout_idle_s']:.2f} s, step {r['step_time_s']:.2f} s")
 PY
+  python3 dev/ref/check_tensorboard.py $D/out/tb --expect-histogram rl/staleness 2>&1 | grep -E "rl/staleness|check_tensorboard" | head -5 | tee -a $OUT/summary.txt
   cat >/tmp/bcast.py <<'PY'
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r)

@@ -8,7 +8,7 @@ Run where tensorboard is installed (the GPU machine), e.g. on the files of the w
         --expect train/loss:1=2.5 --expect train/loss:2=1.25 --expect eval/loss:300000=-3
     python3 dev/ref/check_tensorboard.py /tmp/tbcheck/lathe_tb_resume \\
         --expect-steps train/loss=1,2,3,4 --expect train/loss:3=23
-or on a training run's folder: python3 dev/ref/check_tensorboard.py OUTPUT_DIR/tensorboard
+or on a training run's folder: python3 dev/ref/check_tensorboard.py OUTPUT_DIR/tb (an rl.mode async run: --expect-histogram rl/staleness)
 """
 import argparse
 import math
@@ -24,9 +24,12 @@ def main() -> int:
                     help="require this value (float32 tolerance) at this step")
     ap.add_argument("--expect-steps", action="append", default=[], metavar="TAG=S1,S2,...",
                     help="require exactly these steps, in this order (after TensorBoard's purge of orphaned steps)")
+    ap.add_argument("--expect-histogram", action="append", default=[], metavar="TAG",
+                    help="require a histogram series under this tag (each point printed: min, max, count)")
     args = ap.parse_args()
 
-    acc = event_accumulator.EventAccumulator(args.logdir, size_guidance={event_accumulator.SCALARS: 0})
+    acc = event_accumulator.EventAccumulator(args.logdir, size_guidance={event_accumulator.SCALARS: 0,
+                                                                         event_accumulator.HISTOGRAMS: 0})
     acc.Reload()
     tags = sorted(acc.Tags().get("scalars", []))
     if not tags:
@@ -45,6 +48,15 @@ def main() -> int:
             return 1
 
     failed = False
+    for tag in args.expect_histogram:
+        if tag not in acc.Tags().get("histograms", []):
+            print(f"check_tensorboard: no histogram {tag} (histograms: {acc.Tags().get('histograms', [])})")
+            failed = True
+            continue
+        for e in acc.Histograms(tag)[:10]:
+            h = e.histogram_value
+            print(f"{tag} step {e.step}: min {h.min:g} max {h.max:g} count {h.num:g} "
+                  f"buckets {list(zip(h.bucket_limit, h.bucket))}")
     for spec in args.expect:
         tag, rest = spec.rsplit(":", 1)
         step, value = rest.split("=")

@@ -31,13 +31,6 @@ uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
   return z ^ (z >> 29);
 }
 
-// The sequences of a mini-batch's labelled tokens (consecutive runs of one sequence index).
-double sequences_in(const PolicyTokens& t) {
-  double n = 0;
-  for (size_t i = 0; i < t.sequence.size(); ++i) n += i == 0 || t.sequence[i] != t.sequence[i - 1];
-  return n;
-}
-
 bool flag(const std::string& option, bool automatic) { return option == "auto" ? automatic : option == "true"; }
 
 }  // namespace

@@ -83,6 +83,8 @@ class RlSource final : public StepSource {
   PackedBatch* batch(const std::vector<size_t>& jobs) override;
   std::string name() const override { return "rl"; }
   void before_save() override;
+  // rl.mode async: each trained sample's staleness (rl/staleness).
+  std::vector<std::pair<std::string, std::vector<double>>> step_histograms(size_t job) override;
 
   // rl.mode: async: this rank's side of the job, set before start() (a training rank) or serve() (a rollout rank).
   void set_async(const AsyncRanks& ranks);

@@ -332,6 +332,14 @@ void RlSource::rollout_from_ranks(const std::vector<size_t>& ids) {
   ++as.trained;
 }
 
+std::vector<std::pair<std::string, std::vector<double>>> RlSource::step_histograms(size_t job) {
+  if (!async_ || !current_) return {};
+  double samples = 0;  // this rank's sequences of the update (the first rank's: it writes TensorBoard)
+  for (const Part& p : current_->parts)
+    if (p.job == job) samples += sequences_in(p.tokens);
+  return {{"staleness", std::vector<double>(size_t(samples), double(staleness_))}};
+}
+
 void RlSource::before_save() {
   if (!async_ || !async_->ranks.trains) return;
   Async& as = *async_;

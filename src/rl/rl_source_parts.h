@@ -13,6 +13,13 @@
 
 namespace lathe {
 
+// The sequences of a mini-batch's labelled tokens (consecutive runs of one sequence index).
+inline double sequences_in(const PolicyTokens& t) {
+  double n = 0;
+  for (size_t i = 0; i < t.sequence.size(); ++i) n += i == 0 || t.sequence[i] != t.sequence[i - 1];
+  return n;
+}
+
 // One job's share of an update: its labelled tokens (in the batch's row order, after the earlier jobs'), their policy
 // loss settings and the statistics the loss reports.
 struct RlSource::Part {

@@ -115,6 +115,37 @@ std::string scalars_event(double wall_time, int64_t step, const std::vector<std:
   return e;
 }
 
+std::string histogram_event(double wall_time, int64_t step, const std::string& tag, std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  std::string histo;
+  double sum = 0, squares = 0;
+  for (double v : values) sum += v, squares += v * v;
+  std::string limits, counts;  // one bucket per distinct value, its right edge the value: (previous, value]
+  for (size_t i = 0; i < values.size();) {
+    size_t j = i;
+    while (j < values.size() && values[j] == values[i]) ++j;
+    put_le(limits, values[i]);
+    put_le(counts, double(j - i));
+    i = j;
+  }
+  for (const auto& [field, v] : {std::pair{1u, values.empty() ? 0.0 : values.front()},
+                                 {2u, values.empty() ? 0.0 : values.back()}, {3u, double(values.size())}, {4u, sum},
+                                 {5u, squares}}) {
+    put_key(histo, field, kFixed64);
+    put_le(histo, v);
+  }
+  put_bytes(histo, 6, limits);  // packed doubles
+  put_bytes(histo, 7, counts);
+  std::string value;
+  put_bytes(value, 1, tag);
+  put_bytes(value, 5, histo);
+  std::string summary;
+  put_bytes(summary, 1, value);
+  std::string e = event_header(wall_time, step);
+  put_bytes(e, 5, summary);
+  return e;
+}
+
 std::string session_start_event(double wall_time, int64_t step) {
   std::string log;
   put_key(log, 1, kVarint);
@@ -158,6 +189,10 @@ void TensorBoardWriter::add_scalars(int64_t step, const std::vector<std::pair<st
   std::vector<std::pair<std::string, float>> v;
   for (const auto& [tag, x] : values) v.emplace_back(tag, float(x));
   append(tb::scalars_event(wall_seconds(), step, v));
+}
+
+void TensorBoardWriter::add_histogram(int64_t step, const std::string& tag, const std::vector<double>& values) {
+  append(tb::histogram_event(wall_seconds(), step, tag, values));
 }
 
 void TensorBoardWriter::append(const std::string& event) {

@@ -888,6 +888,9 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
     for (const auto& [name, v] : m[source_->name()].items())
       if (v.is_number()) scalars.push_back({source_->name() + "/" + name, v.get<double>()});
   j.tb->add_scalars(step, scalars);
+  if (source_)
+    for (const auto& [tag, values] : source_->step_histograms(size_t(&j - jobs_.data())))
+      j.tb->add_histogram(step, source_->name() + "/" + tag, values);
   if (save) {
     nlohmann::json st = {{"step", step}, {"loader", j.loader ? j.loader->state() : nlohmann::json(nullptr)},
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},

@@ -69,6 +69,8 @@ class StepSource {
   // Job `job`'s figures of the step (numbers) for metrics.jsonl and TensorBoard, and a few words for the progress line.
   virtual nlohmann::json step_metrics(size_t job) = 0;
   virtual std::string progress(size_t job) const = 0;
+  // Distributions of the step's figures for TensorBoard (tag under name(), the values), after step_metrics().
+  virtual std::vector<std::pair<std::string, std::vector<double>>> step_histograms(size_t /*job*/) { return {}; }
   virtual nlohmann::json state(size_t job) const = 0;
   // Called on every rank, in step, before a step's checkpoint is written (a source may gather what its state needs).
   virtual void before_save() {}

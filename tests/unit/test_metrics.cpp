@@ -227,6 +227,15 @@ TEST(TensorBoard, EncodingBytes) {
   EXPECT_EQ(e, want);
   EXPECT_EQ(tb::session_start_event(1.0, 3), std::string("\x09\x00\x00\x00\x00\x00\x00\xf0\x3f" "\x10\x03"
                                                          "\x3a\x02" "\x08\x01", 15));  // 7: SessionLog{status: START}
+  // Event{wall_time: 1.0, step: 2, summary{value{tag: "h", histo{min 1, max 3, num 3, sum 7, sum_squares 19,
+  // bucket_limit [1, 3], bucket [1, 2]}}}} for the values 3, 1, 3, encoded by hand.
+  const std::string h = tb::histogram_event(1.0, 2, "h", {3, 1, 3});
+  const auto d = [](double v) { std::string b(8, '\0'); std::memcpy(b.data(), &v, 8); return b; };
+  const std::string histo = "\x09" + d(1) + "\x11" + d(3) + "\x19" + d(3) + "\x21" + d(7) + "\x29" + d(19) +
+                            "\x32\x10" + d(1) + d(3) + "\x3a\x10" + d(1) + d(2);
+  ASSERT_EQ(histo.size(), 5 * 9 + 2 * 18u);
+  const std::string value = std::string("\x0a\x01" "h") + "\x2a\x51" + histo;  // tag, histo (81 bytes): 86 bytes
+  EXPECT_EQ(h, "\x09" + d(1) + "\x10\x02" + "\x2a\x58" + "\x0a\x56" + value);  // summary (88 bytes), its value
   const std::string rec = tb::tfrecord("abc");
   ASSERT_EQ(rec.size(), 8 + 4 + 3 + 4u);
   EXPECT_EQ(rec.substr(0, 8), std::string("\x03\0\0\0\0\0\0\0", 8));
