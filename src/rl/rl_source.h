@@ -131,10 +131,11 @@ class RlSource final : public StepSource {
   struct Async;
   void rollout_from_ranks(const std::vector<size_t>& jobs);  // a training rank: the rollout the rollout ranks sampled
   void take_events(size_t end);                             // a training rank: the schedule's events up to `end`
-  void send_weights(bool start);                            // the first training rank
+  void send_weights(bool start);                            // the first training rank (and its tp group)
   bool receive_weights();                                   // a rollout rank; false: the trainer stopped
   std::vector<double> sample_for_trainer(int64_t rollout);  // a rollout rank: one rollout, as its message
-  std::vector<Tensor> synced_tensors(bool with_base) const;
+  std::vector<const Parameter*> synced_parameters(bool with_base) const;
+  bool joins_weights() const;
   void start_async(const nlohmann::json& state);  // a training rank: the buffer resumed, the rollout ranks started
   nlohmann::json async_state() const;             // a training rank: what a checkpoint keeps of the async loop
   int64_t next_update_staleness();                // a training rank: the update's lag behind its samples' weights

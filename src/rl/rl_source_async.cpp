@@ -49,26 +49,35 @@ void RlSource::set_async(const AsyncRanks& ranks) {
   async_->total = jobs_[0]->c->max_steps / o.minibatches;
 }
 
-// The tensors the sync sends, in one order on both sides: every model parameter (`with_base`, or full fine-tuning),
+// The parameters the sync sends, in one order on both sides: every model parameter (`with_base`, or full fine-tuning),
 // then each adapter's values (one flat tensor an adapter).
-std::vector<Tensor> RlSource::synced_tensors(bool with_base) const {
-  std::vector<Tensor> out;
+std::vector<const Parameter*> RlSource::synced_parameters(bool with_base) const {
+  std::vector<const Parameter*> out;
   LoraBank* bank = model_->lora();
   if (with_base || !bank)
-    for (const Parameter& p : model_->parameters()) out.push_back(p.value);
+    for (const Parameter& p : model_->parameters()) out.push_back(&p);
   if (bank)
-    for (int a = 0; a < bank->size(); ++a) out.push_back(bank->flat_parameter(a)[0].value);
+    for (int a = 0; a < bank->size(); ++a) out.push_back(&bank->flat_parameter(a)[0]);
   return out;
 }
 
-// The first training rank: the header, at the start the run's description, and the weights, over the sync group.
+// Whether this training rank takes part in a weights event: the first training rank, which sends, and under tensor
+// parallelism the rest of its tp group, whose slices it gathers.
+bool RlSource::joins_weights() const {
+  const ModelOptions& o = model_->options();
+  return async_->ranks.sync || (o.tp && ranks_.rank == 0 && (!o.cp || o.cp->rank() == 0));
+}
+
+// The first training rank (with its tp group): the header, at the start the run's description, and the weights, whole,
+// over the sync group.
 void RlSource::send_weights(bool start) {
   Async& as = *async_;
-  Communicator& sync = *as.ranks.sync;
+  Communicator* sync = as.ranks.sync;  // null on the tp group's other ranks: they gather only
   const Device device = model_->options().device;
   const auto t = Clock::now();
+  const std::vector<const Parameter*> params = synced_parameters(start);
   std::string json;
-  if (start) {
+  if (start && sync) {
     const Job& j = *jobs_[0];
     nlohmann::json s = {{"model_config", model_->global_config().raw},
                         {"dtype", std::string(dtype_name(model_->options().dtype))},
@@ -79,20 +88,23 @@ void RlSource::send_weights(bool start) {
       for (int a = 0; a < bank->size(); ++a)
         lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
     s["lora"] = lora;
-    for (const Tensor& v : synced_tensors(true)) s["sizes"].push_back(v.numel());
+    for (const Parameter* p : params) s["sizes"].push_back(shape_numel(p->global_shape()));
     json = s.dump();
   }
-  std::vector<double> header = {kWeights, double(as.trained), double(json.size())};
-  Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
-  sync.broadcast(h, 0).wait();
-  if (!json.empty()) {
-    Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
-    sync.broadcast(bytes, 0).wait();
+  if (sync) {
+    std::vector<double> header = {kWeights, double(as.trained), double(json.size())};
+    Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
+    sync->broadcast(h, 0).wait();
+    if (!json.empty()) {
+      Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
+      sync->broadcast(bytes, 0).wait();
+    }
   }
   double sent = 0;
-  for (Tensor& v : synced_tensors(start)) {
-    sync.broadcast(v, 0).wait();
-    sent += double(v.nbytes());
+  for (const Parameter* p : params) {
+    Tensor whole = model_->options().tp ? model_->gathered(*p) : p->value;  // (a collective of the tp group)
+    if (sync) sync->broadcast(whole, 0).wait();
+    sent += double(whole.nbytes());
   }
   rt_.synchronize(device);
   as.sync_s = seconds_since(t);
@@ -136,18 +148,21 @@ bool RlSource::receive_weights() {
     Job& j = *jobs_[0];
     set_position(j, s);
     j.longest_prompt = longest_prompt(j);
-    const std::vector<Tensor> mine = synced_tensors(true);
+    const std::vector<const Parameter*> mine = synced_parameters(true);
     const std::vector<int64_t> sizes = s["sizes"].get<std::vector<int64_t>>();
     LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {}",
                 sizes.size(), mine.size());
     for (size_t i = 0; i < sizes.size(); ++i)
-      LATHE_CHECK(sizes[i] == mine[i].numel(), "rl: async: tensor {} has {} elements on the trainer and {} here", i,
-                  sizes[i], mine[i].numel());
+      LATHE_CHECK(sizes[i] == mine[i]->value.numel(), "rl: async: {} has {} elements on the trainer and {} here",
+                  mine[i]->name, sizes[i], mine[i]->value.numel());
     // The schedule from the trainer's position: it holds rollouts [held, rollouts) already.
     as.events = async_events(s["held"].get<int64_t>(), j.rollouts, as.total, as.max_staleness);
     as.next = 0;
   }
-  for (Tensor& v : synced_tensors(start)) sync.broadcast(v, 0).wait();
+  for (const Parameter* p : synced_parameters(start)) {
+    Tensor v = p->value;
+    sync.broadcast(v, 0).wait();
+  }
   return true;
 }
 
@@ -173,7 +188,7 @@ void RlSource::start_async(const nlohmann::json& state) {
     fmt::print("rl: async: {} rollout(s) taken and not trained{}; the rollout ranks sample from rollout {} with "
                "max_staleness {}\n", as.buffer.size(), as.buffer.empty() ? "" : " (kept by the checkpoint)",
                j.rollouts, as.max_staleness);
-  if (as.ranks.sync) send_weights(true);
+  if (joins_weights()) send_weights(true);
 }
 
 nlohmann::json RlSource::async_state() const {
@@ -256,7 +271,7 @@ void RlSource::take_events(size_t end) {
     const AsyncEvent e = as.events[as.next];
     if (e.kind == AsyncEvent::Kind::kWeights) {
       LATHE_ASSERT(e.index == as.trained);  // the weights of this version are the trainer's now
-      if (as.ranks.sync) send_weights(false);
+      if (joins_weights()) send_weights(false);
       continue;
     }
     const auto t = Clock::now();

@@ -38,15 +38,21 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
               "-np 2 lathe rl CONFIG` on CPUs, or `lathe rl CONFIG --nproc 2` on the GPUs of one machine)");
   LATHE_CHECK(job.rollout_ranks < env.world, "rl: rl.rollout_ranks = {} leaves no training rank in a launch of {} ranks",
               job.rollout_ranks, env.world);
-  for (const auto& [option, v] : {std::pair{"parallel.tp", config.tp}, {"parallel.cp", config.cp},
-                                  {"parallel.ep", config.ep}, {"parallel.pp", config.pp}})
-    LATHE_CHECK(v <= 1, "rl: rl.mode async with {} = {} is not built yet: the training ranks are data-parallel (the "
+  for (const auto& [option, v] : {std::pair{"parallel.ep", config.ep}, {"parallel.pp", config.pp}})
+    LATHE_CHECK(v <= 1, "rl: rl.mode async with {} = {} is not built yet: the training ranks take dp, tp and cp (the "
                 "rollout ranks hold whole models)", option, v);
-  LATHE_CHECK(config.dp == 0 || config.dp == job.training_ranks, "rl: parallel.dp = {}, but rl.mode async leaves {} "
-              "training rank(s) of the {} launched ({} sample: rl.rollout_ranks): leave parallel.dp unset or make it {}",
-              config.dp, job.training_ranks, env.world, job.rollout_ranks, job.training_ranks);
-  config.dp = job.training_ranks;
-  check_rl_layout(config, config.dp);
+  LATHE_CHECK(config.tp <= 1 || config.lora_rank == 0, "rl: rl.mode async with LoRA under parallel.tp = {} is not "
+              "built yet (the adapters' slices would be gathered for each sync): train the adapter at tp 1", config.tp);
+  const int64_t replica = config.tp * config.cp;
+  LATHE_CHECK(job.training_ranks % replica == 0, "rl: rl.mode async leaves {} training rank(s) of the {} launched ({} "
+              "sample: rl.rollout_ranks), which parallel.tp x parallel.cp = {} does not divide", job.training_ranks,
+              env.world, job.rollout_ranks, replica);
+  const int64_t dp = job.training_ranks / replica;
+  LATHE_CHECK(config.dp == 0 || config.dp == dp, "rl: parallel.dp = {}, but rl.mode async leaves {} training rank(s) "
+              "of the {} launched ({} sample: rl.rollout_ranks), which make dp {}: leave parallel.dp unset or make it {}",
+              config.dp, job.training_ranks, env.world, job.rollout_ranks, dp, dp);
+  config.dp = dp;
+  check_rl_layout(config, dp);
   job.world = join_world(rt, config.device, env, config.timeout_s, mpi, "rl");
   const int rank = job.world->rank();
   const bool trains = rank < job.training_ranks;
@@ -58,7 +64,7 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   job.ranks.rollout = trains ? nullptr : job.side.get();
   if (trains && job.training_ranks > 1) {
     const Device device = parse_device(config.device);
-    job.groups = make_process_groups(std::move(job.side), ParallelSizes{1, 1, 1, job.training_ranks, 1},
+    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), 1, int(dp), 1},
                                      rt.backend(device.type).create_stream(device.index));
   }
   return job;
