@@ -95,6 +95,16 @@ void expect_same_steps(const std::vector<nlohmann::json>& got, const std::vector
   }
 }
 
+// The mean reward of a run's first four steps and of its last four.
+std::pair<double, double> first_and_last_rewards(const std::vector<nlohmann::json>& rows) {
+  double first = 0, last = 0;
+  for (size_t i = 0; i < 4; ++i) {
+    first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
+    last += rows[rows.size() - 1 - i]["rl"]["reward_mean"].get<double>() / 4;
+  }
+  return {first, last};
+}
+
 std::string file_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string((std::istreambuf_iterator<char>(f)), {});
@@ -305,11 +315,7 @@ TEST(Rl, TheRewardRises) {
   const fs::path dir = setup("learn");
   const std::vector<nlohmann::json> rows = run_steps(dir, "--set train.lr=0.02", 24);
   ASSERT_FALSE(rows.empty());
-  double first = 0, last = 0;
-  for (size_t i = 0; i < 4; ++i) {
-    first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
-    last += rows[rows.size() - 1 - i]["rl"]["reward_mean"].get<double>() / 4;
-  }
+  const auto [first, last] = first_and_last_rewards(rows);
   std::printf("[rl] format reward, mean of the first 4 steps %.3f, of the last 4 %.3f\n", first, last);
   EXPECT_GT(last, first + 0.3);
 }
@@ -768,11 +774,7 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
   ASSERT_EQ(learn.exit_code, 0) << learn.output;
   const std::vector<nlohmann::json> rows = rl_rows(dir / "learn");
   ASSERT_EQ(rows.size(), 24u);
-  double first = 0, last = 0;
-  for (size_t i = 0; i < 4; ++i) {
-    first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
-    last += rows[rows.size() - 1 - i]["rl"]["reward_mean"].get<double>() / 4;
-  }
+  const auto [first, last] = first_and_last_rewards(rows);
   std::printf("[rl async] format reward at max_staleness 1, mean of the first 4 steps %.3f, of the last 4 %.3f\n", first,
               last);
   EXPECT_GT(last, first + 0.3);
@@ -886,11 +888,7 @@ TEST(Rl, CudaAsyncRolloutRankHoldsTheTrainersWeights) {
   ASSERT_EQ(learn.exit_code, 0) << learn.output;
   const std::vector<nlohmann::json> rows = rl_rows(dir / "learn");
   ASSERT_EQ(rows.size(), 24u);
-  double first = 0, last = 0;
-  for (size_t i = 0; i < 4; ++i) {
-    first += rows[i]["rl"]["reward_mean"].get<double>() / 4;
-    last += rows[rows.size() - 1 - i]["rl"]["reward_mean"].get<double>() / 4;
-  }
+  const auto [first, last] = first_and_last_rewards(rows);
   std::printf("[rl cuda async] reward at max_staleness 1: %.3f -> %.3f\n", first, last);
   EXPECT_GT(last, first + 0.3);
 }
