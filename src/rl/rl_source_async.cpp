@@ -61,18 +61,19 @@ std::vector<const Parameter*> RlSource::synced_parameters(bool with_base) const 
   return out;
 }
 
-// Whether this training rank takes part in a weights event: the first training rank, which sends, and under tensor
-// parallelism the rest of its tp group, whose slices it gathers.
+// Whether this training rank takes part in a weights event: the first training rank, which sends, and under tensor or
+// expert parallelism every training rank, each gathering its slices with its groups as a save does (the first rank's
+// groups need their members; the other replicas gather too, so that every group's collective is whole).
 bool RlSource::joins_weights() const {
   const ModelOptions& o = model_->options();
-  return async_->ranks.sync || (o.tp && ranks_.rank == 0 && (!o.cp || o.cp->rank() == 0));
+  return async_->ranks.sync || o.tp || o.ep;
 }
 
-// The first training rank (with its tp group): the header, at the start the run's description, and the weights, whole,
+// The first training rank (with the others under tp or ep): the header, at the start the run's description, and the weights, whole,
 // over the sync group.
 void RlSource::send_weights(bool start) {
   Async& as = *async_;
-  Communicator* sync = as.ranks.sync;  // null on the tp group's other ranks: they gather only
+  Communicator* sync = as.ranks.sync;  // null on the other training ranks: they gather only (tp, ep)
   const Device device = model_->options().device;
   const auto t = Clock::now();
   const std::vector<const Parameter*> params = synced_parameters(start);
@@ -102,7 +103,7 @@ void RlSource::send_weights(bool start) {
   }
   double sent = 0;
   for (const Parameter* p : params) {
-    Tensor whole = model_->options().tp ? model_->gathered(*p) : p->value;  // (a collective of the tp group)
+    Tensor whole = model_->gathered(*p);  // (under tp and ep a collective of the groups: the whole tensor)
     if (sync) sync->broadcast(whole, 0).wait();
     sent += double(whole.nbytes());
   }

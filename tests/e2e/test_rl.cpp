@@ -708,8 +708,8 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     }
     fs::remove_all(dir / "ref");
   }
-  // The training side split by tp 2 (its slices gathered for each sync; vocab 320 for the vocab-parallel head) and by
-  // cp 2, beside one rollout rank.
+  // The training side split by tp 2 (its slices gathered for each sync, as a save does; vocab 320 for the
+  // vocab-parallel head) and by cp 2, beside one rollout rank.
   const std::string vocab = " --set model.config.vocab_size=320";
   const auto ref = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "ref").string(), common, vocab),
                          "OMP_NUM_THREADS=1");
@@ -725,6 +725,21 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     for (const auto& r : rows) EXPECT_LT(r["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5) << layout;
     fs::remove_all(dir / "split");
   }
+  // A Qwen3-MoE policy with its experts split over two training ranks (ep 2; each sync gathers them) beside one
+  // rollout rank, whose engine runs the whole model.
+  const fs::path moe =
+      setup("async0_moe", "", "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
+                              "           num_key_value_heads: 2, head_dim: 8, num_experts: 4, num_experts_per_tok: 2,\n"
+                              "           moe_intermediate_size: 16, tie_word_embeddings: true}");
+  const auto moe_ref = lathe(fmt::format("rl {} --set output_dir={}{}", config(moe), (moe / "ref").string(), common),
+                             "OMP_NUM_THREADS=1");
+  ASSERT_EQ(moe_ref.exit_code, 0) << moe_ref.output;
+  const auto moe_ep = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
+                                        "--set rl.rollout_ranks=1 --set parallel.ep=2{}", config(moe),
+                                        (moe / "ep").string(), common), mpirun(3));
+  ASSERT_EQ(moe_ep.exit_code, 0) << moe_ep.output;
+  expect_same_steps(rl_rows(moe / "ep"), rl_rows(moe / "ref"), {"reward_mean", "reward_std", "response_length_mean",
+                                                                "samples"}, "async ep 2", 1e-4);
 #endif
 }
 
@@ -836,7 +851,8 @@ TEST(Rl, AsyncLayoutsAreChecked) {
   refused("--set parallel.pp=2", mpirun(2), "rl.mode async with parallel.pp = 2 is not built yet");
   refused("--set parallel.tp=2", mpirun(2), "which parallel.tp x parallel.cp = 2 does not divide");
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
-  refused("--set parallel.tp=2 --set lora.rank=4", mpirun(3), "rl.mode async with LoRA under parallel.tp = 2 is not built");
+  refused("--set parallel.tp=2 --set lora.rank=4", mpirun(3), "rl.mode async with LoRA under parallel.tp = 2 / "
+          "parallel.ep = 1 is not built");
   std::ofstream(dir / "tenants.yaml") << file_bytes(config(dir)) << "lora:\n  rank: 4\n"
                                       << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n";
   const auto tenants = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async", (dir / "tenants.yaml").string(),

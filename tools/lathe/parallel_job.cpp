@@ -38,11 +38,11 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
               "-np 2 lathe rl CONFIG` on CPUs, or `lathe rl CONFIG --nproc 2` on the GPUs of one machine)");
   LATHE_CHECK(job.rollout_ranks < env.world, "rl: rl.rollout_ranks = {} leaves no training rank in a launch of {} ranks",
               job.rollout_ranks, env.world);
-  for (const auto& [option, v] : {std::pair{"parallel.ep", config.ep}, {"parallel.pp", config.pp}})
-    LATHE_CHECK(v <= 1, "rl: rl.mode async with {} = {} is not built yet: the training ranks take dp, tp and cp (the "
-                "rollout ranks hold whole models)", option, v);
-  LATHE_CHECK(config.tp <= 1 || config.lora_rank == 0, "rl: rl.mode async with LoRA under parallel.tp = {} is not "
-              "built yet (the adapters' slices would be gathered for each sync): train the adapter at tp 1", config.tp);
+  LATHE_CHECK(config.pp <= 1, "rl: rl.mode async with parallel.pp = {} is not built yet: the training ranks take dp, "
+              "tp, cp and ep (reinforcement learning through pipeline stages is not built)", config.pp);
+  LATHE_CHECK((config.tp <= 1 && config.ep <= 1) || config.lora_rank == 0, "rl: rl.mode async with LoRA under "
+              "parallel.tp = {} / parallel.ep = {} is not built yet (the adapters' slices would be gathered for each "
+              "sync): train the adapter at tp 1 and ep 1", config.tp, config.ep);
   const int64_t replica = config.tp * config.cp;
   LATHE_CHECK(job.training_ranks % replica == 0, "rl: rl.mode async leaves {} training rank(s) of the {} launched ({} "
               "sample: rl.rollout_ranks), which parallel.tp x parallel.cp = {} does not divide", job.training_ranks,
@@ -64,7 +64,7 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   job.ranks.rollout = trains ? nullptr : job.side.get();
   if (trains && job.training_ranks > 1) {
     const Device device = parse_device(config.device);
-    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), 1, int(dp), 1},
+    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), int(config.ep), int(dp), 1},
                                      rt.backend(device.type).create_stream(device.index));
   }
   return job;
