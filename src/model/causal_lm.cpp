@@ -429,6 +429,18 @@ Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   return whole;
 }
 
+void CausalLm::set_from_whole(const Parameter& p, const Tensor& whole) const {
+  ExecContext cx = rt_->context(options_.device);
+  if (p.whole() || p.shard.global_shape == p.value.shape()) return copy_into(cx, whole, p.value);
+  LATHE_CHECK(p.value.is_contiguous() && p.shard.flat_begin < 0, "model: {} is not a tp / ep piece", p.name);
+  const Shape& global = p.shard.global_shape;
+  const Tensor whole2d = whole.view({global[0], whole.numel() / global[0]});
+  const Tensor local2d = p.value.view({p.value.size(0), p.value.numel() / p.value.size(0)});
+  for (const PieceBox& box : piece_boxes(p.shard, p.value.shape()))
+    copy_into(cx, whole2d.narrow(0, box.row, box.rows).narrow(1, box.col, box.cols),
+              local2d.narrow(0, box.local_row, box.rows).narrow(1, box.local_col, box.cols));
+}
+
 ExecContext CausalLm::ctx() { return rt_->context(options_.device); }
 
 Parameter& CausalLm::parameter(const std::string& name) {

@@ -196,6 +196,8 @@ class CausalLm {
   // A parameter's whole tensor: itself, or under tensor parallelism its slices from every rank of the group joined
   // (a collective: every rank of the group calls it for the same parameter; `grad` the gradient's instead).
   Tensor gathered(const Parameter& p, bool grad = false) const;
+  // The inverse: p's piece (its boxes under tp or ep) copied out of `whole`, a tensor of p's global shape on p's device.
+  void set_from_whole(const Parameter& p, const Tensor& whole) const;
   // Tensor parallelism above the key/value heads: the gradients of the k and v slices that several ranks hold, each
   // rank's part (from its own query heads) summed over those ranks. A collective: every rank of the group calls it once
   // the step's gradients are complete, before their norm (the trainer does); a sum over micro-batches commutes with it.

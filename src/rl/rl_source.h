@@ -68,7 +68,11 @@ struct AsyncRanks {
   bool trains = true;
   Communicator* world = nullptr;    // every rank: each rollout's groups go to every training rank
   Communicator* sync = nullptr;     // the first training rank (its rank 0) and the rollout ranks: the weights; else null
-  Communicator* rollout = nullptr;  // the rollout ranks (on a rollout rank): they share each rollout's prompts
+  Communicator* rollout = nullptr;  // the rollout ranks (on a rollout rank)
+  // rl.rollout_tp > 1 (on a rollout rank): the ranks of its engine (consecutive rollout ranks), and the ranks of the
+  // same place in every engine, which share each rollout's prompts (else the rollout ranks do).
+  Communicator* rollout_tp = nullptr;
+  Communicator* rollout_dp = nullptr;
 };
 
 class RlSource final : public StepSource {

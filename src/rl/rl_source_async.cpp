@@ -136,7 +136,9 @@ bool RlSource::receive_weights() {
     mopt.device = device;
     mopt.dtype = dtype_from_name(s["dtype"].get<std::string>());
     mopt.train_base = false;
+    mopt.tp = as.ranks.rollout_tp;  // rl.rollout_tp: this engine's slice of every layer
     const ModelConfig mc = parse_model_config(s["model_config"], "rl: async: the trainer's model");
+    if (mopt.tp) check_tensor_parallel(mc, mopt.tp->size());
     as.model = random_causal_lm(rt_, mc, mopt, 0);  // its values come next
     std::vector<LoraConfig> adapters;
     for (const nlohmann::json& a : s["lora"]) adapters.push_back(lora_config_from_peft(a, "rl: async"));
@@ -154,15 +156,22 @@ bool RlSource::receive_weights() {
     LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {}",
                 sizes.size(), mine.size());
     for (size_t i = 0; i < sizes.size(); ++i)
-      LATHE_CHECK(sizes[i] == mine[i]->value.numel(), "rl: async: {} has {} elements on the trainer and {} here",
-                  mine[i]->name, sizes[i], mine[i]->value.numel());
+      LATHE_CHECK(sizes[i] == shape_numel(mine[i]->global_shape()), "rl: async: {} has {} elements on the trainer "
+                  "and {} here", mine[i]->name, sizes[i], shape_numel(mine[i]->global_shape()));
     // The schedule from the trainer's position: it holds rollouts [held, rollouts) already.
     as.events = async_events(s["held"].get<int64_t>(), j.rollouts, as.total, as.max_staleness);
     as.next = 0;
   }
   for (const Parameter* p : synced_parameters(start)) {
-    Tensor v = p->value;
-    sync.broadcast(v, 0).wait();
+    if (p->whole() || p->global_shape() == p->value.shape()) {
+      Tensor v = p->value;
+      sync.broadcast(v, 0).wait();
+      continue;
+    }
+    // rl.rollout_tp: the whole tensor arrives, this rank keeps its piece
+    Tensor whole = Tensor::empty(p->global_shape(), p->value.dtype(), rt_.context(device).allocator);
+    sync.broadcast(whole, 0).wait();
+    model_->set_from_whole(*p, whole);
   }
   return true;
 }
@@ -221,6 +230,7 @@ std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
                            f.overlong_sum, f.command_sum, f.length_sum, double(f.sampled), double(f.truncated),
                            double(f.rounds), double(d[0].uniform.size()), double(f.length_max)};
   LATHE_ASSERT(m.size() == 6 + kFigures);
+  if (async_->ranks.rollout_tp && async_->ranks.rollout_tp->rank() > 0) return {};  // the engine's first rank sends
   m.push_back(double(d[0].informative.size() + d[0].uniform.size()));
   for (const std::vector<Group>* kept : {&d[0].informative, &d[0].uniform})
     for (const Group& g : *kept) encode_group(g, m);
@@ -230,7 +240,8 @@ std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
 void RlSource::serve() {
   LATHE_CHECK(async_ && !async_->ranks.trains, "rl: serve() is a rollout rank's (rl.mode async)");
   Async& as = *async_;
-  Communicator& rollout = *as.ranks.rollout;
+  // The ranks that share each rollout's prompts: the rollout ranks, or under rl.rollout_tp one rank of each engine.
+  Communicator& rollout = as.ranks.rollout_dp ? *as.ranks.rollout_dp : *as.ranks.rollout;
   ranks_.rank = rollout.rank();
   ranks_.ranks = rollout.size();
   if (!receive_weights()) return;
@@ -241,9 +252,9 @@ void RlSource::serve() {
       for (size_t i = 0; i < r.size(); ++i) out[i] += r[i];
     return out;
   };
-  if (ranks_.rank == 0)
-    fmt::print("rl: async: rollout ranks {} from rollout {} of {}, max_staleness {}\n", ranks_.ranks,
-               jobs_[0]->rollouts, as.total, as.max_staleness);
+  if (as.ranks.rollout->rank() == 0)
+    fmt::print("rl: async: {} rollout rank(s), {} engine(s), from rollout {} of {}, max_staleness {}\n",
+               as.ranks.rollout->size(), ranks_.ranks, jobs_[0]->rollouts, as.total, as.max_staleness);
   for (; as.next < as.events.size(); ++as.next) {
     const AsyncEvent e = as.events[as.next];
     if (e.kind == AsyncEvent::Kind::kWeights) {

@@ -310,6 +310,9 @@ const std::vector<Option>& options() {
                 rl.mode),
       LATHE_NUM("rl.rollout_ranks", Kind::Int, "0", at_least(0),
                 "async: how many of the launch's ranks (the last ones) sample; the rest train (0: half)", rl.rollout_ranks),
+      LATHE_NUM("rl.rollout_tp", Kind::Int, "1", at_least(1),
+                "async: tensor parallelism of the rollout side: each engine's model split over this many rollout ranks "
+                "(rl.rollout_ranks / rl.rollout_tp engines)", rl.rollout_tp),
       LATHE_NUM("rl.max_staleness", Kind::Int, "1", at_least(0),
                 "async: how many weight versions a rollout may lag: rollout n is sampled with the weights after the "
                 "updates of rollouts up to n - 1 - max_staleness (0: the colocated loop on separate ranks)",
@@ -442,7 +445,7 @@ bool per_tenant(const std::string& path) {
   return starts("data.") || starts("lora.") || starts("final_eval.") || path == "output_dir" ||
          (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
           path != "rl.offload_optimizer" && path != "rl.max_running" && path != "rl.mode" &&
-          path != "rl.rollout_ranks" && path != "rl.max_staleness") ||
+          path != "rl.rollout_ranks" && path != "rl.rollout_tp" && path != "rl.max_staleness") ||
          (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");

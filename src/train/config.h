@@ -42,6 +42,7 @@ struct RlOptions {
   std::string offload_optimizer = "auto";  // auto (a GPU's rollouts short of room) | true | false: the optimizer state on the host during rollouts
   std::string mode = "colocated";         // colocated | async: separate rollout ranks (docs/rl.md)
   int64_t rollout_ranks = 0;              // async: the last N ranks sample (0: half the world)
+  int64_t rollout_tp = 1;                 // async: each rollout engine's model split over this many rollout ranks
   int64_t max_staleness = 1;              // async: rollout n is sampled with the weights after rollout n - 1 - k's updates
 };
 

@@ -709,15 +709,17 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     fs::remove_all(dir / "ref");
   }
   // The training side split by tp 2 (its slices gathered for each sync, as a save does; vocab 320 for the
-  // vocab-parallel head) and by cp 2, beside one rollout rank.
+  // vocab-parallel head) or by cp 2, beside one rollout rank; and one trainer beside an engine split over two rollout
+  // ranks (rl.rollout_tp 2: each keeps its slices of the whole tensors the sync sends).
   const std::string vocab = " --set model.config.vocab_size=320";
   const auto ref = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "ref").string(), common, vocab),
                          "OMP_NUM_THREADS=1");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  for (const std::string layout : {" --set parallel.tp=2", " --set parallel.cp=2"}) {
-    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
-                                       "--set rl.rollout_ranks=1{}{}{}", config(dir), (dir / "split").string(), common,
-                                       vocab, layout), mpirun(3));
+  for (const std::string layout : {" --set parallel.tp=2 --set rl.rollout_ranks=1",
+                                   " --set parallel.cp=2 --set rl.rollout_ranks=1",
+                                   " --set rl.rollout_tp=2 --set rl.rollout_ranks=2"}) {
+    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0{}{}{}",
+                                       config(dir), (dir / "split").string(), common, vocab, layout), mpirun(3));
     ASSERT_EQ(run.exit_code, 0) << run.output;
     const std::vector<nlohmann::json> rows = rl_rows(dir / "split");
     expect_same_steps(rows, rl_rows(dir / "ref"), {"reward_mean", "reward_std", "response_length_mean", "samples"},
@@ -833,7 +835,7 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
 
 // Layouts async cannot run are refused before anything is written, naming the option: one process, every rank a
 // rollout rank, a training side split by pp, training ranks that tp does not divide, a parallel.dp that is not the
-// training ranks, LoRA under tp, tenants.
+// training ranks, LoRA under tp, rollout ranks that rl.rollout_tp does not divide, tenants.
 TEST(Rl, AsyncLayoutsAreChecked) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -853,6 +855,7 @@ TEST(Rl, AsyncLayoutsAreChecked) {
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
   refused("--set parallel.tp=2 --set lora.rank=4", mpirun(3), "rl.mode async with LoRA under parallel.tp = 2 / "
           "parallel.ep = 1 is not built");
+  refused("--set rl.rollout_tp=2", mpirun(2), "rl.rollout_tp = 2 does not divide the 1 rollout rank(s)");
   std::ofstream(dir / "tenants.yaml") << file_bytes(config(dir)) << "lora:\n  rank: 4\n"
                                       << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n";
   const auto tenants = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async", (dir / "tenants.yaml").string(),

@@ -53,6 +53,11 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
               config.dp, job.training_ranks, env.world, job.rollout_ranks, dp, dp);
   config.dp = dp;
   check_rl_layout(config, dp);
+  const int rollout_tp = int(config.rl.rollout_tp);
+  LATHE_CHECK(job.rollout_ranks % rollout_tp == 0, "rl: rl.rollout_tp = {} does not divide the {} rollout rank(s)",
+              rollout_tp, job.rollout_ranks);
+  LATHE_CHECK(rollout_tp == 1 || config.lora_rank == 0, "rl: rl.rollout_tp = {} with LoRA is not built yet (the "
+              "adapters would be split on the rollout ranks)", rollout_tp);
   job.world = join_world(rt, config.device, env, config.timeout_s, mpi, "rl");
   const int rank = job.world->rank();
   const bool trains = rank < job.training_ranks;
@@ -62,6 +67,13 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   job.ranks.world = job.world.get();
   job.ranks.sync = !trains || rank == 0 ? job.sync.get() : nullptr;
   job.ranks.rollout = trains ? nullptr : job.side.get();
+  if (!trains && rollout_tp > 1) {
+    const int r = job.side->rank();
+    job.rollout_tp = job.side->split(r / rollout_tp, r % rollout_tp, "rollout_tp", nullptr);
+    job.rollout_dp = job.side->split(r % rollout_tp, r / rollout_tp, "rollout_dp", nullptr);
+    job.ranks.rollout_tp = job.rollout_tp.get();
+    job.ranks.rollout_dp = job.rollout_dp.get();
+  }
   if (trains && job.training_ranks > 1) {
     const Device device = parse_device(config.device);
     job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), int(config.ep), int(dp), 1},

@@ -27,10 +27,11 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
 // rl.rollout_ranks, half by default), with every communicator between them made here, in one order on every rank:
 // the training ranks' world (and, for more than one, their process groups: data parallelism), the rollout ranks'
 // world, and the sync group of the first training rank and the rollout ranks. A layout the launch cannot hold, or
-// one not built for async yet (tp, cp, ep, pp on the training side), is refused naming it. `config.device` becomes
+// one not built for async yet (pp on the training side), is refused naming it; under rl.rollout_tp the rollout
+// engines' tp groups and the groups across them are made too. `config.device` becomes
 // this rank's GPU.
 struct AsyncJob {
-  std::unique_ptr<Communicator> world, side, sync;
+  std::unique_ptr<Communicator> world, side, sync, rollout_tp, rollout_dp;
   std::unique_ptr<ProcessGroups> groups;  // a training rank's, with more than one training rank
   AsyncRanks ranks;
   int training_ranks = 0, rollout_ranks = 0;
