@@ -6,7 +6,7 @@
 #           reward rising at max_staleness 1) and Rl.CudaOnPolicyAndLearns
 #   sync  — the Qwen3-1.7B shape (random weights, bf16) at rl.mode async, one training GPU and one rollout GPU, two
 #           rollouts of 8 x 2 short samples: each weight sync's seconds and bytes, against NCCL's broadcast bandwidth
-#           on the same pair (torch, 3.4 GB bf16)
+#           on the same pair (torch, 3.4 GB bf16; SYNC_TORCH=0 leaves it out)
 # Writes summary.txt and logs.tgz to $OUT.
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_rl}"
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
@@ -46,6 +46,7 @@ for l in open(sys.argv[1]):
               f"rollout idle {x['rollout_idle_s']:.2f} s, step {r['step_time_s']:.2f} s")
 PY
   python3 dev/ref/check_tensorboard.py $D/out/tb --expect-histogram rl/staleness 2>&1 | grep -E "rl/staleness|check_tensorboard" | head -5 | tee -a $OUT/summary.txt
+  [ "${SYNC_TORCH:-1}" = 0 ] && { rm -rf $D; exit 0; }  # SYNC_TORCH=0: without the torch broadcast baseline
   cat >/tmp/bcast.py <<'PY'
 import os, time, torch, torch.distributed as dist
 dist.init_process_group("nccl"); r = dist.get_rank(); torch.cuda.set_device(r)

@@ -7,8 +7,9 @@
 // rollout rank's seconds waiting for the trainer since its last message, its figures (kFigures numbers), group
 // count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
 // {kWeights or kStop, version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA
-// configs, the position in the prompts and the parameters' names and sizes), then every synced tensor broadcast in
-// place: at the start the whole model and the adapters, later the adapters alone under LoRA, else the whole model.
+// configs, the position in the prompts and the parameters' sizes), then the synced tensors, whole, in buckets of up to
+// 256 MiB (sync_buckets): at the start the whole model and the adapters, later the adapters alone under LoRA, else the
+// whole model.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "model/causal_lm.h"
 #include "model/config.h"
 #include "model/lora.h"
+#include "ops/ops.h"
 #include "rl/async_schedule.h"
 #include "rl/rl_source.h"
 #include "rl/rl_source_parts.h"
@@ -36,6 +38,30 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 constexpr double kRollout = 1, kStop = 2, kWeights = 3;
 constexpr size_t kFigures = 14;
+constexpr int64_t kBucketBytes = int64_t(256) << 20;
+
+// The sync's broadcasts: runs of consecutive parameters of one dtype, each run at most kBucketBytes (a larger tensor
+// alone), each run one broadcast. Both sides derive the same runs from the same parameters (global shapes, dtype).
+std::vector<std::vector<const Parameter*>> sync_buckets(const std::vector<const Parameter*>& params) {
+  std::vector<std::vector<const Parameter*>> out;
+  int64_t bytes = 0;
+  for (const Parameter* p : params) {
+    const int64_t n = shape_numel(p->global_shape()) * int64_t(dtype_size(p->value.dtype()));
+    if (out.empty() || out.back().front()->value.dtype() != p->value.dtype() || bytes + n > kBucketBytes) {
+      out.emplace_back();
+      bytes = 0;
+    }
+    out.back().push_back(p);
+    bytes += n;
+  }
+  return out;
+}
+
+int64_t bucket_elements(const std::vector<const Parameter*>& bucket) {
+  int64_t n = 0;
+  for (const Parameter* p : bucket) n += shape_numel(p->global_shape());
+  return n;
+}
 
 }  // namespace
 
@@ -69,8 +95,8 @@ bool RlSource::joins_weights() const {
   return async_->ranks.sync || o.tp || o.ep;
 }
 
-// The first training rank (with the others under tp or ep): the header, at the start the run's description, and the weights, whole,
-// over the sync group.
+// The first training rank (with the others under tp or ep): the header, at the start the run's description, and the
+// weights, whole, over the sync group in buckets (sync_buckets).
 void RlSource::send_weights(bool start) {
   Async& as = *async_;
   Communicator* sync = as.ranks.sync;  // null on the other training ranks: they gather only (tp, ep)
@@ -102,10 +128,24 @@ void RlSource::send_weights(bool start) {
     }
   }
   double sent = 0;
-  for (const Parameter* p : params) {
-    Tensor whole = model_->gathered(*p);  // (under tp and ep a collective of the groups: the whole tensor)
-    if (sync) sync->broadcast(whole, 0).wait();
-    sent += double(whole.nbytes());
+  ExecContext cx = rt_.context(device);
+  for (const std::vector<const Parameter*>& bucket : sync_buckets(params)) {
+    Tensor flat;  // the bucket's tensors back to back (one tensor: itself)
+    if (bucket.size() > 1 && sync)
+      flat = Tensor::empty({bucket_elements(bucket)}, bucket[0]->value.dtype(), cx.allocator);
+    int64_t at = 0;
+    for (const Parameter* p : bucket) {
+      Tensor whole = model_->gathered(*p);  // (under tp and ep a collective of the groups: the whole tensor)
+      sent += double(whole.nbytes());
+      if (!sync) continue;
+      if (bucket.size() == 1) {
+        sync->broadcast(whole, 0).wait();
+        continue;
+      }
+      copy_into(cx, whole, flat.narrow(0, at, whole.numel()).view(whole.shape()));
+      at += whole.numel();
+    }
+    if (flat.defined()) sync->broadcast(flat, 0).wait();
   }
   rt_.synchronize(device);
   as.sync_s = seconds_since(t);
@@ -162,16 +202,23 @@ bool RlSource::receive_weights() {
     as.events = async_events(s["held"].get<int64_t>(), j.rollouts, as.total, as.max_staleness);
     as.next = 0;
   }
-  for (const Parameter* p : synced_parameters(start)) {
-    if (p->whole() || p->global_shape() == p->value.shape()) {
-      Tensor v = p->value;
+  ExecContext cx = rt_.context(device);
+  for (const std::vector<const Parameter*>& bucket : sync_buckets(synced_parameters(start))) {
+    const Parameter& first = *bucket[0];
+    if (bucket.size() == 1 && (first.whole() || first.global_shape() == first.value.shape())) {
+      Tensor v = first.value;  // in place
       sync.broadcast(v, 0).wait();
       continue;
     }
-    // rl.rollout_tp: the whole tensor arrives, this rank keeps its piece
-    Tensor whole = Tensor::empty(p->global_shape(), p->value.dtype(), rt_.context(device).allocator);
-    sync.broadcast(whole, 0).wait();
-    model_->set_from_whole(*p, whole);
+    // The bucket's whole tensors arrive back to back; each parameter takes its own (rl.rollout_tp: its piece).
+    Tensor flat = Tensor::empty({bucket_elements(bucket)}, first.value.dtype(), cx.allocator);
+    sync.broadcast(flat, 0).wait();
+    int64_t at = 0;
+    for (const Parameter* p : bucket) {
+      const int64_t n = shape_numel(p->global_shape());
+      model_->set_from_whole(*p, flat.narrow(0, at, n).view(p->global_shape()));
+      at += n;
+    }
   }
   return true;
 }
