@@ -97,9 +97,10 @@ class RlSource final : public StepSource {
   // training ranks and takes each new version of the weights where the schedule says; returns at the schedule's end,
   // or when the trainer stopped early (end_async).
   void serve();
-  // A training rank at the end of its run: a trainer that stops before the schedule's end tells the rollout ranks, so
-  // that they return instead of waiting for it. A collective of the training ranks and the rollout ranks.
-  void end_async();
+  // A training rank at the end of its run: a trainer that stops before the schedule's end (or never started: the run
+  // had finished) tells the rollout ranks, so that they return instead of waiting for it. A collective of the training
+  // ranks and the rollout ranks; `device`: this rank's (the run's model may not have been built).
+  void end_async(Device device);
   nlohmann::json step_metrics(size_t job) override;
   std::string progress(size_t job) const override;
   nlohmann::json state(size_t job) const override;

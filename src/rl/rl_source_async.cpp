@@ -246,6 +246,7 @@ void RlSource::start_async(const nlohmann::json& state) {
                "max_staleness {}\n", as.buffer.size(), as.buffer.empty() ? "" : " (kept by the checkpoint)",
                j.rollouts, as.max_staleness);
   if (joins_weights()) send_weights(true);
+  as.started = true;
 }
 
 nlohmann::json RlSource::async_state() const {
@@ -312,8 +313,8 @@ void RlSource::serve() {
     }
     const std::vector<double> mine = sample_for_trainer(e.index);
     // Test hooks (tests/e2e/test_rl.cpp): the first rollout rank dies (kill -9) or stalls after sampling rollout N.
-    if (ranks_.rank == 0 && fault_injected("rollout_sigkill", e.index)) raise(SIGKILL);
-    if (ranks_.rank == 0 && fault_injected("rollout_sigstop", e.index)) raise(SIGSTOP);
+    if (as.ranks.rollout->rank() == 0 && fault_injected("rollout_sigkill", e.index)) raise(SIGKILL);
+    if (as.ranks.rollout->rank() == 0 && fault_injected("rollout_sigstop", e.index)) raise(SIGSTOP);
     const auto t = Clock::now();
     const std::vector<std::vector<double>> all = gathered_values(rt_, device, *as.ranks.world, mine);
     as.rollout_idle_s = seconds_since(t);  // reported with the next rollout
@@ -343,6 +344,7 @@ void RlSource::take_events(size_t end) {
                     "ranks, got a message for {}", e.index, m.size() > 1 ? int64_t(m[1]) : -1);
         kept.push_back(std::move(m));
       }
+    LATHE_CHECK(!kept.empty(), "rl: async: no rollout rank sent rollout {}", e.index);
     Job& j = *jobs_[0];
     j.epoch = int64_t(kept.back()[3]);  // the position after this rollout's prompts (a checkpoint's)
     j.position = int64_t(kept.back()[4]);
@@ -420,19 +422,23 @@ void RlSource::before_save() {
   take_events(async_events_before_checkpoint(as.events, as.next, as.trained, as.max_staleness));
 }
 
-void RlSource::end_async() {
+void RlSource::end_async(Device device) {
   if (!async_ || !async_->ranks.trains) return;
   Async& as = *async_;
-  if (as.next >= as.events.size()) return;
-  const AsyncEvent e = as.events[as.next];
-  const Device device = model_->options().device;
-  if (e.kind == AsyncEvent::Kind::kSamples) {
-    gathered_values(rt_, device, *as.ranks.world, {kStop});
-  } else if (as.ranks.sync) {
+  const auto stop_header = [&] {
+    if (!as.ranks.sync) return;
     std::vector<double> header = {kStop, 0, 0};
     Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
     as.ranks.sync->broadcast(h, 0).wait();
+  };
+  if (!as.started) {  // nothing to train (the run had finished): the rollout ranks wait for the start
+    stop_header();
+    as.started = true;
+    return;
   }
+  if (as.next >= as.events.size()) return;
+  if (as.events[as.next].kind == AsyncEvent::Kind::kSamples) gathered_values(rt_, device, *as.ranks.world, {kStop});
+  else stop_header();
   as.next = as.events.size();
 }
 

@@ -98,6 +98,7 @@ struct RlSource::Async {
   int64_t max_staleness = 1, total = 0;  // the run's rollouts: train.max_steps / rl.minibatches
   std::vector<AsyncEvent> events;
   size_t next = 0;        // the first event not taken
+  bool started = false;   // a training rank: the run's start sent (start_async)
   int64_t trained = 0;    // a training rank: rollouts trained (its weights' version)
   int64_t updates = 0;    // a training rank: updates done
   int64_t minibatches = 1;

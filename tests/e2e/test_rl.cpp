@@ -750,7 +750,8 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
 // weights can sample) and the weights version it was sampled with, and the engine's log-probabilities now differ from
 // the trainer's (the mismatch the importance correction is for). A run killed after step 3 and started again resumes
 // from its step-2 checkpoint, which kept rollout 2 (sampled with the weights before step 2), and equals the
-// uninterrupted run bit for bit. Over 24 steps the reward rises as it does colocated (Rl.TheRewardRises).
+// uninterrupted run bit for bit; run again, it says it is finished and every rank ends. Over 24 steps the reward
+// rises as it does colocated (Rl.TheRewardRises).
 TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -784,6 +785,11 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
     EXPECT_EQ(again[i]["rl"]["entropy"], want[i]["rl"]["entropy"]) << "step " << i + 1;
   }
   EXPECT_EQ(file_bytes(dir / "kill/final/model.safetensors"), file_bytes(dir / "full/final/model.safetensors"));
+  // Finished: a re-run says so and every rank ends (the rollout ranks are told there is nothing to sample).
+  const auto done = lathe(fmt::format("rl {} --set output_dir={}{} --set parallel.timeout_s=20", config(dir),
+                                      (dir / "kill").string(), async), mpirun(2));
+  EXPECT_EQ(done.exit_code, 0) << done.output;
+  EXPECT_NE(done.output.find("already finished"), std::string::npos) << done.output;
 
   const auto learn = lathe(fmt::format("rl {} --set output_dir={} --set train.lr=0.02 --set train.max_steps=24 "
                                        "--set train.save_every=0{}", config(dir), (dir / "learn").string(), async),

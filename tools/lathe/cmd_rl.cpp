@@ -99,7 +99,7 @@ int run_async(Runtime& rt, TrainConfig& config, const LaunchEnv& env, std::optio
     fmt::print("rl: async: {} training rank(s), {} rollout rank(s), max_staleness {}\n", job.training_ranks,
                job.rollout_ranks, config.rl.max_staleness);
   const TrainSummary s = run_training(rt, config, job.groups.get(), &source);
-  source.end_async();
+  source.end_async(parse_device(config.device));
   return job.world->rank() == 0 ? report(s) : 0;
 }
 
