@@ -17,10 +17,13 @@
 // list), rank r samples, scores and trains those with k % N == r, so the ranks' rollouts together are the one
 // process's rollout, the same tokens included. The loss weights are the whole mini-batch's (its sequence and token
 // counts summed over the ranks) and the figures are summed (or their maxima taken) over the ranks, so a run of N ranks
-// is the one-process run up to the order of the gradient sums. Dynamic sampling is refused there (config.cpp).
+// is the one-process run up to the order of the gradient sums. Dynamic sampling works there too: the ranks agree on each round's set-aside candidates and exchange the groups (share_of_groups).
 // Tenants (a `tenants:` list, LoRA): each tenant is a job with its own prompts, rewards, algorithm settings, adapter and
 // output folder over the one frozen base; a rollout's sampling rounds draw every tenant's requests in one engine (each
 // request with its tenant's adapter) and each step trains every tenant's mini-batch in one batch (a segment each).
+// rl.mode async (rl_source_async.cpp, docs/rl.md): the same source on separate ranks — rollout ranks run serve(),
+// sampling each rollout with weights at most rl.max_staleness versions old, and the training ranks take each rollout's
+// groups from them instead of sampling, sending the weights after each rollout's updates.
 // Covered by tests/e2e/test_rl.cpp.
 #pragma once
 
