@@ -429,6 +429,52 @@ Tensor CausalLm::gathered(const Parameter& p, bool grad) const {
   return whole;
 }
 
+void CausalLm::for_each_whole(const std::function<void(const std::string&, const Tensor&)>& fn) const {
+  ExecContext cx = rt_->context(options_.device);
+  const bool writer = tp_rank() == 0 && (!options_.cp || options_.cp->rank() == 0) && ep_rank() == 0;
+  if (pp_size() == 1) {
+    for (const Parameter& p : params_) {
+      const Tensor whole = gathered(p);
+      if (writer) fn(p.name, whole);
+    }
+    return;
+  }
+  const Parameter* tied_copy = pp_rank() > 0 ? embedding_parameter() : nullptr;  // a tied head: the first stage's
+  for (int i : declared_) {
+    if (i >= 0) {
+      const Parameter& p = params_[size_t(i)];
+      if (&p == tied_copy) continue;
+      const Tensor whole = gathered(p);
+      if (!writer) continue;
+      if (pp_rank() == 0) fn(p.name, whole);
+      else options_.pp->send(contiguous(cx, whole), 0).wait();
+    } else if (writer && pp_rank() == 0) {  // another stage's, sent in the same order
+      const AbsentParameter& a = absent_[size_t(-2 - i)];
+      Tensor whole = Tensor::empty(a.shard.global_shape.empty() ? a.shape : a.shard.global_shape, options_.dtype,
+                                   cx.allocator);
+      options_.pp->recv(whole, stage_rank_of(a.name)).wait();
+      fn(a.name, whole);
+    }
+  }
+}
+
+std::vector<int64_t> CausalLm::whole_sizes() const {
+  std::vector<int64_t> out;
+  if (pp_size() == 1) {
+    for (const Parameter& p : params_) out.push_back(shape_numel(p.global_shape()));
+    return out;
+  }
+  for (int i : declared_) {
+    if (i >= 0) {
+      out.push_back(shape_numel(params_[size_t(i)].global_shape()));
+    } else {
+      const AbsentParameter& a = absent_[size_t(-2 - i)];
+      out.push_back(shape_numel(a.shard.global_shape.empty() ? a.shape : a.shard.global_shape));
+    }
+  }
+  return out;
+}
+
 void CausalLm::set_from_whole(const Parameter& p, const Tensor& whole) const {
   ExecContext cx = rt_->context(options_.device);
   if (p.whole() || p.shard.global_shape == p.value.shape()) return copy_into(cx, whole, p.value);
@@ -982,22 +1028,8 @@ void CausalLm::save(const std::string& dir, DType dtype, uint64_t max_shard_byte
     host.push_back(rt_->copy_to(cast(cx, whole, dt), Device::cpu()));
     for (io::TensorRef& r : checkpoint_refs(p, dt, host.back())) refs.push_back(std::move(r));
   };
-  const Parameter* embedding = pp_rank() > 0 ? embedding_parameter() : nullptr;
-  for (const Parameter& p : params_) {
-    const Tensor whole = gathered(p);
-    if (!writer) continue;
-    if (pp_rank() == 0) keep(p, whole);
-    else if (&p != embedding) options_.pp->send(contiguous(cx, whole), 0).wait();  // (a tied head: the first's)
-  }
+  for_each_whole([&](const std::string& name, const Tensor& whole) { keep(Parameter{name, whole, {}, {}}, whole); });
   if (!writer || pp_rank() > 0) return;
-  for (int i : declared_) {  // the other stages' tensors (pp rank 0 holds the embedding, tied or not)
-    if (i >= 0) continue;
-    const AbsentParameter& a = absent_[size_t(-2 - i)];
-    Parameter p{a.name, Tensor::empty(a.shard.global_shape.empty() ? a.shape : a.shard.global_shape, options_.dtype,
-                                      cx.allocator), {}, {}};
-    options_.pp->recv(p.value, stage_rank_of(a.name)).wait();
-    keep(p, p.value);
-  }
   for (io::TensorRef& r : extra_tensors()) refs.push_back(std::move(r));
   OutputDir out(dir, "model");
   io::write_sharded_safetensors(out.tmp().string(), refs, max_shard_bytes, {{"format", "pt"}});

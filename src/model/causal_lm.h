@@ -198,6 +198,13 @@ class CausalLm {
   Tensor gathered(const Parameter& p, bool grad = false) const;
   // The inverse: p's piece (its boxes under tp or ep) copied out of `whole`, a tensor of p's global shape on p's device.
   void set_from_whole(const Parameter& p, const Tensor& whole) const;
+  // Every parameter of the whole model, whole, in declaration order (a one-process model's parameters() order): on
+  // the writer — the first rank of the tp, cp and ep groups on the first pipeline stage — fn(name, tensor), each
+  // gathered over tp and ep, the other stages' sent to it (a tied head's copy left out: the embedding's). A collective
+  // of those groups and the pipeline: every rank of them calls it (save() does).
+  void for_each_whole(const std::function<void(const std::string&, const Tensor&)>& fn) const;
+  // The whole model's parameters' element counts, in for_each_whole's order (on any rank).
+  std::vector<int64_t> whole_sizes() const;
   // Tensor parallelism above the key/value heads: the gradients of the k and v slices that several ranks hold, each
   // rank's part (from its own query heads) summed over those ranks. A collective: every rank of the group calls it once
   // the step's gradients are complete, before their norm (the trainer does); a sum over micro-batches commutes with it.
