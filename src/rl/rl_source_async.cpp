@@ -16,6 +16,7 @@
 #include <csignal>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "backend/runtime.h"
@@ -75,8 +76,8 @@ void RlSource::set_async(const AsyncRanks& ranks) {
   async_->total = jobs_[0]->c->max_steps / o.minibatches;
 }
 
-// The parameters the sync sends, in one order on both sides: every model parameter (`with_base`, or full fine-tuning),
-// then each adapter's values (one flat tensor an adapter).
+// A rollout rank's parameters in the order the sync sends them (send_weights): every model parameter (`with_base`, or
+// full fine-tuning), then each adapter's values (one flat tensor an adapter).
 std::vector<const Parameter*> RlSource::synced_parameters(bool with_base) const {
   std::vector<const Parameter*> out;
   LoraBank* bank = model_->lora();
@@ -87,69 +88,102 @@ std::vector<const Parameter*> RlSource::synced_parameters(bool with_base) const 
   return out;
 }
 
-// Whether this training rank takes part in a weights event: the first training rank, which sends, and under tensor or
-// expert parallelism every training rank, each gathering its slices with its groups as a save does (the first rank's
-// groups need their members; the other replicas gather too, so that every group's collective is whole).
+// Whether this training rank takes part in a weights event: the first training rank, which sends, and under tensor,
+// expert or pipeline parallelism every training rank, each gathering its slices with its groups (and sending its
+// stage's tensors to its first stage) as a save does; the other replicas do the same among themselves, so that every
+// group's collectives are whole.
 bool RlSource::joins_weights() const {
   const ModelOptions& o = model_->options();
-  return async_->ranks.sync || o.tp || o.ep;
+  return async_->ranks.sync || o.tp || o.ep || o.pp;
 }
 
-// The first training rank (with the others under tp or ep): the header, at the start the run's description, and the
-// weights, whole, over the sync group in buckets (sync_buckets).
+namespace {
+
+// The sender's side of sync_buckets: whole tensors added in the sync's order, each bucket broadcast from rank 0 of
+// `sync` once the next tensor would not fit it (the same rule as sync_buckets, so both sides cut the same buckets).
+class BucketSender {
+ public:
+  BucketSender(Communicator& sync, ExecContext cx) : sync_(sync), cx_(cx) {}
+  void add(const Tensor& whole) {
+    const int64_t n = whole.numel() * int64_t(dtype_size(whole.dtype()));
+    if (!held_.empty() && (held_[0].dtype() != whole.dtype() || bytes_ + n > kBucketBytes)) flush();
+    held_.push_back(whole);
+    bytes_ += n;
+    sent_ += double(n);
+  }
+  void flush() {
+    if (held_.size() == 1) {
+      sync_.broadcast(held_[0], 0).wait();
+    } else if (!held_.empty()) {
+      int64_t elements = 0;
+      for (const Tensor& t : held_) elements += t.numel();
+      Tensor flat = Tensor::empty({elements}, held_[0].dtype(), cx_.allocator);
+      int64_t at = 0;
+      for (const Tensor& t : held_) {
+        copy_into(cx_, t, flat.narrow(0, at, t.numel()).view(t.shape()));
+        at += t.numel();
+      }
+      sync_.broadcast(flat, 0).wait();
+    }
+    held_.clear();
+    bytes_ = 0;
+  }
+  double sent() const { return sent_; }
+
+ private:
+  Communicator& sync_;
+  ExecContext cx_;
+  std::vector<Tensor> held_;
+  int64_t bytes_ = 0;
+  double sent_ = 0;
+};
+
+}  // namespace
+
+// The first training rank (with the others under tp, ep or pp): the header, at the start the run's description, and
+// the weights, whole, over the sync group in buckets (sync_buckets): the model's parameters (for_each_whole's order:
+// a one-process model's), then under LoRA each adapter's values (later syncs send the adapters alone).
 void RlSource::send_weights(bool start) {
   Async& as = *async_;
-  Communicator* sync = as.ranks.sync;  // null on the other training ranks: they gather only (tp, ep)
+  Communicator* sync = as.ranks.sync;  // null on the other training ranks: they gather and send to their stage 0 only
   const Device device = model_->options().device;
   const auto t = Clock::now();
-  const std::vector<const Parameter*> params = synced_parameters(start);
-  std::string json;
+  LoraBank* bank = model_->lora();
   if (start && sync) {
     const Job& j = *jobs_[0];
     nlohmann::json s = {{"model_config", model_->global_config().raw},
                         {"dtype", std::string(dtype_name(model_->options().dtype))},
                         {"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts},
-                        {"held", as.trained}};
+                        {"held", as.trained}, {"sizes", model_->whole_sizes()}};
     nlohmann::json lora = nlohmann::json::array();
-    if (LoraBank* bank = model_->lora())
-      for (int a = 0; a < bank->size(); ++a)
-        lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
+    for (int a = 0; bank && a < bank->size(); ++a) {
+      lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
+      s["sizes"].push_back(bank->flat_parameter(a)[0].value.numel());
+    }
     s["lora"] = lora;
-    for (const Parameter* p : params) s["sizes"].push_back(shape_numel(p->global_shape()));
-    json = s.dump();
-  }
-  if (sync) {
+    const std::string json = s.dump();
     std::vector<double> header = {kWeights, double(as.trained), double(json.size())};
     Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
     sync->broadcast(h, 0).wait();
-    if (!json.empty()) {
-      Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
-      sync->broadcast(bytes, 0).wait();
-    }
+    Tensor bytes = rt_.from_host(json.data(), {int64_t(json.size())}, DType::U8, device);
+    sync->broadcast(bytes, 0).wait();
+  } else if (sync) {
+    std::vector<double> header = {kWeights, double(as.trained), 0.0};
+    Tensor h = rt_.from_host(header.data(), {3}, DType::F64, device);
+    sync->broadcast(h, 0).wait();
   }
-  double sent = 0;
-  ExecContext cx = rt_.context(device);
-  for (const std::vector<const Parameter*>& bucket : sync_buckets(params)) {
-    Tensor flat;  // the bucket's tensors back to back (one tensor: itself)
-    if (bucket.size() > 1 && sync)
-      flat = Tensor::empty({bucket_elements(bucket)}, bucket[0]->value.dtype(), cx.allocator);
-    int64_t at = 0;
-    for (const Parameter* p : bucket) {
-      Tensor whole = model_->gathered(*p);  // (under tp and ep a collective of the groups: the whole tensor)
-      sent += double(whole.nbytes());
-      if (!sync) continue;
-      if (bucket.size() == 1) {
-        sync->broadcast(whole, 0).wait();
-        continue;
-      }
-      copy_into(cx, whole, flat.narrow(0, at, whole.numel()).view(whole.shape()));
-      at += whole.numel();
-    }
-    if (flat.defined()) sync->broadcast(flat, 0).wait();
-  }
+  std::optional<BucketSender> sender;
+  if (sync) sender.emplace(*sync, rt_.context(device));
+  if (start || !bank)
+    model_->for_each_whole([&](const std::string&, const Tensor& whole) {
+      if (sender) sender->add(whole);
+    });
+  for (int a = 0; bank && a < bank->size(); ++a)
+    if (sender) sender->add(bank->flat_parameter(a)[0].value);
+  if (sender) sender->flush();
   rt_.synchronize(device);
   as.sync_s = seconds_since(t);
-  as.sync_bytes = sent;
+  as.sync_bytes = sender ? sender->sent() : 0.0;
 }
 
 // A rollout rank: the next weights (at the first call the run's start: the model is built from its description).
@@ -193,8 +227,8 @@ bool RlSource::receive_weights() {
     j.longest_prompt = longest_prompt(j);
     const std::vector<const Parameter*> mine = synced_parameters(true);
     const std::vector<int64_t> sizes = s["sizes"].get<std::vector<int64_t>>();
-    LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {}",
-                sizes.size(), mine.size());
+    LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {} "
+                "(with its adapters)", sizes.size(), mine.size());
     for (size_t i = 0; i < sizes.size(); ++i)
       LATHE_CHECK(sizes[i] == shape_numel(mine[i]->global_shape()), "rl: async: {} has {} elements on the trainer "
                   "and {} here", mine[i]->name, sizes[i], shape_numel(mine[i]->global_shape()));
