@@ -15,6 +15,7 @@
 #include "core/files.h"
 #include "data/dataset.h"
 #include "model/causal_lm.h"
+#include "model/pipeline_step.h"
 #include "model/config.h"
 
 namespace lathe {
@@ -716,11 +717,32 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
   b.row_entropy = entropy;
   std::vector<BatchSegment> segments;
   if (!with_adapters) segments = std::exchange(b.segments, {});  // the base alone
-  (model ? model : model_)->loss(b, false);
+  CausalLm& m = model ? *model : *model_;
+  if (m.pp_size() > 1) {  // through the stages: the last one's figures, on every stage
+    run_pipeline(m, {b}, false, 1.0);
+    int64_t labelled = 0;
+    for (int32_t l : b.host_labels) labelled += l != -100;
+    from_last_stage(out, size_t(labelled));
+    if (entropy) from_last_stage(*entropy, size_t(labelled));
+  } else {
+    m.loss(b, false);
+  }
   if (!with_adapters) b.segments = std::move(segments);
   b.row_loss = nullptr;
   b.row_entropy = nullptr;
   return out;
+}
+
+// Pipeline parallelism: `v` (n numbers) as the last stage holds them, on every stage (a collective of the pipeline).
+void RlSource::from_last_stage(std::vector<double>& v, size_t n) {
+  Communicator& pp = *model_->options().pp;
+  const Device device = model_->options().device;
+  v.resize(n, 0.0);
+  if (n == 0) return;
+  Tensor t = rt_.from_host(v.data(), {int64_t(n)}, DType::F64, device);
+  pp.broadcast(t, pp.size() - 1).wait();
+  const Tensor h = device.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
+  v.assign(h.data<double>(), h.data<double>() + n);
 }
 
 // w = exp(old - rollout) per token (token_*) or exp(the sum over the sequence) per sequence (seq_*); *_tis: min(w,
@@ -777,6 +799,11 @@ nlohmann::json RlSource::step_metrics(size_t job) {
     if (p.job == job) part = &p;
   LATHE_ASSERT(part);
   PolicyStats& st = part->stats;
+  if (model_->pp_size() > 1) {  // the row loss ran on the last stage
+    std::vector<double> v = {st.clip_fraction, st.ratio_mean, st.kl_mean};
+    from_last_stage(v, v.size());
+    st.clip_fraction = v[0], st.ratio_mean = v[1], st.kl_mean = v[2];
+  }
   if (ranks_.ranks > 1) {  // the update's statistics over every rank's share, weighted by its tokens (or sequences)
     const PolicyTokens& t = part->tokens;
     const double tokens = double(t.sequence.size()), n = part->config.sequence_ratio ? sequences_in(t) : tokens;

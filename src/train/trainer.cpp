@@ -105,6 +105,7 @@ class Trainer::Impl {
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   void account_micro_batch(const LossResult& r, const std::vector<Job*>& in_batch);
   BackwardHooks micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer);
+  LossResult source_batch_through_stages(const PackedBatch& pb, const std::function<void()>& queue_optimizer);
   void run_source_batch(const std::vector<Job*>& active, PackedBatch& pb, const std::function<void()>& queue_optimizer);
   void start_source();
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
@@ -360,8 +361,6 @@ void Trainer::Impl::build() {
   mopt.cp = groups_ ? groups_->cp.get() : nullptr;
   mopt.ep = groups_ ? groups_->ep.get() : nullptr;
   if (groups_ && groups_->pp) {
-    LATHE_CHECK(!source_, "rl: parallel.pp = {}: reinforcement learning through pipeline stages is not built yet",
-                groups_->pp->size());
     mopt.pp = groups_->pp.get();
     mopt.pipeline = pipeline_layout();
     const PipelineTimeline tl = pipeline_timeline(mopt.pipeline, c_.grad_accum);
@@ -723,7 +722,8 @@ void Trainer::Impl::run_source_batch(const std::vector<Job*>& active, PackedBatc
     if (lora_) pb.segments[s].dropout_seed = mix_seed(j->cfg->seed, uint64_t(j->step + 1), 0);
   }
   const double flops = flops_per_token(model_->config(), pb.host_cu) * double(pb.tokens());
-  const LossResult r = model_->loss(pb, true, 1.0, micro_batch_hooks(true, queue_optimizer));
+  const LossResult r = model_->pp_size() > 1 ? source_batch_through_stages(pb, queue_optimizer)
+                                             : model_->loss(pb, true, 1.0, micro_batch_hooks(true, queue_optimizer));
   for (size_t k = 0; k < active.size(); ++k) {
     Job& j = *active[k];
     const size_t s = segment_of[k];
@@ -733,6 +733,20 @@ void Trainer::Impl::run_source_batch(const std::vector<Job*>& active, PackedBatc
     j.tokens += rows;
     j.flops += flops * double(rows) / double(std::max<int64_t>(pb.tokens(), 1));  // the job's share of the batch's
   }
+}
+
+// Pipeline parallelism: a step source's batch as one micro-batch through the stages (its row loss runs on the last,
+// the losses are shared with the others, the gradients completed as run_micro_batches does).
+LossResult Trainer::Impl::source_batch_through_stages(const PackedBatch& pb,
+                                                      const std::function<void()>& queue_optimizer) {
+  std::vector<LossResult> results = run_pipeline(*model_, {pb}, true, 1.0);
+  broadcast_losses(*model_, results);
+  if (lora_) bank_->sum_grads_over(*groups_->pp);
+  else sum_tied_embedding_grads(*model_);
+  const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
+  if (hooks.grads_done) hooks.grads_done(-1);
+  if (hooks.queued) hooks.queued();
+  return results[0];
 }
 
 // The source's start, after the model, adapters and optimizers are built (and resumed). On a fresh run with a

@@ -709,14 +709,16 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     fs::remove_all(dir / "ref");
   }
   // The training side split by tp 2 (its slices gathered for each sync, as a save does; vocab 320 for the
-  // vocab-parallel head) or by cp 2, beside one rollout rank; and one trainer beside an engine split over two rollout
-  // ranks (rl.rollout_tp 2: each keeps its slices of the whole tensors the sync sends).
+  // vocab-parallel head), by cp 2, or into two pipeline stages (each update one micro-batch through them, the row loss
+  // on the last; the sync gathers the stages on the first), beside one rollout rank; and one trainer beside an engine
+  // split over two rollout ranks (rl.rollout_tp 2: each keeps its slices of the whole tensors the sync sends).
   const std::string vocab = " --set model.config.vocab_size=320";
   const auto ref = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(dir), (dir / "ref").string(), common, vocab),
                          "OMP_NUM_THREADS=1");
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   for (const std::string layout : {" --set parallel.tp=2 --set rl.rollout_ranks=1",
                                    " --set parallel.cp=2 --set rl.rollout_ranks=1",
+                                   " --set parallel.pp=2 --set rl.rollout_ranks=1",
                                    " --set rl.rollout_tp=2 --set rl.rollout_ranks=2"}) {
     const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0{}{}{}",
                                        config(dir), (dir / "split").string(), common, vocab, layout), mpirun(3));
@@ -727,6 +729,17 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     for (const auto& r : rows) EXPECT_LT(r["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5) << layout;
     fs::remove_all(dir / "split");
   }
+  // LoRA through two stages (every stage holds the adapters; the first sends them).
+  const auto lora_ref = lathe(fmt::format("rl {} --set output_dir={}{}{}{}", config(dir), (dir / "lora_ref").string(),
+                                          common, vocab, lora), "OMP_NUM_THREADS=1");
+  ASSERT_EQ(lora_ref.exit_code, 0) << lora_ref.output;
+  const auto lora_pp = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
+                                         "--set parallel.pp=2 --set rl.rollout_ranks=1{}{}{}", config(dir),
+                                         (dir / "lora_pp").string(), common, vocab, lora), mpirun(3));
+  ASSERT_EQ(lora_pp.exit_code, 0) << lora_pp.output;
+  expect_same_steps(rl_rows(dir / "lora_pp"), rl_rows(dir / "lora_ref"), {"reward_mean", "reward_std",
+                                                                          "response_length_mean", "samples"},
+                    "async LoRA pp 2", 1e-4);
   // A Qwen3-MoE policy with its experts split over two training ranks (ep 2; each sync gathers them) beside one
   // rollout rank, whose engine runs the whole model.
   const fs::path moe =
@@ -840,7 +853,7 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
 }
 
 // Layouts async cannot run are refused before anything is written, naming the option: one process, every rank a
-// rollout rank, a training side split by pp, training ranks that tp does not divide, a parallel.dp that is not the
+// rollout rank, pipeline stages colocated (the engine decodes whole models), training ranks that tp does not divide, a parallel.dp that is not the
 // training ranks, LoRA under tp, rollout ranks that rl.rollout_tp does not divide, tenants.
 TEST(Rl, AsyncLayoutsAreChecked) {
 #ifndef LATHE_MPIRUN
@@ -856,8 +869,9 @@ TEST(Rl, AsyncLayoutsAreChecked) {
   };
   refused("", "", "rl.mode async runs rollout ranks beside training ranks: launch at least two");
   refused("--set rl.rollout_ranks=2", mpirun(2), "rl.rollout_ranks = 2 leaves no training rank in a launch of 2 ranks");
-  refused("--set parallel.pp=2", mpirun(2), "rl.mode async with parallel.pp = 2 is not built yet");
-  refused("--set parallel.tp=2", mpirun(2), "which parallel.tp x parallel.cp = 2 does not divide");
+  refused("--set parallel.pp=2 --set rl.mode=colocated", mpirun(2), "parallel.pp = 2 with rl.mode colocated is not "
+          "built yet");
+  refused("--set parallel.tp=2", mpirun(2), "which parallel.tp x parallel.cp x parallel.pp = 2 does not divide");
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
   refused("--set parallel.tp=2 --set lora.rank=4", mpirun(3), "rl.mode async with LoRA under parallel.tp = 2 / "
           "parallel.ep = 1 is not built");

@@ -38,15 +38,13 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
               "-np 2 lathe rl CONFIG` on CPUs, or `lathe rl CONFIG --nproc 2` on the GPUs of one machine)");
   LATHE_CHECK(job.rollout_ranks < env.world, "rl: rl.rollout_ranks = {} leaves no training rank in a launch of {} ranks",
               job.rollout_ranks, env.world);
-  LATHE_CHECK(config.pp <= 1, "rl: rl.mode async with parallel.pp = {} is not built yet: the training ranks take dp, "
-              "tp, cp and ep (reinforcement learning through pipeline stages is not built)", config.pp);
   LATHE_CHECK((config.tp <= 1 && config.ep <= 1) || config.lora_rank == 0, "rl: rl.mode async with LoRA under "
               "parallel.tp = {} / parallel.ep = {} is not built yet (the adapters' slices would be gathered for each "
               "sync): train the adapter at tp 1 and ep 1", config.tp, config.ep);
-  const int64_t replica = config.tp * config.cp;
+  const int64_t replica = config.tp * config.cp * config.pp;
   LATHE_CHECK(job.training_ranks % replica == 0, "rl: rl.mode async leaves {} training rank(s) of the {} launched ({} "
-              "sample: rl.rollout_ranks), which parallel.tp x parallel.cp = {} does not divide", job.training_ranks,
-              env.world, job.rollout_ranks, replica);
+              "sample: rl.rollout_ranks), which parallel.tp x parallel.cp x parallel.pp = {} does not divide",
+              job.training_ranks, env.world, job.rollout_ranks, replica);
   const int64_t dp = job.training_ranks / replica;
   LATHE_CHECK(config.dp == 0 || config.dp == dp, "rl: parallel.dp = {}, but rl.mode async leaves {} training rank(s) "
               "of the {} launched ({} sample: rl.rollout_ranks), which make dp {}: leave parallel.dp unset or make it {}",
@@ -76,7 +74,7 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   }
   if (trains && job.training_ranks > 1) {
     const Device device = parse_device(config.device);
-    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), int(config.ep), int(dp), 1},
+    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), int(config.ep), int(dp), int(config.pp)},
                                      rt.backend(device.type).create_stream(device.index));
   }
   return job;
