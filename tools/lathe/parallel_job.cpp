@@ -74,8 +74,8 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   }
   if (trains && job.training_ranks > 1) {
     const Device device = parse_device(config.device);
-    job.groups = make_process_groups(std::move(job.side), ParallelSizes{int(config.tp), int(config.cp), int(config.ep), int(dp), int(config.pp)},
-                                     rt.backend(device.type).create_stream(device.index));
+    const ParallelSizes sizes{int(config.tp), int(config.cp), int(config.ep), int(dp), int(config.pp)};
+    job.groups = make_process_groups(std::move(job.side), sizes, rt.backend(device.type).create_stream(device.index));
   }
   return job;
 }

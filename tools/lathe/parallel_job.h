@@ -25,11 +25,10 @@ std::unique_ptr<ProcessGroups> join_job(Runtime& rt, TrainConfig& config, const 
 
 // rl.mode: async: the launch's ranks split into training ranks (the first world - R) and rollout ranks (the last R =
 // rl.rollout_ranks, half by default), with every communicator between them made here, in one order on every rank:
-// the training ranks' world (and, for more than one, their process groups: data parallelism), the rollout ranks'
-// world, and the sync group of the first training rank and the rollout ranks. A layout the launch cannot hold, or
-// one not built for async yet (pp on the training side), is refused naming it; under rl.rollout_tp the rollout
-// engines' tp groups and the groups across them are made too. `config.device` becomes
-// this rank's GPU.
+// the training ranks' world (and, for more than one, their process groups: dp x tp x cp x ep x pp), the rollout
+// ranks' world (under rl.rollout_tp also each engine's tp group and the groups across the engines), and the sync group
+// of the first training rank and the rollout ranks. A layout the launch cannot hold, or one not built for async yet
+// (LoRA under tp, ep or rl.rollout_tp), is refused naming it. `config.device` becomes this rank's GPU.
 struct AsyncJob {
   std::unique_ptr<Communicator> world, side, sync, rollout_tp, rollout_dp;
   std::unique_ptr<ProcessGroups> groups;  // a training rank's, with more than one training rank
