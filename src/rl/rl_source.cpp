@@ -188,6 +188,22 @@ int64_t RlSource::longest_prompt(const Job& j) {
   return n;
 }
 
+// A checkpoint's state written in the other rl.mode: an async one holding rollouts not trained yet cannot resume
+// colocated (they would be lost), a colocated one past its first rollout cannot resume async (no rollouts kept, no
+// version schedule).
+void RlSource::check_state(size_t, const nlohmann::json& state) const {
+  if (!state.is_object()) return;
+  const bool written_async = state.contains("async");
+  if (!async_ && written_async) {
+    const size_t kept = state["async"].value("buffer", nlohmann::json::object()).size();
+    LATHE_CHECK(kept == 0, "rl: the checkpoint being resumed holds {} rollout(s) that an rl.mode async run sampled and "
+                "had not trained yet: resume it with rl.mode async (colocated, they would be lost)", kept);
+  }
+  LATHE_CHECK(!async_ || written_async || state.value("rollouts", int64_t(0)) == 0,
+              "rl: the checkpoint being resumed was written by a colocated run (rl.mode colocated): resume it "
+              "colocated, or start the async run again (overwrite: true)");
+}
+
 nlohmann::json RlSource::state(size_t job) const {
   const Job& j = *jobs_.at(job);
   LATHE_ASSERT(pending_.empty());  // checkpoints fall on rollout boundaries (config.cpp checks)

@@ -107,6 +107,7 @@ class RlSource final : public StepSource {
   nlohmann::json step_metrics(size_t job) override;
   std::string progress(size_t job) const override;
   nlohmann::json state(size_t job) const override;
+  void check_state(size_t job, const nlohmann::json& state) const override;
 
  private:
   struct Job;      // one policy: its options, prompts and position in them

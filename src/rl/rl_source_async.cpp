@@ -265,9 +265,6 @@ void RlSource::start_async(const nlohmann::json& state) {
   const Job& j = *jobs_[0];
   const nlohmann::json none = nlohmann::json::object();
   const nlohmann::json& saved = state.is_object() && state.contains("async") ? state["async"] : none;
-  LATHE_CHECK(!state.is_object() || state.contains("async") || j.rollouts == 0,
-              "rl: the checkpoint being resumed was written by a colocated run (rl.mode colocated): resume it "
-              "colocated, or start the async run again (overwrite: true)");
   as.trained = saved.value("trained", j.rollouts);
   as.updates = as.trained * as.minibatches;
   if (saved.contains("buffer"))

@@ -230,6 +230,7 @@ Trainer::Impl::Impl(Runtime& rt, const TrainConfig& c, ProcessGroups* groups, St
       j.state = nlohmann::json::parse(f, nullptr, false);
       LATHE_CHECK(j.state.is_object(), "train: {}/trainer_state.json is not valid JSON", j.start.resume_from);
       check_optimizer_layout(j);  // before anything is written (the element counts are checked again at load)
+      if (source_ && j.state.contains("source")) source_->check_state(size_t(&j - jobs_.data()), j.state["source"]);
     }
     if (j.start.training_done) {
       const bool final_kept = j.folder.has_final && !j.start.clear &&

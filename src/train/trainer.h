@@ -72,6 +72,8 @@ class StepSource {
   // Distributions of the step's figures for TensorBoard (tag under name(), the values), after step_metrics().
   virtual std::vector<std::pair<std::string, std::vector<double>>> step_histograms(size_t /*job*/) { return {}; }
   virtual nlohmann::json state(size_t job) const = 0;
+  // A resumed checkpoint's state() for job `job`, checked before anything is written (throws naming the problem).
+  virtual void check_state(size_t /*job*/, const nlohmann::json& /*state*/) const {}
   // Called on every rank, in step, before a step's checkpoint is written (a source may gather what its state needs).
   virtual void before_save() {}
 };

@@ -798,6 +798,16 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
     EXPECT_EQ(again[i]["rl"]["entropy"], want[i]["rl"]["entropy"]) << "step " << i + 1;
   }
   EXPECT_EQ(file_bytes(dir / "kill/final/model.safetensors"), file_bytes(dir / "full/final/model.safetensors"));
+  // The step-2 checkpoint holds rollout 2 (sampled, not trained): resuming it colocated is refused, nothing lost.
+  fs::copy(dir / "full", dir / "colocated", fs::copy_options::recursive);
+  fs::remove_all(dir / "colocated/final");
+  for (const auto& e : fs::directory_iterator(dir / "colocated/checkpoints"))
+    if (e.path().filename() != "step-00000002") fs::remove_all(e.path());
+  const auto colocated = lathe(fmt::format("rl {} --set output_dir={}", config(dir), (dir / "colocated").string()));
+  EXPECT_NE(colocated.exit_code, 0);
+  EXPECT_NE(colocated.output.find("holds 1 rollout(s) that an rl.mode async run sampled and had not trained yet"),
+            std::string::npos) << colocated.output;
+  EXPECT_EQ(file_bytes(dir / "colocated/metrics.jsonl"), file_bytes(dir / "full/metrics.jsonl"));  // nothing written
   // Finished: a re-run says so and every rank ends (the rollout ranks are told there is nothing to sample).
   const auto done = lathe(fmt::format("rl {} --set output_dir={}{} --set parallel.timeout_s=20", config(dir),
                                       (dir / "kill").string(), async), mpirun(2));
