@@ -16,6 +16,13 @@ std::vector<double> values_over(Runtime& rt, Device device, Communicator& group,
   return std::vector<double>(host.data<double>(), host.data<double>() + group.size());
 }
 
+std::vector<double> summed_over(Runtime& rt, Device device, Communicator& group, const std::vector<double>& values) {
+  Tensor t = rt.from_host(values.data(), {int64_t(values.size())}, DType::F64, device);
+  group.all_reduce(t).wait();
+  const Tensor host = device.is_cpu() ? t : rt.copy_to(t, Device::cpu());
+  return std::vector<double>(host.data<double>(), host.data<double>() + values.size());
+}
+
 std::vector<std::vector<double>> gathered_values(Runtime& rt, Device device, Communicator& group,
                                                  const std::vector<double>& mine) {
   const std::vector<double> lengths = values_over(rt, device, group, double(mine.size()));

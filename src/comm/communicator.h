@@ -82,6 +82,9 @@ class Communicator {
 // Every rank's `mine` (one number a rank: a count, a flag) on the host, in rank order: an all-gather on `device` (the
 // group's data plane), waited for. A collective of the group.
 std::vector<double> values_over(Runtime& rt, Device device, Communicator& group, double mine);
+// `values` (the same length on every rank) summed over the group, on the host of every rank: an all-reduce on `device`,
+// waited for. A collective of the group.
+std::vector<double> summed_over(Runtime& rt, Device device, Communicator& group, const std::vector<double>& values);
 // Every rank's `mine` (any length; exact in f64) on every rank, in rank order: two all-gathers on `device`, the
 // lengths and then the numbers padded to the longest. A collective of the group.
 std::vector<std::vector<double>> gathered_values(Runtime& rt, Device device, Communicator& group,

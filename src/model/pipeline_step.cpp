@@ -143,16 +143,22 @@ std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& m, const std:
   for (const PackedBatch& b : batches) total += size_t(b.tokens());
   if (pp.rank() == pp.size() - 1)
     for (const std::vector<double>& v : lp) flat.insert(flat.end(), v.begin(), v.end());
-  flat.resize(total, 0.0);
-  Tensor t = device_values(rt, m.options().device, flat);
-  pp.broadcast(t, pp.size() - 1).wait();
-  flat = host_values(rt, t);
+  from_last_stage(m, flat, total);
   size_t at = 0;
   for (size_t k = 0; k < batches.size(); ++k) {
     lp[k].assign(flat.begin() + std::ptrdiff_t(at), flat.begin() + std::ptrdiff_t(at + size_t(batches[k].tokens())));
     at += size_t(batches[k].tokens());
   }
   return lp;
+}
+
+void from_last_stage(CausalLm& m, std::vector<double>& v, size_t n) {
+  Communicator& pp = *m.options().pp;
+  v.resize(n, 0.0);
+  if (n == 0) return;
+  Tensor t = device_values(m.runtime(), m.options().device, v);
+  pp.broadcast(t, pp.size() - 1).wait();
+  v = host_values(m.runtime(), t);
 }
 
 void broadcast_losses(CausalLm& m, std::vector<LossResult>& losses) {

@@ -23,6 +23,10 @@ std::vector<LossResult> run_pipeline(CausalLm& model, const std::vector<PackedBa
 // forward only, on every rank of the pipeline group.
 std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& model, const std::vector<PackedBatch>& batches);
 
+// `v` as the last rank of the pipeline holds it (n numbers; the others' are resized to n and overwritten), on every
+// rank of the pipeline group, which all call it.
+void from_last_stage(CausalLm& model, std::vector<double>& v, size_t n);
+
 // The last rank's results (loss sums, labelled counts, segments, aux loss, expert loads) on every rank of the
 // pipeline group, which all call it.
 void broadcast_losses(CausalLm& model, std::vector<LossResult>& losses);

@@ -15,16 +15,12 @@
 #include "core/files.h"
 #include "data/dataset.h"
 #include "model/causal_lm.h"
-#include "model/pipeline_step.h"
 #include "model/config.h"
+#include "model/pipeline_step.h"
 
 namespace lathe {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
   uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x7F4A7C159E3779B9ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
@@ -738,8 +734,8 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
     run_pipeline(m, {b}, false, 1.0);
     int64_t labelled = 0;
     for (int32_t l : b.host_labels) labelled += l != -100;
-    from_last_stage(out, size_t(labelled));
-    if (entropy) from_last_stage(*entropy, size_t(labelled));
+    from_last_stage(m, out, size_t(labelled));
+    if (entropy) from_last_stage(m, *entropy, size_t(labelled));
   } else {
     m.loss(b, false);
   }
@@ -749,17 +745,6 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
   return out;
 }
 
-// Pipeline parallelism: `v` (n numbers) as the last stage holds them, on every stage (a collective of the pipeline).
-void RlSource::from_last_stage(std::vector<double>& v, size_t n) {
-  Communicator& pp = *model_->options().pp;
-  const Device device = model_->options().device;
-  v.resize(n, 0.0);
-  if (n == 0) return;
-  Tensor t = rt_.from_host(v.data(), {int64_t(n)}, DType::F64, device);
-  pp.broadcast(t, pp.size() - 1).wait();
-  const Tensor h = device.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
-  v.assign(h.data<double>(), h.data<double>() + n);
-}
 
 // w = exp(old - rollout) per token (token_*) or exp(the sum over the sequence) per sequence (seq_*); *_tis: min(w,
 // cap); *_mis: 1 inside [1 / cap, cap], else 0. The weight multiplies the token's aggregation weight (the policy loss
@@ -817,7 +802,7 @@ nlohmann::json RlSource::step_metrics(size_t job) {
   PolicyStats& st = part->stats;
   if (model_->pp_size() > 1) {  // the row loss ran on the last stage
     std::vector<double> v = {st.clip_fraction, st.ratio_mean, st.kl_mean};
-    from_last_stage(v, v.size());
+    from_last_stage(*model_, v, v.size());
     st.clip_fraction = v[0], st.ratio_mean = v[1], st.kl_mean = v[2];
   }
   if (ranks_.ranks > 1) {  // the update's statistics over every rank's share, weighted by its tokens (or sequences)

@@ -156,7 +156,6 @@ class RlSource final : public StepSource {
   std::vector<double> label_logprobs(PackedBatch& b, bool with_adapters, std::vector<double>* entropy = nullptr,
                                      CausalLm* model = nullptr);  // nullptr: the policy
   std::vector<double> reference_logprobs(PackedBatch& b);
-  void from_last_stage(std::vector<double>& v, size_t n);
   // Folds the importance weights of the trainer's (old) over the rollout's log-probabilities into the token weights.
   void correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout, double& weight_sum,
                           int64_t& masked);

@@ -4,7 +4,7 @@
 //
 // Messages. A rollout rank's groups of one rollout, to every training rank (gathered_values over the world; a
 // training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, epoch, position, the
-// rollout rank's seconds waiting for the trainer since its last message, its figures (kFigures numbers), group
+// rollout rank's seconds waiting for the trainer since its last message, its figures (Figures::message), group
 // count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
 // {kWeights or kStop, version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA
 // configs, the position in the prompts and the parameters' sizes), then the synced tensors, whole, in buckets of up to
@@ -34,21 +34,23 @@ namespace lathe {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 constexpr double kRollout = 1, kStop = 2, kWeights = 3;
-constexpr size_t kFigures = 14;
 constexpr int64_t kBucketBytes = int64_t(256) << 20;
 
-// The sync's broadcasts: runs of consecutive parameters of one dtype, each run at most kBucketBytes (a larger tensor
-// alone), each run one broadcast. Both sides derive the same runs from the same parameters (global shapes, dtype).
+// The sync's broadcasts: runs of consecutive tensors of one dtype, each run at most kBucketBytes (a larger tensor
+// alone), each run one broadcast. Whether a tensor of `bytes` in `dtype` opens a new run after one of `held_bytes` in
+// `held`: the one rule both sides cut by (sync_buckets on the rollout ranks, BucketSender on the first trainer).
+bool opens_bucket(DType held, int64_t held_bytes, DType dtype, int64_t bytes) {
+  return held != dtype || held_bytes + bytes > kBucketBytes;
+}
+
+// A rollout rank's parameters (global shapes, dtype) in the sync's runs.
 std::vector<std::vector<const Parameter*>> sync_buckets(const std::vector<const Parameter*>& params) {
   std::vector<std::vector<const Parameter*>> out;
   int64_t bytes = 0;
   for (const Parameter* p : params) {
     const int64_t n = shape_numel(p->global_shape()) * int64_t(dtype_size(p->value.dtype()));
-    if (out.empty() || out.back().front()->value.dtype() != p->value.dtype() || bytes + n > kBucketBytes) {
+    if (out.empty() || opens_bucket(out.back().front()->value.dtype(), bytes, p->value.dtype(), n)) {
       out.emplace_back();
       bytes = 0;
     }
@@ -100,13 +102,13 @@ bool RlSource::joins_weights() const {
 namespace {
 
 // The sender's side of sync_buckets: whole tensors added in the sync's order, each bucket broadcast from rank 0 of
-// `sync` once the next tensor would not fit it (the same rule as sync_buckets, so both sides cut the same buckets).
+// `sync` once the next tensor opens another (opens_bucket, so both sides cut the same buckets).
 class BucketSender {
  public:
   BucketSender(Communicator& sync, ExecContext cx) : sync_(sync), cx_(cx) {}
   void add(const Tensor& whole) {
     const int64_t n = whole.numel() * int64_t(dtype_size(whole.dtype()));
-    if (!held_.empty() && (held_[0].dtype() != whole.dtype() || bytes_ + n > kBucketBytes)) flush();
+    if (!held_.empty() && opens_bucket(held_[0].dtype(), bytes_, whole.dtype(), n)) flush();
     held_.push_back(whole);
     bytes_ += n;
     sent_ += double(n);
@@ -302,14 +304,14 @@ std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
   while (sampling_round({0}, d)) {
   }
   j.rollouts = rollout + 1;
-  const Figures& f = d[0].f;
-  std::vector<double> m = {kRollout, double(rollout), double(async_version(rollout, async_->max_staleness)),
-                           double(j.epoch), double(j.position), async_->rollout_idle_s,
-                           f.rollout_s, f.reward_s, f.reward_sum, f.reward_sq_sum, f.answer_sum, f.format_sum,
-                           f.overlong_sum, f.command_sum, f.length_sum, double(f.sampled), double(f.truncated),
-                           double(f.rounds), double(d[0].uniform.size()), double(f.length_max)};
-  LATHE_ASSERT(m.size() == 6 + kFigures);
   if (async_->ranks.rollout_tp && async_->ranks.rollout_tp->rank() > 0) return {};  // the engine's first rank sends
+  Figures& f = d[0].f;
+  f.dropped = int64_t(d[0].uniform.size());
+  std::vector<double> m = {kRollout, double(rollout), double(async_version(rollout, async_->max_staleness)),
+                           double(j.epoch), double(j.position), async_->rollout_idle_s};
+  const std::vector<double> figures = f.message();
+  LATHE_ASSERT(figures.size() == Figures::kMessageSize);
+  m.insert(m.end(), figures.begin(), figures.end());
   m.push_back(double(d[0].informative.size() + d[0].uniform.size()));
   for (const std::vector<Group>* kept : {&d[0].informative, &d[0].uniform})
     for (const Group& g : *kept) encode_group(g, m);
@@ -325,12 +327,7 @@ void RlSource::serve() {
   ranks_.ranks = rollout.size();
   if (!receive_weights()) return;
   const Device device = model_->options().device;
-  ranks_.sum = [this, &rollout, device](const std::vector<double>& v) {
-    std::vector<double> out(v.size(), 0.0);
-    for (const std::vector<double>& r : gathered_values(rt_, device, rollout, v))
-      for (size_t i = 0; i < r.size(); ++i) out[i] += r[i];
-    return out;
-  };
+  ranks_.sum = [this, &rollout, device](const std::vector<double>& v) { return summed_over(rt_, device, rollout, v); };
   if (as.ranks.rollout->rank() == 0)
     fmt::print("rl: async: {} rollout rank(s), {} engine(s), from rollout {} of {}, max_staleness {}\n",
                as.ranks.rollout->size(), ranks_.ranks, jobs_[0]->rollouts, as.total, as.max_staleness);
@@ -405,16 +402,9 @@ void RlSource::rollout_from_ranks(const std::vector<size_t>& ids) {
     as.version = int64_t(msg[2]);
     rollout_idle = std::max(rollout_idle, msg[5]);
     const double* x = msg.data() + 6;
-    f.rollout_s = std::max(f.rollout_s, x[0]);
-    f.reward_s = std::max(f.reward_s, x[1]);
-    f.reward_sum += x[2], f.reward_sq_sum += x[3], f.answer_sum += x[4], f.format_sum += x[5];
-    f.overlong_sum += x[6], f.command_sum += x[7], f.length_sum += x[8];
-    f.sampled += int64_t(x[9]), f.truncated += int64_t(x[10]);
-    f.rounds = std::max(f.rounds, int64_t(x[11]));
-    f.dropped += int64_t(x[12]);
-    f.length_max = std::max(f.length_max, int64_t(x[13]));
-    const double* v = x + kFigures + 1;
-    for (int64_t g = 0; g < int64_t(x[kFigures]); ++g) all.push_back(decode_group(v, n));
+    f.add_message(x);
+    const double* v = x + Figures::kMessageSize + 1;
+    for (int64_t g = 0; g < int64_t(x[Figures::kMessageSize]); ++g) all.push_back(decode_group(v, n));
   }
   const bool dynamic = j.settings.dynamic_sampling;
   std::stable_sort(all.begin(), all.end(), [&](const Group& a, const Group& b) {

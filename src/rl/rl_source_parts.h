@@ -2,6 +2,8 @@
 // modes share) and rl_source_async.cpp (rl.mode: async). Included by those two alone.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <optional>
@@ -12,6 +14,9 @@
 #include "rl/rl_source.h"
 
 namespace lathe {
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // The sequences of a mini-batch's labelled tokens (consecutive runs of one sequence index).
 inline double sequences_in(const PolicyTokens& t) {
@@ -73,6 +78,24 @@ struct RlSource::Figures {
   double gap_sum = 0, gap_max = 0, weight_sum = 0;  // train-rollout log-prob gaps, importance weights
   double entropy_sum = 0;                            // the policy's entropy at each response token
   int64_t gap_tokens = 0, masked = 0;
+
+  // rl.mode async: a rollout rank's sampling figures as numbers of its message (kMessageSize), and a training rank
+  // adding one rank's message into the rollout's (sums added, maxima and the slowest rank's seconds taken).
+  static constexpr size_t kMessageSize = 14;
+  std::vector<double> message() const {
+    return {rollout_s, reward_s, reward_sum, reward_sq_sum, answer_sum, format_sum, overlong_sum, command_sum,
+            length_sum, double(sampled), double(truncated), double(rounds), double(dropped), double(length_max)};
+  }
+  void add_message(const double* x) {
+    rollout_s = std::max(rollout_s, x[0]);
+    reward_s = std::max(reward_s, x[1]);
+    reward_sum += x[2], reward_sq_sum += x[3], answer_sum += x[4], format_sum += x[5];
+    overlong_sum += x[6], command_sum += x[7], length_sum += x[8];
+    sampled += int64_t(x[9]), truncated += int64_t(x[10]);
+    rounds = std::max(rounds, int64_t(x[11]));
+    dropped += int64_t(x[12]);
+    length_max = std::max(length_max, int64_t(x[13]));
+  }
 };
 
 // A job's groups so far in a rollout (kept, and set aside by dynamic sampling), and its figures.

@@ -105,7 +105,8 @@ class Trainer::Impl {
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   void account_micro_batch(const LossResult& r, const std::vector<Job*>& in_batch);
   BackwardHooks micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer);
-  LossResult source_batch_through_stages(const PackedBatch& pb, const std::function<void()>& queue_optimizer);
+  std::vector<LossResult> through_stages(const std::vector<PackedBatch>& micro, double loss_scale,
+                                         const std::function<void()>& queue_optimizer);
   void run_source_batch(const std::vector<Job*>& active, PackedBatch& pb, const std::function<void()>& queue_optimizer);
   void start_source();
   nlohmann::json optimizer_step(Job& j, double norm, AdamW::Prepared&& update);
@@ -652,18 +653,24 @@ void Trainer::Impl::run_micro_batches(const std::vector<Job*>& active, const std
                         in_batch);
   }
   if (pipeline_batches.empty()) return;
-  // Pipeline parallelism: the schedule runs every micro-batch's forward and backward; the last stage's losses are
-  // shared with the others, a tied embedding's two halves summed (LoRA: the adapters' gradients over the stages), and
-  // the gradients are then complete, as after a backward.
-  std::vector<LossResult> results =
-      run_pipeline(*model_, pipeline_batches, true, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_));
+  const std::vector<LossResult> results = through_stages(
+      pipeline_batches, lora_ ? 1.0 : 1.0 / double(jobs_[0].cfg->grad_accum * dp_), queue_optimizer);
+  for (size_t i = 0; i < results.size(); ++i) account_micro_batch(results[i], pipeline_jobs[i]);
+}
+
+// Pipeline parallelism: a step's micro-batches through the stages (each batch's row loss, if any, on the last), the
+// last stage's losses shared with the others, a tied embedding's two halves summed (LoRA: the adapters' gradients
+// over the stages); the gradients are then complete, as after a backward.
+std::vector<LossResult> Trainer::Impl::through_stages(const std::vector<PackedBatch>& micro, double loss_scale,
+                                                      const std::function<void()>& queue_optimizer) {
+  std::vector<LossResult> results = run_pipeline(*model_, micro, true, loss_scale);
   broadcast_losses(*model_, results);
   if (lora_) bank_->sum_grads_over(*groups_->pp);  // every stage holds the adapters, each its layers' gradients
   else sum_tied_embedding_grads(*model_);
-  for (size_t i = 0; i < results.size(); ++i) account_micro_batch(results[i], pipeline_jobs[i]);
   const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
   if (hooks.grads_done) hooks.grads_done(-1);
   if (hooks.queued) hooks.queued();
+  return results;
 }
 
 // A micro-batch's losses, aux loss and expert loads into the figures of the jobs whose rows it holds.
@@ -723,8 +730,9 @@ void Trainer::Impl::run_source_batch(const std::vector<Job*>& active, PackedBatc
     if (lora_) pb.segments[s].dropout_seed = mix_seed(j->cfg->seed, uint64_t(j->step + 1), 0);
   }
   const double flops = flops_per_token(model_->config(), pb.host_cu) * double(pb.tokens());
-  const LossResult r = model_->pp_size() > 1 ? source_batch_through_stages(pb, queue_optimizer)
-                                             : model_->loss(pb, true, 1.0, micro_batch_hooks(true, queue_optimizer));
+  const LossResult r = model_->pp_size() > 1  // under pp the batch is one micro-batch through the stages
+                           ? through_stages({pb}, 1.0, queue_optimizer)[0]
+                           : model_->loss(pb, true, 1.0, micro_batch_hooks(true, queue_optimizer));
   for (size_t k = 0; k < active.size(); ++k) {
     Job& j = *active[k];
     const size_t s = segment_of[k];
@@ -734,20 +742,6 @@ void Trainer::Impl::run_source_batch(const std::vector<Job*>& active, PackedBatc
     j.tokens += rows;
     j.flops += flops * double(rows) / double(std::max<int64_t>(pb.tokens(), 1));  // the job's share of the batch's
   }
-}
-
-// Pipeline parallelism: a step source's batch as one micro-batch through the stages (its row loss runs on the last,
-// the losses are shared with the others, the gradients completed as run_micro_batches does).
-LossResult Trainer::Impl::source_batch_through_stages(const PackedBatch& pb,
-                                                      const std::function<void()>& queue_optimizer) {
-  std::vector<LossResult> results = run_pipeline(*model_, {pb}, true, 1.0);
-  broadcast_losses(*model_, results);
-  if (lora_) bank_->sum_grads_over(*groups_->pp);
-  else sum_tied_embedding_grads(*model_);
-  const BackwardHooks hooks = micro_batch_hooks(true, queue_optimizer);
-  if (hooks.grads_done) hooks.grads_done(-1);
-  if (hooks.queued) hooks.queued();
-  return results[0];
 }
 
 // The source's start, after the model, adapters and optimizers are built (and resumed). On a fresh run with a
@@ -949,10 +943,7 @@ std::vector<double> Trainer::Impl::sum_over_dp(const std::vector<double>& values
 }
 
 std::vector<double> Trainer::Impl::sum_over(Communicator& group, const std::vector<double>& values) {
-  Tensor t = rt_.from_host(values.data(), {int64_t(values.size())}, DType::F64, device_);
-  group.all_reduce(t).wait();
-  const Tensor host = device_.is_cpu() ? t : rt_.copy_to(t, Device::cpu());
-  return std::vector<double>(host.data<double>(), host.data<double>() + values.size());
+  return summed_over(rt_, device_, group, values);
 }
 
 // A tenant that failed on any rank is failed on every rank, so that all ranks run the same collectives from here on.
