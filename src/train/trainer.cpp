@@ -845,6 +845,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   j.tokens_seen += j.tokens;
   m["tokens_per_s"] = double(j.tokens) / dt;
   m["step_time_s"] = dt;
+  m["elapsed_s"] = std::chrono::duration<double>(Clock::now() - t_start_).count();  // since the first step began
   if (jobs_.size() > 1) m["run_tokens_per_s"] = double(run_tokens) / dt;
   if (peak_ > 0) m["mfu"] = j.flops / dt / peak_;
   m["memory_mib"] = mem_mib;

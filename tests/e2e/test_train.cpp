@@ -83,7 +83,12 @@ TEST(Train, LossFallsAndOutputsAreComplete) {
   bool tb = false;
   for (const auto& e : fs::directory_iterator(dir / "out/tb")) tb |= e.path().filename().string().rfind("events.out.tfevents", 0) == 0;
   EXPECT_TRUE(tb) << "no TensorBoard event file";
-  for (const char* key : {"loss", "lr", "grad_norm", "tokens", "tokens_per_s"}) EXPECT_TRUE(metrics(dir / "out")[0].contains(key)) << key;
+  const std::vector<nlohmann::json> rows = metrics(dir / "out");
+  for (const char* key : {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "elapsed_s"})
+    EXPECT_TRUE(rows[0].contains(key)) << key;
+  for (size_t i = 1; i < rows.size(); ++i)  // the run's clock: at least the step's own time after the previous row
+    EXPECT_GE(rows[i]["elapsed_s"].get<double>(), rows[i - 1]["elapsed_s"].get<double>() + rows[i]["step_time_s"].get<double>() * 0.99)
+        << "step " << i + 1;
 }
 
 // train.profile_step: step N's kernels are timed and printed as `lathe bench --profile` prints them, once, and the run
