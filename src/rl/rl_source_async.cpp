@@ -79,14 +79,14 @@ void RlSource::set_async(const AsyncRanks& ranks) {
 }
 
 // A rollout rank's parameters in the order the sync sends them (send_weights): every model parameter (`with_base`, or
-// full fine-tuning), then each adapter's values (one flat tensor an adapter).
+// full fine-tuning), then each adapter's matrices (whole: either side may split them over its tp group).
 std::vector<const Parameter*> RlSource::synced_parameters(bool with_base) const {
   std::vector<const Parameter*> out;
   LoraBank* bank = model_->lora();
   if (with_base || !bank)
     for (const Parameter& p : model_->parameters()) out.push_back(&p);
-  if (bank)
-    for (int a = 0; a < bank->size(); ++a) out.push_back(&bank->flat_parameter(a)[0]);
+  for (int a = 0; bank && a < bank->size(); ++a)
+    for (const Parameter& p : bank->parameters(a)) out.push_back(&p);
   return out;
 }
 
@@ -160,7 +160,7 @@ void RlSource::send_weights(bool start) {
     nlohmann::json lora = nlohmann::json::array();
     for (int a = 0; bank && a < bank->size(); ++a) {
       lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
-      s["sizes"].push_back(bank->flat_parameter(a)[0].value.numel());
+      for (const Parameter& p : bank->parameters(a)) s["sizes"].push_back(shape_numel(p.global_shape()));
     }
     s["lora"] = lora;
     const std::string json = s.dump();
@@ -181,7 +181,10 @@ void RlSource::send_weights(bool start) {
       if (sender) sender->add(whole);
     });
   for (int a = 0; bank && a < bank->size(); ++a)
-    if (sender) sender->add(bank->flat_parameter(a)[0].value);
+    for (const Parameter& p : bank->parameters(a)) {
+      const Tensor whole = model_->gathered(p);  // under tp a collective of the group (the bank split like the model)
+      if (sender) sender->add(whole);
+    }
   if (sender) sender->flush();
   rt_.synchronize(device);
   as.sync_s = seconds_since(t);
@@ -220,6 +223,7 @@ bool RlSource::receive_weights() {
     for (const nlohmann::json& a : s["lora"]) adapters.push_back(lora_config_from_peft(a, "rl: async"));
     if (!adapters.empty()) {
       as.bank = std::make_unique<LoraBank>(rt_, as.model->config(), device, mopt.dtype, adapters);
+      as.bank->split_like(*as.model);  // rl.rollout_tp: each matrix split as its base weight
       as.model->attach_lora(as.bank.get());
       jobs_[0]->adapter = 0;
     }

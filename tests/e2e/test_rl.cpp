@@ -729,32 +729,47 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     for (const auto& r : rows) EXPECT_LT(r["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5) << layout;
     fs::remove_all(dir / "split");
   }
-  // LoRA through two stages (every stage holds the adapters; the first sends them).
+  // LoRA through two stages (every stage holds the adapters; the first sends them), under training tp 2 (each matrix
+  // split as its base weight: the sync gathers the split ones, as a PEFT export does) and beside an engine split over
+  // two rollout ranks (each keeps its slices of the whole matrices); after the start the adapters alone are sent.
   const auto lora_ref = lathe(fmt::format("rl {} --set output_dir={}{}{}{}", config(dir), (dir / "lora_ref").string(),
                                           common, vocab, lora), "OMP_NUM_THREADS=1");
   ASSERT_EQ(lora_ref.exit_code, 0) << lora_ref.output;
-  const auto lora_pp = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
-                                         "--set parallel.pp=2 --set rl.rollout_ranks=1{}{}{}", config(dir),
-                                         (dir / "lora_pp").string(), common, vocab, lora), mpirun(3));
-  ASSERT_EQ(lora_pp.exit_code, 0) << lora_pp.output;
-  expect_same_steps(rl_rows(dir / "lora_pp"), rl_rows(dir / "lora_ref"), {"reward_mean", "reward_std",
-                                                                          "response_length_mean", "samples"},
-                    "async LoRA pp 2", 1e-4);
+  for (const std::string layout : {" --set parallel.pp=2 --set rl.rollout_ranks=1",
+                                   " --set parallel.tp=2 --set rl.rollout_ranks=1",
+                                   " --set rl.rollout_tp=2 --set rl.rollout_ranks=2"}) {
+    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0{}{}{}{}",
+                                       config(dir), (dir / "lora_split").string(), common, vocab, lora, layout),
+                           mpirun(3));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    const std::vector<nlohmann::json> rows = rl_rows(dir / "lora_split");
+    expect_same_steps(rows, rl_rows(dir / "lora_ref"), {"reward_mean", "reward_std", "response_length_mean", "samples"},
+                      "async LoRA" + layout, 1e-4);
+    for (const auto& r : rows) EXPECT_LT(r["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5) << layout;
+    for (size_t i = 1; i < rows.size(); ++i) EXPECT_LT(rows[i]["rl"].value("sync_mib", 0.0), 0.03) << layout;
+    EXPECT_TRUE(fs::exists(dir / "lora_split/final/adapter_model.safetensors")) << layout;
+    fs::remove_all(dir / "lora_split");
+  }
   // A Qwen3-MoE policy with its experts split over two training ranks (ep 2; each sync gathers them) beside one
   // rollout rank, whose engine runs the whole model.
   const fs::path moe =
       setup("async0_moe", "", "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4,\n"
                               "           num_key_value_heads: 2, head_dim: 8, num_experts: 4, num_experts_per_tok: 2,\n"
                               "           moe_intermediate_size: 16, tie_word_embeddings: true}");
-  const auto moe_ref = lathe(fmt::format("rl {} --set output_dir={}{}", config(moe), (moe / "ref").string(), common),
-                             "OMP_NUM_THREADS=1");
-  ASSERT_EQ(moe_ref.exit_code, 0) << moe_ref.output;
-  const auto moe_ep = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
-                                        "--set rl.rollout_ranks=1 --set parallel.ep=2{}", config(moe),
-                                        (moe / "ep").string(), common), mpirun(3));
-  ASSERT_EQ(moe_ep.exit_code, 0) << moe_ep.output;
-  expect_same_steps(rl_rows(moe / "ep"), rl_rows(moe / "ref"), {"reward_mean", "reward_std", "response_length_mean",
-                                                                "samples"}, "async ep 2", 1e-4);
+  // With LoRA the adapters are whole on every ep rank (the experts' matrices included): the first sends them.
+  for (const std::string& variant : {std::string(), lora}) {
+    const auto moe_ref = lathe(fmt::format("rl {} --set output_dir={}{}{}", config(moe), (moe / "ref").string(), common,
+                                           variant), "OMP_NUM_THREADS=1");
+    ASSERT_EQ(moe_ref.exit_code, 0) << moe_ref.output;
+    const auto moe_ep = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=0 "
+                                          "--set rl.rollout_ranks=1 --set parallel.ep=2{}{}", config(moe),
+                                          (moe / "ep").string(), common, variant), mpirun(3));
+    ASSERT_EQ(moe_ep.exit_code, 0) << moe_ep.output;
+    expect_same_steps(rl_rows(moe / "ep"), rl_rows(moe / "ref"), {"reward_mean", "reward_std", "response_length_mean",
+                                                                  "samples"}, "async ep 2" + variant, 1e-4);
+    fs::remove_all(moe / "ref");
+    fs::remove_all(moe / "ep");
+  }
 #endif
 }
 
@@ -864,7 +879,7 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
 
 // Layouts async cannot run are refused before anything is written, naming the option: one process, every rank a
 // rollout rank, pipeline stages colocated (the engine decodes whole models), training ranks that tp does not divide, a parallel.dp that is not the
-// training ranks, LoRA under tp, rollout ranks that rl.rollout_tp does not divide, tenants.
+// training ranks, rollout ranks that rl.rollout_tp does not divide, tenants.
 TEST(Rl, AsyncLayoutsAreChecked) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -883,8 +898,6 @@ TEST(Rl, AsyncLayoutsAreChecked) {
           "built yet");
   refused("--set parallel.tp=2", mpirun(2), "which parallel.tp x parallel.cp x parallel.pp = 2 does not divide");
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
-  refused("--set parallel.tp=2 --set lora.rank=4", mpirun(3), "rl.mode async with LoRA under parallel.tp = 2 / "
-          "parallel.ep = 1 is not built");
   refused("--set rl.rollout_tp=2", mpirun(2), "rl.rollout_tp = 2 does not divide the 1 rollout rank(s)");
   std::ofstream(dir / "tenants.yaml") << file_bytes(config(dir)) << "lora:\n  rank: 4\n"
                                       << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n";

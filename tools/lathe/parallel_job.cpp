@@ -38,9 +38,6 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
               "-np 2 lathe rl CONFIG` on CPUs, or `lathe rl CONFIG --nproc 2` on the GPUs of one machine)");
   LATHE_CHECK(job.rollout_ranks < env.world, "rl: rl.rollout_ranks = {} leaves no training rank in a launch of {} ranks",
               job.rollout_ranks, env.world);
-  LATHE_CHECK((config.tp <= 1 && config.ep <= 1) || config.lora_rank == 0, "rl: rl.mode async with LoRA under "
-              "parallel.tp = {} / parallel.ep = {} is not built yet (the adapters' slices would be gathered for each "
-              "sync): train the adapter at tp 1 and ep 1", config.tp, config.ep);
   const int64_t replica = config.tp * config.cp * config.pp;
   LATHE_CHECK(job.training_ranks % replica == 0, "rl: rl.mode async leaves {} training rank(s) of the {} launched ({} "
               "sample: rl.rollout_ranks), which parallel.tp x parallel.cp x parallel.pp = {} does not divide",
@@ -54,8 +51,6 @@ AsyncJob join_async_job(Runtime& rt, TrainConfig& config, const LaunchEnv& env, 
   const int rollout_tp = int(config.rl.rollout_tp);
   LATHE_CHECK(job.rollout_ranks % rollout_tp == 0, "rl: rl.rollout_tp = {} does not divide the {} rollout rank(s)",
               rollout_tp, job.rollout_ranks);
-  LATHE_CHECK(rollout_tp == 1 || config.lora_rank == 0, "rl: rl.rollout_tp = {} with LoRA is not built yet (the "
-              "adapters would be split on the rollout ranks)", rollout_tp);
   job.world = join_world(rt, config.device, env, config.timeout_s, mpi, "rl");
   const int rank = job.world->rank();
   const bool trains = rank < job.training_ranks;
