@@ -843,7 +843,8 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
 }
 
 // Faults on the rollout side: a rollout rank killed (kill -9) after sampling rollout 3 ends the job through mpirun,
-// naming the rank, at once; the trainer's checkpoints stay whole and the run resumes from step 2 and finishes. A rollout
+// naming the rank, at once; the trainer's checkpoints stay whole and the run resumes from step 2 with fewer rollout
+// ranks and finishes as an uninterrupted run of that size does, bit for bit. A rollout
 // rank that stalls (SIGSTOP) leaves the trainer waiting in the samples' collective, which ends the job at
 // parallel.timeout_s with the report naming the rank, the collective and the group — never a hang.
 TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
@@ -853,17 +854,26 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
   const fs::path dir = setup("async_faults");
   const std::string async = " --set rl.mode=async";
   auto t0 = std::chrono::steady_clock::now();
-  const auto killed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
-                            mpirun(2) + " -x LATHE_FAULT_INJECT=rollout_sigkill:3");
+  // Two rollout ranks; the first is killed; the run continues from its last checkpoint with the one rollout rank left
+  // (a launch of one rank fewer) and ends with the weights of an uninterrupted run at that size: a sample's draws do
+  // not depend on how many rollout ranks share the prompts.
+  const auto killed = lathe(fmt::format("rl {} --set output_dir={}{} --set rl.rollout_ranks=2", config(dir),
+                                        (dir / "kill").string(), async),
+                            mpirun(3) + " -x LATHE_FAULT_INJECT=rollout_sigkill:3");
   EXPECT_NE(killed.exit_code, 0);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60);
   EXPECT_NE(killed.output.find("rank 1"), std::string::npos) << killed.output;
   EXPECT_NE(killed.output.find("signal 9"), std::string::npos) << killed.output;
   EXPECT_TRUE(fs::exists(dir / "kill/checkpoints/step-00000002/trainer_state.json")) << killed.output;
+  EXPECT_FALSE(fs::exists(dir / "kill/final")) << killed.output;
   const auto resumed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
                              mpirun(2));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(rl_rows(dir / "kill").size(), 6u);
+  const auto whole = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "whole").string(), async),
+                           mpirun(2));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_EQ(file_bytes(dir / "kill/final/model.safetensors"), file_bytes(dir / "whole/final/model.safetensors"));
 
   t0 = std::chrono::steady_clock::now();
   const auto stalled = lathe(fmt::format("rl {} --set output_dir={} --set parallel.timeout_s=4{}", config(dir),
