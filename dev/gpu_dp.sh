@@ -249,8 +249,9 @@ if has pp4b; then  # issue 26's pp target: the Qwen3-4B shape at pp 2 against dp
   D=/tmp/pp4b; rm -rf $D; speed_data $D "$Q4B"
   timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/dp2 --set train.max_steps=40 --set train.grad_accum=8 \
     --nproc 2 >$L/pp4b_dp2.log 2>&1; summary "4B dp 2 grad_accum 8 rc=$?"
-  for split in ${PP4B_SPLITS:-even balanced}; do  # the default even split (18 | 18), and parallel.pp_layers=[balanced]
-    [ $split = even ] && layers="" || layers="--set parallel.pp_layers=[balanced]"
+  for split in ${PP4B_SPLITS:-even balanced}; do  # the default even split (18 | 18), parallel.pp_layers=[balanced], or counts (19,17)
+    case $split in even) layers="" ;; balanced) layers="--set parallel.pp_layers=[balanced]" ;;
+                   *) layers="--set parallel.pp_layers=[$split]" ;; esac  # e.g. 19,17
     timeout ${PP4B_S:-210} ./build/lathe train $D/config.yaml --set output_dir=$D/pp2_$split --set train.max_steps=40 \
       --set train.grad_accum=16 --set parallel.pp=2 $layers --nproc 2 >$L/pp4b_pp2_$split.log 2>&1
     summary "4B pp 2 ($split) grad_accum 16 rc=$?"

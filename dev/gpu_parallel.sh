@@ -14,7 +14,8 @@
 #              and to 8 layers on one GPU (the same memory a GPU); MFU counts the active parameters (train/flops.cpp),
 #              TFLOP/s per GPU = MFU x 989; the all-to-all's own rate is comm's all_to_all rows
 # The training stages end each run after its timed steps (run_steps: no checkpoint) and skip what the 600 s call
-# has no time left for. TP8B_12=0 leaves out tp8b's 12-layer pair, LONG_ONE=0 longctx's one-GPU runs.
+# has no time left for. TP8B_12=0 leaves out tp8b's 12-layer pair, LONG_ONE=0 longctx's one-GPU runs; LONG_ARGS: more
+# options for longctx's runs (e.g. --set train.deterministic=false: cuDNN's accumulating attention backward).
 # long_train's sequences train with recompute (the planner: 164 GiB a rank for Qwen3.5-0.8B at 131,072 tokens and
 # cp 2 without it, 25.7 GiB with it; the first call without it ran out of memory as planned).
 # Writes summary.txt and logs.tgz to $OUT.
@@ -135,14 +136,14 @@ long_train() {  # seq: one document a micro-batch
 }
 if has longctx && left 480 longctx; then
   D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
-  run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2
-  [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100
+  run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
+  [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100 ${LONG_ARGS:-}
   report $D cp2 1; report $D one 1; rm -rf $D
 fi
 if has longctx && left 500 "longctx 1.7B"; then
   D=/tmp/q17_64k; rm -rf $D; long_data $D 6 40000 "$Q17" "$(long_train 65536)"
-  run_steps $D cp2 4 100 --set parallel.cp=2 --nproc 2
-  [ "${LONG_ONE:-1}" = 1 ] && left 540 "1.7B one GPU" && run_steps $D one 4 80
+  run_steps $D cp2 4 100 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
+  [ "${LONG_ONE:-1}" = 1 ] && left 540 "1.7B one GPU" && run_steps $D one 4 80 ${LONG_ARGS:-}
   report $D cp2 1; report $D one 1; rm -rf $D
 fi
 
