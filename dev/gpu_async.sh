@@ -9,6 +9,8 @@
 #           on the same pair (torch, 3.4 GB bf16; SYNC_TORCH=0 leaves it out)
 #   side  — colocated dp 2 against async 1 + 1 at the 1.7B shape (steps per hour; see the stage below)
 #   demo2 — the RL demo colocated dp 2 against async 1 + 1 (reward and held-out accuracy; see the stage below)
+#   seeds — the same over DEMO_SEEDS (train.seed of the RL part), with async also under rl.importance_correction
+#           token_tis: the spread between seeds is the noise the curves are compared within
 # Writes summary.txt and logs.tgz to $OUT.
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_rl}"
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
@@ -141,8 +143,46 @@ try:
 except OSError:
     sys.exit(print(f"demo {sys.argv[2]}: no metrics"))
 r = [x["rl"]["reward_mean"] for x in rows if "reward_mean" in x.get("rl", {})]
-print(f"demo {sys.argv[2]}: {len(rows)} steps, mean reward first 20 {sum(r[:20]) / 20:.3f}, last 20 {sum(r[-20:]) / 20:.3f}, "
-      f"wall {rows[-1].get('elapsed_s', 0):.0f} s")
+print(f"demo {sys.argv[2]}: {len(r)} steps, mean reward first 20 {sum(r[:20]) / 20:.3f}, last 20 {sum(r[-20:]) / 20:.3f}, "
+      f"wall {max(x.get('elapsed_s', 0) for x in rows):.1f} s")
 PY
   done
+fi
+
+# seeds — the RL demo over train.seed in DEMO_SEEDS (default 1..6) three ways on the two GPUs: colocated (dp 2), async
+#         (max_staleness 1), async with rl.importance_correction token_tis (the behaviour policy's log-probabilities
+#         correct the one-version-old samples); per run the held-out accuracy after and the mean reward of the last 20
+#         steps, then each way's mean and spread over the seeds.
+if has seeds; then
+  [ -d runs/rl_demo_sft/final ] || { build/lathe train examples/rl_demo_sft.yaml --set device=cuda >$L/seeds_sft.log 2>&1; summary "demo warm start rc=$?"; }
+  for seed in ${DEMO_SEEDS:-1 2 3 4 5 6}; do
+    for way in colocated async async_tis; do
+      case $way in colocated) extra="" ;; async) extra="--set rl.mode=async --set rl.max_staleness=1" ;;
+                   async_tis) extra="--set rl.mode=async --set rl.max_staleness=1 --set rl.importance_correction=token_tis" ;; esac
+      timeout 120 build/lathe rl examples/rl_demo.yaml --nproc 2 --set device=cuda --set train.seed=$seed \
+        --set output_dir=/tmp/seeds/${way}_$seed $extra >$L/seeds_${way}_$seed.log 2>&1 || summary "seed $seed $way rc=$?"
+    done
+  done
+  python3 - /tmp/seeds <<'PY' | tee -a $OUT/summary.txt
+import json, os, statistics, sys
+d = sys.argv[1]
+by = {}
+for run in sorted(os.listdir(d)):
+    way, seed = run.rsplit("_", 1)
+    p = f"{d}/{run}/metrics.jsonl"
+    if not os.path.exists(p): continue
+    rows = [json.loads(l) for l in open(p)]
+    r = [x["rl"]["reward_mean"] for x in rows if "reward_mean" in x.get("rl", {})]
+    acc = [x["final_eval_accuracy"] for x in rows if "final_eval_accuracy" in x]
+    start = [x["start_eval_accuracy"] for x in rows if "start_eval_accuracy" in x]
+    by.setdefault(way, []).append((acc[-1] if acc else float("nan"), sum(r[-20:]) / 20))
+    print(f"seed {seed} {way}: held-out {start[0] if start else float('nan'):.2f} -> {acc[-1] if acc else float('nan'):.2f}, "
+          f"reward first 20 {sum(r[:20]) / 20:.3f}, last 20 {sum(r[-20:]) / 20:.3f}")
+for way, v in by.items():
+    a, w = [x[0] for x in v], [x[1] for x in v]
+    sd = lambda x: statistics.stdev(x) if len(x) > 1 else 0.0
+    print(f"{way} over {len(v)} seeds: held-out after {statistics.mean(a):.3f} +- {sd(a):.3f}, "
+          f"reward last 20 {statistics.mean(w):.3f} +- {sd(w):.3f}")
+PY
+  tar -czf $OUT/seeds_metrics.tgz --exclude='*.safetensors' -C /tmp seeds 2>/dev/null
 fi

@@ -1057,4 +1057,11 @@ std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& confi
   return std::make_unique<Qwen3Model>(Qwen3Model::random(rt, config, options, seed, std));
 }
 
+std::unique_ptr<CausalLm> allocated_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options) {
+  if (config.is_hybrid()) return std::make_unique<Qwen35Model>(Qwen35Model::allocated(rt, config, options));
+  LATHE_CHECK(config.model_type == "qwen3" || config.model_type == "qwen3_moe", "model: model_type '{}' has no model "
+              "class", config.model_type);
+  return std::make_unique<Qwen3Model>(Qwen3Model::allocated(rt, config, options));
+}
+
 }  // namespace lathe

@@ -505,5 +505,9 @@ std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, co
 // A randomly initialised model of config.model_type (each family's initialisation).
 std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
                                            uint64_t seed, double std = 0.02);
+// A model of config.model_type with its parameters allocated and their values not set: for a model whose every value
+// arrives from elsewhere before it is used (an async rollout rank's, from the trainer's sync), without the host draws
+// of a random one (about 20 s a billion parameters).
+std::unique_ptr<CausalLm> allocated_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options);
 
 }  // namespace lathe

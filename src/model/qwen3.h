@@ -22,6 +22,10 @@ class Qwen3Model : public CausalLm {
   // A randomly initialised model (normal(0, std) matrices, unit norms) for from-scratch training.
   static Qwen3Model random(Runtime& rt, const ModelConfig& config, const ModelOptions& options, uint64_t seed,
                            double std = 0.02);
+  // The parameters allocated and not set (allocated_causal_lm).
+  static Qwen3Model allocated(Runtime& rt, const ModelConfig& config, const ModelOptions& options) {
+    return Qwen3Model(rt, config, options);
+  }
 
   Tensor logits(const PackedBatch& batch) override;
   std::vector<double> label_logprobs(const PackedBatch& batch) override;

@@ -40,6 +40,10 @@ class Qwen35Model : public CausalLm {
   // A_log = log U(0.01, 16) (transformers' initialisation).
   static Qwen35Model random(Runtime& rt, const ModelConfig& config, const ModelOptions& options, uint64_t seed,
                             double std = 0.02);
+  // The parameters allocated and not set (allocated_causal_lm).
+  static Qwen35Model allocated(Runtime& rt, const ModelConfig& config, const ModelOptions& options) {
+    return Qwen35Model(rt, config, options);
+  }
 
   Tensor logits(const PackedBatch& batch) override;                   // (T, V)
   Tensor last_hidden(const PackedBatch& batch) override;

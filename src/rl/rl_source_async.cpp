@@ -218,7 +218,7 @@ bool RlSource::receive_weights() {
     mopt.tp = as.ranks.rollout_tp;  // rl.rollout_tp: this engine's slice of every layer
     const ModelConfig mc = parse_model_config(s["model_config"], "rl: async: the trainer's model");
     if (mopt.tp) check_tensor_parallel(mc, mopt.tp->size());
-    as.model = random_causal_lm(rt_, mc, mopt, 0);  // its values come next
+    as.model = allocated_causal_lm(rt_, mc, mopt);  // its values come next
     std::vector<LoraConfig> adapters;
     for (const nlohmann::json& a : s["lora"]) adapters.push_back(lora_config_from_peft(a, "rl: async"));
     if (!adapters.empty()) {
