@@ -47,6 +47,9 @@ RlSettings resolve_rl_settings(const RlOptions& o) {
   s.scale_by_std = flag(o.scale_by_std, !dr);
   s.dynamic_sampling = flag(o.dynamic_sampling, dapo);
   s.overlong_filter = flag(o.overlong_filter, dapo);
+  s.importance_correction = o.importance_correction != "auto"                   ? o.importance_correction
+                            : o.mode == "async" && o.max_staleness > 0 ? "token_tis"
+                                                                       : "none";
   return s;
 }
 
@@ -157,7 +160,7 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
                  j.prompts.size(), o.minibatches, s.loss.clip_low, s.loss.clip_high,
                  s.loss.sequence_ratio ? " (sequence ratio)" : "", s.aggregation, yes(s.scale_by_std),
                  yes(s.dynamic_sampling), yes(s.overlong_filter), s.loss.kl_coef,
-                 s.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "", o.importance_correction,
+                 s.loss.kl_coef > 0 ? " (" + o.kl_estimator + ")" : "", s.importance_correction,
                  ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
     set_position(j, jobs[k].state);
   }
@@ -562,7 +565,7 @@ nlohmann::json RlSource::rollout_figures(const Job& j, const Figures& f) const {
   m["entropy"] = f.gap_tokens ? f.entropy_sum / double(f.gap_tokens) : 0.0;
   m["rollout_train_logprob_gap"] = f.gap_tokens ? f.gap_sum / double(f.gap_tokens) : 0.0;
   m["rollout_train_logprob_gap_max"] = f.gap_max;
-  if (o.importance_correction != "none") {
+  if (j.settings.importance_correction != "none") {
     m["importance_weight_mean"] = f.gap_tokens ? f.weight_sum / double(f.gap_tokens) : 1.0;
     m["importance_masked_fraction"] = f.gap_tokens ? double(f.masked) / double(f.gap_tokens) : 0.0;
   }
@@ -642,7 +645,7 @@ void RlSource::queue_updates(const std::vector<size_t>& ids, std::vector<std::ve
       }
       f.gap_tokens += int64_t(n);
       for (size_t i = 0; i < n; ++i) f.entropy_sum += entropy[at + i];
-      if (j.c->rl.importance_correction != "none")
+      if (j.settings.importance_correction != "none")
         correct_importance(j, part.tokens, rollout_lp[k], f.weight_sum, f.masked);
       if (part.config.kl_coef > 0)
         part.tokens.ref_logprob.assign(ref.begin() + std::ptrdiff_t(at), ref.begin() + std::ptrdiff_t(at + n));
@@ -751,7 +754,7 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
 // and the KL term alike).
 void RlSource::correct_importance(const Job& j, PolicyTokens& t, const std::vector<double>& rollout,
                                   double& weight_sum, int64_t& masked) {
-  const std::string& mode = j.c->rl.importance_correction;
+  const std::string& mode = j.settings.importance_correction;
   const double cap = j.c->rl.importance_cap;
   const bool sequence = mode.rfind("seq_", 0) == 0, truncate = mode.ends_with("_tis");
   std::vector<double> log_w(t.old_logprob.size());

@@ -58,6 +58,9 @@ struct RlSettings {
   PolicyLossConfig loss;
   std::string aggregation;
   bool scale_by_std = true, dynamic_sampling = false, overlong_filter = false;
+  // rl.importance_correction; auto: token_tis where the samples are older than the weights they train (rl.mode async
+  // with rl.max_staleness above 0), else none.
+  std::string importance_correction = "none";
 };
 RlSettings resolve_rl_settings(const RlOptions& o);
 

@@ -274,10 +274,11 @@ const std::vector<Option>& options() {
                 "full fine-tuning with rl.kl_coef: the frozen reference copy waits in host memory and comes to the "
                 "device for each update's reference forward (a GPU's memory for one more copy of the weights)",
                 rl.reference_offload),
-      LATHE_OPT("rl.importance_correction", Kind::String, "none",
+      LATHE_OPT("rl.importance_correction", Kind::String, "auto",
                 "weight each token by the trainer's over the rollout engine's probability of it (the train-rollout "
                 "mismatch): none | token_tis | seq_tis (truncated at rl.importance_cap) | token_mis | seq_mis (tokens or "
-                "sequences whose weight leaves [1/cap, cap] masked out)", rl.importance_correction),
+                "sequences whose weight leaves [1/cap, cap] masked out) | auto (token_tis where rl.mode async samples "
+                "with older weights, rl.max_staleness above 0; else none)", rl.importance_correction),
       LATHE_NUM("rl.importance_cap", Kind::Float, "2.0", above(1), "the importance weight's bound", rl.importance_cap),
       LATHE_NUM("rl.reward.answer", Kind::Float, "1.0", at_least(0),
                 "weight of the answer match (last \\boxed{} or number against the row's \"answer\")", rl.reward_answer),
@@ -625,7 +626,7 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.dynamic_sampling", r.dynamic_sampling, {"auto", "true", "false"});
   one_of("rl.overlong_filter", r.overlong_filter, {"auto", "true", "false"});
   one_of("rl.kl_estimator", r.kl_estimator, {"k1", "k2", "k3"});
-  one_of("rl.importance_correction", r.importance_correction, {"none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
+  one_of("rl.importance_correction", r.importance_correction, {"auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
   one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
   one_of("rl.mode", r.mode, {"colocated", "async"});
   if (r.mode == "async" && has_tenants)

@@ -29,7 +29,7 @@ struct RlOptions {
   double kl_coef = 0.0;
   std::string kl_estimator = "k3";
   bool reference_offload = false;              // full fine-tuning's frozen KL reference waits in host memory
-  std::string importance_correction = "none";  // none | token_tis | token_mis | seq_tis | seq_mis
+  std::string importance_correction = "auto";  // auto | none | token_tis | token_mis | seq_tis | seq_mis
   double importance_cap = 2.0;                 // the truncation (tis) or mask bound (mis) of the rollout weight
   double reward_answer = 1.0;             // weight of the answer-match reward (needs "answer" in each prompt row)
   std::string reward_format;              // PCRE2 pattern of the format reward ("" = off)

@@ -676,6 +676,7 @@ TEST(Rl, AsyncWithoutStalenessEqualsColocated) {
     EXPECT_EQ(got[i]["rl"]["weights_version"].get<int64_t>(), int64_t(i));
     EXPECT_LT(got[i]["rl"]["rollout_train_logprob_gap_max"].get<double>(), 1e-5);
     EXPECT_GT(got[i]["rl"]["sync_mib"].get<double>(), 0.0);
+    EXPECT_FALSE(got[i]["rl"].contains("importance_weight_mean"));  // auto: none where the samples are on policy
   }
   EXPECT_EQ(file_bytes(dir / "async/final/model.safetensors"), file_bytes(dir / "one/final/model.safetensors"));
 
@@ -795,6 +796,8 @@ TEST(Rl, AsyncOneStepStaleResumesExactlyAndLearns) {
     EXPECT_EQ(want[i]["rl"]["staleness"].get<int64_t>(), i == 0 ? 0 : 1) << "step " << i + 1;
     EXPECT_EQ(want[i]["rl"]["weights_version"].get<int64_t>(), i == 0 ? 0 : int64_t(i) - 1) << "step " << i + 1;
     EXPECT_EQ(want[i]["rl"]["ratio_mean"].get<double>(), 1.0);  // the trainer's own forward is the old policy
+    // rl.importance_correction auto: token_tis, the one-version-old samples weighted by trainer over engine
+    EXPECT_TRUE(want[i]["rl"].contains("importance_weight_mean")) << "step " << i + 1;
     if (i > 0) EXPECT_GT(want[i]["rl"]["rollout_train_logprob_gap"].get<double>(), 1e-3) << "step " << i + 1;
   }
   const auto killed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
@@ -856,9 +859,12 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
   auto t0 = std::chrono::steady_clock::now();
   // Two rollout ranks; the first is killed; the run continues from its last checkpoint with the one rollout rank left
   // (a launch of one rank fewer) and ends with the weights of an uninterrupted run at that size: a sample's draws do
-  // not depend on how many rollout ranks share the prompts.
+  // not depend on how many rollout ranks share the prompts. (Bit for bit without the importance correction, which
+  // max_staleness 1 turns on by default: the engine's log-probabilities it reads round differently in a batch of
+  // other sizes.)
+  const std::string exact = async + " --set rl.importance_correction=none";
   const auto killed = lathe(fmt::format("rl {} --set output_dir={}{} --set rl.rollout_ranks=2", config(dir),
-                                        (dir / "kill").string(), async),
+                                        (dir / "kill").string(), exact),
                             mpirun(3) + " -x LATHE_FAULT_INJECT=rollout_sigkill:3");
   EXPECT_NE(killed.exit_code, 0);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60);
@@ -866,11 +872,11 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
   EXPECT_NE(killed.output.find("signal 9"), std::string::npos) << killed.output;
   EXPECT_TRUE(fs::exists(dir / "kill/checkpoints/step-00000002/trainer_state.json")) << killed.output;
   EXPECT_FALSE(fs::exists(dir / "kill/final")) << killed.output;
-  const auto resumed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), async),
+  const auto resumed = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "kill").string(), exact),
                              mpirun(2));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(rl_rows(dir / "kill").size(), 6u);
-  const auto whole = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "whole").string(), async),
+  const auto whole = lathe(fmt::format("rl {} --set output_dir={}{}", config(dir), (dir / "whole").string(), exact),
                            mpirun(2));
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   EXPECT_EQ(file_bytes(dir / "kill/final/model.safetensors"), file_bytes(dir / "whole/final/model.safetensors"));
