@@ -10,7 +10,7 @@
 #   side  — colocated dp 2 against async 1 + 1 at the 1.7B shape (steps per hour; see the stage below)
 #   demo2 — the RL demo colocated dp 2 against async 1 + 1 (reward and held-out accuracy; see the stage below)
 #   seeds — the same over DEMO_SEEDS (train.seed of the RL part), with async also under rl.importance_correction
-#           token_tis: the spread between seeds is the noise the curves are compared within
+#           token_tis: the spread between seeds is the noise the curves are compared within (SEEDS_WAYS: which ways)
 # Writes summary.txt and logs.tgz to $OUT.
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_rl}"
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
@@ -156,7 +156,7 @@ fi
 if has seeds; then
   [ -d runs/rl_demo_sft/final ] || { build/lathe train examples/rl_demo_sft.yaml --set device=cuda >$L/seeds_sft.log 2>&1; summary "demo warm start rc=$?"; }
   for seed in ${DEMO_SEEDS:-1 2 3 4 5 6}; do
-    for way in colocated async async_tis; do
+    for way in ${SEEDS_WAYS:-colocated async async_tis}; do
       case $way in colocated) extra="" ;; async) extra="--set rl.mode=async --set rl.max_staleness=1" ;;
                    async_tis) extra="--set rl.mode=async --set rl.max_staleness=1 --set rl.importance_correction=token_tis" ;; esac
       timeout 120 build/lathe rl examples/rl_demo.yaml --nproc 2 --set device=cuda --set train.seed=$seed \
