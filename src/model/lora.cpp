@@ -698,10 +698,12 @@ void merge_lora(CausalLm& model, LoraBank& bank, int adapter) {
       matmul_into(cx, scale(cx, slot.bt.narrow(0, c, r), s), slot.a.narrow(0, c, r), w, {true, false, 1.0f, 1.0f});
       return;
     }
-    // W[e] (out, in) += s BT_e^T A_e for every expert: one batched product over the slot's (E, R, .) views
-    const int64_t e = slot.experts, rank_total = slot.rank_total;
-    const Tensor a = contiguous(cx, slot.a.view({e, rank_total, slot.in}).narrow(1, c, r));
-    const Tensor bt = scale(cx, contiguous(cx, slot.bt.view({e, rank_total, slot.out}).narrow(1, c, r)), s);
+    // W[e] (out, in) += s BT_e^T A_e for every expert: one batched product over the slot's (E, R, .) views (under
+    // expert parallelism the bank holds every expert's matrices and W this rank's experts: their rows of the slot)
+    const int64_t e = slot.experts, rank_total = slot.rank_total, here = w.size(0), first = model.ep_rank() * here;
+    const Tensor a = contiguous(cx, slot.a.view({e, rank_total, slot.in}).narrow(0, first, here).narrow(1, c, r));
+    const Tensor bt =
+        scale(cx, contiguous(cx, slot.bt.view({e, rank_total, slot.out}).narrow(0, first, here).narrow(1, c, r)), s);
     matmul_into(cx, bt, a, w, {true, false, 1.0f, 1.0f});
   });
 }

@@ -759,6 +759,79 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
     for (size_t k = 0; k < a[i].size(); ++k) EXPECT_NEAR(c[i][k], a[i][k], 1e-5 * (1 + std::abs(a[i][k])));
 }
 
+// A trained adapter applied by `lathe logprobs --adapter` and `lathe generate --adapter` (merged into the weights) /
+// `--adapters NAME=DIR` (unmerged, per line) under every layout each command runs, against one process: logprobs at
+// tp 2, cp 2 and pp 2 (and ep 2 on Qwen3-MoE with adapters on the experts), generate at tp 2 (and ep 2): tokens equal,
+// log-probs within f32 rounding; and the adapter moves the log-probs away from the base's (it was applied).
+void expect_adapter_commands_equal_one_process(const fs::path& dir, const std::string& layouts_logprobs,
+                                               const std::string& layouts_generate) {
+  const std::string base = (dir / "ref/base").string(), adapter = (dir / "ref/final").string();
+  write_token_lines(dir / "in.jsonl", 5, [](int i) { return 3 + 4 * i; });
+  {
+    std::ofstream named(dir / "named.jsonl");  // lines 0, 2, 4 with the adapter, 1 and 3 on the base
+    for (int i = 0; i < 5; ++i) {
+      nlohmann::json ids = nlohmann::json::array();
+      for (int k = 0; k < 3 + 4 * i; ++k) ids.push_back((37 * i + 11 * k) % 300);
+      nlohmann::json row = {{"tokens", ids}};
+      if (i % 2 == 0) row["adapter"] = "a";
+      named << row.dump() << "\n";
+    }
+  }
+  const auto run = [&](const std::string& args, const std::string& out, const std::string& layout, int np) {
+    const LatheRun r = lathe_e2e::lathe(args + " --output " + (dir / out).string() + layout,
+                                        np > 1 ? kMpirun + fmt::format(" -np {}", np) : "");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return lathe_e2e::read_logprobs(dir / out);
+  };
+  const std::string score = fmt::format("logprobs --model {} --input {}", base, (dir / "in.jsonl").string());
+  const auto plain = run(score, "plain.jsonl", "", 0), want = run(score + " --adapter " + adapter, "one.jsonl", "", 0);
+  ASSERT_EQ(want.size(), 5u);
+  double moved = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    for (size_t k = 0; k < want[i].size(); ++k) moved = std::max(moved, std::abs(want[i][k] - plain[i][k]));
+  EXPECT_GT(moved, 1e-4) << "the adapter changes nothing: the test would not see it dropped";
+  std::istringstream ls(layouts_logprobs);
+  for (std::string flag, n; ls >> flag >> n;) {
+    const std::string out = fmt::format("lp{}.jsonl", flag);
+    run(score + " --adapter " + adapter, out, " " + flag + " " + n, 2);
+    expect_same_logprobs(dir / out, want, "logprobs --adapter " + flag);  // against one process's
+  }
+  for (const auto& [what, args] :
+       {std::pair{"merged", fmt::format("generate --model {} --adapter {} --input {}", base, adapter,
+                                        (dir / "in.jsonl").string())},
+        std::pair{"named", fmt::format("generate --model {} --adapters a={} --input {}", base, adapter,
+                                       (dir / "named.jsonl").string())}}) {
+    const std::string gen = args + " --max-new-tokens 6 --ignore-eos --temperature 0";
+    const std::string one = fmt::format("gen_{}_one.jsonl", what);
+    run(gen, one, "", 0);
+    std::istringstream gs(layouts_generate);
+    for (std::string flag, n; gs >> flag >> n;) {
+      const std::string out = fmt::format("gen_{}{}.jsonl", what, flag);
+      run(gen, out, " " + flag + " " + n, 2);
+      std::ifstream a(dir / one), b(dir / out);
+      int lines = 0;
+      for (std::string wa, wb; std::getline(a, wa) && std::getline(b, wb); ++lines) {
+        const nlohmann::json x = nlohmann::json::parse(wa), y = nlohmann::json::parse(wb);
+        EXPECT_EQ(y["tokens"], x["tokens"]) << what << " " << flag << " line " << lines;
+        const auto lx = x["logprobs"].get<std::vector<double>>(), ly = y["logprobs"].get<std::vector<double>>();
+        ASSERT_EQ(ly.size(), lx.size());
+        for (size_t k = 0; k < lx.size(); ++k) EXPECT_NEAR(ly[k], lx[k], 1e-5 * (1 + std::abs(lx[k]))) << what << flag;
+      }
+      EXPECT_EQ(lines, 5) << what << " " << flag;
+    }
+  }
+}
+
+TEST(Adapters, ScoredAndDecodedUnderParallelLayoutsAsByOneProcess) {
+  const fs::path dense = setup("adapters_dense", kQwen3Deep, "lora: {rank: 4, alpha: 16}\n");
+  ASSERT_EQ(train(dense, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05").exit_code, 0);
+  expect_adapter_commands_equal_one_process(dense, "--tp 2 --cp 2 --pp 2", "--tp 2");
+  const fs::path moe = setup("adapters_moe", kQwen3Moe);
+  ASSERT_EQ(train(moe, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05 --set lora.rank=4 --set lora.alpha=16 "
+                  "--set lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]").exit_code, 0);
+  expect_adapter_commands_equal_one_process(moe, "--ep 2", "--ep 2");
+}
+
 TEST(DataParallel, ACheckpointOfDp2ResumesAtDp4OnTheSameCurve) {
   const fs::path dir = setup("reshard", kQwen3);
   ASSERT_EQ(train(dir, "ref", 0, 4).exit_code, 0);

@@ -308,10 +308,6 @@ void run(Args a) {
 
   Runtime rt;
   std::optional<MpiSession> mpi;
-  LATHE_CHECK(a.tp == 1 || (a.adapter.empty() && a.adapters.empty()),
-              "generate: --tp {}: adapters under tensor parallelism are not built yet (docs/parallel.md)", a.tp);
-  LATHE_CHECK(a.ep == 1 || (a.adapter.empty() && a.adapters.empty()),
-              "generate: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
   const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, 1, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
@@ -323,6 +319,7 @@ void run(Args a) {
   const std::unique_ptr<CausalLm> model = load_causal_lm(rt, a.model, mo);
   if (!a.adapter.empty()) {  // decoding runs on the merged weights (W + scaling B A): same function, no per-token cost
     LoraBank bank(rt, model->config(), mo.device, mo.dtype, {read_lora_config(a.adapter)});
+    bank.split_like(*model);  // tensor parallelism: each rank merges its slice of each matrix
     bank.load_peft(0, a.adapter);
     merge_lora(*model, bank, 0);
   }
@@ -333,6 +330,7 @@ void run(Args a) {
     std::vector<LoraConfig> configs;
     for (const std::string& dir : adapter_dirs) configs.push_back(read_lora_config(dir));
     named.emplace(rt, model->config(), mo.device, mo.dtype, configs);
+    named->split_like(*model);  // tensor parallelism: each matrix split as its base weight
     for (size_t k = 0; k < adapter_dirs.size(); ++k) named->load_peft(int(k), adapter_dirs[k]);
     model->attach_lora(&*named);
   }

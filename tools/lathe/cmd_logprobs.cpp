@@ -208,12 +208,6 @@ void run(Args a) {
                                                       {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
   std::optional<MpiSession> mpi;
-  LATHE_CHECK(a.cp == 1 || a.adapter.empty(),
-              "logprobs: --cp {}: adapters under context parallelism are not built yet (docs/parallel.md)", a.cp);
-  LATHE_CHECK(a.ep == 1 || a.adapter.empty(),
-              "logprobs: --ep {}: adapters under expert parallelism are not built yet (docs/moe.md)", a.ep);
-  LATHE_CHECK(a.pp == 1 || a.adapter.empty(),
-              "logprobs: --pp {}: adapters through pipeline stages are not built yet (docs/parallel.md)", a.pp);
   const LineRanks ranks =
       line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, a.pp, "logprobs");
   ModelOptions options;
@@ -228,7 +222,8 @@ void run(Args a) {
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;
   const std::unique_ptr<CausalLm> model = load_causal_lm(rt, a.model, options);
-  // An adapter is applied unmerged, through the same LoRA path as training.
+  // An adapter is applied unmerged, through the same LoRA path as training (under tp each matrix split as its base
+  // weight; under cp, ep and pp whole on every rank, as in training).
   std::unique_ptr<LoraBank> bank;
   if (!a.adapter.empty()) {
     bank = std::make_unique<LoraBank>(rt, model->config(), options.device, options.dtype,
