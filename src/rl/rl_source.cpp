@@ -164,7 +164,17 @@ void RlSource::start(CausalLm& model, const std::vector<SourceJob>& jobs, const 
                  ranks_.ranks > 1 ? fmt::format("; {} data-parallel ranks", ranks_.ranks) : "");
     set_position(j, jobs[k].state);
   }
-  if (async_) start_async(jobs[0].state);
+  if (async_) {  // the tenants walk one schedule: every active one resumes at the same rollout
+    size_t lead = 0;
+    while (lead + 1 < jobs.size() && !jobs[lead].active) ++lead;
+    const auto rollouts = [&](size_t k) { return jobs_[k]->rollouts; };
+    for (size_t k = 0; k < jobs.size(); ++k)
+      LATHE_CHECK(!jobs[k].active || !jobs[lead].active || rollouts(k) == rollouts(lead), "rl: async: tenant {} resumes "
+                  "after rollout {} and tenant {} after rollout {}: under rl.mode async the tenants run in step, so "
+                  "their checkpoints must be of one step", jobs_[k]->c->name, rollouts(k), jobs_[lead]->c->name,
+                  rollouts(lead));
+    start_async(jobs[lead].state, lead);
+  }
   std::fflush(stdout);
 }
 

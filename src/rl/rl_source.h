@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -119,6 +120,7 @@ class RlSource final : public StepSource {
   struct Group;    // a prompt's samples and rewards
   struct Figures;  // a rollout's figures
   struct Ask;      // one job's prompts of a sampling round
+  struct MessageSection;  // rl.mode async: one job's part of a rollout rank's message
   struct RewardParts {  // each sample's reward components, unweighted (0 where one is off)
     std::vector<double> answer, format, overlong, command;
   };
@@ -147,8 +149,11 @@ class RlSource final : public StepSource {
   bool receive_weights();                                   // a rollout rank; false: the trainer stopped
   std::vector<double> sample_for_trainer(int64_t rollout);  // a rollout rank: one rollout, as its message
   std::vector<const Parameter*> synced_parameters(bool with_base) const;
+  void read_message(const std::vector<double>& m, const std::function<void(size_t, MessageSection&)>& fn) const;
   bool joins_weights() const;
-  void start_async(const nlohmann::json& state);  // a training rank: the buffer resumed, the rollout ranks started
+  // A training rank: the buffer resumed from the state of job `lead` (the first active: the tenants run in step), the
+  // rollout ranks started.
+  void start_async(const nlohmann::json& state, size_t lead);
   nlohmann::json async_state() const;             // a training rank: what a checkpoint keeps of the async loop
   int64_t next_update_staleness();                // a training rank: the update's lag behind its samples' weights
   void set_position(Job& j, const nlohmann::json& state);

@@ -3,9 +3,9 @@
 // loop, both walking the events of rl/async_schedule.h in one order.
 //
 // Messages. A rollout rank's groups of one rollout, to every training rank (gathered_values over the world; a
-// training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, epoch, position, the
-// rollout rank's seconds waiting for the trainer since its last message, its figures (Figures::message), group
-// count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
+// training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, the rollout rank's seconds
+// waiting for the trainer since its last message}, then for each job (the policy, or every tenant, in order) {epoch,
+// position, its figures (Figures::message), group count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
 // {kWeights or kStop, version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA
 // configs, the position in the prompts and the parameters' sizes), then the synced tensors, whole, in buckets of up to
 // 256 MiB (sync_buckets): at the start the whole model and the adapters, later the adapters alone under LoRA, else the
@@ -16,6 +16,7 @@
 #include <csignal>
 #include <chrono>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -69,13 +70,31 @@ int64_t bucket_elements(const std::vector<const Parameter*>& bucket) {
 }  // namespace
 
 void RlSource::set_async(const AsyncRanks& ranks) {
-  LATHE_CHECK(jobs_.size() == 1, "rl: rl.mode async serves one policy (tenants are refused by the config check)");
   async_ = std::make_unique<Async>();
   async_->ranks = ranks;
   const RlOptions& o = jobs_[0]->c->rl;
   async_->max_staleness = o.max_staleness;
   async_->minibatches = o.minibatches;
-  async_->total = jobs_[0]->c->max_steps / o.minibatches;
+  async_->total = jobs_[0]->c->max_steps / o.minibatches;  // tenants: the same for each (the config check)
+}
+
+// A rollout rank's message for the training ranks, read: the callback gets each job's section (its place in the prompts
+// after the rollout, its figures, its groups). The header's fields are read by the caller.
+void RlSource::read_message(const std::vector<double>& m, const std::function<void(size_t, MessageSection&)>& fn) const {
+  LATHE_CHECK(m.size() >= 4 && m[0] == kRollout, "rl: async: a malformed rollout message");
+  const double* v = m.data() + 4;
+  for (size_t k = 0; k < jobs_.size(); ++k) {
+    MessageSection s;
+    s.epoch = int64_t(v[0]);
+    s.position = int64_t(v[1]);
+    s.figures = v + 2;
+    v += 2 + Figures::kMessageSize;
+    const int64_t count = int64_t(*v++);
+    for (int64_t g = 0; g < count; ++g) s.groups.push_back(decode_group(v, size_t(jobs_[k]->c->rl.samples)));
+    fn(k, s);
+  }
+  LATHE_CHECK(v == m.data() + m.size(), "rl: async: a rollout message of {} numbers holds {} more than its jobs' "
+              "sections", m.size(), m.data() + m.size() - v);
 }
 
 // A rollout rank's parameters in the order the sync sends them (send_weights): every model parameter (`with_base`, or
@@ -152,11 +171,12 @@ void RlSource::send_weights(bool start) {
   const auto t = Clock::now();
   LoraBank* bank = model_->lora();
   if (start && sync) {
-    const Job& j = *jobs_[0];
+    nlohmann::json jobs = nlohmann::json::array();  // each job's place in its prompts, and its adapter
+    for (const auto& j : jobs_)
+      jobs.push_back({{"epoch", j->epoch}, {"position", j->position}, {"rollouts", j->rollouts}, {"adapter", j->adapter}});
     nlohmann::json s = {{"model_config", model_->global_config().raw},
-                        {"dtype", std::string(dtype_name(model_->options().dtype))},
-                        {"epoch", j.epoch}, {"position", j.position}, {"rollouts", j.rollouts},
-                        {"held", as.trained}, {"sizes", model_->whole_sizes()}};
+                        {"dtype", std::string(dtype_name(model_->options().dtype))}, {"jobs", jobs},
+                        {"rollouts", as.first_rollout}, {"held", as.trained}, {"sizes", model_->whole_sizes()}};
     nlohmann::json lora = nlohmann::json::array();
     for (int a = 0; bank && a < bank->size(); ++a) {
       lora.push_back(lora_config_to_peft(bank->config(a), "", model_->global_config()));
@@ -225,12 +245,16 @@ bool RlSource::receive_weights() {
       as.bank = std::make_unique<LoraBank>(rt_, as.model->config(), device, mopt.dtype, adapters);
       as.bank->split_like(*as.model);  // rl.rollout_tp: each matrix split as its base weight
       as.model->attach_lora(as.bank.get());
-      jobs_[0]->adapter = 0;
     }
     model_ = as.model.get();
-    Job& j = *jobs_[0];
-    set_position(j, s);
-    j.longest_prompt = longest_prompt(j);
+    LATHE_CHECK(s["jobs"].size() == jobs_.size(), "rl: async: the trainer serves {} policies, this rollout rank's "
+                "config {}", s["jobs"].size(), jobs_.size());
+    for (size_t k = 0; k < jobs_.size(); ++k) {
+      Job& j = *jobs_[k];
+      set_position(j, s["jobs"][k]);
+      j.adapter = s["jobs"][k]["adapter"].get<int>();
+      j.longest_prompt = longest_prompt(j);
+    }
     const std::vector<const Parameter*> mine = synced_parameters(true);
     const std::vector<int64_t> sizes = s["sizes"].get<std::vector<int64_t>>();
     LATHE_CHECK(sizes.size() == mine.size(), "rl: async: the trainer sends {} tensors, this rollout rank's model has {} "
@@ -239,7 +263,7 @@ bool RlSource::receive_weights() {
       LATHE_CHECK(sizes[i] == shape_numel(mine[i]->global_shape()), "rl: async: {} has {} elements on the trainer "
                   "and {} here", mine[i]->name, sizes[i], shape_numel(mine[i]->global_shape()));
     // The schedule from the trainer's position: it holds rollouts [held, rollouts) already.
-    as.events = async_events(s["held"].get<int64_t>(), j.rollouts, as.total, as.max_staleness);
+    as.events = async_events(s["held"].get<int64_t>(), s["rollouts"].get<int64_t>(), as.total, as.max_staleness);
     as.next = 0;
   }
   ExecContext cx = rt_.context(device);
@@ -265,10 +289,11 @@ bool RlSource::receive_weights() {
 
 // A training rank at the start of the run: the rollouts a checkpoint kept (taken but not trained), the schedule from
 // there, and the run's start sent to the rollout ranks (the first training rank).
-void RlSource::start_async(const nlohmann::json& state) {
+void RlSource::start_async(const nlohmann::json& state, size_t lead) {
   Async& as = *async_;
   LATHE_CHECK(as.ranks.trains, "rl: start() is a training rank's; a rollout rank runs serve()");
-  const Job& j = *jobs_[0];
+  const Job& j = *jobs_[lead];
+  as.first_rollout = j.rollouts;
   const nlohmann::json none = nlohmann::json::object();
   const nlohmann::json& saved = state.is_object() && state.contains("async") ? state["async"] : none;
   as.trained = saved.value("trained", j.rollouts);
@@ -302,23 +327,28 @@ int64_t RlSource::next_update_staleness() {
 // A rollout rank: one rollout sampled (its share of the prompts, dynamic sampling's rounds agreed over the rollout
 // ranks), as the message to the training ranks.
 std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
-  Job& j = *jobs_[0];
-  j.rollouts = rollout;
-  std::vector<Drawn> d(1);
-  while (sampling_round({0}, d)) {
+  std::vector<size_t> ids(jobs_.size());  // every job (tenants in step: one schedule), in one engine
+  std::iota(ids.begin(), ids.end(), size_t(0));
+  for (auto& j : jobs_) j->rollouts = rollout;
+  std::vector<Drawn> d(ids.size());
+  while (sampling_round(ids, d)) {
   }
-  j.rollouts = rollout + 1;
+  for (auto& j : jobs_) j->rollouts = rollout + 1;
   if (async_->ranks.rollout_tp && async_->ranks.rollout_tp->rank() > 0) return {};  // the engine's first rank sends
-  Figures& f = d[0].f;
-  f.dropped = int64_t(d[0].uniform.size());
   std::vector<double> m = {kRollout, double(rollout), double(async_version(rollout, async_->max_staleness)),
-                           double(j.epoch), double(j.position), async_->rollout_idle_s};
-  const std::vector<double> figures = f.message();
-  LATHE_ASSERT(figures.size() == Figures::kMessageSize);
-  m.insert(m.end(), figures.begin(), figures.end());
-  m.push_back(double(d[0].informative.size() + d[0].uniform.size()));
-  for (const std::vector<Group>* kept : {&d[0].informative, &d[0].uniform})
-    for (const Group& g : *kept) encode_group(g, m);
+                           async_->rollout_idle_s};
+  for (size_t k = 0; k < ids.size(); ++k) {
+    Figures& f = d[k].f;
+    f.dropped = int64_t(d[k].uniform.size());
+    m.push_back(double(jobs_[k]->epoch));
+    m.push_back(double(jobs_[k]->position));
+    const std::vector<double> figures = f.message();
+    LATHE_ASSERT(figures.size() == Figures::kMessageSize);
+    m.insert(m.end(), figures.begin(), figures.end());
+    m.push_back(double(d[k].informative.size() + d[k].uniform.size()));
+    for (const std::vector<Group>* kept : {&d[k].informative, &d[k].uniform})
+      for (const Group& g : *kept) encode_group(g, m);
+  }
   return m;
 }
 
@@ -377,10 +407,11 @@ void RlSource::take_events(size_t end) {
         kept.push_back(std::move(m));
       }
     LATHE_CHECK(!kept.empty(), "rl: async: no rollout rank sent rollout {}", e.index);
-    Job& j = *jobs_[0];
-    j.epoch = int64_t(kept.back()[3]);  // the position after this rollout's prompts (a checkpoint's)
-    j.position = int64_t(kept.back()[4]);
-    j.rollouts = e.index + 1;
+    read_message(kept.back(), [&](size_t k, MessageSection& s) {  // each job's position after this rollout
+      jobs_[k]->epoch = s.epoch;
+      jobs_[k]->position = s.position;
+      jobs_[k]->rollouts = e.index + 1;
+    });
   }
 }
 
@@ -397,38 +428,44 @@ void RlSource::rollout_from_ranks(const std::vector<size_t>& ids) {
   LATHE_CHECK(it != as.buffer.end(), "rl: async: rollout {} never arrived from the rollout ranks", m);
   const std::vector<std::vector<double>> messages = std::move(it->second);
   as.buffer.erase(it);
-  const Job& j = *jobs_[0];
-  const size_t n = size_t(j.c->rl.samples);
-  std::vector<Group> all;
-  Figures f;
+  std::vector<std::vector<Group>> all(jobs_.size());
+  std::vector<Figures> sampled(jobs_.size());
   double rollout_idle = 0;
   for (const std::vector<double>& msg : messages) {
     as.version = int64_t(msg[2]);
-    rollout_idle = std::max(rollout_idle, msg[5]);
-    const double* x = msg.data() + 6;
-    f.add_message(x);
-    const double* v = x + Figures::kMessageSize + 1;
-    for (int64_t g = 0; g < int64_t(x[Figures::kMessageSize]); ++g) all.push_back(decode_group(v, n));
+    rollout_idle = std::max(rollout_idle, msg[3]);
+    read_message(msg, [&](size_t k, MessageSection& s) {
+      sampled[k].add_message(s.figures);
+      for (Group& g : s.groups) all[k].push_back(std::move(g));
+    });
   }
-  const bool dynamic = j.settings.dynamic_sampling;
-  std::stable_sort(all.begin(), all.end(), [&](const Group& a, const Group& b) {
-    return std::tuple(dynamic && a.uniform, a.round, a.candidate) < std::tuple(dynamic && b.uniform, b.round, b.candidate);
-  });
-  const int64_t want = j.c->rl.prompts_per_step;
-  LATHE_CHECK(int64_t(all.size()) >= want, "rl: async: rollout {} has {} groups, {} wanted", m, all.size(), want);
-  std::vector<std::vector<Group>> groups(1);
-  for (int64_t k = ranks_.rank; k < want; k += ranks_.ranks) groups[0].push_back(std::move(all[size_t(k)]));
-  std::vector<Figures> figures(1);
-  if (ranks_.rank == 0) figures[0] = f;  // summed over the training ranks in train_on
+  // The jobs training this step (a failed tenant's groups are left: the rollout ranks sampled it with the base).
+  std::vector<std::vector<Group>> groups(ids.size());
+  std::vector<Figures> figures(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Job& j = *jobs_[ids[i]];
+    std::vector<Group>& mine = all[ids[i]];
+    const bool dynamic = j.settings.dynamic_sampling;
+    std::stable_sort(mine.begin(), mine.end(), [&](const Group& a, const Group& b) {
+      return std::tuple(dynamic && a.uniform, a.round, a.candidate) < std::tuple(dynamic && b.uniform, b.round, b.candidate);
+    });
+    const int64_t want = j.c->rl.prompts_per_step;
+    LATHE_CHECK(int64_t(mine.size()) >= want, "rl: async: rollout {} has {} groups{}, {} wanted", m, mine.size(),
+                j.c->name.empty() ? "" : " of tenant " + j.c->name, want);
+    for (int64_t k = ranks_.rank; k < want; k += ranks_.ranks) groups[i].push_back(std::move(mine[size_t(k)]));
+    if (ranks_.rank == 0) figures[i] = sampled[ids[i]];  // summed over the training ranks in train_on
+  }
   train_on(ids, groups, figures);
-  nlohmann::json& metrics = jobs_[ids[0]]->rollout_metrics;
-  metrics["weights_version"] = as.version;
-  metrics["trainer_idle_s"] = as.trainer_idle_s;
-  metrics["rollout_idle_s"] = rollout_idle;
-  if (as.ranks.sync) {
-    metrics["sync_s"] = as.sync_s;
-    metrics["sync_mib"] = as.sync_bytes / 1048576.0;
-    metrics["sync_gb_per_s"] = as.sync_s > 0 ? as.sync_bytes / as.sync_s / 1e9 : 0.0;
+  for (size_t id : ids) {
+    nlohmann::json& metrics = jobs_[id]->rollout_metrics;
+    metrics["weights_version"] = as.version;
+    metrics["trainer_idle_s"] = as.trainer_idle_s;
+    metrics["rollout_idle_s"] = rollout_idle;
+    if (as.ranks.sync) {
+      metrics["sync_s"] = as.sync_s;
+      metrics["sync_mib"] = as.sync_bytes / 1048576.0;
+      metrics["sync_gb_per_s"] = as.sync_s > 0 ? as.sync_bytes / as.sync_s / 1e9 : 0.0;
+    }
   }
   ++as.trained;
 }

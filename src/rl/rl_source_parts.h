@@ -114,6 +114,13 @@ struct RlSource::Ask {
   int64_t round = 0;
 };
 
+// rl.mode async: one job's section of a rollout rank's message (read_message): its place in the prompts after the
+// rollout, its figures (Figures::message's numbers, inside the message) and its groups.
+struct RlSource::MessageSection {
+  int64_t epoch = 0, position = 0;
+  const double* figures = nullptr;
+  std::vector<Group> groups;
+};
 
 // rl.mode: async: the schedule's walk and what each side keeps between its events (rl_source_async.cpp).
 struct RlSource::Async {
@@ -123,6 +130,7 @@ struct RlSource::Async {
   size_t next = 0;        // the first event not taken
   bool started = false;   // a training rank: the run's start sent (start_async)
   int64_t trained = 0;    // a training rank: rollouts trained (its weights' version)
+  int64_t first_rollout = 0;  // a training rank: the first rollout the rollout ranks sample (at the start or resume)
   int64_t updates = 0;    // a training rank: updates done
   int64_t minibatches = 1;
   // A training rank: the rollouts taken and not trained yet, each as the rollout ranks' messages.

@@ -629,9 +629,6 @@ void check_rl(const TrainConfig& c, bool has_tenants, std::vector<std::string>& 
   one_of("rl.importance_correction", r.importance_correction, {"auto", "none", "token_tis", "token_mis", "seq_tis", "seq_mis"});
   one_of("rl.offload_optimizer", r.offload_optimizer, {"auto", "true", "false"});
   one_of("rl.mode", r.mode, {"colocated", "async"});
-  if (r.mode == "async" && has_tenants)
-    problems.push_back("rl.mode: async with tenants is not built yet (the rollout ranks serve one policy): train the "
-                       "tenants colocated, or one policy async");
   if (has_tenants) return;  // each tenant's policy is checked with its own options (and layout)
   if (c.grad_accum != 1)
     problems.push_back(fmt::format("train.grad_accum: {}: lathe rl takes one mini-batch a step (rl.minibatches splits "
@@ -787,6 +784,12 @@ TrainConfig load_train_config(const std::string& yaml_path, const std::vector<st
       for (const std::string& p : own_problems) problems.push_back(where + p);
     }
     if (t.lora_rank <= 0) problems.push_back(where + "lora.rank: tenants share one frozen base model, so each needs lora.rank > 0");
+    // rl.mode async walks one schedule of rollouts for every tenant (rl/async_schedule.h): they run in step.
+    for (const auto& [key, mine, run] : {std::tuple{"train.max_steps", t.max_steps, c.max_steps},
+                                         std::tuple{"train.save_every", t.save_every, c.save_every}})
+      if (which == ConfigFor::rl && c.rl.mode == "async" && mine != run)
+        problems.push_back(where + fmt::format("{}: {} differs from the run's {}: under rl.mode async the tenants' "
+                                               "rollouts run in step (one schedule), so it is shared", key, mine, run));
     if (!t.output_dir.empty() && !outputs.insert(t.output_dir).second)
       problems.push_back(where + fmt::format("output_dir '{}' is used by another tenant", t.output_dir));
     c.tenants.push_back(std::move(t));

@@ -541,8 +541,8 @@ TEST(Rl, DataParallelRanksEqualOneProcess) {
 // (tenant b: GSPO at temperature 0.8 with a KL term, lr 0.02, another format reward, other prompts): their requests
 // share each rollout's engine and their updates each step's batch, and each tenant's run equals the same policy
 // trained alone — the same rewards and response lengths at every step (the same tokens), losses and gradient norms
-// within 1e-5 relative — with its own output folder, metrics and PEFT adapter. Tenant options that must be shared
-// (rl.minibatches) are refused per tenant.
+// within 1e-5 relative — with its own output folder, metrics and PEFT adapter; likewise data-parallel and under
+// rl.mode async (killed and resumed too). Tenant options that must be shared (rl.minibatches) are refused per tenant.
 TEST(Rl, TenantsTrainTogetherAsEachAlone) {
   const fs::path dir = setup("tenants");
   {
@@ -598,6 +598,36 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
     ASSERT_EQ(got.size(), want.size()) << dp.output;
     expect_same_steps(got, want, {"reward_mean", "response_length_mean"}, fmt::format("dp2 tenant {}", t));
   }
+  // rl.mode async (one schedule for both tenants, their requests in the rollout ranks' engine, every adapter synced):
+  // at max_staleness 0 one trainer beside one rollout rank, and two trainers beside one, equal the one-process run
+  // (rewards and lengths exact, losses within 1e-4); at max_staleness 1 both tenants learn one version behind.
+  for (const auto& [np, k] : {std::pair{2, 0}, std::pair{3, 0}, std::pair{2, 1}}) {
+    const fs::path out = dir / fmt::format("multi_async_np{}_k{}", np, k);
+    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness={} "
+                                       "--set rl.rollout_ranks=1", (dir / "tenants.yaml").string(), out.string(), k),
+                           mpirun(np));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    for (const char* t : {"a", "b"}) {
+      const std::vector<nlohmann::json> want = rl_rows(dir / "multi" / t), got = rl_rows(out / t);
+      ASSERT_EQ(got.size(), want.size()) << run.output;
+      EXPECT_TRUE(fs::exists(out / t / "final/adapter_model.safetensors")) << t;
+      if (k == 0) {
+        expect_same_steps(got, want, {"reward_mean", "response_length_mean"}, fmt::format("async tenant {}", t), 1e-4);
+        continue;
+      }
+      for (size_t i = 1; i < got.size(); ++i) EXPECT_EQ(got[i]["rl"]["weights_version"].get<int64_t>(), int64_t(i) - 1);
+    }
+  }
+  // Killed after step 3 and run again, the async tenants resume from their step-2 checkpoints (each keeping the
+  // rollout sampled ahead) and end with the uninterrupted run's adapters, bit for bit.
+  const std::string killed_run = fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness=1",
+                                             (dir / "tenants.yaml").string(), (dir / "multi_async_kill").string());
+  EXPECT_NE(lathe(killed_run, mpirun(2) + " -x LATHE_FAULT_INJECT=after_step:3").exit_code, 0);
+  const auto resumed = lathe(killed_run, mpirun(2));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  for (const char* t : {"a", "b"})
+    EXPECT_EQ(file_bytes(dir / "multi_async_kill" / t / "final/adapter_model.safetensors"),
+              file_bytes(dir / "multi_async_np2_k1" / t / "final/adapter_model.safetensors")) << t;
 #endif
   // The tenants' settings differ, so their reward curves do.
   std::vector<double> curve_a, curve_b;
@@ -617,6 +647,16 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
   EXPECT_NE(failing.output.find("rl: tenant c: FAILED"), std::string::npos) << failing.output;
   EXPECT_NE(failing.output.find("rl: tenant a: 6 steps"), std::string::npos) << failing.output;
   EXPECT_TRUE(fs::exists(dir / "failing/a/final/adapter_model.safetensors")) << failing.output;
+#ifdef LATHE_MPIRUN
+  // Likewise async: the rollout ranks go on sampling the failed tenant (its adapter now zero), the trainer leaves its
+  // groups, and the other tenant finishes.
+  const auto failing_async = lathe("rl " + (dir / "failing.yaml").string() + " --set rl.minibatches=2 --set rl.mode=async "
+                                   "--set output_dir=" + (dir / "failing_async").string(), mpirun(2));
+  EXPECT_EQ(failing_async.exit_code, 4) << failing_async.output;
+  EXPECT_TRUE(fs::exists(dir / "failing_async/c/FAILED")) << failing_async.output;
+  EXPECT_NE(failing_async.output.find("rl: tenant a: 6 steps"), std::string::npos) << failing_async.output;
+  EXPECT_TRUE(fs::exists(dir / "failing_async/a/final/adapter_model.safetensors")) << failing_async.output;
+#endif
   std::ofstream(dir / "bad.yaml") << shared << train_a << rl_a << "output_dir: bad\n"
                                   << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n    rl: {minibatches: 2}\n";
   const auto bad = lathe("rl " + (dir / "bad.yaml").string());
@@ -895,7 +935,7 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
 
 // Layouts async cannot run are refused before anything is written, naming the option: one process, every rank a
 // rollout rank, pipeline stages colocated (the engine decodes whole models), training ranks that tp does not divide, a parallel.dp that is not the
-// training ranks, rollout ranks that rl.rollout_tp does not divide, tenants.
+// training ranks, rollout ranks that rl.rollout_tp does not divide, tenants out of step.
 TEST(Rl, AsyncLayoutsAreChecked) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -916,11 +956,14 @@ TEST(Rl, AsyncLayoutsAreChecked) {
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
   refused("--set rl.rollout_tp=2", mpirun(2), "rl.rollout_tp = 2 does not divide the 1 rollout rank(s)");
   std::ofstream(dir / "tenants.yaml") << file_bytes(config(dir)) << "lora:\n  rank: 4\n"
-                                      << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n";
+                                      << "tenants:\n  - name: a\n    data: {train: prompts.jsonl}\n"
+                                      << "  - name: b\n    data: {train: prompts.jsonl}\n    train: {max_steps: 4}\n";
   const auto tenants = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async", (dir / "tenants.yaml").string(),
                                          (dir / "bad").string()), mpirun(2));
   EXPECT_NE(tenants.exit_code, 0);
-  EXPECT_NE(tenants.output.find("rl.mode: async with tenants is not built yet"), std::string::npos) << tenants.output;
+  EXPECT_NE(tenants.output.find("tenants[1] (b): train.max_steps: 4 differs from the run's 6: under rl.mode async"),
+            std::string::npos) << tenants.output;
+  EXPECT_FALSE(fs::exists(dir / "bad"));
 #endif
 }
 
