@@ -761,7 +761,8 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
 
 // A trained adapter applied by `lathe logprobs --adapter` and `lathe generate --adapter` (merged into the weights) /
 // `--adapters NAME=DIR` (unmerged, per line) under every layout each command runs, against one process: logprobs at
-// tp 2, cp 2 and pp 2 (and ep 2 on Qwen3-MoE with adapters on the experts), generate at tp 2 (and ep 2): tokens equal,
+// tp 2, cp 2 and pp 2 (and ep 2 on Qwen3-MoE with adapters on the experts; tp, cp and ep on the Qwen3.5-MoE hybrid),
+// generate at tp 2 (and ep 2): tokens equal,
 // log-probs within f32 rounding; and the adapter moves the log-probs away from the base's (it was applied).
 void expect_adapter_commands_equal_one_process(const fs::path& dir, const std::string& layouts_logprobs,
                                                const std::string& layouts_generate) {
@@ -830,6 +831,10 @@ TEST(Adapters, ScoredAndDecodedUnderParallelLayoutsAsByOneProcess) {
   ASSERT_EQ(train(moe, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05 --set lora.rank=4 --set lora.alpha=16 "
                   "--set lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]").exit_code, 0);
   expect_adapter_commands_equal_one_process(moe, "--ep 2", "--ep 2");
+  // The Qwen3.5-MoE hybrid (Gated DeltaNet, gated attention, experts with a shared one): every layout at once.
+  const fs::path hybrid = setup("adapters_hybrid", kQwen35MoeCp, "lora: {rank: 4, alpha: 16}\n");
+  ASSERT_EQ(train(hybrid, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05").exit_code, 0);
+  expect_adapter_commands_equal_one_process(hybrid, "--tp 2 --cp 2 --ep 2", "--tp 2 --ep 2");
 }
 
 TEST(DataParallel, ACheckpointOfDp2ResumesAtDp4OnTheSameCurve) {
