@@ -104,8 +104,8 @@ CausalLm::CausalLm(Runtime& rt, ModelConfig config, ModelOptions options)
                 "ranks", global_config_.model_type, ep_size());
     LATHE_CHECK(global_config_.num_experts % ep_size() == 0, "parallel.ep: {} experts do not split evenly over {} "
                 "ranks", global_config_.num_experts, ep_size());
-    LATHE_CHECK(cp_size() == 1, "parallel.ep: expert parallelism with context parallelism (cp {}) is not built",
-                cp_size());
+    LATHE_CHECK(ep_size() % cp_size() == 0, "parallel.ep: {} with parallel.cp {}: ep must be a multiple of cp (each "
+                "expert group holds whole context-parallel groups)", ep_size(), cp_size());
   }
   if (pp_size() > 1) {
     const PipelineLayout& pl = options_.pipeline;

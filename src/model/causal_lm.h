@@ -406,6 +406,7 @@ class CausalLm {
   // that are the batch's (the last ranks' rows past T are zero padding; a rank may have none).
   int64_t block_tokens(const PackedBatch& b) const;
   int64_t cp_real_rows(const PackedBatch& b) const;
+  Communicator* routing_group() const;  // the ranks one aux loss's routing totals are summed over (moe_layer.cpp)
   // x (n, ...) with zero rows after it up to `rows` (x itself when it has them); a zero tensor of x's shape and dtype
   // (a gradient that is zero on this rank, defined for a sum over the group).
   Tensor zero_padded_rows(const Tensor& x, int64_t rows) const;

@@ -118,6 +118,12 @@ MlpActs CausalLm::mlp_forward(int64_t layer, const MlpParams& p, const Tensor& h
   if (p.sparse) {  // whole on every rank of a tp group: the stream's rows (sp) of its output
     // Under cp the rank's rows of the batch are routed, the padding rows after its end left out (a zero output).
     const int64_t real = context_parallel() ? cp_real_rows(b) : hn.size(0);
+    // Under ep every rank takes part in the layer's exchanges with rows of its own: a batch too short to give the
+    // last cp rank one is refused on every rank alike (they share the batch).
+    LATHE_CHECK(!expert_parallel() || !context_parallel() || b.tokens() > (cp_size() - 1) * block_tokens(b),
+                "moe: a batch of {} tokens leaves context-parallel rank {} without rows, which expert parallelism "
+                "cannot route: give micro-batches of at least {} tokens", b.tokens(), cp_size() - 1,
+                (cp_size() - 1) * block_tokens(b) + 1);
     if (real > 0) a.moe = moe_forward(layer, p.moe, hn.narrow(0, 0, real), b, training);
     a.out = sp_rows(zero_padded_rows(real > 0 ? a.moe.out : hn.narrow(0, 0, 0), hn.size(0)));
     return a;
@@ -473,8 +479,7 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
   }
   if (totals.empty()) return;
   // The aux loss and the loads are the whole batch's, not the rows' (cp), or the group's batches' (ep).
-  if (context_parallel()) sum_totals_over(*options_.cp, totals);
-  if (expert_parallel()) sum_totals_over(*options_.ep, totals);
+  if (Communicator* g = routing_group()) sum_totals_over(*g, totals);
   const Tensor d_aux = aux_from_totals(res, layers, totals, backward, loss_scale);
   if (d_aux.defined())
     for (MoeRoute* r : routes) r->d_aux = d_aux;
@@ -491,9 +496,11 @@ Tensor CausalLm::aux_from_totals(LossResult& res, const std::vector<int64_t>& la
   res.aux_loss = load_balancing_loss_totals(totals, grad ? &dp : nullptr);
   if (!grad) return Tensor();
   // Under ep each rank differentiates the group's aux loss at its own rows; a rank's loss_scale is its share of a
-  // mean over the group's batches (1 / ep of it for equal shares), so the aux term takes ep x loss_scale, and the
-  // group's gradients sum to the aux loss's over all their rows at the group's scale.
-  for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale * double(ep_size());
+  // mean over the group's batches (1 / ep of it for equal shares; cp ranks share a batch, so ep / cp batches under cp),
+  // so the aux term takes that many times loss_scale, and the group's gradients sum to the aux loss's over all their
+  // rows at the group's scale.
+  const double batches = expert_parallel() ? double(ep_size()) / double(cp_size()) : 1.0;
+  for (double& v : dp) v *= config_.router_aux_loss_coef * loss_scale * batches;
   ExecContext cx = ctx();
   return cast(cx, rt_->upload(dp.data(), {1, int64_t(dp.size())}, DType::F64, options_.device), routing_dtype());
 }
@@ -526,6 +533,13 @@ std::vector<RoutingTotals> unflatten_totals(const double* v, size_t layers, size
 
 }  // namespace
 
+// The ranks whose rows one aux loss covers: the cp group (one batch's rows), or the ep group (its ranks' batches; under
+// cp too, ep being a multiple of cp, each of its batches whole); null without either.
+Communicator* CausalLm::routing_group() const {
+  if (expert_parallel()) return options_.ep;
+  return context_parallel() ? options_.cp : nullptr;
+}
+
 void CausalLm::sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const {
   const std::vector<double> flat = flatten_totals(totals);  // per layer: tokens, counts, probability sums
   Tensor sums = rt_->from_host(flat.data(), {int64_t(flat.size())}, DType::F64, options_.device);
@@ -537,8 +551,7 @@ void CausalLm::sum_totals_over(Communicator& group, std::vector<RoutingTotals>& 
 std::vector<double> CausalLm::stage_routing_totals(const StageWork& work) {
   std::vector<RoutingTotals> totals = work.totals;
   if (totals.empty()) return {};
-  if (context_parallel()) sum_totals_over(*options_.cp, totals);
-  if (expert_parallel()) sum_totals_over(*options_.ep, totals);
+  if (Communicator* g = routing_group()) sum_totals_over(*g, totals);
   return flatten_totals(totals);
 }
 

@@ -534,8 +534,11 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     const auto refuse = [&](const std::string& what) {
       problems.push_back(fmt::format("parallel.ep: {} with {} is not built yet", c.ep, what));
     };
-    if (c.cp > 1) refuse(fmt::format("parallel.cp {}", c.cp));
     if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
+    if (c.cp > 1 && c.ep % c.cp != 0)
+      problems.push_back(fmt::format("parallel.ep: {} with parallel.cp {}: ep must be a multiple of cp (each expert "
+                                     "group then holds whole context-parallel groups: one aux loss over their batches, "
+                                     "one copy of the weights to save)", c.ep, c.cp));
   }
   if (c.cp > 1) {  // context parallelism so far: without LoRA dropout
     if (c.lora_rank > 0 && c.lora_dropout > 0)

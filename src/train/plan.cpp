@@ -504,8 +504,10 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
       if (nproc / tp / cp % pp != 0) continue;
       const int64_t dp = nproc / tp / cp / pp;
       for (int64_t zero = 0; zero <= (dp * cp > 1 ? 2 : 0); ++zero)
-      for (int64_t ep = 1; ep <= dp; ++ep) {
-        if (dp % ep != 0 || (ep > 1 && (plan.model.num_experts == 0 || plan.model.num_experts % ep != 0))) continue;
+      for (int64_t ep = 1; ep <= dp * cp; ++ep) {  // over the dp x cp ranks; under cp a multiple of it
+        if (dp * cp % ep != 0 || (ep > 1 && (plan.model.num_experts == 0 || plan.model.num_experts % ep != 0)) ||
+            (ep > 1 && cp > 1 && ep % cp != 0))
+          continue;
         const PlanLayout layout{tp, cp, dp, zero, ep, pp};
         std::string refused;
         TrainConfig at = c;

@@ -99,8 +99,8 @@ TEST(Plan, InputItCannotPlanIsAUsageError) {
 #endif
 }
 
-// The demo made a mixture-of-experts model (4 experts, top 2): the ep rows appear among the layouts of 2 ranks, the one
-// ep runs with (ZeRO 0) planned, ZeRO with ep refused in the trainer's words, and the JSON names ep and its traffic.
+// The demo made a mixture-of-experts model (4 experts, top 2): the ep rows appear among the layouts of 2 ranks, the two
+// ep runs with (over dp 2 or cp 2, ZeRO 0) planned, ZeRO with ep refused in the trainer's words, and the JSON names ep and its traffic.
 TEST(Plan, MoeLayoutsIncludeExpertParallelism) {
   const std::string moe = " --set model.config.model_type=qwen3_moe --set model.config.num_experts=4 "
                           "--set model.config.num_experts_per_tok=2 --set model.config.moe_intermediate_size=32 "
@@ -108,6 +108,7 @@ TEST(Plan, MoeLayoutsIncludeExpertParallelism) {
   const LatheRun r = lathe("plan " + kDemo + " --nproc 2 --memory-gib 4" + moe);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tp=1 cp=1 ep=2 dp=2 zero=0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tp=1 cp=2 ep=2 dp=1 zero=0"), std::string::npos) << r.output;  // the experts over cp ranks
   const size_t row = r.output.find("tp=1 cp=1 ep=2 dp=2 zero=1");
   ASSERT_NE(row, std::string::npos) << r.output;
   EXPECT_NE(r.output.substr(row, r.output.find('\n', row) - row).find("refused: parallel.ep: 2 with parallel.zero 1"),
@@ -123,7 +124,7 @@ TEST(Plan, MoeLayoutsIncludeExpertParallelism) {
     } else {
       EXPECT_EQ(l["comm_bytes_per_step_by_group"]["ep"].get<int64_t>(), 0) << l.dump();
     }
-  EXPECT_EQ(ep_rows, 1);
+  EXPECT_EQ(ep_rows, 2);  // ep 2 over dp 2, and over cp 2
 }
 
 }  // namespace
