@@ -5,9 +5,10 @@
 // Messages. A rollout rank's groups of one rollout, to every training rank (gathered_values over the world; a
 // training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, the rollout rank's seconds
 // waiting for the trainer since its last message}, then for each job (the policy, or every tenant, in order) {epoch,
-// position, its figures (Figures::message), group count, each group (encode_group)}. The weights, from the first training rank over the sync group: a header
-// {kWeights or kStop, version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA
-// configs, the position in the prompts and the parameters' sizes), then the synced tensors, whole, in buckets of up to
+// position, its figures (Figures::message), group count, each group (encode_group)}. The weights, from the first
+// training rank over the sync group: a header {kWeights or kStop, version, bytes of JSON that follow}, at the start
+// the JSON (the model config, dtype, LoRA configs, each job's position in its prompts and adapter, the first rollout
+// to sample and the parameters' sizes), then the synced tensors, whole, in buckets of up to
 // 256 MiB (sync_buckets): at the start the whole model and the adapters, later the adapters alone under LoRA, else the
 // whole model.
 #include <fmt/format.h>

@@ -122,10 +122,9 @@ class Trainer::Impl {
   double reduce_over_replicas(const std::vector<Job*>& active);
   void reduce_adapter_grads(const std::vector<Job*>& active);
   bool sharded() const { return c_.zero > 0 && grad_ranks_ > 1 && !lora_; }  // ZeRO: the state over grad_ranks_
-  // The ranks that take part in writing the model or the adapters: the first rank's tp group (the slices are gathered);
-  // the other ranks of its cp group hold the same weights and stay out.
-  // The ranks of the first weight replica that take part in a save: its cp ranks hold the same weights, so the first
-  // alone; under ep the whole expert group (its cp ranks hold different experts; ep is a multiple of cp).
+  // The ranks that take part in writing the model or the adapters: the first weight replica's (the slices are
+  // gathered), of its cp ranks, which hold the same weights, the first alone; under ep the whole expert group (its cp
+  // ranks hold different experts; ep is a multiple of cp).
   bool joins_save() const { return lead_ && (!groups_ || groups_->ep || groups_->cp_rank() == 0); }
   // The group whose ranks hold different slices of the weights, each saving its slices' optimizer state: tp, ep, or
   // tp x ep.
