@@ -600,11 +600,15 @@ TEST(Rl, TenantsTrainTogetherAsEachAlone) {
   }
   // rl.mode async (one schedule for both tenants, their requests in the rollout ranks' engine, every adapter synced):
   // at max_staleness 0 one trainer beside one rollout rank, and two trainers beside one, equal the one-process run
-  // (rewards and lengths exact, losses within 1e-4); at max_staleness 1 both tenants learn one version behind.
-  for (const auto& [np, k] : {std::pair{2, 0}, std::pair{3, 0}, std::pair{2, 1}}) {
-    const fs::path out = dir / fmt::format("multi_async_np{}_k{}", np, k);
-    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness={} "
-                                       "--set rl.rollout_ranks=1", (dir / "tenants.yaml").string(), out.string(), k),
+  // (rewards and lengths exact, losses within 1e-4), and so does one trainer beside an engine split over two rollout
+  // ranks; at max_staleness 1 both tenants learn one version behind.
+  for (const auto& [np, k, rollout] : {std::tuple{2, 0, " --set rl.rollout_ranks=1"}, {3, 0, " --set rl.rollout_ranks=1"},
+                                       {3, 0, " --set rl.rollout_ranks=2 --set rl.rollout_tp=2"},
+                                       {2, 1, " --set rl.rollout_ranks=1"}}) {
+    const fs::path out = dir / fmt::format("multi_async_np{}_k{}{}", np, k,
+                                           std::string(rollout).find("rollout_tp") != std::string::npos ? "_tp" : "");
+    const auto run = lathe(fmt::format("rl {} --set output_dir={} --set rl.mode=async --set rl.max_staleness={}{}",
+                                       (dir / "tenants.yaml").string(), out.string(), k, rollout),
                            mpirun(np));
     ASSERT_EQ(run.exit_code, 0) << run.output;
     for (const char* t : {"a", "b"}) {
