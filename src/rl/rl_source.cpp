@@ -758,7 +758,6 @@ std::vector<double> RlSource::label_logprobs(PackedBatch& b, bool with_adapters,
   return out;
 }
 
-
 // w = exp(old - rollout) per token (token_*) or exp(the sum over the sequence) per sequence (seq_*); *_tis: min(w,
 // cap); *_mis: 1 inside [1 / cap, cap], else 0. The weight multiplies the token's aggregation weight (the policy loss
 // and the KL term alike).

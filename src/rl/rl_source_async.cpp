@@ -4,13 +4,13 @@
 //
 // Messages. A rollout rank's groups of one rollout, to every training rank (gathered_values over the world; a
 // training rank gives nothing, or {kStop} when it stops early): {kRollout, rollout, version, the rollout rank's seconds
-// waiting for the trainer since its last message}, then for each job (the policy, or every tenant, in order) {epoch,
-// position, its figures (Figures::message), group count, each group (encode_group)}. The weights, from the first
-// training rank over the sync group: a header {kWeights or kStop, version, bytes of JSON that follow}, at the start
-// the JSON (the model config, dtype, LoRA configs, each job's position in its prompts and adapter, the first rollout
-// to sample and the parameters' sizes), then the synced tensors, whole, in buckets of up to
-// 256 MiB (sync_buckets): at the start the whole model and the adapters, later the adapters alone under LoRA, else the
-// whole model.
+// waiting for the trainer since its last message, then each job's (the policy's, or every tenant's, in order) epoch
+// and position after the rollout}, then for each job {its figures (Figures::message), group count, each group
+// (encode_group)}. The weights, from the first training rank over the sync group: a header {kWeights or kStop,
+// version, bytes of JSON that follow}, at the start the JSON (the model config, dtype, LoRA configs, each job's
+// position in its prompts and adapter, the first rollout to sample and the parameters' sizes), then the synced tensors,
+// whole, in buckets of up to 256 MiB (sync_buckets): at the start the whole model and the adapters, later the adapters
+// alone under LoRA, else the whole model.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -37,6 +37,9 @@ namespace lathe {
 namespace {
 
 constexpr double kRollout = 1, kStop = 2, kWeights = 3;
+// A rollout message's numbers before the jobs' (epoch, position) pairs, and where job k's pair is.
+constexpr size_t kMessageHeader = 4;
+size_t place_of_job(size_t k) { return kMessageHeader + 2 * k; }
 constexpr int64_t kBucketBytes = int64_t(256) << 20;
 
 // The sync's broadcasts: runs of consecutive tensors of one dtype, each run at most kBucketBytes (a larger tensor
@@ -80,16 +83,16 @@ void RlSource::set_async(const AsyncRanks& ranks) {
 }
 
 // A rollout rank's message for the training ranks, read: the callback gets each job's section (its place in the prompts
-// after the rollout, its figures, its groups). The header's fields are read by the caller.
+// after the rollout, its figures, its groups). The header's first fields are read by the caller.
 void RlSource::read_message(const std::vector<double>& m, const std::function<void(size_t, MessageSection&)>& fn) const {
-  LATHE_CHECK(m.size() >= 4 && m[0] == kRollout, "rl: async: a malformed rollout message");
-  const double* v = m.data() + 4;
+  LATHE_CHECK(m.size() >= place_of_job(jobs_.size()) && m[0] == kRollout, "rl: async: a malformed rollout message");
+  const double* v = m.data() + place_of_job(jobs_.size());
   for (size_t k = 0; k < jobs_.size(); ++k) {
     MessageSection s;
-    s.epoch = int64_t(v[0]);
-    s.position = int64_t(v[1]);
-    s.figures = v + 2;
-    v += 2 + Figures::kMessageSize;
+    s.epoch = int64_t(m[place_of_job(k)]);
+    s.position = int64_t(m[place_of_job(k) + 1]);
+    s.figures = v;
+    v += Figures::kMessageSize;
     const int64_t count = int64_t(*v++);
     for (int64_t g = 0; g < count; ++g) s.groups.push_back(decode_group(v, size_t(jobs_[k]->c->rl.samples)));
     fn(k, s);
@@ -338,11 +341,11 @@ std::vector<double> RlSource::sample_for_trainer(int64_t rollout) {
   if (async_->ranks.rollout_tp && async_->ranks.rollout_tp->rank() > 0) return {};  // the engine's first rank sends
   std::vector<double> m = {kRollout, double(rollout), double(async_version(rollout, async_->max_staleness)),
                            async_->rollout_idle_s};
+  LATHE_ASSERT(m.size() == kMessageHeader);
+  for (const auto& j : jobs_) m.insert(m.end(), {double(j->epoch), double(j->position)});
   for (size_t k = 0; k < ids.size(); ++k) {
     Figures& f = d[k].f;
     f.dropped = int64_t(d[k].uniform.size());
-    m.push_back(double(jobs_[k]->epoch));
-    m.push_back(double(jobs_[k]->position));
     const std::vector<double> figures = f.message();
     LATHE_ASSERT(figures.size() == Figures::kMessageSize);
     m.insert(m.end(), figures.begin(), figures.end());
@@ -408,11 +411,13 @@ void RlSource::take_events(size_t end) {
         kept.push_back(std::move(m));
       }
     LATHE_CHECK(!kept.empty(), "rl: async: no rollout rank sent rollout {}", e.index);
-    read_message(kept.back(), [&](size_t k, MessageSection& s) {  // each job's position after this rollout
-      jobs_[k]->epoch = s.epoch;
-      jobs_[k]->position = s.position;
+    const std::vector<double>& last = kept.back();  // each job's position after this rollout (the groups stay coded)
+    LATHE_CHECK(last.size() >= place_of_job(jobs_.size()), "rl: async: a malformed rollout message");
+    for (size_t k = 0; k < jobs_.size(); ++k) {
+      jobs_[k]->epoch = int64_t(last[place_of_job(k)]);
+      jobs_[k]->position = int64_t(last[place_of_job(k) + 1]);
       jobs_[k]->rollouts = e.index + 1;
-    });
+    }
   }
 }
 
