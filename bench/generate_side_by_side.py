@@ -91,6 +91,7 @@ def hf_projected(folder, prompts, new_tokens, steps):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor(prompts, device="cuda")
+    model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up, not timed
     times = []
     for n in steps:
         torch.cuda.synchronize()

@@ -12,10 +12,10 @@
 #   profile — the same engine runs without transformers, each with --profile-step 100 (the kernels of 10 decoding
 #            steps), and the 1.7B shape with 256 requests; the tables go to $OUT (BUILD_TARGET=lathe_cli builds only
 #            the binary)
-#   parallel — (two GPUs) ParallelGpu.GenerateAtTpAndEpIsAsByOneGpu: `lathe generate --input` at --tp 2 / --ep 2 on
-#            two GPUs against one
-#   q35hf  — the Qwen3.5-0.8B side by side with transformers' rate projected from runs of HF_PROJECT (default 8,24)
-#            new tokens (bench/generate_side_by_side.py --hf-project), no batch-1 row
+#   parallel — (two GPUs) ParallelGpu.Generate*: `lathe generate --input` at --tp 2 / --ep 2 on two GPUs against one
+#   q35hf  — the Qwen3.5-0.8B side by side alone (HF_MAX_TIME, default 200 s), no batch-1 row; with HF_PROJECT=A,B
+#            transformers' rate is projected from runs of A and B new tokens (bench/generate_side_by_side.py
+#            --hf-project)
 # Writes summary.txt and logs.tgz to $OUT.
 source dev/gpu_common.sh "$@"
 
@@ -46,14 +46,15 @@ if has profile; then
 fi
 
 if has parallel; then
-  (cd build && ctest --output-on-failure -V -R "ParallelGpu.GenerateAtTpAndEp" >$L/ctest_parallel.txt 2>&1)
+  (cd build && ctest --output-on-failure -V -R "ParallelGpu.Generate" >$L/ctest_parallel.txt 2>&1)
   summary "ctest (generate at tp 2 / ep 2 on two GPUs): $(grep -E 'tests passed' $L/ctest_parallel.txt)"
   grep -E "generate:|f32: tokens|Failure|Expected|Which is" $L/ctest_parallel.txt | head -30 | tee -a $OUT/summary.txt
 fi
 
 if has q35hf; then
   timeout ${Q35_LIMIT:-420} python3 bench/generate_side_by_side.py --lathe-bin build/lathe --shapes q35-0.8b \
-    --hf-project ${HF_PROJECT:-8,24} --skip-batch1 --out /tmp/gen_q35 >$L/gen_q35.log 2>&1
+    --hf-max-time ${HF_MAX_TIME:-200} ${HF_PROJECT:+--hf-project $HF_PROJECT} --skip-batch1 --out /tmp/gen_q35 \
+    >$L/gen_q35.log 2>&1
   summary "q35hf rc=$?: $(grep -E '^(card|q35|transformers)' $L/gen_q35.log)"
   cp /tmp/gen_q35/results.json $OUT/q35_results.json 2>/dev/null
 fi

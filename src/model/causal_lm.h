@@ -473,10 +473,14 @@ class CausalLm {
 
  private:
   // The routing of rows x (the moe_route op, its offsets and totals read back; with prob_sums also the
-  // probabilities' column sums, which only the aux loss reads: decoding does without); cached_route keeps it per
-  // layer for the current batch.
-  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums);
-  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
+  // probabilities' column sums, which only the aux loss reads); on_device: nothing read back (the offsets stay where
+  // they are for grouped_matmul_routed: routes_on_device). cached_route keeps it per layer for the current batch.
+  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device);
+  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x, bool on_device);
+  // Whether a forward of batch b routes `layer` without a host wait: a decoding step (a cache, no training) without
+  // expert parallelism (its exchange sizes come from the host) or adapters on the experts (their GEMMs take host
+  // groups). A decoding step of such layers only can be recorded as a graph.
+  bool routes_on_device(int64_t layer, const PackedBatch& b, bool training) const;
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
   MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
                     bool training);

@@ -157,13 +157,19 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   return block_output(dhn);
 }
 
-const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
+const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x, bool on_device) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (!r.valid) r = make_route(p, x, true);
+  if (!r.valid) r = make_route(p, x, !on_device, on_device);
   return r;
 }
 
-MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sums) {
+bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool training) const {
+  if (!b.cache || training || expert_parallel()) return false;
+  if (!lora_ || b.segments.empty()) return true;
+  return !lora_->slot(layer, LoraTarget::experts_gate_up) && !lora_->slot(layer, LoraTarget::experts_down);
+}
+
+MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device) {
   MoeRoute r;
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
@@ -172,6 +178,19 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
   // model) where they are: the moe_route op.
   const DType rd = routing_dtype();
   const MoeRouting m = moe_route(cx, cast(cx, linear(cx, x, w(p.router)), rd), {k, c.norm_topk_prob});
+  r.token_ids = m.token;
+  r.position_ids = m.position;
+  r.pair_ids = m.pair;
+  r.weights = cast(cx, m.weights, options_.dtype);
+  r.probs = m.probs;
+  r.picked_ids = m.picked.view({t * k});
+  r.picked_w = m.weights;
+  r.inv_sum = m.inv_sum;
+  if (on_device) {  // no wait: a non-finite router logit is not looked for (its token's logits are not finite either)
+    r.device_offsets = m.offsets;
+    r.valid = true;
+    return r;
+  }
   const Tensor sums = prob_sums ? sum(cx, m.probs, {0}) : Tensor();  // (E), queued before the wait below
   // The one wait of the layer: the grouped GEMMs take their groups on the host.
   const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
@@ -197,14 +216,6 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
     r.pad_pair = pad.pair;
     r.pad_position = pad.position;
   }
-  r.token_ids = m.token;
-  r.position_ids = m.position;
-  r.pair_ids = m.pair;
-  r.weights = cast(cx, m.weights, options_.dtype);
-  r.probs = m.probs;
-  r.picked_ids = m.picked.view({t * k});
-  r.picked_w = m.weights;
-  r.inv_sum = m.inv_sum;
   if (expert_parallel()) plan_expert_exchange(r);
   r.valid = true;
   return r;
@@ -314,7 +325,7 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
 MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x, const PackedBatch& b,
                               bool training) {
   LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
-  return moe_apply(layer, cached_route(layer, p, x), p, x, &b, training);
+  return moe_apply(layer, cached_route(layer, p, x, routes_on_device(layer, b, training)), p, x, &b, training);
 }
 
 MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x,
@@ -334,6 +345,12 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     a.act = swiglu_halves(cx, a.gu);
     const Tensor yd = matmul(cx, a.act.view({e, m, in}), w(p.down), {false, true}).view({e * m, d});
     a.picked = embedding(cx, yd, r.pad_position).view({t, k, d});
+  } else if (r.device_offsets.defined()) {  // decoding: the groups read on the device (no expert adapters here)
+    a.xs = embedding(cx, x, r.token_ids);
+    a.gu = grouped_matmul_routed(cx, a.xs, w(p.gate_up), r.device_offsets);
+    a.act = swiglu_halves(cx, a.gu);
+    a.picked = embedding(cx, grouped_matmul_routed(cx, a.act, w(p.down), r.device_offsets), r.position_ids)
+                   .view({t, k, d});
   } else {
     // Expert parallelism: the rows go to their experts' ranks and the GEMMs run over this rank's experts' rows from
     // every rank (grouped by local expert); the outputs come back in the route's order.

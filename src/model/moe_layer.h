@@ -33,6 +33,9 @@ struct MoeParams {
 // the grouped GEMMs and the loss need (offsets, counts, probability sums), read in one wait per layer.
 struct MoeRoute {
   bool valid = false;
+  // Decoding (CausalLm::routes_on_device): moe_route's offsets (E + 2) where they are, read by the expert GEMMs on the
+  // device (grouped_matmul_routed), so that no host wait splits the step; offsets and totals are then left empty.
+  Tensor device_offsets;
   std::vector<int64_t> offsets;  // (E + 1) the plan's row offsets per expert (the grouped GEMMs' groups)
   RoutingTotals totals;          // pairs per expert and the probabilities' column sums (aux loss, expert load; the
                                  // sums are left empty when decoding)

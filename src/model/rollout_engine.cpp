@@ -453,12 +453,13 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
   const Device device = model.options().device;
   std::string why;
   if (!rt.backend(device.type).can_capture()) why = fmt::format("{} does not record graphs", device.str());
-  else if (model.config().num_experts > 0) why = "a mixture-of-experts layer reads its routing back to the host";
+  else if (model.expert_parallel())  // (a decoding step routes on the device otherwise: CausalLm::routes_on_device)
+    why = "expert parallelism's exchange reads the routing back to the host";
   else if (model.options().tp && model.options().tp->size() > 1)
     why = "tensor parallelism's collectives are not recorded in graphs yet";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
-  // kAuto records whatever can be recorded: faster by median step for both the dense and the hybrid shapes at every
-  // batch measured (docs/rollout.md, "Decode graphs").
+  // kAuto records whatever can be recorded: faster by median step for the dense, hybrid and mixture-of-experts shapes
+  // at every batch measured (docs/rollout.md, "Decode graphs").
   const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || options_.graphs == StepGraphs::kAuto);
   if (options_.graphs == StepGraphs::kPadded || record)
     fixed_ = std::make_unique<FixedSteps>(rt, model, *pool_, options_.max_running, record,

@@ -145,6 +145,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::adamw_list:
     case OpId::moe_route:  // piecewise constant choices; the router's backward is composed by the MoE layer
     case OpId::moe_pad_plan:
+    case OpId::grouped_matmul_routed:  // decoding only
     case OpId::kCount:
       break;
   }

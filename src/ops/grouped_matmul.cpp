@@ -57,7 +57,7 @@ bool expert_blocks_contiguous(const Tensor& t) {
 }
 
 Support grouped_matmul_layout(const OpCall& call) {
-  const bool forward = call.op == OpId::grouped_matmul;
+  const bool forward = call.op != OpId::grouped_matmul_weight_grad;  // grouped_matmul(_routed)
   if (!call.inputs[0].is_contiguous()) return Support::no(forward ? "x must be contiguous" : "dy must be contiguous");
   if (forward && !expert_blocks_contiguous(call.inputs[1]))
     return Support::no("w's expert blocks must be contiguous and at least a block apart");

@@ -67,6 +67,7 @@ namespace lathe {
   X(gated_delta_rule_state, 7) \
   X(grouped_matmul, 2)   \
   X(grouped_matmul_weight_grad, 2) \
+  X(grouped_matmul_routed, 3) \
   X(moe_route, 1)        \
   X(moe_pad_plan, 2)
 
@@ -343,6 +344,11 @@ struct GatedDeltaAttrs {
 // grouped_matmul_weight_grad(dy, x) (trans_w) or (x, dy) (!trans_w: w[e] is (K, N), its gradient x_e^T dy_e). The
 // weight grad is bilinear too: for dw = weight_grad(a, b), da = grouped_matmul(b, ddw) and db = grouped_matmul(a, ddw,
 // trans_w = false).
+// grouped_matmul_routed(x (P, K), w (E, N, K), offsets (E + 2) i32) -> y (P, N): grouped_matmul with trans_w, its
+//   groups read where they are (moe_route's offsets, on x's device; the last entry, the non-finite flag, is not read)
+//   instead of from host attributes: a decoding step's expert GEMMs without a wait for the host, so the step can be
+//   recorded as a graph. No attributes; forward only (decoding). Each group's range is clamped to [0, P] (a row no
+//   group covers is left as the output was allocated: moe_route's groups cover every row).
 struct GroupedMatmulAttrs {
   std::vector<int64_t> offsets;
   bool trans_w = true;

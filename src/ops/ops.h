@@ -190,6 +190,10 @@ std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<
 std::vector<Tensor> grouped_matmul_op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
                                                const OpAttrs& attrs, const Tensor& grad_output);
 
+// grouped_matmul of w (E, N, K) (trans_w) with the groups of moe_route's offsets (E + 2) read on the device (formulas
+// at GroupedMatmulAttrs): decoding's expert GEMMs, no wait for the host. x is made contiguous.
+Tensor grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets);
+
 // A mixture-of-experts layer's routing for one batch on the logits' device (formulas and layouts at MoeRouteAttrs in
 // ops/op_table.h): the router choice and the plan of pairs sorted by expert, in one op.
 struct MoeRouting {

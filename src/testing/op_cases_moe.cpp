@@ -77,6 +77,25 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_forward(48, 64, {1100, 0, 37, 1030}, false, kLarge);
   add_weight_grad(48, 64, {1100, 0, 37, 1030}, kLarge);
 
+  // grouped_matmul_routed(x (P, K), w (E, N, K), offsets (E + 2)): the groups as moe_route leaves them on the device
+  // (its last entry, the non-finite flag, unread). Odd K (the element kernel on CUDA), whole packs (the skinny
+  // kernel: chunks of 8 rows, a group of 19 takes three, a group of one, empty groups first, inside and last), K too
+  // wide for a staged chunk in f32 (1,536 x 8 x 4 bytes: read from global memory), and no rows.
+  const auto add_routed = [&](int64_t k, int64_t n, const std::vector<int64_t>& counts,
+                              const std::vector<DType>& dtypes) {
+    std::vector<double> off;
+    for (int64_t o : offsets_of(counts)) off.push_back(double(o));
+    off.push_back(-1.0);
+    const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
+    c.push_back({OpId::grouped_matmul_routed, fmt::format("p={},e={},k={},n={},groups={}", p, e, k, n, groups_str(counts)),
+                 {{p, k}, {e, n, k}, {e + 2}}, {}, dtypes, false, false, {{}, {}, off}});
+  };
+  add_routed(7, 5, {3, 0, 6, 4}, kFloat);
+  add_routed(16, 24, {0, 1, 19, 0, 8, 0}, kFloat);
+  add_routed(64, 40, {9, 0, 0, 1, 2, 16, 0}, kFloat);
+  add_routed(1536, 6, {2, 9, 0}, kLarge);
+  add_routed(16, 8, {0, 0, 0}, kFloat);
+
   // moe_route(logits (T, E)): f32 and f64 logits (the routing dtypes); the integer outputs (choices, plan) must be
   // exact. Qwen3-30B-A3B's 128 / top-8 and Qwen3-Next's 512 / top-10 (several probabilities per lane), k = E, k = 1 of
   // one expert, an expert count that is no power of two, and an empty batch.

@@ -238,9 +238,9 @@ void generate_batch(Runtime& rt, CausalLm& model, const Args& a, const GenerateO
 std::vector<std::string> rank_args(const Args& a) {
   std::vector<std::string> v = {"generate", "--model", a.model, "--input", a.input, "--device", a.device,
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
-                                "--max-running", std::to_string(a.max_running), "--cache-mib",
-                                std::to_string(a.cache_mib), "--seed", std::to_string(a.seed), "--graphs", a.graphs,
-                                "--tp", std::to_string(a.tp), "--ep", std::to_string(a.ep)};
+                                "--max-running", std::to_string(a.max_running), "--seed", std::to_string(a.seed),
+                                "--graphs", a.graphs, "--tp", std::to_string(a.tp), "--ep", std::to_string(a.ep)};
+  if (a.cache_mib > 0) v.insert(v.end(), {"--cache-mib", std::to_string(a.cache_mib)});  // else each rank's default
   if (a.time_forwards) v.push_back("--time-forwards");
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
   num("--temperature", a.temperature);
@@ -574,16 +574,14 @@ void add_generate_command(CLI::App& app, int& exit_code) {
                   "over N ranks, each generating its own lines (expert parallelism; docs/moe.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--tp", args->tp, "--input under a parallel launch: each model split over N ranks (tensor "
-                  "parallelism, the dense qwen3; the launch's ranks form groups of N, the lines go to the groups; "
-                  "docs/parallel.md)")
+                  "parallelism; the launch's ranks form groups of N, the lines go to the groups; docs/parallel.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
                   "srun work too): the lines are split over the ranks, the output keeps input order")
       ->check(number_in(1));
   cmd->add_option("--graphs", args->graphs,
                   "--input: decode steps recorded as CUDA graphs and replayed: auto (wherever they can be: "
-                  "measured faster for dense and hybrid models; not for mixture-of-experts models, adapters or "
-                  "--tp), on "
+                  "measured faster; not for adapters, --tp or --ep), on "
                   "(any model that allows them; refused where one does not), off, "
                   "padded (the graphs' fixed shapes, run eagerly: for comparisons)")
       ->capture_default_str()

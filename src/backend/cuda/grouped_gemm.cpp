@@ -26,6 +26,7 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/routed_gemm.h"
 #include "backend/registry.h"
 #include "ops/ops.h"
 
@@ -197,9 +198,34 @@ void run_per_group(const OpCall& c, ExecContext& ctx) {
                                     p.type, p.ldb, &beta, g.c, p.type, p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// grouped_matmul_routed (routed_gemm.cu): the skinny kernel where the operands are whole aligned packs, else the
+// element kernel.
+Support routed_skinny_supports(const OpCall& c) {
+  if (Support s = grouped_matmul_layout(c); !s.ok) return s;
+  const Tensor& w = c.inputs[1];
+  if (!routed_skinny_applies(w.dtype(), w.size(2), w.strides()[0], c.inputs[0].data_ptr(), w.data_ptr(),
+                             c.outputs[0].data_ptr()))
+    return Support::no("K, w's block stride or an operand's address is not a whole 16-byte pack");
+  return Support::yes();
+}
+
+template <bool kSkinny>
+void run_routed(const OpCall& c, ExecContext& ctx) {
+  const Tensor& x = c.inputs[0];
+  const Tensor& w = c.inputs[1];
+  launch_routed_gemm(x.dtype(), kSkinny, x.size(0), w.size(1), w.size(2), w.size(0), w.strides()[0], x.data_ptr(),
+                     w.data_ptr(), c.inputs[2].data<int32_t>(), c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_grouped_gemm_kernels(KernelRegistry& r) {
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_skinny", routed_skinny_supports,
+                    run_routed<true>});
+    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_rows", grouped_matmul_layout,
+                    run_routed<false>});
+  }
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     for (OpId op : {OpId::grouped_matmul, OpId::grouped_matmul_weight_grad}) {
 #ifdef LATHE_CUBLAS_GROUPED_GEMM
