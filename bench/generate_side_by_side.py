@@ -8,9 +8,10 @@ else its default cache), timed with torch.cuda.synchronize(); then `lathe genera
 (greedy, --ignore-eos, --max-new-tokens N, all R running at once) and its stderr summary gives tokens/s. A batch-1 row
 (one prompt) times the decoding step against the time to read the weights once at the card's measured copy bandwidth.
 
-Shapes: 1.7b (Qwen3-1.7B: 28 layers, hidden 2048, FFN 6144, 16/8 heads of 128, vocab 151936) and q35-0.8b (the
+Shapes: 1.7b (Qwen3-1.7B: 28 layers, hidden 2048, FFN 6144, 16/8 heads of 128, vocab 151936), q35-0.8b (the
 Qwen3.5-0.8B text shape: 24 layers, 3 Gated DeltaNet + 1 gated attention repeated, hidden 1024, FFN 3584, 8/2 heads of
-256, GDN 16/16 heads of 128, vocab 248320).
+256, GDN 16/16 heads of 128, vocab 248320) and 30b-a3b-Nl (the Qwen3-30B-A3B shape cut to N layers: 128 experts of
+768, top 8, 32/4 heads of 128; with --skip-hf, for the engine's decode graphs of a mixture-of-experts model).
 
 Usage (GPU machine): python3 bench/generate_side_by_side.py --lathe-bin build/lathe [--shapes 1.7b,q35-0.8b]
                      [--requests 64] [--prompt 512] [--new 512] [--out /tmp/gen_bench]
@@ -46,11 +47,21 @@ def make_model(shape, folder):
                                    linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                                    linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
                                    max_position_embeddings=40960)
+    elif shape.startswith("30b-a3b-"):  # the Qwen3-30B-A3B shape cut to N layers: 30b-a3b-Nl
+        from transformers import Qwen3MoeConfig
+        config = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144,
+                                num_hidden_layers=int(shape[len("30b-a3b-"):-1]), num_attention_heads=32,
+                                num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=40960,
+                                rope_theta=1000000.0)
     else:
         sys.exit(f"unknown shape {shape}")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.device("cuda"):  # drawn on the card: minutes on the host for the larger shapes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
     return config.vocab_size
 
 
@@ -181,7 +192,11 @@ def main():
     results = {"card": card, "copy_bandwidth_gbs": bw / 1e9, "rows": []}
     for shape in a.shapes.split(","):
         folder = os.path.join(a.out, shape)
-        vocab = make_model(shape, folder)
+        if os.path.exists(os.path.join(folder, "config.json")):  # made by an earlier run into the same --out
+            with open(os.path.join(folder, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
+        else:
+            vocab = make_model(shape, folder)
         weights = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
         rng = random.Random(0)
         prompts = [[rng.randrange(vocab) for _ in range(a.prompt)] for _ in range(a.requests)]

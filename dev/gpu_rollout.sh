@@ -16,6 +16,9 @@
 #   q35hf  — the Qwen3.5-0.8B side by side alone (HF_MAX_TIME, default 200 s), no batch-1 row; with HF_PROJECT=A,B
 #            transformers' rate is projected from runs of A and B new tokens (bench/generate_side_by_side.py
 #            --hf-project)
+#   moe    — decode graphs of a mixture-of-experts model (MOE_SHAPE, default 30b-a3b-12l: the Qwen3-30B-A3B shape cut
+#            to 12 layers): 64 requests of 512 + 512 with graphs (auto) and without (off), batch 1 both ways, and the
+#            op check of grouped_matmul_routed on the GPU, and the CUDA rows of every family's engine tests
 # Writes summary.txt and logs.tgz to $OUT.
 source dev/gpu_common.sh "$@"
 
@@ -57,4 +60,18 @@ if has q35hf; then
     >$L/gen_q35.log 2>&1
   summary "q35hf rc=$?: $(grep -E '^(card|q35|transformers)' $L/gen_q35.log)"
   cp /tmp/gen_q35/results.json $OUT/q35_results.json 2>/dev/null
+fi
+
+if has moe; then
+  (cd build && ctest -j4 --output-on-failure -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu" >$L/ctest_graphs.txt 2>&1)
+  summary "ctest (decode graphs and CUDA against CPU, every family): $(grep -E 'tests passed' $L/ctest_graphs.txt)"
+  grep -E "\(Failed\)|graphs recorded" $L/ctest_graphs.txt | head -12 | tee -a $OUT/summary.txt
+  ./build/lathe op-check --device cuda --op grouped_matmul_routed >$L/opcheck_routed.txt 2>&1
+  summary "op-check grouped_matmul_routed (cuda): $(tail -n 1 $L/opcheck_routed.txt)"
+  for g in auto off; do
+    python3 bench/generate_side_by_side.py --lathe-bin build/lathe --skip-hf --shapes ${MOE_SHAPE:-30b-a3b-12l} \
+      --graphs $g --graphs-off-too --batch1-graphs $g --time-forwards --cache-mib 20000 --out /tmp/gen_moe \
+      >$L/gen_moe_$g.log 2>&1
+    summary "[moe graphs $g] $(grep -E '^30b' $L/gen_moe_$g.log | sed -E 's/; generate: .* on cuda:0 \(bf16\);/;/')"
+  done
 fi
