@@ -63,7 +63,7 @@ if has q35hf; then
 fi
 
 if has moe; then
-  (cd build && ctest -j4 --output-on-failure -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu" >$L/ctest_graphs.txt 2>&1)
+  (cd build && ctest -j4 -V -R "CudaGraphsEqualEagerSteps|CudaMatchesTheCpu" >$L/ctest_graphs.txt 2>&1)
   summary "ctest (decode graphs and CUDA against CPU, every family): $(grep -E 'tests passed' $L/ctest_graphs.txt)"
   grep -E "\(Failed\)|graphs recorded" $L/ctest_graphs.txt | head -12 | tee -a $OUT/summary.txt
   ./build/lathe op-check --device cuda --op grouped_matmul_routed >$L/opcheck_routed.txt 2>&1
