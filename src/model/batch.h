@@ -57,6 +57,10 @@ struct PackedBatch {
   // Empty: no adapter. Otherwise the segments cover every row and end on document boundaries
   // (set_segments checks); the loss is then the sum over segments of loss_scale x the segment's mean loss.
   std::vector<BatchSegment> segments;
+  // Decoding, in place of segments: each row's adapter on the device (T) i32, the bank's size for none; the layers
+  // gather each row's adapter columns by it (LoraSlot::column_masks), so a recorded decode step serves any mix of
+  // adapters. Not for adapters on the experts (their grouped GEMMs take host segments).
+  Tensor row_adapters;
   DecodeCache* cache = nullptr;  // decoding: the layers continue the cached sequence (no backward)
   const RowLoss* row_loss = nullptr;  // a loss of the labelled log-probabilities (segments scale their rows)
   // With a row loss: where set, the forward also writes each labelled row's entropy of the next-token distribution
@@ -64,6 +68,7 @@ struct PackedBatch {
   std::vector<double>* row_entropy = nullptr;
 
   int64_t tokens() const { return int64_t(host_ids.size()); }
+  bool adapted() const { return !segments.empty() || row_adapters.defined(); }  // rows carry adapters
 };
 
 // Builds a batch on `device` from host vectors (validated: boundaries, id and label ranges).

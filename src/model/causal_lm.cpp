@@ -539,7 +539,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   for (int32_t id : b.host_ids)
     LATHE_CHECK(id >= 0 && id < global_config_.vocab_size, "model: token id {} is outside the vocabulary (size {})", id,
                 global_config_.vocab_size);
-  if (lora_ && !b.segments.empty()) lora_->refresh();  // the adapters' current values into the slots
+  if (lora_ && b.adapted()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
   cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
   decoding_ = b.cache != nullptr;                       // decoding runs every row on every rank (no cp)
@@ -571,14 +571,19 @@ void CausalLm::add_linear_grad(int index, const Tensor& dy, const Tensor& x) {
 
 void CausalLm::add_lora(int64_t layer, LoraTarget t, const Tensor& x, const Tensor& y, const PackedBatch& b,
                         bool training) {
-  const LoraBank::Slot* slot = lora_ && !b.segments.empty() ? lora_->slot(layer, t) : nullptr;
+  const LoraBank::Slot* slot = lora_ && b.adapted() ? lora_->slot(layer, t) : nullptr;
   if (!slot) return;
   // y += mask(dropout(x) A_cat^T) BT_cat: every adapter in two GEMMs, each row keeping its own adapter's columns.
   ExecContext cx = ctx();
+  Tensor out = y;
+  if (b.row_adapters.defined()) {  // decoding: each row's columns gathered on the device (no dropout)
+    const Tensor u = mul(cx, matmul(cx, x, slot->a, {false, true}), embedding(cx, slot->column_masks, b.row_adapters));
+    matmul_into(cx, u, slot->bt, out, {false, false, 1.0f, 1.0f});
+    return;
+  }
   const SegmentAttrs seg = stack_segments(*slot, b, training, x.size(0));
   const Tensor xd = any_dropout(seg) ? dropout(cx, x, seg) : x;
   const Tensor u = segment_mask(cx, matmul(cx, xd, slot->a, {false, true}), seg);
-  Tensor out = y;
   matmul_into(cx, u, slot->bt, out, {false, false, 1.0f, 1.0f});
 }
 

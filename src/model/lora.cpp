@@ -408,6 +408,16 @@ LoraBank::LoraBank(Runtime& rt, const ModelConfig& model, Device device, DType d
     }
   }
   if (chunk_ == 0) chunk_ = 1;
+  for (Slot& s : slots_) {
+    if (s.experts > 0) continue;
+    const int64_t n = int64_t(adapters_.size());
+    std::vector<double> masks(size_t((n + 1) * s.rank_total), 0.0);
+    for (int64_t a = 0; a < n; ++a)
+      for (int64_t j = s.col_begin[size_t(a)]; j < s.col_end[size_t(a)]; ++j)
+        masks[size_t(a * s.rank_total + j)] = s.scaling[size_t(a)];
+    ExecContext cx = rt.context(device);
+    s.column_masks = cast(cx, rt.upload(masks.data(), {n + 1, s.rank_total}, DType::F64, device), dtype);
+  }
   // Each slot holds A_cat then BT_cat, of max(E, 1) R rows each (in slot order); each adapter holds its matrices slot
   // by slot, A then BT. Row q of an adapter's matrix of rank r at columns [c, c + r) lands in slot row
   //   c + q                      (a module: A (r, in), BT (r, out))
@@ -488,6 +498,10 @@ int64_t LoraBank::parameter_count(int adapter) const {
   int64_t n = 0;
   for (const Parameter& p : adapters_[size_t(adapter)].params) n += p.value.numel();
   return n;
+}
+
+bool LoraBank::adapts_experts() const {
+  return std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.experts > 0; });
 }
 
 const LoraBank::Slot* LoraBank::slot(int64_t layer, LoraTarget t) const {

@@ -116,6 +116,9 @@ struct LoraSlot {
   Tensor grad_a, grad_bt;  // same shapes; zeroed by zero_grads(), accumulated by the model's backward
   std::vector<int64_t> col_begin, col_end;  // per adapter: its rows of a/bt ([c, c) when it does not target this)
   std::vector<double> scaling;              // per adapter: its scaling here (rank_pattern / alpha_pattern apply)
+  // (adapters + 1, R) in the bank's dtype: row a holds adapter a's scaling on its columns and zeros elsewhere, the
+  // last row (no adapter) zeros; a decoding batch's rows gather theirs (PackedBatch::row_adapters). Modules only.
+  Tensor column_masks;
 };
 
 class LoraBank {
@@ -173,6 +176,8 @@ class LoraBank {
   // Pipeline parallelism: every adapter's gradient summed over `group` (each stage holds every adapter, and gives the
   // gradients of its own layers' matrices; zero elsewhere). A collective of the group.
   void sum_grads_over(Communicator& group);
+  // Whether an adapter targets a routed-expert parameter (such batches need host segments: PackedBatch::row_adapters).
+  bool adapts_experts() const;
   // The slot of (layer, target), or nullptr when no adapter targets it.
   const Slot* slot(int64_t layer, LoraTarget t) const;
   Slot* slot(int64_t layer, LoraTarget t);

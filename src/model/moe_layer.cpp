@@ -165,7 +165,7 @@ const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const 
 
 bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool training) const {
   if (!b.cache || training || expert_parallel()) return false;
-  if (!lora_ || b.segments.empty()) return true;
+  if (!lora_ || !b.adapted()) return true;
   return !lora_->slot(layer, LoraTarget::experts_gate_up) && !lora_->slot(layer, LoraTarget::experts_down);
 }
 
@@ -305,9 +305,11 @@ void CausalLm::prepare_moe_backward(MoeRoute& r) {
 
 ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r) {
   ExpertLora e;
-  if (!lora_ || !b || b->segments.empty()) return e;
+  if (!lora_ || !b || !b->adapted()) return e;
   e.slot = lora_->slot(layer, t);
   if (!e.slot) return e;
+  LATHE_CHECK(!b->segments.empty(), "model: adapters on the experts of layer {} need the batch's segments (its rows "
+              "by adapter on the host), not row_adapters", layer);
   // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
   ExecContext cx = ctx();
   const int64_t tokens = int64_t(r.weights.size(0)), rank = e.slot->rank_total;  // the routed rows

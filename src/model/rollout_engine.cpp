@@ -298,18 +298,21 @@ class RolloutEngine::FixedSteps {
     if (pool.k.empty()) max_width_ = 1;
     max_width_ = std::min(max_width_, std::max<int64_t>(1, pool.blocks));
     ExecContext cx = rt.context(device_);
-    inputs_ = Tensor::empty({6 * max_batch_ + 1 + max_batch_ * max_width_}, DType::I32, cx.allocator);
+    inputs_ = Tensor::empty({7 * max_batch_ + 1 + max_batch_ * max_width_}, DType::I32, cx.allocator);
     if (record_) private_ = rt.backend(device_.type).private_allocator(device_.index);
     LATHE_CHECK(!record_ || private_, "rollout: {} has no allocator for graphs", device_.str());
   }
 
-  // The final norm's rows (b, H) of a decode step of b sequences, one token each: ids, positions and coordinates
-  // (b rows, `width` columns of table) of the real sequences.
-  Tensor hidden(const std::vector<int32_t>& ids, const std::vector<int32_t>& positions, const StepCoords& c,
-                EngineStats& stats) {
+  // The final norm's rows (b, H) of a decode step of b sequences, one token each: ids, positions, adapters (the
+  // bank's index, -1 for none; empty without a bank) and coordinates (b rows, `width` columns of table) of the real
+  // sequences.
+  Tensor hidden(const std::vector<int32_t>& ids, const std::vector<int32_t>& positions,
+                const std::vector<int32_t>& adapters, const StepCoords& c, EngineStats& stats) {
     const int64_t b = int64_t(ids.size()), batch = padded_batch(b), width = padded_width(c.width);
     ShapeRun& s = shape(batch, width);
-    upload(s, ids, positions, c);
+    LATHE_CHECK(!s.graph || s.bank == model_->lora(), "rollout: the model's LoRA bank changed after decode steps were "
+                "recorded with {} (make a new engine)", s.bank ? "another bank" : "none");
+    upload(s, ids, positions, adapters, c);
     if (s.graph) {
       s.graph->replay(rt_->context(device_).stream);
       ++stats.graph_replays;
@@ -334,6 +337,7 @@ class RolloutEngine::FixedSteps {
         throw;
       }
       s.graph = backend.end_capture(cx.stream);
+      s.bank = model_->lora();
     } catch (const Error& e) {
       if (strict_) throw;
       failure_ = e.what();  // this step's rows stand (its cache writes are done); the engine stops recording
@@ -354,6 +358,8 @@ class RolloutEngine::FixedSteps {
     int64_t batch = 0, width = 0;
     StepTensors tensors;
     PackedBatch batch_inputs;  // views of the input buffer; no cache (run() sets one)
+    Tensor adapters;           // each row's adapter (PackedBatch::row_adapters; run() sets it with a bank)
+    const LoraBank* bank = nullptr;  // the model's bank when the graph was recorded
     TableStore tables;
     std::unique_ptr<Graph> graph;
     Tensor out;  // the graph's output
@@ -370,7 +376,8 @@ class RolloutEngine::FixedSteps {
     return std::min(p, max_width_);
   }
 
-  // Input buffer layout of a shape: ids | positions | rows | lens | slots (batch each) | cu (batch + 1) | table.
+  // Input buffer layout of a shape: ids | positions | rows | lens | slots | adapters (batch each) | cu (batch + 1) |
+  // table.
   ShapeRun& shape(int64_t batch, int64_t width) {
     auto& slot = shapes_[{batch, width}];
     if (slot) return *slot;
@@ -380,13 +387,14 @@ class RolloutEngine::FixedSteps {
     s.batch = batch;
     s.width = width;
     const auto part = [&](int64_t i) { return inputs_.narrow(0, i * batch, batch); };
-    const Tensor cu = inputs_.narrow(0, 5 * batch, batch + 1);
+    const Tensor cu = inputs_.narrow(0, 6 * batch, batch + 1);
     s.tensors.paged_rows = batch;
     s.tensors.rows = part(2);
     s.tensors.lens = part(3);
     s.tensors.slots = part(4);
     s.tensors.cu_paged = cu;
-    s.tensors.table = inputs_.narrow(0, 6 * batch + 1, batch * width).view({batch, width});
+    s.adapters = part(5);
+    s.tensors.table = inputs_.narrow(0, 7 * batch + 1, batch * width).view({batch, width});
     PackedBatch& p = s.batch_inputs;
     p.ids = part(0);
     p.positions = part(1);
@@ -399,10 +407,11 @@ class RolloutEngine::FixedSteps {
   }
 
   void upload(const ShapeRun& s, const std::vector<int32_t>& ids, const std::vector<int32_t>& positions,
-              const StepCoords& c) {
+              const std::vector<int32_t>& adapters, const StepCoords& c) {
     const int64_t b = int64_t(ids.size()), batch = s.batch, width = s.width;
     const int32_t scratch_row = int32_t(pool_->scratch_block * pool_->block_size);
-    host_.assign(size_t(6 * batch + 1 + batch * width), 0);
+    const int32_t none = model_->lora() ? int32_t(model_->lora()->size()) : 0;  // the masks' zero row
+    host_.assign(size_t(7 * batch + 1 + batch * width), 0);
     int32_t* h = host_.data();
     for (int64_t i = 0; i < batch; ++i) {
       const bool real = i < b;
@@ -411,11 +420,12 @@ class RolloutEngine::FixedSteps {
       h[2 * batch + i] = real && !c.rows.empty() ? c.rows[size_t(i)] : scratch_row;
       h[3 * batch + i] = real ? c.lens[size_t(i)] : 1;
       h[4 * batch + i] = real ? c.slots[size_t(i)] : int32_t(pool_->scratch_slot);
+      h[5 * batch + i] = real && !adapters.empty() && adapters[size_t(i)] >= 0 ? adapters[size_t(i)] : none;
       for (int64_t j = 0; j < width; ++j)
-        h[6 * batch + 1 + i * width + j] =
+        h[7 * batch + 1 + i * width + j] =
             real && j < c.width ? c.table[size_t(i * c.width + j)] : int32_t(pool_->scratch_block);
     }
-    for (int64_t i = 0; i <= batch; ++i) h[5 * batch + i] = int32_t(i);
+    for (int64_t i = 0; i <= batch; ++i) h[6 * batch + i] = int32_t(i);
     ExecContext cx = rt_->context(device_);
     cx.stream.upload(inputs_.data_ptr(), host_.data(), host_.size() * sizeof(int32_t));
   }
@@ -424,6 +434,7 @@ class RolloutEngine::FixedSteps {
     StepView view(*rt_, device_, *pool_, s.tensors, s.tables);
     PackedBatch b = s.batch_inputs;
     b.cache = &view;
+    if (model_->lora()) b.row_adapters = s.adapters;
     return model_->last_hidden(b);
   }
 
@@ -801,9 +812,11 @@ bool RolloutEngine::decode_step(const std::vector<Sequence*>& batch, const std::
   return true;
 }
 
-// A decode step of a batch without adapters; not recorded while a profiler times ops.
+// A decode step (adapters on the experts excepted: their GEMMs take host segments); not recorded while a profiler times
+// ops.
 bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
-  if (!fixed_ || model_->lora() || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  if (!fixed_ || (model_->lora() && model_->lora()->adapts_experts()) || int64_t(batch.size()) > fixed_->max_batch())
+    return false;
   if (fixed_->records() && rt_->profiler()) return false;
   return decode_step(batch, chunk);
 }
@@ -834,12 +847,13 @@ Tensor RolloutEngine::step_logits_untimed(const std::vector<Sequence*>& batch, c
   const Device device = model_->options().device;
   const StepCoords co = step_coords(batch, chunk);
   if (fixed_shape_step(batch, chunk)) {
-    std::vector<int32_t> ids, positions;
+    std::vector<int32_t> ids, positions, adapters;
     for (const Sequence* s : batch) {
       ids.push_back(s->tokens[size_t(s->computed)]);
       positions.push_back(int32_t(s->computed));
+      adapters.push_back(int32_t(s->req->adapter));
     }
-    const Tensor logits = model_->lm_head_logits(fixed_->hidden(ids, positions, co, stats_));
+    const Tensor logits = model_->lm_head_logits(fixed_->hidden(ids, positions, adapters, co, stats_));
     if (!fixed_->failure().empty()) {  // kAuto: the rest runs eagerly (the rows above were freed before this)
       fmt::print(stderr, "rollout: note: decode graphs are off for this engine: {}\n", fixed_->failure());
       fixed_.reset();

@@ -229,7 +229,9 @@ TEST_P(RolloutFamilies, GroupSamplesShareTheirPromptComputedOnce) {
 // Adapters per request: two LoRA adapters (different targets and ranks) in a bank attached to the base model, and
 // requests for adapter 0, adapter 1 and the base alone, mixed in one engine (two samples each, small blocks and step
 // budget): each request's greedy tokens equal the cache-free reference of a model with that adapter merged into its
-// weights (merge_lora), and its log-probs that model's within 1e-9.
+// weights (merge_lora), and its log-probs that model's within 1e-9. Twice: decode steps as eager batches with host
+// segments, and at the graphs' fixed shapes (StepGraphs::kPadded, run eagerly here), where each row's adapter is
+// gathered on the device (PackedBatch::row_adapters) — except where an adapter targets experts (host segments).
 TEST_P(RolloutFamilies, RequestsChooseTheirAdapterInOneBatch) {
   const std::unique_ptr<CausalLm> base = tiny_model(GetParam());
   const int64_t v = base->config().vocab_size;
@@ -244,34 +246,39 @@ TEST_P(RolloutFamilies, RequestsChooseTheirAdapterInOneBatch) {
     merge_lora(*merged.back(), bank, a);
   }
   const std::vector<int> adapters = {0, 1, -1, 1, 0};
-  EngineOptions o;
-  o.block_size = 4;
-  o.max_step_tokens = 10;
-  RolloutEngine e(runtime(), *base, o);
-  for (size_t i = 0; i < adapters.size(); ++i) {
-    RolloutRequest r;
-    r.prompt = random_ids(3 + int64_t(i) * 4, v, 400 + i);
-    r.max_new_tokens = 6;
-    r.n = 2;
-    r.adapter = adapters[i];
-    e.submit(r);
+  for (StepGraphs graphs : {StepGraphs::kOff, StepGraphs::kPadded}) {
+    SCOPED_TRACE(graphs == StepGraphs::kOff ? "eager" : "padded");
+    EngineOptions o;
+    o.block_size = 4;
+    o.max_step_tokens = 10;
+    o.graphs = graphs;
+    RolloutEngine e(runtime(), *base, o);
+    for (size_t i = 0; i < adapters.size(); ++i) {
+      RolloutRequest r;
+      r.prompt = random_ids(3 + int64_t(i) * 4, v, 400 + i);
+      r.max_new_tokens = 6;
+      r.n = 2;
+      r.adapter = adapters[i];
+      e.submit(r);
+    }
+    const std::vector<RolloutResult> got = e.run();
+    ASSERT_EQ(got.size(), 2 * adapters.size());
+    for (const RolloutResult& r : got) {
+      const int a = adapters[size_t(r.request)];
+      base->attach_lora(nullptr);  // the reference of the base runs without the bank
+      CausalLm& ref = a < 0 ? *base : *merged[size_t(a)];
+      const auto want = reference_greedy(ref, random_ids(3 + r.request * 4, v, 400 + uint64_t(r.request)), 6);
+      base->attach_lora(&bank);
+      EXPECT_EQ(r.tokens, want.first) << "request " << r.request << " (adapter " << a << ") sample " << r.sample;
+      for (size_t k = 0; k < r.logprobs.size() && k < want.second.size(); ++k)
+        EXPECT_NEAR(r.logprobs[k], want.second[k], 1e-9) << "request " << r.request << " token " << k;
+    }
+    if (graphs == StepGraphs::kPadded && !bank.adapts_experts()) EXPECT_GT(e.stats().padded_steps, 0);
+    RolloutRequest bad;
+    bad.prompt = {1};
+    bad.adapter = 2;
+    EXPECT_THROW(e.submit(bad), Error);
   }
-  const std::vector<RolloutResult> got = e.run();
-  ASSERT_EQ(got.size(), 2 * adapters.size());
-  for (const RolloutResult& r : got) {
-    const int a = adapters[size_t(r.request)];
-    base->attach_lora(nullptr);  // the reference of the base runs without the bank
-    CausalLm& ref = a < 0 ? *base : *merged[size_t(a)];
-    const auto want = reference_greedy(ref, random_ids(3 + r.request * 4, v, 400 + uint64_t(r.request)), 6);
-    base->attach_lora(&bank);
-    EXPECT_EQ(r.tokens, want.first) << "request " << r.request << " (adapter " << a << ") sample " << r.sample;
-    for (size_t k = 0; k < r.logprobs.size() && k < want.second.size(); ++k)
-      EXPECT_NEAR(r.logprobs[k], want.second[k], 1e-9) << "request " << r.request << " token " << k;
-  }
-  RolloutRequest bad;
-  bad.prompt = {1};
-  bad.adapter = 2;
-  EXPECT_THROW(e.submit(bad), Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, RolloutFamilies,
@@ -389,6 +396,50 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
   std::printf("%s: %lld graphs recorded, %lld replays, %lld steps\n", GetParam().c_str(),
               (long long)graph_stats.graphs_recorded, (long long)graph_stats.graph_replays,
               (long long)graph_stats.steps);
+}
+
+// Decode graphs serving adapters (session 27): a bank of two adapters on the attention projections attached to the
+// CUDA model (f32), requests for adapter 0, adapter 1 and the base mixed in one engine, recorded graphs against eager
+// steps: the same tokens, log-probs within 1e-5, graphs recorded and replayed (each row's adapter columns gathered on
+// the device from a fixed input buffer). Skips without a GPU.
+TEST_P(RolloutFamilies, CudaGraphsServeAdapters) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const std::unique_ptr<CausalLm> m = tiny_model(GetParam(), Device::cuda(0), DType::F32);
+  LoraBank bank(runtime(), m->config(), Device::cuda(0), DType::F32,
+                {lora(4, 8, {"q_proj", "k_proj", "v_proj", "o_proj"}), lora(2, 2, {"q_proj", "v_proj"})});
+  randomise(bank, 0, 1, 0.2);
+  randomise(bank, 1, 2, 0.2);
+  m->attach_lora(&bank);
+  const std::vector<int> adapters = {0, 1, -1, 1, 0, -1};
+  const auto generate = [&](StepGraphs graphs, EngineStats* stats) {
+    EngineOptions o;
+    o.block_size = 4;
+    o.max_step_tokens = 20;
+    o.graphs = graphs;
+    RolloutEngine e(runtime(), *m, o);
+    for (size_t i = 0; i < adapters.size(); ++i) {
+      RolloutRequest r;
+      r.prompt = random_ids(1 + int64_t(i) * 5, m->config().vocab_size, 800 + i);
+      r.max_new_tokens = 5 + int64_t(i) * 2;
+      r.adapter = adapters[i];
+      e.submit(r);
+    }
+    std::vector<RolloutResult> out = e.run();
+    *stats = e.stats();
+    return out;
+  };
+  EngineStats eager, replayed;
+  const std::vector<RolloutResult> want = generate(StepGraphs::kOff, &eager), got = generate(StepGraphs::kOn, &replayed);
+  EXPECT_GT(replayed.graphs_recorded, 0);
+  EXPECT_GT(replayed.graph_replays, replayed.graphs_recorded);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(got[k].tokens, want[k].tokens) << "request " << got[k].request;
+    for (size_t t = 0; t < want[k].logprobs.size() && t < got[k].logprobs.size(); ++t)
+      EXPECT_NEAR(got[k].logprobs[t], want[k].logprobs[t], 1e-5) << "request " << got[k].request << " token " << t;
+  }
+  m->attach_lora(nullptr);
 }
 
 // CausalLm::move_parameters (full fine-tuning's KL reference waiting in host memory, rl.reference_offload): a CUDA
