@@ -476,7 +476,7 @@ class CausalLm {
   // probabilities' column sums, which only the aux loss reads); on_device: nothing read back (the offsets stay where
   // they are for grouped_matmul_routed: routes_on_device). cached_route keeps it per layer for the current batch.
   MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device);
-  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x, bool on_device);
+  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
   // Whether a forward of batch b routes `layer` without a host wait: a decoding step (a cache, no training) without
   // expert parallelism (its exchange sizes come from the host) or adapters on the experts (their GEMMs take host
   // groups). A decoding step of such layers only can be recorded as a graph.

@@ -157,9 +157,9 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   return block_output(dhn);
 }
 
-const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x, bool on_device) {
+const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (!r.valid) r = make_route(p, x, !on_device, on_device);
+  if (!r.valid) r = make_route(p, x, true, false);
   return r;
 }
 
@@ -327,7 +327,10 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
 MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x, const PackedBatch& b,
                               bool training) {
   LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
-  return moe_apply(layer, cached_route(layer, p, x, routes_on_device(layer, b, training)), p, x, &b, training);
+  // A decoding step's route is not kept: no backward reads it, and a recorded step's tensors come from the graphs'
+  // allocator, which the model's cache would outlive (rollout_engine.cpp, FixedSteps).
+  if (routes_on_device(layer, b, training)) return moe_apply(layer, make_route(p, x, false, true), p, x, &b, training);
+  return moe_apply(layer, cached_route(layer, p, x), p, x, &b, training);
 }
 
 MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x,

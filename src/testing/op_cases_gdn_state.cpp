@@ -26,6 +26,7 @@ void add_gdn_state_op_cases(std::vector<OpCase>& c) {
   add(3, 2, 4, 16, 8, {0, 1, 2, 3}, GatedDeltaAttrs{0.3, 64}, "scale=0.3,decode=1+1+1");
   add(70, 1, 3, 8, 8, {0, 0, 66, 70}, GatedDeltaAttrs{}, "docs=0+66+4");
   add(5, 1, 2, 128, 128, {0, 1, 5}, GatedDeltaAttrs{}, "qwen3_5_dims,docs=1+4");
+  add(4, 2, 4, 128, 128, {0, 1, 1, 2, 4}, GatedDeltaAttrs{}, "qwen3_5_dims,decode=1+0+1+2");
   // g and beta in f32 beside bf16/f16 q, k, v (the bf16 model's fp32 log-decay), as in the decoder.
   add(13, 1, 2, 8, 6, {0, 2, 9, 10, 13}, GatedDeltaAttrs{}, "f32_gates,docs=2+7+1+3", {3, 4, 6});
 }

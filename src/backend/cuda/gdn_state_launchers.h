@@ -25,11 +25,15 @@ struct GdnStateDims {
 // type (float; double for f64).
 size_t gdn_state_smem_bytes(DType dtype, int64_t k_dim, int64_t v_dim);
 
+// Whether the register kernel takes these head dims (d_k = d_v = 128).
+bool gdn_state_registers_apply(int64_t k_dim, int64_t v_dim);
+
 // q, k (T, H_k, d_k), v (T, H_v, d_v) of `dtype` (f32, f64, bf16, f16); g, beta (T, H_v) of `gate_dtype` (`dtype`,
 // or f32 beside bf16/f16); cu (N + 1) i32 on the device; state and final_state (N, H_v, d_k, d_v) in the
-// accumulation type; o (T, H_v, d_v) of `dtype`.
+// accumulation type; o (T, H_v, d_v) of `dtype`. registers: the register kernel (gdn_state_registers_apply), else
+// the shared-memory one.
 void launch_gdn_state(DType dtype, DType gate_dtype, const GdnStateDims& dims, const void* q, const void* k, const void* v,
                       const void* g, const void* beta, const int32_t* cu, int64_t tokens, const void* state, void* o,
-                      void* final_state, cudaStream_t stream);
+                      void* final_state, bool registers, cudaStream_t stream);
 
 }  // namespace lathe::cuda

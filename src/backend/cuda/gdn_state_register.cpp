@@ -1,4 +1,5 @@
-// Registration of the CUDA gated_delta_rule_state kernel (gdn_state.cu) for f32, f64, bf16 and f16 inputs (g and
+// Registration of the CUDA gated_delta_rule_state kernels (gdn_state.cu: the register kernel for 128 x 128 heads, then
+// the shared-memory one) for f32, f64, bf16 and f16 inputs (g and
 // beta in the same dtype, or f32 beside bf16/f16; states in f32, f64 for f64; shapes and dtypes are checked by
 // shape inference in ops/gated_delta.cpp). The predicate
 // refuses, with the sizes, a state too large for one block's shared memory on this device.
@@ -27,6 +28,14 @@ Support gdn_state_supports(const OpCall& c) {
   return all_contiguous(c);
 }
 
+Support gdn_state_registers_supports(const OpCall& c) {
+  if (!gdn_state_registers_apply(c.inputs[0].size(2), c.inputs[2].size(2)))
+    return Support::no(fmt::format("head dims d_k {} x d_v {} (the register kernel is built for 128 x 128)",
+                                   c.inputs[0].size(2), c.inputs[2].size(2)));
+  return all_contiguous(c);
+}
+
+template <bool kRegisters>
 void run_gdn_state(const OpCall& c, ExecContext& ctx) {
   const Tensor& q = c.inputs[0];  // (T, H_k, d_k)
   const Tensor& v = c.inputs[2];  // (T, H_v, d_v)
@@ -41,15 +50,18 @@ void run_gdn_state(const OpCall& c, ExecContext& ctx) {
   d.scale = scale > 0 ? scale : 1.0 / std::sqrt(double(d.k_dim));
   launch_gdn_state(q.dtype(), c.inputs[3].dtype(), d, q.data_ptr(), c.inputs[1].data_ptr(), v.data_ptr(), c.inputs[3].data_ptr(),
                    c.inputs[4].data_ptr(), cu.data<int32_t>(), q.size(0), c.inputs[6].data_ptr(),
-                   c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), as_cuda(ctx.stream).handle());
+                   c.outputs[0].data_ptr(), c.outputs[1].data_ptr(), kRegisters, as_cuda(ctx.stream).handle());
 }
 
 }  // namespace
 
 void register_cuda_gdn_state_kernels(KernelRegistry& r) {
-  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16})
+  for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::gated_delta_rule_state, DeviceType::CUDA, dt, "cuda/gated_delta_rule_state_registers",
+                    gdn_state_registers_supports, run_gdn_state<true>});
     r.add(KernelDef{OpId::gated_delta_rule_state, DeviceType::CUDA, dt, "cuda/gated_delta_rule_state_recurrent",
-                    gdn_state_supports, run_gdn_state});
+                    gdn_state_supports, run_gdn_state<false>});
+  }
 }
 
 }  // namespace lathe::cuda
