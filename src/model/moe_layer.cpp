@@ -165,6 +165,9 @@ const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const 
 
 bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool training) const {
   if (!b.cache || training || expert_parallel()) return false;
+  // A decoding step only (one token a sequence): grouped_matmul_routed's kernel is built for few rows per expert, and
+  // a prefill chunk's thousands of rows go to the grouped GEMM (tensor cores) after the host wait.
+  if (b.tokens() != int64_t(b.host_cu.size()) - 1) return false;
   if (!lora_ || !b.adapted()) return true;
   return !lora_->slot(layer, LoraTarget::experts_gate_up) && !lora_->slot(layer, LoraTarget::experts_down);
 }

@@ -399,17 +399,24 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
 }
 
 // Decode graphs serving adapters (session 27): a bank of two adapters on the attention projections attached to the
-// CUDA model (f32), requests for adapter 0, adapter 1 and the base mixed in one engine, recorded graphs against eager
+// CUDA model (f32; the values drawn in an f64 host bank and copied over), requests for adapter 0, adapter 1 and the base mixed in one engine, recorded graphs against eager
 // steps: the same tokens, log-probs within 1e-5, graphs recorded and replayed (each row's adapter columns gathered on
 // the device from a fixed input buffer). Skips without a GPU.
 TEST_P(RolloutFamilies, CudaGraphsServeAdapters) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
   const std::unique_ptr<CausalLm> m = tiny_model(GetParam(), Device::cuda(0), DType::F32);
-  LoraBank bank(runtime(), m->config(), Device::cuda(0), DType::F32,
-                {lora(4, 8, {"q_proj", "k_proj", "v_proj", "o_proj"}), lora(2, 2, {"q_proj", "v_proj"})});
-  randomise(bank, 0, 1, 0.2);
-  randomise(bank, 1, 2, 0.2);
+  const std::vector<LoraConfig> configs = {lora(4, 8, {"q_proj", "k_proj", "v_proj", "o_proj"}),
+                                           lora(2, 2, {"q_proj", "v_proj"})};
+  LoraBank bank(runtime(), m->config(), Device::cuda(0), DType::F32, configs);
+  LoraBank host(runtime(), m->config(), Device::cpu(), DType::F64, configs);
+  ExecContext cpu = runtime().context(Device::cpu()), gpu = runtime().context(Device::cuda(0));
+  for (int a = 0; a < 2; ++a) {
+    randomise(host, a, 1 + uint64_t(a), 0.2);
+    for (size_t i = 0; i < bank.parameters(a).size(); ++i)
+      copy_into(gpu, runtime().copy_to(cast(cpu, host.parameters(a)[i].value, DType::F32), Device::cuda(0)),
+                bank.parameters(a)[i].value);
+  }
   m->attach_lora(&bank);
   const std::vector<int> adapters = {0, 1, -1, 1, 0, -1};
   const auto generate = [&](StepGraphs graphs, EngineStats* stats) {
