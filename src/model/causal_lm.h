@@ -478,8 +478,8 @@ class CausalLm {
   MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device);
   const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
   // Whether a forward of batch b routes `layer` without a host wait: a decoding step (a cache, no training, one token
-  // a sequence: not a prefill chunk) without expert parallelism (its exchange sizes come from the host) or adapters on the experts (their GEMMs take host
-  // groups). A decoding step of such layers only can be recorded as a graph.
+  // a sequence: not a prefill chunk) without expert parallelism (its exchange sizes come from the host) or adapters on
+  // the experts (their GEMMs take host groups). A decoding step of such layers only can be recorded as a graph.
   bool routes_on_device(int64_t layer, const PackedBatch& b, bool training) const;
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
   MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,

@@ -37,8 +37,8 @@ struct MoeRoute {
   // device (grouped_matmul_routed), so that no host wait splits the step; offsets and totals are then left empty.
   Tensor device_offsets;
   std::vector<int64_t> offsets;  // (E + 1) the plan's row offsets per expert (the grouped GEMMs' groups)
-  RoutingTotals totals;          // pairs per expert and the probabilities' column sums (aux loss, expert load; the
-                                 // sums are left empty when decoding)
+  RoutingTotals totals;          // pairs per expert and the probabilities' column sums (aux loss, expert load; empty
+                                 // for a route on the device)
   Tensor token_ids;     // (P) i32: the token of each sorted row (gathers xs from x)
   Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
   Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather)

@@ -87,8 +87,9 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
     for (int64_t o : offsets_of(counts)) off.push_back(double(o));
     off.push_back(-1.0);
     const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
-    c.push_back({OpId::grouped_matmul_routed, fmt::format("p={},e={},k={},n={},groups={}", p, e, k, n, groups_str(counts)),
-                 {{p, k}, {e, n, k}, {e + 2}}, {}, dtypes, false, false, {{}, {}, off}});
+    c.push_back({OpId::grouped_matmul_routed,
+                 fmt::format("p={},e={},k={},n={},groups={}", p, e, k, n, groups_str(counts)), {{p, k}, {e, n, k}, {e + 2}},
+                 {}, dtypes, false, false, {{}, {}, off}});
   };
   add_routed(7, 5, {3, 0, 6, 4}, kFloat);
   add_routed(16, 24, {0, 1, 19, 0, 8, 0}, kFloat);

@@ -289,7 +289,9 @@ TEST_F(ParallelGpu, LogprobsAtTpAndCpAreAsCloseToF32AsOneGpu) {
 }
 
 // Generation at tp 2 (dense and hybrid) and ep 2 (mixture of experts) on two GPUs (issue 27's last row).
-TEST_F(ParallelGpu, GenerateAtTpIsAsByOneGpu) { expect_generation_as_by_one_gpu("qwen3", kQwen3, {{"tp2", " --tp 2"}}); }
+TEST_F(ParallelGpu, GenerateAtTpIsAsByOneGpu) {
+  expect_generation_as_by_one_gpu("qwen3", kQwen3, {{"tp2", " --tp 2"}});
+}
 
 TEST_F(ParallelGpu, GenerateOfTheMoeHybridAtTpAndEpIsAsByOneGpu) {
   expect_generation_as_by_one_gpu("qwen3_5_moe", kQwen35Moe, {{"tp2", " --tp 2"}, {"ep2", " --ep 2"}});

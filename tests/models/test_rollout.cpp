@@ -399,7 +399,8 @@ TEST_P(RolloutFamilies, CudaGraphsEqualEagerSteps) {
 }
 
 // Decode graphs serving adapters (session 27): a bank of two adapters on the attention projections attached to the
-// CUDA model (f32; the values drawn in an f64 host bank and copied over), requests for adapter 0, adapter 1 and the base mixed in one engine, recorded graphs against eager
+// CUDA model (f32; the values drawn in an f64 host bank and copied over), requests for adapter 0, adapter 1 and the
+// base mixed in one engine, recorded graphs against eager
 // steps: the same tokens, log-probs within 1e-5, graphs recorded and replayed (each row's adapter columns gathered on
 // the device from a fixed input buffer). Skips without a GPU.
 TEST_P(RolloutFamilies, CudaGraphsServeAdapters) {

@@ -2,9 +2,8 @@
 // group, f64 as plain loops (the reference that f32 and every device kernel are checked against). Row-major; the
 // weight (and the weight-grad output) is addressed block by block, block e at its data pointer plus e times its dim-0
 // stride, so a narrowed view of a fused (E, 2I, H) tensor is read and written in place. An empty group writes nothing
-// in the forward and a zero block in the weight grad. grouped_matmul_routed reads its groups from its offsets tensor and
-// runs the forward's kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and
-// tests/ops/test_grouped_matmul.cpp.
+// in the forward and a zero block in the weight grad. grouped_matmul_routed reads its groups from its offsets tensor
+// and runs the forward's kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
 #include <cblas.h>
 
 #include <algorithm>

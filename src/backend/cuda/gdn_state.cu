@@ -192,19 +192,15 @@ void launch_gdn_state(DType dtype, DType gate_dtype, const GdnStateDims& d, cons
     throw_cuda_error("gdn_state_registers_kernel (d_k or d_v not 128)", cudaErrorInvalidValue, __FILE__, __LINE__);
   const size_t smem = gdn_state_smem_bytes(dtype, d.k_dim, d.v_dim);
   const bool f32_gates = gate_dtype == DType::F32 && dtype != DType::F32;
+  const auto run = [&](auto t) {
+    launch_typed<decltype(t)>(d, f32_gates, q, k, v, g, beta, cu, tokens, state, o, final_state, smem, registers,
+                              stream);
+  };
   switch (dtype) {
-    case DType::F32:
-      launch_typed<float>(d, f32_gates, q, k, v, g, beta, cu, tokens, state, o, final_state, smem, registers, stream);
-      break;
-    case DType::F64:
-      launch_typed<double>(d, f32_gates, q, k, v, g, beta, cu, tokens, state, o, final_state, smem, registers, stream);
-      break;
-    case DType::BF16:
-      launch_typed<__nv_bfloat16>(d, f32_gates, q, k, v, g, beta, cu, tokens, state, o, final_state, smem, registers, stream);
-      break;
-    case DType::F16:
-      launch_typed<__half>(d, f32_gates, q, k, v, g, beta, cu, tokens, state, o, final_state, smem, registers, stream);
-      break;
+    case DType::F32: run(float{}); break;
+    case DType::F64: run(double{}); break;
+    case DType::BF16: run(__nv_bfloat16{}); break;
+    case DType::F16: run(__half{}); break;
     default:
       throw_cuda_error("gdn_state_kernel (dtype not f32, f64, bf16 or f16)", cudaErrorInvalidValue, __FILE__, __LINE__);
   }
