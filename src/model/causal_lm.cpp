@@ -336,9 +336,13 @@ Tensor CausalLm::zero_padded_rows(const Tensor& x, int64_t rows) const {
 
 SegmentAttrs CausalLm::stack_segments(const LoraSlot& slot, const PackedBatch& b, bool training, int64_t rows) const {
   SegmentAttrs s = lora_segments(*lora_, slot, b, training);
+  s.col_offset = slot.in_offset;  // tensor parallelism: a row-parallel module's columns of its input
+  s.row_width = slot.in_whole;
   if (!context_parallel()) return s;
-  // Context parallelism: the batch's segments as the rank's rows see them, from its first row, cut at `rows`.
+  // Context parallelism: the batch's segments as the rank's rows see them, from its first row, cut at `rows`; a
+  // segment that began on an earlier rank keeps counting its rows from its own first row (its dropout mask).
   const int64_t first = cp_rank() * block_tokens(b);
+  for (size_t i = 0; i + 1 < s.rows.size(); ++i) s.row_shift.push_back(std::max<int64_t>(0, first - s.rows[i]));
   for (int64_t& r : s.rows) r = std::clamp<int64_t>(r - first, 0, rows);
   return s;
 }

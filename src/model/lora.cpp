@@ -538,9 +538,20 @@ void LoraBank::split_like(CausalLm& model) {
   const int tp = model.tp_size(), rank = model.tp_rank();
   // Every layer's base weight (pipeline parallelism: also those of the other stages, whose adapters this bank holds).
   const std::map<std::string, std::pair<Shape, ShardLayout>> base = model.declared_layouts();
+  const bool dropout = std::any_of(adapters_.begin(), adapters_.end(), [](const Adapter& a) {
+    return a.config.dropout > 0;
+  });
+  for (Slot& s : slots_) {  // a row-parallel module's input columns, by which its dropout mask is drawn
+    const auto it = base.find(lora_module_name(model_, s.layer, s.target) + ".weight");
+    if (it == base.end() || it->second.second.global_shape.size() != 2) continue;
+    const ShardLayout& w = it->second.second;
+    if (w.global_shape[1] == it->second.first[1]) continue;  // whole input columns: column-parallel or whole
+    LATHE_CHECK(!dropout || w.sections.empty(), "lora: dropout under tensor parallelism on {} (its input columns are "
+                "cut in sections) is not built yet; set lora.dropout: 0", it->first);
+    s.in_offset = w.offset[1];
+    s.in_whole = w.global_shape[1];
+  }
   for (Adapter& a : adapters_) {
-    LATHE_CHECK(a.config.dropout == 0, "lora: dropout {} under tensor parallelism is not built yet (the mask would "
-                "need each element's global column); set lora.dropout: 0 or parallel.tp: 1", a.config.dropout);
     a.partial.clear();
     for (size_t i = 0; i < a.params.size(); ++i) {
       Parameter& p = a.params[i];

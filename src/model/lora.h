@@ -119,6 +119,9 @@ struct LoraSlot {
   // (adapters + 1, R) in the bank's dtype: row a holds adapter a's scaling on its columns and zeros elsewhere, the
   // last row (no adapter) zeros; a decoding batch's rows gather theirs (PackedBatch::row_adapters). Modules only.
   Tensor column_masks;
+  // Tensor parallelism (LoraBank::split_like), a row-parallel module: its input here (and A's columns) is columns
+  // [in_offset, in_offset + in) of in_whole (0: the input is whole); the dropout mask is drawn by those columns.
+  int64_t in_offset = 0, in_whole = 0;
 };
 
 class LoraBank {

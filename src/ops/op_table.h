@@ -281,10 +281,13 @@ struct AdamWAttrs {
 // gaps and a tail beyond rows[S] belong to no segment). Each op reads only its own fields and ignores the others.
 // segment_mask(x) -> y: y[i, j] = scale[s] x[i, j] for i in segment s and col_begin[s] <= j < col_end[s], else 0
 //   (selected, not multiplied: an Inf or NaN outside the kept blocks gives 0). Linear and self-adjoint.
-// dropout(x) -> y: in segment s, keep (i, j) iff u(seed[s], n) >= p[s] with n = (i - rows[s]) C + j, the local index
-//   (backend/dropout_hash.h: an integer hash, bit-identical on every device; a segment gets the same mask wherever
-//   it sits in the batch); kept values are x / (1 - p[s]), dropped ones 0. Rows outside every segment pass through
-//   unchanged. Linear and self-adjoint for fixed attrs (the backward is dropout of dy).
+// dropout(x) -> y: in segment s, keep (i, j) iff u(seed[s], n) >= p[s] with n = (i - rows[s] + row_shift[s]) W +
+//   col_offset + j, the element's index in its segment's rows of width W = row_width (0: C) (backend/dropout_hash.h:
+//   an integer hash, bit-identical on every device; a segment gets the same mask wherever it sits in the batch, and a
+//   rank holding part of it draws that part's mask: row_shift for a context-parallel rank's rows that begin inside
+//   the segment, col_offset / row_width for a tensor-parallel rank's columns of a row-parallel module's input); kept
+//   values are x / (1 - p[s]), dropped ones 0. Rows outside every segment pass through unchanged. Linear and
+//   self-adjoint for fixed attrs (the backward is dropout of dy).
 struct SegmentAttrs {
   std::vector<int64_t> rows;       // S + 1 row offsets, rows[0] = 0, non-decreasing, rows[S] <= T
   std::vector<int64_t> col_begin;  // S entries (segment_mask): columns [col_begin[s], col_end[s]) are kept
@@ -292,6 +295,9 @@ struct SegmentAttrs {
   std::vector<double> scale;       // S entries (segment_mask): kept values are multiplied by scale[s]
   std::vector<double> p;           // S entries (dropout): drop probability of segment s, in [0, 1)
   std::vector<uint64_t> seed;      // S entries (dropout)
+  std::vector<int64_t> row_shift;  // S entries or none (dropout): rows of segment s before its first row here
+  int64_t col_offset = 0;          // dropout: x's columns are [col_offset, col_offset + C) of rows of row_width
+  int64_t row_width = 0;           //   columns (0: C)
 };
 
 // Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention; research note gated-deltanet.md §2, formulas and packing

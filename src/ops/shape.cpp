@@ -104,6 +104,12 @@ void check_segments(OpId op, const Tensor& x, const SegmentAttrs& a) {
     check_size(a.seed.size(), "seed");
     for (size_t s = 0; s < n_seg; ++s)
       LATHE_CHECK(a.p[s] >= 0.0 && a.p[s] < 1.0, "ops: dropout p of segment {} must lie in [0, 1), got {}", s, a.p[s]);
+    if (!a.row_shift.empty()) check_size(a.row_shift.size(), "row_shift");
+    for (int64_t shift : a.row_shift) LATHE_CHECK(shift >= 0, "ops: dropout row_shift {} is negative", shift);
+    const int64_t width = a.row_width > 0 ? a.row_width : c;
+    LATHE_CHECK(a.col_offset >= 0 && a.row_width >= 0 && a.col_offset + c <= width,
+                "ops: dropout columns [{}, {}) of x {} do not lie within rows of {} columns", a.col_offset,
+                a.col_offset + c, x.describe(), width);
   }
 }
 

@@ -540,17 +540,8 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
                                      "group then holds whole context-parallel groups: one aux loss over their batches, "
                                      "one copy of the weights to save)", c.ep, c.cp));
   }
-  if (c.cp > 1) {  // context parallelism so far: without LoRA dropout
-    if (c.lora_rank > 0 && c.lora_dropout > 0)
-      problems.push_back(fmt::format("lora.dropout: {} under parallel.cp {} is not built yet (the mask is drawn per "
-                                     "element of a segment from its first row; a rank's rows start inside one): use 0",
-                                     c.lora_dropout, c.cp));
-  }
   if (c.sp && c.tp <= 1)
     problems.push_back("parallel.sp: sequence parallelism splits the stream over the tp group: it needs parallel.tp > 1");
-  if (c.tp > 1 && c.lora_rank > 0 && c.lora_dropout > 0)
-    problems.push_back(fmt::format("lora.dropout: {} under parallel.tp {} is not built yet (the mask would need each "
-                                   "element's global column): use 0", c.lora_dropout, c.tp));
   if (c.tp > 1 && c.zero > 0)
     problems.push_back(fmt::format("parallel.tp: {} with parallel.zero {}: ZeRO over tensor-parallel slices is not built "
                                    "yet: use parallel.zero: 0", c.tp, c.zero));

@@ -311,9 +311,6 @@ void Trainer::Impl::choose_model_source() {
     lc.rank = std::max<int64_t>(1, j.cfg->lora_rank);
     lc.alpha = j.cfg->lora_alpha;
     lc.dropout = j.cfg->lora_dropout;
-    LATHE_CHECK(c_.cp <= 1 || lc.dropout == 0, "{}lora.dropout: {} under parallel.cp {} is not built yet (the mask is "
-                "drawn per element of a segment, from its first row; a rank's rows start inside one): use 0",
-                j.prefix(), lc.dropout, c_.cp);
     lc.rslora = j.cfg->lora_rslora;
     lc.targets = j.cfg->lora_targets;
     lc.target_parameters = j.cfg->lora_target_parameters;

@@ -130,6 +130,37 @@ TEST(SegmentOps, DropoutMaskIsTheSameWhereverTheSegmentSits) {
   }
 }
 
+// A rank's part of a segment (context parallelism: its rows begin inside the segment, row_shift; tensor parallelism:
+// its columns of a row-parallel input, col_offset of row_width) draws exactly the part of the whole segment's mask:
+// two segments of 40 and 23 rows of 48 columns; the part is rows [25, 55) (the first segment's last 15 rows, the
+// second's first 15) and columns [16, 40). Fails with either shift left out.
+TEST(SegmentOps, DropoutOfAPartIsThePartOfTheWholesMask) {
+  const int64_t w = 48, t = 63, r1 = 25, r2 = 55, c1 = 16, c2 = 40, rows = r2 - r1, cols = c2 - c1;
+  std::mt19937_64 rng(9);
+  std::vector<double> whole(size_t(t * w));
+  for (double& v : whole) v = std::uniform_real_distribution<double>(0.5, 2.0)(rng);  // never 0
+  std::vector<double> part;
+  for (int64_t i = r1; i < r2; ++i)
+    for (int64_t j = c1; j < c2; ++j) part.push_back(whole[size_t(i * w + j)]);
+  for (const Device& dev : devices()) {
+    ExecContext ctx = runtime().context(dev);
+    const std::vector<double> all =
+        values(dropout(ctx, make(whole, {t, w}, DType::F32, dev), dropout_attrs({0, 40, 63}, {0.3, 0.5}, {11, 12})));
+    SegmentAttrs a = dropout_attrs({0, 40 - r1, rows}, {0.3, 0.5}, {11, 12});
+    a.row_shift = {r1, 0};  // the first segment began 25 rows before this part; the second begins inside it
+    a.col_offset = c1;
+    a.row_width = w;
+    const std::vector<double> got = values(dropout(ctx, make(part, {rows, cols}, DType::F32, dev), a));
+    int64_t dropped = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j) {
+        ASSERT_EQ(got[size_t(i * cols + j)], all[size_t((r1 + i) * w + c1 + j)]) << dev.str() << " " << i << "," << j;
+        dropped += got[size_t(i * cols + j)] == 0;
+      }
+    EXPECT_GT(dropped, 0);
+  }
+}
+
 TEST(SegmentOps, CudaMaskIsBitIdenticalToCpu) {
   std::string why;
   if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
@@ -170,4 +201,11 @@ TEST(SegmentOps, InvalidAttrsNameTheOpAndTheProblem) {
   const Tensor x3 = make(std::vector<double>(8, 1.0), {2, 2, 2}, DType::F32);
   EXPECT_NE(error_of([&] { dropout(ctx, x3, dropout_attrs({0}, {}, {})); }).find("dropout needs x (T, C)"),
             std::string::npos);
+  SegmentAttrs part = dropout_attrs({0, 2}, {0.1}, {1});
+  part.col_offset = 3;
+  part.row_width = 6;  // columns [3, 7) of 6
+  EXPECT_NE(error_of([&] { dropout(ctx, x, part); }).find("dropout columns [3, 7) of x"), std::string::npos);
+  part.col_offset = 0;
+  part.row_shift = {-1};
+  EXPECT_NE(error_of([&] { dropout(ctx, x, part); }).find("dropout row_shift -1 is negative"), std::string::npos);
 }

@@ -184,7 +184,8 @@ TEST(Plan, RefusedLayoutsSayWhy) {
   EXPECT_EQ(three.layouts[7].layout.tp, 3);
   EXPECT_NE(three.layouts[7].refused.find("parallel.tp: 3 ranks must divide the attention heads (4)"),
             std::string::npos) << three.layouts[7].refused;
-  // A config check that depends on cp: LoRA dropout is refused under cp (not at cp 1).
+  // A config check that depends on the layout: LoRA is refused under ZeRO (its states stay replicated), not at zero 0;
+  // LoRA dropout runs at every layout (cp and tp since session 27).
   const std::vector<std::string> dropout = {"lora.rank=4", "lora.dropout=0.1"};
   const auto dropout_at = [&](const PlanLayout& l) {
     std::vector<std::string> o = layout_overrides(l);
@@ -194,11 +195,15 @@ TEST(Plan, RefusedLayoutsSayWhy) {
   const TrainingPlan lora = plan_layouts(load_train_config(yaml, dropout), 2, int64_t(1) << 30, dropout_at);
   ASSERT_EQ(lora.layouts.size(), 8u);  // tp 1 x cp 1 x dp 2 (zero 0..2), pp 2, tp 1 x cp 2 (zero 0..2), tp 2
   EXPECT_EQ(lora.layouts[0].refused, "");
+  EXPECT_EQ(lora.layouts[1].layout.zero, 1);
+  EXPECT_NE(lora.layouts[1].refused.find("parallel.zero: 1 shards a full fine-tuning's optimizer state"),
+            std::string::npos) << lora.layouts[1].refused;
   EXPECT_EQ(lora.layouts[3].layout.pp, 2);
   EXPECT_EQ(lora.layouts[3].refused, "");
   EXPECT_EQ(lora.layouts[4].layout.cp, 2);
-  EXPECT_NE(lora.layouts[4].refused.find("lora.dropout: 0.1 under parallel.cp 2 is not built yet"), std::string::npos)
-      << lora.layouts[4].refused;
+  EXPECT_EQ(lora.layouts[4].refused, "");
+  EXPECT_EQ(lora.layouts[7].layout.tp, 2);
+  EXPECT_EQ(lora.layouts[7].refused, "");
   // A configured tp 2 cannot fill 3 ranks; nor can an explicit dp 2 with tp 1.
   const TrainConfig tp2 = load_train_config(yaml, {"parallel.tp=2"});
   EXPECT_NE(error_of([&] { plan_layouts(tp2, 3, int64_t(1) << 30, config_at); }), "(no error)");

@@ -57,15 +57,16 @@ void dropout_run(const OpCall& c, ExecContext&) {
   const T* px = x.data<T>();
   T* py = c.outputs[0].data<T>();  // (T, C)
   const size_t n_seg = a.rows.size() - 1;
+  const int64_t width = a.row_width > 0 ? a.row_width : cols;
   for (size_t s = 0; s < n_seg; ++s) {
     const uint32_t k_min = dropout_threshold(a.p[s]);
     const uint64_t seed = a.seed[s];
     const A keep_prob = A(1.0 - a.p[s]);
-    const int64_t r0 = a.rows[s];
-#pragma omp parallel for if ((a.rows[s + 1] - r0) * cols > 65536)
-    for (int64_t i = r0; i < a.rows[s + 1]; ++i)
+    const int64_t r0 = a.rows[s] - (a.row_shift.empty() ? 0 : a.row_shift[s]);  // the segment's first row
+#pragma omp parallel for if ((a.rows[s + 1] - a.rows[s]) * cols > 65536)
+    for (int64_t i = a.rows[s]; i < a.rows[s + 1]; ++i)
       for (int64_t j = 0; j < cols; ++j) {
-        const uint64_t n = uint64_t(i - r0) * uint64_t(cols) + uint64_t(j);  // local to the segment
+        const uint64_t n = uint64_t(i - r0) * uint64_t(width) + uint64_t(a.col_offset + j);  // its index in the segment
         py[i * cols + j] = dropout_keep(seed, n, k_min) ? narrow<T>(widen(px[i * cols + j]) / keep_prob)
                                                         : narrow<T>(A(0));
       }

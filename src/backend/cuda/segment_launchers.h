@@ -24,6 +24,8 @@ struct SegmentTable {
   double keep_prob[kMaxSegments] = {};   // dropout: 1 - p, the divisor of the kept values
   uint64_t seed[kMaxSegments] = {};      // dropout
   uint32_t k_min[kMaxSegments] = {};     // dropout: dropout_threshold(p) (backend/dropout_hash.h)
+  int64_t row_shift[kMaxSegments] = {};  // dropout: the segment's rows before its first row here
+  int64_t col_offset = 0, row_width = 0; // dropout: x's columns within the segment's rows (SegmentAttrs); width > 0
 };
 
 // y (rows, cols) = the kept blocks of x scaled, 0 elsewhere (x is not read there).

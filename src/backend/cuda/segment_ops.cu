@@ -37,7 +37,9 @@ __global__ void segment_kernel(int64_t rows, int64_t cols, const T* x, T* y, Seg
         for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j];
         continue;
       }
-      const uint64_t base = uint64_t(r - table.rows[s]) * uint64_t(cols);  // local index of (r, 0)
+      // The index of (r, 0) in the segment's rows (SegmentAttrs: row_shift, col_offset, row_width).
+      const uint64_t base = uint64_t(r - table.rows[s] + table.row_shift[s]) * uint64_t(table.row_width) +
+                            uint64_t(table.col_offset);
       const uint64_t seed = table.seed[s];
       const uint32_t k_min = table.k_min[s];
       const A keep_prob = A(table.keep_prob[s]);

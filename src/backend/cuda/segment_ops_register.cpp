@@ -33,8 +33,11 @@ SegmentTable table_of(const OpCall& c) {
       t.keep_prob[s] = 1.0 - a.p[size_t(s)];
       t.seed[s] = a.seed[size_t(s)];
       t.k_min[s] = dropout_threshold(a.p[size_t(s)]);
+      t.row_shift[s] = a.row_shift.empty() ? 0 : a.row_shift[size_t(s)];
     }
   }
+  t.col_offset = a.col_offset;
+  t.row_width = a.row_width > 0 ? a.row_width : c.inputs[0].size(1);
   return t;
 }
 
