@@ -352,6 +352,7 @@ class RolloutEngine::FixedSteps {
 
   int64_t max_batch() const { return max_batch_; }
   bool records() const { return record_; }
+  bool strict() const { return strict_; }  // asked for outright (on, padded), not auto
 
  private:
   struct ShapeRun {
@@ -812,11 +813,12 @@ bool RolloutEngine::decode_step(const std::vector<Sequence*>& batch, const std::
   return true;
 }
 
-// A decode step (adapters on the experts excepted: their GEMMs take host segments); not recorded while a profiler times
-// ops.
+// A decode step; not recorded while a profiler times ops. With adapters only where graphs were asked for outright (on,
+// padded: the row-adapter path, not yet run on a GPU, docs/rollout.md), and not for adapters on the experts (their
+// GEMMs take host segments).
 bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
-  if (!fixed_ || (model_->lora() && model_->lora()->adapts_experts()) || int64_t(batch.size()) > fixed_->max_batch())
-    return false;
+  if (!fixed_ || int64_t(batch.size()) > fixed_->max_batch()) return false;
+  if (model_->lora() && (model_->lora()->adapts_experts() || !fixed_->strict())) return false;
   if (fixed_->records() && rt_->profiler()) return false;
   return decode_step(batch, chunk);
 }
