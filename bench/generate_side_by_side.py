@@ -93,33 +93,6 @@ def hf_generate(folder, prompts, new_tokens, max_time):
     return None, None, None
 
 
-def hf_projected(folder, prompts, new_tokens, steps):
-    """transformers' generate of the whole batch twice, for A and B new tokens (its default cache): a decode step is
-    (t_B - t_A) / (B - A), the rest (prefill, set-up) t_A - A x step, and the job of `new_tokens` tokens is projected as
-    rest + new_tokens x step. For a model whose generate is too slow to finish in a call (Qwen3.5 without
-    flash-linear-attention: its torch fallbacks)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(prompts, device="cuda")
-    model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)  # warm-up, not timed
-    times = []
-    for n in steps:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones_like(ids))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-        assert out.shape[1] - ids.shape[1] == n
-        log(f"transformers generate of {ids.shape[0]} x ({ids.shape[1]} + {n}): {times[-1]:.2f} s")
-    step = (times[1] - times[0]) / (steps[1] - steps[0])
-    rest = times[0] - steps[0] * step
-    total = rest + new_tokens * step
-    label = f"default, projected from {steps[0]} and {steps[1]} steps: step {step * 1e3:.1f} ms, rest {rest:.2f} s"
-    return new_tokens * ids.shape[0] / total, label, total
-
-
 def lathe_generate(lathe_bin, folder, prompts_path, out_path, new_tokens, running, cache_mib, timeout_s=150,
                    profile_step=-1, graphs="auto", time_forwards=False):
     cmd = [lathe_bin, "generate", "--model", folder, "--input", prompts_path, "--output", out_path, "--device", "cuda",
@@ -170,9 +143,6 @@ def main():
     ap.add_argument("--skip-hf", action="store_true", help="only lathe (no transformers baseline)")
     ap.add_argument("--hf-max-time", type=float, default=150.0,
                     help="transformers' generate stops after this many seconds; its rate is then over the steps made")
-    ap.add_argument("--hf-project", default="", help="A,B: transformers generates A and B tokens and its rate for "
-                    "--new is projected from the two (hf_projected), for the shapes of --hf-project-shapes")
-    ap.add_argument("--hf-project-shapes", default="q35-0.8b")
     ap.add_argument("--cache-mib", type=int, default=16384, help="lathe's KV cache")
     ap.add_argument("--skip-batch1", action="store_true", help="no batch-1 row")
     ap.add_argument("--skip-batched", action="store_true", help="only the batch-1 rows")
@@ -204,12 +174,7 @@ def main():
         with open(path, "w") as f:
             for p in prompts:
                 f.write(json.dumps({"tokens": p}) + "\n")
-        if a.skip_hf:
-            hf, cache, hf_s = None, None, None
-        elif a.hf_project and shape in a.hf_project_shapes.split(","):
-            hf, cache, hf_s = hf_projected(folder, prompts, a.new, [int(x) for x in a.hf_project.split(",")])
-        else:
-            hf, cache, hf_s = hf_generate(folder, prompts, a.new, a.hf_max_time)
+        hf, cache, hf_s = (None, None, None) if a.skip_hf else hf_generate(folder, prompts, a.new, a.hf_max_time)
         torch.cuda.empty_cache()
         cache_mib = a.cache_mib
         # A short run first, not reported: the first lathe process of a call ran slower (session 20, H200: 6,714

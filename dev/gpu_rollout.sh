@@ -13,9 +13,7 @@
 #            steps), and the 1.7B shape with 256 requests; the tables go to $OUT (BUILD_TARGET=lathe_cli builds only
 #            the binary)
 #   parallel — (two GPUs) ParallelGpu.Generate*: `lathe generate --input` at --tp 2 / --ep 2 on two GPUs against one
-#   q35hf  — the Qwen3.5-0.8B side by side alone (HF_MAX_TIME, default 200 s), no batch-1 row; with HF_PROJECT=A,B
-#            transformers' rate is projected from runs of A and B new tokens (bench/generate_side_by_side.py
-#            --hf-project)
+#   q35hf  — the Qwen3.5-0.8B side by side alone (HF_MAX_TIME, default 200 s), no batch-1 row
 #   moe    — decode graphs of a mixture-of-experts model (MOE_SHAPE, default 30b-a3b-12l: the Qwen3-30B-A3B shape cut
 #            to 12 layers): 64 requests of 512 + 512 with graphs (auto) and without (off), batch 1 both ways, and the
 #            op check of grouped_matmul_routed on the GPU, and the CUDA rows of every family's engine tests
@@ -56,7 +54,7 @@ fi
 
 if has q35hf; then
   timeout ${Q35_LIMIT:-420} python3 bench/generate_side_by_side.py --lathe-bin build/lathe --shapes q35-0.8b \
-    --hf-max-time ${HF_MAX_TIME:-200} ${HF_PROJECT:+--hf-project $HF_PROJECT} --skip-batch1 --out /tmp/gen_q35 \
+    --hf-max-time ${HF_MAX_TIME:-200} --skip-batch1 --out /tmp/gen_q35 \
     >$L/gen_q35.log 2>&1
   summary "q35hf rc=$?: $(grep -E '^(card|q35|transformers)' $L/gen_q35.log)"
   cp /tmp/gen_q35/results.json $OUT/q35_results.json 2>/dev/null
