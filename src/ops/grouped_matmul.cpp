@@ -1,8 +1,8 @@
-// The grouped GEMM ops of mixture-of-experts layers (grouped_matmul, grouped_matmul_weight_grad): the op functions,
-// their shape inference, the layout rule of their kernels and the backward compositions, kept out of the generic op
-// files. Formulas at GroupedMatmulAttrs in ops/op_table.h.
-// Convention: the row groups come as host offsets in the attrs (the routing plan is made on the host once per batch),
-// checked here in full, so the kernels trust them. Weights (and weight-grad outputs) may be views whose expert blocks
+// The grouped GEMM ops of mixture-of-experts layers (grouped_matmul, grouped_matmul_weight_grad, and the forward with
+// its groups on the device, grouped_matmul_routed): the op functions, their shape inference, the layout rule of their
+// kernels and the backward compositions, kept out of the generic op files. Formulas at GroupedMatmulAttrs in
+// ops/op_table.h. Convention: the row groups come as host offsets in the attrs, checked here in full, so the kernels
+// trust them; grouped_matmul_routed's come as moe_route's offsets tensor, which its kernels clamp. Weights (and weight-grad outputs) may be views whose expert blocks
 // are contiguous but further apart than a block: the gate and up halves of a fused gate_up_proj.
 // Covered by tests/ops (op cases in testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
 #include "ops/ops.h"
@@ -70,6 +70,20 @@ Support grouped_matmul_layout(const OpCall& call) {
 
 std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
   const std::string_view name = op_name(op);
+  if (op == OpId::grouped_matmul_routed) {  // no attributes: the groups are a tensor on x's device
+    const Tensor& x = in[0];
+    const Tensor& w = in[1];
+    const Tensor& off = in[2];
+    LATHE_CHECK(is_floating(x.dtype()) && x.dtype() == w.dtype() && x.dim() == 2 && w.dim() == 3 &&
+                    w.size(2) == x.size(1),
+                "ops: grouped_matmul_routed needs x (P, K) and w (E, N, K) of one floating dtype, got {} and {}",
+                x.describe(), w.describe());
+    LATHE_CHECK(off.dim() == 1 && off.dtype() == DType::I32 && off.size(0) == w.size(0) + 2 &&
+                    off.device() == x.device(),
+                "ops: grouped_matmul_routed needs moe_route's offsets (E + 2 = {}) i32 on {}, got {}", w.size(0) + 2,
+                x.device().str(), off.describe());
+    return {{{x.size(0), w.size(1)}, x.dtype()}};
+  }
   const auto& a = std::get<GroupedMatmulAttrs>(attrs);
   check_float_pair(op, in[0], in[1]);
   if (op == OpId::grouped_matmul) {
@@ -116,6 +130,11 @@ std::vector<Tensor> grouped_matmul_op_backward(ExecContext& ctx, OpId op, const 
 
 Tensor grouped_matmul(ExecContext& ctx, const Tensor& x, const Tensor& w, const GroupedMatmulAttrs& attrs) {
   return call_op(ctx, OpId::grouped_matmul, {contiguous(ctx, x), expert_blocks(ctx, w)}, attrs)[0];
+}
+
+Tensor grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets) {
+  return call_op(ctx, OpId::grouped_matmul_routed,
+                 {contiguous(ctx, x), expert_blocks(ctx, w), contiguous(ctx, offsets)})[0];
 }
 
 Tensor grouped_matmul_weight_grad(ExecContext& ctx, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs& attrs) {

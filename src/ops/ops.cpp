@@ -451,11 +451,6 @@ MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs
   return {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7]};
 }
 
-Tensor grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets) {
-  const Tensor wc = expert_blocks_contiguous(w) ? w : contiguous(ctx, w);
-  return call_op(ctx, OpId::grouped_matmul_routed, {contiguous(ctx, x), wc, contiguous(ctx, offsets)})[0];
-}
-
 MoePadPlan moe_pad_plan(ExecContext& ctx, const Tensor& offsets, const Tensor& pair, MoePadAttrs attrs) {
   std::vector<Tensor> o = call_op(ctx, OpId::moe_pad_plan, {contiguous(ctx, offsets), contiguous(ctx, pair)}, attrs);
   return {o[0], o[1], o[2]};

@@ -456,21 +456,8 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       return infer_gated_delta_outputs(op, in, attrs);  // ops/gated_delta.cpp
     case OpId::grouped_matmul:
     case OpId::grouped_matmul_weight_grad:
+    case OpId::grouped_matmul_routed:
       return infer_grouped_matmul_outputs(op, in, attrs);  // ops/grouped_matmul.cpp
-    case OpId::grouped_matmul_routed: {
-      const Tensor& x = in[0];
-      const Tensor& w = in[1];
-      const Tensor& off = in[2];
-      LATHE_CHECK(is_floating(x.dtype()) && x.dtype() == w.dtype() && x.dim() == 2 && w.dim() == 3 &&
-                      w.size(2) == x.size(1),
-                  "ops: grouped_matmul_routed needs x (P, K) and w (E, N, K) of one floating dtype, got {} and {}",
-                  x.describe(), w.describe());
-      LATHE_CHECK(off.dim() == 1 && off.dtype() == DType::I32 && off.size(0) == w.size(0) + 2 &&
-                      off.device() == x.device(),
-                  "ops: grouped_matmul_routed needs moe_route's offsets (E + 2 = {}) i32 on {}, got {}", w.size(0) + 2,
-                  x.device().str(), off.describe());
-      return {{{x.size(0), w.size(1)}, x.dtype()}};
-    }
     case OpId::moe_route: {
       const auto& a = std::get<MoeRouteAttrs>(attrs);
       LATHE_CHECK(in[0].dim() == 2 && (in[0].dtype() == DType::F32 || in[0].dtype() == DType::F64),
