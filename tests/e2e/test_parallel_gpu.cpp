@@ -138,6 +138,16 @@ void expect_layouts_as_close_as_one_gpu(const std::string& name, const std::stri
   fs::remove_all(dir);
 }
 
+// `n` lines {"tokens": [...]} into DIR/in.jsonl, line i of first + step i ids below 300.
+void write_token_lines(const fs::path& dir, int n, int first, int step) {
+  std::ofstream in(dir / "in.jsonl");
+  for (int i = 0; i < n; ++i) {
+    nlohmann::json tokens = nlohmann::json::array();
+    for (int k = 0; k < first + step * i; ++k) tokens.push_back((37 * i + 11 * k + 3) % 300);
+    in << nlohmann::json{{"tokens", tokens}}.dump() << "\n";
+  }
+}
+
 // `lathe logprobs` of the bf16 run's final model at each layout {name, flags} against one GPU in f32.
 void expect_logprobs_as_close_as_one_gpu(const std::string& name, const std::string& model,
                                          const std::vector<std::pair<std::string, std::string>>& layouts) {
@@ -146,14 +156,7 @@ void expect_logprobs_as_close_as_one_gpu(const std::string& name, const std::str
   const fs::path dir = run_folder(name + "_logprobs", model);
   train(dir, "bf16", "");
   ASSERT_FALSE(::testing::Test::HasFailure());
-  {
-    std::ofstream in(dir / "in.jsonl");
-    for (int i = 0; i < 12; ++i) {
-      nlohmann::json tokens = nlohmann::json::array();
-      for (int k = 0; k < 5 + 23 * i; ++k) tokens.push_back((37 * i + 11 * k + 3) % 300);
-      in << nlohmann::json{{"tokens", tokens}}.dump() << "\n";
-    }
-  }
+  write_token_lines(dir, 12, 5, 23);
   auto logprobs = [&](const std::string& out, const std::string& more) {
     const LatheRun r = lathe(fmt::format("logprobs --model {} --input {} --output {} --device cuda{}",
                                          (dir / "bf16/final").string(), (dir / "in.jsonl").string(),
@@ -185,14 +188,7 @@ void expect_generation_as_by_one_gpu(const std::string& name, const std::string&
   const fs::path dir = run_folder(name + "_generate", model);
   train(dir, "bf16", "");
   ASSERT_FALSE(::testing::Test::HasFailure());
-  {
-    std::ofstream in(dir / "in.jsonl");
-    for (int i = 0; i < 10; ++i) {
-      nlohmann::json tokens = nlohmann::json::array();
-      for (int k = 0; k < 3 + 7 * i; ++k) tokens.push_back((37 * i + 11 * k + 3) % 300);
-      in << nlohmann::json{{"tokens", tokens}}.dump() << "\n";
-    }
-  }
+  write_token_lines(dir, 10, 3, 7);
   using Rows = std::vector<std::pair<std::vector<int>, std::vector<double>>>;
   auto generate = [&](const std::string& out, const std::string& more) {
     const LatheRun r = lathe(fmt::format("generate --model {} --input {} --output {} --device cuda --max-new-tokens 16 "
