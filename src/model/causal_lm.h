@@ -472,10 +472,10 @@ class CausalLm {
   std::vector<int> declared_;
 
  private:
-  // The routing of rows x (the moe_route op, its offsets and totals read back; with prob_sums also the
-  // probabilities' column sums, which only the aux loss reads); on_device: nothing read back (the offsets stay where
-  // they are for grouped_matmul_routed: routes_on_device). cached_route keeps it per layer for the current batch.
-  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device);
+  // The routing of rows x (the moe_route op; its offsets and totals read back: pairs per expert and the probabilities'
+  // column sums); on_device: nothing read back (the offsets stay where they are for grouped_matmul_routed:
+  // routes_on_device). cached_route keeps it per layer for the current batch.
+  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool on_device);
   const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
   // Whether a forward of batch b routes `layer` without a host wait: a decoding step (a cache, no training, one token
   // a sequence: not a prefill chunk) without expert parallelism (its exchange sizes come from the host) or adapters on

@@ -159,7 +159,7 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
 
 const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
   MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (!r.valid) r = make_route(p, x, true, false);
+  if (!r.valid) r = make_route(p, x, false);
   return r;
 }
 
@@ -172,7 +172,7 @@ bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool traini
   return !lora_->slot(layer, LoraTarget::experts_gate_up) && !lora_->slot(layer, LoraTarget::experts_down);
 }
 
-MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sums, bool on_device) {
+MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_device) {
   MoeRoute r;
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
@@ -194,7 +194,7 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
     r.valid = true;
     return r;
   }
-  const Tensor sums = prob_sums ? sum(cx, m.probs, {0}) : Tensor();  // (E), queued before the wait below
+  const Tensor sums = sum(cx, m.probs, {0});  // (E), queued before the wait below
   // The one wait of the layer: the grouped GEMMs take their groups on the host.
   const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
   const int32_t* off = offsets.data<int32_t>();
@@ -203,11 +203,9 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool prob_sum
   r.offsets.assign(off, off + e + 1);
   r.totals.tokens = t;
   for (int64_t i = 0; i < e; ++i) r.totals.counts.push_back(r.offsets[size_t(i + 1)] - r.offsets[size_t(i)]);
-  if (prob_sums) {
-    const Tensor host_sums = rt_->copy_to(sums, Device::cpu());
-    for (int64_t i = 0; i < e; ++i)
-      r.totals.prob_sums.push_back(load_as_double(host_sums.data_ptr(), host_sums.dtype(), i));
-  }
+  const Tensor host_sums = rt_->copy_to(sums, Device::cpu());
+  for (int64_t i = 0; i < e; ++i)
+    r.totals.prob_sums.push_back(load_as_double(host_sums.data_ptr(), host_sums.dtype(), i));
   // The batched expert GEMMs when padding every expert to the largest count wastes little (ModelOptions).
   int64_t most = 0;
   for (int64_t n : r.totals.counts) most = std::max(most, n);
@@ -332,7 +330,7 @@ MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x
   LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
   // A decoding step's route is not kept: no backward reads it, and a recorded step's tensors come from the graphs'
   // allocator, which the model's cache would outlive (rollout_engine.cpp, FixedSteps).
-  if (routes_on_device(layer, b, training)) return moe_apply(layer, make_route(p, x, false, true), p, x, &b, training);
+  if (routes_on_device(layer, b, training)) return moe_apply(layer, make_route(p, x, true), p, x, &b, training);
   return moe_apply(layer, cached_route(layer, p, x), p, x, &b, training);
 }
 
