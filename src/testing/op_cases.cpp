@@ -269,6 +269,13 @@ void add_segment_op_cases(std::vector<OpCase>& c) {
   c.push_back({OpId::dropout, "t=8,c=300,one_segment,p=0", {{8, 300}}, dropout_attrs({0, 8}, {0.0}, {42}), kFloat});
   c.push_back({OpId::dropout, "t=300,c=520,rows=150+149,p=0.3/0.1,tail=1", {{300, 520}},
                dropout_attrs({0, 150, 299}, {0.3, 0.1}, {7, 7}), kFloat});
+  // A rank's part of its segments: rows that began 6 rows earlier (row_shift, context parallelism) and columns
+  // [40, 77) of 120 (col_offset / row_width, a tensor-parallel rank's row-parallel input).
+  SegmentAttrs part = dropout_attrs({0, 5, 11}, {0.3, 0.2}, {9, 10});
+  part.row_shift = {6, 0};
+  part.col_offset = 40;
+  part.row_width = 120;
+  c.push_back({OpId::dropout, "t=11,c=37,rows=5+6,row_shift=6,cols=40..77_of_120", {{11, 37}}, part, kFloat});
 }
 
 }  // namespace

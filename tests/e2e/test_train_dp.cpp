@@ -784,8 +784,8 @@ TEST(PipelineParallel, LogprobsEqualOneProcess) {
 // their place in their segment), so the runs equal one process: the hybrid (GDN out_proj, o_proj and down_proj
 // row-parallel; every linear adapted but in_proj_a and in_proj_b, whose adapters' near-zero first gradients AdamW
 // turns into lr-sized moves of either sign, so that f32 rounding alone moved them 6e-4 apart at tp 2, with or without
-// dropout) at tp 2, and Qwen3 at cp 2 (segments cut by the ranks' rows). Fails with the column offset or the row
-// shift left out.
+// dropout) at tp 2 and at tp 2 x cp 2 on four ranks, and Qwen3 at cp 2 (segments cut by the ranks' rows). Fails
+// with the column offset or the row shift left out.
 TEST(TensorParallel, LoraDropoutEqualsOneProcessAtTpAndCp) {
   const fs::path hybrid = setup("tplora_dropout", kQwen35Tp,
                                 "lora: {rank: 4, alpha: 8, dropout: 0.2, targets: [q_proj, k_proj, v_proj, o_proj, "
@@ -795,6 +795,8 @@ TEST(TensorParallel, LoraDropoutEqualsOneProcessAtTpAndCp) {
   expect_adapter_run_equals_reference(hybrid, "tp2", 2, 4, lr + " --set parallel.tp=2", "lora dropout tp 2");
   expect_adapter_run_equals_reference(hybrid, "tp2_sp", 2, 4, lr + " --set parallel.tp=2 --set parallel.sp=true",
                                       "lora dropout tp 2 sp");
+  expect_adapter_run_equals_reference(hybrid, "tp2_cp2", 4, 4, lr + " --set parallel.tp=2 --set parallel.cp=2",
+                                      "lora dropout tp 2 x cp 2");
   const fs::path dense = setup("cplora_dropout", kQwen3, "lora: {rank: 4, alpha: 8, dropout: 0.2}\n");
   ASSERT_EQ(train(dense, "ref", 0, 4).exit_code, 0);
   expect_adapter_run_equals_reference(dense, "cp2", 2, 4, " --set parallel.cp=2", "lora dropout cp 2");
