@@ -1,7 +1,8 @@
 // Op cases of the rollout engine's ops: row_argmax_logsumexp, sample_rows and penalize_rows (odd widths, a limit below the width, rows
 // the CUDA kernels cut into chunks; draws that share a row), paged_attention
 // (decoding steps of several sequences over scattered blocks, chunks of new tokens after a past, a first chunk, GQA
-// groups 1 to 4 and 8, head dims 8 to 256 (every row width of the CUDA kernel's 16-byte loads), block sizes 4 and 16, long contexts that the CUDA kernel splits; unused
+// groups 1 to 4 and 8, head dims 8 to 256 (every row width of the CUDA kernels' 16-byte loads), block sizes 4, 8 and 16,
+// long contexts that the CUDA kernels split, a chunk long enough for the pipelined kernel's ring to wrap; unused
 // table entries point at block 0) and scatter_rows (rows of 12 floats, 6 bf16 values: every element width of
 // the CUDA copy). Forward only. The CPU kernel itself is checked against the training attention op in
 // tests/ops/test_fused_ops.cpp.
@@ -33,6 +34,17 @@ void add_paged_op_cases(std::vector<OpCase>& c) {
       {17, 3, 22, 8, 0, 11, 19, 5, 14, 1, 20, 9, 6, 15, 2, 12, 23, 7, 4, 10, 13, 16, 18, 21, 0, 0, 0, 0, 0, 0, 0, 0, 0,
        0, 0, 0},
       {0, 1, 3}, {70, 13});
+  // The CUDA pipelined kernel (pages of a power of two positions, 128- to 512-byte rows): chunks of 4 positions in
+  // pages of 8, contexts ending inside a chunk, splits of a rounded length; then 140 queries of one chunk (the grid
+  // is then large enough not to split) over 300 positions, so that each slot's ring of stages wraps several times.
+  // `scattered`: sequence b's page p at (37 (b M + p)) mod blocks.
+  const auto scattered = [](int64_t b, int64_t m, int64_t blocks) {
+    std::vector<double> t;
+    for (int64_t k = 0; k < b * m; ++k) t.push_back(double(37 * k % blocks));
+    return t;
+  };
+  add("decode=1+1+1,group=2,d=64,ctx=203+61+1", 4, 2, 64, 8, 78, scattered(3, 26, 78), {0, 1, 2, 3}, {203, 61, 1});
+  add("chunk=140,group=2,d=128,ctx=300", 4, 2, 128, 16, 19, scattered(1, 19, 19), {0, 140}, {300});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37", {{5, 37}}, ArgmaxAttrs{}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=5,v=37,limit=20", {{5, 37}}, ArgmaxAttrs{20}, dtypes, false, false});
   c.push_back({OpId::row_argmax_logsumexp, "n=3,v=3001", {{3, 3001}}, ArgmaxAttrs{}, dtypes, false, false});

@@ -92,6 +92,19 @@ template <typename T> constexpr int kPackOf16 = int(16 / sizeof(T));
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// 16-byte asynchronous copy global -> shared; with valid == false the 16 bytes are zero-filled (nothing is read).
+// cp_async_commit closes this thread's copies issued since the last commit into a group; cp_async_wait<N> returns
+// once at most N of its groups are still in flight (a thread then reads what it copied itself; other threads' copies
+// need a barrier too). The copy itself is no compiler barrier: order it after reads of its destination with one.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ int64_t global_thread() { return blockIdx.x * int64_t(blockDim.x) + threadIdx.x; }
 __device__ __forceinline__ int64_t grid_threads() { return int64_t(gridDim.x) * blockDim.x; }
 

@@ -24,6 +24,24 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
                             const int32_t* cu_q, const int32_t* context_lens, void* o, float* workspace,
                             cudaStream_t stream);
 
+// The pipelined kernel (paged_decode.cu): positions a slot copies at once and the stages of its ring. {4, 3} is built
+// for every shape; {4, 2}, {2, 4} and {2, 6} for 128-value bf16 rows only (bench/paged_attention_bench.cpp).
+struct PagedPipeline {
+  int positions = 4, stages = 3;
+};
+
+// Whether launch_paged_attention_pipelined serves rows of `head_dim` values of `dtype` (128, 256 or 512 bytes) and
+// pages of `block_size` positions (a power of two, at least 4). Its operands must be 16-byte aligned.
+bool paged_attention_pipelined_applies(DType dtype, int64_t head_dim, int64_t block_size);
+
+// launch_paged_attention's contract (the same splits and workspace), through the cp.async pipeline.
+void launch_paged_attention_pipelined(DType dtype, int64_t tokens, int64_t q_heads, int64_t kv_heads,
+                                      int64_t head_dim, int64_t block_size, int64_t batch, int64_t table_width,
+                                      int64_t splits, float scale, const void* q, const void* k_cache,
+                                      const void* v_cache, const int32_t* table, const int32_t* cu_q,
+                                      const int32_t* context_lens, void* o, float* workspace, PagedPipeline pipe,
+                                      cudaStream_t stream);
+
 // The chunks launch_row_argmax_logsumexp cuts each of `rows` rows of `v` values into.
 int64_t row_argmax_logsumexp_chunks(int64_t rows, int64_t v);
 

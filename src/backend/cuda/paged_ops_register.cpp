@@ -1,8 +1,10 @@
-// Registration of the rollout engine's CUDA kernels (paged.cu): paged_attention for f32, bf16 and f16 (head dim up to
-// 256), row_argmax_logsumexp, sample_rows and penalize_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
+// Registration of the rollout engine's CUDA kernels (paged.cu, paged_decode.cu): paged_attention for f32, bf16 and f16
+// (the cp.async pipeline for 128-, 256- and 512-byte rows in pages of a power of two positions, then the general
+// kernel for head dims up to 256), row_argmax_logsumexp, sample_rows and penalize_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
 // src/testing/op_cases_paged.cpp.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/paged_launchers.h"
@@ -17,6 +19,19 @@ Support paged_attention_supports(const OpCall& c) {
   return all_contiguous(c);
 }
 
+Support paged_attention_pipelined_supports(const OpCall& c) {
+  const Tensor& q = c.inputs[0];
+  const int64_t block_size = c.attr<PagedAttentionAttrs>().block_size;
+  if (!paged_attention_pipelined_applies(q.dtype(), q.size(2), block_size))
+    return Support::no(fmt::format("rows of {} x {} bytes in pages of {} positions (the pipeline copies 128-, 256- or "
+                                   "512-byte rows, pages of a power of two from 4)",
+                                   q.size(2), dtype_size(q.dtype()), block_size));
+  for (int k = 0; k < 3; ++k)
+    if (reinterpret_cast<uintptr_t>(c.inputs[k].data_ptr()) % 16 != 0) return Support::no("q and the caches must be 16-byte aligned (cp.async)");
+  return all_contiguous(c);
+}
+
+template <bool kPipelined>
 void run_paged_attention(const OpCall& c, ExecContext& ctx) {
   const Tensor& q = c.inputs[0];
   const auto& a = c.attr<PagedAttentionAttrs>();
@@ -25,11 +40,19 @@ void run_paged_attention(const OpCall& c, ExecContext& ctx) {
   const int64_t splits = paged_attention_splits(tokens, heads, kv_heads, width * a.block_size);
   const Tensor workspace =
       splits > 1 ? Tensor::empty({tokens * heads * splits * (d + 2)}, DType::F32, ctx.allocator) : Tensor();
-  launch_paged_attention(q.dtype(), tokens, heads, kv_heads, d, a.block_size, c.inputs[3].size(0), width, splits,
-                         float(a.scale ? a.scale : 1.0 / std::sqrt(double(d))), q.data_ptr(), c.inputs[1].data_ptr(),
-                         c.inputs[2].data_ptr(), c.inputs[3].data<int32_t>(), c.inputs[4].data<int32_t>(),
-                         c.inputs[5].data<int32_t>(), c.outputs[0].data_ptr(),
-                         splits > 1 ? workspace.data<float>() : nullptr, stream_of(ctx));
+  const float scale = float(a.scale ? a.scale : 1.0 / std::sqrt(double(d)));
+  float* part = splits > 1 ? workspace.data<float>() : nullptr;
+  if constexpr (kPipelined)
+    launch_paged_attention_pipelined(q.dtype(), tokens, heads, kv_heads, d, a.block_size, c.inputs[3].size(0), width,
+                                     splits, scale, q.data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data_ptr(),
+                                     c.inputs[3].data<int32_t>(), c.inputs[4].data<int32_t>(),
+                                     c.inputs[5].data<int32_t>(), c.outputs[0].data_ptr(), part, PagedPipeline{},
+                                     stream_of(ctx));
+  else
+    launch_paged_attention(q.dtype(), tokens, heads, kv_heads, d, a.block_size, c.inputs[3].size(0), width, splits,
+                           scale, q.data_ptr(), c.inputs[1].data_ptr(), c.inputs[2].data_ptr(),
+                           c.inputs[3].data<int32_t>(), c.inputs[4].data<int32_t>(), c.inputs[5].data<int32_t>(),
+                           c.outputs[0].data_ptr(), part, stream_of(ctx));
 }
 
 void run_scatter_rows(const OpCall& c, ExecContext& ctx) {
@@ -83,9 +106,12 @@ void register_cuda_paged_kernels(KernelRegistry& r) {
   for (DType dt : {DType::F32, DType::BF16, DType::F16})
     r.add(KernelDef{OpId::row_argmax_logsumexp, DeviceType::CUDA, dt, "cuda/row_argmax_logsumexp", all_contiguous,
                     run_row_argmax_logsumexp});
-  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    r.add(KernelDef{OpId::paged_attention, DeviceType::CUDA, dt, "cuda/paged_attention_pipelined",
+                    paged_attention_pipelined_supports, run_paged_attention<true>});
     r.add(KernelDef{OpId::paged_attention, DeviceType::CUDA, dt, "cuda/paged_attention", paged_attention_supports,
-                    run_paged_attention});
+                    run_paged_attention<false>});
+  }
   for (DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16})
     r.add(KernelDef{OpId::scatter_rows, DeviceType::CUDA, dt, "cuda/scatter_rows", all_contiguous, run_scatter_rows});
 }
