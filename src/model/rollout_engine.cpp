@@ -814,8 +814,8 @@ bool RolloutEngine::decode_step(const std::vector<Sequence*>& batch, const std::
 }
 
 // A decode step; not recorded while a profiler times ops. With adapters only where graphs were asked for outright (on,
-// padded: the row-adapter path, not yet run on a GPU, docs/rollout.md), and not for adapters on the experts (their
-// GEMMs take host segments).
+// padded: the row-adapter path, correct on a GPU but not yet timed against eager segments, docs/rollout.md), and not
+// for adapters on the experts (their GEMMs take host segments).
 bool RolloutEngine::fixed_shape_step(const std::vector<Sequence*>& batch, const std::vector<int64_t>& chunk) const {
   if (!fixed_ || int64_t(batch.size()) > fixed_->max_batch()) return false;
   if (model_->lora() && (model_->lora()->adapts_experts() || !fixed_->strict())) return false;
