@@ -5,7 +5,8 @@
 // heads sharing one kv head, split of the context); its four warps take the split's positions in turn, each reading a
 // key and value row once through the block table for all the block's heads (a lane holds D / 32 values), summing the
 // dot products across the warp and keeping an online softmax per head (running max and sum, rescaled accumulators,
-// f32; where the rows allow, 16-byte loads and several positions in flight a warp: paged_attention_packed_kernel).
+// f32). Rows of 128, 256 or 512 bytes in pages of a power of two positions take paged_decode.cu's pipelined kernel
+// instead (registered ahead of this one); this one serves the other head dims and block sizes, and unaligned operands.
 // The warps' partial results merge in shared memory; with one split the block writes the output, else each
 // split's unnormalised output, max and sum go to a workspace and a second kernel merges the splits. The launcher picks
 // the splits so that about two blocks an SM run: a decode step of few sequences splits a long context many ways (a
@@ -169,94 +170,6 @@ __global__ void row_summary_merge_kernel(int64_t chunks, const float* part, int3
   }
 }
 
-// The same block layout with 16-byte loads and several positions in flight: a key or value row of D = L x kN elements
-// is read by L lanes (kN = 16 / sizeof(T) values each), so a warp takes 32 / L positions at once and each of those
-// "slots" loads kU positions before it uses any; the scores of the kU positions enter the online softmax together
-// (one rescale). Taken where D x sizeof(T) is 128, 256 or 512 bytes and the operands are 16-byte aligned (the other
-// kernel serves the rest).
-template <typename T, int G, int L>
-__global__ void paged_attention_packed_kernel(int64_t q_heads, int64_t kv_heads, int64_t bs, int64_t batch,
-                                              int64_t width, int64_t split_len, float scale, const T* q, const T* kc,
-                                              const T* vc, const int32_t* table, const int32_t* cu,
-                                              const int32_t* ctx, T* o, float* part) {
-  constexpr int kN = kPackOf16<T>, kD = L * kN, kSub = 32 / L, kSlots = kSplitWarps * kSub, kU = 4;
-  __shared__ float merge_acc[kSlots][G][kD];
-  __shared__ float merge_m[kSlots][G], merge_l[kSlots][G];
-  const int lane = int(threadIdx.x % 32), warp = int(threadIdx.x / 32), sl = lane % L, slot = warp * kSub + lane / L;
-  const auto [i, h0, split, splits, b, kh, begin, end] = block_query(G, q_heads, kv_heads, batch, split_len, cu, ctx);
-  float qv[G][kN], acc[G][kN], mx[G], sum[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const Pack<T, kN> x = load_pack<T, kN>(q + (i * q_heads + h0 + g) * kD + sl * kN);
-    mx[g] = -INFINITY;
-    sum[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < kN; ++e) {
-      qv[g][e] = float(x.e[e]) * scale;
-      acc[g][e] = 0.0f;
-    }
-  }
-  // The loop runs while the warp's first slot has a position, so that every lane takes part in every shuffle.
-  for (int64_t w0 = begin + warp * kSub; w0 < end; w0 += int64_t(kSlots) * kU) {
-    const int64_t j0 = w0 + slot - warp * kSub;
-    Pack<T, kN> kp[kU], vp[kU];
-    bool ok[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t j = j0 + int64_t(u) * kSlots;
-      ok[u] = j < end;
-      if (ok[u]) {
-        const int64_t row = (int64_t(table[b * width + j / bs]) * bs + j % bs) * kv_heads + kh;
-        kp[u] = load_pack<T, kN>(kc + row * kD + sl * kN);
-        vp[u] = load_pack<T, kN>(vc + row * kD + sl * kN);
-      } else {
-#pragma unroll
-        for (int e = 0; e < kN; ++e) kp[u].e[e] = vp[u].e[e] = T(0.0f);
-      }
-    }
-    float score[G][kU];  // every lane of the warp shuffles, whatever its slot's positions
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kN; ++e) dot += qv[g][e] * float(kp[u].e[e]);
-#pragma unroll
-        for (int o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-        score[g][u] = ok[u] ? dot : -INFINITY;
-      }
-    if (!ok[0]) continue;  // this slot has no position left (the others may)
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float nm = mx[g];
-#pragma unroll
-      for (int u = 0; u < kU; ++u) nm = fmaxf(nm, score[g][u]);
-      const float corr = expf(mx[g] - nm);
-      float p[kU], ps = 0.0f;
-#pragma unroll
-      for (int u = 0; u < kU; ++u) ps += (p[u] = expf(score[g][u] - nm));
-      sum[g] = sum[g] * corr + ps;
-#pragma unroll
-      for (int e = 0; e < kN; ++e) {
-        float a = acc[g][e] * corr;
-#pragma unroll
-        for (int u = 0; u < kU; ++u) a += p[u] * float(vp[u].e[e]);
-        acc[g][e] = a;
-      }
-      mx[g] = nm;
-    }
-  }
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-#pragma unroll
-    for (int e = 0; e < kN; ++e) merge_acc[slot][g][sl * kN + e] = acc[g][e];
-    if (sl == 0) merge_m[slot][g] = mx[g], merge_l[slot][g] = sum[g];
-  }
-  __syncthreads();
-  merge_slots<kSlots, G, kD>(merge_acc, merge_m, merge_l, kD, i, q_heads, h0, split, splits, o, part);
-}
-
 template <typename E>
 __global__ void scatter_rows_kernel(int64_t rows, int64_t width, const E* src, const int32_t* index, E* out) {
   for (int64_t x = global_thread(); x < rows * width; x += grid_threads())
@@ -282,22 +195,16 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
   const dim3 grid(unsigned(tokens), unsigned(q_heads / g), unsigned(splits));
   dispatch_f32_bf16_f16(dtype, "paged_attention dispatch (unsupported dtype)", [&](auto t) {
     using T = decltype(t);
-    const int64_t row_bytes = head_dim * int64_t(sizeof(T));
-    const bool packed = (row_bytes == 128 || row_bytes == 256 || row_bytes == 512) && aligned16(q) &&
-                        aligned16(k_cache) && aligned16(v_cache) && aligned16(o);
     const auto run = [&](auto heads) {
       constexpr int G = decltype(heads)::value;
-      const auto args = [&](auto kernel, auto... dims) {
+      const auto args = [&](auto kernel) {
         kernel<<<grid, 32 * kSplitWarps, 0, stream>>>(
-            q_heads, kv_heads, dims..., block_size, batch, table_width, split_len, scale, static_cast<const T*>(q),
+            q_heads, kv_heads, head_dim, block_size, batch, table_width, split_len, scale, static_cast<const T*>(q),
             static_cast<const T*>(k_cache), static_cast<const T*>(v_cache), table, cu_q, context_lens,
             static_cast<T*>(o), workspace);
       };
-      if (packed && row_bytes == 128) args(paged_attention_packed_kernel<T, G, 8>);
-      else if (packed && row_bytes == 256) args(paged_attention_packed_kernel<T, G, 16>);
-      else if (packed) args(paged_attention_packed_kernel<T, G, 32>);
-      else if (head_dim <= 128) args(paged_attention_kernel<T, G, 4>, head_dim);
-      else args(paged_attention_kernel<T, G, 8>, head_dim);
+      if (head_dim <= 128) args(paged_attention_kernel<T, G, 4>);
+      else args(paged_attention_kernel<T, G, 8>);
     };
     if (g == 8) run(std::integral_constant<int, 8>{});
     else if (g == 4) run(std::integral_constant<int, 4>{});
