@@ -206,16 +206,9 @@ void launch_paged_attention(DType dtype, int64_t tokens, int64_t q_heads, int64_
       if (head_dim <= 128) args(paged_attention_kernel<T, G, 4>);
       else args(paged_attention_kernel<T, G, 8>);
     };
-    if (g == 8) run(std::integral_constant<int, 8>{});
-    else if (g == 4) run(std::integral_constant<int, 4>{});
-    else if (g == 2) run(std::integral_constant<int, 2>{});
-    else run(std::integral_constant<int, 1>{});
+    with_heads_a_block(q_heads / kv_heads, run);
     LATHE_CUDA_LAUNCH_CHECK("paged_attention_kernel");
-    if (splits > 1) {
-      paged_attention_merge_kernel<T><<<dim3(unsigned(tokens), unsigned(q_heads)), 128, 0, stream>>>(
-          q_heads, head_dim, splits, workspace, static_cast<T*>(o));
-      LATHE_CUDA_LAUNCH_CHECK("paged_attention_merge_kernel");
-    }
+    merge_paged_splits(tokens, q_heads, head_dim, splits, workspace, static_cast<T*>(o), stream);
   });
 }
 

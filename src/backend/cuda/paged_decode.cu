@@ -200,16 +200,9 @@ void launch_paged_attention_pipelined(DType dtype, int64_t tokens, int64_t q_hea
       else if (row_bytes == 256) with_pipe(heads, std::integral_constant<int, 16>{});
       else with_pipe(heads, std::integral_constant<int, 32>{});
     };
-    if (g == 8) with_lanes(std::integral_constant<int, 8>{});
-    else if (g == 4) with_lanes(std::integral_constant<int, 4>{});
-    else if (g == 2) with_lanes(std::integral_constant<int, 2>{});
-    else with_lanes(std::integral_constant<int, 1>{});
+    with_heads_a_block(q_heads / kv_heads, with_lanes);
     LATHE_CUDA_LAUNCH_CHECK("paged_pipelined_kernel");
-    if (splits > 1) {
-      paged_attention_merge_kernel<T><<<dim3(unsigned(tokens), unsigned(q_heads)), 128, 0, stream>>>(
-          q_heads, head_dim, splits, workspace, static_cast<T*>(o));
-      LATHE_CUDA_LAUNCH_CHECK("paged_attention_merge_kernel");
-    }
+    merge_paged_splits(tokens, q_heads, head_dim, splits, workspace, static_cast<T*>(o), stream);
   });
 }
 

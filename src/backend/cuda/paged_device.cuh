@@ -3,6 +3,8 @@
 // (src/testing/op_cases_paged.cpp).
 #pragma once
 
+#include <type_traits>
+
 #include "backend/cuda/device_math.cuh"
 
 namespace lathe::cuda {
@@ -82,6 +84,26 @@ __global__ void paged_attention_merge_kernel(int64_t q_heads, int64_t d, int64_t
 inline int64_t heads_a_block(int64_t group) {
   for (int64_t g : {8, 4, 2}) if (group % g == 0) return g;
   return 1;
+}
+
+// Calls f(std::integral_constant<int, G>{}) with G = heads_a_block(group).
+template <typename F>
+void with_heads_a_block(int64_t group, F f) {
+  const int64_t g = heads_a_block(group);
+  if (g == 8) f(std::integral_constant<int, 8>{});
+  else if (g == 4) f(std::integral_constant<int, 4>{});
+  else if (g == 2) f(std::integral_constant<int, 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
+
+// With splits > 1: the splits' partial rows in `part` merged into o (T, Hq, D).
+template <typename T>
+void merge_paged_splits(int64_t tokens, int64_t q_heads, int64_t d, int64_t splits, const float* part, T* o,
+                        cudaStream_t stream) {
+  if (splits <= 1) return;
+  paged_attention_merge_kernel<T><<<dim3(unsigned(tokens), unsigned(q_heads)), 128, 0, stream>>>(q_heads, d, splits,
+                                                                                                   part, o);
+  LATHE_CUDA_LAUNCH_CHECK("paged_attention_merge_kernel");
 }
 
 }  // namespace lathe::cuda
