@@ -25,6 +25,7 @@
 
 #include "io/safetensors.h"
 #include "model/decoder_stack.h"
+#include "model/gdn_context.h"
 #include "model/lora.h"
 #include "ops/ops.h"
 
@@ -50,6 +51,7 @@ struct Qwen35Model::LayerActs {
   Tensor core, gy;                  // (T, Hv, dv): rule output, gated_rmsnorm(core; w, z) (out_proj's input)
   Tensor states;                    // the rule's saved chunk-start states (training), read by its backward
   Tensor chunk_cache;               // the rule's chunk cache (training, CUDA chunked kernels), read by its backward
+  Tensor state_in;                  // context parallelism passing states: the state the previous rank passed
   // MLP
   Tensor h, hn;
   MlpActs mlp;
@@ -441,7 +443,8 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
     a.aproj = project(l.index, LoraTarget::in_proj_a, l.in_a, a.xn, b, training);
   }
   if (context_parallel() && !b.cache) {
-    gdn_core_over_ranks(l, a, b, training);
+    if (gdn_passes_states()) gdn_core_over_chain(l, a, b);
+    else gdn_core_over_ranks(l, a, b, training);
   } else {
     gdn_core(l, a, b, training);
   }
@@ -531,15 +534,7 @@ void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, b
   } else {
     a.conv = causal_conv1d(cx, a.qkv, conv_w, b.cu_seqlens);
   }
-  const Tensor act = silu(cx, a.conv);
-  a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
-  a.ka = gather_columns(act, split.qkv[1]).view({t, hk, dk});
-  a.va = gather_columns(act, split.qkv[2]).view({t, hv, dv});
-  a.qn = l2norm(a.qa);
-  a.kn = l2norm(a.ka);
-  const DType gd = gdn_gate_dtype(options_.dtype);
-  a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
-  a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
+  rule_inputs(l, a, split);
   if (b.cache) {  // decoding: the recurrence from the cached state, whose final state is the new cache
     const std::vector<Tensor> r = gated_delta_rule_state(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens,
                                                          b.cache->gdn_state(l.index));
@@ -553,6 +548,49 @@ void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, b
     a.states = r[1];
     a.chunk_cache = r[2];
   }
+}
+
+// The delta rule's inputs from the conv's output (a.conv) and the b and a projections: silu, the q, k, v blocks, the
+// L2 norms, beta and the decay.
+void Qwen35Model::rule_inputs(const Layer& l, LayerActs& a, const SplitIndex& split) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = a.conv.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
+  const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+  const Tensor act = silu(cx, a.conv);
+  a.qa = gather_columns(act, split.qkv[0]).view({t, hk, dk});
+  a.ka = gather_columns(act, split.qkv[1]).view({t, hk, dk});
+  a.va = gather_columns(act, split.qkv[2]).view({t, hv, dv});
+  a.qn = l2norm(a.qa);
+  a.kn = l2norm(a.ka);
+  const DType gd = gdn_gate_dtype(options_.dtype);
+  a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
+  a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd), as_dtype(cx, w(l.dt_bias), gd));
+}
+
+// Context parallelism where the heads are too few for the all-to-all: the rank's rows, the conv's history and the
+// rule's state passed along the cp group (model/gdn_context.h).
+bool Qwen35Model::gdn_passes_states() const {
+  const int64_t cp = cp_size(), hk = config_.linear_num_key_heads, hv = config_.linear_num_value_heads;
+  return context_parallel() && !(hk % cp == 0 || (cp % hk == 0 && hv % cp == 0));
+}
+
+void Qwen35Model::gdn_core_over_chain(const Layer& l, LayerActs& a, const PackedBatch& b) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = a.xn.size(0), history = c.linear_conv_kernel_dim - 1;
+  const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
+  const CpChain ch = cp_chain(b.host_cu, t, cp_rank(), cp_size());
+  const std::vector<int32_t> conv_cu = conv_offsets(ch, history);
+  a.qkv = conv_input_with_history(cx, *options_.cp, ch, a.qkv, history);  // (history + T, 2K + V)
+  const Tensor conv = causal_conv1d(cx, a.qkv, w(l.conv).view({channels, c.linear_conv_kernel_dim}),
+                                    rt_->upload(conv_cu.data(), {int64_t(conv_cu.size())}, DType::I32, options_.device));
+  a.conv = contiguous(cx, conv.narrow(0, history, t));
+  rule_inputs(l, a, split_index(t, nullptr));
+  const Tensor cu = rt_->upload(ch.cu.data(), {int64_t(ch.cu.size())}, DType::I32, options_.device);
+  std::vector<Tensor> r = rule_over_chain(cx, *options_.cp, ch, a.qn, a.kn, a.va, a.g, a.beta, cu);
+  a.core = r[0];
+  a.state_in = r[1];
 }
 
 Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,
@@ -627,7 +665,8 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   add_grad(l.gnorm, dgnorm);
   const Tensor& dz = dnorm[2];
   Tensor dqkv, db, da;  // the projections' output gradients: (T, 2K + V), (T, Hv) x2
-  if (context_parallel() && !b.cache) gdn_core_over_ranks_backward(l, a, dnorm[0], b, dqkv, db, da);
+  if (context_parallel() && !b.cache && gdn_passes_states()) gdn_core_over_chain_backward(l, a, dnorm[0], b, dqkv, db, da);
+  else if (context_parallel() && !b.cache) gdn_core_over_ranks_backward(l, a, dnorm[0], b, dqkv, db, da);
   else gdn_core_backward(l, a, dnorm[0], b, dqkv, db, da);
   Tensor dxn;
   if (c.fused_gdn_projections) {
@@ -657,6 +696,18 @@ void Qwen35Model::gdn_core_backward(const Layer& l, const LayerActs& a, const Te
   const SplitIndex& split = split_index(dcore.size(0), b.cache);
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore, b.cu_seqlens,
                                                            a.states, {}, a.chunk_cache);
+  const Tensor dconv_out = rule_inputs_backward(l, a, dr, split, db, da);
+  const std::vector<Tensor> dconv = causal_conv1d_backward(
+      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), dconv_out, b.cu_seqlens);
+  add_grad(l.conv, dconv[1]);
+  dqkv = dconv[0];
+}
+
+// rule_inputs' backward from the rule's {dq, dk, dv, dg, dbeta}: A_log's and dt_bias's gradients added, those of the
+// b and a projections' outputs set, and the conv output's returned.
+Tensor Qwen35Model::rule_inputs_backward(const Layer& l, const LayerActs& a, const std::vector<Tensor>& dr,
+                                         const SplitIndex& split, Tensor& db, Tensor& da) {
+  ExecContext cx = ctx();
   // g and beta are gdn_gate_dtype: the decay and sigmoid backward run there, the casts' backward casts back.
   const DType gd = gdn_gate_dtype(options_.dtype), md = options_.dtype;
   const std::vector<Tensor> ddecay = gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log), gd),
@@ -668,10 +719,30 @@ void Qwen35Model::gdn_core_backward(const Layer& l, const LayerActs& a, const Te
   // d(silu(conv)): the q, k, v gradients scattered back to their column blocks.
   const Tensor dact = merge_columns({l2norm_backward(a.qa, dr[0]), l2norm_backward(a.ka, dr[1]), contiguous(cx, dr[2])},
                                     {&split.qkv[0], &split.qkv[1], &split.qkv[2]}, split.merge_qkv);
+  return silu_backward(cx, a.conv, dact);
+}
+
+// gdn_core_over_chain's backward: the rule's along the chain (its state gradient from the next rank, to the previous),
+// the conv's over the rank's rows with their history, whose rows' gradient goes to the ranks that hold them.
+void Qwen35Model::gdn_core_over_chain_backward(const Layer& l, const LayerActs& a, const Tensor& dcore,
+                                               const PackedBatch& b, Tensor& dqkv, Tensor& db, Tensor& da) {
+  ExecContext cx = ctx();
+  const ModelConfig& c = config_;
+  const int64_t t = dcore.size(0), history = c.linear_conv_kernel_dim - 1, channels = a.qkv.size(1);
+  const CpChain ch = cp_chain(b.host_cu, t, cp_rank(), cp_size());
+  const std::vector<Tensor> dr =
+      rule_over_chain_backward(*rt_, cx, *options_.cp, ch, a.qn, a.kn, a.va, a.g, a.beta, dcore, a.state_in);
+  const Tensor dconv_out = rule_inputs_backward(l, a, dr, split_index(t, nullptr), db, da);
+  Tensor dy = Tensor::empty({history + t, channels}, dconv_out.dtype(), cx.allocator);
+  cx.backend.fill_bytes(dy.data_ptr(), 0, dy.nbytes(), cx.stream);
+  copy_into(cx, dconv_out, dy.narrow(0, history, t));
+  const std::vector<int32_t> conv_cu = conv_offsets(ch, history);
   const std::vector<Tensor> dconv = causal_conv1d_backward(
-      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), silu_backward(cx, a.conv, dact), b.cu_seqlens);
+      cx, a.qkv, w(l.conv).view({channels, c.linear_conv_kernel_dim}), dy,
+      rt_->upload(conv_cu.data(), {int64_t(conv_cu.size())}, DType::I32, options_.device));
   add_grad(l.conv, dconv[1]);
-  dqkv = dconv[0];
+  dqkv = contiguous(cx, dconv[0].narrow(0, history, t));
+  add_history_grad(cx, *options_.cp, ch, dconv[0].narrow(0, 0, history), dqkv);
 }
 
 // gdn_core_over_ranks' backward: d(core) on the rank's rows to every row of the rank's heads, the rule's, decay's and

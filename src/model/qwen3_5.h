@@ -117,11 +117,20 @@ class Qwen35Model : public CausalLm {
   // parallelism) over every row for the rank's cp-th of the heads.
   void gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
   void gdn_core_over_ranks(const Layer& l, LayerActs& a, const PackedBatch& b, bool training);
+  // Or, where the heads are too few for the all-to-all, over the rank's rows with the conv's history and the rule's
+  // state passed along the cp group (model/gdn_context.h).
+  bool gdn_passes_states() const;
+  void gdn_core_over_chain(const Layer& l, LayerActs& a, const PackedBatch& b);
+  void rule_inputs(const Layer& l, LayerActs& a, const SplitIndex& split);
   Tensor rank_conv_weight(const Layer& l);
   void gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b, Tensor& dqkv,
                          Tensor& db, Tensor& da);
   void gdn_core_over_ranks_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
                                     Tensor& dqkv, Tensor& db, Tensor& da);
+  void gdn_core_over_chain_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
+                                    Tensor& dqkv, Tensor& db, Tensor& da);
+  Tensor rule_inputs_backward(const Layer& l, const LayerActs& a, const std::vector<Tensor>& dr,
+                              const SplitIndex& split, Tensor& db, Tensor& da);
   Tensor layer_backward(const Layer& l, const LayerActs& a, const Tensor& dout, const PackedBatch& b);
   Tensor attention_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);
   Tensor gdn_backward_part(const Layer& l, const LayerActs& a, const Tensor& dh, const PackedBatch& b);

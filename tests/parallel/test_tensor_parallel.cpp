@@ -201,7 +201,9 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 // Context parallelism (the world as the cp group): each rank runs the stack on its rows of three packed documents of
 // 7, 2 and 12 tokens (21 rows: the splits fall inside documents, the last rank's rows padded), and of two documents of
 // 3 and 2 tokens (at -np 4 the last rank has no row of the batch); attention and Gated DeltaNet (conv, decay, delta
-// rule) over whole documents by the head all-to-all, mixture-of-experts layers on the rank's rows with the aux loss on
+// rule) over whole documents by the head all-to-all, or, where the GDN heads are too few for it, Gated DeltaNet on the
+// rank's rows with the conv's history gathered and the rule's state passed rank to rank (documents that cross one and
+// two rank boundaries, a history shorter than the conv's, a history from two ranks back), mixture-of-experts layers on the rank's rows with the aux loss on
 // (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next (fused
 // projections, sparse layers): the logits, the loss, the aux loss and the expert loads, and every gradient summed over
 // the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2, with and without
@@ -227,8 +229,16 @@ std::vector<nlohmann::json> cp_configs(int n) {
   // value heads each (a key head read by two ranks).
   nlohmann::json shared = tiny_hybrid("qwen3_5_text", 2 * n, 1, n / 2, 12);
   shared["linear_num_value_heads"] = n;
+  // Gated DeltaNet heads too few for the all-to-all (n / 2 key heads of three value heads: at cp n, and at tp 2 x cp 2
+  // one key head of three a tp rank): the conv's history and the rule's state passed from rank to rank; Qwen3.5 and
+  // Qwen3-Next (its fused projections interleaved per key head).
+  nlohmann::json passing = tiny_hybrid("qwen3_5_text", 2 * n, n, n / 2, 12);
+  passing["linear_num_value_heads"] = 3 * (n / 2);
+  nlohmann::json passing_next = tiny_hybrid("qwen3_next", 2 * n, n, n / 2, 12, true);
+  passing_next["linear_num_value_heads"] = 3 * (n / 2);
   return {tiny_qwen3(2 * n, n, 12), tiny_qwen3(2 * n, 1, 12), qwen3_moe, tiny_hybrid("qwen3_5_text", 2 * n, n, n, 12),
-          shared, tiny_hybrid("qwen3_5_moe_text", 2 * n, n, n, 12), tiny_hybrid("qwen3_next", 2 * n, n, n, 12, true)};
+          shared, tiny_hybrid("qwen3_5_moe_text", 2 * n, n, n, 12), tiny_hybrid("qwen3_next", 2 * n, n, n, 12, true),
+          passing, passing_next};
 }
 
 // `split`'s loss, aux loss, expert loads and gradients (summed over `cp`, gathered over its tp group) against `whole`'s.
