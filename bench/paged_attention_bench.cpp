@@ -112,7 +112,8 @@ int main(int argc, char** argv) {
                  what, batch, mean, hq, hkv, d, bs, dtype_name(dtype), ms, bytes / 1e9, gbs, gbs / copy_gbs,
                  ref.empty() ? 0.0 : nmse(host_floats(rt, ctx, o), ref));
     };
-    const double op_ms = median_ms(ctx, iters, [&] { out = paged_attention(ctx, q, kc, vc, table, cu_t, lens_t, attrs); }, 3);
+    const double op_ms =
+        median_ms(ctx, iters, [&] { out = paged_attention(ctx, q, kc, vc, table, cu_t, lens_t, attrs); }, 3);
     report("op:" + resolved, op_ms, out, {});
 
     std::vector<float> reference;
@@ -121,8 +122,8 @@ int main(int argc, char** argv) {
       for (const KernelDef& kd : rt.registry().kernels())
         if (kd.op == OpId::paged_attention && kd.dtype == dtype && kd.device == DeviceType::CUDA && kd.name == name)
           k = &kd;
-      OpCall call{OpId::paged_attention, {q, kc, vc, table, cu_t, lens_t}, {Tensor::empty(q.shape(), dtype, ctx.allocator)},
-                  attrs};
+      OpCall call{OpId::paged_attention, {q, kc, vc, table, cu_t, lens_t},
+                  {Tensor::empty(q.shape(), dtype, ctx.allocator)}, attrs};
       if (!k || !k->supports(call).ok) {
         fmt::print("{{\"what\": \"{}\", \"skipped\": \"not registered or does not support the shape\"}}\n", name);
         continue;

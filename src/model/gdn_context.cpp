@@ -164,7 +164,7 @@ std::vector<Tensor> rule_over_chain_backward(Runtime& rt, ExecContext& cx, Commu
   if (pre > 0) {
     q_pre = rows_like(cx, q, pre);
     k_pre = unit_rows(rt, cx, dk, hk, 1.0, k.dtype());
-    v_pre = cast(cx, contiguous(cx, state_in.transpose(0, 1)), v.dtype());  // (d_k, H_v, d_v): row i of each head's state
+    v_pre = cast(cx, contiguous(cx, state_in.transpose(0, 1)), v.dtype());  // (d_k, H_v, d_v): each head's row i
     g_pre = rows_like(cx, g, pre);
     b_pre = from_values(rt, cx, std::vector<double>(size_t(pre * hv), 1.0), {pre, hv}, beta.dtype());
     o_pre = rows_like(cx, d_o, pre);
@@ -178,7 +178,9 @@ std::vector<Tensor> rule_over_chain_backward(Runtime& rt, ExecContext& cx, Commu
     b_post = rows_like(cx, beta, post);
     o_post = cast(cx, scale(cx, contiguous(cx, d_out.transpose(0, 1)), 1.0 / query_scale), d_o.dtype());
   }
-  const auto widen = [&](const Tensor& x, const Tensor& a, const Tensor& z) { return around_real_rows(cx, x, ch.real, a, z); };
+  const auto widen = [&](const Tensor& x, const Tensor& a, const Tensor& z) {
+    return around_real_rows(cx, x, ch.real, a, z);
+  };
   std::vector<int32_t> cu = {0};
   for (size_t i = 1; i < ch.cu.size(); ++i)
     cu.push_back(int32_t(ch.cu[i] + pre + (int64_t(i) > ch.last_real_doc() ? post : 0)));

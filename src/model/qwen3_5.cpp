@@ -579,7 +579,8 @@ void Qwen35Model::gdn_core_over_chain(const Layer& l, LayerActs& a, const Packed
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = a.xn.size(0), history = c.linear_conv_kernel_dim - 1;
-  const int64_t channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
+  const int64_t channels =
+      2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
   const CpChain ch = cp_chain(b.host_cu, t, cp_rank(), cp_size());
   const std::vector<int32_t> conv_cu = conv_offsets(ch, history);
   a.qkv = conv_input_with_history(cx, *options_.cp, ch, a.qkv, history);  // (history + T, 2K + V)
@@ -665,9 +666,9 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
   add_grad(l.gnorm, dgnorm);
   const Tensor& dz = dnorm[2];
   Tensor dqkv, db, da;  // the projections' output gradients: (T, 2K + V), (T, Hv) x2
-  if (context_parallel() && !b.cache && gdn_passes_states()) gdn_core_over_chain_backward(l, a, dnorm[0], b, dqkv, db, da);
-  else if (context_parallel() && !b.cache) gdn_core_over_ranks_backward(l, a, dnorm[0], b, dqkv, db, da);
-  else gdn_core_backward(l, a, dnorm[0], b, dqkv, db, da);
+  if (!context_parallel() || b.cache) gdn_core_backward(l, a, dnorm[0], b, dqkv, db, da);
+  else if (gdn_passes_states()) gdn_core_over_chain_backward(l, a, dnorm[0], b, dqkv, db, da);
+  else gdn_core_over_ranks_backward(l, a, dnorm[0], b, dqkv, db, da);
   Tensor dxn;
   if (c.fused_gdn_projections) {
     const Tensor dqkvz = merge_columns({dqkv, contiguous(cx, dz).view({t, vd})}, {&split.next_qkv, &split.next_z},

@@ -203,13 +203,14 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 // 3 and 2 tokens (at -np 4 the last rank has no row of the batch); attention and Gated DeltaNet (conv, decay, delta
 // rule) over whole documents by the head all-to-all, or, where the GDN heads are too few for it, Gated DeltaNet on the
 // rank's rows with the conv's history gathered and the rule's state passed rank to rank (documents that cross one and
-// two rank boundaries, a history shorter than the conv's, a history from two ranks back), mixture-of-experts layers on the rank's rows with the aux loss on
-// (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5 (dense and MoE) and Qwen3-Next (fused
-// projections, sparse layers): the logits, the loss, the aux loss and the expert loads, and every gradient summed over
-// the ranks (each rank's is its rows' part) equal the whole model's; at -np 4 also as tp 2 x cp 2, with and without
-// sequence parallelism (each cp rank's rows split again over its tp group between the blocks); the rollout engine's
-// greedy decode (no split while decoding) is the reference's. Fails with the rows' head gradient left at 1 / cp, or
-// with the routing totals not summed.
+// two rank boundaries, a history shorter than the conv's, a history from two ranks back), mixture-of-experts layers
+// on the rank's rows with the aux loss on (its routing totals summed over the group), for Qwen3, Qwen3-MoE, Qwen3.5
+// (dense and MoE) and Qwen3-Next (fused projections, sparse layers): the logits, the loss, the aux loss and the expert
+// loads, and every gradient summed over the ranks (each rank's is its rows' part) equal the whole model's; at -np 4
+// also as tp 2 x cp 2, with and without sequence parallelism (each cp rank's rows split again over its tp group
+// between the blocks); the rollout engine's greedy decode (no split while decoding) is the reference's. Fails with the
+// rows' head gradient left at 1 / cp, with the routing totals not summed, or with the passed state, its gradient or
+// the history's gradient dropped.
 std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp,
                                    bool sequence_parallel = false) {
   ModelOptions o;

@@ -1,7 +1,7 @@
 // Registration of the rollout engine's CUDA kernels (paged.cu, paged_decode.cu): paged_attention for f32, bf16 and f16
 // (the cp.async pipeline for 128-, 256- and 512-byte rows in pages of a power of two positions, then the general
-// kernel for head dims up to 256), row_argmax_logsumexp, sample_rows and penalize_rows for f32, bf16 and f16, scatter_rows for every float dtype (a row copy). Covered by
-// src/testing/op_cases_paged.cpp.
+// kernel for head dims up to 256), row_argmax_logsumexp, sample_rows and penalize_rows for f32, bf16 and f16,
+// scatter_rows for every float dtype (a row copy). Covered by src/testing/op_cases_paged.cpp.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,7 +27,8 @@ Support paged_attention_pipelined_supports(const OpCall& c) {
                                    "512-byte rows, pages of a power of two from 4)",
                                    q.size(2), dtype_size(q.dtype()), block_size));
   for (int k = 0; k < 3; ++k)
-    if (reinterpret_cast<uintptr_t>(c.inputs[k].data_ptr()) % 16 != 0) return Support::no("q and the caches must be 16-byte aligned (cp.async)");
+    if (reinterpret_cast<uintptr_t>(c.inputs[k].data_ptr()) % 16 != 0)
+      return Support::no("q and the caches must be 16-byte aligned (cp.async)");
   return all_contiguous(c);
 }
 
