@@ -13,6 +13,7 @@
 #include "comm/communicator.h"
 #include "core/files.h"
 #include "model/lora.h"
+#include "model/pipeline_step.h"
 #include "model/qwen3.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
@@ -259,6 +260,11 @@ Tensor CausalLm::cp_rows(const Tensor& whole) const {
   if (!context_parallel()) return whole;
   ExecContext cx = rt_->context(options_.device);
   return rows_of(cx, whole, options_.cp->size(), options_.cp->rank());
+}
+
+Tensor CausalLm::last_logits(const PackedBatch& batch) {
+  if (pp_size() > 1) return pipeline_last_logits(*this, batch);
+  return lm_head_logits(last_hidden(batch));
 }
 
 Tensor CausalLm::cp_gather(const Tensor& rows, int64_t tokens) const {

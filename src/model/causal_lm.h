@@ -111,8 +111,13 @@ struct LossResult {
 };
 
 // Pipeline parallelism: what the last stage computes of a micro-batch — its loss (Train: and the head's backward, the
-// stages' activations kept for theirs), or its labels' log-probabilities.
-enum class StageHead { Loss, Train, LabelLogprobs };
+// stages' activations kept for theirs), its labels' log-probabilities, or the logits after each document's last token
+// (decoding through the stages).
+enum class StageHead { Loss, Train, LabelLogprobs, LastLogits };
+
+// The dtype of the logits a pipeline's last stage broadcasts while decoding: f64 for an f64 model, else f32 (exact for
+// bf16 and f16).
+inline DType stage_logits_dtype(DType model) { return model == DType::F64 ? DType::F64 : DType::F32; }
 
 // Pipeline parallelism: one micro-batch's forward on one virtual stage, kept until its backward.
 struct StageWork {
@@ -121,6 +126,7 @@ struct StageWork {
   Tensor out;                  // (2, rows, H): the residual stream's two terms, for the next stage (not on the last)
   LossResult loss;             // the last stage's (StageHead Loss and Train)
   std::vector<double> logprobs;  // the last stage's (StageHead LabelLogprobs): per position, label_logprobs' layout
+  Tensor logits;                 // the last stage's (StageHead LastLogits): (documents, V) in stage_logits_dtype
   std::vector<std::pair<int64_t, MoeRoute>> routes;  // the stage's sparse layers' routing, for their backward
   std::vector<RoutingTotals> totals;                  // and its totals (the aux loss is every layer's)
 };
@@ -230,8 +236,9 @@ class CausalLm {
   // label_logprobs never gather (LmHead).
   virtual Tensor logits(const PackedBatch& batch) = 0;
   // The logits (B, V) after each document's last token, through the same layers (a decoder's batch carries its
-  // DecodeCache, each document continuing one sequence): lm_head_logits(last_hidden(batch)).
-  Tensor last_logits(const PackedBatch& batch) { return lm_head_logits(last_hidden(batch)); }
+  // DecodeCache, each document continuing one sequence): lm_head_logits(last_hidden(batch)). Under pipeline
+  // parallelism through the stages, on every rank of the pipeline (pipeline_last_logits).
+  Tensor last_logits(const PackedBatch& batch);
   // The final norm's output (B, H) at each document's last token; with one token a document, nothing is uploaded
   // (a rollout engine records it as a graph).
   virtual Tensor last_hidden(const PackedBatch& batch) = 0;

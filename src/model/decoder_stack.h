@@ -81,9 +81,14 @@ struct DecoderStack {
 
   template <typename M>
   static Tensor last_hidden(M& m, const PackedBatch& b) {
-    ExecContext cx = m.ctx();
     const ResidualStream x = hidden(m, b, nullptr, nullptr, false);
-    const Tensor xf = m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b);
+    return last_rows(m, m.head_input(m.norm_stream(x, m.w(m.final_norm_), final_norm(m)).first, b), b);
+  }
+
+  // The rows of the final norm's output xf (every row of the batch) at each document's last token.
+  template <typename M>
+  static Tensor last_rows(M& m, const Tensor& xf, const PackedBatch& b) {
+    ExecContext cx = m.ctx();
     const int64_t docs = int64_t(b.host_cu.size()) - 1;
     if (xf.size(0) == docs) return xf;  // one token a document: every row is a last one
     if (docs == 1) return xf.narrow(0, xf.size(0) - 1, 1);
@@ -220,6 +225,11 @@ struct DecoderStack {
       copy_into(cx, x.r, work->out.narrow(0, 1, 1).view({rows, h}));
     } else {
       const auto [xf, x_last] = m.norm_stream(x, m.w(m.final_norm_), final_norm(m));
+      if (head == StageHead::LastLogits) {  // decoding: every row of the batch (no cp while decoding)
+        const Tensor logits = m.lm_head_logits(last_rows(m, m.head_input(xf, b), b));
+        work->logits = cast(cx, logits, stage_logits_dtype(m.options_.dtype));
+        return work;
+      }
       if (head == StageHead::LabelLogprobs) {  // the rank's rows under cp, joined
         work->logprobs = m.head_label_logprobs(m.block_input(xf, m.block_tokens(b)), m.head(), b);
         return work;

@@ -24,9 +24,10 @@ std::vector<double> host_values(Runtime& rt, const Tensor& t) {
 }
 
 // The schedule's ticks on this rank (pipeline_step.h): the last stage's losses, or with StageHead::LabelLogprobs its
-// log-probabilities into *logprobs.
+// log-probabilities into *logprobs, with StageHead::LastLogits its logits into *logits.
 std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& micro, StageHead head,
-                                   double loss_scale, std::vector<std::vector<double>>* logprobs) {
+                                   double loss_scale, std::vector<std::vector<double>>* logprobs,
+                                   std::vector<Tensor>* logits = nullptr) {
   const bool backward = head == StageHead::Train;
   const ModelOptions& o = m.options();
   LATHE_CHECK(o.pp && o.pp->size() > 1, "pipeline: the model was built without a pipeline group (ModelOptions::pp)");
@@ -72,6 +73,8 @@ std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& 
           w->out = Tensor();
         } else if (head == StageHead::LabelLogprobs) {
           (*logprobs)[size_t(a.micro)] = std::move(w->logprobs);
+        } else if (head == StageHead::LastLogits) {
+          (*logits)[size_t(a.micro)] = std::move(w->logits);
         } else {
           losses[size_t(a.micro)] = w->loss;
           if (moe)
@@ -137,7 +140,6 @@ std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& m, const std:
   std::vector<std::vector<double>> lp(batches.size());
   run_stages(m, batches, StageHead::LabelLogprobs, 1.0, &lp);
   Communicator& pp = *m.options().pp;
-  Runtime& rt = m.runtime();
   std::vector<double> flat;  // every batch's, one value a token
   size_t total = 0;
   for (const PackedBatch& b : batches) total += size_t(b.tokens());
@@ -150,6 +152,19 @@ std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& m, const std:
     at += size_t(batches[k].tokens());
   }
   return lp;
+}
+
+Tensor pipeline_last_logits(CausalLm& m, const PackedBatch& b) {
+  std::vector<Tensor> logits(1);
+  run_stages(m, {b}, StageHead::LastLogits, 1.0, nullptr, &logits);
+  Communicator& pp = *m.options().pp;
+  if (pp.rank() + 1 < pp.size()) {
+    ExecContext cx = m.runtime().context(m.options().device);
+    logits[0] = Tensor::empty({int64_t(b.host_cu.size()) - 1, m.global_config().vocab_size},
+                              stage_logits_dtype(m.options().dtype), cx.allocator);
+  }
+  pp.broadcast(logits[0], pp.size() - 1).wait();
+  return logits[0];
 }
 
 void from_last_stage(CausalLm& m, std::vector<double>& v, size_t n) {

@@ -23,6 +23,10 @@ std::vector<LossResult> run_pipeline(CausalLm& model, const std::vector<PackedBa
 // forward only, on every rank of the pipeline group.
 std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& model, const std::vector<PackedBatch>& batches);
 
+// The logits (documents, V) after each document's last token (CausalLm::last_logits: a decoding step, through the
+// stages), in stage_logits_dtype on every rank of the pipeline group: the last stage's, broadcast.
+Tensor pipeline_last_logits(CausalLm& model, const PackedBatch& batch);
+
 // `v` as the last rank of the pipeline holds it (n numbers; the others' are resized to n and overwritten), on every
 // rank of the pipeline group, which all call it.
 void from_last_stage(CausalLm& model, std::vector<double>& v, size_t n);

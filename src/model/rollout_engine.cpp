@@ -57,9 +57,9 @@ namespace {
 
 // Tensor parallelism: the smallest of the group's values (each rank sizes its pool from its own free memory, and the
 // ranks of a group must admit, preempt and finish the same sequences, since every step's layers are collectives).
-int64_t fewest_over(Runtime& rt, Device device, Communicator* tp, int64_t value) {
-  if (!tp || tp->size() <= 1) return value;
-  const std::vector<double> all = values_over(rt, device, *tp, double(value));
+int64_t fewest_over(Runtime& rt, Device device, Communicator* group, int64_t value) {
+  if (!group || group->size() <= 1) return value;
+  const std::vector<double> all = values_over(rt, device, *group, double(value));
   return int64_t(*std::min_element(all.begin(), all.end()));
 }
 
@@ -115,7 +115,8 @@ class RolloutEngine::Pool {
             : o.cache_bytes;
     blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
     if (o.cache_blocks == 0 && o.max_cache_blocks > 0) blocks = std::min(blocks, o.max_cache_blocks);
-    blocks = fewest_over(rt, mo.device, mo.tp, blocks);  // tensor parallelism: one pool size, so every rank schedules alike
+    // Tensor and pipeline parallelism: one pool size, so that every rank of the groups schedules alike.
+    blocks = fewest_over(rt, mo.device, mo.pp, fewest_over(rt, mo.device, mo.tp, blocks));
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
                 bytes, block_size, block_bytes);
     // One block and one slot more, for the pad rows of fixed-shape steps: scratch_block, scratch_slot.
@@ -469,7 +470,11 @@ RolloutEngine::RolloutEngine(Runtime& rt, CausalLm& model, EngineOptions options
     why = "expert parallelism's exchange reads the routing back to the host";
   else if (model.options().tp && model.options().tp->size() > 1)
     why = "tensor parallelism's collectives are not recorded in graphs yet";
+  else if (model.pp_size() > 1)
+    why = "pipeline parallelism's stages exchange through the host's schedule";
   LATHE_CHECK(options_.graphs != StepGraphs::kOn || why.empty(), "rollout: decode graphs asked for, but {}", why);
+  LATHE_CHECK(options_.graphs != StepGraphs::kPadded || model.pp_size() == 1,
+              "rollout: padded decode steps run whole models; under pipeline parallelism use graphs auto or off");
   // kAuto records whatever can be recorded: faster by median step for the dense, hybrid and mixture-of-experts shapes
   // at every batch measured (docs/rollout.md, "Decode graphs").
   const bool record = why.empty() && (options_.graphs == StepGraphs::kOn || options_.graphs == StepGraphs::kAuto);

@@ -433,6 +433,20 @@ TEST(Rl, ContextParallelRanksEqualOneProcess) {
 #endif
 }
 
+// Pipeline parallelism, colocated (parallel.pp = 2, and pp 2 x dp 2): the ranks of a pipeline run the same rollout
+// engine, each decoding step going through the stages (the last stage's logits broadcast, so that every rank draws the
+// same tokens; the pools agreed on one size), then the updates and the old and reference log-probabilities through the
+// schedule: the one-process run, for GRPO with a KL term to a frozen reference (itself in stages) and for LoRA.
+TEST(Rl, PipelineParallelRanksEqualOneProcess) {
+#ifndef LATHE_MPIRUN
+  GTEST_SKIP() << "built without MPI";
+#else
+  expect_layout_equals_one_process("pp2", " --set rl.prompts_per_step=8 --set rl.samples=3 --set train.save_every=0",
+                                   " --set parallel.pp=2",
+                                   {" --set rl.kl_coef=0.1", " --set lora.rank=4 --set lora.alpha=8"});
+#endif
+}
+
 // On a GPU in bf16: one update per rollout is on policy within bf16 noise (the trainer's forward is the old policy's,
 // so the ratio is 1 up to the nondeterminism of the kernels), the train-rollout gap of the engine is reported and
 // printed, and the reward still rises. Skips without a GPU.

@@ -137,9 +137,6 @@ void add_rl_command(CLI::App& app, int& exit_code) {
         exit_code = run_async(rt, config, env, mpi);
         return;
       }
-      LATHE_CHECK(config.pp <= 1, "rl: parallel.pp = {} with rl.mode colocated is not built yet: the rollout engine "
-                  "decodes whole models, not pipeline stages; train through stages with rl.mode async, whose rollout "
-                  "ranks hold whole models (docs/rl.md)", config.pp);
       const std::unique_ptr<ProcessGroups> groups = join_job(rt, config, env, mpi, "rl");
       if (groups) check_rl_layout(config, groups->dp_size());
       RlSource source(rt, config);  // reads and checks the prompts; writes nothing
