@@ -700,7 +700,7 @@ void for_each_adapted(const LoraBank& bank, int adapter, Fn fn) {
       const LoraBank::Slot* slot = bank.slot(l, t);
       if (!slot || slot->col_end[size_t(adapter)] == slot->col_begin[size_t(adapter)]) continue;
       const std::string name = lora_module_name(m, l, t);
-      fn(*slot, lora_target_is_expert(t) ? name : name + ".weight");
+      fn(*slot, lora_target_is_expert(t) ? name : name + ".weight", l);
     }
 }
 
@@ -708,14 +708,17 @@ void for_each_adapted(const LoraBank& bank, int adapter, Fn fn) {
 
 std::vector<std::string> lora_merge_targets(const LoraBank& bank, int adapter) {
   std::vector<std::string> names;
-  for_each_adapted(bank, adapter, [&](const LoraBank::Slot&, const std::string& name) { names.push_back(name); });
+  for_each_adapted(bank, adapter, [&](const LoraBank::Slot&, const std::string& name, int64_t) {
+    names.push_back(name);
+  });
   return names;
 }
 
 void merge_lora(CausalLm& model, LoraBank& bank, int adapter) {
   ExecContext cx = model.runtime().context(model.options().device);
   bank.refresh();  // the slots hold every adapter's current values
-  for_each_adapted(bank, adapter, [&](const LoraBank::Slot& slot, const std::string& name) {
+  for_each_adapted(bank, adapter, [&](const LoraBank::Slot& slot, const std::string& name, int64_t layer) {
+    if (!model.holds_layer(layer)) return;  // pipeline parallelism: another stage's layer
     const int64_t c = slot.col_begin[size_t(adapter)], r = slot.col_end[size_t(adapter)] - c;
     const double s = slot.scaling[size_t(adapter)];  // applied in the model dtype (a GEMM's alpha is only a float)
     Tensor& w = model.parameter(name).value;

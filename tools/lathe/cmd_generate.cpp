@@ -60,6 +60,7 @@ struct Args {
   int nproc = 0;                               // --input on N GPUs of this machine
   int tp = 1;                                  // tensor parallelism: each model replica split over tp ranks
   int ep = 1;                                  // expert parallelism: ep replicas (each its lines) share the experts
+  int pp = 1;                                  // pipeline parallelism: each replica's layers in pp stages, one a rank
   int64_t profile_step = -1;                   // --input: time every kernel of 10 engine steps from this one
   std::string graphs = "auto";                 // --input: decode steps as CUDA graphs (EngineOptions::graphs)
   bool time_forwards = false;                  // --input: the decode steps' device time, replayed and eager
@@ -239,7 +240,8 @@ std::vector<std::string> rank_args(const Args& a) {
   std::vector<std::string> v = {"generate", "--model", a.model, "--input", a.input, "--device", a.device,
                                 "--max-new-tokens", std::to_string(a.max_new_tokens), "--n", std::to_string(a.n),
                                 "--max-running", std::to_string(a.max_running), "--seed", std::to_string(a.seed),
-                                "--graphs", a.graphs, "--tp", std::to_string(a.tp), "--ep", std::to_string(a.ep)};
+                                "--graphs", a.graphs, "--tp", std::to_string(a.tp), "--ep", std::to_string(a.ep),
+                                "--pp", std::to_string(a.pp)};
   if (a.cache_mib > 0) v.insert(v.end(), {"--cache-mib", std::to_string(a.cache_mib)});  // else each rank's default
   if (a.time_forwards) v.push_back("--time-forwards");
   const auto num = [&](const char* flag, double x) { v.insert(v.end(), {flag, fmt::format("{}", x)}); };
@@ -308,10 +310,15 @@ void run(Args a) {
 
   Runtime rt;
   std::optional<MpiSession> mpi;
-  const LineRanks ranks = line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, 1, "generate");
+  const LineRanks ranks =
+      line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, a.pp, "generate");
   ModelOptions mo;
   mo.tp = ranks.tp;
   mo.ep = ranks.ep;
+  if (ranks.pp) {  // every decoding step through the stages, the last one's logits broadcast (CausalLm::last_logits)
+    mo.pp = ranks.pp;
+    mo.pipeline = PipelineLayout(load_model_config(a.model).num_layers, a.pp, 1);
+  }
   mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;
@@ -575,6 +582,9 @@ void add_generate_command(CLI::App& app, int& exit_code) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--tp", args->tp, "--input under a parallel launch: each model split over N ranks (tensor "
                   "parallelism; the launch's ranks form groups of N, the lines go to the groups; docs/parallel.md)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--pp", args->pp, "--input under a parallel launch: each model's layers split into N pipeline "
+                  "stages, one a rank, every decoding step passed through them (docs/parallel.md)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--nproc", args->nproc, "--input on N GPUs of this machine (ranks started by lathe; mpirun and "
                   "srun work too): the lines are split over the ranks, the output keeps input order")
