@@ -72,14 +72,21 @@ int64_t blocks_needed(const EngineOptions& o, int64_t prompt_tokens, int64_t max
 namespace {
 
 struct CacheLayout {
-  int64_t attn = 0, gdn = 0;  // attention and Gated DeltaNet layers
-  int64_t block_bytes = 0;    // one KV block over every attention layer
+  int64_t attn = 0, gdn = 0;  // the rank's attention and Gated DeltaNet layers
+  int64_t block_bytes = 0;    // one KV block over every attention layer of the rank
   int64_t conv_channels = 0;
 };
 
+// Whether this rank computes `layer` (pipeline parallelism: its stages' layers; else every one): the layers the cache
+// holds.
+bool caches_layer(const ModelOptions& mo, int64_t layer) {
+  return !mo.pp || mo.pp->size() <= 1 || mo.pipeline.rank_holds_layer(mo.pp->rank(), layer);
+}
+
 CacheLayout cache_layout(const ModelConfig& c, const ModelOptions& mo, int64_t block_size) {
   CacheLayout l;
-  for (int64_t i = 0; i < c.num_layers; ++i) ++(is_gdn_layer(c, i) ? l.gdn : l.attn);
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    if (caches_layer(mo, i)) ++(is_gdn_layer(c, i) ? l.gdn : l.attn);
   l.block_bytes = l.attn * 2 * block_size * c.num_kv_heads * c.head_dim * int64_t(dtype_size(mo.dtype));
   l.conv_channels = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
   return l;
@@ -102,10 +109,10 @@ class RolloutEngine::Pool {
     ExecContext cx = rt.context(mo.device);
     const CacheLayout layout = cache_layout(c, mo, block_size);
     const int64_t attn = layout.attn, gdn = layout.gdn, block_bytes = layout.block_bytes;
-    for (int64_t i = 0, a = 0, g = 0; i < c.num_layers; ++i) {
-      const bool linear = is_gdn_layer(c, i);
-      attn_slot.push_back(linear ? -1 : int(a++));
-      gdn_slot.push_back(linear ? int(g++) : -1);
+    for (int64_t i = 0, a = 0, g = 0; i < c.num_layers; ++i) {  // (another pipeline stage's layers: neither)
+      const bool linear = is_gdn_layer(c, i), here = caches_layer(mo, i);
+      attn_slot.push_back(linear || !here ? -1 : int(a++));
+      gdn_slot.push_back(linear && here ? int(g++) : -1);
     }
     LATHE_CHECK(o.cache_memory_fraction >= 0 && o.cache_memory_fraction < 1,
                 "rollout: cache_memory_fraction must be in [0, 1), not {}", o.cache_memory_fraction);
@@ -113,10 +120,13 @@ class RolloutEngine::Pool {
         o.cache_memory_fraction > 0
             ? int64_t(o.cache_memory_fraction * double(rt.backend(mo.device.type).free_memory(mo.device.index)))
             : o.cache_bytes;
-    blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : 0);
+    // A rank without attention layers (a pipeline stage of Gated DeltaNet layers) bounds nothing.
+    constexpr int64_t kUnbounded = int64_t(1) << 50;
+    blocks = o.cache_blocks > 0 ? o.cache_blocks : (block_bytes > 0 ? bytes / block_bytes : kUnbounded);
     if (o.cache_blocks == 0 && o.max_cache_blocks > 0) blocks = std::min(blocks, o.max_cache_blocks);
     // Tensor and pipeline parallelism: one pool size, so that every rank of the groups schedules alike.
     blocks = fewest_over(rt, mo.device, mo.pp, fewest_over(rt, mo.device, mo.tp, blocks));
+    if (blocks == kUnbounded) blocks = 0;  // no attention layer anywhere
     LATHE_CHECK(attn == 0 || blocks > 0, "rollout: a cache of {} bytes holds no block of {} tokens ({} bytes a block)",
                 bytes, block_size, block_bytes);
     // One block and one slot more, for the pad rows of fixed-shape steps: scratch_block, scratch_slot.
@@ -139,13 +149,15 @@ class RolloutEngine::Pool {
     block_refs.assign(size_t(blocks), 0);
     for (int64_t s = o.max_running; s-- > 0;) free_slots.push_back(int(s));
     // A sequence's context: the model's positions and the cache (which does not bound it without attention layers).
-    context_tokens = attn > 0 ? blocks * block_size : std::numeric_limits<int64_t>::max();
+    bool attends = false;  // the model's, not the rank's: every rank of a pipeline bounds a sequence alike
+    for (int64_t i = 0; i < c.num_layers; ++i) attends = attends || !is_gdn_layer(c, i);
+    context_tokens = attends ? blocks * block_size : std::numeric_limits<int64_t>::max();
     if (c.max_position_embeddings > 0) context_tokens = std::min(context_tokens, c.max_position_embeddings);
   }
 
   int64_t block_size, blocks = 0, context_tokens = 0;
   int64_t scratch_block = 0, scratch_slot = 0;  // written by pad rows only
-  std::vector<int> attn_slot, gdn_slot;  // per model layer: its index among the attention / GDN layers, or -1
+  std::vector<int> attn_slot, gdn_slot;  // per model layer: its index among the rank's attention / GDN layers, or -1
   std::vector<Tensor> k, v;              // per attention layer: (S, Hkv, D)
   std::vector<Tensor> conv, state;       // per GDN layer: (slots, W - 1, C), (slots, Hv, dk, dv)
   std::vector<int32_t> free_blocks;      // back: next handed out
