@@ -115,10 +115,6 @@ struct LossResult {
 // (decoding through the stages).
 enum class StageHead { Loss, Train, LabelLogprobs, LastLogits };
 
-// The dtype of the logits a pipeline's last stage broadcasts while decoding: f64 for an f64 model, else f32 (exact for
-// bf16 and f16).
-inline DType stage_logits_dtype(DType model) { return model == DType::F64 ? DType::F64 : DType::F32; }
-
 // Pipeline parallelism: one micro-batch's forward on one virtual stage, kept until its backward.
 struct StageWork {
   int stage = 0;
@@ -126,7 +122,7 @@ struct StageWork {
   Tensor out;                  // (2, rows, H): the residual stream's two terms, for the next stage (not on the last)
   LossResult loss;             // the last stage's (StageHead Loss and Train)
   std::vector<double> logprobs;  // the last stage's (StageHead LabelLogprobs): per position, label_logprobs' layout
-  Tensor logits;                 // the last stage's (StageHead LastLogits): (documents, V) in stage_logits_dtype
+  Tensor logits;                 // the last stage's (StageHead LastLogits): (documents, V) in the model's dtype
   std::vector<std::pair<int64_t, MoeRoute>> routes;  // the stage's sparse layers' routing, for their backward
   std::vector<RoutingTotals> totals;                  // and its totals (the aux loss is every layer's)
 };

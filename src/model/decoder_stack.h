@@ -226,8 +226,7 @@ struct DecoderStack {
     } else {
       const auto [xf, x_last] = m.norm_stream(x, m.w(m.final_norm_), final_norm(m));
       if (head == StageHead::LastLogits) {  // decoding: every row of the batch (no cp while decoding)
-        const Tensor logits = m.lm_head_logits(last_rows(m, m.head_input(xf, b), b));
-        work->logits = cast(cx, logits, stage_logits_dtype(m.options_.dtype));
+        work->logits = m.lm_head_logits(last_rows(m, m.head_input(xf, b), b));
         return work;
       }
       if (head == StageHead::LabelLogprobs) {  // the rank's rows under cp, joined

@@ -160,8 +160,8 @@ Tensor pipeline_last_logits(CausalLm& m, const PackedBatch& b) {
   Communicator& pp = *m.options().pp;
   if (pp.rank() + 1 < pp.size()) {
     ExecContext cx = m.runtime().context(m.options().device);
-    logits[0] = Tensor::empty({int64_t(b.host_cu.size()) - 1, m.global_config().vocab_size},
-                              stage_logits_dtype(m.options().dtype), cx.allocator);
+    logits[0] = Tensor::empty({int64_t(b.host_cu.size()) - 1, m.global_config().vocab_size}, m.options().dtype,
+                              cx.allocator);
   }
   pp.broadcast(logits[0], pp.size() - 1).wait();
   return logits[0];

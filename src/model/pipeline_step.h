@@ -24,7 +24,8 @@ std::vector<LossResult> run_pipeline(CausalLm& model, const std::vector<PackedBa
 std::vector<std::vector<double>> pipeline_label_logprobs(CausalLm& model, const std::vector<PackedBatch>& batches);
 
 // The logits (documents, V) after each document's last token (CausalLm::last_logits: a decoding step, through the
-// stages), in stage_logits_dtype on every rank of the pipeline group: the last stage's, broadcast.
+// stages), on every rank of the pipeline group: the last stage's, broadcast in the model's dtype (as one process has
+// them).
 Tensor pipeline_last_logits(CausalLm& model, const PackedBatch& batch);
 
 // `v` as the last rank of the pipeline holds it (n numbers; the others' are resized to n and overwritten), on every
