@@ -261,6 +261,16 @@ TEST_F(ParallelGpu, Qwen3NextTpAndCpAreAsCloseToF32AsOneGpu) {
   expect_layouts_as_close_as_one_gpu("qwen3_next", kQwen3Next, kTpAndCp);
 }
 
+// One Gated DeltaNet key head of three value heads: cp 2 cannot split them, so the conv's history and the rule's
+// state pass from one GPU to the other (model/gdn_context.h; session 28, not yet run on GPUs when written).
+TEST_F(ParallelGpu, GdnStatesPassedAtCpAreAsCloseToF32AsOneGpu) {
+  std::string few = kQwen35;
+  few.replace(few.find("linear_num_key_heads: 2, linear_num_value_heads: 4"),
+              std::string("linear_num_key_heads: 2, linear_num_value_heads: 4").size(),
+              "linear_num_key_heads: 1, linear_num_value_heads: 3");
+  expect_layouts_as_close_as_one_gpu("qwen3_5_few_heads", few, {{"cp2", " --set parallel.cp=2"}});
+}
+
 // ep 2: the ranks are data-parallel for the rest, so each takes one micro-batch a step (the one-GPU runs' two).
 TEST_F(ParallelGpu, Qwen3MoeEpIsAsCloseToF32AsOneGpu) {
   expect_layouts_as_close_as_one_gpu("qwen3_moe_ep", kQwen3Moe, {{"ep2", " --set parallel.ep=2 --set train.grad_accum=1"}});
@@ -287,6 +297,13 @@ TEST_F(ParallelGpu, LogprobsAtTpAndCpAreAsCloseToF32AsOneGpu) {
 // Generation at tp 2 (dense and hybrid) and ep 2 (mixture of experts) on two GPUs (issue 27's last row).
 TEST_F(ParallelGpu, GenerateAtTpIsAsByOneGpu) {
   expect_generation_as_by_one_gpu("qwen3", kQwen3, {{"tp2", " --tp 2"}});
+}
+
+// Generation through two pipeline stages (session 28: each decoding step's rows stage to stage over NCCL, the last
+// stage's logits broadcast; not yet run on GPUs when written).
+TEST_F(ParallelGpu, GenerateAtPpIsAsByOneGpu) {
+  expect_generation_as_by_one_gpu("qwen3_pp", kQwen3, {{"pp2", " --pp 2"}});
+  expect_generation_as_by_one_gpu("qwen3_5_pp", kQwen35, {{"pp2", " --pp 2"}});
 }
 
 TEST_F(ParallelGpu, GenerateOfTheMoeHybridAtTpAndEpIsAsByOneGpu) {
