@@ -8,7 +8,8 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
                                                    std::unique_ptr<Stream> grad_stream) {
   const int n = world ? world->size() : 1;
   auto g = std::make_unique<ProcessGroups>(
-      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}});
+      ProcessGroups{ParallelGrid(n, sizes), world ? world->rank() : 0, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {}, {},
+                    {}});
   if (!world) return g;
   const int index = g->grid.group_index(GroupKind::Dp, g->rank);
   g->dp = world->split(index, g->rank, fmt::format("dp[{}]", index), nullptr);
@@ -29,6 +30,7 @@ std::unique_ptr<ProcessGroups> make_process_groups(std::unique_ptr<Communicator>
     const int e = g->grid.group_index(GroupKind::Ep, g->rank), d = g->grid.group_index(GroupKind::Edp, g->rank);
     g->ep = world->split(e, g->rank, fmt::format("ep[{}]", e), nullptr);
     g->edp = world->split(d, g->rank, fmt::format("edp[{}]", d), nullptr);
+    g->edp_grads = g->edp->split(0, g->edp->rank(), fmt::format("edp[{}].grads", d), g->grad_stream.get());
   }
   if (sizes.pp > 1) {
     const int p = g->grid.group_index(GroupKind::Pp, g->rank);

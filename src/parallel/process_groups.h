@@ -26,8 +26,9 @@ struct ProcessGroups {
   // whose gradients sum (a cp rank's are its rows' parts), and the same group ordered on grad_stream (cp > 1).
   std::unique_ptr<Communicator> dp_cp, dp_cp_grads;
   // Expert parallelism (ep > 1): the ranks that split one copy of the experts (each its own batches), and the ranks
-  // that hold the same experts (their gradients sum over it).
-  std::unique_ptr<Communicator> ep, edp;
+  // that hold the same experts (their gradients sum over it; ZeRO cuts their state over it), and edp again ordered on
+  // grad_stream (ZeRO's reduce-scatter and all-gather of the experts).
+  std::unique_ptr<Communicator> ep, edp, edp_grads;
   std::unique_ptr<Communicator> pp;  // pipeline parallelism: the stages of one replica, in stage order (pp > 1)
   // The tp x ep x pp ranks of one replica (above one rank), which hold different slices of the weights (tp slices,
   // experts, stages), each saving its own optimizer state.

@@ -25,6 +25,8 @@ std::vector<PieceBox> old_boxes(const io::SafetensorsFile& f, const std::string&
   const auto it = f.metadata().find("shard." + param);
   if (it == f.metadata().end()) return piece_boxes({}, t.shape);
   const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
+  LATHE_CHECK(!j.is_object() || j.value("flat_begin", int64_t(-1)) < 0, "tp: {}: {} is a ZeRO piece ({}); ZeRO "
+              "shards are re-cut by assemble_optimizer_state, not as tp slices", f.path(), param, it->second);
   LATHE_CHECK(j.is_object() && j.contains("offset") && j.contains("global_shape") &&
                   j["offset"].size() == t.shape.size() && j["global_shape"].size() == t.shape.size(),
               "tp: {}: the metadata shard.{} ({}) does not place the tensor", f.path(), param, it->second);
@@ -54,6 +56,8 @@ void reslice_tp_state(const std::vector<std::string>& files, const std::vector<P
   std::vector<std::vector<uint8_t>> bytes;
   bytes.reserve(params.size() * 3);
   for (const Parameter& p : params) {
+    LATHE_CHECK(p.shard.flat_begin < 0, "tp: {} is a ZeRO piece: its state is assembled by assemble_optimizer_state",
+                p.name);
     const std::vector<int64_t> mine_shape(p.value.shape().begin(), p.value.shape().end());
     const std::vector<PieceBox> mine = piece_boxes(p.shard, p.value.shape());
     const int64_t width = p.value.numel() / p.value.size(0);  // ours viewed as 2-D

@@ -19,39 +19,85 @@ std::pair<int64_t, int64_t> rank_range(int64_t begin, int64_t elements, int64_t 
   return {std::min(begin + elements, begin + r * chunk), std::min(begin + elements, begin + (r + 1) * chunk)};
 }
 
+// The place of the piece of `p` from its element `flat_begin`: inside the whole tensor, or inside p's tp slice (the
+// slice's layout kept, so that the norm and the replicas' sums see a tp piece).
+ShardLayout piece_layout(const Parameter& p, int64_t flat_begin) {
+  ShardLayout shard = p.shard;
+  if (p.whole()) shard = {p.value.shape(), std::vector<int64_t>(p.value.shape().size(), 0), -1, "dp", 1, {}};
+  LATHE_CHECK(shard.flat_begin < 0, "zero: {} is a ZeRO piece already", p.name);
+  shard.flat_begin = flat_begin;
+  return shard;
+}
+
 }  // namespace
 
-ZeroShards::ZeroShards(std::vector<Parameter>& params, std::vector<GradBucket> buckets, Communicator& dp)
-    : params_(&params), buckets_(std::move(buckets)), dp_(&dp) {
-  LATHE_CHECK(!params.empty(), "zero: no parameters to shard");
-  const DType dtype = params[0].value.dtype();
+std::string zero_state_name(const std::string& slice, int rank, int ranks) {
+  const std::string prefix = slice.empty() ? "optimizer" : "optimizer." + slice;
+  return ranks == 0 ? prefix + ".safetensors" : fmt::format("{}.rank-{}-of-{}.safetensors", prefix, rank, ranks);
+}
+
+std::vector<StatePiece> whole_state_pieces(const std::vector<Parameter>& params, bool global) {
+  std::vector<StatePiece> pieces;
+  int64_t at = 0;
   for (const Parameter& p : params) {
-    LATHE_CHECK(p.value.is_contiguous() && p.value.dtype() == dtype && p.value.device() == params[0].value.device(),
-                "zero: {} is not contiguous, or of another dtype or device than the other parameters", p.name);
-    offsets_.push_back(total_);
-    total_ += p.value.numel();
+    const Shape shape = global ? p.global_shape() : p.value.shape();
+    const int64_t n = shape_numel(shape);
+    pieces.push_back({p.name, shape, at, at + n, at, n, global ? ShardLayout{} : p.shard});
+    at += n;
   }
-  LATHE_CHECK(!buckets_.empty() && buckets_.back().end == params.size(), "zero: the buckets do not cover the parameters");
+  return pieces;
+}
+
+ZeroShards::ZeroShards(std::vector<ZeroGroup> groups) {
+  LATHE_CHECK(!groups.empty() && groups.size() <= 2 && !groups[0].params.empty(), "zero: no parameters to shard, or "
+              "more groups than the dense parameters and the experts");
+  const DType dtype = groups[0].params[0]->value.dtype();
+  const Device device = groups[0].params[0]->value.device();
+  for (size_t k = 0; k < groups.size(); ++k) {
+    ZeroGroup& group = groups[k];
+    LATHE_CHECK(!group.buckets.empty() && group.buckets.back().end == group.params.size() && group.ranks &&
+                group.gathers, "zero: the buckets of group {} do not cover its parameters", k);
+    const size_t first = params_.size();
+    for (GradBucket g : group.buckets) {  // placed after the groups before
+      g.first += first;
+      g.end += first;
+      g.begin += total_;
+      buckets_.push_back(g);
+      group_of_.push_back(k);
+    }
+    for (Parameter* p : group.params) {
+      LATHE_CHECK(p->value.is_contiguous() && p->value.dtype() == dtype && p->value.device() == device,
+                  "zero: {} is not contiguous, or of another dtype or device than the other parameters", p->name);
+      params_.push_back(p);
+      offsets_.push_back(total_);
+      total_ += p->value.numel();
+    }
+    ranks_.push_back(group.ranks);
+    gathers_.push_back(group.gathers);
+    if (k == 0) first_group_params_ = params_.size();
+  }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const GradBucket& g = buckets_[b];
-    const auto [lo, hi] = rank_range(g.begin, g.elements, g.chunk(dp.size()), dp.rank());
+    const Communicator& ranks = *ranks_[group_of_[b]];
+    const auto [lo, hi] = rank_range(g.begin, g.elements, g.chunk(ranks.size()), ranks.rank());
     for (size_t i = g.first; i < g.end; ++i) {
-      const Parameter& p = params[i];
+      const Parameter& p = *params_[i];
       const int64_t plo = std::max(lo, offsets_[i]), phi = std::min(hi, offsets_[i] + p.value.numel());
       if (plo >= phi) continue;
-      ShardLayout shard{p.value.shape(), std::vector<int64_t>(p.value.shape().size(), 0), plo - offsets_[i], "dp"};
-      owned_.push_back({p.name, p.value.view({-1}).narrow(0, plo - offsets_[i], phi - plo), {}, shard});
+      owned_.push_back({p.name, p.value.view({-1}).narrow(0, plo - offsets_[i], phi - plo), {},
+                        piece_layout(p, plo - offsets_[i])});
       pieces_.push_back({b, i, plo});
     }
   }
 }
 
 void ZeroShards::take_grads(const std::vector<Tensor>& sums) {
-  const int dp = dp_->size();
+  LATHE_ASSERT(sums.size() == buckets_.size());
   for (size_t k = 0; k < owned_.size(); ++k) {
     const Piece& piece = pieces_[k];
     const GradBucket& g = buckets_[piece.bucket];
-    const int64_t rank_begin = rank_range(g.begin, g.elements, g.chunk(dp), dp_->rank()).first;
+    const Communicator& ranks = *ranks_[group_of_[piece.bucket]];
+    const int64_t rank_begin = rank_range(g.begin, g.elements, g.chunk(ranks.size()), ranks.rank()).first;
     LATHE_ASSERT(sums[piece.bucket].defined());
     owned_[k].grad = sums[piece.bucket].narrow(0, piece.begin - rank_begin, owned_[k].value.numel());
   }
@@ -63,10 +109,9 @@ std::vector<size_t> ZeroShards::owned_buckets() const {
   return out;
 }
 
-void ZeroShards::begin_gather(const ExecContext& compute, Communicator& comm, Stream& side) {
+void ZeroShards::begin_gather(const ExecContext& compute, Stream& side) {
   LATHE_CHECK(!compute_, "zero: a step's gathers began twice");
   compute_.emplace(compute);
-  gather_comm_ = &comm;
   side_ = &side;
   next_gather_ = 0;
   if (!updated_) {
@@ -101,10 +146,11 @@ double ZeroShards::finish_gather() {
 // side stream after the compute stream's work so far (the update of bucket b and those before it).
 void ZeroShards::launch_gather(size_t b) {
   const GradBucket& g = buckets_[b];
-  const int dp = gather_comm_->size();
+  Communicator& comm = *gathers_[group_of_[b]];
+  const int dp = comm.size();
   const int64_t chunk = g.chunk(dp);
   const size_t item = dtype_size(g.dtype);
-  const auto [lo, hi] = rank_range(g.begin, g.elements, chunk, gather_comm_->rank());
+  const auto [lo, hi] = rank_range(g.begin, g.elements, chunk, comm.rank());
   ExecContext& cx = *compute_;
   Gathering f{b, Tensor::empty({chunk}, g.dtype, cx.allocator), Tensor::empty({chunk * dp}, g.dtype, cx.allocator)};
   written_[b]->record(cx.stream);
@@ -112,7 +158,7 @@ void ZeroShards::launch_gather(size_t b) {
   // Between the bucket's flat range [begin, begin + elements) and `flat` (which starts at flat element `from`).
   const auto move = [&](const Tensor& flat, int64_t from, int64_t begin, int64_t end, bool to_flat) {
     for (size_t i = g.first; i < g.end; ++i) {
-      Parameter& p = (*params_)[i];
+      Parameter& p = *params_[i];
       const int64_t a = std::max(begin, offsets_[i]), e = std::min(end, offsets_[i] + p.value.numel());
       if (a >= e) continue;
       char* param_bytes = static_cast<char*>(p.value.data_ptr()) + size_t(a - offsets_[i]) * item;
@@ -122,7 +168,7 @@ void ZeroShards::launch_gather(size_t b) {
     }
   };
   if (hi > lo) move(f.mine, lo, lo, hi, true);
-  works_.push_back(gather_comm_->all_gather(f.mine, f.all));
+  works_.push_back(comm.all_gather(f.mine, f.all));
   move(f.all, g.begin, g.begin, g.begin + g.elements, false);
   done_[b]->record(*side_);
   gathering_.push_back(std::move(f));
@@ -139,24 +185,98 @@ void ZeroShards::drop_grads() {
   for (Parameter& p : owned_) p.grad = Tensor();
 }
 
-nlohmann::json ZeroShards::layout() const {
+nlohmann::json ZeroShards::group_layout(size_t group) const {
   nlohmann::json sizes = nlohmann::json::array();
-  for (const GradBucket& g : buckets_) sizes.push_back(g.elements);
-  return {{"dp", dp_->size()}, {"elements", total_}, {"buckets", sizes}};
+  int64_t elements = 0;
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    if (group_of_[b] == group) {
+      sizes.push_back(buckets_[b].elements);
+      elements += buckets_[b].elements;
+    }
+  return {{"dp", ranks_[group]->size()}, {"elements", elements}, {"buckets", sizes}};
 }
 
-void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path) const {
+nlohmann::json ZeroShards::tensors() const {
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t i = 0; i < first_group_params_; ++i) out.push_back({params_[i]->name, params_[i]->value.shape()});
+  return out;
+}
+
+nlohmann::json ZeroShards::layout() const {
+  nlohmann::json out = group_layout(0);
+  if (ranks_.size() > 1) out["experts"] = group_layout(1);
+  return out;
+}
+
+void ZeroShards::reshard_state(const std::string& dir, const nlohmann::json& old_layout, const std::string& out_path,
+                               const std::string& slice) const {
   std::vector<StatePiece> pieces;
   for (size_t k = 0; k < owned_.size(); ++k) {
     const size_t i = pieces_[k].param;
-    pieces.push_back({owned_[k].name, owned_[k].value.shape(), offsets_[i], offsets_[i] + (*params_)[i].value.numel(),
+    pieces.push_back({owned_[k].name, owned_[k].value.shape(), offsets_[i], offsets_[i] + params_[i]->value.numel(),
                       pieces_[k].begin, owned_[k].value.numel(), owned_[k].shard});
   }
-  assemble_optimizer_state(dir, old_layout, pieces, total_, out_path);
+  assemble_optimizer_state(dir, old_layout, pieces, total_, out_path, slice);
+}
+
+namespace {
+
+// The places of the tensors that slot `slice`'s ZeRO shards (`ranks` files) hold as tp or ep slices (their pieces'
+// "shard.<name>" metadata, the flat_begin dropped); a tensor not listed is whole.
+std::map<std::string, ShardLayout> slice_places(const std::string& dir, const std::string& slice, int ranks) {
+  std::map<std::string, ShardLayout> places;
+  for (int r = 0; r < ranks; ++r) {
+    const io::SafetensorsFile f =
+        io::SafetensorsFile::open((std::filesystem::path(dir) / zero_state_name(slice, r, ranks)).string());
+    for (const auto& [key, value] : f.metadata()) {
+      if (key.rfind("shard.", 0) != 0) continue;
+      const nlohmann::json j = nlohmann::json::parse(value, nullptr, false);
+      if (!j.is_object() || j.value("group", std::string()) == "dp") continue;  // a whole tensor's piece
+      ShardLayout l;
+      l.global_shape = j.at("global_shape").get<Shape>();
+      l.offset = j.at("offset").get<std::vector<int64_t>>();
+      l.group = j.value("group", std::string());
+      if (j.contains("sections")) l.sections = j["sections"].get<std::vector<int64_t>>();
+      places[key.substr(6)] = l;
+    }
+  }
+  return places;
+}
+
+}  // namespace
+
+std::vector<std::string> assemble_slot_states(const std::string& dir, const nlohmann::json& slots,
+                                              const std::string& kind, const std::string& out_dir) {
+  std::vector<std::string> files;
+  const int n = int(slots.size());
+  for (int t = 0; t < n; ++t) {
+    const nlohmann::json& slot = slots[size_t(t)];
+    LATHE_CHECK(slot.is_object() && slot.contains("tensors") && !slot.contains("experts"), "zero: {}: the ZeRO shards "
+                "of slot {} of {} {} do not list their tensors (saved under ep, or before they were listed): they "
+                "resume only at their own layout", dir, t, kind, n);
+    const std::string slice = fmt::format("{}-{}-of-{}", kind, t, n);
+    const std::map<std::string, ShardLayout> places = slice_places(dir, slice, slot.value("dp", 0));
+    std::vector<StatePiece> pieces;
+    int64_t at = 0;
+    for (const auto& e : slot["tensors"]) {
+      const std::string name = e.at(0).get<std::string>();
+      const Shape shape = e.at(1).get<Shape>();
+      const int64_t elements = shape_numel(shape);
+      const auto place = places.find(name);
+      pieces.push_back({name, shape, at, at + elements, at, elements,
+                        place == places.end() ? ShardLayout{} : place->second});
+      at += elements;
+    }
+    nlohmann::json layout = slot;
+    layout.erase("tensors");
+    files.push_back((std::filesystem::path(out_dir) / zero_state_name(slice, 0, 0)).string());
+    assemble_optimizer_state(dir, layout, pieces, at, files.back(), slice);
+  }
+  return files;
 }
 
 void assemble_optimizer_state(const std::string& dir, const nlohmann::json& layout, const std::vector<StatePiece>& pieces,
-                              int64_t elements, const std::string& out_path) {
+                              int64_t elements, const std::string& out_path, const std::string& slice) {
   // The old files and the flat range each old rank holds in each old bucket: a whole state is one rank, one bucket.
   int64_t old_dp = 1;
   std::vector<int64_t> old_sizes = {elements};
@@ -177,9 +297,7 @@ void assemble_optimizer_state(const std::string& dir, const nlohmann::json& layo
   std::vector<io::SafetensorsFile> old;
   for (int64_t r = 0; r < old_dp; ++r)
     old.push_back(io::SafetensorsFile::open(
-        (std::filesystem::path(dir) /
-         (layout.is_null() ? std::string("optimizer.safetensors") : fmt::format("optimizer.rank-{}-of-{}.safetensors", r, old_dp)))
-            .string()));
+        (std::filesystem::path(dir) / zero_state_name(slice, int(r), layout.is_null() ? 0 : int(old_dp))).string()));
   std::vector<io::TensorRef> refs;
   std::vector<std::vector<uint8_t>> bytes;
   bytes.reserve(pieces.size() * 3);

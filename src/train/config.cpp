@@ -217,9 +217,11 @@ const std::vector<Option>& options() {
       LATHE_NUM("parallel.vpp", Kind::Int, "1", between(1, 65536), "virtual pipeline stages per rank (the interleaved 1F1B schedule: a smaller bubble; train.grad_accum a multiple of parallel.pp)", vpp),
       LATHE_OPT("parallel.pp_layers", Kind::StringList, "[]", "layers of each pipeline stage, pp x vpp counts in stage order, or [balanced]: split by the layers' estimated training FLOPs at data.max_seq_len, the LM head's on the last stage (default: as even as possible, the first stages one more; a hybrid stack balanced)", pp_layers),
       LATHE_NUM("parallel.zero", Kind::Int, "0", between(0, 2),
-                "optimizer sharding over dp (dp x cp under context parallelism): 0 (replicated) | 1 (ZeRO-1: each rank keeps "
-                "the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and between micro-batches only "
-                "1/dp of the gradients); full fine-tuning; docs/parallel.md", zero),
+                "optimizer sharding over dp (dp x cp under context parallelism; each tp slot's slices and each pipeline "
+                "stage's tensors over their own; under ep the experts over the ranks holding them): 0 (replicated) | 1 "
+                "(ZeRO-1: each rank keeps the f32 masters and AdamW moments of 1/dp of the parameters) | 2 (ZeRO-2: and "
+                "between micro-batches only 1/dp of the gradients; not under pp); full fine-tuning; docs/parallel.md",
+                zero),
       LATHE_NUM("parallel.bucket_mb", Kind::Float, "128", above(0),
                 "gradients are summed over dp in buckets of about this many MiB, each as soon as the backward has "
                 "finished it, while the rest of the backward runs", bucket_mb),
@@ -510,11 +512,13 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back(fmt::format("data.format: '{}' is not one of auto, text, messages (or chat), prompt_completion",
                                    c.data_format));
   }
-  if (c.pp > 1) {  // pipeline parallelism so far (docs/parallel.md, "Pipeline parallelism"): what the trainer composes
-    const auto refuse = [&](const std::string& what) {
-      problems.push_back(fmt::format("parallel.pp: {} with {} is not built yet", c.pp, what));
-    };
-    if (c.zero > 0) refuse(fmt::format("parallel.zero {}", c.zero));
+  if (c.pp > 1) {  // pipeline parallelism (docs/parallel.md, "Pipeline parallelism"): what the trainer composes it with
+    // The stages' gradients are reduced once, after the schedule's last backward (the schedule does not report each
+    // micro-batch's), so ZeRO-2 would keep ZeRO-1's memory: refused rather than run as ZeRO-1.
+    if (c.zero == 2)
+      problems.push_back(fmt::format("parallel.pp: {} with parallel.zero 2: under pipeline parallelism the gradients "
+                                     "are reduced once after the schedule, so ZeRO-2 would hold them whole like "
+                                     "ZeRO-1: use parallel.zero: 1", c.pp));
     if (c.vpp > 1 && c.grad_accum % c.pp != 0)
       problems.push_back(fmt::format("parallel.vpp: the interleaved schedule runs micro-batches in groups of "
                                      "parallel.pp = {}; train.grad_accum = {} is not a multiple of it", c.pp,
@@ -530,11 +534,7 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
   if (!balanced && !c.pp_layers.empty() && int64_t(c.pp_layers.size()) != c.pp * c.vpp)
     problems.push_back(fmt::format("parallel.pp_layers: {} counts for {} pipeline stages (pp {} x vpp {})",
                                    c.pp_layers.size(), c.pp * c.vpp, c.pp, c.vpp));
-  if (c.ep > 1) {  // expert parallelism so far (docs/moe.md, "Expert parallelism"): what the trainer composes it with
-    const auto refuse = [&](const std::string& what) {
-      problems.push_back(fmt::format("parallel.ep: {} with {} is not built yet", c.ep, what));
-    };
-    if (c.zero > 0) refuse(fmt::format("parallel.zero {} (ZeRO would cut the ranks' different experts as one)", c.zero));
+  if (c.ep > 1) {  // expert parallelism (docs/moe.md, "Expert parallelism"): what the trainer composes it with
     if (c.cp > 1 && c.ep % c.cp != 0)
       problems.push_back(fmt::format("parallel.ep: {} with parallel.cp {}: ep must be a multiple of cp (each expert "
                                      "group then holds whole context-parallel groups: one aux loss over their batches, "
@@ -542,9 +542,6 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
   }
   if (c.sp && c.tp <= 1)
     problems.push_back("parallel.sp: sequence parallelism splits the stream over the tp group: it needs parallel.tp > 1");
-  if (c.tp > 1 && c.zero > 0)
-    problems.push_back(fmt::format("parallel.tp: {} with parallel.zero {}: ZeRO over tensor-parallel slices is not built "
-                                   "yet: use parallel.zero: 0", c.tp, c.zero));
   if (c.zero > 0 && (c.lora_rank > 0 || has_tenants))
     problems.push_back(fmt::format("parallel.zero: {} shards a full fine-tuning's optimizer state; LoRA adapters' states "
                                    "are small and stay replicated: use 0", c.zero));

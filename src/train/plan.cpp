@@ -292,11 +292,15 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   RankMemory& mem = plan.memory;
   mem.weights = weight_elements * b;
   const int64_t grads = lora ? 0 : mem.weights;  // LoRA: the frozen base has none (adapters: docs/plan.md)
-  const int64_t states =
-      lora ? 0 : weight_elements * int64_t(adamw_state_bytes_per_element(dtype, dtype_from_name(c.optimizer_states)));
-  mem.optimizer = zero ? states / replicas : states;
-  mem.gradients = zero && layout.zero == 2 ? grads / replicas : grads;
-  const int64_t grad_shard = zero ? grads / replicas : 0;  // ZeRO: the rank's summed share, after the first reduction
+  const int64_t state_bytes = int64_t(adamw_state_bytes_per_element(dtype, dtype_from_name(c.optimizer_states)));
+  const int64_t states = lora ? 0 : weight_elements * state_bytes;
+  // ZeRO cuts what the dp x cp ranks share over them, and under ep the rank's experts over the edp = dp x cp / ep
+  // ranks that hold the same ones.
+  const int64_t own = zero && layout.ep > 1 && !lora ? expert_elements / layout.ep : 0;
+  const int64_t edp = std::max<int64_t>(1, replicas / layout.ep);
+  mem.optimizer = zero ? (states - own * state_bytes) / replicas + own * state_bytes / edp : states;
+  const int64_t grad_shard = zero ? (grads - own * b) / replicas + own * b / edp : 0;  // the rank's summed share
+  mem.gradients = zero && layout.zero == 2 ? grad_shard : grads;
   // LM head (tied: the embedding) and final norm, on the last stage
   const int64_t head_grad = lora || !st.head ? 0 : m.vocab_size * h * b + h * b;
   const int64_t layer_grad = lora ? 0 : (grads - outside * b) / std::max<int64_t>(layers, 1);
@@ -382,11 +386,11 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   // Under ep the experts' gradients are summed over their holders (edp = dp / ep) instead.
   const int64_t rank_experts = layout.ep > 1 ? expert_elements / layout.ep * b : 0;
   const int64_t dp_grads = lora ? 0 : grads - rank_experts;
-  if (layout.ep > 1 && !lora) plan.comm_grads_bytes += all_reduce_bytes(rank_experts, replicas / layout.ep);
+  const int64_t reductions = layout.zero == 2 ? micro_batches : 1;  // ZeRO: reduce-scatters, then one all-gather
   if (!zero) plan.comm_grads_bytes += all_reduce_bytes(dp_grads, replicas);
-  else
-    plan.comm_grads_bytes = (layout.zero == 2 ? micro_batches : 1) * reduce_scatter_bytes(dp_grads, replicas) +
-                            reduce_scatter_bytes(mem.weights, replicas);  // the all-gather sends as much
+  else plan.comm_grads_bytes += (reductions + 1) * reduce_scatter_bytes(dp_grads, replicas);
+  if (layout.ep > 1 && !lora && !zero) plan.comm_grads_bytes += all_reduce_bytes(rank_experts, edp);
+  else if (layout.ep > 1 && !lora) plan.comm_grads_bytes += (reductions + 1) * reduce_scatter_bytes(rank_experts, edp);
   // tp: each layer's sums of (rows, H) activations and the q/k norm gains' gradients, each micro-batch.
   const int64_t forward_passes = c.recompute ? 2 : 1;  // the recomputing backward runs the forward's collectives again
   if (layout.tp > 1) {

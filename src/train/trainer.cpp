@@ -101,6 +101,25 @@ class Trainer::Impl {
   PipelineLayout pipeline_layout() const;
   void build_job(Job& j);
   void load_optimizer(Job& j);
+  // How the weights are sliced over the ranks of one replica, as the optimizer files are named: the kind ("tp", "pp",
+  // "tp-pp", ...: slice_kind_of), the slicing group's ranks (1: none) and the pipeline's stages ("" without pp).
+  struct Slicing {
+    std::string kind = "tp";
+    int ranks = 1;
+    std::string stages;
+    bool operator==(const Slicing&) const = default;
+  };
+  Slicing slicing() const;
+  // "parallel.tp = 2, ZeRO shards over 2 ranks", "parallel.pp = 2 (stages ...), without ZeRO": a layout in messages.
+  static std::string layout_text(const nlohmann::json& zero, const Slicing& slicing);
+  void load_zero_optimizer(Job& j, const nlohmann::json& saved, const Slicing& then);
+  void recut_zero_in_slot(Job& j, const nlohmann::json& saved, const fs::path& out) const;
+  void recut_zero_from_another_slicing(Job& j, const nlohmann::json& saved, const Slicing& then,
+                                       const fs::path& out) const;
+  void check_zero_slots_agree();
+  nlohmann::json zero_slot_layouts(const ZeroShards& zero);
+  nlohmann::json saved_zero_layout(const Job& j) const;
+  void move_zero_shards(const Job& j, const fs::path& dir) const;
   void check_optimizer_layout(const Job& j) const;
   void run_micro_batches(const std::vector<Job*>& active, const std::function<void()>& queue_optimizer);
   void account_micro_batch(const LossResult& r, const std::vector<Job*>& in_batch);
@@ -122,6 +141,25 @@ class Trainer::Impl {
   double reduce_over_replicas(const std::vector<Job*>& active);
   void reduce_adapter_grads(const std::vector<Job*>& active);
   bool sharded() const { return c_.zero > 0 && grad_ranks_ > 1 && !lora_; }  // ZeRO: the state over grad_ranks_
+  // The gradient reducers (the dense buckets', and under ZeRO with ep the experts'), in the order they run.
+  std::vector<GradReducer*> reducers() const {
+    std::vector<GradReducer*> out;
+    for (GradReducer* r : {reducer_.get(), expert_reducer_.get()})
+      if (r) out.push_back(r);
+    return out;
+  }
+  // ZeRO: the reducers' summed chunks, one bucket after the other (ZeroShards::take_grads).
+  std::vector<Tensor> reduced_sums() const {
+    std::vector<Tensor> sums;
+    for (GradReducer* r : reducers()) sums.insert(sums.end(), r->sums().begin(), r->sums().end());
+    return sums;
+  }
+  // ZeRO under tp or pp: the rank's slot of the slicing group in its shards' names ("tp-R-of-T", "pp-R-of-P", ...:
+  // zero_state_name); without slices "".
+  std::string zero_slice(int slot) const {
+    return slices() ? fmt::format("{}-{}-of-{}", slice_kind(), slot, slices()->size()) : "";
+  }
+  std::string zero_slice() const { return zero_slice(slices() ? slices()->rank() : 0); }
   // The ranks that take part in writing the model or the adapters: the first weight replica's (the slices are
   // gathered), of its cp ranks, which hold the same weights, the first alone; under ep the whole expert group (its cp
   // ranks hold different experts; ep is a multiple of cp).
@@ -144,6 +182,14 @@ class Trainer::Impl {
     if (lora_ || model_->pp_size() == 1 || !model_->holds_head() || !model_->global_config().tie_word_embeddings)
       return nullptr;
     return model_->embedding_parameter();
+  }
+  // What the job's gradient norm leaves out: the tied head's copy, or under ZeRO this rank's piece of it (if any).
+  const Parameter* norm_skip(const Job& j) const {
+    const Parameter* copy = tied_head_copy();
+    if (!copy || !j.zero) return copy;
+    for (const Parameter& p : *j.params)
+      if (p.name == copy->name) return &p;
+    return nullptr;
   }
   std::vector<double> sum_over(Communicator& group, const std::vector<double>& values);
 
@@ -184,6 +230,12 @@ class Trainer::Impl {
   // Data parallelism, full fine-tuning: the model's gradient buckets, summed over dp while the backward runs.
   std::vector<GradBucket> buckets_;
   std::unique_ptr<GradReducer> reducer_;
+  std::vector<Parameter*> bucketed_;  // the parameters of buckets_: all but the experts under ep
+  // ZeRO under ep: the rank's experts, their buckets and their reducer over edp (without ZeRO they are summed over edp
+  // after the backward).
+  std::vector<Parameter*> experts_;
+  std::vector<GradBucket> expert_buckets_;
+  std::unique_ptr<GradReducer> expert_reducer_;
   std::vector<double> rank_mem_mib_;  // each dp rank's peak memory up to the last gradient sum, in rank order
   MemoryPlanReport plan_report_;
   Clock::time_point t_start_;
@@ -384,16 +436,17 @@ void Trainer::Impl::build() {
     bank_->split_like(*model_);  // tensor parallelism: each matrix split as its base weight
     model_->attach_lora(bank_.get());
   }
-  std::vector<Parameter*> model_params;  // summed over the weight replicas (the experts under ep: over edp, below)
-  std::vector<int64_t> complete_after;
+  // Summed over the weight replicas; the experts under ep over edp (below, or in buckets of their own under ZeRO).
+  std::vector<int64_t> complete_after, expert_after;
   const std::vector<int64_t> after = model_->grads_complete_after();
-  for (size_t i = 0; i < model_->parameters().size(); ++i)
-    if (Parameter& p = model_->parameters()[i]; p.shard.group != "ep") {
-      model_params.push_back(&p);
-      complete_after.push_back(after[i]);
-    }
-  if (grad_ranks_ > 1 && !lora_)
-    buckets_ = plan_buckets(model_params, complete_after, int64_t(c_.bucket_mb * 1048576.0));
+  for (size_t i = 0; i < model_->parameters().size(); ++i) {
+    Parameter& p = model_->parameters()[i];
+    (p.shard.group != "ep" ? bucketed_ : experts_).push_back(&p);
+    (p.shard.group != "ep" ? complete_after : expert_after).push_back(after[i]);
+  }
+  const int64_t bucket_bytes = int64_t(c_.bucket_mb * 1048576.0);
+  if (grad_ranks_ > 1 && !lora_) buckets_ = plan_buckets(bucketed_, complete_after, bucket_bytes);
+  if (sharded() && !experts_.empty()) expert_buckets_ = plan_buckets(experts_, expert_after, bucket_bytes);
   for (Job& j : jobs_) guarded(j, [&] { build_job(j); });
   if (lora_)
     for (Job& j : jobs_)
@@ -449,8 +502,11 @@ void Trainer::Impl::build() {
   ctx_.emplace(rt_.context(device_));
   if (source_ && std::any_of(jobs_.begin(), jobs_.end(), [](const Job& j) { return j.active(); })) start_source();
   if (!buckets_.empty())
-    reducer_ = std::make_unique<GradReducer>(model_params, buckets_, groups_->weight_sums(), *ctx_, *groups_->grad_stream,
+    reducer_ = std::make_unique<GradReducer>(bucketed_, buckets_, groups_->weight_sums(), *ctx_, *groups_->grad_stream,
                                              sharded() ? GradReducer::Mode::ReduceScatter : GradReducer::Mode::AllReduce);
+  if (!expert_buckets_.empty())
+    expert_reducer_ = std::make_unique<GradReducer>(experts_, expert_buckets_, *groups_->edp_grads, *ctx_,
+                                                    *groups_->grad_stream, GradReducer::Mode::ReduceScatter);
   t_start_ = Clock::now();
 }
 
@@ -463,7 +519,12 @@ void Trainer::Impl::build_job(Job& j) {
     else bank_->init(j.adapter, mix_seed(jc.seed, 0x10a, 0));
   }
   if (sharded()) {  // ZeRO: this rank updates (and keeps the state of) 1/dp (1/(dp cp)) of the model
-    j.zero = std::make_unique<ZeroShards>(model_->parameters(), buckets_, groups_->weight_replicas());
+    if (tp_) check_zero_slots_agree();
+    // Under ep the experts are a second group, cut over the edp ranks that hold the same ones.
+    std::vector<ZeroGroup> cut = {{bucketed_, buckets_, &groups_->weight_replicas(), &groups_->weight_sums()}};
+    if (!expert_buckets_.empty())
+      cut.push_back({experts_, expert_buckets_, groups_->edp.get(), groups_->edp_grads.get()});
+    j.zero = std::make_unique<ZeroShards>(std::move(cut));
     j.params = &j.zero->owned();
   } else {
     // LoRA under tp: the matrices one by one (each with its slice's layout), not the flat parameter.
@@ -501,24 +562,43 @@ void Trainer::Impl::build_job(Job& j) {
   j.summary.final_step = j.step;
 }
 
-// The resumed checkpoint's optimizer state, kept as this run keeps it: whole, or this rank's ZeRO pieces. A checkpoint
-// saved the same way is read as it is (the whole state, or this rank's shard at the same layout); any other (another
-// dp size, other buckets, ZeRO shards into a whole state or the reverse) is assembled into a temporary file of this
-// rank's pieces first (assemble_optimizer_state).
+// ZeRO under tp: every tp slot cuts its own slices' flat space, and the pieces of one dp rank of every slot are summed
+// over tp (the norm, the shared k/v slices), so the slots' slices must have the same sizes, in the same order (the
+// families' splits give that; checked, since a difference would pair other pieces): the sums over tp of each size and
+// of its square are tp times this rank's only if every rank's are the same.
+void Trainer::Impl::check_zero_slots_agree() {
+  const std::vector<Parameter>& params = model_->parameters();
+  std::vector<double> sizes(2 * params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    sizes[i] = double(params[i].value.numel());
+    sizes[params.size() + i] = sizes[i] * sizes[i];
+  }
+  const std::vector<double> sums = sum_over(*tp_, sizes);
+  const double tp = double(tp_->size());
+  for (size_t i = 0; i < params.size(); ++i)
+    LATHE_CHECK(sums[i] == tp * sizes[i] && sums[params.size() + i] == tp * sizes[params.size() + i],
+                "train: parallel.zero under parallel.tp needs every tp rank's slices of one size; {} has {} elements "
+                "here and another size on another tp rank", params[i].name, params[i].value.numel());
+}
+
+// The resumed checkpoint's optimizer state, kept as this run keeps it: whole, this rank's tp (ep, pp) slices, or its
+// ZeRO pieces. A checkpoint saved the same way is read as it is (the whole state, a slice's file, or this rank's shard
+// at the same layout); any other is assembled into a temporary file of this rank's tensors first (reslice_tp_state
+// for slices, assemble_optimizer_state for ZeRO pieces: load_zero_optimizer).
 void Trainer::Impl::load_optimizer(Job& j) {
   const fs::path from = j.start.resume_from;
   check_optimizer_layout(j);
-  const nlohmann::json saved = j.state.contains("zero") ? j.state["zero"] : nlohmann::json(nullptr);
+  const nlohmann::json saved = saved_zero_layout(j);
   // Tensor or expert parallelism, now or then: the checkpoint's slices, one file per rank of the slicing group.
   const int saved_tp = j.state.value("tp", 1), saved_ep = j.state.value("ep", 1), saved_pp = j.state.value("pp", 1);
   const int n = slices() ? slices()->size() : 1;
   const std::string saved_kind = slice_kind_of(saved_tp, saved_ep, saved_pp);
   const int saved_n = saved_tp * saved_ep * saved_pp;
-  LATHE_CHECK(saved_n == 1 || saved.is_null(), "train: {}: a checkpoint of {} {} with ZeRO shards is not one Lathe "
-              "writes", from.string(), saved_kind, saved_n);
+  if (j.zero || !saved.is_null()) {
+    load_zero_optimizer(j, saved, {saved_kind, saved_n, j.state.value("pipeline", std::string())});
+    return;
+  }
   if (saved_n > 1 || slices()) {  // this rank's slices (and whole tensors)
-    LATHE_CHECK(!j.zero, "train: {} was saved at parallel.{} = {}: resuming it under ZeRO is not built yet",
-                from.string(), saved_kind, saved_n);
     const bool same_stages = j.state.value("pipeline", std::string()) ==
                              (model_->pp_size() > 1 ? model_->options().pipeline.describe() : std::string());
     if (saved_n == n && saved_kind == slice_kind() && same_stages) {
@@ -542,32 +622,115 @@ void Trainer::Impl::load_optimizer(Job& j) {
                                   saved_kind, saved_n, slices() ? slice_kind() : saved_kind, n));
     return;
   }
-  if (!j.zero && saved.is_null()) {
-    j.opt->load((from / "optimizer.safetensors").string());
+  j.opt->load((from / "optimizer.safetensors").string());
+}
+
+Trainer::Impl::Slicing Trainer::Impl::slicing() const {
+  return {slice_kind(), slices() ? slices()->size() : 1,
+          model_->pp_size() > 1 ? model_->options().pipeline.describe() : std::string()};
+}
+
+std::string Trainer::Impl::layout_text(const nlohmann::json& zero, const Slicing& slicing) {
+  return fmt::format("parallel.{} = {}{}{}", slicing.kind, slicing.ranks,
+                     slicing.stages.empty() ? "" : fmt::format(" (stages {})", slicing.stages),
+                     zero.is_null() ? std::string(", without ZeRO")
+                                    : fmt::format(", ZeRO shards over {} ranks", zero.value("dp", 0)));
+}
+
+// ZeRO now or in the checkpoint (full fine-tuning): this rank's pieces (or its whole tensors) from the checkpoint's
+// shards (or whole state). At the checkpoint's slicing (tp, ep, stages) each slot of the slicing group reads its own
+// slot's files, as one slot does without tp or pp; at another, the old state is made this rank's whole slices first (a
+// ZeRO checkpoint assembled whole, or slot by slot into its slices' whole state, then cut). A ZeRO checkpoint under ep
+// resumes at its own layout only (refused otherwise, naming both layouts).
+void Trainer::Impl::load_zero_optimizer(Job& j, const nlohmann::json& saved, const Slicing& then_slicing) {
+  const fs::path from = j.start.resume_from;
+  const Slicing now_slicing = slicing();
+  const std::string then = layout_text(saved, then_slicing);
+  const std::string now = layout_text(j.zero ? j.zero->layout() : nlohmann::json(nullptr), now_slicing);
+  if (then_slicing == now_slicing && j.zero && saved == j.zero->layout()) {
+    j.opt->load((from / zero_state_name(zero_slice(), groups_->weight_replicas().rank(), grad_ranks_)).string());
     return;
   }
-  if (j.zero && saved == j.zero->layout()) {
-    j.opt->load((from / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
-    return;
-  }
+  // Under ep each rank's shard holds its pieces of its experts (cut over edp) beside those of the rest ("experts").
+  LATHE_CHECK(saved.is_null() || !saved.contains("experts"), "train: {} was saved at {} under parallel.ep (the experts' "
+              "state cut over the ranks holding each); this run is at {}: re-cutting it is not built. Resume it at its "
+              "layout, with the same parallel.ep, dp and zero", from.string(), then, now);
+  // Another slicing: a checkpoint without tp, ep or pp is assembled whole (every tensor of this run's model named); one
+  // of slices from each slot's shards, as its tensors were listed when it was saved ("zero_slots").
+  LATHE_CHECK(saved.is_null() || then_slicing == now_slicing || (then_slicing.ranks == 1 && model_->pp_size() == 1) ||
+                  (then_slicing.ranks > 1 && j.state.contains("zero_slots")),
+              "train: {} was saved at {}; this run is at {}: re-cutting these ZeRO shards for another tp or stage "
+              "layout is not built. Resume it at parallel.{} = {}{} (any dp or cp, with or without ZeRO); a checkpoint "
+              "saved there with parallel.zero: 0 resumes at any layout", from.string(), then, now, then_slicing.kind,
+              then_slicing.ranks, then_slicing.stages.empty() ? "" : " with the same stages");
   const fs::path tmp = fs::temp_directory_path() /
                        fmt::format("lathe-optimizer-{}-{}.safetensors", getpid(), groups_ ? groups_->rank : 0);
-  if (j.zero) {
-    j.zero->reshard_state(from.string(), saved, tmp.string());
-  } else {  // the whole state from ZeRO shards: every parameter whole
-    std::vector<StatePiece> pieces;
-    int64_t at = 0;
-    for (const Parameter& p : *j.params) {
-      pieces.push_back({p.name, p.value.shape(), at, at + p.value.numel(), at, p.value.numel(), {}});
-      at += p.value.numel();
-    }
-    assemble_optimizer_state(from.string(), saved, pieces, at, tmp.string());
-  }
-  progress_.message(fmt::format("train: the optimizer state of {} was saved {}; re-cut for this run's layout", from.string(),
-                                saved.is_null() ? "whole" : fmt::format("in ZeRO shards over dp = {}", saved.value("dp", 0))));
+  if (then_slicing == now_slicing) recut_zero_in_slot(j, saved, tmp);
+  else recut_zero_from_another_slicing(j, saved, then_slicing, tmp);
+  progress_.message(fmt::format("train: the optimizer state of {} was saved {}; re-cut for this run's layout ({})",
+                                from.string(), saved.is_null() ? "whole" : fmt::format("in ZeRO shards over dp = {}",
+                                saved.value("dp", 0)), now));
   j.opt->load(tmp.string());
   std::error_code ec;
   fs::remove(tmp, ec);
+}
+
+// At the checkpoint's slicing (or without tp and pp): this rank's pieces, or its whole tensors, from its slot's old
+// files (another dp or cp, other buckets, ZeRO from a whole state or the reverse).
+void Trainer::Impl::recut_zero_in_slot(Job& j, const nlohmann::json& saved, const fs::path& out) const {
+  const std::string from = j.start.resume_from;
+  if (j.zero) {
+    j.zero->reshard_state(from, saved, out.string(), zero_slice());
+    return;
+  }
+  const std::vector<StatePiece> pieces = whole_state_pieces(*j.params, false);
+  const int64_t elements = pieces.empty() ? 0 : pieces.back().param_end;
+  assemble_optimizer_state(from, saved, pieces, elements, out.string(), zero_slice());
+}
+
+// From another slicing: the old state as whole files (a slicing group's, one process's, each old slot's ZeRO shards
+// assembled into its whole state, or the shards of a ZeRO checkpoint without tp or pp assembled whole), cut into this
+// rank's slices (reslice_tp_state), then under ZeRO into its pieces.
+void Trainer::Impl::recut_zero_from_another_slicing(Job& j, const nlohmann::json& saved, const Slicing& then,
+                                                    const fs::path& out) const {
+  const fs::path from = j.start.resume_from;
+  const fs::path scratch = out.string() + ".d";
+  fs::create_directories(scratch);
+  std::vector<std::string> files;
+  if (!saved.is_null() && then.ranks > 1) {  // each old slot's shards: its whole state first
+    files = assemble_slot_states(from.string(), j.state["zero_slots"], then.kind, scratch.string());
+  } else if (!saved.is_null()) {  // the shards of one slot holding every tensor whole: the whole state first
+    const std::vector<StatePiece> pieces = whole_state_pieces(model_->parameters(), true);
+    files = {(scratch / "whole.safetensors").string()};
+    assemble_optimizer_state(from.string(), saved, pieces, pieces.back().param_end, files[0]);
+  } else {
+    for (int r = 0; r < then.ranks; ++r) files.push_back((from / slice_state_name(then.kind, r, then.ranks)).string());
+    if (then.ranks == 1) files = {(from / "optimizer.safetensors").string()};
+  }
+  const fs::path slices = j.zero ? scratch / zero_state_name("", 0, 0) : out;  // this rank's slices, whole
+  reslice_tp_state(files, model_->parameters(), slices.string());
+  if (j.zero) j.zero->reshard_state(scratch.string(), nullptr, out.string());
+  std::error_code ec;
+  fs::remove_all(scratch, ec);
+}
+
+// ZeRO under tp, pp or ep: every slot's layout (ZeroShards::layout, with its tensors for a re-cut at other slices:
+// assemble_slot_states), over the slicing group, in slot order.
+nlohmann::json Trainer::Impl::zero_slot_layouts(const ZeroShards& zero) {
+  nlohmann::json layout = zero.layout();
+  layout["tensors"] = zero.tensors();
+  return gathered_json(rt_, device_, *slices(), layout);
+}
+
+// The checkpoint's ZeRO layout of this rank's slot: its entry of "zero_slots" where the checkpoint has one for each
+// slot of this run's slicing group, else "zero" (null: no ZeRO).
+nlohmann::json Trainer::Impl::saved_zero_layout(const Job& j) const {
+  if (!j.state.contains("zero")) return nullptr;
+  const nlohmann::json& slots = j.state.contains("zero_slots") ? j.state["zero_slots"] : nlohmann::json(nullptr);
+  if (!slices() || !slots.is_array() || int(slots.size()) != slices()->size()) return j.state["zero"];
+  nlohmann::json mine = slots[size_t(slices()->rank())];
+  mine.erase("tensors");
+  return mine;
 }
 
 // A checkpoint's ZeRO layout must be one this Lathe cuts shards by (the counts are checked against the model at load).
@@ -696,12 +859,14 @@ void Trainer::Impl::account_micro_batch(const LossResult& r, const std::vector<J
 BackwardHooks Trainer::Impl::micro_batch_hooks(bool last, const std::function<void()>& queue_optimizer) {
   BackwardHooks hooks;
   if (reducer_) {
-    reducer_->begin_micro_batch(last || c_.zero == 2);
-    hooks.grads_done = [this](int64_t layers_left) { reducer_->grads_done(layers_left); };
+    for (GradReducer* r : reducers()) r->begin_micro_batch(last || c_.zero == 2);
+    hooks.grads_done = [this](int64_t layers_left) {
+      for (GradReducer* r : reducers()) r->grads_done(layers_left);
+    };
     hooks.queued = [this, last, queue_optimizer] {
-      reducer_->end_micro_batch();
+      for (GradReducer* r : reducers()) r->end_micro_batch();
       if (!last) return;
-      if (jobs_[0].zero) jobs_[0].zero->take_grads(reducer_->sums());
+      if (jobs_[0].zero) jobs_[0].zero->take_grads(reduced_sums());
       queue_optimizer();
     };
   } else if (last && grad_ranks_ == 1) {
@@ -855,12 +1020,14 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
   j.summary.steps_run++;
   j.summary.final_step = step;
   const bool save = saves_at(jc, step);
-  if (save && j.zero) {  // every rank's optimizer shard, before the first rank makes the checkpoint
+  nlohmann::json zero_slots;  // ZeRO under tp or pp: every slot's layout (the stages' differ), for the first rank
+  if (save && j.zero) {  // every rank's optimizer shard (its slot's), before the first rank makes the checkpoint
     make_dirs(zero_shard_dir(j), j.who());
-    j.opt->save((zero_shard_dir(j) / zero_shard_name(groups_->weight_replicas().rank(), grad_ranks_)).string());
-    groups_->weight_replicas().barrier();
-  }
-  if (save && slices() && joins_save()) {  // the first replica's tp (or ep, or tp x ep) group: each its slices' state
+    const std::string name = zero_state_name(zero_slice(), groups_->weight_replicas().rank(), grad_ranks_);
+    j.opt->save((zero_shard_dir(j) / name).string());
+    if (slices()) zero_slots = zero_slot_layouts(*j.zero);
+    groups_->world->barrier();
+  } else if (save && slices() && joins_save()) {  // the first replica's slices group: each its slices' state
     if (first_) make_dirs(zero_shard_dir(j), j.who());
     slices()->barrier();
     j.opt->save((zero_shard_dir(j) / slice_state_name(slice_kind(), slices()->rank(), slices()->size())).string());
@@ -904,6 +1071,7 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
                          {"tokens_seen", j.tokens_seen}, {"bad_steps_in_a_row", j.bad_in_row}, {"tokenizer", fs::absolute(c_.tokenizer).string()},
                          {"base_model", base_model_}, {"lora", lora_}, {"config", jc.resolved}};
     if (j.zero) st["zero"] = j.zero->layout();
+    if (!zero_slots.is_null()) st["zero_slots"] = zero_slots;
     if (tp_) st["tp"] = tp_->size();
     if (groups_ && groups_->ep) st["ep"] = groups_->ep->size();
     if (groups_ && groups_->pp) {
@@ -915,6 +1083,10 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
       const auto add = [&](const std::string& d) { data::write_chat_template_kwargs(d, chat_kwargs_); };
       if (lora_) bank_->save_peft(j.adapter, (dir / "adapter").string(), save_dtype_, base_model_, add);
       else model_->save((dir / "model").string(), save_dtype_, 5ull << 30, add);
+      if (j.zero) {
+        move_zero_shards(j, dir);
+        return;
+      }
       if (slices()) {
         for (int r = 0; r < slices()->size(); ++r) {
           const std::string name = slice_state_name(slice_kind(), r, slices()->size());
@@ -923,16 +1095,19 @@ void Trainer::Impl::record_step(Job& j, nlohmann::json& m, double dt, double mem
         fs::remove_all(zero_shard_dir(j));
         return;
       }
-      if (!j.zero) {
-        j.opt->save((dir / "optimizer.safetensors").string());
-        return;
-      }
-      for (int r = 0; r < grad_ranks_; ++r)
-        fs::rename(zero_shard_dir(j) / zero_shard_name(r, grad_ranks_), dir / zero_shard_name(r, grad_ranks_));
-      fs::remove_all(zero_shard_dir(j));
+      j.opt->save((dir / "optimizer.safetensors").string());
     }, st);
   }
   if (step == jc.max_steps) write_final(j);
+}
+
+// ZeRO: every rank's shard (every slot's under tp or pp), written into the job's shard folder (record_step), moved into
+// the checkpoint's folder `dir` before it appears.
+void Trainer::Impl::move_zero_shards(const Job& j, const fs::path& dir) const {
+  const fs::path shards = zero_shard_dir(j);
+  for (const auto& e : fs::directory_iterator(shards))  // every slot's (under ep the slots are not dp x cp apart)
+    fs::rename(e.path(), dir / e.path().filename());
+  fs::remove_all(shards);
 }
 
 // `values` summed over the dp group, through a tensor on the training device (the group's data plane), back on the
@@ -964,7 +1139,8 @@ void Trainer::Impl::agree_on_failures(const std::vector<Job*>& active) {
 double Trainer::Impl::reduce_over_replicas(const std::vector<Job*>& active) {
   double exposed_s = 0;
   if (reducer_) {
-    exposed_s = reducer_->wait() / 1e3;  // the buckets were summed during the backward; the host waits for the last
+    for (GradReducer* r : reducers())  // the buckets were summed during the backward; the host waits for the last
+      exposed_s = std::max(exposed_s, r->wait() / 1e3);
   } else {
     agree_on_failures(active);
     const auto t0 = Clock::now();
@@ -1088,17 +1264,21 @@ void Trainer::Impl::begin_step(const std::vector<Job*>& active) {
 void Trainer::Impl::queue_updates(const std::vector<Job*>& active, PendingUpdates& pending) {
   if (!pending.replicas_summed) {  // tensor parallelism: the parts of gradients that several ranks make (else nothing)
     if (lora_) bank_->sum_tp_grads();
+    else if (jobs_[0].zero)  // ZeRO under tp: each piece of a shared k/v slice over the slice's replicas
+      for (Parameter& p : jobs_[0].zero->owned()) model_->sum_over_replicas(p);
     else model_->sum_replicated_grads();
   }
-  if (!pending.replicas_summed && groups_ && groups_->edp && groups_->edp->size() > 1 && !lora_)
+  if (!pending.replicas_summed && groups_ && groups_->edp && groups_->edp->size() > 1 && !lora_ && !expert_reducer_)
     for (Parameter& p : model_->parameters())  // expert parallelism: each expert's gradient over its replicas
       if (p.shard.group == "ep" && p.grad.defined()) groups_->edp->all_reduce(p.grad);
   pending.replicas_summed = true;
   for (Job* j : active) {
     const size_t k = size_t(j - jobs_.data());
     if (j->failed || pending.norms[k]) continue;
+    // Under ZeRO the squares are summed over the weight replicas afterwards (apply_updates), which under ep are the ep
+    // ranks too (each expert on one of them): the experts are then counted locally, not over ep first.
     pending.norms[k].emplace(
-        launch_grad_norm(*ctx_, *j->params, tp_, groups_ ? groups_->ep.get() : nullptr, tied_head_copy()));
+        launch_grad_norm(*ctx_, *j->params, tp_, groups_ && !j->zero ? groups_->ep.get() : nullptr, norm_skip(*j)));
     // Host work while the device sums the squares; under ZeRO the update reports each bucket (its all-gather).
     pending.updates[k].emplace(j->zero ? j->opt->prepare(j->zero->owned_buckets()) : j->opt->prepare());
   }
@@ -1115,14 +1295,14 @@ std::vector<nlohmann::json> Trainer::Impl::apply_updates(const std::vector<Job*>
     if (groups_ && groups_->pp && !lora_) norm = std::sqrt(sum_over(*groups_->pp, {norm * norm})[0]);  // its stages'
     // ZeRO: every rank's updated range into every rank's parameters, a bucket's all-gather launched as soon as its
     // update is queued (optimizer_step), the rest after it.
-    if (j->zero) j->zero->begin_gather(*ctx_, groups_->weight_sums(), *groups_->grad_stream);
+    if (j->zero) j->zero->begin_gather(*ctx_, *groups_->grad_stream);
     entries[k] = optimizer_step(*j, norm, std::move(*pending.updates[k]));
     if (j->zero) {
       dp_comm_s += j->zero->finish_gather() / 1e3;
       j->zero->drop_grads();
     }
   }
-  if (reducer_) reducer_->clear();
+  for (GradReducer* r : reducers()) r->clear();
   return entries;
 }
 

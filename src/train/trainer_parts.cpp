@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "comm/communicator.h"
 #include "core/files.h"
 #include "model/pipeline_step.h"
 #include "optim/clip.h"
@@ -55,9 +56,28 @@ uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c) {
 // The folder a ZeRO run's ranks write their optimizer shards into before the first rank gathers them into the
 // checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries).
 fs::path zero_shard_dir(const Job& job) { return job.out / "checkpoints" / (step_dir_name(job.step) + ".tmp-shards"); }
-std::string zero_shard_name(int rank, int ranks) { return fmt::format("optimizer.rank-{}-of-{}.safetensors", rank, ranks); }
 
 // `write_files` writes the weights and the optimizer state into the checkpoint's folder before it appears.
+nlohmann::json gathered_json(Runtime& rt, Device device, Communicator& group, const nlohmann::json& mine) {
+  const int n = group.size(), me = group.rank();
+  const std::string text = mine.dump();
+  std::vector<double> lengths(size_t(n), 0.0);
+  lengths[size_t(me)] = double(text.size());
+  lengths = summed_over(rt, device, group, lengths);
+  std::vector<size_t> at(size_t(n) + 1, 0);
+  for (int t = 0; t < n; ++t) at[size_t(t) + 1] = at[size_t(t)] + size_t(lengths[size_t(t)]);
+  std::vector<double> chars(at.back(), 0.0);
+  for (size_t i = 0; i < text.size(); ++i) chars[at[size_t(me)] + i] = double(uint8_t(text[i]));
+  chars = summed_over(rt, device, group, chars);
+  nlohmann::json all = nlohmann::json::array();
+  for (int t = 0; t < n; ++t) {
+    std::string one;
+    for (size_t i = at[size_t(t)]; i < at[size_t(t) + 1]; ++i) one.push_back(char(uint8_t(chars[i])));
+    all.push_back(nlohmann::json::parse(one));
+  }
+  return all;
+}
+
 void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state) {
   const fs::path dir = job.out / "checkpoints";
   OutputDir out((dir / step_dir_name(job.step)).string(), job.who());  // replaces one of the same step

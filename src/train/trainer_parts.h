@@ -124,10 +124,12 @@ std::shared_ptr<const data::Corpus> load_corpus(const std::vector<std::string>& 
                                                 data::DatasetStats* stats);
 uint64_t mix_seed(uint64_t a, uint64_t b, uint64_t c);  // one seed of three (dropout, sampling streams)
 // The folder a ZeRO run's ranks write their optimizer shards into before the first rank gathers them into the
-// checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries), and a shard's
-// file name.
+// checkpoint (its name holds ".tmp-", so a start after a crash removes it with the other temporaries); the shards'
+// names: zero_state_name (parallel/zero.h).
 fs::path zero_shard_dir(const Job& job);
-std::string zero_shard_name(int rank, int ranks);
+// Every rank's `mine` of `group`, in rank order, on every rank (a collective): two sums over the group (summed_over),
+// the texts' lengths, then every rank's characters in its own range.
+nlohmann::json gathered_json(Runtime& rt, Device device, Communicator& group, const nlohmann::json& mine);
 // Writes the job's checkpoint of its current step atomically: `write_files` writes the weights and the optimizer state
 // into the folder before it appears, then trainer_state.json; keeps the newest train.keep_last.
 void save_checkpoint(const Job& job, const std::function<void(const fs::path&)>& write_files, const nlohmann::json& state);

@@ -158,8 +158,7 @@ TEST(Plan, RefusedLayoutsSayWhy) {
     EXPECT_EQ(at.tp * at.cp * at.dp * at.pp, 4);
     EXPECT_EQ(l.configured, at.tp == 1 && at.cp == 1 && at.zero == 0 && at.pp == 1);
     const std::string why = at.pp == 4                ? "2 layers cannot be split into 4 pipeline stages"
-                            : at.pp > 1 && at.zero > 0 ? "with parallel.zero"
-                            : at.tp > 1 && at.zero > 0 ? "ZeRO over tensor-parallel slices is not built"
+                            : at.pp > 1 && at.zero == 2 ? "with parallel.zero 2"
                                                        : "";
     if (why.empty()) {
       EXPECT_EQ(l.refused, "");
@@ -232,6 +231,15 @@ TEST(Plan, LayoutsDivideTheirParts) {
   EXPECT_EQ(z1.memory.optimizer, one.memory.optimizer / 2);
   EXPECT_EQ(z1.memory.gradients, one.memory.gradients);
   EXPECT_EQ(z2.memory.gradients, one.memory.gradients / 2);
+  // ZeRO under tp: each tp slot's slices (and whole tensors) cut over its dp ranks.
+  const LayoutPlan tp2dp2 = plan_layout(c, mc, {.tp = 2, .dp = 2});
+  const LayoutPlan tz1 = plan_layout(c, mc, {.tp = 2, .dp = 2, .zero = 1});
+  const LayoutPlan tz2 = plan_layout(c, mc, {.tp = 2, .dp = 2, .zero = 2});
+  EXPECT_EQ(tp2dp2.memory.optimizer, tp2.memory.optimizer);
+  EXPECT_EQ(tz1.memory.optimizer, tp2.memory.optimizer / 2);
+  EXPECT_EQ(tz1.memory.gradients, tp2.memory.gradients);
+  EXPECT_EQ(tz2.memory.gradients, tp2.memory.gradients / 2);
+  EXPECT_LT(tz1.memory.peak, tp2dp2.memory.peak);
 }
 
 // Context parallelism, counted by hand from what each layer keeps for its backward (LayerActs in model/qwen3.cpp and
@@ -353,8 +361,8 @@ TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
 
 // Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and
 // states), its experts' gradients are summed over the dp / ep ranks holding the same ones and the dense ones over dp,
-// and each sparse layer sends its routed rows (T k of them) out and their outputs back, forward and backward; a
-// layout ep does not compose with yet is refused with the trainer's reason.
+// and each sparse layer sends its routed rows (T k of them) out and their outputs back, forward and backward; under
+// ZeRO the dense state is cut over dp and the experts' over the ranks holding them.
 TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   const char* moe =
       "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
@@ -376,7 +384,18 @@ TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   EXPECT_EQ(ep2.comm_ep_bytes, 2 * 2 * 2 * (routed / 2));
   EXPECT_EQ(dp4.comm_ep_bytes, 0);
   EXPECT_EQ(ep4.comm_bytes, ep4.comm_grads_bytes + ep4.comm_ep_bytes);
-  // Listed by plan_layouts for the MoE model (ep 1, 2 and 4 of dp 4), ZeRO with ep refused by name.
+  // ZeRO: the dense state (and under ZeRO-2 the dense gradients) cut over dp 4, the rank's experts over the edp ranks
+  // that hold them: at ep 4 the rank alone (whole), at ep 2 two.
+  const LayoutPlan z1 = plan_layout(c, mc, {.dp = 4, .zero = 1, .ep = 4});
+  const LayoutPlan z2 = plan_layout(c, mc, {.dp = 4, .zero = 2, .ep = 4});
+  const int64_t own = experts / 4;
+  EXPECT_EQ(z1.memory.optimizer, 2 * (ep4.memory.weights - own) / 4 + 2 * own);
+  EXPECT_EQ(z1.memory.gradients, ep4.memory.gradients);
+  EXPECT_EQ(z2.memory.gradients, (ep4.memory.weights - own) / 4 + own);
+  const LayoutPlan e2z1 = plan_layout(c, mc, {.dp = 4, .zero = 1, .ep = 2});
+  const int64_t own2 = experts / 2;
+  EXPECT_EQ(e2z1.memory.optimizer, 2 * (ep2.memory.weights - own2) / 4 + 2 * own2 / 2);
+  // Listed by plan_layouts for the MoE model (ep 1, 2 and 4 of dp 4), each with ZeRO 0, 1 and 2.
   const TrainingPlan plan = plan_layouts(c, 4, int64_t(1) << 30, [&](const PlanLayout& l) {
     return load_train_config((dir / "config.yaml").string(), layout_overrides(l));
   });
@@ -384,10 +403,7 @@ TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   for (const LayoutPlan& l : plan.layouts)
     if (l.layout.tp == 1 && l.layout.cp == 1 && l.layout.dp == 4) {
       ++listed;
-      if (l.layout.ep > 1 && l.layout.zero > 0)
-        EXPECT_NE(l.refused.find("with parallel.zero"), std::string::npos) << l.refused;
-      else
-        EXPECT_EQ(l.refused, "") << l.layout.ep << " " << l.layout.zero;
+      EXPECT_EQ(l.refused, "") << l.layout.ep << " " << l.layout.zero;
     }
   EXPECT_EQ(listed, 3 * 3);  // ep 1, 2, 4 x ZeRO 0, 1, 2
 }
