@@ -952,8 +952,8 @@ TEST(Rl, AsyncRolloutRankFaultsEndTheJob) {
 }
 
 // Layouts async cannot run are refused before anything is written, naming the option: one process, every rank a
-// rollout rank, pipeline stages colocated (the engine decodes whole models), training ranks that tp does not divide, a parallel.dp that is not the
-// training ranks, rollout ranks that rl.rollout_tp does not divide, tenants out of step.
+// rollout rank, training ranks that tp does not divide, a parallel.dp that is not the training ranks, rollout ranks
+// that rl.rollout_tp does not divide, tenants out of step.
 TEST(Rl, AsyncLayoutsAreChecked) {
 #ifndef LATHE_MPIRUN
   GTEST_SKIP() << "built without MPI";
@@ -968,8 +968,6 @@ TEST(Rl, AsyncLayoutsAreChecked) {
   };
   refused("", "", "rl.mode async runs rollout ranks beside training ranks: launch at least two");
   refused("--set rl.rollout_ranks=2", mpirun(2), "rl.rollout_ranks = 2 leaves no training rank in a launch of 2 ranks");
-  refused("--set parallel.pp=2 --set rl.mode=colocated", mpirun(2), "parallel.pp = 2 with rl.mode colocated is not "
-          "built yet");
   refused("--set parallel.tp=2", mpirun(2), "which parallel.tp x parallel.cp x parallel.pp = 2 does not divide");
   refused("--set parallel.dp=2", mpirun(2), "parallel.dp = 2, but rl.mode async leaves 1 training rank(s)");
   refused("--set rl.rollout_tp=2", mpirun(2), "rl.rollout_tp = 2 does not divide the 1 rollout rank(s)");
