@@ -14,7 +14,7 @@
 // (ZeroGroup), cut over the edp ranks that hold the same experts, and the dense parameters the first, over dp x cp.
 // Covered by tests/e2e/test_train_dp.cpp (ZeRO-1 and ZeRO-2 against plain data parallelism, resharding on load;
 // TensorParallel.ZeroCutsEachSliceOverItsReplicas, PipelineParallel.ZeroCutsEachStageOverItsDataParallelRanks,
-// ExpertParallel.ZeroCutsTheDenseStateAndKeepsEachRanksExperts).
+// ExpertParallel.ZeroCutsTheDenseStateOverDpAndTheExpertsOverTheirHolders).
 #pragma once
 
 #include <nlohmann/json.hpp>
