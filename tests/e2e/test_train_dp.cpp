@@ -1061,7 +1061,7 @@ TEST(TensorParallel, LoraEqualsOneProcessAndResumes) {
 // A trained adapter applied by `lathe logprobs --adapter` and `lathe generate --adapter` (merged into the weights) /
 // `--adapters NAME=DIR` (unmerged, per line) under every layout each command runs, against one process: logprobs at
 // tp 2, cp 2 and pp 2 (and ep 2 on Qwen3-MoE with adapters on the experts; tp, cp and ep on the Qwen3.5-MoE hybrid),
-// generate at tp 2 (and ep 2): tokens equal,
+// generate at tp 2 and pp 2 (each decoding step through the stages; and ep 2): tokens equal,
 // log-probs within f32 rounding; and the adapter moves the log-probs away from the base's (it was applied).
 void expect_adapter_commands_equal_one_process(const fs::path& dir, const std::vector<std::string>& layouts_logprobs,
                                                const std::vector<std::string>& layouts_generate) {
@@ -1124,7 +1124,7 @@ void expect_adapter_commands_equal_one_process(const fs::path& dir, const std::v
 TEST(Adapters, ScoredAndDecodedUnderParallelLayoutsAsByOneProcess) {
   const fs::path dense = setup("adapters_dense", kQwen3Deep, "lora: {rank: 4, alpha: 16}\n");
   ASSERT_EQ(train(dense, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05").exit_code, 0);
-  expect_adapter_commands_equal_one_process(dense, {"--tp 2", "--cp 2", "--pp 2"}, {"--tp 2"});
+  expect_adapter_commands_equal_one_process(dense, {"--tp 2", "--cp 2", "--pp 2"}, {"--tp 2", "--pp 2"});
   const fs::path moe = setup("adapters_moe", kQwen3Moe);
   ASSERT_EQ(train(moe, "ref", 0, 1, " --set train.max_steps=4 --set train.lr=0.05 --set lora.rank=4 --set lora.alpha=16 "
                   "--set lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]").exit_code, 0);

@@ -313,12 +313,7 @@ void run(Args a) {
   const LineRanks ranks =
       line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, a.pp, "generate");
   ModelOptions mo;
-  mo.tp = ranks.tp;
-  mo.ep = ranks.ep;
-  if (ranks.pp) {  // every decoding step through the stages, the last one's logits broadcast (CausalLm::last_logits)
-    mo.pp = ranks.pp;
-    mo.pipeline = PipelineLayout(load_model_config(a.model).num_layers, a.pp, 1);
-  }
+  ranks.place(mo, a.model);  // under pp every decoding step goes through the stages (CausalLm::last_logits)
   mo.train_base = false;  // (no gradients: also lets tp exceed the key/value heads)
   mo.device = parse_device(a.device);
   mo.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : mo.device.is_cpu() ? DType::F32 : DType::BF16;

@@ -211,13 +211,7 @@ void run(Args a) {
   const LineRanks ranks =
       line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, a.pp, "logprobs");
   ModelOptions options;
-  options.tp = ranks.tp;
-  options.cp = ranks.cp;
-  options.ep = ranks.ep;
-  if (ranks.pp) {
-    options.pp = ranks.pp;
-    options.pipeline = PipelineLayout(load_model_config(a.model).num_layers, a.pp, 1);
-  }
+  ranks.place(options, a.model);
   options.device = parse_device(a.device);
   options.dtype = !a.dtype.empty() ? dtype_from_name(a.dtype) : options.device.is_cpu() ? DType::F32 : DType::BF16;
   options.train_base = false;

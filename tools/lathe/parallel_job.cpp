@@ -11,6 +11,7 @@
 #include "cli_support.h"
 #include "comm/local_launch.h"
 #include "core/error.h"
+#include "model/config.h"
 
 namespace lathe::cli {
 
@@ -88,6 +89,15 @@ int start_local_ranks(const std::string& who, const std::string& config_path, co
   if (!config_path.empty()) rank_args.push_back(config_path);
   for (const std::string& o : overrides) rank_args.insert(rank_args.end(), {"--set", o});
   return start_local_ranks(who, rank_args, device, nproc, "CONFIG");
+}
+
+void LineRanks::place(ModelOptions& o, const std::string& model_dir) const {
+  o.tp = tp;
+  o.cp = cp;
+  o.ep = ep;
+  if (!pp) return;
+  o.pp = pp;
+  o.pipeline = PipelineLayout(load_model_config(model_dir).num_layers, pp->size(), 1);
 }
 
 LineRanks line_ranks(std::unique_ptr<Communicator> world, int tp, int cp, int ep, int pp, const std::string& who) {

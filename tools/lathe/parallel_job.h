@@ -11,6 +11,7 @@
 
 #include "comm/launch.h"
 #include "comm/mpi_communicator.h"
+#include "model/causal_lm.h"
 #include "parallel/process_groups.h"
 #include "rl/rl_source.h"
 #include "train/config.h"
@@ -63,6 +64,9 @@ struct LineRanks {
   // the rank distance between two replicas' first ranks (tp x cp).
   int member = 0, members = 1;
   bool writer() const { return !world || world->rank() == 0; }
+  // The replica's groups in `o` (tp, cp, ep; with a pipeline, pp and its stages over the layers of the model in
+  // `model_dir`, as even as they go).
+  void place(ModelOptions& o, const std::string& model_dir) const;
   // Every replica's output lines (`mine`: this rank's, in its own order) on the writer, in input order, `lines` in all;
   // empty on the other ranks. A collective under a parallel launch (gather_lines over the world).
   std::vector<std::string> in_input_order(Runtime& rt, Device device, const std::vector<std::string>& mine,
