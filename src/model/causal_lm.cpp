@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <utility>
 
 #include "comm/communicator.h"
 #include "core/files.h"
@@ -556,7 +557,10 @@ std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, cons
                                            const PackedBatch& b) {
   ExecContext cx = ctx();
   if (b.cache) return {b.cache->attend(cx, layer, qr, kr, v), Tensor()};
-  std::vector<Tensor> att = attention(cx, qr, kr, v, b.cu_seqlens, {});
+  if (kept_attention_ && kept_attention_->o.defined())  // the backward's recompute: what the forward kept
+    return {std::exchange(kept_attention_->o, Tensor()), std::exchange(kept_attention_->lse, Tensor())};
+  std::vector<Tensor> att = attention(cx, qr, kr, v, context_parallel() ? cp_cu_seqlens(b) : b.cu_seqlens, {});
+  if (kept_attention_) *kept_attention_ = {att[0], att[1]};
   return {att[0], att[1]};
 }
 

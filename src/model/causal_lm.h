@@ -34,12 +34,21 @@ struct ResidualStream {
   Tensor h, r;
 };
 
+// One layer's attention outputs kept from a training forward for the backward's recompute of the layer
+// (ModelOptions::recompute_keeps_attention; DecoderStack points CausalLm::kept_attention_ at the layer's slot).
+struct KeptAttention {
+  Tensor o, lse;
+};
+
 class Communicator;
 
 struct ModelOptions {
   Device device = Device::cpu();
   DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
   bool recompute = false;        // recompute layer activations in the backward pass
+  // Under recompute: each attention layer's kernel outputs (o and its log-sum-exp) are kept from the forward, so the
+  // backward's recompute of the layer runs no attention kernel (KeptAttention; docs/parallel.md, "Long documents").
+  bool recompute_keeps_attention = false;
   int64_t loss_chunk_rows = 2048;  // rows of logits alive at once in the loss head
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
   // false: kernels whose gradients are equal within rounding but not bitwise run to run may be chosen where they are
@@ -332,8 +341,10 @@ class CausalLm {
   LossResult head_row_loss(const Tensor& xf, int head, const PackedBatch& b, bool backward, double loss_scale,
                            Tensor* dxf);
   std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
-  // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}), or for a
-  // decoding batch over its DecodeCache ({o, undefined}: no backward).
+  // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}; under cp the
+  // rows of every rank for the rank's heads, cp_cu_seqlens), or for a decoding batch over its DecodeCache ({o,
+  // undefined}: no backward). With kept_attention_ set, a forward keeps {o, lse} there and the backward's recompute of
+  // the layer takes them back instead of running the kernel.
   std::pair<Tensor, Tensor> attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
                                    const PackedBatch& b);
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
@@ -457,6 +468,7 @@ class CausalLm {
   Tensor cp_cu_, cp_positions_;   // make_cp_tables' tensors, for a batch of cp_tables_tokens_ tokens
   int64_t cp_tables_tokens_ = -1;
   bool decoding_ = false;  // the current forward's batch is a decoding one (context_parallel())
+  KeptAttention* kept_attention_ = nullptr;  // the slot of the layer being run (DecoderStack), or none
   ModelConfig config_;
   ModelOptions options_;
   std::vector<Parameter> params_;

@@ -24,26 +24,47 @@ struct DecoderStack {
   }
 
   // The last layer's output (T, H), as the residual stream's last two terms. `acts` (if given) receives every layer's
-  // activations, `inputs` every layer's input (its sum, LayerActs::x: one tensor a layer).
+  // activations, `inputs` every layer's input (its sum, LayerActs::x: one tensor a layer), `kept` every layer's
+  // attention outputs (recompute_keeps_attention).
   template <typename M>
   static ResidualStream hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts,
-                               std::vector<ResidualStream>* inputs, bool training) {
+                               std::vector<ResidualStream>* inputs, bool training,
+                               std::vector<KeptAttention>* kept = nullptr) {
     m.begin_forward(b);
     struct End {  // what the model kept for this forward of a decoding batch goes with it, also on an error
       M& m;
       ~End() { m.end_forward(); }
     } end{m};
     ResidualStream x{m.embed(m.embed_, b.ids), {}};  // vocab-parallel under tp: summed over the group
-    return forward_layers(m, 0, m.layers_.size(), x, b, training, acts, inputs);
+    return forward_layers(m, 0, m.layers_.size(), x, b, training, acts, inputs, kept);
+  }
+
+  // Points m.kept_attention_ at one layer's slot while the layer runs (and at nothing after, also on an error).
+  template <typename M>
+  struct KeepingAttention {
+    M& m;
+    KeepingAttention(M& model, KeptAttention* slot) : m(model) { m.kept_attention_ = slot; }
+    ~KeepingAttention() { m.kept_attention_ = nullptr; }
+    KeepingAttention(const KeepingAttention&) = delete;
+    KeepingAttention& operator=(const KeepingAttention&) = delete;
+  };
+
+  // Whether a training forward keeps the attention outputs for its backward's recompute.
+  template <typename M>
+  static bool keeps_attention(const M& m, bool backward) {
+    return backward && m.options_.recompute && m.options_.recompute_keeps_attention;
   }
 
   // The layers m.layers_[begin, end) over the stream x (the whole stack, or a pipeline stage's): each one's input (its
-  // sum, LayerActs::x) into `inputs` and its activations into `acts` where given; returns the last one's output.
+  // sum, LayerActs::x) into `inputs`, its activations into `acts` and its attention outputs into `kept` where given;
+  // returns the last one's output.
   template <typename M>
   static ResidualStream forward_layers(M& m, size_t begin, size_t end, ResidualStream x, const PackedBatch& b,
                                        bool training, std::vector<typename M::LayerActs>* acts,
-                                       std::vector<ResidualStream>* inputs) {
+                                       std::vector<ResidualStream>* inputs, std::vector<KeptAttention>* kept) {
     for (size_t k = begin; k < end; ++k) {
+      if (kept) kept->emplace_back();
+      const KeepingAttention<M> keeping(m, kept ? &kept->back() : nullptr);
       typename M::LayerActs a = m.layer_forward(m.layers_[k], x, b, training);
       if (inputs) inputs->push_back({a.x, {}});
       x = a.out;
@@ -54,16 +75,20 @@ struct DecoderStack {
 
   // The backward through m.layers_[begin, end), the last first, from d(their output) dx: each layer's activations
   // from `acts` (one a layer from `begin`, moved out as used) or, with `acts` empty, recomputed from its input in
-  // `inputs`; `done(k)` after the layer at position k. Returns d(the input of layer `begin`).
+  // `inputs` (its attention outputs taken from `kept`, if the forward kept them); `done(k)` after the layer at
+  // position k. Returns d(the input of layer `begin`).
   template <typename M>
   static Tensor backward_layers(M& m, size_t begin, size_t end, std::vector<typename M::LayerActs>& acts,
-                                const std::vector<ResidualStream>& inputs, Tensor dx, const PackedBatch& b,
-                                const std::function<void(int64_t)>& done) {
+                                const std::vector<ResidualStream>& inputs, std::vector<KeptAttention>& kept, Tensor dx,
+                                const PackedBatch& b, const std::function<void(int64_t)>& done) {
     const bool keep = !acts.empty();
     for (size_t k = end; k-- > begin;) {
       const auto& l = m.layers_[k];
-      const typename M::LayerActs a =
-          keep ? std::move(acts[k - begin]) : m.layer_forward(l, inputs[k - begin], b, true);
+      const auto recomputed = [&] {
+        const KeepingAttention<M> keeping(m, kept.empty() ? nullptr : &kept[k - begin]);
+        return m.layer_forward(l, inputs[k - begin], b, true);
+      };
+      const typename M::LayerActs a = keep ? std::move(acts[k - begin]) : recomputed();
       if (keep) acts.pop_back();
       dx = m.layer_backward(l, a, dx, b);
       if (done) done(int64_t(k));
@@ -116,9 +141,11 @@ struct DecoderStack {
     ExecContext cx = m.ctx();
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
+    std::vector<KeptAttention> kept;
     const bool keep = backward && !m.options_.recompute;
     const NormAttrs norm = final_norm(m);
-    const ResidualStream out = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward);
+    const ResidualStream out = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward,
+                                      keeps_attention(m, backward) ? &kept : nullptr);
     const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);  // the stream's rows under sp
     Tensor dxf;
     std::vector<std::pair<size_t, Tensor>> losses;  // read once the backward is queued too
@@ -139,7 +166,7 @@ struct DecoderStack {
       if (hooks.grads_done) hooks.grads_done(layers_left);
     };
     done(int64_t(m.layers_.size()));
-    const Tensor dx = backward_layers(m, 0, m.layers_.size(), acts, inputs, dfinal[0], b, done);
+    const Tensor dx = backward_layers(m, 0, m.layers_.size(), acts, inputs, kept, dfinal[0], b, done);
     m.end_backward(m.embed_, dx, b);
     done(-1);
     if (hooks.queued) hooks.queued();
@@ -170,13 +197,14 @@ struct DecoderStack {
   }
 
   // Pipeline parallelism (CausalLm::stage_forward / stage_backward): one micro-batch on one virtual stage. What the
-  // forward keeps: the layers' activations (or, under recompute, their inputs), and on the last stage the final norm's
-  // input and d(loss)/d(its output).
+  // forward keeps: the layers' activations (or, under recompute, their inputs and any kept attention outputs), and on
+  // the last stage the final norm's input and d(loss)/d(its output).
   template <typename M>
   struct StageActs {
     size_t begin = 0, end = 0;  // the stage's layers: m.layers_[begin, end)
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
+    std::vector<KeptAttention> kept;
     Tensor x_last, dxf;
   };
 
@@ -207,7 +235,7 @@ struct DecoderStack {
     while (sa->begin < m.layers_.size() && m.layers_[sa->begin].index < pl.first_layer(stage)) ++sa->begin;
     for (sa->end = sa->begin; sa->end < m.layers_.size() && m.layers_[sa->end].index < pl.end_layer(stage);) ++sa->end;
     x = forward_layers(m, sa->begin, sa->end, x, b, backward, keep ? &sa->acts : nullptr,
-                       backward ? &sa->inputs : nullptr);
+                       backward ? &sa->inputs : nullptr, keeps_attention(m, backward) ? &sa->kept : nullptr);
     for (size_t k = sa->begin; k < sa->end; ++k) {  // the stage's routing of this micro-batch, for its backward
       const int64_t layer = m.layers_[k].index;
       const MoeRoute& route = m.moe_routes_[size_t(layer)];
@@ -261,7 +289,7 @@ struct DecoderStack {
       m.add_norm_grad(m.final_norm_, dfinal[1]);
       dx = dfinal[0];
     }
-    dx = backward_layers(m, sa.begin, sa.end, sa.acts, sa.inputs, dx, b, {});
+    dx = backward_layers(m, sa.begin, sa.end, sa.acts, sa.inputs, sa.kept, dx, b, {});
     work.acts.reset();
     if (work.stage > 0) {
       if (m.lora_ && !b.segments.empty()) m.lora_->collect_grads();  // (end_backward's, on the first stage)

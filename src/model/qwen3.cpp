@@ -149,21 +149,12 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
   const std::vector<Tensor> heads =
       qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), stack_positions(b), qk_attrs(c));
-  if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
-    a.qr = heads_to_sequence(heads[0]);
-    a.kr = heads_to_sequence(heads[1]);
-    a.v = heads_to_sequence(heads[2]);
-    const std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, cp_cu_seqlens(b), {});
-    a.o = att[0];
-    a.lse = att[1];
-    a.o_rows = sequence_to_heads(a.o);
-  } else {
-    a.qr = heads[0];
-    a.kr = heads[1];
-    a.v = heads[2];
-    std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
-    a.o_rows = a.o;
-  }
+  const bool cp = context_parallel();  // every row of the batch for a cp-th of the heads, over whole documents, and back
+  a.qr = cp ? heads_to_sequence(heads[0]) : heads[0];
+  a.kr = cp ? heads_to_sequence(heads[1]) : heads[1];
+  a.v = cp ? heads_to_sequence(heads[2]) : heads[2];
+  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+  a.o_rows = cp ? sequence_to_heads(a.o) : a.o;
   // h = x + o_proj(o) and hn = post_norm(h) in one pass
   // tensor parallelism: every rank's heads summed (onto the stream's rows under sequence parallelism)
   const Tensor attn_out =

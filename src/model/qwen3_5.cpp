@@ -406,18 +406,14 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   const Tensor positions = stack_positions(b);
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), positions, rot);
-  if (context_parallel()) {  // every row of the batch for a cp-th of the heads, over whole documents, and back
+  const bool cp = context_parallel();  // every row of the batch for a cp-th of the heads, over whole documents, and back
+  if (cp) {
     a.qr = heads_to_sequence(a.qr);
     a.kr = heads_to_sequence(a.kr);
     a.v = heads_to_sequence(a.v);
-    const std::vector<Tensor> att = attention(cx, a.qr, a.kr, a.v, cp_cu_seqlens(b), {});
-    a.o = att[0];
-    a.lse = att[1];
-    a.o_rows = sequence_to_heads(a.o);
-  } else {
-    std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
-    a.o_rows = a.o;
   }
+  std::tie(a.o, a.lse) = attend(l.index, a.qr, a.kr, a.v, b);  // a decoding batch: over its cache
+  a.o_rows = cp ? sequence_to_heads(a.o) : a.o;
   a.sg = sigmoid(cx, a.gate);
   a.y = mul(cx, a.o_rows.view({t, hd}), a.sg);
   a.mix = project(l.index, LoraTarget::o_proj, l.o_proj, a.y, b, training);

@@ -176,6 +176,10 @@ const std::vector<Option>& options() {
       LATHE_NUM("train.eval_batches", Kind::Int, "4", at_least(1), "micro-batches per evaluation", eval_batches),
       LATHE_NUM("train.log_every", Kind::Int, "1", at_least(1), "steps between log lines when not on a terminal", log_every),
       LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
+      LATHE_OPT("train.recompute_keeps_attention", Kind::Bool, "false",
+                "under train.recompute, keep each attention layer's output and log-sum-exp from the forward (T x q heads x "
+                "(head_dim + 2) bf16 a layer) so that the backward does not run attention again: long documents",
+                recompute_keeps_attention),
       LATHE_OPT("train.deterministic", Kind::Bool, "true",
                 "bitwise-repeatable gradients; false lets the attention backward sum dQ in any order (faster, equal "
                 "within rounding; docs/training.md)", deterministic),
@@ -449,7 +453,8 @@ bool per_tenant(const std::string& path) {
          (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
           path != "rl.offload_optimizer" && path != "rl.max_running" && path != "rl.mode" &&
           path != "rl.rollout_ranks" && path != "rl.rollout_tp" && path != "rl.max_staleness") ||
-         (starts("train.") && path != "train.recompute" && path != "train.deterministic" &&
+         (starts("train.") && path != "train.recompute" && path != "train.recompute_keeps_attention" &&
+          path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");
 }

@@ -84,6 +84,7 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t log_every = 1;
   bool recompute = false;
+  bool recompute_keeps_attention = false;
   bool deterministic = true;  // false: the attention backward may sum dQ in any order (ModelOptions::deterministic)
   int64_t profile_step = 0;  // 0: off; else the step whose kernels are timed and printed (train.profile_step)
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (Runtime::set_gemm_autotune)
@@ -130,7 +131,7 @@ enum class ConfigFor { train, rl };
 // the file are taken relative to its folder; those in overrides, relative to the current directory. A key given twice
 // in one mapping is a problem. "model.config.KEY=value" sets one field of the inline model config.
 // A `tenants:` list makes a multi-tenant LoRA run: each entry is a mapping with a `name` and any of the per-tenant
-// options (data.*, lora.*, train.* except train.recompute, train.deterministic, train.gemm_autotune,
+// options (data.*, lora.*, train.* except train.recompute(_keeps_attention), train.deterministic, train.gemm_autotune,
 // train.memory_plan and train.log_every, output_dir, final_eval.*); what an entry does not set it inherits from the top level. Model,
 // device, dtype and resume are shared by every tenant. Each tenant's output_dir defaults to <output_dir>/<name>.
 // With ConfigFor::rl: the rl.* options too, checked together with the rest (one micro-batch a step, checkpoints on

@@ -147,6 +147,14 @@ int64_t layer_activation_bytes(const ModelConfig& m, const LocalSizes& l, int64_
   return stream + gdn + mlp;
 }
 
+// What train.recompute_keeps_attention keeps of layer i beside its input: an attention layer's o and log-sum-exp (f32)
+// over the core's rows and heads (CausalLm::attend); nothing for a Gated DeltaNet layer.
+int64_t kept_attention_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b) {
+  if (m.is_hybrid() && gdn_layer(m, i)) return 0;
+  const int64_t q = core_heads(m, l, r.cp).q;
+  return b * r.core * m.head_dim * q + 4 * r.core * q;
+}
+
 // Scratch that the CUDA kernels of a mixer's core take for their backward (0 on the CPU), for one layer of each kind.
 struct CoreScratch {
   int64_t attention = 0, gdn = 0;
@@ -306,13 +314,16 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   const int64_t layer_grad = lora ? 0 : (grads - outside * b) / std::max<int64_t>(layers, 1);
   const int64_t bucket = int64_t(c.bucket_mb * double(kMiB));
 
-  // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows) and one layer
-  // recomputed.
+  // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows; with
+  // train.recompute_keeps_attention also its attention outputs) and one layer recomputed.
   // (acts and kept by the rank's layers in order; under pp the other micro-batches' kept activations stay too.)
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t k = 0; k < layers; ++k) {
     acts[size_t(k)] = layer_activation_bytes(m, l, st.layers[size_t(k)], rows, b, chunk_cache);
-    kept[size_t(k)] = c.recompute ? b * rows.stream * h : acts[size_t(k)];
+    kept[size_t(k)] = !c.recompute ? acts[size_t(k)]
+                      : b * rows.stream * h + (c.recompute_keeps_attention
+                                                    ? kept_attention_bytes(m, l, st.layers[size_t(k)], rows, b)
+                                                    : 0);
   }
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;

@@ -1,6 +1,7 @@
 // The layout planner against a real GPU run (issue 25's check): `lathe plan --json` and `lathe train` on one config on
 // cuda (bf16), a Qwen3 shape and a Qwen3.5 hybrid (Gated DeltaNet layers with 128-wide heads, so the chunked CUDA
-// kernels and their saved chunk cache run), each with and without train.recompute. The configured layout's planned
+// kernels and their saved chunk cache run), each with and without train.recompute (Qwen3 also with
+// train.recompute_keeps_attention). The configured layout's planned
 // peak must be within 10% of the peak the trainer measures: metrics.jsonl's memory_mib, the CUDA caching allocator's
 // high-water mark of allocated blocks (flops.cpp peak_memory_mib; cuBLAS's workspace, the CUDA context and cuDNN's
 // handle are not allocated through it; docs/plan.md says what the planner counts on cuda). Skips, saying why, where
@@ -119,6 +120,11 @@ TEST_F(PlanGpu, Qwen3PeakIsWithinTenPercentOfTheMeasured) {
 
 TEST_F(PlanGpu, Qwen3RecomputePeakIsWithinTenPercentOfTheMeasured) {
   expect_planned_peak_within_ten_percent("qwen3_recompute", kQwen3, " --set train.recompute=true");
+}
+
+TEST_F(PlanGpu, Qwen3RecomputeKeepingAttentionPeakIsWithinTenPercentOfTheMeasured) {
+  expect_planned_peak_within_ten_percent("qwen3_recompute_kept", kQwen3,
+                                         " --set train.recompute=true --set train.recompute_keeps_attention=true");
 }
 
 TEST_F(PlanGpu, Qwen35PeakIsWithinTenPercentOfTheMeasured) {

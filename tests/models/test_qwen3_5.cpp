@@ -9,6 +9,7 @@
 #include <fstream>
 #include <random>
 
+#include "backend/profiler.h"
 #include "io/safetensors.h"
 #include "model/qwen3_5.h"
 #include "ops/ops.h"
@@ -141,6 +142,41 @@ TEST(Qwen35Recompute, SameLossAndGradients) {
     const std::vector<double> ga = to_f64(ma.parameters()[i].grad), gb = to_f64(mb.parameters()[i].grad);
     for (size_t j = 0; j < ga.size(); ++j) ASSERT_NEAR(ga[j], gb[j], 1e-13 + 1e-11 * std::abs(ga[j])) << ma.parameters()[i].name;
   }
+}
+
+// train.recompute_keeps_attention: the backward's recompute takes each attention layer's output from the forward,
+// so a training step runs the attention kernel once a layer (twice under plain recompute), with the same loss and
+// gradients bitwise (the kept outputs are the ones the recompute would make: a stale or wrong one changes them).
+TEST(Qwen35Recompute, KeptAttentionIsUsedAndChangesNothing) {
+  const ModelConfig cfg = parse_model_config(
+      tiny_json(false, {"linear_attention", "full_attention", "full_attention", "linear_attention"}), "tiny");
+  const PackedBatch batch = random_batch(40, {0, 5, 14}, 2);
+  struct Run {
+    double loss;
+    std::vector<std::vector<double>> grads;
+    int64_t attention_calls;
+  };
+  const auto run = [&](bool keeps) {
+    ModelOptions o;
+    o.dtype = DType::F64;
+    o.recompute = true;
+    o.recompute_keeps_attention = keeps;
+    Qwen35Model m = Qwen35Model::random(runtime(), cfg, o, 3, 0.3);
+    OpProfiler prof(runtime().backend(DeviceType::CPU), Device::cpu());
+    runtime().set_profiler(&prof);
+    Run r{m.loss(batch, true).loss, {}, 0};
+    runtime().set_profiler(nullptr);
+    for (const OpProfiler::Total& t : prof.collect().kernels)
+      if (t.op == OpId::attention) r.attention_calls += t.calls;
+    for (const Parameter& p : m.parameters()) r.grads.push_back(to_f64(p.grad));
+    return r;
+  };
+  const Run plain = run(false), kept = run(true);
+  EXPECT_EQ(plain.attention_calls, 4);  // two attention layers, each run again by the backward
+  EXPECT_EQ(kept.attention_calls, 2);
+  EXPECT_EQ(kept.loss, plain.loss);
+  ASSERT_EQ(kept.grads.size(), plain.grads.size());
+  for (size_t i = 0; i < kept.grads.size(); ++i) EXPECT_EQ(kept.grads[i], plain.grads[i]) << "parameter " << i;
 }
 
 TEST(Qwen35Checkpoint, SaveThenLoadInBothLayouts) {

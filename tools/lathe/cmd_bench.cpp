@@ -46,7 +46,8 @@ struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0, grad_accum = 1;
   uint64_t seed = 1;
-  bool recompute = false, profile = false, nondeterministic = false, gemm_autotune = false, no_memory_plan = false;
+  bool recompute = false, keeps_attention = false, profile = false, nondeterministic = false, gemm_autotune = false;
+  bool no_memory_plan = false;
   bool memory_report = false;
   double moe_padded_max_waste = ModelOptions{}.moe_padded_max_waste;
 };
@@ -253,6 +254,7 @@ void run(const Args& a) {
   mo.device = device;
   mo.dtype = dtype;
   mo.recompute = a.recompute;
+  mo.recompute_keeps_attention = a.keeps_attention;
   mo.deterministic = !a.nondeterministic;
   mo.train_base = !lora;
   mo.moe_padded_max_waste = a.moe_padded_max_waste;
@@ -397,6 +399,7 @@ void run(const Args& a) {
                       {"dtype", dtype_name(dtype)},
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
+                      {"recompute_keeps_attention", a.keeps_attention},
                       {"deterministic", !a.nondeterministic},
                       {"gemm_autotune", a.gemm_autotune},
                       {"optimizer_states", a.optimizer_states},
@@ -468,6 +471,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       ->check(number_in(0));
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
+  cmd->add_flag("--recompute-keeps-attention", a->keeps_attention,
+                "train.recompute_keeps_attention: under --recompute, keep each attention layer's output for the backward");
   cmd->add_flag("--nondeterministic", a->nondeterministic,
                 "train.deterministic false: the attention backward may sum dQ in any order (faster, not bitwise "
                 "repeatable)");
