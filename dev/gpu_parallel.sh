@@ -119,7 +119,7 @@ fi
 Q30B='{model_type: qwen3_moe, vocab_size: 151936, hidden_size: 2048, num_hidden_layers: 16, num_attention_heads: 32, num_key_value_heads: 4, head_dim: 128, num_experts: 128, num_experts_per_tok: 8, moe_intermediate_size: 768, tie_word_embeddings: false, rope_theta: 1000000}'
 TRAIN_MOE='data: {train: train.jsonl, format: text, max_seq_len: 4096, overlong: truncate}
 train: {micro_batch_tokens: 4096, grad_accum: 8, lr: 0.0001, warmup_steps: 0}'
-if has ep30b && left 400 ep30b; then  # the random model's start: about 35 s of host draws at 16 layers
+if has ep30b && left 400 ep30b; then  # the random start: its large tensors counter-drawn on every host thread
   D=/tmp/q30b; rm -rf $D; long_data $D 300 2600 "$Q30B" "$TRAIN_MOE"
   run_steps $D ep2 6 200 --set parallel.ep=2 --set train.grad_accum=4 --nproc 2
   report $D ep2 2; rm -rf $D/ep2

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -1064,6 +1065,32 @@ std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, co
               "model class", dir, config.model_type);
   return std::make_unique<Qwen3Model>(Qwen3Model::load(rt, dir, options));
 }
+
+namespace {
+
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+template <typename T>
+void counter_normal_into(std::vector<T>& out, uint64_t key, double std) {
+  const int64_t n = int64_t(out.size());
+  constexpr double kTwoPi = 6.283185307179586;
+#pragma omp parallel for schedule(static)
+  for (int64_t j = 0; j < n; ++j) {
+    const uint64_t a = splitmix64(key ^ splitmix64(2 * uint64_t(j))), b = splitmix64(key ^ splitmix64(2 * uint64_t(j) + 1));
+    const double u1 = (double(a >> 11) + 0.5) * 0x1p-53, u2 = double(b >> 11) * 0x1p-53;  // u1 in (0, 1)
+    out[size_t(j)] = T(std * std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
+  }
+}
+
+}  // namespace
+
+void counter_normal(std::vector<float>& out, uint64_t key, double std) { counter_normal_into(out, key, std); }
+void counter_normal(std::vector<double>& out, uint64_t key, double std) { counter_normal_into(out, key, std); }
 
 std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
                                            uint64_t seed, double std) {

@@ -525,6 +525,16 @@ std::unique_ptr<CausalLm> load_causal_lm(Runtime& rt, const std::string& dir, co
 // A randomly initialised model of config.model_type (each family's initialisation).
 std::unique_ptr<CausalLm> random_causal_lm(Runtime& rt, const ModelConfig& config, const ModelOptions& options,
                                            uint64_t seed, double std = 0.02);
+// Random initialisation: the families draw a tensor's values from one sequential stream (std::mt19937_64), except a
+// tensor of at least kCounterDrawnElements values (only large shapes have one: benchmarks' starts), whose values take
+// one draw of the stream as a key and are then counter_normal's, on every host thread (the sequential stream took
+// minutes for a 10G-parameter shape). Either way a value does not depend on the parallel layout.
+constexpr size_t kCounterDrawnElements = size_t(1) << 25;
+// out[j] = a normal(0, std) draw that is a function of (key, j) only (splitmix64 and Box-Muller), filled by OpenMP's
+// threads.
+void counter_normal(std::vector<float>& out, uint64_t key, double std);
+void counter_normal(std::vector<double>& out, uint64_t key, double std);
+
 // A model of config.model_type with its parameters allocated and their values not set: for a model whose every value
 // arrives from elsewhere before it is used (an async rollout rank's, from the trainer's sync), without the host draws
 // of a random one (about 20 s a billion parameters).

@@ -127,7 +127,9 @@ Qwen3Model Qwen3Model::random(Runtime& rt, const ModelConfig& config, const Mode
   m.for_each_declared([&](const std::string&, const Shape& shape, Parameter* p) {
     std::vector<float> host(size_t(shape_numel(shape)));
     const bool norm = shape.size() == 1;
-    for (float& x : host) x = norm ? 1.0f : normal(rng);
+    if (!norm && host.size() >= kCounterDrawnElements) counter_normal(host, rng(), std);
+    else
+      for (float& x : host) x = norm ? 1.0f : normal(rng);
     if (!p) return;
     if (!p->whole()) host = slice_of(host, *p);
     ExecContext cx = rt.context(options.device);

@@ -254,12 +254,14 @@ Qwen35Model Qwen35Model::random(Runtime& rt, const ModelConfig& config, const Mo
   m.for_each_declared([&](const std::string& name, const Shape& shape, Parameter* p) {
     std::vector<double> host(size_t(shape_numel(shape)));
     const bool gated_norm = name.find("linear_attn.norm.weight") != std::string::npos;
-    for (double& x : host) {
-      if (name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
-      else if (gated_norm || name.find("dt_bias") != std::string::npos) x = 1.0;
-      else if (shape.size() == 1) x = 0.0;  // zero-centred norms
-      else x = normal(rng);
-    }
+    if (shape.size() > 1 && host.size() >= kCounterDrawnElements) counter_normal(host, rng(), std);  // a matrix
+    else
+      for (double& x : host) {
+        if (name.find("A_log") != std::string::npos) x = std::log(uniform(rng));
+        else if (gated_norm || name.find("dt_bias") != std::string::npos) x = 1.0;
+        else if (shape.size() == 1) x = 0.0;  // zero-centred norms
+        else x = normal(rng);
+      }
     if (!p) return;
     if (!p->whole()) host = slice_of(host, *p);
     ExecContext cx = rt.context(options.device);

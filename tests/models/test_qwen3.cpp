@@ -9,6 +9,8 @@
 #include <optional>
 #include <random>
 
+#include <omp.h>
+
 #include "io/safetensors.h"
 #include "model/qwen3.h"
 #include "optim/clip.h"
@@ -246,4 +248,36 @@ TEST(Qwen3Loss, GradientsAreCompleteWhenTheBackwardSaysSo) {
       SCOPED_TRACE(std::string("tied ") + (tied ? "yes" : "no") + ", recompute " + (recompute ? "yes" : "no"));
       expect_grads_complete_when_reported(m, random_batch(50, {0, 9, 16}, 4));
     }
+}
+
+// The counter-based draws of large tensors (kCounterDrawnElements, random initialisation): normal(0, std) by their
+// first four moments over 2^21 draws, each value a function of (key, index) only (a shorter vector is a prefix of a
+// longer one, the same key draws the same values on any number of threads), other keys other values.
+TEST(RandomInit, CounterDrawsAreNormalAndAFunctionOfKeyAndIndex) {
+  std::vector<double> big(size_t(1) << 21), small(1000), again(size_t(1) << 21), other(1000);
+  counter_normal(big, 42, 0.5);
+  counter_normal(small, 42, 0.5);
+  counter_normal(other, 43, 0.5);
+  std::vector<float> as_float(1000);
+  counter_normal(as_float, 42, 0.5);
+  double m1 = 0, m2 = 0, m3 = 0, m4 = 0;
+  for (double x : big) {
+    const double z = x / 0.5;
+    m1 += z, m2 += z * z, m3 += z * z * z, m4 += z * z * z * z;
+  }
+  const double n = double(big.size());
+  EXPECT_NEAR(m1 / n, 0.0, 5e-3);  // 5 standard errors of the mean: 1 / sqrt(2^21) = 7e-4
+  EXPECT_NEAR(m2 / n, 1.0, 5e-3);
+  EXPECT_NEAR(m3 / n, 0.0, 1e-2);
+  EXPECT_NEAR(m4 / n, 3.0, 3e-2);
+  for (size_t j = 0; j < small.size(); ++j) {
+    ASSERT_EQ(small[j], big[j]) << j;
+    ASSERT_EQ(as_float[j], float(big[j])) << j;
+    ASSERT_NE(other[j], big[j]) << j;
+  }
+  const int threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  counter_normal(again, 42, 0.5);
+  omp_set_num_threads(threads);
+  EXPECT_EQ(again, big);
 }
