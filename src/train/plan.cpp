@@ -224,16 +224,37 @@ int64_t layer_backward_temporary_bytes(const ModelConfig& m, const LocalSizes& l
   return dout + std::max(mlp, mixer);
 }
 
-// Bytes one rank sends through cp's head all-to-alls in one pass of layer i (a forward, or a backward: the same
-// tensors the other way): attention's q, k, v there and o back; Gated DeltaNet's in_proj_qkv output (the rank's
-// blocks for every core) and b, a there and the core's output back.
-int64_t layer_all_to_all_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b) {
+// Whether Gated DeltaNet layers pass states along the cp group instead of taking the head all-to-all: the rank's
+// (local) heads are too few for it (Qwen35Model::gdn_passes_states, the same test).
+bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
+  const int64_t hk = m.linear_num_key_heads, hv = m.linear_num_value_heads;
+  return cp > 1 && !(hk % cp == 0 || (cp % hk == 0 && hv % cp == 0));
+}
+
+// Bytes one rank sends through cp in one micro-batch of layer i, over `forward_passes` forwards (2 when recomputing)
+// and a backward. The head all-to-alls, the same tensors each pass (the backward's the other way): attention's q, k,
+// v there and o back; Gated DeltaNet's in_proj_qkv output (the rank's blocks for every core) and b, a there and the
+// core's output back. A Gated DeltaNet layer that passes states (model/gdn_context.h) instead sends, each forward,
+// its conv's last W - 1 input rows (all-gathered) and the rule's final state to the next rank, and in the backward
+// the history rows' gradients (all-reduced over every rank's W - 1 rows) and the received state's gradient back.
+int64_t layer_cp_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
+                       int64_t forward_passes, DType dtype) {
   if (r.cp <= 1) return 0;
+  const bool gdn = gdn_layer(m, i);
+  if (gdn && gdn_passes_states(m, r.cp)) {
+    const int64_t history = b * (m.linear_conv_kernel_dim - 1) *
+                            (2 * m.linear_num_key_heads * m.linear_key_head_dim +
+                             m.linear_num_value_heads * m.linear_value_head_dim);
+    const int64_t state = int64_t(dtype_size(gdn_state_dtype(dtype))) * m.linear_num_value_heads *
+                          m.linear_key_head_dim * m.linear_value_head_dim;
+    return forward_passes * (reduce_scatter_bytes(r.cp * history, r.cp) + state) +  // (the all-gather)
+           all_reduce_bytes(r.cp * history, r.cp) + state;
+  }
   const CoreHeads ch = core_heads(m, l, r.cp);
-  const int64_t width = gdn_layer(m, i) ? r.cp * ch.width() + 2 * m.linear_num_value_heads +
-                                              m.linear_num_value_heads * m.linear_value_head_dim
-                                        : (2 * l.heads + 2 * ch.sent_kv) * m.head_dim;
-  return all_to_all_bytes(b * r.block * width, r.cp);
+  const int64_t width = gdn ? r.cp * ch.width() + 2 * m.linear_num_value_heads +
+                                  m.linear_num_value_heads * m.linear_value_head_dim
+                            : (2 * l.heads + 2 * ch.sent_kv) * m.head_dim;
+  return (forward_passes + 1) * all_to_all_bytes(b * r.block * width, r.cp);
 }
 
 // What one pipeline rank holds and does: its layers (all of them without pp), the embedding, the head, the most
@@ -418,12 +439,12 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
     if (l.kv_replicas > 1)  // shared k/v slices' gradients summed over the ranks holding them, once a step
       plan.comm_tp_bytes += layers * all_reduce_bytes(2 * l.kv_heads * m.head_dim * h * b, l.kv_replicas);
   }
-  // cp: each mixer's head all-to-alls (forward, again when recomputing, and backward), each micro-batch (the loss
-  // head runs on the rank's rows: only its loss sums, a few values, go over the group; the gradient sum is part of
-  // the weight replicas' above).
+  // cp: each mixer's head all-to-alls or passed states (forward, again when recomputing, and backward), each
+  // micro-batch (the loss head runs on the rank's rows: only its loss sums, a few values, go over the group; the
+  // gradient sum is part of the weight replicas' above).
   if (layout.cp > 1)
     for (int64_t i : st.layers)
-      plan.comm_cp_bytes += micro_batches * (forward_passes + 1) * layer_all_to_all_bytes(m, l, i, rows, b);
+      plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes, dtype);
   // ep: each sparse layer's routed rows (T k of them, H wide) out and their outputs back, forward (again when
   // recomputing) and backward, each micro-batch (the per-expert counts' all-gather is E numbers).
   if (layout.ep > 1)

@@ -262,7 +262,7 @@ TEST_F(ParallelGpu, Qwen3NextTpAndCpAreAsCloseToF32AsOneGpu) {
 }
 
 // One Gated DeltaNet key head of three value heads: cp 2 cannot split them, so the conv's history and the rule's
-// state pass from one GPU to the other (model/gdn_context.h; session 28, not yet run on GPUs when written).
+// state pass from one GPU to the other (model/gdn_context.h).
 TEST_F(ParallelGpu, GdnStatesPassedAtCpAreAsCloseToF32AsOneGpu) {
   std::string few = kQwen35;
   few.replace(few.find("linear_num_key_heads: 2, linear_num_value_heads: 4"),

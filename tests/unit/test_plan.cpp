@@ -324,6 +324,28 @@ TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
   EXPECT_EQ(plan_layout(c, mc, {.cp = 2, .zero = 2}).memory.gradients, grads / 2);
 }
 
+// Gated DeltaNet heads too few for cp's all-to-all (one key head of three value heads at cp 2) pass states instead
+// (model/gdn_context.cpp), counted by hand: each forward all-gathers every rank's last W - 1 = 3 conv input rows of
+// 2 x 8 + 3 x 8 = 40 channels (a rank sends its 3 x 40 f32 values once) and sends the rule's final state (3 value heads
+// x 8 x 8 f32) to the next rank; the backward all-reduces the 2 x 3 history rows' gradients (a ring over 2 ranks sends
+// 2 (2 - 1) / 2 of them) and sends the state's gradient back. The gated-attention layer keeps the head all-to-all.
+TEST(Plan, GdnLayersThatPassStatesSendTheHistoryAndTheState) {
+  const char* few_heads =
+      "{model_type: qwen3_5_text, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+      "layer_types: [linear_attention, full_attention], num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+      "partial_rotary_factor: 0.5, linear_num_key_heads: 1, linear_num_value_heads: 3, linear_key_head_dim: 8, "
+      "linear_value_head_dim: 8, linear_conv_kernel_dim: 4, tie_word_embeddings: false, vocab_size: 320}";
+  const fs::path dir = run_folder("cppass", few_heads, "{max_steps: 1, micro_batch_tokens: 71}");
+  const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
+  const ModelConfig mc = planned_model_config(c);
+  const int64_t history = kB * 3 * 40, state = kB * 3 * 8 * 8;
+  const int64_t gdn_forward = history + state, gdn_backward = 2 * history + state;
+  const int64_t attention = kB * kRows * ((4 + 4) * 8 + (2 + 2) * 8) / 2;  // q and o, k and v: half to the other rank
+  EXPECT_EQ(plan_layout(c, mc, {.cp = 2}).comm_cp_bytes, gdn_forward + gdn_backward + 2 * attention);
+  const TrainConfig rc = load_train_config((dir / "config.yaml").string(), {"train.recompute=true"});
+  EXPECT_EQ(plan_layout(rc, mc, {.cp = 2}).comm_cp_bytes, 2 * gdn_forward + gdn_backward + 3 * attention);
+}
+
 // Long documents on cuda (one H200, 139.8 GiB, `dev/gpu_parallel.sh build longctx`, docs/benchmarks.md session 23):
 // the planned peak against the trainer's measured memory_mib of one-document runs with recompute, the Qwen3-1.7B shape
 // at 65,536 tokens (42,552 MiB) and the Qwen3.5-0.8B shape at 131,072 (43,160 MiB), within 10%. At these lengths
