@@ -123,7 +123,11 @@ std::vector<LossResult> run_stages(CausalLm& m, const std::vector<PackedBatch>& 
         }
       }
     }
-    if (!sends.empty() || !recvs.empty()) pp.exchange(sends, recvs).wait();
+    // Not waited for on the host: on CUDA the exchange is ordered on the compute stream (the next tick's kernels queue
+    // behind it, and a sent tensor's block is reused only by later work of that stream), so the host queues the next
+    // tick while this one runs; the communicator's watchdog bounds it (parallel.timeout_s). On the CPU it is done on
+    // return.
+    if (!sends.empty() || !recvs.empty()) pp.exchange(sends, recvs);
   }
   LATHE_ASSERT(works.empty() && outbox.empty());
   return losses;
