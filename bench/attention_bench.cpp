@@ -34,13 +34,6 @@ double wall_ms(ExecContext& ctx, const std::function<void()>& f) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The registered kernel `name` for (op, dtype) on CUDA, or nullptr.
-const KernelDef* kernel_named(const Runtime& rt, OpId op, DType dtype, const std::string& name) {
-  for (const KernelDef& k : rt.registry().kernels())
-    if (k.op == op && k.dtype == dtype && k.device == DeviceType::CUDA && k.name == name) return &k;
-  return nullptr;
-}
-
 std::vector<uint8_t> host_bytes(Runtime& rt, const Tensor& t) {
   const Tensor h = rt.copy_to(t, Device::cpu());
   const auto* p = static_cast<const uint8_t*>(h.data_ptr());
@@ -143,8 +136,9 @@ int main(int argc, char** argv) {
     const std::vector<Tensor> other = {Tensor::empty(grads[0].shape(), dtype, ctx.allocator),
                                        Tensor::empty(grads[1].shape(), dtype, ctx.allocator),
                                        Tensor::empty(grads[2].shape(), dtype, ctx.allocator)};
-    const KernelDef* flash_f = kernel_named(rt, OpId::attention, dtype, "cuda/flash_attention");
-    const KernelDef* flash_b = kernel_named(rt, OpId::attention_backward, dtype, "cuda/flash_attention_backward");
+    const KernelDef* flash_f = rt.registry().find(OpId::attention, DeviceType::CUDA, dtype, "cuda/flash_attention");
+    const KernelDef* flash_b =
+        rt.registry().find(OpId::attention_backward, DeviceType::CUDA, dtype, "cuda/flash_attention_backward");
     OpCall fcall{OpId::attention, {q, k, v, cu_t}, {fwd[0], fwd[1]}, attrs};
     OpCall bcall{OpId::attention_backward, {q, k, v, fwd[0], fwd[1], dout, cu_t}, other, attrs};
     if (flash_f && flash_b && flash_f->supports(fcall).ok && flash_b->supports(bcall).ok &&

@@ -118,10 +118,7 @@ int main(int argc, char** argv) {
 
     std::vector<float> reference;
     for (const char* name : {"cuda/paged_attention", "cuda/paged_attention_pipelined"}) {
-      const KernelDef* k = nullptr;
-      for (const KernelDef& kd : rt.registry().kernels())
-        if (kd.op == OpId::paged_attention && kd.dtype == dtype && kd.device == DeviceType::CUDA && kd.name == name)
-          k = &kd;
+      const KernelDef* k = rt.registry().find(OpId::paged_attention, DeviceType::CUDA, dtype, name);
       OpCall call{OpId::paged_attention, {q, kc, vc, table, cu_t, lens_t},
                   {Tensor::empty(q.shape(), dtype, ctx.allocator)}, attrs};
       if (!k || !k->supports(call).ok) {

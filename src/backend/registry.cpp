@@ -27,6 +27,12 @@ bool KernelRegistry::has_kernel(OpId op, DeviceType device, DType dtype) const {
   return false;
 }
 
+const KernelDef* KernelRegistry::find(OpId op, DeviceType device, DType dtype, const std::string& name) const {
+  for (const KernelDef& k : kernels_)
+    if (k.op == op && k.device == device && k.dtype == dtype && k.name == name) return &k;
+  return nullptr;
+}
+
 bool KernelRegistry::try_resolve(const OpCall& call, Resolution* out, std::string* why) const {
   const DeviceType dev = call.device().type;
   std::vector<std::string> rejected;

@@ -97,6 +97,8 @@ class KernelRegistry {
   bool has_exact(const OpCall& call) const;
   // True if some exact kernel is registered for (op, device type, dtype), whatever its predicate.
   bool has_kernel(OpId op, DeviceType device, DType dtype) const;
+  // The exact kernel registered as `name` for (op, device type, dtype), or nullptr (benchmarks that time one kernel).
+  const KernelDef* find(OpId op, DeviceType device, DType dtype, const std::string& name) const;
 
   const std::vector<KernelDef>& kernels() const { return kernels_; }
   const std::vector<CompositeDef>& composites() const { return composites_; }

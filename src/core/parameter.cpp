@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <nlohmann/json.hpp>
+
 namespace lathe {
 
 std::string shard_metadata(const ShardLayout& l) {
@@ -10,6 +12,24 @@ std::string shard_metadata(const ShardLayout& l) {
       l.sections.empty() ? "" : fmt::format(", \"sections\": [{}]", fmt::join(l.sections, ", "));
   return fmt::format("{{\"global_shape\": [{}], \"offset\": [{}], \"flat_begin\": {}, \"group\": \"{}\"{}}}",
                      fmt::join(l.global_shape, ", "), fmt::join(l.offset, ", "), l.flat_begin, l.group, sections);
+}
+
+std::optional<ShardLayout> parse_shard_metadata(const std::string& text) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("global_shape") || !j.contains("offset") || !j["global_shape"].is_array() ||
+      !j["offset"].is_array() || j["offset"].size() != j["global_shape"].size())
+    return std::nullopt;
+  try {
+    ShardLayout l;
+    l.global_shape = j["global_shape"].get<Shape>();
+    l.offset = j["offset"].get<std::vector<int64_t>>();
+    l.flat_begin = j.value("flat_begin", int64_t(-1));
+    l.group = j.value("group", std::string());
+    if (j.contains("sections")) l.sections = j["sections"].get<std::vector<int64_t>>();
+    return l;
+  } catch (const nlohmann::json::exception&) {
+    return std::nullopt;  // a field of the wrong type
+  }
 }
 
 namespace {

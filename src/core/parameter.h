@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,9 @@ struct ShardLayout {
 // How a checkpoint records a piece's place (the metadata "shard.<name>" of an optimizer file):
 // {"global_shape": [...], "offset": [...], "flat_begin": N, "group": "dp"} (and "sections": [...] where set).
 std::string shard_metadata(const ShardLayout& layout);
+// The inverse: the layout a "shard.<name>" value records, or nothing where it is not such a record (not a JSON object,
+// or without a global_shape and an offset of as many dimensions). flat_begin is -1 where absent.
+std::optional<ShardLayout> parse_shard_metadata(const std::string& text);
 
 // A box of a piece in its whole tensor viewed as 2-D (dim 0 by the product of the other dimensions): `rows` rows
 // from `row` and `cols` columns from `col` of the whole, held at (local_row, local_col) of the piece (viewed alike).

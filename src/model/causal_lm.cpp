@@ -205,8 +205,7 @@ Tensor padded_rows(ExecContext& cx, const Tensor& x, int64_t rows) {
   if (x.size(0) == rows) return x;
   Shape shape = x.shape();
   shape[0] = rows;
-  Tensor out = Tensor::empty(shape, x.dtype(), cx.allocator);
-  cx.backend.fill_bytes(out.data_ptr(), 0, out.nbytes(), cx.stream);
+  Tensor out = zeros(cx, shape, x.dtype());
   copy_into(cx, x, out.narrow(0, 0, x.size(0)));
   return out;
 }
@@ -801,9 +800,7 @@ std::vector<double> CausalLm::joined_values(const std::vector<double>& mine, siz
 
 Tensor CausalLm::zeros_like(const Tensor& x) const {
   ExecContext cx = rt_->context(options_.device);
-  Tensor g = Tensor::empty(x.shape(), x.dtype(), cx.allocator);
-  cx.backend.fill_bytes(g.data_ptr(), 0, g.nbytes(), cx.stream);
-  return g;
+  return zeros(cx, x.shape(), x.dtype());
 }
 
 std::vector<double> CausalLm::head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b) {
@@ -1081,7 +1078,8 @@ void counter_normal_into(std::vector<T>& out, uint64_t key, double std) {
   constexpr double kTwoPi = 6.283185307179586;
 #pragma omp parallel for schedule(static)
   for (int64_t j = 0; j < n; ++j) {
-    const uint64_t a = splitmix64(key ^ splitmix64(2 * uint64_t(j))), b = splitmix64(key ^ splitmix64(2 * uint64_t(j) + 1));
+    const uint64_t a = splitmix64(key ^ splitmix64(2 * uint64_t(j)));
+    const uint64_t b = splitmix64(key ^ splitmix64(2 * uint64_t(j) + 1));
     const double u1 = (double(a >> 11) + 0.5) * 0x1p-53, u2 = double(b >> 11) * 0x1p-53;  // u1 in (0, 1)
     out[size_t(j)] = T(std * std::sqrt(-2.0 * std::log(u1)) * std::cos(kTwoPi * u2));
   }

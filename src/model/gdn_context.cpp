@@ -11,12 +11,6 @@ namespace lathe {
 
 namespace {
 
-Tensor zeros(ExecContext& cx, const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype, cx.allocator);
-  cx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), cx.stream);
-  return t;
-}
-
 // Rows of `dtype` on the device from host values (rows x the rest of `shape`).
 Tensor from_values(Runtime& rt, ExecContext& cx, const std::vector<double>& values, const Shape& shape, DType dtype) {
   return cast(cx, rt.from_host(values.data(), shape, DType::F64, cx.device), dtype);

@@ -450,11 +450,16 @@ void Qwen35Model::gdn_forward(const Layer& l, LayerActs& a, const PackedBatch& b
   a.mix = project(l.index, LoraTarget::out_proj, l.out_proj, a.gy.view({t, vd}), b, training);
 }
 
+Tensor Qwen35Model::conv_weight(const Layer& l) const {
+  const Tensor& conv = w(l.conv);
+  return conv.view({conv.size(0), config_.linear_conv_kernel_dim});
+}
+
 // Context parallelism: the rows of the conv weight (2K + V, W) for this rank's channels, [q_j | k_j | v_j].
 Tensor Qwen35Model::rank_conv_weight(const Layer& l) {
   ExecContext cx = ctx();
   const CpChannels ch = cp_channels(config_, cp_size());
-  const Tensor whole = w(l.conv).view({2 * ch.kd + ch.vd, config_.linear_conv_kernel_dim});
+  const Tensor whole = conv_weight(l);
   Tensor out = Tensor::empty({ch.width(), whole.size(1)}, whole.dtype(), cx.allocator);
   for (const auto& [at, part, n] : ch.blocks(cp_rank()))
     copy_into(cx, whole.narrow(0, at, n), out.narrow(0, part - cp_rank() * ch.width(), n));
@@ -503,7 +508,7 @@ void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, b
   const int64_t t = a.xn.size(0), hk = c.linear_num_key_heads, hv = c.linear_num_value_heads;
   const int64_t dk = c.linear_key_head_dim, dv = c.linear_value_head_dim, kd = hk * dk, vd = hv * dv;
   const SplitIndex& split = split_index(t, b.cache);
-  const Tensor conv_w = w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim});
+  const Tensor conv_w = conv_weight(l);
   if (b.cache) {
     // Decoding: per document, the conv of [its sequence's cached W - 1 pre-conv rows ; its new rows] as one document,
     // keeping the last outputs, equals the conv over the whole sequence (zero rows before its start are the op's zero
@@ -577,12 +582,10 @@ void Qwen35Model::gdn_core_over_chain(const Layer& l, LayerActs& a, const Packed
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
   const int64_t t = a.xn.size(0), history = c.linear_conv_kernel_dim - 1;
-  const int64_t channels =
-      2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim;
   const CpChain ch = cp_chain(b.host_cu, t, cp_rank(), cp_size());
   const std::vector<int32_t> conv_cu = conv_offsets(ch, history);
   a.qkv = conv_input_with_history(cx, *options_.cp, ch, a.qkv, history);  // (history + T, 2K + V)
-  const Tensor conv = causal_conv1d(cx, a.qkv, w(l.conv).view({channels, c.linear_conv_kernel_dim}),
+  const Tensor conv = causal_conv1d(cx, a.qkv, conv_weight(l),
                                     rt_->upload(conv_cu.data(), {int64_t(conv_cu.size())}, DType::I32, options_.device));
   a.conv = contiguous(cx, conv.narrow(0, history, t));
   rule_inputs(l, a, split_index(t, nullptr));
@@ -689,15 +692,12 @@ Tensor Qwen35Model::gdn_backward_part(const Layer& l, const LayerActs& a, const 
 void Qwen35Model::gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,
                                     Tensor& dqkv, Tensor& db, Tensor& da) {
   ExecContext cx = ctx();
-  const ModelConfig& c = config_;
-  const int64_t kd = c.linear_num_key_heads * c.linear_key_head_dim;
-  const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim;
   const SplitIndex& split = split_index(dcore.size(0), b.cache);
   const std::vector<Tensor> dr = gated_delta_rule_backward(cx, a.qn, a.kn, a.va, a.g, a.beta, dcore, b.cu_seqlens,
                                                            a.states, {}, a.chunk_cache);
   const Tensor dconv_out = rule_inputs_backward(l, a, dr, split, db, da);
   const std::vector<Tensor> dconv = causal_conv1d_backward(
-      cx, a.qkv, w(l.conv).view({2 * kd + vd, c.linear_conv_kernel_dim}), dconv_out, b.cu_seqlens);
+      cx, a.qkv, conv_weight(l), dconv_out, b.cu_seqlens);
   add_grad(l.conv, dconv[1]);
   dqkv = dconv[0];
 }
@@ -732,12 +732,11 @@ void Qwen35Model::gdn_core_over_chain_backward(const Layer& l, const LayerActs& 
   const std::vector<Tensor> dr =
       rule_over_chain_backward(*rt_, cx, *options_.cp, ch, a.qn, a.kn, a.va, a.g, a.beta, dcore, a.state_in);
   const Tensor dconv_out = rule_inputs_backward(l, a, dr, split_index(t, nullptr), db, da);
-  Tensor dy = Tensor::empty({history + t, channels}, dconv_out.dtype(), cx.allocator);
-  cx.backend.fill_bytes(dy.data_ptr(), 0, dy.nbytes(), cx.stream);
+  Tensor dy = zeros(cx, {history + t, channels}, dconv_out.dtype());
   copy_into(cx, dconv_out, dy.narrow(0, history, t));
   const std::vector<int32_t> conv_cu = conv_offsets(ch, history);
   const std::vector<Tensor> dconv = causal_conv1d_backward(
-      cx, a.qkv, w(l.conv).view({channels, c.linear_conv_kernel_dim}), dy,
+      cx, a.qkv, conv_weight(l), dy,
       rt_->upload(conv_cu.data(), {int64_t(conv_cu.size())}, DType::I32, options_.device));
   add_grad(l.conv, dconv[1]);
   dqkv = contiguous(cx, dconv[0].narrow(0, history, t));
@@ -762,8 +761,7 @@ void Qwen35Model::gdn_core_over_ranks_backward(const Layer& l, const LayerActs& 
       gdn_decay_backward(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log).narrow(0, rank * hvc, hvc), gd),
                          as_dtype(cx, w(l.dt_bias).narrow(0, rank * hvc, hvc), gd), dr[3]);
   const auto rank_part = [&](const Tensor& g, int64_t whole, int64_t at) {  // zeros, the rank's part at `at`
-    Tensor full = Tensor::empty({whole, g.numel() / g.size(0)}, md, cx.allocator);
-    cx.backend.fill_bytes(full.data_ptr(), 0, full.nbytes(), cx.stream);
+    Tensor full = zeros(cx, {whole, g.numel() / g.size(0)}, md);
     copy_into(cx, as_dtype(cx, g, md).view({g.size(0), -1}), full.narrow(0, at, g.size(0)));
     return full;
   };

@@ -123,6 +123,7 @@ class Qwen35Model : public CausalLm {
   void gdn_core_over_chain(const Layer& l, LayerActs& a, const PackedBatch& b);
   void rule_inputs(const Layer& l, LayerActs& a, const SplitIndex& split);
   Tensor rank_conv_weight(const Layer& l);
+  Tensor conv_weight(const Layer& l) const;  // the conv weight (2K + V, 1, W) as the (2K + V, W) the conv ops take
   void gdn_core_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b, Tensor& dqkv,
                          Tensor& db, Tensor& da);
   void gdn_core_over_ranks_backward(const Layer& l, const LayerActs& a, const Tensor& dcore, const PackedBatch& b,

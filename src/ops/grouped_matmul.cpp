@@ -2,8 +2,9 @@
 // its groups on the device, grouped_matmul_routed): the op functions, their shape inference, the layout rule of their
 // kernels and the backward compositions, kept out of the generic op files. Formulas at GroupedMatmulAttrs in
 // ops/op_table.h. Convention: the row groups come as host offsets in the attrs, checked here in full, so the kernels
-// trust them; grouped_matmul_routed's come as moe_route's offsets tensor, which its kernels clamp. Weights (and weight-grad outputs) may be views whose expert blocks
-// are contiguous but further apart than a block: the gate and up halves of a fused gate_up_proj.
+// trust them; grouped_matmul_routed's come as moe_route's offsets tensor, which its kernels clamp. Weights (and
+// weight-grad outputs) may be views whose expert blocks are contiguous but further apart than a block: the gate and up
+// halves of a fused gate_up_proj.
 // Covered by tests/ops (op cases in testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
 #include "ops/ops.h"
 

@@ -175,6 +175,12 @@ Tensor contiguous(ExecContext& ctx, const Tensor& x) {
   return x.is_contiguous() ? x : cast(ctx, x, x.dtype());
 }
 
+Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype, ctx.allocator);
+  if (t.nbytes() > 0) ctx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), ctx.stream);
+  return t;
+}
+
 Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims, bool keepdim) {
   return call_op(ctx, OpId::sum, {x}, ReduceAttrs{std::move(dims), keepdim})[0];
 }

@@ -40,6 +40,8 @@ Tensor cast(ExecContext& ctx, const Tensor& x, DType to);
 // stacked buffer, a column slice), through the cast op.
 void copy_into(ExecContext& ctx, const Tensor& src, const Tensor& dst);
 Tensor contiguous(ExecContext& ctx, const Tensor& x);  // x itself when already contiguous
+// A new tensor of zeros (all-zero bits: 0 in every dtype), written on the context's stream.
+Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype);
 Tensor sum(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
 Tensor mean(ExecContext& ctx, const Tensor& x, std::vector<int> dims = {}, bool keepdim = false);
 // sum(x^2) over every element as a 0-d tensor: f32 (f64 for an f64 x), whatever x's strides.

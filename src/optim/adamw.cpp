@@ -36,12 +36,6 @@ bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-Tensor zeros(ExecContext& ctx, const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype, ctx.allocator);
-  ctx.backend.fill_bytes(t.data_ptr(), 0, t.nbytes(), ctx.stream);  // all-zero bits are 0.0 in every float dtype
-  return t;
-}
-
 // Copies `t`'s values to a host buffer of its own dtype.
 std::vector<uint8_t> to_host(Runtime& rt, const Tensor& t) {
   const Tensor h = rt.copy_to(t, Device::cpu());

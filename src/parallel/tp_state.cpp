@@ -24,17 +24,12 @@ namespace {
 std::vector<PieceBox> old_boxes(const io::SafetensorsFile& f, const std::string& param, const io::SafetensorsTensor& t) {
   const auto it = f.metadata().find("shard." + param);
   if (it == f.metadata().end()) return piece_boxes({}, t.shape);
-  const nlohmann::json j = nlohmann::json::parse(it->second, nullptr, false);
-  LATHE_CHECK(!j.is_object() || j.value("flat_begin", int64_t(-1)) < 0, "tp: {}: {} is a ZeRO piece ({}); ZeRO "
-              "shards are re-cut by assemble_optimizer_state, not as tp slices", f.path(), param, it->second);
-  LATHE_CHECK(j.is_object() && j.contains("offset") && j.contains("global_shape") &&
-                  j["offset"].size() == t.shape.size() && j["global_shape"].size() == t.shape.size(),
-              "tp: {}: the metadata shard.{} ({}) does not place the tensor", f.path(), param, it->second);
-  ShardLayout l;
-  l.global_shape = j["global_shape"].get<Shape>();
-  l.offset = j["offset"].get<std::vector<int64_t>>();
-  if (j.contains("sections")) l.sections = j["sections"].get<std::vector<int64_t>>();
-  return piece_boxes(l, t.shape);
+  std::optional<ShardLayout> l = parse_shard_metadata(it->second);
+  LATHE_CHECK(!l || l->flat_begin < 0, "tp: {}: {} is a ZeRO piece ({}); ZeRO shards are re-cut by "
+              "assemble_optimizer_state, not as tp slices", f.path(), param, it->second);
+  LATHE_CHECK(l && l->global_shape.size() == t.shape.size(), "tp: {}: the metadata shard.{} ({}) does not place the "
+              "tensor", f.path(), param, it->second);
+  return piece_boxes(*l, t.shape);
 }
 
 // Row-major bytes of `rows` x `cols` elements of `elem` bytes at (row, col) of a `width`-wide 2-D buffer.

@@ -230,14 +230,11 @@ std::map<std::string, ShardLayout> slice_places(const std::string& dir, const st
         io::SafetensorsFile::open((std::filesystem::path(dir) / zero_state_name(slice, r, ranks)).string());
     for (const auto& [key, value] : f.metadata()) {
       if (key.rfind("shard.", 0) != 0) continue;
-      const nlohmann::json j = nlohmann::json::parse(value, nullptr, false);
-      if (!j.is_object() || j.value("group", std::string()) == "dp") continue;  // a whole tensor's piece
-      ShardLayout l;
-      l.global_shape = j.at("global_shape").get<Shape>();
-      l.offset = j.at("offset").get<std::vector<int64_t>>();
-      l.group = j.value("group", std::string());
-      if (j.contains("sections")) l.sections = j["sections"].get<std::vector<int64_t>>();
-      places[key.substr(6)] = l;
+      std::optional<ShardLayout> l = parse_shard_metadata(value);
+      LATHE_CHECK(l, "zero: {}: the metadata {} ({}) does not place its tensor", f.path(), key, value);
+      if (l->group == "dp") continue;  // a whole tensor's piece
+      l->flat_begin = -1;
+      places[key.substr(6)] = *l;
     }
   }
   return places;

@@ -357,6 +357,33 @@ TEST(AdamW, WeightDecayExclusions) {
   EXPECT_FALSE(weight_decay_applies(c, "lm_head.weight", {100, 4}));
 }
 
+// A piece's place as checkpoints record it ("shard.<name>" metadata) reads back as written, with and without sections
+// and flat_begin; text that does not place a tensor is refused, not half-read.
+TEST(ShardMetadata, ReadsBackWhatItWrites) {
+  ShardLayout l;
+  l.global_shape = {12, 8};
+  l.offset = {4, 0};
+  l.group = "tp";
+  l.sections = {4, 4, 4};
+  const std::optional<ShardLayout> back = parse_shard_metadata(shard_metadata(l));
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->global_shape, l.global_shape);
+  EXPECT_EQ(back->offset, l.offset);
+  EXPECT_EQ(back->group, "tp");
+  EXPECT_EQ(back->sections, l.sections);
+  EXPECT_EQ(back->flat_begin, -1);
+  l.sections.clear();
+  l.group = "dp";
+  l.flat_begin = 17;
+  const std::optional<ShardLayout> zero = parse_shard_metadata(shard_metadata(l));
+  ASSERT_TRUE(zero.has_value());
+  EXPECT_EQ(zero->flat_begin, 17);
+  EXPECT_TRUE(zero->sections.empty());
+  for (const char* bad : {"", "[1, 2]", "{\"offset\": [0]}", "{\"global_shape\": [4, 2], \"offset\": [0]}",
+                          "{\"global_shape\": [4], \"offset\": [\"x\"]}", "{\"global_shape\": 4, \"offset\": 0}"})
+    EXPECT_FALSE(parse_shard_metadata(bad).has_value()) << bad;
+}
+
 TEST(AdamW, APieceOfAShardedMatrixDecaysLikeTheMatrix) {
   // A ZeRO slice of a 2 x 4 matrix is a 1-D tensor, but it is not a norm gain: its decay follows the global shape.
   std::vector<Parameter> params(2);

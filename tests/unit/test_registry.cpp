@@ -70,6 +70,23 @@ TEST(Registry, FirstRegisteredKernelWins) {
   EXPECT_EQ(rt.registry().resolve(call).name, "test/first");
 }
 
+// find: the kernel of that name for exactly (op, device, dtype), whatever its place in the order.
+TEST(Registry, FindsAKernelByNameForItsOpDeviceAndDtype) {
+  Runtime rt([](KernelRegistry& r) {
+    r.add(KernelDef{OpId::scale, DeviceType::CPU, DType::F32, "test/first", [](const OpCall&) { return Support::yes(); },
+                    [](const OpCall&, ExecContext&) {}});
+  });
+  const KernelDef* planted = rt.registry().find(OpId::scale, DeviceType::CPU, DType::F32, "test/first");
+  ASSERT_NE(planted, nullptr);
+  EXPECT_EQ(planted->name, "test/first");
+  const KernelDef* silu = rt.registry().find(OpId::silu, DeviceType::CPU, DType::F32, "cpu/silu");
+  ASSERT_NE(silu, nullptr);
+  EXPECT_EQ(silu->op, OpId::silu);
+  EXPECT_EQ(rt.registry().find(OpId::silu, DeviceType::CPU, DType::F64, "test/first"), nullptr);  // another op's name
+  EXPECT_EQ(rt.registry().find(OpId::scale, DeviceType::CUDA, DType::F32, "test/first"), nullptr);
+  EXPECT_EQ(rt.registry().find(OpId::scale, DeviceType::CPU, DType::F64, "test/first"), nullptr);
+}
+
 TEST(OpCheckHarness, CatchesWrongValues) {
   Runtime rt([](KernelRegistry& r) {
     r.add(KernelDef{OpId::silu, DeviceType::CPU, DType::F32, "test/wrong_silu", [](const OpCall&) { return Support::yes(); },
