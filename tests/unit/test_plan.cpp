@@ -248,6 +248,14 @@ TEST(Plan, LayoutsDivideTheirParts) {
 // all-to-all, all 72 rows for the rank's half of the heads. f32 (4 bytes), H 32, 4 heads of 8 over 2 kv heads, I 64.
 constexpr int64_t kRows = 36, kCore = 72, kB = 4;
 
+// A Qwen3.5 hybrid of the same width: a Gated DeltaNet layer (2 key heads, 4 value heads, dk = dv = 8) and a
+// gated-attention layer.
+const std::string kSmallHybrid =
+    "{model_type: qwen3_5_text, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    "layer_types: [linear_attention, full_attention], num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+    "partial_rotary_factor: 0.5, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 8, "
+    "linear_value_head_dim: 8, linear_conv_kernel_dim: 4, tie_word_embeddings: false, vocab_size: 320}";
+
 // x, xn, h, hn (rows, H) and the dense MLP's gu (rows, 2I), act (rows, I) and output (rows, H).
 int64_t stream_and_mlp_elements(int64_t rows = kRows) { return rows * 32 * 4 + rows * (128 + 64 + 32); }
 
@@ -278,12 +286,7 @@ TEST(Plan, ContextParallelActivationsAreWhatTheLayersKeep) {
             2 * kB * (stream_and_mlp_elements(18) + 18 * 64 + kCore * (8 + 8 + 8 + 8) + kCore * 1 + 18 * 32));
 
   // Qwen3.5: a Gated DeltaNet layer (2 key heads, 4 value heads, dk = dv = 8) and a gated-attention layer.
-  const char* hybrid =
-      "{model_type: qwen3_5_text, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-      "layer_types: [linear_attention, full_attention], num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
-      "partial_rotary_factor: 0.5, linear_num_key_heads: 2, linear_num_value_heads: 4, linear_key_head_dim: 8, "
-      "linear_value_head_dim: 8, linear_conv_kernel_dim: 4, tie_word_embeddings: false, vocab_size: 320}";
-  const fs::path dir35 = run_folder("cp35", hybrid, "{max_steps: 1, micro_batch_tokens: 71}");
+  const fs::path dir35 = run_folder("cp35", kSmallHybrid, "{max_steps: 1, micro_batch_tokens: 71}");
   const TrainConfig c35 = load_train_config((dir35 / "config.yaml").string(), {});
   const LayoutPlan plan35 = plan_layout(c35, planned_model_config(c35), {.cp = 2});
   // Gated DeltaNet, K = 16, V = 32: on the rows mix (H), z, core, gy (V each); in the core (the rank's channel blocks
@@ -330,11 +333,9 @@ TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
 // x 8 x 8 f32) to the next rank; the backward all-reduces the 2 x 3 history rows' gradients (a ring over 2 ranks sends
 // 2 (2 - 1) / 2 of them) and sends the state's gradient back. The gated-attention layer keeps the head all-to-all.
 TEST(Plan, GdnLayersThatPassStatesSendTheHistoryAndTheState) {
-  const char* few_heads =
-      "{model_type: qwen3_5_text, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
-      "layer_types: [linear_attention, full_attention], num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
-      "partial_rotary_factor: 0.5, linear_num_key_heads: 1, linear_num_value_heads: 3, linear_key_head_dim: 8, "
-      "linear_value_head_dim: 8, linear_conv_kernel_dim: 4, tie_word_embeddings: false, vocab_size: 320}";
+  std::string few_heads = kSmallHybrid;
+  const std::string heads = "linear_num_key_heads: 2, linear_num_value_heads: 4";
+  few_heads.replace(few_heads.find(heads), heads.size(), "linear_num_key_heads: 1, linear_num_value_heads: 3");
   const fs::path dir = run_folder("cppass", few_heads, "{max_steps: 1, micro_batch_tokens: 71}");
   const TrainConfig c = load_train_config((dir / "config.yaml").string(), {});
   const ModelConfig mc = planned_model_config(c);
