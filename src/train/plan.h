@@ -62,6 +62,9 @@ struct TrainingPlan {
   int64_t memory_bytes = 0;  // one device's (one rank's) memory
   ModelConfig model;         // the whole model's config
   std::vector<LayoutPlan> layouts;
+  // Settings that would make the configured run faster, with why (long documents on CUDA: the attention backward's
+  // kernel, attention recomputed under train.recompute); empty when there are none.
+  std::vector<std::string> notes;
 };
 
 // The stages' layers `lathe train` takes for `model` at parallel.pp = `pp`: parallel.pp_layers; else a hybrid stack's

@@ -352,26 +352,28 @@ TEST(Plan, GdnLayersThatPassStatesSendTheHistoryAndTheState) {
 // at 65,536 tokens (42,552 MiB) and the Qwen3.5-0.8B shape at 131,072 (43,160 MiB), within 10%. At these lengths
 // cuDNN's attention backward would stage B x Hq x S^2 x 2 bytes (137 GB for the 1.7B shape) and is refused above 1/16
 // of the device's memory; the tiled kernel runs, and the plan must say so (it said 168 GiB, does not fit, before).
+const int64_t kH200 = int64_t(143155) << 20;  // the device's memory as the CUDA runtime reports it (MiB)
+const char* kQwen3_1p7b =
+    "{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, "
+    "num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, max_position_embeddings: 65536}";
+std::string qwen35_0p8b() {
+  std::string layers = "[";
+  for (int i = 0; i < 24; ++i)
+    layers += std::string(i ? ", " : "") + (i % 4 == 3 ? "full_attention" : "linear_attention");
+  return "{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, "
+         "num_hidden_layers: 24, layer_types: " + layers + "], num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, "
+         "partial_rotary_factor: 0.25, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, "
+         "linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: "
+         "262144}";
+}
+
 TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
-  const int64_t h200 = int64_t(143155) << 20;  // the device's memory as the CUDA runtime reports it (MiB)
-  const std::string layers = [] {
-    std::string l = "[";
-    for (int i = 0; i < 24; ++i) l += std::string(i ? ", " : "") + (i % 4 == 3 ? "full_attention" : "linear_attention");
-    return l + "]";
-  }();
+  const int64_t h200 = kH200;
   const std::vector<std::tuple<std::string, std::string, int64_t, double>> runs = {
-      {"q17_64k",
-       "{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden_layers: 28, num_attention_heads: 16, "
-       "num_key_value_heads: 8, head_dim: 128, tie_word_embeddings: true, max_position_embeddings: 65536}",
-       65536, 42552.0},
-      {"q35_128k",
-       "{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, num_hidden_layers: 24, "
-       "layer_types: " + layers + ", num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, "
-       "partial_rotary_factor: 0.25, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, "
-       "linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: 262144}",
-       131072, 43160.0}};
+      {"q17_64k", kQwen3_1p7b, 65536, 42552.0}, {"q35_128k", qwen35_0p8b(), 131072, 43160.0}};
   for (const auto& [name, model, seq, measured_mib] : runs) {
-    const fs::path dir = run_folder(name, model, fmt::format("{{max_steps: 4, micro_batch_tokens: {}, recompute: true}}", seq));
+    const fs::path dir =
+        run_folder(name, model, fmt::format("{{max_steps: 4, micro_batch_tokens: {}, recompute: true}}", seq));
     const TrainConfig c = load_train_config((dir / "config.yaml").string(),
                                             {"device=cuda", fmt::format("data.max_seq_len={}", seq)});
     const LayoutPlan plan = plan_layout(c, planned_model_config(c), {}, h200);
@@ -380,6 +382,43 @@ TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
                 100.0 * (planned_mib - measured_mib) / measured_mib);
     EXPECT_LT(std::abs(planned_mib - measured_mib) / measured_mib, 0.10) << name;
   }
+}
+
+// The plan's notes for long documents on CUDA name the settings that speed them up, each where its kernel's rule
+// applies: the deterministic attention backward's staging above 1/16 of the device (cudnn_attention.cpp), head dims
+// above 128 on the tiled backward, attention run again under plain recompute; none for short documents.
+TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
+  const auto notes = [](const std::string& name, const std::string& model, int64_t seq,
+                        const std::vector<std::string>& sets) {
+    const fs::path dir = run_folder(name, model, fmt::format("{{max_steps: 4, micro_batch_tokens: {}}}", seq));
+    const std::string yaml = (dir / "config.yaml").string();
+    std::vector<std::string> overrides = {"device=cuda", fmt::format("data.max_seq_len={}", seq)};
+    overrides.insert(overrides.end(), sets.begin(), sets.end());
+    const auto config_at = [&](const PlanLayout& l) {
+      std::vector<std::string> o = overrides;
+      for (const std::string& s : layout_overrides(l)) o.push_back(s);
+      return load_train_config(yaml, o);
+    };
+    std::string all;
+    for (const std::string& n : plan_layouts(load_train_config(yaml, overrides), 1, kH200, config_at).notes)
+      all += n + "\n";
+    return all;
+  };
+  const auto has = [](const std::string& text, const std::string& what) {
+    return text.find(what) != std::string::npos;
+  };
+  const std::string q17 = notes("n17", kQwen3_1p7b, 65536, {"train.recompute=true"});
+  EXPECT_TRUE(has(q17, "train.deterministic: false")) << q17;
+  EXPECT_TRUE(has(q17, "train.recompute_keeps_attention: true")) << q17;
+  EXPECT_FALSE(has(q17, "head dim")) << q17;
+  const std::string q17_set = notes("n17s", kQwen3_1p7b, 65536,
+                                    {"train.recompute=true", "train.deterministic=false",
+                                     "train.recompute_keeps_attention=true"});
+  EXPECT_EQ(q17_set, "");
+  EXPECT_EQ(notes("n17short", kQwen3_1p7b, 4096, {"train.recompute=true"}), "");
+  const std::string q35 = notes("n35", qwen35_0p8b(), 131072, {"train.recompute=true", "train.deterministic=false"});
+  EXPECT_TRUE(has(q35, "head dim 256")) << q35;
+  EXPECT_FALSE(has(q35, "train.deterministic: false")) << q35;
 }
 
 // Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and
