@@ -155,6 +155,13 @@ int64_t kept_attention_bytes(const ModelConfig& m, const LocalSizes& l, int64_t 
   return b * r.core * m.head_dim * q + 4 * r.core * q;
 }
 
+// cuDNN's deterministic attention backward's workspace for `docs` documents of a micro-batch of `tokens` (each at most
+// data.max_seq_len, the longest rounded up to 128) and `q` query heads: the dP staging and the softmax sums.
+int64_t deterministic_attention_staging(const TrainConfig& c, int64_t tokens, int64_t docs, int64_t q) {
+  const int64_t longest = ceil_div(std::min(c.max_seq_len, tokens), 128) * 128;
+  return docs * q * longest * (2 * longest + 4);
+}
+
 // Scratch that the CUDA kernels of a mixer's core take for their backward (0 on the CPU), for one layer of each kind.
 struct CoreScratch {
   int64_t attention = 0, gdn = 0;
@@ -170,13 +177,6 @@ struct CoreScratch {
 //   the forward's states and chunk cache): per row and value head the f32 dq and dk, the bf16 dDelta and dW and db;
 //   per saved state its gradient. Elsewhere the recurrent kernel's (carve_recurrent): f32 state checkpoints, dq and dk
 //   and its blocks' token states.
-// cuDNN's deterministic attention backward's workspace for `docs` documents of a micro-batch of `tokens` (each at most
-// data.max_seq_len, the longest rounded up to 128) and `q` query heads: the dP staging and the softmax sums.
-int64_t deterministic_attention_staging(const TrainConfig& c, int64_t tokens, int64_t docs, int64_t q) {
-  const int64_t longest = ceil_div(std::min(c.max_seq_len, tokens), 128) * 128;
-  return docs * q * longest * (2 * longest + 4);
-}
-
 CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const LocalSizes& l, const Rows& r, DType dtype,
                          int64_t device_bytes) {
   CoreScratch s;
