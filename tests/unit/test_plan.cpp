@@ -361,7 +361,8 @@ std::string qwen35_0p8b() {
   for (int i = 0; i < 24; ++i)
     layers += std::string(i ? ", " : "") + (i % 4 == 3 ? "full_attention" : "linear_attention");
   return "{model_type: qwen3_5_text, vocab_size: 248320, hidden_size: 1024, intermediate_size: 3584, "
-         "num_hidden_layers: 24, layer_types: " + layers + "], num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, "
+         "num_hidden_layers: 24, layer_types: " + layers +
+         "], num_attention_heads: 8, num_key_value_heads: 2, head_dim: 256, "
          "partial_rotary_factor: 0.25, linear_num_key_heads: 16, linear_num_value_heads: 16, linear_key_head_dim: 128, "
          "linear_value_head_dim: 128, linear_conv_kernel_dim: 4, tie_word_embeddings: true, max_position_embeddings: "
          "262144}";
