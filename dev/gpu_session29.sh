@@ -17,6 +17,8 @@ bench_row() {  # name timeout args...
 if has longprof; then
   K=""; [ "${LONG_KEEP:-0}" = 1 ] && K="--recompute-keeps-attention"
   bench_row q17_det 150 --shape 1.7b --seq 65536 --micro-batch 1 --recompute --steps 2 --warmup 1 --profile
-  bench_row q17_nondet 150 --shape 1.7b --seq 65536 --micro-batch 1 --recompute --nondeterministic --steps 2 --warmup 1 --profile $K
-  bench_row q35_nondet 180 --shape q35-0.8b --seq 131072 --micro-batch 1 --recompute --nondeterministic --steps 2 --warmup 1 --profile $K
+  bench_row q17_nondet 150 --shape 1.7b --seq 65536 --micro-batch 1 --recompute --nondeterministic --steps 2 \
+    --warmup 1 --profile $K
+  bench_row q35_nondet 180 --shape q35-0.8b --seq 131072 --micro-batch 1 --recompute --nondeterministic --steps 2 \
+    --warmup 1 --profile $K
 fi
