@@ -151,7 +151,8 @@ Qwen3Model::LayerActs Qwen3Model::layer_forward(const Layer& l, const ResidualSt
   a.qkv = project_rows(l.index, kQkv, {l.q_proj, l.k_proj, l.v_proj}, a.xn, b, training);  // this rank's heads
   const std::vector<Tensor> heads =
       qk_norm_rope(cx, a.qkv, w(l.q_norm), w(l.k_norm), stack_positions(b), qk_attrs(c));
-  const bool cp = context_parallel();  // every row of the batch for a cp-th of the heads, over whole documents, and back
+  // cp: every row of the batch for a cp-th of the heads, over whole documents, and back
+  const bool cp = context_parallel();
   a.qr = cp ? heads_to_sequence(heads[0]) : heads[0];
   a.kr = cp ? heads_to_sequence(heads[1]) : heads[1];
   a.v = cp ? heads_to_sequence(heads[2]) : heads[2];

@@ -408,7 +408,8 @@ void Qwen35Model::attention_forward(const Layer& l, LayerActs& a, const PackedBa
   const Tensor positions = stack_positions(b);
   a.qr = rope(cx, rmsnorm(cx, a.q, w(l.q_norm), norm), positions, rot);
   a.kr = rope(cx, rmsnorm(cx, a.k, w(l.k_norm), norm), positions, rot);
-  const bool cp = context_parallel();  // every row of the batch for a cp-th of the heads, over whole documents, and back
+  // cp: every row of the batch for a cp-th of the heads, over whole documents, and back
+  const bool cp = context_parallel();
   if (cp) {
     a.qr = heads_to_sequence(a.qr);
     a.kr = heads_to_sequence(a.kr);

@@ -177,8 +177,9 @@ const std::vector<Option>& options() {
       LATHE_NUM("train.log_every", Kind::Int, "1", at_least(1), "steps between log lines when not on a terminal", log_every),
       LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
       LATHE_OPT("train.recompute_keeps_attention", Kind::Bool, "false",
-                "under train.recompute, keep each attention layer's output and log-sum-exp from the forward (T x q heads x "
-                "(head_dim + 2) bf16 a layer) so that the backward does not run attention again: long documents",
+                "under train.recompute, keep each attention layer's output and log-sum-exp from the forward (T x q "
+                "heads x (head_dim + 2) bf16 a layer) so that the backward does not run attention again: long "
+                "documents",
                 recompute_keeps_attention),
       LATHE_OPT("train.deterministic", Kind::Bool, "true",
                 "bitwise-repeatable gradients; false lets the attention backward sum dQ in any order (faster, equal "

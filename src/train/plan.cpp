@@ -549,8 +549,8 @@ std::vector<std::string> speed_notes(const TrainConfig& c, const ModelConfig& wh
   if (c.deterministic && whole.head_dim <= 128 && device_bytes > 0 && staging > device_bytes / 16)
     notes.push_back(fmt::format("attention backward: cuDNN's deterministic backward would stage {:.1f} GiB for a "
                                 "micro-batch of {}-token documents (above 1/16 of the device), so the tiled kernel "
-                                "runs it; train.deterministic: false takes cuDNN's accumulating backward (no staging: 24% -> "
-                                "39% MFU for the Qwen3-1.7B shape at 65,536 tokens on an H200)",
+                                "runs it; train.deterministic: false takes cuDNN's accumulating backward (no "
+                                "staging: 24% -> 39% MFU for the Qwen3-1.7B shape at 65,536 tokens on an H200)",
                                 double(staging) / double(int64_t(1) << 30), s));
   if (c.recompute && !c.recompute_keeps_attention && s >= 16384)
     notes.push_back(fmt::format("train.recompute runs every attention layer's forward again in the backward; "

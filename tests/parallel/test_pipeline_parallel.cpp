@@ -202,7 +202,8 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
     }
     if (n == 4 && config.value("num_experts", 0) > 0) expect_pipeline_equals_whole(config, {2, 1, 2, 1, 2}, *world);
     if (n == 4 && config.value("num_experts", 0) == 0)
-      for (const Layout& lay : {Layout{2, 1, 1, 1, 1, 2}, keeping_cp}) expect_pipeline_equals_whole(config, lay, *world);
+      for (const Layout& lay : {Layout{2, 1, 1, 1, 1, 2}, keeping_cp})
+        expect_pipeline_equals_whole(config, lay, *world);
   }
 }
 

@@ -73,8 +73,8 @@ TEST(Registry, FirstRegisteredKernelWins) {
 // find: the kernel of that name for exactly (op, device, dtype), whatever its place in the order.
 TEST(Registry, FindsAKernelByNameForItsOpDeviceAndDtype) {
   Runtime rt([](KernelRegistry& r) {
-    r.add(KernelDef{OpId::scale, DeviceType::CPU, DType::F32, "test/first", [](const OpCall&) { return Support::yes(); },
-                    [](const OpCall&, ExecContext&) {}});
+    r.add(KernelDef{OpId::scale, DeviceType::CPU, DType::F32, "test/first",
+                    [](const OpCall&) { return Support::yes(); }, [](const OpCall&, ExecContext&) {}});
   });
   const KernelDef* planted = rt.registry().find(OpId::scale, DeviceType::CPU, DType::F32, "test/first");
   ASSERT_NE(planted, nullptr);

@@ -472,7 +472,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
   cmd->add_flag("--recompute-keeps-attention", a->keeps_attention,
-                "train.recompute_keeps_attention: under --recompute, keep each attention layer's output for the backward");
+                "train.recompute_keeps_attention: under --recompute, keep each attention layer's output for the "
+                "backward");
   cmd->add_flag("--nondeterministic", a->nondeterministic,
                 "train.deterministic false: the attention backward may sum dQ in any order (faster, not bitwise "
                 "repeatable)");
