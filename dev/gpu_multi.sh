@@ -57,14 +57,7 @@ gpus() {  # stage count: N = the count, or NGPU_OVERRIDE below it; false, with a
 }
 stage() { has $1 && left $3 $1 && gpus $1 $2; }  # stage count start_by: run it? (N set)
 words() {  # folder lines words: `lines` rows of `words` random words (about 2.5 tokens a word) in folder/train.jsonl
-  mkdir -p $1
-  python3 - $1 $2 $3 <<'PY'
-import json, random, sys
-d, lines, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); r = random.Random(0)
-words = [''.join(r.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(r.randrange(2, 9))) for _ in range(5000)]
-with open(f"{d}/train.jsonl", "w") as f:
-    for i in range(lines): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(n))}) + "\n")
-PY
+  python3 dev/random_text.py $1 $2 $3
 }
 config() {  # folder model.config data/train settings: folder/config.yaml (one line for the model: set_layers edits it)
   mkdir -p $1; printf "model:\n  config: %s\n  tokenizer: $TOK\n%s\ndevice: cuda\n" "$2" "$3" >$1/config.yaml

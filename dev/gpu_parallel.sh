@@ -44,14 +44,7 @@ fi
 # A folder of `lines` rows of `words` random words each (about 2.5 tokens a word), and its config.yaml training
 # the model.config mapping $4 with the rest of the settings in $5.
 long_data() {  # $1 folder, $2 lines, $3 words, $4 model.config, $5 data/train settings
-  mkdir -p $1
-  python3 - $1 $2 $3 <<'PY'
-import json, random, sys
-d, lines, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]); r = random.Random(0)
-words = [''.join(r.choice('abcdefghijklmnopqrstuvwxyz') for _ in range(r.randrange(2, 9))) for _ in range(5000)]
-with open(f"{d}/train.jsonl", "w") as f:
-    for i in range(lines): f.write(json.dumps({"text": " ".join(r.choice(words) for _ in range(n))}) + "\n")
-PY
+  python3 dev/random_text.py $1 $2 $3
   printf "model:\n  config: %s\n  tokenizer: $TOK\n%s\ndevice: cuda\n" "$4" "$5" >$1/config.yaml
 }
 # Median tokens/s, MFU (per GPU) and step time over the steps after the first `skip`, and each rank's peak.
