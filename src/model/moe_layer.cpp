@@ -222,25 +222,54 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   return r;
 }
 
-// Every rank's pairs per expert (an all-gather over the ep group: the one extra wait of the layer), then the element
-// counts of the two all-to-alls and the row orders between the received layout (by sending rank, each rank's rows of
-// this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take.
+// Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
+// then the counts of the all-to-alls and the row orders between the received pair layout (by sending rank, each
+// rank's pairs of this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the
+// GEMMs take. The tokens for rank j are those with a pair in j's experts (one range of the plan, sorted by expert);
+// each pair's row among the tokens its experts' rank receives and its combine weight go there as pair rows.
 void CausalLm::plan_expert_exchange(MoeRoute& r) const {
-  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n;
-  std::vector<double> counts(r.totals.counts.begin(), r.totals.counts.end());
-  const Tensor local = rt_->from_host(counts.data(), {e}, DType::F64, options_.device);
-  Tensor all = Tensor::empty({n * e}, DType::F64, rt_->context(options_.device).allocator);
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
+  const int64_t pairs = r.offsets.back();
+  const Tensor token_of = rt_->copy_to(r.token_ids, Device::cpu());  // the route's wait has drained the stream
+  const int32_t* tok = token_of.data<int32_t>();
+  std::vector<std::vector<int32_t>> tokens_for(static_cast<size_t>(n));
+  // A token's and a pair's row in its message.
+  std::vector<int64_t> slot(static_cast<size_t>(t)), pair_slot(static_cast<size_t>(pairs));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t begin = r.offsets[size_t(j * mine)], end = r.offsets[size_t((j + 1) * mine)];
+    std::vector<char> hit(size_t(t), 0);
+    for (int64_t p = begin; p < end; ++p) hit[size_t(tok[p])] = 1;
+    for (int64_t i = 0; i < t; ++i)
+      if (hit[size_t(i)]) {
+        slot[size_t(i)] = int64_t(tokens_for[size_t(j)].size());
+        tokens_for[size_t(j)].push_back(int32_t(i));
+      }
+    for (int64_t p = begin; p < end; ++p) pair_slot[size_t(p)] = slot[size_t(tok[p])];
+  }
+
+  const int64_t width = e + n;  // a rank's pairs per expert, then its tokens for each rank
+  std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
+  for (const auto& v : tokens_for) mine_counts.push_back(double(v.size()));
+  const Tensor local = rt_->from_host(mine_counts.data(), {width}, DType::F64, options_.device);
+  Tensor all = Tensor::empty({n * width}, DType::F64, rt_->context(options_.device).allocator);
   options_.ep->all_gather(local, all).wait();
   const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
-  const auto count = [&](int64_t rank, int64_t expert) { return int64_t(host.data<double>()[rank * e + expert]); };
+  const auto count = [&](int64_t rank, int64_t expert) { return int64_t(host.data<double>()[rank * width + expert]); };
+  const auto tokens = [&](int64_t from, int64_t to) { return int64_t(host.data<double>()[from * width + e + to]); };
   r.ep_send.assign(size_t(n), 0);
   r.ep_recv.assign(size_t(n), 0);
-  for (int64_t j = 0; j < n; ++j)
+  r.ep_token_send.assign(size_t(n), 0);
+  r.ep_token_recv.assign(size_t(n), 0);
+  for (int64_t j = 0; j < n; ++j) {
     for (int64_t x = 0; x < mine; ++x) {
-      r.ep_send[size_t(j)] += count(me, j * mine + x);  // my rows for rank j's experts
-      r.ep_recv[size_t(j)] += count(j, me * mine + x);  // rank j's rows for mine
+      r.ep_send[size_t(j)] += count(me, j * mine + x);  // my pairs of rank j's experts
+      r.ep_recv[size_t(j)] += count(j, me * mine + x);  // rank j's pairs of mine
     }
-  // start[j][x]: where sender j's rows of local expert x begin in the received layout.
+    r.ep_token_send[size_t(j)] = tokens(me, j);
+    r.ep_token_recv[size_t(j)] = tokens(j, me);
+  }
+  // start[j][x]: where sender j's pairs of local expert x begin in the received layout.
   std::vector<int64_t> start(size_t(n * mine));
   int64_t at = 0;
   for (int64_t j = 0; j < n; ++j)
@@ -260,6 +289,28 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   }
   r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
   r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
+  std::vector<int32_t> sent;
+  for (const auto& v : tokens_for) sent.insert(sent.end(), v.begin(), v.end());
+  r.ep_tokens = rt_->upload(sent.data(), {int64_t(sent.size())}, DType::I32, options_.device);
+
+  // Each pair's row among its receiver's tokens (the senders before this rank come first there) and its weight, as
+  // two columns of values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model).
+  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
+  std::vector<double> rows(static_cast<size_t>(pairs));
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t base = 0;
+    for (int64_t i = 0; i < me; ++i) base += tokens(i, j);
+    LATHE_CHECK(xd == DType::F64 || base + tokens(me, j) <= (int64_t(1) << 24),
+                "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
+    for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
+      rows[size_t(p)] = double(base + pair_slot[size_t(p)]);
+  }
+  const Tensor values = Tensor::empty({pairs, 2}, xd, cx.allocator);
+  copy_into(cx, rt_->upload(rows.data(), {pairs, 1}, DType::F64, options_.device), values.narrow(1, 0, 1));
+  copy_into(cx, embedding(cx, r.weights.view({pairs, 1}), r.pair_ids), values.narrow(1, 1, 1));
+  const Tensor got = to_expert_ranks(r, values);  // (R, 2)
+  r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
+  r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
 }
 
 namespace {
@@ -269,6 +320,12 @@ std::vector<int64_t> elements(const std::vector<int64_t>& rows, int64_t width) {
   std::vector<int64_t> out(rows);
   for (int64_t& n : out) n *= width;
   return out;
+}
+
+int64_t total(const std::vector<int64_t>& counts) {
+  int64_t sum = 0;
+  for (int64_t n : counts) sum += n;
+  return sum;
 }
 
 }  // namespace
@@ -285,15 +342,37 @@ Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
 
 Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t d = rows.size(1);
-  int64_t back = 0;
-  for (int64_t n : r.ep_send) back += n;
+  const int64_t d = rows.size(1), back = total(r.ep_send);
   const Tensor received = rows.size(0) > 0 ? embedding(cx, rows, r.ep_received) : rows;
   Tensor out = Tensor::empty({back, d}, rows.dtype(), cx.allocator);
   Tensor flat = out.view({back * d});
   options_.ep->all_to_all(contiguous(cx, received).view({received.numel()}), elements(r.ep_recv, d), flat,
                           elements(r.ep_send, d));
   return out;
+}
+
+Tensor CausalLm::tokens_to_experts(const MoeRoute& r, const Tensor& rows) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total(r.ep_token_recv);
+  const int64_t pairs = r.ep_offsets.back();
+  const Tensor out = sent > 0 ? embedding(cx, rows, r.ep_tokens) : Tensor::empty({0, d}, rows.dtype(), cx.allocator);
+  Tensor received = Tensor::empty({got, d}, rows.dtype(), cx.allocator);
+  Tensor flat = received.view({got * d});
+  options_.ep->all_to_all(out.view({sent * d}), elements(r.ep_token_send, d), flat, elements(r.ep_token_recv, d));
+  return pairs > 0 ? embedding(cx, received, r.ep_unique) : Tensor::empty({0, d}, rows.dtype(), cx.allocator);
+}
+
+Tensor CausalLm::experts_to_tokens(const MoeRoute& r, const Tensor& rows, int64_t tokens) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total(r.ep_token_recv);
+  // Sums in a fixed order (embedding_backward: each token's rows in row order): the pairs of a token in grouped order
+  // here, the ranks in rank order on the token's rank.
+  const Tensor sums = got > 0 ? embedding_backward(cx, rows, r.ep_unique, got)
+                               : Tensor::empty({0, d}, rows.dtype(), cx.allocator);  // no token came here
+  Tensor back = Tensor::empty({sent, d}, rows.dtype(), cx.allocator);
+  Tensor flat = back.view({sent * d});
+  options_.ep->all_to_all(sums.view({got * d}), elements(r.ep_token_recv, d), flat, elements(r.ep_token_send, d));
+  return embedding_backward(cx, back, r.ep_tokens, tokens);
 }
 
 void CausalLm::prepare_moe_backward(MoeRoute& r) {
@@ -358,21 +437,26 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     a.picked = embedding(cx, grouped_matmul_routed(cx, a.act, w(p.down), r.device_offsets), r.position_ids)
                    .view({t, k, d});
   } else {
-    // Expert parallelism: the rows go to their experts' ranks and the GEMMs run over this rank's experts' rows from
-    // every rank (grouped by local expert); the outputs come back in the route's order.
+    // Expert parallelism: each token goes once to every rank holding one of its experts, becomes that rank's pairs
+    // there (grouped by local expert: the GEMMs run over this rank's experts' pairs from every rank), and comes back
+    // as the weighted sum of those pairs' outputs.
     const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
     const GroupedMatmulAttrs g{offsets, true};
-    a.xs = embedding(cx, x, r.token_ids);
-    if (expert_parallel()) a.xs = to_expert_ranks(r, a.xs);
+    a.xs = expert_parallel() ? tokens_to_experts(r, x) : embedding(cx, x, r.token_ids);
     a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
     if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, offsets, a.gu);
     a.act = swiglu_halves(cx, a.gu);
     Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
     if (a.lora_down.slot) a.lora_down.forward(cx, a.act, offsets, yd);
-    if (expert_parallel()) yd = from_expert_ranks(r, yd);
-    a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
+    if (expert_parallel()) {
+      a.yd = yd;
+      a.out = experts_to_tokens(r, mul(cx, yd, r.ep_weights), t);
+    } else {
+      a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
+    }
   }
-  a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
+  if (a.picked.defined())
+    a.out = matmul(cx, r.weights.view({t, 1, k}), a.picked).view({t, d});  // sum_j weights[t, j] picked[t, j]
   if (p.shared_gate >= 0) {  // + sigmoid(x Wg^T) * shared_expert(x), its projections adapted as modules when batched
     const PackedBatch none;  // decoding: no adapters (merged)
     a.sh_gu = project_rows(layer, {LoraTarget::shared_gate_proj, LoraTarget::shared_up_proj},
@@ -395,8 +479,9 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   prepare_moe_backward(r);
   const int64_t t = dout.size(0), d = dout.size(1), k = c.num_experts_per_tok;
   const bool train = options_.train_base;
-  // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product.
-  const Tensor dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
+  // Combine: out[t] = weights[t] (1, k) picked[t] (k, D), a batched product (under ep: on the experts' ranks).
+  Tensor dweights;
+  if (!expert_parallel()) dweights = matmul(cx, a.picked, dout.view({t, d, 1})).view({t, k});
   // Each (P, .) temporary below is dropped after its last use, not at the end of the scope: at the step's peak (the
   // first layer's backward, every other gradient alive) that keeps about 300 MiB fewer of them alive at the
   // 30B-A3B shape (docs/benchmarks.md, session 13).
@@ -420,10 +505,17 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     dgate_up = Tensor();
     dx = matmul(cx, r.ones, embedding(cx, dxs, r.pad_position).view({t, k, d})).view({t, d});
   } else {
-    Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
-    Tensor dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);  // (P, D), expert order
-    dpicked = Tensor();
-    if (expert_parallel()) dyd = to_expert_ranks(r, dyd);  // to the experts' ranks, as the rows went
+    Tensor dyd;  // (P, D), expert order
+    if (expert_parallel()) {  // dout to the experts' ranks as the tokens went; each pair's weight is there
+      const Tensor dtok = tokens_to_experts(r, dout);  // (R, D)
+      const int64_t rows = dtok.size(0);
+      const Tensor dw_pairs = matmul(cx, a.yd.view({rows, 1, d}), dtok.view({rows, d, 1})).view({rows, 1});
+      dweights = embedding(cx, from_expert_ranks(r, dw_pairs), r.position_ids).view({t, k});
+      dyd = mul(cx, dtok, r.ep_weights);
+    } else {
+      Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
+      dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);
+    }
     // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
     const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
     const GroupedMatmulAttrs g{offsets, true}, gt{offsets, false};
@@ -437,9 +529,9 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
     if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, offsets, dxs);
     dgate_up = Tensor();
-    if (expert_parallel()) dxs = from_expert_ranks(r, dxs);  // back to the rows' ranks
-    // Each token's k rows summed in a fixed order (a batched product with ones).
-    dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
+    // Each token's k rows summed in a fixed order (a batched product with ones; under ep per rank, then over them).
+    if (expert_parallel()) dx = experts_to_tokens(r, dxs, t);
+    else dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   }
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,
   // through the renormalisation when norm_topk_prob (dp_j = (dw_j - sum_i dw_i w_i) / S), scattered into (T, E) (the k

@@ -54,12 +54,19 @@ struct MoeRoute {
   int64_t pad_rows = 0;
   Tensor pad_token, pad_pair;  // (E pad_rows) i32
   Tensor pad_position;         // (T k) i32
-  // Expert parallelism (CausalLm::plan_expert_exchange): the rows sent to and received from each rank of the ep
-  // group, the received rows' groups by local expert (offsets, El + 1), and the row orders between the received
-  // (by sending rank, then expert) and the grouped (by local expert, then sending rank) layouts.
+  // Expert parallelism (CausalLm::plan_expert_exchange). Pairs: the pairs sent to and received from each rank of the
+  // ep group, the received pairs' groups by local expert (offsets, El + 1), and the row orders between the received
+  // (by sending rank, then expert) and the grouped (by local expert, then sending rank) layouts; small per-pair values
+  // (the combine weight, the received token row, LoRA masks) travel this way. Tokens: each token's row goes once to
+  // every rank holding at least one of its experts (not once per expert there), the tokens for each rank in token
+  // order; the experts' rank expands them to its pairs and sums its pairs' outputs per token before they go back.
   std::vector<int64_t> ep_send, ep_recv, ep_offsets;
-  Tensor ep_grouped;  // (R) i32: the received row of each grouped row
-  Tensor ep_received; // (R) i32: the grouped row of each received row
+  Tensor ep_grouped;  // (R) i32: the received pair of each grouped pair
+  Tensor ep_received; // (R) i32: the grouped pair of each received pair
+  std::vector<int64_t> ep_token_send, ep_token_recv;  // tokens sent to / received from each rank
+  Tensor ep_tokens;   // (sum of ep_token_send) i32: the tokens sent, by receiving rank, in token order each
+  Tensor ep_unique;   // (R) i32: each grouped pair's row among the received tokens
+  Tensor ep_weights;  // (R, 1) each grouped pair's combine weight (MoeRoute::weights, the model dtype)
 };
 
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,
@@ -91,7 +98,8 @@ struct MoeActs {
   bool padded = false;      // the expert rows below are the padded plan's (E M rows, MoeRoute::pad_rows = M)
   Tensor xs;                // (P, D) x gathered in expert order
   Tensor gu, act;           // (P, 2I) [gate | up] per row, (P, I)
-  Tensor picked;            // (T, k, D) each token's k expert outputs
+  Tensor picked;            // (T, k, D) each token's k expert outputs (under ep: undefined, `yd` instead)
+  Tensor yd;                // ep: (R, D) this rank's experts' outputs, by grouped pair
   Tensor sh_gu, sh_act, sh_y, sh_sig;  // shared expert: (T, 2Is) [gate | up], (T, Is), (T, D), sigmoid gate (T, 1)
   ExpertLora lora_gate_up, lora_down;  // the experts' LoRA terms (slot nullptr when not adapted)
   Tensor out;               // (T, D)

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -237,6 +238,21 @@ bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
   return cp > 1 && !(hk % cp == 0 || (cp % hk == 0 && hv % cp == 0));
 }
 
+// Bytes one rank sends through ep in one micro-batch of a sparse layer of T tokens (CausalLm::tokens_to_experts and
+// experts_to_tokens): each token's row (H wide) once to every other rank holding one of its k experts and a row back,
+// forward (again when recomputing) and backward. Which ranks those are depends on the router; planned for a uniform
+// one: another rank holds none of a token's experts with probability C(E - E/ep, k) / C(E, k). Besides, each routed
+// pair's row among its receiver's tokens and its weight (two f32 values; f64 in an f64 model) go out once and the
+// weight's gradient (the model dtype) comes back (the per-expert counts' all-gather is E + ep numbers).
+int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, int64_t forward_passes, DType dtype) {
+  const int64_t e = m.num_experts, k = m.num_experts_per_tok, away = e - e / ep;
+  double none = 1.0;
+  for (int64_t i = 0; i < k; ++i) none *= double(away - i) / double(e - i);
+  const int64_t rows = std::llround(double((ep - 1) * t) * (1.0 - std::max(none, 0.0)) * double(b * m.hidden_size));
+  const int64_t value = dtype == DType::F64 ? 8 : 4;
+  return 2 * (forward_passes + 1) * rows + all_to_all_bytes(t * k * (2 * value + b), ep);
+}
+
 // Bytes one rank sends through cp in one micro-batch of layer i, over `forward_passes` forwards (2 when recomputing)
 // and a backward. The head all-to-alls, the same tensors each pass (the backward's the other way): attention's q, k,
 // v there and o back; Gated DeltaNet's in_proj_qkv output (the rank's blocks for every core) and b, a there and the
@@ -451,11 +467,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   if (layout.cp > 1)
     for (int64_t i : st.layers)
       plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes, dtype);
-  // ep: each sparse layer's routed rows (T k of them, H wide) out and their outputs back, forward (again when
-  // recomputing) and backward, each micro-batch (the per-expert counts' all-gather is E numbers).
-  if (layout.ep > 1)
-    plan.comm_ep_bytes = micro_batches * sparse_layers * 2 * (forward_passes + 1) *
-                         all_to_all_bytes(b * rows.block * m.num_experts_per_tok * h, layout.ep);
+  if (layout.ep > 1) plan.comm_ep_bytes = micro_batches * sparse_layers * ep_layer_bytes(m, layout.ep, rows.block, b,
+                                                                                    forward_passes, dtype);
   // pp: each micro-batch's stream (2, rows, H) to the next stage and its gradient (rows, H) to the previous, for each
   // of the rank's virtual stages that has one.
   plan.comm_pp_bytes = micro_batches * (st.sends_forward * 2 + st.sends_backward) * x_bytes;

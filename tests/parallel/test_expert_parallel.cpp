@@ -173,6 +173,66 @@ TEST_F(ExpertParallel, SavedExpertsReadBackWhole) {
   if (world->rank() == 0) std::filesystem::remove_all(dir);
 }
 
+// The ep group as the model sees it, counting the elements each all-to-all sends to the other ranks.
+class CountingGroup : public Communicator {
+ public:
+  explicit CountingGroup(Communicator& inner) : inner_(inner) {}
+  int64_t sent_to_others = 0;
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  const std::string& name() const override { return inner_.name(); }
+  CommWork all_reduce(Tensor& t) override { return inner_.all_reduce(t); }
+  CommWork reduce_scatter(const Tensor& in, Tensor& out) override { return inner_.reduce_scatter(in, out); }
+  CommWork all_gather(const Tensor& in, Tensor& out) override { return inner_.all_gather(in, out); }
+  CommWork all_to_all(const Tensor& in, const std::vector<int64_t>& send_counts, Tensor& out,
+                      const std::vector<int64_t>& recv_counts) override {
+    for (size_t j = 0; j < send_counts.size(); ++j)
+      if (int(j) != rank()) sent_to_others += send_counts[j];
+    return inner_.all_to_all(in, send_counts, out, recv_counts);
+  }
+  CommWork broadcast(Tensor& t, int root) override { return inner_.broadcast(t, root); }
+  CommWork send(const Tensor& t, int peer) override { return inner_.send(t, peer); }
+  CommWork recv(Tensor& t, int peer) override { return inner_.recv(t, peer); }
+  CommWork exchange(const std::vector<std::pair<Tensor, int>>& sends,
+                    const std::vector<std::pair<Tensor, int>>& recvs) override {
+    return inner_.exchange(sends, recvs);
+  }
+  void barrier(double timeout_s, const char* timeout_name) override { inner_.barrier(timeout_s, timeout_name); }
+  std::unique_ptr<Communicator> split(int color, int key, const std::string& name, Stream* stream) override {
+    return inner_.split(color, key, name, stream);
+  }
+
+ private:
+  Communicator& inner_;
+};
+
+// A token's row goes once to each rank holding one of its experts, however many of them that rank holds, and one
+// summed row comes back. With the router's weights zero every token picks experts 0, 1 and 2 (ties go to the lower
+// expert): two on rank 0, one on rank 1. So in a forward each sparse layer sends, of T tokens a rank and H wide:
+// rank 0 its T rows to rank 1, rank 1 its T rows to rank 0, every other rank its T rows to both; ranks 0 and 1 one row
+// back for each other rank's token; and two values per pair sent away (its row on the receiver and its weight). One
+// row per pair (the exchange before) would have rank 1 send 2 T rows and ranks from 2 on 3 T.
+TEST_F(ExpertParallel, EachTokenGoesOnceToEachRankOfItsExperts) {
+  const int n = world->size(), me = world->rank();
+  for (const nlohmann::json& config : ep_configs(2 * n)) {
+    const std::string family = config["model_type"];
+    CountingGroup ep(*world);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, &ep);
+    for (Parameter& p : split->parameters())
+      if (p.name.ends_with("mlp.gate.weight")) std::fill_n(p.value.data<double>(), p.value.numel(), 0.0);
+    const PackedBatch mine = rank_batch(me);
+    split->logits(mine);
+    const ModelConfig& c = split->global_config();
+    int64_t sparse = 0;
+    for (int64_t i = 0; i < c.num_layers; ++i) sparse += c.sparse_layer(i) ? 1 : 0;
+    const int64_t t = mine.tokens(), h = c.hidden_size;
+    const int64_t pairs_away = me == 0 ? 1 : me == 1 ? 2 : 3;  // of a token's experts 0, 1 (rank 0) and 2 (rank 1)
+    const int64_t rows_out = me < 2 ? t : 2 * t, rows_back = me < 2 ? (n - 1) * t : 0;
+    EXPECT_EQ(ep.sent_to_others, sparse * ((rows_out + rows_back) * h + 2 * pairs_away * t)) << family;
+    EXPECT_GT(sparse, 0) << family;
+  }
+}
+
 TEST_F(ExpertParallel, RefusesWhatItCannotSplit) {
   const int n = world->size();
   nlohmann::json odd = ep_configs(2 * n)[0];

@@ -432,8 +432,8 @@ TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
 
 // Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and
 // states), its experts' gradients are summed over the dp / ep ranks holding the same ones and the dense ones over dp,
-// and each sparse layer sends its routed rows (T k of them) out and their outputs back, forward and backward; under
-// ZeRO the dense state is cut over dp and the experts' over the ranks holding them.
+// and each sparse layer sends each token's row once to every other rank holding one of its experts and a row back,
+// forward and backward; under ZeRO the dense state is cut over dp and the experts' over the ranks holding them.
 TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   const char* moe =
       "{model_type: qwen3_moe, hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, "
@@ -448,11 +448,15 @@ TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   EXPECT_EQ(dp4.memory.weights - ep2.memory.weights, experts / 2);
   EXPECT_EQ(dp4.memory.gradients - ep4.memory.gradients, experts * 3 / 4);
   EXPECT_EQ(dp4.memory.optimizer - ep4.memory.optimizer, 2 * experts * 3 / 4);  // f32 parameters: m and v, no master
-  const int64_t dense = dp4.memory.weights - experts, routed = kB * 64 * 2 * 32;  // 64 tokens x top 2, 32 wide
+  const int64_t dense = dp4.memory.weights - experts;
   EXPECT_EQ(ep4.comm_grads_bytes, 2 * 3 * dense / 4);  // the dense gradients over dp 4; each expert has one holder
   EXPECT_EQ(ep2.comm_grads_bytes, 2 * 3 * dense / 4 + 2 * 1 * (experts / 2) / 2);  // ... and over edp 2
-  EXPECT_EQ(ep4.comm_ep_bytes, 2 * 2 * 2 * (3 * routed / 4));  // 2 layers x (forward + backward) x (out + back)
-  EXPECT_EQ(ep2.comm_ep_bytes, 2 * 2 * 2 * (routed / 2));
+  // 64 tokens, 32 wide. A token's top 2 of 4 experts miss another rank's one expert (ep 4) in 3 of the 6 pairs of
+  // experts, another rank's two (ep 2) in 1 of 6; 128 routed pairs each send two f32 values out and a gradient back.
+  const int64_t ep4_rows = 3 * 64 / 2 * 32 * kB, ep2_rows = std::llround(64 * 5.0 / 6.0 * 32 * kB);
+  const int64_t ep4_pairs = 3 * 128 * (2 * 4 + kB) / 4, ep2_pairs = 128 * (2 * 4 + kB) / 2;
+  EXPECT_EQ(ep4.comm_ep_bytes, 2 * (2 * 2 * ep4_rows + ep4_pairs));  // 2 layers x (out + back) x (forward + backward)
+  EXPECT_EQ(ep2.comm_ep_bytes, 2 * (2 * 2 * ep2_rows + ep2_pairs));
   EXPECT_EQ(dp4.comm_ep_bytes, 0);
   EXPECT_EQ(ep4.comm_bytes, ep4.comm_grads_bytes + ep4.comm_ep_bytes);
   // ZeRO: the dense state (and under ZeRO-2 the dense gradients) cut over dp 4, the rank's experts over the edp ranks

@@ -262,14 +262,9 @@ std::vector<std::string> rank_args(const Args& a) {
   return v;
 }
 
-void run(Args a) {
-  const LaunchEnv env = launch_env();
-  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
-    LATHE_CHECK(!a.input.empty(), "generate: --nproc splits the lines of --input over ranks; --prompt runs on one");
-    const int rc = start_local_ranks("generate", rank_args(a), a.device, a.nproc, "...");
-    LATHE_CHECK(rc == 0, "generate: a rank failed (status {})", rc);
-    return;
-  }
+// One rank's work (or the whole of an unlaunched run). `mpi` belongs to the caller: an error here ends the job
+// through run_as_rank while MPI is still up, instead of waiting in MPI_Finalize for ranks that wait on this one.
+void run_rank(Args& a, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
   LATHE_CHECK(env.world == 1 || !a.input.empty(),
               "generate: under a parallel launch the lines of --input are split over the ranks; --prompt runs on one");
   const int n_sources = int(a.has_prompt) + int(!a.input.empty()) + int(!a.prompt_tokens.empty());
@@ -309,7 +304,6 @@ void run(Args a) {
                                           {a.adapter, a.model, a.tokenizer}, "generate").kwargs;
 
   Runtime rt;
-  std::optional<MpiSession> mpi;
   const LineRanks ranks =
       line_ranks(join_world(rt, a.device, env, 600, mpi, "generate"), a.tp, 1, a.ep, a.pp, "generate");
   ModelOptions mo;
@@ -372,6 +366,18 @@ void run(Args a) {
                double(r.tokens.size()) / std::max(seconds(), 1e-9),
                mo.device.str(), dtype_name(mo.dtype));
   }
+}
+
+void run(Args a) {
+  const LaunchEnv env = launch_env();
+  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
+    LATHE_CHECK(!a.input.empty(), "generate: --nproc splits the lines of --input over ranks; --prompt runs on one");
+    const int rc = start_local_ranks("generate", rank_args(a), a.device, a.nproc, "...");
+    LATHE_CHECK(rc == 0, "generate: a rank failed (status {})", rc);
+    return;
+  }
+  std::optional<MpiSession> mpi;
+  run_as_rank(env, [&] { run_rank(a, env, mpi); });
 }
 
 // --input: every line's --n samples at once through the rollout engine; n output lines per input line, in input order.

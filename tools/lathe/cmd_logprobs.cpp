@@ -186,28 +186,14 @@ void score(Runtime& rt, const Args& a, const ModelOptions& options, CausalLm& mo
                      : "");
 }
 
-void run(Args a) {
-  const LaunchEnv env = launch_env();
-  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
-    LATHE_CHECK(a.device != "cpu", "logprobs: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
-                "with `mpirun -np {} lathe logprobs ...`", a.nproc);
-    std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
-                                     a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
-                                     std::to_string(a.tp), "--cp", std::to_string(a.cp), "--ep", std::to_string(a.ep),
-                                     "--pp", std::to_string(a.pp)};
-    if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
-    if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
-    if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
-    const int rc = run_local_ranks("/proc/self/exe", args, a.nproc);
-    LATHE_CHECK(rc == 0, "logprobs: a rank failed (status {})", rc);
-    return;
-  }
+// One rank's work (or the whole of an unlaunched run). `mpi` belongs to the caller: an error here ends the job
+// through run_as_rank while MPI is still up, instead of waiting in MPI_Finalize for ranks that wait on this one.
+void run_rank(Args& a, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
   check_folder(a.model, "--model", "logprobs");
   if (!a.adapter.empty()) check_folder(a.adapter, "--adapter", "logprobs");
   TextEncoder encoder(a, resolve_chat_template_kwargs(a.has_chat_template_kwargs, a.chat_template_kwargs,
                                                       {a.adapter, a.model}, "logprobs").kwargs);
   Runtime rt;
-  std::optional<MpiSession> mpi;
   const LineRanks ranks =
       line_ranks(join_world(rt, a.device, env, 600, mpi, "logprobs"), a.tp, a.cp, a.ep, a.pp, "logprobs");
   ModelOptions options;
@@ -227,6 +213,26 @@ void run(Args a) {
     model->attach_lora(bank.get());
   }
   score(rt, a, options, *model, bank.get(), encoder, ranks);
+}
+
+void run(Args a) {
+  const LaunchEnv env = launch_env();
+  if (a.nproc > 1 && env.world == 1) {  // the parent of a --nproc job (GPU ranks)
+    LATHE_CHECK(a.device != "cpu", "logprobs: --nproc starts GPU ranks (NCCL); CPU ranks talk over MPI: launch them "
+                "with `mpirun -np {} lathe logprobs ...`", a.nproc);
+    std::vector<std::string> args = {"logprobs", "--model", a.model, "--input", a.input, "--output", a.output, "--device",
+                                     a.device, "--batch-tokens", std::to_string(a.batch_tokens), "--tp",
+                                     std::to_string(a.tp), "--cp", std::to_string(a.cp), "--ep", std::to_string(a.ep),
+                                     "--pp", std::to_string(a.pp)};
+    if (!a.adapter.empty()) args.insert(args.end(), {"--adapter", a.adapter});
+    if (!a.dtype.empty()) args.insert(args.end(), {"--dtype", a.dtype});
+    if (a.has_chat_template_kwargs) args.insert(args.end(), {"--chat-template-kwargs", a.chat_template_kwargs});
+    const int rc = run_local_ranks("/proc/self/exe", args, a.nproc);
+    LATHE_CHECK(rc == 0, "logprobs: a rank failed (status {})", rc);
+    return;
+  }
+  std::optional<MpiSession> mpi;
+  run_as_rank(env, [&] { run_rank(a, env, mpi); });
 }
 
 }  // namespace
