@@ -382,10 +382,13 @@ class CausalLm {
   void plan_expert_exchange(MoeRoute& r) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
-  // Token rows (T, D) -> (R, D), one row a grouped pair: each token sent once to each rank holding its experts.
+  // Token rows (T, D) -> the tokens this rank receives (U, D): each token sent once to each rank holding its experts.
   Tensor tokens_to_experts(const MoeRoute& r, const Tensor& rows) const;
-  // Grouped pair rows (R, D) -> (T, D): summed per token on the experts' rank, sent back once, summed over the ranks.
-  Tensor experts_to_tokens(const MoeRoute& r, const Tensor& rows, int64_t tokens) const;
+  // The received tokens (U, D) -> one row a grouped pair (R, D).
+  Tensor expert_pairs(const MoeRoute& r, const Tensor& received) const;
+  // Grouped pair rows (R, D) -> (T, D): each received token's pairs summed here times `weights` (U, S), one row back
+  // to its rank, and the ranks' rows summed there (MoeRoute::ep_pairs, ep_back).
+  Tensor experts_to_tokens(const MoeRoute& r, const Tensor& rows, const Tensor& weights) const;
   bool aux_loss_on() const { return options_.router_aux_loss.value_or(config_.output_router_logits); }
   // The dtype of the router's softmax backward on the device: f32 (transformers' router dtype), f64 in an f64 model.
   DType routing_dtype() const { return options_.dtype == DType::F64 ? DType::F64 : DType::F32; }

@@ -222,6 +222,23 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   return r;
 }
 
+namespace {
+
+// Row counts as element counts of rows `width` wide.
+std::vector<int64_t> elements(const std::vector<int64_t>& rows, int64_t width) {
+  std::vector<int64_t> out(rows);
+  for (int64_t& n : out) n *= width;
+  return out;
+}
+
+int64_t total_of(const std::vector<int64_t>& counts) {
+  int64_t sum = 0;
+  for (int64_t n : counts) sum += n;
+  return sum;
+}
+
+}  // namespace
+
 // Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
 // then the counts of the all-to-alls and the row orders between the received pair layout (by sending rank, each
 // rank's pairs of this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the
@@ -234,8 +251,11 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   const Tensor token_of = rt_->copy_to(r.token_ids, Device::cpu());  // the route's wait has drained the stream
   const int32_t* tok = token_of.data<int32_t>();
   std::vector<std::vector<int32_t>> tokens_for(static_cast<size_t>(n));
-  // A token's and a pair's row in its message.
+  // A token's and a pair's row in its message; each token's row in the buffer that comes back (the messages to the
+  // ranks one after the other, as they went), -1 for a rank it did not go to.
   std::vector<int64_t> slot(static_cast<size_t>(t)), pair_slot(static_cast<size_t>(pairs));
+  std::vector<int32_t> back(static_cast<size_t>(t * n), -1);
+  int64_t sent_before = 0;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t begin = r.offsets[size_t(j * mine)], end = r.offsets[size_t((j + 1) * mine)];
     std::vector<char> hit(size_t(t), 0);
@@ -243,9 +263,11 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
     for (int64_t i = 0; i < t; ++i)
       if (hit[size_t(i)]) {
         slot[size_t(i)] = int64_t(tokens_for[size_t(j)].size());
+        back[size_t(i * n + j)] = int32_t(sent_before + slot[size_t(i)]);
         tokens_for[size_t(j)].push_back(int32_t(i));
       }
     for (int64_t p = begin; p < end; ++p) pair_slot[size_t(p)] = slot[size_t(tok[p])];
+    sent_before += int64_t(tokens_for[size_t(j)].size());
   }
 
   const int64_t width = e + n;  // a rank's pairs per expert, then its tokens for each rank
@@ -305,30 +327,55 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
     for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
       rows[size_t(p)] = double(base + pair_slot[size_t(p)]);
   }
+  const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
   const Tensor values = Tensor::empty({pairs, 2}, xd, cx.allocator);
   copy_into(cx, rt_->upload(rows.data(), {pairs, 1}, DType::F64, options_.device), values.narrow(1, 0, 1));
-  copy_into(cx, embedding(cx, r.weights.view({pairs, 1}), r.pair_ids), values.narrow(1, 1, 1));
+  copy_into(cx, weights, values.narrow(1, 1, 1));
   const Tensor got = to_expert_ranks(r, values);  // (R, 2)
   r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
   r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
+
+  // Each token's pairs on each rank it goes to: their grouped rows there (-1 for the slots beyond them; at most
+  // S = min(k, experts a rank) of them, in expert order) and their weights, S + S values a token, with the tokens.
+  const int64_t k = config_.num_experts_per_tok, slots = std::min(k, mine), sent_total = int64_t(sent.size());
+  std::vector<double> slot_rows(static_cast<size_t>(sent_total * slots), -1.0);
+  std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);  // where each slot's weight is
+  std::vector<int64_t> filled(static_cast<size_t>(sent_total), 0);
+  int64_t first_sent = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t first_row = 0;  // grouped row on rank j of its local expert x's pairs from this rank
+    for (int64_t x = 0; x < mine; ++x) {
+      const int64_t e = j * mine + x;
+      int64_t row = first_row;
+      for (int64_t i = 0; i < me; ++i) row += count(i, e);
+      for (int64_t p = r.offsets[size_t(e)]; p < r.offsets[size_t(e + 1)]; ++p) {
+        const int64_t u = first_sent + pair_slot[size_t(p)];
+        const int64_t at_slot = u * slots + filled[size_t(u)]++;
+        slot_rows[size_t(at_slot)] = double(row + p - r.offsets[size_t(e)]);
+        slot_pairs[size_t(at_slot)] = int32_t(p);
+      }
+      for (int64_t i = 0; i < n; ++i) first_row += count(i, e);
+    }
+    first_sent += int64_t(tokens_for[size_t(j)].size());
+  }
+  const int64_t got_tokens = total_of(r.ep_token_recv);
+  const Tensor per_token = Tensor::empty({sent_total, 2 * slots}, xd, cx.allocator);
+  copy_into(cx, rt_->upload(slot_rows.data(), {sent_total, slots}, DType::F64, options_.device),
+            per_token.narrow(1, 0, slots));
+  const Tensor slot_ids = rt_->upload(slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
+  copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
+  Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
+  Tensor flat = token_values.view({got_tokens * 2 * slots});
+  options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * slots), flat,
+                          elements(r.ep_token_recv, 2 * slots));
+  r.ep_pairs = cast(cx, token_values.narrow(1, 0, slots), DType::I32);
+  r.ep_pair_weights = cast(cx, token_values.narrow(1, slots, slots), options_.dtype);
+  const std::vector<double> ones(static_cast<size_t>(std::max(got_tokens * slots, t * n)), 1.0);
+  r.ep_pair_ones = cast(cx, rt_->upload(ones.data(), {got_tokens, slots}, DType::F64, options_.device),
+                        options_.dtype);
+  r.ep_back = rt_->upload(back.data(), {t, n}, DType::I32, options_.device);
+  r.ep_back_ones = cast(cx, rt_->upload(ones.data(), {t, n}, DType::F64, options_.device), options_.dtype);
 }
-
-namespace {
-
-// Row counts as element counts of rows `width` wide.
-std::vector<int64_t> elements(const std::vector<int64_t>& rows, int64_t width) {
-  std::vector<int64_t> out(rows);
-  for (int64_t& n : out) n *= width;
-  return out;
-}
-
-int64_t total(const std::vector<int64_t>& counts) {
-  int64_t sum = 0;
-  for (int64_t n : counts) sum += n;
-  return sum;
-}
-
-}  // namespace
 
 Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
   ExecContext cx = rt_->context(options_.device);
@@ -342,7 +389,7 @@ Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
 
 Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t d = rows.size(1), back = total(r.ep_send);
+  const int64_t d = rows.size(1), back = total_of(r.ep_send);
   const Tensor received = rows.size(0) > 0 ? embedding(cx, rows, r.ep_received) : rows;
   Tensor out = Tensor::empty({back, d}, rows.dtype(), cx.allocator);
   Tensor flat = out.view({back * d});
@@ -353,26 +400,29 @@ Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const 
 
 Tensor CausalLm::tokens_to_experts(const MoeRoute& r, const Tensor& rows) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total(r.ep_token_recv);
-  const int64_t pairs = r.ep_offsets.back();
+  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total_of(r.ep_token_recv);
   const Tensor out = sent > 0 ? embedding(cx, rows, r.ep_tokens) : Tensor::empty({0, d}, rows.dtype(), cx.allocator);
   Tensor received = Tensor::empty({got, d}, rows.dtype(), cx.allocator);
   Tensor flat = received.view({got * d});
   options_.ep->all_to_all(out.view({sent * d}), elements(r.ep_token_send, d), flat, elements(r.ep_token_recv, d));
-  return pairs > 0 ? embedding(cx, received, r.ep_unique) : Tensor::empty({0, d}, rows.dtype(), cx.allocator);
+  return received;
 }
 
-Tensor CausalLm::experts_to_tokens(const MoeRoute& r, const Tensor& rows, int64_t tokens) const {
+Tensor CausalLm::expert_pairs(const MoeRoute& r, const Tensor& received) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total(r.ep_token_recv);
-  // Sums in a fixed order (embedding_backward: each token's rows in row order): the pairs of a token in grouped order
-  // here, the ranks in rank order on the token's rank.
-  const Tensor sums = got > 0 ? embedding_backward(cx, rows, r.ep_unique, got)
-                               : Tensor::empty({0, d}, rows.dtype(), cx.allocator);  // no token came here
+  const int64_t pairs = r.ep_offsets.back();
+  return pairs > 0 ? embedding(cx, received, r.ep_unique)
+                   : Tensor::empty({0, received.size(1)}, received.dtype(), cx.allocator);
+}
+
+Tensor CausalLm::experts_to_tokens(const MoeRoute& r, const Tensor& rows, const Tensor& weights) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t d = rows.size(1), sent = r.ep_tokens.numel(), got = total_of(r.ep_token_recv);
+  const Tensor sums = gather_sum(cx, rows, r.ep_pairs, weights);  // (received tokens, D)
   Tensor back = Tensor::empty({sent, d}, rows.dtype(), cx.allocator);
   Tensor flat = back.view({sent * d});
   options_.ep->all_to_all(sums.view({got * d}), elements(r.ep_token_recv, d), flat, elements(r.ep_token_send, d));
-  return embedding_backward(cx, back, r.ep_tokens, tokens);
+  return gather_sum(cx, back, r.ep_back, r.ep_back_ones);
 }
 
 void CausalLm::prepare_moe_backward(MoeRoute& r) {
@@ -442,7 +492,7 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     // as the weighted sum of those pairs' outputs.
     const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
     const GroupedMatmulAttrs g{offsets, true};
-    a.xs = expert_parallel() ? tokens_to_experts(r, x) : embedding(cx, x, r.token_ids);
+    a.xs = expert_parallel() ? expert_pairs(r, tokens_to_experts(r, x)) : embedding(cx, x, r.token_ids);
     a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
     if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, offsets, a.gu);
     a.act = swiglu_halves(cx, a.gu);
@@ -450,7 +500,7 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     if (a.lora_down.slot) a.lora_down.forward(cx, a.act, offsets, yd);
     if (expert_parallel()) {
       a.yd = yd;
-      a.out = experts_to_tokens(r, mul(cx, yd, r.ep_weights), t);
+      a.out = experts_to_tokens(r, yd, r.ep_pair_weights);
     } else {
       a.picked = embedding(cx, yd, r.position_ids).view({t, k, d});
     }
@@ -507,11 +557,12 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   } else {
     Tensor dyd;  // (P, D), expert order
     if (expert_parallel()) {  // dout to the experts' ranks as the tokens went; each pair's weight is there
-      const Tensor dtok = tokens_to_experts(r, dout);  // (R, D)
-      const int64_t rows = dtok.size(0);
-      const Tensor dw_pairs = matmul(cx, a.yd.view({rows, 1, d}), dtok.view({rows, d, 1})).view({rows, 1});
+      const Tensor received = tokens_to_experts(r, dout);
+      const Tensor dpair = expert_pairs(r, received);  // (R, D)
+      const int64_t rows = dpair.size(0);
+      const Tensor dw_pairs = matmul(cx, a.yd.view({rows, 1, d}), dpair.view({rows, d, 1})).view({rows, 1});
       dweights = embedding(cx, from_expert_ranks(r, dw_pairs), r.position_ids).view({t, k});
-      dyd = mul(cx, dtok, r.ep_weights);
+      dyd = gather_sum(cx, received, r.ep_unique.view({rows, 1}), r.ep_weights);  // weight x the token's gradient
     } else {
       Tensor dpicked = matmul(cx, r.weights.view({t, k, 1}), dout.view({t, 1, d}));  // (T, k, D)
       dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);
@@ -530,7 +581,7 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
     if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, offsets, dxs);
     dgate_up = Tensor();
     // Each token's k rows summed in a fixed order (a batched product with ones; under ep per rank, then over them).
-    if (expert_parallel()) dx = experts_to_tokens(r, dxs, t);
+    if (expert_parallel()) dx = experts_to_tokens(r, dxs, r.ep_pair_ones);
     else dx = matmul(cx, r.ones, embedding(cx, dxs, r.position_ids).view({t, k, d})).view({t, d});
   }
   // Router, on the device in the routing dtype (route_tokens_backward's formulas): d(probs) at the picked experts,

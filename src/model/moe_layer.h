@@ -67,6 +67,11 @@ struct MoeRoute {
   Tensor ep_tokens;   // (sum of ep_token_send) i32: the tokens sent, by receiving rank, in token order each
   Tensor ep_unique;   // (R) i32: each grouped pair's row among the received tokens
   Tensor ep_weights;  // (R, 1) each grouped pair's combine weight (MoeRoute::weights, the model dtype)
+  // Each received token's grouped pairs (U, S) i32, S = min(k, experts a rank), -1 past them, their weights and
+  // ones (U, S); each of this rank's tokens' rows in the buffer that comes back, by rank (T, ep) i32 (-1: none), and
+  // ones (T, ep): the sums of gather_sum.
+  Tensor ep_pairs, ep_pair_weights, ep_pair_ones;
+  Tensor ep_back, ep_back_ones;
 };
 
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,

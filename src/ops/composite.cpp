@@ -22,7 +22,7 @@ constexpr OpId kUpcastOps[] = {
     OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
     OpId::residual_rmsnorm, OpId::residual_rmsnorm_backward, OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
     OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::cross_entropy_slice, OpId::grouped_matmul,
-    OpId::grouped_matmul_weight_grad, OpId::grouped_matmul_routed};
+    OpId::grouped_matmul_weight_grad, OpId::grouped_matmul_routed, OpId::gather_sum};
 
 // Tensors of the call's low-precision dtype are widened; index and f32 statistics tensors pass through.
 void run_upcast(const OpCall& call, ExecContext& ctx) {

@@ -146,6 +146,12 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::moe_route:  // piecewise constant choices; the router's backward is composed by the MoE layer
     case OpId::moe_pad_plan:
     case OpId::grouped_matmul_routed:  // decoding only
+    case OpId::paged_attention:        // the rollout engine's: decoding only
+    case OpId::scatter_rows:
+    case OpId::row_argmax_logsumexp:
+    case OpId::sample_rows:
+    case OpId::penalize_rows:
+    case OpId::gather_sum:  // expert parallelism's sums: moe_layer.cpp composes their backward
     case OpId::kCount:
       break;
   }

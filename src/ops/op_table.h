@@ -47,6 +47,7 @@ namespace lathe {
   X(attention_backward, 7) \
   X(paged_attention, 6)  \
   X(scatter_rows, 3)     \
+  X(gather_sum, 3)       \
   X(row_argmax_logsumexp, 1) \
   X(sample_rows, 4)      \
   X(penalize_rows, 4)    \
@@ -195,6 +196,11 @@ struct PagedAttentionAttrs {
 // scatter_rows(src (T, ...), index (T) i32, dst (N, ...)) -> dst' (N, ...): dst with row index[i] replaced by src row i
 // (indices distinct and in [0, N)); the other rows as dst. scatter_rows_into writes dst in place (the engine's KV
 // writes). Not differentiable.
+
+// gather_sum(rows (N, D), index (M, S) i32, weights (M, S)) -> (M, D): out[m] = sum_j weights[m, j] rows[index[m, j]]
+// over j = 0..S-1 in that order, skipping index -1 (any other index in [0, N)); accumulated in f32 (f64 for f64) and
+// rounded once. Expert parallelism's sums of a token's rows (model/moe_layer.cpp) and its weighted gathers (S = 1).
+// Not differentiable.
 
 // row_argmax_logsumexp(x (N, V)) -> argmax (N) i32 over ids [0, limit) (the lowest id on ties; limit 0 = V), its value
 // x[argmax] (N) and lse (N), the log-sum-exp of the whole row, both f32 (f64 for f64): the rollout engine's greedy token

@@ -349,6 +349,10 @@ Tensor penalize_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, cons
                  {contiguous(ctx, x), contiguous(ctx, rows), contiguous(ctx, params), contiguous(ctx, entries)})[0];
 }
 
+Tensor gather_sum(ExecContext& ctx, const Tensor& rows, const Tensor& index, const Tensor& weights) {
+  return call_op(ctx, OpId::gather_sum, {contiguous(ctx, rows), contiguous(ctx, index), contiguous(ctx, weights)})[0];
+}
+
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst) {
   LATHE_CHECK(dst.is_contiguous(), "ops: scatter_rows_into needs a contiguous destination, got {}", dst.describe());
   run_into(ctx, OpCall{OpId::scatter_rows, {contiguous(ctx, src), contiguous(ctx, index), dst}, {dst}, {}},

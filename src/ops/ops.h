@@ -98,6 +98,7 @@ std::vector<Tensor> attention_backward(ExecContext& ctx, const Tensor& q, const 
 Tensor paged_attention(ExecContext& ctx, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                        const Tensor& block_table, const Tensor& cu_q, const Tensor& context_lens, PagedAttentionAttrs attrs);
 void scatter_rows_into(ExecContext& ctx, const Tensor& src, const Tensor& index, Tensor& dst);
+Tensor gather_sum(ExecContext& ctx, const Tensor& rows, const Tensor& index, const Tensor& weights);
 std::vector<Tensor> row_argmax_logsumexp(ExecContext& ctx, const Tensor& x, int64_t limit = 0);  // {arg, max, lse}
 Tensor penalize_rows(ExecContext& ctx, const Tensor& x, const Tensor& rows, const Tensor& params,
                      const Tensor& entries);

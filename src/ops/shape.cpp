@@ -347,6 +347,16 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
                   "{}, {}", src.describe(), in[1].describe(), dst.describe());
       return {{dst.shape(), dst.dtype()}};
     }
+    case OpId::gather_sum: {
+      const Tensor& rows = in[0];
+      check_floating(op, rows);
+      check_index(op, in[1], "index");
+      check_same_dtype(op, rows, in[2]);
+      LATHE_CHECK(rows.dim() == 2 && in[1].dim() == 2 && in[2].shape() == in[1].shape(),
+                  "ops: gather_sum needs rows (N, D), index (M, S) and weights (M, S); got {}, {}, {}",
+                  rows.describe(), in[1].describe(), in[2].describe());
+      return {{{in[1].size(0), rows.size(1)}, rows.dtype()}};
+    }
     case OpId::row_argmax_logsumexp: {
       check_floating(op, in[0]);
       const int64_t limit = std::get<ArgmaxAttrs>(attrs).limit;

@@ -1,4 +1,4 @@
-// Op cases of the mixture-of-experts grouped GEMMs (grouped_matmul, grouped_matmul_weight_grad): an empty group
+// Op cases of the mixture-of-experts ops. The grouped GEMMs (grouped_matmul, grouped_matmul_weight_grad): an empty group
 // first, in the middle and last, groups of one row, all rows in one group, P = 0, one expert, both trans_w values, and
 // the weight grad directly (it is differentiable: its backward is two grouped_matmuls). Every forward row also checks
 // the backward (dx and dw on each device through op_backward; finite differences in f64 on the CPU).
@@ -115,6 +115,20 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   };
   add_pad({0, 0, 3, 3, 7, 8, -1}, {5, 0, 7, 2, 6, 1, 4, 3}, 4, 2);
   add_pad({0, 0, 0, 5, -1}, {4, 2, 0, 1, 3}, 7, 1);
+  // gather_sum(rows (N, D), index (M, S), weights (M, S)): slots left empty (-1) anywhere in a row, a whole row of
+  // them, a row read twice in one sum; D of 6 (element by element in every dtype), 256 (16-byte packs) and 2,048 with
+  // S = 1 (expert parallelism's weighted gather).
+  const auto add_gather_sum = [&](int64_t n, int64_t d, int64_t m, int64_t s, std::vector<double> index) {
+    c.push_back({OpId::gather_sum, fmt::format("n={},d={},m={},s={}", n, d, m, s), {{n, d}, {m, s}, {m, s}}, {}, kFloat,
+                 false, false, {{}, std::move(index)}});
+  };
+  add_gather_sum(10, 6, 4, 3, {0, 9, -1, -1, 3, 3, -1, -1, -1, 5, 2, 7});
+  std::vector<double> wide;
+  for (int64_t i = 0; i < 33 * 4; ++i) wide.push_back(i % 7 == 3 ? -1 : double((i * 13) % 40));
+  add_gather_sum(40, 256, 33, 4, wide);
+  std::vector<double> single;
+  for (int64_t i = 0; i < 24; ++i) single.push_back(double((i * 5) % 24));
+  add_gather_sum(24, 2048, 24, 1, single);
 }
 
 }  // namespace lathe

@@ -465,6 +465,28 @@ void scatter_rows_kernel(const OpCall& c, ExecContext&) {
   }
 }
 
+// gather_sum (op_table.h), accumulated in double.
+template <typename T>
+void gather_sum_kernel(const OpCall& c, ExecContext&) {
+  const Tensor& rows = c.inputs[0];
+  const int64_t n = rows.size(0), d = rows.size(1), m = c.inputs[1].size(0), s = c.inputs[1].size(1);
+  const T* x = rows.data<T>();
+  const int32_t* index = c.inputs[1].data<int32_t>();
+  const T* w = c.inputs[2].data<T>();
+  T* out = c.outputs[0].data<T>();
+  for (int64_t i = 0; i < m * s; ++i)
+    LATHE_CHECK(index[i] >= -1 && index[i] < n, "gather_sum: index {} at ({}, {}) is outside [-1, {})", index[i],
+                i / s, i % s, n);
+#pragma omp parallel for if (m * d > 65536)
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t col = 0; col < d; ++col) {
+      double acc = 0;
+      for (int64_t j = 0; j < s; ++j)
+        if (index[i * s + j] >= 0) acc += double(w[i * s + j]) * double(x[int64_t(index[i * s + j]) * d + col]);
+      out[i * d + col] = T(acc);
+    }
+}
+
 template <typename T>
 void attention_backward_kernel(const OpCall& c, ExecContext&) {
   const Tensor& q = c.inputs[0];
@@ -588,6 +610,7 @@ void register_for(KernelRegistry& r) {
   add(OpId::attention_backward, "cpu/causal_varlen_attention_backward", attention_backward_kernel<T>);
   add(OpId::paged_attention, "cpu/paged_attention", paged_attention_kernel<T>);
   add(OpId::scatter_rows, "cpu/scatter_rows", scatter_rows_kernel<T>);
+  add(OpId::gather_sum, "cpu/gather_sum_rows", gather_sum_kernel<T>);
   add(OpId::row_argmax_logsumexp, "cpu/row_argmax_logsumexp", row_argmax_logsumexp_kernel<T>);
   add(OpId::sample_rows, "cpu/sample_rows", sample_rows_kernel<T>);
   add(OpId::penalize_rows, "cpu/penalize_rows", penalize_rows_kernel<T>);

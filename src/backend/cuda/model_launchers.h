@@ -36,6 +36,11 @@ void launch_embedding_backward(DType dtype, int64_t n_tokens, int64_t hidden, in
                                const void* dy, const int32_t* ids, bool accumulate, void* scratch, void* dweight,
                                cudaStream_t stream);
 
+// out (m, d) = the gather_sum op (op_table.h) of rows (n, d) at index (m, s) with weights (m, s): fp32 sums in index
+// order, one rounding; 16-byte packs when d and the buffers allow.
+void launch_gather_sum(DType dtype, int64_t m, int64_t s, int64_t n, int64_t d, const void* rows,
+                       const int32_t* index, const void* weights, void* out, cudaStream_t stream);
+
 // y = x * rsqrt(mean(x^2) + eps) * (offset + w) over rows of length h.
 void launch_rmsnorm(DType dtype, int64_t rows, int64_t h, double eps, double offset, const void* x, const void* w,
                     void* y, cudaStream_t stream);

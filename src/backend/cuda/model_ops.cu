@@ -67,6 +67,30 @@ __global__ void iota_kernel(int64_t n, int32_t* out) {
 
 int rows_grid(int64_t rows) { return grid_for(rows, 1); }
 
+// gather_sum: one thread per pack of kN elements of an output row, its S rows summed in order in fp32 (index -1 and
+// indices outside [0, n) skipped: a kernel cannot throw; the model builds them in range).
+template <typename T, int kN>
+__global__ void gather_sum_kernel(int64_t m, int64_t s, int64_t n, int64_t d, const T* x, const int32_t* index,
+                                  const T* w, T* out) {
+  const int64_t row_packs = d / kN;
+  for (int64_t p = global_thread(); p < m * row_packs; p += grid_threads()) {
+    const int64_t i = p / row_packs, c = (p % row_packs) * kN;
+    float acc[kN] = {};
+    for (int64_t j = 0; j < s; ++j) {
+      const int64_t id = index[i * s + j];
+      if (id < 0 || id >= n) continue;
+      const float wj = load(w, i * s + j);
+      const Pack<T, kN> v = load_pack<T, kN>(x + id * d + c);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) acc[k] += wj * load(v.e, k);
+    }
+    Pack<T, kN> o;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) store(o.e, k, acc[k]);
+    store_pack(out + i * d + c, o);
+  }
+}
+
 // ---------------------------------------------------------------- rmsnorm, gated rmsnorm
 // A group of kLanes lanes per row, kNormThreads / kLanes rows per block: 8 or 16 lanes for rows of at most that many
 // packs (head dims 64 and 128 in bf16 would leave half a warp idle with a warp per row), 32, or 64 / 128 for rows too
@@ -948,6 +972,23 @@ void launch_embedding(DType dtype, int64_t n_tokens, int64_t hidden, int64_t voc
                                                                                           first, pw, ids, po);
   });
   LATHE_CUDA_LAUNCH_CHECK("embedding_kernel");
+}
+
+void launch_gather_sum(DType dtype, int64_t m, int64_t s, int64_t n, int64_t d, const void* rows,
+                       const int32_t* index, const void* weights, void* out, cudaStream_t stream) {
+  if (m == 0 || d == 0) return;
+  dispatch_f32_bf16_f16(dtype, "gather_sum dispatch (unsupported dtype)", [&](auto t) {
+    using T = decltype(t);
+    const auto* px = static_cast<const T*>(rows);
+    const auto* pw = static_cast<const T*>(weights);
+    auto* po = static_cast<T*>(out);
+    constexpr int kN = kPackOf16<T>;
+    if (d % kN == 0 && aligned16(px) && aligned16(po))
+      gather_sum_kernel<T, kN><<<grid_for(m * (d / kN), kThreads), kThreads, 0, stream>>>(m, s, n, d, px, index, pw, po);
+    else
+      gather_sum_kernel<T, 1><<<grid_for(m * d, kThreads), kThreads, 0, stream>>>(m, s, n, d, px, index, pw, po);
+  });
+  LATHE_CUDA_LAUNCH_CHECK("gather_sum_kernel");
 }
 
 size_t embedding_backward_scratch_bytes(int64_t n_tokens) {

@@ -85,6 +85,13 @@ void run_embedding_backward(const OpCall& c, ExecContext& ctx) {
                             stream_of(ctx));
 }
 
+void run_gather_sum(const OpCall& c, ExecContext& ctx) {
+  const Tensor& rows = c.inputs[0];
+  const Tensor& index = c.inputs[1];
+  launch_gather_sum(rows.dtype(), index.size(0), index.size(1), rows.size(0), rows.size(1), rows.data_ptr(),
+                    index.data<int32_t>(), c.inputs[2].data_ptr(), c.outputs[0].data_ptr(), stream_of(ctx));
+}
+
 void run_rmsnorm(const OpCall& c, ExecContext& ctx) {
   const auto& a = c.attr<NormAttrs>();
   const Tensor& x = c.inputs[0];
@@ -328,6 +335,7 @@ void register_cuda_model_kernels(KernelRegistry& r) {
     };
     add(OpId::embedding, "cuda/embedding_gather", contiguous_supports, run_embedding);
     add(OpId::embedding_backward, "cuda/embedding_sorted_sum", contiguous_supports, run_embedding_backward);
+    add(OpId::gather_sum, "cuda/gather_sum_rows", contiguous_supports, run_gather_sum);
     add(OpId::rmsnorm, "cuda/rmsnorm_rows", contiguous_supports, run_rmsnorm);
     add(OpId::rmsnorm_backward, "cuda/rmsnorm_backward_rows", contiguous_supports, run_rmsnorm_backward);
     add(OpId::residual_rmsnorm, "cuda/residual_rmsnorm_rows", contiguous_supports, run_residual_rmsnorm);
