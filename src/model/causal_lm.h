@@ -382,6 +382,8 @@ class CausalLm {
   void plan_expert_exchange(MoeRoute& r) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
+  // A (rows, cols) view of ones in the model dtype (kept: the expert exchange's unweighted sums take them per layer).
+  Tensor ones(int64_t rows, int64_t cols) const;
   // Token rows (T, D) -> the tokens this rank receives (U, D): each token sent once to each rank holding its experts.
   Tensor tokens_to_experts(const MoeRoute& r, const Tensor& rows) const;
   // The received tokens (U, D) -> one row a grouped pair (R, D).
@@ -481,6 +483,7 @@ class CausalLm {
   std::vector<Parameter> params_;
   LoraBank* lora_ = nullptr;
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
+  mutable Tensor ones_;  // ones() of the model dtype, grown as needed
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
   // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
   // <= -2: absent_[-2 - index]).

@@ -237,6 +237,29 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   return sum;
 }
 
+// A table of values built on the host in f32 or f64 (the transport dtype of the plan's small exchanges) and
+// uploaded as is, without a widening copy and a cast on the device.
+class HostValues {
+ public:
+  HostValues(DType dtype, int64_t n, double fill = 0.0) : dtype_(dtype) {
+    if (dtype == DType::F64) f64_.assign(size_t(n), fill);
+    else f32_.assign(size_t(n), float(fill));
+  }
+  void set(int64_t i, double v) {
+    if (dtype_ == DType::F64) f64_[size_t(i)] = v;
+    else f32_[size_t(i)] = float(v);
+  }
+  Tensor upload(Runtime& rt, const Shape& shape, Device device) const {
+    const void* data = dtype_ == DType::F64 ? static_cast<const void*>(f64_.data()) : f32_.data();
+    return rt.upload(data, shape, dtype_, device);
+  }
+
+ private:
+  DType dtype_;
+  std::vector<double> f64_;
+  std::vector<float> f32_;
+};
+
 }  // namespace
 
 // Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
@@ -273,7 +296,7 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   const int64_t width = e + n;  // a rank's pairs per expert, then its tokens for each rank
   std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
   for (const auto& v : tokens_for) mine_counts.push_back(double(v.size()));
-  const Tensor local = rt_->from_host(mine_counts.data(), {width}, DType::F64, options_.device);
+  const Tensor local = rt_->upload(mine_counts.data(), {width}, DType::F64, options_.device);  // stream-ordered
   Tensor all = Tensor::empty({n * width}, DType::F64, rt_->context(options_.device).allocator);
   options_.ep->all_gather(local, all).wait();
   const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
@@ -317,19 +340,19 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
 
   // Each pair's row among its receiver's tokens (the senders before this rank come first there) and its weight, as
   // two columns of values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model).
+  // Both tables are filled on the host in the transport dtype (the weights' columns on the device) and uploaded once.
   const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
-  std::vector<double> rows(static_cast<size_t>(pairs));
+  HostValues rows(xd, pairs * 2);
   for (int64_t j = 0; j < n; ++j) {
     int64_t base = 0;
     for (int64_t i = 0; i < me; ++i) base += tokens(i, j);
     LATHE_CHECK(xd == DType::F64 || base + tokens(me, j) <= (int64_t(1) << 24),
                 "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
     for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
-      rows[size_t(p)] = double(base + pair_slot[size_t(p)]);
+      rows.set(p * 2, double(base + pair_slot[size_t(p)]));
   }
   const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
-  const Tensor values = Tensor::empty({pairs, 2}, xd, cx.allocator);
-  copy_into(cx, rt_->upload(rows.data(), {pairs, 1}, DType::F64, options_.device), values.narrow(1, 0, 1));
+  const Tensor values = rows.upload(*rt_, {pairs, 2}, options_.device);
   copy_into(cx, weights, values.narrow(1, 1, 1));
   const Tensor got = to_expert_ranks(r, values);  // (R, 2)
   r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
@@ -338,7 +361,7 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   // Each token's pairs on each rank it goes to: their grouped rows there (-1 for the slots beyond them; at most
   // S = min(k, experts a rank) of them, in expert order) and their weights, S + S values a token, with the tokens.
   const int64_t k = config_.num_experts_per_tok, slots = std::min(k, mine), sent_total = int64_t(sent.size());
-  std::vector<double> slot_rows(static_cast<size_t>(sent_total * slots), -1.0);
+  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0);  // (sent, 2 S): the rows, then the weights' columns
   std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);  // where each slot's weight is
   std::vector<int64_t> filled(static_cast<size_t>(sent_total), 0);
   int64_t first_sent = 0;
@@ -350,18 +373,16 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
       for (int64_t i = 0; i < me; ++i) row += count(i, e);
       for (int64_t p = r.offsets[size_t(e)]; p < r.offsets[size_t(e + 1)]; ++p) {
         const int64_t u = first_sent + pair_slot[size_t(p)];
-        const int64_t at_slot = u * slots + filled[size_t(u)]++;
-        slot_rows[size_t(at_slot)] = double(row + p - r.offsets[size_t(e)]);
-        slot_pairs[size_t(at_slot)] = int32_t(p);
+        const int64_t f = filled[size_t(u)]++;
+        slot_rows.set(u * 2 * slots + f, double(row + p - r.offsets[size_t(e)]));
+        slot_pairs[size_t(u * slots + f)] = int32_t(p);
       }
       for (int64_t i = 0; i < n; ++i) first_row += count(i, e);
     }
     first_sent += int64_t(tokens_for[size_t(j)].size());
   }
   const int64_t got_tokens = total_of(r.ep_token_recv);
-  const Tensor per_token = Tensor::empty({sent_total, 2 * slots}, xd, cx.allocator);
-  copy_into(cx, rt_->upload(slot_rows.data(), {sent_total, slots}, DType::F64, options_.device),
-            per_token.narrow(1, 0, slots));
+  const Tensor per_token = slot_rows.upload(*rt_, {sent_total, 2 * slots}, options_.device);
   const Tensor slot_ids = rt_->upload(slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
   copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
   Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
@@ -370,11 +391,9 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
                           elements(r.ep_token_recv, 2 * slots));
   r.ep_pairs = cast(cx, token_values.narrow(1, 0, slots), DType::I32);
   r.ep_pair_weights = cast(cx, token_values.narrow(1, slots, slots), options_.dtype);
-  const std::vector<double> ones(static_cast<size_t>(std::max(got_tokens * slots, t * n)), 1.0);
-  r.ep_pair_ones = cast(cx, rt_->upload(ones.data(), {got_tokens, slots}, DType::F64, options_.device),
-                        options_.dtype);
+  r.ep_pair_ones = ones(got_tokens, slots);
   r.ep_back = rt_->upload(back.data(), {t, n}, DType::I32, options_.device);
-  r.ep_back_ones = cast(cx, rt_->upload(ones.data(), {t, n}, DType::F64, options_.device), options_.dtype);
+  r.ep_back_ones = ones(t, n);
 }
 
 Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {
@@ -396,6 +415,17 @@ Tensor CausalLm::from_expert_ranks(const MoeRoute& r, const Tensor& rows) const 
   options_.ep->all_to_all(contiguous(cx, received).view({received.numel()}), elements(r.ep_recv, d), flat,
                           elements(r.ep_send, d));
   return out;
+}
+
+Tensor CausalLm::ones(int64_t rows, int64_t cols) const {
+  const int64_t n = rows * cols;
+  const int64_t have = ones_.defined() ? ones_.numel() : 0;
+  if (!ones_.defined() || have < n) {
+    ExecContext cx = rt_->context(options_.device);
+    const std::vector<double> host(static_cast<size_t>(std::max<int64_t>({n, 2 * have, 1})), 1.0);
+    ones_ = cast(cx, rt_->upload(host.data(), {int64_t(host.size())}, DType::F64, options_.device), options_.dtype);
+  }
+  return ones_.narrow(0, 0, n).view({rows, cols});
 }
 
 Tensor CausalLm::tokens_to_experts(const MoeRoute& r, const Tensor& rows) const {
