@@ -260,59 +260,108 @@ class HostValues {
   std::vector<float> f32_;
 };
 
+// Which of a rank's tokens go to each rank of the ep group: those with a pair in its experts (one range [offsets[j
+// mine], offsets[(j + 1) mine]) of the route, sorted by expert), in token order. Also each pair's token's row in its
+// message, and each token's row in the buffer that comes back (the messages one after the other, as they went; -1 for
+// a rank it did not go to), (T, n).
+struct TokenMessages {
+  std::vector<std::vector<int32_t>> tokens_for;
+  std::vector<int64_t> pair_slot;
+  std::vector<int32_t> back;
+};
+
+TokenMessages token_messages(const int32_t* token_of, const std::vector<int64_t>& offsets, int64_t t, int64_t n,
+                             int64_t mine) {
+  TokenMessages m;
+  m.tokens_for.resize(size_t(n));
+  m.pair_slot.resize(size_t(offsets.back()));
+  m.back.assign(size_t(t * n), -1);
+  std::vector<int64_t> slot(static_cast<size_t>(t));
+  int64_t sent_before = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t begin = offsets[size_t(j * mine)], end = offsets[size_t((j + 1) * mine)];
+    std::vector<int32_t>& mine_for_j = m.tokens_for[size_t(j)];
+    std::vector<char> hit(size_t(t), 0);
+    for (int64_t p = begin; p < end; ++p) hit[size_t(token_of[p])] = 1;
+    for (int64_t i = 0; i < t; ++i)
+      if (hit[size_t(i)]) {
+        slot[size_t(i)] = int64_t(mine_for_j.size());
+        m.back[size_t(i * n + j)] = int32_t(sent_before + slot[size_t(i)]);
+        mine_for_j.push_back(int32_t(i));
+      }
+    for (int64_t p = begin; p < end; ++p) m.pair_slot[size_t(p)] = slot[size_t(token_of[p])];
+    sent_before += int64_t(mine_for_j.size());
+  }
+  return m;
+}
+
+// The ep group's counts, from the all-gather: each rank's pairs per expert, then its tokens for each rank.
+struct GroupCounts {
+  const double* all;
+  int64_t experts, ranks;
+  int64_t pairs(int64_t rank, int64_t expert) const { return int64_t(all[rank * (experts + ranks) + expert]); }
+  int64_t tokens(int64_t from, int64_t to) const { return int64_t(all[from * (experts + ranks) + experts + to]); }
+};
+
+// Each token's pairs on each rank it goes to (the messages one after the other): their grouped rows there (by local
+// expert, then sending rank, as plan_expert_exchange orders them; -1 for the slots beyond them; at most `slots` =
+// min(k, experts a rank), in expert order) in the first `slots` columns of `rows` (sent, 2 slots), and each slot's
+// pair in the route (0 for an empty one: its weight is not read).
+void token_slots(const TokenMessages& m, const GroupCounts& c, const std::vector<int64_t>& offsets, int64_t me,
+                 int64_t mine, int64_t slots, HostValues& rows, std::vector<int32_t>& slot_pairs) {
+  std::vector<int64_t> filled;
+  for (const auto& v : m.tokens_for) filled.resize(filled.size() + v.size(), 0);
+  int64_t first_sent = 0;
+  for (int64_t j = 0; j < c.ranks; ++j) {
+    int64_t first_row = 0;  // where local expert x's group starts on rank j (its pairs from every rank)
+    for (int64_t x = 0; x < mine; ++x) {
+      const int64_t e = j * mine + x;
+      int64_t row = first_row;
+      for (int64_t i = 0; i < me; ++i) row += c.pairs(i, e);
+      for (int64_t p = offsets[size_t(e)]; p < offsets[size_t(e + 1)]; ++p) {
+        const int64_t u = first_sent + m.pair_slot[size_t(p)];
+        const int64_t f = filled[size_t(u)]++;
+        rows.set(u * 2 * slots + f, double(row + p - offsets[size_t(e)]));
+        slot_pairs[size_t(u * slots + f)] = int32_t(p);
+      }
+      for (int64_t i = 0; i < c.ranks; ++i) first_row += c.pairs(i, e);
+    }
+    first_sent += int64_t(m.tokens_for[size_t(j)].size());
+  }
+}
+
 }  // namespace
 
 // Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
 // then the counts of the all-to-alls and the row orders between the received pair layout (by sending rank, each
 // rank's pairs of this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the
-// GEMMs take. The tokens for rank j are those with a pair in j's experts (one range of the plan, sorted by expert);
-// each pair's row among the tokens its experts' rank receives and its combine weight go there as pair rows.
+// GEMMs take; then the small tables the experts' rank needs, sent there: each pair's row among the tokens it receives
+// and its weight (by pair), and each token's pairs and their weights (with the token).
 void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
   const int64_t pairs = r.offsets.back();
   const Tensor token_of = rt_->copy_to(r.token_ids, Device::cpu());  // the route's wait has drained the stream
-  const int32_t* tok = token_of.data<int32_t>();
-  std::vector<std::vector<int32_t>> tokens_for(static_cast<size_t>(n));
-  // A token's and a pair's row in its message; each token's row in the buffer that comes back (the messages to the
-  // ranks one after the other, as they went), -1 for a rank it did not go to.
-  std::vector<int64_t> slot(static_cast<size_t>(t)), pair_slot(static_cast<size_t>(pairs));
-  std::vector<int32_t> back(static_cast<size_t>(t * n), -1);
-  int64_t sent_before = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t begin = r.offsets[size_t(j * mine)], end = r.offsets[size_t((j + 1) * mine)];
-    std::vector<char> hit(size_t(t), 0);
-    for (int64_t p = begin; p < end; ++p) hit[size_t(tok[p])] = 1;
-    for (int64_t i = 0; i < t; ++i)
-      if (hit[size_t(i)]) {
-        slot[size_t(i)] = int64_t(tokens_for[size_t(j)].size());
-        back[size_t(i * n + j)] = int32_t(sent_before + slot[size_t(i)]);
-        tokens_for[size_t(j)].push_back(int32_t(i));
-      }
-    for (int64_t p = begin; p < end; ++p) pair_slot[size_t(p)] = slot[size_t(tok[p])];
-    sent_before += int64_t(tokens_for[size_t(j)].size());
-  }
+  const TokenMessages m = token_messages(token_of.data<int32_t>(), r.offsets, t, n, mine);
 
-  const int64_t width = e + n;  // a rank's pairs per expert, then its tokens for each rank
   std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
-  for (const auto& v : tokens_for) mine_counts.push_back(double(v.size()));
-  const Tensor local = rt_->upload(mine_counts.data(), {width}, DType::F64, options_.device);  // stream-ordered
-  Tensor all = Tensor::empty({n * width}, DType::F64, rt_->context(options_.device).allocator);
+  for (const auto& v : m.tokens_for) mine_counts.push_back(double(v.size()));
+  const Tensor local = rt_->upload(mine_counts.data(), {e + n}, DType::F64, options_.device);  // stream-ordered
+  Tensor all = Tensor::empty({n * (e + n)}, DType::F64, cx.allocator);
   options_.ep->all_gather(local, all).wait();
   const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
-  const auto count = [&](int64_t rank, int64_t expert) { return int64_t(host.data<double>()[rank * width + expert]); };
-  const auto tokens = [&](int64_t from, int64_t to) { return int64_t(host.data<double>()[from * width + e + to]); };
+  const GroupCounts c{host.data<double>(), e, n};
   r.ep_send.assign(size_t(n), 0);
   r.ep_recv.assign(size_t(n), 0);
   r.ep_token_send.assign(size_t(n), 0);
   r.ep_token_recv.assign(size_t(n), 0);
   for (int64_t j = 0; j < n; ++j) {
     for (int64_t x = 0; x < mine; ++x) {
-      r.ep_send[size_t(j)] += count(me, j * mine + x);  // my pairs of rank j's experts
-      r.ep_recv[size_t(j)] += count(j, me * mine + x);  // rank j's pairs of mine
+      r.ep_send[size_t(j)] += c.pairs(me, j * mine + x);  // my pairs of rank j's experts
+      r.ep_recv[size_t(j)] += c.pairs(j, me * mine + x);  // rank j's pairs of mine
     }
-    r.ep_token_send[size_t(j)] = tokens(me, j);
-    r.ep_token_recv[size_t(j)] = tokens(j, me);
+    r.ep_token_send[size_t(j)] = c.tokens(me, j);
+    r.ep_token_recv[size_t(j)] = c.tokens(j, me);
   }
   // start[j][x]: where sender j's pairs of local expert x begin in the received layout.
   std::vector<int64_t> start(size_t(n * mine));
@@ -320,13 +369,13 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t x = 0; x < mine; ++x) {
       start[size_t(j * mine + x)] = at;
-      at += count(j, me * mine + x);
+      at += c.pairs(j, me * mine + x);
     }
   std::vector<int32_t> grouped, received(size_t(at), 0);
   r.ep_offsets = {0};
   for (int64_t x = 0; x < mine; ++x) {
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t k = 0; k < count(j, me * mine + x); ++k) {
+      for (int64_t k = 0; k < c.pairs(j, me * mine + x); ++k) {
         received[size_t(start[size_t(j * mine + x)] + k)] = int32_t(grouped.size());
         grouped.push_back(int32_t(start[size_t(j * mine + x)] + k));
       }
@@ -335,21 +384,21 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
   r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
   std::vector<int32_t> sent;
-  for (const auto& v : tokens_for) sent.insert(sent.end(), v.begin(), v.end());
+  for (const auto& v : m.tokens_for) sent.insert(sent.end(), v.begin(), v.end());
   r.ep_tokens = rt_->upload(sent.data(), {int64_t(sent.size())}, DType::I32, options_.device);
 
-  // Each pair's row among its receiver's tokens (the senders before this rank come first there) and its weight, as
-  // two columns of values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model).
-  // Both tables are filled on the host in the transport dtype (the weights' columns on the device) and uploaded once.
+  // The tables, values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model), filled on the
+  // host (the weights' columns on the device) and uploaded once. By pair: its row among its receiver's tokens (the
+  // senders before this rank come first there) and its weight.
   const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
   HostValues rows(xd, pairs * 2);
   for (int64_t j = 0; j < n; ++j) {
     int64_t base = 0;
-    for (int64_t i = 0; i < me; ++i) base += tokens(i, j);
-    LATHE_CHECK(xd == DType::F64 || base + tokens(me, j) <= (int64_t(1) << 24),
+    for (int64_t i = 0; i < me; ++i) base += c.tokens(i, j);
+    LATHE_CHECK(xd == DType::F64 || base + c.tokens(me, j) <= (int64_t(1) << 24),
                 "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
     for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
-      rows.set(p * 2, double(base + pair_slot[size_t(p)]));
+      rows.set(p * 2, double(base + m.pair_slot[size_t(p)]));
   }
   const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
   const Tensor values = rows.upload(*rt_, {pairs, 2}, options_.device);
@@ -358,33 +407,15 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
   r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
 
-  // Each token's pairs on each rank it goes to: their grouped rows there (-1 for the slots beyond them; at most
-  // S = min(k, experts a rank) of them, in expert order) and their weights, S + S values a token, with the tokens.
-  const int64_t k = config_.num_experts_per_tok, slots = std::min(k, mine), sent_total = int64_t(sent.size());
-  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0);  // (sent, 2 S): the rows, then the weights' columns
-  std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);  // where each slot's weight is
-  std::vector<int64_t> filled(static_cast<size_t>(sent_total), 0);
-  int64_t first_sent = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t first_row = 0;  // grouped row on rank j of its local expert x's pairs from this rank
-    for (int64_t x = 0; x < mine; ++x) {
-      const int64_t e = j * mine + x;
-      int64_t row = first_row;
-      for (int64_t i = 0; i < me; ++i) row += count(i, e);
-      for (int64_t p = r.offsets[size_t(e)]; p < r.offsets[size_t(e + 1)]; ++p) {
-        const int64_t u = first_sent + pair_slot[size_t(p)];
-        const int64_t f = filled[size_t(u)]++;
-        slot_rows.set(u * 2 * slots + f, double(row + p - r.offsets[size_t(e)]));
-        slot_pairs[size_t(u * slots + f)] = int32_t(p);
-      }
-      for (int64_t i = 0; i < n; ++i) first_row += count(i, e);
-    }
-    first_sent += int64_t(tokens_for[size_t(j)].size());
-  }
-  const int64_t got_tokens = total_of(r.ep_token_recv);
+  // By token sent: its pairs' grouped rows there and their weights, S + S values.
+  const int64_t slots = std::min(config_.num_experts_per_tok, mine), sent_total = int64_t(sent.size());
+  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0);
+  std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);
+  token_slots(m, c, r.offsets, me, mine, slots, slot_rows, slot_pairs);
   const Tensor per_token = slot_rows.upload(*rt_, {sent_total, 2 * slots}, options_.device);
   const Tensor slot_ids = rt_->upload(slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
   copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
+  const int64_t got_tokens = total_of(r.ep_token_recv);
   Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
   Tensor flat = token_values.view({got_tokens * 2 * slots});
   options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * slots), flat,
@@ -392,7 +423,7 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   r.ep_pairs = cast(cx, token_values.narrow(1, 0, slots), DType::I32);
   r.ep_pair_weights = cast(cx, token_values.narrow(1, slots, slots), options_.dtype);
   r.ep_pair_ones = ones(got_tokens, slots);
-  r.ep_back = rt_->upload(back.data(), {t, n}, DType::I32, options_.device);
+  r.ep_back = rt_->upload(m.back.data(), {t, n}, DType::I32, options_.device);
   r.ep_back_ones = ones(t, n);
 }
 
