@@ -614,6 +614,24 @@ TEST(ExpertParallel, LogprobsEqualOneProcess) {
   }
 }
 
+// A rank that fails while the others wait for it in a collective ends the job at once with its error (run_as_rank's
+// MPI_Abort while MPI is still up), not at the 600 s collective timeout nor in an MPI_Finalize that waits for ranks
+// that wait for it: rank 1 of `lathe logprobs --ep 2` fails after loading, rank 0 goes on to its first exchange.
+TEST(ExpertParallel, AFailingRankEndsTheJobWithItsError) {
+  const fs::path dir = setup("ep_fail", kQwen3Moe);
+  std::vector<std::vector<double>> want;
+  const std::string args = logprobs_reference(dir, want);
+  const auto t0 = std::chrono::steady_clock::now();
+  const LatheRun r = lathe_e2e::lathe(args + (dir / "ep2.jsonl").string() + " --ep 2",
+                                      "LATHE_FAULT_INJECT=logprobs_rank_error:1 " + kMpirun + " -np 2");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("lathe: error: rank 1: logprobs: rank 1 failed (LATHE_FAULT_INJECT)"), std::string::npos)
+      << r.output;
+  EXPECT_LT(seconds, 120) << r.output;
+  EXPECT_FALSE(fs::exists(dir / "ep2.jsonl"));
+}
+
 // `lathe generate --ep 2` (greedy, one sequence at a time) equals one process: rank 0 has three lines and rank 1 two,
 // so rank 1 runs out of work first and keeps stepping with filler forwards while rank 0 still routes rows to its
 // experts (without them the ranks' collectives part ways and the job fails).

@@ -21,6 +21,7 @@
 #include "comm/launch.h"
 #include "comm/local_launch.h"
 #include "commands.h"
+#include "core/fault_inject.h"
 #include "core/files.h"
 #include "data/chat_template.h"
 #include "data/dataset.h"
@@ -212,6 +213,9 @@ void run_rank(Args& a, const LaunchEnv& env, std::optional<MpiSession>& mpi) {
     bank->load_peft(0, a.adapter);
     model->attach_lora(bank.get());
   }
+  // A rank that fails while the others wait in a collective for it (the test of run_as_rank's job end).
+  LATHE_CHECK(!fault_injected("logprobs_rank_error", env.rank), "logprobs: rank {} failed (LATHE_FAULT_INJECT)",
+              env.rank);
   score(rt, a, options, *model, bank.get(), encoder, ranks);
 }
 
