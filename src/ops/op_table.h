@@ -307,7 +307,7 @@ struct SegmentAttrs {
 };
 
 // Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention; research note gated-deltanet.md §2, formulas and packing
-// conventions in model/gdn_reference.h). All take packed documents with cu_seqlens (N + 1) i32; nothing crosses a
+// conventions in backend/cpu/gdn_reference.h). All take packed documents with cu_seqlens (N + 1) i32; nothing crosses a
 // document boundary in either pass.
 // sigmoid(x) -> y; sigmoid_backward(y, dy) -> dy y (1 - y) (takes the output, like softmax_backward).
 // causal_conv1d(x (T, C), w (C, W), cu) -> y (T, C): depthwise causal convolution, y[t, c] = sum_j w[c, j]

@@ -1,4 +1,4 @@
-// The CPU reference of the Gated DeltaNet core (src/model/gdn_reference.h): the recurrence against the note's
+// The CPU reference of the Gated DeltaNet core (src/backend/cpu/gdn_reference.h): the recurrence against the note's
 // closed form, recurrent vs chunked forward and backward (chunk 64 and small chunks, packed documents of lengths
 // 1, 5, 64, 65, 130, H_v = 2 H_k), both backwards against central finite differences, packing (each document alone
 // gives the same outputs and gradients as the packed batch), fp32 chunked vs fp64, and input validation.
@@ -12,7 +12,7 @@
 #include <random>
 
 #include "core/error.h"
-#include "model/gdn_reference.h"
+#include "backend/cpu/gdn_reference.h"
 
 using namespace lathe;
 

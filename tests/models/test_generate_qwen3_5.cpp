@@ -18,7 +18,7 @@
 
 #include "../e2e/lathe_run.h"
 #include "io/safetensors.h"
-#include "model/gdn_reference.h"
+#include "backend/cpu/gdn_reference.h"
 #include "model/generate.h"
 #include "model/qwen3_5.h"
 #include "model/rollout_engine.h"

@@ -1,6 +1,6 @@
 // CPU reference kernels of the Gated DeltaNet ops: depthwise causal conv1d over packed documents (+ backward), the
 // log-decay g = -exp(A_log) softplus(a + dt_bias) (+ backward), and the gated delta rule (+ backward, + the form
-// with initial/final states of decoding), through the chunked WY reference of model/gdn_reference (which checks its
+// with initial/final states of decoding), through the chunked WY reference of backend/cpu/gdn_reference (which checks its
 // own inputs: g <= 0, boundaries).
 // Convention: cu_seqlens is validated here (0 = cu[0] <= ... <= cu[N] = T); a conv tap whose source lies before
 // its document's first token reads zero, in both passes. Plain loops, double accumulation, float and double.
@@ -11,7 +11,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/registry.h"
-#include "model/gdn_reference.h"
+#include "backend/cpu/gdn_reference.h"
 
 namespace lathe {
 

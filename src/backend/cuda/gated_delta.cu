@@ -1,5 +1,5 @@
 // CUDA kernels of the gated delta rule (research note gated-deltanet.md §2-§4; the CPU specification is
-// model/gdn_reference.cpp), forward and backward, for f32, bf16 and f16 (float math); the other Gated DeltaNet ops
+// backend/cpu/gdn_reference.cpp), forward and backward, for f32, bf16 and f16 (float math); the other Gated DeltaNet ops
 // (sigmoid, the log-decay, the conv1d) are in gdn_pointwise.cu. The rule also takes g and beta (and gives dg, dbeta)
 // in f32 beside bf16/f16 q, k, v: the model's log-decay stays fp32 end to end, as in transformers.
 //

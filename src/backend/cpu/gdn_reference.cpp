@@ -3,7 +3,7 @@
 // from the packed (T, heads, dim) tensors, so a document boundary is simply where the gathered rows end; the
 // symbols (b, Gamma, L, R, W, U, Delta, H, dH) are those of research note gated-deltanet.md §3.
 // Covered by tests/models/test_gdn_reference.cpp.
-#include "model/gdn_reference.h"
+#include "backend/cpu/gdn_reference.h"
 
 #include <algorithm>
 #include <cmath>
