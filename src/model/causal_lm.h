@@ -382,7 +382,8 @@ class CausalLm {
   void plan_expert_exchange(MoeRoute& r) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
-  // A (rows, cols) view of ones in the model dtype (kept: the expert exchange's unweighted sums take them per layer).
+  // A (rows, cols) view of ones in the model dtype, kept by the model (the MoE layers take them every layer and batch);
+  // training and expert parallelism only: a recorded decoding step must not make the kept buffer grow.
   Tensor ones(int64_t rows, int64_t cols) const;
   // Token rows (T, D) -> the tokens this rank receives (U, D): each token sent once to each rank holding its experts.
   Tensor tokens_to_experts(const MoeRoute& r, const Tensor& rows) const;

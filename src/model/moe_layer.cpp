@@ -488,10 +488,7 @@ Tensor CausalLm::experts_to_tokens(const MoeRoute& r, const Tensor& rows, const 
 
 void CausalLm::prepare_moe_backward(MoeRoute& r) {
   if (r.ones.defined()) return;  // once per batch and layer (a recomputing backward reuses it)
-  ExecContext cx = ctx();
-  const int64_t t = r.weights.size(0), k = r.weights.size(1);
-  const std::vector<double> ones(size_t(t * k), 1.0);
-  r.ones = cast(cx, rt_->upload(ones.data(), {t, 1, k}, DType::F64, options_.device), options_.dtype);
+  r.ones = ones(r.weights.size(0), r.weights.size(1)).view({r.weights.size(0), 1, r.weights.size(1)});
 }
 
 ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r) {
