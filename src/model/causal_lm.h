@@ -489,6 +489,8 @@ class CausalLm {
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
   mutable Tensor ones_;  // ones() of the model dtype, grown as needed
   mutable std::vector<int64_t> ep_rank_tokens_;  // ep_rank_tokens() of this forward (empty: not asked yet)
+  mutable std::vector<int32_t> ep_plan_host_;    // plan_expert_exchange's index tables on the host, kept
+  mutable std::vector<int32_t> ep_routes_host_;  // and every rank's routes read back there
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
   // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
   // <= -2: absent_[-2 - index]).

@@ -7,7 +7,6 @@
 // in fp32 (double in an f64 model) and the combine weights rounded to the model dtype.
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -243,30 +242,34 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   return sum;
 }
 
-// The plan's index tables, built on the host, uploaded as one i32 buffer: add() returns a table's place in it.
+// The plan's index tables, laid out one after the other (each 16 bytes aligned) in a host buffer the model keeps
+// (written afresh each layer: fresh pages would cost a page fault each, several milliseconds a layer), filled there and
+// uploaded as one i32 buffer.
 class IndexTables {
  public:
-  std::vector<int32_t>& add(int64_t n, int32_t fill = 0) {
-    tables_.emplace_back(size_t(n), fill);
-    return tables_.back();
-  }
-  // The tables, in the order added, as views of one upload (each starting 16 bytes aligned).
-  std::vector<Tensor> upload(Runtime& rt, Device device) const {
-    std::vector<int32_t> all;
-    std::vector<int64_t> at;
-    for (const std::vector<int32_t>& t : tables_) {
-      at.push_back(int64_t(all.size()));
-      all.insert(all.end(), t.begin(), t.end());
-      all.resize((all.size() + 3) / 4 * 4, 0);
+  IndexTables(std::vector<int32_t>& buffer, const std::vector<std::pair<int64_t, int32_t>>& sizes_and_fills)
+      : buffer_(buffer) {
+    int64_t size = 0;
+    for (const auto& [n, fill] : sizes_and_fills) {
+      at_.push_back(size);
+      sizes_.push_back(n);
+      size += (n + 3) / 4 * 4;
     }
-    const Tensor buffer = rt.upload(all.data(), {int64_t(all.size())}, DType::I32, device);
+    buffer_.resize(size_t(size));
+    for (size_t i = 0; i < sizes_.size(); ++i)
+      std::fill_n(buffer_.begin() + at_[i], sizes_[i], sizes_and_fills[i].second);
+  }
+  int32_t* operator[](size_t i) { return buffer_.data() + at_[i]; }
+  std::vector<Tensor> upload(Runtime& rt, Device device) const {
+    const Tensor all = rt.upload(buffer_.data(), {int64_t(buffer_.size())}, DType::I32, device);
     std::vector<Tensor> out;
-    for (size_t i = 0; i < tables_.size(); ++i) out.push_back(buffer.narrow(0, at[i], int64_t(tables_[i].size())));
+    for (size_t i = 0; i < sizes_.size(); ++i) out.push_back(all.narrow(0, at_[i], sizes_[i]));
     return out;
   }
 
  private:
-  std::deque<std::vector<int32_t>> tables_;  // stable references while more are added
+  std::vector<int32_t>& buffer_;
+  std::vector<int64_t> at_, sizes_;
 };
 
 }  // namespace
@@ -318,8 +321,14 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const EpRoutes& all) const {
   const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n;
   const int64_t k = config_.num_experts_per_tok, most = all.most, t = r.totals.tokens;
   const int64_t slots = std::min(k, mine);
-  const Tensor host = options_.device.is_cpu() ? all.picked : rt_->copy_to(all.picked, Device::cpu());
-  const int32_t* picked = host.data<int32_t>();
+  const int32_t* picked = nullptr;  // read where the routes are on the host; else into a kept buffer (no fresh pages)
+  if (options_.device.is_cpu()) {
+    picked = all.picked.data<int32_t>();
+  } else {
+    ep_routes_host_.resize(size_t(all.picked.numel()));
+    rt_->download(all.picked, ep_routes_host_.data());
+    picked = ep_routes_host_.data();
+  }
   const auto expert = [&](int64_t i, int64_t tok, int64_t j) {  // rank i's pair (tok, j)
     return int64_t(picked[(i * most + tok) * k + j]) - tok * e;
   };
@@ -373,15 +382,18 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const EpRoutes& all) const {
   }
 
   const int64_t sent = total_of(r.ep_token_send), got = total_of(r.ep_token_recv);
-  IndexTables tables;
-  std::vector<int32_t>& grouped = tables.add(pairs);        // ep_grouped
-  std::vector<int32_t>& received = tables.add(pairs);       // ep_received
-  std::vector<int32_t>& unique = tables.add(pairs);         // ep_unique
-  std::vector<int32_t>& weight_of = tables.add(pairs);      // each grouped pair's row in all.weights
-  std::vector<int32_t>& token_pairs = tables.add(got * slots, -1);  // ep_pairs
-  std::vector<int32_t>& token_weights = tables.add(got * slots);    // their rows in all.weights (0 past them)
-  std::vector<int32_t>& tokens = tables.add(sent);          // ep_tokens
-  std::vector<int32_t>& back = tables.add(t * n, -1);       // ep_back
+  enum { kGrouped, kReceived, kUnique, kWeightOf, kTokenPairs, kTokenWeights, kTokens, kBack };
+  IndexTables tables(ep_plan_host_, {{pairs, 0}, {pairs, 0}, {pairs, 0}, {pairs, 0},  // ep_grouped .. each pair's
+                                     {got * slots, -1}, {got * slots, 0},             // row in all.weights; ep_pairs,
+                                     {sent, 0}, {t * n, -1}});                       // theirs; ep_tokens, ep_back
+  int32_t* grouped = tables[kGrouped];
+  int32_t* received = tables[kReceived];
+  int32_t* unique = tables[kUnique];
+  int32_t* weight_of = tables[kWeightOf];
+  int32_t* token_pairs = tables[kTokenPairs];
+  int32_t* token_weights = tables[kTokenWeights];
+  int32_t* tokens = tables[kTokens];
+  int32_t* back = tables[kBack];
   int64_t u = 0;
   std::vector<std::pair<int64_t, int64_t>> here;  // a token's (local expert, grouped pair)
   for (int64_t i = 0; i < n; ++i)
@@ -415,15 +427,15 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const EpRoutes& all) const {
   }
 
   const std::vector<Tensor> up = tables.upload(*rt_, options_.device);
-  r.ep_grouped = up[0];
-  r.ep_received = up[1];
-  r.ep_unique = up[2];
-  r.ep_weights = embedding(cx, all.weights, up[3]);  // (R, 1)
-  r.ep_pairs = up[4].view({got, slots});
-  r.ep_pair_weights = embedding(cx, all.weights, up[5]).view({got, slots});
+  r.ep_grouped = up[kGrouped];
+  r.ep_received = up[kReceived];
+  r.ep_unique = up[kUnique];
+  r.ep_weights = embedding(cx, all.weights, up[kWeightOf]);  // (R, 1)
+  r.ep_pairs = up[kTokenPairs].view({got, slots});
+  r.ep_pair_weights = embedding(cx, all.weights, up[kTokenWeights]).view({got, slots});
   r.ep_pair_ones = ones(got, slots);
-  r.ep_tokens = up[6];
-  r.ep_back = up[7].view({t, n});
+  r.ep_tokens = up[kTokens];
+  r.ep_back = up[kBack].view({t, n});
   r.ep_back_ones = ones(t, n);
 }
 
