@@ -377,12 +377,9 @@ class CausalLm {
   // derivative for moe_backward (MoeRoute::d_aux; undefined when the aux loss is off or without backward).
   Tensor aux_from_totals(LossResult& r, const std::vector<int64_t>& layers, const std::vector<RoutingTotals>& totals,
                          bool backward, double loss_scale);
-  // Expert parallelism: every ep rank's token count in this forward (one all-gather in its first sparse layer), every
-  // rank's routes (EpRoutes: queued before the route's wait), the plan of a route's all-to-alls from them
-  // (MoeRoute::ep_*), the rows sent to their experts' ranks and the outputs (or gradients) sent back.
-  const std::vector<int64_t>& ep_rank_tokens(int64_t tokens) const;
-  EpRoutes gather_routes(const Tensor& picked, const Tensor& weights) const;
-  void plan_expert_exchange(MoeRoute& r, const EpRoutes& all) const;
+  // Expert parallelism: the plan of a route's all-to-alls (MoeRoute::ep_*, from every rank's per-expert counts),
+  // the rows sent to their experts' ranks and the outputs (or gradients) sent back.
+  void plan_expert_exchange(MoeRoute& r) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
   // A (rows, cols) view of ones in the model dtype, kept by the model (the MoE layers take them every layer and batch);
@@ -488,9 +485,6 @@ class CausalLm {
   LoraBank* lora_ = nullptr;
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
   mutable Tensor ones_;  // ones() of the model dtype, grown as needed
-  mutable std::vector<int64_t> ep_rank_tokens_;  // ep_rank_tokens() of this forward (empty: not asked yet)
-  mutable std::vector<int32_t> ep_plan_host_;    // plan_expert_exchange's index tables on the host, kept
-  mutable std::vector<int32_t> ep_routes_host_;  // and every rank's routes read back there
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
   // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
   // <= -2: absent_[-2 - index]).

@@ -5,11 +5,8 @@
 // Shapes: T tokens, D hidden, E experts, k experts per token, P = T k routed rows, I the expert FFN size.
 // Numerics follow transformers' Qwen MoE blocks: router logits in the model dtype, softmax / top-k / renormalisation
 // in fp32 (double in an f64 model) and the combine weights rounded to the model dtype.
-#include <algorithm>
 #include <cmath>
 #include <string_view>
-#include <utility>
-#include <vector>
 
 #include "comm/communicator.h"
 #include "model/causal_lm.h"
@@ -198,8 +195,6 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
     return r;
   }
   const Tensor sums = sum(cx, m.probs, {0});  // (E), queued before the wait below
-  EpRoutes all;  // every ep rank's routes, queued before it too: the layer waits once
-  if (expert_parallel()) all = gather_routes(m.picked, r.weights);
   // The one wait of the layer: the grouped GEMMs take their groups on the host.
   const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
   const int32_t* off = offsets.data<int32_t>();
@@ -222,7 +217,7 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
     r.pad_pair = pad.pair;
     r.pad_position = pad.position;
   }
-  if (expert_parallel()) plan_expert_exchange(r, all);
+  if (expert_parallel()) plan_expert_exchange(r);
   r.valid = true;
   return r;
 }
@@ -242,200 +237,193 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   return sum;
 }
 
-// The plan's index tables, laid out one after the other (each 16 bytes aligned) in a host buffer the model keeps
-// (written afresh each layer: fresh pages would cost a page fault each, several milliseconds a layer), filled there and
-// uploaded as one i32 buffer.
-class IndexTables {
+// A table of values built on the host in f32 or f64 (the transport dtype of the plan's small exchanges) and
+// uploaded as is, without a widening copy and a cast on the device.
+class HostValues {
  public:
-  IndexTables(std::vector<int32_t>& buffer, const std::vector<std::pair<int64_t, int32_t>>& sizes_and_fills)
-      : buffer_(buffer) {
-    int64_t size = 0;
-    for (const auto& [n, fill] : sizes_and_fills) {
-      at_.push_back(size);
-      sizes_.push_back(n);
-      size += (n + 3) / 4 * 4;
-    }
-    buffer_.resize(size_t(size));
-    for (size_t i = 0; i < sizes_.size(); ++i)
-      std::fill_n(buffer_.begin() + at_[i], sizes_[i], sizes_and_fills[i].second);
+  HostValues(DType dtype, int64_t n, double fill = 0.0) : dtype_(dtype) {
+    if (dtype == DType::F64) f64_.assign(size_t(n), fill);
+    else f32_.assign(size_t(n), float(fill));
   }
-  int32_t* operator[](size_t i) { return buffer_.data() + at_[i]; }
-  std::vector<Tensor> upload(Runtime& rt, Device device) const {
-    const Tensor all = rt.upload(buffer_.data(), {int64_t(buffer_.size())}, DType::I32, device);
-    std::vector<Tensor> out;
-    for (size_t i = 0; i < sizes_.size(); ++i) out.push_back(all.narrow(0, at_[i], sizes_[i]));
-    return out;
+  void set(int64_t i, double v) {
+    if (dtype_ == DType::F64) f64_[size_t(i)] = v;
+    else f32_[size_t(i)] = float(v);
+  }
+  Tensor upload(Runtime& rt, const Shape& shape, Device device) const {
+    const void* data = dtype_ == DType::F64 ? static_cast<const void*>(f64_.data()) : f32_.data();
+    return rt.upload(data, shape, dtype_, device);
   }
 
  private:
-  std::vector<int32_t>& buffer_;
-  std::vector<int64_t> at_, sizes_;
+  DType dtype_;
+  std::vector<double> f64_;
+  std::vector<float> f32_;
 };
+
+// Which of a rank's tokens go to each rank of the ep group: those with a pair in its experts (one range [offsets[j
+// mine], offsets[(j + 1) mine]) of the route, sorted by expert), in token order. Also each pair's token's row in its
+// message, and each token's row in the buffer that comes back (the messages one after the other, as they went; -1 for
+// a rank it did not go to), (T, n).
+struct TokenMessages {
+  std::vector<std::vector<int32_t>> tokens_for;
+  std::vector<int64_t> pair_slot;
+  std::vector<int32_t> back;
+};
+
+TokenMessages token_messages(const int32_t* token_of, const std::vector<int64_t>& offsets, int64_t t, int64_t n,
+                             int64_t mine) {
+  TokenMessages m;
+  m.tokens_for.resize(size_t(n));
+  m.pair_slot.resize(size_t(offsets.back()));
+  m.back.assign(size_t(t * n), -1);
+  std::vector<int64_t> slot(static_cast<size_t>(t));
+  int64_t sent_before = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t begin = offsets[size_t(j * mine)], end = offsets[size_t((j + 1) * mine)];
+    std::vector<int32_t>& mine_for_j = m.tokens_for[size_t(j)];
+    std::vector<char> hit(size_t(t), 0);
+    for (int64_t p = begin; p < end; ++p) hit[size_t(token_of[p])] = 1;
+    for (int64_t i = 0; i < t; ++i)
+      if (hit[size_t(i)]) {
+        slot[size_t(i)] = int64_t(mine_for_j.size());
+        m.back[size_t(i * n + j)] = int32_t(sent_before + slot[size_t(i)]);
+        mine_for_j.push_back(int32_t(i));
+      }
+    for (int64_t p = begin; p < end; ++p) m.pair_slot[size_t(p)] = slot[size_t(token_of[p])];
+    sent_before += int64_t(mine_for_j.size());
+  }
+  return m;
+}
+
+// The ep group's counts, from the all-gather: each rank's pairs per expert, then its tokens for each rank.
+struct GroupCounts {
+  const double* all;
+  int64_t experts, ranks;
+  int64_t pairs(int64_t rank, int64_t expert) const { return int64_t(all[rank * (experts + ranks) + expert]); }
+  int64_t tokens(int64_t from, int64_t to) const { return int64_t(all[from * (experts + ranks) + experts + to]); }
+};
+
+// Each token's pairs on each rank it goes to (the messages one after the other): their grouped rows there (by local
+// expert, then sending rank, as plan_expert_exchange orders them; -1 for the slots beyond them; at most `slots` =
+// min(k, experts a rank), in expert order) in the first `slots` columns of `rows` (sent, 2 slots), and each slot's
+// pair in the route (0 for an empty one: its weight is not read).
+void token_slots(const TokenMessages& m, const GroupCounts& c, const std::vector<int64_t>& offsets, int64_t me,
+                 int64_t mine, int64_t slots, HostValues& rows, std::vector<int32_t>& slot_pairs) {
+  std::vector<int64_t> filled;
+  for (const auto& v : m.tokens_for) filled.resize(filled.size() + v.size(), 0);
+  int64_t first_sent = 0;
+  for (int64_t j = 0; j < c.ranks; ++j) {
+    int64_t first_row = 0;  // where local expert x's group starts on rank j (its pairs from every rank)
+    for (int64_t x = 0; x < mine; ++x) {
+      const int64_t e = j * mine + x;
+      int64_t row = first_row;
+      for (int64_t i = 0; i < me; ++i) row += c.pairs(i, e);
+      for (int64_t p = offsets[size_t(e)]; p < offsets[size_t(e + 1)]; ++p) {
+        const int64_t u = first_sent + m.pair_slot[size_t(p)];
+        const int64_t f = filled[size_t(u)]++;
+        rows.set(u * 2 * slots + f, double(row + p - offsets[size_t(e)]));
+        slot_pairs[size_t(u * slots + f)] = int32_t(p);
+      }
+      for (int64_t i = 0; i < c.ranks; ++i) first_row += c.pairs(i, e);
+    }
+    first_sent += int64_t(m.tokens_for[size_t(j)].size());
+  }
+}
 
 }  // namespace
 
-const std::vector<int64_t>& CausalLm::ep_rank_tokens(int64_t tokens) const {
-  if (ep_rank_tokens_.empty()) {
-    ExecContext cx = rt_->context(options_.device);
-    const int32_t mine = int32_t(tokens);
-    const Tensor local = rt_->upload(&mine, {1}, DType::I32, options_.device);
-    Tensor all = Tensor::empty({int64_t(ep_size())}, DType::I32, cx.allocator);
-    options_.ep->all_gather(local, all).wait();
-    const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
-    ep_rank_tokens_.assign(host.data<int32_t>(), host.data<int32_t>() + ep_size());
-  }
-  LATHE_ASSERT(ep_rank_tokens_[size_t(ep_rank())] == tokens);  // every sparse layer of a forward has its tokens
-  return ep_rank_tokens_;
-}
-
-EpRoutes CausalLm::gather_routes(const Tensor& picked, const Tensor& weights) const {
+// Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
+// then the counts of the all-to-alls and the row orders between the received pair layout (by sending rank, each
+// rank's pairs of this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the
+// GEMMs take; then the small tables the experts' rank needs, sent there: each pair's row among the tokens it receives
+// and its weight (by pair), and each token's pairs and their weights (with the token).
+void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   ExecContext cx = rt_->context(options_.device);
-  const int64_t n = ep_size(), t = picked.size(0), k = picked.size(1);
-  EpRoutes all;
-  all.tokens = ep_rank_tokens(t);
-  for (int64_t c : all.tokens) all.most = std::max(all.most, c);
-  LATHE_CHECK(n * all.most * k < (int64_t(1) << 31), "moe: {} expert-parallel ranks of up to {} tokens route more "
-              "pairs than the plan's 32-bit indices hold", n, all.most);
-  const auto gather = [&](const Tensor& mine) {  // (T, k) -> (ep most k), rows past T unset
-    Tensor local = mine;
-    if (t < all.most) {
-      local = Tensor::empty({all.most, k}, mine.dtype(), cx.allocator);
-      copy_into(cx, mine, local.narrow(0, 0, t));
-    }
-    Tensor out = Tensor::empty({n * all.most * k}, mine.dtype(), cx.allocator);
-    options_.ep->all_gather(contiguous(cx, local).view({all.most * k}), out).wait();
-    return out;
-  };
-  all.picked = gather(picked);
-  all.weights = gather(weights).view({n * all.most * k, 1});
-  return all;
-}
+  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
+  const int64_t pairs = r.offsets.back();
+  const Tensor token_of = rt_->copy_to(r.token_ids, Device::cpu());  // the route's wait has drained the stream
+  const TokenMessages m = token_messages(token_of.data<int32_t>(), r.offsets, t, n, mine);
 
-// From every rank's routes, each rank plans both sides of its exchange alone (no further wait or message): as a
-// sender, its tokens for each rank (those with an expert there, in token order) and where each comes back; as the
-// experts' rank, the tokens it receives (by sending rank, in token order), its pairs grouped by local expert, then
-// sending rank, then token (the GEMMs' groups), the same pairs by sending rank, then expert, then token (the order the
-// sender's route has them in: per-pair values go back that way), and each received token's pairs in expert order.
-void CausalLm::plan_expert_exchange(MoeRoute& r, const EpRoutes& all) const {
-  ExecContext cx = rt_->context(options_.device);
-  const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n;
-  const int64_t k = config_.num_experts_per_tok, most = all.most, t = r.totals.tokens;
-  const int64_t slots = std::min(k, mine);
-  const int32_t* picked = nullptr;  // read where the routes are on the host; else into a kept buffer (no fresh pages)
-  if (options_.device.is_cpu()) {
-    picked = all.picked.data<int32_t>();
-  } else {
-    ep_routes_host_.resize(size_t(all.picked.numel()));
-    rt_->download(all.picked, ep_routes_host_.data());
-    picked = ep_routes_host_.data();
-  }
-  const auto expert = [&](int64_t i, int64_t tok, int64_t j) {  // rank i's pair (tok, j)
-    return int64_t(picked[(i * most + tok) * k + j]) - tok * e;
-  };
-
-  // Sender: this rank's tokens for each rank.
-  std::vector<std::vector<int32_t>> tokens_for(static_cast<size_t>(n));
-  std::vector<int64_t> last(static_cast<size_t>(n), -1);
-  for (int64_t tok = 0; tok < t; ++tok)
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t o = expert(me, tok, j) / mine;
-      if (last[size_t(o)] != tok) tokens_for[size_t(o)].push_back(int32_t(tok));
-      last[size_t(o)] = tok;
-    }
+  std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
+  for (const auto& v : m.tokens_for) mine_counts.push_back(double(v.size()));
+  const Tensor local = rt_->upload(mine_counts.data(), {e + n}, DType::F64, options_.device);  // stream-ordered
+  Tensor all = Tensor::empty({n * (e + n)}, DType::F64, cx.allocator);
+  options_.ep->all_gather(local, all).wait();
+  const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
+  const GroupCounts c{host.data<double>(), e, n};
   r.ep_send.assign(size_t(n), 0);
-  r.ep_token_send.assign(size_t(n), 0);
-  for (int64_t j = 0; j < n; ++j) {
-    r.ep_send[size_t(j)] = r.offsets[size_t((j + 1) * mine)] - r.offsets[size_t(j * mine)];
-    r.ep_token_send[size_t(j)] = int64_t(tokens_for[size_t(j)].size());
-  }
-
-  // Experts' rank: each sender's tokens it receives, and the pairs per (sender, local expert).
-  std::vector<int64_t> count(size_t(n * mine), 0);  // [i mine + x]
-  r.ep_token_recv.assign(size_t(n), 0);
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t tok = 0; tok < all.tokens[size_t(i)]; ++tok) {
-      bool here = false;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t x = expert(i, tok, j) - me * mine;
-        if (x < 0 || x >= mine) continue;
-        ++count[size_t(i * mine + x)];
-        here = true;
-      }
-      if (here) ++r.ep_token_recv[size_t(i)];
-    }
   r.ep_recv.assign(size_t(n), 0);
-  std::vector<int64_t> grouped_at(size_t(n * mine)), received_at(size_t(n * mine));
-  int64_t pairs = 0;
-  for (int64_t i = 0; i < n; ++i)
+  r.ep_token_send.assign(size_t(n), 0);
+  r.ep_token_recv.assign(size_t(n), 0);
+  for (int64_t j = 0; j < n; ++j) {
     for (int64_t x = 0; x < mine; ++x) {
-      received_at[size_t(i * mine + x)] = pairs;
-      pairs += count[size_t(i * mine + x)];
-      r.ep_recv[size_t(i)] += count[size_t(i * mine + x)];
+      r.ep_send[size_t(j)] += c.pairs(me, j * mine + x);  // my pairs of rank j's experts
+      r.ep_recv[size_t(j)] += c.pairs(j, me * mine + x);  // rank j's pairs of mine
     }
+    r.ep_token_send[size_t(j)] = c.tokens(me, j);
+    r.ep_token_recv[size_t(j)] = c.tokens(j, me);
+  }
+  // start[j][x]: where sender j's pairs of local expert x begin in the received layout.
+  std::vector<int64_t> start(size_t(n * mine));
+  int64_t at = 0;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t x = 0; x < mine; ++x) {
+      start[size_t(j * mine + x)] = at;
+      at += c.pairs(j, me * mine + x);
+    }
+  std::vector<int32_t> grouped, received(size_t(at), 0);
   r.ep_offsets = {0};
-  for (int64_t x = 0, at = 0; x < mine; ++x) {
-    for (int64_t i = 0; i < n; ++i) {
-      grouped_at[size_t(i * mine + x)] = at;
-      at += count[size_t(i * mine + x)];
-    }
-    r.ep_offsets.push_back(at);
-  }
-
-  const int64_t sent = total_of(r.ep_token_send), got = total_of(r.ep_token_recv);
-  enum { kGrouped, kReceived, kUnique, kWeightOf, kTokenPairs, kTokenWeights, kTokens, kBack };
-  IndexTables tables(ep_plan_host_, {{pairs, 0}, {pairs, 0}, {pairs, 0}, {pairs, 0},  // ep_grouped .. each pair's
-                                     {got * slots, -1}, {got * slots, 0},             // row in all.weights; ep_pairs,
-                                     {sent, 0}, {t * n, -1}});                       // theirs; ep_tokens, ep_back
-  int32_t* grouped = tables[kGrouped];
-  int32_t* received = tables[kReceived];
-  int32_t* unique = tables[kUnique];
-  int32_t* weight_of = tables[kWeightOf];
-  int32_t* token_pairs = tables[kTokenPairs];
-  int32_t* token_weights = tables[kTokenWeights];
-  int32_t* tokens = tables[kTokens];
-  int32_t* back = tables[kBack];
-  int64_t u = 0;
-  std::vector<std::pair<int64_t, int64_t>> here;  // a token's (local expert, grouped pair)
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t tok = 0; tok < all.tokens[size_t(i)]; ++tok) {
-      here.clear();
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t x = expert(i, tok, j) - me * mine;
-        if (x < 0 || x >= mine) continue;
-        const int64_t g = grouped_at[size_t(i * mine + x)]++, q = received_at[size_t(i * mine + x)]++;
-        grouped[size_t(g)] = int32_t(q);
-        received[size_t(q)] = int32_t(g);
-        unique[size_t(g)] = int32_t(u);
-        weight_of[size_t(g)] = int32_t((i * most + tok) * k + j);
-        here.emplace_back(x, g);
+  for (int64_t x = 0; x < mine; ++x) {
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t k = 0; k < c.pairs(j, me * mine + x); ++k) {
+        received[size_t(start[size_t(j * mine + x)] + k)] = int32_t(grouped.size());
+        grouped.push_back(int32_t(start[size_t(j * mine + x)] + k));
       }
-      if (here.empty()) continue;
-      std::sort(here.begin(), here.end());
-      for (size_t s = 0; s < here.size(); ++s) {
-        token_pairs[size_t(u * slots) + s] = int32_t(here[s].second);
-        token_weights[size_t(u * slots) + s] = weight_of[size_t(here[s].second)];
-      }
-      ++u;
-    }
-  for (int64_t j = 0, before = 0; j < n; ++j) {
-    const std::vector<int32_t>& v = tokens_for[size_t(j)];
-    for (size_t s = 0; s < v.size(); ++s) {
-      tokens[size_t(before) + s] = v[s];
-      back[size_t(v[s] * n + j)] = int32_t(before + int64_t(s));
-    }
-    before += int64_t(v.size());
+    r.ep_offsets.push_back(int64_t(grouped.size()));
   }
+  r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
+  r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
+  std::vector<int32_t> sent;
+  for (const auto& v : m.tokens_for) sent.insert(sent.end(), v.begin(), v.end());
+  r.ep_tokens = rt_->upload(sent.data(), {int64_t(sent.size())}, DType::I32, options_.device);
 
-  const std::vector<Tensor> up = tables.upload(*rt_, options_.device);
-  r.ep_grouped = up[kGrouped];
-  r.ep_received = up[kReceived];
-  r.ep_unique = up[kUnique];
-  r.ep_weights = embedding(cx, all.weights, up[kWeightOf]);  // (R, 1)
-  r.ep_pairs = up[kTokenPairs].view({got, slots});
-  r.ep_pair_weights = embedding(cx, all.weights, up[kTokenWeights]).view({got, slots});
-  r.ep_pair_ones = ones(got, slots);
-  r.ep_tokens = up[kTokens];
-  r.ep_back = up[kBack].view({t, n});
+  // The tables, values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model), filled on the
+  // host (the weights' columns on the device) and uploaded once. By pair: its row among its receiver's tokens (the
+  // senders before this rank come first there) and its weight.
+  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
+  HostValues rows(xd, pairs * 2);
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t base = 0;
+    for (int64_t i = 0; i < me; ++i) base += c.tokens(i, j);
+    LATHE_CHECK(xd == DType::F64 || base + c.tokens(me, j) <= (int64_t(1) << 24),
+                "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
+    for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
+      rows.set(p * 2, double(base + m.pair_slot[size_t(p)]));
+  }
+  const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
+  const Tensor values = rows.upload(*rt_, {pairs, 2}, options_.device);
+  copy_into(cx, weights, values.narrow(1, 1, 1));
+  const Tensor got = to_expert_ranks(r, values);  // (R, 2)
+  r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
+  r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
+
+  // By token sent: its pairs' grouped rows there and their weights, S + S values.
+  const int64_t slots = std::min(config_.num_experts_per_tok, mine), sent_total = int64_t(sent.size());
+  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0);
+  std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);
+  token_slots(m, c, r.offsets, me, mine, slots, slot_rows, slot_pairs);
+  const Tensor per_token = slot_rows.upload(*rt_, {sent_total, 2 * slots}, options_.device);
+  const Tensor slot_ids = rt_->upload(slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
+  copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
+  const int64_t got_tokens = total_of(r.ep_token_recv);
+  Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
+  Tensor flat = token_values.view({got_tokens * 2 * slots});
+  options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * slots), flat,
+                          elements(r.ep_token_recv, 2 * slots));
+  r.ep_pairs = cast(cx, token_values.narrow(1, 0, slots), DType::I32);
+  r.ep_pair_weights = cast(cx, token_values.narrow(1, slots, slots), options_.dtype);
+  r.ep_pair_ones = ones(got_tokens, slots);
+  r.ep_back = rt_->upload(m.back.data(), {t, n}, DType::I32, options_.device);
   r.ep_back_ones = ones(t, n);
 }
 

@@ -54,10 +54,10 @@ struct MoeRoute {
   int64_t pad_rows = 0;
   Tensor pad_token, pad_pair;  // (E pad_rows) i32
   Tensor pad_position;         // (T k) i32
-  // Expert parallelism (CausalLm::plan_expert_exchange, on the host from every rank's routes). Pairs: the pairs sent
-  // to and received from each rank of the ep group, the received pairs' groups by local expert (offsets, El + 1), and
-  // the row orders between the received (by sending rank, then expert) and the grouped (by local expert, then sending
-  // rank) layouts; per-pair values (LoRA masks, the weights' gradients) travel this way. Tokens: each token's row goes once to
+  // Expert parallelism (CausalLm::plan_expert_exchange). Pairs: the pairs sent to and received from each rank of the
+  // ep group, the received pairs' groups by local expert (offsets, El + 1), and the row orders between the received
+  // (by sending rank, then expert) and the grouped (by local expert, then sending rank) layouts; small per-pair values
+  // (the combine weight, the received token row, LoRA masks) travel this way. Tokens: each token's row goes once to
   // every rank holding at least one of its experts (not once per expert there), the tokens for each rank in token
   // order; the experts' rank expands them to its pairs and sums its pairs' outputs per token before they go back.
   std::vector<int64_t> ep_send, ep_recv, ep_offsets;
@@ -72,16 +72,6 @@ struct MoeRoute {
   // ones (T, ep): the sums of gather_sum.
   Tensor ep_pairs, ep_pair_weights, ep_pair_ones;
   Tensor ep_back, ep_back_ones;
-};
-
-// Every ep rank's routes of one sparse layer, all-gathered (CausalLm::gather_routes): rank i's pairs (t, j) at rows
-// (i most + t) k + j, its T_i = tokens[i] tokens first (most = the largest T_i; rows past a rank's tokens are not
-// read). picked holds moe_route's t E + expert, weights MoeRoute::weights (the model dtype).
-struct EpRoutes {
-  std::vector<int64_t> tokens;
-  int64_t most = 0;
-  Tensor picked;   // (ep most k) i32, where the routes are
-  Tensor weights;  // (ep most k, 1)
 };
 
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,

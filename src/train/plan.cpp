@@ -241,17 +241,18 @@ bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
 // Bytes one rank sends through ep in one micro-batch of a sparse layer of T tokens (CausalLm::tokens_to_experts and
 // experts_to_tokens): each token's row (H wide) once to every other rank holding one of its k experts and a row back,
 // forward (again when recomputing) and backward. Which ranks those are depends on the router; planned for a uniform
-// one: another rank holds none of a token's experts with probability C(E - E/ep, k) / C(E, k). Besides, once: the
-// rank's routes to every other rank (the all-gather the plan is made from: each pair's expert, an i32, and its weight
-// in the model dtype) and the pairs' weight gradients back from their experts' ranks (the tokens' count all-gather,
-// once a forward, is one number a rank).
-int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, int64_t forward_passes) {
-  const int64_t e = m.num_experts, k = m.num_experts_per_tok, away = e - e / ep;
+// one: another rank holds none of a token's experts with probability C(E - E/ep, k) / C(E, k). Besides, once: each
+// routed pair's row among its receiver's tokens and its weight (two f32 values; f64 in an f64 model) and, with each
+// token sent, its pairs' rows there and weights (2 S values, S = min(k, E / ep)); and the pairs' weight gradients
+// (the model dtype) back (the per-expert counts' all-gather is E + ep numbers).
+int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, int64_t forward_passes, DType dtype) {
+  const int64_t e = m.num_experts, k = m.num_experts_per_tok, away = e - e / ep, slots = std::min(k, e / ep);
   double none = 1.0;
   for (int64_t i = 0; i < k; ++i) none *= double(away - i) / double(e - i);
   const double tokens = double((ep - 1) * t) * (1.0 - std::max(none, 0.0));  // tokens sent to other ranks
+  const int64_t value = dtype == DType::F64 ? 8 : 4;
   return 2 * (forward_passes + 1) * std::llround(tokens * double(b * m.hidden_size)) +
-         (ep - 1) * t * k * (4 + b) + all_to_all_bytes(t * k * b, ep);
+         std::llround(tokens * double(2 * slots * value)) + all_to_all_bytes(t * k * (2 * value + b), ep);
 }
 
 // Bytes one rank sends through cp in one micro-batch of layer i, over `forward_passes` forwards (2 when recomputing)
@@ -468,8 +469,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   if (layout.cp > 1)
     for (int64_t i : st.layers)
       plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes, dtype);
-  if (layout.ep > 1)
-    plan.comm_ep_bytes = micro_batches * sparse_layers * ep_layer_bytes(m, layout.ep, rows.block, b, forward_passes);
+  if (layout.ep > 1) plan.comm_ep_bytes = micro_batches * sparse_layers * ep_layer_bytes(m, layout.ep, rows.block, b,
+                                                                                    forward_passes, dtype);
   // pp: each micro-batch's stream (2, rows, H) to the next stage and its gradient (rows, H) to the previous, for each
   // of the rank's virtual stages that has one.
   plan.comm_pp_bytes = micro_batches * (st.sends_forward * 2 + st.sends_backward) * x_bytes;
