@@ -112,6 +112,14 @@ Tensor Runtime::copy_to(const Tensor& t, Device device) {
   return out;
 }
 
+void Runtime::download(const Tensor& t, void* dst) {
+  LATHE_CHECK(t.is_contiguous(), "runtime: download takes a contiguous tensor");
+  ExecContext ctx = context(t.device());
+  ctx.stream.synchronize();
+  ctx.backend.copy(dst, Device::cpu(), t.data_ptr(), t.device(), t.nbytes(), ctx.stream);
+  ctx.stream.synchronize();
+}
+
 Tensor Runtime::upload(const void* data, const Shape& shape, DType dtype, Device device) {
   ExecContext ctx = context(device);
   Tensor out = Tensor::empty(shape, dtype, ctx.allocator);

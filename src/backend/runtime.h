@@ -69,6 +69,8 @@ class Runtime {
 
   // A new contiguous copy of `t` on `device` (synchronous).
   Tensor copy_to(const Tensor& t, Device device);
+  // t's elements (contiguous) into host memory the caller keeps, after the work queued before (a wait).
+  void download(const Tensor& t, void* dst);
   // A new tensor on `device` holding `nbytes(shape, dtype)` bytes from host memory (waits for the copy).
   Tensor from_host(const void* data, const Shape& shape, DType dtype, Device device);
   // The same without waiting for the device (Stream::upload): `data` may be reused at once, and the device keeps

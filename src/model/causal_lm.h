@@ -485,6 +485,7 @@ class CausalLm {
   LoraBank* lora_ = nullptr;
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
   mutable Tensor ones_;  // ones() of the model dtype, grown as needed
+  mutable EpPlanScratch ep_scratch_;  // plan_expert_exchange's host tables
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
   // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
   // <= -2: absent_[-2 - index]).

@@ -237,11 +237,12 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   return sum;
 }
 
-// A table of values built on the host in f32 or f64 (the transport dtype of the plan's small exchanges) and
-// uploaded as is, without a widening copy and a cast on the device.
+// A table of values built on the host in f32 or f64 (the transport dtype of the plan's small exchanges), in one of
+// the model's kept vectors, and uploaded as is, without a widening copy and a cast on the device.
 class HostValues {
  public:
-  HostValues(DType dtype, int64_t n, double fill = 0.0) : dtype_(dtype) {
+  HostValues(DType dtype, int64_t n, double fill, std::vector<float>& f32, std::vector<double>& f64)
+      : dtype_(dtype), f32_(f32), f64_(f64) {
     if (dtype == DType::F64) f64_.assign(size_t(n), fill);
     else f32_.assign(size_t(n), float(fill));
   }
@@ -256,43 +257,36 @@ class HostValues {
 
  private:
   DType dtype_;
-  std::vector<double> f64_;
-  std::vector<float> f32_;
+  std::vector<float>& f32_;
+  std::vector<double>& f64_;
 };
 
 // Which of a rank's tokens go to each rank of the ep group: those with a pair in its experts (one range [offsets[j
-// mine], offsets[(j + 1) mine]) of the route, sorted by expert), in token order. Also each pair's token's row in its
-// message, and each token's row in the buffer that comes back (the messages one after the other, as they went; -1 for
-// a rank it did not go to), (T, n).
-struct TokenMessages {
-  std::vector<std::vector<int32_t>> tokens_for;
-  std::vector<int64_t> pair_slot;
-  std::vector<int32_t> back;
-};
-
-TokenMessages token_messages(const int32_t* token_of, const std::vector<int64_t>& offsets, int64_t t, int64_t n,
-                             int64_t mine) {
-  TokenMessages m;
-  m.tokens_for.resize(size_t(n));
-  m.pair_slot.resize(size_t(offsets.back()));
-  m.back.assign(size_t(t * n), -1);
-  std::vector<int64_t> slot(static_cast<size_t>(t));
+// mine], offsets[(j + 1) mine]) of the route, sorted by expert), in token order (s.tokens_for). Also each pair's
+// token's row in its message (s.pair_slot), and each token's row in the buffer that comes back (the messages one after
+// the other, as they went; -1 for a rank it did not go to), (T, n) (s.back).
+void token_messages(const int32_t* token_of, const std::vector<int64_t>& offsets, int64_t t, int64_t n, int64_t mine,
+                    EpPlanScratch& s) {
+  s.tokens_for.resize(size_t(n));
+  s.pair_slot.resize(size_t(offsets.back()));
+  s.back.assign(size_t(t * n), -1);
+  s.slot.resize(size_t(t));
   int64_t sent_before = 0;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t begin = offsets[size_t(j * mine)], end = offsets[size_t((j + 1) * mine)];
-    std::vector<int32_t>& mine_for_j = m.tokens_for[size_t(j)];
-    std::vector<char> hit(size_t(t), 0);
-    for (int64_t p = begin; p < end; ++p) hit[size_t(token_of[p])] = 1;
+    std::vector<int32_t>& mine_for_j = s.tokens_for[size_t(j)];
+    mine_for_j.clear();
+    s.hit.assign(size_t(t), 0);
+    for (int64_t p = begin; p < end; ++p) s.hit[size_t(token_of[p])] = 1;
     for (int64_t i = 0; i < t; ++i)
-      if (hit[size_t(i)]) {
-        slot[size_t(i)] = int64_t(mine_for_j.size());
-        m.back[size_t(i * n + j)] = int32_t(sent_before + slot[size_t(i)]);
+      if (s.hit[size_t(i)]) {
+        s.slot[size_t(i)] = int64_t(mine_for_j.size());
+        s.back[size_t(i * n + j)] = int32_t(sent_before + s.slot[size_t(i)]);
         mine_for_j.push_back(int32_t(i));
       }
-    for (int64_t p = begin; p < end; ++p) m.pair_slot[size_t(p)] = slot[size_t(token_of[p])];
+    for (int64_t p = begin; p < end; ++p) s.pair_slot[size_t(p)] = s.slot[size_t(token_of[p])];
     sent_before += int64_t(mine_for_j.size());
   }
-  return m;
 }
 
 // The ep group's counts, from the all-gather: each rank's pairs per expert, then its tokens for each rank.
@@ -307,9 +301,10 @@ struct GroupCounts {
 // expert, then sending rank, as plan_expert_exchange orders them; -1 for the slots beyond them; at most `slots` =
 // min(k, experts a rank), in expert order) in the first `slots` columns of `rows` (sent, 2 slots), and each slot's
 // pair in the route (0 for an empty one: its weight is not read).
-void token_slots(const TokenMessages& m, const GroupCounts& c, const std::vector<int64_t>& offsets, int64_t me,
+void token_slots(EpPlanScratch& m, const GroupCounts& c, const std::vector<int64_t>& offsets, int64_t me,
                  int64_t mine, int64_t slots, HostValues& rows, std::vector<int32_t>& slot_pairs) {
-  std::vector<int64_t> filled;
+  std::vector<int64_t>& filled = m.filled;
+  filled.clear();
   for (const auto& v : m.tokens_for) filled.resize(filled.size() + v.size(), 0);
   int64_t first_sent = 0;
   for (int64_t j = 0; j < c.ranks; ++j) {
@@ -341,8 +336,11 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
   const int64_t pairs = r.offsets.back();
-  const Tensor token_of = rt_->copy_to(r.token_ids, Device::cpu());  // the route's wait has drained the stream
-  const TokenMessages m = token_messages(token_of.data<int32_t>(), r.offsets, t, n, mine);
+  // The host's tables live in vectors the model keeps (ep_scratch_): fresh pages would cost a page fault each.
+  EpPlanScratch& m = ep_scratch_;
+  m.token_of.resize(size_t(pairs));
+  rt_->download(r.token_ids, m.token_of.data());  // the route's wait has drained the stream
+  token_messages(m.token_of.data(), r.offsets, t, n, mine, m);
 
   std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
   for (const auto& v : m.tokens_for) mine_counts.push_back(double(v.size()));
@@ -371,7 +369,10 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
       start[size_t(j * mine + x)] = at;
       at += c.pairs(j, me * mine + x);
     }
-  std::vector<int32_t> grouped, received(size_t(at), 0);
+  std::vector<int32_t>& grouped = m.grouped;
+  std::vector<int32_t>& received = m.received;
+  grouped.clear();
+  received.assign(size_t(at), 0);
   r.ep_offsets = {0};
   for (int64_t x = 0; x < mine; ++x) {
     for (int64_t j = 0; j < n; ++j)
@@ -383,7 +384,8 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   }
   r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
   r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
-  std::vector<int32_t> sent;
+  std::vector<int32_t>& sent = m.sent;
+  sent.clear();
   for (const auto& v : m.tokens_for) sent.insert(sent.end(), v.begin(), v.end());
   r.ep_tokens = rt_->upload(sent.data(), {int64_t(sent.size())}, DType::I32, options_.device);
 
@@ -391,7 +393,7 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
   // host (the weights' columns on the device) and uploaded once. By pair: its row among its receiver's tokens (the
   // senders before this rank come first there) and its weight.
   const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
-  HostValues rows(xd, pairs * 2);
+  HostValues rows(xd, pairs * 2, 0.0, m.rows32, m.rows64);
   for (int64_t j = 0; j < n; ++j) {
     int64_t base = 0;
     for (int64_t i = 0; i < me; ++i) base += c.tokens(i, j);
@@ -409,11 +411,11 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
 
   // By token sent: its pairs' grouped rows there and their weights, S + S values.
   const int64_t slots = std::min(config_.num_experts_per_tok, mine), sent_total = int64_t(sent.size());
-  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0);
-  std::vector<int32_t> slot_pairs(static_cast<size_t>(sent_total * slots), 0);
-  token_slots(m, c, r.offsets, me, mine, slots, slot_rows, slot_pairs);
+  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0, m.slot_rows32, m.slot_rows64);
+  m.slot_pairs.assign(size_t(sent_total * slots), 0);
+  token_slots(m, c, r.offsets, me, mine, slots, slot_rows, m.slot_pairs);
   const Tensor per_token = slot_rows.upload(*rt_, {sent_total, 2 * slots}, options_.device);
-  const Tensor slot_ids = rt_->upload(slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
+  const Tensor slot_ids = rt_->upload(m.slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
   copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
   const int64_t got_tokens = total_of(r.ep_token_recv);
   Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
