@@ -120,15 +120,16 @@ TEST_F(ExpertParallel, SplitExpertsEqualTheWholeModel) {
   }
 }
 
-// Ranks whose batches differ in length (the plan's counts differ by rank): logits, the loss (each
-// rank's mean weighted by its share of the labelled tokens) and every gradient equal the whole model's on the batches
-// joined. The aux loss is off: its gradient takes each rank's loss_scale as the group's mean's share (equal counts).
+// Ranks whose batches differ in length (the plan's counts differ by rank): logits, the loss (each rank's mean
+// weighted by its share of the labelled tokens) and every gradient equal the whole model's on the batches joined. The
+// aux loss is off: its gradient takes each rank's loss_scale as the group's mean's share (equal counts).
 TEST_F(ExpertParallel, RanksOfDifferentLengthsEqualTheWholeModel) {
   const int n = world->size(), me = world->rank();
   for (const nlohmann::json& config : ep_configs(2 * n)) {
     const std::string what = std::string(config["model_type"]) + " at ep " + std::to_string(n);
     ModelOptions o;
     o.dtype = DType::F64;
+    o.router_aux_loss = false;
     const std::unique_ptr<CausalLm> whole = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
     o.ep = world.get();
     const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
