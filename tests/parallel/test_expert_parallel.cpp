@@ -30,12 +30,13 @@ using namespace lathe::test_support;
 
 namespace {
 
-std::unique_ptr<CausalLm> ep_model(const nlohmann::json& config, Communicator* tp, Communicator* ep) {
+// The tiny f64 model of `config` split over tp and ep (either may be null), the aux loss in its trained loss or not.
+std::unique_ptr<CausalLm> ep_model(const nlohmann::json& config, Communicator* tp, Communicator* ep, bool aux) {
   ModelOptions o;
   o.dtype = DType::F64;
   o.tp = tp;
   o.ep = ep;
-  o.router_aux_loss = true;
+  o.router_aux_loss = aux;
   return random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
 }
 
@@ -104,8 +105,8 @@ TEST_F(ExpertParallel, SplitExpertsEqualTheWholeModel) {
   const int n = world->size();
   for (const nlohmann::json& config : ep_configs(2 * n)) {
     const std::string family = config["model_type"];
-    const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr);
-    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get());
+    const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr, true);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get(), true);
     ASSERT_TRUE(split->expert_parallel());
     for (size_t i = 0; i < whole->parameters().size(); ++i)  // the same draws: each rank its experts' slice
       EXPECT_EQ(to_f64(split->gathered(split->parameters()[i])), to_f64(whole->parameters()[i].value))
@@ -114,7 +115,7 @@ TEST_F(ExpertParallel, SplitExpertsEqualTheWholeModel) {
     if (n == 4) {  // tp 2 x ep 2: the tp groups {0, 1} and {2, 3}, the ep groups {0, 2} and {1, 3}
       const std::unique_ptr<Communicator> tp = world->split(world->rank() / 2, world->rank(), "tp", nullptr);
       const std::unique_ptr<Communicator> ep = world->split(world->rank() % 2, world->rank(), "ep", nullptr);
-      const std::unique_ptr<CausalLm> m = ep_model(config, tp.get(), ep.get());
+      const std::unique_ptr<CausalLm> m = ep_model(config, tp.get(), ep.get(), true);
       expect_ep_equals_whole(*m, *whole, *ep, family + " at tp 2 x ep 2");
     }
   }
@@ -127,12 +128,8 @@ TEST_F(ExpertParallel, RanksOfDifferentLengthsEqualTheWholeModel) {
   const int n = world->size(), me = world->rank();
   for (const nlohmann::json& config : ep_configs(2 * n)) {
     const std::string what = std::string(config["model_type"]) + " at ep " + std::to_string(n);
-    ModelOptions o;
-    o.dtype = DType::F64;
-    o.router_aux_loss = false;
-    const std::unique_ptr<CausalLm> whole = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
-    o.ep = world.get();
-    const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr, false);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get(), false);
     std::vector<PackedBatch> parts;
     for (int r = 0; r < n; ++r) parts.push_back(random_batch(40, {0, 7, 9, 12 + 5 * r}, 300 + uint64_t(r)));
     const PackedBatch& mine = parts[size_t(me)];
@@ -165,12 +162,8 @@ TEST_F(ExpertParallel, LoraOnTheExpertsEqualsTheWholeModel) {
   const int n = world->size();
   for (const nlohmann::json& config : ep_configs(2 * n)) {
     const std::string family = config["model_type"];
-    ModelOptions o;
-    o.dtype = DType::F64;
-    o.router_aux_loss = false;
-    const std::unique_ptr<CausalLm> whole = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
-    o.ep = world.get();
-    const std::unique_ptr<CausalLm> split = random_causal_lm(runtime(), parse_model_config(config, "test"), o, 11, 0.3);
+    const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr, false);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get(), false);
     AdapterBanks banks = attach_two_adapters(*whole, *split);
     PackedBatch mine = rank_batch(world->rank()), all = joined_batch(n);
     set_segments(mine, {{mine.tokens(), world->rank() % 2, 1.0, 0}});
@@ -190,8 +183,8 @@ TEST_F(ExpertParallel, LoraOnTheExpertsEqualsTheWholeModel) {
 TEST_F(ExpertParallel, SavedExpertsReadBackWhole) {
   const int n = world->size();
   const nlohmann::json config = ep_configs(2 * n)[0];
-  const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr);
-  const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get());
+  const std::unique_ptr<CausalLm> whole = ep_model(config, nullptr, nullptr, true);
+  const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get(), true);
   const double pid = double(getpid());
   Tensor first = runtime().from_host(&pid, {1}, DType::F64, Device::cpu());
   world->broadcast(first, 0).wait();  // rank 0's process id names the folder for every rank
@@ -254,7 +247,7 @@ TEST_F(ExpertParallel, EachTokenGoesOnceToEachRankOfItsExperts) {
   for (const nlohmann::json& config : ep_configs(2 * n)) {
     const std::string family = config["model_type"];
     CountingGroup ep(*world);
-    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, &ep);
+    const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, &ep, true);
     for (Parameter& p : split->parameters())
       if (p.name.ends_with("mlp.gate.weight")) std::fill_n(p.value.data<double>(), p.value.numel(), 0.0);
     const PackedBatch mine = rank_batch(me);
@@ -276,13 +269,13 @@ TEST_F(ExpertParallel, RefusesWhatItCannotSplit) {
   nlohmann::json odd = ep_configs(2 * n)[0];
   odd["num_experts"] = 2 * n + 1;
   try {
-    ep_model(odd, nullptr, world.get());
+    ep_model(odd, nullptr, world.get(), true);
     ADD_FAILURE() << "expected a refusal";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("experts do not split evenly over"), std::string::npos) << e.what();
   }
   try {
-    ep_model(tiny_qwen3(4, 2, 12), nullptr, world.get());
+    ep_model(tiny_qwen3(4, 2, 12), nullptr, world.get(), true);
     ADD_FAILURE() << "expected a refusal";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("has no mixture-of-experts layers"), std::string::npos) << e.what();
