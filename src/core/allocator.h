@@ -21,6 +21,8 @@ struct AllocatorStats {
   int64_t peak_allocated = 0;  // high-water mark of `allocated` since the last reset_peak()
   int64_t num_allocs = 0;      // allocate() calls served
   int64_t num_system_allocs = 0;  // times the system allocator was called
+  int64_t num_cache_flushes = 0;  // times a full device made a caching allocator free every cached block (each a
+                                  // device-wide wait, and the blocks allocated afresh after it)
 };
 
 class Allocator {

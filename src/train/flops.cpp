@@ -101,6 +101,10 @@ double peak_memory_mib(Runtime& rt, Device device) {
   return double(u.ru_maxrss) / 1024.0;
 }
 
+int64_t cache_flushes(Runtime& rt, Device device) {
+  return device.is_cuda() ? rt.backend(device.type).allocator(device.index).stats().num_cache_flushes : 0;
+}
+
 std::string human(double x) {
   if (x >= 1e9) return fmt::format("{:.2f}G", x / 1e9);
   if (x >= 1e6) return fmt::format("{:.2f}M", x / 1e6);

@@ -37,5 +37,7 @@ double peak_flops(const std::string& device_name);
 std::string human(double x);
 // Peak memory so far in MiB: the device allocator's peak on a GPU, the process's peak resident memory on the CPU.
 double peak_memory_mib(Runtime& rt, Device device);
+// The device allocator's AllocatorStats::num_cache_flushes so far (0 on the CPU).
+int64_t cache_flushes(Runtime& rt, Device device);
 
 }  // namespace lathe

@@ -84,7 +84,7 @@ class Trainer::Impl {
   // A step's totals over its active jobs, for the metrics and the progress line.
   struct StepTotals {
     double dt = 0, dp_comm_s = 0, mem_mib = 0;
-    int64_t tokens = 0;
+    int64_t tokens = 0, cache_flushes = 0;
     double flops = 0;
   };
   // step()'s named parts: the gradients and figures cleared; the norms and updates queued (once the gradients are
@@ -1200,6 +1200,7 @@ bool Trainer::Impl::step() {
     if (j.active()) active.push_back(&j);
   if (active.empty()) return false;
   const auto t0 = Clock::now();
+  const int64_t flushes_before = cache_flushes(rt_, device_);
   // A step source's batches (a rollout, for RL) come before the step's memory plan opens.
   PackedBatch* source_batch = nullptr;
   if (source_) {
@@ -1245,6 +1246,8 @@ bool Trainer::Impl::step() {
   if (plan_) report_memory_plan(plan_->plan_stats(), plan_report_, progress_);
   ++run_steps_;
   StepTotals totals{dt, dp_comm_s, peak_memory_mib(rt_, device_)};
+  totals.cache_flushes = cache_flushes(rt_, device_) - flushes_before;
+  report_full_device(totals.cache_flushes, jobs_[0].step, plan_report_, progress_);
   for (Job* j : active) totals.tokens += j->tokens, totals.flops += j->flops;
   if (profiler && first_)
     print_step_profile(profiler->collect(), 1e3 * dt, double(totals.tokens), totals.flops, 0.0, peak_);
@@ -1323,6 +1326,7 @@ void Trainer::Impl::record_steps(const std::vector<Job*>& active, std::vector<nl
     if (j->failed || m.is_null()) continue;
     if (grad_ranks_ > 1) m["dp_comm_s"] = totals.dp_comm_s;
     if (dp_ > 1) m["memory_mib_ranks"] = rank_mem_mib_;
+    if (totals.cache_flushes > 0) m["cache_flushes"] = totals.cache_flushes;
     if (source_) m[source_->name()] = source_->step_metrics(size_t(j - jobs_.data()));
     guarded(*j, [&] { record_step(*j, m, totals.dt, totals.mem_mib, totals.tokens); });
     tenant_losses += fmt::format("{}{} {}", tenant_losses.empty() ? "" : ", ", j->label,

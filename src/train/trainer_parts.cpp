@@ -171,6 +171,16 @@ void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& pr
   }
 }
 
+void report_full_device(int64_t flushes, int64_t step, MemoryPlanReport& said, Progress& progress) {
+  if (said.full || flushes <= 0) return;
+  said.full = true;
+  progress.message(fmt::format("memory: the device was full {} time{} in step {}: each time the allocator freed its "
+                               "whole cache and waited for the device, and what came after was allocated afresh: such "
+                               "steps run slowly (metrics.jsonl: cache_flushes). A smaller train.micro_batch_tokens, "
+                               "train.recompute: true or a ZeRO stage makes room (`lathe plan` shows each layout's peak)",
+                               flushes, flushes == 1 ? "" : "s", step));
+}
+
 // generation_config.json for a model made from scratch, as transformers derives it from a model config: the
 // config's bos/eos ids, else the tokenizer's end-of-sequence tokens (<|im_end|> too, as chat generation stops there).
 nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& tok) {

@@ -13,6 +13,7 @@
 #include "model/causal_lm.h"
 #include "ops/ops.h"
 #include "optim/adamw.h"
+#include "train/trainer_parts.h"
 
 using namespace lathe;
 
@@ -369,4 +370,21 @@ TEST(MemoryPlanTraining, CudaStepsAreBitwiseThoseWithoutAPlan) {
   std::string why;
   if (!probe.has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
   expect_same_training(Device::cuda(0), DType::BF16);
+}
+
+// A step during which the device allocator found the device full (it freed its whole cache and waited) is said once a
+// run, with the count, the step and what makes room; steps without one say nothing.
+TEST(MemoryReport, AFullDeviceIsSaidOnceWithWhatMakesRoom) {
+  using namespace trainer_parts;
+  MemoryPlanReport said;
+  Progress progress(1, false);
+  testing::internal::CaptureStdout();
+  report_full_device(0, 3, said, progress);
+  report_full_device(5, 4, said, progress);
+  report_full_device(2, 5, said, progress);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("memory: the device was full 5 times in step 4"), std::string::npos) << out;
+  EXPECT_NE(out.find("train.micro_batch_tokens"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 3"), std::string::npos) << out;
+  EXPECT_EQ(out.find("step 5"), std::string::npos) << out;
 }

@@ -52,6 +52,7 @@ void CachingAllocator::free_cached_blocks() {
 
 void* CachingAllocator::system_alloc(size_t bytes) {
   if (void* p = try_system_alloc(bytes)) return p;
+  stats_.num_cache_flushes++;
   free_cached_blocks();
   if (void* p = try_system_alloc(bytes)) return p;
   DeviceGuard guard(device_);
