@@ -175,9 +175,10 @@ void report_full_device(int64_t flushes, int64_t step, MemoryPlanReport& said, P
   if (said.full || flushes <= 0) return;
   said.full = true;
   progress.message(fmt::format("memory: the device was full {} time{} in step {}: each time the allocator freed its "
-                               "whole cache and waited for the device, and what came after was allocated afresh: such "
-                               "steps run slowly (metrics.jsonl: cache_flushes). A smaller train.micro_batch_tokens, "
-                               "train.recompute: true or a ZeRO stage makes room (`lathe plan` shows each layout's peak)",
+                               "whole cache and waited for the device, and what came after was allocated afresh; a step "
+                               "that does so often runs slowly (metrics.jsonl: cache_flushes). A smaller "
+                               "train.micro_batch_tokens, train.recompute: true or a ZeRO stage makes room (`lathe plan` "
+                               "shows each layout's peak)",
                                flushes, flushes == 1 ? "" : "s", step));
 }
 
