@@ -104,11 +104,13 @@ Tensor Runtime::copy_to(const Tensor& t, Device device) {
   const Tensor src = contiguous(src_ctx, t);
   ExecContext dst_ctx = context(device);
   Tensor out = Tensor::empty(t.shape(), t.dtype(), dst_ctx.allocator);
-  DeviceBackend& mover = device.is_cpu() ? src_ctx.backend : dst_ctx.backend;
-  Stream& stream = device.is_cpu() ? src_ctx.stream : dst_ctx.stream;
+  if (device.is_cpu()) {
+    download(src, out.data_ptr());
+    return out;
+  }
   src_ctx.stream.synchronize();
-  mover.copy(out.data_ptr(), device, src.data_ptr(), t.device(), out.nbytes(), stream);
-  stream.synchronize();
+  dst_ctx.backend.copy(out.data_ptr(), device, src.data_ptr(), t.device(), out.nbytes(), dst_ctx.stream);
+  dst_ctx.stream.synchronize();
   return out;
 }
 
