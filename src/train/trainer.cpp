@@ -237,7 +237,7 @@ class Trainer::Impl {
   std::vector<GradBucket> expert_buckets_;
   std::unique_ptr<GradReducer> expert_reducer_;
   std::vector<double> rank_mem_mib_;  // each dp rank's peak memory up to the last gradient sum, in rank order
-  MemoryPlanReport plan_report_;
+  MemoryReport memory_said_;
   Clock::time_point t_start_;
   int64_t run_steps_ = 0;
 };
@@ -1243,11 +1243,11 @@ bool Trainer::Impl::step() {
     rt_.set_profiler(nullptr);
     ctx_.emplace(rt_.context(device_));
   }
-  if (plan_) report_memory_plan(plan_->plan_stats(), plan_report_, progress_);
+  if (plan_) report_memory_plan(plan_->plan_stats(), memory_said_, progress_);
   ++run_steps_;
   StepTotals totals{dt, dp_comm_s, peak_memory_mib(rt_, device_)};
   totals.cache_flushes = cache_flushes(rt_, device_) - flushes_before;
-  report_full_device(totals.cache_flushes, jobs_[0].step, plan_report_, progress_);
+  report_full_device(totals.cache_flushes, jobs_[0].step, memory_said_, progress_);
   for (Job* j : active) totals.tokens += j->tokens, totals.flops += j->flops;
   if (profiler && first_)
     print_step_profile(profiler->collect(), 1e3 * dt, double(totals.tokens), totals.flops, 0.0, peak_);

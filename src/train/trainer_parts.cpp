@@ -154,7 +154,7 @@ void check_batch_fits(const data::Batch& b, int64_t vocab) {
   }
 }
 
-void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& progress) {
+void report_memory_plan(const PlanStats& s, MemoryReport& said, Progress& progress) {
   if (!said.outcome && (s.planned || !s.not_planned.empty())) {
     said.outcome = true;
     progress.message(s.planned ? fmt::format("memory plan: {} of a step's {} allocations laid out in one arena of "
@@ -171,7 +171,7 @@ void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& pr
   }
 }
 
-void report_full_device(int64_t flushes, int64_t step, MemoryPlanReport& said, Progress& progress) {
+void report_full_device(int64_t flushes, int64_t step, MemoryReport& said, Progress& progress) {
   if (said.full || flushes <= 0) return;
   said.full = true;
   progress.message(fmt::format("memory: the device was full {} time{} in step {}: each time the allocator freed its "

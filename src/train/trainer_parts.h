@@ -108,8 +108,8 @@ struct Job {
   std::string who() const { return label.empty() ? "train" : "train: tenant " + label; }
 };
 
-// What the log has said about the memory plan, so that each thing is said once.
-struct MemoryPlanReport {
+// What the log has said about memory (the plan, a full device), so that each thing is said once.
+struct MemoryReport {
   bool outcome = false;  // planned, or why not
   bool misses = false;   // a step left the planned sequence
   bool full = false;     // a step found the device full (report_full_device)
@@ -145,10 +145,10 @@ double evaluate(Runtime& rt, CausalLm& model, const Job& job);
 bool values_finite(ExecContext& ctx, std::vector<Parameter>& params);
 void check_batch_fits(const data::Batch& b, int64_t vocab);  // token ids and labels inside the vocabulary
 // Says once how the memory plan went (planned, or why not), and once that a step departed from it.
-void report_memory_plan(const PlanStats& s, MemoryPlanReport& said, Progress& progress);
+void report_memory_plan(const PlanStats& s, MemoryReport& said, Progress& progress);
 // Once a run: a step during which the device allocator found the device full `flushes` > 0 times (each time it freed
 // its whole cache and waited for the device; such steps run slowly), with what makes room.
-void report_full_device(int64_t flushes, int64_t step, MemoryPlanReport& said, Progress& progress);
+void report_full_device(int64_t flushes, int64_t step, MemoryReport& said, Progress& progress);
 // generation_config.json for a model made from scratch, as transformers derives it from a model config: the
 // config's bos/eos ids, else the tokenizer's end-of-sequence tokens (<|im_end|> too, as chat generation stops there).
 nlohmann::json generation_config(const ModelConfig& mc, const data::Tokenizer& tok);

@@ -376,7 +376,7 @@ TEST(MemoryPlanTraining, CudaStepsAreBitwiseThoseWithoutAPlan) {
 // run, with the count, the step and what makes room; steps without one say nothing.
 TEST(MemoryReport, AFullDeviceIsSaidOnceWithWhatMakesRoom) {
   using namespace trainer_parts;
-  MemoryPlanReport said;
+  MemoryReport said;
   Progress progress(1, false);
   testing::internal::CaptureStdout();
   report_full_device(0, 3, said, progress);
