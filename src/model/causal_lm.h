@@ -139,6 +139,7 @@ struct StageWork {
 class LoraBank;
 struct LoraSlot;
 struct SegmentAttrs;
+struct MoeEpMessages;
 enum class LoraTarget;
 
 class CausalLm {
@@ -377,9 +378,10 @@ class CausalLm {
   // derivative for moe_backward (MoeRoute::d_aux; undefined when the aux loss is off or without backward).
   Tensor aux_from_totals(LossResult& r, const std::vector<int64_t>& layers, const std::vector<RoutingTotals>& totals,
                          bool backward, double loss_scale);
-  // Expert parallelism: the plan of a route's all-to-alls (MoeRoute::ep_*, from every rank's per-expert counts),
-  // the rows sent to their experts' ranks and the outputs (or gradients) sent back.
-  void plan_expert_exchange(MoeRoute& r) const;
+  // Expert parallelism: the plan of a route's all-to-alls (MoeRoute::ep_*, from this rank's moe_ep_messages and every
+  // rank's summary of them, all-gathered: `gathered`), the rows sent to their experts' ranks and the outputs (or
+  // gradients) sent back.
+  void plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, const int32_t* gathered) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
   // A (rows, cols) view of ones in the model dtype, kept by the model (the MoE layers take them every layer and batch);
@@ -485,7 +487,6 @@ class CausalLm {
   LoraBank* lora_ = nullptr;
   std::vector<MoeRoute> moe_routes_;  // per layer (empty routes for dense layers)
   mutable Tensor ones_;  // ones() of the model dtype, grown as needed
-  mutable EpPlanScratch ep_scratch_;  // plan_expert_exchange's host tables
   bool per_expert_layout_ = false;    // the checkpoint stored experts as experts.N.*_proj.weight: save() does too
   // Pipeline parallelism: the other stages' parameters (declare), and the declaration order (index >= 0: params_,
   // <= -2: absent_[-2 - index]).

@@ -195,9 +195,26 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
     return r;
   }
   const Tensor sums = sum(cx, m.probs, {0});  // (E), queued before the wait below
-  // The one wait of the layer: the grouped GEMMs take their groups on the host.
-  const Tensor offsets = rt_->copy_to(m.offsets, Device::cpu());
-  const int32_t* off = offsets.data<int32_t>();
+  // The one wait of the layer: the grouped GEMMs take their groups on the host. Under expert parallelism the wait is
+  // for every rank's plan offsets and message lengths (moe_ep_messages' summary, all-gathered), so that the exchange is
+  // planned from counts alone (plan_expert_exchange).
+  Tensor host;
+  MoeEpMessages messages;
+  if (expert_parallel()) {
+    messages = moe_ep_messages(cx, m.picked, m.offsets, ep_size());
+    const int64_t n = ep_size(), each = messages.summary.numel();
+    Tensor all = Tensor::empty({n * each}, DType::I32, cx.allocator);
+    options_.ep->all_gather(messages.summary, all).wait();
+    host = rt_->copy_to(all, Device::cpu());
+    for (int64_t j = 0; j < n; ++j) {  // every rank refuses a bad batch together: none waits for the others
+      const int32_t bad = host.data<int32_t>()[j * each + e + 1];
+      LATHE_CHECK(bad < 0, "moe: router logit of token {} on expert-parallel rank {} is not finite (a layer's router "
+                  "produced NaN or Inf)", bad, j);
+    }
+  } else {
+    host = rt_->copy_to(m.offsets, Device::cpu());
+  }
+  const int32_t* off = host.data<int32_t>() + (expert_parallel() ? ep_rank() * messages.summary.numel() : 0);
   LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (a layer's router produced NaN or Inf)",
               off[e + 1]);
   r.offsets.assign(off, off + e + 1);
@@ -217,7 +234,7 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
     r.pad_pair = pad.pair;
     r.pad_position = pad.position;
   }
-  if (expert_parallel()) plan_expert_exchange(r);
+  if (expert_parallel()) plan_expert_exchange(r, messages, host.data<int32_t>());
   r.valid = true;
   return r;
 }
@@ -237,118 +254,29 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   return sum;
 }
 
-// A table of values built on the host in f32 or f64 (the transport dtype of the plan's small exchanges), in one of
-// the model's kept vectors, and uploaded as is, without a widening copy and a cast on the device.
-class HostValues {
- public:
-  HostValues(DType dtype, int64_t n, double fill, std::vector<float>& f32, std::vector<double>& f64)
-      : dtype_(dtype), f32_(f32), f64_(f64) {
-    if (dtype == DType::F64) f64_.assign(size_t(n), fill);
-    else f32_.assign(size_t(n), float(fill));
-  }
-  void set(int64_t i, double v) {
-    if (dtype_ == DType::F64) f64_[size_t(i)] = v;
-    else f32_[size_t(i)] = float(v);
-  }
-  Tensor upload(Runtime& rt, const Shape& shape, Device device) const {
-    const void* data = dtype_ == DType::F64 ? static_cast<const void*>(f64_.data()) : f32_.data();
-    return rt.upload(data, shape, dtype_, device);
-  }
-
- private:
-  DType dtype_;
-  std::vector<float>& f32_;
-  std::vector<double>& f64_;
-};
-
-// Which of a rank's tokens go to each rank of the ep group: those with a pair in its experts (one range [offsets[j
-// mine], offsets[(j + 1) mine]) of the route, sorted by expert), in token order (s.tokens_for). Also each pair's
-// token's row in its message (s.pair_slot), and each token's row in the buffer that comes back (the messages one after
-// the other, as they went; -1 for a rank it did not go to), (T, n) (s.back).
-void token_messages(const int32_t* token_of, const std::vector<int64_t>& offsets, int64_t t, int64_t n, int64_t mine,
-                    EpPlanScratch& s) {
-  s.tokens_for.resize(size_t(n));
-  s.pair_slot.resize(size_t(offsets.back()));
-  s.back.assign(size_t(t * n), -1);
-  s.slot.resize(size_t(t));
-  int64_t sent_before = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t begin = offsets[size_t(j * mine)], end = offsets[size_t((j + 1) * mine)];
-    std::vector<int32_t>& mine_for_j = s.tokens_for[size_t(j)];
-    mine_for_j.clear();
-    s.hit.assign(size_t(t), 0);
-    for (int64_t p = begin; p < end; ++p) s.hit[size_t(token_of[p])] = 1;
-    for (int64_t i = 0; i < t; ++i)
-      if (s.hit[size_t(i)]) {
-        s.slot[size_t(i)] = int64_t(mine_for_j.size());
-        s.back[size_t(i * n + j)] = int32_t(sent_before + s.slot[size_t(i)]);
-        mine_for_j.push_back(int32_t(i));
-      }
-    for (int64_t p = begin; p < end; ++p) s.pair_slot[size_t(p)] = s.slot[size_t(token_of[p])];
-    sent_before += int64_t(mine_for_j.size());
-  }
-}
-
-// The ep group's counts, from the all-gather: each rank's pairs per expert, then its tokens for each rank.
+// The ep group's counts, from the all-gathered summaries of moe_ep_messages: each rank's plan offsets (E + 2), then
+// the length of its message to each rank.
 struct GroupCounts {
-  const double* all;
+  const int32_t* all;
   int64_t experts, ranks;
-  int64_t pairs(int64_t rank, int64_t expert) const { return int64_t(all[rank * (experts + ranks) + expert]); }
-  int64_t tokens(int64_t from, int64_t to) const { return int64_t(all[from * (experts + ranks) + experts + to]); }
+  const int32_t* of(int64_t rank) const { return all + rank * (experts + 2 + ranks); }
+  int64_t pairs(int64_t rank, int64_t expert) const { return of(rank)[expert + 1] - of(rank)[expert]; }
+  int64_t tokens(int64_t from, int64_t to) const { return of(from)[experts + 2 + to]; }
 };
-
-// Each token's pairs on each rank it goes to (the messages one after the other): their grouped rows there (by local
-// expert, then sending rank, as plan_expert_exchange orders them; -1 for the slots beyond them; at most `slots` =
-// min(k, experts a rank), in expert order) in the first `slots` columns of `rows` (sent, 2 slots), and each slot's
-// pair in the route (0 for an empty one: its weight is not read).
-void token_slots(EpPlanScratch& m, const GroupCounts& c, const std::vector<int64_t>& offsets, int64_t me,
-                 int64_t mine, int64_t slots, HostValues& rows, std::vector<int32_t>& slot_pairs) {
-  std::vector<int64_t>& filled = m.filled;
-  filled.clear();
-  for (const auto& v : m.tokens_for) filled.resize(filled.size() + v.size(), 0);
-  int64_t first_sent = 0;
-  for (int64_t j = 0; j < c.ranks; ++j) {
-    int64_t first_row = 0;  // where local expert x's group starts on rank j (its pairs from every rank)
-    for (int64_t x = 0; x < mine; ++x) {
-      const int64_t e = j * mine + x;
-      int64_t row = first_row;
-      for (int64_t i = 0; i < me; ++i) row += c.pairs(i, e);
-      for (int64_t p = offsets[size_t(e)]; p < offsets[size_t(e + 1)]; ++p) {
-        const int64_t u = first_sent + m.pair_slot[size_t(p)];
-        const int64_t f = filled[size_t(u)]++;
-        rows.set(u * 2 * slots + f, double(row + p - offsets[size_t(e)]));
-        slot_pairs[size_t(u * slots + f)] = int32_t(p);
-      }
-      for (int64_t i = 0; i < c.ranks; ++i) first_row += c.pairs(i, e);
-    }
-    first_sent += int64_t(m.tokens_for[size_t(j)].size());
-  }
-}
 
 }  // namespace
 
-// Every rank's pairs per expert and tokens per rank (an all-gather over the ep group: the one extra wait of the layer),
-// then the counts of the all-to-alls and the row orders between the received pair layout (by sending rank, each
-// rank's pairs of this rank's experts in expert order) and the grouped one (by local expert, then sending rank) the
-// GEMMs take; then the small tables the experts' rank needs, sent there: each pair's row among the tokens it receives
-// and its weight (by pair), and each token's pairs and their weights (with the token).
-void CausalLm::plan_expert_exchange(MoeRoute& r) const {
+// From the ep group's counts alone (O(E n) on the host, after the route's wait): the counts of the all-to-alls, the
+// received pairs' groups by local expert, and the bases of the device's tables (moe_ep_slots, moe_ep_regroup); then,
+// on the device, the row orders between the received pair layout (by sending rank, each rank's pairs of this rank's
+// experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take, and the small
+// tables the experts' rank needs, sent there: each pair's row among the tokens it receives and its weight (by pair),
+// and each token's pairs and their weights (with the token).
+void CausalLm::plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, const int32_t* gathered) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
-  const int64_t pairs = r.offsets.back();
-  // The host's tables live in vectors the model keeps (ep_scratch_): fresh pages would cost a page fault each.
-  EpPlanScratch& m = ep_scratch_;
-  m.token_of.resize(size_t(pairs));
-  rt_->download(r.token_ids, m.token_of.data());  // the route's wait has drained the stream
-  token_messages(m.token_of.data(), r.offsets, t, n, mine, m);
-
-  std::vector<double> mine_counts(r.totals.counts.begin(), r.totals.counts.end());
-  for (const auto& v : m.tokens_for) mine_counts.push_back(double(v.size()));
-  const Tensor local = rt_->upload(mine_counts.data(), {e + n}, DType::F64, options_.device);  // stream-ordered
-  Tensor all = Tensor::empty({n * (e + n)}, DType::F64, cx.allocator);
-  options_.ep->all_gather(local, all).wait();
-  const Tensor host = options_.device.is_cpu() ? all : rt_->copy_to(all, Device::cpu());
-  const GroupCounts c{host.data<double>(), e, n};
+  const int64_t k = config_.num_experts_per_tok, pairs = r.offsets.back();
+  const GroupCounts c{gathered, e, n};
   r.ep_send.assign(size_t(n), 0);
   r.ep_recv.assign(size_t(n), 0);
   r.ep_token_send.assign(size_t(n), 0);
@@ -361,72 +289,82 @@ void CausalLm::plan_expert_exchange(MoeRoute& r) const {
     r.ep_token_send[size_t(j)] = c.tokens(me, j);
     r.ep_token_recv[size_t(j)] = c.tokens(j, me);
   }
-  // start[j][x]: where sender j's pairs of local expert x begin in the received layout.
-  std::vector<int64_t> start(size_t(n * mine));
-  int64_t at = 0;
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t x = 0; x < mine; ++x) {
-      start[size_t(j * mine + x)] = at;
-      at += c.pairs(j, me * mine + x);
-    }
-  std::vector<int32_t>& grouped = m.grouped;
-  std::vector<int32_t>& received = m.received;
-  grouped.clear();
-  received.assign(size_t(at), 0);
-  r.ep_offsets = {0};
-  for (int64_t x = 0; x < mine; ++x) {
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t k = 0; k < c.pairs(j, me * mine + x); ++k) {
-        received[size_t(start[size_t(j * mine + x)] + k)] = int32_t(grouped.size());
-        grouped.push_back(int32_t(start[size_t(j * mine + x)] + k));
-      }
-    r.ep_offsets.push_back(int64_t(grouped.size()));
-  }
-  r.ep_grouped = rt_->upload(grouped.data(), {at}, DType::I32, options_.device);
-  r.ep_received = rt_->upload(received.data(), {at}, DType::I32, options_.device);
-  std::vector<int32_t>& sent = m.sent;
-  sent.clear();
-  for (const auto& v : m.tokens_for) sent.insert(sent.end(), v.begin(), v.end());
-  r.ep_tokens = rt_->upload(sent.data(), {int64_t(sent.size())}, DType::I32, options_.device);
-
-  // The tables, values exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model), filled on the
-  // host (the weights' columns on the device) and uploaded once. By pair: its row among its receiver's tokens (the
-  // senders before this rank come first there) and its weight.
-  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
-  HostValues rows(xd, pairs * 2, 0.0, m.rows32, m.rows64);
+  // One table, uploaded once: moe_ep_slots' bases (n + E), then moe_ep_regroup's blocks (2 B + 1, B = n mine).
+  // bases[j]: where my message to rank j starts among the tokens rank j receives, less where it starts in my list;
+  // bases[n + f]: where my pairs of expert f (on rank j, local x) start in rank j's grouped layout, less offsets[f].
+  // blocks: where sender j's pairs of local expert x start in the received layout, then in the grouped one.
+  const int64_t b = n * mine;
+  std::vector<int32_t> table(size_t(n + e + 2 * b + 1), 0);
+  int64_t sent_before = 0;
   for (int64_t j = 0; j < n; ++j) {
     int64_t base = 0;
     for (int64_t i = 0; i < me; ++i) base += c.tokens(i, j);
-    LATHE_CHECK(xd == DType::F64 || base + c.tokens(me, j) <= (int64_t(1) << 24),
+    LATHE_CHECK(options_.dtype == DType::F64 || base + c.tokens(me, j) <= (int64_t(1) << 24),
                 "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
-    for (int64_t p = r.offsets[size_t(j * mine)]; p < r.offsets[size_t((j + 1) * mine)]; ++p)
-      rows.set(p * 2, double(base + m.pair_slot[size_t(p)]));
+    table[size_t(j)] = int32_t(base - sent_before);
+    sent_before += c.tokens(me, j);
+    int64_t first_row = 0;  // where local expert x's group starts on rank j (its pairs from every rank)
+    for (int64_t x = 0; x < mine; ++x) {
+      const int64_t f = j * mine + x;
+      int64_t row = first_row;
+      for (int64_t i = 0; i < me; ++i) row += c.pairs(i, f);
+      table[size_t(n + f)] = int32_t(row - r.offsets[size_t(f)]);
+      for (int64_t i = 0; i < n; ++i) first_row += c.pairs(i, f);
+    }
   }
+  int32_t* blocks = table.data() + n + e;
+  int64_t at = 0;
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t x = 0; x < mine; ++x) {
+      blocks[j * mine + x] = int32_t(at);
+      at += c.pairs(j, me * mine + x);
+    }
+  blocks[b] = int32_t(at);
+  r.ep_offsets = {0};
+  int64_t grouped = 0;
+  for (int64_t x = 0; x < mine; ++x) {
+    for (int64_t j = 0; j < n; ++j) {
+      blocks[b + 1 + j * mine + x] = int32_t(grouped);
+      grouped += c.pairs(j, me * mine + x);
+    }
+    r.ep_offsets.push_back(grouped);
+  }
+  const Tensor tables = rt_->upload(table.data(), {int64_t(table.size())}, DType::I32, options_.device);
+  const MoeEpRegroup regroup = moe_ep_regroup(cx, tables.narrow(0, n + e, 2 * b + 1), at);
+  r.ep_grouped = regroup.grouped;
+  r.ep_received = regroup.received;
+  const int64_t sent = total_of(r.ep_token_send);
+  r.ep_tokens = messages.tokens.narrow(0, 0, sent);
+  r.ep_back = messages.back;
+  r.ep_back_ones = ones(t, n);
+  const MoeEpSlots slots = moe_ep_slots(cx, r.picked_ids.view({t, k}), r.position_ids, messages.back,
+                                        tables.narrow(0, 0, n + e));
+
+  // The values sent, exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model). By pair: its row
+  // among its receiver's tokens and its weight.
+  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
   const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
-  const Tensor values = rows.upload(*rt_, {pairs, 2}, options_.device);
+  Tensor values = Tensor::empty({pairs, 2}, xd, cx.allocator);
+  copy_into(cx, slots.pair_row.view({pairs, 1}), values.narrow(1, 0, 1));
   copy_into(cx, weights, values.narrow(1, 1, 1));
   const Tensor got = to_expert_ranks(r, values);  // (R, 2)
   r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
   r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
 
   // By token sent: its pairs' grouped rows there and their weights, S + S values.
-  const int64_t slots = std::min(config_.num_experts_per_tok, mine), sent_total = int64_t(sent.size());
-  HostValues slot_rows(xd, sent_total * 2 * slots, -1.0, m.slot_rows32, m.slot_rows64);
-  m.slot_pairs.assign(size_t(sent_total * slots), 0);
-  token_slots(m, c, r.offsets, me, mine, slots, slot_rows, m.slot_pairs);
-  const Tensor per_token = slot_rows.upload(*rt_, {sent_total, 2 * slots}, options_.device);
-  const Tensor slot_ids = rt_->upload(m.slot_pairs.data(), {sent_total * slots}, DType::I32, options_.device);
-  copy_into(cx, embedding(cx, weights, slot_ids).view({sent_total, slots}), per_token.narrow(1, slots, slots));
+  const int64_t s = slots.slot_row.size(1);
+  Tensor per_token = Tensor::empty({sent, 2 * s}, xd, cx.allocator);
+  copy_into(cx, slots.slot_row.narrow(0, 0, sent), per_token.narrow(1, 0, s));
+  const Tensor slot_ids = contiguous(cx, slots.slot_pair.narrow(0, 0, sent)).view({sent * s});
+  copy_into(cx, embedding(cx, weights, slot_ids).view({sent, s}), per_token.narrow(1, s, s));
   const int64_t got_tokens = total_of(r.ep_token_recv);
-  Tensor token_values = Tensor::empty({got_tokens, 2 * slots}, xd, cx.allocator);
-  Tensor flat = token_values.view({got_tokens * 2 * slots});
-  options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * slots), flat,
-                          elements(r.ep_token_recv, 2 * slots));
-  r.ep_pairs = cast(cx, token_values.narrow(1, 0, slots), DType::I32);
-  r.ep_pair_weights = cast(cx, token_values.narrow(1, slots, slots), options_.dtype);
-  r.ep_pair_ones = ones(got_tokens, slots);
-  r.ep_back = rt_->upload(m.back.data(), {t, n}, DType::I32, options_.device);
-  r.ep_back_ones = ones(t, n);
+  Tensor token_values = Tensor::empty({got_tokens, 2 * s}, xd, cx.allocator);
+  Tensor flat = token_values.view({got_tokens * 2 * s});
+  options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * s), flat,
+                          elements(r.ep_token_recv, 2 * s));
+  r.ep_pairs = cast(cx, token_values.narrow(1, 0, s), DType::I32);
+  r.ep_pair_weights = cast(cx, token_values.narrow(1, s, s), options_.dtype);
+  r.ep_pair_ones = ones(got_tokens, s);
 }
 
 Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {

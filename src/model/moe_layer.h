@@ -74,17 +74,6 @@ struct MoeRoute {
   Tensor ep_back, ep_back_ones;
 };
 
-// The host side of CausalLm::plan_expert_exchange: its tables, rewritten each layer in vectors the model keeps (fresh
-// pages of a few megabytes a layer would cost a page fault each).
-struct EpPlanScratch {
-  std::vector<int32_t> token_of, back, grouped, received, sent, slot_pairs;
-  std::vector<int64_t> pair_slot, slot, filled;
-  std::vector<char> hit;
-  std::vector<std::vector<int32_t>> tokens_for;
-  std::vector<float> rows32, slot_rows32;
-  std::vector<double> rows64, slot_rows64;
-};
-
 // The LoRA term of an expert parameter's slot (model/lora.h) for one batch: for rows x (P, in) sorted by expert,
 // u = (x A_e^T) * mask (P, R) -- the mask keeps each row's own adapter's columns, times its scaling -- and
 // y (P, out) += u BT_e; two grouped GEMMs each way over the slot's (E, R, in) and (E, R, out) views.

@@ -145,6 +145,9 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::adamw_list:
     case OpId::moe_route:  // piecewise constant choices; the router's backward is composed by the MoE layer
     case OpId::moe_pad_plan:
+    case OpId::moe_ep_messages:  // expert parallelism's exchange plan: integer tables
+    case OpId::moe_ep_slots:
+    case OpId::moe_ep_regroup:
     case OpId::grouped_matmul_routed:  // decoding only
     case OpId::paged_attention:        // the rollout engine's: decoding only
     case OpId::scatter_rows:

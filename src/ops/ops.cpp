@@ -50,6 +50,9 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::grouped_matmul_weight_grad: return expect(GroupedMatmulAttrs{});
     case OpId::moe_route: return expect(MoeRouteAttrs{});
     case OpId::moe_pad_plan: return expect(MoePadAttrs{});
+    case OpId::moe_ep_messages:
+    case OpId::moe_ep_slots:
+    case OpId::moe_ep_regroup: return expect(MoeExchangeAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -464,6 +467,26 @@ MoeRouting moe_route(ExecContext& ctx, const Tensor& logits, MoeRouteAttrs attrs
 MoePadPlan moe_pad_plan(ExecContext& ctx, const Tensor& offsets, const Tensor& pair, MoePadAttrs attrs) {
   std::vector<Tensor> o = call_op(ctx, OpId::moe_pad_plan, {contiguous(ctx, offsets), contiguous(ctx, pair)}, attrs);
   return {o[0], o[1], o[2]};
+}
+
+MoeEpMessages moe_ep_messages(ExecContext& ctx, const Tensor& picked, const Tensor& offsets, int64_t ranks) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_ep_messages, {contiguous(ctx, picked), contiguous(ctx, offsets)},
+                                  MoeExchangeAttrs{ranks, 0});
+  return {o[0], o[1], o[2]};
+}
+
+MoeEpSlots moe_ep_slots(ExecContext& ctx, const Tensor& picked, const Tensor& position, const Tensor& back,
+                        const Tensor& bases) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_ep_slots,
+                                  {contiguous(ctx, picked), contiguous(ctx, position), contiguous(ctx, back),
+                                   contiguous(ctx, bases)},
+                                  MoeExchangeAttrs{back.size(1), 0});
+  return {o[0], o[1], o[2]};
+}
+
+MoeEpRegroup moe_ep_regroup(ExecContext& ctx, const Tensor& blocks, int64_t rows) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_ep_regroup, {contiguous(ctx, blocks)}, MoeExchangeAttrs{1, rows});
+  return {o[0], o[1]};
 }
 
 }  // namespace lathe

@@ -211,6 +211,23 @@ struct MoePadPlan {
   Tensor position;     // (P) i32
 };
 MoePadPlan moe_pad_plan(ExecContext& ctx, const Tensor& offsets, const Tensor& pair, MoePadAttrs attrs);
+// Expert parallelism's exchange plan over `ranks` ranks (formulas at MoeExchangeAttrs).
+struct MoeEpMessages {
+  Tensor back;     // (T, n) i32
+  Tensor tokens;   // (T n) i32
+  Tensor summary;  // (E + 2 + n) i32
+};
+MoeEpMessages moe_ep_messages(ExecContext& ctx, const Tensor& picked, const Tensor& offsets, int64_t ranks);
+struct MoeEpSlots {
+  Tensor pair_row;              // (T k) i32
+  Tensor slot_row, slot_pair;   // (T n, S) i32 each
+};
+MoeEpSlots moe_ep_slots(ExecContext& ctx, const Tensor& picked, const Tensor& position, const Tensor& back,
+                        const Tensor& bases);
+struct MoeEpRegroup {
+  Tensor grouped, received;  // (rows) i32 each
+};
+MoeEpRegroup moe_ep_regroup(ExecContext& ctx, const Tensor& blocks, int64_t rows);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

@@ -9,6 +9,7 @@
 // tests/ops/test_grouped_matmul.cpp checks them on every device.
 #include "testing/op_check.h"
 
+#include <algorithm>
 #include <tuple>
 
 namespace lathe {
@@ -23,6 +24,47 @@ std::vector<int64_t> offsets_of(const std::vector<int64_t>& counts) {
 }
 
 std::string groups_str(const std::vector<int64_t>& counts) { return fmt::format("{}", fmt::join(counts, "+")); }
+
+// A routing of t tokens to k distinct experts each among the first `used` of e (drawn by a fixed LCG, in no order, as
+// top-k leaves them), laid out as moe_route makes it: picked (t E + expert), offsets (E + 2; no bad token) and
+// position (each pair's row sorted by expert, then pair), and what moe_ep_messages makes of it over n ranks: back.
+struct EpRouting {
+  std::vector<double> picked, offsets, position, back;
+};
+
+EpRouting ep_routing(int64_t t, int64_t e, int64_t k, int64_t n, int64_t used) {
+  EpRouting r;
+  std::vector<int64_t> expert;
+  uint64_t state = uint64_t(t * 131 + e * 17 + k * 7 + n);
+  for (int64_t i = 0; i < t; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t x = 0;
+      bool taken = true;
+      while (taken) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        x = int64_t((state >> 33) % uint64_t(used));
+        taken = std::find(expert.end() - j, expert.end(), x) != expert.end();
+      }
+      expert.push_back(x);
+      r.picked.push_back(double(i * e + x));
+    }
+  std::vector<int64_t> next(size_t(e + 1), 0);
+  for (int64_t x : expert) ++next[size_t(x + 1)];
+  for (int64_t x = 0; x < e; ++x) next[size_t(x + 1)] += next[size_t(x)];
+  for (int64_t x : next) r.offsets.push_back(double(x));
+  r.offsets.push_back(-1);
+  for (int64_t x : expert) r.position.push_back(double(next[size_t(x)]++));
+  r.back.assign(size_t(t * n), -1);
+  int64_t u = 0;
+  for (int64_t rank = 0; rank < n; ++rank)
+    for (int64_t i = 0; i < t; ++i)
+      for (int64_t j = 0; j < k; ++j)
+        if (expert[size_t(i * k + j)] / (e / n) == rank) {
+          r.back[size_t(i * n + rank)] = double(u++);
+          break;
+        }
+  return r;
+}
 
 }  // namespace
 
@@ -115,6 +157,43 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   };
   add_pad({0, 0, 3, 3, 7, 8, -1}, {5, 0, 7, 2, 6, 1, 4, 3}, 4, 2);
   add_pad({0, 0, 0, 5, -1}, {4, 2, 0, 1, 3}, 7, 1);
+  // Expert parallelism's exchange plan: two ranks of 4 experts (k 2 and k 8 of 128), four ranks of 3 with a rank no
+  // token goes to, k = E (every token to every rank), a rank each of one expert (S = 1). (An empty batch cannot be
+  // written here: an empty index list means "not an index input"; the model refuses one before routing.)
+  for (const auto& [t, e, k, n, used] : {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{9, 8, 2, 2, 8},
+                                         {300, 128, 8, 2, 128}, {40, 12, 3, 4, 9}, {5, 4, 4, 2, 4}, {33, 6, 2, 6, 6}}) {
+    const EpRouting r = ep_routing(t, e, k, n, used);
+    const std::string params = fmt::format("t={},e={},k={},n={},used={}", t, e, k, n, used);
+    c.push_back({OpId::moe_ep_messages, params, {{t, k}, {e + 2}}, MoeExchangeAttrs{n, 0}, {DType::I32}, false, false,
+                 {r.picked, r.offsets}});
+    std::vector<double> bases;
+    for (int64_t i = 0; i < n + e; ++i) bases.push_back(double(i < n ? 3 * i - 1 : 5 * (i - n) - 7));
+    c.push_back({OpId::moe_ep_slots, params, {{t, k}, {t * k}, {t, n}, {n + e}}, MoeExchangeAttrs{n, 0}, {DType::I32},
+                 false, false, {r.picked, r.position, r.back, bases}});
+  }
+  // moe_ep_regroup: rank 1 of 3 with 2 experts each (blocks by sending rank, then expert, regrouped by expert, then
+  // sending rank), empty blocks first, in the middle and last; one block; no rows.
+  const auto add_regroup = [&](int64_t ranks, int64_t mine, const std::vector<int64_t>& counts) {
+    std::vector<double> blocks(size_t(2 * ranks * mine + 1), 0);
+    int64_t at = 0;
+    for (int64_t b = 0; b < ranks * mine; ++b) {
+      blocks[size_t(b)] = double(at);
+      at += counts[size_t(b)];
+    }
+    blocks[size_t(ranks * mine)] = double(at);
+    int64_t g = 0;
+    for (int64_t x = 0; x < mine; ++x)
+      for (int64_t j = 0; j < ranks; ++j) {
+        blocks[size_t(ranks * mine + 1 + j * mine + x)] = double(g);
+        g += counts[size_t(j * mine + x)];
+      }
+    c.push_back({OpId::moe_ep_regroup, fmt::format("ranks={},mine={},counts={}", ranks, mine, groups_str(counts)),
+                 {{int64_t(blocks.size())}}, MoeExchangeAttrs{1, at}, {DType::I32}, false, false, {blocks}});
+  };
+  add_regroup(3, 2, {0, 4, 3, 0, 7, 2});
+  add_regroup(2, 2, {5, 1, 0, 9});
+  add_regroup(1, 1, {6});
+  add_regroup(2, 1, {0, 0});
   // gather_sum(rows (N, D), index (M, S), weights (M, S)): slots left empty (-1) anywhere in a row, a whole row of
   // them, a row read twice in one sum; D of 6 (element by element in every dtype), 256 (16-byte packs) and 2,048 with
   // S = 1 (expert parallelism's weighted gather).

@@ -76,6 +76,7 @@ void CpuBackend::register_kernels(KernelRegistry& registry) {
   register_cpu_gated_delta_kernels(registry);
   register_cpu_grouped_matmul_kernels(registry);
   register_cpu_moe_route_kernels(registry);
+  register_cpu_moe_exchange_kernels(registry);
 }
 
 }  // namespace lathe

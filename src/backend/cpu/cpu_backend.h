@@ -35,5 +35,6 @@ void register_cpu_segment_kernels(KernelRegistry& registry);  // segment_ops.cpp
 void register_cpu_gated_delta_kernels(KernelRegistry& registry);  // gated_delta.cpp
 void register_cpu_grouped_matmul_kernels(KernelRegistry& registry);  // grouped_matmul.cpp
 void register_cpu_moe_route_kernels(KernelRegistry& registry);  // moe_route.cpp
+void register_cpu_moe_exchange_kernels(KernelRegistry& registry);  // moe_exchange.cpp
 
 }  // namespace lathe

@@ -138,5 +138,16 @@ void launch_moe_route(const MoeRouteArgs& args, void* scratch, cudaStream_t stre
 void launch_moe_pad_plan(int64_t experts, int64_t rows_per_expert, int64_t top_k, int64_t pairs,
                          const int32_t* offsets, const int32_t* pair, int32_t* pad_token, int32_t* pad_pair,
                          int32_t* pad_position, cudaStream_t stream);
+// Expert parallelism's exchange plan (moe_exchange.cu; MoeExchangeAttrs in ops/op_table.h).
+size_t moe_ep_messages_scratch_bytes(int64_t tokens, int64_t ranks);
+void launch_moe_ep_messages(int64_t tokens, int64_t top_k, int64_t experts, int64_t ranks, const int32_t* picked,
+                            const int32_t* offsets, int32_t* back, int32_t* sent_tokens, int32_t* summary,
+                            void* scratch, cudaStream_t stream);
+int64_t moe_ep_slots_max_top_k();  // a token's experts live in registers
+void launch_moe_ep_slots(int64_t tokens, int64_t top_k, int64_t experts, int64_t ranks, int64_t slots,
+                         const int32_t* picked, const int32_t* position, const int32_t* back, const int32_t* bases,
+                         int32_t* pair_row, int32_t* slot_row, int32_t* slot_pair, cudaStream_t stream);
+void launch_moe_ep_regroup(int64_t rows, int64_t blocks, const int32_t* starts, int32_t* grouped, int32_t* received,
+                           cudaStream_t stream);
 
 }  // namespace lathe::cuda

@@ -322,11 +322,45 @@ void run_moe_pad_plan(const OpCall& c, ExecContext& ctx) {
                       c.outputs[1].data<int32_t>(), c.outputs[2].data<int32_t>(), stream_of(ctx));
 }
 
+void run_moe_ep_messages(const OpCall& c, ExecContext& ctx) {
+  const int64_t tokens = c.inputs[0].size(0), ranks = c.attr<MoeExchangeAttrs>().ranks;
+  const int64_t bytes = int64_t(moe_ep_messages_scratch_bytes(tokens, ranks));
+  const Tensor scratch = Tensor::empty({bytes}, DType::U8, ctx.allocator);  // the flags, their sum, cub's storage
+  launch_moe_ep_messages(tokens, c.inputs[0].size(1), c.inputs[1].size(0) - 2, ranks, c.inputs[0].data<int32_t>(),
+                         c.inputs[1].data<int32_t>(), c.outputs[0].data<int32_t>(), c.outputs[1].data<int32_t>(),
+                         c.outputs[2].data<int32_t>(), scratch.data_ptr(), stream_of(ctx));
+}
+
+Support moe_ep_slots_supports(const OpCall& c) {
+  if (c.inputs[0].size(1) > moe_ep_slots_max_top_k())
+    return Support::no(fmt::format("top_k above {}", moe_ep_slots_max_top_k()));
+  return contiguous_supports(c);
+}
+
+void run_moe_ep_slots(const OpCall& c, ExecContext& ctx) {
+  const int64_t ranks = c.attr<MoeExchangeAttrs>().ranks;
+  launch_moe_ep_slots(c.inputs[0].size(0), c.inputs[0].size(1), c.inputs[3].size(0) - ranks, ranks,
+                      c.outputs[1].size(1), c.inputs[0].data<int32_t>(), c.inputs[1].data<int32_t>(),
+                      c.inputs[2].data<int32_t>(), c.inputs[3].data<int32_t>(), c.outputs[0].data<int32_t>(),
+                      c.outputs[1].data<int32_t>(), c.outputs[2].data<int32_t>(), stream_of(ctx));
+}
+
+void run_moe_ep_regroup(const OpCall& c, ExecContext& ctx) {
+  launch_moe_ep_regroup(c.attr<MoeExchangeAttrs>().rows, (c.inputs[0].size(0) - 1) / 2, c.inputs[0].data<int32_t>(),
+                        c.outputs[0].data<int32_t>(), c.outputs[1].data<int32_t>(), stream_of(ctx));
+}
+
 }  // namespace
 
 void register_cuda_model_kernels(KernelRegistry& r) {
   r.add(KernelDef{OpId::moe_pad_plan, DeviceType::CUDA, DType::I32, "cuda/pad_rows", contiguous_supports,
                   run_moe_pad_plan});
+  r.add(KernelDef{OpId::moe_ep_messages, DeviceType::CUDA, DType::I32, "cuda/ep_messages_scan", contiguous_supports,
+                  run_moe_ep_messages});
+  r.add(KernelDef{OpId::moe_ep_slots, DeviceType::CUDA, DType::I32, "cuda/ep_slots", moe_ep_slots_supports,
+                  run_moe_ep_slots});
+  r.add(KernelDef{OpId::moe_ep_regroup, DeviceType::CUDA, DType::I32, "cuda/ep_regroup", contiguous_supports,
+                  run_moe_ep_regroup});
   r.add(KernelDef{OpId::moe_route, DeviceType::CUDA, DType::F32, "cuda/route_rows_radix_plan", moe_route_supports,
                   run_moe_route});
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
