@@ -269,9 +269,9 @@ struct GroupCounts {
 // From the ep group's counts alone (O(E n) on the host, after the route's wait): the counts of the all-to-alls, the
 // received pairs' groups by local expert, and the bases of the device's tables (moe_ep_slots, moe_ep_regroup); then,
 // on the device, the row orders between the received pair layout (by sending rank, each rank's pairs of this rank's
-// experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take, and the small
-// tables the experts' rank needs, sent there: each pair's row among the tokens it receives and its weight (by pair),
-// and each token's pairs and their weights (with the token).
+// experts in expert order) and the grouped one (by local expert, then sending rank) the GEMMs take, and each token's
+// pairs' grouped rows there and their weights, sent with the token (S + S values a token sent); the experts' rank
+// inverts them to each grouped pair's token and weight (moe_ep_sources).
 void CausalLm::plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, const int32_t* gathered) const {
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = ep_size(), me = ep_rank(), e = global_config_.num_experts, mine = e / n, t = r.totals.tokens;
@@ -289,30 +289,25 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, 
     r.ep_token_send[size_t(j)] = c.tokens(me, j);
     r.ep_token_recv[size_t(j)] = c.tokens(j, me);
   }
-  // One table, uploaded once: moe_ep_slots' bases (n + E), then moe_ep_regroup's blocks (2 B + 1, B = n mine).
-  // bases[j]: where my message to rank j starts among the tokens rank j receives, less where it starts in my list;
-  // bases[n + f]: where my pairs of expert f (on rank j, local x) start in rank j's grouped layout, less offsets[f].
+  // One table, uploaded once: moe_ep_slots' bases (E), then moe_ep_regroup's blocks (2 B + 1, B = n mine).
+  // bases[f]: where my pairs of expert f (on rank j, local x) start in rank j's grouped layout, less offsets[f].
   // blocks: where sender j's pairs of local expert x start in the received layout, then in the grouped one.
+  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;  // the values' transport dtype
   const int64_t b = n * mine;
-  std::vector<int32_t> table(size_t(n + e + 2 * b + 1), 0);
-  int64_t sent_before = 0;
+  std::vector<int32_t> table(size_t(e + 2 * b + 1), 0);
   for (int64_t j = 0; j < n; ++j) {
-    int64_t base = 0;
-    for (int64_t i = 0; i < me; ++i) base += c.tokens(i, j);
-    LATHE_CHECK(options_.dtype == DType::F64 || base + c.tokens(me, j) <= (int64_t(1) << 24),
-                "moe: expert-parallel rank {} would receive more than 2^24 tokens in one layer", j);
-    table[size_t(j)] = int32_t(base - sent_before);
-    sent_before += c.tokens(me, j);
     int64_t first_row = 0;  // where local expert x's group starts on rank j (its pairs from every rank)
     for (int64_t x = 0; x < mine; ++x) {
       const int64_t f = j * mine + x;
       int64_t row = first_row;
       for (int64_t i = 0; i < me; ++i) row += c.pairs(i, f);
-      table[size_t(n + f)] = int32_t(row - r.offsets[size_t(f)]);
+      table[size_t(f)] = int32_t(row - r.offsets[size_t(f)]);
       for (int64_t i = 0; i < n; ++i) first_row += c.pairs(i, f);
     }
+    LATHE_CHECK(xd == DType::F64 || first_row <= (int64_t(1) << 24),
+                "moe: expert-parallel rank {} would receive more than 2^24 pairs in one layer", j);
   }
-  int32_t* blocks = table.data() + n + e;
+  int32_t* blocks = table.data() + e;
   int64_t at = 0;
   for (int64_t j = 0; j < n; ++j)
     for (int64_t x = 0; x < mine; ++x) {
@@ -330,7 +325,7 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, 
     r.ep_offsets.push_back(grouped);
   }
   const Tensor tables = rt_->upload(table.data(), {int64_t(table.size())}, DType::I32, options_.device);
-  const MoeEpRegroup regroup = moe_ep_regroup(cx, tables.narrow(0, n + e, 2 * b + 1), at);
+  const MoeEpRegroup regroup = moe_ep_regroup(cx, tables.narrow(0, e, 2 * b + 1), at);
   r.ep_grouped = regroup.grouped;
   r.ep_received = regroup.received;
   const int64_t sent = total_of(r.ep_token_send);
@@ -338,33 +333,29 @@ void CausalLm::plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, 
   r.ep_back = messages.back;
   r.ep_back_ones = ones(t, n);
   const MoeEpSlots slots = moe_ep_slots(cx, r.picked_ids.view({t, k}), r.position_ids, messages.back,
-                                        tables.narrow(0, 0, n + e));
+                                        tables.narrow(0, 0, e));
 
-  // The values sent, exact in the transport dtype (f32 holds integers to 2^24; f64 in an f64 model). By pair: its row
-  // among its receiver's tokens and its weight.
-  const DType xd = options_.dtype == DType::F64 ? DType::F64 : DType::F32;
-  const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
-  Tensor values = Tensor::empty({pairs, 2}, xd, cx.allocator);
-  copy_into(cx, slots.pair_row.view({pairs, 1}), values.narrow(1, 0, 1));
-  copy_into(cx, weights, values.narrow(1, 1, 1));
-  const Tensor got = to_expert_ranks(r, values);  // (R, 2)
-  r.ep_unique = cast(cx, got.narrow(1, 0, 1), DType::I32).view({at});
-  r.ep_weights = cast(cx, got.narrow(1, 1, 1), options_.dtype);
-
-  // By token sent: its pairs' grouped rows there and their weights, S + S values.
+  // By token sent: its pairs' grouped rows there and their weights, S + S values exact in the transport dtype (f32
+  // holds integers to 2^24; f64 in an f64 model).
   const int64_t s = slots.slot_row.size(1);
+  const Tensor weights = embedding(cx, r.weights.view({pairs, 1}), r.pair_ids);  // (P, 1), the route's pair order
   Tensor per_token = Tensor::empty({sent, 2 * s}, xd, cx.allocator);
   copy_into(cx, slots.slot_row.narrow(0, 0, sent), per_token.narrow(1, 0, s));
   const Tensor slot_ids = contiguous(cx, slots.slot_pair.narrow(0, 0, sent)).view({sent * s});
   copy_into(cx, embedding(cx, weights, slot_ids).view({sent, s}), per_token.narrow(1, s, s));
-  const int64_t got_tokens = total_of(r.ep_token_recv);
-  Tensor token_values = Tensor::empty({got_tokens, 2 * s}, xd, cx.allocator);
-  Tensor flat = token_values.view({got_tokens * 2 * s});
+  const int64_t got = total_of(r.ep_token_recv);
+  Tensor token_values = Tensor::empty({got, 2 * s}, xd, cx.allocator);
+  Tensor flat = token_values.view({got * 2 * s});
   options_.ep->all_to_all(per_token.view({per_token.numel()}), elements(r.ep_token_send, 2 * s), flat,
                           elements(r.ep_token_recv, 2 * s));
   r.ep_pairs = cast(cx, token_values.narrow(1, 0, s), DType::I32);
   r.ep_pair_weights = cast(cx, token_values.narrow(1, s, s), options_.dtype);
-  r.ep_pair_ones = ones(got_tokens, s);
+  r.ep_pair_ones = ones(got, s);
+  // Each grouped pair's token among those received and its weight, from the slots that name it.
+  const MoeEpSources sources = moe_ep_sources(cx, r.ep_pairs, at);
+  r.ep_unique = sources.token;
+  r.ep_weights = at > 0 ? embedding(cx, r.ep_pair_weights.view({got * s, 1}), sources.slot)
+                        : Tensor::empty({0, 1}, options_.dtype, cx.allocator);
 }
 
 Tensor CausalLm::to_expert_ranks(const MoeRoute& r, const Tensor& rows) const {

@@ -148,6 +148,7 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::moe_ep_messages:  // expert parallelism's exchange plan: integer tables
     case OpId::moe_ep_slots:
     case OpId::moe_ep_regroup:
+    case OpId::moe_ep_sources:
     case OpId::grouped_matmul_routed:  // decoding only
     case OpId::paged_attention:        // the rollout engine's: decoding only
     case OpId::scatter_rows:

@@ -73,7 +73,8 @@ namespace lathe {
   X(moe_pad_plan, 2)     \
   X(moe_ep_messages, 2)  \
   X(moe_ep_slots, 4)     \
-  X(moe_ep_regroup, 1)
+  X(moe_ep_regroup, 1)   \
+  X(moe_ep_sources, 1)
 
 enum class OpId {
 #define LATHE_X(name, n_in) name,
@@ -414,19 +415,23 @@ struct MoePadAttrs {
 // list: tokens[u] is its u-th token (-1 past the list's end); back[t, r] is token t's place u in it for rank r (-1:
 // not sent there); summary is `offsets` and then the length of each rank's message (what the ep group all-gathers).
 //
-// moe_ep_slots(picked (T, k) i32, position (T k) i32, back (T, n) i32, bases (n + E) i32) -> (pair_row (T k) i32,
-// slot_row (T n, S) i32, slot_pair (T n, S) i32), S = min(k, E / n), position and back as above: for the sorted row p
-// of pair (t, j) (p = position[t k + j]) of expert e on rank r: pair_row[p] = bases[r] + back[t, r]; and, u = back[t,
-// r] and f the rank of e among t's experts on rank r (ascending), slot_row[u, f] = bases[n + e] + p and slot_pair[u,
-// f] = p. Slots not filled so (also every row past the list's end) hold -1 and 0.
+// moe_ep_slots(picked (T, k) i32, position (T k) i32, back (T, n) i32, bases (E) i32) -> (slot_row (T n, S) i32,
+// slot_pair (T n, S) i32), S = min(k, E / n), position and back as above: for the sorted row p of pair (t, j)
+// (p = position[t k + j]) of expert e on rank r, u = back[t, r] and f the rank of e among t's experts on rank r
+// (ascending): slot_row[u, f] = bases[e] + p and slot_pair[u, f] = p. Slots not filled so (also every row past the
+// list's end) hold -1 and 0.
 //
 // moe_ep_regroup(blocks (2 B + 1) i32) -> (grouped (rows) i32, received (rows) i32): a permutation of `rows` rows cut
 // into B blocks: the blocks start at blocks[b] in one order (blocks[0 .. B], ascending, blocks[B] = rows) and at
 // blocks[B + 1 + b] in the other; row q of block b in the first order is row received[q] = blocks[B + 1 + b] + q -
 // blocks[b] in the other, and grouped is the inverse (grouped[received[q]] = q).
+//
+// moe_ep_sources(pairs (U, S) i32) -> (token (rows) i32, slot (rows) i32): the inverse of a table that names each of
+// `rows` rows exactly once (-1: an empty slot): for pairs[u, f] = g >= 0, token[g] = u and slot[g] = u S + f. (The
+// experts' rank: each received token's slots name its pairs' grouped rows; this gives each grouped row its token.)
 struct MoeExchangeAttrs {
   int64_t ranks = 1;
-  int64_t rows = 0;  // moe_ep_regroup's
+  int64_t rows = 0;  // moe_ep_regroup's and moe_ep_sources'
 };
 
 using OpAttrs = std::variant<std::monostate, MatmulAttrs, ScaleAttrs, CastAttrs, ReduceAttrs, EmbeddingAttrs,

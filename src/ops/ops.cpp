@@ -52,7 +52,8 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::moe_pad_plan: return expect(MoePadAttrs{});
     case OpId::moe_ep_messages:
     case OpId::moe_ep_slots:
-    case OpId::moe_ep_regroup: return expect(MoeExchangeAttrs{});
+    case OpId::moe_ep_regroup:
+    case OpId::moe_ep_sources: return expect(MoeExchangeAttrs{});
     default:
       LATHE_CHECK(std::holds_alternative<std::monostate>(attrs), "ops: {} takes no attributes", op_name(op));
       return attrs;
@@ -481,11 +482,16 @@ MoeEpSlots moe_ep_slots(ExecContext& ctx, const Tensor& picked, const Tensor& po
                                   {contiguous(ctx, picked), contiguous(ctx, position), contiguous(ctx, back),
                                    contiguous(ctx, bases)},
                                   MoeExchangeAttrs{back.size(1), 0});
-  return {o[0], o[1], o[2]};
+  return {o[0], o[1]};
 }
 
 MoeEpRegroup moe_ep_regroup(ExecContext& ctx, const Tensor& blocks, int64_t rows) {
   std::vector<Tensor> o = call_op(ctx, OpId::moe_ep_regroup, {contiguous(ctx, blocks)}, MoeExchangeAttrs{1, rows});
+  return {o[0], o[1]};
+}
+
+MoeEpSources moe_ep_sources(ExecContext& ctx, const Tensor& pairs, int64_t rows) {
+  std::vector<Tensor> o = call_op(ctx, OpId::moe_ep_sources, {contiguous(ctx, pairs)}, MoeExchangeAttrs{1, rows});
   return {o[0], o[1]};
 }
 

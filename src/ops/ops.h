@@ -219,8 +219,7 @@ struct MoeEpMessages {
 };
 MoeEpMessages moe_ep_messages(ExecContext& ctx, const Tensor& picked, const Tensor& offsets, int64_t ranks);
 struct MoeEpSlots {
-  Tensor pair_row;              // (T k) i32
-  Tensor slot_row, slot_pair;   // (T n, S) i32 each
+  Tensor slot_row, slot_pair;  // (T n, S) i32 each
 };
 MoeEpSlots moe_ep_slots(ExecContext& ctx, const Tensor& picked, const Tensor& position, const Tensor& back,
                         const Tensor& bases);
@@ -228,6 +227,10 @@ struct MoeEpRegroup {
   Tensor grouped, received;  // (rows) i32 each
 };
 MoeEpRegroup moe_ep_regroup(ExecContext& ctx, const Tensor& blocks, int64_t rows);
+struct MoeEpSources {
+  Tensor token, slot;  // (rows) i32 each
+};
+MoeEpSources moe_ep_sources(ExecContext& ctx, const Tensor& pairs, int64_t rows);
 
 // Sums `grad` over the dimensions that broadcasting added or stretched, giving a tensor of `shape`.
 Tensor reduce_to_shape(ExecContext& ctx, const Tensor& grad, const Shape& shape);

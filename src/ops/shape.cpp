@@ -508,22 +508,29 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
       const auto& a = std::get<MoeExchangeAttrs>(attrs);
       const int64_t t = in[0].size(0), k = in[0].dim() == 2 ? in[0].size(1) : 0, n = a.ranks;
       LATHE_CHECK(in[0].dim() == 2 && in[1].dim() == 1 && in[1].size(0) == t * k && in[2].dim() == 2 &&
-                      in[2].size(0) == t && in[2].size(1) == n && in[3].dim() == 1 && in[3].size(0) > n &&
-                      in[0].dtype() == DType::I32 && in[1].dtype() == DType::I32 && in[2].dtype() == DType::I32 &&
-                      in[3].dtype() == DType::I32,
-                  "ops: moe_ep_slots needs picked (T, k), position (T k), back (T, {}) and bases ({} + E) i32, got {}, "
-                  "{}, {} and {}",
-                  n, n, in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe());
-      const int64_t e = in[3].size(0) - n;
-      LATHE_CHECK(e % n == 0, "ops: moe_ep_slots: {} experts do not split over {} ranks", e, n);
+                      in[2].size(0) == t && in[2].size(1) == n && in[3].dim() == 1 && in[0].dtype() == DType::I32 &&
+                      in[1].dtype() == DType::I32 && in[2].dtype() == DType::I32 && in[3].dtype() == DType::I32,
+                  "ops: moe_ep_slots needs picked (T, k), position (T k), back (T, {}) and bases (E) i32, got {}, {}, "
+                  "{} and {}",
+                  n, in[0].describe(), in[1].describe(), in[2].describe(), in[3].describe());
+      const int64_t e = in[3].size(0);
+      LATHE_CHECK(n >= 1 && e % n == 0, "ops: moe_ep_slots: {} experts do not split over {} ranks", e, n);
       const int64_t s = std::min(k, e / n);
-      return {{{t * k}, DType::I32}, {{t * n, s}, DType::I32}, {{t * n, s}, DType::I32}};
+      return {{{t * n, s}, DType::I32}, {{t * n, s}, DType::I32}};
     }
     case OpId::moe_ep_regroup: {
       const auto& a = std::get<MoeExchangeAttrs>(attrs);
       LATHE_CHECK(in[0].dim() == 1 && in[0].size(0) % 2 == 1 && in[0].dtype() == DType::I32 && a.rows >= 0,
                   "ops: moe_ep_regroup needs blocks (2 B + 1) i32 and rows >= 0, got {} and {} rows",
                   in[0].describe(), a.rows);
+      return {{{a.rows}, DType::I32}, {{a.rows}, DType::I32}};
+    }
+    case OpId::moe_ep_sources: {
+      const auto& a = std::get<MoeExchangeAttrs>(attrs);
+      LATHE_CHECK(in[0].dim() == 2 && in[0].dtype() == DType::I32 && a.rows >= 0 &&
+                      a.rows <= in[0].size(0) * in[0].size(1),
+                  "ops: moe_ep_sources needs pairs (U, S) i32 naming rows 0 .. {} - 1, got {}", a.rows,
+                  in[0].describe());
       return {{{a.rows}, DType::I32}, {{a.rows}, DType::I32}};
     }
     case OpId::kCount: break;

@@ -167,8 +167,8 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
     c.push_back({OpId::moe_ep_messages, params, {{t, k}, {e + 2}}, MoeExchangeAttrs{n, 0}, {DType::I32}, false, false,
                  {r.picked, r.offsets}});
     std::vector<double> bases;
-    for (int64_t i = 0; i < n + e; ++i) bases.push_back(double(i < n ? 3 * i - 1 : 5 * (i - n) - 7));
-    c.push_back({OpId::moe_ep_slots, params, {{t, k}, {t * k}, {t, n}, {n + e}}, MoeExchangeAttrs{n, 0}, {DType::I32},
+    for (int64_t i = 0; i < e; ++i) bases.push_back(double(5 * i - 7));
+    c.push_back({OpId::moe_ep_slots, params, {{t, k}, {t * k}, {t, n}, {e}}, MoeExchangeAttrs{n, 0}, {DType::I32},
                  false, false, {r.picked, r.position, r.back, bases}});
   }
   // moe_ep_regroup: rank 1 of 3 with 2 experts each (blocks by sending rank, then expert, regrouped by expert, then
@@ -194,6 +194,17 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_regroup(2, 2, {5, 1, 0, 9});
   add_regroup(1, 1, {6});
   add_regroup(2, 1, {0, 0});
+  // moe_ep_sources(pairs (U, S)): rows named in a scattered order with empty slots anywhere (a whole token's too), and
+  // a table with every slot filled.
+  const auto add_sources = [&](int64_t u, int64_t s, int64_t rows, int64_t stride) {
+    std::vector<double> pairs(size_t(u * s), -1);
+    for (int64_t g = 0; g < rows; ++g) pairs[size_t((g * stride) % (u * s))] = double(g);  // stride coprime to U S
+    c.push_back({OpId::moe_ep_sources, fmt::format("u={},s={},rows={}", u, s, rows), {{u, s}},
+                 MoeExchangeAttrs{1, rows}, {DType::I32}, false, false, {pairs}});
+  };
+  add_sources(5, 3, 9, 7);
+  add_sources(100, 4, 250, 37);
+  add_sources(6, 1, 6, 5);
   // gather_sum(rows (N, D), index (M, S), weights (M, S)): slots left empty (-1) anywhere in a row, a whole row of
   // them, a row read twice in one sum; D of 6 (element by element in every dtype), 256 (16-byte packs) and 2,048 with
   // S = 1 (expert parallelism's weighted gather).

@@ -241,10 +241,9 @@ bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
 // Bytes one rank sends through ep in one micro-batch of a sparse layer of T tokens (CausalLm::tokens_to_experts and
 // experts_to_tokens): each token's row (H wide) once to every other rank holding one of its k experts and a row back,
 // forward (again when recomputing) and backward. Which ranks those are depends on the router; planned for a uniform
-// one: another rank holds none of a token's experts with probability C(E - E/ep, k) / C(E, k). Besides, once: each
-// routed pair's row among its receiver's tokens and its weight (two f32 values; f64 in an f64 model) and, with each
-// token sent, its pairs' rows there and weights (2 S values, S = min(k, E / ep)); and the pairs' weight gradients
-// (the model dtype) back (the per-expert counts' all-gather is E + ep numbers).
+// one: another rank holds none of a token's experts with probability C(E - E/ep, k) / C(E, k). Besides, once: with
+// each token sent, its pairs' rows there and weights (2 S f32 values, f64 in an f64 model; S = min(k, E / ep)); and
+// the routed pairs' weight gradients (the model dtype) back (the counts' all-gather is E + 2 + ep numbers).
 int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, int64_t forward_passes, DType dtype) {
   const int64_t e = m.num_experts, k = m.num_experts_per_tok, away = e - e / ep, slots = std::min(k, e / ep);
   double none = 1.0;
@@ -252,7 +251,7 @@ int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, i
   const double tokens = double((ep - 1) * t) * (1.0 - std::max(none, 0.0));  // tokens sent to other ranks
   const int64_t value = dtype == DType::F64 ? 8 : 4;
   return 2 * (forward_passes + 1) * std::llround(tokens * double(b * m.hidden_size)) +
-         std::llround(tokens * double(2 * slots * value)) + all_to_all_bytes(t * k * (2 * value + b), ep);
+         std::llround(tokens * double(2 * slots * value)) + all_to_all_bytes(t * k * b, ep);
 }
 
 // Bytes one rank sends through cp in one micro-batch of layer i, over `forward_passes` forwards (2 when recomputing)

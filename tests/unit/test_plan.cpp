@@ -453,8 +453,8 @@ TEST(Plan, ExpertParallelHoldsTheRanksExpertsAndSendsTheRoutedRows) {
   EXPECT_EQ(ep2.comm_grads_bytes, 2 * 3 * dense / 4 + 2 * 1 * (experts / 2) / 2);  // ... and over edp 2
   // 64 tokens, 32 wide. A token's top 2 of 4 experts miss another rank's one expert (ep 4) in 3 of the 6 pairs of
   // experts, another rank's two (ep 2) in 1 of 6; each token sent carries 2 S f32 values (S = 1 at ep 4, 2 at ep 2),
-  // and the 128 routed pairs each send two f32 values out and a gradient back.
-  const int64_t ep4_pairs = 3 * 128 * (2 * 4 + kB) / 4, ep2_pairs = 128 * (2 * 4 + kB) / 2;
+  // and the 128 routed pairs each send a gradient back.
+  const int64_t ep4_pairs = 3 * 128 * kB / 4, ep2_pairs = 128 * kB / 2;
   // 2 layers x (out + back) x (forward + backward) of the rows; the values once
   EXPECT_EQ(ep4.comm_ep_bytes, 2 * (2 * 2 * (3 * 64 / 2 * 32 * kB) + 3 * 64 / 2 * 2 * 4 + ep4_pairs));
   EXPECT_EQ(ep2.comm_ep_bytes, 2 * (2 * 2 * std::llround(64 * 5.0 / 6.0 * 32 * kB) +

@@ -1,4 +1,4 @@
-// CPU moe_ep_messages, moe_ep_slots and moe_ep_regroup: expert parallelism's exchange plan (formulas and layouts at
+// CPU moe_ep_messages, moe_ep_slots, moe_ep_regroup and moe_ep_sources: expert parallelism's exchange plan (formulas and layouts at
 // MoeExchangeAttrs in ops/op_table.h). Plain loops in the order the formulas read; the CUDA kernels
 // (backend/cuda/moe_exchange.cu) are checked against these by tests/ops (testing/op_cases_moe.cpp), and the plan they
 // make is checked end to end by the expert-parallel runs equal to the whole model (tests/parallel).
@@ -40,14 +40,13 @@ void moe_ep_messages_cpu(const OpCall& c, ExecContext&) {
 
 void moe_ep_slots_cpu(const OpCall& c, ExecContext&) {
   const int64_t t = c.inputs[0].size(0), k = c.inputs[0].size(1), n = c.attr<MoeExchangeAttrs>().ranks;
-  const int64_t e = c.inputs[3].size(0) - n, mine = e / n, s = c.outputs[1].size(1);
+  const int64_t e = c.inputs[3].size(0), mine = e / n, s = c.outputs[0].size(1);
   const int32_t* picked = c.inputs[0].data<int32_t>();
   const int32_t* position = c.inputs[1].data<int32_t>();
   const int32_t* back = c.inputs[2].data<int32_t>();
   const int32_t* bases = c.inputs[3].data<int32_t>();
-  int32_t* pair_row = c.outputs[0].data<int32_t>();
-  int32_t* slot_row = c.outputs[1].data<int32_t>();
-  int32_t* slot_pair = c.outputs[2].data<int32_t>();
+  int32_t* slot_row = c.outputs[0].data<int32_t>();
+  int32_t* slot_pair = c.outputs[1].data<int32_t>();
   std::fill(slot_row, slot_row + t * n * s, -1);
   std::fill(slot_pair, slot_pair + t * n * s, 0);
   std::vector<int64_t> order(static_cast<size_t>(k));
@@ -62,8 +61,7 @@ void moe_ep_slots_cpu(const OpCall& c, ExecContext&) {
       const int64_t r = ex / mine, p = position[i * k + j], u = back[i * n + r];
       f = r == rank ? f + 1 : 0;
       rank = r;
-      pair_row[p] = bases[r] + int32_t(u);
-      slot_row[u * s + f] = bases[n + ex] + int32_t(p);
+      slot_row[u * s + f] = bases[ex] + int32_t(p);
       slot_pair[u * s + f] = int32_t(p);
     }
   }
@@ -85,6 +83,24 @@ void moe_ep_regroup_cpu(const OpCall& c, ExecContext&) {
     }
 }
 
+void moe_ep_sources_cpu(const OpCall& c, ExecContext&) {
+  const int64_t u = c.inputs[0].size(0), s = c.inputs[0].size(1), rows = c.attr<MoeExchangeAttrs>().rows;
+  const int32_t* pairs = c.inputs[0].data<int32_t>();
+  int32_t* token = c.outputs[0].data<int32_t>();
+  int32_t* slot = c.outputs[1].data<int32_t>();
+  std::fill(slot, slot + rows, -1);
+  for (int64_t i = 0; i < u * s; ++i) {
+    const int64_t g = pairs[i];
+    if (g < 0) continue;
+    LATHE_CHECK(g < rows && slot[g] < 0, "moe_ep_sources: slot {} names row {}: outside the {} rows or named twice", i,
+                g, rows);
+    token[g] = int32_t(i / s);
+    slot[g] = int32_t(i);
+  }
+  for (int64_t g = 0; g < rows; ++g)
+    LATHE_CHECK(slot[g] >= 0, "moe_ep_sources: no slot names row {} of {}", g, rows);
+}
+
 }  // namespace
 
 void register_cpu_moe_exchange_kernels(KernelRegistry& r) {
@@ -92,6 +108,7 @@ void register_cpu_moe_exchange_kernels(KernelRegistry& r) {
   r.add(KernelDef{OpId::moe_ep_messages, DeviceType::CPU, DType::I32, "cpu/ep_messages", any, moe_ep_messages_cpu});
   r.add(KernelDef{OpId::moe_ep_slots, DeviceType::CPU, DType::I32, "cpu/ep_slots", any, moe_ep_slots_cpu});
   r.add(KernelDef{OpId::moe_ep_regroup, DeviceType::CPU, DType::I32, "cpu/ep_regroup", any, moe_ep_regroup_cpu});
+  r.add(KernelDef{OpId::moe_ep_sources, DeviceType::CPU, DType::I32, "cpu/ep_sources", any, moe_ep_sources_cpu});
 }
 
 }  // namespace lathe

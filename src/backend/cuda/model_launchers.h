@@ -146,8 +146,10 @@ void launch_moe_ep_messages(int64_t tokens, int64_t top_k, int64_t experts, int6
 int64_t moe_ep_slots_max_top_k();  // a token's experts live in registers
 void launch_moe_ep_slots(int64_t tokens, int64_t top_k, int64_t experts, int64_t ranks, int64_t slots,
                          const int32_t* picked, const int32_t* position, const int32_t* back, const int32_t* bases,
-                         int32_t* pair_row, int32_t* slot_row, int32_t* slot_pair, cudaStream_t stream);
+                         int32_t* slot_row, int32_t* slot_pair, cudaStream_t stream);
 void launch_moe_ep_regroup(int64_t rows, int64_t blocks, const int32_t* starts, int32_t* grouped, int32_t* received,
+                           cudaStream_t stream);
+void launch_moe_ep_sources(int64_t tokens, int64_t slots, const int32_t* pairs, int32_t* token, int32_t* slot,
                            cudaStream_t stream);
 
 }  // namespace lathe::cuda

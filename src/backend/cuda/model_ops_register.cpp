@@ -339,14 +339,19 @@ Support moe_ep_slots_supports(const OpCall& c) {
 
 void run_moe_ep_slots(const OpCall& c, ExecContext& ctx) {
   const int64_t ranks = c.attr<MoeExchangeAttrs>().ranks;
-  launch_moe_ep_slots(c.inputs[0].size(0), c.inputs[0].size(1), c.inputs[3].size(0) - ranks, ranks,
-                      c.outputs[1].size(1), c.inputs[0].data<int32_t>(), c.inputs[1].data<int32_t>(),
-                      c.inputs[2].data<int32_t>(), c.inputs[3].data<int32_t>(), c.outputs[0].data<int32_t>(),
-                      c.outputs[1].data<int32_t>(), c.outputs[2].data<int32_t>(), stream_of(ctx));
+  launch_moe_ep_slots(c.inputs[0].size(0), c.inputs[0].size(1), c.inputs[3].size(0), ranks, c.outputs[0].size(1),
+                      c.inputs[0].data<int32_t>(), c.inputs[1].data<int32_t>(), c.inputs[2].data<int32_t>(),
+                      c.inputs[3].data<int32_t>(), c.outputs[0].data<int32_t>(), c.outputs[1].data<int32_t>(),
+                      stream_of(ctx));
 }
 
 void run_moe_ep_regroup(const OpCall& c, ExecContext& ctx) {
   launch_moe_ep_regroup(c.attr<MoeExchangeAttrs>().rows, (c.inputs[0].size(0) - 1) / 2, c.inputs[0].data<int32_t>(),
+                        c.outputs[0].data<int32_t>(), c.outputs[1].data<int32_t>(), stream_of(ctx));
+}
+
+void run_moe_ep_sources(const OpCall& c, ExecContext& ctx) {
+  launch_moe_ep_sources(c.inputs[0].size(0), c.inputs[0].size(1), c.inputs[0].data<int32_t>(),
                         c.outputs[0].data<int32_t>(), c.outputs[1].data<int32_t>(), stream_of(ctx));
 }
 
@@ -361,6 +366,8 @@ void register_cuda_model_kernels(KernelRegistry& r) {
                   run_moe_ep_slots});
   r.add(KernelDef{OpId::moe_ep_regroup, DeviceType::CUDA, DType::I32, "cuda/ep_regroup", contiguous_supports,
                   run_moe_ep_regroup});
+  r.add(KernelDef{OpId::moe_ep_sources, DeviceType::CUDA, DType::I32, "cuda/ep_sources", contiguous_supports,
+                  run_moe_ep_sources});
   r.add(KernelDef{OpId::moe_route, DeviceType::CUDA, DType::F32, "cuda/route_rows_radix_plan", moe_route_supports,
                   run_moe_route});
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {

@@ -1,10 +1,11 @@
-// CUDA moe_ep_messages, moe_ep_slots and moe_ep_regroup: expert parallelism's exchange plan on the device (formulas
+// CUDA moe_ep_messages, moe_ep_slots, moe_ep_regroup and moe_ep_sources: expert parallelism's exchange plan on the device (formulas
 // and layouts at MoeExchangeAttrs in ops/op_table.h; backend/cpu/moe_exchange.cpp is the spec):
 //  - messages: one flag per (rank, token), whether the token has an expert on that rank, in rank-major order; cub's
 //    exclusive sum of the flags is each sent token's place in the messages' list; one thread per flag then writes
 //    back, tokens and the messages' lengths;
 //  - slots: one thread per token sorts its k experts (insertion sort, k <= kMaxTopK) and fills its slots rank by rank;
-//  - regroup: one thread per row finds its block by a binary search over the block starts.
+//  - regroup: one thread per row finds its block by a binary search over the block starts;
+//  - sources: one thread per slot writes the row it names (each row is named once: no two threads write one place).
 // Integer work only: every output is a pure function of the inputs (no atomics), so the plan is deterministic.
 #include <cub/device/device_scan.cuh>
 
@@ -40,8 +41,8 @@ __global__ void ep_messages_kernel(int64_t tokens, int ranks, int experts, int64
 }
 
 __global__ void ep_slots_kernel(int64_t tokens, int k, int ranks, int experts, int slots, const int32_t* picked,
-                                const int32_t* position, const int32_t* back, const int32_t* bases, int32_t* pair_row,
-                                int32_t* slot_row, int32_t* slot_pair) {
+                                const int32_t* position, const int32_t* back, const int32_t* bases, int32_t* slot_row,
+                                int32_t* slot_pair) {
   const int mine = experts / ranks;
   for (int64_t i = global_thread(); i < tokens; i += grid_threads()) {
     int32_t ex[kMaxTopK], pos[kMaxTopK];
@@ -61,8 +62,7 @@ __global__ void ep_slots_kernel(int64_t tokens, int k, int ranks, int experts, i
       const int32_t u = back[i * ranks + r], p = pos[j];
       f = r == rank ? f + 1 : 0;
       rank = r;
-      pair_row[p] = bases[r] + u;
-      slot_row[int64_t(u) * slots + f] = bases[ranks + ex[j]] + p;
+      slot_row[int64_t(u) * slots + f] = bases[ex[j]] + p;
       slot_pair[int64_t(u) * slots + f] = p;
     }
   }
@@ -81,6 +81,15 @@ __global__ void ep_regroup_kernel(int64_t rows, int blocks, const int32_t* start
     const int32_t g = other[lo] + int32_t(q) - starts[lo];
     received[q] = g;
     grouped[g] = int32_t(q);
+  }
+}
+
+__global__ void ep_sources_kernel(int64_t n, int slots, const int32_t* pairs, int32_t* token, int32_t* slot) {
+  for (int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const int32_t g = pairs[i];
+    if (g < 0) continue;
+    token[g] = int32_t(i / slots);
+    slot[g] = int32_t(i);
   }
 }
 
@@ -127,14 +136,13 @@ void launch_moe_ep_messages(int64_t tokens, int64_t top_k, int64_t experts, int6
 
 void launch_moe_ep_slots(int64_t tokens, int64_t top_k, int64_t experts, int64_t ranks, int64_t slots,
                          const int32_t* picked, const int32_t* position, const int32_t* back, const int32_t* bases,
-                         int32_t* pair_row, int32_t* slot_row, int32_t* slot_pair, cudaStream_t stream) {
+                         int32_t* slot_row, int32_t* slot_pair, cudaStream_t stream) {
   const size_t table = size_t(tokens * ranks * slots) * sizeof(int32_t);
   if (table == 0) return;
   LATHE_CUDA_CHECK(cudaMemsetAsync(slot_row, 0xff, table, stream));  // -1
   LATHE_CUDA_CHECK(cudaMemsetAsync(slot_pair, 0, table, stream));
   ep_slots_kernel<<<grid_for(tokens, 128), 128, 0, stream>>>(tokens, int(top_k), int(ranks), int(experts), int(slots),
-                                                              picked, position, back, bases, pair_row, slot_row,
-                                                              slot_pair);
+                                                              picked, position, back, bases, slot_row, slot_pair);
   LATHE_CUDA_LAUNCH_CHECK("ep_slots_kernel");
 }
 
@@ -143,6 +151,13 @@ void launch_moe_ep_regroup(int64_t rows, int64_t blocks, const int32_t* starts, 
   if (rows == 0) return;
   ep_regroup_kernel<<<grid_for(rows, 256), 256, 0, stream>>>(rows, int(blocks), starts, grouped, received);
   LATHE_CUDA_LAUNCH_CHECK("ep_regroup_kernel");
+}
+
+void launch_moe_ep_sources(int64_t tokens, int64_t slots, const int32_t* pairs, int32_t* token, int32_t* slot,
+                           cudaStream_t stream) {
+  if (tokens * slots == 0) return;
+  ep_sources_kernel<<<grid_for(tokens * slots, 256), 256, 0, stream>>>(tokens * slots, int(slots), pairs, token, slot);
+  LATHE_CUDA_LAUNCH_CHECK("ep_sources_kernel");
 }
 
 }  // namespace lathe::cuda
