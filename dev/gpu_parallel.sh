@@ -17,7 +17,7 @@
 # has no time left for. TP8B_12=0 leaves out tp8b's 12-layer pair, LONG_ONE=0 longctx's one-GPU runs; LONG_ARGS: more
 # options for longctx's runs (e.g. --set train.deterministic=false: cuDNN's accumulating attention backward); EP_ONE=0
 # leaves out ep30b's one-GPU run, EP_ARGS adds options to its runs (e.g. --set train.profile_step=3), EP_MBS lists its
-# ep 2 runs' micro-batch tokens:grad_accum (default 4096:4).
+# ep 2 runs' micro-batch tokens:grad_accum (default 4096:4; runs named ep2_TOKENSxACCUM).
 # long_train's sequences train with recompute (the planner: 164 GiB a rank for Qwen3.5-0.8B at 131,072 tokens and
 # cp 2 without it, 25.7 GiB with it; the first call without it ran out of memory as planned).
 # Writes summary.txt and logs.tgz to $OUT.
@@ -86,9 +86,10 @@ if has ep30b && left 400 ep30b; then  # the random start: its large tensors coun
   D=/tmp/q30b; rm -rf $D; long_data $D 300 2600 "$Q30B" "$TRAIN_MOE"
   runs=""
   for mb in ${EP_MBS:-4096:4}; do  # micro-batch tokens:grad_accum; 32,768 tokens a step at 4096:4, 8192:2, 16384:1
-    run_steps $D ep2_${mb%:*} 6 200 --set parallel.ep=2 --set train.micro_batch_tokens=${mb%:*} \
+    run=ep2_${mb%:*}x${mb#*:}  # one run folder per setting: 8192:2 and 8192:4 must not resume each other
+    run_steps $D $run 6 200 --set parallel.ep=2 --set train.micro_batch_tokens=${mb%:*} \
       --set train.grad_accum=${mb#*:} --nproc 2 ${EP_ARGS:-}
-    runs="$runs ep2_${mb%:*}"; rm -rf $D/ep2_${mb%:*}/checkpoint*
+    runs="$runs $run"; rm -rf $D/$run/checkpoint*
   done
   report $D 2 $runs; rm -rf $D/ep2_*
   if [ "${EP_ONE:-1}" = 1 ]; then
