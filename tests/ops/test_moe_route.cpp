@@ -3,7 +3,9 @@
 // choices, weights and plan (f32 and f64 logits); on CUDA, where a GPU exists, the same choices and plan exactly,
 // probabilities and weights within float rounding, and bitwise the same outputs run to run. Logits rounded to bf16 (a
 // bf16 model's router) make exact ties common: every device must break them toward the lower expert index, as the
-// reference does. Also a non-finite logit (reported, the plan still valid) and an empty batch.
+// reference does. Also a non-finite logit (reported, the plan still valid) and an empty batch. And expert
+// parallelism's exchange ops (moe_ep_messages, moe_ep_slots, moe_ep_regroup, moe_ep_sources) on a routing worked out by
+// hand, on every device present.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -168,6 +170,71 @@ TEST(MoeRoute, EmptyBatchHasEmptyGroups) {
     EXPECT_EQ(r.offsets, (std::vector<int32_t>{0, 0, 0, 0, 0, 0, -1})) << d.str();
     EXPECT_TRUE(r.token.empty() && r.pair.empty() && r.position.empty()) << d.str();
   }
+}
+
+// Expert parallelism's exchange plan (MoeExchangeAttrs) on a routing worked out by hand: 3 tokens, 4 experts, top 2,
+// 2 ranks of 2 experts. Token 0 picks experts 3 and 0 (both ranks), token 1 experts 1 and 0 (rank 0), token 2
+// experts 2 and 3 (rank 1); on every device that has the ops.
+TEST(MoeExchange, PlansAHandWorkedRouting) {
+  std::vector<Device> devices = {Device::cpu()};
+  if (runtime().has_device(Device::cuda(0))) devices.push_back(Device::cuda(0));
+  const std::vector<int32_t> picked = {3, 0, 4 + 1, 4 + 0, 8 + 2, 8 + 3};
+  // Sorted by expert, then pair: expert 0 pairs 1, 3; expert 1 pair 2; expert 2 pair 4; expert 3 pairs 0, 5.
+  const std::vector<int32_t> offsets = {0, 2, 3, 4, 6, -1}, position = {4, 0, 2, 1, 3, 5};
+  for (Device d : devices) {
+    ExecContext ctx = runtime().context(d);
+    const Tensor pk = runtime().from_host(picked.data(), {3, 2}, DType::I32, d);
+    const MoeEpMessages m =
+        moe_ep_messages(ctx, pk, runtime().from_host(offsets.data(), {6}, DType::I32, d), 2);
+    // Rank 0's message: tokens 0 and 1; rank 1's: tokens 0 and 2.
+    EXPECT_EQ(ints(m.tokens), (std::vector<int32_t>{0, 1, 0, 2, -1, -1})) << d.str();
+    EXPECT_EQ(ints(m.back), (std::vector<int32_t>{0, 2, 1, -1, -1, 3})) << d.str();
+    EXPECT_EQ(ints(m.summary), (std::vector<int32_t>{0, 2, 3, 4, 6, -1, 2, 2})) << d.str();
+    // Slots (S = 2), bases 10, 20, 30, 40: token 0's expert 0 (row 0) at u 0, its expert 3 (row 4) at u 2; token 1's
+    // experts 0 (row 1) and 1 (row 2) at u 1; token 2's experts 2 (row 3) and 3 (row 5) at u 3.
+    const std::vector<int32_t> bases = {10, 20, 30, 40};
+    const MoeEpSlots s = moe_ep_slots(ctx, pk, runtime().from_host(position.data(), {6}, DType::I32, d), m.back,
+                                      runtime().from_host(bases.data(), {4}, DType::I32, d));
+    EXPECT_EQ(ints(s.slot_row), (std::vector<int32_t>{10, -1, 11, 22, 44, -1, 33, 45, -1, -1, -1, -1})) << d.str();
+    EXPECT_EQ(ints(s.slot_pair), (std::vector<int32_t>{0, 0, 1, 2, 4, 0, 3, 5, 0, 0, 0, 0})) << d.str();
+    // Regroup: 2 senders x 2 local experts with 1, 1, 2, 1 rows, received by sender and regrouped by expert.
+    const std::vector<int32_t> blocks = {0, 1, 2, 4, 5, 0, 3, 1, 4};
+    const MoeEpRegroup g = moe_ep_regroup(ctx, runtime().from_host(blocks.data(), {9}, DType::I32, d), 5);
+    EXPECT_EQ(ints(g.received), (std::vector<int32_t>{0, 3, 1, 2, 4})) << d.str();
+    EXPECT_EQ(ints(g.grouped), (std::vector<int32_t>{0, 2, 3, 1, 4})) << d.str();
+    // Sources: 3 received tokens' slots naming rows 2; 0, 3; 1.
+    const std::vector<int32_t> pairs = {2, -1, 0, 3, 1, -1};
+    const MoeEpSources src = moe_ep_sources(ctx, runtime().from_host(pairs.data(), {3, 2}, DType::I32, d), 4);
+    EXPECT_EQ(ints(src.token), (std::vector<int32_t>{1, 2, 0, 1})) << d.str();
+    EXPECT_EQ(ints(src.slot), (std::vector<int32_t>{2, 4, 0, 3})) << d.str();
+  }
+}
+
+TEST(MoeExchange, SourcesRefuseARowNamedTwiceOrNever) {
+  ExecContext ctx = runtime().context(Device::cpu());
+  const std::vector<int32_t> twice = {0, 1, 1, -1}, never = {0, -1, 2, -1};
+  const Tensor a = runtime().from_host(twice.data(), {2, 2}, DType::I32, Device::cpu());
+  const Tensor b = runtime().from_host(never.data(), {2, 2}, DType::I32, Device::cpu());
+  EXPECT_THROW(
+      {
+        try {
+          moe_ep_sources(ctx, a, 3);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("named twice"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
+  EXPECT_THROW(
+      {
+        try {
+          moe_ep_sources(ctx, b, 3);
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("no slot names row 1"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      Error);
 }
 
 TEST(MoeRouteCuda, MatchesTheReferenceAndRepeatsBitwise) {
