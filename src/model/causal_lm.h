@@ -140,6 +140,7 @@ class LoraBank;
 struct LoraSlot;
 struct SegmentAttrs;
 struct MoeEpMessages;
+struct MoeRouting;
 enum class LoraTarget;
 
 class CausalLm {
@@ -382,6 +383,10 @@ class CausalLm {
   // rank's summary of them, all-gathered: `gathered`), the rows sent to their experts' ranks and the outputs (or
   // gradients) sent back.
   void plan_expert_exchange(MoeRoute& r, const MoeEpMessages& messages, const int32_t* gathered) const;
+  // The route's one wait under expert parallelism: this rank's moe_ep_messages (into `messages`), and every rank's
+  // summary of them (plan offsets, then message lengths), all-gathered and read back; a non-finite router logit on any
+  // rank is refused on every rank.
+  Tensor gather_ep_summaries(const MoeRouting& m, MoeEpMessages& messages) const;
   Tensor to_expert_ranks(const MoeRoute& r, const Tensor& rows) const;    // (P, w) -> (R, w) by local expert
   Tensor from_expert_ranks(const MoeRoute& r, const Tensor& rows) const;  // (R, w) -> (P, w) in the route's order
   // A (rows, cols) view of ones in the model dtype, kept by the model (the MoE layers take them every layer and batch);

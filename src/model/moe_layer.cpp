@@ -198,22 +198,8 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   // The one wait of the layer: the grouped GEMMs take their groups on the host. Under expert parallelism the wait is
   // for every rank's plan offsets and message lengths (moe_ep_messages' summary, all-gathered), so that the exchange is
   // planned from counts alone (plan_expert_exchange).
-  Tensor host;
   MoeEpMessages messages;
-  if (expert_parallel()) {
-    messages = moe_ep_messages(cx, m.picked, m.offsets, ep_size());
-    const int64_t n = ep_size(), each = messages.summary.numel();
-    Tensor all = Tensor::empty({n * each}, DType::I32, cx.allocator);
-    options_.ep->all_gather(messages.summary, all).wait();
-    host = rt_->copy_to(all, Device::cpu());
-    for (int64_t j = 0; j < n; ++j) {  // every rank refuses a bad batch together: none waits for the others
-      const int32_t bad = host.data<int32_t>()[j * each + e + 1];
-      LATHE_CHECK(bad < 0, "moe: router logit of token {} on expert-parallel rank {} is not finite (a layer's router "
-                  "produced NaN or Inf)", bad, j);
-    }
-  } else {
-    host = rt_->copy_to(m.offsets, Device::cpu());
-  }
+  const Tensor host = expert_parallel() ? gather_ep_summaries(m, messages) : rt_->copy_to(m.offsets, Device::cpu());
   const int32_t* off = host.data<int32_t>() + (expert_parallel() ? ep_rank() * messages.summary.numel() : 0);
   LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (a layer's router produced NaN or Inf)",
               off[e + 1]);
@@ -237,6 +223,22 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   if (expert_parallel()) plan_expert_exchange(r, messages, host.data<int32_t>());
   r.valid = true;
   return r;
+}
+
+Tensor CausalLm::gather_ep_summaries(const MoeRouting& m, MoeEpMessages& messages) const {
+  ExecContext cx = rt_->context(options_.device);
+  const int64_t n = ep_size(), e = global_config_.num_experts;
+  messages = moe_ep_messages(cx, m.picked, m.offsets, n);
+  const int64_t each = messages.summary.numel();
+  Tensor all = Tensor::empty({n * each}, DType::I32, cx.allocator);
+  options_.ep->all_gather(messages.summary, all).wait();
+  Tensor host = rt_->copy_to(all, Device::cpu());
+  for (int64_t j = 0; j < n; ++j) {  // every rank refuses a bad batch together: none waits for the others
+    const int32_t bad = host.data<int32_t>()[j * each + e + 1];
+    LATHE_CHECK(bad < 0, "moe: router logit of token {} on expert-parallel rank {} is not finite (a layer's router "
+                "produced NaN or Inf)", bad, j);
+  }
+  return host;
 }
 
 namespace {

@@ -263,6 +263,24 @@ TEST_F(ExpertParallel, EachTokenGoesOnceToEachRankOfItsExperts) {
   }
 }
 
+// A router that gives one rank non-finite logits (its copy of a router weight NaN) stops every rank of the group in
+// that layer's one wait, each with the error naming the rank: none goes on to an exchange the others never join.
+TEST_F(ExpertParallel, ANonFiniteRouterOnOneRankStopsEveryRank) {
+  const int n = world->size(), me = world->rank();
+  const nlohmann::json config = ep_configs(2 * n)[0];
+  const std::unique_ptr<CausalLm> split = ep_model(config, nullptr, world.get(), true);
+  if (me == n - 1)
+    for (Parameter& p : split->parameters())
+      if (p.name.ends_with("mlp.gate.weight")) p.value.data<double>()[0] = std::nan("");
+  std::string error = "no error";
+  try {
+    split->logits(rank_batch(me));
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find(fmt::format("on expert-parallel rank {} is not finite", n - 1)), std::string::npos) << error;
+}
+
 TEST_F(ExpertParallel, RefusesWhatItCannotSplit) {
   const int n = world->size();
   nlohmann::json odd = ep_configs(2 * n)[0];
