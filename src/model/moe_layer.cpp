@@ -434,9 +434,7 @@ ExpertLora CausalLm::expert_lora(int64_t layer, LoraTarget t, const PackedBatch*
   // Each token's scaled adapter columns (the segment mask of a (T, R) of ones), gathered to the routed rows.
   ExecContext cx = ctx();
   const int64_t tokens = int64_t(r.weights.size(0)), rank = e.slot->rank_total;  // the routed rows
-  const std::vector<double> ones(size_t(tokens * rank), 1.0);
-  const Tensor ones_t = cast(cx, rt_->upload(ones.data(), {tokens, rank}, DType::F64, options_.device), options_.dtype);
-  e.mask = embedding(cx, segment_mask(cx, ones_t, stack_segments(*e.slot, *b, false, tokens)), r.token_ids);
+  e.mask = embedding(cx, segment_mask(cx, ones(tokens, rank), stack_segments(*e.slot, *b, false, tokens)), r.token_ids);
   if (expert_parallel()) {  // the mask goes with the rows to their experts' ranks; the slot's local experts are used
     e.mask = to_expert_ranks(r, e.mask);
     e.count = global_config_.num_experts / ep_size();

@@ -1,5 +1,5 @@
-// CUDA moe_ep_messages, moe_ep_slots, moe_ep_regroup and moe_ep_sources: expert parallelism's exchange plan on the device (formulas
-// and layouts at MoeExchangeAttrs in ops/op_table.h; backend/cpu/moe_exchange.cpp is the spec):
+// CUDA moe_ep_messages, moe_ep_slots, moe_ep_regroup and moe_ep_sources: expert parallelism's exchange plan on the
+// device (formulas and layouts at MoeExchangeAttrs in ops/op_table.h; backend/cpu/moe_exchange.cpp is the spec):
 //  - messages: one flag per (rank, token), whether the token has an expert on that rank, in rank-major order; cub's
 //    exclusive sum of the flags is each sent token's place in the messages' list; one thread per flag then writes
 //    back, tokens and the messages' lengths;
