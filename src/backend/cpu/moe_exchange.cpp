@@ -1,8 +1,8 @@
 // CPU moe_ep_messages, moe_ep_slots, moe_ep_regroup and moe_ep_sources: expert parallelism's exchange plan
 // (formulas and layouts at MoeExchangeAttrs in ops/op_table.h). Plain loops in the order the formulas read; the CUDA
-// kernels
-// (backend/cuda/moe_exchange.cu) are checked against these by tests/ops (testing/op_cases_moe.cpp), and the plan they
-// make is checked end to end by the expert-parallel runs equal to the whole model (tests/parallel).
+// kernels (backend/cuda/moe_exchange.cu) are checked against these by tests/ops (testing/op_cases_moe.cpp), all of them
+// on a hand-worked routing by tests/ops/test_moe_route.cpp, and the plan they make end to end by the expert-parallel
+// runs equal to the whole model (tests/parallel).
 #include <algorithm>
 #include <vector>
 
