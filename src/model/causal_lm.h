@@ -79,11 +79,11 @@ struct ModelOptions {
   Communicator* cp = nullptr;
   // Expert parallelism (docs/moe.md, "Expert parallelism"): the group whose ranks each hold num_experts / ep of every
   // sparse layer's experts (ShardLayout "ep", split along the expert dimension) and each give their own batch (the
-  // ranks are data-parallel for everything else). Each sparse layer routes its rows on the rank, sends every routed
-  // row to the rank that owns its expert and gets the outputs back (all-to-alls of uneven sizes, the per-expert counts
-  // exchanged first); an expert's gradient is then that of every rank's rows, a dense parameter's the rank's own
-  // part. The aux loss and the expert loads are the group's (routing totals summed over it). Not with cp, expert
-  // adapters or a decoding batch (the ranks would have to decode in step).
+  // ranks are data-parallel for everything else). Each sparse layer routes its rows on the rank, sends each token's
+  // row once to every rank holding one of its experts and gets one summed row back (all-to-alls of uneven sizes, planned
+  // on the device from the counts the ranks all-gather first: the layer's one wait); an expert's gradient is then that
+  // of every rank's rows, a dense parameter's the rank's own part. The aux loss and the expert loads are the group's
+  // (routing totals summed over it). ep must be a multiple of cp.
   Communicator* ep = nullptr;
   // Pipeline parallelism (docs/parallel.md, "Pipeline parallelism"): the group of the pipeline's ranks and how the
   // layers are split over its stages. The model holds only its rank's layers (those of its chunks), the embedding on
