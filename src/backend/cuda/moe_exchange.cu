@@ -5,7 +5,8 @@
 //    back, tokens and the messages' lengths;
 //  - slots: one thread per token sorts its k experts (insertion sort, k <= kMaxTopK) and fills its slots rank by rank;
 //  - regroup: one thread per row finds its block by a binary search over the block starts;
-//  - sources: one thread per slot writes the row it names (each row is named once: no two threads write one place).
+//  - sources: one thread per slot writes the row it names (each row is named once: no two threads write one place; the
+//    CPU kernel checks that, this one trusts the plan that made the table).
 // Integer work only: every output is a pure function of the inputs (no atomics), so the plan is deterministic.
 #include <cub/device/device_scan.cuh>
 
