@@ -615,6 +615,7 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
         lp.configured = tp == configured.sizes().tp && cp == configured.sizes().cp && dp == configured.sizes().dp &&
                         zero == c.zero && ep == configured.sizes().ep && pp == configured.sizes().pp;
         lp.fits = refused.empty() && lp.memory.peak <= memory_bytes;
+        lp.tight = lp.fits && double(lp.memory.peak) > (1.0 - kTightShare) * double(memory_bytes);
         plan.layouts.push_back(std::move(lp));
       }
       }
@@ -661,10 +662,12 @@ std::string format_plan(const TrainingPlan& plan) {
     const RankMemory& m = l.memory;
     out += fmt::format("{:<32} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11} {:>10} {:>12}\n", name, bytes_text(m.weights),
                        bytes_text(m.gradients), bytes_text(m.optimizer), bytes_text(m.activations),
-                       bytes_text(m.loss_head), bytes_text(m.peak), l.fits ? "fits" : "DOES NOT", bytes_text(l.comm_bytes));
-    if (l.fits) fitting.push_back(layout_name(l.layout));
+                       bytes_text(m.loss_head), bytes_text(m.peak), l.tight ? "tight" : l.fits ? "fits" : "DOES NOT",
+                       bytes_text(l.comm_bytes));
+    if (l.fits) fitting.push_back(layout_name(l.layout) + (l.tight ? " (tight)" : ""));
   }
-  out += "  (* the configured layout; memory per rank; comm: bytes each rank sends per optimizer step)\n";
+  out += "  (* the configured layout; memory per rank; comm: bytes each rank sends per optimizer step; tight: fits with "
+         "less than 10% of the memory to spare, and the allocator may stall the steps)\n";
   out += fitting.empty() ? "no layout fits\n" : fmt::format("fits: {}\n", fmt::join(fitting, "; "));
   for (const std::string& note : plan.notes) out += "note: " + note + "\n";
   return out;
@@ -689,7 +692,7 @@ nlohmann::json plan_to_json(const TrainingPlan& plan) {
                           {"comm_bytes_per_step_by_group", {{"grads", l.comm_grads_bytes}, {"tp", l.comm_tp_bytes},
                                                             {"cp", l.comm_cp_bytes}, {"ep", l.comm_ep_bytes},
                                                             {"pp", l.comm_pp_bytes}}},
-                          {"fits", l.fits}};
+                          {"fits", l.fits}, {"tight", l.tight}};
     if (!l.stages.empty()) {  // pipeline parallelism: every pipeline rank's peak, and which one is the layout's
       row["heaviest_stage"] = l.heaviest_stage;
       for (const RankMemory& st : l.stages) row["stage_peak_bytes"].push_back(st.peak);

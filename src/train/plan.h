@@ -39,6 +39,9 @@ struct RankMemory {
   int64_t peak = 0;
 };
 
+// The share of a device's memory a layout should leave free (LayoutPlan::tight).
+inline constexpr double kTightShare = 0.10;
+
 struct LayoutPlan {
   PlanLayout layout;
   bool configured = false;  // the layout the config asks for
@@ -51,6 +54,10 @@ struct LayoutPlan {
   int64_t comm_ep_bytes = 0;     // ep's all-to-alls of the routed rows and their gradients, each sparse layer
   int64_t comm_pp_bytes = 0;     // pp's streams to the next stage and gradients to the previous, each micro-batch
   bool fits = false;        // peak <= the device memory
+  // Fits with less than kTightShare of the memory to spare: the caching allocator may have to free its cache and
+  // wait for the device to place a step's blocks (slow steps; session 32's 16,384-token ep run planned at 91% of an
+  // H200 made no third step in 200 s).
+  bool tight = false;
   // Pipeline parallelism: each pipeline rank's memory (`memory` is the one with the highest peak, heaviest_stage; the
   // comm figures are that rank's but comm_bytes, the most any rank sends).
   std::vector<RankMemory> stages;

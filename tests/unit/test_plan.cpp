@@ -208,10 +208,18 @@ TEST(Plan, RefusedLayoutsSayWhy) {
   EXPECT_NE(error_of([&] { plan_layouts(tp2, 3, int64_t(1) << 30, config_at); }), "(no error)");
   const TrainConfig dp2 = load_train_config(yaml, {"parallel.dp=2"});
   EXPECT_NE(error_of([&] { plan_layouts(dp2, 3, int64_t(1) << 30, config_at); }), "(no error)");
-  // A layout whose peak exceeds the memory does not fit.
+  // A layout whose peak exceeds the memory does not fit; one within 10% of it fits, tight; one with more room is not.
   const TrainingPlan small = plan_layouts(c, 1, 1024, config_at);
   ASSERT_EQ(small.layouts.size(), 1u);
   EXPECT_FALSE(small.layouts[0].fits);
+  EXPECT_FALSE(small.layouts[0].tight);
+  const int64_t peak = plan_layouts(c, 1, int64_t(1) << 40, config_at).layouts[0].memory.peak;
+  const TrainingPlan near = plan_layouts(c, 1, peak * 100 / 95, config_at);
+  const TrainingPlan roomy = plan_layouts(c, 1, peak * 100 / 85, config_at);
+  EXPECT_TRUE(near.layouts[0].fits && near.layouts[0].tight);
+  EXPECT_TRUE(roomy.layouts[0].fits && !roomy.layouts[0].tight);
+  EXPECT_NE(format_plan(near).find("(tight)"), std::string::npos) << format_plan(near);
+  EXPECT_EQ(plan_to_json(near)["layouts"][0]["tight"], true);
 }
 
 // tp and ZeRO divide what one rank holds as the trainer divides it: tp 2 halves the split matrices (k/v too, with 2
