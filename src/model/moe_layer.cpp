@@ -41,6 +41,17 @@ std::string per_expert_name(std::string_view fused_name, int64_t expert, const s
 
 namespace {
 
+// The ep group's counts, from the all-gathered summaries of moe_ep_messages: each rank's plan offsets (E + 2), then
+// the length of its message to each rank.
+struct GroupCounts {
+  const int32_t* all;
+  int64_t experts, ranks;
+  const int32_t* of(int64_t rank) const { return all + rank * (experts + 2 + ranks); }
+  int64_t pairs(int64_t rank, int64_t expert) const { return of(rank)[expert + 1] - of(rank)[expert]; }
+  int64_t tokens(int64_t from, int64_t to) const { return of(from)[experts + 2 + to]; }
+  int64_t bad_token(int64_t rank) const { return of(rank)[experts + 1]; }  // -1: every router logit finite
+};
+
 // A slot tensor (E R, n) as (E, R, n), its experts [first, first + count) (count -1: all).
 Tensor experts_of(const Tensor& t, const LoraSlot& slot, int64_t n, int64_t first, int64_t count) {
   const Tensor all = t.view({slot.experts, slot.rank_total, n});
@@ -200,7 +211,8 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   // planned from counts alone (plan_expert_exchange).
   MoeEpMessages messages;
   const Tensor host = expert_parallel() ? gather_ep_summaries(m, messages) : rt_->copy_to(m.offsets, Device::cpu());
-  const int32_t* off = host.data<int32_t>() + (expert_parallel() ? ep_rank() * messages.summary.numel() : 0);
+  const int32_t* off = expert_parallel() ? GroupCounts{host.data<int32_t>(), e, ep_size()}.of(ep_rank())
+                                          : host.data<int32_t>();
   LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (a layer's router produced NaN or Inf)",
               off[e + 1]);
   r.offsets.assign(off, off + e + 1);
@@ -229,15 +241,13 @@ Tensor CausalLm::gather_ep_summaries(const MoeRouting& m, MoeEpMessages& message
   ExecContext cx = rt_->context(options_.device);
   const int64_t n = ep_size(), e = global_config_.num_experts;
   messages = moe_ep_messages(cx, m.picked, m.offsets, n);
-  const int64_t each = messages.summary.numel();
-  Tensor all = Tensor::empty({n * each}, DType::I32, cx.allocator);
+  Tensor all = Tensor::empty({n * messages.summary.numel()}, DType::I32, cx.allocator);
   options_.ep->all_gather(messages.summary, all).wait();
   Tensor host = rt_->copy_to(all, Device::cpu());
-  for (int64_t j = 0; j < n; ++j) {  // every rank refuses a bad batch together: none waits for the others
-    const int32_t bad = host.data<int32_t>()[j * each + e + 1];
-    LATHE_CHECK(bad < 0, "moe: router logit of token {} on expert-parallel rank {} is not finite (a layer's router "
-                "produced NaN or Inf)", bad, j);
-  }
+  const GroupCounts c{host.data<int32_t>(), e, n};
+  for (int64_t j = 0; j < n; ++j)  // every rank refuses a bad batch together: none waits for the others
+    LATHE_CHECK(c.bad_token(j) < 0, "moe: router logit of token {} on expert-parallel rank {} is not finite (a layer's "
+                "router produced NaN or Inf)", c.bad_token(j), j);
   return host;
 }
 
@@ -255,16 +265,6 @@ int64_t total_of(const std::vector<int64_t>& counts) {
   for (int64_t n : counts) sum += n;
   return sum;
 }
-
-// The ep group's counts, from the all-gathered summaries of moe_ep_messages: each rank's plan offsets (E + 2), then
-// the length of its message to each rank.
-struct GroupCounts {
-  const int32_t* all;
-  int64_t experts, ranks;
-  const int32_t* of(int64_t rank) const { return all + rank * (experts + 2 + ranks); }
-  int64_t pairs(int64_t rank, int64_t expert) const { return of(rank)[expert + 1] - of(rank)[expert]; }
-  int64_t tokens(int64_t from, int64_t to) const { return of(from)[experts + 2 + to]; }
-};
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 // on a hand-worked routing by tests/ops/test_moe_route.cpp, and the plan they make end to end by the expert-parallel
 // runs equal to the whole model (tests/parallel).
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -50,15 +51,13 @@ void moe_ep_slots_cpu(const OpCall& c, ExecContext&) {
   int32_t* slot_pair = c.outputs[1].data<int32_t>();
   std::fill(slot_row, slot_row + t * n * s, -1);
   std::fill(slot_pair, slot_pair + t * n * s, 0);
-  std::vector<int64_t> order(static_cast<size_t>(k));
+  std::vector<std::pair<int64_t, int64_t>> order(static_cast<size_t>(k));  // (expert, slot j) of each pair
   for (int64_t i = 0; i < t; ++i) {
     // The token's pairs by ascending expert: the slots of each rank fill in that order.
-    for (int64_t j = 0; j < k; ++j) order[size_t(j)] = picked[i * k + j] - i * e;
+    for (int64_t j = 0; j < k; ++j) order[size_t(j)] = {picked[i * k + j] - i * e, j};
     std::sort(order.begin(), order.end());
     int64_t rank = -1, f = 0;
-    for (int64_t ex : order) {
-      int64_t j = 0;
-      while (picked[i * k + j] - i * e != ex) ++j;
+    for (const auto& [ex, j] : order) {
       const int64_t r = ex / mine, p = position[i * k + j], u = back[i * n + r];
       f = r == rank ? f + 1 : 0;
       rank = r;
