@@ -4,16 +4,18 @@
 // Usage: grouped_gemm_bench [dtype] [iters] [tokens top_k experts hidden intermediate]
 // Defaults: bf16, 20 iterations, 4096 tokens x top-8 = P = 32768 rows over E = 128 experts, hidden H = 2048,
 // expert intermediate I = 768 (Qwen3-30B-A3B). Two projections: gate/up-like (K = H, N = I) and down (K = I, N = H).
-// Three spreads of the rows: even (P / E each), uneven (seeded log-normal sizes, every 8th expert empty) and hot (every
-// token to the same k experts: P / k rows each, the rest empty; what a random-init router does in lathe bench).
+// Four spreads of the rows: even (P / E each), uneven (seeded log-normal sizes, every 8th expert empty), hot (every
+// token to the same k experts: P / k rows each, the rest empty) and model (what a random-init router does in lathe
+// bench's 30b-a3b layers: 10 experts of 4,060 down to about 2,000 rows, the other 118 of the rest, about 14 each).
 // Three GEMMs per row, each 2 P N K FLOPs (active experts only: the dense baseline does the same work):
 //   fwd  y = grouped_matmul(x, w)                      (w (E, N, K), trans_w; dense: x W^T)
 //   dx   dx = grouped_matmul(dy, w, trans_w = false)   (dense: dy W)
 //   dw   dw = grouped_matmul_weight_grad(dy, x)        (dense: dy^T x)
 // Also the MoE layer's padded form (ModelOptions::moe_padded_max_waste): one batched matmul over (E, M, .) blocks,
 // M the largest group rounded up to 8, its TFLOP/s counting the P rows' work only (padding is waste).
+// Also cuBLAS's grouped call (cuda/cublas_grouped_gemm) run directly, beside whatever the registry resolves.
 // Prints the device's description, then one JSON line per (projection, spread, GEMM) with the TFLOP/s of each and the
-// ratios grouped / dense and grouped / loop of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
+// ratios grouped / dense, grouped / loop and grouped / cuBLAS grouped of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
 // adds the card, driver, CUDA version and commit.
 #include <fmt/format.h>
 
@@ -30,7 +32,7 @@ using namespace lathe;
 namespace {
 
 
-enum class Spread { even, uneven, hot };
+enum class Spread { even, uneven, hot, model };
 
 // Group sizes summing to `rows` over `experts`: even, log-normal with every 8th expert empty (seeded), or all in the
 // first `top_k` experts.
@@ -40,7 +42,15 @@ std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, int64_t top_k, S
     for (int64_t e = 0; e < top_k; ++e) sizes[size_t(e)] = rows / top_k + (e < rows % top_k ? 1 : 0);
     return sizes;
   }
-  if (spread == Spread::even) {
+  if (spread == Spread::model && experts > 10) {
+    int64_t given = 0;
+    for (int64_t e = 0; e < 10; ++e) given += sizes[size_t(e)] = rows * (4060 - 220 * e) / 32768;
+    for (int64_t e = 10; e < experts; ++e)
+      given += sizes[size_t(e)] = (rows - given) / (experts - e);
+    sizes[0] += rows - given;
+    return sizes;
+  }
+  if (spread == Spread::even || spread == Spread::model) {
     for (int64_t e = 0; e < experts; ++e) sizes[size_t(e)] = rows / experts + (e < rows % experts ? 1 : 0);
     return sizes;
   }
@@ -103,7 +113,7 @@ int main(int argc, char** argv) {
       const Tensor w_dense = random({n, k});  // the dense baseline's weight: (N, K), as one expert's
       Tensor y = Tensor::empty({p, n}, dtype, ctx.allocator), dx = Tensor::empty({p, k}, dtype, ctx.allocator);
       Tensor dw = Tensor::empty({experts, n, k}, dtype, ctx.allocator), dw_dense = Tensor::empty({n, k}, dtype, ctx.allocator);
-      for (const Spread spread : {Spread::even, Spread::uneven, Spread::hot}) {
+      for (const Spread spread : {Spread::even, Spread::uneven, Spread::hot, Spread::model}) {
         const std::vector<int64_t> sizes = group_sizes(p, experts, top_k, spread);
         const GroupedMatmulAttrs attrs{offsets_of(sizes), true};
         const GroupedMatmulAttrs back{attrs.offsets, false};
@@ -138,7 +148,17 @@ int main(int argc, char** argv) {
           }
         };
         const char* names[] = {"fwd", "dx", "dw"};
-        const char* spread_names[] = {"even", "uneven", "hot"};
+        const char* spread_names[] = {"even", "uneven", "hot", "model"};
+        // cuBLAS's grouped call, run directly (the baseline the registry's first choice is measured against).
+        auto cublas_grouped = [&](int which) {
+          const KernelDef* def = ctx.registry.find(which == 2 ? OpId::grouped_matmul_weight_grad : OpId::grouped_matmul,
+                                                   DeviceType::CUDA, dtype, "cuda/cublas_grouped_gemm");
+          if (def == nullptr) return;
+          OpCall call = which == 0   ? OpCall{OpId::grouped_matmul, {x, w}, {y}, attrs}
+                        : which == 1 ? OpCall{OpId::grouped_matmul, {dy, w}, {dx}, back}
+                                     : OpCall{OpId::grouped_matmul_weight_grad, {dy, x}, {dw}, attrs};
+          def->run(call, ctx);
+        };
         for (int which = 0; which < 3; ++which) {
           ctx.observer = &observer;
           const double grouped_ms = median_ms(ctx, iters, [&] {
@@ -153,6 +173,7 @@ int main(int argc, char** argv) {
             if (which == 2) matmul_into(ctx, dy, x, dw_dense, {true, false});
           }, 3);
           const double loop_ms = median_ms(ctx, iters, [&] { loop(which); }, 3);
+          const double cublas_ms = median_ms(ctx, iters, [&] { cublas_grouped(which); }, 3);
           const double padded_ms = median_ms(ctx, iters, [&] {
             if (which == 0) matmul_into(ctx, xp, w, yp, {false, true});
             if (which == 1) matmul_into(ctx, dyp, w, dxp, {});
@@ -164,11 +185,13 @@ int main(int argc, char** argv) {
                      "\"k\": {}, \"n\": {}, \"dtype\": \"{}\", \"empty_experts\": {}, \"largest_group\": {}, "
                      "\"grouped_ms\": {:.4f}, \"grouped_tflops\": {:.1f}, \"dense_ms\": {:.4f}, \"dense_tflops\": {:.1f}, "
                      "\"loop_ms\": {:.4f}, \"loop_tflops\": {:.1f}, \"padded_rows\": {}, \"padded_ms\": {:.4f}, "
-                     "\"padded_tflops\": {:.1f}, \"tflops_ratio_vs_dense\": {:.3f}, \"tflops_ratio_vs_loop\": {:.3f}, "
-                     "\"kernels\": \"{}\", \"device\": \"{}\"}}\n",
+                     "\"padded_tflops\": {:.1f}, \"cublas_grouped_ms\": {:.4f}, \"cublas_grouped_tflops\": {:.1f}, "
+                     "\"tflops_ratio_vs_dense\": {:.3f}, \"tflops_ratio_vs_loop\": {:.3f}, "
+                     "\"tflops_ratio_vs_cublas_grouped\": {:.3f}, \"kernels\": \"{}\", \"device\": \"{}\"}}\n",
                      down ? "down" : "gate_up", spread_names[int(spread)], names[which], p, experts, k, n,
                      dtype_name(dtype), empty, most, grouped_ms, tflops(grouped_ms), dense_ms, tflops(dense_ms), loop_ms,
-                     tflops(loop_ms), m, padded_ms, tflops(padded_ms), dense_ms / grouped_ms, loop_ms / grouped_ms,
+                     tflops(loop_ms), m, padded_ms, tflops(padded_ms), cublas_ms, tflops(cublas_ms), dense_ms / grouped_ms,
+                     loop_ms / grouped_ms, cublas_ms / grouped_ms,
                      fmt::join(kernels, ", "), info.name);
         }
       }

@@ -4,7 +4,7 @@
 // the backward (dx and dw on each device through op_backward; finite differences in f64 on the CPU).
 // Sizes: K and N multiples of 8 (16-byte rows in bf16/f16, 32 in f32) take the CUDA grouped call
 // (cuda/cublas_grouped_gemm); odd ones (7, 5) leave the 16-byte alignment it needs and take the per-group cuBLAS
-// fallback, so both CUDA kernels run in every dtype. The CPU has f32/f64 kernels; its bf16/f16 rows run as
+// fallback, so both CUDA kernels run in every dtype; K and N of 256 take cuda/hopper_grouped_gemm in bf16 on sm_90. The CPU has f32/f64 kernels; its bf16/f16 rows run as
 // upcast_f32. Strided weight views (a narrowed fused gate_up_proj) cannot be expressed here (inputs are contiguous):
 // tests/ops/test_grouped_matmul.cpp checks them on every device.
 #include "testing/op_check.h"
@@ -114,6 +114,11 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_weight_grad(24, 16, {0, 10, 1, 29, 0}, kFloat);
   add_weight_grad(16, 16, {0, 0, 0, 0}, kFloat);  // P = 0: every block is zero
   add_weight_grad(48, 64, {37, 0, 101, 5, 60, 1, 64, 32}, kLarge);
+  // Sizes the Hopper kernel's tiles cover (cuda/hopper_grouped_gemm on sm_90, bf16; K = N = 256 so dx and dw take it
+  // too): groups across its 128-row tiles and 64-row stages, an empty one.
+  add_forward(256, 256, {300, 0, 37, 129, 1, 64, 65}, true, kLarge);
+  add_forward(256, 256, {130, 63, 0, 128}, false, kLarge);
+  add_weight_grad(256, 256, {0, 200, 1, 127, 0}, kLarge);
   // Groups of 1024 rows and more run as GEMMs of their own ahead of the grouped call on CUDA.
   add_forward(64, 48, {1100, 0, 37, 1030}, true, kLarge);
   add_forward(48, 64, {1100, 0, 37, 1030}, false, kLarge);

@@ -7,6 +7,7 @@
 // the f64 reference in every dtype: the op cases in src/testing/op_cases_moe.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <random>
@@ -268,6 +269,89 @@ TEST(GroupedMatmul, WeightGradIntoAccumulates) {
                                          make({1}, {1, 1}, DType::F32, Device::cpu()), add);
             }).find("accumulates only into an output"),
             std::string::npos);
+}
+
+// The Hopper kernel (cuda/hopper_grouped_gemm, sm_90 only) against plain loops in f64 over the same bf16 inputs:
+// groups at and around its 128-row tile and 64-row stage edges (1, 63, 64, 65, 127, 128, 129 rows), a 700-row group,
+// an empty one; w read in place as one half of a fused (E, 2N, K) weight (trans_w) and as (E, K, N); the weight grad
+// into the middle third of a fused buffer, fresh and accumulated. Each call must resolve to the Hopper kernel.
+TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
+  if (!runtime().has_device(Device::cuda(0))) GTEST_SKIP() << "no CUDA device";
+  const Device gpu = Device::cuda(0);
+  ExecContext ctx = runtime().context(gpu);
+  if (!ctx.registry.find(OpId::grouped_matmul, DeviceType::CUDA, DType::BF16, "cuda/hopper_grouped_gemm"))
+    GTEST_SKIP() << "cuda/hopper_grouped_gemm is registered on sm_90 only";
+  const std::vector<int64_t> counts = {700, 0, 1, 63, 64, 65, 127, 128, 129, 323};
+  std::vector<int64_t> offsets = {0};
+  for (int64_t n : counts) offsets.push_back(offsets.back() + n);
+  const int64_t p = offsets.back(), e = int64_t(counts.size()), k = 256, n = 512;
+  std::mt19937 rng(11);
+  // The inputs as bf16 holds them (the loops start from the same values).
+  const auto rounded = [&](int64_t count) { return values(make(random_values(count, rng), {count}, DType::BF16, gpu)); };
+  const std::vector<double> xv = rounded(p * k), fused = rounded(e * 2 * n * k), dyv = rounded(p * n);
+  const std::vector<double> before = rounded(e * 3 * n * k);
+  const auto w_at = [&](int64_t ex, int64_t row, int64_t col) { return fused[size_t((ex * 2 * n + n + row) * k + col)]; };
+  std::vector<std::string> kernels;
+  const ResolutionObserver observer = [&](const OpCall&, const Resolution& r) { kernels.push_back(r.name); };
+  ctx.observer = &observer;
+
+  // y = x w_e^T with w the upper half of (E, 2N, K): blocks 2 N K apart.
+  const Tensor w_fused = make(fused, {e, 2 * n, k}, DType::BF16, gpu);
+  const Tensor x = make(xv, {p, k}, DType::BF16, gpu), dy = make(dyv, {p, n}, DType::BF16, gpu);
+  std::vector<double> want(size_t(p * n), 0.0);
+  for (int64_t ex = 0; ex < e; ++ex)
+    for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
+      for (int64_t j = 0; j < n; ++j) {
+        double acc = 0;
+        for (int64_t i = 0; i < k; ++i) acc += xv[size_t(r * k + i)] * w_at(ex, j, i);
+        want[size_t(r * n + j)] = acc;
+      }
+  expect_near_all(values(grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true})), want, DType::BF16,
+                  "forward, trans_w");
+
+  // dx = dy w_e with w (E, K', N') = the same half viewed as (E, N, K): here the product's K' = N, N' = K.
+  std::vector<double> want_dx(size_t(p * k), 0.0);
+  for (int64_t ex = 0; ex < e; ++ex)
+    for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
+      for (int64_t i = 0; i < k; ++i) {
+        double acc = 0;
+        for (int64_t j = 0; j < n; ++j) acc += dyv[size_t(r * n + j)] * w_at(ex, j, i);
+        want_dx[size_t(r * k + i)] = acc;
+      }
+  expect_near_all(values(grouped_matmul(ctx, dy, w_fused.narrow(1, n, n), {offsets, false})), want_dx, DType::BF16,
+                  "forward, !trans_w");
+
+  // dw_e = dy_e^T x_e into the middle third of (E, 3N, K), fresh (the empty group's block zeroed), then accumulated.
+  std::vector<double> grad(size_t(e * n * k), 0.0);
+  for (int64_t ex = 0; ex < e; ++ex)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < k; ++i) {
+        double acc = 0;
+        for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
+          acc += dyv[size_t(r * n + j)] * xv[size_t(r * k + i)];
+        grad[size_t((ex * n + j) * k + i)] = acc;
+      }
+  const Tensor buffer = make(before, {e, 3 * n, k}, DType::BF16, gpu);
+  const Tensor middle = buffer.narrow(1, n, n);
+  grouped_matmul_weight_grad_into(ctx, dy, x, middle, {offsets, true});
+  expect_near_all(values(middle), grad, DType::BF16, "weight grad");
+  const std::vector<double> fresh = values(middle);
+  GroupedMatmulAttrs add{offsets, true};
+  add.accumulate = true;
+  grouped_matmul_weight_grad_into(ctx, dy, x, middle, add);
+  std::vector<double> twice(grad.size());
+  for (size_t i = 0; i < grad.size(); ++i) twice[i] = fresh[i] + grad[i];
+  expect_near_all(values(middle), twice, DType::BF16, "weight grad, accumulated");
+  for (int64_t third : {0, 2}) {
+    std::vector<double> kept;
+    for (int64_t ex = 0; ex < e; ++ex)
+      kept.insert(kept.end(), before.begin() + (ex * 3 + third) * n * k, before.begin() + (ex * 3 + third + 1) * n * k);
+    EXPECT_EQ(values(buffer.narrow(1, third * n, n)), kept) << "third " << third << " was written";
+  }
+  ctx.observer = nullptr;
+  for (const std::string& name : kernels)
+    if (name.find("grouped") != std::string::npos) EXPECT_EQ(name, "cuda/hopper_grouped_gemm");
+  EXPECT_EQ(std::count(kernels.begin(), kernels.end(), std::string("cuda/hopper_grouped_gemm")), 4);
 }
 
 TEST(GroupedMatmul, SecondRunGivesIdenticalBytes) {

@@ -8,7 +8,12 @@
 // Expert e's block of w (or dw) starts at the tensor's data plus e times its dim-0 stride: a narrowed fused
 // gate_up_proj is read or written in place. Empty groups are left out of the GEMMs (cuBLAS wants m, n, k >= 1); in the
 // weight grad their blocks are zeroed with memsets first.
-// Two kernels per dtype, tried in order:
+// Kernels, tried in order:
+// - cuda/hopper_grouped_gemm (bf16 on sm_90 only): our own TMA + wgmma kernel (hopper_grouped_gemm.cu) for the shapes
+//   its 128 x 256 tiles cover: the forward where K is a multiple of 64 and N of 256, the weight grad where N is a
+//   multiple of 128 and K of 256 (Qwen3-30B-A3B's experts: H = 2048, I = 768, 2 I = 1536), 16-byte aligned operands.
+//   The host builds its tile table (one row a 128-row slice of an expert, or a non-empty expert in the weight grad)
+//   and the operands' TMA tensor maps each call.
 // - cuda/cublas_grouped_gemm: one cublasGemmGroupedBatchedEx call (cuBLAS >= 12.5), the GEMMs bucketed into cuBLAS
 //   groups of equal sizes. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
 //   staging into scratch from the context's allocator), so cuBLAS cannot check their alignment: 16-bit types need
@@ -17,6 +22,10 @@
 // - cuda/cublas_gemm_per_group: one cublasGemmEx per non-empty group, for everything else.
 // Both are deterministic (no atomics; fixed GEMM order). Covered by tests/ops (testing/op_cases_moe.cpp: both kernels
 // in every dtype) and tests/ops/test_grouped_matmul.cpp (strided views); timed by bench/grouped_gemm_bench.
+#include <cudaTypedefs.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -26,8 +35,10 @@
 #include "backend/cuda/check.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemm.h"
+#include "backend/cuda/hopper_grouped_gemm.h"
 #include "backend/cuda/routed_gemm.h"
 #include "backend/registry.h"
+#include "core/error.h"
 #include "ops/ops.h"
 
 #if CUBLAS_VER_MAJOR > 12 || (CUBLAS_VER_MAJOR == 12 && CUBLAS_VER_MINOR >= 5)
@@ -125,6 +136,131 @@ Support per_group_supports(const OpCall& c) {
   for (int64_t size : {first_rows(c).size(0), first_rows(c).size(1), second_rows(c).size(1)})
     if (size > INT_MAX) return Support::no("a dimension above INT_MAX (cuBLAS's int sizes)");
   return Support::yes();
+}
+
+// cuda/hopper_grouped_gemm: hopper_grouped_gemm.h. The tile grid's limits: 65,535 rows of tiles (grid y or z).
+constexpr int64_t kMaxTileRows = 65535;
+
+// The forward's rows of tiles: each expert's rows in 128-row slices; the weight grad's: each non-empty expert.
+std::vector<HopperTile> hopper_tiles(const std::vector<int64_t>& off, bool weight_grad) {
+  std::vector<HopperTile> tiles;
+  for (size_t e = 0; e + 1 < off.size(); ++e) {
+    if (off[e + 1] == off[e]) continue;
+    if (weight_grad) {
+      tiles.push_back({int32_t(e), int32_t(off[e]), int32_t(off[e + 1]), 0});
+      continue;
+    }
+    for (int64_t row = off[e]; row < off[e + 1]; row += kHopperTileM)
+      tiles.push_back({int32_t(e), int32_t(row), int32_t(off[e + 1]), 0});
+  }
+  return tiles;
+}
+
+// Registered only where device 0 is sm_90 (the kernel is compiled for sm_90a alone): the op check's coverage pass
+// wants every registered kernel reachable.
+bool device_is_sm90() {
+  int devices = 0;
+  cudaDeviceProp prop{};
+  const bool yes = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0 &&
+                   cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+  cudaGetLastError();  // a failed query (no device) leaves nothing behind
+  return yes;
+}
+
+Support hopper_supports(const OpCall& c) {
+  if (Support s = grouped_matmul_layout(c); !s.ok) return s;
+  const bool grad = c.op == OpId::grouped_matmul_weight_grad;
+  const int64_t p = c.inputs[0].size(0);
+  const int64_t k = grad ? c.inputs[1].size(1) : c.inputs[0].size(1);  // x's row length
+  const int64_t n = grad ? c.inputs[0].size(1) : c.outputs[0].size(1);  // dy's / y's row length
+  if (grad ? n % kHopperTileM != 0 || k % kHopperTileN != 0 : k % kHopperTileK != 0 || n % kHopperTileN != 0)
+    return Support::no(grad ? "the weight grad's tiles need N a multiple of 128 and K of 256"
+                            : "the forward's tiles need K a multiple of 64 and N of 256");
+  if (p >= INT_MAX) return Support::no("P above INT_MAX (the tile table's int rows)");
+  const Tensor& blocks = grad ? c.outputs[0] : c.inputs[1];  // w or dw
+  bool aligned = blocks.size(0) <= 1 || blocks.strides()[0] % 8 == 0;  // 16-byte block starts in bf16
+  for (const Tensor* t : {&c.inputs[0], &c.inputs[1], &c.outputs[0]})
+    aligned &= reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+  if (!aligned) return Support::no("TMA needs 16-byte aligned operands and expert blocks");
+  const std::vector<int64_t>& off = c.attr<GroupedMatmulAttrs>().offsets;
+  int64_t rows_of_tiles = 0;
+  for (size_t e = 0; e + 1 < off.size(); ++e)
+    rows_of_tiles += grad ? int64_t(off[e + 1] > off[e]) : (off[e + 1] - off[e] + kHopperTileM - 1) / kHopperTileM;
+  if (rows_of_tiles > kMaxTileRows) return Support::no("more than 65,535 rows of tiles (the grid's limit)");
+  return Support::yes();
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  // The driver's entry point, looked up once: an immutable function pointer, not state.
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    LATHE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    LATHE_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "cuda/hopper_grouped_gemm: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A bf16 TMA map with 128-byte swizzle: dims innermost first, the byte strides of dims 1.., the box in elements.
+CUtensorMap bf16_tensor_map(const void* base, std::vector<cuuint64_t> dims, std::vector<cuuint64_t> strides,
+                            std::vector<cuuint32_t> box) {
+  CUtensorMap map{};
+  const std::vector<cuuint32_t> unit(dims.size(), 1);
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(dims.size()), const_cast<void*>(base), dims.data(),
+      strides.data(), box.data(), unit.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  LATHE_CHECK(r == CUDA_SUCCESS, "cuda/hopper_grouped_gemm: cuTensorMapEncodeTiled failed (CUresult {}) for dims {}, "
+              "byte strides {}, box {}", int(r), fmt::join(dims, "x"), fmt::join(strides, ","), fmt::join(box, "x"));
+  return map;
+}
+
+void run_hopper(const OpCall& c, ExecContext& ctx) {
+  CudaStream& s = as_cuda(ctx.stream);
+  const auto& attrs = c.attr<GroupedMatmulAttrs>();
+  const bool grad = c.op == OpId::grouped_matmul_weight_grad;
+  if (grad) zero_empty_blocks(plan_of(c), s);  // (nothing when accumulating: empty blocks stay as they are)
+  const std::vector<HopperTile> tiles = hopper_tiles(attrs.offsets, grad);
+  if (tiles.empty()) return;
+  const Tensor table = Tensor::empty({int64_t(tiles.size() * sizeof(HopperTile) / 8)}, DType::I64, ctx.allocator);
+  s.upload_async(table.data_ptr(), tiles.data(), tiles.size() * sizeof(HopperTile));
+  const auto u = [](int64_t v) { return cuuint64_t(v); };
+  HopperGemmLaunch l{};
+  l.tiles = static_cast<const HopperTile*>(table.data_ptr());
+  l.tile_rows = int(tiles.size());
+  CUtensorMap a, b;
+  if (grad) {
+    const Tensor& dy = c.inputs[0];   // (P, N)
+    const Tensor& x = c.inputs[1];    // (P, K)
+    const Tensor& dw = c.outputs[0];  // (E, N, K)
+    const int64_t p = dy.size(0), n = dy.size(1), k = x.size(1);
+    a = bf16_tensor_map(dy.data_ptr(), {u(n), u(p)}, {u(n * 2)}, {64, 64});
+    b = bf16_tensor_map(x.data_ptr(), {u(k), u(p)}, {u(k * 2)}, {64, 64});
+    l.kind = HopperGemm::weight_grad;
+    l.n_tiles = int(k / kHopperTileN);
+    l.m_tiles = int(n / kHopperTileM);
+    l.out = dw.data_ptr();
+    l.ld = k;
+    l.block_stride = dw.strides()[0];
+    l.accumulate = attrs.accumulate;
+  } else {
+    const Tensor& x = c.inputs[0];   // (P, K)
+    const Tensor& w = c.inputs[1];   // (E, N, K) or (E, K, N)
+    const Tensor& y = c.outputs[0];  // (P, N)
+    const int64_t p = x.size(0), k = x.size(1), n = y.size(1), e = w.size(0);
+    const int64_t stride = e > 1 ? w.strides()[0] : n * k;
+    a = bf16_tensor_map(x.data_ptr(), {u(k), u(p)}, {u(k * 2)}, {64, 128});
+    b = attrs.trans_w ? bf16_tensor_map(w.data_ptr(), {u(k), u(n), u(e)}, {u(k * 2), u(stride * 2)}, {64, 256, 1})
+                      : bf16_tensor_map(w.data_ptr(), {u(n), u(k), u(e)}, {u(n * 2), u(stride * 2)}, {64, 64, 1});
+    l.kind = attrs.trans_w ? HopperGemm::forward_trans_w : HopperGemm::forward;
+    l.n_tiles = int(n / kHopperTileN);
+    l.k_tiles = int(k / kHopperTileK);
+    l.out = y.data_ptr();
+    l.ld = n;
+  }
+  launch_hopper_grouped_gemm(l, a, b, s.handle());
 }
 
 #ifdef LATHE_CUBLAS_GROUPED_GEMM
@@ -226,8 +362,11 @@ void register_cuda_grouped_gemm_kernels(KernelRegistry& r) {
     r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_rows", grouped_matmul_layout,
                     run_routed<false>});
   }
+  const bool sm90 = device_is_sm90();
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
     for (OpId op : {OpId::grouped_matmul, OpId::grouped_matmul_weight_grad}) {
+      if (sm90 && dt == DType::BF16)
+        r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/hopper_grouped_gemm", hopper_supports, run_hopper});
 #ifdef LATHE_CUBLAS_GROUPED_GEMM
       r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/cublas_grouped_gemm", grouped_supports, run_grouped});
 #endif

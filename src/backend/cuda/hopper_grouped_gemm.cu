@@ -1,0 +1,271 @@
+// Hopper (sm_90a) grouped GEMM for the MoE experts, bf16 in and out with fp32 accumulation (hopper_grouped_gemm.h
+// has the three products). Written for the skew of a MoE layer's rows, where cuBLAS's grouped call ran at 0.3-0.4x of
+// dense speed (docs/benchmarks.md): a few experts of thousands of rows beside many of a dozen.
+//
+// One CTA computes a 128 x 256 tile of one expert's output: three warpgroups, the first a producer whose one thread
+// issues TMA loads into a 4-stage ring of shared memory (64 reduced elements a stage), the other two consumers that
+// each multiply their 64 rows by the tile's 256 columns with wgmma.m64n256k16 (both operands from shared memory,
+// 128-byte swizzle) into 128 fp32 registers a thread, then write bf16 to global memory. mbarriers pace the ring: a
+// stage's `full` completes when its bytes land, its `empty` when the eight consumer warps have read it.
+// Shared-memory operand layouts (the PTX ISA's canonical 128-byte-swizzle layouts):
+//   K-major (x, and w when trans_w): rows of 64 elements (128 bytes), 8-row atoms of 1 KiB: descriptor SBO 1 KiB;
+//     the k16 step j starts 32 j bytes in.
+//   MN-major (dy and x in the weight grad, w otherwise): blocks of 64 reduced rows x 64 elements (8 KiB), one per 64
+//     output rows or columns: LBO 8 KiB (block to block), SBO 1 KiB (8 reduced rows); the k16 step j starts 2 KiB j in.
+// Rows: the forward's 128-row slices may run past their expert (into the next one's rows, or past P where TMA fills
+// zeros); those rows are computed and never stored. The weight grad reduces over a group's rows, so in its last stage
+// the consumers zero the rows past the group before multiplying.
+// Deterministic: a fixed reduction order per output element, no atomics.
+#include <cuda_bf16.h>
+
+#include "backend/cuda/check.h"
+#include "backend/cuda/hopper_grouped_gemm.h"
+
+namespace lathe::cuda {
+
+namespace {
+
+constexpr int kStages = 4;
+constexpr int kABytes = kHopperTileM * kHopperTileK * 2;  // 16 KiB
+constexpr int kBBytes = kHopperTileN * kHopperTileK * 2;  // 32 KiB
+constexpr int kStageBytes = kABytes + kBBytes;
+constexpr int kBlockBytes = 64 * 128;  // an MN-major block: 64 reduced rows of 128 bytes
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;  // alignment slack, ring, barriers
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void barrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+// Waits until the barrier's phase of this parity has completed.
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// A wgmma shared-memory matrix descriptor, 128-byte swizzle (the sm_90 layout: address, LBO and SBO in 16-byte units).
+__device__ __forceinline__ uint64_t smem_descriptor(uint32_t address, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
+}
+
+// d (64 x 256, fp32, this warpgroup's fragment) += A (64 x 16) B (16 x 256); kTransA / kTransB: the operand is
+// MN-major in shared memory.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, %130, %131;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB));
+}
+
+template <HopperGemm kKind>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                               const HopperGemmLaunch l) {
+  constexpr bool kGrad = kKind == HopperGemm::weight_grad;
+  extern __shared__ uint8_t raw_smem[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
+  const uint32_t ring = shared_address(smem);
+  const uint32_t full = ring + kStages * kStageBytes;  // kStages barriers of 8 bytes, then the `empty` ones
+  const uint32_t empty = full + kStages * 8;
+  const HopperTile t = l.tiles[kGrad ? blockIdx.z : blockIdx.y];
+  const int n0 = int(blockIdx.x) * kHopperTileN;
+  const int m0 = kGrad ? int(blockIdx.y) * kHopperTileM : t.row0;  // the tile's first output row
+  const int k_tiles = kGrad ? (t.row_end - t.row0 + kHopperTileK - 1) / kHopperTileK : l.k_tiles;
+  const int warpgroup = int(threadIdx.x) / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(full + 8 * s, 1);
+      barrier_init(empty + 8 * s, kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // the producer: one thread issues every load
+    if (threadIdx.x != 0) return;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int s = kt % kStages;
+      barrier_wait(empty + 8 * s, ((kt / kStages) & 1) ^ 1);
+      const uint32_t bar = full + 8 * s, a = ring + s * kStageBytes, b = a + kABytes;
+      barrier_expect_bytes(bar, kStageBytes);
+      if constexpr (kGrad) {
+        const int row = t.row0 + kt * kHopperTileK;
+        for (int i = 0; i < kHopperTileM / 64; ++i) tma_load_2d(a + i * kBlockBytes, &a_map, m0 + 64 * i, row, bar);
+        for (int i = 0; i < kHopperTileN / 64; ++i) tma_load_2d(b + i * kBlockBytes, &b_map, n0 + 64 * i, row, bar);
+      } else {
+        tma_load_2d(a, &a_map, kt * kHopperTileK, m0, bar);
+        if constexpr (kKind == HopperGemm::forward_trans_w) {
+          tma_load_3d(b, &b_map, kt * kHopperTileK, n0, t.expert, bar);
+        } else {
+          for (int i = 0; i < kHopperTileN / 64; ++i)
+            tma_load_3d(b + i * kBlockBytes, &b_map, n0 + 64 * i, kt * kHopperTileK, t.expert, bar);
+        }
+      }
+    }
+    return;
+  }
+
+  // The consumers: warpgroup c multiplies output rows 64 c .. 64 c + 63 of the tile.
+  const int c = warpgroup - 1;
+  const int lane = int(threadIdx.x) % 32, warp = (int(threadIdx.x) / 32) % 4;
+  float d[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    barrier_wait(full + 8 * s, (kt / kStages) & 1);
+    uint8_t* stage = smem + s * kStageBytes;
+    if constexpr (kGrad) {
+      const int valid = t.row_end - (t.row0 + kt * kHopperTileK);
+      if (valid < kHopperTileK) {  // the group's last rows: zero the rest of both operands (6 blocks)
+        const int chunks_per_block = (kHopperTileK - valid) * 8;  // 16-byte chunks
+        for (int i = int(threadIdx.x) - 128; i < 6 * chunks_per_block; i += 256) {
+          const int block = i / chunks_per_block, rest = i % chunks_per_block;
+          uint8_t* base = block < 2 ? stage + block * kBlockBytes : stage + kABytes + (block - 2) * kBlockBytes;
+          *reinterpret_cast<uint4*>(base + (valid + rest / 8) * 128 + (rest % 8) * 16) = make_uint4(0, 0, 0, 0);
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+      }
+    }
+    const uint32_t a = shared_address(stage) + c * 64 * 128, b = shared_address(stage) + kABytes;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int j = 0; j < kHopperTileK / 16; ++j) {
+      if constexpr (kGrad) {
+        wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + 2048 * j, kBlockBytes, 1024),
+                               smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
+      } else if constexpr (kKind == HopperGemm::forward_trans_w) {
+        wgmma_m64n256k16<0, 0>(d, smem_descriptor(a + 32 * j, 16, 1024), smem_descriptor(b + 32 * j, 16, 1024));
+      } else {
+        wgmma_m64n256k16<0, 1>(d, smem_descriptor(a + 32 * j, 16, 1024),
+                               smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
+      }
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) barrier_arrive(empty + 8 * s);
+  }
+
+  // The epilogue: this thread's fragment is rows r and r + 8 of its warp's 16, two columns in each 8 of the 256.
+  const int r = c * 64 + warp * 16 + lane / 4;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(l.out);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = m0 + r + 8 * h;
+    __nv_bfloat16* dst;
+    if constexpr (kGrad) {
+      dst = out + int64_t(t.expert) * l.block_stride + int64_t(row) * l.ld;
+    } else {
+      if (row >= t.row_end) continue;
+      dst = out + int64_t(row) * l.ld;
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = n0 + 8 * j + 2 * (lane % 4);
+      float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(dst + col);
+      if (kGrad && l.accumulate) {
+        const float2 old = __bfloat1622float2(*p);
+        v0 += old.x;
+        v1 += old.y;
+      }
+      *p = __floats2bfloat162_rn(v0, v1);
+    }
+  }
+}
+
+#else  // compiled for another architecture: never launched (the registry line asks for sm_90)
+
+template <HopperGemm kKind>
+__global__ void hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
+                                           const HopperGemmLaunch) {}
+
+#endif
+
+template <HopperGemm kKind>
+void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b, cudaStream_t stream) {
+  auto* kernel = hopper_grouped_gemm_kernel<kKind>;
+  LATHE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const dim3 grid = kKind == HopperGemm::weight_grad ? dim3(unsigned(l.n_tiles), unsigned(l.m_tiles), unsigned(l.tile_rows))
+                                                     : dim3(unsigned(l.n_tiles), unsigned(l.tile_rows), 1);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, b, l);
+  LATHE_CUDA_LAUNCH_CHECK("hopper_grouped_gemm");
+}
+
+}  // namespace
+
+void launch_hopper_grouped_gemm(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b,
+                                cudaStream_t stream) {
+  if (l.tile_rows == 0) return;
+  switch (l.kind) {
+    case HopperGemm::forward_trans_w: launch<HopperGemm::forward_trans_w>(l, a, b, stream); break;
+    case HopperGemm::forward: launch<HopperGemm::forward>(l, a, b, stream); break;
+    case HopperGemm::weight_grad: launch<HopperGemm::weight_grad>(l, a, b, stream); break;
+  }
+}
+
+}  // namespace lathe::cuda

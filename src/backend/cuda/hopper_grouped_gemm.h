@@ -1,0 +1,49 @@
+// Launcher of the Hopper grouped GEMM (hopper_grouped_gemm.cu, compiled for sm_90a only): the MoE experts'
+// grouped_matmul and grouped_matmul_weight_grad in bf16 through TMA loads and wgmma, registered in grouped_gemm.cpp
+// as cuda/hopper_grouped_gemm (the tensor maps and the tile table are built there, on the host). Free of fmt for nvcc.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace lathe::cuda {
+
+// The CTA tile: 128 output rows (two consumer warpgroups of 64) by 256 output columns, 64 reduced elements a stage.
+inline constexpr int kHopperTileM = 128;
+inline constexpr int kHopperTileN = 256;
+inline constexpr int kHopperTileK = 64;
+
+// The three products (row-major terms; formulas at GroupedMatmulAttrs in ops/op_table.h):
+//   forward_trans_w  y (P, N) = x_e (rows, K) w_e^T, w (E, N, K)   A = x K-major, B = w K-major
+//   forward          y (P, N) = x_e (rows, K) w_e,   w (E, K, N)   A = x K-major, B = w N-major
+//   weight_grad      dw_e (N, K) (+)= dy_e^T x_e                   A = dy M-major, B = x N-major, reduced over rows
+enum class HopperGemm { forward_trans_w, forward, weight_grad };
+
+// One CTA row of tiles: the forward's 128-row slice [row0, min(row0 + 128, row_end)) of expert `expert`, or the weight
+// grad's whole group [row0, row_end).
+struct HopperTile {
+  int32_t expert, row0, row_end, unused;
+};
+
+// What the kernel needs besides the operands' tensor maps (built by the caller: bf16, 128-byte swizzle; A's box
+// 64 x 128 (K-major) or 64 x 64 (M-major), B's 64 x 256 x 1 (K-major) or 64 x 64 (x 1) (N-major)).
+struct HopperGemmLaunch {
+  HopperGemm kind;
+  const HopperTile* tiles;  // on the device: `tile_rows` entries
+  int tile_rows;            // the grid's rows of tiles (forward: 128-row slices; weight grad: non-empty groups)
+  int n_tiles;              // output columns / 256
+  int m_tiles;              // weight grad: output rows (N) / 128
+  int k_tiles;              // forward: K / 64 (the weight grad's follow each group's rows)
+  void* out;                // y (P, N) or dw (E, N, K), bf16
+  int64_t ld;               // out's row length: N (forward) or K (weight grad)
+  int64_t block_stride;     // weight grad: elements between dw's expert blocks
+  bool accumulate;          // weight grad: dw += instead of =
+};
+
+// Launches the kernel on `stream` (checks the launch).
+void launch_hopper_grouped_gemm(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b,
+                                cudaStream_t stream);
+
+}  // namespace lathe::cuda
