@@ -26,6 +26,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -138,10 +139,9 @@ Support per_group_supports(const OpCall& c) {
   return Support::yes();
 }
 
-// cuda/hopper_grouped_gemm: hopper_grouped_gemm.h. The tile grid's limits: 65,535 rows of tiles (grid y or z).
-constexpr int64_t kMaxTileRows = 65535;
-
-// The forward's rows of tiles: each expert's rows in 128-row slices; the weight grad's: each non-empty expert.
+// cuda/hopper_grouped_gemm: hopper_grouped_gemm.h. The forward's rows of tiles: each expert's rows in 128-row slices,
+// in expert order; the weight grad's: each non-empty expert, the most rows first (the persistent CTAs take tiles in
+// turn, so the long reductions spread over them before the short ones fill in).
 std::vector<HopperTile> hopper_tiles(const std::vector<int64_t>& off, bool weight_grad) {
   std::vector<HopperTile> tiles;
   for (size_t e = 0; e + 1 < off.size(); ++e) {
@@ -153,6 +153,10 @@ std::vector<HopperTile> hopper_tiles(const std::vector<int64_t>& off, bool weigh
     for (int64_t row = off[e]; row < off[e + 1]; row += kHopperTileM)
       tiles.push_back({int32_t(e), int32_t(row), int32_t(off[e + 1]), 0});
   }
+  if (weight_grad)
+    std::stable_sort(tiles.begin(), tiles.end(), [](const HopperTile& a, const HopperTile& b) {
+      return a.row_end - a.row0 > b.row_end - b.row0;
+    });
   return tiles;
 }
 
@@ -183,10 +187,11 @@ Support hopper_supports(const OpCall& c) {
     aligned &= reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
   if (!aligned) return Support::no("TMA needs 16-byte aligned operands and expert blocks");
   const std::vector<int64_t>& off = c.attr<GroupedMatmulAttrs>().offsets;
-  int64_t rows_of_tiles = 0;
+  int64_t tiles = 0;  // the persistent schedule's tile indices are ints
   for (size_t e = 0; e + 1 < off.size(); ++e)
-    rows_of_tiles += grad ? int64_t(off[e + 1] > off[e]) : (off[e + 1] - off[e] + kHopperTileM - 1) / kHopperTileM;
-  if (rows_of_tiles > kMaxTileRows) return Support::no("more than 65,535 rows of tiles (the grid's limit)");
+    tiles += grad ? int64_t(off[e + 1] > off[e]) * (n / kHopperTileM) * (k / kHopperTileN)
+                  : (off[e + 1] - off[e] + kHopperTileM - 1) / kHopperTileM * (n / kHopperTileN);
+  if (tiles > INT_MAX) return Support::no("more than INT_MAX output tiles");
   return Support::yes();
 }
 

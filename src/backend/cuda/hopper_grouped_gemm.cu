@@ -119,6 +119,32 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t a, ui
       : "l"(a), "l"(b), "n"(kTransA), "n"(kTransB));
 }
 
+// One output tile of the persistent schedule: its expert's rows, where it starts and how many stages it reduces.
+struct TileAt {
+  HopperTile rows;
+  int m0, n0, k_tiles;
+};
+
+template <HopperGemm kKind>
+__device__ __forceinline__ TileAt tile_at(const HopperGemmLaunch& l, int index) {
+  TileAt t;
+  if constexpr (kKind == HopperGemm::weight_grad) {  // group-major, then output rows, then output columns
+    const int per_group = l.m_tiles * l.n_tiles;
+    t.rows = l.tiles[index / per_group];
+    t.m0 = (index % per_group) / l.n_tiles * kHopperTileM;
+    t.n0 = index % l.n_tiles * kHopperTileN;
+    t.k_tiles = (t.rows.row_end - t.rows.row0 + kHopperTileK - 1) / kHopperTileK;
+  } else {  // 128-row slice-major, then output columns (a slice's CTAs share its rows of x in L2)
+    t.rows = l.tiles[index / l.n_tiles];
+    t.m0 = t.rows.row0;
+    t.n0 = index % l.n_tiles * kHopperTileN;
+    t.k_tiles = l.k_tiles;
+  }
+  return t;
+}
+
+// Persistent: each CTA takes tiles blockIdx.x, blockIdx.x + gridDim.x, ...; the producer and the consumers walk the
+// same tiles and count stages across them, so the ring fills with the next tile's operands during an epilogue.
 template <HopperGemm kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
@@ -129,10 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t ring = shared_address(smem);
   const uint32_t full = ring + kStages * kStageBytes;  // kStages barriers of 8 bytes, then the `empty` ones
   const uint32_t empty = full + kStages * 8;
-  const HopperTile t = l.tiles[kGrad ? blockIdx.z : blockIdx.y];
-  const int n0 = int(blockIdx.x) * kHopperTileN;
-  const int m0 = kGrad ? int(blockIdx.y) * kHopperTileM : t.row0;  // the tile's first output row
-  const int k_tiles = kGrad ? (t.row_end - t.row0 + kHopperTileK - 1) / kHopperTileK : l.k_tiles;
+  const int tiles = l.tile_rows * l.n_tiles * (kGrad ? l.m_tiles : 1);
   const int warpgroup = int(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -145,95 +168,106 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warpgroup == 0) {  // the producer: one thread issues every load
     if (threadIdx.x != 0) return;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int s = kt % kStages;
-      barrier_wait(empty + 8 * s, ((kt / kStages) & 1) ^ 1);
-      const uint32_t bar = full + 8 * s, a = ring + s * kStageBytes, b = a + kABytes;
-      barrier_expect_bytes(bar, kStageBytes);
-      if constexpr (kGrad) {
-        const int row = t.row0 + kt * kHopperTileK;
-        for (int i = 0; i < kHopperTileM / 64; ++i) tma_load_2d(a + i * kBlockBytes, &a_map, m0 + 64 * i, row, bar);
-        for (int i = 0; i < kHopperTileN / 64; ++i) tma_load_2d(b + i * kBlockBytes, &b_map, n0 + 64 * i, row, bar);
-      } else {
-        tma_load_2d(a, &a_map, kt * kHopperTileK, m0, bar);
-        if constexpr (kKind == HopperGemm::forward_trans_w) {
-          tma_load_3d(b, &b_map, kt * kHopperTileK, n0, t.expert, bar);
-        } else {
+    int step = 0;  // stages filled so far, over every tile of this CTA
+    for (int index = int(blockIdx.x); index < tiles; index += int(gridDim.x)) {
+      const TileAt t = tile_at<kKind>(l, index);
+      for (int kt = 0; kt < t.k_tiles; ++kt, ++step) {
+        const int s = step % kStages;
+        barrier_wait(empty + 8 * s, ((step / kStages) & 1) ^ 1);
+        const uint32_t bar = full + 8 * s, a = ring + s * kStageBytes, b = a + kABytes;
+        barrier_expect_bytes(bar, kStageBytes);
+        if constexpr (kGrad) {
+          const int row = t.rows.row0 + kt * kHopperTileK;
+          for (int i = 0; i < kHopperTileM / 64; ++i)
+            tma_load_2d(a + i * kBlockBytes, &a_map, t.m0 + 64 * i, row, bar);
           for (int i = 0; i < kHopperTileN / 64; ++i)
-            tma_load_3d(b + i * kBlockBytes, &b_map, n0 + 64 * i, kt * kHopperTileK, t.expert, bar);
+            tma_load_2d(b + i * kBlockBytes, &b_map, t.n0 + 64 * i, row, bar);
+        } else {
+          tma_load_2d(a, &a_map, kt * kHopperTileK, t.m0, bar);
+          if constexpr (kKind == HopperGemm::forward_trans_w) {
+            tma_load_3d(b, &b_map, kt * kHopperTileK, t.n0, t.rows.expert, bar);
+          } else {
+            for (int i = 0; i < kHopperTileN / 64; ++i)
+              tma_load_3d(b + i * kBlockBytes, &b_map, t.n0 + 64 * i, kt * kHopperTileK, t.rows.expert, bar);
+          }
         }
       }
     }
     return;
   }
 
-  // The consumers: warpgroup c multiplies output rows 64 c .. 64 c + 63 of the tile.
+  // The consumers: warpgroup c multiplies output rows 64 c .. 64 c + 63 of each tile.
   const int c = warpgroup - 1;
   const int lane = int(threadIdx.x) % 32, warp = (int(threadIdx.x) / 32) % 4;
-  float d[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) d[i] = 0.0f;
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    const int s = kt % kStages;
-    barrier_wait(full + 8 * s, (kt / kStages) & 1);
-    uint8_t* stage = smem + s * kStageBytes;
-    if constexpr (kGrad) {
-      const int valid = t.row_end - (t.row0 + kt * kHopperTileK);
-      if (valid < kHopperTileK) {  // the group's last rows: zero the rest of both operands (6 blocks)
-        const int chunks_per_block = (kHopperTileK - valid) * 8;  // 16-byte chunks
-        for (int i = int(threadIdx.x) - 128; i < 6 * chunks_per_block; i += 256) {
-          const int block = i / chunks_per_block, rest = i % chunks_per_block;
-          uint8_t* base = block < 2 ? stage + block * kBlockBytes : stage + kABytes + (block - 2) * kBlockBytes;
-          *reinterpret_cast<uint4*>(base + (valid + rest / 8) * 128 + (rest % 8) * 16) = make_uint4(0, 0, 0, 0);
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-      }
-    }
-    const uint32_t a = shared_address(stage) + c * 64 * 128, b = shared_address(stage) + kABytes;
-    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-    for (int j = 0; j < kHopperTileK / 16; ++j) {
-      if constexpr (kGrad) {
-        wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + 2048 * j, kBlockBytes, 1024),
-                               smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
-      } else if constexpr (kKind == HopperGemm::forward_trans_w) {
-        wgmma_m64n256k16<0, 0>(d, smem_descriptor(a + 32 * j, 16, 1024), smem_descriptor(b + 32 * j, 16, 1024));
-      } else {
-        wgmma_m64n256k16<0, 1>(d, smem_descriptor(a + 32 * j, 16, 1024),
-                               smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
-      }
-    }
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    __syncwarp();
-    if (lane == 0) barrier_arrive(empty + 8 * s);
-  }
-
-  // The epilogue: this thread's fragment is rows r and r + 8 of its warp's 16, two columns in each 8 of the 256.
-  const int r = c * 64 + warp * 16 + lane / 4;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(l.out);
+  int step = 0;
+  for (int index = int(blockIdx.x); index < tiles; index += int(gridDim.x)) {
+    const TileAt t = tile_at<kKind>(l, index);
+    float d[128];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m0 + r + 8 * h;
-    __nv_bfloat16* dst;
-    if constexpr (kGrad) {
-      dst = out + int64_t(t.expert) * l.block_stride + int64_t(row) * l.ld;
-    } else {
-      if (row >= t.row_end) continue;
-      dst = out + int64_t(row) * l.ld;
-    }
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const int col = n0 + 8 * j + 2 * (lane % 4);
-      float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(dst + col);
-      if (kGrad && l.accumulate) {
-        const float2 old = __bfloat1622float2(*p);
-        v0 += old.x;
-        v1 += old.y;
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    for (int kt = 0; kt < t.k_tiles; ++kt, ++step) {
+      const int s = step % kStages;
+      barrier_wait(full + 8 * s, (step / kStages) & 1);
+      uint8_t* stage = smem + s * kStageBytes;
+      if constexpr (kGrad) {
+        const int valid = t.rows.row_end - (t.rows.row0 + kt * kHopperTileK);
+        if (valid < kHopperTileK) {  // the group's last rows: zero the rest of both operands (6 blocks)
+          const int chunks_per_block = (kHopperTileK - valid) * 8;  // 16-byte chunks
+          for (int i = int(threadIdx.x) - 128; i < 6 * chunks_per_block; i += 256) {
+            const int block = i / chunks_per_block, rest = i % chunks_per_block;
+            uint8_t* base = block < 2 ? stage + block * kBlockBytes : stage + kABytes + (block - 2) * kBlockBytes;
+            *reinterpret_cast<uint4*>(base + (valid + rest / 8) * 128 + (rest % 8) * 16) = make_uint4(0, 0, 0, 0);
+          }
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+          asm volatile("bar.sync 1, 256;" ::: "memory");
+        }
       }
-      *p = __floats2bfloat162_rn(v0, v1);
+      const uint32_t a = shared_address(stage) + c * 64 * 128, b = shared_address(stage) + kABytes;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+      for (int j = 0; j < kHopperTileK / 16; ++j) {
+        if constexpr (kGrad) {
+          wgmma_m64n256k16<1, 1>(d, smem_descriptor(a + 2048 * j, kBlockBytes, 1024),
+                                 smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
+        } else if constexpr (kKind == HopperGemm::forward_trans_w) {
+          wgmma_m64n256k16<0, 0>(d, smem_descriptor(a + 32 * j, 16, 1024), smem_descriptor(b + 32 * j, 16, 1024));
+        } else {
+          wgmma_m64n256k16<0, 1>(d, smem_descriptor(a + 32 * j, 16, 1024),
+                                 smem_descriptor(b + 2048 * j, kBlockBytes, 1024));
+        }
+      }
+      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) barrier_arrive(empty + 8 * s);
+    }
+
+    // The epilogue: this thread's fragment is rows r and r + 8 of its warp's 16, two columns in each 8 of the 256.
+    // Accumulating, the old values of 8 column pairs are loaded together before they are added and stored.
+    const int r = c * 64 + warp * 16 + lane / 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = t.m0 + r + 8 * h;
+      __nv_bfloat16* dst;
+      if constexpr (kGrad) {
+        dst = out + int64_t(t.rows.expert) * l.block_stride + int64_t(row) * l.ld;
+      } else {
+        if (row >= t.rows.row_end) continue;
+        dst = out + int64_t(row) * l.ld;
+      }
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(dst + t.n0 + 2 * (lane % 4));  // pair j at 4 j
+#pragma unroll
+      for (int j0 = 0; j0 < 32; j0 += 8) {
+        float2 old[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          old[j] = kGrad && l.accumulate ? __bfloat1622float2(pairs[4 * (j0 + j)]) : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          pairs[4 * (j0 + j)] =
+              __floats2bfloat162_rn(d[4 * (j0 + j) + 2 * h] + old[j].x, d[4 * (j0 + j) + 2 * h + 1] + old[j].y);
+      }
     }
   }
 }
@@ -250,9 +284,11 @@ template <HopperGemm kKind>
 void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b, cudaStream_t stream) {
   auto* kernel = hopper_grouped_gemm_kernel<kKind>;
   LATHE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  const dim3 grid = kKind == HopperGemm::weight_grad ? dim3(unsigned(l.n_tiles), unsigned(l.m_tiles), unsigned(l.tile_rows))
-                                                     : dim3(unsigned(l.n_tiles), unsigned(l.tile_rows), 1);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, b, l);
+  int device = 0, sms = 0;
+  LATHE_CUDA_CHECK(cudaGetDevice(&device));
+  LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t tiles = int64_t(l.tile_rows) * l.n_tiles * (kKind == HopperGemm::weight_grad ? l.m_tiles : 1);
+  kernel<<<unsigned(tiles < sms ? tiles : sms), kThreads, kSmemBytes, stream>>>(a, b, l);
   LATHE_CUDA_LAUNCH_CHECK("hopper_grouped_gemm");
 }
 
