@@ -235,7 +235,7 @@ void run_hopper(const OpCall& c, ExecContext& ctx) {
   HopperGemmLaunch l{};
   l.tiles = static_cast<const HopperTile*>(table.data_ptr());
   l.tile_rows = int(tiles.size());
-  CUtensorMap a, b;
+  CUtensorMap a, b, out;
   if (grad) {
     const Tensor& dy = c.inputs[0];   // (P, N)
     const Tensor& x = c.inputs[1];    // (P, K)
@@ -243,6 +243,8 @@ void run_hopper(const OpCall& c, ExecContext& ctx) {
     const int64_t p = dy.size(0), n = dy.size(1), k = x.size(1);
     a = bf16_tensor_map(dy.data_ptr(), {u(n), u(p)}, {u(n * 2)}, {64, 64});
     b = bf16_tensor_map(x.data_ptr(), {u(k), u(p)}, {u(k * 2)}, {64, 64});
+    const int64_t e = dw.size(0), stride = e > 1 ? dw.strides()[0] : n * k;
+    out = bf16_tensor_map(dw.data_ptr(), {u(k), u(n), u(e)}, {u(k * 2), u(stride * 2)}, {64, 64, 1});
     l.kind = HopperGemm::weight_grad;
     l.n_tiles = int(k / kHopperTileN);
     l.m_tiles = int(n / kHopperTileM);
@@ -259,13 +261,14 @@ void run_hopper(const OpCall& c, ExecContext& ctx) {
     a = bf16_tensor_map(x.data_ptr(), {u(k), u(p)}, {u(k * 2)}, {64, 128});
     b = attrs.trans_w ? bf16_tensor_map(w.data_ptr(), {u(k), u(n), u(e)}, {u(k * 2), u(stride * 2)}, {64, 256, 1})
                       : bf16_tensor_map(w.data_ptr(), {u(n), u(k), u(e)}, {u(n * 2), u(stride * 2)}, {64, 64, 1});
+    out = bf16_tensor_map(y.data_ptr(), {u(n), u(p)}, {u(n * 2)}, {64, 64});
     l.kind = attrs.trans_w ? HopperGemm::forward_trans_w : HopperGemm::forward;
     l.n_tiles = int(n / kHopperTileN);
     l.k_tiles = int(k / kHopperTileK);
     l.out = y.data_ptr();
     l.ld = n;
   }
-  launch_hopper_grouped_gemm(l, a, b, s.handle());
+  launch_hopper_grouped_gemm(l, a, b, out, s.handle());
 }
 
 #ifdef LATHE_CUBLAS_GROUPED_GEMM

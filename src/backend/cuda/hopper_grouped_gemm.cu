@@ -25,12 +25,14 @@ namespace lathe::cuda {
 
 namespace {
 
-constexpr int kStages = 4;
+constexpr int kStages = 3;
 constexpr int kABytes = kHopperTileM * kHopperTileK * 2;  // 16 KiB
 constexpr int kBBytes = kHopperTileN * kHopperTileK * 2;  // 32 KiB
 constexpr int kStageBytes = kABytes + kBBytes;
 constexpr int kBlockBytes = 64 * 128;  // an MN-major block: 64 reduced rows of 128 bytes
-constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStages * 8;  // alignment slack, ring, barriers
+constexpr int kStagingBytes = 64 * kHopperTileN * 2;  // a consumer warpgroup's 64 x 256 bf16 output, 4 TMA boxes
+// Alignment slack, the ring, each consumer warpgroup's output staging, the barriers.
+constexpr int kSmemBytes = 1024 + kStages * kStageBytes + 2 * kStagingBytes + 2 * kStages * 8;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 
@@ -76,6 +78,28 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
           "r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
+}
+
+// Bulk stores and reductions from shared memory to a tensor (the bulk group of the issuing thread).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, int c0, int c1, int c2, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(src)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_add_3d(const CUtensorMap* map, int c0, int c1, int c2, uint32_t src) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(src)
+               : "memory");
 }
 
 // A wgmma shared-memory matrix descriptor, 128-byte swizzle (the sm_90 layout: address, LBO and SBO in 16-byte units).
@@ -148,12 +172,13 @@ __device__ __forceinline__ TileAt tile_at(const HopperGemmLaunch& l, int index) 
 template <HopperGemm kKind>
 __global__ void __launch_bounds__(kThreads, 1)
     hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                               const HopperGemmLaunch l) {
+                               const __grid_constant__ CUtensorMap out_map, const HopperGemmLaunch l) {
   constexpr bool kGrad = kKind == HopperGemm::weight_grad;
   extern __shared__ uint8_t raw_smem[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw_smem) + 1023) & ~uintptr_t(1023));
   const uint32_t ring = shared_address(smem);
-  const uint32_t full = ring + kStages * kStageBytes;  // kStages barriers of 8 bytes, then the `empty` ones
+  uint8_t* staging = smem + kStages * kStageBytes;  // the consumer warpgroups' output buffers
+  const uint32_t full = ring + kStages * kStageBytes + 2 * kStagingBytes;  // kStages barriers, then the `empty` ones
   const uint32_t empty = full + kStages * 8;
   const int tiles = l.tile_rows * l.n_tiles * (kGrad ? l.m_tiles : 1);
   const int warpgroup = int(threadIdx.x) / 128;
@@ -166,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (warpgroup == 0) {  // the producer: one thread issues every load
+  if (warpgroup == 0) {  // the producer: one thread issues every load; its warpgroup gives registers to the consumers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;" ::: "memory");
     if (threadIdx.x != 0) return;
     int step = 0;  // stages filled so far, over every tile of this CTA
     for (int index = int(blockIdx.x); index < tiles; index += int(gridDim.x)) {
@@ -197,6 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // The consumers: warpgroup c multiplies output rows 64 c .. 64 c + 63 of each tile.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;" ::: "memory");
   const int c = warpgroup - 1;
   const int lane = int(threadIdx.x) % 32, warp = (int(threadIdx.x) / 32) % 4;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(l.out);
@@ -243,64 +270,85 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) barrier_arrive(empty + 8 * s);
     }
 
-    // The epilogue: this thread's fragment is rows r and r + 8 of its warp's 16, two columns in each 8 of the 256.
-    // Accumulating, the old values of 8 column pairs are loaded together before they are added and stored.
-    const int r = c * 64 + warp * 16 + lane / 4;
+    // The epilogue. This thread's fragment is rows rr and rr + 8 of its warp's 16, two columns in each 8 of the 256.
+    // A whole 64-row half goes out through its warpgroup's staging buffer (4 boxes of 64 x 64, 128-byte swizzle: the
+    // fragment's stores hit 32 distinct banks) by TMA, stored or, accumulating, added into dw, while the next tile's
+    // mainloop runs. A forward half that runs past its expert's rows is written from registers, row by row.
+    const int half_row0 = t.m0 + 64 * c;
+    const int rr = warp * 16 + lane / 4;
+    if (kGrad || half_row0 + 64 <= t.rows.row_end) {
+      const bool leader = threadIdx.x % 128 == 0;
+      if (leader) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // the last store has read it
+      asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
+      uint8_t* mine = staging + c * kStagingBytes;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = t.m0 + r + 8 * h;
-      __nv_bfloat16* dst;
-      if constexpr (kGrad) {
-        dst = out + int64_t(t.rows.expert) * l.block_stride + int64_t(row) * l.ld;
-      } else {
-        if (row >= t.rows.row_end) continue;
-        dst = out + int64_t(row) * l.ld;
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const int row = rr + 8 * h;
+          *reinterpret_cast<__nv_bfloat162*>(mine + (j / 8) * kBlockBytes + row * 128 + (((j % 8) ^ (row % 8)) * 16) +
+                                             4 * (lane % 4)) = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
+      if (leader) {
+        const uint32_t src = shared_address(mine);
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (kGrad) {
+            if (l.accumulate)
+              tma_add_3d(&out_map, t.n0 + 64 * i, half_row0, t.rows.expert, src + i * kBlockBytes);
+            else
+              tma_store_3d(&out_map, t.n0 + 64 * i, half_row0, t.rows.expert, src + i * kBlockBytes);
+          } else {
+            tma_store_2d(&out_map, t.n0 + 64 * i, half_row0, src + i * kBlockBytes);
+          }
+        }
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       }
-      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(dst + t.n0 + 2 * (lane % 4));  // pair j at 4 j
+    } else {
 #pragma unroll
-      for (int j0 = 0; j0 < 32; j0 += 8) {
-        float2 old[8];
+      for (int h = 0; h < 2; ++h) {
+        const int row = half_row0 + rr + 8 * h;
+        if (row >= t.rows.row_end) continue;
+        __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(out + int64_t(row) * l.ld + t.n0 + 2 * (lane % 4));
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          old[j] = kGrad && l.accumulate ? __bfloat1622float2(pairs[4 * (j0 + j)]) : make_float2(0.0f, 0.0f);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          pairs[4 * (j0 + j)] =
-              __floats2bfloat162_rn(d[4 * (j0 + j) + 2 * h] + old[j].x, d[4 * (j0 + j) + 2 * h + 1] + old[j].y);
+        for (int j = 0; j < 32; ++j) pairs[4 * j] = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
       }
     }
   }
+  if (threadIdx.x % 128 == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // stores done before exit
 }
 
 #else  // compiled for another architecture: never launched (the registry line asks for sm_90)
 
 template <HopperGemm kKind>
 __global__ void hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap, const __grid_constant__ CUtensorMap,
-                                           const HopperGemmLaunch) {}
+                                           const __grid_constant__ CUtensorMap, const HopperGemmLaunch) {}
 
 #endif
 
 template <HopperGemm kKind>
-void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b, cudaStream_t stream) {
+void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& out,
+            cudaStream_t stream) {
   auto* kernel = hopper_grouped_gemm_kernel<kKind>;
   LATHE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   int device = 0, sms = 0;
   LATHE_CUDA_CHECK(cudaGetDevice(&device));
   LATHE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t tiles = int64_t(l.tile_rows) * l.n_tiles * (kKind == HopperGemm::weight_grad ? l.m_tiles : 1);
-  kernel<<<unsigned(tiles < sms ? tiles : sms), kThreads, kSmemBytes, stream>>>(a, b, l);
+  kernel<<<unsigned(tiles < sms ? tiles : sms), kThreads, kSmemBytes, stream>>>(a, b, out, l);
   LATHE_CUDA_LAUNCH_CHECK("hopper_grouped_gemm");
 }
 
 }  // namespace
 
 void launch_hopper_grouped_gemm(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b,
-                                cudaStream_t stream) {
+                                const CUtensorMap& out, cudaStream_t stream) {
   if (l.tile_rows == 0) return;
   switch (l.kind) {
-    case HopperGemm::forward_trans_w: launch<HopperGemm::forward_trans_w>(l, a, b, stream); break;
-    case HopperGemm::forward: launch<HopperGemm::forward>(l, a, b, stream); break;
-    case HopperGemm::weight_grad: launch<HopperGemm::weight_grad>(l, a, b, stream); break;
+    case HopperGemm::forward_trans_w: launch<HopperGemm::forward_trans_w>(l, a, b, out, stream); break;
+    case HopperGemm::forward: launch<HopperGemm::forward>(l, a, b, out, stream); break;
+    case HopperGemm::weight_grad: launch<HopperGemm::weight_grad>(l, a, b, out, stream); break;
   }
 }
 

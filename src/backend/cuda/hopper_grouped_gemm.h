@@ -27,12 +27,13 @@ struct HopperTile {
   int32_t expert, row0, row_end, unused;
 };
 
-// What the kernel needs besides the operands' tensor maps (built by the caller: bf16, 128-byte swizzle; A's box
-// 64 x 128 (K-major) or 64 x 64 (M-major), B's 64 x 256 x 1 (K-major) or 64 x 64 (x 1) (N-major)).
+// What the kernel needs besides the tensor maps (built by the caller: bf16, 128-byte swizzle; A's box 64 x 128
+// (K-major) or 64 x 64 (M-major), B's 64 x 256 x 1 (K-major) or 64 x 64 (x 1) (N-major), the output's 64 x 64: y as
+// (P, N), dw as (E, N, K) with its block stride).
 struct HopperGemmLaunch {
   HopperGemm kind;
   const HopperTile* tiles;  // on the device: `tile_rows` entries
-  int tile_rows;            // the grid's rows of tiles (forward: 128-row slices; weight grad: non-empty groups)
+  int tile_rows;            // rows of tiles (forward: 128-row slices; weight grad: non-empty groups)
   int n_tiles;              // output columns / 256
   int m_tiles;              // weight grad: output rows (N) / 128
   int k_tiles;              // forward: K / 64 (the weight grad's follow each group's rows)
@@ -42,8 +43,8 @@ struct HopperGemmLaunch {
   bool accumulate;          // weight grad: dw += instead of =
 };
 
-// Launches the kernel on `stream` (checks the launch).
+// Launches the kernel on `stream`, one persistent CTA per SM at most (checks the launch).
 void launch_hopper_grouped_gemm(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b,
-                                cudaStream_t stream);
+                                const CUtensorMap& out, cudaStream_t stream);
 
 }  // namespace lathe::cuda
