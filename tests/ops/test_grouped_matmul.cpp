@@ -274,7 +274,8 @@ TEST(GroupedMatmul, WeightGradIntoAccumulates) {
 // The Hopper kernel (cuda/hopper_grouped_gemm, sm_90 only) against plain loops in f64 over the same bf16 inputs:
 // groups at and around its 128-row tile and 64-row stage edges (1, 63, 64, 65, 127, 128, 129 rows), a 700-row group,
 // an empty one; w read in place as one half of a fused (E, 2N, K) weight (trans_w) and as (E, K, N); the weight grad
-// into the middle third of a fused buffer, fresh and accumulated. Each call must resolve to the Hopper kernel.
+// into the middle third of a fused buffer, fresh and accumulated; a second forward and weight grad give the same bytes.
+// Each call must resolve to the Hopper kernel.
 TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   if (!runtime().has_device(Device::cuda(0))) GTEST_SKIP() << "no CUDA device";
   const Device gpu = Device::cuda(0);
@@ -306,8 +307,10 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
         for (int64_t i = 0; i < k; ++i) acc += xv[size_t(r * k + i)] * w_at(ex, j, i);
         want[size_t(r * n + j)] = acc;
       }
-  expect_near_all(values(grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true})), want, DType::BF16,
-                  "forward, trans_w");
+  const Tensor y = grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true});
+  expect_near_all(values(y), want, DType::BF16, "forward, trans_w");
+  EXPECT_EQ(bytes_of(grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true})), bytes_of(y))
+      << "a second forward differs";
 
   // dx = dy w_e with w (E, K', N') = the same half viewed as (E, N, K): here the product's K' = N, N' = K.
   std::vector<double> want_dx(size_t(p * k), 0.0);
@@ -336,6 +339,9 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   grouped_matmul_weight_grad_into(ctx, dy, x, middle, {offsets, true});
   expect_near_all(values(middle), grad, DType::BF16, "weight grad");
   const std::vector<double> fresh = values(middle);
+  const std::vector<uint8_t> fresh_bytes = bytes_of(buffer);
+  grouped_matmul_weight_grad_into(ctx, dy, x, middle, {offsets, true});
+  EXPECT_EQ(bytes_of(buffer), fresh_bytes) << "a second weight grad differs";
   GroupedMatmulAttrs add{offsets, true};
   add.accumulate = true;
   grouped_matmul_weight_grad_into(ctx, dy, x, middle, add);
@@ -351,7 +357,7 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   ctx.observer = nullptr;
   for (const std::string& name : kernels)
     if (name.find("grouped") != std::string::npos) EXPECT_EQ(name, "cuda/hopper_grouped_gemm");
-  EXPECT_EQ(std::count(kernels.begin(), kernels.end(), std::string("cuda/hopper_grouped_gemm")), 4);
+  EXPECT_EQ(std::count(kernels.begin(), kernels.end(), std::string("cuda/hopper_grouped_gemm")), 6);
 }
 
 TEST(GroupedMatmul, SecondRunGivesIdenticalBytes) {
