@@ -4,8 +4,8 @@
 // the backward (dx and dw on each device through op_backward; finite differences in f64 on the CPU).
 // Sizes: K and N multiples of 8 (16-byte rows in bf16/f16, 32 in f32) take the CUDA grouped call
 // (cuda/cublas_grouped_gemm); odd ones (7, 5) leave the 16-byte alignment it needs and take the per-group cuBLAS
-// fallback, so both CUDA kernels run in every dtype; K and N of 256 take cuda/hopper_grouped_gemm in bf16 on sm_90. The CPU has f32/f64 kernels; its bf16/f16 rows run as
-// upcast_f32. Strided weight views (a narrowed fused gate_up_proj) cannot be expressed here (inputs are contiguous):
+// fallback, so both CUDA kernels run in every dtype; K and N of 256 take cuda/hopper_grouped_gemm in bf16 on sm_90.
+// The CPU has f32/f64 kernels; its bf16/f16 rows run as upcast_f32. Strided weight views (a narrowed fused gate_up_proj) cannot be expressed here (inputs are contiguous):
 // tests/ops/test_grouped_matmul.cpp checks them on every device.
 #include "testing/op_check.h"
 

@@ -13,7 +13,8 @@
 //   its 128 x 256 tiles cover: the forward where K is a multiple of 64 and N of 256, the weight grad where N is a
 //   multiple of 128 and K of 256 (Qwen3-30B-A3B's experts: H = 2048, I = 768, 2 I = 1536), 16-byte aligned operands.
 //   The host builds its tile table (one row a 128-row slice of an expert, or a non-empty expert in the weight grad)
-//   and the operands' TMA tensor maps each call.
+//   and the TMA tensor maps of the operands and the output each call. No Debian package has a grouped GEMM for Hopper
+//   (CUTLASS is not packaged), so it is written here (docs/moe.md, "Expert GEMMs").
 // - cuda/cublas_grouped_gemm: one cublasGemmGroupedBatchedEx call (cuBLAS >= 12.5), the GEMMs bucketed into cuBLAS
 //   groups of equal sizes. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
 //   staging into scratch from the context's allocator), so cuBLAS cannot check their alignment: 16-bit types need

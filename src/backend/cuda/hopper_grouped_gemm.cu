@@ -2,11 +2,12 @@
 // has the three products). Written for the skew of a MoE layer's rows, where cuBLAS's grouped call ran at 0.3-0.4x of
 // dense speed (docs/benchmarks.md): a few experts of thousands of rows beside many of a dozen.
 //
-// One CTA computes a 128 x 256 tile of one expert's output: three warpgroups, the first a producer whose one thread
-// issues TMA loads into a 4-stage ring of shared memory (64 reduced elements a stage), the other two consumers that
-// each multiply their 64 rows by the tile's 256 columns with wgmma.m64n256k16 (both operands from shared memory,
-// 128-byte swizzle) into 128 fp32 registers a thread, then write bf16 to global memory. mbarriers pace the ring: a
-// stage's `full` completes when its bytes land, its `empty` when the eight consumer warps have read it.
+// Persistent: one CTA per SM takes 128 x 256 output tiles of the experts in turn. Three warpgroups: the first a
+// producer whose one thread issues TMA loads into a 3-stage ring of shared memory (64 reduced elements a stage), the
+// other two consumers that each multiply their 64 rows by the tile's 256 columns with wgmma.m64n256k16 (both operands
+// from shared memory, 128-byte swizzle) into 128 fp32 registers a thread (setmaxnreg moves registers from the producer
+// to them). mbarriers pace the ring: a stage's `full` completes when its bytes land, its `empty` when the eight
+// consumer warps have read it; the producer runs ahead into the next tile while the consumers write one out.
 // Shared-memory operand layouts (the PTX ISA's canonical 128-byte-swizzle layouts):
 //   K-major (x, and w when trans_w): rows of 64 elements (128 bytes), 8-row atoms of 1 KiB: descriptor SBO 1 KiB;
 //     the k16 step j starts 32 j bytes in.
@@ -15,7 +16,10 @@
 // Rows: the forward's 128-row slices may run past their expert (into the next one's rows, or past P where TMA fills
 // zeros); those rows are computed and never stored. The weight grad reduces over a group's rows, so in its last stage
 // the consumers zero the rows past the group before multiplying.
-// Deterministic: a fixed reduction order per output element, no atomics.
+// The epilogue: each consumer warpgroup writes its 64 x 256 bf16 half into its own staging buffer and one thread sends
+// it out with TMA stores (the weight grad accumulating: TMA bf16 additions, old + bf16(new)) that complete while the
+// next tile is computed; a forward half that runs past its expert's rows is stored from registers instead.
+// Deterministic: a fixed reduction order per output element, each element written (or added to) once a call.
 #include <cuda_bf16.h>
 
 #include "backend/cuda/check.h"
