@@ -21,7 +21,7 @@
 //   16-byte aligned pointers and rows for it, and the kernel asks that of every dtype: base pointers aligned to 16
 //   bytes, K, N and the block stride multiples of 16 bytes.
 // - cuda/cublas_gemm_per_group: one cublasGemmEx per non-empty group, for everything else.
-// Both are deterministic (no atomics; fixed GEMM order). Covered by tests/ops (testing/op_cases_moe.cpp: both kernels
+// All are deterministic (no atomics; fixed GEMM order). Covered by tests/ops (testing/op_cases_moe.cpp: both kernels
 // in every dtype) and tests/ops/test_grouped_matmul.cpp (strided views); timed by bench/grouped_gemm_bench.
 #include <cudaTypedefs.h>
 #include <fmt/format.h>
@@ -182,6 +182,8 @@ Support hopper_supports(const OpCall& c) {
     return Support::no(grad ? "the weight grad's tiles need N a multiple of 128 and K of 256"
                             : "the forward's tiles need K a multiple of 64 and N of 256");
   if (p >= INT_MAX) return Support::no("P above INT_MAX (the tile table's int rows)");
+  // TMA boxes of up to 128 rows: only tensors at least that long were checked on the card.
+  if (p < kHopperTileM) return Support::no("fewer than 128 rows (the TMA boxes' length)");
   const Tensor& blocks = grad ? c.outputs[0] : c.inputs[1];  // w or dw
   bool aligned = blocks.size(0) <= 1 || blocks.strides()[0] % 8 == 0;  // 16-byte block starts in bf16
   for (const Tensor* t : {&c.inputs[0], &c.inputs[1], &c.outputs[0]})
@@ -249,9 +251,6 @@ void run_hopper(const OpCall& c, ExecContext& ctx) {
     l.kind = HopperGemm::weight_grad;
     l.n_tiles = int(k / kHopperTileN);
     l.m_tiles = int(n / kHopperTileM);
-    l.out = dw.data_ptr();
-    l.ld = k;
-    l.block_stride = dw.strides()[0];
     l.accumulate = attrs.accumulate;
   } else {
     const Tensor& x = c.inputs[0];   // (P, K)

@@ -37,9 +37,8 @@ struct HopperGemmLaunch {
   int n_tiles;              // output columns / 256
   int m_tiles;              // weight grad: output rows (N) / 128
   int k_tiles;              // forward: K / 64 (the weight grad's follow each group's rows)
-  void* out;                // y (P, N) or dw (E, N, K), bf16
-  int64_t ld;               // out's row length: N (forward) or K (weight grad)
-  int64_t block_stride;     // weight grad: elements between dw's expert blocks
+  void* out;                // forward: y (P, N), bf16, for the 64-row halves that run past their expert
+  int64_t ld;               // forward: y's row length N
   bool accumulate;          // weight grad: dw += instead of =
 };
 
