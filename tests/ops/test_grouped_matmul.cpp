@@ -299,28 +299,27 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   // y = x w_e^T with w the upper half of (E, 2N, K): blocks 2 N K apart.
   const Tensor w_fused = make(fused, {e, 2 * n, k}, DType::BF16, gpu);
   const Tensor x = make(xv, {p, k}, DType::BF16, gpu), dy = make(dyv, {p, n}, DType::BF16, gpu);
-  std::vector<double> want(size_t(p * n), 0.0);
-  for (int64_t ex = 0; ex < e; ++ex)
-    for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
-      for (int64_t j = 0; j < n; ++j) {
-        double acc = 0;
-        for (int64_t i = 0; i < k; ++i) acc += xv[size_t(r * k + i)] * w_at(ex, j, i);
-        want[size_t(r * n + j)] = acc;
-      }
+  // out[r][o] = sum_i in[r][i] weight(expert of r, o, i): the forward's products as plain loops.
+  const auto loops = [&](const std::vector<double>& in, int64_t in_width, int64_t out_width, const auto& weight) {
+    std::vector<double> out(size_t(p * out_width), 0.0);
+    for (int64_t ex = 0; ex < e; ++ex)
+      for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
+        for (int64_t o = 0; o < out_width; ++o) {
+          double acc = 0;
+          for (int64_t i = 0; i < in_width; ++i) acc += in[size_t(r * in_width + i)] * weight(ex, o, i);
+          out[size_t(r * out_width + o)] = acc;
+        }
+    return out;
+  };
+  const std::vector<double> want = loops(xv, k, n, w_at);
   const Tensor y = grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true});
   expect_near_all(values(y), want, DType::BF16, "forward, trans_w");
   EXPECT_EQ(bytes_of(grouped_matmul(ctx, x, w_fused.narrow(1, n, n), {offsets, true})), bytes_of(y))
       << "a second forward differs";
 
   // dx = dy w_e with w (E, K', N') = the same half viewed as (E, N, K): here the product's K' = N, N' = K.
-  std::vector<double> want_dx(size_t(p * k), 0.0);
-  for (int64_t ex = 0; ex < e; ++ex)
-    for (int64_t r = offsets[size_t(ex)]; r < offsets[size_t(ex) + 1]; ++r)
-      for (int64_t i = 0; i < k; ++i) {
-        double acc = 0;
-        for (int64_t j = 0; j < n; ++j) acc += dyv[size_t(r * n + j)] * w_at(ex, j, i);
-        want_dx[size_t(r * k + i)] = acc;
-      }
+  const std::vector<double> want_dx =
+      loops(dyv, n, k, [&](int64_t ex, int64_t i, int64_t j) { return w_at(ex, j, i); });
   expect_near_all(values(grouped_matmul(ctx, dy, w_fused.narrow(1, n, n), {offsets, false})), want_dx, DType::BF16,
                   "forward, !trans_w");
 
