@@ -6,7 +6,7 @@
 // expert intermediate I = 768 (Qwen3-30B-A3B). Two projections: gate/up-like (K = H, N = I) and down (K = I, N = H).
 // Four spreads of the rows: even (P / E each), uneven (seeded log-normal sizes, every 8th expert empty), hot (every
 // token to the same k experts: P / k rows each, the rest empty) and model (what a random-init router does in lathe
-// bench's 30b-a3b layers: 10 experts of 4,060 down to about 2,000 rows, the other 118 of the rest, about 14 each).
+// bench's 30b-a3b layers: 10 experts of 4,060 down to 2,080 rows, the other 118 sharing the rest, about 17 each).
 // Three GEMMs per row, each 2 P N K FLOPs (active experts only: the dense baseline does the same work):
 //   fwd  y = grouped_matmul(x, w)                      (w (E, N, K), trans_w; dense: x W^T)
 //   dx   dx = grouped_matmul(dy, w, trans_w = false)   (dense: dy W)
@@ -15,8 +15,8 @@
 // M the largest group rounded up to 8, its TFLOP/s counting the P rows' work only (padding is waste).
 // Also cuBLAS's grouped call (cuda/cublas_grouped_gemm) run directly, beside whatever the registry resolves.
 // Prints the device's description, then one JSON line per (projection, spread, GEMM) with the TFLOP/s of each and the
-// ratios grouped / dense, grouped / loop and grouped / cuBLAS grouped of TFLOP/s (above 1: the grouped call is faster); bench/run_grouped_gemm.sh
-// adds the card, driver, CUDA version and commit.
+// ratios grouped / dense, grouped / loop and grouped / cuBLAS grouped of TFLOP/s (above 1: the grouped call is
+// faster); bench/run_grouped_gemm.sh adds the card, driver, CUDA version and commit.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -34,8 +34,8 @@ namespace {
 
 enum class Spread { even, uneven, hot, model };
 
-// Group sizes summing to `rows` over `experts`: even, log-normal with every 8th expert empty (seeded), or all in the
-// first `top_k` experts.
+// Group sizes summing to `rows` over `experts`: even, log-normal with every 8th expert empty (seeded), all in the
+// first `top_k` experts, or the model spread (scaled to `rows`; even where there are 10 experts or fewer).
 std::vector<int64_t> group_sizes(int64_t rows, int64_t experts, int64_t top_k, Spread spread) {
   std::vector<int64_t> sizes(size_t(experts), 0);
   if (spread == Spread::hot) {
