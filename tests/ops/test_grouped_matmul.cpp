@@ -288,10 +288,14 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   const int64_t p = offsets.back(), e = int64_t(counts.size()), k = 256, n = 512;
   std::mt19937 rng(11);
   // The inputs as bf16 holds them (the loops start from the same values).
-  const auto rounded = [&](int64_t count) { return values(make(random_values(count, rng), {count}, DType::BF16, gpu)); };
+  const auto rounded = [&](int64_t count) {
+    return values(make(random_values(count, rng), {count}, DType::BF16, gpu));
+  };
   const std::vector<double> xv = rounded(p * k), fused = rounded(e * 2 * n * k), dyv = rounded(p * n);
   const std::vector<double> before = rounded(e * 3 * n * k);
-  const auto w_at = [&](int64_t ex, int64_t row, int64_t col) { return fused[size_t((ex * 2 * n + n + row) * k + col)]; };
+  const auto w_at = [&](int64_t ex, int64_t row, int64_t col) {  // the upper half's (row, col) of expert ex
+    return fused[size_t((ex * 2 * n + n + row) * k + col)];
+  };
   std::vector<std::string> kernels;
   const ResolutionObserver observer = [&](const OpCall&, const Resolution& r) { kernels.push_back(r.name); };
   ctx.observer = &observer;

@@ -290,8 +290,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
           const int row = rr + 8 * h;
-          *reinterpret_cast<__nv_bfloat162*>(mine + (j / 8) * kBlockBytes + row * 128 + (((j % 8) ^ (row % 8)) * 16) +
-                                             4 * (lane % 4)) = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+          uint8_t* at = mine + (j / 8) * kBlockBytes + row * 128 + (((j % 8) ^ (row % 8)) * 16) + 4 * (lane % 4);
+          *reinterpret_cast<__nv_bfloat162*>(at) = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       asm volatile("bar.sync %0, 128;" ::"r"(2 + c) : "memory");
