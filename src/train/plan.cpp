@@ -666,8 +666,9 @@ std::string format_plan(const TrainingPlan& plan) {
                        bytes_text(l.comm_bytes));
     if (l.fits) fitting.push_back(layout_name(l.layout) + (l.tight ? " (tight)" : ""));
   }
-  out += "  (* the configured layout; memory per rank; comm: bytes each rank sends per optimizer step; tight: fits with "
-         "less than 10% of the memory to spare, and the allocator may stall the steps)\n";
+  out += fmt::format("  (* the configured layout; memory per rank; comm: bytes each rank sends per optimizer step; "
+                     "tight: fits with less than {:.0f}% of the memory to spare, and the allocator may stall the "
+                     "steps)\n", kTightShare * 100);
   out += fitting.empty() ? "no layout fits\n" : fmt::format("fits: {}\n", fmt::join(fitting, "; "));
   for (const std::string& note : plan.notes) out += "note: " + note + "\n";
   return out;

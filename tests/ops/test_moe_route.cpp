@@ -16,6 +16,7 @@
 #include "backend/runtime.h"
 #include "model/moe_routing.h"
 #include "ops/ops.h"
+#include "support/error_of.h"
 
 using namespace lathe;
 
@@ -212,16 +213,13 @@ TEST(MoeExchange, PlansAHandWorkedRouting) {
 
 TEST(MoeExchange, SourcesRefuseARowNamedTwiceOrNever) {
   ExecContext ctx = runtime().context(Device::cpu());
-  const auto error_of = [&](const std::vector<int32_t>& pairs) {
-    try {
-      moe_ep_sources(ctx, runtime().from_host(pairs.data(), {2, 2}, DType::I32, Device::cpu()), 3);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
+  const auto sources_error = [&](const std::vector<int32_t>& pairs) {
+    return test_support::error_of(
+        [&] { moe_ep_sources(ctx, runtime().from_host(pairs.data(), {2, 2}, DType::I32, Device::cpu()), 3); });
   };
-  EXPECT_NE(error_of({0, 1, 1, -1}).find("named twice"), std::string::npos) << error_of({0, 1, 1, -1});
-  EXPECT_NE(error_of({0, -1, 2, -1}).find("no slot names row 1"), std::string::npos) << error_of({0, -1, 2, -1});
+  EXPECT_NE(sources_error({0, 1, 1, -1}).find("named twice"), std::string::npos) << sources_error({0, 1, 1, -1});
+  EXPECT_NE(sources_error({0, -1, 2, -1}).find("no slot names row 1"), std::string::npos)
+      << sources_error({0, -1, 2, -1});
 }
 
 TEST(MoeRouteCuda, MatchesTheReferenceAndRepeatsBitwise) {

@@ -21,6 +21,7 @@
 #include "model/causal_lm.h"
 #include "model/config.h"
 #include "model/lora.h"
+#include "support/error_of.h"
 #include "support/lora_support.h"
 #include "support/model_support.h"
 #include "support/tp_support.h"
@@ -272,12 +273,7 @@ TEST_F(ExpertParallel, ANonFiniteRouterOnOneRankStopsEveryRank) {
   if (me == n - 1)
     for (Parameter& p : split->parameters())
       if (p.name.ends_with("mlp.gate.weight")) p.value.data<double>()[0] = std::nan("");
-  std::string error = "no error";
-  try {
-    split->logits(rank_batch(me));
-  } catch (const Error& e) {
-    error = e.what();
-  }
+  const std::string error = error_of([&] { split->logits(rank_batch(me)); });
   EXPECT_NE(error.find(fmt::format("on expert-parallel rank {} is not finite", n - 1)), std::string::npos) << error;
 }
 

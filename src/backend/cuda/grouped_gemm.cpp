@@ -64,8 +64,7 @@ struct GroupedPlan {
   cudaDataType_t type;
   cublasOperation_t trans_a, trans_b;
   int lda, ldb, ldc;
-  std::vector<Gemm> gemms;                             // the non-empty groups, in expert order
-  std::vector<std::pair<void*, size_t>> zero_ranges;  // weight grad: bytes to zero (empty groups' blocks)
+  std::vector<Gemm> gemms;  // the non-empty groups, in expert order
 };
 
 // The address `elements` elements past t's first one.
@@ -106,26 +105,32 @@ GroupedPlan plan_of(const OpCall& c) {
   p.lda = int(k);
   p.ldb = int(n);
   p.ldc = int(k);
-  const size_t block_bytes = size_t(n * k) * dw.itemsize();
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t row0 = off[size_t(e)], rows = off[size_t(e) + 1] - row0;
-    char* block = element_at(dw, e * dw.strides()[0]);
-    if (rows > 0) {
-      p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n), block});
-    } else if (attrs.accumulate) {
-      continue;  // an empty group adds nothing to its block
-    } else if (!p.zero_ranges.empty() &&
-               static_cast<char*>(p.zero_ranges.back().first) + p.zero_ranges.back().second == block) {
-      p.zero_ranges.back().second += block_bytes;  // adjacent to the previous empty block: one memset for both
-    } else {
-      p.zero_ranges.push_back({block, block_bytes});
-    }
+    if (rows > 0)
+      p.gemms.push_back({int(k), int(n), int(rows), element_at(x, row0 * k), element_at(dy, row0 * n),
+                         element_at(dw, e * dw.strides()[0])});
   }
   return p;
 }
 
-void zero_empty_blocks(const GroupedPlan& p, CudaStream& s) {
-  for (const auto& [ptr, bytes] : p.zero_ranges) LATHE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, s.handle()));
+// The weight grad written fresh (not accumulating): zeroes the blocks of the empty groups, which no GEMM writes;
+// adjacent blocks take one memset. Nothing for the forward.
+void zero_empty_blocks(const OpCall& c, CudaStream& s) {
+  const auto& attrs = c.attr<GroupedMatmulAttrs>();
+  if (c.op != OpId::grouped_matmul_weight_grad || attrs.accumulate) return;
+  const Tensor& dw = c.outputs[0];  // (E, N, K), contiguous blocks
+  const size_t block_bytes = size_t(dw.size(1) * dw.size(2)) * dw.itemsize();
+  std::vector<std::pair<char*, size_t>> ranges;
+  for (size_t e = 0; e + 1 < attrs.offsets.size(); ++e) {
+    if (attrs.offsets[e + 1] > attrs.offsets[e]) continue;
+    char* block = element_at(dw, int64_t(e) * dw.strides()[0]);
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == block)
+      ranges.back().second += block_bytes;
+    else
+      ranges.push_back({block, block_bytes});
+  }
+  for (const auto& [ptr, bytes] : ranges) LATHE_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, s.handle()));
 }
 
 // The two row-major (P, *) operands besides the weight-shaped one: x and y (forward), dy and x (weight grad).
@@ -229,7 +234,7 @@ void run_hopper(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const auto& attrs = c.attr<GroupedMatmulAttrs>();
   const bool grad = c.op == OpId::grouped_matmul_weight_grad;
-  if (grad) zero_empty_blocks(plan_of(c), s);  // (nothing when accumulating: empty blocks stay as they are)
+  zero_empty_blocks(c, s);
   const std::vector<HopperTile> tiles = hopper_tiles(attrs.offsets, grad);
   if (tiles.empty()) return;
   const Tensor table = Tensor::empty({int64_t(tiles.size() * sizeof(HopperTile) / 8)}, DType::I64, ctx.allocator);
@@ -294,7 +299,7 @@ Support grouped_supports(const OpCall& c) {
 void run_grouped(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const GroupedPlan p = plan_of(c);
-  zero_empty_blocks(p, s);
+  zero_empty_blocks(c, s);
   if (p.gemms.empty()) return;
   // cuBLAS groups are uniform (one m, n, k each): bucket the GEMMs by size, in a fixed order.
   std::map<std::tuple<int, int, int>, std::vector<size_t>> buckets;
@@ -334,7 +339,7 @@ void run_grouped(const OpCall& c, ExecContext& ctx) {
 void run_per_group(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const GroupedPlan p = plan_of(c);
-  zero_empty_blocks(p, s);
+  zero_empty_blocks(c, s);
   const float alpha = 1.0f;
   const float beta = c.op == OpId::grouped_matmul_weight_grad && c.attr<GroupedMatmulAttrs>().accumulate ? 1.0f : 0.0f;
   for (const Gemm& g : p.gemms)
