@@ -26,12 +26,13 @@ double matmul_flops(const OpCall& call, std::string* shape) {
 }
 
 // 2 P N K of a grouped GEMM call: every routed row of x (P, K) meets one (N, K) expert block (grouped_matmul), or
-// every row of dy (P, N) and x (P, K) adds to one expert's (N, K) gradient (grouped_matmul_weight_grad).
+// every row of dy (P, N) and x (P, K) adds to one expert's (N, K) gradient (grouped_matmul_weight_grad); the same for
+// the routed ops.
 double grouped_flops(const OpCall& call) {
   const Tensor& a = call.inputs.at(0);
   const Tensor& b = call.inputs.at(1);
   const double rows = double(a.size(0));
-  if (call.op == OpId::grouped_matmul) return 2.0 * rows * double(call.outputs.at(0).size(1)) * double(a.size(1));
+  if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_routed) return 2.0 * rows * double(call.outputs.at(0).size(1)) * double(a.size(1));
   return 2.0 * rows * double(a.size(1)) * double(b.size(1));
 }
 
@@ -72,7 +73,8 @@ int OpProfiler::begin(const OpCall& call, const Resolution& resolution, Stream& 
     std::string shape;
     r.flops = matmul_flops(call, &shape);
     r.shape = intern(shape);
-  } else if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_weight_grad) {
+  } else if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_weight_grad ||
+             call.op == OpId::grouped_matmul_routed || call.op == OpId::grouped_matmul_weight_grad_routed) {
     r.flops = grouped_flops(call);
   }
   r.start->record(stream);

@@ -116,6 +116,7 @@ Tensor Runtime::copy_to(const Tensor& t, Device device) {
 
 void Runtime::download(const Tensor& t, void* dst) {
   LATHE_CHECK(t.is_contiguous(), "runtime: download takes a contiguous tensor");
+  ++downloads_;
   ExecContext ctx = context(t.device());
   ctx.stream.synchronize();
   ctx.backend.copy(dst, Device::cpu(), t.data_ptr(), t.device(), t.nbytes(), ctx.stream);

@@ -3,6 +3,7 @@
 // Covered by tests/unit/test_core.cpp and tests/unit/test_cuda_runtime.cpp.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -71,6 +72,9 @@ class Runtime {
   Tensor copy_to(const Tensor& t, Device device);
   // t's elements (contiguous) into host memory the caller keeps, after the work queued before (a wait).
   void download(const Tensor& t, void* dst);
+  // The downloads so far (copy_to the host included): each waited for the device's queued work. Tests count them to
+  // show where a pass waits (docs/moe.md, "Groups on the device").
+  int64_t downloads() const { return downloads_; }
   // A new tensor on `device` holding `nbytes(shape, dtype)` bytes from host memory (waits for the copy).
   Tensor from_host(const void* data, const Shape& shape, DType dtype, Device device);
   // The same without waiting for the device (Stream::upload): `data` may be reused at once, and the device keeps
@@ -84,6 +88,7 @@ class Runtime {
   KernelRegistry registry_;
   OpProfiler* profiler_ = nullptr;
   bool gemm_autotune_ = false;
+  std::atomic<int64_t> downloads_ = 0;  // downloads may come from several threads
   std::map<std::pair<DeviceType, int>, std::unique_ptr<PlannedAllocator>> plans_;  // destroyed before the backends
   std::map<std::pair<DeviceType, int>, Allocator*> allocators_;  // AllocatorScope's
 };

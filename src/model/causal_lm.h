@@ -57,9 +57,15 @@ struct ModelOptions {
   // MoE models: whether the trained loss includes router_aux_loss_coef x the load-balancing loss. Unset: the
   // config's output_router_logits decides, as in transformers (off in released Qwen MoE configs).
   std::optional<bool> router_aux_loss;
-  // MoE models: the experts' GEMMs of a batch run as one batched GEMM over (E, M, .) blocks, M = the largest expert's
-  // row count rounded up to 8 (padding rows computed and discarded), when E M <= moe_padded_max_waste x the routed rows
-  // and no expert adapter applies; else as grouped GEMMs over the exact rows. 0 keeps the grouped GEMMs always.
+  // MoE models, training: each sparse layer's row groups are read on the host as soon as it is routed (one wait per
+  // layer), as under cp, ep and pp, which share counts between ranks; false (the default) leaves them on the device
+  // for the grouped GEMMs that read them there, and reads the aux loss, the loads and the non-finite check once the
+  // batch's backward is queued (docs/moe.md, "Groups on the device").
+  bool moe_host_groups = false;
+  // MoE models, where the groups are read on the host: the experts' GEMMs of a batch run as one batched GEMM over
+  // (E, M, .) blocks, M = the largest expert's row count rounded up to 8 (padding rows computed and discarded), when
+  // E M <= moe_padded_max_waste x the routed rows and no expert adapter applies; else as grouped GEMMs over the exact
+  // rows. 0 keeps the grouped GEMMs always.
   double moe_padded_max_waste = 1.5;
   // Tensor parallelism (docs/parallel.md, "Tensor parallelism"): the group whose ranks each hold a slice of every
   // attention and MLP layer (nullptr or a group of one: the whole model). The model then works on its slice: config()
@@ -293,10 +299,16 @@ class CausalLm {
   virtual void end_forward() {}
   void add_grad(int index, const Tensor& g);                                         // unless frozen
   void add_linear_grad(int index, const Tensor& dy, const Tensor& x);  // grad += dy^T x, unless frozen
-  // An expert weight's gradient (E, N, K) += each expert's dy_e^T x_e, unless frozen: rows grouped by `groups` (the
-  // grouped GEMM), or with nullptr the padded form's (E, M, N) and (E, M, K) blocks; added in place where the gradient
-  // exists (the later micro-batches: no (E, N, K) temporary and add each time).
-  void add_expert_grad(int index, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs* groups);
+  // An expert weight's gradient (E, N, K) += each expert's dy_e^T x_e, unless frozen: rows grouped by route r (the
+  // grouped GEMM, expert_matmul's choice of groups), or with nullptr the padded form's (E, M, N) and (E, M, K) blocks;
+  // added in place where the gradient exists (the later micro-batches: no (E, N, K) temporary and add each time).
+  void add_expert_grad(int index, const Tensor& dy, const Tensor& x, MoeRoute* r);
+  // The grouped GEMM of rows x grouped by route r (trans_w: w (E, N, K), else (E, K, N)): with the groups on the
+  // device where a kernel reads them there, else with expert_groups(r).
+  Tensor expert_matmul(MoeRoute& r, const Tensor& x, const Tensor& w, bool trans_w);
+  // Route r's groups on the host: under ep the received pairs' (ep_offsets), else the plan's offsets, read back first
+  // (one wait) when they were left on the device.
+  const std::vector<int64_t>& expert_groups(MoeRoute& r);
   // y = x W^T plus the adapters' terms of (layer, target) for the batch's segments (the LoRA path, docs/lora.md).
   Tensor project(int64_t layer, LoraTarget t, int weight, const Tensor& x, const PackedBatch& b, bool training);
   // The backward of project(): dx (allocated when undefined, else accumulated) += dy W (+ adapter terms); the
@@ -373,6 +385,10 @@ class CausalLm {
   // Under cp the rows' aux loss and loads are the whole batch's only once summed: each sparse layer's routing totals
   // (tokens, pairs and probability sums per expert) summed over the group (a rank without rows adds zeros).
   void moe_after_forward(LossResult& r, bool backward, double loss_scale);
+  // Once the batch's backward is queued (or its forward, without one): what moe_after_forward left on the device for
+  // routes whose groups stayed there (the aux loss, the loads) into `r`, in one read; refuses the batch if a router
+  // logit was not finite. Nothing for routes read at once.
+  void moe_read_routing(LossResult& r);
   // The routing totals summed over `group` (cp: the rows' parts of one batch; ep: the ranks' batches).
   void sum_totals_over(Communicator& group, std::vector<RoutingTotals>& totals) const;
   // The aux loss and the loads of sparse layers `layers` from their (summed) totals into `r`; returns the aux loss's
@@ -505,18 +521,33 @@ class CausalLm {
   std::vector<int> declared_;
 
  private:
-  // The routing of rows x (the moe_route op; its offsets and totals read back: pairs per expert and the probabilities'
-  // column sums); on_device: nothing read back (the offsets stay where they are for grouped_matmul_routed:
-  // routes_on_device). cached_route keeps it per layer for the current batch.
-  MoeRoute make_route(const MoeParams& p, const Tensor& x, bool on_device);
-  const MoeRoute& cached_route(int64_t layer, const MoeParams& p, const Tensor& x);
+  // When a route's groups reach the host (MoeRoute): at once with its totals (pairs per expert and the probabilities'
+  // column sums), never (a decoding step: routes_on_device), or at the batch's end (training: groups_on_device).
+  enum class RouteRead { now, never, at_batch_end };
+  // The routing of rows x (the moe_route op).
+  MoeRoute make_route(const MoeParams& p, const Tensor& x, RouteRead read);
   // Whether a forward of batch b routes `layer` without a host wait: a decoding step (a cache, no training, one token
   // a sequence: not a prefill chunk) without expert parallelism (its exchange sizes come from the host) or adapters on
   // the experts (their GEMMs take host groups). A decoding step of such layers only can be recorded as a graph.
   bool routes_on_device(int64_t layer, const PackedBatch& b, bool training) const;
+  // Whether a training forward leaves its groups on the device (RouteRead::at_batch_end): unless the host path is
+  // asked for (ModelOptions::moe_host_groups) or ranks share counts (ep plans its exchange from them; cp and pp sum
+  // the routing totals over ranks).
+  bool groups_on_device(bool training) const;
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
-  MoeActs moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
+  MoeActs moe_apply(int64_t layer, MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
                     bool training);
+  // moe_after_forward for routes whose groups stayed on the device: the aux loss's gradient computed there, and what
+  // moe_read_routing reads (moe_reads_).
+  void aux_on_device(const std::vector<int64_t>& layers, const std::vector<MoeRoute*>& routes, bool backward,
+                     double loss_scale);
+  // What moe_read_routing reads: per sparse layer in `layers` its moe_route offsets (L, E + 2) i32 (the pair counts,
+  // then the non-finite flag), and the aux loss (1) in the routing dtype.
+  struct PendingRoutingReads {
+    Tensor offsets, aux;
+    std::vector<int64_t> layers;
+  };
+  PendingRoutingReads moe_reads_;
   // The adapters of expert parameter t of `layer` for batch b (ExpertLora::slot nullptr when none, or no batch).
   ExpertLora expert_lora(int64_t layer, LoraTarget t, const PackedBatch* b, const MoeRoute& r);
   // The route's tensor only the backward reads (ones), uploaded on first use.

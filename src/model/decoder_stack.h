@@ -155,6 +155,7 @@ struct DecoderStack {
     m.moe_after_forward(result, backward, loss_scale);  // MoE models: aux loss, expert loads, the aux gradient
     if (!backward) {
       m.add_head_losses(result, b, losses);
+      m.moe_read_routing(result);
       return result;
     }
     // Under sp the head's input gradient is each tp rank's part (its vocabulary columns'), reduce-scattered to the
@@ -171,6 +172,7 @@ struct DecoderStack {
     done(-1);
     if (hooks.queued) hooks.queued();
     m.add_head_losses(result, b, losses);
+    m.moe_read_routing(result);  // the routing's figures and its non-finite check, left on the device for this read
     return result;
   }
 

@@ -168,12 +168,6 @@ Tensor CausalLm::mlp_backward(int64_t layer, const MlpParams& p, const Tensor& h
   return block_output(dhn);
 }
 
-const MoeRoute& CausalLm::cached_route(int64_t layer, const MoeParams& p, const Tensor& x) {
-  MoeRoute& r = moe_routes_.at(size_t(layer));
-  if (!r.valid) r = make_route(p, x, false);
-  return r;
-}
-
 bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool training) const {
   if (!b.cache || training || expert_parallel()) return false;
   // A decoding step only (one token a sequence): grouped_matmul_routed's kernel is built for few rows per expert, and
@@ -183,7 +177,11 @@ bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool traini
   return !lora_->slot(layer, LoraTarget::experts_gate_up) && !lora_->slot(layer, LoraTarget::experts_down);
 }
 
-MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_device) {
+bool CausalLm::groups_on_device(bool training) const {
+  return training && !options_.moe_host_groups && !expert_parallel() && !context_parallel() && pp_size() == 1;
+}
+
+MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, RouteRead read) {
   MoeRoute r;
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
@@ -200,8 +198,12 @@ MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, bool on_devic
   r.picked_ids = m.picked.view({t * k});
   r.picked_w = m.weights;
   r.inv_sum = m.inv_sum;
-  if (on_device) {  // no wait: a non-finite router logit is not looked for (its token's logits are not finite either)
+  if (read != RouteRead::now) {
+    // A decoding step does not look for a non-finite router logit (its token's logits are not finite either); a
+    // training step's check comes with its aux loss and loads, once the batch's backward is queued.
     r.device_offsets = m.offsets;
+    r.decoding = read == RouteRead::never;
+    if (read == RouteRead::at_batch_end) r.sums = sum(cx, m.probs, {0});
     r.valid = true;
     return r;
   }
@@ -448,11 +450,16 @@ MoeActs CausalLm::moe_forward(int64_t layer, const MoeParams& p, const Tensor& x
   LATHE_CHECK(x.size(0) > 0, "model: a mixture-of-experts layer needs at least one token");
   // A decoding step's route is not kept: no backward reads it, and a recorded step's tensors come from the graphs'
   // allocator, which the model's cache would outlive (rollout_engine.cpp, FixedSteps).
-  if (routes_on_device(layer, b, training)) return moe_apply(layer, make_route(p, x, true), p, x, &b, training);
-  return moe_apply(layer, cached_route(layer, p, x), p, x, &b, training);
+  if (routes_on_device(layer, b, training)) {
+    MoeRoute route = make_route(p, x, RouteRead::never);
+    return moe_apply(layer, route, p, x, &b, training);
+  }
+  MoeRoute& r = moe_routes_.at(size_t(layer));
+  if (!r.valid) r = make_route(p, x, groups_on_device(training) ? RouteRead::at_batch_end : RouteRead::now);
+  return moe_apply(layer, r, p, x, &b, training);
 }
 
-MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p, const Tensor& x,
+MoeActs CausalLm::moe_apply(int64_t layer, MoeRoute& r, const MoeParams& p, const Tensor& x,
                             const PackedBatch* b, bool training) {
   ExecContext cx = ctx();
   const ModelConfig& c = config_;
@@ -469,24 +476,16 @@ MoeActs CausalLm::moe_apply(int64_t layer, const MoeRoute& r, const MoeParams& p
     a.act = swiglu_halves(cx, a.gu);
     const Tensor yd = matmul(cx, a.act.view({e, m, in}), w(p.down), {false, true}).view({e * m, d});
     a.picked = embedding(cx, yd, r.pad_position).view({t, k, d});
-  } else if (r.device_offsets.defined()) {  // decoding: the groups read on the device (no expert adapters here)
-    a.xs = embedding(cx, x, r.token_ids);
-    a.gu = grouped_matmul_routed(cx, a.xs, w(p.gate_up), r.device_offsets);
-    a.act = swiglu_halves(cx, a.gu);
-    a.picked = embedding(cx, grouped_matmul_routed(cx, a.act, w(p.down), r.device_offsets), r.position_ids)
-                   .view({t, k, d});
   } else {
     // Expert parallelism: each token goes once to every rank holding one of its experts, becomes that rank's pairs
     // there (grouped by local expert: the GEMMs run over this rank's experts' pairs from every rank), and comes back
     // as the weighted sum of those pairs' outputs.
-    const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
-    const GroupedMatmulAttrs g{offsets, true};
     a.xs = expert_parallel() ? expert_pairs(r, tokens_to_experts(r, x)) : embedding(cx, x, r.token_ids);
-    a.gu = grouped_matmul(cx, a.xs, w(p.gate_up), g);  // (P, 2I): [gate | up] per row, one grouped GEMM
-    if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, offsets, a.gu);
+    a.gu = expert_matmul(r, a.xs, w(p.gate_up), true);  // (P, 2I): [gate | up] per row, one grouped GEMM
+    if (a.lora_gate_up.slot) a.lora_gate_up.forward(cx, a.xs, expert_groups(r), a.gu);
     a.act = swiglu_halves(cx, a.gu);
-    Tensor yd = grouped_matmul(cx, a.act, w(p.down), g);  // (P, D)
-    if (a.lora_down.slot) a.lora_down.forward(cx, a.act, offsets, yd);
+    Tensor yd = expert_matmul(r, a.act, w(p.down), true);  // (P, D)
+    if (a.lora_down.slot) a.lora_down.forward(cx, a.act, expert_groups(r), yd);
     if (expert_parallel()) {
       a.yd = yd;
       a.out = experts_to_tokens(r, yd, r.ep_pair_weights);
@@ -557,17 +556,15 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
       dyd = embedding(cx, dpicked.view({t * k, d}), r.pair_ids);
     }
     // Experts: yd = grouped(act, down), act = swiglu(gate, up), [gate | up] = grouped(xs, gate_up).
-    const std::vector<int64_t>& offsets = expert_parallel() ? r.ep_offsets : r.offsets;
-    const GroupedMatmulAttrs g{offsets, true}, gt{offsets, false};
-    Tensor dact = grouped_matmul(cx, dyd, w(p.down), gt);  // (P, I)
-    if (train) add_expert_grad(p.down, dyd, a.act, &g);
-    if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, offsets, dact);
+    Tensor dact = expert_matmul(r, dyd, w(p.down), false);  // (P, I)
+    if (train) add_expert_grad(p.down, dyd, a.act, &r);
+    if (a.lora_down.slot) a.lora_down.backward(cx, a.act, dyd, expert_groups(r), dact);
     dyd = Tensor();
     Tensor dgate_up = swiglu_halves_backward(cx, a.gu, dact);  // (P, 2I), [gate | up] per row
     dact = Tensor();
-    if (train) add_expert_grad(p.gate_up, dgate_up, a.xs, &g);
-    Tensor dxs = grouped_matmul(cx, dgate_up, w(p.gate_up), gt);  // (P, D)
-    if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, offsets, dxs);
+    if (train) add_expert_grad(p.gate_up, dgate_up, a.xs, &r);
+    Tensor dxs = expert_matmul(r, dgate_up, w(p.gate_up), false);  // (P, D)
+    if (a.lora_gate_up.slot) a.lora_gate_up.backward(cx, a.xs, dgate_up, expert_groups(r), dxs);
     dgate_up = Tensor();
     // Each token's k rows summed in a fixed order (a batched product with ones; under ep per rank, then over them).
     if (expert_parallel()) dx = experts_to_tokens(r, dxs, r.ep_pair_ones);
@@ -599,23 +596,52 @@ Tensor CausalLm::moe_backward(int64_t layer, const MoeParams& p, const MoeActs& 
   return dx;
 }
 
-void CausalLm::add_expert_grad(int index, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs* groups) {
+Tensor CausalLm::expert_matmul(MoeRoute& r, const Tensor& x, const Tensor& w, bool trans_w) {
+  ExecContext cx = ctx();
+  Tensor y;
+  if (r.device_offsets.defined() && try_grouped_matmul_routed(cx, x, w, r.device_offsets, trans_w, r.decoding, y))
+    return y;
+  return grouped_matmul(cx, x, w, {expert_groups(r), trans_w});
+}
+
+const std::vector<int64_t>& CausalLm::expert_groups(MoeRoute& r) {
+  if (expert_parallel()) return r.ep_offsets;
+  if (r.offsets.empty()) {  // left on the device: read once, for the GEMMs no kernel takes with device groups
+    LATHE_ASSERT(r.device_offsets.defined());
+    const Tensor host = rt_->copy_to(r.device_offsets, Device::cpu());
+    r.offsets.assign(host.data<int32_t>(), host.data<int32_t>() + config_.num_experts + 1);
+  }
+  return r.offsets;
+}
+
+void CausalLm::add_expert_grad(int index, const Tensor& dy, const Tensor& x, MoeRoute* r) {
   if (!options_.train_base) return;
   ExecContext cx = ctx();
   Tensor& grad = params_[size_t(index)].grad;
   const bool in_place = grad.defined() && grad.is_contiguous() && grad.dtype() == dy.dtype();
-  if (!groups) {  // the padded form: (E, M, N) and (E, M, K) blocks, one batched GEMM
+  if (!r) {  // the padded form: (E, M, N) and (E, M, K) blocks, one batched GEMM
     if (in_place) matmul_into(cx, dy, x, grad, {true, false, 1.0f, 1.0f});
     else add_grad(index, matmul(cx, dy, x, {true, false}));
     return;
   }
+  if (r->device_offsets.defined()) {  // the groups on the device, where a kernel reads them there
+    if (in_place && try_grouped_matmul_weight_grad_routed_into(cx, dy, x, r->device_offsets, grad, true)) return;
+    if (!in_place) {
+      const Tensor fresh =
+          Tensor::empty({params_[size_t(index)].value.size(0), dy.size(1), x.size(1)}, dy.dtype(), cx.allocator);
+      if (try_grouped_matmul_weight_grad_routed_into(cx, dy, x, r->device_offsets, fresh, false)) {
+        add_grad(index, fresh);
+        return;
+      }
+    }
+  }
+  GroupedMatmulAttrs groups{expert_groups(*r), true};
   if (!in_place) {
-    add_grad(index, grouped_matmul_weight_grad(cx, dy, x, *groups));
+    add_grad(index, grouped_matmul_weight_grad(cx, dy, x, groups));
     return;
   }
-  GroupedMatmulAttrs add = *groups;
-  add.accumulate = true;
-  grouped_matmul_weight_grad_into(cx, dy, x, grad, add);
+  groups.accumulate = true;
+  grouped_matmul_weight_grad_into(cx, dy, x, grad, groups);
 }
 
 void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {
@@ -633,11 +659,63 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
     if (r.valid) routes.push_back(&r);
   }
   if (totals.empty()) return;
+  if (!routes.empty() && routes[0]->sums.defined()) {  // groups on the device (every route alike: groups_on_device)
+    aux_on_device(layers, routes, backward, loss_scale);
+    return;
+  }
   // The aux loss and the loads are the whole batch's, not the rows' (cp), or the group's batches' (ep).
   if (Communicator* g = routing_group()) sum_totals_over(*g, totals);
   const Tensor d_aux = aux_from_totals(res, layers, totals, backward, loss_scale);
   if (d_aux.defined())
     for (MoeRoute* r : routes) r->d_aux = d_aux;
+}
+
+void CausalLm::aux_on_device(const std::vector<int64_t>& layers, const std::vector<MoeRoute*>& routes, bool backward,
+                             double loss_scale) {
+  ExecContext cx = ctx();
+  const int64_t e = config_.num_experts, n_layers = int64_t(layers.size());
+  const DType rd = routing_dtype();  // f32 (f64 in an f64 model): CUDA's arithmetic has no f64
+  LATHE_ASSERT(routes.size() == layers.size());
+  // load_balancing_loss_totals' formulas: over every layer's rows n, routed_e pairs and prob_e probability mass,
+  // aux = E sum_e routed_e prob_e / n^2 and d aux / d probs[r, e] = E routed_e / n^2. The host reads each layer's
+  // offsets as they are (i32: the counts and the non-finite flag exact) and the aux loss.
+  Tensor offsets = Tensor::empty({n_layers, e + 2}, DType::I32, cx.allocator);
+  Tensor routed, prob;
+  int64_t rows = 0;
+  for (size_t i = 0; i < routes.size(); ++i) {
+    const MoeRoute& r = *routes[i];
+    LATHE_ASSERT(r.sums.defined());
+    copy_into(cx, r.device_offsets, offsets.narrow(0, int64_t(i), 1).view({e + 2}));
+    const Tensor off = cast(cx, r.device_offsets.narrow(0, 0, e + 1), rd);
+    const Tensor counts = add(cx, off.narrow(0, 1, e), scale(cx, off.narrow(0, 0, e), -1.0));
+    routed = routed.defined() ? add(cx, routed, counts) : counts;
+    prob = prob.defined() ? add(cx, prob, r.sums) : r.sums;
+    rows += r.weights.size(0);
+  }
+  const double unit = rows > 0 ? double(e) / (double(rows) * double(rows)) : 0.0;
+  moe_reads_ = {offsets, scale(cx, sum(cx, mul(cx, routed, prob), {0}, true), unit), layers};
+  if (!backward || !aux_loss_on()) return;
+  const Tensor d_aux = scale(cx, routed, unit * config_.router_aux_loss_coef * loss_scale).view({1, e});
+  for (MoeRoute* r : routes) r->d_aux = d_aux;
+}
+
+void CausalLm::moe_read_routing(LossResult& res) {
+  if (!moe_reads_.offsets.defined()) return;
+  const PendingRoutingReads reads = std::move(moe_reads_);
+  moe_reads_ = {};
+  const Tensor host = rt_->copy_to(reads.offsets, Device::cpu());
+  const int64_t e = config_.num_experts;
+  for (size_t i = 0; i < reads.layers.size(); ++i) {
+    const int32_t* off = host.data<int32_t>() + int64_t(i) * (e + 2);
+    LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (layer {}'s router produced NaN or Inf)",
+                off[e + 1], reads.layers[i]);
+    std::vector<int64_t> counts;
+    for (int64_t j = 0; j < e; ++j) counts.push_back(off[j + 1] - off[j]);
+    const ExpertLoad load = expert_load(counts);
+    res.expert_load.push_back({reads.layers[i], load.tokens_per_expert, load.max_over_mean});
+  }
+  const Tensor aux = rt_->copy_to(reads.aux, Device::cpu());
+  res.aux_loss = load_as_double(aux.data_ptr(), aux.dtype(), 0);
 }
 
 Tensor CausalLm::aux_from_totals(LossResult& res, const std::vector<int64_t>& layers,

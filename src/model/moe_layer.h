@@ -29,16 +29,20 @@ struct MoeParams {
   int shared_gate_w = -1;                                // mlp.shared_expert_gate.weight (1, D)
 };
 
-// One layer's routing for the current batch, computed on the model's device by the moe_route op; the host keeps what
-// the grouped GEMMs and the loss need (offsets, counts, probability sums), read in one wait per layer.
+// One layer's routing for the current batch, computed on the model's device by the moe_route op. Its row groups (the
+// plan's offsets per expert) reach the host at once (one wait per layer: CausalLm::RouteRead::now), or stay on the
+// device for the grouped GEMMs that read them there (the routed ops), a decoding step's (RouteRead::never) and a
+// training step's (RouteRead::at_batch_end, whose aux loss, loads and non-finite check are read once the batch's
+// backward is queued: CausalLm::moe_read_routing). docs/moe.md, "Groups on the device".
 struct MoeRoute {
   bool valid = false;
-  // Decoding (CausalLm::routes_on_device): moe_route's offsets (E + 2) where they are, read by the expert GEMMs on the
-  // device (grouped_matmul_routed), so that no host wait splits the step; offsets and totals are then left empty.
-  Tensor device_offsets;
-  std::vector<int64_t> offsets;  // (E + 1) the plan's row offsets per expert (the grouped GEMMs' groups)
-  RoutingTotals totals;          // pairs per expert and the probabilities' column sums (aux loss, expert load; empty
-                                 // for a route on the device)
+  Tensor device_offsets;  // (E + 2) i32, moe_route's, where they stay on the device (undefined otherwise)
+  Tensor sums;            // (E) the probabilities' column sums on the device (RouteRead::at_batch_end)
+  bool decoding = false;  // RouteRead::never: a decoding step's, a few rows an expert (GroupedMatmulAttrs::few_rows)
+  // (E + 1) the plan's row offsets per expert (the grouped GEMMs' groups) on the host: read at once, or, for groups on
+  // the device, only where a GEMM has no kernel that reads them there (CausalLm::expert_groups; empty until then).
+  std::vector<int64_t> offsets;
+  RoutingTotals totals;  // pairs per expert and the probabilities' column sums (aux loss, expert load; RouteRead::now)
   Tensor token_ids;     // (P) i32: the token of each sorted row (gathers xs from x)
   Tensor position_ids;  // (T k) i32: the sorted row of pair (t, j) (gathers each token's k expert outputs)
   Tensor pair_ids;      // (P) i32: the pair t k + j of each sorted row (the inverse gather)

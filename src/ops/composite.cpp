@@ -22,7 +22,8 @@ constexpr OpId kUpcastOps[] = {
     OpId::swiglu_backward, OpId::embedding, OpId::embedding_backward, OpId::rmsnorm, OpId::rmsnorm_backward,
     OpId::residual_rmsnorm, OpId::residual_rmsnorm_backward, OpId::gated_rmsnorm, OpId::gated_rmsnorm_backward,
     OpId::rope, OpId::attention, OpId::attention_backward, OpId::cross_entropy, OpId::cross_entropy_slice, OpId::grouped_matmul,
-    OpId::grouped_matmul_weight_grad, OpId::grouped_matmul_routed, OpId::gather_sum};
+    OpId::grouped_matmul_weight_grad, OpId::gather_sum};  // not the routed grouped GEMMs: their callers fall back to
+                                                          // host groups where no kernel of the exact dtype runs
 
 // Tensors of the call's low-precision dtype are widened; index and f32 statistics tensors pass through.
 void run_upcast(const OpCall& call, ExecContext& ctx) {

@@ -149,7 +149,8 @@ std::vector<Tensor> op_backward(ExecContext& ctx, OpId op, const std::vector<Ten
     case OpId::moe_ep_slots:
     case OpId::moe_ep_regroup:
     case OpId::moe_ep_sources:
-    case OpId::grouped_matmul_routed:  // decoding only
+    case OpId::grouped_matmul_routed:  // the MoE layer composes their backward
+    case OpId::grouped_matmul_weight_grad_routed:
     case OpId::paged_attention:        // the rollout engine's: decoding only
     case OpId::scatter_rows:
     case OpId::row_argmax_logsumexp:

@@ -1,10 +1,10 @@
-// The grouped GEMM ops of mixture-of-experts layers (grouped_matmul, grouped_matmul_weight_grad, and the forward with
-// its groups on the device, grouped_matmul_routed): the op functions, their shape inference, the layout rule of their
-// kernels and the backward compositions, kept out of the generic op files. Formulas at GroupedMatmulAttrs in
-// ops/op_table.h. Convention: the row groups come as host offsets in the attrs, checked here in full, so the kernels
-// trust them; grouped_matmul_routed's come as moe_route's offsets tensor, which its kernels clamp. Weights (and
-// weight-grad outputs) may be views whose expert blocks are contiguous but further apart than a block: the gate and up
-// halves of a fused gate_up_proj.
+// The grouped GEMM ops of mixture-of-experts layers (grouped_matmul, grouped_matmul_weight_grad, and the two with
+// their groups on the device, grouped_matmul_routed and grouped_matmul_weight_grad_routed): the op functions, their
+// shape inference, the layout rule of their kernels and the backward compositions, kept out of the generic op files.
+// Formulas at GroupedMatmulAttrs in ops/op_table.h. Convention: the row groups come as host offsets in the attrs,
+// checked here in full, so the kernels trust them; the routed ops' come as moe_route's offsets tensor, which their
+// kernels clamp. Weights (and weight-grad outputs) may be views whose expert blocks are contiguous but further apart
+// than a block: the gate and up halves of a fused gate_up_proj.
 // Covered by tests/ops (op cases in testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
 #include "ops/ops.h"
 
@@ -58,7 +58,7 @@ bool expert_blocks_contiguous(const Tensor& t) {
 }
 
 Support grouped_matmul_layout(const OpCall& call) {
-  const bool forward = call.op != OpId::grouped_matmul_weight_grad;  // grouped_matmul(_routed)
+  const bool forward = call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_routed;
   if (!call.inputs[0].is_contiguous()) return Support::no(forward ? "x must be contiguous" : "dy must be contiguous");
   if (forward && !expert_blocks_contiguous(call.inputs[1]))
     return Support::no("w's expert blocks must be contiguous and at least a block apart");
@@ -71,19 +71,30 @@ Support grouped_matmul_layout(const OpCall& call) {
 
 std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<Tensor>& in, const OpAttrs& attrs) {
   const std::string_view name = op_name(op);
-  if (op == OpId::grouped_matmul_routed) {  // no attributes: the groups are a tensor on x's device
-    const Tensor& x = in[0];
-    const Tensor& w = in[1];
+  if (op == OpId::grouped_matmul_routed || op == OpId::grouped_matmul_weight_grad_routed) {  // groups: a tensor
+    const auto& a = std::get<GroupedMatmulAttrs>(attrs);
+    LATHE_CHECK(a.offsets.empty(), "ops: {} reads its groups from its offsets tensor, not from attrs.offsets", name);
+    check_float_pair(op, in[0], in[1]);
     const Tensor& off = in[2];
-    LATHE_CHECK(is_floating(x.dtype()) && x.dtype() == w.dtype() && x.dim() == 2 && w.dim() == 3 &&
-                    w.size(2) == x.size(1),
-                "ops: grouped_matmul_routed needs x (P, K) and w (E, N, K) of one floating dtype, got {} and {}",
-                x.describe(), w.describe());
-    LATHE_CHECK(off.dim() == 1 && off.dtype() == DType::I32 && off.size(0) == w.size(0) + 2 &&
-                    off.device() == x.device(),
-                "ops: grouped_matmul_routed needs moe_route's offsets (E + 2 = {}) i32 on {}, got {}", w.size(0) + 2,
-                x.device().str(), off.describe());
-    return {{{x.size(0), w.size(1)}, x.dtype()}};
+    const bool forward = op == OpId::grouped_matmul_routed;
+    const int64_t experts = forward ? in[1].size(0) : off.size(0) - 2;
+    LATHE_CHECK(off.dim() == 1 && off.dtype() == DType::I32 && off.size(0) >= 2 &&
+                    (!forward || off.size(0) == in[1].size(0) + 2) && off.device() == in[0].device(),
+                "ops: {} needs moe_route's offsets (E + 2{}) i32 on {}, got {}", name,
+                forward && in[1].dim() == 3 ? fmt::format(" = {}", in[1].size(0) + 2) : "", in[0].device().str(),
+                off.describe());
+    if (forward) {
+      const Tensor& x = in[0];
+      const Tensor& w = in[1];
+      LATHE_CHECK(x.dim() == 2 && w.dim() == 3 && (a.trans_w ? w.size(2) : w.size(1)) == x.size(1),
+                  "ops: {} needs x (P, K) and w {}, got {} and {}", name, a.trans_w ? "(E, N, K)" : "(E, K, N)",
+                  x.describe(), w.describe());
+      return {{{x.size(0), a.trans_w ? w.size(1) : w.size(2)}, x.dtype()}};
+    }
+    LATHE_CHECK(in[0].dim() == 2 && in[1].dim() == 2 && in[0].size(0) == in[1].size(0),
+                "ops: {} needs dy (P, N) and x (P, K) with the same rows, got {} and {}", name, in[0].describe(),
+                in[1].describe());
+    return {{{experts, in[0].size(1), in[1].size(1)}, in[0].dtype()}};
   }
   const auto& a = std::get<GroupedMatmulAttrs>(attrs);
   check_float_pair(op, in[0], in[1]);
@@ -133,43 +144,76 @@ Tensor grouped_matmul(ExecContext& ctx, const Tensor& x, const Tensor& w, const 
   return call_op(ctx, OpId::grouped_matmul, {contiguous(ctx, x), expert_blocks(ctx, w)}, attrs)[0];
 }
 
-Tensor grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets) {
-  return call_op(ctx, OpId::grouped_matmul_routed,
-                 {contiguous(ctx, x), expert_blocks(ctx, w), contiguous(ctx, offsets)})[0];
-}
-
 Tensor grouped_matmul_weight_grad(ExecContext& ctx, const Tensor& dy, const Tensor& x, const GroupedMatmulAttrs& attrs) {
   LATHE_CHECK(!attrs.accumulate, "ops: grouped_matmul_weight_grad accumulates only into an output "
               "(grouped_matmul_weight_grad_into)");
   return call_op(ctx, OpId::grouped_matmul_weight_grad, {contiguous(ctx, dy), contiguous(ctx, x)}, attrs)[0];
 }
 
-void grouped_matmul_weight_grad_into(ExecContext& ctx, const Tensor& dy, const Tensor& x, const Tensor& out,
-                                     const GroupedMatmulAttrs& attrs) {
-  OpCall call{OpId::grouped_matmul_weight_grad, {contiguous(ctx, dy), contiguous(ctx, x)}, {out}, attrs};
-  LATHE_CHECK(out.defined(), "ops: grouped_matmul_weight_grad_into got an undefined output");
+namespace {
+
+// A weight grad (either op) written into `out`, its spec checked: a kernel of the exact dtype writes (or adds into) the
+// output directly, and so does any kernel into a contiguous output when nothing is added. Otherwise (a bf16 call on
+// the CPU runs as upcast_f32, whose final cast needs a contiguous output, and reads nothing of it) it is computed into
+// a fresh tensor whose expert blocks, each contiguous, are then copied (or added) into place.
+void weight_grad_into(ExecContext& ctx, OpCall call, bool accumulate) {
+  const Tensor out = call.outputs.at(0);
+  LATHE_CHECK(out.defined(), "ops: {}_into got an undefined output", op_name(call.op));
   const TensorSpec spec = infer_outputs(call.op, call.inputs, call.attrs)[0];
   LATHE_CHECK(out.shape() == spec.shape && out.dtype() == spec.dtype && out.device() == ctx.device &&
                   expert_blocks_contiguous(out),
-              "ops: grouped_matmul_weight_grad_into needs a {}{} output on {} whose expert blocks are contiguous and "
-              "at least a block apart, got {}",
-              dtype_name(spec.dtype), shape_str(spec.shape), ctx.device.str(), out.describe());
-  // A kernel of the exact dtype writes (or adds into) the output directly; so does any kernel into a contiguous
-  // output when nothing is added.
-  if (ctx.registry.has_exact(call) || (out.is_contiguous() && !attrs.accumulate)) {
+              "ops: {}_into needs a {}{} output on {} whose expert blocks are contiguous and at least a block apart, "
+              "got {}",
+              op_name(call.op), dtype_name(spec.dtype), shape_str(spec.shape), ctx.device.str(), out.describe());
+  if (ctx.registry.has_exact(call) || (out.is_contiguous() && !accumulate)) {
     run_op(ctx, call);
     return;
   }
-  // No kernel writes this view directly (a bf16 call on the CPU runs as upcast_f32, whose final cast needs a
-  // contiguous output, and reads nothing of it): compute into a fresh tensor, then copy (or add) its expert blocks,
-  // each contiguous, into place.
-  GroupedMatmulAttrs fresh = attrs;
-  fresh.accumulate = false;
-  const Tensor dense = call_op(ctx, call.op, call.inputs, fresh)[0];
+  std::get<GroupedMatmulAttrs>(call.attrs).accumulate = false;
+  const Tensor dense = call_op(ctx, call.op, call.inputs, call.attrs)[0];
   for (int64_t e = 0; e < spec.shape[0]; ++e) {
     const Tensor block = out.narrow(0, e, 1);
-    copy_into(ctx, attrs.accumulate ? add(ctx, block, dense.narrow(0, e, 1)) : dense.narrow(0, e, 1), block);
+    copy_into(ctx, accumulate ? add(ctx, block, dense.narrow(0, e, 1)) : dense.narrow(0, e, 1), block);
   }
+}
+
+GroupedMatmulAttrs routed_attrs(bool trans_w, bool accumulate) {
+  GroupedMatmulAttrs a;
+  a.trans_w = trans_w;
+  a.accumulate = accumulate;
+  return a;
+}
+
+}  // namespace
+
+void grouped_matmul_weight_grad_into(ExecContext& ctx, const Tensor& dy, const Tensor& x, const Tensor& out,
+                                     const GroupedMatmulAttrs& attrs) {
+  weight_grad_into(ctx, {OpId::grouped_matmul_weight_grad, {contiguous(ctx, dy), contiguous(ctx, x)}, {out}, attrs},
+                   attrs.accumulate);
+}
+
+bool try_grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
+                               bool few_rows, Tensor& y) {
+  GroupedMatmulAttrs attrs = routed_attrs(trans_w, false);
+  attrs.few_rows = few_rows;
+  OpCall call{OpId::grouped_matmul_routed, {contiguous(ctx, x), expert_blocks(ctx, w), contiguous(ctx, offsets)}, {},
+              attrs};
+  const TensorSpec spec = infer_outputs(call.op, call.inputs, call.attrs)[0];
+  call.outputs.push_back(Tensor::empty(spec.shape, spec.dtype, ctx.allocator));
+  if (!ctx.registry.has_exact(call)) return false;
+  run_op(ctx, call);
+  y = call.outputs[0];
+  return true;
+}
+
+bool try_grouped_matmul_weight_grad_routed_into(ExecContext& ctx, const Tensor& dy, const Tensor& x,
+                                                const Tensor& offsets, const Tensor& out, bool accumulate) {
+  const OpCall call{OpId::grouped_matmul_weight_grad_routed,
+                    {contiguous(ctx, dy), contiguous(ctx, x), contiguous(ctx, offsets)}, {out},
+                    routed_attrs(true, accumulate)};
+  if (!ctx.registry.has_exact(call)) return false;
+  weight_grad_into(ctx, call, accumulate);
+  return true;
 }
 
 }  // namespace lathe

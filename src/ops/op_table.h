@@ -69,6 +69,7 @@ namespace lathe {
   X(grouped_matmul, 2)   \
   X(grouped_matmul_weight_grad, 2) \
   X(grouped_matmul_routed, 3) \
+  X(grouped_matmul_weight_grad_routed, 3) \
   X(moe_route, 1)        \
   X(moe_pad_plan, 2)     \
   X(moe_ep_messages, 2)  \
@@ -360,17 +361,24 @@ struct GatedDeltaAttrs {
 // grouped_matmul_weight_grad(dy, x) (trans_w) or (x, dy) (!trans_w: w[e] is (K, N), its gradient x_e^T dy_e). The
 // weight grad is bilinear too: for dw = weight_grad(a, b), da = grouped_matmul(b, ddw) and db = grouped_matmul(a, ddw,
 // trans_w = false).
-// grouped_matmul_routed(x (P, K), w (E, N, K), offsets (E + 2) i32) -> y (P, N): grouped_matmul with trans_w, its
-//   groups read where they are (moe_route's offsets, on x's device; the last entry, the non-finite flag, is not read)
-//   instead of from host attributes: a decoding step's expert GEMMs without a wait for the host, so the step can be
-//   recorded as a graph. No attributes; forward only (decoding). Each group's range is clamped to [0, P] (a row no
-//   group covers is left as the output was allocated: moe_route's groups cover every row).
+// grouped_matmul_routed(x (P, K), w, offsets (E + 2) i32) -> y (P, N) and
+// grouped_matmul_weight_grad_routed(dy (P, N), x (P, K), offsets (E + 2) i32) -> dw (E, N, K): the two ops above with
+//   their groups read where they are (moe_route's offsets, on x's device; the last entry, the non-finite flag, is not
+//   read) instead of from host attributes, so that no wait for the host splits a step: a decoding step's expert GEMMs
+//   (recorded as a graph) and a training step's (docs/moe.md, "Groups on the device"). attrs.offsets stays empty;
+//   trans_w (the forward), accumulate (the weight grad, into an output) and few_rows are read. Each group's range is clamped to
+//   [0, P] (a row no group covers is left as the output was allocated: moe_route's groups cover every row). Not
+//   differentiable: the MoE layer composes its backward from them.
 struct GroupedMatmulAttrs {
   std::vector<int64_t> offsets;
   bool trans_w = true;
   // grouped_matmul_weight_grad written into an existing output (grouped_matmul_weight_grad_into): dw[e] += instead of
   // =, an empty group's block left as it is (a model's expert gradients accumulating over micro-batches in place).
   bool accumulate = false;
+  // The routed ops: the rows are a decoding step's, a few an expert (memory-bound: kernels built for that take them,
+  // cuda/routed_skinny and routed_rows), not a training step's (tensor-core kernels: cuda/hopper_grouped_gemm). Which
+  // kernels may run, not what is computed.
+  bool few_rows = false;
 };
 
 // moe_route(logits (T, E) f32 or f64) -> (probs, weights, picked, inv_sum, offsets, token, pair, position): a

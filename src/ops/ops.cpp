@@ -47,7 +47,9 @@ OpAttrs normalize_attrs(OpId op, OpAttrs attrs) {
     case OpId::gated_delta_rule_backward:
     case OpId::gated_delta_rule_state: return expect(GatedDeltaAttrs{});
     case OpId::grouped_matmul:
-    case OpId::grouped_matmul_weight_grad: return expect(GroupedMatmulAttrs{});
+    case OpId::grouped_matmul_weight_grad:
+    case OpId::grouped_matmul_routed:
+    case OpId::grouped_matmul_weight_grad_routed: return expect(GroupedMatmulAttrs{});
     case OpId::moe_route: return expect(MoeRouteAttrs{});
     case OpId::moe_pad_plan: return expect(MoePadAttrs{});
     case OpId::moe_ep_messages:

@@ -188,14 +188,22 @@ bool expert_blocks_contiguous(const Tensor& t);
 // The layout predicate of every grouped_matmul(_weight_grad) kernel: x and dy contiguous, w and dw with contiguous
 // expert blocks, y contiguous.
 Support grouped_matmul_layout(const OpCall& call);
-// Shape inference of the two ops (called by infer_outputs) and their backward compositions (called by op_backward).
+// Shape inference of the four ops (called by infer_outputs) and the backward compositions of the first two (called by
+// op_backward).
 std::vector<TensorSpec> infer_grouped_matmul_outputs(OpId op, const std::vector<Tensor>& inputs, const OpAttrs& attrs);
 std::vector<Tensor> grouped_matmul_op_backward(ExecContext& ctx, OpId op, const std::vector<Tensor>& inputs,
                                                const OpAttrs& attrs, const Tensor& grad_output);
 
-// grouped_matmul of w (E, N, K) (trans_w) with the groups of moe_route's offsets (E + 2) read on the device (formulas
-// at GroupedMatmulAttrs): decoding's expert GEMMs, no wait for the host. x is made contiguous.
-Tensor grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets);
+// The routed ops (formulas at GroupedMatmulAttrs: the groups of moe_route's offsets (E + 2) read on the device, no wait
+// for the host), only where a kernel of the exact dtype takes the call: false, with nothing computed, where none does,
+// so that a caller holding the groups can read them to the host and run grouped_matmul(_weight_grad) instead (the MoE
+// layer: docs/moe.md, "Groups on the device"). few_rows: a decoding step's rows (GroupedMatmulAttrs::few_rows). The
+// weight grad is written into `out` ((E, N, K) of dy's dtype with contiguous expert blocks), dw[e] += when
+// `accumulate`. x and dy are made contiguous.
+bool try_grouped_matmul_routed(ExecContext& ctx, const Tensor& x, const Tensor& w, const Tensor& offsets, bool trans_w,
+                               bool few_rows, Tensor& y);
+bool try_grouped_matmul_weight_grad_routed_into(ExecContext& ctx, const Tensor& dy, const Tensor& x,
+                                                const Tensor& offsets, const Tensor& out, bool accumulate);
 
 // A mixture-of-experts layer's routing for one batch on the logits' device (formulas and layouts at MoeRouteAttrs in
 // ops/op_table.h): the router choice and the plan of pairs sorted by expert, in one op.

@@ -467,6 +467,7 @@ std::vector<TensorSpec> infer_outputs(OpId op, const std::vector<Tensor>& in, co
     case OpId::grouped_matmul:
     case OpId::grouped_matmul_weight_grad:
     case OpId::grouped_matmul_routed:
+    case OpId::grouped_matmul_weight_grad_routed:
       return infer_grouped_matmul_outputs(op, in, attrs);  // ops/grouped_matmul.cpp
     case OpId::moe_route: {
       const auto& a = std::get<MoeRouteAttrs>(attrs);

@@ -4,7 +4,8 @@
 // the backward (dx and dw on each device through op_backward; finite differences in f64 on the CPU).
 // Sizes: K and N multiples of 8 (16-byte rows in bf16/f16, 32 in f32) take the CUDA grouped call
 // (cuda/cublas_grouped_gemm); odd ones (7, 5) leave the 16-byte alignment it needs and take the per-group cuBLAS
-// fallback, so both CUDA kernels run in every dtype; K and N of 256 take cuda/hopper_grouped_gemm in bf16 on sm_90.
+// fallback, so both CUDA kernels run in every dtype; K and N of 256 take cuda/hopper_grouped_gemm in bf16 on sm_90
+// (the routed ops' too).
 // The CPU has f32/f64 kernels; its bf16/f16 rows run as upcast_f32. Strided weight views (a narrowed fused gate_up_proj) cannot be expressed here (inputs are contiguous):
 // tests/ops/test_grouped_matmul.cpp checks them on every device.
 #include "testing/op_check.h"
@@ -124,25 +125,53 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
   add_forward(48, 64, {1100, 0, 37, 1030}, false, kLarge);
   add_weight_grad(48, 64, {1100, 0, 37, 1030}, kLarge);
 
-  // grouped_matmul_routed(x (P, K), w (E, N, K), offsets (E + 2)): the groups as moe_route leaves them on the device
-  // (its last entry, the non-finite flag, unread). Odd K (the element kernel on CUDA), whole packs (the skinny
-  // kernel: chunks of 8 rows, a group of 19 takes three, a group of one, empty groups first, inside and last), K too
-  // wide for a staged chunk in f32 (1,536 x 8 x 4 bytes: read from global memory), and no rows.
-  const auto add_routed = [&](int64_t k, int64_t n, const std::vector<int64_t>& counts,
-                              const std::vector<DType>& dtypes) {
+  // The routed ops, their groups as moe_route leaves them on the device (its last entry, the non-finite flag, unread).
+  // grouped_matmul_routed(x (P, K), w, offsets (E + 2)) with few_rows (a decoding step's): odd K (the element kernel
+  // on CUDA), whole packs (the skinny kernel: chunks of 8 rows, a group of 19 takes three, a group of one, empty
+  // groups first, inside and last), K too wide for a staged chunk in f32 (1,536 x 8 x 4 bytes: read from global
+  // memory), and no rows. Without few_rows (a training step's), !trans_w too, and
+  // grouped_matmul_weight_grad_routed(dy (P, N), x (P, K), offsets (E + 2)) -> (E, N, K): on CUDA only the Hopper
+  // kernel takes those (the MoE layer reads the groups to the host where none does), so they skip elsewhere.
+  const auto routed_offsets = [](const std::vector<int64_t>& counts) {
     std::vector<double> off;
     for (int64_t o : offsets_of(counts)) off.push_back(double(o));
     off.push_back(-1.0);
-    const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
-    c.push_back({OpId::grouped_matmul_routed,
-                 fmt::format("p={},e={},k={},n={},groups={}", p, e, k, n, groups_str(counts)), {{p, k}, {e, n, k}, {e + 2}},
-                 {}, dtypes, false, false, {{}, {}, off}});
+    return off;
   };
-  add_routed(7, 5, {3, 0, 6, 4}, kFloat);
-  add_routed(16, 24, {0, 1, 19, 0, 8, 0}, kFloat);
-  add_routed(64, 40, {9, 0, 0, 1, 2, 16, 0}, kFloat);
-  add_routed(1536, 6, {2, 9, 0}, kLarge);
-  add_routed(16, 8, {0, 0, 0}, kFloat);
+  const auto add_routed = [&](int64_t k, int64_t n, const std::vector<int64_t>& counts, bool trans_w, bool few_rows,
+                              const std::vector<DType>& dtypes) {
+    const std::vector<double> off = routed_offsets(counts);
+    const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
+    const Shape w = trans_w ? Shape{e, n, k} : Shape{e, k, n};
+    GroupedMatmulAttrs attrs{{}, trans_w};
+    attrs.few_rows = few_rows;
+    c.push_back({OpId::grouped_matmul_routed,
+                 fmt::format("p={},e={},k={},n={},groups={},trans_w={},few_rows={}", p, e, k, n, groups_str(counts),
+                             int(trans_w), int(few_rows)),
+                 {{p, k}, w, {e + 2}}, attrs, dtypes, false, false, {{}, {}, off}});
+  };
+  const auto add_routed_grad = [&](int64_t n, int64_t k, const std::vector<int64_t>& counts,
+                                   const std::vector<DType>& dtypes) {
+    const std::vector<double> off = routed_offsets(counts);
+    const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
+    c.push_back({OpId::grouped_matmul_weight_grad_routed,
+                 fmt::format("p={},e={},n={},k={},groups={}", p, e, n, k, groups_str(counts)), {{p, n}, {p, k}, {e + 2}},
+                 GroupedMatmulAttrs{}, dtypes, false, false, {{}, {}, off}});
+  };
+  add_routed(7, 5, {3, 0, 6, 4}, true, true, kFloat);
+  add_routed(16, 24, {0, 1, 19, 0, 8, 0}, true, true, kFloat);
+  add_routed(64, 40, {9, 0, 0, 1, 2, 16, 0}, true, true, kFloat);
+  add_routed(1536, 6, {2, 9, 0}, true, true, kLarge);
+  add_routed(16, 8, {0, 0, 0}, true, true, kFloat);
+  add_routed(7, 5, {3, 0, 6, 4}, true, false, kFloat);
+  add_routed(6, 5, {0, 5, 4}, false, false, kFloat);
+  add_routed_grad(5, 7, {3, 0, 6, 4}, kFloat);
+  add_routed_grad(16, 16, {0, 0, 0, 0}, kFloat);  // P = 0: every block is zero
+  // The Hopper kernel's sizes with its schedule built on the device (bf16 on sm_90): groups across its 128-row tiles
+  // and 64-row stages, empty ones (zero blocks in the weight grad).
+  add_routed(256, 256, {300, 0, 37, 129, 1, 64, 65}, true, false, kLarge);
+  add_routed(256, 256, {130, 63, 0, 128}, false, false, kLarge);
+  add_routed_grad(256, 256, {0, 200, 1, 127, 0}, kLarge);
 
   // moe_route(logits (T, E)): f32 and f64 logits (the routing dtypes); the integer outputs (choices, plan) must be
   // exact. Qwen3-30B-A3B's 128 / top-8 and Qwen3-Next's 512 / top-10 (several probabilities per lane), k = E, k = 1 of

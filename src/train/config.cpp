@@ -164,9 +164,14 @@ const std::vector<Option>& options() {
                 "mixture-of-experts models: add router_aux_loss_coef x the load-balancing loss to the trained loss: "
                 "auto (as config.json's output_router_logits, like transformers) | on | off (docs/moe.md)",
                 router_aux_loss),
+      LATHE_OPT("train.moe_host_groups", Kind::Bool, "false",
+                "mixture-of-experts models: read each sparse layer's expert groups on the host as it is routed (a wait "
+                "per layer) instead of leaving them on the device; cp, ep and pp always do (docs/moe.md)",
+                moe_host_groups),
       LATHE_NUM("train.moe_padded_max_waste", Kind::Float, "1.5", at_least(0),
-                "mixture-of-experts models: run the experts as one batched GEMM over blocks padded to the largest "
-                "expert's rows while E x those rows <= this x the routed rows (0: grouped GEMMs always; docs/moe.md)",
+                "mixture-of-experts models, with the groups read on the host: run the experts as one batched GEMM "
+                "over blocks padded to the largest expert's rows while E x those rows <= this x the routed rows (0: "
+                "grouped GEMMs always; docs/moe.md)",
                 moe_padded_max_waste),
       LATHE_NUM("train.max_grad_norm", Kind::Float, "1.0", at_least(0), "global-norm gradient clipping (0 = off)", max_grad_norm),
       LATHE_NUM("train.seed", Kind::Int, "0", at_least(0), "seed of data order and initialisation", seed),

@@ -75,6 +75,7 @@ struct TrainConfig {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   std::string optimizer_states = "f32";  // f32 (f32 masters + moments) | bf16 (bf16 parameters updated in place)
   std::string router_aux_loss = "auto";  // MoE: auto (config.json's output_router_logits) | on | off
+  bool moe_host_groups = false;          // MoE: ModelOptions::moe_host_groups
   double moe_padded_max_waste = 1.5;     // MoE: ModelOptions::moe_padded_max_waste (0: grouped expert GEMMs always)
   double max_grad_norm = 1.0;
   uint64_t seed = 0;

@@ -409,6 +409,7 @@ void Trainer::Impl::build() {
   mopt.train_base = !lora_;
   if (c_.router_aux_loss != "auto") mopt.router_aux_loss = c_.router_aux_loss == "on";  // MoE (config.cpp checks)
   mopt.moe_padded_max_waste = c_.moe_padded_max_waste;
+  mopt.moe_host_groups = c_.moe_host_groups;
   mopt.tp = tp_;
   mopt.sequence_parallel = c_.sp;
   mopt.cp = groups_ ? groups_->cp.get() : nullptr;

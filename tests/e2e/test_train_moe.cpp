@@ -66,8 +66,9 @@ fs::path setup(const std::string& name, const char* model, const std::string& ex
 }
 
 // The losses of 3 `lathe train` steps of dir's config with train.`key` = `value`, written to dir/value.
-std::vector<double> three_steps(const fs::path& dir, const std::string& key, const std::string& value) {
-  const std::string sets = " --set train.max_steps=3 --set train." + key + "=" + value + " --set output_dir=";
+std::vector<double> three_steps(const fs::path& dir, const std::string& key, const std::string& value,
+                                const std::string& more = "") {
+  const std::string sets = " --set train.max_steps=3 --set train." + key + "=" + value + more + " --set output_dir=";
   const LatheRun r = lathe_e2e::lathe("train " + (dir / "config.yaml").string() + sets + (dir / value).string());
   EXPECT_EQ(r.exit_code, 0) << r.output;
   return losses(dir / value);
@@ -188,10 +189,12 @@ TEST(MoeTrain, PaddedExpertsTrainAsTheGroupedOnes) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("train.moe_padded_max_waste: must be >= 0 (got -1)"), std::string::npos)
       << bad.output;
-  // 0: grouped GEMMs; 1e9: every layer's experts as one batched GEMM over padded blocks. Same losses within f32
-  // rounding (the CPU runs f32 here; the f64 equality is tests/models/test_moe.cpp's MoePadded).
-  const std::vector<std::vector<double>> runs = {three_steps(dir, "moe_padded_max_waste", "0"),
-                                                  three_steps(dir, "moe_padded_max_waste", "1e9")};
+  // 0: grouped GEMMs with the groups on the device (the default); 1e9 with the groups read on the host: every layer's
+  // experts as one batched GEMM over padded blocks. Same losses within f32 rounding (the CPU runs f32 here; the f64
+  // equalities are tests/models/test_moe.cpp's MoePadded and MoeGroupsOnDevice).
+  const std::vector<std::vector<double>> runs = {
+      three_steps(dir, "moe_padded_max_waste", "0"),
+      three_steps(dir, "moe_padded_max_waste", "1e9", " --set train.moe_host_groups=true")};
   ASSERT_EQ(runs[0].size(), 3u);
   ASSERT_EQ(runs[1].size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(runs[1][i], runs[0][i], 1e-4 * std::abs(runs[0][i])) << "step " << i;

@@ -32,12 +32,17 @@ namespace {
 
 const fs::path kFixtures = fs::path(LATHE_TEST_DATA_DIR) / "models" / "fixtures" / "moe";
 
+// padded_max_waste applies where the groups are read on the host (host_groups; the padded form needs the counts there).
 std::unique_ptr<CausalLm> tiny_model(const std::string& type, DType dtype, uint64_t seed, bool norm = true,
-                                     double padded_max_waste = ModelOptions{}.moe_padded_max_waste) {
+                                     double padded_max_waste = ModelOptions{}.moe_padded_max_waste,
+                                     bool host_groups = false, const nlohmann::json& changes = {}) {
   ModelOptions opt;
   opt.dtype = dtype;
   opt.moe_padded_max_waste = padded_max_waste;
-  return random_causal_lm(runtime(), parse_model_config(tiny_moe_json(type, norm), "tiny"), opt, seed, 0.3);
+  opt.moe_host_groups = host_groups;
+  nlohmann::json config = tiny_moe_json(type, norm);
+  if (!changes.is_null()) config.update(changes);
+  return random_causal_lm(runtime(), parse_model_config(config, "tiny"), opt, seed, 0.3);
 }
 
 // Every parameter's value on the host.
@@ -300,8 +305,8 @@ TEST(MoeDeterminism, SameBatchGivesBitwiseTheSameResult) {
 TEST(MoePadded, BatchedExpertGemmsAgreeWithGroupedOnes) {
   for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5_moe_text"}) {
     SCOPED_TRACE(type);
-    std::unique_ptr<CausalLm> grouped = tiny_model(type, DType::F64, 31, true, 0.0);
-    std::unique_ptr<CausalLm> padded = tiny_model(type, DType::F64, 31, true, 1e9);
+    std::unique_ptr<CausalLm> grouped = tiny_model(type, DType::F64, 31, true, 0.0, true);
+    std::unique_ptr<CausalLm> padded = tiny_model(type, DType::F64, 31, true, 1e9, true);
     const PackedBatch b = random_batch(40, {0, 17, 40}, 5);
     const LossResult rg = grouped->loss(b, true), rp = padded->loss(b, true);
     EXPECT_NEAR(rp.loss, rg.loss, 1e-12 * std::abs(rg.loss));
@@ -320,13 +325,70 @@ TEST(MoePadded, BatchedExpertGemmsAgreeWithGroupedOnes) {
   }
 }
 
+// Training leaves each layer's row groups on the device (the routed grouped GEMMs read them there) and reads the aux
+// loss, the loads and the non-finite check once the backward is queued; with ModelOptions::moe_host_groups each layer
+// reads its groups at once. Both give the same loss, aux loss, loads and gradients (f64), and the device path's
+// reads back do not grow with the number of sparse layers while the host path's do.
+TEST(MoeGroupsOnDevice, AgreeWithHostGroupsAndReadBackOnceABatch) {
+  for (const char* type : {"qwen3_moe", "qwen3_next", "qwen3_5_moe_text"}) {
+    SCOPED_TRACE(type);
+    std::unique_ptr<CausalLm> device = tiny_model(type, DType::F64, 41, true, 0.0, false);
+    std::unique_ptr<CausalLm> host = tiny_model(type, DType::F64, 41, true, 0.0, true);
+    const PackedBatch b = random_batch(40, {0, 13, 40}, 6);
+    const LossResult rd = device->loss(b, true), rh = host->loss(b, true);
+    EXPECT_EQ(rd.loss, rh.loss);
+    EXPECT_GT(rh.aux_loss, 0.0);
+    EXPECT_NEAR(rd.aux_loss, rh.aux_loss, 1e-12 * rh.aux_loss);
+    ASSERT_EQ(rd.expert_load.size(), rh.expert_load.size());
+    ASSERT_FALSE(rh.expert_load.empty());
+    for (size_t i = 0; i < rh.expert_load.size(); ++i) {
+      EXPECT_EQ(rd.expert_load[i].layer, rh.expert_load[i].layer);
+      EXPECT_EQ(rd.expert_load[i].tokens_per_expert, rh.expert_load[i].tokens_per_expert);
+    }
+    for (size_t i = 0; i < host->parameters().size(); ++i) {
+      const std::vector<double> g = to_f64(host->parameters()[i].grad), q = to_f64(device->parameters()[i].grad);
+      EXPECT_LT(rel_l2(q, g), 1e-12) << host->parameters()[i].name;
+    }
+  }
+  // qwen3_moe with layer 1 dense: 2 sparse layers of 3, then 5 of 6.
+  const PackedBatch b = random_batch(40, {0, 20, 40}, 3);
+  for (bool host : {false, true}) {
+    std::vector<int64_t> reads;
+    for (int64_t layers : {3, 6}) {
+      std::unique_ptr<CausalLm> m = tiny_model("qwen3_moe", DType::F32, 5, true, 0.0, host,
+                                               {{"num_hidden_layers", layers}});
+      const int64_t before = runtime().downloads();
+      m->loss(b, true);
+      reads.push_back(runtime().downloads() - before);
+    }
+    if (host) EXPECT_GE(reads[1], reads[0] + 3) << "a wait for each sparse layer";
+    else EXPECT_EQ(reads[1], reads[0]) << "no wait inside the pass for the routing";
+  }
+}
+
+// A non-finite router logit, with the groups on the device: the routing reads it with the loads once the backward is
+// queued and refuses the batch, naming the token and the layer, before any update could use its gradients.
+TEST(MoeGroupsOnDevice, ANonFiniteRouterLogitIsRefusedAtTheBatchEnd) {
+  std::unique_ptr<CausalLm> m = tiny_model("qwen3_moe", DType::F32, 7);
+  const PackedBatch b = random_batch(40, {0, 20}, 4);
+  for (Parameter& p : m->parameters())
+    if (p.name == "model.layers.2.mlp.gate.weight") p.value.data<float>()[0] = std::nanf("");
+  try {
+    m->loss(b, true);
+    ADD_FAILURE() << "a NaN router weight was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("router logit of token 0 is not finite (layer 2's router"), std::string::npos)
+        << e.what();
+  }
+}
+
 // Gradient accumulation over micro-batches: the experts' gradients (added in place from the second micro-batch on,
 // by the grouped GEMMs and by the padded batched ones) equal the sum of each micro-batch's own, every parameter's too.
 TEST(MoeAccumulation, TwoMicroBatchesAddUpInPlace) {
-  for (double waste : {0.0, 1e9}) {
+  for (const auto& [waste, host] : {std::pair{0.0, false}, std::pair{0.0, true}, std::pair{1e9, true}}) {
     for (const char* type : {"qwen3_moe", "qwen3_next"}) {
-      SCOPED_TRACE(fmt::format("{}, {}", type, waste > 0 ? "padded" : "grouped"));
-      std::unique_ptr<CausalLm> m = tiny_model(type, DType::F64, 13, true, waste);
+      SCOPED_TRACE(fmt::format("{}, {}", type, waste > 0 ? "padded" : host ? "grouped, host groups" : "grouped"));
+      std::unique_ptr<CausalLm> m = tiny_model(type, DType::F64, 13, true, waste, host);
       const PackedBatch b1 = random_batch(40, {0, 9, 21}, 7), b2 = random_batch(40, {0, 14}, 8);
       std::map<std::string, std::vector<double>> want;
       for (const PackedBatch* b : {&b1, &b2}) {

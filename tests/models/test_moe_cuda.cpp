@@ -49,16 +49,24 @@ TEST(MoeCuda, F32AndBf16MatchTransformersFixtures) {
     const std::string name = entry.path().filename().string();
     SCOPED_TRACE(name);
     const io::SafetensorsFile ref = io::SafetensorsFile::open((entry.path() / "reference.safetensors").string());
-    // f32 twice: the experts as grouped GEMMs (padded_max_waste 0) and as one batched GEMM over padded blocks (always).
-    const double by_default = ModelOptions{}.moe_padded_max_waste;
-    for (const auto& [dtype, waste] : {std::pair{DType::F32, 0.0}, std::pair{DType::F32, 1e9},
-                                       std::pair{DType::BF16, by_default}}) {
-      SCOPED_TRACE(fmt::format("{}, moe_padded_max_waste {}", dtype_name(dtype), waste));
+    // f32 three times: the experts as grouped GEMMs with the groups on the device (the default) and read on the host,
+    // and as one batched GEMM over padded blocks (the host's groups, padded always).
+    struct Form {
+      DType dtype;
+      double waste;
+      bool host_groups;
+    };
+    for (const Form& f : {Form{DType::F32, 0.0, false}, Form{DType::F32, 0.0, true}, Form{DType::F32, 1e9, true},
+                          Form{DType::BF16, 0.0, false}}) {
+      const DType dtype = f.dtype;
+      SCOPED_TRACE(fmt::format("{}, moe_padded_max_waste {}, host groups {}", dtype_name(dtype), f.waste,
+                               f.host_groups));
       ModelOptions opt;
       opt.device = Device::cuda(0);
       opt.dtype = dtype;
       opt.router_aux_loss = true;
-      opt.moe_padded_max_waste = waste;
+      opt.moe_padded_max_waste = f.waste;
+      opt.moe_host_groups = f.host_groups;
       std::unique_ptr<CausalLm> m = load_causal_lm(runtime(), (entry.path() / "model").string(), opt);
       const PackedBatch b = make_packed_batch(runtime(), opt.device, read_i32(ref, "input_ids"),
                                               read_i32(ref, "cu_seqlens"), read_i32(ref, "labels"),
@@ -146,4 +154,51 @@ TEST(MoeCuda, Bf16TrainingStepIsBitwiseDeterministic) {
       }
     }
   }
+}
+
+// Experts the Hopper kernel's tiles cover (hidden and expert widths of 256; on sm_90 the whole step's grouped GEMMs
+// then read their groups on the device): bf16 training with the groups on the device against the host's groups, the
+// same loss, loads and gradients within bf16 rounding (the same kernels; the aux gradient computed on the device),
+// bitwise repeatable, and no read back per sparse layer (2 and 4 sparse layers read back alike).
+TEST(MoeCuda, Bf16GroupsOnTheDeviceMatchHostGroupsAndReadBackOnce) {
+  std::string why;
+  if (!runtime().has_device(Device::cuda(0), &why)) GTEST_SKIP() << "no CUDA device: " << why;
+  const auto model = [](int64_t layers, bool host_groups) {
+    const nlohmann::json j = {{"model_type", "qwen3_moe"}, {"vocab_size", 64}, {"hidden_size", 256},
+                              {"intermediate_size", 256}, {"num_hidden_layers", layers}, {"num_attention_heads", 4},
+                              {"num_key_value_heads", 2}, {"head_dim", 64}, {"num_experts", 8},
+                              {"num_experts_per_tok", 2}, {"moe_intermediate_size", 256},
+                              {"router_aux_loss_coef", 0.01}, {"output_router_logits", true}};
+    ModelOptions opt;
+    opt.device = Device::cuda(0);
+    opt.dtype = DType::BF16;
+    opt.moe_host_groups = host_groups;
+    return random_causal_lm(runtime(), parse_model_config(j, "tiny"), opt, 4, 0.05);
+  };
+  const PackedBatch b = random_batch(64, {0, 300, 700, 1024}, 6, Device::cuda(0));
+  std::unique_ptr<CausalLm> device = model(2, false), host = model(2, true);
+  const LossResult rh = host->loss(b, true);
+  for (int run = 0; run < 2; ++run) {
+    device->zero_grads();
+    const int64_t before = runtime().downloads();
+    const LossResult rd = device->loss(b, true);
+    std::printf("[moe cuda bf16, groups on the device] run %d: loss %.6f (host groups %.6f), aux %.6f (%.6f), %lld "
+                "reads back\n", run, rd.loss, rh.loss, rd.aux_loss, rh.aux_loss,
+                static_cast<long long>(runtime().downloads() - before));
+    EXPECT_NEAR(rd.loss, rh.loss, 1e-6 * std::abs(rh.loss));
+    EXPECT_NEAR(rd.aux_loss, rh.aux_loss, 1e-6 * std::abs(rh.aux_loss));  // f32 on the device, f64 on the host
+    ASSERT_EQ(rd.expert_load.size(), 2u);
+    for (size_t i = 0; i < 2; ++i) EXPECT_EQ(rd.expert_load[i].tokens_per_expert, rh.expert_load[i].tokens_per_expert);
+    for (size_t i = 0; i < host->parameters().size(); ++i)
+      EXPECT_LT(rel_l2(to_f64(device->parameters()[i].grad), to_f64(host->parameters()[i].grad)), 1e-2)
+          << host->parameters()[i].name;
+  }
+  std::vector<int64_t> reads;
+  for (int64_t layers : {2, 4}) {
+    std::unique_ptr<CausalLm> m = model(layers, false);
+    const int64_t before = runtime().downloads();
+    m->loss(b, true);
+    reads.push_back(runtime().downloads() - before);
+  }
+  EXPECT_EQ(reads[0], reads[1]) << "a read back per sparse layer: some grouped GEMM took the host's groups";
 }

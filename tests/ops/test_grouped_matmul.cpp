@@ -363,6 +363,64 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
   EXPECT_EQ(std::count(kernels.begin(), kernels.end(), std::string("cuda/hopper_grouped_gemm")), 6);
 }
 
+// The routed ops (groups read on the device, moe_route's offsets with the non-finite flag last) against the ops with
+// host groups, a training step's (not few_rows), wherever a kernel of the exact dtype takes them (try_* returns false,
+// computing nothing, elsewhere): the same bytes, as the same kernel computes both (the CPU's f32 and f64; on sm_90 in
+// bf16 the Hopper kernel, its tile schedule built on the device). The forward from a narrowed fused weight and !trans_w, the weight grad into a narrowed view fresh (an empty
+// group's block zeroed) and accumulated.
+TEST(GroupedMatmul, GroupsOnTheDeviceGiveTheBytesOfHostGroups) {
+  const std::vector<int64_t> counts = {700, 0, 1, 63, 64, 65, 127, 128, 129, 323};
+  std::vector<int64_t> offsets = {0};
+  for (int64_t n : counts) offsets.push_back(offsets.back() + n);
+  std::vector<double> flagged(offsets.begin(), offsets.end());
+  flagged.push_back(-1.0);
+  const int64_t p = offsets.back(), e = int64_t(counts.size()), k = 256, n = 256;
+  std::mt19937 rng(12);
+  const std::vector<double> xv = random_values(p * k, rng), fused = random_values(e * 2 * n * k, rng),
+                            dyv = random_values(p * n, rng), before = random_values(e * 3 * n * k, rng);
+  int64_t compared = 0;
+  for (Device device : devices()) {
+    for (DType dt : dtypes(device)) {
+      ExecContext ctx = runtime().context(device);
+      std::vector<std::string> kernels;
+      const ResolutionObserver observer = [&](const OpCall& c, const Resolution& r) {
+        if (c.op == OpId::grouped_matmul_routed || c.op == OpId::grouped_matmul_weight_grad_routed)
+          kernels.push_back(r.name);
+      };
+      ctx.observer = &observer;
+      const Tensor off = make(flagged, {e + 2}, DType::I32, device);
+      const Tensor x = make(xv, {p, k}, dt, device), dy = make(dyv, {p, n}, dt, device);
+      const Tensor w = make(fused, {e, 2 * n, k}, dt, device).narrow(1, n, n);
+      for (bool trans_w : {true, false}) {
+        Tensor y;
+        if (!try_grouped_matmul_routed(ctx, x, w, off, trans_w, false, y)) continue;
+        EXPECT_EQ(bytes_of(y), bytes_of(grouped_matmul(ctx, x, w, {offsets, trans_w})))
+            << where(device, dt) << ", trans_w " << trans_w;
+        ++compared;
+      }
+      const Tensor host = make(before, {e, 3 * n, k}, dt, device), routed = make(before, {e, 3 * n, k}, dt, device);
+      for (bool accumulate : {false, true}) {
+        if (!try_grouped_matmul_weight_grad_routed_into(ctx, dy, x, off, routed.narrow(1, n, n), accumulate)) continue;
+        GroupedMatmulAttrs g{offsets, true};
+        g.accumulate = accumulate;
+        grouped_matmul_weight_grad_into(ctx, dy, x, host.narrow(1, n, n), g);
+        EXPECT_EQ(bytes_of(routed), bytes_of(host)) << where(device, dt) << ", accumulate " << accumulate;
+        ++compared;
+      }
+      ctx.observer = nullptr;
+      if (device.is_cpu() && dt != DType::BF16) EXPECT_EQ(kernels.size(), 4u) << where(device, dt);
+      const bool hopper = ctx.registry.find(OpId::grouped_matmul_routed, DeviceType::CUDA, DType::BF16,
+                                            "cuda/hopper_grouped_gemm") != nullptr;
+      if (device.is_cuda() && dt == DType::BF16 && hopper) {
+        EXPECT_EQ(kernels, std::vector<std::string>(4, "cuda/hopper_grouped_gemm"));
+        std::printf("[hopper, groups on the device] forward, !trans_w, weight grad fresh and accumulated: the bytes "
+                    "of host groups\n");
+      }
+    }
+  }
+  EXPECT_GE(compared, 8) << "the CPU's f64 and f32 rows, at least";
+}
+
 TEST(GroupedMatmul, SecondRunGivesIdenticalBytes) {
   const std::vector<int64_t> offsets = {0, 40, 41, 41, 100};
   std::mt19937 rng(9);

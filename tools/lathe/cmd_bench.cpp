@@ -47,6 +47,7 @@ struct Args {
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0, grad_accum = 1;
   uint64_t seed = 1;
   bool recompute = false, keeps_attention = false, profile = false, nondeterministic = false, gemm_autotune = false;
+  bool moe_host_groups = false;
   bool no_memory_plan = false;
   bool memory_report = false;
   double moe_padded_max_waste = ModelOptions{}.moe_padded_max_waste;
@@ -258,6 +259,7 @@ void run(const Args& a) {
   mo.deterministic = !a.nondeterministic;
   mo.train_base = !lora;
   mo.moe_padded_max_waste = a.moe_padded_max_waste;
+  mo.moe_host_groups = a.moe_host_groups;
   const auto t_init = Clock::now();
   std::unique_ptr<CausalLm> loaded;
   double write_s = 0;
@@ -338,7 +340,10 @@ void run(const Args& a) {
   Allocator& device_memory = rt.backend(device.type).allocator(device.index);
   device_memory.reset_peak();  // steady_peak_mib: the timed steps only
   std::vector<double> times;
+  const int64_t downloads_before = rt.downloads();
   for (int64_t i = 0; i < a.steps; ++i) times.push_back(timed_step());
+  // The step's waits for the device's queued work to read results back (losses, the gradient norm, MoE routing).
+  const double reads_per_step = double(rt.downloads() - downloads_before) / double(a.steps);
   double total = 0;
   for (double t : times) total += t;
   const double step_s = total / double(times.size());
@@ -366,6 +371,7 @@ void run(const Args& a) {
              dtype_name(dtype), states, device.str(), card,
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
+  fmt::print("reads back: {:.1f} a step (each a wait for the device's queued work)\n", reads_per_step);
   fmt::print("memory: {:.0f} MiB peak over the timed steps, {:.0f} MiB reserved at the end; {}\n",
              double(memory.peak_allocated) / 1048576.0, double(memory.reserved) / 1048576.0,
              !plan ? "no memory plan (--no-memory-plan)"
@@ -387,6 +393,8 @@ void run(const Args& a) {
                       {"peak_mib", peak_mib},
                       {"step_ms", 1e3 * step_s},
                       {"step_ms_min", 1e3 * min_s},
+                      {"reads_per_step", reads_per_step},
+                      {"moe_host_groups", a.moe_host_groups},
                       {"step_ms_each", [&] {
                          std::vector<double> ms;
                          for (double t : times) ms.push_back(1e3 * t);
@@ -488,8 +496,11 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--memory-report", a->memory_report, "print what made the memory plan's recorded step peak: the "
                 "largest blocks alive then, and what was live outside the step as it began");
   cmd->add_flag("--profile", a->profile, "after the timed steps, time every kernel of one more step and print the table");
-  cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE: batched expert GEMMs over experts padded "
-                  "to the largest count while E x that count <= this x the routed rows (0: grouped GEMMs always)")
+  cmd->add_flag("--moe-host-groups", a->moe_host_groups, "MoE: each sparse layer reads its expert groups on the host "
+                "as it is routed (a wait per layer; the padded form needs it) instead of leaving them on the device");
+  cmd->add_option("--moe-padded-max-waste", a->moe_padded_max_waste, "MoE, with --moe-host-groups: batched expert "
+                  "GEMMs over experts padded to the largest count while E x that count <= this x the routed rows (0: "
+                  "grouped GEMMs always)")
       ->capture_default_str()
       ->check(number_in(0));
   cmd->callback([a, &exit_code] {

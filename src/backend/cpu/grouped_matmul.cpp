@@ -2,8 +2,8 @@
 // group, f64 as plain loops (the reference that f32 and every device kernel are checked against). Row-major; the
 // weight (and the weight-grad output) is addressed block by block, block e at its data pointer plus e times its dim-0
 // stride, so a narrowed view of a fused (E, 2I, H) tensor is read and written in place. An empty group writes nothing
-// in the forward and a zero block in the weight grad. grouped_matmul_routed reads its groups from its offsets tensor
-// and runs the forward's kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
+// in the forward and a zero block in the weight grad. The routed ops read their groups from their offsets tensor (host
+// memory here) and run the same kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
 #include <cblas.h>
 
 #include <algorithm>
@@ -109,15 +109,19 @@ void grouped_matmul_weight_grad_f64_reference(const OpCall& c, ExecContext&) {
 
 }  // namespace
 
-// grouped_matmul_routed: the groups read from the offsets tensor (host memory here), then grouped_matmul's kernel.
+// The routed ops: the groups read from the offsets tensor (host memory here), clamped (each range within [0, P] and
+// after the one before), then the kernel of the op with host groups.
 template <void (*kernel)(const OpCall&, ExecContext&)>
 void routed(const OpCall& c, ExecContext& ctx) {
+  const bool forward = c.op == OpId::grouped_matmul_routed;
   const int32_t* off = c.inputs[2].data<int32_t>();
-  const int64_t experts = c.inputs[1].size(0), rows = c.inputs[0].size(0);
-  GroupedMatmulAttrs a{{}, true};
-  for (int64_t e = 0; e <= experts; ++e)  // clamped: each range within [0, P] and after the one before
+  const int64_t experts = c.inputs[2].size(0) - 2, rows = c.inputs[0].size(0);
+  GroupedMatmulAttrs a = c.attr<GroupedMatmulAttrs>();
+  for (int64_t e = 0; e <= experts; ++e)
     a.offsets.push_back(e == experts ? rows : std::clamp<int64_t>(off[e], e ? a.offsets.back() : 0, rows));
-  kernel(OpCall{OpId::grouped_matmul, {c.inputs[0], c.inputs[1]}, c.outputs, a}, ctx);
+  kernel(OpCall{forward ? OpId::grouped_matmul : OpId::grouped_matmul_weight_grad, {c.inputs[0], c.inputs[1]},
+                c.outputs, a},
+         ctx);
 }
 
 void register_cpu_grouped_matmul_kernels(KernelRegistry& r) {
@@ -125,6 +129,10 @@ void register_cpu_grouped_matmul_kernels(KernelRegistry& r) {
                   grouped_matmul_layout, routed<grouped_matmul_f32>});
   r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CPU, DType::F64, "cpu/reference_loops",
                   grouped_matmul_layout, routed<grouped_matmul_f64_reference>});
+  r.add(KernelDef{OpId::grouped_matmul_weight_grad_routed, DeviceType::CPU, DType::F32, "cpu/openblas_sgemm_per_group",
+                  grouped_matmul_layout, routed<grouped_matmul_weight_grad_f32>});
+  r.add(KernelDef{OpId::grouped_matmul_weight_grad_routed, DeviceType::CPU, DType::F64, "cpu/reference_loops",
+                  grouped_matmul_layout, routed<grouped_matmul_weight_grad_f64_reference>});
   r.add(KernelDef{OpId::grouped_matmul, DeviceType::CPU, DType::F32, "cpu/openblas_sgemm_per_group",
                   grouped_matmul_layout, grouped_matmul_f32});
   r.add(KernelDef{OpId::grouped_matmul, DeviceType::CPU, DType::F64, "cpu/reference_loops", grouped_matmul_layout,

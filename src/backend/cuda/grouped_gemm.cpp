@@ -177,9 +177,14 @@ bool device_is_sm90() {
   return yes;
 }
 
+bool is_weight_grad(OpId op) {
+  return op == OpId::grouped_matmul_weight_grad || op == OpId::grouped_matmul_weight_grad_routed;
+}
+bool is_routed(OpId op) { return op == OpId::grouped_matmul_routed || op == OpId::grouped_matmul_weight_grad_routed; }
+
 Support hopper_supports(const OpCall& c) {
   if (Support s = grouped_matmul_layout(c); !s.ok) return s;
-  const bool grad = c.op == OpId::grouped_matmul_weight_grad;
+  const bool grad = is_weight_grad(c.op), routed = is_routed(c.op);
   const int64_t p = c.inputs[0].size(0);
   const int64_t k = grad ? c.inputs[1].size(1) : c.inputs[0].size(1);  // x's row length
   const int64_t n = grad ? c.inputs[0].size(1) : c.outputs[0].size(1);  // dy's / y's row length
@@ -194,11 +199,20 @@ Support hopper_supports(const OpCall& c) {
   for (const Tensor* t : {&c.inputs[0], &c.inputs[1], &c.outputs[0]})
     aligned &= reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
   if (!aligned) return Support::no("TMA needs 16-byte aligned operands and expert blocks");
-  const std::vector<int64_t>& off = c.attr<GroupedMatmulAttrs>().offsets;
+  const int64_t experts = blocks.size(0);
   int64_t tiles = 0;  // the persistent schedule's tile indices are ints
-  for (size_t e = 0; e + 1 < off.size(); ++e)
-    tiles += grad ? int64_t(off[e + 1] > off[e]) * (n / kHopperTileM) * (k / kHopperTileN)
-                  : (off[e + 1] - off[e] + kHopperTileM - 1) / kHopperTileM * (n / kHopperTileN);
+  if (routed) {  // the most the groups on the device can make
+    if (experts > kHopperScheduleMaxExperts)
+      return Support::no(fmt::format("more than {} experts (the device schedule's)", kHopperScheduleMaxExperts));
+    if (c.attr<GroupedMatmulAttrs>().few_rows) return Support::no("a decoding step's few rows (cuda/routed_skinny's)");
+    tiles = grad ? experts * (n / kHopperTileM) * (k / kHopperTileN)
+                 : ((p + kHopperTileM - 1) / kHopperTileM + experts) * (n / kHopperTileN);
+  } else {
+    const std::vector<int64_t>& off = c.attr<GroupedMatmulAttrs>().offsets;
+    for (size_t e = 0; e + 1 < off.size(); ++e)
+      tiles += grad ? int64_t(off[e + 1] > off[e]) * (n / kHopperTileM) * (k / kHopperTileN)
+                    : (off[e + 1] - off[e] + kHopperTileM - 1) / kHopperTileM * (n / kHopperTileN);
+  }
   if (tiles > INT_MAX) return Support::no("more than INT_MAX output tiles");
   return Support::yes();
 }
@@ -230,19 +244,46 @@ CUtensorMap bf16_tensor_map(const void* base, std::vector<cuuint64_t> dims, std:
   return map;
 }
 
+// The tile table: built here from host groups (and the empty blocks of a fresh weight grad zeroed), or on the device
+// from the routed ops' offsets (with zero tiles for those blocks), its length then read there by the kernel.
+void schedule_hopper(const OpCall& c, ExecContext& ctx, HopperGemmLaunch& l, Tensor& table) {
+  CudaStream& s = as_cuda(ctx.stream);
+  const bool grad = is_weight_grad(c.op);
+  const auto& attrs = c.attr<GroupedMatmulAttrs>();
+  if (!is_routed(c.op)) {
+    zero_empty_blocks(c, s);
+    const std::vector<HopperTile> tiles = hopper_tiles(attrs.offsets, grad);
+    if (tiles.empty()) return;
+    table = Tensor::empty({int64_t(tiles.size() * sizeof(HopperTile) / 8)}, DType::I64, ctx.allocator);
+    s.upload_async(table.data_ptr(), tiles.data(), tiles.size() * sizeof(HopperTile));
+    l.tiles = static_cast<const HopperTile*>(table.data_ptr());
+    l.tile_rows = int(tiles.size());
+    return;
+  }
+  const Tensor& offsets = c.inputs[2];
+  const int64_t experts = offsets.size(0) - 2, p = c.inputs[0].size(0);
+  const int64_t room = grad ? experts : (p + kHopperTileM - 1) / kHopperTileM + experts;
+  if (room == 0) return;
+  // The table's entries, then its length (one more 16-byte entry's room).
+  table = Tensor::empty({(room + 1) * int64_t(sizeof(HopperTile) / 8)}, DType::I64, ctx.allocator);
+  auto* tiles = static_cast<HopperTile*>(table.data_ptr());
+  int* count = reinterpret_cast<int*>(tiles + room);
+  launch_hopper_schedule(offsets.data<int32_t>(), int(experts), int(p), grad, grad && !attrs.accumulate, tiles, count,
+                         s.handle());
+  l.tiles = tiles;
+  l.tile_rows = int(room);
+  l.tile_count = count;
+}
+
 void run_hopper(const OpCall& c, ExecContext& ctx) {
   CudaStream& s = as_cuda(ctx.stream);
   const auto& attrs = c.attr<GroupedMatmulAttrs>();
-  const bool grad = c.op == OpId::grouped_matmul_weight_grad;
-  zero_empty_blocks(c, s);
-  const std::vector<HopperTile> tiles = hopper_tiles(attrs.offsets, grad);
-  if (tiles.empty()) return;
-  const Tensor table = Tensor::empty({int64_t(tiles.size() * sizeof(HopperTile) / 8)}, DType::I64, ctx.allocator);
-  s.upload_async(table.data_ptr(), tiles.data(), tiles.size() * sizeof(HopperTile));
-  const auto u = [](int64_t v) { return cuuint64_t(v); };
+  const bool grad = is_weight_grad(c.op);
   HopperGemmLaunch l{};
-  l.tiles = static_cast<const HopperTile*>(table.data_ptr());
-  l.tile_rows = int(tiles.size());
+  Tensor table;  // scratch for the kernel's tile table, reused in the stream's order once released
+  schedule_hopper(c, ctx, l, table);
+  if (l.tile_rows == 0) return;
+  const auto u = [](int64_t v) { return cuuint64_t(v); };
   CUtensorMap a, b, out;
   if (grad) {
     const Tensor& dy = c.inputs[0];   // (P, N)
@@ -349,8 +390,15 @@ void run_per_group(const OpCall& c, ExecContext& ctx) {
 
 // grouped_matmul_routed (routed_gemm.cu): the skinny kernel where the operands are whole aligned packs, else the
 // element kernel.
+Support routed_layout(const OpCall& c) {
+  const auto& attrs = c.attr<GroupedMatmulAttrs>();
+  if (!attrs.few_rows) return Support::no("not few_rows: built for a decoding step's few rows an expert");
+  if (!attrs.trans_w) return Support::no("w (E, K, N) (!trans_w): decoding's kernels take (E, N, K)");
+  return grouped_matmul_layout(c);
+}
+
 Support routed_skinny_supports(const OpCall& c) {
-  if (Support s = grouped_matmul_layout(c); !s.ok) return s;
+  if (Support s = routed_layout(c); !s.ok) return s;
   const Tensor& w = c.inputs[1];
   if (!routed_skinny_applies(w.dtype(), w.size(2), w.strides()[0], c.inputs[0].data_ptr(), w.data_ptr(),
                              c.outputs[0].data_ptr()))
@@ -369,17 +417,21 @@ void run_routed(const OpCall& c, ExecContext& ctx) {
 }  // namespace
 
 void register_cuda_grouped_gemm_kernels(KernelRegistry& r) {
-  for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
-    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_skinny", routed_skinny_supports,
-                    run_routed<true>});
-    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_rows", grouped_matmul_layout,
-                    run_routed<false>});
-  }
   const bool sm90 = device_is_sm90();
   for (DType dt : {DType::F32, DType::BF16, DType::F16}) {
+    const bool hopper = sm90 && dt == DType::BF16;
+    if (hopper) {  // the routed ops' training steps (few_rows false); the weight grad has no other kernel here
+      r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/hopper_grouped_gemm", hopper_supports,
+                      run_hopper});
+      r.add(KernelDef{OpId::grouped_matmul_weight_grad_routed, DeviceType::CUDA, dt, "cuda/hopper_grouped_gemm",
+                      hopper_supports, run_hopper});
+    }
+    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_skinny", routed_skinny_supports,
+                    run_routed<true>});
+    r.add(KernelDef{OpId::grouped_matmul_routed, DeviceType::CUDA, dt, "cuda/routed_rows", routed_layout,
+                    run_routed<false>});
     for (OpId op : {OpId::grouped_matmul, OpId::grouped_matmul_weight_grad}) {
-      if (sm90 && dt == DType::BF16)
-        r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/hopper_grouped_gemm", hopper_supports, run_hopper});
+      if (hopper) r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/hopper_grouped_gemm", hopper_supports, run_hopper});
 #ifdef LATHE_CUBLAS_GROUPED_GEMM
       r.add(KernelDef{op, DeviceType::CUDA, dt, "cuda/cublas_grouped_gemm", grouped_supports, run_grouped});
 #endif

@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* staging = smem + kStages * kStageBytes;  // the consumer warpgroups' output buffers
   const uint32_t full = ring + kStages * kStageBytes + 2 * kStagingBytes;  // kStages barriers, then the `empty` ones
   const uint32_t empty = full + kStages * 8;
-  const int tiles = l.tile_rows * l.n_tiles * (kGrad ? l.m_tiles : 1);
+  const int tile_rows = l.tile_count ? *l.tile_count : l.tile_rows;  // a schedule on the device: its length
+  const int tiles = tile_rows * l.n_tiles * (kGrad ? l.m_tiles : 1);
   const int warpgroup = int(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -331,6 +332,53 @@ __global__ void hopper_grouped_gemm_kernel(const __grid_constant__ CUtensorMap, 
 
 #endif
 
+constexpr int kScheduleThreads = 1024;
+
+// One block: the experts' clamped row counts in shared memory, each thread a run of consecutive experts, an inclusive
+// scan of the runs' entry counts (Hillis-Steele) to place them. The weight grad's order is a rank: the entries that
+// sort before an expert's (more rows, or as many and a lower index), counted over every expert.
+__global__ void __launch_bounds__(kScheduleThreads)
+    hopper_schedule_kernel(const int32_t* __restrict__ offsets, int experts, int rows, bool weight_grad,
+                           bool with_empty, HopperTile* __restrict__ tiles, int* __restrict__ count) {
+  __shared__ int sizes[kHopperScheduleMaxExperts];
+  __shared__ int scan[kScheduleThreads];
+  const int t = int(threadIdx.x);
+  const auto begin_of = [&](int e) { return min(max(offsets[e], 0), rows); };
+  for (int e = t; e < experts; e += kScheduleThreads) {
+    const int begin = begin_of(e);
+    sizes[e] = min(max(offsets[e + 1], begin), rows) - begin;
+  }
+  __syncthreads();
+  const int chunk = (experts + kScheduleThreads - 1) / kScheduleThreads;
+  const int e0 = min(t * chunk, experts), e1 = min(e0 + chunk, experts);
+  const auto listed = [&](int e) { return sizes[e] > 0 || with_empty; };
+  int mine = 0;
+  for (int e = e0; e < e1; ++e)
+    mine += weight_grad ? int(listed(e)) : (sizes[e] + kHopperTileM - 1) / kHopperTileM;
+  scan[t] = mine;
+  __syncthreads();
+  for (int step = 1; step < kScheduleThreads; step *= 2) {
+    const int add = t >= step ? scan[t - step] : 0;
+    __syncthreads();
+    scan[t] += add;
+    __syncthreads();
+  }
+  if (t == kScheduleThreads - 1) *count = scan[t];
+  int at = scan[t] - mine;
+  for (int e = e0; e < e1; ++e) {
+    const int begin = begin_of(e), end = begin + sizes[e];
+    if (!weight_grad) {
+      for (int row = begin; row < end; row += kHopperTileM) tiles[at++] = HopperTile{e, row, end, 0};
+      continue;
+    }
+    if (!listed(e)) continue;
+    int rank = 0;
+    for (int f = 0; f < experts; ++f)
+      rank += int(listed(f) && (sizes[f] > sizes[e] || (sizes[f] == sizes[e] && f < e)));
+    tiles[rank] = HopperTile{e, begin, end, 0};
+  }
+}
+
 template <HopperGemm kKind>
 void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& out,
             cudaStream_t stream) {
@@ -345,6 +393,13 @@ void launch(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& 
 }
 
 }  // namespace
+
+void launch_hopper_schedule(const int32_t* offsets, int experts, int rows, bool weight_grad, bool with_empty,
+                            HopperTile* tiles, int* count, cudaStream_t stream) {
+  hopper_schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(offsets, experts, rows, weight_grad, with_empty, tiles,
+                                                             count);
+  LATHE_CUDA_LAUNCH_CHECK("hopper_schedule");
+}
 
 void launch_hopper_grouped_gemm(const HopperGemmLaunch& l, const CUtensorMap& a, const CUtensorMap& b,
                                 const CUtensorMap& out, cudaStream_t stream) {
