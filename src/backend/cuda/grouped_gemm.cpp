@@ -14,7 +14,12 @@
 //   multiple of 128 and K of 256 (Qwen3-30B-A3B's experts: H = 2048, I = 768, 2 I = 1536), 16-byte aligned operands.
 //   The host builds its tile table (one row a 128-row slice of an expert, or a non-empty expert in the weight grad)
 //   and the TMA tensor maps of the operands and the output each call. No Debian package has a grouped GEMM for Hopper
-//   (CUTLASS is not packaged), so it is written here (docs/moe.md, "Expert GEMMs").
+//   (CUTLASS is not packaged), so it is written here (docs/moe.md, "Expert GEMMs"). It also runs the routed ops of a
+//   training step (groups on the device, not few_rows), its tile table then built on the device; the weight grad's
+//   empty experts get tiles that store zero blocks instead of the memsets.
+// - The routed forward of a decoding step (few_rows) runs on routed_gemm.cu's kernels. Where no kernel takes a routed
+//   call (a training step's off sm_90, or shapes the Hopper tiles do not cover) the MoE layer reads the groups to the
+//   host and calls the ops below.
 // - cuda/cublas_grouped_gemm: one cublasGemmGroupedBatchedEx call (cuBLAS >= 12.5), the GEMMs bucketed into cuBLAS
 //   groups of equal sizes. Its matrix pointers are read on the device (an array uploaded through the stream's pinned
 //   staging into scratch from the context's allocator), so cuBLAS cannot check their alignment: 16-bit types need

@@ -20,6 +20,9 @@
 // it out with TMA stores (the weight grad accumulating: TMA bf16 additions, old + bf16(new)) that complete while the
 // next tile is computed; a forward half that runs past its expert's rows is stored from registers instead.
 // Deterministic: a fixed reduction order per output element, each element written (or added to) once a call.
+// The tile table comes from the host (grouped_gemm.cpp builds it from host groups), or, for the routed ops (groups on
+// the device), from hopper_schedule_kernel below, one block run ahead on the stream, whose length the kernel then
+// reads on the device: the same table in the same order, so both give the same bytes.
 #include <cuda_bf16.h>
 
 #include "backend/cuda/check.h"
