@@ -550,6 +550,7 @@ void CausalLm::begin_forward(const PackedBatch& b) {
   if (lora_ && b.adapted()) lora_->refresh();  // the adapters' current values into the slots
   for (MoeRoute& r : moe_routes_) r.valid = false;     // this batch routes afresh
   moe_reads_ = {};                                      // and a pass that threw before its read leaves none
+  batch_tokens_ = b.tokens();
   cp_tables_tokens_ = -1;                               // context parallelism: this batch's tables
   decoding_ = b.cache != nullptr;                       // decoding runs every row on every rank (no cp)
 }

@@ -58,9 +58,9 @@ struct ModelOptions {
   // config's output_router_logits decides, as in transformers (off in released Qwen MoE configs).
   std::optional<bool> router_aux_loss;
   // MoE models, training: each sparse layer's row groups are read on the host as soon as it is routed (one wait per
-  // layer), as under cp, ep and pp, which share counts between ranks; false (the default) leaves them on the device
-  // for the grouped GEMMs that read them there, and reads the aux loss, the loads and the non-finite check once the
-  // batch's backward is queued (docs/moe.md, "Groups on the device").
+  // layer), as under ep and pp, which pass counts between ranks on the host; false (the default) leaves them on the
+  // device for the grouped GEMMs that read them there, and reads the aux loss, the loads and the non-finite check once
+  // the batch's backward is queued (docs/moe.md, "Groups on the device").
   bool moe_host_groups = false;
   // MoE models, where the groups are read on the host: the experts' GEMMs of a batch run as one batched GEMM over
   // (E, M, .) blocks, M = the largest expert's row count rounded up to 8 (padding rows computed and discarded), when
@@ -500,6 +500,7 @@ class CausalLm {
   ModelConfig global_config_;
   Tensor cp_cu_, cp_positions_;   // make_cp_tables' tensors, for a batch of cp_tables_tokens_ tokens
   int64_t cp_tables_tokens_ = -1;
+  int64_t batch_tokens_ = 0;  // the current batch's (begin_forward): every sparse layer routes each once (over cp)
   bool decoding_ = false;  // the current forward's batch is a decoding one (context_parallel())
   KeptAttention* kept_attention_ = nullptr;  // the slot of the layer being run (DecoderStack), or none
   ModelConfig config_;
@@ -531,8 +532,8 @@ class CausalLm {
   // the experts (their GEMMs take host groups). A decoding step of such layers only can be recorded as a graph.
   bool routes_on_device(int64_t layer, const PackedBatch& b, bool training) const;
   // Whether a training forward leaves its groups on the device (RouteRead::at_batch_end): unless the host path is
-  // asked for (ModelOptions::moe_host_groups) or ranks share counts (ep plans its exchange from them; cp and pp sum
-  // the routing totals over ranks).
+  // asked for (ModelOptions::moe_host_groups), under ep (it plans its exchange from the counts on the host) or pp (the
+  // stages pass their routing totals on the host). Under cp the totals are summed over the group on the device.
   bool groups_on_device(bool training) const;
   // The layer's output for rows x routed by r; with a batch b, its adapters apply (decoding passes none: merged).
   MoeActs moe_apply(int64_t layer, MoeRoute& r, const MoeParams& p, const Tensor& x, const PackedBatch* b,
@@ -541,11 +542,12 @@ class CausalLm {
   // moe_read_routing reads (moe_reads_).
   void aux_on_device(const std::vector<int64_t>& layers, const std::vector<MoeRoute*>& routes, bool backward,
                      double loss_scale);
-  // What moe_read_routing reads: per sparse layer in `layers` its moe_route offsets (L, E + 2) i32 (the pair counts,
-  // then the non-finite flag), and the aux loss (1) in the routing dtype.
+  // What moe_read_routing reads (aux_on_device has the layout): `values`, summed over the `ranks` of the cp group,
+  // and, for an error's token only, this rank's moe_route offsets of each of `layers`.
   struct PendingRoutingReads {
-    Tensor offsets, aux;
+    Tensor values, offsets;
     std::vector<int64_t> layers;
+    int ranks = 1;
   };
   PendingRoutingReads moe_reads_;
   // The adapters of expert parameter t of `layer` for batch b (ExpertLora::slot nullptr when none, or no batch).

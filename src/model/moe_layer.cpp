@@ -178,7 +178,7 @@ bool CausalLm::routes_on_device(int64_t layer, const PackedBatch& b, bool traini
 }
 
 bool CausalLm::groups_on_device(bool training) const {
-  return training && !options_.moe_host_groups && !expert_parallel() && !context_parallel() && pp_size() == 1;
+  return training && !options_.moe_host_groups && !expert_parallel() && pp_size() == 1;
 }
 
 MoeRoute CausalLm::make_route(const MoeParams& p, const Tensor& x, RouteRead read) {
@@ -647,7 +647,7 @@ void CausalLm::add_expert_grad(int index, const Tensor& dy, const Tensor& x, Moe
 void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_scale) {
   std::vector<RoutingTotals> totals;
   std::vector<int64_t> layers;
-  std::vector<MoeRoute*> routes;
+  std::vector<MoeRoute*> routes, by_layer;  // by_layer: each of `layers`' route, nullptr for an unrouted part
   for (size_t l = 0; l < moe_routes_.size(); ++l) {
     MoeRoute& r = moe_routes_[l];
     // Under cp every sparse layer takes part in the sum below, also on a rank whose rows are all padding (no route).
@@ -657,10 +657,13 @@ void CausalLm::moe_after_forward(LossResult& res, bool backward, double loss_sca
     totals.push_back(r.valid ? r.totals : RoutingTotals{0, std::vector<int64_t>(e, 0), std::vector<double>(e, 0.0)});
     layers.push_back(int64_t(l));
     if (r.valid) routes.push_back(&r);
+    by_layer.push_back(r.valid ? &r : nullptr);
   }
   if (totals.empty()) return;
-  if (!routes.empty() && routes[0]->sums.defined()) {  // groups on the device (every route alike: groups_on_device)
-    aux_on_device(layers, routes, backward, loss_scale);
+  // Groups on the device: every route alike, on every rank of a cp group alike (groups_on_device; a backward's
+  // forward is a training one).
+  if (groups_on_device(backward)) {
+    aux_on_device(layers, by_layer, backward, loss_scale);
     return;
   }
   // The aux loss and the loads are the whole batch's, not the rows' (cp), or the group's batches' (ep).
@@ -676,46 +679,73 @@ void CausalLm::aux_on_device(const std::vector<int64_t>& layers, const std::vect
   const int64_t e = config_.num_experts, n_layers = int64_t(layers.size());
   const DType rd = routing_dtype();  // f32 (f64 in an f64 model): CUDA's arithmetic has no f64
   LATHE_ASSERT(routes.size() == layers.size());
-  // load_balancing_loss_totals' formulas: over every layer's rows n, routed_e pairs and prob_e probability mass,
-  // aux = E sum_e routed_e prob_e / n^2 and d aux / d probs[r, e] = E routed_e / n^2. The host reads each layer's
-  // offsets as they are (i32: the counts and the non-finite flag exact) and the aux loss.
+  // One tensor in the routing dtype, summed over the cp group (each rank routes its rows of the batch): each layer's
+  // pair counts per expert (L, E), its non-finite flag (L: moe_route's last offset, -1 when every logit is finite, else
+  // a token index, so the group's sum exceeds -(ranks) exactly when some rank has a bad token), the probability sums
+  // over the layers (E), then the aux loss (1), written after the sum. Counts and flags are exact in f32 below 2^24.
+  const int64_t flags_at = n_layers * e, probs_at = flags_at + n_layers, aux_at = probs_at + e;
+  Tensor values = zeros(cx, {aux_at + 1}, rd);
+  // Each layer's offsets, this rank's (an error names its token): a cp rank without rows in a layer has all -1 there
+  // (no pairs, every logit finite).
   Tensor offsets = Tensor::empty({n_layers, e + 2}, DType::I32, cx.allocator);
-  Tensor routed, prob;
-  int64_t rows = 0;
-  for (size_t i = 0; i < routes.size(); ++i) {
-    const MoeRoute& r = *routes[i];
-    LATHE_ASSERT(r.sums.defined());
-    copy_into(cx, r.device_offsets, offsets.narrow(0, int64_t(i), 1).view({e + 2}));
-    const Tensor off = cast(cx, r.device_offsets.narrow(0, 0, e + 1), rd);
-    const Tensor counts = add(cx, off.narrow(0, 1, e), scale(cx, off.narrow(0, 0, e), -1.0));
-    routed = routed.defined() ? add(cx, routed, counts) : counts;
-    prob = prob.defined() ? add(cx, prob, r.sums) : r.sums;
-    rows += r.weights.size(0);
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const Tensor row = offsets.narrow(0, i, 1).view({e + 2});
+    if (const MoeRoute* r = routes[size_t(i)]) {
+      copy_into(cx, r->device_offsets, row);
+      const Tensor probs = values.narrow(0, probs_at, e);
+      copy_into(cx, add(cx, probs, r->sums), probs);
+    } else {
+      cx.backend.fill_bytes(row.data_ptr(), 0xff, size_t(e + 2) * sizeof(int32_t), cx.stream);
+    }
   }
-  const double unit = rows > 0 ? double(e) / (double(rows) * double(rows)) : 0.0;
-  moe_reads_ = {offsets, scale(cx, sum(cx, mul(cx, routed, prob), {0}, true), unit), layers};
+  const Tensor off = cast(cx, offsets, rd);
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const Tensor row = off.narrow(0, i, 1).view({e + 2});
+    copy_into(cx, add(cx, row.narrow(0, 1, e), scale(cx, row.narrow(0, 0, e), -1.0)), values.narrow(0, i * e, e));
+  }
+  copy_into(cx, off.narrow(1, e + 1, 1), values.narrow(0, flags_at, n_layers).view({n_layers, 1}));
+  if (Communicator* g = routing_group()) g->all_reduce(values).wait();  // ordered on the stream: no host wait
+  // load_balancing_loss_totals' formulas over every layer's rows n, routed_e pairs and prob_e probability mass:
+  // aux = E sum_e routed_e prob_e / n^2 and d aux / d probs[r, e] = E routed_e / n^2. Under cp each layer routes
+  // each of the batch's tokens once over the group.
+  const Tensor routed = sum(cx, values.narrow(0, 0, flags_at).view({n_layers, e}), {0});
+  double n = double(n_layers) * double(batch_tokens_);
+  if (!routing_group()) {
+    n = 0;
+    for (const MoeRoute* r : routes) n += double(r->weights.size(0));
+  }
+  const double unit = n > 0 ? double(e) / (n * n) : 0.0;
+  copy_into(cx, scale(cx, sum(cx, mul(cx, routed, values.narrow(0, probs_at, e)), {0}, true), unit),
+            values.narrow(0, aux_at, 1));
+  moe_reads_ = {values, offsets, layers, routing_group() ? routing_group()->size() : 1};
   if (!backward || !aux_loss_on()) return;
   const Tensor d_aux = scale(cx, routed, unit * config_.router_aux_loss_coef * loss_scale).view({1, e});
-  for (MoeRoute* r : routes) r->d_aux = d_aux;
+  for (MoeRoute* r : routes)
+    if (r) r->d_aux = d_aux;
 }
 
 void CausalLm::moe_read_routing(LossResult& res) {
-  if (!moe_reads_.offsets.defined()) return;
+  if (!moe_reads_.values.defined()) return;
   const PendingRoutingReads reads = std::move(moe_reads_);
   moe_reads_ = {};
-  const Tensor host = rt_->copy_to(reads.offsets, Device::cpu());
-  const int64_t e = config_.num_experts;
-  for (size_t i = 0; i < reads.layers.size(); ++i) {
-    const int32_t* off = host.data<int32_t>() + int64_t(i) * (e + 2);
-    LATHE_CHECK(off[e + 1] < 0, "moe: router logit of token {} is not finite (layer {}'s router produced NaN or Inf)",
-                off[e + 1], reads.layers[i]);
+  const Tensor host = rt_->copy_to(reads.values, Device::cpu());
+  const auto value = [&](int64_t i) { return load_as_double(host.data_ptr(), host.dtype(), i); };
+  const int64_t e = config_.num_experts, n_layers = int64_t(reads.layers.size());
+  for (int64_t i = 0; i < n_layers; ++i) {
+    if (value(n_layers * e + i) > -double(reads.ranks)) {  // a bad token here or (cp) on another rank: all refuse
+      const Tensor mine = rt_->copy_to(reads.offsets, Device::cpu());
+      const int32_t token = mine.data<int32_t>()[i * (e + 2) + e + 1];
+      LATHE_CHECK(token < 0, "moe: router logit of token {} is not finite (layer {}'s router produced NaN or Inf)",
+                  token, reads.layers[size_t(i)]);
+      LATHE_CHECK(false, "moe: a router logit on another context-parallel rank is not finite (layer {}'s router "
+                  "produced NaN or Inf)", reads.layers[size_t(i)]);
+    }
     std::vector<int64_t> counts;
-    for (int64_t j = 0; j < e; ++j) counts.push_back(off[j + 1] - off[j]);
+    for (int64_t j = 0; j < e; ++j) counts.push_back(std::llround(value(i * e + j)));
     const ExpertLoad load = expert_load(counts);
-    res.expert_load.push_back({reads.layers[i], load.tokens_per_expert, load.max_over_mean});
+    res.expert_load.push_back({reads.layers[size_t(i)], load.tokens_per_expert, load.max_over_mean});
   }
-  const Tensor aux = rt_->copy_to(reads.aux, Device::cpu());
-  res.aux_loss = load_as_double(aux.data_ptr(), aux.dtype(), 0);
+  res.aux_loss = value(n_layers * e + n_layers + e);
 }
 
 Tensor CausalLm::aux_from_totals(LossResult& res, const std::vector<int64_t>& layers,

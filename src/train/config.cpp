@@ -166,7 +166,7 @@ const std::vector<Option>& options() {
                 router_aux_loss),
       LATHE_OPT("train.moe_host_groups", Kind::Bool, "false",
                 "mixture-of-experts models: read each sparse layer's expert groups on the host as it is routed (a wait "
-                "per layer) instead of leaving them on the device; cp, ep and pp always do (docs/moe.md)",
+                "per layer) instead of leaving them on the device; ep and pp always do (docs/moe.md)",
                 moe_host_groups),
       LATHE_NUM("train.moe_padded_max_waste", Kind::Float, "1.5", at_least(0),
                 "mixture-of-experts models, with the groups read on the host: run the experts as one batched GEMM "

@@ -324,6 +324,30 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
   }
 }
 
+// A non-finite router logit on one cp rank only (its own copy of the routers poisoned): with the groups on the device
+// the flag travels in the group's sum of the routing figures, so every rank refuses the batch once its backward is
+// queued, the poisoned one naming its token and the others that rank's group; none goes on alone into the next
+// collective. Fails with the flag left out of the sum (the other ranks would take the step).
+TEST_F(TensorParallel, ContextParallelRanksRefuseANonFiniteRouterTogether) {
+  const int n = world->size();
+  nlohmann::json config = tiny_qwen3(2 * n, n, 12);
+  config["model_type"] = "qwen3_moe";
+  add_experts(config);
+  const std::unique_ptr<CausalLm> split = cp_model(config, nullptr, world.get());
+  if (world->rank() == n - 1)
+    for (Parameter& p : split->parameters())
+      if (p.name.find("mlp.gate.weight") != std::string::npos) p.value.data<double>()[0] = std::nan("");
+  std::string error;
+  try {
+    split->loss(random_batch(40, {0, 7, 9, 21}, 7), true);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  const std::string want = world->rank() == n - 1 ? "is not finite (layer 0's router produced NaN or Inf)"
+                                                  : "a router logit on another context-parallel rank is not finite";
+  EXPECT_NE(error.find(want), std::string::npos) << "rank " << world->rank() << ": " << error;
+}
+
 // LoRA under context parallelism: two adapters (every module, and on the mixture-of-experts families the experts'
 // fused parameters) in one batch of two segments whose boundary falls inside a rank's rows: the logits, the loss and
 // every adapter gradient, summed over the group (each rank's is its rows' part), equal the whole model's. Fails with the
