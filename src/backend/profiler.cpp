@@ -32,7 +32,8 @@ double grouped_flops(const OpCall& call) {
   const Tensor& a = call.inputs.at(0);
   const Tensor& b = call.inputs.at(1);
   const double rows = double(a.size(0));
-  if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_routed) return 2.0 * rows * double(call.outputs.at(0).size(1)) * double(a.size(1));
+  if (call.op == OpId::grouped_matmul || call.op == OpId::grouped_matmul_routed)
+    return 2.0 * rows * double(call.outputs.at(0).size(1)) * double(a.size(1));
   return 2.0 * rows * double(a.size(1)) * double(b.size(1));
 }
 

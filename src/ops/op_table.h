@@ -366,9 +366,9 @@ struct GatedDeltaAttrs {
 //   their groups read where they are (moe_route's offsets, on x's device; the last entry, the non-finite flag, is not
 //   read) instead of from host attributes, so that no wait for the host splits a step: a decoding step's expert GEMMs
 //   (recorded as a graph) and a training step's (docs/moe.md, "Groups on the device"). attrs.offsets stays empty;
-//   trans_w (the forward), accumulate (the weight grad, into an output) and few_rows are read. Each group's range is clamped to
-//   [0, P] (a row no group covers is left as the output was allocated: moe_route's groups cover every row). Not
-//   differentiable: the MoE layer composes its backward from them.
+//   trans_w (the forward), accumulate (the weight grad, into an output) and few_rows are read. Each group's range is
+//   clamped to [0, P] (a row no group covers is left as the output was allocated: moe_route's groups cover every
+//   row). Not differentiable: the MoE layer composes its backward from them.
 struct GroupedMatmulAttrs {
   std::vector<int64_t> offsets;
   bool trans_w = true;

@@ -155,8 +155,8 @@ void add_moe_op_cases(std::vector<OpCase>& c) {
     const std::vector<double> off = routed_offsets(counts);
     const int64_t p = int64_t(off[off.size() - 2]), e = int64_t(counts.size());
     c.push_back({OpId::grouped_matmul_weight_grad_routed,
-                 fmt::format("p={},e={},n={},k={},groups={}", p, e, n, k, groups_str(counts)), {{p, n}, {p, k}, {e + 2}},
-                 GroupedMatmulAttrs{}, dtypes, false, false, {{}, {}, off}});
+                 fmt::format("p={},e={},n={},k={},groups={}", p, e, n, k, groups_str(counts)),
+                 {{p, n}, {p, k}, {e + 2}}, GroupedMatmulAttrs{}, dtypes, false, false, {{}, {}, off}});
   };
   add_routed(7, 5, {3, 0, 6, 4}, true, true, kFloat);
   add_routed(16, 24, {0, 1, 19, 0, 8, 0}, true, true, kFloat);

@@ -366,8 +366,8 @@ TEST(GroupedMatmul, HopperKernelMatchesPlainLoops) {
 // The routed ops (groups read on the device, moe_route's offsets with the non-finite flag last) against the ops with
 // host groups, a training step's (not few_rows), wherever a kernel of the exact dtype takes them (try_* returns false,
 // computing nothing, elsewhere): the same bytes, as the same kernel computes both (the CPU's f32 and f64; on sm_90 in
-// bf16 the Hopper kernel, its tile schedule built on the device). The forward from a narrowed fused weight and !trans_w, the weight grad into a narrowed view fresh (an empty
-// group's block zeroed) and accumulated.
+// bf16 the Hopper kernel, its tile schedule built on the device). The forward from a narrowed fused weight and
+// !trans_w, the weight grad into a narrowed view fresh (an empty group's block zeroed) and accumulated.
 TEST(GroupedMatmul, GroupsOnTheDeviceGiveTheBytesOfHostGroups) {
   const std::vector<int64_t> counts = {700, 0, 1, 63, 64, 65, 127, 128, 129, 323};
   std::vector<int64_t> offsets = {0};

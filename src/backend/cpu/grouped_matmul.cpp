@@ -3,7 +3,8 @@
 // weight (and the weight-grad output) is addressed block by block, block e at its data pointer plus e times its dim-0
 // stride, so a narrowed view of a fused (E, 2I, H) tensor is read and written in place. An empty group writes nothing
 // in the forward and a zero block in the weight grad. The routed ops read their groups from their offsets tensor (host
-// memory here) and run the same kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and tests/ops/test_grouped_matmul.cpp.
+// memory here) and run the same kernels. Covered by tests/ops (testing/op_cases_moe.cpp) and
+// tests/ops/test_grouped_matmul.cpp.
 #include <cblas.h>
 
 #include <algorithm>
