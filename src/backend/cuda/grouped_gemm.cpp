@@ -393,8 +393,8 @@ void run_per_group(const OpCall& c, ExecContext& ctx) {
                                     p.type, p.ldb, &beta, g.c, p.type, p.ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// grouped_matmul_routed (routed_gemm.cu): the skinny kernel where the operands are whole aligned packs, else the
-// element kernel.
+// grouped_matmul_routed's decoding kernels (routed_gemm.cu; few_rows, trans_w): the skinny kernel where the operands
+// are whole aligned packs, else the element kernel.
 Support routed_layout(const OpCall& c) {
   const auto& attrs = c.attr<GroupedMatmulAttrs>();
   if (!attrs.few_rows) return Support::no("not few_rows: built for a decoding step's few rows an expert");
