@@ -500,7 +500,8 @@ class CausalLm {
   ModelConfig global_config_;
   Tensor cp_cu_, cp_positions_;   // make_cp_tables' tensors, for a batch of cp_tables_tokens_ tokens
   int64_t cp_tables_tokens_ = -1;
-  int64_t batch_tokens_ = 0;  // the current batch's (begin_forward): every sparse layer routes each once (over cp)
+  int64_t batch_tokens_ = 0;  // the current batch's (begin_forward): every sparse layer routes each once (under cp,
+                              // once over the group)
   bool decoding_ = false;  // the current forward's batch is a decoding one (context_parallel())
   KeptAttention* kept_attention_ = nullptr;  // the slot of the layer being run (DecoderStack), or none
   ModelConfig config_;

@@ -706,14 +706,10 @@ void CausalLm::aux_on_device(const std::vector<int64_t>& layers, const std::vect
   copy_into(cx, off.narrow(1, e + 1, 1), values.narrow(0, flags_at, n_layers).view({n_layers, 1}));
   if (Communicator* g = routing_group()) g->all_reduce(values).wait();  // ordered on the stream: no host wait
   // load_balancing_loss_totals' formulas over every layer's rows n, routed_e pairs and prob_e probability mass:
-  // aux = E sum_e routed_e prob_e / n^2 and d aux / d probs[r, e] = E routed_e / n^2. Under cp each layer routes
-  // each of the batch's tokens once over the group.
+  // aux = E sum_e routed_e prob_e / n^2 and d aux / d probs[r, e] = E routed_e / n^2. Each layer routes each of the
+  // batch's tokens once (under cp, once over the group).
   const Tensor routed = sum(cx, values.narrow(0, 0, flags_at).view({n_layers, e}), {0});
-  double n = double(n_layers) * double(batch_tokens_);
-  if (!routing_group()) {
-    n = 0;
-    for (const MoeRoute* r : routes) n += double(r->weights.size(0));
-  }
+  const double n = double(n_layers) * double(batch_tokens_);
   const double unit = n > 0 ? double(e) / (n * n) : 0.0;
   copy_into(cx, scale(cx, sum(cx, mul(cx, routed, values.narrow(0, probs_at, e)), {0}, true), unit),
             values.narrow(0, aux_at, 1));
@@ -737,8 +733,8 @@ void CausalLm::moe_read_routing(LossResult& res) {
       const int32_t token = mine.data<int32_t>()[i * (e + 2) + e + 1];
       LATHE_CHECK(token < 0, "moe: router logit of token {} is not finite (layer {}'s router produced NaN or Inf)",
                   token, reads.layers[size_t(i)]);
-      LATHE_CHECK(false, "moe: a router logit on another context-parallel rank is not finite (layer {}'s router "
-                  "produced NaN or Inf)", reads.layers[size_t(i)]);
+      LATHE_FAIL("moe: a router logit on another context-parallel rank is not finite (layer {}'s router produced NaN "
+                 "or Inf)", reads.layers[size_t(i)]);
     }
     std::vector<int64_t> counts;
     for (int64_t j = 0; j < e; ++j) counts.push_back(std::llround(value(i * e + j)));
