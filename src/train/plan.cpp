@@ -169,7 +169,8 @@ struct CoreScratch {
 };
 
 // `r`'s core on CUDA, for a rank's local layers `m` (bf16 or f16 models):
-// - attention: cuDNN's fused backward (bf16/f16, head dim up to 128; cudnn_attention.cpp), whose deterministic engine
+// - attention: cuDNN's fused backward (bf16/f16, head dim up to 128, and up to 256 for documents of one length;
+//   cudnn_attention.cpp), whose deterministic engine
 //   stages dS in its workspace, B x Hq x S^2 x 2 bytes for B documents of S rows (the longest rounded up to 128),
 //   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. Where that passes
 //   1/16 of the device's memory cuDNN's backward is refused and the tiled kernel runs, with 2 x T x Hq floats. The
@@ -184,7 +185,7 @@ CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const Local
   if (!on_cuda(c)) return s;
   const int64_t b = int64_t(dtype_size(dtype));
   const CoreHeads ch = core_heads(m, l, r.cp);
-  if (c.deterministic && b == 2 && m.head_dim <= 128) {
+  if (c.deterministic && b == 2 && m.head_dim <= 256) {
     s.attention = deterministic_attention_staging(c, r.tokens, r.docs, ch.q);
     // cuDNN's backward is refused where that passes 1/16 of the device's memory (cudnn_attention.cpp, prepare): the
     // tiled kernel runs instead, with two floats a row and head (flash_attention_backward_scratch_floats).
@@ -547,7 +548,7 @@ namespace {
 
 // The notes of TrainingPlan for the configured layout (docs/parallel.md, "Long documents"; the thresholds are the
 // kernels' own: cudnn_attention.cpp's 1/16 of the device for the deterministic backward's dP staging, and its head
-// dim limit of 128 for the backward).
+// dim limit of 128 for the backward of documents of unequal lengths).
 std::vector<std::string> speed_notes(const TrainConfig& c, const ModelConfig& whole, int64_t device_bytes) {
   std::vector<std::string> notes;
   const DType dtype = model_dtype(c);
@@ -555,12 +556,14 @@ std::vector<std::string> speed_notes(const TrainConfig& c, const ModelConfig& wh
   if (!on_cuda(c) || !half || whole.num_heads == 0) return notes;
   const int64_t s = c.max_seq_len, q = std::max<int64_t>(whole.num_heads / (c.tp * c.cp), 1);
   if (whole.head_dim > 128 && s >= 16384)
-    notes.push_back(fmt::format("attention backward: head dim {} runs on the tiled kernel (cuDNN's backward is not "
-                                "used above 128), the larger part of a step at {} tokens a document",
+    notes.push_back(fmt::format("attention backward: head dim {} takes cuDNN's backward only for micro-batches whose "
+                                "documents share one length (its ragged backward is wrong above 128); packed "
+                                "documents of unequal lengths run on the tiled kernel at about half its speed, the "
+                                "larger part of a step at {} tokens a document",
                                 whole.head_dim, s));
   const int64_t staging =
       deterministic_attention_staging(c, c.micro_batch_tokens, ceil_div(c.micro_batch_tokens, s), q);
-  if (c.deterministic && whole.head_dim <= 128 && device_bytes > 0 && staging > device_bytes / 16)
+  if (c.deterministic && whole.head_dim <= 256 && device_bytes > 0 && staging > device_bytes / 16)
     notes.push_back(fmt::format("attention backward: cuDNN's deterministic backward would stage {:.1f} GiB for a "
                                 "micro-batch of {}-token documents (above 1/16 of the device), so the tiled kernel "
                                 "runs it; train.deterministic: false takes cuDNN's accumulating backward (no "

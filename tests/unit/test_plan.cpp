@@ -403,7 +403,8 @@ TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
 
 // The plan's notes for long documents on CUDA name the settings that speed them up, each where its kernel's rule
 // applies: the deterministic attention backward's staging above 1/16 of the device (cudnn_attention.cpp), head dims
-// above 128 on the tiled backward, attention run again under plain recompute; none for short documents.
+// above 128 (the tiled backward for documents of unequal lengths), attention run again under plain recompute; none for
+// short documents.
 TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
   const auto notes = [](const std::string& name, const std::string& model, int64_t seq,
                         const std::vector<std::string>& sets) {

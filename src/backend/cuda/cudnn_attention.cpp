@@ -19,12 +19,18 @@
 // keys, i.e. the natural-log log-sum-exp of the scaled scores, which is the op's definition: no conversion either
 // way. cuDNN 9.14 on sm_90 takes these ragged graphs for every shape of the op cases, so documents of unequal length
 // need no fallback.
-// D > 128 backward: on cuDNN 9.14 (sm_90) the deterministic backward graph returns dQ right but dK and dV wrong at
-// D = 256, with and without GQA (op-check nmse about 0.5 against the CPU reference, or unwritten values), and the
-// non-deterministic one is off in all three (nmse 0.02-0.03 against the tiled kernel, bench/attention_bench); the
-// D <= 128 graphs, identical but for D, pass. So both registered backwards refuse D > 128 and the tiled kernel takes
-// it. The forward is right at D = 256. The non-deterministic backward is registered for calls that allow it
-// (AttentionAttrs::deterministic false), ahead of the deterministic one.
+// Layout (dense): when every document has one length L, the batch is a plain (B, heads, L, D) one (batch strides
+// L * heads * D, Stats' L * Hq) with no ragged offsets; where L is no multiple of 128 it keeps the lengths, padding
+// mask and overrides (cudnn-frontend's own workaround for such a batch up to cuDNN 9.15), otherwise it has none.
+// D > 128 backward: on cuDNN 9.14 (sm_90) the ragged backward graphs are wrong at D = 256: the deterministic one gets
+// dQ right but dK and dV off (op-check nmse about 0.5 against the CPU reference, or unwritten values), the
+// non-deterministic one all three (nmse 0.02-0.03 against the tiled kernel), with and without GQA, while the same
+// graphs at D <= 128 pass. The dense graphs at D = 256 are right (session 35: the tiled kernel's gradients to nmse
+// 1e-6 / 8e-6 / 7e-6 at 8,192 to 131,072 tokens, and the op cases, lengths of 128 and others, against the CPU
+// reference), as is torch's cuDNN
+// backend there (dev/attn256_probe.py). So the backwards refuse D > 128 unless the batch is dense, and the tiled
+// kernel takes the rest. The forward is right at D = 256 either way. The non-deterministic backward is registered
+// for calls that allow it (AttentionAttrs::deterministic false), ahead of the deterministic one.
 // Covered by tests/ops (op_cases.cpp attention cases on a CUDA device with cuDNN).
 #include "backend/cuda/cudnn_attention.h"
 
@@ -78,13 +84,17 @@ struct PlanKey {
   bool deterministic = true;
   DType dtype = DType::BF16;
   int64_t b = 0, s = 0, hq = 0, hkv = 0, d = 0;
+  // Documents of one length s as a plain (B, heads, s, D) batch: no ragged offsets; lengths and the padding mask only
+  // where s is no multiple of kRowTile (as cudnn-frontend does for such a batch before cuDNN 9.16).
+  bool dense = false;
+  bool lengths() const { return !dense || s % kRowTile != 0; }
   auto operator<=>(const PlanKey&) const = default;
 };
 
 std::string describe(const PlanKey& k) {
-  return fmt::format("{} {}{} B={} S={} Hq={} Hkv={} D={}", k.backward ? "backward" : "forward",
+  return fmt::format("{} {}{} B={} S={} Hq={} Hkv={} D={} {}", k.backward ? "backward" : "forward",
                      k.backward ? (k.deterministic ? "deterministic " : "nondeterministic ") : "", dtype_name(k.dtype),
-                     k.b, k.s, k.hq, k.hkv, k.d);
+                     k.b, k.s, k.hq, k.hkv, k.d, k.dense ? "dense" : "ragged");
 }
 
 std::string version_string(size_t v) { return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100); }
@@ -201,7 +211,7 @@ class GraphBuilder {
     finalize(op, what);
     if (ok()) ops_.push_back(op);
   }
-  // c = a.b over the last two dims, fp32 compute; the overrides bound M, N, K per batch entry.
+  // c = a.b over the last two dims, fp32 compute; the overrides (where given and made) bound M, N, K per batch entry.
   void matmul(const char* what, const TensorDesc& a, const TensorDesc& b, const TensorDesc& c, const TensorDesc* m,
               const TensorDesc* n, const TensorDesc* k) {
     cudnnBackendDescriptor_t mm = create(CUDNN_BACKEND_MATMUL_DESCRIPTOR, what);
@@ -215,9 +225,9 @@ class GraphBuilder {
     link(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b.desc, what);
     link(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c.desc, what);
     link(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, mm, what);
-    if (m) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, m->desc, what);
-    if (n) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, n->desc, what);
-    if (k) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, k->desc, what);
+    if (m && m->desc) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, m->desc, what);
+    if (n && n->desc) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, n->desc, what);
+    if (k && k->desc) link(op, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, k->desc, what);
     finalize(op, what);
     if (ok()) ops_.push_back(op);
   }
@@ -253,7 +263,7 @@ class GraphBuilder {
   int64_t next_virtual_ = kVirtual0;
 };
 
-// The tensors both graphs share: lengths, ragged offsets and the by-value scale.
+// The tensors both graphs share: lengths and ragged offsets (PlanKey says which a graph has) and the by-value scale.
 struct Common {
   TensorDesc seq_q, seq_kv, rag_q, rag_kv, rag_stats, scale;
   Dims scores, scores_strides, rows, rows_strides;  // (B, Hq, S, S) and (B, Hq, S, 1), packed
@@ -264,16 +274,18 @@ Common common_tensors(GraphBuilder& g, const PlanKey& k) {
   Common c;
   const int64_t b = k.b, s = k.s, hq = k.hq;
   const Dims off{b + 1, 1, 1, 1}, unit{1, 1, 1, 1};
-  c.seq_q = g.tensor(kSeqQ, CUDNN_DATA_INT32, {b, 1, 1, 1}, unit, false, false, nullptr, "seq_len_q");
-  c.seq_kv = g.tensor(kSeqKV, CUDNN_DATA_INT32, {b, 1, 1, 1}, unit, false, false, nullptr, "seq_len_kv");
-  c.rag_q = g.tensor(kRagQ, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets q/o");
-  c.rag_kv = g.tensor(kRagKV, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets k/v");
-  c.rag_stats = g.tensor(kRagStats, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets stats");
   c.scale = g.scalar(kScale, CUDNN_DATA_FLOAT, "attn scale");
   c.scores = {b, hq, s, s};
   c.scores_strides = {hq * s * s, s * s, s, 1};
   c.rows = {b, hq, s, 1};
   c.rows_strides = {hq * s, s, 1, 1};
+  if (!k.lengths()) return c;
+  c.seq_q = g.tensor(kSeqQ, CUDNN_DATA_INT32, {b, 1, 1, 1}, unit, false, false, nullptr, "seq_len_q");
+  c.seq_kv = g.tensor(kSeqKV, CUDNN_DATA_INT32, {b, 1, 1, 1}, unit, false, false, nullptr, "seq_len_kv");
+  if (k.dense) return c;
+  c.rag_q = g.tensor(kRagQ, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets q/o");
+  c.rag_kv = g.tensor(kRagKV, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets k/v");
+  c.rag_stats = g.tensor(kRagStats, CUDNN_DATA_INT32, off, unit, false, false, nullptr, "ragged offsets stats");
   return c;
 }
 
@@ -282,21 +294,23 @@ TensorDesc packed(GraphBuilder& g, const Common& c, const PlanKey& k, int64_t ui
                   const char* what) {
   const bool q_side = uid == kQ || uid == kO || uid == kDO || uid == kDQ;
   const int64_t heads = q_side ? k.hq : k.hkv;
+  const int64_t batch = k.dense ? k.s * heads * k.d : kRaggedBatchStride;
   const Dims dims = transposed ? Dims{k.b, heads, k.d, k.s} : Dims{k.b, heads, k.s, k.d};
-  const Dims strides =
-      transposed ? Dims{kRaggedBatchStride, k.d, 1, heads * k.d} : Dims{kRaggedBatchStride, k.d, heads * k.d, 1};
-  return g.tensor(uid, io, dims, strides, false, false, q_side ? &c.rag_q : &c.rag_kv, what);
+  const Dims strides = transposed ? Dims{batch, k.d, 1, heads * k.d} : Dims{batch, k.d, heads * k.d, 1};
+  return g.tensor(uid, io, dims, strides, false, false, k.dense ? nullptr : q_side ? &c.rag_q : &c.rag_kv, what);
 }
 
 // Stats (B, Hq, S, 1) over the lse buffer (T, Hq).
 TensorDesc stats_tensor(GraphBuilder& g, const Common& c, const PlanKey& k) {
-  return g.tensor(kStats, CUDNN_DATA_FLOAT, c.rows, {k.hq * k.s, 1, k.hq, 1}, false, false, &c.rag_stats, "stats");
+  return g.tensor(kStats, CUDNN_DATA_FLOAT, c.rows, {k.hq * k.s, 1, k.hq, 1}, false, false,
+                  k.dense ? nullptr : &c.rag_stats, "stats");
 }
 
 TensorDesc neg_inf(GraphBuilder& g, Common& c) { return g.scalar(kNegInf0 + c.neg_infs++, CUDNN_DATA_FLOAT, "-inf"); }
 
-// cudnn-frontend's padding_mask: scores outside seq_len_q x seq_len_kv become -inf.
+// cudnn-frontend's padding_mask: scores outside seq_len_q x seq_len_kv become -inf. None in a graph without lengths.
 TensorDesc padding_mask(GraphBuilder& g, Common& c, const TensorDesc& x) {
+  if (!c.seq_q.desc) return x;
   const TensorDesc row = g.like(x, CUDNN_DATA_INT32, "padding row index");
   g.pointwise("padding row index", CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, x, nullptr, nullptr, row, 2);
   const TensorDesc col = g.like(x, CUDNN_DATA_INT32, "padding col index");
@@ -434,8 +448,9 @@ GraphInfo backward_graph(GraphBuilder& g, const PlanKey& k, cudnnDataType_t io) 
   }
 
   // dQ = dS.K, K being K^T transposed back (a virtual view with K's ragged offsets)
-  const TensorDesc k_again =
-      g.virt(CUDNN_DATA_FLOAT, {b, hkv, s, d}, {kRaggedBatchStride, d, hkv * d, 1}, "k", &c.rag_kv);
+  const TensorDesc k_again = g.virt(CUDNN_DATA_FLOAT, {b, hkv, s, d},
+                                    {k.dense ? s * hkv * d : kRaggedBatchStride, d, hkv * d, 1}, "k",
+                                    k.dense ? nullptr : &c.rag_kv);
   g.reshape("k", kt, k_again);
   GraphInfo info{0, b * hq * s * 4, 0};
   if (k.deterministic) {
@@ -709,8 +724,6 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
     const int64_t tokens = q.size(0), hq = q.size(1), hkv = k.size(1), d = q.size(2);
     if (tokens == 0) return Support::no("no tokens");
     if (d % 8 != 0 || d > 256) return Support::no("head dim must be a multiple of 8 up to 256");
-    if (backward && d > 128)  // see the file comment (D > 128 backward)
-      return Support::no("cuDNN 9.14's backward returns wrong gradients above head dim 128");
     if (tokens * hq * d >= (int64_t(1) << 31)) return Support::no("T * Hq * D must fit the 32-bit ragged offsets");
     const int device = c.device().index;
     DeviceGuard guard(device);
@@ -724,14 +737,21 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
     if (batch < 1 || cuv.front() != 0 || cuv.back() != tokens)
       return Support::no("cu_seqlens must run from 0 to the token count");
     int64_t longest = 0;
+    bool uniform = true;  // every document of one length: the dense graph
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = int64_t(cuv[size_t(b + 1)]) - cuv[size_t(b)];
       if (len <= 0) return Support::no("empty or decreasing documents in cu_seqlens");
       longest = std::max(longest, len);
+      uniform = uniform && len == cuv[1];
     }
+    if (backward && d > 128 && !uniform)  // see the file comment (D > 128 backward)
+      return Support::no(
+          "cuDNN 9.14's ragged backward returns wrong gradients above head dim 128 (its dense graph, for documents "
+          "of one length, is right)");
 
-    const PlanKey key{backward, deterministic, q.dtype(), batch, (longest + kRowTile - 1) / kRowTile * kRowTile,
-                      hq,       hkv,           d};
+    // A ragged batch's S is the longest document rounded up to kRowTile; a dense one's the documents' length.
+    const int64_t s = uniform ? longest : (longest + kRowTile - 1) / kRowTile * kRowTile;
+    const PlanKey key{backward, deterministic, q.dtype(), batch, s, hq, hkv, d, uniform};
     std::shared_ptr<Plan> plan = get_plan(st, key);
     if (!plan->ok()) return Support::no("cuDNN refused the graph: " + plan->error);
     if (backward) {
@@ -779,8 +799,9 @@ Scratch make_scratch(ExecContext& ctx, const Prepared& p, const Tensor& cu) {
   if (sum_bytes) s.softmax_sum = reinterpret_cast<float*>(next), next += sum_bytes;
   if (acc_bytes) s.dq_accum = reinterpret_cast<float*>(next), next += acc_bytes;
   if (p.plan->workspace_bytes) s.workspace = next;
-  launch_cudnn_ragged_meta(cu.data<int32_t>(), k.b, int32_t(k.hq * k.d), int32_t(k.hkv * k.d), int32_t(k.hq), s.seq_len,
-                           s.off_q, s.off_kv, s.off_stats, as_cuda(ctx.stream).handle());
+  if (k.lengths())
+    launch_cudnn_ragged_meta(cu.data<int32_t>(), k.b, int32_t(k.hq * k.d), int32_t(k.hkv * k.d), int32_t(k.hq),
+                             s.seq_len, s.off_q, s.off_kv, s.off_stats, as_cuda(ctx.stream).handle());
   return s;
 }
 
@@ -797,7 +818,11 @@ void execute(const Prepared& p, ExecContext& ctx, std::vector<std::pair<int64_t,
   for (int i = 0; i < p.plan->info.neg_infs; ++i) bindings.push_back({kNegInf0 + i, const_cast<float*>(&neg_inf)});
   std::vector<int64_t> uids;
   std::vector<void*> ptrs;
-  for (const auto& [uid, ptr] : bindings) uids.push_back(uid), ptrs.push_back(ptr);
+  for (const auto& [uid, ptr] : bindings) {
+    const bool ragged = uid == kRagQ || uid == kRagKV || uid == kRagStats, length = uid == kSeqQ || uid == kSeqKV;
+    if ((ragged && p.key.dense) || (length && !p.key.lengths())) continue;  // not in this graph
+    uids.push_back(uid), ptrs.push_back(ptr);
+  }
   DeviceState& st = *p.state;
   std::lock_guard<std::mutex> lock(st.mutex);
   LATHE_CHECK(cudnnSetStream(st.handle, as_cuda(ctx.stream).handle()) == CUDNN_STATUS_SUCCESS,

@@ -6,14 +6,16 @@
 // Conventions (details and the graphs in cudnn_attention.cpp):
 // - The graphs are the composite ones cudnn-frontend emits for cuDNN < 9.21 (matmul, scale, padding and causal
 //   masks from GEN_INDEX + compare + BINARY_SELECT, softmax decomposed with a stats output, matmul), on packed
-//   documents as a ragged (THD) batch: one batch entry per document, ragged offsets and per-document lengths.
+//   documents as a ragged (THD) batch: one batch entry per document, ragged offsets and per-document lengths; or,
+//   when every document has one length, as a plain dense batch.
 // - cuDNN's softmax stats are max + log(sum exp) of the scaled, masked scores in natural log: exactly the op's
 //   lse, so o and lse are written in place and the backward reads lse as is (no conversion).
 // - cu_seqlens is read on the host (B, the longest document, and the plan that fits), once per live
 //   cu_seqlens storage: a cu_seqlens tensor must not be rewritten in place while it is alive.
 // - The backward is the deterministic one (dQ by a separate matmul over a dP workspace of B * Hq * S^2 * 2 bytes);
-//   supports() refuses when that workspace is above 1/16 of the device's memory, and for head dims above 128
-//   (cuDNN 9.14 returns wrong dK/dV at 256); the tiled backward takes those.
+//   supports() refuses when that workspace is above 1/16 of the device's memory, and for head dims above 128 in a
+//   ragged batch (cuDNN 9.14's ragged graphs return wrong dK/dV at 256; its dense ones are right); the tiled
+//   backward takes those.
 // Covered by tests/ops (op_cases.cpp attention cases, bf16/f16, on a GPU with cuDNN 9.6 to 9.20).
 #pragma once
 
