@@ -6,7 +6,8 @@
 #   tests    — the GPU tests that train or decode through attention at head dim 256 or on one document: Qwen35Cuda
 #              (transformers fixtures), the rollout families on CUDA, PlanGpu, the attention op checks
 #   attn     — bench/attention_bench at head dim 256 (one document of 32,768 and 131,072 tokens, equal documents,
-#              documents whose length is no multiple of 128) and one D = 128 shape
+#              documents whose length is no multiple of 128) and one D = 128 shape; ATTN_SHAPES replaces the shapes
+#              ("TOKENS DOCS HQ HKV D", comma-separated), ATTN_UNEVEN=1 gives the documents unequal lengths
 #   longprof — `lathe bench --profile` of the Qwen3.5-0.8B shape at 131,072 tokens on one GPU (session 29's row)
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli attention_bench test_qwen3_5 test_rollout test_plan_gpu test_ops}"
 source dev/gpu_common.sh "$@"
@@ -24,10 +25,10 @@ if has tests; then
   grep -E "plan on cuda|qwen3_5 cuda" build/Testing/Temporary/LastTest.log | head -12 >> $OUT/summary.txt
 fi
 if has attn; then
-  for shape in "16384 4 16 8 128" "8192 2 8 2 256" "8000 2 8 2 256" "16384 4 16 4 256" "32768 1 4 1 256" \
-      "131072 1 4 1 256" "131072 1 8 2 256"; do
+  IFS=, read -ra shapes <<< "${ATTN_SHAPES:-16384 4 16 8 128,8192 2 8 2 256,8000 2 8 2 256,16384 4 16 4 256,32768 1 4 1 256,131072 1 4 1 256,131072 1 8 2 256}"
+  for shape in "${shapes[@]}"; do
     iters=10; [[ $shape == 131072* ]] && iters=3
-    timeout 300 ./build/bench/attention_bench $shape bf16 $iters >> $L/bench.txt 2>> $L/bench_err.txt
+    timeout 300 ./build/bench/attention_bench $shape bf16 $iters ${ATTN_UNEVEN:+uneven} >> $L/bench.txt 2>> $L/bench_err.txt
   done
   cat $L/bench.txt >> $OUT/summary.txt; grep -v "^cudnn plan" $L/bench_err.txt | tail -8 >> $OUT/summary.txt
 fi

@@ -144,13 +144,16 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   add_tiled(96, 2, 2, 256, {0, 40, 96}, {}, "mha,docs=40+56");
   add_tiled(130, 4, 2, 64, {0, 60, 60, 130}, {}, "docs=60+0+70");
   // Documents of one length: cuDNN's dense graphs (cuda/cudnn_sdpa*; lengths and a padding mask where the length is
-  // no multiple of 128), its only right backward at D = 256 (the one_doc rows above are dense too).
+  // no multiple of 128), its only right backward at D = 256 with the padded ones (the one_doc rows above are dense).
   add_tiled(256, 4, 2, 128, {0, 128, 256}, {}, "docs=2x128");
   add_tiled(256, 4, 2, 256, {0, 128, 256}, {}, "docs=2x128");
   add_tiled(256, 8, 1, 256, {0, 256}, {}, "group=8,one_doc");
   add_tiled(300, 4, 2, 256, {0, 100, 200, 300}, {}, "docs=3x100");
-  // Backwards that may sum dQ in any order (cuda/cudnn_sdpa_backward_nondeterministic at D <= 128 and, for documents
-  // of one length, at D = 256; the deterministic kernels take the other D = 256 rows).
+  // D = 256, documents of unequal lengths: the backward on a padded copy (docs=33+1+66 and the others above), or on the
+  // tiled kernel where padding would more than double the rows (3 x 98 of 100 here).
+  add_tiled(100, 4, 2, 256, {0, 1, 2, 100}, {}, "docs=1+1+98");
+  // Backwards that may sum dQ in any order (cuda/cudnn_sdpa_backward_nondeterministic: ragged at D <= 128, dense or
+  // padded at D = 256).
   add_tiled(300, 4, 2, 64, {0, 1, 131, 300}, AttentionAttrs{0.0, false}, "nondeterministic,docs=1+130+169");
   add_tiled(260, 8, 2, 128, {0, 100, 260}, AttentionAttrs{0.0, false}, "nondeterministic,docs=100+160");
   add_tiled(100, 4, 2, 256, {0, 33, 34, 100}, AttentionAttrs{0.0, false}, "nondeterministic,docs=33+1+66");

@@ -169,8 +169,7 @@ struct CoreScratch {
 };
 
 // `r`'s core on CUDA, for a rank's local layers `m` (bf16 or f16 models):
-// - attention: cuDNN's fused backward (bf16/f16, head dim up to 128, and up to 256 for documents of one length;
-//   cudnn_attention.cpp), whose deterministic engine
+// - attention: cuDNN's fused backward (bf16/f16, head dim up to 256; cudnn_attention.cpp), whose deterministic engine
 //   stages dS in its workspace, B x Hq x S^2 x 2 bytes for B documents of S rows (the longest rounded up to 128),
 //   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. Where that passes
 //   1/16 of the device's memory cuDNN's backward is refused and the tiled kernel runs, with 2 x T x Hq floats. The
@@ -547,20 +546,13 @@ std::vector<std::string> layout_overrides(const PlanLayout& layout) {
 namespace {
 
 // The notes of TrainingPlan for the configured layout (docs/parallel.md, "Long documents"; the thresholds are the
-// kernels' own: cudnn_attention.cpp's 1/16 of the device for the deterministic backward's dP staging, and its head
-// dim limit of 128 for the backward of documents of unequal lengths).
+// kernels' own: cudnn_attention.cpp's 1/16 of the device for the deterministic backward's dP staging).
 std::vector<std::string> speed_notes(const TrainConfig& c, const ModelConfig& whole, int64_t device_bytes) {
   std::vector<std::string> notes;
   const DType dtype = model_dtype(c);
   const bool half = dtype == DType::BF16 || dtype == DType::F16;
   if (!on_cuda(c) || !half || whole.num_heads == 0) return notes;
   const int64_t s = c.max_seq_len, q = std::max<int64_t>(whole.num_heads / (c.tp * c.cp), 1);
-  if (whole.head_dim > 128 && s >= 16384)
-    notes.push_back(fmt::format("attention backward: head dim {} takes cuDNN's backward only for micro-batches whose "
-                                "documents share one length (its ragged backward is wrong above 128); packed "
-                                "documents of unequal lengths run on the tiled kernel at about half its speed, the "
-                                "larger part of a step at {} tokens a document",
-                                whole.head_dim, s));
   const int64_t staging =
       deterministic_attention_staging(c, c.micro_batch_tokens, ceil_div(c.micro_batch_tokens, s), q);
   if (c.deterministic && whole.head_dim <= 256 && device_bytes > 0 && staging > device_bytes / 16)

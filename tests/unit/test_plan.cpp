@@ -402,9 +402,9 @@ TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
 }
 
 // The plan's notes for long documents on CUDA name the settings that speed them up, each where its kernel's rule
-// applies: the deterministic attention backward's staging above 1/16 of the device (cudnn_attention.cpp), head dims
-// above 128 (the tiled backward for documents of unequal lengths), attention run again under plain recompute; none for
-// short documents.
+// applies: the deterministic attention backward's staging above 1/16 of the device (cudnn_attention.cpp), attention run
+// again under plain recompute; none for short documents, and none for head dim 256 since cuDNN's backward takes it
+// (session 35).
 TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
   const auto notes = [](const std::string& name, const std::string& model, int64_t seq,
                         const std::vector<std::string>& sets) {
@@ -435,7 +435,7 @@ TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
   EXPECT_EQ(q17_set, "");
   EXPECT_EQ(notes("n17short", kQwen3_1p7b, 4096, {"train.recompute=true"}), "");
   const std::string q35 = notes("n35", qwen35_0p8b(), 131072, {"train.recompute=true", "train.deterministic=false"});
-  EXPECT_TRUE(has(q35, "head dim 256")) << q35;
+  EXPECT_FALSE(has(q35, "head dim")) << q35;
   EXPECT_FALSE(has(q35, "train.deterministic: false")) << q35;
 }
 

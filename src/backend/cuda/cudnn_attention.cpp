@@ -28,8 +28,11 @@
 // graphs at D <= 128 pass. The dense graphs at D = 256 are right (session 35: the tiled kernel's gradients to nmse
 // 1e-6 / 8e-6 / 7e-6 at 8,192 to 131,072 tokens, and the op cases, lengths of 128 and others, against the CPU
 // reference), as is torch's cuDNN
-// backend there (dev/attn256_probe.py). So the backwards refuse D > 128 unless the batch is dense, and the tiled
-// kernel takes the rest. The forward is right at D = 256 either way. The non-deterministic backward is registered
+// backend there (dev/attn256_probe.py). So the backward above D = 128 never runs the ragged graph: documents of
+// unequal lengths are copied into a padded (B, longest) batch, padding rows repeating a document's last row (finite,
+// and hidden by the padding mask), the dense graph with lengths runs on it, and the gradients are copied back; it is
+// refused (the tiled kernel runs) where padding would more than double the rows. The forward is right at D = 256
+// either way and stays ragged. The non-deterministic backward is registered
 // for calls that allow it (AttentionAttrs::deterministic false), ahead of the deterministic one.
 // Covered by tests/ops (op_cases.cpp attention cases on a CUDA device with cuDNN).
 #include "backend/cuda/cudnn_attention.h"
@@ -58,6 +61,11 @@ namespace lathe::cuda {
 void launch_cudnn_ragged_meta(const int32_t* cu, int64_t batch, int32_t q_row, int32_t kv_row, int32_t stats_row,
                               int32_t* seq_len, int32_t* q_offsets, int32_t* kv_offsets, int32_t* stats_offsets,
                               cudaStream_t stream);
+// Rows of each document between the packed (T, ...) layout and a padded (batch, s, ...) one, row_bytes a multiple of
+// 4: to_padded fills every padded row (a document's rows past its end repeat its last row); otherwise only the
+// documents' rows are copied back.
+void launch_cudnn_padded_rows(const void* src, void* dst, const int32_t* cu, int64_t batch, int64_t s,
+                              int64_t row_bytes, bool to_padded, cudaStream_t stream);
 
 namespace {
 
@@ -84,17 +92,18 @@ struct PlanKey {
   bool deterministic = true;
   DType dtype = DType::BF16;
   int64_t b = 0, s = 0, hq = 0, hkv = 0, d = 0;
-  // Documents of one length s as a plain (B, heads, s, D) batch: no ragged offsets; lengths and the padding mask only
-  // where s is no multiple of kRowTile (as cudnn-frontend does for such a batch before cuDNN 9.16).
-  bool dense = false;
-  bool lengths() const { return !dense || s % kRowTile != 0; }
+  // Documents as a plain (B, heads, s, D) batch: no ragged offsets; lengths and the padding mask only where s is no
+  // multiple of kRowTile (as cudnn-frontend does for such a batch before cuDNN 9.16) or the batch is `padded` (the
+  // documents of unequal lengths copied into a batch of the longest, for the backward above head dim 128).
+  bool dense = false, padded = false;
+  bool lengths() const { return !dense || padded || s % kRowTile != 0; }
   auto operator<=>(const PlanKey&) const = default;
 };
 
 std::string describe(const PlanKey& k) {
   return fmt::format("{} {}{} B={} S={} Hq={} Hkv={} D={} {}", k.backward ? "backward" : "forward",
                      k.backward ? (k.deterministic ? "deterministic " : "nondeterministic ") : "", dtype_name(k.dtype),
-                     k.b, k.s, k.hq, k.hkv, k.d, k.dense ? "dense" : "ragged");
+                     k.b, k.s, k.hq, k.hkv, k.d, k.padded ? "padded" : k.dense ? "dense" : "ragged");
 }
 
 std::string version_string(size_t v) { return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100); }
@@ -744,14 +753,18 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
       longest = std::max(longest, len);
       uniform = uniform && len == cuv[1];
     }
-    if (backward && d > 128 && !uniform)  // see the file comment (D > 128 backward)
-      return Support::no(
-          "cuDNN 9.14's ragged backward returns wrong gradients above head dim 128 (its dense graph, for documents "
-          "of one length, is right)");
+    // The backward above head dim 128 of documents of unequal lengths: a padded copy (see the file comment).
+    const bool padded = backward && d > 128 && !uniform;
+    if (padded && batch > 65535) return Support::no("a padded backward takes at most 65,535 documents");
+    if (padded && batch * longest > 2 * tokens)
+      return Support::no(fmt::format(
+          "above head dim 128 cuDNN's backward takes documents of unequal lengths as a padded batch, and {} documents "
+          "of up to {} rows would more than double the {} rows",
+          batch, longest, tokens));
 
-    // A ragged batch's S is the longest document rounded up to kRowTile; a dense one's the documents' length.
-    const int64_t s = uniform ? longest : (longest + kRowTile - 1) / kRowTile * kRowTile;
-    const PlanKey key{backward, deterministic, q.dtype(), batch, s, hq, hkv, d, uniform};
+    // A ragged batch's S is the longest document rounded up to kRowTile; a dense or padded one's the longest.
+    const int64_t s = uniform || padded ? longest : (longest + kRowTile - 1) / kRowTile * kRowTile;
+    const PlanKey key{backward, deterministic, q.dtype(), batch, s, hq, hkv, d, uniform || padded, padded};
     std::shared_ptr<Plan> plan = get_plan(st, key);
     if (!plan->ok()) return Support::no("cuDNN refused the graph: " + plan->error);
     if (backward) {
@@ -868,22 +881,60 @@ void run_forward(const OpCall& c, ExecContext& ctx) {
           scratch.workspace);
 }
 
+// A padded backward's copies of its tensors: (B, S, heads, D) for q, k, v, o, dO and the gradients, (B, S, Hq) for
+// the stats; the inputs copied in from the packed rows (padding rows repeat a document's last row), the gradients
+// copied out after the run.
+struct PaddedTensors {
+  Tensor storage;
+  std::array<void*, 9> at{};  // inputs 0-5 (q, k, v, o, lse, dO), outputs 0-2 (dq, dk, dv)
+};
+
+PaddedTensors pad_inputs(const OpCall& c, ExecContext& ctx, const PlanKey& k) {
+  const int64_t rows = k.b * k.s, es = int64_t(dtype_size(k.dtype));
+  const std::array<int64_t, 9> row_bytes = {k.hq * k.d * es, k.hkv * k.d * es, k.hkv * k.d * es, k.hq * k.d * es,
+                                            k.hq * 4,        k.hq * k.d * es,  k.hq * k.d * es,  k.hkv * k.d * es,
+                                            k.hkv * k.d * es};
+  int64_t total = 0;
+  for (int64_t r : row_bytes) total += align_up(rows * r, 256);
+  PaddedTensors p;
+  p.storage = Tensor::empty({total}, DType::U8, ctx.allocator);
+  auto* next = static_cast<uint8_t*>(p.storage.data_ptr());
+  for (size_t i = 0; i < p.at.size(); ++i) p.at[i] = next, next += align_up(rows * row_bytes[i], 256);
+  const cudaStream_t stream = as_cuda(ctx.stream).handle();
+  for (size_t i = 0; i < 6; ++i)
+    launch_cudnn_padded_rows(c.inputs[i].data_ptr(), p.at[i], c.inputs[6].data<int32_t>(), k.b, k.s, row_bytes[i],
+                             true, stream);
+  return p;
+}
+
+void unpad_gradients(const OpCall& c, ExecContext& ctx, const PlanKey& k, const PaddedTensors& p) {
+  const int64_t es = int64_t(dtype_size(k.dtype));
+  const std::array<int64_t, 3> row_bytes = {k.hq * k.d * es, k.hkv * k.d * es, k.hkv * k.d * es};
+  for (size_t i = 0; i < 3; ++i)
+    launch_cudnn_padded_rows(p.at[6 + i], c.outputs[i].data_ptr(), c.inputs[6].data<int32_t>(), k.b, k.s,
+                             row_bytes[i], false, as_cuda(ctx.stream).handle());
+}
+
 void run_backward(const OpCall& c, ExecContext& ctx, bool deterministic) {
   Prepared p;
   const Support s = prepare(c, true, deterministic, &p);
   LATHE_CHECK(s.ok, "cudnn: attention_backward: {}", s.reason);
   DeviceGuard guard(c.device().index);
   Scratch scratch = make_scratch(ctx, p, c.inputs[6]);
+  PaddedTensors pad;
+  std::array<void*, 9> at = {ptr(c.inputs[0]), ptr(c.inputs[1]),  ptr(c.inputs[2]),  ptr(c.inputs[3]), ptr(c.inputs[4]),
+                             ptr(c.inputs[5]), ptr(c.outputs[0]), ptr(c.outputs[1]), ptr(c.outputs[2])};
+  if (p.key.padded) pad = pad_inputs(c, ctx, p.key), at = pad.at;
   float scale = scale_of(c), one = 1.0f;
-  std::vector<std::pair<int64_t, void*>> b = {{kQ, ptr(c.inputs[0])},
-                                              {kK, ptr(c.inputs[1])},
-                                              {kV, ptr(c.inputs[2])},
-                                              {kO, ptr(c.inputs[3])},
-                                              {kDO, ptr(c.inputs[5])},
-                                              {kStats, ptr(c.inputs[4])},
-                                              {kDQ, ptr(c.outputs[0])},
-                                              {kDK, ptr(c.outputs[1])},
-                                              {kDV, ptr(c.outputs[2])},
+  std::vector<std::pair<int64_t, void*>> b = {{kQ, at[0]},
+                                              {kK, at[1]},
+                                              {kV, at[2]},
+                                              {kO, at[3]},
+                                              {kDO, at[5]},
+                                              {kStats, at[4]},
+                                              {kDQ, at[6]},
+                                              {kDK, at[7]},
+                                              {kDV, at[8]},
                                               {kScale, &scale},
                                               {kOne, &one},
                                               {kSeqQ, scratch.seq_len},
@@ -894,6 +945,7 @@ void run_backward(const OpCall& c, ExecContext& ctx, bool deterministic) {
                                               {kRagStats, scratch.off_stats}};
   if (!deterministic) b.push_back({kDQAccum, scratch.dq_accum});
   execute(p, ctx, std::move(b), scratch.workspace);
+  if (p.key.padded) unpad_gradients(c, ctx, p.key, pad);
 }
 
 }  // namespace
