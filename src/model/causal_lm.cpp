@@ -562,8 +562,23 @@ std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, cons
   if (kept_attention_ && kept_attention_->o.defined())  // the backward's recompute: what the forward kept
     return {std::exchange(kept_attention_->o, Tensor()), std::exchange(kept_attention_->lse, Tensor())};
   std::vector<Tensor> att = attention(cx, qr, kr, v, context_parallel() ? cp_cu_seqlens(b) : b.cu_seqlens, {});
-  if (kept_attention_) *kept_attention_ = {att[0], att[1]};
+  if (kept_attention_ && options_.recompute_keeps_attention) kept_attention_->o = att[0], kept_attention_->lse = att[1];
   return {att[0], att[1]};
+}
+
+bool CausalLm::take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache) {
+  if (!kept_attention_ || !kept_attention_->core.defined()) return false;
+  core = std::exchange(kept_attention_->core, Tensor());
+  states = std::exchange(kept_attention_->states, Tensor());
+  chunk_cache = std::exchange(kept_attention_->chunk_cache, Tensor());
+  return true;
+}
+
+void CausalLm::keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache) {
+  if (!kept_attention_ || !options_.recompute_keeps_gdn) return;
+  kept_attention_->core = core;
+  kept_attention_->states = states;
+  kept_attention_->chunk_cache = chunk_cache;
 }
 
 void CausalLm::add_grad(int index, const Tensor& g) {

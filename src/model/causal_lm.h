@@ -34,10 +34,13 @@ struct ResidualStream {
   Tensor h, r;
 };
 
-// One layer's attention outputs kept from a training forward for the backward's recompute of the layer
-// (ModelOptions::recompute_keeps_attention; DecoderStack points CausalLm::kept_attention_ at the layer's slot).
+// One layer's attention outputs kept from a training forward for the backward's recompute of the layer: an attention
+// layer's o and lse (ModelOptions::recompute_keeps_attention), or a Gated DeltaNet layer's delta rule results, its
+// output on the layer's rows, chunk-start states and chunk cache (recompute_keeps_gdn). DecoderStack points
+// CausalLm::kept_attention_ at the layer's slot.
 struct KeptAttention {
   Tensor o, lse;
+  Tensor core, states, chunk_cache;
 };
 
 class Communicator;
@@ -49,6 +52,10 @@ struct ModelOptions {
   // Under recompute: each attention layer's kernel outputs (o and its log-sum-exp) are kept from the forward, so the
   // backward's recompute of the layer runs no attention kernel (KeptAttention; docs/parallel.md, "Long documents").
   bool recompute_keeps_attention = false;
+  // Under recompute: each Gated DeltaNet layer's delta rule results (its output, chunk-start states and chunk cache)
+  // are kept from the forward, so the backward's recompute runs no delta rule forward (and under cp no all-to-all of
+  // its output). Far more memory than the attention outputs: docs/training.md.
+  bool recompute_keeps_gdn = false;
   int64_t loss_chunk_rows = 2048;  // rows of logits alive at once in the loss head
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
   // false: kernels whose gradients are equal within rounding but not bitwise run to run may be chosen where they are
@@ -357,10 +364,16 @@ class CausalLm {
   std::vector<double> head_label_logprobs(const Tensor& xf, int head, const PackedBatch& b);
   // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}; under cp the
   // rows of every rank for the rank's heads, cp_cu_seqlens), or for a decoding batch over its DecodeCache ({o,
-  // undefined}: no backward). With kept_attention_ set, a forward keeps {o, lse} there and the backward's recompute of
+  // undefined}: no backward). With kept_attention_ set (recompute_keeps_attention), a forward keeps {o, lse} there and
+  // the backward's recompute of
   // the layer takes them back instead of running the kernel.
   std::pair<Tensor, Tensor> attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
                                    const PackedBatch& b);
+  // Gated DeltaNet under recompute_keeps_gdn: take_kept_rule gives the backward's recompute of the layer what the
+  // forward kept ({core, states, chunk_cache}, moved out of the slot; true) or returns false (nothing kept: run the
+  // rule); keep_rule keeps a training forward's results where the slot and the option ask for it.
+  bool take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache);
+  void keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache);
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 

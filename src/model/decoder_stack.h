@@ -25,7 +25,7 @@ struct DecoderStack {
 
   // The last layer's output (T, H), as the residual stream's last two terms. `acts` (if given) receives every layer's
   // activations, `inputs` every layer's input (its sum, LayerActs::x: one tensor a layer), `kept` every layer's
-  // attention outputs (recompute_keeps_attention).
+  // attention outputs or Gated DeltaNet rule results (recompute_keeps_attention, recompute_keeps_gdn).
   template <typename M>
   static ResidualStream hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts,
                                std::vector<ResidualStream>* inputs, bool training,
@@ -49,10 +49,10 @@ struct DecoderStack {
     KeepingAttention& operator=(const KeepingAttention&) = delete;
   };
 
-  // Whether a training forward keeps the attention outputs for its backward's recompute.
+  // Whether a training forward keeps attention outputs (or Gated DeltaNet rule results) for its backward's recompute.
   template <typename M>
   static bool keeps_attention(const M& m, bool backward) {
-    return backward && m.options_.recompute && m.options_.recompute_keeps_attention;
+    return backward && m.options_.recompute && (m.options_.recompute_keeps_attention || m.options_.recompute_keeps_gdn);
   }
 
   // The layers m.layers_[begin, end) over the stream x (the whole stack, or a pipeline stage's): each one's input (its

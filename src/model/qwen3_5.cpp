@@ -495,12 +495,14 @@ void Qwen35Model::gdn_core_over_ranks(const Layer& l, LayerActs& a, const Packed
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log).narrow(0, rank * hvc, hvc), gd),
                   as_dtype(cx, w(l.dt_bias).narrow(0, rank * hvc, hvc), gd));
+  if (take_kept_rule(a.core, a.states, a.chunk_cache)) return;  // the backward's recompute: what the forward kept
   GatedDeltaAttrs rule;
   rule.save_states = training;
   std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, cu, rule);
   a.core = sequence_to_heads(r[0]);  // (rows, Hv, dv)
   a.states = r[1];
   a.chunk_cache = r[2];
+  keep_rule(a.core, a.states, a.chunk_cache);
 }
 
 void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
@@ -544,13 +546,14 @@ void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, b
                                                          b.cache->gdn_state(l.index));
     a.core = r[0];
     b.cache->set_gdn(l.index, a.conv_history, r[1]);
-  } else {
+  } else if (!take_kept_rule(a.core, a.states, a.chunk_cache)) {  // else the backward's recompute: the kept results
     GatedDeltaAttrs rule;
     rule.save_states = training;  // a backward follows: it reads the states instead of recomputing them
     std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
     a.core = r[0];
     a.states = r[1];
     a.chunk_cache = r[2];
+    keep_rule(a.core, a.states, a.chunk_cache);
   }
 }
 

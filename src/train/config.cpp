@@ -186,6 +186,12 @@ const std::vector<Option>& options() {
                 "heads x (head_dim + 2) bf16 a layer) so that the backward does not run attention again: long "
                 "documents",
                 recompute_keeps_attention),
+      LATHE_OPT("train.recompute_keeps_gdn", Kind::Bool, "false",
+                "under train.recompute, keep each Gated DeltaNet layer's delta rule output, chunk-start states and "
+                "chunk cache from the forward so that the backward does not run the rule again (on CUDA in bf16 "
+                "about 1.8 KB a row and value head of 128, a layer: 3.8 GB a layer for Qwen3.5-0.8B at 131,072 "
+                "tokens, far more than train.recompute_keeps_attention; docs/training.md)",
+                recompute_keeps_gdn),
       LATHE_OPT("train.deterministic", Kind::Bool, "true",
                 "bitwise-repeatable gradients; false lets the attention backward sum dQ in any order (faster, equal "
                 "within rounding; docs/training.md)", deterministic),
@@ -460,6 +466,7 @@ bool per_tenant(const std::string& path) {
           path != "rl.offload_optimizer" && path != "rl.max_running" && path != "rl.mode" &&
           path != "rl.rollout_ranks" && path != "rl.rollout_tp" && path != "rl.max_staleness") ||
          (starts("train.") && path != "train.recompute" && path != "train.recompute_keeps_attention" &&
+          path != "train.recompute_keeps_gdn" &&
           path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
           path != "train.profile_step");

@@ -86,6 +86,7 @@ struct TrainConfig {
   int64_t log_every = 1;
   bool recompute = false;
   bool recompute_keeps_attention = false;
+  bool recompute_keeps_gdn = false;
   bool deterministic = true;  // false: the attention backward may sum dQ in any order (ModelOptions::deterministic)
   int64_t profile_step = 0;  // 0: off; else the step whose kernels are timed and printed (train.profile_step)
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (Runtime::set_gemm_autotune)

@@ -156,6 +156,22 @@ int64_t kept_attention_bytes(const ModelConfig& m, const LocalSizes& l, int64_t 
   return b * r.core * m.head_dim * q + 4 * r.core * q;
 }
 
+// What train.recompute_keeps_gdn keeps of layer i beside its input: a Gated DeltaNet layer's delta rule output on the
+// block's rows, its chunk-start states and (CUDA, `chunk_cache`) its chunk cache, as layer_activation_bytes counts them;
+// nothing for an attention layer, nor under cp where the layer passes states along the group (Qwen35Model::
+// gdn_passes_states: too few key heads for the all-to-all), which keeps nothing.
+int64_t kept_gdn_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
+                       bool chunk_cache) {
+  if (!m.is_hybrid() || !gdn_layer(m, i)) return 0;
+  const int64_t hk = m.linear_num_key_heads, hv_all = m.linear_num_value_heads;
+  if (r.cp > 1 && !(hk % r.cp == 0 || (r.cp % hk == 0 && hv_all % r.cp == 0))) return 0;
+  const CoreHeads ch = core_heads(m, l, r.cp);
+  const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim, hv = ch.value_heads;
+  const int64_t states = gdn_state_rows(r.core, r.docs) * hv * dk * dv;
+  return b * r.block * m.linear_num_value_heads * dv + b * states +
+         (chunk_cache ? b * r.core * hv * kGdnChunkCacheWidth : 0);
+}
+
 // cuDNN's deterministic attention backward's workspace for `docs` documents of a micro-batch of `tokens` (each at most
 // data.max_seq_len, the longest rounded up to 128) and `q` query heads: the dP staging and the softmax sums.
 int64_t deterministic_attention_staging(const TrainConfig& c, int64_t tokens, int64_t docs, int64_t q) {
@@ -359,15 +375,17 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   const int64_t bucket = int64_t(c.bucket_mb * double(kMiB));
 
   // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows; with
-  // train.recompute_keeps_attention also its attention outputs) and one layer recomputed.
+  // train.recompute_keeps_attention also its attention outputs, with train.recompute_keeps_gdn its delta rule results)
+  // and one layer recomputed.
   // (acts and kept by the rank's layers in order; under pp the other micro-batches' kept activations stay too.)
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t k = 0; k < layers; ++k) {
     acts[size_t(k)] = layer_activation_bytes(m, l, st.layers[size_t(k)], rows, b, chunk_cache);
+    const int64_t i = st.layers[size_t(k)];
     kept[size_t(k)] = !c.recompute ? acts[size_t(k)]
-                      : b * rows.stream * h + (c.recompute_keeps_attention
-                                                    ? kept_attention_bytes(m, l, st.layers[size_t(k)], rows, b)
-                                                    : 0);
+                      : b * rows.stream * h +
+                            (c.recompute_keeps_attention ? kept_attention_bytes(m, l, i, rows, b) : 0) +
+                            (c.recompute_keeps_gdn ? kept_gdn_bytes(m, l, i, rows, b, chunk_cache) : 0);
   }
   int64_t kept_all = 0;
   for (int64_t a : kept) kept_all += a;

@@ -405,6 +405,7 @@ void Trainer::Impl::build() {
   mopt.dtype = dtype_;
   mopt.recompute = c_.recompute;
   mopt.recompute_keeps_attention = c_.recompute_keeps_attention;
+  mopt.recompute_keeps_gdn = c_.recompute_keeps_gdn;
   mopt.deterministic = c_.deterministic;
   mopt.train_base = !lora_;
   if (c_.router_aux_loss != "auto") mopt.router_aux_loss = c_.router_aux_loss == "on";  // MoE (config.cpp checks)

@@ -1,7 +1,7 @@
 // The layout planner against a real GPU run (issue 25's check): `lathe plan --json` and `lathe train` on one config on
 // cuda (bf16), a Qwen3 shape and a Qwen3.5 hybrid (Gated DeltaNet layers with 128-wide heads, so the chunked CUDA
 // kernels and their saved chunk cache run), each with and without train.recompute (Qwen3 also with
-// train.recompute_keeps_attention). The configured layout's planned
+// train.recompute_keeps_attention, Qwen3.5 with it and train.recompute_keeps_gdn). The configured layout's planned
 // peak must be within 10% of the peak the trainer measures: metrics.jsonl's memory_mib, the CUDA caching allocator's
 // high-water mark of allocated blocks (flops.cpp peak_memory_mib; cuBLAS's workspace, the CUDA context and cuDNN's
 // handle are not allocated through it; docs/plan.md says what the planner counts on cuda). Skips, saying why, where
@@ -133,6 +133,12 @@ TEST_F(PlanGpu, Qwen35PeakIsWithinTenPercentOfTheMeasured) {
 
 TEST_F(PlanGpu, Qwen35RecomputePeakIsWithinTenPercentOfTheMeasured) {
   expect_planned_peak_within_ten_percent("qwen3_5_recompute", kQwen35, " --set train.recompute=true");
+}
+
+TEST_F(PlanGpu, Qwen35RecomputeKeepingBothCoresPeakIsWithinTenPercentOfTheMeasured) {
+  expect_planned_peak_within_ten_percent(
+      "qwen3_5_recompute_kept", kQwen35,
+      " --set train.recompute=true --set train.recompute_keeps_attention=true --set train.recompute_keeps_gdn=true");
 }
 
 }  // namespace

@@ -56,10 +56,11 @@ std::vector<nlohmann::json> pp_configs() {
 
 std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout,
                                 Communicator* tp = nullptr, Communicator* ep = nullptr, Communicator* cp = nullptr,
-                                bool recompute = false, bool keeps_attention = false) {
+                                bool recompute = false, bool keeps_attention = false, bool keeps_gdn = false) {
   ModelOptions o;
   o.recompute = recompute;
   o.recompute_keeps_attention = keeps_attention;
+  o.recompute_keeps_gdn = keeps_gdn;
   o.tp = tp;
   o.ep = ep;
   o.cp = cp;
@@ -87,14 +88,14 @@ std::unique_ptr<Communicator> PipelineParallel::world;
 
 struct Layout {
   int pp, vpp, dp, tp = 1, ep = 1, cp = 1;
-  bool recompute = false, keeps_attention = false;
+  bool recompute = false, keeps_attention = false, keeps_gdn = false;
 };
 
 void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
-  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {} x cp {}{}{}",
+  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {} x cp {}{}{}{}",
                                        config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep,
                                        lay.cp, lay.recompute ? ", recomputing" : "",
-                                       lay.keeps_attention ? " (attention kept)" : "");
+                                       lay.keeps_attention ? " (attention kept)" : "", lay.keeps_gdn ? " (GDN kept)" : "");
   const ParallelGrid grid(world.size(), {.tp = lay.tp, .cp = lay.cp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
   const ParallelGrid::Coords me = grid.coords(world.rank());
   const int rank = world.rank();
@@ -107,7 +108,7 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
   const PipelineLayout layout(layers, lay.pp, lay.vpp);
   const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr,
                                                 lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr,
-                                                lay.recompute, lay.keeps_attention);
+                                                lay.recompute, lay.keeps_attention, lay.keeps_gdn);
   const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
   for (const Parameter& p : split->parameters())  // the same draws at any layout
     EXPECT_EQ(to_f64(split->gathered(p)), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
@@ -185,10 +186,11 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
   const int n = world->size();
   Layout recomputing{2, 2, 1};  // the layers' activations recomputed in the backward from their kept inputs
   recomputing.recompute = true;
-  Layout keeping = recomputing;  // and the attention outputs kept from the forward (train.recompute_keeps_attention)
-  keeping.keeps_attention = true;
+  // and the attention outputs and delta rule results kept from the forward (train.recompute_keeps_attention, _gdn)
+  Layout keeping = recomputing;
+  keeping.keeps_attention = keeping.keeps_gdn = true;
   Layout keeping_cp{2, 1, 1, 1, 1, 2};  // the same over context-parallel ranks
-  keeping_cp.recompute = keeping_cp.keeps_attention = true;
+  keeping_cp.recompute = keeping_cp.keeps_attention = keeping_cp.keeps_gdn = true;
   const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}, recomputing, keeping}
                                              : std::vector<Layout>{{4, 1, 1}, {2, 2, 2}, {2, 1, 1, 2, 1}};
   for (const nlohmann::json& config : pp_configs()) {

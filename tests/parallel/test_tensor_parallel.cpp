@@ -211,10 +211,12 @@ TEST_P(TensorParallelFamilies, LoraSlicesEqualTheWholeAdapters) {
 // between the blocks); the rollout engine's greedy decode (no split while decoding) is the reference's. Fails with the
 // rows' head gradient left at 1 / cp, with the routing totals not summed, or with the passed state, its gradient or
 // the history's gradient dropped.
+// `keeps`: train.recompute with the attention outputs and delta rule results kept from the forward.
 std::unique_ptr<CausalLm> cp_model(const nlohmann::json& config, Communicator* tp, Communicator* cp,
-                                   bool sequence_parallel = false) {
+                                   bool sequence_parallel = false, bool keeps = false) {
   ModelOptions o;
   o.dtype = DType::F64;
+  o.recompute = o.recompute_keeps_attention = o.recompute_keeps_gdn = keeps;
   o.tp = tp;
   o.cp = cp;
   o.sequence_parallel = sequence_parallel;
@@ -300,6 +302,10 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
     ASSERT_TRUE(split->context_parallel());
     for (const PackedBatch& b : {random_batch(40, {0, 7, 9, 21}, 7), random_batch(40, {0, 3, 5}, 8)})
       expect_cp_equals_whole(*split, *whole, *world, b, family + " at " + std::to_string(b.tokens()) + " tokens");
+    if (config.contains("layer_types")) {  // recomputing, the cores' results kept (the all-to-all's or the chain's)
+      const std::unique_ptr<CausalLm> kept = cp_model(config, nullptr, world.get(), false, true);
+      expect_cp_equals_whole(*kept, *whole, *world, random_batch(40, {0, 7, 9, 21}, 7), family + " recomputing, kept");
+    }
     // Decoding runs the whole batch on every rank (no split): the rollout engine's greedy tokens are the reference's.
     const std::vector<int32_t> prompt = {3, 9, 14, 2, 27};
     const RolloutResult a = engine_greedy(*whole, prompt, 6), c = engine_greedy(*split, prompt, 6);

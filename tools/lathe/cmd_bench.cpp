@@ -46,7 +46,7 @@ struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0, grad_accum = 1;
   uint64_t seed = 1;
-  bool recompute = false, keeps_attention = false, profile = false, nondeterministic = false, gemm_autotune = false;
+  bool recompute = false, keeps_attention = false, keeps_gdn = false, profile = false, nondeterministic = false, gemm_autotune = false;
   bool moe_host_groups = false;
   bool no_memory_plan = false;
   bool memory_report = false;
@@ -256,6 +256,7 @@ void run(const Args& a) {
   mo.dtype = dtype;
   mo.recompute = a.recompute;
   mo.recompute_keeps_attention = a.keeps_attention;
+  mo.recompute_keeps_gdn = a.keeps_gdn;
   mo.deterministic = !a.nondeterministic;
   mo.train_base = !lora;
   mo.moe_padded_max_waste = a.moe_padded_max_waste;
@@ -408,6 +409,7 @@ void run(const Args& a) {
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
                       {"recompute_keeps_attention", a.keeps_attention},
+                      {"recompute_keeps_gdn", a.keeps_gdn},
                       {"deterministic", !a.nondeterministic},
                       {"gemm_autotune", a.gemm_autotune},
                       {"optimizer_states", a.optimizer_states},
@@ -482,6 +484,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--recompute-keeps-attention", a->keeps_attention,
                 "train.recompute_keeps_attention: under --recompute, keep each attention layer's output for the "
                 "backward");
+  cmd->add_flag("--recompute-keeps-gdn", a->keeps_gdn,
+                "train.recompute_keeps_gdn: under --recompute, keep each Gated DeltaNet layer's delta rule results "
+                "for the backward");
   cmd->add_flag("--nondeterministic", a->nondeterministic,
                 "train.deterministic false: the attention backward may sum dQ in any order (faster, not bitwise "
                 "repeatable)");
