@@ -144,82 +144,69 @@ TEST(Qwen35Recompute, SameLossAndGradients) {
   }
 }
 
+namespace {
+
+// One training pass under train.recompute, keeping the attention outputs and / or the delta rule results: its loss,
+// every gradient and how often the attention and delta rule kernels ran.
+struct RecomputeRun {
+  double loss = 0;
+  std::vector<std::vector<double>> grads;
+  int64_t attention_calls = 0, rule_calls = 0;
+};
+RecomputeRun recompute_run(const std::vector<std::string>& layers, bool keeps_attention, bool keeps_gdn) {
+  ModelOptions o;
+  o.dtype = DType::F64;
+  o.recompute = true;
+  o.recompute_keeps_attention = keeps_attention;
+  o.recompute_keeps_gdn = keeps_gdn;
+  Qwen35Model m = Qwen35Model::random(runtime(), parse_model_config(tiny_json(false, layers), "tiny"), o, 3, 0.3);
+  OpProfiler prof(runtime().backend(DeviceType::CPU), Device::cpu());
+  runtime().set_profiler(&prof);
+  RecomputeRun r;
+  r.loss = m.loss(random_batch(40, {0, 5, 14}, 2), true).loss;
+  runtime().set_profiler(nullptr);
+  for (const OpProfiler::Total& t : prof.collect().kernels) {
+    if (t.op == OpId::attention) r.attention_calls += t.calls;
+    if (t.op == OpId::gated_delta_rule) r.rule_calls += t.calls;
+  }
+  for (const Parameter& p : m.parameters()) r.grads.push_back(to_f64(p.grad));
+  return r;
+}
+
+void expect_same_pass(const RecomputeRun& got, const RecomputeRun& want) {
+  EXPECT_EQ(got.loss, want.loss);
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < got.grads.size(); ++i) EXPECT_EQ(got.grads[i], want.grads[i]) << "parameter " << i;
+}
+
+}  // namespace
+
 // train.recompute_keeps_attention: the backward's recompute takes each attention layer's output from the forward,
 // so a training step runs the attention kernel once a layer (twice under plain recompute), with the same loss and
 // gradients bitwise (the kept outputs are the ones the recompute would make: a stale or wrong one changes them).
 TEST(Qwen35Recompute, KeptAttentionIsUsedAndChangesNothing) {
-  const ModelConfig cfg = parse_model_config(
-      tiny_json(false, {"linear_attention", "full_attention", "full_attention", "linear_attention"}), "tiny");
-  const PackedBatch batch = random_batch(40, {0, 5, 14}, 2);
-  struct Run {
-    double loss;
-    std::vector<std::vector<double>> grads;
-    int64_t attention_calls;
-  };
-  const auto run = [&](bool keeps) {
-    ModelOptions o;
-    o.dtype = DType::F64;
-    o.recompute = true;
-    o.recompute_keeps_attention = keeps;
-    Qwen35Model m = Qwen35Model::random(runtime(), cfg, o, 3, 0.3);
-    OpProfiler prof(runtime().backend(DeviceType::CPU), Device::cpu());
-    runtime().set_profiler(&prof);
-    Run r{m.loss(batch, true).loss, {}, 0};
-    runtime().set_profiler(nullptr);
-    for (const OpProfiler::Total& t : prof.collect().kernels)
-      if (t.op == OpId::attention) r.attention_calls += t.calls;
-    for (const Parameter& p : m.parameters()) r.grads.push_back(to_f64(p.grad));
-    return r;
-  };
-  const Run plain = run(false), kept = run(true);
+  const std::vector<std::string> layers = {"linear_attention", "full_attention", "full_attention", "linear_attention"};
+  const RecomputeRun plain = recompute_run(layers, false, false), kept = recompute_run(layers, true, false);
   EXPECT_EQ(plain.attention_calls, 4);  // two attention layers, each run again by the backward
   EXPECT_EQ(kept.attention_calls, 2);
-  EXPECT_EQ(kept.loss, plain.loss);
-  ASSERT_EQ(kept.grads.size(), plain.grads.size());
-  for (size_t i = 0; i < kept.grads.size(); ++i) EXPECT_EQ(kept.grads[i], plain.grads[i]) << "parameter " << i;
+  EXPECT_EQ(kept.rule_calls, plain.rule_calls);
+  expect_same_pass(kept, plain);
 }
 
-// train.recompute_keeps_gdn: the backward's recompute takes each Gated DeltaNet layer's delta rule results from the
-// forward, so a training step runs the rule once a layer (twice under plain recompute), with the same loss and
-// gradients bitwise; with both options, both kinds of layer keep theirs.
+// train.recompute_keeps_gdn: the same for each Gated DeltaNet layer's delta rule results (output, chunk-start states,
+// chunk cache): the rule runs once a layer; with both options, both kinds of layer keep theirs.
 TEST(Qwen35Recompute, KeptDeltaRuleIsUsedAndChangesNothing) {
-  const ModelConfig cfg = parse_model_config(
-      tiny_json(false, {"linear_attention", "full_attention", "linear_attention", "linear_attention"}), "tiny");
-  const PackedBatch batch = random_batch(40, {0, 5, 14}, 2);
-  struct Run {
-    double loss;
-    std::vector<std::vector<double>> grads;
-    int64_t rule_calls = 0, attention_calls = 0;
-  };
-  const auto run = [&](bool keeps_gdn, bool keeps_attention) {
-    ModelOptions o;
-    o.dtype = DType::F64;
-    o.recompute = true;
-    o.recompute_keeps_gdn = keeps_gdn;
-    o.recompute_keeps_attention = keeps_attention;
-    Qwen35Model m = Qwen35Model::random(runtime(), cfg, o, 3, 0.3);
-    OpProfiler prof(runtime().backend(DeviceType::CPU), Device::cpu());
-    runtime().set_profiler(&prof);
-    Run r{m.loss(batch, true).loss, {}};
-    runtime().set_profiler(nullptr);
-    for (const OpProfiler::Total& t : prof.collect().kernels) {
-      if (t.op == OpId::gated_delta_rule) r.rule_calls += t.calls;
-      if (t.op == OpId::attention) r.attention_calls += t.calls;
-    }
-    for (const Parameter& p : m.parameters()) r.grads.push_back(to_f64(p.grad));
-    return r;
-  };
-  const Run plain = run(false, false), kept = run(true, false), both = run(true, true);
+  const std::vector<std::string> layers = {"linear_attention", "full_attention", "linear_attention",
+                                           "linear_attention"};
+  const RecomputeRun plain = recompute_run(layers, false, false), kept = recompute_run(layers, false, true),
+                     both = recompute_run(layers, true, true);
   EXPECT_EQ(plain.rule_calls, 6);  // three Gated DeltaNet layers, each run again by the backward
   EXPECT_EQ(kept.rule_calls, 3);
   EXPECT_EQ(kept.attention_calls, 2);  // the attention layer's outputs not kept: run again
   EXPECT_EQ(both.rule_calls, 3);
   EXPECT_EQ(both.attention_calls, 1);
-  for (const Run* r : {&kept, &both}) {
-    EXPECT_EQ(r->loss, plain.loss);
-    ASSERT_EQ(r->grads.size(), plain.grads.size());
-    for (size_t i = 0; i < r->grads.size(); ++i) EXPECT_EQ(r->grads[i], plain.grads[i]) << "parameter " << i;
-  }
+  expect_same_pass(kept, plain);
+  expect_same_pass(both, plain);
 }
 
 TEST(Qwen35Checkpoint, SaveThenLoadInBothLayouts) {
