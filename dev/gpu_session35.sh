@@ -8,7 +8,9 @@
 #   attn     — bench/attention_bench at head dim 256 (one document of 32,768 and 131,072 tokens, equal documents,
 #              documents whose length is no multiple of 128) and one D = 128 shape; ATTN_SHAPES replaces the shapes
 #              ("TOKENS DOCS HQ HKV D", comma-separated), ATTN_UNEVEN=1 gives the documents unequal lengths
-#   longprof — `lathe bench --profile` of the Qwen3.5-0.8B shape at 131,072 tokens on one GPU (session 29's row)
+#   longprof — `lathe bench --profile` of the Qwen3.5-0.8B shape at 131,072 tokens on one GPU (session 29's row);
+#              LONG_BENCH_ARGS adds options (e.g. --recompute-keeps-gdn)
+#   plangpu  — the PlanGpu tests (the planner's peak against the measured, kept delta rule results included)
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli attention_bench test_qwen3_5 test_rollout test_plan_gpu test_ops}"
 source dev/gpu_common.sh "$@"
 if has opcheck; then
@@ -34,7 +36,12 @@ if has attn; then
 fi
 if has longprof; then
   timeout 200 ./build/lathe bench --shape q35-0.8b --seq 131072 --micro-batch 1 --recompute --nondeterministic \
-    --recompute-keeps-attention --steps 2 --warmup 1 --profile >$L/q35_long.txt 2>&1
+    --recompute-keeps-attention --steps 2 --warmup 1 --profile ${LONG_BENCH_ARGS:-} >$L/q35_long.txt 2>&1
   summary "[q35 131072 one GPU] rc=$?: $(grep -E 'tokens/s|MFU' $L/q35_long.txt | tail -n 2 | tr '\n' ' ' | cut -c1-400)"
   cp $L/q35_long.txt $OUT/
+fi
+if has plangpu; then
+  (cd build && timeout 300 ctest -R "PlanGpu" --output-on-failure >$L/plangpu.txt 2>&1)
+  summary "ctest PlanGpu: $(grep -E 'tests passed|tests failed' $L/plangpu.txt)"
+  grep -E "plan on cuda" build/Testing/Temporary/LastTest.log | head -12 >> $OUT/summary.txt
 fi
