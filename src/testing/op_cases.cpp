@@ -144,7 +144,7 @@ void add_model_op_cases(std::vector<OpCase>& c) {
   add_tiled(96, 2, 2, 256, {0, 40, 96}, {}, "mha,docs=40+56");
   add_tiled(130, 4, 2, 64, {0, 60, 60, 130}, {}, "docs=60+0+70");
   // Documents of one length: cuDNN's dense graphs (cuda/cudnn_sdpa*; lengths and a padding mask where the length is
-  // no multiple of 128), its only right backward at D = 256 with the padded ones (the one_doc rows above are dense).
+  // no multiple of 128), its only right backward at D = 256 with the padded ones (the D = 256 one_doc row above too).
   add_tiled(256, 4, 2, 128, {0, 128, 256}, {}, "docs=2x128");
   add_tiled(256, 4, 2, 256, {0, 128, 256}, {}, "docs=2x128");
   add_tiled(256, 8, 1, 256, {0, 256}, {}, "group=8,one_doc");

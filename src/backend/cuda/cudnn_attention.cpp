@@ -19,9 +19,10 @@
 // keys, i.e. the natural-log log-sum-exp of the scaled scores, which is the op's definition: no conversion either
 // way. cuDNN 9.14 on sm_90 takes these ragged graphs for every shape of the op cases, so documents of unequal length
 // need no fallback.
-// Layout (dense): when every document has one length L, the batch is a plain (B, heads, L, D) one (batch strides
-// L * heads * D, Stats' L * Hq) with no ragged offsets; where L is no multiple of 128 it keeps the lengths, padding
-// mask and overrides (cudnn-frontend's own workaround for such a batch up to cuDNN 9.15), otherwise it has none.
+// Layout (dense): when every document has one length L, a multiple of 128 (or any L above head dim 128), the batch is a
+// plain (B, heads, L, D) one (batch strides L * heads * D, Stats' L * Hq) with no ragged offsets; where L is no
+// multiple of 128 it keeps the lengths, padding mask and overrides (cudnn-frontend's own workaround for such a batch
+// up to cuDNN 9.15), otherwise it has none.
 // D > 128 backward: on cuDNN 9.14 (sm_90) the ragged backward graphs are wrong at D = 256: the deterministic one gets
 // dQ right but dK and dV off (op-check nmse about 0.5 against the CPU reference, or unwritten values), the
 // non-deterministic one all three (nmse 0.02-0.03 against the tiled kernel), with and without GQA, while the same
@@ -746,7 +747,7 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
     if (batch < 1 || cuv.front() != 0 || cuv.back() != tokens)
       return Support::no("cu_seqlens must run from 0 to the token count");
     int64_t longest = 0;
-    bool uniform = true;  // every document of one length: the dense graph
+    bool uniform = true;  // every document of one length
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t len = int64_t(cuv[size_t(b + 1)]) - cuv[size_t(b)];
       if (len <= 0) return Support::no("empty or decreasing documents in cu_seqlens");
@@ -754,6 +755,10 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
       uniform = uniform && len == cuv[1];
     }
     // The backward above head dim 128 of documents of unequal lengths: a padded copy (see the file comment).
+    // The dense graph: documents of one length, a multiple of kRowTile (the plain batch), or any one length above
+    // head dim 128 (with lengths and the padding mask), where the ragged backward is wrong. Other batches at D <= 128
+    // stay ragged, as before session 35.
+    const bool dense = uniform && (longest % kRowTile == 0 || d > 128);
     const bool padded = backward && d > 128 && !uniform;
     if (padded && batch > 65535) return Support::no("a padded backward takes at most 65,535 documents");
     if (padded && batch * longest > 2 * tokens)
@@ -763,8 +768,8 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
           batch, longest, tokens));
 
     // A ragged batch's S is the longest document rounded up to kRowTile; a dense or padded one's the longest.
-    const int64_t s = uniform || padded ? longest : (longest + kRowTile - 1) / kRowTile * kRowTile;
-    const PlanKey key{backward, deterministic, q.dtype(), batch, s, hq, hkv, d, uniform || padded, padded};
+    const int64_t s = dense || padded ? longest : (longest + kRowTile - 1) / kRowTile * kRowTile;
+    const PlanKey key{backward, deterministic, q.dtype(), batch, s, hq, hkv, d, dense || padded, padded};
     std::shared_ptr<Plan> plan = get_plan(st, key);
     if (!plan->ok()) return Support::no("cuDNN refused the graph: " + plan->error);
     if (backward) {

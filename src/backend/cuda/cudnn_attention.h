@@ -7,7 +7,7 @@
 // - The graphs are the composite ones cudnn-frontend emits for cuDNN < 9.21 (matmul, scale, padding and causal
 //   masks from GEN_INDEX + compare + BINARY_SELECT, softmax decomposed with a stats output, matmul), on packed
 //   documents as a ragged (THD) batch: one batch entry per document, ragged offsets and per-document lengths; or,
-//   when every document has one length, as a plain dense batch.
+//   when every document has one length (a multiple of 128, or any above head dim 128), as a plain dense batch.
 // - cuDNN's softmax stats are max + log(sum exp) of the scaled, masked scores in natural log: exactly the op's
 //   lse, so o and lse are written in place and the backward reads lse as is (no conversion).
 // - cu_seqlens is read on the host (B, the longest document, and the plan that fits), once per live
