@@ -28,13 +28,12 @@
 // non-deterministic one all three (nmse 0.02-0.03 against the tiled kernel), with and without GQA, while the same
 // graphs at D <= 128 pass. The dense graphs at D = 256 are right (session 35: the tiled kernel's gradients to nmse
 // 1e-6 / 8e-6 / 7e-6 at 8,192 to 131,072 tokens, and the op cases, lengths of 128 and others, against the CPU
-// reference), as is torch's cuDNN
-// backend there (dev/attn256_probe.py). So the backward above D = 128 never runs the ragged graph: documents of
-// unequal lengths are copied into a padded (B, longest) batch, padding rows repeating a document's last row (finite,
-// and hidden by the padding mask), the dense graph with lengths runs on it, and the gradients are copied back; it is
-// refused (the tiled kernel runs) where padding would more than double the rows. The forward is right at D = 256
-// either way and stays ragged. The non-deterministic backward is registered
-// for calls that allow it (AttentionAttrs::deterministic false), ahead of the deterministic one.
+// reference), as is torch's cuDNN backend there (dev/attn256_probe.py). So the backward above D = 128 never runs the
+// ragged graph: documents of unequal lengths are copied into a padded (B, longest) batch, padding rows repeating a
+// document's last row (finite, and hidden by the padding mask), the dense graph with lengths runs on it, and the
+// gradients are copied back; it is refused (the tiled kernel runs) where padding would more than double the rows. The
+// forward is right at D = 256 either way and stays ragged. The non-deterministic backward is registered for calls that
+// allow it (AttentionAttrs::deterministic false), ahead of the deterministic one.
 // Covered by tests/ops (op_cases.cpp attention cases on a CUDA device with cuDNN).
 #include "backend/cuda/cudnn_attention.h"
 
@@ -754,10 +753,10 @@ Support prepare(const OpCall& c, bool backward, bool deterministic, Prepared* ou
       longest = std::max(longest, len);
       uniform = uniform && len == cuv[1];
     }
-    // The backward above head dim 128 of documents of unequal lengths: a padded copy (see the file comment).
     // The dense graph: documents of one length, a multiple of kRowTile (the plain batch), or any one length above
     // head dim 128 (with lengths and the padding mask), where the ragged backward is wrong. Other batches at D <= 128
-    // stay ragged, as before session 35.
+    // stay ragged, as before session 35. The backward above head dim 128 of documents of unequal lengths: a padded
+    // copy (see the file comment).
     const bool dense = uniform && (longest % kRowTile == 0 || d > 128);
     const bool padded = backward && d > 128 && !uniform;
     if (padded && batch > 65535) return Support::no("a padded backward takes at most 65,535 documents");
