@@ -59,13 +59,19 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{0.0, 64, true},
                kDevice, false, true, {{}, {}, {}, {}, {}, cu_docs}, big});
   // Many documents (39 of 8 tokens, one of 100): 40 x 4 value heads x 2 = 320 scan blocks of 64 columns, more than
-  // the SMs of any current GPU, so the scans take their 64-column path (fewer blocks take the 32-column one).
+  // the SMs of any current GPU, so the scans take their 64-column path (fewer blocks take the 32-column one, and
+  // fewer still the 16-column one).
   std::vector<double> cu_many = {0};
   for (int d = 0; d < 39; ++d) cu_many.push_back(cu_many.back() + 8);
   cu_many.push_back(cu_many.back() + 100);
   c.push_back({OpId::gated_delta_rule, "t=412,hk=2,hv=4,dk=128,dv=128,docs=39x8+100,save_states",
                {{412, 2, 128}, {412, 2, 128}, {412, 4, 128}, {412, 4}, {412, 4}, {41}}, GatedDeltaAttrs{0.0, 64, true},
                kDevice, false, true, {{}, {}, {}, {}, {}, cu_many}, big});
+  // One document of 5 chunks and 2 value heads: 16 blocks of 16 columns fit one wave, so the scans take their
+  // 16-column path (forward saving states, then the backward from them); the t=70 backward row below takes it too.
+  c.push_back({OpId::gated_delta_rule, "t=300,hk=1,hv=2,dk=128,dv=128,one_doc,save_states",
+               {{300, 1, 128}, {300, 1, 128}, {300, 2, 128}, {300, 2}, {300, 2}, {2}}, GatedDeltaAttrs{0.0, 64, true},
+               kDevice, false, true, {{}, {}, {}, {}, {}, {0, 300}}, big});
   big.push_back({-2.0, 2.0});
   c.push_back({OpId::gated_delta_rule_backward, "t=393,hk=2,hv=4,dk=128,dv=128,docs=1+63+64+65+200",
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {393, 4, 128}, {6},

@@ -329,6 +329,15 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
+// The first two 8 x 8 matrices of ldsm_x4's (the addresses of lanes 0-15): one n-fragment's B over a k-step of 16.
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x2_t(uint32_t (&r)[2], const bf16* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -345,7 +354,7 @@ template <int M, int N> struct Tile {
   static constexpr int WN = 8 / WM;
   static constexpr int MT = M / 16 / WM;
   static constexpr int NT = N / 8 / WN;
-  static_assert(NT % 2 == 0, "two n-fragments per ldmatrix");
+  static_assert(NT == 1 || NT % 2 == 0, "two n-fragments per ldmatrix.x4, or one per .x2");
   float acc[MT][NT][4];
   __device__ static int m0() { return (threadIdx.x / 32 / WN) * MT * 16; }
   __device__ static int n0() { return (threadIdx.x / 32 % WN) * NT * 8; }
@@ -424,17 +433,27 @@ template <int M, int N> struct Tile {
         else
           ldsm_x4(a[mi], A + (am + mi * 16 + lane % 16) * lda + k0 + (lane / 16) * 8);
       }
-#pragma unroll
-      for (int nj = 0; nj < NT; nj += 2) {
-        uint32_t b[4];
+      if constexpr (NT == 1) {  // one n-fragment a warp (the 16-column scans' (64, 16) tiles)
+        uint32_t b[2];
         if constexpr (kBKN)
-          ldsm_x4_t(b, B + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + bn + nj * 8 + (lane / 16) * 8);
+          ldsm_x2_t(b, B + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + bn);
         else
-          ldsm_x4(b, B + (bn + nj * 8 + lane % 8 + (lane / 16) * 8) * ldb + k0 + ((lane / 8) % 2) * 8);
+          ldsm_x2(b, B + (bn + lane % 8) * ldb + k0 + ((lane / 8) % 2) * 8);
 #pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          mma_bf16(acc[mi][nj], a[mi], b[0], b[1]);
-          mma_bf16(acc[mi][nj + 1], a[mi], b[2], b[3]);
+        for (int mi = 0; mi < MT; ++mi) mma_bf16(acc[mi][0], a[mi], b[0], b[1]);
+      } else {
+#pragma unroll
+        for (int nj = 0; nj < NT; nj += 2) {
+          uint32_t b[4];
+          if constexpr (kBKN)
+            ldsm_x4_t(b, B + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * ldb + bn + nj * 8 + (lane / 16) * 8);
+          else
+            ldsm_x4(b, B + (bn + nj * 8 + lane % 8 + (lane / 16) * 8) * ldb + k0 + ((lane / 8) % 2) * 8);
+#pragma unroll
+          for (int mi = 0; mi < MT; ++mi) {
+            mma_bf16(acc[mi][nj], a[mi], b[0], b[1]);
+            mma_bf16(acc[mi][nj + 1], a[mi], b[2], b[3]);
+          }
         }
       }
     }
@@ -684,7 +703,7 @@ constexpr size_t scan_smem(bool prefetch_k) {
   const int bufs = prefetch_k ? 2 : 1;
   return sizeof(bf16) * ((2 + bufs) * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * bufs * kChunk;
 }
-// kScanV: d_v columns per block (state tile (128, kScanV)), 64 or 32.
+// kScanV: d_v columns per block (state tile (128, kScanV)), 64, 32 or 16.
 template <bool kStates, int kScanV, bool kPrefetchK>
 __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
@@ -1315,10 +1334,15 @@ size_t gdn_backward_workspace_bytes(bool chunked, const GdnShape& s, bool saved_
 namespace {
 
 // The scans run one block per (document, value head, kScanV columns of d_v): 64 columns, or 32 where 64 would leave
-// SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs).
+// SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs),
+// or 16 where even 16-column blocks fit one wave (one long document: 16 value heads x 8 blocks = 128 on one GPU, and
+// a cp rank's 8 heads 64, where each block's walk over the chunks is the scan's whole time).
 // Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
 // H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md).
-int scan_columns(const GdnShape& s) { return s.docs * s.v_heads * (kD / 64) < multiprocessors() ? 32 : 64; }
+int scan_columns(const GdnShape& s) {
+  const int64_t pairs = s.docs * s.v_heads, sms = multiprocessors();
+  return pairs * (kD / 16) <= sms ? 16 : pairs * (kD / 64) < sms ? 32 : 64;
+}
 
 // The forward scan also prefetches K and b where its blocks fit one wave of one block an SM: the larger shared memory
 // then costs no residency. With more blocks, the smaller variant runs two blocks an SM, which hides more (H100: the
@@ -1339,7 +1363,8 @@ void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t s
 template <bool kStates> void launch_scan_forward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
   const int columns = scan_columns(s);
   const bool prefetch = scan_prefetch_k(s, columns);
-  if (columns == 32 && prefetch) launch_scan_forward_v<kStates, 32, true>(a, s, stream);
+  if (columns == 16) launch_scan_forward_v<kStates, 16, true>(a, s, stream);  // one wave: always prefetching
+  else if (columns == 32 && prefetch) launch_scan_forward_v<kStates, 32, true>(a, s, stream);
   else if (columns == 32) launch_scan_forward_v<kStates, 32, false>(a, s, stream);
   else if (prefetch) launch_scan_forward_v<kStates, 64, true>(a, s, stream);
   else launch_scan_forward_v<kStates, 64, false>(a, s, stream);
@@ -1351,7 +1376,9 @@ template <int V> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape&
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
 }
 void launch_scan_backward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  if (scan_columns(s) == 32) launch_scan_backward_v<32>(a, s, stream);
+  const int columns = scan_columns(s);
+  if (columns == 16) launch_scan_backward_v<16>(a, s, stream);
+  else if (columns == 32) launch_scan_backward_v<32>(a, s, stream);
   else launch_scan_backward_v<64>(a, s, stream);
 }
 
