@@ -365,8 +365,7 @@ class CausalLm {
   // A layer's attention of its rotated queries, keys and values: within the batch's documents ({o, lse}; under cp the
   // rows of every rank for the rank's heads, cp_cu_seqlens), or for a decoding batch over its DecodeCache ({o,
   // undefined}: no backward). With kept_attention_ set (recompute_keeps_attention), a forward keeps {o, lse} there and
-  // the backward's recompute of
-  // the layer takes them back instead of running the kernel.
+  // the backward's recompute of the layer takes them back instead of running the kernel.
   std::pair<Tensor, Tensor> attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
                                    const PackedBatch& b);
   // Gated DeltaNet under recompute_keeps_gdn: take_kept_rule gives the backward's recompute of the layer what the

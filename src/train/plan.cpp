@@ -380,8 +380,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   // (acts and kept by the rank's layers in order; under pp the other micro-batches' kept activations stay too.)
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t k = 0; k < layers; ++k) {
-    acts[size_t(k)] = layer_activation_bytes(m, l, st.layers[size_t(k)], rows, b, chunk_cache);
     const int64_t i = st.layers[size_t(k)];
+    acts[size_t(k)] = layer_activation_bytes(m, l, i, rows, b, chunk_cache);
     kept[size_t(k)] = !c.recompute ? acts[size_t(k)]
                       : b * rows.stream * h +
                             (c.recompute_keeps_attention ? kept_attention_bytes(m, l, i, rows, b) : 0) +
