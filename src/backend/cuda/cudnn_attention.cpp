@@ -97,6 +97,8 @@ struct PlanKey {
   // documents of unequal lengths copied into a batch of the longest, for the backward above head dim 128).
   bool dense = false, padded = false;
   bool lengths() const { return !dense || padded || s % kRowTile != 0; }
+  // The elements between batch entries of a (B, heads, s, D) tensor: a dense batch's, or unused (ragged offsets).
+  int64_t batch_stride(int64_t heads) const { return dense ? s * heads * d : kRaggedBatchStride; }
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -303,7 +305,7 @@ TensorDesc packed(GraphBuilder& g, const Common& c, const PlanKey& k, int64_t ui
                   const char* what) {
   const bool q_side = uid == kQ || uid == kO || uid == kDO || uid == kDQ;
   const int64_t heads = q_side ? k.hq : k.hkv;
-  const int64_t batch = k.dense ? k.s * heads * k.d : kRaggedBatchStride;
+  const int64_t batch = k.batch_stride(heads);
   const Dims dims = transposed ? Dims{k.b, heads, k.d, k.s} : Dims{k.b, heads, k.s, k.d};
   const Dims strides = transposed ? Dims{batch, k.d, 1, heads * k.d} : Dims{batch, k.d, heads * k.d, 1};
   return g.tensor(uid, io, dims, strides, false, false, k.dense ? nullptr : q_side ? &c.rag_q : &c.rag_kv, what);
@@ -457,8 +459,7 @@ GraphInfo backward_graph(GraphBuilder& g, const PlanKey& k, cudnnDataType_t io) 
   }
 
   // dQ = dS.K, K being K^T transposed back (a virtual view with K's ragged offsets)
-  const TensorDesc k_again = g.virt(CUDNN_DATA_FLOAT, {b, hkv, s, d},
-                                    {k.dense ? s * hkv * d : kRaggedBatchStride, d, hkv * d, 1}, "k",
+  const TensorDesc k_again = g.virt(CUDNN_DATA_FLOAT, {b, hkv, s, d}, {k.batch_stride(hkv), d, hkv * d, 1}, "k",
                                     k.dense ? nullptr : &c.rag_kv);
   g.reshape("k", kt, k_again);
   GraphInfo info{0, b * hq * s * 4, 0};
@@ -890,33 +891,29 @@ void run_forward(const OpCall& c, ExecContext& ctx) {
 // copied out after the run.
 struct PaddedTensors {
   Tensor storage;
-  std::array<void*, 9> at{};  // inputs 0-5 (q, k, v, o, lse, dO), outputs 0-2 (dq, dk, dv)
+  std::array<void*, 9> at{};           // inputs 0-5 (q, k, v, o, lse, dO), outputs 0-2 (dq, dk, dv)
+  std::array<int64_t, 9> row_bytes{};  // a row of each
 };
 
 PaddedTensors pad_inputs(const OpCall& c, ExecContext& ctx, const PlanKey& k) {
-  const int64_t rows = k.b * k.s, es = int64_t(dtype_size(k.dtype));
-  const std::array<int64_t, 9> row_bytes = {k.hq * k.d * es, k.hkv * k.d * es, k.hkv * k.d * es, k.hq * k.d * es,
-                                            k.hq * 4,        k.hq * k.d * es,  k.hq * k.d * es,  k.hkv * k.d * es,
-                                            k.hkv * k.d * es};
-  int64_t total = 0;
-  for (int64_t r : row_bytes) total += align_up(rows * r, 256);
+  const int64_t rows = k.b * k.s, q = k.hq * k.d * int64_t(dtype_size(k.dtype)), kv = q / k.hq * k.hkv;
   PaddedTensors p;
+  p.row_bytes = {q, kv, kv, q, k.hq * 4, q, q, kv, kv};
+  int64_t total = 0;
+  for (int64_t r : p.row_bytes) total += align_up(rows * r, 256);
   p.storage = Tensor::empty({total}, DType::U8, ctx.allocator);
   auto* next = static_cast<uint8_t*>(p.storage.data_ptr());
-  for (size_t i = 0; i < p.at.size(); ++i) p.at[i] = next, next += align_up(rows * row_bytes[i], 256);
-  const cudaStream_t stream = as_cuda(ctx.stream).handle();
+  for (size_t i = 0; i < p.at.size(); ++i) p.at[i] = next, next += align_up(rows * p.row_bytes[i], 256);
   for (size_t i = 0; i < 6; ++i)
-    launch_cudnn_padded_rows(c.inputs[i].data_ptr(), p.at[i], c.inputs[6].data<int32_t>(), k.b, k.s, row_bytes[i],
-                             true, stream);
+    launch_cudnn_padded_rows(c.inputs[i].data_ptr(), p.at[i], c.inputs[6].data<int32_t>(), k.b, k.s, p.row_bytes[i],
+                             true, as_cuda(ctx.stream).handle());
   return p;
 }
 
 void unpad_gradients(const OpCall& c, ExecContext& ctx, const PlanKey& k, const PaddedTensors& p) {
-  const int64_t es = int64_t(dtype_size(k.dtype));
-  const std::array<int64_t, 3> row_bytes = {k.hq * k.d * es, k.hkv * k.d * es, k.hkv * k.d * es};
   for (size_t i = 0; i < 3; ++i)
     launch_cudnn_padded_rows(p.at[6 + i], c.outputs[i].data_ptr(), c.inputs[6].data<int32_t>(), k.b, k.s,
-                             row_bytes[i], false, as_cuda(ctx.stream).handle());
+                             p.row_bytes[6 + i], false, as_cuda(ctx.stream).handle());
 }
 
 void run_backward(const OpCall& c, ExecContext& ctx, bool deterministic) {
