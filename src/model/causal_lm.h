@@ -49,6 +49,10 @@ struct ModelOptions {
   Device device = Device::cpu();
   DType dtype = DType::F32;      // parameter and activation dtype (f32 on CPU, bf16 on CUDA)
   bool recompute = false;        // recompute layer activations in the backward pass
+  // Under recompute: only the model's first recompute_layers layers (by their index in the whole model) recompute; the
+  // others keep their activations from the forward (Megatron's block method). -1: every layer. The memory a kept layer
+  // costs and the time a recomputed one takes: docs/training.md, "Recomputation".
+  int64_t recompute_layers = -1;
   // Under recompute: each attention layer's kernel outputs (o and its log-sum-exp) are kept from the forward, so the
   // backward's recompute of the layer runs no attention kernel (KeptAttention; docs/parallel.md, "Long documents").
   bool recompute_keeps_attention = false;
@@ -57,6 +61,8 @@ struct ModelOptions {
   // its output). Far more memory than the attention outputs: docs/training.md.
   bool recompute_keeps_gdn = false;
   int64_t loss_chunk_rows = 2048;  // rows of logits alive at once in the loss head
+  // Whether layer `layer` (its index in the whole model) recomputes its activations in the backward.
+  bool recomputes(int64_t layer) const { return recompute && (recompute_layers < 0 || layer < recompute_layers); }
   bool train_base = true;        // false: the base weights are frozen (LoRA): no gradient is computed for them
   // false: kernels whose gradients are equal within rounding but not bitwise run to run may be chosen where they are
   // faster (the attention backward's dQ summed across key tiles in any order: AttentionAttrs::deterministic).

@@ -1,6 +1,6 @@
 // The decoder-stack driver both families share: embedding, the layers in order, the final RMSNorm and the LM head
 // (logits, label log-probs, the loss head of CausalLm), and the backward through the layers in reverse, recomputing a
-// layer's activations from its input when options.recompute. A family M (Qwen3Model, Qwen35Model) befriends
+// layer's activations from its input where options.recomputes(its index). A family M (Qwen3Model, Qwen35Model) befriends
 // DecoderStack and provides Layer, LayerActs (with .out, a ResidualStream), layers_, layer_forward(l, x, b, training),
 // layer_backward(l, acts, dout, b), embed_, final_norm_, head() and kFinalNormOffset (0: w, 1: zero-centred 1 + w).
 // Included only by the families' .cpp files, where LayerActs is complete. Covered by tests/models (both families).
@@ -23,9 +23,11 @@ struct DecoderStack {
     return {m.config_.rms_norm_eps, M::kFinalNormOffset};
   }
 
-  // The last layer's output (T, H), as the residual stream's last two terms. `acts` (if given) receives every layer's
-  // activations, `inputs` every layer's input (its sum, LayerActs::x: one tensor a layer), `kept` every layer's
-  // attention outputs or Gated DeltaNet rule results (recompute_keeps_attention, recompute_keeps_gdn).
+  // The last layer's output (T, H), as the residual stream's last two terms. With `acts` given (a training forward),
+  // `acts` and `inputs` receive an entry a layer: a layer that recomputes in the backward (ModelOptions::recomputes)
+  // leaves its LayerActs empty and gives its input (its sum, LayerActs::x), any other its activations and an empty
+  // input; `kept` (if given) a slot a layer, where a recomputing layer's attention outputs or Gated DeltaNet rule
+  // results are kept (recompute_keeps_attention, recompute_keeps_gdn).
   template <typename M>
   static ResidualStream hidden(M& m, const PackedBatch& b, std::vector<typename M::LayerActs>* acts,
                                std::vector<ResidualStream>* inputs, bool training,
@@ -55,41 +57,48 @@ struct DecoderStack {
     return backward && m.options_.recompute && (m.options_.recompute_keeps_attention || m.options_.recompute_keeps_gdn);
   }
 
-  // The layers m.layers_[begin, end) over the stream x (the whole stack, or a pipeline stage's): each one's input (its
-  // sum, LayerActs::x) into `inputs`, its activations into `acts` and its attention outputs into `kept` where given;
-  // returns the last one's output.
+  // The layers m.layers_[begin, end) over the stream x (the whole stack, or a pipeline stage's), returning the last
+  // one's output. With `acts` (a training forward; then `inputs` too) an entry a layer in both: a layer that
+  // recomputes in the backward gives its input (its sum, LayerActs::x) and an empty LayerActs, any other its
+  // activations and an empty input; `kept` (where given) a slot a layer, filled by the recomputing layers only.
   template <typename M>
   static ResidualStream forward_layers(M& m, size_t begin, size_t end, ResidualStream x, const PackedBatch& b,
                                        bool training, std::vector<typename M::LayerActs>* acts,
                                        std::vector<ResidualStream>* inputs, std::vector<KeptAttention>* kept) {
     for (size_t k = begin; k < end; ++k) {
+      const bool recomputes = acts && m.options_.recomputes(m.layers_[k].index);
       if (kept) kept->emplace_back();
-      const KeepingAttention<M> keeping(m, kept ? &kept->back() : nullptr);
+      const KeepingAttention<M> keeping(m, kept && recomputes ? &kept->back() : nullptr);
       typename M::LayerActs a = m.layer_forward(m.layers_[k], x, b, training);
-      if (inputs) inputs->push_back({a.x, {}});
       x = a.out;
-      if (acts) acts->push_back(std::move(a));
+      if (!acts) continue;
+      inputs->push_back(recomputes ? ResidualStream{a.x, {}} : ResidualStream{});
+      acts->push_back(recomputes ? typename M::LayerActs{} : std::move(a));
     }
     return x;
   }
 
-  // The backward through m.layers_[begin, end), the last first, from d(their output) dx: each layer's activations
-  // from `acts` (one a layer from `begin`, moved out as used) or, with `acts` empty, recomputed from its input in
-  // `inputs` (its attention outputs taken from `kept`, if the forward kept them); `done(k)` after the layer at
-  // position k. Returns d(the input of layer `begin`).
+  // The backward through m.layers_[begin, end), the last first, from d(their output) dx, with what forward_layers
+  // kept (an entry a layer from `begin` in `acts` and `inputs`, `kept` empty or a slot a layer): a layer's activations
+  // moved out of `acts`, or recomputed from its input in `inputs` (its attention outputs taken from `kept`, if the
+  // forward kept them); `done(k)` after the layer at position k. Returns d(the input of layer `begin`).
   template <typename M>
   static Tensor backward_layers(M& m, size_t begin, size_t end, std::vector<typename M::LayerActs>& acts,
-                                const std::vector<ResidualStream>& inputs, std::vector<KeptAttention>& kept, Tensor dx,
+                                std::vector<ResidualStream>& inputs, std::vector<KeptAttention>& kept, Tensor dx,
                                 const PackedBatch& b, const std::function<void(int64_t)>& done) {
-    const bool keep = !acts.empty();
+    LATHE_CHECK(acts.size() == end - begin && inputs.size() == end - begin && (kept.empty() || kept.size() == acts.size()),
+                "model: the backward got {} layers' activations and {} inputs for {} layers", acts.size(),
+                inputs.size(), end - begin);
     for (size_t k = end; k-- > begin;) {
       const auto& l = m.layers_[k];
       const auto recomputed = [&] {
         const KeepingAttention<M> keeping(m, kept.empty() ? nullptr : &kept[k - begin]);
         return m.layer_forward(l, inputs[k - begin], b, true);
       };
-      const typename M::LayerActs a = keep ? std::move(acts[k - begin]) : recomputed();
-      if (keep) acts.pop_back();
+      const typename M::LayerActs a = m.options_.recomputes(l.index) ? recomputed() : std::move(acts[k - begin]);
+      acts.pop_back();  // this layer's entries, spent (the activations moved out, or empty)
+      inputs.pop_back();
+      if (!kept.empty()) kept.pop_back();
       dx = m.layer_backward(l, a, dx, b);
       if (done) done(int64_t(k));
     }
@@ -142,9 +151,8 @@ struct DecoderStack {
     std::vector<typename M::LayerActs> acts;
     std::vector<ResidualStream> inputs;
     std::vector<KeptAttention> kept;
-    const bool keep = backward && !m.options_.recompute;
     const NormAttrs norm = final_norm(m);
-    const ResidualStream out = hidden(m, b, keep ? &acts : nullptr, backward ? &inputs : nullptr, backward,
+    const ResidualStream out = hidden(m, b, backward ? &acts : nullptr, backward ? &inputs : nullptr, backward,
                                       keeps_attention(m, backward) ? &kept : nullptr);
     const auto [xf, x_last] = m.norm_stream(out, m.w(m.final_norm_), norm);  // the stream's rows under sp
     Tensor dxf;
@@ -233,10 +241,9 @@ struct DecoderStack {
       const int64_t rows = in.size(1);
       x = {in.narrow(0, 0, 1).view({rows, in.size(2)}), in.narrow(0, 1, 1).view({rows, in.size(2)})};
     }
-    const bool keep = backward && !m.options_.recompute;
     while (sa->begin < m.layers_.size() && m.layers_[sa->begin].index < pl.first_layer(stage)) ++sa->begin;
     for (sa->end = sa->begin; sa->end < m.layers_.size() && m.layers_[sa->end].index < pl.end_layer(stage);) ++sa->end;
-    x = forward_layers(m, sa->begin, sa->end, x, b, backward, keep ? &sa->acts : nullptr,
+    x = forward_layers(m, sa->begin, sa->end, x, b, backward, backward ? &sa->acts : nullptr,
                        backward ? &sa->inputs : nullptr, keeps_attention(m, backward) ? &sa->kept : nullptr);
     for (size_t k = sa->begin; k < sa->end; ++k) {  // the stage's routing of this micro-batch, for its backward
       const int64_t layer = m.layers_[k].index;

@@ -181,6 +181,10 @@ const std::vector<Option>& options() {
       LATHE_NUM("train.eval_batches", Kind::Int, "4", at_least(1), "micro-batches per evaluation", eval_batches),
       LATHE_NUM("train.log_every", Kind::Int, "1", at_least(1), "steps between log lines when not on a terminal", log_every),
       LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
+      LATHE_NUM("train.recompute_layers", Kind::Int, "-1", at_least(-1),
+                "under train.recompute, only the model's first N layers recompute and the others keep their "
+                "activations (faster where the memory allows; `lathe plan` names the largest N that fits; -1: all)",
+                recompute_layers),
       LATHE_OPT("train.recompute_keeps_attention", Kind::Bool, "false",
                 "under train.recompute, keep each attention layer's output and log-sum-exp from the forward (T x q "
                 "heads x (head_dim + 2) bf16 a layer) so that the backward does not run attention again: long "
@@ -465,7 +469,8 @@ bool per_tenant(const std::string& path) {
          (starts("rl.") && path != "rl.minibatches" && path != "rl.warm_start" && path != "rl.cache_mib" &&
           path != "rl.offload_optimizer" && path != "rl.max_running" && path != "rl.mode" &&
           path != "rl.rollout_ranks" && path != "rl.rollout_tp" && path != "rl.max_staleness") ||
-         (starts("train.") && path != "train.recompute" && path != "train.recompute_keeps_attention" &&
+         (starts("train.") && path != "train.recompute" && path != "train.recompute_layers" &&
+          path != "train.recompute_keeps_attention" &&
           path != "train.recompute_keeps_gdn" &&
           path != "train.deterministic" &&
           path != "train.gemm_autotune" && path != "train.memory_plan" && path != "train.log_every" &&
@@ -511,6 +516,9 @@ TrainConfig resolve(const std::map<std::string, YAML::Node>& given, const std::s
     problems.push_back("model: give exactly one of model.path (fine-tune) or model.config (train from scratch)");
   if (c.tokenizer.empty()) c.tokenizer = c.model_path;
   if (c.tokenizer.empty()) problems.push_back("model.tokenizer: required when training from model.config");
+  if (c.recompute_layers >= 0 && !c.recompute)
+    problems.push_back(fmt::format("train.recompute_layers: {} with train.recompute false: it chooses which layers "
+                                   "recompute, so it needs train.recompute: true", c.recompute_layers));
   if (c.train_files.empty() && !has_tenants) problems.push_back("data.train: at least one training file is required");
   if (c.output_dir.empty()) problems.push_back("output_dir: required");
   if (!given.count("train.max_steps") && !unparsed.count("train.max_steps") && !has_tenants)

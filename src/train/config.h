@@ -85,8 +85,11 @@ struct TrainConfig {
   int64_t eval_batches = 4;
   int64_t log_every = 1;
   bool recompute = false;
+  int64_t recompute_layers = -1;  // under recompute: the model's first N layers recompute (-1: all; ModelOptions)
   bool recompute_keeps_attention = false;
   bool recompute_keeps_gdn = false;
+  // Whether layer i of the model recomputes its activations in the backward (ModelOptions::recomputes).
+  bool recomputes(int64_t i) const { return recompute && (recompute_layers < 0 || i < recompute_layers); }
   bool deterministic = true;  // false: the attention backward may sum dQ in any order (ModelOptions::deterministic)
   int64_t profile_step = 0;  // 0: off; else the step whose kernels are timed and printed (train.profile_step)
   bool gemm_autotune = false;  // time cuBLASLt's candidate algorithms per GEMM shape (Runtime::set_gemm_autotune)

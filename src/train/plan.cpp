@@ -374,24 +374,26 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   const int64_t layer_grad = lora ? 0 : (grads - outside * b) / std::max<int64_t>(layers, 1);
   const int64_t bucket = int64_t(c.bucket_mb * double(kMiB));
 
-  // Activations: every layer's LayerActs, or under recomputation each layer's input (the stream's rows; with
-  // train.recompute_keeps_attention also its attention outputs, with train.recompute_keeps_gdn its delta rule results)
-  // and one layer recomputed.
+  // Activations: every layer's LayerActs, or for a layer that recomputes (train.recompute, train.recompute_layers)
+  // its input (the stream's rows; with train.recompute_keeps_attention also its attention outputs, with
+  // train.recompute_keeps_gdn its delta rule results), and one recomputed layer's LayerActs.
   // (acts and kept by the rank's layers in order; under pp the other micro-batches' kept activations stay too.)
   std::vector<int64_t> acts(static_cast<size_t>(layers)), kept(static_cast<size_t>(layers));
   for (int64_t k = 0; k < layers; ++k) {
     const int64_t i = st.layers[size_t(k)];
     acts[size_t(k)] = layer_activation_bytes(m, l, i, rows, b, chunk_cache);
-    kept[size_t(k)] = !c.recompute ? acts[size_t(k)]
+    kept[size_t(k)] = !c.recomputes(i) ? acts[size_t(k)]
                       : b * rows.stream * h +
                             (c.recompute_keeps_attention ? kept_attention_bytes(m, l, i, rows, b) : 0) +
                             (c.recompute_keeps_gdn ? kept_gdn_bytes(m, l, i, rows, b, chunk_cache) : 0);
   }
-  int64_t kept_all = 0;
-  for (int64_t a : kept) kept_all += a;
+  int64_t kept_all = 0, recomputed_acts = 0;
+  for (int64_t k = 0; k < layers; ++k) {
+    kept_all += kept[size_t(k)];
+    if (c.recomputes(st.layers[size_t(k)])) recomputed_acts = std::max(recomputed_acts, acts[size_t(k)]);
+  }
   const int64_t others_kept = std::max<int64_t>(st.held_kept(kept_all) - kept_all, 0);  // other micro-batches'
-  mem.activations =
-      kept_all + others_kept + (c.recompute && layers > 0 ? *std::max_element(acts.begin(), acts.end()) : 0);
+  mem.activations = kept_all + others_kept + recomputed_acts;
   // The loss head, on the block's rows (the batch's, or under cp the rank's: CausalLm::head_rows): the final norm's
   // output and stream on the stream's rows, their gather into the block's rows (padded; sp), the labelled rows and their
   // gradient (block rows, H) x2, one chunk's logits and their gradient (rows padded to 64 columns) and its per-row
@@ -406,9 +408,9 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
 
   // The peak: the step's phases, micro-batch by micro-batch (the second repeats in every later one).
   const int64_t persistent = mem.weights + mem.optimizer + others_kept;
-  // What the loss keeps through the whole backward (DecoderStack::loss): every layer's input (one (rows, H) tensor a
-  // layer, also once its activations are gone), the final norm's output and stream, the last layer's output terms
-  // (part of its activations until its backward), the head's input gradient (block rows, H) and, under sp, its rows.
+  // What the loss keeps through the backward (DecoderStack::loss): the final norm's output and stream, the last
+  // layer's output terms (part of its activations until its backward), the head's input gradient (block rows, H) and,
+  // under sp, its rows. (Each layer's input goes with its activations, or with its entry once it recomputed.)
   const int64_t x_bytes = b * rows.stream * h;
   // (A stage without the head: the stream it received or sends, (2, rows, H), and the gradient it got.)
   const int64_t carried =
@@ -434,22 +436,22 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
     const int64_t head_made = std::min(head_grad, grads);
     peak = std::max(peak, persistent + std::max(before, whole_grads(head_made)) + kept_all + mem.loss_head);
     // The backward, last layer first: layers 0..i - 1 keep what they kept, layer i its whole activations (recomputed
-    // under train.recompute), the layers above their inputs; the gradients up to layer i exist, and the layer's
+    // where it recomputes) and the stream's two terms it is given; the gradients up to layer i exist, and the layer's
     // temporaries.
     int64_t kept_below = kept_all;
     for (int64_t k = layers - 1; k >= 0; --k) {  // the rank's k-th layer, layer i of the model
       const int64_t i = st.layers[size_t(k)];
       kept_below -= kept[size_t(k)];
       const int64_t made = head_made + (layers - k) * layer_grad;
-      const int64_t above = (layers - 1 - k) * x_bytes + (c.recompute || k < layers - 1 ? 2 * x_bytes : 0);
+      const int64_t above = c.recomputes(i) || k < layers - 1 ? 2 * x_bytes : 0;
       const int64_t live = persistent + std::max(before, whole_grads(made)) + kept_below + acts[size_t(k)] + above +
                            carried + layer_backward_temporary_bytes(m, l, i, rows, b, scratch, c.device == "cpu") +
                            in_flight((layers - 1 - k) * layer_grad);
       peak = std::max(peak, live);
     }
     // The end of the backward: every gradient, the last buckets in flight (the whole gradients when they fit one), the
-    // layers' inputs and what the loss keeps.
-    const int64_t end = persistent + std::max(before, whole_grads(grads)) + (layers + 2) * x_bytes + carried;
+    // first layer's input gradient and what the loss keeps.
+    const int64_t end = persistent + std::max(before, whole_grads(grads)) + 2 * x_bytes + carried;
     peak = std::max(peak, end + (replicas > 1 && !zero && last && !lora ? std::min(2 * bucket, grads) : 0));
   }
   mem.peak = peak;
@@ -465,12 +467,13 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   if (layout.ep > 1 && !lora && !zero) plan.comm_grads_bytes += all_reduce_bytes(rank_experts, edp);
   else if (layout.ep > 1 && !lora) plan.comm_grads_bytes += (reductions + 1) * reduce_scatter_bytes(rank_experts, edp);
   // tp: each layer's sums of (rows, H) activations and the q/k norm gains' gradients, each micro-batch.
-  const int64_t forward_passes = c.recompute ? 2 : 1;  // the recomputing backward runs the forward's collectives again
+  // A layer's forward passes: the recomputing backward runs the forward's collectives again.
+  const auto forward_passes = [&](int64_t i) -> int64_t { return c.recomputes(i) ? 2 : 1; };
   if (layout.tp > 1) {
     const int64_t stream = b * rows.block * h;
-    const int64_t per_layer = (2 * forward_passes + 2) * all_reduce_bytes(stream, layout.tp) +
-                              2 * all_reduce_bytes(b * m.head_dim, layout.tp);
-    plan.comm_tp_bytes += micro_batches * layers * per_layer;
+    for (int64_t i : st.layers)
+      plan.comm_tp_bytes += micro_batches * ((2 * forward_passes(i) + 2) * all_reduce_bytes(stream, layout.tp) +
+                                             2 * all_reduce_bytes(b * m.head_dim, layout.tp));
     // The vocab-parallel embedding's rows summed (forward) and the LM head's input gradient (backward), each (block
     // rows, H); the loss's per-row log-sum-exps and label logits are a value a row.
     plan.comm_tp_bytes += micro_batches * ((st.embedding ? all_reduce_bytes(b * rows.block * h, layout.tp) : 0) +
@@ -485,9 +488,11 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   // gradient sum is part of the weight replicas' above).
   if (layout.cp > 1)
     for (int64_t i : st.layers)
-      plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes, dtype);
-  if (layout.ep > 1) plan.comm_ep_bytes = micro_batches * sparse_layers * ep_layer_bytes(m, layout.ep, rows.block, b,
-                                                                                    forward_passes, dtype);
+      plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes(i), dtype);
+  if (layout.ep > 1)
+    for (int64_t i : st.layers)
+      if (m.sparse_layer(i))
+        plan.comm_ep_bytes += micro_batches * ep_layer_bytes(m, layout.ep, rows.block, b, forward_passes(i), dtype);
   // pp: each micro-batch's stream (2, rows, H) to the next stage and its gradient (rows, H) to the previous, for each
   // of the rank's virtual stages that has one.
   plan.comm_pp_bytes = micro_batches * (st.sends_forward * 2 + st.sends_backward) * x_bytes;
@@ -586,6 +591,30 @@ std::vector<std::string> speed_notes(const TrainConfig& c, const ModelConfig& wh
   return notes;
 }
 
+// Under train.recompute, where the configured layout fits: the fewest layers that must recompute for it to fit with
+// kTightShare of the memory to spare (the first N: train.recompute_layers), when fewer than now.
+void recompute_note(TrainingPlan& plan, const TrainConfig& c,
+                    const std::function<TrainConfig(const PlanLayout&)>& config_at) {
+  const auto configured = std::find_if(plan.layouts.begin(), plan.layouts.end(),
+                                       [](const LayoutPlan& l) { return l.configured; });
+  if (!c.recompute || configured == plan.layouts.end() || !configured->fits) return;
+  const int64_t layers = plan.model.num_layers, now = c.recompute_layers < 0 ? layers : c.recompute_layers;
+  TrainConfig at = config_at(configured->layout);
+  for (int64_t n = 0; n < now; ++n) {
+    at.recompute_layers = n;
+    const LayoutPlan lp = plan_layout(at, plan.model, configured->layout, plan.memory_bytes);
+    if (double(lp.memory.peak) > (1.0 - kTightShare) * double(plan.memory_bytes)) continue;
+    const std::string setting = n == 0 ? "train.recompute: false (no layer recomputes)"
+                                       : fmt::format("train.recompute_layers: {} (the first {} of the {} layers "
+                                                     "recompute, the others keep their activations)", n, n, layers);
+    plan.notes.push_back(fmt::format("{} still fits this layout, at a peak of {:.1f} GiB a rank against {:.1f} GiB "
+                                     "now: a recomputing layer runs its forward twice",
+                                     setting, double(lp.memory.peak) / double(int64_t(1) << 30),
+                                     double(configured->memory.peak) / double(int64_t(1) << 30)));
+    return;
+  }
+}
+
 }  // namespace
 
 TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_bytes,
@@ -634,6 +663,7 @@ TrainingPlan plan_layouts(const TrainConfig& c, int64_t nproc, int64_t memory_by
       }
     }
   }
+  recompute_note(plan, c, config_at);
   return plan;
 }
 

@@ -356,6 +356,9 @@ void Trainer::Impl::choose_model_source() {
   LATHE_CHECK(model_config_.vocab_size >= tokenizer_->vocab_size(),
               "train: the model's vocabulary ({}) is smaller than the tokenizer's ({})", model_config_.vocab_size,
               tokenizer_->vocab_size());
+  LATHE_CHECK(c_.recompute_layers <= model_config_.num_layers,
+              "train: train.recompute_layers is {}, but the model has {} layers", c_.recompute_layers,
+              model_config_.num_layers);
   check_tensor_parallel(model_config_, int(c_.tp));  // before any weight is loaded
   if (!lora_) return;
   for (Job& j : jobs_) {
@@ -404,6 +407,7 @@ void Trainer::Impl::build() {
   mopt.device = device_;
   mopt.dtype = dtype_;
   mopt.recompute = c_.recompute;
+  mopt.recompute_layers = c_.recompute_layers;
   mopt.recompute_keeps_attention = c_.recompute_keeps_attention;
   mopt.recompute_keeps_gdn = c_.recompute_keeps_gdn;
   mopt.deterministic = c_.deterministic;

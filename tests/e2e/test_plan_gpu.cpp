@@ -1,7 +1,8 @@
 // The layout planner against a real GPU run (issue 25's check): `lathe plan --json` and `lathe train` on one config on
 // cuda (bf16), a Qwen3 shape and a Qwen3.5 hybrid (Gated DeltaNet layers with 128-wide heads, so the chunked CUDA
 // kernels and their saved chunk cache run), each with and without train.recompute (Qwen3 also with
-// train.recompute_keeps_attention, Qwen3.5 with it and train.recompute_keeps_gdn). The configured layout's planned
+// train.recompute_keeps_attention, Qwen3.5 with it and train.recompute_keeps_gdn, and with only its first layers
+// recomputing: train.recompute_layers). The configured layout's planned
 // peak must be within 10% of the peak the trainer measures: metrics.jsonl's memory_mib, the CUDA caching allocator's
 // high-water mark of allocated blocks (flops.cpp peak_memory_mib; cuBLAS's workspace, the CUDA context and cuDNN's
 // handle are not allocated through it; docs/plan.md says what the planner counts on cuda). Skips, saying why, where
@@ -139,6 +140,14 @@ TEST_F(PlanGpu, Qwen35RecomputeKeepingBothCoresPeakIsWithinTenPercentOfTheMeasur
   expect_planned_peak_within_ten_percent(
       "qwen3_5_recompute_kept", kQwen35,
       " --set train.recompute=true --set train.recompute_keeps_attention=true --set train.recompute_keeps_gdn=true");
+}
+
+// train.recompute_layers: the first five layers (four Gated DeltaNet layers and an attention one) recompute, keeping
+// both cores' results; the last three keep their activations.
+TEST_F(PlanGpu, Qwen35RecomputingTheFirstLayersPeakIsWithinTenPercentOfTheMeasured) {
+  expect_planned_peak_within_ten_percent("qwen3_5_recompute_first", kQwen35,
+                                         " --set train.recompute=true --set train.recompute_layers=5 --set "
+                                         "train.recompute_keeps_attention=true --set train.recompute_keeps_gdn=true");
 }
 
 }  // namespace

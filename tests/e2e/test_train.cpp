@@ -260,6 +260,10 @@ TEST(Train, BadConfigsReportEveryProblem) {
   const LatheRun missing = lathe("train " + (dir / "config.yaml").string() + " --set data.train=" + (dir / "nope.jsonl").string());
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.output.find("nope.jsonl"), std::string::npos) << missing.output;
+  const LatheRun deep = lathe("train " + (dir / "config.yaml").string() +
+                              " --set train.recompute=true --set train.recompute_layers=99");
+  EXPECT_NE(deep.exit_code, 0);
+  EXPECT_NE(deep.output.find("train.recompute_layers is 99, but the model has"), std::string::npos) << deep.output;
   const LatheRun no_file = lathe("train " + (dir / "absent.yaml").string());
   EXPECT_NE(no_file.exit_code, 0);
   EXPECT_NE(no_file.output.find("absent.yaml"), std::string::npos) << no_file.output;

@@ -153,10 +153,12 @@ struct RecomputeRun {
   std::vector<std::vector<double>> grads;
   int64_t attention_calls = 0, rule_calls = 0;
 };
-RecomputeRun recompute_run(const std::vector<std::string>& layers, bool keeps_attention, bool keeps_gdn) {
+RecomputeRun recompute_run(const std::vector<std::string>& layers, bool keeps_attention, bool keeps_gdn,
+                           int64_t recompute_layers = -1, bool recompute = true) {
   ModelOptions o;
   o.dtype = DType::F64;
-  o.recompute = true;
+  o.recompute = recompute;
+  o.recompute_layers = recompute_layers;
   o.recompute_keeps_attention = keeps_attention;
   o.recompute_keeps_gdn = keeps_gdn;
   Qwen35Model m = Qwen35Model::random(runtime(), parse_model_config(tiny_json(false, layers), "tiny"), o, 3, 0.3);
@@ -207,6 +209,29 @@ TEST(Qwen35Recompute, KeptDeltaRuleIsUsedAndChangesNothing) {
   EXPECT_EQ(both.attention_calls, 1);
   expect_same_pass(kept, plain);
   expect_same_pass(both, plain);
+}
+
+// train.recompute_layers: only the model's first N layers recompute, the others keep their activations: the kernels
+// run again for those N only (none at N = 0, as without recompute), with the same loss and gradients bitwise; with
+// both keeping options the recomputing layers keep their kernels' outputs, the others nothing beside their activations.
+TEST(Qwen35Recompute, OnlyTheFirstLayersRecompute) {
+  const std::vector<std::string> layers = {"linear_attention", "full_attention", "linear_attention", "full_attention"};
+  const RecomputeRun plain = recompute_run(layers, false, false), none = recompute_run(layers, false, false, -1, false);
+  EXPECT_EQ(plain.rule_calls, 4);
+  EXPECT_EQ(plain.attention_calls, 4);
+  EXPECT_EQ(none.rule_calls, 2);
+  for (const int64_t n : {0, 1, 2, 3, 4}) {
+    SCOPED_TRACE(fmt::format("recompute_layers {}", n));
+    const RecomputeRun some = recompute_run(layers, false, false, n);
+    EXPECT_EQ(some.rule_calls, 2 + (n >= 1) + (n >= 3));  // layers 0 and 2 are Gated DeltaNet's
+    EXPECT_EQ(some.attention_calls, 2 + (n >= 2) + (n >= 4));
+    expect_same_pass(some, plain);
+    const RecomputeRun kept = recompute_run(layers, true, true, n);
+    EXPECT_EQ(kept.rule_calls, 2);
+    EXPECT_EQ(kept.attention_calls, 2);
+    expect_same_pass(kept, plain);
+  }
+  expect_same_pass(none, plain);
 }
 
 TEST(Qwen35Checkpoint, SaveThenLoadInBothLayouts) {

@@ -56,9 +56,11 @@ std::vector<nlohmann::json> pp_configs() {
 
 std::unique_ptr<CausalLm> model(const nlohmann::json& config, Communicator* pp, const PipelineLayout& layout,
                                 Communicator* tp = nullptr, Communicator* ep = nullptr, Communicator* cp = nullptr,
-                                bool recompute = false, bool keeps_attention = false, bool keeps_gdn = false) {
+                                bool recompute = false, bool keeps_attention = false, bool keeps_gdn = false,
+                                int64_t recompute_layers = -1) {
   ModelOptions o;
   o.recompute = recompute;
+  o.recompute_layers = recompute_layers;
   o.recompute_keeps_attention = keeps_attention;
   o.recompute_keeps_gdn = keeps_gdn;
   o.tp = tp;
@@ -89,13 +91,15 @@ std::unique_ptr<Communicator> PipelineParallel::world;
 struct Layout {
   int pp, vpp, dp, tp = 1, ep = 1, cp = 1;
   bool recompute = false, keeps_attention = false, keeps_gdn = false;
+  int64_t recompute_layers = -1;
 };
 
 void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& lay, Communicator& world) {
-  const std::string what = fmt::format("{} at pp {} x vpp {} x dp {} x tp {} x ep {} x cp {}{}{}{}",
-                                       config["model_type"].get<std::string>(), lay.pp, lay.vpp, lay.dp, lay.tp, lay.ep,
-                                       lay.cp, lay.recompute ? ", recomputing" : "",
-                                       lay.keeps_attention ? " (attention kept)" : "", lay.keeps_gdn ? " (GDN kept)" : "");
+  const std::string what = fmt::format(
+      "{} at pp {} x vpp {} x dp {} x tp {} x ep {} x cp {}{}{}{}{}", config["model_type"].get<std::string>(), lay.pp,
+      lay.vpp, lay.dp, lay.tp, lay.ep, lay.cp, lay.recompute ? ", recomputing" : "",
+      lay.recompute_layers >= 0 ? fmt::format(" the first {} layers", lay.recompute_layers) : "",
+      lay.keeps_attention ? " (attention kept)" : "", lay.keeps_gdn ? " (GDN kept)" : "");
   const ParallelGrid grid(world.size(), {.tp = lay.tp, .cp = lay.cp, .ep = lay.ep, .dp = lay.dp, .pp = lay.pp});
   const ParallelGrid::Coords me = grid.coords(world.rank());
   const int rank = world.rank();
@@ -108,7 +112,8 @@ void expect_pipeline_equals_whole(const nlohmann::json& config, const Layout& la
   const PipelineLayout layout(layers, lay.pp, lay.vpp);
   const std::unique_ptr<CausalLm> split = model(config, pp.get(), layout, lay.tp > 1 ? tp.get() : nullptr,
                                                 lay.ep > 1 ? ep.get() : nullptr, lay.cp > 1 ? cp.get() : nullptr,
-                                                lay.recompute, lay.keeps_attention, lay.keeps_gdn);
+                                                lay.recompute, lay.keeps_attention, lay.keeps_gdn,
+                                                lay.recompute_layers);
   const std::unique_ptr<CausalLm> whole = model(config, nullptr, PipelineLayout());
   for (const Parameter& p : split->parameters())  // the same draws at any layout
     EXPECT_EQ(to_f64(split->gathered(p)), to_f64(whole->parameter(p.name).value)) << what << ": " << p.name;
@@ -191,7 +196,11 @@ TEST_F(PipelineParallel, EveryLayoutEqualsTheWholeModel) {
   keeping.keeps_attention = keeping.keeps_gdn = true;
   Layout keeping_cp{2, 1, 1, 1, 1, 2};  // the same over context-parallel ranks
   keeping_cp.recompute = keeping_cp.keeps_attention = keeping_cp.keeps_gdn = true;
-  const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}, recomputing, keeping}
+  // only the model's first three layers recomputing (train.recompute_layers): a stage of each kind, and one of both
+  Layout keeping_some = keeping;
+  keeping_some.recompute_layers = 3;
+  const std::vector<Layout> layouts = n == 2 ? std::vector<Layout>{{2, 1, 1}, {2, 2, 1}, recomputing, keeping,
+                                                                   keeping_some}
                                              : std::vector<Layout>{{4, 1, 1}, {2, 2, 2}, {2, 1, 1, 2, 1}};
   for (const nlohmann::json& config : pp_configs()) {
     for (const Layout& lay : layouts) expect_pipeline_equals_whole(config, lay, *world);

@@ -135,7 +135,7 @@ TEST(Plan, HybridPeakIsWithinFifteenPercentOfARealRun) {
     data << nlohmann::json{{"text", text}}.dump() << "\n";
   }
   data.close();
-  expect_peak_within_fifteen_percent(dir, {{}, {"train.recompute=true"}});
+  expect_peak_within_fifteen_percent(dir, {{}, {"train.recompute=true"}, {"train.recompute=true", "train.recompute_layers=2"}});
 }
 
 // Refused layouts carry the trainer's reason; an N that the configured layout cannot fill is an error.
@@ -432,11 +432,53 @@ TEST(Plan, LongDocumentNotesNameTheFasterSettings) {
   const std::string q17_set = notes("n17s", kQwen3_1p7b, 65536,
                                     {"train.recompute=true", "train.deterministic=false",
                                      "train.recompute_keeps_attention=true"});
-  EXPECT_EQ(q17_set, "");
-  EXPECT_EQ(notes("n17short", kQwen3_1p7b, 4096, {"train.recompute=true"}), "");
+  // (once set, the one note left is that fewer layers need recompute on an H200: Plan.RecomputeLayersNote...)
+  EXPECT_TRUE(q17_set.rfind("train.recompute_layers: 8 ", 0) == 0 && q17_set.find('\n') + 1 == q17_set.size())
+      << q17_set;
+  EXPECT_EQ(notes("n17short", kQwen3_1p7b, 4096, {}), "");
+  const std::string short_recomputing = notes("n17short", kQwen3_1p7b, 4096, {"train.recompute=true"});
+  EXPECT_TRUE(short_recomputing.rfind("train.recompute: false (no layer recomputes) still fits", 0) == 0)
+      << short_recomputing;
   const std::string q35 = notes("n35", qwen35_0p8b(), 131072, {"train.recompute=true", "train.deterministic=false"});
   EXPECT_FALSE(has(q35, "head dim")) << q35;
   EXPECT_FALSE(has(q35, "train.deterministic: false")) << q35;
+}
+
+// train.recompute_layers in the plan: the first N layers keep their input (and what the keeping options keep), the
+// others their activations; the peak grows as N falls (N = 28 is plain recompute, N = 0 none). The note
+// names the fewest that fit with 10% to spare: the N it names does, N - 1 does not.
+TEST(Plan, RecomputeLayersNoteIsTheFewestThatFit) {
+  const fs::path dir = run_folder("rl17", kQwen3_1p7b, "{max_steps: 4, micro_batch_tokens: 65536}");
+  const std::string yaml = (dir / "config.yaml").string();
+  const auto plan_at = [&](const std::vector<std::string>& sets) {
+    std::vector<std::string> o = {"device=cuda", "data.max_seq_len=65536", "train.deterministic=false",
+                                  "train.recompute_keeps_attention=true"};
+    o.insert(o.end(), sets.begin(), sets.end());
+    const TrainConfig c = load_train_config(yaml, o);
+    return plan_layout(c, planned_model_config(c), {}, kH200);
+  };
+  const int64_t all = plan_at({"train.recompute=true"}).memory.peak;
+  const int64_t none = plan_at({}).memory.peak;
+  EXPECT_EQ(plan_at({"train.recompute=true", "train.recompute_layers=28"}).memory.peak, all);
+  EXPECT_EQ(plan_at({"train.recompute=true", "train.recompute_layers=0"}).memory.peak, none);
+  int64_t fewest = -1, last = none;
+  for (int64_t n = 1; n <= 28; ++n) {
+    const int64_t peak = plan_at({"train.recompute=true", fmt::format("train.recompute_layers={}", n)}).memory.peak;
+    if (n < 28) EXPECT_LT(peak, last) << n;
+    // (a kept last layer's output terms are the loss's, where a recomputed one makes a second pair: n = 27 is lower)
+    if (n < 27) EXPECT_GT(peak, all) << n;
+    if (fewest < 0 && double(peak) <= (1.0 - kTightShare) * double(kH200)) fewest = n;
+    last = peak;
+  }
+  ASSERT_GT(fewest, 0);
+  const TrainConfig c = load_train_config(yaml, {"device=cuda", "data.max_seq_len=65536", "train.recompute=true",
+                                                 "train.deterministic=false", "train.recompute_keeps_attention=true"});
+  const TrainingPlan plan = plan_layouts(c, 1, kH200, [&](const PlanLayout&) { return c; });
+  ASSERT_EQ(plan.notes.size(), 1u);
+  EXPECT_EQ(plan.notes[0].rfind(fmt::format("train.recompute_layers: {} (the first {} of the 28", fewest, fewest), 0), 0u)
+      << plan.notes[0];
+  // Without the room for it, no note: a device where recomputing every layer leaves 5% to spare.
+  EXPECT_TRUE(plan_layouts(c, 1, all * 100 / 95, [&](const PlanLayout&) { return c; }).notes.empty());
 }
 
 // Expert parallelism: a rank holds num_experts / ep of every sparse layer's experts (their weights, gradients and

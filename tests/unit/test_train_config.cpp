@@ -133,6 +133,29 @@ TEST(TrainConfig, PipelineOptionsAreChecked) {
     EXPECT_NE(two.find(needle), std::string::npos) << needle << "\n" << two;
 }
 
+// train.recompute_layers chooses which layers recompute: without train.recompute it is an error, not ignored; below -1
+// it is out of range.
+TEST(TrainConfig, RecomputeLayersNeedRecompute) {
+  const std::vector<std::string> base = {"model.config={hidden_size: 8}", "model.tokenizer=t", "data.train=x.jsonl",
+                                         "output_dir=o", "train.max_steps=1"};
+  auto with = [&](const std::vector<std::string>& more) {
+    std::vector<std::string> sets = base;
+    sets.insert(sets.end(), more.begin(), more.end());
+    return sets;
+  };
+  const std::string alone = error_of([&] { lathe::load_train_config("", with({"train.recompute_layers=3"})); });
+  EXPECT_NE(alone.find("train.recompute_layers: 3 with train.recompute false"), std::string::npos) << alone;
+  const std::string low =
+      error_of([&] { lathe::load_train_config("", with({"train.recompute=true", "train.recompute_layers=-2"})); });
+  EXPECT_NE(low.find("train.recompute_layers: must be"), std::string::npos) << low;
+  const lathe::TrainConfig c =
+      lathe::load_train_config("", with({"train.recompute=true", "train.recompute_layers=2"}));
+  EXPECT_TRUE(c.recomputes(1));
+  EXPECT_FALSE(c.recomputes(2));
+  EXPECT_TRUE(lathe::load_train_config("", with({"train.recompute=true"})).recomputes(1000));
+  EXPECT_FALSE(lathe::load_train_config("", base).recomputes(0));
+}
+
 TEST(TrainConfig, PathsInAFileAreRelativeToItsFolder) {
   const fs::path d = scratch("paths");
   fs::create_directories(d / "conf");

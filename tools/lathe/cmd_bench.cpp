@@ -45,6 +45,7 @@ using Clock = std::chrono::steady_clock;
 struct Args {
   std::string shape, device = "cuda", dtype, optimizer_states = "f32";
   int64_t seq = 4096, micro_batch = 4, steps = 10, warmup = 3, lora_rank = 0, layers = 0, grad_accum = 1;
+  int64_t recompute_layers = -1;
   uint64_t seed = 1;
   bool recompute = false, keeps_attention = false, keeps_gdn = false, profile = false, nondeterministic = false, gemm_autotune = false;
   bool moe_host_groups = false;
@@ -255,6 +256,7 @@ void run(const Args& a) {
   mo.device = device;
   mo.dtype = dtype;
   mo.recompute = a.recompute;
+  mo.recompute_layers = a.recompute_layers;
   mo.recompute_keeps_attention = a.keeps_attention;
   mo.recompute_keeps_gdn = a.keeps_gdn;
   mo.deterministic = !a.nondeterministic;
@@ -408,6 +410,7 @@ void run(const Args& a) {
                       {"dtype", dtype_name(dtype)},
                       {"lora_rank", a.lora_rank},
                       {"recompute", a.recompute},
+                      {"recompute_layers", a.recompute_layers},
                       {"recompute_keeps_attention", a.keeps_attention},
                       {"recompute_keeps_gdn", a.keeps_gdn},
                       {"deterministic", !a.nondeterministic},
@@ -481,6 +484,10 @@ void add_bench_command(CLI::App& app, int& exit_code) {
       ->check(number_in(0));
   cmd->add_option("--seed", a->seed, "weights and token ids")->capture_default_str();
   cmd->add_flag("--recompute", a->recompute, "recompute layer activations in the backward pass");
+  cmd->add_option("--recompute-layers", a->recompute_layers,
+                  "train.recompute_layers: under --recompute, only the first N layers recompute (-1: all)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t(-1), int64_t(1) << 20));
   cmd->add_flag("--recompute-keeps-attention", a->keeps_attention,
                 "train.recompute_keeps_attention: under --recompute, keep each attention layer's output for the "
                 "backward");
