@@ -508,9 +508,12 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
 // W, U, Q and P of the next chunk are fetched while this one computes. kPrefetchK: K and b too (into the other of two
 // buffers), so a chunk waits on no global load; without it they are fetched at the chunk's start, and the block's
 // shared memory stays small enough for two blocks an SM (where the grid has more blocks than SMs).
+// The state update S <- e^{b_n} S + (Gamma_n K)^T Delta takes Gamma_n on Delta's rows (K^T (Gamma_n Delta)): a
+// (64, kScanV) tile formed with Delta, where scaling K's (64, 128) tile in every block cost 28% of the scan (session
+// 36, docs/benchmarks.md).
 constexpr size_t scan_smem(bool prefetch_k) {
   const int bufs = prefetch_k ? 2 : 1;
-  return sizeof(bf16) * ((2 + bufs) * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) + sizeof(float) * bufs * kChunk;
+  return sizeof(bf16) * ((2 + bufs) * kChunk * kLdD + 4 * kChunk * kLdC + kD * kLdC) + sizeof(float) * bufs * kChunk;
 }
 // kScanV: d_v columns per block (state tile (128, kScanV)), 64, 32 or 16.
 template <bool kStates, int kScanV, bool kPrefetchK>
@@ -523,10 +526,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
   bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
   bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
   constexpr int kBufs = kPrefetchK ? 2 : 1;
-  bf16* Kbuf = Qb + kChunk * kLdD;           // kBufs x (64, kLdD), scaled to Gamma_n K after P is formed
+  bf16* Kbuf = Qb + kChunk * kLdD;           // kBufs x (64, kLdD)
   bf16* Ub = Kbuf + kBufs * kChunk * kLdD;   // (64, kLdC)
   bf16* Db = Ub + kChunk * kLdC;             // (64, kLdC) Delta
-  bf16* Pb = Db + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
+  bf16* Gb = Db + kChunk * kLdC;             // (64, kLdC) Gamma_n Delta: row r times e^{b_n - b_r}
+  bf16* Pb = Gb + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
   bf16* Sb = Pb + kChunk * kLdC;             // (128, kLdC) the state in bf16
   float* sbuf = reinterpret_cast<float*>(Sb + kD * kLdC);  // kBufs x 64: b
   Tile<128, kScanV> S;
@@ -560,13 +564,16 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     }
     if (kStates || a.hs)  // H[c] (the backward's, or the op's saved states), 16-byte stores
       store_tile<kScanV>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
+    const float b_last = sb[n - 1];
     {
       Tile<64, kScanV> d;
       d.zero();
       d.template mma<false, true>(Wb, kLdD, Sb, kLdC, kD);
       d.each_pair([&](int r, int j, float x0, float x1) {
         const float2 u = ld_bf2(Ub + r * kLdC + j);
-        st_bf2(Db + r * kLdC + j, u.x - x0, u.y - x1);
+        const float d0 = u.x - x0, d1 = u.y - x1, m = __expf(b_last - sb[r]);
+        st_bf2(Db + r * kLdC + j, d0, d1);
+        st_bf2(Gb + r * kLdC + j, m * d0, m * d1);
       });
     }
     __syncthreads();
@@ -575,14 +582,6 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       load_tile<kScanV>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
     }
     if (kStates || a.delta) store_tile<kScanV>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);  // the backward's Delta
-    const float b_last = sb[n - 1];
-    for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {  // K <- diag(e^{b_n - b}) K
-      const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
-      __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
-      const float2 f = __bfloat1622float2(*p);
-      const float m = __expf(b_last - sb[r]);
-      *p = __floats2bfloat162_rn(f.x * m, f.y * m);
-    }
     if (!kStates) {
       Tile<64, kScanV> o;
       o.zero();
@@ -603,14 +602,16 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     }
     const float e_last = __expf(b_last);
     S.each([&](int, int, float& x) { x *= e_last; });
-    S.template mma<true, true>(Kb, kLdD, Db, kLdC, kChunk);
+    S.template mma<true, true>(Kb, kLdD, Gb, kLdC, kChunk);
     __syncthreads();
   }
 }
 
 // The reverse scan: dS (gradient of the state leaving the chunk) in fp32 registers; per chunk, saves dH[c] = dS and
 // dDelta = s P^T dO + Gamma_n K dS (P from the prep kernel), then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
-constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 3 * kChunk * kLdC + kD * kLdC) +
+// As in the forward, Gamma_n and s e^b go on the (64, kScanV) tiles (the product K dS's rows, and dO's for the state
+// term: Q^T (s e^b dO)), not on K's and Q's (64, 128) tiles in every block.
+constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 4 * kChunk * kLdC + kD * kLdC) +
                                 sizeof(float) * kChunk;
 template <int kScanV>
 __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
@@ -620,10 +621,11 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
   if (sp.end <= sp.start) return;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
-  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD), then s e^b Q
-  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD), then Gamma_n K
+  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
+  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD)
   bf16* dOb = Kb + kChunk * kLdD;            // (64, kLdC)
-  bf16* nDb = dOb + kChunk * kLdC;           // (64, kLdC) -dDelta
+  bf16* dOs = dOb + kChunk * kLdC;           // (64, kLdC) s e^b dO: row r times s e^{b_r}
+  bf16* nDb = dOs + kChunk * kLdC;           // (64, kLdC) -dDelta
   bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) tril(Q K^T Gamma), from the prep kernel
   bf16* dSb = Pb + kChunk * kLdC;            // (128, kLdC)
   float* sb = reinterpret_cast<float*>(dSb + kD * kLdC);
@@ -644,24 +646,21 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     cp_async_wait_all();
     __syncthreads();
     store_tile<kScanV>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
-    const float b_last = sb[n - 1];
-    for (int e = threadIdx.x; e < n * kD / 2; e += blockDim.x) {
-      const int r = e / (kD / 2), col = 2 * (e % (kD / 2));
-      __nv_bfloat162* pk = reinterpret_cast<__nv_bfloat162*>(Kb + r * kLdD + col);
-      __nv_bfloat162* pq = reinterpret_cast<__nv_bfloat162*>(Qb + r * kLdD + col);
-      const float2 fk = __bfloat1622float2(*pk), fq = __bfloat1622float2(*pq);
-      const float mk = __expf(b_last - sb[r]), mq = a.scale * __expf(sb[r]);
-      *pk = __floats2bfloat162_rn(fk.x * mk, fk.y * mk);
-      *pq = __floats2bfloat162_rn(fq.x * mq, fq.y * mq);
+    const float b_last = sb[n - 1], s = a.scale;
+    for (int e = threadIdx.x; e < kChunk * kScanV / 2; e += blockDim.x) {  // (read after the next barrier)
+      const int r = e / (kScanV / 2), col = 2 * (e % (kScanV / 2));
+      const float2 f = ld_bf2(dOb + r * kLdC + col);
+      const float m = s * __expf(sb[r]);
+      st_bf2(dOs + r * kLdC + col, m * f.x, m * f.y);
     }
-    __syncthreads();
     {
-      Tile<64, kScanV> dd;
+      Tile<64, kScanV> dd, kd;  // dDelta = s P^T dO + Gamma_n (K dS)
       dd.zero();
-      dd.template mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);  // s P^T dO + Gamma_n K dS
-      const float s = a.scale;
+      dd.template mma<true, true>(Pb, kLdC, dOb, kLdC, kChunk);
       dd.each([&](int, int, float& x) { x *= s; });
-      dd.template mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
+      kd.zero();
+      kd.template mma<false, true>(Kb, kLdD, dSb, kLdC, kD);
+      dd.add_rows(kd, [&](int r) { return __expf(b_last - sb[r]); });
       dd.each_pair([&](int r, int j, float x0, float x1) {
         *reinterpret_cast<__nv_bfloat162*>(nDb + r * kLdC + j) = __floats2bfloat162_rn(-x0, -x1);
         if (r < n)
@@ -673,7 +672,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     if (ci > 0) load_tile<kD>(Kb, kLdD, a.k, t0 - kChunk, kChunk, a.hk, kh, kD, 0);  // K is consumed
     const float e_last = __expf(b_last);
     dS.each([&](int, int, float& x) { x *= e_last; });
-    dS.template mma<true, true>(Qb, kLdD, dOb, kLdC, kChunk);
+    dS.template mma<true, true>(Qb, kLdD, dOs, kLdC, kChunk);
     dS.template mma<true, true>(Wb, kLdD, nDb, kLdC, kChunk);
     __syncthreads();
   }
