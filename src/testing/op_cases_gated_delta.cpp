@@ -59,8 +59,9 @@ void add_gated_delta_op_cases(std::vector<OpCase>& c) {
                {{393, 2, 128}, {393, 2, 128}, {393, 4, 128}, {393, 4}, {393, 4}, {6}}, GatedDeltaAttrs{0.0, 64, true},
                kDevice, false, true, {{}, {}, {}, {}, {}, cu_docs}, big});
   // Many documents (39 of 8 tokens, one of 100): 40 x 4 value heads x 2 = 320 scan blocks of 64 columns, more than
-  // the SMs of any current GPU, so the scans take their 64-column path (fewer blocks take the 32-column one, and
-  // fewer still the 16-column one).
+  // the SMs of any current GPU, so the scans take their 64-column path with one buffer a tile (fewer blocks take the
+  // 32-column one, and fewer still the 16-column one, both double-buffered where the blocks fit one wave: the
+  // five-document rows above and the one-document row below).
   std::vector<double> cu_many = {0};
   for (int d = 0; d < 39; ++d) cu_many.push_back(cu_many.back() + 8);
   cu_many.push_back(cu_many.back() + 100);

@@ -505,34 +505,52 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
 
 // The forward state scan over the chunks of one (document, value head, kScanV columns of d_v); the state lives in
 // fp32 registers (a (128, kScanV) tile). kStates: save H[c] and Delta for the backward instead of computing outputs.
-// W, U, Q and P of the next chunk are fetched while this one computes. kPrefetchK: K and b too (into the other of two
-// buffers), so a chunk waits on no global load; without it they are fetched at the chunk's start, and the block's
-// shared memory stays small enough for two blocks an SM (where the grid has more blocks than SMs).
+// kDouble: every tile a chunk reads (W, U, Q, P, K and b) has two buffers, and the next chunk's are fetched into the
+// other as soon as this one starts, so a chunk waits on no load issued less than a chunk before (where the blocks fit
+// one wave of one block an SM; session 36). Without it the block's shared memory stays small enough for two blocks an
+// SM (where the grid has more blocks than SMs): W, U, Q and P of the next chunk are fetched once this one has read
+// them, K and b at the chunk's start.
 // The state update S <- e^{b_n} S + (Gamma_n K)^T Delta takes Gamma_n on Delta's rows (K^T (Gamma_n Delta)): a
 // (64, kScanV) tile formed with Delta, where scaling K's (64, 128) tile in every block cost 28% of the scan (session
 // 36, docs/benchmarks.md).
-constexpr size_t scan_smem(bool prefetch_k) {
-  const int bufs = prefetch_k ? 2 : 1;
-  return sizeof(bf16) * ((2 + bufs) * kChunk * kLdD + 4 * kChunk * kLdC + kD * kLdC) + sizeof(float) * bufs * kChunk;
+constexpr size_t scan_smem(bool double_buffered) {
+  const int bufs = double_buffered ? 2 : 1;
+  return sizeof(bf16) * (bufs * (3 * kChunk * kLdD + 2 * kChunk * kLdC) + 2 * kChunk * kLdC + kD * kLdC) +
+         sizeof(float) * bufs * kChunk;
 }
 // kScanV: d_v columns per block (state tile (128, kScanV)), 64, 32 or 16.
-template <bool kStates, int kScanV, bool kPrefetchK>
+template <bool kStates, int kScanV, bool kDouble>
 __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
   if (sp.end <= sp.start) return;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
-  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
-  constexpr int kBufs = kPrefetchK ? 2 : 1;
-  bf16* Kbuf = Qb + kChunk * kLdD;           // kBufs x (64, kLdD)
-  bf16* Ub = Kbuf + kBufs * kChunk * kLdD;   // (64, kLdC)
-  bf16* Db = Ub + kChunk * kLdC;             // (64, kLdC) Delta
-  bf16* Gb = Db + kChunk * kLdC;             // (64, kLdC) Gamma_n Delta: row r times e^{b_n - b_r}
-  bf16* Pb = Gb + kChunk * kLdC;             // (64, kLdC) tril(Q K^T Gamma)
-  bf16* Sb = Pb + kChunk * kLdC;             // (128, kLdC) the state in bf16
+  constexpr int kBufs = kDouble ? 2 : 1;
+  bf16* Wbuf = reinterpret_cast<bf16*>(smem);  // kBufs x (64, kLdD) each: W, Q, K
+  bf16* Qbuf = Wbuf + kBufs * kChunk * kLdD;
+  bf16* Kbuf = Qbuf + kBufs * kChunk * kLdD;
+  bf16* Ubuf = Kbuf + kBufs * kChunk * kLdD;   // kBufs x (64, kLdC) each: U, P = tril(Q K^T Gamma)
+  bf16* Pbuf = Ubuf + kBufs * kChunk * kLdC;
+  bf16* Db = Pbuf + kBufs * kChunk * kLdC;     // (64, kLdC) Delta
+  bf16* Gb = Db + kChunk * kLdC;               // (64, kLdC) Gamma_n Delta: row r times e^{b_n - b_r}
+  bf16* Sb = Gb + kChunk * kLdC;               // (128, kLdC) the state in bf16
   float* sbuf = reinterpret_cast<float*>(Sb + kD * kLdC);  // kBufs x 64: b
+  // Starts the loads of chunk [t, t + m) into buffer `buf`: W, U, Q and P (`wuqp`), K and b (`kb`).
+  const auto load = [&](int buf, int64_t t, int m, bool wuqp, bool kb) {
+    if (wuqp) {
+      load_tile<kD>(Wbuf + buf * kChunk * kLdD, kLdD, a.w, t, m, a.hv, h, kD, 0);
+      load_tile<kScanV>(Ubuf + buf * kChunk * kLdC, kLdC, a.u, t, m, a.hv, h, kD, jv0);
+      if (!kStates) {
+        load_tile<kD>(Qbuf + buf * kChunk * kLdD, kLdD, a.q, t, m, a.hk, kh, kD, 0);
+        load_tile<kChunk>(Pbuf + buf * kChunk * kLdC, kLdC, a.p, t, m, a.hv, h, kChunk, 0);
+      }
+    }
+    if (kb) {
+      load_tile<kD>(Kbuf + buf * kChunk * kLdD, kLdD, a.k, t, m, a.hk, kh, kD, 0);
+      load_b(sbuf + buf * kChunk, a.b, t, m, a.hv, h);
+    }
+  };
   Tile<128, kScanV> S;
   S.zero();
   const int64_t first_chunk = a.offsets[doc];
@@ -540,28 +558,19 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
     const int n = int(min(int64_t(kChunk), sp.end - t0));
     const int64_t t_next = t0 + kChunk;
     const int n_next = int(min(int64_t(kChunk), sp.end - t_next));  // <= 0: no next chunk
-    const int kbuf = kPrefetchK ? int(ci & 1) : 0;
-    bf16* Kb = Kbuf + kbuf * kChunk * kLdD;
-    float* sb = sbuf + kbuf * kChunk;
-    if (ci == 0) {  // later chunks' W, U, Q and P were prefetched during the previous chunk
-      load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
-      load_tile<kScanV>(Ub, kLdC, a.u, t0, n, a.hv, h, kD, jv0);
-      if (!kStates) {
-        load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
-        load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
-      }
-    }
-    if (ci == 0 || !kPrefetchK) {
-      load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);
-      load_b(sb, a.b, t0, n, a.hv, h);
-    }
+    const int buf = kDouble ? int(ci & 1) : 0;
+    const bf16* Wb = Wbuf + buf * kChunk * kLdD;
+    const bf16* Qb = Qbuf + buf * kChunk * kLdD;
+    const bf16* Kb = Kbuf + buf * kChunk * kLdD;
+    const bf16* Ub = Ubuf + buf * kChunk * kLdC;
+    const bf16* Pb = Pbuf + buf * kChunk * kLdC;
+    const float* sb = sbuf + buf * kChunk;
+    if (ci == 0 || !kDouble) load(buf, t0, n, ci == 0, true);  // (else fetched during the previous chunk)
     S.each_pair([&](int i, int j, float x0, float x1) { st_bf2(Sb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
-    if (kPrefetchK && n_next > 0) {  // the other K and b buffers were last read by the previous chunk's update
-      load_tile<kD>(Kbuf + ((ci + 1) & 1) * kChunk * kLdD, kLdD, a.k, t_next, n_next, a.hk, kh, kD, 0);
-      load_b(sbuf + ((ci + 1) & 1) * kChunk, a.b, t_next, n_next, a.hv, h);
-    }
+    // The other buffers were last read by the previous chunk, which every thread has finished.
+    if (kDouble && n_next > 0) load(buf ^ 1, t_next, n_next, true, true);
     if (kStates || a.hs)  // H[c] (the backward's, or the op's saved states), 16-byte stores
       store_tile<kScanV>(a.hs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, Sb, kLdC);
     const float b_last = sb[n - 1];
@@ -577,9 +586,9 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
-    if (n_next > 0) {  // W and U are consumed: prefetch the next chunk's
-      load_tile<kD>(Wb, kLdD, a.w, t_next, n_next, a.hv, h, kD, 0);
-      load_tile<kScanV>(Ub, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
+    if (!kDouble && n_next > 0) {  // W and U are consumed: prefetch the next chunk's
+      load_tile<kD>(Wbuf, kLdD, a.w, t_next, n_next, a.hv, h, kD, 0);
+      load_tile<kScanV>(Ubuf, kLdC, a.u, t_next, n_next, a.hv, h, kD, jv0);
     }
     if (kStates || a.delta) store_tile<kScanV>(a.delta, t0, n, a.hv, h, kD, jv0, Db, kLdC);  // the backward's Delta
     if (!kStates) {
@@ -596,9 +605,9 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
       });
     }
     __syncthreads();
-    if (!kStates && n_next > 0) {  // Q and P are consumed
-      load_tile<kD>(Qb, kLdD, a.q, t_next, n_next, a.hk, kh, kD, 0);
-      load_tile<kChunk>(Pb, kLdC, a.p, t_next, n_next, a.hv, h, kChunk, 0);
+    if (!kDouble && !kStates && n_next > 0) {  // Q and P are consumed
+      load_tile<kD>(Qbuf, kLdD, a.q, t_next, n_next, a.hk, kh, kD, 0);
+      load_tile<kChunk>(Pbuf, kLdC, a.p, t_next, n_next, a.hv, h, kChunk, 0);
     }
     const float e_last = __expf(b_last);
     S.each([&](int, int, float& x) { x *= e_last; });
@@ -610,25 +619,42 @@ __global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) 
 // The reverse scan: dS (gradient of the state leaving the chunk) in fp32 registers; per chunk, saves dH[c] = dS and
 // dDelta = s P^T dO + Gamma_n K dS (P from the prep kernel), then dS <- e^{b_n} dS + s (e^b Q)^T dO - W^T dDelta.
 // As in the forward, Gamma_n and s e^b go on the (64, kScanV) tiles (the product K dS's rows, and dO's for the state
-// term: Q^T (s e^b dO)), not on K's and Q's (64, 128) tiles in every block.
-constexpr size_t kScanBwdSmem = sizeof(bf16) * (3 * kChunk * kLdD + 4 * kChunk * kLdC + kD * kLdC) +
-                                sizeof(float) * kChunk;
-template <int kScanV>
+// term: Q^T (s e^b dO)), not on K's and Q's (64, 128) tiles in every block. kDouble as in the forward: W, Q, K, dO, P
+// and b of the chunk before are fetched into the other buffers as soon as this one starts; without it W, Q, dO, P and
+// b are fetched at the chunk's start and K once this one has read it.
+constexpr size_t scan_bwd_smem(bool double_buffered) {
+  const int bufs = double_buffered ? 2 : 1;
+  return sizeof(bf16) * (bufs * (3 * kChunk * kLdD + 2 * kChunk * kLdC) + 2 * kChunk * kLdC + kD * kLdC) +
+         sizeof(float) * bufs * kChunk;
+}
+template <int kScanV, bool kDouble>
 __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
   if (sp.end <= sp.start) return;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Wb = reinterpret_cast<bf16*>(smem);  // (64, kLdD)
-  bf16* Qb = Wb + kChunk * kLdD;             // (64, kLdD)
-  bf16* Kb = Qb + kChunk * kLdD;             // (64, kLdD)
-  bf16* dOb = Kb + kChunk * kLdD;            // (64, kLdC)
-  bf16* dOs = dOb + kChunk * kLdC;           // (64, kLdC) s e^b dO: row r times s e^{b_r}
-  bf16* nDb = dOs + kChunk * kLdC;           // (64, kLdC) -dDelta
-  bf16* Pb = nDb + kChunk * kLdC;            // (64, kLdC) tril(Q K^T Gamma), from the prep kernel
-  bf16* dSb = Pb + kChunk * kLdC;            // (128, kLdC)
-  float* sb = reinterpret_cast<float*>(dSb + kD * kLdC);
+  constexpr int kBufs = kDouble ? 2 : 1;
+  bf16* Wbuf = reinterpret_cast<bf16*>(smem);  // kBufs x (64, kLdD) each: W, Q, K
+  bf16* Qbuf = Wbuf + kBufs * kChunk * kLdD;
+  bf16* Kbuf = Qbuf + kBufs * kChunk * kLdD;
+  bf16* dObuf = Kbuf + kBufs * kChunk * kLdD;  // kBufs x (64, kLdC) each: dO, P = tril(Q K^T Gamma) (prep kernel)
+  bf16* Pbuf = dObuf + kBufs * kChunk * kLdC;
+  bf16* dOs = Pbuf + kBufs * kChunk * kLdC;    // (64, kLdC) s e^b dO: row r times s e^{b_r}
+  bf16* nDb = dOs + kChunk * kLdC;             // (64, kLdC) -dDelta
+  bf16* dSb = nDb + kChunk * kLdC;             // (128, kLdC)
+  float* sbuf = reinterpret_cast<float*>(dSb + kD * kLdC);  // kBufs x 64: b
+  // Starts the loads of chunk [t, t + m) into buffer `buf`: W, Q, dO, P and b (`wqop`), K (`k`).
+  const auto load = [&](int buf, int64_t t, int m, bool wqop, bool k) {
+    if (wqop) {
+      load_tile<kD>(Wbuf + buf * kChunk * kLdD, kLdD, a.w, t, m, a.hv, h, kD, 0);
+      load_tile<kD>(Qbuf + buf * kChunk * kLdD, kLdD, a.q, t, m, a.hk, kh, kD, 0);
+      load_tile<kScanV>(dObuf + buf * kChunk * kLdC, kLdC, a.d_o, t, m, a.hv, h, kD, jv0);
+      load_tile<kChunk>(Pbuf + buf * kChunk * kLdC, kLdC, a.p, t, m, a.hv, h, kChunk, 0);
+      load_b(sbuf + buf * kChunk, a.b, t, m, a.hv, h);
+    }
+    if (k) load_tile<kD>(Kbuf + buf * kChunk * kLdD, kLdD, a.k, t, m, a.hk, kh, kD, 0);
+  };
   Tile<128, kScanV> dS;
   dS.zero();
   const int64_t first_chunk = a.offsets[doc];
@@ -636,15 +662,20 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
   for (int64_t ci = chunks - 1; ci >= 0; --ci) {
     const int64_t t0 = sp.start + ci * kChunk;
     const int n = int(min(int64_t(kChunk), sp.end - t0));
-    load_tile<kD>(Wb, kLdD, a.w, t0, n, a.hv, h, kD, 0);
-    load_tile<kD>(Qb, kLdD, a.q, t0, n, a.hk, kh, kD, 0);
-    if (ci == chunks - 1) load_tile<kD>(Kb, kLdD, a.k, t0, n, a.hk, kh, kD, 0);  // later: prefetched
-    load_tile<kScanV>(dOb, kLdC, a.d_o, t0, n, a.hv, h, kD, jv0);
-    load_tile<kChunk>(Pb, kLdC, a.p, t0, n, a.hv, h, kChunk, 0);
-    if (threadIdx.x < kChunk) sb[threadIdx.x] = a.b[(t0 + min(int(threadIdx.x), n - 1)) * a.hv + h];
+    const int buf = kDouble ? int(ci & 1) : 0;
+    const bf16* Wb = Wbuf + buf * kChunk * kLdD;
+    const bf16* Qb = Qbuf + buf * kChunk * kLdD;
+    const bf16* Kb = Kbuf + buf * kChunk * kLdD;
+    const bf16* dOb = dObuf + buf * kChunk * kLdC;
+    const bf16* Pb = Pbuf + buf * kChunk * kLdC;
+    const float* sb = sbuf + buf * kChunk;
+    // (K of a later chunk, and with kDouble everything, was fetched during the chunk after)
+    if (ci == chunks - 1 || !kDouble) load(buf, t0, n, true, ci == chunks - 1);
     dS.each_pair([&](int i, int j, float x0, float x1) { st_bf2(dSb + i * kLdC + j, x0, x1); });
     cp_async_wait_all();
     __syncthreads();
+    // The other buffers were last read by the chunk after, which every thread has finished.
+    if (kDouble && ci > 0) load(buf ^ 1, t0 - kChunk, kChunk, true, true);
     store_tile<kScanV>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
     const float b_last = sb[n - 1], s = a.scale;
     for (int e = threadIdx.x; e < kChunk * kScanV / 2; e += blockDim.x) {  // (read after the next barrier)
@@ -669,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
       });
     }
     __syncthreads();
-    if (ci > 0) load_tile<kD>(Kb, kLdD, a.k, t0 - kChunk, kChunk, a.hk, kh, kD, 0);  // K is consumed
+    if (!kDouble && ci > 0) load(0, t0 - kChunk, kChunk, false, true);  // K is consumed
     const float e_last = __expf(b_last);
     dS.each([&](int, int, float& x) { x *= e_last; });
     dS.template mma<true, true>(Qb, kLdD, dOs, kLdC, kChunk);
@@ -1152,42 +1183,45 @@ int scan_columns(const GdnShape& s) {
   return pairs * (kD / 16) <= sms ? 16 : pairs * (kD / 64) < sms ? 32 : 64;
 }
 
-// The forward scan also prefetches K and b where its blocks fit one wave of one block an SM: the larger shared memory
-// then costs no residency. With more blocks, the smaller variant runs two blocks an SM, which hides more (H100: the
-// 0.8B model's 128 blocks, 9.13 -> 8.62 ms of forward GDN a step with the prefetch; bench/run_gdn.sh's 256 blocks,
+// The scans double-buffer every tile they read where their blocks fit one wave of one block an SM: the larger shared
+// memory then costs no residency. With more blocks, the smaller variants run two blocks an SM, which hides more (H100:
+// the 0.8B model's 128 blocks, 9.13 -> 8.62 ms of forward GDN a step with K prefetched; bench/run_gdn.sh's 256 blocks,
 // forward 1.24 -> 1.43 ms with it, docs/benchmarks.md).
-bool scan_prefetch_k(const GdnShape& s, int columns) {
+bool scan_double_buffered(const GdnShape& s, int columns) {
   return s.docs * s.v_heads * (kD / columns) <= multiprocessors();
 }
 
-template <bool kStates, int V, bool kPrefetchK>
+template <bool kStates, int V, bool kDouble>
 void launch_scan_forward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  constexpr size_t smem = scan_smem(kPrefetchK);
-  allow_smem(scan_forward_kernel<kStates, V, kPrefetchK>, smem);
-  scan_forward_kernel<kStates, V, kPrefetchK>
+  constexpr size_t smem = scan_smem(kDouble);
+  allow_smem(scan_forward_kernel<kStates, V, kDouble>, smem);
+  scan_forward_kernel<kStates, V, kDouble>
       <<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, smem, stream>>>(a);
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_forward_kernel");
 }
 template <bool kStates> void launch_scan_forward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
   const int columns = scan_columns(s);
-  const bool prefetch = scan_prefetch_k(s, columns);
-  if (columns == 16) launch_scan_forward_v<kStates, 16, true>(a, s, stream);  // one wave: always prefetching
-  else if (columns == 32 && prefetch) launch_scan_forward_v<kStates, 32, true>(a, s, stream);
+  const bool twice = scan_double_buffered(s, columns);
+  if (columns == 16) launch_scan_forward_v<kStates, 16, true>(a, s, stream);  // one wave: always double-buffered
+  else if (columns == 32 && twice) launch_scan_forward_v<kStates, 32, true>(a, s, stream);
   else if (columns == 32) launch_scan_forward_v<kStates, 32, false>(a, s, stream);
-  else if (prefetch) launch_scan_forward_v<kStates, 64, true>(a, s, stream);
+  else if (twice) launch_scan_forward_v<kStates, 64, true>(a, s, stream);
   else launch_scan_forward_v<kStates, 64, false>(a, s, stream);
 }
-template <int V> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
-  allow_smem(scan_backward_kernel<V>, kScanBwdSmem);
-  scan_backward_kernel<V><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, kScanBwdSmem,
-                               stream>>>(a);
+template <int V, bool kDouble> void launch_scan_backward_v(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
+  constexpr size_t smem = scan_bwd_smem(kDouble);
+  allow_smem(scan_backward_kernel<V, kDouble>, smem);
+  scan_backward_kernel<V, kDouble><<<dim3(unsigned(s.docs), unsigned(s.v_heads), kD / V), kThreads, smem, stream>>>(a);
   LATHE_CUDA_LAUNCH_CHECK("gdn scan_backward_kernel");
 }
 void launch_scan_backward(const ChunkArgs& a, const GdnShape& s, cudaStream_t stream) {
   const int columns = scan_columns(s);
-  if (columns == 16) launch_scan_backward_v<16>(a, s, stream);
-  else if (columns == 32) launch_scan_backward_v<32>(a, s, stream);
-  else launch_scan_backward_v<64>(a, s, stream);
+  const bool twice = scan_double_buffered(s, columns);
+  if (columns == 16) launch_scan_backward_v<16, true>(a, s, stream);
+  else if (columns == 32 && twice) launch_scan_backward_v<32, true>(a, s, stream);
+  else if (columns == 32) launch_scan_backward_v<32, false>(a, s, stream);
+  else if (twice) launch_scan_backward_v<64, true>(a, s, stream);
+  else launch_scan_backward_v<64, false>(a, s, stream);
 }
 
 // Zero fill of the saved-state rows past the last chunk (their count is only known on the device).
