@@ -183,7 +183,7 @@ const std::vector<Option>& options() {
       LATHE_OPT("train.recompute", Kind::Bool, "false", "recompute activations in the backward pass", recompute),
       LATHE_NUM("train.recompute_layers", Kind::Int, "-1", at_least(-1),
                 "under train.recompute, only the model's first N layers recompute and the others keep their "
-                "activations (faster where the memory allows; `lathe plan` names the largest N that fits; -1: all)",
+                "activations (faster where the memory allows; `lathe plan` names the smallest N that fits; -1: all)",
                 recompute_layers),
       LATHE_OPT("train.recompute_keeps_attention", Kind::Bool, "false",
                 "under train.recompute, keep each attention layer's output and log-sum-exp from the forward (T x q "

@@ -181,3 +181,9 @@ TEST(Bench, UnknownShapeFailsWithItsName) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--shape 9b"), std::string::npos) << r.output;
 }
+
+TEST(Bench, RecomputeLayersWithoutRecomputeIsAnError) {
+  const LatheRun r = lathe("bench --device cpu --shape 0.6b --steps 1 --recompute-layers 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--recompute-layers 2 needs --recompute"), std::string::npos) << r.output;
+}

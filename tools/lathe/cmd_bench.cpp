@@ -231,6 +231,8 @@ void run(const Args& a) {
   LATHE_CHECK(a.seq >= 2 && a.micro_batch >= 1 && a.steps >= 1 && a.warmup >= 0 && a.lora_rank >= 0,
               "bench: need --seq >= 2, --micro-batch >= 1, --steps >= 1, --warmup >= 0, --lora-rank >= 0");
   LATHE_CHECK(a.seq * a.micro_batch < (int64_t(1) << 31), "bench: --seq x --micro-batch must stay below 2^31 tokens");
+  LATHE_CHECK(a.recompute_layers < 0 || a.recompute, "bench: --recompute-layers {} needs --recompute",
+              a.recompute_layers);
   Runtime rt;
   rt.set_gemm_autotune(a.gemm_autotune);
   const Device device = parse_device(a.device);
