@@ -276,8 +276,10 @@ int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, i
 // core's output back. A Gated DeltaNet layer that passes states (model/gdn_context.h) instead sends, each forward,
 // its conv's last W - 1 input rows (all-gathered) and the rule's final state to the next rank, and in the backward
 // the history rows' gradients (all-reduced over every rank's W - 1 rows) and the received state's gradient back.
+// `rule_kept` (train.recompute_keeps_gdn on a recomputing layer): the recompute takes the forward's rule output, on the
+// rows already, so its core's output is sent back once.
 int64_t layer_cp_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
-                       int64_t forward_passes, DType dtype) {
+                       int64_t forward_passes, bool rule_kept, DType dtype) {
   if (r.cp <= 1) return 0;
   const bool gdn = gdn_layer(m, i);
   if (gdn && gdn_passes_states(m, r.cp)) {
@@ -290,10 +292,12 @@ int64_t layer_cp_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, con
            all_reduce_bytes(r.cp * history, r.cp) + state;
   }
   const CoreHeads ch = core_heads(m, l, r.cp);
-  const int64_t width = gdn ? r.cp * ch.width() + 2 * m.linear_num_value_heads +
-                                  m.linear_num_value_heads * m.linear_value_head_dim
+  const int64_t output = gdn ? m.linear_num_value_heads * m.linear_value_head_dim : 0;
+  const int64_t width = gdn ? r.cp * ch.width() + 2 * m.linear_num_value_heads + output
                             : (2 * l.heads + 2 * ch.sent_kv) * m.head_dim;
-  return (forward_passes + 1) * all_to_all_bytes(b * r.block * width, r.cp);
+  const bool once = gdn && rule_kept && forward_passes > 1;
+  return (forward_passes + 1) * all_to_all_bytes(b * r.block * width, r.cp) -
+         (once ? all_to_all_bytes(b * r.block * output, r.cp) : 0);
 }
 
 // What one pipeline rank holds and does: its layers (all of them without pp), the embedding, the head, the most
@@ -488,7 +492,8 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
   // gradient sum is part of the weight replicas' above).
   if (layout.cp > 1)
     for (int64_t i : st.layers)
-      plan.comm_cp_bytes += micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes(i), dtype);
+      plan.comm_cp_bytes +=
+          micro_batches * layer_cp_bytes(m, l, i, rows, b, forward_passes(i), c.recompute_keeps_gdn, dtype);
   if (layout.ep > 1)
     for (int64_t i : st.layers)
       if (m.sparse_layer(i))

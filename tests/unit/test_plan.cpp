@@ -335,6 +335,25 @@ TEST(Plan, ContextParallelCommunicationIsTheAllToAllsAndTheGradientSum) {
   EXPECT_EQ(plan_layout(c, mc, {.cp = 2, .zero = 2}).memory.gradients, grads / 2);
 }
 
+// Under train.recompute_keeps_gdn a recomputing Gated DeltaNet layer takes the forward's rule output, already on the
+// rows (Qwen35Model::gdn_core_over_ranks), so its core's output (rows, Hv x dv) goes back over cp once, not twice; its
+// inputs' all-to-all runs again. A layer that does not recompute (train.recompute_layers) sends as without recompute.
+TEST(Plan, KeptDeltaRuleResultsAreSentBackOnce) {
+  const fs::path dir = run_folder("cpkept", kSmallHybrid, "{max_steps: 1, micro_batch_tokens: 71}");
+  const std::string yaml = (dir / "config.yaml").string();
+  const ModelConfig mc = planned_model_config(load_train_config(yaml, {}));
+  const auto cp_bytes = [&](const std::vector<std::string>& sets) {
+    return plan_layout(load_train_config(yaml, sets), mc, {.cp = 2}).comm_cp_bytes;
+  };
+  const int64_t output = kB * kRows * (4 * 8) / 2;  // the one GDN layer's core output: half to the other rank
+  const std::vector<std::string> recompute = {"train.recompute=true"};
+  EXPECT_EQ(cp_bytes(recompute) - cp_bytes({"train.recompute=true", "train.recompute_keeps_gdn=true"}), output);
+  EXPECT_EQ(cp_bytes({"train.recompute=true", "train.recompute_keeps_gdn=true", "train.recompute_layers=0"}),
+            cp_bytes({}));
+  EXPECT_EQ(cp_bytes({"train.recompute_keeps_gdn=true"}), cp_bytes({}));
+  EXPECT_GT(cp_bytes(recompute), cp_bytes({}));
+}
+
 // Gated DeltaNet heads too few for cp's all-to-all (one key head of three value heads at cp 2) pass states instead
 // (model/gdn_context.cpp), counted by hand: each forward all-gathers every rank's last W - 1 = 3 conv input rows of
 // 2 x 8 + 3 x 8 = 40 channels (a rank sends its 3 x 40 f32 values once) and sends the rule's final state (3 value heads
