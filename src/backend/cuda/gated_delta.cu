@@ -511,8 +511,8 @@ __global__ void __launch_bounds__(kThreads) prep_kernel(ChunkArgs a, bool store_
 // SM (where the grid has more blocks than SMs): W, U, Q and P of the next chunk are fetched once this one has read
 // them, K and b at the chunk's start.
 // The state update S <- e^{b_n} S + (Gamma_n K)^T Delta takes Gamma_n on Delta's rows (K^T (Gamma_n Delta)): a
-// (64, kScanV) tile formed with Delta, where scaling K's (64, 128) tile in every block cost 28% of the scan (session
-// 36, docs/benchmarks.md).
+// (64, kScanV) tile formed with Delta, instead of scaling K's (64, 128) tile in every block and chunk, which was a
+// large part of the walk (docs/benchmarks.md, session 36).
 constexpr size_t scan_smem(bool double_buffered) {
   const int bufs = double_buffered ? 2 : 1;
   return sizeof(bf16) * (bufs * (3 * kChunk * kLdD + 2 * kChunk * kLdC) + 2 * kChunk * kLdC + kD * kLdC) +
@@ -1175,18 +1175,16 @@ namespace {
 // The scans run one block per (document, value head, kScanV columns of d_v): 64 columns, or 32 where 64 would leave
 // SMs idle (few documents and heads, as in a micro-batch of two long sequences: 2 x 16 x 2 = 64 blocks on 132 SMs),
 // or 16 where even 16-column blocks fit one wave (one long document: 16 value heads x 8 blocks = 128 on one GPU, and
-// a cp rank's 8 heads 64, where each block's walk over the chunks is the scan's whole time).
-// Measured on an H200: 4 x 4096 tokens, H_v = 32: 64 columns 4.39 ms fwd+bwd, 32 columns 4.94; 2 x 4096 tokens,
-// H_v = 16: 64 columns 1.52 ms, 32 columns 1.42 (docs/benchmarks.md).
+// a cp rank's 8 heads 64, where each block's walk over the chunks is the scan's whole time). The thresholds were
+// chosen by timing both sides of each (docs/benchmarks.md).
 int scan_columns(const GdnShape& s) {
   const int64_t pairs = s.docs * s.v_heads, sms = multiprocessors();
   return pairs * (kD / 16) <= sms ? 16 : pairs * (kD / 64) < sms ? 32 : 64;
 }
 
 // The scans double-buffer every tile they read where their blocks fit one wave of one block an SM: the larger shared
-// memory then costs no residency. With more blocks, the smaller variants run two blocks an SM, which hides more (H100:
-// the 0.8B model's 128 blocks, 9.13 -> 8.62 ms of forward GDN a step with K prefetched; bench/run_gdn.sh's 256 blocks,
-// forward 1.24 -> 1.43 ms with it, docs/benchmarks.md).
+// memory then costs no residency. With more blocks, the smaller variants run two blocks an SM, which hides more
+// (both sides timed: docs/benchmarks.md, sessions 7 and 36).
 bool scan_double_buffered(const GdnShape& s, int columns) {
   return s.docs * s.v_heads * (kD / columns) <= multiprocessors();
 }
