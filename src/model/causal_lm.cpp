@@ -566,19 +566,21 @@ std::pair<Tensor, Tensor> CausalLm::attend(int64_t layer, const Tensor& qr, cons
   return {att[0], att[1]};
 }
 
-bool CausalLm::take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache) {
+bool CausalLm::take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache, Tensor& state_in) {
   if (!kept_attention_ || !kept_attention_->core.defined()) return false;
   core = std::exchange(kept_attention_->core, Tensor());
   states = std::exchange(kept_attention_->states, Tensor());
   chunk_cache = std::exchange(kept_attention_->chunk_cache, Tensor());
+  state_in = std::exchange(kept_attention_->state_in, Tensor());
   return true;
 }
 
-void CausalLm::keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache) {
+void CausalLm::keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache, const Tensor& state_in) {
   if (!kept_attention_ || !options_.recompute_keeps_gdn) return;
   kept_attention_->core = core;
   kept_attention_->states = states;
   kept_attention_->chunk_cache = chunk_cache;
+  kept_attention_->state_in = state_in;
 }
 
 void CausalLm::add_grad(int index, const Tensor& g) {

@@ -36,11 +36,12 @@ struct ResidualStream {
 
 // One layer's attention outputs kept from a training forward for the backward's recompute of the layer: an attention
 // layer's o and lse (ModelOptions::recompute_keeps_attention), or a Gated DeltaNet layer's delta rule results, its
-// output on the layer's rows, chunk-start states and chunk cache (recompute_keeps_gdn). DecoderStack points
+// output on the layer's rows, chunk-start states and chunk cache (recompute_keeps_gdn; under cp, a layer that passes
+// states along the group keeps its output and the state it received instead). DecoderStack points
 // CausalLm::kept_attention_ at the layer's slot.
 struct KeptAttention {
   Tensor o, lse;
-  Tensor core, states, chunk_cache;
+  Tensor core, states, chunk_cache, state_in;
 };
 
 class Communicator;
@@ -375,10 +376,10 @@ class CausalLm {
   std::pair<Tensor, Tensor> attend(int64_t layer, const Tensor& qr, const Tensor& kr, const Tensor& v,
                                    const PackedBatch& b);
   // Gated DeltaNet under recompute_keeps_gdn: take_kept_rule gives the backward's recompute of the layer what the
-  // forward kept ({core, states, chunk_cache}, moved out of the slot; true) or returns false (nothing kept: run the
-  // rule); keep_rule keeps a training forward's results where the slot and the option ask for it.
-  bool take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache);
-  void keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache);
+  // forward kept ({core, states, chunk_cache, state_in}, moved out of the slot; true) or returns false (nothing kept:
+  // run the rule); keep_rule keeps a training forward's results where the slot and the option ask for it.
+  bool take_kept_rule(Tensor& core, Tensor& states, Tensor& chunk_cache, Tensor& state_in);
+  void keep_rule(const Tensor& core, const Tensor& states, const Tensor& chunk_cache, const Tensor& state_in);
   // The end of every backward: the embedding's gradient (unless frozen) and the adapters' gradients.
   void end_backward(int embed, const Tensor& dx, const PackedBatch& b);
 

@@ -495,14 +495,15 @@ void Qwen35Model::gdn_core_over_ranks(const Layer& l, LayerActs& a, const Packed
   a.beta = sigmoid(cx, as_dtype(cx, a.bproj, gd));
   a.g = gdn_decay(cx, as_dtype(cx, a.aproj, gd), as_dtype(cx, w(l.a_log).narrow(0, rank * hvc, hvc), gd),
                   as_dtype(cx, w(l.dt_bias).narrow(0, rank * hvc, hvc), gd));
-  if (take_kept_rule(a.core, a.states, a.chunk_cache)) return;  // the backward's recompute: what the forward kept
+  // the backward's recompute: what the forward kept
+  if (take_kept_rule(a.core, a.states, a.chunk_cache, a.state_in)) return;
   GatedDeltaAttrs rule;
   rule.save_states = training;
   std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, cu, rule);
   a.core = sequence_to_heads(r[0]);  // (rows, Hv, dv)
   a.states = r[1];
   a.chunk_cache = r[2];
-  keep_rule(a.core, a.states, a.chunk_cache);
+  keep_rule(a.core, a.states, a.chunk_cache, a.state_in);
 }
 
 void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, bool training) {
@@ -546,14 +547,14 @@ void Qwen35Model::gdn_core(const Layer& l, LayerActs& a, const PackedBatch& b, b
                                                          b.cache->gdn_state(l.index));
     a.core = r[0];
     b.cache->set_gdn(l.index, a.conv_history, r[1]);
-  } else if (!take_kept_rule(a.core, a.states, a.chunk_cache)) {  // else the backward's recompute: the kept results
+  } else if (!take_kept_rule(a.core, a.states, a.chunk_cache, a.state_in)) {  // else the recompute: the kept ones
     GatedDeltaAttrs rule;
     rule.save_states = training;  // a backward follows: it reads the states instead of recomputing them
     std::vector<Tensor> r = gated_delta_rule(cx, a.qn, a.kn, a.va, a.g, a.beta, b.cu_seqlens, rule);
     a.core = r[0];
     a.states = r[1];
     a.chunk_cache = r[2];
-    keep_rule(a.core, a.states, a.chunk_cache);
+    keep_rule(a.core, a.states, a.chunk_cache, a.state_in);
   }
 }
 
@@ -593,10 +594,14 @@ void Qwen35Model::gdn_core_over_chain(const Layer& l, LayerActs& a, const Packed
                                     rt_->upload(conv_cu.data(), {int64_t(conv_cu.size())}, DType::I32, options_.device));
   a.conv = contiguous(cx, conv.narrow(0, history, t));
   rule_inputs(l, a, split_index(t, nullptr));
+  // The backward's recompute: the kept output and received state, so the chain (each rank waiting on the one before)
+  // runs once. Every rank of the group recomputes the same layers and keeps alike, so none waits on a skipped send.
+  if (take_kept_rule(a.core, a.states, a.chunk_cache, a.state_in)) return;
   const Tensor cu = rt_->upload(ch.cu.data(), {int64_t(ch.cu.size())}, DType::I32, options_.device);
   std::vector<Tensor> r = rule_over_chain(cx, *options_.cp, ch, a.qn, a.kn, a.va, a.g, a.beta, cu);
   a.core = r[0];
   a.state_in = r[1];
+  keep_rule(a.core, a.states, a.chunk_cache, a.state_in);
 }
 
 Qwen35Model::LayerActs Qwen35Model::layer_forward(const Layer& l, const ResidualStream& x, const PackedBatch& b,

@@ -156,15 +156,24 @@ int64_t kept_attention_bytes(const ModelConfig& m, const LocalSizes& l, int64_t 
   return b * r.core * m.head_dim * q + 4 * r.core * q;
 }
 
+// Whether Gated DeltaNet layers pass states along the cp group instead of taking the head all-to-all: the rank's
+// (local) heads are too few for it (Qwen35Model::gdn_passes_states, the same test).
+bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
+  const int64_t hk = m.linear_num_key_heads, hv = m.linear_num_value_heads;
+  return cp > 1 && !(hk % cp == 0 || (cp % hk == 0 && hv % cp == 0));
+}
+
 // What train.recompute_keeps_gdn keeps of layer i beside its input: a Gated DeltaNet layer's delta rule output on the
 // block's rows, its chunk-start states and (CUDA, `chunk_cache`) its chunk cache, as layer_activation_bytes counts them;
-// nothing for an attention layer, nor under cp where the layer passes states along the group (Qwen35Model::
-// gdn_passes_states: too few key heads for the all-to-all), which keeps nothing.
+// under cp where the layer passes states along the group (gdn_passes_states) its output and the state it received;
+// nothing for an attention layer.
 int64_t kept_gdn_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
-                       bool chunk_cache) {
+                       bool chunk_cache, DType dtype) {
   if (!m.is_hybrid() || !gdn_layer(m, i)) return 0;
-  const int64_t hk = m.linear_num_key_heads, hv_all = m.linear_num_value_heads;
-  if (r.cp > 1 && !(hk % r.cp == 0 || (r.cp % hk == 0 && hv_all % r.cp == 0))) return 0;
+  if (gdn_passes_states(m, r.cp))
+    return b * r.block * m.linear_num_value_heads * m.linear_value_head_dim +
+           int64_t(dtype_size(gdn_state_dtype(dtype))) * m.linear_num_value_heads * m.linear_key_head_dim *
+               m.linear_value_head_dim;
   const CoreHeads ch = core_heads(m, l, r.cp);
   const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim, hv = ch.value_heads;
   const int64_t states = gdn_state_rows(r.core, r.docs) * hv * dk * dv;
@@ -247,13 +256,6 @@ int64_t layer_backward_temporary_bytes(const ModelConfig& m, const LocalSizes& l
   return dout + std::max(mlp, mixer);
 }
 
-// Whether Gated DeltaNet layers pass states along the cp group instead of taking the head all-to-all: the rank's
-// (local) heads are too few for it (Qwen35Model::gdn_passes_states, the same test).
-bool gdn_passes_states(const ModelConfig& m, int64_t cp) {
-  const int64_t hk = m.linear_num_key_heads, hv = m.linear_num_value_heads;
-  return cp > 1 && !(hk % cp == 0 || (cp % hk == 0 && hv % cp == 0));
-}
-
 // Bytes one rank sends through ep in one micro-batch of a sparse layer of T tokens (CausalLm::tokens_to_experts and
 // experts_to_tokens): each token's row (H wide) once to every other rank holding one of its k experts and a row back,
 // forward (again when recomputing) and backward. Which ranks those are depends on the router; planned for a uniform
@@ -277,7 +279,7 @@ int64_t ep_layer_bytes(const ModelConfig& m, int64_t ep, int64_t t, int64_t b, i
 // its conv's last W - 1 input rows (all-gathered) and the rule's final state to the next rank, and in the backward
 // the history rows' gradients (all-reduced over every rank's W - 1 rows) and the received state's gradient back.
 // `rule_kept` (train.recompute_keeps_gdn on a recomputing layer): the recompute takes the forward's rule output, on the
-// rows already, so its core's output is sent back once.
+// rows already, so its core's output is sent back once (and a layer passing states sends its state once).
 int64_t layer_cp_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, const Rows& r, int64_t b,
                        int64_t forward_passes, bool rule_kept, DType dtype) {
   if (r.cp <= 1) return 0;
@@ -288,7 +290,8 @@ int64_t layer_cp_bytes(const ModelConfig& m, const LocalSizes& l, int64_t i, con
                              m.linear_num_value_heads * m.linear_value_head_dim);
     const int64_t state = int64_t(dtype_size(gdn_state_dtype(dtype))) * m.linear_num_value_heads *
                           m.linear_key_head_dim * m.linear_value_head_dim;
-    return forward_passes * (reduce_scatter_bytes(r.cp * history, r.cp) + state) +  // (the all-gather)
+    const int64_t state_sends = rule_kept ? 1 : forward_passes;  // a recompute taking the kept state sends none
+    return forward_passes * reduce_scatter_bytes(r.cp * history, r.cp) + state_sends * state +  // (the all-gather)
            all_reduce_bytes(r.cp * history, r.cp) + state;
   }
   const CoreHeads ch = core_heads(m, l, r.cp);
@@ -389,7 +392,7 @@ LayoutPlan plan_stage(const TrainConfig& c, const ModelConfig& whole, const Plan
     kept[size_t(k)] = !c.recomputes(i) ? acts[size_t(k)]
                       : b * rows.stream * h +
                             (c.recompute_keeps_attention ? kept_attention_bytes(m, l, i, rows, b) : 0) +
-                            (c.recompute_keeps_gdn ? kept_gdn_bytes(m, l, i, rows, b, chunk_cache) : 0);
+                            (c.recompute_keeps_gdn ? kept_gdn_bytes(m, l, i, rows, b, chunk_cache, dtype) : 0);
   }
   int64_t kept_all = 0, recomputed_acts = 0;
   for (int64_t k = 0; k < layers; ++k) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "backend/profiler.h"
 #include "comm/mpi_communicator.h"
 #include "core/error.h"
 #include "model/batch.h"
@@ -305,6 +306,17 @@ TEST_F(TensorParallel, ContextParallelEqualsTheWholeModel) {
     if (config.contains("layer_types")) {  // recomputing, the cores' results kept (the all-to-all's or the chain's)
       const std::unique_ptr<CausalLm> kept = cp_model(config, nullptr, world.get(), false, true);
       expect_cp_equals_whole(*kept, *whole, *world, random_batch(40, {0, 7, 9, 21}, 7), family + " recomputing, kept");
+      // The rule runs once a layer on each rank, the backward's recompute taking its kept results (a chain layer's
+      // too: the chain of sends along the group runs once).
+      OpProfiler prof(runtime().backend(DeviceType::CPU), Device::cpu());
+      runtime().set_profiler(&prof);
+      kept->loss(random_batch(40, {0, 7, 9, 21}, 7), true);
+      runtime().set_profiler(nullptr);
+      int64_t rules = 0, gdn_layers = 0;
+      for (const OpProfiler::Total& t : prof.collect().kernels)
+        if (t.op == OpId::gated_delta_rule || t.op == OpId::gated_delta_rule_state) rules += t.calls;
+      for (const auto& type : config["layer_types"]) gdn_layers += type == "linear_attention";
+      EXPECT_EQ(rules, gdn_layers) << family << " recomputing, kept";
     }
     // Decoding runs the whole batch on every rank (no split): the rollout engine's greedy tokens are the reference's.
     const std::vector<int32_t> prompt = {3, 9, 14, 2, 27};

@@ -372,6 +372,13 @@ TEST(Plan, GdnLayersThatPassStatesSendTheHistoryAndTheState) {
   EXPECT_EQ(plan_layout(c, mc, {.cp = 2}).comm_cp_bytes, gdn_forward + gdn_backward + 2 * attention);
   const TrainConfig rc = load_train_config((dir / "config.yaml").string(), {"train.recompute=true"});
   EXPECT_EQ(plan_layout(rc, mc, {.cp = 2}).comm_cp_bytes, 2 * gdn_forward + gdn_backward + 3 * attention);
+  // With the rule's results kept the recompute takes the received state: the history is gathered again, the state
+  // not sent again; the layer keeps its output on the rank's rows and that state beside its input.
+  const TrainConfig kc =
+      load_train_config((dir / "config.yaml").string(), {"train.recompute=true", "train.recompute_keeps_gdn=true"});
+  EXPECT_EQ(plan_layout(kc, mc, {.cp = 2}).comm_cp_bytes, 2 * history + state + gdn_backward + 3 * attention);
+  EXPECT_EQ(plan_layout(kc, mc, {.cp = 2}).memory.activations - plan_layout(rc, mc, {.cp = 2}).memory.activations,
+            kB * kRows * 3 * 8 + state);
 }
 
 // Long documents on cuda (one H200, 139.8 GiB, `dev/gpu_parallel.sh build longctx`, docs/benchmarks.md session 23):
