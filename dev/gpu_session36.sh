@@ -6,8 +6,15 @@
 #             `lathe plan` says fit (RECL_17, RECL_35): the Qwen3-1.7B shape at 65,536 tokens and the Qwen3.5-0.8B
 #             shape at 131,072, both keeping attention outputs (and the second the delta rule's results)
 #   gdnprof — bench/gdn_bench at one document of 131,072 tokens (16 and 8 value heads) under ncu: each kernel's time
-export BUILD_TARGET="${BUILD_TARGET:-lathe_cli test_plan_gpu gdn_bench}"
+#   gputests — every single-GPU test (ctest -R "Cuda|Gpu" -E ParallelGpu), in this script's environment (the carried
+#              libraries: calls 5 and 6 of session 36 ran ctest outside it first); give BUILD_TARGET= to build all
+export BUILD_TARGET="${BUILD_TARGET-lathe_cli test_plan_gpu gdn_bench}"
 source dev/gpu_common.sh "$@"
+if has gputests; then
+  (cd build && timeout 480 ctest -R "Cuda|Gpu" -E "ParallelGpu" -j3 --timeout 200 >$L/gputests.txt 2>&1)
+  summary "ctest single-GPU: $(grep -E 'tests passed|tests failed' $L/gputests.txt)"
+  grep -E "\(Failed\)|\(Timeout\)" $L/gputests.txt | head -20 | tee -a $OUT/summary.txt
+fi
 if has plangpu; then
   (cd build && timeout 360 ctest -R "PlanGpu" --output-on-failure >$L/plangpu.txt 2>&1)
   summary "ctest PlanGpu: $(grep -E 'tests passed|tests failed' $L/plangpu.txt)"
