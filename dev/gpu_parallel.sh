@@ -16,7 +16,8 @@
 #              TFLOP/s per GPU = MFU x 989; the all-to-all's own rate is comm's all_to_all rows
 # The training stages end each run after its timed steps (run_steps: no checkpoint) and skip what the 600 s call
 # has no time left for. TP8B_12=0 leaves out tp8b's 12-layer pair, LONG_ONE=0 longctx's one-GPU runs; LONG_ARGS: more
-# options for longctx's runs (e.g. --set train.deterministic=false: cuDNN's accumulating attention backward); EP_ONE=0
+# options for longctx's runs (e.g. --set train.deterministic=false: cuDNN's accumulating attention backward),
+# LONG_ONE_ARGS instead of them for longq35's one-GPU run (where a rank's train.recompute_layers would not fit); EP_ONE=0
 # leaves out ep30b's one-GPU run, EP_ARGS adds options to its runs (e.g. --set train.profile_step=3), EP_MBS lists its
 # ep 2 runs' micro-batch tokens:grad_accum (default 4096:4; runs named ep2_TOKENSxACCUM).
 # long_train's sequences train with recompute (the planner: 164 GiB a rank for Qwen3.5-0.8B at 131,072 tokens and
@@ -109,7 +110,7 @@ long_train() {  # seq: one document a micro-batch
 if { has longctx || has longq35; } && left 480 longctx; then
   D=/tmp/q35_128k; rm -rf $D; long_data $D 6 80000 "$Q35" "$(long_train 131072)"
   run_steps $D cp2 4 120 --set parallel.cp=2 --nproc 2 ${LONG_ARGS:-}
-  [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100 ${LONG_ARGS:-}
+  [ "${LONG_ONE:-1}" = 1 ] && left 520 "q35 one GPU" && run_steps $D one 4 100 ${LONG_ONE_ARGS-${LONG_ARGS:-}}
   report $D 1 cp2 one; rm -rf $D
 fi
 if has longctx && left 500 "longctx 1.7B"; then
