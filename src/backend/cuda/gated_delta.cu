@@ -518,9 +518,12 @@ constexpr size_t scan_smem(bool double_buffered) {
   return sizeof(bf16) * (bufs * (3 * kChunk * kLdD + 2 * kChunk * kLdC) + 2 * kChunk * kLdC + kD * kLdC) +
          sizeof(float) * bufs * kChunk;
 }
+// The blocks an SM a scan variant is built for: two for the single-buffered variants of up to 32 columns (their
+// registers and shared memory leave room for a second block where the grid exceeds one wave), else one.
+constexpr int scan_blocks_per_sm(int columns, bool double_buffered) { return !double_buffered && columns <= 32 ? 2 : 1; }
 // kScanV: d_v columns per block (state tile (128, kScanV)), 64, 32 or 16.
 template <bool kStates, int kScanV, bool kDouble>
-__global__ void __launch_bounds__(kThreads, 1) scan_forward_kernel(ChunkArgs a) {
+__global__ void __launch_bounds__(kThreads, scan_blocks_per_sm(kScanV, kDouble)) scan_forward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
@@ -628,7 +631,7 @@ constexpr size_t scan_bwd_smem(bool double_buffered) {
          sizeof(float) * bufs * kChunk;
 }
 template <int kScanV, bool kDouble>
-__global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a) {
+__global__ void __launch_bounds__(kThreads, scan_blocks_per_sm(kScanV, kDouble)) scan_backward_kernel(ChunkArgs a) {
   const int64_t doc = blockIdx.x, h = blockIdx.y, kh = h / a.group;
   const int jv0 = blockIdx.z * kScanV;
   const Span sp = doc_span(a.cu, doc, a.tokens);
@@ -678,8 +681,9 @@ __global__ void __launch_bounds__(kThreads, 1) scan_backward_kernel(ChunkArgs a)
     if (kDouble && ci > 0) load(buf ^ 1, t0 - kChunk, kChunk, true, true);
     store_tile<kScanV>(a.dhs + ((first_chunk + ci) * a.hv + h) * kD * kD, 0, kD, 1, 0, kD, jv0, dSb, kLdC);
     const float b_last = sb[n - 1], s = a.scale;
-    for (int e = threadIdx.x; e < kChunk * kScanV / 2; e += blockDim.x) {  // (read after the next barrier)
-      const int r = e / (kScanV / 2), col = 2 * (e % (kScanV / 2));
+#pragma unroll
+    for (unsigned e = threadIdx.x; e < kChunk * kScanV / 2; e += kThreads) {  // (read after the next barrier)
+      const int r = int(e / (kScanV / 2)), col = 2 * int(e % (kScanV / 2));
       const float2 f = ld_bf2(dOb + r * kLdC + col);
       const float m = s * __expf(sb[r]);
       st_bf2(dOs + r * kLdC + col, m * f.x, m * f.y);

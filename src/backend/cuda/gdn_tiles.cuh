@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/device_math.cuh"
+#include "backend/cuda/gdn_device.cuh"
 
 namespace lathe::cuda {
 
@@ -48,6 +49,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 // [n0, n0 + 8 NT). Accumulator element e of fragment (mi, ni) is (m0 + 16 mi + lane/4 + 8 (e >= 2),
 // n0 + 8 ni + 2 (lane % 4) + e % 2).
 template <int M, int N> struct Tile {
+  static_assert(kThreads == 8 * 32, "a block is 8 warps");
   static constexpr int WM = (M / 16) >= 8 ? 8 : M / 16;
   static constexpr int WN = 8 / WM;
   static constexpr int MT = M / 16 / WM;
@@ -176,15 +178,23 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }
 
 // Starts copying rows [t0, t0 + n) of head `head` of a (T, heads, width) bf16 tensor, columns [col0, col0 + COLS),
-// into a (64, ld) shared tile; rows n..63 become zero. Complete with cp_async_wait_all() and a barrier.
+// into a (64, ld) shared tile; rows n..63 become zero. Complete with cp_async_wait_all() and a barrier. Every block
+// has kThreads threads: a thread copies the same 16 bytes of every kStep-th row, its offsets formed once and stepped
+// (the per-vector index arithmetic of a block-stride loop was 40% of the scans' instructions: docs/benchmarks.md,
+// session 38).
 template <int COLS>
-__device__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n, int64_t heads, int64_t head,
-                          int64_t width, int col0) {
-  constexpr int kVec = COLS / 8;
-  for (int e = threadIdx.x; e < kChunk * kVec; e += blockDim.x) {
-    const int r = e / kVec, c = (e % kVec) * 8;
-    const bf16* p = r < n ? src + ((t0 + r) * heads + head) * width + col0 + c : src;
-    cp_async16(dst + r * ld + c, p, r < n);
+__device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n, int64_t heads,
+                                          int64_t head, int64_t width, int col0) {
+  constexpr int kVec = COLS / 8, kStep = kThreads / kVec;  // 16-byte vectors a row; rows a pass of the block
+  static_assert(kThreads % kVec == 0, "whole rows a pass");
+  const int r0 = int(threadIdx.x / kVec), c = int(threadIdx.x % kVec) * 8;
+  if (kStep > kChunk && r0 >= kChunk) return;
+  const int64_t stride = heads * width;
+  const int64_t at = (t0 + r0) * stride + head * width + col0 + c;
+#pragma unroll
+  for (int i = 0; i < (kChunk + kStep - 1) / kStep; ++i) {
+    const bool valid = r0 + i * kStep < n;
+    cp_async16(dst + (r0 + i * kStep) * ld + c, valid ? src + at + i * kStep * stride : src, valid);
   }
 }
 
@@ -195,16 +205,18 @@ __device__ __forceinline__ void load_b(float* sb, const float* b, int64_t t0, in
 }
 
 // Copies rows [0, n) x COLS of a shared tile (row stride ld) to rows [t0, t0 + n) of head `head` of a
-// (T, heads, width) bf16 tensor at column col0 (16-byte vectors; the caller synchronises before).
+// (T, heads, width) bf16 tensor at column col0 (16-byte vectors, kThreads threads as load_tile; the caller
+// synchronises before).
 template <int COLS>
-__device__ void store_tile(bf16* dst, int64_t t0, int n, int64_t heads, int64_t head, int64_t width, int col0,
-                           const bf16* src, int ld) {
-  constexpr int kVec = COLS / 8;
-  for (int e = threadIdx.x; e < n * kVec; e += blockDim.x) {
-    const int r = e / kVec, c = (e % kVec) * 8;
-    *reinterpret_cast<uint4*>(dst + ((t0 + r) * heads + head) * width + col0 + c) =
-        *reinterpret_cast<const uint4*>(src + r * ld + c);
-  }
+__device__ __forceinline__ void store_tile(bf16* dst, int64_t t0, int n, int64_t heads, int64_t head, int64_t width,
+                                           int col0, const bf16* src, int ld) {
+  constexpr int kVec = COLS / 8, kStep = kThreads / kVec;
+  static_assert(kThreads % kVec == 0, "whole rows a pass");
+  const int r0 = int(threadIdx.x / kVec), c = int(threadIdx.x % kVec) * 8;
+  const int64_t stride = heads * width;
+  int64_t at = (t0 + r0) * stride + head * width + col0 + c;
+  for (int r = r0; r < n; r += kStep, at += kStep * stride)
+    *reinterpret_cast<uint4*>(dst + at) = *reinterpret_cast<const uint4*>(src + r * ld + c);
 }
 
 }  // namespace
