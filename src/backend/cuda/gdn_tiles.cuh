@@ -179,9 +179,8 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // Starts copying rows [t0, t0 + n) of head `head` of a (T, heads, width) bf16 tensor, columns [col0, col0 + COLS),
 // into a (64, ld) shared tile; rows n..63 become zero. Complete with cp_async_wait_all() and a barrier. Every block
-// has kThreads threads: a thread copies the same 16 bytes of every kStep-th row, its offsets formed once and stepped
-// (the per-vector index arithmetic of a block-stride loop was 40% of the scans' instructions: docs/benchmarks.md,
-// session 38).
+// has kThreads threads: a thread copies the same 16 bytes of every kStep-th row, its offsets formed once and stepped,
+// so that the scans, which copy every chunk, spend few instructions on indices (docs/benchmarks.md, session 38).
 template <int COLS>
 __device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, int64_t t0, int n, int64_t heads,
                                           int64_t head, int64_t width, int col0) {
