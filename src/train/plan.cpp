@@ -188,6 +188,26 @@ int64_t deterministic_attention_staging(const TrainConfig& c, int64_t tokens, in
   return docs * q * longest * (2 * longest + 4);
 }
 
+// cuDNN's padded copy for a backward above head dim 128 of documents of unequal lengths (cudnn_attention.cpp,
+// pad_inputs): q, o, dO, dq, k, v, dk, dv and the softmax sums as (documents, longest) rows, each block 256-byte
+// aligned. The documents are the plan's (max_seq_len tokens each, the rest in one more, and cp's padding rows in their
+// own); cuDNN takes the padded batch only where it at most doubles the rows, and the tiled kernel runs otherwise, with
+// two floats a row and query head. `q`, `kv`: the core's query and key/value heads.
+int64_t padded_attention_backward(const TrainConfig& c, const ModelConfig& m, const Rows& r, int64_t q, int64_t kv,
+                                  int64_t b) {
+  const int64_t longest = std::min(c.max_seq_len, r.tokens);
+  const bool uniform = r.docs == 1 || (r.tokens % longest == 0 && r.core == r.tokens);
+  if (m.head_dim <= 128 || uniform) return 0;
+  const int64_t rows = r.docs * longest;
+  if (rows > 2 * r.core) return 8 * r.core * q;
+  const int64_t q_row = q * m.head_dim * b, kv_row = kv * m.head_dim * b;
+  const auto aligned = [](int64_t bytes) { return ceil_div(bytes, 256) * 256; };
+  int64_t bytes = 0;
+  for (const int64_t row : {q_row, kv_row, kv_row, q_row, 4 * q, q_row, q_row, kv_row, kv_row})
+    bytes += aligned(rows * row);
+  return bytes;
+}
+
 // Scratch that the CUDA kernels of a mixer's core take for their backward (0 on the CPU), for one layer of each kind.
 struct CoreScratch {
   int64_t attention = 0, gdn = 0;
@@ -197,8 +217,9 @@ struct CoreScratch {
 // - attention: cuDNN's fused backward (bf16/f16, head dim up to 256; cudnn_attention.cpp), whose deterministic engine
 //   stages dS in its workspace, B x Hq x S^2 x 2 bytes for B documents of S rows (the longest rounded up to 128),
 //   beside the softmax sums B x Hq x S in f32; the documents are taken as max_seq_len tokens each. Where that passes
-//   1/16 of the device's memory cuDNN's backward is refused and the tiled kernel runs, with 2 x T x Hq floats. The
-//   nondeterministic engine's workspace is not known ahead and not counted.
+//   1/16 of the device's memory cuDNN's backward is refused and the tiled kernel runs, with 2 x T x Hq floats. Above
+//   head dim 128, documents of unequal lengths add the padded copy (padded_attention_backward). The nondeterministic
+//   engine's workspace is not known ahead and not counted.
 // - Gated DeltaNet: the chunked kernels' backward workspace (bf16, dk = dv = 128; gated_delta.cu carve_chunked, given
 //   the forward's states and chunk cache): per row and value head the f32 dq and dk, the bf16 dDelta and dW and db;
 //   per saved state its gradient. Elsewhere the recurrent kernel's (carve_recurrent): f32 state checkpoints, dq and dk
@@ -209,11 +230,13 @@ CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const Local
   if (!on_cuda(c)) return s;
   const int64_t b = int64_t(dtype_size(dtype));
   const CoreHeads ch = core_heads(m, l, r.cp);
-  if (c.deterministic && b == 2 && m.head_dim <= 256) {
-    s.attention = deterministic_attention_staging(c, r.tokens, r.docs, ch.q);
-    // cuDNN's backward is refused where that passes 1/16 of the device's memory (cudnn_attention.cpp, prepare): the
-    // tiled kernel runs instead, with two floats a row and head (flash_attention_backward_scratch_floats).
-    if (device_bytes > 0 && s.attention > device_bytes / 16) s.attention = 8 * r.core * ch.q;
+  if (b == 2 && m.head_dim <= 256) {
+    const int64_t staging = c.deterministic ? deterministic_attention_staging(c, r.tokens, r.docs, ch.q) : 0;
+    // cuDNN's backward is refused where the staging passes 1/16 of the device's memory (cudnn_attention.cpp, prepare):
+    // the tiled kernel runs instead, with two floats a row and head (flash_attention_backward_scratch_floats).
+    s.attention = device_bytes > 0 && staging > device_bytes / 16
+                      ? 8 * r.core * ch.q
+                      : staging + padded_attention_backward(c, m, r, ch.q, ch.kv, b);
   }
   if (m.is_hybrid()) {
     const int64_t dk = m.linear_key_head_dim, dv = m.linear_value_head_dim, hv = ch.value_heads;

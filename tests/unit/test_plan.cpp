@@ -427,6 +427,33 @@ TEST(Plan, LongDocumentPeaksAreWithinTenPercentOfH200Runs) {
   }
 }
 
+// Above head dim 128 cuDNN's attention backward takes documents of unequal lengths as a padded (documents, longest)
+// batch (cudnn_attention.cpp, pad_inputs): q, o, dO and dq (4 heads of 256 bf16: 2,048 bytes a row), k, v, dk and dv
+// (2 heads: 1,024) and the softmax sums (4 f32), each block 256-byte aligned. 1,000 tokens in documents of at most 400
+// are 400 + 400 + 200: 3 x 400 rows, 14,764,800 bytes. They go with the core's input gradients in the attention
+// layer's backward, which then pass the stacked dqkv they stand in place of (b T (q + 2 kv) d = 4,096,000 bytes
+// more than those gradients): the peak grows by the difference. Documents of one length (2 x 500, 1 x 1,000) take the
+// dense batch (no copy), and head dim 128 and the CPU have none.
+TEST(Plan, PaddedAttentionBackwardCopiesAreCountedAboveHeadDim128) {
+  const auto peak = [](const std::string& name, int64_t head_dim, int64_t max_seq_len, const char* device) {
+    const std::string model = fmt::format(
+        "{{hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
+        "num_key_value_heads: 2, head_dim: {}, tie_word_embeddings: false, vocab_size: 320}}",
+        head_dim);
+    const fs::path dir = run_folder(name, model, "{max_steps: 1, micro_batch_tokens: 1000, deterministic: false}");
+    const TrainConfig c = load_train_config(
+        (dir / "config.yaml").string(), {fmt::format("device={}", device), fmt::format("data.max_seq_len={}", max_seq_len)});
+    return plan_layout(c, planned_model_config(c), {}).memory.peak;
+  };
+  const int64_t rows = 3 * 400, q_row = 4 * 256 * 2, kv_row = 2 * 256 * 2;
+  const int64_t copy = 4 * rows * q_row + 4 * rows * kv_row + rows * 4 * 4;
+  ASSERT_EQ(copy, 14764800);
+  EXPECT_EQ(peak("pad256", 256, 400, "cuda") - peak("pad256", 256, 500, "cuda"), copy - 2 * 1000 * (4 + 4) * 256);
+  EXPECT_EQ(peak("pad256", 256, 500, "cuda"), peak("pad256", 256, 1000, "cuda"));
+  EXPECT_EQ(peak("pad128", 128, 400, "cuda"), peak("pad128", 128, 500, "cuda"));
+  EXPECT_EQ(peak("pad256", 256, 400, "cpu"), peak("pad256", 256, 500, "cpu"));
+}
+
 // The plan's notes for long documents on CUDA name the settings that speed them up, each where its kernel's rule
 // applies: the deterministic attention backward's staging above 1/16 of the device (cudnn_attention.cpp), attention run
 // again under plain recompute; none for short documents, and none for head dim 256 since cuDNN's backward takes it
