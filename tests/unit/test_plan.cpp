@@ -441,8 +441,9 @@ TEST(Plan, PaddedAttentionBackwardCopiesAreCountedAboveHeadDim128) {
         "num_key_value_heads: 2, head_dim: {}, tie_word_embeddings: false, vocab_size: 320}}",
         head_dim);
     const fs::path dir = run_folder(name, model, "{max_steps: 1, micro_batch_tokens: 1000, deterministic: false}");
-    const TrainConfig c = load_train_config(
-        (dir / "config.yaml").string(), {fmt::format("device={}", device), fmt::format("data.max_seq_len={}", max_seq_len)});
+    const std::vector<std::string> sets = {fmt::format("device={}", device),
+                                           fmt::format("data.max_seq_len={}", max_seq_len)};
+    const TrainConfig c = load_train_config((dir / "config.yaml").string(), sets);
     return plan_layout(c, planned_model_config(c), {}).memory.peak;
   };
   const int64_t rows = 3 * 400, q_row = 4 * 256 * 2, kv_row = 2 * 256 * 2;

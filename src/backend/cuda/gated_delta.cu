@@ -520,7 +520,9 @@ constexpr size_t scan_smem(bool double_buffered) {
 }
 // The blocks an SM a scan variant is built for: two for the single-buffered variants of up to 32 columns (their
 // registers and shared memory leave room for a second block where the grid exceeds one wave), else one.
-constexpr int scan_blocks_per_sm(int columns, bool double_buffered) { return !double_buffered && columns <= 32 ? 2 : 1; }
+constexpr int scan_blocks_per_sm(int columns, bool double_buffered) {
+  return !double_buffered && columns <= 32 ? 2 : 1;
+}
 // kScanV: d_v columns per block (state tile (128, kScanV)), 64, 32 or 16.
 template <bool kStates, int kScanV, bool kDouble>
 __global__ void __launch_bounds__(kThreads, scan_blocks_per_sm(kScanV, kDouble)) scan_forward_kernel(ChunkArgs a) {
