@@ -1,8 +1,8 @@
 // `lathe bench` end to end on the CPU with a tiny config.json: the JSON line has the throughput fields, --profile
 // prints a per-kernel table whose totals are positive and together within the step's wall time, LoRA counts its
 // FLOPs as 4N + 6N_adapter + attention, --optimizer-states says and records what AdamW keeps (a third of the state
-// bytes with bf16 states), --memory-report lists the blocks that make the planned peak, and a bad shape fails with a
-// message naming it.
+// bytes with bf16 states), --memory-report lists the blocks that make the planned peak, the steady figures leave out
+// the memory plan's recording step, and a bad shape fails with a message naming it.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -136,6 +136,29 @@ TEST(Bench, OptimizerStatesAreStatedAndRecorded) {
   EXPECT_NE(f32.exit_code, 0);
   EXPECT_NE(f32.output.find("--optimizer-states bf16 keeps bf16 parameters without masters, but the parameters are f32"),
             std::string::npos) << f32.output;
+}
+
+// The memory plan records the second step, which is slower (block by block, then the arena's layout): with one warm-up
+// step it is the first timed one, and the steady figures are the other timed steps' mean; with two or more warm-up
+// steps no timed step records it and the steady figures are all of them.
+TEST(Bench, SteadyFiguresLeaveOutTheMemoryPlansRecordingStep) {
+  const std::string base = fmt::format("bench --device cpu --shape {} --seq 16 --micro-batch 2 --steps 3",
+                                       tiny_config().string());
+  const LatheRun one = lathe(base + " --warmup 1");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const nlohmann::json a = result_line(one.output);
+  ASSERT_TRUE(a["memory_plan"]["planned"].get<bool>()) << one.output;
+  EXPECT_EQ(a["recording_step"], 0);
+  const std::vector<double> each = a["step_ms_each"];
+  ASSERT_EQ(each.size(), 3u);
+  EXPECT_NEAR(a["steady_step_ms"].get<double>(), (each[1] + each[2]) / 2, 1e-9);
+  EXPECT_NE(one.output.find("without timed step 1 (it recorded the memory plan)"), std::string::npos) << one.output;
+  const LatheRun two = lathe(base + " --warmup 2");
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const nlohmann::json b = result_line(two.output);
+  EXPECT_EQ(b["recording_step"], -1);
+  EXPECT_DOUBLE_EQ(b["steady_step_ms"].get<double>(), b["step_ms"].get<double>());
+  EXPECT_EQ(two.output.find("recorded the memory plan"), std::string::npos) << two.output;
 }
 
 TEST(Bench, MemoryReportListsTheBlocksThatMakeThePlannedPeak) {

@@ -6,7 +6,8 @@
 // of seq random tokens, next-token labels). Each timed step is a whole training step — zero grads, loss forward +
 // backward, global grad norm, AdamW (fp32 masters for bf16 parameters, the trainer's default; or bf16 states without
 // masters, --optimizer-states bf16) — between two device synchronisations. Prints one human line and one JSON line
-// (tokens/s, MFU by train/flops.h, peak memory, ms/step, card). With --profile, one more step runs with an
+// (tokens/s, MFU by train/flops.h, peak memory, ms/step, card), and where a timed step recorded the memory plan (fewer
+// than 2 warm-up steps) a line of the other timed steps' figures ("steady"). With --profile, one more step runs with an
 // OpProfiler (backend/profiler.h) and the per-kernel table of that step follows, with the share of the step that no
 // kernel covers. bench/hf_side_by_side.py runs it beside the Hugging Face baseline.
 // Covered by tests/e2e/test_bench.cpp; the range checks of its numeric options by tests/e2e/test_cli_outputs.cpp.
@@ -346,12 +347,23 @@ void run(const Args& a) {
   device_memory.reset_peak();  // steady_peak_mib: the timed steps only
   std::vector<double> times;
   const int64_t downloads_before = rt.downloads();
-  for (int64_t i = 0; i < a.steps; ++i) times.push_back(timed_step());
+  // The memory plan is recorded in one step (the second by default): that step allocates block by block and then lays
+  // out the arena, so it is slower than the steps after it. Where it falls among the timed steps (--warmup below 2),
+  // the steady figures leave it out.
+  int64_t recording_step = -1;
+  for (int64_t i = 0; i < a.steps; ++i) {
+    const bool planned_before = plan && plan->plan_stats().planned;
+    times.push_back(timed_step());
+    if (plan && !planned_before && plan->plan_stats().planned) recording_step = i;
+  }
   // The step's waits for the device's queued work to read results back (losses, the gradient norm, MoE routing).
   const double reads_per_step = double(rt.downloads() - downloads_before) / double(a.steps);
   double total = 0;
   for (double t : times) total += t;
   const double step_s = total / double(times.size());
+  const bool steady_apart = recording_step >= 0 && times.size() > 1;
+  const double steady_s =
+      steady_apart ? (total - times[size_t(recording_step)]) / double(times.size() - 1) : step_s;
   const double min_s = *std::min_element(times.begin(), times.end());
   const double peak_mib = peak_memory_mib(rt, device);
   const AllocatorStats memory = device_memory.stats();
@@ -376,6 +388,10 @@ void run(const Args& a) {
              dtype_name(dtype), states, device.str(), card,
              1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
              peak_mib, fpt / 1e9, flop_model);
+  if (steady_apart)
+    fmt::print("steady: {:.1f} ms/step, {} tokens/s{} without timed step {} (it recorded the memory plan)\n",
+               1e3 * steady_s, human(tokens / steady_s),
+               peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * fpt * tokens / steady_s / peak) : "", recording_step + 1);
   fmt::print("reads back: {:.1f} a step (each a wait for the device's queued work)\n", reads_per_step);
   fmt::print("memory: {:.0f} MiB peak over the timed steps, {:.0f} MiB reserved at the end; {}\n",
              double(memory.peak_allocated) / 1048576.0, double(memory.reserved) / 1048576.0,
@@ -398,6 +414,11 @@ void run(const Args& a) {
                       {"peak_mib", peak_mib},
                       {"step_ms", 1e3 * step_s},
                       {"step_ms_min", 1e3 * min_s},
+                      // the timed steps but the memory plan's recording one, where there are others (recording_step:
+                      // its index among the timed steps, -1 where a warm-up step recorded it or none did)
+                      {"steady_step_ms", 1e3 * steady_s},
+                      {"steady_mfu", peak > 0 ? nlohmann::json(fpt * tokens / steady_s / peak) : nlohmann::json(nullptr)},
+                      {"recording_step", recording_step},
                       {"reads_per_step", reads_per_step},
                       {"moe_host_groups", a.moe_host_groups},
                       {"step_ms_each", [&] {
