@@ -188,18 +188,22 @@ int64_t deterministic_attention_staging(const TrainConfig& c, int64_t tokens, in
   return docs * q * longest * (2 * longest + 4);
 }
 
+// The tiled attention backward's scratch where cuDNN's does not run: two floats a row and query head of the core
+// (flash_attention_backward_scratch_floats).
+int64_t tiled_attention_scratch(const Rows& r, int64_t q) { return 8 * r.core * q; }
+
 // cuDNN's padded copy for a backward above head dim 128 of documents of unequal lengths (cudnn_attention.cpp,
 // pad_inputs): q, o, dO, dq, k, v, dk, dv and the softmax sums as (documents, longest) rows, each block 256-byte
 // aligned. The documents are the plan's (max_seq_len tokens each, the rest in one more, and cp's padding rows in their
-// own); cuDNN takes the padded batch only where it at most doubles the rows, and the tiled kernel runs otherwise, with
-// two floats a row and query head. `q`, `kv`: the core's query and key/value heads.
+// own); cuDNN takes the padded batch only where it at most doubles the rows, and the tiled kernel runs otherwise.
+// `q`, `kv`: the core's query and key/value heads.
 int64_t padded_attention_backward(const TrainConfig& c, const ModelConfig& m, const Rows& r, int64_t q, int64_t kv,
                                   int64_t b) {
   const int64_t longest = std::min(c.max_seq_len, r.tokens);
   const bool uniform = r.docs == 1 || (r.tokens % longest == 0 && r.core == r.tokens);
   if (m.head_dim <= 128 || uniform) return 0;
   const int64_t rows = r.docs * longest;
-  if (rows > 2 * r.core) return 8 * r.core * q;
+  if (rows > 2 * r.core) return tiled_attention_scratch(r, q);
   const int64_t q_row = q * m.head_dim * b, kv_row = kv * m.head_dim * b;
   const auto aligned = [](int64_t bytes) { return ceil_div(bytes, 256) * 256; };
   int64_t bytes = 0;
@@ -233,9 +237,9 @@ CoreScratch core_scratch(const TrainConfig& c, const ModelConfig& m, const Local
   if (b == 2 && m.head_dim <= 256) {
     const int64_t staging = c.deterministic ? deterministic_attention_staging(c, r.tokens, r.docs, ch.q) : 0;
     // cuDNN's backward is refused where the staging passes 1/16 of the device's memory (cudnn_attention.cpp, prepare):
-    // the tiled kernel runs instead, with two floats a row and head (flash_attention_backward_scratch_floats).
+    // the tiled kernel runs instead.
     s.attention = device_bytes > 0 && staging > device_bytes / 16
-                      ? 8 * r.core * ch.q
+                      ? tiled_attention_scratch(r, ch.q)
                       : staging + padded_attention_backward(c, m, r, ch.q, ch.kv, b);
   }
   if (m.is_hybrid()) {

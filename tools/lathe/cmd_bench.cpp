@@ -371,6 +371,8 @@ void run(const Args& a) {
   const std::string card = rt.backend(device.type).info(device.index).name;
   const double peak = device.is_cuda() ? peak_flops(card) : 0.0;
   const double tps = tokens / step_s;
+  // The model FLOP utilisation of a step of `seconds` (where the device has a peak figure).
+  const auto mfu = [&](double seconds) { return fpt * (tokens / seconds) / peak; };
   std::string flop_model = lora ? "4N (frozen base: forward + input gradient) + 6N_adapter + causal attention 6*L*Hq*D*S"
                                 : "6N + causal attention 6*L*Hq*D*S";
   if (mc.is_hybrid())
@@ -386,12 +388,12 @@ void run(const Args& a) {
              "{:.1f} ms/step (min {:.1f}), {} tokens/s, {}peak {:.0f} MiB [{:.4g} GFLOP/token = {}]\n",
              mc.model_type, a.shape, human(matmul_parameter_count(mc)), a.seq, a.micro_batch, int64_t(tokens), what,
              dtype_name(dtype), states, device.str(), card,
-             1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * fpt * tps / peak) : "",
+             1e3 * step_s, 1e3 * min_s, human(tps), peak > 0 ? fmt::format("MFU {:.1f}%, ", 100.0 * mfu(step_s)) : "",
              peak_mib, fpt / 1e9, flop_model);
   if (steady_apart)
     fmt::print("steady: {:.1f} ms/step, {} tokens/s{} without timed step {} (it recorded the memory plan)\n",
                1e3 * steady_s, human(tokens / steady_s),
-               peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * fpt * tokens / steady_s / peak) : "", recording_step + 1);
+               peak > 0 ? fmt::format(", MFU {:.1f}%", 100.0 * mfu(steady_s)) : "", recording_step + 1);
   fmt::print("reads back: {:.1f} a step (each a wait for the device's queued work)\n", reads_per_step);
   fmt::print("memory: {:.0f} MiB peak over the timed steps, {:.0f} MiB reserved at the end; {}\n",
              double(memory.peak_allocated) / 1048576.0, double(memory.reserved) / 1048576.0,
@@ -410,14 +412,14 @@ void run(const Args& a) {
                       {"grad_accum", a.grad_accum},
                       {"tokens_per_step", int64_t(tokens)},
                       {"tokens_per_s", tps},
-                      {"mfu", peak > 0 ? nlohmann::json(fpt * tps / peak) : nlohmann::json(nullptr)},
+                      {"mfu", peak > 0 ? nlohmann::json(mfu(step_s)) : nlohmann::json(nullptr)},
                       {"peak_mib", peak_mib},
                       {"step_ms", 1e3 * step_s},
                       {"step_ms_min", 1e3 * min_s},
                       // the timed steps but the memory plan's recording one, where there are others (recording_step:
                       // its index among the timed steps, -1 where a warm-up step recorded it or none did)
                       {"steady_step_ms", 1e3 * steady_s},
-                      {"steady_mfu", peak > 0 ? nlohmann::json(fpt * tokens / steady_s / peak) : nlohmann::json(nullptr)},
+                      {"steady_mfu", peak > 0 ? nlohmann::json(mfu(steady_s)) : nlohmann::json(nullptr)},
                       {"recording_step", recording_step},
                       {"reads_per_step", reads_per_step},
                       {"moe_host_groups", a.moe_host_groups},
